@@ -1,0 +1,404 @@
+//! Apps: the network functions the engine runs, and the registry of app types.
+//!
+//! An app implements [`App`]: a typed serde config, the ports it offers, and the breath-loop
+//! callbacks. The engine only ever sees apps through the object-safe [`DynApp`], and app types
+//! through [`AppType`] entries of a [`Registry`], so the core knows nothing about any function.
+
+use crate::link::{Consumer, Producer};
+use serde::de::DeserializeOwned;
+use std::any::Any;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+/// Error of building or configuring an app; its text is shown to the user as is.
+pub type AppError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Port names an app offers on one side.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PortNames {
+    /// Exactly these names, each optional to connect; slot `i` of [`Io`] is name `i`.
+    Fixed(Vec<String>),
+    /// Any names; slots are the connected ports in the order the graph lists their links.
+    Any,
+}
+
+impl PortNames {
+    pub fn none() -> PortNames {
+        PortNames::Fixed(Vec::new())
+    }
+
+    pub fn one(name: &str) -> PortNames {
+        PortNames::Fixed(vec![name.to_string()])
+    }
+
+    pub fn accepts(&self, name: &str) -> bool {
+        match self {
+            PortNames::Fixed(names) => names.iter().any(|n| n == name),
+            PortNames::Any => true,
+        }
+    }
+
+    pub fn describe(&self) -> String {
+        match self {
+            PortNames::Fixed(n) if n.is_empty() => "none".into(),
+            PortNames::Fixed(n) => n.join(", "),
+            PortNames::Any => "any name".into(),
+        }
+    }
+}
+
+/// The ports an app offers, declared from its config before it is built.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PortSpec {
+    pub inputs: PortNames,
+    pub outputs: PortNames,
+}
+
+impl PortSpec {
+    /// One input `input` and one output `output`.
+    pub fn filter() -> PortSpec {
+        PortSpec { inputs: PortNames::one("input"), outputs: PortNames::one("output") }
+    }
+
+    /// Only an output `output`.
+    pub fn source() -> PortSpec {
+        PortSpec { inputs: PortNames::none(), outputs: PortNames::one("output") }
+    }
+
+    /// Only an input `input`.
+    pub fn sink() -> PortSpec {
+        PortSpec { inputs: PortNames::one("input"), outputs: PortNames::none() }
+    }
+}
+
+/// The link ends of one app, by port slot.
+#[derive(Default)]
+pub struct Io {
+    pub(crate) inputs: Vec<Option<Consumer>>,
+    pub(crate) outputs: Vec<Option<Producer>>,
+    pub(crate) input_names: Vec<String>,
+    pub(crate) output_names: Vec<String>,
+}
+
+impl Io {
+    /// Builds port tables by hand (tests, benchmarks, embedding an app without an engine).
+    pub fn new(inputs: Vec<(String, Consumer)>, outputs: Vec<(String, Producer)>) -> Io {
+        let (input_names, inputs) = inputs.into_iter().map(|(n, c)| (n, Some(c))).unzip();
+        let (output_names, outputs) = outputs.into_iter().map(|(n, p)| (n, Some(p))).unzip();
+        Io { inputs, outputs, input_names, output_names }
+    }
+
+    /// The link on input slot `i`, if connected.
+    #[inline]
+    pub fn input(&mut self, i: usize) -> Option<&mut Consumer> {
+        self.inputs.get_mut(i).and_then(Option::as_mut)
+    }
+
+    /// The link on output slot `i`, if connected.
+    #[inline]
+    pub fn output(&mut self, i: usize) -> Option<&mut Producer> {
+        self.outputs.get_mut(i).and_then(Option::as_mut)
+    }
+
+    /// Input slot `i` and output slot `o` at once.
+    #[inline]
+    pub fn pair(&mut self, i: usize, o: usize) -> (Option<&mut Consumer>, Option<&mut Producer>) {
+        (
+            self.inputs.get_mut(i).and_then(Option::as_mut),
+            self.outputs.get_mut(o).and_then(Option::as_mut),
+        )
+    }
+
+    /// All slots of both sides (slots of unconnected fixed ports are `None`).
+    #[inline]
+    pub fn split(&mut self) -> (&mut [Option<Consumer>], &mut [Option<Producer>]) {
+        (&mut self.inputs, &mut self.outputs)
+    }
+
+    pub fn input_names(&self) -> &[String] {
+        &self.input_names
+    }
+
+    pub fn output_names(&self) -> &[String] {
+        &self.output_names
+    }
+
+    /// Output slot of a port name.
+    pub fn output_slot(&self, name: &str) -> Option<usize> {
+        self.output_names.iter().position(|n| n == name)
+    }
+
+    /// Input slot of a port name.
+    pub fn input_slot(&self, name: &str) -> Option<usize> {
+        self.input_names.iter().position(|n| n == name)
+    }
+
+    /// Number of connected output links.
+    pub fn connected_outputs(&self) -> usize {
+        self.outputs.iter().filter(|o| o.is_some()).count()
+    }
+}
+
+/// A counter written by its app's thread and read by anyone (stats, API).
+#[derive(Clone, Default)]
+pub struct Counter(Arc<AtomicU64>);
+
+impl Counter {
+    /// Adds `n`. Only the owning app writes, so a plain load and store suffice.
+    #[inline]
+    pub fn add(&self, n: u64) {
+        self.0.store(self.0.load(Relaxed).wrapping_add(n), Relaxed);
+    }
+
+    #[inline]
+    pub fn set(&self, v: u64) {
+        self.0.store(v, Relaxed);
+    }
+
+    #[inline]
+    pub fn get(&self) -> u64 {
+        self.0.load(Relaxed)
+    }
+}
+
+/// The named counters of one app.
+#[derive(Clone, Default)]
+pub struct Counters(Arc<Mutex<Vec<(String, Counter)>>>);
+
+impl Counters {
+    /// The counter `name`, created at zero if new.
+    pub fn get(&self, name: &str) -> Counter {
+        let mut v = self.0.lock().unwrap();
+        if let Some((_, c)) = v.iter().find(|(n, _)| n == name) {
+            return c.clone();
+        }
+        let c = Counter::default();
+        v.push((name.to_string(), c.clone()));
+        c
+    }
+
+    pub fn snapshot(&self) -> BTreeMap<String, u64> {
+        self.0.lock().unwrap().iter().map(|(n, c)| (n.clone(), c.get())).collect()
+    }
+}
+
+/// What an app gets when it is built or reconfigured.
+pub struct AppContext {
+    name: String,
+    base_dir: PathBuf,
+    counters: Counters,
+}
+
+impl AppContext {
+    pub fn new(name: &str, base_dir: &Path, counters: Counters) -> AppContext {
+        AppContext { name: name.to_string(), base_dir: base_dir.to_path_buf(), counters }
+    }
+
+    /// The app's name in the graph.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// A counter shown with the app's stats; survives reconfiguration.
+    pub fn counter(&self, name: &str) -> Counter {
+        self.counters.get(name)
+    }
+
+    /// Resolves a path from the config: relative paths are taken from the graph file's folder.
+    pub fn path(&self, p: impl AsRef<Path>) -> PathBuf {
+        let p = p.as_ref();
+        if p.is_absolute() {
+            p.to_path_buf()
+        } else {
+            self.base_dir.join(p)
+        }
+    }
+}
+
+/// Outcome of a live reconfiguration.
+pub enum Reconfigured {
+    /// The app took the new config and keeps its state.
+    Done,
+    /// The app cannot change in place: the engine stops it and builds a new one.
+    Restart,
+}
+
+/// A network function. See the crate docs of `stitch-apps` for examples.
+pub trait App: Send + 'static {
+    /// The app's config, deserialized from its entry in the graph file (minus `type` and
+    /// `worker`). Use `#[serde(deny_unknown_fields)]` so that typos are errors.
+    type Config: DeserializeOwned + Send + 'static;
+
+    /// Checks the config beyond what serde checks and declares the ports. Runs at `stitch check`
+    /// time, so it must not touch the outside world.
+    fn declare(config: &Self::Config) -> Result<PortSpec, AppError>;
+
+    /// Builds the app (may open files and devices).
+    fn new(config: Self::Config, ctx: &mut AppContext) -> Result<Self, AppError>
+    where
+        Self: Sized;
+
+    /// Brings packets in from outside the graph (sources, drivers).
+    fn pull(&mut self, _io: &mut Io) {}
+
+    /// Processes packets from input links to output links.
+    fn push(&mut self, _io: &mut Io) {}
+
+    /// Called about every millisecond, for timers and housekeeping.
+    fn tick(&mut self, _io: &mut Io, _now: Instant) {}
+
+    /// Takes a changed config while running; the default asks for a restart.
+    fn reconfigure(
+        &mut self,
+        _config: Self::Config,
+        _ctx: &mut AppContext,
+    ) -> Result<Reconfigured, AppError> {
+        Ok(Reconfigured::Restart)
+    }
+
+    /// Releases resources and flushes output; called once, before the app is dropped.
+    fn stop(&mut self) {}
+
+    /// A finite source says so once it has nothing more to send; when every app with `pull`
+    /// that can finish has finished and all links are empty, `stitch run` ends.
+    fn finished(&self) -> Option<bool> {
+        None
+    }
+}
+
+type AnyConfig = Box<dyn Any + Send>;
+
+/// Object-safe view of an [`App`], used by the engine.
+pub trait DynApp: Send {
+    fn pull(&mut self, io: &mut Io);
+    fn push(&mut self, io: &mut Io);
+    fn tick(&mut self, io: &mut Io, now: Instant);
+    fn reconfigure(
+        &mut self,
+        config: AnyConfig,
+        ctx: &mut AppContext,
+    ) -> Result<Reconfigured, AppError>;
+    fn stop(&mut self);
+    fn finished(&self) -> Option<bool>;
+}
+
+impl<A: App> DynApp for A {
+    #[inline]
+    fn pull(&mut self, io: &mut Io) {
+        App::pull(self, io)
+    }
+    #[inline]
+    fn push(&mut self, io: &mut Io) {
+        App::push(self, io)
+    }
+    fn tick(&mut self, io: &mut Io, now: Instant) {
+        App::tick(self, io, now)
+    }
+    fn reconfigure(
+        &mut self,
+        config: AnyConfig,
+        ctx: &mut AppContext,
+    ) -> Result<Reconfigured, AppError> {
+        match config.downcast::<A::Config>() {
+            Ok(c) => App::reconfigure(self, *c, ctx),
+            Err(_) => Ok(Reconfigured::Restart),
+        }
+    }
+    fn stop(&mut self) {
+        App::stop(self)
+    }
+    fn finished(&self) -> Option<bool> {
+        App::finished(self)
+    }
+}
+
+/// A config error inside one app's entry: the path of the bad key (`""` for the whole entry).
+#[derive(Debug, Clone)]
+pub struct ConfigError {
+    pub path: String,
+    pub message: String,
+}
+
+/// A parsed, type-erased app config.
+pub struct ParsedConfig(AnyConfig);
+
+/// One registered app type.
+pub struct AppType {
+    pub name: &'static str,
+    /// One-line summary shown by `stitch apps`.
+    pub summary: &'static str,
+    parse: fn(&serde_json::Value) -> Result<ParsedConfig, ConfigError>,
+    declare: fn(&ParsedConfig) -> Result<PortSpec, AppError>,
+    build: fn(ParsedConfig, &mut AppContext) -> Result<Box<dyn DynApp>, AppError>,
+}
+
+fn parse_as<A: App>(v: &serde_json::Value) -> Result<ParsedConfig, ConfigError> {
+    serde_path_to_error::deserialize::<_, A::Config>(v)
+        .map(|c| ParsedConfig(Box::new(c)))
+        .map_err(|e| ConfigError { path: e.path().to_string(), message: e.into_inner().to_string() })
+}
+
+fn declare_as<A: App>(c: &ParsedConfig) -> Result<PortSpec, AppError> {
+    A::declare(c.0.downcast_ref::<A::Config>().expect("config of another app type"))
+}
+
+fn build_as<A: App>(c: ParsedConfig, ctx: &mut AppContext) -> Result<Box<dyn DynApp>, AppError> {
+    let c = c.0.downcast::<A::Config>().expect("config of another app type");
+    Ok(Box::new(A::new(*c, ctx)?))
+}
+
+impl AppType {
+    pub fn of<A: App>(name: &'static str, summary: &'static str) -> AppType {
+        AppType { name, summary, parse: parse_as::<A>, declare: declare_as::<A>, build: build_as::<A> }
+    }
+
+    pub fn parse(&self, v: &serde_json::Value) -> Result<ParsedConfig, ConfigError> {
+        (self.parse)(v)
+    }
+
+    pub fn declare(&self, c: &ParsedConfig) -> Result<PortSpec, AppError> {
+        (self.declare)(c)
+    }
+
+    pub fn build(
+        &self,
+        c: ParsedConfig,
+        ctx: &mut AppContext,
+    ) -> Result<Box<dyn DynApp>, AppError> {
+        (self.build)(c, ctx)
+    }
+}
+
+impl ParsedConfig {
+    pub(crate) fn into_any(self) -> AnyConfig {
+        self.0
+    }
+}
+
+/// The app types an engine can instantiate, by name.
+#[derive(Default)]
+pub struct Registry {
+    types: BTreeMap<&'static str, AppType>,
+}
+
+impl Registry {
+    pub fn new() -> Registry {
+        Registry::default()
+    }
+
+    pub fn register(&mut self, t: AppType) -> &mut Self {
+        self.types.insert(t.name, t);
+        self
+    }
+
+    pub fn get(&self, name: &str) -> Option<&AppType> {
+        self.types.get(name)
+    }
+
+    pub fn types(&self) -> impl Iterator<Item = &AppType> {
+        self.types.values()
+    }
+}

@@ -1,0 +1,772 @@
+//! The engine: runs a graph on worker threads and changes it live by diff.
+//!
+//! Each worker runs the breath loop over its share of the apps: `pull` on every app, then `push`
+//! in topological order, repeated for apps whose inputs are still non-empty (cycles, links from
+//! later apps) up to a bound so that a cycle can never hang a breath, then `tick` about every
+//! millisecond. A breath that moved nothing makes the worker sleep, 1 µs growing to
+//! `max_sleep_us`, unless `busy_poll` is set.
+//!
+//! Applying a graph parks every worker between two breaths, hands their apps and links back to
+//! the controller, which keeps what did not change (apps with their state, links with their
+//! queued packets), reconfigures or rebuilds what changed, rewires, and resumes the workers.
+
+use crate::app::{AppContext, AppError, Counters, DynApp, Io, PortNames, Reconfigured, Registry};
+use crate::graph::{Endpoint, Graph, LinkDecl, WorkerConfig};
+use crate::link::{self, Consumer, LinkStats, Producer, Ring};
+use crate::pool;
+use indexmap::IndexMap;
+use std::collections::{BTreeMap, HashMap};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Most push passes in one breath (the first in topological order, the rest for leftovers).
+const MAX_PUSH_PASSES: usize = 8;
+const TICK_INTERVAL: Duration = Duration::from_millis(1);
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("app `{app}`: {source}")]
+    Build { app: String, source: AppError },
+    #[error("app `{app}`: config: {message}")]
+    Config { app: String, message: String },
+    #[error("worker `{0}` stopped unexpectedly")]
+    WorkerLost(String),
+    #[error("{0}")]
+    Other(String),
+}
+
+/// One app with everything the worker needs to run it.
+struct AppSlot {
+    name: String,
+    kind: String,
+    config: serde_json::Value,
+    app: Box<dyn DynApp>,
+    io: Io,
+    counters: Counters,
+    failed: Arc<AtomicBool>,
+    has_inputs: bool,
+}
+
+impl AppSlot {
+    fn guarded(&mut self, what: &str, f: impl FnOnce(&mut dyn DynApp, &mut Io)) {
+        let r = catch_unwind(AssertUnwindSafe(|| f(self.app.as_mut(), &mut self.io)));
+        if let Err(e) = r {
+            let msg = e
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| e.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            log::error!("app `{}` ({}) panicked in {what}: {msg}; it is stopped", self.name, self.kind);
+            self.counters.get("panics").add(1);
+            self.failed.store(true, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Per-worker counters.
+#[derive(Default)]
+pub struct WorkerCounters {
+    pub breaths: AtomicU64,
+    pub idle_sleeps: AtomicU64,
+    /// Whether every finite source of this worker has finished (and it has at least one).
+    finite_done: AtomicBool,
+    has_finite: AtomicBool,
+}
+
+/// What a worker runs: its apps in topological order.
+struct Plan {
+    slots: Vec<AppSlot>,
+    rings: Vec<Arc<Ring>>,
+    busy_poll: bool,
+    max_sleep: Duration,
+    core: Option<usize>,
+}
+
+enum Command {
+    Run(Plan),
+    Exit,
+}
+
+struct Worker {
+    park: Arc<AtomicBool>,
+    to_worker: mpsc::Sender<Command>,
+    from_worker: mpsc::Receiver<Plan>,
+    thread: Option<JoinHandle<()>>,
+    counters: Arc<WorkerCounters>,
+    config: WorkerConfig,
+}
+
+fn pin_to_core(core: usize) {
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(core, &mut set);
+        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+            log::warn!("cannot pin worker to core {core}: {}", std::io::Error::last_os_error());
+        }
+    }
+}
+
+fn breathe(plan: &mut Plan) {
+    for s in plan.slots.iter_mut() {
+        if !s.failed.load(Ordering::Relaxed) {
+            s.guarded("pull", |a, io| a.pull(io));
+        }
+    }
+    for pass in 0..MAX_PUSH_PASSES {
+        let mut pushed = false;
+        for s in plan.slots.iter_mut() {
+            if !s.has_inputs || s.failed.load(Ordering::Relaxed) {
+                continue;
+            }
+            if pass > 0 && !s.io.inputs.iter_mut().flatten().any(|c| !c.is_empty()) {
+                continue;
+            }
+            pushed = true;
+            s.guarded("push", |a, io| a.push(io));
+        }
+        if !pushed {
+            break;
+        }
+    }
+}
+
+fn run_worker(
+    park: Arc<AtomicBool>,
+    from_ctl: mpsc::Receiver<Command>,
+    to_ctl: mpsc::Sender<Plan>,
+    counters: Arc<WorkerCounters>,
+) {
+    let mut plan = match from_ctl.recv() {
+        Ok(Command::Run(p)) => p,
+        _ => return,
+    };
+    let mut pinned = None;
+    let mut last_tick = Instant::now();
+    let mut sleep = Duration::from_micros(1);
+    loop {
+        if park.load(Ordering::Acquire) {
+            if to_ctl.send(plan).is_err() {
+                return;
+            }
+            plan = match from_ctl.recv() {
+                Ok(Command::Run(p)) => p,
+                _ => return,
+            };
+            sleep = Duration::from_micros(1);
+        }
+        if plan.core != pinned {
+            if let Some(c) = plan.core {
+                pin_to_core(c);
+            }
+            pinned = plan.core;
+        }
+        let before: u64 = plan.rings.iter().map(|r| r.activity()).sum();
+        breathe(&mut plan);
+        counters.breaths.fetch_add(1, Ordering::Relaxed);
+        let now = Instant::now();
+        if now.duration_since(last_tick) >= TICK_INTERVAL {
+            last_tick = now;
+            let mut has_finite = false;
+            let mut done = true;
+            for s in plan.slots.iter_mut() {
+                if s.failed.load(Ordering::Relaxed) {
+                    continue;
+                }
+                s.guarded("tick", |a, io| a.tick(io, now));
+                if let Some(f) = s.app.finished() {
+                    has_finite = true;
+                    done &= f;
+                }
+            }
+            counters.has_finite.store(has_finite, Ordering::Relaxed);
+            counters.finite_done.store(has_finite && done, Ordering::Relaxed);
+        }
+        let after: u64 = plan.rings.iter().map(|r| r.activity()).sum();
+        if after != before || plan.busy_poll {
+            sleep = Duration::from_micros(1);
+            if plan.busy_poll {
+                std::hint::spin_loop();
+            }
+        } else {
+            counters.idle_sleeps.fetch_add(1, Ordering::Relaxed);
+            std::thread::sleep(sleep);
+            sleep = (sleep * 2).min(plan.max_sleep);
+        }
+    }
+}
+
+/// Counters of one app: its own named counters plus totals of its links.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct AppStats {
+    pub name: String,
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub worker: String,
+    pub rx_packets: u64,
+    pub rx_bytes: u64,
+    pub tx_packets: u64,
+    pub tx_bytes: u64,
+    /// Packets this app's output links dropped because they were full, plus the app's own drops.
+    pub drops: u64,
+    pub failed: bool,
+    pub counters: BTreeMap<String, u64>,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct LinkInfo {
+    pub link: String,
+    pub size: usize,
+    #[serde(flatten)]
+    pub stats: LinkStats,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct WorkerStats {
+    pub name: String,
+    pub core: Option<usize>,
+    pub breaths: u64,
+    pub idle_sleeps: u64,
+}
+
+/// A snapshot of all counters.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Stats {
+    pub uptime_s: f64,
+    pub apps: Vec<AppStats>,
+    pub links: Vec<LinkInfo>,
+    pub workers: Vec<WorkerStats>,
+    pub pool: pool::PoolStats,
+}
+
+/// What `apply` did.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct ApplyReport {
+    pub started: Vec<String>,
+    pub stopped: Vec<String>,
+    pub reconfigured: Vec<String>,
+    pub restarted: Vec<String>,
+    pub kept: Vec<String>,
+    pub links_added: Vec<String>,
+    pub links_removed: Vec<String>,
+    pub links_kept: Vec<String>,
+    /// Apps whose in-place change failed; they keep running with their previous config.
+    pub errors: Vec<String>,
+}
+
+struct AppInfo {
+    kind: String,
+    worker: String,
+    counters: Counters,
+    failed: Arc<AtomicBool>,
+    inputs: Vec<Arc<Ring>>,
+    outputs: Vec<Arc<Ring>>,
+}
+
+struct State {
+    graph: Option<Graph>,
+    workers: IndexMap<String, Worker>,
+    apps: IndexMap<String, AppInfo>,
+    links: Vec<(LinkDecl, Arc<Ring>)>,
+    stopped: bool,
+}
+
+/// A running graph.
+pub struct Engine {
+    registry: Arc<Registry>,
+    state: Mutex<State>,
+    started: Instant,
+}
+
+/// Link ends taken out of parked apps, by endpoint.
+#[derive(Default)]
+struct LinkEnds {
+    producers: HashMap<Endpoint, Producer>,
+    consumers: HashMap<Endpoint, Consumer>,
+}
+
+impl Engine {
+    pub fn new(registry: Arc<Registry>) -> Engine {
+        Engine {
+            registry,
+            state: Mutex::new(State {
+                graph: None,
+                workers: IndexMap::new(),
+                apps: IndexMap::new(),
+                links: Vec::new(),
+                stopped: false,
+            }),
+            started: Instant::now(),
+        }
+    }
+
+    pub fn registry(&self) -> &Arc<Registry> {
+        &self.registry
+    }
+
+    /// The graph now running.
+    pub fn graph(&self) -> Option<Graph> {
+        self.state.lock().unwrap().graph.clone()
+    }
+
+    /// Makes `graph` the running graph, keeping whatever did not change.
+    pub fn apply(&self, graph: Graph) -> Result<ApplyReport, EngineError> {
+        let mut st = self.state.lock().unwrap();
+        if st.stopped {
+            return Err(EngineError::Other("engine is stopped".into()));
+        }
+        if st.graph.is_none() {
+            pool::init(graph.engine.pool_packets).map_err(|e| EngineError::Other(e.to_string()))?;
+        }
+        let mut report = ApplyReport::default();
+        let old = st.graph.clone();
+        let same = |name: &str| -> Option<&crate::graph::AppDecl> {
+            let a = old.as_ref()?.apps.get(name)?;
+            let n = graph.apps.get(name)?;
+            (a.kind == n.kind).then_some(a)
+        };
+
+        // 1. Build every new app (and every app whose type changed) before touching the running
+        //    graph: a failure here changes nothing.
+        let mut built: HashMap<String, (Box<dyn DynApp>, Counters)> = HashMap::new();
+        for decl in graph.apps.values() {
+            if same(&decl.name).is_some() {
+                continue;
+            }
+            let b = self.build(decl, &graph, Counters::default());
+            built.insert(decl.name.clone(), b?);
+        }
+
+        // 2. Park all workers and take their apps and links back.
+        let mut slots: HashMap<String, AppSlot> = HashMap::new();
+        for (wname, w) in st.workers.iter_mut() {
+            w.park.store(true, Ordering::Release);
+            let plan = w.from_worker.recv().map_err(|_| EngineError::WorkerLost(wname.clone()))?;
+            w.park.store(false, Ordering::Release);
+            for s in plan.slots {
+                slots.insert(s.name.clone(), s);
+            }
+        }
+        let mut ends = LinkEnds::default();
+        for s in slots.values_mut() {
+            take_ends(s, &mut ends);
+        }
+
+        // 3. Stop removed apps and apps replaced by another type.
+        let mut names: Vec<String> = slots.keys().cloned().collect();
+        names.sort();
+        for name in names {
+            let keep = same(&name).is_some();
+            if !keep {
+                let mut s = slots.remove(&name).unwrap();
+                s.guarded("stop", |a, _| a.stop());
+                if graph.apps.contains_key(&name) {
+                    report.restarted.push(name);
+                } else {
+                    report.stopped.push(name);
+                }
+            }
+        }
+
+        // 4. Reconfigure apps whose config changed.
+        for decl in graph.apps.values() {
+            let Some(old_decl) = same(&decl.name) else {
+                if !report.restarted.contains(&decl.name) {
+                    report.started.push(decl.name.clone());
+                }
+                continue;
+            };
+            let slot = slots.get_mut(&decl.name).expect("kept app has a slot");
+            if old_decl.config == decl.config {
+                report.kept.push(decl.name.clone());
+                continue;
+            }
+            let t = self.registry.get(&decl.kind).expect("validated type");
+            let parsed = t.parse(&decl.config).map_err(|e| EngineError::Config {
+                app: decl.name.clone(),
+                message: format!("{}: {}", e.path, e.message),
+            })?;
+            let mut ctx = AppContext::new(&decl.name, &graph.base_dir, slot.counters.clone());
+            match slot.app.reconfigure(parsed.into_any(), &mut ctx) {
+                Ok(Reconfigured::Done) => {
+                    slot.config = decl.config.clone();
+                    report.reconfigured.push(decl.name.clone());
+                }
+                Ok(Reconfigured::Restart) => {
+                    match self.build(decl, &graph, slot.counters.clone()) {
+                        Ok((app, _)) => {
+                            slot.guarded("stop", |a, _| a.stop());
+                            slot.app = app;
+                            slot.config = decl.config.clone();
+                            report.restarted.push(decl.name.clone());
+                        }
+                        Err(e) => report.errors.push(format!("{e} (keeps its previous config)")),
+                    }
+                }
+                Err(e) => report
+                    .errors
+                    .push(format!("app `{}`: {e} (keeps its previous config)", decl.name)),
+            }
+        }
+        for (name, (app, counters)) in built {
+            let decl = &graph.apps[&name];
+            slots.insert(
+                name.clone(),
+                AppSlot {
+                    name,
+                    kind: decl.kind.clone(),
+                    config: decl.config.clone(),
+                    app,
+                    io: Io::default(),
+                    counters,
+                    failed: Arc::new(AtomicBool::new(false)),
+                    has_inputs: false,
+                },
+            );
+        }
+
+        // 5. Rewire: keep links whose ends and size did not change, create the others.
+        let mut new_links = Vec::new();
+        for l in &graph.links {
+            let kept = st.links.iter().any(|(d, _)| d.from == l.from && d.to == l.to);
+            let (p, c) = match (ends.producers.remove(&l.from), ends.consumers.remove(&l.to)) {
+                (Some(p), Some(c)) if kept && Arc::ptr_eq(p.ring(), c.ring()) => {
+                    if p.ring().capacity() == l.size.next_power_of_two() {
+                        report.links_kept.push(l.spec());
+                        (p, c)
+                    } else {
+                        report.links_added.push(l.spec());
+                        link::resize(c, l.size)
+                    }
+                }
+                (p, c) => {
+                    // An end that belonged to another link goes back for that link's removal.
+                    if let Some(p) = p {
+                        ends.producers.insert(l.from.clone(), p);
+                    }
+                    if let Some(c) = c {
+                        ends.consumers.insert(l.to.clone(), c);
+                    }
+                    report.links_added.push(l.spec());
+                    link::link(l.size)
+                }
+            };
+            new_links.push((l.clone(), p.ring().clone()));
+            let from = slots.get_mut(&l.from.app).expect("validated app");
+            attach_output(from, &l.from.port, p, &graph);
+            let to = slots.get_mut(&l.to.app).expect("validated app");
+            attach_input(to, &l.to.port, c, &graph);
+        }
+        for (d, _) in &st.links {
+            if !new_links.iter().any(|(n, _)| n.from == d.from && n.to == d.to) {
+                report.links_removed.push(d.spec());
+            }
+        }
+        drop(ends);
+
+        // 6. Distribute apps over workers in topological order and resume.
+        let order = topological_order(&graph);
+        let mut plans: IndexMap<String, Plan> = IndexMap::new();
+        for (wname, wcfg) in &graph.workers {
+            plans.insert(
+                wname.clone(),
+                Plan {
+                    slots: Vec::new(),
+                    rings: Vec::new(),
+                    busy_poll: graph.engine.busy_poll,
+                    max_sleep: Duration::from_micros(graph.engine.max_sleep_us.max(1)),
+                    core: wcfg.core,
+                },
+            );
+        }
+        st.apps.clear();
+        for name in order {
+            let mut s = slots.remove(&name).expect("slot for every app");
+            let decl = &graph.apps[&name];
+            s.has_inputs = s.io.inputs.iter().any(Option::is_some);
+            let inputs: Vec<Arc<Ring>> = s.io.inputs.iter().flatten().map(|c| c.ring().clone()).collect();
+            let outputs: Vec<Arc<Ring>> =
+                s.io.outputs.iter().flatten().map(|p| p.ring().clone()).collect();
+            st.apps.insert(
+                name.clone(),
+                AppInfo {
+                    kind: decl.kind.clone(),
+                    worker: decl.worker.clone(),
+                    counters: s.counters.clone(),
+                    failed: s.failed.clone(),
+                    inputs: inputs.clone(),
+                    outputs: outputs.clone(),
+                },
+            );
+            let plan = plans.get_mut(&decl.worker).expect("worker of every app");
+            for r in inputs.into_iter().chain(outputs) {
+                if !plan.rings.iter().any(|x| Arc::ptr_eq(x, &r)) {
+                    plan.rings.push(r);
+                }
+            }
+            plan.slots.push(s);
+        }
+        // Workers that are gone exit; new ones start.
+        let gone: Vec<String> =
+            st.workers.keys().filter(|w| !plans.contains_key(*w)).cloned().collect();
+        for w in gone {
+            let mut worker = st.workers.shift_remove(&w).unwrap();
+            let _ = worker.to_worker.send(Command::Exit);
+            if let Some(t) = worker.thread.take() {
+                let _ = t.join();
+            }
+        }
+        for (wname, plan) in plans {
+            let cfg = graph.workers[&wname].clone();
+            let w = match st.workers.get_mut(&wname) {
+                Some(w) => w,
+                None => {
+                    let w = spawn_worker(&wname, cfg.clone())?;
+                    st.workers.entry(wname.clone()).or_insert(w)
+                }
+            };
+            w.config = cfg;
+            w.to_worker.send(Command::Run(plan)).map_err(|_| EngineError::WorkerLost(wname))?;
+        }
+        st.links = new_links;
+        st.graph = Some(graph);
+        Ok(report)
+    }
+
+    fn build(
+        &self,
+        decl: &crate::graph::AppDecl,
+        graph: &Graph,
+        counters: Counters,
+    ) -> Result<(Box<dyn DynApp>, Counters), EngineError> {
+        let t = self.registry.get(&decl.kind).ok_or_else(|| EngineError::Config {
+            app: decl.name.clone(),
+            message: format!("unknown app type `{}`", decl.kind),
+        })?;
+        let parsed = t.parse(&decl.config).map_err(|e| EngineError::Config {
+            app: decl.name.clone(),
+            message: format!("{}: {}", e.path, e.message),
+        })?;
+        let mut ctx = AppContext::new(&decl.name, &graph.base_dir, counters.clone());
+        let app = t
+            .build(parsed, &mut ctx)
+            .map_err(|source| EngineError::Build { app: decl.name.clone(), source })?;
+        Ok((app, counters))
+    }
+
+    /// Current counters of every app, link and worker.
+    pub fn stats(&self) -> Stats {
+        let st = self.state.lock().unwrap();
+        let mut apps = Vec::new();
+        for (name, a) in &st.apps {
+            let mut s = AppStats {
+                name: name.clone(),
+                kind: a.kind.clone(),
+                worker: a.worker.clone(),
+                rx_packets: 0,
+                rx_bytes: 0,
+                tx_packets: 0,
+                tx_bytes: 0,
+                drops: 0,
+                failed: a.failed.load(Ordering::Relaxed),
+                counters: a.counters.snapshot(),
+            };
+            for r in &a.inputs {
+                let l = r.stats();
+                s.rx_packets += l.rx_packets;
+                // Bytes are counted once per link, on transmit; received bytes are transmitted
+                // bytes minus what is still queued, which is exact when the link is empty.
+                s.rx_bytes += l.tx_bytes;
+            }
+            for r in &a.outputs {
+                let l = r.stats();
+                s.tx_packets += l.tx_packets;
+                s.tx_bytes += l.tx_bytes;
+                s.drops += l.tx_drops;
+            }
+            s.drops += s.counters.iter().filter(|(k, _)| k.ends_with("drops")).map(|(_, v)| v).sum::<u64>();
+            apps.push(s);
+        }
+        let links = st
+            .links
+            .iter()
+            .map(|(d, r)| LinkInfo { link: d.spec(), size: r.capacity(), stats: r.stats() })
+            .collect();
+        let workers = st
+            .workers
+            .iter()
+            .map(|(n, w)| WorkerStats {
+                name: n.clone(),
+                core: w.config.core,
+                breaths: w.counters.breaths.load(Ordering::Relaxed),
+                idle_sleeps: w.counters.idle_sleeps.load(Ordering::Relaxed),
+            })
+            .collect();
+        Stats {
+            uptime_s: self.started.elapsed().as_secs_f64(),
+            apps,
+            links,
+            workers,
+            pool: pool::get().stats(),
+        }
+    }
+
+    /// True when the graph has finite sources, all of them finished, and every link is empty.
+    pub fn finished(&self) -> bool {
+        let st = self.state.lock().unwrap();
+        let mut any_finite = false;
+        for w in st.workers.values() {
+            if w.counters.has_finite.load(Ordering::Relaxed) {
+                any_finite = true;
+                if !w.counters.finite_done.load(Ordering::Relaxed) {
+                    return false;
+                }
+            }
+        }
+        any_finite && st.links.iter().all(|(_, r)| r.is_empty())
+    }
+
+    /// Total link activity, to see whether anything still moves.
+    pub fn activity(&self) -> u64 {
+        self.state.lock().unwrap().links.iter().map(|(_, r)| r.activity()).sum()
+    }
+
+    /// Stops every worker, then every app (which flushes its output), and returns the final
+    /// counters. Queued packets stay counted as queued.
+    pub fn stop(&self) -> Stats {
+        let mut slots = Vec::new();
+        {
+            let mut st = self.state.lock().unwrap();
+            if st.stopped {
+                drop(st);
+                return self.stats();
+            }
+            st.stopped = true;
+            for (_, w) in st.workers.iter_mut() {
+                w.park.store(true, Ordering::Release);
+                if let Ok(plan) = w.from_worker.recv() {
+                    slots.extend(plan.slots);
+                }
+                let _ = w.to_worker.send(Command::Exit);
+                if let Some(t) = w.thread.take() {
+                    let _ = t.join();
+                }
+            }
+        }
+        for s in slots.iter_mut() {
+            s.guarded("stop", |a, _| a.stop());
+        }
+        let stats = self.stats();
+        drop(slots);
+        stats
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn spawn_worker(name: &str, config: WorkerConfig) -> Result<Worker, EngineError> {
+    let (to_worker, from_ctl) = mpsc::channel();
+    let (to_ctl, from_worker) = mpsc::channel();
+    let park = Arc::new(AtomicBool::new(false));
+    let counters = Arc::new(WorkerCounters::default());
+    let (p, c) = (park.clone(), counters.clone());
+    let thread = std::thread::Builder::new()
+        .name(format!("stitch-{name}"))
+        .spawn(move || run_worker(p, from_ctl, to_ctl, c))
+        .map_err(|e| EngineError::Other(format!("cannot start worker `{name}`: {e}")))?;
+    Ok(Worker { park, to_worker, from_worker, thread: Some(thread), counters, config })
+}
+
+fn take_ends(s: &mut AppSlot, ends: &mut LinkEnds) {
+    let io = std::mem::take(&mut s.io);
+    for (name, c) in io.input_names.into_iter().zip(io.inputs) {
+        if let Some(c) = c {
+            ends.consumers.insert(Endpoint { app: s.name.clone(), port: name }, c);
+        }
+    }
+    for (name, p) in io.output_names.into_iter().zip(io.outputs) {
+        if let Some(p) = p {
+            ends.producers.insert(Endpoint { app: s.name.clone(), port: name }, p);
+        }
+    }
+}
+
+fn prepare_io(s: &mut AppSlot, graph: &Graph) {
+    if s.io.input_names.is_empty() && s.io.output_names.is_empty() {
+        let ports = &graph.apps[&s.name].ports;
+        if let PortNames::Fixed(n) = &ports.inputs {
+            s.io.input_names = n.clone();
+            s.io.inputs = n.iter().map(|_| None).collect();
+        }
+        if let PortNames::Fixed(n) = &ports.outputs {
+            s.io.output_names = n.clone();
+            s.io.outputs = n.iter().map(|_| None).collect();
+        }
+    }
+}
+
+fn attach_output(s: &mut AppSlot, port: &str, p: Producer, graph: &Graph) {
+    prepare_io(s, graph);
+    match s.io.output_slot(port) {
+        Some(i) => s.io.outputs[i] = Some(p),
+        None => {
+            s.io.output_names.push(port.to_string());
+            s.io.outputs.push(Some(p));
+        }
+    }
+}
+
+fn attach_input(s: &mut AppSlot, port: &str, c: Consumer, graph: &Graph) {
+    prepare_io(s, graph);
+    match s.io.input_slot(port) {
+        Some(i) => s.io.inputs[i] = Some(c),
+        None => {
+            s.io.input_names.push(port.to_string());
+            s.io.inputs.push(Some(c));
+        }
+    }
+}
+
+/// Apps ordered so that producers come before consumers; in a cycle, the app listed first in the
+/// graph file goes first.
+pub fn topological_order(graph: &Graph) -> Vec<String> {
+    let names: Vec<&String> = graph.apps.keys().collect();
+    let index: HashMap<&String, usize> = names.iter().enumerate().map(|(i, n)| (*n, i)).collect();
+    let mut indegree = vec![0usize; names.len()];
+    let mut succ = vec![Vec::new(); names.len()];
+    for l in &graph.links {
+        let (a, b) = (index[&l.from.app], index[&l.to.app]);
+        succ[a].push(b);
+        indegree[b] += 1;
+    }
+    let mut done = vec![false; names.len()];
+    let mut order = Vec::with_capacity(names.len());
+    while order.len() < names.len() {
+        // Lowest-index app with no pending producer; when a cycle blocks, the lowest-index
+        // remaining app.
+        let next = (0..names.len())
+            .find(|&i| !done[i] && indegree[i] == 0)
+            .or_else(|| (0..names.len()).find(|&i| !done[i]))
+            .unwrap();
+        done[next] = true;
+        order.push(names[next].clone());
+        for &s in &succ[next] {
+            indegree[s] = indegree[s].saturating_sub(1);
+        }
+    }
+    order
+}
+
+/// Keeps a graph running until `stop` says so, polling every `poll`.
+pub fn run_until(engine: &Engine, poll: Duration, mut stop: impl FnMut(&Engine) -> bool) {
+    while !stop(engine) {
+        std::thread::sleep(poll);
+    }
+}

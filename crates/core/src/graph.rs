@@ -1,0 +1,468 @@
+//! The graph file: apps with their configs, links between their ports, engine and worker
+//! settings. Parsing keeps the line of every app, key and link so that every error names one.
+//!
+//! ```yaml
+//! engine: { busy_poll: false, link_size: 1024 }
+//! workers: { rx: { core: 1 } }
+//! apps:
+//!   gen: { type: generator, size: 64, rate: 1000000 }
+//!   out: { type: sink, worker: rx }
+//! links:
+//!   - "gen.output -> out.input"
+//!   - { link: "a.x -> b.y", size: 4096 }
+//! ```
+
+use crate::app::{PortSpec, Registry};
+use crate::link::DEFAULT_LINK_SIZE;
+use indexmap::IndexMap;
+use serde::de::{MapAccess, Visitor};
+use serde::{Deserialize, Deserializer};
+use serde_saphyr::Spanned;
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+/// Name of the worker that runs apps without a `worker:` key.
+pub const MAIN_WORKER: &str = "main";
+
+/// Engine settings (`engine:` in the graph file).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EngineConfig {
+    /// Poll without sleeping when idle (lowest latency, one full core per worker).
+    pub busy_poll: bool,
+    /// Longest idle sleep in microseconds; sleeps grow from 1 µs to this.
+    pub max_sleep_us: u64,
+    /// Default link size in packets.
+    pub link_size: usize,
+    /// Packets in the pool (read when the process creates its pool).
+    pub pool_packets: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            busy_poll: false,
+            max_sleep_us: 100,
+            link_size: DEFAULT_LINK_SIZE,
+            pool_packets: crate::pool::DEFAULT_PACKETS,
+        }
+    }
+}
+
+/// Settings of one worker thread (`workers:` in the graph file).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerConfig {
+    /// CPU to pin the worker to.
+    pub core: Option<usize>,
+}
+
+/// One app of the graph.
+#[derive(Debug, Clone)]
+pub struct AppDecl {
+    pub name: String,
+    pub kind: String,
+    /// The app's own keys (without `type` and `worker`), as given.
+    pub config: serde_json::Value,
+    pub worker: String,
+    pub ports: PortSpec,
+    pub line: usize,
+    /// Line of each top-level key of the entry, for error messages.
+    pub key_lines: IndexMap<String, usize>,
+}
+
+/// One end of a link.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+pub struct Endpoint {
+    pub app: String,
+    pub port: String,
+}
+
+impl fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}.{}", self.app, self.port)
+    }
+}
+
+/// One link of the graph.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct LinkDecl {
+    pub from: Endpoint,
+    pub to: Endpoint,
+    pub size: usize,
+    #[serde(skip)]
+    pub line: usize,
+}
+
+impl LinkDecl {
+    /// The link's name as written in graph files: `a.out -> b.in`.
+    pub fn spec(&self) -> String {
+        format!("{} -> {}", self.from, self.to)
+    }
+}
+
+/// A validated graph.
+#[derive(Debug, Clone)]
+pub struct Graph {
+    pub engine: EngineConfig,
+    pub workers: IndexMap<String, WorkerConfig>,
+    pub apps: IndexMap<String, AppDecl>,
+    pub links: Vec<LinkDecl>,
+    /// Folder relative paths in app configs are resolved from.
+    pub base_dir: PathBuf,
+}
+
+/// One problem in a graph file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GraphError {
+    pub line: usize,
+    pub column: usize,
+    pub message: String,
+}
+
+/// All problems found in a graph file, printed as `FILE:LINE:COL: message` with the line quoted.
+#[derive(Debug, Clone)]
+pub struct GraphErrors {
+    pub file: String,
+    pub text: String,
+    pub errors: Vec<GraphError>,
+}
+
+impl fmt::Display for GraphErrors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, e) in self.errors.iter().enumerate() {
+            if i > 0 {
+                writeln!(f)?;
+            }
+            if e.line == 0 {
+                write!(f, "{}: {}", self.file, e.message)?;
+                continue;
+            }
+            write!(f, "{}:{}:{}: {}", self.file, e.line, e.column, e.message)?;
+            if let Some(src) = self.text.lines().nth(e.line - 1) {
+                write!(f, "\n {:>4} | {}", e.line, src)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for GraphErrors {}
+
+/// A map that keeps order and the location of each key.
+struct SpannedMap<V>(Vec<(Spanned<String>, V)>);
+
+impl<'de, V: Deserialize<'de>> Deserialize<'de> for SpannedMap<V> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V2<V>(std::marker::PhantomData<V>);
+        impl<'de, V: Deserialize<'de>> Visitor<'de> for V2<V> {
+            type Value = SpannedMap<V>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a mapping")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> Result<Self::Value, A::Error> {
+                let mut out = Vec::new();
+                while let Some(k) = m.next_key::<Spanned<String>>()? {
+                    out.push((k, m.next_value()?));
+                }
+                Ok(SpannedMap(out))
+            }
+        }
+        d.deserialize_map(V2(std::marker::PhantomData))
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawGraph {
+    #[serde(default)]
+    engine: Option<Spanned<serde_json::Value>>,
+    #[serde(default)]
+    workers: Option<SpannedMap<Spanned<serde_json::Value>>>,
+    #[serde(default)]
+    apps: Option<SpannedMap<Spanned<SpannedMap<Spanned<serde_json::Value>>>>>,
+    #[serde(default)]
+    links: Option<Vec<Spanned<serde_json::Value>>>,
+}
+
+fn loc<T>(s: &Spanned<T>) -> (usize, usize) {
+    (s.referenced.line() as usize, s.referenced.column() as usize)
+}
+
+fn is_identifier(s: &str) -> bool {
+    !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+}
+
+fn parse_endpoint(s: &str) -> Result<Endpoint, String> {
+    let s = s.trim();
+    let (app, port) = s
+        .split_once('.')
+        .ok_or_else(|| format!("`{s}` is not APP.PORT (for example `gen.output`)"))?;
+    if !is_identifier(app) || !is_identifier(port) {
+        return Err(format!(
+            "`{s}`: app and port names use letters, digits, `_` and `-` (APP.PORT)"
+        ));
+    }
+    Ok(Endpoint { app: app.into(), port: port.into() })
+}
+
+fn parse_link_spec(s: &str) -> Result<(Endpoint, Endpoint), String> {
+    let (a, b) = s
+        .split_once("->")
+        .ok_or_else(|| format!("link `{s}` must be written \"APP.PORT -> APP.PORT\""))?;
+    Ok((parse_endpoint(a)?, parse_endpoint(b)?))
+}
+
+impl Graph {
+    /// Reads and validates a graph file.
+    pub fn load(path: &Path, registry: &Registry) -> Result<Graph, GraphErrors> {
+        let file = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|e| GraphErrors {
+            file: file.clone(),
+            text: String::new(),
+            errors: vec![GraphError {
+                line: 0,
+                column: 0,
+                message: format!("cannot read graph file: {e}"),
+            }],
+        })?;
+        let base = path.parent().map(Path::to_path_buf).unwrap_or_default();
+        Graph::parse(&text, &file, &base, registry)
+    }
+
+    /// Parses and validates graph text; `file` names it in errors.
+    pub fn parse(
+        text: &str,
+        file: &str,
+        base_dir: &Path,
+        registry: &Registry,
+    ) -> Result<Graph, GraphErrors> {
+        let mut errors = Vec::new();
+        let graph = parse_inner(text, base_dir, registry, &mut errors);
+        if errors.is_empty() {
+            Ok(graph.expect("graph without errors"))
+        } else {
+            errors.sort_by_key(|e| (e.line, e.column));
+            Err(GraphErrors { file: file.into(), text: text.into(), errors })
+        }
+    }
+
+    /// Graphviz DOT of the graph: apps as boxes, links as edges labelled with their ports.
+    pub fn to_dot(&self) -> String {
+        let mut s = String::from("digraph stitch {\n  rankdir=LR;\n  node [shape=box];\n");
+        for a in self.apps.values() {
+            let worker = if a.worker == MAIN_WORKER { String::new() } else { format!("\\n@{}", a.worker) };
+            s += &format!("  \"{}\" [label=\"{}\\n({}){}\"];\n", a.name, a.name, a.kind, worker);
+        }
+        for l in &self.links {
+            s += &format!(
+                "  \"{}\" -> \"{}\" [taillabel=\"{}\", headlabel=\"{}\"];\n",
+                l.from.app, l.to.app, l.from.port, l.to.port
+            );
+        }
+        s + "}\n"
+    }
+}
+
+fn err(errors: &mut Vec<GraphError>, (line, column): (usize, usize), message: String) {
+    errors.push(GraphError { line, column, message });
+}
+
+fn parse_inner(
+    text: &str,
+    base_dir: &Path,
+    registry: &Registry,
+    errors: &mut Vec<GraphError>,
+) -> Option<Graph> {
+    let raw: RawGraph = match serde_saphyr::from_str(text) {
+        Ok(r) => r,
+        Err(e) => {
+            let (line, column) =
+                e.location().map(|l| (l.line() as usize, l.column() as usize)).unwrap_or((0, 0));
+            let full = e.without_snippet().to_string();
+            // Keep only the message: the location is printed by GraphErrors.
+            let msg = full.lines().next().unwrap_or_default();
+            let msg = msg.trim_start_matches("error: ");
+            let msg = match msg.split_once(": ") {
+                Some((head, rest)) if head.starts_with("line ") => rest,
+                _ => msg,
+            };
+            let msg = msg.replace(", set DuplicateKeyPolicy in Options if acceptable", "");
+            err(errors, (line, column), msg);
+            return None;
+        }
+    };
+
+    let engine = match &raw.engine {
+        None => EngineConfig::default(),
+        Some(v) => serde_json::from_value(v.value.clone()).unwrap_or_else(|e| {
+            err(errors, loc(v), format!("engine: {e}"));
+            EngineConfig::default()
+        }),
+    };
+
+    let mut workers = IndexMap::new();
+    for (name, v) in raw.workers.map(|m| m.0).unwrap_or_default() {
+        match serde_json::from_value::<WorkerConfig>(v.value.clone()) {
+            Ok(w) => {
+                workers.insert(name.value, w);
+            }
+            Err(e) => err(errors, loc(&v), format!("worker `{}`: {e}", name.value)),
+        }
+    }
+
+    let mut apps: IndexMap<String, AppDecl> = IndexMap::new();
+    for (name, entry) in raw.apps.map(|m| m.0).unwrap_or_default() {
+        let at = loc(&name);
+        let name = name.value;
+        if !is_identifier(&name) {
+            err(errors, at, format!("app name `{name}`: use letters, digits, `_` and `-`"));
+            continue;
+        }
+        let mut kind = None;
+        let mut worker = MAIN_WORKER.to_string();
+        let mut config = serde_json::Map::new();
+        let mut key_lines = IndexMap::new();
+        for (k, v) in entry.value.0 {
+            key_lines.insert(k.value.clone(), k.referenced.line() as usize);
+            match k.value.as_str() {
+                "type" => match v.value.as_str() {
+                    Some(t) => kind = Some((t.to_string(), loc(&v))),
+                    None => err(errors, loc(&v), format!("app `{name}`: `type` must be a string")),
+                },
+                "worker" => match v.value.as_str() {
+                    Some(w) if is_identifier(w) => worker = w.to_string(),
+                    _ => err(errors, loc(&v), format!("app `{name}`: `worker` must be a name")),
+                },
+                _ => {
+                    config.insert(k.value, v.value);
+                }
+            }
+        }
+        let Some((kind, kind_at)) = kind else {
+            err(errors, at, format!("app `{name}` has no `type` (for example `type: forwarder`)"));
+            continue;
+        };
+        let Some(app_type) = registry.get(&kind) else {
+            let known: Vec<&str> = registry.types().map(|t| t.name).collect();
+            err(
+                errors,
+                kind_at,
+                format!("app `{name}`: unknown app type `{kind}` (known: {})", known.join(", ")),
+            );
+            continue;
+        };
+        let config = serde_json::Value::Object(config);
+        let ports = match app_type.parse(&config) {
+            Err(e) => {
+                let key = e.path.split(['.', '[']).next().unwrap_or_default();
+                let line = key_lines.get(key).copied().unwrap_or(at.0);
+                let what = if e.path.is_empty() || e.path == "." {
+                    String::new()
+                } else {
+                    format!(" key `{}`", e.path)
+                };
+                let msg = e.message.replace("unknown field", "unknown key");
+                err(errors, (line, 0), format!("app `{name}` ({kind}){what}: {msg}"));
+                continue;
+            }
+            Ok(parsed) => match app_type.declare(&parsed) {
+                Ok(p) => p,
+                Err(e) => {
+                    err(errors, at, format!("app `{name}` ({kind}): {e}"));
+                    continue;
+                }
+            },
+        };
+        apps.insert(
+            name.clone(),
+            AppDecl { name, kind, config, worker, ports, line: at.0, key_lines },
+        );
+    }
+
+    let mut links: Vec<LinkDecl> = Vec::new();
+    for item in raw.links.unwrap_or_default() {
+        let at = loc(&item);
+        let (spec, size) = match &item.value {
+            serde_json::Value::String(s) => (s.clone(), None),
+            serde_json::Value::Object(m) => {
+                let unknown: Vec<&String> =
+                    m.keys().filter(|k| *k != "link" && *k != "size").collect();
+                if !unknown.is_empty() {
+                    err(errors, at, format!("link: unknown key `{}` (use `link` and `size`)", unknown[0]));
+                    continue;
+                }
+                let Some(spec) = m.get("link").and_then(|v| v.as_str()) else {
+                    err(errors, at, "link: `link: \"APP.PORT -> APP.PORT\"` is missing".into());
+                    continue;
+                };
+                let size = match m.get("size") {
+                    None => None,
+                    Some(v) => match v.as_u64() {
+                        Some(n) if (2..=1 << 20).contains(&n) => Some(n as usize),
+                        _ => {
+                            err(errors, at, format!("link `{spec}`: size must be 2..=1048576 packets"));
+                            continue;
+                        }
+                    },
+                };
+                (spec.to_string(), size)
+            }
+            _ => {
+                err(errors, at, "a link is \"APP.PORT -> APP.PORT\" or { link: ..., size: N }".into());
+                continue;
+            }
+        };
+        let (from, to) = match parse_link_spec(&spec) {
+            Ok(x) => x,
+            Err(e) => {
+                err(errors, at, e);
+                continue;
+            }
+        };
+        let mut ok = true;
+        for (end, side) in [(&from, "output"), (&to, "input")] {
+            match apps.get(&end.app) {
+                None => {
+                    ok = false;
+                    err(errors, at, format!("link `{spec}`: no app named `{}`", end.app));
+                }
+                Some(a) => {
+                    let names = if side == "output" { &a.ports.outputs } else { &a.ports.inputs };
+                    if !names.accepts(&end.port) {
+                        ok = false;
+                        err(
+                            errors,
+                            at,
+                            format!(
+                                "link `{spec}`: app `{}` ({}) has no {side} port `{}` ({side}s: {})",
+                                end.app,
+                                a.kind,
+                                end.port,
+                                names.describe()
+                            ),
+                        );
+                    }
+                }
+            }
+        }
+        if let Some(prev) = links.iter().find(|l| l.from == from) {
+            ok = false;
+            err(errors, at, format!("link `{spec}`: output `{from}` is already linked on line {}", prev.line));
+        }
+        if let Some(prev) = links.iter().find(|l| l.to == to) {
+            ok = false;
+            err(errors, at, format!("link `{spec}`: input `{to}` is already linked on line {}", prev.line));
+        }
+        if ok {
+            links.push(LinkDecl { from, to, size: size.unwrap_or(engine.link_size), line: at.0 });
+        }
+    }
+
+    for a in apps.values() {
+        if !workers.contains_key(&a.worker) {
+            workers.insert(a.worker.clone(), WorkerConfig::default());
+        }
+    }
+    Some(Graph { engine, workers, apps, links, base_dir: base_dir.to_path_buf() })
+}

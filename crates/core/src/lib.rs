@@ -1,0 +1,21 @@
+//! Stitch core: packets, the packet pool, links, the app interface, the graph file and the
+//! engine that runs it. Nothing here knows a protocol or a device; network functions and drivers
+//! live in other crates and reach the engine through [`app::Registry`].
+//!
+//! A packet's path: a source app `pull`s it from outside (or builds it) into a [`packet::Packet`]
+//! taken from the [`pool`], transmits it on a [`link::Producer`]; the engine `push`es the next
+//! app, which receives it from its [`link::Consumer`], and so on until an app frees it or sends it
+//! out of the graph.
+
+pub mod app;
+pub mod engine;
+pub mod graph;
+pub mod link;
+pub mod packet;
+pub mod pool;
+
+pub use app::{App, AppContext, AppError, AppType, Counter, Io, PortNames, PortSpec, Reconfigured, Registry};
+pub use engine::{Engine, Stats};
+pub use graph::Graph;
+pub use link::{Consumer, Producer};
+pub use packet::Packet;

@@ -1,0 +1,406 @@
+//! Links: bounded single-producer/single-consumer rings of packet handles.
+//!
+//! A link is split into a [`Producer`] (held by the app that feeds it) and a [`Consumer`] (held
+//! by the app that reads it). Each side keeps a private copy of the other side's index and reads
+//! the shared one only when its copy says the ring is full or empty, so a packet crosses a link
+//! with a slot write and an index store, even between threads. Every operation is non-blocking:
+//! a full ring drops the newest packet and counts a tx drop.
+
+use crate::packet::Packet;
+use crossbeam_utils::CachePadded;
+use std::cell::UnsafeCell;
+use std::mem::MaybeUninit;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+/// Ring size when the graph does not give one.
+pub const DEFAULT_LINK_SIZE: usize = 1024;
+
+#[derive(Default)]
+struct ProducerSide {
+    tail: AtomicUsize,
+    tx_packets: AtomicU64,
+    tx_bytes: AtomicU64,
+    tx_drops: AtomicU64,
+}
+
+#[derive(Default)]
+struct ConsumerSide {
+    head: AtomicUsize,
+    rx_packets: AtomicU64,
+}
+
+/// The shared part of a link. Counters are written by one side only (relaxed load + store, no
+/// read-modify-write) and may be read by anyone.
+pub struct Ring {
+    prod: CachePadded<ProducerSide>,
+    cons: CachePadded<ConsumerSide>,
+    mask: usize,
+    slots: Box<[UnsafeCell<MaybeUninit<Packet>>]>,
+}
+
+// Slots are accessed only by the single producer (writes) and the single consumer (reads), with
+// ownership handed over by the release/acquire pair on `tail` and `head`.
+unsafe impl Sync for Ring {}
+unsafe impl Send for Ring {}
+
+/// Counters of one link.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct LinkStats {
+    pub tx_packets: u64,
+    pub tx_bytes: u64,
+    pub tx_drops: u64,
+    pub rx_packets: u64,
+    /// Packets queued at the moment of reading.
+    pub queued: u64,
+}
+
+#[inline(always)]
+fn bump(c: &AtomicU64, n: u64) {
+    c.store(c.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
+}
+
+impl Ring {
+    pub fn capacity(&self) -> usize {
+        self.mask + 1
+    }
+
+    pub fn len(&self) -> usize {
+        let t = self.prod.tail.load(Ordering::Acquire);
+        let h = self.cons.head.load(Ordering::Acquire);
+        t.wrapping_sub(h)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn stats(&self) -> LinkStats {
+        LinkStats {
+            tx_packets: self.prod.tx_packets.load(Ordering::Relaxed),
+            tx_bytes: self.prod.tx_bytes.load(Ordering::Relaxed),
+            tx_drops: self.prod.tx_drops.load(Ordering::Relaxed),
+            rx_packets: self.cons.rx_packets.load(Ordering::Relaxed),
+            queued: self.len() as u64,
+        }
+    }
+
+    /// Sum of counters that change whenever either side does work; the engine compares it
+    /// between breaths to detect idleness.
+    #[inline]
+    pub fn activity(&self) -> u64 {
+        self.prod.tx_packets.load(Ordering::Relaxed)
+            + self.prod.tx_drops.load(Ordering::Relaxed)
+            + self.cons.rx_packets.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for Ring {
+    fn drop(&mut self) {
+        // Free queued packets.
+        let mut h = *self.cons.head.get_mut();
+        let t = *self.prod.tail.get_mut();
+        while h != t {
+            unsafe { (*self.slots[h & self.mask].get()).assume_init_drop() };
+            h = h.wrapping_add(1);
+        }
+    }
+}
+
+/// Creates a link with room for `size` packets (rounded up to a power of two, at least 2).
+pub fn link(size: usize) -> (Producer, Consumer) {
+    let size = size.max(2).next_power_of_two();
+    let slots = (0..size).map(|_| UnsafeCell::new(MaybeUninit::uninit())).collect();
+    let ring = Arc::new(Ring {
+        prod: CachePadded::new(ProducerSide::default()),
+        cons: CachePadded::new(ConsumerSide::default()),
+        mask: size - 1,
+        slots,
+    });
+    (
+        Producer { ring: ring.clone(), tail: 0, cached_head: 0 },
+        Consumer { ring, head: 0, cached_tail: 0 },
+    )
+}
+
+/// The transmitting end of a link.
+pub struct Producer {
+    ring: Arc<Ring>,
+    tail: usize,
+    cached_head: usize,
+}
+
+impl Producer {
+    pub fn ring(&self) -> &Arc<Ring> {
+        &self.ring
+    }
+
+    /// Free slots now (reads the consumer's index: call once per batch, not per packet).
+    #[inline]
+    pub fn room(&mut self) -> usize {
+        self.cached_head = self.ring.cons.head.load(Ordering::Acquire);
+        self.ring.mask + 1 - self.tail.wrapping_sub(self.cached_head)
+    }
+
+    /// Whether the ring has no free slot.
+    #[inline]
+    pub fn is_full(&mut self) -> bool {
+        self.room() == 0
+    }
+
+    /// Queues one packet; when the ring is full the packet is freed and counted as a tx drop.
+    /// Returns whether it was queued.
+    #[inline]
+    pub fn transmit(&mut self, p: Packet) -> bool {
+        let cap = self.ring.mask + 1;
+        if self.tail.wrapping_sub(self.cached_head) == cap {
+            self.cached_head = self.ring.cons.head.load(Ordering::Acquire);
+            if self.tail.wrapping_sub(self.cached_head) == cap {
+                bump(&self.ring.prod.tx_drops, 1);
+                drop(p);
+                return false;
+            }
+        }
+        let len = p.len() as u64;
+        unsafe { (*self.ring.slots[self.tail & self.ring.mask].get()).write(p) };
+        self.tail = self.tail.wrapping_add(1);
+        self.ring.prod.tail.store(self.tail, Ordering::Release);
+        let side = &*self.ring.prod;
+        bump(&side.tx_packets, 1);
+        bump(&side.tx_bytes, len);
+        true
+    }
+
+    /// Counts `n` packets dropped by the producing app because this link was full (for apps that
+    /// check `room` before building packets instead of building and dropping them).
+    #[inline]
+    pub fn count_drops(&mut self, n: u64) {
+        bump(&self.ring.prod.tx_drops, n);
+    }
+}
+
+/// The receiving end of a link.
+pub struct Consumer {
+    ring: Arc<Ring>,
+    head: usize,
+    cached_tail: usize,
+}
+
+impl Consumer {
+    pub fn ring(&self) -> &Arc<Ring> {
+        &self.ring
+    }
+
+    /// Packets ready to be received now (reads the producer's index: call once per batch).
+    #[inline]
+    pub fn available(&mut self) -> usize {
+        self.cached_tail = self.ring.prod.tail.load(Ordering::Acquire);
+        self.cached_tail.wrapping_sub(self.head)
+    }
+
+    #[inline]
+    pub fn is_empty(&mut self) -> bool {
+        self.available() == 0
+    }
+
+    /// Takes one packet.
+    #[inline]
+    pub fn receive(&mut self) -> Option<Packet> {
+        if self.cached_tail == self.head && self.available() == 0 {
+            return None;
+        }
+        let p = unsafe { (*self.ring.slots[self.head & self.ring.mask].get()).assume_init_read() };
+        self.head = self.head.wrapping_add(1);
+        self.ring.cons.head.store(self.head, Ordering::Release);
+        bump(&self.ring.cons.rx_packets, 1);
+        Some(p)
+    }
+
+    /// Iterates over the packets available now; the consumer index is published once, when the
+    /// iterator is dropped. Packets not taken stay queued.
+    #[inline]
+    pub fn drain(&mut self) -> Drain<'_> {
+        let end = self.head.wrapping_add(self.available());
+        Drain { start: self.head, end, consumer: self }
+    }
+
+    /// Moves as many packets as fit from this link to `out` with one index update on each side.
+    /// Packets that do not fit stay queued here (back-pressure, no drop). Returns the number moved.
+    #[inline]
+    pub fn forward_to(&mut self, out: &mut Producer) -> usize {
+        let n = self.available().min(out.room());
+        if n == 0 {
+            return 0;
+        }
+        let (src, dst) = (&self.ring, &out.ring);
+        let mut bytes = 0u64;
+        for i in 0..n {
+            unsafe {
+                let p = (*src.slots[self.head.wrapping_add(i) & src.mask].get()).assume_init_read();
+                bytes += p.len() as u64;
+                (*dst.slots[out.tail.wrapping_add(i) & dst.mask].get()).write(p);
+            }
+        }
+        self.head = self.head.wrapping_add(n);
+        out.tail = out.tail.wrapping_add(n);
+        src.cons.head.store(self.head, Ordering::Release);
+        dst.prod.tail.store(out.tail, Ordering::Release);
+        bump(&src.cons.rx_packets, n as u64);
+        bump(&dst.prod.tx_packets, n as u64);
+        bump(&dst.prod.tx_bytes, bytes);
+        n
+    }
+}
+
+/// Iterator returned by [`Consumer::drain`].
+pub struct Drain<'a> {
+    consumer: &'a mut Consumer,
+    start: usize,
+    end: usize,
+}
+
+impl Iterator for Drain<'_> {
+    type Item = Packet;
+
+    #[inline]
+    fn next(&mut self) -> Option<Packet> {
+        let c = &mut *self.consumer;
+        if c.head == self.end {
+            return None;
+        }
+        let p = unsafe { (*c.ring.slots[c.head & c.ring.mask].get()).assume_init_read() };
+        c.head = c.head.wrapping_add(1);
+        Some(p)
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        let n = self.end.wrapping_sub(self.consumer.head);
+        (n, Some(n))
+    }
+}
+
+impl Drop for Drain<'_> {
+    #[inline]
+    fn drop(&mut self) {
+        let c = &mut *self.consumer;
+        c.ring.cons.head.store(c.head, Ordering::Release);
+        bump(&c.ring.cons.rx_packets, c.head.wrapping_sub(self.start) as u64);
+    }
+}
+
+/// Moves the queued packets of `old` into a fresh link of `size` slots (used when a live change
+/// resizes a link). Packets that do not fit are dropped and counted on the new link.
+pub fn resize(old: Consumer, size: usize) -> (Producer, Consumer) {
+    let (mut tx, rx) = link(size);
+    let mut old = old;
+    for p in old.drain() {
+        tx.transmit(p);
+    }
+    (tx, rx)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pool;
+
+    fn pkt(tag: u8) -> Packet {
+        let mut p = pool::alloc().unwrap();
+        p.set_data(&[tag; 60]).unwrap();
+        p
+    }
+
+    #[test]
+    fn fifo_and_counters() {
+        let (mut tx, mut rx) = link(4);
+        for i in 0..3 {
+            assert!(tx.transmit(pkt(i)));
+        }
+        assert_eq!(rx.receive().unwrap().data()[0], 0);
+        let rest: Vec<u8> = rx.drain().map(|p| p.data()[0]).collect();
+        assert_eq!(rest, vec![1, 2]);
+        let s = tx.ring().stats();
+        assert_eq!((s.tx_packets, s.tx_bytes, s.rx_packets, s.tx_drops, s.queued), (3, 180, 3, 0, 0));
+    }
+
+    #[test]
+    fn full_ring_drops_newest_and_counts() {
+        let (mut tx, mut rx) = link(4);
+        for i in 0..6 {
+            tx.transmit(pkt(i));
+        }
+        let got: Vec<u8> = rx.drain().map(|p| p.data()[0]).collect();
+        assert_eq!(got, vec![0, 1, 2, 3], "the oldest packets stay, the newest are dropped");
+        assert_eq!(tx.ring().stats().tx_drops, 2);
+    }
+
+    #[test]
+    fn partial_drain_keeps_the_rest() {
+        let (mut tx, mut rx) = link(8);
+        for i in 0..5 {
+            tx.transmit(pkt(i));
+        }
+        let first: Vec<u8> = rx.drain().take(2).map(|p| p.data()[0]).collect();
+        assert_eq!(first, vec![0, 1]);
+        assert_eq!(rx.available(), 3);
+        assert_eq!(tx.ring().stats().rx_packets, 2);
+    }
+
+    #[test]
+    fn forward_to_respects_room_and_wraps() {
+        let (mut atx, mut arx) = link(8);
+        let (mut btx, mut brx) = link(4);
+        for round in 0..10u8 {
+            for i in 0..6 {
+                atx.transmit(pkt(round.wrapping_mul(10).wrapping_add(i)));
+            }
+            assert_eq!(arx.forward_to(&mut btx), 4);
+            assert_eq!(arx.available(), 2);
+            assert_eq!(brx.drain().count(), 4);
+            assert_eq!(arx.forward_to(&mut btx), 2);
+            let got: Vec<u8> = brx.drain().map(|p| p.data()[0]).collect();
+            assert_eq!(got, vec![round * 10 + 4, round * 10 + 5]);
+        }
+        assert_eq!(btx.ring().stats().tx_bytes, 60 * 60);
+        assert_eq!(atx.ring().stats().tx_drops, 0);
+    }
+
+    #[test]
+    fn threads_lose_nothing_and_keep_order() {
+        let (mut tx, mut rx) = link(256);
+        const N: u32 = 200_000;
+        let t = std::thread::spawn(move || {
+            let mut next = 0u32;
+            while next < N {
+                if tx.room() == 0 {
+                    std::hint::spin_loop();
+                    continue;
+                }
+                let mut p = pool::alloc().unwrap();
+                p.set_data(&next.to_le_bytes()).unwrap();
+                assert!(tx.transmit(p));
+                next += 1;
+            }
+        });
+        let mut expect = 0u32;
+        while expect < N {
+            for p in rx.drain() {
+                assert_eq!(u32::from_le_bytes(p.data().try_into().unwrap()), expect);
+                expect += 1;
+            }
+        }
+        t.join().unwrap();
+    }
+
+    #[test]
+    fn resize_keeps_packets_in_order() {
+        let (mut tx, rx) = link(8);
+        for i in 0..5 {
+            tx.transmit(pkt(i));
+        }
+        let (ntx, mut nrx) = resize(rx, 4);
+        let got: Vec<u8> = nrx.drain().map(|p| p.data()[0]).collect();
+        assert_eq!(got, vec![0, 1, 2, 3]);
+        assert_eq!(ntx.ring().stats().tx_drops, 1);
+    }
+}

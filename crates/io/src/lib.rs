@@ -1,0 +1,1 @@
+pub fn register(_r: &mut stitch_core::Registry) {}
