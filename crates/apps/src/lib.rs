@@ -1,1 +1,45 @@
-pub fn register(_r: &mut stitch_core::Registry) {}
+//! Stitch network functions. Each app is one module: its config, its documentation with a graph
+//! snippet, and its tests. [`register`] adds them all to a registry.
+
+pub mod checksum;
+pub mod forwarder;
+pub mod generator;
+pub mod join;
+pub mod rate_meter;
+pub mod round_robin;
+pub mod sink;
+pub mod tee;
+
+use stitch_core::{AppType, Registry};
+
+/// Adds every app of this crate to `r`.
+pub fn register(r: &mut Registry) {
+    r.register(AppType::of::<generator::Generator>(
+        "generator",
+        "builds Ethernet/IPv4/IPv6/UDP/TCP packets: fixed size or mix, flows, rate limit",
+    ))
+    .register(AppType::of::<forwarder::Forwarder>(
+        "forwarder",
+        "moves packets from input to output",
+    ))
+    .register(AppType::of::<tee::Tee>(
+        "tee",
+        "copies each packet to every output",
+    ))
+    .register(AppType::of::<sink::Sink>(
+        "sink",
+        "frees and counts packets",
+    ))
+    .register(AppType::of::<round_robin::RoundRobin>(
+        "round_robin",
+        "spreads packets over outputs in turn",
+    ))
+    .register(AppType::of::<join::Join>(
+        "join",
+        "merges inputs into one output",
+    ))
+    .register(AppType::of::<rate_meter::RateMeter>(
+        "rate_meter",
+        "passes packets and measures their rate",
+    ));
+}

@@ -60,17 +60,26 @@ pub struct PortSpec {
 impl PortSpec {
     /// One input `input` and one output `output`.
     pub fn filter() -> PortSpec {
-        PortSpec { inputs: PortNames::one("input"), outputs: PortNames::one("output") }
+        PortSpec {
+            inputs: PortNames::one("input"),
+            outputs: PortNames::one("output"),
+        }
     }
 
     /// Only an output `output`.
     pub fn source() -> PortSpec {
-        PortSpec { inputs: PortNames::none(), outputs: PortNames::one("output") }
+        PortSpec {
+            inputs: PortNames::none(),
+            outputs: PortNames::one("output"),
+        }
     }
 
     /// Only an input `input`.
     pub fn sink() -> PortSpec {
-        PortSpec { inputs: PortNames::one("input"), outputs: PortNames::none() }
+        PortSpec {
+            inputs: PortNames::one("input"),
+            outputs: PortNames::none(),
+        }
     }
 }
 
@@ -88,7 +97,12 @@ impl Io {
     pub fn new(inputs: Vec<(String, Consumer)>, outputs: Vec<(String, Producer)>) -> Io {
         let (input_names, inputs) = inputs.into_iter().map(|(n, c)| (n, Some(c))).unzip();
         let (output_names, outputs) = outputs.into_iter().map(|(n, p)| (n, Some(p))).unzip();
-        Io { inputs, outputs, input_names, output_names }
+        Io {
+            inputs,
+            outputs,
+            input_names,
+            output_names,
+        }
     }
 
     /// The link on input slot `i`, if connected.
@@ -181,7 +195,12 @@ impl Counters {
     }
 
     pub fn snapshot(&self) -> BTreeMap<String, u64> {
-        self.0.lock().unwrap().iter().map(|(n, c)| (n.clone(), c.get())).collect()
+        self.0
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(n, c)| (n.clone(), c.get()))
+            .collect()
     }
 }
 
@@ -194,7 +213,11 @@ pub struct AppContext {
 
 impl AppContext {
     pub fn new(name: &str, base_dir: &Path, counters: Counters) -> AppContext {
-        AppContext { name: name.to_string(), base_dir: base_dir.to_path_buf(), counters }
+        AppContext {
+            name: name.to_string(),
+            base_dir: base_dir.to_path_buf(),
+            counters,
+        }
     }
 
     /// The app's name in the graph.
@@ -332,27 +355,43 @@ pub struct AppType {
     pub summary: &'static str,
     parse: fn(&serde_json::Value) -> Result<ParsedConfig, ConfigError>,
     declare: fn(&ParsedConfig) -> Result<PortSpec, AppError>,
-    build: fn(ParsedConfig, &mut AppContext) -> Result<Box<dyn DynApp>, AppError>,
+    build: BuildFn,
 }
+
+type BuildFn = fn(ParsedConfig, &mut AppContext) -> Result<Box<dyn DynApp>, AppError>;
 
 fn parse_as<A: App>(v: &serde_json::Value) -> Result<ParsedConfig, ConfigError> {
     serde_path_to_error::deserialize::<_, A::Config>(v)
         .map(|c| ParsedConfig(Box::new(c)))
-        .map_err(|e| ConfigError { path: e.path().to_string(), message: e.into_inner().to_string() })
+        .map_err(|e| ConfigError {
+            path: e.path().to_string(),
+            message: e.into_inner().to_string(),
+        })
 }
 
 fn declare_as<A: App>(c: &ParsedConfig) -> Result<PortSpec, AppError> {
-    A::declare(c.0.downcast_ref::<A::Config>().expect("config of another app type"))
+    A::declare(
+        c.0.downcast_ref::<A::Config>()
+            .expect("config of another app type"),
+    )
 }
 
 fn build_as<A: App>(c: ParsedConfig, ctx: &mut AppContext) -> Result<Box<dyn DynApp>, AppError> {
-    let c = c.0.downcast::<A::Config>().expect("config of another app type");
+    let c =
+        c.0.downcast::<A::Config>()
+            .expect("config of another app type");
     Ok(Box::new(A::new(*c, ctx)?))
 }
 
 impl AppType {
     pub fn of<A: App>(name: &'static str, summary: &'static str) -> AppType {
-        AppType { name, summary, parse: parse_as::<A>, declare: declare_as::<A>, build: build_as::<A> }
+        AppType {
+            name,
+            summary,
+            parse: parse_as::<A>,
+            declare: declare_as::<A>,
+            build: build_as::<A>,
+        }
     }
 
     pub fn parse(&self, v: &serde_json::Value) -> Result<ParsedConfig, ConfigError> {

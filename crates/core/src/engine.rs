@@ -60,7 +60,11 @@ impl AppSlot {
                 .map(|s| s.to_string())
                 .or_else(|| e.downcast_ref::<String>().cloned())
                 .unwrap_or_default();
-            log::error!("app `{}` ({}) panicked in {what}: {msg}; it is stopped", self.name, self.kind);
+            log::error!(
+                "app `{}` ({}) panicked in {what}: {msg}; it is stopped",
+                self.name,
+                self.kind
+            );
             self.counters.get("panics").add(1);
             self.failed.store(true, Ordering::Relaxed);
         }
@@ -105,7 +109,10 @@ fn pin_to_core(core: usize) {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
         libc::CPU_SET(core, &mut set);
         if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
-            log::warn!("cannot pin worker to core {core}: {}", std::io::Error::last_os_error());
+            log::warn!(
+                "cannot pin worker to core {core}: {}",
+                std::io::Error::last_os_error()
+            );
         }
     }
 }
@@ -183,7 +190,9 @@ fn run_worker(
                 }
             }
             counters.has_finite.store(has_finite, Ordering::Relaxed);
-            counters.finite_done.store(has_finite && done, Ordering::Relaxed);
+            counters
+                .finite_done
+                .store(has_finite && done, Ordering::Relaxed);
         }
         let after: u64 = plan.rings.iter().map(|r| r.activity()).sum();
         if after != before || plan.busy_poll {
@@ -344,7 +353,10 @@ impl Engine {
         let mut slots: HashMap<String, AppSlot> = HashMap::new();
         for (wname, w) in st.workers.iter_mut() {
             w.park.store(true, Ordering::Release);
-            let plan = w.from_worker.recv().map_err(|_| EngineError::WorkerLost(wname.clone()))?;
+            let plan = w
+                .from_worker
+                .recv()
+                .map_err(|_| EngineError::WorkerLost(wname.clone()))?;
             w.park.store(false, Ordering::Release);
             for s in plan.slots {
                 slots.insert(s.name.clone(), s);
@@ -403,12 +415,15 @@ impl Engine {
                             slot.config = decl.config.clone();
                             report.restarted.push(decl.name.clone());
                         }
-                        Err(e) => report.errors.push(format!("{e} (keeps its previous config)")),
+                        Err(e) => report
+                            .errors
+                            .push(format!("{e} (keeps its previous config)")),
                     }
                 }
-                Err(e) => report
-                    .errors
-                    .push(format!("app `{}`: {e} (keeps its previous config)", decl.name)),
+                Err(e) => report.errors.push(format!(
+                    "app `{}`: {e} (keeps its previous config)",
+                    decl.name
+                )),
             }
         }
         for (name, (app, counters)) in built {
@@ -431,7 +446,10 @@ impl Engine {
         // 5. Rewire: keep links whose ends and size did not change, create the others.
         let mut new_links = Vec::new();
         for l in &graph.links {
-            let kept = st.links.iter().any(|(d, _)| d.from == l.from && d.to == l.to);
+            let kept = st
+                .links
+                .iter()
+                .any(|(d, _)| d.from == l.from && d.to == l.to);
             let (p, c) = match (ends.producers.remove(&l.from), ends.consumers.remove(&l.to)) {
                 (Some(p), Some(c)) if kept && Arc::ptr_eq(p.ring(), c.ring()) => {
                     if p.ring().capacity() == l.size.next_power_of_two() {
@@ -461,7 +479,10 @@ impl Engine {
             attach_input(to, &l.to.port, c, &graph);
         }
         for (d, _) in &st.links {
-            if !new_links.iter().any(|(n, _)| n.from == d.from && n.to == d.to) {
+            if !new_links
+                .iter()
+                .any(|(n, _)| n.from == d.from && n.to == d.to)
+            {
                 report.links_removed.push(d.spec());
             }
         }
@@ -487,9 +508,18 @@ impl Engine {
             let mut s = slots.remove(&name).expect("slot for every app");
             let decl = &graph.apps[&name];
             s.has_inputs = s.io.inputs.iter().any(Option::is_some);
-            let inputs: Vec<Arc<Ring>> = s.io.inputs.iter().flatten().map(|c| c.ring().clone()).collect();
+            let inputs: Vec<Arc<Ring>> =
+                s.io.inputs
+                    .iter()
+                    .flatten()
+                    .map(|c| c.ring().clone())
+                    .collect();
             let outputs: Vec<Arc<Ring>> =
-                s.io.outputs.iter().flatten().map(|p| p.ring().clone()).collect();
+                s.io.outputs
+                    .iter()
+                    .flatten()
+                    .map(|p| p.ring().clone())
+                    .collect();
             st.apps.insert(
                 name.clone(),
                 AppInfo {
@@ -510,8 +540,12 @@ impl Engine {
             plan.slots.push(s);
         }
         // Workers that are gone exit; new ones start.
-        let gone: Vec<String> =
-            st.workers.keys().filter(|w| !plans.contains_key(*w)).cloned().collect();
+        let gone: Vec<String> = st
+            .workers
+            .keys()
+            .filter(|w| !plans.contains_key(*w))
+            .cloned()
+            .collect();
         for w in gone {
             let mut worker = st.workers.shift_remove(&w).unwrap();
             let _ = worker.to_worker.send(Command::Exit);
@@ -529,7 +563,9 @@ impl Engine {
                 }
             };
             w.config = cfg;
-            w.to_worker.send(Command::Run(plan)).map_err(|_| EngineError::WorkerLost(wname))?;
+            w.to_worker
+                .send(Command::Run(plan))
+                .map_err(|_| EngineError::WorkerLost(wname))?;
         }
         st.links = new_links;
         st.graph = Some(graph);
@@ -542,10 +578,13 @@ impl Engine {
         graph: &Graph,
         counters: Counters,
     ) -> Result<(Box<dyn DynApp>, Counters), EngineError> {
-        let t = self.registry.get(&decl.kind).ok_or_else(|| EngineError::Config {
-            app: decl.name.clone(),
-            message: format!("unknown app type `{}`", decl.kind),
-        })?;
+        let t = self
+            .registry
+            .get(&decl.kind)
+            .ok_or_else(|| EngineError::Config {
+                app: decl.name.clone(),
+                message: format!("unknown app type `{}`", decl.kind),
+            })?;
         let parsed = t.parse(&decl.config).map_err(|e| EngineError::Config {
             app: decl.name.clone(),
             message: format!("{}: {}", e.path, e.message),
@@ -553,7 +592,10 @@ impl Engine {
         let mut ctx = AppContext::new(&decl.name, &graph.base_dir, counters.clone());
         let app = t
             .build(parsed, &mut ctx)
-            .map_err(|source| EngineError::Build { app: decl.name.clone(), source })?;
+            .map_err(|source| EngineError::Build {
+                app: decl.name.clone(),
+                source,
+            })?;
         Ok((app, counters))
     }
 
@@ -587,13 +629,22 @@ impl Engine {
                 s.tx_bytes += l.tx_bytes;
                 s.drops += l.tx_drops;
             }
-            s.drops += s.counters.iter().filter(|(k, _)| k.ends_with("drops")).map(|(_, v)| v).sum::<u64>();
+            s.drops += s
+                .counters
+                .iter()
+                .filter(|(k, _)| k.ends_with("drops"))
+                .map(|(_, v)| v)
+                .sum::<u64>();
             apps.push(s);
         }
         let links = st
             .links
             .iter()
-            .map(|(d, r)| LinkInfo { link: d.spec(), size: r.capacity(), stats: r.stats() })
+            .map(|(d, r)| LinkInfo {
+                link: d.spec(),
+                size: r.capacity(),
+                stats: r.stats(),
+            })
             .collect();
         let workers = st
             .workers
@@ -631,7 +682,13 @@ impl Engine {
 
     /// Total link activity, to see whether anything still moves.
     pub fn activity(&self) -> u64 {
-        self.state.lock().unwrap().links.iter().map(|(_, r)| r.activity()).sum()
+        self.state
+            .lock()
+            .unwrap()
+            .links
+            .iter()
+            .map(|(_, r)| r.activity())
+            .sum()
     }
 
     /// Stops every worker, then every app (which flushes its output), and returns the final
@@ -681,19 +738,38 @@ fn spawn_worker(name: &str, config: WorkerConfig) -> Result<Worker, EngineError>
         .name(format!("stitch-{name}"))
         .spawn(move || run_worker(p, from_ctl, to_ctl, c))
         .map_err(|e| EngineError::Other(format!("cannot start worker `{name}`: {e}")))?;
-    Ok(Worker { park, to_worker, from_worker, thread: Some(thread), counters, config })
+    Ok(Worker {
+        park,
+        to_worker,
+        from_worker,
+        thread: Some(thread),
+        counters,
+        config,
+    })
 }
 
 fn take_ends(s: &mut AppSlot, ends: &mut LinkEnds) {
     let io = std::mem::take(&mut s.io);
     for (name, c) in io.input_names.into_iter().zip(io.inputs) {
         if let Some(c) = c {
-            ends.consumers.insert(Endpoint { app: s.name.clone(), port: name }, c);
+            ends.consumers.insert(
+                Endpoint {
+                    app: s.name.clone(),
+                    port: name,
+                },
+                c,
+            );
         }
     }
     for (name, p) in io.output_names.into_iter().zip(io.outputs) {
         if let Some(p) = p {
-            ends.producers.insert(Endpoint { app: s.name.clone(), port: name }, p);
+            ends.producers.insert(
+                Endpoint {
+                    app: s.name.clone(),
+                    port: name,
+                },
+                p,
+            );
         }
     }
 }

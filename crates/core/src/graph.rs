@@ -190,7 +190,9 @@ fn loc<T>(s: &Spanned<T>) -> (usize, usize) {
 }
 
 fn is_identifier(s: &str) -> bool {
-    !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+    !s.is_empty()
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
 }
 
 fn parse_endpoint(s: &str) -> Result<Endpoint, String> {
@@ -203,7 +205,10 @@ fn parse_endpoint(s: &str) -> Result<Endpoint, String> {
             "`{s}`: app and port names use letters, digits, `_` and `-` (APP.PORT)"
         ));
     }
-    Ok(Endpoint { app: app.into(), port: port.into() })
+    Ok(Endpoint {
+        app: app.into(),
+        port: port.into(),
+    })
 }
 
 fn parse_link_spec(s: &str) -> Result<(Endpoint, Endpoint), String> {
@@ -243,7 +248,11 @@ impl Graph {
             Ok(graph.expect("graph without errors"))
         } else {
             errors.sort_by_key(|e| (e.line, e.column));
-            Err(GraphErrors { file: file.into(), text: text.into(), errors })
+            Err(GraphErrors {
+                file: file.into(),
+                text: text.into(),
+                errors,
+            })
         }
     }
 
@@ -251,8 +260,15 @@ impl Graph {
     pub fn to_dot(&self) -> String {
         let mut s = String::from("digraph stitch {\n  rankdir=LR;\n  node [shape=box];\n");
         for a in self.apps.values() {
-            let worker = if a.worker == MAIN_WORKER { String::new() } else { format!("\\n@{}", a.worker) };
-            s += &format!("  \"{}\" [label=\"{}\\n({}){}\"];\n", a.name, a.name, a.kind, worker);
+            let worker = if a.worker == MAIN_WORKER {
+                String::new()
+            } else {
+                format!("\\n@{}", a.worker)
+            };
+            s += &format!(
+                "  \"{}\" [label=\"{}\\n({}){}\"];\n",
+                a.name, a.name, a.kind, worker
+            );
         }
         for l in &self.links {
             s += &format!(
@@ -265,7 +281,11 @@ impl Graph {
 }
 
 fn err(errors: &mut Vec<GraphError>, (line, column): (usize, usize), message: String) {
-    errors.push(GraphError { line, column, message });
+    errors.push(GraphError {
+        line,
+        column,
+        message,
+    });
 }
 
 fn parse_inner(
@@ -277,8 +297,10 @@ fn parse_inner(
     let raw: RawGraph = match serde_saphyr::from_str(text) {
         Ok(r) => r,
         Err(e) => {
-            let (line, column) =
-                e.location().map(|l| (l.line() as usize, l.column() as usize)).unwrap_or((0, 0));
+            let (line, column) = e
+                .location()
+                .map(|l| (l.line() as usize, l.column() as usize))
+                .unwrap_or((0, 0));
             let full = e.without_snippet().to_string();
             // Keep only the message: the location is printed by GraphErrors.
             let msg = full.lines().next().unwrap_or_default();
@@ -316,7 +338,11 @@ fn parse_inner(
         let at = loc(&name);
         let name = name.value;
         if !is_identifier(&name) {
-            err(errors, at, format!("app name `{name}`: use letters, digits, `_` and `-`"));
+            err(
+                errors,
+                at,
+                format!("app name `{name}`: use letters, digits, `_` and `-`"),
+            );
             continue;
         }
         let mut kind = None;
@@ -328,11 +354,19 @@ fn parse_inner(
             match k.value.as_str() {
                 "type" => match v.value.as_str() {
                     Some(t) => kind = Some((t.to_string(), loc(&v))),
-                    None => err(errors, loc(&v), format!("app `{name}`: `type` must be a string")),
+                    None => err(
+                        errors,
+                        loc(&v),
+                        format!("app `{name}`: `type` must be a string"),
+                    ),
                 },
                 "worker" => match v.value.as_str() {
                     Some(w) if is_identifier(w) => worker = w.to_string(),
-                    _ => err(errors, loc(&v), format!("app `{name}`: `worker` must be a name")),
+                    _ => err(
+                        errors,
+                        loc(&v),
+                        format!("app `{name}`: `worker` must be a name"),
+                    ),
                 },
                 _ => {
                     config.insert(k.value, v.value);
@@ -340,7 +374,11 @@ fn parse_inner(
             }
         }
         let Some((kind, kind_at)) = kind else {
-            err(errors, at, format!("app `{name}` has no `type` (for example `type: forwarder`)"));
+            err(
+                errors,
+                at,
+                format!("app `{name}` has no `type` (for example `type: forwarder`)"),
+            );
             continue;
         };
         let Some(app_type) = registry.get(&kind) else {
@@ -348,7 +386,10 @@ fn parse_inner(
             err(
                 errors,
                 kind_at,
-                format!("app `{name}`: unknown app type `{kind}` (known: {})", known.join(", ")),
+                format!(
+                    "app `{name}`: unknown app type `{kind}` (known: {})",
+                    known.join(", ")
+                ),
             );
             continue;
         };
@@ -363,7 +404,11 @@ fn parse_inner(
                     format!(" key `{}`", e.path)
                 };
                 let msg = e.message.replace("unknown field", "unknown key");
-                err(errors, (line, 0), format!("app `{name}` ({kind}){what}: {msg}"));
+                err(
+                    errors,
+                    (line, 0),
+                    format!("app `{name}` ({kind}){what}: {msg}"),
+                );
                 continue;
             }
             Ok(parsed) => match app_type.declare(&parsed) {
@@ -376,7 +421,15 @@ fn parse_inner(
         };
         apps.insert(
             name.clone(),
-            AppDecl { name, kind, config, worker, ports, line: at.0, key_lines },
+            AppDecl {
+                name,
+                kind,
+                config,
+                worker,
+                ports,
+                line: at.0,
+                key_lines,
+            },
         );
     }
 
@@ -389,11 +442,19 @@ fn parse_inner(
                 let unknown: Vec<&String> =
                     m.keys().filter(|k| *k != "link" && *k != "size").collect();
                 if !unknown.is_empty() {
-                    err(errors, at, format!("link: unknown key `{}` (use `link` and `size`)", unknown[0]));
+                    err(
+                        errors,
+                        at,
+                        format!("link: unknown key `{}` (use `link` and `size`)", unknown[0]),
+                    );
                     continue;
                 }
                 let Some(spec) = m.get("link").and_then(|v| v.as_str()) else {
-                    err(errors, at, "link: `link: \"APP.PORT -> APP.PORT\"` is missing".into());
+                    err(
+                        errors,
+                        at,
+                        "link: `link: \"APP.PORT -> APP.PORT\"` is missing".into(),
+                    );
                     continue;
                 };
                 let size = match m.get("size") {
@@ -401,7 +462,11 @@ fn parse_inner(
                     Some(v) => match v.as_u64() {
                         Some(n) if (2..=1 << 20).contains(&n) => Some(n as usize),
                         _ => {
-                            err(errors, at, format!("link `{spec}`: size must be 2..=1048576 packets"));
+                            err(
+                                errors,
+                                at,
+                                format!("link `{spec}`: size must be 2..=1048576 packets"),
+                            );
                             continue;
                         }
                     },
@@ -409,7 +474,11 @@ fn parse_inner(
                 (spec.to_string(), size)
             }
             _ => {
-                err(errors, at, "a link is \"APP.PORT -> APP.PORT\" or { link: ..., size: N }".into());
+                err(
+                    errors,
+                    at,
+                    "a link is \"APP.PORT -> APP.PORT\" or { link: ..., size: N }".into(),
+                );
                 continue;
             }
         };
@@ -425,10 +494,18 @@ fn parse_inner(
             match apps.get(&end.app) {
                 None => {
                     ok = false;
-                    err(errors, at, format!("link `{spec}`: no app named `{}`", end.app));
+                    err(
+                        errors,
+                        at,
+                        format!("link `{spec}`: no app named `{}`", end.app),
+                    );
                 }
                 Some(a) => {
-                    let names = if side == "output" { &a.ports.outputs } else { &a.ports.inputs };
+                    let names = if side == "output" {
+                        &a.ports.outputs
+                    } else {
+                        &a.ports.inputs
+                    };
                     if !names.accepts(&end.port) {
                         ok = false;
                         err(
@@ -448,14 +525,33 @@ fn parse_inner(
         }
         if let Some(prev) = links.iter().find(|l| l.from == from) {
             ok = false;
-            err(errors, at, format!("link `{spec}`: output `{from}` is already linked on line {}", prev.line));
+            err(
+                errors,
+                at,
+                format!(
+                    "link `{spec}`: output `{from}` is already linked on line {}",
+                    prev.line
+                ),
+            );
         }
         if let Some(prev) = links.iter().find(|l| l.to == to) {
             ok = false;
-            err(errors, at, format!("link `{spec}`: input `{to}` is already linked on line {}", prev.line));
+            err(
+                errors,
+                at,
+                format!(
+                    "link `{spec}`: input `{to}` is already linked on line {}",
+                    prev.line
+                ),
+            );
         }
         if ok {
-            links.push(LinkDecl { from, to, size: size.unwrap_or(engine.link_size), line: at.0 });
+            links.push(LinkDecl {
+                from,
+                to,
+                size: size.unwrap_or(engine.link_size),
+                line: at.0,
+            });
         }
     }
 
@@ -464,5 +560,11 @@ fn parse_inner(
             workers.insert(a.worker.clone(), WorkerConfig::default());
         }
     }
-    Some(Graph { engine, workers, apps, links, base_dir: base_dir.to_path_buf() })
+    Some(Graph {
+        engine,
+        workers,
+        apps,
+        links,
+        base_dir: base_dir.to_path_buf(),
+    })
 }

@@ -14,7 +14,9 @@ pub mod link;
 pub mod packet;
 pub mod pool;
 
-pub use app::{App, AppContext, AppError, AppType, Counter, Io, PortNames, PortSpec, Reconfigured, Registry};
+pub use app::{
+    App, AppContext, AppError, AppType, Counter, Io, PortNames, PortSpec, Reconfigured, Registry,
+};
 pub use engine::{Engine, Stats};
 pub use graph::Graph;
 pub use link::{Consumer, Producer};

@@ -110,7 +110,9 @@ impl Drop for Ring {
 /// Creates a link with room for `size` packets (rounded up to a power of two, at least 2).
 pub fn link(size: usize) -> (Producer, Consumer) {
     let size = size.max(2).next_power_of_two();
-    let slots = (0..size).map(|_| UnsafeCell::new(MaybeUninit::uninit())).collect();
+    let slots = (0..size)
+        .map(|_| UnsafeCell::new(MaybeUninit::uninit()))
+        .collect();
     let ring = Arc::new(Ring {
         prod: CachePadded::new(ProducerSide::default()),
         cons: CachePadded::new(ConsumerSide::default()),
@@ -118,8 +120,16 @@ pub fn link(size: usize) -> (Producer, Consumer) {
         slots,
     });
     (
-        Producer { ring: ring.clone(), tail: 0, cached_head: 0 },
-        Consumer { ring, head: 0, cached_tail: 0 },
+        Producer {
+            ring: ring.clone(),
+            tail: 0,
+            cached_head: 0,
+        },
+        Consumer {
+            ring,
+            head: 0,
+            cached_tail: 0,
+        },
     )
 }
 
@@ -221,7 +231,11 @@ impl Consumer {
     #[inline]
     pub fn drain(&mut self) -> Drain<'_> {
         let end = self.head.wrapping_add(self.available());
-        Drain { start: self.head, end, consumer: self }
+        Drain {
+            start: self.head,
+            end,
+            consumer: self,
+        }
     }
 
     /// Moves as many packets as fit from this link to `out` with one index update on each side.
@@ -284,7 +298,10 @@ impl Drop for Drain<'_> {
     fn drop(&mut self) {
         let c = &mut *self.consumer;
         c.ring.cons.head.store(c.head, Ordering::Release);
-        bump(&c.ring.cons.rx_packets, c.head.wrapping_sub(self.start) as u64);
+        bump(
+            &c.ring.cons.rx_packets,
+            c.head.wrapping_sub(self.start) as u64,
+        );
     }
 }
 
@@ -320,7 +337,10 @@ mod tests {
         let rest: Vec<u8> = rx.drain().map(|p| p.data()[0]).collect();
         assert_eq!(rest, vec![1, 2]);
         let s = tx.ring().stats();
-        assert_eq!((s.tx_packets, s.tx_bytes, s.rx_packets, s.tx_drops, s.queued), (3, 180, 3, 0, 0));
+        assert_eq!(
+            (s.tx_packets, s.tx_bytes, s.rx_packets, s.tx_drops, s.queued),
+            (3, 180, 3, 0, 0)
+        );
     }
 
     #[test]
@@ -330,7 +350,11 @@ mod tests {
             tx.transmit(pkt(i));
         }
         let got: Vec<u8> = rx.drain().map(|p| p.data()[0]).collect();
-        assert_eq!(got, vec![0, 1, 2, 3], "the oldest packets stay, the newest are dropped");
+        assert_eq!(
+            got,
+            vec![0, 1, 2, 3],
+            "the oldest packets stay, the newest are dropped"
+        );
         assert_eq!(tx.ring().stats().tx_drops, 2);
     }
 

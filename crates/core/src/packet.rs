@@ -296,7 +296,10 @@ impl Drop for Packet {
 
 impl fmt::Debug for Packet {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Packet").field("len", &self.len()).field("headroom", &self.headroom()).finish()
+        f.debug_struct("Packet")
+            .field("len", &self.len())
+            .field("headroom", &self.headroom())
+            .finish()
     }
 }
 

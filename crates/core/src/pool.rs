@@ -26,7 +26,10 @@ const CACHE_BATCH: usize = 256;
 #[derive(Debug, thiserror::Error)]
 pub enum PoolError {
     #[error("packet pool: cannot map {bytes} bytes: {source} (lower engine.pool_packets)")]
-    Map { bytes: usize, source: std::io::Error },
+    Map {
+        bytes: usize,
+        source: std::io::Error,
+    },
     #[error("packet pool: pool_packets must be at least {min}, got {got}")]
     TooSmall { min: usize, got: usize },
 }
@@ -86,7 +89,10 @@ pub fn get() -> &'static Pool {
 impl Pool {
     fn map(packets: usize) -> Result<Pool, PoolError> {
         if packets < 2 * CACHE_BATCH {
-            return Err(PoolError::TooSmall { min: 2 * CACHE_BATCH, got: packets });
+            return Err(PoolError::TooSmall {
+                min: 2 * CACHE_BATCH,
+                got: packets,
+            });
         }
         let bytes = (packets * BUFFER_STRIDE).div_ceil(HUGEPAGE) * HUGEPAGE;
         let (memfd, base, hugepages) = match map_memfd(bytes, true) {
@@ -107,7 +113,9 @@ impl Pool {
         // Reverse order so that the first allocations take the lowest addresses.
         let free: Vec<NonNull<PacketBuf>> = (0..packets)
             .rev()
-            .map(|i| unsafe { NonNull::new_unchecked(base.add(i * BUFFER_STRIDE) as *mut PacketBuf) })
+            .map(|i| unsafe {
+                NonNull::new_unchecked(base.add(i * BUFFER_STRIDE) as *mut PacketBuf)
+            })
             .collect();
         Ok(Pool {
             base,
@@ -147,7 +155,13 @@ impl Pool {
     }
 
     pub fn stats(&self) -> PoolStats {
-        let cached: usize = self.caches.lock().unwrap().iter().map(|c| c.load(Relaxed)).sum();
+        let cached: usize = self
+            .caches
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|c| c.load(Relaxed))
+            .sum();
         let free = self.global_free.load(Relaxed) + cached;
         PoolStats {
             packets: self.packets,
@@ -210,7 +224,10 @@ impl Cache {
     fn new() -> Cache {
         let published = Arc::new(CachePadded::new(AtomicUsize::new(0)));
         get().caches.lock().unwrap().push(published.clone());
-        Cache { bufs: Vec::with_capacity(CACHE_MAX + CACHE_BATCH), published }
+        Cache {
+            bufs: Vec::with_capacity(CACHE_MAX + CACHE_BATCH),
+            published,
+        }
     }
 }
 
@@ -220,7 +237,10 @@ impl Drop for Cache {
         let n = self.bufs.len();
         pool.give(&mut self.bufs, n);
         self.published.store(0, Relaxed);
-        pool.caches.lock().unwrap().retain(|c| !Arc::ptr_eq(c, &self.published));
+        pool.caches
+            .lock()
+            .unwrap()
+            .retain(|c| !Arc::ptr_eq(c, &self.published));
     }
 }
 

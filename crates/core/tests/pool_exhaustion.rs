@@ -7,7 +7,10 @@ fn exhaustion_is_counted_never_blocks_and_recovers() {
     let mut held = Vec::new();
     while let Some(p) = pool::alloc() {
         held.push(p);
-        assert!(held.len() <= pool.packets(), "pool handed out more packets than it has");
+        assert!(
+            held.len() <= pool.packets(),
+            "pool handed out more packets than it has"
+        );
     }
     assert!(held.len() >= 1024);
     assert_eq!(pool.stats().exhausted, 1);

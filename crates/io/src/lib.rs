@@ -1,1 +1,19 @@
-pub fn register(_r: &mut stitch_core::Registry) {}
+//! Stitch I/O apps: the edges of a graph, where packets enter from and leave to the outside
+//! world. [`register`] adds them all to a registry.
+
+pub mod pcap_sink;
+pub mod pcap_source;
+
+use stitch_core::{AppType, Registry};
+
+/// Adds every app of this crate to `r`.
+pub fn register(r: &mut Registry) {
+    r.register(AppType::of::<pcap_source::PcapSource>(
+        "pcap_source",
+        "sends the packets of a PCAP/PCAPNG file (loop, recorded pace)",
+    ))
+    .register(AppType::of::<pcap_sink::PcapSink>(
+        "pcap_sink",
+        "writes packets to a PCAP/PCAPNG file with nanosecond timestamps",
+    ));
+}

@@ -1,0 +1,540 @@
+//! `generator`: builds Ethernet + IPv4/IPv6 + UDP/TCP packets with correct lengths and
+//! checksums, of a fixed size or a size mix, over a number of flows, optionally rate limited.
+//!
+//! `size` is the frame length as a PCAP file holds it (no FCS): a number, `imix` (64, 576 and
+//! 1500 bytes in the proportion 7:4:1; 64 grows to 74 for IPv6/TCP headers) or a list that is cycled through. `rate` is packets per
+//! second (a number, or `"2.5 Mpps"`) or bits per second of frames (`"10 Gbit/s"`, `"100 Mbps"`).
+//! Flow `i` has source address `src_ip + i`. With `count`, the generator stops after that many
+//! packets (and `stitch run` ends once they are through the graph).
+//!
+//! ```yaml
+//! apps:
+//!   gen: { type: generator, size: imix, flows: 100, rate: "1 Gbit/s", ip: ipv6, protocol: tcp }
+//! ```
+
+use crate::checksum;
+use serde::Deserialize;
+use std::net::IpAddr;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use stitch_core::packet::MAX_FRAME;
+use stitch_core::{pool, App, AppContext, AppError, Counter, Io, PortSpec};
+
+/// Frame sizes of the simple IMIX.
+pub const IMIX: [usize; 12] = [64, 576, 64, 64, 1500, 64, 576, 64, 64, 576, 64, 576];
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(untagged)]
+pub enum SizeSpec {
+    Fixed(usize),
+    Named(String),
+    Mix(Vec<usize>),
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(untagged)]
+pub enum RateSpec {
+    PacketsPerSecond(f64),
+    Text(String),
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum IpVersion {
+    #[default]
+    Ipv4,
+    Ipv6,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum L4 {
+    #[default]
+    Udp,
+    Tcp,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GeneratorConfig {
+    pub size: SizeSpec,
+    pub rate: Option<RateSpec>,
+    pub flows: u32,
+    pub ip: IpVersion,
+    pub protocol: L4,
+    pub src_mac: String,
+    pub dst_mac: String,
+    pub src_ip: Option<IpAddr>,
+    pub dst_ip: Option<IpAddr>,
+    pub src_port: u16,
+    pub dst_port: u16,
+    pub count: Option<u64>,
+    /// Stamp packets with the time they were made (one clock read per batch).
+    pub timestamps: bool,
+}
+
+impl Default for GeneratorConfig {
+    fn default() -> Self {
+        GeneratorConfig {
+            size: SizeSpec::Fixed(64),
+            rate: None,
+            flows: 1,
+            ip: IpVersion::Ipv4,
+            protocol: L4::Udp,
+            src_mac: "02:00:00:00:00:01".into(),
+            dst_mac: "02:00:00:00:00:02".into(),
+            src_ip: None,
+            dst_ip: None,
+            src_port: 1024,
+            dst_port: 1234,
+            count: None,
+            timestamps: true,
+        }
+    }
+}
+
+/// A rate limit.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Rate {
+    Pps(f64),
+    Bps(f64),
+}
+
+/// Parses `"2.5 Mpps"`, `"10 Gbit/s"`, `"100 Mbps"`, `"64kbit/s"`, `"1000 pps"`.
+pub fn parse_rate(s: &str) -> Result<Rate, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == 'e'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let v: f64 = num
+        .parse()
+        .map_err(|_| format!("rate `{s}`: expected a number and a unit"))?;
+    let unit = unit.trim();
+    let (mult, pps) = match unit {
+        "pps" | "" => (1.0, true),
+        "kpps" | "Kpps" => (1e3, true),
+        "Mpps" | "mpps" => (1e6, true),
+        "Gpps" => (1e9, true),
+        "bps" | "bit/s" => (1.0, false),
+        "kbps" | "Kbps" | "kbit/s" | "Kbit/s" => (1e3, false),
+        "Mbps" | "Mbit/s" => (1e6, false),
+        "Gbps" | "Gbit/s" => (1e9, false),
+        _ => {
+            return Err(format!(
+                "rate `{s}`: unknown unit `{unit}` (pps, kpps, Mpps, bit/s, kbit/s, Mbit/s, Gbit/s)"
+            ))
+        }
+    };
+    let v = v * mult;
+    if !(v > 0.0 && v.is_finite()) {
+        return Err(format!("rate `{s}` must be positive"));
+    }
+    Ok(if pps { Rate::Pps(v) } else { Rate::Bps(v) })
+}
+
+fn parse_mac(s: &str) -> Result<[u8; 6], String> {
+    let parts: Vec<&str> = s.split(':').collect();
+    let bad = || format!("`{s}` is not a MAC address like 02:00:00:00:00:01");
+    if parts.len() != 6 {
+        return Err(bad());
+    }
+    let mut m = [0u8; 6];
+    for (i, p) in parts.iter().enumerate() {
+        m[i] = u8::from_str_radix(p, 16).map_err(|_| bad())?;
+    }
+    Ok(m)
+}
+
+struct Plan {
+    sizes: Vec<usize>,
+    rate: Option<Rate>,
+    header_len: usize,
+    src_mac: [u8; 6],
+    dst_mac: [u8; 6],
+    src_ip: IpAddr,
+    dst_ip: IpAddr,
+}
+
+const TEMPLATE_LIMIT: usize = 64 << 20;
+
+fn plan(c: &GeneratorConfig) -> Result<Plan, String> {
+    let l3 = if c.ip == IpVersion::Ipv4 { 20 } else { 40 };
+    let l4 = if c.protocol == L4::Udp { 8 } else { 20 };
+    let header_len = 14 + l3 + l4;
+    let sizes = match &c.size {
+        SizeSpec::Fixed(n) => vec![*n],
+        // IPv6/TCP headers alone take 74 bytes: IMIX's small frames grow to fit them.
+        SizeSpec::Named(n) if n.eq_ignore_ascii_case("imix") => {
+            IMIX.iter().map(|&s| s.max(header_len)).collect()
+        }
+        SizeSpec::Named(n) => return Err(format!("size `{n}`: give a number, `imix` or a list")),
+        SizeSpec::Mix(v) if v.is_empty() => return Err("size: the list is empty".into()),
+        SizeSpec::Mix(v) => v.clone(),
+    };
+    for &s in &sizes {
+        if s < header_len || s > MAX_FRAME {
+            return Err(format!(
+                "size {s}: must be {header_len}..={MAX_FRAME} bytes for {:?}/{:?}",
+                c.ip, c.protocol
+            ));
+        }
+    }
+    if c.flows == 0 || c.flows > 1 << 20 {
+        return Err(format!("flows must be 1..=1048576, got {}", c.flows));
+    }
+    let mut distinct = sizes.clone();
+    distinct.sort();
+    distinct.dedup();
+    if c.flows as usize * distinct.len() * header_len > TEMPLATE_LIMIT {
+        return Err("flows × distinct sizes is too large (templates over 64 MiB)".into());
+    }
+    let rate = match &c.rate {
+        None => None,
+        Some(RateSpec::PacketsPerSecond(v)) if *v > 0.0 => Some(Rate::Pps(*v)),
+        Some(RateSpec::PacketsPerSecond(v)) => return Err(format!("rate {v} must be positive")),
+        Some(RateSpec::Text(s)) => Some(parse_rate(s)?),
+    };
+    let (src_ip, dst_ip) = match c.ip {
+        IpVersion::Ipv4 => (
+            c.src_ip.unwrap_or("10.0.0.1".parse().unwrap()),
+            c.dst_ip.unwrap_or("10.1.0.1".parse().unwrap()),
+        ),
+        IpVersion::Ipv6 => (
+            c.src_ip.unwrap_or("fd00::1".parse().unwrap()),
+            c.dst_ip.unwrap_or("fd00:1::1".parse().unwrap()),
+        ),
+    };
+    if src_ip.is_ipv4() != (c.ip == IpVersion::Ipv4) || dst_ip.is_ipv4() != src_ip.is_ipv4() {
+        return Err(format!("src_ip/dst_ip must be {:?} addresses", c.ip));
+    }
+    Ok(Plan {
+        sizes,
+        rate,
+        header_len,
+        src_mac: parse_mac(&c.src_mac)?,
+        dst_mac: parse_mac(&c.dst_mac)?,
+        src_ip,
+        dst_ip,
+    })
+}
+
+/// Builds the headers of one frame of `size` bytes whose payload is all zeroes.
+fn build_headers(c: &GeneratorConfig, p: &Plan, flow: u32, size: usize, out: &mut [u8]) {
+    out[0..6].copy_from_slice(&p.dst_mac);
+    out[6..12].copy_from_slice(&p.src_mac);
+    let l4_len = size - 14 - if p.src_ip.is_ipv4() { 20 } else { 40 };
+    let proto = if c.protocol == L4::Udp { 17u8 } else { 6u8 };
+    let l4_at;
+    let mut pseudo = 0u64;
+    match (p.src_ip, p.dst_ip) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => {
+            let s = (u32::from(s).wrapping_add(flow)).to_be_bytes();
+            out[12..14].copy_from_slice(&0x0800u16.to_be_bytes());
+            let ip = &mut out[14..34];
+            ip[0] = 0x45;
+            ip[1] = 0;
+            ip[2..4].copy_from_slice(&((size - 14) as u16).to_be_bytes());
+            ip[4..6].copy_from_slice(&[0, 0]);
+            ip[6..8].copy_from_slice(&0x4000u16.to_be_bytes()); // DF
+            ip[8] = 64;
+            ip[9] = proto;
+            ip[10..12].copy_from_slice(&[0, 0]);
+            ip[12..16].copy_from_slice(&s);
+            ip[16..20].copy_from_slice(&d.octets());
+            let cs = checksum::checksum(ip);
+            ip[10..12].copy_from_slice(&cs.to_be_bytes());
+            pseudo = checksum::sum(&s, pseudo);
+            pseudo = checksum::sum(&d.octets(), pseudo);
+            l4_at = 34;
+        }
+        (IpAddr::V6(s), IpAddr::V6(d)) => {
+            let s = (u128::from(s).wrapping_add(flow as u128)).to_be_bytes();
+            out[12..14].copy_from_slice(&0x86ddu16.to_be_bytes());
+            let ip = &mut out[14..54];
+            ip[0..4].copy_from_slice(&0x6000_0000u32.to_be_bytes());
+            ip[4..6].copy_from_slice(&(l4_len as u16).to_be_bytes());
+            ip[6] = proto;
+            ip[7] = 64;
+            ip[8..24].copy_from_slice(&s);
+            ip[24..40].copy_from_slice(&d.octets());
+            pseudo = checksum::sum(&s, pseudo);
+            pseudo = checksum::sum(&d.octets(), pseudo);
+            l4_at = 54;
+        }
+        _ => unreachable!("checked by plan"),
+    }
+    pseudo += proto as u64 + l4_len as u64;
+    let l4 = &mut out[l4_at..p.header_len];
+    l4[0..2].copy_from_slice(&c.src_port.to_be_bytes());
+    l4[2..4].copy_from_slice(&c.dst_port.to_be_bytes());
+    if c.protocol == L4::Udp {
+        l4[4..6].copy_from_slice(&(l4_len as u16).to_be_bytes());
+        l4[6..8].copy_from_slice(&[0, 0]);
+        let mut cs = checksum::finish(checksum::sum(l4, pseudo));
+        if cs == 0 {
+            cs = 0xffff;
+        }
+        l4[6..8].copy_from_slice(&cs.to_be_bytes());
+    } else {
+        l4[4..8].copy_from_slice(&1u32.to_be_bytes()); // sequence
+        l4[8..12].copy_from_slice(&1u32.to_be_bytes()); // acknowledgment
+        l4[12] = 5 << 4; // data offset
+        l4[13] = 0x18; // PSH + ACK
+        l4[14..16].copy_from_slice(&65535u16.to_be_bytes());
+        l4[16..20].copy_from_slice(&[0, 0, 0, 0]);
+        let cs = checksum::finish(checksum::sum(l4, pseudo));
+        l4[16..18].copy_from_slice(&cs.to_be_bytes());
+    }
+}
+
+pub struct Generator {
+    sizes: Vec<usize>,
+    /// Index into `distinct` for each entry of `sizes`.
+    size_slot: Vec<usize>,
+    distinct: usize,
+    header_len: usize,
+    /// Headers by (flow, distinct size).
+    templates: Vec<u8>,
+    flows: usize,
+    next_flow: usize,
+    next_size: usize,
+    rate: Option<Rate>,
+    tokens: f64,
+    last: Instant,
+    remaining: Option<u64>,
+    timestamps: bool,
+    exhausted: Counter,
+}
+
+fn now_ns() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
+}
+
+impl Generator {
+    /// Packets (or bytes) the rate allows now.
+    fn budget(&mut self) -> f64 {
+        let Some(rate) = self.rate else {
+            return f64::INFINITY;
+        };
+        let now = Instant::now();
+        let dt = now.duration_since(self.last).as_secs_f64();
+        self.last = now;
+        let (per_s, cap) = match rate {
+            // Allow bursts of up to 1 ms worth (at least one batch) after an idle sleep.
+            Rate::Pps(r) => (r, (r * 1e-3).max(64.0)),
+            Rate::Bps(r) => (r / 8.0, (r / 8.0 * 1e-3).max(64.0 * 1514.0)),
+        };
+        self.tokens = (self.tokens + dt * per_s).min(cap);
+        self.tokens
+    }
+}
+
+impl App for Generator {
+    type Config = GeneratorConfig;
+
+    fn declare(c: &GeneratorConfig) -> Result<PortSpec, AppError> {
+        plan(c)?;
+        Ok(PortSpec::source())
+    }
+
+    fn new(c: GeneratorConfig, ctx: &mut AppContext) -> Result<Self, AppError> {
+        let p = plan(&c)?;
+        let mut distinct = p.sizes.clone();
+        distinct.sort();
+        distinct.dedup();
+        let size_slot = p
+            .sizes
+            .iter()
+            .map(|s| distinct.binary_search(s).unwrap())
+            .collect();
+        let mut templates = vec![0u8; c.flows as usize * distinct.len() * p.header_len];
+        for flow in 0..c.flows as usize {
+            for (slot, &size) in distinct.iter().enumerate() {
+                let at = (flow * distinct.len() + slot) * p.header_len;
+                build_headers(
+                    &c,
+                    &p,
+                    flow as u32,
+                    size,
+                    &mut templates[at..at + p.header_len],
+                );
+            }
+        }
+        Ok(Generator {
+            sizes: p.sizes,
+            size_slot,
+            distinct: distinct.len(),
+            header_len: p.header_len,
+            templates,
+            flows: c.flows as usize,
+            next_flow: 0,
+            next_size: 0,
+            rate: p.rate,
+            tokens: 0.0,
+            last: Instant::now(),
+            remaining: c.count,
+            timestamps: c.timestamps,
+            exhausted: ctx.counter("pool_exhausted_drops"),
+        })
+    }
+
+    fn pull(&mut self, io: &mut Io) {
+        let Some(out) = io.output(0) else { return };
+        let mut n = out.room();
+        if let Some(r) = self.remaining {
+            n = n.min(r.min(usize::MAX as u64) as usize);
+        }
+        if n == 0 {
+            return;
+        }
+        let mut budget = self.budget();
+        let by_bytes = matches!(self.rate, Some(Rate::Bps(_)));
+        let ts = if self.timestamps { now_ns() } else { 0 };
+        let mut sent = 0;
+        while sent < n {
+            let size = self.sizes[self.next_size];
+            let cost = if by_bytes { size as f64 } else { 1.0 };
+            if budget < cost {
+                break;
+            }
+            let Some(mut p) = pool::alloc() else {
+                self.exhausted.add(1);
+                break;
+            };
+            let slot = self.size_slot[self.next_size];
+            // set_len cannot fail: sizes were checked against MAX_FRAME.
+            let _ = p.set_len(size);
+            p.set_timestamp_ns(ts);
+            let hl = self.header_len;
+            let tmpl_at = (self.next_flow * self.distinct + slot) * hl;
+            let d = p.data_mut();
+            d[..hl].copy_from_slice(&self.templates[tmpl_at..tmpl_at + hl]);
+            d[hl..].fill(0);
+            out.transmit(p);
+            budget -= cost;
+            sent += 1;
+            self.next_size = (self.next_size + 1) % self.sizes.len();
+            self.next_flow = (self.next_flow + 1) % self.flows;
+        }
+        if self.rate.is_some() {
+            self.tokens = budget;
+        }
+        if let Some(r) = self.remaining.as_mut() {
+            *r -= sent as u64;
+        }
+    }
+
+    fn finished(&self) -> Option<bool> {
+        self.remaining.map(|r| r == 0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use stitch_core::link::link;
+
+    fn run(c: GeneratorConfig, pulls: usize) -> Vec<Vec<u8>> {
+        let mut ctx = AppContext::new("g", std::path::Path::new("."), Default::default());
+        let mut g = Generator::new(c, &mut ctx).unwrap();
+        let (tx, mut rx) = link(4096);
+        let mut io = Io::new(vec![], vec![("output".into(), tx)]);
+        for _ in 0..pulls {
+            g.pull(&mut io);
+        }
+        rx.drain().map(|p| p.data().to_vec()).collect()
+    }
+
+    fn verify_l4(frame: &[u8]) {
+        let v4 = frame[12..14] == [0x08, 0x00];
+        let (l3, proto) = if v4 { (20, frame[23]) } else { (40, frame[20]) };
+        let l4 = &frame[14 + l3..];
+        let mut pseudo = 0u64;
+        if v4 {
+            assert_eq!(
+                checksum::checksum(&frame[14..34]),
+                0,
+                "IPv4 header checksum"
+            );
+            pseudo = checksum::sum(&frame[26..34], pseudo);
+        } else {
+            pseudo = checksum::sum(&frame[22..54], pseudo);
+        }
+        pseudo += proto as u64 + l4.len() as u64;
+        assert_eq!(
+            checksum::finish(checksum::sum(l4, pseudo)),
+            0,
+            "L4 checksum"
+        );
+    }
+
+    #[test]
+    fn fixed_size_udp_ipv4_is_valid() {
+        let frames = run(
+            GeneratorConfig {
+                count: Some(10),
+                flows: 3,
+                ..Default::default()
+            },
+            5,
+        );
+        assert_eq!(frames.len(), 10);
+        for f in &frames {
+            assert_eq!(f.len(), 64);
+            verify_l4(f);
+        }
+        // Flows differ by source address.
+        assert_ne!(frames[0][26..30], frames[1][26..30]);
+        assert_eq!(frames[0][26..30], frames[3][26..30]);
+    }
+
+    #[test]
+    fn imix_tcp_ipv6_is_valid() {
+        let c = GeneratorConfig {
+            size: SizeSpec::Named("imix".into()),
+            ip: IpVersion::Ipv6,
+            protocol: L4::Tcp,
+            count: Some(24),
+            ..Default::default()
+        };
+        let frames = run(c, 1);
+        let sizes: Vec<usize> = frames.iter().map(|f| f.len()).collect();
+        let expect: Vec<usize> = IMIX.iter().map(|&s| s.max(74)).collect();
+        assert_eq!(&sizes[..12], &expect[..]);
+        frames.iter().for_each(|f| verify_l4(f));
+    }
+
+    #[test]
+    fn rate_limit_holds_back() {
+        let c = GeneratorConfig {
+            rate: Some(RateSpec::PacketsPerSecond(1000.0)),
+            ..Default::default()
+        };
+        // Immediately after creation hardly any time passed: only a few packets may leave.
+        let frames = run(c, 3);
+        assert!(frames.len() < 64, "rate limit ignored: {}", frames.len());
+    }
+
+    #[test]
+    fn rates_parse_and_bad_config_is_refused() {
+        assert_eq!(parse_rate("2.5 Mpps"), Ok(Rate::Pps(2.5e6)));
+        assert_eq!(parse_rate("10Gbit/s"), Ok(Rate::Bps(1e10)));
+        assert!(parse_rate("10 furlongs").is_err());
+        let bad = GeneratorConfig {
+            size: SizeSpec::Fixed(20),
+            ..Default::default()
+        };
+        assert!(Generator::declare(&bad)
+            .unwrap_err()
+            .to_string()
+            .contains("size 20"));
+        let bad = GeneratorConfig {
+            src_mac: "xx".into(),
+            ..Default::default()
+        };
+        assert!(Generator::declare(&bad).is_err());
+    }
+}

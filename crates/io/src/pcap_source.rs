@@ -1,0 +1,303 @@
+//! `pcap_source`: sends the packets of a PCAP or PCAPNG file (detected by its magic number),
+//! with their recorded timestamps, as fast as the graph takes them or at the recorded pace.
+//!
+//! Records longer than a jumbo frame (9216 bytes) are counted in `oversize_drops` and skipped;
+//! a damaged or cut-off file ends the read with one error line and `errors` counted, never a
+//! crash. Without `loop`, the source finishes at the end of the file and `stitch run` ends when
+//! its packets are through the graph.
+//!
+//! ```yaml
+//! apps:
+//!   src: { type: pcap_source, file: in.pcap, loop: false, pace: false, speed: 1.0 }
+//! ```
+
+use pcap_file::pcap::PcapReader;
+use pcap_file::pcapng::blocks::interface_description::InterfaceDescriptionOption;
+use pcap_file::pcapng::{Block, PcapNgReader};
+use serde::Deserialize;
+use std::fs::File;
+use std::io::{BufReader, Read};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+use stitch_core::packet::MAX_FRAME;
+use stitch_core::{pool, App, AppContext, AppError, Counter, Io, PortSpec};
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PcapSourceConfig {
+    /// The file to read (relative to the graph file's folder).
+    pub file: PathBuf,
+    /// Start again at the first packet after the last.
+    #[serde(default, rename = "loop")]
+    pub repeat: bool,
+    /// Send packets at the pace of their timestamps instead of as fast as possible.
+    #[serde(default)]
+    pub pace: bool,
+    /// With `pace`: speed factor (2.0 replays twice as fast).
+    #[serde(default = "one")]
+    pub speed: f64,
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+/// Most packets sent per breath.
+const BURST: usize = 256;
+
+enum Reader {
+    Pcap(PcapReader<BufReader<File>>),
+    /// PCAPNG with, per interface, the factor from its timestamp units to nanoseconds.
+    PcapNg(PcapNgReader<BufReader<File>>, Vec<TsScale>),
+}
+
+#[derive(Clone, Copy)]
+enum TsScale {
+    Mul(u64),
+    Div(u64),
+}
+
+/// One packet read from the file, before it is copied into a pool buffer.
+enum Next {
+    Packet { ts_ns: u64, oversize: bool },
+    End,
+    Error(String),
+}
+
+/// Reads a file of PCAP or PCAPNG packets, whichever its magic number says.
+pub struct PcapFile {
+    reader: Reader,
+    buf: Vec<u8>,
+}
+
+fn scale_of(opts: &[InterfaceDescriptionOption]) -> TsScale {
+    for o in opts {
+        if let InterfaceDescriptionOption::IfTsResol(r) = o {
+            let (neg_pow2, exp) = (r & 0x80 != 0, (r & 0x7f) as u32);
+            return if neg_pow2 {
+                // Units of 2^-exp seconds: ns = units * 1e9 / 2^exp; exact for exp <= 30.
+                TsScale::Div(1u64 << exp.min(63))
+            } else if exp <= 9 {
+                TsScale::Mul(10u64.pow(9 - exp))
+            } else {
+                TsScale::Div(10u64.pow((exp - 9).min(19)))
+            };
+        }
+    }
+    TsScale::Mul(1000) // default: microseconds
+}
+
+impl PcapFile {
+    pub fn open(path: &std::path::Path) -> Result<PcapFile, String> {
+        let name = path.display();
+        let mut f = File::open(path).map_err(|e| format!("cannot open {name}: {e}"))?;
+        let mut magic = [0u8; 4];
+        f.read_exact(&mut magic)
+            .map_err(|_| format!("{name}: too short to be a PCAP or PCAPNG file"))?;
+        let f = File::open(path).map_err(|e| format!("cannot open {name}: {e}"))?;
+        let r = BufReader::with_capacity(1 << 20, f);
+        let reader = if magic == [0x0a, 0x0d, 0x0d, 0x0a] {
+            Reader::PcapNg(
+                PcapNgReader::new(r)
+                    .map_err(|e| format!("{name}: not a valid PCAPNG file: {e}"))?,
+                Vec::new(),
+            )
+        } else {
+            Reader::Pcap(
+                PcapReader::new(r).map_err(|e| format!("{name}: neither PCAP nor PCAPNG ({e})"))?,
+            )
+        };
+        Ok(PcapFile {
+            reader,
+            buf: Vec::with_capacity(MAX_FRAME),
+        })
+    }
+
+    /// Reads the next packet into the internal buffer.
+    fn next(&mut self) -> Next {
+        self.buf.clear();
+        match &mut self.reader {
+            Reader::Pcap(r) => match r.next_packet() {
+                None => Next::End,
+                Some(Err(e)) => Next::Error(e.to_string()),
+                Some(Ok(p)) => {
+                    let ts = p.timestamp.as_nanos() as u64;
+                    let oversize = p.data.len() > MAX_FRAME;
+                    if !oversize {
+                        self.buf.extend_from_slice(&p.data);
+                    }
+                    Next::Packet {
+                        ts_ns: ts,
+                        oversize,
+                    }
+                }
+            },
+            Reader::PcapNg(r, scales) => loop {
+                let block = match r.next_block() {
+                    None => return Next::End,
+                    Some(Err(e)) => return Next::Error(e.to_string()),
+                    Some(Ok(b)) => b,
+                };
+                let (iface, raw_ts, data) = match block {
+                    Block::InterfaceDescription(idb) => {
+                        scales.push(scale_of(&idb.options));
+                        continue;
+                    }
+                    Block::EnhancedPacket(epb) => {
+                        // pcap-file hands the raw timestamp units over as nanoseconds.
+                        (
+                            epb.interface_id as usize,
+                            epb.timestamp.as_nanos() as u64,
+                            epb.data,
+                        )
+                    }
+                    Block::SimplePacket(spb) => (0, 0, spb.data),
+                    Block::Packet(pb) => (pb.interface_id as usize, pb.timestamp, pb.data),
+                    _ => continue,
+                };
+                let ts = match scales.get(iface).copied().unwrap_or(TsScale::Mul(1000)) {
+                    TsScale::Mul(m) => raw_ts.saturating_mul(m),
+                    TsScale::Div(d) => ((raw_ts as u128 * 1_000_000_000) / d as u128) as u64,
+                };
+                let oversize = data.len() > MAX_FRAME;
+                if !oversize {
+                    self.buf.extend_from_slice(&data);
+                }
+                return Next::Packet {
+                    ts_ns: ts,
+                    oversize,
+                };
+            },
+        }
+    }
+}
+
+pub struct PcapSource {
+    path: PathBuf,
+    file: Option<PcapFile>,
+    repeat: bool,
+    pace: bool,
+    speed: f64,
+    /// Pacing origin: wall time and file time of the first packet.
+    origin: Option<(Instant, u64)>,
+    /// A packet read but held back by pacing or a full link.
+    pending: Option<stitch_core::Packet>,
+    read_in_pass: u64,
+    done: bool,
+    oversize: Counter,
+    errors: Counter,
+    exhausted: Counter,
+    loops: Counter,
+}
+
+impl PcapSource {
+    fn read_one(&mut self) -> Option<stitch_core::Packet> {
+        loop {
+            let file = self.file.as_mut()?;
+            match file.next() {
+                Next::Packet { oversize: true, .. } => self.oversize.add(1),
+                Next::Packet { ts_ns, .. } => {
+                    let Some(mut p) = pool::alloc() else {
+                        self.exhausted.add(1);
+                        return None;
+                    };
+                    // Cannot fail: checked against MAX_FRAME.
+                    let _ = p.set_data(&file.buf);
+                    p.set_timestamp_ns(ts_ns);
+                    self.read_in_pass += 1;
+                    return Some(p);
+                }
+                Next::Error(e) => {
+                    log::error!(
+                        "pcap_source {}: {e}; stopping at this point",
+                        self.path.display()
+                    );
+                    self.errors.add(1);
+                    self.file = None;
+                    self.done = true;
+                    return None;
+                }
+                Next::End => {
+                    if self.repeat && self.read_in_pass > 0 {
+                        self.loops.add(1);
+                        self.read_in_pass = 0;
+                        self.origin = None;
+                        match PcapFile::open(&self.path) {
+                            Ok(f) => self.file = Some(f),
+                            Err(e) => {
+                                log::error!("pcap_source: {e}");
+                                self.file = None;
+                                self.done = true;
+                                return None;
+                            }
+                        }
+                    } else {
+                        self.file = None;
+                        self.done = true;
+                        return None;
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl App for PcapSource {
+    type Config = PcapSourceConfig;
+
+    fn declare(c: &PcapSourceConfig) -> Result<PortSpec, AppError> {
+        if !(c.speed > 0.0 && c.speed.is_finite()) {
+            return Err(format!("speed must be positive, got {}", c.speed).into());
+        }
+        Ok(PortSpec::source())
+    }
+
+    fn new(c: PcapSourceConfig, ctx: &mut AppContext) -> Result<Self, AppError> {
+        let path = ctx.path(&c.file);
+        let file = PcapFile::open(&path)?;
+        Ok(PcapSource {
+            path,
+            file: Some(file),
+            repeat: c.repeat,
+            pace: c.pace,
+            speed: c.speed,
+            origin: None,
+            pending: None,
+            read_in_pass: 0,
+            done: false,
+            oversize: ctx.counter("oversize_drops"),
+            errors: ctx.counter("errors"),
+            exhausted: ctx.counter("pool_exhausted"),
+            loops: ctx.counter("loops"),
+        })
+    }
+
+    fn pull(&mut self, io: &mut Io) {
+        let Some(out) = io.output(0) else { return };
+        let n = out.room().min(BURST);
+        let now = Instant::now();
+        for _ in 0..n {
+            let p = match self.pending.take() {
+                Some(p) => p,
+                None => match self.read_one() {
+                    Some(p) => p,
+                    None => return,
+                },
+            };
+            if self.pace {
+                let ts = p.timestamp_ns();
+                let (t0, f0) = *self.origin.get_or_insert((now, ts));
+                let due = Duration::from_nanos((ts.saturating_sub(f0) as f64 / self.speed) as u64);
+                if now.duration_since(t0) < due {
+                    self.pending = Some(p);
+                    return;
+                }
+            }
+            out.transmit(p);
+        }
+    }
+
+    fn finished(&self) -> Option<bool> {
+        Some(self.done && self.pending.is_none())
+    }
+}

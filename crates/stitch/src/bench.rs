@@ -1,0 +1,238 @@
+//! `stitch bench`: performance measured against a baseline taken in the same run.
+
+use anyhow::Result;
+use clap::Subcommand;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use stitch_core::link::{link, Consumer, Producer};
+use stitch_core::{pool, Engine, Graph, Registry};
+
+#[derive(Subcommand)]
+pub enum BenchCmd {
+    /// generator → N forwarders → sink on one worker, against a bare loop moving packets through
+    /// the same rings (raw-ring baseline), alternated run by run.
+    Chain {
+        /// Forwarders between source and sink.
+        #[arg(long, default_value_t = 8)]
+        hops: usize,
+        /// Frame size in bytes.
+        #[arg(long, default_value_t = 64)]
+        size: usize,
+        /// Measured seconds per run and contender.
+        #[arg(long, default_value_t = 2.0)]
+        seconds: f64,
+        /// Runs (medians are reported).
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+        /// Print results as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn cpu_seconds(who: i32) -> f64 {
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    unsafe { libc::getrusage(who, &mut u) };
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    tv(u.ru_utime) + tv(u.ru_stime)
+}
+
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
+}
+
+/// One measurement: packets through, wall seconds, CPU seconds of the measuring scope.
+#[derive(Clone, Copy, Default, serde::Serialize)]
+struct Sample {
+    packets: u64,
+    wall: f64,
+    cpu: f64,
+}
+
+impl Sample {
+    fn mpps(&self) -> f64 {
+        self.packets as f64 / self.wall / 1e6
+    }
+    /// Nanoseconds of CPU per packet (robust to preemption on a shared machine).
+    fn ns_per_packet(&self) -> f64 {
+        self.cpu * 1e9 / self.packets.max(1) as f64
+    }
+}
+
+fn chain_graph(hops: usize, size: usize) -> String {
+    let mut s = format!(
+        "engine: {{ busy_poll: true }}\napps:\n  src: {{ type: generator, size: {size}, timestamps: false }}\n  out: {{ type: sink }}\n"
+    );
+    for i in 1..=hops {
+        s += &format!("  f{i}: {{ type: forwarder }}\n");
+    }
+    s += "links:\n";
+    let mut prev = "src.output".to_string();
+    for i in 1..=hops {
+        s += &format!("  - \"{prev} -> f{i}.input\"\n");
+        prev = format!("f{i}.output");
+    }
+    s += &format!("  - \"{prev} -> out.input\"\n");
+    s
+}
+
+fn sink_packets(e: &Engine) -> u64 {
+    e.stats()
+        .apps
+        .iter()
+        .find(|a| a.name == "out")
+        .map(|a| a.rx_packets)
+        .unwrap_or(0)
+}
+
+fn measure_engine(registry: &Arc<Registry>, hops: usize, size: usize, secs: f64) -> Result<Sample> {
+    let g = Graph::parse(
+        &chain_graph(hops, size),
+        "<bench>",
+        Path::new("."),
+        registry,
+    )
+    .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let engine = Engine::new(registry.clone());
+    engine.apply(g)?;
+    std::thread::sleep(Duration::from_millis(300));
+    let (p0, t0, c0) = (
+        sink_packets(&engine),
+        Instant::now(),
+        cpu_seconds(libc::RUSAGE_SELF),
+    );
+    std::thread::sleep(Duration::from_secs_f64(secs));
+    let (p1, c1) = (sink_packets(&engine), cpu_seconds(libc::RUSAGE_SELF));
+    let wall = t0.elapsed().as_secs_f64();
+    engine.stop();
+    Ok(Sample {
+        packets: p1 - p0,
+        wall,
+        cpu: c1 - c0,
+    })
+}
+
+/// Moves packets around `rings` links in a cycle with a bare loop: the cost of the ring alone.
+/// Counts one packet per ring move.
+fn measure_raw(rings: usize, size: usize, secs: f64) -> Sample {
+    std::thread::spawn(move || {
+        let mut ends: Vec<(Producer, Consumer)> = (0..rings).map(|_| link(1024)).collect();
+        for _ in 0..512 {
+            let mut p = pool::alloc().expect("pool");
+            let _ = p.set_len(size);
+            ends[0].0.transmit(p);
+        }
+        let (mut producers, mut consumers): (Vec<Producer>, Vec<Consumer>) = ends.drain(..).unzip();
+        let (t0, c0) = (Instant::now(), cpu_seconds(libc::RUSAGE_THREAD));
+        let deadline = Duration::from_secs_f64(secs);
+        let mut moves = 0u64;
+        loop {
+            for _ in 0..256 {
+                for (i, c) in consumers.iter_mut().enumerate() {
+                    moves += c.forward_to(&mut producers[(i + 1) % rings]) as u64;
+                }
+            }
+            if t0.elapsed() >= deadline {
+                break;
+            }
+        }
+        Sample {
+            packets: moves,
+            wall: t0.elapsed().as_secs_f64(),
+            cpu: cpu_seconds(libc::RUSAGE_THREAD) - c0,
+        }
+    })
+    .join()
+    .expect("raw ring thread")
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+pub fn run(cmd: BenchCmd, registry: &Registry) -> Result<()> {
+    let BenchCmd::Chain {
+        hops,
+        size,
+        seconds,
+        runs,
+        json,
+    } = cmd;
+    anyhow::ensure!(hops >= 1, "--hops must be at least 1");
+    anyhow::ensure!(runs >= 1, "--runs must be at least 1");
+    // The registry is owned by the caller; the engine wants a shared one.
+    let registry = Arc::new({
+        let mut r = Registry::new();
+        for t in ["generator", "forwarder", "sink"] {
+            anyhow::ensure!(registry.get(t).is_some(), "app type {t} missing");
+        }
+        stitch_apps::register(&mut r);
+        r
+    });
+    let load = load_average();
+    if !json {
+        println!(
+            "chain: {hops} forwarders, {size}-byte packets, {seconds} s per contender, {runs} runs; load average {load}"
+        );
+        println!(
+            "{:>3}  {:>11} {:>13} {:>13} {:>10} {:>12} {:>7}",
+            "run", "chain Mpps", "chain ns/pkt", "src→sink ns", "ns/hop", "raw ns/hop", "ratio"
+        );
+    }
+    let (mut mpps, mut per_hop, mut raw_hop, mut ratio, mut total) =
+        (vec![], vec![], vec![], vec![], vec![]);
+    let mut samples = Vec::new();
+    for run in 1..=runs {
+        let raw = measure_raw(hops + 1, size, seconds);
+        let chain = measure_engine(&registry, hops, size, seconds)?;
+        let direct = measure_engine(&registry, 0, size, seconds)?;
+        // The engine's cost per hop is what each forwarder adds to source → sink.
+        let hop = ((chain.ns_per_packet() - direct.ns_per_packet()) / hops as f64).max(0.0);
+        let r = raw.ns_per_packet();
+        if !json {
+            println!(
+                "{run:>3}  {:>11.2} {:>13.2} {:>13.2} {:>10.2} {:>12.2} {:>7.2}",
+                chain.mpps(),
+                chain.ns_per_packet(),
+                direct.ns_per_packet(),
+                hop,
+                r,
+                hop / r
+            );
+        }
+        mpps.push(chain.mpps());
+        total.push(chain.ns_per_packet());
+        per_hop.push(hop);
+        raw_hop.push(r);
+        ratio.push(hop / r);
+        samples.push((raw, chain, direct));
+    }
+    let result = serde_json::json!({
+        "hops": hops, "size": size, "seconds": seconds, "runs": runs, "load_average": load,
+        "chain_mpps": median(mpps.clone()),
+        "chain_ns_per_packet": median(total.clone()),
+        "ns_per_hop": median(per_hop.clone()),
+        "raw_ns_per_hop": median(raw_hop.clone()),
+        "ratio": median(ratio.clone()),
+        "samples": samples.iter().map(|(r, c, d)| serde_json::json!({"raw": r, "chain": c, "direct": d})).collect::<Vec<_>>(),
+    });
+    if json {
+        println!("{}", serde_json::to_string_pretty(&result)?);
+    } else {
+        println!(
+            "med  {:>11.2} {:>13.2} {:>13} {:>10.2} {:>12.2} {:>7.2}",
+            median(mpps),
+            median(total),
+            "",
+            median(per_hop),
+            median(raw_hop),
+            median(ratio)
+        );
+        println!("(ns are CPU time per packet; ns/hop = (chain − source→sink) / hops)");
+    }
+    Ok(())
+}

@@ -1,0 +1,113 @@
+//! Counters as text tables for people.
+
+use serde_json::Value;
+use std::fmt::Write;
+
+fn n(v: &Value) -> u64 {
+    v.as_u64().unwrap_or(0)
+}
+
+fn rate(v: &Value) -> String {
+    let r = v.as_f64().unwrap_or(0.0);
+    if r >= 1e6 {
+        format!("{:.2}M", r / 1e6)
+    } else if r >= 1e3 {
+        format!("{:.1}k", r / 1e3)
+    } else {
+        format!("{r:.0}")
+    }
+}
+
+/// Renders the `stats` JSON of an instance (links, apps, workers, pool).
+pub fn render(stats: &Value) -> String {
+    let mut s = String::new();
+    let links = stats["links"].as_array().cloned().unwrap_or_default();
+    let width = links
+        .iter()
+        .map(|l| l["link"].as_str().unwrap_or("").len())
+        .max()
+        .unwrap_or(4)
+        .max(4);
+    let _ = writeln!(
+        s,
+        "{:<width$}  {:>12} {:>14} {:>10} {:>12} {:>7} {:>9}",
+        "LINK", "TX PACKETS", "TX BYTES", "TX DROPS", "RX PACKETS", "QUEUED", "PPS"
+    );
+    for l in &links {
+        let _ = writeln!(
+            s,
+            "{:<width$}  {:>12} {:>14} {:>10} {:>12} {:>7} {:>9}",
+            l["link"].as_str().unwrap_or(""),
+            n(&l["tx_packets"]),
+            n(&l["tx_bytes"]),
+            n(&l["tx_drops"]),
+            n(&l["rx_packets"]),
+            n(&l["queued"]),
+            rate(&l["rate_pps"]),
+        );
+    }
+    let apps = stats["apps"].as_array().cloned().unwrap_or_default();
+    let width = apps
+        .iter()
+        .map(|a| a["name"].as_str().unwrap_or("").len())
+        .max()
+        .unwrap_or(3)
+        .max(3);
+    let _ = writeln!(
+        s,
+        "\n{:<width$}  {:<12} {:<8} {:>12} {:>12} {:>10} {:>9} {:>9}  COUNTERS",
+        "APP", "TYPE", "WORKER", "RX PACKETS", "TX PACKETS", "DROPS", "RX PPS", "TX PPS"
+    );
+    for a in &apps {
+        let counters: Vec<String> = a["counters"]
+            .as_object()
+            .map(|m| m.iter().map(|(k, v)| format!("{k}={v}")).collect())
+            .unwrap_or_default();
+        let failed = if a["failed"] == Value::Bool(true) {
+            " FAILED"
+        } else {
+            ""
+        };
+        let _ = writeln!(
+            s,
+            "{:<width$}  {:<12} {:<8} {:>12} {:>12} {:>10} {:>9} {:>9}  {}{failed}",
+            a["name"].as_str().unwrap_or(""),
+            a["type"].as_str().unwrap_or(""),
+            a["worker"].as_str().unwrap_or(""),
+            n(&a["rx_packets"]),
+            n(&a["tx_packets"]),
+            n(&a["drops"]),
+            rate(&a["rx_rate_pps"]),
+            rate(&a["tx_rate_pps"]),
+            counters.join(" "),
+        );
+    }
+    let p = &stats["pool"];
+    let _ = write!(
+        s,
+        "\npool: {} of {} packets in use, {} allocation failures, {}",
+        n(&p["in_use"]),
+        n(&p["packets"]),
+        n(&p["exhausted"]),
+        if p["hugepages"] == Value::Bool(true) {
+            "2 MiB hugepages"
+        } else {
+            "4 KiB pages"
+        }
+    );
+    for w in stats["workers"].as_array().cloned().unwrap_or_default() {
+        let core = w["core"]
+            .as_u64()
+            .map(|c| format!("core {c}"))
+            .unwrap_or("any core".into());
+        let _ = write!(
+            s,
+            "\nworker {} ({core}): {} breaths, {} idle sleeps",
+            w["name"].as_str().unwrap_or(""),
+            n(&w["breaths"]),
+            n(&w["idle_sleeps"])
+        );
+    }
+    s.push('\n');
+    s
+}
