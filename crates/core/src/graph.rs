@@ -67,8 +67,8 @@ pub struct AppDecl {
     pub worker: String,
     pub ports: PortSpec,
     pub line: usize,
-    /// Line of each top-level key of the entry, for error messages.
-    pub key_lines: IndexMap<String, usize>,
+    /// Line and column of each top-level key of the entry, for error messages.
+    pub key_lines: IndexMap<String, (usize, usize)>,
 }
 
 /// One end of a link.
@@ -350,7 +350,7 @@ fn parse_inner(
         let mut config = serde_json::Map::new();
         let mut key_lines = IndexMap::new();
         for (k, v) in entry.value.0 {
-            key_lines.insert(k.value.clone(), k.referenced.line() as usize);
+            key_lines.insert(k.value.clone(), loc(&k));
             match k.value.as_str() {
                 "type" => match v.value.as_str() {
                     Some(t) => kind = Some((t.to_string(), loc(&v))),
@@ -397,16 +397,19 @@ fn parse_inner(
         let ports = match app_type.parse(&config) {
             Err(e) => {
                 let key = e.path.split(['.', '[']).next().unwrap_or_default();
-                let line = key_lines.get(key).copied().unwrap_or(at.0);
+                let key_at = key_lines.get(key).copied().unwrap_or(at);
                 let what = if e.path.is_empty() || e.path == "." {
                     String::new()
                 } else {
                     format!(" key `{}`", e.path)
                 };
-                let msg = e.message.replace("unknown field", "unknown key");
+                let msg = e
+                    .message
+                    .replace("unknown field", "unknown key")
+                    .replace(", there are no fields", " (this app takes no settings)");
                 err(
                     errors,
-                    (line, 0),
+                    key_at,
                     format!("app `{name}` ({kind}){what}: {msg}"),
                 );
                 continue;
@@ -567,4 +570,182 @@ fn parse_inner(
         links,
         base_dir: base_dir.to_path_buf(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::app::{App, AppContext, AppError, AppType, PortSpec};
+
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct ThingConfig {
+        #[serde(default)]
+        size: u32,
+    }
+    struct Thing;
+    impl App for Thing {
+        type Config = ThingConfig;
+        fn declare(c: &ThingConfig) -> Result<PortSpec, AppError> {
+            if c.size > 9216 {
+                return Err("size must be at most 9216".into());
+            }
+            Ok(PortSpec::filter())
+        }
+        fn new(_: ThingConfig, _: &mut AppContext) -> Result<Self, AppError> {
+            Ok(Thing)
+        }
+    }
+
+    fn registry() -> Registry {
+        let mut r = Registry::new();
+        r.register(AppType::of::<Thing>("thing", "test app"));
+        r
+    }
+
+    fn errors(text: &str) -> Vec<(usize, String)> {
+        match Graph::parse(text, "g.yaml", Path::new("."), &registry()) {
+            Ok(_) => vec![],
+            Err(e) => e.errors.into_iter().map(|e| (e.line, e.message)).collect(),
+        }
+    }
+
+    fn first_error(text: &str) -> (usize, String) {
+        errors(text).into_iter().next().expect("an error")
+    }
+
+    #[test]
+    fn valid_graph_parses_with_defaults_and_workers() {
+        let g = Graph::parse(
+            "engine: { link_size: 512 }\nworkers: { w1: { core: 1 } }\napps:\n  a: { type: thing, size: 3 }\n  b:\n    type: thing\n    worker: w2\nlinks:\n  - \"a.output -> b.input\"\n  - { link: \"b.output -> a.input\", size: 64 }\n",
+            "g.yaml",
+            Path::new("/x"),
+            &registry(),
+        )
+        .unwrap();
+        assert_eq!(g.apps["a"].config, serde_json::json!({"size": 3}));
+        assert_eq!(g.apps["b"].worker, "w2");
+        assert_eq!(g.apps["b"].line, 5);
+        assert_eq!(g.links[0].size, 512);
+        assert_eq!(g.links[1].size, 64);
+        assert_eq!(
+            g.workers.keys().collect::<Vec<_>>(),
+            vec!["w1", "main", "w2"]
+        );
+        assert_eq!(g.workers["w1"].core, Some(1));
+        assert!(g.to_dot().contains("\"a\" -> \"b\""));
+    }
+
+    #[test]
+    fn unknown_app_type_names_line_and_known_types() {
+        let (line, msg) = first_error("apps:\n  a: { type: thing }\n  b: { type: rooter }\n");
+        assert_eq!(line, 3);
+        assert!(
+            msg.contains("unknown app type `rooter`") && msg.contains("known: thing"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn unknown_key_names_app_key_and_its_line() {
+        let (line, msg) = first_error("apps:\n  a:\n    type: thing\n    sise: 3\n");
+        assert_eq!(line, 4);
+        assert!(
+            msg.contains("app `a`") && msg.contains("unknown key `sise`"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn wrong_type_names_app_key_and_line() {
+        let (line, msg) = first_error("apps:\n  a:\n    type: thing\n\n    size: big\n");
+        assert_eq!(line, 5);
+        assert!(
+            msg.contains("app `a`") && msg.contains("key `size`") && msg.contains("invalid type"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn app_validation_error_names_app() {
+        let (line, msg) = first_error("apps:\n  a: { type: thing, size: 10000 }\n");
+        assert_eq!(line, 2);
+        assert!(
+            msg.contains("app `a` (thing): size must be at most 9216"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn duplicate_app_name_is_refused_with_line() {
+        let (line, msg) = first_error("apps:\n  a: { type: thing }\n  a: { type: thing }\n");
+        assert_eq!(line, 3);
+        assert!(msg.contains("duplicate") && msg.contains('a'), "{msg}");
+        assert!(!msg.contains("DuplicateKeyPolicy"), "{msg}");
+    }
+
+    #[test]
+    fn unknown_port_and_unknown_app_in_links() {
+        let text = "apps:\n  a: { type: thing }\n  b: { type: thing }\nlinks:\n  - \"a.out -> b.input\"\n  - \"a.output -> c.input\"\n";
+        let errs = errors(text);
+        assert_eq!(errs.len(), 2, "{errs:?}");
+        assert_eq!(errs[0].0, 5);
+        assert!(
+            errs[0]
+                .1
+                .contains("has no output port `out` (outputs: output)"),
+            "{}",
+            errs[0].1
+        );
+        assert_eq!(errs[1].0, 6);
+        assert!(errs[1].1.contains("no app named `c`"), "{}", errs[1].1);
+    }
+
+    #[test]
+    fn a_port_takes_one_link() {
+        let text = "apps:\n  a: { type: thing }\n  b: { type: thing }\nlinks:\n  - \"a.output -> b.input\"\n  - \"a.output -> a.input\"\n";
+        let (line, msg) = first_error(text);
+        assert_eq!(line, 6);
+        assert!(msg.contains("already linked on line 5"), "{msg}");
+    }
+
+    #[test]
+    fn malformed_links_and_yaml() {
+        let (line, msg) =
+            first_error("apps:\n  a: { type: thing }\nlinks:\n  - \"a.output => a.input\"\n");
+        assert_eq!(line, 4);
+        assert!(msg.contains("APP.PORT -> APP.PORT"), "{msg}");
+        let (line, _) = first_error("apps:\n  a: { type: thing\nlinks: []\n");
+        assert!(line >= 2, "syntax errors have a line");
+        let (line, msg) = first_error("apps:\n  a: { type: thing }\nlinkz: []\n");
+        assert_eq!(line, 3);
+        assert!(msg.contains("linkz"), "{msg}");
+        let (line, msg) = first_error("apps:\n  a: { size: 1 }\n");
+        assert_eq!(line, 2);
+        assert!(msg.contains("has no `type`"), "{msg}");
+    }
+
+    #[test]
+    fn missing_file_is_a_clear_error() {
+        let e = Graph::load(Path::new("/nonexistent/g.yaml"), &registry()).unwrap_err();
+        let s = e.to_string();
+        assert!(
+            s.starts_with("/nonexistent/g.yaml: cannot read graph file"),
+            "{s}"
+        );
+    }
+
+    #[test]
+    fn errors_print_file_line_and_source() {
+        let e = Graph::parse(
+            "apps:\n  a: { type: nope }\n",
+            "g.yaml",
+            Path::new("."),
+            &registry(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.starts_with("g.yaml:2:"), "{e}");
+        assert!(e.contains("   2 |   a: { type: nope }"), "{e}");
+    }
 }

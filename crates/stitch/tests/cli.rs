@@ -1,0 +1,431 @@
+//! The `stitch` command end to end: real files checked with tshark/capinfos, the control
+//! socket, live apply and clean shutdown on SIGINT.
+
+use pcap_file::pcap::{PcapHeader, PcapPacket, PcapWriter};
+use pcap_file::{DataLink, TsResolution};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn stitch() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_stitch"))
+}
+
+fn tool(name: &str) -> Command {
+    let found = Command::new("sh")
+        .arg("-c")
+        .arg(format!("command -v {name}"))
+        .output()
+        .unwrap();
+    assert!(
+        found.status.success(),
+        "{name} is needed by this test: apt-get install tshark (.ci/run does)"
+    );
+    Command::new(name)
+}
+
+fn ok(out: Output) -> String {
+    assert!(
+        out.status.success(),
+        "command failed: {}\nstdout: {}\nstderr: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// Timestamps and lengths of every frame, as tshark reads them.
+fn tshark_frames(file: &Path) -> String {
+    ok(tool("tshark")
+        .args(["-r"])
+        .arg(file)
+        .args([
+            "-T",
+            "fields",
+            "-e",
+            "frame.time_epoch",
+            "-e",
+            "frame.len",
+            "-e",
+            "frame.cap_len",
+            "-e",
+            "eth.src",
+            "-e",
+            "ip.src",
+        ])
+        .output()
+        .unwrap())
+}
+
+fn capinfos_count(file: &Path) -> u64 {
+    let s = ok(tool("capinfos")
+        .args(["-M", "-c"])
+        .arg(file)
+        .output()
+        .unwrap());
+    let line = s
+        .lines()
+        .find(|l| l.contains("Number of packets"))
+        .expect("capinfos count");
+    line.rsplit(' ').next().unwrap().trim().parse().unwrap()
+}
+
+/// A frame of `len` bytes: Ethernet + IPv4 + UDP headers with a recognisable payload.
+fn frame(i: usize, len: usize) -> Vec<u8> {
+    let mut f = vec![0u8; len];
+    f[0..6].copy_from_slice(&[0x02, 0, 0, 0, 0, 0x02]);
+    f[6..12].copy_from_slice(&[0x02, 0, 0, 0, (i >> 8) as u8, i as u8]);
+    f[12..14].copy_from_slice(&[0x08, 0x00]);
+    f[14] = 0x45;
+    f[16..18].copy_from_slice(&((len - 14) as u16).to_be_bytes());
+    f[22] = 64;
+    f[23] = 17;
+    f[26..30].copy_from_slice(&[10, 0, (i >> 8) as u8, i as u8]);
+    f[30..34].copy_from_slice(&[10, 1, 0, 1]);
+    for (k, b) in f[42..].iter_mut().enumerate() {
+        *b = (k + i) as u8;
+    }
+    f
+}
+
+const SIZES: [usize; 8] = [60, 64, 128, 576, 1500, 1514, 4000, 9216];
+
+fn write_pcap(path: &Path, resolution: TsResolution, count: usize) {
+    let header = PcapHeader {
+        snaplen: 262144,
+        datalink: DataLink::ETHERNET,
+        ts_resolution: resolution,
+        ..Default::default()
+    };
+    let mut w = PcapWriter::with_header(std::fs::File::create(path).unwrap(), header).unwrap();
+    for i in 0..count {
+        let data = frame(i, SIZES[i % SIZES.len()]);
+        // Irregular timestamps with all nanosecond digits used (whole µs for µs files).
+        let mut ns = 1_700_000_000_000_000_000u64 + i as u64 * 1_234_567 + (i as u64 % 7) * 111;
+        if resolution == TsResolution::MicroSecond {
+            ns -= ns % 1000;
+        }
+        w.write_packet(&PcapPacket::new(
+            Duration::from_nanos(ns),
+            data.len() as u32,
+            &data,
+        ))
+        .unwrap();
+    }
+}
+
+fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+fn copy_graph(dir: &Path, input: &str, output: &str) -> PathBuf {
+    write(
+        dir,
+        "copy.yaml",
+        &format!(
+            "apps:\n  src: {{ type: pcap_source, file: {input} }}\n  fwd: {{ type: forwarder }}\n  dst: {{ type: pcap_sink, file: {output} }}\nlinks:\n  - \"src.output -> fwd.input\"\n  - \"fwd.output -> dst.input\"\n"
+        ),
+    )
+}
+
+fn run_to_end(graph: &Path, dir: &Path) -> serde_json::Value {
+    let out = ok(stitch()
+        .args(["run", "--json", "--control"])
+        .arg(dir.join("ctl.sock"))
+        .arg(graph)
+        .output()
+        .unwrap());
+    serde_json::from_str(&out).unwrap()
+}
+
+#[test]
+fn pcap_through_a_graph_is_byte_for_byte_faithful() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("in.pcap");
+    write_pcap(&input, TsResolution::NanoSecond, 2000);
+    let graph = copy_graph(dir.path(), "in.pcap", "out.pcap");
+    let stats = run_to_end(&graph, dir.path());
+    assert_eq!(stats["apps"][2]["counters"]["written"], 2000, "{stats}");
+    let (a, b) = (
+        std::fs::read(&input).unwrap(),
+        std::fs::read(dir.path().join("out.pcap")).unwrap(),
+    );
+    assert!(
+        a == b,
+        "output differs from input ({} vs {} bytes)",
+        a.len(),
+        b.len()
+    );
+    assert_eq!(capinfos_count(&dir.path().join("out.pcap")), 2000);
+    assert_eq!(
+        tshark_frames(&input),
+        tshark_frames(&dir.path().join("out.pcap"))
+    );
+}
+
+#[test]
+fn microsecond_pcap_becomes_nanosecond_with_same_frames() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("in.pcap");
+    write_pcap(&input, TsResolution::MicroSecond, 500);
+    let graph = copy_graph(dir.path(), "in.pcap", "out.pcap");
+    run_to_end(&graph, dir.path());
+    let out = dir.path().join("out.pcap");
+    assert_eq!(tshark_frames(&input), tshark_frames(&out));
+    let info = ok(tool("capinfos").arg("-M").arg(&out).output().unwrap());
+    assert!(info.contains("nanoseconds"), "{info}");
+}
+
+#[test]
+fn pcapng_in_and_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let pcap = dir.path().join("in.pcap");
+    write_pcap(&pcap, TsResolution::NanoSecond, 1000);
+    let ng = dir.path().join("in.pcapng");
+    ok(tool("editcap")
+        .args(["-F", "pcapng"])
+        .arg(&pcap)
+        .arg(&ng)
+        .output()
+        .unwrap());
+    let graph = copy_graph(dir.path(), "in.pcapng", "out.pcapng");
+    run_to_end(&graph, dir.path());
+    let out = dir.path().join("out.pcapng");
+    let info = ok(tool("capinfos").arg("-M").arg(&out).output().unwrap());
+    assert!(info.contains("pcapng"), "{info}");
+    assert!(
+        info.contains("Number of stat entries = 1"),
+        "interface statistics at close: {info}"
+    );
+    assert_eq!(capinfos_count(&out), 1000);
+    assert_eq!(tshark_frames(&pcap), tshark_frames(&out));
+    // PCAPNG in -> PCAP out, too.
+    let graph = copy_graph(dir.path(), "out.pcapng", "back.pcap");
+    run_to_end(&graph, dir.path());
+    assert!(std::fs::read(&pcap).unwrap() == std::fs::read(dir.path().join("back.pcap")).unwrap());
+}
+
+#[test]
+fn check_reports_file_line_and_problem() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = write(
+        dir.path(),
+        "bad.yaml",
+        "apps:\n  gen: { type: generator, size: 64 }\n  out:\n    type: sink\n    colour: blue\n  fwd: { type: forwarder }\nlinks:\n  - \"gen.output -> fwd.in\"\n",
+    );
+    let out = stitch().arg("check").arg(&bad).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("bad.yaml:5:5: app `out` (sink) key `colour`: unknown key `colour`"),
+        "{err}"
+    );
+    assert!(err.contains("bad.yaml:8:5: link `gen.output -> fwd.in`: app `fwd` (forwarder) has no input port `in`"), "{err}");
+    let good = write(
+        dir.path(),
+        "good.yaml",
+        "apps:\n  a: { type: generator }\n  b: { type: sink }\nlinks: [\"a.output -> b.input\"]\n",
+    );
+    assert!(ok(stitch().arg("check").arg(&good).output().unwrap()).contains("ok (2 apps, 1 links"));
+    let dot = ok(stitch().arg("graph").arg(&good).output().unwrap());
+    assert!(
+        dot.starts_with("digraph stitch {") && dot.contains("\"a\" -> \"b\""),
+        "{dot}"
+    );
+    let missing = stitch()
+        .args(["check", "/nonexistent.yaml"])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&missing.stderr)
+        .contains("/nonexistent.yaml: cannot read graph file"));
+}
+
+struct Running(Child);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !cond() {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "timed out waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn stats(sock: &Path) -> Option<serde_json::Value> {
+    let out = stitch()
+        .args(["stats", "--json", "--control"])
+        .arg(sock)
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| serde_json::from_slice(&out.stdout).unwrap())
+}
+
+fn app<'a>(s: &'a serde_json::Value, name: &str) -> Option<&'a serde_json::Value> {
+    s["apps"].as_array()?.iter().find(|a| a["name"] == name)
+}
+
+#[test]
+fn stats_apply_live_and_clean_shutdown_on_sigint() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("ctl.sock");
+    let v1 = write(
+        dir.path(),
+        "v1.yaml",
+        "apps:\n  gen: { type: generator, rate: 20000 }\n  t: { type: tee }\n  out: { type: sink }\n  cap: { type: pcap_sink, file: cap.pcap }\nlinks:\n  - \"gen.output -> t.input\"\n  - \"t.a -> out.input\"\n  - \"t.b -> cap.input\"\n",
+    );
+    let child = stitch()
+        .args(["run", "--json", "--control"])
+        .arg(&sock)
+        .arg(&v1)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut running = Running(child);
+    wait_for("the instance to count packets", || {
+        stats(&sock)
+            .and_then(|s| app(&s, "out").map(|a| a["rx_packets"].as_u64().unwrap() > 1000))
+            .unwrap_or(false)
+    });
+    // Human-readable stats too.
+    let table = ok(stitch()
+        .args(["stats", "--control"])
+        .arg(&sock)
+        .output()
+        .unwrap());
+    assert!(
+        table.contains("gen.output -> t.input") && table.contains("APP"),
+        "{table}"
+    );
+
+    // Add a rate meter between tee and sink, live.
+    let v2 = write(
+        dir.path(),
+        "v2.yaml",
+        "apps:\n  gen: { type: generator, rate: 20000 }\n  t: { type: tee }\n  m: { type: rate_meter, interval: 0.1 }\n  out: { type: sink }\n  cap: { type: pcap_sink, file: cap.pcap }\nlinks:\n  - \"gen.output -> t.input\"\n  - \"t.a -> m.input\"\n  - \"m.output -> out.input\"\n  - \"t.b -> cap.input\"\n",
+    );
+    let before = app(&stats(&sock).unwrap(), "out").unwrap()["counters"]["packets"]
+        .as_u64()
+        .unwrap();
+    let applied = ok(stitch()
+        .args(["apply", "--control"])
+        .arg(&sock)
+        .arg(&v2)
+        .output()
+        .unwrap());
+    assert!(applied.contains("started: m"), "{applied}");
+    assert!(applied.contains("unchanged: 4 apps, 2 links"), "{applied}");
+    wait_for("the meter to measure", || {
+        stats(&sock)
+            .and_then(|s| app(&s, "m").map(|a| a["counters"]["rate_pps"].as_u64().unwrap() > 10000))
+            .unwrap_or(false)
+    });
+    let after = app(&stats(&sock).unwrap(), "out").unwrap()["counters"]["packets"]
+        .as_u64()
+        .unwrap();
+    assert!(after > before, "the sink kept its count across apply");
+
+    // A bad graph is refused with its line; the instance keeps running.
+    let bad = write(dir.path(), "bad.yaml", "apps:\n  x: { type: nope }\n");
+    let out = stitch()
+        .args(["apply", "--control"])
+        .arg(&sock)
+        .arg(&bad)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("bad.yaml:2:"));
+    assert!(stats(&sock).is_some());
+
+    // SIGINT: the instance stops, flushes the capture and prints its final counters.
+    unsafe { libc::kill(running.0.id() as i32, libc::SIGINT) };
+    let child = std::mem::replace(&mut running.0, Command::new("true").spawn().unwrap());
+    let out = child.wait_with_output().unwrap();
+    let final_stats: serde_json::Value = serde_json::from_str(&ok(out)).unwrap();
+    let written = app(&final_stats, "cap").unwrap()["counters"]["written"]
+        .as_u64()
+        .unwrap();
+    assert!(written > 1000);
+    assert_eq!(capinfos_count(&dir.path().join("cap.pcap")), written);
+    assert!(!sock.exists(), "control socket removed at exit");
+}
+
+#[test]
+fn default_example_runs() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/hello.yaml");
+    let dir = tempfile::tempdir().unwrap();
+    let out = ok(stitch()
+        .args(["run", "--duration", "1", "--json", "--control"])
+        .arg(dir.path().join("s"))
+        .arg(root)
+        .output()
+        .unwrap());
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let sink = app(&v, "out").unwrap();
+    assert!(sink["rx_packets"].as_u64().unwrap() > 100_000, "{v}");
+}
+
+#[test]
+fn generated_packets_pass_tshark_checksum_validation() {
+    let dir = tempfile::tempdir().unwrap();
+    for (ip, proto, size) in [
+        ("ipv4", "udp", "64"),
+        ("ipv4", "tcp", "imix"),
+        ("ipv6", "udp", "imix"),
+        ("ipv6", "tcp", "[74, 1500, 9216]"),
+    ] {
+        let g = write(
+            dir.path(),
+            "gen.yaml",
+            &format!("apps:\n  gen: {{ type: generator, count: 120, flows: 7, ip: {ip}, protocol: {proto}, size: {size} }}\n  out: {{ type: pcap_sink, file: gen.pcap }}\nlinks: [\"gen.output -> out.input\"]\n"),
+        );
+        run_to_end(&g, dir.path());
+        let file = dir.path().join("gen.pcap");
+        let all = ok(tool("tshark")
+            .arg("-r")
+            .arg(&file)
+            .args(["-T", "fields", "-e", "frame.number"])
+            .output()
+            .unwrap());
+        assert_eq!(all.lines().count(), 120, "{ip}/{proto}");
+        let bad = ok(tool("tshark")
+            .arg("-r")
+            .arg(&file)
+            .args(["-o", "ip.check_checksum:TRUE", "-o", "udp.check_checksum:TRUE", "-o", "tcp.check_checksum:TRUE"])
+            .args(["-Y", "ip.checksum.status != 1 && ip || udp.checksum.status != 1 && udp || tcp.checksum.status != 1 && tcp || _ws.malformed || _ws.expert.severity >= error"])
+            .output()
+            .unwrap());
+        assert_eq!(bad, "", "{ip}/{proto}: packets tshark finds bad");
+        let good = ok(tool("tshark")
+            .arg("-r")
+            .arg(&file)
+            .args([
+                "-o",
+                "udp.check_checksum:TRUE",
+                "-o",
+                "tcp.check_checksum:TRUE",
+            ])
+            .args(["-Y", &format!("{proto}.checksum.status == 1")])
+            .output()
+            .unwrap());
+        assert_eq!(
+            good.lines().count(),
+            120,
+            "{ip}/{proto}: every L4 checksum verified good"
+        );
+    }
+}
