@@ -45,10 +45,13 @@ fn one() -> f64 {
 /// Most packets sent per breath.
 const BURST: usize = 256;
 
+type Input = Box<dyn Read + Send>;
+
 enum Reader {
-    Pcap(PcapReader<BufReader<File>>),
+    /// PCAP, and whether its timestamps are in nanoseconds.
+    Pcap(PcapReader<Input>, bool),
     /// PCAPNG with, per interface, the factor from its timestamp units to nanoseconds.
-    PcapNg(PcapNgReader<BufReader<File>>, Vec<TsScale>),
+    PcapNg(PcapNgReader<Input>, Vec<TsScale>),
 }
 
 #[derive(Clone, Copy)]
@@ -90,22 +93,26 @@ fn scale_of(opts: &[InterfaceDescriptionOption]) -> TsScale {
 impl PcapFile {
     pub fn open(path: &std::path::Path) -> Result<PcapFile, String> {
         let name = path.display();
-        let mut f = File::open(path).map_err(|e| format!("cannot open {name}: {e}"))?;
-        let mut magic = [0u8; 4];
-        f.read_exact(&mut magic)
-            .map_err(|_| format!("{name}: too short to be a PCAP or PCAPNG file"))?;
         let f = File::open(path).map_err(|e| format!("cannot open {name}: {e}"))?;
-        let r = BufReader::with_capacity(1 << 20, f);
+        PcapFile::from_reader(Box::new(BufReader::with_capacity(1 << 20, f)))
+            .map_err(|e| format!("{name}: {e}"))
+    }
+
+    /// Reads PCAP or PCAPNG from any byte stream (files, pipes, fuzzers).
+    pub fn from_reader(mut r: Input) -> Result<PcapFile, String> {
+        let mut magic = [0u8; 4];
+        r.read_exact(&mut magic)
+            .map_err(|_| "too short to be a PCAP or PCAPNG file".to_string())?;
+        let r: Input = Box::new(std::io::Cursor::new(magic).chain(r));
         let reader = if magic == [0x0a, 0x0d, 0x0d, 0x0a] {
             Reader::PcapNg(
-                PcapNgReader::new(r)
-                    .map_err(|e| format!("{name}: not a valid PCAPNG file: {e}"))?,
+                PcapNgReader::new(r).map_err(|e| format!("not a valid PCAPNG file: {e}"))?,
                 Vec::new(),
             )
         } else {
-            Reader::Pcap(
-                PcapReader::new(r).map_err(|e| format!("{name}: neither PCAP nor PCAPNG ({e})"))?,
-            )
+            let r = PcapReader::new(r).map_err(|e| format!("neither PCAP nor PCAPNG ({e})"))?;
+            let nano = r.header().ts_resolution == pcap_file::TsResolution::NanoSecond;
+            Reader::Pcap(r, nano)
         };
         Ok(PcapFile {
             reader,
@@ -113,15 +120,28 @@ impl PcapFile {
         })
     }
 
+    /// The next packet: timestamp in nanoseconds and bytes; `None` at the end, `Err` when the
+    /// file is damaged. Records over `MAX_FRAME` come back empty.
+    pub fn next_packet(&mut self) -> Option<Result<(u64, &[u8]), String>> {
+        match self.next() {
+            Next::End => None,
+            Next::Error(e) => Some(Err(e)),
+            Next::Packet { ts_ns, .. } => Some(Ok((ts_ns, &self.buf))),
+        }
+    }
+
     /// Reads the next packet into the internal buffer.
     fn next(&mut self) -> Next {
         self.buf.clear();
         match &mut self.reader {
-            Reader::Pcap(r) => match r.next_packet() {
+            // Raw records: pcap-file's checked records refuse captures cut by a snaplen
+            // (orig_len > snaplen), which `tcpdump -s` writes routinely.
+            Reader::Pcap(r, nano) => match r.next_raw_packet() {
                 None => Next::End,
                 Some(Err(e)) => Next::Error(e.to_string()),
                 Some(Ok(p)) => {
-                    let ts = p.timestamp.as_nanos() as u64;
+                    let frac_ns = if *nano { 1 } else { 1000 };
+                    let ts = (p.ts_sec as u64) * 1_000_000_000 + p.ts_frac as u64 * frac_ns;
                     let oversize = p.data.len() > MAX_FRAME;
                     if !oversize {
                         self.buf.extend_from_slice(&p.data);

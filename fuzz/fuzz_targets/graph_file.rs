@@ -1,0 +1,15 @@
+//! Graph files typed by people: any text must give a graph or line-numbered errors.
+#![no_main]
+use libfuzzer_sys::fuzz_target;
+use std::path::Path;
+
+fuzz_target!(|data: &[u8]| {
+    let Ok(text) = std::str::from_utf8(data) else { return };
+    let mut r = stitch_core::Registry::new();
+    stitch_apps::register(&mut r);
+    stitch_io::register(&mut r);
+    if let Err(e) = stitch_core::Graph::parse(text, "fuzz.yaml", Path::new("."), &r) {
+        assert!(!e.errors.is_empty());
+        let _ = e.to_string();
+    }
+});
