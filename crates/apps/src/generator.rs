@@ -12,12 +12,12 @@
 //!   gen: { type: generator, size: imix, flows: 100, rate: "1 Gbit/s", ip: ipv6, protocol: tcp }
 //! ```
 
-use crate::checksum;
 use serde::Deserialize;
 use std::net::IpAddr;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use stitch_core::packet::MAX_FRAME;
 use stitch_core::{pool, App, AppContext, AppError, Counter, Io, PortSpec};
+use stitch_wire::checksum;
 
 /// Frame sizes of the simple IMIX.
 pub const IMIX: [usize; 12] = [64, 576, 64, 64, 1500, 64, 576, 64, 64, 576, 64, 576];

@@ -1,7 +1,6 @@
 //! Stitch network functions. Each app is one module: its config, its documentation with a graph
 //! snippet, and its tests. [`register`] adds them all to a registry.
 
-pub mod checksum;
 pub mod forwarder;
 pub mod generator;
 pub mod join;

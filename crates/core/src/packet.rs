@@ -42,7 +42,8 @@ pub struct PacketHeader {
     /// Input port number (driver-defined) or 0.
     pub port: u16,
     pub(crate) csum_state: u8,
-    _reserved: u8,
+    /// GSO type of a super-frame (virtio-net `gso_type` values), 0 for none.
+    pub gso_type: u8,
     /// For `ChecksumState::Partial`: where checksumming starts, from the frame start.
     pub csum_start: u16,
     /// For `ChecksumState::Partial`: where the checksum is stored, relative to `csum_start`.
@@ -258,6 +259,7 @@ impl Packet {
             dst.csum_start = src.csum_start;
             dst.csum_offset = src.csum_offset;
             dst.gso_size = src.gso_size;
+            dst.gso_type = src.gso_type;
             dst.timestamp_ns = src.timestamp_ns;
             dst.user = src.user;
         }
@@ -282,6 +284,7 @@ impl Packet {
         h.csum_start = 0;
         h.csum_offset = 0;
         h.gso_size = 0;
+        h.gso_type = 0;
         h.timestamp_ns = 0;
         h.user = [0; 4];
     }

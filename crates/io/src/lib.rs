@@ -1,6 +1,8 @@
 //! Stitch I/O apps: the edges of a graph, where packets enter from and leave to the outside
 //! world. [`register`] adds them all to a registry.
 
+pub mod af_packet;
+pub mod netdev;
 pub mod pcap_sink;
 pub mod pcap_source;
 
@@ -11,6 +13,10 @@ pub fn register(r: &mut Registry) {
     r.register(AppType::of::<pcap_source::PcapSource>(
         "pcap_source",
         "sends the packets of a PCAP/PCAPNG file (loop, recorded pace)",
+    ))
+    .register(AppType::of::<af_packet::AfPacket>(
+        "af_packet",
+        "any Linux interface: TPACKET_V3 receive ring, sendmmsg, fanout, offloads",
     ))
     .register(AppType::of::<pcap_sink::PcapSink>(
         "pcap_sink",

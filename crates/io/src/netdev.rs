@@ -1,0 +1,108 @@
+//! Small helpers about Linux network interfaces shared by the interface apps, with errors that
+//! say what to do.
+
+use std::ffi::CString;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+
+/// The index of interface `name`.
+pub fn ifindex(name: &str) -> Result<u32, String> {
+    let c =
+        CString::new(name).map_err(|_| format!("interface name `{name}` contains a NUL byte"))?;
+    if name.is_empty() || name.len() >= libc::IFNAMSIZ {
+        return Err(format!(
+            "`{name}` is not a valid interface name (1..15 characters)"
+        ));
+    }
+    match unsafe { libc::if_nametoindex(c.as_ptr()) } {
+        0 => Err(format!("no interface named `{name}` (see `ip link show`)")),
+        i => Ok(i),
+    }
+}
+
+fn ifreq(name: &str) -> libc::ifreq {
+    let mut r: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (d, s) in r.ifr_name.iter_mut().zip(name.bytes()) {
+        *d = s as libc::c_char;
+    }
+    r
+}
+
+fn ioctl_socket() -> io::Result<OwnedFd> {
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Interface flags (IFF_UP, ...).
+pub fn flags(name: &str) -> io::Result<libc::c_int> {
+    let s = ioctl_socket()?;
+    let mut r = ifreq(name);
+    if unsafe { libc::ioctl(s.as_raw_fd(), libc::SIOCGIFFLAGS, &mut r) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(unsafe { r.ifr_ifru.ifru_flags } as libc::c_int)
+}
+
+/// Sets the interface up.
+pub fn set_up(name: &str) -> io::Result<()> {
+    let s = ioctl_socket()?;
+    let mut r = ifreq(name);
+    if unsafe { libc::ioctl(s.as_raw_fd(), libc::SIOCGIFFLAGS, &mut r) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    unsafe { r.ifr_ifru.ifru_flags |= libc::IFF_UP as libc::c_short };
+    if unsafe { libc::ioctl(s.as_raw_fd(), libc::SIOCSIFFLAGS, &r) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Interface MTU.
+pub fn mtu(name: &str) -> io::Result<usize> {
+    let s = ioctl_socket()?;
+    let mut r = ifreq(name);
+    if unsafe { libc::ioctl(s.as_raw_fd(), libc::SIOCGIFMTU, &mut r) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(unsafe { r.ifr_ifru.ifru_mtu } as usize)
+}
+
+/// Explains an error of a privileged network call.
+pub fn explain(what: &str, e: io::Error) -> String {
+    match e.raw_os_error() {
+        Some(libc::EPERM) | Some(libc::EACCES) => format!(
+            "{what}: {e} — needs CAP_NET_RAW and CAP_NET_ADMIN (run as root, or \
+             `setcap cap_net_raw,cap_net_admin+ep $(which stitch)`)"
+        ),
+        _ => format!("{what}: {e}"),
+    }
+}
+
+/// `setsockopt` with a plain value.
+pub fn setsockopt<T>(fd: RawFd, level: i32, opt: i32, v: &T) -> io::Result<()> {
+    let r = unsafe {
+        libc::setsockopt(
+            fd,
+            level,
+            opt,
+            v as *const T as *const libc::c_void,
+            std::mem::size_of::<T>() as u32,
+        )
+    };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+/// Nanoseconds since the epoch now.
+pub fn now_ns() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
+}

@@ -1,0 +1,232 @@
+//! Test scaffolding shared by the integration tests: network namespaces joined by veth pairs
+//! (unique names, always removed), and a running `stitch` instance.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+pub fn sh(cmd: &str) -> Output {
+    Command::new("sh").arg("-c").arg(cmd).output().unwrap()
+}
+
+pub fn must(cmd: &str) -> String {
+    let o = sh(cmd);
+    assert!(
+        o.status.success(),
+        "`{cmd}` failed: {}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+pub fn require_root_and_tools(tools: &[&str]) {
+    assert_eq!(
+        unsafe { libc::geteuid() },
+        0,
+        "these tests create network namespaces: run them as root"
+    );
+    for t in tools {
+        assert!(
+            sh(&format!("command -v {t}")).status.success(),
+            "{t} is needed: scripts/install-deps installs it"
+        );
+    }
+}
+
+static NEXT: AtomicUsize = AtomicUsize::new(0);
+
+/// Two namespaces, each joined to the root namespace by a veth pair:
+/// `ns[0]` (`inner[0]`, 10.X.Y.1/24, fd00:X:Y::1/64) ⇄ `outer[0]` … `outer[1]` ⇄ `ns[1]` (`inner[1]`, .2).
+/// The outer ends are up, without addresses, for Stitch to attach to. Everything is removed on drop.
+pub struct TwoHosts {
+    pub ns: [String; 2],
+    pub inner: [String; 2],
+    pub outer: [String; 2],
+    pub ip: [String; 2],
+    pub ip6: [String; 2],
+}
+
+impl TwoHosts {
+    pub fn new() -> TwoHosts {
+        let id = std::process::id() % 10000;
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let tag = format!("{id}x{n}");
+        let hosts = TwoHosts {
+            ns: [format!("st{tag}a"), format!("st{tag}b")],
+            inner: ["eth0".into(), "eth0".into()],
+            outer: [format!("st{tag}a"), format!("st{tag}b")],
+            ip: [
+                format!("10.{}.{}.1", 100 + n % 100, id % 250),
+                format!("10.{}.{}.2", 100 + n % 100, id % 250),
+            ],
+            ip6: [format!("fd00:{n}:{id}::1"), format!("fd00:{n}:{id}::2")],
+        };
+        for i in 0..2 {
+            let (ns, outer, inner) = (&hosts.ns[i], &hosts.outer[i], &hosts.inner[i]);
+            must(&format!("ip netns add {ns}"));
+            must(&format!(
+                "ip link add {outer} type veth peer name {inner} netns {ns}"
+            ));
+            must(&format!("ip link set {outer} up"));
+            must(&format!("sysctl -qw net.ipv6.conf.{outer}.disable_ipv6=1"));
+            must(&format!("ip -n {ns} link set lo up"));
+            must(&format!(
+                "ip -n {ns} addr add {}/24 dev {inner}",
+                hosts.ip[i]
+            ));
+            must(&format!(
+                "ip -n {ns} addr add {}/64 dev {inner} nodad",
+                hosts.ip6[i]
+            ));
+            must(&format!("ip -n {ns} link set {inner} up"));
+        }
+        hosts
+    }
+
+    /// Runs a command inside namespace `i`.
+    pub fn exec(&self, i: usize, cmd: &str) -> Output {
+        sh(&format!("ip netns exec {} {cmd}", self.ns[i]))
+    }
+
+    pub fn spawn(&self, i: usize, cmd: &str) -> Background {
+        Background(
+            Command::new("ip")
+                .args(["netns", "exec", &self.ns[i], "sh", "-c", cmd])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap(),
+        )
+    }
+}
+
+impl Drop for TwoHosts {
+    fn drop(&mut self) {
+        for i in 0..2 {
+            let _ = sh(&format!("ip link del {} 2>/dev/null", self.outer[i]));
+            let _ = sh(&format!(
+                "ip netns pids {} 2>/dev/null | xargs -r kill -9",
+                self.ns[i]
+            ));
+            let _ = sh(&format!("ip netns del {} 2>/dev/null", self.ns[i]));
+        }
+    }
+}
+
+/// A child process killed when dropped (also when a test fails).
+pub struct Background(pub Child);
+
+impl Background {
+    pub fn finish(mut self) -> Output {
+        let child = std::mem::replace(&mut self.0, Command::new("true").spawn().unwrap());
+        child.wait_with_output().unwrap()
+    }
+
+    pub fn signal(&self, sig: i32) {
+        unsafe { libc::kill(self.0.id() as i32, sig) };
+    }
+}
+
+impl Drop for Background {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A `stitch run` of a graph, with its control socket in a temporary folder.
+pub struct Stitch {
+    pub process: Background,
+    pub socket: PathBuf,
+    pub dir: tempfile::TempDir,
+}
+
+impl Stitch {
+    pub fn run(graph: &str) -> Stitch {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("graph.yaml");
+        std::fs::write(&file, graph).unwrap();
+        let socket = dir.path().join("ctl.sock");
+        let child = Command::new(env!("CARGO_BIN_EXE_stitch"))
+            .args(["run", "--json", "--control"])
+            .arg(&socket)
+            .arg(&file)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut s = Stitch {
+            process: Background(child),
+            socket,
+            dir,
+        };
+        let t = Instant::now();
+        while s.stats().is_none() {
+            if let Ok(Some(status)) = s.process.0.try_wait() {
+                let out = std::mem::replace(
+                    &mut s.process,
+                    Background(Command::new("true").spawn().unwrap()),
+                )
+                .finish();
+                panic!(
+                    "stitch exited with {status}: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(20),
+                "stitch did not start"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        s
+    }
+
+    pub fn stats(&self) -> Option<serde_json::Value> {
+        let out = Command::new(env!("CARGO_BIN_EXE_stitch"))
+            .args(["stats", "--json", "--control"])
+            .arg(&self.socket)
+            .output()
+            .ok()?;
+        out.status
+            .success()
+            .then(|| serde_json::from_slice(&out.stdout).unwrap())
+    }
+
+    /// Stops with SIGINT and returns the final counters.
+    pub fn stop(self) -> serde_json::Value {
+        self.process.signal(libc::SIGINT);
+        let out = self.process.finish();
+        assert!(
+            out.status.success(),
+            "stitch failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    }
+
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
+pub fn link<'a>(stats: &'a serde_json::Value, spec: &str) -> &'a serde_json::Value {
+    stats["links"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["link"] == spec)
+        .unwrap_or_else(|| panic!("no link {spec}"))
+}
+
+pub fn app<'a>(stats: &'a serde_json::Value, name: &str) -> &'a serde_json::Value {
+    stats["apps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["name"] == name)
+        .unwrap_or_else(|| panic!("no app {name}"))
+}

@@ -1,0 +1,139 @@
+//! Stitch between two network namespaces: ns1 ⇄ veth ⇄ [interface app ⇄ interface app] ⇄ veth ⇄ ns2.
+//! Real ping, iperf3 TCP with the interfaces' default offloads, and exact UDP bursts.
+
+mod common;
+use common::*;
+
+fn cross_connect(kind: &str, h: &TwoHosts, extra: &str) -> Stitch {
+    Stitch::run(&format!(
+        "apps:\n  a: {{ type: {kind}, interface: {}{extra} }}\n  b: {{ type: {kind}, interface: {}{extra} }}\n  fa: {{ type: forwarder }}\n  fb: {{ type: forwarder }}\nlinks:\n  - \"a.output -> fa.input\"\n  - \"fa.output -> b.input\"\n  - \"b.output -> fb.input\"\n  - \"fb.output -> a.input\"\n",
+        h.outer[0], h.outer[1]
+    ))
+}
+
+fn ping_works(h: &TwoHosts) {
+    let o = h.exec(0, &format!("ping -c 5 -i 0.1 -W 2 {}", h.ip[1]));
+    assert!(
+        o.status.success(),
+        "ping failed: {}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+    let o = h.exec(1, &format!("ping -6 -c 3 -i 0.1 -W 2 {}", h.ip6[0]));
+    assert!(
+        o.status.success(),
+        "ping -6 failed: {}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+}
+
+/// iperf3 TCP from ns1 to ns2 for `secs`; returns received bits per second.
+fn iperf_tcp(h: &TwoHosts, secs: u32) -> f64 {
+    let server = h.spawn(1, "iperf3 -s -1 -p 5299");
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let o = h.exec(0, &format!("iperf3 -c {} -p 5299 -t {secs} -J", h.ip[1]));
+    let _ = server.finish();
+    assert!(
+        o.status.success(),
+        "iperf3 failed: {}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    v["end"]["sum_received"]["bits_per_second"]
+        .as_f64()
+        .unwrap()
+}
+
+const RECEIVER: &str = r#"
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+s.bind(("0.0.0.0", 5300))
+s.settimeout(3.0)
+n = 0
+try:
+    while True:
+        s.recv(2048); n += 1
+except socket.timeout:
+    pass
+print(n)
+"#;
+
+const SENDER: &str = r#"
+import socket, sys, time
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+dst, n = sys.argv[1], int(sys.argv[2])
+payload = bytes(200)
+for i in range(n):
+    s.sendto(payload, (dst, 5300))
+    if i % 200 == 199:
+        time.sleep(0.002)
+"#;
+
+/// Sends `n` UDP datagrams from ns1 to ns2 and returns how many arrived.
+fn udp_burst(h: &TwoHosts, dir: &std::path::Path, n: usize) -> usize {
+    std::fs::write(dir.join("rx.py"), RECEIVER).unwrap();
+    std::fs::write(dir.join("tx.py"), SENDER).unwrap();
+    let rx = h.spawn(1, &format!("python3 {}", dir.join("rx.py").display()));
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let o = h.exec(
+        0,
+        &format!("python3 {} {} {n}", dir.join("tx.py").display(), h.ip[1]),
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = rx.finish();
+    String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
+}
+
+fn exercise(kind: &str, extra: &str) {
+    require_root_and_tools(&["ip", "ping", "iperf3", "python3"]);
+    let h = TwoHosts::new();
+    let s = cross_connect(kind, &h, extra);
+    ping_works(&h);
+    let bps = iperf_tcp(&h, 2);
+    eprintln!("{kind}: iperf3 TCP through Stitch: {:.2} Gbit/s", bps / 1e9);
+    assert!(bps > 10e6, "TCP throughput {bps} bit/s is far too low");
+    let n = 3000;
+    let before = s.stats().unwrap();
+    let got = udp_burst(&h, s.path(), n);
+    let stats = s.stop();
+    assert_eq!(got, n, "every UDP datagram must arrive");
+    let fwd = |st: &serde_json::Value| {
+        link(st, "a.output -> fa.input")["tx_packets"]
+            .as_u64()
+            .unwrap()
+    };
+    assert!(
+        fwd(&stats) - fwd(&before) >= n as u64,
+        "Stitch's counters saw the burst"
+    );
+    for l in stats["links"].as_array().unwrap() {
+        assert_eq!(l["tx_drops"], 0, "{l}");
+    }
+    let a = app(&stats, "a");
+    eprintln!("{kind}: counters of a: {}", a["counters"]);
+}
+
+#[test]
+fn af_packet_carries_ping_tcp_and_exact_udp_bursts() {
+    exercise("af_packet", "");
+}
+
+#[test]
+fn missing_interface_is_a_clear_error_and_nothing_starts() {
+    require_root_and_tools(&["ip"]);
+    let dir = tempfile::tempdir().unwrap();
+    let g = dir.path().join("g.yaml");
+    std::fs::write(&g, "apps:\n  a: { type: af_packet, interface: nosuchif0 }\n  s: { type: sink }\nlinks: [\"a.output -> s.input\"]\n").unwrap();
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_stitch"))
+        .args(["run", "--duration", "1"])
+        .arg(&g)
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("app `a`: no interface named `nosuchif0` (see `ip link show`)"),
+        "{err}"
+    );
+}
