@@ -5,6 +5,7 @@ pub mod af_packet;
 pub mod netdev;
 pub mod pcap_sink;
 pub mod pcap_source;
+pub mod tap;
 
 use stitch_core::{AppType, Registry};
 
@@ -17,6 +18,10 @@ pub fn register(r: &mut Registry) {
     .register(AppType::of::<af_packet::AfPacket>(
         "af_packet",
         "any Linux interface: TPACKET_V3 receive ring, sendmmsg, fanout, offloads",
+    ))
+    .register(AppType::of::<tap::Tap>(
+        "tap",
+        "a TAP device: hands packets to the host stack and takes them from it",
     ))
     .register(AppType::of::<pcap_sink::PcapSink>(
         "pcap_sink",

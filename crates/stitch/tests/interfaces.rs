@@ -137,3 +137,38 @@ fn missing_interface_is_a_clear_error_and_nothing_starts() {
         "{err}"
     );
 }
+
+#[test]
+fn tap_hands_packets_to_a_host_stack() {
+    require_root_and_tools(&["ip", "ping", "iperf3"]);
+    let h = TwoHosts::new();
+    // Replace ns1's veth by a TAP device that Stitch creates, moved into ns1.
+    must(&format!("ip -n {} link del {}", h.ns[0], h.inner[0]));
+    let tap = h.outer[0].clone();
+    let s = Stitch::run(&format!(
+        "apps:\n  t: {{ type: tap, name: {tap} }}\n  b: {{ type: af_packet, interface: {} }}\nlinks:\n  - \"t.output -> b.input\"\n  - \"b.output -> t.input\"\n",
+        h.outer[1]
+    ));
+    must(&format!("ip link set {tap} netns {}", h.ns[0]));
+    must(&format!(
+        "ip -n {} addr add {}/24 dev {tap}",
+        h.ns[0], h.ip[0]
+    ));
+    must(&format!(
+        "ip -n {} addr add {}/64 dev {tap} nodad",
+        h.ns[0], h.ip6[0]
+    ));
+    must(&format!("ip -n {} link set {tap} up", h.ns[0]));
+    ping_works(&h);
+    let bps = iperf_tcp(&h, 2);
+    eprintln!("tap ⇄ af_packet: iperf3 TCP {:.2} Gbit/s", bps / 1e9);
+    assert!(bps > 10e6, "TCP throughput {bps} bit/s is far too low");
+    let stats = s.stop();
+    assert!(
+        app(&stats, "t")["counters"]["gso_segments"]
+            .as_u64()
+            .unwrap()
+            > 0,
+        "TSO frames from the host were segmented"
+    );
+}

@@ -1,0 +1,216 @@
+//! `tap`: creates (or opens, if it exists) a TAP device so that a graph can hand packets to the
+//! host's network stack and take packets from it. `input` goes to the host, `output` comes from
+//! it. The device uses a virtio-net header with checksum and TSO offloads enabled: the host
+//! hands over large TCP frames with partial checksums in one read, Stitch cuts them into
+//! segments on entry, and partial checksums travel on to outputs that complete them.
+//!
+//! The device exists while the app runs (unless it was made persistent with `ip tuntap`).
+//!
+//! ```yaml
+//! apps:
+//!   host: { type: tap, name: stitch0, up: true }
+//! ```
+
+use crate::netdev;
+use serde::Deserialize;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use stitch_core::packet::MAX_FRAME;
+use stitch_core::{pool, App, AppContext, AppError, Counter, Io, PortSpec};
+use stitch_wire::offload::{self, VnetHdr, VNET_HDR_LEN};
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TapConfig {
+    /// Device name (at most 15 bytes).
+    pub name: String,
+    /// Bring the device up.
+    #[serde(default = "yes")]
+    pub up: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// Most reads and writes per breath (the TAP interface is one syscall per packet).
+const BURST: usize = 128;
+const TUNSETVNETHDRSZ: libc::c_ulong = 0x400454d8;
+const TUN_F_CSUM: libc::c_uint = 0x01;
+const TUN_F_TSO4: libc::c_uint = 0x02;
+const TUN_F_TSO6: libc::c_uint = 0x04;
+
+pub struct Tap {
+    fd: OwnedFd,
+    name: String,
+    buf: Vec<u8>,
+    rx_malformed: Counter,
+    gso_segments: Counter,
+    gso_refused: Counter,
+    pool_exhausted: Counter,
+    tx_errors: Counter,
+}
+
+fn open(c: &TapConfig) -> Result<OwnedFd, String> {
+    let name = &c.name;
+    if name.is_empty() || name.len() >= libc::IFNAMSIZ {
+        return Err(format!(
+            "`{name}` is not a valid interface name (1..15 characters)"
+        ));
+    }
+    let fd = unsafe {
+        libc::open(
+            c"/dev/net/tun".as_ptr(),
+            libc::O_RDWR | libc::O_NONBLOCK | libc::O_CLOEXEC,
+        )
+    };
+    if fd < 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(match e.raw_os_error() {
+            Some(libc::ENOENT) => "no /dev/net/tun: load the tun module (modprobe tun)".into(),
+            _ => netdev::explain("cannot open /dev/net/tun", e),
+        });
+    }
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (d, s) in req.ifr_name.iter_mut().zip(name.bytes()) {
+        *d = s as libc::c_char;
+    }
+    req.ifr_ifru.ifru_flags =
+        (libc::IFF_TAP | libc::IFF_NO_PI | libc::IFF_VNET_HDR) as libc::c_short;
+    if unsafe { libc::ioctl(fd.as_raw_fd(), libc::TUNSETIFF, &req) } < 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(match e.raw_os_error() {
+            Some(libc::EBUSY) => format!("tap `{name}` is already in use by another process"),
+            Some(libc::EINVAL) => format!("`{name}` exists and is not a TAP device"),
+            _ => netdev::explain(&format!("cannot create tap `{name}`"), e),
+        });
+    }
+    let hdr_len: libc::c_int = VNET_HDR_LEN as libc::c_int;
+    if unsafe { libc::ioctl(fd.as_raw_fd(), TUNSETVNETHDRSZ, &hdr_len) } < 0 {
+        return Err(netdev::explain(
+            "TUNSETVNETHDRSZ",
+            std::io::Error::last_os_error(),
+        ));
+    }
+    let offloads = TUN_F_CSUM | TUN_F_TSO4 | TUN_F_TSO6;
+    if unsafe {
+        libc::ioctl(
+            fd.as_raw_fd(),
+            libc::TUNSETOFFLOAD,
+            offloads as libc::c_ulong,
+        )
+    } < 0
+    {
+        return Err(netdev::explain(
+            "TUNSETOFFLOAD",
+            std::io::Error::last_os_error(),
+        ));
+    }
+    if c.up {
+        netdev::set_up(name)
+            .map_err(|e| netdev::explain(&format!("cannot bring `{name}` up"), e))?;
+    }
+    Ok(fd)
+}
+
+impl App for Tap {
+    type Config = TapConfig;
+
+    fn declare(c: &TapConfig) -> Result<PortSpec, AppError> {
+        if c.name.is_empty() || c.name.len() >= libc::IFNAMSIZ {
+            return Err(format!("name `{}` must be 1..15 bytes", c.name).into());
+        }
+        Ok(PortSpec::filter())
+    }
+
+    fn new(c: TapConfig, ctx: &mut AppContext) -> Result<Self, AppError> {
+        let fd = open(&c)?;
+        Ok(Tap {
+            fd,
+            name: c.name,
+            // A GSO frame is at most 64 KiB plus headers.
+            buf: vec![0; VNET_HDR_LEN + 65536 + 256],
+            rx_malformed: ctx.counter("rx_malformed_drops"),
+            gso_segments: ctx.counter("gso_segments"),
+            gso_refused: ctx.counter("gso_refused_drops"),
+            pool_exhausted: ctx.counter("pool_exhausted_drops"),
+            tx_errors: ctx.counter("tx_error_drops"),
+        })
+    }
+
+    fn pull(&mut self, io: &mut Io) {
+        let Some(out) = io.output(0) else { return };
+        let mut budget = out.room().min(BURST);
+        while budget > 0 {
+            let n = unsafe {
+                libc::read(
+                    self.fd.as_raw_fd(),
+                    self.buf.as_mut_ptr() as *mut libc::c_void,
+                    self.buf.len(),
+                )
+            };
+            if n <= 0 {
+                break; // EAGAIN: nothing more now
+            }
+            let n = n as usize;
+            let ts = netdev::now_ns();
+            let (Some(vnet), true) = (VnetHdr::parse(&self.buf[..n]), n >= VNET_HDR_LEN + 14)
+            else {
+                self.rx_malformed.add(1);
+                continue;
+            };
+            let frame = &self.buf[VNET_HDR_LEN..n];
+            if vnet.gso_type != offload::GSO_NONE {
+                let mut made = 0;
+                match offload::segment(frame, &vnet, ts, |p| {
+                    made += 1;
+                    out.transmit(p);
+                }) {
+                    Ok(_) => self.gso_segments.add(made),
+                    Err(offload::OffloadError::PoolExhausted) => self.pool_exhausted.add(1),
+                    Err(e) => {
+                        log::debug!("tap {}: GSO frame refused: {e}", self.name);
+                        self.gso_refused.add(1);
+                    }
+                }
+                budget = budget.saturating_sub(made as usize);
+                continue;
+            }
+            if frame.len() > MAX_FRAME {
+                self.rx_malformed.add(1);
+                continue;
+            }
+            let Some(mut p) = pool::alloc() else {
+                self.pool_exhausted.add(1);
+                break;
+            };
+            let _ = p.set_data(frame);
+            p.set_timestamp_ns(ts);
+            vnet.apply_to(&mut p);
+            out.transmit(p);
+            budget -= 1;
+        }
+    }
+
+    fn push(&mut self, io: &mut Io) {
+        let Some(input) = io.input(0) else { return };
+        let mut hdr = [0u8; VNET_HDR_LEN];
+        for p in input.drain().take(BURST) {
+            VnetHdr::of_packet(&p).write(&mut hdr);
+            let iov = [
+                libc::iovec {
+                    iov_base: hdr.as_mut_ptr() as *mut libc::c_void,
+                    iov_len: VNET_HDR_LEN,
+                },
+                libc::iovec {
+                    iov_base: p.data().as_ptr() as *mut libc::c_void,
+                    iov_len: p.len(),
+                },
+            ];
+            let r = unsafe { libc::writev(self.fd.as_raw_fd(), iov.as_ptr(), 2) };
+            if r < 0 {
+                self.tx_errors.add(1);
+            }
+        }
+    }
+}
