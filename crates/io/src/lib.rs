@@ -2,10 +2,12 @@
 //! world. [`register`] adds them all to a registry.
 
 pub mod af_packet;
+pub mod af_xdp;
 pub mod netdev;
 pub mod pcap_sink;
 pub mod pcap_source;
 pub mod tap;
+pub mod xdp;
 
 use stitch_core::{AppType, Registry};
 
@@ -18,6 +20,10 @@ pub fn register(r: &mut Registry) {
     .register(AppType::of::<af_packet::AfPacket>(
         "af_packet",
         "any Linux interface: TPACKET_V3 receive ring, sendmmsg, fanout, offloads",
+    ))
+    .register(AppType::of::<af_xdp::AfXdp>(
+        "af_xdp",
+        "kernel-bypass interface port: XDP redirect to AF_XDP sockets, zero-copy or copy",
     ))
     .register(AppType::of::<tap::Tap>(
         "tap",

@@ -172,3 +172,33 @@ fn tap_hands_packets_to_a_host_stack() {
         "TSO frames from the host were segmented"
     );
 }
+
+#[test]
+fn af_xdp_carries_ping_tcp_and_exact_udp_bursts() {
+    exercise("af_xdp", "");
+}
+
+#[test]
+fn af_xdp_refuses_an_interface_that_already_has_xdp() {
+    require_root_and_tools(&["ip"]);
+    let h = TwoHosts::new();
+    let graph = |name: &str| {
+        format!("apps:\n  {name}: {{ type: af_xdp, interface: {} }}\n  s: {{ type: sink }}\nlinks: [\"{name}.output -> s.input\"]\n", h.outer[0])
+    };
+    let first = Stitch::run(&graph("a"));
+    let dir = tempfile::tempdir().unwrap();
+    let g = dir.path().join("g.yaml");
+    std::fs::write(&g, graph("b")).unwrap();
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_stitch"))
+        .args(["run", "--duration", "1"])
+        .arg(&g)
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("an XDP program is already attached"), "{err}");
+    first.stop();
+    // The program goes away with the instance that attached it.
+    let shown = must(&format!("ip link show {}", h.outer[0]));
+    assert!(!shown.contains("xdp"), "{shown}");
+}

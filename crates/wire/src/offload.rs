@@ -128,6 +128,34 @@ fn complete_in(d: &mut [u8], start: usize, off: usize) -> Result<(), OffloadErro
     Ok(())
 }
 
+/// Completes the TCP/UDP checksum of a frame whose checksum field holds exactly the folded
+/// pseudo-header sum — the mark of a partial checksum whose state was lost (AF_XDP sees
+/// packets after the sender's checksum offload). A complete checksum that happens to hold the
+/// same value is recomputed to the same value, so the check cannot damage a good packet.
+/// Returns whether it completed one.
+pub fn complete_if_partial(frame: &mut [u8]) -> bool {
+    let Ok(lay) = layout(frame) else { return false };
+    let l4_len = if lay.ipv4 {
+        let ip = &frame[lay.l3..];
+        if u16::from_be_bytes([ip[6], ip[7]]) & 0x3fff != 0 {
+            return false; // a fragment: the L4 header is not all here
+        }
+        (u16::from_be_bytes([ip[2], ip[3]]) as usize).checked_sub(lay.l4 - lay.l3)
+    } else {
+        Some(u16::from_be_bytes([frame[lay.l3 + 4], frame[lay.l3 + 5]]) as usize)
+    };
+    let Some(l4_len) = l4_len.filter(|&n| lay.l4 + n <= frame.len() && lay.l4 + n >= lay.payload)
+    else {
+        return false;
+    };
+    let off = if lay.tcp { 16 } else { 6 };
+    let field = u16::from_be_bytes([frame[lay.l4 + off], frame[lay.l4 + off + 1]]);
+    if (!lay.tcp && field == 0) || field != fold(pseudo_sum(frame, &lay, l4_len)) {
+        return false;
+    }
+    complete_in(&mut frame[..lay.l4 + l4_len], lay.l4, off).is_ok()
+}
+
 /// Layout of an Ethernet + IP + TCP/UDP frame.
 struct Layout {
     l3: usize,
@@ -378,6 +406,32 @@ mod tests {
         complete_checksum(&mut p).unwrap();
         assert!(l4_valid(p.data(), false));
         assert_eq!(p.checksum_state(), ChecksumState::Unknown);
+    }
+
+    #[test]
+    fn lost_partial_checksums_are_recognised_and_good_ones_kept() {
+        let good = tcp_frame(false, 100);
+        let mut f = good.clone();
+        assert!(
+            !complete_if_partial(&mut f),
+            "a correct checksum is left alone"
+        );
+        assert_eq!(f, good);
+        let lay = layout(&f).unwrap();
+        let ps = fold(pseudo_sum(&f, &lay, f.len() - 34));
+        f[50..52].copy_from_slice(&ps.to_be_bytes());
+        assert!(complete_if_partial(&mut f));
+        assert!(l4_valid(&f, false));
+        // Ethernet padding after the IP packet is not summed.
+        let mut padded = tcp_frame(true, 2);
+        let lay = layout(&padded).unwrap();
+        let ps = fold(pseudo_sum(&padded, &lay, padded.len() - 54));
+        padded[70..72].copy_from_slice(&ps.to_be_bytes());
+        padded.extend_from_slice(&[0xee; 6]);
+        assert!(complete_if_partial(&mut padded));
+        let n = padded.len() - 6;
+        assert!(l4_valid(&padded[..n], true));
+        assert!(!complete_if_partial(&mut [0u8; 30]));
     }
 
     #[test]

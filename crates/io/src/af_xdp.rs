@@ -1,0 +1,703 @@
+//! `af_xdp`: kernel-bypass interface port. An XDP program redirects the packets of each chosen
+//! queue to an AF_XDP socket whose rings and frame memory (UMEM) are shared with Stitch; sending
+//! goes through the socket's TX ring. Zero-copy where the driver supports it, copy mode otherwise
+//! (veth supports only copy); native (driver) XDP, or generic XDP where the driver has none.
+//!
+//! Frames are copied between the UMEM and the packet pool at the edge: UMEM chunks are at most a
+//! page, pool buffers hold jumbo frames, and the copy of one frame costs less than the kernel's
+//! own copy into the UMEM in copy mode. Packets the program does not redirect (queues without a
+//! socket) go on to the kernel stack.
+//!
+//! Offloads: XDP sees packets after the sender's checksum offload and without its state, so a
+//! TCP/UDP packet from a local sender (veth, TAP) may carry only the pseudo-header sum in its
+//! checksum field. `complete_checksums` (default on) recognises exactly that value and completes
+//! the checksum — this is why TCP works here where Open vSwitch's afxdp ports need `ethtool -K
+//! … tx off`. The veth driver itself stops its peer's TSO while an XDP program is attached.
+//!
+//! ```yaml
+//! apps:
+//!   nic: { type: af_xdp, interface: eth0, queues: [0, 1], xdp_mode: native, zero_copy: auto }
+//! ```
+
+use crate::netdev::{self, explain, setsockopt};
+use crate::xdp::XdpRedirect;
+use serde::Deserialize;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+use stitch_core::{pool, App, AppContext, AppError, Counter, Io, PortSpec};
+use stitch_wire::offload;
+
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum XdpMode {
+    /// Native if the driver has it, generic otherwise.
+    #[default]
+    Auto,
+    Native,
+    Generic,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum ZeroCopy {
+    /// Zero-copy if the driver supports it, copy mode otherwise.
+    #[default]
+    Auto,
+    On,
+    Off,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AfXdpConfig {
+    pub interface: String,
+    #[serde(default = "queue0")]
+    pub queues: Vec<u32>,
+    #[serde(default)]
+    pub xdp_mode: XdpMode,
+    #[serde(default)]
+    pub zero_copy: ZeroCopy,
+    /// Frames of UMEM per queue (half for receiving, half for sending).
+    #[serde(default = "default_frames")]
+    pub frames: u32,
+    #[serde(default = "yes")]
+    pub complete_checksums: bool,
+}
+
+fn queue0() -> Vec<u32> {
+    vec![0]
+}
+fn default_frames() -> u32 {
+    4096
+}
+fn yes() -> bool {
+    true
+}
+
+const AF_XDP: i32 = 44;
+const SOL_XDP: i32 = 283;
+const XDP_MMAP_OFFSETS: i32 = 1;
+const XDP_RX_RING: i32 = 2;
+const XDP_TX_RING: i32 = 3;
+const XDP_UMEM_REG: i32 = 4;
+const XDP_UMEM_FILL_RING: i32 = 5;
+const XDP_UMEM_COMPLETION_RING: i32 = 6;
+const XDP_STATISTICS: i32 = 7;
+const XDP_COPY: u16 = 2;
+const XDP_ZEROCOPY: u16 = 4;
+const XDP_USE_NEED_WAKEUP: u16 = 8;
+const XDP_RING_NEED_WAKEUP: u32 = 1;
+const PGOFF_RX: i64 = 0;
+const PGOFF_TX: i64 = 0x8000_0000;
+const PGOFF_FILL: i64 = 0x1_0000_0000;
+const PGOFF_COMPLETION: i64 = 0x1_8000_0000;
+const FRAME_SIZE: u32 = 4096;
+const BURST: usize = 256;
+
+#[repr(C)]
+#[derive(Default, Clone, Copy)]
+struct RingOffset {
+    producer: u64,
+    consumer: u64,
+    desc: u64,
+    flags: u64,
+}
+
+#[repr(C)]
+#[derive(Default)]
+struct MmapOffsets {
+    rx: RingOffset,
+    tx: RingOffset,
+    fr: RingOffset,
+    cr: RingOffset,
+}
+
+#[repr(C)]
+struct UmemReg {
+    addr: u64,
+    len: u64,
+    chunk_size: u32,
+    headroom: u32,
+    flags: u32,
+    tx_metadata_len: u32,
+}
+
+#[repr(C)]
+struct SockaddrXdp {
+    family: u16,
+    flags: u16,
+    ifindex: u32,
+    queue_id: u32,
+    shared_umem_fd: u32,
+}
+
+#[repr(C)]
+#[derive(Default)]
+struct XdpStatistics {
+    rx_dropped: u64,
+    rx_invalid_descs: u64,
+    tx_invalid_descs: u64,
+    rx_ring_full: u64,
+    rx_fill_ring_empty_descs: u64,
+    tx_ring_empty_descs: u64,
+}
+
+/// One of the four rings shared with the kernel. Entries are u64 addresses (fill, completion)
+/// or 16-byte descriptors (rx, tx).
+struct Ring {
+    map: *mut u8,
+    map_len: usize,
+    producer: *const AtomicU32,
+    consumer: *const AtomicU32,
+    flags: *const AtomicU32,
+    desc: *mut u8,
+    mask: u32,
+    /// Our side's index (producer for fill/tx, consumer for rx/completion).
+    local: u32,
+}
+
+impl Ring {
+    fn map(
+        fd: RawFd,
+        off: &RingOffset,
+        entries: u32,
+        entry_size: usize,
+        pgoff: i64,
+    ) -> Result<Ring, String> {
+        let map_len = off.desc as usize + entries as usize * entry_size;
+        let map = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_POPULATE,
+                fd,
+                pgoff,
+            )
+        };
+        if map == libc::MAP_FAILED {
+            return Err(explain(
+                "cannot map an AF_XDP ring",
+                std::io::Error::last_os_error(),
+            ));
+        }
+        let m = map as *mut u8;
+        let (producer, consumer) = unsafe {
+            (
+                m.add(off.producer as usize) as *const AtomicU32,
+                m.add(off.consumer as usize) as *const AtomicU32,
+            )
+        };
+        let mut r = Ring {
+            map: m,
+            map_len,
+            producer,
+            consumer,
+            flags: unsafe { m.add(off.flags as usize) as *const AtomicU32 },
+            desc: unsafe { m.add(off.desc as usize) },
+            mask: entries - 1,
+            local: 0,
+        };
+        // Start where the kernel's indices are (both zero on a fresh socket).
+        r.local = if pgoff == PGOFF_RX || pgoff == PGOFF_COMPLETION {
+            r.cons().load(Ordering::Relaxed)
+        } else {
+            r.prod().load(Ordering::Relaxed)
+        };
+        Ok(r)
+    }
+    fn prod(&self) -> &AtomicU32 {
+        unsafe { &*self.producer }
+    }
+    fn cons(&self) -> &AtomicU32 {
+        unsafe { &*self.consumer }
+    }
+    fn needs_wakeup(&self) -> bool {
+        unsafe { &*self.flags }.load(Ordering::Relaxed) & XDP_RING_NEED_WAKEUP != 0
+    }
+    /// Free slots for a producer ring.
+    fn free(&self) -> u32 {
+        self.mask + 1 - self.local.wrapping_sub(self.cons().load(Ordering::Acquire))
+    }
+    /// Entries ready for a consumer ring.
+    fn ready(&self) -> u32 {
+        self.prod().load(Ordering::Acquire).wrapping_sub(self.local)
+    }
+    fn addr_slot(&self, i: u32) -> *mut u64 {
+        unsafe { (self.desc as *mut u64).add((i & self.mask) as usize) }
+    }
+    /// (addr, len) of descriptor i of rx/tx rings.
+    fn desc_slot(&self, i: u32) -> *mut u8 {
+        unsafe { self.desc.add((i & self.mask) as usize * 16) }
+    }
+}
+
+impl Drop for Ring {
+    fn drop(&mut self) {
+        unsafe { libc::munmap(self.map as *mut libc::c_void, self.map_len) };
+    }
+}
+
+/// One AF_XDP socket with its own UMEM.
+struct Xsk {
+    fd: OwnedFd,
+    queue: u32,
+    umem: *mut u8,
+    umem_len: usize,
+    fill: Ring,
+    comp: Ring,
+    rx: Ring,
+    tx: Ring,
+    tx_free: Vec<u64>,
+    zero_copy: bool,
+}
+
+impl Drop for Xsk {
+    fn drop(&mut self) {
+        unsafe { libc::munmap(self.umem as *mut libc::c_void, self.umem_len) };
+    }
+}
+
+fn getsockopt<T: Default>(fd: RawFd, opt: i32) -> std::io::Result<T> {
+    let mut v = T::default();
+    let mut len = std::mem::size_of::<T>() as u32;
+    let r = unsafe {
+        libc::getsockopt(
+            fd,
+            SOL_XDP,
+            opt,
+            &mut v as *mut T as *mut libc::c_void,
+            &mut len,
+        )
+    };
+    if r < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(v)
+    }
+}
+
+impl Xsk {
+    fn open(
+        ifname: &str,
+        ifindex: u32,
+        queue: u32,
+        frames: u32,
+        zc: ZeroCopy,
+    ) -> Result<Xsk, String> {
+        let fd = unsafe { libc::socket(AF_XDP, libc::SOCK_RAW | libc::SOCK_CLOEXEC, 0) };
+        if fd < 0 {
+            return Err(explain(
+                "cannot open an AF_XDP socket",
+                std::io::Error::last_os_error(),
+            ));
+        }
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let raw = fd.as_raw_fd();
+        let umem_len = (frames * FRAME_SIZE) as usize;
+        let umem = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                umem_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_POPULATE,
+                -1,
+                0,
+            )
+        };
+        if umem == libc::MAP_FAILED {
+            return Err(explain(
+                "cannot allocate UMEM",
+                std::io::Error::last_os_error(),
+            ));
+        }
+        let umem = umem as *mut u8;
+        let guard = |e: String| {
+            unsafe { libc::munmap(umem as *mut libc::c_void, umem_len) };
+            e
+        };
+        let reg = UmemReg {
+            addr: umem as u64,
+            len: umem_len as u64,
+            chunk_size: FRAME_SIZE,
+            headroom: 0,
+            flags: 0,
+            tx_metadata_len: 0,
+        };
+        setsockopt(raw, SOL_XDP, XDP_UMEM_REG, &reg).map_err(|e| {
+            guard(explain(
+                "cannot register UMEM (locked memory limit? `ulimit -l`)",
+                e,
+            ))
+        })?;
+        let half = frames / 2;
+        let ring_size = half.next_power_of_two();
+        for (opt, what) in [
+            (XDP_UMEM_FILL_RING, "fill"),
+            (XDP_UMEM_COMPLETION_RING, "completion"),
+            (XDP_RX_RING, "rx"),
+            (XDP_TX_RING, "tx"),
+        ] {
+            setsockopt(raw, SOL_XDP, opt, &ring_size)
+                .map_err(|e| guard(format!("AF_XDP {what} ring: {e}")))?;
+        }
+        let off: MmapOffsets = getsockopt(raw, XDP_MMAP_OFFSETS)
+            .map_err(|e| guard(format!("XDP_MMAP_OFFSETS: {e}")))?;
+        let fill = Ring::map(raw, &off.fr, ring_size, 8, PGOFF_FILL).map_err(guard)?;
+        let comp = Ring::map(raw, &off.cr, ring_size, 8, PGOFF_COMPLETION).map_err(guard)?;
+        let rx = Ring::map(raw, &off.rx, ring_size, 16, PGOFF_RX).map_err(guard)?;
+        let tx = Ring::map(raw, &off.tx, ring_size, 16, PGOFF_TX).map_err(guard)?;
+        let mut xsk = Xsk {
+            fd,
+            queue,
+            umem,
+            umem_len,
+            fill,
+            comp,
+            rx,
+            tx,
+            tx_free: Vec::new(),
+            zero_copy: false,
+        };
+        // First half of the frames waits in the fill ring for received packets, the rest is for
+        // sending.
+        for i in 0..half {
+            unsafe {
+                *xsk.fill.addr_slot(xsk.fill.local.wrapping_add(i)) = (i * FRAME_SIZE) as u64
+            };
+        }
+        xsk.fill.local = xsk.fill.local.wrapping_add(half);
+        xsk.fill.prod().store(xsk.fill.local, Ordering::Release);
+        xsk.tx_free = (half..frames).map(|i| (i * FRAME_SIZE) as u64).collect();
+
+        let bind = |flags: u16| {
+            let sa = SockaddrXdp {
+                family: AF_XDP as u16,
+                flags: flags | XDP_USE_NEED_WAKEUP,
+                ifindex,
+                queue_id: queue,
+                shared_umem_fd: 0,
+            };
+            let r = unsafe {
+                libc::bind(
+                    raw,
+                    &sa as *const SockaddrXdp as *const libc::sockaddr,
+                    std::mem::size_of::<SockaddrXdp>() as u32,
+                )
+            };
+            if r < 0 {
+                Err(std::io::Error::last_os_error())
+            } else {
+                Ok(())
+            }
+        };
+        let bound = match zc {
+            ZeroCopy::On => bind(XDP_ZEROCOPY).map(|_| true),
+            ZeroCopy::Off => bind(XDP_COPY).map(|_| false),
+            ZeroCopy::Auto => bind(XDP_ZEROCOPY)
+                .map(|_| true)
+                .or_else(|_| bind(XDP_COPY).map(|_| false)),
+        };
+        xsk.zero_copy = bound.map_err(|e| match e.raw_os_error() {
+            Some(libc::EOPNOTSUPP) => {
+                format!("`{ifname}` does not support AF_XDP zero-copy; use `zero_copy: auto`")
+            }
+            Some(libc::EINVAL) => {
+                format!("cannot bind AF_XDP to `{ifname}` queue {queue}: no such queue? ({e})")
+            }
+            Some(libc::EBUSY) => {
+                format!("queue {queue} of `{ifname}` is already used by another AF_XDP socket")
+            }
+            _ => explain(
+                &format!("cannot bind AF_XDP to `{ifname}` queue {queue}"),
+                e,
+            ),
+        })?;
+        Ok(xsk)
+    }
+
+    fn kick_rx(&self) {
+        unsafe {
+            libc::recvfrom(
+                self.fd.as_raw_fd(),
+                std::ptr::null_mut(),
+                0,
+                libc::MSG_DONTWAIT,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+            )
+        };
+    }
+
+    fn kick_tx(&self) {
+        unsafe {
+            libc::sendto(
+                self.fd.as_raw_fd(),
+                std::ptr::null(),
+                0,
+                libc::MSG_DONTWAIT,
+                std::ptr::null(),
+                0,
+            )
+        };
+    }
+
+    /// Descriptors queued for sending that the kernel has not taken yet.
+    fn tx_pending(&self) -> u32 {
+        self.tx
+            .local
+            .wrapping_sub(self.tx.cons().load(Ordering::Acquire))
+    }
+
+    /// In copy mode the kernel sends at most 32 frames per wakeup: wake it until the queue is
+    /// empty (a few calls per breath at most) so that nothing waits for the next packet.
+    fn flush_tx(&mut self) {
+        if self.zero_copy && !self.tx.needs_wakeup() {
+            return;
+        }
+        for _ in 0..16 {
+            if self.tx_pending() == 0 {
+                break;
+            }
+            self.kick_tx();
+        }
+    }
+
+    /// Takes back the frames the kernel has sent.
+    fn reclaim(&mut self) {
+        let n = self.comp.ready();
+        for i in 0..n {
+            let addr = unsafe { *self.comp.addr_slot(self.comp.local.wrapping_add(i)) };
+            self.tx_free.push(addr & !(FRAME_SIZE as u64 - 1));
+        }
+        self.comp.local = self.comp.local.wrapping_add(n);
+        self.comp.cons().store(self.comp.local, Ordering::Release);
+    }
+}
+
+pub struct AfXdp {
+    socks: Vec<Xsk>,
+    xdp: XdpRedirect,
+    complete_checksums: bool,
+    next_rx: usize,
+    next_tx: usize,
+    last_stats: Instant,
+    kernel_drops: Counter,
+    checksums_completed: Counter,
+    rx_malformed: Counter,
+    pool_exhausted: Counter,
+    tx_full: Counter,
+}
+
+// The rings and UMEM belong to this app alone; they move with it to its worker thread.
+unsafe impl Send for AfXdp {}
+
+impl Drop for AfXdp {
+    fn drop(&mut self) {
+        for s in &self.socks {
+            self.xdp.unbind_queue(s.queue);
+        }
+    }
+}
+
+impl AfXdp {
+    fn receive(&mut self, s: usize, out: &mut stitch_core::Producer, budget: usize) -> usize {
+        let complete = self.complete_checksums;
+        let x = &mut self.socks[s];
+        let n = (x.rx.ready() as usize).min(budget);
+        if n == 0 {
+            if x.fill.needs_wakeup() {
+                x.kick_rx();
+            }
+            return 0;
+        }
+        let ts = netdev::now_ns();
+        let mut made = 0;
+        for i in 0..n as u32 {
+            let d = x.rx.desc_slot(x.rx.local.wrapping_add(i));
+            let (addr, len) = unsafe {
+                (
+                    std::ptr::read(d as *const u64),
+                    std::ptr::read(d.add(8) as *const u32) as usize,
+                )
+            };
+            // Give the frame back to the fill ring at once: the data is copied below.
+            unsafe {
+                *x.fill.addr_slot(x.fill.local.wrapping_add(i)) = addr & !(FRAME_SIZE as u64 - 1)
+            };
+            if addr as usize + len > x.umem_len || len < 14 {
+                self.rx_malformed.add(1);
+                continue;
+            }
+            let bytes = unsafe { std::slice::from_raw_parts(x.umem.add(addr as usize), len) };
+            let Some(mut p) = pool::alloc() else {
+                self.pool_exhausted.add(1);
+                continue;
+            };
+            let _ = p.set_data(bytes);
+            p.set_timestamp_ns(ts);
+            if complete && offload::complete_if_partial(p.data_mut()) {
+                self.checksums_completed.add(1);
+            }
+            out.transmit(p);
+            made += 1;
+        }
+        x.rx.local = x.rx.local.wrapping_add(n as u32);
+        x.rx.cons().store(x.rx.local, Ordering::Release);
+        x.fill.local = x.fill.local.wrapping_add(n as u32);
+        x.fill.prod().store(x.fill.local, Ordering::Release);
+        made
+    }
+
+    fn read_kernel_stats(&mut self) {
+        let mut drops = 0;
+        for s in &self.socks {
+            if let Ok(st) = getsockopt::<XdpStatistics>(s.fd.as_raw_fd(), XDP_STATISTICS) {
+                drops += st.rx_dropped + st.rx_ring_full;
+            }
+        }
+        // These kernel counters are cumulative.
+        self.kernel_drops.set(drops);
+    }
+}
+
+impl App for AfXdp {
+    type Config = AfXdpConfig;
+
+    fn declare(c: &AfXdpConfig) -> Result<PortSpec, AppError> {
+        if c.queues.is_empty() {
+            return Err("queues: give at least one queue id".into());
+        }
+        if c.frames < 64 || !c.frames.is_power_of_two() || c.frames > 1 << 18 {
+            return Err(format!(
+                "frames must be a power of two in 64..=262144, got {}",
+                c.frames
+            )
+            .into());
+        }
+        Ok(PortSpec::filter())
+    }
+
+    fn new(c: AfXdpConfig, ctx: &mut AppContext) -> Result<Self, AppError> {
+        let name = &c.interface;
+        let ifindex = netdev::ifindex(name)?;
+        if netdev::flags(name).map_err(|e| format!("interface `{name}`: {e}"))? & libc::IFF_UP == 0
+        {
+            return Err(format!("interface `{name}` is down (ip link set {name} up)").into());
+        }
+        let max_queue = c.queues.iter().max().copied().unwrap_or(0) + 1;
+        let xdp = match c.xdp_mode {
+            XdpMode::Native => XdpRedirect::attach(name, ifindex, true, max_queue)?,
+            XdpMode::Generic => XdpRedirect::attach(name, ifindex, false, max_queue)?,
+            XdpMode::Auto => match XdpRedirect::attach(name, ifindex, true, max_queue) {
+                Ok(x) => x,
+                Err(e) if e.contains("no native XDP") => {
+                    log::warn!("{e}; using generic XDP");
+                    XdpRedirect::attach(name, ifindex, false, max_queue)?
+                }
+                Err(e) => return Err(e.into()),
+            },
+        };
+        let mut socks = Vec::new();
+        for &q in &c.queues {
+            let x = Xsk::open(name, ifindex, q, c.frames, c.zero_copy)?;
+            xdp.bind_queue(q, x.fd.as_raw_fd())?;
+            socks.push(x);
+        }
+        log::info!(
+            "af_xdp {name}: queues {:?}, {} XDP, {}",
+            c.queues,
+            if xdp.native { "native" } else { "generic" },
+            if socks.iter().all(|s| s.zero_copy) {
+                "zero-copy"
+            } else {
+                "copy mode"
+            }
+        );
+        Ok(AfXdp {
+            socks,
+            xdp,
+            complete_checksums: c.complete_checksums,
+            next_rx: 0,
+            next_tx: 0,
+            last_stats: Instant::now(),
+            kernel_drops: ctx.counter("kernel_drops"),
+            checksums_completed: ctx.counter("checksums_completed"),
+            rx_malformed: ctx.counter("rx_malformed_drops"),
+            pool_exhausted: ctx.counter("pool_exhausted_drops"),
+            tx_full: ctx.counter("tx_ring_full"),
+        })
+    }
+
+    fn pull(&mut self, io: &mut Io) {
+        for x in &mut self.socks {
+            if x.tx_pending() > 0 {
+                x.flush_tx();
+            }
+        }
+        let Some(out) = io.output(0) else { return };
+        let mut budget = out.room().min(BURST);
+        for k in 0..self.socks.len() {
+            let s = (self.next_rx + k) % self.socks.len();
+            budget -= self.receive(s, out, budget).min(budget);
+        }
+        self.next_rx = (self.next_rx + 1) % self.socks.len();
+    }
+
+    fn push(&mut self, io: &mut Io) {
+        let Some(input) = io.input(0) else { return };
+        if input.is_empty() {
+            return;
+        }
+        let s = self.next_tx;
+        self.next_tx = (self.next_tx + 1) % self.socks.len();
+        let x = &mut self.socks[s];
+        x.reclaim();
+        let room = (x.tx.free() as usize).min(x.tx_free.len()).min(BURST);
+        let mut n = 0u32;
+        while (n as usize) < room {
+            let Some(mut p) = input.receive() else { break };
+            if offload::complete_checksum(&mut p).is_err() || p.len() > FRAME_SIZE as usize {
+                self.rx_malformed.add(1);
+                continue;
+            }
+            let addr = x.tx_free.pop().expect("counted above");
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    p.data().as_ptr(),
+                    x.umem.add(addr as usize),
+                    p.len(),
+                );
+                let d = x.tx.desc_slot(x.tx.local.wrapping_add(n));
+                std::ptr::write(d as *mut u64, addr);
+                std::ptr::write(d.add(8) as *mut u32, p.len() as u32);
+                std::ptr::write(d.add(12) as *mut u32, 0);
+            }
+            n += 1;
+        }
+        if n > 0 {
+            x.tx.local = x.tx.local.wrapping_add(n);
+            x.tx.prod().store(x.tx.local, Ordering::Release);
+        }
+        x.flush_tx();
+        x.reclaim();
+        if !input.is_empty() && room == 0 {
+            self.tx_full.add(1);
+        }
+    }
+
+    fn tick(&mut self, _: &mut Io, now: Instant) {
+        for x in &mut self.socks {
+            x.reclaim();
+        }
+        if now.duration_since(self.last_stats) >= Duration::from_secs(1) {
+            self.last_stats = now;
+            self.read_kernel_stats();
+        }
+    }
+
+    fn stop(&mut self) {
+        self.read_kernel_stats();
+    }
+}
