@@ -1,6 +1,6 @@
 //! `af_packet`: attaches a graph to any Linux interface through a packet socket — a TPACKET_V3
 //! receive ring (blocks of frames shared with the kernel, no copy or syscall per packet to
-//! receive) and batched transmit with `sendmmsg`. Works on every interface; the fallback where
+//! receive) and a TPACKET_V3 transmit ring (one `sendto` per batch). Works on every interface; the fallback where
 //! AF_XDP is unavailable.
 //!
 //! Offloads: the socket uses a virtio-net header, so packets keep their checksum state
@@ -25,7 +25,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 use stitch_core::packet::MAX_FRAME;
-use stitch_core::{pool, App, AppContext, AppError, Counter, Io, Packet, PortSpec};
+use stitch_core::{pool, App, AppContext, AppError, Counter, Io, PortSpec};
 use stitch_wire::offload::{self, VnetHdr, VNET_HDR_LEN};
 
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
@@ -83,7 +83,14 @@ fn default_blocks() -> usize {
 
 /// Most packets taken from the ring or sent per breath.
 const BURST: usize = 256;
-const TX_BATCH: usize = 64;
+/// Transmit ring: fixed frames big enough for a jumbo frame behind the two headers.
+const TX_FRAME_SIZE: usize = 16384;
+const TX_FRAMES: usize = 256;
+const TX_BLOCK_SIZE: usize = 4 * TX_FRAME_SIZE;
+/// Offset of the data in a transmit frame: `TPACKET3_HDRLEN - sizeof(struct sockaddr_ll)`.
+const TX_DATA_OFFSET: usize = 48;
+const TP_STATUS_SEND_REQUEST: u32 = 1;
+const TP_STATUS_WRONG_FORMAT: u32 = 4;
 const TP_STATUS_VLAN_VALID: u32 = 0x10;
 const TP_STATUS_VLAN_TPID_VALID: u32 = 0x40;
 
@@ -102,11 +109,9 @@ pub struct AfPacket {
     block_size: usize,
     blocks: usize,
     cursor: Cursor,
-    // Transmit batch: kept here so that sending allocates nothing.
-    tx_packets: Vec<Packet>,
-    tx_hdrs: Vec<[u8; VNET_HDR_LEN]>,
-    tx_iov: Vec<libc::iovec>,
-    tx_msgs: Vec<libc::mmsghdr>,
+    /// Start of the transmit ring (after the receive ring in the same mapping).
+    tx_ring: *mut u8,
+    tx_next: usize,
     last_stats: Instant,
     kernel_drops: Counter,
     rx_malformed: Counter,
@@ -191,7 +196,21 @@ fn open(c: &AfPacketConfig) -> Result<(OwnedFd, *mut u8, usize), String> {
         "PACKET_RX_RING",
         setsockopt(raw, sol, libc::PACKET_RX_RING, &req),
     )?;
-    let ring_len = c.block_size * c.blocks;
+    let tx_req = libc::tpacket_req3 {
+        tp_block_size: TX_BLOCK_SIZE as u32,
+        tp_block_nr: (TX_FRAMES * TX_FRAME_SIZE / TX_BLOCK_SIZE) as u32,
+        tp_frame_size: TX_FRAME_SIZE as u32,
+        tp_frame_nr: TX_FRAMES as u32,
+        tp_retire_blk_tov: 0,
+        tp_sizeof_priv: 0,
+        tp_feature_req_word: 0,
+    };
+    opt(
+        "PACKET_TX_RING",
+        setsockopt(raw, sol, libc::PACKET_TX_RING, &tx_req),
+    )?;
+    // One mapping holds the receive ring followed by the transmit ring.
+    let ring_len = c.block_size * c.blocks + TX_FRAMES * TX_FRAME_SIZE;
     let ring = unsafe {
         libc::mmap(
             std::ptr::null_mut(),
@@ -369,54 +388,38 @@ impl AfPacket {
         1
     }
 
-    fn transmit_batch(&mut self) {
-        let n = self.tx_packets.len();
-        if n == 0 {
-            return;
-        }
-        for (i, p) in self.tx_packets.iter().enumerate() {
-            VnetHdr::of_packet(p).write(&mut self.tx_hdrs[i]);
-            self.tx_iov[2 * i] = libc::iovec {
-                iov_base: self.tx_hdrs[i].as_mut_ptr() as *mut libc::c_void,
-                iov_len: VNET_HDR_LEN,
-            };
-            self.tx_iov[2 * i + 1] = libc::iovec {
-                iov_base: p.data().as_ptr() as *mut libc::c_void,
-                iov_len: p.len(),
-            };
-            let m = &mut self.tx_msgs[i].msg_hdr;
-            m.msg_iov = unsafe { self.tx_iov.as_mut_ptr().add(2 * i) };
-            m.msg_iovlen = 2;
-        }
-        let mut sent = 0;
-        while sent < n {
-            let r = unsafe {
-                libc::sendmmsg(
-                    self.fd.as_raw_fd(),
-                    self.tx_msgs.as_mut_ptr().add(sent),
-                    (n - sent) as u32,
-                    libc::MSG_DONTWAIT,
-                )
-            };
-            if r <= 0 {
-                let e = std::io::Error::last_os_error();
-                if e.raw_os_error() == Some(libc::EINTR) {
-                    continue;
-                }
-                // The remaining packets are dropped: the device queue is full or refused them.
-                self.tx_errors.add((n - sent) as u64);
-                if e.raw_os_error() != Some(libc::EAGAIN) && e.raw_os_error() != Some(libc::ENOBUFS)
-                {
-                    log::debug!("af_packet {}: send: {e}", self.interface);
-                    // Skip the packet the kernel refused and go on with the rest.
-                    sent += 1;
-                    continue;
-                }
-                break;
+    #[inline]
+    fn tx_frame(&self, i: usize) -> *mut u8 {
+        unsafe { self.tx_ring.add(i * TX_FRAME_SIZE) }
+    }
+
+    #[inline]
+    fn tx_status(&self, i: usize) -> &AtomicU32 {
+        // tpacket3_hdr.tp_status
+        unsafe { &*(self.tx_frame(i).add(20) as *const AtomicU32) }
+    }
+
+    /// Asks the kernel to send every frame marked for sending.
+    fn kick(&mut self) {
+        let r = unsafe {
+            libc::sendto(
+                self.fd.as_raw_fd(),
+                std::ptr::null(),
+                0,
+                libc::MSG_DONTWAIT,
+                std::ptr::null(),
+                0,
+            )
+        };
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            if !matches!(
+                e.raw_os_error(),
+                Some(libc::EAGAIN) | Some(libc::ENOBUFS) | Some(libc::EINTR)
+            ) {
+                log::debug!("af_packet {}: send: {e}", self.interface);
             }
-            sent += r as usize;
         }
-        self.tx_packets.clear();
     }
 
     fn read_kernel_stats(&mut self) {
@@ -457,10 +460,6 @@ impl App for AfPacket {
 
     fn new(c: AfPacketConfig, ctx: &mut AppContext) -> Result<Self, AppError> {
         let (fd, ring, ring_len) = open(&c)?;
-        let mut msgs = Vec::with_capacity(TX_BATCH);
-        for _ in 0..TX_BATCH {
-            msgs.push(unsafe { std::mem::zeroed::<libc::mmsghdr>() });
-        }
         Ok(AfPacket {
             fd,
             ring,
@@ -472,16 +471,8 @@ impl App for AfPacket {
                 taken: 0,
                 offset: 0,
             },
-            tx_packets: Vec::with_capacity(TX_BATCH),
-            tx_hdrs: vec![[0; VNET_HDR_LEN]; TX_BATCH],
-            tx_iov: vec![
-                libc::iovec {
-                    iov_base: std::ptr::null_mut(),
-                    iov_len: 0
-                };
-                2 * TX_BATCH
-            ],
-            tx_msgs: msgs,
+            tx_ring: unsafe { ring.add(c.block_size * c.blocks) },
+            tx_next: 0,
             last_stats: Instant::now(),
             kernel_drops: ctx.counter("kernel_drops"),
             rx_malformed: ctx.counter("rx_malformed_drops"),
@@ -531,16 +522,42 @@ impl App for AfPacket {
 
     fn push(&mut self, io: &mut Io) {
         let Some(input) = io.input(0) else { return };
-        let mut n = 0;
-        while n < BURST {
-            let Some(p) = input.receive() else { break };
-            n += 1;
-            self.tx_packets.push(p);
-            if self.tx_packets.len() == TX_BATCH {
-                self.transmit_batch();
+        let mut queued = 0;
+        while queued < BURST {
+            let i = self.tx_next;
+            let status = self.tx_status(i).load(Ordering::Acquire);
+            if status == TP_STATUS_WRONG_FORMAT {
+                self.tx_errors.add(1);
+            } else if status != libc::TP_STATUS_AVAILABLE {
+                break; // ring full: the rest waits in the input link
             }
+            let Some(p) = input.receive() else { break };
+            let frame = self.tx_frame(i);
+            let len = p.len();
+            let mut hdr = [0u8; VNET_HDR_LEN];
+            VnetHdr::of_packet(&p).write(&mut hdr);
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    hdr.as_ptr(),
+                    frame.add(TX_DATA_OFFSET),
+                    VNET_HDR_LEN,
+                );
+                std::ptr::copy_nonoverlapping(
+                    p.data().as_ptr(),
+                    frame.add(TX_DATA_OFFSET + VNET_HDR_LEN),
+                    len,
+                );
+                std::ptr::write(frame.add(16) as *mut u32, (VNET_HDR_LEN + len) as u32);
+                // tp_len
+            }
+            self.tx_status(i)
+                .store(TP_STATUS_SEND_REQUEST, Ordering::Release);
+            self.tx_next = (i + 1) % TX_FRAMES;
+            queued += 1;
         }
-        self.transmit_batch();
+        if queued > 0 {
+            self.kick();
+        }
     }
 
     fn tick(&mut self, _: &mut Io, now: Instant) {
