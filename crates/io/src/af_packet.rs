@@ -112,6 +112,8 @@ pub struct AfPacket {
     /// Start of the transmit ring (after the receive ring in the same mapping).
     tx_ring: *mut u8,
     tx_next: usize,
+    /// Room to re-insert a VLAN tag into a GSO frame before segmenting it.
+    scratch: Vec<u8>,
     last_stats: Instant,
     kernel_drops: Counter,
     rx_malformed: Counter,
@@ -335,15 +337,16 @@ impl AfPacket {
             tag
         });
         if vnet.gso_type != offload::GSO_NONE {
-            let mut buf;
+            // A tagged super-frame is rebuilt in a buffer kept for that, not allocated per frame.
+            let mut scratch = std::mem::take(&mut self.scratch);
             let frame_bytes: &[u8] = match vlan {
                 None => data,
                 Some(tag) => {
-                    buf = Vec::with_capacity(data.len() + 4);
-                    buf.extend_from_slice(&data[..12]);
-                    buf.extend_from_slice(&tag);
-                    buf.extend_from_slice(&data[12..]);
-                    &buf
+                    scratch.clear();
+                    scratch.extend_from_slice(&data[..12]);
+                    scratch.extend_from_slice(&tag);
+                    scratch.extend_from_slice(&data[12..]);
+                    &scratch
                 }
             };
             let mut n = 0;
@@ -358,6 +361,7 @@ impl AfPacket {
                     self.gso_refused.add(1);
                 }
             }
+            self.scratch = scratch;
             return n as usize;
         }
         let len = data.len() + if vlan.is_some() { 4 } else { 0 };
@@ -473,6 +477,7 @@ impl App for AfPacket {
             },
             tx_ring: unsafe { ring.add(c.block_size * c.blocks) },
             tx_next: 0,
+            scratch: Vec::with_capacity(65536 + 64),
             last_stats: Instant::now(),
             kernel_drops: ctx.counter("kernel_drops"),
             rx_malformed: ctx.counter("rx_malformed_drops"),

@@ -154,7 +154,7 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-pub fn run(cmd: BenchCmd, registry: &Registry) -> Result<()> {
+pub fn run(cmd: BenchCmd, registry: Arc<Registry>) -> Result<()> {
     let BenchCmd::Chain {
         hops,
         size,
@@ -164,15 +164,12 @@ pub fn run(cmd: BenchCmd, registry: &Registry) -> Result<()> {
     } = cmd;
     anyhow::ensure!(hops >= 1, "--hops must be at least 1");
     anyhow::ensure!(runs >= 1, "--runs must be at least 1");
-    // The registry is owned by the caller; the engine wants a shared one.
-    let registry = Arc::new({
-        let mut r = Registry::new();
-        for t in ["generator", "forwarder", "sink"] {
-            anyhow::ensure!(registry.get(t).is_some(), "app type {t} missing");
-        }
-        stitch_apps::register(&mut r);
-        r
-    });
+    for t in ["generator", "forwarder", "sink"] {
+        anyhow::ensure!(
+            registry.get(t).is_some(),
+            "app type {t} missing from this build"
+        );
+    }
     let load = load_average();
     if !json {
         println!(

@@ -188,7 +188,7 @@ fn run_cli(cli: Cli) -> Result<()> {
                 bail!("some changes could not be applied");
             }
         }
-        Cmd::Bench(b) => bench::run(b, &registry())?,
+        Cmd::Bench(b) => bench::run(b, Arc::new(registry()))?,
     }
     Ok(())
 }

@@ -231,3 +231,38 @@ fn af_packet_fanout_shares_an_interface_between_apps() {
         "both fanout members got traffic: {a0} and {a1}"
     );
 }
+
+const VLAN_SENDER: &str = r#"
+import socket, struct
+s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+s.bind(("eth0", 0))
+for i in range(20):
+    frame = bytes.fromhex("0200000000b2" "0200000000a1") + struct.pack("!HHH", 0x8100, 10, 0x88b5) + bytes([i]) * 46
+    s.send(frame)
+"#;
+
+#[test]
+fn af_packet_puts_back_the_vlan_tags_the_kernel_lifts_out() {
+    require_root_and_tools(&["ip", "python3", "tcpdump"]);
+    let h = TwoHosts::new();
+    let s = cross_connect("af_packet", &h, "");
+    std::fs::write(s.path().join("vlan.py"), VLAN_SENDER).unwrap();
+    let capture = h.spawn(
+        1,
+        "timeout 10 tcpdump -i eth0 -n -e -c 20 'ether dst 02:00:00:00:00:b2'",
+    );
+    std::thread::sleep(std::time::Duration::from_millis(700));
+    let o = h.exec(
+        0,
+        &format!("python3 {}", s.path().join("vlan.py").display()),
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = capture.finish();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let tagged = text
+        .lines()
+        .filter(|l| l.contains("vlan 10") && l.contains("0x88b5"))
+        .count();
+    assert_eq!(tagged, 20, "every frame arrives with its VLAN tag:\n{text}");
+    s.stop();
+}
