@@ -445,6 +445,23 @@ impl AfPacket {
     }
 }
 
+/// Packets a ring frame turns into: its GSO segments, or one.
+fn segments_of(frame: *const u8) -> usize {
+    let rd32 =
+        |off: usize| unsafe { std::ptr::read_unaligned(frame.add(off) as *const u32) } as usize;
+    let mac = unsafe { std::ptr::read_unaligned(frame.add(24) as *const u16) } as usize;
+    if mac < VNET_HDR_LEN {
+        return 1;
+    }
+    let vnet = unsafe { std::slice::from_raw_parts(frame.add(mac - VNET_HDR_LEN), VNET_HDR_LEN) };
+    match VnetHdr::parse(vnet) {
+        Some(h) if h.gso_type != offload::GSO_NONE && h.gso_size > 0 => {
+            rd32(12).div_ceil(h.gso_size as usize)
+        }
+        _ => 1,
+    }
+}
+
 impl App for AfPacket {
     type Config = AfPacketConfig;
 
@@ -491,9 +508,9 @@ impl App for AfPacket {
 
     fn pull(&mut self, io: &mut Io) {
         let Some(out) = io.output(0) else { return };
-        // Each GSO frame may become ~45 segments: keep room for one.
+        let capacity = out.ring().capacity();
         let mut budget = out.room().min(BURST);
-        while budget > 64 || (budget > 0 && self.cursor.taken == 0) {
+        while budget > 0 {
             let b = self.cursor.block;
             if self.block_status(b).load(Ordering::Acquire) & libc::TP_STATUS_USER == 0 {
                 break;
@@ -503,16 +520,19 @@ impl App for AfPacket {
             if self.cursor.taken == 0 {
                 self.cursor.offset = unsafe { std::ptr::read(base.add(16) as *const u32) } as usize;
             }
-            while self.cursor.taken < num && budget > 0 {
+            while self.cursor.taken < num {
                 let frame = unsafe { base.add(self.cursor.offset) };
+                // A GSO frame becomes many packets: take it only when they all fit, so that a
+                // burst of segments never overflows the output link (it waits in the ring).
+                let need = segments_of(frame).min(capacity).min(BURST);
+                if need > budget {
+                    return;
+                }
                 let next = unsafe { std::ptr::read_unaligned(frame as *const u32) } as usize;
                 let made = self.receive_frame(frame, out);
                 budget = budget.saturating_sub(made.max(1));
                 self.cursor.taken += 1;
                 self.cursor.offset += next;
-            }
-            if self.cursor.taken < num {
-                break;
             }
             // Block done: give it back to the kernel.
             self.block_status(b)

@@ -34,6 +34,8 @@ fn yes() -> bool {
 
 /// Most reads and writes per breath (the TAP interface is one syscall per packet).
 const BURST: usize = 128;
+/// Most segments one TSO frame from the host can become (64 KiB at the smallest usual MSS).
+const MAX_SEGMENTS: usize = 128;
 const TUNSETVNETHDRSZ: libc::c_ulong = 0x400454d8;
 const TUN_F_CSUM: libc::c_uint = 0x01;
 const TUN_F_TSO4: libc::c_uint = 0x02;
@@ -140,8 +142,12 @@ impl App for Tap {
 
     fn pull(&mut self, io: &mut Io) {
         let Some(out) = io.output(0) else { return };
-        let mut budget = out.room().min(BURST);
-        while budget > 0 {
+        // A read may return a 64 KiB TSO frame, i.e. up to MAX_SEGMENTS packets: read only
+        // while they would all fit, so that segments never overflow the output link.
+        let mut budget = out.room();
+        let mut reads = 0;
+        while budget >= MAX_SEGMENTS.min(out.ring().capacity()) && reads < BURST {
+            reads += 1;
             let n = unsafe {
                 libc::read(
                     self.fd.as_raw_fd(),
