@@ -328,7 +328,8 @@ impl Engine {
             return Err(EngineError::Other("engine is stopped".into()));
         }
         if st.graph.is_none() {
-            pool::init(graph.engine.pool_packets).map_err(|e| EngineError::Other(e.to_string()))?;
+            pool::init(graph.engine.pool_packets, graph.engine.pool_large_packets)
+                .map_err(|e| EngineError::Other(e.to_string()))?;
         }
         let mut report = ApplyReport::default();
         let old = st.graph.clone();

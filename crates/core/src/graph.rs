@@ -36,6 +36,8 @@ pub struct EngineConfig {
     pub link_size: usize,
     /// Packets in the pool (read when the process creates its pool).
     pub pool_packets: usize,
+    /// Large packets for whole GSO super-frames (offloaded TCP from veth/TAP).
+    pub pool_large_packets: usize,
 }
 
 impl Default for EngineConfig {
@@ -45,6 +47,7 @@ impl Default for EngineConfig {
             max_sleep_us: 100,
             link_size: DEFAULT_LINK_SIZE,
             pool_packets: crate::pool::DEFAULT_PACKETS,
+            pool_large_packets: crate::pool::DEFAULT_LARGE_PACKETS,
         }
     }
 }

@@ -226,6 +226,15 @@ impl Consumer {
         Some(p)
     }
 
+    /// The next packet, without taking it.
+    #[inline]
+    pub fn peek(&mut self) -> Option<&Packet> {
+        if self.cached_tail == self.head && self.available() == 0 {
+            return None;
+        }
+        Some(unsafe { (*self.ring.slots[self.head & self.ring.mask].get()).assume_init_ref() })
+    }
+
     /// Iterates over the packets available now; the consumer index is published once, when the
     /// iterator is dropped. Packets not taken stay queued.
     #[inline]
@@ -366,6 +375,7 @@ mod tests {
         }
         let first: Vec<u8> = rx.drain().take(2).map(|p| p.data()[0]).collect();
         assert_eq!(first, vec![0, 1]);
+        assert_eq!(rx.peek().map(|p| p.data()[0]), Some(2));
         assert_eq!(rx.available(), 3);
         assert_eq!(tx.ring().stats().rx_packets, 2);
     }

@@ -1,9 +1,11 @@
-//! A packet: a handle to one fixed-size buffer of the packet pool.
+//! A packet: a handle to one buffer of the packet pool.
 //!
-//! Every buffer is `BUFFER_STRIDE` bytes: a 64-byte header (length, data offset, timestamp, metadata)
-//! followed by the data area. Data starts `HEADROOM` bytes into the data area so that encapsulations
-//! can prepend headers without copying. A `Packet` is owned: moving it moves the handle (8 bytes),
-//! dropping it returns the buffer to the pool.
+//! A buffer is a 64-byte header (length, data offset, capacity, timestamp, offload metadata)
+//! followed by its data area. Data starts `HEADROOM` bytes into the data area so that
+//! encapsulations can prepend headers without copying. Ordinary buffers (`BUFFER_STRIDE`) hold a
+//! jumbo frame; a smaller number of large buffers (`LARGE_STRIDE`) hold whole 64 KiB GSO
+//! super-frames, so that offloaded TCP can cross the graph without being cut up. A `Packet` is
+//! owned: moving it moves the handle (8 bytes), dropping it returns the buffer to the pool.
 
 use std::fmt;
 use std::ptr::NonNull;
@@ -12,8 +14,14 @@ use std::ptr::NonNull;
 pub const BUFFER_STRIDE: usize = 10240;
 /// Size of the per-buffer header that precedes the data area.
 pub const HEADER_SIZE: usize = 64;
-/// Bytes available for headroom + frame.
+/// Bytes available for headroom + frame in an ordinary buffer.
 pub const DATA_AREA: usize = BUFFER_STRIDE - HEADER_SIZE;
+/// Bytes of one large buffer, header included.
+pub const LARGE_STRIDE: usize = 72 << 10;
+/// Bytes available for headroom + frame in a large buffer.
+pub const LARGE_DATA_AREA: usize = LARGE_STRIDE - HEADER_SIZE;
+/// Largest GSO super-frame: a 64 KiB IP packet behind Ethernet and two VLAN tags.
+pub const MAX_GSO_FRAME: usize = 65535 + 14 + 8;
 /// Free bytes kept in front of freshly allocated packets for pushing headers.
 pub const HEADROOM: usize = 256;
 /// Largest frame (without FCS) Stitch accepts: a 9216-byte jumbo frame.
@@ -37,8 +45,10 @@ pub enum ChecksumState {
 /// process boundaries.
 #[repr(C, align(64))]
 pub struct PacketHeader {
-    pub(crate) len: u16,
-    pub(crate) offset: u16,
+    pub(crate) len: u32,
+    pub(crate) offset: u32,
+    /// Bytes of the data area (headroom + frame + tailroom); fixed per buffer class.
+    pub(crate) capacity: u32,
     /// Input port number (driver-defined) or 0.
     pub port: u16,
     pub(crate) csum_state: u8,
@@ -48,7 +58,7 @@ pub struct PacketHeader {
     pub csum_start: u16,
     /// For `ChecksumState::Partial`: where the checksum is stored, relative to `csum_start`.
     pub csum_offset: u16,
-    /// GSO segment size for super-frames from offloading interfaces, else 0.
+    /// GSO segment size of a super-frame, else 0.
     pub gso_size: u16,
     _pad: u16,
     /// Receive or capture time, nanoseconds since the Unix epoch (0 = unknown).
@@ -59,20 +69,15 @@ pub struct PacketHeader {
 
 const _: () = assert!(std::mem::size_of::<PacketHeader>() == HEADER_SIZE);
 const _: () = assert!(HEADROOM + MAX_FRAME <= DATA_AREA);
+const _: () = assert!(HEADROOM + MAX_GSO_FRAME <= LARGE_DATA_AREA);
 
-/// One pool buffer as laid out in memory.
-#[repr(C, align(64))]
-pub struct PacketBuf {
-    pub header: PacketHeader,
-    pub area: [u8; DATA_AREA],
-}
-
-const _: () = assert!(std::mem::size_of::<PacketBuf>() == BUFFER_STRIDE);
+/// The start of a pool buffer: its header, followed in memory by `capacity` bytes of data area.
+pub type PacketBuf = PacketHeader;
 
 /// Errors of packet editing; the packet is left unchanged.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum PacketError {
-    #[error("packet would exceed the {DATA_AREA}-byte buffer")]
+    #[error("packet would exceed its buffer")]
     TooLong,
     #[error("packet is shorter than the {0} bytes to remove")]
     TooShort(usize),
@@ -111,7 +116,7 @@ impl Packet {
 
     #[inline]
     fn hdr(&self) -> &PacketHeader {
-        unsafe { &(*self.0.as_ptr()).header }
+        unsafe { self.0.as_ref() }
     }
 
     #[inline]
@@ -121,7 +126,25 @@ impl Packet {
 
     #[inline]
     pub fn header_mut(&mut self) -> &mut PacketHeader {
-        unsafe { &mut (*self.0.as_ptr()).header }
+        unsafe { self.0.as_mut() }
+    }
+
+    /// The data area, which follows the header.
+    #[inline]
+    fn area(&self) -> *mut u8 {
+        unsafe { (self.0.as_ptr() as *mut u8).add(HEADER_SIZE) }
+    }
+
+    /// Bytes of headroom + frame + tailroom of this packet's buffer.
+    #[inline]
+    pub fn capacity(&self) -> usize {
+        self.hdr().capacity as usize
+    }
+
+    /// Whether this is a large (GSO super-frame) buffer.
+    #[inline]
+    pub fn is_large(&self) -> bool {
+        self.capacity() > DATA_AREA
     }
 
     /// Frame length in bytes.
@@ -134,19 +157,13 @@ impl Packet {
     #[inline]
     pub fn data(&self) -> &[u8] {
         let h = self.hdr();
-        unsafe {
-            let area = (*self.0.as_ptr()).area.as_ptr();
-            std::slice::from_raw_parts(area.add(h.offset as usize), h.len as usize)
-        }
+        unsafe { std::slice::from_raw_parts(self.area().add(h.offset as usize), h.len as usize) }
     }
 
     #[inline]
     pub fn data_mut(&mut self) -> &mut [u8] {
         let (off, len) = (self.hdr().offset as usize, self.hdr().len as usize);
-        unsafe {
-            let area = (*self.0.as_ptr()).area.as_mut_ptr();
-            std::slice::from_raw_parts_mut(area.add(off), len)
-        }
+        unsafe { std::slice::from_raw_parts_mut(self.area().add(off), len) }
     }
 
     /// Bytes free in front of the data.
@@ -158,16 +175,16 @@ impl Packet {
     /// Bytes the frame can still grow at its end.
     #[inline]
     pub fn tailroom(&self) -> usize {
-        DATA_AREA - self.hdr().offset as usize - self.hdr().len as usize
+        self.capacity() - self.hdr().offset as usize - self.hdr().len as usize
     }
 
     /// Sets the length; new bytes (when growing) hold whatever the buffer held.
     #[inline]
     pub fn set_len(&mut self, len: usize) -> Result<(), PacketError> {
-        if self.hdr().offset as usize + len > DATA_AREA {
+        if self.hdr().offset as usize + len > self.capacity() {
             return Err(PacketError::TooLong);
         }
-        self.header_mut().len = len as u16;
+        self.header_mut().len = len as u32;
         Ok(())
     }
 
@@ -192,21 +209,22 @@ impl Packet {
         let (off, len) = (self.headroom(), self.len());
         if off >= n {
             let h = self.header_mut();
-            h.offset = (off - n) as u16;
-            h.len = (len + n) as u16;
+            h.offset = (off - n) as u32;
+            h.len = (len + n) as u32;
         } else {
-            if len + n > DATA_AREA {
+            let cap = self.capacity();
+            if len + n > cap {
                 return Err(PacketError::TooLong);
             }
             // Re-centre: put the data after HEADROOM (or as far as it fits) behind the new header.
-            let new_off = HEADROOM.min(DATA_AREA - len - n);
+            let new_off = HEADROOM.min(cap - len - n);
             unsafe {
-                let area = (*self.0.as_ptr()).area.as_mut_ptr();
+                let area = self.area();
                 std::ptr::copy(area.add(off), area.add(new_off + n), len);
             }
             let h = self.header_mut();
-            h.offset = new_off as u16;
-            h.len = (len + n) as u16;
+            h.offset = new_off as u32;
+            h.len = (len + n) as u32;
         }
         Ok(&mut self.data_mut()[..n])
     }
@@ -218,8 +236,8 @@ impl Packet {
             return Err(PacketError::TooShort(n));
         }
         let h = self.header_mut();
-        h.offset += n as u16;
-        h.len -= n as u16;
+        h.offset += n as u32;
+        h.len -= n as u32;
         Ok(())
     }
 
@@ -250,7 +268,11 @@ impl Packet {
     /// Copies this packet (data, timestamp and metadata) into a new buffer; `None` when the
     /// pool is exhausted (counted by the pool).
     pub fn try_clone(&self) -> Option<Packet> {
-        let mut p = crate::pool::alloc()?;
+        let mut p = if self.len() > MAX_FRAME {
+            crate::pool::alloc_large()?
+        } else {
+            crate::pool::alloc()?
+        };
         {
             let src = self.hdr();
             let dst = p.header_mut();
@@ -273,12 +295,13 @@ impl Packet {
         self.0.as_ptr()
     }
 
-    /// Resets the header to a fresh packet's.
+    /// Resets the header to a fresh packet's, in a buffer of `capacity` data bytes.
     #[inline]
-    pub(crate) fn reset(&mut self) {
+    pub(crate) fn reset(&mut self, capacity: usize) {
         let h = self.header_mut();
+        h.capacity = capacity as u32;
         h.len = 0;
-        h.offset = HEADROOM as u16;
+        h.offset = HEADROOM as u32;
         h.port = 0;
         h.csum_state = 0;
         h.csum_start = 0;
@@ -334,8 +357,23 @@ mod tests {
         let mut p = pool::alloc().unwrap();
         p.set_data(&vec![0xab; MAX_FRAME]).unwrap();
         assert_eq!(p.len(), MAX_FRAME);
+        assert!(!p.is_large());
         assert_eq!(p.set_len(DATA_AREA), Err(PacketError::TooLong));
         assert_eq!(p.len(), MAX_FRAME);
+    }
+
+    #[test]
+    fn large_buffers_hold_gso_frames_and_clone_as_large() {
+        let mut p = pool::alloc_large().unwrap();
+        assert!(p.is_large());
+        let frame: Vec<u8> = (0..MAX_GSO_FRAME).map(|i| i as u8).collect();
+        p.set_data(&frame).unwrap();
+        p.prepend(4).unwrap().fill(1);
+        assert_eq!(p.len(), MAX_GSO_FRAME + 4);
+        let q = p.try_clone().unwrap();
+        assert!(q.is_large());
+        assert_eq!(&q.data()[4..], &frame[..]);
+        assert_eq!(p.set_len(LARGE_DATA_AREA), Err(PacketError::TooLong));
     }
 
     #[test]

@@ -1,12 +1,14 @@
-//! The packet pool: one preallocated region of fixed-size buffers for the whole process.
+//! The packet pool: preallocated regions of fixed-size buffers for the whole process.
 //!
-//! The region is a memfd (2 MiB hugepages when the system has them reserved, ordinary pages
-//! otherwise) so that later it can be handed to other processes (shared-memory ports) or to the
-//! kernel (AF_XDP UMEM) as-is. Buffers circulate through a per-thread cache; the cache trades
-//! with the global free list in batches, so allocating or freeing a packet takes no lock and no
-//! syscall. When the pool is empty, `alloc` returns `None` and counts it: nothing ever waits.
+//! Two classes: ordinary buffers (a jumbo frame each) and a smaller number of large buffers for
+//! whole GSO super-frames. Each class is one memfd (2 MiB hugepages when the system has them
+//! reserved, ordinary pages otherwise) so that it can later be handed to other processes
+//! (shared-memory ports) or to the kernel (AF_XDP UMEM) as-is. Buffers circulate through
+//! per-thread caches that trade with the global free list in batches, so allocating or freeing a
+//! packet takes no lock and no syscall. When a class is empty, allocation returns `None` and is
+//! counted: nothing ever waits.
 
-use crate::packet::{Packet, PacketBuf, BUFFER_STRIDE};
+use crate::packet::{Packet, PacketBuf, BUFFER_STRIDE, DATA_AREA, LARGE_DATA_AREA, LARGE_STRIDE};
 use crossbeam_utils::CachePadded;
 use std::cell::RefCell;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -14,11 +16,13 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, OnceLock};
 
-/// Packets in the pool when nothing else is configured (640 MiB of address space; only touched
-/// pages cost memory with ordinary pages).
+/// Ordinary packets in the pool when nothing else is configured (640 MiB of address space;
+/// only touched pages cost memory with ordinary pages).
 pub const DEFAULT_PACKETS: usize = 65536;
+/// Large (GSO) packets when nothing else is configured (18 MiB).
+pub const DEFAULT_LARGE_PACKETS: usize = 256;
 const HUGEPAGE: usize = 2 << 20;
-/// Most buffers a thread keeps to itself.
+/// Most buffers a thread keeps to itself, per class.
 const CACHE_MAX: usize = 512;
 /// Buffers moved between a thread cache and the global list at once.
 const CACHE_BATCH: usize = 256;
@@ -40,135 +44,117 @@ pub struct PoolStats {
     pub packets: usize,
     pub in_use: usize,
     pub exhausted: u64,
+    pub large_packets: usize,
+    pub large_in_use: usize,
+    pub large_exhausted: u64,
     pub hugepages: bool,
 }
 
-pub struct Pool {
+/// One class of buffers: a mapping, its free list and counters.
+struct Class {
     base: *mut u8,
     bytes: usize,
-    packets: usize,
+    stride: usize,
+    capacity: usize,
+    count: usize,
     memfd: OwnedFd,
     hugepages: bool,
     free: Mutex<Vec<NonNull<PacketBuf>>>,
     global_free: AtomicUsize,
     exhausted: AtomicU64,
-    caches: Mutex<Vec<Arc<CachePadded<AtomicUsize>>>>,
 }
 
-// The raw pointers refer to the pool's own mapping, which lives for the whole process.
+pub struct Pool {
+    classes: [Class; 2],
+    caches: Mutex<Vec<Arc<[CachePadded<AtomicUsize>; 2]>>>,
+}
+
+// The raw pointers refer to the pool's own mappings, which live for the whole process.
 unsafe impl Send for Pool {}
 unsafe impl Sync for Pool {}
 
 static POOL: OnceLock<Pool> = OnceLock::new();
 
-/// Creates the process pool with `packets` buffers. Only the first call creates it; later calls
-/// (and the lazy default of [`get`]) return the existing pool.
-pub fn init(packets: usize) -> Result<&'static Pool, PoolError> {
+const SMALL: usize = 0;
+const LARGE: usize = 1;
+
+/// Creates the process pool with `packets` ordinary and `large` GSO buffers. Only the first call
+/// creates it; later calls (and the lazy default of [`get`]) return the existing pool.
+pub fn init(packets: usize, large: usize) -> Result<&'static Pool, PoolError> {
     if let Some(p) = POOL.get() {
-        if p.packets != packets {
+        if p.classes[SMALL].count != packets {
             log::warn!(
                 "packet pool already holds {} packets; keeping it (asked for {packets})",
-                p.packets
+                p.classes[SMALL].count
             );
         }
         return Ok(p);
     }
-    let pool = Pool::map(packets)?;
+    if packets < 2 * CACHE_BATCH {
+        return Err(PoolError::TooSmall {
+            min: 2 * CACHE_BATCH,
+            got: packets,
+        });
+    }
+    let small = Class::map("stitch-packets", packets, BUFFER_STRIDE, DATA_AREA)?;
+    let large = Class::map(
+        "stitch-gso-packets",
+        large.max(1),
+        LARGE_STRIDE,
+        LARGE_DATA_AREA,
+    )?;
+    let pool = Pool {
+        classes: [small, large],
+        caches: Mutex::new(Vec::new()),
+    };
     Ok(POOL.get_or_init(|| pool))
 }
 
-/// The process pool, created with [`DEFAULT_PACKETS`] on first use if `init` was not called.
+/// The process pool, created with the defaults on first use if `init` was not called.
 #[inline]
 pub fn get() -> &'static Pool {
     match POOL.get() {
         Some(p) => p,
-        None => init(DEFAULT_PACKETS).expect("cannot create the default packet pool"),
+        None => init(DEFAULT_PACKETS, DEFAULT_LARGE_PACKETS)
+            .expect("cannot create the default packet pool"),
     }
 }
 
-impl Pool {
-    fn map(packets: usize) -> Result<Pool, PoolError> {
-        if packets < 2 * CACHE_BATCH {
-            return Err(PoolError::TooSmall {
-                min: 2 * CACHE_BATCH,
-                got: packets,
-            });
-        }
-        let bytes = (packets * BUFFER_STRIDE).div_ceil(HUGEPAGE) * HUGEPAGE;
-        let (memfd, base, hugepages) = match map_memfd(bytes, true) {
+impl Class {
+    fn map(name: &str, count: usize, stride: usize, capacity: usize) -> Result<Class, PoolError> {
+        let bytes = (count * stride).div_ceil(HUGEPAGE) * HUGEPAGE;
+        let (memfd, base, hugepages) = match map_memfd(name, bytes, true) {
             Ok((fd, base)) => (fd, base, true),
             Err(e) => {
                 log::info!(
-                    "no 2 MiB hugepages for the {} MiB packet pool ({e}); using ordinary pages \
+                    "no 2 MiB hugepages for the {} MiB {name} pool ({e}); using ordinary pages \
                      (reserve with: echo {} > /proc/sys/vm/nr_hugepages)",
                     bytes >> 20,
                     bytes / HUGEPAGE
                 );
-                let (fd, base) =
-                    map_memfd(bytes, false).map_err(|source| PoolError::Map { bytes, source })?;
+                let (fd, base) = map_memfd(name, bytes, false)
+                    .map_err(|source| PoolError::Map { bytes, source })?;
                 (fd, base, false)
             }
         };
-        let packets = bytes / BUFFER_STRIDE;
+        let count = bytes / stride;
         // Reverse order so that the first allocations take the lowest addresses.
-        let free: Vec<NonNull<PacketBuf>> = (0..packets)
+        let free: Vec<NonNull<PacketBuf>> = (0..count)
             .rev()
-            .map(|i| unsafe {
-                NonNull::new_unchecked(base.add(i * BUFFER_STRIDE) as *mut PacketBuf)
-            })
+            .map(|i| unsafe { NonNull::new_unchecked(base.add(i * stride) as *mut PacketBuf) })
             .collect();
-        Ok(Pool {
+        Ok(Class {
             base,
             bytes,
-            packets,
+            stride,
+            capacity,
+            count,
             memfd,
             hugepages,
             global_free: AtomicUsize::new(free.len()),
             free: Mutex::new(free),
             exhausted: AtomicU64::new(0),
-            caches: Mutex::new(Vec::new()),
         })
-    }
-
-    pub fn packets(&self) -> usize {
-        self.packets
-    }
-
-    /// Start and length of the pool mapping, e.g. to register it as AF_XDP UMEM.
-    pub fn region(&self) -> (*mut u8, usize) {
-        (self.base, self.bytes)
-    }
-
-    /// The memfd behind the pool, for sharing it with another process.
-    pub fn memfd(&self) -> RawFd {
-        self.memfd.as_raw_fd()
-    }
-
-    pub fn uses_hugepages(&self) -> bool {
-        self.hugepages
-    }
-
-    /// Index of a buffer in the region (stable across processes that map the same memfd).
-    #[inline]
-    pub fn index_of(&self, p: &Packet) -> usize {
-        (p.as_ptr() as usize - self.base as usize) / BUFFER_STRIDE
-    }
-
-    pub fn stats(&self) -> PoolStats {
-        let cached: usize = self
-            .caches
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|c| c.load(Relaxed))
-            .sum();
-        let free = self.global_free.load(Relaxed) + cached;
-        PoolStats {
-            packets: self.packets,
-            in_use: self.packets.saturating_sub(free),
-            exhausted: self.exhausted.load(Relaxed),
-            hugepages: self.hugepages,
-        }
     }
 
     fn take(&self, into: &mut Vec<NonNull<PacketBuf>>, n: usize) {
@@ -185,11 +171,73 @@ impl Pool {
         free.extend(from.drain(at..));
         self.global_free.store(free.len(), Relaxed);
     }
+
+    fn contains(&self, p: *const u8) -> bool {
+        (self.base as usize..self.base as usize + self.bytes).contains(&(p as usize))
+    }
 }
 
-fn map_memfd(bytes: usize, huge: bool) -> std::io::Result<(OwnedFd, *mut u8)> {
+impl Pool {
+    /// Ordinary packets in the pool.
+    pub fn packets(&self) -> usize {
+        self.classes[SMALL].count
+    }
+
+    /// Start and length of the ordinary-buffer mapping, e.g. to register it as AF_XDP UMEM.
+    pub fn region(&self) -> (*mut u8, usize) {
+        (self.classes[SMALL].base, self.classes[SMALL].bytes)
+    }
+
+    /// The memfd behind the ordinary buffers, for sharing them with another process.
+    pub fn memfd(&self) -> RawFd {
+        self.classes[SMALL].memfd.as_raw_fd()
+    }
+
+    pub fn uses_hugepages(&self) -> bool {
+        self.classes[SMALL].hugepages
+    }
+
+    /// Index of an ordinary buffer in its region (stable across processes that map the memfd).
+    #[inline]
+    pub fn index_of(&self, p: &Packet) -> usize {
+        (p.as_ptr() as usize - self.classes[SMALL].base as usize) / self.classes[SMALL].stride
+    }
+
+    pub fn stats(&self) -> PoolStats {
+        let mut cached = [0usize; 2];
+        for c in self.caches.lock().unwrap().iter() {
+            cached[SMALL] += c[SMALL].load(Relaxed);
+            cached[LARGE] += c[LARGE].load(Relaxed);
+        }
+        let in_use = |k: usize| {
+            let c = &self.classes[k];
+            c.count
+                .saturating_sub(c.global_free.load(Relaxed) + cached[k])
+        };
+        PoolStats {
+            packets: self.classes[SMALL].count,
+            in_use: in_use(SMALL),
+            exhausted: self.classes[SMALL].exhausted.load(Relaxed),
+            large_packets: self.classes[LARGE].count,
+            large_in_use: in_use(LARGE),
+            large_exhausted: self.classes[LARGE].exhausted.load(Relaxed),
+            hugepages: self.classes[SMALL].hugepages,
+        }
+    }
+
+    fn class_of(&self, p: NonNull<PacketBuf>) -> usize {
+        if self.classes[LARGE].contains(p.as_ptr() as *const u8) {
+            LARGE
+        } else {
+            SMALL
+        }
+    }
+}
+
+fn map_memfd(name: &str, bytes: usize, huge: bool) -> std::io::Result<(OwnedFd, *mut u8)> {
     let flags = libc::MFD_CLOEXEC | if huge { libc::MFD_HUGETLB } else { 0 };
-    let fd = unsafe { libc::memfd_create(c"stitch-packets".as_ptr(), flags) };
+    let cname = std::ffi::CString::new(name).expect("no NUL in pool names");
+    let fd = unsafe { libc::memfd_create(cname.as_ptr(), flags) };
     if fd < 0 {
         return Err(std::io::Error::last_os_error());
     }
@@ -215,17 +263,23 @@ fn map_memfd(bytes: usize, huge: bool) -> std::io::Result<(OwnedFd, *mut u8)> {
 }
 
 struct Cache {
-    bufs: Vec<NonNull<PacketBuf>>,
-    /// Length of `bufs`, published for pool occupancy statistics.
-    published: Arc<CachePadded<AtomicUsize>>,
+    bufs: [Vec<NonNull<PacketBuf>>; 2],
+    /// Lengths of `bufs`, published for pool occupancy statistics.
+    published: Arc<[CachePadded<AtomicUsize>; 2]>,
 }
 
 impl Cache {
     fn new() -> Cache {
-        let published = Arc::new(CachePadded::new(AtomicUsize::new(0)));
+        let published = Arc::new([
+            CachePadded::new(AtomicUsize::new(0)),
+            CachePadded::new(AtomicUsize::new(0)),
+        ]);
         get().caches.lock().unwrap().push(published.clone());
         Cache {
-            bufs: Vec::with_capacity(CACHE_MAX + CACHE_BATCH),
+            bufs: [
+                Vec::with_capacity(CACHE_MAX + CACHE_BATCH),
+                Vec::with_capacity(CACHE_MAX + CACHE_BATCH),
+            ],
             published,
         }
     }
@@ -234,9 +288,11 @@ impl Cache {
 impl Drop for Cache {
     fn drop(&mut self) {
         let pool = get();
-        let n = self.bufs.len();
-        pool.give(&mut self.bufs, n);
-        self.published.store(0, Relaxed);
+        for k in [SMALL, LARGE] {
+            let n = self.bufs[k].len();
+            pool.classes[k].give(&mut self.bufs[k], n);
+            self.published[k].store(0, Relaxed);
+        }
         pool.caches
             .lock()
             .unwrap()
@@ -248,51 +304,66 @@ thread_local! {
     static CACHE: RefCell<Cache> = RefCell::new(Cache::new());
 }
 
-/// Takes a fresh packet (length 0, `HEADROOM` bytes of headroom). `None` when the pool is
-/// exhausted; the pool counts every such failure.
 #[inline]
-pub fn alloc() -> Option<Packet> {
+fn alloc_class(k: usize) -> Option<Packet> {
+    let pool = get();
+    let class = &pool.classes[k];
     let buf = CACHE
         .try_with(|c| {
             let mut c = c.borrow_mut();
-            if c.bufs.is_empty() {
-                get().take(&mut c.bufs, CACHE_BATCH);
+            if c.bufs[k].is_empty() {
+                class.take(&mut c.bufs[k], CACHE_BATCH);
             }
-            let b = c.bufs.pop();
-            c.published.store(c.bufs.len(), Relaxed);
+            let b = c.bufs[k].pop();
+            c.published[k].store(c.bufs[k].len(), Relaxed);
             b
         })
         .unwrap_or_else(|_| {
             let mut one = Vec::with_capacity(1);
-            get().take(&mut one, 1);
+            class.take(&mut one, 1);
             one.pop()
         });
     match buf {
         Some(b) => {
             let mut p = unsafe { Packet::from_raw(b) };
-            p.reset();
+            p.reset(class.capacity);
             Some(p)
         }
         None => {
-            get().exhausted.fetch_add(1, Relaxed);
+            class.exhausted.fetch_add(1, Relaxed);
             None
         }
     }
 }
 
+/// Takes a fresh packet (length 0, `HEADROOM` bytes of headroom, room for a jumbo frame).
+/// `None` when the pool is exhausted; the pool counts every such failure.
+#[inline]
+pub fn alloc() -> Option<Packet> {
+    alloc_class(SMALL)
+}
+
+/// Takes a fresh large packet, big enough for a 64 KiB GSO super-frame.
+#[inline]
+pub fn alloc_large() -> Option<Packet> {
+    alloc_class(LARGE)
+}
+
 #[inline]
 pub(crate) fn free_raw(buf: NonNull<PacketBuf>) {
+    let pool = get();
+    let k = pool.class_of(buf);
     let cached = CACHE.try_with(|c| {
         let mut c = c.borrow_mut();
-        c.bufs.push(buf);
-        if c.bufs.len() > CACHE_MAX {
-            get().give(&mut c.bufs, CACHE_BATCH);
+        c.bufs[k].push(buf);
+        if c.bufs[k].len() > CACHE_MAX {
+            pool.classes[k].give(&mut c.bufs[k], CACHE_BATCH);
         }
-        c.published.store(c.bufs.len(), Relaxed);
+        c.published[k].store(c.bufs[k].len(), Relaxed);
     });
     if cached.is_err() {
         // Thread is exiting and its cache is gone.
-        get().give(&mut vec![buf], 1);
+        pool.classes[k].give(&mut vec![buf], 1);
     }
 }
 
@@ -305,6 +376,7 @@ mod tests {
         let mut p = alloc().unwrap();
         assert_eq!(p.len(), 0);
         assert_eq!(p.headroom(), crate::packet::HEADROOM);
+        assert_eq!(p.capacity(), DATA_AREA);
         p.set_data(&[1; 100]).unwrap();
         p.set_timestamp_ns(7);
         drop(p);
@@ -313,6 +385,19 @@ mod tests {
         assert_eq!(q.timestamp_ns(), 0);
         let idx = get().index_of(&q);
         assert!(idx < get().packets());
+    }
+
+    #[test]
+    fn large_buffers_come_back_to_their_class() {
+        let p = alloc_large().unwrap();
+        assert_eq!(p.capacity(), LARGE_DATA_AREA);
+        assert_eq!(
+            get().class_of(NonNull::new(p.as_ptr() as *mut PacketBuf).unwrap()),
+            LARGE
+        );
+        drop(p);
+        let q = alloc().unwrap();
+        assert_eq!(q.capacity(), DATA_AREA);
     }
 
     #[test]

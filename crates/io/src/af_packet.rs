@@ -5,8 +5,10 @@
 //!
 //! Offloads: the socket uses a virtio-net header, so packets keep their checksum state
 //! (partial checksums are completed by the kernel on the way out or by an app that needs final
-//! bytes), and GSO super-frames from veth/TAP senders are cut into MSS-sized segments as they
-//! enter the graph. TCP therefore works through Stitch with the interfaces' default offloads.
+//! bytes), and GSO super-frames from veth/TAP senders cross the graph whole in large buffers
+//! (`gso: keep`, the default) and leave with their virtio-net header, so the kernel or the
+//! receiver segments them — or are cut into MSS-sized segments on entry (`gso: segment`).
+//! TCP therefore works through Stitch with the interfaces' default offloads.
 //!
 //! Several `af_packet` apps on one interface with the same `fanout.group` share its traffic
 //! (by flow hash by default), e.g. one per worker. Packets the socket itself sent are ignored.
@@ -24,7 +26,7 @@ use serde::Deserialize;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
-use stitch_core::packet::MAX_FRAME;
+use stitch_core::packet::{MAX_FRAME, MAX_GSO_FRAME};
 use stitch_core::{pool, App, AppContext, AppError, Counter, Io, PortSpec};
 use stitch_wire::offload::{self, VnetHdr, VNET_HDR_LEN};
 
@@ -66,6 +68,18 @@ pub struct AfPacketConfig {
     /// A partly filled block is handed over after this many milliseconds.
     #[serde(default = "one")]
     pub block_timeout_ms: u32,
+    /// GSO super-frames: `keep` them whole through the graph (sent on with their virtio-net
+    /// header, segmented by the kernel or the receiver), or `segment` them on entry.
+    #[serde(default)]
+    pub gso: GsoMode,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum GsoMode {
+    #[default]
+    Keep,
+    Segment,
 }
 
 fn yes() -> bool {
@@ -114,6 +128,10 @@ pub struct AfPacket {
     tx_next: usize,
     /// Room to re-insert a VLAN tag into a GSO frame before segmenting it.
     scratch: Vec<u8>,
+    keep_gso: bool,
+    large_exhausted: Counter,
+    gso_frames: Counter,
+    large_tx: OwnedFd,
     last_stats: Instant,
     kernel_drops: Counter,
     rx_malformed: Counter,
@@ -295,6 +313,50 @@ fn open(c: &AfPacketConfig) -> Result<(OwnedFd, *mut u8, usize), String> {
     Ok((fd, ring as *mut u8, ring_len))
 }
 
+/// A second, send-only socket for frames larger than a transmit-ring frame: on a socket with a
+/// TX ring, `sendmsg` sends ring frames and ignores its own data. Protocol 0: it receives nothing.
+fn open_large_tx(c: &AfPacketConfig) -> Result<OwnedFd, String> {
+    let name = &c.interface;
+    let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(explain(
+            "cannot open a packet socket",
+            std::io::Error::last_os_error(),
+        ));
+    }
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let raw = fd.as_raw_fd();
+    let opt = |what: &str, r: std::io::Result<()>| {
+        r.map_err(|e| explain(&format!("af_packet {name}: {what}"), e))
+    };
+    opt(
+        "PACKET_VNET_HDR",
+        setsockopt(raw, libc::SOL_PACKET, libc::PACKET_VNET_HDR, &1i32),
+    )?;
+    opt(
+        "PACKET_QDISC_BYPASS",
+        setsockopt(raw, libc::SOL_PACKET, libc::PACKET_QDISC_BYPASS, &1i32),
+    )?;
+    let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+    sll.sll_family = libc::AF_PACKET as u16;
+    sll.sll_protocol = 0;
+    sll.sll_ifindex = netdev::ifindex(name)? as i32;
+    let r = unsafe {
+        libc::bind(
+            raw,
+            &sll as *const _ as *const libc::sockaddr,
+            std::mem::size_of::<libc::sockaddr_ll>() as u32,
+        )
+    };
+    if r < 0 {
+        return Err(explain(
+            &format!("af_packet: bind to `{name}`"),
+            std::io::Error::last_os_error(),
+        ));
+    }
+    Ok(fd)
+}
+
 impl AfPacket {
     #[inline]
     fn block(&self, i: usize) -> *mut u8 {
@@ -336,7 +398,17 @@ impl AfPacket {
             tag[2..].copy_from_slice(&vlan_tci.to_be_bytes());
             tag
         });
-        if vnet.gso_type != offload::GSO_NONE {
+        // A super-frame travels whole in a large buffer; it is cut into segments only when
+        // asked to, or when no large buffer is free.
+        let mut large = None;
+        if vnet.gso_type != offload::GSO_NONE && self.keep_gso {
+            large = pool::alloc_large();
+            match large {
+                Some(_) => self.gso_frames.add(1),
+                None => self.large_exhausted.add(1),
+            }
+        }
+        if vnet.gso_type != offload::GSO_NONE && large.is_none() {
             // A tagged super-frame is rebuilt in a buffer kept for that, not allocated per frame.
             let mut scratch = std::mem::take(&mut self.scratch);
             let frame_bytes: &[u8] = match vlan {
@@ -365,11 +437,17 @@ impl AfPacket {
             return n as usize;
         }
         let len = data.len() + if vlan.is_some() { 4 } else { 0 };
-        if len > MAX_FRAME {
+        if len
+            > if large.is_some() {
+                MAX_GSO_FRAME
+            } else {
+                MAX_FRAME
+            }
+        {
             self.rx_malformed.add(1);
             return 0;
         }
-        let Some(mut p) = pool::alloc() else {
+        let Some(mut p) = large.or_else(pool::alloc) else {
             self.pool_exhausted.add(1);
             return 0;
         };
@@ -401,6 +479,31 @@ impl AfPacket {
     fn tx_status(&self, i: usize) -> &AtomicU32 {
         // tpacket3_hdr.tp_status
         unsafe { &*(self.tx_frame(i).add(20) as *const AtomicU32) }
+    }
+
+    /// Sends one frame with `sendmsg` (for frames larger than a ring frame).
+    fn send_one(&mut self, hdr: &mut [u8; VNET_HDR_LEN], data: &[u8]) {
+        let iov = [
+            libc::iovec {
+                iov_base: hdr.as_mut_ptr() as *mut libc::c_void,
+                iov_len: VNET_HDR_LEN,
+            },
+            libc::iovec {
+                iov_base: data.as_ptr() as *mut libc::c_void,
+                iov_len: data.len(),
+            },
+        ];
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
+        msg.msg_iovlen = 2;
+        if unsafe { libc::sendmsg(self.large_tx.as_raw_fd(), &msg, libc::MSG_DONTWAIT) } < 0 {
+            self.tx_errors.add(1);
+            log::debug!(
+                "af_packet {}: send: {}",
+                self.interface,
+                std::io::Error::last_os_error()
+            );
+        }
     }
 
     /// Asks the kernel to send every frame marked for sending.
@@ -495,6 +598,10 @@ impl App for AfPacket {
             tx_ring: unsafe { ring.add(c.block_size * c.blocks) },
             tx_next: 0,
             scratch: Vec::with_capacity(65536 + 64),
+            keep_gso: c.gso == GsoMode::Keep,
+            large_tx: open_large_tx(&c)?,
+            large_exhausted: ctx.counter("large_pool_exhausted"),
+            gso_frames: ctx.counter("gso_frames"),
             last_stats: Instant::now(),
             kernel_drops: ctx.counter("kernel_drops"),
             rx_malformed: ctx.counter("rx_malformed_drops"),
@@ -524,7 +631,11 @@ impl App for AfPacket {
                 let frame = unsafe { base.add(self.cursor.offset) };
                 // A GSO frame becomes many packets: take it only when they all fit, so that a
                 // burst of segments never overflows the output link (it waits in the ring).
-                let need = segments_of(frame).min(capacity).min(BURST);
+                let need = if self.keep_gso {
+                    1
+                } else {
+                    segments_of(frame).min(capacity).min(BURST)
+                };
                 if need > budget {
                     return;
                 }
@@ -557,10 +668,19 @@ impl App for AfPacket {
                 break; // ring full: the rest waits in the input link
             }
             let Some(p) = input.receive() else { break };
-            let frame = self.tx_frame(i);
             let len = p.len();
             let mut hdr = [0u8; VNET_HDR_LEN];
             VnetHdr::of_packet(&p).write(&mut hdr);
+            if TX_DATA_OFFSET + VNET_HDR_LEN + len > TX_FRAME_SIZE {
+                // A super-frame does not fit a ring frame: send what is queued, then it alone.
+                if queued > 0 {
+                    self.kick();
+                    queued = 0;
+                }
+                self.send_one(&mut hdr, p.data());
+                continue;
+            }
+            let frame = self.tx_frame(i);
             unsafe {
                 std::ptr::copy_nonoverlapping(
                     hdr.as_ptr(),

@@ -656,26 +656,43 @@ impl App for AfXdp {
         x.reclaim();
         let room = (x.tx.free() as usize).min(x.tx_free.len()).min(BURST);
         let mut n = 0u32;
-        while (n as usize) < room {
-            let Some(mut p) = input.receive() else { break };
-            if offload::complete_checksum(&mut p).is_err() || p.len() > FRAME_SIZE as usize {
-                self.rx_malformed.add(1);
-                continue;
+        let mut malformed = 0;
+        loop {
+            // A super-frame is cut into segments here: take it only when they all fit.
+            let need = match input.peek() {
+                None => break,
+                Some(p) if p.header().gso_size > 0 => p.len() / p.header().gso_size as usize + 1,
+                Some(_) => 1,
+            };
+            if n as usize + need > room {
+                break;
             }
-            let addr = x.tx_free.pop().expect("counted above");
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    p.data().as_ptr(),
-                    x.umem.add(addr as usize),
-                    p.len(),
-                );
-                let d = x.tx.desc_slot(x.tx.local.wrapping_add(n));
-                std::ptr::write(d as *mut u64, addr);
-                std::ptr::write(d.add(8) as *mut u32, p.len() as u32);
-                std::ptr::write(d.add(12) as *mut u32, 0);
+            let p = input.receive().expect("peeked");
+            let r = offload::resolve_gso(p, |mut seg| {
+                if offload::complete_checksum(&mut seg).is_err() || seg.len() > FRAME_SIZE as usize
+                {
+                    malformed += 1;
+                    return;
+                }
+                let addr = x.tx_free.pop().expect("room counted above");
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        seg.data().as_ptr(),
+                        x.umem.add(addr as usize),
+                        seg.len(),
+                    );
+                    let d = x.tx.desc_slot(x.tx.local.wrapping_add(n));
+                    std::ptr::write(d as *mut u64, addr);
+                    std::ptr::write(d.add(8) as *mut u32, seg.len() as u32);
+                    std::ptr::write(d.add(12) as *mut u32, 0);
+                }
+                n += 1;
+            });
+            if r.is_err() {
+                malformed += 1;
             }
-            n += 1;
         }
+        self.rx_malformed.add(malformed);
         if n > 0 {
             x.tx.local = x.tx.local.wrapping_add(n);
             x.tx.prod().store(x.tx.local, Ordering::Release);

@@ -1,8 +1,9 @@
 //! `tap`: creates (or opens, if it exists) a TAP device so that a graph can hand packets to the
 //! host's network stack and take packets from it. `input` goes to the host, `output` comes from
 //! it. The device uses a virtio-net header with checksum and TSO offloads enabled: the host
-//! hands over large TCP frames with partial checksums in one read, Stitch cuts them into
-//! segments on entry, and partial checksums travel on to outputs that complete them.
+//! hands over large TCP frames with partial checksums in one read; they travel whole through the
+//! graph in large buffers (cut into segments only when none is free, or by an output that needs
+//! it), and partial checksums travel on to outputs that complete them.
 //!
 //! The device exists while the app runs (unless it was made persistent with `ip tuntap`).
 //!
@@ -14,7 +15,7 @@
 use crate::netdev;
 use serde::Deserialize;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use stitch_core::packet::MAX_FRAME;
+use stitch_core::packet::{MAX_FRAME, MAX_GSO_FRAME};
 use stitch_core::{pool, App, AppContext, AppError, Counter, Io, PortSpec};
 use stitch_wire::offload::{self, VnetHdr, VNET_HDR_LEN};
 
@@ -47,6 +48,7 @@ pub struct Tap {
     buf: Vec<u8>,
     rx_malformed: Counter,
     gso_segments: Counter,
+    gso_frames: Counter,
     gso_refused: Counter,
     pool_exhausted: Counter,
     tx_errors: Counter,
@@ -134,6 +136,7 @@ impl App for Tap {
             buf: vec![0; VNET_HDR_LEN + 65536 + 256],
             rx_malformed: ctx.counter("rx_malformed_drops"),
             gso_segments: ctx.counter("gso_segments"),
+            gso_frames: ctx.counter("gso_frames"),
             gso_refused: ctx.counter("gso_refused_drops"),
             pool_exhausted: ctx.counter("pool_exhausted_drops"),
             tx_errors: ctx.counter("tx_error_drops"),
@@ -166,6 +169,21 @@ impl App for Tap {
                 continue;
             };
             let frame = &self.buf[VNET_HDR_LEN..n];
+            // Super-frames travel whole in a large buffer while one is free.
+            let large = if vnet.gso_type != offload::GSO_NONE && frame.len() <= MAX_GSO_FRAME {
+                pool::alloc_large()
+            } else {
+                None
+            };
+            if let Some(mut p) = large {
+                self.gso_frames.add(1);
+                let _ = p.set_data(frame);
+                p.set_timestamp_ns(ts);
+                vnet.apply_to(&mut p);
+                out.transmit(p);
+                budget -= 1;
+                continue;
+            }
             if vnet.gso_type != offload::GSO_NONE {
                 let mut made = 0;
                 match offload::segment(frame, &vnet, ts, |p| {

@@ -69,11 +69,11 @@ impl VnetHdr {
         b[8..10].copy_from_slice(&self.csum_offset.to_le_bytes());
     }
 
-    /// The header describing a packet of the graph (never GSO: super-frames are segmented on
-    /// entry).
+    /// The header describing a packet of the graph: its checksum state and, for a GSO
+    /// super-frame, the segmentation the receiver must do.
     pub fn of_packet(p: &Packet) -> VnetHdr {
         let h = p.header();
-        match p.checksum_state() {
+        let mut v = match p.checksum_state() {
             ChecksumState::Partial => VnetHdr {
                 flags: F_NEEDS_CSUM,
                 csum_start: h.csum_start,
@@ -85,11 +85,33 @@ impl VnetHdr {
                 ..Default::default()
             },
             ChecksumState::Unknown => VnetHdr::default(),
+        };
+        if h.gso_type != GSO_NONE && h.gso_size != 0 {
+            v.gso_type = h.gso_type;
+            v.gso_size = h.gso_size;
+            // Length of all headers: L4 start plus the TCP header length (or 8 for UDP).
+            let start = h.csum_start as usize;
+            let l4 = if h.gso_type & !GSO_ECN == GSO_UDP_L4 {
+                8
+            } else {
+                p.data()
+                    .get(start + 12)
+                    .map(|b| (b >> 4) as usize * 4)
+                    .unwrap_or(20)
+            };
+            v.hdr_len = (start + l4) as u16;
         }
+        v
     }
 
-    /// Records the checksum state of a received (non-GSO) packet.
+    /// Records the offload state of a received packet: checksum state and, for a super-frame,
+    /// its GSO type and segment size.
     pub fn apply_to(&self, p: &mut Packet) {
+        if self.gso_type != GSO_NONE {
+            let h = p.header_mut();
+            h.gso_type = self.gso_type;
+            h.gso_size = self.gso_size;
+        }
         if self.flags & F_NEEDS_CSUM != 0 {
             let h = p.header_mut();
             h.csum_start = self.csum_start;
@@ -99,6 +121,23 @@ impl VnetHdr {
             p.set_checksum_state(ChecksumState::Verified);
         }
     }
+}
+
+/// Passes a packet on as MTU-sized packets: a GSO super-frame is cut into segments (with
+/// partial checksums), anything else goes out unchanged. For outputs that cannot take
+/// super-frames (AF_XDP, apps that rewrite headers). Returns the number of packets produced.
+pub fn resolve_gso(p: Packet, mut out: impl FnMut(Packet)) -> Result<usize, OffloadError> {
+    let h = p.header();
+    if h.gso_type == GSO_NONE || h.gso_size == 0 {
+        out(p);
+        return Ok(1);
+    }
+    let hdr = VnetHdr {
+        gso_type: h.gso_type,
+        gso_size: h.gso_size,
+        ..Default::default()
+    };
+    segment(p.data(), &hdr, p.timestamp_ns(), out)
 }
 
 /// Completes a partial checksum in place (the field holds the pseudo-header sum, as Linux
@@ -385,6 +424,37 @@ mod tests {
             }
             assert_eq!(payload, f[t + 20..].to_vec());
         }
+    }
+
+    #[test]
+    fn super_frames_travel_whole_and_resolve_on_demand() {
+        let f = tcp_frame(true, 5000);
+        let mut p = pool::alloc_large().unwrap();
+        p.set_data(&f).unwrap();
+        let v = VnetHdr {
+            flags: F_NEEDS_CSUM,
+            gso_type: GSO_TCPV6,
+            gso_size: 1440,
+            csum_start: 54,
+            csum_offset: 16,
+            hdr_len: 74,
+        };
+        v.apply_to(&mut p);
+        assert_eq!(
+            VnetHdr::of_packet(&p),
+            v,
+            "the header a socket gets back is the one received"
+        );
+        let mut segs = Vec::new();
+        assert_eq!(resolve_gso(p, |s| segs.push(s)).unwrap(), 4);
+        assert!(segs
+            .iter()
+            .all(|s| s.len() <= 14 + 40 + 20 + 1440 && s.header().gso_type == GSO_NONE));
+        let mut plain = pool::alloc().unwrap();
+        plain.set_data(&tcp_frame(false, 10)).unwrap();
+        let mut n = 0;
+        assert_eq!(resolve_gso(plain, |_| n += 1).unwrap(), 1);
+        assert_eq!(n, 1);
     }
 
     #[test]
