@@ -68,6 +68,11 @@ pub struct AfPacketConfig {
     /// A partly filled block is handed over after this many milliseconds.
     #[serde(default = "one")]
     pub block_timeout_ms: u32,
+    /// A filter in libpcap syntax (as tcpdump takes it), run by the kernel before the ring.
+    pub filter: Option<String>,
+    /// Leave out packets this host sends on the interface (on for forwarding, off for capture).
+    #[serde(default = "yes")]
+    pub ignore_outgoing: bool,
     /// GSO super-frames: `keep` them whole through the graph (sent on with their virtio-net
     /// header, segmented by the kernel or the receiver), or `segment` them on entry.
     #[serde(default)]
@@ -194,10 +199,24 @@ fn open(c: &AfPacketConfig) -> Result<(OwnedFd, *mut u8, usize), String> {
         ),
     )?;
     // Our own transmissions would otherwise come back to the ring.
-    opt(
-        "PACKET_IGNORE_OUTGOING",
-        setsockopt(raw, sol, libc::PACKET_IGNORE_OUTGOING, &1i32),
-    )?;
+    if c.ignore_outgoing {
+        opt(
+            "PACKET_IGNORE_OUTGOING",
+            setsockopt(raw, sol, libc::PACKET_IGNORE_OUTGOING, &1i32),
+        )?;
+    }
+    if let Some(expr) = &c.filter {
+        let prog = compile_filter(expr)?;
+        let insns = prog.get_instructions();
+        let fprog = libc::sock_fprog {
+            len: insns.len() as u16,
+            filter: insns.as_ptr() as *mut libc::sock_filter,
+        };
+        opt(
+            "attaching the filter",
+            setsockopt(raw, libc::SOL_SOCKET, libc::SO_ATTACH_FILTER, &fprog),
+        )?;
+    }
     opt(
         "PACKET_QDISC_BYPASS",
         setsockopt(raw, sol, libc::PACKET_QDISC_BYPASS, &1i32),
@@ -311,6 +330,14 @@ fn open(c: &AfPacketConfig) -> Result<(OwnedFd, *mut u8, usize), String> {
         .map_err(fail)?;
     }
     Ok((fd, ring as *mut u8, ring_len))
+}
+
+/// Compiles a libpcap filter expression for Ethernet frames.
+pub fn compile_filter(expr: &str) -> Result<pcap::BpfProgram, String> {
+    let dead =
+        pcap::Capture::dead(pcap::Linktype::ETHERNET).map_err(|e| format!("libpcap: {e}"))?;
+    dead.compile(expr, true)
+        .map_err(|e| format!("filter `{expr}`: {e}"))
 }
 
 /// A second, send-only socket for frames larger than a transmit-ring frame: on a socket with a
@@ -569,6 +596,9 @@ impl App for AfPacket {
     type Config = AfPacketConfig;
 
     fn declare(c: &AfPacketConfig) -> Result<PortSpec, AppError> {
+        if let Some(expr) = &c.filter {
+            compile_filter(expr)?;
+        }
         if !c.block_size.is_power_of_two() || c.block_size < (128 << 10) {
             return Err(format!(
                 "block_size must be a power of two ≥ 131072, got {}",

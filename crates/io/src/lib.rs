@@ -3,6 +3,8 @@
 
 pub mod af_packet;
 pub mod af_xdp;
+pub mod capture;
+pub mod capture_file;
 pub mod netdev;
 pub mod pcap_sink;
 pub mod pcap_source;
@@ -28,6 +30,10 @@ pub fn register(r: &mut Registry) {
     .register(AppType::of::<tap::Tap>(
         "tap",
         "a TAP device: hands packets to the host stack and takes them from it",
+    ))
+    .register(AppType::of::<capture::Capture>(
+        "capture",
+        "records packets passing through to PCAP/PCAPNG files (rotation, ring), passes them on",
     ))
     .register(AppType::of::<pcap_sink::PcapSink>(
         "pcap_sink",

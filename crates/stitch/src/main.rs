@@ -1,6 +1,7 @@
 //! `stitch`: run, check and inspect Stitch graphs.
 
 mod bench;
+mod capture_cmd;
 mod control;
 mod table;
 
@@ -79,6 +80,8 @@ enum Cmd {
     },
     /// List the app types this build knows.
     Apps,
+    /// Capture an interface to PCAP/PCAPNG files, with tcpdump's options.
+    Capture(capture_cmd::CaptureArgs),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(bench::BenchCmd),
@@ -189,6 +192,7 @@ fn run_cli(cli: Cli) -> Result<()> {
             }
         }
         Cmd::Bench(b) => bench::run(b, Arc::new(registry()))?,
+        Cmd::Capture(c) => capture_cmd::run(c, Arc::new(registry()))?,
     }
     Ok(())
 }

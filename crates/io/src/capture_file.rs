@@ -1,0 +1,681 @@
+//! The capture writer: packets are formatted as PCAP or PCAPNG records straight into large
+//! buffers on the data path, and a separate writer thread writes whole buffers (one `write` per
+//! 4 MiB), rotates files by size or time, and keeps a ring of files. The data path never waits:
+//! when every buffer is queued for writing, packets are dropped and counted.
+//!
+//! Durability: buffers hold whole records, so every file ends on a record boundary; a write that
+//! fails half-way (disk full, folder gone) is cut back to the last complete buffer, the error is
+//! logged once with what to do, and the capture goes on counting the packets it cannot keep.
+//! A PCAPNG file ends with an interface statistics block (packets received and dropped).
+
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// Bytes per buffer: one `write` each.
+pub const BUFFER_BYTES: usize = 4 << 20;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Format {
+    Pcap,
+    Pcapng,
+}
+
+impl Format {
+    /// `pcapng` for a `.pcapng` file name, `pcap` otherwise.
+    pub fn for_path(p: &Path) -> Format {
+        if p.extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("pcapng"))
+        {
+            Format::Pcapng
+        } else {
+            Format::Pcap
+        }
+    }
+}
+
+/// What and where to write.
+#[derive(Debug, Clone)]
+pub struct FileSpec {
+    /// File name; with `rotate_seconds` it is a strftime pattern, as in tcpdump.
+    pub path: PathBuf,
+    pub format: Format,
+    pub snaplen: u32,
+    /// Interface name recorded in PCAPNG files.
+    pub interface: String,
+    /// Start a new file when this many bytes would be exceeded (tcpdump -C, in bytes).
+    pub rotate_bytes: Option<u64>,
+    /// Start a new file every this many seconds (tcpdump -G).
+    pub rotate_seconds: Option<u64>,
+    /// Keep at most this many files, reusing names in a ring (tcpdump -W).
+    pub files: Option<u32>,
+    /// Buffers between the data path and the writer (× 4 MiB).
+    pub buffers: usize,
+}
+
+/// Counters shared by the data path and the writer thread.
+#[derive(Default)]
+pub struct WriterStats {
+    pub bytes_written: AtomicU64,
+    pub files_opened: AtomicU64,
+    pub write_errors: AtomicU64,
+    /// Records lost because a write failed.
+    pub records_lost: AtomicU64,
+    failed: AtomicBool,
+}
+
+enum Job {
+    Data {
+        buf: Vec<u8>,
+        records: u64,
+    },
+    /// Close the file; for PCAPNG with interface statistics (received, dropped).
+    Close {
+        received: u64,
+        dropped: u64,
+    },
+}
+
+/// The data-path half: formats records into buffers and hands full ones to the writer thread.
+pub struct CaptureWriter {
+    spec: FileSpec,
+    current: Option<Vec<u8>>,
+    current_records: u64,
+    current_since: Instant,
+    to_writer: Option<SyncSender<Job>>,
+    free: Receiver<Vec<u8>>,
+    thread: Option<JoinHandle<()>>,
+    pub stats: Arc<WriterStats>,
+}
+
+fn now_ns() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
+}
+
+/// Bytes of the file header (PCAP) or section + interface blocks (PCAPNG).
+fn file_header(spec: &FileSpec) -> Vec<u8> {
+    let mut h = Vec::with_capacity(128);
+    match spec.format {
+        Format::Pcap => {
+            h.extend_from_slice(&0xa1b2_3c4du32.to_le_bytes()); // nanosecond magic
+            h.extend_from_slice(&2u16.to_le_bytes());
+            h.extend_from_slice(&4u16.to_le_bytes());
+            h.extend_from_slice(&0i32.to_le_bytes());
+            h.extend_from_slice(&0u32.to_le_bytes());
+            h.extend_from_slice(&spec.snaplen.to_le_bytes());
+            h.extend_from_slice(&1u32.to_le_bytes()); // LINKTYPE_ETHERNET
+        }
+        Format::Pcapng => {
+            // Section header block.
+            let shb_len = 28u32;
+            h.extend_from_slice(&0x0a0d_0d0au32.to_le_bytes());
+            h.extend_from_slice(&shb_len.to_le_bytes());
+            h.extend_from_slice(&0x1a2b_3c4du32.to_le_bytes());
+            h.extend_from_slice(&1u16.to_le_bytes());
+            h.extend_from_slice(&0u16.to_le_bytes());
+            h.extend_from_slice(&(-1i64).to_le_bytes()); // section length unknown
+            h.extend_from_slice(&shb_len.to_le_bytes());
+            // Interface description block: if_name, if_tsresol = 9.
+            let mut opts = Vec::new();
+            push_option(&mut opts, 2, spec.interface.as_bytes());
+            push_option(&mut opts, 9, &[9]);
+            opts.extend_from_slice(&[0, 0, 0, 0]); // opt_endofopt
+            let idb_len = (20 + opts.len()) as u32;
+            h.extend_from_slice(&1u32.to_le_bytes());
+            h.extend_from_slice(&idb_len.to_le_bytes());
+            h.extend_from_slice(&1u16.to_le_bytes()); // LINKTYPE_ETHERNET
+            h.extend_from_slice(&0u16.to_le_bytes());
+            h.extend_from_slice(&spec.snaplen.to_le_bytes());
+            h.extend_from_slice(&opts);
+            h.extend_from_slice(&idb_len.to_le_bytes());
+        }
+    }
+    h
+}
+
+fn push_option(v: &mut Vec<u8>, code: u16, value: &[u8]) {
+    v.extend_from_slice(&code.to_le_bytes());
+    v.extend_from_slice(&(value.len() as u16).to_le_bytes());
+    v.extend_from_slice(value);
+    v.resize(v.len().next_multiple_of(4), 0);
+}
+
+fn statistics_block(received: u64, dropped: u64) -> Vec<u8> {
+    let mut opts = Vec::new();
+    push_option(&mut opts, 4, &received.to_le_bytes()); // isb_ifrecv
+    push_option(&mut opts, 5, &dropped.to_le_bytes()); // isb_ifdrop
+    opts.extend_from_slice(&[0, 0, 0, 0]);
+    let len = (24 + opts.len()) as u32;
+    let ts = now_ns();
+    let mut b = Vec::with_capacity(len as usize);
+    b.extend_from_slice(&5u32.to_le_bytes());
+    b.extend_from_slice(&len.to_le_bytes());
+    b.extend_from_slice(&0u32.to_le_bytes());
+    b.extend_from_slice(&((ts >> 32) as u32).to_le_bytes());
+    b.extend_from_slice(&(ts as u32).to_le_bytes());
+    b.extend_from_slice(&opts);
+    b.extend_from_slice(&len.to_le_bytes());
+    b
+}
+
+/// Appends one record for a packet of `orig_len` bytes whose first bytes are `data`.
+#[inline]
+fn append_record(buf: &mut Vec<u8>, format: Format, ts_ns: u64, data: &[u8], orig_len: usize) {
+    match format {
+        Format::Pcap => {
+            let mut h = [0u8; 16];
+            h[0..4].copy_from_slice(&((ts_ns / 1_000_000_000) as u32).to_le_bytes());
+            h[4..8].copy_from_slice(&((ts_ns % 1_000_000_000) as u32).to_le_bytes());
+            h[8..12].copy_from_slice(&(data.len() as u32).to_le_bytes());
+            h[12..16].copy_from_slice(&(orig_len as u32).to_le_bytes());
+            buf.extend_from_slice(&h);
+            buf.extend_from_slice(data);
+        }
+        Format::Pcapng => {
+            let padded = data.len().next_multiple_of(4);
+            let len = (32 + padded) as u32;
+            let mut h = [0u8; 28];
+            h[0..4].copy_from_slice(&6u32.to_le_bytes());
+            h[4..8].copy_from_slice(&len.to_le_bytes());
+            h[8..12].copy_from_slice(&0u32.to_le_bytes());
+            h[12..16].copy_from_slice(&((ts_ns >> 32) as u32).to_le_bytes());
+            h[16..20].copy_from_slice(&(ts_ns as u32).to_le_bytes());
+            h[20..24].copy_from_slice(&(data.len() as u32).to_le_bytes());
+            h[24..28].copy_from_slice(&(orig_len as u32).to_le_bytes());
+            buf.extend_from_slice(&h);
+            buf.extend_from_slice(data);
+            buf.resize(buf.len() + padded - data.len(), 0);
+            buf.extend_from_slice(&len.to_le_bytes());
+        }
+    }
+}
+
+fn record_len(format: Format, caplen: usize) -> usize {
+    match format {
+        Format::Pcap => 16 + caplen,
+        Format::Pcapng => 32 + caplen.next_multiple_of(4),
+    }
+}
+
+/// Bytes and count of the longest run of whole records at the start of `buf` that fits in
+/// `limit` bytes.
+fn records_in(buf: &[u8], format: Format, limit: usize) -> (usize, u64) {
+    let (mut at, mut n) = (0usize, 0u64);
+    while at < buf.len() {
+        let len = record_at(&buf[at..], format);
+        if len == 0 || at + len > limit.min(buf.len()) {
+            break;
+        }
+        at += len;
+        n += 1;
+    }
+    (at, n)
+}
+
+/// The first record of `buf` on its own.
+fn first_record(buf: &[u8], format: Format) -> (usize, u64) {
+    (record_at(buf, format).min(buf.len()), 1)
+}
+
+/// Length of the record at the start of `buf` (0 if unreadable; buffers hold only whole
+/// records written by `append_record`).
+fn record_at(buf: &[u8], format: Format) -> usize {
+    let word = |o: usize| {
+        buf.get(o..o + 4)
+            .map(|b| u32::from_le_bytes(b.try_into().unwrap()) as usize)
+    };
+    match format {
+        Format::Pcap => word(8).map(|l| 16 + l).unwrap_or(0),
+        Format::Pcapng => word(4).unwrap_or(0),
+    }
+}
+
+impl CaptureWriter {
+    /// Opens the first file and starts the writer thread.
+    pub fn start(spec: FileSpec) -> Result<CaptureWriter, String> {
+        let buffers = spec.buffers.max(2);
+        let (to_writer, jobs) = mpsc::sync_channel::<Job>(buffers);
+        let (give_back, free) = mpsc::sync_channel::<Vec<u8>>(buffers + 1);
+        for _ in 0..buffers {
+            give_back
+                .send(Vec::with_capacity(BUFFER_BYTES))
+                .expect("fresh channel");
+        }
+        let stats = Arc::new(WriterStats::default());
+        let mut files = FileRing::new(spec.clone(), stats.clone());
+        files.open_next(now_ns())?;
+        let thread = std::thread::Builder::new()
+            .name("stitch-capture-writer".into())
+            .spawn(move || writer_loop(files, jobs, give_back))
+            .map_err(|e| format!("cannot start the capture writer thread: {e}"))?;
+        Ok(CaptureWriter {
+            spec,
+            current: None,
+            current_records: 0,
+            current_since: Instant::now(),
+            to_writer: Some(to_writer),
+            free,
+            thread: Some(thread),
+            stats,
+        })
+    }
+
+    /// Records one packet; returns false when it had to be dropped (all buffers queued).
+    #[inline]
+    pub fn record(&mut self, ts_ns: u64, data: &[u8]) -> bool {
+        let cap = data.len().min(self.spec.snaplen as usize);
+        let need = record_len(self.spec.format, cap);
+        if self
+            .current
+            .as_ref()
+            .is_some_and(|b| b.len() + need > b.capacity())
+        {
+            self.flush();
+        }
+        if self.current.is_none() {
+            match self.free.try_recv() {
+                Ok(b) => {
+                    self.current = Some(b);
+                    self.current_since = Instant::now();
+                }
+                Err(_) => return false,
+            }
+        }
+        let buf = self.current.as_mut().expect("just set");
+        append_record(buf, self.spec.format, ts_ns, &data[..cap], data.len());
+        self.current_records += 1;
+        true
+    }
+
+    /// Hands the current buffer to the writer, if any; keeps it when the queue is full.
+    pub fn flush(&mut self) {
+        let Some(buf) = self.current.take() else {
+            return;
+        };
+        if buf.is_empty() {
+            self.current = Some(buf);
+            return;
+        }
+        let Some(tx) = &self.to_writer else { return };
+        match tx.try_send(Job::Data {
+            buf,
+            records: self.current_records,
+        }) {
+            Ok(()) => self.current_records = 0,
+            Err(TrySendError::Full(Job::Data { buf, .. }))
+            | Err(TrySendError::Disconnected(Job::Data { buf, .. })) => {
+                self.current = Some(buf);
+            }
+            Err(_) => {}
+        }
+    }
+
+    /// Flushes a partly filled buffer that waited longer than `age` (files grow while capture
+    /// goes on; time rotation happens at low rates too).
+    pub fn flush_if_older(&mut self, age: Duration) {
+        if self.current.as_ref().is_some_and(|b| !b.is_empty())
+            && self.current_since.elapsed() >= age
+        {
+            self.flush();
+        }
+    }
+
+    /// Writes everything, closes the file (PCAPNG: with interface statistics) and stops the
+    /// writer thread. Blocks until the data is written.
+    pub fn close(&mut self, received: u64, dropped: u64) {
+        let Some(tx) = self.to_writer.take() else {
+            return;
+        };
+        if let Some(buf) = self.current.take().filter(|b| !b.is_empty()) {
+            let _ = tx.send(Job::Data {
+                buf,
+                records: self.current_records,
+            });
+        }
+        let _ = tx.send(Job::Close { received, dropped });
+        drop(tx);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for CaptureWriter {
+    fn drop(&mut self) {
+        self.close(0, 0);
+    }
+}
+
+/// The files of a capture: naming, rotation, the ring.
+struct FileRing {
+    spec: FileSpec,
+    stats: Arc<WriterStats>,
+    file: Option<File>,
+    path: PathBuf,
+    written: u64,
+    opened_at: Instant,
+    index: u64,
+}
+
+impl FileRing {
+    fn new(spec: FileSpec, stats: Arc<WriterStats>) -> FileRing {
+        FileRing {
+            spec,
+            stats,
+            file: None,
+            path: PathBuf::new(),
+            written: 0,
+            opened_at: Instant::now(),
+            index: 0,
+        }
+    }
+
+    /// The name of the file to open next, as tcpdump names them.
+    fn next_name(&self, now_ns: u64) -> PathBuf {
+        let base = self.spec.path.to_string_lossy().into_owned();
+        let base = if self.spec.rotate_seconds.is_some() {
+            strftime(&base, now_ns)
+        } else {
+            base
+        };
+        let n = match self.spec.files {
+            Some(w) => self.index % w as u64,
+            None => self.index,
+        };
+        if self.spec.rotate_bytes.is_some() && (self.index > 0 || self.spec.files.is_some()) {
+            let width = self
+                .spec
+                .files
+                .map(|w| (w.max(2) - 1).to_string().len())
+                .unwrap_or(0);
+            PathBuf::from(format!("{base}{n:0width$}"))
+        } else if self.spec.files.is_some()
+            && self.spec.rotate_seconds.is_some()
+            && !base.contains('%')
+        {
+            let width = (self.spec.files.unwrap().max(2) - 1).to_string().len();
+            PathBuf::from(format!("{base}{n:0width$}"))
+        } else {
+            PathBuf::from(base)
+        }
+    }
+
+    fn open_next(&mut self, now_ns: u64) -> Result<(), String> {
+        let path = self.next_name(now_ns);
+        let mut f = File::create(&path).map_err(|e| explain_io(&path, &e))?;
+        f.write_all(&file_header(&self.spec))
+            .map_err(|e| explain_io(&path, &e))?;
+        self.written = file_header(&self.spec).len() as u64;
+        self.stats.bytes_written.fetch_add(self.written, Relaxed);
+        self.stats.files_opened.fetch_add(1, Relaxed);
+        self.file = Some(f);
+        self.path = path;
+        self.opened_at = Instant::now();
+        self.index += 1;
+        Ok(())
+    }
+
+    fn header_len(&self) -> u64 {
+        file_header(&self.spec).len() as u64
+    }
+
+    fn rotate(&mut self) {
+        self.finish(None);
+        if let Err(e) = self.open_next(now_ns()) {
+            self.fail(&e);
+        }
+    }
+
+    /// Time rotation (-G); checked before every write and when the writer is idle.
+    fn rotate_if_due(&mut self) {
+        if self
+            .spec
+            .rotate_seconds
+            .is_some_and(|g| self.opened_at.elapsed() >= Duration::from_secs(g))
+        {
+            self.rotate();
+        }
+    }
+
+    /// Writes a buffer of whole records, split at record boundaries where the size limit (-C)
+    /// says a new file begins. On failure the file is cut back to where it was.
+    fn write(&mut self, buf: &[u8]) {
+        self.rotate_if_due();
+        let mut rest = buf;
+        while !rest.is_empty() {
+            let (len, records) = match self.spec.rotate_bytes {
+                None => records_in(rest, self.spec.format, usize::MAX),
+                Some(limit) => {
+                    let room = limit.saturating_sub(self.written) as usize;
+                    match records_in(rest, self.spec.format, room) {
+                        (0, _) if self.written > self.header_len() => {
+                            self.rotate();
+                            continue;
+                        }
+                        // A record larger than the limit goes alone into a file of its own.
+                        (0, _) => first_record(rest, self.spec.format),
+                        x => x,
+                    }
+                }
+            };
+            let (chunk, tail) = rest.split_at(len);
+            rest = tail;
+            let Some(f) = self.file.as_mut() else {
+                self.stats.records_lost.fetch_add(
+                    records + records_in(rest, self.spec.format, usize::MAX).1,
+                    Relaxed,
+                );
+                return;
+            };
+            match f.write_all(chunk) {
+                Ok(()) => {
+                    self.written += chunk.len() as u64;
+                    self.stats
+                        .bytes_written
+                        .fetch_add(chunk.len() as u64, Relaxed);
+                }
+                Err(e) => {
+                    let _ = f.set_len(self.written);
+                    let left = records_in(rest, self.spec.format, usize::MAX).1;
+                    self.stats.records_lost.fetch_add(records + left, Relaxed);
+                    let msg = explain_io(&self.path, &e);
+                    self.fail(&msg);
+                    self.file = None;
+                    return;
+                }
+            }
+        }
+    }
+
+    fn fail(&mut self, msg: &str) {
+        self.stats.write_errors.fetch_add(1, Relaxed);
+        if !self.stats.failed.swap(true, Relaxed) {
+            log::error!("capture: {msg}; packets are counted but not written from here on");
+        }
+    }
+
+    /// Closes the current file, with an interface statistics block for PCAPNG when given.
+    fn finish(&mut self, stats: Option<(u64, u64)>) {
+        let Some(mut f) = self.file.take() else {
+            return;
+        };
+        if let (Format::Pcapng, Some((recv, drop))) = (self.spec.format, stats) {
+            let isb = statistics_block(recv, drop);
+            if f.write_all(&isb).is_ok() {
+                self.written += isb.len() as u64;
+            } else {
+                let _ = f.set_len(self.written);
+            }
+        }
+        if let Err(e) = f.sync_data() {
+            let msg = explain_io(&self.path, &e);
+            self.fail(&msg);
+        }
+    }
+}
+
+fn explain_io(path: &Path, e: &std::io::Error) -> String {
+    match e.raw_os_error() {
+        Some(libc::ENOSPC) => format!(
+            "{}: the disk is full (free space, or rotate with -C/-W)",
+            path.display()
+        ),
+        Some(libc::ENOENT) => format!("{}: the folder does not exist (any more)", path.display()),
+        Some(libc::EACCES) | Some(libc::EPERM) => format!("{}: permission denied", path.display()),
+        _ => format!("{}: {e}", path.display()),
+    }
+}
+
+fn writer_loop(mut files: FileRing, jobs: Receiver<Job>, give_back: SyncSender<Vec<u8>>) {
+    loop {
+        let job = match jobs.recv_timeout(Duration::from_millis(200)) {
+            Ok(j) => j,
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                files.rotate_if_due();
+                continue;
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        };
+        match job {
+            Job::Data { mut buf, .. } => {
+                files.write(&buf);
+                buf.clear();
+                let _ = give_back.try_send(buf);
+            }
+            Job::Close { received, dropped } => {
+                files.finish(Some((received, dropped)));
+                break;
+            }
+        }
+    }
+    files.finish(None);
+    // Drain what might still be queued so that nothing is left unaccounted.
+    while let Ok(job) = jobs.try_recv() {
+        if let Job::Data { records, .. } = job {
+            files.stats.records_lost.fetch_add(records, Relaxed);
+        }
+    }
+}
+
+/// Expands the strftime fields tcpdump users put in -G file names (local time = UTC here).
+pub fn strftime(pattern: &str, now_ns: u64) -> String {
+    let secs = (now_ns / 1_000_000_000) as libc::time_t;
+    let mut tm: libc::tm = unsafe { std::mem::zeroed() };
+    unsafe { libc::localtime_r(&secs, &mut tm) };
+    let Ok(fmt) = std::ffi::CString::new(pattern) else {
+        return pattern.to_string();
+    };
+    let mut out = vec![0u8; pattern.len() * 4 + 64];
+    let n = unsafe {
+        libc::strftime(
+            out.as_mut_ptr() as *mut libc::c_char,
+            out.len(),
+            fmt.as_ptr(),
+            &tm,
+        )
+    };
+    if n == 0 {
+        return pattern.to_string();
+    }
+    out.truncate(n);
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(dir: &Path, name: &str, format: Format) -> FileSpec {
+        FileSpec {
+            path: dir.join(name),
+            format,
+            snaplen: 262144,
+            interface: "test".into(),
+            rotate_bytes: None,
+            rotate_seconds: None,
+            files: None,
+            buffers: 4,
+        }
+    }
+
+    fn read_all(path: &Path) -> Vec<(u64, Vec<u8>)> {
+        let mut f = crate::pcap_source::PcapFile::open(path).unwrap();
+        let mut out = Vec::new();
+        while let Some(r) = f.next_packet() {
+            let (ts, d) = r.unwrap();
+            out.push((ts, d.to_vec()));
+        }
+        out
+    }
+
+    #[test]
+    fn pcap_and_pcapng_files_read_back_exactly() {
+        let dir = tempfile::tempdir().unwrap();
+        for (name, format) in [("a.pcap", Format::Pcap), ("a.pcapng", Format::Pcapng)] {
+            let mut w = CaptureWriter::start(spec(dir.path(), name, format)).unwrap();
+            let frames: Vec<Vec<u8>> = (0..5000).map(|i| vec![i as u8; 60 + i % 1455]).collect();
+            for (i, f) in frames.iter().enumerate() {
+                assert!(w.record(1_700_000_000_123_456_789 + i as u64, f));
+            }
+            w.close(5000, 3);
+            let back = read_all(&dir.path().join(name));
+            assert_eq!(back.len(), 5000);
+            for (i, (ts, d)) in back.iter().enumerate() {
+                assert_eq!(*ts, 1_700_000_000_123_456_789 + i as u64);
+                assert_eq!(d, &frames[i]);
+            }
+        }
+    }
+
+    #[test]
+    fn size_rotation_makes_a_ring_of_complete_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = spec(dir.path(), "r.pcap", Format::Pcap);
+        s.rotate_bytes = Some(5 << 20);
+        s.files = Some(3);
+        let mut w = CaptureWriter::start(s).unwrap();
+        let frame = vec![7u8; 1000];
+        let mut n = 0;
+        while w.stats.files_opened.load(Relaxed) < 5 {
+            if w.record(n, &frame) {
+                n += 1;
+            } else {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        w.close(0, 0);
+        let mut names: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        names.sort();
+        assert_eq!(names, vec!["r.pcap0", "r.pcap1", "r.pcap2"]);
+        for name in names {
+            let p = dir.path().join(name);
+            assert!(std::fs::metadata(&p).unwrap().len() <= 5 << 20);
+            assert!(
+                read_all(&p).iter().all(|(_, d)| d == &frame),
+                "every record complete"
+            );
+        }
+    }
+
+    #[test]
+    fn strftime_names_like_tcpdump() {
+        // 2023-11-14 22:13:20 UTC
+        let s = strftime("cap-%Y%m%d-%H%M%S.pcap", 1_700_000_000_000_000_000);
+        assert!(
+            s.starts_with("cap-20231114-") && s.ends_with(".pcap"),
+            "{s}"
+        );
+    }
+}
