@@ -6,7 +6,8 @@
 //! Records are formatted on the data path into 4 MiB buffers written by a separate thread
 //! (one `write` per buffer, no syscall per packet); when all buffers wait for the disk, packets
 //! are still passed on but not recorded, counted in `writer_drops` — capture never slows the
-//! link. Rotation follows tcpdump: `rotate_mb` (-C), `rotate_seconds` (-G, strftime file names)
+//! link. As a sink (output unlinked) it leaves packets queued instead, so that the input link
+//! and the ring behind it absorb a slow disk. Rotation follows tcpdump: `rotate_mb` (-C), `rotate_seconds` (-G, strftime file names)
 //! and `files` (-W, a ring of files). Files are complete at every rotation and at stop.
 //!
 //! ```yaml
@@ -131,9 +132,31 @@ impl App for Capture {
             self.input = Some(input.ring().clone());
         }
         let mut out = outputs.first_mut().and_then(Option::as_mut);
+        let (mut captured, mut dropped) = (0, 0);
+        if out.is_none() {
+            // A recording sink: when every buffer waits for the disk, leave packets queued
+            // (the input and the kernel ring behind it absorb a slow disk) instead of dropping.
+            while let Some(p) = input.peek() {
+                if self.remaining != Some(0) {
+                    let ts = match p.timestamp_ns() {
+                        0 => now_ns(),
+                        t => t,
+                    };
+                    if !self.writer.record(ts, p.data()) {
+                        break;
+                    }
+                    captured += 1;
+                    if let Some(r) = self.remaining.as_mut() {
+                        *r -= 1;
+                    }
+                }
+                drop(input.receive());
+            }
+            self.captured.add(captured);
+            return;
+        }
         // Like a forwarder, take only what the next app can accept: the tap never adds drops.
         let n = out.as_mut().map(|o| o.room()).unwrap_or(usize::MAX);
-        let (mut captured, mut dropped) = (0, 0);
         for p in input.drain().take(n) {
             if self.remaining != Some(0) {
                 let ts = match p.timestamp_ns() {
