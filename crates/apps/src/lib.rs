@@ -1,13 +1,17 @@
 //! Stitch network functions. Each app is one module: its config, its documentation with a graph
 //! snippet, and its tests. [`register`] adds them all to a registry.
 
+pub mod bridge;
 pub mod forwarder;
 pub mod generator;
 pub mod join;
+pub mod load_balancer;
+pub mod policer;
 pub mod rate_meter;
 pub mod round_robin;
 pub mod sink;
 pub mod tee;
+pub mod vlan;
 
 use stitch_core::{AppType, Registry};
 
@@ -40,5 +44,21 @@ pub fn register(r: &mut Registry) {
     .register(AppType::of::<rate_meter::RateMeter>(
         "rate_meter",
         "passes packets and measures their rate",
+    ))
+    .register(AppType::of::<bridge::Bridge>(
+        "bridge",
+        "VLAN-aware learning switch: aging, flooding, access/trunk ports",
+    ))
+    .register(AppType::of::<vlan::Vlan>(
+        "vlan",
+        "pushes, pops or translates 802.1Q tags",
+    ))
+    .register(AppType::of::<policer::Policer>(
+        "policer",
+        "token bucket in pps or bit/s; excess dropped",
+    ))
+    .register(AppType::of::<load_balancer::LoadBalancer>(
+        "load_balancer",
+        "spreads flows over outputs by 5-tuple hash (symmetric option)",
     ));
 }

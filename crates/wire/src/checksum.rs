@@ -32,9 +32,48 @@ pub fn checksum(data: &[u8]) -> u16 {
     finish(sum(data, 0))
 }
 
+/// RFC 1624 incremental update: the checksum after one 16-bit word of the covered data changed
+/// from `old` to `new` (HC' = ~(~HC + ~m + m')).
+#[inline]
+pub fn update(cs: u16, old: u16, new: u16) -> u16 {
+    let sum = (!cs as u32) + (!old as u32) + new as u32;
+    let sum = (sum & 0xffff) + (sum >> 16);
+    !(((sum & 0xffff) + (sum >> 16)) as u16)
+}
+
+/// Incremental update for a 32-bit field (an IPv4 address, a TCP sequence number).
+#[inline]
+pub fn update32(cs: u16, old: u32, new: u32) -> u16 {
+    update(
+        update(cs, (old >> 16) as u16, (new >> 16) as u16),
+        old as u16,
+        new as u16,
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn incremental_update_matches_recomputation() {
+        let mut hdr = [
+            0x45, 0x00, 0x00, 0x73, 0x00, 0x00, 0x40, 0x00, 0x40, 0x11, 0xb8, 0x61, 0xc0, 0xa8,
+            0x00, 0x01, 0xc0, 0xa8, 0x00, 0xc7,
+        ];
+        let cs = u16::from_be_bytes([hdr[10], hdr[11]]);
+        // Decrement TTL: word 8..10 changes from 0x4011 to 0x3f11.
+        let new = update(cs, 0x4011, 0x3f11);
+        hdr[8] = 0x3f;
+        hdr[10..12].copy_from_slice(&new.to_be_bytes());
+        assert_eq!(checksum(&hdr), 0);
+        // Rewrite the source address.
+        let cs = u16::from_be_bytes([hdr[10], hdr[11]]);
+        let new = update32(cs, 0xc0a8_0001, 0x0a00_0005);
+        hdr[12..16].copy_from_slice(&0x0a00_0005u32.to_be_bytes());
+        hdr[10..12].copy_from_slice(&new.to_be_bytes());
+        assert_eq!(checksum(&hdr), 0);
+    }
 
     #[test]
     fn rfc1071_example_and_odd_length() {

@@ -1,6 +1,18 @@
 //! Protocol knowledge shared by Stitch's apps and drivers, kept out of the engine core:
-//! Internet checksums and offload handling (virtio-net header, checksum completion, GSO
-//! segmentation).
+//! Internet checksums, offload handling (virtio-net header, checksum completion, GSO
+//! segmentation), VLAN tags, flows, and typed zero-copy header views.
+//!
+//! The header views are smoltcp's `wire` types, re-exported as [`views`]: each is a view over
+//! the packet's own bytes, checked once by `new_checked`, with accessors and in-place setters —
+//! parsing never copies. VLAN tags (not in smoltcp) are in [`vlan`].
 
 pub mod checksum;
+pub mod flow;
 pub mod offload;
+pub mod vlan;
+
+/// Typed zero-copy views of headers: `EthernetFrame`, `ArpPacket`, `Ipv4Packet`, `Ipv6Packet`,
+/// `Icmpv4Packet`, `Icmpv6Packet`, `UdpPacket`, `TcpPacket`, ...
+pub mod views {
+    pub use smoltcp::wire::*;
+}

@@ -224,7 +224,13 @@ fn layout(f: &[u8]) -> Result<Layout, OffloadError> {
         _ => return Err(OffloadError::NotSegmentable),
     };
     let (tcp, payload) = match proto {
-        6 => (true, l4 + (get(l4 + 12)? >> 4) as usize * 4),
+        6 => {
+            let doff = (get(l4 + 12)? >> 4) as usize * 4;
+            if doff < 20 {
+                return Err(OffloadError::NotSegmentable); // a TCP header is at least 20 bytes
+            }
+            (true, l4 + doff)
+        }
         17 => (false, l4 + 8),
         _ => return Err(OffloadError::NotSegmentable),
     };
@@ -514,6 +520,13 @@ mod tests {
         assert_eq!(
             segment(&[0u8; 10], &hdr, 0, |_| {}),
             Err(OffloadError::Truncated)
+        );
+        // Found by the packet_views fuzz target: a TCP data offset below 5 words.
+        let mut short_tcp = tcp_frame(false, 500);
+        short_tcp[34 + 12] = 2 << 4;
+        assert_eq!(
+            segment(&short_tcp, &hdr, 0, |_| {}),
+            Err(OffloadError::NotSegmentable)
         );
         let udp_fo = VnetHdr {
             gso_type: GSO_UDP,
