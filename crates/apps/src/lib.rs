@@ -2,6 +2,7 @@
 //! snippet, and its tests. [`register`] adds them all to a registry.
 
 pub mod bridge;
+pub mod firewall;
 pub mod forwarder;
 pub mod generator;
 pub mod join;
@@ -52,6 +53,10 @@ pub fn register(r: &mut Registry) {
     .register(AppType::of::<vlan::Vlan>(
         "vlan",
         "pushes, pops or translates 802.1Q tags",
+    ))
+    .register(AppType::of::<firewall::Firewall>(
+        "firewall",
+        "stateful filter between lan and wan: ordered rules, TCP/UDP/ICMP connection tracking",
     ))
     .register(AppType::of::<policer::Policer>(
         "policer",

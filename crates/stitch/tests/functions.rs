@@ -110,3 +110,74 @@ fn bridge_tags_frames_toward_a_trunk() {
     );
     assert_eq!(app(&stats, "br")["counters"]["learned"], 1);
 }
+
+const CONNECT: &str = r#"
+import socket, sys
+s = socket.socket()
+s.settimeout(float(sys.argv[3]))
+try:
+    s.connect((sys.argv[1], int(sys.argv[2])))
+    print("connected")
+except ConnectionRefusedError:
+    print("refused")
+except socket.timeout:
+    print("timeout")
+"#;
+
+#[test]
+fn firewall_between_namespaces_lets_lan_out_and_keeps_wan_out() {
+    require_root_and_tools(&["ip", "ping", "iperf3", "python3"]);
+    let h = TwoHosts::new();
+    let s = Stitch::run(&format!(
+        "apps:\n  lan: {{ type: af_packet, interface: {} }}\n  wan: {{ type: af_packet, interface: {} }}\n  fw: {{ type: firewall, default: drop, rules: [ {{ action: accept, from: lan }}, {{ action: reject, from: wan, proto: tcp, dst_port: 5201 }} ] }}\nlinks:\n  - \"lan.output -> fw.lan\"\n  - \"fw.lan -> lan.input\"\n  - \"wan.output -> fw.wan\"\n  - \"fw.wan -> wan.input\"\n",
+        h.outer[0], h.outer[1]
+    ));
+    std::fs::write(s.path().join("connect.py"), CONNECT).unwrap();
+    let connect = |from: usize, ip: &str, port: u16| {
+        let o = h.exec(
+            from,
+            &format!(
+                "python3 {} {ip} {port} 1.5",
+                s.path().join("connect.py").display()
+            ),
+        );
+        String::from_utf8_lossy(&o.stdout).trim().to_string()
+    };
+    // Out from the lan side: ping and TCP work, replies come back by connection state.
+    let o = h.exec(0, &format!("ping -c 3 -i 0.1 -W 2 {}", h.ip[1]));
+    assert!(
+        o.status.success(),
+        "lan → wan ping: {}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+    let server = h.spawn(1, "iperf3 -s -1 -p 5201");
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let o = h.exec(0, &format!("iperf3 -c {} -p 5201 -t 1", h.ip[1]));
+    let _ = server.finish();
+    assert!(
+        o.status.success(),
+        "lan → wan TCP: {}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+    // In from the wan side: ping dropped, TCP 5201 rejected at once, TCP 22 silently dropped.
+    let o = h.exec(1, &format!("ping -c 2 -i 0.2 -W 1 {}", h.ip[0]));
+    assert!(!o.status.success(), "wan → lan ping must not pass");
+    assert_eq!(
+        connect(1, &h.ip[0], 5201),
+        "refused",
+        "reject rule answers with a RST"
+    );
+    assert_eq!(
+        connect(1, &h.ip[0], 22),
+        "timeout",
+        "default drop answers nothing"
+    );
+    let stats = s.stop();
+    let c = &app(&stats, "fw")["counters"];
+    assert!(
+        c["rejected"].as_u64().unwrap() >= 1 && c["rule_drops"].as_u64().unwrap() >= 2,
+        "{c}"
+    );
+    assert!(c["established_passed"].as_u64().unwrap() > 100, "{c}");
+    assert_eq!(c["rule2_hits"], c["rejected"]);
+}

@@ -39,6 +39,8 @@ pub struct Flow {
     pub protocol: u8,
     pub src_port: u16,
     pub dst_port: u16,
+    /// ICMP/ICMPv6 type (for echo request/reply both ports hold the echo identifier).
+    pub icmp_type: Option<u8>,
 }
 
 /// Where the L3 header starts and its EtherType, after any VLAN tags.
@@ -90,7 +92,16 @@ pub fn flow(frame: &[u8]) -> Result<Option<Flow>, Malformed> {
         _ => return Ok(None),
     };
     let (mut sp, mut dp) = (0, 0);
+    let mut icmp_type = None;
     match (protocol, l4) {
+        (IpProtocol::Icmp | IpProtocol::Icmpv6, Some(b)) => {
+            let h = b.get(..8).ok_or(Malformed::L4)?;
+            icmp_type = Some(h[0]);
+            if matches!(h[0], 0 | 8 | 128 | 129) {
+                let id = u16::from_be_bytes([h[4], h[5]]);
+                (sp, dp) = (id, id);
+            }
+        }
         (IpProtocol::Tcp, Some(b)) => {
             let t = TcpPacket::new_checked(b).map_err(|_| Malformed::L4)?;
             (sp, dp) = (t.src_port(), t.dst_port());
@@ -108,6 +119,7 @@ pub fn flow(frame: &[u8]) -> Result<Option<Flow>, Malformed> {
         protocol: u8::from(protocol),
         src_port: sp,
         dst_port: dp,
+        icmp_type,
     }))
 }
 

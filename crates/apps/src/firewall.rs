@@ -1,0 +1,829 @@
+//! `firewall`: a stateful packet filter between two sides, `lan` and `wan` (each an input and an
+//! output of that name: what comes in on one side leaves on the other).
+//!
+//! Rules are tried in order; the first that matches decides: `accept`, `drop`, or `reject`
+//! (a TCP RST, or ICMP/ICMPv6 "administratively prohibited", sent back out of the side the
+//! packet came from). A rule matches on `from` (lan, wan, any), `proto` (tcp, udp, icmp,
+//! icmpv6 or a number), `src`/`dst` CIDRs (IPv4 or IPv6), `src_port`/`dst_port` (`80` or
+//! `"1024-65535"`) and `vlan`. Packets no rule matches get `default`.
+//!
+//! With `stateful: true` (the default), accepted TCP SYNs, UDP datagrams and ICMP echo requests
+//! open a connection; later packets of a connection in either direction pass without the rules,
+//! and TCP packets that belong to no connection or break its state machine are dropped as
+//! invalid. Connections expire after their timeout (TCP established / transitory, UDP, ICMP).
+//! Non-IP frames (ARP) pass. Counters: per rule, per outcome, and malformed packets by reason.
+//!
+//! ```yaml
+//! apps:
+//!   fw: { type: firewall, default: drop, rules: [
+//!         { action: accept, from: lan },
+//!         { action: accept, from: wan, proto: tcp, dst: "10.0.0.10/32", dst_port: 443 },
+//!         { action: reject, from: wan, proto: udp } ] }
+//! links:
+//!   - "inside.output -> fw.lan"
+//!   - "fw.lan -> inside.input"
+//!   - "outside.output -> fw.wan"
+//!   - "fw.wan -> outside.input"
+//! ```
+
+use serde::Deserialize;
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::time::{Duration, Instant};
+use stitch_core::{
+    pool, App, AppContext, AppError, Counter, Io, Packet, PortNames, PortSpec, Producer,
+};
+use stitch_wire::checksum;
+use stitch_wire::flow::{self, Flow, Malformed};
+
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Action {
+    Accept,
+    Drop,
+    Reject,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Side {
+    Lan,
+    Wan,
+    #[default]
+    Any,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Ports {
+    One(u16),
+    Range(String),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Proto {
+    Number(u8),
+    Name(String),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RuleConfig {
+    pub action: Action,
+    #[serde(default)]
+    pub from: Side,
+    pub proto: Option<Proto>,
+    pub src: Option<String>,
+    pub dst: Option<String>,
+    pub src_port: Option<Ports>,
+    pub dst_port: Option<Ports>,
+    pub vlan: Option<u16>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Timeouts {
+    pub tcp_established: u64,
+    pub tcp_transitory: u64,
+    pub udp: u64,
+    pub icmp: u64,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Timeouts {
+            tcp_established: 7200,
+            tcp_transitory: 120,
+            udp: 60,
+            icmp: 30,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FirewallConfig {
+    #[serde(default)]
+    pub rules: Vec<RuleConfig>,
+    #[serde(default = "drop_action")]
+    pub default: Action,
+    #[serde(default = "yes")]
+    pub stateful: bool,
+    #[serde(default)]
+    pub timeouts: Timeouts,
+    #[serde(default = "default_max")]
+    pub max_connections: usize,
+}
+
+fn drop_action() -> Action {
+    Action::Drop
+}
+fn yes() -> bool {
+    true
+}
+fn default_max() -> usize {
+    1 << 20
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Cidr {
+    addr: IpAddr,
+    len: u8,
+}
+
+impl Cidr {
+    fn parse(s: &str) -> Result<Cidr, String> {
+        let (a, l) = s.split_once('/').unwrap_or((s, ""));
+        let addr: IpAddr = a
+            .trim()
+            .parse()
+            .map_err(|_| format!("`{s}` is not an address or CIDR"))?;
+        let max = if addr.is_ipv4() { 32 } else { 128 };
+        let len = if l.is_empty() {
+            max
+        } else {
+            l.parse().map_err(|_| format!("`{s}`: bad prefix length"))?
+        };
+        if len > max {
+            return Err(format!("`{s}`: prefix length over {max}"));
+        }
+        Ok(Cidr { addr, len })
+    }
+
+    fn contains(&self, ip: IpAddr) -> bool {
+        match (self.addr, ip) {
+            (IpAddr::V4(n), IpAddr::V4(a)) => {
+                let mask = if self.len == 0 {
+                    0
+                } else {
+                    u32::MAX << (32 - self.len)
+                };
+                u32::from(n) & mask == u32::from(a) & mask
+            }
+            (IpAddr::V6(n), IpAddr::V6(a)) => {
+                let mask = if self.len == 0 {
+                    0
+                } else {
+                    u128::MAX << (128 - self.len)
+                };
+                u128::from(n) & mask == u128::from(a) & mask
+            }
+            _ => false,
+        }
+    }
+}
+
+fn port_range(p: &Ports) -> Result<(u16, u16), String> {
+    match p {
+        Ports::One(n) => Ok((*n, *n)),
+        Ports::Range(s) => {
+            let (a, b) = s.split_once('-').unwrap_or((s, s));
+            let a: u16 = a
+                .trim()
+                .parse()
+                .map_err(|_| format!("port range `{s}`: use N or A-B"))?;
+            let b: u16 = b
+                .trim()
+                .parse()
+                .map_err(|_| format!("port range `{s}`: use N or A-B"))?;
+            if a > b {
+                return Err(format!("port range `{s}`: {a} > {b}"));
+            }
+            Ok((a, b))
+        }
+    }
+}
+
+fn protocol(p: &Proto) -> Result<u8, String> {
+    match p {
+        Proto::Number(n) => Ok(*n),
+        Proto::Name(n) => match n.as_str() {
+            "tcp" => Ok(6),
+            "udp" => Ok(17),
+            "icmp" => Ok(1),
+            "icmpv6" => Ok(58),
+            _ => Err(format!(
+                "proto `{n}`: use tcp, udp, icmp, icmpv6 or a number"
+            )),
+        },
+    }
+}
+
+struct Rule {
+    action: Action,
+    from: Side,
+    proto: Option<u8>,
+    src: Option<Cidr>,
+    dst: Option<Cidr>,
+    src_port: Option<(u16, u16)>,
+    dst_port: Option<(u16, u16)>,
+    vlan: Option<u16>,
+    hits: Counter,
+}
+
+impl Rule {
+    fn matches(&self, side: Side, f: &Flow) -> bool {
+        let in_range = |r: Option<(u16, u16)>, p: u16| r.is_none_or(|(a, b)| (a..=b).contains(&p));
+        (self.from == Side::Any || self.from == side)
+            && self.proto.is_none_or(|p| p == f.protocol)
+            && self.src.is_none_or(|c| c.contains(f.src))
+            && self.dst.is_none_or(|c| c.contains(f.dst))
+            && in_range(self.src_port, f.src_port)
+            && in_range(self.dst_port, f.dst_port)
+            && self.vlan.is_none_or(|v| f.vlan == Some(v))
+    }
+}
+
+fn compile(c: &FirewallConfig, ctx: Option<&AppContext>) -> Result<Vec<Rule>, String> {
+    c.rules
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let at = |e: String| format!("rule {}: {e}", i + 1);
+            Ok(Rule {
+                action: r.action,
+                from: r.from,
+                proto: r.proto.as_ref().map(protocol).transpose().map_err(at)?,
+                src: r.src.as_deref().map(Cidr::parse).transpose().map_err(at)?,
+                dst: r.dst.as_deref().map(Cidr::parse).transpose().map_err(at)?,
+                src_port: r
+                    .src_port
+                    .as_ref()
+                    .map(port_range)
+                    .transpose()
+                    .map_err(at)?,
+                dst_port: r
+                    .dst_port
+                    .as_ref()
+                    .map(port_range)
+                    .transpose()
+                    .map_err(at)?,
+                vlan: r.vlan,
+                hits: ctx
+                    .map(|c| c.counter(&format!("rule{}_hits", i + 1)))
+                    .unwrap_or_default(),
+            })
+        })
+        .collect()
+}
+
+/// TCP connection states (RFC 793 as a middlebox sees them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TcpState {
+    SynSent,
+    SynReceived,
+    Established,
+    FinWait,
+    Closed,
+}
+
+struct Conn {
+    /// Side of the packet that opened the connection.
+    origin: Side,
+    tcp: Option<TcpState>,
+    expires: Instant,
+}
+
+/// Protocol and the two (address, port) ends, lower end first: the same in both directions.
+type ConnKey = (u8, (IpAddr, u16), (IpAddr, u16));
+
+/// A connection key that is the same in both directions.
+fn conn_key(f: &Flow) -> ConnKey {
+    let (mut a, mut b) = ((f.src, f.src_port), (f.dst, f.dst_port));
+    if b < a {
+        std::mem::swap(&mut a, &mut b);
+    }
+    (f.protocol, a, b)
+}
+
+pub struct Firewall {
+    rules: Vec<Rule>,
+    default: Action,
+    stateful: bool,
+    timeouts: Timeouts,
+    max_connections: usize,
+    conns: HashMap<ConnKey, Conn>,
+    last_sweep: Instant,
+    accepted: Counter,
+    dropped: Counter,
+    rejected: Counter,
+    established: Counter,
+    invalid: Counter,
+    table_full: Counter,
+    connections: Counter,
+    malformed: [Counter; 4],
+}
+
+/// TCP flags of a frame whose L4 header starts at `l4`.
+fn tcp_flags(d: &[u8]) -> Option<u8> {
+    let (l3, _, _) = flow::l3(d).ok()?;
+    let l4 = if d.get(l3)? >> 4 == 4 {
+        l3 + (d[l3] & 0x0f) as usize * 4
+    } else {
+        l3 + 40
+    };
+    d.get(l4 + 13).copied()
+}
+
+const FIN: u8 = 0x01;
+const SYN: u8 = 0x02;
+const RST: u8 = 0x04;
+const ACK: u8 = 0x10;
+
+impl Firewall {
+    /// Advances a tracked connection; false when the packet breaks its state machine.
+    fn track(
+        &mut self,
+        key: &ConnKey,
+        side: Side,
+        flags: Option<u8>,
+        icmp: Option<u8>,
+        now: Instant,
+    ) -> Option<bool> {
+        let t = self.timeouts.clone();
+        let conn = self.conns.get_mut(key)?;
+        if conn.expires <= now {
+            self.conns.remove(key);
+            return None;
+        }
+        let reply = side != conn.origin;
+        let ok = match (conn.tcp, flags) {
+            (Some(state), Some(fl)) => {
+                let next = if fl & RST != 0 {
+                    Some(TcpState::Closed)
+                } else {
+                    match state {
+                        TcpState::SynSent if reply && fl & (SYN | ACK) == SYN | ACK => {
+                            Some(TcpState::SynReceived)
+                        }
+                        TcpState::SynSent if !reply && fl & SYN != 0 => Some(TcpState::SynSent),
+                        TcpState::SynReceived if !reply && fl & ACK != 0 && fl & SYN == 0 => {
+                            Some(TcpState::Established)
+                        }
+                        TcpState::SynReceived if reply && fl & SYN != 0 => {
+                            Some(TcpState::SynReceived)
+                        }
+                        TcpState::Established | TcpState::FinWait if fl & SYN == 0 => {
+                            Some(if fl & FIN != 0 {
+                                TcpState::FinWait
+                            } else {
+                                state
+                            })
+                        }
+                        _ => None,
+                    }
+                };
+                match next {
+                    Some(s) => {
+                        conn.tcp = Some(s);
+                        let secs = if s == TcpState::Established {
+                            t.tcp_established
+                        } else {
+                            t.tcp_transitory
+                        };
+                        conn.expires = now + Duration::from_secs(secs);
+                        true
+                    }
+                    None => false,
+                }
+            }
+            // ICMP echo: requests only from the side that opened it, replies only from the other.
+            _ if icmp.is_some() => {
+                let want = if reply { [0, 129] } else { [8, 128] };
+                let ok = icmp.is_some_and(|t| want.contains(&t));
+                if ok {
+                    conn.expires = now + Duration::from_secs(t.icmp);
+                }
+                ok
+            }
+            _ => {
+                conn.expires = now + Duration::from_secs(t.udp);
+                true
+            }
+        };
+        Some(ok)
+    }
+
+    /// Opens a connection for an accepted packet, if it is one that may open one.
+    fn open(&mut self, f: &Flow, side: Side, flags: Option<u8>, now: Instant) -> bool {
+        let (tcp, secs) = match (f.protocol, flags) {
+            (6, Some(fl)) if fl & SYN != 0 && fl & (ACK | RST | FIN) == 0 => {
+                (Some(TcpState::SynSent), self.timeouts.tcp_transitory)
+            }
+            (6, _) => return false,
+            (17, _) => (None, self.timeouts.udp),
+            // Only echo requests open ICMP state; other accepted ICMP passes without it.
+            (1 | 58, _) if !matches!(f.icmp_type, Some(8) | Some(128)) => return true,
+            (1 | 58, _) => (None, self.timeouts.icmp),
+            // Other protocols pass by rule only.
+            _ => return true,
+        };
+        if self.conns.len() >= self.max_connections {
+            self.table_full.add(1);
+            return true;
+        }
+        self.conns.insert(
+            conn_key(f),
+            Conn {
+                origin: side,
+                tcp,
+                expires: now + Duration::from_secs(secs),
+            },
+        );
+        true
+    }
+}
+
+/// Builds the reject answer to frame `d`: a TCP RST for TCP, else ICMP "administratively
+/// prohibited" quoting the packet. `None` when the frame cannot be answered.
+fn rejection(d: &[u8], f: &Flow) -> Option<Packet> {
+    let (l3, ethertype, _) = flow::l3(d).ok()?;
+    let v4 = ethertype == 0x0800;
+    let ihl = if v4 { (d[l3] & 0x0f) as usize * 4 } else { 40 };
+    let l4 = l3 + ihl;
+    let mut p = pool::alloc()?;
+    let mut out = Vec::with_capacity(128);
+    out.extend_from_slice(&d[6..12]); // back to the sender
+    out.extend_from_slice(&d[0..6]);
+    out.extend_from_slice(&ethertype.to_be_bytes());
+    let (proto, body): (u8, Vec<u8>) = if f.protocol == 6 {
+        let t = d.get(l4..l4 + 20)?;
+        let seq = u32::from_be_bytes(t[4..8].try_into().ok()?);
+        let ack = u32::from_be_bytes(t[8..12].try_into().ok()?);
+        let payload = d.len().saturating_sub(l4 + ((t[12] >> 4) as usize * 4)) as u32;
+        let syn_fin = (t[13] & (SYN | FIN) != 0) as u32;
+        let mut r = vec![0u8; 20];
+        r[0..2].copy_from_slice(&t[2..4]);
+        r[2..4].copy_from_slice(&t[0..2]);
+        if t[13] & ACK != 0 {
+            r[4..8].copy_from_slice(&ack.to_be_bytes());
+            r[13] = RST;
+        } else {
+            r[8..12].copy_from_slice(&seq.wrapping_add(payload + syn_fin).to_be_bytes());
+            r[13] = RST | ACK;
+        }
+        r[12] = 5 << 4;
+        (6, r)
+    } else {
+        // ICMP type 3 code 13 / ICMPv6 type 1 code 1, quoting as much as fits in 576/1280 bytes.
+        let quote_max = if v4 { 576 - 20 - 8 } else { 1280 - 40 - 8 };
+        let quote = &d[l3..d.len().min(l3 + quote_max)];
+        let mut r = vec![0u8; 8];
+        (r[0], r[1]) = if v4 { (3, 13) } else { (1, 1) };
+        r.extend_from_slice(quote);
+        (if v4 { 1 } else { 58 }, r)
+    };
+    let (src, dst) = (f.dst, f.src);
+    match (src, dst) {
+        (IpAddr::V4(s), IpAddr::V4(t)) => {
+            let mut ip = [0u8; 20];
+            ip[0] = 0x45;
+            ip[2..4].copy_from_slice(&((20 + body.len()) as u16).to_be_bytes());
+            ip[8] = 64;
+            ip[9] = proto;
+            ip[12..16].copy_from_slice(&s.octets());
+            ip[16..20].copy_from_slice(&t.octets());
+            let cs = checksum::checksum(&ip);
+            ip[10..12].copy_from_slice(&cs.to_be_bytes());
+            out.extend_from_slice(&ip);
+        }
+        (IpAddr::V6(s), IpAddr::V6(t)) => {
+            let mut ip = [0u8; 40];
+            ip[0] = 0x60;
+            ip[4..6].copy_from_slice(&(body.len() as u16).to_be_bytes());
+            ip[6] = proto;
+            ip[7] = 64;
+            ip[8..24].copy_from_slice(&s.octets());
+            ip[24..40].copy_from_slice(&t.octets());
+            out.extend_from_slice(&ip);
+        }
+        _ => return None,
+    }
+    let at = out.len();
+    out.extend_from_slice(&body);
+    // L4 checksum: pseudo-header for TCP and ICMPv6, none for ICMPv4.
+    let mut sum = 0u64;
+    if proto != 1 {
+        match (src, dst) {
+            (IpAddr::V4(s), IpAddr::V4(t)) => {
+                sum = checksum::sum(&s.octets(), checksum::sum(&t.octets(), 0));
+            }
+            (IpAddr::V6(s), IpAddr::V6(t)) => {
+                sum = checksum::sum(&s.octets(), checksum::sum(&t.octets(), 0));
+            }
+            _ => {}
+        }
+        sum += proto as u64 + body.len() as u64;
+    }
+    let cs = checksum::finish(checksum::sum(&out[at..], sum));
+    let off = at + if proto == 6 { 16 } else { 2 };
+    out[off..off + 2].copy_from_slice(&cs.to_be_bytes());
+    if out.len() < 60 {
+        out.resize(60, 0);
+    }
+    p.set_data(&out).ok()?;
+    Some(p)
+}
+
+impl App for Firewall {
+    type Config = FirewallConfig;
+
+    fn declare(c: &FirewallConfig) -> Result<PortSpec, AppError> {
+        compile(c, None)?;
+        let sides = vec!["lan".to_string(), "wan".to_string()];
+        Ok(PortSpec {
+            inputs: PortNames::Fixed(sides.clone()),
+            outputs: PortNames::Fixed(sides),
+        })
+    }
+
+    fn new(c: FirewallConfig, ctx: &mut AppContext) -> Result<Self, AppError> {
+        let m = [
+            Malformed::Ethernet,
+            Malformed::Ipv4,
+            Malformed::Ipv6,
+            Malformed::L4,
+        ];
+        Ok(Firewall {
+            rules: compile(&c, Some(ctx))?,
+            default: c.default,
+            stateful: c.stateful,
+            timeouts: c.timeouts,
+            max_connections: c.max_connections,
+            conns: HashMap::new(),
+            last_sweep: Instant::now(),
+            accepted: ctx.counter("accepted"),
+            dropped: ctx.counter("rule_drops"),
+            rejected: ctx.counter("rejected"),
+            established: ctx.counter("established_passed"),
+            invalid: ctx.counter("invalid_drops"),
+            table_full: ctx.counter("connection_table_full"),
+            connections: ctx.counter("connections"),
+            malformed: m.map(|r| ctx.counter(r.counter())),
+        })
+    }
+
+    fn reconfigure(
+        &mut self,
+        c: FirewallConfig,
+        ctx: &mut AppContext,
+    ) -> Result<stitch_core::Reconfigured, AppError> {
+        // New rules apply at once; tracked connections stay.
+        self.rules = compile(&c, Some(ctx))?;
+        self.default = c.default;
+        self.stateful = c.stateful;
+        self.timeouts = c.timeouts;
+        self.max_connections = c.max_connections;
+        Ok(stitch_core::Reconfigured::Done)
+    }
+
+    fn push(&mut self, io: &mut Io) {
+        let now = Instant::now();
+        let (inputs, outputs) = io.split();
+        for (i, side) in [(0usize, Side::Lan), (1, Side::Wan)] {
+            let Some(input) = inputs[i].as_mut() else {
+                continue;
+            };
+            let other = 1 - i;
+            for p in input.drain() {
+                let f = match flow::flow(p.data()) {
+                    Ok(Some(f)) => f,
+                    Ok(None) => {
+                        send(&mut outputs[other], p);
+                        continue;
+                    }
+                    Err(m) => {
+                        let k = [
+                            Malformed::Ethernet,
+                            Malformed::Ipv4,
+                            Malformed::Ipv6,
+                            Malformed::L4,
+                        ]
+                        .iter()
+                        .position(|x| *x == m)
+                        .unwrap_or(0);
+                        self.malformed[k].add(1);
+                        continue;
+                    }
+                };
+                let flags = if f.protocol == 6 {
+                    tcp_flags(p.data())
+                } else {
+                    None
+                };
+                if self.stateful {
+                    match self.track(&conn_key(&f), side, flags, f.icmp_type, now) {
+                        Some(true) => {
+                            self.established.add(1);
+                            send(&mut outputs[other], p);
+                            continue;
+                        }
+                        Some(false) => {
+                            self.invalid.add(1);
+                            continue;
+                        }
+                        None => {}
+                    }
+                }
+                let rule = self.rules.iter().position(|r| r.matches(side, &f));
+                let action = match rule {
+                    Some(k) => {
+                        self.rules[k].hits.add(1);
+                        self.rules[k].action
+                    }
+                    None => self.default,
+                };
+                match action {
+                    Action::Accept => {
+                        if self.stateful && !self.open(&f, side, flags, now) {
+                            self.invalid.add(1);
+                            continue;
+                        }
+                        self.accepted.add(1);
+                        send(&mut outputs[other], p);
+                    }
+                    Action::Drop => self.dropped.add(1),
+                    Action::Reject => {
+                        self.rejected.add(1);
+                        if let Some(r) = rejection(p.data(), &f) {
+                            send(&mut outputs[i], r);
+                        }
+                    }
+                }
+            }
+        }
+        if now.duration_since(self.last_sweep) >= Duration::from_secs(1) {
+            self.last_sweep = now;
+            self.conns.retain(|_, c| c.expires > now);
+        }
+        self.connections.set(self.conns.len() as u64);
+    }
+}
+
+fn send(out: &mut Option<Producer>, p: Packet) {
+    if let Some(o) = out.as_mut() {
+        o.transmit(p);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use stitch_core::link::{link, Consumer};
+
+    fn tcp(src: [u8; 4], dst: [u8; 4], sp: u16, dp: u16, flags: u8) -> Packet {
+        let mut f = vec![0u8; 54];
+        f[0..6].copy_from_slice(&[2, 0, 0, 0, 0, dst[3]]);
+        f[6..12].copy_from_slice(&[2, 0, 0, 0, 0, src[3]]);
+        f[12..14].copy_from_slice(&[0x08, 0x00]);
+        f[14] = 0x45;
+        f[16..18].copy_from_slice(&40u16.to_be_bytes());
+        f[22] = 64;
+        f[23] = 6;
+        f[26..30].copy_from_slice(&src);
+        f[30..34].copy_from_slice(&dst);
+        f[34..36].copy_from_slice(&sp.to_be_bytes());
+        f[36..38].copy_from_slice(&dp.to_be_bytes());
+        f[38..42].copy_from_slice(&1000u32.to_be_bytes());
+        f[46] = 5 << 4;
+        f[47] = flags;
+        let mut p = pool::alloc().unwrap();
+        p.set_data(&f).unwrap();
+        p
+    }
+
+    struct Rig {
+        fw: Firewall,
+        io: Io,
+        lan_in: stitch_core::Producer,
+        wan_in: stitch_core::Producer,
+        lan_out: Consumer,
+        wan_out: Consumer,
+    }
+
+    fn rig(cfg: serde_json::Value) -> Rig {
+        let c: FirewallConfig = serde_json::from_value(cfg).unwrap();
+        Firewall::declare(&c).unwrap();
+        let mut ctx = AppContext::new("fw", std::path::Path::new("."), Default::default());
+        let fw = Firewall::new(c, &mut ctx).unwrap();
+        let (lan_in, a) = link(64);
+        let (wan_in, b) = link(64);
+        let (c1, lan_out) = link(64);
+        let (c2, wan_out) = link(64);
+        let io = Io::new(
+            vec![("lan".into(), a), ("wan".into(), b)],
+            vec![("lan".into(), c1), ("wan".into(), c2)],
+        );
+        Rig {
+            fw,
+            io,
+            lan_in,
+            wan_in,
+            lan_out,
+            wan_out,
+        }
+    }
+
+    impl Rig {
+        fn in_from_lan(&mut self, p: Packet) -> (usize, usize) {
+            self.lan_in.transmit(p);
+            self.run()
+        }
+        fn in_from_wan(&mut self, p: Packet) -> (usize, usize) {
+            self.wan_in.transmit(p);
+            self.run()
+        }
+        /// Packets that left on (lan, wan).
+        fn run(&mut self) -> (usize, usize) {
+            self.fw.push(&mut self.io);
+            (self.lan_out.drain().count(), self.wan_out.drain().count())
+        }
+    }
+
+    const H: [u8; 4] = [10, 0, 0, 1];
+    const S: [u8; 4] = [192, 0, 2, 1];
+
+    #[test]
+    fn tcp_state_lets_replies_in_and_strays_out() {
+        let mut r = rig(serde_json::json!({ "rules": [{ "action": "accept", "from": "lan" }] }));
+        assert_eq!(r.in_from_lan(tcp(H, S, 40000, 80, SYN)), (0, 1), "SYN out");
+        assert_eq!(
+            r.in_from_wan(tcp(S, H, 80, 40000, SYN | ACK)),
+            (1, 0),
+            "SYN-ACK back in"
+        );
+        assert_eq!(r.in_from_lan(tcp(H, S, 40000, 80, ACK)), (0, 1));
+        assert_eq!(
+            r.in_from_wan(tcp(S, H, 80, 40000, ACK)),
+            (1, 0),
+            "established"
+        );
+        assert_eq!(r.fw.conns.len(), 1);
+        // A connection the wan side starts: no rule for it, default drop.
+        assert_eq!(r.in_from_wan(tcp(S, H, 5555, 22, SYN)), (0, 0));
+        assert_eq!(r.fw.dropped.get(), 1);
+        // A stray ACK from lan with no connection is invalid, even though lan is accepted.
+        assert_eq!(r.in_from_lan(tcp(H, S, 41000, 80, ACK)), (0, 0));
+        assert_eq!(r.fw.invalid.get(), 1);
+        // A SYN inside an established connection breaks the state machine.
+        assert_eq!(r.in_from_wan(tcp(S, H, 80, 40000, SYN)), (0, 0));
+        assert_eq!(r.fw.invalid.get(), 2);
+        // RST closes; the next packet of the old connection is refused by state.
+        assert_eq!(r.in_from_lan(tcp(H, S, 40000, 80, RST)), (0, 1));
+        assert_eq!(r.in_from_wan(tcp(S, H, 80, 40000, ACK)), (0, 0));
+    }
+
+    #[test]
+    fn rules_match_in_order_with_cidrs_ports_and_reject_with_rst() {
+        let mut r = rig(serde_json::json!({
+            "default": "accept", "stateful": false,
+            "rules": [
+                { "action": "reject", "proto": "tcp", "dst": "192.0.2.0/24", "dst_port": "20-25" },
+                { "action": "drop", "proto": "tcp", "src": "10.0.0.0/8" },
+            ]
+        }));
+        // Rejected: the RST goes back out of lan with ports swapped and a valid checksum.
+        r.lan_in.transmit(tcp(H, S, 40000, 22, SYN));
+        r.fw.push(&mut r.io);
+        let rst: Vec<Packet> = r.lan_out.drain().collect();
+        assert_eq!(rst.len(), 1);
+        let d = rst[0].data();
+        assert_eq!(&d[26..30], &S);
+        assert_eq!(&d[30..34], &H);
+        assert_eq!(u16::from_be_bytes([d[34], d[35]]), 22);
+        assert_eq!(u16::from_be_bytes([d[36], d[37]]), 40000);
+        assert_eq!(d[47], RST | ACK);
+        assert_eq!(
+            u32::from_be_bytes(d[42..46].try_into().unwrap()),
+            1001,
+            "acknowledges the SYN"
+        );
+        assert_eq!(checksum::checksum(&d[14..34]), 0);
+        let pseudo = checksum::sum(&d[26..34], 0) + 6 + 20;
+        assert_eq!(
+            checksum::finish(checksum::sum(&d[34..54], pseudo)),
+            0,
+            "TCP checksum"
+        );
+        assert_eq!(r.wan_out.drain().count(), 0);
+        // Second rule: other TCP from 10/8 dropped; other traffic accepted by default.
+        assert_eq!(r.in_from_lan(tcp(H, S, 40000, 80, SYN)), (0, 0));
+        assert_eq!(
+            r.in_from_lan(tcp([172, 16, 0, 1], S, 40000, 80, SYN)),
+            (0, 1)
+        );
+        assert_eq!(r.fw.rules[0].hits.get(), 1);
+        assert_eq!(r.fw.rules[1].hits.get(), 1);
+    }
+
+    #[test]
+    fn bad_rules_are_refused_with_their_number() {
+        let c: FirewallConfig = serde_json::from_value(serde_json::json!({
+            "rules": [{ "action": "accept" }, { "action": "drop", "dst": "10.0.0.0/40" }]
+        }))
+        .unwrap();
+        let e = Firewall::declare(&c).unwrap_err().to_string();
+        assert!(e.contains("rule 2") && e.contains("prefix length"), "{e}");
+    }
+}
