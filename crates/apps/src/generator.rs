@@ -17,7 +17,7 @@ use std::net::IpAddr;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use stitch_core::packet::MAX_FRAME;
 use stitch_core::{pool, App, AppContext, AppError, Counter, Io, PortSpec};
-use stitch_wire::checksum;
+use stitch_wire::{checksum, parse_mac};
 
 /// Frame sizes of the simple IMIX.
 pub const IMIX: [usize; 12] = [64, 576, 64, 64, 1500, 64, 576, 64, 64, 576, 64, 576];
@@ -130,19 +130,6 @@ pub fn parse_rate(s: &str) -> Result<Rate, String> {
         return Err(format!("rate `{s}` must be positive"));
     }
     Ok(if pps { Rate::Pps(v) } else { Rate::Bps(v) })
-}
-
-fn parse_mac(s: &str) -> Result<[u8; 6], String> {
-    let parts: Vec<&str> = s.split(':').collect();
-    let bad = || format!("`{s}` is not a MAC address like 02:00:00:00:00:01");
-    if parts.len() != 6 {
-        return Err(bad());
-    }
-    let mut m = [0u8; 6];
-    for (i, p) in parts.iter().enumerate() {
-        m[i] = u8::from_str_radix(p, 16).map_err(|_| bad())?;
-    }
-    Ok(m)
 }
 
 struct Plan {

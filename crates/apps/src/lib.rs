@@ -10,6 +10,7 @@ pub mod load_balancer;
 pub mod policer;
 pub mod rate_meter;
 pub mod round_robin;
+pub mod router;
 pub mod sink;
 pub mod tee;
 pub mod vlan;
@@ -53,6 +54,10 @@ pub fn register(r: &mut Registry) {
     .register(AppType::of::<vlan::Vlan>(
         "vlan",
         "pushes, pops or translates 802.1Q tags",
+    ))
+    .register(AppType::of::<router::Router>(
+        "router",
+        "IPv4 router: longest-prefix match, ARP, TTL, ICMP errors, static and connected routes",
     ))
     .register(AppType::of::<firewall::Firewall>(
         "firewall",

@@ -181,3 +181,77 @@ fn firewall_between_namespaces_lets_lan_out_and_keeps_wan_out() {
     assert!(c["established_passed"].as_u64().unwrap() > 100, "{c}");
     assert_eq!(c["rule2_hits"], c["rejected"]);
 }
+
+#[test]
+fn bridge_router_bridge_joins_two_subnets() {
+    require_root_and_tools(&["ip", "ping", "iperf3"]);
+    let h = TwoHosts::new();
+    // Two subnets: host A 10.N.1.2/24 and host B 10.N.2.2/24, the router .1 on each.
+    let n = 200 + (std::process::id() % 50);
+    for (i, net) in [(0, 1), (1, 2)] {
+        must(&format!("ip -n {} addr flush dev {}", h.ns[i], h.inner[i]));
+        must(&format!(
+            "ip -n {} addr add 10.{n}.{net}.2/24 dev {}",
+            h.ns[i], h.inner[i]
+        ));
+        must(&format!(
+            "ip -n {} route add default via 10.{n}.{net}.1",
+            h.ns[i]
+        ));
+    }
+    let s = Stitch::run(&format!(
+        "apps:\n  a: {{ type: af_packet, interface: {a} }}\n  b: {{ type: af_packet, interface: {b} }}\n  bra: {{ type: bridge, ports: {{ host: {{}}, rtr: {{}} }} }}\n  brb: {{ type: bridge, ports: {{ host: {{}}, rtr: {{}} }} }}\n  r: {{ type: router, interfaces: {{ left: {{ mac: \"02:00:00:00:01:01\", address: \"10.{n}.1.1/24\" }}, right: {{ mac: \"02:00:00:00:02:01\", address: \"10.{n}.2.1/24\" }} }} }}\nlinks:\n  - \"a.output -> bra.host\"\n  - \"bra.host -> a.input\"\n  - \"bra.rtr -> r.left\"\n  - \"r.left -> bra.rtr\"\n  - \"r.right -> brb.rtr\"\n  - \"brb.rtr -> r.right\"\n  - \"brb.host -> b.input\"\n  - \"b.output -> brb.host\"\n",
+        a = h.outer[0],
+        b = h.outer[1]
+    ));
+    let o = h.exec(0, &format!("ping -c 3 -i 0.1 -W 2 10.{n}.1.1"));
+    assert!(
+        o.status.success(),
+        "the router answers for itself: {}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+    let o = h.exec(0, &format!("ping -c 3 -i 0.1 -W 2 10.{n}.2.2"));
+    assert!(
+        o.status.success(),
+        "A reaches B across the router: {}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+    let o = h.exec(0, &format!("ping -c 1 -t 1 -W 2 10.{n}.2.2"));
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        text.contains("Time to live exceeded") && text.contains(&format!("10.{n}.1.1")),
+        "TTL 1 is answered: {text}"
+    );
+    let o = h.exec(0, &format!("ping -c 1 -W 2 10.{}.9.9", n + 1));
+    assert!(!o.status.success());
+    let server = h.spawn(1, "iperf3 -s -1 -p 5201");
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let o = h.exec(0, &format!("iperf3 -c 10.{n}.2.2 -p 5201 -t 2 -J"));
+    let _ = server.finish();
+    assert!(
+        o.status.success(),
+        "TCP across the router: {}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    eprintln!(
+        "bridge-router-bridge: iperf3 TCP {:.2} Gbit/s",
+        v["end"]["sum_received"]["bits_per_second"]
+            .as_f64()
+            .unwrap()
+            / 1e9
+    );
+    let stats = s.stop();
+    let c = &app(&stats, "r")["counters"];
+    assert!(
+        c["forwarded"].as_u64().unwrap() > 100
+            && c["arp_replies"].as_u64().unwrap() >= 1
+            && c["arp_requests"].as_u64().unwrap() >= 1,
+        "{c}"
+    );
+    assert!(
+        c["icmp_errors_sent"].as_u64().unwrap() >= 2
+            && c["ttl_exceeded_drops"].as_u64().unwrap() >= 1,
+        "{c}"
+    );
+}

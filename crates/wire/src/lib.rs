@@ -16,3 +16,17 @@ pub mod vlan;
 pub mod views {
     pub use smoltcp::wire::*;
 }
+
+/// Parses a MAC address written `02:00:00:00:00:01`.
+pub fn parse_mac(s: &str) -> Result<[u8; 6], String> {
+    let bad = || format!("`{s}` is not a MAC address like 02:00:00:00:00:01");
+    let parts: Vec<&str> = s.split(':').collect();
+    if parts.len() != 6 {
+        return Err(bad());
+    }
+    let mut m = [0u8; 6];
+    for (i, p) in parts.iter().enumerate() {
+        m[i] = u8::from_str_radix(p, 16).map_err(|_| bad())?;
+    }
+    Ok(m)
+}

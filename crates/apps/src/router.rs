@@ -1,0 +1,665 @@
+//! `router`: an IPv4 router. Each interface in `interfaces` is a port (an input and an output of
+//! that name) with a MAC address and an address/prefix, which also gives a connected route;
+//! `routes` adds static routes (`prefix`, `via` next hop). Longest-prefix match uses a
+//! compressed prefix trie sized for a full table.
+//!
+//! ARP: the router answers requests for its addresses, resolves next hops (packets wait in a
+//! short queue per next hop while it asks), and caches answers for `arp_timeout` seconds.
+//! Forwarding checks the IPv4 header (bad checksum or length: dropped and counted), decrements
+//! the TTL with an incremental checksum update (RFC 1624), and answers with ICMP errors — time
+//! exceeded, net unreachable, fragmentation needed (DF set, over the egress `mtu`) — at most
+//! `icmp_rate` per second. Echo requests to its own addresses get replies. IPv6 and NDP are not
+//! in this version.
+//!
+//! ```yaml
+//! apps:
+//!   r: { type: router,
+//!        interfaces: { lan: { mac: "02:00:00:00:01:01", address: "10.0.1.1/24" },
+//!                      wan: { mac: "02:00:00:00:02:01", address: "192.0.2.2/24" } },
+//!        routes: [ { prefix: "0.0.0.0/0", via: "192.0.2.1" } ] }
+//! ```
+
+use indexmap::IndexMap;
+use ipnet::Ipv4Net;
+use prefix_trie::PrefixMap;
+use serde::Deserialize;
+use std::collections::HashMap;
+use std::net::Ipv4Addr;
+use std::time::{Duration, Instant};
+use stitch_core::{
+    pool, App, AppContext, AppError, Counter, Io, Packet, PortNames, PortSpec, Producer,
+};
+use stitch_wire::{checksum, parse_mac};
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InterfaceConfig {
+    pub mac: String,
+    /// Address and prefix length, e.g. `10.0.1.1/24`.
+    pub address: String,
+    #[serde(default = "default_mtu")]
+    pub mtu: usize,
+}
+
+fn default_mtu() -> usize {
+    1500
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteConfig {
+    pub prefix: String,
+    pub via: Ipv4Addr,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouterConfig {
+    pub interfaces: IndexMap<String, InterfaceConfig>,
+    #[serde(default)]
+    pub routes: Vec<RouteConfig>,
+    #[serde(default = "default_arp_timeout")]
+    pub arp_timeout: u64,
+    #[serde(default = "default_icmp_rate")]
+    pub icmp_rate: f64,
+}
+
+fn default_arp_timeout() -> u64 {
+    300
+}
+fn default_icmp_rate() -> f64 {
+    100.0
+}
+
+struct Iface {
+    mac: [u8; 6],
+    addr: Ipv4Addr,
+    mtu: usize,
+}
+
+/// Where a prefix leads: out of interface `port`, to `via` (None: the destination itself).
+#[derive(Clone, Copy)]
+struct Route {
+    port: usize,
+    via: Option<Ipv4Addr>,
+}
+
+/// Packets wait here while their next hop is being resolved.
+const ARP_QUEUE: usize = 16;
+
+struct Neighbor {
+    mac: Option<[u8; 6]>,
+    expires: Instant,
+    waiting: Vec<Packet>,
+    asked: Option<Instant>,
+}
+
+pub struct Router {
+    ifaces: Vec<Iface>,
+    routes: PrefixMap<Ipv4Net, Route>,
+    neighbors: HashMap<(usize, Ipv4Addr), Neighbor>,
+    arp_timeout: Duration,
+    icmp_rate: f64,
+    icmp_tokens: f64,
+    icmp_last: Instant,
+    /// Packets produced while handling one input packet, kept to avoid allocating.
+    pending: Vec<(usize, Packet)>,
+    c: Counters,
+}
+
+struct Counters {
+    forwarded: Counter,
+    bad_header: Counter,
+    not_ours: Counter,
+    no_route: Counter,
+    ttl_exceeded: Counter,
+    too_big: Counter,
+    arp_replies: Counter,
+    arp_requests: Counter,
+    arp_queue_drops: Counter,
+    icmp_sent: Counter,
+    icmp_rate_limited: Counter,
+    echo_replies: Counter,
+    local_drops: Counter,
+}
+
+fn build(c: &RouterConfig) -> Result<(Vec<Iface>, PrefixMap<Ipv4Net, Route>), String> {
+    let mut ifaces = Vec::new();
+    let mut routes = PrefixMap::new();
+    for (i, (name, ic)) in c.interfaces.iter().enumerate() {
+        let net: Ipv4Net = ic
+            .address
+            .parse()
+            .map_err(|_| format!("interface `{name}`: `{}` is not ADDRESS/PREFIX", ic.address))?;
+        if !(576..=9000).contains(&ic.mtu) {
+            return Err(format!("interface `{name}`: mtu must be 576..=9000"));
+        }
+        ifaces.push(Iface {
+            mac: parse_mac(&ic.mac).map_err(|e| format!("interface `{name}`: {e}"))?,
+            addr: net.addr(),
+            mtu: ic.mtu,
+        });
+        routes.insert(net.trunc(), Route { port: i, via: None });
+    }
+    if ifaces.is_empty() {
+        return Err("a router needs at least one interface".into());
+    }
+    for (k, r) in c.routes.iter().enumerate() {
+        let net: Ipv4Net = r
+            .prefix
+            .parse()
+            .map_err(|_| format!("route {}: `{}` is not a prefix", k + 1, r.prefix))?;
+        let Some((_, connected)) = routes.get_lpm(&Ipv4Net::from(r.via)).map(|(p, r)| (p, *r))
+        else {
+            return Err(format!(
+                "route {}: next hop {} is on no interface's subnet",
+                k + 1,
+                r.via
+            ));
+        };
+        routes.insert(
+            net.trunc(),
+            Route {
+                port: connected.port,
+                via: Some(r.via),
+            },
+        );
+    }
+    Ok((ifaces, routes))
+}
+
+impl Router {
+    fn icmp_allowed(&mut self, now: Instant) -> bool {
+        let dt = now.duration_since(self.icmp_last).as_secs_f64();
+        self.icmp_last = now;
+        self.icmp_tokens = (self.icmp_tokens + dt * self.icmp_rate).min(self.icmp_rate.max(1.0));
+        if self.icmp_tokens >= 1.0 {
+            self.icmp_tokens -= 1.0;
+            true
+        } else {
+            self.c.icmp_rate_limited.add(1);
+            false
+        }
+    }
+
+    /// An ICMP error (`kind`, `code`) about the IPv4 packet at `d[14..]`, from interface `port`.
+    fn icmp_error(
+        &mut self,
+        d: &[u8],
+        port: usize,
+        kind: u8,
+        code: u8,
+        extra: u32,
+        now: Instant,
+    ) -> Option<(usize, Packet)> {
+        if !self.icmp_allowed(now) {
+            return None;
+        }
+        let ip = &d[14..];
+        // Never about ICMP errors themselves, nor about non-first fragments.
+        if ip[9] == 1
+            && ip
+                .get((ip[0] & 0x0f) as usize * 4)
+                .is_some_and(|t| ![0, 8].contains(t))
+        {
+            return None;
+        }
+        let quote = &ip[..ip.len().min((ip[0] & 0x0f) as usize * 4 + 8)];
+        let mut body = vec![kind, code, 0, 0];
+        body.extend_from_slice(&extra.to_be_bytes());
+        body.extend_from_slice(quote);
+        let cs = checksum::checksum(&body);
+        body[2..4].copy_from_slice(&cs.to_be_bytes());
+        let src = self.ifaces[port].addr;
+        let dst = Ipv4Addr::new(ip[12], ip[13], ip[14], ip[15]);
+        let p = self.ipv4_frame(
+            port,
+            [d[6], d[7], d[8], d[9], d[10], d[11]],
+            src,
+            dst,
+            1,
+            &body,
+        )?;
+        self.c.icmp_sent.add(1);
+        Some((port, p))
+    }
+
+    fn ipv4_frame(
+        &self,
+        port: usize,
+        dst_mac: [u8; 6],
+        src: Ipv4Addr,
+        dst: Ipv4Addr,
+        proto: u8,
+        body: &[u8],
+    ) -> Option<Packet> {
+        let mut f = Vec::with_capacity(34 + body.len());
+        f.extend_from_slice(&dst_mac);
+        f.extend_from_slice(&self.ifaces[port].mac);
+        f.extend_from_slice(&[0x08, 0x00]);
+        let mut ip = [0u8; 20];
+        ip[0] = 0x45;
+        ip[2..4].copy_from_slice(&((20 + body.len()) as u16).to_be_bytes());
+        ip[8] = 64;
+        ip[9] = proto;
+        ip[12..16].copy_from_slice(&src.octets());
+        ip[16..20].copy_from_slice(&dst.octets());
+        let cs = checksum::checksum(&ip);
+        ip[10..12].copy_from_slice(&cs.to_be_bytes());
+        f.extend_from_slice(&ip);
+        f.extend_from_slice(body);
+        if f.len() < 60 {
+            f.resize(60, 0);
+        }
+        let mut p = pool::alloc()?;
+        p.set_data(&f).ok()?;
+        Some(p)
+    }
+
+    fn arp_frame(
+        &self,
+        port: usize,
+        op: u16,
+        target_mac: [u8; 6],
+        target_ip: Ipv4Addr,
+        eth_dst: [u8; 6],
+    ) -> Option<Packet> {
+        let me = &self.ifaces[port];
+        let mut f = Vec::with_capacity(60);
+        f.extend_from_slice(&eth_dst);
+        f.extend_from_slice(&me.mac);
+        f.extend_from_slice(&[0x08, 0x06, 0, 1, 0x08, 0x00, 6, 4]);
+        f.extend_from_slice(&op.to_be_bytes());
+        f.extend_from_slice(&me.mac);
+        f.extend_from_slice(&me.addr.octets());
+        f.extend_from_slice(&target_mac);
+        f.extend_from_slice(&target_ip.octets());
+        f.resize(60, 0);
+        let mut p = pool::alloc()?;
+        p.set_data(&f).ok()?;
+        Some(p)
+    }
+
+    fn arp(&mut self, port: usize, d: &[u8], now: Instant, out: &mut Vec<(usize, Packet)>) {
+        let Some(a) = d.get(14..42) else { return };
+        if a[0..8] != [0, 1, 0x08, 0x00, 6, 4, 0, a[7]] {
+            return;
+        }
+        let op = u16::from_be_bytes([a[6], a[7]]);
+        let sender_mac: [u8; 6] = a[8..14].try_into().unwrap();
+        let sender_ip = Ipv4Addr::new(a[14], a[15], a[16], a[17]);
+        let target_ip = Ipv4Addr::new(a[24], a[25], a[26], a[27]);
+        // Learn (or refresh) the sender when it is a neighbour we care about or addressed us.
+        let for_us = target_ip == self.ifaces[port].addr;
+        let key = (port, sender_ip);
+        if for_us || self.neighbors.contains_key(&key) {
+            let n = self.neighbors.entry(key).or_insert(Neighbor {
+                mac: None,
+                expires: now,
+                waiting: Vec::new(),
+                asked: None,
+            });
+            n.mac = Some(sender_mac);
+            n.expires = now + self.arp_timeout;
+            for mut p in n.waiting.drain(..) {
+                p.data_mut()[0..6].copy_from_slice(&sender_mac);
+                out.push((port, p));
+            }
+        }
+        if op == 1 && for_us {
+            if let Some(r) = self.arp_frame(port, 2, sender_mac, sender_ip, sender_mac) {
+                self.c.arp_replies.add(1);
+                out.push((port, r));
+            }
+        }
+    }
+
+    /// Sends `p` (destination MAC to be filled) to `hop` on `port`, resolving it if needed.
+    fn send_to_neighbor(
+        &mut self,
+        port: usize,
+        hop: Ipv4Addr,
+        mut p: Packet,
+        now: Instant,
+        out: &mut Vec<(usize, Packet)>,
+    ) {
+        let timeout = self.arp_timeout;
+        let n = self.neighbors.entry((port, hop)).or_insert(Neighbor {
+            mac: None,
+            expires: now,
+            waiting: Vec::new(),
+            asked: None,
+        });
+        if let (Some(mac), true) = (n.mac, n.expires > now) {
+            p.data_mut()[0..6].copy_from_slice(&mac);
+            out.push((port, p));
+            return;
+        }
+        if n.waiting.len() >= ARP_QUEUE {
+            self.c.arp_queue_drops.add(1);
+        } else {
+            n.waiting.push(p);
+        }
+        if n.asked
+            .is_none_or(|t| now.duration_since(t) >= Duration::from_secs(1))
+        {
+            n.asked = Some(now);
+            n.expires = now + timeout;
+            if let Some(q) = self.arp_frame(port, 1, [0; 6], hop, [0xff; 6]) {
+                self.c.arp_requests.add(1);
+                out.push((port, q));
+            }
+        }
+    }
+
+    fn local(&mut self, port: usize, mut p: Packet, now: Instant, out: &mut Vec<(usize, Packet)>) {
+        let d = p.data();
+        let ihl = (d[14] & 0x0f) as usize * 4;
+        let total = u16::from_be_bytes([d[16], d[17]]) as usize;
+        if d[23] != 1 || d.get(14 + ihl) != Some(&8) || 14 + total > d.len() {
+            self.c.local_drops.add(1);
+            return;
+        }
+        // Echo request → echo reply: swap addresses, type 0, incremental checksum.
+        let d = p.data_mut();
+        let (mac_src, mac_dst): ([u8; 6], [u8; 6]) =
+            (d[6..12].try_into().unwrap(), d[0..6].try_into().unwrap());
+        d[0..6].copy_from_slice(&mac_src);
+        d[6..12].copy_from_slice(&mac_dst);
+        let (s, t): ([u8; 4], [u8; 4]) =
+            (d[26..30].try_into().unwrap(), d[30..34].try_into().unwrap());
+        d[26..30].copy_from_slice(&t);
+        d[30..34].copy_from_slice(&s);
+        d[22] = 64;
+        d[24..26].copy_from_slice(&[0, 0]);
+        let cs = checksum::checksum(&d[14..14 + ihl]);
+        d[24..26].copy_from_slice(&cs.to_be_bytes());
+        let icmp = 14 + ihl;
+        d[icmp] = 0;
+        let old = u16::from_be_bytes([d[icmp + 2], d[icmp + 3]]);
+        d[icmp + 2..icmp + 4].copy_from_slice(&checksum::update(old, 0x0800, 0x0000).to_be_bytes());
+        self.c.echo_replies.add(1);
+        let _ = now;
+        out.push((port, p));
+    }
+
+    fn route(&mut self, port: usize, mut p: Packet, now: Instant, out: &mut Vec<(usize, Packet)>) {
+        let d = p.data();
+        if d.len() < 34 {
+            self.c.bad_header.add(1);
+            return;
+        }
+        let ihl = (d[14] & 0x0f) as usize * 4;
+        let total = u16::from_be_bytes([d[16], d[17]]) as usize;
+        if d[14] >> 4 != 4
+            || ihl < 20
+            || 14 + ihl > d.len()
+            || total < ihl
+            || 14 + total > d.len()
+            || checksum::checksum(&d[14..14 + ihl]) != 0
+        {
+            self.c.bad_header.add(1);
+            return;
+        }
+        let dst = Ipv4Addr::new(d[30], d[31], d[32], d[33]);
+        if self.ifaces.iter().any(|i| i.addr == dst) {
+            return self.local(port, p, now, out);
+        }
+        if d[22] <= 1 {
+            self.c.ttl_exceeded.add(1);
+            if let Some(e) = self.icmp_error(d, port, 11, 0, 0, now) {
+                out.push(e);
+            }
+            return;
+        }
+        let Some((_, r)) = self
+            .routes
+            .get_lpm(&Ipv4Net::from(dst))
+            .map(|(n, r)| (n, *r))
+        else {
+            self.c.no_route.add(1);
+            if let Some(e) = self.icmp_error(d, port, 3, 0, 0, now) {
+                out.push(e);
+            }
+            return;
+        };
+        let mtu = self.ifaces[r.port].mtu;
+        let df = d[20] & 0x40 != 0;
+        if total > mtu && p.header().gso_size == 0 {
+            if df {
+                self.c.too_big.add(1);
+                if let Some(e) = self.icmp_error(d, port, 3, 4, mtu as u32, now) {
+                    out.push(e);
+                }
+            } else {
+                self.c.too_big.add(1); // fragmentation is not done here: counted and dropped
+            }
+            return;
+        }
+        let d = p.data_mut();
+        let old = u16::from_be_bytes([d[22], d[23]]);
+        d[22] -= 1;
+        let new = u16::from_be_bytes([d[22], d[23]]);
+        let cs = u16::from_be_bytes([d[24], d[25]]);
+        d[24..26].copy_from_slice(&checksum::update(cs, old, new).to_be_bytes());
+        d[6..12].copy_from_slice(&self.ifaces[r.port].mac);
+        self.c.forwarded.add(1);
+        self.send_to_neighbor(r.port, r.via.unwrap_or(dst), p, now, out);
+    }
+}
+
+impl App for Router {
+    type Config = RouterConfig;
+
+    fn declare(c: &RouterConfig) -> Result<PortSpec, AppError> {
+        build(c)?;
+        let names: Vec<String> = c.interfaces.keys().cloned().collect();
+        Ok(PortSpec {
+            inputs: PortNames::Fixed(names.clone()),
+            outputs: PortNames::Fixed(names),
+        })
+    }
+
+    fn new(c: RouterConfig, ctx: &mut AppContext) -> Result<Self, AppError> {
+        let (ifaces, routes) = build(&c)?;
+        let k = |n: &str| ctx.counter(n);
+        Ok(Router {
+            ifaces,
+            routes,
+            neighbors: HashMap::new(),
+            arp_timeout: Duration::from_secs(c.arp_timeout),
+            icmp_rate: c.icmp_rate,
+            icmp_tokens: c.icmp_rate,
+            icmp_last: Instant::now(),
+            pending: Vec::with_capacity(ARP_QUEUE + 2),
+            c: Counters {
+                forwarded: k("forwarded"),
+                bad_header: k("bad_ipv4_header_drops"),
+                not_ours: k("not_for_us_drops"),
+                no_route: k("no_route_drops"),
+                ttl_exceeded: k("ttl_exceeded_drops"),
+                too_big: k("too_big_drops"),
+                arp_replies: k("arp_replies"),
+                arp_requests: k("arp_requests"),
+                arp_queue_drops: k("arp_queue_drops"),
+                icmp_sent: k("icmp_errors_sent"),
+                icmp_rate_limited: k("icmp_rate_limited"),
+                echo_replies: k("echo_replies"),
+                local_drops: k("local_drops"),
+            },
+        })
+    }
+
+    fn push(&mut self, io: &mut Io) {
+        let now = Instant::now();
+        let (inputs, outputs) = io.split();
+        let mut out = std::mem::take(&mut self.pending);
+        for (port, input) in inputs.iter_mut().enumerate() {
+            let Some(input) = input.as_mut() else {
+                continue;
+            };
+            for p in input.drain() {
+                let d = p.data();
+                if d.len() < 14 {
+                    self.c.bad_header.add(1);
+                    continue;
+                }
+                let for_us = d[0..6] == self.ifaces[port].mac || d[0] & 1 == 1;
+                if !for_us {
+                    self.c.not_ours.add(1);
+                    continue;
+                }
+                match u16::from_be_bytes([d[12], d[13]]) {
+                    0x0806 => self.arp(port, d, now, &mut out),
+                    0x0800 => self.route(port, p, now, &mut out),
+                    _ => self.c.not_ours.add(1),
+                }
+                for (o, q) in out.drain(..) {
+                    send(&mut outputs[o], q);
+                }
+            }
+        }
+        self.pending = out;
+    }
+
+    fn tick(&mut self, _: &mut Io, now: Instant) {
+        // Forget stale neighbours (and what waited for an answer that never came).
+        self.neighbors.retain(|_, n| {
+            n.expires > now
+                || n.asked
+                    .is_some_and(|t| now.duration_since(t) < Duration::from_secs(3))
+        });
+    }
+}
+
+fn send(out: &mut Option<Producer>, p: Packet) {
+    if let Some(o) = out.as_mut() {
+        o.transmit(p);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use stitch_core::link::{link, Consumer};
+
+    const R_LAN: [u8; 6] = [2, 0, 0, 0, 1, 1];
+    const R_WAN: [u8; 6] = [2, 0, 0, 0, 2, 1];
+    const HOST: [u8; 6] = [2, 0, 0, 0, 1, 2];
+    const GW: [u8; 6] = [2, 0, 0, 0, 2, 9];
+
+    fn ipv4(dst: [u8; 4], ttl: u8) -> Vec<u8> {
+        let mut f = vec![0u8; 60];
+        f[0..6].copy_from_slice(&R_LAN);
+        f[6..12].copy_from_slice(&HOST);
+        f[12..14].copy_from_slice(&[0x08, 0x00]);
+        f[14] = 0x45;
+        f[16..18].copy_from_slice(&46u16.to_be_bytes());
+        f[22] = ttl;
+        f[23] = 17;
+        f[26..30].copy_from_slice(&[10, 0, 1, 2]);
+        f[30..34].copy_from_slice(&dst);
+        let cs = checksum::checksum(&f[14..34]);
+        f[24..26].copy_from_slice(&cs.to_be_bytes());
+        f
+    }
+
+    fn rig() -> (
+        Router,
+        Io,
+        stitch_core::Producer,
+        stitch_core::Producer,
+        Consumer,
+        Consumer,
+    ) {
+        let c: RouterConfig = serde_json::from_value(serde_json::json!({
+            "interfaces": {
+                "lan": { "mac": "02:00:00:00:01:01", "address": "10.0.1.1/24" },
+                "wan": { "mac": "02:00:00:00:02:01", "address": "192.0.2.2/24" }
+            },
+            "routes": [ { "prefix": "0.0.0.0/0", "via": "192.0.2.9" }, { "prefix": "198.51.100.0/24", "via": "10.0.1.9" } ]
+        }))
+        .unwrap();
+        Router::declare(&c).unwrap();
+        let mut ctx = AppContext::new("r", std::path::Path::new("."), Default::default());
+        let r = Router::new(c, &mut ctx).unwrap();
+        let (lan_in, a) = link(64);
+        let (wan_in, b) = link(64);
+        let (c1, lan_out) = link(64);
+        let (c2, wan_out) = link(64);
+        let io = Io::new(
+            vec![("lan".into(), a), ("wan".into(), b)],
+            vec![("lan".into(), c1), ("wan".into(), c2)],
+        );
+        (r, io, lan_in, wan_in, lan_out, wan_out)
+    }
+
+    fn pkt(f: &[u8]) -> Packet {
+        let mut p = pool::alloc().unwrap();
+        p.set_data(f).unwrap();
+        p
+    }
+
+    #[test]
+    fn resolves_the_next_hop_then_forwards_with_ttl_and_checksum_updated() {
+        let (mut r, mut io, mut lan_in, mut wan_in, mut lan_out, mut wan_out) = rig();
+        lan_in.transmit(pkt(&ipv4([203, 0, 113, 5], 64)));
+        r.push(&mut io);
+        // Default route: the router asks who has 192.0.2.9 on wan; the packet waits.
+        let asked: Vec<Packet> = wan_out.drain().collect();
+        assert_eq!(asked.len(), 1);
+        let a = asked[0].data();
+        assert_eq!(
+            (&a[12..14], a[21], &a[38..42]),
+            (&[0x08u8, 0x06][..], 1, &[192u8, 0, 2, 9][..])
+        );
+        // The gateway answers; the waiting packet leaves toward it.
+        let mut reply = vec![0u8; 60];
+        reply[0..6].copy_from_slice(&R_WAN);
+        reply[6..12].copy_from_slice(&GW);
+        reply[12..22].copy_from_slice(&[0x08, 0x06, 0, 1, 0x08, 0x00, 6, 4, 0, 2]);
+        reply[22..28].copy_from_slice(&GW);
+        reply[28..32].copy_from_slice(&[192, 0, 2, 9]);
+        reply[32..38].copy_from_slice(&R_WAN);
+        reply[38..42].copy_from_slice(&[192, 0, 2, 2]);
+        wan_in.transmit(pkt(&reply));
+        r.push(&mut io);
+        let fwd: Vec<Packet> = wan_out.drain().collect();
+        assert_eq!(fwd.len(), 1);
+        let d = fwd[0].data();
+        assert_eq!((&d[0..6], &d[6..12], d[22]), (&GW[..], &R_WAN[..], 63));
+        assert_eq!(
+            checksum::checksum(&d[14..34]),
+            0,
+            "incremental checksum update"
+        );
+        // Now resolved: the next packet goes at once; a bad header is counted and dropped.
+        lan_in.transmit(pkt(&ipv4([203, 0, 113, 6], 10)));
+        let mut bad = ipv4([203, 0, 113, 7], 10);
+        bad[24] ^= 0xff;
+        lan_in.transmit(pkt(&bad));
+        r.push(&mut io);
+        assert_eq!(wan_out.drain().count(), 1);
+        assert_eq!(r.c.bad_header.get(), 1);
+        // Longest prefix: 198.51.100.0/24 goes back out of lan toward 10.0.1.9 (an ARP request).
+        lan_in.transmit(pkt(&ipv4([198, 51, 100, 1], 10)));
+        r.push(&mut io);
+        let l: Vec<Packet> = lan_out.drain().collect();
+        assert_eq!(l.len(), 1);
+        assert_eq!(&l[0].data()[38..42], &[10, 0, 1, 9]);
+    }
+
+    #[test]
+    fn bad_configs_are_refused() {
+        let c: RouterConfig = serde_json::from_value(serde_json::json!({
+            "interfaces": { "lan": { "mac": "02:00:00:00:01:01", "address": "10.0.1.1/24" } },
+            "routes": [ { "prefix": "0.0.0.0/0", "via": "192.0.2.9" } ]
+        }))
+        .unwrap();
+        let e = Router::declare(&c).unwrap_err().to_string();
+        assert!(
+            e.contains("route 1") && e.contains("on no interface"),
+            "{e}"
+        );
+    }
+}
