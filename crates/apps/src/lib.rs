@@ -7,6 +7,7 @@ pub mod forwarder;
 pub mod generator;
 pub mod join;
 pub mod load_balancer;
+pub mod nat;
 pub mod policer;
 pub mod rate_meter;
 pub mod round_robin;
@@ -58,6 +59,10 @@ pub fn register(r: &mut Registry) {
     .register(AppType::of::<router::Router>(
         "router",
         "IPv4 router: longest-prefix match, ARP, TTL, ICMP errors, static and connected routes",
+    ))
+    .register(AppType::of::<nat::Nat>(
+        "nat",
+        "IPv4 NAPT: masquerade with endpoint-independent mappings, port forwards, hairpinning",
     ))
     .register(AppType::of::<firewall::Firewall>(
         "firewall",

@@ -255,3 +255,68 @@ fn bridge_router_bridge_joins_two_subnets() {
         "{c}"
     );
 }
+
+const ECHO_PEER: &str = r#"
+import socket
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind(("0.0.0.0", 5353))
+s.settimeout(5)
+data, peer = s.recvfrom(2048)
+s.sendto(data, peer)
+print(peer[0])
+"#;
+
+const ASK: &str = r#"
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.settimeout(3)
+s.sendto(b"hello", (sys.argv[1], 5353))
+print(s.recvfrom(2048)[0].decode())
+"#;
+
+#[test]
+fn nat_masquerades_lan_hosts_behind_the_external_address() {
+    require_root_and_tools(&["ip", "python3"]);
+    let h = TwoHosts::new();
+    // One segment, NAT in the middle: host B knows the external address at host A's MAC.
+    let external = format!("{}50", &h.ip[0][..h.ip[0].len() - 1]);
+    let mac_a = must(&format!("ip -n {} -br link show {}", h.ns[0], h.inner[0]));
+    let mac_a = mac_a.split_whitespace().nth(2).unwrap().to_string();
+    must(&format!(
+        "ip -n {} neigh add {external} lladdr {mac_a} dev {}",
+        h.ns[1], h.inner[1]
+    ));
+    let s = Stitch::run(&format!(
+        "apps:\n  lan: {{ type: af_packet, interface: {} }}\n  wan: {{ type: af_packet, interface: {} }}\n  nat: {{ type: nat, external: \"{external}\", ports: \"20000-29999\" }}\nlinks:\n  - \"lan.output -> nat.lan\"\n  - \"nat.lan -> lan.input\"\n  - \"wan.output -> nat.wan\"\n  - \"nat.wan -> wan.input\"\n",
+        h.outer[0], h.outer[1]
+    ));
+    std::fs::write(s.path().join("peer.py"), ECHO_PEER).unwrap();
+    std::fs::write(s.path().join("ask.py"), ASK).unwrap();
+    let peer = h.spawn(
+        1,
+        &format!("python3 {}", s.path().join("peer.py").display()),
+    );
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let o = h.exec(
+        0,
+        &format!("python3 {} {}", s.path().join("ask.py").display(), h.ip[1]),
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&o.stdout).trim(),
+        "hello",
+        "the answer comes back through the NAT: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let seen = peer.finish();
+    assert_eq!(
+        String::from_utf8_lossy(&seen.stdout).trim(),
+        external,
+        "B saw the external address, not A's"
+    );
+    let stats = s.stop();
+    let c = &app(&stats, "nat")["counters"];
+    assert!(
+        c["translated_out"].as_u64().unwrap() >= 1 && c["translated_in"].as_u64().unwrap() >= 1,
+        "{c}"
+    );
+}

@@ -1,0 +1,659 @@
+//! `nat`: IPv4 network address and port translation between `lan` and `wan` (each an input and
+//! an output of that name).
+//!
+//! Source NAT (masquerade): TCP, UDP and ICMP echo from the lan side leave with the source
+//! `external` address and a port (echo identifier) from `ports`, keeping the inside port when it
+//! is free. Mappings are endpoint-independent (RFC 4787 REQ-1, RFC 5382 REQ-1): one inside
+//! address and port keep one outside port whatever the destination, and replies from any
+//! outside endpoint reach them (endpoint-independent filtering). Mappings expire after
+//! `udp_timeout` / `tcp_timeout` / `icmp_timeout` seconds without traffic.
+//!
+//! Destination NAT (`forwards`): packets to `external:port` from the wan side go to
+//! `to_address:to_port`. A lan host that uses the external address of a forward is hairpinned:
+//! its packet goes back out of `lan` to the inside server, with the source translated too, so
+//! the server answers through the NAT (RFC 4787 REQ-9, RFC 5382 REQ-8).
+//!
+//! Checksums are updated incrementally (RFC 1624), partial checksums (offloaded senders) as
+//! partial sums. Packets that are not IPv4 TCP/UDP/ICMP echo pass unchanged; inbound packets
+//! without a mapping are dropped and counted. ICMP errors are not translated in this version.
+//!
+//! ```yaml
+//! apps:
+//!   nat: { type: nat, external: 192.0.2.10, ports: "20000-59999",
+//!          forwards: [ { proto: tcp, port: 8080, to_address: 10.0.0.5, to_port: 80 } ] }
+//! ```
+
+use serde::Deserialize;
+use std::collections::HashMap;
+use std::net::Ipv4Addr;
+use std::time::{Duration, Instant};
+use stitch_core::packet::ChecksumState;
+use stitch_core::{App, AppContext, AppError, Counter, Io, Packet, PortNames, PortSpec, Producer};
+use stitch_wire::{checksum, flow};
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Forward {
+    pub proto: String,
+    pub port: u16,
+    pub to_address: Ipv4Addr,
+    pub to_port: u16,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NatConfig {
+    pub external: Ipv4Addr,
+    #[serde(default = "default_ports")]
+    pub ports: String,
+    #[serde(default)]
+    pub forwards: Vec<Forward>,
+    #[serde(default = "default_udp")]
+    pub udp_timeout: u64,
+    #[serde(default = "default_tcp")]
+    pub tcp_timeout: u64,
+    #[serde(default = "default_icmp")]
+    pub icmp_timeout: u64,
+}
+
+fn default_ports() -> String {
+    "1024-65535".into()
+}
+fn default_udp() -> u64 {
+    300
+}
+fn default_tcp() -> u64 {
+    7440
+}
+fn default_icmp() -> u64 {
+    60
+}
+
+type Inside = (Ipv4Addr, u16);
+
+struct Mapping {
+    inside: Inside,
+    expires: Instant,
+}
+
+pub struct Nat {
+    external: Ipv4Addr,
+    range: (u16, u16),
+    forwards: HashMap<(u8, u16), Inside>,
+    out_map: HashMap<(u8, Inside), u16>,
+    in_map: HashMap<(u8, u16), Mapping>,
+    cursor: u16,
+    last_sweep: Instant,
+    timeouts: [Duration; 3],
+    translated_out: Counter,
+    translated_in: Counter,
+    hairpinned: Counter,
+    no_mapping: Counter,
+    ports_exhausted: Counter,
+    passed: Counter,
+    malformed: Counter,
+    mappings: Counter,
+}
+
+fn proto_number(p: &str) -> Result<u8, String> {
+    match p {
+        "tcp" => Ok(6),
+        "udp" => Ok(17),
+        _ => Err(format!("forward proto `{p}`: tcp or udp")),
+    }
+}
+
+fn parse_range(s: &str) -> Result<(u16, u16), String> {
+    let (a, b) = s
+        .split_once('-')
+        .ok_or_else(|| format!("ports `{s}`: use A-B"))?;
+    let (a, b): (u16, u16) = (
+        a.trim().parse().map_err(|_| format!("ports `{s}`"))?,
+        b.trim().parse().map_err(|_| format!("ports `{s}`"))?,
+    );
+    if a == 0 || a > b {
+        return Err(format!("ports `{s}`: need 1 <= A <= B"));
+    }
+    Ok((a, b))
+}
+
+/// Offsets of the IPv4 header and L4 header of a frame; `None` if it is not one to translate.
+fn layout(d: &[u8]) -> Option<(usize, usize, u8)> {
+    let (l3, ethertype, _) = flow::l3(d).ok()?;
+    if ethertype != 0x0800 || d.len() < l3 + 20 {
+        return None;
+    }
+    let ihl = (d[l3] & 0x0f) as usize * 4;
+    let proto = d[l3 + 9];
+    if u16::from_be_bytes([d[l3 + 6], d[l3 + 7]]) & 0x1fff != 0 {
+        return None; // non-first fragment: no L4 header
+    }
+    let need = match proto {
+        6 => 20,
+        17 => 8,
+        1 => 8,
+        _ => return None,
+    };
+    (d.len() >= l3 + ihl + need).then_some((l3, l3 + ihl, proto))
+}
+
+/// L4 checksum field offset within the L4 header; ICMP's checksum does not cover addresses.
+fn csum_at(proto: u8) -> usize {
+    match proto {
+        6 => 16,
+        17 => 6,
+        _ => 2,
+    }
+}
+
+/// Where the headers of a frame are: IPv4 header, L4 header, protocol.
+#[derive(Clone, Copy)]
+struct At {
+    l3: usize,
+    l4: usize,
+    proto: u8,
+}
+
+/// Rewrites a 32-bit address at `addr_off` (source 12 or destination 16 of the IP header) and
+/// a port (or echo id) at `port_at` within L4, updating the checksums incrementally.
+fn rewrite(p: &mut Packet, at: At, addr_off: usize, addr: Ipv4Addr, port_at: usize, port: u16) {
+    let At { l3, l4, proto } = at;
+    let partial = p.checksum_state() == ChecksumState::Partial;
+    let d = p.data_mut();
+    let old_addr = u32::from_be_bytes(d[l3 + addr_off..l3 + addr_off + 4].try_into().unwrap());
+    let new_addr = u32::from(addr);
+    let ip_cs = u16::from_be_bytes([d[l3 + 10], d[l3 + 11]]);
+    d[l3 + 10..l3 + 12]
+        .copy_from_slice(&checksum::update32(ip_cs, old_addr, new_addr).to_be_bytes());
+    d[l3 + addr_off..l3 + addr_off + 4].copy_from_slice(&new_addr.to_be_bytes());
+    let old_port = u16::from_be_bytes([d[l4 + port_at], d[l4 + port_at + 1]]);
+    d[l4 + port_at..l4 + port_at + 2].copy_from_slice(&port.to_be_bytes());
+    let c = l4 + csum_at(proto);
+    let cs = u16::from_be_bytes([d[c], d[c + 1]]);
+    if proto == 17 && cs == 0 && !partial {
+        return; // UDP without checksum
+    }
+    let cs = if partial {
+        // The field holds the pseudo-header sum: only the address is part of it.
+        !checksum::update32(!cs, old_addr, new_addr)
+    } else {
+        let mut cs = cs;
+        if proto != 1 {
+            cs = checksum::update32(cs, old_addr, new_addr);
+        }
+        cs = checksum::update(cs, old_port, port);
+        if proto == 17 && cs == 0 {
+            0xffff
+        } else {
+            cs
+        }
+    };
+    d[c..c + 2].copy_from_slice(&cs.to_be_bytes());
+}
+
+impl Nat {
+    fn timeout(&self, proto: u8) -> Duration {
+        match proto {
+            17 => self.timeouts[0],
+            6 => self.timeouts[1],
+            _ => self.timeouts[2],
+        }
+    }
+
+    /// The outside port of an inside endpoint, allocating one if needed.
+    fn map_out(&mut self, proto: u8, inside: Inside, now: Instant) -> Option<u16> {
+        let t = self.timeout(proto);
+        if let Some(&port) = self.out_map.get(&(proto, inside)) {
+            if let Some(m) = self.in_map.get_mut(&(proto, port)) {
+                m.expires = now + t;
+                return Some(port);
+            }
+        }
+        let (lo, hi) = self.range;
+        let span = (hi - lo) as u32 + 1;
+        // Keep the inside port when it is free (port preservation), else take the next free one.
+        let first = if (lo..=hi).contains(&inside.1) {
+            inside.1
+        } else {
+            self.cursor
+        };
+        for k in 0..span {
+            let port = lo + (((first - lo) as u32 + k) % span) as u16;
+            if self.forwards.contains_key(&(proto, port)) {
+                continue;
+            }
+            let free = match self.in_map.get(&(proto, port)) {
+                None => true,
+                Some(m) => m.expires <= now,
+            };
+            if free {
+                if let Some(old) = self.in_map.insert(
+                    (proto, port),
+                    Mapping {
+                        inside,
+                        expires: now + t,
+                    },
+                ) {
+                    self.out_map.remove(&(proto, old.inside));
+                }
+                self.out_map.insert((proto, inside), port);
+                self.cursor = if port == hi { lo } else { port + 1 };
+                return Some(port);
+            }
+        }
+        self.ports_exhausted.add(1);
+        None
+    }
+
+    /// Translates a packet from the lan side; returns the side to send it out of.
+    fn outbound(&mut self, p: &mut Packet, now: Instant) -> Option<usize> {
+        let Some((l3, l4, proto)) = layout(p.data()) else {
+            self.passed.add(1);
+            return Some(1);
+        };
+        let d = p.data();
+        if proto == 1 && d[l4] != 8 {
+            self.passed.add(1);
+            return Some(1);
+        }
+        let src = Ipv4Addr::new(d[l3 + 12], d[l3 + 13], d[l3 + 14], d[l3 + 15]);
+        let dst = Ipv4Addr::new(d[l3 + 16], d[l3 + 17], d[l3 + 18], d[l3 + 19]);
+        let (sport_at, dport_at) = if proto == 1 { (4, 4) } else { (0, 2) };
+        let sport = u16::from_be_bytes([d[l4 + sport_at], d[l4 + sport_at + 1]]);
+        let dport = u16::from_be_bytes([d[l4 + dport_at], d[l4 + dport_at + 1]]);
+        // Hairpin: a lan host talking to a forwarded external port.
+        let hairpin = (dst == self.external)
+            .then(|| self.forwards.get(&(proto, dport)).copied())
+            .flatten();
+        let ext_port = self.map_out(proto, (src, sport), now)?;
+        rewrite(
+            p,
+            At { l3, l4, proto },
+            12,
+            self.external,
+            sport_at,
+            ext_port,
+        );
+        if let Some((to_ip, to_port)) = hairpin {
+            rewrite(p, At { l3, l4, proto }, 16, to_ip, dport_at, to_port);
+            self.hairpinned.add(1);
+            return Some(0);
+        }
+        self.translated_out.add(1);
+        Some(1)
+    }
+
+    /// Translates a packet from the wan side; returns the side to send it out of.
+    fn inbound(&mut self, p: &mut Packet, now: Instant) -> Option<usize> {
+        let Some((l3, l4, proto)) = layout(p.data()) else {
+            self.passed.add(1);
+            return Some(0);
+        };
+        let d = p.data();
+        let dst = Ipv4Addr::new(d[l3 + 16], d[l3 + 17], d[l3 + 18], d[l3 + 19]);
+        if dst != self.external || (proto == 1 && d[l4] != 0) {
+            self.passed.add(1);
+            return Some(0);
+        }
+        let dport_at = if proto == 1 { 4 } else { 2 };
+        let dport = u16::from_be_bytes([d[l4 + dport_at], d[l4 + dport_at + 1]]);
+        let target = match self.forwards.get(&(proto, dport)) {
+            Some(&t) => t,
+            None => match self.in_map.get(&(proto, dport)) {
+                Some(m) if m.expires > now => m.inside,
+                _ => {
+                    self.no_mapping.add(1);
+                    return None;
+                }
+            },
+        };
+        rewrite(p, At { l3, l4, proto }, 16, target.0, dport_at, target.1);
+        self.translated_in.add(1);
+        Some(0)
+    }
+
+    /// A reply of a hairpinned connection comes back from the inside server on the lan side:
+    /// it must look like it comes from the external address, to the original client.
+    fn hairpin_reply(&mut self, p: &mut Packet, now: Instant) -> bool {
+        let Some((l3, l4, proto)) = layout(p.data()) else {
+            return false;
+        };
+        let d = p.data();
+        let src = Ipv4Addr::new(d[l3 + 12], d[l3 + 13], d[l3 + 14], d[l3 + 15]);
+        let dst = Ipv4Addr::new(d[l3 + 16], d[l3 + 17], d[l3 + 18], d[l3 + 19]);
+        let (sport, dport) = (
+            u16::from_be_bytes([d[l4], d[l4 + 1]]),
+            u16::from_be_bytes([d[l4 + 2], d[l4 + 3]]),
+        );
+        if dst != self.external {
+            return false;
+        }
+        let Some((&(_, ext_port), _)) = self
+            .forwards
+            .iter()
+            .find(|(k, v)| k.0 == proto && **v == (src, sport))
+        else {
+            return false;
+        };
+        let Some(client) = self
+            .in_map
+            .get(&(proto, dport))
+            .filter(|m| m.expires > now)
+            .map(|m| m.inside)
+        else {
+            return false;
+        };
+        rewrite(p, At { l3, l4, proto }, 12, self.external, 0, ext_port);
+        rewrite(p, At { l3, l4, proto }, 16, client.0, 2, client.1);
+        self.hairpinned.add(1);
+        true
+    }
+}
+
+impl App for Nat {
+    type Config = NatConfig;
+
+    fn declare(c: &NatConfig) -> Result<PortSpec, AppError> {
+        parse_range(&c.ports)?;
+        for f in &c.forwards {
+            proto_number(&f.proto)?;
+        }
+        let sides = vec!["lan".to_string(), "wan".to_string()];
+        Ok(PortSpec {
+            inputs: PortNames::Fixed(sides.clone()),
+            outputs: PortNames::Fixed(sides),
+        })
+    }
+
+    fn new(c: NatConfig, ctx: &mut AppContext) -> Result<Self, AppError> {
+        let range = parse_range(&c.ports)?;
+        let mut forwards = HashMap::new();
+        for f in &c.forwards {
+            forwards.insert((proto_number(&f.proto)?, f.port), (f.to_address, f.to_port));
+        }
+        Ok(Nat {
+            external: c.external,
+            range,
+            forwards,
+            out_map: HashMap::new(),
+            in_map: HashMap::new(),
+            cursor: range.0,
+            last_sweep: Instant::now(),
+            timeouts: [c.udp_timeout, c.tcp_timeout, c.icmp_timeout].map(Duration::from_secs),
+            translated_out: ctx.counter("translated_out"),
+            translated_in: ctx.counter("translated_in"),
+            hairpinned: ctx.counter("hairpinned"),
+            no_mapping: ctx.counter("no_mapping_drops"),
+            ports_exhausted: ctx.counter("ports_exhausted_drops"),
+            passed: ctx.counter("passed_untranslated"),
+            malformed: ctx.counter("malformed_drops"),
+            mappings: ctx.counter("mappings"),
+        })
+    }
+
+    fn push(&mut self, io: &mut Io) {
+        let now = Instant::now();
+        let (inputs, outputs) = io.split();
+        for (side, input) in inputs.iter_mut().enumerate() {
+            let Some(input) = input.as_mut() else {
+                continue;
+            };
+            for mut p in input.drain() {
+                if p.len() < 14 {
+                    self.malformed.add(1);
+                    continue;
+                }
+                let to = if side == 0 {
+                    if self.hairpin_reply(&mut p, now) {
+                        Some(0)
+                    } else {
+                        self.outbound(&mut p, now)
+                    }
+                } else {
+                    self.inbound(&mut p, now)
+                };
+                if let Some(o) = to {
+                    send(&mut outputs[o], p);
+                }
+            }
+        }
+        self.mappings.set(self.in_map.len() as u64);
+    }
+
+    fn tick(&mut self, _: &mut Io, now: Instant) {
+        if now.duration_since(self.last_sweep) < Duration::from_secs(1) {
+            return;
+        }
+        self.last_sweep = now;
+        let expired: Vec<(u8, u16)> = self
+            .in_map
+            .iter()
+            .filter(|(_, m)| m.expires <= now)
+            .map(|(k, _)| *k)
+            .take(1024)
+            .collect();
+        for k in expired {
+            if let Some(m) = self.in_map.remove(&k) {
+                self.out_map.remove(&(k.0, m.inside));
+            }
+        }
+    }
+}
+
+fn send(out: &mut Option<Producer>, p: Packet) {
+    if let Some(o) = out.as_mut() {
+        o.transmit(p);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use stitch_core::link::{link, Consumer};
+    use stitch_core::pool;
+
+    fn l4_ok(d: &[u8]) -> bool {
+        let proto = d[23];
+        let total = u16::from_be_bytes([d[16], d[17]]) as usize;
+        let l4 = &d[34..14 + total];
+        let mut s = 0;
+        if proto != 1 {
+            s = checksum::sum(&d[26..34], 0) + proto as u64 + l4.len() as u64;
+        }
+        checksum::checksum(&d[14..34]) == 0 && checksum::finish(checksum::sum(l4, s)) == 0
+    }
+
+    fn packet(proto: u8, src: [u8; 4], sp: u16, dst: [u8; 4], dp: u16) -> Packet {
+        let l4 = if proto == 6 { 20 } else { 8 };
+        let mut f = vec![0u8; 34 + l4 + 10];
+        f[12..14].copy_from_slice(&[0x08, 0x00]);
+        f[14] = 0x45;
+        f[16..18].copy_from_slice(&((20 + l4 + 10) as u16).to_be_bytes());
+        f[22] = 64;
+        f[23] = proto;
+        f[26..30].copy_from_slice(&src);
+        f[30..34].copy_from_slice(&dst);
+        if proto == 1 {
+            f[34] = if sp == 0 { 0 } else { 8 };
+            f[38..40].copy_from_slice(&dp.to_be_bytes());
+        } else {
+            f[34..36].copy_from_slice(&sp.to_be_bytes());
+            f[36..38].copy_from_slice(&dp.to_be_bytes());
+        }
+        if proto == 6 {
+            f[46] = 5 << 4;
+        }
+        if proto == 17 {
+            f[38..40].copy_from_slice(&((l4 + 10) as u16).to_be_bytes());
+        }
+        for (i, b) in f[34 + l4..].iter_mut().enumerate() {
+            *b = i as u8;
+        }
+        let cs = checksum::checksum(&f[14..34]);
+        f[24..26].copy_from_slice(&cs.to_be_bytes());
+        let at = 34 + csum_at(proto);
+        let mut s = 0;
+        if proto != 1 {
+            s = checksum::sum(&f[26..34], 0) + proto as u64 + (l4 + 10) as u64;
+        }
+        let c = checksum::finish(checksum::sum(&f[34..], s));
+        f[at..at + 2].copy_from_slice(&c.to_be_bytes());
+        let mut p = pool::alloc().unwrap();
+        p.set_data(&f).unwrap();
+        p
+    }
+
+    struct Rig {
+        nat: Nat,
+        io: Io,
+        lan: stitch_core::Producer,
+        wan: stitch_core::Producer,
+        to_lan: Consumer,
+        to_wan: Consumer,
+    }
+
+    fn rig() -> Rig {
+        let c: NatConfig = serde_json::from_value(serde_json::json!({
+            "external": "192.0.2.10", "ports": "5000-5001",
+            "forwards": [ { "proto": "tcp", "port": 8080, "to_address": "10.0.0.7", "to_port": 80 } ]
+        }))
+        .unwrap();
+        Nat::declare(&c).unwrap();
+        let mut ctx = AppContext::new("nat", std::path::Path::new("."), Default::default());
+        let nat = Nat::new(c, &mut ctx).unwrap();
+        let (lan, a) = link(64);
+        let (wan, b) = link(64);
+        let (c1, to_lan) = link(64);
+        let (c2, to_wan) = link(64);
+        let io = Io::new(
+            vec![("lan".into(), a), ("wan".into(), b)],
+            vec![("lan".into(), c1), ("wan".into(), c2)],
+        );
+        Rig {
+            nat,
+            io,
+            lan,
+            wan,
+            to_lan,
+            to_wan,
+        }
+    }
+
+    impl Rig {
+        fn run(&mut self) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
+            self.nat.push(&mut self.io);
+            (
+                self.to_lan.drain().map(|p| p.data().to_vec()).collect(),
+                self.to_wan.drain().map(|p| p.data().to_vec()).collect(),
+            )
+        }
+    }
+
+    const IN: [u8; 4] = [10, 0, 0, 5];
+    const SRV: [u8; 4] = [10, 0, 0, 7];
+    const OUT: [u8; 4] = [198, 51, 100, 1];
+    const EXT: [u8; 4] = [192, 0, 2, 10];
+
+    #[test]
+    fn masquerade_keeps_mappings_and_checksums() {
+        let mut r = rig();
+        r.lan.transmit(packet(17, IN, 5000, OUT, 53));
+        r.lan.transmit(packet(6, IN, 40000, OUT, 443));
+        let (_, w) = r.run();
+        assert_eq!(w.len(), 2);
+        assert_eq!(
+            (&w[0][26..30], u16::from_be_bytes([w[0][34], w[0][35]])),
+            (&EXT[..], 5000),
+            "port kept"
+        );
+        assert_eq!(&w[1][26..30], &EXT[..]);
+        let tcp_port = u16::from_be_bytes([w[1][34], w[1][35]]);
+        assert!((5000..=5001).contains(&tcp_port));
+        assert!(w.iter().all(|f| l4_ok(f)), "checksums after SNAT");
+        // Replies from any outside endpoint reach the inside host (endpoint-independent).
+        r.wan
+            .transmit(packet(17, [203, 0, 113, 9], 7777, EXT, 5000));
+        r.wan.transmit(packet(6, OUT, 443, EXT, tcp_port));
+        r.wan.transmit(packet(17, OUT, 53, EXT, 5001));
+        let (l, _) = r.run();
+        assert_eq!(l.len(), 2);
+        assert_eq!(
+            (&l[0][30..34], u16::from_be_bytes([l[0][36], l[0][37]])),
+            (&IN[..], 5000)
+        );
+        assert_eq!(
+            (&l[1][30..34], u16::from_be_bytes([l[1][36], l[1][37]])),
+            (&IN[..], 40000)
+        );
+        assert!(
+            l.iter().all(|f| l4_ok(f)),
+            "checksums after reverse translation"
+        );
+        assert_eq!(r.nat.no_mapping.get(), 1);
+        // ICMP echo: the identifier is the port.
+        r.lan.transmit(packet(1, IN, 1, OUT, 777));
+        let (_, w) = r.run();
+        assert!(l4_ok(&w[0]) && w[0][26..30] == EXT);
+    }
+
+    #[test]
+    fn port_forward_and_hairpin() {
+        let mut r = rig();
+        r.wan.transmit(packet(6, OUT, 33333, EXT, 8080));
+        let (l, _) = r.run();
+        assert_eq!(
+            (&l[0][30..34], u16::from_be_bytes([l[0][36], l[0][37]])),
+            (&SRV[..], 80)
+        );
+        assert!(l4_ok(&l[0]));
+        // A lan host uses the external address: back out of lan to the server, source translated.
+        r.lan.transmit(packet(6, IN, 41000, EXT, 8080));
+        let (l, w) = r.run();
+        assert!(w.is_empty());
+        assert_eq!(&l[0][26..30], &EXT[..]);
+        assert_eq!(
+            (&l[0][30..34], u16::from_be_bytes([l[0][36], l[0][37]])),
+            (&SRV[..], 80)
+        );
+        assert!(l4_ok(&l[0]));
+        let mapped = u16::from_be_bytes([l[0][34], l[0][35]]);
+        // The server answers the external address; the client sees the forward's address.
+        r.lan.transmit(packet(6, SRV, 80, EXT, mapped));
+        let (l, _) = r.run();
+        assert_eq!(
+            (&l[0][26..30], u16::from_be_bytes([l[0][34], l[0][35]])),
+            (&EXT[..], 8080)
+        );
+        assert_eq!(
+            (&l[0][30..34], u16::from_be_bytes([l[0][36], l[0][37]])),
+            (&IN[..], 41000)
+        );
+        assert!(l4_ok(&l[0]));
+        assert_eq!(r.nat.hairpinned.get(), 2);
+    }
+
+    #[test]
+    fn partial_checksums_stay_partial_sums() {
+        let mut r = rig();
+        let mut p = packet(6, IN, 40000, OUT, 443);
+        // Make it look like an offloaded send: the field holds the pseudo-header sum.
+        let d = p.data_mut();
+        let ps = checksum::sum(&d[26..34], 0) + 6 + (d.len() - 34) as u64;
+        let mut f = ps;
+        while f > 0xffff {
+            f = (f & 0xffff) + (f >> 16);
+        }
+        d[50..52].copy_from_slice(&(f as u16).to_be_bytes());
+        p.header_mut().csum_start = 34;
+        p.header_mut().csum_offset = 16;
+        p.set_checksum_state(ChecksumState::Partial);
+        r.lan.transmit(p);
+        r.nat.push(&mut r.io);
+        let mut out: Vec<Packet> = r.to_wan.drain().collect();
+        stitch_wire::offload::complete_checksum(&mut out[0]).unwrap();
+        assert!(
+            l4_ok(out[0].data()),
+            "completing after translation gives a valid checksum"
+        );
+    }
+}
