@@ -79,9 +79,9 @@ struct Mapping {
 pub struct Nat {
     external: Ipv4Addr,
     range: (u16, u16),
-    forwards: HashMap<(u8, u16), Inside>,
-    out_map: HashMap<(u8, Inside), u16>,
-    in_map: HashMap<(u8, u16), Mapping>,
+    forwards: HashMap<(u8, u16), Inside, foldhash::fast::RandomState>,
+    out_map: HashMap<(u8, Inside), u16, foldhash::fast::RandomState>,
+    in_map: HashMap<(u8, u16), Mapping, foldhash::fast::RandomState>,
     cursor: u16,
     last_sweep: Instant,
     timeouts: [Duration; 3],
@@ -211,8 +211,15 @@ impl Nat {
         }
         let (lo, hi) = self.range;
         let span = (hi - lo) as u32 + 1;
-        // Keep the inside port when it is free (port preservation), else take the next free one.
-        let first = if (lo..=hi).contains(&inside.1) {
+        // Keep the inside port when it is free (port preservation), else take the next free one
+        // after the cursor (scanning on from a taken preserved port would walk long taken runs).
+        let preserved_free = (lo..=hi).contains(&inside.1)
+            && !self.forwards.contains_key(&(proto, inside.1))
+            && self
+                .in_map
+                .get(&(proto, inside.1))
+                .is_none_or(|m| m.expires <= now);
+        let first = if preserved_free {
             inside.1
         } else {
             self.cursor
@@ -367,7 +374,7 @@ impl App for Nat {
 
     fn new(c: NatConfig, ctx: &mut AppContext) -> Result<Self, AppError> {
         let range = parse_range(&c.ports)?;
-        let mut forwards = HashMap::new();
+        let mut forwards = HashMap::default();
         for f in &c.forwards {
             forwards.insert((proto_number(&f.proto)?, f.port), (f.to_address, f.to_port));
         }
@@ -375,8 +382,8 @@ impl App for Nat {
             external: c.external,
             range,
             forwards,
-            out_map: HashMap::new(),
-            in_map: HashMap::new(),
+            out_map: HashMap::default(),
+            in_map: HashMap::default(),
             cursor: range.0,
             last_sweep: Instant::now(),
             timeouts: [c.udp_timeout, c.tcp_timeout, c.icmp_timeout].map(Duration::from_secs),

@@ -97,7 +97,7 @@ struct Neighbor {
 pub struct Router {
     ifaces: Vec<Iface>,
     routes: PrefixMap<Ipv4Net, Route>,
-    neighbors: HashMap<(usize, Ipv4Addr), Neighbor>,
+    neighbors: HashMap<(usize, Ipv4Addr), Neighbor, foldhash::fast::RandomState>,
     arp_timeout: Duration,
     icmp_rate: f64,
     icmp_tokens: f64,
@@ -466,7 +466,7 @@ impl App for Router {
         Ok(Router {
             ifaces,
             routes,
-            neighbors: HashMap::new(),
+            neighbors: HashMap::default(),
             arp_timeout: Duration::from_secs(c.arp_timeout),
             icmp_rate: c.icmp_rate,
             icmp_tokens: c.icmp_rate,

@@ -29,6 +29,17 @@ pub enum BenchCmd {
         #[arg(long)]
         json: bool,
     },
+    /// One network function with a realistic table (router, firewall, firewall-stateless, nat,
+    /// bridge) against a raw-ring baseline in the same run.
+    Nf {
+        name: String,
+        /// Measured seconds per loop.
+        #[arg(long, default_value_t = 2.0)]
+        seconds: f64,
+        /// Runs (the median is reported).
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+    },
 }
 
 fn cpu_seconds(who: i32) -> f64 {
@@ -155,13 +166,25 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 pub fn run(cmd: BenchCmd, registry: Arc<Registry>) -> Result<()> {
+    if let BenchCmd::Nf {
+        name,
+        seconds,
+        runs,
+    } = &cmd
+    {
+        anyhow::ensure!(*runs >= 1, "--runs must be at least 1");
+        return crate::bench_nf::run(name, *seconds, *runs);
+    }
     let BenchCmd::Chain {
         hops,
         size,
         seconds,
         runs,
         json,
-    } = cmd;
+    } = cmd
+    else {
+        unreachable!("handled above")
+    };
     anyhow::ensure!(hops >= 1, "--hops must be at least 1");
     anyhow::ensure!(runs >= 1, "--runs must be at least 1");
     for t in ["generator", "forwarder", "sink"] {

@@ -1,6 +1,7 @@
 //! `stitch`: run, check and inspect Stitch graphs.
 
 mod bench;
+mod bench_nf;
 mod capture_cmd;
 mod control;
 mod table;

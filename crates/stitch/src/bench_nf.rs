@@ -1,0 +1,329 @@
+//! `stitch bench nf NAME`: the cost of one network function per packet, with realistic tables,
+//! against a raw-ring baseline measured in the same run.
+//!
+//! Both loops refill a batch of 64-byte frames from templates (so that TTLs and addresses start
+//! fresh every time), queue them on the function's input link and drain its outputs; the
+//! function loop calls its `push`, the baseline moves the batch across with `forward_to`. The
+//! function's cost is the difference, in CPU time of the measuring thread.
+
+use anyhow::Result;
+use serde_json::json;
+use std::time::{Duration, Instant};
+use stitch_apps::{bridge::Bridge, firewall::Firewall, nat::Nat, router::Router};
+use stitch_core::app::DynApp;
+use stitch_core::link::{link, Consumer, Producer};
+use stitch_core::{pool, App, AppContext, Io};
+use stitch_wire::checksum;
+
+const BATCH: usize = 256;
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+fn udp_frame(
+    dst_mac: [u8; 6],
+    src_mac: [u8; 6],
+    src: [u8; 4],
+    sport: u16,
+    dst: [u8; 4],
+    dport: u16,
+) -> Vec<u8> {
+    let mut f = vec![0u8; 60];
+    f[0..6].copy_from_slice(&dst_mac);
+    f[6..12].copy_from_slice(&src_mac);
+    f[12..14].copy_from_slice(&[0x08, 0x00]);
+    f[14] = 0x45;
+    f[16..18].copy_from_slice(&46u16.to_be_bytes());
+    f[22] = 64;
+    f[23] = 17;
+    f[26..30].copy_from_slice(&src);
+    f[30..34].copy_from_slice(&dst);
+    f[34..36].copy_from_slice(&sport.to_be_bytes());
+    f[36..38].copy_from_slice(&dport.to_be_bytes());
+    f[38..40].copy_from_slice(&26u16.to_be_bytes());
+    let cs = checksum::checksum(&f[14..34]);
+    f[24..26].copy_from_slice(&cs.to_be_bytes());
+    let ps = checksum::sum(&f[26..34], 0) + 17 + 26;
+    let cs = checksum::finish(checksum::sum(&f[34..60], ps));
+    f[40..42].copy_from_slice(&cs.to_be_bytes());
+    f
+}
+
+/// A function under test: the app, its ports, and the frames to feed its first input.
+struct Subject {
+    app: Box<dyn DynApp>,
+    inputs: Vec<String>,
+    outputs: Vec<String>,
+    templates: Vec<Vec<u8>>,
+    /// Frames to feed once before measuring (ARP answers, learning).
+    warmup: Vec<(usize, Vec<u8>)>,
+    table: String,
+}
+
+fn ctx() -> AppContext {
+    AppContext::new("bench", std::path::Path::new("."), Default::default())
+}
+
+fn build<A: App>(cfg: serde_json::Value) -> Result<Box<dyn DynApp>> {
+    let c: A::Config = serde_json::from_value(cfg)?;
+    A::declare(&c).map_err(|e| anyhow::anyhow!("{e}"))?;
+    Ok(Box::new(
+        A::new(c, &mut ctx()).map_err(|e| anyhow::anyhow!("{e}"))?,
+    ))
+}
+
+const LAN_MAC: [u8; 6] = [2, 0, 0, 0, 1, 1];
+const WAN_MAC: [u8; 6] = [2, 0, 0, 0, 2, 1];
+const HOST: [u8; 6] = [2, 0, 0, 0, 1, 2];
+const GW: [u8; 6] = [2, 0, 0, 0, 2, 9];
+
+fn subject(name: &str) -> Result<Subject> {
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let two = |a: &str, b: &str| {
+        (
+            vec![a.to_string(), b.to_string()],
+            vec![a.to_string(), b.to_string()],
+        )
+    };
+    Ok(match name {
+        "router" => {
+            // A full table: 1M random prefixes /16../28 via one gateway; lookups hit them.
+            let mut routes = Vec::with_capacity(1 << 20);
+            let mut dsts = Vec::with_capacity(4096);
+            for i in 0..(1 << 20) {
+                let addr = (rng.next() as u32) | 0x0100_0000;
+                let len = 16 + (rng.next() % 13) as u32;
+                let net = addr & (u32::MAX << (32 - len));
+                routes.push(json!({ "prefix": format!("{}/{len}", std::net::Ipv4Addr::from(net)), "via": "192.0.2.9" }));
+                if i % 256 == 0 {
+                    dsts.push(net | (rng.next() as u32 & !(u32::MAX << (32 - len))));
+                }
+            }
+            let app = build::<Router>(json!({
+                "interfaces": { "lan": { "mac": "02:00:00:00:01:01", "address": "10.0.1.1/24" },
+                                "wan": { "mac": "02:00:00:00:02:01", "address": "192.0.2.2/24" } },
+                "routes": routes,
+            }))?;
+            let mut arp = vec![0u8; 60];
+            arp[0..6].copy_from_slice(&WAN_MAC);
+            arp[6..12].copy_from_slice(&GW);
+            arp[12..22].copy_from_slice(&[0x08, 0x06, 0, 1, 0x08, 0x00, 6, 4, 0, 2]);
+            arp[22..28].copy_from_slice(&GW);
+            arp[28..32].copy_from_slice(&[192, 0, 2, 9]);
+            arp[32..38].copy_from_slice(&WAN_MAC);
+            arp[38..42].copy_from_slice(&[192, 0, 2, 2]);
+            let templates = dsts
+                .iter()
+                .map(|d| udp_frame(LAN_MAC, HOST, [10, 0, 1, 2], 1000, d.to_be_bytes(), 53))
+                .collect();
+            let (inputs, outputs) = two("lan", "wan");
+            Subject {
+                app,
+                inputs,
+                outputs,
+                warmup: vec![
+                    (1, arp),
+                    (
+                        0,
+                        udp_frame(LAN_MAC, HOST, [10, 0, 1, 2], 1000, [1, 2, 3, 4], 53),
+                    ),
+                ],
+                templates,
+                table: "1M IPv4 routes (/16–/28), random destinations".into(),
+            }
+        }
+        "firewall" | "firewall-stateless" => {
+            // 999 rules that do not match, then accept.
+            let mut rules: Vec<serde_json::Value> = (0..999)
+                .map(|i| json!({ "action": "drop", "proto": "udp", "dst": format!("172.16.{}.{}/32", i / 256, i % 256), "dst_port": "1-10" }))
+                .collect();
+            rules.push(json!({ "action": "accept" }));
+            let app = build::<Firewall>(json!({ "rules": rules, "stateful": name == "firewall" }))?;
+            let templates = (0..4096u32)
+                .map(|i| {
+                    udp_frame(
+                        WAN_MAC,
+                        HOST,
+                        [10, 0, (i >> 8) as u8, i as u8],
+                        1000 + i as u16,
+                        [198, 51, 100, 1],
+                        53,
+                    )
+                })
+                .collect();
+            let (inputs, outputs) = two("lan", "wan");
+            let table = if name == "firewall" {
+                "1000 rules, 4096 tracked UDP flows"
+            } else {
+                "1000 rules walked for every packet"
+            };
+            Subject {
+                app,
+                inputs,
+                outputs,
+                warmup: vec![],
+                templates,
+                table: table.into(),
+            }
+        }
+        "nat" => {
+            // 60000 flows: one external address has 64512 ports to give.
+            let app = build::<Nat>(json!({ "external": "192.0.2.10", "ports": "1024-65535" }))?;
+            let templates = (0..60000u32)
+                .map(|i| {
+                    udp_frame(
+                        WAN_MAC,
+                        HOST,
+                        [10, 1, (i >> 8) as u8, i as u8],
+                        10000 + (i % 50000) as u16,
+                        [198, 51, 100, 1],
+                        53,
+                    )
+                })
+                .collect();
+            let (inputs, outputs) = two("lan", "wan");
+            Subject {
+                app,
+                inputs,
+                outputs,
+                warmup: vec![],
+                templates,
+                table: "60000 mapped UDP flows".into(),
+            }
+        }
+        "bridge" => {
+            // 4096 learned addresses behind port b; frames from a go to them.
+            let app = build::<Bridge>(json!({ "ports": { "a": {}, "b": {}, "c": {}, "d": {} } }))?;
+            let macs: Vec<[u8; 6]> = (0..4096u32)
+                .map(|i| [2, 0xb, 0, 0, (i >> 8) as u8, i as u8])
+                .collect();
+            let warmup = macs
+                .iter()
+                .map(|m| {
+                    (
+                        1,
+                        udp_frame([0xff; 6], *m, [10, 0, 0, 2], 1, [10, 0, 0, 1], 1),
+                    )
+                })
+                .collect();
+            let templates = macs
+                .iter()
+                .map(|m| udp_frame(*m, HOST, [10, 0, 0, 1], 1, [10, 0, 0, 2], 1))
+                .collect();
+            let ports = vec!["a".to_string(), "b".into(), "c".into(), "d".into()];
+            Subject {
+                app,
+                inputs: ports.clone(),
+                outputs: ports,
+                warmup,
+                templates,
+                table: "4096 learned MAC addresses".into(),
+            }
+        }
+        other => anyhow::bail!(
+            "no benchmark for `{other}` (router, firewall, firewall-stateless, nat, bridge)"
+        ),
+    })
+}
+
+fn thread_cpu() -> f64 {
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut u) };
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    tv(u.ru_utime) + tv(u.ru_stime)
+}
+
+/// Packets and CPU seconds of one measurement; `app` None measures the raw-ring baseline.
+fn measure(s: &mut Subject, with_app: bool, secs: f64) -> (u64, f64) {
+    let mut feeds: Vec<Producer> = Vec::new();
+    let mut ins = Vec::new();
+    for n in &s.inputs {
+        let (tx, rx) = link(4096);
+        feeds.push(tx);
+        ins.push((n.clone(), rx));
+    }
+    let mut drains: Vec<Consumer> = Vec::new();
+    let mut outs = Vec::new();
+    for n in &s.outputs {
+        let (tx, rx) = link(4096);
+        drains.push(rx);
+        outs.push((n.clone(), tx));
+    }
+    let mut io = Io::new(ins, outs);
+    if with_app {
+        for (port, f) in &s.warmup {
+            let mut p = pool::alloc().expect("pool");
+            let _ = p.set_data(f);
+            feeds[*port].transmit(p);
+            s.app.push(&mut io);
+        }
+    }
+    for d in drains.iter_mut() {
+        d.drain().for_each(drop);
+    }
+    let (mut next, mut packets) = (0usize, 0u64);
+    let deadline = Instant::now() + Duration::from_secs_f64(secs);
+    let c0 = thread_cpu();
+    while Instant::now() < deadline {
+        for _ in 0..64 {
+            for _ in 0..BATCH {
+                let Some(mut p) = pool::alloc() else { break };
+                let _ = p.set_data(&s.templates[next]);
+                next = (next + 1) % s.templates.len();
+                feeds[0].transmit(p);
+            }
+            if with_app {
+                s.app.push(&mut io);
+            } else {
+                let (i, o) = io.pair(0, 1);
+                i.unwrap().forward_to(o.unwrap());
+            }
+            for d in drains.iter_mut() {
+                packets += d.drain().count() as u64;
+            }
+        }
+    }
+    (packets, thread_cpu() - c0)
+}
+
+pub fn run(name: &str, seconds: f64, runs: usize) -> Result<()> {
+    let mut s = subject(name)?;
+    println!(
+        "nf {name}: {}; 64-byte frames, {seconds} s per loop, {runs} runs",
+        s.table
+    );
+    println!(
+        "{:>3}  {:>14} {:>14} {:>12} {:>14}",
+        "run", "nf ns/packet", "raw ns/packet", "nf alone ns", "Mpps per core"
+    );
+    let mut results = Vec::new();
+    for run in 1..=runs {
+        let (bp, bc) = measure(&mut s, false, seconds);
+        let (np, nc) = measure(&mut s, true, seconds);
+        anyhow::ensure!(
+            np > 0,
+            "the function let no packet through (check its table)"
+        );
+        let (base, total) = (bc * 1e9 / bp.max(1) as f64, nc * 1e9 / np as f64);
+        let alone = (total - base).max(0.01);
+        println!(
+            "{run:>3}  {total:>14.1} {base:>14.1} {alone:>12.1} {:>14.2}",
+            1e3 / alone
+        );
+        results.push(alone);
+    }
+    results.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let m = results[results.len() / 2];
+    println!(
+        "median: {m:.1} ns per packet in the function alone = {:.2} Mpps per core",
+        1e3 / m
+    );
+    Ok(())
+}
