@@ -15,6 +15,7 @@ pub mod router;
 pub mod sink;
 pub mod tee;
 pub mod vlan;
+pub mod vxlan;
 
 use stitch_core::{AppType, Registry};
 
@@ -59,6 +60,10 @@ pub fn register(r: &mut Registry) {
     .register(AppType::of::<router::Router>(
         "router",
         "IPv4 router: longest-prefix match, ARP, TTL, ICMP errors, static and connected routes",
+    ))
+    .register(AppType::of::<vxlan::Vxlan>(
+        "vxlan",
+        "VXLAN (RFC 7348) tunnel endpoint: segments by VNI over an IPv4/UDP underlay",
     ))
     .register(AppType::of::<nat::Nat>(
         "nat",

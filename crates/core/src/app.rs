@@ -178,6 +178,12 @@ impl Counter {
     }
 }
 
+impl std::fmt::Debug for Counter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Counter({})", self.get())
+    }
+}
+
 /// The named counters of one app.
 #[derive(Clone, Default)]
 pub struct Counters(Arc<Mutex<Vec<(String, Counter)>>>);

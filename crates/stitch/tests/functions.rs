@@ -320,3 +320,42 @@ fn nat_masquerades_lan_hosts_behind_the_external_address() {
         "{c}"
     );
 }
+
+#[test]
+fn vxlan_encapsulates_as_tshark_decodes_it_and_decapsulates_back() {
+    let dir = tempfile::tempdir().unwrap();
+    // gen → vtep1 segment t1 → underlay (captured) → vtep2 underlay → segment t1 → sink
+    let stats = run(
+        dir.path(),
+        "apps:\n  gen: { type: generator, count: 200, flows: 8 }\n  before: { type: capture, file: before.pcap }\n  v1: { type: vxlan, local: 192.0.2.1, local_mac: \"02:00:00:00:00:01\", next_hop_mac: \"02:00:00:00:00:02\", segments: { t1: { vni: 5001, remote: 192.0.2.2 } } }\n  wire: { type: capture, file: underlay.pcap }\n  v2: { type: vxlan, local: 192.0.2.2, local_mac: \"02:00:00:00:00:02\", next_hop_mac: \"02:00:00:00:00:01\", segments: { t1: { vni: 5001, remote: 192.0.2.1 } } }\n  after: { type: pcap_sink, file: after.pcap }\nlinks:\n  - \"gen.output -> before.input\"\n  - \"before.output -> v1.t1\"\n  - \"v1.underlay -> wire.input\"\n  - \"wire.output -> v2.underlay\"\n  - \"v2.t1 -> after.input\"\n",
+    );
+    assert_eq!(app(&stats, "v2")["counters"]["decapsulated"], 200);
+    let outer = fields(
+        &dir.path().join("underlay.pcap"),
+        &["udp.dstport", "vxlan.vni"],
+    );
+    assert_eq!(outer.len(), 200);
+    assert!(
+        outer
+            .iter()
+            .all(|l| l.starts_with("4789") && l.ends_with("\t5001")),
+        "{:?}",
+        &outer[..2]
+    );
+    // tshark decodes the inner frame too: ip.src lists the outer, then the inner address.
+    let ips = fields(&dir.path().join("underlay.pcap"), &["ip.src", "ip.dst"]);
+    assert!(
+        ips.iter()
+            .all(|l| l.starts_with("192.0.2.1,10.0.0.") && l.contains("192.0.2.2,10.1.0.1")),
+        "{:?}",
+        &ips[..2]
+    );
+    let (a, b) = (
+        dir.path().join("before.pcap"),
+        dir.path().join("after.pcap"),
+    );
+    assert_eq!(
+        fields(&a, &["eth.src", "ip.src", "udp.srcport", "frame.len"]),
+        fields(&b, &["eth.src", "ip.src", "udp.srcport", "frame.len"])
+    );
+}
