@@ -73,6 +73,7 @@ struct Entry {
 
 pub struct Bridge {
     ports: Vec<PortConfig>,
+    port_names: Vec<String>,
     aging: Duration,
     max_entries: usize,
     table: HashMap<(u16, [u8; 6]), Entry, foldhash::fast::RandomState>,
@@ -166,6 +167,7 @@ impl App for Bridge {
                 .iter()
                 .map(|n| ctx.counter(&format!("tx_{n}")))
                 .collect(),
+            port_names: c.ports.keys().cloned().collect(),
             ports: c.ports.values().cloned().collect(),
             aging: Duration::from_secs(c.aging_seconds),
             max_entries: c.max_entries,
@@ -178,6 +180,30 @@ impl App for Bridge {
             table_full: ctx.counter("table_full"),
             copy_drops: ctx.counter("pool_exhausted_drops"),
         })
+    }
+
+    /// The learned table: `{"entries": [{vlan, mac, port, age_s}], "count"}`.
+    fn query(&mut self, request: &serde_json::Value) -> serde_json::Value {
+        let limit = request["limit"].as_u64().unwrap_or(1000) as usize;
+        let now = Instant::now();
+        let mut entries: Vec<_> = self
+            .table
+            .iter()
+            .filter(|(_, e)| now.duration_since(e.seen) < self.aging)
+            .map(|((vlan, mac), e)| {
+                let mac = mac
+                    .iter()
+                    .map(|b| format!("{b:02x}"))
+                    .collect::<Vec<_>>()
+                    .join(":");
+                serde_json::json!({ "vlan": vlan, "mac": mac, "port": self.port_names[e.port],
+                                    "age_s": now.duration_since(e.seen).as_secs() })
+            })
+            .collect();
+        let count = entries.len();
+        entries.sort_by_key(|e| e.to_string());
+        entries.truncate(limit);
+        serde_json::json!({ "count": count, "entries": entries })
     }
 
     fn push(&mut self, io: &mut Io) {

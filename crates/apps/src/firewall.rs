@@ -578,6 +578,22 @@ impl App for Firewall {
         Ok(stitch_core::Reconfigured::Done)
     }
 
+    /// Tracked connections: `{"count", "connections": [{proto, a, b, origin, state, expires_in_s}]}`.
+    fn query(&mut self, request: &serde_json::Value) -> serde_json::Value {
+        let limit = request["limit"].as_u64().unwrap_or(1000) as usize;
+        let now = Instant::now();
+        let conns: Vec<_> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| c.expires > now)
+            .take(limit)
+            .map(|((proto, a, b), c)| serde_json::json!({ "proto": proto, "a": format!("{}:{}", a.0, a.1),
+                "b": format!("{}:{}", b.0, b.1), "origin": format!("{:?}", c.origin).to_lowercase(),
+                "state": c.tcp.map(|s| format!("{s:?}")), "expires_in_s": c.expires.saturating_duration_since(now).as_secs() }))
+            .collect();
+        serde_json::json!({ "count": self.conns.len(), "connections": conns })
+    }
+
     fn push(&mut self, io: &mut Io) {
         let now = Instant::now();
         let (inputs, outputs) = io.split();

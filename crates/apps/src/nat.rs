@@ -427,6 +427,21 @@ impl App for Nat {
         self.mappings.set(self.in_map.len() as u64);
     }
 
+    /// Mappings: `{"count", "mappings": [{proto, inside, outside_port, expires_in_s}]}`.
+    fn query(&mut self, request: &serde_json::Value) -> serde_json::Value {
+        let limit = request["limit"].as_u64().unwrap_or(1000) as usize;
+        let now = Instant::now();
+        let mappings: Vec<_> = self
+            .in_map
+            .iter()
+            .filter(|(_, m)| m.expires > now)
+            .take(limit)
+            .map(|((proto, port), m)| serde_json::json!({ "proto": proto, "inside": format!("{}:{}", m.inside.0, m.inside.1),
+                "outside": format!("{}:{port}", self.external), "expires_in_s": m.expires.saturating_duration_since(now).as_secs() }))
+            .collect();
+        serde_json::json!({ "count": self.in_map.len(), "mappings": mappings })
+    }
+
     fn tick(&mut self, _: &mut Io, now: Instant) {
         if now.duration_since(self.last_sweep) < Duration::from_secs(1) {
             return;

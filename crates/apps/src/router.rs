@@ -96,6 +96,7 @@ struct Neighbor {
 
 pub struct Router {
     ifaces: Vec<Iface>,
+    port_names: Vec<String>,
     routes: PrefixMap<Ipv4Net, Route>,
     neighbors: HashMap<(usize, Ipv4Addr), Neighbor, foldhash::fast::RandomState>,
     arp_timeout: Duration,
@@ -464,6 +465,7 @@ impl App for Router {
         let (ifaces, routes) = build(&c)?;
         let k = |n: &str| ctx.counter(n);
         Ok(Router {
+            port_names: c.interfaces.keys().cloned().collect(),
             ifaces,
             routes,
             neighbors: HashMap::default(),
@@ -520,6 +522,30 @@ impl App for Router {
             }
         }
         self.pending = out;
+    }
+
+    /// Routes and neighbours: `{"routes": [{prefix, port, via}], "neighbors": [...]}`.
+    fn query(&mut self, request: &serde_json::Value) -> serde_json::Value {
+        let limit = request["limit"].as_u64().unwrap_or(1000) as usize;
+        let routes: Vec<_> = self
+            .routes
+            .iter()
+            .take(limit)
+            .map(|(p, r)| {
+                serde_json::json!({ "prefix": p.to_string(), "port": self.port_names[r.port],
+                                              "via": r.via.map(|v| v.to_string()) })
+            })
+            .collect();
+        let now = Instant::now();
+        let neighbors: Vec<_> = self
+            .neighbors
+            .iter()
+            .take(limit)
+            .map(|((port, ip), n)| serde_json::json!({ "port": self.port_names[*port], "ip": ip.to_string(),
+                "mac": n.mac.map(|m| m.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":")),
+                "waiting": n.waiting.len(), "expires_in_s": n.expires.saturating_duration_since(now).as_secs() }))
+            .collect();
+        serde_json::json!({ "route_count": self.routes.len(), "routes": routes, "neighbors": neighbors })
     }
 
     fn tick(&mut self, _: &mut Io, now: Instant) {

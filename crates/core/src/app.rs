@@ -296,6 +296,12 @@ pub trait App: Send + 'static {
     fn finished(&self) -> Option<bool> {
         None
     }
+
+    /// Answers an app-specific request from the control socket (`stitch show APP`): tables,
+    /// sessions, state. Runs on the app's worker between breaths, so keep it short.
+    fn query(&mut self, _request: &serde_json::Value) -> serde_json::Value {
+        serde_json::Value::Null
+    }
 }
 
 type AnyConfig = Box<dyn Any + Send>;
@@ -312,6 +318,7 @@ pub trait DynApp: Send {
     ) -> Result<Reconfigured, AppError>;
     fn stop(&mut self);
     fn finished(&self) -> Option<bool>;
+    fn query(&mut self, request: &serde_json::Value) -> serde_json::Value;
 }
 
 impl<A: App> DynApp for A {
@@ -341,6 +348,9 @@ impl<A: App> DynApp for A {
     }
     fn finished(&self) -> Option<bool> {
         App::finished(self)
+    }
+    fn query(&mut self, request: &serde_json::Value) -> serde_json::Value {
+        App::query(self, request)
     }
 }
 

@@ -95,8 +95,17 @@ enum Command {
     Exit,
 }
 
+/// A request for one app, answered by its worker between breaths.
+struct Query {
+    app: String,
+    request: serde_json::Value,
+    reply: mpsc::Sender<Result<serde_json::Value, String>>,
+}
+
 struct Worker {
     park: Arc<AtomicBool>,
+    queries: mpsc::Sender<Query>,
+    query_flag: Arc<AtomicBool>,
     to_worker: mpsc::Sender<Command>,
     from_worker: mpsc::Receiver<Plan>,
     thread: Option<JoinHandle<()>>,
@@ -141,11 +150,27 @@ fn breathe(plan: &mut Plan) {
     }
 }
 
+fn answer_queries(plan: &mut Plan, queries: &mpsc::Receiver<Query>) {
+    while let Ok(q) = queries.try_recv() {
+        let answer = match plan.slots.iter_mut().find(|s| s.name == q.app) {
+            None => Err(format!("app `{}` is not on this worker any more", q.app)),
+            Some(s) => {
+                let mut out = serde_json::Value::Null;
+                s.guarded("query", |a, _| out = a.query(&q.request));
+                Ok(out)
+            }
+        };
+        let _ = q.reply.send(answer);
+    }
+}
+
 fn run_worker(
     park: Arc<AtomicBool>,
     from_ctl: mpsc::Receiver<Command>,
     to_ctl: mpsc::Sender<Plan>,
     counters: Arc<WorkerCounters>,
+    query_flag: Arc<AtomicBool>,
+    queries: mpsc::Receiver<Query>,
 ) {
     let mut plan = match from_ctl.recv() {
         Ok(Command::Run(p)) => p,
@@ -164,6 +189,9 @@ fn run_worker(
                 _ => return,
             };
             sleep = Duration::from_micros(1);
+        }
+        if query_flag.swap(false, Ordering::AcqRel) {
+            answer_queries(&mut plan, &queries);
         }
         if plan.core != pinned {
             if let Some(c) = plan.core {
@@ -666,6 +694,41 @@ impl Engine {
         }
     }
 
+    /// Asks app `app` an app-specific question (its `query`), answered by its worker between
+    /// breaths.
+    pub fn query(
+        &self,
+        app: &str,
+        request: serde_json::Value,
+    ) -> Result<serde_json::Value, EngineError> {
+        let (tx, flag) = {
+            let st = self.state.lock().unwrap();
+            let info = st
+                .apps
+                .get(app)
+                .ok_or_else(|| EngineError::Other(format!("no app named `{app}`")))?;
+            let w = st
+                .workers
+                .get(&info.worker)
+                .ok_or_else(|| EngineError::WorkerLost(info.worker.clone()))?;
+            (w.queries.clone(), w.query_flag.clone())
+        };
+        let (reply, answer) = mpsc::channel();
+        tx.send(Query {
+            app: app.to_string(),
+            request,
+            reply,
+        })
+        .map_err(|_| EngineError::Other("the worker is gone".into()))?;
+        flag.store(true, Ordering::Release);
+        match answer.recv_timeout(Duration::from_secs(5)) {
+            Ok(r) => r.map_err(EngineError::Other),
+            Err(_) => Err(EngineError::Other(format!(
+                "app `{app}` did not answer within 5 s"
+            ))),
+        }
+    }
+
     /// True when the graph has finite sources, all of them finished, and every link is empty.
     pub fn finished(&self) -> bool {
         let st = self.state.lock().unwrap();
@@ -734,13 +797,17 @@ fn spawn_worker(name: &str, config: WorkerConfig) -> Result<Worker, EngineError>
     let (to_ctl, from_worker) = mpsc::channel();
     let park = Arc::new(AtomicBool::new(false));
     let counters = Arc::new(WorkerCounters::default());
-    let (p, c) = (park.clone(), counters.clone());
+    let (queries, queries_rx) = mpsc::channel();
+    let query_flag = Arc::new(AtomicBool::new(false));
+    let (p, c, f) = (park.clone(), counters.clone(), query_flag.clone());
     let thread = std::thread::Builder::new()
         .name(format!("stitch-{name}"))
-        .spawn(move || run_worker(p, from_ctl, to_ctl, c))
+        .spawn(move || run_worker(p, from_ctl, to_ctl, c, f, queries_rx))
         .map_err(|e| EngineError::Other(format!("cannot start worker `{name}`: {e}")))?;
     Ok(Worker {
         park,
+        queries,
+        query_flag,
         to_worker,
         from_worker,
         thread: Some(thread),

@@ -156,8 +156,17 @@ fn answer(req: &Value, engine: &Engine, rates: &Mutex<Rates>) -> Value {
                 },
             }
         }
+        Some("query") => {
+            let Some(app) = req["app"].as_str() else {
+                return json!({"ok": false, "error": "query needs `app`"});
+            };
+            match engine.query(app, req["request"].clone()) {
+                Ok(answer) => json!({"ok": true, "answer": answer}),
+                Err(e) => json!({"ok": false, "error": e.to_string()}),
+            }
+        }
         Some(other) => {
-            json!({"ok": false, "error": format!("unknown cmd `{other}` (stats, graph, apply)")})
+            json!({"ok": false, "error": format!("unknown cmd `{other}` (stats, graph, apply, query)")})
         }
         None => json!({"ok": false, "error": "request needs a `cmd`"}),
     }

@@ -79,6 +79,16 @@ enum Cmd {
         #[command(flatten)]
         instance: Instance,
     },
+    /// Show an app's own tables and state (bridge MAC table, routes and neighbours, NAT
+    /// mappings, firewall connections) from a running instance.
+    Show {
+        app: String,
+        /// Request as JSON, e.g. '{"limit": 100}'.
+        #[arg(long, default_value = "{}")]
+        request: String,
+        #[command(flatten)]
+        instance: Instance,
+    },
     /// List the app types this build knows.
     Apps,
     /// Capture an interface to PCAP/PCAPNG files, with tcpdump's options.
@@ -123,6 +133,19 @@ fn run_cli(cli: Cli) -> Result<()> {
             );
         }
         Cmd::Graph { file } => print!("{}", load(&file, &registry())?.to_dot()),
+        Cmd::Show {
+            app,
+            request,
+            instance,
+        } => {
+            let request: serde_json::Value =
+                serde_json::from_str(&request).context("--request must be JSON")?;
+            let v = control::request(
+                &instance.socket(),
+                &json!({"cmd": "query", "app": app, "request": request}),
+            )?;
+            println!("{}", serde_json::to_string_pretty(&v["answer"])?);
+        }
         Cmd::Apps => {
             for t in registry().types() {
                 println!("{:<14} {}", t.name, t.summary);

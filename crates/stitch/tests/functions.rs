@@ -241,6 +241,19 @@ fn bridge_router_bridge_joins_two_subnets() {
             .unwrap()
             / 1e9
     );
+    let shown = must(&format!(
+        "{} show r --control {}",
+        env!("CARGO_BIN_EXE_stitch"),
+        s.socket.display()
+    ));
+    let shown: serde_json::Value = serde_json::from_str(&shown).unwrap();
+    assert_eq!(shown["route_count"], 2, "{shown}");
+    let resolved = shown["neighbors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|x| x["ip"] == format!("10.{n}.2.2") && x["mac"].is_string());
+    assert!(resolved, "B is a resolved neighbour: {shown}");
     let stats = s.stop();
     let c = &app(&stats, "r")["counters"];
     assert!(
@@ -313,6 +326,20 @@ fn nat_masquerades_lan_hosts_behind_the_external_address() {
         external,
         "B saw the external address, not A's"
     );
+    let shown = must(&format!(
+        "{} show nat --control {}",
+        env!("CARGO_BIN_EXE_stitch"),
+        s.socket.display()
+    ));
+    let shown: serde_json::Value = serde_json::from_str(&shown).unwrap();
+    assert!(
+        shown["mappings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|m| m["inside"].as_str().unwrap().starts_with(&h.ip[0])),
+        "{shown}"
+    );
     let stats = s.stop();
     let c = &app(&stats, "nat")["counters"];
     assert!(
@@ -358,4 +385,38 @@ fn vxlan_encapsulates_as_tshark_decodes_it_and_decapsulates_back() {
         fields(&a, &["eth.src", "ip.src", "udp.srcport", "frame.len"]),
         fields(&b, &["eth.src", "ip.src", "udp.srcport", "frame.len"])
     );
+}
+
+#[test]
+fn show_dumps_an_apps_tables_from_a_running_instance() {
+    let s = Stitch::run(
+        "apps:\n  gen: { type: generator, rate: 1000, src_mac: \"02:00:00:00:00:0a\", dst_mac: \"ff:ff:ff:ff:ff:ff\" }\n  br: { type: bridge, ports: { a: {}, b: { vlan: 1 } } }\n  out: { type: sink }\nlinks:\n  - \"gen.output -> br.a\"\n  - \"br.b -> out.input\"\n",
+    );
+    let show = |app: &str| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_stitch"))
+            .args(["show", app, "--control"])
+            .arg(&s.socket)
+            .output()
+            .unwrap()
+    };
+    let mut answer = serde_json::Value::Null;
+    for _ in 0..50 {
+        let o = show("br");
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        answer = serde_json::from_slice(&o.stdout).unwrap();
+        if answer["count"] == 1 {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert_eq!(answer["entries"][0]["mac"], "02:00:00:00:00:0a", "{answer}");
+    assert_eq!(answer["entries"][0]["port"], "a");
+    assert_eq!(answer["entries"][0]["vlan"], 1);
+    let o = show("nosuch");
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("no app named `nosuch`"));
+    // An app without tables answers null rather than failing.
+    let o = show("out");
+    assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), "null");
+    s.stop();
 }
