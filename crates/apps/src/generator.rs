@@ -14,7 +14,8 @@
 
 use serde::Deserialize;
 use std::net::IpAddr;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
+use stitch_core::packet::now_ns;
 use stitch_core::packet::MAX_FRAME;
 use stitch_core::{pool, App, AppContext, AppError, Counter, Io, PortSpec};
 use stitch_wire::{checksum, parse_mac};
@@ -291,13 +292,6 @@ pub struct Generator {
     remaining: Option<u64>,
     timestamps: bool,
     exhausted: Counter,
-}
-
-fn now_ns() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0)
 }
 
 impl Generator {

@@ -27,6 +27,14 @@ pub const HEADROOM: usize = 256;
 /// Largest frame (without FCS) Stitch accepts: a 9216-byte jumbo frame.
 pub const MAX_FRAME: usize = 9216;
 
+/// Wall-clock time in nanoseconds since the Unix epoch, the unit of packet timestamps.
+pub fn now_ns() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
+}
+
 /// Checksum state of a packet that came from an interface with offloads (veth, TAP).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 #[repr(u8)]

@@ -512,7 +512,7 @@ impl AfXdp {
             }
             return 0;
         }
-        let ts = netdev::now_ns();
+        let ts = stitch_core::packet::now_ns();
         let mut made = 0;
         for i in 0..n as u32 {
             let d = x.rx.desc_slot(x.rx.local.wrapping_add(i));

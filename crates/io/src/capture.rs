@@ -25,6 +25,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use stitch_core::link::Ring;
+use stitch_core::packet::now_ns;
 use stitch_core::{App, AppContext, AppError, Counter, Io, PortSpec};
 
 #[derive(Debug, Clone, Deserialize)]
@@ -70,10 +71,6 @@ pub struct Capture {
     bytes_written: Counter,
     files: Counter,
     write_errors: Counter,
-}
-
-fn now_ns() -> u64 {
-    crate::netdev::now_ns()
 }
 
 impl App for Capture {

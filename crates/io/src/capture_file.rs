@@ -15,7 +15,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
+use stitch_core::packet::now_ns;
 
 /// Bytes per buffer: one `write` each.
 pub const BUFFER_BYTES: usize = 4 << 20;
@@ -92,13 +93,6 @@ pub struct CaptureWriter {
     free: Receiver<Vec<u8>>,
     thread: Option<JoinHandle<()>>,
     pub stats: Arc<WriterStats>,
-}
-
-fn now_ns() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0)
 }
 
 /// Bytes of the file header (PCAP) or section + interface blocks (PCAPNG).

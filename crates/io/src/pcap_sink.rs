@@ -28,8 +28,9 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 use stitch_core::link::Ring;
+use stitch_core::packet::now_ns;
 use stitch_core::{App, AppContext, AppError, Counter, Io, PortSpec};
 
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
@@ -67,13 +68,6 @@ pub struct PcapSink {
     input: Option<Arc<Ring>>,
     written: Counter,
     write_drops: Counter,
-}
-
-fn now_ns() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0)
 }
 
 impl PcapSink {

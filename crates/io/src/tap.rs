@@ -162,7 +162,7 @@ impl App for Tap {
                 break; // EAGAIN: nothing more now
             }
             let n = n as usize;
-            let ts = netdev::now_ns();
+            let ts = stitch_core::packet::now_ns();
             let (Some(vnet), true) = (VnetHdr::parse(&self.buf[..n]), n >= VNET_HDR_LEN + 14)
             else {
                 self.rx_malformed.add(1);
