@@ -30,9 +30,8 @@ use serde::Deserialize;
 use std::collections::HashMap;
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
-use stitch_core::{
-    pool, App, AppContext, AppError, Counter, Io, Packet, PortNames, PortSpec, Producer,
-};
+use stitch_core::link::transmit_to;
+use stitch_core::{pool, App, AppContext, AppError, Counter, Io, Packet, PortNames, PortSpec};
 use stitch_wire::checksum;
 use stitch_wire::flow::{self, Flow, Malformed};
 
@@ -606,7 +605,7 @@ impl App for Firewall {
                 let f = match flow::flow(p.data()) {
                     Ok(Some(f)) => f,
                     Ok(None) => {
-                        send(&mut outputs[other], p);
+                        transmit_to(&mut outputs[other], p);
                         continue;
                     }
                     Err(m) => {
@@ -632,7 +631,7 @@ impl App for Firewall {
                     match self.track(&conn_key(&f), side, flags, f.icmp_type, now) {
                         Some(true) => {
                             self.established.add(1);
-                            send(&mut outputs[other], p);
+                            transmit_to(&mut outputs[other], p);
                             continue;
                         }
                         Some(false) => {
@@ -657,13 +656,13 @@ impl App for Firewall {
                             continue;
                         }
                         self.accepted.add(1);
-                        send(&mut outputs[other], p);
+                        transmit_to(&mut outputs[other], p);
                     }
                     Action::Drop => self.dropped.add(1),
                     Action::Reject => {
                         self.rejected.add(1);
                         if let Some(r) = rejection(p.data(), &f) {
-                            send(&mut outputs[i], r);
+                            transmit_to(&mut outputs[i], r);
                         }
                     }
                 }
@@ -674,12 +673,6 @@ impl App for Firewall {
             self.conns.retain(|_, c| c.expires > now);
         }
         self.connections.set(self.conns.len() as u64);
-    }
-}
-
-fn send(out: &mut Option<Producer>, p: Packet) {
-    if let Some(o) = out.as_mut() {
-        o.transmit(p);
     }
 }
 

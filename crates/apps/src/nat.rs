@@ -27,8 +27,9 @@ use serde::Deserialize;
 use std::collections::HashMap;
 use std::net::Ipv4Addr;
 use std::time::{Duration, Instant};
+use stitch_core::link::transmit_to;
 use stitch_core::packet::ChecksumState;
-use stitch_core::{App, AppContext, AppError, Counter, Io, Packet, PortNames, PortSpec, Producer};
+use stitch_core::{App, AppContext, AppError, Counter, Io, Packet, PortNames, PortSpec};
 use stitch_wire::{checksum, flow};
 
 #[derive(Debug, Clone, Deserialize)]
@@ -420,7 +421,7 @@ impl App for Nat {
                     self.inbound(&mut p, now)
                 };
                 if let Some(o) = to {
-                    send(&mut outputs[o], p);
+                    transmit_to(&mut outputs[o], p);
                 }
             }
         }
@@ -459,12 +460,6 @@ impl App for Nat {
                 self.out_map.remove(&(k.0, m.inside));
             }
         }
-    }
-}
-
-fn send(out: &mut Option<Producer>, p: Packet) {
-    if let Some(o) = out.as_mut() {
-        o.transmit(p);
     }
 }
 

@@ -26,9 +26,8 @@ use serde::Deserialize;
 use std::collections::HashMap;
 use std::net::Ipv4Addr;
 use std::time::{Duration, Instant};
-use stitch_core::{
-    pool, App, AppContext, AppError, Counter, Io, Packet, PortNames, PortSpec, Producer,
-};
+use stitch_core::link::transmit_to;
+use stitch_core::{pool, App, AppContext, AppError, Counter, Io, Packet, PortNames, PortSpec};
 use stitch_wire::{checksum, parse_mac};
 
 #[derive(Debug, Clone, Deserialize)]
@@ -517,7 +516,7 @@ impl App for Router {
                     _ => self.c.not_ours.add(1),
                 }
                 for (o, q) in out.drain(..) {
-                    send(&mut outputs[o], q);
+                    transmit_to(&mut outputs[o], q);
                 }
             }
         }
@@ -555,12 +554,6 @@ impl App for Router {
                 || n.asked
                     .is_some_and(|t| now.duration_since(t) < Duration::from_secs(3))
         });
-    }
-}
-
-fn send(out: &mut Option<Producer>, p: Packet) {
-    if let Some(o) = out.as_mut() {
-        o.transmit(p);
     }
 }
 

@@ -314,6 +314,16 @@ impl Drop for Drain<'_> {
     }
 }
 
+/// Transmits on a port slot; a packet for an unlinked port is dropped (freed). Returns whether
+/// it was queued.
+#[inline]
+pub fn transmit_to(slot: &mut Option<Producer>, p: Packet) -> bool {
+    match slot.as_mut() {
+        Some(o) => o.transmit(p),
+        None => false,
+    }
+}
+
 /// Moves the queued packets of `old` into a fresh link of `size` slots (used when a live change
 /// resizes a link). Packets that do not fit are dropped and counted on the new link.
 pub fn resize(old: Consumer, size: usize) -> (Producer, Consumer) {
