@@ -1,15 +1,16 @@
-//! `router`: an IPv4 router. Each interface in `interfaces` is a port (an input and an output of
-//! that name) with a MAC address and an address/prefix, which also gives a connected route;
-//! `routes` adds static routes (`prefix`, `via` next hop). Longest-prefix match uses a
-//! compressed prefix trie sized for a full table.
+//! `router`: an IPv4 and IPv6 router. Each interface in `interfaces` is a port (an input and an
+//! output of that name) with a MAC address, an IPv4 `address`/prefix and optionally an
+//! `address6`/prefix, which also give connected routes; `routes` adds static routes (`prefix`,
+//! `via` next hop, either family). Longest-prefix match uses compressed prefix tries sized for
+//! a full table.
 //!
 //! ARP: the router answers requests for its addresses, resolves next hops (packets wait in a
 //! short queue per next hop while it asks), and caches answers for `arp_timeout` seconds.
 //! Forwarding checks the IPv4 header (bad checksum or length: dropped and counted), decrements
 //! the TTL with an incremental checksum update (RFC 1624), and answers with ICMP errors — time
 //! exceeded, net unreachable, fragmentation needed (DF set, over the egress `mtu`) — at most
-//! `icmp_rate` per second. Echo requests to its own addresses get replies. IPv6 and NDP are not
-//! in this version.
+//! `icmp_rate` per second. Echo requests to its own addresses get replies. IPv6 works the same
+//! way with Neighbor Discovery instead of ARP, hop limits and ICMPv6 errors (`router/v6.rs`).
 //!
 //! ```yaml
 //! apps:
@@ -20,15 +21,17 @@
 //! ```
 
 use indexmap::IndexMap;
-use ipnet::Ipv4Net;
+use ipnet::{Ipv4Net, Ipv6Net};
 use prefix_trie::PrefixMap;
 use serde::Deserialize;
 use std::collections::HashMap;
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::time::{Duration, Instant};
 use stitch_core::link::transmit_to;
 use stitch_core::{pool, App, AppContext, AppError, Counter, Io, Packet, PortNames, PortSpec};
 use stitch_wire::{checksum, parse_mac};
+
+mod v6;
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -36,6 +39,8 @@ pub struct InterfaceConfig {
     pub mac: String,
     /// Address and prefix length, e.g. `10.0.1.1/24`.
     pub address: String,
+    /// IPv6 address and prefix length, e.g. `fd00:1::1/64`.
+    pub address6: Option<String>,
     #[serde(default = "default_mtu")]
     pub mtu: usize,
 }
@@ -48,7 +53,7 @@ fn default_mtu() -> usize {
 #[serde(deny_unknown_fields)]
 pub struct RouteConfig {
     pub prefix: String,
-    pub via: Ipv4Addr,
+    pub via: IpAddr,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -73,7 +78,15 @@ fn default_icmp_rate() -> f64 {
 struct Iface {
     mac: [u8; 6],
     addr: Ipv4Addr,
+    addr6: Option<Ipv6Addr>,
     mtu: usize,
+}
+
+/// An IPv6 route: out of interface `port`, to `via` (None: the destination itself).
+#[derive(Clone, Copy)]
+struct Route6 {
+    port: usize,
+    via: Option<Ipv6Addr>,
 }
 
 /// Where a prefix leads: out of interface `port`, to `via` (None: the destination itself).
@@ -97,7 +110,9 @@ pub struct Router {
     ifaces: Vec<Iface>,
     port_names: Vec<String>,
     routes: PrefixMap<Ipv4Net, Route>,
+    routes6: PrefixMap<Ipv6Net, Route6>,
     neighbors: HashMap<(usize, Ipv4Addr), Neighbor, foldhash::fast::RandomState>,
+    neighbors6: HashMap<(usize, Ipv6Addr), Neighbor, foldhash::fast::RandomState>,
     arp_timeout: Duration,
     icmp_rate: f64,
     icmp_tokens: f64,
@@ -123,49 +138,94 @@ struct Counters {
     local_drops: Counter,
 }
 
-fn build(c: &RouterConfig) -> Result<(Vec<Iface>, PrefixMap<Ipv4Net, Route>), String> {
+/// What `build` makes of a config: interfaces and both routing tables.
+type Tables = (
+    Vec<Iface>,
+    PrefixMap<Ipv4Net, Route>,
+    PrefixMap<Ipv6Net, Route6>,
+);
+
+fn build(c: &RouterConfig) -> Result<Tables, String> {
     let mut ifaces = Vec::new();
     let mut routes = PrefixMap::new();
+    let mut routes6 = PrefixMap::new();
     for (i, (name, ic)) in c.interfaces.iter().enumerate() {
         let net: Ipv4Net = ic
             .address
             .parse()
             .map_err(|_| format!("interface `{name}`: `{}` is not ADDRESS/PREFIX", ic.address))?;
-        if !(576..=9000).contains(&ic.mtu) {
-            return Err(format!("interface `{name}`: mtu must be 576..=9000"));
+        let net6: Option<Ipv6Net> = ic
+            .address6
+            .as_deref()
+            .map(|a| {
+                a.parse()
+                    .map_err(|_| format!("interface `{name}`: `{a}` is not an IPv6 ADDRESS/PREFIX"))
+            })
+            .transpose()?;
+        if !(1280..=9000).contains(&ic.mtu) {
+            return Err(format!("interface `{name}`: mtu must be 1280..=9000"));
         }
         ifaces.push(Iface {
             mac: parse_mac(&ic.mac).map_err(|e| format!("interface `{name}`: {e}"))?,
             addr: net.addr(),
+            addr6: net6.map(|n| n.addr()),
             mtu: ic.mtu,
         });
         routes.insert(net.trunc(), Route { port: i, via: None });
+        if let Some(n) = net6 {
+            routes6.insert(n.trunc(), Route6 { port: i, via: None });
+        }
     }
     if ifaces.is_empty() {
         return Err("a router needs at least one interface".into());
     }
     for (k, r) in c.routes.iter().enumerate() {
-        let net: Ipv4Net = r
-            .prefix
-            .parse()
-            .map_err(|_| format!("route {}: `{}` is not a prefix", k + 1, r.prefix))?;
-        let Some((_, connected)) = routes.get_lpm(&Ipv4Net::from(r.via)).map(|(p, r)| (p, *r))
-        else {
-            return Err(format!(
+        let unreachable = || {
+            format!(
                 "route {}: next hop {} is on no interface's subnet",
                 k + 1,
                 r.via
-            ));
+            )
         };
-        routes.insert(
-            net.trunc(),
-            Route {
-                port: connected.port,
-                via: Some(r.via),
-            },
-        );
+        let bad = || {
+            format!(
+                "route {}: `{}` is not a prefix of the next hop's family",
+                k + 1,
+                r.prefix
+            )
+        };
+        match r.via {
+            IpAddr::V4(via) => {
+                let net: Ipv4Net = r.prefix.parse().map_err(|_| bad())?;
+                let port = routes
+                    .get_lpm(&Ipv4Net::from(via))
+                    .map(|(_, r)| r.port)
+                    .ok_or_else(unreachable)?;
+                routes.insert(
+                    net.trunc(),
+                    Route {
+                        port,
+                        via: Some(via),
+                    },
+                );
+            }
+            IpAddr::V6(via) => {
+                let net: Ipv6Net = r.prefix.parse().map_err(|_| bad())?;
+                let port = routes6
+                    .get_lpm(&Ipv6Net::from(via))
+                    .map(|(_, r)| r.port)
+                    .ok_or_else(unreachable)?;
+                routes6.insert(
+                    net.trunc(),
+                    Route6 {
+                        port,
+                        via: Some(via),
+                    },
+                );
+            }
+        }
     }
-    Ok((ifaces, routes))
+    Ok((ifaces, routes, routes6))
 }
 
 impl Router {
@@ -461,13 +521,15 @@ impl App for Router {
     }
 
     fn new(c: RouterConfig, ctx: &mut AppContext) -> Result<Self, AppError> {
-        let (ifaces, routes) = build(&c)?;
+        let (ifaces, routes, routes6) = build(&c)?;
         let k = |n: &str| ctx.counter(n);
         Ok(Router {
             port_names: c.interfaces.keys().cloned().collect(),
             ifaces,
             routes,
+            routes6,
             neighbors: HashMap::default(),
+            neighbors6: HashMap::default(),
             arp_timeout: Duration::from_secs(c.arp_timeout),
             icmp_rate: c.icmp_rate,
             icmp_tokens: c.icmp_rate,
@@ -513,6 +575,7 @@ impl App for Router {
                 match u16::from_be_bytes([d[12], d[13]]) {
                     0x0806 => self.arp(port, d, now, &mut out),
                     0x0800 => self.route(port, p, now, &mut out),
+                    0x86dd => self.route6(port, p, now, &mut out),
                     _ => self.c.not_ours.add(1),
                 }
                 for (o, q) in out.drain(..) {
@@ -544,16 +607,26 @@ impl App for Router {
                 "mac": n.mac.map(|m| m.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":")),
                 "waiting": n.waiting.len(), "expires_in_s": n.expires.saturating_duration_since(now).as_secs() }))
             .collect();
-        serde_json::json!({ "route_count": self.routes.len(), "routes": routes, "neighbors": neighbors })
+        let neighbors6: Vec<_> = self
+            .neighbors6
+            .iter()
+            .take(limit)
+            .map(|((port, ip), n)| serde_json::json!({ "port": self.port_names[*port], "ip": ip.to_string(),
+                "mac": n.mac.map(|m| m.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":")) }))
+            .collect();
+        serde_json::json!({ "route_count": self.routes.len(), "route6_count": self.routes6.len(),
+                            "routes": routes, "neighbors": neighbors, "neighbors6": neighbors6 })
     }
 
     fn tick(&mut self, _: &mut Io, now: Instant) {
         // Forget stale neighbours (and what waited for an answer that never came).
-        self.neighbors.retain(|_, n| {
+        let live = |n: &Neighbor| {
             n.expires > now
                 || n.asked
                     .is_some_and(|t| now.duration_since(t) < Duration::from_secs(3))
-        });
+        };
+        self.neighbors.retain(|_, n| live(n));
+        self.neighbors6.retain(|_, n| live(n));
     }
 }
 

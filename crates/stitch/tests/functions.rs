@@ -198,9 +198,17 @@ fn bridge_router_bridge_joins_two_subnets() {
             "ip -n {} route add default via 10.{n}.{net}.1",
             h.ns[i]
         ));
+        must(&format!(
+            "ip -n {} addr add fd{n:x}:{net}::2/64 dev {} nodad",
+            h.ns[i], h.inner[i]
+        ));
+        must(&format!(
+            "ip -n {} -6 route add default via fd{n:x}:{net}::1",
+            h.ns[i]
+        ));
     }
     let s = Stitch::run(&format!(
-        "apps:\n  a: {{ type: af_packet, interface: {a} }}\n  b: {{ type: af_packet, interface: {b} }}\n  bra: {{ type: bridge, ports: {{ host: {{}}, rtr: {{}} }} }}\n  brb: {{ type: bridge, ports: {{ host: {{}}, rtr: {{}} }} }}\n  r: {{ type: router, interfaces: {{ left: {{ mac: \"02:00:00:00:01:01\", address: \"10.{n}.1.1/24\" }}, right: {{ mac: \"02:00:00:00:02:01\", address: \"10.{n}.2.1/24\" }} }} }}\nlinks:\n  - \"a.output -> bra.host\"\n  - \"bra.host -> a.input\"\n  - \"bra.rtr -> r.left\"\n  - \"r.left -> bra.rtr\"\n  - \"r.right -> brb.rtr\"\n  - \"brb.rtr -> r.right\"\n  - \"brb.host -> b.input\"\n  - \"b.output -> brb.host\"\n",
+        "apps:\n  a: {{ type: af_packet, interface: {a} }}\n  b: {{ type: af_packet, interface: {b} }}\n  bra: {{ type: bridge, ports: {{ host: {{}}, rtr: {{}} }} }}\n  brb: {{ type: bridge, ports: {{ host: {{}}, rtr: {{}} }} }}\n  r: {{ type: router, interfaces: {{ left: {{ mac: \"02:00:00:00:01:01\", address: \"10.{n}.1.1/24\", address6: \"fd{n:x}:1::1/64\" }}, right: {{ mac: \"02:00:00:00:02:01\", address: \"10.{n}.2.1/24\", address6: \"fd{n:x}:2::1/64\" }} }} }}\nlinks:\n  - \"a.output -> bra.host\"\n  - \"bra.host -> a.input\"\n  - \"bra.rtr -> r.left\"\n  - \"r.left -> bra.rtr\"\n  - \"r.right -> brb.rtr\"\n  - \"brb.rtr -> r.right\"\n  - \"brb.host -> b.input\"\n  - \"b.output -> brb.host\"\n",
         a = h.outer[0],
         b = h.outer[1]
     ));
@@ -215,6 +223,24 @@ fn bridge_router_bridge_joins_two_subnets() {
         o.status.success(),
         "A reaches B across the router: {}",
         String::from_utf8_lossy(&o.stdout)
+    );
+    let o = h.exec(0, &format!("ping -6 -c 3 -i 0.1 -W 2 fd{n:x}:1::1"));
+    assert!(
+        o.status.success(),
+        "the router answers for itself over IPv6: {}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+    let o = h.exec(0, &format!("ping -6 -c 3 -i 0.1 -W 2 fd{n:x}:2::2"));
+    assert!(
+        o.status.success(),
+        "A reaches B over IPv6 (NDP both sides): {}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+    let o = h.exec(0, &format!("ping -6 -c 1 -t 1 -W 2 fd{n:x}:2::2"));
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        text.contains("Time exceeded") && text.contains(&format!("fd{n:x}:1::1")),
+        "hop limit 1 is answered: {text}"
     );
     let o = h.exec(0, &format!("ping -c 1 -t 1 -W 2 10.{n}.2.2"));
     let text = String::from_utf8_lossy(&o.stdout);
