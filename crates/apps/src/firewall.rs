@@ -11,7 +11,7 @@
 //! open a connection; later packets of a connection in either direction pass without the rules,
 //! and TCP packets that belong to no connection or break its state machine are dropped as
 //! invalid. Connections expire after their timeout (TCP established / transitory, UDP, ICMP).
-//! Non-IP frames (ARP) pass. Counters: per rule, per outcome, and malformed packets by reason.
+//! Non-IP frames (ARP) and IPv6 Neighbor Discovery pass. Counters: per rule, per outcome, and malformed packets by reason.
 //!
 //! ```yaml
 //! apps:
@@ -311,6 +311,7 @@ pub struct Firewall {
     invalid: Counter,
     table_full: Counter,
     connections: Counter,
+    ndp: Counter,
     malformed: [Counter; 4],
 }
 
@@ -559,6 +560,7 @@ impl App for Firewall {
             invalid: ctx.counter("invalid_drops"),
             table_full: ctx.counter("connection_table_full"),
             connections: ctx.counter("connections"),
+            ndp: ctx.counter("ndp_passed"),
             malformed: m.map(|r| ctx.counter(r.counter())),
         })
     }
@@ -622,6 +624,13 @@ impl App for Firewall {
                         continue;
                     }
                 };
+                // Neighbor Discovery (RFC 4861, ICMPv6 133–137) is what makes IPv6 work on a
+                // link at all: it passes like ARP does.
+                if f.protocol == 58 && matches!(f.icmp_type, Some(133..=137)) {
+                    self.ndp.add(1);
+                    transmit_to(&mut outputs[other], p);
+                    continue;
+                }
                 let flags = if f.protocol == 6 {
                     tcp_flags(p.data())
                 } else {

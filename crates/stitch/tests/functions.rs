@@ -159,6 +159,15 @@ fn firewall_between_namespaces_lets_lan_out_and_keeps_wan_out() {
         "lan → wan TCP: {}",
         String::from_utf8_lossy(&o.stdout)
     );
+    // IPv6 too: Neighbor Discovery passes, echo state works the same way.
+    let o = h.exec(0, &format!("ping -6 -c 3 -i 0.1 -W 2 {}", h.ip6[1]));
+    assert!(
+        o.status.success(),
+        "lan → wan ping -6: {}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+    let o = h.exec(1, &format!("ping -6 -c 2 -i 0.2 -W 1 {}", h.ip6[0]));
+    assert!(!o.status.success(), "wan → lan ping -6 must not pass");
     // In from the wan side: ping dropped, TCP 5201 rejected at once, TCP 22 silently dropped.
     let o = h.exec(1, &format!("ping -c 2 -i 0.2 -W 1 {}", h.ip[0]));
     assert!(!o.status.success(), "wan → lan ping must not pass");
