@@ -15,7 +15,8 @@
 //!
 //! Checksums are updated incrementally (RFC 1624), partial checksums (offloaded senders) as
 //! partial sums. Packets that are not IPv4 TCP/UDP/ICMP echo pass unchanged; inbound packets
-//! without a mapping are dropped and counted. ICMP errors are not translated in this version.
+//! without a mapping are dropped and counted. ICMP errors from outside about translated packets
+//! are translated back (outer destination and the quoted packet, RFC 5508).
 //!
 //! ```yaml
 //! apps:
@@ -299,6 +300,9 @@ impl Nat {
         };
         let d = p.data();
         let dst = Ipv4Addr::new(d[l3 + 16], d[l3 + 17], d[l3 + 18], d[l3 + 19]);
+        if dst == self.external && proto == 1 && matches!(d[l4], 3 | 11 | 12) {
+            return self.icmp_error_in(p, At { l3, l4, proto }, now);
+        }
         if dst != self.external || (proto == 1 && d[l4] != 0) {
             self.passed.add(1);
             return Some(0);
@@ -316,6 +320,69 @@ impl Nat {
             },
         };
         rewrite(p, At { l3, l4, proto }, 16, target.0, dport_at, target.1);
+        self.translated_in.add(1);
+        Some(0)
+    }
+
+    /// An ICMP error from outside about a packet this NAT translated (RFC 5508 §4.2): the
+    /// packet it quotes carries the external address and port, so both the outer destination
+    /// and the quoted source go back to the inside endpoint, with every checksum updated.
+    fn icmp_error_in(&mut self, p: &mut Packet, at: At, now: Instant) -> Option<usize> {
+        let d = p.data();
+        let q = at.l4 + 8; // quoted IPv4 header
+        if d.len() < q + 20 || d[q] >> 4 != 4 {
+            self.malformed.add(1);
+            return None;
+        }
+        let qihl = (d[q] & 0x0f) as usize * 4;
+        let qproto = d[q + 9];
+        let ql4 = q + qihl;
+        let port_at = if qproto == 1 { 4 } else { 0 };
+        if d.len() < ql4 + port_at + 2 || !matches!(qproto, 1 | 6 | 17) {
+            self.malformed.add(1);
+            return None;
+        }
+        let ext_port = u16::from_be_bytes([d[ql4 + port_at], d[ql4 + port_at + 1]]);
+        let Some(inside) = self
+            .in_map
+            .get(&(qproto, ext_port))
+            .filter(|m| m.expires > now)
+            .map(|m| m.inside)
+        else {
+            self.no_mapping.add(1);
+            return None;
+        };
+        // The quoted packet: source address and port back to the inside endpoint. Its L4
+        // checksum is updated only when the quote holds it.
+        let quoted = At {
+            l3: q,
+            l4: ql4,
+            proto: qproto,
+        };
+        if d.len() >= ql4 + csum_at(qproto) + 2 {
+            rewrite(p, quoted, 12, inside.0, port_at, inside.1);
+        } else {
+            // Address and checksum of the quoted IP header only, then the port by hand.
+            let dd = p.data_mut();
+            let old = u32::from_be_bytes(dd[q + 12..q + 16].try_into().unwrap());
+            let cs = u16::from_be_bytes([dd[q + 10], dd[q + 11]]);
+            dd[q + 10..q + 12]
+                .copy_from_slice(&checksum::update32(cs, old, u32::from(inside.0)).to_be_bytes());
+            dd[q + 12..q + 16].copy_from_slice(&inside.0.octets());
+            dd[ql4 + port_at..ql4 + port_at + 2].copy_from_slice(&inside.1.to_be_bytes());
+        }
+        // The outer destination, then the ICMP checksum over the whole (changed) message.
+        let dd = p.data_mut();
+        let old = u32::from_be_bytes(dd[at.l3 + 16..at.l3 + 20].try_into().unwrap());
+        let cs = u16::from_be_bytes([dd[at.l3 + 10], dd[at.l3 + 11]]);
+        dd[at.l3 + 10..at.l3 + 12]
+            .copy_from_slice(&checksum::update32(cs, old, u32::from(inside.0)).to_be_bytes());
+        dd[at.l3 + 16..at.l3 + 20].copy_from_slice(&inside.0.octets());
+        let end =
+            (at.l3 + u16::from_be_bytes([dd[at.l3 + 2], dd[at.l3 + 3]]) as usize).min(dd.len());
+        dd[at.l4 + 2..at.l4 + 4].copy_from_slice(&[0, 0]);
+        let cs = checksum::checksum(&dd[at.l4..end]);
+        dd[at.l4 + 2..at.l4 + 4].copy_from_slice(&cs.to_be_bytes());
         self.translated_in.add(1);
         Some(0)
     }
@@ -611,6 +678,52 @@ mod tests {
         r.lan.transmit(packet(1, IN, 1, OUT, 777));
         let (_, w) = r.run();
         assert!(l4_ok(&w[0]) && w[0][26..30] == EXT);
+    }
+
+    #[test]
+    fn icmp_errors_about_translated_packets_reach_the_inside_host() {
+        let mut r = rig();
+        r.lan.transmit(packet(17, IN, 5000, OUT, 53));
+        let (_, w) = r.run();
+        let sent = &w[0];
+        // OUT answers "port unreachable", quoting the translated IP header and 8 bytes of UDP.
+        let quote = &sent[14..14 + 28];
+        let mut icmp = vec![3u8, 3, 0, 0, 0, 0, 0, 0];
+        icmp.extend_from_slice(quote);
+        let cs = checksum::checksum(&icmp);
+        icmp[2..4].copy_from_slice(&cs.to_be_bytes());
+        let mut f = vec![0u8; 34];
+        f[12..14].copy_from_slice(&[0x08, 0x00]);
+        f[14] = 0x45;
+        f[16..18].copy_from_slice(&((20 + icmp.len()) as u16).to_be_bytes());
+        f[22] = 64;
+        f[23] = 1;
+        f[26..30].copy_from_slice(&OUT);
+        f[30..34].copy_from_slice(&EXT);
+        let cs = checksum::checksum(&f[14..34]);
+        f[24..26].copy_from_slice(&cs.to_be_bytes());
+        f.extend_from_slice(&icmp);
+        let mut p = pool::alloc().unwrap();
+        p.set_data(&f).unwrap();
+        r.wan.transmit(p);
+        let (l, _) = r.run();
+        assert_eq!(l.len(), 1);
+        let d = &l[0];
+        assert_eq!(&d[30..34], &IN[..], "outer destination");
+        assert_eq!(checksum::checksum(&d[14..34]), 0);
+        assert_eq!(checksum::checksum(&d[34..]), 0, "ICMP checksum");
+        let q = 42;
+        assert_eq!(&d[q + 12..q + 16], &IN[..], "quoted source address");
+        assert_eq!(
+            u16::from_be_bytes([d[q + 20], d[q + 21]]),
+            5000,
+            "quoted source port"
+        );
+        assert_eq!(
+            checksum::checksum(&d[q..q + 20]),
+            0,
+            "quoted IP header checksum"
+        );
     }
 
     #[test]
