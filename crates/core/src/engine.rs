@@ -907,10 +907,3 @@ pub fn topological_order(graph: &Graph) -> Vec<String> {
     }
     order
 }
-
-/// Keeps a graph running until `stop` says so, polling every `poll`.
-pub fn run_until(engine: &Engine, poll: Duration, mut stop: impl FnMut(&Engine) -> bool) {
-    while !stop(engine) {
-        std::thread::sleep(poll);
-    }
-}
