@@ -106,13 +106,111 @@ struct Neighbor {
     asked: Option<Instant>,
 }
 
+/// Next-hop resolution shared by ARP (IPv4) and Neighbor Discovery (IPv6): answers cached per
+/// (interface, address), packets waiting for an answer, and when to ask again.
+struct NeighborTable<A>(HashMap<(usize, A), Neighbor, foldhash::fast::RandomState>);
+
+impl<A: std::hash::Hash + Eq + Copy + std::fmt::Display> NeighborTable<A> {
+    fn new() -> Self {
+        NeighborTable(HashMap::default())
+    }
+
+    fn entry(&mut self, port: usize, ip: A, now: Instant) -> &mut Neighbor {
+        self.0.entry((port, ip)).or_insert(Neighbor {
+            mac: None,
+            expires: now,
+            waiting: Vec::new(),
+            asked: None,
+        })
+    }
+
+    fn knows(&self, port: usize, ip: A) -> bool {
+        self.0.contains_key(&(port, ip))
+    }
+
+    /// Sends `p` (destination MAC to be filled) to neighbour `hop` on `port` when it is
+    /// resolved; otherwise queues it (bounded; overflow counted in `queue_drops`) and returns
+    /// true when a new solicitation is due.
+    #[allow(clippy::too_many_arguments)]
+    fn send(
+        &mut self,
+        port: usize,
+        hop: A,
+        mut p: Packet,
+        now: Instant,
+        timeout: Duration,
+        out: &mut Vec<(usize, Packet)>,
+        queue_drops: &Counter,
+    ) -> bool {
+        let n = self.entry(port, hop, now);
+        if let (Some(mac), true) = (n.mac, n.expires > now) {
+            p.data_mut()[0..6].copy_from_slice(&mac);
+            out.push((port, p));
+            return false;
+        }
+        if n.waiting.len() >= ARP_QUEUE {
+            queue_drops.add(1);
+        } else {
+            n.waiting.push(p);
+        }
+        if n.asked
+            .is_none_or(|t| now.duration_since(t) >= Duration::from_secs(1))
+        {
+            n.asked = Some(now);
+            n.expires = now + timeout;
+            return true;
+        }
+        false
+    }
+
+    /// Records an answer and sends what waited for it.
+    fn learn(
+        &mut self,
+        port: usize,
+        ip: A,
+        mac: [u8; 6],
+        now: Instant,
+        timeout: Duration,
+        out: &mut Vec<(usize, Packet)>,
+    ) {
+        let n = self.entry(port, ip, now);
+        n.mac = Some(mac);
+        n.expires = now + timeout;
+        for mut p in n.waiting.drain(..) {
+            p.data_mut()[0..6].copy_from_slice(&mac);
+            out.push((port, p));
+        }
+    }
+
+    /// Forgets stale neighbours (and what waited for an answer that never came).
+    fn expire(&mut self, now: Instant) {
+        self.0.retain(|_, n| {
+            n.expires > now
+                || n.asked
+                    .is_some_and(|t| now.duration_since(t) < Duration::from_secs(3))
+        });
+    }
+
+    fn dump(&self, names: &[String], limit: usize, now: Instant) -> Vec<serde_json::Value> {
+        self.0
+            .iter()
+            .take(limit)
+            .map(|((port, ip), n)| {
+                serde_json::json!({ "port": names[*port], "ip": ip.to_string(),
+                    "mac": n.mac.map(|m| m.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":")),
+                    "waiting": n.waiting.len(), "expires_in_s": n.expires.saturating_duration_since(now).as_secs() })
+            })
+            .collect()
+    }
+}
+
 pub struct Router {
     ifaces: Vec<Iface>,
     port_names: Vec<String>,
     routes: PrefixMap<Ipv4Net, Route>,
     routes6: PrefixMap<Ipv6Net, Route6>,
-    neighbors: HashMap<(usize, Ipv4Addr), Neighbor, foldhash::fast::RandomState>,
-    neighbors6: HashMap<(usize, Ipv6Addr), Neighbor, foldhash::fast::RandomState>,
+    neighbors: NeighborTable<Ipv4Addr>,
+    neighbors6: NeighborTable<Ipv6Addr>,
     arp_timeout: Duration,
     icmp_rate: f64,
     icmp_tokens: f64,
@@ -351,20 +449,9 @@ impl Router {
         let target_ip = Ipv4Addr::new(a[24], a[25], a[26], a[27]);
         // Learn (or refresh) the sender when it is a neighbour we care about or addressed us.
         let for_us = target_ip == self.ifaces[port].addr;
-        let key = (port, sender_ip);
-        if for_us || self.neighbors.contains_key(&key) {
-            let n = self.neighbors.entry(key).or_insert(Neighbor {
-                mac: None,
-                expires: now,
-                waiting: Vec::new(),
-                asked: None,
-            });
-            n.mac = Some(sender_mac);
-            n.expires = now + self.arp_timeout;
-            for mut p in n.waiting.drain(..) {
-                p.data_mut()[0..6].copy_from_slice(&sender_mac);
-                out.push((port, p));
-            }
+        if for_us || self.neighbors.knows(port, sender_ip) {
+            self.neighbors
+                .learn(port, sender_ip, sender_mac, now, self.arp_timeout, out);
         }
         if op == 1 && for_us {
             if let Some(r) = self.arp_frame(port, 2, sender_mac, sender_ip, sender_mac) {
@@ -379,32 +466,19 @@ impl Router {
         &mut self,
         port: usize,
         hop: Ipv4Addr,
-        mut p: Packet,
+        p: Packet,
         now: Instant,
         out: &mut Vec<(usize, Packet)>,
     ) {
-        let timeout = self.arp_timeout;
-        let n = self.neighbors.entry((port, hop)).or_insert(Neighbor {
-            mac: None,
-            expires: now,
-            waiting: Vec::new(),
-            asked: None,
-        });
-        if let (Some(mac), true) = (n.mac, n.expires > now) {
-            p.data_mut()[0..6].copy_from_slice(&mac);
-            out.push((port, p));
-            return;
-        }
-        if n.waiting.len() >= ARP_QUEUE {
-            self.c.arp_queue_drops.add(1);
-        } else {
-            n.waiting.push(p);
-        }
-        if n.asked
-            .is_none_or(|t| now.duration_since(t) >= Duration::from_secs(1))
-        {
-            n.asked = Some(now);
-            n.expires = now + timeout;
+        if self.neighbors.send(
+            port,
+            hop,
+            p,
+            now,
+            self.arp_timeout,
+            out,
+            &self.c.arp_queue_drops,
+        ) {
             if let Some(q) = self.arp_frame(port, 1, [0; 6], hop, [0xff; 6]) {
                 self.c.arp_requests.add(1);
                 out.push((port, q));
@@ -528,8 +602,8 @@ impl App for Router {
             ifaces,
             routes,
             routes6,
-            neighbors: HashMap::default(),
-            neighbors6: HashMap::default(),
+            neighbors: NeighborTable::new(),
+            neighbors6: NeighborTable::new(),
             arp_timeout: Duration::from_secs(c.arp_timeout),
             icmp_rate: c.icmp_rate,
             icmp_tokens: c.icmp_rate,
@@ -599,34 +673,15 @@ impl App for Router {
             })
             .collect();
         let now = Instant::now();
-        let neighbors: Vec<_> = self
-            .neighbors
-            .iter()
-            .take(limit)
-            .map(|((port, ip), n)| serde_json::json!({ "port": self.port_names[*port], "ip": ip.to_string(),
-                "mac": n.mac.map(|m| m.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":")),
-                "waiting": n.waiting.len(), "expires_in_s": n.expires.saturating_duration_since(now).as_secs() }))
-            .collect();
-        let neighbors6: Vec<_> = self
-            .neighbors6
-            .iter()
-            .take(limit)
-            .map(|((port, ip), n)| serde_json::json!({ "port": self.port_names[*port], "ip": ip.to_string(),
-                "mac": n.mac.map(|m| m.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":")) }))
-            .collect();
+        let neighbors = self.neighbors.dump(&self.port_names, limit, now);
+        let neighbors6 = self.neighbors6.dump(&self.port_names, limit, now);
         serde_json::json!({ "route_count": self.routes.len(), "route6_count": self.routes6.len(),
                             "routes": routes, "neighbors": neighbors, "neighbors6": neighbors6 })
     }
 
     fn tick(&mut self, _: &mut Io, now: Instant) {
-        // Forget stale neighbours (and what waited for an answer that never came).
-        let live = |n: &Neighbor| {
-            n.expires > now
-                || n.asked
-                    .is_some_and(|t| now.duration_since(t) < Duration::from_secs(3))
-        };
-        self.neighbors.retain(|_, n| live(n));
-        self.neighbors6.retain(|_, n| live(n));
+        self.neighbors.expire(now);
+        self.neighbors6.expire(now);
     }
 }
 

@@ -3,9 +3,9 @@
 //! solicited-node multicast), ICMPv6 errors (RFC 4443: time exceeded, unreachable, packet too
 //! big; rate-limited with the IPv4 ones) and echo replies.
 
-use super::{Neighbor, Router, ARP_QUEUE};
+use super::Router;
 use std::net::Ipv6Addr;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 use stitch_core::{pool, Packet};
 use stitch_wire::checksum;
 
@@ -128,58 +128,23 @@ impl Router {
         &mut self,
         port: usize,
         hop: Ipv6Addr,
-        mut p: Packet,
+        p: Packet,
         now: Instant,
         out: &mut Vec<(usize, Packet)>,
     ) {
-        let timeout = self.arp_timeout;
-        let n = self.neighbors6.entry((port, hop)).or_insert(Neighbor {
-            mac: None,
-            expires: now,
-            waiting: Vec::new(),
-            asked: None,
-        });
-        if let (Some(mac), true) = (n.mac, n.expires > now) {
-            p.data_mut()[0..6].copy_from_slice(&mac);
-            out.push((port, p));
-            return;
-        }
-        if n.waiting.len() >= ARP_QUEUE {
-            self.c.arp_queue_drops.add(1);
-        } else {
-            n.waiting.push(p);
-        }
-        if n.asked
-            .is_none_or(|t| now.duration_since(t) >= Duration::from_secs(1))
-        {
-            n.asked = Some(now);
-            n.expires = now + timeout;
+        if self.neighbors6.send(
+            port,
+            hop,
+            p,
+            now,
+            self.arp_timeout,
+            out,
+            &self.c.arp_queue_drops,
+        ) {
             if let Some(q) = self.neighbor_solicitation(port, hop) {
                 self.c.arp_requests.add(1);
                 out.push((port, q));
             }
-        }
-    }
-
-    fn learn6(
-        &mut self,
-        port: usize,
-        ip: Ipv6Addr,
-        mac: [u8; 6],
-        now: Instant,
-        out: &mut Vec<(usize, Packet)>,
-    ) {
-        let n = self.neighbors6.entry((port, ip)).or_insert(Neighbor {
-            mac: None,
-            expires: now,
-            waiting: Vec::new(),
-            asked: None,
-        });
-        n.mac = Some(mac);
-        n.expires = now + self.arp_timeout;
-        for mut p in n.waiting.drain(..) {
-            p.data_mut()[0..6].copy_from_slice(&mac);
-            out.push((port, p));
         }
     }
 
@@ -205,7 +170,8 @@ impl Router {
             135 if body.len() >= 24 && addr(body, 8) == me => {
                 if let Some(mac) = lladdr_option(&body[24..]) {
                     if !src.is_unspecified() {
-                        self.learn6(port, src, mac, now, out);
+                        self.neighbors6
+                            .learn(port, src, mac, now, self.arp_timeout, out);
                     }
                 }
                 let mut na = vec![136, 0, 0, 0, 0x60, 0, 0, 0]; // solicited + override
@@ -231,7 +197,8 @@ impl Router {
             136 if body.len() >= 24 => {
                 let target = addr(body, 8);
                 if let Some(mac) = lladdr_option(&body[24..]).or_else(|| d[6..12].try_into().ok()) {
-                    self.learn6(port, target, mac, now, out);
+                    self.neighbors6
+                        .learn(port, target, mac, now, self.arp_timeout, out);
                 }
             }
             128 if dst == me => {
