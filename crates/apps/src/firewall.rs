@@ -477,16 +477,7 @@ fn rejection(d: &[u8], f: &Flow) -> Option<Packet> {
     let (src, dst) = (f.dst, f.src);
     match (src, dst) {
         (IpAddr::V4(s), IpAddr::V4(t)) => {
-            let mut ip = [0u8; 20];
-            ip[0] = 0x45;
-            ip[2..4].copy_from_slice(&((20 + body.len()) as u16).to_be_bytes());
-            ip[8] = 64;
-            ip[9] = proto;
-            ip[12..16].copy_from_slice(&s.octets());
-            ip[16..20].copy_from_slice(&t.octets());
-            let cs = checksum::checksum(&ip);
-            ip[10..12].copy_from_slice(&cs.to_be_bytes());
-            out.extend_from_slice(&ip);
+            out.extend_from_slice(&stitch_wire::ipv4_header(s, t, proto, body.len(), false));
         }
         (IpAddr::V6(s), IpAddr::V6(t)) => {
             let mut ip = [0u8; 40];

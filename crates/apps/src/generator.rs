@@ -18,7 +18,7 @@ use std::time::Instant;
 use stitch_core::packet::now_ns;
 use stitch_core::packet::MAX_FRAME;
 use stitch_core::{pool, App, AppContext, AppError, Counter, Io, PortSpec};
-use stitch_wire::{checksum, parse_mac};
+use stitch_wire::{checksum, ipv4_header, parse_mac};
 
 /// Frame sizes of the simple IMIX.
 pub const IMIX: [usize; 12] = [64, 576, 64, 64, 1500, 64, 576, 64, 64, 576, 64, 576];
@@ -218,19 +218,7 @@ fn build_headers(c: &GeneratorConfig, p: &Plan, flow: u32, size: usize, out: &mu
         (IpAddr::V4(s), IpAddr::V4(d)) => {
             let s = (u32::from(s).wrapping_add(flow)).to_be_bytes();
             out[12..14].copy_from_slice(&0x0800u16.to_be_bytes());
-            let ip = &mut out[14..34];
-            ip[0] = 0x45;
-            ip[1] = 0;
-            ip[2..4].copy_from_slice(&((size - 14) as u16).to_be_bytes());
-            ip[4..6].copy_from_slice(&[0, 0]);
-            ip[6..8].copy_from_slice(&0x4000u16.to_be_bytes()); // DF
-            ip[8] = 64;
-            ip[9] = proto;
-            ip[10..12].copy_from_slice(&[0, 0]);
-            ip[12..16].copy_from_slice(&s);
-            ip[16..20].copy_from_slice(&d.octets());
-            let cs = checksum::checksum(ip);
-            ip[10..12].copy_from_slice(&cs.to_be_bytes());
+            out[14..34].copy_from_slice(&ipv4_header(s.into(), d, proto, size - 34, true));
             pseudo = checksum::sum(&s, pseudo);
             pseudo = checksum::sum(&d.octets(), pseudo);
             l4_at = 34;

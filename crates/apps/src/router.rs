@@ -395,16 +395,13 @@ impl Router {
         f.extend_from_slice(&dst_mac);
         f.extend_from_slice(&self.ifaces[port].mac);
         f.extend_from_slice(&[0x08, 0x00]);
-        let mut ip = [0u8; 20];
-        ip[0] = 0x45;
-        ip[2..4].copy_from_slice(&((20 + body.len()) as u16).to_be_bytes());
-        ip[8] = 64;
-        ip[9] = proto;
-        ip[12..16].copy_from_slice(&src.octets());
-        ip[16..20].copy_from_slice(&dst.octets());
-        let cs = checksum::checksum(&ip);
-        ip[10..12].copy_from_slice(&cs.to_be_bytes());
-        f.extend_from_slice(&ip);
+        f.extend_from_slice(&stitch_wire::ipv4_header(
+            src,
+            dst,
+            proto,
+            body.len(),
+            false,
+        ));
         f.extend_from_slice(body);
         if f.len() < 60 {
             f.resize(60, 0);

@@ -24,7 +24,7 @@ use serde::Deserialize;
 use std::collections::HashMap;
 use std::net::Ipv4Addr;
 use stitch_core::{App, AppContext, AppError, Counter, Io, Packet, PortNames, PortSpec};
-use stitch_wire::{checksum, flow, parse_mac};
+use stitch_wire::{flow, ipv4_header, parse_mac};
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -82,17 +82,14 @@ impl Vxlan {
         h[0..6].copy_from_slice(&self.next_hop_mac);
         h[6..12].copy_from_slice(&self.local_mac);
         h[12..14].copy_from_slice(&[0x08, 0x00]);
-        let ip = &mut h[14..34];
-        ip.fill(0);
-        ip[0] = 0x45;
-        ip[2..4].copy_from_slice(&((20 + 8 + 8 + inner_len) as u16).to_be_bytes());
-        ip[6] = 0x40; // DF: the underlay must carry the whole frame (RFC 7348 §4.3)
-        ip[8] = 64;
-        ip[9] = 17;
-        ip[12..16].copy_from_slice(&self.local.octets());
-        ip[16..20].copy_from_slice(&s.remote.octets());
-        let cs = checksum::checksum(ip);
-        ip[10..12].copy_from_slice(&cs.to_be_bytes());
+        // DF: the underlay must carry the whole frame (RFC 7348 §4.3).
+        h[14..34].copy_from_slice(&ipv4_header(
+            self.local,
+            s.remote,
+            17,
+            8 + 8 + inner_len,
+            true,
+        ));
         let udp = &mut h[34..42];
         udp[0..2].copy_from_slice(&sport.to_be_bytes());
         udp[2..4].copy_from_slice(&self.port.to_be_bytes());
@@ -231,6 +228,7 @@ impl App for Vxlan {
 mod tests {
     use super::*;
     use stitch_core::pool;
+    use stitch_wire::checksum;
 
     #[test]
     fn round_trip_and_refusals_are_counted() {

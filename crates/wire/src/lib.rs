@@ -17,6 +17,30 @@ pub mod views {
     pub use smoltcp::wire::*;
 }
 
+/// A 20-byte IPv4 header (no options, TTL 64, id 0) with its checksum filled, for a packet
+/// carrying `payload_len` bytes of protocol `proto`.
+pub fn ipv4_header(
+    src: std::net::Ipv4Addr,
+    dst: std::net::Ipv4Addr,
+    proto: u8,
+    payload_len: usize,
+    dont_fragment: bool,
+) -> [u8; 20] {
+    let mut ip = [0u8; 20];
+    ip[0] = 0x45;
+    ip[2..4].copy_from_slice(&((20 + payload_len) as u16).to_be_bytes());
+    if dont_fragment {
+        ip[6] = 0x40;
+    }
+    ip[8] = 64;
+    ip[9] = proto;
+    ip[12..16].copy_from_slice(&src.octets());
+    ip[16..20].copy_from_slice(&dst.octets());
+    let cs = checksum::checksum(&ip);
+    ip[10..12].copy_from_slice(&cs.to_be_bytes());
+    ip
+}
+
 /// Parses a MAC address written `02:00:00:00:00:01`.
 pub fn parse_mac(s: &str) -> Result<[u8; 6], String> {
     let bad = || format!("`{s}` is not a MAC address like 02:00:00:00:00:01");
