@@ -10,46 +10,15 @@ fn stitch() -> Command {
     Command::new(env!("CARGO_BIN_EXE_stitch"))
 }
 
-fn tshark_frames(file: &Path) -> String {
-    must(&format!(
-        "tshark -r {} -T fields -e frame.time_epoch -e frame.len -e frame.cap_len -e ip.src",
-        file.display()
-    ))
+fn tshark_frames(file: &Path) -> Vec<String> {
+    tshark_fields(
+        file,
+        &["frame.time_epoch", "frame.len", "frame.cap_len", "ip.src"],
+    )
 }
 
 fn capinfos(file: &Path) -> String {
     must(&format!("capinfos -M {}", file.display()))
-}
-
-fn count(file: &Path) -> u64 {
-    let s = must(&format!("capinfos -M -c {}", file.display()));
-    s.lines()
-        .find(|l| l.contains("Number of packets"))
-        .unwrap()
-        .rsplit(' ')
-        .next()
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap()
-}
-
-fn run_graph(dir: &Path, text: &str, extra: &[&str]) -> serde_json::Value {
-    let g = dir.join("g.yaml");
-    std::fs::write(&g, text).unwrap();
-    let out = stitch()
-        .args(["run", "--json", "--control"])
-        .arg(dir.join("s.sock"))
-        .args(extra)
-        .arg(&g)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
 }
 
 #[test]
@@ -66,7 +35,7 @@ fn capture_of_a_link_equals_what_the_next_app_received() {
         dir.path().join("link.pcapng"),
         dir.path().join("next.pcapng"),
     );
-    assert_eq!(count(&a), 20000);
+    assert_eq!(capinfos_count(&a), 20000);
     assert_eq!(
         tshark_frames(&a),
         tshark_frames(&b),
@@ -103,7 +72,7 @@ fn rotation_by_size_and_by_time_gives_complete_files() {
             std::fs::metadata(&p).unwrap().len() <= 2_000_000,
             "{n} over 2 MB"
         );
-        assert!(count(&p) > 0, "{n} readable and not empty");
+        assert!(capinfos_count(&p) > 0, "{n} readable and not empty");
     }
     // -G 1 with a strftime name: a new file every second.
     let d2 = tempfile::tempdir().unwrap();
@@ -118,7 +87,7 @@ fn rotation_by_size_and_by_time_gives_complete_files() {
         .filter(|p| p.extension().is_some_and(|e| e == "pcap"))
         .collect();
     assert!(files.len() >= 3, "{files:?}");
-    let total: u64 = files.iter().map(|f| count(f)).sum();
+    let total: u64 = files.iter().map(|f| capinfos_count(f)).sum();
     assert!(total > 5000, "about 3.5 s at 2000 pps, got {total}");
 }
 
@@ -165,7 +134,7 @@ fn a_full_disk_is_reported_and_files_stay_valid() {
         c["write_errors"].as_u64().unwrap() >= 1 && c["writer_drops"].as_u64().unwrap() > 0,
         "{c}"
     );
-    let kept = count(&small.join("full.pcap"));
+    let kept = capinfos_count(&small.join("full.pcap"));
     assert_eq!(
         kept + c["writer_drops"].as_u64().unwrap(),
         20000,
@@ -209,7 +178,7 @@ fn stitch_capture_on_an_interface_with_a_filter_count_and_sigint() {
     );
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("20 packets captured"), "{err}");
-    assert_eq!(count(&file), 20);
+    assert_eq!(capinfos_count(&file), 20);
     let protos = must(&format!(
         "tshark -r {} -T fields -e frame.protocols",
         file.display()
@@ -252,6 +221,6 @@ fn stitch_capture_on_an_interface_with_a_filter_count_and_sigint() {
         .parse()
         .unwrap();
     assert!(n > 10, "{err}");
-    assert_eq!(count(&file2), n, "{err}");
-    assert!(tshark_frames(&file2).lines().count() as u64 == n);
+    assert_eq!(capinfos_count(&file2), n, "{err}");
+    assert!(tshark_frames(&file2).len() as u64 == n);
 }

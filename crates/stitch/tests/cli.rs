@@ -1,6 +1,8 @@
 //! The `stitch` command end to end: real files checked with tshark/capinfos, the control
 //! socket, live apply and clean shutdown on SIGINT.
 
+mod common;
+use common::capinfos_count;
 use pcap_file::pcap::{PcapHeader, PcapPacket, PcapWriter};
 use pcap_file::{DataLink, TsResolution};
 use std::path::{Path, PathBuf};
@@ -56,19 +58,6 @@ fn tshark_frames(file: &Path) -> String {
         ])
         .output()
         .unwrap())
-}
-
-fn capinfos_count(file: &Path) -> u64 {
-    let s = ok(tool("capinfos")
-        .args(["-M", "-c"])
-        .arg(file)
-        .output()
-        .unwrap());
-    let line = s
-        .lines()
-        .find(|l| l.contains("Number of packets"))
-        .expect("capinfos count");
-    line.rsplit(' ').next().unwrap().trim().parse().unwrap()
 }
 
 /// A frame of `len` bytes: Ethernet + IPv4 + UDP headers with a recognisable payload.

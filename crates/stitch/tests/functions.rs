@@ -2,46 +2,14 @@
 
 mod common;
 use common::*;
-use std::path::Path;
-
-fn run(dir: &Path, text: &str) -> serde_json::Value {
-    let g = dir.join("g.yaml");
-    std::fs::write(&g, text).unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_stitch"))
-        .args(["run", "--json", "--control"])
-        .arg(dir.join("s.sock"))
-        .arg(&g)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
-}
-
-fn fields(file: &Path, f: &[&str]) -> Vec<String> {
-    let args: Vec<String> = f.iter().map(|x| format!("-e {x}")).collect();
-    must(&format!(
-        "tshark -r {} -T fields {}",
-        file.display(),
-        args.join(" ")
-    ))
-    .lines()
-    .map(str::to_string)
-    .collect()
-}
 
 #[test]
 fn vlan_push_translate_pop_as_tshark_sees_it() {
     let dir = tempfile::tempdir().unwrap();
-    let stats = run(
-        dir.path(),
-        "apps:\n  gen: { type: generator, count: 100, flows: 5 }\n  plain: { type: capture, file: plain.pcap }\n  push: { type: vlan, mode: push, vid: 10, pcp: 5 }\n  a: { type: capture, file: a.pcap }\n  xlate: { type: vlan, mode: translate, map: { 10: 20 } }\n  b: { type: capture, file: b.pcap }\n  pop: { type: vlan, mode: pop }\n  c: { type: pcap_sink, file: c.pcap }\nlinks:\n  - \"gen.output -> plain.input\"\n  - \"plain.output -> push.input\"\n  - \"push.output -> a.input\"\n  - \"a.output -> xlate.input\"\n  - \"xlate.output -> b.input\"\n  - \"b.output -> pop.input\"\n  - \"pop.output -> c.input\"\n",
-    );
+    let stats = run_graph(dir.path(),
+        "apps:\n  gen: { type: generator, count: 100, flows: 5 }\n  plain: { type: capture, file: plain.pcap }\n  push: { type: vlan, mode: push, vid: 10, pcp: 5 }\n  a: { type: capture, file: a.pcap }\n  xlate: { type: vlan, mode: translate, map: { 10: 20 } }\n  b: { type: capture, file: b.pcap }\n  pop: { type: vlan, mode: pop }\n  c: { type: pcap_sink, file: c.pcap }\nlinks:\n  - \"gen.output -> plain.input\"\n  - \"plain.output -> push.input\"\n  - \"push.output -> a.input\"\n  - \"a.output -> xlate.input\"\n  - \"xlate.output -> b.input\"\n  - \"b.output -> pop.input\"\n  - \"pop.output -> c.input\"\n", &[]);
     assert_eq!(app(&stats, "c")["counters"]["written"], 100);
-    let a = fields(
+    let a = tshark_fields(
         &dir.path().join("a.pcap"),
         &["vlan.id", "vlan.priority", "ip.src", "udp.dstport"],
     );
@@ -52,13 +20,13 @@ fn vlan_push_translate_pop_as_tshark_sees_it() {
         "{:?}",
         &a[..3]
     );
-    let b = fields(&dir.path().join("b.pcap"), &["vlan.id", "vlan.priority"]);
+    let b = tshark_fields(&dir.path().join("b.pcap"), &["vlan.id", "vlan.priority"]);
     assert!(b.iter().all(|l| l == "20\t5"), "{:?}", &b[..3]);
-    let c = fields(
+    let c = tshark_fields(
         &dir.path().join("c.pcap"),
         &["vlan.id", "ip.src", "udp.srcport", "udp.checksum.status"],
     );
-    let plain = fields(
+    let plain = tshark_fields(
         &dir.path().join("plain.pcap"),
         &["vlan.id", "ip.src", "udp.srcport", "udp.checksum.status"],
     );
@@ -68,14 +36,12 @@ fn vlan_push_translate_pop_as_tshark_sees_it() {
 #[test]
 fn load_balancer_keeps_each_flow_on_one_output() {
     let dir = tempfile::tempdir().unwrap();
-    run(
-        dir.path(),
-        "apps:\n  gen: { type: generator, count: 4000, flows: 40 }\n  lb: { type: load_balancer }\n  o0: { type: pcap_sink, file: o0.pcap }\n  o1: { type: pcap_sink, file: o1.pcap }\n  o2: { type: pcap_sink, file: o2.pcap }\nlinks:\n  - \"gen.output -> lb.input\"\n  - \"lb.x -> o0.input\"\n  - \"lb.y -> o1.input\"\n  - \"lb.z -> o2.input\"\n",
-    );
+    run_graph(dir.path(),
+        "apps:\n  gen: { type: generator, count: 4000, flows: 40 }\n  lb: { type: load_balancer }\n  o0: { type: pcap_sink, file: o0.pcap }\n  o1: { type: pcap_sink, file: o1.pcap }\n  o2: { type: pcap_sink, file: o2.pcap }\nlinks:\n  - \"gen.output -> lb.input\"\n  - \"lb.x -> o0.input\"\n  - \"lb.y -> o1.input\"\n  - \"lb.z -> o2.input\"\n", &[]);
     let mut seen = std::collections::HashMap::new();
     let mut total = 0;
     for i in 0..3 {
-        let srcs = fields(&dir.path().join(format!("o{i}.pcap")), &["ip.src"]);
+        let srcs = tshark_fields(&dir.path().join(format!("o{i}.pcap")), &["ip.src"]);
         assert!(!srcs.is_empty(), "output {i} got traffic");
         total += srcs.len();
         for s in srcs {
@@ -93,12 +59,10 @@ fn load_balancer_keeps_each_flow_on_one_output() {
 fn bridge_tags_frames_toward_a_trunk() {
     let dir = tempfile::tempdir().unwrap();
     // Broadcasts from an access port of VLAN 10 reach the trunk tagged, the VLAN-1 port not at all.
-    let stats = run(
-        dir.path(),
-        "apps:\n  gen: { type: generator, count: 50, dst_mac: \"ff:ff:ff:ff:ff:ff\" }\n  br: { type: bridge, ports: { a: { vlan: 10 }, b: {}, t: { mode: trunk, vlans: [10] } } }\n  tb: { type: pcap_sink, file: b.pcap }\n  tt: { type: pcap_sink, file: t.pcap }\nlinks:\n  - \"gen.output -> br.a\"\n  - \"br.b -> tb.input\"\n  - \"br.t -> tt.input\"\n",
-    );
+    let stats = run_graph(dir.path(),
+        "apps:\n  gen: { type: generator, count: 50, dst_mac: \"ff:ff:ff:ff:ff:ff\" }\n  br: { type: bridge, ports: { a: { vlan: 10 }, b: {}, t: { mode: trunk, vlans: [10] } } }\n  tb: { type: pcap_sink, file: b.pcap }\n  tt: { type: pcap_sink, file: t.pcap }\nlinks:\n  - \"gen.output -> br.a\"\n  - \"br.b -> tb.input\"\n  - \"br.t -> tt.input\"\n", &[]);
     assert_eq!(app(&stats, "tb")["counters"]["written"], 0);
-    let t = fields(
+    let t = tshark_fields(
         &dir.path().join("t.pcap"),
         &["vlan.id", "eth.dst", "ip.dst"],
     );
@@ -387,12 +351,10 @@ fn nat_masquerades_lan_hosts_behind_the_external_address() {
 fn vxlan_encapsulates_as_tshark_decodes_it_and_decapsulates_back() {
     let dir = tempfile::tempdir().unwrap();
     // gen → vtep1 segment t1 → underlay (captured) → vtep2 underlay → segment t1 → sink
-    let stats = run(
-        dir.path(),
-        "apps:\n  gen: { type: generator, count: 200, flows: 8 }\n  before: { type: capture, file: before.pcap }\n  v1: { type: vxlan, local: 192.0.2.1, local_mac: \"02:00:00:00:00:01\", next_hop_mac: \"02:00:00:00:00:02\", segments: { t1: { vni: 5001, remote: 192.0.2.2 } } }\n  wire: { type: capture, file: underlay.pcap }\n  v2: { type: vxlan, local: 192.0.2.2, local_mac: \"02:00:00:00:00:02\", next_hop_mac: \"02:00:00:00:00:01\", segments: { t1: { vni: 5001, remote: 192.0.2.1 } } }\n  after: { type: pcap_sink, file: after.pcap }\nlinks:\n  - \"gen.output -> before.input\"\n  - \"before.output -> v1.t1\"\n  - \"v1.underlay -> wire.input\"\n  - \"wire.output -> v2.underlay\"\n  - \"v2.t1 -> after.input\"\n",
-    );
+    let stats = run_graph(dir.path(),
+        "apps:\n  gen: { type: generator, count: 200, flows: 8 }\n  before: { type: capture, file: before.pcap }\n  v1: { type: vxlan, local: 192.0.2.1, local_mac: \"02:00:00:00:00:01\", next_hop_mac: \"02:00:00:00:00:02\", segments: { t1: { vni: 5001, remote: 192.0.2.2 } } }\n  wire: { type: capture, file: underlay.pcap }\n  v2: { type: vxlan, local: 192.0.2.2, local_mac: \"02:00:00:00:00:02\", next_hop_mac: \"02:00:00:00:00:01\", segments: { t1: { vni: 5001, remote: 192.0.2.1 } } }\n  after: { type: pcap_sink, file: after.pcap }\nlinks:\n  - \"gen.output -> before.input\"\n  - \"before.output -> v1.t1\"\n  - \"v1.underlay -> wire.input\"\n  - \"wire.output -> v2.underlay\"\n  - \"v2.t1 -> after.input\"\n", &[]);
     assert_eq!(app(&stats, "v2")["counters"]["decapsulated"], 200);
-    let outer = fields(
+    let outer = tshark_fields(
         &dir.path().join("underlay.pcap"),
         &["udp.dstport", "vxlan.vni"],
     );
@@ -405,7 +367,7 @@ fn vxlan_encapsulates_as_tshark_decodes_it_and_decapsulates_back() {
         &outer[..2]
     );
     // tshark decodes the inner frame too: ip.src lists the outer, then the inner address.
-    let ips = fields(&dir.path().join("underlay.pcap"), &["ip.src", "ip.dst"]);
+    let ips = tshark_fields(&dir.path().join("underlay.pcap"), &["ip.src", "ip.dst"]);
     assert!(
         ips.iter()
             .all(|l| l.starts_with("192.0.2.1,10.0.0.") && l.contains("192.0.2.2,10.1.0.1")),
@@ -417,8 +379,8 @@ fn vxlan_encapsulates_as_tshark_decodes_it_and_decapsulates_back() {
         dir.path().join("after.pcap"),
     );
     assert_eq!(
-        fields(&a, &["eth.src", "ip.src", "udp.srcport", "frame.len"]),
-        fields(&b, &["eth.src", "ip.src", "udp.srcport", "frame.len"])
+        tshark_fields(&a, &["eth.src", "ip.src", "udp.srcport", "frame.len"]),
+        tshark_fields(&b, &["eth.src", "ip.src", "udp.srcport", "frame.len"])
     );
 }
 

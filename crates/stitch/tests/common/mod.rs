@@ -230,3 +230,45 @@ pub fn app<'a>(stats: &'a serde_json::Value, name: &str) -> &'a serde_json::Valu
         .find(|a| a["name"] == name)
         .unwrap_or_else(|| panic!("no app {name}"))
 }
+
+/// Runs a graph to its end (`stitch run --json`) from `dir`/g.yaml and returns the final counters.
+pub fn run_graph(dir: &Path, text: &str, extra: &[&str]) -> serde_json::Value {
+    let g = dir.join("g.yaml");
+    std::fs::write(&g, text).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_stitch"))
+        .args(["run", "--json", "--control"])
+        .arg(dir.join("s.sock"))
+        .args(extra)
+        .arg(&g)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// The given fields of every frame of a capture file, one line per frame, as tshark decodes them.
+pub fn tshark_fields(file: &Path, fields: &[&str]) -> Vec<String> {
+    let args: Vec<String> = fields.iter().map(|x| format!("-e {x}")).collect();
+    must(&format!(
+        "tshark -r {} -T fields {}",
+        file.display(),
+        args.join(" ")
+    ))
+    .lines()
+    .map(str::to_string)
+    .collect()
+}
+
+/// Packets in a capture file, as capinfos counts them.
+pub fn capinfos_count(file: &Path) -> u64 {
+    let s = must(&format!("capinfos -M -c {}", file.display()));
+    let line = s
+        .lines()
+        .find(|l| l.contains("Number of packets"))
+        .expect("capinfos count");
+    line.rsplit(' ').next().unwrap().trim().parse().unwrap()
+}
