@@ -114,15 +114,7 @@ fn firewall_between_namespaces_lets_lan_out_and_keeps_wan_out() {
         "lan → wan ping: {}",
         String::from_utf8_lossy(&o.stdout)
     );
-    let server = h.spawn(1, "iperf3 -s -1 -p 5201");
-    std::thread::sleep(std::time::Duration::from_millis(300));
-    let o = h.exec(0, &format!("iperf3 -c {} -p 5201 -t 1", h.ip[1]));
-    let _ = server.finish();
-    assert!(
-        o.status.success(),
-        "lan → wan TCP: {}",
-        String::from_utf8_lossy(&o.stdout)
-    );
+    h.iperf_tcp(&h.ip[1], 1);
     // IPv6 too: Neighbor Discovery passes, echo state works the same way.
     let o = h.exec(0, &format!("ping -6 -c 3 -i 0.1 -W 2 {}", h.ip6[1]));
     assert!(
@@ -223,23 +215,8 @@ fn bridge_router_bridge_joins_two_subnets() {
     );
     let o = h.exec(0, &format!("ping -c 1 -W 2 10.{}.9.9", n + 1));
     assert!(!o.status.success());
-    let server = h.spawn(1, "iperf3 -s -1 -p 5201");
-    std::thread::sleep(std::time::Duration::from_millis(300));
-    let o = h.exec(0, &format!("iperf3 -c 10.{n}.2.2 -p 5201 -t 2 -J"));
-    let _ = server.finish();
-    assert!(
-        o.status.success(),
-        "TCP across the router: {}",
-        String::from_utf8_lossy(&o.stdout)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    eprintln!(
-        "bridge-router-bridge: iperf3 TCP {:.2} Gbit/s",
-        v["end"]["sum_received"]["bits_per_second"]
-            .as_f64()
-            .unwrap()
-            / 1e9
-    );
+    let bps = h.iperf_tcp(&format!("10.{n}.2.2"), 2);
+    eprintln!("bridge-router-bridge: iperf3 TCP {:.2} Gbit/s", bps / 1e9);
     let shown = must(&format!(
         "{} show r --control {}",
         env!("CARGO_BIN_EXE_stitch"),

@@ -26,24 +26,6 @@ fn ping_works(h: &TwoHosts) {
     );
 }
 
-/// iperf3 TCP from ns1 to ns2 for `secs`; returns received bits per second.
-fn iperf_tcp(h: &TwoHosts, secs: u32) -> f64 {
-    let server = h.spawn(1, "iperf3 -s -1 -p 5299");
-    std::thread::sleep(std::time::Duration::from_millis(300));
-    let o = h.exec(0, &format!("iperf3 -c {} -p 5299 -t {secs} -J", h.ip[1]));
-    let _ = server.finish();
-    assert!(
-        o.status.success(),
-        "iperf3 failed: {}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    v["end"]["sum_received"]["bits_per_second"]
-        .as_f64()
-        .unwrap()
-}
-
 const RECEIVER: &str = r#"
 import socket, sys
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -90,7 +72,7 @@ fn exercise(kind: &str, extra: &str) {
     let h = TwoHosts::new();
     let s = cross_connect(kind, &h, extra);
     ping_works(&h);
-    let bps = iperf_tcp(&h, 2);
+    let bps = h.iperf_tcp(&h.ip[1], 2);
     eprintln!("{kind}: iperf3 TCP through Stitch: {:.2} Gbit/s", bps / 1e9);
     assert!(bps > 10e6, "TCP throughput {bps} bit/s is far too low");
     let n = 3000;
@@ -126,7 +108,7 @@ fn af_packet_can_segment_super_frames_on_entry() {
     let h = TwoHosts::new();
     let s = cross_connect("af_packet", &h, ", gso: segment");
     ping_works(&h);
-    let bps = iperf_tcp(&h, 2);
+    let bps = h.iperf_tcp(&h.ip[1], 2);
     eprintln!("af_packet gso: segment: iperf3 TCP {:.2} Gbit/s", bps / 1e9);
     let stats = s.stop();
     let a = &app(&stats, "a")["counters"];
@@ -150,16 +132,9 @@ fn af_packet_carries_ping_tcp_and_exact_udp_bursts() {
 #[test]
 fn missing_interface_is_a_clear_error_and_nothing_starts() {
     require_root_and_tools(&["ip"]);
-    let dir = tempfile::tempdir().unwrap();
-    let g = dir.path().join("g.yaml");
-    std::fs::write(&g, "apps:\n  a: { type: af_packet, interface: nosuchif0 }\n  s: { type: sink }\nlinks: [\"a.output -> s.input\"]\n").unwrap();
-    let o = std::process::Command::new(env!("CARGO_BIN_EXE_stitch"))
-        .args(["run", "--duration", "1"])
-        .arg(&g)
-        .output()
-        .unwrap();
-    assert!(!o.status.success());
-    let err = String::from_utf8_lossy(&o.stderr);
+    let err = run_must_fail(
+        "apps:\n  a: { type: af_packet, interface: nosuchif0 }\n  s: { type: sink }\nlinks: [\"a.output -> s.input\"]\n",
+    );
     assert!(
         err.contains("app `a`: no interface named `nosuchif0` (see `ip link show`)"),
         "{err}"
@@ -188,7 +163,7 @@ fn tap_hands_packets_to_a_host_stack() {
     ));
     must(&format!("ip -n {} link set {tap} up", h.ns[0]));
     ping_works(&h);
-    let bps = iperf_tcp(&h, 2);
+    let bps = h.iperf_tcp(&h.ip[1], 2);
     eprintln!("tap ⇄ af_packet: iperf3 TCP {:.2} Gbit/s", bps / 1e9);
     assert!(bps > 10e6, "TCP throughput {bps} bit/s is far too low");
     let stats = s.stop();
@@ -211,16 +186,7 @@ fn af_xdp_refuses_an_interface_that_already_has_xdp() {
         format!("apps:\n  {name}: {{ type: af_xdp, interface: {} }}\n  s: {{ type: sink }}\nlinks: [\"{name}.output -> s.input\"]\n", h.outer[0])
     };
     let first = Stitch::run(&graph("a"));
-    let dir = tempfile::tempdir().unwrap();
-    let g = dir.path().join("g.yaml");
-    std::fs::write(&g, graph("b")).unwrap();
-    let o = std::process::Command::new(env!("CARGO_BIN_EXE_stitch"))
-        .args(["run", "--duration", "1"])
-        .arg(&g)
-        .output()
-        .unwrap();
-    assert!(!o.status.success());
-    let err = String::from_utf8_lossy(&o.stderr);
+    let err = run_must_fail(&graph("b"));
     assert!(err.contains("an XDP program is already attached"), "{err}");
     first.stop();
     // The program goes away with the instance that attached it.

@@ -116,6 +116,45 @@ impl Drop for TwoHosts {
     }
 }
 
+impl TwoHosts {
+    /// iperf3 TCP from host 0 to `to` (host 1's address) for `secs`; received bits per second.
+    /// Fails the test if iperf3 does.
+    pub fn iperf_tcp(&self, to: &str, secs: u32) -> f64 {
+        let server = self.spawn(1, "iperf3 -s -1 -p 5299");
+        std::thread::sleep(Duration::from_millis(300));
+        let o = self.exec(0, &format!("iperf3 -c {to} -p 5299 -t {secs} -J"));
+        let _ = server.finish();
+        assert!(
+            o.status.success(),
+            "iperf3 to {to} failed: {}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        v["end"]["sum_received"]["bits_per_second"]
+            .as_f64()
+            .unwrap()
+    }
+}
+
+/// Runs a graph that must not start; returns what stitch printed on stderr.
+pub fn run_must_fail(text: &str) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let g = dir.path().join("g.yaml");
+    std::fs::write(&g, text).unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_stitch"))
+        .args(["run", "--duration", "1"])
+        .arg(&g)
+        .output()
+        .unwrap();
+    assert!(
+        !o.status.success(),
+        "the graph started: {}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
 /// A child process killed when dropped (also when a test fails).
 pub struct Background(pub Child);
 
