@@ -156,16 +156,8 @@ impl Drop for AfPacket {
     }
 }
 
-fn open(c: &AfPacketConfig) -> Result<(OwnedFd, *mut u8, usize), String> {
-    let name = &c.interface;
-    let ifindex = netdev::ifindex(name)?;
-    let flags = netdev::flags(name).map_err(|e| format!("interface `{name}`: {e}"))?;
-    if flags & libc::IFF_UP == 0 {
-        return Err(format!(
-            "interface `{name}` is down (ip link set {name} up)"
-        ));
-    }
-    let proto = (libc::ETH_P_ALL as u16).to_be();
+/// A raw packet socket for `proto` (network byte order; 0 receives nothing).
+fn packet_socket(proto: u16) -> Result<OwnedFd, String> {
     let fd = unsafe {
         libc::socket(
             libc::AF_PACKET,
@@ -179,7 +171,42 @@ fn open(c: &AfPacketConfig) -> Result<(OwnedFd, *mut u8, usize), String> {
             std::io::Error::last_os_error(),
         ));
     }
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Binds a packet socket to interface `ifindex` (named `name` in errors).
+fn bind_to(fd: &OwnedFd, ifindex: u32, proto: u16, name: &str) -> Result<(), String> {
+    let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+    sll.sll_family = libc::AF_PACKET as u16;
+    sll.sll_protocol = proto;
+    sll.sll_ifindex = ifindex as i32;
+    let r = unsafe {
+        libc::bind(
+            fd.as_raw_fd(),
+            &sll as *const _ as *const libc::sockaddr,
+            std::mem::size_of::<libc::sockaddr_ll>() as u32,
+        )
+    };
+    if r < 0 {
+        return Err(explain(
+            &format!("af_packet: bind to `{name}`"),
+            std::io::Error::last_os_error(),
+        ));
+    }
+    Ok(())
+}
+
+fn open(c: &AfPacketConfig) -> Result<(OwnedFd, *mut u8, usize), String> {
+    let name = &c.interface;
+    let ifindex = netdev::ifindex(name)?;
+    let flags = netdev::flags(name).map_err(|e| format!("interface `{name}`: {e}"))?;
+    if flags & libc::IFF_UP == 0 {
+        return Err(format!(
+            "interface `{name}` is down (ip link set {name} up)"
+        ));
+    }
+    let proto = (libc::ETH_P_ALL as u16).to_be();
+    let fd = packet_socket(proto)?;
     let raw = fd.as_raw_fd();
     let sol = libc::SOL_PACKET;
     let opt = |what: &str, r: std::io::Result<()>| {
@@ -281,27 +308,11 @@ fn open(c: &AfPacketConfig) -> Result<(OwnedFd, *mut u8, usize), String> {
             std::io::Error::last_os_error(),
         ));
     }
-    let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
-    sll.sll_family = libc::AF_PACKET as u16;
-    sll.sll_protocol = proto;
-    sll.sll_ifindex = ifindex as i32;
-    let r = unsafe {
-        libc::bind(
-            raw,
-            &sll as *const _ as *const libc::sockaddr,
-            std::mem::size_of::<libc::sockaddr_ll>() as u32,
-        )
-    };
     let fail = |e: String| {
         unsafe { libc::munmap(ring, ring_len) };
         e
     };
-    if r < 0 {
-        return Err(fail(explain(
-            &format!("af_packet: bind to `{name}`"),
-            std::io::Error::last_os_error(),
-        )));
-    }
+    bind_to(&fd, ifindex, proto, name).map_err(fail)?;
     if c.promisc {
         let mreq = libc::packet_mreq {
             mr_ifindex: ifindex as i32,
@@ -344,14 +355,7 @@ pub fn compile_filter(expr: &str) -> Result<pcap::BpfProgram, String> {
 /// TX ring, `sendmsg` sends ring frames and ignores its own data. Protocol 0: it receives nothing.
 fn open_large_tx(c: &AfPacketConfig) -> Result<OwnedFd, String> {
     let name = &c.interface;
-    let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW | libc::SOCK_CLOEXEC, 0) };
-    if fd < 0 {
-        return Err(explain(
-            "cannot open a packet socket",
-            std::io::Error::last_os_error(),
-        ));
-    }
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let fd = packet_socket(0)?;
     let raw = fd.as_raw_fd();
     let opt = |what: &str, r: std::io::Result<()>| {
         r.map_err(|e| explain(&format!("af_packet {name}: {what}"), e))
@@ -364,23 +368,7 @@ fn open_large_tx(c: &AfPacketConfig) -> Result<OwnedFd, String> {
         "PACKET_QDISC_BYPASS",
         setsockopt(raw, libc::SOL_PACKET, libc::PACKET_QDISC_BYPASS, &1i32),
     )?;
-    let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
-    sll.sll_family = libc::AF_PACKET as u16;
-    sll.sll_protocol = 0;
-    sll.sll_ifindex = netdev::ifindex(name)? as i32;
-    let r = unsafe {
-        libc::bind(
-            raw,
-            &sll as *const _ as *const libc::sockaddr,
-            std::mem::size_of::<libc::sockaddr_ll>() as u32,
-        )
-    };
-    if r < 0 {
-        return Err(explain(
-            &format!("af_packet: bind to `{name}`"),
-            std::io::Error::last_os_error(),
-        ));
-    }
+    bind_to(&fd, netdev::ifindex(name)?, 0, name)?;
     Ok(fd)
 }
 
