@@ -352,6 +352,8 @@ impl Drop for CaptureWriter {
 /// The files of a capture: naming, rotation, the ring.
 struct FileRing {
     spec: FileSpec,
+    /// The bytes every file starts with (PCAP header, or PCAPNG section and interface blocks).
+    header: Vec<u8>,
     stats: Arc<WriterStats>,
     file: Option<File>,
     path: PathBuf,
@@ -363,6 +365,7 @@ struct FileRing {
 impl FileRing {
     fn new(spec: FileSpec, stats: Arc<WriterStats>) -> FileRing {
         FileRing {
+            header: file_header(&spec),
             spec,
             stats,
             file: None,
@@ -406,9 +409,9 @@ impl FileRing {
     fn open_next(&mut self, now_ns: u64) -> Result<(), String> {
         let path = self.next_name(now_ns);
         let mut f = File::create(&path).map_err(|e| explain_io(&path, &e))?;
-        f.write_all(&file_header(&self.spec))
+        f.write_all(&self.header)
             .map_err(|e| explain_io(&path, &e))?;
-        self.written = file_header(&self.spec).len() as u64;
+        self.written = self.header.len() as u64;
         self.stats.bytes_written.fetch_add(self.written, Relaxed);
         self.stats.files_opened.fetch_add(1, Relaxed);
         self.file = Some(f);
@@ -416,10 +419,6 @@ impl FileRing {
         self.opened_at = Instant::now();
         self.index += 1;
         Ok(())
-    }
-
-    fn header_len(&self) -> u64 {
-        file_header(&self.spec).len() as u64
     }
 
     fn rotate(&mut self) {
@@ -451,7 +450,7 @@ impl FileRing {
                 Some(limit) => {
                     let room = limit.saturating_sub(self.written) as usize;
                     match records_in(rest, self.spec.format, room) {
-                        (0, _) if self.written > self.header_len() => {
+                        (0, _) if self.written > self.header.len() as u64 => {
                             self.rotate();
                             continue;
                         }
