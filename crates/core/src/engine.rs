@@ -17,6 +17,7 @@ use crate::pool;
 use indexmap::IndexMap;
 use std::collections::{BTreeMap, HashMap};
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
@@ -35,6 +36,10 @@ pub enum EngineError {
     Config { app: String, message: String },
     #[error("worker `{0}` stopped unexpectedly")]
     WorkerLost(String),
+    #[error("{0} (nothing was changed: the graph runs as before)")]
+    RolledBack(Box<EngineError>),
+    #[error("no app named `{0}`")]
+    NoSuchApp(String),
     #[error("{0}")]
     Other(String),
 }
@@ -290,8 +295,6 @@ pub struct ApplyReport {
     pub links_added: Vec<String>,
     pub links_removed: Vec<String>,
     pub links_kept: Vec<String>,
-    /// Apps whose in-place change failed; they keep running with their previous config.
-    pub errors: Vec<String>,
 }
 
 struct AppInfo {
@@ -378,8 +381,9 @@ impl Engine {
             built.insert(decl.name.clone(), b?);
         }
 
-        // 2. Park all workers and take their apps and links back.
-        let mut slots: HashMap<String, AppSlot> = HashMap::new();
+        // 2. Park all workers. Their plans come back whole, so that a change that fails in
+        //    step 3 can resume them exactly as they were.
+        let mut parked: Vec<(String, Plan)> = Vec::new();
         for (wname, w) in st.workers.iter_mut() {
             w.park.store(true, Ordering::Release);
             let plan = w
@@ -387,21 +391,88 @@ impl Engine {
                 .recv()
                 .map_err(|_| EngineError::WorkerLost(wname.clone()))?;
             w.park.store(false, Ordering::Release);
+            parked.push((wname.clone(), plan));
+        }
+
+        // 3. Reconfigure kept apps whose config changed: all or nothing. On the first failure
+        //    the apps already reconfigured get their old config back and the workers resume
+        //    with the graph as it was.
+        let mut undo: Vec<(String, serde_json::Value)> = Vec::new();
+        let mut replacements: HashMap<String, Box<dyn DynApp>> = HashMap::new();
+        let mut failure = None;
+        for decl in graph.apps.values() {
+            let Some(old_decl) = same(&decl.name) else {
+                continue;
+            };
+            if old_decl.config == decl.config {
+                continue;
+            }
+            let slot = parked_slot(&mut parked, &decl.name).expect("kept app has a slot");
+            match self.reconfigure(slot, decl, &graph.base_dir) {
+                Ok(Reconfigured::Done) => undo.push((decl.name.clone(), old_decl.config.clone())),
+                Ok(Reconfigured::Restart) => {
+                    match self.build(decl, &graph, slot.counters.clone()) {
+                        Ok((app, _)) => {
+                            replacements.insert(decl.name.clone(), app);
+                        }
+                        Err(e) => {
+                            failure = Some(e);
+                            break;
+                        }
+                    }
+                }
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
+            }
+        }
+        if let Some(e) = failure {
+            let old = old.as_ref().expect("a reconfigured app has an old graph");
+            for (name, _) in undo.iter().rev() {
+                let slot = parked_slot(&mut parked, name).expect("kept app has a slot");
+                if let Err(e) = self.reconfigure(slot, &old.apps[name], &old.base_dir) {
+                    log::error!("cannot give app `{name}` its previous config back: {e}");
+                }
+            }
+            for (wname, plan) in parked {
+                st.workers[&wname]
+                    .to_worker
+                    .send(Command::Run(plan))
+                    .map_err(|_| EngineError::WorkerLost(wname))?;
+            }
+            return Err(EngineError::RolledBack(Box::new(e)));
+        }
+        let mut slots: HashMap<String, AppSlot> = HashMap::new();
+        for (_, plan) in parked {
             for s in plan.slots {
                 slots.insert(s.name.clone(), s);
             }
+        }
+        for (name, _) in undo {
+            let slot = slots.get_mut(&name).expect("kept app has a slot");
+            slot.config = graph.apps[&name].config.clone();
+            report.reconfigured.push(name);
         }
         let mut ends = LinkEnds::default();
         for s in slots.values_mut() {
             take_ends(s, &mut ends);
         }
 
-        // 3. Stop removed apps and apps replaced by another type.
+        // 4. Stop removed apps, apps replaced by another type and apps restarted by their new
+        //    config.
         let mut names: Vec<String> = slots.keys().cloned().collect();
         names.sort();
         for name in names {
-            let keep = same(&name).is_some();
-            if !keep {
+            if let Some(app) = replacements.remove(&name) {
+                let s = slots.get_mut(&name).expect("slot");
+                s.guarded("stop", |a, _| a.stop());
+                s.app = app;
+                s.config = graph.apps[&name].config.clone();
+                report.restarted.push(name);
+                continue;
+            }
+            if same(&name).is_none() {
                 let mut s = slots.remove(&name).unwrap();
                 s.guarded("stop", |a, _| a.stop());
                 if graph.apps.contains_key(&name) {
@@ -411,48 +482,15 @@ impl Engine {
                 }
             }
         }
-
-        // 4. Reconfigure apps whose config changed.
         for decl in graph.apps.values() {
-            let Some(old_decl) = same(&decl.name) else {
-                if !report.restarted.contains(&decl.name) {
-                    report.started.push(decl.name.clone());
+            match same(&decl.name) {
+                None if !report.restarted.contains(&decl.name) => {
+                    report.started.push(decl.name.clone())
                 }
-                continue;
-            };
-            let slot = slots.get_mut(&decl.name).expect("kept app has a slot");
-            if old_decl.config == decl.config {
-                report.kept.push(decl.name.clone());
-                continue;
-            }
-            let t = self.registry.get(&decl.kind).expect("validated type");
-            let parsed = t.parse(&decl.config).map_err(|e| EngineError::Config {
-                app: decl.name.clone(),
-                message: format!("{}: {}", e.path, e.message),
-            })?;
-            let mut ctx = AppContext::new(&decl.name, &graph.base_dir, slot.counters.clone());
-            match slot.app.reconfigure(parsed.into_any(), &mut ctx) {
-                Ok(Reconfigured::Done) => {
-                    slot.config = decl.config.clone();
-                    report.reconfigured.push(decl.name.clone());
+                Some(old_decl) if old_decl.config == decl.config => {
+                    report.kept.push(decl.name.clone())
                 }
-                Ok(Reconfigured::Restart) => {
-                    match self.build(decl, &graph, slot.counters.clone()) {
-                        Ok((app, _)) => {
-                            slot.guarded("stop", |a, _| a.stop());
-                            slot.app = app;
-                            slot.config = decl.config.clone();
-                            report.restarted.push(decl.name.clone());
-                        }
-                        Err(e) => report
-                            .errors
-                            .push(format!("{e} (keeps its previous config)")),
-                    }
-                }
-                Err(e) => report.errors.push(format!(
-                    "app `{}`: {e} (keeps its previous config)",
-                    decl.name
-                )),
+                _ => {}
             }
         }
         for (name, (app, counters)) in built {
@@ -601,6 +639,27 @@ impl Engine {
         Ok(report)
     }
 
+    /// Gives a running app its new config in place.
+    fn reconfigure(
+        &self,
+        slot: &mut AppSlot,
+        decl: &crate::graph::AppDecl,
+        base_dir: &Path,
+    ) -> Result<Reconfigured, EngineError> {
+        let t = self.registry.get(&decl.kind).expect("validated type");
+        let parsed = t.parse(&decl.config).map_err(|e| EngineError::Config {
+            app: decl.name.clone(),
+            message: format!("{}: {}", e.path, e.message),
+        })?;
+        let mut ctx = AppContext::new(&decl.name, base_dir, slot.counters.clone());
+        slot.app
+            .reconfigure(parsed.into_any(), &mut ctx)
+            .map_err(|source| EngineError::Build {
+                app: decl.name.clone(),
+                source,
+            })
+    }
+
     fn build(
         &self,
         decl: &crate::graph::AppDecl,
@@ -706,7 +765,7 @@ impl Engine {
             let info = st
                 .apps
                 .get(app)
-                .ok_or_else(|| EngineError::Other(format!("no app named `{app}`")))?;
+                .ok_or_else(|| EngineError::NoSuchApp(app.to_string()))?;
             let w = st
                 .workers
                 .get(&info.worker)
@@ -814,6 +873,13 @@ fn spawn_worker(name: &str, config: WorkerConfig) -> Result<Worker, EngineError>
         counters,
         config,
     })
+}
+
+fn parked_slot<'a>(parked: &'a mut [(String, Plan)], name: &str) -> Option<&'a mut AppSlot> {
+    parked
+        .iter_mut()
+        .flat_map(|(_, p)| p.slots.iter_mut())
+        .find(|s| s.name == name)
 }
 
 fn take_ends(s: &mut AppSlot, ends: &mut LinkEnds) {
