@@ -259,6 +259,42 @@ impl Graph {
         }
     }
 
+    /// The graph in the graph file's own shape (`engine`, `workers`, `apps`, `links`), as
+    /// JSON; since JSON is YAML, [`Graph::parse`] of its text gives this graph back. Used to read
+    /// the running graph and to edit it one app or link at a time.
+    pub fn to_document(&self) -> serde_json::Value {
+        use serde_json::{json, Map, Value};
+        let mut apps = Map::new();
+        for a in self.apps.values() {
+            let mut entry = Map::new();
+            entry.insert("type".into(), json!(a.kind));
+            if a.worker != MAIN_WORKER {
+                entry.insert("worker".into(), json!(a.worker));
+            }
+            if let Value::Object(c) = &a.config {
+                entry.extend(c.clone());
+            }
+            apps.insert(a.name.clone(), Value::Object(entry));
+        }
+        let links: Vec<Value> = self
+            .links
+            .iter()
+            .map(|l| {
+                if l.size == self.engine.link_size {
+                    json!(l.spec())
+                } else {
+                    json!({ "link": l.spec(), "size": l.size })
+                }
+            })
+            .collect();
+        json!({
+            "engine": self.engine,
+            "workers": self.workers,
+            "apps": apps,
+            "links": links,
+        })
+    }
+
     /// Graphviz DOT of the graph: apps as boxes, links as edges labelled with their ports.
     pub fn to_dot(&self) -> String {
         let mut s = String::from("digraph stitch {\n  rankdir=LR;\n  node [shape=box];\n");
@@ -750,5 +786,22 @@ mod tests {
         .to_string();
         assert!(e.starts_with("g.yaml:2:"), "{e}");
         assert!(e.contains("   2 |   a: { type: nope }"), "{e}");
+    }
+
+    #[test]
+    fn document_parses_back_to_the_same_graph() {
+        let text = "engine: { link_size: 512 }\nworkers: { w1: { core: 1 } }\napps:\n  a: { type: thing, size: 60 }\n  b: { type: thing, worker: w1 }\nlinks:\n  - \"a.output -> b.input\"\n  - { link: \"b.output -> a.input\", size: 64 }\n";
+        let g = Graph::parse(text, "g.yaml", Path::new("."), &registry()).unwrap();
+        let doc = serde_json::to_string_pretty(&g.to_document()).unwrap();
+        let back = Graph::parse(&doc, "doc.json", Path::new("."), &registry()).unwrap();
+        assert_eq!(back.to_document(), g.to_document());
+        assert_eq!(back.engine, g.engine);
+        assert_eq!(back.workers, g.workers);
+        assert_eq!(
+            back.links.iter().map(|l| l.size).collect::<Vec<_>>(),
+            [512, 64]
+        );
+        assert_eq!(back.apps["b"].worker, "w1");
+        assert_eq!(back.apps["a"].config, serde_json::json!({ "size": 60 }));
     }
 }

@@ -1,13 +1,12 @@
 //! `stitch capture`: tcpdump's habits, Stitch's data path. Builds the graph
 //! `af_packet (filter in the kernel) → capture (writer thread, rotation)` and runs it.
 
-use crate::control;
 use anyhow::{Context, Result};
 use serde_json::json;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use stitch_core::{Engine, Graph, Registry};
 
@@ -105,9 +104,15 @@ pub fn run(a: CaptureArgs, registry: Arc<Registry>) -> Result<()> {
     }
     let engine = Arc::new(Engine::new(registry));
     engine.apply(graph).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let rates = Arc::new(Mutex::new(control::Rates::default()));
-    let socket = control::socket_path(&a.name);
-    let served = control::serve(&socket, engine.clone(), rates.clone()).is_ok();
+    // The capture is an instance like any other: `stitch stats --name` and the API see it.
+    let api = Arc::new(stitch_api::Api::new(engine.clone(), None));
+    let config = stitch_api::ApiConfig {
+        unix: stitch_api::socket_path(&a.name),
+        ..Default::default()
+    };
+    let server = stitch_api::Server::start(api, &config)
+        .inspect_err(|e| log::warn!("{e:#}; capturing without the API"))
+        .ok();
     let what = if filter.trim().is_empty() {
         String::new()
     } else {
@@ -145,9 +150,7 @@ pub fn run(a: CaptureArgs, registry: Arc<Registry>) -> Result<()> {
         }
     }
     let stats = engine.stop();
-    if served {
-        let _ = std::fs::remove_file(&socket);
-    }
+    drop(server);
     if tty {
         eprintln!();
     }

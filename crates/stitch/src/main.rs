@@ -3,16 +3,18 @@
 mod bench;
 mod bench_nf;
 mod capture_cmd;
-mod control;
 mod table;
+mod top;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
-use serde_json::json;
+use std::io::IsTerminal;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+use stitch_api::client::Method;
 use stitch_core::{Engine, Graph, Registry};
 
 #[derive(Parser)]
@@ -22,16 +24,25 @@ use stitch_core::{Engine, Graph, Registry};
     about = "Stitch: network functions composed into graphs, at line rate"
 )]
 struct Cli {
+    /// Log lines as text or as JSON objects (one per line, for log collectors).
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
     #[command(subcommand)]
     cmd: Cmd,
 }
 
+#[derive(clap::ValueEnum, Clone, Copy, PartialEq, Eq)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
 #[derive(clap::Args, Clone)]
 struct Instance {
-    /// Name of the instance (one control socket per name).
+    /// Name of the instance (one API socket per name).
     #[arg(long, default_value = "stitch")]
     name: String,
-    /// Control socket path (overrides --name).
+    /// API Unix socket path (overrides --name).
     #[arg(long)]
     control: Option<PathBuf>,
 }
@@ -40,8 +51,29 @@ impl Instance {
     fn socket(&self) -> PathBuf {
         self.control
             .clone()
-            .unwrap_or_else(|| control::socket_path(&self.name))
+            .unwrap_or_else(|| stitch_api::socket_path(&self.name))
     }
+
+    fn get(&self, path: &str) -> Result<serde_json::Value> {
+        stitch_api::client::json(&self.socket(), Method::GET, path, None)
+    }
+}
+
+/// How `stitch run` offers its API beyond the Unix socket.
+#[derive(clap::Args, Clone)]
+struct Listen {
+    /// Also serve the API, /metrics and the graph view on this TCP address (e.g. 127.0.0.1:8080).
+    #[arg(long)]
+    listen: Option<SocketAddr>,
+    /// File holding the bearer token TCP clients must send (required beyond localhost).
+    #[arg(long)]
+    token_file: Option<PathBuf>,
+    /// TLS certificate chain (PEM) for --listen (required beyond localhost).
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// TLS private key (PEM).
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
 }
 
 #[derive(Subcommand)]
@@ -57,6 +89,8 @@ enum Cmd {
         json: bool,
         #[command(flatten)]
         instance: Instance,
+        #[command(flatten)]
+        listen: Listen,
     },
     /// Validate a graph file; errors name the line.
     Check { file: PathBuf },
@@ -89,6 +123,8 @@ enum Cmd {
         #[command(flatten)]
         instance: Instance,
     },
+    /// A live terminal view of the busiest links and apps of a running instance.
+    Top(top::TopArgs),
     /// List the app types this build knows.
     Apps,
     /// Capture an interface to PCAP/PCAPNG files, with tcpdump's options.
@@ -110,10 +146,19 @@ fn load(file: &Path, registry: &Registry) -> Result<Graph> {
 }
 
 fn main() {
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"))
-        .format_timestamp(None)
-        .init();
     let cli = Cli::parse();
+    // RUST_LOG filters as usual (e.g. `RUST_LOG=stitch_io=debug`); info by default.
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_target(false);
+    match cli.log_format {
+        LogFormat::Text => logs.init(),
+        LogFormat::Json => logs.json().flatten_event(true).init(),
+    }
     if let Err(e) = run_cli(cli) {
         eprintln!("stitch: {e:#}");
         std::process::exit(1);
@@ -140,11 +185,13 @@ fn run_cli(cli: Cli) -> Result<()> {
         } => {
             let request: serde_json::Value =
                 serde_json::from_str(&request).context("--request must be JSON")?;
-            let v = control::request(
+            let v = stitch_api::client::json(
                 &instance.socket(),
-                &json!({"cmd": "query", "app": app, "request": request}),
+                Method::POST,
+                &format!("/api/v1/apps/{}/query", encode(&app)),
+                Some(request.to_string().into_bytes()),
             )?;
-            println!("{}", serde_json::to_string_pretty(&v["answer"])?);
+            println!("{}", serde_json::to_string_pretty(&v)?);
         }
         Cmd::Apps => {
             for t in registry().types() {
@@ -156,20 +203,22 @@ fn run_cli(cli: Cli) -> Result<()> {
             duration,
             json,
             instance,
-        } => run(&file, duration, json, &instance)?,
+            listen,
+        } => run(&file, duration, json, &instance, &listen)?,
+        Cmd::Top(args) => top::run(&args.instance.socket(), &args)?,
         Cmd::Stats {
             instance,
             json,
             watch,
         } => loop {
-            let v = control::request(&instance.socket(), &json!({"cmd": "stats"}))?;
+            let v = instance.get("/api/v1/stats")?;
             if json {
-                println!("{}", serde_json::to_string_pretty(&v["stats"])?);
+                println!("{}", serde_json::to_string_pretty(&v)?);
             } else {
                 if watch {
                     print!("\x1b[H\x1b[2J");
                 }
-                print!("{}", table::render(&v["stats"]));
+                print!("{}", table::render(&v));
             }
             if !watch {
                 break;
@@ -184,30 +233,17 @@ fn run_cli(cli: Cli) -> Result<()> {
                 .parent()
                 .map(Path::to_path_buf)
                 .unwrap_or_default();
-            let v = control::request(
+            let r = stitch_api::client::json(
                 &instance.socket(),
-                &json!({"cmd": "apply", "text": text, "dir": dir, "file": file.display().to_string()}),
+                Method::PUT,
+                &format!(
+                    "/api/v1/graph?dir={}&file={}",
+                    encode(&dir.display().to_string()),
+                    encode(&file.display().to_string())
+                ),
+                Some(text.into_bytes()),
             )?;
-            let r = &v["report"];
-            for (key, what) in [
-                ("started", "started"),
-                ("stopped", "stopped"),
-                ("reconfigured", "reconfigured"),
-                ("restarted", "restarted"),
-                ("links_added", "links added"),
-                ("links_removed", "links removed"),
-            ] {
-                let items: Vec<&str> = r[key]
-                    .as_array()
-                    .map(|a| a.iter().filter_map(|x| x.as_str()).collect())
-                    .unwrap_or_default();
-                if !items.is_empty() {
-                    println!("{what}: {}", items.join(", "));
-                }
-            }
-            let kept = r["kept"].as_array().map(Vec::len).unwrap_or(0);
-            let links_kept = r["links_kept"].as_array().map(Vec::len).unwrap_or(0);
-            println!("unchanged: {kept} apps, {links_kept} links (state and queued packets kept)");
+            print_report(&r);
         }
         Cmd::Bench(b) => bench::run(b, Arc::new(registry()))?,
         Cmd::Capture(c) => capture_cmd::run(c, Arc::new(registry()))?,
@@ -215,27 +251,83 @@ fn run_cli(cli: Cli) -> Result<()> {
     Ok(())
 }
 
-fn run(file: &Path, duration: Option<f64>, as_json: bool, instance: &Instance) -> Result<()> {
+/// Prints what a live change did.
+fn print_report(r: &serde_json::Value) {
+    for (key, what) in [
+        ("started", "started"),
+        ("stopped", "stopped"),
+        ("reconfigured", "reconfigured"),
+        ("restarted", "restarted"),
+        ("links_added", "links added"),
+        ("links_removed", "links removed"),
+    ] {
+        let items: Vec<&str> = r[key]
+            .as_array()
+            .map(|a| a.iter().filter_map(|x| x.as_str()).collect())
+            .unwrap_or_default();
+        if !items.is_empty() {
+            println!("{what}: {}", items.join(", "));
+        }
+    }
+    let kept = r["kept"].as_array().map(Vec::len).unwrap_or(0);
+    let links_kept = r["links_kept"].as_array().map(Vec::len).unwrap_or(0);
+    println!("unchanged: {kept} apps, {links_kept} links (state and queued packets kept)");
+}
+
+/// Percent-encodes one path segment or query value.
+fn encode(s: &str) -> String {
+    percent_encoding::utf8_percent_encode(s, percent_encoding::NON_ALPHANUMERIC).to_string()
+}
+
+fn run(
+    file: &Path,
+    duration: Option<f64>,
+    as_json: bool,
+    instance: &Instance,
+    listen: &Listen,
+) -> Result<()> {
     let registry = Arc::new(registry());
     let graph = load(file, &registry)?;
     let stop = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         signal_hook::flag::register(sig, stop.clone()).context("cannot install signal handler")?;
     }
+    let reload = Arc::new(AtomicBool::new(false));
+    signal_hook::flag::register(signal_hook::consts::SIGHUP, reload.clone())
+        .context("cannot install signal handler")?;
+    let token = match &listen.token_file {
+        None => None,
+        Some(f) => {
+            let t = std::fs::read_to_string(f)
+                .with_context(|| format!("cannot read --token-file {}", f.display()))?;
+            let t = t.trim().to_string();
+            anyhow::ensure!(!t.is_empty(), "--token-file {} is empty", f.display());
+            Some(t)
+        }
+    };
+    let config = stitch_api::ApiConfig {
+        unix: instance.socket(),
+        listen: listen.listen,
+        token,
+        tls: listen.tls_cert.clone().zip(listen.tls_key.clone()),
+        graph_file: Some(std::path::absolute(file)?),
+    };
     let engine = Arc::new(Engine::new(registry));
+    let api = Arc::new(stitch_api::Api::new(
+        engine.clone(),
+        config.graph_file.clone(),
+    ));
+    // Listeners first: a busy port or a missing certificate is an error before anything runs.
+    let server = stitch_api::Server::start(api.clone(), &config)?;
     let report = engine
         .apply(graph)
         .map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
-    log::info!("running {} ({} apps)", file.display(), report.started.len());
-    let rates = Arc::new(Mutex::new(control::Rates::default()));
-    let socket = instance.socket();
-    let served = match control::serve(&socket, engine.clone(), rates.clone()) {
-        Ok(()) => true,
-        Err(e) => {
-            log::warn!("{e:#}; running without control socket");
-            false
-        }
-    };
+    log::info!(
+        "running {} ({} apps); API on {}",
+        file.display(),
+        report.started.len(),
+        config.unix.display()
+    );
     let started = Instant::now();
     let limit = duration.map(Duration::from_secs_f64);
     // A graph is finished when its finite sources are done, its links are empty and nothing moved
@@ -250,10 +342,21 @@ fn run(file: &Path, duration: Option<f64>, as_json: bool, instance: &Instance) -
         if limit.is_some_and(|l| started.elapsed() >= l) {
             break "duration";
         }
-        rates
-            .lock()
-            .unwrap()
-            .sample(engine.stats(), Duration::from_secs(1));
+        if reload.swap(false, Ordering::Relaxed) {
+            match api.reload() {
+                Ok(r) => log::info!(
+                    "reloaded {}: {} started, {} stopped, {} reconfigured, {} restarted, {} links added, {} removed",
+                    file.display(),
+                    r.started.len(),
+                    r.stopped.len(),
+                    r.reconfigured.len(),
+                    r.restarted.len(),
+                    r.links_added.len(),
+                    r.links_removed.len()
+                ),
+                Err(e) => log::error!("reload of {} refused, the graph runs as before: {}", file.display(), e.message),
+            }
+        }
         let activity = engine.activity();
         if engine.finished() && activity == last_activity {
             quiet_polls += 1;
@@ -269,11 +372,9 @@ fn run(file: &Path, duration: Option<f64>, as_json: bool, instance: &Instance) -
         "stopping ({why}) after {:.3} s",
         started.elapsed().as_secs_f64()
     );
+    server.shutdown();
     let stats = engine.stop();
-    if served {
-        let _ = std::fs::remove_file(&socket);
-    }
-    let v = control::stats_json(&stats, &rates.lock().unwrap());
+    let v = api.stats_json(&stats);
     if as_json {
         println!("{}", serde_json::to_string_pretty(&v)?);
     } else {

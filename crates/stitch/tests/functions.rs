@@ -389,8 +389,9 @@ fn show_dumps_an_apps_tables_from_a_running_instance() {
     let o = show("nosuch");
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("no app named `nosuch`"));
-    // An app without tables answers null rather than failing.
+    // An app without tables says so.
     let o = show("out");
-    assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), "null");
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("app `out` (sink) has no tables"));
     s.stop();
 }

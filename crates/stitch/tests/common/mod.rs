@@ -185,6 +185,11 @@ pub struct Stitch {
 
 impl Stitch {
     pub fn run(graph: &str) -> Stitch {
+        Stitch::run_with(graph, &[])
+    }
+
+    /// Runs `graph` with more `stitch run` arguments (e.g. `--listen`).
+    pub fn run_with(graph: &str, extra: &[&str]) -> Stitch {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("graph.yaml");
         std::fs::write(&file, graph).unwrap();
@@ -193,6 +198,7 @@ impl Stitch {
             .args(["run", "--json", "--control"])
             .arg(&socket)
             .arg(&file)
+            .args(extra)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -235,6 +241,28 @@ impl Stitch {
             .then(|| serde_json::from_slice(&out.stdout).unwrap())
     }
 
+    /// One API request on the instance's Unix socket: status and JSON body (`null` when the
+    /// body is not JSON).
+    pub fn call(&self, method: &str, path: &str, body: Option<&str>) -> (u16, serde_json::Value) {
+        let method = stitch_api::client::Method::from_bytes(method.as_bytes()).unwrap();
+        let (status, bytes) = stitch_api::client::call(
+            &self.socket,
+            method,
+            path,
+            body.map(|b| b.as_bytes().to_vec()),
+        )
+        .unwrap();
+        (
+            status,
+            serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null),
+        )
+    }
+
+    /// The graph file the instance runs.
+    pub fn graph_file(&self) -> PathBuf {
+        self.dir.path().join("graph.yaml")
+    }
+
     /// Stops with SIGINT and returns the final counters.
     pub fn stop(self) -> serde_json::Value {
         self.process.signal(libc::SIGINT);
@@ -250,6 +278,15 @@ impl Stitch {
     pub fn path(&self) -> &Path {
         self.dir.path()
     }
+}
+
+/// A TCP port nothing listens on now.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 pub fn link<'a>(stats: &'a serde_json::Value, spec: &str) -> &'a serde_json::Value {

@@ -1,0 +1,531 @@
+//! The operator interface of a running instance: an HTTP API (on a Unix socket always, on TCP
+//! when asked, with a bearer token and TLS beyond localhost), `/metrics` for Prometheus, and a
+//! live picture of the graph in the browser at `/`.
+//!
+//! The API reads and changes the running graph in the graph file's own shape: a whole new graph
+//! is applied by diff (`PUT /api/v1/graph`), and so is a change to one app or link — the API
+//! edits the running graph's document and applies the result, so that unchanged apps keep their
+//! state and queued packets and a refused change leaves everything as it was. The routes and
+//! their answers are described in `openapi.yaml`, served at `/api/v1/openapi.json`.
+
+pub mod client;
+mod metrics;
+mod rates;
+mod routes;
+mod web;
+
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Map, Value};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use stitch_core::engine::{ApplyReport, EngineError};
+use stitch_core::graph::GraphErrors;
+use stitch_core::{Engine, Graph, Stats};
+
+pub use rates::Rates;
+
+/// Where the Unix socket of instance `name` lives.
+pub fn socket_path(name: &str) -> PathBuf {
+    let uid = unsafe { libc::geteuid() };
+    let dir = if uid == 0 {
+        PathBuf::from("/run/stitch")
+    } else if let Some(d) = std::env::var_os("XDG_RUNTIME_DIR") {
+        Path::new(&d).join("stitch")
+    } else {
+        std::env::temp_dir().join(format!("stitch-{uid}"))
+    };
+    dir.join(format!("{name}.sock"))
+}
+
+/// A refused request: its HTTP status and the reason, plus structured details (the lines of a
+/// bad graph file).
+#[derive(Debug)]
+pub struct ApiError {
+    pub status: u16,
+    pub message: String,
+    pub details: Option<Value>,
+}
+
+impl ApiError {
+    pub fn new(status: u16, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            message: message.into(),
+            details: None,
+        }
+    }
+
+    fn bad_graph(e: GraphErrors, quote_lines: bool) -> ApiError {
+        let errors: Vec<Value> = e
+            .errors
+            .iter()
+            .map(|x| json!({ "line": x.line, "column": x.column, "message": x.message }))
+            .collect();
+        if !quote_lines {
+            // The text was the API's own rendering of the running graph: its line numbers
+            // mean nothing to the caller.
+            let m: Vec<String> = e.errors.iter().map(|x| without_line(&x.message)).collect();
+            return ApiError::new(400, m.join("; "));
+        }
+        ApiError {
+            status: 400,
+            message: e.to_string(),
+            details: Some(json!({ "errors": errors })),
+        }
+    }
+}
+
+impl From<EngineError> for ApiError {
+    fn from(e: EngineError) -> ApiError {
+        let status = match &e {
+            EngineError::NoSuchApp(_) => 404,
+            EngineError::RolledBack(_) | EngineError::Config { .. } | EngineError::Build { .. } => {
+                422
+            }
+            EngineError::WorkerLost(_) | EngineError::Other(_) => 503,
+        };
+        ApiError::new(status, e.to_string())
+    }
+}
+
+impl std::fmt::Display for ApiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ({})", self.message, self.status)
+    }
+}
+
+impl std::error::Error for ApiError {}
+
+/// How the API is reached.
+#[derive(Debug, Clone, Default)]
+pub struct ApiConfig {
+    /// Unix socket, always served (file permissions guard it).
+    pub unix: PathBuf,
+    /// TCP address, when asked for.
+    pub listen: Option<SocketAddr>,
+    /// Bearer token required on TCP.
+    pub token: Option<String>,
+    /// Certificate chain and key (PEM) for TLS on TCP.
+    pub tls: Option<(PathBuf, PathBuf)>,
+    /// The graph file, re-read by reload (SIGHUP or `POST /api/v1/graph/reload`).
+    pub graph_file: Option<PathBuf>,
+}
+
+/// The state behind the API: the engine, rates between two snapshots, and a lock that makes
+/// each read-modify-apply of the graph one step.
+pub struct Api {
+    engine: Arc<Engine>,
+    rates: Mutex<Rates>,
+    changes: Mutex<()>,
+    graph_file: Option<PathBuf>,
+}
+
+impl Api {
+    pub fn new(engine: Arc<Engine>, graph_file: Option<PathBuf>) -> Api {
+        Api {
+            engine,
+            rates: Mutex::new(Rates::default()),
+            changes: Mutex::new(()),
+            graph_file,
+        }
+    }
+
+    pub fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    /// Takes a counter snapshot for the rates (called about once a second).
+    pub fn sample(&self) {
+        let stats = self.engine.stats();
+        self.rates
+            .lock()
+            .unwrap()
+            .sample(stats, Duration::from_millis(900));
+    }
+
+    /// Counters with per-second rates, as the API and `stitch stats` show them.
+    pub fn stats_json(&self, stats: &Stats) -> Value {
+        rates::stats_json(stats, &self.rates.lock().unwrap())
+    }
+
+    fn running_graph(&self) -> Result<Graph, ApiError> {
+        self.engine
+            .graph()
+            .ok_or_else(|| ApiError::new(409, "no graph is running"))
+    }
+
+    /// The running graph in the graph file's shape.
+    pub fn graph_document(&self) -> Result<Value, ApiError> {
+        Ok(self.running_graph()?.to_document())
+    }
+
+    pub fn graph_dot(&self) -> Result<String, ApiError> {
+        Ok(self.running_graph()?.to_dot())
+    }
+
+    /// Applies graph text (YAML or JSON) by diff. Relative paths in it are resolved from
+    /// `base_dir`, or from the running graph's folder.
+    pub fn apply_text(
+        &self,
+        text: &str,
+        file: &str,
+        base_dir: Option<&Path>,
+    ) -> Result<ApplyReport, ApiError> {
+        let _one_change = self.changes.lock().unwrap();
+        let base = match base_dir {
+            Some(d) => d.to_path_buf(),
+            None => self.engine.graph().map(|g| g.base_dir).unwrap_or_default(),
+        };
+        let g = Graph::parse(text, file, &base, self.engine.registry())
+            .map_err(|e| ApiError::bad_graph(e, true))?;
+        Ok(self.engine.apply(g)?)
+    }
+
+    /// Re-reads the graph file the instance was started with and applies it by diff.
+    pub fn reload(&self) -> Result<ApplyReport, ApiError> {
+        let Some(file) = &self.graph_file else {
+            return Err(ApiError::new(
+                409,
+                "this instance was not started from a graph file",
+            ));
+        };
+        let text = std::fs::read_to_string(file).map_err(|e| {
+            ApiError::new(
+                409,
+                format!("cannot read graph file {}: {e}", file.display()),
+            )
+        })?;
+        let dir = file.parent().map(Path::to_path_buf).unwrap_or_default();
+        self.apply_text(&text, &file.display().to_string(), Some(&dir))
+    }
+
+    /// Edits the running graph's document with `f` and applies the result by diff.
+    fn edit(
+        &self,
+        what: &str,
+        f: impl FnOnce(&mut Map<String, Value>) -> Result<(), ApiError>,
+    ) -> Result<ApplyReport, ApiError> {
+        let _one_change = self.changes.lock().unwrap();
+        let graph = self.running_graph()?;
+        let mut doc = graph.to_document();
+        f(doc.as_object_mut().expect("a graph document is an object"))?;
+        let text = serde_json::to_string_pretty(&doc).expect("a document serializes");
+        let g = Graph::parse(&text, what, &graph.base_dir, self.engine.registry())
+            .map_err(|e| ApiError::bad_graph(e, false))?;
+        Ok(self.engine.apply(g)?)
+    }
+
+    /// Adds app `name` or replaces its entry; true when it is new.
+    pub fn put_app(&self, name: &str, entry: Value) -> Result<(bool, ApplyReport), ApiError> {
+        let Value::Object(entry) = entry else {
+            return Err(ApiError::new(
+                400,
+                "the body must be an app entry: an object with `type` and the app's keys",
+            ));
+        };
+        if !entry.get("type").is_some_and(Value::is_string) {
+            return Err(ApiError::new(
+                400,
+                "field `type`: an app entry needs a type name",
+            ));
+        }
+        let mut created = false;
+        let report = self.edit(&format!("<app {name}>"), |doc| {
+            let apps = doc["apps"].as_object_mut().expect("apps");
+            created = apps
+                .insert(name.to_string(), Value::Object(entry))
+                .is_none();
+            Ok(())
+        })?;
+        Ok((created, report))
+    }
+
+    /// Removes app `name` and every link to or from it.
+    pub fn delete_app(&self, name: &str) -> Result<ApplyReport, ApiError> {
+        self.edit(&format!("<app {name}>"), |doc| {
+            let apps = doc["apps"].as_object_mut().expect("apps");
+            if apps.shift_remove(name).is_none() {
+                return Err(ApiError::new(404, format!("no app named `{name}`")));
+            }
+            let links = doc["links"].as_array_mut().expect("links");
+            links.retain(|l| {
+                let (from, to) = split_spec(link_spec(l));
+                endpoint_app(from) != name && endpoint_app(to) != name
+            });
+            Ok(())
+        })
+    }
+
+    /// Adds a link given as in a graph file: `"a.x -> b.y"` or `{link: "a.x -> b.y", size: N}`.
+    pub fn add_link(&self, link: Value) -> Result<ApplyReport, ApiError> {
+        let spec = match &link {
+            Value::String(s) => s.clone(),
+            Value::Object(m) => match m.get("link") {
+                Some(Value::String(s)) => s.clone(),
+                _ => {
+                    return Err(ApiError::new(
+                        400,
+                        "field `link`: give the link as \"APP.PORT -> APP.PORT\"",
+                    ))
+                }
+            },
+            _ => {
+                return Err(ApiError::new(
+                    400,
+                    "the body must be {\"link\": \"APP.PORT -> APP.PORT\", \"size\": N}",
+                ))
+            }
+        };
+        let wanted = normalize(&spec);
+        self.edit(&format!("<link {spec}>"), |doc| {
+            let links = doc["links"].as_array_mut().expect("links");
+            if links.iter().any(|l| normalize(link_spec(l)) == wanted) {
+                return Err(ApiError::new(409, format!("link `{spec}` exists already")));
+            }
+            links.push(link);
+            Ok(())
+        })
+    }
+
+    /// Removes the link `a.x -> b.y`.
+    pub fn delete_link(&self, spec: &str) -> Result<ApplyReport, ApiError> {
+        let wanted = normalize(spec);
+        self.edit(&format!("<link {spec}>"), |doc| {
+            let links = doc["links"].as_array_mut().expect("links");
+            let before = links.len();
+            links.retain(|l| normalize(link_spec(l)) != wanted);
+            if links.len() == before {
+                return Err(ApiError::new(404, format!("no link `{spec}`")));
+            }
+            Ok(())
+        })
+    }
+
+    /// One app's counters and its entry in the graph.
+    pub fn app(&self, name: &str) -> Result<Value, ApiError> {
+        let doc = self.graph_document()?;
+        let Some(entry) = doc["apps"].get(name) else {
+            return Err(ApiError::new(404, format!("no app named `{name}`")));
+        };
+        let stats = self.stats_json(&self.engine.stats());
+        let counters = stats["apps"]
+            .as_array()
+            .and_then(|a| a.iter().find(|x| x["name"] == name))
+            .cloned()
+            .unwrap_or(Value::Null);
+        Ok(json!({ "name": name, "entry": entry, "stats": counters }))
+    }
+
+    /// An app's own tables and commands (bridge MAC table, routes, NAT mappings, ...).
+    pub fn query(&self, name: &str, request: Value) -> Result<Value, ApiError> {
+        let answer = self.engine.query(name, request)?;
+        if answer.is_null() {
+            let kind = self
+                .engine
+                .graph()
+                .and_then(|g| g.apps.get(name).map(|a| a.kind.clone()))
+                .unwrap_or_default();
+            return Err(ApiError::new(
+                409,
+                format!("app `{name}` ({kind}) has no tables or commands to query"),
+            ));
+        }
+        Ok(answer)
+    }
+
+    /// The app types this build knows.
+    pub fn types(&self) -> Value {
+        let types: Vec<Value> = self
+            .engine
+            .registry()
+            .types()
+            .map(|t| json!({ "name": t.name, "summary": t.summary }))
+            .collect();
+        json!(types)
+    }
+}
+
+/// Drops " on line N" from a graph error message.
+fn without_line(message: &str) -> String {
+    match message.find(" on line ") {
+        Some(i) => {
+            let rest = &message[i + " on line ".len()..];
+            let digits = rest.chars().take_while(char::is_ascii_digit).count();
+            format!("{}{}", &message[..i], &rest[digits..])
+        }
+        None => message.to_string(),
+    }
+}
+
+fn link_spec(l: &Value) -> &str {
+    match l {
+        Value::String(s) => s,
+        _ => l["link"].as_str().unwrap_or_default(),
+    }
+}
+
+fn split_spec(s: &str) -> (&str, &str) {
+    s.split_once("->").unwrap_or((s, ""))
+}
+
+fn endpoint_app(e: &str) -> &str {
+    e.trim().split('.').next().unwrap_or_default()
+}
+
+/// `a.x->b.y`, `a.x -> b.y` and ` a.x  ->  b.y` name the same link.
+fn normalize(spec: &str) -> String {
+    let (a, b) = split_spec(spec);
+    format!("{} -> {}", a.trim(), b.trim())
+}
+
+/// The running API: its threads serve until [`Server::shutdown`].
+pub struct Server {
+    api: Arc<Api>,
+    unix: PathBuf,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Server {
+    /// Binds every listener (so that errors come before the instance runs) and serves on a
+    /// thread of its own.
+    pub fn start(api: Arc<Api>, config: &ApiConfig) -> Result<Server> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("stitch-api")
+            .enable_all()
+            .build()
+            .context("cannot start the API runtime")?;
+        let unix = bind_unix(&config.unix)?;
+        let tcp = match config.listen {
+            None => None,
+            Some(addr) => {
+                if !addr.ip().is_loopback() && (config.token.is_none() || config.tls.is_none()) {
+                    bail!(
+                        "--listen {addr} is reachable from other hosts: give --token-file and --tls-cert/--tls-key, or listen on 127.0.0.1"
+                    );
+                }
+                let l = std::net::TcpListener::bind(addr)
+                    .with_context(|| format!("cannot listen on {addr}"))?;
+                l.set_nonblocking(true)?;
+                Some(l)
+            }
+        };
+        let tls = match &config.tls {
+            None => None,
+            Some((cert, key)) => {
+                let _ = rustls::crypto::ring::default_provider().install_default();
+                Some(
+                    runtime
+                        .block_on(axum_server::tls_rustls::RustlsConfig::from_pem_file(
+                            cert, key,
+                        ))
+                        .with_context(|| {
+                            format!(
+                                "cannot load TLS certificate {} and key {}",
+                                cert.display(),
+                                key.display()
+                            )
+                        })?,
+                )
+            }
+        };
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let local = routes::router(api.clone(), None);
+        let remote = routes::router(api.clone(), config.token.clone());
+        let sampler = api.clone();
+        let thread = std::thread::Builder::new()
+            .name("stitch-api".into())
+            .spawn(move || {
+                runtime.block_on(async move {
+                    tokio::spawn(async move {
+                        let mut tick = tokio::time::interval(Duration::from_secs(1));
+                        loop {
+                            tick.tick().await;
+                            let s = sampler.clone();
+                            let _ = tokio::task::spawn_blocking(move || s.sample()).await;
+                        }
+                    });
+                    let unix = tokio::net::UnixListener::from_std(unix).expect("unix listener");
+                    tokio::spawn(async move {
+                        if let Err(e) = axum::serve(unix, local).await {
+                            log::error!("API on the Unix socket stopped: {e}");
+                        }
+                    });
+                    if let Some(l) = tcp {
+                        let app = remote.into_make_service();
+                        tokio::spawn(async move {
+                            let r = match tls {
+                                Some(tls) => axum_server::from_tcp_rustls(l, tls).serve(app).await,
+                                None => axum_server::from_tcp(l).serve(app).await,
+                            };
+                            if let Err(e) = r {
+                                log::error!("API on TCP stopped: {e}");
+                            }
+                        });
+                    }
+                    let _ = rx.await;
+                });
+            })?;
+        if let Some(addr) = config.listen {
+            let scheme = if config.tls.is_some() {
+                "https"
+            } else {
+                "http"
+            };
+            log::info!("API and graph view at {scheme}://{addr}/");
+        }
+        Ok(Server {
+            api,
+            unix: config.unix.clone(),
+            shutdown: Some(tx),
+            thread: Some(thread),
+        })
+    }
+
+    pub fn api(&self) -> &Arc<Api> {
+        &self.api
+    }
+
+    /// Stops serving and removes the Unix socket.
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        let _ = std::fs::remove_file(&self.unix);
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn bind_unix(path: &Path) -> Result<std::os::unix::net::UnixListener> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    }
+    if path.exists() {
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            bail!(
+                "another stitch instance answers on {}; give this one another --name",
+                path.display()
+            );
+        }
+        let _ = std::fs::remove_file(path);
+    }
+    let l = std::os::unix::net::UnixListener::bind(path)
+        .with_context(|| format!("cannot listen on {}", path.display()))?;
+    l.set_nonblocking(true)?;
+    Ok(l)
+}

@@ -1,0 +1,205 @@
+//! `/metrics`: the counters of one snapshot in the OpenMetrics text format Prometheus scrapes.
+//!
+//! Metric names are stable (documented in `docs/api.md`); labels name the link, app, worker or
+//! buffer class. Apps' own counters share one family, `stitch_app_counter_total{app,counter}`,
+//! so that a new counter in an app never needs a new metric name.
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::registry::Registry;
+use stitch_core::engine::{AppStats, LinkInfo, WorkerStats};
+use stitch_core::Stats;
+
+#[derive(Debug)]
+struct Snapshot(Stats);
+
+type Labels<'a> = Vec<(&'static str, &'a str)>;
+
+fn counters<'a>(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    samples: impl Iterator<Item = (Labels<'a>, u64)>,
+) -> Result<(), std::fmt::Error> {
+    let mut m = enc.encode_descriptor(name, help, None, ConstCounter::new(0u64).metric_type())?;
+    for (labels, v) in samples {
+        ConstCounter::new(v).encode(m.encode_family(&labels)?)?;
+    }
+    Ok(())
+}
+
+fn gauges<'a>(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    samples: impl Iterator<Item = (Labels<'a>, i64)>,
+) -> Result<(), std::fmt::Error> {
+    let mut m = enc.encode_descriptor(name, help, None, ConstGauge::new(0i64).metric_type())?;
+    for (labels, v) in samples {
+        ConstGauge::new(v).encode(m.encode_family(&labels)?)?;
+    }
+    Ok(())
+}
+
+fn link(l: &LinkInfo) -> Labels<'_> {
+    vec![("link", l.link.as_str())]
+}
+
+fn app(a: &AppStats) -> Labels<'_> {
+    vec![
+        ("app", a.name.as_str()),
+        ("type", a.kind.as_str()),
+        ("worker", a.worker.as_str()),
+    ]
+}
+
+fn worker(w: &WorkerStats) -> Labels<'_> {
+    vec![("worker", w.name.as_str())]
+}
+
+impl Collector for Snapshot {
+    fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let s = &self.0;
+        counters(
+            &mut enc,
+            "stitch_link_packets",
+            "Packets transmitted on the link",
+            s.links.iter().map(|l| (link(l), l.stats.tx_packets)),
+        )?;
+        counters(
+            &mut enc,
+            "stitch_link_bytes",
+            "Bytes transmitted on the link",
+            s.links.iter().map(|l| (link(l), l.stats.tx_bytes)),
+        )?;
+        counters(
+            &mut enc,
+            "stitch_link_drops",
+            "Packets dropped because the link was full",
+            s.links.iter().map(|l| (link(l), l.stats.tx_drops)),
+        )?;
+        gauges(
+            &mut enc,
+            "stitch_link_queued_packets",
+            "Packets queued on the link now",
+            s.links.iter().map(|l| (link(l), l.stats.queued as i64)),
+        )?;
+        gauges(
+            &mut enc,
+            "stitch_link_capacity_packets",
+            "Size of the link in packets",
+            s.links.iter().map(|l| (link(l), l.size as i64)),
+        )?;
+
+        for (name, help, f) in [
+            (
+                "stitch_app_rx_packets",
+                "Packets the app received from its input links",
+                (|a: &AppStats| a.rx_packets) as fn(&_) -> u64,
+            ),
+            (
+                "stitch_app_rx_bytes",
+                "Bytes the app received from its input links",
+                |a| a.rx_bytes,
+            ),
+            (
+                "stitch_app_tx_packets",
+                "Packets the app sent on its output links",
+                |a| a.tx_packets,
+            ),
+            (
+                "stitch_app_tx_bytes",
+                "Bytes the app sent on its output links",
+                |a| a.tx_bytes,
+            ),
+            (
+                "stitch_app_drops",
+                "Packets the app dropped, plus drops of its full output links",
+                |a| a.drops,
+            ),
+        ] {
+            counters(&mut enc, name, help, s.apps.iter().map(|a| (app(a), f(a))))?;
+        }
+        gauges(
+            &mut enc,
+            "stitch_app_failed",
+            "1 when the app panicked and was stopped",
+            s.apps.iter().map(|a| (app(a), a.failed as i64)),
+        )?;
+        counters(
+            &mut enc,
+            "stitch_app_counter",
+            "An app's own counters, by name",
+            s.apps.iter().flat_map(|a| {
+                a.counters.iter().map(move |(c, v)| {
+                    (vec![("app", a.name.as_str()), ("counter", c.as_str())], *v)
+                })
+            }),
+        )?;
+
+        counters(
+            &mut enc,
+            "stitch_worker_breaths",
+            "Breaths (pull, push, tick rounds) of the worker",
+            s.workers.iter().map(|w| (worker(w), w.breaths)),
+        )?;
+        counters(
+            &mut enc,
+            "stitch_worker_idle_sleeps",
+            "Times the worker slept because nothing moved",
+            s.workers.iter().map(|w| (worker(w), w.idle_sleeps)),
+        )?;
+
+        let p = &s.pool;
+        gauges(
+            &mut enc,
+            "stitch_pool_buffers",
+            "Packet buffers in the pool",
+            [
+                (vec![("class", "ordinary")], p.packets as i64),
+                (vec![("class", "large")], p.large_packets as i64),
+            ]
+            .into_iter(),
+        )?;
+        gauges(
+            &mut enc,
+            "stitch_pool_buffers_in_use",
+            "Packet buffers taken from the pool now",
+            [
+                (vec![("class", "ordinary")], p.in_use as i64),
+                (vec![("class", "large")], p.large_in_use as i64),
+            ]
+            .into_iter(),
+        )?;
+        counters(
+            &mut enc,
+            "stitch_pool_exhausted",
+            "Allocations refused because the pool was empty",
+            [
+                (vec![("class", "ordinary")], p.exhausted),
+                (vec![("class", "large")], p.large_exhausted),
+            ]
+            .into_iter(),
+        )?;
+        let mut m = enc.encode_descriptor(
+            "stitch_uptime_seconds",
+            "Seconds since the instance started",
+            None,
+            ConstGauge::new(0f64).metric_type(),
+        )?;
+        ConstGauge::new(s.uptime_s).encode(m.encode_family(&Vec::<(&str, &str)>::new())?)?;
+        Ok(())
+    }
+}
+
+/// The OpenMetrics text of one snapshot.
+pub fn render(stats: &Stats) -> String {
+    let mut registry = Registry::default();
+    registry.register_collector(Box::new(Snapshot(stats.clone())));
+    let mut out = String::new();
+    prometheus_client::encoding::text::encode(&mut out, &registry)
+        .expect("writing to a String cannot fail");
+    out
+}

@@ -1,0 +1,137 @@
+//! `stitch top`: the busiest links and apps of a running instance, refreshed live.
+
+use crate::Instance;
+use anyhow::Result;
+use serde_json::Value;
+use std::fmt::Write;
+use std::io::IsTerminal;
+use std::path::Path;
+use std::time::Duration;
+use stitch_api::client::{self, Method};
+
+#[derive(clap::Args)]
+pub struct TopArgs {
+    #[command(flatten)]
+    pub instance: Instance,
+    /// Seconds between refreshes.
+    #[arg(long, default_value_t = 1.0)]
+    pub interval: f64,
+    /// Rows per table.
+    #[arg(long, default_value_t = 15)]
+    pub rows: usize,
+    /// Print one frame and exit (for scripts).
+    #[arg(long)]
+    pub once: bool,
+}
+
+fn f(v: &Value) -> f64 {
+    v.as_f64().unwrap_or(0.0)
+}
+
+fn n(v: &Value) -> u64 {
+    v.as_u64().unwrap_or(0)
+}
+
+fn si(v: f64) -> String {
+    match v {
+        v if v >= 1e9 => format!("{:.2}G", v / 1e9),
+        v if v >= 1e6 => format!("{:.2}M", v / 1e6),
+        v if v >= 1e3 => format!("{:.1}k", v / 1e3),
+        v => format!("{v:.0}"),
+    }
+}
+
+/// One frame: links by packet rate (then by total), apps by packets in and out per second.
+pub fn frame(stats: &Value, rows: usize) -> String {
+    let mut s = String::new();
+    let pool = &stats["pool"];
+    let empty = Vec::new();
+    let links = stats["links"].as_array().unwrap_or(&empty);
+    let apps = stats["apps"].as_array().unwrap_or(&empty);
+    let _ = writeln!(
+        s,
+        "stitch top — up {:.0} s, {} apps, {} links, pool {}/{} buffers in use, {} allocations refused",
+        f(&stats["uptime_s"]),
+        apps.len(),
+        links.len(),
+        pool["in_use"],
+        pool["packets"],
+        pool["exhausted"]
+    );
+    let mut links: Vec<&Value> = links.iter().collect();
+    links.sort_by(|a, b| {
+        (f(&b["rate_pps"]), f(&b["tx_packets"]))
+            .partial_cmp(&(f(&a["rate_pps"]), f(&a["tx_packets"])))
+            .unwrap_or(std::cmp::Ordering::Equal)
+    });
+    let width = links
+        .iter()
+        .map(|l| l["link"].as_str().unwrap_or("").len())
+        .max()
+        .unwrap_or(4)
+        .max(4);
+    let _ = writeln!(
+        s,
+        "\n{:<width$}  {:>9} {:>9} {:>12} {:>10} {:>7}",
+        "LINK", "PPS", "BIT/S", "PACKETS", "DROPS", "QUEUED"
+    );
+    for l in links.iter().take(rows) {
+        let _ = writeln!(
+            s,
+            "{:<width$}  {:>9} {:>9} {:>12} {:>10} {:>7}",
+            l["link"].as_str().unwrap_or(""),
+            si(f(&l["rate_pps"])),
+            si(f(&l["rate_bps"])),
+            n(&l["tx_packets"]),
+            n(&l["tx_drops"]),
+            n(&l["queued"])
+        );
+    }
+    let mut apps: Vec<&Value> = apps.iter().collect();
+    let busy = |a: &Value| f(&a["rx_rate_pps"]) + f(&a["tx_rate_pps"]);
+    let total = |a: &Value| f(&a["rx_packets"]) + f(&a["tx_packets"]);
+    apps.sort_by(|a, b| {
+        (busy(b), total(b))
+            .partial_cmp(&(busy(a), total(a)))
+            .unwrap_or(std::cmp::Ordering::Equal)
+    });
+    let width = apps
+        .iter()
+        .map(|a| a["name"].as_str().unwrap_or("").len())
+        .max()
+        .unwrap_or(3)
+        .max(3);
+    let _ = writeln!(
+        s,
+        "\n{:<width$}  {:<14} {:>9} {:>9} {:>10} {:>6}",
+        "APP", "TYPE", "IN PPS", "OUT PPS", "DROPS", "STATE"
+    );
+    for a in apps.iter().take(rows) {
+        let _ = writeln!(
+            s,
+            "{:<width$}  {:<14} {:>9} {:>9} {:>10} {:>6}",
+            a["name"].as_str().unwrap_or(""),
+            a["type"].as_str().unwrap_or(""),
+            si(f(&a["rx_rate_pps"])),
+            si(f(&a["tx_rate_pps"])),
+            n(&a["drops"]),
+            if a["failed"] == true { "FAILED" } else { "ok" }
+        );
+    }
+    s
+}
+
+pub fn run(socket: &Path, args: &TopArgs) -> Result<()> {
+    let tty = std::io::stdout().is_terminal();
+    loop {
+        let stats = client::json(socket, Method::GET, "/api/v1/stats", None)?;
+        if tty && !args.once {
+            print!("\x1b[H\x1b[2J");
+        }
+        print!("{}", frame(&stats, args.rows));
+        if args.once {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_secs_f64(args.interval.max(0.1)));
+    }
+}
