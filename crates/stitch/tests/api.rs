@@ -498,6 +498,8 @@ fn schemathesis_finds_no_server_error() {
             "20261122",
         ])
         .env("SCHEMATHESIS_HOOKS", "")
+        // Its cache and reports go to a folder of the test's own.
+        .current_dir(s.dir.path())
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
