@@ -196,6 +196,22 @@ impl Packet {
         Ok(())
     }
 
+    /// Places the frame at `offset` bytes into the data area with `len` bytes, as another
+    /// process sharing the buffer (a function port) left it.
+    #[inline]
+    pub fn set_bounds(&mut self, offset: usize, len: usize) -> Result<(), PacketError> {
+        if offset
+            .checked_add(len)
+            .is_none_or(|end| end > self.capacity())
+        {
+            return Err(PacketError::TooLong);
+        }
+        let h = self.header_mut();
+        h.offset = offset as u32;
+        h.len = len as u32;
+        Ok(())
+    }
+
     /// Replaces the content with `bytes`.
     pub fn set_data(&mut self, bytes: &[u8]) -> Result<(), PacketError> {
         self.set_len(bytes.len())?;

@@ -203,6 +203,26 @@ impl Pool {
         (p.as_ptr() as usize - self.classes[SMALL].base as usize) / self.classes[SMALL].stride
     }
 
+    /// Bytes between two ordinary buffers in the region.
+    pub fn stride(&self) -> usize {
+        self.classes[SMALL].stride
+    }
+
+    /// Takes back ownership of ordinary buffer `index`, given up earlier with
+    /// [`Packet::into_raw`] (e.g. while another process held it).
+    ///
+    /// # Safety
+    /// The buffer must have been given up and not be owned by anything else.
+    #[inline]
+    pub unsafe fn take(&self, index: usize) -> Option<Packet> {
+        let c = &self.classes[SMALL];
+        if index >= c.count {
+            return None;
+        }
+        let p = c.base.add(index * c.stride) as *mut PacketBuf;
+        Some(Packet::from_raw_owned(NonNull::new_unchecked(p)))
+    }
+
     pub fn stats(&self) -> PoolStats {
         let mut cached = [0usize; 2];
         for c in self.caches.lock().unwrap().iter() {

@@ -138,6 +138,7 @@ fn registry() -> Registry {
     let mut r = Registry::new();
     stitch_apps::register(&mut r);
     stitch_io::register(&mut r);
+    stitch_nf::register(&mut r);
     r
 }
 

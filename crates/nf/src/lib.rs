@@ -1,0 +1,23 @@
+//! Network functions as separate processes (seed 004), attached to a running graph through
+//! shared memory — VPP's memif is the model for the attach protocol.
+//!
+//! - [`port`]: the `nf_port` app on Stitch's side.
+//! - [`client`]: the library a function links (Rust); the binaries `stitch-nf-signature` and
+//!   `stitch-nf-firewall` are examples built on it.
+//! - [`shm`]: the shared region and its rings, the one layout both sides read.
+//! - [`listener`]: the attach socket (one JSON line each way plus SCM_RIGHTS).
+
+pub mod client;
+mod fdpass;
+pub mod listener;
+pub mod port;
+pub mod shm;
+
+use stitch_core::{AppType, Registry};
+
+pub fn register(r: &mut Registry) {
+    r.register(AppType::of::<port::NfPort>(
+        "nf_port",
+        "a network function in another process, over shared-memory rings (zero-copy or isolated, polling or blocking)",
+    ));
+}

@@ -1,0 +1,358 @@
+//! The attach socket on Stitch's side. One listener thread per socket path serves every
+//! `nf_port` app that names that path: a function connects, sends one JSON line
+//! `{"version":1,"port":"NAME"}`, and gets back a JSON line with the region's layout plus, by
+//! SCM_RIGHTS, the region's memfd, the doorbell eventfd and (zero-copy) the packet pool's memfd.
+//! The connection then stays open and says nothing more: when it closes — the function exited,
+//! crashed or was killed — the port is detached and its buffers reclaimed by the app.
+
+use crate::fdpass;
+use crate::shm::{Layout, Mapping, RegionHeader, MAGIC, VERSION};
+use serde_json::{json, Value};
+use std::collections::HashMap;
+use std::io::{self, BufRead, BufReader};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::Duration;
+
+/// How a port hands packets over, fixed by its config.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PortSettings {
+    pub zero_copy: bool,
+    pub blocking: bool,
+    pub ring_size: u32,
+    pub buffers: u32,
+    pub buffer_size: u32,
+}
+
+/// A function's live attachment, built by the listener and taken over by the port's app.
+pub struct Attachment {
+    pub region: Mapping,
+    pub layout: Layout,
+    pub doorbell: OwnedFd,
+    pub generation: u64,
+    pub pid: i32,
+}
+
+/// What the listener and a port's app share.
+pub struct PortShared {
+    pub name: String,
+    pub settings: PortSettings,
+    /// A new attachment for the app to take.
+    pub incoming: Mutex<Option<Attachment>>,
+    /// Something for the app to look at (attach or detach); checked every breath, cheaply.
+    pub changed: AtomicBool,
+    /// Generation of the last attachment whose connection closed.
+    pub closed: AtomicU64,
+    /// True while the app holds an attachment (a second function is refused).
+    pub busy: AtomicBool,
+}
+
+impl PortShared {
+    pub fn new(name: &str, settings: PortSettings) -> Arc<PortShared> {
+        Arc::new(PortShared {
+            name: name.to_string(),
+            settings,
+            incoming: Mutex::new(None),
+            changed: AtomicBool::new(false),
+            closed: AtomicU64::new(0),
+            busy: AtomicBool::new(false),
+        })
+    }
+}
+
+static GENERATION: AtomicU64 = AtomicU64::new(1);
+
+/// The listener of one socket path.
+pub struct Listener {
+    path: PathBuf,
+    ports: Mutex<HashMap<String, Arc<PortShared>>>,
+}
+
+fn listeners() -> &'static Mutex<HashMap<PathBuf, Weak<Listener>>> {
+    static L: OnceLock<Mutex<HashMap<PathBuf, Weak<Listener>>>> = OnceLock::new();
+    L.get_or_init(Default::default)
+}
+
+/// The listener on `path`, started on first use; it stops (and removes the socket) when the
+/// last port using it is gone.
+pub fn listener(path: &Path) -> io::Result<Arc<Listener>> {
+    let mut all = listeners().lock().unwrap();
+    if let Some(l) = all.get(path).and_then(Weak::upgrade) {
+        return Ok(l);
+    }
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    if path.exists() {
+        if UnixStream::connect(path).is_ok() {
+            return Err(io::Error::new(
+                io::ErrorKind::AddrInUse,
+                format!(
+                    "another process serves function ports on {}; give this instance another `socket`",
+                    path.display()
+                ),
+            ));
+        }
+        let _ = std::fs::remove_file(path);
+    }
+    raise_fd_limit();
+    let sock = UnixListener::bind(path)?;
+    sock.set_nonblocking(true)?;
+    let l = Arc::new(Listener {
+        path: path.to_path_buf(),
+        ports: Mutex::new(HashMap::new()),
+    });
+    let weak = Arc::downgrade(&l);
+    std::thread::Builder::new()
+        .name("stitch-nf-attach".into())
+        .spawn(move || serve(sock, weak))?;
+    all.insert(path.to_path_buf(), Arc::downgrade(&l));
+    Ok(l)
+}
+
+impl Listener {
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn register(&self, port: Arc<PortShared>) -> Result<(), String> {
+        let mut ports = self.ports.lock().unwrap();
+        if ports.contains_key(&port.name) {
+            return Err(format!(
+                "function port `{}` is already served on {}",
+                port.name,
+                self.path.display()
+            ));
+        }
+        ports.insert(port.name.clone(), port);
+        Ok(())
+    }
+
+    pub fn unregister(&self, port: &Arc<PortShared>) {
+        let mut ports = self.ports.lock().unwrap();
+        if ports.get(&port.name).is_some_and(|p| Arc::ptr_eq(p, port)) {
+            ports.remove(&port.name);
+        }
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+struct Connection {
+    stream: UnixStream,
+    port: Weak<PortShared>,
+    generation: u64,
+}
+
+fn serve(sock: UnixListener, listener: Weak<Listener>) {
+    let mut conns: Vec<Connection> = Vec::new();
+    loop {
+        let Some(l) = listener.upgrade() else {
+            // The last port is gone: close every connection so that functions see it.
+            return;
+        };
+        // Connections of ports that were removed are closed.
+        conns.retain(|c| {
+            c.port.upgrade().is_some_and(|p| {
+                l.ports
+                    .lock()
+                    .unwrap()
+                    .get(&p.name)
+                    .is_some_and(|q| Arc::ptr_eq(q, &p))
+            })
+        });
+        drop(l);
+        let mut fds: Vec<libc::pollfd> = std::iter::once(sock.as_raw_fd())
+            .chain(conns.iter().map(|c| c.stream.as_raw_fd()))
+            .map(|fd| libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            })
+            .collect();
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 200) };
+        if n <= 0 {
+            continue;
+        }
+        // A readable or hung-up connection means the function went away (it never sends
+        // anything after its hello).
+        let mut gone = Vec::new();
+        for (i, p) in fds.iter().enumerate().skip(1) {
+            if p.revents != 0 {
+                gone.push(i - 1);
+            }
+        }
+        for i in gone.into_iter().rev() {
+            let c = conns.swap_remove(i);
+            if let Some(port) = c.port.upgrade() {
+                port.closed.fetch_max(c.generation, Ordering::AcqRel);
+                port.changed.store(true, Ordering::Release);
+            }
+        }
+        if fds[0].revents != 0 {
+            while let Ok((stream, _)) = sock.accept() {
+                let Some(l) = listener.upgrade() else { return };
+                match attach(&l, &stream) {
+                    Ok((port, generation)) => conns.push(Connection {
+                        stream,
+                        port: Arc::downgrade(&port),
+                        generation,
+                    }),
+                    Err(e) => {
+                        log::info!("function attach refused: {e}");
+                        let reply = json!({ "ok": false, "error": e }).to_string() + "\n";
+                        let _ = fdpass::send(stream.as_raw_fd(), reply.as_bytes(), &[]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Each attached function costs two descriptors (its connection and doorbell): thousands of
+/// functions need more than the usual soft limit of 1024, so take the hard limit.
+fn raise_fd_limit() {
+    let mut r: libc::rlimit = unsafe { std::mem::zeroed() };
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) == 0 && r.rlim_cur < r.rlim_max {
+            r.rlim_cur = r.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &r);
+        }
+    }
+}
+
+fn peer_pid(stream: &UnixStream) -> i32 {
+    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    let r = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            &mut cred as *mut _ as *mut libc::c_void,
+            &mut len,
+        )
+    };
+    if r == 0 {
+        cred.pid
+    } else {
+        0
+    }
+}
+
+/// Reads the hello, builds the port's region and answers with it.
+fn attach(l: &Listener, stream: &UnixStream) -> Result<(Arc<PortShared>, u64), String> {
+    stream.set_nonblocking(false).map_err(|e| e.to_string())?;
+    stream
+        .set_read_timeout(Some(Duration::from_secs(1)))
+        .map_err(|e| e.to_string())?;
+    let mut line = String::new();
+    BufReader::new(stream.take_ref(4096))
+        .read_line(&mut line)
+        .map_err(|e| format!("no hello from the function: {e}"))?;
+    let hello: Value =
+        serde_json::from_str(&line).map_err(|e| format!("hello is not JSON: {e}"))?;
+    if hello["version"] != json!(VERSION) {
+        return Err(format!(
+            "protocol version {} is not {VERSION}: rebuild the function with this Stitch's library",
+            hello["version"]
+        ));
+    }
+    let name = hello["port"]
+        .as_str()
+        .ok_or("hello names no `port`")?
+        .to_string();
+    let port = l
+        .ports
+        .lock()
+        .unwrap()
+        .get(&name)
+        .cloned()
+        .ok_or_else(|| format!("no function port `{name}` on {}", l.path.display()))?;
+    let pid = peer_pid(stream);
+    if port.busy.load(Ordering::Acquire) || port.incoming.lock().unwrap().is_some() {
+        return Err(format!(
+            "function port `{name}` is in use by another function; detach it first"
+        ));
+    }
+    let s = port.settings;
+    let layout = Layout::new(
+        s.ring_size,
+        if s.zero_copy { 0 } else { s.buffers },
+        s.buffer_size,
+    );
+    let memfd = crate::shm::memfd(&format!("stitch-nf-{name}"), layout.size)
+        .map_err(|e| format!("cannot create the port's memory: {e}"))?;
+    let region = Mapping::map(memfd.as_raw_fd(), layout.size, true)
+        .map_err(|e| format!("cannot map: {e}"))?;
+    let pool = stitch_core::pool::get();
+    let (_, pool_bytes) = pool.region();
+    unsafe {
+        (region.base as *mut RegionHeader).write(RegionHeader {
+            magic: MAGIC,
+            version: VERSION,
+            mode: if s.zero_copy { 0 } else { 1 },
+            wake: if s.blocking { 1 } else { 0 },
+            ring_size: layout.ring_size,
+            buffers: layout.buffers,
+            buffer_size: layout.buffer_size,
+            to_nf: layout.to_nf as u32,
+            from_nf: layout.from_nf as u32,
+            bufs: layout.bufs as u32,
+            region_size: layout.size as u32,
+            pool_stride: pool.stride() as u32,
+            pool_header: stitch_core::packet::HEADER_SIZE as u32,
+            pool_bytes: if s.zero_copy { pool_bytes as u64 } else { 0 },
+            sleeping: crate::shm::Index(Default::default()),
+        });
+    }
+    let doorbell = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+    if doorbell < 0 {
+        return Err(format!("eventfd: {}", io::Error::last_os_error()));
+    }
+    let doorbell = unsafe { OwnedFd::from_raw_fd(doorbell) };
+    let generation = GENERATION.fetch_add(1, Ordering::Relaxed);
+    let reply = json!({
+        "ok": true,
+        "port": name,
+        "mode": if s.zero_copy { "zero_copy" } else { "isolated" },
+        "wake": if s.blocking { "blocking" } else { "polling" },
+        "region_size": layout.size,
+        "pool_bytes": if s.zero_copy { pool_bytes } else { 0 },
+    })
+    .to_string()
+        + "\n";
+    let mut fds = vec![memfd.as_raw_fd(), doorbell.as_raw_fd()];
+    if s.zero_copy {
+        fds.push(pool.memfd());
+    }
+    fdpass::send(stream.as_raw_fd(), reply.as_bytes(), &fds)
+        .map_err(|e| format!("cannot answer the function: {e}"))?;
+    *port.incoming.lock().unwrap() = Some(Attachment {
+        region,
+        layout,
+        doorbell,
+        generation,
+        pid,
+    });
+    port.changed.store(true, Ordering::Release);
+    log::info!("function (pid {pid}) attached to port `{name}`");
+    Ok((port, generation))
+}
+
+trait TakeRef {
+    fn take_ref(&self, limit: u64) -> io::Take<&UnixStream>;
+}
+
+impl TakeRef for UnixStream {
+    fn take_ref(&self, limit: u64) -> io::Take<&UnixStream> {
+        io::Read::take(self, limit)
+    }
+}
