@@ -77,7 +77,7 @@ impl Function {
             return Err(invalid("Stitch sent no memory"));
         };
         let size = reply["region_size"].as_u64().unwrap_or(0) as usize;
-        let region = Mapping::map(memfd.as_raw_fd(), size, true)?;
+        let region = Mapping::map(memfd.as_raw_fd(), size, size <= crate::shm::POPULATE_MAX)?;
         let h = region.header();
         let layout = Layout::read(h, size)?;
         let pool = if zero_copy {

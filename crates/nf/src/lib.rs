@@ -6,9 +6,11 @@
 //!   `stitch-nf-firewall` are examples built on it.
 //! - [`shm`]: the shared region and its rings, the one layout both sides read.
 //! - [`listener`]: the attach socket (one JSON line each way plus SCM_RIGHTS).
+//! - [`ffi`]: the same library for C (`include/stitch_nf.h`, `libstitch_nf.so`).
 
 pub mod client;
 mod fdpass;
+pub mod ffi;
 pub mod listener;
 pub mod port;
 pub mod shm;

@@ -290,8 +290,12 @@ fn attach(l: &Listener, stream: &UnixStream) -> Result<(Arc<PortShared>, u64), S
     );
     let memfd = crate::shm::memfd(&format!("stitch-nf-{name}"), layout.size)
         .map_err(|e| format!("cannot create the port's memory: {e}"))?;
-    let region = Mapping::map(memfd.as_raw_fd(), layout.size, true)
-        .map_err(|e| format!("cannot map: {e}"))?;
+    let region = Mapping::map(
+        memfd.as_raw_fd(),
+        layout.size,
+        layout.size <= crate::shm::POPULATE_MAX,
+    )
+    .map_err(|e| format!("cannot map: {e}"))?;
     let pool = stitch_core::pool::get();
     let (_, pool_bytes) = pool.region();
     unsafe {

@@ -111,8 +111,10 @@ struct Active {
     from_nf: Consumer,
     /// Buffers (pool indices or slots) the function holds now, one bit each.
     held: Vec<u64>,
-    /// Isolated: slots free for the next packets.
+    /// Isolated: slots free for the next packets, and the receive time of the packet in each
+    /// (the copy that comes back is a new packet; it keeps the original's time).
     free_slots: Vec<u32>,
+    slot_stamps: Vec<u64>,
     /// Blocking: packets handed over since the function last was awake, and since when.
     unsignalled: u32,
     waiting_since: Option<Instant>,
@@ -134,6 +136,7 @@ impl Active {
             from_nf,
             held: vec![0; bits.div_ceil(64)],
             free_slots: (0..l.buffers).rev().collect(),
+            slot_stamps: vec![0; l.buffers as usize],
             unsignalled: 0,
             waiting_since: None,
         }
@@ -266,7 +269,10 @@ impl App for NfPort {
     }
 
     fn pull(&mut self, io: &mut Io) {
-        if self.shared.changed.swap(false, Ordering::AcqRel) {
+        // A plain load first: the flag's cache line stays shared until the listener writes it.
+        if self.shared.changed.load(Ordering::Relaxed)
+            && self.shared.changed.swap(false, Ordering::AcqRel)
+        {
             self.attach_or_detach();
         }
         let Some(a) = self.active.as_mut() else {
@@ -342,6 +348,7 @@ impl App for NfPort {
                     std::ptr::copy_nonoverlapping(p.data().as_ptr(), a.slot(slot), p.len());
                 }
                 a.hold(slot);
+                a.slot_stamps[slot as usize] = p.timestamp_ns();
                 a.to_nf.put(Desc {
                     buffer: slot,
                     offset: 0,
@@ -492,6 +499,7 @@ impl NfPort {
                     bad += 1;
                     continue;
                 }
+                p.set_timestamp_ns(a.slot_stamps[d.buffer as usize]);
                 Some(p)
             };
             if let Some(p) = p {

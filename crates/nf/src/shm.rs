@@ -19,6 +19,10 @@ use std::sync::atomic::{AtomicU32, Ordering};
 pub const MAGIC: u64 = u64::from_le_bytes(*b"STITCHNF");
 pub const VERSION: u32 = 1;
 const PAGE: usize = 4096;
+/// Regions up to this size are faulted in at attach (rings: no page fault on the data path);
+/// larger ones (isolated buffer slots) fill in as they are used, so that thousands of ports
+/// cost only the memory they touch.
+pub const POPULATE_MAX: usize = 1 << 20;
 
 /// The function asks Stitch to free this buffer instead of forwarding it.
 pub const FLAG_DROP: u16 = 1;

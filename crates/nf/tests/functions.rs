@@ -305,3 +305,81 @@ fn two_hundred_functions_attach_and_carry_traffic() {
     );
     e.stop();
 }
+
+/// A function written in C against `include/stitch_nf.h`, linked with `libstitch_nf.so`.
+#[test]
+fn a_function_in_c_attaches_through_the_c_abi() {
+    let _one_at_a_time = serial();
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    // The cdylib sits next to the test binary's `deps` folder.
+    let exe = std::env::current_exe().unwrap();
+    let libdir = exe.parent().unwrap().parent().unwrap().to_path_buf();
+    assert!(
+        libdir.join("libstitch_nf.so").exists(),
+        "libstitch_nf.so not built in {}",
+        libdir.display()
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let bin = dir.path().join("counter");
+    let cc = Command::new("cc")
+        .arg("-O2")
+        .arg("-Wall")
+        .arg("-Werror")
+        .arg(manifest.join("examples/c/counter.c"))
+        .arg("-I")
+        .arg(manifest.join("include"))
+        .arg("-L")
+        .arg(&libdir)
+        .arg("-lstitch_nf")
+        .arg(format!("-Wl,-rpath,{}", libdir.display()))
+        .arg("-o")
+        .arg(&bin)
+        .output()
+        .unwrap();
+    assert!(
+        cc.status.success(),
+        "{}",
+        String::from_utf8_lossy(&cc.stderr)
+    );
+
+    let sock = socket(&dir);
+    let e = Engine::new(registry());
+    let ports = format!(
+        "  c: {{ type: nf_port, socket: {}, wake: blocking, batch: 1 }}\n  out: {{ type: sink }}\n",
+        sock.display()
+    );
+    apply(
+        &e,
+        &format!("apps:\n{ports}links: [\"c.output -> out.input\"]\n"),
+    );
+    let child = Command::new(&bin)
+        .arg(&sock)
+        .arg("c")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut p = Proc(child);
+    wait_count(&e, "c", "attached", 1, 10);
+    // 1000 frames of 64 bytes (dropped by the function) and 1000 of 200 (forwarded).
+    apply(
+        &e,
+        &format!(
+            "apps:\n  small: {{ type: generator, size: 64, count: 1000, rate: 20000 }}\n  big: {{ type: generator, size: 200, count: 1000, rate: 20000 }}\n  j: {{ type: join }}\n{ports}links:\n  - \"small.output -> j.a\"\n  - \"big.output -> j.b\"\n  - \"j.output -> c.input\"\n  - \"c.output -> out.input\"\n"
+        ),
+    );
+    wait_count(&e, "out", "packets", 1000, 20);
+    wait_count(&e, "c", "from_function", 1000, 10);
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(counter(&e, "out", "packets"), 1000);
+    assert_eq!(counter(&e, "out", "bytes"), 1000 * 200);
+    // Stitch closes the port: the C function's run returns and it reports what it saw.
+    e.stop();
+    let out = std::mem::replace(&mut p.0, Command::new("true").spawn().unwrap())
+        .wait_with_output()
+        .unwrap();
+    assert!(out.status.success());
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "seen 2000 dropped 1000"
+    );
+}

@@ -29,6 +29,8 @@ pub enum BenchCmd {
         #[arg(long)]
         json: bool,
     },
+    /// Seed 004's experiment: N function processes, each packet through two of them.
+    NfScale(crate::bench_nf_scale::NfScaleArgs),
     /// One network function with a realistic table (router, firewall, firewall-stateless, nat,
     /// bridge) against a raw-ring baseline in the same run.
     Nf {
@@ -166,6 +168,9 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 pub fn run(cmd: BenchCmd, registry: Arc<Registry>) -> Result<()> {
+    if let BenchCmd::NfScale(args) = cmd {
+        return crate::bench_nf_scale::run(args, crate::registry());
+    }
     if let BenchCmd::Nf {
         name,
         seconds,

@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_nf;
+mod bench_nf_scale;
 mod capture_cmd;
 mod table;
 mod top;

@@ -1,0 +1,322 @@
+//! `stitch bench nf-scale`: seed 004's experiment. N function processes (the `signature`
+//! function); every packet goes through two of them — function i, then function i+1 — and
+//! consecutive packets go to different functions (round robin). Reports the throughput and
+//! latency (mean, p99) at full offered load, and the latency at the highest of 1/2, 1/4, 1/8,
+//! 1/16 of that load which the functions keep up with, for polling, blocking and isolated
+//! (blocking, copying) ports.
+
+use anyhow::{Context, Result};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use stitch_core::app::{AppContext, AppError, Io, PortNames, PortSpec};
+use stitch_core::{App, AppType, Engine, Graph, Registry};
+
+/// Latencies in 1 µs buckets up to 1 s (the last bucket takes the rest).
+const BUCKETS: usize = 1_000_000;
+
+static LATENCIES: Mutex<Option<Vec<u64>>> = Mutex::new(None);
+
+/// A sink that records each packet's time since its generator stamped it.
+struct LatencySink {
+    hist: Vec<u64>,
+}
+
+impl App for LatencySink {
+    type Config = serde_json::Value;
+    fn declare(_: &serde_json::Value) -> Result<PortSpec, AppError> {
+        Ok(PortSpec {
+            inputs: PortNames::Any,
+            outputs: PortNames::none(),
+        })
+    }
+    fn new(_: serde_json::Value, _: &mut AppContext) -> Result<Self, AppError> {
+        Ok(LatencySink {
+            hist: vec![0; BUCKETS],
+        })
+    }
+    fn push(&mut self, io: &mut Io) {
+        let now = stitch_core::packet::now_ns();
+        let (inputs, _) = io.split();
+        for input in inputs.iter_mut().flatten() {
+            for p in input.drain() {
+                let us = now.saturating_sub(p.timestamp_ns()) / 1000;
+                self.hist[(us as usize).min(BUCKETS - 1)] += 1;
+            }
+        }
+    }
+    fn stop(&mut self) {
+        let mut g = LATENCIES.lock().unwrap();
+        let all = g.get_or_insert_with(|| vec![0; BUCKETS]);
+        for (a, b) in all.iter_mut().zip(&self.hist) {
+            *a += b;
+        }
+    }
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScaleMode {
+    Polling,
+    Blocking,
+    Isolated,
+}
+
+#[derive(clap::Args)]
+pub struct NfScaleArgs {
+    /// Function processes (comma-separated list for several points).
+    #[arg(long, default_value = "1,10,100")]
+    pub nfs: String,
+    #[arg(long, value_enum, default_value_t = ScaleMode::Blocking)]
+    pub mode: ScaleMode,
+    /// Frame size in bytes.
+    #[arg(long, default_value_t = 700)]
+    pub size: usize,
+    /// Measured seconds per phase.
+    #[arg(long, default_value_t = 3.0)]
+    pub seconds: f64,
+    /// Blocking modes: wake a function when this many packets wait...
+    #[arg(long, default_value_t = 32)]
+    pub batch: u32,
+    /// ...or when the oldest has waited this long.
+    #[arg(long, default_value_t = 50)]
+    pub max_delay_us: u64,
+}
+
+struct Point {
+    mpps: f64,
+    gbps: f64,
+    cpu_per_mpps: f64,
+    mean_us: f64,
+    p99_us: f64,
+    latency_mpps: f64,
+    drops: u64,
+}
+
+fn signature_binary() -> Result<PathBuf> {
+    let me = std::env::current_exe()?;
+    let p = me.with_file_name("stitch-nf-signature");
+    anyhow::ensure!(
+        p.exists(),
+        "{} is missing: build it with `cargo build --release -p stitch-nf`",
+        p.display()
+    );
+    Ok(p)
+}
+
+fn graph(n: usize, args: &NfScaleArgs, socket: &Path, rate: Option<f64>) -> String {
+    let (mode, wake) = match args.mode {
+        ScaleMode::Polling => ("zero_copy", "polling"),
+        ScaleMode::Blocking => ("zero_copy", "blocking"),
+        ScaleMode::Isolated => ("isolated", "blocking"),
+    };
+    let rate = rate.map(|r| format!(", rate: {r:.0}")).unwrap_or_default();
+    let mut s = format!(
+        "engine: {{ busy_poll: true, link_size: 4096 }}\napps:\n  gen: {{ type: generator, size: {}, timestamps: true, flows: 64{rate} }}\n  rr: {{ type: round_robin }}\n  j: {{ type: join }}\n  out: {{ type: latency_sink }}\n",
+        args.size
+    );
+    let port = |name: String| {
+        format!(
+            "  {name}: {{ type: nf_port, socket: {}, mode: {mode}, wake: {wake}, batch: {}, max_delay_us: {}, ring_size: 1024 }}\n",
+            socket.display(),
+            args.batch,
+            args.max_delay_us
+        )
+    };
+    let mut links =
+        String::from("links:\n  - \"gen.output -> rr.input\"\n  - \"j.output -> out.input\"\n");
+    for i in 0..n {
+        s += &port(format!("a{i}"));
+        s += &port(format!("b{i}"));
+        links += &format!(
+            "  - \"rr.o{i} -> a{i}.input\"\n  - \"a{i}.output -> b{}.input\"\n  - \"b{i}.output -> j.i{i}\"\n",
+            (i + 1) % n
+        );
+    }
+    s + &links
+}
+
+fn counter_sum(e: &Engine, name: &str) -> u64 {
+    e.stats()
+        .apps
+        .iter()
+        .filter_map(|a| a.counters.get(name))
+        .sum()
+}
+
+fn delivered(e: &Engine) -> u64 {
+    e.stats()
+        .apps
+        .iter()
+        .find(|a| a.name == "out")
+        .map(|a| a.rx_packets)
+        .unwrap_or(0)
+}
+
+fn cpu_seconds(who: i32) -> f64 {
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    unsafe { libc::getrusage(who, &mut u) };
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    tv(u.ru_utime) + tv(u.ru_stime)
+}
+
+/// Process CPU time of the functions, from /proc (they are still running).
+fn children_cpu(children: &[Child]) -> f64 {
+    let tick = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    children
+        .iter()
+        .filter_map(|c| std::fs::read_to_string(format!("/proc/{}/stat", c.id())).ok())
+        .filter_map(|s| {
+            let rest = s.rsplit_once(')')?.1;
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            Some((f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?) / tick)
+        })
+        .sum()
+}
+
+/// One phase: run at `rate` (None: as fast as the generator goes) and measure.
+fn phase(
+    registry: &Arc<Registry>,
+    n: usize,
+    args: &NfScaleArgs,
+    rate: Option<f64>,
+) -> Result<Point> {
+    let dir = tempfile::tempdir()?;
+    let socket = dir.path().join("nf.sock");
+    let text = graph(n, args, &socket, rate);
+    let g = Graph::parse(&text, "<nf-scale>", Path::new("."), registry)
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    // The functions attach before traffic flows: start without the generator's link.
+    let engine = Engine::new(registry.clone());
+    let mut idle = g.clone();
+    idle.links.retain(|l| l.from.app != "gen");
+    engine.apply(idle)?;
+    let bin = signature_binary()?;
+    let mut children: Vec<Child> = Vec::with_capacity(n);
+    for i in 0..n {
+        children.push(
+            Command::new(&bin)
+                .arg("--socket")
+                .arg(&socket)
+                .arg(format!("a{i}"))
+                .arg(format!("b{i}"))
+                .spawn()
+                .context("cannot start a function")?,
+        );
+    }
+    let t = Instant::now();
+    while counter_sum(&engine, "attached") < 2 * n as u64 {
+        anyhow::ensure!(
+            t.elapsed() < Duration::from_secs(60),
+            "only {} of {} function ports attached",
+            counter_sum(&engine, "attached"),
+            2 * n
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    *LATENCIES.lock().unwrap() = None;
+    engine.apply(g)?;
+    std::thread::sleep(Duration::from_millis(500));
+    let (p0, d0, t0) = (
+        delivered(&engine),
+        counter_sum(&engine, "ring_full_drops"),
+        Instant::now(),
+    );
+    let (c0, f0) = (cpu_seconds(libc::RUSAGE_SELF), children_cpu(&children));
+    std::thread::sleep(Duration::from_secs_f64(args.seconds));
+    let (p1, d1) = (delivered(&engine), counter_sum(&engine, "ring_full_drops"));
+    let (c1, f1) = (cpu_seconds(libc::RUSAGE_SELF), children_cpu(&children));
+    let wall = t0.elapsed().as_secs_f64();
+    engine.stop();
+    for c in children.iter_mut() {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    let hist = LATENCIES.lock().unwrap().take().unwrap_or_default();
+    let total: u64 = hist.iter().sum();
+    let mean = hist
+        .iter()
+        .enumerate()
+        .map(|(us, c)| us as f64 * *c as f64)
+        .sum::<f64>()
+        / total.max(1) as f64;
+    let mut acc = 0;
+    let p99 = hist
+        .iter()
+        .position(|c| {
+            acc += c;
+            acc * 100 >= total * 99
+        })
+        .unwrap_or(0);
+    let pps = (p1 - p0) as f64 / wall;
+    Ok(Point {
+        mpps: pps / 1e6,
+        gbps: pps * args.size as f64 * 8.0 / 1e9,
+        cpu_per_mpps: ((c1 - c0) + (f1 - f0)) / wall / (pps / 1e6).max(1e-9),
+        mean_us: mean,
+        p99_us: p99 as f64,
+        latency_mpps: 0.0,
+        drops: d1 - d0,
+    })
+}
+
+pub fn run(args: NfScaleArgs, mut r: Registry) -> Result<()> {
+    r.register(AppType::of::<LatencySink>(
+        "latency_sink",
+        "records packet latency",
+    ));
+    let registry = Arc::new(r);
+    let points: Vec<usize> = args
+        .nfs
+        .split(',')
+        .map(|s| s.trim().parse::<usize>())
+        .collect::<Result<_, _>>()
+        .context("--nfs takes numbers, e.g. 1,10,100")?;
+    println!(
+        "nf-scale: {:?} ports, {} B frames, each packet through 2 of N signature functions (round robin); {} s per phase",
+        args.mode, args.size, args.seconds
+    );
+    println!(
+        "{:>6} {:>9} {:>8} {:>9} {:>11} {:>9} {:>9} | {:>9} {:>10} {:>10}",
+        "N",
+        "max Mpps",
+        "Gbit/s",
+        "drops",
+        "CPU s/Mpkt",
+        "mean µs",
+        "p99 µs",
+        "kept Mpps",
+        "mean µs",
+        "p99 µs"
+    );
+    for n in points {
+        anyhow::ensure!(n >= 1, "--nfs values must be at least 1");
+        let full = phase(&registry, n, &args, None)?;
+        // Latency where the system keeps up: half the maximum, halved again until at least
+        // 98 % of the offered packets arrive (so that it is not the queueing of overload).
+        let mut offered = full.mpps / 2.0;
+        let mut low = phase(&registry, n, &args, Some(offered * 1e6))?;
+        for _ in 0..3 {
+            if low.mpps >= 0.98 * offered {
+                break;
+            }
+            offered /= 2.0;
+            low = phase(&registry, n, &args, Some(offered * 1e6))?;
+        }
+        low.latency_mpps = low.mpps;
+        println!(
+            "{:>6} {:>9.3} {:>8.2} {:>9} {:>11.2} {:>9.1} {:>9.0} | {:>9.3} {:>10.1} {:>10.0}",
+            n,
+            full.mpps,
+            full.gbps,
+            full.drops,
+            full.cpu_per_mpps,
+            full.mean_us,
+            full.p99_us,
+            low.latency_mpps,
+            low.mean_us,
+            low.p99_us
+        );
+    }
+    Ok(())
+}
