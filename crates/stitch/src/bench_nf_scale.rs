@@ -81,6 +81,9 @@ pub struct NfScaleArgs {
     /// ...or when the oldest has waited this long.
     #[arg(long, default_value_t = 50)]
     pub max_delay_us: u64,
+    /// Let the engine sleep when idle instead of polling without pause (which keeps one core).
+    #[arg(long)]
+    pub engine_sleeps: bool,
 }
 
 struct Point {
@@ -112,7 +115,8 @@ fn graph(n: usize, args: &NfScaleArgs, socket: &Path, rate: Option<f64>) -> Stri
     };
     let rate = rate.map(|r| format!(", rate: {r:.0}")).unwrap_or_default();
     let mut s = format!(
-        "engine: {{ busy_poll: true, link_size: 4096 }}\napps:\n  gen: {{ type: generator, size: {}, timestamps: true, flows: 64{rate} }}\n  rr: {{ type: round_robin }}\n  j: {{ type: join }}\n  out: {{ type: latency_sink }}\n",
+        "engine: {{ busy_poll: {}, link_size: 4096 }}\napps:\n  gen: {{ type: generator, size: {}, timestamps: true, flows: 64{rate} }}\n  rr: {{ type: round_robin }}\n  j: {{ type: join }}\n  out: {{ type: latency_sink }}\n",
+        !args.engine_sleeps,
         args.size
     );
     let port = |name: String| {
