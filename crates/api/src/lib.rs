@@ -321,6 +321,15 @@ impl Api {
     /// An app's own tables and commands (bridge MAC table, routes, NAT mappings, ...).
     pub fn query(&self, name: &str, request: Value) -> Result<Value, ApiError> {
         let answer = self.engine.query(name, request)?;
+        // Apps refuse a request by answering `{"error": REASON}` alone.
+        let refusal = answer
+            .as_object()
+            .filter(|o| o.len() == 1)
+            .and_then(|o| o.get("error"))
+            .and_then(Value::as_str);
+        if let Some(reason) = refusal {
+            return Err(ApiError::new(400, reason));
+        }
         if answer.is_null() {
             let kind = self
                 .engine

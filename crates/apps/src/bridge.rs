@@ -183,7 +183,20 @@ impl App for Bridge {
     }
 
     /// The learned table: `{"entries": [{vlan, mac, port, age_s}], "count"}`.
+    /// `{"limit": N}` reads the learned table; `{"command": "flush"}` forgets it (e.g. after a
+    /// topology change), so that frames flood until addresses are learned again.
     fn query(&mut self, request: &serde_json::Value) -> serde_json::Value {
+        match request["command"].as_str() {
+            Some("flush") => {
+                let n = self.table.len();
+                self.table.clear();
+                return serde_json::json!({ "flushed": n });
+            }
+            Some(other) => {
+                return serde_json::json!({ "error": format!("unknown command `{other}` (flush)") })
+            }
+            None => {}
+        }
         let limit = request["limit"].as_u64().unwrap_or(1000) as usize;
         let now = Instant::now();
         let mut entries: Vec<_> = self

@@ -98,6 +98,26 @@ fn reads_graph_counters_and_app_state() {
     let (st, table) = s.call("POST", "/api/v1/apps/br/query", Some("{\"limit\": 10}"));
     assert_eq!(st, 200);
     assert_eq!(table["count"], 0);
+    // Commands: the bridge forgets its table; an unknown command is refused with the reason.
+    let (st, r) = s.call(
+        "POST",
+        "/api/v1/apps/br/query",
+        Some(r#"{"command": "flush"}"#),
+    );
+    assert_eq!((st, &r["flushed"]), (200, &json!(0)));
+    let (st, e) = s.call(
+        "POST",
+        "/api/v1/apps/br/query",
+        Some(r#"{"command": "explode"}"#),
+    );
+    assert_eq!(st, 400);
+    assert!(
+        e["error"]
+            .as_str()
+            .unwrap()
+            .contains("unknown command `explode`"),
+        "{e}"
+    );
     let (st, e) = s.call("POST", "/api/v1/apps/out/query", None);
     assert_eq!(st, 409);
     assert!(e["error"].as_str().unwrap().contains("(sink)"), "{e}");
