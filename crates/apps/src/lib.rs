@@ -7,6 +7,7 @@ pub mod forwarder;
 pub mod generator;
 pub mod join;
 pub mod load_balancer;
+pub mod lwaftr;
 pub mod nat;
 pub mod policer;
 pub mod rate_meter;
@@ -21,6 +22,10 @@ use stitch_core::{AppType, Registry};
 
 /// Adds every app of this crate to `r`.
 pub fn register(r: &mut Registry) {
+    r.register(AppType::of::<lwaftr::Lwaftr>(
+        "lwaftr",
+        "lightweight 4over6 AFTR (RFC 7596) configured with Snabb's lwAFTR file",
+    ));
     r.register(AppType::of::<generator::Generator>(
         "generator",
         "builds Ethernet/IPv4/IPv6/UDP/TCP packets: fixed size or mix, flows, rate limit",

@@ -29,6 +29,19 @@ pub enum BenchCmd {
         #[arg(long)]
         json: bool,
     },
+    /// The lwAFTR on looped PCAP inputs (Snabb's benchmark), against a refill-only baseline.
+    /// With --softwires N, on a generated table of N softwires with random traffic over it.
+    Lwaftr {
+        conf: Option<std::path::PathBuf>,
+        v4: Option<std::path::PathBuf>,
+        v6: Option<std::path::PathBuf>,
+        #[arg(long, conflicts_with = "conf")]
+        softwires: Option<usize>,
+        #[arg(long, default_value_t = 2.0)]
+        seconds: f64,
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+    },
     /// Seed 004's experiment: N function processes, each packet through two of them.
     NfScale(crate::bench_nf_scale::NfScaleArgs),
     /// One network function with a realistic table (router, firewall, firewall-stateless, nat,
@@ -168,6 +181,32 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 pub fn run(cmd: BenchCmd, registry: Arc<Registry>) -> Result<()> {
+    if let BenchCmd::Lwaftr {
+        conf,
+        v4,
+        v6,
+        softwires,
+        seconds,
+        runs,
+    } = &cmd
+    {
+        anyhow::ensure!(*runs >= 1, "--runs must be at least 1");
+        if let Some(n) = softwires {
+            anyhow::ensure!(*n >= 1, "--softwires must be at least 1");
+            let dir = tempfile::tempdir()?;
+            let t = std::time::Instant::now();
+            let (conf, v4, v6) = crate::lwaftr_cmd::generate(dir.path(), *n, 100_000, 550)?;
+            println!(
+                "generated {n} softwires and 100000 random packets per direction in {:.1} s",
+                t.elapsed().as_secs_f64()
+            );
+            return crate::lwaftr_cmd::bench(crate::registry(), &conf, &v4, &v6, *seconds, *runs);
+        }
+        let (Some(conf), Some(v4), Some(v6)) = (conf, v4, v6) else {
+            anyhow::bail!("give CONF V4.pcap V6.pcap, or --softwires N");
+        };
+        return crate::lwaftr_cmd::bench(crate::registry(), conf, v4, v6, *seconds, *runs);
+    }
     if let BenchCmd::NfScale(args) = cmd {
         return crate::bench_nf_scale::run(args, crate::registry());
     }

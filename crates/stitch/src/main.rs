@@ -4,6 +4,7 @@ mod bench;
 mod bench_nf;
 mod bench_nf_scale;
 mod capture_cmd;
+mod lwaftr_cmd;
 mod table;
 mod top;
 
@@ -128,6 +129,9 @@ enum Cmd {
     Top(top::TopArgs),
     /// List the app types this build knows.
     Apps,
+    /// The lwAFTR (RFC 7596) offline on PCAP files or between two interfaces.
+    #[command(subcommand)]
+    Lwaftr(lwaftr_cmd::LwaftrCmd),
     /// Capture an interface to PCAP/PCAPNG files, with tcpdump's options.
     Capture(capture_cmd::CaptureArgs),
     /// Benchmarks.
@@ -248,6 +252,7 @@ fn run_cli(cli: Cli) -> Result<()> {
             print_report(&r);
         }
         Cmd::Bench(b) => bench::run(b, Arc::new(registry()))?,
+        Cmd::Lwaftr(c) => lwaftr_cmd::run(c, registry())?,
         Cmd::Capture(c) => capture_cmd::run(c, Arc::new(registry()))?,
     }
     Ok(())
