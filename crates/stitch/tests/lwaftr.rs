@@ -1,0 +1,726 @@
+//! The lwAFTR, PCAP in → PCAP out through `stitch lwaftr check`, each output decoded by
+//! tshark: encapsulation and decapsulation (RFC 7596/7597 port sets), every drop reason, ICMP
+//! errors both ways, hairpinning, ARP/NDP/ping, VLAN tags.
+
+mod common;
+use common::*;
+use pcap_file::pcap::{PcapPacket, PcapWriter};
+use std::path::Path;
+use std::time::Duration;
+
+const EXT_MAC: [u8; 6] = [0x12; 6];
+const EXT_HOP: [u8; 6] = [0x68; 6];
+const INT_MAC: [u8; 6] = [0x22; 6];
+const INT_HOP: [u8; 6] = [0x44; 6];
+const BR: &str = "8:9:a:b:c:d:e:f";
+const B4_A: &str = "127:2:3:4:5:6:7:128";
+const B4_B: &str = "127:22:33:44:55:66:77:128";
+const B4_C: &str = "127:10:20:30:40:50:60:128";
+const B4_D: &str = "127:14:25:36:47:58:69:128";
+
+/// The test's configuration in Snabb's format; `extra_ext`/`extra_int` go into the policy
+/// blocks, `vlan` adds tags on both sides.
+fn conf(extra_ext: &str, extra_int: &str, vlan: bool) -> String {
+    let (v4tag, v6tag) = if vlan {
+        ("vlan-tag 100;", "vlan-tag 200;")
+    } else {
+        ("", "")
+    };
+    format!(
+        "// lwAFTR test configuration
+softwire-config {{
+  binding-table {{
+    softwire {{ ipv4 178.79.150.233; psid 80; b4-ipv6 {B4_A}; br-address {BR}; port-set {{ psid-length 16; }} }}
+    softwire {{ ipv4 178.79.150.15; psid 0; b4-ipv6 {B4_B}; br-address {BR}; port-set {{ psid-length 4; }} }}
+    softwire {{ ipv4 178.79.150.15; psid 1; b4-ipv6 {B4_B}; br-address {BR}; port-set {{ psid-length 4; }} }}
+    softwire {{ ipv4 178.79.150.1; psid 0; b4-ipv6 {B4_C}; br-address {BR}; port-set {{ psid-length 0; }} }}
+    softwire {{ ipv4 178.79.150.50; psid 1; b4-ipv6 {B4_D}; br-address {BR};
+                port-set {{ psid-length 4; reserved-ports-bit-count 6; }} }}
+  }}
+  external-interface {{ {extra_ext} }}
+  internal-interface {{ {extra_int} }}
+  instance {{
+    device test;
+    queue {{
+      id 0;
+      external-interface {{ ip 10.10.10.10; mac 12:12:12:12:12:12; {v4tag} next-hop {{ mac 68:68:68:68:68:68; }} }}
+      internal-interface {{ ip {BR}; mac 22:22:22:22:22:22; {v6tag} next-hop {{ mac 44:44:44:44:44:44; }} }}
+    }}
+  }}
+}}
+"
+    )
+}
+
+fn csum(d: &[u8]) -> u16 {
+    let mut s = 0u32;
+    for c in d.chunks(2) {
+        s += u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)]) as u32;
+    }
+    while s > 0xffff {
+        s = (s & 0xffff) + (s >> 16);
+    }
+    !(s as u16)
+}
+
+fn v4(s: &str) -> [u8; 4] {
+    s.parse::<std::net::Ipv4Addr>().unwrap().octets()
+}
+
+fn v6(s: &str) -> [u8; 16] {
+    s.parse::<std::net::Ipv6Addr>().unwrap().octets()
+}
+
+struct Ip4 {
+    src: &'static str,
+    dst: &'static str,
+    proto: u8,
+    ttl: u8,
+    tos: u8,
+    flags_frag: u16,
+}
+
+fn ip4(h: Ip4, l4: &[u8]) -> Vec<u8> {
+    let mut ip = vec![0x45, h.tos];
+    ip.extend_from_slice(&((20 + l4.len()) as u16).to_be_bytes());
+    ip.extend_from_slice(&[0x12, 0x34]);
+    ip.extend_from_slice(&h.flags_frag.to_be_bytes());
+    ip.extend_from_slice(&[h.ttl, h.proto, 0, 0]);
+    ip.extend_from_slice(&v4(h.src));
+    ip.extend_from_slice(&v4(h.dst));
+    let c = csum(&ip);
+    ip[10..12].copy_from_slice(&c.to_be_bytes());
+    ip.extend_from_slice(l4);
+    ip
+}
+
+fn plain(src: &'static str, dst: &'static str, proto: u8) -> Ip4 {
+    Ip4 {
+        src,
+        dst,
+        proto,
+        ttl: 64,
+        tos: 0,
+        flags_frag: 0,
+    }
+}
+
+fn udp(sport: u16, dport: u16, payload: usize) -> Vec<u8> {
+    let mut u = sport.to_be_bytes().to_vec();
+    u.extend_from_slice(&dport.to_be_bytes());
+    u.extend_from_slice(&((8 + payload) as u16).to_be_bytes());
+    u.extend_from_slice(&[0, 0]);
+    u.resize(8 + payload, 0xab);
+    u
+}
+
+fn tcp(sport: u16, dport: u16) -> Vec<u8> {
+    let mut t = sport.to_be_bytes().to_vec();
+    t.extend_from_slice(&dport.to_be_bytes());
+    t.extend_from_slice(&[0, 0, 0, 1, 0, 0, 0, 0, 0x50, 0x02, 0xff, 0xff, 0, 0, 0, 0]);
+    t
+}
+
+fn icmp(kind: u8, code: u8, rest: [u8; 4], body: &[u8]) -> Vec<u8> {
+    let mut m = vec![kind, code, 0, 0];
+    m.extend_from_slice(&rest);
+    m.extend_from_slice(body);
+    let c = csum(&m);
+    m[2..4].copy_from_slice(&c.to_be_bytes());
+    m
+}
+
+fn eth(dst: [u8; 6], src: [u8; 6], et: u16, vlan: Option<u16>, payload: &[u8]) -> Vec<u8> {
+    let mut f = dst.to_vec();
+    f.extend_from_slice(&src);
+    if let Some(v) = vlan {
+        f.extend_from_slice(&[0x81, 0x00]);
+        f.extend_from_slice(&v.to_be_bytes());
+    }
+    f.extend_from_slice(&et.to_be_bytes());
+    f.extend_from_slice(payload);
+    if f.len() < 60 {
+        f.resize(60, 0);
+    }
+    f
+}
+
+fn from_internet(ip: Vec<u8>) -> Vec<u8> {
+    eth(EXT_MAC, EXT_HOP, 0x0800, None, &ip)
+}
+
+fn ip6(src: &str, dst: &str, nh: u8, payload: &[u8]) -> Vec<u8> {
+    let mut h = vec![0x60, 0, 0, 0];
+    h.extend_from_slice(&(payload.len() as u16).to_be_bytes());
+    h.extend_from_slice(&[nh, 64]);
+    h.extend_from_slice(&v6(src));
+    h.extend_from_slice(&v6(dst));
+    h.extend_from_slice(payload);
+    h
+}
+
+fn from_b4(src: &str, dst: &str, inner: Vec<u8>) -> Vec<u8> {
+    eth(INT_MAC, INT_HOP, 0x86dd, None, &ip6(src, dst, 4, &inner))
+}
+
+fn icmp6(src: &str, dst: &str, body: &[u8]) -> Vec<u8> {
+    let mut b = body.to_vec();
+    let mut pseudo = v6(src).to_vec();
+    pseudo.extend_from_slice(&v6(dst));
+    pseudo.extend_from_slice(&(b.len() as u32).to_be_bytes());
+    pseudo.extend_from_slice(&[0, 0, 0, 58]);
+    pseudo.extend_from_slice(&b);
+    let c = csum(&pseudo);
+    b[2..4].copy_from_slice(&c.to_be_bytes());
+    ip6(src, dst, 58, &b)
+}
+
+fn write(path: &Path, frames: &[Vec<u8>]) {
+    let mut w = PcapWriter::new(std::fs::File::create(path).unwrap()).unwrap();
+    for f in frames {
+        w.write_packet(&PcapPacket::new(Duration::ZERO, f.len() as u32, f))
+            .unwrap();
+    }
+}
+
+/// Output of one `stitch lwaftr check` run.
+struct Out {
+    dir: tempfile::TempDir,
+    counters: serde_json::Value,
+}
+
+impl Out {
+    fn v4(&self, fields: &[&str]) -> Vec<String> {
+        tshark_fields(&self.dir.path().join("out4.pcap"), fields)
+    }
+    fn v6(&self, fields: &[&str]) -> Vec<String> {
+        tshark_fields(&self.dir.path().join("out6.pcap"), fields)
+    }
+    fn counter(&self, name: &str) -> u64 {
+        self.counters[name].as_u64().unwrap_or(0)
+    }
+}
+
+fn check(conf_text: &str, in4: &[Vec<u8>], in6: &[Vec<u8>]) -> Out {
+    let dir = tempfile::tempdir().unwrap();
+    let p = |n: &str| dir.path().join(n);
+    std::fs::write(p("lwaftr.conf"), conf_text).unwrap();
+    write(&p("in4.pcap"), in4);
+    write(&p("in6.pcap"), in6);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_stitch"))
+        .args(["lwaftr", "check", "--counters"])
+        .args([
+            p("lwaftr.conf"),
+            p("in4.pcap"),
+            p("in6.pcap"),
+            p("out4.pcap"),
+            p("out6.pcap"),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Out {
+        counters: serde_json::from_slice(&out.stdout).unwrap(),
+        dir,
+    }
+}
+
+fn default_conf() -> String {
+    conf("", "", false)
+}
+
+#[test]
+fn the_snabb_benchmark_packets_cross_in_both_directions() {
+    let d = Path::new(env!("CARGO_MANIFEST_DIR")).join("../apps/tests/data");
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_stitch"))
+        .args(["lwaftr", "check", "--counters"])
+        .arg(d.join("icmp_on_fail.conf"))
+        .arg(d.join("ipv4-0550.pcap"))
+        .arg(d.join("ipv6-0550.pcap"))
+        .arg(dir.path().join("o4.pcap"))
+        .arg(dir.path().join("o6.pcap"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v6 = tshark_fields(
+        &dir.path().join("o6.pcap"),
+        &["ipv6.dst", "ipv6.nxt", "udp.dstport"],
+    );
+    assert_eq!(v6, ["127:2:3:4:5:6:7:128\t4\t80"]);
+    let v4 = tshark_fields(
+        &dir.path().join("o4.pcap"),
+        &["eth.dst", "ip.src", "udp.srcport"],
+    );
+    assert_eq!(v4, ["68:68:68:68:68:68\t178.79.150.233\t80"]);
+    assert_eq!(capinfos_count(&dir.path().join("o4.pcap")), 1);
+}
+
+#[test]
+fn encapsulation_follows_the_port_sets() {
+    let i = |dst, port, proto: u8| {
+        let l4 = if proto == 6 {
+            tcp(40000, port)
+        } else {
+            udp(40000, port, 20)
+        };
+        from_internet(ip4(plain("1.2.3.4", dst, proto), &l4))
+    };
+    let out = check(
+        &default_conf(),
+        &[
+            i("178.79.150.233", 80, 17), // psid-length 16: exactly port 80 → B4 A
+            i("178.79.150.15", 5000, 6), // psid-length 4: 5000 >> 12 = PSID 1 → B4 B
+            i("178.79.150.15", 100, 17), // PSID 0 → B4 B
+            i("178.79.150.1", 9, 17),    // psid-length 0: every port → B4 C
+            i("178.79.150.50", 64, 17),  // reserved bits 6, k 4: (64 >> 6) & 15 = 1 → B4 D
+        ],
+        &[],
+    );
+    assert_eq!(
+        out.v6(&[
+            "eth.src",
+            "eth.dst",
+            "ipv6.src",
+            "ipv6.dst",
+            "ipv6.nxt",
+            "ipv6.hlim",
+            "ip.ttl",
+            "ip.checksum.status"
+        ]),
+        [
+            format!("22:22:22:22:22:22\t44:44:44:44:44:44\t{BR}\t{B4_A}\t4\t255\t63\t2"),
+            format!("22:22:22:22:22:22\t44:44:44:44:44:44\t{BR}\t{B4_B}\t4\t255\t63\t2"),
+            format!("22:22:22:22:22:22\t44:44:44:44:44:44\t{BR}\t{B4_B}\t4\t255\t63\t2"),
+            format!("22:22:22:22:22:22\t44:44:44:44:44:44\t{BR}\t{B4_C}\t4\t255\t63\t2"),
+            format!("22:22:22:22:22:22\t44:44:44:44:44:44\t{BR}\t{B4_D}\t4\t255\t63\t2"),
+        ]
+    );
+    assert_eq!(out.counter("encapsulated"), 5);
+}
+
+#[test]
+fn traffic_class_comes_from_the_tos_and_payload_length_is_exact() {
+    let ip = ip4(
+        Ip4 {
+            tos: 0xb8,
+            ..plain("1.2.3.4", "178.79.150.233", 17)
+        },
+        &udp(53, 80, 3),
+    );
+    let out = check(&default_conf(), &[from_internet(ip)], &[]);
+    assert_eq!(
+        out.v6(&["ipv6.tclass", "ipv6.plen", "ip.dsfield", "frame.len"]),
+        ["0x000000b8\t31\t0xb8\t85"]
+    );
+}
+
+#[test]
+fn unbound_destinations_are_dropped_with_icmp_host_unreachable() {
+    let sent = ip4(plain("1.2.3.4", "178.79.150.233", 17), &udp(40000, 81, 20));
+    let out = check(&default_conf(), &[from_internet(sent.clone())], &[]);
+    assert_eq!(out.counter("no_softwire_drops"), 1);
+    assert_eq!(
+        out.v4(&[
+            "eth.dst",
+            "ip.src",
+            "ip.dst",
+            "icmp.type",
+            "icmp.code",
+            "icmp.checksum.status",
+            "udp.dstport"
+        ]),
+        ["68:68:68:68:68:68\t10.10.10.10,1.2.3.4\t1.2.3.4,178.79.150.233\t3\t1\t1\t81"]
+    );
+    // Reserved ports of a port set belong to nobody.
+    let out = check(
+        &default_conf(),
+        &[from_internet(ip4(
+            plain("1.2.3.4", "178.79.150.50", 17),
+            &udp(1, 63, 0),
+        ))],
+        &[],
+    );
+    assert_eq!(out.counter("no_softwire_drops"), 1);
+    // Without generate-icmp-errors, silently.
+    let out = check(
+        &conf("generate-icmp-errors false;", "", false),
+        &[from_internet(sent)],
+        &[],
+    );
+    assert_eq!(out.counter("no_softwire_drops"), 1);
+    assert!(out.v4(&["frame.len"]).is_empty());
+}
+
+#[test]
+fn ttl_expiry_sends_time_exceeded() {
+    let ip = ip4(
+        Ip4 {
+            ttl: 1,
+            ..plain("1.2.3.4", "178.79.150.233", 17)
+        },
+        &udp(40000, 80, 10),
+    );
+    let out = check(&default_conf(), &[from_internet(ip)], &[]);
+    assert_eq!(out.counter("ttl_expired_drops"), 1);
+    assert_eq!(
+        out.v4(&[
+            "ip.src",
+            "ip.dst",
+            "icmp.type",
+            "icmp.code",
+            "icmp.checksum.status"
+        ]),
+        // The outer header, then the quoted one.
+        ["10.10.10.10,1.2.3.4\t1.2.3.4,178.79.150.233\t11\t0\t1"]
+    );
+    assert!(out.v6(&["frame.len"]).is_empty());
+}
+
+#[test]
+fn too_big_with_dont_fragment_gets_fragmentation_needed() {
+    let ip = ip4(
+        Ip4 {
+            flags_frag: 0x4000,
+            ..plain("1.2.3.4", "178.79.150.233", 17)
+        },
+        &udp(40000, 80, 1450),
+    );
+    let out = check(&default_conf(), &[from_internet(ip)], &[]);
+    assert_eq!(out.counter("too_big_drops"), 1);
+    let icmp = out.v4(&["icmp.type", "icmp.code", "icmp.mtu", "frame.len"]);
+    assert_eq!(icmp.len(), 1);
+    let f: Vec<&str> = icmp[0].split('\t').collect();
+    assert_eq!(&f[..3], ["3", "4", "1420"]);
+    assert!(
+        f[3].parse::<usize>().unwrap() <= 576 + 14,
+        "ICMP error within 576 bytes"
+    );
+}
+
+#[test]
+fn fragments_and_malformed_packets_are_counted_and_dropped() {
+    let frag = ip4(
+        Ip4 {
+            flags_frag: 0x2000,
+            ..plain("1.2.3.4", "178.79.150.233", 17)
+        },
+        &udp(40000, 80, 100),
+    );
+    let mut truncated = from_internet(ip4(
+        plain("1.2.3.4", "178.79.150.233", 17),
+        &udp(1, 80, 100),
+    ));
+    truncated.truncate(60);
+    let mut bad_version = ip4(plain("1.2.3.4", "178.79.150.233", 17), &udp(1, 80, 10));
+    bad_version[0] = 0x65;
+    let ipv6_on_v4 = eth(EXT_MAC, EXT_HOP, 0x86dd, None, &ip6(B4_A, BR, 17, &[0; 8]));
+    let out = check(
+        &default_conf(),
+        &[
+            from_internet(frag),
+            truncated,
+            from_internet(bad_version),
+            ipv6_on_v4,
+        ],
+        &[],
+    );
+    assert_eq!(out.counter("fragment_drops"), 1);
+    assert_eq!(out.counter("malformed_drops"), 2);
+    assert_eq!(out.counter("wrong_ethertype_drops"), 1);
+    assert!(out.v4(&["frame.len"]).is_empty() && out.v6(&["frame.len"]).is_empty());
+}
+
+#[test]
+fn icmp_from_the_internet_follows_policy_and_finds_its_softwire() {
+    // Echo request: the identifier is the port.
+    let echo = ip4(
+        plain("1.2.3.4", "178.79.150.15", 1),
+        &icmp(8, 0, [0x10, 0x00, 0, 1], b"ping"),
+    );
+    // An error about a packet the customer sent from 178.79.150.233:80.
+    let quoted = ip4(plain("178.79.150.233", "1.2.3.4", 17), &udp(80, 5555, 8));
+    let error = ip4(
+        plain("9.9.9.9", "178.79.150.233", 1),
+        &icmp(3, 3, [0; 4], &quoted),
+    );
+    let out = check(
+        &default_conf(),
+        &[from_internet(echo.clone()), from_internet(error.clone())],
+        &[],
+    );
+    assert_eq!(
+        out.v6(&["ipv6.dst", "icmp.type"]),
+        [format!("{B4_B}\t8"), format!("{B4_A}\t3")]
+    );
+    // allow-incoming-icmp false: both dropped.
+    let out = check(
+        &conf("allow-incoming-icmp false;", "", false),
+        &[from_internet(echo), from_internet(error)],
+        &[],
+    );
+    assert_eq!(out.counter("icmp_policy_drops"), 2);
+}
+
+#[test]
+fn ping_and_arp_for_the_external_address_are_answered() {
+    let ping = ip4(
+        plain("1.2.3.4", "10.10.10.10", 1),
+        &icmp(8, 0, [0, 7, 0, 1], b"hello"),
+    );
+    let mut arp = vec![0, 1, 8, 0, 6, 4, 0, 1];
+    arp.extend_from_slice(&EXT_HOP);
+    arp.extend_from_slice(&v4("10.10.10.1"));
+    arp.extend_from_slice(&[0; 6]);
+    arp.extend_from_slice(&v4("10.10.10.10"));
+    let out = check(
+        &default_conf(),
+        &[
+            from_internet(ping),
+            eth([0xff; 6], EXT_HOP, 0x0806, None, &arp),
+        ],
+        &[],
+    );
+    assert_eq!(
+        out.v4(&[
+            "ip.src",
+            "ip.dst",
+            "icmp.type",
+            "icmp.checksum.status",
+            "arp.opcode",
+            "arp.src.hw_mac",
+            "arp.src.proto_ipv4"
+        ]),
+        [
+            "10.10.10.10\t1.2.3.4\t0\t1\t\t\t".to_string(),
+            "\t\t\t\t2\t12:12:12:12:12:12\t10.10.10.10".to_string(),
+        ]
+    );
+    assert_eq!(
+        (out.counter("echo_replies"), out.counter("arp_replies")),
+        (1, 1)
+    );
+}
+
+#[test]
+fn decapsulation_checks_the_softwire_of_the_source() {
+    let inner = |src, sport| ip4(plain(src, "1.2.3.4", 17), &udp(sport, 443, 20));
+    let out = check(
+        &default_conf(),
+        &[],
+        &[
+            from_b4(B4_A, BR, inner("178.79.150.233", 80)), // bound: out on v4
+            from_b4(B4_B, BR, inner("178.79.150.15", 4097)), // PSID 1 of B4 B: out
+            from_b4(B4_C, BR, inner("178.79.150.233", 80)), // wrong B4 for that port
+            from_b4(B4_A, BR, inner("178.79.150.233", 81)), // port outside its set
+            from_b4(B4_A, "1e:2:2:2:2:2:2:af", inner("178.79.150.233", 80)), // unknown BR
+        ],
+    );
+    assert_eq!(
+        out.v4(&["eth.src", "eth.dst", "ip.src", "udp.srcport", "ip.ttl"]),
+        [
+            "12:12:12:12:12:12\t68:68:68:68:68:68\t178.79.150.233\t80\t64",
+            "12:12:12:12:12:12\t68:68:68:68:68:68\t178.79.150.15\t4097\t64",
+        ]
+    );
+    assert_eq!(out.counter("decapsulated"), 2);
+    assert_eq!(out.counter("source_mismatch_drops"), 2);
+    assert_eq!(out.counter("not_for_us_drops"), 1);
+    // Each mismatch gets ICMPv6 1/5 (source address failed policy) back to its B4.
+    assert_eq!(
+        out.v6(&[
+            "ipv6.src",
+            "ipv6.dst",
+            "icmpv6.type",
+            "icmpv6.code",
+            "icmpv6.checksum.status"
+        ]),
+        // tshark lists the outer header, then the quoted packet's.
+        [
+            format!("{BR},{B4_C}\t{B4_C},{BR}\t1\t5\t1"),
+            format!("{BR},{B4_A}\t{B4_A},{BR}\t1\t5\t1")
+        ]
+    );
+}
+
+#[test]
+fn hairpinning_reencapsulates_toward_the_other_b4() {
+    let inner = ip4(
+        plain("178.79.150.233", "178.79.150.15", 17),
+        &udp(80, 200, 20),
+    );
+    let out = check(&default_conf(), &[], &[from_b4(B4_A, BR, inner.clone())]);
+    assert_eq!(
+        out.v6(&["ipv6.src", "ipv6.dst", "ip.src", "ip.dst", "ip.ttl"]),
+        [format!("{BR}\t{B4_B}\t178.79.150.233\t178.79.150.15\t63")]
+    );
+    assert_eq!(out.counter("hairpinned"), 1);
+    assert!(out.v4(&["frame.len"]).is_empty());
+    // Without hairpinning it leaves toward the internet.
+    let out = check(
+        &conf("", "hairpinning false;", false),
+        &[],
+        &[from_b4(B4_A, BR, inner)],
+    );
+    assert_eq!(out.v4(&["ip.dst"]), ["178.79.150.15"]);
+    assert_eq!(out.counter("hairpinned"), 0);
+}
+
+#[test]
+fn neighbour_discovery_and_ping_on_the_internal_side() {
+    let mut ns = vec![135, 0, 0, 0, 0, 0, 0, 0];
+    ns.extend_from_slice(&v6(BR));
+    ns.extend_from_slice(&[1, 1]);
+    ns.extend_from_slice(&INT_HOP);
+    let ns = eth(
+        [0x33, 0x33, 0xff, 0x0e, 0x00, 0x0f],
+        INT_HOP,
+        0x86dd,
+        None,
+        &icmp6("fe80::44", "ff02::1:ff0e:f", &ns),
+    );
+    let ping = eth(
+        INT_MAC,
+        INT_HOP,
+        0x86dd,
+        None,
+        &icmp6(B4_A, BR, &[128, 0, 0, 0, 0, 9, 0, 1, 1, 2, 3]),
+    );
+    let err = eth(
+        INT_MAC,
+        INT_HOP,
+        0x86dd,
+        None,
+        &icmp6(B4_A, BR, &[1, 4, 0, 0, 0, 0, 0, 0]),
+    );
+    let out = check(&default_conf(), &[], &[ns, ping, err]);
+    assert_eq!(
+        out.v6(&[
+            "ipv6.dst",
+            "icmpv6.type",
+            "icmpv6.checksum.status",
+            "icmpv6.nd.na.target_address",
+            "icmpv6.opt.linkaddr"
+        ]),
+        [
+            format!("fe80::44\t136\t1\t{BR}\t22:22:22:22:22:22"),
+            format!("{B4_A}\t129\t1\t\t"),
+        ]
+    );
+    assert_eq!(out.counter("icmpv6_error_drops"), 1);
+}
+
+#[test]
+fn vlan_tags_are_required_and_written_on_both_sides() {
+    let ip = ip4(plain("1.2.3.4", "178.79.150.233", 17), &udp(40000, 80, 10));
+    let tagged = eth(EXT_MAC, EXT_HOP, 0x0800, Some(100), &ip);
+    let wrong = eth(EXT_MAC, EXT_HOP, 0x0800, Some(101), &ip);
+    let untagged = from_internet(ip);
+    let back = eth(
+        INT_MAC,
+        INT_HOP,
+        0x86dd,
+        Some(200),
+        &ip6(
+            B4_A,
+            BR,
+            4,
+            &ip4(plain("178.79.150.233", "1.2.3.4", 17), &udp(80, 443, 0)),
+        ),
+    );
+    let out = check(&conf("", "", true), &[tagged, wrong, untagged], &[back]);
+    assert_eq!(out.v6(&["vlan.id", "ipv6.dst"]), [format!("200\t{B4_A}")]);
+    assert_eq!(out.v4(&["vlan.id", "ip.src"]), ["100\t178.79.150.233"]);
+    assert_eq!(out.counter("vlan_drops"), 2);
+}
+
+#[test]
+fn bad_configurations_name_their_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = dir.path().join("bad.conf");
+    std::fs::write(&c, default_conf().replace("psid 80;", "psid eighty;")).unwrap();
+    write(&dir.path().join("e.pcap"), &[]);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_stitch"))
+        .args(["lwaftr", "check"])
+        .arg(&c)
+        .args([dir.path().join("e.pcap"), dir.path().join("e.pcap")])
+        .args([dir.path().join("o4"), dir.path().join("o6")])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("bad.conf:line 4: `psid`"), "{err}");
+}
+
+#[test]
+fn a_next_hop_given_by_ip_is_resolved_by_neighbour_discovery() {
+    // Snabb's own configuration with `next-hop { ip 8:9:a:b:4:3:2:1; }` inside.
+    let c = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../apps/tests/data/tunnel_icmp_withoutmac.conf"),
+    )
+    .unwrap();
+    let hop = "8:9:a:b:4:3:2:1";
+    let hop_mac = [0x02, 0, 0, 0, 0, 0x99];
+    let mut na = vec![136, 0, 0, 0, 0x60, 0, 0, 0];
+    na.extend_from_slice(&v6(hop));
+    na.extend_from_slice(&[2, 1]);
+    na.extend_from_slice(&hop_mac);
+    let na = eth(INT_MAC, hop_mac, 0x86dd, None, &icmp6(hop, BR, &na));
+    // The first 1024 packets are handled before the advertisement arrives, the last one after.
+    let pkt = from_internet(ip4(plain("1.2.3.4", "178.79.150.233", 17), &udp(1, 80, 10)));
+    let v4s: Vec<Vec<u8>> = std::iter::repeat_n(pkt, 1025).collect();
+    let out = check(&c, &v4s, &[na]);
+    assert_eq!(out.counter("next_hop_unresolved_drops"), 1024);
+    assert_eq!(
+        out.v6(&["eth.dst", "ipv6.dst"]),
+        [format!("02:00:00:00:00:99\t{B4_A}")]
+    );
+}
+
+#[test]
+fn softwires_are_added_and_removed_at_run_time_through_the_api() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = dir.path().join("lwaftr.conf");
+    std::fs::write(&c, default_conf()).unwrap();
+    let s = Stitch::run(&format!(
+        "apps:\n  aftr: {{ type: lwaftr, conf: {} }}\n",
+        c.display()
+    ));
+    let (st, t) = s.call("POST", "/api/v1/apps/aftr/query", Some("{}"));
+    assert_eq!((st, &t["softwires"]), (200, &serde_json::json!(5)));
+    let add = r#"{"command": "add_softwire", "ipv4": "192.0.2.7", "psid": 3, "psid_length": 8,
+                  "b4": "2001:db8::7", "br": "8:9:a:b:c:d:e:f"}"#;
+    let (st, r) = s.call("POST", "/api/v1/apps/aftr/query", Some(add));
+    assert_eq!((st, &r["softwires"]), (200, &serde_json::json!(6)), "{r}");
+    let (_, t) = s.call("POST", "/api/v1/apps/aftr/query", Some(r#"{"limit": 100}"#));
+    assert!(
+        t["list"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|x| x["b4"] == "2001:db8::7"),
+        "{t}"
+    );
+    let (st, e) = s.call(
+        "POST",
+        "/api/v1/apps/aftr/query",
+        Some(r#"{"command": "add_softwire", "ipv4": "x"}"#),
+    );
+    assert_eq!(st, 400);
+    assert!(e["error"].as_str().unwrap().contains("ipv4"), "{e}");
+    let del = r#"{"command": "remove_softwire", "ipv4": "192.0.2.7", "psid": 3}"#;
+    let (st, r) = s.call("POST", "/api/v1/apps/aftr/query", Some(del));
+    assert_eq!((st, &r["softwires"]), (200, &serde_json::json!(5)), "{r}");
+    let (st, _) = s.call("POST", "/api/v1/apps/aftr/query", Some(del));
+    assert_eq!(st, 400);
+    s.stop();
+}
