@@ -34,12 +34,28 @@ pub struct Softwire {
     pub br: [u8; 16],
 }
 
+/// PSID lengths up to this keep an address's softwires in a dense array slice (one array
+/// read per lookup, prefetchable); longer ones, where most PSIDs are usually unbound, in a hash
+/// map.
+const DENSE_MAX_PSID_LENGTH: u8 = 8;
+
+/// An address: its port set and, when dense, where its 2^k slots start.
+#[derive(Debug, Clone, Copy)]
+struct Address {
+    set: PortSet,
+    dense: Option<u32>,
+    users: u32,
+}
+
 #[derive(Default)]
 pub struct BindingTable {
-    port_sets: HashMap<u32, PortSet, Fast>,
-    softwires: HashMap<u64, Softwire, Fast>,
-    /// How many softwires use each port set (to drop it with the last one).
-    users: HashMap<u32, u32, Fast>,
+    addresses: HashMap<u32, Address, Fast>,
+    /// Dense slots: `slots[base + psid]`.
+    slots: Vec<Option<Softwire>>,
+    /// Free dense ranges by PSID length, for reuse after an address leaves.
+    free: Vec<(u8, u32)>,
+    sparse: HashMap<u64, Softwire, Fast>,
+    count: usize,
     br_addresses: Vec<[u8; 16]>,
 }
 
@@ -50,7 +66,6 @@ fn key(ipv4: u32, psid: u16) -> u64 {
 impl BindingTable {
     pub fn new(specs: &[SoftwireSpec]) -> Result<BindingTable, String> {
         let mut t = BindingTable::default();
-        t.softwires.reserve(specs.len());
         for s in specs {
             t.add(s).map_err(|e| format!("line {}: {e}", s.line))?;
         }
@@ -69,29 +84,35 @@ impl BindingTable {
                 0
             },
         };
-        match self.port_sets.get(&a) {
-            Some(old) if *old != set => {
+        let entry = match self.addresses.get(&a) {
+            Some(old) if old.set != set => {
                 return Err(format!(
                     "{}: its port set (psid-length {}, reserved bits {}) differs from that of the other softwires of this address",
                     s.ipv4, s.psid_length, s.reserved_bits
                 ))
             }
-            _ => {}
-        }
-        self.port_sets.insert(a, set);
-        let new = self
-            .softwires
-            .insert(
-                key(a, s.psid),
-                Softwire {
-                    b4: s.b4.octets(),
-                    br: s.br.octets(),
-                },
-            )
-            .is_none();
+            Some(old) => *old,
+            None => {
+                let dense = (s.psid_length <= DENSE_MAX_PSID_LENGTH).then(|| self.dense_range(s.psid_length));
+                Address { set, dense, users: 0 }
+            }
+        };
+        let sw = Softwire {
+            b4: s.b4.octets(),
+            br: s.br.octets(),
+        };
+        let new = match entry.dense {
+            Some(base) => self.slots[base as usize + s.psid as usize]
+                .replace(sw)
+                .is_none(),
+            None => self.sparse.insert(key(a, s.psid), sw).is_none(),
+        };
+        let mut entry = entry;
         if new {
-            *self.users.entry(a).or_default() += 1;
+            entry.users += 1;
+            self.count += 1;
         }
+        self.addresses.insert(a, entry);
         let br = s.br.octets();
         if !self.br_addresses.contains(&br) {
             self.br_addresses.push(br);
@@ -99,17 +120,40 @@ impl BindingTable {
         Ok(())
     }
 
+    fn dense_range(&mut self, k: u8) -> u32 {
+        if let Some(i) = self.free.iter().position(|(len, _)| *len == k) {
+            return self.free.swap_remove(i).1;
+        }
+        let base = self.slots.len() as u32;
+        self.slots.resize(self.slots.len() + (1 << k), None);
+        base
+    }
+
     /// Removes the softwire of (address, PSID); false when there is none.
     pub fn remove(&mut self, ipv4: Ipv4Addr, psid: u16) -> bool {
         let a = u32::from(ipv4);
-        if self.softwires.remove(&key(a, psid)).is_none() {
+        let Some(mut entry) = self.addresses.get(&a).copied() else {
+            return false;
+        };
+        let removed = match entry.dense {
+            Some(base) => {
+                (psid as u32) < (1u32 << entry.set.psid_length)
+                    && self.slots[(base + psid as u32) as usize].take().is_some()
+            }
+            None => self.sparse.remove(&key(a, psid)).is_some(),
+        };
+        if !removed {
             return false;
         }
-        let n = self.users.entry(a).or_default();
-        *n -= 1;
-        if *n == 0 {
-            self.users.remove(&a);
-            self.port_sets.remove(&a);
+        self.count -= 1;
+        entry.users -= 1;
+        if entry.users == 0 {
+            self.addresses.remove(&a);
+            if let Some(base) = entry.dense {
+                self.free.push((entry.set.psid_length, base));
+            }
+        } else {
+            self.addresses.insert(a, entry);
         }
         true
     }
@@ -117,8 +161,34 @@ impl BindingTable {
     /// The softwire that owns `port` of `ipv4`.
     #[inline]
     pub fn lookup(&self, ipv4: u32, port: u16) -> Option<&Softwire> {
-        let psid = self.port_sets.get(&ipv4)?.psid(port)?;
-        self.softwires.get(&key(ipv4, psid))
+        let e = self.addresses.get(&ipv4)?;
+        let psid = e.set.psid(port)?;
+        match e.dense {
+            Some(base) => self.slots[base as usize + psid as usize].as_ref(),
+            None => self.sparse.get(&key(ipv4, psid)),
+        }
+    }
+
+    /// Starts loading the softwire of (`ipv4`, `port`) into the cache, so that a lookup a few
+    /// packets later does not wait for memory.
+    #[inline]
+    pub fn prefetch(&self, ipv4: u32, port: u16) {
+        let Some(e) = self.addresses.get(&ipv4) else {
+            return;
+        };
+        if let (Some(base), Some(psid)) = (e.dense, e.set.psid(port)) {
+            if let Some(slot) = self.slots.get(base as usize + psid as usize) {
+                #[cfg(target_arch = "x86_64")]
+                unsafe {
+                    std::arch::x86_64::_mm_prefetch(
+                        slot as *const _ as *const i8,
+                        std::arch::x86_64::_MM_HINT_T0,
+                    );
+                }
+                #[cfg(not(target_arch = "x86_64"))]
+                let _ = slot;
+            }
+        }
     }
 
     /// Whether `a` is one of the BR addresses of the table.
@@ -128,27 +198,46 @@ impl BindingTable {
     }
 
     pub fn len(&self) -> usize {
-        self.softwires.len()
+        self.count
     }
 
     pub fn is_empty(&self) -> bool {
-        self.softwires.is_empty()
+        self.count == 0
     }
 
-    /// Every softwire, for the control socket (address, PSID, B4, BR).
+    /// Softwires for the control socket (address, PSID, B4, BR), at most `limit`.
     pub fn dump(&self, limit: usize) -> Vec<(Ipv4Addr, u16, Ipv6Addr, Ipv6Addr)> {
-        self.softwires
-            .iter()
-            .take(limit)
-            .map(|(k, s)| {
-                (
-                    Ipv4Addr::from((k >> 16) as u32),
-                    *k as u16,
-                    Ipv6Addr::from(s.b4),
-                    Ipv6Addr::from(s.br),
-                )
-            })
-            .collect()
+        let mut out = Vec::new();
+        for (a, e) in &self.addresses {
+            if let Some(base) = e.dense {
+                for psid in 0..1u32 << e.set.psid_length {
+                    if let Some(s) = &self.slots[(base + psid) as usize] {
+                        out.push((
+                            Ipv4Addr::from(*a),
+                            psid as u16,
+                            Ipv6Addr::from(s.b4),
+                            Ipv6Addr::from(s.br),
+                        ));
+                    }
+                }
+            }
+            if out.len() >= limit {
+                break;
+            }
+        }
+        for (k, s) in &self.sparse {
+            if out.len() >= limit {
+                break;
+            }
+            out.push((
+                Ipv4Addr::from((k >> 16) as u32),
+                *k as u16,
+                Ipv6Addr::from(s.b4),
+                Ipv6Addr::from(s.br),
+            ));
+        }
+        out.truncate(limit);
+        out
     }
 }
 
@@ -195,9 +284,20 @@ mod tests {
             .err()
             .unwrap();
         assert!(e.contains("port set"), "{e}");
-        let mut t = BindingTable::new(&[spec("10.0.0.1", 0, 4, 0)]).unwrap();
+        let mut t =
+            BindingTable::new(&[spec("10.0.0.1", 0, 4, 0), spec("10.0.0.9", 5, 12, 0)]).unwrap();
         assert!(t.remove("10.0.0.1".parse().unwrap(), 0));
         assert!(!t.remove("10.0.0.1".parse().unwrap(), 0));
+        assert!(
+            t.remove("10.0.0.9".parse().unwrap(), 5),
+            "sparse (psid-length 12)"
+        );
         assert!(t.is_empty());
+        // A freed dense range is reused.
+        t.add(&spec("10.0.0.2", 3, 4, 0)).unwrap();
+        assert_eq!(t.slots.len(), 16);
+        assert!(t
+            .lookup(u32::from(Ipv4Addr::new(10, 0, 0, 2)), 3 << 12)
+            .is_some());
     }
 }
