@@ -407,7 +407,7 @@ fn too_big_with_dont_fragment_gets_fragmentation_needed() {
 }
 
 #[test]
-fn fragments_and_malformed_packets_are_counted_and_dropped() {
+fn lone_fragments_and_malformed_packets_go_nowhere() {
     let frag = ip4(
         Ip4 {
             flags_frag: 0x2000,
@@ -433,7 +433,8 @@ fn fragments_and_malformed_packets_are_counted_and_dropped() {
         ],
         &[],
     );
-    assert_eq!(out.counter("fragment_drops"), 1);
+    // A lone first fragment waits for the rest (and expires); nothing leaves.
+    assert_eq!(out.counter("reassembled"), 0);
     assert_eq!(out.counter("malformed_drops"), 2);
     assert_eq!(out.counter("wrong_ethertype_drops"), 1);
     assert!(out.v4(&["frame.len"]).is_empty() && out.v6(&["frame.len"]).is_empty());
@@ -723,4 +724,148 @@ fn softwires_are_added_and_removed_at_run_time_through_the_api() {
     let (st, _) = s.call("POST", "/api/v1/apps/aftr/query", Some(del));
     assert_eq!(st, 400);
     s.stop();
+}
+
+/// IPv4 fragments of one packet, `chunk` payload bytes each (a multiple of 8).
+fn fragments4(whole: &[u8], chunk: usize) -> Vec<Vec<u8>> {
+    let body = &whole[20..];
+    let mut out = Vec::new();
+    let mut off = 0;
+    while off < body.len() {
+        let n = chunk.min(body.len() - off);
+        let more = off + n < body.len();
+        let mut h = whole[..20].to_vec();
+        h[2..4].copy_from_slice(&((20 + n) as u16).to_be_bytes());
+        let ff = (off / 8) as u16 | if more { 0x2000 } else { 0 };
+        h[6..8].copy_from_slice(&ff.to_be_bytes());
+        h[10..12].fill(0);
+        let c = csum(&h);
+        h[10..12].copy_from_slice(&c.to_be_bytes());
+        h.extend_from_slice(&body[off..off + n]);
+        out.push(h);
+        off += n;
+    }
+    out
+}
+
+#[test]
+fn ipv4_fragments_are_reassembled_before_encapsulation() {
+    let whole = ip4(
+        plain("1.2.3.4", "178.79.150.233", 17),
+        &udp(40000, 80, 1000),
+    );
+    let mut frags: Vec<Vec<u8>> = fragments4(&whole, 400)
+        .into_iter()
+        .map(from_internet)
+        .collect();
+    frags.swap(0, 2); // out of order: the port arrives last
+    let out = check(&default_conf(), &frags, &[]);
+    assert_eq!(out.counter("reassembled"), 1);
+    assert_eq!(
+        out.v6(&[
+            "ipv6.dst",
+            "ipv6.plen",
+            "ip.len",
+            "ip.flags.mf",
+            "ip.frag_offset",
+            "udp.dstport",
+            "ip.checksum.status"
+        ]),
+        [format!("{B4_A}\t1028\t1028\t0\t0\t80\t2")]
+    );
+}
+
+#[test]
+fn packets_above_the_internal_mtu_leave_in_ipv6_fragments() {
+    // 2000 bytes of IPv4, DF clear; the tunnel MTU is 1460.
+    let ip = ip4(
+        plain("1.2.3.4", "178.79.150.233", 17),
+        &udp(40000, 80, 1972),
+    );
+    let out = check(&default_conf(), &[from_internet(ip)], &[]);
+    assert_eq!(out.counter("fragmented"), 1);
+    let dir = out.dir.path();
+    let f = std::process::Command::new("tshark")
+        .args(["-o", "ipv6.defragment:FALSE", "-r"])
+        .arg(dir.join("out6.pcap"))
+        .args([
+            "-T",
+            "fields",
+            "-e",
+            "ipv6.plen",
+            "-e",
+            "ipv6.fraghdr.nxt",
+            "-e",
+            "ipv6.fraghdr.offset",
+            "-e",
+            "ipv6.fraghdr.more",
+            "-e",
+            "ipv6.fraghdr.ident",
+            "-e",
+            "frame.len",
+        ])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&f.stdout);
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(
+        lines,
+        // Offsets in 8-byte units: the second fragment starts at byte 1408.
+        [
+            "1416\t4\t0\t1\t0x42424243\t1470",
+            "600\t4\t176\t0\t0x42424243\t654"
+        ],
+        "two fragments within the MTU"
+    );
+    // tshark puts them back together into the original datagram.
+    assert_eq!(
+        out.v6(&["udp.dstport", "ip.len"]).last().unwrap(),
+        "80\t2000"
+    );
+}
+
+#[test]
+fn ipv6_fragments_from_a_b4_are_reassembled_and_big_packets_fragmented_toward_the_internet() {
+    // A 2000-byte IPv4 packet from B4 A in two IPv6 fragments; the internet MTU is 1460, DF clear.
+    let inner = ip4(plain("178.79.150.233", "1.2.3.4", 17), &udp(80, 443, 1972));
+    let cut = 1200;
+    let frag6 = |off: usize, more: bool, data: &[u8]| {
+        let mut fh = vec![4, 0];
+        fh.extend_from_slice(&(off as u16 | more as u16).to_be_bytes());
+        fh.extend_from_slice(&0x1234u32.to_be_bytes());
+        fh.extend_from_slice(data);
+        eth(INT_MAC, INT_HOP, 0x86dd, None, &ip6(B4_A, BR, 44, &fh))
+    };
+    let out = check(
+        &default_conf(),
+        &[],
+        &[
+            frag6(cut, false, &inner[cut..]),
+            frag6(0, true, &inner[..cut]),
+        ],
+    );
+    assert_eq!(out.counter("reassembled"), 1);
+    assert_eq!(out.counter("fragmented"), 1);
+    let f = std::process::Command::new("tshark")
+        .args(["-o", "ip.defragment:FALSE", "-r"])
+        .arg(out.dir.path().join("out4.pcap"))
+        .args([
+            "-T",
+            "fields",
+            "-e",
+            "ip.len",
+            "-e",
+            "ip.flags.mf",
+            "-e",
+            "ip.frag_offset",
+            "-e",
+            "ip.checksum.status",
+        ])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&f.stdout);
+    assert_eq!(
+        text.lines().collect::<Vec<_>>(),
+        ["1460\t1\t0\t2", "560\t0\t180\t2"]
+    );
 }

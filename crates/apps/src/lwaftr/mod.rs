@@ -23,12 +23,17 @@
 //! Softwires are added and removed at run time through the control socket / API
 //! (`{"command": "add_softwire", …}`, `{"command": "remove_softwire", …}`).
 //!
-//! Not yet: reassembly of fragments (fragments are dropped and counted), fragmentation of
-//! packets above the internal MTU (dropped, with ICMPv4 3/4 when DF is set), translation of
-//! ICMPv6 errors from the access network (RFC 2473; dropped and counted).
+//! Fragments are reassembled before translation (IPv4 from the internet, IPv6 from the B4s,
+//! within the configured reassembly limits) and packets above the MTU of the side they leave
+//! are fragmented (IPv6 fragment identifications start at 0x42424243 and count up, so that runs
+//! are reproducible); with DF set, an IPv4 packet too big for the tunnel gets ICMPv4 3/4.
+//!
+//! Not yet: translation of ICMPv6 errors from the access network (RFC 2473; dropped and
+//! counted), IPv6 extension headers other than one fragment header.
 
 pub mod binding;
 pub mod config;
+pub mod frag;
 
 use binding::{BindingTable, Softwire};
 use config::{Interface, LwaftrConfig, NextHop, Policy, SoftwireSpec};
@@ -96,6 +101,8 @@ struct Counters {
     source_mismatch: Counter,
     ttl_expired: Counter,
     fragments: Counter,
+    reassembled: Counter,
+    fragmented: Counter,
     icmp_policy: Counter,
     too_big: Counter,
     malformed: Counter,
@@ -121,6 +128,8 @@ impl Counters {
             source_mismatch: ctx.counter("source_mismatch_drops"),
             ttl_expired: ctx.counter("ttl_expired_drops"),
             fragments: ctx.counter("fragment_drops"),
+            reassembled: ctx.counter("reassembled"),
+            fragmented: ctx.counter("fragmented"),
             icmp_policy: ctx.counter("icmp_policy_drops"),
             too_big: ctx.counter("too_big_drops"),
             malformed: ctx.counter("malformed_drops"),
@@ -185,6 +194,9 @@ pub struct Lwaftr {
     c: Counters,
     out: [Vec<Packet>; 2],
     batch: Vec<Packet>,
+    reasm4: frag::Reassembler,
+    reasm6: frag::Reassembler,
+    next_frag_id: u32,
 }
 
 fn hop_mac(h: NextHop) -> Option<[u8; 6]> {
@@ -263,6 +275,8 @@ impl App for Lwaftr {
     }
 
     fn tick(&mut self, io: &mut Io, now: Instant) {
+        let expired = self.reasm4.expire(now) + self.reasm6.expire(now);
+        self.c.fragments.add(expired as u64);
         if self.ext_hop.is_some() && self.int_hop.is_some() {
             return;
         }
@@ -470,6 +484,16 @@ fn solicited_node(a: Ipv6Addr) -> [u8; 16] {
 impl Lwaftr {
     fn build(cfg: LwaftrConfig, q: usize, c: Counters) -> Result<Lwaftr, String> {
         let table = BindingTable::new(&cfg.softwires)?;
+        let (reasm4, reasm6) = (
+            frag::Reassembler::new(
+                cfg.external.max_fragments_per_packet,
+                cfg.external.max_reassembly_packets,
+            ),
+            frag::Reassembler::new(
+                cfg.internal.max_fragments_per_packet,
+                cfg.internal.max_reassembly_packets,
+            ),
+        );
         let queue = cfg.queues[q].clone();
         Ok(Lwaftr {
             table,
@@ -485,6 +509,9 @@ impl Lwaftr {
             c,
             out: [Vec::with_capacity(256), Vec::with_capacity(256)],
             batch: Vec::with_capacity(1024),
+            reasm4,
+            reasm6,
+            next_frag_id: 0x4242_4243,
         })
     }
 
@@ -542,7 +569,18 @@ impl Lwaftr {
             return self.answer_ping_v4(p, at, ihl, total);
         }
         if is_fragment(ip) {
-            return self.c.fragments.add(1);
+            let l2h = d[..at].to_vec();
+            return match self.reasm4.add_v4(ip, ihl, total, Instant::now()) {
+                frag::Outcome::Complete(whole) => {
+                    self.c.reassembled.add(1);
+                    match packet_of(&l2h, &whole) {
+                        Some(p) => self.handle_internet(p),
+                        None => self.c.too_big.add(1),
+                    }
+                }
+                frag::Outcome::Pending => {}
+                frag::Outcome::Dropped(_) => self.c.fragments.add(1),
+            };
         }
         if ip[9] == ICMP && !self.ext_policy.allow_incoming_icmp {
             return self.c.icmp_policy.add(1);
@@ -577,10 +615,10 @@ impl Lwaftr {
             }
             return;
         }
-        if 40 + total > self.int_policy.mtu as usize {
+        let too_big = 40 + total > self.int_policy.mtu as usize;
+        if too_big && p.data()[6] & 0x40 != 0 {
             self.c.too_big.add(1);
-            let df = p.data()[6] & 0x40 != 0;
-            if df && self.ext_policy.generate_icmp_errors && from == V4 {
+            if self.ext_policy.generate_icmp_errors && from == V4 {
                 let mtu = (self.int_policy.mtu - 40) as u32;
                 if let Ok(h) = p.prepend(14) {
                     h.fill(0);
@@ -602,6 +640,9 @@ impl Lwaftr {
         }
         let tos = p.data()[1];
         let flow = self.int_policy.flow_label & 0xfffff;
+        if too_big {
+            return self.encapsulate_fragments(p, sw, hop, tos, flow, from);
+        }
         let Ok(h) = p.prepend(40) else {
             return self.c.malformed.add(1);
         };
@@ -640,6 +681,20 @@ impl Lwaftr {
             return self.c.malformed.add(1);
         }
         let (nh, src, dst) = (ip6[6], &ip6[8..24], &ip6[24..40]);
+        if nh == 44 && plen >= 8 && self.table.is_br_address(dst) {
+            let l2h = d[..at].to_vec();
+            return match self.reasm6.add_v6(&ip6[..40 + plen], Instant::now()) {
+                frag::Outcome::Complete(whole) => {
+                    self.c.reassembled.add(1);
+                    match packet_of(&l2h, &whole) {
+                        Some(p) => self.handle_b4s(p),
+                        None => self.c.too_big.add(1),
+                    }
+                }
+                frag::Outcome::Pending => {}
+                frag::Outcome::Dropped(_) => self.c.fragments.add(1),
+            };
+        }
         if nh == ICMPV6 {
             return self.icmp6_in(p, at, plen);
         }
@@ -683,10 +738,80 @@ impl Lwaftr {
         let Some(hop) = self.ext_hop else {
             return self.c.no_next_hop.add(1);
         };
+        if total > self.ext_policy.mtu as usize {
+            if p.data()[6] & 0x40 != 0 {
+                return self.c.too_big.add(1);
+            }
+            return self.decapsulate_fragments(p, ihl, hop);
+        }
         if let Some(p) = self.frame(p, V4, hop) {
             self.c.decapsulated.add(1);
             self.out[V4].push(p);
         }
+    }
+
+    /// An IPv4 packet too big for the access network's MTU, in IPv6 fragments.
+    fn encapsulate_fragments(
+        &mut self,
+        p: Packet,
+        sw: Softwire,
+        hop: [u8; 6],
+        tos: u8,
+        flow: u32,
+        from: usize,
+    ) {
+        let ip = p.data();
+        let id = self.next_frag_id;
+        self.next_frag_id = self.next_frag_id.wrapping_add(1);
+        let word = 6u32 << 28 | (tos as u32) << 20 | flow;
+        for (off, n, more) in frag::split(ip.len(), self.int_policy.mtu as usize) {
+            let mut f = Vec::with_capacity(48 + n);
+            f.extend_from_slice(&word.to_be_bytes());
+            f.extend_from_slice(&((8 + n) as u16).to_be_bytes());
+            f.extend_from_slice(&[44, 255]);
+            f.extend_from_slice(&sw.br);
+            f.extend_from_slice(&sw.b4);
+            f.extend_from_slice(&[IPIP, 0]);
+            f.extend_from_slice(&(off as u16 | more as u16).to_be_bytes());
+            f.extend_from_slice(&id.to_be_bytes());
+            f.extend_from_slice(&ip[off..off + n]);
+            match self.new_frame(V6, hop, &f) {
+                Some(q) => self.out[V6].push(q),
+                None => return self.c.too_big.add(1),
+            }
+        }
+        self.c.fragmented.add(1);
+        self.c.encapsulated.add(1);
+        if from == V6 {
+            self.c.hairpinned.add(1);
+        }
+    }
+
+    /// A decapsulated IPv4 packet too big for the internet side's MTU, in IPv4 fragments.
+    fn decapsulate_fragments(&mut self, p: Packet, ihl: usize, hop: [u8; 6]) {
+        let ip = p.data();
+        let chunk = (self.ext_policy.mtu as usize - ihl) / 8 * 8;
+        let body = &ip[ihl..];
+        let mut off = 0;
+        while off < body.len() {
+            let n = chunk.min(body.len() - off);
+            let more = off + n < body.len();
+            let mut f = ip[..ihl].to_vec();
+            f[2..4].copy_from_slice(&((ihl + n) as u16).to_be_bytes());
+            let ff = (off / 8) as u16 | if more { 0x2000 } else { 0 };
+            f[6..8].copy_from_slice(&ff.to_be_bytes());
+            f[10..12].fill(0);
+            let cs = checksum::checksum(&f);
+            f[10..12].copy_from_slice(&cs.to_be_bytes());
+            f.extend_from_slice(&body[off..off + n]);
+            match self.new_frame(V4, hop, &f) {
+                Some(q) => self.out[V4].push(q),
+                None => return self.c.too_big.add(1),
+            }
+            off += n;
+        }
+        self.c.fragmented.add(1);
+        self.c.decapsulated.add(1);
     }
 
     /// An ICMPv4 error (type, code) about the IPv4 packet at `at` in `p`, out of `v4`.
@@ -897,6 +1022,21 @@ impl Lwaftr {
             _ => self.c.not_for_us.add(1),
         }
     }
+}
+
+/// A packet holding `l2` then `ip`, in a large buffer when it does not fit an ordinary one.
+fn packet_of(l2: &[u8], ip: &[u8]) -> Option<Packet> {
+    let n = l2.len() + ip.len();
+    let mut p = if n + stitch_core::packet::HEADROOM <= stitch_core::packet::DATA_AREA {
+        pool::alloc()?
+    } else {
+        pool::alloc_large()?
+    };
+    p.set_len(n).ok()?;
+    let d = p.data_mut();
+    d[..l2.len()].copy_from_slice(l2);
+    d[l2.len()..].copy_from_slice(ip);
+    Some(p)
 }
 
 /// The link-layer address option (source or target) of an NS/NA.
