@@ -57,7 +57,8 @@ pub enum BenchCmd {
     },
 }
 
-fn cpu_seconds(who: i32) -> f64 {
+/// CPU seconds used by `who` (RUSAGE_SELF, RUSAGE_THREAD, …).
+pub(crate) fn cpu_seconds(who: i32) -> f64 {
     let mut u: libc::rusage = unsafe { std::mem::zeroed() };
     unsafe { libc::getrusage(who, &mut u) };
     let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;

@@ -5,6 +5,7 @@
 //! 1/16 of that load which the functions keep up with, for polling, blocking and isolated
 //! (blocking, copying) ports.
 
+use crate::bench::cpu_seconds;
 use anyhow::{Context, Result};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
@@ -155,13 +156,6 @@ fn delivered(e: &Engine) -> u64 {
         .find(|a| a.name == "out")
         .map(|a| a.rx_packets)
         .unwrap_or(0)
-}
-
-fn cpu_seconds(who: i32) -> f64 {
-    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
-    unsafe { libc::getrusage(who, &mut u) };
-    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
-    tv(u.ru_utime) + tv(u.ru_stime)
 }
 
 /// Process CPU time of the functions, from /proc (they are still running).

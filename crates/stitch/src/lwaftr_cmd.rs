@@ -296,12 +296,7 @@ pub fn bench(
         !p4.is_empty() && !p6.is_empty(),
         "both PCAP files need packets"
     );
-    let cpu = || {
-        let mut u: libc::rusage = unsafe { std::mem::zeroed() };
-        unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut u) };
-        let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
-        tv(u.ru_utime) + tv(u.ru_stime)
-    };
+    let cpu = || crate::bench::cpu_seconds(libc::RUSAGE_THREAD);
     const BATCH: usize = 128;
     let mut results = Vec::new();
     for _ in 0..runs {

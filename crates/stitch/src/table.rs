@@ -3,13 +3,17 @@
 use serde_json::Value;
 use std::fmt::Write;
 
-fn n(v: &Value) -> u64 {
+/// A counter of the stats JSON (0 when absent).
+pub fn n(v: &Value) -> u64 {
     v.as_u64().unwrap_or(0)
 }
 
-fn rate(v: &Value) -> String {
+/// A rate with its SI prefix: `1.25M`, `830.2k`, `12`.
+pub fn rate(v: &Value) -> String {
     let r = v.as_f64().unwrap_or(0.0);
-    if r >= 1e6 {
+    if r >= 1e9 {
+        format!("{:.2}G", r / 1e9)
+    } else if r >= 1e6 {
         format!("{:.2}M", r / 1e6)
     } else if r >= 1e3 {
         format!("{:.1}k", r / 1e3)

@@ -1,5 +1,6 @@
 //! `stitch top`: the busiest links and apps of a running instance, refreshed live.
 
+use crate::table::{n, rate};
 use crate::Instance;
 use anyhow::Result;
 use serde_json::Value;
@@ -26,19 +27,6 @@ pub struct TopArgs {
 
 fn f(v: &Value) -> f64 {
     v.as_f64().unwrap_or(0.0)
-}
-
-fn n(v: &Value) -> u64 {
-    v.as_u64().unwrap_or(0)
-}
-
-fn si(v: f64) -> String {
-    match v {
-        v if v >= 1e9 => format!("{:.2}G", v / 1e9),
-        v if v >= 1e6 => format!("{:.2}M", v / 1e6),
-        v if v >= 1e3 => format!("{:.1}k", v / 1e3),
-        v => format!("{v:.0}"),
-    }
 }
 
 /// One frame: links by packet rate (then by total), apps by packets in and out per second.
@@ -80,8 +68,8 @@ pub fn frame(stats: &Value, rows: usize) -> String {
             s,
             "{:<width$}  {:>9} {:>9} {:>12} {:>10} {:>7}",
             l["link"].as_str().unwrap_or(""),
-            si(f(&l["rate_pps"])),
-            si(f(&l["rate_bps"])),
+            rate(&l["rate_pps"]),
+            rate(&l["rate_bps"]),
             n(&l["tx_packets"]),
             n(&l["tx_drops"]),
             n(&l["queued"])
@@ -112,8 +100,8 @@ pub fn frame(stats: &Value, rows: usize) -> String {
             "{:<width$}  {:<14} {:>9} {:>9} {:>10} {:>6}",
             a["name"].as_str().unwrap_or(""),
             a["type"].as_str().unwrap_or(""),
-            si(f(&a["rx_rate_pps"])),
-            si(f(&a["tx_rate_pps"])),
+            rate(&a["rx_rate_pps"]),
+            rate(&a["tx_rate_pps"]),
             n(&a["drops"]),
             if a["failed"] == true { "FAILED" } else { "ok" }
         );
