@@ -869,3 +869,56 @@ fn ipv6_fragments_from_a_b4_are_reassembled_and_big_packets_fragmented_toward_th
         ["1460\t1\t0\t2", "560\t0\t180\t2"]
     );
 }
+
+#[test]
+fn icmpv6_errors_about_tunnelled_packets_reach_the_ipv4_sender() {
+    // What the function tunnelled toward B4 A: 1.2.3.4 → 178.79.150.233:80, DF set.
+    let sent = ip4(
+        Ip4 {
+            flags_frag: 0x4000,
+            ..plain("1.2.3.4", "178.79.150.233", 17)
+        },
+        &udp(40000, 80, 100),
+    );
+    let tunnelled = ip6(BR, B4_A, 4, &sent);
+    let error = |kind: u8, code: u8, mtu: u32| {
+        let mut body = vec![kind, code, 0, 0];
+        body.extend_from_slice(&mtu.to_be_bytes());
+        body.extend_from_slice(&tunnelled);
+        eth(
+            INT_MAC,
+            INT_HOP,
+            0x86dd,
+            None,
+            &icmp6("2001:db8::1", BR, &body),
+        )
+    };
+    let out = check(
+        &default_conf(),
+        &[],
+        &[error(2, 0, 1280), error(3, 0, 0), error(1, 3, 0)],
+    );
+    assert_eq!(out.counter("icmpv6_errors_relayed"), 3);
+    assert_eq!(
+        out.v4(&[
+            "ip.src",
+            "icmp.type",
+            "icmp.code",
+            "icmp.mtu",
+            "icmp.checksum.status",
+            "udp.dstport"
+        ]),
+        [
+            "10.10.10.10,1.2.3.4\t3\t4\t1240\t1\t80",
+            "10.10.10.10,1.2.3.4\t3\t1\t\t1\t80",
+            "10.10.10.10,1.2.3.4\t3\t1\t\t1\t80",
+        ]
+    );
+    // Not relayed when the internal side refuses incoming ICMP.
+    let out = check(
+        &conf("", "allow-incoming-icmp false;", false),
+        &[],
+        &[error(2, 0, 1280)],
+    );
+    assert_eq!(out.counter("icmpv6_errors_relayed"), 0);
+}

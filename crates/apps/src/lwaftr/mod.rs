@@ -28,8 +28,9 @@
 //! are fragmented (IPv6 fragment identifications start at 0x42424243 and count up, so that runs
 //! are reproducible); with DF set, an IPv4 packet too big for the tunnel gets ICMPv4 3/4.
 //!
-//! Not yet: translation of ICMPv6 errors from the access network (RFC 2473; dropped and
-//! counted), IPv6 extension headers other than one fragment header.
+//! ICMPv6 errors from the access network about tunnelled packets are relayed to the IPv4
+//! sender as ICMPv4 (RFC 2473 §8). Not yet: IPv6 extension headers other than one fragment
+//! header.
 
 pub mod binding;
 pub mod config;
@@ -111,6 +112,7 @@ struct Counters {
     vlan: Counter,
     no_next_hop: Counter,
     icmpv6_errors: Counter,
+    icmpv6_relayed: Counter,
     icmp_sent: Counter,
     icmp_rate_limited: Counter,
     arp_replies: Counter,
@@ -138,6 +140,7 @@ impl Counters {
             vlan: ctx.counter("vlan_drops"),
             no_next_hop: ctx.counter("next_hop_unresolved_drops"),
             icmpv6_errors: ctx.counter("icmpv6_error_drops"),
+            icmpv6_relayed: ctx.counter("icmpv6_errors_relayed"),
             icmp_sent: ctx.counter("icmp_errors_sent"),
             icmp_rate_limited: ctx.counter("icmp_rate_limited"),
             arp_replies: ctx.counter("arp_replies"),
@@ -589,7 +592,7 @@ impl Lwaftr {
         else {
             self.c.no_softwire.add(1);
             if self.ext_policy.generate_icmp_errors {
-                self.icmp4_error(&p, at, 3, 1, 0);
+                self.icmp4_error(&p.data()[at..], 3, 1, 0);
             }
             return;
         };
@@ -607,11 +610,7 @@ impl Lwaftr {
         if ttl <= 1 {
             self.c.ttl_expired.add(1);
             if self.ext_policy.generate_icmp_errors && from == V4 {
-                let hdr = 14;
-                if let Ok(h) = p.prepend(hdr) {
-                    h.fill(0);
-                    self.icmp4_error(&p, hdr, 11, 0, 0);
-                }
+                self.icmp4_error(p.data(), 11, 0, 0);
             }
             return;
         }
@@ -620,10 +619,7 @@ impl Lwaftr {
             self.c.too_big.add(1);
             if self.ext_policy.generate_icmp_errors && from == V4 {
                 let mtu = (self.int_policy.mtu - 40) as u32;
-                if let Ok(h) = p.prepend(14) {
-                    h.fill(0);
-                    self.icmp4_error(&p, 14, 3, 4, mtu);
-                }
+                self.icmp4_error(p.data(), 3, 4, mtu);
             }
             return;
         }
@@ -814,9 +810,8 @@ impl Lwaftr {
         self.c.decapsulated.add(1);
     }
 
-    /// An ICMPv4 error (type, code) about the IPv4 packet at `at` in `p`, out of `v4`.
-    fn icmp4_error(&mut self, p: &Packet, at: usize, kind: u8, code: u8, extra: u32) {
-        let ip = &p.data()[at..];
+    /// An ICMPv4 error (type, code) about the IPv4 packet `ip`, out of `v4`.
+    fn icmp4_error(&mut self, ip: &[u8], kind: u8, code: u8, extra: u32) {
         // Never about ICMP errors.
         let ihl = (ip[0] & 0x0f) as usize * 4;
         if ip[9] == ICMP && ip.get(ihl).is_some_and(|t| ![0u8, 8].contains(t)) {
@@ -1018,7 +1013,13 @@ impl Lwaftr {
                     self.out[V6].push(r);
                 }
             }
-            k if k < 128 => self.c.icmpv6_errors.add(1),
+            k if k < 128 => {
+                if self.relay_icmp6_error(body) {
+                    self.c.icmpv6_relayed.add(1);
+                } else {
+                    self.c.icmpv6_errors.add(1);
+                }
+            }
             _ => self.c.not_for_us.add(1),
         }
     }
@@ -1037,6 +1038,45 @@ fn packet_of(l2: &[u8], ip: &[u8]) -> Option<Packet> {
     d[..l2.len()].copy_from_slice(l2);
     d[l2.len()..].copy_from_slice(ip);
     Some(p)
+}
+
+impl Lwaftr {
+    /// An ICMPv6 error from the access network about a packet this function tunnelled (RFC
+    /// 2473 §8): relayed to the IPv4 sender of the tunnelled packet as ICMPv4 — packet too big
+    /// as "fragmentation needed" with the tunnel's MTU, anything else as "host unreachable".
+    fn relay_icmp6_error(&mut self, body: &[u8]) -> bool {
+        if !self.int_policy.allow_incoming_icmp || !self.ext_policy.generate_icmp_errors {
+            return false;
+        }
+        let Some(inner6) = body.get(8..) else {
+            return false;
+        };
+        if inner6.len() < 60
+            || inner6[0] >> 4 != 6
+            || inner6[6] != IPIP
+            || !self.table.is_br_address(&inner6[8..24])
+        {
+            return false;
+        }
+        let ip = &inner6[40..];
+        let ihl = (ip[0] & 0x0f) as usize * 4;
+        if ip[0] >> 4 != 4 || ihl < 20 || ip.len() < ihl {
+            return false;
+        }
+        let (code, extra) = if body[0] == 2 {
+            if ip[6] & 0x40 == 0 {
+                // DF clear: later packets are fragmented by the tunnel; nothing to tell.
+                return false;
+            }
+            let mtu = u32::from_be_bytes(body[4..8].try_into().unwrap());
+            (4, mtu.saturating_sub(40).min(0xffff))
+        } else {
+            (1, 0)
+        };
+        let ip = ip.to_vec();
+        self.icmp4_error(&ip, 3, code, extra);
+        true
+    }
 }
 
 /// The link-layer address option (source or target) of an NS/NA.
