@@ -922,3 +922,41 @@ fn icmpv6_errors_about_tunnelled_packets_reach_the_ipv4_sender() {
     );
     assert_eq!(out.counter("icmpv6_errors_relayed"), 0);
 }
+
+#[test]
+fn on_a_stick_one_port_carries_both_sides() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("lwaftr.conf"), default_conf()).unwrap();
+    let to_b4 = from_internet(ip4(
+        plain("1.2.3.4", "178.79.150.233", 17),
+        &udp(40000, 80, 20),
+    ));
+    let from_b4 = from_b4(
+        B4_A,
+        BR,
+        ip4(plain("178.79.150.233", "1.2.3.4", 17), &udp(80, 40000, 20)),
+    );
+    write(&dir.path().join("in.pcap"), &[to_b4, from_b4]);
+    let stats = run_graph(
+        dir.path(),
+        "apps:\n  src: { type: pcap_source, file: in.pcap }\n  aftr: { type: lwaftr, conf: lwaftr.conf, on_a_stick: true }\n  out: { type: pcap_sink, file: out.pcap }\nlinks: [\"src.output -> aftr.wire\", \"aftr.wire -> out.input\"]\n",
+        &[],
+    );
+    let c = &app(&stats, "aftr")["counters"];
+    assert_eq!(
+        (c["encapsulated"].as_u64(), c["decapsulated"].as_u64()),
+        (Some(1), Some(1))
+    );
+    let mut seen = tshark_fields(
+        &dir.path().join("out.pcap"),
+        &["eth.type", "ipv6.dst", "ip.dst"],
+    );
+    seen.sort();
+    assert_eq!(
+        seen,
+        [
+            "0x0800\t\t1.2.3.4".to_string(),
+            format!("0x86dd\t{B4_A}\t178.79.150.233"),
+        ]
+    );
+}

@@ -64,6 +64,10 @@ pub struct LwaftrAppConfig {
     pub device: Option<String>,
     #[serde(default)]
     pub queue: Option<u32>,
+    /// One interface for both sides (port `wire`): frames are told apart by their VLAN tag when
+    /// the sides have different ones, else by EtherType.
+    #[serde(default)]
+    pub on_a_stick: bool,
 }
 
 /// Loads and checks the configuration file named by the app's config.
@@ -197,6 +201,7 @@ pub struct Lwaftr {
     c: Counters,
     out: [Vec<Packet>; 2],
     batch: Vec<Packet>,
+    on_a_stick: bool,
     reasm4: frag::Reassembler,
     reasm6: frag::Reassembler,
     next_frag_id: u32,
@@ -212,8 +217,12 @@ fn hop_mac(h: NextHop) -> Option<[u8; 6]> {
 impl App for Lwaftr {
     type Config = LwaftrAppConfig;
 
-    fn declare(_: &LwaftrAppConfig) -> Result<PortSpec, AppError> {
-        let sides = vec!["v4".to_string(), "v6".to_string()];
+    fn declare(c: &LwaftrAppConfig) -> Result<PortSpec, AppError> {
+        let sides = if c.on_a_stick {
+            vec!["wire".to_string()]
+        } else {
+            vec!["v4".to_string(), "v6".to_string()]
+        };
         Ok(PortSpec {
             inputs: PortNames::Fixed(sides.clone()),
             outputs: PortNames::Fixed(sides),
@@ -222,7 +231,9 @@ impl App for Lwaftr {
 
     fn new(c: LwaftrAppConfig, ctx: &mut AppContext) -> Result<Self, AppError> {
         let (cfg, q) = load(&c, Some(ctx))?;
-        Ok(Lwaftr::build(cfg, q, Counters::new(ctx))?)
+        let mut l = Lwaftr::build(cfg, q, Counters::new(ctx))?;
+        l.on_a_stick = c.on_a_stick;
+        Ok(l)
     }
 
     fn reconfigure(
@@ -232,13 +243,20 @@ impl App for Lwaftr {
     ) -> Result<Reconfigured, AppError> {
         // A changed file is read again in full; the new table replaces the old between breaths.
         let (cfg, q) = load(&c, Some(ctx))?;
+        if c.on_a_stick != self.on_a_stick {
+            return Ok(Reconfigured::Restart);
+        }
         let counters = std::mem::replace(&mut self.c, Counters::new(ctx));
         *self = Lwaftr::build(cfg, q, counters)?;
+        self.on_a_stick = c.on_a_stick;
         Ok(Reconfigured::Done)
     }
 
     fn push(&mut self, io: &mut Io) {
         let (inputs, outputs) = io.split();
+        if self.on_a_stick {
+            return self.push_on_a_stick(inputs, outputs);
+        }
         // Two passes per batch: the first only starts loading each packet's softwire into the
         // cache, so that with a large table the lookups of the second do not wait for memory.
         let mut batch = std::mem::take(&mut self.batch);
@@ -291,12 +309,15 @@ impl App for Lwaftr {
         }
         self.last_solicit = Some(now);
         if let (None, NextHop::Ipv4(hop)) = (self.ext_hop, self.ext.next_hop) {
-            if let (Some(p), Some(o)) = (self.arp_frame(1, [0xff; 6], [0; 6], hop), io.output(V4)) {
+            let port = if self.on_a_stick { 0 } else { V4 };
+            if let (Some(p), Some(o)) = (self.arp_frame(1, [0xff; 6], [0; 6], hop), io.output(port))
+            {
                 o.transmit(p);
             }
         }
         if let (None, NextHop::Ipv6(hop)) = (self.int_hop, self.int.next_hop) {
-            if let (Some(p), Some(o)) = (self.neighbor_solicitation(hop), io.output(V6)) {
+            let port = if self.on_a_stick { 0 } else { V6 };
+            if let (Some(p), Some(o)) = (self.neighbor_solicitation(hop), io.output(port)) {
                 o.transmit(p);
             }
         }
@@ -512,6 +533,7 @@ impl Lwaftr {
             c,
             out: [Vec::with_capacity(256), Vec::with_capacity(256)],
             batch: Vec::with_capacity(1024),
+            on_a_stick: false,
             reasm4,
             reasm6,
             next_frag_id: 0x4242_4243,
@@ -1041,6 +1063,47 @@ fn packet_of(l2: &[u8], ip: &[u8]) -> Option<Packet> {
 }
 
 impl Lwaftr {
+    /// Both sides on one port: each frame goes to the side its VLAN tag (when the sides' tags
+    /// differ) or its EtherType names; both sides' output leaves on the same port.
+    fn push_on_a_stick(
+        &mut self,
+        inputs: &mut [Option<stitch_core::Consumer>],
+        outputs: &mut [Option<stitch_core::Producer>],
+    ) {
+        let mut batch = std::mem::take(&mut self.batch);
+        if let Some(input) = inputs[0].as_mut() {
+            batch.extend(input.drain());
+        }
+        let by_tag =
+            self.ext.vlan != self.int.vlan && self.ext.vlan.is_some() && self.int.vlan.is_some();
+        for p in batch.drain(..) {
+            let d = p.data();
+            let v6 = if by_tag {
+                stitch_wire::vlan::outer_tag(d)
+                    .is_some_and(|(_, tci)| Some(stitch_wire::vlan::vid(tci)) == self.int.vlan)
+            } else {
+                let at = if self.int.vlan.is_some() { 16 } else { 12 };
+                be16(d, at) == Some(0x86dd)
+            };
+            if v6 {
+                self.handle_b4s(p);
+            } else {
+                self.handle_internet(p);
+            }
+        }
+        self.batch = batch;
+        for side in [V4, V6] {
+            match outputs[0].as_mut() {
+                Some(o) => {
+                    for p in self.out[side].drain(..) {
+                        o.transmit(p);
+                    }
+                }
+                None => self.out[side].clear(),
+            }
+        }
+    }
+
     /// An ICMPv6 error from the access network about a packet this function tunnelled (RFC
     /// 2473 §8): relayed to the IPv4 sender of the tunnelled packet as ICMPv4 — packet too big
     /// as "fragmentation needed" with the tunnel's MTU, anything else as "host unreachable".
