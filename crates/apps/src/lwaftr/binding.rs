@@ -47,9 +47,133 @@ struct Address {
     users: u32,
 }
 
+impl Address {
+    const EMPTY: Address = Address {
+        set: PortSet {
+            psid_length: 0,
+            shift: 0,
+            first_port: 0,
+        },
+        dense: None,
+        users: 0,
+    };
+}
+
+/// Addresses in an open-addressing table (linear probing, Fibonacci hashing): unlike a
+/// library map, the slot a lookup will read is known up front and can be prefetched.
+#[derive(Default)]
+struct AddressTable {
+    slots: Vec<(u32, Address)>,
+    used: Vec<bool>,
+    len: usize,
+}
+
+impl AddressTable {
+    #[inline]
+    fn home(&self, key: u32) -> usize {
+        let bits = self.slots.len().trailing_zeros();
+        (key.wrapping_mul(0x9e37_79b1) >> (32 - bits)) as usize
+    }
+
+    #[inline]
+    fn find(&self, key: u32) -> Option<usize> {
+        if self.slots.is_empty() {
+            return None;
+        }
+        let mask = self.slots.len() - 1;
+        let mut i = self.home(key);
+        while self.used[i] {
+            if self.slots[i].0 == key {
+                return Some(i);
+            }
+            i = (i + 1) & mask;
+        }
+        None
+    }
+
+    #[inline]
+    fn get(&self, key: u32) -> Option<&Address> {
+        self.find(key).map(|i| &self.slots[i].1)
+    }
+
+    #[inline]
+    fn prefetch(&self, key: u32) {
+        if self.slots.is_empty() {
+            return;
+        }
+        let i = self.home(key);
+        #[cfg(target_arch = "x86_64")]
+        unsafe {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            _mm_prefetch(&self.slots[i] as *const _ as *const i8, _MM_HINT_T0);
+            _mm_prefetch(&self.used[i] as *const _ as *const i8, _MM_HINT_T0);
+        }
+    }
+
+    fn insert(&mut self, key: u32, a: Address) {
+        if let Some(i) = self.find(key) {
+            self.slots[i].1 = a;
+            return;
+        }
+        if (self.len + 1) * 2 > self.slots.len() {
+            self.grow();
+        }
+        let mask = self.slots.len() - 1;
+        let mut i = self.home(key);
+        while self.used[i] {
+            i = (i + 1) & mask;
+        }
+        self.slots[i] = (key, a);
+        self.used[i] = true;
+        self.len += 1;
+    }
+
+    fn grow(&mut self) {
+        let n = (self.slots.len() * 2).max(16);
+        let old = std::mem::replace(&mut self.slots, vec![(0, Address::EMPTY); n]);
+        let used = std::mem::replace(&mut self.used, vec![false; n]);
+        self.len = 0;
+        for ((k, a), u) in old.into_iter().zip(used) {
+            if u {
+                self.insert(k, a);
+            }
+        }
+    }
+
+    /// Removes `key`, shifting later entries of its run back (no tombstones).
+    fn remove(&mut self, key: u32) {
+        let Some(mut hole) = self.find(key) else {
+            return;
+        };
+        let mask = self.slots.len() - 1;
+        self.used[hole] = false;
+        self.len -= 1;
+        let mut i = (hole + 1) & mask;
+        while self.used[i] {
+            let home = self.home(self.slots[i].0);
+            // Move the entry into the hole when the hole lies on its probe path.
+            if (i.wrapping_sub(home) & mask) >= (i.wrapping_sub(hole) & mask) {
+                self.slots[hole] = self.slots[i];
+                self.used[hole] = true;
+                self.used[i] = false;
+                hole = i;
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    fn iter(&self) -> impl Iterator<Item = (&u32, &Address)> {
+        self.slots
+            .iter()
+            .zip(&self.used)
+            .filter(|(_, u)| **u)
+            .map(|((k, a), _)| (k, a))
+    }
+}
+
 #[derive(Default)]
 pub struct BindingTable {
-    addresses: HashMap<u32, Address, Fast>,
+    addresses: AddressTable,
     /// Dense slots: `slots[base + psid]`.
     slots: Vec<Option<Softwire>>,
     /// Free dense ranges by PSID length, for reuse after an address leaves.
@@ -84,7 +208,7 @@ impl BindingTable {
                 0
             },
         };
-        let entry = match self.addresses.get(&a) {
+        let entry = match self.addresses.get(a) {
             Some(old) if old.set != set => {
                 return Err(format!(
                     "{}: its port set (psid-length {}, reserved bits {}) differs from that of the other softwires of this address",
@@ -132,7 +256,7 @@ impl BindingTable {
     /// Removes the softwire of (address, PSID); false when there is none.
     pub fn remove(&mut self, ipv4: Ipv4Addr, psid: u16) -> bool {
         let a = u32::from(ipv4);
-        let Some(mut entry) = self.addresses.get(&a).copied() else {
+        let Some(mut entry) = self.addresses.get(a).copied() else {
             return false;
         };
         let removed = match entry.dense {
@@ -148,7 +272,7 @@ impl BindingTable {
         self.count -= 1;
         entry.users -= 1;
         if entry.users == 0 {
-            self.addresses.remove(&a);
+            self.addresses.remove(a);
             if let Some(base) = entry.dense {
                 self.free.push((entry.set.psid_length, base));
             }
@@ -161,7 +285,7 @@ impl BindingTable {
     /// The softwire that owns `port` of `ipv4`.
     #[inline]
     pub fn lookup(&self, ipv4: u32, port: u16) -> Option<&Softwire> {
-        let e = self.addresses.get(&ipv4)?;
+        let e = self.addresses.get(ipv4)?;
         let psid = e.set.psid(port)?;
         match e.dense {
             Some(base) => self.slots[base as usize + psid as usize].as_ref(),
@@ -169,11 +293,10 @@ impl BindingTable {
         }
     }
 
-    /// Starts loading the softwire of (`ipv4`, `port`) into the cache, so that a lookup a few
-    /// packets later does not wait for memory.
+    /// Second stage: the softwire of (`ipv4`, `port`), once its address entry is in the cache.
     #[inline]
     pub fn prefetch(&self, ipv4: u32, port: u16) {
-        let Some(e) = self.addresses.get(&ipv4) else {
+        let Some(e) = self.addresses.get(ipv4) else {
             return;
         };
         if let (Some(base), Some(psid)) = (e.dense, e.set.psid(port)) {
@@ -189,6 +312,12 @@ impl BindingTable {
                 let _ = slot;
             }
         }
+    }
+
+    /// First stage of a two-stage prefetch: the address's entry.
+    #[inline]
+    pub fn prefetch_address(&self, ipv4: u32) {
+        self.addresses.prefetch(ipv4);
     }
 
     /// Whether `a` is one of the BR addresses of the table.
@@ -208,7 +337,7 @@ impl BindingTable {
     /// Softwires for the control socket (address, PSID, B4, BR), at most `limit`.
     pub fn dump(&self, limit: usize) -> Vec<(Ipv4Addr, u16, Ipv6Addr, Ipv6Addr)> {
         let mut out = Vec::new();
-        for (a, e) in &self.addresses {
+        for (a, e) in self.addresses.iter() {
             if let Some(base) = e.dense {
                 for psid in 0..1u32 << e.set.psid_length {
                     if let Some(s) = &self.slots[(base + psid) as usize] {
@@ -276,6 +405,28 @@ mod tests {
         // k = 0: the whole address.
         let t = BindingTable::new(&[spec("10.0.0.2", 0, 0, 0)]).unwrap();
         assert!(t.lookup(u32::from(Ipv4Addr::new(10, 0, 0, 2)), 1).is_some());
+    }
+
+    #[test]
+    fn the_address_table_survives_growth_and_removals() {
+        let mut t = AddressTable::default();
+        for k in 0..5000u32 {
+            t.insert(
+                k * 7919,
+                Address {
+                    users: k,
+                    ..Address::EMPTY
+                },
+            );
+        }
+        for k in (0..5000u32).step_by(3) {
+            t.remove(k * 7919);
+        }
+        for k in 0..5000u32 {
+            let got = t.get(k * 7919).map(|a| a.users);
+            assert_eq!(got, (k % 3 != 0).then_some(k), "key {k}");
+        }
+        assert_eq!(t.iter().count(), t.len);
     }
 
     #[test]

@@ -201,6 +201,7 @@ pub struct Lwaftr {
     c: Counters,
     out: [Vec<Packet>; 2],
     batch: Vec<Packet>,
+    keys: Vec<Option<(u32, u16)>>,
     on_a_stick: bool,
     reasm4: frag::Reassembler,
     reasm6: frag::Reassembler,
@@ -257,29 +258,37 @@ impl App for Lwaftr {
         if self.on_a_stick {
             return self.push_on_a_stick(inputs, outputs);
         }
-        // Two passes per batch: the first only starts loading each packet's softwire into the
-        // cache, so that with a large table the lookups of the second do not wait for memory.
+        // Three passes per batch: the first starts loading each packet's address entry into the
+        // cache, the second its softwire, so that with a large table the lookups of the third
+        // do not wait for memory.
         let mut batch = std::mem::take(&mut self.batch);
-        if let Some(input) = inputs[V4].as_mut() {
+        for side in [V4, V6] {
+            let Some(input) = inputs[side].as_mut() else {
+                continue;
+            };
             batch.extend(input.drain());
+            let (vlan, skip) = if side == V4 {
+                (self.ext.vlan, 0)
+            } else {
+                (self.int.vlan, 40)
+            };
+            self.keys.clear();
             for p in &batch {
-                if let Some((a, port)) = peek(p.data(), self.ext.vlan, 0) {
-                    self.table.prefetch(a, port);
+                let key = peek(p.data(), vlan, skip);
+                if let Some((a, _)) = key {
+                    self.table.prefetch_address(a);
                 }
+                self.keys.push(key);
+            }
+            for &(a, port) in self.keys.iter().flatten() {
+                self.table.prefetch(a, port);
             }
             for p in batch.drain(..) {
-                self.handle_internet(p);
-            }
-        }
-        if let Some(input) = inputs[V6].as_mut() {
-            batch.extend(input.drain());
-            for p in &batch {
-                if let Some((a, port)) = peek(p.data(), self.int.vlan, 40) {
-                    self.table.prefetch(a, port);
+                if side == V4 {
+                    self.handle_internet(p);
+                } else {
+                    self.handle_b4s(p);
                 }
-            }
-            for p in batch.drain(..) {
-                self.handle_b4s(p);
             }
         }
         self.batch = batch;
@@ -533,6 +542,7 @@ impl Lwaftr {
             c,
             out: [Vec::with_capacity(256), Vec::with_capacity(256)],
             batch: Vec::with_capacity(1024),
+            keys: Vec::with_capacity(1024),
             on_a_stick: false,
             reasm4,
             reasm6,
