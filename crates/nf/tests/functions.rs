@@ -316,7 +316,7 @@ fn a_function_in_c_attaches_through_the_c_abi() {
     let libdir = exe.parent().unwrap().parent().unwrap().to_path_buf();
     assert!(
         libdir.join("libstitch_nf.so").exists(),
-        "libstitch_nf.so not built in {}",
+        "libstitch_nf.so not built in {} (scripts/test runs `cargo build --workspace` first)",
         libdir.display()
     );
     let dir = tempfile::tempdir().unwrap();

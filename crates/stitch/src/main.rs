@@ -144,6 +144,7 @@ fn registry() -> Registry {
     stitch_apps::register(&mut r);
     stitch_io::register(&mut r);
     stitch_nf::register(&mut r);
+    stitch_switch::register(&mut r);
     r
 }
 

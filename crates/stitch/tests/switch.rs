@@ -1,0 +1,133 @@
+//! The OpenFlow switch driven by a real OpenFlow client: `ovs-ofctl -O OpenFlow13` adds, dumps
+//! and deletes flows and reads port and table statistics while generated traffic crosses it.
+
+mod common;
+use common::*;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+fn ofctl(port: u16, args: &[&str]) -> String {
+    // Options, the command, the switch, the command's arguments.
+    let cmd = args.iter().position(|a| !a.starts_with("--")).unwrap();
+    let out = Command::new("ovs-ofctl")
+        .args(["-O", "OpenFlow13"])
+        .args(&args[..=cmd])
+        .arg(format!("tcp:127.0.0.1:{port}"))
+        .args(&args[cmd + 1..])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "ovs-ofctl {args:?}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn count(s: &Stitch, app_name: &str) -> u64 {
+    s.stats()
+        .map(|st| {
+            app(&st, app_name)["counters"]["packets"]
+                .as_u64()
+                .unwrap_or(0)
+        })
+        .unwrap_or(0)
+}
+
+fn wait(what: &str, mut f: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(t.elapsed() < Duration::from_secs(15), "timed out: {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn ovs_ofctl_programs_the_switch_and_reads_its_statistics() {
+    require_root_and_tools(&["ovs-ofctl"]);
+    let port = free_port();
+    let s = Stitch::run(&format!(
+        "apps:
+  gen: {{ type: generator, size: 100, rate: 2000, flows: 1 }}
+  sw: {{ type: switch, ports: [p1, p2, p3], listen: \"127.0.0.1:{port}\" }}
+  out2: {{ type: sink }}
+  out3: {{ type: sink }}
+links:
+  - \"gen.output -> sw.p1\"
+  - \"sw.p2 -> out2.input\"
+  - \"sw.p3 -> out3.input\"
+"
+    ));
+    // No flow: the table miss drops.
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(count(&s, "out2") + count(&s, "out3"), 0);
+
+    // Both with names (ovs-ofctl first asks for table features and port descriptions) and
+    // without.
+    let show = ofctl(port, &["show"]);
+    assert!(show.contains("OFPT_FEATURES_REPLY"), "{show}");
+    assert!(show.contains("p1") && show.contains("p3"), "{show}");
+    ofctl(port, &["add-flow", "in_port=1,actions=output:2"]);
+    wait("packets on port 2", || count(&s, "out2") > 200);
+    let flows = ofctl(port, &["--no-names", "dump-flows"]);
+    assert!(flows.contains("in_port=1 actions=output:2"), "{flows}");
+    let n: u64 = flows
+        .split("n_packets=")
+        .nth(1)
+        .and_then(|x| x.split(',').next())
+        .and_then(|x| x.parse().ok())
+        .unwrap();
+    assert!(n > 200, "{flows}");
+
+    // A more specific flow above the default priority (32768) takes UDP to port 3.
+    ofctl(
+        port,
+        &["add-flow", "priority=40000,in_port=1,udp,actions=output:3"],
+    );
+    let before = count(&s, "out2");
+    wait("packets on port 3", || count(&s, "out3") > 200);
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        count(&s, "out2") - before < 50,
+        "port 2 got little after the change"
+    );
+
+    let ports = ofctl(port, &["--no-names", "dump-ports"]);
+    assert!(ports.contains("port  1: rx pkts="), "{ports}");
+    let tables = ofctl(port, &["dump-tables"]);
+    assert!(tables.contains("active=2"), "{tables}");
+
+    // Delete the UDP flow (strict): traffic goes back to port 2; then delete everything.
+    ofctl(
+        port,
+        &["--strict", "del-flows", "priority=40000,in_port=1,udp"],
+    );
+    let b2 = count(&s, "out2");
+    wait("port 2 again", || count(&s, "out2") > b2 + 200);
+    ofctl(port, &["del-flows"]);
+    let flows = ofctl(port, &["dump-flows"]);
+    assert!(!flows.contains("actions"), "{flows}");
+
+    // Bad requests get OpenFlow errors, the switch runs on.
+    let bad = Command::new("ovs-ofctl")
+        .args(["-O", "OpenFlow13", "add-flow"])
+        .arg(format!("tcp:127.0.0.1:{port}"))
+        .arg("table=3,actions=drop")
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    assert!(
+        String::from_utf8_lossy(&bad.stderr).contains("OFPFMFC_BAD_TABLE_ID"),
+        "{}",
+        String::from_utf8_lossy(&bad.stderr)
+    );
+    assert!(s.stats().is_some());
+    let stats = s.stop();
+    assert!(
+        app(&stats, "sw")["counters"]["table_miss_drops"]
+            .as_u64()
+            .unwrap()
+            > 0
+    );
+}

@@ -1,0 +1,343 @@
+//! `switch`: an OpenFlow 1.3 switch between numbered ports (seed 001). Each name in `ports` is
+//! an input and an output of the app and OpenFlow port 1, 2, … in that order. A controller —
+//! `ovs-ofctl`, os-ken, any OpenFlow 1.3 controller — programs one flow table over TCP
+//! (`listen` for a passive endpoint, `controller` to dial one); packets take the actions of the
+//! highest-priority matching flow (output, flood, in-port, controller, drop, set-field,
+//! push/pop VLAN); a packet no flow matches is dropped (OpenFlow 1.3's default table miss) and
+//! counted. Flow and port counters are kept for the controller's statistics requests.
+//!
+//! ```yaml
+//! apps:
+//!   sw: { type: switch, ports: [a, b, c], listen: "127.0.0.1:6653" }
+//! links:
+//!   - "host_a.output -> sw.a"
+//!   - "sw.a -> host_a.input"
+//! ```
+//!
+//! Not yet: the point-to-point bypass of the seed, a cached fast path for simple rules (every
+//! packet walks the table by priority), flow timeouts, groups, meters, several tables.
+
+pub mod endpoint;
+pub mod ofp;
+pub mod table;
+
+use ofp::{Action, PORT_ALL, PORT_CONTROLLER, PORT_FLOOD, PORT_IN_PORT};
+use serde::Deserialize;
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use stitch_core::app::{AppContext, AppError, Counter, Io, PortNames, PortSpec};
+use stitch_core::{App, AppType, Packet, Registry};
+use table::{FlowEntry, Key};
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct SwitchConfig {
+    /// Port names: OpenFlow ports 1, 2, … in this order.
+    pub ports: Vec<String>,
+    /// Passive OpenFlow endpoint, `HOST:PORT`.
+    #[serde(default)]
+    pub listen: Option<String>,
+    /// Active connection to a controller, `HOST:PORT` (retried every second).
+    #[serde(default)]
+    pub controller: Option<String>,
+    /// Datapath id (default: derived from the app's name).
+    #[serde(default)]
+    pub datapath_id: Option<u64>,
+}
+
+/// Per-port counters, as OpenFlow port statistics report them.
+#[derive(Default)]
+pub struct PortCounters {
+    pub rx_packets: AtomicU64,
+    pub rx_bytes: AtomicU64,
+    pub tx_packets: AtomicU64,
+    pub tx_bytes: AtomicU64,
+    pub tx_dropped: AtomicU64,
+}
+
+/// A frame for the controller.
+pub struct PacketIn {
+    pub in_port: u32,
+    pub reason: u8,
+    pub cookie: u64,
+    pub data: Vec<u8>,
+}
+
+/// A frame from the controller: in-port, actions, bytes.
+pub type PacketOut = (u32, Vec<Action>, Vec<u8>);
+
+/// What the data path and the OpenFlow side share.
+pub struct Shared {
+    pub name: String,
+    pub ports: Vec<String>,
+    pub datapath_id: u64,
+    pub table: Mutex<table::FlowTable>,
+    /// Snapshot of the table's entries for the data path, and its version.
+    pub snapshot: Mutex<Arc<Vec<Arc<FlowEntry>>>>,
+    pub version: AtomicU64,
+    pub applied: AtomicU64,
+    pub port_counters: Vec<PortCounters>,
+    pub lookups: AtomicU64,
+    pub matched: AtomicU64,
+    pub packet_ins: Mutex<VecDeque<PacketIn>>,
+    pub packet_outs: Mutex<Vec<PacketOut>>,
+    pub has_packet_outs: AtomicBool,
+    pub started: std::time::Instant,
+}
+
+impl Shared {
+    pub fn new(name: &str, ports: &[String], datapath_id: u64) -> Shared {
+        Shared {
+            name: name.to_string(),
+            ports: ports.to_vec(),
+            datapath_id,
+            table: Mutex::new(table::FlowTable::default()),
+            snapshot: Mutex::new(Arc::new(Vec::new())),
+            version: AtomicU64::new(0),
+            applied: AtomicU64::new(0),
+            port_counters: ports.iter().map(|_| PortCounters::default()).collect(),
+            lookups: AtomicU64::new(0),
+            matched: AtomicU64::new(0),
+            packet_ins: Mutex::new(VecDeque::new()),
+            packet_outs: Mutex::new(Vec::new()),
+            has_packet_outs: AtomicBool::new(false),
+            started: std::time::Instant::now(),
+        }
+    }
+
+    /// Publishes the master table to the data path.
+    pub fn publish(&self, t: &table::FlowTable) {
+        *self.snapshot.lock().unwrap() = Arc::new(t.entries.clone());
+        self.version.fetch_add(1, Ordering::Release);
+    }
+}
+
+pub struct Switch {
+    shared: Arc<Shared>,
+    entries: Arc<Vec<Arc<FlowEntry>>>,
+    seen: u64,
+    batch: Vec<Packet>,
+    _endpoint: Option<endpoint::Endpoint>,
+    misses: Counter,
+    to_controller: Counter,
+    controller_drops: Counter,
+}
+
+const MAX_PACKET_INS: usize = 1024;
+
+impl App for Switch {
+    type Config = SwitchConfig;
+
+    fn declare(c: &SwitchConfig) -> Result<PortSpec, AppError> {
+        if c.ports.is_empty() {
+            return Err("`ports` needs at least one port name".into());
+        }
+        let mut seen = std::collections::HashSet::new();
+        for p in &c.ports {
+            if !seen.insert(p) {
+                return Err(format!("port `{p}` is named twice").into());
+            }
+        }
+        Ok(PortSpec {
+            inputs: PortNames::Fixed(c.ports.clone()),
+            outputs: PortNames::Fixed(c.ports.clone()),
+        })
+    }
+
+    fn new(c: SwitchConfig, ctx: &mut AppContext) -> Result<Self, AppError> {
+        let dpid = c.datapath_id.unwrap_or_else(|| {
+            ctx.name().bytes().fold(0xcbf29ce484222325u64, |h, b| {
+                (h ^ b as u64).wrapping_mul(0x100000001b3)
+            }) & 0x0000_ffff_ffff_ffff
+        });
+        let shared = Arc::new(Shared::new(ctx.name(), &c.ports, dpid));
+        let endpoint = endpoint::Endpoint::start(
+            shared.clone(),
+            c.listen.as_deref(),
+            c.controller.as_deref(),
+        )?;
+        Ok(Switch {
+            shared,
+            entries: Arc::new(Vec::new()),
+            seen: 0,
+            batch: Vec::with_capacity(256),
+            _endpoint: endpoint,
+            misses: ctx.counter("table_miss_drops"),
+            to_controller: ctx.counter("packet_ins"),
+            controller_drops: ctx.counter("packet_in_drops"),
+        })
+    }
+
+    fn pull(&mut self, io: &mut Io) {
+        let v = self.shared.version.load(Ordering::Acquire);
+        if v != self.seen {
+            self.entries = self.shared.snapshot.lock().unwrap().clone();
+            self.seen = v;
+            self.shared.applied.store(v, Ordering::Release);
+        }
+        if self.shared.has_packet_outs.swap(false, Ordering::AcqRel) {
+            let outs = std::mem::take(&mut *self.shared.packet_outs.lock().unwrap());
+            for (in_port, actions, data) in outs {
+                let Some(mut p) = stitch_core::pool::alloc() else {
+                    continue;
+                };
+                if p.set_data(&data).is_err() {
+                    continue;
+                }
+                let key = Key::of(p.data(), in_port);
+                self.execute(p, &key, &actions, 0, io);
+            }
+        }
+    }
+
+    fn push(&mut self, io: &mut Io) {
+        let entries = self.entries.clone();
+        for i in 0..self.shared.ports.len() {
+            let Some(input) = io.input(i) else { continue };
+            let mut batch = std::mem::take(&mut self.batch);
+            batch.extend(input.drain());
+            if batch.is_empty() {
+                self.batch = batch;
+                continue;
+            }
+            let port = i as u32 + 1;
+            let pc = &self.shared.port_counters[i];
+            pc.rx_packets
+                .fetch_add(batch.len() as u64, Ordering::Relaxed);
+            pc.rx_bytes.fetch_add(
+                batch.iter().map(|p| p.len() as u64).sum(),
+                Ordering::Relaxed,
+            );
+            self.shared
+                .lookups
+                .fetch_add(batch.len() as u64, Ordering::Relaxed);
+            for p in batch.drain(..) {
+                let key = Key::of(p.data(), port);
+                match table::lookup(&entries, &key) {
+                    Some(e) => {
+                        e.packets.fetch_add(1, Ordering::Relaxed);
+                        e.bytes.fetch_add(p.len() as u64, Ordering::Relaxed);
+                        self.shared.matched.fetch_add(1, Ordering::Relaxed);
+                        self.execute(p, &key, &e.actions, e.cookie, io);
+                    }
+                    None => self.misses.add(1),
+                }
+            }
+            self.batch = batch;
+        }
+    }
+
+    fn query(&mut self, _: &serde_json::Value) -> serde_json::Value {
+        let t = self.shared.table.lock().unwrap();
+        let flows: Vec<_> = t
+            .entries
+            .iter()
+            .map(|e| {
+                serde_json::json!({
+                    "priority": e.priority, "cookie": e.cookie, "match": format!("{:?}", e.matching),
+                    "actions": format!("{:?}", e.actions),
+                    "packets": e.packets.load(Ordering::Relaxed), "bytes": e.bytes.load(Ordering::Relaxed),
+                })
+            })
+            .collect();
+        serde_json::json!({ "datapath_id": format!("{:016x}", self.shared.datapath_id), "flows": flows })
+    }
+}
+
+impl Switch {
+    /// Applies `actions` to `p` in order; every output sends the packet as it is at that point.
+    fn execute(&mut self, mut p: Packet, key: &Key, actions: &[Action], cookie: u64, io: &mut Io) {
+        let outputs = actions
+            .iter()
+            .filter(|a| matches!(a, Action::Output(_)))
+            .count();
+        let mut sent = 0;
+        for a in actions {
+            match a {
+                Action::Output(port) => {
+                    sent += 1;
+                    let last = sent == outputs;
+                    match *port {
+                        PORT_CONTROLLER => {
+                            let mut q = self.shared.packet_ins.lock().unwrap();
+                            if q.len() < MAX_PACKET_INS {
+                                q.push_back(PacketIn {
+                                    in_port: key.in_port,
+                                    reason: 1,
+                                    cookie,
+                                    data: p.data().to_vec(),
+                                });
+                                self.to_controller.add(1);
+                            } else {
+                                self.controller_drops.add(1);
+                            }
+                        }
+                        PORT_FLOOD | PORT_ALL => {
+                            for i in 0..self.shared.ports.len() as u32 {
+                                if i + 1 != key.in_port {
+                                    if let Some(c) = p.try_clone() {
+                                        self.send(c, i + 1, io);
+                                    }
+                                }
+                            }
+                        }
+                        n => {
+                            let n = if n == PORT_IN_PORT { key.in_port } else { n };
+                            if last {
+                                return self.send(p, n, io);
+                            }
+                            if let Some(c) = p.try_clone() {
+                                self.send(c, n, io);
+                            }
+                        }
+                    }
+                }
+                Action::PushVlan(tpid) => {
+                    let _ = stitch_wire::vlan::push(&mut p, *tpid, 0);
+                }
+                Action::PopVlan => {
+                    stitch_wire::vlan::pop(&mut p);
+                }
+                Action::SetEthDst(m) => {
+                    if let Some(d) = p.data_mut().get_mut(0..6) {
+                        d.copy_from_slice(m);
+                    }
+                }
+                Action::SetEthSrc(m) => {
+                    if let Some(d) = p.data_mut().get_mut(6..12) {
+                        d.copy_from_slice(m);
+                    }
+                }
+                Action::SetVlanVid(v) => {
+                    stitch_wire::vlan::set_vid(p.data_mut(), v & 0x0fff);
+                }
+            }
+        }
+    }
+
+    fn send(&mut self, p: Packet, port: u32, io: &mut Io) {
+        let Some(i) = (port as usize)
+            .checked_sub(1)
+            .filter(|i| *i < self.shared.ports.len())
+        else {
+            return;
+        };
+        let pc = &self.shared.port_counters[i];
+        let len = p.len() as u64;
+        let sent = io.output(i).is_some_and(|o| o.transmit(p));
+        if sent {
+            pc.tx_packets.fetch_add(1, Ordering::Relaxed);
+            pc.tx_bytes.fetch_add(len, Ordering::Relaxed);
+        } else {
+            pc.tx_dropped.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+pub fn register(r: &mut Registry) {
+    r.register(AppType::of::<Switch>(
+        "switch",
+        "OpenFlow 1.3 switch between numbered ports, programmed by a controller (ovs-ofctl, os-ken)",
+    ));
+}
