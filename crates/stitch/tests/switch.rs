@@ -131,3 +131,81 @@ links:
             > 0
     );
 }
+
+/// An os-ken application (a learning switch: table miss to the controller, flood, learn,
+/// install `in_port,eth_dst -> output`) programs the switch, which dials it; two network
+/// namespaces then ping each other through Stitch.
+#[test]
+fn an_os_ken_learning_switch_connects_two_namespaces() {
+    require_root_and_tools(&["python3", "ping"]);
+    assert!(
+        sh("python3 -c 'import os_ken'").status.success(),
+        "os-ken is needed: scripts/install-deps installs it"
+    );
+    let hosts = TwoHosts::new();
+    let port = free_port();
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../switch/tests-controller/learning_switch.py");
+    let controller = Background(
+        Command::new("python3")
+            .arg(&script)
+            .arg(port.to_string())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    wait("the controller listens", || {
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+    });
+    let s = Stitch::run(&format!(
+        "apps:
+  a: {{ type: af_packet, interface: {} }}
+  b: {{ type: af_packet, interface: {} }}
+  sw: {{ type: switch, ports: [p1, p2], controller: \"127.0.0.1:{port}\" }}
+links:
+  - \"a.output -> sw.p1\"
+  - \"sw.p1 -> a.input\"
+  - \"b.output -> sw.p2\"
+  - \"sw.p2 -> b.input\"
+",
+        hosts.outer[0], hosts.outer[1]
+    ));
+    let t = Instant::now();
+    loop {
+        let o = hosts.exec(0, &format!("ping -c 1 -W 1 {}", hosts.ip[1]));
+        if o.status.success() {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "no ping through the switch"
+        );
+    }
+    let o = hosts.exec(0, &format!("ping -c 5 -i 0.2 -W 1 {}", hosts.ip[1]));
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
+    // The learned flows carry the pings now, without the controller.
+    let (_, flows) = s.call("POST", "/api/v1/apps/sw/query", None);
+    let learned: Vec<&serde_json::Value> = flows["flows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|f| f["priority"] == 1)
+        .collect();
+    assert!(learned.len() >= 2, "{flows}");
+    assert!(
+        learned.iter().any(|f| f["packets"].as_u64().unwrap() >= 4),
+        "{flows}"
+    );
+    let stats = s.stop();
+    assert!(
+        app(&stats, "sw")["counters"]["packet_ins"]
+            .as_u64()
+            .unwrap()
+            >= 2
+    );
+    controller.signal(libc::SIGTERM);
+    let out = controller.finish();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("switch connected"), "{text}");
+}
