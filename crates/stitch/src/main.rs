@@ -67,6 +67,10 @@ struct Listen {
     /// Also serve the API, /metrics and the graph view on this TCP address (e.g. 127.0.0.1:8080).
     #[arg(long)]
     listen: Option<SocketAddr>,
+    /// Keep running when the graph's finite sources are done (a service); stop on
+    /// SIGINT/SIGTERM or --duration only.
+    #[arg(long)]
+    keep_running: bool,
     /// File holding the bearer token TCP clients must send (required beyond localhost).
     #[arg(long)]
     token_file: Option<PathBuf>,
@@ -366,7 +370,7 @@ fn run(
             }
         }
         let activity = engine.activity();
-        if engine.finished() && activity == last_activity {
+        if !listen.keep_running && engine.finished() && activity == last_activity {
             quiet_polls += 1;
             if quiet_polls >= 3 {
                 break "finished";

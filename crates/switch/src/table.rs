@@ -220,6 +220,37 @@ impl FlowTable {
     }
 }
 
+/// For each input port 1..=`ports`, the flow and output port when the rules send *all* of
+/// that port's traffic to one other port: the first flow (by priority) that could match any
+/// packet from the port matches on `in_port` alone (or on nothing) and its only action is
+/// `output` to another numbered port. Conservative: any other shape is not point-to-point.
+pub fn point_to_point(
+    entries: &[Arc<FlowEntry>],
+    ports: usize,
+) -> Vec<Option<(Arc<FlowEntry>, u32)>> {
+    (1..=ports as u32)
+        .map(|port| {
+            let e = entries
+                .iter()
+                .find(|e| e.matching.in_port.is_none_or(|p| p == port))?;
+            let only_in_port = Match {
+                in_port: e.matching.in_port,
+                ..Match::default()
+            };
+            match e.actions.as_slice() {
+                [Action::Output(out)]
+                    if e.matching == only_in_port
+                        && *out != port
+                        && (1..=ports as u32).contains(out) =>
+                {
+                    Some((e.clone(), *out))
+                }
+                _ => None,
+            }
+        })
+        .collect()
+}
+
 /// The first (highest-priority) entry that matches.
 #[inline]
 pub fn lookup<'a>(entries: &'a [Arc<FlowEntry>], k: &Key) -> Option<&'a FlowEntry> {
@@ -286,5 +317,34 @@ mod tests {
         assert_eq!(t.entries.len(), 1);
         t.apply(&fm(3, 0, Match::default(), vec![])).unwrap();
         assert!(t.entries.is_empty());
+    }
+
+    #[test]
+    fn point_to_point_is_found_conservatively() {
+        let mut t = FlowTable::default();
+        let p = |n| Match {
+            in_port: Some(n),
+            ..Match::default()
+        };
+        t.apply(&fm(0, 10, p(1), vec![Action::Output(2)])).unwrap();
+        t.apply(&fm(0, 10, p(2), vec![Action::Output(1), Action::Output(3)]))
+            .unwrap();
+        let found = point_to_point(&t.entries, 3);
+        assert_eq!(
+            found
+                .iter()
+                .map(|x| x.as_ref().map(|(_, o)| *o))
+                .collect::<Vec<_>>(),
+            [Some(2), None, None]
+        );
+        // A more specific flow above breaks it.
+        let udp = Match {
+            in_port: Some(1),
+            eth_type: Some(0x0800),
+            ip_proto: Some(17),
+            ..Match::default()
+        };
+        t.apply(&fm(0, 20, udp, vec![Action::Output(2)])).unwrap();
+        assert!(point_to_point(&t.entries, 3)[0].is_none());
     }
 }
