@@ -34,6 +34,36 @@ pub struct Softwire {
     pub br: [u8; 16],
 }
 
+/// A dense slot: 32 bytes, aligned so that none straddles two cache lines; empty while its B4
+/// address is `::` (never a B4's address).
+#[derive(Clone, Copy)]
+#[repr(C, align(32))]
+struct Slot(Softwire);
+
+impl Slot {
+    const EMPTY: Slot = Slot(Softwire {
+        b4: [0; 16],
+        br: [0; 16],
+    });
+
+    #[inline]
+    fn get(&self) -> Option<&Softwire> {
+        (self.0.b4 != [0; 16]).then_some(&self.0)
+    }
+
+    fn replace(&mut self, s: Softwire) -> Option<Softwire> {
+        let old = self.get().copied();
+        self.0 = s;
+        old
+    }
+
+    fn take(&mut self) -> Option<Softwire> {
+        let old = self.get().copied();
+        *self = Slot::EMPTY;
+        old
+    }
+}
+
 /// PSID lengths up to this keep an address's softwires in a dense array slice (one array
 /// read per lookup, prefetchable); longer ones, where most PSIDs are usually unbound, in a hash
 /// map.
@@ -175,7 +205,7 @@ impl AddressTable {
 pub struct BindingTable {
     addresses: AddressTable,
     /// Dense slots: `slots[base + psid]`.
-    slots: Vec<Option<Softwire>>,
+    slots: Vec<Slot>,
     /// Free dense ranges by PSID length, for reuse after an address leaves.
     free: Vec<(u8, u32)>,
     sparse: HashMap<u64, Softwire, Fast>,
@@ -198,6 +228,12 @@ impl BindingTable {
 
     /// Adds a softwire (or replaces the one with the same address and PSID).
     pub fn add(&mut self, s: &SoftwireSpec) -> Result<(), String> {
+        if s.b4.is_unspecified() {
+            return Err(format!(
+                "{} psid {}: b4-ipv6 :: is not a B4 address",
+                s.ipv4, s.psid
+            ));
+        }
         let a = u32::from(s.ipv4);
         let set = PortSet {
             psid_length: s.psid_length,
@@ -249,7 +285,7 @@ impl BindingTable {
             return self.free.swap_remove(i).1;
         }
         let base = self.slots.len() as u32;
-        self.slots.resize(self.slots.len() + (1 << k), None);
+        self.slots.resize(self.slots.len() + (1 << k), Slot::EMPTY);
         base
     }
 
@@ -288,7 +324,7 @@ impl BindingTable {
         let e = self.addresses.get(ipv4)?;
         let psid = e.set.psid(port)?;
         match e.dense {
-            Some(base) => self.slots[base as usize + psid as usize].as_ref(),
+            Some(base) => self.slots[base as usize + psid as usize].get(),
             None => self.sparse.get(&key(ipv4, psid)),
         }
     }
@@ -340,7 +376,7 @@ impl BindingTable {
         for (a, e) in self.addresses.iter() {
             if let Some(base) = e.dense {
                 for psid in 0..1u32 << e.set.psid_length {
-                    if let Some(s) = &self.slots[(base + psid) as usize] {
+                    if let Some(s) = self.slots[(base + psid) as usize].get() {
                         out.push((
                             Ipv4Addr::from(*a),
                             psid as u16,
