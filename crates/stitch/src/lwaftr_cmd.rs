@@ -1,7 +1,7 @@
 //! `stitch lwaftr check|run` and `stitch bench lwaftr`: the lwAFTR offline on PCAP files (for
 //! byte-for-byte comparisons), on interfaces, and measured.
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use pcap_file::pcap::{PcapHeader, PcapPacket, PcapWriter};
 use pcap_file::DataLink;
 use serde_json::json;
@@ -175,42 +175,27 @@ pub fn run(cmd: LwaftrCmd, registry: Registry) -> Result<()> {
             }
             Ok(())
         }
-        LwaftrCmd::Run {
-            conf,
-            v4,
-            v6,
-            duration,
-            name,
-        } => {
-            let conf = std::path::absolute(&conf)?;
-            let dir = tempfile::tempdir()?;
-            let graph = dir.path().join("lwaftr.yaml");
-            let text = serde_json::to_string_pretty(&json!({
-                "apps": {
-                    "v4": { "type": "af_packet", "interface": v4 },
-                    "v6": { "type": "af_packet", "interface": v6 },
-                    "aftr": { "type": "lwaftr", "conf": conf },
-                },
-                "links": ["v4.output -> aftr.v4", "aftr.v4 -> v4.input",
-                          "v6.output -> aftr.v6", "aftr.v6 -> v6.input"],
-            }))?;
-            std::fs::write(&graph, text)?;
-            let status = std::process::Command::new(std::env::current_exe()?)
-                .arg("run")
-                .arg(&graph)
-                .args(["--name", &name])
-                .args(
-                    duration
-                        .map(|d| vec!["--duration".to_string(), d.to_string()])
-                        .unwrap_or_default(),
-                )
-                .status()?;
-            if !status.success() {
-                bail!("the lwAFTR stopped with {status}");
-            }
-            Ok(())
-        }
+        LwaftrCmd::Run { .. } => unreachable!("run by main with the graph of `run_graph`"),
     }
+}
+
+/// The graph of `stitch lwaftr run`: AF_PACKET on both interfaces around the function, in a
+/// temporary folder that lives as long as the returned handle.
+pub fn run_graph(conf: &Path, v4: &str, v6: &str) -> Result<(tempfile::TempDir, PathBuf)> {
+    let conf = std::path::absolute(conf)?;
+    let dir = tempfile::tempdir()?;
+    let graph = dir.path().join("lwaftr.yaml");
+    let text = serde_json::to_string_pretty(&json!({
+        "apps": {
+            "v4": { "type": "af_packet", "interface": v4 },
+            "v6": { "type": "af_packet", "interface": v6 },
+            "aftr": { "type": "lwaftr", "conf": conf },
+        },
+        "links": ["v4.output -> aftr.v4", "aftr.v4 -> v4.input",
+                  "v6.output -> aftr.v6", "aftr.v6 -> v6.input"],
+    }))?;
+    std::fs::write(&graph, text)?;
+    Ok((dir, graph))
 }
 
 /// A binding table of `n` softwires (16 per IPv4 address, 4096 ports each) written as a Snabb

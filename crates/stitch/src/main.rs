@@ -257,6 +257,27 @@ fn run_cli(cli: Cli) -> Result<()> {
             print_report(&r);
         }
         Cmd::Bench(b) => bench::run(b, Arc::new(registry()))?,
+        Cmd::Lwaftr(lwaftr_cmd::LwaftrCmd::Run {
+            conf,
+            v4,
+            v6,
+            duration,
+            name,
+        }) => {
+            let (_dir, graph) = lwaftr_cmd::run_graph(&conf, &v4, &v6)?;
+            let instance = Instance {
+                name,
+                control: None,
+            };
+            let listen = Listen {
+                listen: None,
+                token_file: None,
+                tls_cert: None,
+                tls_key: None,
+                keep_running: false,
+            };
+            run(&graph, duration, false, &instance, &listen)?
+        }
         Cmd::Lwaftr(c) => lwaftr_cmd::run(c, registry())?,
         Cmd::Capture(c) => capture_cmd::run(c, Arc::new(registry()))?,
     }

@@ -960,3 +960,59 @@ fn on_a_stick_one_port_carries_both_sides() {
         ]
     );
 }
+
+/// `stitch lwaftr run` on real interfaces: a host on the internet side finds the function by
+/// ARP and pings its external address.
+#[test]
+fn lwaftr_run_answers_arp_and_ping_on_an_interface() {
+    require_root_and_tools(&["ping"]);
+    let hosts = TwoHosts::new();
+    must(&format!(
+        "ip -n {} addr add 10.10.10.1/24 dev {}",
+        hosts.ns[0], hosts.inner[0]
+    ));
+    let dir = tempfile::tempdir().unwrap();
+    let c = dir.path().join("lwaftr.conf");
+    std::fs::write(&c, default_conf()).unwrap();
+    let run = Background(
+        std::process::Command::new(env!("CARGO_BIN_EXE_stitch"))
+            .args(["lwaftr", "run"])
+            .arg(&c)
+            .args([
+                "--v4",
+                &hosts.outer[0],
+                "--v6",
+                &hosts.outer[1],
+                "--duration",
+                "8",
+            ])
+            .args(["--name", &format!("lw{}", std::process::id())])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let t = std::time::Instant::now();
+    loop {
+        let o = hosts.exec(0, "ping -c 1 -W 1 10.10.10.10");
+        if o.status.success() {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(6),
+            "no answer from the lwAFTR"
+        );
+    }
+    run.signal(libc::SIGINT);
+    let out = run.finish();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("echo_replies") && text.contains("arp_replies"),
+        "{text}"
+    );
+}
