@@ -106,7 +106,8 @@ fn chain_graph(hops: usize, size: usize) -> String {
     s
 }
 
-fn sink_packets(e: &Engine) -> u64 {
+/// Packets the app named `out` has received.
+pub(crate) fn sink_packets(e: &Engine) -> u64 {
     e.stats()
         .apps
         .iter()

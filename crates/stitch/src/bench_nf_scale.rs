@@ -149,15 +149,6 @@ fn counter_sum(e: &Engine, name: &str) -> u64 {
         .sum()
 }
 
-fn delivered(e: &Engine) -> u64 {
-    e.stats()
-        .apps
-        .iter()
-        .find(|a| a.name == "out")
-        .map(|a| a.rx_packets)
-        .unwrap_or(0)
-}
-
 /// Process CPU time of the functions, from /proc (they are still running).
 fn children_cpu(children: &[Child]) -> f64 {
     let tick = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
@@ -216,13 +207,16 @@ fn phase(
     engine.apply(g)?;
     std::thread::sleep(Duration::from_millis(500));
     let (p0, d0, t0) = (
-        delivered(&engine),
+        crate::bench::sink_packets(&engine),
         counter_sum(&engine, "ring_full_drops"),
         Instant::now(),
     );
     let (c0, f0) = (cpu_seconds(libc::RUSAGE_SELF), children_cpu(&children));
     std::thread::sleep(Duration::from_secs_f64(args.seconds));
-    let (p1, d1) = (delivered(&engine), counter_sum(&engine, "ring_full_drops"));
+    let (p1, d1) = (
+        crate::bench::sink_packets(&engine),
+        counter_sum(&engine, "ring_full_drops"),
+    );
     let (c1, f1) = (cpu_seconds(libc::RUSAGE_SELF), children_cpu(&children));
     let wall = t0.elapsed().as_secs_f64();
     engine.stop();

@@ -22,16 +22,21 @@ pub fn rate(v: &Value) -> String {
     }
 }
 
+/// Width of a text column: the longest `key` of `items`, at least `min`.
+pub fn column_width(items: &[&Value], key: &str, min: usize) -> usize {
+    items
+        .iter()
+        .map(|x| x[key].as_str().unwrap_or("").len())
+        .max()
+        .unwrap_or(min)
+        .max(min)
+}
+
 /// Renders the `stats` JSON of an instance (links, apps, workers, pool).
 pub fn render(stats: &Value) -> String {
     let mut s = String::new();
     let links = stats["links"].as_array().cloned().unwrap_or_default();
-    let width = links
-        .iter()
-        .map(|l| l["link"].as_str().unwrap_or("").len())
-        .max()
-        .unwrap_or(4)
-        .max(4);
+    let width = column_width(&links.iter().collect::<Vec<_>>(), "link", 4);
     let _ = writeln!(
         s,
         "{:<width$}  {:>12} {:>14} {:>10} {:>12} {:>7} {:>9}",
@@ -51,12 +56,7 @@ pub fn render(stats: &Value) -> String {
         );
     }
     let apps = stats["apps"].as_array().cloned().unwrap_or_default();
-    let width = apps
-        .iter()
-        .map(|a| a["name"].as_str().unwrap_or("").len())
-        .max()
-        .unwrap_or(3)
-        .max(3);
+    let width = column_width(&apps.iter().collect::<Vec<_>>(), "name", 3);
     let _ = writeln!(
         s,
         "\n{:<width$}  {:<12} {:<8} {:>12} {:>12} {:>10} {:>9} {:>9}  COUNTERS",

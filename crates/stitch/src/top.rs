@@ -1,6 +1,6 @@
 //! `stitch top`: the busiest links and apps of a running instance, refreshed live.
 
-use crate::table::{n, rate};
+use crate::table::{column_width, n, rate};
 use crate::Instance;
 use anyhow::Result;
 use serde_json::Value;
@@ -52,12 +52,7 @@ pub fn frame(stats: &Value, rows: usize) -> String {
             .partial_cmp(&(f(&a["rate_pps"]), f(&a["tx_packets"])))
             .unwrap_or(std::cmp::Ordering::Equal)
     });
-    let width = links
-        .iter()
-        .map(|l| l["link"].as_str().unwrap_or("").len())
-        .max()
-        .unwrap_or(4)
-        .max(4);
+    let width = column_width(&links, "link", 4);
     let _ = writeln!(
         s,
         "\n{:<width$}  {:>9} {:>9} {:>12} {:>10} {:>7}",
@@ -83,12 +78,7 @@ pub fn frame(stats: &Value, rows: usize) -> String {
             .partial_cmp(&(busy(a), total(a)))
             .unwrap_or(std::cmp::Ordering::Equal)
     });
-    let width = apps
-        .iter()
-        .map(|a| a["name"].as_str().unwrap_or("").len())
-        .max()
-        .unwrap_or(3)
-        .max(3);
+    let width = column_width(&apps, "name", 3);
     let _ = writeln!(
         s,
         "\n{:<width$}  {:<14} {:>9} {:>9} {:>10} {:>6}",
