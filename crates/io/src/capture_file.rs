@@ -349,13 +349,141 @@ impl Drop for CaptureWriter {
     }
 }
 
+/// Bytes of the blocks O_DIRECT writes (a multiple of every disk's sector size).
+const BLOCK: usize = 4096;
+
+/// One capture file. Where the filesystem takes O_DIRECT, bytes are staged in a block-aligned
+/// buffer and written in whole blocks, past the page cache (whose writeback made buffered
+/// captures stall and vary); the last partial block is written through the page cache at
+/// close. Elsewhere (tmpfs), plain buffered writes.
+struct Output {
+    file: File,
+    direct: bool,
+    stage: Vec<u8>,
+    /// Where the aligned part of `stage` starts.
+    base: usize,
+    staged: usize,
+    on_disk: u64,
+    /// Chunks of whole records not yet all on disk: where each ends, and its record count.
+    ends: std::collections::VecDeque<(u64, u64)>,
+    /// The end of the last whole record that is on disk.
+    complete: u64,
+}
+
+impl Output {
+    fn create(path: &Path) -> std::io::Result<Output> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let direct = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(path);
+        let (file, direct) = match direct {
+            Ok(f) => (f, true),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => (File::create(path)?, false),
+            Err(e) => return Err(e),
+        };
+        let stage = if direct {
+            vec![0u8; BUFFER_BYTES + 2 * BLOCK]
+        } else {
+            Vec::new()
+        };
+        let base = stage.as_ptr().align_offset(BLOCK).min(BLOCK);
+        Ok(Output {
+            file,
+            direct,
+            stage,
+            base,
+            staged: 0,
+            on_disk: 0,
+            ends: Default::default(),
+            complete: 0,
+        })
+    }
+
+    fn capacity(&self) -> usize {
+        BUFFER_BYTES + BLOCK
+    }
+
+    /// Writes `data`: `records` whole records.
+    fn write(&mut self, mut data: &[u8], records: u64) -> std::io::Result<()> {
+        let end = self.on_disk + (self.staged + data.len()) as u64;
+        self.ends.push_back((end, records));
+        if !self.direct {
+            self.file.write_all(data)?;
+            self.on_disk += data.len() as u64;
+            self.complete = self.on_disk;
+            self.ends.clear();
+            return Ok(());
+        }
+        while !data.is_empty() {
+            let n = (self.capacity() - self.staged).min(data.len());
+            let at = self.base + self.staged;
+            self.stage[at..at + n].copy_from_slice(&data[..n]);
+            self.staged += n;
+            data = &data[n..];
+            if self.staged == self.capacity() {
+                self.write_blocks()?;
+            }
+        }
+        self.write_blocks()
+    }
+
+    /// Writes the staged whole blocks.
+    fn write_blocks(&mut self) -> std::io::Result<()> {
+        let whole = self.staged / BLOCK * BLOCK;
+        if whole > 0 {
+            self.file
+                .write_all(&self.stage[self.base..self.base + whole])?;
+            self.on_disk += whole as u64;
+            self.stage
+                .copy_within(self.base + whole..self.base + self.staged, self.base);
+            self.staged -= whole;
+        }
+        while self.ends.front().is_some_and(|(e, _)| *e <= self.on_disk) {
+            self.complete = self.ends.pop_front().unwrap().0;
+        }
+        Ok(())
+    }
+
+    /// Writes what is staged (the last partial block, through the page cache).
+    fn drain(&mut self) -> std::io::Result<()> {
+        if self.direct && self.staged > 0 {
+            use std::os::fd::AsRawFd;
+            let fd = self.file.as_raw_fd();
+            unsafe {
+                let flags = libc::fcntl(fd, libc::F_GETFL);
+                libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_DIRECT);
+            }
+            self.direct = false;
+            let tail = self.stage[self.base..self.base + self.staged].to_vec();
+            self.staged = 0;
+            self.file.write_all(&tail)?;
+            self.on_disk += tail.len() as u64;
+        }
+        self.complete = self.on_disk;
+        self.ends.clear();
+        Ok(())
+    }
+
+    /// After a failed write: the file ends with its last whole record on disk; returns how
+    /// many records that leaves out.
+    fn cut_back(&mut self) -> u64 {
+        let _ = self.file.set_len(self.complete);
+        let lost = self.ends.drain(..).map(|(_, r)| r).sum();
+        self.staged = 0;
+        lost
+    }
+}
+
 /// The files of a capture: naming, rotation, the ring.
 struct FileRing {
     spec: FileSpec,
     /// The bytes every file starts with (PCAP header, or PCAPNG section and interface blocks).
     header: Vec<u8>,
     stats: Arc<WriterStats>,
-    file: Option<File>,
+    file: Option<Output>,
     path: PathBuf,
     written: u64,
     opened_at: Instant,
@@ -408,9 +536,11 @@ impl FileRing {
 
     fn open_next(&mut self, now_ns: u64) -> Result<(), String> {
         let path = self.next_name(now_ns);
-        let mut f = File::create(&path).map_err(|e| explain_io(&path, &e))?;
-        f.write_all(&self.header)
-            .map_err(|e| explain_io(&path, &e))?;
+        let mut f = Output::create(&path).map_err(|e| explain_io(&path, &e))?;
+        f.write(&self.header, 0).map_err(|e| {
+            f.cut_back();
+            explain_io(&path, &e)
+        })?;
         self.written = self.header.len() as u64;
         self.stats.bytes_written.fetch_add(self.written, Relaxed);
         self.stats.files_opened.fetch_add(1, Relaxed);
@@ -469,7 +599,7 @@ impl FileRing {
                 );
                 return;
             };
-            match f.write_all(chunk) {
+            match f.write(chunk, records) {
                 Ok(()) => {
                     self.written += chunk.len() as u64;
                     self.stats
@@ -477,9 +607,10 @@ impl FileRing {
                         .fetch_add(chunk.len() as u64, Relaxed);
                 }
                 Err(e) => {
-                    let _ = f.set_len(self.written);
+                    // The records of this chunk and of those still staged are lost.
+                    let staged = f.cut_back();
                     let left = records_in(rest, self.spec.format, usize::MAX).1;
-                    self.stats.records_lost.fetch_add(records + left, Relaxed);
+                    self.stats.records_lost.fetch_add(staged + left, Relaxed);
                     let msg = explain_io(&self.path, &e);
                     self.fail(&msg);
                     self.file = None;
@@ -501,15 +632,22 @@ impl FileRing {
         let Some(mut f) = self.file.take() else {
             return;
         };
+        if let Err(e) = f.drain() {
+            let lost = f.cut_back();
+            self.stats.records_lost.fetch_add(lost, Relaxed);
+            let msg = explain_io(&self.path, &e);
+            self.fail(&msg);
+            return;
+        }
         if let (Format::Pcapng, Some((recv, drop))) = (self.spec.format, stats) {
             let isb = statistics_block(recv, drop);
-            if f.write_all(&isb).is_ok() {
+            if f.write(&isb, 0).is_ok() {
                 self.written += isb.len() as u64;
             } else {
-                let _ = f.set_len(self.written);
+                f.cut_back();
             }
         }
-        if let Err(e) = f.sync_data() {
+        if let Err(e) = f.file.sync_data() {
             let msg = explain_io(&self.path, &e);
             self.fail(&msg);
         }
