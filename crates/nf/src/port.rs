@@ -20,7 +20,7 @@
 //! ```yaml
 //! apps:
 //!   tenant1: { type: nf_port, socket: /run/stitch/nf.sock, mode: isolated, wake: blocking,
-//!              batch: 32, max_delay_us: 50 }
+//!              batch: 1, max_delay_us: 50 }
 //! links:
 //!   - "in.output -> tenant1.input"
 //!   - "tenant1.output -> out.input"
@@ -66,7 +66,7 @@ pub struct NfPortConfig {
     pub mode: Mode,
     #[serde(default)]
     pub wake: Wake,
-    /// Blocking: wake the function when this many packets wait.
+    /// Blocking: wake the function when this many packets wait (1: as soon as one does).
     #[serde(default = "default_batch")]
     pub batch: u32,
     /// Blocking: wake it anyway when the oldest packet has waited this long.
@@ -80,8 +80,10 @@ pub struct NfPortConfig {
     pub buffer_size: u32,
 }
 
+/// Wake on the empty → non-empty transition: with many functions each sees too few packets for
+/// a batch to form, and waiting only adds latency (measured: `docs/benchmarks.md`).
 fn default_batch() -> u32 {
-    32
+    1
 }
 fn default_delay() -> u64 {
     50

@@ -77,7 +77,7 @@ pub struct NfScaleArgs {
     #[arg(long, default_value_t = 3.0)]
     pub seconds: f64,
     /// Blocking modes: wake a function when this many packets wait...
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 1)]
     pub batch: u32,
     /// ...or when the oldest has waited this long.
     #[arg(long, default_value_t = 50)]
