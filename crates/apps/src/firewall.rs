@@ -26,6 +26,7 @@
 //!   - "fw.wan -> outside.input"
 //! ```
 
+use crate::classify::{self, Bits, Field};
 use serde::Deserialize;
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -150,6 +151,7 @@ impl Cidr {
         Ok(Cidr { addr, len })
     }
 
+    #[cfg(test)]
     fn contains(&self, ip: IpAddr) -> bool {
         match (self.addr, ip) {
             (IpAddr::V4(n), IpAddr::V4(a)) => {
@@ -222,6 +224,8 @@ struct Rule {
 }
 
 impl Rule {
+    /// The rule's meaning, one packet at a time (the classifier must agree with it).
+    #[cfg(test)]
     fn matches(&self, side: Side, f: &Flow) -> bool {
         let in_range = |r: Option<(u16, u16)>, p: u16| r.is_none_or(|(a, b)| (a..=b).contains(&p));
         (self.from == Side::Any || self.from == side)
@@ -231,6 +235,124 @@ impl Rule {
             && in_range(self.src_port, f.src_port)
             && in_range(self.dst_port, f.dst_port)
             && self.vlan.is_none_or(|v| f.vlan == Some(v))
+    }
+}
+
+impl Cidr {
+    /// The inclusive range it covers within address family `v4`; `Some(None)`-like "nothing"
+    /// when it is of the other family.
+    fn range(&self, v4: bool) -> Option<(u128, u128)> {
+        match self.addr {
+            IpAddr::V4(n) if v4 => {
+                let mask = if self.len == 0 {
+                    0
+                } else {
+                    u32::MAX << (32 - self.len)
+                };
+                let lo = u32::from(n) & mask;
+                Some((lo as u128, (lo | !mask) as u128))
+            }
+            IpAddr::V6(n) if !v4 => {
+                let mask = if self.len == 0 {
+                    0
+                } else {
+                    u128::MAX << (128 - self.len)
+                };
+                let lo = u128::from(n) & mask;
+                Some((lo, lo | !mask))
+            }
+            // A rule for the other family never matches: an empty range.
+            _ => Some((1, 0)),
+        }
+    }
+}
+
+/// The rules as per-field interval tables (see [`crate::classify`]): the first matching rule
+/// without walking them.
+struct Classifier {
+    sides: [Bits; 2],
+    protos: Vec<Bits>,
+    src4: Field,
+    dst4: Field,
+    src6: Field,
+    dst6: Field,
+    src_port: Field,
+    dst_port: Field,
+    untagged: Bits,
+    vlan: Field,
+}
+
+impl Classifier {
+    fn new(rules: &[Rule]) -> Classifier {
+        let field = |f: &dyn Fn(&Rule) -> Option<(u128, u128)>| {
+            Field::build(&rules.iter().map(f).collect::<Vec<_>>())
+        };
+        let exact = |f: &dyn Fn(&Rule) -> bool| {
+            // A one-interval field: the rules for which `f` holds.
+            Field::build(
+                &rules
+                    .iter()
+                    .map(|r| if f(r) { None } else { Some((1, 0)) })
+                    .collect::<Vec<_>>(),
+            )
+            .lookup(0)
+            .clone()
+        };
+        let cidr = |get: fn(&Rule) -> Option<Cidr>, v4: bool| {
+            field(&|r: &Rule| get(r).and_then(|c| c.range(v4)))
+        };
+        Classifier {
+            sides: [
+                exact(&|r: &Rule| r.from != Side::Wan),
+                exact(&|r: &Rule| r.from != Side::Lan),
+            ],
+            protos: (0..=255u8)
+                .map(|p| exact(&|r: &Rule| r.proto.is_none_or(|x| x == p)))
+                .collect(),
+            src4: cidr(|r| r.src, true),
+            dst4: cidr(|r| r.dst, true),
+            src6: cidr(|r| r.src, false),
+            dst6: cidr(|r| r.dst, false),
+            src_port: field(&|r: &Rule| r.src_port.map(|(a, b)| (a as u128, b as u128))),
+            dst_port: field(&|r: &Rule| r.dst_port.map(|(a, b)| (a as u128, b as u128))),
+            untagged: exact(&|r: &Rule| r.vlan.is_none()),
+            vlan: field(&|r: &Rule| r.vlan.map(|v| (v as u128, v as u128))),
+        }
+    }
+
+    /// The number of the first rule `f` matches from `side`.
+    #[inline]
+    fn first(&self, side: Side, f: &Flow) -> Option<usize> {
+        let (src, dst) = match (f.src, f.dst) {
+            (IpAddr::V4(s), IpAddr::V4(d)) => (
+                self.src4.lookup(u32::from(s) as u128),
+                self.dst4.lookup(u32::from(d) as u128),
+            ),
+            (s, d) => (
+                self.src6.lookup(match s {
+                    IpAddr::V6(a) => u128::from(a),
+                    IpAddr::V4(a) => u128::from(a.to_ipv6_mapped()),
+                }),
+                self.dst6.lookup(match d {
+                    IpAddr::V6(a) => u128::from(a),
+                    IpAddr::V4(a) => u128::from(a.to_ipv6_mapped()),
+                }),
+            ),
+        };
+        let side = &self.sides[if side == Side::Wan { 1 } else { 0 }];
+        let vlan = match f.vlan {
+            None => &self.untagged,
+            Some(v) => self.vlan.lookup(v as u128),
+        };
+        classify::first(&[
+            side,
+            &self.protos[f.protocol as usize],
+            src,
+            dst,
+            self.src_port.lookup(f.src_port as u128),
+            self.dst_port.lookup(f.dst_port as u128),
+            vlan,
+        ])
     }
 }
 
@@ -298,6 +420,7 @@ fn conn_key(f: &Flow) -> ConnKey {
 
 pub struct Firewall {
     rules: Vec<Rule>,
+    classifier: Classifier,
     default: Action,
     stateful: bool,
     timeouts: Timeouts,
@@ -536,8 +659,10 @@ impl App for Firewall {
             Malformed::Ipv6,
             Malformed::L4,
         ];
+        let rules = compile(&c, Some(ctx))?;
         Ok(Firewall {
-            rules: compile(&c, Some(ctx))?,
+            classifier: Classifier::new(&rules),
+            rules,
             default: c.default,
             stateful: c.stateful,
             timeouts: c.timeouts,
@@ -563,6 +688,7 @@ impl App for Firewall {
     ) -> Result<stitch_core::Reconfigured, AppError> {
         // New rules apply at once; tracked connections stay.
         self.rules = compile(&c, Some(ctx))?;
+        self.classifier = Classifier::new(&self.rules);
         self.default = c.default;
         self.stateful = c.stateful;
         self.timeouts = c.timeouts;
@@ -641,7 +767,7 @@ impl App for Firewall {
                         None => {}
                     }
                 }
-                let rule = self.rules.iter().position(|r| r.matches(side, &f));
+                let rule = self.classifier.first(side, &f);
                 let action = match rule {
                     Some(k) => {
                         self.rules[k].hits.add(1);
@@ -834,5 +960,83 @@ mod tests {
         .unwrap();
         let e = Firewall::declare(&c).unwrap_err().to_string();
         assert!(e.contains("rule 2") && e.contains("prefix length"), "{e}");
+    }
+
+    #[test]
+    fn the_classifier_agrees_with_the_rules_one_by_one() {
+        let mut x = 0x2545f4914f6cdd1du64;
+        let mut rnd = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let pick = |r: u64, opts: &[&str]| opts[(r % opts.len() as u64) as usize].to_string();
+        let mut rules = Vec::new();
+        for _ in 0..300 {
+            let mut r = serde_json::json!({ "action": pick(rnd(), &["accept", "drop"]) });
+            if rnd() % 2 == 0 {
+                r["from"] = serde_json::json!(pick(rnd(), &["lan", "wan"]));
+            }
+            if rnd() % 2 == 0 {
+                r["proto"] = serde_json::json!(pick(rnd(), &["tcp", "udp", "icmp"]));
+            }
+            if rnd() % 2 == 0 {
+                r["dst"] = serde_json::json!(format!("10.{}.0.0/{}", rnd() % 4, 8 + rnd() % 17));
+            }
+            if rnd() % 3 == 0 {
+                r["src"] =
+                    serde_json::json!(pick(rnd(), &["192.168.0.0/16", "fd00::/8", "192.168.1.7"]));
+            }
+            if rnd() % 2 == 0 {
+                let a = rnd() % 2000;
+                r["dst_port"] = serde_json::json!(format!("{a}-{}", a + rnd() % 500));
+            }
+            if rnd() % 5 == 0 {
+                r["vlan"] = serde_json::json!(rnd() % 3 + 1);
+            }
+            rules.push(r);
+        }
+        let c: FirewallConfig =
+            serde_json::from_value(serde_json::json!({ "rules": rules })).unwrap();
+        let rules = compile(&c, None).unwrap();
+        let cls = Classifier::new(&rules);
+        for _ in 0..20_000 {
+            let v6 = rnd() % 5 == 0;
+            let f = Flow {
+                vlan: if rnd() % 4 == 0 {
+                    Some((rnd() % 4) as u16)
+                } else {
+                    None
+                },
+                src: if v6 {
+                    IpAddr::V6(std::net::Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 1))
+                } else {
+                    IpAddr::V4(std::net::Ipv4Addr::new(
+                        192,
+                        168,
+                        (rnd() % 3) as u8,
+                        (rnd() % 10) as u8,
+                    ))
+                },
+                dst: if v6 {
+                    IpAddr::V6(std::net::Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 2))
+                } else {
+                    IpAddr::V4(std::net::Ipv4Addr::new(
+                        10,
+                        (rnd() % 5) as u8,
+                        (rnd() % 256) as u8,
+                        1,
+                    ))
+                },
+                protocol: [6u8, 17, 1, 47][(rnd() % 4) as usize],
+                src_port: (rnd() % 3000) as u16,
+                dst_port: (rnd() % 3000) as u16,
+                icmp_type: None,
+            };
+            let side = if rnd() % 2 == 0 { Side::Lan } else { Side::Wan };
+            let linear = rules.iter().position(|r| r.matches(side, &f));
+            assert_eq!(cls.first(side, &f), linear, "{f:?} from {side:?}");
+        }
     }
 }

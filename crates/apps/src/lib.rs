@@ -2,6 +2,7 @@
 //! snippet, and its tests. [`register`] adds them all to a registry.
 
 pub mod bridge;
+pub mod classify;
 pub mod firewall;
 pub mod forwarder;
 pub mod generator;
