@@ -11,6 +11,8 @@
 //! open a connection; later packets of a connection in either direction pass without the rules,
 //! and TCP packets that belong to no connection or break its state machine are dropped as
 //! invalid. Connections expire after their timeout (TCP established / transitory, UDP, ICMP).
+//! ICMP and ICMPv6 errors about a packet of a tracked connection (unreachable, too big, time
+//! exceeded, parameter problem) are related to it and pass without the rules.
 //! Non-IP frames (ARP) and IPv6 Neighbor Discovery pass. Counters: per rule, per outcome, and malformed packets by reason.
 //!
 //! ```yaml
@@ -409,6 +411,66 @@ struct Conn {
 /// Protocol and the two (address, port) ends, lower end first: the same in both directions.
 type ConnKey = (u8, (IpAddr, u16), (IpAddr, u16));
 
+/// The connection an ICMP/ICMPv6 error is about: the key of the packet it quotes (RELATED).
+fn related_key(d: &[u8], f: &Flow) -> Option<ConnKey> {
+    let is_error = match (f.protocol, f.icmp_type) {
+        (1, Some(t)) => matches!(t, 3 | 4 | 5 | 11 | 12),
+        (58, Some(t)) => (1..=4).contains(&t),
+        _ => false,
+    };
+    if !is_error {
+        return None;
+    }
+    let (at, _, _) = flow::l3(d).ok()?;
+    let ip = d.get(at..)?;
+    let (quoted, v6) = if f.protocol == 1 {
+        (ip.get((ip.first()? & 0x0f) as usize * 4 + 8..)?, false)
+    } else {
+        (ip.get(48..)?, true)
+    };
+    let (proto, src, dst, l4) = if v6 {
+        let src: [u8; 16] = quoted.get(8..24)?.try_into().ok()?;
+        let dst: [u8; 16] = quoted.get(24..40)?.try_into().ok()?;
+        (
+            *quoted.get(6)?,
+            IpAddr::from(src),
+            IpAddr::from(dst),
+            quoted.get(40..)?,
+        )
+    } else {
+        let ihl = (quoted.first()? & 0x0f) as usize * 4;
+        let src: [u8; 4] = quoted.get(12..16)?.try_into().ok()?;
+        let dst: [u8; 4] = quoted.get(16..20)?.try_into().ok()?;
+        (
+            *quoted.get(9)?,
+            IpAddr::from(src),
+            IpAddr::from(dst),
+            quoted.get(ihl..)?,
+        )
+    };
+    let (sp, dp) = match proto {
+        6 | 17 => (
+            u16::from_be_bytes([*l4.first()?, *l4.get(1)?]),
+            u16::from_be_bytes([*l4.get(2)?, *l4.get(3)?]),
+        ),
+        // A quoted echo: both "ports" are its identifier, as the tracker keys it.
+        1 | 58 => {
+            let id = u16::from_be_bytes([*l4.get(4)?, *l4.get(5)?]);
+            (id, id)
+        }
+        _ => return None,
+    };
+    Some(conn_key(&Flow {
+        vlan: f.vlan,
+        src,
+        dst,
+        protocol: proto,
+        src_port: sp,
+        dst_port: dp,
+        icmp_type: None,
+    }))
+}
+
 /// A connection key that is the same in both directions.
 fn conn_key(f: &Flow) -> ConnKey {
     let (mut a, mut b) = ((f.src, f.src_port), (f.dst, f.dst_port));
@@ -431,6 +493,7 @@ pub struct Firewall {
     dropped: Counter,
     rejected: Counter,
     established: Counter,
+    related: Counter,
     invalid: Counter,
     table_full: Counter,
     connections: Counter,
@@ -673,6 +736,7 @@ impl App for Firewall {
             dropped: ctx.counter("rule_drops"),
             rejected: ctx.counter("rejected"),
             established: ctx.counter("established_passed"),
+            related: ctx.counter("related_passed"),
             invalid: ctx.counter("invalid_drops"),
             table_full: ctx.counter("connection_table_full"),
             connections: ctx.counter("connections"),
@@ -765,6 +829,11 @@ impl App for Firewall {
                             continue;
                         }
                         None => {}
+                    }
+                    if related_key(p.data(), &f).is_some_and(|k| self.conns.contains_key(&k)) {
+                        self.related.add(1);
+                        transmit_to(&mut outputs[other], p);
+                        continue;
                     }
                 }
                 let rule = self.classifier.first(side, &f);
@@ -907,6 +976,54 @@ mod tests {
         // RST closes; the next packet of the old connection is refused by state.
         assert_eq!(r.in_from_lan(tcp(H, S, 40000, 80, RST)), (0, 1));
         assert_eq!(r.in_from_wan(tcp(S, H, 80, 40000, ACK)), (0, 0));
+    }
+
+    /// An IPv4 frame from `src` to `dst` with protocol `proto` and payload `l4`.
+    fn ip_frame(src: [u8; 4], dst: [u8; 4], proto: u8, l4: &[u8]) -> Vec<u8> {
+        let mut f = vec![2, 0, 0, 0, 0, dst[3], 2, 0, 0, 0, 0, src[3], 0x08, 0x00];
+        f.extend_from_slice(&stitch_wire::ipv4_header(
+            src.into(),
+            dst.into(),
+            proto,
+            l4.len(),
+            false,
+        ));
+        f.extend_from_slice(l4);
+        f
+    }
+
+    fn packet(bytes: &[u8]) -> Packet {
+        let mut p = pool::alloc().unwrap();
+        p.set_data(bytes).unwrap();
+        p
+    }
+
+    #[test]
+    fn icmp_errors_about_tracked_connections_are_related() {
+        let mut r = rig(serde_json::json!({ "rules": [{ "action": "accept", "from": "lan" }] }));
+        // H sends a UDP query to S: the connection is tracked.
+        let query = ip_frame(H, S, 17, &[0x9c, 0x40, 0, 53, 0, 8, 0, 0]);
+        assert_eq!(r.in_from_lan(packet(&query)), (0, 1));
+        // A router says S's port is unreachable, quoting the query: related, it passes in.
+        let router = [198, 51, 100, 9];
+        let mut icmp = vec![3, 3, 0, 0, 0, 0, 0, 0];
+        icmp.extend_from_slice(&query[14..]);
+        let c = checksum::checksum(&icmp);
+        icmp[2..4].copy_from_slice(&c.to_be_bytes());
+        assert_eq!(
+            r.in_from_wan(packet(&ip_frame(router, H, 1, &icmp))),
+            (1, 0)
+        );
+        assert_eq!(r.fw.related.get(), 1);
+        // The same error about a query nobody sent: no connection, default drop.
+        let other = ip_frame(H, S, 17, &[0x9c, 0x41, 0, 53, 0, 8, 0, 0]);
+        let mut icmp = vec![3, 3, 0, 0, 0, 0, 0, 0];
+        icmp.extend_from_slice(&other[14..]);
+        assert_eq!(
+            r.in_from_wan(packet(&ip_frame(router, H, 1, &icmp))),
+            (0, 0)
+        );
+        assert_eq!(r.fw.related.get(), 1);
     }
 
     #[test]
