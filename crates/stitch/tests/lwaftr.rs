@@ -1016,3 +1016,21 @@ fn lwaftr_run_answers_arp_and_ping_on_an_interface() {
         "{text}"
     );
 }
+
+#[test]
+fn extension_headers_in_front_of_the_tunnelled_packet_are_stepped_over() {
+    let inner = ip4(plain("178.79.150.233", "1.2.3.4", 17), &udp(80, 443, 20));
+    // A destination options header (8 bytes: next header 4, length 0, PadN) before the IPv4.
+    let mut payload = vec![4, 0, 1, 4, 0, 0, 0, 0];
+    payload.extend_from_slice(&inner);
+    let f = eth(INT_MAC, INT_HOP, 0x86dd, None, &ip6(B4_A, BR, 60, &payload));
+    let out = check(&default_conf(), &[], &[f]);
+    assert_eq!(out.counter("decapsulated"), 1);
+    assert_eq!(out.v4(&["ip.src", "udp.srcport"]), ["178.79.150.233\t80"]);
+    // A header that claims to run past the packet is malformed.
+    let mut bad = vec![4, 200, 0, 0, 0, 0, 0, 0];
+    bad.extend_from_slice(&inner);
+    let f = eth(INT_MAC, INT_HOP, 0x86dd, None, &ip6(B4_A, BR, 60, &bad));
+    let out = check(&default_conf(), &[], &[f]);
+    assert_eq!(out.counter("malformed_drops"), 1);
+}

@@ -29,8 +29,8 @@
 //! are reproducible); with DF set, an IPv4 packet too big for the tunnel gets ICMPv4 3/4.
 //!
 //! ICMPv6 errors from the access network about tunnelled packets are relayed to the IPv4
-//! sender as ICMPv4 (RFC 2473 §8). Not yet: IPv6 extension headers other than one fragment
-//! header.
+//! sender as ICMPv4 (RFC 2473 §8). Hop-by-hop, routing and destination options headers in
+//! front of the tunnelled packet are stepped over.
 
 pub mod binding;
 pub mod config;
@@ -708,7 +708,24 @@ impl Lwaftr {
         if 40 + plen > ip6.len() {
             return self.c.malformed.add(1);
         }
-        let (nh, src, dst) = (ip6[6], &ip6[8..24], &ip6[24..40]);
+        let (src, dst) = (&ip6[8..24], &ip6[24..40]);
+        // Hop-by-hop, routing and destination options headers are stepped over.
+        let (mut nh, mut off) = (ip6[6], 40);
+        while matches!(nh, 0 | 43 | 60) {
+            let Some(h) = ip6.get(off..off + 2) else {
+                return self.c.malformed.add(1);
+            };
+            let len = (h[1] as usize + 1) * 8;
+            if off + len > 40 + plen {
+                return self.c.malformed.add(1);
+            }
+            nh = h[0];
+            off += len;
+        }
+        if off != 40 && nh != IPIP {
+            // Fragments and ICMPv6 behind extension headers are not for this function.
+            return self.c.not_for_us.add(1);
+        }
         if nh == 44 && plen >= 8 && self.table.is_br_address(dst) {
             let l2h = d[..at].to_vec();
             return match self.reasm6.add_v6(&ip6[..40 + plen], Instant::now()) {
@@ -729,7 +746,7 @@ impl Lwaftr {
         if nh != IPIP || !self.table.is_br_address(dst) {
             return self.c.not_for_us.add(1);
         }
-        let inner = &ip6[40..40 + plen];
+        let inner = &ip6[off..40 + plen];
         let Some((ihl, total)) = ipv4(inner) else {
             return self.c.malformed.add(1);
         };
@@ -757,7 +774,7 @@ impl Lwaftr {
         } else {
             None
         };
-        if p.shift_front(at + 40).is_err() || p.set_len(total).is_err() {
+        if p.shift_front(at + off).is_err() || p.set_len(total).is_err() {
             return self.c.malformed.add(1);
         }
         if let Some(sw) = hairpin {
