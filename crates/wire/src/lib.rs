@@ -8,6 +8,7 @@
 
 pub mod checksum;
 pub mod flow;
+pub mod ndp;
 pub mod offload;
 pub mod vlan;
 

@@ -200,10 +200,11 @@ impl Partial {
     }
 }
 
-/// How a payload of `payload_len` bytes is cut into IPv6 fragments of at most `mtu` bytes
-/// (their 40 + 8 header bytes included): (offset, length, more fragments) of each.
-pub fn split(payload_len: usize, mtu: usize) -> Vec<(usize, usize, bool)> {
-    let chunk = (mtu - 48) / 8 * 8;
+/// How a payload of `payload_len` bytes is cut into fragments that carry at most `room`
+/// payload bytes each (offsets stay on 8-byte units): (offset, length, more fragments) of each.
+/// IPv6 fragments leave 48 bytes of an MTU for headers, IPv4 ones the header's length.
+pub fn split(payload_len: usize, room: usize) -> Vec<(usize, usize, bool)> {
+    let chunk = room / 8 * 8;
     let mut out = Vec::new();
     let mut off = 0;
     while off < payload_len {
@@ -287,7 +288,7 @@ mod tests {
 
     #[test]
     fn split_keeps_offsets_on_8_byte_units() {
-        let parts = split(3000, 1460);
+        let parts = split(3000, 1460 - 48);
         assert_eq!(
             parts,
             [(0, 1408, true), (1408, 1408, true), (2816, 184, false)]

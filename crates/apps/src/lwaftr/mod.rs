@@ -45,6 +45,7 @@ use std::time::{Duration, Instant};
 use stitch_core::app::{AppContext, AppError, Counter, Io, PortNames, PortSpec, Reconfigured};
 use stitch_core::{pool, App, Packet};
 use stitch_wire::checksum;
+use stitch_wire::ndp::{icmp6_checksum, lladdr_option, multicast_mac, solicited_node, ICMPV6};
 
 const V4: usize = 0;
 const V6: usize = 1;
@@ -52,7 +53,6 @@ const ICMP: u8 = 1;
 const TCP: u8 = 6;
 const UDP: u8 = 17;
 const IPIP: u8 = 4;
-const ICMPV6: u8 = 58;
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -498,22 +498,6 @@ fn peek(d: &[u8], vlan: Option<u16>, skip: usize) -> Option<(u32, u16)> {
     Some((a, port_of(ip, ihl, total, destination)?))
 }
 
-fn icmp6_checksum(src: &[u8], dst: &[u8], body: &[u8]) -> u16 {
-    let s = checksum::sum(src, checksum::sum(dst, 0)) + body.len() as u64 + ICMPV6 as u64;
-    checksum::finish(checksum::sum(body, s))
-}
-
-fn solicited_node(a: Ipv6Addr) -> [u8; 16] {
-    let o = a.octets();
-    let mut s = [0u8; 16];
-    s[0] = 0xff;
-    s[1] = 0x02;
-    s[11] = 1;
-    s[12] = 0xff;
-    s[13..].copy_from_slice(&o[13..]);
-    s
-}
-
 impl Lwaftr {
     fn build(cfg: LwaftrConfig, q: usize, c: Counters) -> Result<Lwaftr, String> {
         let table = BindingTable::new(&cfg.softwires)?;
@@ -605,17 +589,11 @@ impl Lwaftr {
         }
         if is_fragment(ip) {
             let l2h = d[..at].to_vec();
-            return match self.reasm4.add_v4(ip, ihl, total, Instant::now()) {
-                frag::Outcome::Complete(whole) => {
-                    self.c.reassembled.add(1);
-                    match packet_of(&l2h, &whole) {
-                        Some(p) => self.handle_internet(p),
-                        None => self.c.too_big.add(1),
-                    }
-                }
-                frag::Outcome::Pending => {}
-                frag::Outcome::Dropped(_) => self.c.fragments.add(1),
-            };
+            let outcome = self.reasm4.add_v4(ip, ihl, total, Instant::now());
+            if let Some(whole) = self.reassembled(outcome, &l2h) {
+                self.handle_internet(whole);
+            }
+            return;
         }
         if ip[9] == ICMP && !self.ext_policy.allow_incoming_icmp {
             return self.c.icmp_policy.add(1);
@@ -728,17 +706,11 @@ impl Lwaftr {
         }
         if nh == 44 && plen >= 8 && self.table.is_br_address(dst) {
             let l2h = d[..at].to_vec();
-            return match self.reasm6.add_v6(&ip6[..40 + plen], Instant::now()) {
-                frag::Outcome::Complete(whole) => {
-                    self.c.reassembled.add(1);
-                    match packet_of(&l2h, &whole) {
-                        Some(p) => self.handle_b4s(p),
-                        None => self.c.too_big.add(1),
-                    }
-                }
-                frag::Outcome::Pending => {}
-                frag::Outcome::Dropped(_) => self.c.fragments.add(1),
-            };
+            let outcome = self.reasm6.add_v6(&ip6[..40 + plen], Instant::now());
+            if let Some(whole) = self.reassembled(outcome, &l2h) {
+                self.handle_b4s(whole);
+            }
+            return;
         }
         if nh == ICMPV6 {
             return self.icmp6_in(p, at, plen);
@@ -795,6 +767,25 @@ impl Lwaftr {
         }
     }
 
+    /// The whole packet once its last fragment arrived (framed with `l2`), counted either way.
+    fn reassembled(&mut self, outcome: frag::Outcome, l2: &[u8]) -> Option<Packet> {
+        match outcome {
+            frag::Outcome::Complete(whole) => {
+                self.c.reassembled.add(1);
+                let p = packet_of(l2, &whole);
+                if p.is_none() {
+                    self.c.too_big.add(1);
+                }
+                p
+            }
+            frag::Outcome::Pending => None,
+            frag::Outcome::Dropped(_) => {
+                self.c.fragments.add(1);
+                None
+            }
+        }
+    }
+
     /// An IPv4 packet too big for the access network's MTU, in IPv6 fragments.
     fn encapsulate_fragments(
         &mut self,
@@ -809,7 +800,7 @@ impl Lwaftr {
         let id = self.next_frag_id;
         self.next_frag_id = self.next_frag_id.wrapping_add(1);
         let word = 6u32 << 28 | (tos as u32) << 20 | flow;
-        for (off, n, more) in frag::split(ip.len(), self.int_policy.mtu as usize) {
+        for (off, n, more) in frag::split(ip.len(), self.int_policy.mtu as usize - 48) {
             let mut f = Vec::with_capacity(48 + n);
             f.extend_from_slice(&word.to_be_bytes());
             f.extend_from_slice(&((8 + n) as u16).to_be_bytes());
@@ -835,12 +826,8 @@ impl Lwaftr {
     /// A decapsulated IPv4 packet too big for the internet side's MTU, in IPv4 fragments.
     fn decapsulate_fragments(&mut self, p: Packet, ihl: usize, hop: [u8; 6]) {
         let ip = p.data();
-        let chunk = (self.ext_policy.mtu as usize - ihl) / 8 * 8;
         let body = &ip[ihl..];
-        let mut off = 0;
-        while off < body.len() {
-            let n = chunk.min(body.len() - off);
-            let more = off + n < body.len();
+        for (off, n, more) in frag::split(body.len(), self.ext_policy.mtu as usize - ihl) {
             let mut f = ip[..ihl].to_vec();
             f[2..4].copy_from_slice(&((ihl + n) as u16).to_be_bytes());
             let ff = (off / 8) as u16 | if more { 0x2000 } else { 0 };
@@ -853,7 +840,6 @@ impl Lwaftr {
                 Some(q) => self.out[V4].push(q),
                 None => return self.c.too_big.add(1),
             }
-            off += n;
         }
         self.c.fragmented.add(1);
         self.c.decapsulated.add(1);
@@ -893,19 +879,10 @@ impl Lwaftr {
             return self.c.icmp_rate_limited.add(1);
         }
         let ip6 = &p.data()[at..];
-        let quote = &ip6[..ip6.len().min(1280 - 48)];
+        // At most 1280 bytes in all (RFC 4443 2.4).
         let mut body = vec![kind, code, 0, 0, 0, 0, 0, 0];
-        body.extend_from_slice(quote);
-        let me = self.int.ip.octets();
-        let cs = icmp6_checksum(&me, &ip6[8..24], &body);
-        body[2..4].copy_from_slice(&cs.to_be_bytes());
-        let mut pkt = vec![0x60, 0, 0, 0];
-        pkt.extend_from_slice(&(body.len() as u16).to_be_bytes());
-        pkt.extend_from_slice(&[ICMPV6, 255]);
-        pkt.extend_from_slice(&me);
-        pkt.extend_from_slice(&ip6[8..24]);
-        pkt.extend_from_slice(&body);
-        if let Some(f) = self.new_frame(V6, hop, &pkt) {
+        body.extend_from_slice(&ip6[..ip6.len().min(1280 - 48)]);
+        if let Some(f) = self.icmp6_frame(hop, &ip6[8..24], body) {
             self.c.icmp_sent.add(1);
             self.out[V6].push(f);
         }
@@ -1017,7 +994,7 @@ impl Lwaftr {
         body.extend_from_slice(&[1, 1]);
         body.extend_from_slice(&self.int.mac);
         let dst = solicited_node(target);
-        self.icmp6_frame([0x33, 0x33, dst[12], dst[13], dst[14], dst[15]], &dst, body)
+        self.icmp6_frame(multicast_mac(dst), &dst.octets(), body)
     }
 
     /// ICMPv6 arriving from the access network: neighbour discovery and ping for the
@@ -1034,7 +1011,7 @@ impl Lwaftr {
         let src: [u8; 16] = ip6[8..24].try_into().unwrap();
         match kind {
             135 if body.len() >= 24 && body[8..24] == me => {
-                if let Some(mac) = lladdr(&body[24..]) {
+                if let Some(mac) = lladdr_option(&body[24..]) {
                     if self.int.next_hop == NextHop::Ipv6(Ipv6Addr::from(src)) {
                         self.int_hop = Some(mac);
                     }
@@ -1051,7 +1028,7 @@ impl Lwaftr {
             136 if body.len() >= 24 => {
                 let target = Ipv6Addr::from(<[u8; 16]>::try_from(&body[8..24]).unwrap());
                 if self.int.next_hop == NextHop::Ipv6(target) {
-                    self.int_hop = lladdr(&body[24..]).or(Some(eth_src));
+                    self.int_hop = lladdr_option(&body[24..]).or(Some(eth_src));
                 }
             }
             128 if ip6[24..40] == me => {
@@ -1167,20 +1144,4 @@ impl Lwaftr {
         self.icmp4_error(&ip, 3, code, extra);
         true
     }
-}
-
-/// The link-layer address option (source or target) of an NS/NA.
-fn lladdr(opts: &[u8]) -> Option<[u8; 6]> {
-    let mut at = 0;
-    while at + 8 <= opts.len() {
-        let len = opts[at + 1] as usize * 8;
-        if len == 0 {
-            return None;
-        }
-        if (opts[at] == 1 || opts[at] == 2) && len >= 8 {
-            return opts[at + 2..at + 8].try_into().ok();
-        }
-        at += len;
-    }
-    None
 }

@@ -7,55 +7,10 @@ use super::Router;
 use std::net::Ipv6Addr;
 use std::time::Instant;
 use stitch_core::{pool, Packet};
-use stitch_wire::checksum;
-
-const ICMPV6: u8 = 58;
-
-/// The ICMPv6 checksum over the pseudo-header and `body` (with its checksum field zero).
-fn icmp6_checksum(src: Ipv6Addr, dst: Ipv6Addr, body: &[u8]) -> u16 {
-    let s = checksum::sum(&src.octets(), checksum::sum(&dst.octets(), 0))
-        + body.len() as u64
-        + ICMPV6 as u64;
-    checksum::finish(checksum::sum(body, s))
-}
-
-fn solicited_node(a: Ipv6Addr) -> Ipv6Addr {
-    let o = a.octets();
-    Ipv6Addr::new(
-        0xff02,
-        0,
-        0,
-        0,
-        0,
-        1,
-        0xff00 | o[13] as u16,
-        u16::from_be_bytes([o[14], o[15]]),
-    )
-}
-
-fn multicast_mac(a: Ipv6Addr) -> [u8; 6] {
-    let o = a.octets();
-    [0x33, 0x33, o[12], o[13], o[14], o[15]]
-}
+use stitch_wire::ndp::{icmp6_checksum, lladdr_option, multicast_mac, solicited_node, ICMPV6};
 
 fn addr(d: &[u8], at: usize) -> Ipv6Addr {
     Ipv6Addr::from(<[u8; 16]>::try_from(&d[at..at + 16]).unwrap())
-}
-
-/// The source link-layer address option of an NS/NA (or the target one), if present.
-fn lladdr_option(opts: &[u8]) -> Option<[u8; 6]> {
-    let mut at = 0;
-    while at + 8 <= opts.len() {
-        let (kind, len) = (opts[at], opts[at + 1] as usize * 8);
-        if len == 0 {
-            return None;
-        }
-        if (kind == 1 || kind == 2) && len >= 8 {
-            return opts[at + 2..at + 8].try_into().ok();
-        }
-        at += len;
-    }
-    None
 }
 
 impl Router {
@@ -69,7 +24,7 @@ impl Router {
         mut body: Vec<u8>,
     ) -> Option<Packet> {
         body[2..4].copy_from_slice(&[0, 0]);
-        let cs = icmp6_checksum(src, dst, &body);
+        let cs = icmp6_checksum(&src.octets(), &dst.octets(), &body);
         body[2..4].copy_from_slice(&cs.to_be_bytes());
         let mut f = Vec::with_capacity(54 + body.len());
         f.extend_from_slice(&dst_mac);
@@ -158,7 +113,7 @@ impl Router {
         let plen = u16::from_be_bytes([d[18], d[19]]) as usize;
         let body = &d[54..(54 + plen).min(d.len())];
         let (src, dst) = (addr(d, 22), addr(d, 38));
-        if icmp6_checksum(src, dst, body) != 0 {
+        if icmp6_checksum(&src.octets(), &dst.octets(), body) != 0 {
             self.c.bad_header.add(1);
             return;
         }

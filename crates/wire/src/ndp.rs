@@ -1,0 +1,54 @@
+//! ICMPv6 and Neighbor Discovery (RFC 4443, RFC 4861) pieces shared by the router and the
+//! lwAFTR: the ICMPv6 checksum, solicited-node multicast addresses and the link-layer address
+//! option of solicitations and advertisements.
+
+use crate::checksum;
+use std::net::Ipv6Addr;
+
+/// IPv6 next header of ICMPv6.
+pub const ICMPV6: u8 = 58;
+
+/// The ICMPv6 checksum over the pseudo-header of `src` → `dst` (16 bytes each) and `body`.
+/// With the body's checksum field zero it is the value to store; over a received message it is
+/// 0 when the message is intact.
+pub fn icmp6_checksum(src: &[u8], dst: &[u8], body: &[u8]) -> u16 {
+    let s = checksum::sum(src, checksum::sum(dst, 0)) + body.len() as u64 + ICMPV6 as u64;
+    checksum::finish(checksum::sum(body, s))
+}
+
+/// The solicited-node multicast address of `a` (ff02::1:ffXX:XXXX).
+pub fn solicited_node(a: Ipv6Addr) -> Ipv6Addr {
+    let o = a.octets();
+    Ipv6Addr::new(
+        0xff02,
+        0,
+        0,
+        0,
+        0,
+        1,
+        0xff00 | o[13] as u16,
+        u16::from_be_bytes([o[14], o[15]]),
+    )
+}
+
+/// The Ethernet multicast address of IPv6 multicast address `a` (33:33:…).
+pub fn multicast_mac(a: Ipv6Addr) -> [u8; 6] {
+    let o = a.octets();
+    [0x33, 0x33, o[12], o[13], o[14], o[15]]
+}
+
+/// The source or target link-layer address option among NS/NA `opts`, if present.
+pub fn lladdr_option(opts: &[u8]) -> Option<[u8; 6]> {
+    let mut at = 0;
+    while at + 8 <= opts.len() {
+        let (kind, len) = (opts[at], opts[at + 1] as usize * 8);
+        if len == 0 {
+            return None;
+        }
+        if (kind == 1 || kind == 2) && len >= 8 {
+            return opts[at + 2..at + 8].try_into().ok();
+        }
+        at += len;
+    }
+    None
+}
