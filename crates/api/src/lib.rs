@@ -28,15 +28,7 @@ pub use rates::Rates;
 
 /// Where the Unix socket of instance `name` lives.
 pub fn socket_path(name: &str) -> PathBuf {
-    let uid = unsafe { libc::geteuid() };
-    let dir = if uid == 0 {
-        PathBuf::from("/run/stitch")
-    } else if let Some(d) = std::env::var_os("XDG_RUNTIME_DIR") {
-        Path::new(&d).join("stitch")
-    } else {
-        std::env::temp_dir().join(format!("stitch-{uid}"))
-    };
-    dir.join(format!("{name}.sock"))
+    stitch_core::runtime_dir().join(format!("{name}.sock"))
 }
 
 /// A refused request: its HTTP status and the reason, plus structured details (the lines of a

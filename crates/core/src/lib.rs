@@ -21,3 +21,16 @@ pub use engine::{Engine, Stats};
 pub use graph::Graph;
 pub use link::{Consumer, Producer};
 pub use packet::Packet;
+
+/// The folder of a running instance's sockets: `/run/stitch` for root, else
+/// `$XDG_RUNTIME_DIR/stitch`, else `stitch-UID` in the temporary folder.
+pub fn runtime_dir() -> std::path::PathBuf {
+    let uid = unsafe { libc::geteuid() };
+    if uid == 0 {
+        std::path::PathBuf::from("/run/stitch")
+    } else if let Some(d) = std::env::var_os("XDG_RUNTIME_DIR") {
+        std::path::Path::new(&d).join("stitch")
+    } else {
+        std::env::temp_dir().join(format!("stitch-{uid}"))
+    }
+}

@@ -97,14 +97,7 @@ fn default_buffer() -> u32 {
 
 /// The default attach socket.
 pub fn default_socket() -> PathBuf {
-    let uid = unsafe { libc::geteuid() };
-    if uid == 0 {
-        PathBuf::from("/run/stitch/nf.sock")
-    } else if let Some(d) = std::env::var_os("XDG_RUNTIME_DIR") {
-        PathBuf::from(d).join("stitch/nf.sock")
-    } else {
-        std::env::temp_dir().join(format!("stitch-{uid}/nf.sock"))
-    }
+    stitch_core::runtime_dir().join("nf.sock")
 }
 
 struct Active {
