@@ -18,17 +18,6 @@ links:
   - \"fw.output -> out.input\"
 ";
 
-fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
-    let t = Instant::now();
-    while !f() {
-        assert!(
-            t.elapsed() < Duration::from_secs(secs),
-            "timed out waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 fn names(v: &Value) -> Vec<&str> {
     v.as_array()
         .unwrap()
@@ -73,7 +62,7 @@ fn reads_graph_counters_and_app_state() {
     assert!(e["error"].as_str().unwrap().contains("`format`"), "{e}");
 
     // Rates appear once the sampler has two snapshots.
-    wait_for("a link rate", 10, || {
+    wait_until("a link rate", 10, || {
         let (_, links) = s.call("GET", "/api/v1/links", None);
         links[0]["rate_pps"].as_f64().unwrap() > 1000.0
     });
@@ -348,7 +337,7 @@ fn sighup_reloads_the_graph_file_and_keeps_it_on_errors() {
     )
     .unwrap();
     s.process.signal(libc::SIGHUP);
-    wait_for("the reloaded graph", 10, || {
+    wait_until("the reloaded graph", 10, || {
         let (_, doc) = s.call("GET", "/api/v1/graph", None);
         doc["apps"].get("extra").is_some() && doc["apps"].get("br").is_none()
     });
@@ -439,27 +428,12 @@ fn tcp_listener_needs_the_token_and_serves_tls() {
     assert!(err.contains("--token-file"), "{err}");
 }
 
-fn run_must_fail_with(graph: &str, extra: &[&str]) -> String {
-    let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("g.yaml");
-    std::fs::write(&file, graph).unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_stitch"))
-        .args(["run", "--control"])
-        .arg(dir.path().join("s.sock"))
-        .arg(&file)
-        .args(extra)
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
-
 #[test]
 fn metrics_parse_with_the_prometheus_client_parser() {
     require_root_and_tools(&["curl", "python3"]);
     let port = free_port();
     let s = Stitch::run_with(GRAPH, &["--listen", &format!("127.0.0.1:{port}")]);
-    wait_for("traffic", 10, || {
+    wait_until("traffic", 10, || {
         s.stats().is_some_and(|st| {
             link(&st, "fw.output -> out.input")["tx_packets"].as_u64() > Some(100)
         })
@@ -544,7 +518,7 @@ fn top_shows_the_busiest_link_first() {
 links: [\"fast.output -> a.input\", \"slow.output -> b.input\"]
 ",
     );
-    wait_for("rates", 10, || {
+    wait_until("rates", 10, || {
         let (_, l) = s.call("GET", "/api/v1/links", None);
         l[0]["rate_pps"].as_f64().unwrap() > 0.0
     });

@@ -52,17 +52,6 @@ softwire-config {{
     )
 }
 
-fn csum(d: &[u8]) -> u16 {
-    let mut s = 0u32;
-    for c in d.chunks(2) {
-        s += u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)]) as u32;
-    }
-    while s > 0xffff {
-        s = (s & 0xffff) + (s >> 16);
-    }
-    !(s as u16)
-}
-
 fn v4(s: &str) -> [u8; 4] {
     s.parse::<std::net::Ipv4Addr>().unwrap().octets()
 }
@@ -88,7 +77,7 @@ fn ip4(h: Ip4, l4: &[u8]) -> Vec<u8> {
     ip.extend_from_slice(&[h.ttl, h.proto, 0, 0]);
     ip.extend_from_slice(&v4(h.src));
     ip.extend_from_slice(&v4(h.dst));
-    let c = csum(&ip);
+    let c = stitch_wire::checksum::checksum(&ip);
     ip[10..12].copy_from_slice(&c.to_be_bytes());
     ip.extend_from_slice(l4);
     ip
@@ -125,7 +114,7 @@ fn icmp(kind: u8, code: u8, rest: [u8; 4], body: &[u8]) -> Vec<u8> {
     let mut m = vec![kind, code, 0, 0];
     m.extend_from_slice(&rest);
     m.extend_from_slice(body);
-    let c = csum(&m);
+    let c = stitch_wire::checksum::checksum(&m);
     m[2..4].copy_from_slice(&c.to_be_bytes());
     m
 }
@@ -170,7 +159,7 @@ fn icmp6(src: &str, dst: &str, body: &[u8]) -> Vec<u8> {
     pseudo.extend_from_slice(&(b.len() as u32).to_be_bytes());
     pseudo.extend_from_slice(&[0, 0, 0, 58]);
     pseudo.extend_from_slice(&b);
-    let c = csum(&pseudo);
+    let c = stitch_wire::checksum::checksum(&pseudo);
     b[2..4].copy_from_slice(&c.to_be_bytes());
     ip6(src, dst, 58, &b)
 }
@@ -739,7 +728,7 @@ fn fragments4(whole: &[u8], chunk: usize) -> Vec<Vec<u8>> {
         let ff = (off / 8) as u16 | if more { 0x2000 } else { 0 };
         h[6..8].copy_from_slice(&ff.to_be_bytes());
         h[10..12].fill(0);
-        let c = csum(&h);
+        let c = stitch_wire::checksum::checksum(&h);
         h[10..12].copy_from_slice(&c.to_be_bytes());
         h.extend_from_slice(&body[off..off + n]);
         out.push(h);

@@ -35,14 +35,6 @@ fn count(s: &Stitch, app_name: &str) -> u64 {
         .unwrap_or(0)
 }
 
-fn wait(what: &str, mut f: impl FnMut() -> bool) {
-    let t = Instant::now();
-    while !f() {
-        assert!(t.elapsed() < Duration::from_secs(15), "timed out: {what}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 #[test]
 fn ovs_ofctl_programs_the_switch_and_reads_its_statistics() {
     require_root_and_tools(&["ovs-ofctl"]);
@@ -69,7 +61,7 @@ links:
     assert!(show.contains("OFPT_FEATURES_REPLY"), "{show}");
     assert!(show.contains("p1") && show.contains("p3"), "{show}");
     ofctl(port, &["add-flow", "in_port=1,actions=output:2"]);
-    wait("packets on port 2", || count(&s, "out2") > 200);
+    wait_until("packets on port 2", 15, || count(&s, "out2") > 200);
     let flows = ofctl(port, &["--no-names", "dump-flows"]);
     assert!(flows.contains("in_port=1 actions=output:2"), "{flows}");
     let n: u64 = flows
@@ -86,7 +78,7 @@ links:
         &["add-flow", "priority=40000,in_port=1,udp,actions=output:3"],
     );
     let before = count(&s, "out2");
-    wait("packets on port 3", || count(&s, "out3") > 200);
+    wait_until("packets on port 3", 15, || count(&s, "out3") > 200);
     std::thread::sleep(Duration::from_millis(200));
     assert!(
         count(&s, "out2") - before < 50,
@@ -104,7 +96,7 @@ links:
         &["--strict", "del-flows", "priority=40000,in_port=1,udp"],
     );
     let b2 = count(&s, "out2");
-    wait("port 2 again", || count(&s, "out2") > b2 + 200);
+    wait_until("port 2 again", 15, || count(&s, "out2") > b2 + 200);
     ofctl(port, &["del-flows"]);
     let flows = ofctl(port, &["dump-flows"]);
     assert!(!flows.contains("actions"), "{flows}");
@@ -155,7 +147,7 @@ fn an_os_ken_learning_switch_connects_two_namespaces() {
             .spawn()
             .unwrap(),
     );
-    wait("the controller listens", || {
+    wait_until("the controller listens", 15, || {
         std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
     });
     let s = Stitch::run(&format!(
@@ -226,7 +218,7 @@ fn switch_overs_lose_and_reorder_nothing() {
             let mut ip = vec![
                 0x45, 0, 0, 32, 0, 0, 0, 0, 64, 17, 0, 0, 10, 0, 0, 1, 10, 0, 0, 2,
             ];
-            let c = ip_checksum(&ip);
+            let c = stitch_wire::checksum::checksum(&ip);
             ip[10..12].copy_from_slice(&c.to_be_bytes());
             frame.extend_from_slice(&ip);
             frame.extend_from_slice(&[0x30, 0x39, 0x30, 0x39, 0, 12, 0, 0]);
@@ -318,15 +310,4 @@ links:
         next += 1;
     }
     assert_eq!(next, N);
-}
-
-fn ip_checksum(h: &[u8]) -> u16 {
-    let mut s: u32 = h
-        .chunks(2)
-        .map(|c| u16::from_be_bytes([c[0], c[1]]) as u32)
-        .sum();
-    while s > 0xffff {
-        s = (s & 0xffff) + (s >> 16);
-    }
-    !(s as u16)
 }

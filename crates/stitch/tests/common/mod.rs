@@ -139,12 +139,19 @@ impl TwoHosts {
 
 /// Runs a graph that must not start; returns what stitch printed on stderr.
 pub fn run_must_fail(text: &str) -> String {
+    run_must_fail_with(text, &["--duration", "1"])
+}
+
+/// `stitch run` of graph `text` with more arguments, which must fail; its standard error.
+pub fn run_must_fail_with(text: &str, extra: &[&str]) -> String {
     let dir = tempfile::tempdir().unwrap();
     let g = dir.path().join("g.yaml");
     std::fs::write(&g, text).unwrap();
     let o = Command::new(env!("CARGO_BIN_EXE_stitch"))
-        .args(["run", "--duration", "1"])
+        .args(["run", "--control"])
+        .arg(dir.path().join("s.sock"))
         .arg(&g)
+        .args(extra)
         .output()
         .unwrap();
     assert!(
@@ -153,6 +160,18 @@ pub fn run_must_fail(text: &str) -> String {
         String::from_utf8_lossy(&o.stdout)
     );
     String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Waits until `f` holds, failing the test after `secs` seconds.
+pub fn wait_until(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(
+            t.elapsed() < Duration::from_secs(secs),
+            "timed out waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 /// A child process killed when dropped (also when a test fails).
