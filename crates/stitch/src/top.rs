@@ -29,6 +29,17 @@ fn f(v: &Value) -> f64 {
     v.as_f64().unwrap_or(0.0)
 }
 
+/// `items` ordered by `key` (rate, then total), largest first.
+fn busiest_first(items: &[Value], key: impl Fn(&Value) -> (f64, f64)) -> Vec<&Value> {
+    let mut v: Vec<&Value> = items.iter().collect();
+    v.sort_by(|a, b| {
+        key(b)
+            .partial_cmp(&key(a))
+            .unwrap_or(std::cmp::Ordering::Equal)
+    });
+    v
+}
+
 /// One frame: links by packet rate (then by total), apps by packets in and out per second.
 pub fn frame(stats: &Value, rows: usize) -> String {
     let mut s = String::new();
@@ -46,12 +57,7 @@ pub fn frame(stats: &Value, rows: usize) -> String {
         pool["packets"],
         pool["exhausted"]
     );
-    let mut links: Vec<&Value> = links.iter().collect();
-    links.sort_by(|a, b| {
-        (f(&b["rate_pps"]), f(&b["tx_packets"]))
-            .partial_cmp(&(f(&a["rate_pps"]), f(&a["tx_packets"])))
-            .unwrap_or(std::cmp::Ordering::Equal)
-    });
+    let links = busiest_first(links, |l| (f(&l["rate_pps"]), f(&l["tx_packets"])));
     let width = column_width(&links, "link", 4);
     let _ = writeln!(
         s,
@@ -70,13 +76,11 @@ pub fn frame(stats: &Value, rows: usize) -> String {
             n(&l["queued"])
         );
     }
-    let mut apps: Vec<&Value> = apps.iter().collect();
-    let busy = |a: &Value| f(&a["rx_rate_pps"]) + f(&a["tx_rate_pps"]);
-    let total = |a: &Value| f(&a["rx_packets"]) + f(&a["tx_packets"]);
-    apps.sort_by(|a, b| {
-        (busy(b), total(b))
-            .partial_cmp(&(busy(a), total(a)))
-            .unwrap_or(std::cmp::Ordering::Equal)
+    let apps = busiest_first(apps, |a| {
+        (
+            f(&a["rx_rate_pps"]) + f(&a["tx_rate_pps"]),
+            f(&a["rx_packets"]) + f(&a["tx_packets"]),
+        )
     });
     let width = column_width(&apps, "name", 3);
     let _ = writeln!(
