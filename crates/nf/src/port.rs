@@ -95,6 +95,19 @@ fn default_buffer() -> u32 {
     2048
 }
 
+impl NfPortConfig {
+    /// What shapes the shared region (and so cannot change while a function is attached).
+    fn settings(&self) -> PortSettings {
+        PortSettings {
+            zero_copy: self.mode == Mode::ZeroCopy,
+            blocking: self.wake == Wake::Blocking,
+            ring_size: self.ring_size,
+            buffers: self.ring_size,
+            buffer_size: self.buffer_size,
+        }
+    }
+}
+
 /// The default attach socket.
 pub fn default_socket() -> PathBuf {
     stitch_core::runtime_dir().join("nf.sock")
@@ -212,13 +225,7 @@ impl App for NfPort {
             .clone()
             .map(|p| ctx.path(p))
             .unwrap_or_else(default_socket);
-        let settings = PortSettings {
-            zero_copy: c.mode == Mode::ZeroCopy,
-            blocking: c.wake == Wake::Blocking,
-            ring_size: c.ring_size,
-            buffers: c.ring_size,
-            buffer_size: c.buffer_size,
-        };
+        let settings = c.settings();
         let listener = listener::listener(&socket)
             .map_err(|e| format!("cannot serve function ports on {}: {e}", socket.display()))?;
         let shared = PortShared::new(&name, settings);
@@ -249,13 +256,8 @@ impl App for NfPort {
         c: NfPortConfig,
         _: &mut AppContext,
     ) -> Result<Reconfigured, AppError> {
-        let same_port = c.mode == Mode::ZeroCopy && self.shared.settings.zero_copy
-            || c.mode == Mode::Isolated && !self.shared.settings.zero_copy;
-        if !same_port
-            || c.ring_size != self.shared.settings.ring_size
-            || c.buffer_size != self.shared.settings.buffer_size
-            || (c.wake == Wake::Blocking) != self.shared.settings.blocking
-        {
+        // A function holds the region of the old settings: a new one needs a new port.
+        if c.settings() != self.shared.settings {
             return Ok(Reconfigured::Restart);
         }
         self.batch = c.batch;
