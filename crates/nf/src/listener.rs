@@ -159,15 +159,13 @@ fn serve(sock: UnixListener, listener: Weak<Listener>) {
             return;
         };
         // Connections of ports that were removed are closed.
+        let ports = l.ports.lock().unwrap();
         conns.retain(|c| {
-            c.port.upgrade().is_some_and(|p| {
-                l.ports
-                    .lock()
-                    .unwrap()
-                    .get(&p.name)
-                    .is_some_and(|q| Arc::ptr_eq(q, &p))
-            })
+            c.port
+                .upgrade()
+                .is_some_and(|p| ports.get(&p.name).is_some_and(|q| Arc::ptr_eq(q, &p)))
         });
+        drop(ports);
         drop(l);
         let mut fds: Vec<libc::pollfd> = std::iter::once(sock.as_raw_fd())
             .chain(conns.iter().map(|c| c.stream.as_raw_fd()))
