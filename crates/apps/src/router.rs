@@ -423,12 +423,10 @@ impl Router {
         let mut f = Vec::with_capacity(60);
         f.extend_from_slice(&eth_dst);
         f.extend_from_slice(&me.mac);
-        f.extend_from_slice(&[0x08, 0x06, 0, 1, 0x08, 0x00, 6, 4]);
-        f.extend_from_slice(&op.to_be_bytes());
-        f.extend_from_slice(&me.mac);
-        f.extend_from_slice(&me.addr.octets());
-        f.extend_from_slice(&target_mac);
-        f.extend_from_slice(&target_ip.octets());
+        f.extend_from_slice(&[0x08, 0x06]);
+        f.extend_from_slice(&stitch_wire::arp_payload(
+            op, me.mac, me.addr, target_mac, target_ip,
+        ));
         f.resize(60, 0);
         let mut p = pool::alloc()?;
         p.set_data(&f).ok()?;

@@ -42,6 +42,24 @@ pub fn ipv4_header(
     ip
 }
 
+/// An ARP message for Ethernet and IPv4 (RFC 826): `op` 1 request, 2 reply.
+pub fn arp_payload(
+    op: u16,
+    sender_mac: [u8; 6],
+    sender_ip: std::net::Ipv4Addr,
+    target_mac: [u8; 6],
+    target_ip: std::net::Ipv4Addr,
+) -> [u8; 28] {
+    let mut a = [0u8; 28];
+    a[0..6].copy_from_slice(&[0, 1, 0x08, 0x00, 6, 4]);
+    a[6..8].copy_from_slice(&op.to_be_bytes());
+    a[8..14].copy_from_slice(&sender_mac);
+    a[14..18].copy_from_slice(&sender_ip.octets());
+    a[18..24].copy_from_slice(&target_mac);
+    a[24..28].copy_from_slice(&target_ip.octets());
+    a
+}
+
 /// Parses a MAC address written `02:00:00:00:00:01`.
 pub fn parse_mac(s: &str) -> Result<[u8; 6], String> {
     let bad = || format!("`{s}` is not a MAC address like 02:00:00:00:00:01");

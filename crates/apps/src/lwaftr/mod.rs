@@ -535,11 +535,16 @@ impl Lwaftr {
     }
 
     /// Writes the Ethernet header (and VLAN tag) of `side` in front of `p`'s IP packet.
-    fn frame(&self, mut p: Packet, side: usize, dst: [u8; 6]) -> Option<Packet> {
-        let (mac, vlan, et) = if side == V4 {
-            (self.ext.mac, self.ext.vlan, 0x0800u16)
+    fn frame(&self, p: Packet, side: usize, dst: [u8; 6]) -> Option<Packet> {
+        self.frame_as(p, side, dst, if side == V4 { 0x0800 } else { 0x86dd })
+    }
+
+    /// Writes the Ethernet header (and VLAN tag) of `side` for EtherType `et`.
+    fn frame_as(&self, mut p: Packet, side: usize, dst: [u8; 6], et: u16) -> Option<Packet> {
+        let (mac, vlan) = if side == V4 {
+            (self.ext.mac, self.ext.vlan)
         } else {
-            (self.int.mac, self.int.vlan, 0x86dd)
+            (self.int.mac, self.int.vlan)
         };
         let n = if vlan.is_some() { 18 } else { 14 };
         let h = p.prepend(n).ok()?;
@@ -555,9 +560,14 @@ impl Lwaftr {
 
     /// An IP packet built from `bytes`, framed for `side`.
     fn new_frame(&self, side: usize, dst: [u8; 6], bytes: &[u8]) -> Option<Packet> {
+        self.new_frame_as(side, dst, if side == V4 { 0x0800 } else { 0x86dd }, bytes)
+    }
+
+    /// A frame of EtherType `et` carrying `bytes`, for `side`, padded to the Ethernet minimum.
+    fn new_frame_as(&self, side: usize, dst: [u8; 6], et: u16, bytes: &[u8]) -> Option<Packet> {
         let mut p = pool::alloc()?;
         p.set_data(bytes).ok()?;
-        let mut p = self.frame(p, side, dst)?;
+        let mut p = self.frame_as(p, side, dst, et)?;
         if p.len() < 60 {
             let n = p.len();
             p.set_len(60).ok()?;
@@ -927,29 +937,8 @@ impl Lwaftr {
         target_mac: [u8; 6],
         target: Ipv4Addr,
     ) -> Option<Packet> {
-        let mut a = vec![0, 1, 0x08, 0x00, 6, 4];
-        a.extend_from_slice(&op.to_be_bytes());
-        a.extend_from_slice(&self.ext.mac);
-        a.extend_from_slice(&self.ext.ip.octets());
-        a.extend_from_slice(&target_mac);
-        a.extend_from_slice(&target.octets());
-        let mut p = pool::alloc()?;
-        p.set_data(&a).ok()?;
-        let vlan = if self.ext.vlan.is_some() { 18 } else { 14 };
-        let h = p.prepend(vlan).ok()?;
-        h[0..6].copy_from_slice(&eth_dst);
-        h[6..12].copy_from_slice(&self.ext.mac);
-        if let Some(v) = self.ext.vlan {
-            h[12..14].copy_from_slice(&0x8100u16.to_be_bytes());
-            h[14..16].copy_from_slice(&v.to_be_bytes());
-        }
-        h[vlan - 2..vlan].copy_from_slice(&0x0806u16.to_be_bytes());
-        let n = p.len();
-        if n < 60 {
-            p.set_len(60).ok()?;
-            p.data_mut()[n..].fill(0);
-        }
-        Some(p)
+        let arp = stitch_wire::arp_payload(op, self.ext.mac, self.ext.ip, target_mac, target);
+        self.new_frame_as(V4, eth_dst, 0x0806, &arp)
     }
 
     fn arp(&mut self, a: &[u8], eth_src: [u8; 6]) {
