@@ -177,7 +177,8 @@ impl Cidr {
     }
 }
 
-fn port_range(p: &Ports) -> Result<(u16, u16), String> {
+/// `80` or `"1024-65535"` as an inclusive range.
+pub fn port_range(p: &Ports) -> Result<(u16, u16), String> {
     match p {
         Ports::One(n) => Ok((*n, *n)),
         Ports::Range(s) => {
@@ -198,7 +199,8 @@ fn port_range(p: &Ports) -> Result<(u16, u16), String> {
     }
 }
 
-fn protocol(p: &Proto) -> Result<u8, String> {
+/// A protocol name (tcp, udp, icmp, icmpv6) or number.
+pub fn protocol(p: &Proto) -> Result<u8, String> {
     match p {
         Proto::Number(n) => Ok(*n),
         Proto::Name(n) => match n.as_str() {

@@ -358,6 +358,21 @@ impl Engine {
         if st.stopped {
             return Err(EngineError::Other("engine is stopped".into()));
         }
+        if let Some(a) = graph
+            .apps
+            .values()
+            .find(|a| a.placement == crate::graph::Placement::Kernel)
+        {
+            return Err(EngineError::Config {
+                app: a.name.clone(),
+                message: format!(
+                    "line {}: `placement: kernel` apps run in the kernel's data plane: install \
+                     the graph with `stitch kernel apply FILE`, or remove `placement: kernel` to \
+                     run it here",
+                    a.line
+                ),
+            });
+        }
         if st.graph.is_none() {
             pool::init(graph.engine.pool_packets, graph.engine.pool_large_packets)
                 .map_err(|e| EngineError::Other(e.to_string()))?;

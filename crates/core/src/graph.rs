@@ -60,11 +60,32 @@ pub struct WorkerConfig {
     pub core: Option<usize>,
 }
 
+/// Where an app runs: in Stitch's userspace engine (`stitch run`) or as an eBPF program in
+/// the kernel's data plane (`stitch kernel apply`). Set per app with `placement:`, or for the
+/// whole file with a top-level `placement:`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Placement {
+    #[default]
+    Userspace,
+    Kernel,
+}
+
+impl fmt::Display for Placement {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Placement::Userspace => "userspace",
+            Placement::Kernel => "kernel",
+        })
+    }
+}
+
 /// One app of the graph.
 #[derive(Debug, Clone)]
 pub struct AppDecl {
     pub name: String,
     pub kind: String,
+    pub placement: Placement,
     /// The app's own keys (without `type` and `worker`), as given.
     pub config: serde_json::Value,
     pub worker: String,
@@ -186,6 +207,8 @@ struct RawGraph {
     apps: Option<SpannedMap<Spanned<SpannedMap<Spanned<serde_json::Value>>>>>,
     #[serde(default)]
     links: Option<Vec<Spanned<serde_json::Value>>>,
+    #[serde(default)]
+    placement: Option<Spanned<serde_json::Value>>,
 }
 
 fn loc<T>(s: &Spanned<T>) -> (usize, usize) {
@@ -271,6 +294,9 @@ impl Graph {
             if a.worker != MAIN_WORKER {
                 entry.insert("worker".into(), json!(a.worker));
             }
+            if a.placement != Placement::Userspace {
+                entry.insert("placement".into(), json!(a.placement));
+            }
             if let Value::Object(c) = &a.config {
                 entry.extend(c.clone());
             }
@@ -316,6 +342,14 @@ impl Graph {
             );
         }
         s + "}\n"
+    }
+}
+
+fn parse_placement(v: &serde_json::Value) -> Result<Placement, String> {
+    match v.as_str() {
+        Some("userspace") => Ok(Placement::Userspace),
+        Some("kernel") => Ok(Placement::Kernel),
+        _ => Err(format!("`{v}` is neither `userspace` nor `kernel`")),
     }
 }
 
@@ -372,6 +406,13 @@ fn parse_inner(
         }
     }
 
+    let default_placement = match &raw.placement {
+        None => Placement::Userspace,
+        Some(v) => parse_placement(&v.value).unwrap_or_else(|m| {
+            err(errors, loc(v), format!("placement: {m}"));
+            Placement::Userspace
+        }),
+    };
     let mut apps: IndexMap<String, AppDecl> = IndexMap::new();
     for (name, entry) in raw.apps.map(|m| m.0).unwrap_or_default() {
         let at = loc(&name);
@@ -386,6 +427,7 @@ fn parse_inner(
         }
         let mut kind = None;
         let mut worker = MAIN_WORKER.to_string();
+        let mut placement = default_placement;
         let mut config = serde_json::Map::new();
         let mut key_lines = IndexMap::new();
         for (k, v) in entry.value.0 {
@@ -398,6 +440,10 @@ fn parse_inner(
                         loc(&v),
                         format!("app `{name}`: `type` must be a string"),
                     ),
+                },
+                "placement" => match parse_placement(&v.value) {
+                    Ok(p) => placement = p,
+                    Err(m) => err(errors, loc(&v), format!("app `{name}`: placement: {m}")),
                 },
                 "worker" => match v.value.as_str() {
                     Some(w) if is_identifier(w) => worker = w.to_string(),
@@ -466,6 +512,7 @@ fn parse_inner(
             AppDecl {
                 name,
                 kind,
+                placement,
                 config,
                 worker,
                 ports,

@@ -18,7 +18,7 @@ pub use app::{
     App, AppContext, AppError, AppType, Counter, Io, PortNames, PortSpec, Reconfigured, Registry,
 };
 pub use engine::{Engine, Stats};
-pub use graph::Graph;
+pub use graph::{Graph, Placement};
 pub use link::{Consumer, Producer};
 pub use packet::Packet;
 

@@ -4,6 +4,7 @@ mod bench;
 mod bench_nf;
 mod bench_nf_scale;
 mod capture_cmd;
+mod kernel_cmd;
 mod lwaftr_cmd;
 mod table;
 mod top;
@@ -138,6 +139,9 @@ enum Cmd {
     Lwaftr(lwaftr_cmd::LwaftrCmd),
     /// Capture an interface to PCAP/PCAPNG files, with tcpdump's options.
     Capture(capture_cmd::CaptureArgs),
+    /// The in-kernel data plane: graphs of `placement: kernel` apps as eBPF programs.
+    #[command(subcommand)]
+    Kernel(kernel_cmd::KernelCmd),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(bench::BenchCmd),
@@ -217,6 +221,7 @@ fn run_cli(cli: Cli) -> Result<()> {
             listen,
         } => run(&file, duration, json, &instance, &listen)?,
         Cmd::Top(args) => top::run(&args.instance.socket(), &args)?,
+        Cmd::Kernel(cmd) => kernel_cmd::run(cmd)?,
         Cmd::Stats {
             instance,
             json,

@@ -1,0 +1,410 @@
+/* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
+/*
+ * The shared part of Stitch's in-kernel data plane: the maps every function reads, the
+ * per-packet metadata, and the patch panel.
+ *
+ * Every port of every function and interface is a virtual interface (VI) with a small number,
+ * its VID. A packet carries the VID it is entering in skb->cb[0] and the number of tail calls
+ * so far in skb->cb[1]. A function decides on an output VID and calls pp_send(), the patch
+ * panel: `graph` gives the VID at the other end of the link, `vids` says what is behind it —
+ * an interface (redirect to its ifindex) or a function (tail call into `functions` at the
+ * function's slot). The patch panel is inlined into every program instead of being a program
+ * of its own so that one hop costs one tail call.
+ *
+ * The kernel stops a chain after 33 tail calls. Before that, pp_send re-enters the graph
+ * through the loop device: the packet is redirected to the loop device's ingress with the
+ * VID in skb->mark and starts a fresh chain there. Flooding uses the same device for copies
+ * that go to functions (a copy cannot be tail-called).
+ *
+ * Layouts of the structs below are mirrored in crates/kernel/src/maps.rs; the loader checks
+ * the sizes against the maps' key and value sizes.
+ */
+#ifndef STITCH_COMMON_H
+#define STITCH_COMMON_H
+
+#include <linux/types.h>
+#include <linux/bpf.h>
+#include <linux/pkt_cls.h>
+#include <linux/if_ether.h>
+#include <linux/ip.h>
+#include <linux/in.h>
+#include <linux/tcp.h>
+#include <linux/udp.h>
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_endian.h>
+
+/* From linux/icmp.h, which pulls in glibc's socket headers. */
+#define ICMP_ECHOREPLY 0
+#define ICMP_DEST_UNREACH 3
+#define ICMP_ECHO 8
+#define ICMP_TIME_EXCEEDED 11
+#define ICMP_NET_UNREACH 0
+#define ICMP_FRAG_NEEDED 4
+#define ICMP_PKT_FILTERED 13
+#define ICMP_EXC_TTL 0
+
+struct icmphdr {
+	__u8 type;
+	__u8 code;
+	__sum16 checksum;
+	__be16 id;
+	__be16 sequence;
+};
+
+#define MAX_SLOTS 256
+#define MAX_VIDS 4096
+#define MAX_PORTS 16
+#define MAX_RULES 64
+#define FN_COUNTERS 16
+/* Tail calls a packet may take before it re-enters through the loop device (limit 33). */
+#define MAX_HOPS 30
+#define LOOP_MAGIC 0x5e000000u
+#define LOOP_MASK 0xff000000u
+#ifndef TCX_NEXT
+#define TCX_NEXT -1 /* linux/bpf.h of kernels before 6.6 does not have it */
+#endif
+
+enum vi_kind { VI_NONE = 0, VI_FUNCTION = 1, VI_INTERFACE = 2 };
+enum fn_kind { FN_NONE = 0, FN_FORWARDER = 1, FN_BRIDGE = 2, FN_ROUTER = 3, FN_FIREWALL = 4 };
+
+/* Counters every function has (fn_stats), then each kind's own from FC_OWN on. */
+enum fn_counter { FC_RX = 0, FC_TX = 1, FC_DROP = 2, FC_MALFORMED = 3, FC_OWN = 4 };
+
+struct vi_info {
+	__u32 kind;   /* enum vi_kind */
+	__u32 target; /* function slot, or interface ifindex */
+	__u32 port;   /* port number within the function */
+	__u32 pad;
+};
+
+/*
+ * One function instance's settings, at its slot. A changed app gets a new slot with the new
+ * settings, and its VIs are pointed at that slot one by one, so that no packet sees half an
+ * update. `state_id` stays with the app across changes: learned addresses, neighbours,
+ * connections and counters are keyed by it, not by the slot.
+ */
+struct fn_info {
+	__u32 kind; /* enum fn_kind */
+	__u32 base_vid;
+	__u32 nports;
+	__u32 nrules;
+	__u32 state_id;
+	__u32 icmp_rate;   /* router/firewall: ICMP errors per second */
+	__u32 flags;       /* firewall: bit 0 stateful, bits 8-15 default action */
+	__u32 pad;
+	__u64 aging_ns;    /* bridge: MAC aging */
+	__u64 timeout_ns[4]; /* firewall: tcp established, tcp transitory, udp, icmp */
+};
+
+struct vi_stats {
+	__u64 rx_packets, rx_bytes, tx_packets, tx_bytes, drops;
+};
+
+struct globals {
+	__u32 loop_ifindex;
+	__u32 pad;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PROG_ARRAY);
+	__uint(max_entries, MAX_SLOTS);
+	__type(key, __u32);
+	__type(value, __u32);
+} functions SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, MAX_VIDS);
+	__type(key, __u32);
+	__type(value, __u32);
+} graph SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, MAX_VIDS);
+	__type(key, __u32);
+	__type(value, struct vi_info);
+} vids SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 1024);
+	__type(key, __u32);   /* ifindex */
+	__type(value, __u32); /* VID of the interface's receive side */
+} ifaces SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, MAX_SLOTS);
+	__type(key, __u32);
+	__type(value, struct fn_info);
+} slots SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct globals);
+} config SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, MAX_VIDS);
+	__type(key, __u32);
+	__type(value, struct vi_stats);
+} vi_counters SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, MAX_SLOTS * FN_COUNTERS);
+	__type(key, __u32);
+	__type(value, __u64);
+} fn_counters SEC(".maps");
+
+static __always_inline void count(__u32 state_id, __u32 counter)
+{
+	__u32 key = state_id * FN_COUNTERS + counter;
+	__u64 *c = bpf_map_lookup_elem(&fn_counters, &key);
+	if (c)
+		*c += 1;
+}
+
+static __always_inline void vi_count_rx(__u32 vid, __u32 len)
+{
+	struct vi_stats *s = bpf_map_lookup_elem(&vi_counters, &vid);
+	if (s) {
+		s->rx_packets++;
+		s->rx_bytes += len;
+	}
+}
+
+static __always_inline void vi_count_tx(__u32 vid, __u32 len)
+{
+	struct vi_stats *s = bpf_map_lookup_elem(&vi_counters, &vid);
+	if (s) {
+		s->tx_packets++;
+		s->tx_bytes += len;
+	}
+}
+
+static __always_inline void vi_count_drop(__u32 vid)
+{
+	struct vi_stats *s = bpf_map_lookup_elem(&vi_counters, &vid);
+	if (s)
+		s->drops++;
+}
+
+static __always_inline __u32 loop_ifindex(void)
+{
+	__u32 zero = 0;
+	struct globals *g = bpf_map_lookup_elem(&config, &zero);
+	return g ? g->loop_ifindex : 0;
+}
+
+/* The patch panel: sends the packet out of `out_vid` to whatever the graph links it to. */
+static __always_inline int pp_send(struct __sk_buff *skb, __u32 out_vid)
+{
+	__u32 *dst = bpf_map_lookup_elem(&graph, &out_vid);
+	if (!dst || !*dst) {
+		vi_count_drop(out_vid);
+		return TC_ACT_SHOT;
+	}
+	__u32 to = *dst;
+	struct vi_info *vi = bpf_map_lookup_elem(&vids, &to);
+	if (!vi || vi->kind == VI_NONE) {
+		vi_count_drop(out_vid);
+		return TC_ACT_SHOT;
+	}
+	vi_count_tx(out_vid, skb->len);
+	vi_count_rx(to, skb->len);
+	if (vi->kind == VI_INTERFACE)
+		return bpf_redirect(vi->target, 0);
+	__u32 hops = skb->cb[1] + 1;
+	if (hops >= MAX_HOPS) {
+		/* Start a new chain: re-enter at the loop device with the link's source VID. */
+		__u32 loop = loop_ifindex();
+		if (!loop) {
+			vi_count_drop(to);
+			return TC_ACT_SHOT;
+		}
+		skb->mark = LOOP_MAGIC | out_vid;
+		return bpf_redirect(loop, BPF_F_INGRESS);
+	}
+	skb->cb[0] = to;
+	skb->cb[1] = hops;
+	bpf_tail_call(skb, &functions, vi->target);
+	/* No program in the slot: the graph is being changed, or the slot is stale. */
+	vi_count_drop(to);
+	return TC_ACT_SHOT;
+}
+
+/* A copy of the packet out of `out_vid` (flooding); the original is left as it was. */
+static __always_inline void pp_send_copy(struct __sk_buff *skb, __u32 out_vid)
+{
+	__u32 *dst = bpf_map_lookup_elem(&graph, &out_vid);
+	if (!dst || !*dst)
+		return;
+	__u32 to = *dst;
+	struct vi_info *vi = bpf_map_lookup_elem(&vids, &to);
+	if (!vi || vi->kind == VI_NONE)
+		return;
+	vi_count_tx(out_vid, skb->len);
+	vi_count_rx(to, skb->len);
+	if (vi->kind == VI_INTERFACE) {
+		bpf_clone_redirect(skb, vi->target, 0);
+		return;
+	}
+	__u32 loop = loop_ifindex();
+	if (!loop)
+		return;
+	__u32 mark = skb->mark;
+	skb->mark = LOOP_MAGIC | out_vid;
+	bpf_clone_redirect(skb, loop, BPF_F_INGRESS);
+	skb->mark = mark;
+}
+
+static __always_inline int mac_equal(const __u8 *a, const __u8 *b)
+{
+	return a[0] == b[0] && a[1] == b[1] && a[2] == b[2] && a[3] == b[3] && a[4] == b[4] &&
+	       a[5] == b[5];
+}
+
+/* The function instance a packet is entering: its slot, info and port number. */
+struct here {
+	__u32 vid;
+	__u32 slot;
+	__u32 state;
+	__u32 port;
+	struct fn_info *fn;
+};
+
+static __always_inline int where(struct __sk_buff *skb, struct here *h)
+{
+	h->vid = skb->cb[0];
+	struct vi_info *vi = bpf_map_lookup_elem(&vids, &h->vid);
+	if (!vi || vi->kind != VI_FUNCTION)
+		return -1;
+	h->slot = vi->target;
+	h->port = vi->port;
+	h->fn = bpf_map_lookup_elem(&slots, &h->slot);
+	if (!h->fn)
+		return -1;
+	h->state = h->fn->state_id;
+	count(h->state, FC_RX);
+	return 0;
+}
+
+static __always_inline int drop(struct here *h, __u32 reason)
+{
+	count(h->state, FC_DROP);
+	if (reason)
+		count(h->state, reason);
+	return TC_ACT_SHOT;
+}
+
+static __always_inline int send(struct __sk_buff *skb, struct here *h, __u32 port)
+{
+	count(h->state, FC_TX);
+	return pp_send(skb, h->fn->base_vid + port);
+}
+
+static __always_inline __u16 csum_fold(__u64 sum)
+{
+	sum = (sum & 0xffff) + (sum >> 16);
+	sum = (sum & 0xffff) + (sum >> 16);
+	sum = (sum & 0xffff) + (sum >> 16);
+	return ~sum;
+}
+
+struct icmp_error_body {
+	__u8 type, code;
+	__u16 checksum;
+	__u16 unused;
+	__u16 mtu;
+	__u8 quote[28]; /* the offending IPv4 header (no options) and 8 bytes after it */
+};
+
+/*
+ * Turns the packet into an ICMPv4 error about itself, from `src_ip`/`src_mac`, addressed back
+ * to its sender. Only for IPv4 headers without options (the quote has a fixed size). Returns
+ * 0 when the packet now is the error, -1 when it could not be built (drop it).
+ */
+static __always_inline int make_icmp_error(struct __sk_buff *skb, __u8 type, __u8 code,
+					   __u16 mtu, __be32 src_ip, const __u8 *src_mac)
+{
+	struct ethhdr eth = {};
+	struct iphdr ip = {};
+	struct icmp_error_body icmp = {};
+	if (bpf_skb_load_bytes(skb, ETH_ALEN, eth.h_dest, ETH_ALEN) < 0)
+		return -1;
+	if (bpf_skb_load_bytes(skb, sizeof(struct ethhdr), icmp.quote, sizeof(icmp.quote)) < 0)
+		return -1;
+	struct iphdr *orig = (struct iphdr *)icmp.quote;
+	if (orig->ihl != 5)
+		return -1;
+	/* Never an error about an ICMP error (RFC 1812 4.3.2.7). */
+	if (orig->protocol == IPPROTO_ICMP) {
+		__u8 t = icmp.quote[20];
+		if (t != ICMP_ECHO && t != ICMP_ECHOREPLY)
+			return -1;
+	}
+	__builtin_memcpy(eth.h_source, src_mac, ETH_ALEN);
+	eth.h_proto = bpf_htons(ETH_P_IP);
+	ip.version = 4;
+	ip.ihl = 5;
+	ip.tot_len = bpf_htons(sizeof(ip) + sizeof(icmp));
+	ip.ttl = 64;
+	ip.protocol = IPPROTO_ICMP;
+	ip.saddr = src_ip;
+	ip.daddr = orig->saddr;
+	ip.check = csum_fold(bpf_csum_diff(0, 0, (__be32 *)&ip, sizeof(ip), 0));
+	icmp.type = type;
+	icmp.code = code;
+	icmp.mtu = bpf_htons(mtu);
+	icmp.checksum = csum_fold(bpf_csum_diff(0, 0, (__be32 *)&icmp, sizeof(icmp), 0));
+	__u32 len = sizeof(eth) + sizeof(ip) + sizeof(icmp);
+	if (bpf_skb_change_tail(skb, len, 0) < 0)
+		return -1;
+	if (bpf_skb_store_bytes(skb, 0, &eth, sizeof(eth), 0) < 0 ||
+	    bpf_skb_store_bytes(skb, sizeof(eth), &ip, sizeof(ip), 0) < 0 ||
+	    bpf_skb_store_bytes(skb, sizeof(eth) + sizeof(ip), &icmp, sizeof(icmp), 0) < 0)
+		return -1;
+	return 0;
+}
+
+/* Per-instance ICMP error budget, per CPU: `rate` tokens a second, burst of `rate`. */
+struct icmp_bucket {
+	__u64 last_ns;
+	__u64 tokens_ns; /* tokens, in units of 1e9 ns per token * rate */
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, MAX_SLOTS);
+	__type(key, __u32);
+	__type(value, struct icmp_bucket);
+} icmp_budget SEC(".maps");
+
+static __always_inline int icmp_allowed(__u32 slot, __u32 rate)
+{
+	if (!rate)
+		return 0;
+	struct icmp_bucket *b = bpf_map_lookup_elem(&icmp_budget, &slot);
+	if (!b)
+		return 0;
+	__u64 now = bpf_ktime_get_ns();
+	__u64 cap = 1000000000ull; /* one second's worth */
+	__u64 t = b->tokens_ns + (now - b->last_ns);
+	if (t > cap || b->last_ns == 0)
+		t = cap;
+	b->last_ns = now;
+	__u64 cost = 1000000000ull / rate;
+	if (t < cost) {
+		b->tokens_ns = t;
+		return 0;
+	}
+	b->tokens_ns = t - cost;
+	return 1;
+}
+
+#endif

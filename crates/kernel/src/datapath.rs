@@ -1,0 +1,938 @@
+//! Installing, changing, reading and removing a kernel graph.
+//!
+//! Everything lives under a bpffs folder per data plane (`/sys/fs/bpf/stitch/NAME/`): the
+//! maps, pinned by name, and the TCX links that hold the programs on each interface's ingress
+//! hook (`links/IFNAME`). The slots of `functions` hold the function programs. Nothing needs a
+//! running process: the kernel keeps what is pinned. A small record of what was installed
+//! (which app has which slot, VIDs and state id) is kept in `/run/stitch/kernel/NAME.json`.
+//!
+//! Every apply loads the programs afresh with the pinned maps reused, so that new code and new
+//! settings go in the same way: new or changed apps are written into free slots first, then
+//! VIs, links and hooks are pointed at them entry by entry (each a single atomic map update),
+//! then what is no longer used is cleared. Unchanged apps keep their slot, their state and
+//! their counters.
+
+use crate::maps::*;
+use crate::netdev;
+use crate::plan::{Function, Plan, PlannedApp};
+use indexmap::IndexMap;
+use libbpf_rs::{MapCore, MapFlags, MapHandle, ObjectBuilder};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeSet, HashMap};
+use std::fmt;
+use std::os::fd::{AsFd, AsRawFd};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+static OBJECT: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/stitch.bpf.o"));
+
+const BPFFS: &str = "/sys/fs/bpf";
+const BPF_FS_MAGIC: i64 = 0xcafe4a11;
+
+#[derive(Debug)]
+pub struct Error(pub String);
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Error {}
+
+fn fail<T>(m: impl Into<String>) -> Result<T, Error> {
+    Err(Error(m.into()))
+}
+
+/// What an earlier apply installed.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Installed {
+    pub graph_file: String,
+    pub loop_device: String,
+    pub apps: IndexMap<String, InstalledApp>,
+    pub links: Vec<InstalledLink>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct InstalledApp {
+    pub kind: String,
+    pub kind_code: u32,
+    /// The planned function, printed: equal fingerprints mean nothing to change.
+    pub fingerprint: String,
+    pub ports: Vec<String>,
+    pub base_vid: u32,
+    /// Slot of its settings and program (0 for interfaces).
+    pub slot: u32,
+    /// Key of its learned state and counters, kept across changes (0 for interfaces).
+    pub state_id: u32,
+    pub interface: Option<String>,
+    pub ifindex: u32,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct InstalledLink {
+    pub from: String,
+    pub to: String,
+    pub from_vid: u32,
+    pub to_vid: u32,
+}
+
+/// What an apply changed.
+#[derive(Debug, Default, Serialize)]
+pub struct ApplyReport {
+    pub added: Vec<String>,
+    pub changed: Vec<String>,
+    pub kept: Vec<String>,
+    pub removed: Vec<String>,
+}
+
+/// One named kernel data plane.
+pub struct DataPlane {
+    pub name: String,
+    pin_dir: PathBuf,
+    record: PathBuf,
+}
+
+static LIBBPF_LOG: Mutex<String> = Mutex::new(String::new());
+
+fn capture_libbpf_log() {
+    fn keep(_: libbpf_rs::PrintLevel, msg: String) {
+        let mut log = LIBBPF_LOG.lock().unwrap();
+        if log.len() < (1 << 20) {
+            log.push_str(&msg);
+        }
+    }
+    libbpf_rs::set_print(Some((libbpf_rs::PrintLevel::Debug, keep)));
+}
+
+/// The end of the verifier's log of the last failed load, for error messages.
+fn verifier_excerpt() -> String {
+    let log = std::mem::take(&mut *LIBBPF_LOG.lock().unwrap());
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| !l.trim().is_empty() && !l.starts_with("libbpf: elf:"))
+        .collect();
+    let tail = &lines[lines.len().saturating_sub(12)..];
+    if tail.is_empty() {
+        String::new()
+    } else {
+        format!("\nkernel/libbpf said:\n  {}", tail.join("\n  "))
+    }
+}
+
+fn ensure_bpffs() -> Result<(), Error> {
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    let path = std::ffi::CString::new(BPFFS).unwrap();
+    // SAFETY: valid path and out pointer.
+    let r = unsafe { libc::statfs(path.as_ptr(), &mut st) };
+    if r == 0 && st.f_type as i64 == BPF_FS_MAGIC {
+        return Ok(());
+    }
+    let fstype = std::ffi::CString::new("bpf").unwrap();
+    // SAFETY: valid strings; mounting needs CAP_SYS_ADMIN.
+    let r = unsafe {
+        libc::mount(
+            fstype.as_ptr(),
+            path.as_ptr(),
+            fstype.as_ptr(),
+            0,
+            std::ptr::null(),
+        )
+    };
+    if r != 0 {
+        return fail(format!(
+            "{BPFFS} is not a BPF filesystem and mounting one failed ({}): run as root, or \
+             `mount -t bpf bpf {BPFFS}`",
+            std::io::Error::last_os_error()
+        ));
+    }
+    Ok(())
+}
+
+fn kind_program(kind: u32) -> &'static str {
+    match kind {
+        FN_FORWARDER => "fn_forwarder",
+        FN_BRIDGE => "fn_bridge",
+        FN_ROUTER => "fn_router",
+        _ => "fn_firewall",
+    }
+}
+
+fn zeroes(n: usize) -> Vec<u8> {
+    vec![0; n]
+}
+
+/// The maps, opened from their pins.
+struct Maps {
+    m: HashMap<String, MapHandle>,
+}
+
+impl Maps {
+    fn open(dir: &Path) -> Result<Maps, Error> {
+        let mut m = HashMap::new();
+        let expected: &[(&str, usize, usize)] = &[
+            ("functions", 4, 4),
+            ("graph", 4, 4),
+            ("vids", 4, size_of::<ViInfo>()),
+            ("ifaces", 4, 4),
+            ("slots", 4, size_of::<FnInfo>()),
+            ("config", 4, size_of::<Globals>()),
+            ("vi_counters", 4, size_of::<ViStats>()),
+            ("fn_counters", 4, 8),
+            ("bridge_ports", 4, size_of::<BridgePort>()),
+            ("fdb", size_of::<FdbKey>(), 16),
+            ("router_ports", 4, size_of::<RouterPort>()),
+            ("routes", size_of::<RouteKey>(), size_of::<Route>()),
+            ("neighbours", size_of::<NeighKey>(), size_of::<Neigh>()),
+            ("fw_rules", 4, size_of::<FwRule>()),
+            ("fw_rule_hits", 4, 8),
+            ("conntrack", size_of::<CtKey>(), 16),
+            ("icmp_budget", 4, 16),
+        ];
+        for (name, k, v) in expected {
+            let path = dir.join(name);
+            let h = MapHandle::from_pinned_path(&path).map_err(|e| {
+                Error(format!(
+                    "cannot open {}: {e} (is the data plane installed? `stitch kernel apply`)",
+                    path.display()
+                ))
+            })?;
+            if h.key_size() as usize != *k || h.value_size() as usize != *v {
+                return fail(format!(
+                    "map {name} has key/value sizes {}/{}, this build expects {k}/{v}: it was \
+                     installed by another version; `stitch kernel teardown` and apply again",
+                    h.key_size(),
+                    h.value_size()
+                ));
+            }
+            m.insert(name.to_string(), h);
+        }
+        Ok(Maps { m })
+    }
+
+    fn get(&self, name: &str) -> &MapHandle {
+        &self.m[name]
+    }
+
+    fn put<K: Pod, V: Pod>(&self, map: &str, k: &K, v: &V) -> Result<(), Error> {
+        self.get(map)
+            .update(k.bytes(), v.bytes(), MapFlags::ANY)
+            .map_err(|e| Error(format!("writing map {map}: {e}")))
+    }
+
+    fn remove<K: Pod>(&self, map: &str, k: &K) {
+        let _ = self.get(map).delete(k.bytes());
+    }
+
+    fn zero_percpu(&self, map: &str, key: u32) -> Result<(), Error> {
+        let h = self.get(map);
+        let n = libbpf_rs::num_possible_cpus().map_err(|e| Error(e.to_string()))?;
+        let vals = vec![zeroes(h.value_size() as usize); n];
+        h.update_percpu(&key.to_ne_bytes(), &vals, MapFlags::ANY)
+            .map_err(|e| Error(format!("clearing map {map}: {e}")))
+    }
+
+    fn sum_percpu<V: Pod>(&self, map: &str, key: u32, add: impl Fn(&mut V, &V)) -> V {
+        let mut total = V::default();
+        if let Ok(Some(per_cpu)) = self
+            .get(map)
+            .lookup_percpu(&key.to_ne_bytes(), MapFlags::ANY)
+        {
+            for b in per_cpu {
+                add(&mut total, &V::from_bytes(&b));
+            }
+        }
+        total
+    }
+
+    /// Deletes every entry of a hash map whose key starts with `state_id`.
+    fn forget_state(&self, map: &str, state_id: u32) {
+        let h = self.get(map);
+        let keys: Vec<Vec<u8>> = h
+            .keys()
+            .filter(|k| k.len() >= 4 && k[..4] == state_id.to_ne_bytes())
+            .collect();
+        for k in keys {
+            let _ = h.delete(&k);
+        }
+    }
+}
+
+impl DataPlane {
+    pub fn new(name: &str) -> Result<DataPlane, Error> {
+        if name.is_empty()
+            || name.len() > 10
+            || !name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+        {
+            return fail(format!(
+                "data plane name `{name}`: use up to 10 letters, digits, `-` or `_`"
+            ));
+        }
+        Ok(DataPlane {
+            name: name.to_string(),
+            pin_dir: Path::new(BPFFS).join("stitch").join(name),
+            record: stitch_core::runtime_dir()
+                .join("kernel")
+                .join(format!("{name}.json")),
+        })
+    }
+
+    /// The loop device: one end of a veth pair that packets re-enter the graph through.
+    fn loop_device(&self) -> (String, String) {
+        (format!("stl-{}", self.name), format!("stp-{}", self.name))
+    }
+
+    fn links_dir(&self) -> PathBuf {
+        self.pin_dir.join("links")
+    }
+
+    /// What is installed, if anything.
+    pub fn installed(&self) -> Result<Option<Installed>, Error> {
+        match std::fs::read_to_string(&self.record) {
+            Ok(s) => serde_json::from_str(&s)
+                .map(Some)
+                .map_err(|e| Error(format!("{} is damaged: {e}", self.record.display()))),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => fail(format!("cannot read {}: {e}", self.record.display())),
+        }
+    }
+
+    fn save(&self, inst: &Installed) -> Result<(), Error> {
+        if let Some(d) = self.record.parent() {
+            std::fs::create_dir_all(d)
+                .map_err(|e| Error(format!("cannot create {}: {e}", d.display())))?;
+        }
+        let tmp = self.record.with_extension("json.tmp");
+        std::fs::write(&tmp, serde_json::to_string_pretty(inst).unwrap())
+            .and_then(|_| std::fs::rename(&tmp, &self.record))
+            .map_err(|e| Error(format!("cannot write {}: {e}", self.record.display())))
+    }
+
+    /// Installs `plan`, or changes the installed graph into it.
+    pub fn apply(&self, plan: &Plan, graph_file: &str) -> Result<ApplyReport, Error> {
+        let old = self.installed()?.unwrap_or_default();
+        // Every interface must exist before anything is touched.
+        let mut ifindexes = HashMap::new();
+        for a in plan.apps.values() {
+            if let Function::Interface { ifname } = &a.function {
+                let Some(i) = netdev::ifindex(ifname) else {
+                    return fail(format!(
+                        "line {}: app `{}`: interface `{ifname}` does not exist (create it \
+                         first, for example a veth pair, or fix the name)",
+                        a.line, a.name
+                    ));
+                };
+                ifindexes.insert(a.name.clone(), i);
+            }
+        }
+        ensure_bpffs()?;
+        let (loop_dev, loop_peer) = self.loop_device();
+        let loop_ifindex = netdev::ensure_veth(&loop_dev, &loop_peer).map_err(Error)?;
+        std::fs::create_dir_all(self.links_dir())
+            .map_err(|e| Error(format!("cannot create {}: {e}", self.links_dir().display())))?;
+
+        // Load the programs with the pinned maps (created and pinned on first use).
+        capture_libbpf_log();
+        let mut open = ObjectBuilder::default()
+            .open_memory(OBJECT)
+            .map_err(|e| Error(format!("cannot open the BPF object: {e}")))?;
+        for mut m in open.maps_mut() {
+            let name = m.name().to_string_lossy().to_string();
+            if name.starts_with('.') {
+                continue;
+            }
+            m.set_pin_path(self.pin_dir.join(&name))
+                .map_err(|e| Error(format!("map {name}: {e}")))?;
+        }
+        let obj = open.load().map_err(|e| {
+            let hint = if e.to_string().contains("Operation not permitted") {
+                "\nloading BPF programs needs root (CAP_BPF, CAP_NET_ADMIN, CAP_SYS_ADMIN)"
+            } else if e.to_string().contains("Invalid argument") {
+                "\nif a map's definition changed since it was pinned, `stitch kernel teardown` \
+                 first"
+            } else {
+                ""
+            };
+            Error(format!(
+                "the kernel refused the data plane: {e}{hint}{}",
+                verifier_excerpt()
+            ))
+        })?;
+        let prog = |name: &str| {
+            obj.progs()
+                .find(|p| p.name() == name)
+                .expect("program in the object")
+        };
+        let maps = Maps::open(&self.pin_dir)?;
+
+        // Allocate slots, state ids and VIDs.
+        let mut used_slots: BTreeSet<u32> = old.apps.values().map(|a| a.slot).collect();
+        let mut used_states: BTreeSet<u32> = old.apps.values().map(|a| a.state_id).collect();
+        let mut used_vids: BTreeSet<u32> = BTreeSet::new();
+        for a in old.apps.values() {
+            used_vids.extend(a.base_vid..a.base_vid + a.ports.len() as u32);
+        }
+        let mut report = ApplyReport::default();
+        let mut new_apps: IndexMap<String, InstalledApp> = IndexMap::new();
+        let mut fresh_slots = Vec::new();
+        for a in plan.apps.values() {
+            let fingerprint = format!("{:?}", a.function);
+            let prev = old.apps.get(&a.name).filter(|p| {
+                p.kind_code == a.function.kind_code() && p.kind == a.function.kind_name()
+            });
+            let interface = match &a.function {
+                Function::Interface { ifname } => Some(ifname.clone()),
+                _ => None,
+            };
+            let ifindex = ifindexes.get(&a.name).copied().unwrap_or(0);
+            let is_fn = interface.is_none();
+            let (slot, state_id, base_vid, what) = match prev {
+                Some(p)
+                    if p.fingerprint == fingerprint
+                        && p.ports == a.ports
+                        && p.ifindex == ifindex =>
+                {
+                    (p.slot, p.state_id, p.base_vid, 0)
+                }
+                Some(p) => {
+                    let slot = if is_fn {
+                        take(&mut used_slots, 1, MAX_SLOTS, "function slots")?
+                    } else {
+                        0
+                    };
+                    let base = if p.ports == a.ports {
+                        p.base_vid
+                    } else {
+                        take_range(&mut used_vids, a.ports.len() as u32)?
+                    };
+                    (slot, p.state_id, base, 1)
+                }
+                None => {
+                    let slot = if is_fn {
+                        take(&mut used_slots, 1, MAX_SLOTS, "function slots")?
+                    } else {
+                        0
+                    };
+                    let state = if is_fn {
+                        take(&mut used_states, 1, MAX_SLOTS, "functions")?
+                    } else {
+                        0
+                    };
+                    let base = take_range(&mut used_vids, a.ports.len() as u32)?;
+                    (slot, state, base, 2)
+                }
+            };
+            match what {
+                0 => report.kept.push(a.name.clone()),
+                1 => report.changed.push(a.name.clone()),
+                _ => report.added.push(a.name.clone()),
+            }
+            if what != 0 && is_fn {
+                fresh_slots.push(a.name.clone());
+            }
+            if what == 2 && is_fn {
+                // A state id used before by a removed app: start clean.
+                self.clear_state(&maps, state_id)?;
+            }
+            new_apps.insert(
+                a.name.clone(),
+                InstalledApp {
+                    kind: a.function.kind_name().into(),
+                    kind_code: a.function.kind_code(),
+                    fingerprint,
+                    ports: a.ports.clone(),
+                    base_vid,
+                    slot,
+                    state_id,
+                    interface,
+                    ifindex,
+                },
+            );
+        }
+        for name in old.apps.keys() {
+            if !plan.apps.contains_key(name) {
+                report.removed.push(name.clone());
+            }
+        }
+
+        // 1. Settings of new and changed functions into their new slots, then every slot gets
+        //    the freshly loaded program of its kind.
+        for name in &fresh_slots {
+            write_function(&maps, &plan.apps[name], &new_apps[name])?;
+        }
+        for a in new_apps.values().filter(|a| a.slot != 0) {
+            let fd = prog(kind_program(a.kind_code)).as_fd().as_raw_fd() as u32;
+            maps.put("functions", &a.slot, &fd)?;
+        }
+
+        // 2. The loop device, for copies and long chains.
+        maps.put(
+            "config",
+            &0u32,
+            &Globals {
+                loop_ifindex,
+                pad: 0,
+            },
+        )?;
+        self.hook(&prog("stitch_loop"), loop_ifindex, "loop", true)?;
+
+        // 3. VIs, then links.
+        for a in new_apps.values() {
+            for p in 0..a.ports.len() as u32 {
+                let vi = if a.slot == 0 {
+                    ViInfo {
+                        kind: VI_INTERFACE,
+                        target: a.ifindex,
+                        port: 0,
+                        pad: 0,
+                    }
+                } else {
+                    ViInfo {
+                        kind: VI_FUNCTION,
+                        target: a.slot,
+                        port: p,
+                        pad: 0,
+                    }
+                };
+                maps.put("vids", &(a.base_vid + p), &vi)?;
+            }
+        }
+        let vid = |(app, port): &(String, u32)| new_apps[app].base_vid + port;
+        let mut links = Vec::new();
+        let mut linked = BTreeSet::new();
+        for l in &plan.links {
+            let (from, to) = (vid(&l.from), vid(&l.to));
+            maps.put("graph", &from, &to)?;
+            linked.insert(from);
+            links.push(InstalledLink {
+                from: port_name(&plan.apps[&l.from.0], l.from.1, true),
+                to: port_name(&plan.apps[&l.to.0], l.to.1, false),
+                from_vid: from,
+                to_vid: to,
+            });
+        }
+        for a in new_apps.values() {
+            for v in a.base_vid..a.base_vid + a.ports.len() as u32 {
+                if !linked.contains(&v) {
+                    maps.put("graph", &v, &0u32)?;
+                }
+            }
+        }
+
+        // 4. Hooks on the workload interfaces (new ones attached, existing ones switched to
+        //    the new program).
+        for a in new_apps.values() {
+            if let Some(ifname) = &a.interface {
+                maps.put("ifaces", &a.ifindex, &a.base_vid)?;
+                self.hook(&prog("stitch_port"), a.ifindex, ifname, false)?;
+            }
+        }
+
+        // 5. Clear what is no longer used.
+        let live_ifaces: BTreeSet<&str> = new_apps
+            .values()
+            .filter_map(|a| a.interface.as_deref())
+            .collect();
+        for a in old.apps.values() {
+            if let Some(ifname) = &a.interface {
+                let still = new_apps.values().any(|n| n.ifindex == a.ifindex);
+                if !still {
+                    maps.remove("ifaces", &a.ifindex);
+                }
+                if !live_ifaces.contains(ifname.as_str()) {
+                    self.unhook(ifname);
+                }
+            }
+        }
+        let live_vids: BTreeSet<u32> = new_apps
+            .values()
+            .flat_map(|a| a.base_vid..a.base_vid + a.ports.len() as u32)
+            .collect();
+        let live_slots: BTreeSet<u32> = new_apps.values().map(|a| a.slot).collect();
+        let live_states: BTreeSet<u32> = new_apps.values().map(|a| a.state_id).collect();
+        for a in old.apps.values() {
+            for v in a.base_vid..a.base_vid + a.ports.len() as u32 {
+                if !live_vids.contains(&v) {
+                    maps.put("graph", &v, &0u32)?;
+                    maps.put("vids", &v, &ViInfo::default())?;
+                    maps.zero_percpu("vi_counters", v)?;
+                }
+            }
+            if a.slot != 0 && !live_slots.contains(&a.slot) {
+                maps.remove("functions", &a.slot);
+                clear_slot(&maps, a.slot)?;
+            }
+            if a.state_id != 0 && !live_states.contains(&a.state_id) {
+                self.clear_state(&maps, a.state_id)?;
+            }
+        }
+        self.save(&Installed {
+            graph_file: graph_file.to_string(),
+            loop_device: loop_dev,
+            apps: new_apps,
+            links,
+        })?;
+        Ok(report)
+    }
+
+    /// Attaches `prog` to the ingress hook of `ifindex` (TCX link pinned as `links/PIN`), or
+    /// points the existing link at it.
+    fn hook(
+        &self,
+        prog: &libbpf_rs::Program<'_>,
+        ifindex: u32,
+        pin: &str,
+        ours: bool,
+    ) -> Result<(), Error> {
+        let path = self.links_dir().join(pin);
+        if path.exists() {
+            if let Ok(mut link) = libbpf_rs::Link::open(&path) {
+                if link.update_prog(prog).is_ok() {
+                    return Ok(());
+                }
+            }
+            // The interface went away and came back: the old link is defunct.
+            let _ = std::fs::remove_file(&path);
+        }
+        if !ours {
+            let others = tcx_programs(ifindex);
+            if others > 0 {
+                return fail(format!(
+                    "interface `{pin}` already has {others} program(s) on its tc ingress hook \
+                     (see `bpftool net show dev {pin}`): Stitch would take their traffic; \
+                     remove them first"
+                ));
+            }
+        }
+        let opts = libbpf_rs::libbpf_sys::bpf_tcx_opts {
+            sz: size_of::<libbpf_rs::libbpf_sys::bpf_tcx_opts>() as _,
+            ..Default::default()
+        };
+        use libbpf_rs::AsRawLibbpf;
+        // SAFETY: a loaded program and valid options; the returned link is owned below.
+        let ptr = unsafe {
+            libbpf_rs::libbpf_sys::bpf_program__attach_tcx(
+                prog.as_libbpf_object().as_ptr(),
+                ifindex as i32,
+                &opts,
+            )
+        };
+        let Some(ptr) = std::ptr::NonNull::new(ptr) else {
+            return fail(format!(
+                "cannot attach to the tc ingress hook of `{pin}`: {} (TCX needs Linux 6.6 or \
+                 newer){}",
+                std::io::Error::last_os_error(),
+                verifier_excerpt()
+            ));
+        };
+        // SAFETY: a link just created by libbpf.
+        let mut link = unsafe { libbpf_rs::Link::from_ptr(ptr) };
+        link.pin(&path)
+            .map_err(|e| Error(format!("cannot pin {}: {e}", path.display())))?;
+        Ok(())
+    }
+
+    fn unhook(&self, pin: &str) {
+        let _ = std::fs::remove_file(self.links_dir().join(pin));
+    }
+
+    fn clear_state(&self, maps: &Maps, state_id: u32) -> Result<(), Error> {
+        for c in 0..FN_COUNTERS {
+            maps.zero_percpu("fn_counters", state_id * FN_COUNTERS + c)?;
+        }
+        for m in ["fdb", "neighbours", "conntrack"] {
+            maps.forget_state(m, state_id);
+        }
+        Ok(())
+    }
+
+    /// Counters of the installed graph.
+    pub fn status(&self) -> Result<Option<Status>, Error> {
+        let Some(inst) = self.installed()? else {
+            return Ok(None);
+        };
+        let maps = Maps::open(&self.pin_dir)?;
+        let vi = |v: u32| {
+            maps.sum_percpu::<ViStats>("vi_counters", v, |t, x| {
+                t.rx_packets += x.rx_packets;
+                t.rx_bytes += x.rx_bytes;
+                t.tx_packets += x.tx_packets;
+                t.tx_bytes += x.tx_bytes;
+                t.drops += x.drops;
+            })
+        };
+        let mut apps = Vec::new();
+        for (name, a) in &inst.apps {
+            let mut counters = IndexMap::new();
+            if a.slot != 0 {
+                for (i, c) in counter_names(a.kind_code).iter().enumerate() {
+                    let v = maps.sum_percpu::<u64>(
+                        "fn_counters",
+                        a.state_id * FN_COUNTERS + i as u32,
+                        |t, x| *t += x,
+                    );
+                    counters.insert(c.to_string(), v);
+                }
+            }
+            let ports = a
+                .ports
+                .iter()
+                .enumerate()
+                .map(|(i, p)| PortStatus {
+                    port: p.clone(),
+                    vid: a.base_vid + i as u32,
+                    stats: vi(a.base_vid + i as u32),
+                })
+                .collect();
+            let attached = a
+                .interface
+                .as_ref()
+                .map(|i| self.links_dir().join(i).exists());
+            apps.push(AppStatus {
+                name: name.clone(),
+                kind: a.kind.clone(),
+                slot: a.slot,
+                interface: a.interface.clone(),
+                attached,
+                counters,
+                ports,
+            });
+        }
+        Ok(Some(Status {
+            name: self.name.clone(),
+            graph_file: inst.graph_file.clone(),
+            apps,
+            links: inst.links.clone(),
+        }))
+    }
+
+    /// Removes everything this data plane attached or created, and nothing else.
+    pub fn teardown(&self) -> Result<bool, Error> {
+        let inst = self.installed()?;
+        let had = inst.is_some() || self.pin_dir.exists();
+        // Deleting one end of the veth pair deletes both.
+        let loop_dev = inst.as_ref().map(|i| i.loop_device.clone());
+        netdev::delete(&loop_dev.unwrap_or_else(|| self.loop_device().0)).map_err(Error)?;
+        if self.pin_dir.exists() {
+            // Unpinning the links detaches the programs; unpinning the maps frees them once
+            // no program holds them.
+            std::fs::remove_dir_all(&self.pin_dir)
+                .map_err(|e| Error(format!("cannot remove {}: {e}", self.pin_dir.display())))?;
+        }
+        let _ = std::fs::remove_file(&self.record);
+        Ok(had)
+    }
+}
+
+fn port_name(a: &PlannedApp, port: u32, output: bool) -> String {
+    match a.function {
+        Function::Interface { .. } => {
+            format!("{}.{}", a.name, if output { "output" } else { "input" })
+        }
+        _ => format!("{}.{}", a.name, a.ports[port as usize]),
+    }
+}
+
+fn take(used: &mut BTreeSet<u32>, from: u32, max: u32, what: &str) -> Result<u32, Error> {
+    let Some(n) = (from..max).find(|n| !used.contains(n)) else {
+        return fail(format!("out of {what}: the kernel data plane holds {max}"));
+    };
+    used.insert(n);
+    Ok(n)
+}
+
+fn take_range(used: &mut BTreeSet<u32>, len: u32) -> Result<u32, Error> {
+    let mut base = 1;
+    while base + len <= MAX_VIDS {
+        if (base..base + len).all(|v| !used.contains(&v)) {
+            used.extend(base..base + len);
+            return Ok(base);
+        }
+        base += 1;
+    }
+    fail(format!(
+        "out of ports: the kernel data plane holds {MAX_VIDS}"
+    ))
+}
+
+/// Programs attached to an interface's TCX ingress hook.
+fn tcx_programs(ifindex: u32) -> u32 {
+    let mut opts = libbpf_rs::libbpf_sys::bpf_prog_query_opts {
+        sz: size_of::<libbpf_rs::libbpf_sys::bpf_prog_query_opts>() as _,
+        ..Default::default()
+    };
+    // SAFETY: valid options; no id arrays requested, only the count.
+    let r = unsafe {
+        libbpf_rs::libbpf_sys::bpf_prog_query_opts(
+            ifindex as i32,
+            libbpf_rs::libbpf_sys::BPF_TCX_INGRESS,
+            &mut opts,
+        )
+    };
+    if r == 0 {
+        // SAFETY: both members of the union are the same u32.
+        unsafe { opts.__bindgen_anon_1.count }
+    } else {
+        0
+    }
+}
+
+fn write_function(maps: &Maps, a: &PlannedApp, inst: &InstalledApp) -> Result<(), Error> {
+    let slot = inst.slot;
+    clear_slot(maps, slot)?;
+    let mut info = FnInfo {
+        kind: inst.kind_code,
+        base_vid: inst.base_vid,
+        nports: a.ports.len() as u32,
+        state_id: inst.state_id,
+        ..FnInfo::default()
+    };
+    match &a.function {
+        Function::Interface { .. } => unreachable!("interfaces have no slot"),
+        Function::Forwarder => {}
+        Function::Bridge {
+            vlans,
+            aging_seconds,
+        } => {
+            info.aging_ns = aging_seconds.saturating_mul(1_000_000_000);
+            for (p, vlan) in vlans.iter().enumerate() {
+                let bp = BridgePort {
+                    vlan: *vlan,
+                    pad: 0,
+                };
+                maps.put("bridge_ports", &(slot * MAX_PORTS + p as u32), &bp)?;
+            }
+        }
+        Function::Router {
+            ports,
+            routes,
+            icmp_rate,
+        } => {
+            info.icmp_rate = *icmp_rate;
+            for (p, rp) in ports.iter().enumerate() {
+                let v = RouterPort {
+                    mac: rp.mac,
+                    mtu: rp.mtu,
+                    addr: rp.address.addr().octets(),
+                    prefix_len: rp.address.prefix_len() as u32,
+                };
+                maps.put("router_ports", &(slot * MAX_PORTS + p as u32), &v)?;
+                let key = RouteKey {
+                    prefix_len: 32 + rp.address.prefix_len() as u32,
+                    slot: slot.to_be_bytes(),
+                    addr: rp.address.trunc().addr().octets(),
+                };
+                maps.put(
+                    "routes",
+                    &key,
+                    &Route {
+                        gateway: [0; 4],
+                        port: p as u32,
+                    },
+                )?;
+            }
+            for r in routes {
+                let key = RouteKey {
+                    prefix_len: 32 + r.prefix.prefix_len() as u32,
+                    slot: slot.to_be_bytes(),
+                    addr: r.prefix.addr().octets(),
+                };
+                maps.put(
+                    "routes",
+                    &key,
+                    &Route {
+                        gateway: r.via.octets(),
+                        port: r.port,
+                    },
+                )?;
+            }
+        }
+        Function::Firewall {
+            rules,
+            default,
+            stateful,
+            timeouts,
+        } => {
+            info.nrules = rules.len() as u32;
+            info.icmp_rate = 100;
+            info.flags = (*default as u32) << 8 | if *stateful { FW_STATEFUL } else { 0 };
+            for (i, t) in timeouts.iter().enumerate() {
+                info.timeout_ns[i] = t.saturating_mul(1_000_000_000);
+            }
+            for (i, r) in rules.iter().enumerate() {
+                maps.put("fw_rules", &(slot * MAX_RULES + i as u32), r)?;
+            }
+        }
+    }
+    maps.put("slots", &slot, &info)
+}
+
+/// Clears a slot's settings (a slot is reused only after this).
+fn clear_slot(maps: &Maps, slot: u32) -> Result<(), Error> {
+    maps.put("slots", &slot, &FnInfo::default())?;
+    for p in 0..MAX_PORTS {
+        maps.put(
+            "bridge_ports",
+            &(slot * MAX_PORTS + p),
+            &BridgePort::default(),
+        )?;
+        maps.put(
+            "router_ports",
+            &(slot * MAX_PORTS + p),
+            &RouterPort::default(),
+        )?;
+    }
+    for i in 0..MAX_RULES {
+        maps.put("fw_rules", &(slot * MAX_RULES + i), &FwRule::default())?;
+        maps.zero_percpu("fw_rule_hits", slot * MAX_RULES + i)?;
+    }
+    let routes = maps.get("routes");
+    let stale: Vec<Vec<u8>> = routes
+        .keys()
+        .filter(|k| k.len() == size_of::<RouteKey>() && k[4..8] == slot.to_be_bytes())
+        .collect();
+    for k in stale {
+        let _ = routes.delete(&k);
+    }
+    Ok(())
+}
+
+#[derive(Debug, Serialize)]
+pub struct Status {
+    pub name: String,
+    pub graph_file: String,
+    pub apps: Vec<AppStatus>,
+    pub links: Vec<InstalledLink>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct AppStatus {
+    pub name: String,
+    pub kind: String,
+    pub slot: u32,
+    pub interface: Option<String>,
+    pub attached: Option<bool>,
+    pub counters: IndexMap<String, u64>,
+    pub ports: Vec<PortStatus>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct PortStatus {
+    pub port: String,
+    pub vid: u32,
+    #[serde(serialize_with = "stats")]
+    pub stats: ViStats,
+}
+
+fn stats<S: serde::Serializer>(v: &ViStats, s: S) -> Result<S::Ok, S::Error> {
+    use serde::ser::SerializeMap;
+    let mut m = s.serialize_map(Some(5))?;
+    m.serialize_entry("rx_packets", &v.rx_packets)?;
+    m.serialize_entry("rx_bytes", &v.rx_bytes)?;
+    m.serialize_entry("tx_packets", &v.tx_packets)?;
+    m.serialize_entry("tx_bytes", &v.tx_bytes)?;
+    m.serialize_entry("drops", &v.drops)?;
+    m.end()
+}

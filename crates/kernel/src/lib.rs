@@ -1,0 +1,19 @@
+//! Stitch's in-kernel data plane (seed 003, InKeV): network functions as eBPF programs in the
+//! kernel, stitched into a graph by a patch panel of tail calls, attached to workloads by
+//! programs on their interfaces' tc ingress hooks. The same graph file as the userspace
+//! engine: apps with `placement: kernel`.
+//!
+//! - `bpf/` — the C programs: `common.h` (maps, per-packet metadata, the patch panel),
+//!   one header per function kind (`forwarder.h`, `bridge.h`, `router.h`, `firewall.h`) and
+//!   `stitch.bpf.c` with the entry points, compiled by `build.rs`.
+//! - [`plan`] — graph file → kernel functions, ports and links, with errors by line.
+//! - [`datapath`] — load, pin, install and change by diff, status, teardown.
+//! - [`maps`] — the maps' key and value layouts, shared with the C side.
+
+pub mod datapath;
+pub mod maps;
+mod netdev;
+pub mod plan;
+
+pub use datapath::{ApplyReport, DataPlane, Error, Status};
+pub use plan::Plan;

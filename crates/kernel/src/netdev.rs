@@ -1,0 +1,46 @@
+//! Interfaces: names to indexes, and the loop device the data plane re-enters through.
+
+use std::ffi::CString;
+use std::process::Command;
+
+pub fn ifindex(name: &str) -> Option<u32> {
+    let c = CString::new(name).ok()?;
+    // SAFETY: a valid NUL-terminated string.
+    let i = unsafe { libc::if_nametoindex(c.as_ptr()) };
+    (i != 0).then_some(i)
+}
+
+fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| format!("cannot run `ip` (iproute2): {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "`ip {}` failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+/// Creates (if needed) a veth pair `name`/`peer` and brings both up; returns `name`'s ifindex.
+/// A veth end rather than a dummy device: veth is in every kernel that runs containers, the
+/// dummy module is not.
+pub fn ensure_veth(name: &str, peer: &str) -> Result<u32, String> {
+    if ifindex(name).is_none() {
+        ip(&["link", "add", name, "type", "veth", "peer", "name", peer])?;
+    }
+    ip(&["link", "set", peer, "up"])?;
+    ip(&["link", "set", name, "up"])?;
+    ifindex(name).ok_or_else(|| format!("device {name} vanished"))
+}
+
+pub fn delete(name: &str) -> Result<(), String> {
+    if ifindex(name).is_none() {
+        return Ok(());
+    }
+    ip(&["link", "del", name])
+}

@@ -1,0 +1,378 @@
+//! From a graph file to what the kernel data plane needs: each app with `placement: kernel`
+//! turned into a function kind with its ports and settings, and each link into a pair of port
+//! references. Every app of the graph must be placed in the kernel and have a kernel version;
+//! anything the kernel versions do not do is an error naming the app's line, never ignored.
+
+use indexmap::IndexMap;
+use ipnet::Ipv4Net;
+use std::net::{IpAddr, Ipv4Addr};
+use stitch_apps::{bridge, firewall, router};
+use stitch_core::graph::{GraphError, Placement};
+use stitch_core::Graph;
+
+use crate::maps::{self, FwRule, MAX_PORTS, MAX_RULES};
+
+/// A function of the kernel graph.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Function {
+    /// A workload's interface (an `af_packet`/`af_xdp`/`tap` app in user space): the tc hook
+    /// of this interface takes its packets into the graph, and packets sent to it are
+    /// redirected to it.
+    Interface {
+        ifname: String,
+    },
+    Forwarder,
+    Bridge {
+        vlans: Vec<u16>,
+        aging_seconds: u64,
+    },
+    Router {
+        ports: Vec<RouterPort>,
+        routes: Vec<StaticRoute>,
+        icmp_rate: u32,
+    },
+    Firewall {
+        rules: Vec<FwRule>,
+        default: u8,
+        stateful: bool,
+        /// tcp established, tcp transitory, udp, icmp (seconds).
+        timeouts: [u64; 4],
+    },
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct RouterPort {
+    pub mac: [u8; 6],
+    pub address: Ipv4Net,
+    pub mtu: u16,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct StaticRoute {
+    pub prefix: Ipv4Net,
+    pub via: Ipv4Addr,
+    pub port: u32,
+}
+
+impl Function {
+    pub fn kind_name(&self) -> &'static str {
+        match self {
+            Function::Interface { .. } => "interface",
+            Function::Forwarder => "forwarder",
+            Function::Bridge { .. } => "bridge",
+            Function::Router { .. } => "router",
+            Function::Firewall { .. } => "firewall",
+        }
+    }
+
+    pub fn kind_code(&self) -> u32 {
+        match self {
+            Function::Interface { .. } => 0,
+            Function::Forwarder => maps::FN_FORWARDER,
+            Function::Bridge { .. } => maps::FN_BRIDGE,
+            Function::Router { .. } => maps::FN_ROUTER,
+            Function::Firewall { .. } => maps::FN_FIREWALL,
+        }
+    }
+}
+
+/// One app of the kernel graph.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlannedApp {
+    pub name: String,
+    pub function: Function,
+    /// Port names in port-number order (an interface has one port for both directions).
+    pub ports: Vec<String>,
+    pub line: usize,
+}
+
+impl PlannedApp {
+    /// The port number of a port name (`input` and `output` of an interface are both 0).
+    pub fn port(&self, name: &str) -> Option<u32> {
+        if let Function::Interface { .. } = self.function {
+            return matches!(name, "input" | "output").then_some(0);
+        }
+        self.ports.iter().position(|p| p == name).map(|i| i as u32)
+    }
+}
+
+/// A link from one app's port to another's.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct PlannedLink {
+    pub from: (String, u32),
+    pub to: (String, u32),
+    pub line: usize,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    pub apps: IndexMap<String, PlannedApp>,
+    pub links: Vec<PlannedLink>,
+}
+
+fn error(line: usize, message: String) -> GraphError {
+    GraphError {
+        line,
+        column: 1,
+        message,
+    }
+}
+
+/// Kernel versions exist for these app types.
+pub const KERNEL_TYPES: &str =
+    "af_packet, af_xdp, tap (workload interfaces), forwarder, bridge, router, firewall";
+
+impl Plan {
+    pub fn from_graph(graph: &Graph) -> Result<Plan, Vec<GraphError>> {
+        let mut errors = Vec::new();
+        let mut apps = IndexMap::new();
+        for decl in graph.apps.values() {
+            if decl.placement != Placement::Kernel {
+                errors.push(error(
+                    decl.line,
+                    format!(
+                        "app `{}` is placed in user space: the kernel data plane takes graphs \
+                         whose apps all have `placement: kernel` (per app, or once at the top \
+                         of the file)",
+                        decl.name
+                    ),
+                ));
+                continue;
+            }
+            match plan_app(&decl.kind, &decl.config) {
+                Ok((function, ports)) => {
+                    apps.insert(
+                        decl.name.clone(),
+                        PlannedApp {
+                            name: decl.name.clone(),
+                            function,
+                            ports,
+                            line: decl.line,
+                        },
+                    );
+                }
+                Err(m) => errors.push(error(
+                    decl.line,
+                    format!("app `{}` ({}) in the kernel: {m}", decl.name, decl.kind),
+                )),
+            }
+        }
+        let mut links = Vec::new();
+        let mut used_outputs: IndexMap<(String, u32), usize> = IndexMap::new();
+        for l in &graph.links {
+            let (Some(a), Some(b)) = (apps.get(&l.from.app), apps.get(&l.to.app)) else {
+                continue; // the app has an error already
+            };
+            let (Some(pa), Some(pb)) = (a.port(&l.from.port), b.port(&l.to.port)) else {
+                errors.push(error(l.line, format!("link `{}`: no such port", l.spec())));
+                continue;
+            };
+            let from = (a.name.clone(), pa);
+            if let Some(first) = used_outputs.insert(from.clone(), l.line) {
+                errors.push(error(
+                    l.line,
+                    format!(
+                        "link `{}`: `{}` is already linked on line {first}; in the kernel a \
+                         port leads to one place (use a bridge to fan out)",
+                        l.spec(),
+                        l.from
+                    ),
+                ));
+                continue;
+            }
+            links.push(PlannedLink {
+                from,
+                to: (b.name.clone(), pb),
+                line: l.line,
+            });
+        }
+        if errors.is_empty() {
+            Ok(Plan { apps, links })
+        } else {
+            Err(errors)
+        }
+    }
+}
+
+fn parse<T: serde::de::DeserializeOwned>(config: &serde_json::Value) -> Result<T, String> {
+    serde_json::from_value(config.clone()).map_err(|e| e.to_string())
+}
+
+fn too_many(what: &str, n: usize, max: u32) -> Result<(), String> {
+    if n > max as usize {
+        return Err(format!(
+            "{n} {what}: the kernel versions take at most {max}"
+        ));
+    }
+    Ok(())
+}
+
+fn plan_app(kind: &str, config: &serde_json::Value) -> Result<(Function, Vec<String>), String> {
+    match kind {
+        "af_packet" | "af_xdp" | "tap" => {
+            let ifname = config
+                .get("interface")
+                .or_else(|| config.get("name"))
+                .and_then(|v| v.as_str())
+                .ok_or("needs `interface`")?
+                .to_string();
+            Ok((Function::Interface { ifname }, vec!["input".into()]))
+        }
+        "forwarder" => Ok((Function::Forwarder, vec!["input".into(), "output".into()])),
+        "bridge" => {
+            let c: bridge::BridgeConfig = parse(config)?;
+            too_many("ports", c.ports.len(), MAX_PORTS)?;
+            let mut vlans = Vec::new();
+            for (name, p) in &c.ports {
+                if p.mode != bridge::PortMode::Access {
+                    return Err(format!(
+                        "port `{name}` is a trunk; the kernel bridge has access ports only \
+                         (place this bridge in user space for trunks)"
+                    ));
+                }
+                vlans.push(p.vlan);
+            }
+            Ok((
+                Function::Bridge {
+                    vlans,
+                    aging_seconds: c.aging_seconds,
+                },
+                c.ports.keys().cloned().collect(),
+            ))
+        }
+        "router" => plan_router(parse(config)?),
+        "firewall" => plan_firewall(parse(config)?),
+        other => Err(format!(
+            "`{other}` has no kernel version (kernel versions: {KERNEL_TYPES}); place it in \
+             user space"
+        )),
+    }
+}
+
+fn plan_router(c: router::RouterConfig) -> Result<(Function, Vec<String>), String> {
+    too_many("interfaces", c.interfaces.len(), MAX_PORTS)?;
+    let mut ports = Vec::new();
+    for (name, i) in &c.interfaces {
+        if i.address6.is_some() {
+            return Err(format!(
+                "interface `{name}` has `address6`: the kernel router routes IPv4 only (place \
+                 it in user space for IPv6)"
+            ));
+        }
+        let address: Ipv4Net = i.address.parse().map_err(|_| {
+            format!(
+                "interface `{name}`: address `{}` is not A.B.C.D/N",
+                i.address
+            )
+        })?;
+        let mac = stitch_wire::parse_mac(&i.mac).map_err(|e| format!("interface `{name}`: {e}"))?;
+        let mtu = u16::try_from(i.mtu).map_err(|_| format!("interface `{name}`: mtu too large"))?;
+        ports.push(RouterPort { mac, address, mtu });
+    }
+    let mut routes = Vec::new();
+    for r in &c.routes {
+        let prefix: Ipv4Net = r.prefix.parse().map_err(|_| {
+            format!(
+                "route `{}`: the kernel router routes IPv4 prefixes only",
+                r.prefix
+            )
+        })?;
+        let IpAddr::V4(via) = r.via else {
+            return Err(format!("route `{}`: next hop must be IPv4", r.prefix));
+        };
+        let port = ports
+            .iter()
+            .position(|p| p.address.contains(&via))
+            .ok_or_else(|| {
+                format!(
+                    "route `{}`: next hop {via} is on none of the router's subnets",
+                    r.prefix
+                )
+            })?;
+        routes.push(StaticRoute {
+            prefix: prefix.trunc(),
+            via,
+            port: port as u32,
+        });
+    }
+    Ok((
+        Function::Router {
+            ports,
+            routes,
+            icmp_rate: c.icmp_rate.max(0.0).round() as u32,
+        },
+        c.interfaces.keys().cloned().collect(),
+    ))
+}
+
+fn action_code(a: firewall::Action) -> u8 {
+    match a {
+        firewall::Action::Accept => 0,
+        firewall::Action::Drop => 1,
+        firewall::Action::Reject => 2,
+    }
+}
+
+fn cidr(s: &str) -> Result<([u8; 4], [u8; 4]), String> {
+    let net: Ipv4Net = if s.contains('/') {
+        s.parse()
+    } else {
+        format!("{s}/32").parse()
+    }
+    .map_err(|_| {
+        format!("`{s}`: the kernel firewall matches IPv4 prefixes only (place it in user space for IPv6)")
+    })?;
+    Ok((net.network().octets(), net.netmask().octets()))
+}
+
+fn plan_firewall(c: firewall::FirewallConfig) -> Result<(Function, Vec<String>), String> {
+    too_many("rules", c.rules.len(), MAX_RULES)?;
+    let mut rules = Vec::new();
+    for (i, r) in c.rules.iter().enumerate() {
+        let at = |m: String| format!("rule {}: {m}", i + 1);
+        let mut k = FwRule {
+            action: action_code(r.action),
+            from: match r.from {
+                firewall::Side::Lan => 0,
+                firewall::Side::Wan => 1,
+                firewall::Side::Any => 2,
+            },
+            sport_hi: 0xffff,
+            dport_hi: 0xffff,
+            ..FwRule::default()
+        };
+        if let Some(p) = &r.proto {
+            k.proto = firewall::protocol(p).map_err(at)?;
+            if k.proto == 58 {
+                return Err(at("icmpv6: the kernel firewall filters IPv4 only".into()));
+            }
+        }
+        if let Some(s) = &r.src {
+            (k.src, k.src_mask) = cidr(s).map_err(at)?;
+        }
+        if let Some(s) = &r.dst {
+            (k.dst, k.dst_mask) = cidr(s).map_err(at)?;
+        }
+        if let Some(p) = &r.src_port {
+            (k.sport_lo, k.sport_hi) = firewall::port_range(p).map_err(at)?;
+        }
+        if let Some(p) = &r.dst_port {
+            (k.dport_lo, k.dport_hi) = firewall::port_range(p).map_err(at)?;
+        }
+        if let Some(v) = r.vlan {
+            k.has_vlan = 1;
+            k.vlan = v;
+        }
+        rules.push(k);
+    }
+    let t = &c.timeouts;
+    Ok((
+        Function::Firewall {
+            rules,
+            default: action_code(c.default),
+            stateful: c.stateful,
+            timeouts: [t.tcp_established, t.tcp_transitory, t.udp, t.icmp],
+        },
+        vec!["lan".into(), "wan".into()],
+    ))
+}

@@ -1,0 +1,308 @@
+//! The in-kernel data plane (`stitch kernel apply|status|teardown`) with real namespaces,
+//! veth pairs, ping and iperf3.
+
+mod common;
+use common::*;
+use std::process::{Command, Output};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+static NEXT: AtomicUsize = AtomicUsize::new(0);
+
+/// A kernel data plane with a unique name, torn down when dropped (also on failure).
+struct Plane {
+    name: String,
+    dir: tempfile::TempDir,
+}
+
+impl Plane {
+    fn new() -> Plane {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        Plane {
+            name: format!("k{}{n}", std::process::id() % 100000),
+            dir: tempfile::tempdir().unwrap(),
+        }
+    }
+
+    fn stitch(&self, args: &[&str]) -> Output {
+        Command::new(env!("CARGO_BIN_EXE_stitch"))
+            .arg("kernel")
+            .args(args)
+            .args(["--name", &self.name])
+            .output()
+            .unwrap()
+    }
+
+    fn apply_output(&self, graph: &str) -> Output {
+        let file = self.dir.path().join("graph.yaml");
+        std::fs::write(&file, graph).unwrap();
+        self.stitch(&["apply", file.to_str().unwrap()])
+    }
+
+    /// Applies `graph`; returns what `apply` printed.
+    fn apply(&self, graph: &str) -> String {
+        let o = self.apply_output(graph);
+        assert!(
+            o.status.success(),
+            "apply failed: {}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    }
+
+    fn status(&self) -> serde_json::Value {
+        let o = self.stitch(&["status", "--json"]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice(&o.stdout).unwrap()
+    }
+
+    fn counter(&self, app: &str, counter: &str) -> u64 {
+        let s = self.status();
+        let a = s["apps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|a| a["name"] == app)
+            .unwrap_or_else(|| panic!("no app {app} in {s}"));
+        a["counters"][counter].as_u64().unwrap_or(0)
+    }
+}
+
+impl Drop for Plane {
+    fn drop(&mut self) {
+        let _ = self.stitch(&["teardown"]);
+    }
+}
+
+fn ok(o: &Output) -> bool {
+    o.status.success()
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// Host 0 on 10.N.1.2/24 and host 1 on 10.N.2.2/24, each routed via .1.
+fn two_subnets(h: &TwoHosts) -> u32 {
+    let n = 150 + (std::process::id() % 50);
+    for (i, net) in [(0, 1), (1, 2)] {
+        must(&format!("ip -n {} addr flush dev {}", h.ns[i], h.inner[i]));
+        must(&format!(
+            "ip -n {} addr add 10.{n}.{net}.2/24 dev {}",
+            h.ns[i], h.inner[i]
+        ));
+        must(&format!(
+            "ip -n {} route add default via 10.{n}.{net}.1",
+            h.ns[i]
+        ));
+    }
+    n
+}
+
+fn brb_graph(h: &TwoHosts, n: u32, firewall: &str) -> String {
+    // With a firewall, it sits between the left bridge and the router.
+    let (left, fw_links) = if firewall.is_empty() {
+        ("r.left", String::new())
+    } else {
+        (
+            "fw.lan",
+            "  - \"fw.wan -> r.left\"\n  - \"r.left -> fw.wan\"\n".to_string(),
+        )
+    };
+    format!(
+        "placement: kernel\napps:\n  a: {{ type: af_packet, interface: {a} }}\n  b: {{ type: af_packet, interface: {b} }}\n  bra: {{ type: bridge, ports: {{ host: {{}}, rtr: {{}} }} }}\n  brb: {{ type: bridge, ports: {{ host: {{}}, rtr: {{}} }} }}\n  r: {{ type: router, interfaces: {{ left: {{ mac: \"02:00:00:00:01:01\", address: \"10.{n}.1.1/24\" }}, right: {{ mac: \"02:00:00:00:02:01\", address: \"10.{n}.2.1/24\" }} }} }}\n{firewall}links:\n  - \"a.output -> bra.host\"\n  - \"bra.host -> a.input\"\n  - \"bra.rtr -> {left}\"\n  - \"{left} -> bra.rtr\"\n{fw_links}  - \"r.right -> brb.rtr\"\n  - \"brb.rtr -> r.right\"\n  - \"brb.host -> b.input\"\n  - \"b.output -> brb.host\"\n",
+        a = h.outer[0],
+        b = h.outer[1]
+    )
+}
+
+/// What `ip`/`tc` say about an interface, to compare before and after.
+fn interface_state(dev: &str) -> String {
+    must(&format!(
+        "ip -d link show dev {dev} | sed 's/state [A-Z]*//'; tc qdisc show dev {dev}; tc filter show dev {dev} ingress"
+    ))
+}
+
+#[test]
+fn bridge_router_bridge_in_the_kernel_then_a_firewall_then_teardown() {
+    require_root_and_tools(&["ip", "tc", "ping", "iperf3", "python3"]);
+    let h = TwoHosts::new();
+    let n = two_subnets(&h);
+    let before = [interface_state(&h.outer[0]), interface_state(&h.outer[1])];
+    let p = Plane::new();
+    let out = p.apply(&brb_graph(&h, n, ""));
+    assert!(out.contains("added: a, b, bra, brb, r"), "{out}");
+
+    let o = h.exec(0, &format!("ping -c 3 -i 0.1 -W 2 10.{n}.1.1"));
+    assert!(ok(&o), "the kernel router answers for itself: {}", text(&o));
+    // The first packet to B may be spent on ARP.
+    let o = h.exec(0, &format!("ping -c 4 -i 0.2 -W 2 10.{n}.2.2"));
+    let t = text(&o);
+    assert!(
+        t.contains(" 3 received") || t.contains(" 4 received"),
+        "A reaches B across the kernel router: {t}"
+    );
+    let o = h.exec(0, &format!("ping -c 1 -t 1 -W 2 10.{n}.2.2"));
+    let t = text(&o);
+    assert!(
+        t.contains("Time to live exceeded") && t.contains(&format!("10.{n}.1.1")),
+        "TTL 1 is answered by the router: {t}"
+    );
+    let o = h.exec(0, &format!("ping -c 1 -W 2 10.{}.9.9", n + 1));
+    assert!(
+        text(&o).contains("Destination Net Unreachable"),
+        "no route: {}",
+        text(&o)
+    );
+    let bps = h.iperf_tcp(&format!("10.{n}.2.2"), 2);
+    eprintln!(
+        "kernel bridge-router-bridge: iperf3 TCP {:.2} Gbit/s",
+        bps / 1e9
+    );
+    assert!(bps > 0.0);
+    assert!(p.counter("r", "forwarded") > 1000);
+    assert!(p.counter("r", "echo_replies") >= 3);
+    assert!(p.counter("r", "ttl_exceeded") >= 1);
+    assert!(p.counter("bra", "learned") >= 2);
+    let learned_before = p.counter("bra", "learned");
+
+    // Live change: a firewall between the left bridge and the router. The others keep
+    // their state (the bridge does not learn again; the router's ARP cache is kept).
+    let fw = "  fw: { type: firewall, default: accept, rules: [ { action: drop, from: lan, proto: tcp, dst_port: 5302 }, { action: reject, from: lan, proto: udp, dst_port: 9 } ] }\n";
+    let out = p.apply(&brb_graph(&h, n, fw));
+    assert!(out.contains("added: fw"), "{out}");
+    assert!(out.contains("kept: a, b, bra, brb, r"), "{out}");
+    assert_eq!(p.counter("bra", "learned"), learned_before);
+    let arp_before = p.counter("r", "arp_requests");
+    let o = h.exec(0, &format!("ping -c 2 -i 0.1 -W 2 10.{n}.2.2"));
+    assert!(ok(&o), "the firewall passes ping: {}", text(&o));
+    assert_eq!(p.counter("r", "arp_requests"), arp_before, "ARP cache kept");
+
+    let server = h.spawn(
+        1,
+        "python3 -c \"import socket\nfor port in (5301, 5302):\n  s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('0.0.0.0', port)); s.listen(); globals()['s%d' % port]=s\nimport time; time.sleep(20)\"",
+    );
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let connect = |port: u16| {
+        h.exec(
+            0,
+            &format!("python3 -c \"import socket; socket.create_connection(('10.{n}.2.2', {port}), timeout=2)\""),
+        )
+    };
+    assert!(ok(&connect(5301)), "TCP to an allowed port connects");
+    let o = connect(5302);
+    assert!(!ok(&o), "TCP to 5302 is dropped by the kernel firewall");
+    assert!(text(&o).contains("timed out"), "{}", text(&o));
+    let o = h.exec(
+        0,
+        &format!("python3 -c \"import socket, time\ns=socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.connect(('10.{n}.2.2', 9))\nfor i in range(3):\n  try:\n    s.send(b'x'); time.sleep(0.3)\n  except OSError as e:\n    print('refused:', e); break\""),
+    );
+    assert!(
+        text(&o).contains("refused"),
+        "UDP to port 9 is rejected with ICMP: {}",
+        text(&o)
+    );
+    drop(server);
+    assert!(p.counter("fw", "dropped") >= 1);
+    assert!(p.counter("fw", "rejected") >= 1);
+    assert!(p.counter("fw", "established") >= 2);
+
+    // Teardown leaves the interfaces as they were and removes its own device and pins.
+    let o = p.stitch(&["teardown"]);
+    assert!(ok(&o), "{}", text(&o));
+    let after = [interface_state(&h.outer[0]), interface_state(&h.outer[1])];
+    assert_eq!(before, after);
+    assert!(!sh(&format!("ip link show stl-{}", p.name)).status.success());
+    assert!(!std::path::Path::new(&format!("/sys/fs/bpf/stitch/{}", p.name)).exists());
+    let o = h.exec(0, &format!("ping -c 1 -W 1 10.{n}.1.1"));
+    assert!(!ok(&o), "nothing answers once the data plane is gone");
+    let s = p.stitch(&["status"]);
+    assert!(text(&s).contains("no kernel data plane"), "{}", text(&s));
+}
+
+#[test]
+fn chains_deeper_than_the_tail_call_limit_still_deliver() {
+    require_root_and_tools(&["ip", "ping"]);
+    let h = TwoHosts::new();
+    let p = Plane::new();
+    // 40 forwarders from A to B: more than the 33 tail calls the kernel allows in one go.
+    let mut g = format!(
+        "placement: kernel\napps:\n  a: {{ type: af_packet, interface: {} }}\n  b: {{ type: af_packet, interface: {} }}\n",
+        h.outer[0], h.outer[1]
+    );
+    let hops = 40;
+    for i in 0..hops {
+        g += &format!("  f{i}: {{ type: forwarder }}\n");
+    }
+    g += "links:\n  - \"a.output -> f0.input\"\n";
+    for i in 1..hops {
+        g += &format!("  - \"f{}.output -> f{i}.input\"\n", i - 1);
+    }
+    g += &format!(
+        "  - \"f{}.output -> b.input\"\n  - \"b.output -> a.input\"\n",
+        hops - 1
+    );
+    p.apply(&g);
+    let o = h.exec(0, &format!("ping -c 5 -i 0.1 -W 2 {}", h.ip[1]));
+    assert!(ok(&o), "ping across {hops} chained functions: {}", text(&o));
+    let s = p.status();
+    let apps = s["apps"].as_array().unwrap();
+    for i in 0..hops {
+        let f = apps.iter().find(|a| a["name"] == format!("f{i}")).unwrap();
+        let rx = f["counters"]["rx"].as_u64().unwrap();
+        assert!(rx >= 5, "f{i} saw every ping: {f}");
+        assert_eq!(f["counters"]["drops"], 0, "{f}");
+    }
+}
+
+#[test]
+fn kernel_graph_errors_name_the_line_and_change_nothing() {
+    let p = Plane::new();
+    let o = p.apply_output(
+        "placement: kernel\napps:\n  g: { type: generator, size: 64 }\n  s: { type: sink }\nlinks:\n  - \"g.output -> s.input\"\n",
+    );
+    assert!(!ok(&o));
+    let t = text(&o);
+    assert!(
+        t.contains(":3:") && t.contains("has no kernel version"),
+        "{t}"
+    );
+
+    let o = p.apply_output(
+        "apps:\n  f: { type: forwarder, placement: kernel }\n  x: { type: forwarder }\nlinks:\n  - \"f.output -> x.input\"\n",
+    );
+    let t = text(&o);
+    assert!(
+        !ok(&o) && t.contains(":3:") && t.contains("placed in user space"),
+        "{t}"
+    );
+
+    let o = p.apply_output(
+        "placement: kernel\napps:\n  br: { type: bridge, ports: { a: { mode: trunk, vlans: [10] }, b: {} } }\n",
+    );
+    let t = text(&o);
+    assert!(!ok(&o) && t.contains("trunk"), "{t}");
+
+    let o = p.apply_output(
+        "placement: kernel\napps:\n  a: { type: af_packet, interface: no-such-if0 }\n  f: { type: forwarder }\nlinks:\n  - \"a.output -> f.input\"\n",
+    );
+    let t = text(&o);
+    assert!(
+        !ok(&o) && t.contains("no-such-if0") && t.contains("does not exist"),
+        "{t}"
+    );
+    let o = p.apply_output("placement: orbit\napps: {}\n");
+    let t = text(&o);
+    assert!(!ok(&o) && t.contains(":1:") && t.contains("orbit"), "{t}");
+    // Nothing was installed by any of these.
+    let s = p.stitch(&["status"]);
+    assert!(text(&s).contains("no kernel data plane"), "{}", text(&s));
+
+    // The userspace engine refuses kernel apps and says where they go.
+    let e = run_must_fail("apps:\n  f: { type: forwarder, placement: kernel }\n");
+    assert!(e.contains("stitch kernel apply"), "{e}");
+}
