@@ -65,7 +65,7 @@ struct icmphdr {
 #endif
 
 enum vi_kind { VI_NONE = 0, VI_FUNCTION = 1, VI_INTERFACE = 2 };
-enum fn_kind { FN_NONE = 0, FN_FORWARDER = 1, FN_BRIDGE = 2, FN_ROUTER = 3, FN_FIREWALL = 4 };
+enum fn_kind { FN_NONE = 0, FN_FORWARDER = 1, FN_BRIDGE = 2, FN_ROUTER = 3, FN_FIREWALL = 4, FN_VXLAN = 5 };
 
 /* Counters every function has (fn_stats), then each kind's own from FC_OWN on. */
 enum fn_counter { FC_RX = 0, FC_TX = 1, FC_DROP = 2, FC_MALFORMED = 3, FC_OWN = 4 };
@@ -102,7 +102,15 @@ struct vi_stats {
 
 struct globals {
 	__u32 loop_ifindex;
-	__u32 pad;
+	__u32 vxlan_ifindex;
+};
+
+/* Counters of the data plane as a whole (dp_counters). */
+enum dp_counter {
+	DP_UNKNOWN_VNI = 0,  /* tunnel frames with a VNI no segment has */
+	DP_FOREIGN_VTEP = 1, /* tunnel frames from another VTEP than the segment's remote */
+	DP_NO_TUNNEL_KEY = 2,
+	DP_COUNTERS = 8,
 };
 
 struct {
@@ -160,6 +168,20 @@ struct {
 	__type(key, __u32);
 	__type(value, __u64);
 } fn_counters SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, DP_COUNTERS);
+	__type(key, __u32);
+	__type(value, __u64);
+} dp_counters SEC(".maps");
+
+static __always_inline void dp_count(__u32 counter)
+{
+	__u64 *c = bpf_map_lookup_elem(&dp_counters, &counter);
+	if (c)
+		*c += 1;
+}
 
 static __always_inline void count(__u32 state_id, __u32 counter)
 {

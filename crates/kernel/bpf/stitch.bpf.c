@@ -11,6 +11,7 @@
 #include "bridge.h"
 #include "router.h"
 #include "firewall.h"
+#include "vxlan.h"
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
@@ -72,4 +73,17 @@ SEC("tcx/ingress")
 int fn_firewall(struct __sk_buff *skb)
 {
 	return firewall(skb);
+}
+
+SEC("tcx/ingress")
+int fn_vxlan(struct __sk_buff *skb)
+{
+	return vxlan(skb);
+}
+
+/* On the data plane's VXLAN device: frames from other hosts, by VNI to their segment. */
+SEC("tcx/ingress")
+int stitch_tunnel(struct __sk_buff *skb)
+{
+	return tunnel_ingress(skb);
 }

@@ -49,6 +49,9 @@ fn fail<T>(m: impl Into<String>) -> Result<T, Error> {
 pub struct Installed {
     pub graph_file: String,
     pub loop_device: String,
+    /// The VXLAN device of the transport manager, while a `vxlan` app is installed.
+    #[serde(default)]
+    pub tunnel_device: Option<String>,
     pub apps: IndexMap<String, InstalledApp>,
     pub links: Vec<InstalledLink>,
 }
@@ -154,6 +157,7 @@ fn kind_program(kind: u32) -> &'static str {
         FN_FORWARDER => "fn_forwarder",
         FN_BRIDGE => "fn_bridge",
         FN_ROUTER => "fn_router",
+        FN_VXLAN => "fn_vxlan",
         _ => "fn_firewall",
     }
 }
@@ -188,6 +192,9 @@ impl Maps {
             ("fw_rule_hits", 4, 8),
             ("conntrack", size_of::<CtKey>(), 16),
             ("icmp_budget", 4, 16),
+            ("vxlan_segments", 4, size_of::<VxlanSegment>()),
+            ("vxlan_vnis", 4, size_of::<VniTarget>()),
+            ("dp_counters", 4, 8),
         ];
         for (name, k, v) in expected {
             let path = dir.join(name);
@@ -282,6 +289,10 @@ impl DataPlane {
     /// The loop device: one end of a veth pair that packets re-enter the graph through.
     fn loop_device(&self) -> (String, String) {
         (format!("stl-{}", self.name), format!("stp-{}", self.name))
+    }
+
+    fn tunnel_device(&self) -> String {
+        format!("stv-{}", self.name)
     }
 
     fn links_dir(&self) -> PathBuf {
@@ -467,15 +478,26 @@ impl DataPlane {
             maps.put("functions", &a.slot, &fd)?;
         }
 
-        // 2. The loop device, for copies and long chains.
-        maps.put(
-            "config",
-            &0u32,
-            &Globals {
-                loop_ifindex,
-                pad: 0,
-            },
-        )?;
+        // 2. The loop device, for copies and long chains; the VXLAN device while a tunnel
+        //    app is installed.
+        let udp_port = plan.apps.values().find_map(|a| match a.function {
+            Function::Vxlan { udp_port, .. } => Some(udp_port),
+            _ => None,
+        });
+        let tunnel = match udp_port {
+            Some(port) => {
+                let dev = self.tunnel_device();
+                let i = netdev::ensure_vxlan(&dev, port).map_err(Error)?;
+                self.hook(&prog("stitch_tunnel"), i, "tunnel", true)?;
+                Some((dev, i))
+            }
+            None => None,
+        };
+        let globals = Globals {
+            loop_ifindex,
+            vxlan_ifindex: tunnel.as_ref().map(|t| t.1).unwrap_or(0),
+        };
+        maps.put("config", &0u32, &globals)?;
         self.hook(&prog("stitch_loop"), loop_ifindex, "loop", true)?;
 
         // 3. VIs, then links.
@@ -519,6 +541,29 @@ impl DataPlane {
                     maps.put("graph", &v, &0u32)?;
                 }
             }
+        }
+
+        // Tunnel frames by VNI to their segment port.
+        let mut live_vnis = BTreeSet::new();
+        for (name, a) in &plan.apps {
+            if let Function::Vxlan { segments, .. } = &a.function {
+                for (p, (vni, remote)) in segments.iter().enumerate() {
+                    let t = VniTarget {
+                        vid: new_apps[name].base_vid + p as u32,
+                        remote: remote.octets(),
+                    };
+                    maps.put("vxlan_vnis", vni, &t)?;
+                    live_vnis.insert(*vni);
+                }
+            }
+        }
+        let stale: Vec<Vec<u8>> = maps
+            .get("vxlan_vnis")
+            .keys()
+            .filter(|k| !live_vnis.contains(&u32::from_ne_bytes([k[0], k[1], k[2], k[3]])))
+            .collect();
+        for k in stale {
+            let _ = maps.get("vxlan_vnis").delete(&k);
         }
 
         // 4. Hooks on the workload interfaces (new ones attached, existing ones switched to
@@ -568,9 +613,14 @@ impl DataPlane {
                 self.clear_state(&maps, a.state_id)?;
             }
         }
+        if tunnel.is_none() {
+            self.unhook("tunnel");
+            netdev::delete(&self.tunnel_device()).map_err(Error)?;
+        }
         self.save(&Installed {
             graph_file: graph_file.to_string(),
             loop_device: loop_dev,
+            tunnel_device: tunnel.map(|t| t.0),
             apps: new_apps,
             links,
         })?;
@@ -700,8 +750,15 @@ impl DataPlane {
                 ports,
             });
         }
+        let mut data_plane = IndexMap::new();
+        for (i, c) in DP_COUNTER_NAMES.iter().enumerate() {
+            let v = maps.sum_percpu::<u64>("dp_counters", i as u32, |t, x| *t += x);
+            data_plane.insert(c.to_string(), v);
+        }
         Ok(Some(Status {
             name: self.name.clone(),
+            data_plane,
+            tunnel_device: inst.tunnel_device.clone(),
             graph_file: inst.graph_file.clone(),
             apps,
             links: inst.links.clone(),
@@ -715,6 +772,7 @@ impl DataPlane {
         // Deleting one end of the veth pair deletes both.
         let loop_dev = inst.as_ref().map(|i| i.loop_device.clone());
         netdev::delete(&loop_dev.unwrap_or_else(|| self.loop_device().0)).map_err(Error)?;
+        netdev::delete(&self.tunnel_device()).map_err(Error)?;
         if self.pin_dir.exists() {
             // Unpinning the links detaches the programs; unpinning the maps frees them once
             // no program holds them.
@@ -849,6 +907,15 @@ fn write_function(maps: &Maps, a: &PlannedApp, inst: &InstalledApp) -> Result<()
                 )?;
             }
         }
+        Function::Vxlan { segments, .. } => {
+            for (p, (vni, remote)) in segments.iter().enumerate() {
+                let seg = VxlanSegment {
+                    vni: *vni,
+                    remote: remote.octets(),
+                };
+                maps.put("vxlan_segments", &(slot * MAX_PORTS + p as u32), &seg)?;
+            }
+        }
         Function::Firewall {
             rules,
             default,
@@ -883,6 +950,11 @@ fn clear_slot(maps: &Maps, slot: u32) -> Result<(), Error> {
             &(slot * MAX_PORTS + p),
             &RouterPort::default(),
         )?;
+        maps.put(
+            "vxlan_segments",
+            &(slot * MAX_PORTS + p),
+            &VxlanSegment::default(),
+        )?;
     }
     for i in 0..MAX_RULES {
         maps.put("fw_rules", &(slot * MAX_RULES + i), &FwRule::default())?;
@@ -902,6 +974,9 @@ fn clear_slot(maps: &Maps, slot: u32) -> Result<(), Error> {
 #[derive(Debug, Serialize)]
 pub struct Status {
     pub name: String,
+    /// Counters of the data plane as a whole (tunnel frames nobody takes).
+    pub data_plane: IndexMap<String, u64>,
+    pub tunnel_device: Option<String>,
     pub graph_file: String,
     pub apps: Vec<AppStatus>,
     pub links: Vec<InstalledLink>,

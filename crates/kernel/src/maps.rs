@@ -16,6 +16,7 @@ pub const FN_FORWARDER: u32 = 1;
 pub const FN_BRIDGE: u32 = 2;
 pub const FN_ROUTER: u32 = 3;
 pub const FN_FIREWALL: u32 = 4;
+pub const FN_VXLAN: u32 = 5;
 
 pub const FW_STATEFUL: u32 = 1;
 
@@ -80,7 +81,24 @@ pub struct ViStats {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Globals {
     pub loop_ifindex: u32,
-    pub pad: u32,
+    pub vxlan_ifindex: u32,
+}
+
+/// The data plane's own counters (`dp_counters`), in the order of `enum dp_counter`.
+pub const DP_COUNTER_NAMES: [&str; 3] = ["unknown_vni", "foreign_vtep", "no_tunnel_key"];
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct VxlanSegment {
+    pub vni: u32,
+    pub remote: [u8; 4],
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct VniTarget {
+    pub vid: u32,
+    pub remote: [u8; 4],
 }
 
 #[repr(C)]
@@ -188,6 +206,8 @@ unsafe impl Pod for NeighKey {}
 unsafe impl Pod for Neigh {}
 unsafe impl Pod for FwRule {}
 unsafe impl Pod for CtKey {}
+unsafe impl Pod for VxlanSegment {}
+unsafe impl Pod for VniTarget {}
 
 /// The names of each function kind's own counters, in the order of its C enum (from
 /// `FC_OWN`); the first four are every function's.
@@ -233,6 +253,14 @@ pub fn counter_names(kind: u32) -> &'static [&'static str] {
             "invalid",
             "new_connections",
             "default",
+        ],
+        FN_VXLAN => &[
+            "rx",
+            "tx",
+            "drops",
+            "malformed",
+            "encapsulated",
+            "decapsulated",
         ],
         _ => &["rx", "tx", "drops", "malformed"],
     }

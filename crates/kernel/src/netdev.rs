@@ -38,6 +38,24 @@ pub fn ensure_veth(name: &str, peer: &str) -> Result<u32, String> {
     ifindex(name).ok_or_else(|| format!("device {name} vanished"))
 }
 
+/// Creates (if needed) a collect-metadata VXLAN device on `port` and brings it up.
+pub fn ensure_vxlan(name: &str, port: u16) -> Result<u32, String> {
+    if ifindex(name).is_none() {
+        ip(&[
+            "link",
+            "add",
+            name,
+            "type",
+            "vxlan",
+            "external",
+            "dstport",
+            &port.to_string(),
+        ])?;
+    }
+    ip(&["link", "set", name, "up"])?;
+    ifindex(name).ok_or_else(|| format!("device {name} vanished"))
+}
+
 pub fn delete(name: &str) -> Result<(), String> {
     if ifindex(name).is_none() {
         return Ok(());

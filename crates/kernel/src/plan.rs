@@ -31,6 +31,12 @@ pub enum Function {
         routes: Vec<StaticRoute>,
         icmp_rate: u32,
     },
+    /// The transport manager: one port per tenant segment (VNI, remote VTEP); the kernel's
+    /// VXLAN device on `udp_port` carries the packets between hosts.
+    Vxlan {
+        segments: Vec<(u32, Ipv4Addr)>,
+        udp_port: u16,
+    },
     Firewall {
         rules: Vec<FwRule>,
         default: u8,
@@ -62,6 +68,7 @@ impl Function {
             Function::Bridge { .. } => "bridge",
             Function::Router { .. } => "router",
             Function::Firewall { .. } => "firewall",
+            Function::Vxlan { .. } => "vxlan",
         }
     }
 
@@ -72,6 +79,7 @@ impl Function {
             Function::Bridge { .. } => maps::FN_BRIDGE,
             Function::Router { .. } => maps::FN_ROUTER,
             Function::Firewall { .. } => maps::FN_FIREWALL,
+            Function::Vxlan { .. } => maps::FN_VXLAN,
         }
     }
 }
@@ -120,7 +128,7 @@ fn error(line: usize, message: String) -> GraphError {
 
 /// Kernel versions exist for these app types.
 pub const KERNEL_TYPES: &str =
-    "af_packet, af_xdp, tap (workload interfaces), forwarder, bridge, router, firewall";
+    "af_packet, af_xdp, tap (workload interfaces), forwarder, bridge, router, firewall, vxlan";
 
 impl Plan {
     pub fn from_graph(graph: &Graph) -> Result<Plan, Vec<GraphError>> {
@@ -164,7 +172,16 @@ impl Plan {
                 continue; // the app has an error already
             };
             let (Some(pa), Some(pb)) = (a.port(&l.from.port), b.port(&l.to.port)) else {
-                errors.push(error(l.line, format!("link `{}`: no such port", l.spec())));
+                let underlay = [(a, &l.from.port), (b, &l.to.port)].iter().any(|(x, p)| {
+                    matches!(x.function, Function::Vxlan { .. }) && p.as_str() == "underlay"
+                });
+                let why = if underlay {
+                    "in the kernel, tunnel packets go through the host's own routing and a \
+                     VXLAN device the data plane creates: leave `underlay` unlinked"
+                } else {
+                    "no such port"
+                };
+                errors.push(error(l.line, format!("link `{}`: {why}", l.spec())));
                 continue;
             };
             let from = (a.name.clone(), pa);
@@ -185,6 +202,30 @@ impl Plan {
                 to: (b.name.clone(), pb),
                 line: l.line,
             });
+        }
+        let mut vnis: IndexMap<u32, &str> = IndexMap::new();
+        let mut udp_ports = Vec::new();
+        for a in apps.values() {
+            if let Function::Vxlan { segments, udp_port } = &a.function {
+                udp_ports.push(*udp_port);
+                for (vni, _) in segments {
+                    if let Some(other) = vnis.insert(*vni, &a.name) {
+                        errors.push(error(
+                            a.line,
+                            format!("app `{}`: VNI {vni} is also a segment of `{other}`", a.name),
+                        ));
+                    }
+                }
+            }
+        }
+        udp_ports.dedup();
+        if udp_ports.len() > 1 {
+            errors.push(error(
+                0,
+                "all kernel `vxlan` apps must use the same UDP `port` (one VXLAN device per \
+                 data plane)"
+                    .into(),
+            ));
         }
         if errors.is_empty() {
             Ok(Plan { apps, links })
@@ -241,6 +282,27 @@ fn plan_app(kind: &str, config: &serde_json::Value) -> Result<(Function, Vec<Str
             ))
         }
         "router" => plan_router(parse(config)?),
+        "vxlan" => {
+            let c: stitch_apps::vxlan::VxlanConfig = parse(config)?;
+            too_many("segments", c.segments.len(), MAX_PORTS)?;
+            let mut segments = Vec::new();
+            for (name, s) in &c.segments {
+                if s.vni == 0 || s.vni >= 1 << 24 {
+                    return Err(format!(
+                        "segment `{name}`: VNI {} is not 1..16777215",
+                        s.vni
+                    ));
+                }
+                segments.push((s.vni, s.remote));
+            }
+            Ok((
+                Function::Vxlan {
+                    segments,
+                    udp_port: c.port,
+                },
+                c.segments.keys().cloned().collect(),
+            ))
+        }
         "firewall" => plan_firewall(parse(config)?),
         other => Err(format!(
             "`{other}` has no kernel version (kernel versions: {KERNEL_TYPES}); place it in \

@@ -12,6 +12,8 @@ static NEXT: AtomicUsize = AtomicUsize::new(0);
 struct Plane {
     name: String,
     dir: tempfile::TempDir,
+    /// The network namespace the data plane lives in (a "host"); the root one if None.
+    netns: Option<String>,
 }
 
 impl Plane {
@@ -20,12 +22,29 @@ impl Plane {
         Plane {
             name: format!("k{}{n}", std::process::id() % 100000),
             dir: tempfile::tempdir().unwrap(),
+            netns: None,
         }
     }
 
+    /// A data plane inside network namespace `ns` (its bpffs pins stay in the root mount
+    /// namespace: nsenter changes only the network namespace).
+    fn in_netns(ns: &str) -> Plane {
+        let mut p = Plane::new();
+        p.netns = Some(ns.to_string());
+        p
+    }
+
     fn stitch(&self, args: &[&str]) -> Output {
-        Command::new(env!("CARGO_BIN_EXE_stitch"))
-            .arg("kernel")
+        let mut cmd = match &self.netns {
+            Some(ns) => {
+                let mut c = Command::new("nsenter");
+                c.arg(format!("--net=/run/netns/{ns}"))
+                    .arg(env!("CARGO_BIN_EXE_stitch"));
+                c
+            }
+            None => Command::new(env!("CARGO_BIN_EXE_stitch")),
+        };
+        cmd.arg("kernel")
             .args(args)
             .args(["--name", &self.name])
             .output()
@@ -305,4 +324,137 @@ fn kernel_graph_errors_name_the_line_and_change_nothing() {
     // The userspace engine refuses kernel apps and says where they go.
     let e = run_must_fail("apps:\n  f: { type: forwarder, placement: kernel }\n");
     assert!(e.contains("stitch kernel apply"), "{e}");
+}
+
+/// Network namespaces made for a test, removed when dropped.
+struct Namespaces(Vec<String>);
+
+impl Namespaces {
+    fn add(&mut self, name: String) -> String {
+        must(&format!("ip netns add {name}"));
+        self.0.push(name.clone());
+        name
+    }
+}
+
+impl Drop for Namespaces {
+    fn drop(&mut self) {
+        for ns in self.0.iter().rev() {
+            let _ = sh(&format!(
+                "ip netns pids {ns} 2>/dev/null | xargs -r kill -9"
+            ));
+            let _ = sh(&format!("ip netns del {ns} 2>/dev/null"));
+        }
+    }
+}
+
+fn port_in_packets(status: &serde_json::Value, app: &str) -> u64 {
+    let a = status["apps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["name"] == app)
+        .unwrap();
+    a["ports"][0]["stats"]["rx_packets"].as_u64().unwrap()
+}
+
+#[test]
+fn vxlan_transport_keeps_tenants_with_the_same_addresses_apart() {
+    require_root_and_tools(&["ip", "ping", "nsenter"]);
+    let tag = format!("{}", std::process::id() % 10000);
+    let mut ns = Namespaces(Vec::new());
+    // Two hosts joined by an underlay veth; on each, tenant 1 and tenant 2 have a workload
+    // with the same address (10.77.0.1 on host A, 10.77.0.2 on host B), told apart by MAC.
+    let hosts = [ns.add(format!("vx{tag}A")), ns.add(format!("vx{tag}B"))];
+    let underlay = ["192.168.77.1", "192.168.77.2"];
+    must(&format!(
+        "ip link add u{tag}A netns {} type veth peer name u{tag}B netns {}",
+        hosts[0], hosts[1]
+    ));
+    for (i, h) in hosts.iter().enumerate() {
+        let side = ["A", "B"][i];
+        must(&format!(
+            "ip -n {h} addr add {}/24 dev u{tag}{side}",
+            underlay[i]
+        ));
+        // Room for the 50 bytes of VXLAN around a full-size frame.
+        must(&format!("ip -n {h} link set u{tag}{side} mtu 1600 up"));
+        must(&format!("ip -n {h} link set lo up"));
+        for t in 1..=2 {
+            let w = ns.add(format!("vx{tag}{side}{t}"));
+            let hostside = format!("w{tag}{side}{t}");
+            must(&format!(
+                "ip link add {hostside} type veth peer name eth0 netns {w}"
+            ));
+            must(&format!("ip link set {hostside} netns {h}"));
+            must(&format!("ip -n {h} link set {hostside} up"));
+            must(&format!(
+                "ip -n {w} link set eth0 address 02:00:00:00:0{t}:0{i}"
+            ));
+            // No IPv6 chatter: every frame a workload gets comes from the test's pings.
+            must(&format!(
+                "ip netns exec {w} sysctl -qw net.ipv6.conf.eth0.disable_ipv6=1"
+            ));
+            must(&format!("ip -n {w} addr add 10.77.0.{}/24 dev eth0", i + 1));
+            must(&format!("ip -n {w} link set eth0 up"));
+        }
+    }
+    let graph = |side: &str, local: &str, remote: &str, tenants: &[u32]| {
+        let mut g = format!(
+            "placement: kernel\napps:\n  w1: {{ type: af_packet, interface: w{tag}{side}1 }}\n  w2: {{ type: af_packet, interface: w{tag}{side}2 }}\n  vtep: {{ type: vxlan, local: {local}, local_mac: \"02:00:00:00:00:01\", next_hop_mac: \"02:00:00:00:00:02\", segments: {{ "
+        );
+        let segs: Vec<String> = tenants
+            .iter()
+            .map(|t| format!("t{t}: {{ vni: {}, remote: {remote} }}", 5000 + t))
+            .collect();
+        g += &segs.join(", ");
+        g += " } }\nlinks:\n";
+        for t in tenants {
+            g += &format!("  - \"w{t}.output -> vtep.t{t}\"\n  - \"vtep.t{t} -> w{t}.input\"\n");
+        }
+        g
+    };
+    let a = Plane::in_netns(&hosts[0]);
+    let b = Plane::in_netns(&hosts[1]);
+    a.apply(&graph("A", underlay[0], underlay[1], &[1, 2]));
+    b.apply(&graph("B", underlay[1], underlay[0], &[1, 2]));
+
+    let tenant2_before = port_in_packets(&b.status(), "w2");
+    let ping = |t: u32| {
+        sh(&format!(
+            "ip netns exec vx{tag}A{t} ping -c 3 -i 0.2 -W 2 10.77.0.2"
+        ))
+    };
+    let o = ping(1);
+    assert!(ok(&o), "tenant 1 crosses the tunnel: {}", text(&o));
+    let neigh = must(&format!("ip -n vx{tag}A1 neigh show 10.77.0.2"));
+    assert!(
+        neigh.contains("02:00:00:00:01:01"),
+        "tenant 1's B answered: {neigh}"
+    );
+    let s = b.status();
+    assert!(port_in_packets(&s, "w1") >= 3, "{s}");
+    assert_eq!(
+        port_in_packets(&s, "w2"),
+        tenant2_before,
+        "nothing of tenant 1 reached tenant 2: {s}"
+    );
+
+    let o = ping(2);
+    assert!(ok(&o), "tenant 2 crosses the tunnel: {}", text(&o));
+    let neigh = must(&format!("ip -n vx{tag}A2 neigh show 10.77.0.2"));
+    assert!(
+        neigh.contains("02:00:00:00:02:01"),
+        "tenant 2's B answered: {neigh}"
+    );
+
+    // Host B drops tenant 2's segment, live: its frames are refused by VNI, tenant 1 goes on.
+    b.apply(&graph("B", underlay[1], underlay[0], &[1]));
+    let o = sh(&format!(
+        "ip netns exec vx{tag}A2 ping -c 2 -i 0.2 -W 1 10.77.0.2"
+    ));
+    assert!(!ok(&o), "tenant 2 has no segment on B any more");
+    let s = b.status();
+    assert!(s["data_plane"]["unknown_vni"].as_u64().unwrap() >= 1, "{s}");
+    assert!(ok(&ping(1)), "tenant 1 unaffected");
 }
