@@ -61,6 +61,7 @@ struct flood {
 	__u32 slot, state, in_port, base_vid;
 	__u16 vlan;
 	int last;
+	__u32 copies;
 };
 
 static long flood_port(__u32 p, void *ctx)
@@ -69,7 +70,7 @@ static long flood_port(__u32 p, void *ctx)
 	if (p == f->in_port || bridge_port_vlan(f->slot, p) != f->vlan)
 		return 0;
 	if (f->last >= 0) {
-		count(f->state, FC_TX);
+		f->copies++;
 		pp_send_copy(f->skb, f->base_vid + f->last);
 	}
 	f->last = p;
@@ -100,7 +101,7 @@ static __always_inline int bridge(struct __sk_buff *skb)
 			struct fdb_entry ne = { .port = h.port, .seen_ns = now };
 			bpf_map_update_elem(&fdb, &key, &ne, BPF_ANY);
 			if (!e || e->port != h.port)
-				count(h.state, BR_LEARNED);
+				count(&h, BR_LEARNED);
 		}
 	}
 	if (!(eth->h_dest[0] & 1)) {
@@ -112,11 +113,12 @@ static __always_inline int bridge(struct __sk_buff *skb)
 			return send(skb, &h, e->port);
 		}
 	}
-	count(h.state, BR_FLOODED);
+	count(&h, BR_FLOODED);
 	struct flood f = { .skb = skb, .slot = h.slot, .state = h.state, .in_port = h.port, .base_vid = h.fn->base_vid,
 			   .vlan = vlan, .last = -1 };
 	bpf_loop(h.fn->nports < MAX_PORTS ? h.fn->nports : MAX_PORTS, flood_port, &f, 0);
 	int last = f.last;
+	h.ctr->c[FC_TX] += f.copies;
 	if (last < 0)
 		return drop(&h, 0);
 	return send(skb, &h, last);

@@ -162,11 +162,16 @@ struct {
 	__type(value, struct vi_stats);
 } vi_counters SEC(".maps");
 
+/* One function's counters, per CPU: looked up once per packet (struct here). */
+struct fn_stats {
+	__u64 c[FN_COUNTERS];
+};
+
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, MAX_SLOTS * FN_COUNTERS);
-	__type(key, __u32);
-	__type(value, __u64);
+	__uint(max_entries, MAX_SLOTS);
+	__type(key, __u32); /* state id */
+	__type(value, struct fn_stats);
 } fn_counters SEC(".maps");
 
 struct {
@@ -183,22 +188,6 @@ static __always_inline void dp_count(__u32 counter)
 		*c += 1;
 }
 
-static __always_inline void count(__u32 state_id, __u32 counter)
-{
-	__u32 key = state_id * FN_COUNTERS + counter;
-	__u64 *c = bpf_map_lookup_elem(&fn_counters, &key);
-	if (c)
-		*c += 1;
-}
-
-static __always_inline void vi_count_rx(__u32 vid, __u32 len)
-{
-	struct vi_stats *s = bpf_map_lookup_elem(&vi_counters, &vid);
-	if (s) {
-		s->rx_packets++;
-		s->rx_bytes += len;
-	}
-}
 
 static __always_inline void vi_count_tx(__u32 vid, __u32 len)
 {
@@ -237,8 +226,8 @@ static __always_inline int pp_send(struct __sk_buff *skb, __u32 out_vid)
 		vi_count_drop(out_vid);
 		return TC_ACT_SHOT;
 	}
+	/* Links are one-to-one: what enters `to` is what left `out_vid` (counted once). */
 	vi_count_tx(out_vid, skb->len);
-	vi_count_rx(to, skb->len);
 	if (vi->kind == VI_INTERFACE)
 		return bpf_redirect(vi->target, 0);
 	__u32 hops = skb->cb[1] + 1;
@@ -270,8 +259,8 @@ static __always_inline void pp_send_copy(struct __sk_buff *skb, __u32 out_vid)
 	struct vi_info *vi = bpf_map_lookup_elem(&vids, &to);
 	if (!vi || vi->kind == VI_NONE)
 		return;
+	/* Links are one-to-one: what enters `to` is what left `out_vid` (counted once). */
 	vi_count_tx(out_vid, skb->len);
-	vi_count_rx(to, skb->len);
 	if (vi->kind == VI_INTERFACE) {
 		bpf_clone_redirect(skb, vi->target, 0);
 		return;
@@ -298,7 +287,13 @@ struct here {
 	__u32 state;
 	__u32 port;
 	struct fn_info *fn;
+	struct fn_stats *ctr;
 };
+
+static __always_inline void count(struct here *h, __u32 counter)
+{
+	h->ctr->c[counter & (FN_COUNTERS - 1)]++;
+}
 
 static __always_inline int where(struct __sk_buff *skb, struct here *h)
 {
@@ -312,21 +307,24 @@ static __always_inline int where(struct __sk_buff *skb, struct here *h)
 	if (!h->fn)
 		return -1;
 	h->state = h->fn->state_id;
-	count(h->state, FC_RX);
+	h->ctr = bpf_map_lookup_elem(&fn_counters, &h->state);
+	if (!h->ctr)
+		return -1;
+	count(h, FC_RX);
 	return 0;
 }
 
 static __always_inline int drop(struct here *h, __u32 reason)
 {
-	count(h->state, FC_DROP);
+	count(h, FC_DROP);
 	if (reason)
-		count(h->state, reason);
+		count(h, reason);
 	return TC_ACT_SHOT;
 }
 
 static __always_inline int send(struct __sk_buff *skb, struct here *h, __u32 port)
 {
-	count(h->state, FC_TX);
+	count(h, FC_TX);
 	return pp_send(skb, h->fn->base_vid + port);
 }
 

@@ -128,7 +128,7 @@ static __always_inline int fw_decide(struct here *h, struct five_tuple *t, __u16
 	bpf_loop(h->fn->nrules < MAX_RULES ? h->fn->nrules : MAX_RULES, fw_try_rule, &s, 0);
 	if (s.action >= 0)
 		return s.action;
-	count(h->state, FW_DEFAULT);
+	count(h, FW_DEFAULT);
 	return (h->fn->flags >> 8) & 0xff;
 }
 
@@ -144,11 +144,11 @@ static __always_inline __u64 ct_timeout(struct fn_info *fn, __u8 proto, __u32 st
 static __always_inline int fw_verdict(struct __sk_buff *skb, struct here *h, int action, __be32 daddr)
 {
 	if (action == ACT_ACCEPT) {
-		count(h->state, FW_ACCEPTED);
+		count(h, FW_ACCEPTED);
 		return send(skb, h, h->port ^ 1);
 	}
 	if (action == ACT_REJECT) {
-		count(h->state, FW_REJECTED);
+		count(h, FW_REJECTED);
 		__u8 mac[ETH_ALEN];
 		if (bpf_skb_load_bytes(skb, 0, mac, ETH_ALEN) < 0 ||
 		    !icmp_allowed(h->slot, h->fn->icmp_rate) ||
@@ -242,14 +242,14 @@ static __always_inline int firewall(struct __sk_buff *skb)
 				ct->state = CT_ESTABLISHED;
 		}
 		ct->seen_ns = now;
-		count(h.state, FW_ESTABLISHED);
+		count(&h, FW_ESTABLISHED);
 		return send(skb, &h, h.port ^ 1);
 	}
 	/* ICMP other than echo requests never opens a connection; echo replies need one. */
 	if (t.proto == IPPROTO_ICMP && t.icmp_type != ICMP_ECHO)
 		return fw_verdict(skb, &h, fw_decide(&h, &t, vlan, has_vlan), t.daddr);
 	if (t.proto == IPPROTO_TCP && (t.tcp_flags & 0x12) != 0x02) {
-		count(h.state, FW_INVALID);
+		count(&h, FW_INVALID);
 		return drop(&h, FW_DROPPED);
 	}
 	int action = fw_decide(&h, &t, vlan, has_vlan);
@@ -257,7 +257,7 @@ static __always_inline int firewall(struct __sk_buff *skb)
 		struct ct_entry ne = { .seen_ns = now,
 				       .state = t.proto == IPPROTO_TCP ? CT_SYN_SENT : CT_OTHER };
 		bpf_map_update_elem(&conntrack, &fwd, &ne, BPF_ANY);
-		count(h.state, FW_NEW);
+		count(&h, FW_NEW);
 	}
 	return fw_verdict(skb, &h, action, t.daddr);
 }

@@ -122,7 +122,7 @@ static __always_inline int router_arp(struct __sk_buff *skb, struct here *h, str
 	if (tpa != rp->addr)
 		return drop(h, 0);
 	learn(h->state, spa, arp->sha);
-	count(h->state, RT_ARP_LEARNED);
+	count(h, RT_ARP_LEARNED);
 	if (arp->op != bpf_htons(ARPOP_REQUEST))
 		return drop(h, 0); /* a reply: consumed */
 	__builtin_memcpy(eth->h_dest, arp->sha, ETH_ALEN);
@@ -132,7 +132,7 @@ static __always_inline int router_arp(struct __sk_buff *skb, struct here *h, str
 	__builtin_memcpy(arp->tpa, arp->spa, 4);
 	__builtin_memcpy(arp->sha, rp->mac, ETH_ALEN);
 	__builtin_memcpy(arp->spa, &rp->addr, 4);
-	count(h->state, RT_ARP_REPLIES);
+	count(h, RT_ARP_REPLIES);
 	return send(skb, h, h->port);
 }
 
@@ -163,7 +163,7 @@ static __always_inline int router_ask(struct __sk_buff *skb, struct here *h, __u
 	if (bpf_skb_change_tail(skb, sizeof(f), 0) < 0 ||
 	    bpf_skb_store_bytes(skb, 0, &f, sizeof(f), 0) < 0)
 		return drop(h, 0);
-	count(h->state, RT_ARP_REQUESTS);
+	count(h, RT_ARP_REQUESTS);
 	return send(skb, h, port);
 }
 
@@ -171,10 +171,36 @@ static __always_inline int router_ask(struct __sk_buff *skb, struct here *h, __u
 static __always_inline int router_error(struct __sk_buff *skb, struct here *h, struct router_port *rp,
 					__u8 type, __u8 code, __u16 mtu, __u32 reason)
 {
-	count(h->state, reason);
+	count(h, reason);
 	if (!icmp_allowed(h->slot, h->fn->icmp_rate) ||
 	    make_icmp_error(skb, type, code, mtu, rp->addr, rp->mac) < 0)
 		return drop(h, RT_ICMP_LIMITED);
+	return send(skb, h, h->port);
+}
+
+/* To one of our addresses: echo requests are answered, anything else is not our business. */
+static __always_inline int router_local(struct __sk_buff *skb, struct here *h, struct router_port *rp,
+					struct ethhdr *eth, struct iphdr *ip, void *end)
+{
+	__be32 daddr = ip->daddr;
+	struct icmphdr *icmp = (void *)(ip + 1);
+	if (ip->ihl != 5 || ip->protocol != IPPROTO_ICMP || (void *)(icmp + 1) > end ||
+	    icmp->type != ICMP_ECHO)
+		return drop(h, RT_LOCAL);
+	__u8 mac[ETH_ALEN];
+	__builtin_memcpy(mac, eth->h_source, ETH_ALEN);
+	__builtin_memcpy(eth->h_dest, mac, ETH_ALEN);
+	__builtin_memcpy(eth->h_source, rp->mac, ETH_ALEN);
+	ip->daddr = ip->saddr;
+	ip->saddr = daddr;
+	ip->ttl = 64;
+	ip->check = 0;
+	ip->check = csum_fold(bpf_csum_diff(0, 0, (__be32 *)ip, sizeof(*ip), 0));
+	/* Echo request (8) to reply (0): RFC 1624 update of the ICMP checksum. */
+	icmp->type = ICMP_ECHOREPLY;
+	__u32 sum = (__u16)~icmp->checksum + (__u16)~bpf_htons(ICMP_ECHO << 8) + bpf_htons(ICMP_ECHOREPLY << 8);
+	icmp->checksum = csum_fold(sum);
+	count(h, RT_ECHO_REPLIES);
 	return send(skb, h, h->port);
 }
 
@@ -205,45 +231,20 @@ static __always_inline int router(struct __sk_buff *skb)
 		return drop(&h, FC_MALFORMED);
 	__be32 daddr = ip->daddr;
 
-	for (__u32 p = 0; p < MAX_PORTS; p++) {
-		if (p >= h.fn->nports)
-			break;
-		struct router_port *mine = router_port(h.slot, p);
-		if (!mine || mine->addr != daddr)
-			continue;
-		/* To us: echo requests are answered, anything else is not our business. */
-		struct icmphdr *icmp = (void *)(ip + 1);
-		if (ip->ihl != 5 || ip->protocol != IPPROTO_ICMP || (void *)(icmp + 1) > end ||
-		    icmp->type != ICMP_ECHO)
-			return drop(&h, RT_LOCAL);
-		__u8 mac[ETH_ALEN];
-		__builtin_memcpy(mac, eth->h_source, ETH_ALEN);
-		__builtin_memcpy(eth->h_dest, mac, ETH_ALEN);
-		__builtin_memcpy(eth->h_source, rp->mac, ETH_ALEN);
-		ip->daddr = ip->saddr;
-		ip->saddr = daddr;
-		ip->ttl = 64;
-		ip->check = 0;
-		ip->check = csum_fold(bpf_csum_diff(0, 0, (__be32 *)ip, sizeof(*ip), 0));
-		/* Echo request (8) to reply (0): RFC 1624 update of the ICMP checksum. */
-		icmp->type = ICMP_ECHOREPLY;
-		__u32 sum = (__u16)~icmp->checksum + (__u16)~bpf_htons(ICMP_ECHO << 8) + bpf_htons(ICMP_ECHOREPLY << 8);
-		icmp->checksum = csum_fold(sum);
-		count(h.state, RT_ECHO_REPLIES);
-		return send(skb, &h, h.port);
-	}
-
-	if (ip->ttl <= 1)
-		return router_error(skb, &h, rp, ICMP_TIME_EXCEEDED, ICMP_EXC_TTL, 0, RT_TTL_EXCEEDED);
 	struct route_key rk = { .prefix_len = 64, .slot = bpf_htonl(h.slot), .addr = daddr };
 	struct route *r = bpf_map_lookup_elem(&routes, &rk);
+	struct router_port *op = r ? router_port(h.slot, r->port) : 0;
+	/* Our own addresses are inside our connected routes, so one lookup finds both. */
+	if (op && !r->gateway && op->addr == daddr)
+		return router_local(skb, &h, rp, eth, ip, end);
+	if (ip->ttl <= 1)
+		return router_error(skb, &h, rp, ICMP_TIME_EXCEEDED, ICMP_EXC_TTL, 0, RT_TTL_EXCEEDED);
 	if (!r)
 		return router_error(skb, &h, rp, ICMP_DEST_UNREACH, ICMP_NET_UNREACH, 0, RT_NO_ROUTE);
-	__u32 out = r->port;
-	__be32 next_hop = r->gateway ? r->gateway : daddr;
-	struct router_port *op = router_port(h.slot, out);
 	if (!op)
 		return drop(&h, 0);
+	__u32 out = r->port;
+	__be32 next_hop = r->gateway ? r->gateway : daddr;
 	/* Fragmentation needed: DF set and over the egress MTU (GSO frames are cut later, to size). */
 	if ((ip->frag_off & bpf_htons(0x4000 /* DF */)) && !skb->gso_size &&
 	    bpf_ntohs(ip->tot_len) > op->mtu)
@@ -259,7 +260,7 @@ static __always_inline int router(struct __sk_buff *skb)
 	ip->ttl--;
 	__builtin_memcpy(eth->h_dest, n->mac, ETH_ALEN);
 	__builtin_memcpy(eth->h_source, op->mac, ETH_ALEN);
-	count(h.state, RT_FORWARDED);
+	count(&h, RT_FORWARDED);
 	return send(skb, &h, out);
 }
 #endif

@@ -57,8 +57,8 @@ static __always_inline int vxlan(struct __sk_buff *skb)
 	tk.tunnel_ttl = 64;
 	if (bpf_skb_set_tunnel_key(skb, &tk, sizeof(tk), BPF_F_ZERO_CSUM_TX) < 0)
 		return drop(&h, 0);
-	count(h.state, VX_ENCAPSULATED);
-	count(h.state, FC_TX);
+	count(&h, VX_ENCAPSULATED);
+	count(&h, FC_TX);
 	return bpf_redirect(g->vxlan_ifindex, 0);
 }
 
@@ -84,8 +84,9 @@ static __always_inline int tunnel_ingress(struct __sk_buff *skb)
 	struct vi_info *vi = bpf_map_lookup_elem(&vids, &vid);
 	if (vi && vi->kind == VI_FUNCTION) {
 		struct fn_info *fn = bpf_map_lookup_elem(&slots, &vi->target);
-		if (fn)
-			count(fn->state_id, VX_DECAPSULATED);
+		struct fn_stats *c = fn ? bpf_map_lookup_elem(&fn_counters, &fn->state_id) : 0;
+		if (c)
+			c->c[VX_DECAPSULATED]++;
 	}
 	skb->cb[1] = 0;
 	return pp_send(skb, vid);

@@ -182,7 +182,7 @@ impl Maps {
             ("slots", 4, size_of::<FnInfo>()),
             ("config", 4, size_of::<Globals>()),
             ("vi_counters", 4, size_of::<ViStats>()),
-            ("fn_counters", 4, 8),
+            ("fn_counters", 4, size_of::<FnStats>()),
             ("bridge_ports", 4, size_of::<BridgePort>()),
             ("fdb", size_of::<FdbKey>(), 16),
             ("router_ports", 4, size_of::<RouterPort>()),
@@ -689,9 +689,7 @@ impl DataPlane {
     }
 
     fn clear_state(&self, maps: &Maps, state_id: u32) -> Result<(), Error> {
-        for c in 0..FN_COUNTERS {
-            maps.zero_percpu("fn_counters", state_id * FN_COUNTERS + c)?;
-        }
+        maps.zero_percpu("fn_counters", state_id)?;
         for m in ["fdb", "neighbours", "conntrack"] {
             maps.forget_state(m, state_id);
         }
@@ -704,26 +702,35 @@ impl DataPlane {
             return Ok(None);
         };
         let maps = Maps::open(&self.pin_dir)?;
-        let vi = |v: u32| {
+        let sum = |v: u32| {
             maps.sum_percpu::<ViStats>("vi_counters", v, |t, x| {
-                t.rx_packets += x.rx_packets;
-                t.rx_bytes += x.rx_bytes;
                 t.tx_packets += x.tx_packets;
                 t.tx_bytes += x.tx_bytes;
                 t.drops += x.drops;
             })
         };
+        // Links are one-to-one, so the data plane counts a packet once, where it leaves; what
+        // entered a port is what left the port linked to it.
+        let vi = |v: u32| {
+            let mut s = sum(v);
+            if let Some(l) = inst.links.iter().find(|l| l.to_vid == v) {
+                let from = sum(l.from_vid);
+                s.rx_packets = from.tx_packets;
+                s.rx_bytes = from.tx_bytes;
+            }
+            s
+        };
         let mut apps = Vec::new();
         for (name, a) in &inst.apps {
             let mut counters = IndexMap::new();
             if a.slot != 0 {
+                let total = maps.sum_percpu::<FnStats>("fn_counters", a.state_id, |t, x| {
+                    for (a, b) in t.c.iter_mut().zip(x.c) {
+                        *a += b;
+                    }
+                });
                 for (i, c) in counter_names(a.kind_code).iter().enumerate() {
-                    let v = maps.sum_percpu::<u64>(
-                        "fn_counters",
-                        a.state_id * FN_COUNTERS + i as u32,
-                        |t, x| *t += x,
-                    );
-                    counters.insert(c.to_string(), v);
+                    counters.insert(c.to_string(), total.c[i]);
                 }
             }
             let ports = a

@@ -77,6 +77,13 @@ pub struct ViStats {
     pub drops: u64,
 }
 
+/// A function's counters (`fn_counters`, per CPU, keyed by state id).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FnStats {
+    pub c: [u64; FN_COUNTERS as usize],
+}
+
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Globals {
@@ -196,6 +203,7 @@ unsafe impl Pod for u64 {}
 unsafe impl Pod for ViInfo {}
 unsafe impl Pod for FnInfo {}
 unsafe impl Pod for ViStats {}
+unsafe impl Pod for FnStats {}
 unsafe impl Pod for Globals {}
 unsafe impl Pod for BridgePort {}
 unsafe impl Pod for FdbKey {}

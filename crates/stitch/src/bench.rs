@@ -44,6 +44,10 @@ pub enum BenchCmd {
     },
     /// Seed 004's experiment: N function processes, each packet through two of them.
     NfScale(crate::bench_nf_scale::NfScaleArgs),
+    /// Seed 003's evaluation: chains of 1..N routers between two hosts — Stitch in the kernel,
+    /// Linux router namespaces, Open vSwitch (userspace datapath) with router namespaces and
+    /// Stitch's userspace engine — round trips, connection setups and iperf3 in one run.
+    Kernel(crate::bench_kernel::KernelBenchArgs),
     /// One network function with a realistic table (router, firewall, firewall-stateless, nat,
     /// bridge) against a raw-ring baseline in the same run.
     Nf {
@@ -208,6 +212,9 @@ pub fn run(cmd: BenchCmd, registry: Arc<Registry>) -> Result<()> {
             anyhow::bail!("give CONF V4.pcap V6.pcap, or --softwires N");
         };
         return crate::lwaftr_cmd::bench(crate::registry(), conf, v4, v6, *seconds, *runs);
+    }
+    if let BenchCmd::Kernel(args) = cmd {
+        return crate::bench_kernel::run(args);
     }
     if let BenchCmd::NfScale(args) = cmd {
         return crate::bench_nf_scale::run(args, crate::registry());
