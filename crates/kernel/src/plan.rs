@@ -438,3 +438,89 @@ fn plan_firewall(c: firewall::FirewallConfig) -> Result<(Function, Vec<String>),
         vec!["lan".into(), "wan".into()],
     ))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use stitch_core::Registry;
+
+    fn plan(text: &str) -> Result<Plan, Vec<GraphError>> {
+        let mut r = Registry::new();
+        stitch_apps::register(&mut r);
+        stitch_io::register(&mut r);
+        let g = Graph::parse(text, "g.yaml", std::path::Path::new("."), &r)
+            .unwrap_or_else(|e| panic!("{e}"));
+        Plan::from_graph(&g)
+    }
+
+    /// The first error of the graph file or, when the file is valid, of the kernel plan.
+    fn first_error(text: &str) -> GraphError {
+        let mut r = Registry::new();
+        stitch_apps::register(&mut r);
+        stitch_io::register(&mut r);
+        match Graph::parse(text, "g.yaml", std::path::Path::new("."), &r) {
+            Err(mut e) => e.errors.remove(0),
+            Ok(g) => Plan::from_graph(&g).expect_err("the plan must fail").remove(0),
+        }
+    }
+
+    const ROUTER: &str = "placement: kernel\napps:\n  a: { type: af_packet, interface: x0 }\n  r: { type: router, interfaces: { left: { mac: \"02:00:00:00:00:01\", address: \"10.0.1.1/24\" }, right: { mac: \"02:00:00:00:00:02\", address: \"10.0.2.1/24\" } }, routes: [ { prefix: \"10.9.0.0/16\", via: 10.0.2.7 } ] }\nlinks:\n  - \"a.output -> r.left\"\n  - \"r.left -> a.input\"\n";
+
+    #[test]
+    fn ports_links_and_routes_are_planned() {
+        let p = plan(ROUTER).unwrap();
+        let r = &p.apps["r"];
+        assert_eq!(r.ports, ["left", "right"]);
+        let Function::Router { ports, routes, .. } = &r.function else {
+            panic!("{r:?}")
+        };
+        assert_eq!(ports[1].address.to_string(), "10.0.2.1/24");
+        assert_eq!(routes[0].port, 1, "the next hop is on the right subnet");
+        assert_eq!(p.apps["a"].port("output"), Some(0));
+        assert_eq!(p.apps["a"].port("input"), Some(0));
+        assert_eq!(
+            p.links[0],
+            PlannedLink {
+                from: ("a".into(), 0),
+                to: ("r".into(), 0),
+                line: 6
+            }
+        );
+    }
+
+    #[test]
+    fn what_the_kernel_versions_lack_is_an_error_on_its_line() {
+        let e = first_error(&ROUTER.replace("10.0.2.7", "10.0.3.7"));
+        assert!(e.message.contains("on no interface's subnet"), "{e:?}");
+        assert_eq!(e.line, 4);
+        let e = first_error(
+            "placement: kernel\napps:\n  r: { type: router, interfaces: { x: { mac: \"02:00:00:00:00:01\", address: \"10.0.1.1/24\", address6: \"fd00::1/64\" } } }\n",
+        );
+        assert!(e.message.contains("IPv4 only"), "{e:?}");
+        let e = first_error(
+            "placement: kernel\napps:\n  f: { type: firewall, rules: [ { action: accept, src: \"fd00::/8\" } ] }\n",
+        );
+        assert!(e.message.contains("rule 1") && e.message.contains("IPv4"), "{e:?}");
+        let e = first_error("placement: kernel\napps:\n  n: { type: nat, external: 192.0.2.1 }\n");
+        assert!(e.message.contains("no kernel version"), "{e:?}");
+        let e = first_error(
+            "placement: kernel\napps:\n  b: { type: bridge, ports: { p: { mode: trunk }, q: {} } }\n",
+        );
+        assert!(e.message.contains("trunk"), "{e:?}");
+    }
+
+    #[test]
+    fn a_port_leads_to_one_place_and_vnis_are_unique() {
+        let e = first_error(&format!("{ROUTER}  - \"a.output -> r.right\"\n"));
+        assert!(e.message.contains("already linked"), "{e:?}");
+        assert_eq!(e.line, 8);
+        let vx = "placement: kernel\napps:\n  v: { type: vxlan, local: 192.0.2.1, local_mac: \"02:00:00:00:00:01\", next_hop_mac: \"02:00:00:00:00:02\", segments: { t1: { vni: 7, remote: 192.0.2.2 } } }\n  w: { type: vxlan, local: 192.0.2.1, local_mac: \"02:00:00:00:00:01\", next_hop_mac: \"02:00:00:00:00:02\", segments: { t2: { vni: 7, remote: 192.0.2.3 } } }\n";
+        let e = first_error(vx);
+        assert!(e.message.contains("VNI 7"), "{e:?}");
+        let e = first_error(&format!(
+            "{}links:\n  - \"v.underlay -> v.t1\"\n",
+            vx.replace("vni: 7, remote: 192.0.2.3", "vni: 8, remote: 192.0.2.3")
+        ));
+        assert!(e.message.contains("leave `underlay` unlinked"), "{e:?}");
+    }
+}
