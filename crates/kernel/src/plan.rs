@@ -460,7 +460,9 @@ mod tests {
         stitch_io::register(&mut r);
         match Graph::parse(text, "g.yaml", std::path::Path::new("."), &r) {
             Err(mut e) => e.errors.remove(0),
-            Ok(g) => Plan::from_graph(&g).expect_err("the plan must fail").remove(0),
+            Ok(g) => Plan::from_graph(&g)
+                .expect_err("the plan must fail")
+                .remove(0),
         }
     }
 
@@ -500,7 +502,10 @@ mod tests {
         let e = first_error(
             "placement: kernel\napps:\n  f: { type: firewall, rules: [ { action: accept, src: \"fd00::/8\" } ] }\n",
         );
-        assert!(e.message.contains("rule 1") && e.message.contains("IPv4"), "{e:?}");
+        assert!(
+            e.message.contains("rule 1") && e.message.contains("IPv4"),
+            "{e:?}"
+        );
         let e = first_error("placement: kernel\napps:\n  n: { type: nat, external: 192.0.2.1 }\n");
         assert!(e.message.contains("no kernel version"), "{e:?}");
         let e = first_error(
