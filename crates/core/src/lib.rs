@@ -9,6 +9,9 @@
 
 pub mod app;
 pub mod engine;
+/// File descriptors over Unix sockets: OS plumbing shared by the function-process ports
+/// (stitch-nf) and the vhost-user ports (stitch-vhost).
+pub mod fdpass;
 pub mod graph;
 pub mod link;
 pub mod packet;

@@ -12,7 +12,6 @@
 //! polling mode it yields the CPU between empty polls. Either way it returns when Stitch closes
 //! the port.
 
-use crate::fdpass;
 use crate::shm::{Consumer, Desc, Layout, Mapping, Producer, FLAG_DROP};
 use serde_json::Value;
 use std::io::{self, Write};
@@ -20,6 +19,7 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::atomic::Ordering;
+use stitch_core::fdpass;
 
 /// What to do with a packet.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -9,7 +9,6 @@
 //! - [`ffi`]: the same library for C (`include/stitch_nf.h`, `libstitch_nf.so`).
 
 pub mod client;
-mod fdpass;
 pub mod ffi;
 pub mod listener;
 pub mod port;

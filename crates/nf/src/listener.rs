@@ -5,7 +5,6 @@
 //! The connection then stays open and says nothing more: when it closes — the function exited,
 //! crashed or was killed — the port is detached and its buffers reclaimed by the app.
 
-use crate::fdpass;
 use crate::shm::{Layout, Mapping, RegionHeader, MAGIC, VERSION};
 use serde_json::{json, Value};
 use std::collections::HashMap;
@@ -16,6 +15,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
+use stitch_core::fdpass;
 
 /// How a port hands packets over, fixed by its config.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

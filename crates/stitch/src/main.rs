@@ -154,6 +154,7 @@ fn registry() -> Registry {
     stitch_io::register(&mut r);
     stitch_nf::register(&mut r);
     stitch_switch::register(&mut r);
+    stitch_vhost::register(&mut r);
     r
 }
 

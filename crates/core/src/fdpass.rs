@@ -3,7 +3,8 @@
 use std::io;
 use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 
-const MAX_FDS: usize = 4;
+/// Most descriptors one message may carry (a vhost-user memory table has up to 8).
+pub const MAX_FDS: usize = 8;
 
 /// Sends `bytes` with `fds` attached.
 pub fn send(sock: RawFd, bytes: &[u8], fds: &[RawFd]) -> io::Result<()> {

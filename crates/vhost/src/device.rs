@@ -1,0 +1,410 @@
+//! The vhost-user back-end of one port: the connection to the front-end (QEMU or DPDK's
+//! virtio-user), its messages, and the device state they build — features, the memory table,
+//! the rings. The connection runs on its own thread; the port's data path takes the state
+//! with `try_lock` once per breath, so a message being handled never blocks the engine.
+//!
+//! Message handling is our own (not vhost-user-backend's): QEMU 7.2 sends SET_VRING_ENABLE
+//! before SET_FEATURES, which that crate refuses; here the order of those two does not matter.
+
+use crate::memory::GuestMemory;
+use crate::message::{self, req, Header, Request, VringAddr, HEADER_LEN};
+use crate::virtq::Vring;
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+pub mod feature {
+    pub const NET_CSUM: u64 = 1 << 0;
+    pub const NET_GUEST_CSUM: u64 = 1 << 1;
+    pub const NET_GUEST_TSO4: u64 = 1 << 7;
+    pub const NET_GUEST_TSO6: u64 = 1 << 8;
+    pub const NET_HOST_TSO4: u64 = 1 << 11;
+    pub const NET_HOST_TSO6: u64 = 1 << 12;
+    pub const NET_MRG_RXBUF: u64 = 1 << 15;
+    pub const NET_MQ: u64 = 1 << 22;
+    pub const RING_INDIRECT_DESC: u64 = 1 << 28;
+    pub const PROTOCOL_FEATURES: u64 = 1 << 30;
+    pub const VERSION_1: u64 = 1 << 32;
+
+    pub const PROTOCOL_MQ: u64 = 1 << 0;
+    pub const PROTOCOL_REPLY_ACK: u64 = 1 << 3;
+}
+
+/// Everything about one ring.
+#[derive(Default)]
+pub struct Queue {
+    num: u16,
+    addr: Option<VringAddr>,
+    base: u16,
+    /// SET_VRING_KICK seen: the ring is started (until GET_VRING_BASE stops it).
+    started: bool,
+    /// SET_VRING_ENABLE; only counts once PROTOCOL_FEATURES is negotiated.
+    enabled: bool,
+    pub call: Option<OwnedFd>,
+    pub ring: Option<Vring>,
+    /// Why the ring was stopped (a guest fault); cleared when the front-end sets it up again.
+    pub fault: Option<String>,
+}
+
+impl Queue {
+    fn build(&mut self, mem: Option<&GuestMemory>) {
+        self.ring = None;
+        let (Some(mem), Some(a)) = (mem, self.addr) else {
+            return;
+        };
+        match Vring::new(mem, self.num, a.desc, a.avail, a.used, self.base) {
+            Ok(r) => self.ring = Some(r),
+            Err(f) => self.fault = Some(f.0),
+        }
+    }
+}
+
+pub struct Device {
+    pub features: u64,
+    protocol: u64,
+    pub mem: Option<GuestMemory>,
+    pub queues: Vec<Queue>,
+    pub connected: bool,
+}
+
+impl Device {
+    pub fn new(queue_pairs: usize) -> Device {
+        Device {
+            features: 0,
+            protocol: 0,
+            mem: None,
+            queues: (0..2 * queue_pairs).map(|_| Queue::default()).collect(),
+            connected: false,
+        }
+    }
+
+    fn reset(&mut self) {
+        let n = self.queues.len();
+        *self = Device::new(n / 2);
+    }
+
+    /// A ring the data path may use now.
+    pub fn live(&mut self, i: usize) -> Option<(&mut Vring, Option<&OwnedFd>, &GuestMemory)> {
+        let protocol = self.features & feature::PROTOCOL_FEATURES != 0;
+        let q = self.queues.get_mut(i)?;
+        if !q.started || (protocol && !q.enabled) || q.fault.is_some() {
+            return None;
+        }
+        Some((q.ring.as_mut()?, q.call.as_ref(), self.mem.as_ref()?))
+    }
+
+    pub fn stop_queue(&mut self, i: usize, why: String) {
+        if let Some(q) = self.queues.get_mut(i) {
+            q.ring = None;
+            q.fault = Some(why);
+        }
+    }
+}
+
+/// What the connection thread and the port share.
+pub struct Shared {
+    pub name: String,
+    pub device: Mutex<Device>,
+    pub stop: AtomicBool,
+    pub offered: u64,
+    pub connections: AtomicU64,
+    pub protocol_errors: AtomicU64,
+}
+
+#[derive(Debug, Clone)]
+pub struct Endpoint {
+    pub path: PathBuf,
+    /// Listen (QEMU with `server=off`, virtio-user) or connect (QEMU with `server=on`).
+    pub server: bool,
+}
+
+pub fn offered_features(offloads: bool, queue_pairs: usize) -> u64 {
+    use feature::*;
+    let mut f = VERSION_1 | PROTOCOL_FEATURES | NET_MRG_RXBUF | RING_INDIRECT_DESC;
+    if queue_pairs > 1 {
+        f |= NET_MQ;
+    }
+    if offloads {
+        f |= NET_CSUM
+            | NET_GUEST_CSUM
+            | NET_HOST_TSO4
+            | NET_HOST_TSO6
+            | NET_GUEST_TSO4
+            | NET_GUEST_TSO6;
+    }
+    f
+}
+
+/// Starts the connection thread of a port.
+pub fn spawn(
+    endpoint: Endpoint,
+    shared: Arc<Shared>,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    let listener = if endpoint.server {
+        if let Ok(meta) = std::fs::symlink_metadata(&endpoint.path) {
+            use std::os::unix::fs::FileTypeExt;
+            if meta.file_type().is_socket() {
+                let _ = std::fs::remove_file(&endpoint.path);
+            }
+        }
+        if let Some(d) = endpoint.path.parent() {
+            std::fs::create_dir_all(d)?;
+        }
+        let l = UnixListener::bind(&endpoint.path)?;
+        l.set_nonblocking(true)?;
+        Some(l)
+    } else {
+        None
+    };
+    std::thread::Builder::new()
+        .name(format!("vhost-{}", shared.name))
+        .spawn(move || {
+            while !shared.stop.load(Ordering::Relaxed) {
+                let stream = match &listener {
+                    Some(l) => match l.accept() {
+                        Ok((s, _)) => s,
+                        Err(_) => {
+                            std::thread::sleep(Duration::from_millis(50));
+                            continue;
+                        }
+                    },
+                    None => match UnixStream::connect(&endpoint.path) {
+                        Ok(s) => s,
+                        Err(_) => {
+                            std::thread::sleep(Duration::from_millis(200));
+                            continue;
+                        }
+                    },
+                };
+                shared.connections.fetch_add(1, Ordering::Relaxed);
+                log::info!("vhost_user {}: front-end connected", shared.name);
+                shared.device.lock().unwrap().connected = true;
+                if let Err(e) = serve(&stream, &shared) {
+                    shared.protocol_errors.fetch_add(1, Ordering::Relaxed);
+                    log::warn!(
+                        "vhost_user {}: {e}; dropping the connection (the front-end may connect again)",
+                        shared.name
+                    );
+                }
+                shared.device.lock().unwrap().reset();
+                log::info!("vhost_user {}: front-end gone", shared.name);
+            }
+            if endpoint.server {
+                let _ = std::fs::remove_file(&endpoint.path);
+            }
+        })
+}
+
+fn read_full(mut s: &UnixStream, buf: &mut [u8], stop: &AtomicBool) -> std::io::Result<()> {
+    let mut at = 0;
+    while at < buf.len() {
+        match s.read(&mut buf[at..]) {
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => at += n,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                if stop.load(Ordering::Relaxed) {
+                    return Err(e);
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Handles the messages of one connection until it ends.
+fn serve(stream: &UnixStream, shared: &Shared) -> Result<(), String> {
+    stream
+        .set_read_timeout(Some(Duration::from_millis(200)))
+        .map_err(|e| e.to_string())?;
+    loop {
+        if shared.stop.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        let (mut head, fds) = match stitch_core::fdpass::recv(stream.as_raw_fd(), HEADER_LEN) {
+            Ok((b, _)) if b.is_empty() => return Ok(()), // closed
+            Ok(x) => x,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                continue
+            }
+            Err(e) => return Err(format!("reading a message: {e}")),
+        };
+        if head.len() < HEADER_LEN {
+            let have = head.len();
+            head.resize(HEADER_LEN, 0);
+            read_full(stream, &mut head[have..], &shared.stop).map_err(|e| e.to_string())?;
+        }
+        let h = Header::parse(&head)?;
+        let mut payload = vec![0u8; h.size as usize];
+        read_full(stream, &mut payload, &shared.stop)
+            .map_err(|e| format!("reading a payload: {e}"))?;
+        let request = message::parse(&h, &payload, fds.len())?;
+        let reply = handle(shared, request, fds)?;
+        let mut out = Vec::new();
+        match reply {
+            Reply::Value(v) => {
+                out.extend_from_slice(&h.reply(8));
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+            Reply::State(index, num) => {
+                out.extend_from_slice(&h.reply(8));
+                out.extend_from_slice(&index.to_le_bytes());
+                out.extend_from_slice(&num.to_le_bytes());
+            }
+            Reply::Ack(ok) => {
+                let acks =
+                    shared.device.lock().unwrap().protocol & feature::PROTOCOL_REPLY_ACK != 0;
+                if h.need_reply() && acks {
+                    out.extend_from_slice(&h.reply(8));
+                    out.extend_from_slice(&(if ok { 0u64 } else { 1 }).to_le_bytes());
+                }
+            }
+        }
+        if !out.is_empty() {
+            let mut w = stream;
+            w.write_all(&out).map_err(|e| format!("replying: {e}"))?;
+        }
+    }
+}
+
+enum Reply {
+    Value(u64),
+    State(u32, u32),
+    Ack(bool),
+}
+
+fn handle(shared: &Shared, request: Request, mut fds: Vec<OwnedFd>) -> Result<Reply, String> {
+    let mut dev = shared.device.lock().unwrap();
+    let nq = dev.queues.len();
+    let queue = |index: u32| -> Result<usize, String> {
+        if (index as usize) < nq {
+            Ok(index as usize)
+        } else {
+            Err(format!(
+                "ring {index} does not exist (the port has {nq} rings)"
+            ))
+        }
+    };
+    Ok(match request {
+        Request::GetFeatures => Reply::Value(shared.offered),
+        Request::SetFeatures(f) => {
+            if f & !shared.offered != 0 {
+                return Err(format!(
+                    "features {:#x} were not offered",
+                    f & !shared.offered
+                ));
+            }
+            dev.features = f;
+            Reply::Ack(true)
+        }
+        Request::SetOwner | Request::ResetOwner | Request::SendRarp | Request::SetMtu(_) => {
+            Reply::Ack(true)
+        }
+        Request::GetProtocolFeatures => {
+            Reply::Value(feature::PROTOCOL_MQ | feature::PROTOCOL_REPLY_ACK)
+        }
+        Request::SetProtocolFeatures(f) => {
+            dev.protocol = f & (feature::PROTOCOL_MQ | feature::PROTOCOL_REPLY_ACK);
+            Reply::Ack(true)
+        }
+        Request::GetQueueNum => Reply::Value((nq / 2) as u64),
+        Request::GetMaxMemSlots => Reply::Value(message::MAX_REGIONS as u64),
+        Request::SetMemTable(regions) => {
+            let mem = GuestMemory::map(&regions, std::mem::take(&mut fds))?;
+            log::debug!(
+                "vhost_user {}: {} MiB of guest memory",
+                shared.name,
+                mem.total_size() >> 20
+            );
+            // Rings point into the old mapping: map them again in the new one.
+            for q in dev.queues.iter_mut() {
+                q.ring = None;
+            }
+            dev.mem = Some(mem);
+            let Device { mem, queues, .. } = &mut *dev;
+            for q in queues.iter_mut() {
+                if q.started {
+                    q.build(mem.as_ref());
+                }
+            }
+            Reply::Ack(true)
+        }
+        Request::SetLogBase { .. } => {
+            return Err("live migration (dirty logging) is not supported".into())
+        }
+        Request::SetVringNum { index, num } => {
+            let i = queue(index)?;
+            if num == 0 || num > 32768 || !num.is_power_of_two() {
+                return Err(format!("ring {index}: size {num}"));
+            }
+            dev.queues[i].num = num as u16;
+            Reply::Ack(true)
+        }
+        Request::SetVringAddr(a) => {
+            let i = queue(a.index)?;
+            dev.queues[i].addr = Some(a);
+            Reply::Ack(true)
+        }
+        Request::SetVringBase { index, base } => {
+            let i = queue(index)?;
+            dev.queues[i].base = base as u16;
+            Reply::Ack(true)
+        }
+        Request::GetVringBase { index } => {
+            let i = queue(index)?;
+            let q = &mut dev.queues[i];
+            let base = q.ring.as_ref().map(|r| r.last_avail).unwrap_or(q.base);
+            q.started = false;
+            q.ring = None;
+            q.base = base;
+            q.call = None;
+            Reply::State(index, base as u32)
+        }
+        Request::SetVringFd {
+            which,
+            index,
+            no_fd,
+        } => {
+            let i = queue(index)?;
+            let fd = if no_fd { None } else { fds.pop() };
+            match which {
+                req::SET_VRING_KICK => {
+                    // We poll the rings; the kick eventfd is not needed.
+                    drop(fd);
+                    let Device { mem, queues, .. } = &mut *dev;
+                    let q = &mut queues[i];
+                    q.started = true;
+                    q.fault = None;
+                    q.build(mem.as_ref());
+                }
+                req::SET_VRING_CALL => dev.queues[i].call = fd,
+                _ => drop(fd),
+            }
+            Reply::Ack(true)
+        }
+        Request::SetVringEnable { index, enable } => {
+            let i = queue(index)?;
+            dev.queues[i].enabled = enable;
+            Reply::Ack(true)
+        }
+        Request::Unsupported(r) => {
+            log::debug!("vhost_user {}: request {r} is not supported", shared.name);
+            Reply::Ack(false)
+        }
+    })
+}

@@ -1,0 +1,496 @@
+//! `vhost_user`: a virtio-net device for a VM (QEMU) or a DPDK virtio-user process, with the
+//! front-end's rings and memory shared with Stitch (seed 000's snabbnfv): `input` goes to the
+//! guest, what the guest sends comes out of `output`.
+//!
+//! The port is a vhost-user back-end on `socket`: `mode: server` listens (QEMU
+//! `-chardev socket,path=…` without `server=on`, DPDK `--vdev net_virtio_user0,path=…`);
+//! `mode: client` connects and keeps reconnecting (QEMU `…,server=on`), so either side may
+//! restart. `queues` queue pairs (multiqueue). Rings are polled on the engine's breath (the
+//! guest is asked not to kick); the guest is interrupted through its call eventfd once per
+//! batch unless it asked not to be. Mergeable receive buffers and indirect descriptors are
+//! offered; with `offloads: true` (default) checksum and TSO offloads are negotiated: a
+//! packet with a partial checksum or a GSO super-frame is handed to the guest as such when
+//! the guest accepted that offload, and completed or segmented first when it did not.
+//!
+//! A guest that gives descriptors outside its memory, loops in a chain, or indexes past its
+//! ring gets that queue stopped with a message and `guest_faults` counted — never a read
+//! outside the memory it shared. The queue starts again when the guest sets it up again.
+//!
+//! ```yaml
+//! apps:
+//!   vm1: { type: vhost_user, socket: /run/stitch/vm1.sock, mode: server, queues: 1 }
+//! links:
+//!   - "nic.output -> vm1.input"
+//!   - "vm1.output -> nic.input"
+//! ```
+
+pub mod device;
+pub mod memory;
+pub mod message;
+pub mod virtq;
+
+use device::{feature, Device, Endpoint, Shared};
+use serde::Deserialize;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use stitch_core::app::AppType;
+use stitch_core::{pool, App, AppContext, AppError, Counter, Io, Packet, PortSpec, Registry};
+use stitch_wire::offload::{self, VnetHdr, VNET_HDR_LEN};
+use virtq::{Segment, Vring};
+
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    #[default]
+    Server,
+    Client,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VhostUserConfig {
+    /// The vhost-user Unix socket.
+    pub socket: PathBuf,
+    #[serde(default)]
+    pub mode: Mode,
+    /// Queue pairs (1..=8).
+    #[serde(default = "one")]
+    pub queues: usize,
+    /// Offer checksum and TSO offloads to the guest.
+    #[serde(default = "yes")]
+    pub offloads: bool,
+}
+
+fn one() -> usize {
+    1
+}
+fn yes() -> bool {
+    true
+}
+
+const BURST: usize = 256;
+/// Largest frame a guest may send without TSO, and with it.
+const MAX_FRAME: usize = 9216;
+const MAX_GSO_FRAME: usize = 65536 + 256;
+
+pub fn register(r: &mut Registry) {
+    r.register(AppType::of::<VhostUser>(
+        "vhost_user",
+        "a VM's virtio-net port (vhost-user back-end): shared rings, multiqueue, offloads",
+    ));
+}
+
+pub struct VhostUser {
+    name: String,
+    shared: Arc<Shared>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    segs: Vec<Segment>,
+    /// Chains taken for one packet toward the guest: head, first segment, segment count.
+    chains: Vec<(u16, usize, usize)>,
+    rx_segs: Vec<Segment>,
+    scratch: Vec<Packet>,
+    to_guest: Counter,
+    to_guest_no_buffers: Counter,
+    to_guest_too_big: Counter,
+    from_guest_malformed: Counter,
+    pool_exhausted: Counter,
+    guest_faults: Counter,
+    interrupts: Counter,
+    gso_segmented: Counter,
+    checksums_completed: Counter,
+    connections: Counter,
+    seen_connections: u64,
+}
+
+fn signal(call: Option<&OwnedFd>, interrupts: &Counter) {
+    if let Some(fd) = call {
+        let one: u64 = 1;
+        // SAFETY: writing 8 bytes to an eventfd.
+        unsafe { libc::write(fd.as_raw_fd(), &one as *const u64 as *const libc::c_void, 8) };
+        interrupts.add(1);
+    }
+}
+
+/// Bytes of the virtio-net header the driver uses.
+fn header_len(features: u64) -> usize {
+    if features & (feature::VERSION_1 | feature::NET_MRG_RXBUF) != 0 {
+        12
+    } else {
+        VNET_HDR_LEN
+    }
+}
+
+impl App for VhostUser {
+    type Config = VhostUserConfig;
+
+    fn declare(c: &VhostUserConfig) -> Result<PortSpec, AppError> {
+        if !(1..=8).contains(&c.queues) {
+            return Err(format!("queues {} (1..=8 queue pairs)", c.queues).into());
+        }
+        if c.socket.as_os_str().is_empty() {
+            return Err("socket: a path is needed".into());
+        }
+        Ok(PortSpec::filter())
+    }
+
+    fn new(c: VhostUserConfig, ctx: &mut AppContext) -> Result<Self, AppError> {
+        let shared = Arc::new(Shared {
+            name: ctx.name().to_string(),
+            device: Mutex::new(Device::new(c.queues)),
+            stop: AtomicBool::new(false),
+            offered: device::offered_features(c.offloads, c.queues),
+            connections: AtomicU64::new(0),
+            protocol_errors: AtomicU64::new(0),
+        });
+        let socket = ctx.path(&c.socket);
+        let thread = device::spawn(
+            Endpoint {
+                path: socket.clone(),
+                server: c.mode == Mode::Server,
+            },
+            shared.clone(),
+        )
+        .map_err(|e| format!("socket {}: {e}", socket.display()))?;
+        Ok(VhostUser {
+            name: ctx.name().to_string(),
+            shared,
+            thread: Some(thread),
+            segs: Vec::with_capacity(64),
+            chains: Vec::with_capacity(64),
+            rx_segs: Vec::with_capacity(64),
+            scratch: Vec::with_capacity(64),
+            to_guest: ctx.counter("to_guest_packets"),
+            to_guest_no_buffers: ctx.counter("to_guest_no_buffer_drops"),
+            to_guest_too_big: ctx.counter("to_guest_too_big_drops"),
+            from_guest_malformed: ctx.counter("from_guest_malformed_drops"),
+            pool_exhausted: ctx.counter("pool_exhausted_drops"),
+            guest_faults: ctx.counter("guest_faults"),
+            interrupts: ctx.counter("interrupts"),
+            gso_segmented: ctx.counter("gso_segmented"),
+            checksums_completed: ctx.counter("checksums_completed"),
+            connections: ctx.counter("connections"),
+            seen_connections: 0,
+        })
+    }
+
+    /// From the guest: its transmit rings (odd indexes) into `output`.
+    fn pull(&mut self, io: &mut Io) {
+        let Some(out) = io.output(0) else { return };
+        let shared = self.shared.clone();
+        let Ok(mut dev) = shared.device.try_lock() else {
+            return;
+        };
+        let hlen = header_len(dev.features);
+        for q in (1..dev.queues.len()).step_by(2) {
+            let mut fault = None;
+            if let Some((ring, call, mem)) = dev.live(q) {
+                let mut budget = BURST.min(out.room());
+                while budget > 0 && ring.pending() > 0 {
+                    let head = match ring.next_head() {
+                        Ok(h) => h,
+                        Err(f) => {
+                            fault = Some(f.0);
+                            break;
+                        }
+                    };
+                    if let Err(f) = ring.chain(mem, head, &mut self.segs) {
+                        fault = Some(f.0);
+                        break;
+                    }
+                    if let Some(p) = self.take_from_guest(hlen) {
+                        out.transmit(p);
+                        budget -= 1;
+                    }
+                    ring.add_used(head, 0);
+                }
+                if ring.publish() {
+                    signal(call, &self.interrupts);
+                }
+            }
+            if let Some(why) = fault {
+                self.fault(&mut dev, q, why);
+            }
+        }
+    }
+
+    /// To the guest: `input` into its receive rings (even indexes).
+    fn push(&mut self, io: &mut Io) {
+        let Some(input) = io.input(0) else { return };
+        let shared = self.shared.clone();
+        let Ok(mut dev) = shared.device.try_lock() else {
+            return;
+        };
+        let features = dev.features;
+        let rx: Vec<usize> = (0..dev.queues.len())
+            .step_by(2)
+            .filter(|&q| dev.live(q).is_some())
+            .collect();
+        if rx.is_empty() {
+            // No guest, or it has not set up its rings yet: drop, counted by the link as
+            // packets this app took.
+            if !input.is_empty() {
+                let n = input.drain().count();
+                self.to_guest_no_buffers.add(n as u64);
+            }
+            return;
+        }
+        let mut used = vec![false; dev.queues.len()];
+        for p in input.drain().take(BURST) {
+            let q = if rx.len() == 1 {
+                rx[0]
+            } else {
+                let h = stitch_wire::flow::flow(p.data())
+                    .ok()
+                    .flatten()
+                    .map(|f| f.hash(true))
+                    .unwrap_or(0);
+                rx[h as usize % rx.len()]
+            };
+            self.adapt(p, features);
+            let mut fault = None;
+            if let Some((ring, _, mem)) = dev.live(q) {
+                for p in std::mem::take(&mut self.scratch) {
+                    match self.write_to_guest(ring, mem, &p, features) {
+                        Ok(true) => {
+                            used[q] = true;
+                            self.to_guest.add(1);
+                        }
+                        Ok(false) => {}
+                        Err(f) => {
+                            fault = Some(f.0);
+                            break;
+                        }
+                    }
+                }
+            }
+            self.scratch.clear();
+            if let Some(why) = fault {
+                self.fault(&mut dev, q, why);
+            }
+        }
+        for (q, u) in used.iter().enumerate() {
+            if !u {
+                continue;
+            }
+            if let Some((ring, call, _)) = dev.live(q) {
+                if ring.publish() {
+                    signal(call, &self.interrupts);
+                }
+            }
+        }
+    }
+
+    fn tick(&mut self, _io: &mut Io, _now: std::time::Instant) {
+        let c = self.shared.connections.load(Ordering::Relaxed);
+        if c != self.seen_connections {
+            self.connections.add(c - self.seen_connections);
+            self.seen_connections = c;
+        }
+    }
+
+    fn stop(&mut self) {
+        self.shared.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+
+    fn query(&mut self, _request: &serde_json::Value) -> serde_json::Value {
+        let dev = self.shared.device.lock().unwrap();
+        let queues: Vec<serde_json::Value> = dev
+            .queues
+            .iter()
+            .enumerate()
+            .map(|(i, q)| {
+                serde_json::json!({
+                    "index": i,
+                    "direction": if i % 2 == 0 { "to_guest" } else { "from_guest" },
+                    "ready": q.ring.is_some(),
+                    "fault": q.fault,
+                })
+            })
+            .collect();
+        serde_json::json!({
+            "connected": dev.connected,
+            "features": format!("{:#x}", dev.features),
+            "memory_bytes": dev.mem.as_ref().map(|m| m.total_size()).unwrap_or(0),
+            "queues": queues,
+            "protocol_errors": self.shared.protocol_errors.load(Ordering::Relaxed),
+        })
+    }
+}
+
+impl VhostUser {
+    fn fault(&mut self, dev: &mut Device, q: usize, why: String) {
+        log::error!(
+            "vhost_user {}: queue {q} stopped, the guest broke it: {why} (it restarts when the guest sets the queue up again)",
+            self.name
+        );
+        self.guest_faults.add(1);
+        dev.stop_queue(q, why);
+    }
+
+    /// One packet from the chain in `self.segs` (the header first, then the frame).
+    fn take_from_guest(&mut self, hlen: usize) -> Option<Packet> {
+        let total: usize = self.segs.iter().map(|s| s.len as usize).sum();
+        if total < hlen + 14 || self.segs.iter().any(|s| s.writable) {
+            self.from_guest_malformed.add(1);
+            return None;
+        }
+        // The header may be split over several buffers.
+        let mut hdr = [0u8; 12];
+        let mut copied = 0;
+        for s in &self.segs {
+            // SAFETY: every segment was checked against guest memory by Vring::chain.
+            let b = unsafe { std::slice::from_raw_parts(s.ptr, s.len as usize) };
+            let take = (hlen - copied).min(b.len());
+            hdr[copied..copied + take].copy_from_slice(&b[..take]);
+            copied += take;
+            if copied == hlen {
+                break;
+            }
+        }
+        let vnet = VnetHdr::parse(&hdr[..VNET_HDR_LEN])?;
+        let frame_len = total - hlen;
+        let gso = vnet.gso_type != offload::GSO_NONE;
+        let p = if frame_len <= MAX_FRAME && !gso {
+            pool::alloc()
+        } else if gso && frame_len <= MAX_GSO_FRAME {
+            pool::alloc_large()
+        } else {
+            self.from_guest_malformed.add(1);
+            return None;
+        };
+        let Some(mut p) = p else {
+            self.pool_exhausted.add(1);
+            return None;
+        };
+        let _ = p.set_len(0);
+        // Copy the frame: the stream of all segments after the first `hlen` bytes.
+        let mut offset = hlen;
+        for s in &self.segs {
+            let len = s.len as usize;
+            if offset >= len {
+                offset -= len;
+                continue;
+            }
+            // SAFETY: as above.
+            let b = unsafe { std::slice::from_raw_parts(s.ptr.add(offset), len - offset) };
+            offset = 0;
+            if p.append(b).is_err() {
+                self.from_guest_malformed.add(1);
+                return None;
+            }
+        }
+        p.set_timestamp_ns(stitch_core::packet::now_ns());
+        vnet.apply_to(&mut p);
+        Some(p)
+    }
+
+    /// Makes `p` something the guest accepted (segmented, checksummed) into `self.scratch`.
+    fn adapt(&mut self, mut p: Packet, features: u64) {
+        let h = p.header();
+        if h.gso_type != offload::GSO_NONE && h.gso_size != 0 {
+            let v6 = h.gso_type & !offload::GSO_ECN == offload::GSO_TCPV6;
+            let accepted = if v6 {
+                feature::NET_GUEST_TSO6
+            } else {
+                feature::NET_GUEST_TSO4
+            };
+            let tcp = matches!(
+                h.gso_type & !offload::GSO_ECN,
+                offload::GSO_TCPV4 | offload::GSO_TCPV6
+            );
+            if !(tcp && features & accepted != 0 && features & feature::NET_GUEST_CSUM != 0) {
+                let mut made = 0;
+                let scratch = &mut self.scratch;
+                if offload::resolve_gso(p, |s| {
+                    made += 1;
+                    scratch.push(s);
+                })
+                .is_err()
+                {
+                    self.to_guest_too_big.add(1);
+                }
+                self.gso_segmented.add(made);
+                return;
+            }
+        } else if p.checksum_state() == stitch_core::packet::ChecksumState::Partial
+            && features & feature::NET_GUEST_CSUM == 0
+            && offload::complete_checksum(&mut p).is_ok()
+        {
+            self.checksums_completed.add(1);
+        }
+        self.scratch.push(p);
+    }
+
+    /// Writes one packet into the guest's receive ring; Ok(false) when it had no room.
+    fn write_to_guest(
+        &mut self,
+        ring: &mut Vring,
+        mem: &memory::GuestMemory,
+        p: &Packet,
+        features: u64,
+    ) -> Result<bool, virtq::Fault> {
+        let hlen = header_len(features);
+        let mergeable = features & feature::NET_MRG_RXBUF != 0;
+        let total = hlen + p.len();
+        self.chains.clear();
+        self.rx_segs.clear();
+        let mut room = 0usize;
+        while room < total {
+            let out_of_buffers = ring.pending() == 0;
+            if out_of_buffers || (!mergeable && !self.chains.is_empty()) {
+                ring.unget(self.chains.len() as u16);
+                if out_of_buffers {
+                    self.to_guest_no_buffers.add(1);
+                } else {
+                    self.to_guest_too_big.add(1);
+                }
+                return Ok(false);
+            }
+            let head = ring.next_head()?;
+            ring.chain(mem, head, &mut self.segs)?;
+            if self.segs.iter().any(|s| !s.writable) {
+                return Err(virtq::Fault(format!(
+                    "receive chain {head} has a device-readable buffer"
+                )));
+            }
+            let first = self.rx_segs.len();
+            room += self.segs.iter().map(|s| s.len as usize).sum::<usize>();
+            self.rx_segs.extend_from_slice(&self.segs);
+            self.chains.push((head, first, self.segs.len()));
+        }
+        let mut hdr = [0u8; 12];
+        let mut v = [0u8; VNET_HDR_LEN];
+        VnetHdr::of_packet(p).write(&mut v);
+        hdr[..VNET_HDR_LEN].copy_from_slice(&v);
+        hdr[10..12].copy_from_slice(&(self.chains.len() as u16).to_le_bytes());
+        // Scatter header + frame over the chains' buffers, chain by chain.
+        let stream = [&hdr[..hlen], p.data()];
+        let (mut part, mut at) = (0usize, 0usize);
+        for &(head, first, count) in &self.chains {
+            let mut written = 0u32;
+            for s in &self.rx_segs[first..first + count] {
+                let mut off = 0usize;
+                while off < s.len as usize && part < stream.len() {
+                    let src = &stream[part][at..];
+                    let n = src.len().min(s.len as usize - off);
+                    // SAFETY: the segment lies in guest memory (checked by Vring::chain).
+                    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), s.ptr.add(off), n) };
+                    off += n;
+                    at += n;
+                    written += n as u32;
+                    if at == stream[part].len() {
+                        part += 1;
+                        at = 0;
+                    }
+                }
+            }
+            ring.add_used(head, written);
+        }
+        Ok(true)
+    }
+}

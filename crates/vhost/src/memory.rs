@@ -1,0 +1,138 @@
+//! The front-end's memory (a VM's RAM, or testpmd's hugepages), mapped from the file
+//! descriptors of SET_MEM_TABLE. Every access goes through [`GuestMemory::gpa`] or
+//! [`GuestMemory::user`], which hand out a pointer only when the whole range lies inside one
+//! region: a guest cannot make Stitch read or write outside what it shared.
+
+use crate::message::Region;
+use std::os::fd::{AsRawFd, OwnedFd};
+
+struct Mapped {
+    region: Region,
+    /// Where the region starts in our address space.
+    ptr: *mut u8,
+    map_base: *mut libc::c_void,
+    map_len: usize,
+}
+
+pub struct GuestMemory {
+    regions: Vec<Mapped>,
+}
+
+// SAFETY: the mappings are plain shared memory; the port serialises its own accesses.
+unsafe impl Send for GuestMemory {}
+unsafe impl Sync for GuestMemory {}
+
+impl GuestMemory {
+    pub fn map(regions: &[Region], fds: Vec<OwnedFd>) -> Result<GuestMemory, String> {
+        let page = 4096u64;
+        let mut out = Vec::new();
+        for (r, fd) in regions.iter().zip(fds) {
+            if r.size == 0 || r.size > (1 << 40) {
+                return Err(format!("memory region of {} bytes", r.size));
+            }
+            r.guest_phys_addr
+                .checked_add(r.size)
+                .and(r.user_addr.checked_add(r.size))
+                .ok_or("memory region wraps around the address space")?;
+            let delta = r.mmap_offset % page;
+            let map_len = (r.size + delta) as usize;
+            // SAFETY: mapping a file the front-end shared; failure is checked.
+            let base = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    map_len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED,
+                    fd.as_raw_fd(),
+                    (r.mmap_offset - delta) as libc::off_t,
+                )
+            };
+            if base == libc::MAP_FAILED {
+                return Err(format!(
+                    "cannot map a memory region of {} bytes: {}",
+                    r.size,
+                    std::io::Error::last_os_error()
+                ));
+            }
+            out.push(Mapped {
+                region: *r,
+                // SAFETY: inside the mapping just made.
+                ptr: unsafe { (base as *mut u8).add(delta as usize) },
+                map_base: base,
+                map_len,
+            });
+        }
+        Ok(GuestMemory { regions: out })
+    }
+
+    fn find(&self, addr: u64, len: u64, key: impl Fn(&Region) -> u64) -> Option<*mut u8> {
+        let end = addr.checked_add(len)?;
+        self.regions.iter().find_map(|m| {
+            let start = key(&m.region);
+            (addr >= start && end <= start + m.region.size)
+                // SAFETY: the offset is inside the region's mapping.
+                .then(|| unsafe { m.ptr.add((addr - start) as usize) })
+        })
+    }
+
+    /// `len` bytes at guest physical address `addr` (descriptor buffers).
+    pub fn gpa(&self, addr: u64, len: u64) -> Option<*mut u8> {
+        self.find(addr, len, |r| r.guest_phys_addr)
+    }
+
+    /// `len` bytes at the front-end's own address `addr` (ring addresses).
+    pub fn user(&self, addr: u64, len: u64) -> Option<*mut u8> {
+        self.find(addr, len, |r| r.user_addr)
+    }
+
+    pub fn total_size(&self) -> u64 {
+        self.regions.iter().map(|m| m.region.size).sum()
+    }
+}
+
+impl Drop for GuestMemory {
+    fn drop(&mut self) {
+        for m in &self.regions {
+            // SAFETY: unmapping our own mapping once.
+            unsafe { libc::munmap(m.map_base, m.map_len) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::FromRawFd;
+
+    pub fn memfd(size: usize) -> OwnedFd {
+        let name = std::ffi::CString::new("guest").unwrap();
+        // SAFETY: plain syscalls on a fresh descriptor.
+        unsafe {
+            let fd = libc::memfd_create(name.as_ptr(), 0);
+            assert!(fd >= 0);
+            assert_eq!(libc::ftruncate(fd, size as libc::off_t), 0);
+            OwnedFd::from_raw_fd(fd)
+        }
+    }
+
+    #[test]
+    fn ranges_outside_a_region_are_refused() {
+        let r = Region {
+            guest_phys_addr: 0x1000_0000,
+            size: 1 << 20,
+            user_addr: 0x7f00_0000_0000,
+            mmap_offset: 0,
+        };
+        let m = GuestMemory::map(&[r], vec![memfd(1 << 20)]).unwrap();
+        assert!(m.gpa(0x1000_0000, 64).is_some());
+        assert!(m.gpa(0x1000_0000 + (1 << 20) - 64, 64).is_some());
+        assert!(
+            m.gpa(0x1000_0000 + (1 << 20) - 63, 64).is_none(),
+            "crosses the end"
+        );
+        assert!(m.gpa(0x0fff_ffff, 2).is_none(), "starts before");
+        assert!(m.gpa(u64::MAX - 4, 64).is_none(), "wraps");
+        assert!(m.user(0x7f00_0000_0010, 16).is_some());
+        assert!(m.user(0x1000_0000, 16).is_none());
+    }
+}

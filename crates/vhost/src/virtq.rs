@@ -1,0 +1,293 @@
+//! Split virtqueues (virtio 1.x §2.7) read and written in the front-end's shared memory.
+//! Everything the guest wrote is read once into a local copy before use, checked against
+//! guest memory and the ring size; a chain longer than the ring (a loop), an index past the
+//! ring, a buffer outside guest memory or an indirect table inside an indirect table is a
+//! [`Fault`], and the port stops that queue instead of trusting it.
+
+use crate::memory::GuestMemory;
+use std::sync::atomic::{fence, Ordering};
+
+pub const DESC_F_NEXT: u16 = 1;
+pub const DESC_F_WRITE: u16 = 2;
+pub const DESC_F_INDIRECT: u16 = 4;
+const AVAIL_F_NO_INTERRUPT: u16 = 1;
+const USED_F_NO_NOTIFY: u16 = 1;
+/// Most buffers one chain may have (QEMU's limit is 1024 for indirect tables).
+pub const MAX_SEGMENTS: usize = 1024;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fault(pub String);
+
+/// One buffer of a descriptor chain, mapped.
+#[derive(Debug, Clone, Copy)]
+pub struct Segment {
+    pub ptr: *mut u8,
+    pub len: u32,
+    pub writable: bool,
+}
+
+// SAFETY: a pointer into the shared mapping, held only by the port that took the chain.
+unsafe impl Send for Segment {}
+
+/// A ring's place in memory and our position in it.
+pub struct Vring {
+    pub num: u16,
+    desc: *mut u8,
+    avail: *mut u8,
+    used: *mut u8,
+    /// Next available entry to take.
+    pub last_avail: u16,
+    /// Next used entry to fill (published by [`Vring::publish`]).
+    used_idx: u16,
+    published: u16,
+}
+
+// SAFETY: pointers into the shared mapping, used by one thread at a time (the port).
+unsafe impl Send for Vring {}
+
+fn rd16(p: *const u8) -> u16 {
+    // SAFETY: callers pass pointers checked against guest memory, 2-aligned.
+    unsafe { std::ptr::read_volatile(p as *const u16) }
+}
+
+impl Vring {
+    /// Maps the three parts of a ring of `num` entries given by front-end addresses.
+    pub fn new(
+        mem: &GuestMemory,
+        num: u16,
+        desc: u64,
+        avail: u64,
+        used: u64,
+        base: u16,
+    ) -> Result<Vring, Fault> {
+        if num == 0 || !num.is_power_of_two() {
+            return Err(Fault(format!("ring size {num} is not a power of two")));
+        }
+        let n = num as u64;
+        let part = |addr: u64, len: u64, align: u64, what: &str| {
+            if !addr.is_multiple_of(align) {
+                return Err(Fault(format!(
+                    "{what} ring at {addr:#x} is not {align}-aligned"
+                )));
+            }
+            mem.user(addr, len).ok_or_else(|| {
+                Fault(format!(
+                    "{what} ring at {addr:#x} ({len} bytes) is outside guest memory"
+                ))
+            })
+        };
+        let v = Vring {
+            num,
+            desc: part(desc, 16 * n, 16, "descriptor")?,
+            avail: part(avail, 6 + 2 * n, 2, "available")?,
+            used: part(used, 6 + 8 * n, 4, "used")?,
+            last_avail: base,
+            used_idx: base,
+            published: base,
+        };
+        // We poll: ask the driver not to kick us.
+        // SAFETY: checked above.
+        unsafe { std::ptr::write_volatile(v.used as *mut u16, USED_F_NO_NOTIFY) };
+        Ok(v)
+    }
+
+    /// Entries the driver has made available and we have not taken.
+    pub fn pending(&self) -> u16 {
+        let idx = rd16(self.avail.wrapping_add(2));
+        fence(Ordering::Acquire);
+        idx.wrapping_sub(self.last_avail)
+    }
+
+    /// Takes the next available chain head.
+    pub fn next_head(&mut self) -> Result<u16, Fault> {
+        let slot = (self.last_avail % self.num) as usize;
+        let head = rd16(self.avail.wrapping_add(4 + 2 * slot));
+        if head >= self.num {
+            return Err(Fault(format!(
+                "available entry names descriptor {head} of {}",
+                self.num
+            )));
+        }
+        self.last_avail = self.last_avail.wrapping_add(1);
+        Ok(head)
+    }
+
+    fn read_desc(table: *const u8, i: u16) -> (u64, u32, u16, u16) {
+        // SAFETY: table and index are checked by callers; 16-byte entries, 16-aligned.
+        unsafe {
+            let p = table.add(16 * i as usize);
+            (
+                std::ptr::read_volatile(p as *const u64),
+                std::ptr::read_volatile(p.add(8) as *const u32),
+                std::ptr::read_volatile(p.add(12) as *const u16),
+                std::ptr::read_volatile(p.add(14) as *const u16),
+            )
+        }
+    }
+
+    /// The buffers of the chain starting at `head`, appended to `out` (cleared first).
+    pub fn chain(&self, mem: &GuestMemory, head: u16, out: &mut Vec<Segment>) -> Result<(), Fault> {
+        out.clear();
+        let mut table = self.desc as *const u8;
+        let mut size = self.num;
+        let mut i = head;
+        let mut indirect = false;
+        loop {
+            if out.len() >= MAX_SEGMENTS {
+                return Err(Fault(format!(
+                    "descriptor chain from {head} loops or exceeds {MAX_SEGMENTS} buffers"
+                )));
+            }
+            let (addr, len, flags, next) = Self::read_desc(table, i);
+            if flags & DESC_F_INDIRECT != 0 {
+                if indirect {
+                    return Err(Fault("indirect table inside an indirect table".into()));
+                }
+                if len == 0
+                    || !len.is_multiple_of(16)
+                    || len / 16 > MAX_SEGMENTS as u32
+                    || !addr.is_multiple_of(16)
+                {
+                    return Err(Fault(format!("indirect table of {len} bytes at {addr:#x}")));
+                }
+                table = mem.gpa(addr, len as u64).ok_or_else(|| {
+                    Fault(format!(
+                        "indirect table at {addr:#x} is outside guest memory"
+                    ))
+                })?;
+                size = (len / 16) as u16;
+                i = 0;
+                indirect = true;
+                continue;
+            }
+            let ptr = mem.gpa(addr, len as u64).ok_or_else(|| {
+                Fault(format!(
+                    "buffer at {addr:#x} ({len} bytes) is outside guest memory"
+                ))
+            })?;
+            out.push(Segment {
+                ptr,
+                len,
+                writable: flags & DESC_F_WRITE != 0,
+            });
+            if flags & DESC_F_NEXT == 0 {
+                return Ok(());
+            }
+            if next >= size {
+                return Err(Fault(format!(
+                    "descriptor {i} continues at {next} of {size}"
+                )));
+            }
+            i = next;
+        }
+    }
+
+    /// Records that the chain at `head` was used, `len` bytes written into it.
+    pub fn add_used(&mut self, head: u16, len: u32) {
+        let slot = (self.used_idx % self.num) as usize;
+        // SAFETY: the used ring was checked for `num` entries.
+        unsafe {
+            let p = self.used.add(4 + 8 * slot);
+            std::ptr::write_volatile(p as *mut u32, head as u32);
+            std::ptr::write_volatile(p.add(4) as *mut u32, len);
+        }
+        self.used_idx = self.used_idx.wrapping_add(1);
+    }
+
+    /// Makes the used entries visible to the driver; true if it wants an interrupt.
+    pub fn publish(&mut self) -> bool {
+        if self.used_idx == self.published {
+            return false;
+        }
+        fence(Ordering::Release);
+        // SAFETY: checked in new().
+        unsafe { std::ptr::write_volatile(self.used.add(2) as *mut u16, self.used_idx) };
+        self.published = self.used_idx;
+        fence(Ordering::SeqCst);
+        rd16(self.avail) & AVAIL_F_NO_INTERRUPT == 0
+    }
+
+    /// Gives back `n` taken heads that were not used (no buffer space for the whole packet).
+    pub fn unget(&mut self, n: u16) {
+        self.last_avail = self.last_avail.wrapping_sub(n);
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::message::Region;
+    use std::os::fd::{FromRawFd, OwnedFd};
+
+    pub const GPA: u64 = 0x4000_0000;
+    pub const SIZE: usize = 1 << 20;
+
+    /// A guest memory of 1 MiB whose user addresses equal its physical ones.
+    pub fn guest() -> (GuestMemory, *mut u8) {
+        let name = std::ffi::CString::new("g").unwrap();
+        // SAFETY: plain syscalls on a fresh descriptor.
+        let fd = unsafe {
+            let fd = libc::memfd_create(name.as_ptr(), 0);
+            assert_eq!(libc::ftruncate(fd, SIZE as libc::off_t), 0);
+            OwnedFd::from_raw_fd(fd)
+        };
+        let r = Region {
+            guest_phys_addr: GPA,
+            size: SIZE as u64,
+            user_addr: GPA,
+            mmap_offset: 0,
+        };
+        let m = GuestMemory::map(&[r], vec![fd]).unwrap();
+        let base = m.gpa(GPA, 1).unwrap();
+        (m, base)
+    }
+
+    pub fn put_desc(base: *mut u8, i: usize, addr: u64, len: u32, flags: u16, next: u16) {
+        // SAFETY: inside the test's guest memory.
+        unsafe {
+            let p = base.add(16 * i);
+            (p as *mut u64).write(addr);
+            (p.add(8) as *mut u32).write(len);
+            (p.add(12) as *mut u16).write(flags);
+            (p.add(14) as *mut u16).write(next);
+        }
+    }
+
+    #[test]
+    fn chains_loops_and_bad_addresses() {
+        let (m, base) = guest();
+        // Descriptor table at +0, avail at +0x1000, used at +0x2000, buffers from +0x10000.
+        let v = Vring::new(&m, 8, GPA, GPA + 0x1000, GPA + 0x2000, 0).unwrap();
+        put_desc(base, 0, GPA + 0x10000, 100, DESC_F_NEXT, 1);
+        put_desc(base, 1, GPA + 0x20000, 200, DESC_F_WRITE, 0);
+        let mut segs = Vec::new();
+        v.chain(&m, 0, &mut segs).unwrap();
+        assert_eq!(segs.len(), 2);
+        assert!(!segs[0].writable && segs[1].writable);
+        // A loop: 1 → 0 → 1 …
+        put_desc(base, 1, GPA + 0x20000, 200, DESC_F_NEXT, 0);
+        assert!(v.chain(&m, 0, &mut segs).unwrap_err().0.contains("loops"));
+        // Outside memory, and a next index past the ring.
+        put_desc(base, 0, GPA + SIZE as u64 - 10, 100, 0, 0);
+        assert!(v.chain(&m, 0, &mut segs).unwrap_err().0.contains("outside"));
+        put_desc(base, 0, GPA + 0x10000, 100, DESC_F_NEXT, 9);
+        assert!(v.chain(&m, 0, &mut segs).is_err());
+        // Indirect table with two entries at +0x30000; nested indirect refused.
+        put_desc(base, 2, GPA + 0x30000, 32, DESC_F_INDIRECT, 0);
+        // SAFETY: inside the test's guest memory.
+        let table = unsafe { base.add(0x30000) };
+        put_desc(table, 0, GPA + 0x40000, 10, DESC_F_NEXT, 1);
+        put_desc(table, 1, GPA + 0x50000, 20, 0, 0);
+        v.chain(&m, 2, &mut segs).unwrap();
+        assert_eq!(segs.iter().map(|s| s.len).sum::<u32>(), 30);
+        put_desc(table, 1, GPA + 0x30000, 32, DESC_F_INDIRECT, 0);
+        assert!(v
+            .chain(&m, 2, &mut segs)
+            .unwrap_err()
+            .0
+            .contains("indirect"));
+        assert!(Vring::new(&m, 6, GPA, GPA + 0x1000, GPA + 0x2000, 0).is_err());
+        assert!(Vring::new(&m, 8, GPA + 8, GPA + 0x1000, GPA + 0x2000, 0).is_err());
+        assert!(Vring::new(&m, 8, GPA + SIZE as u64, GPA + 0x1000, GPA + 0x2000, 0).is_err());
+    }
+}
