@@ -48,6 +48,9 @@ pub enum BenchCmd {
     /// Linux router namespaces, Open vSwitch (userspace datapath) with router namespaces and
     /// Stitch's userspace engine — round trips, connection setups and iperf3 in one run.
     Kernel(crate::bench_kernel::KernelBenchArgs),
+    /// Packets through Stitch between two vhost-user ports, against testpmd as the vhost-user
+    /// back-end, with one testpmd of two virtio-user ports as the front-end.
+    Vhost(crate::bench_vhost::VhostBenchArgs),
     /// One network function with a realistic table (router, firewall, firewall-stateless, nat,
     /// bridge) against a raw-ring baseline in the same run.
     Nf {
@@ -181,7 +184,7 @@ fn measure_raw(rings: usize, size: usize, secs: f64) -> Sample {
     .expect("raw ring thread")
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+pub fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     v[v.len() / 2]
 }
@@ -212,6 +215,9 @@ pub fn run(cmd: BenchCmd, registry: Arc<Registry>) -> Result<()> {
             anyhow::bail!("give CONF V4.pcap V6.pcap, or --softwires N");
         };
         return crate::lwaftr_cmd::bench(crate::registry(), conf, v4, v6, *seconds, *runs);
+    }
+    if let BenchCmd::Vhost(args) = cmd {
+        return crate::bench_vhost::run(args);
     }
     if let BenchCmd::Kernel(args) = cmd {
         return crate::bench_kernel::run(args);

@@ -4,6 +4,7 @@ mod bench;
 mod bench_kernel;
 mod bench_nf;
 mod bench_nf_scale;
+mod bench_vhost;
 mod capture_cmd;
 mod kernel_cmd;
 mod lwaftr_cmd;

@@ -91,6 +91,8 @@ pub struct VhostUser {
     chains: Vec<(u16, usize, usize)>,
     rx_segs: Vec<Segment>,
     scratch: Vec<Packet>,
+    /// The receive ring of each packet in `scratch`.
+    scratch_queues: Vec<u8>,
     to_guest: Counter,
     to_guest_no_buffers: Counter,
     to_guest_too_big: Counter,
@@ -160,7 +162,8 @@ impl App for VhostUser {
             segs: Vec::with_capacity(64),
             chains: Vec::with_capacity(64),
             rx_segs: Vec::with_capacity(64),
-            scratch: Vec::with_capacity(64),
+            scratch: Vec::with_capacity(BURST * 2),
+            scratch_queues: Vec::with_capacity(BURST * 2),
             to_guest: ctx.counter("to_guest_packets"),
             to_guest_no_buffers: ctx.counter("to_guest_no_buffer_drops"),
             to_guest_too_big: ctx.counter("to_guest_too_big_drops"),
@@ -187,6 +190,7 @@ impl App for VhostUser {
             let mut fault = None;
             if let Some((ring, call, mem)) = dev.live(q) {
                 let mut budget = BURST.min(out.room());
+                let now = stitch_core::packet::now_ns();
                 while budget > 0 && ring.pending() > 0 {
                     let head = match ring.next_head() {
                         Ok(h) => h,
@@ -199,7 +203,7 @@ impl App for VhostUser {
                         fault = Some(f.0);
                         break;
                     }
-                    if let Some(p) = self.take_from_guest(hlen) {
+                    if let Some(p) = self.take_from_guest(hlen, now) {
                         out.transmit(p);
                         budget -= 1;
                     }
@@ -223,10 +227,16 @@ impl App for VhostUser {
             return;
         };
         let features = dev.features;
-        let rx: Vec<usize> = (0..dev.queues.len())
-            .step_by(2)
-            .filter(|&q| dev.live(q).is_some())
-            .collect();
+        // Live receive rings, without allocating: at most 8 queue pairs.
+        let mut rx = [0usize; 8];
+        let mut live = 0;
+        for q in (0..dev.queues.len()).step_by(2) {
+            if dev.live(q).is_some() {
+                rx[live] = q;
+                live += 1;
+            }
+        }
+        let rx = &rx[..live];
         if rx.is_empty() {
             // No guest, or it has not set up its rings yet: drop, counted by the link as
             // packets this app took.
@@ -236,7 +246,9 @@ impl App for VhostUser {
             }
             return;
         }
-        let mut used = vec![false; dev.queues.len()];
+        // Stage 1: every packet made acceptable to the guest, with its ring.
+        let mut batch = std::mem::take(&mut self.scratch);
+        let mut queue_of = std::mem::take(&mut self.scratch_queues);
         for p in input.drain().take(BURST) {
             let q = if rx.len() == 1 {
                 rx[0]
@@ -248,15 +260,21 @@ impl App for VhostUser {
                     .unwrap_or(0);
                 rx[h as usize % rx.len()]
             };
-            self.adapt(p, features);
+            self.adapt(p, features, &mut batch);
+            queue_of.resize(batch.len(), q as u8);
+        }
+        // Stage 2: ring by ring, one lookup each.
+        for &q in rx {
+            let mut delivered = 0;
             let mut fault = None;
-            if let Some((ring, _, mem)) = dev.live(q) {
-                for p in std::mem::take(&mut self.scratch) {
-                    match self.write_to_guest(ring, mem, &p, features) {
-                        Ok(true) => {
-                            used[q] = true;
-                            self.to_guest.add(1);
-                        }
+            if let Some((ring, call, mem)) = dev.live(q) {
+                for (p, _) in batch
+                    .iter()
+                    .zip(&queue_of)
+                    .filter(|(_, &pq)| pq as usize == q)
+                {
+                    match self.write_to_guest(ring, mem, p, features) {
+                        Ok(true) => delivered += 1,
                         Ok(false) => {}
                         Err(f) => {
                             fault = Some(f.0);
@@ -264,22 +282,19 @@ impl App for VhostUser {
                         }
                     }
                 }
+                if delivered > 0 && ring.publish() {
+                    signal(call, &self.interrupts);
+                }
             }
-            self.scratch.clear();
+            self.to_guest.add(delivered);
             if let Some(why) = fault {
                 self.fault(&mut dev, q, why);
             }
         }
-        for (q, u) in used.iter().enumerate() {
-            if !u {
-                continue;
-            }
-            if let Some((ring, call, _)) = dev.live(q) {
-                if ring.publish() {
-                    signal(call, &self.interrupts);
-                }
-            }
-        }
+        batch.clear();
+        queue_of.clear();
+        self.scratch = batch;
+        self.scratch_queues = queue_of;
     }
 
     fn tick(&mut self, _io: &mut Io, _now: std::time::Instant) {
@@ -333,7 +348,7 @@ impl VhostUser {
     }
 
     /// One packet from the chain in `self.segs` (the header first, then the frame).
-    fn take_from_guest(&mut self, hlen: usize) -> Option<Packet> {
+    fn take_from_guest(&mut self, hlen: usize, now: u64) -> Option<Packet> {
         let total: usize = self.segs.iter().map(|s| s.len as usize).sum();
         if total < hlen + 14 || self.segs.iter().any(|s| s.writable) {
             self.from_guest_malformed.add(1);
@@ -384,13 +399,13 @@ impl VhostUser {
                 return None;
             }
         }
-        p.set_timestamp_ns(stitch_core::packet::now_ns());
+        p.set_timestamp_ns(now);
         vnet.apply_to(&mut p);
         Some(p)
     }
 
     /// Makes `p` something the guest accepted (segmented, checksummed) into `self.scratch`.
-    fn adapt(&mut self, mut p: Packet, features: u64) {
+    fn adapt(&mut self, mut p: Packet, features: u64, out: &mut Vec<Packet>) {
         let h = p.header();
         if h.gso_type != offload::GSO_NONE && h.gso_size != 0 {
             let v6 = h.gso_type & !offload::GSO_ECN == offload::GSO_TCPV6;
@@ -405,10 +420,9 @@ impl VhostUser {
             );
             if !(tcp && features & accepted != 0 && features & feature::NET_GUEST_CSUM != 0) {
                 let mut made = 0;
-                let scratch = &mut self.scratch;
                 if offload::resolve_gso(p, |s| {
                     made += 1;
-                    scratch.push(s);
+                    out.push(s);
                 })
                 .is_err()
                 {
@@ -423,7 +437,7 @@ impl VhostUser {
         {
             self.checksums_completed.add(1);
         }
-        self.scratch.push(p);
+        out.push(p);
     }
 
     /// Writes one packet into the guest's receive ring; Ok(false) when it had no room.

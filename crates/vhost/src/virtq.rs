@@ -37,6 +37,9 @@ pub struct Vring {
     used: *mut u8,
     /// Next available entry to take.
     pub last_avail: u16,
+    /// The driver's available index as last read: re-read only when we catch up with it, so
+    /// that the cache line the driver writes is not pulled over once per packet.
+    avail_seen: u16,
     /// Next used entry to fill (published by [`Vring::publish`]).
     used_idx: u16,
     published: u16,
@@ -82,6 +85,7 @@ impl Vring {
             avail: part(avail, 6 + 2 * n, 2, "available")?,
             used: part(used, 6 + 8 * n, 4, "used")?,
             last_avail: base,
+            avail_seen: base,
             used_idx: base,
             published: base,
         };
@@ -92,10 +96,14 @@ impl Vring {
     }
 
     /// Entries the driver has made available and we have not taken.
-    pub fn pending(&self) -> u16 {
-        let idx = rd16(self.avail.wrapping_add(2));
+    pub fn pending(&mut self) -> u16 {
+        let cached = self.avail_seen.wrapping_sub(self.last_avail);
+        if cached != 0 && cached <= self.num {
+            return cached;
+        }
+        self.avail_seen = rd16(self.avail.wrapping_add(2));
         fence(Ordering::Acquire);
-        idx.wrapping_sub(self.last_avail)
+        self.avail_seen.wrapping_sub(self.last_avail)
     }
 
     /// Takes the next available chain head.
