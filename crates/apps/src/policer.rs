@@ -21,27 +21,80 @@ pub struct PolicerConfig {
     pub burst: Option<f64>,
 }
 
-pub struct Policer {
+/// A token bucket of `rate` (packets or bits per second) and `depth` (packets or bytes).
+#[derive(Debug, Clone)]
+pub struct TokenBucket {
     rate: Rate,
     depth: f64,
     tokens: f64,
     last: Instant,
+}
+
+impl TokenBucket {
+    /// A full bucket; `burst` defaults to 10 ms worth (at least 32 packets or one 1514-byte
+    /// frame).
+    pub fn new(rate: Rate, burst: Option<f64>) -> Result<TokenBucket, String> {
+        match rate {
+            Rate::Pps(r) | Rate::Bps(r) if r <= 0.0 => {
+                return Err(format!("rate {r} must be positive"))
+            }
+            _ => {}
+        }
+        let depth = match (burst, rate) {
+            (Some(b), _) if b > 0.0 => b,
+            (Some(b), _) => return Err(format!("burst {b} must be positive")),
+            (None, Rate::Pps(r)) => (r * 0.01).max(32.0),
+            (None, Rate::Bps(r)) => (r / 8.0 * 0.01).max(1514.0),
+        };
+        Ok(TokenBucket {
+            rate,
+            depth,
+            tokens: depth,
+            last: Instant::now(),
+        })
+    }
+
+    /// Adds the tokens earned since the last refill (once per batch).
+    pub fn refill(&mut self, now: Instant) {
+        let dt = now.duration_since(self.last).as_secs_f64();
+        self.last = now;
+        let per_s = match self.rate {
+            Rate::Pps(r) => r,
+            Rate::Bps(r) => r / 8.0,
+        };
+        self.tokens = (self.tokens + dt * per_s).min(self.depth);
+    }
+
+    /// Takes what a frame of `len` bytes costs; false when the bucket cannot pay.
+    pub fn take(&mut self, len: usize) -> bool {
+        let cost = match self.rate {
+            Rate::Pps(_) => 1.0,
+            Rate::Bps(_) => len as f64,
+        };
+        if self.tokens >= cost {
+            self.tokens -= cost;
+            true
+        } else {
+            false
+        }
+    }
+}
+
+/// A rate as the graph file gives it: a number (packets per second) or text with a unit.
+pub fn rate_of(spec: &RateSpec) -> Result<Rate, String> {
+    match spec {
+        RateSpec::PacketsPerSecond(v) => Ok(Rate::Pps(*v)),
+        RateSpec::Text(s) => parse_rate(s),
+    }
+}
+
+pub struct Policer {
+    bucket: TokenBucket,
     policed: Counter,
 }
 
-fn settings(c: &PolicerConfig) -> Result<(Rate, f64), AppError> {
-    let rate = match &c.rate {
-        RateSpec::PacketsPerSecond(v) if *v > 0.0 => Rate::Pps(*v),
-        RateSpec::PacketsPerSecond(v) => return Err(format!("rate {v} must be positive").into()),
-        RateSpec::Text(s) => parse_rate(s)?,
-    };
-    let depth = match (c.burst, rate) {
-        (Some(b), _) if b > 0.0 => b,
-        (Some(b), _) => return Err(format!("burst {b} must be positive").into()),
-        (None, Rate::Pps(r)) => (r * 0.01).max(32.0),
-        (None, Rate::Bps(r)) => (r / 8.0 * 0.01).max(1514.0),
-    };
-    Ok((rate, depth))
+fn settings(c: &PolicerConfig) -> Result<TokenBucket, AppError> {
+    Ok(TokenBucket::new(rate_of(&c.rate)?, c.burst)?)
 }
 
 impl App for Policer {
@@ -53,12 +106,8 @@ impl App for Policer {
     }
 
     fn new(c: PolicerConfig, ctx: &mut AppContext) -> Result<Self, AppError> {
-        let (rate, depth) = settings(&c)?;
         Ok(Policer {
-            rate,
-            depth,
-            tokens: depth,
-            last: Instant::now(),
+            bucket: settings(&c)?,
             policed: ctx.counter("policed_drops"),
         })
     }
@@ -68,9 +117,9 @@ impl App for Policer {
         c: PolicerConfig,
         _: &mut AppContext,
     ) -> Result<Reconfigured, AppError> {
-        let (rate, depth) = settings(&c)?;
-        (self.rate, self.depth) = (rate, depth);
-        self.tokens = self.tokens.min(depth);
+        let mut bucket = settings(&c)?;
+        bucket.tokens = self.bucket.tokens.min(bucket.depth);
+        self.bucket = bucket;
         Ok(Reconfigured::Done)
     }
 
@@ -78,22 +127,10 @@ impl App for Policer {
         let (Some(input), Some(output)) = io.pair(0, 0) else {
             return;
         };
-        let now = Instant::now();
-        let dt = now.duration_since(self.last).as_secs_f64();
-        self.last = now;
-        let per_s = match self.rate {
-            Rate::Pps(r) => r,
-            Rate::Bps(r) => r / 8.0,
-        };
-        self.tokens = (self.tokens + dt * per_s).min(self.depth);
+        self.bucket.refill(Instant::now());
         let mut policed = 0;
         for p in input.drain() {
-            let cost = match self.rate {
-                Rate::Pps(_) => 1.0,
-                Rate::Bps(_) => p.len() as f64,
-            };
-            if self.tokens >= cost {
-                self.tokens -= cost;
+            if self.bucket.take(p.len()) {
                 output.transmit(p);
             } else {
                 policed += 1;

@@ -8,6 +8,7 @@ mod bench_vhost;
 mod capture_cmd;
 mod kernel_cmd;
 mod lwaftr_cmd;
+mod nfv_cmd;
 mod table;
 mod top;
 
@@ -141,6 +142,9 @@ enum Cmd {
     Lwaftr(lwaftr_cmd::LwaftrCmd),
     /// Capture an interface to PCAP/PCAPNG files, with tcpdump's options.
     Capture(capture_cmd::CaptureArgs),
+    /// snabbnfv's front end: the graph joining a physical interface to VM ports (vhost-user)
+    /// from a ports list with MAC, VLAN, filters and rate limits.
+    Nfv(nfv_cmd::NfvArgs),
     /// The in-kernel data plane: graphs of `placement: kernel` apps as eBPF programs.
     #[command(subcommand)]
     Kernel(kernel_cmd::KernelCmd),
@@ -225,6 +229,7 @@ fn run_cli(cli: Cli) -> Result<()> {
         } => run(&file, duration, json, &instance, &listen)?,
         Cmd::Top(args) => top::run(&args.instance.socket(), &args)?,
         Cmd::Kernel(cmd) => kernel_cmd::run(cmd)?,
+        Cmd::Nfv(args) => nfv_cmd::run(args)?,
         Cmd::Stats {
             instance,
             json,

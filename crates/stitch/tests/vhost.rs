@@ -404,3 +404,49 @@ fn two_qemu_guests_ping_and_run_iperf3_through_stitch() {
     assert_eq!(counter(&stats, "vm1", "guest_faults"), 0);
     assert_eq!(counter(&stats, "vm2", "guest_faults"), 0);
 }
+
+#[test]
+fn port_policy_filters_and_rate_limits_what_the_guest_sends() {
+    require_root_and_tools(&["dpdk-testpmd"]);
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    // testpmd's txonly frames are UDP over IPv4.
+    for (policy, filtered_all) in [
+        ("egress_filter: udp, tx_rate: 20000", false),
+        ("egress_filter: \"not udp\"", true),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("vm.sock");
+        let s = Stitch::run(&format!(
+            "apps:\n  vm: {{ type: vhost_user, socket: {}, port_id: \"A-1\", {policy} }}\n  out: {{ type: sink }}\nlinks:\n  - \"vm.output -> out.input\"\n",
+            sock.display()
+        ));
+        let t = Testpmd::start(&sock, "txonly", "pol");
+        wait_connected(&s);
+        let (_, v) = s.call("POST", "/api/v1/apps/vm/query", Some("{}"));
+        assert_eq!(v["port_id"], "A-1");
+        std::thread::sleep(Duration::from_secs(2));
+        let (_, sent) = t.stop();
+        std::thread::sleep(Duration::from_millis(300));
+        let stats = s.stop();
+        let passed = link(&stats, "vm.output -> out.input")["tx_packets"]
+            .as_u64()
+            .unwrap();
+        let filtered = counter(&stats, "vm", "egress_filtered_drops");
+        let policed = counter(&stats, "vm", "egress_policed_drops");
+        assert_eq!(
+            passed + filtered + policed,
+            sent,
+            "{policy}: every packet accounted for"
+        );
+        if filtered_all {
+            assert_eq!(filtered, sent, "{policy}");
+        } else {
+            assert_eq!(filtered, 0, "{policy}");
+            assert!(
+                policed > passed,
+                "{policy}: the limit held ({passed} passed, {policed} policed)"
+            );
+            assert!(passed > 1000, "{policy}: {passed}");
+        }
+    }
+}

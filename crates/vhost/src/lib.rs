@@ -27,6 +27,7 @@
 pub mod device;
 pub mod memory;
 pub mod message;
+pub mod policy;
 pub mod virtq;
 
 use device::{feature, Device, Endpoint, Shared};
@@ -35,6 +36,7 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use stitch_apps::generator::RateSpec;
 use stitch_core::app::AppType;
 use stitch_core::{pool, App, AppContext, AppError, Counter, Io, Packet, PortSpec, Registry};
 use stitch_wire::offload::{self, VnetHdr, VNET_HDR_LEN};
@@ -61,6 +63,19 @@ pub struct VhostUserConfig {
     /// Offer checksum and TSO offloads to the guest.
     #[serde(default = "yes")]
     pub offloads: bool,
+    /// The port's name in the operator's inventory (shown by `stitch show`).
+    pub port_id: Option<String>,
+    /// The guest's MAC address: frames from it with another source address, and unicast
+    /// frames to it for another address, are dropped.
+    pub mac_address: Option<String>,
+    /// libpcap filter for frames toward the guest.
+    pub ingress_filter: Option<String>,
+    /// libpcap filter for frames from the guest.
+    pub egress_filter: Option<String>,
+    /// Rate limit toward the guest (pps, or text like `"100 Mbit/s"`).
+    pub rx_rate: Option<RateSpec>,
+    /// Rate limit from the guest.
+    pub tx_rate: Option<RateSpec>,
 }
 
 fn one() -> usize {
@@ -104,6 +119,10 @@ pub struct VhostUser {
     checksums_completed: Counter,
     connections: Counter,
     seen_connections: u64,
+    port_id: Option<String>,
+    mac: Option<[u8; 6]>,
+    ingress: policy::Direction,
+    egress: policy::Direction,
 }
 
 fn signal(call: Option<&OwnedFd>, interrupts: &Counter) {
@@ -134,6 +153,22 @@ impl App for VhostUser {
         if c.socket.as_os_str().is_empty() {
             return Err("socket: a path is needed".into());
         }
+        if let Some(m) = &c.mac_address {
+            stitch_wire::parse_mac(m).map_err(|e| format!("mac_address: {e}"))?;
+        }
+        for (k, f) in [
+            ("ingress_filter", &c.ingress_filter),
+            ("egress_filter", &c.egress_filter),
+        ] {
+            if let Some(f) = f {
+                stitch_io::af_packet::compile_filter(f).map_err(|e| format!("{k}: {e}"))?;
+            }
+        }
+        for (k, r) in [("rx_rate", &c.rx_rate), ("tx_rate", &c.tx_rate)] {
+            if let Some(r) = r {
+                stitch_apps::policer::rate_of(r).map_err(|e| format!("{k}: {e}"))?;
+            }
+        }
         Ok(PortSpec::filter())
     }
 
@@ -147,6 +182,22 @@ impl App for VhostUser {
             protocol_errors: AtomicU64::new(0),
         });
         let socket = ctx.path(&c.socket);
+        let mac = match &c.mac_address {
+            Some(m) => Some(stitch_wire::parse_mac(m)?),
+            None => None,
+        };
+        let ingress = policy::Direction::new(
+            ctx,
+            "ingress",
+            c.ingress_filter.as_deref(),
+            c.rx_rate.as_ref(),
+        )?;
+        let egress = policy::Direction::new(
+            ctx,
+            "egress",
+            c.egress_filter.as_deref(),
+            c.tx_rate.as_ref(),
+        )?;
         let thread = device::spawn(
             Endpoint {
                 path: socket.clone(),
@@ -175,6 +226,10 @@ impl App for VhostUser {
             checksums_completed: ctx.counter("checksums_completed"),
             connections: ctx.counter("connections"),
             seen_connections: 0,
+            port_id: c.port_id,
+            mac,
+            ingress,
+            egress,
         })
     }
 
@@ -191,6 +246,7 @@ impl App for VhostUser {
             if let Some((ring, call, mem)) = dev.live(q) {
                 let mut budget = BURST.min(out.room());
                 let now = stitch_core::packet::now_ns();
+                self.egress.refill(std::time::Instant::now());
                 while budget > 0 && ring.pending() > 0 {
                     let head = match ring.next_head() {
                         Ok(h) => h,
@@ -204,8 +260,12 @@ impl App for VhostUser {
                         break;
                     }
                     if let Some(p) = self.take_from_guest(hlen, now) {
-                        out.transmit(p);
-                        budget -= 1;
+                        if (self.mac.is_none() && self.egress.is_open())
+                            || self.egress.admit(&p, self.mac, true)
+                        {
+                            out.transmit(p);
+                            budget -= 1;
+                        }
                     }
                     ring.add_used(head, 0);
                 }
@@ -249,7 +309,12 @@ impl App for VhostUser {
         // Stage 1: every packet made acceptable to the guest, with its ring.
         let mut batch = std::mem::take(&mut self.scratch);
         let mut queue_of = std::mem::take(&mut self.scratch_queues);
+        let open = self.mac.is_none() && self.ingress.is_open();
+        self.ingress.refill(std::time::Instant::now());
         for p in input.drain().take(BURST) {
+            if !open && !self.ingress.admit(&p, self.mac, false) {
+                continue;
+            }
             let q = if rx.len() == 1 {
                 rx[0]
             } else {
@@ -328,6 +393,7 @@ impl App for VhostUser {
             })
             .collect();
         serde_json::json!({
+            "port_id": self.port_id,
             "connected": dev.connected,
             "features": format!("{:#x}", dev.features),
             "memory_bytes": dev.mem.as_ref().map(|m| m.total_size()).unwrap_or(0),
