@@ -37,6 +37,11 @@ fn accumulated(out: &str) -> (u64, u64) {
 
 impl Testpmd {
     fn start(sock: &std::path::Path, mode: &str, tag: &str) -> Testpmd {
+        Testpmd::start_with(sock, mode, tag, "")
+    }
+
+    /// `vdev_extra` is appended to the virtio-user device arguments (e.g. `,server=1`).
+    fn start_with(sock: &std::path::Path, mode: &str, tag: &str, vdev_extra: &str) -> Testpmd {
         let prefix = format!("st{}{tag}", std::process::id());
         let child = Command::new("dpdk-testpmd")
             .args(["-l", "0,1", "--no-pci", "--no-huge", "-m", "512"])
@@ -47,7 +52,10 @@ impl Testpmd {
                 "pmd.net.virtio.*:error",
             ])
             .arg("--vdev")
-            .arg(format!("net_virtio_user0,path={},queues=1", sock.display()))
+            .arg(format!(
+                "net_virtio_user0,path={},queues=1{vdev_extra}",
+                sock.display()
+            ))
             .args(["--", "--total-num-mbufs=16384", "--stats-period", "1"])
             .arg(format!("--forward-mode={mode}"))
             .stdout(Stdio::piped())
@@ -449,4 +457,179 @@ fn port_policy_filters_and_rate_limits_what_the_guest_sends() {
             assert!(passed > 1000, "{policy}: {passed}");
         }
     }
+}
+
+/// A hand-written vhost-user front-end that shares 1 MiB and sets up the guest's transmit ring
+/// (ring 1) with descriptors the test writes itself.
+struct EvilGuest {
+    stream: std::os::unix::net::UnixStream,
+    mem: *mut u8,
+}
+
+const GUEST_GPA: u64 = 0x10_0000;
+const GUEST_VA: u64 = 0x7000_0000_0000;
+const GUEST_SIZE: usize = 1 << 20;
+
+fn vhost_msg(request: u32, payload: &[u8]) -> Vec<u8> {
+    let mut m = Vec::new();
+    m.extend_from_slice(&request.to_le_bytes());
+    m.extend_from_slice(&1u32.to_le_bytes());
+    m.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    m.extend_from_slice(payload);
+    m
+}
+
+fn u32s(v: &[u32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+impl EvilGuest {
+    fn connect(sock: &std::path::Path) -> EvilGuest {
+        use std::os::fd::AsRawFd;
+        let stream = std::os::unix::net::UnixStream::connect(sock).unwrap();
+        let name = std::ffi::CString::new("evil-guest").unwrap();
+        // SAFETY: a fresh memfd, mapped shared for the test to write rings into.
+        let (fd, mem) = unsafe {
+            let fd = libc::memfd_create(name.as_ptr(), 0);
+            assert_eq!(libc::ftruncate(fd, GUEST_SIZE as libc::off_t), 0);
+            let p = libc::mmap(
+                std::ptr::null_mut(),
+                GUEST_SIZE,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            );
+            (fd, p as *mut u8)
+        };
+        let g = EvilGuest { stream, mem };
+        let s = g.stream.as_raw_fd();
+        let send = |m: Vec<u8>, fds: &[i32]| stitch_core::fdpass::send(s, &m, fds).unwrap();
+        send(vhost_msg(3, &[]), &[]); // SET_OWNER
+        send(vhost_msg(2, &(1u64 << 32).to_le_bytes()), &[]); // SET_FEATURES: VERSION_1
+        let mut table = u32s(&[1, 0]);
+        for v in [GUEST_GPA, GUEST_SIZE as u64, GUEST_VA, 0] {
+            table.extend_from_slice(&v.to_le_bytes());
+        }
+        send(vhost_msg(5, &table), &[fd]); // SET_MEM_TABLE
+        send(vhost_msg(8, &u32s(&[1, 8])), &[]); // SET_VRING_NUM 8
+        let mut addr = u32s(&[1, 0]);
+        for v in [GUEST_VA, GUEST_VA + 0x2000, GUEST_VA + 0x1000, 0] {
+            addr.extend_from_slice(&v.to_le_bytes()); // desc, used, avail, log
+        }
+        send(vhost_msg(9, &addr), &[]); // SET_VRING_ADDR
+        send(vhost_msg(10, &u32s(&[1, 0])), &[]); // SET_VRING_BASE 0
+        g
+    }
+
+    /// Starts (or restarts) ring 1: SET_VRING_KICK without an eventfd (we do not kick).
+    fn kick(&self) {
+        use std::os::fd::AsRawFd;
+        let m = vhost_msg(12, &(1u64 | 0x100).to_le_bytes());
+        stitch_core::fdpass::send(self.stream.as_raw_fd(), &m, &[]).unwrap();
+    }
+
+    fn desc(&self, i: usize, addr: u64, len: u32, flags: u16, next: u16) {
+        // SAFETY: inside the test's own mapping.
+        unsafe {
+            let p = self.mem.add(16 * i);
+            (p as *mut u64).write_volatile(addr);
+            (p.add(8) as *mut u32).write_volatile(len);
+            (p.add(12) as *mut u16).write_volatile(flags);
+            (p.add(14) as *mut u16).write_volatile(next);
+        }
+    }
+
+    /// Offers descriptor `head` as the `n`-th available entry.
+    fn offer(&self, n: u16, head: u16) {
+        // SAFETY: inside the test's own mapping (avail ring at +0x1000).
+        unsafe {
+            let avail = self.mem.add(0x1000);
+            (avail.add(4 + 2 * (n as usize % 8)) as *mut u16).write_volatile(head);
+            std::sync::atomic::fence(std::sync::atomic::Ordering::Release);
+            (avail.add(2) as *mut u16).write_volatile(n + 1);
+        }
+    }
+}
+
+#[test]
+fn a_guest_with_bad_descriptors_only_stops_its_own_queue() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("vm.sock");
+    let s = Stitch::run(&format!(
+        "apps:\n  vm: {{ type: vhost_user, socket: {} }}\n  out: {{ type: sink }}\nlinks:\n  - \"vm.output -> out.input\"\n",
+        sock.display()
+    ));
+    wait_until("the port listens", 10, || sock.exists());
+    let g = EvilGuest::connect(&sock);
+    let faults = |s: &Stitch| counter(&s.stats().unwrap(), "vm", "guest_faults");
+    let query = |s: &Stitch| s.call("POST", "/api/v1/apps/vm/query", Some("{}")).1;
+
+    // A buffer outside the memory the guest shared.
+    g.desc(0, 0xdead_0000, 100, 0, 0);
+    g.offer(0, 0);
+    g.kick();
+    wait_until("the fault is seen", 10, || faults(&s) == 1);
+    let fault = query(&s)["queues"][1]["fault"].to_string();
+    assert!(fault.contains("outside guest memory"), "{fault}");
+
+    // A chain that loops (0 → 1 → 0): refused as well, once the guest restarts the ring.
+    g.desc(0, GUEST_GPA + 0x10000, 64, 1, 1);
+    g.desc(1, GUEST_GPA + 0x20000, 64, 1, 0);
+    g.kick();
+    wait_until("the loop is seen", 10, || faults(&s) == 2);
+    assert!(query(&s)["queues"][1]["fault"]
+        .to_string()
+        .contains("loops"));
+
+    // Fixed: one good frame (12-byte virtio-net header + 60 bytes) goes through.
+    g.desc(0, GUEST_GPA + 0x10000, 72, 0, 0);
+    // SAFETY: inside the guest's mapping: an Ethernet frame after a zero header.
+    unsafe {
+        let b = g.mem.add(0x10000);
+        std::ptr::write_bytes(b, 0, 72);
+        std::ptr::copy_nonoverlapping([0xffu8; 6].as_ptr(), b.add(12), 6);
+    }
+    g.kick();
+    wait_until("the good frame arrives", 10, || {
+        link(&s.stats().unwrap(), "vm.output -> out.input")["tx_packets"] == 1
+    });
+    assert_eq!(query(&s)["queues"][1]["fault"], serde_json::Value::Null);
+    drop(g);
+    let stats = s.stop();
+    assert_eq!(counter(&stats, "vm", "guest_faults"), 2);
+}
+
+#[test]
+fn client_mode_reconnects_when_the_front_end_restarts() {
+    require_root_and_tools(&["dpdk-testpmd"]);
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("vm.sock");
+    // Here testpmd is the server (as QEMU with `server=on`) and Stitch connects.
+    let s = Stitch::run(&format!(
+        "apps:\n  vm: {{ type: vhost_user, socket: {}, mode: client }}\n  out: {{ type: sink }}\nlinks:\n  - \"vm.output -> out.input\"\n",
+        sock.display()
+    ));
+    let mut total = 0;
+    for round in 0..2 {
+        let t = Testpmd::start_with(&sock, "txonly", &format!("rc{round}"), ",server=1");
+        wait_connected(&s);
+        std::thread::sleep(Duration::from_secs(1));
+        let (_, sent) = t.stop();
+        assert!(sent > 1000, "round {round}: {sent}");
+        total += sent;
+        wait_until("the port sees the front-end gone", 10, || {
+            s.call("POST", "/api/v1/apps/vm/query", Some("{}")).1["connected"] == false
+        });
+    }
+    let stats = s.stop();
+    assert_eq!(counter(&stats, "vm", "connections"), 2);
+    assert_eq!(
+        link(&stats, "vm.output -> out.input")["tx_packets"]
+            .as_u64()
+            .unwrap(),
+        total,
+        "both sessions' packets arrived"
+    );
 }
