@@ -335,6 +335,18 @@ impl DataPlane {
                         a.line, a.name
                     ));
                 };
+                // Someone else's program on the hook: refuse before anything is changed.
+                if !self.links_dir().join(ifname).exists() {
+                    let others = tcx_programs(i);
+                    if others > 0 {
+                        return fail(format!(
+                            "line {}: app `{}`: interface `{ifname}` already has {others} \
+                             program(s) on its tc ingress hook (see `bpftool net show dev \
+                             {ifname}`); Stitch would take their traffic: remove them first",
+                            a.line, a.name
+                        ));
+                    }
+                }
                 ifindexes.insert(a.name.clone(), i);
             }
         }

@@ -458,3 +458,27 @@ fn vxlan_transport_keeps_tenants_with_the_same_addresses_apart() {
     assert!(s["data_plane"]["unknown_vni"].as_u64().unwrap() >= 1, "{s}");
     assert!(ok(&ping(1)), "tenant 1 unaffected");
 }
+
+#[test]
+fn an_interface_hooked_by_another_program_is_refused() {
+    require_root_and_tools(&["ip"]);
+    let h = TwoHosts::new();
+    let graph = format!(
+        "placement: kernel\napps:\n  a: {{ type: af_packet, interface: {} }}\n  b: {{ type: af_packet, interface: {} }}\nlinks:\n  - \"a.output -> b.input\"\n  - \"b.output -> a.input\"\n",
+        h.outer[0], h.outer[1]
+    );
+    let first = Plane::new();
+    first.apply(&graph);
+    // Another data plane (any other TCX program would do) may not take the same hook.
+    let second = Plane::new();
+    let o = second.apply_output(&graph);
+    let t = text(&o);
+    assert!(!ok(&o), "{t}");
+    assert!(
+        t.contains(&h.outer[0]) && t.contains("already has 1 program"),
+        "{t}"
+    );
+    // The first one still forwards.
+    let o = h.exec(0, &format!("ping -c 2 -i 0.1 -W 2 {}", h.ip[1]));
+    assert!(ok(&o), "{}", text(&o));
+}
