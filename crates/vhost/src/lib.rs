@@ -86,6 +86,8 @@ fn yes() -> bool {
 }
 
 const BURST: usize = 256;
+/// How many chains ahead the next buffers are prefetched.
+const PREFETCH_AHEAD: u16 = 4;
 /// Largest frame a guest may send without TSO, and with it.
 const MAX_FRAME: usize = 9216;
 const MAX_GSO_FRAME: usize = 65536 + 256;
@@ -248,6 +250,7 @@ impl App for VhostUser {
                 let now = stitch_core::packet::now_ns();
                 self.egress.refill(std::time::Instant::now());
                 while budget > 0 && ring.pending() > 0 {
+                    ring.prefetch_ahead(mem, PREFETCH_AHEAD, false);
                     let head = match ring.next_head() {
                         Ok(h) => h,
                         Err(f) => {
@@ -520,6 +523,7 @@ impl VhostUser {
         self.chains.clear();
         self.rx_segs.clear();
         let mut room = 0usize;
+        ring.prefetch_ahead(mem, PREFETCH_AHEAD, true);
         while room < total {
             let out_of_buffers = ring.pending() == 0;
             if out_of_buffers || (!mergeable && !self.chains.is_empty()) {
