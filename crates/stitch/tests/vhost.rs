@@ -633,3 +633,57 @@ fn client_mode_reconnects_when_the_front_end_restarts() {
         "both sessions' packets arrived"
     );
 }
+
+#[test]
+fn two_queue_pairs_carry_what_testpmd_sends_on_both() {
+    require_root_and_tools(&["dpdk-testpmd"]);
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("vm.sock");
+    let s = Stitch::run(&format!(
+        "apps:\n  vm: {{ type: vhost_user, socket: {}, queues: 2 }}\n  out: {{ type: sink }}\nlinks:\n  - \"vm.output -> out.input\"\n",
+        sock.display()
+    ));
+    let prefix = format!("st{}mq", std::process::id());
+    let child = Command::new("dpdk-testpmd")
+        .args(["-l", "0,1", "--no-pci", "--no-huge", "-m", "512"])
+        .args([
+            "--file-prefix",
+            &prefix,
+            "--log-level",
+            "pmd.net.virtio.*:error",
+        ])
+        .arg("--vdev")
+        .arg(format!("net_virtio_user0,path={},queues=2", sock.display()))
+        .args([
+            "--",
+            "--total-num-mbufs=32768",
+            "--rxq=2",
+            "--txq=2",
+            "--stats-period",
+            "1",
+        ])
+        .args(["--forward-mode=txonly", "--txonly-multi-flow"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("dpdk-testpmd");
+    let t = Testpmd {
+        child: Some(child),
+        prefix,
+    };
+    wait_connected(&s);
+    let (_, q) = s.call("POST", "/api/v1/apps/vm/query", Some("{}"));
+    assert_eq!(q["queues"].as_array().unwrap().len(), 4, "{q}");
+    std::thread::sleep(Duration::from_secs(2));
+    let (_, sent) = t.stop();
+    std::thread::sleep(Duration::from_millis(300));
+    let stats = s.stop();
+    assert!(sent > 10_000);
+    assert_eq!(
+        link(&stats, "vm.output -> out.input")["tx_packets"]
+            .as_u64()
+            .unwrap(),
+        sent
+    );
+}
