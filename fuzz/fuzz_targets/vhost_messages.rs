@@ -30,7 +30,7 @@ fuzz_target!(|data: &[u8]| {
     let base = mem.gpa(GPA, SIZE as u64).unwrap();
     let n = data.len().min(SIZE);
     unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), base, n) };
-    let Ok(mut ring) = Vring::new(&mem, 8, GPA, GPA + 0x1000, GPA + 0x2000, 0) else { return };
+    let Ok(mut ring) = Vring::new(&mem, 8, GPA, GPA + 0x1000, GPA + 0x2000, 0, None) else { return };
     let mut segs = Vec::new();
     for _ in 0..ring.pending().min(16) {
         let Ok(head) = ring.next_head() else { break };
@@ -40,7 +40,7 @@ fuzz_target!(|data: &[u8]| {
                 assert!(start + s.len as usize <= SIZE);
             }
         }
-        ring.add_used(head, 0);
+        ring.add_used(head, 0, None);
     }
-    ring.publish();
+    ring.publish(None);
 });

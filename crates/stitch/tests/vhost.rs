@@ -276,41 +276,53 @@ fn guest(
     run: &str,
     log: &std::path::Path,
 ) -> Background {
-    let append = format!("console=ttyS0 quiet stitch.ip={ip} stitch.run=\"{run}\"");
     Background(
-        Command::new("qemu-system-x86_64")
-            .args([
-                "-accel",
-                "tcg",
-                "-m",
-                "512",
-                "-smp",
-                "1",
-                "-no-reboot",
-                "-display",
-                "none",
-            ])
-            // vhost-user needs the guest's memory shareable (memfd).
-            .args(["-object", "memory-backend-memfd,id=mem,size=512M,share=on"])
-            .args(["-numa", "node,memdev=mem"])
-            .arg("-kernel")
-            .arg(image.join("vmlinux"))
-            .arg("-initrd")
-            .arg(image.join("initrd.gz"))
-            .args(["-append", &append])
-            .arg("-chardev")
-            .arg(format!("socket,id=c0,path={}", sock.display()))
-            .args(["-netdev", "vhost-user,id=n0,chardev=c0"])
-            // QEMU 7.2 under TCG crashes with MSI-X and vhost-user: legacy interrupts.
-            .arg("-device")
-            .arg(format!("virtio-net-pci,netdev=n0,vectors=0,mac={mac}"))
-            .arg("-serial")
-            .arg(format!("file:{}", log.display()))
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
+        guest_command(image, sock, mac, ip, run, log)
             .spawn()
             .expect("qemu-system-x86_64 (package qemu-system-x86) is needed"),
     )
+}
+
+fn guest_command(
+    image: &std::path::Path,
+    sock: &std::path::Path,
+    mac: &str,
+    ip: &str,
+    run: &str,
+    log: &std::path::Path,
+) -> Command {
+    let append = format!("console=ttyS0 quiet stitch.ip={ip} stitch.run=\"{run}\"");
+    let mut c = Command::new("qemu-system-x86_64");
+    c.args([
+        "-accel",
+        "tcg",
+        "-m",
+        "512",
+        "-smp",
+        "1",
+        "-no-reboot",
+        "-display",
+        "none",
+    ])
+    // vhost-user needs the guest's memory shareable (memfd).
+    .args(["-object", "memory-backend-memfd,id=mem,size=512M,share=on"])
+    .args(["-numa", "node,memdev=mem"])
+    .arg("-kernel")
+    .arg(image.join("vmlinux"))
+    .arg("-initrd")
+    .arg(image.join("initrd.gz"))
+    .args(["-append", &append])
+    .arg("-chardev")
+    .arg(format!("socket,id=c0,path={}", sock.display()))
+    .args(["-netdev", "vhost-user,id=n0,chardev=c0"])
+    // QEMU 7.2 under TCG crashes with MSI-X and vhost-user: legacy interrupts.
+    .arg("-device")
+    .arg(format!("virtio-net-pci,netdev=n0,vectors=0,mac={mac}"))
+    .arg("-serial")
+    .arg(format!("file:{}", log.display()))
+    .stdout(Stdio::null())
+    .stderr(Stdio::piped());
+    c
 }
 
 /// What the guest's commands printed.
@@ -685,5 +697,98 @@ fn two_queue_pairs_carry_what_testpmd_sends_on_both() {
             .as_u64()
             .unwrap(),
         sent
+    );
+}
+
+/// One HMP command on a QEMU monitor socket; returns what QEMU printed.
+fn monitor(sock: &std::path::Path, command: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::os::unix::net::UnixStream::connect(sock).unwrap();
+    s.set_read_timeout(Some(Duration::from_millis(500)))
+        .unwrap();
+    let mut buf = vec![0u8; 65536];
+    let _ = s.read(&mut buf); // the banner
+    s.write_all(format!("{command}\n").as_bytes()).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    let n = s.read(&mut buf).unwrap_or(0);
+    String::from_utf8_lossy(&buf[..n]).into_owned()
+}
+
+#[test]
+fn a_qemu_guest_migrates_live_from_one_port_to_another_and_keeps_its_pings() {
+    require_root_and_tools(&["qemu-system-x86_64", "busybox", "ip", "cpio"]);
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let image = vm_image();
+    let h = TwoHosts::new();
+    let prefix = h.ip[0].rsplit_once('.').unwrap().0.to_string();
+    let ns_ip = h.ip[0].clone();
+    let dir = tempfile::tempdir().unwrap();
+    let (src, dst) = (dir.path().join("src.sock"), dir.path().join("dst.sock"));
+    let s = Stitch::run(&format!(
+        "apps:\n  src: {{ type: vhost_user, socket: {} }}\n  dst: {{ type: vhost_user, socket: {} }}\n  ns: {{ type: af_packet, interface: {} }}\n  br: {{ type: bridge, ports: {{ src: {{}}, dst: {{}}, ns: {{}} }} }}\nlinks:\n  - \"src.output -> br.src\"\n  - \"br.src -> src.input\"\n  - \"dst.output -> br.dst\"\n  - \"br.dst -> dst.input\"\n  - \"ns.output -> br.ns\"\n  - \"br.ns -> ns.input\"\n",
+        src.display(),
+        dst.display(),
+        h.outer[0]
+    ));
+    let mon = dir.path().join("mon.sock");
+    let port = free_port();
+    let (src_log, dst_log) = (dir.path().join("src.log"), dir.path().join("dst.log"));
+    let run = format!(
+        "for i in $(seq 1 100); do ping -c 1 -W 1 {ns_ip} >/dev/null && echo PING-OK $i || echo PING-LOST $i; sleep 0.2; done"
+    );
+    let vm_ip = format!("{prefix}.21/24");
+    let mac = "52:54:00:00:00:21";
+    // The destination waits for the incoming migration on loopback; the source has a monitor.
+    let g_dst = Background(
+        guest_command(&image, &dst, mac, &vm_ip, &run, &dst_log)
+            .args(["-incoming", &format!("tcp:127.0.0.1:{port}")])
+            .spawn()
+            .unwrap(),
+    );
+    let g_src = Background(
+        guest_command(&image, &src, mac, &vm_ip, &run, &src_log)
+            .arg("-monitor")
+            .arg(format!("unix:{},server=on,wait=off", mon.display()))
+            .spawn()
+            .unwrap(),
+    );
+    wait_until("the guest pings from the source", 60, || {
+        std::fs::read_to_string(&src_log)
+            .unwrap_or_default()
+            .matches("PING-OK")
+            .count()
+            >= 5
+    });
+    monitor(&mon, &format!("migrate -d tcp:127.0.0.1:{port}"));
+    wait_until("the migration completes", 60, || {
+        monitor(&mon, "info migrate").contains("Migration status: completed")
+    });
+    // The source stays paused after a migration: tell it to go.
+    monitor(&mon, "quit");
+    let _ = g_src.finish();
+    let out = g_dst.finish();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The destination's console starts mid-way: the guest said STITCH-BEGIN at the source.
+    let a = guest_output(&src_log);
+    let b = std::fs::read_to_string(&dst_log).unwrap_or_default();
+    let ok = a.matches("PING-OK").count() + b.matches("PING-OK").count();
+    let lost = a.matches("PING-LOST").count() + b.matches("PING-LOST").count();
+    eprintln!(
+        "migration: {ok} pings answered, {lost} lost, {} of them after it",
+        b.matches("PING-OK").count()
+    );
+    assert!(
+        b.contains("PING-OK"),
+        "the guest carried on at the destination: {b}"
+    );
+    assert!(ok >= 95 && lost <= 5, "{ok} answered, {lost} lost");
+    let stats = s.stop();
+    assert!(
+        counter(&stats, "dst", "announcements") >= 1,
+        "the destination announced the guest (QEMU asks for a RARP after the migration)"
     );
 }

@@ -6,7 +6,7 @@
 //! Message handling is our own (not vhost-user-backend's): QEMU 7.2 sends SET_VRING_ENABLE
 //! before SET_FEATURES, which that crate refuses; here the order of those two does not matter.
 
-use crate::memory::GuestMemory;
+use crate::memory::{DirtyLog, GuestMemory};
 use crate::message::{self, req, Header, Request, VringAddr, HEADER_LEN};
 use crate::virtq::Vring;
 use std::io::{Read, Write};
@@ -26,11 +26,14 @@ pub mod feature {
     pub const NET_HOST_TSO6: u64 = 1 << 12;
     pub const NET_MRG_RXBUF: u64 = 1 << 15;
     pub const NET_MQ: u64 = 1 << 22;
+    pub const LOG_ALL: u64 = 1 << 26;
     pub const RING_INDIRECT_DESC: u64 = 1 << 28;
     pub const PROTOCOL_FEATURES: u64 = 1 << 30;
     pub const VERSION_1: u64 = 1 << 32;
 
     pub const PROTOCOL_MQ: u64 = 1 << 0;
+    pub const PROTOCOL_LOG_SHMFD: u64 = 1 << 1;
+    pub const PROTOCOL_RARP: u64 = 1 << 2;
     pub const PROTOCOL_REPLY_ACK: u64 = 1 << 3;
 }
 
@@ -56,7 +59,9 @@ impl Queue {
         let (Some(mem), Some(a)) = (mem, self.addr) else {
             return;
         };
-        match Vring::new(mem, self.num, a.desc, a.avail, a.used, self.base) {
+        // VHOST_VRING_F_LOG: the used ring's guest address is given for logging its writes.
+        let used_gpa = (a.flags & 1 != 0).then_some(a.log);
+        match Vring::new(mem, self.num, a.desc, a.avail, a.used, self.base, used_gpa) {
             Ok(r) => self.ring = Some(r),
             Err(f) => self.fault = Some(f.0),
         }
@@ -67,6 +72,10 @@ pub struct Device {
     pub features: u64,
     protocol: u64,
     pub mem: Option<GuestMemory>,
+    /// The dirty log, once the front-end gave one (live migration).
+    log: Option<DirtyLog>,
+    /// A MAC address to announce (RARP) for a guest that just migrated here.
+    pub announce: Option<[u8; 6]>,
     pub queues: Vec<Queue>,
     pub connected: bool,
 }
@@ -77,6 +86,8 @@ impl Device {
             features: 0,
             protocol: 0,
             mem: None,
+            log: None,
+            announce: None,
             queues: (0..2 * queue_pairs).map(|_| Queue::default()).collect(),
             connected: false,
         }
@@ -87,14 +98,20 @@ impl Device {
         *self = Device::new(n / 2);
     }
 
-    /// A ring the data path may use now.
-    pub fn live(&mut self, i: usize) -> Option<(&mut Vring, Option<&OwnedFd>, &GuestMemory)> {
+    /// A ring the data path may use now, with what writing into it needs.
+    pub fn live(&mut self, i: usize) -> Option<Live<'_>> {
         let protocol = self.features & feature::PROTOCOL_FEATURES != 0;
+        let logging = self.features & feature::LOG_ALL != 0;
         let q = self.queues.get_mut(i)?;
         if !q.started || (protocol && !q.enabled) || q.fault.is_some() {
             return None;
         }
-        Some((q.ring.as_mut()?, q.call.as_ref(), self.mem.as_ref()?))
+        Some(Live {
+            ring: q.ring.as_mut()?,
+            call: q.call.as_ref(),
+            mem: self.mem.as_ref()?,
+            log: if logging { self.log.as_ref() } else { None },
+        })
     }
 
     pub fn stop_queue(&mut self, i: usize, why: String) {
@@ -103,6 +120,15 @@ impl Device {
             q.fault = Some(why);
         }
     }
+}
+
+/// A ring in use: the ring, its interrupt eventfd, guest memory and, while the front-end
+/// migrates the guest, the dirty log.
+pub struct Live<'a> {
+    pub ring: &'a mut Vring,
+    pub call: Option<&'a OwnedFd>,
+    pub mem: &'a GuestMemory,
+    pub log: Option<&'a DirtyLog>,
 }
 
 /// What the connection thread and the port share.
@@ -124,7 +150,7 @@ pub struct Endpoint {
 
 pub fn offered_features(offloads: bool, queue_pairs: usize) -> u64 {
     use feature::*;
-    let mut f = VERSION_1 | PROTOCOL_FEATURES | NET_MRG_RXBUF | RING_INDIRECT_DESC;
+    let mut f = VERSION_1 | PROTOCOL_FEATURES | NET_MRG_RXBUF | RING_INDIRECT_DESC | LOG_ALL;
     if queue_pairs > 1 {
         f |= NET_MQ;
     }
@@ -266,6 +292,7 @@ fn serve(stream: &UnixStream, shared: &Shared) -> Result<(), String> {
                 out.extend_from_slice(&index.to_le_bytes());
                 out.extend_from_slice(&num.to_le_bytes());
             }
+            Reply::Empty => out.extend_from_slice(&h.reply(0)),
             Reply::Ack(ok) => {
                 let acks =
                     shared.device.lock().unwrap().protocol & feature::PROTOCOL_REPLY_ACK != 0;
@@ -284,9 +311,16 @@ fn serve(stream: &UnixStream, shared: &Shared) -> Result<(), String> {
 
 enum Reply {
     Value(u64),
+    /// A reply without payload (SET_LOG_BASE).
+    Empty,
     State(u32, u32),
     Ack(bool),
 }
+
+const PROTOCOLS: u64 = feature::PROTOCOL_MQ
+    | feature::PROTOCOL_REPLY_ACK
+    | feature::PROTOCOL_LOG_SHMFD
+    | feature::PROTOCOL_RARP;
 
 fn handle(shared: &Shared, request: Request, mut fds: Vec<OwnedFd>) -> Result<Reply, String> {
     let mut dev = shared.device.lock().unwrap();
@@ -312,14 +346,14 @@ fn handle(shared: &Shared, request: Request, mut fds: Vec<OwnedFd>) -> Result<Re
             dev.features = f;
             Reply::Ack(true)
         }
-        Request::SetOwner | Request::ResetOwner | Request::SendRarp | Request::SetMtu(_) => {
+        Request::SendRarp(mac) => {
+            dev.announce = Some(mac);
             Reply::Ack(true)
         }
-        Request::GetProtocolFeatures => {
-            Reply::Value(feature::PROTOCOL_MQ | feature::PROTOCOL_REPLY_ACK)
-        }
+        Request::SetOwner | Request::ResetOwner | Request::SetMtu(_) => Reply::Ack(true),
+        Request::GetProtocolFeatures => Reply::Value(PROTOCOLS),
         Request::SetProtocolFeatures(f) => {
-            dev.protocol = f & (feature::PROTOCOL_MQ | feature::PROTOCOL_REPLY_ACK);
+            dev.protocol = f & PROTOCOLS;
             Reply::Ack(true)
         }
         Request::GetQueueNum => Reply::Value((nq / 2) as u64),
@@ -344,9 +378,18 @@ fn handle(shared: &Shared, request: Request, mut fds: Vec<OwnedFd>) -> Result<Re
             }
             Reply::Ack(true)
         }
-        Request::SetLogBase { .. } => {
-            return Err("live migration (dirty logging) is not supported".into())
+        Request::SetLogBase { size, offset } => {
+            let fd = fds
+                .pop()
+                .ok_or("SET_LOG_BASE without a file descriptor (LOG_SHMFD is required)")?;
+            dev.log = Some(DirtyLog::map(&fd, size, offset)?);
+            log::info!(
+                "vhost_user {}: dirty log of {size} bytes (live migration)",
+                shared.name
+            );
+            Reply::Empty
         }
+        Request::SetLogFd => Reply::Ack(true),
         Request::SetVringNum { index, num } => {
             let i = queue(index)?;
             if num == 0 || num > 32768 || !num.is_power_of_two() {

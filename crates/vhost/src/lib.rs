@@ -117,6 +117,7 @@ pub struct VhostUser {
     pool_exhausted: Counter,
     guest_faults: Counter,
     interrupts: Counter,
+    announcements: Counter,
     gso_segmented: Counter,
     checksums_completed: Counter,
     connections: Counter,
@@ -224,6 +225,7 @@ impl App for VhostUser {
             pool_exhausted: ctx.counter("pool_exhausted_drops"),
             guest_faults: ctx.counter("guest_faults"),
             interrupts: ctx.counter("interrupts"),
+            announcements: ctx.counter("announcements"),
             gso_segmented: ctx.counter("gso_segmented"),
             checksums_completed: ctx.counter("checksums_completed"),
             connections: ctx.counter("connections"),
@@ -243,9 +245,23 @@ impl App for VhostUser {
             return;
         };
         let hlen = header_len(dev.features);
+        if let Some(mac) = dev.announce.take() {
+            // As QEMU's self-announcement does: a RARP from the guest's address, so that
+            // switches learn where the migrated guest is now.
+            if let Some(p) = rarp(mac) {
+                out.transmit(p);
+                self.announcements.add(1);
+            }
+        }
         for q in (1..dev.queues.len()).step_by(2) {
             let mut fault = None;
-            if let Some((ring, call, mem)) = dev.live(q) {
+            if let Some(device::Live {
+                ring,
+                call,
+                mem,
+                log,
+            }) = dev.live(q)
+            {
                 let mut budget = BURST.min(out.room());
                 let now = stitch_core::packet::now_ns();
                 self.egress.refill(std::time::Instant::now());
@@ -270,9 +286,9 @@ impl App for VhostUser {
                             budget -= 1;
                         }
                     }
-                    ring.add_used(head, 0);
+                    ring.add_used(head, 0, log);
                 }
-                if ring.publish() {
+                if ring.publish(log) {
                     signal(call, &self.interrupts);
                 }
             }
@@ -335,13 +351,19 @@ impl App for VhostUser {
         for &q in rx {
             let mut delivered = 0;
             let mut fault = None;
-            if let Some((ring, call, mem)) = dev.live(q) {
+            if let Some(device::Live {
+                ring,
+                call,
+                mem,
+                log,
+            }) = dev.live(q)
+            {
                 for (p, _) in batch
                     .iter()
                     .zip(&queue_of)
                     .filter(|(_, &pq)| pq as usize == q)
                 {
-                    match self.write_to_guest(ring, mem, p, features) {
+                    match self.write_to_guest(ring, mem, log, p, features) {
                         Ok(true) => delivered += 1,
                         Ok(false) => {}
                         Err(f) => {
@@ -350,7 +372,7 @@ impl App for VhostUser {
                         }
                     }
                 }
-                if delivered > 0 && ring.publish() {
+                if delivered > 0 && ring.publish(log) {
                     signal(call, &self.interrupts);
                 }
             }
@@ -404,6 +426,20 @@ impl App for VhostUser {
             "protocol_errors": self.shared.protocol_errors.load(Ordering::Relaxed),
         })
     }
+}
+
+/// A RARP request (RFC 903) from `mac`, broadcast, padded to 60 bytes.
+fn rarp(mac: [u8; 6]) -> Option<Packet> {
+    let mut f = [0u8; 60];
+    f[0..6].copy_from_slice(&[0xff; 6]);
+    f[6..12].copy_from_slice(&mac);
+    f[12..14].copy_from_slice(&0x8035u16.to_be_bytes());
+    f[14..22].copy_from_slice(&[0, 1, 0x08, 0, 6, 4, 0, 3]); // Ethernet/IPv4, op 3
+    f[22..28].copy_from_slice(&mac);
+    f[32..38].copy_from_slice(&mac);
+    let mut p = pool::alloc()?;
+    p.set_data(&f).ok()?;
+    Some(p)
 }
 
 impl VhostUser {
@@ -514,6 +550,7 @@ impl VhostUser {
         &mut self,
         ring: &mut Vring,
         mem: &memory::GuestMemory,
+        log: Option<&memory::DirtyLog>,
         p: &Packet,
         features: u64,
     ) -> Result<bool, virtq::Fault> {
@@ -558,6 +595,11 @@ impl VhostUser {
         for &(head, first, count) in &self.chains {
             let mut written = 0u32;
             for s in &self.rx_segs[first..first + count] {
+                if let (Some(log), true) = (log, part < stream.len()) {
+                    // Marks the whole buffer: cheaper to over-mark than to track how much of
+                    // it this frame fills, and only while the guest migrates.
+                    log.mark(s.gpa, s.len as u64);
+                }
                 let mut off = 0usize;
                 while off < s.len as usize && part < stream.len() {
                     let src = &stream[part][at..];
@@ -573,7 +615,7 @@ impl VhostUser {
                     }
                 }
             }
-            ring.add_used(head, written);
+            ring.add_used(head, written, log);
         }
         Ok(true)
     }

@@ -99,6 +99,79 @@ impl Drop for GuestMemory {
     }
 }
 
+/// The dirty log of live migration (SET_LOG_BASE): one bit per 4 KiB page of guest physical
+/// memory, set for every page the back-end writes while the front-end asks for logging
+/// (VHOST_F_LOG_ALL), so that QEMU copies those pages again.
+pub struct DirtyLog {
+    ptr: *mut u8,
+    len: usize,
+    map_base: *mut libc::c_void,
+    map_len: usize,
+}
+
+// SAFETY: shared memory updated with atomic byte operations only.
+unsafe impl Send for DirtyLog {}
+unsafe impl Sync for DirtyLog {}
+
+impl DirtyLog {
+    pub fn map(fd: &OwnedFd, size: u64, offset: u64) -> Result<DirtyLog, String> {
+        if size == 0 || size > (1 << 32) {
+            return Err(format!("dirty log of {size} bytes"));
+        }
+        let delta = offset % 4096;
+        let map_len = (size + delta) as usize;
+        // SAFETY: mapping a file the front-end shared; failure is checked.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                (offset - delta) as libc::off_t,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(format!(
+                "cannot map the dirty log: {}",
+                std::io::Error::last_os_error()
+            ));
+        }
+        Ok(DirtyLog {
+            // SAFETY: inside the mapping.
+            ptr: unsafe { (base as *mut u8).add(delta as usize) },
+            len: size as usize,
+            map_base: base,
+            map_len,
+        })
+    }
+
+    /// Marks the pages of `len` bytes written at guest physical address `gpa`.
+    pub fn mark(&self, gpa: u64, len: u64) {
+        if len == 0 {
+            return;
+        }
+        let (first, last) = (gpa / 4096, (gpa + len - 1) / 4096);
+        for page in first..=last {
+            let byte = (page / 8) as usize;
+            if byte >= self.len {
+                return;
+            }
+            // SAFETY: inside the mapping; the front-end reads and clears bits concurrently,
+            // hence the atomic OR.
+            let b = unsafe { std::sync::atomic::AtomicU8::from_ptr(self.ptr.add(byte)) };
+            b.fetch_or(1 << (page % 8), std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+}
+
+impl Drop for DirtyLog {
+    fn drop(&mut self) {
+        // SAFETY: unmapping our own mapping once.
+        unsafe { libc::munmap(self.map_base, self.map_len) };
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -134,5 +207,18 @@ mod tests {
         assert!(m.gpa(u64::MAX - 4, 64).is_none(), "wraps");
         assert!(m.user(0x7f00_0000_0010, 16).is_some());
         assert!(m.user(0x1000_0000, 16).is_none());
+    }
+
+    #[test]
+    fn written_pages_are_marked_in_the_dirty_log() {
+        let fd = memfd(4096);
+        let log = DirtyLog::map(&fd, 16, 0).unwrap();
+        log.mark(0x1000, 1); // page 1
+        log.mark(0x7ff0, 0x20); // pages 7 and 8
+        log.mark(1 << 40, 64); // beyond the log: ignored
+        let mut b = [0u8; 2];
+        // SAFETY: reading the memfd back.
+        unsafe { libc::pread(fd.as_raw_fd(), b.as_mut_ptr() as *mut libc::c_void, 2, 0) };
+        assert_eq!(b, [0b1000_0010, 0b0000_0001]);
     }
 }

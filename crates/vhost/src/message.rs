@@ -124,6 +124,7 @@ pub enum Request {
         size: u64,
         offset: u64,
     },
+    SetLogFd,
     SetVringNum {
         index: u32,
         num: u32,
@@ -149,7 +150,8 @@ pub enum Request {
         index: u32,
         enable: bool,
     },
-    SendRarp,
+    /// After a migration: announce this MAC address on the guest's behalf.
+    SendRarp([u8; 6]),
     SetMtu(u64),
     GetMaxMemSlots,
     Unsupported(u32),
@@ -213,6 +215,7 @@ pub fn parse(h: &Header, payload: &[u8], fds: usize) -> Result<Request, String> 
                 offset: u64_at(payload, 8),
             }
         }
+        req::SET_LOG_FD => Request::SetLogFd,
         req::SET_VRING_NUM => {
             let (index, num) = state("SET_VRING_NUM")?;
             Request::SetVringNum { index, num }
@@ -263,7 +266,12 @@ pub fn parse(h: &Header, payload: &[u8], fds: usize) -> Result<Request, String> 
                 enable: num == 1,
             }
         }
-        req::SEND_RARP => Request::SendRarp,
+        req::SEND_RARP => {
+            need(payload, 8, "SEND_RARP")?;
+            let mut mac = [0u8; 6];
+            mac.copy_from_slice(&payload[..6]);
+            Request::SendRarp(mac)
+        }
         req::NET_SET_MTU => Request::SetMtu(u64_of("NET_SET_MTU")?),
         req::GET_MAX_MEM_SLOTS => Request::GetMaxMemSlots,
         other => Request::Unsupported(other),

@@ -4,7 +4,7 @@
 //! ring, a buffer outside guest memory or an indirect table inside an indirect table is a
 //! [`Fault`], and the port stops that queue instead of trusting it.
 
-use crate::memory::GuestMemory;
+use crate::memory::{DirtyLog, GuestMemory};
 use std::sync::atomic::{fence, Ordering};
 
 pub const DESC_F_NEXT: u16 = 1;
@@ -22,6 +22,8 @@ pub struct Fault(pub String);
 #[derive(Debug, Clone, Copy)]
 pub struct Segment {
     pub ptr: *mut u8,
+    /// Guest physical address (for the dirty log).
+    pub gpa: u64,
     pub len: u32,
     pub writable: bool,
 }
@@ -35,6 +37,8 @@ pub struct Vring {
     desc: *mut u8,
     avail: *mut u8,
     used: *mut u8,
+    /// Guest physical address of the used ring, when the front-end wants its writes logged.
+    used_gpa: Option<u64>,
     /// Next available entry to take.
     pub last_avail: u16,
     /// The driver's available index as last read: re-read only when we catch up with it, so
@@ -62,6 +66,7 @@ impl Vring {
         avail: u64,
         used: u64,
         base: u16,
+        used_gpa: Option<u64>,
     ) -> Result<Vring, Fault> {
         if num == 0 || !num.is_power_of_two() {
             return Err(Fault(format!("ring size {num} is not a power of two")));
@@ -84,6 +89,7 @@ impl Vring {
             desc: part(desc, 16 * n, 16, "descriptor")?,
             avail: part(avail, 6 + 2 * n, 2, "available")?,
             used: part(used, 6 + 8 * n, 4, "used")?,
+            used_gpa,
             last_avail: base,
             avail_seen: base,
             used_idx: base,
@@ -175,6 +181,7 @@ impl Vring {
             })?;
             out.push(Segment {
                 ptr,
+                gpa: addr,
                 len,
                 writable: flags & DESC_F_WRITE != 0,
             });
@@ -226,8 +233,11 @@ impl Vring {
     }
 
     /// Records that the chain at `head` was used, `len` bytes written into it.
-    pub fn add_used(&mut self, head: u16, len: u32) {
+    pub fn add_used(&mut self, head: u16, len: u32, log: Option<&DirtyLog>) {
         let slot = (self.used_idx % self.num) as usize;
+        if let (Some(log), Some(g)) = (log, self.used_gpa) {
+            log.mark(g + 4 + 8 * slot as u64, 8);
+        }
         // SAFETY: the used ring was checked for `num` entries.
         unsafe {
             let p = self.used.add(4 + 8 * slot);
@@ -238,9 +248,12 @@ impl Vring {
     }
 
     /// Makes the used entries visible to the driver; true if it wants an interrupt.
-    pub fn publish(&mut self) -> bool {
+    pub fn publish(&mut self, log: Option<&DirtyLog>) -> bool {
         if self.used_idx == self.published {
             return false;
+        }
+        if let (Some(log), Some(g)) = (log, self.used_gpa) {
+            log.mark(g + 2, 2);
         }
         fence(Ordering::Release);
         // SAFETY: checked in new().
@@ -300,7 +313,7 @@ pub(crate) mod tests {
     fn chains_loops_and_bad_addresses() {
         let (m, base) = guest();
         // Descriptor table at +0, avail at +0x1000, used at +0x2000, buffers from +0x10000.
-        let v = Vring::new(&m, 8, GPA, GPA + 0x1000, GPA + 0x2000, 0).unwrap();
+        let v = Vring::new(&m, 8, GPA, GPA + 0x1000, GPA + 0x2000, 0, None).unwrap();
         put_desc(base, 0, GPA + 0x10000, 100, DESC_F_NEXT, 1);
         put_desc(base, 1, GPA + 0x20000, 200, DESC_F_WRITE, 0);
         let mut segs = Vec::new();
@@ -329,8 +342,17 @@ pub(crate) mod tests {
             .unwrap_err()
             .0
             .contains("indirect"));
-        assert!(Vring::new(&m, 6, GPA, GPA + 0x1000, GPA + 0x2000, 0).is_err());
-        assert!(Vring::new(&m, 8, GPA + 8, GPA + 0x1000, GPA + 0x2000, 0).is_err());
-        assert!(Vring::new(&m, 8, GPA + SIZE as u64, GPA + 0x1000, GPA + 0x2000, 0).is_err());
+        assert!(Vring::new(&m, 6, GPA, GPA + 0x1000, GPA + 0x2000, 0, None).is_err());
+        assert!(Vring::new(&m, 8, GPA + 8, GPA + 0x1000, GPA + 0x2000, 0, None).is_err());
+        assert!(Vring::new(
+            &m,
+            8,
+            GPA + SIZE as u64,
+            GPA + 0x1000,
+            GPA + 0x2000,
+            0,
+            None
+        )
+        .is_err());
     }
 }
