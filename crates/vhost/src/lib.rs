@@ -12,6 +12,13 @@
 //! packet with a partial checksum or a GSO super-frame is handed to the guest as such when
 //! the guest accepted that offload, and completed or segmented first when it did not.
 //!
+//! Live migration: the port offers dirty logging (VHOST_F_LOG_ALL with a shared log), marks
+//! every guest page it writes while QEMU migrates, and announces a guest that arrived (a RARP
+//! from its MAC, when QEMU sends SEND_RARP).
+//!
+//! Policy per port, as snabbnfv had it: `port_id`, `mac_address`, `ingress_filter` /
+//! `egress_filter` (libpcap syntax; ingress is toward the guest), `rx_rate` / `tx_rate`.
+//!
 //! A guest that gives descriptors outside its memory, loops in a chain, or indexes past its
 //! ring gets that queue stopped with a message and `guest_faults` counted — never a read
 //! outside the memory it shared. The queue starts again when the guest sets it up again.
