@@ -692,11 +692,14 @@ fn two_queue_pairs_carry_what_testpmd_sends_on_both() {
     std::thread::sleep(Duration::from_millis(300));
     let stats = s.stop();
     assert!(sent > 10_000);
-    assert_eq!(
-        link(&stats, "vm.output -> out.input")["tx_packets"]
-            .as_u64()
-            .unwrap(),
-        sent
+    let received = link(&stats, "vm.output -> out.input")["tx_packets"]
+        .as_u64()
+        .unwrap();
+    // testpmd stops its rings (GET_VRING_BASE) the moment it quits: what it had just queued
+    // on either ring stays there, at most one ring (256) per queue.
+    assert!(
+        received <= sent && sent - received <= 512,
+        "sent {sent}, received {received}"
     );
 }
 
