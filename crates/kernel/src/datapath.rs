@@ -500,7 +500,7 @@ impl DataPlane {
             Some(port) => {
                 let dev = self.tunnel_device();
                 let i = netdev::ensure_vxlan(&dev, port).map_err(Error)?;
-                self.hook(&prog("stitch_tunnel"), i, "tunnel", true)?;
+                self.hook(&prog("stitch_tunnel"), i, "tunnel")?;
                 Some((dev, i))
             }
             None => None,
@@ -510,7 +510,7 @@ impl DataPlane {
             vxlan_ifindex: tunnel.as_ref().map(|t| t.1).unwrap_or(0),
         };
         maps.put("config", &0u32, &globals)?;
-        self.hook(&prog("stitch_loop"), loop_ifindex, "loop", true)?;
+        self.hook(&prog("stitch_loop"), loop_ifindex, "loop")?;
 
         // 3. VIs, then links.
         for a in new_apps.values() {
@@ -583,7 +583,7 @@ impl DataPlane {
         for a in new_apps.values() {
             if let Some(ifname) = &a.interface {
                 maps.put("ifaces", &a.ifindex, &a.base_vid)?;
-                self.hook(&prog("stitch_port"), a.ifindex, ifname, false)?;
+                self.hook(&prog("stitch_port"), a.ifindex, ifname)?;
             }
         }
 
@@ -640,14 +640,9 @@ impl DataPlane {
     }
 
     /// Attaches `prog` to the ingress hook of `ifindex` (TCX link pinned as `links/PIN`), or
-    /// points the existing link at it.
-    fn hook(
-        &self,
-        prog: &libbpf_rs::Program<'_>,
-        ifindex: u32,
-        pin: &str,
-        ours: bool,
-    ) -> Result<(), Error> {
+    /// points the existing link at it. Other programs on a workload's hook were refused
+    /// before anything was changed (`apply`).
+    fn hook(&self, prog: &libbpf_rs::Program<'_>, ifindex: u32, pin: &str) -> Result<(), Error> {
         let path = self.links_dir().join(pin);
         if path.exists() {
             if let Ok(mut link) = libbpf_rs::Link::open(&path) {
@@ -657,16 +652,6 @@ impl DataPlane {
             }
             // The interface went away and came back: the old link is defunct.
             let _ = std::fs::remove_file(&path);
-        }
-        if !ours {
-            let others = tcx_programs(ifindex);
-            if others > 0 {
-                return fail(format!(
-                    "interface `{pin}` already has {others} program(s) on its tc ingress hook \
-                     (see `bpftool net show dev {pin}`): Stitch would take their traffic; \
-                     remove them first"
-                ));
-            }
         }
         let opts = libbpf_rs::libbpf_sys::bpf_tcx_opts {
             sz: size_of::<libbpf_rs::libbpf_sys::bpf_tcx_opts>() as _,

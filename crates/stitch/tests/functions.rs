@@ -153,16 +153,8 @@ fn bridge_router_bridge_joins_two_subnets() {
     let h = TwoHosts::new();
     // Two subnets: host A 10.N.1.2/24 and host B 10.N.2.2/24, the router .1 on each.
     let n = 200 + (std::process::id() % 50);
+    h.two_subnets(n);
     for (i, net) in [(0, 1), (1, 2)] {
-        must(&format!("ip -n {} addr flush dev {}", h.ns[i], h.inner[i]));
-        must(&format!(
-            "ip -n {} addr add 10.{n}.{net}.2/24 dev {}",
-            h.ns[i], h.inner[i]
-        ));
-        must(&format!(
-            "ip -n {} route add default via 10.{n}.{net}.1",
-            h.ns[i]
-        ));
         must(&format!(
             "ip -n {} addr add fd{n:x}:{net}::2/64 dev {} nodad",
             h.ns[i], h.inner[i]

@@ -105,23 +105,6 @@ fn text(o: &Output) -> String {
     )
 }
 
-/// Host 0 on 10.N.1.2/24 and host 1 on 10.N.2.2/24, each routed via .1.
-fn two_subnets(h: &TwoHosts) -> u32 {
-    let n = 150 + (std::process::id() % 50);
-    for (i, net) in [(0, 1), (1, 2)] {
-        must(&format!("ip -n {} addr flush dev {}", h.ns[i], h.inner[i]));
-        must(&format!(
-            "ip -n {} addr add 10.{n}.{net}.2/24 dev {}",
-            h.ns[i], h.inner[i]
-        ));
-        must(&format!(
-            "ip -n {} route add default via 10.{n}.{net}.1",
-            h.ns[i]
-        ));
-    }
-    n
-}
-
 fn brb_graph(h: &TwoHosts, n: u32, firewall: &str) -> String {
     // With a firewall, it sits between the left bridge and the router.
     let (left, fw_links) = if firewall.is_empty() {
@@ -150,7 +133,8 @@ fn interface_state(dev: &str) -> String {
 fn bridge_router_bridge_in_the_kernel_then_a_firewall_then_teardown() {
     require_root_and_tools(&["ip", "tc", "ping", "iperf3", "python3"]);
     let h = TwoHosts::new();
-    let n = two_subnets(&h);
+    let n = 150 + (std::process::id() % 50);
+    h.two_subnets(n);
     let before = [interface_state(&h.outer[0]), interface_state(&h.outer[1])];
     let p = Plane::new();
     let out = p.apply(&brb_graph(&h, n, ""));

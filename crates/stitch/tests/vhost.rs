@@ -105,6 +105,18 @@ impl Drop for Testpmd {
     }
 }
 
+/// Stitch running `vm`, a vhost_user port on a socket in a fresh folder (with `settings`
+/// added to its entry), into a sink `out`.
+fn port_into_sink(settings: &str) -> (tempfile::TempDir, std::path::PathBuf, Stitch) {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("vm.sock");
+    let s = Stitch::run(&format!(
+        "apps:\n  vm: {{ type: vhost_user, socket: {}{settings} }}\n  out: {{ type: sink }}\nlinks:\n  - \"vm.output -> out.input\"\n",
+        sock.display()
+    ));
+    (dir, sock, s)
+}
+
 fn counter(stats: &serde_json::Value, app_name: &str, c: &str) -> u64 {
     app(stats, app_name)["counters"][c].as_u64().unwrap_or(0)
 }
@@ -126,12 +138,7 @@ fn wait_connected(s: &Stitch) {
 fn testpmd_txonly_every_packet_it_sends_arrives() {
     require_root_and_tools(&["dpdk-testpmd"]);
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("vm.sock");
-    let s = Stitch::run(&format!(
-        "apps:\n  vm: {{ type: vhost_user, socket: {} }}\n  out: {{ type: sink }}\nlinks:\n  - \"vm.output -> out.input\"\n",
-        sock.display()
-    ));
+    let (_dir, sock, s) = port_into_sink("");
     let t = Testpmd::start(&sock, "txonly", "tx");
     wait_connected(&s);
     std::thread::sleep(Duration::from_secs(2));
@@ -436,12 +443,7 @@ fn port_policy_filters_and_rate_limits_what_the_guest_sends() {
         ("egress_filter: udp, tx_rate: 20000", false),
         ("egress_filter: \"not udp\"", true),
     ] {
-        let dir = tempfile::tempdir().unwrap();
-        let sock = dir.path().join("vm.sock");
-        let s = Stitch::run(&format!(
-            "apps:\n  vm: {{ type: vhost_user, socket: {}, port_id: \"A-1\", {policy} }}\n  out: {{ type: sink }}\nlinks:\n  - \"vm.output -> out.input\"\n",
-            sock.display()
-        ));
+        let (_dir, sock, s) = port_into_sink(&format!(", port_id: \"A-1\", {policy}"));
         let t = Testpmd::start(&sock, "txonly", "pol");
         wait_connected(&s);
         let (_, v) = s.call("POST", "/api/v1/apps/vm/query", Some("{}"));
@@ -568,12 +570,7 @@ impl EvilGuest {
 
 #[test]
 fn a_guest_with_bad_descriptors_only_stops_its_own_queue() {
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("vm.sock");
-    let s = Stitch::run(&format!(
-        "apps:\n  vm: {{ type: vhost_user, socket: {} }}\n  out: {{ type: sink }}\nlinks:\n  - \"vm.output -> out.input\"\n",
-        sock.display()
-    ));
+    let (_dir, sock, s) = port_into_sink("");
     wait_until("the port listens", 10, || sock.exists());
     let g = EvilGuest::connect(&sock);
     let faults = |s: &Stitch| counter(&s.stats().unwrap(), "vm", "guest_faults");
@@ -618,13 +615,8 @@ fn a_guest_with_bad_descriptors_only_stops_its_own_queue() {
 fn client_mode_reconnects_when_the_front_end_restarts() {
     require_root_and_tools(&["dpdk-testpmd"]);
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("vm.sock");
     // Here testpmd is the server (as QEMU with `server=on`) and Stitch connects.
-    let s = Stitch::run(&format!(
-        "apps:\n  vm: {{ type: vhost_user, socket: {}, mode: client }}\n  out: {{ type: sink }}\nlinks:\n  - \"vm.output -> out.input\"\n",
-        sock.display()
-    ));
+    let (_dir, sock, s) = port_into_sink(", mode: client");
     let mut total = 0;
     for round in 0..2 {
         let t = Testpmd::start_with(&sock, "txonly", &format!("rc{round}"), ",server=1");
@@ -652,12 +644,7 @@ fn client_mode_reconnects_when_the_front_end_restarts() {
 fn two_queue_pairs_carry_what_testpmd_sends_on_both() {
     require_root_and_tools(&["dpdk-testpmd"]);
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("vm.sock");
-    let s = Stitch::run(&format!(
-        "apps:\n  vm: {{ type: vhost_user, socket: {}, queues: 2 }}\n  out: {{ type: sink }}\nlinks:\n  - \"vm.output -> out.input\"\n",
-        sock.display()
-    ));
+    let (_dir, sock, s) = port_into_sink(", queues: 2");
     let t = Testpmd::spawn(
         &format!("net_virtio_user0,path={},queues=2", sock.display()),
         &[

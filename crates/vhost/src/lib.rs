@@ -47,7 +47,7 @@ use stitch_apps::generator::RateSpec;
 use stitch_core::app::AppType;
 use stitch_core::{pool, App, AppContext, AppError, Counter, Io, Packet, PortSpec, Registry};
 use stitch_wire::offload::{self, VnetHdr, VNET_HDR_LEN};
-use virtq::{Segment, Vring};
+use virtq::{prefetch, Segment, Vring};
 
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
 #[serde(rename_all = "lowercase")]
@@ -96,23 +96,6 @@ const BURST: usize = 256;
 /// Chains taken from a transmit ring before their frames are copied.
 const PULL_BURST: usize = 32;
 
-/// Asks for the first two cache lines at `p` (for writing when `write`).
-fn prefetch(p: *const u8, write: bool) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: prefetching never faults.
-    unsafe {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_ET0, _MM_HINT_T0};
-        if write {
-            _mm_prefetch::<_MM_HINT_ET0>(p as *const i8);
-            _mm_prefetch::<_MM_HINT_ET0>(p.wrapping_add(64) as *const i8);
-        } else {
-            _mm_prefetch::<_MM_HINT_T0>(p as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64) as *const i8);
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (p, write);
-}
 /// Largest frame a guest may send without TSO, and with it.
 const MAX_FRAME: usize = 9216;
 const MAX_GSO_FRAME: usize = 65536 + 256;
@@ -289,7 +272,7 @@ impl App for VhostUser {
             {
                 let mut budget = BURST.min(out.room());
                 let now = stitch_core::packet::now_ns();
-                self.egress.refill(std::time::Instant::now());
+                self.egress.refill();
                 // A burst at a time: take the heads and walk their chains first, asking for
                 // every buffer's lines as we go, then copy — the cross-core misses of the
                 // burst overlap instead of coming one after the other.
@@ -377,7 +360,7 @@ impl App for VhostUser {
         let mut batch = std::mem::take(&mut self.scratch);
         let mut queue_of = std::mem::take(&mut self.scratch_queues);
         let open = self.mac.is_none() && self.ingress.is_open();
-        self.ingress.refill(std::time::Instant::now());
+        self.ingress.refill();
         for p in input.drain().take(BURST) {
             if !open && !self.ingress.admit(&p, self.mac, false) {
                 continue;

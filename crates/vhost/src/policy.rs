@@ -49,10 +49,10 @@ impl Direction {
         self.filter.is_none() && self.bucket.is_none()
     }
 
-    /// Once per batch.
-    pub fn refill(&mut self, now: Instant) {
+    /// Once per batch; reads the clock only when there is a rate limit.
+    pub fn refill(&mut self) {
         if let Some(b) = &mut self.bucket {
-            b.refill(now);
+            b.refill(Instant::now());
         }
     }
 

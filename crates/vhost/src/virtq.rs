@@ -18,6 +18,23 @@ pub const MAX_SEGMENTS: usize = 1024;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Fault(pub String);
 
+/// Asks for the first two cache lines at `p` (for writing when `write`).
+pub fn prefetch(p: *const u8, write: bool) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: prefetching never faults.
+    unsafe {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_ET0, _MM_HINT_T0};
+        if write {
+            _mm_prefetch::<_MM_HINT_ET0>(p as *const i8);
+            _mm_prefetch::<_MM_HINT_ET0>(p.wrapping_add(64) as *const i8);
+        } else {
+            _mm_prefetch::<_MM_HINT_T0>(p as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64) as *const i8);
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (p, write);
+}
 /// One buffer of a descriptor chain, mapped.
 #[derive(Debug, Clone, Copy)]
 pub struct Segment {
@@ -216,20 +233,7 @@ impl Vring {
         let Some(p) = mem.gpa(addr, (len as u64).min(128)) else {
             return;
         };
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: prefetching never faults; `p` lies in guest memory anyway.
-        unsafe {
-            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_ET0, _MM_HINT_T0};
-            if write {
-                _mm_prefetch::<_MM_HINT_ET0>(p as *const i8);
-                _mm_prefetch::<_MM_HINT_ET0>(p.wrapping_add(64) as *const i8);
-            } else {
-                _mm_prefetch::<_MM_HINT_T0>(p as *const i8);
-                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64) as *const i8);
-            }
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = (p, write);
+        prefetch(p, write);
     }
 
     /// Records that the chain at `head` was used, `len` bytes written into it.

@@ -117,6 +117,25 @@ impl Drop for TwoHosts {
 }
 
 impl TwoHosts {
+    /// Puts host 0 on 10.N.1.2/24 and host 1 on 10.N.2.2/24, each routed via .1 (a router
+    /// between them).
+    pub fn two_subnets(&self, n: u32) {
+        for (i, net) in [(0, 1), (1, 2)] {
+            must(&format!(
+                "ip -n {} addr flush dev {}",
+                self.ns[i], self.inner[i]
+            ));
+            must(&format!(
+                "ip -n {} addr add 10.{n}.{net}.2/24 dev {}",
+                self.ns[i], self.inner[i]
+            ));
+            must(&format!(
+                "ip -n {} route add default via 10.{n}.{net}.1",
+                self.ns[i]
+            ));
+        }
+    }
+
     /// iperf3 TCP from host 0 to `to` (host 1's address) for `secs`; received bits per second.
     /// Fails the test if iperf3 does.
     pub fn iperf_tcp(&self, to: &str, secs: u32) -> f64 {
