@@ -88,3 +88,20 @@ pub fn register(r: &mut Registry) {
         "spreads flows over outputs by 5-tuple hash (symmetric option)",
     ));
 }
+
+/// A config value given once or as a list (`remote: 192.0.2.2` or `remote: [192.0.2.2, …]`).
+#[derive(Debug, Clone, serde::Deserialize)]
+#[serde(untagged)]
+pub enum OneOrMany<T> {
+    One(T),
+    Many(Vec<T>),
+}
+
+impl<T: Clone> OneOrMany<T> {
+    pub fn to_vec(&self) -> Vec<T> {
+        match self {
+            OneOrMany::One(t) => vec![t.clone()],
+            OneOrMany::Many(v) => v.clone(),
+        }
+    }
+}

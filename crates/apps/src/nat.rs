@@ -1,15 +1,18 @@
 //! `nat`: IPv4 network address and port translation between `lan` and `wan` (each an input and
 //! an output of that name).
 //!
-//! Source NAT (masquerade): TCP, UDP and ICMP echo from the lan side leave with the source
-//! `external` address and a port (echo identifier) from `ports`, keeping the inside port when it
-//! is free. Mappings are endpoint-independent (RFC 4787 REQ-1, RFC 5382 REQ-1): one inside
+//! Source NAT (masquerade): TCP, UDP and ICMP echo from the lan side leave with an `external`
+//! address and a port (echo identifier) from `ports`, keeping the inside port when it is free.
+//! `external` is one address, a prefix (`192.0.2.8/29`: its host addresses) or a list of these;
+//! with several, each inside host is given one of them by a hash of its address and keeps it for
+//! all its mappings ("paired" pooling, RFC 4787 REQ-2), and each has its own port range — so
+//! four addresses carry four times the mappings of one. Mappings are endpoint-independent (RFC 4787 REQ-1, RFC 5382 REQ-1): one inside
 //! address and port keep one outside port whatever the destination, and replies from any
 //! outside endpoint reach them (endpoint-independent filtering). Mappings expire after
 //! `udp_timeout` / `tcp_timeout` / `icmp_timeout` seconds without traffic.
 //!
 //! Destination NAT (`forwards`): packets to `external:port` from the wan side go to
-//! `to_address:to_port`. A lan host that uses the external address of a forward is hairpinned:
+//! `to_address:to_port` (`external` of a forward: which external address, the first by default). A lan host that uses the external address of a forward is hairpinned:
 //! its packet goes back out of `lan` to the inside server, with the source translated too, so
 //! the server answers through the NAT (RFC 4787 REQ-9, RFC 5382 REQ-8).
 //!
@@ -20,10 +23,12 @@
 //!
 //! ```yaml
 //! apps:
-//!   nat: { type: nat, external: 192.0.2.10, ports: "20000-59999",
+//!   nat: { type: nat, external: [192.0.2.10, 198.51.100.8/30], ports: "20000-59999",
 //!          forwards: [ { proto: tcp, port: 8080, to_address: 10.0.0.5, to_port: 80 } ] }
 //! ```
 
+use crate::OneOrMany;
+use ipnet::Ipv4Net;
 use serde::Deserialize;
 use std::collections::HashMap;
 use std::net::Ipv4Addr;
@@ -40,12 +45,15 @@ pub struct Forward {
     pub port: u16,
     pub to_address: Ipv4Addr,
     pub to_port: u16,
+    /// The external address the forward listens on (default: the first).
+    pub external: Option<Ipv4Addr>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct NatConfig {
-    pub external: Ipv4Addr,
+    /// An address, a prefix or a list of these.
+    pub external: OneOrMany<String>,
     #[serde(default = "default_ports")]
     pub ports: String,
     #[serde(default)]
@@ -73,18 +81,32 @@ fn default_icmp() -> u64 {
 
 type Inside = (Ipv4Addr, u16);
 
+/// The inbound half of a mapping. `expires` is a copy of the outbound half's, brought up to
+/// date when it is found stale, so that each direction costs one table lookup.
 struct Mapping {
     inside: Inside,
     expires: Instant,
 }
 
+/// The outbound half of a mapping; its `expires` is the one outbound traffic refreshes (RFC 4787
+/// REQ-6), so it decides.
+struct OutEntry {
+    port: u16,
+    expires: Instant,
+}
+
+/// An outside endpoint of the NAT: protocol, index into the external addresses, port.
+type Outside = (u8, u16, u16);
+
 pub struct Nat {
-    external: Ipv4Addr,
+    externals: Vec<Ipv4Addr>,
+    external_index: HashMap<Ipv4Addr, u16, foldhash::fast::RandomState>,
     range: (u16, u16),
-    forwards: HashMap<(u8, u16), Inside, foldhash::fast::RandomState>,
-    out_map: HashMap<(u8, Inside), u16, foldhash::fast::RandomState>,
-    in_map: HashMap<(u8, u16), Mapping, foldhash::fast::RandomState>,
-    cursor: u16,
+    forwards: HashMap<Outside, Inside, foldhash::fast::RandomState>,
+    out_map: HashMap<(u8, Inside), OutEntry, foldhash::fast::RandomState>,
+    in_map: HashMap<Outside, Mapping, foldhash::fast::RandomState>,
+    /// Where the search for a free port goes on, per external address.
+    cursors: Vec<u16>,
     last_sweep: Instant,
     timeouts: [Duration; 3],
     translated_out: Counter,
@@ -103,6 +125,35 @@ fn proto_number(p: &str) -> Result<u8, String> {
         "udp" => Ok(17),
         _ => Err(format!("forward proto `{p}`: tcp or udp")),
     }
+}
+
+/// The external addresses: each entry an address or a prefix (its host addresses).
+fn parse_externals(e: &OneOrMany<String>) -> Result<Vec<Ipv4Addr>, String> {
+    let mut out = Vec::new();
+    for s in e.to_vec() {
+        if s.contains('/') {
+            let net: Ipv4Net = s
+                .parse()
+                .map_err(|_| format!("external `{s}`: an IPv4 address or prefix"))?;
+            if net.prefix_len() < 16 {
+                return Err(format!("external `{s}`: at most a /16 of addresses"));
+            }
+            out.extend(net.hosts());
+        } else {
+            out.push(
+                s.parse()
+                    .map_err(|_| format!("external `{s}`: an IPv4 address or prefix"))?,
+            );
+        }
+    }
+    let mut seen = std::collections::HashSet::new();
+    if let Some(dup) = out.iter().find(|a| !seen.insert(**a)) {
+        return Err(format!("external address {dup} is given twice"));
+    }
+    if out.is_empty() {
+        return Err("give at least one external address".into());
+    }
+    Ok(out)
 }
 
 fn parse_range(s: &str) -> Result<(u16, u16), String> {
@@ -202,13 +253,44 @@ impl Nat {
         }
     }
 
-    /// The outside port of an inside endpoint, allocating one if needed.
-    fn map_out(&mut self, proto: u8, inside: Inside, now: Instant) -> Option<u16> {
+    /// The external address (index) of an inside host: fixed by its address, so all its
+    /// mappings share one external address (paired pooling).
+    fn external_of(&self, inside: Ipv4Addr) -> u16 {
+        let n = self.externals.len() as u64;
+        if n == 1 {
+            return 0;
+        }
+        let h = u32::from(inside).wrapping_mul(0x9e37_79b1) as u64;
+        ((h * n) >> 32) as u16
+    }
+
+    /// The index of `a` among the external addresses.
+    fn external_index(&self, a: Ipv4Addr) -> Option<u16> {
+        if self.externals.len() == 1 {
+            return (a == self.externals[0]).then_some(0);
+        }
+        self.external_index.get(&a).copied()
+    }
+
+    /// The outside endpoint (external address index, port) of an inside endpoint, allocating a
+    /// port if needed.
+    fn map_out(&mut self, proto: u8, inside: Inside, now: Instant) -> Option<(u16, u16)> {
         let t = self.timeout(proto);
-        if let Some(&port) = self.out_map.get(&(proto, inside)) {
-            if let Some(m) = self.in_map.get_mut(&(proto, port)) {
-                m.expires = now + t;
-                return Some(port);
+        let ext = self.external_of(inside.0);
+        if let Some(e) = self.out_map.get_mut(&(proto, inside)) {
+            if e.expires > now {
+                e.expires = now + t;
+                return Some((ext, e.port));
+            }
+            // Expired: forget it and allocate afresh.
+            let port = e.port;
+            self.out_map.remove(&(proto, inside));
+            if self
+                .in_map
+                .get(&(proto, ext, port))
+                .is_some_and(|m| m.inside == inside)
+            {
+                self.in_map.remove(&(proto, ext, port));
             }
         }
         let (lo, hi) = self.range;
@@ -216,42 +298,47 @@ impl Nat {
         // Keep the inside port when it is free (port preservation), else take the next free one
         // after the cursor (scanning on from a taken preserved port would walk long taken runs).
         let preserved_free = (lo..=hi).contains(&inside.1)
-            && !self.forwards.contains_key(&(proto, inside.1))
-            && self
-                .in_map
-                .get(&(proto, inside.1))
-                .is_none_or(|m| m.expires <= now);
+            && !self.forwards.contains_key(&(proto, ext, inside.1))
+            && self.inside_of((proto, ext, inside.1), now).is_none();
         let first = if preserved_free {
             inside.1
         } else {
-            self.cursor
+            self.cursors[ext as usize]
         };
         for k in 0..span {
             let port = lo + (((first - lo) as u32 + k) % span) as u16;
-            if self.forwards.contains_key(&(proto, port)) {
+            if self.forwards.contains_key(&(proto, ext, port)) {
                 continue;
             }
-            let free = match self.in_map.get(&(proto, port)) {
-                None => true,
-                Some(m) => m.expires <= now,
-            };
-            if free {
-                if let Some(old) = self.in_map.insert(
-                    (proto, port),
-                    Mapping {
-                        inside,
-                        expires: now + t,
-                    },
-                ) {
+            if self.inside_of((proto, ext, port), now).is_none() {
+                let expires = now + t;
+                if let Some(old) = self
+                    .in_map
+                    .insert((proto, ext, port), Mapping { inside, expires })
+                {
                     self.out_map.remove(&(proto, old.inside));
                 }
-                self.out_map.insert((proto, inside), port);
-                self.cursor = if port == hi { lo } else { port + 1 };
-                return Some(port);
+                self.out_map
+                    .insert((proto, inside), OutEntry { port, expires });
+                self.cursors[ext as usize] = if port == hi { lo } else { port + 1 };
+                return Some((ext, port));
             }
         }
         self.ports_exhausted.add(1);
         None
+    }
+
+    /// The inside endpoint mapped to an outside one, if the mapping is alive.
+    fn inside_of(&mut self, key: Outside, now: Instant) -> Option<Inside> {
+        let m = self.in_map.get_mut(&key)?;
+        if m.expires > now {
+            return Some(m.inside);
+        }
+        let e = self.out_map.get(&(key.0, m.inside))?;
+        (e.port == key.2 && e.expires > now).then(|| {
+            m.expires = e.expires;
+            m.inside
+        })
     }
 
     /// Translates a packet from the lan side; returns the side to send it out of.
@@ -271,15 +358,15 @@ impl Nat {
         let sport = u16::from_be_bytes([d[l4 + sport_at], d[l4 + sport_at + 1]]);
         let dport = u16::from_be_bytes([d[l4 + dport_at], d[l4 + dport_at + 1]]);
         // Hairpin: a lan host talking to a forwarded external port.
-        let hairpin = (dst == self.external)
-            .then(|| self.forwards.get(&(proto, dport)).copied())
-            .flatten();
-        let ext_port = self.map_out(proto, (src, sport), now)?;
+        let hairpin = self
+            .external_index(dst)
+            .and_then(|e| self.forwards.get(&(proto, e, dport)).copied());
+        let (ext, ext_port) = self.map_out(proto, (src, sport), now)?;
         rewrite(
             p,
             At { l3, l4, proto },
             12,
-            self.external,
+            self.externals[ext as usize],
             sport_at,
             ext_port,
         );
@@ -300,20 +387,24 @@ impl Nat {
         };
         let d = p.data();
         let dst = Ipv4Addr::new(d[l3 + 16], d[l3 + 17], d[l3 + 18], d[l3 + 19]);
-        if dst == self.external && proto == 1 && matches!(d[l4], 3 | 11 | 12) {
-            return self.icmp_error_in(p, At { l3, l4, proto }, now);
+        let Some(ext) = self.external_index(dst) else {
+            self.passed.add(1);
+            return Some(0);
+        };
+        if proto == 1 && matches!(d[l4], 3 | 11 | 12) {
+            return self.icmp_error_in(p, At { l3, l4, proto }, ext, now);
         }
-        if dst != self.external || (proto == 1 && d[l4] != 0) {
+        if proto == 1 && d[l4] != 0 {
             self.passed.add(1);
             return Some(0);
         }
         let dport_at = if proto == 1 { 4 } else { 2 };
         let dport = u16::from_be_bytes([d[l4 + dport_at], d[l4 + dport_at + 1]]);
-        let target = match self.forwards.get(&(proto, dport)) {
+        let target = match self.forwards.get(&(proto, ext, dport)) {
             Some(&t) => t,
-            None => match self.in_map.get(&(proto, dport)) {
-                Some(m) if m.expires > now => m.inside,
-                _ => {
+            None => match self.inside_of((proto, ext, dport), now) {
+                Some(inside) => inside,
+                None => {
                     self.no_mapping.add(1);
                     return None;
                 }
@@ -327,7 +418,7 @@ impl Nat {
     /// An ICMP error from outside about a packet this NAT translated (RFC 5508 §4.2): the
     /// packet it quotes carries the external address and port, so both the outer destination
     /// and the quoted source go back to the inside endpoint, with every checksum updated.
-    fn icmp_error_in(&mut self, p: &mut Packet, at: At, now: Instant) -> Option<usize> {
+    fn icmp_error_in(&mut self, p: &mut Packet, at: At, ext: u16, now: Instant) -> Option<usize> {
         let d = p.data();
         let q = at.l4 + 8; // quoted IPv4 header
         if d.len() < q + 20 || d[q] >> 4 != 4 {
@@ -343,12 +434,7 @@ impl Nat {
             return None;
         }
         let ext_port = u16::from_be_bytes([d[ql4 + port_at], d[ql4 + port_at + 1]]);
-        let Some(inside) = self
-            .in_map
-            .get(&(qproto, ext_port))
-            .filter(|m| m.expires > now)
-            .map(|m| m.inside)
-        else {
+        let Some(inside) = self.inside_of((qproto, ext, ext_port), now) else {
             self.no_mapping.add(1);
             return None;
         };
@@ -400,25 +486,21 @@ impl Nat {
             u16::from_be_bytes([d[l4], d[l4 + 1]]),
             u16::from_be_bytes([d[l4 + 2], d[l4 + 3]]),
         );
-        if dst != self.external {
+        let Some(ext) = self.external_index(dst) else {
             return false;
-        }
-        let Some((&(_, ext_port), _)) = self
+        };
+        let Some((&(_, fwd_ext, fwd_port), _)) = self
             .forwards
             .iter()
             .find(|(k, v)| k.0 == proto && **v == (src, sport))
         else {
             return false;
         };
-        let Some(client) = self
-            .in_map
-            .get(&(proto, dport))
-            .filter(|m| m.expires > now)
-            .map(|m| m.inside)
-        else {
+        let Some(client) = self.inside_of((proto, ext, dport), now) else {
             return false;
         };
-        rewrite(p, At { l3, l4, proto }, 12, self.external, 0, ext_port);
+        let fwd_addr = self.externals[fwd_ext as usize];
+        rewrite(p, At { l3, l4, proto }, 12, fwd_addr, 0, fwd_port);
         rewrite(p, At { l3, l4, proto }, 16, client.0, 2, client.1);
         self.hairpinned.add(1);
         true
@@ -430,8 +512,14 @@ impl App for Nat {
 
     fn declare(c: &NatConfig) -> Result<PortSpec, AppError> {
         parse_range(&c.ports)?;
+        let externals = parse_externals(&c.external)?;
         for f in &c.forwards {
             proto_number(&f.proto)?;
+            if let Some(e) = f.external.filter(|e| !externals.contains(e)) {
+                return Err(
+                    format!("forward to port {}: {e} is not an external address", f.port).into(),
+                );
+            }
         }
         let sides = vec!["lan".to_string(), "wan".to_string()];
         Ok(PortSpec {
@@ -442,17 +530,32 @@ impl App for Nat {
 
     fn new(c: NatConfig, ctx: &mut AppContext) -> Result<Self, AppError> {
         let range = parse_range(&c.ports)?;
+        let externals = parse_externals(&c.external)?;
+        let external_index: HashMap<Ipv4Addr, u16, _> = externals
+            .iter()
+            .enumerate()
+            .map(|(i, a)| (*a, i as u16))
+            .collect();
         let mut forwards = HashMap::default();
         for f in &c.forwards {
-            forwards.insert((proto_number(&f.proto)?, f.port), (f.to_address, f.to_port));
+            let ext = f
+                .external
+                .map_or(Some(0), |e| external_index.get(&e).copied());
+            let ext =
+                ext.ok_or_else(|| format!("forward to port {}: not an external address", f.port))?;
+            forwards.insert(
+                (proto_number(&f.proto)?, ext, f.port),
+                (f.to_address, f.to_port),
+            );
         }
         Ok(Nat {
-            external: c.external,
+            cursors: vec![range.0; externals.len()],
+            externals,
+            external_index,
             range,
             forwards,
             out_map: HashMap::default(),
             in_map: HashMap::default(),
-            cursor: range.0,
             last_sweep: Instant::now(),
             timeouts: [c.udp_timeout, c.tcp_timeout, c.icmp_timeout].map(Duration::from_secs),
             translated_out: ctx.counter("translated_out"),
@@ -500,12 +603,13 @@ impl App for Nat {
         let limit = request["limit"].as_u64().unwrap_or(1000) as usize;
         let now = Instant::now();
         let mappings: Vec<_> = self
-            .in_map
+            .out_map
             .iter()
-            .filter(|(_, m)| m.expires > now)
+            .filter(|(_, e)| e.expires > now)
             .take(limit)
-            .map(|((proto, port), m)| serde_json::json!({ "proto": proto, "inside": format!("{}:{}", m.inside.0, m.inside.1),
-                "outside": format!("{}:{port}", self.external), "expires_in_s": m.expires.saturating_duration_since(now).as_secs() }))
+            .map(|((proto, inside), e)| serde_json::json!({ "proto": proto, "inside": format!("{}:{}", inside.0, inside.1),
+                "outside": format!("{}:{}", self.externals[self.external_of(inside.0) as usize], e.port),
+                "expires_in_s": e.expires.saturating_duration_since(now).as_secs() }))
             .collect();
         serde_json::json!({ "count": self.in_map.len(), "mappings": mappings })
     }
@@ -515,16 +619,19 @@ impl App for Nat {
             return;
         }
         self.last_sweep = now;
-        let expired: Vec<(u8, u16)> = self
-            .in_map
+        let expired: Vec<(u8, Inside)> = self
+            .out_map
             .iter()
-            .filter(|(_, m)| m.expires <= now)
+            .filter(|(_, e)| e.expires <= now)
             .map(|(k, _)| *k)
             .take(1024)
             .collect();
-        for k in expired {
-            if let Some(m) = self.in_map.remove(&k) {
-                self.out_map.remove(&(k.0, m.inside));
+        for (proto, inside) in expired {
+            if let Some(e) = self.out_map.remove(&(proto, inside)) {
+                let key = (proto, self.external_of(inside.0), e.port);
+                if self.in_map.get(&key).is_some_and(|m| m.inside == inside) {
+                    self.in_map.remove(&key);
+                }
             }
         }
     }
@@ -597,8 +704,12 @@ mod tests {
     }
 
     fn rig() -> Rig {
+        rig_with(serde_json::json!("192.0.2.10"))
+    }
+
+    fn rig_with(external: serde_json::Value) -> Rig {
         let c: NatConfig = serde_json::from_value(serde_json::json!({
-            "external": "192.0.2.10", "ports": "5000-5001",
+            "external": external, "ports": "5000-5001",
             "forwards": [ { "proto": "tcp", "port": 8080, "to_address": "10.0.0.7", "to_port": 80 } ]
         }))
         .unwrap();
@@ -784,6 +895,107 @@ mod tests {
         assert!(
             l4_ok(out[0].data()),
             "completing after translation gives a valid checksum"
+        );
+    }
+
+    #[test]
+    fn several_external_addresses_pair_each_host_with_one() {
+        // 192.0.2.20/30 gives .21 and .22; with .10 three addresses of two ports each.
+        let mut r = rig_with(serde_json::json!(["192.0.2.10", "192.0.2.20/30"]));
+        assert_eq!(r.nat.externals.len(), 3);
+        let mut by_host = std::collections::HashMap::new();
+        for host in 1..=24u8 {
+            for sport in [1000, 2000] {
+                r.lan.transmit(packet(17, [10, 0, 1, host], sport, OUT, 53));
+            }
+            let (_, w) = r.run();
+            // Two ports per address: both mappings of a host fit on its address.
+            assert_eq!(w.len(), 2, "host {host}");
+            let ext: Vec<[u8; 4]> = w.iter().map(|f| f[26..30].try_into().unwrap()).collect();
+            assert_eq!(
+                ext[0], ext[1],
+                "one external address per host (paired pooling)"
+            );
+            assert!(w.iter().all(|f| l4_ok(f)));
+            by_host.insert(host, (ext[0], u16::from_be_bytes([w[0][34], w[0][35]])));
+            // Free the ports again so the next host finds room on any address.
+            r.nat.in_map.clear();
+            r.nat.out_map.clear();
+        }
+        let used: std::collections::HashSet<_> = by_host.values().map(|v| v.0).collect();
+        assert_eq!(used.len(), 3, "hosts spread over all external addresses");
+        // A reply to the second address reaches the host mapped there, and only it.
+        let (host, (ext, port)) = by_host
+            .iter()
+            .find(|(_, (e, _))| *e == [192, 0, 2, 22])
+            .map(|(h, v)| (*h, *v))
+            .unwrap();
+        r.lan.transmit(packet(17, [10, 0, 1, host], 1000, OUT, 53));
+        r.run();
+        r.wan.transmit(packet(17, OUT, 53, ext, port));
+        let other = [192, 0, 2, 21];
+        r.wan.transmit(packet(17, OUT, 53, other, port));
+        let (l, _) = r.run();
+        assert_eq!(l.len(), 1);
+        assert_eq!(&l[0][30..34], &[10, 0, 1, host][..]);
+        assert!(l4_ok(&l[0]));
+        assert_eq!(
+            r.nat.no_mapping.get(),
+            1,
+            "same port on another address: no mapping"
+        );
+        // The forward listens on the first address only.
+        r.wan.transmit(packet(6, OUT, 33333, [192, 0, 2, 22], 8080));
+        r.wan.transmit(packet(6, OUT, 33333, EXT, 8080));
+        let (l, _) = r.run();
+        assert_eq!(l.len(), 1);
+        assert_eq!(&l[0][30..34], &SRV[..]);
+    }
+
+    #[test]
+    fn bad_external_addresses_are_refused() {
+        for (e, msg) in [
+            (serde_json::json!("192.0.2.300"), "IPv4 address or prefix"),
+            (
+                serde_json::json!(["192.0.2.1", "192.0.2.0/30"]),
+                "given twice",
+            ),
+            (serde_json::json!("10.0.0.0/8"), "at most a /16"),
+            (serde_json::json!([]), "at least one"),
+        ] {
+            let c: NatConfig =
+                serde_json::from_value(serde_json::json!({ "external": e })).unwrap();
+            let err = Nat::declare(&c).err().expect("refused").to_string();
+            assert!(err.contains(msg), "{err}");
+        }
+    }
+
+    #[test]
+    fn outbound_traffic_keeps_a_mapping_alive_and_silence_ends_it() {
+        let mut r = rig();
+        r.nat.timeouts = [Duration::from_secs(10); 3];
+        let t0 = Instant::now();
+        let secs = |s: u64| t0 + Duration::from_secs(s);
+        let mut out = packet(17, IN, 5000, OUT, 53);
+        assert_eq!(r.nat.outbound(&mut out, t0), Some(1));
+        // Refreshed by outbound traffic at 8 s: alive until 18 s, also for replies, whose
+        // copy of the expiry is brought up to date on the way.
+        let mut again = packet(17, IN, 5000, OUT, 53);
+        r.nat.outbound(&mut again, secs(8));
+        let mut reply = packet(17, OUT, 53, EXT, 5000);
+        assert_eq!(r.nat.inbound(&mut reply, secs(15)), Some(0));
+        assert_eq!(&reply.data()[30..34], &IN[..]);
+        // Replies alone do not refresh it (RFC 4787 REQ-6: outbound refresh).
+        let mut late = packet(17, OUT, 53, EXT, 5000);
+        assert_eq!(r.nat.inbound(&mut late, secs(19)), None);
+        // The sweep forgets both halves; the port can go to another host.
+        r.nat.tick(&mut r.io, secs(19));
+        assert!(r.nat.in_map.is_empty() && r.nat.out_map.is_empty());
+        let mut other = packet(17, SRV, 5000, OUT, 53);
+        r.nat.outbound(&mut other, secs(20));
+        assert_eq!(
+            u16::from_be_bytes([other.data()[34], other.data()[35]]),
+            5000
         );
     }
 }

@@ -174,14 +174,14 @@ fn subject(name: &str) -> Result<Subject> {
             }
         }
         "nat" => {
-            // 60000 flows: one external address has 64512 ports to give.
-            let app = build::<Nat>(json!({ "external": "192.0.2.10", "ports": "1024-65535" }))?;
-            let templates = (0..60000u32)
+            // 100 000 flows from as many hosts over six external addresses (64 512 ports each).
+            let app = build::<Nat>(json!({ "external": "192.0.2.8/29", "ports": "1024-65535" }))?;
+            let templates = (0..100_000u32)
                 .map(|i| {
                     udp_frame(
                         WAN_MAC,
                         HOST,
-                        [10, 1, (i >> 8) as u8, i as u8],
+                        [10, 1 + (i >> 16) as u8, (i >> 8) as u8, i as u8],
                         10000 + (i % 50000) as u16,
                         [198, 51, 100, 1],
                         53,
@@ -195,7 +195,7 @@ fn subject(name: &str) -> Result<Subject> {
                 outputs,
                 warmup: vec![],
                 templates,
-                table: "60000 mapped UDP flows".into(),
+                table: "100 000 mapped UDP flows, 6 external addresses".into(),
             }
         }
         "bridge" => {
