@@ -965,7 +965,7 @@ mod tests {
         ] {
             let c: NatConfig =
                 serde_json::from_value(serde_json::json!({ "external": e })).unwrap();
-            let err = Nat::declare(&c).err().expect("refused").to_string();
+            let err = Nat::declare(&c).expect_err("refused").to_string();
             assert!(err.contains(msg), "{err}");
         }
     }
