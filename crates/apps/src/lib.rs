@@ -69,11 +69,11 @@ pub fn register(r: &mut Registry) {
     ))
     .register(AppType::of::<vxlan::Vxlan>(
         "vxlan",
-        "VXLAN (RFC 7348) tunnel endpoint: segments by VNI over an IPv4/UDP underlay",
+        "VXLAN (RFC 7348) tunnel endpoint: segments by VNI over IPv4 or IPv6, head-end replication, learning",
     ))
     .register(AppType::of::<nat::Nat>(
         "nat",
-        "IPv4 NAPT: masquerade with endpoint-independent mappings, port forwards, hairpinning",
+        "IPv4 NAPT: masquerade with endpoint-independent mappings, address pools, port forwards, hairpinning",
     ))
     .register(AppType::of::<firewall::Firewall>(
         "firewall",

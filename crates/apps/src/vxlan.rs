@@ -1,124 +1,227 @@
 //! `vxlan`: VXLAN (RFC 7348) tunnel endpoint. Each segment in `segments` is a port (an input
 //! and an output of that name) carrying the inner Ethernet frames of one VNI; `underlay` carries
-//! the encapsulated packets: outer Ethernet + IPv4 + UDP (`port`, 4789 by default) + VXLAN.
+//! the encapsulated packets: outer Ethernet + IPv4 or IPv6 (the family of `local`) + UDP
+//! (`port`, 4789 by default) + VXLAN.
 //!
-//! Frames entering a segment port are encapsulated toward that segment's `remote` VTEP; the UDP
-//! source port is a hash of the inner flow, so the underlay can spread tunnels over paths (RFC
-//! 7348 §5). Packets entering `underlay` addressed to `local` on the VXLAN port with a known VNI
-//! are decapsulated to their segment; others are counted by reason and dropped (no VNI flag,
-//! unknown VNI, not for us, malformed). Outer MAC addresses are configured (`local_mac`,
-//! `next_hop_mac`): put a router in front for resolution.
+//! Frames entering a segment port are encapsulated toward that segment's `remote` VTEP. A
+//! segment may name several remotes: then broadcast, multicast and unknown unicast frames go to
+//! each of them (head-end replication, RFC 7348 §4.2), and the endpoint learns from decapsulated
+//! frames which remote each inner source MAC sits behind, so unicast goes to that one only
+//! (entries age out after `aging_seconds`; `stitch show` lists them). The UDP source port is a
+//! hash of the inner flow, so the underlay can spread tunnels over paths (§5); over IPv6 the
+//! flow label carries the same hash (RFC 6438) and the UDP checksum is computed (RFC 6935 allows
+//! zero, but Linux refuses it by default). GSO super-frames are cut into segments and partial
+//! checksums completed before encapsulation: the far end gets ordinary frames.
+//!
+//! Packets entering `underlay` addressed to `local` on the VXLAN port, from a remote of the
+//! segment their VNI names, are decapsulated to that segment; others are counted by reason and
+//! dropped (not for us, no VNI flag, unknown VNI, foreign VTEP, bad UDP checksum, malformed).
+//! Outer MAC addresses are configured (`local_mac`, `next_hop_mac`): put a router in front for
+//! resolution.
 //!
 //! ```yaml
 //! apps:
 //!   vtep: { type: vxlan, local: 192.0.2.1, local_mac: "02:00:00:00:00:01",
 //!           next_hop_mac: "02:00:00:00:00:02",
-//!           segments: { tenant1: { vni: 1001, remote: 192.0.2.2 }, tenant2: { vni: 1002, remote: 192.0.2.3 } } }
+//!           segments: { tenant1: { vni: 1001, remote: 192.0.2.2 },
+//!                       tenant2: { vni: 1002, remote: [192.0.2.3, 192.0.2.4] } } }
 //! links:
 //!   - "vtep.underlay -> nic.input"
 //!   - "nic.output -> vtep.underlay"
 //! ```
 
+use crate::OneOrMany;
 use indexmap::IndexMap;
 use serde::Deserialize;
 use std::collections::HashMap;
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::time::{Duration, Instant};
+use stitch_core::packet::ChecksumState;
 use stitch_core::{App, AppContext, AppError, Counter, Io, Packet, PortNames, PortSpec};
-use stitch_wire::{flow, ipv4_header, parse_mac};
+use stitch_wire::{checksum, flow, ipv4_header, offload, parse_mac};
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Segment {
     pub vni: u32,
-    pub remote: Ipv4Addr,
+    /// One remote VTEP, or a list for head-end replication with learning.
+    pub remote: OneOrMany<IpAddr>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct VxlanConfig {
-    pub local: Ipv4Addr,
+    pub local: IpAddr,
     pub local_mac: String,
     pub next_hop_mac: String,
     #[serde(default = "default_port")]
     pub port: u16,
+    #[serde(default = "default_aging")]
+    pub aging_seconds: u64,
     pub segments: IndexMap<String, Segment>,
 }
 
 fn default_port() -> u16 {
     4789
 }
+fn default_aging() -> u64 {
+    300
+}
 
-/// Outer headers: Ethernet 14 + IPv4 20 + UDP 8 + VXLAN 8.
-const OUTER: usize = 50;
+/// Outer headers over IPv4: Ethernet 14 + IPv4 20 + UDP 8 + VXLAN 8.
+const OUTER4: usize = 50;
+/// Outer headers over IPv6: Ethernet 14 + IPv6 40 + UDP 8 + VXLAN 8.
+const OUTER6: usize = 70;
+
+/// A learned inner MAC address: the remote it was last seen behind, and when.
+struct Learned {
+    remote: u16,
+    seen: Instant,
+}
 
 pub struct Vxlan {
-    local: Ipv4Addr,
+    local: IpAddr,
     local_mac: [u8; 6],
     next_hop_mac: [u8; 6],
     port: u16,
-    segments: Vec<Segment>,
+    vnis: Vec<u32>,
+    remotes: Vec<Vec<IpAddr>>,
+    segment_names: Vec<String>,
     by_vni: HashMap<u32, usize, foldhash::fast::RandomState>,
+    learned: HashMap<(usize, [u8; 6]), Learned, foldhash::fast::RandomState>,
+    aging: Duration,
     underlay: usize,
+    /// Frames of one input after GSO segmentation, reused between pushes.
+    staged: Vec<Packet>,
     encapsulated: Counter,
     decapsulated: Counter,
+    flooded: Counter,
+    unknown_unicast: Counter,
     not_for_us: Counter,
     unknown_vni: Counter,
+    foreign_vtep: Counter,
+    bad_checksum: Counter,
     malformed: Counter,
     too_big: Counter,
 }
 
+/// The UDP checksum over IPv6 (RFC 8200 §8.1) of `udp` (header with a zero checksum field,
+/// and payload).
+fn udp6_checksum(src: &Ipv6Addr, dst: &Ipv6Addr, udp: &[u8]) -> u16 {
+    let mut acc = checksum::sum(&src.octets(), 0);
+    acc = checksum::sum(&dst.octets(), acc);
+    acc += udp.len() as u64 + 17;
+    let cs = checksum::finish(checksum::sum(udp, acc));
+    if cs == 0 {
+        0xffff
+    } else {
+        cs
+    }
+}
+
 impl Vxlan {
-    fn encapsulate(&self, seg: usize, mut p: Packet) -> Option<Packet> {
-        let s = &self.segments[seg];
+    fn outer_len(&self) -> usize {
+        if self.local.is_ipv4() {
+            OUTER4
+        } else {
+            OUTER6
+        }
+    }
+
+    /// Encapsulates an inner frame (ordinary, complete checksums) toward `remote`.
+    fn encapsulate(&self, seg: usize, remote: IpAddr, mut p: Packet) -> Option<Packet> {
         let inner_len = p.len();
-        let sport = 49152
-            + (flow::flow(p.data())
-                .ok()
-                .flatten()
-                .map(|f| f.hash(true))
-                .unwrap_or(0)
-                % 16384) as u16;
-        let h = p.prepend(OUTER).ok()?;
+        let hash = flow::flow(p.data())
+            .ok()
+            .flatten()
+            .map(|f| f.hash(true))
+            .unwrap_or(0);
+        let sport = 49152 + (hash % 16384) as u16;
+        let udp_len = 8 + 8 + inner_len;
+        let outer = self.outer_len();
+        let h = p.prepend(outer).ok()?;
         h[0..6].copy_from_slice(&self.next_hop_mac);
         h[6..12].copy_from_slice(&self.local_mac);
-        h[12..14].copy_from_slice(&[0x08, 0x00]);
-        // DF: the underlay must carry the whole frame (RFC 7348 §4.3).
-        h[14..34].copy_from_slice(&ipv4_header(
-            self.local,
-            s.remote,
-            17,
-            8 + 8 + inner_len,
-            true,
-        ));
-        let udp = &mut h[34..42];
-        udp[0..2].copy_from_slice(&sport.to_be_bytes());
-        udp[2..4].copy_from_slice(&self.port.to_be_bytes());
-        udp[4..6].copy_from_slice(&((8 + 8 + inner_len) as u16).to_be_bytes());
-        udp[6..8].copy_from_slice(&[0, 0]); // zero UDP checksum over IPv4 (RFC 7348 §5)
-        let vx = &mut h[42..50];
+        let udp = outer - 16;
+        match (self.local, remote) {
+            (IpAddr::V4(src), IpAddr::V4(dst)) => {
+                h[12..14].copy_from_slice(&[0x08, 0x00]);
+                // DF: the underlay must carry the whole frame (RFC 7348 §4.3).
+                h[14..34].copy_from_slice(&ipv4_header(src, dst, 17, udp_len, true));
+            }
+            (IpAddr::V6(src), IpAddr::V6(dst)) => {
+                h[12..14].copy_from_slice(&[0x86, 0xdd]);
+                let label = hash as u32 & 0xf_ffff;
+                h[14..18].copy_from_slice(&(0x6000_0000 | label).to_be_bytes());
+                h[18..20].copy_from_slice(&(udp_len as u16).to_be_bytes());
+                h[20] = 17;
+                h[21] = 64;
+                h[22..38].copy_from_slice(&src.octets());
+                h[38..54].copy_from_slice(&dst.octets());
+            }
+            _ => return None, // refused by `declare`
+        }
+        h[udp..udp + 2].copy_from_slice(&sport.to_be_bytes());
+        h[udp + 2..udp + 4].copy_from_slice(&self.port.to_be_bytes());
+        h[udp + 4..udp + 6].copy_from_slice(&(udp_len as u16).to_be_bytes());
+        h[udp + 6..udp + 8].copy_from_slice(&[0, 0]); // IPv4: no UDP checksum (§5)
+        let vx = &mut h[udp + 8..udp + 16];
         vx.fill(0);
         vx[0] = 0x08; // I flag: VNI valid
-        vx[4..7].copy_from_slice(&s.vni.to_be_bytes()[1..4]);
+        vx[4..7].copy_from_slice(&self.vnis[seg].to_be_bytes()[1..4]);
+        if let (IpAddr::V6(src), IpAddr::V6(dst)) = (self.local, remote) {
+            let d = p.data_mut();
+            let cs = udp6_checksum(&src, &dst, &d[udp..]);
+            d[udp + 6..udp + 8].copy_from_slice(&cs.to_be_bytes());
+        }
         Some(p)
     }
 
-    /// The segment of an encapsulated packet, with the outer headers removed.
-    fn decapsulate(&self, mut p: Packet) -> Result<(usize, Packet), &Counter> {
+    /// The segment and remote (index) of an encapsulated packet, with the outer headers removed.
+    fn decapsulate(&self, mut p: Packet) -> Result<(usize, u16, Packet), &Counter> {
         let d = p.data();
-        if d.len() < OUTER + 14 || d[12..14] != [0x08, 0x00] || d[14] >> 4 != 4 {
-            return Err(&self.not_for_us);
-        }
-        let ihl = (d[14] & 0x0f) as usize * 4;
-        let udp = 14 + ihl;
-        if ihl < 20 || d.len() < udp + 16 + 14 {
+        let (udp, src, dst) = match (self.local, u16::from_be_bytes([d[12], d[13]])) {
+            (IpAddr::V4(_), 0x0800) if d.len() >= 34 && d[14] >> 4 == 4 => {
+                let ihl = (d[14] & 0x0f) as usize * 4;
+                if d[23] != 17 {
+                    return Err(&self.not_for_us);
+                }
+                let src = Ipv4Addr::new(d[26], d[27], d[28], d[29]);
+                let dst = Ipv4Addr::new(d[30], d[31], d[32], d[33]);
+                if ihl < 20 {
+                    return Err(&self.malformed);
+                }
+                (14 + ihl, IpAddr::V4(src), IpAddr::V4(dst))
+            }
+            (IpAddr::V6(_), 0x86dd) if d.len() >= 54 && d[14] >> 4 == 6 => {
+                if d[20] != 17 {
+                    return Err(&self.not_for_us);
+                }
+                let at = |o: usize| Ipv6Addr::from(<[u8; 16]>::try_from(&d[o..o + 16]).unwrap());
+                (54, IpAddr::V6(at(22)), IpAddr::V6(at(38)))
+            }
+            _ => return Err(&self.not_for_us),
+        };
+        if d.len() < udp + 16 + 14 {
             return Err(&self.malformed);
         }
-        let dst = Ipv4Addr::new(d[30], d[31], d[32], d[33]);
-        if d[23] != 17
-            || dst != self.local
-            || u16::from_be_bytes([d[udp + 2], d[udp + 3]]) != self.port
-        {
+        if dst != self.local || u16::from_be_bytes([d[udp + 2], d[udp + 3]]) != self.port {
             return Err(&self.not_for_us);
+        }
+        let udp_len = u16::from_be_bytes([d[udp + 4], d[udp + 5]]) as usize;
+        if udp_len < 16 + 14 || udp + udp_len > d.len() {
+            return Err(&self.malformed);
+        }
+        // A partial checksum (a sender on this host offloading it) is not checked: it is only
+        // finished on the wire.
+        let partial = p.checksum_state() == ChecksumState::Partial;
+        if let (IpAddr::V6(s), IpAddr::V6(t), false) = (src, dst, partial) {
+            let cs = u16::from_be_bytes([d[udp + 6], d[udp + 7]]);
+            let mut acc = checksum::sum(&s.octets(), 0);
+            acc = checksum::sum(&t.octets(), acc) + udp_len as u64 + 17;
+            if cs != 0 && checksum::finish(checksum::sum(&d[udp..udp + udp_len], acc)) != 0 {
+                return Err(&self.bad_checksum);
+            }
         }
         let vx = &d[udp + 8..udp + 16];
         if vx[0] & 0x08 == 0 {
@@ -128,8 +231,99 @@ impl Vxlan {
         let Some(&seg) = self.by_vni.get(&vni) else {
             return Err(&self.unknown_vni);
         };
-        p.shift_front(udp + 16).map_err(|_| &self.malformed)?;
-        Ok((seg, p))
+        let Some(remote) = self.remotes[seg].iter().position(|r| *r == src) else {
+            return Err(&self.foreign_vtep);
+        };
+        // Trailing bytes after the UDP datagram (Ethernet padding) are not part of the frame.
+        let end = udp + udp_len;
+        if end < p.len() {
+            p.set_len(end).map_err(|_| &self.malformed)?;
+        }
+        let outer = udp + 16;
+        p.shift_front(outer).map_err(|_| &self.malformed)?;
+        if partial {
+            // Offload metadata points into the frame: an inner checksum moves with it, an
+            // outer one goes with the outer headers.
+            let start = p.header().csum_start as usize;
+            if start >= outer {
+                p.header_mut().csum_start = (start - outer) as _;
+            } else {
+                p.set_checksum_state(ChecksumState::Unknown);
+            }
+        }
+        Ok((seg, remote as u16, p))
+    }
+
+    /// Where a frame of segment `seg` goes: its learned remote, or every remote (flood).
+    fn learned_remote(&self, seg: usize, frame: &[u8], now: Instant) -> Option<u16> {
+        if self.remotes[seg].len() == 1 {
+            return Some(0);
+        }
+        if frame[0] & 1 != 0 {
+            return None; // broadcast, multicast
+        }
+        let dst: [u8; 6] = frame[0..6].try_into().unwrap();
+        self.learned
+            .get(&(seg, dst))
+            .filter(|l| now.duration_since(l.seen) < self.aging)
+            .map(|l| l.remote)
+    }
+
+    fn learn(&mut self, seg: usize, remote: u16, frame: &[u8], now: Instant) {
+        if self.remotes[seg].len() == 1 || frame[6] & 1 != 0 {
+            return;
+        }
+        let src: [u8; 6] = frame[6..12].try_into().unwrap();
+        match self.learned.get_mut(&(seg, src)) {
+            Some(l) => {
+                l.remote = remote;
+                l.seen = now;
+            }
+            None => {
+                self.learned
+                    .insert((seg, src), Learned { remote, seen: now });
+            }
+        }
+    }
+
+    /// Encapsulates one inner frame of segment `seg` toward its remote(s).
+    fn send(
+        &mut self,
+        seg: usize,
+        p: Packet,
+        now: Instant,
+        out: &mut Option<stitch_core::Producer>,
+    ) {
+        let mut targets = 0..self.remotes[seg].len();
+        if let Some(r) = self.learned_remote(seg, p.data(), now) {
+            targets = r as usize..r as usize + 1;
+        } else if p.data()[0] & 1 == 0 {
+            self.unknown_unicast.add(1);
+        } else {
+            self.flooded.add(1);
+        }
+        let last = targets.end - 1;
+        let mut p = Some(p);
+        for r in targets {
+            let copy = if r == last {
+                p.take()
+            } else {
+                p.as_ref().and_then(|p| p.try_clone())
+            };
+            let Some(copy) = copy else {
+                self.too_big.add(1);
+                continue;
+            };
+            match self.encapsulate(seg, self.remotes[seg][r], copy) {
+                Some(outer) => {
+                    if let Some(o) = out.as_mut() {
+                        o.transmit(outer);
+                        self.encapsulated.add(1);
+                    }
+                }
+                None => self.too_big.add(1),
+            }
+        }
     }
 }
 
@@ -156,6 +350,18 @@ impl App for Vxlan {
                 )
                 .into());
             }
+            let remotes = s.remote.to_vec();
+            if remotes.is_empty() || remotes.len() > u16::MAX as usize {
+                return Err(format!("segment `{name}`: give one remote VTEP or a list").into());
+            }
+            if let Some(r) = remotes.iter().find(|r| r.is_ipv4() != c.local.is_ipv4()) {
+                return Err(format!(
+                    "segment `{name}`: remote {r} is not of the family of `local` {} (one \
+                     underlay family per vxlan app)",
+                    c.local
+                )
+                .into());
+            }
         }
         let mut names: Vec<String> = c.segments.keys().cloned().collect();
         names.push("underlay".into());
@@ -166,39 +372,50 @@ impl App for Vxlan {
     }
 
     fn new(c: VxlanConfig, ctx: &mut AppContext) -> Result<Self, AppError> {
-        let segments: Vec<Segment> = c.segments.values().cloned().collect();
-        let by_vni = segments
-            .iter()
-            .enumerate()
-            .map(|(i, s)| (s.vni, i))
-            .collect();
+        let vnis: Vec<u32> = c.segments.values().map(|s| s.vni).collect();
+        let by_vni = vnis.iter().enumerate().map(|(i, v)| (*v, i)).collect();
         Ok(Vxlan {
             local: c.local,
             local_mac: parse_mac(&c.local_mac)?,
             next_hop_mac: parse_mac(&c.next_hop_mac)?,
             port: c.port,
-            underlay: segments.len(),
-            segments,
+            underlay: vnis.len(),
+            remotes: c.segments.values().map(|s| s.remote.to_vec()).collect(),
+            segment_names: c.segments.keys().cloned().collect(),
+            vnis,
             by_vni,
+            learned: HashMap::default(),
+            aging: Duration::from_secs(c.aging_seconds),
+            staged: Vec::new(),
             encapsulated: ctx.counter("encapsulated"),
             decapsulated: ctx.counter("decapsulated"),
+            flooded: ctx.counter("flooded"),
+            unknown_unicast: ctx.counter("unknown_unicast_flooded"),
             not_for_us: ctx.counter("not_for_us_drops"),
             unknown_vni: ctx.counter("unknown_vni_drops"),
+            foreign_vtep: ctx.counter("foreign_vtep_drops"),
+            bad_checksum: ctx.counter("bad_checksum_drops"),
             malformed: ctx.counter("malformed_drops"),
             too_big: ctx.counter("too_big_drops"),
         })
     }
 
     fn push(&mut self, io: &mut Io) {
+        let now = Instant::now();
         let (inputs, outputs) = io.split();
         for (port, input) in inputs.iter_mut().enumerate() {
             let Some(input) = input.as_mut() else {
                 continue;
             };
-            for p in input.drain() {
-                if port == self.underlay {
+            if port == self.underlay {
+                for p in input.drain() {
+                    if p.len() < 14 {
+                        self.malformed.add(1);
+                        continue;
+                    }
                     match self.decapsulate(p) {
-                        Ok((seg, inner)) => {
+                        Ok((seg, remote, inner)) => {
+                            self.learn(seg, remote, inner.data(), now);
                             if let Some(o) = outputs[seg].as_mut() {
                                 o.transmit(inner);
                                 self.decapsulated.add(1);
@@ -206,20 +423,63 @@ impl App for Vxlan {
                         }
                         Err(counter) => counter.add(1),
                     }
-                } else if p.len() < 14 {
+                }
+                continue;
+            }
+            let mut staged = std::mem::take(&mut self.staged);
+            for p in input.drain() {
+                if p.len() < 14 {
                     self.malformed.add(1);
-                } else {
-                    match self.encapsulate(port, p) {
-                        Some(outer) => {
-                            if let Some(o) = outputs[self.underlay].as_mut() {
-                                o.transmit(outer);
-                                self.encapsulated.add(1);
-                            }
-                        }
-                        None => self.too_big.add(1),
+                    continue;
+                }
+                // Ordinary frames with complete checksums: the outer headers move the offsets
+                // that offload metadata points at, and the far end may not offload at all.
+                let cut = offload::resolve_gso(p, |mut s| {
+                    if offload::complete_checksum(&mut s).is_ok() {
+                        staged.push(s);
                     }
+                });
+                if cut.is_err() {
+                    self.malformed.add(1);
                 }
             }
+            for p in staged.drain(..) {
+                self.send(port, p, now, &mut outputs[self.underlay]);
+            }
+            self.staged = staged;
+        }
+    }
+
+    /// The learned table: `{"count", "entries": [{segment, mac, remote, age_s}]}`.
+    fn query(&mut self, request: &serde_json::Value) -> serde_json::Value {
+        let limit = request["limit"].as_u64().unwrap_or(1000) as usize;
+        let now = Instant::now();
+        let mut entries: Vec<_> = self
+            .learned
+            .iter()
+            .filter(|(_, l)| now.duration_since(l.seen) < self.aging)
+            .map(|((seg, mac), l)| {
+                let mac = mac
+                    .iter()
+                    .map(|b| format!("{b:02x}"))
+                    .collect::<Vec<_>>()
+                    .join(":");
+                serde_json::json!({ "segment": self.segment_names[*seg], "mac": mac,
+                    "remote": self.remotes[*seg][l.remote as usize].to_string(),
+                    "age_s": now.duration_since(l.seen).as_secs() })
+            })
+            .collect();
+        let count = entries.len();
+        entries.sort_by_key(|e| e.to_string());
+        entries.truncate(limit);
+        serde_json::json!({ "count": count, "entries": entries })
+    }
+
+    fn tick(&mut self, _: &mut Io, now: Instant) {
+        if self.learned.len() > 4096 {
+            let aging = self.aging;
+            self.learned
+                .retain(|_, l| now.duration_since(l.seen) < aging);
         }
     }
 }
@@ -227,46 +487,219 @@ impl App for Vxlan {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use stitch_core::link::{link, Consumer};
     use stitch_core::pool;
-    use stitch_wire::checksum;
+
+    fn vtep(local: &str, remote: serde_json::Value) -> Vxlan {
+        let c: VxlanConfig = serde_json::from_value(serde_json::json!({
+            "local": local, "local_mac": "02:00:00:00:00:01", "next_hop_mac": "02:00:00:00:00:02",
+            "segments": { "a": { "vni": 7, "remote": remote } }
+        }))
+        .unwrap();
+        Vxlan::declare(&c).unwrap();
+        let mut ctx = AppContext::new("v", std::path::Path::new("."), Default::default());
+        Vxlan::new(c, &mut ctx).unwrap()
+    }
+
+    fn frame(dst: [u8; 6], src: [u8; 6]) -> Packet {
+        let mut f: Vec<u8> = (0..60u8).collect();
+        f[0..6].copy_from_slice(&dst);
+        f[6..12].copy_from_slice(&src);
+        let mut p = pool::alloc().unwrap();
+        p.set_data(&f).unwrap();
+        p
+    }
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
 
     #[test]
     fn round_trip_and_refusals_are_counted() {
-        let cfg = |local: &str, remote: &str| -> VxlanConfig {
-            serde_json::from_value(serde_json::json!({
-                "local": local, "local_mac": "02:00:00:00:00:01", "next_hop_mac": "02:00:00:00:00:02",
-                "segments": { "a": { "vni": 7, "remote": remote } }
-            }))
-            .unwrap()
-        };
-        let mut ctx = AppContext::new("v", std::path::Path::new("."), Default::default());
-        let v1 = Vxlan::new(cfg("192.0.2.1", "192.0.2.2"), &mut ctx).unwrap();
-        let v2 = Vxlan::new(cfg("192.0.2.2", "192.0.2.1"), &mut ctx).unwrap();
-        let inner: Vec<u8> = (0..60u8).collect();
-        let mut p = pool::alloc().unwrap();
-        p.set_data(&inner).unwrap();
-        let outer = v1.encapsulate(0, p).unwrap();
-        assert_eq!(outer.len(), 60 + OUTER);
+        let v1 = vtep("192.0.2.1", serde_json::json!("192.0.2.2"));
+        let v2 = vtep("192.0.2.2", serde_json::json!("192.0.2.1"));
+        let inner = frame([2; 6], [4; 6]);
+        let bytes = inner.data().to_vec();
+        let outer = v1.encapsulate(0, ip("192.0.2.2"), inner).unwrap();
+        assert_eq!(outer.len(), 60 + OUTER4);
         assert_eq!(checksum::checksum(&outer.data()[14..34]), 0);
         let copy = outer.try_clone().unwrap();
-        let (seg, back) = v2.decapsulate(outer).unwrap();
-        assert_eq!((seg, back.data()), (0, &inner[..]));
+        let (seg, remote, back) = v2.decapsulate(outer).unwrap();
+        assert_eq!((seg, remote, back.data()), (0, 0, &bytes[..]));
         // Not addressed to v1's own local address: refused and counted there.
         assert!(v1.decapsulate(copy).is_err());
         // Unknown VNI.
-        let mut p = pool::alloc().unwrap();
-        p.set_data(&inner).unwrap();
-        let mut o = v1.encapsulate(0, p).unwrap();
+        let mut o = v1
+            .encapsulate(0, ip("192.0.2.2"), frame([2; 6], [4; 6]))
+            .unwrap();
         o.data_mut()[48] = 9;
         assert!(std::ptr::eq(
             v2.decapsulate(o).unwrap_err(),
             &v2.unknown_vni
         ));
+        // From a VTEP that is not the segment's remote.
+        let v3 = vtep("192.0.2.3", serde_json::json!("192.0.2.1"));
+        let o = v3
+            .encapsulate(0, ip("192.0.2.2"), frame([2; 6], [4; 6]))
+            .unwrap();
+        assert!(std::ptr::eq(
+            v2.decapsulate(o).unwrap_err(),
+            &v2.foreign_vtep
+        ));
         // The port layout: segments, then underlay.
-        let spec = Vxlan::declare(&cfg("192.0.2.1", "192.0.2.2")).unwrap();
+        let c: VxlanConfig = serde_json::from_value(serde_json::json!({
+            "local": "192.0.2.1", "local_mac": "02:00:00:00:00:01", "next_hop_mac": "02:00:00:00:00:02",
+            "segments": { "a": { "vni": 7, "remote": "192.0.2.2" } } })).unwrap();
+        let spec = Vxlan::declare(&c).unwrap();
         assert_eq!(
             spec.inputs,
             PortNames::Fixed(vec!["a".into(), "underlay".into()])
         );
+    }
+
+    #[test]
+    fn ipv6_underlay_carries_a_udp_checksum_and_a_flow_label() {
+        let v1 = vtep("2001:db8::1", serde_json::json!("2001:db8::2"));
+        let v2 = vtep("2001:db8::2", serde_json::json!(["2001:db8::1"]));
+        let inner = frame([2; 6], [4; 6]);
+        let bytes = inner.data().to_vec();
+        let outer = v1.encapsulate(0, ip("2001:db8::2"), inner).unwrap();
+        let d = outer.data();
+        assert_eq!(outer.len(), 60 + OUTER6);
+        assert_eq!((&d[12..14], d[20], d[21]), (&[0x86, 0xdd][..], 17, 64));
+        assert_eq!(u16::from_be_bytes([d[18], d[19]]) as usize, 16 + 60);
+        let mut acc = checksum::sum(&d[22..54], 0) + 17 + 76;
+        acc = checksum::sum(&d[54..], acc);
+        assert_eq!(
+            checksum::finish(acc),
+            0,
+            "UDP checksum over the pseudo-header"
+        );
+        assert_ne!(u16::from_be_bytes([d[60], d[61]]), 0);
+        let mut bad = outer.try_clone().unwrap();
+        let (seg, _, back) = v2.decapsulate(outer).unwrap();
+        assert_eq!((seg, back.data()), (0, &bytes[..]));
+        let n = bad.len();
+        bad.data_mut()[n - 1] ^= 0xff;
+        assert!(std::ptr::eq(
+            v2.decapsulate(bad).unwrap_err(),
+            &v2.bad_checksum
+        ));
+    }
+
+    #[test]
+    fn mixed_families_are_refused() {
+        let c: VxlanConfig = serde_json::from_value(serde_json::json!({
+            "local": "192.0.2.1", "local_mac": "02:00:00:00:00:01", "next_hop_mac": "02:00:00:00:00:02",
+            "segments": { "a": { "vni": 7, "remote": ["192.0.2.2", "2001:db8::2"] } } }))
+        .unwrap();
+        let e = Vxlan::declare(&c).expect_err("refused").to_string();
+        assert!(e.contains("not of the family"), "{e}");
+    }
+
+    #[test]
+    fn floods_to_every_remote_until_it_learns_where_a_mac_is() {
+        let mut v = vtep("192.0.2.1", serde_json::json!(["192.0.2.2", "192.0.2.3"]));
+        let (mut seg_in, a) = link(64);
+        let (mut wire_in, b) = link(64);
+        let (c1, mut seg_out) = link(64);
+        let (c2, mut wire_out): (_, Consumer) = link(64);
+        let mut io = Io::new(
+            vec![("a".into(), a), ("underlay".into(), b)],
+            vec![("a".into(), c1), ("underlay".into(), c2)],
+        );
+        let dests = |w: &mut Consumer| -> Vec<[u8; 4]> {
+            w.drain()
+                .map(|p| p.data()[30..34].try_into().unwrap())
+                .collect()
+        };
+        let (host, far) = ([2, 0, 0, 0, 0, 0xa], [2, 0, 0, 0, 0, 0xb]);
+        // Broadcast and unknown unicast: one copy per remote.
+        seg_in.transmit(frame([0xff; 6], host));
+        seg_in.transmit(frame(far, host));
+        v.push(&mut io);
+        assert_eq!(
+            dests(&mut wire_out),
+            vec![
+                [192, 0, 2, 2],
+                [192, 0, 2, 3],
+                [192, 0, 2, 2],
+                [192, 0, 2, 3]
+            ]
+        );
+        // `far` answers from behind 192.0.2.3: learned.
+        let peer = vtep("192.0.2.3", serde_json::json!("192.0.2.1"));
+        wire_in.transmit(
+            peer.encapsulate(0, ip("192.0.2.1"), frame(host, far))
+                .unwrap(),
+        );
+        v.push(&mut io);
+        assert_eq!(seg_out.drain().count(), 1);
+        seg_in.transmit(frame(far, host));
+        v.push(&mut io);
+        assert_eq!(dests(&mut wire_out), vec![[192, 0, 2, 3]]);
+        assert_eq!((v.flooded.get(), v.unknown_unicast.get()), (1, 1));
+        let table = v.query(&serde_json::json!({}));
+        assert_eq!(table["count"], 1);
+        assert_eq!(table["entries"][0]["remote"], "192.0.2.3");
+        assert_eq!(table["entries"][0]["mac"], "02:00:00:00:00:0b");
+    }
+
+    #[test]
+    fn gso_super_frames_and_partial_checksums_leave_as_ordinary_frames() {
+        // A TCP super-frame of 3000 bytes of payload, MSS 1000, with a partial checksum.
+        let mut f = vec![0u8; 54 + 3000];
+        f[0..6].copy_from_slice(&[2, 0, 0, 0, 0, 2]);
+        f[6..12].copy_from_slice(&[2, 0, 0, 0, 0, 1]);
+        f[12..14].copy_from_slice(&[0x08, 0x00]);
+        f[14..34].copy_from_slice(&ipv4_header(
+            Ipv4Addr::new(10, 0, 0, 1),
+            Ipv4Addr::new(10, 0, 0, 2),
+            6,
+            3020,
+            true,
+        ));
+        f[46] = 5 << 4;
+        f[47] = 0x18;
+        let ps = checksum::sum(&f[26..34], 0) + 6 + 3020;
+        let mut folded = ps;
+        while folded > 0xffff {
+            folded = (folded & 0xffff) + (folded >> 16);
+        }
+        f[50..52].copy_from_slice(&(folded as u16).to_be_bytes());
+        let mut p = pool::alloc_large().unwrap();
+        p.set_data(&f).unwrap();
+        {
+            let h = p.header_mut();
+            h.csum_start = 34;
+            h.csum_offset = 16;
+            h.gso_type = offload::GSO_TCPV4;
+            h.gso_size = 1000;
+        }
+        p.set_checksum_state(ChecksumState::Partial);
+        let mut v = vtep("192.0.2.1", serde_json::json!("192.0.2.2"));
+        let (mut seg_in, a) = link(64);
+        let (_wire_in, b) = link(64);
+        let (c1, _seg_out) = link(64);
+        let (c2, mut wire_out) = link(64);
+        let mut io = Io::new(
+            vec![("a".into(), a), ("underlay".into(), b)],
+            vec![("a".into(), c1), ("underlay".into(), c2)],
+        );
+        seg_in.transmit(p);
+        v.push(&mut io);
+        let out: Vec<Packet> = wire_out.drain().collect();
+        assert_eq!(out.len(), 3);
+        for o in &out {
+            let inner = &o.data()[OUTER4..];
+            assert_eq!(inner.len(), 54 + 1000);
+            let tcp = &inner[34..];
+            let acc = checksum::sum(&inner[26..34], 0) + 6 + tcp.len() as u64;
+            assert_eq!(
+                checksum::finish(checksum::sum(tcp, acc)),
+                0,
+                "complete TCP checksum"
+            );
+        }
     }
 }

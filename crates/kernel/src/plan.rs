@@ -293,7 +293,17 @@ fn plan_app(kind: &str, config: &serde_json::Value) -> Result<(Function, Vec<Str
                         s.vni
                     ));
                 }
-                segments.push((s.vni, s.remote));
+                let remote = match (c.local, s.remote.to_vec().as_slice()) {
+                    (std::net::IpAddr::V4(_), [std::net::IpAddr::V4(r)]) => *r,
+                    _ => {
+                        return Err(format!(
+                            "segment `{name}`: the kernel transport manager takes an IPv4 `local` \
+                             and one IPv4 `remote` per segment (place this vxlan in user space \
+                             for IPv6 or several remotes)"
+                        ))
+                    }
+                };
+                segments.push((s.vni, remote));
             }
             Ok((
                 Function::Vxlan {

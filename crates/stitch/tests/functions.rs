@@ -387,3 +387,123 @@ fn show_dumps_an_apps_tables_from_a_running_instance() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("app `out` (sink) has no tables"));
     s.stop();
 }
+
+/// Stitch's `vxlan` and a Linux VXLAN device, one on each end of a veth underlay: host A's frames
+/// cross Stitch's VTEP to the Linux VTEP in host B and back. The segment has a second remote that
+/// does not exist, so Stitch floods until it has learned where B's device sits.
+fn vxlan_talks_to_linux_over(family: u8) {
+    require_root_and_tools(&["ip", "ping", "iperf3"]);
+    let h = TwoHosts::new();
+    let (local, remote, absent, prefix) = if family == 4 {
+        ("192.0.2.1", "192.0.2.2", "192.0.2.9", 24)
+    } else {
+        ("2001:db8:77::1", "2001:db8:77::2", "2001:db8:77::9", 64)
+    };
+    let (b, eth) = (&h.ns[1], &h.inner[1]);
+    // Host B: its eth0 is the underlay; the tenant address moves to a VXLAN device.
+    let tenant_b = h.ip[1].clone();
+    must(&format!("ip -n {b} addr flush dev {eth}"));
+    must(&format!(
+        "ip -n {b} addr add {remote}/{prefix} dev {eth} nodad"
+    ));
+    let stitch_mac = "02:00:00:00:77:01";
+    must(&format!(
+        "ip -n {b} neigh add {local} lladdr {stitch_mac} dev {eth}"
+    ));
+    must(&format!(
+        "ip -n {b} link add vx0 type vxlan id 4242 local {remote} remote {local} dstport 4789 dev {eth}"
+    ));
+    // Linux's own overhead for an IPv6 underlay (70 bytes) sets the tenant MTU on both sides.
+    must(&format!("ip -n {b} link set vx0 mtu 1430"));
+    must(&format!("ip -n {b} addr add {tenant_b}/24 dev vx0"));
+    must(&format!("ip -n {b} link set vx0 up"));
+    must(&format!(
+        "ip -n {} link set {} mtu 1430",
+        h.ns[0], h.inner[0]
+    ));
+    let mac_b = must(&format!("ip -n {b} -br link show {eth}"));
+    let mac_b = mac_b.split_whitespace().nth(2).unwrap().to_string();
+    let s = Stitch::run(&format!(
+        "apps:\n  tenant: {{ type: af_packet, interface: {} }}\n  wire: {{ type: af_packet, interface: {} }}\n  vtep: {{ type: vxlan, local: \"{local}\", local_mac: \"{stitch_mac}\", next_hop_mac: \"{mac_b}\", segments: {{ t: {{ vni: 4242, remote: [\"{remote}\", \"{absent}\"] }} }} }}\nlinks:\n  - \"tenant.output -> vtep.t\"\n  - \"vtep.t -> tenant.input\"\n  - \"wire.output -> vtep.underlay\"\n  - \"vtep.underlay -> wire.input\"\n",
+        h.outer[0], h.outer[1]
+    ));
+    let ping = h.exec(0, &format!("ping -c 3 -i 0.2 -W 2 {tenant_b}"));
+    assert!(
+        ping.status.success(),
+        "ping across the tunnel: {}",
+        String::from_utf8_lossy(&ping.stdout)
+    );
+    // Stitch learned where host B's VXLAN device is; Linux learned Stitch's side.
+    let shown: serde_json::Value = serde_json::from_str(&must(&format!(
+        "{} show vtep --control {}",
+        env!("CARGO_BIN_EXE_stitch"),
+        s.socket.display()
+    )))
+    .unwrap();
+    let vx_mac = must(&format!("ip -n {b} -br link show vx0"));
+    let vx_mac = vx_mac.split_whitespace().nth(2).unwrap().to_string();
+    assert!(
+        shown["entries"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["mac"] == vx_mac.as_str() && e["remote"] == remote),
+        "{shown}"
+    );
+    let flooded = |s: &Stitch| {
+        app(&s.stats().unwrap(), "vtep")["counters"]["unknown_unicast_flooded"]
+            .as_u64()
+            .unwrap()
+    };
+    let before = flooded(&s);
+    let ping = h.exec(0, &format!("ping -c 5 -i 0.1 -W 2 {tenant_b}"));
+    assert!(ping.status.success());
+    assert_eq!(
+        flooded(&s),
+        before,
+        "unicast went to the learned remote only"
+    );
+    // TCP with the default offloads: super-frames from host A are cut and checksummed
+    // before encapsulation; Linux checks every checksum on the way in.
+    let bps = h.iperf_tcp(&tenant_b, 2);
+    eprintln!(
+        "iperf3 over Stitch's VXLAN (IPv{family} underlay) to Linux: {:.2} Gbit/s",
+        bps / 1e9
+    );
+    assert!(bps > 1e6, "{bps}");
+    // And back: Linux sends UDP-tunnel super-frames over the veth, which the af_packet port
+    // takes apart on the way in.
+    let server = h.spawn(1, "iperf3 -s -1 -p 5298");
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let back = h.exec(0, &format!("iperf3 -c {tenant_b} -p 5298 -t 2 -R -J"));
+    let _ = server.finish();
+    assert!(
+        back.status.success(),
+        "{}",
+        String::from_utf8_lossy(&back.stdout)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&back.stdout).unwrap();
+    let bps = v["end"]["sum_received"]["bits_per_second"]
+        .as_f64()
+        .unwrap();
+    eprintln!(
+        "iperf3 from Linux's VXLAN device over Stitch (IPv{family}): {:.2} Gbit/s",
+        bps / 1e9
+    );
+    assert!(bps > 1e6, "{bps}");
+    let stats = s.stop();
+    let c = &app(&stats, "vtep")["counters"];
+    assert_eq!(c["bad_checksum_drops"], 0, "{c}");
+    assert_eq!(c["foreign_vtep_drops"], 0, "{c}");
+    assert!(c["decapsulated"].as_u64().unwrap() > 100, "{c}");
+}
+
+#[test]
+fn vxlan_talks_to_linux_over_an_ipv4_underlay() {
+    vxlan_talks_to_linux_over(4);
+}
+
+#[test]
+fn vxlan_talks_to_linux_over_an_ipv6_underlay() {
+    vxlan_talks_to_linux_over(6);
+}
