@@ -11,11 +11,16 @@
 //! exceeded, net unreachable, fragmentation needed (DF set, over the egress `mtu`) — at most
 //! `icmp_rate` per second. Echo requests to its own addresses get replies. IPv6 works the same
 //! way with Neighbor Discovery instead of ARP, hop limits and ICMPv6 errors (`router/v6.rs`).
+//! Each interface with `address6` also has the link-local address of its MAC (modified
+//! EUI-64); with `advertise: true` it sends router advertisements (RFC 4861 §6) for its prefix
+//! every `ra_interval` seconds and answers router solicitations, so hosts configure their
+//! addresses (SLAAC) and default route from it.
 //!
 //! ```yaml
 //! apps:
 //!   r: { type: router,
-//!        interfaces: { lan: { mac: "02:00:00:00:01:01", address: "10.0.1.1/24" },
+//!        interfaces: { lan: { mac: "02:00:00:00:01:01", address: "10.0.1.1/24",
+//!                             address6: "2001:db8:1::1/64", advertise: true },
 //!                      wan: { mac: "02:00:00:00:02:01", address: "192.0.2.2/24" } },
 //!        routes: [ { prefix: "0.0.0.0/0", via: "192.0.2.1" } ] }
 //! ```
@@ -43,6 +48,9 @@ pub struct InterfaceConfig {
     pub address6: Option<String>,
     #[serde(default = "default_mtu")]
     pub mtu: usize,
+    /// Send router advertisements for `address6`'s prefix on this interface.
+    #[serde(default)]
+    pub advertise: bool,
 }
 
 fn default_mtu() -> usize {
@@ -66,6 +74,13 @@ pub struct RouterConfig {
     pub arp_timeout: u64,
     #[serde(default = "default_icmp_rate")]
     pub icmp_rate: f64,
+    /// Seconds between unsolicited router advertisements (RFC 4861 MaxRtrAdvInterval, 4–1800).
+    #[serde(default = "default_ra_interval")]
+    pub ra_interval: u64,
+}
+
+fn default_ra_interval() -> u64 {
+    200
 }
 
 fn default_arp_timeout() -> u64 {
@@ -79,6 +94,11 @@ struct Iface {
     mac: [u8; 6],
     addr: Ipv4Addr,
     addr6: Option<Ipv6Addr>,
+    /// The link-local address (with `addr6`).
+    ll6: Option<Ipv6Addr>,
+    /// The on-link prefix advertised when `advertise` is set.
+    prefix6: Option<Ipv6Net>,
+    advertise: bool,
     mtu: usize,
 }
 
@@ -217,6 +237,7 @@ pub struct Router {
     icmp_last: Instant,
     /// Packets produced while handling one input packet, kept to avoid allocating.
     pending: Vec<(usize, Packet)>,
+    ra: v6::Advertising,
     c: Counters,
 }
 
@@ -234,6 +255,10 @@ struct Counters {
     icmp_rate_limited: Counter,
     echo_replies: Counter,
     local_drops: Counter,
+    scope_drops: Counter,
+    parameter_problems: Counter,
+    ignored: Counter,
+    advertisements: Counter,
 }
 
 /// What `build` makes of a config: interfaces and both routing tables.
@@ -263,10 +288,19 @@ fn build(c: &RouterConfig) -> Result<Tables, String> {
         if !(1280..=9000).contains(&ic.mtu) {
             return Err(format!("interface `{name}`: mtu must be 1280..=9000"));
         }
+        if ic.advertise && net6.is_none() {
+            return Err(format!(
+                "interface `{name}`: `advertise` needs an `address6` whose prefix to advertise"
+            ));
+        }
+        let mac = parse_mac(&ic.mac).map_err(|e| format!("interface `{name}`: {e}"))?;
         ifaces.push(Iface {
-            mac: parse_mac(&ic.mac).map_err(|e| format!("interface `{name}`: {e}"))?,
+            mac,
             addr: net.addr(),
             addr6: net6.map(|n| n.addr()),
+            ll6: net6.map(|_| stitch_wire::ndp::link_local(mac)),
+            prefix6: net6.map(|n| n.trunc()),
+            advertise: ic.advertise,
             mtu: ic.mtu,
         });
         routes.insert(net.trunc(), Route { port: i, via: None });
@@ -276,6 +310,9 @@ fn build(c: &RouterConfig) -> Result<Tables, String> {
     }
     if ifaces.is_empty() {
         return Err("a router needs at least one interface".into());
+    }
+    if !(4..=1800).contains(&c.ra_interval) {
+        return Err("`ra_interval` must be 4..=1800 seconds (RFC 4861 §6.2.1)".into());
     }
     for (k, r) in c.routes.iter().enumerate() {
         let unreachable = || {
@@ -591,6 +628,7 @@ impl App for Router {
 
     fn new(c: RouterConfig, ctx: &mut AppContext) -> Result<Self, AppError> {
         let (ifaces, routes, routes6) = build(&c)?;
+        let ra = v6::Advertising::new(&ifaces, Duration::from_secs(c.ra_interval));
         let k = |n: &str| ctx.counter(n);
         Ok(Router {
             port_names: c.interfaces.keys().cloned().collect(),
@@ -604,6 +642,7 @@ impl App for Router {
             icmp_tokens: c.icmp_rate,
             icmp_last: Instant::now(),
             pending: Vec::with_capacity(ARP_QUEUE + 2),
+            ra,
             c: Counters {
                 forwarded: k("forwarded"),
                 bad_header: k("bad_ipv4_header_drops"),
@@ -618,6 +657,10 @@ impl App for Router {
                 icmp_rate_limited: k("icmp_rate_limited"),
                 echo_replies: k("echo_replies"),
                 local_drops: k("local_drops"),
+                scope_drops: k("scope_drops"),
+                parameter_problems: k("parameter_problems_sent"),
+                ignored: k("ignored_local"),
+                advertisements: k("router_advertisements"),
             },
         })
     }
@@ -674,9 +717,13 @@ impl App for Router {
                             "routes": routes, "neighbors": neighbors, "neighbors6": neighbors6 })
     }
 
-    fn tick(&mut self, _: &mut Io, now: Instant) {
+    fn tick(&mut self, io: &mut Io, now: Instant) {
         self.neighbors.expire(now);
         self.neighbors6.expire(now);
+        let (_, outputs) = io.split();
+        for (port, ra) in self.due_advertisements(now) {
+            transmit_to(&mut outputs[port], ra);
+        }
     }
 }
 

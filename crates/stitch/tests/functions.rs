@@ -507,3 +507,66 @@ fn vxlan_talks_to_linux_over_an_ipv4_underlay() {
 fn vxlan_talks_to_linux_over_an_ipv6_underlay() {
     vxlan_talks_to_linux_over(6);
 }
+
+/// Host A has no IPv6 configuration of its own: the router's advertisements give it an
+/// address (SLAAC) and a default route via the router's link-local address.
+#[test]
+fn router_advertisements_configure_a_host() {
+    require_root_and_tools(&["ip", "ping"]);
+    let h = TwoHosts::new();
+    let n = 150 + (std::process::id() % 50);
+    let (a, b) = (&h.ns[0], &h.ns[1]);
+    must(&format!(
+        "ip -n {a} -6 addr flush dev {} scope global",
+        h.inner[0]
+    ));
+    must(&format!(
+        "ip -n {b} -6 addr flush dev {} scope global",
+        h.inner[1]
+    ));
+    must(&format!(
+        "ip -n {b} addr add fd{n:x}:2::2/64 dev {} nodad",
+        h.inner[1]
+    ));
+    must(&format!("ip -n {b} -6 route add default via fd{n:x}:2::1"));
+    let s = Stitch::run(&format!(
+        "apps:\n  a: {{ type: af_packet, interface: {} }}\n  b: {{ type: af_packet, interface: {} }}\n  r: {{ type: router, interfaces: {{ left: {{ mac: \"02:00:00:00:01:01\", address: \"10.{n}.1.1/24\", address6: \"fd{n:x}:1::1/64\", advertise: true }}, right: {{ mac: \"02:00:00:00:02:01\", address: \"10.{n}.2.1/24\", address6: \"fd{n:x}:2::1/64\" }} }} }}\nlinks:\n  - \"a.output -> r.left\"\n  - \"r.left -> a.input\"\n  - \"b.output -> r.right\"\n  - \"r.right -> b.input\"\n",
+        h.outer[0], h.outer[1]
+    ));
+    let prefix = format!("fd{n:x}:1:");
+    wait_until(
+        "host A configures an address from the advertised prefix",
+        15,
+        || {
+            let o = h.exec(
+                0,
+                &format!("ip -6 addr show dev {} scope global", h.inner[0]),
+            );
+            let text = String::from_utf8_lossy(&o.stdout).to_string();
+            text.contains(&prefix) && !text.contains("tentative")
+        },
+    );
+    let route = String::from_utf8_lossy(&h.exec(0, "ip -6 route show default").stdout).to_string();
+    assert!(
+        route.contains("via fe80::ff:fe00:101") && route.contains("proto ra"),
+        "default route from the advertisement: {route}"
+    );
+    let o = h.exec(0, &format!("ping -6 -c 3 -i 0.2 -W 2 fd{n:x}:2::2"));
+    assert!(
+        o.status.success(),
+        "A reaches B through its learned default route: {}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+    let o = h.exec(
+        0,
+        &format!("ping -6 -c 2 -i 0.2 -W 2 fe80::ff:fe00:101%{}", h.inner[0]),
+    );
+    assert!(
+        o.status.success(),
+        "the router answers on its link-local address: {}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+    let stats = s.stop();
+    let c = &app(&stats, "r")["counters"];
+    assert!(c["router_advertisements"].as_u64().unwrap() >= 1, "{c}");
+}

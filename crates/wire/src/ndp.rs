@@ -52,3 +52,38 @@ pub fn lladdr_option(opts: &[u8]) -> Option<[u8; 6]> {
     }
     None
 }
+
+/// The link-local address an interface forms from its MAC address (modified EUI-64, RFC 4291
+/// §2.5.6 and appendix A): fe80::, the MAC with the universal/local bit flipped and ff:fe in
+/// the middle.
+pub fn link_local(mac: [u8; 6]) -> Ipv6Addr {
+    let mut o = [0u8; 16];
+    o[0] = 0xfe;
+    o[1] = 0x80;
+    o[8] = mac[0] ^ 0x02;
+    o[9] = mac[1];
+    o[10] = mac[2];
+    o[11] = 0xff;
+    o[12] = 0xfe;
+    o[13] = mac[3];
+    o[14] = mac[4];
+    o[15] = mac[5];
+    Ipv6Addr::from(o)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn link_local_is_modified_eui64() {
+        assert_eq!(
+            link_local([0x02, 0, 0, 0, 1, 1]),
+            "fe80::ff:fe00:101".parse::<Ipv6Addr>().unwrap()
+        );
+        assert_eq!(
+            link_local([0x52, 0x54, 0x00, 0x12, 0x34, 0x56]),
+            "fe80::5054:ff:fe12:3456".parse::<Ipv6Addr>().unwrap()
+        );
+    }
+}
