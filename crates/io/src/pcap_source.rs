@@ -4,7 +4,9 @@
 //! Records longer than a jumbo frame (9216 bytes) are counted in `oversize_drops` and skipped;
 //! a damaged or cut-off file ends the read with one error line and `errors` counted, never a
 //! crash. Without `loop`, the source finishes at the end of the file and `stitch run` ends when
-//! its packets are through the graph.
+//! its packets are through the graph. `start_after` (seconds) holds the first packet back for
+//! that long after the graph starts — so that replays of several files (one per side of a
+//! function) come in a chosen order.
 //!
 //! ```yaml
 //! apps:
@@ -36,6 +38,9 @@ pub struct PcapSourceConfig {
     /// With `pace`: speed factor (2.0 replays twice as fast).
     #[serde(default = "one")]
     pub speed: f64,
+    /// Seconds to wait after the graph starts before sending the first packet.
+    #[serde(default)]
+    pub start_after: f64,
 }
 
 fn one() -> f64 {
@@ -200,6 +205,9 @@ pub struct PcapSource {
     speed: f64,
     /// Pacing origin: wall time and file time of the first packet.
     origin: Option<(Instant, u64)>,
+    start_after: Duration,
+    /// When the first packet may go (set at the first pull).
+    start: Option<Instant>,
     /// A packet read but held back by pacing or a full link.
     pending: Option<stitch_core::Packet>,
     read_in_pass: u64,
@@ -269,6 +277,13 @@ impl App for PcapSource {
         if !(c.speed > 0.0 && c.speed.is_finite()) {
             return Err(format!("speed must be positive, got {}", c.speed).into());
         }
+        if !(0.0..=86400.0).contains(&c.start_after) {
+            return Err(format!(
+                "start_after must be 0..=86400 seconds, got {}",
+                c.start_after
+            )
+            .into());
+        }
         Ok(PortSpec::source())
     }
 
@@ -282,6 +297,8 @@ impl App for PcapSource {
             pace: c.pace,
             speed: c.speed,
             origin: None,
+            start_after: Duration::from_secs_f64(c.start_after),
+            start: None,
             pending: None,
             read_in_pass: 0,
             done: false,
@@ -296,6 +313,9 @@ impl App for PcapSource {
         let Some(out) = io.output(0) else { return };
         let n = out.room().min(BURST);
         let now = Instant::now();
+        if now < *self.start.get_or_insert(now + self.start_after) {
+            return;
+        }
         for _ in 0..n {
             let p = match self.pending.take() {
                 Some(p) => p,
@@ -351,6 +371,7 @@ mod tests {
                 repeat,
                 pace,
                 speed,
+                start_after: 0.0,
             },
             &mut ctx,
         )

@@ -570,3 +570,357 @@ fn router_advertisements_configure_a_host() {
     let c = &app(&stats, "r")["counters"];
     assert!(c["router_advertisements"].as_u64().unwrap() >= 1, "{c}");
 }
+
+// PCAP in → PCAP out: crafted frames on each side (the wan side's 300 ms after the lan side's,
+// so that state made by one side is there for the other), every output decoded by tshark with
+// checksum checking on.
+
+const HOST_MAC: [u8; 6] = [2, 0, 0, 0, 1, 2];
+const LAN_MAC: [u8; 6] = [2, 0, 0, 0, 1, 1];
+const WAN_MAC: [u8; 6] = [2, 0, 0, 0, 2, 1];
+const GW_MAC: [u8; 6] = [2, 0, 0, 0, 2, 9];
+
+fn two_sided(
+    dir: &std::path::Path,
+    app: &str,
+    lan: &[Vec<u8>],
+    wan: &[Vec<u8>],
+) -> serde_json::Value {
+    let at = |ms: u64, frames: &[Vec<u8>]| -> Vec<(std::time::Duration, Vec<u8>)> {
+        frames
+            .iter()
+            .enumerate()
+            .map(|(i, f)| (std::time::Duration::from_millis(ms + i as u64), f.clone()))
+            .collect()
+    };
+    frames::write_timed(&dir.join("lan_in.pcap"), &at(0, lan));
+    frames::write_timed(&dir.join("wan_in.pcap"), &at(0, wan));
+    run_graph(dir, &format!(
+        "apps:\n  lan_in: {{ type: pcap_source, file: lan_in.pcap, pace: true }}\n  wan_in: {{ type: pcap_source, file: wan_in.pcap, pace: true, start_after: 0.3 }}\n  f: {app}\n  lan_out: {{ type: pcap_sink, file: lan_out.pcap }}\n  wan_out: {{ type: pcap_sink, file: wan_out.pcap }}\nlinks:\n  - \"lan_in.output -> f.{lan}\"\n  - \"wan_in.output -> f.{wan}\"\n  - \"f.{lan} -> lan_out.input\"\n  - \"f.{wan} -> wan_out.input\"\n",
+        lan = "lan", wan = "wan"
+    ), &[])
+}
+
+fn from_host(ip: Vec<u8>) -> Vec<u8> {
+    frames::eth(LAN_MAC, HOST_MAC, 0x0800, None, &ip)
+}
+
+fn from_gateway(ip: Vec<u8>) -> Vec<u8> {
+    frames::eth(WAN_MAC, GW_MAC, 0x0800, None, &ip)
+}
+
+#[test]
+fn router_pcap_in_pcap_out() {
+    use frames::*;
+    let dir = tempfile::tempdir().unwrap();
+    let ttl = |t: u8| Ip4 {
+        ttl: t,
+        ..plain("10.0.1.2", "198.51.100.7", 17)
+    };
+    let mut bad = from_host(ip4_checksummed(ttl(64), &udp(1000, 2000, 10)));
+    bad[24] ^= 0xff; // IPv4 header checksum
+    let big = Ip4 {
+        flags_frag: 0x4000,
+        ..ttl(64)
+    };
+    let echo = icmp(8, 0, [0x12, 0x34, 0, 1], b"ping");
+    let echo6 = icmp6(
+        "2001:db8:1::2",
+        "2001:db8:1::1",
+        &[128, 0, 0, 0, 0x56, 0x78, 0, 1, b'h', b'i'],
+    );
+    let lan = vec![
+        from_host(ip4_checksummed(ttl(64), &udp(1000, 2000, 10))),
+        from_host(ip4_checksummed(ttl(64), &udp(1001, 2000, 10))),
+        from_host(ip4_checksummed(ttl(1), &udp(1002, 2000, 10))),
+        from_host(ip4_checksummed(
+            plain("10.0.1.2", "203.0.113.1", 17),
+            &udp(1003, 2000, 10),
+        )),
+        from_host(ip4_checksummed(big, &udp(1004, 2000, 1372))),
+        bad,
+        from_host(ip4(plain("10.0.1.2", "10.0.1.1", 1), &echo)),
+        eth(LAN_MAC, HOST_MAC, 0x86dd, None, &echo6),
+    ];
+    // The gateway answers the router's ARP request (the two packets for it wait meanwhile).
+    let mut arp = vec![0, 1, 8, 0, 6, 4, 0, 2];
+    arp.extend_from_slice(&GW_MAC);
+    arp.extend_from_slice(&[192, 0, 2, 9]);
+    arp.extend_from_slice(&WAN_MAC);
+    arp.extend_from_slice(&[192, 0, 2, 2]);
+    let wan = vec![eth(WAN_MAC, GW_MAC, 0x0806, None, &arp)];
+    let stats = two_sided(dir.path(), "{ type: router, interfaces: { lan: { mac: \"02:00:00:00:01:01\", address: \"10.0.1.1/24\", address6: \"2001:db8:1::1/64\" }, wan: { mac: \"02:00:00:00:02:01\", address: \"192.0.2.2/24\", mtu: 1280 } }, routes: [ { prefix: \"198.51.100.0/24\", via: \"192.0.2.9\" } ] }", &lan, &wan);
+    let w = tshark_checked(
+        &dir.path().join("wan_out.pcap"),
+        &[
+            "arp.opcode",
+            "eth.src",
+            "eth.dst",
+            "ip.ttl",
+            "ip.checksum.status",
+            "udp.srcport",
+        ],
+    );
+    assert_eq!(
+        w,
+        vec![
+            "1\t02:00:00:00:02:01\tff:ff:ff:ff:ff:ff\t\t\t",
+            "\t02:00:00:00:02:01\t02:00:00:00:02:09\t63\t1\t1000",
+            "\t02:00:00:00:02:01\t02:00:00:00:02:09\t63\t1\t1001",
+        ],
+        "ARP request, then both packets with TTL 63 and a good checksum once resolved"
+    );
+    let l = tshark_checked(
+        &dir.path().join("lan_out.pcap"),
+        &[
+            "ip.src",
+            "ip.dst",
+            "icmp.type",
+            "icmp.code",
+            "icmp.mtu",
+            "icmp.checksum.status",
+            "icmpv6.type",
+            "icmpv6.checksum.status",
+        ],
+    );
+    assert_eq!(
+        l,
+        vec![
+            "10.0.1.1,10.0.1.2\t10.0.1.2,198.51.100.7\t11\t0\t\t1\t\t",
+            "10.0.1.1,10.0.1.2\t10.0.1.2,203.0.113.1\t3\t0\t\t1\t\t",
+            "10.0.1.1,10.0.1.2\t10.0.1.2,198.51.100.7\t3\t4\t1280\t1\t\t",
+            "10.0.1.1\t10.0.1.2\t0\t0\t\t1\t\t",
+            "\t\t\t\t\t\t129\t1",
+        ],
+        "time exceeded, net unreachable, fragmentation needed (MTU 1280), echo replies"
+    );
+    let c = &app(&stats, "f")["counters"];
+    assert_eq!(
+        (c["forwarded"].as_u64(), c["bad_ipv4_header_drops"].as_u64()),
+        (Some(2), Some(1)),
+        "{c}"
+    );
+}
+
+#[test]
+fn firewall_pcap_in_pcap_out() {
+    use frames::*;
+    let dir = tempfile::tempdir().unwrap();
+    let out_udp = ip4_checksummed(plain("10.0.0.5", "198.51.100.1", 17), &udp(5000, 53, 12));
+    let lan = vec![
+        from_host(out_udp.clone()),
+        from_host(ip4_checksummed(
+            plain("10.0.0.5", "198.51.100.1", 6),
+            &tcp(40000, 443),
+        )),
+    ];
+    // A port unreachable about the lan's datagram: related to its connection.
+    let mut quote = out_udp[..28].to_vec();
+    quote[8] = 60;
+    let wan = vec![
+        from_gateway(ip4_checksummed(
+            plain("198.51.100.1", "10.0.0.5", 17),
+            &udp(53, 5000, 12),
+        )),
+        from_gateway(ip4_checksummed(
+            plain("198.51.100.1", "10.0.0.5", 17),
+            &udp(53, 6000, 12),
+        )),
+        from_gateway(ip4_checksummed(
+            plain("198.51.100.66", "10.0.0.5", 6),
+            &tcp(1234, 23),
+        )),
+        from_gateway(ip4_checksummed(
+            plain("198.51.100.66", "10.0.0.5", 17),
+            &udp(1234, 7, 4),
+        )),
+        from_gateway(ip4(
+            plain("198.51.100.1", "10.0.0.5", 1),
+            &icmp(3, 3, [0; 4], &quote),
+        )),
+        from_gateway(ip4(
+            plain("198.51.100.66", "10.0.0.5", 1),
+            &icmp(3, 3, [0; 4], &out_udp[..20]),
+        )),
+    ];
+    let stats = two_sided(dir.path(), "{ type: firewall, rules: [ { action: accept, from: lan }, { action: reject, from: wan, proto: tcp, dst_port: 23 }, { action: reject, from: wan, proto: udp, dst_port: 7 } ] }", &lan, &wan);
+    let w = tshark_checked(
+        &dir.path().join("wan_out.pcap"),
+        &[
+            "ip.src",
+            "ip.dst",
+            "udp.dstport",
+            "tcp.dstport",
+            "tcp.flags.reset",
+            "tcp.checksum.status",
+            "icmp.type",
+            "icmp.code",
+        ],
+    );
+    assert_eq!(
+        w,
+        vec![
+            "10.0.0.5\t198.51.100.1\t53\t\t\t\t\t",
+            "10.0.0.5\t198.51.100.1\t\t443\t0\t1\t\t",
+            "10.0.0.5\t198.51.100.66\t\t1234\t1\t1\t\t",
+            "10.0.0.5,198.51.100.66\t198.51.100.66,10.0.0.5\t7\t\t\t\t3\t13",
+        ],
+        "lan traffic out; a TCP RST and an ICMP administratively prohibited for the rejects"
+    );
+    let l = tshark_checked(
+        &dir.path().join("lan_out.pcap"),
+        &["ip.src", "udp.srcport", "udp.dstport", "icmp.type"],
+    );
+    assert_eq!(
+        l,
+        vec![
+            "198.51.100.1\t53\t5000\t",
+            "198.51.100.1,10.0.0.5\t5000\t53\t3"
+        ],
+        "the reply and the related error pass; the stray datagram and the unrelated error do not"
+    );
+    let c = &app(&stats, "f")["counters"];
+    assert_eq!(c["rejected"], 2, "{c}");
+    assert_eq!(c["related_passed"], 1, "{c}");
+}
+
+#[test]
+fn nat_pcap_in_pcap_out() {
+    use frames::*;
+    let dir = tempfile::tempdir().unwrap();
+    let lan = vec![
+        from_host(ip4_checksummed(
+            plain("10.0.0.5", "198.51.100.1", 17),
+            &udp(5000, 53, 12),
+        )),
+        from_host(ip4_checksummed(
+            plain("10.0.0.6", "198.51.100.1", 17),
+            &udp(5000, 53, 12),
+        )),
+        from_host(ip4_checksummed(
+            plain("10.0.0.6", "198.51.100.1", 6),
+            &tcp(5600, 443),
+        )),
+        // Echo identifier 5500 (0x157c): inside the port range, so kept like a port.
+        from_host(ip4(
+            plain("10.0.0.5", "198.51.100.1", 1),
+            &icmp(8, 0, [0x15, 0x7c, 0, 1], b"ping"),
+        )),
+    ];
+    // The translated first datagram as the far end quotes it in a port unreachable.
+    let sent = ip4_checksummed(plain("192.0.2.10", "198.51.100.1", 17), &udp(5000, 53, 12));
+    let wan = vec![
+        from_gateway(ip4_checksummed(
+            plain("198.51.100.1", "192.0.2.10", 17),
+            &udp(53, 5000, 12),
+        )),
+        from_gateway(ip4(
+            plain("198.51.100.1", "192.0.2.10", 1),
+            &icmp(0, 0, [0x15, 0x7c, 0, 1], b"ping"),
+        )),
+        from_gateway(ip4_checksummed(
+            plain("203.0.113.8", "192.0.2.10", 6),
+            &tcp(33333, 8080),
+        )),
+        from_gateway(ip4_checksummed(
+            plain("203.0.113.8", "192.0.2.10", 17),
+            &udp(33333, 9999, 4),
+        )),
+        from_gateway(ip4(
+            plain("198.51.100.1", "192.0.2.10", 1),
+            &icmp(3, 3, [0; 4], &sent[..28]),
+        )),
+    ];
+    let stats = two_sided(dir.path(), "{ type: nat, external: 192.0.2.10, ports: \"5000-5999\", forwards: [ { proto: tcp, port: 8080, to_address: 10.0.0.7, to_port: 80 } ] }", &lan, &wan);
+    let w = tshark_checked(
+        &dir.path().join("wan_out.pcap"),
+        &[
+            "ip.src",
+            "udp.srcport",
+            "tcp.srcport",
+            "icmp.ident",
+            "ip.checksum.status",
+            "udp.checksum.status",
+            "tcp.checksum.status",
+            "icmp.checksum.status",
+        ],
+    );
+    assert_eq!(w.len(), 4, "{w:?}");
+    assert_eq!(w[0], "192.0.2.10\t5000\t\t\t1\t1\t\t", "inside port kept");
+    let second: Vec<&str> = w[1].split('\t').collect();
+    assert!(
+        second[0] == "192.0.2.10" && second[1] != "5000" && second[4..6] == ["1", "1"],
+        "the second host's port 5000 is taken: another one ({w:?})"
+    );
+    assert_eq!(w[2], "192.0.2.10\t\t5600\t\t1\t\t1\t");
+    assert_eq!(w[3], "192.0.2.10\t\t\t5500\t1\t\t\t1");
+    let l = tshark_checked(
+        &dir.path().join("lan_out.pcap"),
+        &[
+            "ip.dst",
+            "ip.src",
+            "udp.dstport",
+            "udp.srcport",
+            "tcp.dstport",
+            "icmp.type",
+            "udp.checksum.status",
+            "tcp.checksum.status",
+            "icmp.checksum.status",
+        ],
+    );
+    assert_eq!(
+        l,
+        vec![
+            "10.0.0.5\t198.51.100.1\t5000\t53\t\t\t1\t\t",
+            "10.0.0.5\t198.51.100.1\t\t\t\t0\t\t\t1",
+            "10.0.0.7\t203.0.113.8\t\t\t80\t\t\t1\t",
+            // Outer destination and quoted source back to the inside host; a quote holds no
+            // whole datagram, so its checksum stays unverified (2).
+            "10.0.0.5,198.51.100.1\t198.51.100.1,10.0.0.5\t53\t5000\t\t3\t2\t\t1",
+        ],
+        "reply, echo reply, port forward, and the error translated back (outer and quoted)"
+    );
+    let c = &app(&stats, "f")["counters"];
+    assert_eq!(c["no_mapping_drops"], 1, "{c}");
+}
+
+#[test]
+fn policer_pcap_in_pcap_out() {
+    use frames::*;
+    let dir = tempfile::tempdir().unwrap();
+    // 60 frames of 1000 bytes, one every 25 ms (320 kbit/s), through 80 kbit/s with a
+    // 3000-byte bucket: about 3000 + 10 000 bytes per second pass.
+    let frames: Vec<(std::time::Duration, Vec<u8>)> = (0..60u16)
+        .map(|i| {
+            let ip = ip4_checksummed(
+                plain("10.0.0.5", "198.51.100.1", 17),
+                &udp(i, 9, 1000 - 42 - 8),
+            );
+            (
+                std::time::Duration::from_millis(25 * i as u64),
+                from_host(ip),
+            )
+        })
+        .collect();
+    write_timed(&dir.path().join("in.pcap"), &frames);
+    let stats = run_graph(dir.path(), "apps:\n  src: { type: pcap_source, file: in.pcap, pace: true }\n  p: { type: policer, rate: \"80 kbit/s\", burst: 3000 }\n  out: { type: pcap_sink, file: out.pcap }\nlinks:\n  - \"src.output -> p.input\"\n  - \"p.output -> out.input\"\n", &[]);
+    let ports: Vec<u16> = tshark_fields(&dir.path().join("out.pcap"), &["udp.srcport"])
+        .iter()
+        .map(|l| l.parse().unwrap())
+        .collect();
+    let dropped = app(&stats, "p")["counters"]["policed_drops"]
+        .as_u64()
+        .unwrap() as usize;
+    assert_eq!(ports.len() + dropped, 60, "every frame passed or counted");
+    assert!(
+        (12..=24).contains(&ports.len()),
+        "{} passed: {ports:?}",
+        ports.len()
+    );
+    assert_eq!(
+        &ports[..3],
+        &[0, 1, 2],
+        "the bucket's depth passes the first three"
+    );
+    assert!(ports.windows(2).all(|w| w[0] < w[1]), "in order");
+}

@@ -3,8 +3,8 @@
 //! errors both ways, hairpinning, ARP/NDP/ping, VLAN tags.
 
 mod common;
+use common::frames::*;
 use common::*;
-use pcap_file::pcap::{PcapPacket, PcapWriter};
 use std::path::Path;
 use std::time::Duration;
 
@@ -52,124 +52,11 @@ softwire-config {{
     )
 }
 
-fn v4(s: &str) -> [u8; 4] {
-    s.parse::<std::net::Ipv4Addr>().unwrap().octets()
-}
-
-fn v6(s: &str) -> [u8; 16] {
-    s.parse::<std::net::Ipv6Addr>().unwrap().octets()
-}
-
-struct Ip4 {
-    src: &'static str,
-    dst: &'static str,
-    proto: u8,
-    ttl: u8,
-    tos: u8,
-    flags_frag: u16,
-}
-
-fn ip4(h: Ip4, l4: &[u8]) -> Vec<u8> {
-    let mut ip = vec![0x45, h.tos];
-    ip.extend_from_slice(&((20 + l4.len()) as u16).to_be_bytes());
-    ip.extend_from_slice(&[0x12, 0x34]);
-    ip.extend_from_slice(&h.flags_frag.to_be_bytes());
-    ip.extend_from_slice(&[h.ttl, h.proto, 0, 0]);
-    ip.extend_from_slice(&v4(h.src));
-    ip.extend_from_slice(&v4(h.dst));
-    let c = stitch_wire::checksum::checksum(&ip);
-    ip[10..12].copy_from_slice(&c.to_be_bytes());
-    ip.extend_from_slice(l4);
-    ip
-}
-
-fn plain(src: &'static str, dst: &'static str, proto: u8) -> Ip4 {
-    Ip4 {
-        src,
-        dst,
-        proto,
-        ttl: 64,
-        tos: 0,
-        flags_frag: 0,
-    }
-}
-
-fn udp(sport: u16, dport: u16, payload: usize) -> Vec<u8> {
-    let mut u = sport.to_be_bytes().to_vec();
-    u.extend_from_slice(&dport.to_be_bytes());
-    u.extend_from_slice(&((8 + payload) as u16).to_be_bytes());
-    u.extend_from_slice(&[0, 0]);
-    u.resize(8 + payload, 0xab);
-    u
-}
-
-fn tcp(sport: u16, dport: u16) -> Vec<u8> {
-    let mut t = sport.to_be_bytes().to_vec();
-    t.extend_from_slice(&dport.to_be_bytes());
-    t.extend_from_slice(&[0, 0, 0, 1, 0, 0, 0, 0, 0x50, 0x02, 0xff, 0xff, 0, 0, 0, 0]);
-    t
-}
-
-fn icmp(kind: u8, code: u8, rest: [u8; 4], body: &[u8]) -> Vec<u8> {
-    let mut m = vec![kind, code, 0, 0];
-    m.extend_from_slice(&rest);
-    m.extend_from_slice(body);
-    let c = stitch_wire::checksum::checksum(&m);
-    m[2..4].copy_from_slice(&c.to_be_bytes());
-    m
-}
-
-fn eth(dst: [u8; 6], src: [u8; 6], et: u16, vlan: Option<u16>, payload: &[u8]) -> Vec<u8> {
-    let mut f = dst.to_vec();
-    f.extend_from_slice(&src);
-    if let Some(v) = vlan {
-        f.extend_from_slice(&[0x81, 0x00]);
-        f.extend_from_slice(&v.to_be_bytes());
-    }
-    f.extend_from_slice(&et.to_be_bytes());
-    f.extend_from_slice(payload);
-    if f.len() < 60 {
-        f.resize(60, 0);
-    }
-    f
-}
-
 fn from_internet(ip: Vec<u8>) -> Vec<u8> {
     eth(EXT_MAC, EXT_HOP, 0x0800, None, &ip)
 }
-
-fn ip6(src: &str, dst: &str, nh: u8, payload: &[u8]) -> Vec<u8> {
-    let mut h = vec![0x60, 0, 0, 0];
-    h.extend_from_slice(&(payload.len() as u16).to_be_bytes());
-    h.extend_from_slice(&[nh, 64]);
-    h.extend_from_slice(&v6(src));
-    h.extend_from_slice(&v6(dst));
-    h.extend_from_slice(payload);
-    h
-}
-
 fn from_b4(src: &str, dst: &str, inner: Vec<u8>) -> Vec<u8> {
     eth(INT_MAC, INT_HOP, 0x86dd, None, &ip6(src, dst, 4, &inner))
-}
-
-fn icmp6(src: &str, dst: &str, body: &[u8]) -> Vec<u8> {
-    let mut b = body.to_vec();
-    let mut pseudo = v6(src).to_vec();
-    pseudo.extend_from_slice(&v6(dst));
-    pseudo.extend_from_slice(&(b.len() as u32).to_be_bytes());
-    pseudo.extend_from_slice(&[0, 0, 0, 58]);
-    pseudo.extend_from_slice(&b);
-    let c = stitch_wire::checksum::checksum(&pseudo);
-    b[2..4].copy_from_slice(&c.to_be_bytes());
-    ip6(src, dst, 58, &b)
-}
-
-fn write(path: &Path, frames: &[Vec<u8>]) {
-    let mut w = PcapWriter::new(std::fs::File::create(path).unwrap()).unwrap();
-    for f in frames {
-        w.write_packet(&PcapPacket::new(Duration::ZERO, f.len() as u32, f))
-            .unwrap();
-    }
 }
 
 /// Output of one `stitch lwaftr check` run.

@@ -2,6 +2,8 @@
 //! (unique names, always removed), and a running `stitch` instance.
 #![allow(dead_code)]
 
+pub mod frames;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -369,6 +371,21 @@ pub fn tshark_fields(file: &Path, fields: &[&str]) -> Vec<String> {
     let args: Vec<String> = fields.iter().map(|x| format!("-e {x}")).collect();
     must(&format!(
         "tshark -r {} -T fields {}",
+        file.display(),
+        args.join(" ")
+    ))
+    .lines()
+    .map(str::to_string)
+    .collect()
+}
+
+/// Like [`tshark_fields`], with tshark checking IPv4, UDP and TCP checksums (their
+/// `*.checksum.status` fields: 1 good, 0 bad).
+pub fn tshark_checked(file: &Path, fields: &[&str]) -> Vec<String> {
+    let args: Vec<String> = fields.iter().map(|x| format!("-e {x}")).collect();
+    must(&format!(
+        "tshark -o ip.check_checksum:TRUE -o udp.check_checksum:TRUE -o tcp.check_checksum:TRUE \
+         -r {} -T fields {}",
         file.display(),
         args.join(" ")
     ))
