@@ -52,7 +52,8 @@ pub enum BenchCmd {
     /// back-end, with one testpmd of two virtio-user ports as the front-end.
     Vhost(crate::bench_vhost::VhostBenchArgs),
     /// One network function with a realistic table (router, firewall, firewall-stateless, nat,
-    /// bridge) against a raw-ring baseline in the same run.
+    /// bridge, vxlan, vxlan6, vlan, policer, load_balancer — or `all`) against a raw-ring
+    /// baseline in the same run.
     Nf {
         name: String,
         /// Measured seconds per loop.
@@ -232,6 +233,12 @@ pub fn run(cmd: BenchCmd, registry: Arc<Registry>) -> Result<()> {
     } = &cmd
     {
         anyhow::ensure!(*runs >= 1, "--runs must be at least 1");
+        if name == "all" {
+            for n in crate::bench_nf::NAMES {
+                crate::bench_nf::run(n, *seconds, *runs)?;
+            }
+            return Ok(());
+        }
         return crate::bench_nf::run(name, *seconds, *runs);
     }
     let BenchCmd::Chain {

@@ -9,7 +9,10 @@
 use anyhow::Result;
 use serde_json::json;
 use std::time::{Duration, Instant};
-use stitch_apps::{bridge::Bridge, firewall::Firewall, nat::Nat, router::Router};
+use stitch_apps::{
+    bridge::Bridge, firewall::Firewall, load_balancer::LoadBalancer, nat::Nat, policer::Policer,
+    router::Router, vlan::Vlan, vxlan::Vxlan,
+};
 use stitch_core::app::DynApp;
 use stitch_core::link::{link, Consumer, Producer};
 use stitch_core::{pool, App, AppContext, Io};
@@ -83,6 +86,36 @@ const LAN_MAC: [u8; 6] = [2, 0, 0, 0, 1, 1];
 const WAN_MAC: [u8; 6] = [2, 0, 0, 0, 2, 1];
 const HOST: [u8; 6] = [2, 0, 0, 0, 1, 2];
 const GW: [u8; 6] = [2, 0, 0, 0, 2, 9];
+
+/// The functions `stitch bench nf` measures.
+pub const NAMES: &[&str] = &[
+    "router",
+    "firewall",
+    "firewall-stateless",
+    "nat",
+    "bridge",
+    "vxlan",
+    "vxlan6",
+    "vlan",
+    "policer",
+    "load_balancer",
+];
+
+/// `n` UDP frames of distinct flows between two hosts.
+fn flows(n: u32) -> Vec<Vec<u8>> {
+    (0..n)
+        .map(|i| {
+            udp_frame(
+                LAN_MAC,
+                HOST,
+                [10, 0, (i >> 8) as u8, i as u8],
+                1000 + i as u16,
+                [10, 9, 0, 1],
+                53,
+            )
+        })
+        .collect()
+}
 
 fn subject(name: &str) -> Result<Subject> {
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
@@ -162,7 +195,7 @@ fn subject(name: &str) -> Result<Subject> {
             let table = if name == "firewall" {
                 "1000 rules, 4096 tracked UDP flows"
             } else {
-                "1000 rules walked for every packet"
+                "1000 rules, classified: first match for every packet"
             };
             Subject {
                 app,
@@ -227,9 +260,77 @@ fn subject(name: &str) -> Result<Subject> {
                 table: "4096 learned MAC addresses".into(),
             }
         }
-        other => anyhow::bail!(
-            "no benchmark for `{other}` (router, firewall, firewall-stateless, nat, bridge)"
-        ),
+        "vxlan" | "vxlan6" => {
+            // Encapsulation toward one remote; over IPv6 with the UDP checksum over each frame.
+            let (local, remote) = if name == "vxlan" {
+                ("192.0.2.1", "192.0.2.2")
+            } else {
+                ("2001:db8::1", "2001:db8::2")
+            };
+            let app = build::<Vxlan>(json!({ "local": local, "local_mac": "02:00:00:00:00:01",
+                "next_hop_mac": "02:00:00:00:00:02",
+                "segments": { "t": { "vni": 5001, "remote": remote } } }))?;
+            Subject {
+                app,
+                inputs: vec!["t".into(), "underlay".into()],
+                outputs: vec!["t".into(), "underlay".into()],
+                warmup: vec![],
+                templates: flows(4096),
+                table: format!(
+                    "one segment over IPv{}, 4096 inner flows",
+                    if name == "vxlan" { 4 } else { 6 }
+                ),
+            }
+        }
+        "vlan" => {
+            // Translation through a 100-entry map; frames carry the 100 VLANs in turn.
+            let map: serde_json::Map<String, serde_json::Value> = (1..=100u16)
+                .map(|v| (v.to_string(), json!(v + 1000)))
+                .collect();
+            let app = build::<Vlan>(json!({ "mode": "translate", "map": map }))?;
+            let templates = (0..4096u16)
+                .map(|i| {
+                    let mut f = udp_frame(LAN_MAC, HOST, [10, 0, 0, 1], i, [10, 0, 0, 2], 53);
+                    let tag = [0x81, 0x00, 0, (1 + i % 100) as u8];
+                    f.splice(12..12, tag);
+                    f.truncate(64);
+                    f
+                })
+                .collect();
+            Subject {
+                app,
+                inputs: vec!["input".into()],
+                outputs: vec!["output".into()],
+                warmup: vec![],
+                templates,
+                table: "translate, 100-entry map".into(),
+            }
+        }
+        "policer" => {
+            // A bucket that never runs dry: the cost of metering, not of dropping.
+            let app = build::<Policer>(json!({ "rate": "100 Gbit/s" }))?;
+            Subject {
+                app,
+                inputs: vec!["input".into()],
+                outputs: vec!["output".into()],
+                warmup: vec![],
+                templates: flows(4096),
+                table: "bit-rate token bucket (100 Gbit/s)".into(),
+            }
+        }
+        "load_balancer" => {
+            let app = build::<LoadBalancer>(json!({ "symmetric": true }))?;
+            let outputs: Vec<String> = (0..4).map(|i| format!("o{i}")).collect();
+            Subject {
+                app,
+                inputs: vec!["input".into()],
+                outputs,
+                warmup: vec![],
+                templates: flows(4096),
+                table: "4096 flows over 4 outputs, symmetric hash".into(),
+            }
+        }
+        other => anyhow::bail!("no benchmark for `{other}` ({})", NAMES.join(", ")),
     })
 }
 
@@ -282,7 +383,7 @@ fn measure(s: &mut Subject, with_app: bool, secs: f64) -> (u64, f64) {
             if with_app {
                 s.app.push(&mut io);
             } else {
-                let (i, o) = io.pair(0, 1);
+                let (i, o) = io.pair(0, 1.min(s.outputs.len() - 1));
                 i.unwrap().forward_to(o.unwrap());
             }
             for d in drains.iter_mut() {
