@@ -65,7 +65,7 @@ pub fn register(r: &mut Registry) {
     ))
     .register(AppType::of::<router::Router>(
         "router",
-        "IPv4 router: longest-prefix match, ARP, TTL, ICMP errors, static and connected routes",
+        "IPv4/IPv6 router: longest-prefix match, ARP and NDP, router advertisements, ICMP errors",
     ))
     .register(AppType::of::<vxlan::Vxlan>(
         "vxlan",
