@@ -1,7 +1,12 @@
-//! `af_packet`: attaches a graph to any Linux interface through a packet socket — a TPACKET_V3
-//! receive ring (blocks of frames shared with the kernel, no copy or syscall per packet to
-//! receive) and a TPACKET_V3 transmit ring (one `sendto` per batch). Works on every interface; the fallback where
-//! AF_XDP is unavailable.
+//! `af_packet`: attaches a graph to any Linux interface through a packet socket — a receive
+//! ring shared with the kernel (no copy or syscall per packet to receive) and a transmit ring
+//! (one `sendto` per batch). Works on every interface; the fallback where AF_XDP is unavailable.
+//!
+//! `ring: v2` (the default) is TPACKET_V2: every frame is handed over the moment the kernel has
+//! written it, so forwarding adds microseconds, not the block timeout. `ring: v3` is
+//! TPACKET_V3: variable-size frames packed into blocks that are handed over when full or after
+//! `block_timeout_ms` (1 ms at least) — deeper buffering for capture-like use, at the cost of up
+//! to that much latency per hop (libpcap's "immediate mode" makes the same choice).
 //!
 //! Offloads: the socket uses a virtio-net header, so packets keep their checksum state
 //! (partial checksums are completed by the kernel on the way out or by an app that needs final
@@ -59,13 +64,19 @@ pub struct AfPacketConfig {
     #[serde(default = "yes")]
     pub promisc: bool,
     pub fanout: Option<Fanout>,
-    /// Bytes per ring block (a power of two, at least 128 KiB to hold a 64 KiB GSO frame).
+    /// Receive ring layout: `v2` (frame by frame, lowest latency) or `v3` (blocks).
+    #[serde(default)]
+    pub ring: RingVersion,
+    /// `v2`: frames in the receive ring (each holds a 64 KiB GSO frame).
+    #[serde(default = "default_frames")]
+    pub frames: usize,
+    /// `v3`: bytes per ring block (a power of two, at least 128 KiB to hold a 64 KiB GSO frame).
     #[serde(default = "default_block_size")]
     pub block_size: usize,
-    /// Blocks in the receive ring.
+    /// `v3`: blocks in the receive ring.
     #[serde(default = "default_blocks")]
     pub blocks: usize,
-    /// A partly filled block is handed over after this many milliseconds.
+    /// `v3`: a partly filled block is handed over after this many milliseconds.
     #[serde(default = "one")]
     pub block_timeout_ms: u32,
     /// A filter in libpcap syntax (as tcpdump takes it), run by the kernel before the ring.
@@ -77,6 +88,14 @@ pub struct AfPacketConfig {
     /// header, segmented by the kernel or the receiver), or `segment` them on entry.
     #[serde(default)]
     pub gso: GsoMode,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum RingVersion {
+    #[default]
+    V2,
+    V3,
 }
 
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
@@ -99,6 +118,25 @@ fn default_block_size() -> usize {
 fn default_blocks() -> usize {
     32
 }
+fn default_frames() -> usize {
+    512
+}
+
+/// A TPACKET_V2 receive frame: 64 KiB of GSO frame behind the headers, whole pages; fifteen
+/// of them to a 1 MiB block (the kernel allocates blocks in powers of two of pages).
+const V2_FRAME_SIZE: usize = 17 * 4096;
+const V2_BLOCK_SIZE: usize = 1 << 20;
+const V2_FRAMES_PER_BLOCK: usize = V2_BLOCK_SIZE / V2_FRAME_SIZE;
+
+/// Where frame `i` of a TPACKET_V2 ring starts.
+fn v2_frame_offset(i: usize) -> usize {
+    i / V2_FRAMES_PER_BLOCK * V2_BLOCK_SIZE + i % V2_FRAMES_PER_BLOCK * V2_FRAME_SIZE
+}
+
+/// Frames of a TPACKET_V2 ring of at least `n` frames (whole blocks).
+fn v2_frames(n: usize) -> usize {
+    n.div_ceil(V2_FRAMES_PER_BLOCK) * V2_FRAMES_PER_BLOCK
+}
 
 /// Most packets taken from the ring or sent per breath.
 const BURST: usize = 256;
@@ -106,8 +144,9 @@ const BURST: usize = 256;
 const TX_FRAME_SIZE: usize = 16384;
 const TX_FRAMES: usize = 256;
 const TX_BLOCK_SIZE: usize = 4 * TX_FRAME_SIZE;
-/// Offset of the data in a transmit frame: `TPACKET3_HDRLEN - sizeof(struct sockaddr_ll)`.
-const TX_DATA_OFFSET: usize = 48;
+/// Offset of the data in a transmit frame: `TPACKETx_HDRLEN - sizeof(struct sockaddr_ll)`.
+const TX_DATA_OFFSET_V2: usize = 32;
+const TX_DATA_OFFSET_V3: usize = 48;
 const TP_STATUS_SEND_REQUEST: u32 = 1;
 const TP_STATUS_WRONG_FORMAT: u32 = 4;
 const TP_STATUS_VLAN_VALID: u32 = 0x10;
@@ -121,13 +160,62 @@ struct Cursor {
     offset: usize,
 }
 
+/// The receive ring's layout and the reader's place in it.
+enum Rx {
+    /// TPACKET_V2: `frames` fixed frames; `next` is the next one to read.
+    V2 { frames: usize, next: usize },
+    /// TPACKET_V3: blocks of packed frames.
+    V3 {
+        block_size: usize,
+        blocks: usize,
+        cursor: Cursor,
+    },
+}
+
+/// What the kernel says about one received frame (both header versions carry it).
+struct RxMeta {
+    ts: u64,
+    snaplen: usize,
+    mac: usize,
+    status: u32,
+    vlan_tci: u16,
+    vlan_tpid: u16,
+}
+
+impl RxMeta {
+    /// Reads a `tpacket2_hdr` (`v2`) or a `tpacket3_hdr`.
+    fn read(frame: *const u8, v2: bool) -> RxMeta {
+        let rd = |off: usize| unsafe { std::ptr::read_unaligned(frame.add(off) as *const u32) };
+        let rd16 = |off: usize| unsafe { std::ptr::read_unaligned(frame.add(off) as *const u16) };
+        if v2 {
+            RxMeta {
+                status: rd(0),
+                snaplen: rd(8) as usize,
+                mac: rd16(12) as usize,
+                ts: rd(16) as u64 * 1_000_000_000 + rd(20) as u64,
+                vlan_tci: rd16(24),
+                vlan_tpid: rd16(26),
+            }
+        } else {
+            RxMeta {
+                ts: rd(4) as u64 * 1_000_000_000 + rd(8) as u64,
+                snaplen: rd(12) as usize,
+                status: rd(20),
+                mac: rd16(24) as usize,
+                vlan_tci: rd(32) as u16,
+                vlan_tpid: rd16(36),
+            }
+        }
+    }
+}
+
 pub struct AfPacket {
     fd: OwnedFd,
     ring: *mut u8,
     ring_len: usize,
-    block_size: usize,
-    blocks: usize,
-    cursor: Cursor,
+    rx: Rx,
+    /// Transmit ring frame layout: data offset, and where `tp_status` and `tp_len` are.
+    tx_v2: bool,
     /// Start of the transmit ring (after the receive ring in the same mapping).
     tx_ring: *mut u8,
     tx_next: usize,
@@ -196,7 +284,8 @@ fn bind_to(fd: &OwnedFd, ifindex: u32, proto: u16, name: &str) -> Result<(), Str
     Ok(())
 }
 
-fn open(c: &AfPacketConfig) -> Result<(OwnedFd, *mut u8, usize), String> {
+/// The socket, its mapping (receive ring, then transmit ring), and the receive ring's length.
+fn open(c: &AfPacketConfig) -> Result<(OwnedFd, *mut u8, usize, usize), String> {
     let name = &c.interface;
     let ifindex = netdev::ifindex(name)?;
     let flags = netdev::flags(name).map_err(|e| format!("interface `{name}`: {e}"))?;
@@ -222,7 +311,10 @@ fn open(c: &AfPacketConfig) -> Result<(OwnedFd, *mut u8, usize), String> {
             raw,
             sol,
             libc::PACKET_VERSION,
-            &(libc::tpacket_versions::TPACKET_V3 as i32),
+            &(match c.ring {
+                RingVersion::V2 => libc::tpacket_versions::TPACKET_V2,
+                RingVersion::V3 => libc::tpacket_versions::TPACKET_V3,
+            } as i32),
         ),
     )?;
     // Our own transmissions would otherwise come back to the ring.
@@ -248,35 +340,64 @@ fn open(c: &AfPacketConfig) -> Result<(OwnedFd, *mut u8, usize), String> {
         "PACKET_QDISC_BYPASS",
         setsockopt(raw, sol, libc::PACKET_QDISC_BYPASS, &1i32),
     )?;
-    let frame_size = 2048u32;
-    let req = libc::tpacket_req3 {
-        tp_block_size: c.block_size as u32,
-        tp_block_nr: c.blocks as u32,
-        tp_frame_size: frame_size,
-        tp_frame_nr: (c.block_size * c.blocks) as u32 / frame_size,
-        tp_retire_blk_tov: c.block_timeout_ms,
-        tp_sizeof_priv: 0,
-        tp_feature_req_word: 0,
+    let tx = (
+        TX_BLOCK_SIZE,
+        TX_FRAMES * TX_FRAME_SIZE / TX_BLOCK_SIZE,
+        TX_FRAME_SIZE,
+        TX_FRAMES,
+    );
+    let rx_len = match c.ring {
+        RingVersion::V2 => {
+            let req =
+                |(block, blocks, frame, frames): (usize, usize, usize, usize)| libc::tpacket_req {
+                    tp_block_size: block as u32,
+                    tp_block_nr: blocks as u32,
+                    tp_frame_size: frame as u32,
+                    tp_frame_nr: frames as u32,
+                };
+            let frames = v2_frames(c.frames);
+            let rx = (
+                V2_BLOCK_SIZE,
+                frames / V2_FRAMES_PER_BLOCK,
+                V2_FRAME_SIZE,
+                frames,
+            );
+            opt(
+                "PACKET_RX_RING",
+                setsockopt(raw, sol, libc::PACKET_RX_RING, &req(rx)),
+            )?;
+            opt(
+                "PACKET_TX_RING",
+                setsockopt(raw, sol, libc::PACKET_TX_RING, &req(tx)),
+            )?;
+            frames / V2_FRAMES_PER_BLOCK * V2_BLOCK_SIZE
+        }
+        RingVersion::V3 => {
+            let req = |(block, blocks, frame, frames): (usize, usize, usize, usize), tov| {
+                libc::tpacket_req3 {
+                    tp_block_size: block as u32,
+                    tp_block_nr: blocks as u32,
+                    tp_frame_size: frame as u32,
+                    tp_frame_nr: frames as u32,
+                    tp_retire_blk_tov: tov,
+                    tp_sizeof_priv: 0,
+                    tp_feature_req_word: 0,
+                }
+            };
+            let rx = (c.block_size, c.blocks, 2048, c.block_size * c.blocks / 2048);
+            opt(
+                "PACKET_RX_RING",
+                setsockopt(raw, sol, libc::PACKET_RX_RING, &req(rx, c.block_timeout_ms)),
+            )?;
+            opt(
+                "PACKET_TX_RING",
+                setsockopt(raw, sol, libc::PACKET_TX_RING, &req(tx, 0)),
+            )?;
+            c.block_size * c.blocks
+        }
     };
-    opt(
-        "PACKET_RX_RING",
-        setsockopt(raw, sol, libc::PACKET_RX_RING, &req),
-    )?;
-    let tx_req = libc::tpacket_req3 {
-        tp_block_size: TX_BLOCK_SIZE as u32,
-        tp_block_nr: (TX_FRAMES * TX_FRAME_SIZE / TX_BLOCK_SIZE) as u32,
-        tp_frame_size: TX_FRAME_SIZE as u32,
-        tp_frame_nr: TX_FRAMES as u32,
-        tp_retire_blk_tov: 0,
-        tp_sizeof_priv: 0,
-        tp_feature_req_word: 0,
-    };
-    opt(
-        "PACKET_TX_RING",
-        setsockopt(raw, sol, libc::PACKET_TX_RING, &tx_req),
-    )?;
     // One mapping holds the receive ring followed by the transmit ring.
-    let ring_len = c.block_size * c.blocks + TX_FRAMES * TX_FRAME_SIZE;
+    let ring_len = rx_len + TX_FRAMES * TX_FRAME_SIZE;
     let ring = unsafe {
         libc::mmap(
             std::ptr::null_mut(),
@@ -340,7 +461,7 @@ fn open(c: &AfPacketConfig) -> Result<(OwnedFd, *mut u8, usize), String> {
         )
         .map_err(fail)?;
     }
-    Ok((fd, ring as *mut u8, ring_len))
+    Ok((fd, ring as *mut u8, ring_len, rx_len))
 }
 
 /// Compiles a libpcap filter expression for Ethernet frames.
@@ -373,27 +494,22 @@ fn open_large_tx(c: &AfPacketConfig) -> Result<OwnedFd, String> {
 }
 
 impl AfPacket {
-    #[inline]
-    fn block(&self, i: usize) -> *mut u8 {
-        unsafe { self.ring.add(i * self.block_size) }
-    }
-
-    #[inline]
-    fn block_status(&self, i: usize) -> &AtomicU32 {
-        // tpacket_block_desc: version, offset_to_priv, then hdr.bh1.block_status.
-        unsafe { &*(self.block(i).add(8) as *const AtomicU32) }
-    }
-
     /// Turns one ring frame into packets on `out`; returns how many it produced.
-    fn receive_frame(&mut self, frame: *const u8, out: &mut stitch_core::Producer) -> usize {
-        let rd = |off: usize| unsafe { std::ptr::read_unaligned(frame.add(off) as *const u32) };
-        let (sec, nsec, snaplen, status) = (rd(4), rd(8), rd(12) as usize, rd(20));
-        let mac = unsafe { std::ptr::read_unaligned(frame.add(24) as *const u16) } as usize;
-        let (vlan_tci, vlan_tpid) = (rd(32) as u16, unsafe {
-            std::ptr::read_unaligned(frame.add(36) as *const u16)
-        });
-        let ts = sec as u64 * 1_000_000_000 + nsec as u64;
-        if mac < VNET_HDR_LEN + 48 || snaplen < 14 {
+    fn receive_frame(
+        &mut self,
+        frame: *const u8,
+        m: &RxMeta,
+        out: &mut stitch_core::Producer,
+    ) -> usize {
+        let RxMeta {
+            ts,
+            snaplen,
+            mac,
+            status,
+            vlan_tci,
+            vlan_tpid,
+        } = *m;
+        if mac < VNET_HDR_LEN + 32 || snaplen < 14 {
             self.rx_malformed.add(1);
             return 0;
         }
@@ -492,8 +608,98 @@ impl AfPacket {
 
     #[inline]
     fn tx_status(&self, i: usize) -> &AtomicU32 {
-        // tpacket3_hdr.tp_status
-        unsafe { &*(self.tx_frame(i).add(20) as *const AtomicU32) }
+        // tp_status: first in tpacket2_hdr, after next offset, time and lengths in tpacket3_hdr.
+        let at = if self.tx_v2 { 0 } else { 20 };
+        unsafe { &*(self.tx_frame(i).add(at) as *const AtomicU32) }
+    }
+
+    /// Packets `frame` turns into, and whether that many fit in `budget`.
+    fn fits(&self, frame: *const u8, m: &RxMeta, budget: usize, capacity: usize) -> bool {
+        // A GSO frame becomes many packets: take it only when they all fit, so that a burst
+        // of segments never overflows the output link (it waits in the ring).
+        let need = if self.keep_gso {
+            1
+        } else {
+            segments_of(frame, m).min(capacity).min(BURST)
+        };
+        need <= budget
+    }
+
+    /// TPACKET_V2: frame by frame, each given back as soon as it is read.
+    fn pull_v2(&mut self, out: &mut stitch_core::Producer, mut budget: usize) {
+        let capacity = out.ring().capacity();
+        while budget > 0 {
+            let Rx::V2 { frames, next } = self.rx else {
+                return;
+            };
+            let frame = unsafe { self.ring.add(v2_frame_offset(next)) };
+            let status = unsafe { &*(frame as *const AtomicU32) };
+            if status.load(Ordering::Acquire) & libc::TP_STATUS_USER == 0 {
+                return;
+            }
+            let m = RxMeta::read(frame, true);
+            if !self.fits(frame, &m, budget, capacity) {
+                return;
+            }
+            let made = self.receive_frame(frame, &m, out);
+            budget = budget.saturating_sub(made.max(1));
+            status.store(libc::TP_STATUS_KERNEL, Ordering::Release);
+            self.rx = Rx::V2 {
+                frames,
+                next: (next + 1) % frames,
+            };
+        }
+    }
+
+    /// TPACKET_V3: block by block, each given back when all its frames are read.
+    fn pull_v3(&mut self, out: &mut stitch_core::Producer, mut budget: usize) {
+        let capacity = out.ring().capacity();
+        let Rx::V3 {
+            block_size, blocks, ..
+        } = self.rx
+        else {
+            return;
+        };
+        while budget > 0 {
+            let Rx::V3 { cursor, .. } = &mut self.rx else {
+                return;
+            };
+            let (b, mut taken, mut offset) = (cursor.block, cursor.taken, cursor.offset);
+            let base = unsafe { self.ring.add(b * block_size) };
+            // tpacket_block_desc: version, offset_to_priv, then hdr.bh1.block_status.
+            let block_status = unsafe { &*(base.add(8) as *const AtomicU32) };
+            if block_status.load(Ordering::Acquire) & libc::TP_STATUS_USER == 0 {
+                break;
+            }
+            let num = unsafe { std::ptr::read(base.add(12) as *const u32) };
+            if taken == 0 {
+                offset = unsafe { std::ptr::read(base.add(16) as *const u32) } as usize;
+            }
+            while taken < num {
+                let frame = unsafe { base.add(offset) };
+                let m = RxMeta::read(frame, false);
+                if !self.fits(frame, &m, budget, capacity) {
+                    if let Rx::V3 { cursor, .. } = &mut self.rx {
+                        (cursor.taken, cursor.offset) = (taken, offset);
+                    }
+                    return;
+                }
+                let next = unsafe { std::ptr::read_unaligned(frame as *const u32) } as usize;
+                let made = self.receive_frame(frame, &m, out);
+                budget = budget.saturating_sub(made.max(1));
+                taken += 1;
+                offset += next;
+            }
+            // Block done: give it back to the kernel.
+            block_status.store(libc::TP_STATUS_KERNEL, Ordering::Release);
+            if let Rx::V3 { cursor, .. } = &mut self.rx {
+                *cursor = Cursor {
+                    block: (b + 1) % blocks,
+                    taken: 0,
+                    offset: 0,
+                };
+            }
+        }
     }
 
     /// Sends one frame with `sendmsg` (for frames larger than a ring frame).
@@ -564,17 +770,15 @@ impl AfPacket {
 }
 
 /// Packets a ring frame turns into: its GSO segments, or one.
-fn segments_of(frame: *const u8) -> usize {
-    let rd32 =
-        |off: usize| unsafe { std::ptr::read_unaligned(frame.add(off) as *const u32) } as usize;
-    let mac = unsafe { std::ptr::read_unaligned(frame.add(24) as *const u16) } as usize;
+fn segments_of(frame: *const u8, m: &RxMeta) -> usize {
+    let mac = m.mac;
     if mac < VNET_HDR_LEN {
         return 1;
     }
     let vnet = unsafe { std::slice::from_raw_parts(frame.add(mac - VNET_HDR_LEN), VNET_HDR_LEN) };
     match VnetHdr::parse(vnet) {
         Some(h) if h.gso_type != offload::GSO_NONE && h.gso_size > 0 => {
-            rd32(12).div_ceil(h.gso_size as usize)
+            m.snaplen.div_ceil(h.gso_size as usize)
         }
         _ => 1,
     }
@@ -597,23 +801,35 @@ impl App for AfPacket {
         if c.blocks == 0 || c.blocks * c.block_size > (1 << 31) {
             return Err("blocks × block_size must be between one block and 2 GiB".into());
         }
+        if !(8..=16384).contains(&c.frames) {
+            return Err(format!("frames must be 8..=16384, got {}", c.frames).into());
+        }
         Ok(PortSpec::filter())
     }
 
     fn new(c: AfPacketConfig, ctx: &mut AppContext) -> Result<Self, AppError> {
-        let (fd, ring, ring_len) = open(&c)?;
+        let (fd, ring, ring_len, rx_len) = open(&c)?;
         Ok(AfPacket {
             fd,
             ring,
             ring_len,
-            block_size: c.block_size,
-            blocks: c.blocks,
-            cursor: Cursor {
-                block: 0,
-                taken: 0,
-                offset: 0,
+            rx: match c.ring {
+                RingVersion::V2 => Rx::V2 {
+                    frames: v2_frames(c.frames),
+                    next: 0,
+                },
+                RingVersion::V3 => Rx::V3 {
+                    block_size: c.block_size,
+                    blocks: c.blocks,
+                    cursor: Cursor {
+                        block: 0,
+                        taken: 0,
+                        offset: 0,
+                    },
+                },
             },
-            tx_ring: unsafe { ring.add(c.block_size * c.blocks) },
+            tx_v2: c.ring == RingVersion::V2,
+            tx_ring: unsafe { ring.add(rx_len) },
             tx_next: 0,
             scratch: Vec::with_capacity(65536 + 64),
             keep_gso: c.gso == GsoMode::Keep,
@@ -633,44 +849,10 @@ impl App for AfPacket {
 
     fn pull(&mut self, io: &mut Io) {
         let Some(out) = io.output(0) else { return };
-        let capacity = out.ring().capacity();
-        let mut budget = out.room().min(BURST);
-        while budget > 0 {
-            let b = self.cursor.block;
-            if self.block_status(b).load(Ordering::Acquire) & libc::TP_STATUS_USER == 0 {
-                break;
-            }
-            let base = self.block(b);
-            let num = unsafe { std::ptr::read(base.add(12) as *const u32) };
-            if self.cursor.taken == 0 {
-                self.cursor.offset = unsafe { std::ptr::read(base.add(16) as *const u32) } as usize;
-            }
-            while self.cursor.taken < num {
-                let frame = unsafe { base.add(self.cursor.offset) };
-                // A GSO frame becomes many packets: take it only when they all fit, so that a
-                // burst of segments never overflows the output link (it waits in the ring).
-                let need = if self.keep_gso {
-                    1
-                } else {
-                    segments_of(frame).min(capacity).min(BURST)
-                };
-                if need > budget {
-                    return;
-                }
-                let next = unsafe { std::ptr::read_unaligned(frame as *const u32) } as usize;
-                let made = self.receive_frame(frame, out);
-                budget = budget.saturating_sub(made.max(1));
-                self.cursor.taken += 1;
-                self.cursor.offset += next;
-            }
-            // Block done: give it back to the kernel.
-            self.block_status(b)
-                .store(libc::TP_STATUS_KERNEL, Ordering::Release);
-            self.cursor = Cursor {
-                block: (b + 1) % self.blocks,
-                taken: 0,
-                offset: 0,
-            };
+        let budget = out.room().min(BURST);
+        match self.rx {
+            Rx::V2 { .. } => self.pull_v2(out, budget),
+            Rx::V3 { .. } => self.pull_v3(out, budget),
         }
     }
 
@@ -689,7 +871,12 @@ impl App for AfPacket {
             let len = p.len();
             let mut hdr = [0u8; VNET_HDR_LEN];
             VnetHdr::of_packet(&p).write(&mut hdr);
-            if TX_DATA_OFFSET + VNET_HDR_LEN + len > TX_FRAME_SIZE {
+            let data_at = if self.tx_v2 {
+                TX_DATA_OFFSET_V2
+            } else {
+                TX_DATA_OFFSET_V3
+            };
+            if data_at + VNET_HDR_LEN + len > TX_FRAME_SIZE {
                 // A super-frame does not fit a ring frame: send what is queued, then it alone.
                 if queued > 0 {
                     self.kick();
@@ -700,18 +887,15 @@ impl App for AfPacket {
             }
             let frame = self.tx_frame(i);
             unsafe {
-                std::ptr::copy_nonoverlapping(
-                    hdr.as_ptr(),
-                    frame.add(TX_DATA_OFFSET),
-                    VNET_HDR_LEN,
-                );
+                std::ptr::copy_nonoverlapping(hdr.as_ptr(), frame.add(data_at), VNET_HDR_LEN);
                 std::ptr::copy_nonoverlapping(
                     p.data().as_ptr(),
-                    frame.add(TX_DATA_OFFSET + VNET_HDR_LEN),
+                    frame.add(data_at + VNET_HDR_LEN),
                     len,
                 );
-                std::ptr::write(frame.add(16) as *mut u32, (VNET_HDR_LEN + len) as u32);
                 // tp_len
+                let len_at = if self.tx_v2 { 4 } else { 16 };
+                std::ptr::write(frame.add(len_at) as *mut u32, (VNET_HDR_LEN + len) as u32);
             }
             self.tx_status(i)
                 .store(TP_STATUS_SEND_REQUEST, Ordering::Release);
