@@ -130,6 +130,31 @@ fn af_packet_carries_ping_tcp_and_exact_udp_bursts() {
 }
 
 #[test]
+fn af_packet_with_a_block_ring_carries_the_same() {
+    exercise("af_packet", ", ring: v3");
+}
+
+#[test]
+fn af_packet_block_ring_segments_super_frames_too() {
+    require_root_and_tools(&["ip", "ping", "iperf3"]);
+    let h = TwoHosts::new();
+    let s = cross_connect("af_packet", &h, ", ring: v3, gso: segment");
+    ping_works(&h);
+    let bps = h.iperf_tcp(&h.ip[1], 2);
+    eprintln!(
+        "af_packet v3 gso: segment: iperf3 TCP {:.2} Gbit/s",
+        bps / 1e9
+    );
+    let stats = s.stop();
+    assert!(
+        app(&stats, "a")["counters"]["gso_segments"]
+            .as_u64()
+            .unwrap()
+            > 0
+    );
+}
+
+#[test]
 fn missing_interface_is_a_clear_error_and_nothing_starts() {
     require_root_and_tools(&["ip"]);
     let err = run_must_fail(
