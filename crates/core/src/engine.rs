@@ -184,8 +184,11 @@ fn run_worker(
     let mut pinned = None;
     let mut last_tick = Instant::now();
     let mut sleep = Duration::from_micros(1);
+    let mut breaths = 0u64;
     loop {
         if park.load(Ordering::Acquire) {
+            counters.breaths.fetch_add(breaths, Ordering::Relaxed);
+            breaths = 0;
             if to_ctl.send(plan).is_err() {
                 return;
             }
@@ -195,7 +198,8 @@ fn run_worker(
             };
             sleep = Duration::from_micros(1);
         }
-        if query_flag.swap(false, Ordering::AcqRel) {
+        // A plain load first: the locked swap only when a query is waiting.
+        if query_flag.load(Ordering::Relaxed) && query_flag.swap(false, Ordering::AcqRel) {
             answer_queries(&mut plan, &queries);
         }
         if plan.core != pinned {
@@ -206,10 +210,13 @@ fn run_worker(
         }
         let before: u64 = plan.rings.iter().map(|r| r.activity()).sum();
         breathe(&mut plan);
-        counters.breaths.fetch_add(1, Ordering::Relaxed);
+        breaths += 1;
         let now = Instant::now();
         if now.duration_since(last_tick) >= TICK_INTERVAL {
             last_tick = now;
+            // Published once per tick, not once per breath: no locked add on the hot loop.
+            counters.breaths.fetch_add(breaths, Ordering::Relaxed);
+            breaths = 0;
             let mut has_finite = false;
             let mut done = true;
             for s in plan.slots.iter_mut() {

@@ -156,15 +156,42 @@ impl Vring {
         }
     }
 
-    /// The buffers of the chain starting at `head`, appended to `out` (cleared first).
+    /// The buffers of the chain starting at `head`, in `out` (cleared first).
     pub fn chain(&self, mem: &GuestMemory, head: u16, out: &mut Vec<Segment>) -> Result<(), Fault> {
         out.clear();
+        self.chain_onto(mem, head, out)
+    }
+
+    /// The buffers of the chain starting at `head`, appended to `out` — so that a burst of
+    /// chains gathers into one list without copying each chain's segments again. On a fault
+    /// `out` is left as it was.
+    pub fn chain_onto(
+        &self,
+        mem: &GuestMemory,
+        head: u16,
+        out: &mut Vec<Segment>,
+    ) -> Result<(), Fault> {
+        let start = out.len();
+        let r = self.walk(mem, head, start, out);
+        if r.is_err() {
+            out.truncate(start);
+        }
+        r
+    }
+
+    fn walk(
+        &self,
+        mem: &GuestMemory,
+        head: u16,
+        start: usize,
+        out: &mut Vec<Segment>,
+    ) -> Result<(), Fault> {
         let mut table = self.desc as *const u8;
         let mut size = self.num;
         let mut i = head;
         let mut indirect = false;
         loop {
-            if out.len() >= MAX_SEGMENTS {
+            if out.len() - start >= MAX_SEGMENTS {
                 return Err(Fault(format!(
                     "descriptor chain from {head} loops or exceeds {MAX_SEGMENTS} buffers"
                 )));
