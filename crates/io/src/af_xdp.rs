@@ -488,6 +488,8 @@ pub struct AfXdp {
     rx_malformed: Counter,
     pool_exhausted: Counter,
     tx_full: Counter,
+    /// Packets received per queue (`queueN_rx_packets`), to see how traffic spreads.
+    queue_rx: Vec<Counter>,
 }
 
 // The rings and UMEM belong to this app alone; they move with it to its worker thread.
@@ -513,6 +515,7 @@ impl AfXdp {
             return 0;
         }
         let ts = stitch_core::packet::now_ns();
+        self.queue_rx[s].add(n as u64);
         let mut made = 0;
         for i in 0..n as u32 {
             let d = x.rx.desc_slot(x.rx.local.wrapping_add(i));
@@ -627,6 +630,11 @@ impl App for AfXdp {
             rx_malformed: ctx.counter("rx_malformed_drops"),
             pool_exhausted: ctx.counter("pool_exhausted_drops"),
             tx_full: ctx.counter("tx_ring_full"),
+            queue_rx: c
+                .queues
+                .iter()
+                .map(|q| ctx.counter(&format!("queue{q}_rx_packets")))
+                .collect(),
         })
     }
 

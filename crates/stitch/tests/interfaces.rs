@@ -282,3 +282,52 @@ fn af_packet_puts_back_the_vlan_tags_the_kernel_lifts_out() {
     assert_eq!(tagged, 20, "every frame arrives with its VLAN tag:\n{text}");
     s.stop();
 }
+
+const MANY_FLOWS: &str = r#"
+import socket, sys, time
+dst, n = sys.argv[1], int(sys.argv[2])
+socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(16)]
+payload = bytes(200)
+for i in range(n):
+    socks[i % 16].sendto(payload, (dst, 5300))
+    if i % 200 == 199:
+        time.sleep(0.002)
+"#;
+
+/// Two-queue veths, one AF_XDP socket per queue: sixteen flows spread over both queues and
+/// every datagram arrives.
+#[test]
+fn af_xdp_serves_several_queues() {
+    require_root_and_tools(&["ip", "ping", "python3"]);
+    let h = TwoHosts::with_queues(2);
+    let s = cross_connect("af_xdp", &h, ", queues: [0, 1]");
+    ping_works(&h);
+    std::fs::write(s.path().join("rx.py"), RECEIVER).unwrap();
+    std::fs::write(s.path().join("tx.py"), MANY_FLOWS).unwrap();
+    let rx = h.spawn(1, &format!("python3 {}", s.path().join("rx.py").display()));
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let n = 4000;
+    let o = h.exec(
+        0,
+        &format!(
+            "python3 {} {} {n}",
+            s.path().join("tx.py").display(),
+            h.ip[1]
+        ),
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let got: usize = String::from_utf8_lossy(&rx.finish().stdout)
+        .trim()
+        .parse()
+        .unwrap();
+    let stats = s.stop();
+    assert_eq!(got, n, "every UDP datagram must arrive");
+    let c = &app(&stats, "a")["counters"];
+    let (q0, q1) = (
+        c["queue0_rx_packets"].as_u64().unwrap(),
+        c["queue1_rx_packets"].as_u64().unwrap(),
+    );
+    eprintln!("af_xdp two queues: {q0} + {q1} packets received");
+    assert!(q0 > 0 && q1 > 0, "both queues carried traffic: {c}");
+    assert!(q0 + q1 >= n as u64, "{c}");
+}

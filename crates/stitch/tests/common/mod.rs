@@ -53,6 +53,12 @@ pub struct TwoHosts {
 
 impl TwoHosts {
     pub fn new() -> TwoHosts {
+        TwoHosts::with_queues(1)
+    }
+
+    /// Like [`TwoHosts::new`], with veth pairs of `queues` receive and transmit queues each
+    /// (a veth delivers on the receive queue numbered like the sender's transmit queue).
+    pub fn with_queues(queues: u32) -> TwoHosts {
         let id = std::process::id() % 10000;
         let n = NEXT.fetch_add(1, Ordering::Relaxed);
         let tag = format!("{id}x{n}");
@@ -69,8 +75,9 @@ impl TwoHosts {
         for i in 0..2 {
             let (ns, outer, inner) = (&hosts.ns[i], &hosts.outer[i], &hosts.inner[i]);
             must(&format!("ip netns add {ns}"));
+            let q = format!("numtxqueues {queues} numrxqueues {queues}");
             must(&format!(
-                "ip link add {outer} type veth peer name {inner} netns {ns}"
+                "ip link add {outer} {q} type veth peer name {inner} {q} netns {ns}"
             ));
             must(&format!("ip link set {outer} up"));
             must(&format!("sysctl -qw net.ipv6.conf.{outer}.disable_ipv6=1"));
