@@ -48,7 +48,18 @@ pub struct SwitchConfig {
     /// Datapath id (default: derived from the app's name).
     #[serde(default)]
     pub datapath_id: Option<u64>,
+    /// Keys remembered by the exact-match cache in front of the flow table's priority scan
+    /// (used once the table holds more than a few flows); 0 turns it off.
+    #[serde(default = "default_cache")]
+    pub exact_match_cache: usize,
 }
+
+fn default_cache() -> usize {
+    8192
+}
+
+/// Below this many flows a scan is as cheap as hashing the key.
+const CACHE_FROM_FLOWS: usize = 8;
 
 /// Per-port counters, as OpenFlow port statistics report them.
 #[derive(Default)]
@@ -123,9 +134,11 @@ pub struct Switch {
     /// Per input port: the flow and output when its traffic all goes to one other port.
     direct: Vec<Option<(Arc<FlowEntry>, u32)>>,
     seen: u64,
+    cache: Option<table::ExactMatchCache>,
     batch: Vec<Packet>,
     _endpoint: Option<endpoint::Endpoint>,
     misses: Counter,
+    cache_hits: Counter,
     direct_packets: Counter,
     to_controller: Counter,
     controller_drops: Counter,
@@ -169,9 +182,12 @@ impl App for Switch {
             entries: Arc::new(Vec::new()),
             direct: vec![None; c.ports.len()],
             seen: 0,
+            cache: (c.exact_match_cache > 0)
+                .then(|| table::ExactMatchCache::new(c.exact_match_cache)),
             batch: Vec::with_capacity(256),
             _endpoint: endpoint,
             misses: ctx.counter("table_miss_drops"),
+            cache_hits: ctx.counter("exact_match_cache_hits"),
             direct_packets: ctx.counter("point_to_point_packets"),
             to_controller: ctx.counter("packet_ins"),
             controller_drops: ctx.counter("packet_in_drops"),
@@ -183,6 +199,9 @@ impl App for Switch {
         if v != self.seen {
             self.entries = self.shared.snapshot.lock().unwrap().clone();
             self.direct = table::point_to_point(&self.entries, self.shared.ports.len());
+            if let Some(c) = &mut self.cache {
+                c.clear();
+            }
             self.seen = v;
             self.shared.applied.store(v, Ordering::Release);
         }
@@ -226,18 +245,48 @@ impl App for Switch {
             self.shared
                 .lookups
                 .fetch_add(batch.len() as u64, Ordering::Relaxed);
+            let cached = entries.len() > CACHE_FROM_FLOWS;
+            // Flow counters are added once per run of packets that met the same entry, not
+            // once per packet: no locked add per packet on lines the OpenFlow side reads.
+            let mut run: Option<(usize, u64, u64)> = None;
+            let (mut matched, mut hits) = (0u64, 0u64);
             for p in batch.drain(..) {
                 let key = Key::of(p.data(), port);
-                match table::lookup(&entries, &key) {
-                    Some(e) => {
-                        e.packets.fetch_add(1, Ordering::Relaxed);
-                        e.bytes.fetch_add(p.len() as u64, Ordering::Relaxed);
-                        self.shared.matched.fetch_add(1, Ordering::Relaxed);
-                        self.execute(p, &key, &e.actions, e.cookie, io);
+                let found = match (&mut self.cache, cached) {
+                    (Some(c), true) => {
+                        let (f, hit) = c.lookup(&entries, &key);
+                        hits += hit as u64;
+                        f
                     }
-                    None => self.misses.add(1),
+                    _ => table::position(&entries, &key),
+                };
+                let Some(i) = found else {
+                    self.misses.add(1);
+                    continue;
+                };
+                matched += 1;
+                match &mut run {
+                    Some((at, n, b)) if *at == i => {
+                        *n += 1;
+                        *b += p.len() as u64;
+                    }
+                    _ => {
+                        if let Some((at, n, b)) = run.take() {
+                            entries[at].packets.fetch_add(n, Ordering::Relaxed);
+                            entries[at].bytes.fetch_add(b, Ordering::Relaxed);
+                        }
+                        run = Some((i, 1, p.len() as u64));
+                    }
                 }
+                let e = &entries[i];
+                self.execute(p, &key, &e.actions, e.cookie, io);
             }
+            if let Some((at, n, b)) = run {
+                entries[at].packets.fetch_add(n, Ordering::Relaxed);
+                entries[at].bytes.fetch_add(b, Ordering::Relaxed);
+            }
+            self.shared.matched.fetch_add(matched, Ordering::Relaxed);
+            self.cache_hits.add(hits);
             self.batch = batch;
         }
     }

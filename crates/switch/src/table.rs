@@ -20,7 +20,7 @@ pub struct FlowEntry {
 }
 
 /// The header fields of one packet, read once.
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Key {
     pub in_port: u32,
     pub eth_dst: [u8; 6],
@@ -254,10 +254,59 @@ pub fn point_to_point(
 /// The first (highest-priority) entry that matches.
 #[inline]
 pub fn lookup<'a>(entries: &'a [Arc<FlowEntry>], k: &Key) -> Option<&'a FlowEntry> {
-    entries
-        .iter()
-        .find(|e| matches(&e.matching, k))
-        .map(|e| &**e)
+    position(entries, k).map(|i| &*entries[i])
+}
+
+/// The index of the first (highest-priority) entry that matches.
+#[inline]
+pub fn position(entries: &[Arc<FlowEntry>], k: &Key) -> Option<usize> {
+    entries.iter().position(|e| matches(&e.matching, k))
+}
+
+/// An exact-match cache in front of the priority scan, as Open vSwitch keeps one in front of
+/// its classifier: every field a match can look at is in the key, so a packet with the same key
+/// always meets the same first entry, and the answer (an entry's index, or a miss) can be
+/// remembered. Emptied whenever the table changes; bounded, emptied when full (a flood of new
+/// keys then costs one scan each, as without a cache).
+pub struct ExactMatchCache {
+    map: std::collections::HashMap<Key, Option<u32>, foldhash::fast::RandomState>,
+    capacity: usize,
+}
+
+impl ExactMatchCache {
+    pub fn new(capacity: usize) -> Self {
+        ExactMatchCache {
+            map: std::collections::HashMap::with_capacity_and_hasher(capacity, Default::default()),
+            capacity,
+        }
+    }
+
+    pub fn clear(&mut self) {
+        self.map.clear();
+    }
+
+    /// The first matching entry's index, from the cache (`true`) or by a scan that then
+    /// fills it (`false`).
+    #[inline]
+    pub fn lookup(&mut self, entries: &[Arc<FlowEntry>], k: &Key) -> (Option<usize>, bool) {
+        if let Some(hit) = self.map.get(k) {
+            return (hit.map(|i| i as usize), true);
+        }
+        let found = position(entries, k);
+        if self.map.len() >= self.capacity {
+            self.map.clear();
+        }
+        self.map.insert(*k, found.map(|i| i as u32));
+        (found, false)
+    }
+
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
 }
 
 #[cfg(test)]
@@ -346,5 +395,53 @@ mod tests {
         };
         t.apply(&fm(0, 20, udp, vec![Action::Output(2)])).unwrap();
         assert!(point_to_point(&t.entries, 3)[0].is_none());
+    }
+
+    #[test]
+    fn the_exact_match_cache_answers_as_the_scan_does() {
+        let mut t = FlowTable::default();
+        // 200 flows on UDP destination ports, at falling priorities, and one catch-all.
+        for i in 0..200u16 {
+            let m = Match {
+                in_port: Some(1),
+                eth_type: Some(0x0800),
+                ip_proto: Some(17),
+                tp_dst: Some(1000 + i % 50),
+                ipv4_src: Some((0x0a00_0000 | i as u32, 0xffff_ff00 | (i as u32 % 4))),
+                ..Match::default()
+            };
+            t.apply(&fm(0, 1000 - i, m, vec![Action::Output(2 + i as u32 % 3)]))
+                .unwrap();
+        }
+        let any = Match {
+            in_port: Some(2),
+            ..Match::default()
+        };
+        t.apply(&fm(0, 1, any, vec![Action::Output(1)])).unwrap();
+        let mut cache = ExactMatchCache::new(64);
+        let mut x = 0x1234_5678u64;
+        for round in 0..5000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let k = Key {
+                in_port: 1 + (x % 3) as u32,
+                eth_type: 0x0800,
+                ip_proto: Some(17),
+                ipv4_src: 0x0a00_0000 | ((x >> 8) as u32 % 300),
+                tp_dst: Some(990 + (x >> 20) as u16 % 70),
+                ..Key::default()
+            };
+            let (cached, _) = cache.lookup(&t.entries, &k);
+            assert_eq!(cached, position(&t.entries, &k), "round {round}: {k:?}");
+            assert!(cache.len() <= 64, "bounded");
+        }
+        // Repeated keys are answered from the cache.
+        let k = Key {
+            in_port: 2,
+            ..Key::default()
+        };
+        cache.lookup(&t.entries, &k);
+        assert_eq!(cache.lookup(&t.entries, &k), (Some(200), true));
     }
 }
