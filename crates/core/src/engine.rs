@@ -208,7 +208,15 @@ fn run_worker(
             }
             pinned = plan.core;
         }
-        let before: u64 = plan.rings.iter().map(|r| r.activity()).sum();
+        // Whether a breath moved anything decides the sleep; a busy-polling worker never sleeps.
+        let activity = |plan: &Plan| -> u64 {
+            if plan.busy_poll {
+                0
+            } else {
+                plan.rings.iter().map(|r| r.activity()).sum()
+            }
+        };
+        let before = activity(&plan);
         breathe(&mut plan);
         breaths += 1;
         let now = Instant::now();
@@ -234,7 +242,7 @@ fn run_worker(
                 .finite_done
                 .store(has_finite && done, Ordering::Relaxed);
         }
-        let after: u64 = plan.rings.iter().map(|r| r.activity()).sum();
+        let after = activity(&plan);
         if after != before || plan.busy_poll {
             sleep = Duration::from_micros(1);
             if plan.busy_poll {
