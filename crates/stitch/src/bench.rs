@@ -44,6 +44,9 @@ pub enum BenchCmd {
     },
     /// Seed 004's experiment: N function processes, each packet through two of them.
     NfScale(crate::bench_nf_scale::NfScaleArgs),
+    /// Seed 001's chain: N function processes chained through the OpenFlow switch, with the
+    /// point-to-point path (bypass on) or a lookup per packet (off).
+    ChainSwitch(crate::bench_chain_switch::ChainSwitchArgs),
     /// Seed 003's evaluation: chains of 1..N routers between two hosts — Stitch in the kernel,
     /// Linux router namespaces, Open vSwitch (userspace datapath) with router namespaces and
     /// Stitch's userspace engine — round trips, connection setups and iperf3 in one run.
@@ -222,6 +225,9 @@ pub fn run(cmd: BenchCmd, registry: Arc<Registry>) -> Result<()> {
     }
     if let BenchCmd::Kernel(args) = cmd {
         return crate::bench_kernel::run(args);
+    }
+    if let BenchCmd::ChainSwitch(args) = cmd {
+        return crate::bench_chain_switch::run(args, crate::registry());
     }
     if let BenchCmd::NfScale(args) = cmd {
         return crate::bench_nf_scale::run(args, crate::registry());

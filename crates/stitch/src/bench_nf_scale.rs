@@ -97,7 +97,7 @@ struct Point {
     drops: u64,
 }
 
-fn signature_binary() -> Result<PathBuf> {
+pub(crate) fn signature_binary() -> Result<PathBuf> {
     let me = std::env::current_exe()?;
     let p = me.with_file_name("stitch-nf-signature");
     anyhow::ensure!(
@@ -141,7 +141,7 @@ fn graph(n: usize, args: &NfScaleArgs, socket: &Path, rate: Option<f64>) -> Stri
     s + &links
 }
 
-fn counter_sum(e: &Engine, name: &str) -> u64 {
+pub(crate) fn counter_sum(e: &Engine, name: &str) -> u64 {
     e.stats()
         .apps
         .iter()
@@ -150,7 +150,7 @@ fn counter_sum(e: &Engine, name: &str) -> u64 {
 }
 
 /// Process CPU time of the functions, from /proc (they are still running).
-fn children_cpu(children: &[Child]) -> f64 {
+pub(crate) fn children_cpu(children: &[Child]) -> f64 {
     let tick = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
     children
         .iter()
@@ -203,7 +203,7 @@ fn phase(
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-    *LATENCIES.lock().unwrap() = None;
+    reset_latencies();
     engine.apply(g)?;
     std::thread::sleep(Duration::from_millis(500));
     let (p0, d0, t0) = (
@@ -224,6 +224,26 @@ fn phase(
         let _ = c.kill();
         let _ = c.wait();
     }
+    let (mean, p99) = take_latencies();
+    let pps = (p1 - p0) as f64 / wall;
+    Ok(Point {
+        mpps: pps / 1e6,
+        gbps: pps * args.size as f64 * 8.0 / 1e9,
+        cpu_per_mpps: ((c1 - c0) + (f1 - f0)) / wall / (pps / 1e6).max(1e-9),
+        mean_us: mean,
+        p99_us: p99,
+        latency_mpps: 0.0,
+        drops: d1 - d0,
+    })
+}
+
+/// Forgets what the latency sinks recorded so far.
+pub(crate) fn reset_latencies() {
+    *LATENCIES.lock().unwrap() = None;
+}
+
+/// Mean and 99th percentile (µs) of what the latency sinks recorded since the last call.
+pub(crate) fn take_latencies() -> (f64, f64) {
     let hist = LATENCIES.lock().unwrap().take().unwrap_or_default();
     let total: u64 = hist.iter().sum();
     let mean = hist
@@ -240,23 +260,19 @@ fn phase(
             acc * 100 >= total * 99
         })
         .unwrap_or(0);
-    let pps = (p1 - p0) as f64 / wall;
-    Ok(Point {
-        mpps: pps / 1e6,
-        gbps: pps * args.size as f64 * 8.0 / 1e9,
-        cpu_per_mpps: ((c1 - c0) + (f1 - f0)) / wall / (pps / 1e6).max(1e-9),
-        mean_us: mean,
-        p99_us: p99 as f64,
-        latency_mpps: 0.0,
-        drops: d1 - d0,
-    })
+    (mean, p99 as f64)
 }
 
-pub fn run(args: NfScaleArgs, mut r: Registry) -> Result<()> {
+/// Adds `latency_sink` (records each packet's age since its generator stamped it).
+pub(crate) fn register_latency_sink(r: &mut Registry) {
     r.register(AppType::of::<LatencySink>(
         "latency_sink",
         "records packet latency",
     ));
+}
+
+pub fn run(args: NfScaleArgs, mut r: Registry) -> Result<()> {
+    register_latency_sink(&mut r);
     let registry = Arc::new(r);
     let points: Vec<usize> = args
         .nfs

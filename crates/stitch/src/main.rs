@@ -1,6 +1,7 @@
 //! `stitch`: run, check and inspect Stitch graphs.
 
 mod bench;
+mod bench_chain_switch;
 mod bench_kernel;
 mod bench_nf;
 mod bench_nf_scale;

@@ -311,3 +311,43 @@ links:
     }
     assert_eq!(next, N);
 }
+
+/// `stitch bench chain-switch` end to end on the smallest chain: a function process attached,
+/// flows programmed by ovs-ofctl, packets through, a switch-over measured.
+#[test]
+fn chain_switch_bench_carries_packets_through_a_function() {
+    require_root_and_tools(&["ovs-ofctl"]);
+    let sig =
+        std::path::Path::new(env!("CARGO_BIN_EXE_stitch")).with_file_name("stitch-nf-signature");
+    assert!(
+        sig.exists(),
+        "build the workspace first (scripts/test does): {}",
+        sig.display()
+    );
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_stitch"))
+        .args([
+            "bench",
+            "chain-switch",
+            "--nfs",
+            "1",
+            "--bypass",
+            "on",
+            "--seconds",
+            "0.5",
+        ])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let row = text
+        .lines()
+        .find(|l| l.trim_start().starts_with("1 "))
+        .unwrap_or_else(|| panic!("no result row: {text}"));
+    let mpps: f64 = row.split_whitespace().nth(2).unwrap().parse().unwrap();
+    assert!(mpps > 0.0, "{row}");
+    assert!(row.contains("µs"), "switch-over measured: {row}");
+}

@@ -92,6 +92,8 @@ pub struct Shared {
     pub snapshot: Mutex<Arc<Vec<Arc<FlowEntry>>>>,
     pub version: AtomicU64,
     pub applied: AtomicU64,
+    /// When the newest table was published (ns since `started`), for the switch-over time.
+    pub published_ns: AtomicU64,
     pub port_counters: Vec<PortCounters>,
     pub lookups: AtomicU64,
     pub matched: AtomicU64,
@@ -111,6 +113,7 @@ impl Shared {
             snapshot: Mutex::new(Arc::new(Vec::new())),
             version: AtomicU64::new(0),
             applied: AtomicU64::new(0),
+            published_ns: AtomicU64::new(0),
             port_counters: ports.iter().map(|_| PortCounters::default()).collect(),
             lookups: AtomicU64::new(0),
             matched: AtomicU64::new(0),
@@ -124,6 +127,8 @@ impl Shared {
     /// Publishes the master table to the data path.
     pub fn publish(&self, t: &table::FlowTable) {
         *self.snapshot.lock().unwrap() = Arc::new(t.entries.clone());
+        self.published_ns
+            .store(self.started.elapsed().as_nanos() as u64, Ordering::Relaxed);
         self.version.fetch_add(1, Ordering::Release);
     }
 }
@@ -134,11 +139,18 @@ pub struct Switch {
     /// Per input port: the flow and output when its traffic all goes to one other port.
     direct: Vec<Option<(Arc<FlowEntry>, u32)>>,
     seen: u64,
+    /// Per port: packets, bytes and drops sent since the last flush into the shared counters
+    /// (one locked add per port and push, not per packet).
+    tx_pending: Vec<[u64; 3]>,
     cache: Option<table::ExactMatchCache>,
     batch: Vec<Packet>,
     _endpoint: Option<endpoint::Endpoint>,
     misses: Counter,
     cache_hits: Counter,
+    /// From a table's publication to the data path running it (the last change), and the
+    /// longest so far.
+    switch_over_ns: Counter,
+    switch_over_max_ns: Counter,
     direct_packets: Counter,
     to_controller: Counter,
     controller_drops: Counter,
@@ -182,12 +194,15 @@ impl App for Switch {
             entries: Arc::new(Vec::new()),
             direct: vec![None; c.ports.len()],
             seen: 0,
+            tx_pending: vec![[0; 3]; c.ports.len()],
             cache: (c.exact_match_cache > 0)
                 .then(|| table::ExactMatchCache::new(c.exact_match_cache)),
             batch: Vec::with_capacity(256),
             _endpoint: endpoint,
             misses: ctx.counter("table_miss_drops"),
             cache_hits: ctx.counter("exact_match_cache_hits"),
+            switch_over_ns: ctx.counter("switch_over_ns"),
+            switch_over_max_ns: ctx.counter("switch_over_max_ns"),
             direct_packets: ctx.counter("point_to_point_packets"),
             to_controller: ctx.counter("packet_ins"),
             controller_drops: ctx.counter("packet_in_drops"),
@@ -201,6 +216,12 @@ impl App for Switch {
             self.direct = table::point_to_point(&self.entries, self.shared.ports.len());
             if let Some(c) = &mut self.cache {
                 c.clear();
+            }
+            let took = (self.shared.started.elapsed().as_nanos() as u64)
+                .saturating_sub(self.shared.published_ns.load(Ordering::Relaxed));
+            self.switch_over_ns.set(took);
+            if took > self.switch_over_max_ns.get() {
+                self.switch_over_max_ns.set(took);
             }
             self.seen = v;
             self.shared.applied.store(v, Ordering::Release);
@@ -217,6 +238,7 @@ impl App for Switch {
                 let key = Key::of(p.data(), in_port);
                 self.execute(p, &key, &actions, 0, io);
             }
+            self.flush_tx_counters();
         }
     }
 
@@ -289,6 +311,7 @@ impl App for Switch {
             self.cache_hits.add(hits);
             self.batch = batch;
         }
+        self.flush_tx_counters();
     }
 
     fn query(&mut self, _: &serde_json::Value) -> serde_json::Value {
@@ -414,14 +437,26 @@ impl Switch {
         else {
             return;
         };
-        let pc = &self.shared.port_counters[i];
         let len = p.len() as u64;
         let sent = io.output(i).is_some_and(|o| o.transmit(p));
+        let t = &mut self.tx_pending[i];
         if sent {
-            pc.tx_packets.fetch_add(1, Ordering::Relaxed);
-            pc.tx_bytes.fetch_add(len, Ordering::Relaxed);
+            t[0] += 1;
+            t[1] += len;
         } else {
-            pc.tx_dropped.fetch_add(1, Ordering::Relaxed);
+            t[2] += 1;
+        }
+    }
+
+    /// Adds what `send` counted to the shared port counters.
+    fn flush_tx_counters(&mut self) {
+        for (t, pc) in self.tx_pending.iter_mut().zip(&self.shared.port_counters) {
+            if *t != [0; 3] {
+                pc.tx_packets.fetch_add(t[0], Ordering::Relaxed);
+                pc.tx_bytes.fetch_add(t[1], Ordering::Relaxed);
+                pc.tx_dropped.fetch_add(t[2], Ordering::Relaxed);
+                *t = [0; 3];
+            }
         }
     }
 }

@@ -1,0 +1,248 @@
+//! `stitch bench chain-switch`: seed 001's chain. A generator feeds port 1 of the OpenFlow
+//! `switch`; N function processes (`stitch-nf-signature`, one `nf_port` each) are chained
+//! through it by flows `in_port=k → output:k+1`; the last port leads to a latency sink. With
+//! `--bypass on` the flows are point to point (the switch moves whole batches ring to ring
+//! without a lookup); with `off` each flow also matches `ip`, so every packet is looked up.
+//! Flows are programmed with `ovs-ofctl` (openvswitch-common), as a controller would.
+//!
+//! Per point: Mpps at full load, latency (mean, p99) at half of that load, cores used (engine +
+//! functions, CPU seconds per second), and the switch-over time while every flow is flipped
+//! between the two shapes under traffic (`ovs-ofctl replace-flows`, ten times): the data path's
+//! own figure (a table's publication to the data path running it, the switch's
+//! `switch_over_ns` counter; median) and the whole `ovs-ofctl` round trip (process start, flow
+//! dump, FLOW_MODs, BARRIER reply).
+
+use crate::bench::cpu_seconds;
+use crate::bench_nf_scale::{
+    children_cpu, counter_sum, register_latency_sink, reset_latencies, signature_binary,
+    take_latencies,
+};
+use anyhow::{Context, Result};
+use std::path::Path;
+use std::process::{Child, Command};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use stitch_core::{Engine, Graph, Registry};
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BypassMode {
+    On,
+    Off,
+    Both,
+}
+
+#[derive(clap::Args)]
+pub struct ChainSwitchArgs {
+    /// Chain lengths (function processes), comma-separated.
+    #[arg(long, default_value = "1,2,4,8")]
+    pub nfs: String,
+    #[arg(long, value_enum, default_value_t = BypassMode::Both)]
+    pub bypass: BypassMode,
+    /// Frame size in bytes.
+    #[arg(long, default_value_t = 64)]
+    pub size: usize,
+    /// Measured seconds per phase.
+    #[arg(long, default_value_t = 2.0)]
+    pub seconds: f64,
+}
+
+struct Point {
+    mpps: f64,
+    cores: f64,
+    mean_us: f64,
+    p99_us: f64,
+}
+
+/// The flows of a chain of `n`: port 1 (generator) → 2 → … → n+2 (sink).
+fn flows(n: usize, bypass: bool) -> String {
+    let m = if bypass { "" } else { "ip," };
+    (1..=n + 1)
+        .map(|k| format!("priority=100,in_port={k},{m}actions=output:{}\n", k + 1))
+        .collect()
+}
+
+fn ofctl(port: u16, args: &[&str]) -> Result<Duration> {
+    let t = Instant::now();
+    let o = Command::new("ovs-ofctl")
+        .args(["-O", "OpenFlow13", "--no-names"])
+        .args(args.iter().map(|a| {
+            if *a == "SWITCH" {
+                format!("tcp:127.0.0.1:{port}")
+            } else {
+                a.to_string()
+            }
+        }))
+        .output()
+        .context("ovs-ofctl is missing: apt install openvswitch-common")?;
+    anyhow::ensure!(
+        o.status.success(),
+        "ovs-ofctl {args:?}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    Ok(t.elapsed())
+}
+
+/// One phase of a chain of `n` at `rate` (None: flat out); returns the point and, when asked,
+/// the median switch-over time.
+fn phase(
+    registry: &Arc<Registry>,
+    n: usize,
+    bypass: bool,
+    args: &ChainSwitchArgs,
+    rate: Option<f64>,
+    switch_overs: bool,
+) -> Result<(Point, Option<(Duration, Duration)>)> {
+    let dir = tempfile::tempdir()?;
+    let socket = dir.path().join("nf.sock");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let names: Vec<String> = std::iter::once("gen".to_string())
+        .chain((0..n).map(|i| format!("f{i}")))
+        .chain(std::iter::once("out".to_string()))
+        .collect();
+    let rate = rate.map(|r| format!(", rate: {r:.0}")).unwrap_or_default();
+    let mut text = format!(
+        "engine: {{ busy_poll: true, link_size: 4096 }}\napps:\n  gen: {{ type: generator, size: {}, timestamps: true, flows: 64{rate} }}\n  sw: {{ type: switch, ports: [{}], listen: \"127.0.0.1:{port}\" }}\n  out: {{ type: latency_sink }}\n",
+        args.size,
+        names.join(", ")
+    );
+    let mut links =
+        String::from("links:\n  - \"gen.output -> sw.gen\"\n  - \"sw.out -> out.input\"\n");
+    for i in 0..n {
+        text += &format!(
+            "  f{i}: {{ type: nf_port, socket: {}, mode: zero_copy, wake: blocking, batch: 1, ring_size: 1024 }}\n",
+            socket.display()
+        );
+        links += &format!("  - \"sw.f{i} -> f{i}.input\"\n  - \"f{i}.output -> sw.f{i}\"\n");
+    }
+    text += &links;
+    let g = Graph::parse(&text, "<chain-switch>", Path::new("."), registry)
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let engine = Engine::new(registry.clone());
+    let mut idle = g.clone();
+    idle.links.retain(|l| l.from.app != "gen");
+    engine.apply(idle)?;
+    let bin = signature_binary()?;
+    let mut children: Vec<Child> = Vec::with_capacity(n);
+    for i in 0..n {
+        children.push(
+            Command::new(&bin)
+                .arg("--socket")
+                .arg(&socket)
+                .arg(format!("f{i}"))
+                .spawn()
+                .context("cannot start a function")?,
+        );
+    }
+    let t = Instant::now();
+    while counter_sum(&engine, "attached") < n as u64 {
+        anyhow::ensure!(
+            t.elapsed() < Duration::from_secs(30),
+            "functions did not attach"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let file = dir.path().join("flows");
+    std::fs::write(&file, flows(n, bypass))?;
+    ofctl(port, &["add-flows", "SWITCH", file.to_str().unwrap()])?;
+    reset_latencies();
+    engine.apply(g)?;
+    std::thread::sleep(Duration::from_millis(500));
+    let (p0, t0) = (crate::bench::sink_packets(&engine), Instant::now());
+    let (c0, f0) = (cpu_seconds(libc::RUSAGE_SELF), children_cpu(&children));
+    std::thread::sleep(Duration::from_secs_f64(args.seconds));
+    let p1 = crate::bench::sink_packets(&engine);
+    let (c1, f1) = (cpu_seconds(libc::RUSAGE_SELF), children_cpu(&children));
+    let wall = t0.elapsed().as_secs_f64();
+    let mut switch_over = None;
+    if switch_overs {
+        // Flip every flow between the two shapes and back, five times, under traffic
+        // (`replace-flows`: ovs-ofctl reads the table and sends the difference, then a BARRIER).
+        let other = dir.path().join("other");
+        std::fs::write(&other, flows(n, !bypass))?;
+        let mut times = Vec::new();
+        let mut round_trips = Vec::new();
+        for k in 0..10 {
+            let f = if k % 2 == 0 { &other } else { &file };
+            round_trips.push(ofctl(
+                port,
+                &["replace-flows", "SWITCH", f.to_str().unwrap()],
+            )?);
+            // The data path's own figure: publication of the last table -> running it.
+            times.push(Duration::from_nanos(counter_sum(&engine, "switch_over_ns")));
+        }
+        times.sort();
+        round_trips.sort();
+        switch_over = Some((times[times.len() / 2], round_trips[round_trips.len() / 2]));
+    }
+    engine.stop();
+    for c in children.iter_mut() {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    let (mean_us, p99_us) = take_latencies();
+    let pps = (p1 - p0) as f64 / wall;
+    Ok((
+        Point {
+            mpps: pps / 1e6,
+            cores: ((c1 - c0) + (f1 - f0)) / wall,
+            mean_us,
+            p99_us,
+        },
+        switch_over,
+    ))
+}
+
+pub fn run(args: ChainSwitchArgs, mut r: Registry) -> Result<()> {
+    register_latency_sink(&mut r);
+    let registry = Arc::new(r);
+    let points: Vec<usize> = args
+        .nfs
+        .split(',')
+        .map(|s| s.trim().parse::<usize>())
+        .collect::<Result<_, _>>()
+        .context("--nfs takes numbers, e.g. 1,2,4,8")?;
+    let modes: &[bool] = match args.bypass {
+        BypassMode::On => &[true],
+        BypassMode::Off => &[false],
+        BypassMode::Both => &[true, false],
+    };
+    println!(
+        "chain-switch: {} B frames, N signature functions (blocking nf_ports) chained through the OpenFlow switch; {} s per phase",
+        args.size, args.seconds
+    );
+    println!(
+        "{:>3} {:>7} {:>9} {:>7} | {:>10} {:>9} {:>9} | {:>12} {:>12}",
+        "N",
+        "bypass",
+        "max Mpps",
+        "cores",
+        "at Mpps",
+        "mean µs",
+        "p99 µs",
+        "switch-over",
+        "ofctl trip"
+    );
+    for &n in &points {
+        anyhow::ensure!(n >= 1, "--nfs values must be at least 1");
+        for &bypass in modes {
+            let (full, switch_over) = phase(&registry, n, bypass, &args, None, true)?;
+            let half = full.mpps / 2.0;
+            let (low, _) = phase(&registry, n, bypass, &args, Some(half * 1e6), false)?;
+            println!(
+                "{:>3} {:>7} {:>9.3} {:>7.2} | {:>10.3} {:>9.1} {:>9.0} | {:>9.1} µs {:>9.1} ms",
+                n,
+                if bypass { "on" } else { "off" },
+                full.mpps,
+                full.cores,
+                low.mpps,
+                low.mean_us,
+                low.p99_us,
+                switch_over.map_or(0.0, |d| d.0.as_secs_f64() * 1e6),
+                switch_over.map_or(0.0, |d| d.1.as_secs_f64() * 1e3)
+            );
+        }
+    }
+    Ok(())
+}
