@@ -21,7 +21,7 @@ pub fn register(r: &mut Registry) {
     ))
     .register(AppType::of::<af_packet::AfPacket>(
         "af_packet",
-        "any Linux interface: TPACKET_V3 rx/tx rings, fanout, kernel filters, offloads",
+        "any Linux interface: TPACKET_V2 (or V3) rx/tx rings, fanout, kernel filters, offloads",
     ))
     .register(AppType::of::<af_xdp::AfXdp>(
         "af_xdp",
