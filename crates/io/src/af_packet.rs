@@ -175,6 +175,8 @@ enum Rx {
 /// What the kernel says about one received frame (both header versions carry it).
 struct RxMeta {
     ts: u64,
+    /// Bytes on the wire, and bytes the ring holds (fewer: cut off by the frame size).
+    len: usize,
     snaplen: usize,
     mac: usize,
     status: u32,
@@ -190,6 +192,7 @@ impl RxMeta {
         if v2 {
             RxMeta {
                 status: rd(0),
+                len: rd(4) as usize,
                 snaplen: rd(8) as usize,
                 mac: rd16(12) as usize,
                 ts: rd(16) as u64 * 1_000_000_000 + rd(20) as u64,
@@ -200,6 +203,7 @@ impl RxMeta {
             RxMeta {
                 ts: rd(4) as u64 * 1_000_000_000 + rd(8) as u64,
                 snaplen: rd(12) as usize,
+                len: rd(16) as usize,
                 status: rd(20),
                 mac: rd16(24) as usize,
                 vlan_tci: rd(32) as u16,
@@ -503,13 +507,15 @@ impl AfPacket {
     ) -> usize {
         let RxMeta {
             ts,
+            len: wire_len,
             snaplen,
             mac,
             status,
             vlan_tci,
             vlan_tpid,
         } = *m;
-        if mac < VNET_HDR_LEN + 32 || snaplen < 14 {
+        // A frame the ring could not hold whole is not forwarded cut short.
+        if mac < VNET_HDR_LEN + 32 || snaplen < 14 || snaplen < wire_len {
             self.rx_malformed.add(1);
             return 0;
         }
