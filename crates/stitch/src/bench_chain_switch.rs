@@ -13,6 +13,7 @@
 //! dump, FLOW_MODs, BARRIER reply).
 
 use crate::bench::cpu_seconds;
+use crate::bench_kernel::{quiet, sh, Ovs};
 use crate::bench_nf_scale::{
     children_cpu, counter_sum, register_latency_sink, reset_latencies, signature_binary,
     take_latencies,
@@ -44,6 +45,12 @@ pub struct ChainSwitchArgs {
     /// Measured seconds per phase.
     #[arg(long, default_value_t = 2.0)]
     pub seconds: f64,
+    /// Also measure Open vSwitch's userspace datapath on the same chain (needs
+    /// openvswitch-switch): a netdev bridge whose ports are veths into namespaces, each
+    /// function a reflector in its namespace's kernel (tc mirred back out of its veth), the
+    /// generator a Stitch process sending into the first veth.
+    #[arg(long)]
+    pub ovs: bool,
 }
 
 struct Point {
@@ -194,6 +201,139 @@ fn phase(
     ))
 }
 
+/// Removes the namespaces and veths of one Open vSwitch phase, also when it fails.
+struct OvsChain {
+    tag: String,
+    names: Vec<String>,
+    generator: Option<Child>,
+}
+
+impl Drop for OvsChain {
+    fn drop(&mut self) {
+        if let Some(mut g) = self.generator.take() {
+            let _ = g.kill();
+            let _ = g.wait();
+        }
+        for n in &self.names {
+            quiet(&format!("ip link del {}{n}", self.tag));
+            quiet(&format!("ip netns del {}{n}", self.tag));
+        }
+        // The bridge's own port: a tap device that outlives ovs-vswitchd.
+        quiet(&format!("ip link del {}br", self.tag));
+    }
+}
+
+/// One Open vSwitch phase: Mpps at the sink and the CPU of ovs-vswitchd (cores).
+fn ovs_phase(n: usize, args: &ChainSwitchArgs) -> Result<(f64, f64)> {
+    let ovs = Ovs::start()?;
+    let tag = format!("cs{}", std::process::id() % 10000);
+    let names: Vec<String> = std::iter::once("g".to_string())
+        .chain((0..n).map(|i| format!("f{i}")))
+        .chain(std::iter::once("s".to_string()))
+        .collect();
+    let mut chain = OvsChain {
+        tag: tag.clone(),
+        names: names.clone(),
+        generator: None,
+    };
+    let br = format!("{tag}br");
+    ovs.vsctl(&format!(
+        "add-br {br} -- set bridge {br} datapath_type=netdev fail_mode=secure"
+    ))?;
+    for (k, name) in names.iter().enumerate() {
+        let (ns, dev) = (format!("{tag}{name}"), format!("{tag}{name}"));
+        sh(&format!("ip netns add {ns}"))?;
+        sh(&format!(
+            "ip link add {dev} type veth peer name eth0 netns {ns}"
+        ))?;
+        sh(&format!("sysctl -qw net.ipv6.conf.{dev}.disable_ipv6=1"))?;
+        sh(&format!(
+            "ip netns exec {ns} sysctl -qw net.ipv6.conf.all.disable_ipv6=1"
+        ))?;
+        sh(&format!("ip link set {dev} up"))?;
+        sh(&format!("ip -n {ns} link set eth0 up"))?;
+        ovs.vsctl(&format!(
+            "add-port {br} {dev} -- set interface {dev} ofport_request={}",
+            k + 1
+        ))?;
+        if name.starts_with('f') {
+            // The function: every frame back out of the interface it came in on.
+            sh(&format!("tc -n {ns} qdisc add dev eth0 clsact"))?;
+            sh(&format!(
+                "tc -n {ns} filter add dev eth0 ingress u32 match u32 0 0 action mirred egress redirect dev eth0"
+            ))?;
+        }
+    }
+    let file = tempfile::NamedTempFile::new()?;
+    std::fs::write(file.path(), flows(n, true))?;
+    sh(&format!(
+        "{} ovs-ofctl -O OpenFlow13 add-flows {br} {}",
+        ovs.env(),
+        file.path().display()
+    ))?;
+    // The generator: a Stitch process in the first namespace, flat out into its veth.
+    let dir = tempfile::tempdir()?;
+    let graph = dir.path().join("gen.yaml");
+    std::fs::write(
+        &graph,
+        format!(
+            "apps:\n  gen: {{ type: generator, size: {}, flows: 64 }}\n  nic: {{ type: af_packet, interface: eth0 }}\nlinks:\n  - \"gen.output -> nic.input\"\n",
+            args.size
+        ),
+    )?;
+    chain.generator = Some(
+        Command::new("ip")
+            .args(["netns", "exec", &format!("{tag}g")])
+            .arg(std::env::current_exe()?)
+            .args(["run", "--control"])
+            .arg(dir.path().join("gen.sock"))
+            .arg(&graph)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()?,
+    );
+    let sink_rx = || -> Result<u64> {
+        Ok(sh(&format!(
+            "ip netns exec {tag}s cat /sys/class/net/eth0/statistics/rx_packets"
+        ))?
+        .trim()
+        .parse()?)
+    };
+    let pid: i32 = std::fs::read_to_string(
+        ovs.env()
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.strip_prefix("OVS_RUNDIR="))
+            .map(|d| format!("{d}/ovs-vswitchd.pid"))
+            .unwrap_or_default(),
+    )?
+    .trim()
+    .parse()?;
+    let vswitchd_cpu = || -> f64 {
+        let tick = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|s| {
+                let f: Vec<String> = s
+                    .rsplit_once(')')?
+                    .1
+                    .split_whitespace()
+                    .map(str::to_string)
+                    .collect();
+                Some((f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?) / tick)
+            })
+            .unwrap_or(0.0)
+    };
+    std::thread::sleep(Duration::from_millis(1500));
+    let (p0, c0, t0) = (sink_rx()?, vswitchd_cpu(), Instant::now());
+    std::thread::sleep(Duration::from_secs_f64(args.seconds));
+    let (p1, c1) = (sink_rx()?, vswitchd_cpu());
+    let wall = t0.elapsed().as_secs_f64();
+    drop(chain);
+    drop(ovs);
+    Ok(((p1 - p0) as f64 / wall / 1e6, (c1 - c0) / wall))
+}
+
 pub fn run(args: ChainSwitchArgs, mut r: Registry) -> Result<()> {
     register_latency_sink(&mut r);
     let registry = Arc::new(r);
@@ -241,6 +381,13 @@ pub fn run(args: ChainSwitchArgs, mut r: Registry) -> Result<()> {
                 low.p99_us,
                 switch_over.map_or(0.0, |d| d.0.as_secs_f64() * 1e6),
                 switch_over.map_or(0.0, |d| d.1.as_secs_f64() * 1e3)
+            );
+        }
+        if args.ovs {
+            let (mpps, cores) = ovs_phase(n, &args)?;
+            println!(
+                "{:>3} {:>7} {:>9.3} {:>7.2} | (Open vSwitch userspace datapath; cores: ovs-vswitchd alone)",
+                n, "ovs", mpps, cores
             );
         }
     }

@@ -48,7 +48,7 @@ pub struct KernelBenchArgs {
     pub spin: bool,
 }
 
-fn sh(cmd: &str) -> Result<String> {
+pub(crate) fn sh(cmd: &str) -> Result<String> {
     let o = Command::new("sh").arg("-c").arg(cmd).output()?;
     if !o.status.success() {
         bail!(
@@ -60,7 +60,7 @@ fn sh(cmd: &str) -> Result<String> {
     Ok(String::from_utf8_lossy(&o.stdout).into_owned())
 }
 
-fn quiet(cmd: &str) {
+pub(crate) fn quiet(cmd: &str) {
     let _ = Command::new("sh")
         .arg("-c")
         .arg(format!("{cmd} >/dev/null 2>&1"))
@@ -448,17 +448,17 @@ fn measure(c: &Chain, secs: f64, spin: bool) -> Result<Figures> {
 }
 
 /// A private Open vSwitch (ovsdb-server + ovs-vswitchd) in a temporary folder.
-struct Ovs {
+pub(crate) struct Ovs {
     dir: tempfile::TempDir,
 }
 
 impl Ovs {
-    fn env(&self) -> String {
+    pub(crate) fn env(&self) -> String {
         let d = self.dir.path().display();
         format!("OVS_RUNDIR={d} OVS_DBDIR={d} OVS_LOGDIR={d}")
     }
 
-    fn start() -> Result<Ovs> {
+    pub(crate) fn start() -> Result<Ovs> {
         if Command::new("sh")
             .arg("-c")
             .arg("command -v ovs-vswitchd")
@@ -484,7 +484,7 @@ impl Ovs {
         Ok(o)
     }
 
-    fn vsctl(&self, args: &str) -> Result<String> {
+    pub(crate) fn vsctl(&self, args: &str) -> Result<String> {
         sh(&format!("{} ovs-vsctl {args}", self.env()))
     }
 }
