@@ -68,6 +68,10 @@ fn default_aging() -> u64 {
     300
 }
 
+/// Learned MAC addresses at most (all segments): a remote sending from ever new addresses
+/// cannot grow the table without bound; past this, new addresses are flooded to.
+const MAX_LEARNED: usize = 65536;
+
 /// Outer headers over IPv4: Ethernet 14 + IPv4 20 + UDP 8 + VXLAN 8.
 const OUTER4: usize = 50;
 /// Outer headers over IPv6: Ethernet 14 + IPv6 40 + UDP 8 + VXLAN 8.
@@ -90,6 +94,7 @@ pub struct Vxlan {
     by_vni: HashMap<u32, usize, foldhash::fast::RandomState>,
     learned: HashMap<(usize, [u8; 6]), Learned, foldhash::fast::RandomState>,
     aging: Duration,
+    last_sweep: Instant,
     underlay: usize,
     /// Frames of one input after GSO segmentation, reused between pushes.
     staged: Vec<Packet>,
@@ -103,6 +108,7 @@ pub struct Vxlan {
     bad_checksum: Counter,
     malformed: Counter,
     too_big: Counter,
+    table_full: Counter,
 }
 
 /// The UDP checksum over IPv6 (RFC 8200 §8.1) of `udp` (header with a zero checksum field,
@@ -274,11 +280,13 @@ impl Vxlan {
             return;
         }
         let src: [u8; 6] = frame[6..12].try_into().unwrap();
+        let full = self.learned.len() >= MAX_LEARNED;
         match self.learned.get_mut(&(seg, src)) {
             Some(l) => {
                 l.remote = remote;
                 l.seen = now;
             }
+            None if full => self.table_full.add(1),
             None => {
                 self.learned
                     .insert((seg, src), Learned { remote, seen: now });
@@ -386,6 +394,7 @@ impl App for Vxlan {
             by_vni,
             learned: HashMap::default(),
             aging: Duration::from_secs(c.aging_seconds),
+            last_sweep: Instant::now(),
             staged: Vec::new(),
             encapsulated: ctx.counter("encapsulated"),
             decapsulated: ctx.counter("decapsulated"),
@@ -397,6 +406,7 @@ impl App for Vxlan {
             bad_checksum: ctx.counter("bad_checksum_drops"),
             malformed: ctx.counter("malformed_drops"),
             too_big: ctx.counter("too_big_drops"),
+            table_full: ctx.counter("learning_table_full"),
         })
     }
 
@@ -475,12 +485,15 @@ impl App for Vxlan {
         serde_json::json!({ "count": count, "entries": entries })
     }
 
+    /// Forgets aged entries, once a second.
     fn tick(&mut self, _: &mut Io, now: Instant) {
-        if self.learned.len() > 4096 {
-            let aging = self.aging;
-            self.learned
-                .retain(|_, l| now.duration_since(l.seen) < aging);
+        if self.learned.is_empty() || now.duration_since(self.last_sweep) < Duration::from_secs(1) {
+            return;
         }
+        self.last_sweep = now;
+        let aging = self.aging;
+        self.learned
+            .retain(|_, l| now.duration_since(l.seen) < aging);
     }
 }
 
@@ -701,5 +714,36 @@ mod tests {
                 "complete TCP checksum"
             );
         }
+    }
+
+    #[test]
+    fn the_learning_table_is_bounded_and_ages() {
+        let mut v = vtep("192.0.2.1", serde_json::json!(["192.0.2.2", "192.0.2.3"]));
+        let now = Instant::now();
+        let mut f = [0u8; 14];
+        for i in 0..=MAX_LEARNED as u32 {
+            f[6..12].copy_from_slice(&[
+                2,
+                0,
+                (i >> 24) as u8,
+                (i >> 16) as u8,
+                (i >> 8) as u8,
+                i as u8,
+            ]);
+            v.learn(0, 1, &f, now);
+        }
+        assert_eq!(v.learned.len(), MAX_LEARNED);
+        assert_eq!(
+            v.table_full.get(),
+            1,
+            "the address past the bound is not learned"
+        );
+        // Entries older than the aging time go at the next sweep.
+        v.aging = Duration::from_secs(1);
+        let (_, a) = link(4);
+        let (b, _) = link(4);
+        let mut io = Io::new(vec![("a".into(), a)], vec![("a".into(), b)]);
+        v.tick(&mut io, now + Duration::from_secs(3));
+        assert!(v.learned.is_empty());
     }
 }
