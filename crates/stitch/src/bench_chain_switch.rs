@@ -12,18 +12,13 @@
 //! `switch_over_ns` counter; median) and the whole `ovs-ofctl` round trip (process start, flow
 //! dump, FLOW_MODs, BARRIER reply).
 
-use crate::bench::cpu_seconds;
 use crate::bench_kernel::{quiet, sh, Ovs};
-use crate::bench_nf_scale::{
-    children_cpu, counter_sum, register_latency_sink, reset_latencies, signature_binary,
-    take_latencies,
-};
+use crate::bench_nf_scale::{counter_sum, register_latency_sink, take_latencies, WithFunctions};
 use anyhow::{Context, Result};
-use std::path::Path;
 use std::process::{Child, Command};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use stitch_core::{Engine, Graph, Registry};
+use stitch_core::Registry;
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BypassMode {
@@ -124,43 +119,24 @@ fn phase(
         links += &format!("  - \"sw.f{i} -> f{i}.input\"\n  - \"f{i}.output -> sw.f{i}\"\n");
     }
     text += &links;
-    let g = Graph::parse(&text, "<chain-switch>", Path::new("."), registry)
-        .map_err(|e| anyhow::anyhow!("{e}"))?;
-    let engine = Engine::new(registry.clone());
-    let mut idle = g.clone();
-    idle.links.retain(|l| l.from.app != "gen");
-    engine.apply(idle)?;
-    let bin = signature_binary()?;
-    let mut children: Vec<Child> = Vec::with_capacity(n);
-    for i in 0..n {
-        children.push(
-            Command::new(&bin)
-                .arg("--socket")
-                .arg(&socket)
-                .arg(format!("f{i}"))
-                .spawn()
-                .context("cannot start a function")?,
-        );
-    }
-    let t = Instant::now();
-    while counter_sum(&engine, "attached") < n as u64 {
-        anyhow::ensure!(
-            t.elapsed() < Duration::from_secs(30),
-            "functions did not attach"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let run = WithFunctions::start(
+        registry,
+        &text,
+        "<chain-switch>",
+        &socket,
+        (0..n).map(|i| vec![format!("f{i}")]).collect(),
+        Duration::from_secs(30),
+    )?;
+    let engine = &run.engine;
     let file = dir.path().join("flows");
     std::fs::write(&file, flows(n, bypass))?;
     ofctl(port, &["add-flows", "SWITCH", file.to_str().unwrap()])?;
-    reset_latencies();
-    engine.apply(g)?;
-    std::thread::sleep(Duration::from_millis(500));
-    let (p0, t0) = (crate::bench::sink_packets(&engine), Instant::now());
-    let (c0, f0) = (cpu_seconds(libc::RUSAGE_SELF), children_cpu(&children));
+    run.go()?;
+    let (p0, t0) = (crate::bench::sink_packets(engine), Instant::now());
+    let c0 = run.cpu();
     std::thread::sleep(Duration::from_secs_f64(args.seconds));
-    let p1 = crate::bench::sink_packets(&engine);
-    let (c1, f1) = (cpu_seconds(libc::RUSAGE_SELF), children_cpu(&children));
+    let p1 = crate::bench::sink_packets(engine);
+    let c1 = run.cpu();
     let wall = t0.elapsed().as_secs_f64();
     let mut switch_over = None;
     if switch_overs {
@@ -177,23 +153,19 @@ fn phase(
                 &["replace-flows", "SWITCH", f.to_str().unwrap()],
             )?);
             // The data path's own figure: publication of the last table -> running it.
-            times.push(Duration::from_nanos(counter_sum(&engine, "switch_over_ns")));
+            times.push(Duration::from_nanos(counter_sum(engine, "switch_over_ns")));
         }
         times.sort();
         round_trips.sort();
         switch_over = Some((times[times.len() / 2], round_trips[round_trips.len() / 2]));
     }
-    engine.stop();
-    for c in children.iter_mut() {
-        let _ = c.kill();
-        let _ = c.wait();
-    }
+    run.stop();
     let (mean_us, p99_us) = take_latencies();
     let pps = (p1 - p0) as f64 / wall;
     Ok((
         Point {
             mpps: pps / 1e6,
-            cores: ((c1 - c0) + (f1 - f0)) / wall,
+            cores: (c1 - c0) / wall,
             mean_us,
             p99_us,
         },

@@ -149,8 +149,89 @@ pub(crate) fn counter_sum(e: &Engine, name: &str) -> u64 {
         .sum()
 }
 
+/// An engine running a graph whose `nf_port`s are served by `stitch-nf-signature` processes
+/// (one per list of ports), started without the generator's link so that every function has
+/// attached before traffic flows. The processes are killed when it is dropped.
+pub(crate) struct WithFunctions {
+    pub engine: Engine,
+    graph: Graph,
+    children: Vec<Child>,
+}
+
+impl WithFunctions {
+    pub(crate) fn start(
+        registry: &Arc<Registry>,
+        text: &str,
+        what: &str,
+        socket: &Path,
+        ports: Vec<Vec<String>>,
+        attach_within: Duration,
+    ) -> Result<WithFunctions> {
+        let graph = Graph::parse(text, what, Path::new("."), registry)
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let engine = Engine::new(registry.clone());
+        let mut idle = graph.clone();
+        idle.links.retain(|l| l.from.app != "gen");
+        engine.apply(idle)?;
+        let bin = signature_binary()?;
+        let total: usize = ports.iter().map(Vec::len).sum();
+        let mut run = WithFunctions {
+            engine,
+            graph,
+            children: Vec::with_capacity(ports.len()),
+        };
+        for names in ports {
+            run.children.push(
+                Command::new(&bin)
+                    .arg("--socket")
+                    .arg(socket)
+                    .args(names)
+                    .spawn()
+                    .context("cannot start a function")?,
+            );
+        }
+        let t = Instant::now();
+        while counter_sum(&run.engine, "attached") < total as u64 {
+            anyhow::ensure!(
+                t.elapsed() < attach_within,
+                "only {} of {total} function ports attached",
+                counter_sum(&run.engine, "attached")
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(run)
+    }
+
+    /// Links the generator in (latency records start afresh) and lets traffic settle.
+    pub(crate) fn go(&self) -> Result<()> {
+        reset_latencies();
+        self.engine.apply(self.graph.clone())?;
+        std::thread::sleep(Duration::from_millis(500));
+        Ok(())
+    }
+
+    /// CPU seconds used so far by this process (the engine) and the functions.
+    pub(crate) fn cpu(&self) -> f64 {
+        cpu_seconds(libc::RUSAGE_SELF) + children_cpu(&self.children)
+    }
+
+    /// Stops the engine (the latency sinks hand in their records) and the functions.
+    pub(crate) fn stop(self) {
+        self.engine.stop();
+    }
+}
+
+impl Drop for WithFunctions {
+    fn drop(&mut self) {
+        for c in self.children.iter_mut() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
 /// Process CPU time of the functions, from /proc (they are still running).
-pub(crate) fn children_cpu(children: &[Child]) -> f64 {
+fn children_cpu(children: &[Child]) -> f64 {
     let tick = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
     children
         .iter()
@@ -173,63 +254,37 @@ fn phase(
     let dir = tempfile::tempdir()?;
     let socket = dir.path().join("nf.sock");
     let text = graph(n, args, &socket, rate);
-    let g = Graph::parse(&text, "<nf-scale>", Path::new("."), registry)
-        .map_err(|e| anyhow::anyhow!("{e}"))?;
-    // The functions attach before traffic flows: start without the generator's link.
-    let engine = Engine::new(registry.clone());
-    let mut idle = g.clone();
-    idle.links.retain(|l| l.from.app != "gen");
-    engine.apply(idle)?;
-    let bin = signature_binary()?;
-    let mut children: Vec<Child> = Vec::with_capacity(n);
-    for i in 0..n {
-        children.push(
-            Command::new(&bin)
-                .arg("--socket")
-                .arg(&socket)
-                .arg(format!("a{i}"))
-                .arg(format!("b{i}"))
-                .spawn()
-                .context("cannot start a function")?,
-        );
-    }
-    let t = Instant::now();
-    while counter_sum(&engine, "attached") < 2 * n as u64 {
-        anyhow::ensure!(
-            t.elapsed() < Duration::from_secs(60),
-            "only {} of {} function ports attached",
-            counter_sum(&engine, "attached"),
-            2 * n
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    reset_latencies();
-    engine.apply(g)?;
-    std::thread::sleep(Duration::from_millis(500));
+    let ports = (0..n).map(|i| vec![format!("a{i}"), format!("b{i}")]);
+    let run = WithFunctions::start(
+        registry,
+        &text,
+        "<nf-scale>",
+        &socket,
+        ports.collect(),
+        Duration::from_secs(60),
+    )?;
+    run.go()?;
+    let engine = &run.engine;
     let (p0, d0, t0) = (
-        crate::bench::sink_packets(&engine),
-        counter_sum(&engine, "ring_full_drops"),
+        crate::bench::sink_packets(engine),
+        counter_sum(engine, "ring_full_drops"),
         Instant::now(),
     );
-    let (c0, f0) = (cpu_seconds(libc::RUSAGE_SELF), children_cpu(&children));
+    let c0 = run.cpu();
     std::thread::sleep(Duration::from_secs_f64(args.seconds));
     let (p1, d1) = (
-        crate::bench::sink_packets(&engine),
-        counter_sum(&engine, "ring_full_drops"),
+        crate::bench::sink_packets(engine),
+        counter_sum(engine, "ring_full_drops"),
     );
-    let (c1, f1) = (cpu_seconds(libc::RUSAGE_SELF), children_cpu(&children));
+    let c1 = run.cpu();
     let wall = t0.elapsed().as_secs_f64();
-    engine.stop();
-    for c in children.iter_mut() {
-        let _ = c.kill();
-        let _ = c.wait();
-    }
+    run.stop();
     let (mean, p99) = take_latencies();
     let pps = (p1 - p0) as f64 / wall;
     Ok(Point {
         mpps: pps / 1e6,
         gbps: pps * args.size as f64 * 8.0 / 1e9,
-        cpu_per_mpps: ((c1 - c0) + (f1 - f0)) / wall / (pps / 1e6).max(1e-9),
+        cpu_per_mpps: (c1 - c0) / wall / (pps / 1e6).max(1e-9),
         mean_us: mean,
         p99_us: p99,
         latency_mpps: 0.0,
