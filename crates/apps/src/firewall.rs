@@ -876,7 +876,7 @@ impl App for Firewall {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use stitch_core::link::{link, Consumer};
+    use stitch_core::link::Consumer;
 
     fn tcp(src: [u8; 4], dst: [u8; 4], sp: u16, dp: u16, flags: u8) -> Packet {
         let mut f = vec![0u8; 54];
@@ -909,18 +909,8 @@ mod tests {
     }
 
     fn rig(cfg: serde_json::Value) -> Rig {
-        let c: FirewallConfig = serde_json::from_value(cfg).unwrap();
-        Firewall::declare(&c).unwrap();
-        let mut ctx = AppContext::new("fw", std::path::Path::new("."), Default::default());
-        let fw = Firewall::new(c, &mut ctx).unwrap();
-        let (lan_in, a) = link(64);
-        let (wan_in, b) = link(64);
-        let (c1, lan_out) = link(64);
-        let (c2, wan_out) = link(64);
-        let io = Io::new(
-            vec![("lan".into(), a), ("wan".into(), b)],
-            vec![("lan".into(), c1), ("wan".into(), c2)],
-        );
+        let fw = crate::testing::build::<Firewall>(cfg);
+        let (io, [lan_in, wan_in], [lan_out, wan_out]) = crate::testing::ports(["lan", "wan"]);
         Rig {
             fw,
             io,

@@ -105,3 +105,38 @@ impl<T: Clone> OneOrMany<T> {
         }
     }
 }
+
+/// Scaffolding shared by the functions' unit tests.
+#[cfg(test)]
+pub(crate) mod testing {
+    use stitch_core::link::{link, Consumer, Producer};
+    use stitch_core::{App, AppContext, Io};
+
+    /// An app built from a JSON config as a graph builds it: checked by `declare`, then `new`.
+    pub(crate) fn build<A: App>(config: serde_json::Value) -> A {
+        let c: A::Config = serde_json::from_value(config).unwrap();
+        A::declare(&c).unwrap();
+        let mut ctx = AppContext::new("test", std::path::Path::new("."), Default::default());
+        A::new(c, &mut ctx).unwrap()
+    }
+
+    /// An `Io` with an input and an output of each name: what is transmitted on `feeds[i]`
+    /// arrives on input `i`, `seen[i]` reads output `i`.
+    pub(crate) fn ports<const N: usize>(names: [&str; N]) -> (Io, [Producer; N], [Consumer; N]) {
+        let (mut feeds, mut inputs, mut outputs, mut seen) = (vec![], vec![], vec![], vec![]);
+        for n in names {
+            let (feed, input) = link(64);
+            let (output, out) = link(64);
+            feeds.push(feed);
+            inputs.push((n.to_string(), input));
+            outputs.push((n.to_string(), output));
+            seen.push(out);
+        }
+        (Io::new(inputs, outputs), array(feeds), array(seen))
+    }
+
+    fn array<T, const N: usize>(v: Vec<T>) -> [T; N] {
+        v.try_into()
+            .unwrap_or_else(|_| unreachable!("one per name"))
+    }
+}

@@ -640,7 +640,7 @@ impl App for Nat {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use stitch_core::link::{link, Consumer};
+    use stitch_core::link::Consumer;
     use stitch_core::pool;
 
     fn l4_ok(d: &[u8]) -> bool {
@@ -708,22 +708,11 @@ mod tests {
     }
 
     fn rig_with(external: serde_json::Value) -> Rig {
-        let c: NatConfig = serde_json::from_value(serde_json::json!({
+        let nat = crate::testing::build::<Nat>(serde_json::json!({
             "external": external, "ports": "5000-5001",
             "forwards": [ { "proto": "tcp", "port": 8080, "to_address": "10.0.0.7", "to_port": 80 } ]
-        }))
-        .unwrap();
-        Nat::declare(&c).unwrap();
-        let mut ctx = AppContext::new("nat", std::path::Path::new("."), Default::default());
-        let nat = Nat::new(c, &mut ctx).unwrap();
-        let (lan, a) = link(64);
-        let (wan, b) = link(64);
-        let (c1, to_lan) = link(64);
-        let (c2, to_wan) = link(64);
-        let io = Io::new(
-            vec![("lan".into(), a), ("wan".into(), b)],
-            vec![("lan".into(), c1), ("wan".into(), c2)],
-        );
+        }));
+        let (io, [lan, wan], [to_lan, to_wan]) = crate::testing::ports(["lan", "wan"]);
         Rig {
             nat,
             io,

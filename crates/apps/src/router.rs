@@ -730,7 +730,7 @@ impl App for Router {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use stitch_core::link::{link, Consumer};
+    use stitch_core::link::Consumer;
 
     const R_LAN: [u8; 6] = [2, 0, 0, 0, 1, 1];
     const R_WAN: [u8; 6] = [2, 0, 0, 0, 2, 1];
@@ -772,14 +772,7 @@ mod tests {
         Router::declare(&c).unwrap();
         let mut ctx = AppContext::new("r", std::path::Path::new("."), Default::default());
         let r = Router::new(c, &mut ctx).unwrap();
-        let (lan_in, a) = link(64);
-        let (wan_in, b) = link(64);
-        let (c1, lan_out) = link(64);
-        let (c2, wan_out) = link(64);
-        let io = Io::new(
-            vec![("lan".into(), a), ("wan".into(), b)],
-            vec![("lan".into(), c1), ("wan".into(), c2)],
-        );
+        let (io, [lan_in, wan_in], [lan_out, wan_out]) = crate::testing::ports(["lan", "wan"]);
         (r, io, lan_in, wan_in, lan_out, wan_out)
     }
 

@@ -504,14 +504,10 @@ mod tests {
     use stitch_core::pool;
 
     fn vtep(local: &str, remote: serde_json::Value) -> Vxlan {
-        let c: VxlanConfig = serde_json::from_value(serde_json::json!({
+        crate::testing::build::<Vxlan>(serde_json::json!({
             "local": local, "local_mac": "02:00:00:00:00:01", "next_hop_mac": "02:00:00:00:00:02",
             "segments": { "a": { "vni": 7, "remote": remote } }
         }))
-        .unwrap();
-        Vxlan::declare(&c).unwrap();
-        let mut ctx = AppContext::new("v", std::path::Path::new("."), Default::default());
-        Vxlan::new(c, &mut ctx).unwrap()
     }
 
     fn frame(dst: [u8; 6], src: [u8; 6]) -> Packet {
@@ -613,14 +609,8 @@ mod tests {
     #[test]
     fn floods_to_every_remote_until_it_learns_where_a_mac_is() {
         let mut v = vtep("192.0.2.1", serde_json::json!(["192.0.2.2", "192.0.2.3"]));
-        let (mut seg_in, a) = link(64);
-        let (mut wire_in, b) = link(64);
-        let (c1, mut seg_out) = link(64);
-        let (c2, mut wire_out): (_, Consumer) = link(64);
-        let mut io = Io::new(
-            vec![("a".into(), a), ("underlay".into(), b)],
-            vec![("a".into(), c1), ("underlay".into(), c2)],
-        );
+        let (mut io, [mut seg_in, mut wire_in], [mut seg_out, mut wire_out]) =
+            crate::testing::ports(["a", "underlay"]);
         let dests = |w: &mut Consumer| -> Vec<[u8; 4]> {
             w.drain()
                 .map(|p| p.data()[30..34].try_into().unwrap())
@@ -691,14 +681,7 @@ mod tests {
         }
         p.set_checksum_state(ChecksumState::Partial);
         let mut v = vtep("192.0.2.1", serde_json::json!("192.0.2.2"));
-        let (mut seg_in, a) = link(64);
-        let (_wire_in, b) = link(64);
-        let (c1, _seg_out) = link(64);
-        let (c2, mut wire_out) = link(64);
-        let mut io = Io::new(
-            vec![("a".into(), a), ("underlay".into(), b)],
-            vec![("a".into(), c1), ("underlay".into(), c2)],
-        );
+        let (mut io, [mut seg_in, _], [_, mut wire_out]) = crate::testing::ports(["a", "underlay"]);
         seg_in.transmit(p);
         v.push(&mut io);
         let out: Vec<Packet> = wire_out.drain().collect();

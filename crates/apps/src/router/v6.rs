@@ -431,10 +431,9 @@ impl Router {
 
 #[cfg(test)]
 mod tests {
-    use super::super::RouterConfig;
     use super::*;
-    use stitch_core::link::{link, Consumer, Producer};
-    use stitch_core::{App, AppContext, Io};
+    use stitch_core::link::{Consumer, Producer};
+    use stitch_core::{App, Io};
 
     const R_LAN: [u8; 6] = [2, 0, 0, 0, 1, 1];
     const HOST: [u8; 6] = [2, 0, 0, 0, 1, 2];
@@ -448,26 +447,15 @@ mod tests {
     }
 
     fn rig() -> Rig {
-        let c: RouterConfig = serde_json::from_value(serde_json::json!({
+        let r = crate::testing::build::<Router>(serde_json::json!({
             "interfaces": {
                 "lan": { "mac": "02:00:00:00:01:01", "address": "10.0.1.1/24",
                          "address6": "2001:db8:1::1/64", "advertise": true },
                 "wan": { "mac": "02:00:00:00:02:01", "address": "192.0.2.2/24",
                          "address6": "2001:db8:2::1/64" }
             }
-        }))
-        .unwrap();
-        Router::declare(&c).unwrap();
-        let mut ctx = AppContext::new("r", std::path::Path::new("."), Default::default());
-        let r = Router::new(c, &mut ctx).unwrap();
-        let (lan_in, a) = link(64);
-        let (wan_in, b) = link(64);
-        let (c1, lan_out) = link(64);
-        let (c2, wan_out) = link(64);
-        let io = Io::new(
-            vec![("lan".into(), a), ("wan".into(), b)],
-            vec![("lan".into(), c1), ("wan".into(), c2)],
-        );
+        }));
+        let (io, [lan_in, wan_in], [lan_out, wan_out]) = crate::testing::ports(["lan", "wan"]);
         Rig {
             r,
             io,
