@@ -22,9 +22,39 @@ pub struct GuestMemory {
 unsafe impl Send for GuestMemory {}
 unsafe impl Sync for GuestMemory {}
 
+/// `size` bytes of a file the front-end shared, from `offset` (of any alignment), mapped
+/// read-write: a pointer to them, and the whole page-aligned mapping (start, length) to unmap.
+fn map_shared(
+    fd: &OwnedFd,
+    offset: u64,
+    size: u64,
+) -> std::io::Result<(*mut u8, *mut libc::c_void, usize)> {
+    let delta = offset % 4096;
+    let map_len = (size + delta) as usize;
+    // SAFETY: mapping a file the front-end shared; failure is checked.
+    let base = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            map_len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd.as_raw_fd(),
+            (offset - delta) as libc::off_t,
+        )
+    };
+    if base == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `delta` is inside the mapping just made.
+    Ok((
+        unsafe { (base as *mut u8).add(delta as usize) },
+        base,
+        map_len,
+    ))
+}
+
 impl GuestMemory {
     pub fn map(regions: &[Region], fds: Vec<OwnedFd>) -> Result<GuestMemory, String> {
-        let page = 4096u64;
         let mut out = Vec::new();
         for (r, fd) in regions.iter().zip(fds) {
             if r.size == 0 || r.size > (1 << 40) {
@@ -34,31 +64,12 @@ impl GuestMemory {
                 .checked_add(r.size)
                 .and(r.user_addr.checked_add(r.size))
                 .ok_or("memory region wraps around the address space")?;
-            let delta = r.mmap_offset % page;
-            let map_len = (r.size + delta) as usize;
-            // SAFETY: mapping a file the front-end shared; failure is checked.
-            let base = unsafe {
-                libc::mmap(
-                    std::ptr::null_mut(),
-                    map_len,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_SHARED,
-                    fd.as_raw_fd(),
-                    (r.mmap_offset - delta) as libc::off_t,
-                )
-            };
-            if base == libc::MAP_FAILED {
-                return Err(format!(
-                    "cannot map a memory region of {} bytes: {}",
-                    r.size,
-                    std::io::Error::last_os_error()
-                ));
-            }
+            let (ptr, map_base, map_len) = map_shared(&fd, r.mmap_offset, r.size)
+                .map_err(|e| format!("cannot map a memory region of {} bytes: {e}", r.size))?;
             out.push(Mapped {
                 region: *r,
-                // SAFETY: inside the mapping just made.
-                ptr: unsafe { (base as *mut u8).add(delta as usize) },
-                map_base: base,
+                ptr,
+                map_base,
                 map_len,
             });
         }
@@ -118,30 +129,12 @@ impl DirtyLog {
         if size == 0 || size > (1 << 32) {
             return Err(format!("dirty log of {size} bytes"));
         }
-        let delta = offset % 4096;
-        let map_len = (size + delta) as usize;
-        // SAFETY: mapping a file the front-end shared; failure is checked.
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                map_len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                (offset - delta) as libc::off_t,
-            )
-        };
-        if base == libc::MAP_FAILED {
-            return Err(format!(
-                "cannot map the dirty log: {}",
-                std::io::Error::last_os_error()
-            ));
-        }
+        let (ptr, map_base, map_len) =
+            map_shared(fd, offset, size).map_err(|e| format!("cannot map the dirty log: {e}"))?;
         Ok(DirtyLog {
-            // SAFETY: inside the mapping.
-            ptr: unsafe { (base as *mut u8).add(delta as usize) },
+            ptr,
             len: size as usize,
-            map_base: base,
+            map_base,
             map_len,
         })
     }
