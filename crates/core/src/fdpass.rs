@@ -8,6 +8,11 @@ pub const MAX_FDS: usize = 8;
 
 /// Sends `bytes` with `fds` attached.
 pub fn send(sock: RawFd, bytes: &[u8], fds: &[RawFd]) -> io::Result<()> {
+    send_flags(sock, bytes, fds, 0)
+}
+
+/// [`send`] with extra `sendmsg` flags (`MSG_DONTWAIT` for a peer that may not be reading).
+pub fn send_flags(sock: RawFd, bytes: &[u8], fds: &[RawFd], flags: i32) -> io::Result<()> {
     assert!(fds.len() <= MAX_FDS);
     let mut iov = libc::iovec {
         iov_base: bytes.as_ptr() as *mut libc::c_void,
@@ -33,7 +38,7 @@ pub fn send(sock: RawFd, bytes: &[u8], fds: &[RawFd]) -> io::Result<()> {
             );
         }
     }
-    let n = unsafe { libc::sendmsg(sock, &msg, libc::MSG_NOSIGNAL) };
+    let n = unsafe { libc::sendmsg(sock, &msg, libc::MSG_NOSIGNAL | flags) };
     if n < 0 {
         return Err(io::Error::last_os_error());
     }

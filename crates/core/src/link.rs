@@ -8,10 +8,11 @@
 
 use crate::packet::Packet;
 use crossbeam_utils::CachePadded;
+use std::any::Any;
 use std::cell::UnsafeCell;
 use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 /// Ring size when the graph does not give one.
 pub const DEFAULT_LINK_SIZE: usize = 1024;
@@ -37,7 +38,15 @@ pub struct Ring {
     cons: CachePadded<ConsumerSide>,
     mask: usize,
     slots: Box<[UnsafeCell<MaybeUninit<Packet>>]>,
+    /// What the app at each end says it is, for the app at the other end (see [`EndTag`]).
+    producer_end: OnceLock<EndTag>,
+    consumer_end: OnceLock<EndTag>,
 }
+
+/// An app's description of itself at its end of a link, set once per link. An app that can
+/// take part in something beyond packets — a function port that can be joined straight to
+/// another (seed 001's bypass) — says so here, and the app at the other end downcasts it.
+pub type EndTag = Arc<dyn Any + Send + Sync>;
 
 // Slots are accessed only by the single producer (writes) and the single consumer (reads), with
 // ownership handed over by the release/acquire pair on `tail` and `head`.
@@ -73,6 +82,24 @@ impl Ring {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Tags the producing end (once; later calls keep the first tag).
+    pub fn tag_producer_end(&self, tag: EndTag) {
+        let _ = self.producer_end.set(tag);
+    }
+
+    /// Tags the consuming end (once; later calls keep the first tag).
+    pub fn tag_consumer_end(&self, tag: EndTag) {
+        let _ = self.consumer_end.set(tag);
+    }
+
+    pub fn producer_end(&self) -> Option<&EndTag> {
+        self.producer_end.get()
+    }
+
+    pub fn consumer_end(&self) -> Option<&EndTag> {
+        self.consumer_end.get()
     }
 
     pub fn stats(&self) -> LinkStats {
@@ -118,6 +145,8 @@ pub fn link(size: usize) -> (Producer, Consumer) {
         cons: CachePadded::new(ConsumerSide::default()),
         mask: size - 1,
         slots,
+        producer_end: OnceLock::new(),
+        consumer_end: OnceLock::new(),
     });
     (
         Producer {

@@ -12,7 +12,7 @@
 //! polling mode it yields the CPU between empty polls. Either way it returns when Stitch closes
 //! the port.
 
-use crate::shm::{Consumer, Desc, Layout, Mapping, Producer, FLAG_DROP};
+use crate::shm::{ChannelHeader, Consumer, Desc, Layout, Mapping, Producer, RingView, FLAG_DROP};
 use serde_json::Value;
 use std::io::{self, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -41,6 +41,53 @@ pub struct Function {
     blocking: bool,
     pool_stride: usize,
     pool_header: usize,
+    /// Control messages taken from the connection (compared with the region's `control`).
+    control_seen: u32,
+    /// Direct channels (seed 001's bypass): forwarded packets go straight to the next function,
+    /// and packets come straight from the previous one.
+    tx: Option<TxChannel>,
+    rx: Option<RxChannel>,
+}
+
+struct TxChannel {
+    map: Mapping,
+    ring: Producer,
+    /// The receiving function's doorbell, rung when it sleeps.
+    peer_doorbell: OwnedFd,
+}
+
+struct RxChannel {
+    map: Mapping,
+    ring: RingView,
+    /// Set once Stitch handed the channel over.
+    reading: Option<Consumer>,
+}
+
+impl TxChannel {
+    fn header(&self) -> &ChannelHeader {
+        unsafe { &*(self.map.base as *const ChannelHeader) }
+    }
+}
+
+impl RxChannel {
+    fn header(&self) -> &ChannelHeader {
+        unsafe { &*(self.map.base as *const ChannelHeader) }
+    }
+}
+
+/// Maps a channel memfd whatever its size (read from the file).
+fn map_channel(fd: &OwnedFd) -> io::Result<(Mapping, RingView)> {
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let len = st.st_size as usize;
+    if !(crate::shm::CHANNEL_RING..=64 << 20).contains(&len) {
+        return Err(invalid("direct channel of an impossible size"));
+    }
+    let map = Mapping::map(fd.as_raw_fd(), len, true)?;
+    let (_, ring) = map.channel()?;
+    Ok((map, ring))
 }
 
 fn invalid(msg: impl Into<String>) -> io::Error {
@@ -100,7 +147,99 @@ impl Function {
             to_nf,
             from_nf,
             zero_copy,
+            control_seen: 0,
+            tx: None,
+            rx: None,
         })
+    }
+
+    /// Takes the control messages Stitch sent (a direct channel to use): one load when there
+    /// are none.
+    fn check_control(&mut self) -> io::Result<()> {
+        let sent = self.region.header().control.0.load(Ordering::Acquire);
+        while self.control_seen != sent {
+            let (bytes, fds) = fdpass::recv(self.conn.as_raw_fd(), 4096)?;
+            if bytes.is_empty() {
+                return Err(io::Error::new(
+                    io::ErrorKind::ConnectionAborted,
+                    "Stitch closed the port",
+                ));
+            }
+            let mut fds = fds.into_iter();
+            for line in bytes.split(|b| *b == b'\n').filter(|l| !l.is_empty()) {
+                self.control_seen = self.control_seen.wrapping_add(1);
+                let msg: Value = serde_json::from_slice(line)
+                    .map_err(|e| invalid(format!("bad control message from Stitch: {e}")))?;
+                match msg["direct"].as_str() {
+                    Some("send") => {
+                        let (Some(memfd), Some(bell)) = (fds.next(), fds.next()) else {
+                            return Err(invalid("direct channel without its memory"));
+                        };
+                        self.use_tx_channel(&memfd, bell)?;
+                    }
+                    Some("receive") => {
+                        let memfd = fds.next().ok_or_else(|| invalid("no channel memory"))?;
+                        let (map, ring) = map_channel(&memfd)?;
+                        let rx = RxChannel {
+                            map,
+                            ring,
+                            reading: None,
+                        };
+                        rx.header().receiver.0.store(1, Ordering::Release);
+                        self.rx = Some(rx);
+                    }
+                    _ => {}
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn use_tx_channel(&mut self, memfd: &OwnedFd, peer_doorbell: OwnedFd) -> io::Result<()> {
+        let (map, ring) = map_channel(memfd)?;
+        let h = unsafe { &*(map.base as *const ChannelHeader) };
+        if h.end.0.load(Ordering::Acquire) != 0 {
+            h.sender.0.store(2, Ordering::Release);
+            return Ok(());
+        }
+        let ring = unsafe { Producer::gated(ring, &h.released.0) };
+        // Everything forwarded so far is published on `from_nf` (each poll ends so): from now
+        // on forwarded packets go to the channel.
+        h.sender.0.store(1, Ordering::Release);
+        self.tx = Some(TxChannel {
+            map,
+            ring,
+            peer_doorbell,
+        });
+        Ok(())
+    }
+
+    /// Follows Stitch's word on the channels: hand-over to this function, or the end.
+    /// Returns whether the incoming channel may be read.
+    fn channel_states(&mut self) -> bool {
+        if let Some(tx) = &self.tx {
+            if tx.header().end.0.load(Ordering::Acquire) != 0 {
+                tx.ring.publish();
+                tx.header().sender.0.store(2, Ordering::Release);
+                self.tx = None;
+            }
+        }
+        let Some(rx) = &mut self.rx else {
+            return false;
+        };
+        let h = unsafe { &*(rx.map.base as *const ChannelHeader) };
+        if h.end.0.load(Ordering::Acquire) != 0 {
+            if let Some(c) = &rx.reading {
+                c.release();
+            }
+            h.receiver.0.store(2, Ordering::Release);
+            self.rx = None;
+            return false;
+        }
+        if rx.reading.is_none() && h.reader.0.load(Ordering::Acquire) == 1 {
+            rx.reading = Some(Consumer::resuming(rx.ring));
+        }
+        rx.reading.is_some()
     }
 
     pub fn is_blocking(&self) -> bool {
@@ -133,40 +272,170 @@ impl Function {
         max: usize,
         mut f: impl FnMut(&mut [u8]) -> Verdict,
     ) -> io::Result<usize> {
+        self.check_control()?;
+        // The channel's state before the ring's head: packets Stitch queued before it handed
+        // the channel over are then visible below.
+        let channel = self.channel_states();
         let avail = self
             .to_nf
             .available()
             .ok_or_else(|| invalid("Stitch's ring index is impossible"))?;
-        let room = self
+        let mut done = self.serve(false, (avail as usize).min(max), &mut f)?;
+        // The channel only once this function's own ring was read empty: what came through
+        // Stitch before the hand-over comes first.
+        if channel && done == avail as usize && done < max {
+            let rx = self
+                .rx
+                .as_mut()
+                .and_then(|r| r.reading.as_mut())
+                .expect("reading");
+            let more = rx
+                .available()
+                .ok_or_else(|| invalid("the sending function's ring index is impossible"))?;
+            done += self.serve(true, (more as usize).min(max - done), &mut f)?;
+        }
+        Ok(done)
+    }
+
+    /// Serves `n` descriptors from this function's ring or the incoming channel.
+    fn serve(
+        &mut self,
+        from_channel: bool,
+        n: usize,
+        f: &mut impl FnMut(&mut [u8]) -> Verdict,
+    ) -> io::Result<usize> {
+        if n == 0 {
+            return Ok(0);
+        }
+        let mut room = self
             .from_nf
             .free()
             .ok_or_else(|| invalid("Stitch's ring index is impossible"))?;
-        let n = (avail.min(room) as usize).min(max);
+        if let Some(tx) = &mut self.tx {
+            room = room.min(
+                tx.ring
+                    .free()
+                    .ok_or_else(|| invalid("Stitch's channel index is impossible"))?,
+            );
+        }
+        let n = n.min(room as usize);
+        if n == 0 {
+            return Ok(0);
+        }
+        let mut forwarded = 0;
         for _ in 0..n {
-            let mut d = self.to_nf.take();
+            let mut d = if from_channel {
+                self.rx
+                    .as_mut()
+                    .and_then(|r| r.reading.as_mut())
+                    .expect("reading")
+                    .take()
+            } else {
+                self.to_nf.take()
+            };
             let verdict = match self.frame(&d) {
                 Some(bytes) => f(bytes),
                 None => Verdict::Drop,
             };
-            if verdict == Verdict::Drop {
-                d.flags |= FLAG_DROP;
+            match (verdict, &mut self.tx) {
+                (Verdict::Forward, Some(tx)) => {
+                    d.flags = 0;
+                    tx.ring.put(d);
+                    forwarded += 1;
+                }
+                (Verdict::Forward, None) => self.from_nf.put(d),
+                (Verdict::Drop, _) => {
+                    d.flags |= FLAG_DROP;
+                    self.from_nf.put(d);
+                }
             }
-            self.from_nf.put(d);
         }
-        if n > 0 {
+        // What was read is released before anything is returned through `from_nf`: Stitch
+        // accounts the channel first.
+        if from_channel {
+            self.rx
+                .as_ref()
+                .and_then(|r| r.reading.as_ref())
+                .expect("reading")
+                .release();
+        } else {
             self.to_nf.release();
-            self.from_nf.publish();
+        }
+        self.from_nf.publish();
+        if let Some(tx) = &self.tx {
+            if forwarded > 0 {
+                tx.ring.publish();
+                let sleeping = &tx.header().receiver_sleeping.0;
+                std::sync::atomic::fence(Ordering::SeqCst);
+                if sleeping.load(Ordering::SeqCst) == 1
+                    && sleeping
+                        .compare_exchange(1, 0, Ordering::SeqCst, Ordering::SeqCst)
+                        .is_ok()
+                {
+                    crate::direct::ring_doorbell(&tx.peer_doorbell);
+                }
+            }
         }
         Ok(n)
     }
 
-    /// Sleeps until Stitch rings the doorbell (blocking mode) — unless packets already wait.
-    /// Fails when Stitch closed the port.
+    /// Whether anything waits: this function's ring, a handed-over channel, a control message.
+    fn has_work(&mut self) -> bool {
+        if self.to_nf.available().unwrap_or(0) > 0
+            || self.region.header().control.0.load(Ordering::Acquire) != self.control_seen
+        {
+            return true;
+        }
+        let Some(rx) = &self.rx else { return false };
+        let h = rx.header();
+        if h.end.0.load(Ordering::Acquire) != 0 {
+            return true;
+        }
+        match &rx.reading {
+            Some(c) => c.available().unwrap_or(0) > 0,
+            None => h.reader.0.load(Ordering::Acquire) == 1,
+        }
+    }
+
+    /// Whether the connection has ended (not merely carries a control message).
+    fn closed(&self, wait: bool) -> bool {
+        let mut fd = libc::pollfd {
+            fd: self.conn.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        if unsafe { libc::poll(&mut fd, 1, if wait { -1 } else { 0 }) } <= 0 {
+            return false;
+        }
+        let mut b = 0u8;
+        let n = unsafe {
+            libc::recv(
+                self.conn.as_raw_fd(),
+                &mut b as *mut u8 as *mut libc::c_void,
+                1,
+                libc::MSG_PEEK | libc::MSG_DONTWAIT,
+            )
+        };
+        n == 0 || (n < 0 && io::Error::last_os_error().kind() != io::ErrorKind::WouldBlock)
+    }
+
+    /// Sleeps until Stitch (or the function sending on a direct channel) rings the doorbell —
+    /// unless packets already wait. Fails when Stitch closed the port.
     pub fn wait(&mut self) -> io::Result<()> {
         let sleeping = &self.region.header().sleeping.0;
         sleeping.store(1, Ordering::SeqCst);
-        if self.to_nf.available().unwrap_or(0) > 0 {
-            sleeping.store(0, Ordering::SeqCst);
+        if let Some(rx) = &self.rx {
+            rx.header().receiver_sleeping.0.store(1, Ordering::SeqCst);
+        }
+        std::sync::atomic::fence(Ordering::SeqCst);
+        let awake = |f: &Function| {
+            f.region.header().sleeping.0.store(0, Ordering::SeqCst);
+            if let Some(rx) = &f.rx {
+                rx.header().receiver_sleeping.0.store(0, Ordering::SeqCst);
+            }
+        };
+        if self.has_work() {
+            awake(self);
             return Ok(());
         }
         let mut fds = [
@@ -192,32 +461,30 @@ impl Function {
             }
             break;
         }
-        if fds[1].revents != 0 {
+        // The connection is readable for a control message, or when Stitch is gone.
+        if fds[1].revents != 0 && self.closed(false) {
             return Err(io::Error::new(
                 io::ErrorKind::ConnectionAborted,
                 "Stitch closed the port",
             ));
         }
-        let mut v = 0u64;
-        unsafe {
-            libc::read(
-                self.doorbell.as_raw_fd(),
-                &mut v as *mut u64 as *mut libc::c_void,
-                8,
-            )
-        };
-        sleeping.store(0, Ordering::SeqCst);
+        if fds[0].revents != 0 {
+            let mut v = 0u64;
+            unsafe {
+                libc::read(
+                    self.doorbell.as_raw_fd(),
+                    &mut v as *mut u64 as *mut libc::c_void,
+                    8,
+                )
+            };
+        }
+        awake(self);
         Ok(())
     }
 
     /// Whether Stitch is still there (cheap: one `poll` with no wait).
     pub fn connected(&self) -> bool {
-        let mut fd = libc::pollfd {
-            fd: self.conn.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        unsafe { libc::poll(&mut fd, 1, 0) == 0 }
+        !self.closed(false)
     }
 
     /// Fault injection for tests: puts an arbitrary descriptor on the ring back to Stitch.

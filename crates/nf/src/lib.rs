@@ -5,10 +5,12 @@
 //! - [`client`]: the library a function links (Rust); the binaries `stitch-nf-signature` and
 //!   `stitch-nf-firewall` are examples built on it.
 //! - [`shm`]: the shared region and its rings, the one layout both sides read.
+//! - [`direct`]: direct channels from one function to another (seed 001's bypass), Stitch's side.
 //! - [`listener`]: the attach socket (one JSON line each way plus SCM_RIGHTS).
 //! - [`ffi`]: the same library for C (`include/stitch_nf.h`, `libstitch_nf.so`).
 
 pub mod client;
+pub mod direct;
 pub mod ffi;
 pub mod listener;
 pub mod port;

@@ -5,6 +5,7 @@
 //! The connection then stays open and says nothing more: when it closes — the function exited,
 //! crashed or was killed — the port is detached and its buffers reclaimed by the app.
 
+use crate::direct::{Current, Direct};
 use crate::shm::{Layout, Mapping, RegionHeader, MAGIC, VERSION};
 use serde_json::{json, Value};
 use std::collections::HashMap;
@@ -31,7 +32,9 @@ pub struct PortSettings {
 pub struct Attachment {
     pub region: Mapping,
     pub layout: Layout,
-    pub doorbell: OwnedFd,
+    pub doorbell: Arc<OwnedFd>,
+    /// The function's connection (a copy), for control messages: direct channels to map.
+    pub conn: OwnedFd,
     pub generation: u64,
     pub pid: i32,
 }
@@ -48,6 +51,19 @@ pub struct PortShared {
     pub closed: AtomicU64,
     /// True while the app holds an attachment (a second function is refused).
     pub busy: AtomicBool,
+    /// The attachment the app serves now, for a switch that joins two ports directly.
+    pub current: Mutex<Option<Current>>,
+    /// Direct channels this port takes part in, put here by the switch that offers them and
+    /// cleared by the port once they are retired.
+    pub direct: Mutex<DirectSlots>,
+}
+
+#[derive(Default)]
+pub struct DirectSlots {
+    /// From this port's function to another's.
+    pub outgoing: Option<Arc<Direct>>,
+    /// From another port's function to this one's.
+    pub incoming: Option<Arc<Direct>>,
 }
 
 impl PortShared {
@@ -59,6 +75,8 @@ impl PortShared {
             changed: AtomicBool::new(false),
             closed: AtomicU64::new(0),
             busy: AtomicBool::new(false),
+            current: Mutex::new(None),
+            direct: Mutex::new(DirectSlots::default()),
         })
     }
 }
@@ -313,13 +331,18 @@ fn attach(l: &Listener, stream: &UnixStream) -> Result<(Arc<PortShared>, u64), S
             pool_header: stitch_core::packet::HEADER_SIZE as u32,
             pool_bytes: if s.zero_copy { pool_bytes as u64 } else { 0 },
             sleeping: crate::shm::Index(Default::default()),
+            control: crate::shm::Index(Default::default()),
         });
     }
     let doorbell = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
     if doorbell < 0 {
         return Err(format!("eventfd: {}", io::Error::last_os_error()));
     }
-    let doorbell = unsafe { OwnedFd::from_raw_fd(doorbell) };
+    let doorbell = Arc::new(unsafe { OwnedFd::from_raw_fd(doorbell) });
+    let conn = stream
+        .try_clone()
+        .map_err(|e| format!("cannot keep the connection: {e}"))?
+        .into();
     let generation = GENERATION.fetch_add(1, Ordering::Relaxed);
     let reply = json!({
         "ok": true,
@@ -341,6 +364,7 @@ fn attach(l: &Listener, stream: &UnixStream) -> Result<(Arc<PortShared>, u64), S
         region,
         layout,
         doorbell,
+        conn,
         generation,
         pid,
     });

@@ -26,6 +26,7 @@
 //!   - "tenant1.output -> out.input"
 //! ```
 
+use crate::direct::{self, Current, Direct, Held, SenderStep};
 use crate::listener::{self, Attachment, Listener, PortSettings, PortShared};
 use crate::shm::{Consumer, Desc, Producer, FLAG_DROP};
 use serde::Deserialize;
@@ -35,7 +36,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use stitch_core::app::{AppContext, AppError, Counter, Io, PortSpec, Reconfigured};
-use stitch_core::{pool, App, Packet};
+use stitch_core::{pool, App};
 
 #[derive(Debug, Clone, Copy, Deserialize, Default, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
@@ -117,8 +118,8 @@ struct Active {
     att: Attachment,
     to_nf: Producer,
     from_nf: Consumer,
-    /// Buffers (pool indices or slots) the function holds now, one bit each.
-    held: Vec<u64>,
+    /// Buffers (pool indices or slots) the function holds now.
+    held: Arc<Held>,
     /// Isolated: slots free for the next packets, and the receive time of the packet in each
     /// (the copy that comes back is a new packet; it keeps the original's time).
     free_slots: Vec<u32>,
@@ -126,6 +127,10 @@ struct Active {
     /// Blocking: packets handed over since the function last was awake, and since when.
     unsignalled: u32,
     waiting_since: Option<Instant>,
+    /// Direct channels (seed 001's bypass) from and to this function, once sent to it.
+    outgoing: Option<Arc<Direct>>,
+    incoming: Option<Arc<Direct>>,
+    control_sent: u32,
 }
 
 impl Active {
@@ -142,46 +147,121 @@ impl Active {
             att,
             to_nf,
             from_nf,
-            held: vec![0; bits.div_ceil(64)],
+            held: Held::new(bits),
             free_slots: (0..l.buffers).rev().collect(),
             slot_stamps: vec![0; l.buffers as usize],
             unsignalled: 0,
             waiting_since: None,
+            outgoing: None,
+            incoming: None,
+            control_sent: 0,
         }
     }
 
-    #[inline]
-    fn hold(&mut self, i: u32) {
-        self.held[i as usize / 64] |= 1 << (i % 64);
-    }
-
-    /// Clears the bit; false when the function did not hold that buffer.
-    #[inline]
-    fn release(&mut self, i: u32) -> bool {
-        let Some(w) = self.held.get_mut(i as usize / 64) else {
-            return false;
+    /// Sends a direct channel to the function; false when it cannot take it.
+    fn send_direct(&mut self, d: &Direct, outgoing: bool) -> bool {
+        let (msg, fds) = if outgoing {
+            (
+                serde_json::json!({ "direct": "send" }),
+                vec![d.memfd.as_raw_fd(), d.receiver.doorbell.as_raw_fd()],
+            )
+        } else {
+            (
+                serde_json::json!({ "direct": "receive" }),
+                vec![d.memfd.as_raw_fd()],
+            )
         };
-        let bit = 1u64 << (i % 64);
-        let had = *w & bit != 0;
-        *w &= !bit;
-        had
+        if let Err(e) = direct::send_control(&self.att.conn, &msg, &fds) {
+            log::info!(
+                "direct channel not sent to the function (pid {}): {e}",
+                self.att.pid
+            );
+            return false;
+        }
+        self.control_sent += 1;
+        self.att
+            .region
+            .header()
+            .control
+            .0
+            .store(self.control_sent, Ordering::Release);
+        true
     }
+}
 
-    fn slot(&self, i: u32) -> *mut u8 {
-        let l = &self.att.layout;
-        unsafe {
-            self.att
-                .region
-                .base
-                .add(l.bufs + i as usize * l.buffer_size as usize)
+fn slot_ptr(att: &Attachment, i: u32) -> *mut u8 {
+    let l = &att.layout;
+    unsafe {
+        att.region
+            .base
+            .add(l.bufs + i as usize * l.buffer_size as usize)
+    }
+}
+
+/// A function that left while its packets were on a direct channel: the channel is read empty
+/// by Stitch before the buffers the function still held are reclaimed.
+struct Leaving {
+    direct: Arc<Direct>,
+    held: Arc<Held>,
+}
+
+/// Takes zero-copy descriptors back from `src`: each buffer must be one the function held;
+/// forwarded ones go to `out`. Returns (forwarded, bad).
+fn take_back(
+    src: &mut Consumer,
+    n: u32,
+    held: &Held,
+    mut out: Option<&mut stitch_core::link::Producer>,
+) -> (u64, u64) {
+    let pool = pool::get();
+    let mut held = held.lock();
+    let (mut got, mut bad) = (0u64, 0u64);
+    for _ in 0..n {
+        let d = src.take();
+        if !held.release(d.buffer) {
+            bad += 1;
+            continue;
+        }
+        // Safety: the function held this buffer (its bit was set) and gave it back.
+        let Some(mut p) = (unsafe { pool.take(d.buffer as usize) }) else {
+            bad += 1;
+            continue;
+        };
+        if d.flags & FLAG_DROP != 0 {
+            continue;
+        }
+        if p.set_bounds(d.offset as usize, d.len as usize).is_err() {
+            bad += 1;
+            continue;
+        }
+        got += 1;
+        if let Some(o) = out.as_mut() {
+            o.transmit(p);
         }
     }
+    (got, bad)
+}
+
+/// Returns every buffer still marked in `held` to the pool; how many.
+fn reclaim(held: &Held) -> u64 {
+    let pool = pool::get();
+    let all = held.lock().take_all();
+    for &i in &all {
+        // Safety: the bit says this buffer was given up to the function and not returned; the
+        // function is gone, and no channel can still hand it on.
+        drop(unsafe { pool.take(i) });
+    }
+    all.len() as u64
 }
 
 pub struct NfPort {
     shared: Arc<PortShared>,
     listener: Arc<Listener>,
     active: Option<Active>,
+    leaving: Vec<Leaving>,
+    /// The links this port has tagged as its ends (a switch recognises function ports by them).
+    tagged: [usize; 2],
+    direct_packets: Counter,
     batch: u32,
     max_delay: Duration,
     to_nf: Counter,
@@ -234,6 +314,9 @@ impl App for NfPort {
             shared,
             listener,
             active: None,
+            leaving: Vec::new(),
+            tagged: [0; 2],
+            direct_packets: ctx.counter("direct_channel_packets"),
             batch: c.batch,
             max_delay: Duration::from_micros(c.max_delay_us),
             to_nf: ctx.counter("to_function"),
@@ -266,15 +349,22 @@ impl App for NfPort {
     }
 
     fn pull(&mut self, io: &mut Io) {
+        self.tag_link_ends(io);
         // A plain load first: the flag's cache line stays shared until the listener writes it.
         if self.shared.changed.load(Ordering::Relaxed)
             && self.shared.changed.swap(false, Ordering::AcqRel)
         {
             self.attach_or_detach();
+            self.take_direct_offers();
+        }
+        if !self.leaving.is_empty() {
+            self.drain_leaving(io);
         }
         let Some(a) = self.active.as_mut() else {
             return;
         };
+        // The head of `from_nf` first: whatever the function returns there that it read from
+        // an incoming channel, it read before this load — and is accounted just below.
         let Some(n) = a.from_nf.available() else {
             log::warn!(
                 "function port `{}`: the function (pid {}) corrupted its ring; detaching it",
@@ -285,8 +375,34 @@ impl App for NfPort {
             self.detach();
             return;
         };
-        if n > 0 {
+        if let Some(d) = &a.incoming {
+            let consumed = io.input(0).map_or(0, |c| c.ring().stats().rx_packets);
+            let (live, read) = d.receiver_pull(consumed, true);
+            self.direct_packets.add(read);
+            if !live {
+                self.clear_direct(false);
+            }
+        }
+        let a = self.active.as_mut().expect("attached");
+        let step = match &a.outgoing {
+            Some(d) => {
+                let sent = io.output(0).map_or(0, |o| o.ring().stats().tx_packets);
+                d.sender_step(sent, true)
+            }
+            None => SenderStep::FromNf,
+        };
+        if step == SenderStep::Retired {
+            self.clear_direct(true);
+        }
+        if matches!(
+            step,
+            SenderStep::FromNf | SenderStep::FromNfThenChannel | SenderStep::Retired
+        ) && n > 0
+        {
             self.receive(n, io);
+        }
+        if matches!(step, SenderStep::FromNfThenChannel | SenderStep::Channel) {
+            self.receive_channel(io);
         }
         if self.shared.settings.blocking {
             self.maybe_wake(None);
@@ -314,6 +430,8 @@ impl App for NfPort {
         let stamp = stitch_core::packet::now_ns() as u32;
         let (mut sent, mut full, mut big) = (0u64, 0u64, 0u64);
         let pool = pool::get();
+        let held_arc = a.held.clone();
+        let mut held = held_arc.lock();
         for p in input.drain() {
             if room == 0 {
                 full += 1;
@@ -325,7 +443,7 @@ impl App for NfPort {
                     continue;
                 }
                 let index = pool.index_of(&p) as u32;
-                a.hold(index);
+                held.hold(index);
                 a.to_nf.put(Desc {
                     buffer: index,
                     offset: p.headroom() as u16,
@@ -346,9 +464,13 @@ impl App for NfPort {
                     continue;
                 };
                 unsafe {
-                    std::ptr::copy_nonoverlapping(p.data().as_ptr(), a.slot(slot), p.len());
+                    std::ptr::copy_nonoverlapping(
+                        p.data().as_ptr(),
+                        slot_ptr(&a.att, slot),
+                        p.len(),
+                    );
                 }
-                a.hold(slot);
+                held.hold(slot);
                 a.slot_stamps[slot as usize] = p.timestamp_ns();
                 a.to_nf.put(Desc {
                     buffer: slot,
@@ -361,6 +483,7 @@ impl App for NfPort {
             room -= 1;
             sent += 1;
         }
+        drop(held);
         if sent > 0 {
             a.to_nf.publish();
             self.to_nf.add(sent);
@@ -390,6 +513,8 @@ impl App for NfPort {
             "wake": if s.blocking { "blocking" } else { "polling" },
             "attached": self.active.is_some(),
             "pid": self.active.as_ref().map(|a| a.att.pid),
+            "direct_out": self.active.as_ref().and_then(|a| a.outgoing.as_ref()).map(|d| format!("{} ({:?})", d.to.name, d.phase())),
+            "direct_in": self.active.as_ref().and_then(|a| a.incoming.as_ref()).map(|d| format!("{} ({:?})", d.from.name, d.phase())),
         })
     }
 }
@@ -412,36 +537,184 @@ impl NfPort {
                     return; // It left before it was ever served.
                 }
                 self.shared.busy.store(true, Ordering::Release);
-                self.active = Some(Active::new(att, self.shared.settings.zero_copy));
+                let a = Active::new(att, self.shared.settings.zero_copy);
+                *self.shared.current.lock().unwrap() = Some(Current {
+                    generation: a.att.generation,
+                    held: a.held.clone(),
+                    doorbell: a.att.doorbell.clone(),
+                    blocking: self.shared.settings.blocking,
+                });
+                self.active = Some(a);
                 self.attaches.add(1);
                 self.attached.set(1);
             }
         }
     }
 
-    /// Drops the attachment and takes back every buffer the function held.
-    fn detach(&mut self) {
-        let Some(a) = self.active.take() else {
+    /// Says on each of its links "a function port is here", so that a switch at the other end
+    /// can offer it a direct channel.
+    fn tag_link_ends(&mut self, io: &mut Io) {
+        if !self.shared.settings.zero_copy {
+            return;
+        }
+        if let Some(o) = io.output(0) {
+            let r = Arc::as_ptr(o.ring()) as usize;
+            if self.tagged[0] != r {
+                o.ring().tag_producer_end(self.shared.clone());
+                self.tagged[0] = r;
+            }
+        }
+        if let Some(i) = io.input(0) {
+            let r = Arc::as_ptr(i.ring()) as usize;
+            if self.tagged[1] != r {
+                i.ring().tag_consumer_end(self.shared.clone());
+                self.tagged[1] = r;
+            }
+        }
+    }
+
+    /// Sends direct channels a switch offered to the function; ends those meant for another
+    /// attachment.
+    fn take_direct_offers(&mut self) {
+        let slots = self.shared.direct.lock().unwrap();
+        let (out, inc) = (slots.outgoing.clone(), slots.incoming.clone());
+        drop(slots);
+        for (d, outgoing) in [(out, true), (inc, false)] {
+            let Some(d) = d else { continue };
+            let Some(a) = self.active.as_mut() else {
+                d.end();
+                continue;
+            };
+            let mine = if outgoing { &a.outgoing } else { &a.incoming };
+            if mine.as_ref().is_some_and(|m| Arc::ptr_eq(m, &d)) {
+                continue;
+            }
+            let generation = if outgoing {
+                d.sender.generation
+            } else {
+                d.receiver.generation
+            };
+            if generation != a.att.generation || !a.send_direct(&d, outgoing) {
+                d.end();
+            }
+            if outgoing {
+                a.outgoing = Some(d);
+            } else {
+                a.incoming = Some(d);
+            }
+        }
+    }
+
+    /// Forgets a retired channel (and frees its slot for the next offer).
+    fn clear_direct(&mut self, outgoing: bool) {
+        let Some(a) = self.active.as_mut() else {
             return;
         };
-        if self.shared.settings.zero_copy {
-            let pool = pool::get();
-            let mut n = 0;
-            for (w, bits) in a.held.iter().enumerate() {
-                let mut bits = *bits;
-                while bits != 0 {
-                    let i = w * 64 + bits.trailing_zeros() as usize;
-                    bits &= bits - 1;
-                    // Safety: the bit says this buffer was given up to the function and not
-                    // returned; the function is gone.
-                    drop(unsafe { pool.take(i) });
-                    n += 1;
-                }
-            }
-            self.reclaimed.add(n);
+        let d = if outgoing {
+            a.outgoing.take()
         } else {
-            let held: u32 = a.held.iter().map(|w| w.count_ones()).sum();
-            self.reclaimed.add(held as u64);
+            a.incoming.take()
+        };
+        let Some(d) = d else { return };
+        let mut slots = self.shared.direct.lock().unwrap();
+        let slot = if outgoing {
+            &mut slots.outgoing
+        } else {
+            &mut slots.incoming
+        };
+        if slot.as_ref().is_some_and(|s| Arc::ptr_eq(s, &d)) {
+            *slot = None;
+        }
+    }
+
+    /// Reads an outgoing channel as its consumer (before the receiver takes it, after it let go).
+    fn receive_channel(&mut self, io: &mut Io) {
+        let a = self.active.as_mut().expect("attached");
+        let d = a.outgoing.clone().expect("a channel");
+        let Some((mut c, n)) = d.engine_reader() else {
+            self.bad_descriptors.add(1);
+            d.end();
+            return;
+        };
+        if n == 0 {
+            return;
+        }
+        let (got, bad) = take_back(&mut c, n, &a.held, io.output(0));
+        d.engine_read_done(&c);
+        self.from_nf.add(got);
+        self.bad_descriptors.add(bad);
+    }
+
+    /// Channels of functions that left: read empty, then their buffers reclaimed.
+    fn drain_leaving(&mut self, io: &mut Io) {
+        let sent = io.output(0).map_or(0, |o| o.ring().stats().tx_packets);
+        let mut i = 0;
+        while i < self.leaving.len() {
+            let l = &self.leaving[i];
+            match l.direct.sender_step(sent, false) {
+                SenderStep::Channel => {
+                    if let Some((mut c, n)) = l.direct.engine_reader() {
+                        let (got, bad) = take_back(&mut c, n, &l.held, io.output(0));
+                        l.direct.engine_read_done(&c);
+                        self.from_nf.add(got);
+                        self.bad_descriptors.add(bad);
+                    } else {
+                        // An impossible head from a dead function: nothing more to read.
+                        self.retire_leaving(i);
+                        continue;
+                    }
+                }
+                SenderStep::Retired => {
+                    self.retire_leaving(i);
+                    continue;
+                }
+                _ => {}
+            }
+            i += 1;
+        }
+    }
+
+    fn retire_leaving(&mut self, i: usize) {
+        let l = self.leaving.swap_remove(i);
+        self.reclaimed.add(reclaim(&l.held));
+        let mut slots = self.shared.direct.lock().unwrap();
+        if slots
+            .outgoing
+            .as_ref()
+            .is_some_and(|s| Arc::ptr_eq(s, &l.direct))
+        {
+            slots.outgoing = None;
+        }
+    }
+
+    /// Drops the attachment and takes back every buffer the function held.
+    fn detach(&mut self) {
+        let Some(mut a) = self.active.take() else {
+            return;
+        };
+        *self.shared.current.lock().unwrap() = None;
+        // What it read from an incoming channel is its own: accounted before the reclaim.
+        if let Some(d) = a.incoming.take() {
+            d.receiver_left();
+            let mut slots = self.shared.direct.lock().unwrap();
+            if slots.incoming.as_ref().is_some_and(|s| Arc::ptr_eq(s, &d)) {
+                slots.incoming = None;
+            }
+        }
+        if self.shared.settings.zero_copy {
+            if let Some(d) = a.outgoing.take() {
+                // Its packets on the channel still go on (read by Stitch) before its buffers
+                // are reclaimed.
+                d.end();
+                self.leaving.push(Leaving {
+                    direct: d,
+                    held: a.held.clone(),
+                });
+            } else {
+                self.reclaimed.add(reclaim(&a.held));
+            }
+        } else {
+            self.reclaimed.add(a.held.lock().count());
         }
         drop(a);
         self.detaches.add(1);
@@ -453,66 +726,55 @@ impl NfPort {
 
     fn receive(&mut self, n: u32, io: &mut Io) {
         let a = self.active.as_mut().expect("attached");
-        let zero_copy = self.shared.settings.zero_copy;
-        let pool = pool::get();
+        if self.shared.settings.zero_copy {
+            let (got, bad) = take_back(&mut a.from_nf, n, &a.held, io.output(0));
+            a.from_nf.release();
+            self.from_nf.add(got);
+            self.bad_descriptors.add(bad);
+            if bad > 0 {
+                log::debug!(
+                    "function port `{}`: {bad} bad descriptors from pid {}",
+                    self.shared.name,
+                    a.att.pid
+                );
+            }
+            return;
+        }
         let (mut got, mut bad, mut exhausted) = (0u64, 0u64, 0u64);
         let mut out = io.output(0);
+        let mut held = a.held.lock();
         for _ in 0..n {
             let d = a.from_nf.take();
-            let p: Option<Packet> = if zero_copy {
-                if !a.release(d.buffer) {
-                    bad += 1;
-                    continue;
-                }
-                // Safety: the function held this buffer (its bit was set) and gave it back.
-                let Some(mut p) = (unsafe { pool.take(d.buffer as usize) }) else {
-                    bad += 1;
-                    continue;
-                };
-                if d.flags & FLAG_DROP != 0 {
-                    continue;
-                }
-                if p.set_bounds(d.offset as usize, d.len as usize).is_err() {
-                    bad += 1;
-                    continue;
-                }
-                Some(p)
-            } else {
-                if !a.release(d.buffer) {
-                    bad += 1;
-                    continue;
-                }
-                a.free_slots.push(d.buffer);
-                if d.flags & FLAG_DROP != 0 {
-                    continue;
-                }
-                let (off, len) = (d.offset as usize, d.len as usize);
-                if off + len > a.att.layout.buffer_size as usize {
-                    bad += 1;
-                    continue;
-                }
-                let Some(mut p) = pool::alloc() else {
-                    exhausted += 1;
-                    continue;
-                };
-                let src = unsafe { std::slice::from_raw_parts(a.slot(d.buffer).add(off), len) };
-                if p.set_data(src).is_err() {
-                    bad += 1;
-                    continue;
-                }
-                p.set_timestamp_ns(a.slot_stamps[d.buffer as usize]);
-                Some(p)
+            if !held.release(d.buffer) {
+                bad += 1;
+                continue;
+            }
+            a.free_slots.push(d.buffer);
+            if d.flags & FLAG_DROP != 0 {
+                continue;
+            }
+            let (off, len) = (d.offset as usize, d.len as usize);
+            if off + len > a.att.layout.buffer_size as usize {
+                bad += 1;
+                continue;
+            }
+            let Some(mut p) = pool::alloc() else {
+                exhausted += 1;
+                continue;
             };
-            if let Some(p) = p {
-                got += 1;
-                match out.as_mut() {
-                    Some(o) => {
-                        o.transmit(p);
-                    }
-                    None => drop(p),
-                }
+            let src =
+                unsafe { std::slice::from_raw_parts(slot_ptr(&a.att, d.buffer).add(off), len) };
+            if p.set_data(src).is_err() {
+                bad += 1;
+                continue;
+            }
+            p.set_timestamp_ns(a.slot_stamps[d.buffer as usize]);
+            got += 1;
+            if let Some(o) = out.as_mut() {
+                o.transmit(p);
             }
         }
+        drop(held);
         a.from_nf.release();
         self.from_nf.add(got);
         self.bad_descriptors.add(bad);

@@ -17,7 +17,8 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU32, Ordering};
 
 pub const MAGIC: u64 = u64::from_le_bytes(*b"STITCHNF");
-pub const VERSION: u32 = 1;
+/// 2: the `control` word and direct channels.
+pub const VERSION: u32 = 2;
 const PAGE: usize = 4096;
 /// Regions up to this size are faulted in at attach (rings: no page fault on the data path);
 /// larger ones (isolated buffer slots) fill in as they are used, so that thousands of ports
@@ -73,6 +74,51 @@ pub struct RegionHeader {
     pub pool_bytes: u64,
     /// Set by a blocking function just before it sleeps on its eventfd.
     pub sleeping: Index,
+    /// Messages Stitch sent on the connection since attach (a direct channel to map): the
+    /// function reads the socket only when this moved, so a poll costs one load.
+    pub control: Index,
+}
+
+/// The header of a direct channel (seed 001's bypass): a ring from one zero-copy function
+/// straight to another, in a memfd of its own that Stitch hands to both.
+///
+/// ```text
+/// 0     ChannelHeader: ring indices, then the handshake words, each on its own cache line
+/// 4096  ring_size descriptors
+/// ```
+///
+/// The sending function produces (`ring.head`); one consumer at a time moves `ring.tail`:
+/// Stitch until it sets `reader`, then the receiving function until it sees `end`. Slots come
+/// back to the sender only through `released`, which Stitch moves once it has accounted for
+/// what was read (buffer ownership, flow and port counters) — so Stitch never has to trust
+/// either function's word for what crossed.
+#[repr(C)]
+pub struct ChannelHeader {
+    pub ring: RingHeader,
+    /// Stitch: slots the sender may write again.
+    pub released: Index,
+    /// Stitch: 1 once the receiving function is the consumer.
+    pub reader: Index,
+    /// Stitch: 1 when the channel is ending (both functions go back to their own rings).
+    pub end: Index,
+    /// Sending function: 1 once it writes here, 2 once it left after `end`.
+    pub sender: Index,
+    /// Receiving function: 1 once mapped, 2 once it stopped reading after `end`.
+    pub receiver: Index,
+    /// Receiving function: asleep on its doorbell (the sender rings it, as Stitch would).
+    pub receiver_sleeping: Index,
+    pub magic: u64,
+    pub ring_size: u32,
+}
+
+/// Where a channel's descriptors start, and its size for `ring_size` descriptors.
+pub const CHANNEL_RING: usize = PAGE;
+
+pub fn channel_size(ring_size: u32) -> usize {
+    round_up(
+        CHANNEL_RING + ring_size as usize * std::mem::size_of::<Desc>(),
+        PAGE,
+    )
 }
 
 /// Where each part of a region lies for a ring size and buffer count.
@@ -180,6 +226,32 @@ impl Mapping {
             mask: size - 1,
         }
     }
+
+    /// The mapping as a direct channel, checked: magic, a power-of-two ring that fits.
+    pub fn channel(&self) -> io::Result<(&ChannelHeader, RingView)> {
+        let bad = |what: &str| io::Error::new(io::ErrorKind::InvalidData, what.to_string());
+        if self.len < CHANNEL_RING {
+            return Err(bad("direct channel too small"));
+        }
+        let h = unsafe { &*(self.base as *const ChannelHeader) };
+        let size = h.ring_size;
+        if h.magic != MAGIC || !size.is_power_of_two() || channel_size(size) > self.len {
+            return Err(bad("not a direct channel (magic, ring size)"));
+        }
+        let ring = RingView {
+            hdr: &h.ring,
+            descs: unsafe { self.base.add(CHANNEL_RING) } as *mut Desc,
+            mask: size - 1,
+        };
+        Ok((h, ring))
+    }
+
+    /// A region of `len` bytes of fresh shared memory: the memfd and its mapping.
+    pub fn create(name: &str, len: usize) -> io::Result<(OwnedFd, Mapping)> {
+        let fd = memfd(name, len)?;
+        let m = Mapping::map(fd.as_raw_fd(), len, true)?;
+        Ok((fd, m))
+    }
 }
 
 impl Drop for Mapping {
@@ -219,6 +291,24 @@ impl RingView {
     pub fn size(&self) -> u32 {
         self.mask + 1
     }
+
+    /// The descriptor in slot `index` (a copy).
+    #[inline]
+    pub fn read(&self, index: u32) -> Desc {
+        unsafe { self.descs.add((index & self.mask) as usize).read_volatile() }
+    }
+
+    /// The producer's published index.
+    #[inline]
+    pub fn head(&self) -> u32 {
+        unsafe { (*self.hdr).head.0.load(Ordering::Acquire) }
+    }
+
+    /// The consumer's published index.
+    #[inline]
+    pub fn tail(&self) -> u32 {
+        unsafe { (*self.hdr).tail.0.load(Ordering::Acquire) }
+    }
 }
 
 /// The producing side of a ring.
@@ -227,7 +317,11 @@ pub struct Producer {
     head: u32,
     /// Last consumer index seen.
     tail: u32,
+    /// The index that frees slots: the consumer's, or a channel's `released`.
+    gate: *const AtomicU32,
 }
+
+unsafe impl Send for Producer {}
 
 impl Producer {
     pub fn new(ring: RingView) -> Producer {
@@ -235,6 +329,22 @@ impl Producer {
             ring,
             head: 0,
             tail: 0,
+            gate: unsafe { &(*ring.hdr).tail.0 },
+        }
+    }
+
+    /// A producer whose slots come back through `gate` (a channel's `released`), starting at
+    /// the ring's published head.
+    ///
+    /// # Safety
+    /// `gate` must live as long as the ring's mapping.
+    pub unsafe fn gated(ring: RingView, gate: &AtomicU32) -> Producer {
+        let head = ring.head();
+        Producer {
+            ring,
+            head,
+            tail: gate.load(Ordering::Acquire),
+            gate,
         }
     }
 
@@ -244,7 +354,7 @@ impl Producer {
     pub fn free(&mut self) -> Option<u32> {
         let size = self.ring.size();
         if self.head != self.tail {
-            self.tail = unsafe { (*self.ring.hdr).tail.0.load(Ordering::Acquire) };
+            self.tail = unsafe { (*self.gate).load(Ordering::Acquire) };
         }
         let used = self.head.wrapping_sub(self.tail);
         (used <= size).then(|| size - used)
@@ -270,7 +380,7 @@ impl Producer {
 
     /// Descriptors written and not yet consumed, as of the last look at the consumer.
     pub fn pending(&mut self) -> u32 {
-        self.tail = unsafe { (*self.ring.hdr).tail.0.load(Ordering::Acquire) };
+        self.tail = unsafe { (*self.gate).load(Ordering::Acquire) };
         self.head.wrapping_sub(self.tail).min(self.ring.size())
     }
 }
@@ -284,6 +394,23 @@ pub struct Consumer {
 impl Consumer {
     pub fn new(ring: RingView) -> Consumer {
         Consumer { ring, tail: 0 }
+    }
+
+    /// A consumer that takes over at the ring's published tail.
+    pub fn resuming(ring: RingView) -> Consumer {
+        Consumer {
+            ring,
+            tail: ring.tail(),
+        }
+    }
+
+    /// Starts reading at `tail` (a consumer taking over from another).
+    pub fn at(ring: RingView, tail: u32) -> Consumer {
+        Consumer { ring, tail }
+    }
+
+    pub fn position(&self) -> u32 {
+        self.tail
     }
 
     /// Descriptors ready; `None` when the producer published an impossible index.

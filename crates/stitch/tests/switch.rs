@@ -210,30 +210,7 @@ fn switch_overs_lose_and_reorder_nothing() {
     require_root_and_tools(&["ovs-ofctl"]);
     const N: u32 = 20_000;
     let dir = tempfile::tempdir().unwrap();
-    {
-        let f = std::fs::File::create(dir.path().join("seq.pcap")).unwrap();
-        let mut w = pcap_file::pcap::PcapWriter::new(f).unwrap();
-        for i in 0..N {
-            let mut frame = vec![2, 0, 0, 0, 0, 2, 2, 0, 0, 0, 0, 1, 8, 0];
-            let mut ip = vec![
-                0x45, 0, 0, 32, 0, 0, 0, 0, 64, 17, 0, 0, 10, 0, 0, 1, 10, 0, 0, 2,
-            ];
-            let c = stitch_wire::checksum::checksum(&ip);
-            ip[10..12].copy_from_slice(&c.to_be_bytes());
-            frame.extend_from_slice(&ip);
-            frame.extend_from_slice(&[0x30, 0x39, 0x30, 0x39, 0, 12, 0, 0]);
-            frame.extend_from_slice(&i.to_be_bytes());
-            frame.resize(60, 0);
-            // 100 µs apart: two seconds of traffic.
-            let t = Duration::from_micros(100 * i as u64);
-            w.write_packet(&pcap_file::pcap::PcapPacket::new(
-                t,
-                frame.len() as u32,
-                &frame,
-            ))
-            .unwrap();
-        }
-    }
+    write_sequence(&dir.path().join("seq.pcap"), N);
     let port = free_port();
     let s = Stitch::run_with(
         &format!(
@@ -274,19 +251,7 @@ links:
             &["--strict", "del-flows", "priority=200,in_port=1,udp"],
         );
     }
-    let t = Instant::now();
-    loop {
-        let st = s.stats().unwrap();
-        if app(&st, "out")["rx_packets"].as_u64() == Some(N as u64) {
-            break;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(15),
-            "not every packet arrived: {}",
-            serde_json::to_string_pretty(&st).unwrap()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_for_sink(&s, N as u64, 15);
     let ports = ofctl(port, &["--no-names", "dump-ports", "1"]);
     assert!(ports.contains(&format!("rx pkts={N},")), "{ports}");
     let ports = ofctl(port, &["--no-names", "dump-ports", "2"]);
@@ -298,10 +263,37 @@ links:
         direct > 0 && direct < N as u64,
         "both paths were taken: {c}"
     );
-    // In order, none missing.
-    let mut r =
-        pcap_file::pcap::PcapReader::new(std::fs::File::open(dir.path().join("out.pcap")).unwrap())
-            .unwrap();
+    assert_in_order(&dir.path().join("out.pcap"), N);
+}
+
+/// `n` UDP frames carrying their sequence number, 100 µs apart (paced replay: `n` / 10 ms).
+fn write_sequence(path: &std::path::Path, n: u32) {
+    let f = std::fs::File::create(path).unwrap();
+    let mut w = pcap_file::pcap::PcapWriter::new(f).unwrap();
+    for i in 0..n {
+        let mut frame = vec![2, 0, 0, 0, 0, 2, 2, 0, 0, 0, 0, 1, 8, 0];
+        let mut ip = vec![
+            0x45, 0, 0, 32, 0, 0, 0, 0, 64, 17, 0, 0, 10, 0, 0, 1, 10, 0, 0, 2,
+        ];
+        let c = stitch_wire::checksum::checksum(&ip);
+        ip[10..12].copy_from_slice(&c.to_be_bytes());
+        frame.extend_from_slice(&ip);
+        frame.extend_from_slice(&[0x30, 0x39, 0x30, 0x39, 0, 12, 0, 0]);
+        frame.extend_from_slice(&i.to_be_bytes());
+        frame.resize(60, 0);
+        let t = Duration::from_micros(100 * i as u64);
+        w.write_packet(&pcap_file::pcap::PcapPacket::new(
+            t,
+            frame.len() as u32,
+            &frame,
+        ))
+        .unwrap();
+    }
+}
+
+/// Every sequence number from 0 to `n` - 1, in order.
+fn assert_in_order(path: &std::path::Path, n: u32) {
+    let mut r = pcap_file::pcap::PcapReader::new(std::fs::File::open(path).unwrap()).unwrap();
     let mut next = 0u32;
     while let Some(p) = r.next_packet() {
         let p = p.unwrap();
@@ -309,7 +301,140 @@ links:
         assert_eq!(seq, next, "packet {next} missing or out of order");
         next += 1;
     }
-    assert_eq!(next, N);
+    assert_eq!(next, n);
+}
+
+/// Waits until the `out` sink has `n` packets.
+fn wait_for_sink(s: &Stitch, n: u64, secs: u64) {
+    let t = Instant::now();
+    loop {
+        let st = s.stats().unwrap();
+        if app(&st, "out")["rx_packets"].as_u64() == Some(n) {
+            return;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(secs),
+            "not every packet arrived: {}",
+            serde_json::to_string_pretty(&st).unwrap()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Two function processes chained through the switch: while the rules make f0 -> f1 point to
+/// point, the switch hands the pair a direct channel (f0 writes straight to f1); a rule that
+/// breaks it takes the channel back. Ten switch-overs under a paced stream: every packet
+/// arrives in order, both paths were taken, and the OpenFlow counters count every packet.
+#[test]
+fn function_processes_get_a_direct_channel_and_give_it_back_losing_nothing() {
+    require_root_and_tools(&["ovs-ofctl"]);
+    const N: u32 = 20_000;
+    let dir = tempfile::tempdir().unwrap();
+    write_sequence(&dir.path().join("seq.pcap"), N);
+    let nf = dir.path().join("nf.sock");
+    let port = free_port();
+    let s = Stitch::run_with(
+        &format!(
+            "apps:
+  sw: {{ type: switch, ports: [src, f0, f1, out], listen: \"127.0.0.1:{port}\" }}
+  f0: {{ type: nf_port, socket: {nf}, mode: zero_copy, wake: polling }}
+  f1: {{ type: nf_port, socket: {nf}, mode: zero_copy, wake: blocking }}
+  out: {{ type: pcap_sink, file: {dir}/out.pcap }}
+links:
+  - \"sw.f0 -> f0.input\"
+  - \"f0.output -> sw.f0\"
+  - \"sw.f1 -> f1.input\"
+  - \"f1.output -> sw.f1\"
+  - \"sw.out -> out.input\"
+",
+            nf = nf.display(),
+            dir = dir.path().display()
+        ),
+        &["--keep-running"],
+    );
+    let sig =
+        std::path::Path::new(env!("CARGO_BIN_EXE_stitch")).with_file_name("stitch-nf-signature");
+    let _functions: Vec<Background> = ["f0", "f1"]
+        .iter()
+        .map(|p| {
+            Background(
+                Command::new(&sig)
+                    .arg("--socket")
+                    .arg(&nf)
+                    .arg(p)
+                    .spawn()
+                    .unwrap(),
+            )
+        })
+        .collect();
+    let t = Instant::now();
+    while ["f0", "f1"].iter().any(|f| {
+        s.stats()
+            .is_none_or(|st| app(&st, f)["counters"]["attached"].as_u64() != Some(1))
+    }) {
+        assert!(t.elapsed() < Duration::from_secs(10), "functions attach");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for flow in [
+        "priority=100,in_port=1,actions=output:2",
+        "priority=100,in_port=2,actions=output:3",
+        "priority=100,in_port=3,actions=output:4",
+    ] {
+        ofctl(port, &["add-flow", flow]);
+    }
+    let t = Instant::now();
+    while s
+        .stats()
+        .is_none_or(|st| app(&st, "sw")["counters"]["direct_channels"].as_u64() != Some(1))
+    {
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "the switch gives f0 -> f1 a channel: {}",
+            serde_json::to_string_pretty(&s.stats()).unwrap()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let src = format!(
+        r#"{{"type": "pcap_source", "file": "{}/seq.pcap", "pace": true}}"#,
+        dir.path().display()
+    );
+    assert_eq!(s.call("PUT", "/api/v1/apps/src", Some(&src)).0, 201);
+    assert_eq!(
+        s.call("POST", "/api/v1/links", Some(r#""src.output -> sw.src""#))
+            .0,
+        201
+    );
+    for _ in 0..5 {
+        std::thread::sleep(Duration::from_millis(150));
+        ofctl(
+            port,
+            &["add-flow", "priority=200,in_port=2,udp,actions=output:3"],
+        );
+        std::thread::sleep(Duration::from_millis(150));
+        ofctl(
+            port,
+            &["--strict", "del-flows", "priority=200,in_port=2,udp"],
+        );
+    }
+    wait_for_sink(&s, N as u64, 20);
+    // Counts of a channel reach the switch within a tick.
+    std::thread::sleep(Duration::from_millis(50));
+    let ports = ofctl(port, &["--no-names", "dump-ports", "2"]);
+    assert!(ports.contains(&format!("rx pkts={N},")), "{ports}");
+    let ports = ofctl(port, &["--no-names", "dump-ports", "3"]);
+    assert!(ports.contains(&format!("tx pkts={N},")), "{ports}");
+    let stats = s.stop();
+    let c = &app(&stats, "sw")["counters"];
+    let direct = c["direct_channel_packets"].as_u64().unwrap();
+    assert!(
+        direct > 0 && direct < N as u64,
+        "both the channel and the switch carried packets: {c}"
+    );
+    assert_eq!(
+        app(&stats, "f1")["counters"]["direct_channel_packets"].as_u64(),
+        Some(direct)
+    );
+    assert_in_order(&dir.path().join("out.pcap"), N);
 }
 
 /// `stitch bench chain-switch` end to end on the smallest chain: a function process attached,

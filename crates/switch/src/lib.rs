@@ -17,9 +17,15 @@
 //! When the rules send all of a port's traffic to one other port (point to point), that port's
 //! packets move ring to ring in whole batches without a lookup each, and still count in the
 //! flow's and the ports' statistics; the switch-over happens between two batches, so nothing is
-//! lost or reordered. Not yet: the seed's full bypass (a direct ring between the two endpoint
-//! apps or function processes, the switch out of the path), a cache for other simple rules,
-//! flow timeouts, groups, meters, several tables.
+//! lost or reordered.
+//!
+//! When both ends of such a pair are zero-copy function ports (`nf_port`), the switch steps out
+//! of the path altogether (seed 001's bypass): it gives the two functions a direct channel
+//! ([`stitch_nf::direct`]) — the first writes its packets straight to the second's — and
+//! takes it back when the rules change or a function leaves. Both hand-overs are ordered and
+//! lossless; the functions keep their ports; what crosses a channel is still counted in the
+//! flow's and the ports' OpenFlow statistics (counter `direct_channels`: channels in use).
+//! Not yet: flow timeouts, groups, meters, several tables.
 
 pub mod endpoint;
 pub mod ofp;
@@ -32,7 +38,18 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use stitch_core::app::{AppContext, AppError, Counter, Io, PortNames, PortSpec};
 use stitch_core::{App, AppType, Packet, Registry};
+use stitch_nf::direct::{Direct, Phase};
+use stitch_nf::listener::PortShared;
 use table::{FlowEntry, Key};
+
+/// A direct channel the switch gave two function ports: traffic from input `from` that its
+/// flow `entry` sends to output `to`.
+struct Channel {
+    direct: Arc<Direct>,
+    from: usize,
+    to: usize,
+    entry: Arc<FlowEntry>,
+}
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -152,6 +169,9 @@ pub struct Switch {
     switch_over_ns: Counter,
     switch_over_max_ns: Counter,
     direct_packets: Counter,
+    channels: Vec<Channel>,
+    channels_in_use: Counter,
+    channel_packets: Counter,
     to_controller: Counter,
     controller_drops: Counter,
 }
@@ -204,6 +224,9 @@ impl App for Switch {
             switch_over_ns: ctx.counter("switch_over_ns"),
             switch_over_max_ns: ctx.counter("switch_over_max_ns"),
             direct_packets: ctx.counter("point_to_point_packets"),
+            channels: Vec::new(),
+            channels_in_use: ctx.counter("direct_channels"),
+            channel_packets: ctx.counter("direct_channel_packets"),
             to_controller: ctx.counter("packet_ins"),
             controller_drops: ctx.counter("packet_in_drops"),
         })
@@ -225,6 +248,7 @@ impl App for Switch {
             }
             self.seen = v;
             self.shared.applied.store(v, Ordering::Release);
+            self.manage_channels(io);
         }
         if self.shared.has_packet_outs.swap(false, Ordering::AcqRel) {
             let outs = std::mem::take(&mut *self.shared.packet_outs.lock().unwrap());
@@ -312,6 +336,25 @@ impl App for Switch {
             self.batch = batch;
         }
         self.flush_tx_counters();
+        for c in &self.channels {
+            let consumed = io.input(c.from).map(|i| i.ring().stats().rx_packets);
+            let sent = io.output(c.to).map(|o| o.ring().stats().tx_packets);
+            if let (Some(consumed), Some(sent)) = (consumed, sent) {
+                c.direct.switch_progress(consumed, sent);
+            }
+        }
+    }
+
+    fn tick(&mut self, io: &mut Io, _now: std::time::Instant) {
+        if !self.channels.is_empty() || self.direct.iter().any(Option::is_some) {
+            self.manage_channels(io);
+        }
+    }
+
+    fn stop(&mut self) {
+        for c in &self.channels {
+            c.direct.end();
+        }
     }
 
     fn query(&mut self, _: &serde_json::Value) -> serde_json::Value {
@@ -428,6 +471,106 @@ impl Switch {
         self.shared.lookups.fetch_add(n, Ordering::Relaxed);
         self.shared.matched.fetch_add(n, Ordering::Relaxed);
         self.direct_packets.add(n);
+    }
+
+    /// Gives point-to-point pairs of function ports a direct channel, takes back those the
+    /// rules or the functions no longer allow, counts what crossed them.
+    fn manage_channels(&mut self, io: &mut Io) {
+        let function_port = |tag: Option<&stitch_core::link::EndTag>| {
+            tag.and_then(|t| t.clone().downcast::<PortShared>().ok())
+        };
+        // Ends of the pair as the links say now.
+        let ends = |io: &mut Io, from: usize, to: usize| {
+            let a = function_port(io.input(from)?.ring().producer_end())?;
+            let b = function_port(io.output(to)?.ring().consumer_end())?;
+            (!Arc::ptr_eq(&a, &b)).then_some((a, b))
+        };
+        let mut in_use = 0;
+        let mut i = 0;
+        while i < self.channels.len() {
+            let c = &mut self.channels[i];
+            let (p, b) = c.direct.take_counts();
+            if p > 0 {
+                c.entry.packets.fetch_add(p, Ordering::Relaxed);
+                c.entry.bytes.fetch_add(b, Ordering::Relaxed);
+                let pc = &self.shared.port_counters;
+                pc[c.from].rx_packets.fetch_add(p, Ordering::Relaxed);
+                pc[c.from].rx_bytes.fetch_add(b, Ordering::Relaxed);
+                pc[c.to].tx_packets.fetch_add(p, Ordering::Relaxed);
+                pc[c.to].tx_bytes.fetch_add(b, Ordering::Relaxed);
+                self.shared.lookups.fetch_add(p, Ordering::Relaxed);
+                self.shared.matched.fetch_add(p, Ordering::Relaxed);
+                self.channel_packets.add(p);
+            }
+            let phase = c.direct.phase();
+            if phase == Phase::Retired {
+                self.channels.swap_remove(i);
+                continue;
+            }
+            let still = match &self.direct[c.from] {
+                Some((entry, out)) if *out as usize - 1 == c.to => {
+                    c.entry = entry.clone();
+                    let current =
+                        |p: &PortShared| p.current.lock().unwrap().as_ref().map(|c| c.generation);
+                    let (from, to) = (c.from, c.to);
+                    let d = c.direct.clone();
+                    ends(io, from, to).is_some_and(|(a, b)| {
+                        Arc::ptr_eq(&a, &d.from)
+                            && Arc::ptr_eq(&b, &d.to)
+                            && current(&a) == Some(d.sender.generation)
+                            && current(&b) == Some(d.receiver.generation)
+                    })
+                }
+                _ => false,
+            };
+            if !still {
+                c.direct.end();
+            } else if phase == Phase::ReceiverReads {
+                in_use += 1;
+            }
+            i += 1;
+        }
+        self.channels_in_use.set(in_use);
+        for from in 0..self.direct.len() {
+            let Some((entry, out)) = self.direct[from].clone() else {
+                continue;
+            };
+            let to = out as usize - 1;
+            if self.channels.iter().any(|c| c.from == from || c.to == to) {
+                continue; // One at a time per port: an ending channel retires first.
+            }
+            let Some((a, b)) = ends(io, from, to) else {
+                continue;
+            };
+            let (mut sa, mut sb) = (a.direct.lock().unwrap(), b.direct.lock().unwrap());
+            if sa.outgoing.is_some() || sb.incoming.is_some() {
+                continue;
+            }
+            match Direct::new(&a, &b, a.settings.ring_size) {
+                Ok(d) => {
+                    sa.outgoing = Some(d.clone());
+                    sb.incoming = Some(d.clone());
+                    drop((sa, sb));
+                    a.changed.store(true, Ordering::Release);
+                    b.changed.store(true, Ordering::Release);
+                    log::info!(
+                        "switch `{}`: direct channel {} -> {} (ports {} -> {})",
+                        self.shared.name,
+                        a.name,
+                        b.name,
+                        from + 1,
+                        out
+                    );
+                    self.channels.push(Channel {
+                        direct: d,
+                        from,
+                        to,
+                        entry,
+                    });
+                }
+                Err(e) => log::debug!("switch `{}`: no direct channel: {e}", self.shared.name),
+            }
+        }
     }
 
     fn send(&mut self, p: Packet, port: u32, io: &mut Io) {

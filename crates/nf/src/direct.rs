@@ -1,0 +1,492 @@
+//! Direct channels between function ports — seed 001's bypass, on Stitch's side.
+//!
+//! When a switch's rules send everything from function A to function B, the switch offers the
+//! pair a [`Direct`]: a ring in a memfd of its own that A writes and B reads, so A's packets
+//! reach B without crossing the engine. Both keep their ports; the switch keeps counting.
+//!
+//! The switch-over is ordered and lossless, one step per actor, each on its own thread:
+//!
+//! 1. **Offered**: both ports send the channel to their function. A's function starts writing
+//!    forwarded packets to it (`sender` = 1); A's port drains what A wrote to `from_nf` before
+//!    that, then reads the channel itself (**EngineReads**): packets still cross the switch.
+//! 2. **HandingOff**: once B's function mapped the channel, A's port stops reading it between
+//!    two batches and notes how many packets it had sent towards the switch; the switch notes,
+//!    once it has consumed those, how many it had sent towards B; B's port, once it has moved
+//!    those into B's ring, hands the channel to B's function (`reader` = 1). B reads its own
+//!    ring empty before it reads the channel (**ReceiverReads**).
+//! 3. **Ending** (rules changed, either function left): `end` = 1. B stops reading
+//!    (`receiver` = 2); A goes back to `from_nf` (`sender` = 2). A's port reads what is left in
+//!    the channel (**EngineDrains**) before anything A wrote to `from_nf` afterwards, then the
+//!    channel is **Retired**.
+//!
+//! Nothing is taken on trust from the functions: the sender gets slots back only through
+//! `released`, which moves after B's port has accounted for each descriptor B read — the
+//! buffer passes from A's set of held buffers to B's (so a function that dies is reclaimed
+//! exactly), and packets and bytes are counted for the switch's flow and port statistics.
+
+use crate::listener::PortShared;
+use crate::shm::{channel_size, ChannelHeader, Consumer, Index, Mapping, RingView, MAGIC};
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+/// The buffers one attachment holds, one bit each (pool indices, or slots when isolated).
+/// Locked once per batch by its port, and by the port that accounts a channel into it.
+#[derive(Default)]
+pub struct Held(Mutex<Vec<u64>>);
+
+impl Held {
+    pub fn new(bits: usize) -> Arc<Held> {
+        Arc::new(Held(Mutex::new(vec![0; bits.div_ceil(64)])))
+    }
+
+    pub fn lock(&self) -> HeldBits<'_> {
+        HeldBits(self.0.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+}
+
+pub struct HeldBits<'a>(MutexGuard<'a, Vec<u64>>);
+
+impl HeldBits<'_> {
+    #[inline]
+    pub fn hold(&mut self, i: u32) {
+        if let Some(w) = self.0.get_mut(i as usize / 64) {
+            *w |= 1 << (i % 64);
+        }
+    }
+
+    /// Clears the bit; false when the buffer was not held.
+    #[inline]
+    pub fn release(&mut self, i: u32) -> bool {
+        let Some(w) = self.0.get_mut(i as usize / 64) else {
+            return false;
+        };
+        let bit = 1u64 << (i % 64);
+        let had = *w & bit != 0;
+        *w &= !bit;
+        had
+    }
+
+    /// Every held index, clearing them all.
+    pub fn take_all(&mut self) -> Vec<usize> {
+        let mut out = Vec::new();
+        for (w, bits) in self.0.iter_mut().enumerate() {
+            let mut b = std::mem::take(bits);
+            while b != 0 {
+                out.push(w * 64 + b.trailing_zeros() as usize);
+                b &= b - 1;
+            }
+        }
+        out
+    }
+
+    pub fn count(&self) -> u64 {
+        self.0.iter().map(|w| w.count_ones() as u64).sum()
+    }
+}
+
+/// What a port publishes about its current attachment, for a switch building a channel.
+#[derive(Clone)]
+pub struct Current {
+    pub generation: u64,
+    pub held: Arc<Held>,
+    pub doorbell: Arc<OwnedFd>,
+    pub blocking: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    Offered,
+    EngineReads,
+    HandingOff,
+    ReceiverReads,
+    Ending,
+    EngineDrains,
+    Retired,
+}
+
+struct State {
+    phase: Phase,
+    /// Channel slots accounted (and, while Stitch reads, consumed) so far.
+    released: u32,
+    /// Packets A's port had put on its output when it stopped reading the channel.
+    handoff_at: u64,
+    /// Packets the switch had put on B's link once it had consumed those.
+    through_at: Option<u64>,
+    since: Instant,
+    warned: bool,
+}
+
+/// One direct channel from `from`'s function to `to`'s.
+pub struct Direct {
+    pub from: Arc<PortShared>,
+    pub to: Arc<PortShared>,
+    pub sender: Current,
+    pub receiver: Current,
+    pub memfd: OwnedFd,
+    map: Mapping,
+    ring: RingView,
+    state: Mutex<State>,
+    /// Read by B's function and accounted, for the switch's statistics (taken by `take_counts`).
+    packets: AtomicU64,
+    bytes: AtomicU64,
+    taken: Mutex<(u64, u64)>,
+    /// Descriptors B read that named a buffer A did not hold.
+    pub bad: AtomicU64,
+}
+
+// The ring view points into `map`, which lives as long as the `Direct`; who touches which index
+// is decided by the phase, under `state`.
+unsafe impl Send for Direct {}
+unsafe impl Sync for Direct {}
+
+/// Counters of one accounting pass.
+#[derive(Default)]
+pub struct Accounted {
+    pub packets: u64,
+    pub bad: u64,
+}
+
+impl Direct {
+    /// A channel from `from` to `to`, both attached zero-copy ports; `None` (with the reason)
+    /// when either is not attached.
+    pub fn new(
+        from: &Arc<PortShared>,
+        to: &Arc<PortShared>,
+        ring_size: u32,
+    ) -> Result<Arc<Direct>, String> {
+        let current = |p: &Arc<PortShared>| {
+            p.current
+                .lock()
+                .unwrap()
+                .clone()
+                .ok_or_else(|| format!("function port `{}` has no function", p.name))
+        };
+        let (sender, receiver) = (current(from)?, current(to)?);
+        let len = channel_size(ring_size);
+        let (memfd, map) =
+            Mapping::create(&format!("stitch-direct-{}-{}", from.name, to.name), len)
+                .map_err(|e| format!("cannot create a direct channel: {e}"))?;
+        unsafe {
+            let h = map.base as *mut ChannelHeader;
+            std::ptr::addr_of_mut!((*h).magic).write(MAGIC);
+            std::ptr::addr_of_mut!((*h).ring_size).write(ring_size);
+        }
+        let (_, ring) = map.channel().map_err(|e| format!("direct channel: {e}"))?;
+        Ok(Arc::new(Direct {
+            from: from.clone(),
+            to: to.clone(),
+            sender,
+            receiver,
+            memfd,
+            ring,
+            map,
+            state: Mutex::new(State {
+                phase: Phase::Offered,
+                released: 0,
+                handoff_at: 0,
+                through_at: None,
+                since: Instant::now(),
+                warned: false,
+            }),
+            packets: AtomicU64::new(0),
+            bytes: AtomicU64::new(0),
+            taken: Mutex::new((0, 0)),
+            bad: AtomicU64::new(0),
+        }))
+    }
+
+    pub fn header(&self) -> &ChannelHeader {
+        unsafe { &*(self.map.base as *const ChannelHeader) }
+    }
+
+    pub fn ring_size(&self) -> u32 {
+        self.ring.size()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn phase(&self) -> Phase {
+        self.lock().phase
+    }
+
+    fn set_phase(st: &mut State, p: Phase) {
+        st.phase = p;
+        st.since = Instant::now();
+        st.warned = false;
+    }
+
+    /// Ends the channel (rules changed, or one side left); a no-op once ending.
+    pub fn end(&self) {
+        let mut st = self.lock();
+        let next = match st.phase {
+            Phase::ReceiverReads => Phase::Ending,
+            Phase::Ending | Phase::EngineDrains | Phase::Retired => return,
+            _ => Phase::EngineDrains,
+        };
+        Self::set_phase(&mut st, next);
+        store(&self.header().end, 1);
+        drop(st);
+        // Sleeping functions must see `end` to let go.
+        for c in [&self.receiver, &self.sender] {
+            if c.blocking {
+                ring_doorbell(&c.doorbell);
+            }
+        }
+    }
+
+    pub fn is_ending(&self) -> bool {
+        matches!(
+            self.phase(),
+            Phase::Ending | Phase::EngineDrains | Phase::Retired
+        )
+    }
+
+    /// Packets and bytes B's function read since the last call.
+    pub fn take_counts(&self) -> (u64, u64) {
+        let (p, b) = (
+            self.packets.load(Ordering::Relaxed),
+            self.bytes.load(Ordering::Relaxed),
+        );
+        let mut t = self.taken.lock().unwrap();
+        let d = (p - t.0, b - t.1);
+        *t = (p, b);
+        d
+    }
+
+    /// The switch's step of the hand-off: once it has consumed `handoff_at` packets from A's
+    /// link (`consumed_from_a`), the packets it has put on B's link so far are the last that
+    /// B must see before the channel's.
+    pub fn switch_progress(&self, consumed_from_a: u64, sent_to_b: u64) {
+        let mut st = self.lock();
+        if st.phase == Phase::HandingOff
+            && st.through_at.is_none()
+            && consumed_from_a >= st.handoff_at
+        {
+            st.through_at = Some(sent_to_b);
+        }
+    }
+
+    /// Accounts what B's function read: each buffer passes from A's held set to B's, counted.
+    fn account(&self, st: &mut State) -> Accounted {
+        let mut r = Accounted::default();
+        let tail = self.ring.tail();
+        let n = tail.wrapping_sub(st.released);
+        if n == 0 {
+            return r;
+        }
+        if n > self.ring.size() || n > self.ring.head().wrapping_sub(st.released) {
+            // The receiving function published an impossible index: take nothing on its word.
+            r.bad += 1;
+            return r;
+        }
+        let (a, b) = (&self.sender.held, &self.receiver.held);
+        let (mut ha, mut hb) = if Arc::as_ptr(a) < Arc::as_ptr(b) {
+            let ha = a.lock();
+            (ha, b.lock())
+        } else {
+            let hb = b.lock();
+            (a.lock(), hb)
+        };
+        let mut bytes = 0u64;
+        for i in 0..n {
+            let d = self.ring.read(st.released.wrapping_add(i));
+            if ha.release(d.buffer) {
+                hb.hold(d.buffer);
+                r.packets += 1;
+                bytes += d.len as u64;
+            } else {
+                r.bad += 1;
+            }
+        }
+        drop((ha, hb));
+        st.released = tail;
+        store(&self.header().released, tail);
+        self.packets.store(
+            self.packets.load(Ordering::Relaxed) + r.packets,
+            Ordering::Relaxed,
+        );
+        self.bytes.store(
+            self.bytes.load(Ordering::Relaxed) + bytes,
+            Ordering::Relaxed,
+        );
+        self.bad.fetch_add(r.bad, Ordering::Relaxed);
+        r
+    }
+
+    /// B's port, every pull, before it reads B's `from_nf` (whose head it loaded first: what B
+    /// returns there it read here before). `consumed` is what B's port has taken off its
+    /// input link; `attached` whether B's function is still there. Returns false once the
+    /// channel no longer concerns B, and the packets B read since the last call.
+    pub fn receiver_pull(&self, consumed: u64, attached: bool) -> (bool, u64) {
+        let mut st = self.lock();
+        let mut read = 0;
+        match st.phase {
+            Phase::HandingOff => {
+                if st.through_at.is_some_and(|t| consumed >= t) {
+                    store(&self.header().reader, 1);
+                    Self::set_phase(&mut st, Phase::ReceiverReads);
+                }
+            }
+            Phase::ReceiverReads => {
+                read = self.account(&mut st).packets;
+            }
+            Phase::Ending => {
+                // The flag is loaded before the last accounting: nothing read after it.
+                let stopped = !attached || load(&self.header().receiver) >= 2;
+                read = self.account(&mut st).packets;
+                if stopped {
+                    Self::set_phase(&mut st, Phase::EngineDrains);
+                } else {
+                    self.warn_if_stuck(&mut st, &self.to.name, "stop reading");
+                }
+            }
+            Phase::EngineDrains | Phase::Retired => return (false, 0),
+            Phase::Offered | Phase::EngineReads => {}
+        }
+        (true, read)
+    }
+
+    /// B's function is gone: what it read is its own (reclaimed with it), the rest goes back
+    /// through Stitch.
+    pub fn receiver_left(&self) {
+        self.end();
+        let mut st = self.lock();
+        if st.phase == Phase::Ending {
+            self.account(&mut st);
+            Self::set_phase(&mut st, Phase::EngineDrains);
+        }
+    }
+
+    /// A's port, every pull: which of its rings it may read and in which order.
+    /// `sent` is what it has put on its output link so far.
+    pub fn sender_step(&self, sent: u64, sender_attached: bool) -> SenderStep {
+        let mut st = self.lock();
+        let h = self.header();
+        match st.phase {
+            Phase::Offered => {
+                if load(&h.sender) >= 1 {
+                    // From here on A forwards only to the channel: once `from_nf` has been
+                    // read empty, the channel comes next.
+                    Self::set_phase(&mut st, Phase::EngineReads);
+                    return SenderStep::FromNfThenChannel;
+                }
+                if !sender_attached {
+                    self.end_locked(&mut st);
+                }
+                SenderStep::FromNf
+            }
+            Phase::EngineReads => {
+                if load(&h.receiver) >= 1 {
+                    st.handoff_at = sent;
+                    Self::set_phase(&mut st, Phase::HandingOff);
+                    return SenderStep::FromNf;
+                }
+                SenderStep::FromNfThenChannel
+            }
+            Phase::HandingOff | Phase::ReceiverReads => SenderStep::FromNf,
+            // Anything A wrote to `from_nf` after leaving waits for the channel to empty.
+            Phase::Ending => {
+                self.warn_if_stuck(&mut st, &self.to.name, "stop reading");
+                SenderStep::Nothing
+            }
+            Phase::EngineDrains => {
+                let left = !sender_attached || load(&h.sender) != 1;
+                let empty = self.ring.head() == st.released;
+                if left && empty {
+                    Self::set_phase(&mut st, Phase::Retired);
+                    return SenderStep::Retired;
+                }
+                if !left {
+                    self.warn_if_stuck(&mut st, &self.from.name, "leave the channel");
+                }
+                SenderStep::Channel
+            }
+            Phase::Retired => SenderStep::Retired,
+        }
+    }
+
+    fn end_locked(&self, st: &mut State) {
+        if !matches!(
+            st.phase,
+            Phase::Ending | Phase::EngineDrains | Phase::Retired
+        ) {
+            Self::set_phase(st, Phase::EngineDrains);
+            store(&self.header().end, 1);
+        }
+    }
+
+    /// A's port reads the channel itself (EngineReads, EngineDrains): a consumer at the
+    /// accounted position, and how many descriptors wait (`None`: impossible head).
+    pub fn engine_reader(&self) -> Option<(Consumer, u32)> {
+        let st = self.lock();
+        let c = Consumer::at(self.ring, st.released);
+        let n = c.available()?;
+        Some((c, n))
+    }
+
+    /// A's port has read up to `c`'s position: the slots go back to A.
+    pub fn engine_read_done(&self, c: &Consumer) {
+        let mut st = self.lock();
+        st.released = c.position();
+        c.release();
+        store(&self.header().released, st.released);
+    }
+
+    fn warn_if_stuck(&self, st: &mut State, who: &str, what: &str) {
+        if !st.warned && st.since.elapsed().as_secs() >= 1 {
+            st.warned = true;
+            log::warn!(
+                "direct channel {} -> {}: the function on `{who}` did not {what} for a second; the switch-over waits for it (detach it to go on)",
+                self.from.name,
+                self.to.name
+            );
+        }
+    }
+}
+
+/// What A's port reads this pull.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SenderStep {
+    /// Its own ring only.
+    FromNf,
+    /// Its own ring, then — if that was read empty — the channel.
+    FromNfThenChannel,
+    /// The channel only.
+    Channel,
+    /// Neither (waiting for the receiver to let go).
+    Nothing,
+    /// The channel is done: back to its own ring.
+    Retired,
+}
+
+#[inline]
+fn store(i: &Index, v: u32) {
+    i.0.store(v, Ordering::Release);
+}
+
+#[inline]
+fn load(i: &Index) -> u32 {
+    i.0.load(Ordering::Acquire)
+}
+
+pub fn ring_doorbell(fd: &OwnedFd) {
+    let one: u64 = 1;
+    unsafe {
+        libc::write(fd.as_raw_fd(), &one as *const u64 as *const libc::c_void, 8);
+    }
+}
+
+/// Sends a control message (one JSON line and descriptors) on a function's connection.
+pub fn send_control(
+    conn: &OwnedFd,
+    message: &serde_json::Value,
+    fds: &[std::os::fd::RawFd],
+) -> io::Result<()> {
+    let line = format!("{message}\n");
+    stitch_core::fdpass::send_flags(conn.as_raw_fd(), line.as_bytes(), fds, libc::MSG_DONTWAIT)
+}
