@@ -437,6 +437,105 @@ links:
     assert_in_order(&dir.path().join("out.pcap"), N);
 }
 
+/// A function killed (-9) while its direct channel carries traffic — the receiving one, then
+/// the sending one: Stitch carries on, the channel is taken back and given again once a new
+/// function attaches, and once traffic stops no pool buffer is left held.
+#[test]
+fn killing_a_function_on_a_direct_channel_leaks_nothing() {
+    require_root_and_tools(&["ovs-ofctl"]);
+    let dir = tempfile::tempdir().unwrap();
+    let nf = dir.path().join("nf.sock");
+    let port = free_port();
+    let s = Stitch::run_with(
+        &format!(
+            "apps:
+  gen: {{ type: generator, size: 64, rate: 200000 }}
+  sw: {{ type: switch, ports: [gen, f0, f1, out], listen: \"127.0.0.1:{port}\" }}
+  f0: {{ type: nf_port, socket: {nf}, mode: zero_copy, wake: blocking }}
+  f1: {{ type: nf_port, socket: {nf}, mode: zero_copy, wake: polling }}
+  out: {{ type: sink }}
+links:
+  - \"gen.output -> sw.gen\"
+  - \"sw.f0 -> f0.input\"
+  - \"f0.output -> sw.f0\"
+  - \"sw.f1 -> f1.input\"
+  - \"f1.output -> sw.f1\"
+  - \"sw.out -> out.input\"
+",
+            nf = nf.display(),
+        ),
+        &["--keep-running"],
+    );
+    for flow in [
+        "priority=100,in_port=1,actions=output:2",
+        "priority=100,in_port=2,actions=output:3",
+        "priority=100,in_port=3,actions=output:4",
+    ] {
+        ofctl(port, &["add-flow", flow]);
+    }
+    let sig =
+        std::path::Path::new(env!("CARGO_BIN_EXE_stitch")).with_file_name("stitch-nf-signature");
+    let start = |p: &str| {
+        Background(
+            Command::new(&sig)
+                .arg("--socket")
+                .arg(&nf)
+                .arg(p)
+                .spawn()
+                .unwrap(),
+        )
+    };
+    let counter = |app_name: &str, c: &str| {
+        s.stats()
+            .and_then(|st| app(&st, app_name)["counters"][c].as_u64())
+            .unwrap_or(0)
+    };
+    let wait_until = |what: &str, f: &dyn Fn() -> bool| {
+        let t = Instant::now();
+        while !f() {
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "{what}: {}",
+                serde_json::to_string_pretty(&s.stats()).unwrap()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    let mut f0 = start("f0");
+    let mut f1 = start("f1");
+    for victim in ["f1", "f0"] {
+        let before = counter("f1", "direct_channel_packets");
+        wait_until("traffic crosses the channel", &|| {
+            counter("sw", "direct_channels") == 1
+                && counter("f1", "direct_channel_packets") > before + 10_000
+        });
+        let detaches = counter(victim, "detaches");
+        let f = if victim == "f1" { &mut f1 } else { &mut f0 };
+        unsafe { libc::kill(f.0.id() as i32, libc::SIGKILL) };
+        let _ = f.0.wait();
+        wait_until("the port sees its function gone", &|| {
+            counter(victim, "detaches") == detaches + 1
+        });
+        *f = start(victim);
+    }
+    wait_until("the channel is given again", &|| {
+        counter("sw", "direct_channels") == 1
+    });
+    // Traffic stops: every buffer comes back.
+    assert_eq!(s.call("DELETE", "/api/v1/apps/gen", None).0, 200);
+    wait_until("no buffer held", &|| {
+        s.stats()
+            .is_some_and(|st| st["pool"]["in_use"].as_u64() == Some(0))
+    });
+    let stats = s.stop();
+    for f in ["f0", "f1"] {
+        assert_eq!(
+            app(&stats, f)["counters"]["bad_descriptors"].as_u64(),
+            Some(0)
+        );
+    }
+}
+
 /// `stitch bench chain-switch` end to end on the smallest chain: a function process attached,
 /// flows programmed by ovs-ofctl, packets through, a switch-over measured.
 #[test]
