@@ -513,6 +513,11 @@ impl Function {
                 continue;
             }
             if self.blocking {
+                if self.has_work() {
+                    // Work waits but its output is full: let the next function run.
+                    std::thread::yield_now();
+                    continue;
+                }
                 match self.wait() {
                     Ok(()) => {}
                     Err(e) if e.kind() == io::ErrorKind::ConnectionAborted => return Ok(()),

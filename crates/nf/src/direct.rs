@@ -117,6 +117,8 @@ struct State {
     through_at: Option<u64>,
     since: Instant,
     warned: bool,
+    /// When the switch asked for the end.
+    end_asked: Option<Instant>,
 }
 
 /// One direct channel from `from`'s function to `to`'s.
@@ -135,6 +137,11 @@ pub struct Direct {
     taken: Mutex<(u64, u64)>,
     /// Descriptors B read that named a buffer A did not hold.
     pub bad: AtomicU64,
+    created: Instant,
+    /// From the offer to B's function reading (hand-over), and from the end asked to the
+    /// channel retired (hand-back), in ns; 0 until done.
+    pub handover_ns: AtomicU64,
+    pub handback_ns: AtomicU64,
 }
 
 // The ring view points into `map`, which lives as long as the `Direct`; who touches which index
@@ -190,11 +197,15 @@ impl Direct {
                 through_at: None,
                 since: Instant::now(),
                 warned: false,
+                end_asked: None,
             }),
             packets: AtomicU64::new(0),
             bytes: AtomicU64::new(0),
             taken: Mutex::new((0, 0)),
             bad: AtomicU64::new(0),
+            created: Instant::now(),
+            handover_ns: AtomicU64::new(0),
+            handback_ns: AtomicU64::new(0),
         }))
     }
 
@@ -214,10 +225,22 @@ impl Direct {
         self.lock().phase
     }
 
-    fn set_phase(st: &mut State, p: Phase) {
+    fn set_phase(&self, st: &mut State, p: Phase) {
         st.phase = p;
         st.since = Instant::now();
         st.warned = false;
+        let ns = |from: Instant| (st.since - from).as_nanos().max(1) as u64;
+        match p {
+            Phase::ReceiverReads => self.handover_ns.store(ns(self.created), Ordering::Relaxed),
+            Phase::Ending | Phase::EngineDrains if st.end_asked.is_none() => {
+                st.end_asked = Some(st.since)
+            }
+            Phase::Retired => {
+                let from = st.end_asked.unwrap_or(self.created);
+                self.handback_ns.store(ns(from), Ordering::Relaxed)
+            }
+            _ => {}
+        }
     }
 
     /// Ends the channel (rules changed, or one side left); a no-op once ending.
@@ -228,7 +251,7 @@ impl Direct {
             Phase::Ending | Phase::EngineDrains | Phase::Retired => return,
             _ => Phase::EngineDrains,
         };
-        Self::set_phase(&mut st, next);
+        self.set_phase(&mut st, next);
         store(&self.header().end, 1);
         drop(st);
         // Sleeping functions must see `end` to let go.
@@ -239,11 +262,9 @@ impl Direct {
         }
     }
 
-    pub fn is_ending(&self) -> bool {
-        matches!(
-            self.phase(),
-            Phase::Ending | Phase::EngineDrains | Phase::Retired
-        )
+    /// Ending and not yet retired: packets may still cross it under the old rules.
+    pub fn is_draining(&self) -> bool {
+        matches!(self.phase(), Phase::Ending | Phase::EngineDrains)
     }
 
     /// Packets and bytes B's function read since the last call.
@@ -329,7 +350,7 @@ impl Direct {
             Phase::HandingOff => {
                 if st.through_at.is_some_and(|t| consumed >= t) {
                     store(&self.header().reader, 1);
-                    Self::set_phase(&mut st, Phase::ReceiverReads);
+                    self.set_phase(&mut st, Phase::ReceiverReads);
                 }
             }
             Phase::ReceiverReads => {
@@ -340,7 +361,7 @@ impl Direct {
                 let stopped = !attached || load(&self.header().receiver) >= 2;
                 read = self.account(&mut st).packets;
                 if stopped {
-                    Self::set_phase(&mut st, Phase::EngineDrains);
+                    self.set_phase(&mut st, Phase::EngineDrains);
                 } else {
                     self.warn_if_stuck(&mut st, &self.to.name, "stop reading");
                 }
@@ -358,7 +379,7 @@ impl Direct {
         let mut st = self.lock();
         if st.phase == Phase::Ending {
             self.account(&mut st);
-            Self::set_phase(&mut st, Phase::EngineDrains);
+            self.set_phase(&mut st, Phase::EngineDrains);
         }
     }
 
@@ -372,7 +393,7 @@ impl Direct {
                 if load(&h.sender) >= 1 {
                     // From here on A forwards only to the channel: once `from_nf` has been
                     // read empty, the channel comes next.
-                    Self::set_phase(&mut st, Phase::EngineReads);
+                    self.set_phase(&mut st, Phase::EngineReads);
                     return SenderStep::FromNfThenChannel;
                 }
                 if !sender_attached {
@@ -383,7 +404,7 @@ impl Direct {
             Phase::EngineReads => {
                 if load(&h.receiver) >= 1 {
                     st.handoff_at = sent;
-                    Self::set_phase(&mut st, Phase::HandingOff);
+                    self.set_phase(&mut st, Phase::HandingOff);
                     return SenderStep::FromNf;
                 }
                 SenderStep::FromNfThenChannel
@@ -398,7 +419,7 @@ impl Direct {
                 let left = !sender_attached || load(&h.sender) != 1;
                 let empty = self.ring.head() == st.released;
                 if left && empty {
-                    Self::set_phase(&mut st, Phase::Retired);
+                    self.set_phase(&mut st, Phase::Retired);
                     return SenderStep::Retired;
                 }
                 if !left {
@@ -415,7 +436,7 @@ impl Direct {
             st.phase,
             Phase::Ending | Phase::EngineDrains | Phase::Retired
         ) {
-            Self::set_phase(st, Phase::EngineDrains);
+            self.set_phase(st, Phase::EngineDrains);
             store(&self.header().end, 1);
         }
     }

@@ -5,12 +5,16 @@
 //! without a lookup); with `off` each flow also matches `ip`, so every packet is looked up.
 //! Flows are programmed with `ovs-ofctl` (openvswitch-common), as a controller would.
 //!
-//! Per point: Mpps at full load, latency (mean, p99) at half of that load, cores used (engine +
-//! functions, CPU seconds per second), and the switch-over time while every flow is flipped
-//! between the two shapes under traffic (`ovs-ofctl replace-flows`, ten times): the data path's
-//! own figure (a table's publication to the data path running it, the switch's
-//! `switch_over_ns` counter; median) and the whole `ovs-ofctl` round trip (process start, flow
-//! dump, FLOW_MODs, BARRIER reply).
+//! Between two function ports a point-to-point flow also gets a direct channel: the function
+//! writes straight to the next one's ring and the switch is out of the path (seed 001).
+//!
+//! Per point: Mpps at full load, latency (mean, p99) at half of that load (or `--rate`), cores
+//! used (engine + functions, CPU seconds per second), and the switch-over time while every flow
+//! is flipped between the two shapes under traffic (`ovs-ofctl replace-flows`, ten times): the
+//! data path's own figure (a table's publication to the data path running it, the switch's
+//! `switch_over_ns` counter; median), the whole `ovs-ofctl` round trip (process start, flow
+//! dump, FLOW_MODs, BARRIER reply), and the direct channels' hand-over (offer → the receiving
+//! function reads the channel) and hand-back (end → channel retired), medians.
 
 use crate::bench_kernel::{quiet, sh, Ovs};
 use crate::bench_nf_scale::{counter_sum, register_latency_sink, take_latencies, WithFunctions};
@@ -46,6 +50,23 @@ pub struct ChainSwitchArgs {
     /// generator a Stitch process sending into the first veth.
     #[arg(long)]
     pub ovs: bool,
+    /// Offered load (Mpps) of the latency phase; default: half of what each point carried at
+    /// full load. A fixed load compares latency across modes at the same work.
+    #[arg(long)]
+    pub rate: Option<f64>,
+    /// Run the engine busy-polling (one core to itself) instead of sleeping when idle; on a
+    /// two-core machine that leaves the functions one core.
+    #[arg(long)]
+    pub busy_poll: bool,
+}
+
+/// Medians over the flips: publication of a table → the data path running it, the whole
+/// `ovs-ofctl` round trip, and the direct channels' hand-over and hand-back.
+struct SwitchOver {
+    table: Duration,
+    round_trip: Duration,
+    handover: Option<Duration>,
+    handback: Option<Duration>,
 }
 
 struct Point {
@@ -93,7 +114,7 @@ fn phase(
     args: &ChainSwitchArgs,
     rate: Option<f64>,
     switch_overs: bool,
-) -> Result<(Point, Option<(Duration, Duration)>)> {
+) -> Result<(Point, Option<SwitchOver>)> {
     let dir = tempfile::tempdir()?;
     let socket = dir.path().join("nf.sock");
     let port = std::net::TcpListener::bind("127.0.0.1:0")?
@@ -105,7 +126,8 @@ fn phase(
         .collect();
     let rate = rate.map(|r| format!(", rate: {r:.0}")).unwrap_or_default();
     let mut text = format!(
-        "engine: {{ busy_poll: true, link_size: 4096 }}\napps:\n  gen: {{ type: generator, size: {}, timestamps: true, flows: 64{rate} }}\n  sw: {{ type: switch, ports: [{}], listen: \"127.0.0.1:{port}\" }}\n  out: {{ type: latency_sink }}\n",
+        "engine: {{ busy_poll: {}, link_size: 4096 }}\napps:\n  gen: {{ type: generator, size: {}, timestamps: true, flows: 64{rate} }}\n  sw: {{ type: switch, ports: [{}], listen: \"127.0.0.1:{port}\" }}\n  out: {{ type: latency_sink }}\n",
+        args.busy_poll,
         args.size,
         names.join(", ")
     );
@@ -146,18 +168,54 @@ fn phase(
         std::fs::write(&other, flows(n, !bypass))?;
         let mut times = Vec::new();
         let mut round_trips = Vec::new();
+        let (mut handovers, mut handbacks) = (Vec::new(), Vec::new());
         for k in 0..10 {
             let f = if k % 2 == 0 { &other } else { &file };
+            let to_bypass = (k % 2 == 0) != bypass;
+            let before = (
+                counter_sum(engine, "direct_handover_ns"),
+                counter_sum(engine, "direct_handback_ns"),
+            );
             round_trips.push(ofctl(
                 port,
                 &["replace-flows", "SWITCH", f.to_str().unwrap()],
             )?);
             // The data path's own figure: publication of the last table -> running it.
             times.push(Duration::from_nanos(counter_sum(engine, "switch_over_ns")));
+            // Between functions the switch also hands direct channels over or back: wait for
+            // the last of them (the switch looks every millisecond).
+            if n >= 2 {
+                let t = Instant::now();
+                while t.elapsed() < Duration::from_secs(2) {
+                    let now = (
+                        counter_sum(engine, "direct_handover_ns"),
+                        counter_sum(engine, "direct_handback_ns"),
+                    );
+                    let channels = counter_sum(engine, "direct_channels") as usize;
+                    if to_bypass && channels == n - 1 && now.0 != before.0 {
+                        handovers.push(Duration::from_nanos(now.0));
+                        break;
+                    }
+                    if !to_bypass && channels == 0 && now.1 != before.1 {
+                        handbacks.push(Duration::from_nanos(now.1));
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+            }
         }
+        let median = |v: &mut Vec<Duration>| {
+            v.sort();
+            v.get(v.len() / 2).copied()
+        };
         times.sort();
         round_trips.sort();
-        switch_over = Some((times[times.len() / 2], round_trips[round_trips.len() / 2]));
+        switch_over = Some(SwitchOver {
+            table: times[times.len() / 2],
+            round_trip: round_trips[round_trips.len() / 2],
+            handover: median(&mut handovers),
+            handback: median(&mut handbacks),
+        });
     }
     run.stop();
     let (mean_us, p99_us) = take_latencies();
@@ -306,6 +364,10 @@ fn ovs_phase(n: usize, args: &ChainSwitchArgs) -> Result<(f64, f64)> {
     Ok(((p1 - p0) as f64 / wall / 1e6, (c1 - c0) / wall))
 }
 
+fn micros(d: Option<Duration>) -> String {
+    d.map_or("-".into(), |d| format!("{:.1} µs", d.as_secs_f64() * 1e6))
+}
+
 pub fn run(args: ChainSwitchArgs, mut r: Registry) -> Result<()> {
     register_latency_sink(&mut r);
     let registry = Arc::new(r);
@@ -321,11 +383,13 @@ pub fn run(args: ChainSwitchArgs, mut r: Registry) -> Result<()> {
         BypassMode::Both => &[true, false],
     };
     println!(
-        "chain-switch: {} B frames, N signature functions (blocking nf_ports) chained through the OpenFlow switch; {} s per phase",
-        args.size, args.seconds
+        "chain-switch: {} B frames, N signature functions (blocking nf_ports) chained through the OpenFlow switch; engine {}; {} s per phase",
+        args.size,
+        if args.busy_poll { "busy-polling" } else { "sleeping when idle" },
+        args.seconds
     );
     println!(
-        "{:>3} {:>7} {:>9} {:>7} | {:>10} {:>9} {:>9} | {:>12} {:>12}",
+        "{:>3} {:>7} {:>9} {:>7} | {:>10} {:>9} {:>9} | {:>12} {:>12} {:>10} {:>10}",
         "N",
         "bypass",
         "max Mpps",
@@ -334,16 +398,18 @@ pub fn run(args: ChainSwitchArgs, mut r: Registry) -> Result<()> {
         "mean µs",
         "p99 µs",
         "switch-over",
-        "ofctl trip"
+        "ofctl trip",
+        "hand-over",
+        "hand-back"
     );
     for &n in &points {
         anyhow::ensure!(n >= 1, "--nfs values must be at least 1");
         for &bypass in modes {
             let (full, switch_over) = phase(&registry, n, bypass, &args, None, true)?;
-            let half = full.mpps / 2.0;
-            let (low, _) = phase(&registry, n, bypass, &args, Some(half * 1e6), false)?;
+            let load = args.rate.unwrap_or(full.mpps / 2.0);
+            let (low, _) = phase(&registry, n, bypass, &args, Some(load * 1e6), false)?;
             println!(
-                "{:>3} {:>7} {:>9.3} {:>7.2} | {:>10.3} {:>9.1} {:>9.0} | {:>9.1} µs {:>9.1} ms",
+                "{:>3} {:>7} {:>9.3} {:>7.2} | {:>10.3} {:>9.1} {:>9.0} | {:>9.1} µs {:>9.1} ms {:>10} {:>10}",
                 n,
                 if bypass { "on" } else { "off" },
                 full.mpps,
@@ -351,8 +417,10 @@ pub fn run(args: ChainSwitchArgs, mut r: Registry) -> Result<()> {
                 low.mpps,
                 low.mean_us,
                 low.p99_us,
-                switch_over.map_or(0.0, |d| d.0.as_secs_f64() * 1e6),
-                switch_over.map_or(0.0, |d| d.1.as_secs_f64() * 1e3)
+                switch_over.as_ref().map_or(0.0, |d| d.table.as_secs_f64() * 1e6),
+                switch_over.as_ref().map_or(0.0, |d| d.round_trip.as_secs_f64() * 1e3),
+                micros(switch_over.as_ref().and_then(|d| d.handover)),
+                micros(switch_over.as_ref().and_then(|d| d.handback)),
             );
         }
         if args.ovs {

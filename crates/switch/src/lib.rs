@@ -49,6 +49,7 @@ struct Channel {
     from: usize,
     to: usize,
     entry: Arc<FlowEntry>,
+    handover_reported: bool,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -156,6 +157,8 @@ pub struct Switch {
     /// Per input port: the flow and output when its traffic all goes to one other port.
     direct: Vec<Option<(Arc<FlowEntry>, u32)>>,
     seen: u64,
+    /// A table the data path runs, not yet announced as applied.
+    pending_version: Option<u64>,
     /// Per port: packets, bytes and drops sent since the last flush into the shared counters
     /// (one locked add per port and push, not per packet).
     tx_pending: Vec<[u64; 3]>,
@@ -172,6 +175,10 @@ pub struct Switch {
     channels: Vec<Channel>,
     channels_in_use: Counter,
     channel_packets: Counter,
+    /// The last channel's hand-over (offer → the receiving function reads it) and hand-back
+    /// (end asked → retired).
+    handover_ns: Counter,
+    handback_ns: Counter,
     to_controller: Counter,
     controller_drops: Counter,
 }
@@ -214,6 +221,7 @@ impl App for Switch {
             entries: Arc::new(Vec::new()),
             direct: vec![None; c.ports.len()],
             seen: 0,
+            pending_version: None,
             tx_pending: vec![[0; 3]; c.ports.len()],
             cache: (c.exact_match_cache > 0)
                 .then(|| table::ExactMatchCache::new(c.exact_match_cache)),
@@ -227,6 +235,8 @@ impl App for Switch {
             channels: Vec::new(),
             channels_in_use: ctx.counter("direct_channels"),
             channel_packets: ctx.counter("direct_channel_packets"),
+            handover_ns: ctx.counter("direct_handover_ns"),
+            handback_ns: ctx.counter("direct_handback_ns"),
             to_controller: ctx.counter("packet_ins"),
             controller_drops: ctx.counter("packet_in_drops"),
         })
@@ -240,15 +250,23 @@ impl App for Switch {
             if let Some(c) = &mut self.cache {
                 c.clear();
             }
-            let took = (self.shared.started.elapsed().as_nanos() as u64)
-                .saturating_sub(self.shared.published_ns.load(Ordering::Relaxed));
-            self.switch_over_ns.set(took);
-            if took > self.switch_over_max_ns.get() {
-                self.switch_over_max_ns.set(took);
-            }
             self.seen = v;
-            self.shared.applied.store(v, Ordering::Release);
             self.manage_channels(io);
+            self.pending_version = Some(v);
+        }
+        if let Some(v) = self.pending_version {
+            // A table is in effect once no channel the old one allowed still carries packets:
+            // a BARRIER is answered only then.
+            if self.channels.iter().all(|c| !c.direct.is_draining()) {
+                let took = (self.shared.started.elapsed().as_nanos() as u64)
+                    .saturating_sub(self.shared.published_ns.load(Ordering::Relaxed));
+                self.switch_over_ns.set(took);
+                if took > self.switch_over_max_ns.get() {
+                    self.switch_over_max_ns.set(took);
+                }
+                self.shared.applied.store(v, Ordering::Release);
+                self.pending_version = None;
+            }
         }
         if self.shared.has_packet_outs.swap(false, Ordering::AcqRel) {
             let outs = std::mem::take(&mut *self.shared.packet_outs.lock().unwrap());
@@ -503,7 +521,14 @@ impl Switch {
                 self.channel_packets.add(p);
             }
             let phase = c.direct.phase();
+            if !c.handover_reported && c.direct.handover_ns.load(Ordering::Relaxed) > 0 {
+                c.handover_reported = true;
+                self.handover_ns
+                    .set(c.direct.handover_ns.load(Ordering::Relaxed));
+            }
             if phase == Phase::Retired {
+                self.handback_ns
+                    .set(c.direct.handback_ns.load(Ordering::Relaxed));
                 self.channels.swap_remove(i);
                 continue;
             }
@@ -546,7 +571,10 @@ impl Switch {
             if sa.outgoing.is_some() || sb.incoming.is_some() {
                 continue;
             }
-            match Direct::new(&a, &b, a.settings.ring_size) {
+            // Room for a few milliseconds of traffic: the sender gets slots back only once
+            // Stitch accounted them, and on a loaded machine its thread may wait that long.
+            let size = (a.settings.ring_size * 4).clamp(4096, 65536);
+            match Direct::new(&a, &b, size) {
                 Ok(d) => {
                     sa.outgoing = Some(d.clone());
                     sb.incoming = Some(d.clone());
@@ -566,6 +594,7 @@ impl Switch {
                         from,
                         to,
                         entry,
+                        handover_reported: false,
                     });
                 }
                 Err(e) => log::debug!("switch `{}`: no direct channel: {e}", self.shared.name),
