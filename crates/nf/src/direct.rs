@@ -511,3 +511,170 @@ pub fn send_control(
     let line = format!("{message}\n");
     stitch_core::fdpass::send_flags(conn.as_raw_fd(), line.as_bytes(), fds, libc::MSG_DONTWAIT)
 }
+
+/// A zero-copy port with a function attached (generation `generation`) holding nothing, for
+/// tests and fuzzing of channels without an engine.
+#[doc(hidden)]
+pub fn test_port(name: &str, generation: u64) -> (Arc<PortShared>, Arc<Held>) {
+    use std::os::fd::FromRawFd;
+    let p = PortShared::new(
+        name,
+        crate::listener::PortSettings {
+            zero_copy: true,
+            blocking: false,
+            ring_size: 64,
+            buffers: 64,
+            buffer_size: 2048,
+        },
+    );
+    let held = Held::new(4096);
+    let fd = unsafe { OwnedFd::from_raw_fd(libc::eventfd(0, libc::EFD_CLOEXEC)) };
+    *p.current.lock().unwrap() = Some(Current {
+        generation,
+        held: held.clone(),
+        doorbell: Arc::new(fd),
+        blocking: false,
+    });
+    (p, held)
+}
+
+/// The channel's mapping as the functions see it (tests and fuzzing).
+#[doc(hidden)]
+pub fn test_ring(d: &Direct) -> RingView {
+    d.ring
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::shm::{Desc, Producer};
+
+    fn desc(buffer: u32) -> Desc {
+        Desc {
+            buffer,
+            offset: 0,
+            flags: 0,
+            len: 60,
+            stamp_lo: 0,
+        }
+    }
+
+    /// No buffer is ever held by both functions, and none is lost between them.
+    fn check(a: &Held, b: &Held, total: u64) {
+        let (mut x, mut y) = (a.lock(), b.lock());
+        let (ca, cb) = (x.count(), y.count());
+        let both: Vec<usize> = x.take_all();
+        let bs: std::collections::HashSet<usize> = y.take_all().into_iter().collect();
+        assert!(both.iter().all(|i| !bs.contains(i)), "a buffer held twice");
+        for i in &both {
+            x.hold(*i as u32);
+        }
+        for i in &bs {
+            y.hold(*i as u32);
+        }
+        assert!(ca + cb <= total);
+    }
+
+    #[test]
+    fn a_channel_hands_over_accounts_and_survives_garbage() {
+        let (a, held_a) = test_port("a", 1);
+        let (b, held_b) = test_port("b", 2);
+        {
+            let mut h = held_a.lock();
+            for i in 0..200 {
+                h.hold(i);
+            }
+        }
+        let d = Direct::new(&a, &b, 64).unwrap();
+        let h = d.header();
+        let ring = test_ring(&d);
+        let mut tx = unsafe { Producer::gated(ring, &h.released.0) };
+        // Offered: A's port reads only its own ring until A writes here.
+        assert_eq!(d.sender_step(0, true), SenderStep::FromNf);
+        h.sender.0.store(1, Ordering::Release);
+        assert_eq!(d.sender_step(0, true), SenderStep::FromNfThenChannel);
+        for i in 0..10 {
+            tx.put(desc(i));
+        }
+        tx.publish();
+        // Stitch reads the channel while B has not mapped it.
+        let (mut c, n) = d.engine_reader().unwrap();
+        assert_eq!(n, 10);
+        for _ in 0..n {
+            held_a.lock().release(c.take().buffer);
+        }
+        d.engine_read_done(&c);
+        // B mapped it: A's port stops reading after 10 packets sent; the switch passes them
+        // on (12 on B's link by then); B's port hands over once it consumed those.
+        h.receiver.0.store(1, Ordering::Release);
+        assert_eq!(d.sender_step(10, true), SenderStep::FromNf);
+        d.switch_progress(9, 11);
+        assert_eq!(d.receiver_pull(100, true), (true, 0));
+        assert_eq!(
+            d.phase(),
+            Phase::HandingOff,
+            "the switch has not consumed all 10"
+        );
+        d.switch_progress(10, 12);
+        assert_eq!(d.receiver_pull(11, true), (true, 0));
+        assert_eq!(d.phase(), Phase::HandingOff, "B's port has not consumed 12");
+        assert_eq!(d.receiver_pull(12, true), (true, 0));
+        assert_eq!(d.phase(), Phase::ReceiverReads);
+        assert_eq!(h.reader.0.load(Ordering::Acquire), 1);
+        // B reads 30 of 40: they become B's, counted.
+        for i in 10..50 {
+            tx.put(desc(i));
+        }
+        tx.publish();
+        let mut rx = Consumer::resuming(ring);
+        for _ in 0..30 {
+            rx.take();
+        }
+        rx.release();
+        assert_eq!(d.receiver_pull(12, true), (true, 30));
+        assert_eq!(d.take_counts(), (30, 1800));
+        assert_eq!(held_b.lock().count(), 30);
+        check(&held_a, &held_b, 200);
+        // Garbage from A: a buffer it does not hold. From B: an impossible tail.
+        tx.put(desc(3000));
+        tx.publish();
+        for _ in 0..11 {
+            rx.take();
+        }
+        rx.release();
+        assert_eq!(d.receiver_pull(12, true), (true, 10));
+        assert_eq!(d.bad.load(Ordering::Relaxed), 1);
+        h.ring.tail.0.store(rx.position() + 1000, Ordering::Release);
+        assert_eq!(d.receiver_pull(12, true), (true, 0));
+        h.ring.tail.0.store(rx.position(), Ordering::Release);
+        check(&held_a, &held_b, 200);
+        // The end: B stops, A leaves after 5 more, Stitch drains them, the channel retires.
+        for i in 50..55 {
+            tx.put(desc(i));
+        }
+        tx.publish();
+        d.end();
+        assert_eq!(d.sender_step(10, true), SenderStep::Nothing);
+        h.receiver.0.store(2, Ordering::Release);
+        assert_eq!(d.receiver_pull(12, true), (true, 0));
+        assert_eq!(d.phase(), Phase::EngineDrains);
+        assert_eq!(d.sender_step(10, true), SenderStep::Channel);
+        let (mut c, n) = d.engine_reader().unwrap();
+        assert_eq!(n, 5);
+        for _ in 0..n {
+            assert!(held_a.lock().release(c.take().buffer));
+        }
+        d.engine_read_done(&c);
+        assert_eq!(
+            d.sender_step(10, true),
+            SenderStep::Channel,
+            "A has not left"
+        );
+        h.sender.0.store(2, Ordering::Release);
+        assert_eq!(d.sender_step(10, true), SenderStep::Retired);
+        assert!(d.handover_ns.load(Ordering::Relaxed) > 0);
+        assert!(d.handback_ns.load(Ordering::Relaxed) > 0);
+        check(&held_a, &held_b, 200);
+        assert_eq!(held_a.lock().count() + held_b.lock().count(), 200 - 10 - 5);
+    }
+}
