@@ -514,8 +514,9 @@ impl Function {
             }
             if self.blocking {
                 if self.has_work() {
-                    // Work waits but its output is full: let the next function run.
-                    std::thread::yield_now();
+                    // Work waits but its output is full: give the core to the functions
+                    // downstream for a moment instead of spinning on it.
+                    std::thread::sleep(std::time::Duration::from_micros(20));
                     continue;
                 }
                 match self.wait() {

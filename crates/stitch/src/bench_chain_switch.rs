@@ -8,8 +8,8 @@
 //! Between two function ports a point-to-point flow also gets a direct channel: the function
 //! writes straight to the next one's ring and the switch is out of the path (seed 001).
 //!
-//! Per point: Mpps at full load, latency (mean, p99) at half of that load (or `--rate`), cores
-//! used (engine + functions, CPU seconds per second), and the switch-over time while every flow
+//! Per point: Mpps at full load, cores used there (engine + functions, CPU seconds per second),
+//! latency (mean, p99) and the engine's CPU per packet at half of that load (or `--rate`), and the switch-over time while every flow
 //! is flipped between the two shapes under traffic (`ovs-ofctl replace-flows`, ten times): the
 //! data path's own figure (a table's publication to the data path running it, the switch's
 //! `switch_over_ns` counter; median), the whole `ovs-ofctl` round trip (process start, flow
@@ -72,6 +72,9 @@ struct SwitchOver {
 struct Point {
     mpps: f64,
     cores: f64,
+    /// The engine's CPU per packet delivered (generator, switch, ports, sink): with direct
+    /// channels it should not grow with the chain (seed 001: cores 2+2+N instead of 2+3N).
+    engine_ns: f64,
     mean_us: f64,
     p99_us: f64,
 }
@@ -155,10 +158,10 @@ fn phase(
     ofctl(port, &["add-flows", "SWITCH", file.to_str().unwrap()])?;
     run.go()?;
     let (p0, t0) = (crate::bench::sink_packets(engine), Instant::now());
-    let c0 = run.cpu();
+    let c0 = run.cpu_split();
     std::thread::sleep(Duration::from_secs_f64(args.seconds));
     let p1 = crate::bench::sink_packets(engine);
-    let c1 = run.cpu();
+    let c1 = run.cpu_split();
     let wall = t0.elapsed().as_secs_f64();
     let mut switch_over = None;
     if switch_overs {
@@ -223,7 +226,8 @@ fn phase(
     Ok((
         Point {
             mpps: pps / 1e6,
-            cores: (c1 - c0) / wall,
+            cores: (c1.0 + c1.1 - c0.0 - c0.1) / wall,
+            engine_ns: (c1.0 - c0.0) * 1e9 / (p1 - p0).max(1) as f64,
             mean_us,
             p99_us,
         },
@@ -389,7 +393,7 @@ pub fn run(args: ChainSwitchArgs, mut r: Registry) -> Result<()> {
         args.seconds
     );
     println!(
-        "{:>3} {:>7} {:>9} {:>7} | {:>10} {:>9} {:>9} | {:>12} {:>12} {:>10} {:>10}",
+        "{:>3} {:>7} {:>9} {:>7} | {:>10} {:>9} {:>9} {:>10} | {:>12} {:>12} {:>10} {:>10}",
         "N",
         "bypass",
         "max Mpps",
@@ -397,6 +401,7 @@ pub fn run(args: ChainSwitchArgs, mut r: Registry) -> Result<()> {
         "at Mpps",
         "mean µs",
         "p99 µs",
+        "engine/pkt",
         "switch-over",
         "ofctl trip",
         "hand-over",
@@ -409,7 +414,7 @@ pub fn run(args: ChainSwitchArgs, mut r: Registry) -> Result<()> {
             let load = args.rate.unwrap_or(full.mpps / 2.0);
             let (low, _) = phase(&registry, n, bypass, &args, Some(load * 1e6), false)?;
             println!(
-                "{:>3} {:>7} {:>9.3} {:>7.2} | {:>10.3} {:>9.1} {:>9.0} | {:>9.1} µs {:>9.1} ms {:>10} {:>10}",
+                "{:>3} {:>7} {:>9.3} {:>7.2} | {:>10.3} {:>9.1} {:>9.0} {:>7.0} ns | {:>9.1} µs {:>9.1} ms {:>10} {:>10}",
                 n,
                 if bypass { "on" } else { "off" },
                 full.mpps,
@@ -417,6 +422,7 @@ pub fn run(args: ChainSwitchArgs, mut r: Registry) -> Result<()> {
                 low.mpps,
                 low.mean_us,
                 low.p99_us,
+                low.engine_ns,
                 switch_over.as_ref().map_or(0.0, |d| d.table.as_secs_f64() * 1e6),
                 switch_over.as_ref().map_or(0.0, |d| d.round_trip.as_secs_f64() * 1e3),
                 micros(switch_over.as_ref().and_then(|d| d.handover)),

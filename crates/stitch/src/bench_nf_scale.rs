@@ -212,7 +212,13 @@ impl WithFunctions {
 
     /// CPU seconds used so far by this process (the engine) and the functions.
     pub(crate) fn cpu(&self) -> f64 {
-        cpu_seconds(libc::RUSAGE_SELF) + children_cpu(&self.children)
+        let (engine, functions) = self.cpu_split();
+        engine + functions
+    }
+
+    /// CPU seconds so far of this process (the engine) and of the functions, apart.
+    pub(crate) fn cpu_split(&self) -> (f64, f64) {
+        (cpu_seconds(libc::RUSAGE_SELF), children_cpu(&self.children))
     }
 
     /// Stops the engine (the latency sinks hand in their records) and the functions.
