@@ -32,8 +32,8 @@ use crate::shm::{Consumer, Desc, Producer, FLAG_DROP};
 use serde::Deserialize;
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use stitch_core::app::{AppContext, AppError, Counter, Io, PortSpec, Reconfigured};
 use stitch_core::{pool, App};
@@ -360,6 +360,9 @@ impl App for NfPort {
         if !self.leaving.is_empty() {
             self.drain_leaving(io);
         }
+        if HAS_ORPHANS.load(Ordering::Relaxed) {
+            finish_orphans();
+        }
         let Some(a) = self.active.as_mut() else {
             return;
         };
@@ -501,6 +504,7 @@ impl App for NfPort {
 
     fn stop(&mut self) {
         self.detach();
+        self.orphan_channels();
         self.listener.unregister(&self.shared);
     }
 
@@ -603,6 +607,15 @@ impl NfPort {
                 a.incoming = Some(d);
             }
         }
+    }
+
+    /// The port is going away: its function's channels are finished by the ports that remain.
+    fn orphan_channels(&mut self) {
+        if self.leaving.is_empty() {
+            return;
+        }
+        ORPHANS.lock().unwrap().append(&mut self.leaving);
+        HAS_ORPHANS.store(true, Ordering::Relaxed);
     }
 
     /// Forgets a retired channel (and frees its slot for the next offer).
@@ -832,6 +845,36 @@ impl NfPort {
 impl Drop for NfPort {
     fn drop(&mut self) {
         self.detach();
+        self.orphan_channels();
         self.listener.unregister(&self.shared);
     }
+}
+
+/// Channels whose sending port was removed while they still held its function's packets:
+/// any other function port finishes them (reads them empty, frees what is left).
+static ORPHANS: Mutex<Vec<Leaving>> = Mutex::new(Vec::new());
+static HAS_ORPHANS: AtomicBool = AtomicBool::new(false);
+
+fn finish_orphans() {
+    let Ok(mut orphans) = ORPHANS.try_lock() else {
+        return;
+    };
+    orphans.retain(|l| match l.direct.sender_step(0, false) {
+        SenderStep::Channel => {
+            if let Some((mut c, n)) = l.direct.engine_reader() {
+                take_back(&mut c, n, &l.held, None);
+                l.direct.engine_read_done(&c);
+                true
+            } else {
+                reclaim(&l.held);
+                false
+            }
+        }
+        SenderStep::Retired => {
+            reclaim(&l.held);
+            false
+        }
+        _ => true,
+    });
+    HAS_ORPHANS.store(!orphans.is_empty(), Ordering::Relaxed);
 }
