@@ -79,6 +79,19 @@ impl PortShared {
             direct: Mutex::new(DirectSlots::default()),
         })
     }
+
+    /// Frees the slot of a channel that is done with, if the slot still holds that one.
+    pub fn forget_direct(&self, d: &Arc<Direct>, outgoing: bool) {
+        let mut slots = self.direct.lock().unwrap();
+        let slot = if outgoing {
+            &mut slots.outgoing
+        } else {
+            &mut slots.incoming
+        };
+        if slot.as_ref().is_some_and(|s| Arc::ptr_eq(s, d)) {
+            *slot = None;
+        }
+    }
 }
 
 static GENERATION: AtomicU64 = AtomicU64::new(1);

@@ -586,7 +586,14 @@ impl NfPort {
         for (d, outgoing) in [(out, true), (inc, false)] {
             let Some(d) = d else { continue };
             let Some(a) = self.active.as_mut() else {
+                // No function to give it to: ended at once (nothing was ever written to it).
                 d.end();
+                if outgoing {
+                    d.sender_step(0, false);
+                } else {
+                    d.receiver_left();
+                }
+                self.shared.forget_direct(&d, outgoing);
                 continue;
             };
             let mine = if outgoing { &a.outgoing } else { &a.incoming };
@@ -628,15 +635,8 @@ impl NfPort {
         } else {
             a.incoming.take()
         };
-        let Some(d) = d else { return };
-        let mut slots = self.shared.direct.lock().unwrap();
-        let slot = if outgoing {
-            &mut slots.outgoing
-        } else {
-            &mut slots.incoming
-        };
-        if slot.as_ref().is_some_and(|s| Arc::ptr_eq(s, &d)) {
-            *slot = None;
+        if let Some(d) = d {
+            self.shared.forget_direct(&d, outgoing);
         }
     }
 
@@ -690,14 +690,7 @@ impl NfPort {
     fn retire_leaving(&mut self, i: usize) {
         let l = self.leaving.swap_remove(i);
         self.reclaimed.add(reclaim(&l.held));
-        let mut slots = self.shared.direct.lock().unwrap();
-        if slots
-            .outgoing
-            .as_ref()
-            .is_some_and(|s| Arc::ptr_eq(s, &l.direct))
-        {
-            slots.outgoing = None;
-        }
+        self.shared.forget_direct(&l.direct, true);
     }
 
     /// Drops the attachment and takes back every buffer the function held.
@@ -709,10 +702,7 @@ impl NfPort {
         // What it read from an incoming channel is its own: accounted before the reclaim.
         if let Some(d) = a.incoming.take() {
             d.receiver_left();
-            let mut slots = self.shared.direct.lock().unwrap();
-            if slots.incoming.as_ref().is_some_and(|s| Arc::ptr_eq(s, &d)) {
-                slots.incoming = None;
-            }
+            self.shared.forget_direct(&d, false);
         }
         if self.shared.settings.zero_copy {
             if let Some(d) = a.outgoing.take() {
