@@ -17,6 +17,11 @@
 //! When a function exits, crashes or is killed, its connection closes: the port goes down, the
 //! buffers it held are reclaimed (`reclaimed`), counters are kept, and it can attach again.
 //!
+//! A `switch` whose rules join two zero-copy function ports point to point gives them a direct
+//! channel ([`crate::direct`]): the first function's packets go straight to the second, which
+//! counts them in `direct_channel_packets` (they do not cross the links or `from_function` /
+//! `to_function`).
+//!
 //! ```yaml
 //! apps:
 //!   tenant1: { type: nf_port, socket: /run/stitch/nf.sock, mode: isolated, wake: blocking,
