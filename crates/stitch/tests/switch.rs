@@ -266,6 +266,20 @@ links:
     assert_in_order(&dir.path().join("out.pcap"), N);
 }
 
+/// A `stitch-nf-signature` process serving function port `port` on socket `nf`.
+fn signature_function(nf: &std::path::Path, port: &str) -> Background {
+    let sig =
+        std::path::Path::new(env!("CARGO_BIN_EXE_stitch")).with_file_name("stitch-nf-signature");
+    Background(
+        Command::new(sig)
+            .arg("--socket")
+            .arg(nf)
+            .arg(port)
+            .spawn()
+            .unwrap(),
+    )
+}
+
 /// `n` UDP frames carrying their sequence number, 100 µs apart (paced replay: `n` / 10 ms).
 fn write_sequence(path: &std::path::Path, n: u32) {
     let f = std::fs::File::create(path).unwrap();
@@ -352,21 +366,7 @@ links:
         ),
         &["--keep-running"],
     );
-    let sig =
-        std::path::Path::new(env!("CARGO_BIN_EXE_stitch")).with_file_name("stitch-nf-signature");
-    let _functions: Vec<Background> = ["f0", "f1"]
-        .iter()
-        .map(|p| {
-            Background(
-                Command::new(&sig)
-                    .arg("--socket")
-                    .arg(&nf)
-                    .arg(p)
-                    .spawn()
-                    .unwrap(),
-            )
-        })
-        .collect();
+    let _functions = [signature_function(&nf, "f0"), signature_function(&nf, "f1")];
     let t = Instant::now();
     while ["f0", "f1"].iter().any(|f| {
         s.stats()
@@ -474,18 +474,7 @@ links:
     ] {
         ofctl(port, &["add-flow", flow]);
     }
-    let sig =
-        std::path::Path::new(env!("CARGO_BIN_EXE_stitch")).with_file_name("stitch-nf-signature");
-    let start = |p: &str| {
-        Background(
-            Command::new(&sig)
-                .arg("--socket")
-                .arg(&nf)
-                .arg(p)
-                .spawn()
-                .unwrap(),
-        )
-    };
+    let start = |p: &str| signature_function(&nf, p);
     let counter = |app_name: &str, c: &str| {
         s.stats()
             .and_then(|st| app(&st, app_name)["counters"][c].as_u64())
@@ -549,6 +538,59 @@ links:
         Some(0)
     );
     unsafe { libc::kill(f0.0.id() as i32, libc::SIGKILL) };
+}
+
+/// An isolated (untrusted) function never shares memory with another: point-to-point rules
+/// toward it keep its traffic in the switch, with no direct channel.
+#[test]
+fn an_isolated_function_gets_no_direct_channel() {
+    require_root_and_tools(&["ovs-ofctl"]);
+    let dir = tempfile::tempdir().unwrap();
+    let nf = dir.path().join("nf.sock");
+    let port = free_port();
+    let s = Stitch::run_with(
+        &format!(
+            "apps:
+  gen: {{ type: generator, size: 64, rate: 50000 }}
+  sw: {{ type: switch, ports: [gen, f0, f1, out], listen: \"127.0.0.1:{port}\" }}
+  f0: {{ type: nf_port, socket: {nf}, mode: zero_copy, wake: blocking }}
+  f1: {{ type: nf_port, socket: {nf}, mode: isolated, wake: blocking }}
+  out: {{ type: sink }}
+links:
+  - \"gen.output -> sw.gen\"
+  - \"sw.f0 -> f0.input\"
+  - \"f0.output -> sw.f0\"
+  - \"sw.f1 -> f1.input\"
+  - \"f1.output -> sw.f1\"
+  - \"sw.out -> out.input\"
+",
+            nf = nf.display(),
+        ),
+        &["--keep-running"],
+    );
+    for flow in [
+        "priority=100,in_port=1,actions=output:2",
+        "priority=100,in_port=2,actions=output:3",
+        "priority=100,in_port=3,actions=output:4",
+    ] {
+        ofctl(port, &["add-flow", flow]);
+    }
+    let _functions = [signature_function(&nf, "f0"), signature_function(&nf, "f1")];
+    let t = Instant::now();
+    while s.stats().is_none_or(|st| {
+        app(&st, "f1")["counters"]["from_function"]
+            .as_u64()
+            .unwrap_or(0)
+            < 5000
+    }) {
+        assert!(t.elapsed() < Duration::from_secs(10), "traffic through f1");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let stats = s.stop();
+    let c = &app(&stats, "sw")["counters"];
+    assert_eq!(c["direct_channel_packets"].as_u64(), Some(0), "{c}");
+    assert_eq!(c["direct_channels"].as_u64(), Some(0), "{c}");
+    assert!(c["point_to_point_packets"].as_u64().unwrap() > 5000, "{c}");
 }
 
 /// `stitch bench chain-switch` end to end on the smallest chain: a function process attached,
