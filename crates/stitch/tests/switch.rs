@@ -266,6 +266,49 @@ links:
     assert_in_order(&dir.path().join("out.pcap"), N);
 }
 
+/// src → switch → f0 → switch → f1 → switch → out, with the point-to-point flows: `source`
+/// is the YAML of app `src` (none: added later), `f0` and `f1` the modes of the two function
+/// ports, `sink` the YAML of app `out`. Returns Stitch and the OpenFlow port.
+fn chain_of_two_functions(
+    nf: &std::path::Path,
+    source: Option<&str>,
+    f0: &str,
+    f1: &str,
+    sink: &str,
+) -> (Stitch, u16) {
+    let port = free_port();
+    let (src_app, src_link) = match source {
+        Some(spec) => (format!("  src: {spec}\n"), "  - \"src.output -> sw.src\"\n"),
+        None => (String::new(), ""),
+    };
+    let s = Stitch::run_with(
+        &format!(
+            "apps:
+{src_app}  sw: {{ type: switch, ports: [src, f0, f1, out], listen: \"127.0.0.1:{port}\" }}
+  f0: {{ type: nf_port, socket: {nf}, mode: {f0} }}
+  f1: {{ type: nf_port, socket: {nf}, mode: {f1} }}
+  out: {sink}
+links:
+{src_link}  - \"sw.f0 -> f0.input\"
+  - \"f0.output -> sw.f0\"
+  - \"sw.f1 -> f1.input\"
+  - \"f1.output -> sw.f1\"
+  - \"sw.out -> out.input\"
+",
+            nf = nf.display(),
+        ),
+        &["--keep-running"],
+    );
+    for flow in [
+        "priority=100,in_port=1,actions=output:2",
+        "priority=100,in_port=2,actions=output:3",
+        "priority=100,in_port=3,actions=output:4",
+    ] {
+        ofctl(port, &["add-flow", flow]);
+    }
+    (s, port)
+}
+
 /// A `stitch-nf-signature` process serving function port `port` on socket `nf`.
 fn signature_function(nf: &std::path::Path, port: &str) -> Background {
     let sig =
@@ -346,25 +389,16 @@ fn function_processes_get_a_direct_channel_and_give_it_back_losing_nothing() {
     let dir = tempfile::tempdir().unwrap();
     write_sequence(&dir.path().join("seq.pcap"), N);
     let nf = dir.path().join("nf.sock");
-    let port = free_port();
-    let s = Stitch::run_with(
-        &format!(
-            "apps:
-  sw: {{ type: switch, ports: [src, f0, f1, out], listen: \"127.0.0.1:{port}\" }}
-  f0: {{ type: nf_port, socket: {nf}, mode: zero_copy, wake: polling }}
-  f1: {{ type: nf_port, socket: {nf}, mode: zero_copy, wake: blocking }}
-  out: {{ type: pcap_sink, file: {dir}/out.pcap }}
-links:
-  - \"sw.f0 -> f0.input\"
-  - \"f0.output -> sw.f0\"
-  - \"sw.f1 -> f1.input\"
-  - \"f1.output -> sw.f1\"
-  - \"sw.out -> out.input\"
-",
-            nf = nf.display(),
-            dir = dir.path().display()
-        ),
-        &["--keep-running"],
+    let sink = format!(
+        "{{ type: pcap_sink, file: {}/out.pcap }}",
+        dir.path().display()
+    );
+    let (s, port) = chain_of_two_functions(
+        &nf,
+        None,
+        "zero_copy, wake: polling",
+        "zero_copy, wake: blocking",
+        &sink,
     );
     let _functions = [signature_function(&nf, "f0"), signature_function(&nf, "f1")];
     let t = Instant::now();
@@ -374,13 +408,6 @@ links:
     }) {
         assert!(t.elapsed() < Duration::from_secs(10), "functions attach");
         std::thread::sleep(Duration::from_millis(20));
-    }
-    for flow in [
-        "priority=100,in_port=1,actions=output:2",
-        "priority=100,in_port=2,actions=output:3",
-        "priority=100,in_port=3,actions=output:4",
-    ] {
-        ofctl(port, &["add-flow", flow]);
     }
     let t = Instant::now();
     while s
@@ -446,34 +473,13 @@ fn killing_a_function_on_a_direct_channel_leaks_nothing() {
     require_root_and_tools(&["ovs-ofctl"]);
     let dir = tempfile::tempdir().unwrap();
     let nf = dir.path().join("nf.sock");
-    let port = free_port();
-    let s = Stitch::run_with(
-        &format!(
-            "apps:
-  gen: {{ type: generator, size: 64, rate: 200000 }}
-  sw: {{ type: switch, ports: [gen, f0, f1, out], listen: \"127.0.0.1:{port}\" }}
-  f0: {{ type: nf_port, socket: {nf}, mode: zero_copy, wake: blocking }}
-  f1: {{ type: nf_port, socket: {nf}, mode: zero_copy, wake: polling }}
-  out: {{ type: sink }}
-links:
-  - \"gen.output -> sw.gen\"
-  - \"sw.f0 -> f0.input\"
-  - \"f0.output -> sw.f0\"
-  - \"sw.f1 -> f1.input\"
-  - \"f1.output -> sw.f1\"
-  - \"sw.out -> out.input\"
-",
-            nf = nf.display(),
-        ),
-        &["--keep-running"],
+    let (s, _) = chain_of_two_functions(
+        &nf,
+        Some("{ type: generator, size: 64, rate: 200000 }"),
+        "zero_copy, wake: blocking",
+        "zero_copy, wake: polling",
+        "{ type: sink }",
     );
-    for flow in [
-        "priority=100,in_port=1,actions=output:2",
-        "priority=100,in_port=2,actions=output:3",
-        "priority=100,in_port=3,actions=output:4",
-    ] {
-        ofctl(port, &["add-flow", flow]);
-    }
     let start = |p: &str| signature_function(&nf, p);
     let counter = |app_name: &str, c: &str| {
         s.stats()
@@ -527,7 +533,7 @@ links:
         counter("sw", "direct_channels") == 0
     });
     // Traffic stops: every buffer comes back.
-    assert_eq!(s.call("DELETE", "/api/v1/apps/gen", None).0, 200);
+    assert_eq!(s.call("DELETE", "/api/v1/apps/src", None).0, 200);
     wait_until("no buffer held", &|| {
         s.stats()
             .is_some_and(|st| st["pool"]["in_use"].as_u64() == Some(0))
@@ -547,34 +553,13 @@ fn an_isolated_function_gets_no_direct_channel() {
     require_root_and_tools(&["ovs-ofctl"]);
     let dir = tempfile::tempdir().unwrap();
     let nf = dir.path().join("nf.sock");
-    let port = free_port();
-    let s = Stitch::run_with(
-        &format!(
-            "apps:
-  gen: {{ type: generator, size: 64, rate: 50000 }}
-  sw: {{ type: switch, ports: [gen, f0, f1, out], listen: \"127.0.0.1:{port}\" }}
-  f0: {{ type: nf_port, socket: {nf}, mode: zero_copy, wake: blocking }}
-  f1: {{ type: nf_port, socket: {nf}, mode: isolated, wake: blocking }}
-  out: {{ type: sink }}
-links:
-  - \"gen.output -> sw.gen\"
-  - \"sw.f0 -> f0.input\"
-  - \"f0.output -> sw.f0\"
-  - \"sw.f1 -> f1.input\"
-  - \"f1.output -> sw.f1\"
-  - \"sw.out -> out.input\"
-",
-            nf = nf.display(),
-        ),
-        &["--keep-running"],
+    let (s, _) = chain_of_two_functions(
+        &nf,
+        Some("{ type: generator, size: 64, rate: 50000 }"),
+        "zero_copy, wake: blocking",
+        "isolated, wake: blocking",
+        "{ type: sink }",
     );
-    for flow in [
-        "priority=100,in_port=1,actions=output:2",
-        "priority=100,in_port=2,actions=output:3",
-        "priority=100,in_port=3,actions=output:4",
-    ] {
-        ofctl(port, &["add-flow", flow]);
-    }
     let _functions = [signature_function(&nf, "f0"), signature_function(&nf, "f1")];
     let t = Instant::now();
     while s.stats().is_none_or(|st| {
