@@ -421,6 +421,15 @@ fn function_processes_get_a_direct_channel_and_give_it_back_losing_nothing() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+    // `stitch show sw` lists it.
+    let (code, shown) = s.call("POST", "/api/v1/apps/sw/query", Some("{}"));
+    assert_eq!(code, 200, "{shown}");
+    let ch = &shown["direct_channels"][0];
+    assert_eq!(
+        (ch["from"].as_str(), ch["to"].as_str(), ch["phase"].as_str()),
+        (Some("f0"), Some("f1"), Some("ReceiverReads")),
+        "{shown}"
+    );
     let src = format!(
         r#"{{"type": "pcap_source", "file": "{}/seq.pcap", "pace": true}}"#,
         dir.path().display()

@@ -388,7 +388,22 @@ impl App for Switch {
                 })
             })
             .collect();
-        serde_json::json!({ "datapath_id": format!("{:016x}", self.shared.datapath_id), "flows": flows })
+        let channels: Vec<_> = self
+            .channels
+            .iter()
+            .map(|c| {
+                serde_json::json!({
+                    "from": c.direct.from.name, "to": c.direct.to.name,
+                    "ports": [c.from + 1, c.to + 1],
+                    "phase": format!("{:?}", c.direct.phase()),
+                })
+            })
+            .collect();
+        serde_json::json!({
+            "datapath_id": format!("{:016x}", self.shared.datapath_id),
+            "flows": flows,
+            "direct_channels": channels,
+        })
     }
 }
 
