@@ -24,6 +24,47 @@ pub struct VhostBenchArgs {
     /// Frame size of the first burst the front-end sends.
     #[arg(long, default_value_t = 64)]
     pub size: usize,
+    /// Give everyone 2 MiB hugepages, as production deployments do: reserves them for the
+    /// run (and gives them back after), mounts a hugetlbfs for both testpmds; Stitch's pool
+    /// takes them by itself. Without it, everyone runs on 4 KiB pages (`--no-huge`).
+    #[arg(long)]
+    pub hugepages: bool,
+}
+
+/// Hugepages reserved and a hugetlbfs mounted for one invocation; both undone on drop.
+struct HugePages {
+    before: u64,
+    dir: tempfile::TempDir,
+}
+
+const NR_HUGEPAGES: &str = "/proc/sys/vm/nr_hugepages";
+
+impl HugePages {
+    fn reserve(pages: u64) -> Result<HugePages> {
+        let before: u64 = std::fs::read_to_string(NR_HUGEPAGES)?.trim().parse()?;
+        if before < pages {
+            std::fs::write(NR_HUGEPAGES, pages.to_string())
+                .context("reserving hugepages (needs root)")?;
+        }
+        let dir = tempfile::tempdir()?;
+        let ok = Command::new("mount")
+            .args(["-t", "hugetlbfs", "none"])
+            .arg(dir.path())
+            .status()?
+            .success();
+        if !ok {
+            let _ = std::fs::write(NR_HUGEPAGES, before.to_string());
+            bail!("cannot mount a hugetlbfs on {}", dir.path().display());
+        }
+        Ok(HugePages { before, dir })
+    }
+}
+
+impl Drop for HugePages {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(self.dir.path()).status();
+        let _ = std::fs::write(NR_HUGEPAGES, self.before.to_string());
+    }
 }
 
 struct Proc {
@@ -50,7 +91,13 @@ impl Drop for Proc {
     }
 }
 
-fn testpmd(prefix: &str, cpu: usize, vdevs: &[String], extra: &[&str]) -> Result<Command> {
+fn testpmd(
+    prefix: &str,
+    cpu: usize,
+    vdevs: &[String],
+    extra: &[&str],
+    huge: Option<&std::path::Path>,
+) -> Result<Command> {
     if Command::new("sh")
         .args(["-c", "command -v dpdk-testpmd"])
         .output()?
@@ -62,12 +109,16 @@ fn testpmd(prefix: &str, cpu: usize, vdevs: &[String], extra: &[&str]) -> Result
     let mut c = Command::new("dpdk-testpmd");
     c.arg("--lcores").arg(format!("0@{cpu},1@{cpu}")).args([
         "--no-pci",
-        "--no-huge",
         "-m",
         "1024",
         "--file-prefix",
         prefix,
     ]);
+    match huge {
+        // One file per memory region: vhost-user passes at most eight.
+        Some(dir) => c.arg("--huge-dir").arg(dir).arg("--single-file-segments"),
+        None => c.arg("--no-huge"),
+    };
     for v in vdevs {
         c.arg("--vdev").arg(v);
     }
@@ -77,7 +128,13 @@ fn testpmd(prefix: &str, cpu: usize, vdevs: &[String], extra: &[&str]) -> Result
 }
 
 /// Runs the front-end for `secs` and returns the median of its Rx-pps sums.
-fn front_end(dir: &std::path::Path, tag: &str, secs: f64, size: usize) -> Result<f64> {
+fn front_end(
+    dir: &std::path::Path,
+    tag: &str,
+    secs: f64,
+    size: usize,
+    huge: Option<&std::path::Path>,
+) -> Result<f64> {
     let prefix = format!("sbv{}{tag}f", std::process::id());
     let vdevs: Vec<String> = ["a", "b"]
         .iter()
@@ -95,6 +152,7 @@ fn front_end(dir: &std::path::Path, tag: &str, secs: f64, size: usize) -> Result
         0,
         &vdevs,
         &["--tx-first", "--stats-period", "1", &size_arg],
+        huge,
     )?;
     let mut child = cmd
         .stdout(Stdio::piped())
@@ -177,14 +235,18 @@ fn stitch_backend(dir: &std::path::Path) -> Result<Proc> {
     })
 }
 
-fn testpmd_backend(dir: &std::path::Path, tag: &str) -> Result<Proc> {
+fn testpmd_backend(
+    dir: &std::path::Path,
+    tag: &str,
+    huge: Option<&std::path::Path>,
+) -> Result<Proc> {
     let prefix = format!("sbv{}{tag}b", std::process::id());
     let vdevs: Vec<String> = ["a", "b"]
         .iter()
         .enumerate()
         .map(|(i, s)| format!("net_vhost{i},iface={}/{s}.sock,queues=1", dir.display()))
         .collect();
-    let child = testpmd(&prefix, 1, &vdevs, &["--stats-period", "5"])?
+    let child = testpmd(&prefix, 1, &vdevs, &["--stats-period", "5"], huge)?
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()?;
@@ -207,12 +269,19 @@ pub fn run(args: VhostBenchArgs) -> Result<()> {
     anyhow::ensure!(args.runs >= 1, "--runs must be at least 1");
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     println!(
-        "bench vhost: {} B frames, {} s × {} runs per back-end, front-end on CPU 0, back-end on CPU 1, load average {}",
+        "bench vhost: {} B frames, {} pages, {} s × {} runs per back-end, front-end on CPU 0, back-end on CPU 1, load average {}",
         args.size,
+        if args.hugepages { "2 MiB" } else { "4 KiB" },
         args.seconds,
         args.runs,
         load.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
     );
+    // Two testpmds of 1 GiB each and Stitch's pool.
+    let huge = args
+        .hugepages
+        .then(|| HugePages::reserve(1600))
+        .transpose()?;
+    let huge_dir = huge.as_ref().map(|h| h.dir.path());
     let mut stitch = Vec::new();
     let mut reference = Vec::new();
     for run in 0..args.runs {
@@ -222,10 +291,10 @@ pub fn run(args: VhostBenchArgs) -> Result<()> {
             let _b = if backend == "stitch" {
                 stitch_backend(dir.path())?
             } else {
-                testpmd_backend(dir.path(), &tag)?
+                testpmd_backend(dir.path(), &tag, huge_dir)?
             };
             wait_sockets(dir.path());
-            let mpps = front_end(dir.path(), &tag, args.seconds, args.size)? / 1e6;
+            let mpps = front_end(dir.path(), &tag, args.seconds, args.size, huge_dir)? / 1e6;
             println!("  run {}: {backend:<8} {mpps:.2} Mpps", run + 1);
             if backend == "stitch" {
                 stitch.push(mpps);
