@@ -396,6 +396,9 @@ impl App for Switch {
                     "from": c.direct.from.name, "to": c.direct.to.name,
                     "ports": [c.from + 1, c.to + 1],
                     "phase": format!("{:?}", c.direct.phase()),
+                    // Descriptors the receiving function read that named a buffer the sender
+                    // did not hold (ignored, counted).
+                    "bad_descriptors": c.direct.bad.load(Ordering::Relaxed),
                 })
             })
             .collect();
