@@ -102,6 +102,16 @@ impl Ring {
         self.consumer_end.get()
     }
 
+    /// Packets the producer has queued so far (without the drops): cheaper than `stats()`.
+    pub fn tx_packets(&self) -> u64 {
+        self.prod.tx_packets.load(Ordering::Relaxed)
+    }
+
+    /// Packets the consumer has taken so far.
+    pub fn rx_packets(&self) -> u64 {
+        self.cons.rx_packets.load(Ordering::Relaxed)
+    }
+
     pub fn stats(&self) -> LinkStats {
         LinkStats {
             tx_packets: self.prod.tx_packets.load(Ordering::Relaxed),

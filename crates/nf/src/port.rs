@@ -247,6 +247,64 @@ fn take_back(
     (got, bad)
 }
 
+/// Stitch reads a channel as its consumer ([`take_back`] over it); `None` when the sending
+/// function published an impossible head.
+fn read_channel(
+    d: &Direct,
+    held: &Held,
+    out: Option<&mut stitch_core::link::Producer>,
+) -> Option<(u64, u64)> {
+    let (mut c, n) = d.engine_reader()?;
+    if n == 0 {
+        return Some((0, 0));
+    }
+    let r = take_back(&mut c, n, held, out);
+    d.engine_read_done(&c);
+    Some(r)
+}
+
+/// Isolated: copies `n` returned slots out of the region into fresh packets, each descriptor
+/// checked; forwarded ones go to `out`. Returns (forwarded, bad, pool exhausted).
+fn copy_back(
+    a: &mut Active,
+    n: u32,
+    mut out: Option<&mut stitch_core::link::Producer>,
+) -> (u64, u64, u64) {
+    let (mut got, mut bad, mut exhausted) = (0u64, 0u64, 0u64);
+    let mut held = a.held.lock();
+    for _ in 0..n {
+        let d = a.from_nf.take();
+        if !held.release(d.buffer) {
+            bad += 1;
+            continue;
+        }
+        a.free_slots.push(d.buffer);
+        if d.flags & FLAG_DROP != 0 {
+            continue;
+        }
+        let (off, len) = (d.offset as usize, d.len as usize);
+        if off + len > a.att.layout.buffer_size as usize {
+            bad += 1;
+            continue;
+        }
+        let Some(mut p) = pool::alloc() else {
+            exhausted += 1;
+            continue;
+        };
+        let src = unsafe { std::slice::from_raw_parts(slot_ptr(&a.att, d.buffer).add(off), len) };
+        if p.set_data(src).is_err() {
+            bad += 1;
+            continue;
+        }
+        p.set_timestamp_ns(a.slot_stamps[d.buffer as usize]);
+        got += 1;
+        if let Some(o) = out.as_mut() {
+            o.transmit(p);
+        }
+    }
+    (got, bad, exhausted)
+}
+
 /// Returns every buffer still marked in `held` to the pool; how many.
 fn reclaim(held: &Held) -> u64 {
     let pool = pool::get();
@@ -384,7 +442,7 @@ impl App for NfPort {
             return;
         };
         if let Some(d) = &a.incoming {
-            let consumed = io.input(0).map_or(0, |c| c.ring().stats().rx_packets);
+            let consumed = io.input(0).map_or(0, |c| c.ring().rx_packets());
             let (live, read) = d.receiver_pull(consumed, true);
             self.direct_packets.add(read);
             if !live {
@@ -394,7 +452,7 @@ impl App for NfPort {
         let a = self.active.as_mut().expect("attached");
         let step = match &a.outgoing {
             Some(d) => {
-                let sent = io.output(0).map_or(0, |o| o.ring().stats().tx_packets);
+                let sent = io.output(0).map_or(0, |o| o.ring().tx_packets());
                 d.sender_step(sent, true)
             }
             None => SenderStep::FromNf,
@@ -649,31 +707,24 @@ impl NfPort {
     fn receive_channel(&mut self, io: &mut Io) {
         let a = self.active.as_mut().expect("attached");
         let d = a.outgoing.clone().expect("a channel");
-        let Some((mut c, n)) = d.engine_reader() else {
+        let Some((got, bad)) = read_channel(&d, &a.held, io.output(0)) else {
             self.bad_descriptors.add(1);
             d.end();
             return;
         };
-        if n == 0 {
-            return;
-        }
-        let (got, bad) = take_back(&mut c, n, &a.held, io.output(0));
-        d.engine_read_done(&c);
         self.from_nf.add(got);
         self.bad_descriptors.add(bad);
     }
 
     /// Channels of functions that left: read empty, then their buffers reclaimed.
     fn drain_leaving(&mut self, io: &mut Io) {
-        let sent = io.output(0).map_or(0, |o| o.ring().stats().tx_packets);
+        let sent = io.output(0).map_or(0, |o| o.ring().tx_packets());
         let mut i = 0;
         while i < self.leaving.len() {
             let l = &self.leaving[i];
             match l.direct.sender_step(sent, false) {
                 SenderStep::Channel => {
-                    if let Some((mut c, n)) = l.direct.engine_reader() {
-                        let (got, bad) = take_back(&mut c, n, &l.held, io.output(0));
-                        l.direct.engine_read_done(&c);
+                    if let Some((got, bad)) = read_channel(&l.direct, &l.held, io.output(0)) {
                         self.from_nf.add(got);
                         self.bad_descriptors.add(bad);
                     } else {
@@ -734,55 +785,12 @@ impl NfPort {
 
     fn receive(&mut self, n: u32, io: &mut Io) {
         let a = self.active.as_mut().expect("attached");
-        if self.shared.settings.zero_copy {
+        let (got, bad, exhausted) = if self.shared.settings.zero_copy {
             let (got, bad) = take_back(&mut a.from_nf, n, &a.held, io.output(0));
-            a.from_nf.release();
-            self.from_nf.add(got);
-            self.bad_descriptors.add(bad);
-            if bad > 0 {
-                log::debug!(
-                    "function port `{}`: {bad} bad descriptors from pid {}",
-                    self.shared.name,
-                    a.att.pid
-                );
-            }
-            return;
-        }
-        let (mut got, mut bad, mut exhausted) = (0u64, 0u64, 0u64);
-        let mut out = io.output(0);
-        let mut held = a.held.lock();
-        for _ in 0..n {
-            let d = a.from_nf.take();
-            if !held.release(d.buffer) {
-                bad += 1;
-                continue;
-            }
-            a.free_slots.push(d.buffer);
-            if d.flags & FLAG_DROP != 0 {
-                continue;
-            }
-            let (off, len) = (d.offset as usize, d.len as usize);
-            if off + len > a.att.layout.buffer_size as usize {
-                bad += 1;
-                continue;
-            }
-            let Some(mut p) = pool::alloc() else {
-                exhausted += 1;
-                continue;
-            };
-            let src =
-                unsafe { std::slice::from_raw_parts(slot_ptr(&a.att, d.buffer).add(off), len) };
-            if p.set_data(src).is_err() {
-                bad += 1;
-                continue;
-            }
-            p.set_timestamp_ns(a.slot_stamps[d.buffer as usize]);
-            got += 1;
-            if let Some(o) = out.as_mut() {
-                o.transmit(p);
-            }
-        }
-        drop(held);
+            (got, bad, 0)
+        } else {
+            copy_back(a, n, io.output(0))
+        };
         a.from_nf.release();
         self.from_nf.add(got);
         self.bad_descriptors.add(bad);
@@ -856,9 +864,7 @@ fn finish_orphans() {
     };
     orphans.retain(|l| match l.direct.sender_step(0, false) {
         SenderStep::Channel => {
-            if let Some((mut c, n)) = l.direct.engine_reader() {
-                take_back(&mut c, n, &l.held, None);
-                l.direct.engine_read_done(&c);
+            if read_channel(&l.direct, &l.held, None).is_some() {
                 true
             } else {
                 reclaim(&l.held);

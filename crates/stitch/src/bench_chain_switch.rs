@@ -17,7 +17,9 @@
 //! function reads the channel) and hand-back (end → channel retired), medians.
 
 use crate::bench_kernel::{quiet, sh, Ovs};
-use crate::bench_nf_scale::{counter_sum, register_latency_sink, take_latencies, WithFunctions};
+use crate::bench_nf_scale::{
+    counter_sum, function_counts, register_latency_sink, take_latencies, WithFunctions,
+};
 use anyhow::{Context, Result};
 use std::process::{Child, Command};
 use std::sync::Arc;
@@ -375,12 +377,7 @@ fn micros(d: Option<Duration>) -> String {
 pub fn run(args: ChainSwitchArgs, mut r: Registry) -> Result<()> {
     register_latency_sink(&mut r);
     let registry = Arc::new(r);
-    let points: Vec<usize> = args
-        .nfs
-        .split(',')
-        .map(|s| s.trim().parse::<usize>())
-        .collect::<Result<_, _>>()
-        .context("--nfs takes numbers, e.g. 1,2,4,8")?;
+    let points = function_counts(&args.nfs, "1,2,4,8")?;
     let modes: &[bool] = match args.bypass {
         BypassMode::On => &[true],
         BypassMode::Off => &[false],

@@ -332,15 +332,18 @@ pub(crate) fn register_latency_sink(r: &mut Registry) {
     ));
 }
 
+/// The function counts of `--nfs` (comma-separated); `example` shows a good value in the error.
+pub(crate) fn function_counts(list: &str, example: &str) -> Result<Vec<usize>> {
+    list.split(',')
+        .map(|s| s.trim().parse::<usize>())
+        .collect::<Result<_, _>>()
+        .with_context(|| format!("--nfs takes numbers, e.g. {example}"))
+}
+
 pub fn run(args: NfScaleArgs, mut r: Registry) -> Result<()> {
     register_latency_sink(&mut r);
     let registry = Arc::new(r);
-    let points: Vec<usize> = args
-        .nfs
-        .split(',')
-        .map(|s| s.trim().parse::<usize>())
-        .collect::<Result<_, _>>()
-        .context("--nfs takes numbers, e.g. 1,10,100")?;
+    let points = function_counts(&args.nfs, "1,10,100")?;
     println!(
         "nf-scale: {:?} ports, {} B frames, each packet through 2 of N signature functions (round robin); {} s per phase",
         args.mode, args.size, args.seconds

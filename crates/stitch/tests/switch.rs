@@ -229,28 +229,7 @@ links:
         port,
         &["add-flow", "priority=100,in_port=1,actions=output:2"],
     );
-    let src = format!(
-        r#"{{"type": "pcap_source", "file": "{}/seq.pcap", "pace": true}}"#,
-        dir.path().display()
-    );
-    assert_eq!(s.call("PUT", "/api/v1/apps/src", Some(&src)).0, 201);
-    assert_eq!(
-        s.call("POST", "/api/v1/links", Some(r#""src.output -> sw.p1""#))
-            .0,
-        201
-    );
-    for _ in 0..5 {
-        std::thread::sleep(Duration::from_millis(150));
-        ofctl(
-            port,
-            &["add-flow", "priority=200,in_port=1,udp,actions=output:2"],
-        );
-        std::thread::sleep(Duration::from_millis(150));
-        ofctl(
-            port,
-            &["--strict", "del-flows", "priority=200,in_port=1,udp"],
-        );
-    }
+    replay_while_flipping(&s, port, dir.path(), "p1", 1, 2);
     wait_for_sink(&s, N as u64, 15);
     let ports = ofctl(port, &["--no-names", "dump-ports", "1"]);
     assert!(ports.contains(&format!("rx pkts={N},")), "{ports}");
@@ -361,6 +340,33 @@ fn assert_in_order(path: &std::path::Path, n: u32) {
     assert_eq!(next, n);
 }
 
+/// Replays `dir`/seq.pcap into switch port `into` (a paced `pcap_source` added through the
+/// API) while a more specific rule `in_port=IN,udp → output:OUT` is added and removed five
+/// times, 150 ms apart: ten switch-overs under traffic.
+fn replay_while_flipping(
+    s: &Stitch,
+    port: u16,
+    dir: &std::path::Path,
+    into: &str,
+    in_port: u32,
+    out: u32,
+) {
+    let src = format!(
+        r#"{{"type": "pcap_source", "file": "{}/seq.pcap", "pace": true}}"#,
+        dir.display()
+    );
+    assert_eq!(s.call("PUT", "/api/v1/apps/src", Some(&src)).0, 201);
+    let link = format!(r#""src.output -> sw.{into}""#);
+    assert_eq!(s.call("POST", "/api/v1/links", Some(&link)).0, 201);
+    let rule = format!("priority=200,in_port={in_port},udp");
+    for _ in 0..5 {
+        std::thread::sleep(Duration::from_millis(150));
+        ofctl(port, &["add-flow", &format!("{rule},actions=output:{out}")]);
+        std::thread::sleep(Duration::from_millis(150));
+        ofctl(port, &["--strict", "del-flows", &rule]);
+    }
+}
+
 /// Waits until the `out` sink has `n` packets.
 fn wait_for_sink(s: &Stitch, n: u64, secs: u64) {
     let t = Instant::now();
@@ -430,28 +436,7 @@ fn function_processes_get_a_direct_channel_and_give_it_back_losing_nothing() {
         (Some("f0"), Some("f1"), Some("ReceiverReads")),
         "{shown}"
     );
-    let src = format!(
-        r#"{{"type": "pcap_source", "file": "{}/seq.pcap", "pace": true}}"#,
-        dir.path().display()
-    );
-    assert_eq!(s.call("PUT", "/api/v1/apps/src", Some(&src)).0, 201);
-    assert_eq!(
-        s.call("POST", "/api/v1/links", Some(r#""src.output -> sw.src""#))
-            .0,
-        201
-    );
-    for _ in 0..5 {
-        std::thread::sleep(Duration::from_millis(150));
-        ofctl(
-            port,
-            &["add-flow", "priority=200,in_port=2,udp,actions=output:3"],
-        );
-        std::thread::sleep(Duration::from_millis(150));
-        ofctl(
-            port,
-            &["--strict", "del-flows", "priority=200,in_port=2,udp"],
-        );
-    }
+    replay_while_flipping(&s, port, dir.path(), "src", 2, 3);
     wait_for_sink(&s, N as u64, 20);
     // Counts of a channel reach the switch within a tick.
     std::thread::sleep(Duration::from_millis(50));

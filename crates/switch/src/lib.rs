@@ -50,6 +50,8 @@ struct Channel {
     to: usize,
     entry: Arc<FlowEntry>,
     handover_reported: bool,
+    /// The channel's packets and bytes already added to the statistics.
+    counted: (u64, u64),
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -355,8 +357,8 @@ impl App for Switch {
         }
         self.flush_tx_counters();
         for c in &self.channels {
-            let consumed = io.input(c.from).map(|i| i.ring().stats().rx_packets);
-            let sent = io.output(c.to).map(|o| o.ring().stats().tx_packets);
+            let consumed = io.input(c.from).map(|i| i.ring().rx_packets());
+            let sent = io.output(c.to).map(|o| o.ring().tx_packets());
             if let (Some(consumed), Some(sent)) = (consumed, sent) {
                 c.direct.switch_progress(consumed, sent);
             }
@@ -525,7 +527,9 @@ impl Switch {
         let mut i = 0;
         while i < self.channels.len() {
             let c = &mut self.channels[i];
-            let (p, b) = c.direct.take_counts();
+            let now = c.direct.counts();
+            let (p, b) = (now.0 - c.counted.0, now.1 - c.counted.1);
+            c.counted = now;
             if p > 0 {
                 c.entry.packets.fetch_add(p, Ordering::Relaxed);
                 c.entry.bytes.fetch_add(b, Ordering::Relaxed);
@@ -613,6 +617,7 @@ impl Switch {
                         to,
                         entry,
                         handover_reported: false,
+                        counted: (0, 0),
                     });
                 }
                 Err(e) => log::debug!("switch `{}`: no direct channel: {e}", self.shared.name),
