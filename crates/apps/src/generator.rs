@@ -291,10 +291,13 @@ impl Generator {
         let now = Instant::now();
         let dt = now.duration_since(self.last).as_secs_f64();
         self.last = now;
+        // Tokens accrue for the time since the last breath; what the output could not take is
+        // kept only up to one breath's worth (at least 1 ms, at least one batch), so a full link
+        // does not build up a burst while a long breath (thousands of apps) keeps the rate.
+        let window = dt.max(1e-3);
         let (per_s, cap) = match rate {
-            // Allow bursts of up to 1 ms worth (at least one batch) after an idle sleep.
-            Rate::Pps(r) => (r, (r * 1e-3).max(64.0)),
-            Rate::Bps(r) => (r / 8.0, (r / 8.0 * 1e-3).max(64.0 * 1514.0)),
+            Rate::Pps(r) => (r, (r * window).max(64.0)),
+            Rate::Bps(r) => (r / 8.0, (r / 8.0 * window).max(64.0 * 1514.0)),
         };
         self.tokens = (self.tokens + dt * per_s).min(cap);
         self.tokens

@@ -28,6 +28,19 @@ use std::time::{Duration, Instant};
 const MAX_PUSH_PASSES: usize = 8;
 const TICK_INTERVAL: Duration = Duration::from_millis(1);
 
+thread_local! {
+    static BREATH_STARTED: std::cell::Cell<Option<Instant>> = const { std::cell::Cell::new(None) };
+}
+
+/// When the current breath of this worker began: one clock read per breath that apps share
+/// (thousands of apps reading the clock each breath cost more than their work). Outside a
+/// worker (an app driven by a test) it is the current time.
+pub fn breath_started() -> Instant {
+    BREATH_STARTED
+        .with(|b| b.get())
+        .unwrap_or_else(Instant::now)
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
     #[error("app `{app}`: {source}")]
@@ -217,9 +230,10 @@ fn run_worker(
             }
         };
         let before = activity(&plan);
+        let now = Instant::now();
+        BREATH_STARTED.with(|b| b.set(Some(now)));
         breathe(&mut plan);
         breaths += 1;
-        let now = Instant::now();
         if now.duration_since(last_tick) >= TICK_INTERVAL {
             last_tick = now;
             // Published once per tick, not once per breath: no locked add on the hot loop.

@@ -471,7 +471,7 @@ impl App for NfPort {
             self.receive_channel(io);
         }
         if self.shared.settings.blocking {
-            self.maybe_wake(None);
+            self.maybe_wake();
         }
     }
 
@@ -556,9 +556,9 @@ impl App for NfPort {
             if self.shared.settings.blocking {
                 a.unsignalled += sent as u32;
                 if a.waiting_since.is_none() {
-                    a.waiting_since = Some(Instant::now());
+                    a.waiting_since = Some(stitch_core::engine::breath_started());
                 }
-                self.maybe_wake(Some(Instant::now()));
+                self.maybe_wake();
             }
         }
         self.ring_full_drops.add(full);
@@ -804,15 +804,22 @@ impl NfPort {
         }
     }
 
-    /// Rings the function's doorbell when it sleeps and enough waits, or the oldest waited
-    /// long enough.
-    fn maybe_wake(&mut self, now: Option<Instant>) {
+    /// Rings the function's doorbell when enough waits or the oldest waited long enough, and
+    /// it sleeps. Whether it is due is decided first, from this port's own state and the
+    /// breath's clock: with thousands of ports, most checks touch no line a function wrote.
+    fn maybe_wake(&mut self) {
         let Some(a) = self.active.as_mut() else {
             return;
         };
         let Some(since) = a.waiting_since else {
             return;
         };
+        if a.unsignalled < self.batch
+            && stitch_core::engine::breath_started().saturating_duration_since(since)
+                < self.max_delay
+        {
+            return;
+        }
         let sleeping = &a.att.region.header().sleeping.0;
         // Pairs with the function's store of `sleeping` before it looks at the ring once more:
         // either it sees the packets just published or this load sees it asleep.
@@ -823,12 +830,15 @@ impl NfPort {
             a.waiting_since = None;
             return;
         }
-        let due = a.unsignalled >= self.batch
-            || now.unwrap_or_else(Instant::now).duration_since(since) >= self.max_delay;
-        if due
-            && sleeping
-                .compare_exchange(1, 0, Ordering::SeqCst, Ordering::SeqCst)
-                .is_ok()
+        if a.to_nf.pending() == 0 {
+            // It took everything before it went to sleep: nothing to wake it for.
+            a.unsignalled = 0;
+            a.waiting_since = None;
+            return;
+        }
+        if sleeping
+            .compare_exchange(1, 0, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok()
         {
             let one: u64 = 1;
             unsafe {

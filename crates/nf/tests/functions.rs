@@ -306,6 +306,69 @@ fn two_hundred_functions_attach_and_carry_traffic() {
     e.stop();
 }
 
+/// A sleeping function is woken once `batch` packets wait, or once the oldest waited
+/// `max_delay_us` — not before, and with one doorbell for the lot.
+#[test]
+fn a_blocking_function_wakes_on_a_full_batch_or_an_old_packet() {
+    let _one_at_a_time = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let sock = socket(&dir);
+    let e = Engine::new(registry());
+    let port = format!(
+        "  c: {{ type: nf_port, socket: {}, wake: blocking, batch: 8, max_delay_us: 4000000 }}\n  out: {{ type: sink }}\n",
+        sock.display()
+    );
+    apply(
+        &e,
+        &format!("apps:\n{port}links: [\"c.output -> out.input\"]\n"),
+    );
+    let _f = signature(&sock, &["c"]);
+    wait("attached", 10, || counter(&e, "c", "attached") == 1);
+    // Idle, it goes to sleep on its doorbell at once.
+    std::thread::sleep(Duration::from_millis(300));
+    let send = |name: &str, count: u64| {
+        apply(
+            &e,
+            &format!(
+                "apps:\n  {name}: {{ type: generator, size: 100, count: {count} }}\n{port}links: [\"{name}.output -> c.input\", \"c.output -> out.input\"]\n"
+            ),
+        )
+    };
+
+    // Seven packets: fewer than a batch and young — the function sleeps on.
+    let t = Instant::now();
+    send("seven", 7);
+    wait_count(&e, "c", "to_function", 7, 10);
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(
+        counter(&e, "out", "packets"),
+        0,
+        "woken before its batch or age"
+    );
+    assert_eq!(counter(&e, "c", "wakeups"), 0);
+    // The oldest reaches 4 s: one doorbell for all seven.
+    wait_count(&e, "out", "packets", 7, 20);
+    assert!(
+        t.elapsed() >= Duration::from_millis(3900),
+        "woken after {:?}, before the 4 s aging timeout",
+        t.elapsed()
+    );
+    assert_eq!(counter(&e, "c", "wakeups"), 1);
+
+    // Eight at once: a full batch wakes it without waiting for their age.
+    std::thread::sleep(Duration::from_millis(300));
+    let t = Instant::now();
+    send("eight", 8);
+    wait_count(&e, "out", "packets", 15, 10);
+    assert!(
+        t.elapsed() < Duration::from_secs(3),
+        "a full batch waited {:?}",
+        t.elapsed()
+    );
+    assert_eq!(counter(&e, "c", "wakeups"), 2);
+    e.stop();
+}
+
 /// A function written in C against `include/stitch_nf.h`, linked with `libstitch_nf.so`.
 #[test]
 fn a_function_in_c_attaches_through_the_c_abi() {

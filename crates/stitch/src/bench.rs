@@ -69,6 +69,39 @@ pub enum BenchCmd {
 }
 
 /// CPU seconds used by `who` (RUSAGE_SELF, RUSAGE_THREAD, …).
+/// 2 MiB hugepages reserved for one benchmark (the packet pool takes them by itself when
+/// there are enough) and given back when dropped.
+pub(crate) struct HugePageReserve {
+    before: u64,
+}
+
+const NR_HUGEPAGES: &str = "/proc/sys/vm/nr_hugepages";
+
+impl HugePageReserve {
+    pub(crate) fn at_least(pages: u64) -> Result<HugePageReserve> {
+        use anyhow::Context;
+        let before: u64 = std::fs::read_to_string(NR_HUGEPAGES)?.trim().parse()?;
+        if before < pages {
+            std::fs::write(NR_HUGEPAGES, pages.to_string())
+                .context("reserving hugepages (needs root)")?;
+        }
+        Ok(HugePageReserve { before })
+    }
+
+    /// Pages for a pool of `packets` ordinary buffers and the default large ones.
+    pub(crate) fn for_pool(packets: usize) -> Result<HugePageReserve> {
+        let bytes = packets * stitch_core::packet::BUFFER_STRIDE
+            + pool::DEFAULT_LARGE_PACKETS * stitch_core::packet::LARGE_STRIDE;
+        Self::at_least((bytes as u64).div_ceil(2 << 20) + 8)
+    }
+}
+
+impl Drop for HugePageReserve {
+    fn drop(&mut self) {
+        let _ = std::fs::write(NR_HUGEPAGES, self.before.to_string());
+    }
+}
+
 pub(crate) fn cpu_seconds(who: i32) -> f64 {
     let mut u: libc::rusage = unsafe { std::mem::zeroed() };
     unsafe { libc::getrusage(who, &mut u) };

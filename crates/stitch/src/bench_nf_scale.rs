@@ -85,6 +85,15 @@ pub struct NfScaleArgs {
     /// Let the engine sleep when idle instead of polling without pause (which keeps one core).
     #[arg(long)]
     pub engine_sleeps: bool,
+    /// Packets in the pool: what is in flight (rate × latency) must fit, so long aging
+    /// timeouts at high rates need more than the default.
+    #[arg(long, default_value_t = stitch_core::pool::DEFAULT_PACKETS)]
+    pub pool_packets: usize,
+    /// Put the pool on 2 MiB hugepages (reserved for the run, given back after). Every
+    /// function maps the whole pool: on 4 KiB pages thousands of them spend their time in
+    /// page faults and page tables.
+    #[arg(long)]
+    pub hugepages: bool,
 }
 
 struct Point {
@@ -116,8 +125,9 @@ fn graph(n: usize, args: &NfScaleArgs, socket: &Path, rate: Option<f64>) -> Stri
     };
     let rate = rate.map(|r| format!(", rate: {r:.0}")).unwrap_or_default();
     let mut s = format!(
-        "engine: {{ busy_poll: {}, link_size: 4096 }}\napps:\n  gen: {{ type: generator, size: {}, timestamps: true, flows: 64{rate} }}\n  rr: {{ type: round_robin }}\n  j: {{ type: join }}\n  out: {{ type: latency_sink }}\n",
+        "engine: {{ busy_poll: {}, link_size: 4096, pool_packets: {} }}\napps:\n  gen: {{ type: generator, size: {}, timestamps: true, flows: 64{rate} }}\n  rr: {{ type: round_robin }}\n  j: {{ type: join }}\n  out: {{ type: latency_sink }}\n",
         !args.engine_sleeps,
+        args.pool_packets,
         args.size
     );
     let port = |name: String| {
@@ -344,6 +354,10 @@ pub fn run(args: NfScaleArgs, mut r: Registry) -> Result<()> {
     register_latency_sink(&mut r);
     let registry = Arc::new(r);
     let points = function_counts(&args.nfs, "1,10,100")?;
+    let _hugepages = args
+        .hugepages
+        .then(|| crate::bench::HugePageReserve::for_pool(args.pool_packets))
+        .transpose()?;
     println!(
         "nf-scale: {:?} ports, {} B frames, each packet through 2 of N signature functions (round robin); {} s per phase",
         args.mode, args.size, args.seconds

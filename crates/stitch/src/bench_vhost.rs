@@ -33,19 +33,13 @@ pub struct VhostBenchArgs {
 
 /// Hugepages reserved and a hugetlbfs mounted for one invocation; both undone on drop.
 struct HugePages {
-    before: u64,
+    _reserved: crate::bench::HugePageReserve,
     dir: tempfile::TempDir,
 }
 
-const NR_HUGEPAGES: &str = "/proc/sys/vm/nr_hugepages";
-
 impl HugePages {
     fn reserve(pages: u64) -> Result<HugePages> {
-        let before: u64 = std::fs::read_to_string(NR_HUGEPAGES)?.trim().parse()?;
-        if before < pages {
-            std::fs::write(NR_HUGEPAGES, pages.to_string())
-                .context("reserving hugepages (needs root)")?;
-        }
+        let reserved = crate::bench::HugePageReserve::at_least(pages)?;
         let dir = tempfile::tempdir()?;
         let ok = Command::new("mount")
             .args(["-t", "hugetlbfs", "none"])
@@ -53,17 +47,18 @@ impl HugePages {
             .status()?
             .success();
         if !ok {
-            let _ = std::fs::write(NR_HUGEPAGES, before.to_string());
             bail!("cannot mount a hugetlbfs on {}", dir.path().display());
         }
-        Ok(HugePages { before, dir })
+        Ok(HugePages {
+            _reserved: reserved,
+            dir,
+        })
     }
 }
 
 impl Drop for HugePages {
     fn drop(&mut self) {
         let _ = Command::new("umount").arg(self.dir.path()).status();
-        let _ = std::fs::write(NR_HUGEPAGES, self.before.to_string());
     }
 }
 
