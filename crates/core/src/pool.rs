@@ -16,7 +16,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, OnceLock};
 
-/// Ordinary packets in the pool when nothing else is configured (640 MiB of address space;
+/// Ordinary packets in the pool when nothing else is configured (644 MiB of address space;
 /// only touched pages cost memory with ordinary pages).
 pub const DEFAULT_PACKETS: usize = 65536;
 /// Large (GSO) packets when nothing else is configured (18 MiB).

@@ -29,6 +29,9 @@ pub struct VhostBenchArgs {
     /// takes them by itself. Without it, everyone runs on 4 KiB pages (`--no-huge`).
     #[arg(long)]
     pub hugepages: bool,
+    /// Packets each of Stitch's links between the two ports holds.
+    #[arg(long, default_value_t = stitch_core::link::DEFAULT_LINK_SIZE)]
+    pub link_size: usize,
 }
 
 /// Hugepages reserved and a hugetlbfs mounted for one invocation; both undone on drop.
@@ -208,12 +211,12 @@ fn front_end(
     Ok(crate::bench::median(v))
 }
 
-fn stitch_backend(dir: &std::path::Path) -> Result<Proc> {
+fn stitch_backend(dir: &std::path::Path, link_size: usize) -> Result<Proc> {
     let graph = dir.join("vhost.yaml");
     std::fs::write(
         &graph,
         format!(
-            "engine: {{ busy_poll: true }}\nworkers: {{ main: {{ core: 1 }} }}\napps:\n  a: {{ type: vhost_user, socket: {d}/a.sock }}\n  b: {{ type: vhost_user, socket: {d}/b.sock }}\nlinks:\n  - \"a.output -> b.input\"\n  - \"b.output -> a.input\"\n",
+            "engine: {{ busy_poll: true, link_size: {link_size} }}\nworkers: {{ main: {{ core: 1 }} }}\napps:\n  a: {{ type: vhost_user, socket: {d}/a.sock }}\n  b: {{ type: vhost_user, socket: {d}/b.sock }}\nlinks:\n  - \"a.output -> b.input\"\n  - \"b.output -> a.input\"\n",
             d = dir.display()
         ),
     )?;
@@ -284,7 +287,7 @@ pub fn run(args: VhostBenchArgs) -> Result<()> {
             let dir = tempfile::tempdir()?;
             let tag = format!("{run}{}", &backend[..1]);
             let _b = if backend == "stitch" {
-                stitch_backend(dir.path())?
+                stitch_backend(dir.path(), args.link_size)?
             } else {
                 testpmd_backend(dir.path(), &tag, huge_dir)?
             };
