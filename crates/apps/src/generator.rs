@@ -491,6 +491,27 @@ mod tests {
     }
 
     #[test]
+    fn a_long_breath_keeps_the_rate() {
+        // 100 000 packets per second and one pull 30 ms after the first: about 3000 packets,
+        // not the 100 of a 1 ms burst cap (thousands of apps make breaths that long).
+        let c = GeneratorConfig {
+            rate: Some(RateSpec::PacketsPerSecond(100_000.0)),
+            ..Default::default()
+        };
+        let mut ctx = AppContext::new("g", std::path::Path::new("."), Default::default());
+        let mut g = Generator::new(c, &mut ctx).unwrap();
+        let (tx, mut rx) = link(8192);
+        let mut io = Io::new(vec![], vec![("output".into(), tx)]);
+        g.pull(&mut io);
+        let first = rx.drain().count();
+        std::thread::sleep(std::time::Duration::from_millis(30));
+        g.pull(&mut io);
+        let sent = rx.drain().count();
+        assert!(first < 200, "{first} packets right after creation");
+        assert!(sent >= 2900, "{sent} packets for 30 ms at 100 kpps");
+    }
+
+    #[test]
     fn rates_parse_and_bad_config_is_refused() {
         assert_eq!(parse_rate("2.5 Mpps"), Ok(Rate::Pps(2.5e6)));
         assert_eq!(parse_rate("10Gbit/s"), Ok(Rate::Bps(1e10)));
