@@ -814,10 +814,9 @@ impl NfPort {
         let Some(since) = a.waiting_since else {
             return;
         };
-        if a.unsignalled < self.batch
-            && stitch_core::engine::breath_started().saturating_duration_since(since)
-                < self.max_delay
-        {
+        let aged = stitch_core::engine::breath_started().saturating_duration_since(since)
+            >= self.max_delay;
+        if a.unsignalled < self.batch && !aged {
             return;
         }
         let sleeping = &a.att.region.header().sleeping.0;
@@ -830,10 +829,15 @@ impl NfPort {
             a.waiting_since = None;
             return;
         }
-        if a.to_nf.pending() == 0 {
-            // It took everything before it went to sleep: nothing to wake it for.
+        // What waits now, not what was handed over: it may have taken some before it slept.
+        let pending = a.to_nf.pending();
+        if pending == 0 {
             a.unsignalled = 0;
             a.waiting_since = None;
+            return;
+        }
+        if pending < self.batch && !aged {
+            a.unsignalled = pending;
             return;
         }
         if sleeping
