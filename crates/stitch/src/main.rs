@@ -170,9 +170,16 @@ fn load(file: &Path, registry: &Registry) -> Result<Graph> {
 
 fn main() {
     let cli = Cli::parse();
-    // RUST_LOG filters as usual (e.g. `RUST_LOG=stitch_io=debug`); info by default.
+    // RUST_LOG filters as usual (e.g. `RUST_LOG=stitch_io=debug`); info by default — but a
+    // benchmark that starts thousands of functions would print a line for each attach and
+    // detach between its results.
+    let default = if matches!(cli.cmd, Cmd::Bench(_)) {
+        "info,stitch_nf=warn"
+    } else {
+        "info"
+    };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
     let logs = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
