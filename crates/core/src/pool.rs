@@ -110,6 +110,17 @@ pub fn init(packets: usize, large: usize) -> Result<&'static Pool, PoolError> {
     Ok(POOL.get_or_init(|| pool))
 }
 
+/// Bytes a class of `count` buffers of `stride` bytes maps: whole 2 MiB pages.
+fn class_bytes(count: usize, stride: usize) -> usize {
+    (count * stride).div_ceil(HUGEPAGE) * HUGEPAGE
+}
+
+/// 2 MiB hugepages a pool of `packets` ordinary and `large` GSO buffers maps (what to reserve
+/// so that [`init`] puts it on hugepages).
+pub fn hugepages_needed(packets: usize, large: usize) -> usize {
+    (class_bytes(packets, BUFFER_STRIDE) + class_bytes(large.max(1), LARGE_STRIDE)) / HUGEPAGE
+}
+
 /// The process pool, created with the defaults on first use if `init` was not called.
 #[inline]
 pub fn get() -> &'static Pool {
@@ -122,7 +133,7 @@ pub fn get() -> &'static Pool {
 
 impl Class {
     fn map(name: &str, count: usize, stride: usize, capacity: usize) -> Result<Class, PoolError> {
-        let bytes = (count * stride).div_ceil(HUGEPAGE) * HUGEPAGE;
+        let bytes = class_bytes(count, stride);
         let (memfd, base, hugepages) = match map_memfd(name, bytes, true) {
             Ok((fd, base)) => (fd, base, true),
             Err(e) => {

@@ -85,6 +85,21 @@ fn socket(dir: &tempfile::TempDir) -> PathBuf {
     dir.path().join("nf.sock")
 }
 
+/// An engine running function port `c` (with `settings`) into sink `out`, and the YAML of
+/// those two apps (to build on).
+fn port_into_sink(sock: &Path, settings: &str) -> (Engine, String) {
+    let e = Engine::new(registry());
+    let apps = format!(
+        "  c: {{ type: nf_port, socket: {}, {settings} }}\n  out: {{ type: sink }}\n",
+        sock.display()
+    );
+    apply(
+        &e,
+        &format!("apps:\n{apps}links: [\"c.output -> out.input\"]\n"),
+    );
+    (e, apps)
+}
+
 #[test]
 fn attach_and_kill_under_traffic_lose_nothing_on_other_ports() {
     let _one_at_a_time = serial();
@@ -313,15 +328,7 @@ fn a_blocking_function_wakes_on_a_full_batch_or_an_old_packet() {
     let _one_at_a_time = serial();
     let dir = tempfile::tempdir().unwrap();
     let sock = socket(&dir);
-    let e = Engine::new(registry());
-    let port = format!(
-        "  c: {{ type: nf_port, socket: {}, wake: blocking, batch: 8, max_delay_us: 4000000 }}\n  out: {{ type: sink }}\n",
-        sock.display()
-    );
-    apply(
-        &e,
-        &format!("apps:\n{port}links: [\"c.output -> out.input\"]\n"),
-    );
+    let (e, port) = port_into_sink(&sock, "wake: blocking, batch: 8, max_delay_us: 4000000");
     let _f = signature(&sock, &["c"]);
     wait("attached", 10, || counter(&e, "c", "attached") == 1);
     // Idle, it goes to sleep on its doorbell at once.
@@ -406,15 +413,7 @@ fn a_function_in_c_attaches_through_the_c_abi() {
     );
 
     let sock = socket(&dir);
-    let e = Engine::new(registry());
-    let ports = format!(
-        "  c: {{ type: nf_port, socket: {}, wake: blocking, batch: 1 }}\n  out: {{ type: sink }}\n",
-        sock.display()
-    );
-    apply(
-        &e,
-        &format!("apps:\n{ports}links: [\"c.output -> out.input\"]\n"),
-    );
+    let (e, ports) = port_into_sink(&sock, "wake: blocking, batch: 1");
     let child = Command::new(&bin)
         .arg(&sock)
         .arg("c")

@@ -68,7 +68,6 @@ pub enum BenchCmd {
     },
 }
 
-/// CPU seconds used by `who` (RUSAGE_SELF, RUSAGE_THREAD, …).
 /// 2 MiB hugepages reserved for one benchmark (the packet pool takes them by itself when
 /// there are enough) and given back when dropped.
 pub(crate) struct HugePageReserve {
@@ -90,9 +89,7 @@ impl HugePageReserve {
 
     /// Pages for a pool of `packets` ordinary buffers and the default large ones.
     pub(crate) fn for_pool(packets: usize) -> Result<HugePageReserve> {
-        let bytes = packets * stitch_core::packet::BUFFER_STRIDE
-            + pool::DEFAULT_LARGE_PACKETS * stitch_core::packet::LARGE_STRIDE;
-        Self::at_least((bytes as u64).div_ceil(2 << 20) + 8)
+        Self::at_least(pool::hugepages_needed(packets, pool::DEFAULT_LARGE_PACKETS) as u64)
     }
 }
 
@@ -102,6 +99,7 @@ impl Drop for HugePageReserve {
     }
 }
 
+/// CPU seconds used by `who` (RUSAGE_SELF, RUSAGE_THREAD, …).
 pub(crate) fn cpu_seconds(who: i32) -> f64 {
     let mut u: libc::rusage = unsafe { std::mem::zeroed() };
     unsafe { libc::getrusage(who, &mut u) };

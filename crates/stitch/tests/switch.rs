@@ -231,10 +231,7 @@ links:
     );
     replay_while_flipping(&s, port, dir.path(), "p1", 1, 2);
     wait_for_sink(&s, N as u64, 15);
-    let ports = ofctl(port, &["--no-names", "dump-ports", "1"]);
-    assert!(ports.contains(&format!("rx pkts={N},")), "{ports}");
-    let ports = ofctl(port, &["--no-names", "dump-ports", "2"]);
-    assert!(ports.contains(&format!("tx pkts={N},")), "{ports}");
+    assert_port_counts(port, 1, 2, N);
     let stats = s.stop();
     let c = &app(&stats, "sw")["counters"];
     let direct = c["point_to_point_packets"].as_u64().unwrap();
@@ -325,6 +322,15 @@ fn write_sequence(path: &std::path::Path, n: u32) {
         ))
         .unwrap();
     }
+}
+
+/// The switch's OpenFlow counters (as `ovs-ofctl dump-ports` reads them): `n` packets
+/// received on port `rx`, `n` sent on port `tx`.
+fn assert_port_counts(port: u16, rx: u32, tx: u32, n: u32) {
+    let ports = ofctl(port, &["--no-names", "dump-ports", &rx.to_string()]);
+    assert!(ports.contains(&format!("rx pkts={n},")), "{ports}");
+    let ports = ofctl(port, &["--no-names", "dump-ports", &tx.to_string()]);
+    assert!(ports.contains(&format!("tx pkts={n},")), "{ports}");
 }
 
 /// Every sequence number from 0 to `n` - 1, in order.
@@ -440,10 +446,7 @@ fn function_processes_get_a_direct_channel_and_give_it_back_losing_nothing() {
     wait_for_sink(&s, N as u64, 20);
     // Counts of a channel reach the switch within a tick.
     std::thread::sleep(Duration::from_millis(50));
-    let ports = ofctl(port, &["--no-names", "dump-ports", "2"]);
-    assert!(ports.contains(&format!("rx pkts={N},")), "{ports}");
-    let ports = ofctl(port, &["--no-names", "dump-ports", "3"]);
-    assert!(ports.contains(&format!("tx pkts={N},")), "{ports}");
+    assert_port_counts(port, 2, 3, N);
     let stats = s.stop();
     let c = &app(&stats, "sw")["counters"];
     let direct = c["direct_channel_packets"].as_u64().unwrap();
