@@ -163,6 +163,12 @@ impl Active {
         }
     }
 
+    /// Blocking: the function has seen (or will see without a doorbell) all it was handed.
+    fn nothing_waits(&mut self) {
+        self.unsignalled = 0;
+        self.waiting_since = None;
+    }
+
     /// Sends a direct channel to the function; false when it cannot take it.
     fn send_direct(&mut self, d: &Direct, outgoing: bool) -> bool {
         let (msg, fds) = if outgoing {
@@ -825,15 +831,13 @@ impl NfPort {
         std::sync::atomic::fence(Ordering::SeqCst);
         if sleeping.load(Ordering::SeqCst) == 0 {
             // Awake: it will see the ring without a doorbell.
-            a.unsignalled = 0;
-            a.waiting_since = None;
+            a.nothing_waits();
             return;
         }
         // What waits now, not what was handed over: it may have taken some before it slept.
         let pending = a.to_nf.pending();
         if pending == 0 {
-            a.unsignalled = 0;
-            a.waiting_since = None;
+            a.nothing_waits();
             return;
         }
         if pending < self.batch && !aged {
@@ -853,8 +857,7 @@ impl NfPort {
                 );
             }
             self.wakeups.add(1);
-            a.unsignalled = 0;
-            a.waiting_since = None;
+            a.nothing_waits();
         }
     }
 }
