@@ -229,6 +229,20 @@ fn testpmd_io_forwarding_loops_through_stitch() {
     let t = Testpmd::start_io(&sock);
     wait_connected(&s);
     std::thread::sleep(Duration::from_secs(2));
+    // With IN_ORDER negotiated DPDK's driver takes its in-order paths, which rely on the
+    // device using chains in the order they were made available.
+    let (status, port) = s.call("POST", "/api/v1/apps/vm/query", None);
+    assert_eq!(status, 200, "{port}");
+    let features = u64::from_str_radix(
+        port["features"].as_str().unwrap().trim_start_matches("0x"),
+        16,
+    )
+    .unwrap();
+    assert_ne!(
+        features & (1 << 35),
+        0,
+        "VIRTIO_F_IN_ORDER negotiated: {port}"
+    );
     let (rx, tx) = t.stop();
     std::thread::sleep(Duration::from_millis(300));
     let stats = s.stop();
