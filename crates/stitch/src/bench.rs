@@ -83,6 +83,24 @@ impl HugePageReserve {
         if before < pages {
             std::fs::write(NR_HUGEPAGES, pages.to_string())
                 .context("reserving hugepages (needs root)")?;
+            let got = || -> u64 {
+                std::fs::read_to_string(NR_HUGEPAGES)
+                    .ok()
+                    .and_then(|s| s.trim().parse().ok())
+                    .unwrap_or(0)
+            };
+            if got() < pages {
+                // Memory fragmented by earlier runs: compact it and ask again.
+                let _ = std::fs::write("/proc/sys/vm/compact_memory", "1");
+                let _ = std::fs::write(NR_HUGEPAGES, pages.to_string());
+            }
+            if got() < pages {
+                log::warn!(
+                    "only {} of {pages} hugepages could be reserved: the pool may fall back to \
+                     ordinary pages",
+                    got()
+                );
+            }
         }
         Ok(HugePageReserve { before })
     }
