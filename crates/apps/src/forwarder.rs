@@ -32,10 +32,6 @@ impl App for Forwarder {
     }
 
     #[inline]
-    fn pushed_only_with_input(&self) -> bool {
-        true
-    }
-
     fn push(&mut self, io: &mut Io) {
         match io.pair(0, 0) {
             (Some(input), Some(output)) => {

@@ -35,10 +35,6 @@ impl App for Join {
         Ok(Join { first: 0 })
     }
 
-    fn pushed_only_with_input(&self) -> bool {
-        true
-    }
-
     fn push(&mut self, io: &mut Io) {
         let (inputs, outputs) = io.split();
         let Some(output) = outputs.first_mut().and_then(Option::as_mut) else {

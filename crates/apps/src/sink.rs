@@ -36,10 +36,6 @@ impl App for Sink {
     }
 
     #[inline]
-    fn pushed_only_with_input(&self) -> bool {
-        true
-    }
-
     fn push(&mut self, io: &mut Io) {
         let (inputs, _) = io.split();
         let (mut n, mut bytes) = (0u64, 0u64);

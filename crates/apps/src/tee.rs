@@ -38,10 +38,6 @@ impl App for Tee {
         })
     }
 
-    fn pushed_only_with_input(&self) -> bool {
-        true
-    }
-
     fn push(&mut self, io: &mut Io) {
         let (inputs, outputs) = io.split();
         let Some(input) = inputs.first_mut().and_then(Option::as_mut) else {

@@ -2,10 +2,8 @@
 
 use serde::Deserialize;
 use std::path::Path;
-use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use stitch_core::app::{Doorbell, Wake};
 use stitch_core::{
     App, AppContext, AppError, AppType, Engine, Graph, Io, PortSpec, Reconfigured, Registry,
 };
@@ -75,88 +73,12 @@ impl App for Broken {
     }
 }
 
-/// A source that sleeps between pulls: it sends one packet each time `BELL` is rung (or its
-/// deadline passes) and counts its pulls.
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct SleeperConfig {
-    deadline_ms: u64,
-    bell: bool,
-}
-struct Sleeper {
-    deadline: Duration,
-    bell: bool,
-    pulls: stitch_core::Counter,
-}
-static BELL: AtomicU8 = AtomicU8::new(0);
-impl App for Sleeper {
-    type Config = SleeperConfig;
-    fn declare(_: &SleeperConfig) -> Result<PortSpec, AppError> {
-        Ok(PortSpec::source())
-    }
-    fn new(c: SleeperConfig, ctx: &mut AppContext) -> Result<Self, AppError> {
-        Ok(Sleeper {
-            deadline: Duration::from_millis(c.deadline_ms),
-            bell: c.bell,
-            pulls: ctx.counter("pulls"),
-        })
-    }
-    fn pull(&mut self, io: &mut Io) {
-        self.pulls.add(1);
-        if self.bell && BELL.swap(0, Ordering::AcqRel) != 0 {
-            let mut p = stitch_core::pool::alloc().unwrap();
-            p.set_data(&[0u8; 60]).unwrap();
-            io.output(0).unwrap().transmit(p);
-        }
-        io.idle(Wake {
-            // SAFETY: a static byte.
-            doorbell: self
-                .bell
-                .then(|| unsafe { Doorbell::new(&BELL, Arc::new(())) }),
-            deadline: Instant::now() + self.deadline,
-        });
-    }
-}
-
-/// A forwarder that counts its pushes and is pushed only when a packet waits.
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct CountingForwarderConfig {}
-struct CountingForwarder {
-    pushes: stitch_core::Counter,
-}
-impl App for CountingForwarder {
-    type Config = CountingForwarderConfig;
-    fn declare(_: &CountingForwarderConfig) -> Result<PortSpec, AppError> {
-        Ok(PortSpec::filter())
-    }
-    fn new(_: CountingForwarderConfig, ctx: &mut AppContext) -> Result<Self, AppError> {
-        Ok(CountingForwarder {
-            pushes: ctx.counter("pushes"),
-        })
-    }
-    fn pushed_only_with_input(&self) -> bool {
-        true
-    }
-    fn push(&mut self, io: &mut Io) {
-        self.pushes.add(1);
-        if let (Some(i), Some(o)) = io.pair(0, 0) {
-            i.forward_to(o);
-        }
-    }
-}
-
 fn registry() -> Arc<Registry> {
     let mut r = Registry::new();
     stitch_apps::register(&mut r);
     r.register(AppType::of::<Gate>("gate", "test gate"));
     r.register(AppType::of::<Panicker>("panicker", "test panic"));
     r.register(AppType::of::<Broken>("broken", "test build failure"));
-    r.register(AppType::of::<Sleeper>("sleeper", "test idle source"));
-    r.register(AppType::of::<CountingForwarder>(
-        "counting_forwarder",
-        "test push on input",
-    ));
     Arc::new(r)
 }
 
@@ -400,37 +322,5 @@ fn failed_build_changes_nothing() {
         .apply(graph(&r, "apps:\n  m: { type: rate_meter, log: true }\n"))
         .unwrap();
     assert_eq!(rep.reconfigured, vec!["m"]);
-    e.stop();
-}
-
-#[test]
-fn idle_apps_are_visited_only_when_woken() {
-    let r = registry();
-    let e = Engine::new(r.clone());
-    // A busy-polling worker breathes hundreds of thousands of times a second: any visit that
-    // is not skipped shows in the counts below.
-    e.apply(graph(
-        &r,
-        "engine: { busy_poll: true }\napps:\n  bell: { type: sleeper, deadline_ms: 3600000, bell: true }\n  clock: { type: sleeper, deadline_ms: 50, bell: false }\n  fwd: { type: counting_forwarder }\n  out: { type: sink }\nlinks:\n  - \"bell.output -> fwd.input\"\n  - \"fwd.output -> out.input\"\n",
-    ))
-    .unwrap();
-    wait("the first pulls", 10, || counter(&e, "bell", "pulls") == 1);
-    std::thread::sleep(Duration::from_millis(500));
-    assert_eq!(counter(&e, "bell", "pulls"), 1, "asleep until rung");
-    let ticks = counter(&e, "clock", "pulls");
-    assert!(
-        (3..=30).contains(&ticks),
-        "a 50 ms deadline wakes it about ten times in 500 ms, not {ticks}"
-    );
-    // Pushed once after the graph was applied, then only when a packet waits.
-    assert_eq!(counter(&e, "fwd", "pushes"), 1);
-
-    BELL.store(1, Ordering::Release);
-    wait("the rung source's packet", 10, || {
-        counter(&e, "out", "packets") == 1
-    });
-    std::thread::sleep(Duration::from_millis(200));
-    assert_eq!(counter(&e, "bell", "pulls"), 2);
-    assert_eq!(counter(&e, "fwd", "pushes"), 2);
     e.stop();
 }

@@ -9,8 +9,7 @@ use serde::de::DeserializeOwned;
 use std::any::Any;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -91,41 +90,6 @@ pub struct Io {
     pub(crate) outputs: Vec<Option<Producer>>,
     pub(crate) input_names: Vec<String>,
     pub(crate) output_names: Vec<String>,
-    pub(crate) idle: Option<Wake>,
-}
-
-/// What ends an app's idleness (see [`Io::idle`]): a byte in memory that someone outside the
-/// engine raises (a function process that published packets), or a time.
-pub struct Wake {
-    pub doorbell: Option<Doorbell>,
-    pub deadline: Instant,
-}
-
-/// A byte that becomes non-zero when the app has something to pull, kept alive by `owner`
-/// (typically a shared mapping).
-pub struct Doorbell {
-    byte: NonNull<AtomicU8>,
-    _owner: Arc<dyn Send + Sync>,
-}
-
-// The byte lives in memory `_owner` keeps mapped; the engine only loads it.
-unsafe impl Send for Doorbell {}
-
-impl Doorbell {
-    /// # Safety
-    /// `byte` must stay valid (and 1-aligned) as long as `owner` lives.
-    pub unsafe fn new(byte: *const AtomicU8, owner: Arc<dyn Send + Sync>) -> Doorbell {
-        Doorbell {
-            byte: NonNull::new(byte as *mut AtomicU8).expect("doorbell byte"),
-            _owner: owner,
-        }
-    }
-
-    #[inline]
-    pub fn rung(&self) -> bool {
-        // SAFETY: kept valid by `_owner`.
-        unsafe { self.byte.as_ref() }.load(Ordering::Acquire) != 0
-    }
 }
 
 impl Io {
@@ -138,7 +102,6 @@ impl Io {
             outputs,
             input_names,
             output_names,
-            idle: None,
         }
     }
 
@@ -190,13 +153,6 @@ impl Io {
     /// Number of connected output links.
     pub fn connected_outputs(&self) -> usize {
         self.outputs.iter().filter(|o| o.is_some()).count()
-    }
-
-    /// From `pull`: nothing to pull until `wake` says so. The engine then skips this app's
-    /// `pull` (thousands of idle apps cost nothing per breath) until the doorbell rings, the
-    /// deadline passes or the app is pushed. Apps driven without an engine ignore it.
-    pub fn idle(&mut self, wake: Wake) {
-        self.idle = Some(wake);
     }
 }
 
@@ -320,12 +276,6 @@ pub trait App: Send + 'static {
     /// Processes packets from input links to output links.
     fn push(&mut self, _io: &mut Io) {}
 
-    /// True when `push` has nothing to do while every input link is empty: the engine then
-    /// pushes the app only after a packet arrived on one of them (links from the same worker).
-    fn pushed_only_with_input(&self) -> bool {
-        false
-    }
-
     /// Called about every millisecond, for timers and housekeeping.
     fn tick(&mut self, _io: &mut Io, _now: Instant) {}
 
@@ -360,7 +310,6 @@ type AnyConfig = Box<dyn Any + Send>;
 pub trait DynApp: Send {
     fn pull(&mut self, io: &mut Io);
     fn push(&mut self, io: &mut Io);
-    fn pushed_only_with_input(&self) -> bool;
     fn tick(&mut self, io: &mut Io, now: Instant);
     fn reconfigure(
         &mut self,
@@ -380,9 +329,6 @@ impl<A: App> DynApp for A {
     #[inline]
     fn push(&mut self, io: &mut Io) {
         App::push(self, io)
-    }
-    fn pushed_only_with_input(&self) -> bool {
-        App::pushed_only_with_input(self)
     }
     fn tick(&mut self, io: &mut Io, now: Instant) {
         App::tick(self, io, now)

@@ -10,11 +10,9 @@
 //! the controller, which keeps what did not change (apps with their state, links with their
 //! queued packets), reconfigures or rebuilds what changed, rewires, and resumes the workers.
 
-use crate::app::{
-    AppContext, AppError, Counters, DynApp, Io, PortNames, Reconfigured, Registry, Wake,
-};
+use crate::app::{AppContext, AppError, Counters, DynApp, Io, PortNames, Reconfigured, Registry};
 use crate::graph::{Endpoint, Graph, LinkDecl, WorkerConfig};
-use crate::link::{self, Consumer, LinkStats, Producer, Ring, RunBoard};
+use crate::link::{self, Consumer, LinkStats, Producer, Ring};
 use crate::pool;
 use indexmap::IndexMap;
 use std::collections::{BTreeMap, HashMap};
@@ -105,11 +103,6 @@ pub struct WorkerCounters {
 struct Plan {
     slots: Vec<AppSlot>,
     rings: Vec<Arc<Ring>>,
-    /// Per slot, beside `slots` so that skipping an app touches none of its state: whether it
-    /// is pushed only when its flag on `board` is raised, and what wakes it while it is idle.
-    pushed_with_input: Vec<bool>,
-    asleep: Vec<Option<Wake>>,
-    board: Arc<RunBoard>,
     busy_poll: bool,
     max_sleep: Duration,
     core: Option<usize>,
@@ -151,43 +144,23 @@ fn pin_to_core(core: usize) {
     }
 }
 
-fn breathe(plan: &mut Plan, now: Instant) {
-    for (i, s) in plan.slots.iter_mut().enumerate() {
-        if let Some(w) = &plan.asleep[i] {
-            if now < w.deadline && !w.doorbell.as_ref().is_some_and(|d| d.rung()) {
-                continue;
-            }
-            plan.asleep[i] = None;
-        }
+fn breathe(plan: &mut Plan) {
+    for s in plan.slots.iter_mut() {
         if !s.failed.load(Ordering::Relaxed) {
             s.guarded("pull", |a, io| a.pull(io));
-            plan.asleep[i] = s.io.idle.take();
         }
     }
     for pass in 0..MAX_PUSH_PASSES {
         let mut pushed = false;
-        for (i, s) in plan.slots.iter_mut().enumerate() {
-            let with_input = plan.pushed_with_input[i];
-            if with_input {
-                if !plan.board.take(i) {
-                    continue;
-                }
-            } else if !s.has_inputs
-                || (pass > 0 && !s.io.inputs.iter_mut().flatten().any(|c| !c.is_empty()))
-            {
+        for s in plan.slots.iter_mut() {
+            if !s.has_inputs || s.failed.load(Ordering::Relaxed) {
                 continue;
             }
-            if s.failed.load(Ordering::Relaxed) {
+            if pass > 0 && !s.io.inputs.iter_mut().flatten().any(|c| !c.is_empty()) {
                 continue;
             }
             pushed = true;
             s.guarded("push", |a, io| a.push(io));
-            // Pushed: its next pull decides again whether it is idle.
-            plan.asleep[i] = None;
-            if with_input && s.io.inputs.iter_mut().flatten().any(|c| !c.is_empty()) {
-                // Packets left queued (back-pressure): push it again, as any other app.
-                plan.board.raise(i);
-            }
         }
         if !pushed {
             break;
@@ -259,7 +232,7 @@ fn run_worker(
         let before = activity(&plan);
         let now = Instant::now();
         BREATH_STARTED.with(|b| b.set(Some(now)));
-        breathe(&mut plan, now);
+        breathe(&mut plan);
         breaths += 1;
         if now.duration_since(last_tick) >= TICK_INTERVAL {
             last_tick = now;
@@ -635,9 +608,6 @@ impl Engine {
                 Plan {
                     slots: Vec::new(),
                     rings: Vec::new(),
-                    pushed_with_input: Vec::new(),
-                    asleep: Vec::new(),
-                    board: RunBoard::new(0),
                     busy_poll: graph.engine.busy_poll,
                     max_sleep: Duration::from_micros(graph.engine.max_sleep_us.max(1)),
                     core: wcfg.core,
@@ -680,7 +650,6 @@ impl Engine {
             }
             plan.slots.push(s);
         }
-        run_boards(&mut plans);
         // Workers that are gone exit; new ones start.
         let gone: Vec<String> = st
             .workers
@@ -994,48 +963,6 @@ fn prepare_io(s: &mut AppSlot, graph: &Graph) {
             s.io.output_names = n.clone();
             s.io.outputs = n.iter().map(|_| None).collect();
         }
-    }
-}
-
-/// Gives every worker a run board and every producer its consumer's flag on it. An app fed by
-/// a link from another worker is pushed every breath (that producer raises no flag).
-fn run_boards(plans: &mut IndexMap<String, Plan>) {
-    let mut consumer_of: HashMap<*const Ring, (usize, usize)> = HashMap::new();
-    for (w, plan) in plans.values().enumerate() {
-        for (i, s) in plan.slots.iter().enumerate() {
-            for c in s.io.inputs.iter().flatten() {
-                consumer_of.insert(Arc::as_ptr(c.ring()), (w, i));
-            }
-        }
-    }
-    let boards: Vec<Arc<RunBoard>> = plans
-        .values()
-        .map(|p| RunBoard::new(p.slots.len()))
-        .collect();
-    let mut fed_from_afar = std::collections::HashSet::new();
-    for (w, plan) in plans.values_mut().enumerate() {
-        for s in plan.slots.iter_mut() {
-            for p in s.io.outputs.iter_mut().flatten() {
-                match consumer_of.get(&Arc::as_ptr(p.ring())) {
-                    Some(&(cw, ci)) if cw == w => p.notify(Some((&boards[w], ci))),
-                    Some(&far) => {
-                        p.notify(None);
-                        fed_from_afar.insert(far);
-                    }
-                    None => p.notify(None),
-                }
-            }
-        }
-    }
-    for (w, plan) in plans.values_mut().enumerate() {
-        plan.board = boards[w].clone();
-        plan.asleep = plan.slots.iter().map(|_| None).collect();
-        plan.pushed_with_input = plan
-            .slots
-            .iter()
-            .enumerate()
-            .map(|(i, s)| s.app.pushed_only_with_input() && !fed_from_afar.contains(&(w, i)))
-            .collect();
     }
 }
 

@@ -11,8 +11,7 @@ use crossbeam_utils::CachePadded;
 use std::any::Any;
 use std::cell::UnsafeCell;
 use std::mem::MaybeUninit;
-use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
 /// Ring size when the graph does not give one.
@@ -164,7 +163,6 @@ pub fn link(size: usize) -> (Producer, Consumer) {
             ring: ring.clone(),
             tail: 0,
             cached_head: 0,
-            notify: None,
         },
         Consumer {
             ring,
@@ -179,66 +177,11 @@ pub struct Producer {
     ring: Arc<Ring>,
     tail: usize,
     cached_head: usize,
-    /// The consumer's flag on its worker's run board, raised with every packet queued, so that
-    /// the engine pushes only apps with something to do (see [`RunBoard`]).
-    notify: Option<Notify>,
 }
-
-/// One byte per app of a worker: raised by producers of links into that app, cleared by the
-/// engine when it pushes the app. Set only from the consumer's own worker (a plain store).
-pub struct RunBoard(Box<[AtomicU8]>);
-
-impl RunBoard {
-    /// A board for `apps` apps, every flag raised (each app is pushed once after a change).
-    pub fn new(apps: usize) -> Arc<RunBoard> {
-        Arc::new(RunBoard((0..apps).map(|_| AtomicU8::new(1)).collect()))
-    }
-
-    #[inline]
-    pub fn raise(&self, i: usize) {
-        self.0[i].store(1, Ordering::Relaxed);
-    }
-
-    /// Lowers the flag of app `i` and says whether it was raised.
-    #[inline]
-    pub fn take(&self, i: usize) -> bool {
-        let f = &self.0[i];
-        // A plain load first: the store only when there is something to clear.
-        f.load(Ordering::Relaxed) != 0 && {
-            f.store(0, Ordering::Relaxed);
-            true
-        }
-    }
-}
-
-struct Notify {
-    flag: NonNull<AtomicU8>,
-    _board: Arc<RunBoard>,
-}
-
-// The flag lives in `_board`, which the producer keeps alive; only one thread uses a producer.
-unsafe impl Send for Notify {}
 
 impl Producer {
     pub fn ring(&self) -> &Arc<Ring> {
         &self.ring
-    }
-
-    /// Raises flag `i` of `board` for every packet queued from now on (`None`: no flag; the
-    /// consumer runs on another worker and is pushed every breath).
-    pub fn notify(&mut self, board: Option<(&Arc<RunBoard>, usize)>) {
-        self.notify = board.map(|(b, i)| Notify {
-            flag: NonNull::from(&b.0[i]),
-            _board: b.clone(),
-        });
-    }
-
-    #[inline(always)]
-    fn raise(&self) {
-        if let Some(n) = &self.notify {
-            // SAFETY: the board outlives this producer's reference to it.
-            unsafe { n.flag.as_ref() }.store(1, Ordering::Relaxed);
-        }
     }
 
     /// Free slots now (reads the consumer's index: call once per batch, not per packet).
@@ -271,7 +214,6 @@ impl Producer {
         unsafe { (*self.ring.slots[self.tail & self.ring.mask].get()).write(p) };
         self.tail = self.tail.wrapping_add(1);
         self.ring.prod.tail.store(self.tail, Ordering::Release);
-        self.raise();
         let side = &*self.ring.prod;
         bump(&side.tx_packets, 1);
         bump(&side.tx_bytes, len);
@@ -365,7 +307,6 @@ impl Consumer {
         out.tail = out.tail.wrapping_add(n);
         src.cons.head.store(self.head, Ordering::Release);
         dst.prod.tail.store(out.tail, Ordering::Release);
-        out.raise();
         bump(&src.cons.rx_packets, n as u64);
         bump(&dst.prod.tx_packets, n as u64);
         bump(&dst.prod.tx_bytes, bytes);

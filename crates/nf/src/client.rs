@@ -12,9 +12,7 @@
 //! polling mode it yields the CPU between empty polls. Either way it returns when Stitch closes
 //! the port.
 
-use crate::shm::{
-    Board, ChannelHeader, Consumer, Desc, Layout, Mapping, Producer, RingView, FLAG_DROP,
-};
+use crate::shm::{ChannelHeader, Consumer, Desc, Layout, Mapping, Producer, RingView, FLAG_DROP};
 use serde_json::Value;
 use std::io::{self, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -49,9 +47,6 @@ pub struct Function {
     /// and packets come straight from the previous one.
     tx: Option<TxChannel>,
     rx: Option<RxChannel>,
-    /// The listener's ready board and this port's byte on it, raised after each publish.
-    board: Board,
-    board_index: u32,
 }
 
 struct TxChannel {
@@ -125,16 +120,9 @@ impl Function {
         }
         let zero_copy = reply["mode"] == "zero_copy";
         let mut fds = fds.into_iter();
-        let (Some(memfd), Some(doorbell), Some(board)) = (fds.next(), fds.next(), fds.next())
-        else {
+        let (Some(memfd), Some(doorbell)) = (fds.next(), fds.next()) else {
             return Err(invalid("Stitch sent no memory"));
         };
-        let board = Board::map(board)?;
-        let board_index = reply["board_index"]
-            .as_u64()
-            .filter(|&i| (i as usize) < crate::shm::BOARD_PORTS)
-            .ok_or_else(|| invalid("Stitch sent no place on its ready board"))?
-            as u32;
         let size = reply["region_size"].as_u64().unwrap_or(0) as usize;
         let region = Mapping::map(memfd.as_raw_fd(), size, size <= crate::shm::POPULATE_MAX)?;
         let h = region.header();
@@ -162,8 +150,6 @@ impl Function {
             control_seen: 0,
             tx: None,
             rx: None,
-            board,
-            board_index,
         })
     }
 
@@ -375,7 +361,7 @@ impl Function {
         } else {
             self.to_nf.release();
         }
-        self.publish();
+        self.from_nf.publish();
         if let Some(tx) = &self.tx {
             if forwarded > 0 {
                 tx.ring.publish();
@@ -508,17 +494,8 @@ impl Function {
             return false;
         }
         self.from_nf.put(d);
-        self.publish();
-        true
-    }
-
-    /// Publishes `from_nf`, then raises this port's byte on the board: in this order, so that
-    /// Stitch, which lowers the byte before it looks at the ring, misses neither.
-    fn publish(&self) {
         self.from_nf.publish();
-        self.board
-            .byte(self.board_index)
-            .store(1, Ordering::Release);
+        true
     }
 
     /// Fault injection for tests: the whole shared region, to scribble over.

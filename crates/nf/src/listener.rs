@@ -1,13 +1,12 @@
 //! The attach socket on Stitch's side. One listener thread per socket path serves every
 //! `nf_port` app that names that path: a function connects, sends one JSON line
-//! `{"version":3,"port":"NAME"}`, and gets back a JSON line with the region's layout plus, by
-//! SCM_RIGHTS, the region's memfd, the doorbell eventfd, the listener's ready board and
-//! (zero-copy) the packet pool's memfd.
+//! `{"version":1,"port":"NAME"}`, and gets back a JSON line with the region's layout plus, by
+//! SCM_RIGHTS, the region's memfd, the doorbell eventfd and (zero-copy) the packet pool's memfd.
 //! The connection then stays open and says nothing more: when it closes — the function exited,
 //! crashed or was killed — the port is detached and its buffers reclaimed by the app.
 
 use crate::direct::{Current, Direct};
-use crate::shm::{Board, Layout, Mapping, RegionHeader, BOARD_PORTS, MAGIC, VERSION};
+use crate::shm::{Layout, Mapping, RegionHeader, MAGIC, VERSION};
 use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::io::{self, BufRead, BufReader};
@@ -57,8 +56,6 @@ pub struct PortShared {
     /// Direct channels this port takes part in, put here by the switch that offers them and
     /// cleared by the port once they are retired.
     pub direct: Mutex<DirectSlots>,
-    /// This port's byte on its listener's board, given at registration.
-    pub board: OnceLock<(Arc<Board>, u32)>,
 }
 
 #[derive(Default)]
@@ -80,17 +77,7 @@ impl PortShared {
             busy: AtomicBool::new(false),
             current: Mutex::new(None),
             direct: Mutex::new(DirectSlots::default()),
-            board: OnceLock::new(),
         })
-    }
-
-    /// Tells the port's app there is something to look at (an attachment, a detach, a direct
-    /// channel offer) and wakes it if it sleeps.
-    pub fn poke(&self) {
-        self.changed.store(true, Ordering::Release);
-        if let Some((b, i)) = self.board.get() {
-            b.byte(*i).store(1, Ordering::Release);
-        }
     }
 
     /// Frees the slot of a channel that is done with, if the slot still holds that one.
@@ -113,9 +100,6 @@ static GENERATION: AtomicU64 = AtomicU64::new(1);
 pub struct Listener {
     path: PathBuf,
     ports: Mutex<HashMap<String, Arc<PortShared>>>,
-    board: Arc<Board>,
-    /// Which bytes of the board are taken.
-    board_used: Mutex<Vec<bool>>,
 }
 
 fn listeners() -> &'static Mutex<HashMap<PathBuf, Weak<Listener>>> {
@@ -151,8 +135,6 @@ pub fn listener(path: &Path) -> io::Result<Arc<Listener>> {
     let l = Arc::new(Listener {
         path: path.to_path_buf(),
         ports: Mutex::new(HashMap::new()),
-        board: Arc::new(Board::new()?),
-        board_used: Mutex::new(vec![false; BOARD_PORTS]),
     });
     let weak = Arc::downgrade(&l);
     std::thread::Builder::new()
@@ -176,16 +158,6 @@ impl Listener {
                 self.path.display()
             ));
         }
-        let mut used = self.board_used.lock().unwrap();
-        let Some(i) = used.iter().position(|u| !u) else {
-            return Err(format!(
-                "{} already serves {BOARD_PORTS} function ports; give this port another `socket`",
-                self.path.display()
-            ));
-        };
-        used[i] = true;
-        self.board.byte(i as u32).store(0, Ordering::Relaxed);
-        let _ = port.board.set((self.board.clone(), i as u32));
         ports.insert(port.name.clone(), port);
         Ok(())
     }
@@ -194,9 +166,6 @@ impl Listener {
         let mut ports = self.ports.lock().unwrap();
         if ports.get(&port.name).is_some_and(|p| Arc::ptr_eq(p, port)) {
             ports.remove(&port.name);
-            if let Some((_, i)) = port.board.get() {
-                self.board_used.lock().unwrap()[*i as usize] = false;
-            }
         }
     }
 }
@@ -253,7 +222,7 @@ fn serve(sock: UnixListener, listener: Weak<Listener>) {
             let c = conns.swap_remove(i);
             if let Some(port) = c.port.upgrade() {
                 port.closed.fetch_max(c.generation, Ordering::AcqRel);
-                port.poke();
+                port.changed.store(true, Ordering::Release);
             }
         }
         if fds[0].revents != 0 {
@@ -343,11 +312,6 @@ fn attach(l: &Listener, stream: &UnixStream) -> Result<(Arc<PortShared>, u64), S
         ));
     }
     let s = port.settings;
-    let board_index = port
-        .board
-        .get()
-        .map(|(_, i)| *i)
-        .ok_or("port has no board byte")?;
     let layout = Layout::new(
         s.ring_size,
         if s.zero_copy { 0 } else { s.buffers },
@@ -400,15 +364,10 @@ fn attach(l: &Listener, stream: &UnixStream) -> Result<(Arc<PortShared>, u64), S
         "wake": if s.blocking { "blocking" } else { "polling" },
         "region_size": layout.size,
         "pool_bytes": if s.zero_copy { pool_bytes } else { 0 },
-        "board_index": board_index,
     })
     .to_string()
         + "\n";
-    let mut fds = vec![
-        memfd.as_raw_fd(),
-        doorbell.as_raw_fd(),
-        l.board.memfd.as_raw_fd(),
-    ];
+    let mut fds = vec![memfd.as_raw_fd(), doorbell.as_raw_fd()];
     if s.zero_copy {
         fds.push(pool.memfd());
     }
@@ -422,7 +381,7 @@ fn attach(l: &Listener, stream: &UnixStream) -> Result<(Arc<PortShared>, u64), S
         generation,
         pid,
     });
-    port.poke();
+    port.changed.store(true, Ordering::Release);
     log::info!("function (pid {pid}) attached to port `{name}`");
     Ok((port, generation))
 }

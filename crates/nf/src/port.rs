@@ -40,7 +40,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use stitch_core::app::{self, AppContext, AppError, Counter, Doorbell, Io, PortSpec, Reconfigured};
+use stitch_core::app::{AppContext, AppError, Counter, Io, PortSpec, Reconfigured};
 use stitch_core::{pool, App};
 
 #[derive(Debug, Clone, Copy, Deserialize, Default, PartialEq, Eq)]
@@ -418,12 +418,67 @@ impl App for NfPort {
     }
 
     fn pull(&mut self, io: &mut Io) {
-        self.serve(io);
-        self.maybe_idle(io);
-    }
-
-    fn pushed_only_with_input(&self) -> bool {
-        true
+        self.tag_link_ends(io);
+        // A plain load first: the flag's cache line stays shared until the listener writes it.
+        if self.shared.changed.load(Ordering::Relaxed)
+            && self.shared.changed.swap(false, Ordering::AcqRel)
+        {
+            self.attach_or_detach();
+            self.take_direct_offers();
+        }
+        if !self.leaving.is_empty() {
+            self.drain_leaving(io);
+        }
+        if HAS_ORPHANS.load(Ordering::Relaxed) {
+            finish_orphans();
+        }
+        let Some(a) = self.active.as_mut() else {
+            return;
+        };
+        // The head of `from_nf` first: whatever the function returns there that it read from
+        // an incoming channel, it read before this load — and is accounted just below.
+        let Some(n) = a.from_nf.available() else {
+            log::warn!(
+                "function port `{}`: the function (pid {}) corrupted its ring; detaching it",
+                self.shared.name,
+                a.att.pid
+            );
+            self.bad_descriptors.add(1);
+            self.detach();
+            return;
+        };
+        if let Some(d) = &a.incoming {
+            let consumed = io.input(0).map_or(0, |c| c.ring().rx_packets());
+            let (live, read) = d.receiver_pull(consumed, true);
+            self.direct_packets.add(read);
+            if !live {
+                self.clear_direct(false);
+            }
+        }
+        let a = self.active.as_mut().expect("attached");
+        let step = match &a.outgoing {
+            Some(d) => {
+                let sent = io.output(0).map_or(0, |o| o.ring().tx_packets());
+                d.sender_step(sent, true)
+            }
+            None => SenderStep::FromNf,
+        };
+        if step == SenderStep::Retired {
+            self.clear_direct(true);
+        }
+        if matches!(
+            step,
+            SenderStep::FromNf | SenderStep::FromNfThenChannel | SenderStep::Retired
+        ) && n > 0
+        {
+            self.receive(n, io);
+        }
+        if matches!(step, SenderStep::FromNfThenChannel | SenderStep::Channel) {
+            self.receive_channel(io);
+        }
+        if self.shared.settings.blocking {
+            self.maybe_wake();
+        }
     }
 
     fn push(&mut self, io: &mut Io) {
@@ -571,115 +626,6 @@ impl NfPort {
 
     /// Says on each of its links "a function port is here", so that a switch at the other end
     /// can offer it a direct channel.
-    /// Takes what the function returned and wakes it when due (the work of `pull`).
-    fn serve(&mut self, io: &mut Io) {
-        self.tag_link_ends(io);
-        // A plain load first: the flag's cache line stays shared until the listener writes it.
-        if self.shared.changed.load(Ordering::Relaxed)
-            && self.shared.changed.swap(false, Ordering::AcqRel)
-        {
-            self.attach_or_detach();
-            self.take_direct_offers();
-        }
-        if !self.leaving.is_empty() {
-            self.drain_leaving(io);
-        }
-        if HAS_ORPHANS.load(Ordering::Relaxed) {
-            finish_orphans();
-        }
-        let Some(a) = self.active.as_mut() else {
-            return;
-        };
-        // The head of `from_nf` first: whatever the function returns there that it read from
-        // an incoming channel, it read before this load — and is accounted just below.
-        let Some(n) = a.from_nf.available() else {
-            log::warn!(
-                "function port `{}`: the function (pid {}) corrupted its ring; detaching it",
-                self.shared.name,
-                a.att.pid
-            );
-            self.bad_descriptors.add(1);
-            self.detach();
-            return;
-        };
-        if let Some(d) = &a.incoming {
-            let consumed = io.input(0).map_or(0, |c| c.ring().rx_packets());
-            let (live, read) = d.receiver_pull(consumed, true);
-            self.direct_packets.add(read);
-            if !live {
-                self.clear_direct(false);
-            }
-        }
-        let a = self.active.as_mut().expect("attached");
-        let step = match &a.outgoing {
-            Some(d) => {
-                let sent = io.output(0).map_or(0, |o| o.ring().tx_packets());
-                d.sender_step(sent, true)
-            }
-            None => SenderStep::FromNf,
-        };
-        if step == SenderStep::Retired {
-            self.clear_direct(true);
-        }
-        if matches!(
-            step,
-            SenderStep::FromNf | SenderStep::FromNfThenChannel | SenderStep::Retired
-        ) && n > 0
-        {
-            self.receive(n, io);
-        }
-        if matches!(step, SenderStep::FromNfThenChannel | SenderStep::Channel) {
-            self.receive_channel(io);
-        }
-        if self.shared.settings.blocking {
-            self.maybe_wake();
-        }
-    }
-
-    /// Puts the app to sleep until the function publishes on `from_nf` (its byte on the
-    /// listener's board), the listener has news (it raises the same byte), or a blocking
-    /// port's oldest packet is due a wake-up: thousands of idle ports then cost the engine a
-    /// byte each per breath instead of a visit. A function with direct channels, or a port
-    /// with anything in progress, stays awake.
-    fn maybe_idle(&mut self, io: &mut Io) {
-        let Some((board, i)) = self.shared.board.get() else {
-            return;
-        };
-        if !self.leaving.is_empty()
-            || HAS_ORPHANS.load(Ordering::Relaxed)
-            || self.shared.changed.load(Ordering::Relaxed)
-        {
-            return;
-        }
-        let mut deadline = stitch_core::engine::breath_started() + HOUSEKEEPING;
-        if let Some(a) = &self.active {
-            if a.incoming.is_some() || a.outgoing.is_some() {
-                return;
-            }
-            if let Some(since) = a.waiting_since {
-                deadline = deadline.min(since + self.max_delay);
-            }
-        }
-        let byte = board.byte(*i);
-        byte.store(0, Ordering::Relaxed);
-        // The byte is lowered before the ring and the flag are looked at again: whatever the
-        // function (or the listener) publishes after this look raises it again.
-        std::sync::atomic::fence(Ordering::SeqCst);
-        if self.shared.changed.load(Ordering::Acquire) {
-            return;
-        }
-        if let Some(a) = &self.active {
-            if a.from_nf.available() != Some(0) {
-                return;
-            }
-        }
-        io.idle(app::Wake {
-            // SAFETY: the byte lies in the board's mapping, which the Arc keeps.
-            doorbell: Some(unsafe { Doorbell::new(byte, board.clone()) }),
-            deadline,
-        });
-    }
-
     fn tag_link_ends(&mut self, io: &mut Io) {
         if !self.shared.settings.zero_copy {
             return;
@@ -840,7 +786,7 @@ impl NfPort {
         self.attached.set(0);
         self.shared.busy.store(false, Ordering::Release);
         // A function that attached meanwhile is picked up at the next breath.
-        self.shared.poke();
+        self.shared.changed.store(true, Ordering::Release);
     }
 
     fn receive(&mut self, n: u32, io: &mut Io) {
@@ -926,9 +872,6 @@ impl Drop for NfPort {
 
 /// Channels whose sending port was removed while they still held its function's packets:
 /// any other function port finishes them (reads them empty, frees what is left).
-/// Longest an idle port sleeps without being woken: a safety net for its housekeeping.
-const HOUSEKEEPING: Duration = Duration::from_millis(50);
-
 static ORPHANS: Mutex<Vec<Leaving>> = Mutex::new(Vec::new());
 static HAS_ORPHANS: AtomicBool = AtomicBool::new(false);
 

@@ -17,8 +17,8 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU32, Ordering};
 
 pub const MAGIC: u64 = u64::from_le_bytes(*b"STITCHNF");
-/// 2: the `control` word and direct channels. 3: the ready board.
-pub const VERSION: u32 = 3;
+/// 2: the `control` word and direct channels.
+pub const VERSION: u32 = 2;
 const PAGE: usize = 4096;
 /// Regions up to this size are faulted in at attach (rings: no page fault on the data path);
 /// larger ones (isolated buffer slots) fill in as they are used, so that thousands of ports
@@ -259,38 +259,6 @@ impl Drop for Mapping {
         unsafe {
             libc::munmap(self.base as *mut libc::c_void, self.len);
         }
-    }
-}
-
-/// Ports one listener can serve: one byte each on its [`Board`].
-pub const BOARD_PORTS: usize = 65536;
-
-/// One byte per function port of a listener, in a memfd that every function maps. A function
-/// raises its port's byte after each publish on `from_nf`; an idle port's app sleeps until
-/// its byte is raised, so that Stitch's engine reads a dense array of bytes instead of the
-/// ring head of each of thousands of idle ports (a miss each) every breath.
-pub struct Board {
-    pub memfd: OwnedFd,
-    map: Mapping,
-}
-
-impl Board {
-    pub fn new() -> io::Result<Board> {
-        let (memfd, map) = Mapping::create("stitch-nf-board", BOARD_PORTS)?;
-        Ok(Board { memfd, map })
-    }
-
-    /// Maps the board a function was given.
-    pub fn map(memfd: OwnedFd) -> io::Result<Board> {
-        let map = Mapping::map(memfd.as_raw_fd(), BOARD_PORTS, true)?;
-        Ok(Board { memfd, map })
-    }
-
-    /// The byte of port `i` (`i` < [`BOARD_PORTS`]).
-    pub fn byte(&self, i: u32) -> &std::sync::atomic::AtomicU8 {
-        assert!((i as usize) < BOARD_PORTS, "board index {i}");
-        // SAFETY: inside the mapping; bytes need no alignment.
-        unsafe { &*(self.map.base.add(i as usize) as *const std::sync::atomic::AtomicU8) }
     }
 }
 

@@ -37,10 +37,6 @@ impl App for LatencySink {
             hist: vec![0; BUCKETS],
         })
     }
-    fn pushed_only_with_input(&self) -> bool {
-        true
-    }
-
     fn push(&mut self, io: &mut Io) {
         let now = stitch_core::packet::now_ns();
         let (inputs, _) = io.split();

@@ -601,8 +601,8 @@ impl Switch {
                     sa.outgoing = Some(d.clone());
                     sb.incoming = Some(d.clone());
                     drop((sa, sb));
-                    a.poke();
-                    b.poke();
+                    a.changed.store(true, Ordering::Release);
+                    b.changed.store(true, Ordering::Release);
                     log::info!(
                         "switch `{}`: direct channel {} -> {} (ports {} -> {})",
                         self.shared.name,
