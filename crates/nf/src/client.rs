@@ -422,64 +422,19 @@ impl Function {
     /// Sleeps until Stitch (or the function sending on a direct channel) rings the doorbell —
     /// unless packets already wait. Fails when Stitch closed the port.
     pub fn wait(&mut self) -> io::Result<()> {
-        let sleeping = &self.region.header().sleeping.0;
-        sleeping.store(1, Ordering::SeqCst);
+        match wait_any(&mut [self])? {
+            Some(_) => Err(closed_port()),
+            None => Ok(()),
+        }
+    }
+
+    /// Says (or stops saying) in the shared headers that this function sleeps on its doorbell.
+    fn set_sleeping(&self, asleep: bool) {
+        let v = asleep as u32;
+        self.region.header().sleeping.0.store(v, Ordering::SeqCst);
         if let Some(rx) = &self.rx {
-            rx.header().receiver_sleeping.0.store(1, Ordering::SeqCst);
+            rx.header().receiver_sleeping.0.store(v, Ordering::SeqCst);
         }
-        std::sync::atomic::fence(Ordering::SeqCst);
-        let awake = |f: &Function| {
-            f.region.header().sleeping.0.store(0, Ordering::SeqCst);
-            if let Some(rx) = &f.rx {
-                rx.header().receiver_sleeping.0.store(0, Ordering::SeqCst);
-            }
-        };
-        if self.has_work() {
-            awake(self);
-            return Ok(());
-        }
-        let mut fds = [
-            libc::pollfd {
-                fd: self.doorbell.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
-            libc::pollfd {
-                fd: self.conn.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
-        ];
-        loop {
-            let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
-            if n < 0 {
-                let e = io::Error::last_os_error();
-                if e.kind() == io::ErrorKind::Interrupted {
-                    continue;
-                }
-                return Err(e);
-            }
-            break;
-        }
-        // The connection is readable for a control message, or when Stitch is gone.
-        if fds[1].revents != 0 && self.closed(false) {
-            return Err(io::Error::new(
-                io::ErrorKind::ConnectionAborted,
-                "Stitch closed the port",
-            ));
-        }
-        if fds[0].revents != 0 {
-            let mut v = 0u64;
-            unsafe {
-                libc::read(
-                    self.doorbell.as_raw_fd(),
-                    &mut v as *mut u64 as *mut libc::c_void,
-                    8,
-                )
-            };
-        }
-        awake(self);
-        Ok(())
     }
 
     /// Whether Stitch is still there (cheap: one `poll` with no wait).
@@ -505,32 +460,114 @@ impl Function {
     }
 
     /// Serves packets with `f` until Stitch closes the port.
-    pub fn run(&mut self, mut f: impl FnMut(&mut [u8]) -> Verdict) -> io::Result<()> {
-        let mut idle = 0u32;
-        loop {
-            if self.poll(256, &mut f)? > 0 {
-                idle = 0;
+    pub fn run(&mut self, f: impl FnMut(&mut [u8]) -> Verdict) -> io::Result<()> {
+        serve_ports(vec![self], f)
+    }
+}
+
+fn closed_port() -> io::Error {
+    io::Error::new(io::ErrorKind::ConnectionAborted, "Stitch closed the port")
+}
+
+/// Serves several ports from one thread until Stitch closed them all, as one process with one
+/// doorbell would (the seed's functions): a wake-up for one port serves whatever waits on all
+/// of them, so a function with two ports is scheduled up to half as often as with a thread per
+/// port.
+pub fn run_all(functions: &mut [Function], f: impl FnMut(&mut [u8]) -> Verdict) -> io::Result<()> {
+    serve_ports(functions.iter_mut().collect(), f)
+}
+
+/// Serves the ports until Stitch closed each of them.
+fn serve_ports(
+    mut functions: Vec<&mut Function>,
+    mut f: impl FnMut(&mut [u8]) -> Verdict,
+) -> io::Result<()> {
+    let mut idle = 0u32;
+    while !functions.is_empty() {
+        let mut done = 0;
+        for fun in functions.iter_mut() {
+            done += fun.poll(256, &mut f)?;
+        }
+        if done > 0 {
+            idle = 0;
+            continue;
+        }
+        if functions.iter().all(|fun| fun.blocking) {
+            if functions.iter_mut().any(|fun| fun.has_work()) {
+                // Work waits but its output is full: give the core to the functions
+                // downstream for a moment instead of spinning on it.
+                std::thread::sleep(std::time::Duration::from_micros(20));
                 continue;
             }
-            if self.blocking {
-                if self.has_work() {
-                    // Work waits but its output is full: give the core to the functions
-                    // downstream for a moment instead of spinning on it.
-                    std::thread::sleep(std::time::Duration::from_micros(20));
-                    continue;
-                }
-                match self.wait() {
-                    Ok(()) => {}
-                    Err(e) if e.kind() == io::ErrorKind::ConnectionAborted => return Ok(()),
-                    Err(e) => return Err(e),
-                }
-            } else {
-                idle += 1;
-                if idle.is_multiple_of(1024) && !self.connected() {
-                    return Ok(());
-                }
-                std::thread::yield_now();
+            if let Some(i) = wait_any(&mut functions)? {
+                functions.swap_remove(i);
             }
+        } else {
+            idle += 1;
+            if idle.is_multiple_of(1024) {
+                functions.retain(|fun| fun.connected());
+            }
+            std::thread::yield_now();
         }
     }
+    Ok(())
+}
+
+/// Sleeps until one of the functions' doorbells rings (Stitch, or a function sending on a
+/// direct channel) — unless packets already wait. Returns a port that Stitch closed, if one
+/// did.
+fn wait_any(functions: &mut [&mut Function]) -> io::Result<Option<usize>> {
+    for fun in functions.iter() {
+        fun.set_sleeping(true);
+    }
+    std::sync::atomic::fence(Ordering::SeqCst);
+    let awake = |functions: &[&mut Function]| {
+        for fun in functions {
+            fun.set_sleeping(false);
+        }
+    };
+    if functions.iter_mut().any(|fun| fun.has_work()) {
+        awake(functions);
+        return Ok(None);
+    }
+    // Per port: its doorbell, then its connection (readable for a control message, or when
+    // Stitch is gone).
+    let mut fds: Vec<libc::pollfd> = functions
+        .iter()
+        .flat_map(|fun| [fun.doorbell.as_raw_fd(), fun.conn.as_raw_fd()])
+        .map(|fd| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
+    loop {
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        break;
+    }
+    awake(functions);
+    let mut gone = None;
+    for (i, fun) in functions.iter().enumerate() {
+        if fds[2 * i].revents != 0 {
+            let mut v = 0u64;
+            unsafe {
+                libc::read(
+                    fun.doorbell.as_raw_fd(),
+                    &mut v as *mut u64 as *mut libc::c_void,
+                    8,
+                )
+            };
+        }
+        if fds[2 * i + 1].revents != 0 && fun.closed(false) {
+            gone = Some(i);
+        }
+    }
+    Ok(gone)
 }

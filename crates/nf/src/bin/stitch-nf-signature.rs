@@ -1,10 +1,11 @@
 //! The seed's test function: a signature (FNV-1a) over the first 64 bytes of every packet,
 //! read-only, then forwarded.
 //!
-//! `stitch-nf-signature --socket /run/stitch/nf.sock PORT [PORT…]` serves each port on its own
-//! thread.
+//! `stitch-nf-signature --socket /run/stitch/nf.sock PORT [PORT…]` serves all its ports from one
+//! thread, woken by any of their doorbells (`client::run_all`), as the seed's functions were
+//! one process on one semaphore; `--thread-per-port` gives each port its own thread instead.
 
-use stitch_nf::client::{Function, Verdict};
+use stitch_nf::client::{run_all, Function, Verdict};
 
 fn signature(bytes: &[u8]) -> u64 {
     bytes.iter().take(64).fold(0xcbf29ce484222325u64, |h, b| {
@@ -16,11 +17,13 @@ fn main() {
     let mut args = std::env::args().skip(1);
     let mut socket = stitch_nf::port::default_socket();
     let mut ports = Vec::new();
+    let mut thread_per_port = false;
     while let Some(a) = args.next() {
         match a.as_str() {
             "--socket" => socket = args.next().expect("--socket PATH").into(),
+            "--thread-per-port" => thread_per_port = true,
             "-h" | "--help" => {
-                println!("usage: stitch-nf-signature [--socket PATH] PORT...");
+                println!("usage: stitch-nf-signature [--socket PATH] [--thread-per-port] PORT...");
                 return;
             }
             _ => ports.push(a),
@@ -30,26 +33,34 @@ fn main() {
         eprintln!("stitch-nf-signature: name at least one port");
         std::process::exit(2);
     }
+    let attach = |port: &str| {
+        Function::attach(&socket, port).unwrap_or_else(|e| {
+            eprintln!("stitch-nf-signature: port {port}: {e}");
+            std::process::exit(1);
+        })
+    };
+    let serve = |functions: &mut [Function]| {
+        let mut acc = 0u64;
+        let r = run_all(functions, |frame| {
+            acc ^= signature(frame);
+            Verdict::Forward
+        });
+        if let Err(e) = r {
+            eprintln!("stitch-nf-signature: {e}");
+            std::process::exit(1);
+        }
+        std::hint::black_box(acc);
+    };
+    if !thread_per_port {
+        let mut functions: Vec<Function> = ports.iter().map(|p| attach(p)).collect();
+        serve(&mut functions);
+        return;
+    }
     let threads: Vec<_> = ports
         .into_iter()
         .map(|port| {
-            let socket = socket.clone();
-            std::thread::spawn(move || {
-                let mut f = Function::attach(&socket, &port).unwrap_or_else(|e| {
-                    eprintln!("stitch-nf-signature: port {port}: {e}");
-                    std::process::exit(1);
-                });
-                let mut acc = 0u64;
-                let r = f.run(|frame| {
-                    acc ^= signature(frame);
-                    Verdict::Forward
-                });
-                if let Err(e) = r {
-                    eprintln!("stitch-nf-signature: port {port}: {e}");
-                    std::process::exit(1);
-                }
-                std::hint::black_box(acc);
-            })
+            let mut f = attach(&port);
+            std::thread::spawn(move || serve(std::slice::from_mut(&mut f)))
         })
         .collect();
     for t in threads {
