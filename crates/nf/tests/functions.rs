@@ -293,7 +293,8 @@ fn two_hundred_functions_attach_and_carry_traffic() {
         links += &format!("  - \"rr.o{i} -> nf{i}.input\"\n  - \"nf{i}.output -> j.i{i}\"\n");
     }
     apply(&e, &format!("apps:\n{apps}links:\n{links}"));
-    // Ten processes serving twenty ports each (one thread per port): 200 functions.
+    // Ten processes serving twenty ports each (one thread, woken by any of the twenty
+    // doorbells): 200 functions.
     let names: Vec<String> = (0..N).map(|i| format!("nf{i}")).collect();
     let _procs: Vec<Proc> = names
         .chunks(20)
@@ -444,4 +445,53 @@ fn a_function_in_c_attaches_through_the_c_abi() {
         String::from_utf8_lossy(&out.stdout).trim(),
         "seen 2000 dropped 1000"
     );
+}
+
+/// One process serving two ports from one thread: both carry traffic, and when Stitch closes
+/// one of them (the port leaves the graph) the process goes on serving the other.
+#[test]
+fn one_thread_serves_two_ports_and_outlives_one_of_them() {
+    let _one_at_a_time = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let sock = socket(&dir);
+    let e = Engine::new(registry());
+    let port = |name: &str| {
+        format!(
+            "  {name}: {{ type: nf_port, socket: {}, wake: blocking }}\n  gen_{name}: {{ type: generator, size: 200, rate: 20000 }}\n  out_{name}: {{ type: sink }}\n",
+            sock.display()
+        )
+    };
+    let links = |name: &str| {
+        format!("  - \"gen_{name}.output -> {name}.input\"\n  - \"{name}.output -> out_{name}.input\"\n")
+    };
+    apply(
+        &e,
+        &format!(
+            "apps:\n{}{}links:\n{}{}",
+            port("a"),
+            port("b"),
+            links("a"),
+            links("b")
+        ),
+    );
+    let mut f = signature(&sock, &["a", "b"]);
+    wait("both attached", 10, || {
+        counter(&e, "a", "attached") == 1 && counter(&e, "b", "attached") == 1
+    });
+    wait("traffic on both", 10, || {
+        counter(&e, "out_a", "packets") > 1000 && counter(&e, "out_b", "packets") > 1000
+    });
+    // (Packets that came before the function attached were counted as `down_drops`.)
+    let down = counter(&e, "b", "down_drops");
+    apply(&e, &format!("apps:\n{}links:\n{}", port("b"), links("b")));
+    let before = counter(&e, "out_b", "packets");
+    wait("b still served", 10, || {
+        counter(&e, "out_b", "packets") > before + 2000
+    });
+    assert!(
+        f.0.try_wait().unwrap().is_none(),
+        "the function still runs for its other port"
+    );
+    assert_eq!(counter(&e, "b", "down_drops"), down, "b never went down");
+    e.stop();
 }
