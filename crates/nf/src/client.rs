@@ -429,11 +429,13 @@ impl Function {
     }
 
     /// Says (or stops saying) in the shared headers that this function sleeps on its doorbell.
+    /// Plain stores: before sleeping the caller fences once for all its ports (then looks at
+    /// the rings again); a stale "asleep" seen by Stitch only costs a spare doorbell.
     fn set_sleeping(&self, asleep: bool) {
         let v = asleep as u32;
-        self.region.header().sleeping.0.store(v, Ordering::SeqCst);
+        self.region.header().sleeping.0.store(v, Ordering::Relaxed);
         if let Some(rx) = &self.rx {
-            rx.header().receiver_sleeping.0.store(v, Ordering::SeqCst);
+            rx.header().receiver_sleeping.0.store(v, Ordering::Relaxed);
         }
     }
 
