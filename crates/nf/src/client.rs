@@ -474,7 +474,7 @@ fn closed_port() -> io::Error {
 /// Serves several ports from one thread until Stitch closed them all, as one process with one
 /// doorbell would (the seed's functions): a wake-up for one port serves whatever waits on all
 /// of them, so a function with two ports is scheduled up to half as often as with a thread per
-/// port.
+/// port. A port Stitch closes is left out from then on; an error on any port ends the call.
 pub fn run_all(functions: &mut [Function], f: impl FnMut(&mut [u8]) -> Verdict) -> io::Result<()> {
     serve_ports(functions.iter_mut().collect(), f)
 }
