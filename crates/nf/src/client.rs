@@ -422,7 +422,7 @@ impl Function {
     /// Sleeps until Stitch (or the function sending on a direct channel) rings the doorbell —
     /// unless packets already wait. Fails when Stitch closed the port.
     pub fn wait(&mut self) -> io::Result<()> {
-        match wait_any(&mut [self])? {
+        match wait_any(&mut [self], &mut Vec::new())? {
             Some(_) => Err(closed_port()),
             None => Ok(()),
         }
@@ -485,6 +485,8 @@ fn serve_ports(
     mut f: impl FnMut(&mut [u8]) -> Verdict,
 ) -> io::Result<()> {
     let mut idle = 0u32;
+    // The poll set of `wait_any`, kept between sleeps (no allocation per wake-up).
+    let mut fds = Vec::new();
     while !functions.is_empty() {
         let mut done = 0;
         for fun in functions.iter_mut() {
@@ -501,7 +503,7 @@ fn serve_ports(
                 std::thread::sleep(std::time::Duration::from_micros(20));
                 continue;
             }
-            if let Some(i) = wait_any(&mut functions)? {
+            if let Some(i) = wait_any(&mut functions, &mut fds)? {
                 functions.swap_remove(i);
             }
         } else {
@@ -517,8 +519,11 @@ fn serve_ports(
 
 /// Sleeps until one of the functions' doorbells rings (Stitch, or a function sending on a
 /// direct channel) — unless packets already wait. Returns a port that Stitch closed, if one
-/// did.
-fn wait_any(functions: &mut [&mut Function]) -> io::Result<Option<usize>> {
+/// did. `fds` is scratch space for the poll set.
+fn wait_any(
+    functions: &mut [&mut Function],
+    fds: &mut Vec<libc::pollfd>,
+) -> io::Result<Option<usize>> {
     for fun in functions.iter() {
         fun.set_sleeping(true);
     }
@@ -534,15 +539,17 @@ fn wait_any(functions: &mut [&mut Function]) -> io::Result<Option<usize>> {
     }
     // Per port: its doorbell, then its connection (readable for a control message, or when
     // Stitch is gone).
-    let mut fds: Vec<libc::pollfd> = functions
-        .iter()
-        .flat_map(|fun| [fun.doorbell.as_raw_fd(), fun.conn.as_raw_fd()])
-        .map(|fd| libc::pollfd {
-            fd,
-            events: libc::POLLIN,
-            revents: 0,
-        })
-        .collect();
+    fds.clear();
+    fds.extend(
+        functions
+            .iter()
+            .flat_map(|fun| [fun.doorbell.as_raw_fd(), fun.conn.as_raw_fd()])
+            .map(|fd| libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            }),
+    );
     loop {
         let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
         if n < 0 {

@@ -76,29 +76,29 @@ pub(crate) struct HugePageReserve {
 
 const NR_HUGEPAGES: &str = "/proc/sys/vm/nr_hugepages";
 
+/// 2 MiB hugepages the kernel holds reserved now.
+fn nr_hugepages() -> Result<u64> {
+    Ok(std::fs::read_to_string(NR_HUGEPAGES)?.trim().parse()?)
+}
+
 impl HugePageReserve {
     pub(crate) fn at_least(pages: u64) -> Result<HugePageReserve> {
         use anyhow::Context;
-        let before: u64 = std::fs::read_to_string(NR_HUGEPAGES)?.trim().parse()?;
+        let before = nr_hugepages()?;
         if before < pages {
             std::fs::write(NR_HUGEPAGES, pages.to_string())
                 .context("reserving hugepages (needs root)")?;
-            let got = || -> u64 {
-                std::fs::read_to_string(NR_HUGEPAGES)
-                    .ok()
-                    .and_then(|s| s.trim().parse().ok())
-                    .unwrap_or(0)
-            };
-            if got() < pages {
+            let mut got = nr_hugepages()?;
+            if got < pages {
                 // Memory fragmented by earlier runs: compact it and ask again.
                 let _ = std::fs::write("/proc/sys/vm/compact_memory", "1");
                 let _ = std::fs::write(NR_HUGEPAGES, pages.to_string());
+                got = nr_hugepages()?;
             }
-            if got() < pages {
+            if got < pages {
                 log::warn!(
-                    "only {} of {pages} hugepages could be reserved: the pool may fall back to \
-                     ordinary pages",
-                    got()
+                    "only {got} of {pages} hugepages could be reserved: the pool may fall back \
+                     to ordinary pages"
                 );
             }
         }
