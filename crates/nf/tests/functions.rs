@@ -85,6 +85,13 @@ fn socket(dir: &tempfile::TempDir) -> PathBuf {
     dir.path().join("nf.sock")
 }
 
+/// Waits (at most `secs`) until a function is attached to each of `ports`.
+fn wait_attached(e: &Engine, ports: &[&str], secs: u64) {
+    wait("functions attached", secs, || {
+        ports.iter().all(|p| counter(e, p, "attached") == 1)
+    });
+}
+
 /// An engine running function port `c` (with `settings`) into sink `out`, and the YAML of
 /// those two apps (to build on).
 fn port_into_sink(sock: &Path, settings: &str) -> (Engine, String) {
@@ -122,9 +129,7 @@ fn attach_and_kill_under_traffic_lose_nothing_on_other_ports() {
     );
     let _fb = signature(&sock, &["b"]);
     let mut fa = Some(signature(&sock, &["a"]));
-    wait("both attached", 10, || {
-        counter(&e, "a", "attached") == 1 && counter(&e, "b", "attached") == 1
-    });
+    wait_attached(&e, &["a", "b"], 10);
 
     // Traffic on both; b's must all arrive while a's function is killed and comes back. (b's
     // ring holds a second of traffic: two cores are shared by the engine, both functions and
@@ -300,9 +305,11 @@ fn two_hundred_functions_attach_and_carry_traffic() {
         .chunks(20)
         .map(|c| signature(&sock, &c.iter().map(String::as_str).collect::<Vec<_>>()))
         .collect();
-    wait("200 functions attached", 30, || {
-        (0..N).all(|i| counter(&e, &format!("nf{i}"), "attached") == 1)
-    });
+    wait_attached(
+        &e,
+        &names.iter().map(String::as_str).collect::<Vec<_>>(),
+        30,
+    );
     let before: Vec<u64> = (0..N)
         .map(|i| counter(&e, &format!("nf{i}"), "from_function"))
         .collect();
@@ -331,7 +338,7 @@ fn a_blocking_function_wakes_on_a_full_batch_or_an_old_packet() {
     let sock = socket(&dir);
     let (e, port) = port_into_sink(&sock, "wake: blocking, batch: 8, max_delay_us: 4000000");
     let _f = signature(&sock, &["c"]);
-    wait("attached", 10, || counter(&e, "c", "attached") == 1);
+    wait_attached(&e, &["c"], 10);
     // Idle, it goes to sleep on its doorbell at once.
     std::thread::sleep(Duration::from_millis(300));
     let send = |name: &str, count: u64| {
@@ -475,9 +482,7 @@ fn one_thread_serves_two_ports_and_outlives_one_of_them() {
         ),
     );
     let mut f = signature(&sock, &["a", "b"]);
-    wait("both attached", 10, || {
-        counter(&e, "a", "attached") == 1 && counter(&e, "b", "attached") == 1
-    });
+    wait_attached(&e, &["a", "b"], 10);
     wait("traffic on both", 10, || {
         counter(&e, "out_a", "packets") > 1000 && counter(&e, "out_b", "packets") > 1000
     });

@@ -239,7 +239,7 @@ fn testpmd_io_forwarding_loops_through_stitch() {
     )
     .unwrap();
     assert_ne!(
-        features & (1 << 35),
+        features & stitch_vhost::device::feature::IN_ORDER,
         0,
         "VIRTIO_F_IN_ORDER negotiated: {port}"
     );
