@@ -93,8 +93,8 @@ fn yes() -> bool {
 }
 
 const BURST: usize = 256;
-/// Chains taken from a transmit ring before their frames are copied.
-const PULL_BURST: usize = 32;
+/// Chains taken from a ring before frames are copied from or into them.
+const RING_BURST: usize = 32;
 
 /// Largest frame a guest may send without TSO, and with it.
 const MAX_FRAME: usize = 9216;
@@ -111,9 +111,12 @@ pub struct VhostUser {
     name: String,
     shared: Arc<Shared>,
     thread: Option<std::thread::JoinHandle<()>>,
-    /// Chains taken for one packet toward the guest: head, first segment, segment count.
+    /// Chains taken from a ring for a burst: head, first segment, segment count.
     chains: Vec<(u16, usize, usize)>,
     rx_segs: Vec<Segment>,
+    /// Packets of a burst toward the guest with their chains: index in the batch, first
+    /// chain (the next packet's first chain ends them).
+    placed: Vec<(usize, usize)>,
     scratch: Vec<Packet>,
     /// The receive ring of each packet in `scratch`.
     scratch_queues: Vec<u8>,
@@ -165,6 +168,17 @@ unsafe fn copy_bytes(src: *const u8, dst: *mut u8, n: usize) {
             *dst.add(i) = *src.add(i);
         }
     }
+}
+
+/// The virtio-net header (virtio 1.x §5.1.6, 12 bytes with `num_buffers`) as two
+/// little-endian words: bytes 0..8 and 8..12 (of which a 10-byte header uses the first two).
+fn header_words(v: &VnetHdr, num_buffers: u16) -> (u64, u32) {
+    let low = v.flags as u64
+        | (v.gso_type as u64) << 8
+        | (v.hdr_len as u64) << 16
+        | (v.gso_size as u64) << 32
+        | (v.csum_start as u64) << 48;
+    (low, v.csum_offset as u32 | (num_buffers as u32) << 16)
 }
 
 fn signal(call: Option<&OwnedFd>, interrupts: &Counter) {
@@ -254,6 +268,7 @@ impl App for VhostUser {
             thread: Some(thread),
             chains: Vec::with_capacity(64),
             rx_segs: Vec::with_capacity(64),
+            placed: Vec::with_capacity(RING_BURST),
             scratch: Vec::with_capacity(BURST * 2),
             scratch_queues: Vec::with_capacity(BURST * 2),
             to_guest: ctx.counter("to_guest_packets"),
@@ -311,12 +326,13 @@ impl App for VhostUser {
                 let mut chains = std::mem::take(&mut self.chains);
                 let mut segs = std::mem::take(&mut self.rx_segs);
                 while budget > 0 && fault.is_none() {
-                    let n = (ring.pending() as usize).min(budget).min(PULL_BURST);
+                    let n = (ring.pending() as usize).min(budget).min(RING_BURST);
                     if n == 0 {
                         break;
                     }
                     chains.clear();
                     segs.clear();
+                    ring.prefetch_descriptors(n as u16);
                     for _ in 0..n {
                         let head = match ring.next_head() {
                             Ok(h) => h,
@@ -370,6 +386,8 @@ impl App for VhostUser {
             return;
         };
         let features = dev.features;
+        let hlen = header_len(features);
+        let mergeable = features & feature::NET_MRG_RXBUF != 0;
         // Live receive rings, without allocating: at most 8 queue pairs.
         let mut rx = [0usize; 8];
         let mut live = 0;
@@ -422,30 +440,45 @@ impl App for VhostUser {
                 log,
             }) = dev.live(q)
             {
-                for (i, (p, _)) in batch
-                    .iter()
-                    .zip(&queue_of)
-                    .filter(|(_, &pq)| pq as usize == q)
-                    .enumerate()
-                {
-                    // Every PULL_BURST packets, ask for the buffers of the next chains at
-                    // once (for writing), so that their misses overlap.
-                    if i % PULL_BURST == 0 {
-                        for k in 0..PULL_BURST as u16 {
-                            ring.prefetch_ahead(mem, k, true);
+                // A burst at a time: take the chains of up to RING_BURST packets first,
+                // asking for their buffers' lines for writing as they are found, then fill
+                // them — so that the cross-core misses of a burst overlap instead of each
+                // packet's copy waiting for its own.
+                let mut todo = (0..batch.len()).filter(|&i| queue_of[i] as usize == q);
+                let mut more = true;
+                while more && fault.is_none() {
+                    self.chains.clear();
+                    self.rx_segs.clear();
+                    self.placed.clear();
+                    ring.prefetch_descriptors(RING_BURST as u16);
+                    while self.placed.len() < RING_BURST {
+                        let Some(i) = todo.next() else {
+                            more = false;
+                            break;
+                        };
+                        let chains_before = self.chains.len();
+                        match self.reserve(ring, mem, hlen + batch[i].len(), mergeable) {
+                            Ok(true) => self.placed.push((i, chains_before)),
+                            Ok(false) => {}
+                            Err(f) => {
+                                fault = Some(f.0);
+                                break;
+                            }
                         }
                     }
-                    match self.write_to_guest(ring, mem, log, p, features) {
-                        Ok(true) => delivered += 1,
-                        Ok(false) => {}
-                        Err(f) => {
-                            fault = Some(f.0);
-                            break;
-                        }
+                    for k in 0..self.placed.len() {
+                        let (i, from) = self.placed[k];
+                        let to = self.placed.get(k + 1).map_or(self.chains.len(), |n| n.1);
+                        self.fill(ring, log, &batch[i], from..to, hlen);
+                        delivered += 1;
                     }
                 }
-                if delivered > 0 && ring.publish(log) {
-                    signal(call, &self.interrupts);
+                if delivered > 0 {
+                    if ring.publish(log) {
+                        signal(call, &self.interrupts);
+                    }
+                    // The next burst's buffers, while the guest reads this one.
+                    ring.warm(mem, RING_BURST as u16);
                 }
             }
             self.to_guest.add(delivered);
@@ -626,25 +659,25 @@ impl VhostUser {
         out.push(p);
     }
 
-    /// Writes one packet into the guest's receive ring; Ok(false) when it had no room.
-    fn write_to_guest(
+    /// Takes chains from the receive ring until they hold `total` bytes (one chain without
+    /// mergeable buffers), appended to `chains`/`rx_segs`, asking for their buffers' first
+    /// lines for writing. Ok(false), with the chains given back, when the ring has no room.
+    fn reserve(
         &mut self,
         ring: &mut Vring,
         mem: &memory::GuestMemory,
-        log: Option<&memory::DirtyLog>,
-        p: &Packet,
-        features: u64,
+        total: usize,
+        mergeable: bool,
     ) -> Result<bool, virtq::Fault> {
-        let hlen = header_len(features);
-        let mergeable = features & feature::NET_MRG_RXBUF != 0;
-        let total = hlen + p.len();
-        self.chains.clear();
-        self.rx_segs.clear();
+        let (chains_before, segs_before) = (self.chains.len(), self.rx_segs.len());
         let mut room = 0usize;
         while room < total {
+            let taken = self.chains.len() - chains_before;
             let out_of_buffers = ring.pending() == 0;
-            if out_of_buffers || (!mergeable && !self.chains.is_empty()) {
-                ring.unget(self.chains.len() as u16);
+            if out_of_buffers || (!mergeable && taken > 0) {
+                ring.unget(taken as u16);
+                self.chains.truncate(chains_before);
+                self.rx_segs.truncate(segs_before);
                 if out_of_buffers {
                     self.to_guest_no_buffers.add(1);
                 } else {
@@ -661,26 +694,67 @@ impl VhostUser {
                     "receive chain {head} has a device-readable buffer"
                 )));
             }
+            for s in segs {
+                prefetch(s.ptr, true);
+            }
             room += segs.iter().map(|s| s.len as usize).sum::<usize>();
             self.chains.push((head, first, segs.len()));
         }
+        Ok(true)
+    }
+
+    /// Writes `p`, behind its virtio-net header, into the reserved chains `chains` and
+    /// marks them used.
+    fn fill(
+        &self,
+        ring: &mut Vring,
+        log: Option<&memory::DirtyLog>,
+        p: &Packet,
+        chains: std::ops::Range<usize>,
+        hlen: usize,
+    ) {
+        let chains = &self.chains[chains];
+        let (low, high) = header_words(&VnetHdr::of_packet(p), chains.len() as u16);
+        // The header goes straight into the first buffer when it holds it (always, with the
+        // drivers seen so far), built in registers: copied out of a stack array written
+        // field by field, its loads could not be forwarded from those narrower stores and
+        // waited for the store buffer to drain — behind the previous packet's stores into
+        // guest memory — once per packet. Otherwise it is scattered like the frame.
+        let first_seg = self.rx_segs[chains[0].1];
         let mut hdr = [0u8; 12];
-        let mut v = [0u8; VNET_HDR_LEN];
-        VnetHdr::of_packet(p).write(&mut v);
-        hdr[..VNET_HDR_LEN].copy_from_slice(&v);
-        hdr[10..12].copy_from_slice(&(self.chains.len() as u16).to_le_bytes());
-        // Scatter header + frame over the chains' buffers, chain by chain.
+        let (mut part, mut first_offset) = (0usize, 0usize);
+        if first_seg.len as usize >= hlen {
+            // SAFETY: the first segment lies in guest memory (checked by Vring::chain) and
+            // holds `hlen` (10 or 12) bytes.
+            unsafe {
+                std::ptr::write_unaligned(first_seg.ptr as *mut u64, low.to_le());
+                if hlen == 12 {
+                    std::ptr::write_unaligned(first_seg.ptr.add(8) as *mut u32, high.to_le());
+                } else {
+                    std::ptr::write_unaligned(
+                        first_seg.ptr.add(8) as *mut u16,
+                        (high as u16).to_le(),
+                    );
+                }
+            }
+            part = 1;
+            first_offset = hlen;
+        } else {
+            hdr[..8].copy_from_slice(&low.to_le_bytes());
+            hdr[8..].copy_from_slice(&high.to_le_bytes());
+        }
+        // Scatter (the rest of) header + frame over the chains' buffers, chain by chain.
         let stream = [&hdr[..hlen], p.data()];
-        let (mut part, mut at) = (0usize, 0usize);
-        for &(head, first, count) in &self.chains {
-            let mut written = 0u32;
+        let mut at = 0usize;
+        for &(head, first, count) in chains {
+            let mut written = first_offset as u32;
             for s in &self.rx_segs[first..first + count] {
                 if let (Some(log), true) = (log, part < stream.len()) {
                     // Marks the whole buffer: cheaper to over-mark than to track how much of
                     // it this frame fills, and only while the guest migrates.
                     log.mark(s.gpa, s.len as u64);
                 }
-                let mut off = 0usize;
+                let mut off = std::mem::take(&mut first_offset);
                 while off < s.len as usize && part < stream.len() {
                     let src = &stream[part][at..];
                     let n = src.len().min(s.len as usize - off);
@@ -697,13 +771,32 @@ impl VhostUser {
             }
             ring.add_used(head, written, log);
         }
-        Ok(true)
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::copy_bytes;
+    use super::{copy_bytes, header_words};
+    use stitch_wire::offload::{VnetHdr, VNET_HDR_LEN};
+
+    #[test]
+    fn header_words_are_the_header_bytes() {
+        let v = VnetHdr {
+            flags: 0x01,
+            gso_type: 0x04,
+            hdr_len: 0x0302,
+            gso_size: 0x0504,
+            csum_start: 0x0706,
+            csum_offset: 0x0908,
+        };
+        let mut b = [0u8; VNET_HDR_LEN];
+        v.write(&mut b);
+        let (low, high) = header_words(&v, 0x0b0a);
+        let mut words = low.to_le_bytes().to_vec();
+        words.extend_from_slice(&high.to_le_bytes());
+        assert_eq!(&words[..VNET_HDR_LEN], &b[..]);
+        assert_eq!(&words[VNET_HDR_LEN..], &[0x0a, 0x0b]);
+    }
 
     #[test]
     fn copies_every_length_exactly() {
