@@ -737,6 +737,16 @@ impl VhostUser {
                     );
                 }
             }
+            let (head, _, count) = chains[0];
+            if chains.len() == 1 && count == 1 && log.is_none() {
+                // The usual case: the whole frame fits behind the header in one buffer.
+                // (`reserve` took chains holding hlen + len bytes, so one buffer holds it.)
+                let data = p.data();
+                // SAFETY: as above; the buffer holds `hlen + data.len()` bytes.
+                unsafe { copy_bytes(data.as_ptr(), first_seg.ptr.add(hlen), data.len()) };
+                ring.add_used(head, (hlen + data.len()) as u32, None);
+                return;
+            }
             part = 1;
             first_offset = hlen;
         } else {

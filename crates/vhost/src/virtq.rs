@@ -316,6 +316,12 @@ impl Vring {
                 prefetch_line(self.desc.wrapping_add(16 * head as usize));
             }
         }
+        // And the used entries these chains will take, for writing: the driver reads them,
+        // and a store to a line it holds would stall the stores behind it until it is ours.
+        for k in (0..n).step_by(8) {
+            let slot = self.slot(self.used_idx.wrapping_add(k));
+            prefetch(self.used.wrapping_add(4 + 8 * slot), true);
+        }
     }
 
     /// Asks for the buffers of the next `n` available chains for writing: for a receive ring,
