@@ -586,6 +586,21 @@ impl VhostUser {
         };
         let frame_len = total - hlen;
         let gso = vnet.gso_type != offload::GSO_NONE;
+        if let ([s], false, true) = (segs, gso, frame_len <= MAX_FRAME) {
+            // The usual case: header and frame in one buffer, no segmentation.
+            let Some(mut p) = pool::alloc() else {
+                self.pool_exhausted.add(1);
+                return None;
+            };
+            // An ordinary packet holds MAX_FRAME bytes.
+            p.set_len(frame_len).ok()?;
+            // SAFETY: the segment lies in guest memory (checked by Vring::chain) and holds
+            // `hlen + frame_len` bytes; the packet has just been given room for `frame_len`.
+            unsafe { copy_bytes(s.ptr.add(hlen), p.data_mut().as_mut_ptr(), frame_len) };
+            p.set_timestamp_ns(now);
+            vnet.apply_to(&mut p);
+            return Some(p);
+        }
         let p = if frame_len <= MAX_FRAME && !gso {
             pool::alloc()
         } else if gso && frame_len <= MAX_GSO_FRAME {
