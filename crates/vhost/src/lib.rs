@@ -478,7 +478,7 @@ impl App for VhostUser {
                         signal(call, &self.interrupts);
                     }
                     // The next burst's buffers, while the guest reads this one.
-                    ring.warm(mem, RING_BURST as u16);
+                    ring.warm(mem, RING_BURST as u16, log.is_some());
                 }
             }
             self.to_guest.add(delivered);
