@@ -461,6 +461,9 @@ impl App for VhostUser {
                             Ok(true) => self.placed.push((i, chains_before)),
                             Ok(false) => {}
                             Err(f) => {
+                                // The packets placed before it are still delivered; the
+                                // chains this one took before the fault are not theirs.
+                                self.chains.truncate(chains_before);
                                 fault = Some(f.0);
                                 break;
                             }
