@@ -461,9 +461,7 @@ impl App for VhostUser {
                             Ok(true) => self.placed.push((i, chains_before)),
                             Ok(false) => {}
                             Err(f) => {
-                                // The packets placed before it are still delivered; the
-                                // chains this one took before the fault are not theirs.
-                                self.chains.truncate(chains_before);
+                                // The packets placed before it are still delivered.
                                 fault = Some(f.0);
                                 break;
                             }
@@ -679,7 +677,8 @@ impl VhostUser {
 
     /// Takes chains from the receive ring until they hold `total` bytes (one chain without
     /// mergeable buffers), appended to `chains`/`rx_segs`, asking for their buffers' first
-    /// lines for writing. Ok(false), with the chains given back, when the ring has no room.
+    /// lines for writing. Ok(false), with the chains given back, when the ring has no room;
+    /// on a fault too `chains`/`rx_segs` are left as they were.
     fn reserve(
         &mut self,
         ring: &mut Vring,
@@ -688,14 +687,30 @@ impl VhostUser {
         mergeable: bool,
     ) -> Result<bool, virtq::Fault> {
         let (chains_before, segs_before) = (self.chains.len(), self.rx_segs.len());
+        let r = self.take_chains(ring, mem, total, mergeable, chains_before);
+        if !matches!(r, Ok(true)) {
+            self.chains.truncate(chains_before);
+            self.rx_segs.truncate(segs_before);
+        }
+        r
+    }
+
+    /// `reserve`'s walk: chains from the ring appended until they hold `total` bytes; the
+    /// ones taken since `chains_before` are given back to the ring when it has no room.
+    fn take_chains(
+        &mut self,
+        ring: &mut Vring,
+        mem: &memory::GuestMemory,
+        total: usize,
+        mergeable: bool,
+        chains_before: usize,
+    ) -> Result<bool, virtq::Fault> {
         let mut room = 0usize;
         while room < total {
             let taken = self.chains.len() - chains_before;
             let out_of_buffers = ring.pending() == 0;
             if out_of_buffers || (!mergeable && taken > 0) {
                 ring.unget(taken as u16);
-                self.chains.truncate(chains_before);
-                self.rx_segs.truncate(segs_before);
                 if out_of_buffers {
                     self.to_guest_no_buffers.add(1);
                 } else {

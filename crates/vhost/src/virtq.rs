@@ -28,7 +28,6 @@ pub fn prefetch(p: *const u8, write: bool) {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: prefetching never faults, and `prefetchw` runs only where CPUID reports it.
     unsafe {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
         if write && has_prefetchw() {
             std::arch::asm!(
                 "prefetchw byte ptr [{p}]",
@@ -37,8 +36,8 @@ pub fn prefetch(p: *const u8, write: bool) {
                 options(nostack, preserves_flags, readonly)
             );
         } else {
-            _mm_prefetch::<_MM_HINT_T0>(p as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64) as *const i8);
+            prefetch_line(p);
+            prefetch_line(p.wrapping_add(64));
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -62,19 +61,11 @@ fn prefetch_line(p: *const u8) {
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn has_prefetchw() -> bool {
-    use std::sync::atomic::AtomicU8;
-    // 0: not asked yet, 1: no, 2: yes.
-    static KNOWN: AtomicU8 = AtomicU8::new(0);
-    match KNOWN.load(Ordering::Relaxed) {
-        0 => {
-            let top = std::arch::x86_64::__cpuid(0x8000_0000).eax;
-            let yes =
-                top >= 0x8000_0001 && std::arch::x86_64::__cpuid(0x8000_0001).ecx & (1 << 8) != 0;
-            KNOWN.store(if yes { 2 } else { 1 }, Ordering::Relaxed);
-            yes
-        }
-        k => k == 2,
-    }
+    use std::arch::x86_64::__cpuid;
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| {
+        __cpuid(0x8000_0000).eax >= 0x8000_0001 && __cpuid(0x8000_0001).ecx & (1 << 8) != 0
+    })
 }
 
 /// One buffer of a descriptor chain, mapped.
@@ -181,10 +172,16 @@ impl Vring {
         self.avail_seen.wrapping_sub(self.last_avail)
     }
 
+    /// The descriptor the `k`-th available entry after the next one to take names
+    /// (unchecked).
+    fn avail_entry(&self, k: u16) -> u16 {
+        let slot = self.slot(self.last_avail.wrapping_add(k));
+        rd16(self.avail.wrapping_add(4 + 2 * slot))
+    }
+
     /// Takes the next available chain head.
     pub fn next_head(&mut self) -> Result<u16, Fault> {
-        let slot = self.slot(self.last_avail);
-        let head = rd16(self.avail.wrapping_add(4 + 2 * slot));
+        let head = self.avail_entry(0);
         if head >= self.num {
             return Err(Fault(format!(
                 "available entry names descriptor {head} of {}",
@@ -308,10 +305,7 @@ impl Vring {
             prefetch_line(self.desc.wrapping_add(16 * i as usize));
         }
         for k in 0..n {
-            let head = rd16(
-                self.avail
-                    .wrapping_add(4 + 2 * self.slot(self.last_avail.wrapping_add(k))),
-            );
+            let head = self.avail_entry(k);
             if head < self.num {
                 prefetch_line(self.desc.wrapping_add(16 * head as usize));
             }
@@ -336,10 +330,7 @@ impl Vring {
     pub fn warm(&mut self, mem: &GuestMemory, n: u16, logging: bool) {
         let n = n.min(self.pending()).min(self.num);
         for k in 0..n {
-            let head = rd16(
-                self.avail
-                    .wrapping_add(4 + 2 * self.slot(self.last_avail.wrapping_add(k))),
-            );
+            let head = self.avail_entry(k);
             if head >= self.num {
                 continue;
             }
