@@ -272,10 +272,13 @@ fn too_big_with_dont_fragment_gets_fragmentation_needed() {
     );
     let out = check(&default_conf(), &[from_internet(ip)], &[]);
     assert_eq!(out.counter("too_big_drops"), 1);
-    let icmp = out.v4(&["icmp.type", "icmp.code", "icmp.mtu", "frame.len"]);
+    let icmp = out.v4(&["icmp.type", "icmp.code", "icmp.mtu", "frame.len", "ip.ttl"]);
     assert_eq!(icmp.len(), 1);
     let f: Vec<&str> = icmp[0].split('\t').collect();
-    assert_eq!(&f[..3], ["3", "4", "1420"]);
+    // Snabb's default internal MTU is 1500: 1460 bytes of IPv4 fit behind the IPv6 header.
+    assert_eq!(&f[..3], ["3", "4", "1460"]);
+    // The error leaves with TTL 255; the quoted packet as it would have been forwarded.
+    assert_eq!(f[4], "255,63");
     assert!(
         f[3].parse::<usize>().unwrap() <= 576 + 14,
         "ICMP error within 576 bytes"
@@ -457,12 +460,23 @@ fn neighbour_discovery_and_ping_on_the_internal_side() {
     ns.extend_from_slice(&v6(BR));
     ns.extend_from_slice(&[1, 1]);
     ns.extend_from_slice(&INT_HOP);
+    let mut solicitation = icmp6("fe80::44", "ff02::1:ff0e:f", &ns);
+    // RFC 4861 §7.1.1: a solicitation that could have crossed a router (hop limit below
+    // 255) is not answered.
+    let forwarded = eth(
+        [0x33, 0x33, 0xff, 0x0e, 0x00, 0x0f],
+        INT_HOP,
+        0x86dd,
+        None,
+        &solicitation,
+    );
+    solicitation[7] = 255;
     let ns = eth(
         [0x33, 0x33, 0xff, 0x0e, 0x00, 0x0f],
         INT_HOP,
         0x86dd,
         None,
-        &icmp6("fe80::44", "ff02::1:ff0e:f", &ns),
+        &solicitation,
     );
     let ping = eth(
         INT_MAC,
@@ -478,20 +492,24 @@ fn neighbour_discovery_and_ping_on_the_internal_side() {
         None,
         &icmp6(B4_A, BR, &[1, 4, 0, 0, 0, 0, 0, 0]),
     );
-    let out = check(&default_conf(), &[], &[ns, ping, err]);
+    let out = check(&default_conf(), &[], &[forwarded, ns, ping, err]);
     assert_eq!(
         out.v6(&[
             "ipv6.dst",
             "icmpv6.type",
             "icmpv6.checksum.status",
             "icmpv6.nd.na.target_address",
-            "icmpv6.opt.linkaddr"
+            "icmpv6.opt.linkaddr",
+            "icmpv6.nd.na.flag.r",
+            "icmpv6.nd.na.flag.s",
+            "ipv6.hlim",
         ]),
         [
-            format!("fe80::44\t136\t1\t{BR}\t22:22:22:22:22:22"),
-            format!("{B4_A}\t129\t1\t\t"),
+            format!("fe80::44\t136\t1\t{BR}\t22:22:22:22:22:22\t1\t1\t255"),
+            format!("{B4_A}\t129\t1\t\t\t\t\t64"),
         ]
     );
+    assert_eq!(out.counter("malformed_drops"), 1);
     assert_eq!(out.counter("icmpv6_error_drops"), 1);
 }
 
@@ -552,15 +570,30 @@ fn a_next_hop_given_by_ip_is_resolved_by_neighbour_discovery() {
     na.extend_from_slice(&[2, 1]);
     na.extend_from_slice(&hop_mac);
     let na = eth(INT_MAC, hop_mac, 0x86dd, None, &icmp6(hop, BR, &na));
-    // The first 1024 packets are handled before the advertisement arrives, the last one after.
+    // `lwaftr check` feeds 1024 packets a side per breath. Breath 1: 1024 packets wait for the
+    // next hop (all a side keeps); breath 2: 1024 more find the queue full and are dropped,
+    // then the advertisement (behind 1024 frames that are not IPv6) resolves the hop and the
+    // waiting ones leave, in order; breath 3: the last packet leaves at once.
     let pkt = from_internet(ip4(plain("1.2.3.4", "178.79.150.233", 17), &udp(1, 80, 10)));
-    let v4s: Vec<Vec<u8>> = std::iter::repeat_n(pkt, 1025).collect();
-    let out = check(&c, &v4s, &[na]);
-    assert_eq!(out.counter("next_hop_unresolved_drops"), 1024);
-    assert_eq!(
-        out.v6(&["eth.dst", "ipv6.dst"]),
-        [format!("02:00:00:00:00:99\t{B4_A}")]
+    let v4s: Vec<Vec<u8>> = std::iter::repeat_n(pkt, 2049).collect();
+    let misplaced = eth(
+        INT_MAC,
+        hop_mac,
+        0x0800,
+        None,
+        &ip4(plain("1.2.3.4", "5.6.7.8", 17), &udp(1, 2, 0)),
     );
+    let mut v6s: Vec<Vec<u8>> = std::iter::repeat_n(misplaced, 1024).collect();
+    v6s.push(na);
+    let out = check(&c, &v4s, &v6s);
+    assert_eq!(out.counter("next_hop_unresolved_drops"), 1024);
+    let sent = out.v6(&["eth.dst", "ipv6.dst", "icmpv6.type"]);
+    assert_eq!(sent.len(), 1 + 1025);
+    // First, at start, the solicitation for the next hop (Snabb sends it as it starts).
+    assert_eq!(sent[0], "33:33:ff:02:00:01\tff02::1:ff02:1\t135");
+    assert!(sent[1..]
+        .iter()
+        .all(|l| *l == format!("02:00:00:00:00:99\t{B4_A}\t")));
 }
 
 #[test]
@@ -658,7 +691,7 @@ fn packets_above_the_internal_mtu_leave_in_ipv6_fragments() {
         plain("1.2.3.4", "178.79.150.233", 17),
         &udp(40000, 80, 1972),
     );
-    let out = check(&default_conf(), &[from_internet(ip)], &[]);
+    let out = check(&conf("", "mtu 1460;", false), &[from_internet(ip)], &[]);
     assert_eq!(out.counter("fragmented"), 1);
     let dir = out.dir.path();
     let f = std::process::Command::new("tshark")
@@ -909,4 +942,47 @@ fn extension_headers_in_front_of_the_tunnelled_packet_are_stepped_over() {
     let f = eth(INT_MAC, INT_HOP, 0x86dd, None, &ip6(B4_A, BR, 60, &bad));
     let out = check(&default_conf(), &[], &[f]);
     assert_eq!(out.counter("malformed_drops"), 1);
+}
+
+#[test]
+fn ingress_and_egress_filters_drop_and_count_and_bad_ones_name_their_line() {
+    // External side: only UDP comes in; internal side: nothing to port 9 leaves.
+    let c = conf(
+        r#"ingress-filter "udp";"#,
+        r#"egress-filter "not (ip6 and ip6[40+22:2] = 9)";"#,
+        false,
+    );
+    let udp80 = ip4(plain("1.2.3.4", "178.79.150.233", 17), &udp(40000, 80, 10));
+    let udp9 = ip4(plain("1.2.3.4", "178.79.150.15", 17), &udp(40000, 9, 10));
+    let tcp = ip4(plain("1.2.3.4", "178.79.150.233", 6), &tcp(40000, 80));
+    let out = check(
+        &c,
+        &[
+            from_internet(udp80),
+            from_internet(udp9),
+            from_internet(tcp),
+        ],
+        &[],
+    );
+    assert_eq!(out.v6(&["udp.dstport"]), ["80"]);
+    assert_eq!(out.counter("ingress_filter_v4_drops"), 1);
+    assert_eq!(out.counter("egress_filter_v6_drops"), 1);
+
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("bad.conf");
+    std::fs::write(&bad, conf("", r#"ingress-filter "ip6 and and";"#, false)).unwrap();
+    write(&dir.path().join("e.pcap"), &[]);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_stitch"))
+        .args(["lwaftr", "check"])
+        .arg(&bad)
+        .args([dir.path().join("e.pcap"), dir.path().join("e.pcap")])
+        .args([dir.path().join("o4"), dir.path().join("o6")])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("bad.conf:line 12: `ingress-filter`: filter `ip6 and and`"),
+        "{err}"
+    );
 }

@@ -7,14 +7,10 @@ use std::time::Instant;
 use stitch_apps::generator::RateSpec;
 use stitch_apps::policer::{rate_of, TokenBucket};
 use stitch_core::{AppContext, Counter, Packet};
-
-/// A compiled libpcap filter. The program is read-only once compiled.
-struct Filter(pcap::BpfProgram);
-// SAFETY: libpcap's compiled program is plain memory owned by this value, never mutated.
-unsafe impl Send for Filter {}
+use stitch_wire::filter::PacketFilter;
 
 pub struct Direction {
-    filter: Option<Filter>,
+    filter: Option<PacketFilter>,
     bucket: Option<TokenBucket>,
     filtered: Counter,
     policed: Counter,
@@ -29,7 +25,7 @@ impl Direction {
         rate: Option<&RateSpec>,
     ) -> Result<Direction, String> {
         let filter = match filter {
-            Some(expr) => Some(Filter(stitch_io::af_packet::compile_filter(expr)?)),
+            Some(expr) => Some(PacketFilter::compile(expr)?),
             None => None,
         };
         let bucket = match rate {
@@ -67,7 +63,7 @@ impl Direction {
             }
         }
         if let Some(f) = &self.filter {
-            if !f.0.filter(p.data()) {
+            if !f.matches(p.data()) {
                 self.filtered.add(1);
                 return false;
             }

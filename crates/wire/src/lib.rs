@@ -7,6 +7,7 @@
 //! parsing never copies. VLAN tags (not in smoltcp) are in [`vlan`].
 
 pub mod checksum;
+pub mod filter;
 pub mod flow;
 pub mod ndp;
 pub mod offload;

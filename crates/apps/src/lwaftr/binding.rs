@@ -356,6 +356,12 @@ impl BindingTable {
         self.addresses.prefetch(ipv4);
     }
 
+    /// Whether some softwire of the table holds ports of `ipv4`.
+    #[inline]
+    pub fn is_managed_address(&self, ipv4: u32) -> bool {
+        self.addresses.get(ipv4).is_some()
+    }
+
     /// Whether `a` is one of the BR addresses of the table.
     #[inline]
     pub fn is_br_address(&self, a: &[u8]) -> bool {

@@ -228,20 +228,28 @@ pub struct Policy {
     pub hairpinning: bool,
     /// Internal side only.
     pub flow_label: u32,
+    /// pflang filter for frames arriving on this side (after reassembly, VLAN tag removed).
+    pub ingress_filter: Option<String>,
+    /// pflang filter for frames leaving on this side (before fragmentation and tagging).
+    pub egress_filter: Option<String>,
 }
 
-impl Default for Policy {
-    fn default() -> Policy {
+impl Policy {
+    /// The defaults of Snabb's `snabb-softwire-v3` schema for one side: the MTU is 1460 on the
+    /// external side and 1500 on the internal one.
+    pub fn defaults(internal: bool) -> Policy {
         Policy {
             allow_incoming_icmp: true,
             generate_icmp_errors: true,
-            error_rate_packets: 600_000,
+            error_rate_packets: 200,
             error_rate_period_s: 2,
-            mtu: 1460,
-            max_fragments_per_packet: 40,
+            mtu: if internal { 1500 } else { 1460 },
+            max_fragments_per_packet: 20,
             max_reassembly_packets: 20_000,
             hairpinning: true,
             flow_label: 0,
+            ingress_filter: None,
+            egress_filter: None,
         }
     }
 }
@@ -291,6 +299,17 @@ fn num<T: std::str::FromStr>(n: &Node, what: &str) -> Result<T, ConfigError> {
             ),
         )
     })
+}
+
+/// A pflang filter, compiled here once so that an expression libpcap refuses is an error
+/// naming its line.
+fn filter(n: &Node) -> Result<String, ConfigError> {
+    let text = value(n)?;
+    stitch_wire::filter::PacketFilter::compile(text).map_err(|e| ConfigError {
+        line: n.line,
+        message: format!("`{}`: {e}", n.key),
+    })?;
+    Ok(text.to_string())
 }
 
 fn boolean(n: &Node) -> Result<bool, ConfigError> {
@@ -389,7 +408,7 @@ fn softwire(n: &Node) -> Result<SoftwireSpec, ConfigError> {
 }
 
 fn policy(n: &Node, internal: bool) -> Result<Policy, ConfigError> {
-    let mut p = Policy::default();
+    let mut p = Policy::defaults(internal);
     let side = if internal {
         "internal-interface"
     } else {
@@ -402,6 +421,8 @@ fn policy(n: &Node, internal: bool) -> Result<Policy, ConfigError> {
             "mtu" => p.mtu = num(c, "an MTU")?,
             "hairpinning" if internal => p.hairpinning = boolean(c)?,
             "flow-label" if internal => p.flow_label = num(c, "a flow label")?,
+            "ingress-filter" => p.ingress_filter = Some(filter(c)?),
+            "egress-filter" => p.egress_filter = Some(filter(c)?),
             "error-rate-limiting" => {
                 for e in &c.children {
                     match e.key.as_str() {
@@ -425,7 +446,7 @@ fn policy(n: &Node, internal: bool) -> Result<Policy, ConfigError> {
                 return unknown(
                     c,
                     side,
-                    "allow-incoming-icmp, generate-icmp-errors, mtu, error-rate-limiting, reassembly, hairpinning, flow-label",
+                    "allow-incoming-icmp, generate-icmp-errors, mtu, error-rate-limiting, reassembly, hairpinning, flow-label, ingress-filter, egress-filter",
                 )
             }
         }
@@ -496,8 +517,8 @@ pub fn parse(text: &str) -> Result<LwaftrConfig, ConfigError> {
     };
     let mut cfg = LwaftrConfig {
         softwires: vec![],
-        external: Policy::default(),
-        internal: Policy::default(),
+        external: Policy::defaults(false),
+        internal: Policy::defaults(true),
         queues: vec![],
     };
     for n in &root.children {

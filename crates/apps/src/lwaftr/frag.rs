@@ -40,16 +40,21 @@ pub struct Reassembler {
     max_fragments: u32,
     max_packets: usize,
     timeout: Duration,
+    /// Reassembled IPv4 packets get identification 0 and no flags, as Snabb's reassembler
+    /// writes them (see `Compat::Snabb`); otherwise they keep the fragments' identification
+    /// and DF (RFC 791, RFC 6864 §4.1).
+    zero_id: bool,
 }
 
 impl Reassembler {
-    pub fn new(max_fragments: u32, max_packets: u32) -> Reassembler {
+    pub fn new(max_fragments: u32, max_packets: u32, zero_id: bool) -> Reassembler {
         Reassembler {
             v4: HashMap::default(),
             v6: HashMap::default(),
             max_fragments,
             max_packets: max_packets as usize,
             timeout: Duration::from_secs(2),
+            zero_id,
         }
     }
 
@@ -92,7 +97,11 @@ impl Reassembler {
                     return Outcome::Dropped(Refused::Bad);
                 }
                 out[2..4].copy_from_slice(&(len as u16).to_be_bytes());
-                out[6] &= 0x40; // keep DF, clear MF and the offset
+                if self.zero_id {
+                    out[4..7].fill(0);
+                } else {
+                    out[6] &= 0x40; // keep DF, clear MF and the offset
+                }
                 out[7] = 0;
                 out[10..12].fill(0);
                 let cs = checksum::checksum(&out);
@@ -201,14 +210,16 @@ impl Partial {
 }
 
 /// How a payload of `payload_len` bytes is cut into fragments that carry at most `room`
-/// payload bytes each (offsets stay on 8-byte units): (offset, length, more fragments) of each.
-/// IPv6 fragments leave 48 bytes of an MTU for headers, IPv4 ones the header's length.
+/// payload bytes each (offsets stay on 8-byte units, so all but the last carry a multiple of
+/// 8): (offset, length, more fragments) of each. IPv6 fragments leave 48 bytes of an MTU for
+/// headers, IPv4 ones the header's length.
 pub fn split(payload_len: usize, room: usize) -> Vec<(usize, usize, bool)> {
     let chunk = room / 8 * 8;
     let mut out = Vec::new();
     let mut off = 0;
     while off < payload_len {
-        let n = chunk.min(payload_len - off);
+        let rest = payload_len - off;
+        let n = if rest <= room { rest } else { chunk };
         out.push((off, n, off + n < payload_len));
         off += n;
     }
@@ -251,7 +262,7 @@ mod tests {
 
     #[test]
     fn reassembles_in_any_order_and_refuses_overlaps() {
-        let mut r = Reassembler::new(40, 100);
+        let mut r = Reassembler::new(40, 100, false);
         let now = Instant::now();
         let body: Vec<u8> = (0..40u8).collect();
         let b = frag4(7, 16, true, &body[16..32]);
@@ -275,7 +286,7 @@ mod tests {
             Outcome::Dropped(Refused::Bad)
         ));
         // Too many fragments.
-        let mut r = Reassembler::new(2, 100);
+        let mut r = Reassembler::new(2, 100, false);
         for (i, off) in [0usize, 8, 16].iter().enumerate() {
             let f = frag4(9, *off, true, &body[..8]);
             let out = r.add_v4(&f, 20, f.len(), now);

@@ -39,12 +39,14 @@ pub mod frag;
 use binding::{BindingTable, Softwire};
 use config::{Interface, LwaftrConfig, NextHop, Policy, SoftwireSpec};
 use serde::Deserialize;
+use std::collections::VecDeque;
 use std::net::{Ipv4Addr, Ipv6Addr};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 use stitch_core::app::{AppContext, AppError, Counter, Io, PortNames, PortSpec, Reconfigured};
 use stitch_core::{pool, App, Packet};
 use stitch_wire::checksum;
+use stitch_wire::filter::PacketFilter;
 use stitch_wire::ndp::{icmp6_checksum, lladdr_option, multicast_mac, solicited_node, ICMPV6};
 
 const V4: usize = 0;
@@ -68,6 +70,21 @@ pub struct LwaftrAppConfig {
     /// the sides have different ones, else by EtherType.
     #[serde(default)]
     pub on_a_stick: bool,
+    /// `rfc` (default) or `snabb`: where Snabb's lwAFTR departs from the RFCs, `snabb`
+    /// reproduces its bytes (docs/lwaftr-snabb-differences.md lists each point).
+    #[serde(default)]
+    pub compat: Compat,
+}
+
+/// Whose bytes the function writes where Snabb's lwAFTR departs from the RFCs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Compat {
+    #[default]
+    Rfc,
+    /// Reassembled IPv4 packets carry identification 0 and no DF, as Snabb's reassembler
+    /// writes them (RFC 6864 §4.1: a source must not repeat an identification).
+    Snabb,
 }
 
 /// Loads and checks the configuration file named by the app's config.
@@ -122,6 +139,10 @@ struct Counters {
     arp_replies: Counter,
     ndp_replies: Counter,
     echo_replies: Counter,
+    bad_checksum: Counter,
+    no_buffer: Counter,
+    ingress_filtered: [Counter; 2],
+    egress_filtered: [Counter; 2],
 }
 
 impl Counters {
@@ -150,6 +171,16 @@ impl Counters {
             arp_replies: ctx.counter("arp_replies"),
             ndp_replies: ctx.counter("ndp_replies"),
             echo_replies: ctx.counter("echo_replies"),
+            bad_checksum: ctx.counter("bad_checksum_drops"),
+            no_buffer: ctx.counter("no_buffer_drops"),
+            ingress_filtered: [
+                ctx.counter("ingress_filter_v4_drops"),
+                ctx.counter("ingress_filter_v6_drops"),
+            ],
+            egress_filtered: [
+                ctx.counter("egress_filter_v4_drops"),
+                ctx.counter("egress_filter_v6_drops"),
+            ],
         }
     }
 }
@@ -187,25 +218,48 @@ impl Limiter {
     }
 }
 
+/// Frames that wait for their side's next hop to be resolved, at most, per side (as Snabb's
+/// ARP and NDP apps leave them queued on their input link until then).
+const WAITING_MAX: usize = 1024;
+
+/// Seconds between ARP requests / Neighbor Solicitations while a next hop is unresolved.
+const SOLICIT_INTERVAL: Duration = Duration::from_secs(3);
+
+/// The first IPv4 and IPv6 fragment identifications are these plus one, then they count up,
+/// as Snabb's fragmenters do under test, so that runs are reproducible.
+const FIRST_FRAGMENT_ID4: u16 = 0x4242;
+const FIRST_FRAGMENT_ID6: u32 = 0x4242_4242;
+
+/// Hop limit and TTL of the packets the function originates: errors and neighbour discovery
+/// 255 (RFC 4861 requires it for ND), echo replies the usual 64.
+const ORIGIN_TTL: u8 = 255;
+const ECHO_TTL: u8 = 64;
+
 pub struct Lwaftr {
     table: BindingTable,
     ext: Interface<Ipv4Addr>,
     int: Interface<Ipv6Addr>,
     ext_policy: Policy,
     int_policy: Policy,
-    ext_hop: Option<[u8; 6]>,
-    int_hop: Option<[u8; 6]>,
+    /// Next-hop MAC of each side, once known.
+    hop: [Option<[u8; 6]>; 2],
     ext_limit: Limiter,
     int_limit: Limiter,
     last_solicit: Option<Instant>,
+    ingress: [Option<PacketFilter>; 2],
+    egress: [Option<PacketFilter>; 2],
     c: Counters,
+    /// Frames ready to leave on each side (untagged, before the egress stage).
     out: [Vec<Packet>; 2],
+    /// Frames waiting for the side's next hop.
+    waiting: [VecDeque<Packet>; 2],
     batch: Vec<Packet>,
     keys: Vec<Option<(u32, u16)>>,
     on_a_stick: bool,
     reasm4: frag::Reassembler,
     reasm6: frag::Reassembler,
-    next_frag_id: u32,
+    next_frag_id4: u16,
+    next_frag_id6: u32,
 }
 
 fn hop_mac(h: NextHop) -> Option<[u8; 6]> {
@@ -213,6 +267,10 @@ fn hop_mac(h: NextHop) -> Option<[u8; 6]> {
         NextHop::Mac(m) => Some(m),
         _ => None,
     }
+}
+
+fn compile(expr: &Option<String>) -> Result<Option<PacketFilter>, String> {
+    expr.as_deref().map(PacketFilter::compile).transpose()
 }
 
 impl App for Lwaftr {
@@ -232,7 +290,7 @@ impl App for Lwaftr {
 
     fn new(c: LwaftrAppConfig, ctx: &mut AppContext) -> Result<Self, AppError> {
         let (cfg, q) = load(&c, Some(ctx))?;
-        let mut l = Lwaftr::build(cfg, q, Counters::new(ctx))?;
+        let mut l = Lwaftr::build(cfg, q, c.compat, Counters::new(ctx))?;
         l.on_a_stick = c.on_a_stick;
         Ok(l)
     }
@@ -248,7 +306,7 @@ impl App for Lwaftr {
             return Ok(Reconfigured::Restart);
         }
         let counters = std::mem::replace(&mut self.c, Counters::new(ctx));
-        *self = Lwaftr::build(cfg, q, counters)?;
+        *self = Lwaftr::build(cfg, q, c.compat, counters)?;
         self.on_a_stick = c.on_a_stick;
         Ok(Reconfigured::Done)
     }
@@ -256,80 +314,25 @@ impl App for Lwaftr {
     fn push(&mut self, io: &mut Io) {
         let (inputs, outputs) = io.split();
         if self.on_a_stick {
-            return self.push_on_a_stick(inputs, outputs);
-        }
-        // Three passes per batch: the first starts loading each packet's address entry into the
-        // cache, the second its softwire, so that with a large table the lookups of the third
-        // do not wait for memory.
-        let mut batch = std::mem::take(&mut self.batch);
-        for side in [V4, V6] {
-            let Some(input) = inputs[side].as_mut() else {
-                continue;
-            };
-            batch.extend(input.drain());
-            let (vlan, skip) = if side == V4 {
-                (self.ext.vlan, 0)
-            } else {
-                (self.int.vlan, 40)
-            };
-            self.keys.clear();
-            for p in &batch {
-                let key = peek(p.data(), vlan, skip);
-                if let Some((a, _)) = key {
-                    self.table.prefetch_address(a);
-                }
-                self.keys.push(key);
-            }
-            for &(a, port) in self.keys.iter().flatten() {
-                self.table.prefetch(a, port);
-            }
-            for p in batch.drain(..) {
-                if side == V4 {
-                    self.handle_internet(p);
-                } else {
-                    self.handle_b4s(p);
+            self.receive_on_a_stick(inputs);
+        } else {
+            for side in [V4, V6] {
+                if let Some(input) = inputs[side].as_mut() {
+                    self.receive(side, input);
                 }
             }
         }
-        self.batch = batch;
-        for side in [V4, V6] {
-            match outputs[side].as_mut() {
-                Some(o) => {
-                    for p in self.out[side].drain(..) {
-                        o.transmit(p);
-                    }
-                }
-                None => self.out[side].clear(),
-            }
-        }
+        self.emit_all(outputs);
     }
 
     fn tick(&mut self, io: &mut Io, now: Instant) {
         let expired = self.reasm4.expire(now) + self.reasm6.expire(now);
         self.c.fragments.add(expired as u64);
-        if self.ext_hop.is_some() && self.int_hop.is_some() {
-            return;
+        if self.hop[V4].is_none() || self.hop[V6].is_none() {
+            self.solicit_next_hops(now);
         }
-        if self
-            .last_solicit
-            .is_some_and(|t| now.duration_since(t) < Duration::from_secs(1))
-        {
-            return;
-        }
-        self.last_solicit = Some(now);
-        if let (None, NextHop::Ipv4(hop)) = (self.ext_hop, self.ext.next_hop) {
-            let port = if self.on_a_stick { 0 } else { V4 };
-            if let (Some(p), Some(o)) = (self.arp_frame(1, [0xff; 6], [0; 6], hop), io.output(port))
-            {
-                o.transmit(p);
-            }
-        }
-        if let (None, NextHop::Ipv6(hop)) = (self.int_hop, self.int.next_hop) {
-            let port = if self.on_a_stick { 0 } else { V6 };
-            if let (Some(p), Some(o)) = (self.neighbor_solicitation(hop), io.output(port)) {
-                o.transmit(p);
-            }
-        }
+        let (_, outputs) = io.split();
+        self.emit_all(outputs);
     }
 
     fn query(&mut self, request: &serde_json::Value) -> serde_json::Value {
@@ -369,11 +372,20 @@ impl App for Lwaftr {
                         serde_json::json!({ "ipv4": a, "psid": psid, "b4": b4, "br": br })
                     })
                     .collect();
+                let filter =
+                    |f: &Option<PacketFilter>| f.as_ref().map(|f| f.expression().to_string());
                 serde_json::json!({
                     "softwires": self.table.len(),
                     "list": list,
-                    "external_next_hop": self.ext_hop.map(mac_text),
-                    "internal_next_hop": self.int_hop.map(mac_text),
+                    "external_next_hop": self.hop[V4].map(mac_text),
+                    "internal_next_hop": self.hop[V6].map(mac_text),
+                    "waiting_for_next_hop": [self.waiting[V4].len(), self.waiting[V6].len()],
+                    "filters": {
+                        "external_ingress": filter(&self.ingress[V4]),
+                        "external_egress": filter(&self.egress[V4]),
+                        "internal_ingress": filter(&self.ingress[V6]),
+                        "internal_egress": filter(&self.egress[V6]),
+                    },
                 })
             }
         }
@@ -409,26 +421,6 @@ fn softwire_from_json(r: &serde_json::Value) -> Result<SoftwireSpec, String> {
     })
 }
 
-/// Where the IP header starts after the Ethernet header (and the side's VLAN tag, which must
-/// be the configured one), and the EtherType; `Err(())` for a VLAN mismatch.
-#[inline]
-fn l2(d: &[u8], vlan: Option<u16>) -> Option<Result<(usize, u16), ()>> {
-    let et = u16::from_be_bytes([*d.get(12)?, *d.get(13)?]);
-    match (vlan, et) {
-        (Some(v), 0x8100) => {
-            let tci = u16::from_be_bytes([*d.get(14)?, *d.get(15)?]);
-            let inner = u16::from_be_bytes([*d.get(16)?, *d.get(17)?]);
-            Some(if tci & 0x0fff == v {
-                Ok((18, inner))
-            } else {
-                Err(())
-            })
-        }
-        (Some(_), _) | (None, 0x8100) => Some(Err(())),
-        (None, et) => Some(Ok((14, et))),
-    }
-}
-
 /// The IPv4 header at `ip`, its lengths checked: (header length, total length). The header
 /// checksum is not verified (as in Snabb's lwAFTR, whose benchmark packets carry none): the
 /// incremental TTL update keeps a bad checksum bad, so the receiver still sees the damage.
@@ -456,14 +448,24 @@ fn be16(d: &[u8], at: usize) -> Option<u16> {
     Some(u16::from_be_bytes([*d.get(at)?, *d.get(at + 1)?]))
 }
 
-/// The port that identifies the flow of an IPv4 packet on the side of address `which`
-/// (destination: toward a B4; source: from a B4): TCP/UDP port, ICMP echo identifier, or for an
-/// ICMP error the port of the embedded packet on the other side.
+#[inline]
+fn is_unicast(mac: &[u8]) -> bool {
+    mac[0] & 1 == 0
+}
+
+/// The port that picks the softwire of an IPv4 packet on the side of address `which`
+/// (`destination`: the softwire the packet goes to; else the one it comes from): the TCP/UDP
+/// port; for ping, RFC 7596 §8.1 — a B4 puts a port of its set in the identifier of the echo
+/// requests it sends, so requests from a B4 and replies toward one are looked up by the
+/// identifier, and requests toward a B4 and replies from one by port 0 (only a softwire holding
+/// port 0 is pingable); for an ICMP error, the port of the embedded packet on the other side.
 fn port_of(ip: &[u8], ihl: usize, total: usize, destination: bool) -> Option<u16> {
     let l4 = &ip[ihl..total];
     match ip[9] {
         TCP | UDP => be16(l4, if destination { 2 } else { 0 }),
         ICMP => match *l4.first()? {
+            8 if destination => Some(0),
+            0 if !destination => Some(0),
             0 | 8 => be16(l4, 4),
             3 | 4 | 5 | 11 | 12 => {
                 // The embedded packet travelled the other way.
@@ -482,12 +484,12 @@ fn port_of(ip: &[u8], ihl: usize, total: usize, destination: bool) -> Option<u16
     }
 }
 
-/// The binding-table key of a packet, read without checks beyond bounds, for prefetching: the
-/// destination (IPv4 from the internet) or the inner source (IPv4-in-IPv6 from a B4, `skip` 40).
+/// The binding-table key of an untagged frame, read without checks beyond bounds, for
+/// prefetching: the destination (IPv4 from the internet) or the inner source (IPv4-in-IPv6 from
+/// a B4, `skip` 40).
 #[inline]
-fn peek(d: &[u8], vlan: Option<u16>, skip: usize) -> Option<(u32, u16)> {
-    let at = vlan.map_or(14, |_| 18) + skip;
-    let ip = d.get(at..)?;
+fn peek(d: &[u8], skip: usize) -> Option<(u32, u16)> {
+    let ip = d.get(14 + skip..)?;
     let ihl = (*ip.first()? & 0x0f) as usize * 4;
     let total = (be16(ip, 2)? as usize).min(ip.len());
     if ihl < 20 || total < ihl + 8 {
@@ -498,167 +500,264 @@ fn peek(d: &[u8], vlan: Option<u16>, skip: usize) -> Option<(u32, u16)> {
     Some((a, port_of(ip, ihl, total, destination)?))
 }
 
+/// Ethernet header of a reply to frame `d`: back to its sender, from the address it was sent
+/// to — or from `own` when it was sent to a group address.
+fn reply_addresses(d: &mut [u8], own: [u8; 6]) {
+    let (to, from): ([u8; 6], [u8; 6]) =
+        (d[6..12].try_into().unwrap(), d[0..6].try_into().unwrap());
+    d[0..6].copy_from_slice(&to);
+    d[6..12].copy_from_slice(if is_unicast(&from) { &from } else { &own });
+}
+
 impl Lwaftr {
-    fn build(cfg: LwaftrConfig, q: usize, c: Counters) -> Result<Lwaftr, String> {
+    fn build(cfg: LwaftrConfig, q: usize, compat: Compat, c: Counters) -> Result<Lwaftr, String> {
         let table = BindingTable::new(&cfg.softwires)?;
         let (reasm4, reasm6) = (
             frag::Reassembler::new(
                 cfg.external.max_fragments_per_packet,
                 cfg.external.max_reassembly_packets,
+                compat == Compat::Snabb,
             ),
             frag::Reassembler::new(
                 cfg.internal.max_fragments_per_packet,
                 cfg.internal.max_reassembly_packets,
+                false,
             ),
         );
         let queue = cfg.queues[q].clone();
         Ok(Lwaftr {
             table,
-            ext_hop: hop_mac(queue.external.next_hop),
-            int_hop: hop_mac(queue.internal.next_hop),
+            hop: [
+                hop_mac(queue.external.next_hop),
+                hop_mac(queue.internal.next_hop),
+            ],
             ext: queue.external,
             int: queue.internal,
             ext_limit: Limiter::new(&cfg.external),
             int_limit: Limiter::new(&cfg.internal),
+            ingress: [
+                compile(&cfg.external.ingress_filter)?,
+                compile(&cfg.internal.ingress_filter)?,
+            ],
+            egress: [
+                compile(&cfg.external.egress_filter)?,
+                compile(&cfg.internal.egress_filter)?,
+            ],
             ext_policy: cfg.external,
             int_policy: cfg.internal,
             last_solicit: None,
             c,
             out: [Vec::with_capacity(256), Vec::with_capacity(256)],
+            waiting: [VecDeque::new(), VecDeque::new()],
             batch: Vec::with_capacity(1024),
             keys: Vec::with_capacity(1024),
             on_a_stick: false,
             reasm4,
             reasm6,
-            next_frag_id: 0x4242_4243,
+            next_frag_id4: FIRST_FRAGMENT_ID4,
+            next_frag_id6: FIRST_FRAGMENT_ID6,
         })
     }
 
-    /// Writes the Ethernet header (and VLAN tag) of `side` in front of `p`'s IP packet.
-    fn frame(&self, p: Packet, side: usize, dst: [u8; 6]) -> Option<Packet> {
-        self.frame_as(p, side, dst, if side == V4 { 0x0800 } else { 0x86dd })
-    }
-
-    /// Writes the Ethernet header (and VLAN tag) of `side` for EtherType `et`.
-    fn frame_as(&self, mut p: Packet, side: usize, dst: [u8; 6], et: u16) -> Option<Packet> {
-        let (mac, vlan) = if side == V4 {
-            (self.ext.mac, self.ext.vlan)
+    fn mac(&self, side: usize) -> [u8; 6] {
+        if side == V4 {
+            self.ext.mac
         } else {
-            (self.int.mac, self.int.vlan)
-        };
-        let n = if vlan.is_some() { 18 } else { 14 };
-        let h = p.prepend(n).ok()?;
-        h[0..6].copy_from_slice(&dst);
-        h[6..12].copy_from_slice(&mac);
-        if let Some(v) = vlan {
-            h[12..14].copy_from_slice(&0x8100u16.to_be_bytes());
-            h[14..16].copy_from_slice(&v.to_be_bytes());
+            self.int.mac
         }
-        h[n - 2..n].copy_from_slice(&et.to_be_bytes());
-        Some(p)
     }
 
-    /// An IP packet built from `bytes`, framed for `side`.
-    fn new_frame(&self, side: usize, dst: [u8; 6], bytes: &[u8]) -> Option<Packet> {
-        self.new_frame_as(side, dst, if side == V4 { 0x0800 } else { 0x86dd }, bytes)
-    }
-
-    /// A frame of EtherType `et` carrying `bytes`, for `side`, padded to the Ethernet minimum.
-    fn new_frame_as(&self, side: usize, dst: [u8; 6], et: u16, bytes: &[u8]) -> Option<Packet> {
-        let mut p = pool::alloc()?;
-        p.set_data(bytes).ok()?;
-        let mut p = self.frame_as(p, side, dst, et)?;
-        if p.len() < 60 {
-            let n = p.len();
-            p.set_len(60).ok()?;
-            p.data_mut()[n..].fill(0);
+    fn vlan(&self, side: usize) -> Option<u16> {
+        if side == V4 {
+            self.ext.vlan
+        } else {
+            self.int.vlan
         }
-        Some(p)
     }
 
-    fn handle_internet(&mut self, mut p: Packet) {
+    fn mtu(&self, side: usize) -> usize {
+        if side == V4 {
+            self.ext_policy.mtu as usize
+        } else {
+            self.int_policy.mtu as usize
+        }
+    }
+
+    // ---- ingress: untag, then each side's handler (reassembly, filter, ND, echo, core) ----
+
+    /// One side's input in three passes per batch: the first starts loading each packet's
+    /// address entry into the cache, the second its softwire, so that with a large table the
+    /// lookups of the third do not wait for memory.
+    fn receive(&mut self, side: usize, input: &mut stitch_core::Consumer) {
+        let mut batch = std::mem::take(&mut self.batch);
+        for p in input.drain() {
+            if let Some(p) = self.untag(p, side) {
+                batch.push(p);
+            }
+        }
+        let skip = if side == V4 { 0 } else { 40 };
+        self.keys.clear();
+        for p in &batch {
+            let key = peek(p.data(), skip);
+            if let Some((a, _)) = key {
+                self.table.prefetch_address(a);
+            }
+            self.keys.push(key);
+        }
+        for &(a, port) in self.keys.iter().flatten() {
+            self.table.prefetch(a, port);
+        }
+        for p in batch.drain(..) {
+            if side == V4 {
+                self.handle_internet(p);
+            } else {
+                self.handle_b4s(p);
+            }
+        }
+        self.batch = batch;
+    }
+
+    /// Both sides on one port: each frame goes to the side its VLAN tag (when the sides' tags
+    /// differ) or its EtherType names.
+    fn receive_on_a_stick(&mut self, inputs: &mut [Option<stitch_core::Consumer>]) {
+        let mut batch = std::mem::take(&mut self.batch);
+        if let Some(input) = inputs[0].as_mut() {
+            batch.extend(input.drain());
+        }
+        let by_tag =
+            self.ext.vlan != self.int.vlan && self.ext.vlan.is_some() && self.int.vlan.is_some();
+        for p in batch.drain(..) {
+            let d = p.data();
+            let v6 = if by_tag {
+                stitch_wire::vlan::outer_tag(d)
+                    .is_some_and(|(_, tci)| Some(stitch_wire::vlan::vid(tci)) == self.int.vlan)
+            } else {
+                let at = if self.int.vlan.is_some() { 16 } else { 12 };
+                be16(d, at) == Some(0x86dd)
+            };
+            let side = if v6 { V6 } else { V4 };
+            if let Some(p) = self.untag(p, side) {
+                if v6 {
+                    self.handle_b4s(p);
+                } else {
+                    self.handle_internet(p);
+                }
+            }
+        }
+        self.batch = batch;
+    }
+
+    /// The frame without its side's VLAN tag (the rest of the function sees untagged frames
+    /// only); `None`, counted, for a frame whose tagging does not match the side's.
+    fn untag(&mut self, mut p: Packet, side: usize) -> Option<Packet> {
+        let tag =
+            stitch_wire::vlan::outer_tag(p.data()).map(|(_, tci)| stitch_wire::vlan::vid(tci));
+        match (self.vlan(side), tag) {
+            (None, None) => Some(p),
+            (Some(v), Some(t)) if v == t && stitch_wire::vlan::pop(&mut p).is_some() => Some(p),
+            _ => {
+                self.c.vlan.add(1);
+                None
+            }
+        }
+    }
+
+    /// Whether the side's ingress filter lets `p` in (counted when not).
+    fn admitted(&mut self, side: usize, p: &Packet) -> bool {
+        match &self.ingress[side] {
+            Some(f) if !f.matches(p.data()) => {
+                self.c.ingress_filtered[side].add(1);
+                false
+            }
+            _ => true,
+        }
+    }
+
+    fn handle_internet(&mut self, p: Packet) {
         let d = p.data();
-        let (at, et) = match l2(d, self.ext.vlan) {
-            None => return self.c.malformed.add(1),
-            Some(Err(())) => return self.c.vlan.add(1),
-            Some(Ok(x)) => x,
-        };
-        if et == 0x0806 {
-            return self.arp(&d[at..], [d[6], d[7], d[8], d[9], d[10], d[11]]);
-        }
-        if et != 0x0800 {
-            return self.c.not_ip.add(1);
-        }
-        let ip = &d[at..];
-        let Some((ihl, total)) = ipv4(ip) else {
+        let Some(et) = be16(d, 12) else {
             return self.c.malformed.add(1);
         };
-        let dst = u32::from_be_bytes([ip[16], ip[17], ip[18], ip[19]]);
-        if dst == u32::from(self.ext.ip) {
-            return self.answer_ping_v4(p, at, ihl, total);
-        }
-        if is_fragment(ip) {
-            let l2h = d[..at].to_vec();
-            let outcome = self.reasm4.add_v4(ip, ihl, total, Instant::now());
-            if let Some(whole) = self.reassembled(outcome, &l2h) {
-                self.handle_internet(whole);
+        if et == 0x0800 {
+            let ip = &d[14..];
+            let Some((ihl, total)) = ipv4(ip) else {
+                return self.c.malformed.add(1);
+            };
+            if is_fragment(ip) {
+                let outcome = self.reasm4.add_v4(ip, ihl, total, Instant::now());
+                if let Some(whole) = self.reassembled(outcome, &d[..14]) {
+                    self.handle_internet(whole);
+                }
+                return;
             }
+        }
+        if !self.admitted(V4, &p) {
             return;
         }
-        if ip[9] == ICMP && !self.ext_policy.allow_incoming_icmp {
-            return self.c.icmp_policy.add(1);
+        match et {
+            0x0806 => return self.arp(&p),
+            0x0800 => {}
+            _ => return self.c.not_ip.add(1),
+        }
+        let ip = &d[14..];
+        let (ihl, total) = ipv4(ip).expect("checked above");
+        let dst = u32::from_be_bytes([ip[16], ip[17], ip[18], ip[19]]);
+        if dst == u32::from(self.ext.ip) {
+            return self.answer_ping_v4(p, ihl, total);
+        }
+        if ip[9] == ICMP {
+            if !self.ext_policy.allow_incoming_icmp {
+                return self.c.icmp_policy.add(1);
+            }
+            // RFC 5508 §4.6: ICMP with a bad checksum is dropped silently.
+            if checksum::checksum(&ip[ihl..total]) != 0 {
+                return self.c.bad_checksum.add(1);
+            }
         }
         let Some(sw) = port_of(ip, ihl, total, true).and_then(|port| self.table.lookup(dst, port))
         else {
-            self.c.no_softwire.add(1);
-            if self.ext_policy.generate_icmp_errors {
-                self.icmp4_error(&p.data()[at..], 3, 1, 0);
-            }
-            return;
+            return self.unreachable(&ip[..total]);
         };
         let sw = *sw;
-        if p.shift_front(at).is_err() || p.set_len(total).is_err() {
+        let mut p = p;
+        if p.shift_front(14).is_err() || p.set_len(total).is_err() {
             return self.c.malformed.add(1);
         }
         self.encapsulate(p, sw, V4);
     }
 
-    /// Puts an IPv4 packet (starting at the IP header) into a softwire toward its B4.
+    /// An IPv4 packet toward an address of the table whose port no softwire holds: ICMPv4
+    /// 3/1 to its sender when errors are on — never for ICMP (RFC 7596 §8.1: dropped).
+    fn unreachable(&mut self, ip: &[u8]) {
+        self.c.no_softwire.add(1);
+        if self.ext_policy.generate_icmp_errors && ip[9] != ICMP {
+            self.icmp4_error(ip, 3, 1, 0);
+        }
+    }
+
+    /// Puts an IPv4 packet (starting at the IP header) into a softwire toward its B4, its TTL
+    /// decremented first (errors quote the packet as it would have been forwarded, as RFC 1812
+    /// §4.3.2.3 allows).
     fn encapsulate(&mut self, mut p: Packet, sw: Softwire, from: usize) {
-        let total = p.len();
-        let ttl = p.data()[8];
-        if ttl <= 1 {
+        let ttl = decrement_ttl(p.data_mut());
+        if ttl == 0 {
             self.c.ttl_expired.add(1);
-            if self.ext_policy.generate_icmp_errors && from == V4 {
+            if self.ext_policy.generate_icmp_errors {
                 self.icmp4_error(p.data(), 11, 0, 0);
             }
             return;
         }
-        let too_big = 40 + total > self.int_policy.mtu as usize;
-        if too_big && p.data()[6] & 0x40 != 0 {
+        let total = p.len();
+        if 40 + total > self.int_policy.mtu as usize && p.data()[6] & 0x40 != 0 {
             self.c.too_big.add(1);
-            if self.ext_policy.generate_icmp_errors && from == V4 {
+            if self.ext_policy.generate_icmp_errors {
                 let mtu = (self.int_policy.mtu - 40) as u32;
                 self.icmp4_error(p.data(), 3, 4, mtu);
             }
             return;
         }
-        let Some(hop) = self.int_hop else {
-            return self.c.no_next_hop.add(1);
-        };
-        {
-            let ip = p.data_mut();
-            let old = u16::from_be_bytes([ip[8], ip[9]]);
-            ip[8] = ttl - 1;
-            let new = u16::from_be_bytes([ip[8], ip[9]]);
-            let cs = checksum::update(u16::from_be_bytes([ip[10], ip[11]]), old, new);
-            ip[10..12].copy_from_slice(&cs.to_be_bytes());
-        }
         let tos = p.data()[1];
         let flow = self.int_policy.flow_label & 0xfffff;
-        if too_big {
-            return self.encapsulate_fragments(p, sw, hop, tos, flow, from);
-        }
         let Ok(h) = p.prepend(40) else {
             return self.c.malformed.add(1);
         };
@@ -669,26 +768,26 @@ impl Lwaftr {
         h[7] = 255;
         h[8..24].copy_from_slice(&sw.br);
         h[24..40].copy_from_slice(&sw.b4);
-        if let Some(p) = self.frame(p, V6, hop) {
-            self.c.encapsulated.add(1);
-            if from == V6 {
-                self.c.hairpinned.add(1);
-            }
-            self.out[V6].push(p);
+        self.c.encapsulated.add(1);
+        if from == V6 {
+            self.c.hairpinned.add(1);
         }
+        self.route(p, V6);
     }
 
-    fn handle_b4s(&mut self, mut p: Packet) {
+    fn handle_b4s(&mut self, p: Packet) {
         let d = p.data();
-        let (at, et) = match l2(d, self.int.vlan) {
+        match be16(d, 12) {
             None => return self.c.malformed.add(1),
-            Some(Err(())) => return self.c.vlan.add(1),
-            Some(Ok(x)) => x,
-        };
-        if et != 0x86dd {
-            return self.c.not_ip.add(1);
+            Some(0x86dd) => {}
+            Some(_) => {
+                if self.admitted(V6, &p) {
+                    self.c.not_ip.add(1);
+                }
+                return;
+            }
         }
-        let ip6 = &d[at..];
+        let ip6 = &d[14..];
         if ip6.len() < 40 || ip6[0] >> 4 != 6 {
             return self.c.malformed.add(1);
         }
@@ -696,7 +795,7 @@ impl Lwaftr {
         if 40 + plen > ip6.len() {
             return self.c.malformed.add(1);
         }
-        let (src, dst) = (&ip6[8..24], &ip6[24..40]);
+        let dst = &ip6[24..40];
         // Hop-by-hop, routing and destination options headers are stepped over.
         let (mut nh, mut off) = (ip6[6], 40);
         while matches!(nh, 0 | 43 | 60) {
@@ -714,16 +813,19 @@ impl Lwaftr {
             // Fragments and ICMPv6 behind extension headers are not for this function.
             return self.c.not_for_us.add(1);
         }
-        if nh == 44 && plen >= 8 && self.table.is_br_address(dst) {
-            let l2h = d[..at].to_vec();
+        if nh == 44 && plen >= 8 && (self.table.is_br_address(dst) || *dst == self.int.ip.octets())
+        {
             let outcome = self.reasm6.add_v6(&ip6[..40 + plen], Instant::now());
-            if let Some(whole) = self.reassembled(outcome, &l2h) {
+            if let Some(whole) = self.reassembled(outcome, &d[..14]) {
                 self.handle_b4s(whole);
             }
             return;
         }
+        if !self.admitted(V6, &p) {
+            return;
+        }
         if nh == ICMPV6 {
-            return self.icmp6_in(p, at, plen);
+            return self.icmp6_in(p, plen);
         }
         if nh != IPIP || !self.table.is_br_address(dst) {
             return self.c.not_for_us.add(1);
@@ -738,6 +840,7 @@ impl Lwaftr {
         if inner[9] == ICMP && !self.int_policy.allow_incoming_icmp {
             return self.c.icmp_policy.add(1);
         }
+        let (src, dst) = (&ip6[8..24], &ip6[24..40]);
         let isrc = u32::from_be_bytes([inner[12], inner[13], inner[14], inner[15]]);
         let bound = port_of(inner, ihl, total, false)
             .and_then(|port| self.table.lookup(isrc, port))
@@ -745,36 +848,32 @@ impl Lwaftr {
         if !bound {
             self.c.source_mismatch.add(1);
             if self.int_policy.generate_icmp_errors {
-                self.icmp6_error(&p, at, 1, 5);
+                let from: [u8; 16] = dst.try_into().unwrap();
+                self.icmp6_error(&p, 1, 5, from);
             }
             return;
         }
-        // Hairpinning: the destination is itself a softwire of this lwAFTR.
+        // Hairpinning: the destination is an address of this lwAFTR's table.
         let idst = u32::from_be_bytes([inner[16], inner[17], inner[18], inner[19]]);
-        let hairpin = if self.int_policy.hairpinning {
-            port_of(inner, ihl, total, true).and_then(|port| self.table.lookup(idst, port).copied())
-        } else {
-            None
-        };
-        if p.shift_front(at + off).is_err() || p.set_len(total).is_err() {
+        let hairpin = self.int_policy.hairpinning && self.table.is_managed_address(idst);
+        let mut p = p;
+        if p.shift_front(14 + off).is_err() || p.set_len(total).is_err() {
             return self.c.malformed.add(1);
         }
-        if let Some(sw) = hairpin {
-            return self.encapsulate(p, sw, V6);
+        if hairpin {
+            let ip = p.data();
+            return match port_of(ip, ihl, total, true)
+                .and_then(|port| self.table.lookup(idst, port))
+            {
+                Some(sw) => {
+                    let sw = *sw;
+                    self.encapsulate(p, sw, V6)
+                }
+                None => self.unreachable(p.data()),
+            };
         }
-        let Some(hop) = self.ext_hop else {
-            return self.c.no_next_hop.add(1);
-        };
-        if total > self.ext_policy.mtu as usize {
-            if p.data()[6] & 0x40 != 0 {
-                return self.c.too_big.add(1);
-            }
-            return self.decapsulate_fragments(p, ihl, hop);
-        }
-        if let Some(p) = self.frame(p, V4, hop) {
-            self.c.decapsulated.add(1);
-            self.out[V4].push(p);
-        }
+        self.c.decapsulated.add(1);
+        self.route(p, V4);
     }
 
     /// The whole packet once its last fragment arrived (framed with `l2`), counted either way.
@@ -796,153 +895,181 @@ impl Lwaftr {
         }
     }
 
-    /// An IPv4 packet too big for the access network's MTU, in IPv6 fragments.
-    fn encapsulate_fragments(
-        &mut self,
-        p: Packet,
-        sw: Softwire,
-        hop: [u8; 6],
-        tos: u8,
-        flow: u32,
-        from: usize,
-    ) {
-        let ip = p.data();
-        let id = self.next_frag_id;
-        self.next_frag_id = self.next_frag_id.wrapping_add(1);
-        let word = 6u32 << 28 | (tos as u32) << 20 | flow;
-        for (off, n, more) in frag::split(ip.len(), self.int_policy.mtu as usize - 48) {
-            let mut f = Vec::with_capacity(48 + n);
-            f.extend_from_slice(&word.to_be_bytes());
-            f.extend_from_slice(&((8 + n) as u16).to_be_bytes());
-            f.extend_from_slice(&[44, 255]);
-            f.extend_from_slice(&sw.br);
-            f.extend_from_slice(&sw.b4);
-            f.extend_from_slice(&[IPIP, 0]);
-            f.extend_from_slice(&(off as u16 | more as u16).to_be_bytes());
-            f.extend_from_slice(&id.to_be_bytes());
-            f.extend_from_slice(&ip[off..off + n]);
-            match self.new_frame(V6, hop, &f) {
-                Some(q) => self.out[V6].push(q),
-                None => return self.c.too_big.add(1),
-            }
-        }
-        self.c.fragmented.add(1);
-        self.c.encapsulated.add(1);
-        if from == V6 {
-            self.c.hairpinned.add(1);
-        }
-    }
+    // ---- packets the function originates ----
 
-    /// A decapsulated IPv4 packet too big for the internet side's MTU, in IPv4 fragments.
-    fn decapsulate_fragments(&mut self, p: Packet, ihl: usize, hop: [u8; 6]) {
-        let ip = p.data();
-        let body = &ip[ihl..];
-        for (off, n, more) in frag::split(body.len(), self.ext_policy.mtu as usize - ihl) {
-            let mut f = ip[..ihl].to_vec();
-            f[2..4].copy_from_slice(&((ihl + n) as u16).to_be_bytes());
-            let ff = (off / 8) as u16 | if more { 0x2000 } else { 0 };
-            f[6..8].copy_from_slice(&ff.to_be_bytes());
-            f[10..12].fill(0);
-            let cs = checksum::checksum(&f);
-            f[10..12].copy_from_slice(&cs.to_be_bytes());
-            f.extend_from_slice(&body[off..off + n]);
-            match self.new_frame(V4, hop, &f) {
-                Some(q) => self.out[V4].push(q),
-                None => return self.c.too_big.add(1),
-            }
-        }
-        self.c.fragmented.add(1);
-        self.c.decapsulated.add(1);
-    }
-
-    /// An ICMPv4 error (type, code) about the IPv4 packet `ip`, out of `v4`.
+    /// An ICMPv4 error (type, code) about the IPv4 packet `ip`, from the external address to
+    /// its sender; through the sender's softwire when the sender is behind a B4.
     fn icmp4_error(&mut self, ip: &[u8], kind: u8, code: u8, extra: u32) {
-        // Never about ICMP errors.
+        // Never about an ICMP error (RFC 1812 §4.3.2.7).
         let ihl = (ip[0] & 0x0f) as usize * 4;
         if ip[9] == ICMP && ip.get(ihl).is_some_and(|t| ![0u8, 8].contains(t)) {
             return;
         }
-        let Some(hop) = self.ext_hop else { return };
         if !self.ext_limit.allow() {
             return self.c.icmp_rate_limited.add(1);
         }
-        // At most 576 bytes in all (RFC 1812 4.3.2.3).
+        // As much of the packet as fits in 576 bytes (RFC 1812 §4.3.2.3).
         let quote = &ip[..ip.len().min(576 - 28)];
-        let mut body = vec![kind, code, 0, 0];
-        body.extend_from_slice(&extra.to_be_bytes());
-        body.extend_from_slice(quote);
-        let cs = checksum::checksum(&body);
-        body[2..4].copy_from_slice(&cs.to_be_bytes());
         let to = Ipv4Addr::new(ip[12], ip[13], ip[14], ip[15]);
-        let mut pkt = stitch_wire::ipv4_header(self.ext.ip, to, ICMP, body.len(), false).to_vec();
-        pkt.extend_from_slice(&body);
-        if let Some(f) = self.new_frame(V4, hop, &pkt) {
-            self.c.icmp_sent.add(1);
-            self.out[V4].push(f);
+        let Some(mut p) = pool::alloc() else {
+            return self.c.no_buffer.add(1);
+        };
+        let mut header = stitch_wire::ipv4_header(self.ext.ip, to, ICMP, 8 + quote.len(), false);
+        header[8] = ORIGIN_TTL;
+        header[10..12].fill(0);
+        let cs = checksum::checksum(&header);
+        header[10..12].copy_from_slice(&cs.to_be_bytes());
+        let mut icmp = [kind, code, 0, 0, 0, 0, 0, 0];
+        icmp[4..8].copy_from_slice(&extra.to_be_bytes());
+        let cs = checksum::finish(checksum::sum(quote, checksum::sum(&icmp, 0)));
+        icmp[2..4].copy_from_slice(&cs.to_be_bytes());
+        if p.set_data(&header).is_err() || p.append(&icmp).is_err() || p.append(quote).is_err() {
+            return self.c.malformed.add(1);
+        }
+        self.c.icmp_sent.add(1);
+        let to = u32::from(to);
+        if !self.table.is_managed_address(to) {
+            return self.route(p, V4);
+        }
+        let d = p.data();
+        match port_of(d, 20, d.len(), true).and_then(|port| self.table.lookup(to, port)) {
+            Some(sw) => {
+                let sw = *sw;
+                self.encapsulate(p, sw, V4)
+            }
+            None => self.c.no_softwire.add(1),
         }
     }
 
-    /// An ICMPv6 error (type, code) about the IPv6 packet at `at` in `p`, out of `v6`.
-    fn icmp6_error(&mut self, p: &Packet, at: usize, kind: u8, code: u8) {
-        let Some(hop) = self.int_hop else { return };
+    /// An ICMPv6 error (type, code) from `from` about the IPv6 frame `p`, back to its sender.
+    fn icmp6_error(&mut self, p: &Packet, kind: u8, code: u8, from: [u8; 16]) {
         if !self.int_limit.allow() {
             return self.c.icmp_rate_limited.add(1);
         }
-        let ip6 = &p.data()[at..];
-        // At most 1280 bytes in all (RFC 4443 2.4).
-        let mut body = vec![kind, code, 0, 0, 0, 0, 0, 0];
-        body.extend_from_slice(&ip6[..ip6.len().min(1280 - 48)]);
-        if let Some(f) = self.icmp6_frame(hop, &ip6[8..24], body) {
+        let ip6 = &p.data()[14..];
+        let ip6 = &ip6[..(40 + u16::from_be_bytes([ip6[4], ip6[5]]) as usize).min(ip6.len())];
+        // As much of the packet as fits in the minimum MTU (RFC 4443 §2.4).
+        let quote = &ip6[..ip6.len().min(1280 - 48)];
+        let mut body = Vec::with_capacity(8 + quote.len());
+        body.extend_from_slice(&[kind, code, 0, 0, 0, 0, 0, 0]);
+        body.extend_from_slice(quote);
+        let to: [u8; 16] = ip6[8..24].try_into().unwrap();
+        if let Some(packet) = self.icmp6_packet(from, to, body) {
             self.c.icmp_sent.add(1);
-            self.out[V6].push(f);
+            self.route(packet, V6);
         }
     }
 
-    /// IPv4 to the function's own external address: ping is answered, the rest dropped.
-    fn answer_ping_v4(&mut self, mut p: Packet, at: usize, ihl: usize, total: usize) {
-        let d = p.data();
-        if d[at + 9] != ICMP || d.get(at + ihl) != Some(&8) || is_fragment(&d[at..]) {
-            return self.c.not_for_us.add(1);
+    /// An ICMPv6 message `body` (checksum filled here) in an IPv6 packet, hop limit 255.
+    fn icmp6_packet(&mut self, src: [u8; 16], dst: [u8; 16], mut body: Vec<u8>) -> Option<Packet> {
+        body[2..4].fill(0);
+        let cs = icmp6_checksum(&src, &dst, &body);
+        body[2..4].copy_from_slice(&cs.to_be_bytes());
+        let mut header = [0u8; 40];
+        header[0] = 0x60;
+        header[4..6].copy_from_slice(&(body.len() as u16).to_be_bytes());
+        header[6] = ICMPV6;
+        header[7] = ORIGIN_TTL;
+        header[8..24].copy_from_slice(&src);
+        header[24..40].copy_from_slice(&dst);
+        let Some(mut p) = pool::alloc() else {
+            self.c.no_buffer.add(1);
+            return None;
+        };
+        if p.set_data(&header).is_err() || p.append(&body).is_err() {
+            self.c.malformed.add(1);
+            return None;
         }
-        let src_mac: [u8; 6] = d[6..12].try_into().unwrap();
-        if p.shift_front(at).is_err() || p.set_len(total).is_err() {
-            return self.c.malformed.add(1);
-        }
-        let ip = p.data_mut();
-        let (src, dst): ([u8; 4], [u8; 4]) = (
-            ip[12..16].try_into().unwrap(),
-            ip[16..20].try_into().unwrap(),
-        );
-        ip[12..16].copy_from_slice(&dst);
-        ip[16..20].copy_from_slice(&src);
-        ip[8] = 64;
-        ip[10..12].fill(0);
-        let cs = checksum::checksum(&ip[..ihl]);
-        ip[10..12].copy_from_slice(&cs.to_be_bytes());
-        let icmp = &mut ip[ihl..];
-        icmp[0] = 0;
-        icmp[2..4].fill(0);
-        let cs = checksum::checksum(icmp);
-        icmp[2..4].copy_from_slice(&cs.to_be_bytes());
-        if let Some(p) = self.frame(p, V4, src_mac) {
-            self.c.echo_replies.add(1);
-            self.out[V4].push(p);
+        Some(p)
+    }
+
+    /// A frame of EtherType `et` carrying `bytes` from `side`'s address to `dst`.
+    fn new_frame(&mut self, side: usize, dst: [u8; 6], et: u16, bytes: &[u8]) -> Option<Packet> {
+        let Some(mut p) = pool::alloc() else {
+            self.c.no_buffer.add(1);
+            return None;
+        };
+        p.set_data(bytes).ok()?;
+        self.address(&mut p, side, dst, et).then_some(p)
+    }
+
+    /// Puts an Ethernet header in front of `p`: to `dst`, from `side`'s address.
+    fn address(&mut self, p: &mut Packet, side: usize, dst: [u8; 6], et: u16) -> bool {
+        let src = self.mac(side);
+        match p.prepend(14) {
+            Ok(h) => {
+                h[0..6].copy_from_slice(&dst);
+                h[6..12].copy_from_slice(&src);
+                h[12..14].copy_from_slice(&et.to_be_bytes());
+                true
+            }
+            Err(_) => {
+                self.c.malformed.add(1);
+                false
+            }
         }
     }
 
-    fn arp_frame(
-        &self,
-        op: u16,
-        eth_dst: [u8; 6],
-        target_mac: [u8; 6],
-        target: Ipv4Addr,
-    ) -> Option<Packet> {
-        let arp = stitch_wire::arp_payload(op, self.ext.mac, self.ext.ip, target_mac, target);
-        self.new_frame_as(V4, eth_dst, 0x0806, &arp)
+    /// Sends an IP packet (starting at its header) to `side`'s next hop, or keeps it until the
+    /// next hop is resolved.
+    fn route(&mut self, mut p: Packet, side: usize) {
+        let et = if side == V4 { 0x0800 } else { 0x86dd };
+        let hop = self.hop[side];
+        if !self.address(&mut p, side, hop.unwrap_or([0; 6]), et) {
+            return;
+        }
+        if hop.is_some() {
+            self.out[side].push(p);
+        } else if self.waiting[side].len() < WAITING_MAX {
+            self.waiting[side].push_back(p);
+        } else {
+            self.c.no_next_hop.add(1);
+        }
     }
 
-    fn arp(&mut self, a: &[u8], eth_src: [u8; 6]) {
-        let Some(a) = a.get(..28) else {
+    /// The next hop of `side` is `mac`: frames that waited for it leave now, in order.
+    fn resolved(&mut self, side: usize, mac: [u8; 6]) {
+        self.hop[side] = Some(mac);
+        while let Some(mut p) = self.waiting[side].pop_front() {
+            p.data_mut()[0..6].copy_from_slice(&mac);
+            self.out[side].push(p);
+        }
+    }
+
+    /// ARP requests and Neighbor Solicitations for next hops given by IP and not yet
+    /// resolved: at start and every few seconds until an answer comes.
+    fn solicit_next_hops(&mut self, now: Instant) {
+        if self
+            .last_solicit
+            .is_some_and(|t| now.duration_since(t) < SOLICIT_INTERVAL)
+        {
+            return;
+        }
+        self.last_solicit = Some(now);
+        if let (None, NextHop::Ipv4(hop)) = (self.hop[V4], self.ext.next_hop) {
+            let arp = stitch_wire::arp_payload(1, self.ext.mac, self.ext.ip, [0; 6], hop);
+            if let Some(p) = self.new_frame(V4, [0xff; 6], 0x0806, &arp) {
+                self.out[V4].push(p);
+            }
+        }
+        if let (None, NextHop::Ipv6(hop)) = (self.hop[V6], self.int.next_hop) {
+            let mut body = vec![135, 0, 0, 0, 0, 0, 0, 0];
+            body.extend_from_slice(&hop.octets());
+            body.extend_from_slice(&[1, 1]);
+            body.extend_from_slice(&self.int.mac);
+            let group = solicited_node(hop);
+            if let Some(mut p) = self.icmp6_packet(self.int.ip.octets(), group.octets(), body) {
+                if self.address(&mut p, V6, multicast_mac(group), 0x86dd) {
+                    self.out[V6].push(p);
+                }
+            }
+        }
+    }
+
+    // ---- ARP, neighbour discovery and ping for the function's own addresses ----
+
+    fn arp(&mut self, p: &Packet) {
+        let Some(a) = p.data().get(14..42) else {
             return self.c.malformed.add(1);
         };
         if a[0..6] != [0, 1, 0x08, 0x00, 6, 4] {
@@ -952,84 +1079,105 @@ impl Lwaftr {
         let sender_mac: [u8; 6] = a[8..14].try_into().unwrap();
         let sender = Ipv4Addr::new(a[14], a[15], a[16], a[17]);
         let target = Ipv4Addr::new(a[24], a[25], a[26], a[27]);
-        if self.ext.next_hop == NextHop::Ipv4(sender) {
-            self.ext_hop = Some(sender_mac);
+        if self.ext.next_hop == NextHop::Ipv4(sender) && is_unicast(&sender_mac) {
+            self.resolved(V4, sender_mac);
         }
         if op == 1 && target == self.ext.ip {
-            if let Some(p) = self.arp_frame(2, eth_src, sender_mac, sender) {
+            let arp = stitch_wire::arp_payload(2, self.ext.mac, self.ext.ip, sender_mac, sender);
+            if let Some(reply) = self.new_frame(V4, sender_mac, 0x0806, &arp) {
                 self.c.arp_replies.add(1);
-                self.out[V4].push(p);
+                self.out[V4].push(reply);
             }
         }
     }
 
-    fn icmp6_frame(&self, dst_mac: [u8; 6], dst: &[u8], mut body: Vec<u8>) -> Option<Packet> {
-        let me = self.int.ip.octets();
-        body[2..4].fill(0);
-        let cs = icmp6_checksum(&me, dst, &body);
-        body[2..4].copy_from_slice(&cs.to_be_bytes());
-        let mut pkt = vec![0x60, 0, 0, 0];
-        pkt.extend_from_slice(&(body.len() as u16).to_be_bytes());
-        pkt.extend_from_slice(&[ICMPV6, 255]);
-        pkt.extend_from_slice(&me);
-        pkt.extend_from_slice(dst);
-        pkt.extend_from_slice(&body);
-        self.new_frame(V6, dst_mac, &pkt)
+    /// IPv4 to the function's own external address: an echo request is answered in place
+    /// (addresses swapped, TTL 64, flags cleared, the rest as it came), the rest dropped.
+    fn answer_ping_v4(&mut self, mut p: Packet, ihl: usize, total: usize) {
+        let d = p.data();
+        let ip = &d[14..];
+        if ip[9] != ICMP || total < ihl + 8 || ip[ihl] != 8 || ip[ihl + 1] != 0 {
+            return self.c.not_for_us.add(1);
+        }
+        if p.set_len(14 + total).is_err() {
+            return self.c.malformed.add(1);
+        }
+        let own = self.ext.mac;
+        let d = p.data_mut();
+        reply_addresses(d, own);
+        let ip = &mut d[14..];
+        let (src, dst): ([u8; 4], [u8; 4]) = (
+            ip[12..16].try_into().unwrap(),
+            ip[16..20].try_into().unwrap(),
+        );
+        ip[12..16].copy_from_slice(&dst);
+        ip[16..20].copy_from_slice(&src);
+        ip[6] &= 0x1f;
+        ip[8] = ECHO_TTL;
+        ip[10..12].fill(0);
+        let cs = checksum::checksum(&ip[..ihl]);
+        ip[10..12].copy_from_slice(&cs.to_be_bytes());
+        let icmp = &mut ip[ihl..total];
+        icmp[0] = 0;
+        icmp[2..4].fill(0);
+        let cs = checksum::checksum(icmp);
+        icmp[2..4].copy_from_slice(&cs.to_be_bytes());
+        self.c.echo_replies.add(1);
+        self.out[V4].push(p);
     }
 
-    fn neighbor_solicitation(&self, target: Ipv6Addr) -> Option<Packet> {
-        let mut body = vec![135, 0, 0, 0, 0, 0, 0, 0];
-        body.extend_from_slice(&target.octets());
-        body.extend_from_slice(&[1, 1]);
-        body.extend_from_slice(&self.int.mac);
-        let dst = solicited_node(target);
-        self.icmp6_frame(multicast_mac(dst), &dst.octets(), body)
+    /// ICMPv6 echo request to the internal address, answered in place (addresses swapped, hop
+    /// limit 64, traffic class and flow label kept).
+    fn answer_ping_v6(&mut self, mut p: Packet, plen: usize) {
+        if p.set_len(14 + 40 + plen).is_err() {
+            return self.c.malformed.add(1);
+        }
+        let own = self.int.mac;
+        let d = p.data_mut();
+        reply_addresses(d, own);
+        let ip6 = &mut d[14..];
+        let src: [u8; 16] = ip6[8..24].try_into().unwrap();
+        let dst: [u8; 16] = ip6[24..40].try_into().unwrap();
+        ip6[8..24].copy_from_slice(&dst);
+        ip6[24..40].copy_from_slice(&src);
+        ip6[7] = ECHO_TTL;
+        let body = &mut ip6[40..];
+        body[0] = 129;
+        body[2..4].fill(0);
+        let cs = icmp6_checksum(&dst, &src, body);
+        body[2..4].copy_from_slice(&cs.to_be_bytes());
+        self.c.echo_replies.add(1);
+        self.out[V6].push(p);
     }
 
     /// ICMPv6 arriving from the access network: neighbour discovery and ping for the
-    /// function's own address; errors (RFC 2473 translation not done yet) are counted.
-    fn icmp6_in(&mut self, p: Packet, at: usize, plen: usize) {
+    /// function's own address (whatever the ICMP policy), errors about tunnelled packets
+    /// relayed to their IPv4 sender when incoming ICMP is allowed.
+    fn icmp6_in(&mut self, p: Packet, plen: usize) {
         let d = p.data();
-        let ip6 = &d[at..at + 40 + plen];
+        let ip6 = &d[14..14 + 40 + plen];
         let body = &ip6[40..];
         let Some(&kind) = body.first() else {
             return self.c.malformed.add(1);
         };
         let me = self.int.ip.octets();
-        let eth_src: [u8; 6] = d[6..12].try_into().unwrap();
-        let src: [u8; 16] = ip6[8..24].try_into().unwrap();
         match kind {
-            135 if body.len() >= 24 && body[8..24] == me => {
-                if let Some(mac) = lladdr_option(&body[24..]) {
-                    if self.int.next_hop == NextHop::Ipv6(Ipv6Addr::from(src)) {
-                        self.int_hop = Some(mac);
-                    }
-                }
-                let mut na = vec![136, 0, 0, 0, 0x60, 0, 0, 0];
-                na.extend_from_slice(&me);
-                na.extend_from_slice(&[2, 1]);
-                na.extend_from_slice(&self.int.mac);
-                if let Some(r) = self.icmp6_frame(eth_src, &src, na) {
-                    self.c.ndp_replies.add(1);
-                    self.out[V6].push(r);
-                }
-            }
+            135 if body.len() >= 24 && body[8..24] == me => self.neighbor_solicitation(&p, plen),
             136 if body.len() >= 24 => {
                 let target = Ipv6Addr::from(<[u8; 16]>::try_from(&body[8..24]).unwrap());
                 if self.int.next_hop == NextHop::Ipv6(target) {
-                    self.int_hop = lladdr_option(&body[24..]).or(Some(eth_src));
+                    let eth_src: [u8; 6] = d[6..12].try_into().unwrap();
+                    let mac = lladdr_option(&body[24..]).unwrap_or(eth_src);
+                    self.resolved(V6, mac);
                 }
             }
-            128 if ip6[24..40] == me => {
-                let mut reply = body.to_vec();
-                reply[0] = 129;
-                if let Some(r) = self.icmp6_frame(eth_src, &src, reply) {
-                    self.c.echo_replies.add(1);
-                    self.out[V6].push(r);
-                }
+            128 if ip6[24..40] == me && body.len() >= 8 && body[1] == 0 => {
+                self.answer_ping_v6(p, plen)
             }
+            _ if !self.int_policy.allow_incoming_icmp => self.c.icmp_policy.add(1),
             k if k < 128 => {
-                if self.relay_icmp6_error(body) {
+                let body = body.to_vec();
+                if self.relay_icmp6_error(&body) {
                     self.c.icmpv6_relayed.add(1);
                 } else {
                     self.c.icmpv6_errors.add(1);
@@ -1038,72 +1186,66 @@ impl Lwaftr {
             _ => self.c.not_for_us.add(1),
         }
     }
-}
 
-/// A packet holding `l2` then `ip`, in a large buffer when it does not fit an ordinary one.
-fn packet_of(l2: &[u8], ip: &[u8]) -> Option<Packet> {
-    let n = l2.len() + ip.len();
-    let mut p = if n + stitch_core::packet::HEADROOM <= stitch_core::packet::DATA_AREA {
-        pool::alloc()?
-    } else {
-        pool::alloc_large()?
-    };
-    p.set_len(n).ok()?;
-    let d = p.data_mut();
-    d[..l2.len()].copy_from_slice(l2);
-    d[l2.len()..].copy_from_slice(ip);
-    Some(p)
-}
-
-impl Lwaftr {
-    /// Both sides on one port: each frame goes to the side its VLAN tag (when the sides' tags
-    /// differ) or its EtherType names; both sides' output leaves on the same port.
-    fn push_on_a_stick(
-        &mut self,
-        inputs: &mut [Option<stitch_core::Consumer>],
-        outputs: &mut [Option<stitch_core::Producer>],
-    ) {
-        let mut batch = std::mem::take(&mut self.batch);
-        if let Some(input) = inputs[0].as_mut() {
-            batch.extend(input.drain());
+    /// A Neighbor Solicitation for the internal address: checked as RFC 4861 §7.1.1 asks,
+    /// answered with a solicited advertisement (router and solicited flags, our link-layer
+    /// address); the soliciting next hop is learnt on the way.
+    fn neighbor_solicitation(&mut self, p: &Packet, plen: usize) {
+        let d = p.data();
+        let ip6 = &d[14..14 + 40 + plen];
+        let (src, dst, body) = (&ip6[8..24], &ip6[24..40], &ip6[40..]);
+        let unspecified = src.iter().all(|&b| b == 0);
+        let options = &body[24..];
+        let valid = ip6[7] == 255
+            && body[1] == 0
+            && icmp6_checksum(src, dst, body) == 0
+            && body[8] != 0xff
+            && options_are_sound(options)
+            && !(unspecified && lladdr_option(options).is_some());
+        if !valid {
+            return self.c.malformed.add(1);
         }
-        let by_tag =
-            self.ext.vlan != self.int.vlan && self.ext.vlan.is_some() && self.int.vlan.is_some();
-        for p in batch.drain(..) {
-            let d = p.data();
-            let v6 = if by_tag {
-                stitch_wire::vlan::outer_tag(d)
-                    .is_some_and(|(_, tci)| Some(stitch_wire::vlan::vid(tci)) == self.int.vlan)
-            } else {
-                let at = if self.int.vlan.is_some() { 16 } else { 12 };
-                be16(d, at) == Some(0x86dd)
-            };
-            if v6 {
-                self.handle_b4s(p);
-            } else {
-                self.handle_internet(p);
+        let src: [u8; 16] = src.try_into().unwrap();
+        if let Some(mac) = lladdr_option(options) {
+            if self.int.next_hop == NextHop::Ipv6(Ipv6Addr::from(src)) && self.hop[V6].is_none() {
+                self.resolved(V6, mac);
             }
         }
-        self.batch = batch;
-        for side in [V4, V6] {
-            match outputs[0].as_mut() {
-                Some(o) => {
-                    for p in self.out[side].drain(..) {
-                        o.transmit(p);
-                    }
-                }
-                None => self.out[side].clear(),
+        let me = self.int.ip.octets();
+        let mut na = vec![136, 0, 0, 0, 0xc0, 0, 0, 0];
+        na.extend_from_slice(&me);
+        na.extend_from_slice(&[2, 1]);
+        na.extend_from_slice(&self.int.mac);
+        let to = if unspecified {
+            Ipv6Addr::new(0xff02, 0, 0, 0, 0, 0, 0, 1).octets()
+        } else {
+            src
+        };
+        let eth_src: [u8; 6] = d[6..12].try_into().unwrap();
+        if let Some(mut reply) = self.icmp6_packet(me, to, na) {
+            if self.address(&mut reply, V6, eth_src, 0x86dd) {
+                self.c.ndp_replies.add(1);
+                self.out[V6].push(reply);
             }
         }
     }
 
     /// An ICMPv6 error from the access network about a packet this function tunnelled (RFC
     /// 2473 §8): relayed to the IPv4 sender of the tunnelled packet as ICMPv4 — packet too big
-    /// as "fragmentation needed" with the tunnel's MTU, anything else as "host unreachable".
+    /// (code 0) as "fragmentation needed" with the tunnel's MTU; destination unreachable (any
+    /// code), hop limit exceeded in transit and parameter problem as "host unreachable".
     fn relay_icmp6_error(&mut self, body: &[u8]) -> bool {
-        if !self.int_policy.allow_incoming_icmp || !self.ext_policy.generate_icmp_errors {
-            return false;
-        }
+        let (code, extra) = match (body[0], body.get(1)) {
+            (2, Some(0)) => {
+                let Some(mtu) = body.get(4..8) else {
+                    return false;
+                };
+                let mtu = u32::from_be_bytes(mtu.try_into().unwrap());
+                (4, mtu.saturating_sub(40).min(0xffff))
+            }
+            (1 | 4, Some(_)) | (3, Some(0)) => (1, 0),
+            _ => return false,
+        };
         let Some(inner6) = body.get(8..) else {
             return false;
         };
@@ -1119,18 +1261,174 @@ impl Lwaftr {
         if ip[0] >> 4 != 4 || ihl < 20 || ip.len() < ihl {
             return false;
         }
-        let (code, extra) = if body[0] == 2 {
-            if ip[6] & 0x40 == 0 {
-                // DF clear: later packets are fragmented by the tunnel; nothing to tell.
-                return false;
-            }
-            let mtu = u32::from_be_bytes(body[4..8].try_into().unwrap());
-            (4, mtu.saturating_sub(40).min(0xffff))
-        } else {
-            (1, 0)
-        };
-        let ip = ip.to_vec();
-        self.icmp4_error(&ip, 3, code, extra);
+        self.icmp4_error(ip, 3, code, extra);
         true
     }
+
+    // ---- egress: filter, fragment to the side's MTU, tag, transmit ----
+
+    fn emit_all(&mut self, outputs: &mut [Option<stitch_core::Producer>]) {
+        for side in [V4, V6] {
+            let port = if self.on_a_stick { 0 } else { side };
+            self.emit(side, outputs[port].as_mut());
+        }
+    }
+
+    fn emit(&mut self, side: usize, mut output: Option<&mut stitch_core::Producer>) {
+        if self.out[side].is_empty() {
+            return;
+        }
+        let mut out = std::mem::take(&mut self.out[side]);
+        let max = 14 + self.mtu(side);
+        let ip_type = if side == V4 { 0x0800 } else { 0x86dd };
+        for p in out.drain(..) {
+            if let Some(f) = &self.egress[side] {
+                if !f.matches(p.data()) {
+                    self.c.egress_filtered[side].add(1);
+                    continue;
+                }
+            }
+            if p.len() > max && be16(p.data(), 12) == Some(ip_type) {
+                for f in self.fragment(side, &p) {
+                    self.transmit(side, f, output.as_deref_mut());
+                }
+                continue;
+            }
+            self.transmit(side, p, output.as_deref_mut());
+        }
+        self.out[side] = out;
+    }
+
+    fn transmit(&mut self, side: usize, mut p: Packet, output: Option<&mut stitch_core::Producer>) {
+        if let Some(v) = self.vlan(side) {
+            if stitch_wire::vlan::push(&mut p, 0x8100, v).is_err() {
+                return self.c.malformed.add(1);
+            }
+        }
+        if let Some(o) = output {
+            o.transmit(p);
+        }
+    }
+
+    /// A frame above the side's MTU in fragments (RFC 791 for IPv4 — none when DF is set —,
+    /// RFC 8200 §4.5 for IPv6), each with a new identification from the side's counter.
+    fn fragment(&mut self, side: usize, p: &Packet) -> Vec<Packet> {
+        let d = p.data();
+        let mtu = self.mtu(side);
+        let mut pieces = Vec::new();
+        if side == V4 {
+            let ip = &d[14..];
+            let Some((ihl, total)) = ipv4(ip) else {
+                self.c.malformed.add(1);
+                return pieces;
+            };
+            if ip[6] & 0x40 != 0 {
+                self.c.too_big.add(1);
+                return pieces;
+            }
+            self.next_frag_id4 = self.next_frag_id4.wrapping_add(1);
+            let id = self.next_frag_id4;
+            let flags = u16::from_be_bytes([ip[6], ip[7]]) & 0xe000;
+            for (off, n, more) in frag::split(total - ihl, mtu - ihl) {
+                let mut h = [0u8; 60];
+                let h = &mut h[..ihl];
+                h.copy_from_slice(&ip[..ihl]);
+                h[2..4].copy_from_slice(&((ihl + n) as u16).to_be_bytes());
+                h[4..6].copy_from_slice(&id.to_be_bytes());
+                let ff = (off / 8) as u16
+                    | if more {
+                        flags | 0x2000
+                    } else {
+                        flags & !0x2000
+                    };
+                h[6..8].copy_from_slice(&ff.to_be_bytes());
+                h[10..12].fill(0);
+                let cs = checksum::checksum(h);
+                h[10..12].copy_from_slice(&cs.to_be_bytes());
+                match self.piece(&d[..14], h, &ip[ihl + off..ihl + off + n]) {
+                    Some(f) => pieces.push(f),
+                    None => return Vec::new(),
+                }
+            }
+        } else {
+            let ip6 = &d[14..];
+            let plen = u16::from_be_bytes([ip6[4], ip6[5]]) as usize;
+            if ip6.len() < 40 + plen {
+                self.c.malformed.add(1);
+                return pieces;
+            }
+            self.next_frag_id6 = self.next_frag_id6.wrapping_add(1);
+            let id = self.next_frag_id6;
+            for (off, n, more) in frag::split(plen, mtu - 48) {
+                let mut h = [0u8; 48];
+                h[..40].copy_from_slice(&ip6[..40]);
+                h[4..6].copy_from_slice(&((8 + n) as u16).to_be_bytes());
+                h[6] = 44;
+                h[40] = ip6[6];
+                h[42..44].copy_from_slice(&(off as u16 | more as u16).to_be_bytes());
+                h[44..48].copy_from_slice(&id.to_be_bytes());
+                match self.piece(&d[..14], &h, &ip6[40 + off..40 + off + n]) {
+                    Some(f) => pieces.push(f),
+                    None => return Vec::new(),
+                }
+            }
+        }
+        self.c.fragmented.add(1);
+        pieces
+    }
+
+    /// One fragment: Ethernet header, IP header(s), data.
+    fn piece(&mut self, l2: &[u8], header: &[u8], data: &[u8]) -> Option<Packet> {
+        let Some(mut f) = pool::alloc() else {
+            self.c.no_buffer.add(1);
+            return None;
+        };
+        if f.set_data(l2).is_err() || f.append(header).is_err() || f.append(data).is_err() {
+            self.c.too_big.add(1);
+            return None;
+        }
+        Some(f)
+    }
+}
+
+/// Decrements an IPv4 packet's TTL with an incremental checksum update (RFC 1624) and returns
+/// the new TTL; a TTL of 0 stays 0.
+fn decrement_ttl(ip: &mut [u8]) -> u8 {
+    let ttl = ip[8];
+    if ttl == 0 {
+        return 0;
+    }
+    let old = u16::from_be_bytes([ip[8], ip[9]]);
+    ip[8] = ttl - 1;
+    let new = u16::from_be_bytes([ip[8], ip[9]]);
+    let cs = checksum::update(u16::from_be_bytes([ip[10], ip[11]]), old, new);
+    ip[10..12].copy_from_slice(&cs.to_be_bytes());
+    ttl - 1
+}
+
+/// Neighbour discovery options whose lengths are all non-zero and within the message.
+fn options_are_sound(mut opts: &[u8]) -> bool {
+    while !opts.is_empty() {
+        let len = opts.get(1).map_or(0, |&l| l as usize * 8);
+        if len == 0 || len > opts.len() {
+            return false;
+        }
+        opts = &opts[len..];
+    }
+    true
+}
+
+/// A packet holding `l2` then `ip`, in a large buffer when it does not fit an ordinary one.
+fn packet_of(l2: &[u8], ip: &[u8]) -> Option<Packet> {
+    let n = l2.len() + ip.len();
+    let mut p = if n + stitch_core::packet::HEADROOM <= stitch_core::packet::DATA_AREA {
+        pool::alloc()?
+    } else {
+        pool::alloc_large()?
+    };
+    p.set_len(n).ok()?;
+    let d = p.data_mut();
+    d[..l2.len()].copy_from_slice(l2);
+    d[l2.len()..].copy_from_slice(ip);
+    Some(p)
 }
