@@ -1281,6 +1281,22 @@ impl Lwaftr {
         let mut out = std::mem::take(&mut self.out[side]);
         let max = 14 + self.mtu(side);
         let ip_type = if side == V4 { 0x0800 } else { 0x86dd };
+        // The usual case: no filter, no tag, nothing above the MTU — straight to the link.
+        if self.egress[side].is_none()
+            && self.vlan(side).is_none()
+            && out.iter().all(|p| p.len() <= max)
+        {
+            match output {
+                Some(o) => {
+                    for p in out.drain(..) {
+                        o.transmit(p);
+                    }
+                }
+                None => out.clear(),
+            }
+            self.out[side] = out;
+            return;
+        }
         for p in out.drain(..) {
             if let Some(f) = &self.egress[side] {
                 if !f.matches(p.data()) {
