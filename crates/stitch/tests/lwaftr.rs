@@ -539,9 +539,15 @@ fn vlan_tags_are_required_and_written_on_both_sides() {
 
 #[test]
 fn bad_configurations_name_their_line() {
+    let err = refused(&default_conf().replace("psid 80;", "psid eighty;"));
+    assert!(err.contains("bad.conf:line 4: `psid`"), "{err}");
+}
+
+/// `stitch lwaftr check` on configuration `text` (as `bad.conf`), which must fail: its stderr.
+fn refused(text: &str) -> String {
     let dir = tempfile::tempdir().unwrap();
     let c = dir.path().join("bad.conf");
-    std::fs::write(&c, default_conf().replace("psid 80;", "psid eighty;")).unwrap();
+    std::fs::write(&c, text).unwrap();
     write(&dir.path().join("e.pcap"), &[]);
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_stitch"))
         .args(["lwaftr", "check"])
@@ -551,8 +557,7 @@ fn bad_configurations_name_their_line() {
         .output()
         .unwrap();
     assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("bad.conf:line 4: `psid`"), "{err}");
+    String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
 #[test]
@@ -968,19 +973,7 @@ fn ingress_and_egress_filters_drop_and_count_and_bad_ones_name_their_line() {
     assert_eq!(out.counter("ingress_filter_v4_drops"), 1);
     assert_eq!(out.counter("egress_filter_v6_drops"), 1);
 
-    let dir = tempfile::tempdir().unwrap();
-    let bad = dir.path().join("bad.conf");
-    std::fs::write(&bad, conf("", r#"ingress-filter "ip6 and and";"#, false)).unwrap();
-    write(&dir.path().join("e.pcap"), &[]);
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_stitch"))
-        .args(["lwaftr", "check"])
-        .arg(&bad)
-        .args([dir.path().join("e.pcap"), dir.path().join("e.pcap")])
-        .args([dir.path().join("o4"), dir.path().join("o6")])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = refused(&conf("", r#"ingress-filter "ip6 and and";"#, false));
     assert!(
         err.contains("bad.conf:line 12: `ingress-filter`: filter `ip6 and and`"),
         "{err}"

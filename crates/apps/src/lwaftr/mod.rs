@@ -840,7 +840,7 @@ impl Lwaftr {
         if inner[9] == ICMP && !self.int_policy.allow_incoming_icmp {
             return self.c.icmp_policy.add(1);
         }
-        let (src, dst) = (&ip6[8..24], &ip6[24..40]);
+        let src = &ip6[8..24];
         let isrc = u32::from_be_bytes([inner[12], inner[13], inner[14], inner[15]]);
         let bound = port_of(inner, ihl, total, false)
             .and_then(|port| self.table.lookup(isrc, port))
@@ -1176,8 +1176,7 @@ impl Lwaftr {
             }
             _ if !self.int_policy.allow_incoming_icmp => self.c.icmp_policy.add(1),
             k if k < 128 => {
-                let body = body.to_vec();
-                if self.relay_icmp6_error(&body) {
+                if self.relay_icmp6_error(body) {
                     self.c.icmpv6_relayed.add(1);
                 } else {
                     self.c.icmpv6_errors.add(1);
