@@ -17,7 +17,7 @@ use std::net::IpAddr;
 use std::time::Instant;
 use stitch_core::packet::now_ns;
 use stitch_core::packet::MAX_FRAME;
-use stitch_core::{pool, App, AppContext, AppError, Counter, Io, PortSpec};
+use stitch_core::{pool, App, AppContext, AppError, Counter, Io, Packet, PortSpec, Producer};
 use stitch_wire::{checksum, ipv4_header, parse_mac};
 
 /// Frame sizes of the simple IMIX.
@@ -268,9 +268,18 @@ pub struct Generator {
     /// Index into `distinct` for each entry of `sizes`.
     size_slot: Vec<usize>,
     distinct: usize,
+    /// Whether templates hold whole frames (when they all fit in `TEMPLATE_LIMIT`: a packet is
+    /// one copy, as Snabb's Source clones its template) or headers only (the payload of zeroes
+    /// is written per packet).
+    whole_frames: bool,
     header_len: usize,
-    /// Headers by (flow, distinct size).
+    /// Templates by (flow, distinct size), `template_stride` bytes apart: whole 64-byte blocks,
+    /// zero-padded, so that a frame is copied in fixed-size blocks without a call to memcpy.
+    template_stride: usize,
     templates: Vec<u8>,
+    /// Packets taken from the pool for one pull, kept to avoid allocating.
+    batch: Vec<stitch_core::Packet>,
+    smallest: usize,
     flows: usize,
     next_flow: usize,
     next_size: usize,
@@ -304,6 +313,91 @@ impl Generator {
     }
 }
 
+/// Packets taken, written and queued in one pass: few enough that their headers stay in the
+/// first-level cache from allocation to queueing (a whole link's worth did not).
+const CHUNK: usize = 64;
+
+impl Generator {
+    /// Takes `want` packets from the pool, writes the next frames into as many as the budget
+    /// pays for and queues them on `out`. Returns how many it queued.
+    fn emit_chunk(
+        &mut self,
+        want: usize,
+        budget: &mut f64,
+        by_bytes: bool,
+        ts: u64,
+        out: &mut Producer,
+    ) -> usize {
+        let mut batch = std::mem::take(&mut self.batch);
+        let got = pool::alloc_batch(want, &mut batch);
+        if got < want {
+            self.exhausted.add((want - got) as u64);
+        }
+        let mut made = 0;
+        if by_bytes {
+            for p in batch.iter_mut() {
+                let size = self.sizes[self.next_size];
+                if *budget < size as f64 {
+                    break;
+                }
+                self.write_next(p, ts);
+                *budget -= size as f64;
+                made += 1;
+            }
+        } else {
+            for p in batch.iter_mut() {
+                self.write_next(p, ts);
+            }
+            made = batch.len();
+            *budget -= made as f64;
+        }
+        // Packets of a size mix that the byte budget could not pay for go back unused.
+        pool::free_batch(batch.drain(made..));
+        out.transmit_batch(&mut batch);
+        self.batch = batch;
+        made
+    }
+
+    /// Writes the next frame (flow and size in turn) into `p`.
+    #[inline(always)]
+    fn write_next(&mut self, p: &mut Packet, ts: u64) {
+        let size = self.sizes[self.next_size];
+        let at = (self.next_flow * self.distinct + self.size_slot[self.next_size])
+            * self.template_stride;
+        // set_len cannot fail: sizes (and their 64-byte round-up) were checked against MAX_FRAME.
+        if self.whole_frames {
+            let padded = size.next_multiple_of(64);
+            let _ = p.set_len(padded);
+            let template = &self.templates[at..at + padded];
+            for (to, from) in p
+                .data_mut()
+                .chunks_exact_mut(64)
+                .zip(template.chunks_exact(64))
+            {
+                to.copy_from_slice(from);
+            }
+            let _ = p.set_len(size);
+        } else {
+            let _ = p.set_len(size);
+            let hl = self.header_len;
+            let d = p.data_mut();
+            d[..hl].copy_from_slice(&self.templates[at..at + hl]);
+            d[hl..].fill(0);
+        }
+        if ts != 0 {
+            p.set_timestamp_ns(ts);
+        }
+        self.next_size += 1;
+        if self.next_size == self.sizes.len() {
+            self.next_size = 0;
+        }
+        self.next_flow += 1;
+        if self.next_flow == self.flows {
+            self.next_flow = 0;
+        }
+    }
+}
+
 impl App for Generator {
     type Config = GeneratorConfig;
 
@@ -322,10 +416,18 @@ impl App for Generator {
             .iter()
             .map(|s| distinct.binary_search(s).unwrap())
             .collect();
-        let mut templates = vec![0u8; c.flows as usize * distinct.len() * p.header_len];
+        let largest = *distinct.last().expect("plan gives at least one size");
+        let whole_frames =
+            c.flows as usize * distinct.len() * largest.next_multiple_of(64) <= TEMPLATE_LIMIT;
+        let template_stride = if whole_frames {
+            largest.next_multiple_of(64)
+        } else {
+            p.header_len
+        };
+        let mut templates = vec![0u8; c.flows as usize * distinct.len() * template_stride];
         for flow in 0..c.flows as usize {
             for (slot, &size) in distinct.iter().enumerate() {
-                let at = (flow * distinct.len() + slot) * p.header_len;
+                let at = (flow * distinct.len() + slot) * template_stride;
                 build_headers(
                     &c,
                     &p,
@@ -339,8 +441,12 @@ impl App for Generator {
             sizes: p.sizes,
             size_slot,
             distinct: distinct.len(),
+            whole_frames,
             header_len: p.header_len,
+            template_stride,
             templates,
+            batch: Vec::with_capacity(CHUNK),
+            smallest: distinct[0],
             flows: c.flows as usize,
             next_flow: 0,
             next_size: 0,
@@ -365,31 +471,21 @@ impl App for Generator {
         let mut budget = self.budget();
         let by_bytes = matches!(self.rate, Some(Rate::Bps(_)));
         let ts = if self.timestamps { now_ns() } else { 0 };
+        // As many packets as the budget pays for at the smallest size: a byte rate does not
+        // take a link's worth of buffers from the pool to use a few.
+        let unit = if by_bytes { self.smallest as f64 } else { 1.0 };
+        let n = n.min((budget / unit).min(usize::MAX as f64) as usize);
+        if n == 0 {
+            return;
+        }
         let mut sent = 0;
         while sent < n {
-            let size = self.sizes[self.next_size];
-            let cost = if by_bytes { size as f64 } else { 1.0 };
-            if budget < cost {
-                break;
+            let want = (n - sent).min(CHUNK);
+            let made = self.emit_chunk(want, &mut budget, by_bytes, ts, out);
+            sent += made;
+            if made < want {
+                break; // the pool or the budget ran out
             }
-            let Some(mut p) = pool::alloc() else {
-                self.exhausted.add(1);
-                break;
-            };
-            let slot = self.size_slot[self.next_size];
-            // set_len cannot fail: sizes were checked against MAX_FRAME.
-            let _ = p.set_len(size);
-            p.set_timestamp_ns(ts);
-            let hl = self.header_len;
-            let tmpl_at = (self.next_flow * self.distinct + slot) * hl;
-            let d = p.data_mut();
-            d[..hl].copy_from_slice(&self.templates[tmpl_at..tmpl_at + hl]);
-            d[hl..].fill(0);
-            out.transmit(p);
-            budget -= cost;
-            sent += 1;
-            self.next_size = (self.next_size + 1) % self.sizes.len();
-            self.next_flow = (self.next_flow + 1) % self.flows;
         }
         if self.rate.is_some() {
             self.tokens = budget;

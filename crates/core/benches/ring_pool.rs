@@ -52,6 +52,12 @@ fn pools(c: &mut Criterion) {
             v.clear();
         })
     });
+    g.bench_function("alloc_batch 32 then free_batch 32", |b| {
+        b.iter(|| {
+            pool::alloc_batch(32, &mut v);
+            pool::free_batch(v.drain(..));
+        })
+    });
     g.finish();
 }
 

@@ -220,6 +220,32 @@ impl Producer {
         true
     }
 
+    /// Queues the packets of `batch` in order with one index update, leaving `batch` empty;
+    /// those that do not fit are freed and counted as tx drops. Returns how many were queued.
+    #[inline]
+    pub fn transmit_batch(&mut self, batch: &mut Vec<Packet>) -> usize {
+        let n = batch.len().min(self.room());
+        let mut bytes = 0u64;
+        for (i, p) in batch.drain(..n).enumerate() {
+            bytes += p.len() as u64;
+            // SAFETY: slots tail..tail+n are free (n ≤ room) and only this producer writes them;
+            // the consumer reads them only after the release store of the new tail below.
+            unsafe {
+                (*self.ring.slots[self.tail.wrapping_add(i) & self.ring.mask].get()).write(p)
+            };
+        }
+        self.tail = self.tail.wrapping_add(n);
+        self.ring.prod.tail.store(self.tail, Ordering::Release);
+        let side = &*self.ring.prod;
+        bump(&side.tx_packets, n as u64);
+        bump(&side.tx_bytes, bytes);
+        if !batch.is_empty() {
+            bump(&side.tx_drops, batch.len() as u64);
+            crate::pool::free_batch(batch.drain(..));
+        }
+        n
+    }
+
     /// Counts `n` packets dropped by the producing app because this link was full (for apps that
     /// check `room` before building packets instead of building and dropping them).
     #[inline]

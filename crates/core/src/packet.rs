@@ -325,18 +325,21 @@ impl Packet {
     /// Resets the header to a fresh packet's, in a buffer of `capacity` data bytes.
     #[inline]
     pub(crate) fn reset(&mut self, capacity: usize) {
-        let h = self.header_mut();
-        h.capacity = capacity as u32;
-        h.len = 0;
-        h.offset = HEADROOM as u32;
-        h.port = 0;
-        h.csum_state = 0;
-        h.csum_start = 0;
-        h.csum_offset = 0;
-        h.gso_size = 0;
-        h.gso_type = 0;
-        h.timestamp_ns = 0;
-        h.user = [0; 4];
+        // One whole-header store (two vector stores) rather than a store per field.
+        *self.header_mut() = PacketHeader {
+            len: 0,
+            offset: HEADROOM as u32,
+            capacity: capacity as u32,
+            port: 0,
+            csum_state: 0,
+            gso_type: 0,
+            csum_start: 0,
+            csum_offset: 0,
+            gso_size: 0,
+            _pad: 0,
+            timestamp_ns: 0,
+            user: [0; 4],
+        };
     }
 }
 

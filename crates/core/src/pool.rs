@@ -314,6 +314,13 @@ impl Cache {
             published,
         }
     }
+
+    /// Makes the cache's lengths visible to [`Pool::stats`].
+    #[inline]
+    fn publish(&self) {
+        self.published[SMALL].store(self.bufs[SMALL].len(), Relaxed);
+        self.published[LARGE].store(self.bufs[LARGE].len(), Relaxed);
+    }
 }
 
 impl Drop for Cache {
@@ -335,27 +342,41 @@ thread_local! {
     static CACHE: RefCell<Cache> = RefCell::new(Cache::new());
 }
 
+/// Fills the calling thread's cache of class `k` from the global list when it has fewer than
+/// `want` buffers; one lock for a whole batch.
+#[inline]
+fn refill(cache: &mut Cache, class: &Class, k: usize, want: usize) {
+    if cache.bufs[k].len() < want {
+        class.take(&mut cache.bufs[k], CACHE_BATCH.max(want));
+    }
+}
+
+/// A buffer of class `k` straight from the global list, for a thread whose cache is gone
+/// (exiting) or busy (a packet freed while the cache is being worked on).
+#[cold]
+fn take_uncached(class: &Class) -> Option<NonNull<PacketBuf>> {
+    let mut one = Vec::with_capacity(1);
+    class.take(&mut one, 1);
+    one.pop()
+}
+
 #[inline]
 fn alloc_class(k: usize) -> Option<Packet> {
-    let pool = get();
-    let class = &pool.classes[k];
+    let class = &get().classes[k];
     let buf = CACHE
-        .try_with(|c| {
-            let mut c = c.borrow_mut();
-            if c.bufs[k].is_empty() {
-                class.take(&mut c.bufs[k], CACHE_BATCH);
+        .try_with(|c| match c.try_borrow_mut() {
+            Ok(mut c) => {
+                refill(&mut c, class, k, 1);
+                let b = c.bufs[k].pop();
+                c.published[k].store(c.bufs[k].len(), Relaxed);
+                b
             }
-            let b = c.bufs[k].pop();
-            c.published[k].store(c.bufs[k].len(), Relaxed);
-            b
+            Err(_) => take_uncached(class),
         })
-        .unwrap_or_else(|_| {
-            let mut one = Vec::with_capacity(1);
-            class.take(&mut one, 1);
-            one.pop()
-        });
+        .unwrap_or_else(|_| take_uncached(class));
     match buf {
         Some(b) => {
+            // SAFETY: `b` came off a free list, so nothing else holds it.
             let mut p = unsafe { Packet::from_raw(b) };
             p.reset(class.capacity);
             Some(p)
@@ -374,28 +395,98 @@ pub fn alloc() -> Option<Packet> {
     alloc_class(SMALL)
 }
 
+/// Appends up to `n` fresh packets (as [`alloc`] makes them) to `out` with one visit to the
+/// thread's cache, and returns how many it appended. Fewer than `n` only when the pool is
+/// exhausted; each packet missing is counted as one failed allocation.
+pub fn alloc_batch(n: usize, out: &mut Vec<Packet>) -> usize {
+    let class = &get().classes[SMALL];
+    out.reserve(n);
+    let before = out.len();
+    let fill = |bufs: &mut Vec<NonNull<PacketBuf>>, out: &mut Vec<Packet>| {
+        let at = bufs.len() - n.min(bufs.len());
+        out.extend(bufs.drain(at..).map(|b| {
+            // SAFETY: `b` came off a free list, so nothing else holds it.
+            let mut p = unsafe { Packet::from_raw(b) };
+            p.reset(class.capacity);
+            p
+        }));
+    };
+    let cached = CACHE.try_with(|c| match c.try_borrow_mut() {
+        Ok(mut c) => {
+            refill(&mut c, class, SMALL, n);
+            fill(&mut c.bufs[SMALL], out);
+            c.published[SMALL].store(c.bufs[SMALL].len(), Relaxed);
+            true
+        }
+        Err(_) => false,
+    });
+    if cached != Ok(true) {
+        let mut bufs = Vec::with_capacity(n);
+        class.take(&mut bufs, n);
+        fill(&mut bufs, out);
+    }
+    let got = out.len() - before;
+    if got < n {
+        class.exhausted.fetch_add((n - got) as u64, Relaxed);
+    }
+    got
+}
+
 /// Takes a fresh large packet, big enough for a 64 KiB GSO super-frame.
 #[inline]
 pub fn alloc_large() -> Option<Packet> {
     alloc_class(LARGE)
 }
 
+/// Returns buffers to the global list when the thread's cache is gone or busy.
+#[cold]
+fn give_uncached(class: &Class, buf: NonNull<PacketBuf>) {
+    class.give(&mut vec![buf], 1);
+}
+
+/// Puts `buf` in the cache and moves a batch to the global list when the cache is over its
+/// bound.
+#[inline]
+fn cache_put(cache: &mut Cache, pool: &Pool, buf: NonNull<PacketBuf>) {
+    let k = pool.class_of(buf);
+    cache.bufs[k].push(buf);
+    if cache.bufs[k].len() > CACHE_MAX {
+        pool.classes[k].give(&mut cache.bufs[k], CACHE_BATCH);
+    }
+}
+
 #[inline]
 pub(crate) fn free_raw(buf: NonNull<PacketBuf>) {
     let pool = get();
-    let k = pool.class_of(buf);
-    let cached = CACHE.try_with(|c| {
-        let mut c = c.borrow_mut();
-        c.bufs[k].push(buf);
-        if c.bufs[k].len() > CACHE_MAX {
-            pool.classes[k].give(&mut c.bufs[k], CACHE_BATCH);
+    let cached = CACHE.try_with(|c| match c.try_borrow_mut() {
+        Ok(mut c) => {
+            cache_put(&mut c, pool, buf);
+            c.publish();
+            true
         }
-        c.published[k].store(c.bufs[k].len(), Relaxed);
+        Err(_) => false,
     });
-    if cached.is_err() {
-        // Thread is exiting and its cache is gone.
-        pool.classes[k].give(&mut vec![buf], 1);
+    if cached != Ok(true) {
+        give_uncached(&pool.classes[pool.class_of(buf)], buf);
     }
+}
+
+/// Frees every packet of `packets` with one visit to the thread's cache (a sink's batch).
+pub fn free_batch(packets: impl IntoIterator<Item = Packet>) {
+    let pool = get();
+    let mut packets = packets.into_iter();
+    let _ = CACHE.try_with(|c| {
+        if let Ok(mut c) = c.try_borrow_mut() {
+            // The iterator runs while the cache is held: a packet it drops by itself goes the
+            // uncached way in `free_raw` and is not lost.
+            for p in packets.by_ref() {
+                cache_put(&mut c, pool, p.into_raw());
+            }
+            c.publish();
+        }
+    });
+    // Whatever is left (no cache on this thread) is dropped one by one.
+    packets.for_each(drop);
 }
 
 #[cfg(test)]
