@@ -85,11 +85,14 @@ fn build<A: App>(cfg: serde_json::Value) -> Result<Box<dyn DynApp>> {
 const LAN_MAC: [u8; 6] = [2, 0, 0, 0, 1, 1];
 const WAN_MAC: [u8; 6] = [2, 0, 0, 0, 2, 1];
 const HOST: [u8; 6] = [2, 0, 0, 0, 1, 2];
-const GW: [u8; 6] = [2, 0, 0, 0, 2, 9];
+/// Next hops of the routers' tables: 192.0.2.10.. and 2001:db8:2::a.., each its own MAC. Each
+/// route takes one at random (the worst case for merging neighbouring ranges).
+const GATEWAYS: u64 = 16;
 
 /// The functions `stitch bench nf` measures.
 pub const NAMES: &[&str] = &[
     "router",
+    "router6",
     "firewall",
     "firewall-stateless",
     "nat",
@@ -117,6 +120,50 @@ fn flows(n: u32) -> Vec<Vec<u8>> {
         .collect()
 }
 
+/// A 64-byte IPv6/UDP frame.
+fn udp6_frame(dst_mac: [u8; 6], src_mac: [u8; 6], src: [u8; 16], dst: [u8; 16]) -> Vec<u8> {
+    let mut f = vec![0u8; 64];
+    f[0..6].copy_from_slice(&dst_mac);
+    f[6..12].copy_from_slice(&src_mac);
+    f[12..14].copy_from_slice(&[0x86, 0xdd]);
+    f[14] = 0x60;
+    f[18..20].copy_from_slice(&10u16.to_be_bytes());
+    f[20] = 17;
+    f[21] = 64;
+    f[22..38].copy_from_slice(&src);
+    f[38..54].copy_from_slice(&dst);
+    f[54..56].copy_from_slice(&1000u16.to_be_bytes());
+    f[56..58].copy_from_slice(&53u16.to_be_bytes());
+    f[58..60].copy_from_slice(&10u16.to_be_bytes());
+    let ps = checksum::sum(&f[22..54], 0) + 17 + 10;
+    let cs = checksum::finish(checksum::sum(&f[54..64], ps));
+    f[60..62].copy_from_slice(&cs.to_be_bytes());
+    f
+}
+
+/// A neighbor advertisement from `mac`/`from` to the router's `to`, with its link-layer address.
+fn neighbor_advertisement(to_mac: [u8; 6], mac: [u8; 6], from: [u8; 16], to: [u8; 16]) -> Vec<u8> {
+    let mut f = vec![0u8; 14 + 40 + 32];
+    f[0..6].copy_from_slice(&to_mac);
+    f[6..12].copy_from_slice(&mac);
+    f[12..14].copy_from_slice(&[0x86, 0xdd]);
+    f[14] = 0x60;
+    f[18..20].copy_from_slice(&32u16.to_be_bytes());
+    f[20] = 58;
+    f[21] = 255;
+    f[22..38].copy_from_slice(&from);
+    f[38..54].copy_from_slice(&to);
+    let body = &mut f[54..];
+    body[0] = 136;
+    body[4] = 0x60; // solicited + override
+    body[8..24].copy_from_slice(&from);
+    body[24..26].copy_from_slice(&[2, 1]);
+    body[26..32].copy_from_slice(&mac);
+    let cs = stitch_wire::ndp::icmp6_checksum(&from, &to, &f[54..]);
+    f[56..58].copy_from_slice(&cs.to_be_bytes());
+    f
+}
+
 fn subject(name: &str) -> Result<Subject> {
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     let two = |a: &str, b: &str| {
@@ -134,7 +181,8 @@ fn subject(name: &str) -> Result<Subject> {
                 let addr = (rng.next() as u32) | 0x0100_0000;
                 let len = 16 + (rng.next() % 13) as u32;
                 let net = addr & (u32::MAX << (32 - len));
-                routes.push(json!({ "prefix": format!("{}/{len}", std::net::Ipv4Addr::from(net)), "via": "192.0.2.9" }));
+                let gw = 10 + rng.next() % GATEWAYS;
+                routes.push(json!({ "prefix": format!("{}/{len}", std::net::Ipv4Addr::from(net)), "via": format!("192.0.2.{gw}") }));
                 if i % 256 == 0 {
                     dsts.push(net | (rng.next() as u32 & !(u32::MAX << (32 - len))));
                 }
@@ -144,14 +192,24 @@ fn subject(name: &str) -> Result<Subject> {
                                 "wan": { "mac": "02:00:00:00:02:01", "address": "192.0.2.2/24" } },
                 "routes": routes,
             }))?;
-            let mut arp = vec![0u8; 60];
-            arp[0..6].copy_from_slice(&WAN_MAC);
-            arp[6..12].copy_from_slice(&GW);
-            arp[12..22].copy_from_slice(&[0x08, 0x06, 0, 1, 0x08, 0x00, 6, 4, 0, 2]);
-            arp[22..28].copy_from_slice(&GW);
-            arp[28..32].copy_from_slice(&[192, 0, 2, 9]);
-            arp[32..38].copy_from_slice(&WAN_MAC);
-            arp[38..42].copy_from_slice(&[192, 0, 2, 2]);
+            let mut warmup: Vec<(usize, Vec<u8>)> = (10..10 + GATEWAYS as u8)
+                .map(|gw| {
+                    let mac = [2, 0, 0, 0, 2, gw];
+                    let mut arp = vec![0u8; 60];
+                    arp[0..6].copy_from_slice(&WAN_MAC);
+                    arp[6..12].copy_from_slice(&mac);
+                    arp[12..22].copy_from_slice(&[0x08, 0x06, 0, 1, 0x08, 0x00, 6, 4, 0, 2]);
+                    arp[22..28].copy_from_slice(&mac);
+                    arp[28..32].copy_from_slice(&[192, 0, 2, gw]);
+                    arp[32..38].copy_from_slice(&WAN_MAC);
+                    arp[38..42].copy_from_slice(&[192, 0, 2, 2]);
+                    (1, arp)
+                })
+                .collect();
+            warmup.push((
+                0,
+                udp_frame(LAN_MAC, HOST, [10, 0, 1, 2], 1000, [1, 2, 3, 4], 53),
+            ));
             let templates = dsts
                 .iter()
                 .map(|d| udp_frame(LAN_MAC, HOST, [10, 0, 1, 2], 1000, d.to_be_bytes(), 53))
@@ -161,15 +219,56 @@ fn subject(name: &str) -> Result<Subject> {
                 app,
                 inputs,
                 outputs,
-                warmup: vec![
-                    (1, arp),
-                    (
-                        0,
-                        udp_frame(LAN_MAC, HOST, [10, 0, 1, 2], 1000, [1, 2, 3, 4], 53),
-                    ),
-                ],
+                warmup,
                 templates,
-                table: "1M IPv4 routes (/16–/28), random destinations".into(),
+                table: "1M IPv4 routes (/16–/28) over 16 next hops, random destinations".into(),
+            }
+        }
+        "router6" => {
+            // 200 000 random prefixes /20../48 inside 2000::/3 (the lengths of the IPv6
+            // internet table) via one gateway; lookups hit them.
+            let mut routes = Vec::with_capacity(200_000);
+            let mut dsts = Vec::with_capacity(4096);
+            for i in 0..200_000 {
+                let addr = ((rng.next() as u128) << 64 | rng.next() as u128) >> 3 | 1 << 125;
+                let len = 20 + (rng.next() % 29) as u32;
+                let net = addr & (u128::MAX << (128 - len));
+                let gw = 10 + rng.next() % GATEWAYS;
+                routes.push(json!({ "prefix": format!("{}/{len}", std::net::Ipv6Addr::from(net)), "via": format!("2001:db8:2::{gw:x}") }));
+                if i % 48 == 0 {
+                    dsts.push(net | (rng.next() as u128 & !(u128::MAX << (128 - len))));
+                }
+            }
+            let app = build::<Router>(json!({
+                "interfaces": { "lan": { "mac": "02:00:00:00:01:01", "address": "10.0.1.1/24", "address6": "2001:db8:1::1/64" },
+                                "wan": { "mac": "02:00:00:00:02:01", "address": "192.0.2.2/24", "address6": "2001:db8:2::2/64" } },
+                "routes": routes,
+            }))?;
+            let host: [u8; 16] = "2001:db8:1::2".parse::<std::net::Ipv6Addr>()?.octets();
+            let me: [u8; 16] = "2001:db8:2::2".parse::<std::net::Ipv6Addr>()?.octets();
+            let templates = dsts
+                .iter()
+                .map(|d| udp6_frame(LAN_MAC, HOST, host, d.to_be_bytes()))
+                .collect();
+            let (inputs, outputs) = two("lan", "wan");
+            Subject {
+                app,
+                inputs,
+                outputs,
+                warmup: (10..10 + GATEWAYS as u8)
+                    .map(|gw| {
+                        let mut addr = me;
+                        addr[15] = gw;
+                        (
+                            1,
+                            neighbor_advertisement(WAN_MAC, [2, 0, 0, 0, 2, gw], addr, me),
+                        )
+                    })
+                    .collect(),
+                templates,
+                table:
+                    "200k IPv6 routes (/20–/48 in 2000::/3) over 16 next hops, random destinations"
+                        .into(),
             }
         }
         "firewall" | "firewall-stateless" => {
@@ -395,11 +494,22 @@ fn measure(s: &mut Subject, with_app: bool, secs: f64) -> (u64, f64) {
 }
 
 pub fn run(name: &str, seconds: f64, runs: usize) -> Result<()> {
+    let built = Instant::now();
     let mut s = subject(name)?;
     println!(
         "nf {name}: {}; 64-byte frames, {seconds} s per loop, {runs} runs",
         s.table
     );
+    let facts = s.app.query(&json!({ "limit": 0 }));
+    if let Some(bytes) = facts["lookup_bytes"].as_u64() {
+        println!(
+            "lookup table: {:.1} MiB for {} IPv4 and {} IPv6 routes ({:.1} s to parse and build)",
+            bytes as f64 / (1 << 20) as f64,
+            facts["route_count"],
+            facts["route6_count"],
+            built.elapsed().as_secs_f64()
+        );
+    }
     println!(
         "{:>3}  {:>14} {:>14} {:>12} {:>14}",
         "run", "nf ns/packet", "raw ns/packet", "nf alone ns", "Mpps per core"

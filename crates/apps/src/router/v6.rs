@@ -402,11 +402,7 @@ impl Router {
             }
             return;
         }
-        let Some(r) = self
-            .routes6
-            .get_lpm(&ipnet::Ipv6Net::from(dst))
-            .map(|(_, r)| *r)
-        else {
+        let Some(r) = self.fib.route6(dst) else {
             self.c.no_route.add(1);
             if let Some(e) = self.icmp6_error(d, port, 1, 0, 0, now) {
                 out.push(e);

@@ -1,0 +1,414 @@
+//! Longest-prefix match for forwarding: a direct table indexed by the top bits of the address,
+//! and behind each of its buckets either one next hop or a short sorted run of address ranges
+//! searched by bisection (DXR: Zec, Rizzo, Mikuc, "DXR: towards a billion routing lookups per
+//! second in software", CCR 2012).
+//!
+//! The prefixes are flattened once, at build, into the disjoint ranges of the address space that
+//! share one longest match. A lookup is one load from the direct table and, when its bucket
+//! holds several ranges, a bisection over a few neighbouring entries: two memory accesses,
+//! whatever the number of routes or the prefix lengths. The same code serves IPv4 (`u32` keys)
+//! and IPv6 (`u128` keys). Tables are rebuilt from the route list, never updated in place: the
+//! router's routes come from its configuration.
+
+/// An address as an unsigned integer of its width.
+pub trait Key: Copy + Ord + Default + std::fmt::Debug {
+    const BITS: u32;
+    fn to_u128(self) -> u128;
+    /// Truncates: only called with values of the key's width.
+    fn from_u128(v: u128) -> Self;
+    /// The top bits of the key above `shift`, as a direct-table index.
+    fn top(self, shift: u32) -> usize;
+}
+
+impl Key for u32 {
+    const BITS: u32 = 32;
+    #[inline]
+    fn to_u128(self) -> u128 {
+        self as u128
+    }
+    #[inline]
+    fn from_u128(v: u128) -> Self {
+        v as u32
+    }
+    #[inline]
+    fn top(self, shift: u32) -> usize {
+        (self >> shift) as usize
+    }
+}
+
+impl Key for u128 {
+    const BITS: u32 = 128;
+    #[inline]
+    fn to_u128(self) -> u128 {
+        self
+    }
+    #[inline]
+    fn from_u128(v: u128) -> Self {
+        v
+    }
+    #[inline]
+    fn top(self, shift: u32) -> usize {
+        (self >> shift) as usize
+    }
+}
+
+/// The value of an address no prefix covers.
+const NO_ROUTE: u32 = u32::MAX;
+
+/// One direct-table entry: `len` ranges from `base` in the range arrays, or, when `len` is 0,
+/// the next hop of the whole bucket in `base`.
+#[derive(Clone, Copy, Default)]
+#[repr(C, align(8))]
+struct Bucket {
+    base: u32,
+    len: u32,
+}
+
+/// Errors of [`Lpm::build`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LpmError {
+    /// A prefix length above the address width.
+    PrefixLength(u8),
+    /// More ranges than 32-bit indices reach (billions of routes).
+    TooManyRanges,
+    /// The hop value reserved for "no route".
+    ReservedHop,
+}
+
+impl std::fmt::Display for LpmError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LpmError::PrefixLength(l) => write!(f, "prefix length {l} is longer than the address"),
+            LpmError::TooManyRanges => write!(f, "too many routes for the lookup table"),
+            LpmError::ReservedHop => write!(f, "next hop {NO_ROUTE} is reserved"),
+        }
+    }
+}
+
+/// A compiled forwarding table mapping addresses to the next hop (a `u32` the caller assigns)
+/// of their longest matching prefix.
+pub struct Lpm<K: Key> {
+    shift: u32,
+    direct: Vec<Bucket>,
+    /// First address of each range; a bucket's run starts with the bucket's first address.
+    starts: Vec<K>,
+    /// Next hop of each range.
+    hops: Vec<u32>,
+}
+
+/// The highest address of a `bits`-wide key.
+fn max_of(bits: u32) -> u128 {
+    if bits == 128 {
+        u128::MAX
+    } else {
+        (1u128 << bits) - 1
+    }
+}
+
+/// The disjoint ranges `(first address, hop)` covering the whole space, each with the hop of its
+/// longest matching prefix, neighbours merged when their hop is the same. `prefixes` are
+/// `(first, last, hop)`, sorted by first address then by length (shortest first), unique.
+fn flatten(prefixes: &[(u128, u128, u32)], max: u128) -> Vec<(u128, u32)> {
+    let mut out: Vec<(u128, u32)> = Vec::with_capacity(prefixes.len() * 2 + 1);
+    let mut emit = |at: u128, hop: u32| {
+        if let Some(last) = out.last_mut() {
+            if last.0 == at {
+                // An empty range before this one: the later hop wins.
+                last.1 = hop;
+                let n = out.len();
+                if n >= 2 && out[n - 2].1 == hop {
+                    out.pop();
+                }
+                return;
+            }
+            if last.1 == hop {
+                return;
+            }
+        }
+        out.push((at, hop));
+    };
+    // Covering prefixes, innermost on top, as (last address, hop).
+    let mut stack: Vec<(u128, u32)> = vec![(max, NO_ROUTE)];
+    // The first address not yet given to a range.
+    let mut pos = 0u128;
+    for &(first, last, hop) in prefixes {
+        while stack.last().is_some_and(|t| t.0 < first) {
+            let (end, h) = stack.pop().expect("checked non-empty");
+            emit(pos, h);
+            pos = end + 1; // end < first ≤ max: no overflow
+        }
+        let covering = stack.last().expect("the whole space stays at the bottom").1;
+        if pos < first {
+            emit(pos, covering);
+        }
+        pos = first;
+        stack.push((last, hop));
+    }
+    while let Some((end, h)) = stack.pop() {
+        emit(pos, h);
+        if end == max {
+            break;
+        }
+        pos = end + 1;
+    }
+    out
+}
+
+impl<K: Key> Lpm<K> {
+    /// Compiles `routes` — `(address, prefix length, hop)` — with a direct table of
+    /// 2^`direct_bits` buckets. Host bits of the addresses are ignored; when a prefix appears
+    /// more than once, its last hop wins.
+    pub fn build(
+        direct_bits: u32,
+        routes: impl IntoIterator<Item = (K, u8, u32)>,
+    ) -> Result<Lpm<K>, LpmError> {
+        assert!(direct_bits >= 1 && direct_bits <= K::BITS.min(24));
+        let max = max_of(K::BITS);
+        let mut prefixes = Vec::new();
+        for (order, (addr, len, hop)) in routes.into_iter().enumerate() {
+            if len as u32 > K::BITS {
+                return Err(LpmError::PrefixLength(len));
+            }
+            if hop == NO_ROUTE {
+                return Err(LpmError::ReservedHop);
+            }
+            let host = max.checked_shr(len as u32).unwrap_or(0);
+            let first = addr.to_u128() & !host & max;
+            prefixes.push((first, len, order, hop, first | host));
+        }
+        // By first address, shortest first; of the same prefix, the last given last.
+        prefixes.sort_unstable_by_key(|&(first, len, order, _, _)| (first, len, order));
+        let mut unique: Vec<(u128, u128, u32)> = Vec::with_capacity(prefixes.len());
+        let mut prev: Option<(u128, u8)> = None;
+        for &(first, len, _, hop, last) in &prefixes {
+            if prev == Some((first, len)) {
+                unique.last_mut().expect("a previous prefix").2 = hop;
+            } else {
+                unique.push((first, last, hop));
+            }
+            prev = Some((first, len));
+        }
+        drop(prefixes);
+        let ranges = flatten(&unique, max);
+        drop(unique);
+        Self::bucketize(direct_bits, &ranges)
+    }
+
+    /// Cuts the ranges along the direct table's buckets.
+    fn bucketize(direct_bits: u32, ranges: &[(u128, u32)]) -> Result<Lpm<K>, LpmError> {
+        let shift = K::BITS - direct_bits;
+        let buckets = 1usize << direct_bits;
+        let mut direct = Vec::with_capacity(buckets);
+        let (mut starts, mut hops) = (Vec::new(), Vec::new());
+        // Index of the range that holds the current bucket's first address.
+        let mut at = 0usize;
+        for b in 0..buckets {
+            let lo = (b as u128) << shift;
+            let hi = lo | max_of(shift);
+            while at + 1 < ranges.len() && ranges[at + 1].0 <= lo {
+                at += 1;
+            }
+            let inside = ranges[at + 1..].partition_point(|r| r.0 <= hi);
+            if inside == 0 {
+                direct.push(Bucket {
+                    base: ranges[at].1,
+                    len: 0,
+                });
+                continue;
+            }
+            let base = u32::try_from(starts.len()).map_err(|_| LpmError::TooManyRanges)?;
+            starts.push(K::from_u128(lo));
+            hops.push(ranges[at].1);
+            for r in &ranges[at + 1..at + 1 + inside] {
+                starts.push(K::from_u128(r.0));
+                hops.push(r.1);
+            }
+            direct.push(Bucket {
+                base,
+                len: inside as u32 + 1,
+            });
+            at += inside;
+        }
+        u32::try_from(starts.len()).map_err(|_| LpmError::TooManyRanges)?;
+        starts.shrink_to_fit();
+        hops.shrink_to_fit();
+        Ok(Lpm {
+            shift,
+            direct,
+            starts,
+            hops,
+        })
+    }
+
+    /// The hop of the longest prefix that covers `addr`.
+    #[inline]
+    pub fn lookup(&self, addr: K) -> Option<u32> {
+        let b = self.direct[addr.top(self.shift)];
+        let hop = if b.len == 0 {
+            b.base
+        } else {
+            let (base, len) = (b.base as usize, b.len as usize);
+            let run = &self.starts[base..base + len];
+            // run[0] is the bucket's first address, never above `addr`.
+            let i = run.partition_point(|s| *s <= addr) - 1;
+            self.hops[base + i]
+        };
+        (hop != NO_ROUTE).then_some(hop)
+    }
+
+    /// Brings the direct-table entry of `addr` toward the cache ahead of its lookup.
+    #[inline]
+    pub fn prefetch(&self, addr: K) {
+        let entry = &self.direct[addr.top(self.shift)];
+        prefetch_read(entry as *const Bucket as *const u8);
+    }
+
+    /// Brings the first range of `addr`'s bucket toward the cache (after [`Lpm::prefetch`]
+    /// has had time to bring the bucket).
+    #[inline]
+    pub fn prefetch_ranges(&self, addr: K) {
+        let b = self.direct[addr.top(self.shift)];
+        if b.len != 0 {
+            prefetch_read(&self.starts[b.base as usize] as *const K as *const u8);
+        }
+    }
+
+    /// Bytes the table takes.
+    pub fn bytes(&self) -> usize {
+        self.direct.capacity() * std::mem::size_of::<Bucket>()
+            + self.starts.capacity() * std::mem::size_of::<K>()
+            + self.hops.capacity() * 4
+    }
+
+    /// Address ranges the prefixes were flattened into (those sharing a bucket's hop included).
+    pub fn ranges(&self) -> usize {
+        self.starts.len()
+    }
+}
+
+#[inline]
+fn prefetch_read(p: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch is a hint that never faults, whatever the address.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch(p as *const i8, std::arch::x86_64::_MM_HINT_T0)
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+    }
+
+    /// The reference: the longest of all prefixes that cover `addr`, the last given on a tie.
+    fn linear<K: Key>(routes: &[(K, u8, u32)], addr: K) -> Option<u32> {
+        let max = max_of(K::BITS);
+        let mut best: Option<(u8, u32)> = None;
+        for &(a, len, hop) in routes {
+            let host = max.checked_shr(len as u32).unwrap_or(0);
+            if (a.to_u128() & !host) == (addr.to_u128() & !host)
+                && best.is_none_or(|(l, _)| len >= l)
+            {
+                best = Some((len, hop));
+            }
+        }
+        best.map(|b| b.1)
+    }
+
+    /// Random prefixes of lengths in `lens`, some of them nested in others and some repeated,
+    /// and addresses that fall in and around them.
+    fn check<K: Key>(seed: u64, n: usize, lens: std::ops::RangeInclusive<u8>, bits: u32) {
+        let mut rng = Rng(seed);
+        let max = max_of(K::BITS);
+        let mut routes: Vec<(K, u8, u32)> = Vec::new();
+        let span = (*lens.end() - *lens.start()) as u64 + 1;
+        for i in 0..n {
+            let len = lens.start() + (rng.next() % span) as u8;
+            let addr = if i > 0 && rng.next().is_multiple_of(3) {
+                // Nested in (or equal to) an earlier prefix.
+                let (a, _, _) = routes[rng.next() as usize % routes.len()];
+                a.to_u128() ^ ((rng.next() as u128) & (max >> 8))
+            } else {
+                ((rng.next() as u128) << 64 | rng.next() as u128) & max
+            };
+            routes.push((K::from_u128(addr), len, (rng.next() % 50) as u32));
+        }
+        let lpm = Lpm::build(bits, routes.iter().copied()).unwrap();
+        for k in 0..4000 {
+            let addr = if k % 2 == 0 {
+                let (a, len, _) = routes[rng.next() as usize % routes.len()];
+                let host = max.checked_shr(len as u32).unwrap_or(0);
+                K::from_u128((a.to_u128() & !host) | (rng.next() as u128 & host))
+            } else {
+                K::from_u128(((rng.next() as u128) << 64 | rng.next() as u128) & max)
+            };
+            assert_eq!(
+                lpm.lookup(addr),
+                linear(&routes, addr),
+                "address {addr:?} with {n} routes"
+            );
+        }
+    }
+
+    #[test]
+    fn ipv4_matches_a_linear_scan_on_random_tables() {
+        for seed in 1..=20u64 {
+            check::<u32>(seed * 7919, 1 + (seed as usize * 37) % 400, 0..=32, 8);
+            check::<u32>(seed * 104729, 300, 16..=28, 16);
+        }
+    }
+
+    #[test]
+    fn ipv6_matches_a_linear_scan_on_random_tables() {
+        for seed in 1..=20u64 {
+            check::<u128>(seed * 7919, 1 + (seed as usize * 37) % 400, 0..=128, 12);
+            check::<u128>(seed * 104729, 300, 19..=64, 20);
+        }
+    }
+
+    #[test]
+    fn edges_of_the_space_and_of_buckets() {
+        let t = Lpm::<u32>::build(
+            4,
+            [
+                (0, 0, 7),
+                (0xffff_ffff, 32, 1),
+                (0, 32, 2),
+                (0x1000_0000, 4, 3),
+                (0x1fff_ffff, 32, 4),
+                (0x2000_0000, 3, 5),
+                (0x2000_0000, 3, 6), // the same prefix again: the last wins
+            ],
+        )
+        .unwrap();
+        assert_eq!(t.lookup(0), Some(2));
+        assert_eq!(t.lookup(1), Some(7));
+        assert_eq!(t.lookup(u32::MAX), Some(1));
+        assert_eq!(t.lookup(u32::MAX - 1), Some(7));
+        assert_eq!(t.lookup(0x1000_0000), Some(3));
+        assert_eq!(t.lookup(0x1fff_fffe), Some(3));
+        assert_eq!(t.lookup(0x1fff_ffff), Some(4));
+        assert_eq!(t.lookup(0x3fff_ffff), Some(6));
+        let empty = Lpm::<u128>::build(8, []).unwrap();
+        assert_eq!(empty.lookup(12345), None);
+        assert_eq!(empty.ranges(), 0);
+        let one = Lpm::<u128>::build(8, [(0x2001_0db8 << 96, 32, 9)]).unwrap();
+        assert_eq!(one.lookup(0x2001_0db8_0000_0001 << 64), Some(9));
+        assert_eq!(one.lookup(0x2001_0db9 << 96), None);
+        assert_eq!(
+            Lpm::<u32>::build(8, [(0, 33, 1)]).err(),
+            Some(LpmError::PrefixLength(33))
+        );
+    }
+}
