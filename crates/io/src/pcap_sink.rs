@@ -211,3 +211,16 @@ impl App for PcapSink {
         }
     }
 }
+
+/// A classic PCAP file for Ethernet frames as offline tools write them (snaplen 65535,
+/// microsecond timestamps), so outputs compare with other tools' files packet by packet.
+pub fn ethernet_pcap_writer(path: &std::path::Path) -> Result<PcapWriter<BufWriter<File>>, String> {
+    let f = File::create(path).map_err(|e| format!("cannot create {}: {e}", path.display()))?;
+    let header = PcapHeader {
+        snaplen: 65535,
+        datalink: DataLink::ETHERNET,
+        ..Default::default()
+    };
+    PcapWriter::with_header(BufWriter::new(f), header)
+        .map_err(|e| format!("cannot write {}: {e}", path.display()))
+}

@@ -103,6 +103,16 @@ impl PcapFile {
             .map_err(|e| format!("{name}: {e}"))
     }
 
+    /// Every packet of a file, in order (for tools that loop over a capture).
+    pub fn read_all(path: &std::path::Path) -> Result<Vec<Vec<u8>>, String> {
+        let mut f = PcapFile::open(path)?;
+        let mut out = Vec::new();
+        while let Some(p) = f.next_packet() {
+            out.push(p?.1.to_vec());
+        }
+        Ok(out)
+    }
+
     /// Reads PCAP or PCAPNG from any byte stream (files, pipes, fuzzers).
     pub fn from_reader(mut r: Input) -> Result<PcapFile, String> {
         let mut magic = [0u8; 4];

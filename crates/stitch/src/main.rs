@@ -1,11 +1,5 @@
 //! `stitch`: run, check and inspect Stitch graphs.
 
-mod bench;
-mod bench_chain_switch;
-mod bench_kernel;
-mod bench_nf;
-mod bench_nf_scale;
-mod bench_vhost;
 mod capture_cmd;
 mod kernel_cmd;
 mod lwaftr_cmd;
@@ -151,7 +145,7 @@ enum Cmd {
     Kernel(kernel_cmd::KernelCmd),
     /// Benchmarks.
     #[command(subcommand)]
-    Bench(bench::BenchCmd),
+    Bench(stitch_bench::BenchCmd),
 }
 
 fn registry() -> Registry {
@@ -277,7 +271,7 @@ fn run_cli(cli: Cli) -> Result<()> {
             )?;
             print_report(&r);
         }
-        Cmd::Bench(b) => bench::run(b, Arc::new(registry()))?,
+        Cmd::Bench(b) => stitch_bench::run(b, registry)?,
         Cmd::Lwaftr(lwaftr_cmd::LwaftrCmd::Run {
             conf,
             v4,
@@ -299,7 +293,7 @@ fn run_cli(cli: Cli) -> Result<()> {
             };
             run(&graph, duration, false, &instance, &listen)?
         }
-        Cmd::Lwaftr(c) => lwaftr_cmd::run(c, registry())?,
+        Cmd::Lwaftr(c) => lwaftr_cmd::run(c)?,
         Cmd::Capture(c) => capture_cmd::run(c, Arc::new(registry()))?,
     }
     Ok(())

@@ -35,6 +35,7 @@
 pub mod binding;
 pub mod config;
 pub mod frag;
+pub mod offline;
 
 use binding::{BindingTable, Softwire};
 use config::{Interface, LwaftrConfig, NextHop, Policy, SoftwireSpec};
@@ -85,6 +86,17 @@ pub enum Compat {
     /// Reassembled IPv4 packets carry identification 0 and no DF, as Snabb's reassembler
     /// writes them (RFC 6864 §4.1: a source must not repeat an identification).
     Snabb,
+}
+
+impl std::str::FromStr for Compat {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Compat, String> {
+        match s {
+            "rfc" => Ok(Compat::Rfc),
+            "snabb" => Ok(Compat::Snabb),
+            _ => Err(format!("compat is `rfc` or `snabb`, not `{s}`")),
+        }
+    }
 }
 
 /// Loads and checks the configuration file named by the app's config.

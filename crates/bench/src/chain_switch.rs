@@ -16,8 +16,8 @@
 //! dump, FLOW_MODs, BARRIER reply), and the direct channels' hand-over (offer → the receiving
 //! function reads the channel) and hand-back (end → channel retired), medians.
 
-use crate::bench_kernel::{quiet, sh, Ovs};
-use crate::bench_nf_scale::{
+use crate::kernel::{quiet, sh, Ovs};
+use crate::nf_scale::{
     counter_sum, function_counts, register_latency_sink, take_latencies, WithFunctions,
 };
 use anyhow::{Context, Result};
@@ -159,10 +159,10 @@ fn phase(
     std::fs::write(&file, flows(n, bypass))?;
     ofctl(port, &["add-flows", "SWITCH", file.to_str().unwrap()])?;
     run.go()?;
-    let (p0, t0) = (crate::bench::sink_packets(engine), Instant::now());
+    let (p0, t0) = (crate::sink_packets(engine), Instant::now());
     let c0 = run.cpu_split();
     std::thread::sleep(Duration::from_secs_f64(args.seconds));
-    let p1 = crate::bench::sink_packets(engine);
+    let p1 = crate::sink_packets(engine);
     let c1 = run.cpu_split();
     let wall = t0.elapsed().as_secs_f64();
     let mut switch_over = None;

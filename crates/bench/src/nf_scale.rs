@@ -5,7 +5,7 @@
 //! 1/16 of that load which the functions keep up with, for polling, blocking and isolated
 //! (blocking, copying) ports.
 
-use crate::bench::cpu_seconds;
+use crate::cpu_seconds;
 use anyhow::{Context, Result};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
@@ -373,7 +373,7 @@ pub fn run(args: NfScaleArgs, mut r: Registry) -> Result<()> {
     let points = function_counts(&args.nfs, "1,10,100")?;
     let _hugepages = args
         .hugepages
-        .then(|| crate::bench::HugePageReserve::for_pool(args.pool_packets))
+        .then(|| crate::HugePageReserve::for_pool(args.pool_packets))
         .transpose()?;
     println!(
         "nf-scale: {:?} ports, {} B frames, each packet through 2 of N signature functions (round robin); {} s per phase",

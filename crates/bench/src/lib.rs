@@ -1,4 +1,12 @@
-//! `stitch bench`: performance measured against a baseline taken in the same run.
+//! `stitch bench`: performance measured against a baseline taken in the same run. One module per
+//! benchmark; the `stitch` binary parses the command line and calls `run`.
+
+mod chain_switch;
+mod kernel;
+mod lwaftr;
+mod nf;
+mod nf_scale;
+mod vhost;
 
 use anyhow::Result;
 use clap::Subcommand;
@@ -43,17 +51,17 @@ pub enum BenchCmd {
         runs: usize,
     },
     /// Seed 004's experiment: N function processes, each packet through two of them.
-    NfScale(crate::bench_nf_scale::NfScaleArgs),
+    NfScale(crate::nf_scale::NfScaleArgs),
     /// Seed 001's chain: N function processes chained through the OpenFlow switch, with the
     /// point-to-point path (bypass on) or a lookup per packet (off).
-    ChainSwitch(crate::bench_chain_switch::ChainSwitchArgs),
+    ChainSwitch(crate::chain_switch::ChainSwitchArgs),
     /// Seed 003's evaluation: chains of 1..N routers between two hosts — Stitch in the kernel,
     /// Linux router namespaces, Open vSwitch (userspace datapath) with router namespaces and
     /// Stitch's userspace engine — round trips, connection setups and iperf3 in one run.
-    Kernel(crate::bench_kernel::KernelBenchArgs),
+    Kernel(crate::kernel::KernelBenchArgs),
     /// Packets through Stitch between two vhost-user ports, against testpmd as the vhost-user
     /// back-end, with one testpmd of two virtio-user ports as the front-end.
-    Vhost(crate::bench_vhost::VhostBenchArgs),
+    Vhost(crate::vhost::VhostBenchArgs),
     /// One network function with a realistic table (router, firewall, firewall-stateless, nat,
     /// bridge, vxlan, vxlan6, vlan, policer, load_balancer — or `all`) against a raw-ring
     /// baseline in the same run.
@@ -242,70 +250,64 @@ pub fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-pub fn run(cmd: BenchCmd, registry: Arc<Registry>) -> Result<()> {
-    if let BenchCmd::Lwaftr {
-        conf,
-        v4,
-        v6,
-        softwires,
-        seconds,
-        runs,
-    } = &cmd
-    {
-        anyhow::ensure!(*runs >= 1, "--runs must be at least 1");
-        if let Some(n) = softwires {
-            anyhow::ensure!(*n >= 1, "--softwires must be at least 1");
-            let dir = tempfile::tempdir()?;
-            let t = std::time::Instant::now();
-            let (conf, v4, v6) = crate::lwaftr_cmd::generate(dir.path(), *n, 100_000, 550)?;
-            println!(
-                "generated {n} softwires and 100000 random packets per direction in {:.1} s",
-                t.elapsed().as_secs_f64()
-            );
-            return crate::lwaftr_cmd::bench(crate::registry(), &conf, &v4, &v6, *seconds, *runs);
-        }
-        let (Some(conf), Some(v4), Some(v6)) = (conf, v4, v6) else {
-            anyhow::bail!("give CONF V4.pcap V6.pcap, or --softwires N");
-        };
-        return crate::lwaftr_cmd::bench(crate::registry(), conf, v4, v6, *seconds, *runs);
-    }
-    if let BenchCmd::Vhost(args) = cmd {
-        return crate::bench_vhost::run(args);
-    }
-    if let BenchCmd::Kernel(args) = cmd {
-        return crate::bench_kernel::run(args);
-    }
-    if let BenchCmd::ChainSwitch(args) = cmd {
-        return crate::bench_chain_switch::run(args, crate::registry());
-    }
-    if let BenchCmd::NfScale(args) = cmd {
-        return crate::bench_nf_scale::run(args, crate::registry());
-    }
-    if let BenchCmd::Nf {
-        name,
-        seconds,
-        runs,
-    } = &cmd
-    {
-        anyhow::ensure!(*runs >= 1, "--runs must be at least 1");
-        if name == "all" {
-            for n in crate::bench_nf::NAMES {
-                crate::bench_nf::run(n, *seconds, *runs)?;
+/// Runs one benchmark; `registry` makes the app types of this build (the engine benchmarks
+/// build their graphs from it).
+pub fn run(cmd: BenchCmd, registry: fn() -> Registry) -> Result<()> {
+    match cmd {
+        BenchCmd::Chain {
+            hops,
+            size,
+            seconds,
+            runs,
+            json,
+        } => chain(Arc::new(registry()), hops, size, seconds, runs, json),
+        BenchCmd::Lwaftr {
+            conf,
+            v4,
+            v6,
+            softwires,
+            seconds,
+            runs,
+        } => {
+            anyhow::ensure!(runs >= 1, "--runs must be at least 1");
+            match (softwires, conf, v4, v6) {
+                (Some(n), ..) => lwaftr::bench_generated(n, seconds, runs),
+                (None, Some(conf), Some(v4), Some(v6)) => {
+                    lwaftr::bench(&conf, &v4, &v6, seconds, runs)
+                }
+                _ => anyhow::bail!("give CONF V4.pcap V6.pcap, or --softwires N"),
             }
-            return Ok(());
         }
-        return crate::bench_nf::run(name, *seconds, *runs);
+        BenchCmd::NfScale(args) => nf_scale::run(args, registry()),
+        BenchCmd::ChainSwitch(args) => chain_switch::run(args, registry()),
+        BenchCmd::Kernel(args) => kernel::run(args),
+        BenchCmd::Vhost(args) => vhost::run(args),
+        BenchCmd::Nf {
+            name,
+            seconds,
+            runs,
+        } => {
+            anyhow::ensure!(runs >= 1, "--runs must be at least 1");
+            if name == "all" {
+                for n in nf::NAMES {
+                    nf::run(n, seconds, runs)?;
+                }
+                return Ok(());
+            }
+            nf::run(&name, seconds, runs)
+        }
     }
-    let BenchCmd::Chain {
-        hops,
-        size,
-        seconds,
-        runs,
-        json,
-    } = cmd
-    else {
-        unreachable!("handled above")
-    };
+}
+
+/// `stitch bench chain`: the chain, source → sink alone and the raw ring, run after run.
+fn chain(
+    registry: Arc<Registry>,
+    hops: usize,
+    size: usize,
+    seconds: f64,
+    runs: usize,
+    json: bool,
+) -> Result<()> {
     anyhow::ensure!(hops >= 1, "--hops must be at least 1");
     anyhow::ensure!(runs >= 1, "--runs must be at least 1");
     for t in ["generator", "forwarder", "sink"] {

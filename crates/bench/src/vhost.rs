@@ -36,13 +36,13 @@ pub struct VhostBenchArgs {
 
 /// Hugepages reserved and a hugetlbfs mounted for one invocation; both undone on drop.
 struct HugePages {
-    _reserved: crate::bench::HugePageReserve,
+    _reserved: crate::HugePageReserve,
     dir: tempfile::TempDir,
 }
 
 impl HugePages {
     fn reserve(pages: u64) -> Result<HugePages> {
-        let reserved = crate::bench::HugePageReserve::at_least(pages)?;
+        let reserved = crate::HugePageReserve::at_least(pages)?;
         let dir = tempfile::tempdir()?;
         let ok = Command::new("mount")
             .args(["-t", "hugetlbfs", "none"])
@@ -208,7 +208,7 @@ fn front_end(
     if v.is_empty() {
         bail!("the front-end moved no packets (samples {all:?})");
     }
-    Ok(crate::bench::median(v))
+    Ok(crate::median(v))
 }
 
 fn stitch_backend(dir: &std::path::Path, link_size: usize) -> Result<Proc> {
@@ -305,14 +305,11 @@ pub fn run(args: VhostBenchArgs) -> Result<()> {
     // run's two back-ends, measured one right after the other, is steadier than the ratio of
     // the two medians.
     let pairs: Vec<f64> = stitch.iter().zip(&reference).map(|(s, t)| s / t).collect();
-    let (s, t) = (
-        crate::bench::median(stitch),
-        crate::bench::median(reference),
-    );
+    let (s, t) = (crate::median(stitch), crate::median(reference));
     println!(
         "median: Stitch {s:.2} Mpps, testpmd (vhost back-end) {t:.2} Mpps — Stitch/testpmd {:.2}; median of the per-run ratios {:.2}",
         s / t,
-        crate::bench::median(pairs)
+        crate::median(pairs)
     );
     Ok(())
 }
