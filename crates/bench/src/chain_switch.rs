@@ -346,7 +346,7 @@ fn ovs_phase(n: usize, args: &ChainSwitchArgs) -> Result<(f64, f64)> {
     .trim()
     .parse()?;
     let vswitchd_cpu = || -> f64 {
-        let tick = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+        let tick = crate::clock_ticks();
         std::fs::read_to_string(format!("/proc/{pid}/stat"))
             .ok()
             .and_then(|s| {

@@ -628,6 +628,7 @@ fn run_contender(name: &str, c: &Chain, secs: f64, spin: bool, tag: &str) -> Res
 
 pub fn run(args: KernelBenchArgs) -> Result<()> {
     anyhow::ensure!(
+        // SAFETY: geteuid has no preconditions.
         unsafe { libc::geteuid() } == 0,
         "the kernel benchmark builds namespaces and loads BPF programs: run it as root"
     );

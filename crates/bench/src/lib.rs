@@ -126,8 +126,16 @@ impl Drop for HugePageReserve {
 }
 
 /// CPU seconds used by `who` (RUSAGE_SELF, RUSAGE_THREAD, …).
+/// Clock ticks per second, the unit of CPU times in /proc/PID/stat.
+pub(crate) fn clock_ticks() -> f64 {
+    // SAFETY: sysconf takes no pointers.
+    unsafe { libc::sysconf(libc::_SC_CLK_TCK) as f64 }
+}
+
 pub(crate) fn cpu_seconds(who: i32) -> f64 {
+    // SAFETY: rusage is a C struct of integers; all zeroes is a valid value.
     let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: getrusage writes one rusage into `u`, which is live.
     unsafe { libc::getrusage(who, &mut u) };
     let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
     tv(u.ru_utime) + tv(u.ru_stime)

@@ -433,13 +433,6 @@ fn subject(name: &str) -> Result<Subject> {
     })
 }
 
-fn thread_cpu() -> f64 {
-    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
-    unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut u) };
-    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
-    tv(u.ru_utime) + tv(u.ru_stime)
-}
-
 /// Packets and CPU seconds of one measurement; `app` None measures the raw-ring baseline.
 fn measure(s: &mut Subject, with_app: bool, secs: f64) -> (u64, f64) {
     let mut feeds: Vec<Producer> = Vec::new();
@@ -470,7 +463,7 @@ fn measure(s: &mut Subject, with_app: bool, secs: f64) -> (u64, f64) {
     }
     let (mut next, mut packets) = (0usize, 0u64);
     let deadline = Instant::now() + Duration::from_secs_f64(secs);
-    let c0 = thread_cpu();
+    let c0 = crate::cpu_seconds(libc::RUSAGE_THREAD);
     while Instant::now() < deadline {
         for _ in 0..64 {
             for _ in 0..BATCH {
@@ -490,7 +483,7 @@ fn measure(s: &mut Subject, with_app: bool, secs: f64) -> (u64, f64) {
             }
         }
     }
-    (packets, thread_cpu() - c0)
+    (packets, crate::cpu_seconds(libc::RUSAGE_THREAD) - c0)
 }
 
 pub fn run(name: &str, seconds: f64, runs: usize) -> Result<()> {

@@ -274,7 +274,7 @@ impl Drop for WithFunctions {
 
 /// Process CPU time of the functions, from /proc (they are still running).
 fn children_cpu(children: &[Child]) -> f64 {
-    let tick = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let tick = crate::clock_ticks();
     children
         .iter()
         .filter_map(|c| std::fs::read_to_string(format!("/proc/{}/stat", c.id())).ok())

@@ -132,6 +132,8 @@ struct Worker {
 }
 
 fn pin_to_core(core: usize) {
+    // SAFETY: cpu_set_t is a bit array, valid when zeroed; CPU_SET stays inside it for any
+    // core below CPU_SETSIZE (libc's CPU_SET checks); sched_setaffinity reads `set` only.
     unsafe {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
         libc::CPU_SET(core, &mut set);

@@ -18,14 +18,18 @@ pub fn send_flags(sock: RawFd, bytes: &[u8], fds: &[RawFd], flags: i32) -> io::R
         iov_base: bytes.as_ptr() as *mut libc::c_void,
         iov_len: bytes.len(),
     };
+    // SAFETY: CMSG_SPACE is arithmetic on its argument.
     let space = unsafe { libc::CMSG_SPACE(std::mem::size_of_val(fds) as u32) } as usize;
     let mut control = vec![0u8; space.max(1)];
+    // SAFETY: msghdr is a C struct of integers and pointers, for which all zeroes is valid.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = &mut iov;
     msg.msg_iovlen = 1;
     if !fds.is_empty() {
         msg.msg_control = control.as_mut_ptr() as *mut libc::c_void;
         msg.msg_controllen = space;
+        // SAFETY: `control` holds CMSG_SPACE(fds) bytes, so CMSG_FIRSTHDR points at a header
+        // inside it with room for the header and every descriptor after CMSG_DATA.
         unsafe {
             let c = libc::CMSG_FIRSTHDR(&msg);
             (*c).cmsg_level = libc::SOL_SOCKET;
@@ -38,6 +42,7 @@ pub fn send_flags(sock: RawFd, bytes: &[u8], fds: &[RawFd], flags: i32) -> io::R
             );
         }
     }
+    // SAFETY: `msg` points at `iov` (over `bytes`) and `control`, all alive for the call.
     let n = unsafe { libc::sendmsg(sock, &msg, libc::MSG_NOSIGNAL | flags) };
     if n < 0 {
         return Err(io::Error::last_os_error());
@@ -55,19 +60,26 @@ pub fn recv(sock: RawFd, max: usize) -> io::Result<(Vec<u8>, Vec<OwnedFd>)> {
         iov_base: buf.as_mut_ptr() as *mut libc::c_void,
         iov_len: buf.len(),
     };
+    // SAFETY: CMSG_SPACE is arithmetic on its argument.
     let space =
         unsafe { libc::CMSG_SPACE((MAX_FDS * std::mem::size_of::<RawFd>()) as u32) } as usize;
     let mut control = vec![0u8; space];
+    // SAFETY: msghdr is a C struct of integers and pointers, for which all zeroes is valid.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = &mut iov;
     msg.msg_iovlen = 1;
     msg.msg_control = control.as_mut_ptr() as *mut libc::c_void;
     msg.msg_controllen = space;
+    // SAFETY: `msg` points at `iov` (over `buf`) and `control`, both as long as it says and
+    // alive for the call.
     let n = unsafe { libc::recvmsg(sock, &mut msg, libc::MSG_CMSG_CLOEXEC) };
     if n < 0 {
         return Err(io::Error::last_os_error());
     }
     let mut fds = Vec::new();
+    // SAFETY: the kernel wrote well-formed control headers into `control` and set
+    // msg_controllen to their extent; CMSG_FIRSTHDR/CMSG_NXTHDR stay inside it and return null
+    // at its end. Each SCM_RIGHTS descriptor is new in this process and owned by nobody else.
     unsafe {
         let mut c = libc::CMSG_FIRSTHDR(&msg);
         while !c.is_null() {

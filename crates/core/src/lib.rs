@@ -14,6 +14,7 @@ pub mod engine;
 pub mod fdpass;
 pub mod graph;
 pub mod link;
+pub mod mapping;
 pub mod packet;
 pub mod pool;
 
@@ -28,6 +29,7 @@ pub use packet::Packet;
 /// The folder of a running instance's sockets: `/run/stitch` for root, else
 /// `$XDG_RUNTIME_DIR/stitch`, else `stitch-UID` in the temporary folder.
 pub fn runtime_dir() -> std::path::PathBuf {
+    // SAFETY: geteuid has no preconditions and cannot fail.
     let uid = unsafe { libc::geteuid() };
     if uid == 0 {
         std::path::PathBuf::from("/run/stitch")

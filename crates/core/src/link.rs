@@ -48,9 +48,10 @@ pub struct Ring {
 /// another (seed 001's bypass) — says so here, and the app at the other end downcasts it.
 pub type EndTag = Arc<dyn Any + Send + Sync>;
 
-// Slots are accessed only by the single producer (writes) and the single consumer (reads), with
-// ownership handed over by the release/acquire pair on `tail` and `head`.
+// SAFETY: slots are accessed only by the single producer (writes) and the single consumer
+// (reads), with ownership handed over by the release/acquire pair on `tail` and `head`.
 unsafe impl Sync for Ring {}
+// SAFETY: a Ring owns Packets, which are Send; see Sync for how the slots are shared.
 unsafe impl Send for Ring {}
 
 /// Counters of one link.
@@ -138,6 +139,8 @@ impl Drop for Ring {
         let mut h = *self.cons.head.get_mut();
         let t = *self.prod.tail.get_mut();
         while h != t {
+            // SAFETY: slots head..tail hold packets written by the producer and not yet read;
+            // `&mut self` means no producer or consumer is left.
             unsafe { (*self.slots[h & self.mask].get()).assume_init_drop() };
             h = h.wrapping_add(1);
         }
@@ -211,6 +214,8 @@ impl Producer {
             }
         }
         let len = p.len() as u64;
+        // SAFETY: the slot at tail is free (the ring is not full, checked above) and only this
+        // producer writes it; the consumer reads it after the release store of the new tail.
         unsafe { (*self.ring.slots[self.tail & self.ring.mask].get()).write(p) };
         self.tail = self.tail.wrapping_add(1);
         self.ring.prod.tail.store(self.tail, Ordering::Release);
@@ -284,6 +289,8 @@ impl Consumer {
         if self.cached_tail == self.head && self.available() == 0 {
             return None;
         }
+        // SAFETY: head < tail (a packet is available), so the producer wrote this slot and
+        // published it with its release store; the slot is free again after our store below.
         let p = unsafe { (*self.ring.slots[self.head & self.ring.mask].get()).assume_init_read() };
         self.head = self.head.wrapping_add(1);
         self.ring.cons.head.store(self.head, Ordering::Release);
@@ -297,6 +304,8 @@ impl Consumer {
         if self.cached_tail == self.head && self.available() == 0 {
             return None;
         }
+        // SAFETY: a packet is available at head (as in `receive`) and stays there while the
+        // returned reference borrows `self`: nothing else takes it or writes the slot.
         Some(unsafe { (*self.ring.slots[self.head & self.ring.mask].get()).assume_init_ref() })
     }
 
@@ -323,6 +332,9 @@ impl Consumer {
         let (src, dst) = (&self.ring, &out.ring);
         let mut bytes = 0u64;
         for i in 0..n {
+            // SAFETY: n ≤ available, so source slots head..head+n hold published packets; n ≤
+            // room, so destination slots tail..tail+n are free. Each packet is moved once and
+            // both indexes are published after the loop.
             unsafe {
                 let p = (*src.slots[self.head.wrapping_add(i) & src.mask].get()).assume_init_read();
                 bytes += p.len() as u64;
@@ -356,6 +368,8 @@ impl Iterator for Drain<'_> {
         if c.head == self.end {
             return None;
         }
+        // SAFETY: head < end ≤ the tail seen when the iterator was made, so the slot holds a
+        // published packet; it is read once, the head advancing past it.
         let p = unsafe { (*c.ring.slots[c.head & c.ring.mask].get()).assume_init_read() };
         c.head = c.head.wrapping_add(1);
         Some(p)

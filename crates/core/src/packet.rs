@@ -97,7 +97,8 @@ pub enum PacketError {
 /// An owned packet. Not `Clone`: use [`Packet::try_clone`], which takes a new buffer.
 pub struct Packet(NonNull<PacketBuf>);
 
-// A packet is owned by exactly one holder at a time; handing it to another thread is a move.
+// SAFETY: a packet is owned by exactly one holder at a time (not Clone, not Sync); handing it
+// to another thread is a move, and the pool it returns to on drop is thread-safe.
 unsafe impl Send for Packet {}
 
 impl Packet {
@@ -127,6 +128,7 @@ impl Packet {
 
     #[inline]
     fn hdr(&self) -> &PacketHeader {
+        // SAFETY: the pointer is a pool buffer (header first) owned by this packet alone.
         unsafe { self.0.as_ref() }
     }
 
@@ -137,12 +139,14 @@ impl Packet {
 
     #[inline]
     pub fn header_mut(&mut self) -> &mut PacketHeader {
+        // SAFETY: as for `hdr`; `&mut self` makes the borrow exclusive.
         unsafe { self.0.as_mut() }
     }
 
     /// The data area, which follows the header.
     #[inline]
     fn area(&self) -> *mut u8 {
+        // SAFETY: the data area follows the header in the same buffer (HEADER_SIZE bytes on).
         unsafe { (self.0.as_ptr() as *mut u8).add(HEADER_SIZE) }
     }
 
@@ -168,12 +172,15 @@ impl Packet {
     #[inline]
     pub fn data(&self) -> &[u8] {
         let h = self.hdr();
+        // SAFETY: offset + len ≤ capacity, the data area's size: every writer of offset and
+        // len (this module, `reclaim_header` for buffers back from another process) keeps it.
         unsafe { std::slice::from_raw_parts(self.area().add(h.offset as usize), h.len as usize) }
     }
 
     #[inline]
     pub fn data_mut(&mut self) -> &mut [u8] {
         let (off, len) = (self.hdr().offset as usize, self.hdr().len as usize);
+        // SAFETY: as for `data`; `&mut self` makes the borrow exclusive.
         unsafe { std::slice::from_raw_parts_mut(self.area().add(off), len) }
     }
 
@@ -245,6 +252,8 @@ impl Packet {
             }
             // Re-centre: put the data after HEADROOM (or as far as it fits) behind the new header.
             let new_off = HEADROOM.min(cap - len - n);
+            // SAFETY: both ranges lie in the data area: off + len ≤ cap (invariant) and
+            // new_off + n + len ≤ cap (new_off ≤ cap - len - n); `copy` allows overlap.
             unsafe {
                 let area = self.area();
                 std::ptr::copy(area.add(off), area.add(new_off + n), len);
@@ -320,6 +329,22 @@ impl Packet {
     #[inline]
     pub fn as_ptr(&self) -> *const PacketBuf {
         self.0.as_ptr()
+    }
+
+    /// Makes the header of a buffer that another process held safe to use again: the bounds
+    /// and offload fields are reset (the frame is empty until `set_bounds`), the timestamp,
+    /// port and user words are kept.
+    #[inline]
+    pub(crate) fn reclaim_header(&mut self, capacity: usize) {
+        let h = self.header_mut();
+        h.len = 0;
+        h.offset = HEADROOM.min(capacity) as u32;
+        h.capacity = capacity as u32;
+        h.csum_state = 0;
+        h.gso_type = 0;
+        h.gso_size = 0;
+        h.csum_start = 0;
+        h.csum_offset = 0;
     }
 
     /// Resets the header to a fresh packet's, in a buffer of `capacity` data bytes.

@@ -8,10 +8,11 @@
 //! packet takes no lock and no syscall. When a class is empty, allocation returns `None` and is
 //! counted: nothing ever waits.
 
+use crate::mapping::{memfd, MapOptions, Mapping};
 use crate::packet::{Packet, PacketBuf, BUFFER_STRIDE, DATA_AREA, LARGE_DATA_AREA, LARGE_STRIDE};
 use crossbeam_utils::CachePadded;
 use std::cell::RefCell;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -53,6 +54,8 @@ pub struct PoolStats {
 /// One class of buffers: a mapping, its free list and counters.
 struct Class {
     base: *mut u8,
+    /// Where `base` points; the pool lives as long as the process, so this is never unmapped.
+    _mapping: Mapping,
     bytes: usize,
     stride: usize,
     capacity: usize,
@@ -69,8 +72,10 @@ pub struct Pool {
     caches: Mutex<Vec<Arc<[CachePadded<AtomicUsize>; 2]>>>,
 }
 
-// The raw pointers refer to the pool's own mappings, which live for the whole process.
+// SAFETY: the raw pointers refer to the pool's own mappings, which live for the whole process;
+// the free lists are behind mutexes and the counters are atomics.
 unsafe impl Send for Pool {}
+// SAFETY: as for Send: every shared field is a Mutex or an atomic.
 unsafe impl Sync for Pool {}
 
 static POOL: OnceLock<Pool> = OnceLock::new();
@@ -134,8 +139,8 @@ pub fn get() -> &'static Pool {
 impl Class {
     fn map(name: &str, count: usize, stride: usize, capacity: usize) -> Result<Class, PoolError> {
         let bytes = class_bytes(count, stride);
-        let (memfd, base, hugepages) = match map_memfd(name, bytes, true) {
-            Ok((fd, base)) => (fd, base, true),
+        let (memfd, mapping, hugepages) = match map_memfd(name, bytes, true) {
+            Ok((fd, mapping)) => (fd, mapping, true),
             Err(e) => {
                 log::info!(
                     "no 2 MiB hugepages for the {} MiB {name} pool ({e}); using ordinary pages \
@@ -143,19 +148,25 @@ impl Class {
                     bytes >> 20,
                     bytes / HUGEPAGE
                 );
-                let (fd, base) = map_memfd(name, bytes, false)
+                let (fd, mapping) = map_memfd(name, bytes, false)
                     .map_err(|source| PoolError::Map { bytes, source })?;
-                (fd, base, false)
+                (fd, mapping, false)
             }
         };
         let count = bytes / stride;
+        let base = mapping.as_ptr();
         // Reverse order so that the first allocations take the lowest addresses.
         let free: Vec<NonNull<PacketBuf>> = (0..count)
             .rev()
-            .map(|i| unsafe { NonNull::new_unchecked(base.add(i * stride) as *mut PacketBuf) })
+            .map(|i| {
+                // SAFETY: buffer i ends at (i + 1) * stride <= bytes, inside the mapping, whose
+                // base is not null.
+                unsafe { NonNull::new_unchecked(base.add(i * stride) as *mut PacketBuf) }
+            })
             .collect();
         Ok(Class {
             base,
+            _mapping: mapping,
             bytes,
             stride,
             capacity,
@@ -230,8 +241,16 @@ impl Pool {
         if index >= c.count {
             return None;
         }
-        let p = c.base.add(index * c.stride) as *mut PacketBuf;
-        Some(Packet::from_raw_owned(NonNull::new_unchecked(p)))
+        // SAFETY: index < count, so the buffer lies inside the class's mapping; the caller
+        // guarantees nobody else owns it.
+        let mut p = unsafe {
+            let buf = c.base.add(index * c.stride) as *mut PacketBuf;
+            Packet::from_raw_owned(NonNull::new_unchecked(buf))
+        };
+        // Another process may have written the header while it held the buffer: the fields
+        // that bound the data are the pool's again before anything reads them.
+        p.reclaim_header(c.capacity);
+        Some(p)
     }
 
     pub fn stats(&self) -> PoolStats {
@@ -265,32 +284,14 @@ impl Pool {
     }
 }
 
-fn map_memfd(name: &str, bytes: usize, huge: bool) -> std::io::Result<(OwnedFd, *mut u8)> {
-    let flags = libc::MFD_CLOEXEC | if huge { libc::MFD_HUGETLB } else { 0 };
-    let cname = std::ffi::CString::new(name).expect("no NUL in pool names");
-    let fd = unsafe { libc::memfd_create(cname.as_ptr(), flags) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    if unsafe { libc::ftruncate(fd.as_raw_fd(), bytes as libc::off_t) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    let populate = if huge { libc::MAP_POPULATE } else { 0 };
-    let base = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            bytes,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED | populate,
-            fd.as_raw_fd(),
-            0,
-        )
+fn map_memfd(name: &str, bytes: usize, huge: bool) -> std::io::Result<(OwnedFd, Mapping)> {
+    let fd = memfd(name, bytes, huge)?;
+    let opts = MapOptions {
+        populate: huge,
+        ..MapOptions::default()
     };
-    if base == libc::MAP_FAILED {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok((fd, base as *mut u8))
+    let mapping = Mapping::shared(fd.as_fd(), bytes, opts)?;
+    Ok((fd, mapping))
 }
 
 struct Cache {

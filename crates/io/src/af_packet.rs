@@ -28,9 +28,10 @@
 
 use crate::netdev::{self, explain, setsockopt};
 use serde::Deserialize;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
+use stitch_core::mapping::{MapOptions, Mapping};
 use stitch_core::packet::{MAX_FRAME, MAX_GSO_FRAME};
 use stitch_core::{pool, App, AppContext, AppError, Counter, Io, PortSpec};
 use stitch_wire::offload::{self, VnetHdr, VNET_HDR_LEN};
@@ -147,6 +148,9 @@ const TX_BLOCK_SIZE: usize = 4 * TX_FRAME_SIZE;
 /// Offset of the data in a transmit frame: `TPACKETx_HDRLEN - sizeof(struct sockaddr_ll)`.
 const TX_DATA_OFFSET_V2: usize = 32;
 const TX_DATA_OFFSET_V3: usize = 48;
+/// Bytes of a frame header read on receive (tpacket3_hdr up to its VLAN fields; more than
+/// tpacket2_hdr).
+const RX_HEADER_BYTES: usize = 40;
 const TP_STATUS_SEND_REQUEST: u32 = 1;
 const TP_STATUS_WRONG_FORMAT: u32 = 4;
 const TP_STATUS_VLAN_VALID: u32 = 0x10;
@@ -185,11 +189,13 @@ struct RxMeta {
 }
 
 impl RxMeta {
-    /// Reads a `tpacket2_hdr` (`v2`) or a `tpacket3_hdr`.
-    fn read(frame: *const u8, v2: bool) -> RxMeta {
-        let rd = |off: usize| unsafe { std::ptr::read_unaligned(frame.add(off) as *const u32) };
-        let rd16 = |off: usize| unsafe { std::ptr::read_unaligned(frame.add(off) as *const u16) };
-        if v2 {
+    /// Reads the `tpacket2_hdr` (`v2`) or `tpacket3_hdr` at `frame`; `None` if the ring
+    /// cannot hold one there.
+    fn read(ring: &Mapping, frame: usize, v2: bool) -> Option<RxMeta> {
+        let h = ring.bytes(frame, RX_HEADER_BYTES)?;
+        let rd = |off: usize| u32::from_ne_bytes([h[off], h[off + 1], h[off + 2], h[off + 3]]);
+        let rd16 = |off: usize| u16::from_ne_bytes([h[off], h[off + 1]]);
+        Some(if v2 {
             RxMeta {
                 status: rd(0),
                 len: rd(4) as usize,
@@ -209,19 +215,19 @@ impl RxMeta {
                 vlan_tci: rd(32) as u16,
                 vlan_tpid: rd16(36),
             }
-        }
+        })
     }
 }
 
 pub struct AfPacket {
     fd: OwnedFd,
-    ring: *mut u8,
-    ring_len: usize,
+    /// The receive ring followed by the transmit ring, shared with the kernel.
+    ring: Mapping,
     rx: Rx,
     /// Transmit ring frame layout: data offset, and where `tp_status` and `tp_len` are.
     tx_v2: bool,
     /// Start of the transmit ring (after the receive ring in the same mapping).
-    tx_ring: *mut u8,
+    tx_ring: usize,
     tx_next: usize,
     /// Room to re-insert a VLAN tag into a GSO frame before segmenting it.
     scratch: Vec<u8>,
@@ -239,17 +245,9 @@ pub struct AfPacket {
     interface: String,
 }
 
-// The ring mapping belongs to this app alone; it moves with the app to its worker thread.
-unsafe impl Send for AfPacket {}
-
-impl Drop for AfPacket {
-    fn drop(&mut self) {
-        unsafe { libc::munmap(self.ring as *mut libc::c_void, self.ring_len) };
-    }
-}
-
 /// A raw packet socket for `proto` (network byte order; 0 receives nothing).
 fn packet_socket(proto: u16) -> Result<OwnedFd, String> {
+    // SAFETY: socket takes no pointers.
     let fd = unsafe {
         libc::socket(
             libc::AF_PACKET,
@@ -263,15 +261,18 @@ fn packet_socket(proto: u16) -> Result<OwnedFd, String> {
             std::io::Error::last_os_error(),
         ));
     }
+    // SAFETY: socket returned a new descriptor (checked above) that nothing else owns.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
 /// Binds a packet socket to interface `ifindex` (named `name` in errors).
 fn bind_to(fd: &OwnedFd, ifindex: u32, proto: u16, name: &str) -> Result<(), String> {
+    // SAFETY: sockaddr_ll is a C struct of integers; all zeroes is a valid value.
     let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
     sll.sll_family = libc::AF_PACKET as u16;
     sll.sll_protocol = proto;
     sll.sll_ifindex = ifindex as i32;
+    // SAFETY: `sll` is a live sockaddr_ll and the length passed is its size.
     let r = unsafe {
         libc::bind(
             fd.as_raw_fd(),
@@ -289,7 +290,7 @@ fn bind_to(fd: &OwnedFd, ifindex: u32, proto: u16, name: &str) -> Result<(), Str
 }
 
 /// The socket, its mapping (receive ring, then transmit ring), and the receive ring's length.
-fn open(c: &AfPacketConfig) -> Result<(OwnedFd, *mut u8, usize, usize), String> {
+fn open(c: &AfPacketConfig) -> Result<(OwnedFd, Mapping, usize), String> {
     let name = &c.interface;
     let ifindex = netdev::ifindex(name)?;
     let flags = netdev::flags(name).map_err(|e| format!("interface `{name}`: {e}"))?;
@@ -402,42 +403,13 @@ fn open(c: &AfPacketConfig) -> Result<(OwnedFd, *mut u8, usize, usize), String> 
     };
     // One mapping holds the receive ring followed by the transmit ring.
     let ring_len = rx_len + TX_FRAMES * TX_FRAME_SIZE;
-    let ring = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            ring_len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED | libc::MAP_LOCKED,
-            raw,
-            0,
-        )
+    let locked = MapOptions {
+        lock: true,
+        ..MapOptions::default()
     };
-    let ring = if ring == libc::MAP_FAILED {
-        // MAP_LOCKED fails under a low RLIMIT_MEMLOCK; an unlocked ring still works.
-        unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                ring_len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                raw,
-                0,
-            )
-        }
-    } else {
-        ring
-    };
-    if ring == libc::MAP_FAILED {
-        return Err(explain(
-            &format!("af_packet {name}: mapping the ring"),
-            std::io::Error::last_os_error(),
-        ));
-    }
-    let fail = |e: String| {
-        unsafe { libc::munmap(ring, ring_len) };
-        e
-    };
-    bind_to(&fd, ifindex, proto, name).map_err(fail)?;
+    let ring = Mapping::shared(fd.as_fd(), ring_len, locked)
+        .map_err(|e| explain(&format!("af_packet {name}: mapping the ring"), e))?;
+    bind_to(&fd, ifindex, proto, name)?;
     if c.promisc {
         let mreq = libc::packet_mreq {
             mr_ifindex: ifindex as i32,
@@ -448,8 +420,7 @@ fn open(c: &AfPacketConfig) -> Result<(OwnedFd, *mut u8, usize, usize), String> 
         opt(
             "promiscuous mode",
             setsockopt(raw, sol, libc::PACKET_ADD_MEMBERSHIP, &mreq),
-        )
-        .map_err(fail)?;
+        )?;
     }
     if let Some(f) = &c.fanout {
         let mode = match f.mode {
@@ -462,10 +433,9 @@ fn open(c: &AfPacketConfig) -> Result<(OwnedFd, *mut u8, usize, usize), String> 
         opt(
             "PACKET_FANOUT (same group with another mode on this interface?)",
             setsockopt(raw, sol, libc::PACKET_FANOUT, &arg),
-        )
-        .map_err(fail)?;
+        )?;
     }
-    Ok((fd, ring as *mut u8, ring_len, rx_len))
+    Ok((fd, ring, rx_len))
 }
 
 /// Compiles a libpcap filter expression for Ethernet frames.
@@ -499,9 +469,12 @@ fn open_large_tx(c: &AfPacketConfig) -> Result<OwnedFd, String> {
 
 impl AfPacket {
     /// Turns one ring frame into packets on `out`; returns how many it produced.
+    /// `frame` is the frame's offset in the ring and `room` the bytes it may span (the rest
+    /// of its slot or block): the kernel's offsets are checked against it.
     fn receive_frame(
         &mut self,
-        frame: *const u8,
+        frame: usize,
+        room: usize,
         m: &RxMeta,
         out: &mut stitch_core::Producer,
     ) -> usize {
@@ -515,14 +488,19 @@ impl AfPacket {
             vlan_tpid,
         } = *m;
         // A frame the ring could not hold whole is not forwarded cut short.
-        if mac < VNET_HDR_LEN + 32 || snaplen < 14 || snaplen < wire_len {
+        let inside = mac.checked_add(snaplen).is_some_and(|end| end <= room);
+        if mac < VNET_HDR_LEN + 32 || snaplen < 14 || snaplen < wire_len || !inside {
             self.rx_malformed.add(1);
             return 0;
         }
-        let vnet_bytes =
-            unsafe { std::slice::from_raw_parts(frame.add(mac - VNET_HDR_LEN), VNET_HDR_LEN) };
+        let (Some(vnet_bytes), Some(data)) = (
+            self.ring.bytes(frame + mac - VNET_HDR_LEN, VNET_HDR_LEN),
+            self.ring.bytes(frame + mac, snaplen),
+        ) else {
+            self.rx_malformed.add(1);
+            return 0;
+        };
         let vnet = VnetHdr::parse(vnet_bytes).unwrap_or_default();
-        let data = unsafe { std::slice::from_raw_parts(frame.add(mac), snaplen) };
         // The kernel lifts VLAN tags out of the frame; put them back where they were.
         let vlan = (status & TP_STATUS_VLAN_VALID != 0).then(|| {
             let tpid = if status & TP_STATUS_VLAN_TPID_VALID != 0 {
@@ -607,26 +585,29 @@ impl AfPacket {
         1
     }
 
+    /// Where transmit frame `i` starts in the mapping.
     #[inline]
-    fn tx_frame(&self, i: usize) -> *mut u8 {
-        unsafe { self.tx_ring.add(i * TX_FRAME_SIZE) }
+    fn tx_frame(&self, i: usize) -> usize {
+        self.tx_ring + i * TX_FRAME_SIZE
     }
 
     #[inline]
     fn tx_status(&self, i: usize) -> &AtomicU32 {
         // tp_status: first in tpacket2_hdr, after next offset, time and lengths in tpacket3_hdr.
         let at = if self.tx_v2 { 0 } else { 20 };
-        unsafe { &*(self.tx_frame(i).add(at) as *const AtomicU32) }
+        self.ring
+            .atomic_u32(self.tx_frame(i) + at)
+            .expect("transmit frames lie inside the mapping, 16-aligned")
     }
 
     /// Packets `frame` turns into, and whether that many fit in `budget`.
-    fn fits(&self, frame: *const u8, m: &RxMeta, budget: usize, capacity: usize) -> bool {
+    fn fits(&self, frame: usize, m: &RxMeta, budget: usize, capacity: usize) -> bool {
         // A GSO frame becomes many packets: take it only when they all fit, so that a burst
         // of segments never overflows the output link (it waits in the ring).
         let need = if self.keep_gso {
             1
         } else {
-            segments_of(frame, m).min(capacity).min(BURST)
+            segments_of(&self.ring, frame, m).min(capacity).min(BURST)
         };
         need <= budget
     }
@@ -638,18 +619,19 @@ impl AfPacket {
             let Rx::V2 { frames, next } = self.rx else {
                 return;
             };
-            let frame = unsafe { self.ring.add(v2_frame_offset(next)) };
-            let status = unsafe { &*(frame as *const AtomicU32) };
-            if status.load(Ordering::Acquire) & libc::TP_STATUS_USER == 0 {
+            let frame = v2_frame_offset(next);
+            if status_word(&self.ring, frame).load(Ordering::Acquire) & libc::TP_STATUS_USER == 0 {
                 return;
             }
-            let m = RxMeta::read(frame, true);
+            let Some(m) = RxMeta::read(&self.ring, frame, true) else {
+                return;
+            };
             if !self.fits(frame, &m, budget, capacity) {
                 return;
             }
-            let made = self.receive_frame(frame, &m, out);
+            let made = self.receive_frame(frame, V2_FRAME_SIZE, &m, out);
             budget = budget.saturating_sub(made.max(1));
-            status.store(libc::TP_STATUS_KERNEL, Ordering::Release);
+            status_word(&self.ring, frame).store(libc::TP_STATUS_KERNEL, Ordering::Release);
             self.rx = Rx::V2 {
                 frames,
                 next: (next + 1) % frames,
@@ -671,33 +653,41 @@ impl AfPacket {
                 return;
             };
             let (b, mut taken, mut offset) = (cursor.block, cursor.taken, cursor.offset);
-            let base = unsafe { self.ring.add(b * block_size) };
-            // tpacket_block_desc: version, offset_to_priv, then hdr.bh1.block_status.
-            let block_status = unsafe { &*(base.add(8) as *const AtomicU32) };
-            if block_status.load(Ordering::Acquire) & libc::TP_STATUS_USER == 0 {
+            let base = b * block_size;
+            // tpacket_block_desc: version, offset_to_priv, then hdr.bh1.block_status,
+            // num_pkts, offset_to_first_pkt.
+            if status_word(&self.ring, base + 8).load(Ordering::Acquire) & libc::TP_STATUS_USER == 0
+            {
                 break;
             }
-            let num = unsafe { std::ptr::read(base.add(12) as *const u32) };
+            let num = self.ring.read_u32(base + 12).unwrap_or(0);
             if taken == 0 {
-                offset = unsafe { std::ptr::read(base.add(16) as *const u32) } as usize;
+                offset = self.ring.read_u32(base + 16).unwrap_or(0) as usize;
             }
             while taken < num {
-                let frame = unsafe { base.add(offset) };
-                let m = RxMeta::read(frame, false);
+                // A frame the block cannot hold (a bad offset) ends the block.
+                let Some(m) = (offset < block_size)
+                    .then(|| RxMeta::read(&self.ring, base + offset, false))
+                    .flatten()
+                else {
+                    self.rx_malformed.add(1);
+                    break;
+                };
+                let frame = base + offset;
                 if !self.fits(frame, &m, budget, capacity) {
                     if let Rx::V3 { cursor, .. } = &mut self.rx {
                         (cursor.taken, cursor.offset) = (taken, offset);
                     }
                     return;
                 }
-                let next = unsafe { std::ptr::read_unaligned(frame as *const u32) } as usize;
-                let made = self.receive_frame(frame, &m, out);
+                let next = self.ring.read_u32(frame).unwrap_or(0) as usize;
+                let made = self.receive_frame(frame, block_size - offset, &m, out);
                 budget = budget.saturating_sub(made.max(1));
                 taken += 1;
                 offset += next;
             }
             // Block done: give it back to the kernel.
-            block_status.store(libc::TP_STATUS_KERNEL, Ordering::Release);
+            status_word(&self.ring, base + 8).store(libc::TP_STATUS_KERNEL, Ordering::Release);
             if let Rx::V3 { cursor, .. } = &mut self.rx {
                 *cursor = Cursor {
                     block: (b + 1) % blocks,
@@ -720,9 +710,12 @@ impl AfPacket {
                 iov_len: data.len(),
             },
         ];
+        // SAFETY: msghdr is a C struct of integers and pointers; all zeroes is a valid value.
         let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
         msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
         msg.msg_iovlen = 2;
+        // SAFETY: `msg` points at `iov`, whose two entries point at `hdr` and `data`, all alive for
+        // the call; sendmsg only reads them.
         if unsafe { libc::sendmsg(self.large_tx.as_raw_fd(), &msg, libc::MSG_DONTWAIT) } < 0 {
             self.tx_errors.add(1);
             log::debug!(
@@ -735,6 +728,8 @@ impl AfPacket {
 
     /// Asks the kernel to send every frame marked for sending.
     fn kick(&mut self) {
+        // SAFETY: a null buffer of length 0 asks the kernel to send the frames queued in the
+        // transmit ring; nothing is read from the pointer.
         let r = unsafe {
             libc::sendto(
                 self.fd.as_raw_fd(),
@@ -757,8 +752,10 @@ impl AfPacket {
     }
 
     fn read_kernel_stats(&mut self) {
+        // SAFETY: tpacket_stats_v3 is three integers; all zeroes is a valid value.
         let mut st: libc::tpacket_stats_v3 = unsafe { std::mem::zeroed() };
         let mut len = std::mem::size_of::<libc::tpacket_stats_v3>() as u32;
+        // SAFETY: the kernel writes at most `len` bytes, the size of `st`, into `st`.
         let r = unsafe {
             libc::getsockopt(
                 self.fd.as_raw_fd(),
@@ -775,14 +772,23 @@ impl AfPacket {
     }
 }
 
+/// The status word of a receive frame or block at `at`: frames and blocks lie inside the ring at
+/// offsets fixed when it was set up, aligned.
+fn status_word(ring: &Mapping, at: usize) -> &AtomicU32 {
+    ring.atomic_u32(at)
+        .expect("frame and block headers lie inside the mapping, aligned")
+}
+
 /// Packets a ring frame turns into: its GSO segments, or one.
-fn segments_of(frame: *const u8, m: &RxMeta) -> usize {
+fn segments_of(ring: &Mapping, frame: usize, m: &RxMeta) -> usize {
     let mac = m.mac;
     if mac < VNET_HDR_LEN {
         return 1;
     }
-    let vnet = unsafe { std::slice::from_raw_parts(frame.add(mac - VNET_HDR_LEN), VNET_HDR_LEN) };
-    match VnetHdr::parse(vnet) {
+    match ring
+        .bytes(frame + mac - VNET_HDR_LEN, VNET_HDR_LEN)
+        .and_then(VnetHdr::parse)
+    {
         Some(h) if h.gso_type != offload::GSO_NONE && h.gso_size > 0 => {
             m.snaplen.div_ceil(h.gso_size as usize)
         }
@@ -814,11 +820,10 @@ impl App for AfPacket {
     }
 
     fn new(c: AfPacketConfig, ctx: &mut AppContext) -> Result<Self, AppError> {
-        let (fd, ring, ring_len, rx_len) = open(&c)?;
+        let (fd, ring, rx_len) = open(&c)?;
         Ok(AfPacket {
             fd,
             ring,
-            ring_len,
             rx: match c.ring {
                 RingVersion::V2 => Rx::V2 {
                     frames: v2_frames(c.frames),
@@ -835,7 +840,7 @@ impl App for AfPacket {
                 },
             },
             tx_v2: c.ring == RingVersion::V2,
-            tx_ring: unsafe { ring.add(rx_len) },
+            tx_ring: rx_len,
             tx_next: 0,
             scratch: Vec::with_capacity(65536 + 64),
             keep_gso: c.gso == GsoMode::Keep,
@@ -892,17 +897,16 @@ impl App for AfPacket {
                 continue;
             }
             let frame = self.tx_frame(i);
-            unsafe {
-                std::ptr::copy_nonoverlapping(hdr.as_ptr(), frame.add(data_at), VNET_HDR_LEN);
-                std::ptr::copy_nonoverlapping(
-                    p.data().as_ptr(),
-                    frame.add(data_at + VNET_HDR_LEN),
-                    len,
-                );
-                // tp_len
-                let len_at = if self.tx_v2 { 4 } else { 16 };
-                std::ptr::write(frame.add(len_at) as *mut u32, (VNET_HDR_LEN + len) as u32);
-            }
+            // tp_len
+            let len_at = if self.tx_v2 { 4 } else { 16 };
+            let tp_len = ((VNET_HDR_LEN + len) as u32).to_ne_bytes();
+            let written = self.ring.write(frame + data_at, &hdr)
+                && self.ring.write(frame + data_at + VNET_HDR_LEN, p.data())
+                && self.ring.write(frame + len_at, &tp_len);
+            debug_assert!(
+                written,
+                "a frame that fits TX_FRAME_SIZE lies inside the ring"
+            );
             self.tx_status(i)
                 .store(TP_STATUS_SEND_REQUEST, Ordering::Release);
             self.tx_next = (i + 1) % TX_FRAMES;

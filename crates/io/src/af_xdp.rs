@@ -22,9 +22,10 @@
 use crate::netdev::{self, explain, setsockopt};
 use crate::xdp::XdpRedirect;
 use serde::Deserialize;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
+use stitch_core::mapping::{MapOptions, Mapping};
 use stitch_core::{pool, App, AppContext, AppError, Counter, Io, PortSpec};
 use stitch_wire::offload;
 
@@ -144,14 +145,15 @@ struct XdpStatistics {
 }
 
 /// One of the four rings shared with the kernel. Entries are u64 addresses (fill, completion)
-/// or 16-byte descriptors (rx, tx).
+/// or 16-byte descriptors (rx, tx). The offsets of its words come from the kernel and are
+/// checked once, when mapped.
 struct Ring {
-    map: *mut u8,
-    map_len: usize,
-    producer: *const AtomicU32,
-    consumer: *const AtomicU32,
-    flags: *const AtomicU32,
-    desc: *mut u8,
+    map: Mapping,
+    producer: usize,
+    consumer: usize,
+    flags: usize,
+    desc: usize,
+    entry_size: usize,
     mask: u32,
     /// Our side's index (producer for fill/tx, consumer for rx/completion).
     local: u32,
@@ -159,43 +161,33 @@ struct Ring {
 
 impl Ring {
     fn map(
-        fd: RawFd,
+        fd: BorrowedFd<'_>,
         off: &RingOffset,
         entries: u32,
         entry_size: usize,
         pgoff: i64,
     ) -> Result<Ring, String> {
         let map_len = off.desc as usize + entries as usize * entry_size;
-        let map = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                map_len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED | libc::MAP_POPULATE,
-                fd,
-                pgoff,
-            )
+        let opts = MapOptions {
+            offset: pgoff,
+            populate: true,
+            ..MapOptions::default()
         };
-        if map == libc::MAP_FAILED {
-            return Err(explain(
-                "cannot map an AF_XDP ring",
-                std::io::Error::last_os_error(),
-            ));
+        let map = Mapping::shared(fd, map_len, opts)
+            .map_err(|e| explain("cannot map an AF_XDP ring", e))?;
+        let words = [off.producer, off.consumer, off.flags];
+        if words.iter().any(|&w| map.atomic_u32(w as usize).is_none())
+            || !(off.desc as usize).is_multiple_of(8)
+        {
+            return Err("the kernel's AF_XDP ring offsets fall outside the ring".into());
         }
-        let m = map as *mut u8;
-        let (producer, consumer) = unsafe {
-            (
-                m.add(off.producer as usize) as *const AtomicU32,
-                m.add(off.consumer as usize) as *const AtomicU32,
-            )
-        };
         let mut r = Ring {
-            map: m,
-            map_len,
-            producer,
-            consumer,
-            flags: unsafe { m.add(off.flags as usize) as *const AtomicU32 },
-            desc: unsafe { m.add(off.desc as usize) },
+            map,
+            producer: off.producer as usize,
+            consumer: off.consumer as usize,
+            flags: off.flags as usize,
+            desc: off.desc as usize,
+            entry_size,
             mask: entries - 1,
             local: 0,
         };
@@ -207,14 +199,17 @@ impl Ring {
         };
         Ok(r)
     }
+    fn word(&self, at: usize) -> &AtomicU32 {
+        self.map.atomic_u32(at).expect("checked when mapped")
+    }
     fn prod(&self) -> &AtomicU32 {
-        unsafe { &*self.producer }
+        self.word(self.producer)
     }
     fn cons(&self) -> &AtomicU32 {
-        unsafe { &*self.consumer }
+        self.word(self.consumer)
     }
     fn needs_wakeup(&self) -> bool {
-        unsafe { &*self.flags }.load(Ordering::Relaxed) & XDP_RING_NEED_WAKEUP != 0
+        self.word(self.flags).load(Ordering::Relaxed) & XDP_RING_NEED_WAKEUP != 0
     }
     /// Free slots for a producer ring.
     fn free(&self) -> u32 {
@@ -224,18 +219,36 @@ impl Ring {
     fn ready(&self) -> u32 {
         self.prod().load(Ordering::Acquire).wrapping_sub(self.local)
     }
-    fn addr_slot(&self, i: u32) -> *mut u64 {
-        unsafe { (self.desc as *mut u64).add((i & self.mask) as usize) }
+    /// Where entry `i` lies in the mapping (inside it: the index is masked).
+    fn slot(&self, i: u32) -> usize {
+        self.desc + (i & self.mask) as usize * self.entry_size
     }
-    /// (addr, len) of descriptor i of rx/tx rings.
-    fn desc_slot(&self, i: u32) -> *mut u8 {
-        unsafe { self.desc.add((i & self.mask) as usize * 16) }
+    /// The address in entry `i` of a fill or completion ring.
+    fn addr(&self, i: u32) -> u64 {
+        self.map
+            .read_u64(self.slot(i))
+            .expect("entries lie inside the ring")
     }
-}
-
-impl Drop for Ring {
-    fn drop(&mut self) {
-        unsafe { libc::munmap(self.map as *mut libc::c_void, self.map_len) };
+    fn set_addr(&self, i: u32, addr: u64) {
+        let written = self.map.write(self.slot(i), &addr.to_ne_bytes());
+        debug_assert!(written, "entries lie inside the ring");
+    }
+    /// (addr, len) of descriptor `i` of an rx or tx ring.
+    fn desc(&self, i: u32) -> (u64, u32) {
+        let at = self.slot(i);
+        let addr = self.map.read_u64(at).expect("entries lie inside the ring");
+        let len = self
+            .map
+            .read_u32(at + 8)
+            .expect("entries lie inside the ring");
+        (addr, len)
+    }
+    fn set_desc(&self, i: u32, addr: u64, len: u32) {
+        let mut d = [0u8; 16];
+        d[..8].copy_from_slice(&addr.to_ne_bytes());
+        d[8..12].copy_from_slice(&len.to_ne_bytes());
+        let written = self.map.write(self.slot(i), &d);
+        debug_assert!(written, "entries lie inside the ring");
     }
 }
 
@@ -243,8 +256,8 @@ impl Drop for Ring {
 struct Xsk {
     fd: OwnedFd,
     queue: u32,
-    umem: *mut u8,
-    umem_len: usize,
+    /// The frames the kernel receives into and sends from.
+    umem: Mapping,
     fill: Ring,
     comp: Ring,
     rx: Ring,
@@ -253,15 +266,12 @@ struct Xsk {
     zero_copy: bool,
 }
 
-impl Drop for Xsk {
-    fn drop(&mut self) {
-        unsafe { libc::munmap(self.umem as *mut libc::c_void, self.umem_len) };
-    }
-}
-
+/// An XDP socket option; `T` is one of the repr(C) integer structs above.
 fn getsockopt<T: Default>(fd: RawFd, opt: i32) -> std::io::Result<T> {
     let mut v = T::default();
     let mut len = std::mem::size_of::<T>() as u32;
+    // SAFETY: the kernel writes at most `len` bytes, size_of::<T>(), into `v`; every T asked for
+    // here is a repr(C) struct of integers, valid for any bytes.
     let r = unsafe {
         libc::getsockopt(
             fd,
@@ -286,6 +296,7 @@ impl Xsk {
         frames: u32,
         zc: ZeroCopy,
     ) -> Result<Xsk, String> {
+        // SAFETY: socket takes no pointers.
         let fd = unsafe { libc::socket(AF_XDP, libc::SOCK_RAW | libc::SOCK_CLOEXEC, 0) };
         if fd < 0 {
             return Err(explain(
@@ -293,44 +304,22 @@ impl Xsk {
                 std::io::Error::last_os_error(),
             ));
         }
+        // SAFETY: socket returned a new descriptor (checked above) that nothing else owns.
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
         let raw = fd.as_raw_fd();
         let umem_len = (frames * FRAME_SIZE) as usize;
-        let umem = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                umem_len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_POPULATE,
-                -1,
-                0,
-            )
-        };
-        if umem == libc::MAP_FAILED {
-            return Err(explain(
-                "cannot allocate UMEM",
-                std::io::Error::last_os_error(),
-            ));
-        }
-        let umem = umem as *mut u8;
-        let guard = |e: String| {
-            unsafe { libc::munmap(umem as *mut libc::c_void, umem_len) };
-            e
-        };
+        let (_memfd, umem) = Mapping::create(&format!("stitch-xdp-{ifname}-{queue}"), umem_len)
+            .map_err(|e| explain("cannot allocate UMEM", e))?;
         let reg = UmemReg {
-            addr: umem as u64,
+            addr: umem.as_ptr() as u64,
             len: umem_len as u64,
             chunk_size: FRAME_SIZE,
             headroom: 0,
             flags: 0,
             tx_metadata_len: 0,
         };
-        setsockopt(raw, SOL_XDP, XDP_UMEM_REG, &reg).map_err(|e| {
-            guard(explain(
-                "cannot register UMEM (locked memory limit? `ulimit -l`)",
-                e,
-            ))
-        })?;
+        setsockopt(raw, SOL_XDP, XDP_UMEM_REG, &reg)
+            .map_err(|e| explain("cannot register UMEM (locked memory limit? `ulimit -l`)", e))?;
         let half = frames / 2;
         let ring_size = half.next_power_of_two();
         for (opt, what) in [
@@ -340,19 +329,18 @@ impl Xsk {
             (XDP_TX_RING, "tx"),
         ] {
             setsockopt(raw, SOL_XDP, opt, &ring_size)
-                .map_err(|e| guard(format!("AF_XDP {what} ring: {e}")))?;
+                .map_err(|e| format!("AF_XDP {what} ring: {e}"))?;
         }
-        let off: MmapOffsets = getsockopt(raw, XDP_MMAP_OFFSETS)
-            .map_err(|e| guard(format!("XDP_MMAP_OFFSETS: {e}")))?;
-        let fill = Ring::map(raw, &off.fr, ring_size, 8, PGOFF_FILL).map_err(guard)?;
-        let comp = Ring::map(raw, &off.cr, ring_size, 8, PGOFF_COMPLETION).map_err(guard)?;
-        let rx = Ring::map(raw, &off.rx, ring_size, 16, PGOFF_RX).map_err(guard)?;
-        let tx = Ring::map(raw, &off.tx, ring_size, 16, PGOFF_TX).map_err(guard)?;
+        let off: MmapOffsets =
+            getsockopt(raw, XDP_MMAP_OFFSETS).map_err(|e| format!("XDP_MMAP_OFFSETS: {e}"))?;
+        let fill = Ring::map(fd.as_fd(), &off.fr, ring_size, 8, PGOFF_FILL)?;
+        let comp = Ring::map(fd.as_fd(), &off.cr, ring_size, 8, PGOFF_COMPLETION)?;
+        let rx = Ring::map(fd.as_fd(), &off.rx, ring_size, 16, PGOFF_RX)?;
+        let tx = Ring::map(fd.as_fd(), &off.tx, ring_size, 16, PGOFF_TX)?;
         let mut xsk = Xsk {
             fd,
             queue,
             umem,
-            umem_len,
             fill,
             comp,
             rx,
@@ -363,9 +351,8 @@ impl Xsk {
         // First half of the frames waits in the fill ring for received packets, the rest is for
         // sending.
         for i in 0..half {
-            unsafe {
-                *xsk.fill.addr_slot(xsk.fill.local.wrapping_add(i)) = (i * FRAME_SIZE) as u64
-            };
+            xsk.fill
+                .set_addr(xsk.fill.local.wrapping_add(i), (i * FRAME_SIZE) as u64);
         }
         xsk.fill.local = xsk.fill.local.wrapping_add(half);
         xsk.fill.prod().store(xsk.fill.local, Ordering::Release);
@@ -379,6 +366,7 @@ impl Xsk {
                 queue_id: queue,
                 shared_umem_fd: 0,
             };
+            // SAFETY: `sa` is a live sockaddr_xdp and the length passed is its size.
             let r = unsafe {
                 libc::bind(
                     raw,
@@ -418,6 +406,8 @@ impl Xsk {
     }
 
     fn kick_rx(&self) {
+        // SAFETY: a null buffer of length 0 only wakes the kernel's receive path; nothing is
+        // written.
         unsafe {
             libc::recvfrom(
                 self.fd.as_raw_fd(),
@@ -431,6 +421,7 @@ impl Xsk {
     }
 
     fn kick_tx(&self) {
+        // SAFETY: a null buffer of length 0 only wakes the kernel's transmit path; nothing is read.
         unsafe {
             libc::sendto(
                 self.fd.as_raw_fd(),
@@ -468,7 +459,7 @@ impl Xsk {
     fn reclaim(&mut self) {
         let n = self.comp.ready();
         for i in 0..n {
-            let addr = unsafe { *self.comp.addr_slot(self.comp.local.wrapping_add(i)) };
+            let addr = self.comp.addr(self.comp.local.wrapping_add(i));
             self.tx_free.push(addr & !(FRAME_SIZE as u64 - 1));
         }
         self.comp.local = self.comp.local.wrapping_add(n);
@@ -491,9 +482,6 @@ pub struct AfXdp {
     /// Packets received per queue (`queueN_rx_packets`), to see how traffic spreads.
     queue_rx: Vec<Counter>,
 }
-
-// The rings and UMEM belong to this app alone; they move with it to its worker thread.
-unsafe impl Send for AfXdp {}
 
 impl Drop for AfXdp {
     fn drop(&mut self) {
@@ -518,22 +506,19 @@ impl AfXdp {
         self.queue_rx[s].add(n as u64);
         let mut made = 0;
         for i in 0..n as u32 {
-            let d = x.rx.desc_slot(x.rx.local.wrapping_add(i));
-            let (addr, len) = unsafe {
-                (
-                    std::ptr::read(d as *const u64),
-                    std::ptr::read(d.add(8) as *const u32) as usize,
-                )
-            };
+            let (addr, len) = x.rx.desc(x.rx.local.wrapping_add(i));
             // Give the frame back to the fill ring at once: the data is copied below.
-            unsafe {
-                *x.fill.addr_slot(x.fill.local.wrapping_add(i)) = addr & !(FRAME_SIZE as u64 - 1)
-            };
-            if addr as usize + len > x.umem_len || len < 14 {
+            x.fill.set_addr(
+                x.fill.local.wrapping_add(i),
+                addr & !(FRAME_SIZE as u64 - 1),
+            );
+            let bytes = usize::try_from(addr)
+                .ok()
+                .and_then(|at| x.umem.bytes(at, len as usize));
+            let Some(bytes) = bytes.filter(|b| b.len() >= 14) else {
                 self.rx_malformed.add(1);
                 continue;
-            }
-            let bytes = unsafe { std::slice::from_raw_parts(x.umem.add(addr as usize), len) };
+            };
             let Some(mut p) = pool::alloc() else {
                 self.pool_exhausted.add(1);
                 continue;
@@ -683,17 +668,10 @@ impl App for AfXdp {
                     return;
                 }
                 let addr = x.tx_free.pop().expect("room counted above");
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        seg.data().as_ptr(),
-                        x.umem.add(addr as usize),
-                        seg.len(),
-                    );
-                    let d = x.tx.desc_slot(x.tx.local.wrapping_add(n));
-                    std::ptr::write(d as *mut u64, addr);
-                    std::ptr::write(d.add(8) as *mut u32, seg.len() as u32);
-                    std::ptr::write(d.add(12) as *mut u32, 0);
-                }
+                // Free frames are whole FRAME_SIZE chunks of the UMEM and the segment fits one.
+                let written = x.umem.write(addr as usize, seg.data());
+                debug_assert!(written, "transmit frames lie inside the UMEM");
+                x.tx.set_desc(x.tx.local.wrapping_add(n), addr, seg.len() as u32);
                 n += 1;
             });
             if r.is_err() {

@@ -452,6 +452,7 @@ impl Output {
         if self.direct && self.staged > 0 {
             use std::os::fd::AsRawFd;
             let fd = self.file.as_raw_fd();
+            // SAFETY: fcntl on a descriptor this writer owns; no pointers.
             unsafe {
                 let flags = libc::fcntl(fd, libc::F_GETFL);
                 libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_DIRECT);
@@ -700,12 +701,16 @@ fn writer_loop(mut files: FileRing, jobs: Receiver<Job>, give_back: SyncSender<V
 /// Expands the strftime fields tcpdump users put in -G file names (local time = UTC here).
 pub fn strftime(pattern: &str, now_ns: u64) -> String {
     let secs = (now_ns / 1_000_000_000) as libc::time_t;
+    // SAFETY: tm is a C struct of integers and a pointer; all zeroes is a valid value.
     let mut tm: libc::tm = unsafe { std::mem::zeroed() };
+    // SAFETY: `secs` and `tm` are live; localtime_r writes only `tm`.
     unsafe { libc::localtime_r(&secs, &mut tm) };
     let Ok(fmt) = std::ffi::CString::new(pattern) else {
         return pattern.to_string();
     };
     let mut out = vec![0u8; pattern.len() * 4 + 64];
+    // SAFETY: `out` has out.len() writable bytes, `fmt` is NUL-terminated and `tm` filled above;
+    // strftime writes at most out.len() bytes.
     let n = unsafe {
         libc::strftime(
             out.as_mut_ptr() as *mut libc::c_char,

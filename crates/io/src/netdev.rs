@@ -14,6 +14,7 @@ pub fn ifindex(name: &str) -> Result<u32, String> {
             "`{name}` is not a valid interface name (1..15 characters)"
         ));
     }
+    // SAFETY: `c` is a NUL-terminated string alive for the call.
     match unsafe { libc::if_nametoindex(c.as_ptr()) } {
         0 => Err(format!("no interface named `{name}` (see `ip link show`)")),
         i => Ok(i),
@@ -21,6 +22,7 @@ pub fn ifindex(name: &str) -> Result<u32, String> {
 }
 
 fn ifreq(name: &str) -> libc::ifreq {
+    // SAFETY: ifreq is a C struct of bytes and a union of integers; all zeroes is a valid value.
     let mut r: libc::ifreq = unsafe { std::mem::zeroed() };
     for (d, s) in r.ifr_name.iter_mut().zip(name.bytes()) {
         *d = s as libc::c_char;
@@ -29,10 +31,12 @@ fn ifreq(name: &str) -> libc::ifreq {
 }
 
 fn ioctl_socket() -> io::Result<OwnedFd> {
+    // SAFETY: socket takes no pointers.
     let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
     if fd < 0 {
         return Err(io::Error::last_os_error());
     }
+    // SAFETY: socket returned a new descriptor (checked above) that nothing else owns.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
@@ -40,9 +44,11 @@ fn ioctl_socket() -> io::Result<OwnedFd> {
 pub fn flags(name: &str) -> io::Result<libc::c_int> {
     let s = ioctl_socket()?;
     let mut r = ifreq(name);
+    // SAFETY: SIOCGIFFLAGS writes one ifreq into `r`, which is live.
     if unsafe { libc::ioctl(s.as_raw_fd(), libc::SIOCGIFFLAGS, &mut r) } < 0 {
         return Err(io::Error::last_os_error());
     }
+    // SAFETY: SIOCGIFFLAGS filled the union's flags member.
     Ok(unsafe { r.ifr_ifru.ifru_flags } as libc::c_int)
 }
 
@@ -50,10 +56,13 @@ pub fn flags(name: &str) -> io::Result<libc::c_int> {
 pub fn set_up(name: &str) -> io::Result<()> {
     let s = ioctl_socket()?;
     let mut r = ifreq(name);
+    // SAFETY: SIOCGIFFLAGS writes one ifreq into `r`, which is live.
     if unsafe { libc::ioctl(s.as_raw_fd(), libc::SIOCGIFFLAGS, &mut r) } < 0 {
         return Err(io::Error::last_os_error());
     }
+    // SAFETY: SIOCGIFFLAGS filled the union's flags member (a plain integer).
     unsafe { r.ifr_ifru.ifru_flags |= libc::IFF_UP as libc::c_short };
+    // SAFETY: SIOCSIFFLAGS reads one ifreq from `r`.
     if unsafe { libc::ioctl(s.as_raw_fd(), libc::SIOCSIFFLAGS, &r) } < 0 {
         return Err(io::Error::last_os_error());
     }
@@ -64,9 +73,11 @@ pub fn set_up(name: &str) -> io::Result<()> {
 pub fn mtu(name: &str) -> io::Result<usize> {
     let s = ioctl_socket()?;
     let mut r = ifreq(name);
+    // SAFETY: SIOCGIFMTU writes one ifreq into `r`, which is live.
     if unsafe { libc::ioctl(s.as_raw_fd(), libc::SIOCGIFMTU, &mut r) } < 0 {
         return Err(io::Error::last_os_error());
     }
+    // SAFETY: SIOCGIFMTU filled the union's mtu member.
     Ok(unsafe { r.ifr_ifru.ifru_mtu } as usize)
 }
 
@@ -83,6 +94,7 @@ pub fn explain(what: &str, e: io::Error) -> String {
 
 /// `setsockopt` with a plain value.
 pub fn setsockopt<T>(fd: RawFd, level: i32, opt: i32, v: &T) -> io::Result<()> {
+    // SAFETY: the kernel reads size_of::<T>() bytes from `v`, a live reference.
     let r = unsafe {
         libc::setsockopt(
             fd,

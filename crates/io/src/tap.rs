@@ -61,6 +61,7 @@ fn open(c: &TapConfig) -> Result<OwnedFd, String> {
             "`{name}` is not a valid interface name (1..15 characters)"
         ));
     }
+    // SAFETY: the path is a NUL-terminated literal.
     let fd = unsafe {
         libc::open(
             c"/dev/net/tun".as_ptr(),
@@ -74,13 +75,16 @@ fn open(c: &TapConfig) -> Result<OwnedFd, String> {
             _ => netdev::explain("cannot open /dev/net/tun", e),
         });
     }
+    // SAFETY: open returned a new descriptor (checked above) that nothing else owns.
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: ifreq is a C struct of bytes and a union of integers; all zeroes is a valid value.
     let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
     for (d, s) in req.ifr_name.iter_mut().zip(name.bytes()) {
         *d = s as libc::c_char;
     }
     req.ifr_ifru.ifru_flags =
         (libc::IFF_TAP | libc::IFF_NO_PI | libc::IFF_VNET_HDR) as libc::c_short;
+    // SAFETY: TUNSETIFF reads one ifreq from `req`, which is live.
     if unsafe { libc::ioctl(fd.as_raw_fd(), libc::TUNSETIFF, &req) } < 0 {
         let e = std::io::Error::last_os_error();
         return Err(match e.raw_os_error() {
@@ -90,6 +94,7 @@ fn open(c: &TapConfig) -> Result<OwnedFd, String> {
         });
     }
     let hdr_len: libc::c_int = VNET_HDR_LEN as libc::c_int;
+    // SAFETY: TUNSETVNETHDRSZ reads one c_int from `hdr_len`.
     if unsafe { libc::ioctl(fd.as_raw_fd(), TUNSETVNETHDRSZ, &hdr_len) } < 0 {
         return Err(netdev::explain(
             "TUNSETVNETHDRSZ",
@@ -97,6 +102,7 @@ fn open(c: &TapConfig) -> Result<OwnedFd, String> {
         ));
     }
     let offloads = TUN_F_CSUM | TUN_F_TSO4 | TUN_F_TSO6;
+    // SAFETY: TUNSETOFFLOAD takes its argument by value; no pointers.
     if unsafe {
         libc::ioctl(
             fd.as_raw_fd(),
@@ -151,6 +157,7 @@ impl App for Tap {
         let mut reads = 0;
         while budget >= MAX_SEGMENTS.min(out.ring().capacity()) && reads < BURST {
             reads += 1;
+            // SAFETY: the kernel writes at most buf.len() bytes into `buf`, which has that many.
             let n = unsafe {
                 libc::read(
                     self.fd.as_raw_fd(),
@@ -231,6 +238,8 @@ impl App for Tap {
                     iov_len: p.len(),
                 },
             ];
+            // SAFETY: both iovecs point at live buffers (`hdr`, the packet's data) of the lengths
+            // given; writev only reads them.
             let r = unsafe { libc::writev(self.fd.as_raw_fd(), iov.as_ptr(), 2) };
             if r < 0 {
                 self.tx_errors.add(1);

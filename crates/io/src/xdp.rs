@@ -42,7 +42,13 @@ impl Attr {
         }
         self
     }
-    fn call(&self, cmd: libc::c_long) -> std::io::Result<i64> {
+    /// Runs `bpf(cmd, attr)`.
+    ///
+    /// # Safety
+    /// Every pointer written into the attribute must be valid, for what `cmd` does with it
+    /// (reads, or writes of the length given beside it), for the whole call.
+    unsafe fn call(&self, cmd: libc::c_long) -> std::io::Result<i64> {
+        // SAFETY: the attribute is 128 live bytes; the pointers in it are the caller's word.
         let r = unsafe { libc::syscall(libc::SYS_bpf, cmd, self.0.as_ptr(), self.0.len() as u32) };
         if r < 0 {
             Err(std::io::Error::last_os_error())
@@ -79,14 +85,16 @@ impl XdpRedirect {
         native: bool,
         queues: u32,
     ) -> Result<XdpRedirect, String> {
-        let map = Attr::new()
+        let attr = Attr::new()
             .u32(0, BPF_MAP_TYPE_XSKMAP)
             .u32(4, 4)
             .u32(8, 4)
             .u32(12, queues.max(1))
-            .name(28, "stitch_xsks")
-            .call(BPF_MAP_CREATE)
+            .name(28, "stitch_xsks");
+        // SAFETY: the attribute holds no pointers.
+        let map = unsafe { attr.call(BPF_MAP_CREATE) }
             .map_err(|e| crate::netdev::explain("cannot create the XSKMAP (bpf)", e))?;
+        // SAFETY: BPF_MAP_CREATE returned a new descriptor that nothing else owns.
         let map = unsafe { OwnedFd::from_raw_fd(map as RawFd) };
         let code: Vec<[u8; 8]> = vec![
             insn(0x61, 2, 1, 16, 0),                    // r2 = ctx->rx_queue_index
@@ -99,7 +107,7 @@ impl XdpRedirect {
         let bytes: Vec<u8> = code.concat();
         let license = c"Dual BSD/GPL";
         let mut log = vec![0u8; 4096];
-        let prog = Attr::new()
+        let attr = Attr::new()
             .u32(0, BPF_PROG_TYPE_XDP)
             .u32(4, code.len() as u32)
             .u64(8, bytes.as_ptr() as u64)
@@ -108,30 +116,32 @@ impl XdpRedirect {
             .u32(28, log.len() as u32)
             .u64(32, log.as_mut_ptr() as u64)
             .name(48, "stitch_xsk")
-            .u32(68, BPF_XDP)
-            .call(BPF_PROG_LOAD)
-            .map_err(|e| {
-                let verifier = String::from_utf8_lossy(&log);
-                crate::netdev::explain(
-                    &format!(
-                        "cannot load the XDP program ({})",
-                        verifier.trim_end_matches('\0').trim()
-                    ),
-                    e,
-                )
-            })?;
+            .u32(68, BPF_XDP);
+        // SAFETY: `bytes`, `license` and `log` (written by the kernel up to its length) outlive the call.
+        let prog = unsafe { attr.call(BPF_PROG_LOAD) }.map_err(|e| {
+            let verifier = String::from_utf8_lossy(&log);
+            crate::netdev::explain(
+                &format!(
+                    "cannot load the XDP program ({})",
+                    verifier.trim_end_matches('\0').trim()
+                ),
+                e,
+            )
+        })?;
+        // SAFETY: BPF_PROG_LOAD returned a new descriptor that nothing else owns.
         let prog = unsafe { OwnedFd::from_raw_fd(prog as RawFd) };
         let flags = if native {
             XDP_FLAGS_DRV_MODE
         } else {
             XDP_FLAGS_SKB_MODE
         };
-        let link = Attr::new()
+        let attr = Attr::new()
             .u32(0, prog.as_raw_fd() as u32)
             .u32(4, ifindex)
             .u32(8, BPF_XDP)
-            .u32(12, flags)
-            .call(BPF_LINK_CREATE)
+            .u32(12, flags);
+        // SAFETY: the attribute holds no pointers.
+        let link = unsafe { attr.call(BPF_LINK_CREATE) }
             .map_err(|e| match e.raw_os_error() {
                 Some(libc::EBUSY) | Some(libc::EEXIST) => format!(
                     "an XDP program is already attached to `{ifname}` (see `ip link show {ifname}`; \
@@ -142,6 +152,7 @@ impl XdpRedirect {
                 ),
                 _ => crate::netdev::explain(&format!("cannot attach XDP to `{ifname}`"), e),
             })?;
+        // SAFETY: BPF_LINK_CREATE returned a new descriptor that nothing else owns.
         let link = unsafe { OwnedFd::from_raw_fd(link as RawFd) };
         Ok(XdpRedirect {
             map,
@@ -154,11 +165,12 @@ impl XdpRedirect {
     /// Directs queue `queue` to socket `xsk`.
     pub fn bind_queue(&self, queue: u32, xsk: RawFd) -> Result<(), String> {
         let (key, value) = (queue, xsk as u32);
-        Attr::new()
+        let attr = Attr::new()
             .u32(0, self.map.as_raw_fd() as u32)
             .u64(8, &key as *const u32 as u64)
-            .u64(16, &value as *const u32 as u64)
-            .call(BPF_MAP_UPDATE_ELEM)
+            .u64(16, &value as *const u32 as u64);
+        // SAFETY: `key` and `value` are live u32s, the map's key and value size.
+        unsafe { attr.call(BPF_MAP_UPDATE_ELEM) }
             .map(|_| ())
             .map_err(|e| {
                 format!("cannot add the AF_XDP socket of queue {queue} to the XSKMAP: {e}")
@@ -168,9 +180,10 @@ impl XdpRedirect {
     /// Stops directing queue `queue` to a socket.
     pub fn unbind_queue(&self, queue: u32) {
         let key = queue;
-        let _ = Attr::new()
+        let attr = Attr::new()
             .u32(0, self.map.as_raw_fd() as u32)
-            .u64(8, &key as *const u32 as u64)
-            .call(BPF_MAP_DELETE_ELEM);
+            .u64(8, &key as *const u32 as u64);
+        // SAFETY: `key` is a live u32, the map's key size.
+        let _ = unsafe { attr.call(BPF_MAP_DELETE_ELEM) };
     }
 }

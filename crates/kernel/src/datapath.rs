@@ -124,6 +124,7 @@ fn verifier_excerpt() -> String {
 }
 
 fn ensure_bpffs() -> Result<(), Error> {
+    // SAFETY: statfs is a C struct of integers; all zeroes is a valid value.
     let mut st: libc::statfs = unsafe { std::mem::zeroed() };
     let path = std::ffi::CString::new(BPFFS).unwrap();
     // SAFETY: valid path and out pointer.

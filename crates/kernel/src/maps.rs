@@ -197,25 +197,37 @@ pub struct CtKey {
     pub pad: [u8; 3],
 }
 
-// SAFETY: all of the above are repr(C), padded by hand, integers and byte arrays only.
-unsafe impl Pod for u32 {}
-unsafe impl Pod for u64 {}
-unsafe impl Pod for ViInfo {}
-unsafe impl Pod for FnInfo {}
-unsafe impl Pod for ViStats {}
-unsafe impl Pod for FnStats {}
-unsafe impl Pod for Globals {}
-unsafe impl Pod for BridgePort {}
-unsafe impl Pod for FdbKey {}
-unsafe impl Pod for RouterPort {}
-unsafe impl Pod for RouteKey {}
-unsafe impl Pod for Route {}
-unsafe impl Pod for NeighKey {}
-unsafe impl Pod for Neigh {}
-unsafe impl Pod for FwRule {}
-unsafe impl Pod for CtKey {}
-unsafe impl Pod for VxlanSegment {}
-unsafe impl Pod for VniTarget {}
+/// Marks map keys and values as plain bytes.
+macro_rules! pod {
+    ($($t:ty),* $(,)?) => {
+        $(
+            // SAFETY: repr(C), padded by hand, integers and byte arrays only: every byte
+            // pattern is a value and no byte is padding.
+            unsafe impl Pod for $t {}
+        )*
+    };
+}
+
+pod!(
+    u32,
+    u64,
+    ViInfo,
+    FnInfo,
+    ViStats,
+    FnStats,
+    Globals,
+    BridgePort,
+    FdbKey,
+    RouterPort,
+    RouteKey,
+    Route,
+    NeighKey,
+    Neigh,
+    FwRule,
+    CtKey,
+    VxlanSegment,
+    VniTarget,
+);
 
 /// The names of each function kind's own counters, in the order of its C enum (from
 /// `FC_OWN`); the first four are every function's.

@@ -12,10 +12,12 @@
 //! polling mode it yields the CPU between empty polls. Either way it returns when Stitch closes
 //! the port.
 
-use crate::shm::{ChannelHeader, Consumer, Desc, Layout, Mapping, Producer, RingView, FLAG_DROP};
+use crate::shm::{
+    self, ChannelHeader, Consumer, Desc, Layout, Mapping, Producer, Region, RingView, FLAG_DROP,
+};
 use serde_json::Value;
 use std::io::{self, Write};
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::atomic::Ordering;
@@ -65,19 +67,21 @@ struct RxChannel {
 
 impl TxChannel {
     fn header(&self) -> &ChannelHeader {
-        unsafe { &*(self.map.base as *const ChannelHeader) }
+        self.map.channel_header().expect("checked by map_channel")
     }
 }
 
 impl RxChannel {
     fn header(&self) -> &ChannelHeader {
-        unsafe { &*(self.map.base as *const ChannelHeader) }
+        self.map.channel_header().expect("checked by map_channel")
     }
 }
 
 /// Maps a channel memfd whatever its size (read from the file).
 fn map_channel(fd: &OwnedFd) -> io::Result<(Mapping, RingView)> {
+    // SAFETY: stat is a C struct of integers; all zeroes is a valid value.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstat writes one stat into `st`, which is live and large enough.
     if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
         return Err(io::Error::last_os_error());
     }
@@ -85,8 +89,10 @@ fn map_channel(fd: &OwnedFd) -> io::Result<(Mapping, RingView)> {
     if !(crate::shm::CHANNEL_RING..=64 << 20).contains(&len) {
         return Err(invalid("direct channel of an impossible size"));
     }
-    let map = Mapping::map(fd.as_raw_fd(), len, true)?;
-    let (_, ring) = map.channel()?;
+    let map = shm::map(fd.as_fd(), len, true)?;
+    // SAFETY: the view is returned with the mapping, and every holder keeps both together (a
+    // TxChannel or RxChannel).
+    let (_, ring) = unsafe { map.channel()? };
     Ok((map, ring))
 }
 
@@ -124,17 +130,24 @@ impl Function {
             return Err(invalid("Stitch sent no memory"));
         };
         let size = reply["region_size"].as_u64().unwrap_or(0) as usize;
-        let region = Mapping::map(memfd.as_raw_fd(), size, size <= crate::shm::POPULATE_MAX)?;
-        let h = region.header();
+        let region = shm::map(memfd.as_fd(), size, size <= crate::shm::POPULATE_MAX)?;
+        let h = region
+            .header()
+            .ok_or_else(|| invalid("region smaller than its header"))?;
         let layout = Layout::read(h, size)?;
         let pool = if zero_copy {
             let fd = fds.next().ok_or_else(|| invalid("no packet memory"))?;
-            Some(Mapping::map(fd.as_raw_fd(), h.pool_bytes as usize, false)?)
+            Some(shm::map(fd.as_fd(), h.pool_bytes as usize, false)?)
         } else {
             None
         };
-        let to_nf = Consumer::new(unsafe { region.ring(layout.to_nf, layout.ring_size) });
-        let from_nf = Producer::new(unsafe { region.ring(layout.from_nf, layout.ring_size) });
+        let ring = |offset| {
+            // SAFETY: the views live in `Function` beside `region`, which outlives them.
+            unsafe { region.ring(offset, layout.ring_size) }
+                .ok_or_else(|| invalid("ring outside the region"))
+        };
+        let to_nf = Consumer::new(ring(layout.to_nf)?);
+        let from_nf = Producer::new(ring(layout.from_nf)?);
         Ok(Function {
             conn,
             blocking: h.wake == 1,
@@ -156,7 +169,7 @@ impl Function {
     /// Takes the control messages Stitch sent (a direct channel to use): one load when there
     /// are none.
     fn check_control(&mut self) -> io::Result<()> {
-        let sent = self.region.header().control.0.load(Ordering::Acquire);
+        let sent = self.region_header().control.0.load(Ordering::Acquire);
         while self.control_seen != sent {
             let (bytes, fds) = fdpass::recv(self.conn.as_raw_fd(), 4096)?;
             if bytes.is_empty() {
@@ -197,11 +210,13 @@ impl Function {
 
     fn use_tx_channel(&mut self, memfd: &OwnedFd, peer_doorbell: OwnedFd) -> io::Result<()> {
         let (map, ring) = map_channel(memfd)?;
-        let h = unsafe { &*(map.base as *const ChannelHeader) };
+        let h = map.channel_header().expect("checked by map_channel");
         if h.end.0.load(Ordering::Acquire) != 0 {
             h.sender.0.store(2, Ordering::Release);
             return Ok(());
         }
+        // SAFETY: `h.released` is in the channel mapping, which the TxChannel built below keeps
+        // beside the producer.
         let ring = unsafe { Producer::gated(ring, &h.released.0) };
         // Everything forwarded so far is published on `from_nf` (each poll ends so): from now
         // on forwarded packets go to the channel.
@@ -227,7 +242,7 @@ impl Function {
         let Some(rx) = &mut self.rx else {
             return false;
         };
-        let h = unsafe { &*(rx.map.base as *const ChannelHeader) };
+        let h = rx.map.channel_header().expect("checked by map_channel");
         if h.end.0.load(Ordering::Acquire) != 0 {
             if let Some(c) = &rx.reading {
                 c.release();
@@ -242,6 +257,11 @@ impl Function {
         rx.reading.is_some()
     }
 
+    /// The region's header (checked at attach).
+    fn region_header(&self) -> &crate::shm::RegionHeader {
+        self.region.header().expect("checked at attach")
+    }
+
     pub fn is_blocking(&self) -> bool {
         self.blocking
     }
@@ -251,19 +271,16 @@ impl Function {
     }
 
     /// The bytes of one packet, checked to lie inside the shared memory.
-    fn frame(&self, d: &Desc) -> Option<&'static mut [u8]> {
-        let (base, len, start) = if let Some(pool) = &self.pool {
-            let start = d.buffer as usize * self.pool_stride + self.pool_header + d.offset as usize;
-            (pool.base, pool.len, start)
+    fn frame(&mut self, d: &Desc) -> Option<&mut [u8]> {
+        let (map, start) = if let Some(pool) = &mut self.pool {
+            let at = (d.buffer as usize).checked_mul(self.pool_stride)?;
+            (pool, at.checked_add(self.pool_header + d.offset as usize)?)
         } else {
-            let start = self.layout.bufs
-                + d.buffer as usize * self.layout.buffer_size as usize
-                + d.offset as usize;
-            (self.region.base, self.region.len, start)
+            let at = (d.buffer as usize).checked_mul(self.layout.buffer_size as usize)?;
+            let at = at.checked_add(self.layout.bufs + d.offset as usize)?;
+            (&mut self.region, at)
         };
-        let end = start.checked_add(d.len as usize)?;
-        (end <= len)
-            .then(|| unsafe { std::slice::from_raw_parts_mut(base.add(start), d.len as usize) })
+        map.bytes_mut(start, d.len as usize)
     }
 
     /// Handles up to `max` waiting packets with `f`; returns how many.
@@ -382,7 +399,7 @@ impl Function {
     /// Whether anything waits: this function's ring, a handed-over channel, a control message.
     fn has_work(&mut self) -> bool {
         if self.to_nf.available().unwrap_or(0) > 0
-            || self.region.header().control.0.load(Ordering::Acquire) != self.control_seen
+            || self.region_header().control.0.load(Ordering::Acquire) != self.control_seen
         {
             return true;
         }
@@ -404,10 +421,12 @@ impl Function {
             events: libc::POLLIN,
             revents: 0,
         };
+        // SAFETY: `fd` is one live pollfd.
         if unsafe { libc::poll(&mut fd, 1, if wait { -1 } else { 0 }) } <= 0 {
             return false;
         }
         let mut b = 0u8;
+        // SAFETY: the kernel writes at most one byte into `b`.
         let n = unsafe {
             libc::recv(
                 self.conn.as_raw_fd(),
@@ -433,7 +452,7 @@ impl Function {
     /// the rings again); a stale "asleep" seen by Stitch only costs a spare doorbell.
     fn set_sleeping(&self, asleep: bool) {
         let v = asleep as u32;
-        self.region.header().sleeping.0.store(v, Ordering::Relaxed);
+        self.region_header().sleeping.0.store(v, Ordering::Relaxed);
         if let Some(rx) = &self.rx {
             rx.header().receiver_sleeping.0.store(v, Ordering::Relaxed);
         }
@@ -458,7 +477,8 @@ impl Function {
     /// Fault injection for tests: the whole shared region, to scribble over.
     #[doc(hidden)]
     pub fn region_bytes(&mut self) -> &mut [u8] {
-        unsafe { std::slice::from_raw_parts_mut(self.region.base, self.region.len) }
+        let len = self.region.len();
+        self.region.bytes_mut(0, len).expect("the whole region")
     }
 
     /// Serves packets with `f` until Stitch closes the port.
@@ -551,6 +571,7 @@ fn wait_any(
             }),
     );
     loop {
+        // SAFETY: `fds` is a live array of fds.len() pollfd entries.
         let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
         if n < 0 {
             let e = io::Error::last_os_error();
@@ -566,6 +587,7 @@ fn wait_any(
     for (i, fun) in functions.iter().enumerate() {
         if fds[2 * i].revents != 0 {
             let mut v = 0u64;
+            // SAFETY: the kernel writes at most 8 bytes into `v`, a u64.
             unsafe {
                 libc::read(
                     fun.doorbell.as_raw_fd(),

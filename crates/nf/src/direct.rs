@@ -25,7 +25,7 @@
 //! exactly), and packets and bytes are counted for the switch's flow and port statistics.
 
 use crate::listener::PortShared;
-use crate::shm::{channel_size, ChannelHeader, Consumer, Index, Mapping, RingView, MAGIC};
+use crate::shm::{channel_size, ChannelHeader, Consumer, Index, Mapping, Region, RingView, MAGIC};
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -148,9 +148,10 @@ pub struct Direct {
     pub handback_ns: AtomicU64,
 }
 
-// The ring view points into `map`, which lives as long as the `Direct`; who touches which index
-// is decided by the phase, under `state`.
+// SAFETY: the ring view points into `map`, which lives as long as the `Direct`; who touches
+// which index is decided by the phase, under `state`.
 unsafe impl Send for Direct {}
+// SAFETY: as for Send.
 unsafe impl Sync for Direct {}
 
 /// Counters of one accounting pass.
@@ -177,15 +178,15 @@ impl Direct {
         };
         let (sender, receiver) = (current(from)?, current(to)?);
         let len = channel_size(ring_size);
-        let (memfd, map) =
+        let (memfd, mut map) =
             Mapping::create(&format!("stitch-direct-{}-{}", from.name, to.name), len)
                 .map_err(|e| format!("cannot create a direct channel: {e}"))?;
-        unsafe {
-            let h = map.base as *mut ChannelHeader;
-            std::ptr::addr_of_mut!((*h).magic).write(MAGIC);
-            std::ptr::addr_of_mut!((*h).ring_size).write(ring_size);
-        }
-        let (_, ring) = map.channel().map_err(|e| format!("direct channel: {e}"))?;
+        // SAFETY: ChannelHeader is repr(C) of integers and atomics; nobody else has the memfd yet.
+        let h = unsafe { map.view_mut::<ChannelHeader>(0) }.ok_or("direct channel too small")?;
+        h.magic = MAGIC;
+        h.ring_size = ring_size;
+        // SAFETY: the view is kept in `Direct` beside `map`, which outlives it.
+        let (_, ring) = unsafe { map.channel() }.map_err(|e| format!("direct channel: {e}"))?;
         Ok(Arc::new(Direct {
             from: from.clone(),
             to: to.clone(),
@@ -213,7 +214,7 @@ impl Direct {
     }
 
     pub fn header(&self) -> &ChannelHeader {
-        unsafe { &*(self.map.base as *const ChannelHeader) }
+        self.map.channel_header().expect("checked when created")
     }
 
     pub fn ring_size(&self) -> u32 {
@@ -496,6 +497,7 @@ fn load(i: &Index) -> u32 {
 
 pub fn ring_doorbell(fd: &OwnedFd) {
     let one: u64 = 1;
+    // SAFETY: the kernel reads 8 bytes from `one`, a live u64.
     unsafe {
         libc::write(fd.as_raw_fd(), &one as *const u64 as *const libc::c_void, 8);
     }
@@ -527,7 +529,11 @@ pub fn test_port(name: &str, generation: u64) -> (Arc<PortShared>, Arc<Held>) {
         },
     );
     let held = Held::new(4096);
-    let fd = unsafe { OwnedFd::from_raw_fd(libc::eventfd(0, libc::EFD_CLOEXEC)) };
+    // SAFETY: eventfd takes no pointers.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+    assert!(fd >= 0, "eventfd: {}", std::io::Error::last_os_error());
+    // SAFETY: a new descriptor that nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
     *p.current.lock().unwrap() = Some(Current {
         generation,
         held: held.clone(),
@@ -578,6 +584,7 @@ mod tests {
         let d = Direct::new(&a, &b, 64).unwrap();
         let h = d.header();
         let ring = test_ring(&d);
+        // SAFETY: `h.released` is in the channel mapping, which `d` keeps alive for the whole test.
         let mut tx = unsafe { Producer::gated(ring, &h.released.0) };
         // Offered: A's port reads only its own ring until A writes here.
         assert_eq!(d.sender_step(0, true), SenderStep::FromNf);

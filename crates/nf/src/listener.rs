@@ -10,7 +10,7 @@ use crate::shm::{Layout, Mapping, RegionHeader, MAGIC, VERSION};
 use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::io::{self, BufRead, BufReader};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -37,6 +37,16 @@ pub struct Attachment {
     pub conn: OwnedFd,
     pub generation: u64,
     pub pid: i32,
+}
+
+impl Attachment {
+    /// The region's header (the listener made the region at least that large).
+    pub fn header(&self) -> &RegionHeader {
+        use crate::shm::Region;
+        self.region
+            .header()
+            .expect("the listener writes the header first")
+    }
 }
 
 /// What the listener and a port's app share.
@@ -206,6 +216,7 @@ fn serve(sock: UnixListener, listener: Weak<Listener>) {
                 revents: 0,
             })
             .collect();
+        // SAFETY: `fds` is a live array of fds.len() pollfd entries.
         let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 200) };
         if n <= 0 {
             continue;
@@ -248,7 +259,9 @@ fn serve(sock: UnixListener, listener: Weak<Listener>) {
 /// Each attached function costs two descriptors (its connection and doorbell): thousands of
 /// functions need more than the usual soft limit of 1024, so take the hard limit.
 fn raise_fd_limit() {
+    // SAFETY: rlimit is two integers; zero is a valid value.
     let mut r: libc::rlimit = unsafe { std::mem::zeroed() };
+    // SAFETY: both calls read or write only `r`, a live rlimit.
     unsafe {
         if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) == 0 && r.rlim_cur < r.rlim_max {
             r.rlim_cur = r.rlim_max;
@@ -258,8 +271,10 @@ fn raise_fd_limit() {
 }
 
 fn peer_pid(stream: &UnixStream) -> i32 {
+    // SAFETY: ucred is three integers; zero is a valid value.
     let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: the kernel writes at most `len` bytes (ucred's size) into `cred`.
     let r = unsafe {
         libc::getsockopt(
             stream.as_raw_fd(),
@@ -319,16 +334,19 @@ fn attach(l: &Listener, stream: &UnixStream) -> Result<(Arc<PortShared>, u64), S
     );
     let memfd = crate::shm::memfd(&format!("stitch-nf-{name}"), layout.size)
         .map_err(|e| format!("cannot create the port's memory: {e}"))?;
-    let region = Mapping::map(
-        memfd.as_raw_fd(),
+    let mut region = crate::shm::map(
+        memfd.as_fd(),
         layout.size,
         layout.size <= crate::shm::POPULATE_MAX,
     )
     .map_err(|e| format!("cannot map: {e}"))?;
     let pool = stitch_core::pool::get();
     let (_, pool_bytes) = pool.region();
-    unsafe {
-        (region.base as *mut RegionHeader).write(RegionHeader {
+    // SAFETY: RegionHeader is repr(C) of integers and atomics; the function has not got the
+    // memfd yet.
+    let header = unsafe { region.view_mut::<RegionHeader>(0) }.ok_or("region too small")?;
+    {
+        *header = RegionHeader {
             magic: MAGIC,
             version: VERSION,
             mode: if s.zero_copy { 0 } else { 1 },
@@ -345,12 +363,14 @@ fn attach(l: &Listener, stream: &UnixStream) -> Result<(Arc<PortShared>, u64), S
             pool_bytes: if s.zero_copy { pool_bytes as u64 } else { 0 },
             sleeping: crate::shm::Index(Default::default()),
             control: crate::shm::Index(Default::default()),
-        });
+        };
     }
+    // SAFETY: eventfd takes no pointers.
     let doorbell = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
     if doorbell < 0 {
         return Err(format!("eventfd: {}", io::Error::last_os_error()));
     }
+    // SAFETY: eventfd returned a new descriptor that nothing else owns.
     let doorbell = Arc::new(unsafe { OwnedFd::from_raw_fd(doorbell) });
     let conn = stream
         .try_clone()

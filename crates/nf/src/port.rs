@@ -33,7 +33,7 @@
 
 use crate::direct::{self, Current, Direct, Held, SenderStep};
 use crate::listener::{self, Attachment, Listener, PortSettings, PortShared};
-use crate::shm::{Consumer, Desc, Producer, FLAG_DROP};
+use crate::shm::{Consumer, Desc, Producer, Region, FLAG_DROP};
 use serde::Deserialize;
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
@@ -141,8 +141,16 @@ struct Active {
 impl Active {
     fn new(att: Attachment, zero_copy: bool) -> Active {
         let l = att.layout;
-        let to_nf = Producer::new(unsafe { att.region.ring(l.to_nf, l.ring_size) });
-        let from_nf = Consumer::new(unsafe { att.region.ring(l.from_nf, l.ring_size) });
+        // SAFETY: the views live in `Active` beside `att`, which owns the region and outlives
+        // them; the listener checked the layout against the region when it made it.
+        let (to_nf, from_nf) = unsafe {
+            (
+                att.region.ring(l.to_nf, l.ring_size),
+                att.region.ring(l.from_nf, l.ring_size),
+            )
+        };
+        let to_nf = Producer::new(to_nf.expect("layout checked by the listener"));
+        let from_nf = Consumer::new(from_nf.expect("layout checked by the listener"));
         let bits = if zero_copy {
             pool::get().packets()
         } else {
@@ -191,7 +199,6 @@ impl Active {
         }
         self.control_sent += 1;
         self.att
-            .region
             .header()
             .control
             .0
@@ -200,13 +207,10 @@ impl Active {
     }
 }
 
-fn slot_ptr(att: &Attachment, i: u32) -> *mut u8 {
+/// Where isolated slot `i` starts in the region.
+fn slot_offset(att: &Attachment, i: u32) -> usize {
     let l = &att.layout;
-    unsafe {
-        att.region
-            .base
-            .add(l.bufs + i as usize * l.buffer_size as usize)
-    }
+    l.bufs + i as usize * l.buffer_size as usize
 }
 
 /// A function that left while its packets were on a direct channel: the channel is read empty
@@ -297,8 +301,8 @@ fn copy_back(
             exhausted += 1;
             continue;
         };
-        let src = unsafe { std::slice::from_raw_parts(slot_ptr(&a.att, d.buffer).add(off), len) };
-        if p.set_data(src).is_err() {
+        let src = a.att.region.bytes(slot_offset(&a.att, d.buffer) + off, len);
+        if src.is_none_or(|src| p.set_data(src).is_err()) {
             bad += 1;
             continue;
         }
@@ -535,12 +539,9 @@ impl App for NfPort {
                     full += 1;
                     continue;
                 };
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        p.data().as_ptr(),
-                        slot_ptr(&a.att, slot),
-                        p.len(),
-                    );
+                if !a.att.region.write(slot_offset(&a.att, slot), p.data()) {
+                    big += 1;
+                    continue;
                 }
                 held.hold(slot);
                 a.slot_stamps[slot as usize] = p.timestamp_ns();
@@ -825,7 +826,7 @@ impl NfPort {
         if a.unsignalled < self.batch && !aged {
             return;
         }
-        let sleeping = &a.att.region.header().sleeping.0;
+        let sleeping = &a.att.header().sleeping.0;
         // Pairs with the function's store of `sleeping` before it looks at the ring once more:
         // either it sees the packets just published or this load sees it asleep.
         std::sync::atomic::fence(Ordering::SeqCst);
@@ -849,6 +850,7 @@ impl NfPort {
             .is_ok()
         {
             let one: u64 = 1;
+            // SAFETY: the kernel reads 8 bytes from `one`, a live u64.
             unsafe {
                 libc::write(
                     a.att.doorbell.as_raw_fd(),

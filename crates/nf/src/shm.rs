@@ -13,8 +13,9 @@
 //! can confuse only itself — Stitch checks every index and descriptor it reads.
 
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, Ordering};
+use stitch_core::mapping::MapOptions;
 
 pub const MAGIC: u64 = u64::from_le_bytes(*b"STITCHNF");
 /// 2: the `control` word and direct channels.
@@ -179,105 +180,105 @@ fn round_up(n: usize, to: usize) -> usize {
     n.div_ceil(to) * to
 }
 
-/// A shared mapping, unmapped on drop.
-pub struct Mapping {
-    pub base: *mut u8,
-    pub len: usize,
-}
+pub use stitch_core::mapping::Mapping;
 
-// The mapping is plain shared memory; the types built on it decide who touches what.
-unsafe impl Send for Mapping {}
-unsafe impl Sync for Mapping {}
-
-impl Mapping {
-    /// Maps `len` bytes of `fd` shared, read-write; `populate` faults every page in now (for
-    /// the small region), else pages come on first touch (the packet pool: hundreds of MiB).
-    pub fn map(fd: RawFd, len: usize, populate: bool) -> io::Result<Mapping> {
-        let flags = libc::MAP_SHARED | if populate { libc::MAP_POPULATE } else { 0 };
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                flags,
-                fd,
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(Mapping {
-            base: p as *mut u8,
-            len,
-        })
-    }
-
-    pub fn header(&self) -> &RegionHeader {
-        unsafe { &*(self.base as *const RegionHeader) }
-    }
-
-    /// # Safety
-    /// `offset` must be the start of a ring of `size` descriptors inside the mapping.
-    pub unsafe fn ring(&self, offset: usize, size: u32) -> RingView {
-        RingView {
-            hdr: self.base.add(offset) as *const RingHeader,
-            descs: self.base.add(offset + std::mem::size_of::<RingHeader>()) as *mut Desc,
-            mask: size - 1,
-        }
-    }
-
-    /// The mapping as a direct channel, checked: magic, a power-of-two ring that fits.
-    pub fn channel(&self) -> io::Result<(&ChannelHeader, RingView)> {
-        let bad = |what: &str| io::Error::new(io::ErrorKind::InvalidData, what.to_string());
-        if self.len < CHANNEL_RING {
-            return Err(bad("direct channel too small"));
-        }
-        let h = unsafe { &*(self.base as *const ChannelHeader) };
-        let size = h.ring_size;
-        if h.magic != MAGIC || !size.is_power_of_two() || channel_size(size) > self.len {
-            return Err(bad("not a direct channel (magic, ring size)"));
-        }
-        let ring = RingView {
-            hdr: &h.ring,
-            descs: unsafe { self.base.add(CHANNEL_RING) } as *mut Desc,
-            mask: size - 1,
-        };
-        Ok((h, ring))
-    }
-
-    /// A region of `len` bytes of fresh shared memory: the memfd and its mapping.
-    pub fn create(name: &str, len: usize) -> io::Result<(OwnedFd, Mapping)> {
-        let fd = memfd(name, len)?;
-        let m = Mapping::map(fd.as_raw_fd(), len, true)?;
-        Ok((fd, m))
-    }
-}
-
-impl Drop for Mapping {
-    fn drop(&mut self) {
-        unsafe {
-            libc::munmap(self.base as *mut libc::c_void, self.len);
-        }
-    }
+/// Maps `len` bytes of `fd` shared, read-write; `populate` faults every page in now (for
+/// the small region), else pages come on first touch (the packet pool: hundreds of MiB).
+pub fn map(fd: BorrowedFd<'_>, len: usize, populate: bool) -> io::Result<Mapping> {
+    let opts = MapOptions {
+        populate,
+        ..MapOptions::default()
+    };
+    Mapping::shared(fd, len, opts)
 }
 
 /// A new anonymous shared-memory file of `len` bytes.
 pub fn memfd(name: &str, len: usize) -> io::Result<OwnedFd> {
-    let cname = std::ffi::CString::new(name).unwrap();
-    let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
+    stitch_core::mapping::memfd(name, len, false)
+}
+
+/// The structures of a port region or a direct channel in a mapping.
+pub trait Region {
+    /// The region header; `None` if the mapping is too small for one.
+    fn header(&self) -> Option<&RegionHeader>;
+
+    /// The header of a direct channel; `None` if the mapping is too small for one.
+    fn channel_header(&self) -> Option<&ChannelHeader>;
+
+    /// The ring at `offset` of `size` descriptors (a power of two); `None` unless it lies
+    /// inside the mapping, aligned.
+    ///
+    /// # Safety
+    /// The view must not outlive the mapping (it holds no borrow of it).
+    unsafe fn ring(&self, offset: usize, size: u32) -> Option<RingView>;
+
+    /// The mapping as a direct channel, checked: magic, a power-of-two ring that fits.
+    ///
+    /// # Safety
+    /// As for `ring`: the view must not outlive the mapping.
+    unsafe fn channel(&self) -> io::Result<(&ChannelHeader, RingView)>;
+}
+
+impl Region for Mapping {
+    fn header(&self) -> Option<&RegionHeader> {
+        // SAFETY: RegionHeader is repr(C) of integers and atomics (any bytes are a value); the
+        // fields the function changes while Stitch reads are atomics.
+        unsafe { self.view::<RegionHeader>(0) }
     }
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
-        return Err(io::Error::last_os_error());
+
+    fn channel_header(&self) -> Option<&ChannelHeader> {
+        // SAFETY: ChannelHeader is repr(C) of integers and atomics; the fields the other side
+        // writes while this side reads are atomics.
+        unsafe { self.view::<ChannelHeader>(0) }
     }
-    Ok(fd)
+
+    unsafe fn ring(&self, offset: usize, size: u32) -> Option<RingView> {
+        if !size.is_power_of_two() {
+            return None;
+        }
+        let descs = offset.checked_add(std::mem::size_of::<RingHeader>())?;
+        let bytes = (size as usize).checked_mul(std::mem::size_of::<Desc>())?;
+        // SAFETY: RingHeader is repr(C) of atomics.
+        let hdr = unsafe { self.view::<RingHeader>(offset)? };
+        let slots = self.bytes(descs, bytes)?;
+        if !(slots.as_ptr() as usize).is_multiple_of(std::mem::align_of::<Desc>()) {
+            return None;
+        }
+        Some(RingView {
+            hdr,
+            descs: slots.as_ptr() as *mut Desc,
+            mask: size - 1,
+        })
+    }
+
+    unsafe fn channel(&self) -> io::Result<(&ChannelHeader, RingView)> {
+        let bad = |what: &str| io::Error::new(io::ErrorKind::InvalidData, what.to_string());
+        let h = self
+            .channel_header()
+            .ok_or_else(|| bad("direct channel too small"))?;
+        let size = h.ring_size;
+        if h.magic != MAGIC || !size.is_power_of_two() || channel_size(size) > self.len() {
+            return Err(bad("not a direct channel (magic, ring size)"));
+        }
+        let slots = self
+            .bytes(CHANNEL_RING, size as usize * std::mem::size_of::<Desc>())
+            .filter(|d| (d.as_ptr() as usize).is_multiple_of(std::mem::align_of::<Desc>()))
+            .ok_or_else(|| bad("direct channel ring outside the mapping"))?;
+        let ring = RingView {
+            hdr: &h.ring,
+            descs: slots.as_ptr() as *mut Desc,
+            mask: size - 1,
+        };
+        Ok((h, ring))
+    }
 }
 
 /// A ring in the region. Producer and consumer each keep their own index in a [`Producer`] or
 /// [`Consumer`]; the view only reads the other side's published index.
+///
+/// Made only by [`Region::ring`] and [`Region::channel`], which check that the header and
+/// `mask + 1` descriptors lie inside the mapping, and whose callers keep the mapping alive as
+/// long as the view: the pointers below are valid for the view's whole life.
 #[derive(Clone, Copy)]
 pub struct RingView {
     hdr: *const RingHeader,
@@ -285,6 +286,9 @@ pub struct RingView {
     mask: u32,
 }
 
+// SAFETY: the view points into shared memory meant for concurrent use (atomic indexes,
+// descriptors copied in and out with volatile accesses); moving it to another thread changes
+// nothing about who may touch what.
 unsafe impl Send for RingView {}
 
 impl RingView {
@@ -295,18 +299,21 @@ impl RingView {
     /// The descriptor in slot `index` (a copy).
     #[inline]
     pub fn read(&self, index: u32) -> Desc {
+        // SAFETY: index & mask < mask + 1 descriptors, all inside the mapping (RingView).
         unsafe { self.descs.add((index & self.mask) as usize).read_volatile() }
     }
 
     /// The producer's published index.
     #[inline]
     pub fn head(&self) -> u32 {
+        // SAFETY: `hdr` is valid while the view lives (RingView).
         unsafe { (*self.hdr).head.0.load(Ordering::Acquire) }
     }
 
     /// The consumer's published index.
     #[inline]
     pub fn tail(&self) -> u32 {
+        // SAFETY: `hdr` is valid while the view lives (RingView).
         unsafe { (*self.hdr).tail.0.load(Ordering::Acquire) }
     }
 }
@@ -321,6 +328,8 @@ pub struct Producer {
     gate: *const AtomicU32,
 }
 
+// SAFETY: as for RingView; `gate` points into the same mapping (or one that outlives it,
+// `Producer::gated`'s contract).
 unsafe impl Send for Producer {}
 
 impl Producer {
@@ -329,6 +338,7 @@ impl Producer {
             ring,
             head: 0,
             tail: 0,
+            // SAFETY: `hdr` is valid while the view lives (RingView).
             gate: unsafe { &(*ring.hdr).tail.0 },
         }
     }
@@ -354,6 +364,7 @@ impl Producer {
     pub fn free(&mut self) -> Option<u32> {
         let size = self.ring.size();
         if self.head != self.tail {
+            // SAFETY: `gate` lives as long as the ring's mapping (`new`, `gated`).
             self.tail = unsafe { (*self.gate).load(Ordering::Acquire) };
         }
         let used = self.head.wrapping_sub(self.tail);
@@ -363,6 +374,7 @@ impl Producer {
     /// Writes a descriptor; the caller checked [`Producer::free`].
     #[inline]
     pub fn put(&mut self, d: Desc) {
+        // SAFETY: the slot index is masked into the ring, inside the mapping (RingView).
         unsafe {
             self.ring
                 .descs
@@ -375,11 +387,13 @@ impl Producer {
     /// Makes the descriptors written so far visible to the consumer.
     #[inline]
     pub fn publish(&self) {
+        // SAFETY: `hdr` is valid while the view lives (RingView).
         unsafe { (*self.ring.hdr).head.0.store(self.head, Ordering::Release) };
     }
 
     /// Descriptors written and not yet consumed, as of the last look at the consumer.
     pub fn pending(&mut self) -> u32 {
+        // SAFETY: `gate` lives as long as the ring's mapping (`new`, `gated`).
         self.tail = unsafe { (*self.gate).load(Ordering::Acquire) };
         self.head.wrapping_sub(self.tail).min(self.ring.size())
     }
@@ -416,6 +430,7 @@ impl Consumer {
     /// Descriptors ready; `None` when the producer published an impossible index.
     #[inline]
     pub fn available(&self) -> Option<u32> {
+        // SAFETY: `hdr` is valid while the view lives (RingView).
         let head = unsafe { (*self.ring.hdr).head.0.load(Ordering::Acquire) };
         let n = head.wrapping_sub(self.tail);
         (n <= self.ring.size()).then_some(n)
@@ -424,6 +439,7 @@ impl Consumer {
     /// Reads the next descriptor (a copy: the producer may change the slot afterwards).
     #[inline]
     pub fn take(&mut self) -> Desc {
+        // SAFETY: the slot index is masked into the ring, inside the mapping (RingView).
         let d = unsafe {
             self.ring
                 .descs
@@ -437,6 +453,7 @@ impl Consumer {
     /// Gives the consumed slots back to the producer.
     #[inline]
     pub fn release(&self) {
+        // SAFETY: `hdr` is valid while the view lives (RingView).
         unsafe { (*self.ring.hdr).tail.0.store(self.tail, Ordering::Release) };
     }
 }

@@ -152,6 +152,7 @@ fn attach_and_kill_under_traffic_lose_nothing_on_other_ports() {
     for _ in 0..3 {
         std::thread::sleep(Duration::from_millis(300));
         let mut p = fa.take().unwrap();
+        // SAFETY: kill takes no pointers; the pid is our own child's, not yet waited for.
         unsafe { libc::kill(p.0.id() as i32, libc::SIGKILL) };
         let _ = p.0.wait();
         drop(p);

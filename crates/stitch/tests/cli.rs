@@ -341,6 +341,7 @@ fn stats_apply_live_and_clean_shutdown_on_sigint() {
     assert!(stats(&sock).is_some());
 
     // SIGINT: the instance stops, flushes the capture and prints its final counters.
+    // SAFETY: kill takes no pointers; the pid is our own child's, not yet waited for.
     unsafe { libc::kill(running.0.id() as i32, libc::SIGINT) };
     let child = std::mem::replace(&mut running.0, Command::new("true").spawn().unwrap());
     let out = child.wait_with_output().unwrap();

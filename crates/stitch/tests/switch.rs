@@ -504,6 +504,7 @@ fn killing_a_function_on_a_direct_channel_leaks_nothing() {
         });
         let detaches = counter(victim, "detaches");
         let f = if victim == "f1" { &mut f1 } else { &mut f0 };
+        // SAFETY: kill takes no pointers; the pid is our own child's, not yet waited for.
         unsafe { libc::kill(f.0.id() as i32, libc::SIGKILL) };
         let _ = f.0.wait();
         wait_until("the port sees its function gone", &|| {
@@ -521,6 +522,7 @@ fn killing_a_function_on_a_direct_channel_leaks_nothing() {
     });
     // Stopped, the function holds what Stitch keeps handing it (its ring fills up).
     let full = counter("f0", "ring_full_drops");
+    // SAFETY: kill takes no pointers; the pid is our own child's, not yet waited for.
     unsafe { libc::kill(f0.0.id() as i32, libc::SIGSTOP) };
     wait_until("the stopped function's ring fills", &|| {
         counter("f0", "ring_full_drops") > full
@@ -540,6 +542,7 @@ fn killing_a_function_on_a_direct_channel_leaks_nothing() {
         app(&stats, "f1")["counters"]["bad_descriptors"].as_u64(),
         Some(0)
     );
+    // SAFETY: kill takes no pointers; the pid is our own child's, not yet waited for.
     unsafe { libc::kill(f0.0.id() as i32, libc::SIGKILL) };
 }
 

@@ -20,6 +20,7 @@ pub struct GuestMemory {
 
 // SAFETY: the mappings are plain shared memory; the port serialises its own accesses.
 unsafe impl Send for GuestMemory {}
+// SAFETY: as for Send: every access is bounds-checked and copies bytes in or out.
 unsafe impl Sync for GuestMemory {}
 
 /// `size` bytes of a file the front-end shared, from `offset` (of any alignment), mapped
@@ -122,6 +123,7 @@ pub struct DirtyLog {
 
 // SAFETY: shared memory updated with atomic byte operations only.
 unsafe impl Send for DirtyLog {}
+// SAFETY: as for Send: concurrent marks are atomic ORs.
 unsafe impl Sync for DirtyLog {}
 
 impl DirtyLog {

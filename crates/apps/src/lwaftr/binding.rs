@@ -133,6 +133,7 @@ impl AddressTable {
         }
         let i = self.home(key);
         #[cfg(target_arch = "x86_64")]
+        // SAFETY: a prefetch is a hint that never faults; the address is of an element of `slots`.
         unsafe {
             use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
             _mm_prefetch(&self.slots[i] as *const _ as *const i8, _MM_HINT_T0);
@@ -338,6 +339,8 @@ impl BindingTable {
         if let (Some(base), Some(psid)) = (e.dense, e.set.psid(port)) {
             if let Some(slot) = self.slots.get(base as usize + psid as usize) {
                 #[cfg(target_arch = "x86_64")]
+                // SAFETY: a prefetch is a hint that never faults; the address is of an element of
+                // `slots`.
                 unsafe {
                     std::arch::x86_64::_mm_prefetch(
                         slot as *const _ as *const i8,

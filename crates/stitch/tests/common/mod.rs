@@ -26,6 +26,7 @@ pub fn must(cmd: &str) -> String {
 
 pub fn require_root_and_tools(tools: &[&str]) {
     assert_eq!(
+        // SAFETY: geteuid has no preconditions.
         unsafe { libc::geteuid() },
         0,
         "these tests create network namespaces: run them as root"
@@ -212,6 +213,7 @@ impl Background {
     }
 
     pub fn signal(&self, sig: i32) {
+        // SAFETY: kill takes no pointers; the pid is our own child's, not yet waited for.
         unsafe { libc::kill(self.0.id() as i32, sig) };
     }
 }
