@@ -7,25 +7,15 @@ use ipnet::{Ipv4Net, Ipv6Net};
 use prefix_trie::PrefixMap;
 use stitch_apps::router::lpm::Lpm;
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-}
-
 fn ipv4(c: &mut Criterion) {
-    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let mut rng = fastrand::Rng::with_seed(0x9e37_79b9_7f4a_7c15);
     let (mut routes, mut addrs) = (Vec::new(), Vec::new());
     for i in 0..1u32 << 20 {
-        let len = 16 + (rng.next() % 13) as u8;
-        let net = (rng.next() as u32 | 0x0100_0000) & (u32::MAX << (32 - len));
+        let len = 16 + (rng.u64(..) % 13) as u8;
+        let net = (rng.u64(..) as u32 | 0x0100_0000) & (u32::MAX << (32 - len));
         routes.push((net, len, i % 64));
         if i % 256 == 0 {
-            addrs.push(net | (rng.next() as u32 & !(u32::MAX << (32 - len))));
+            addrs.push(net | (rng.u64(..) as u32 & !(u32::MAX << (32 - len))));
         }
     }
     let lpm = Lpm::build(18, routes.iter().copied()).unwrap();
@@ -61,15 +51,15 @@ fn ipv4(c: &mut Criterion) {
 }
 
 fn ipv6(c: &mut Criterion) {
-    let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+    let mut rng = fastrand::Rng::with_seed(0x2545_f491_4f6c_dd1d);
     let (mut routes, mut addrs) = (Vec::new(), Vec::new());
     for i in 0..200_000u32 {
-        let len = 20 + (rng.next() % 29) as u8;
-        let addr = ((rng.next() as u128) << 64 | rng.next() as u128) >> 3 | 1 << 125;
+        let len = 20 + (rng.u64(..) % 29) as u8;
+        let addr = ((rng.u64(..) as u128) << 64 | rng.u64(..) as u128) >> 3 | 1 << 125;
         let net = addr & (u128::MAX << (128 - len));
         routes.push((net, len, i % 64));
         if i % 48 == 0 {
-            addrs.push(net | (rng.next() as u128 & !(u128::MAX << (128 - len))));
+            addrs.push(net | (rng.u64(..) as u128 & !(u128::MAX << (128 - len))));
         }
     }
     let lpm = Lpm::build(20, routes.iter().copied()).unwrap();

@@ -56,13 +56,8 @@ pub fn generate(
     }
     writeln!(f, "  }}\n  instance {{ device bench; queue {{ id 0;\n    external-interface {{ ip 192.0.2.1; mac 02:00:00:00:00:01; next-hop {{ mac 02:00:00:00:00:02; }} }}\n    internal-interface {{ ip {br}; mac 02:00:00:00:00:03; next-hop {{ mac 02:00:00:00:00:04; }} }} }} }}\n}}")?;
     drop(f);
-    let mut rng = 0x2545f4914f6cdd1du64;
-    let mut next = move || {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        rng
-    };
+    let mut rng = fastrand::Rng::with_seed(0x2545f4914f6cdd1d);
+    let mut next = move || rng.u64(..);
     let (in4, in6) = (dir.join("v4.pcap"), dir.join("v6.pcap"));
     let (mut w4, mut w6) = (
         ethernet_pcap_writer(&in4).map_err(anyhow::Error::msg)?,

@@ -20,16 +20,6 @@ use stitch_wire::checksum;
 
 const BATCH: usize = 256;
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-}
-
 fn udp_frame(
     dst_mac: [u8; 6],
     src_mac: [u8; 6],
@@ -165,7 +155,7 @@ fn neighbor_advertisement(to_mac: [u8; 6], mac: [u8; 6], from: [u8; 16], to: [u8
 }
 
 fn subject(name: &str) -> Result<Subject> {
-    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let mut rng = fastrand::Rng::with_seed(0x9e37_79b9_7f4a_7c15);
     let two = |a: &str, b: &str| {
         (
             vec![a.to_string(), b.to_string()],
@@ -178,13 +168,13 @@ fn subject(name: &str) -> Result<Subject> {
             let mut routes = Vec::with_capacity(1 << 20);
             let mut dsts = Vec::with_capacity(4096);
             for i in 0..(1 << 20) {
-                let addr = (rng.next() as u32) | 0x0100_0000;
-                let len = 16 + (rng.next() % 13) as u32;
+                let addr = (rng.u64(..) as u32) | 0x0100_0000;
+                let len = 16 + (rng.u64(..) % 13) as u32;
                 let net = addr & (u32::MAX << (32 - len));
-                let gw = 10 + rng.next() % GATEWAYS;
+                let gw = 10 + rng.u64(..) % GATEWAYS;
                 routes.push(json!({ "prefix": format!("{}/{len}", std::net::Ipv4Addr::from(net)), "via": format!("192.0.2.{gw}") }));
                 if i % 256 == 0 {
-                    dsts.push(net | (rng.next() as u32 & !(u32::MAX << (32 - len))));
+                    dsts.push(net | (rng.u64(..) as u32 & !(u32::MAX << (32 - len))));
                 }
             }
             let app = build::<Router>(json!({
@@ -230,13 +220,13 @@ fn subject(name: &str) -> Result<Subject> {
             let mut routes = Vec::with_capacity(200_000);
             let mut dsts = Vec::with_capacity(4096);
             for i in 0..200_000 {
-                let addr = ((rng.next() as u128) << 64 | rng.next() as u128) >> 3 | 1 << 125;
-                let len = 20 + (rng.next() % 29) as u32;
+                let addr = ((rng.u64(..) as u128) << 64 | rng.u64(..) as u128) >> 3 | 1 << 125;
+                let len = 20 + (rng.u64(..) % 29) as u32;
                 let net = addr & (u128::MAX << (128 - len));
-                let gw = 10 + rng.next() % GATEWAYS;
+                let gw = 10 + rng.u64(..) % GATEWAYS;
                 routes.push(json!({ "prefix": format!("{}/{len}", std::net::Ipv6Addr::from(net)), "via": format!("2001:db8:2::{gw:x}") }));
                 if i % 48 == 0 {
-                    dsts.push(net | (rng.next() as u128 & !(u128::MAX << (128 - len))));
+                    dsts.push(net | (rng.u64(..) as u128 & !(u128::MAX << (128 - len))));
                 }
             }
             let app = build::<Router>(json!({

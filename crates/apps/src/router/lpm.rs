@@ -301,16 +301,6 @@ fn prefetch_read(p: *const u8) {
 mod tests {
     use super::*;
 
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-    }
-
     /// The reference: the longest of all prefixes that cover `addr`, the last given on a tie.
     fn linear<K: Key>(routes: &[(K, u8, u32)], addr: K) -> Option<u32> {
         let max = max_of(K::BITS);
@@ -329,29 +319,29 @@ mod tests {
     /// Random prefixes of lengths in `lens`, some of them nested in others and some repeated,
     /// and addresses that fall in and around them.
     fn check<K: Key>(seed: u64, n: usize, lens: std::ops::RangeInclusive<u8>, bits: u32) {
-        let mut rng = Rng(seed);
+        let mut rng = fastrand::Rng::with_seed(seed);
         let max = max_of(K::BITS);
         let mut routes: Vec<(K, u8, u32)> = Vec::new();
         let span = (*lens.end() - *lens.start()) as u64 + 1;
         for i in 0..n {
-            let len = lens.start() + (rng.next() % span) as u8;
-            let addr = if i > 0 && rng.next().is_multiple_of(3) {
+            let len = lens.start() + (rng.u64(..) % span) as u8;
+            let addr = if i > 0 && rng.u64(..).is_multiple_of(3) {
                 // Nested in (or equal to) an earlier prefix.
-                let (a, _, _) = routes[rng.next() as usize % routes.len()];
-                a.to_u128() ^ ((rng.next() as u128) & (max >> 8))
+                let (a, _, _) = routes[rng.u64(..) as usize % routes.len()];
+                a.to_u128() ^ ((rng.u64(..) as u128) & (max >> 8))
             } else {
-                ((rng.next() as u128) << 64 | rng.next() as u128) & max
+                ((rng.u64(..) as u128) << 64 | rng.u64(..) as u128) & max
             };
-            routes.push((K::from_u128(addr), len, (rng.next() % 50) as u32));
+            routes.push((K::from_u128(addr), len, (rng.u64(..) % 50) as u32));
         }
         let lpm = Lpm::build(bits, routes.iter().copied()).unwrap();
         for k in 0..4000 {
             let addr = if k % 2 == 0 {
-                let (a, len, _) = routes[rng.next() as usize % routes.len()];
+                let (a, len, _) = routes[rng.u64(..) as usize % routes.len()];
                 let host = max.checked_shr(len as u32).unwrap_or(0);
-                K::from_u128((a.to_u128() & !host) | (rng.next() as u128 & host))
+                K::from_u128((a.to_u128() & !host) | (rng.u64(..) as u128 & host))
             } else {
-                K::from_u128(((rng.next() as u128) << 64 | rng.next() as u128) & max)
+                K::from_u128(((rng.u64(..) as u128) << 64 | rng.u64(..) as u128) & max)
             };
             assert_eq!(
                 lpm.lookup(addr),
