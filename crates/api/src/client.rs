@@ -1,15 +1,54 @@
 //! A small blocking client for the API on the Unix socket, used by `stitch stats`, `apply`,
-//! `show` and `top`.
+//! `show`, `top` and `capture --link`.
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, Context, Result};
 use http_body_util::{BodyExt, Full};
-use hyper::body::Bytes;
+use hyper::body::{Bytes, Incoming};
+pub use hyper::header::HeaderMap;
 pub use hyper::Method;
-use hyper::Request;
+use hyper::{Request, Response};
 use hyper_util::rt::TokioIo;
 use serde_json::Value;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?)
+}
+
+/// Sends one request and returns the response head with the body still to read.
+async fn send(
+    socket: &Path,
+    method: Method,
+    path: &str,
+    body: Option<Vec<u8>>,
+) -> Result<Response<Incoming>> {
+    let stream = tokio::net::UnixStream::connect(socket)
+        .await
+        .with_context(|| {
+            format!(
+                "no stitch instance answers on {} (is `stitch run` running? --name?)",
+                socket.display()
+            )
+        })?;
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .context("HTTP handshake with the instance")?;
+    tokio::spawn(conn);
+    let req = Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", "stitch")
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.unwrap_or_default())))?;
+    tokio::time::timeout(Duration::from_secs(60), sender.send_request(req))
+        .await
+        .map_err(|_| anyhow!("the instance did not answer within 60 s"))?
+        .map_err(Into::into)
+}
 
 /// Sends one request to the instance on `socket`; returns the status and body.
 pub fn call(
@@ -18,54 +57,87 @@ pub fn call(
     path: &str,
     body: Option<Vec<u8>>,
 ) -> Result<(u16, Vec<u8>)> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    rt.block_on(async {
-        let stream = tokio::net::UnixStream::connect(socket)
-            .await
-            .with_context(|| {
-                format!(
-                    "no stitch instance answers on {} (is `stitch run` running? --name?)",
-                    socket.display()
-                )
-            })?;
-        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-            .await
-            .context("HTTP handshake with the instance")?;
-        tokio::spawn(conn);
-        let req = Request::builder()
-            .method(method)
-            .uri(path)
-            .header("host", "stitch")
-            .header("content-type", "application/json")
-            .body(Full::new(Bytes::from(body.unwrap_or_default())))?;
-        let resp = tokio::time::timeout(Duration::from_secs(60), sender.send_request(req))
-            .await
-            .map_err(|_| anyhow!("the instance did not answer within 60 s"))??;
+    runtime()?.block_on(async {
+        let resp = send(socket, method, path, body).await?;
         let status = resp.status().as_u16();
         let bytes = resp.into_body().collect().await?.to_bytes();
         Ok((status, bytes.to_vec()))
     })
 }
 
+/// The instance's reason for refusing a request, from its JSON error body.
+fn refusal(status: u16, bytes: &[u8]) -> anyhow::Error {
+    let reason = serde_json::from_slice::<Value>(bytes)
+        .ok()
+        .and_then(|v| v["error"].as_str().map(str::to_string))
+        .unwrap_or_else(|| {
+            format!(
+                "request failed with status {status}: {}",
+                String::from_utf8_lossy(bytes)
+            )
+        });
+    anyhow!("{reason}")
+}
+
 /// Sends a request and returns the JSON answer, or the instance's reason as the error.
 pub fn json(socket: &Path, method: Method, path: &str, body: Option<Vec<u8>>) -> Result<Value> {
     let (status, bytes) = call(socket, method, path, body)?;
-    let v: Value = serde_json::from_slice(&bytes).with_context(|| {
+    if status >= 400 {
+        return Err(refusal(status, &bytes));
+    }
+    serde_json::from_slice(&bytes).with_context(|| {
         format!(
             "the instance answered {status} with something that is not JSON: {}",
             String::from_utf8_lossy(&bytes)
         )
-    })?;
-    if status >= 400 {
-        bail!(
-            "{}",
-            v["error"]
-                .as_str()
-                .map(str::to_string)
-                .unwrap_or_else(|| format!("request failed with status {status}"))
-        );
-    }
-    Ok(v)
+    })
+}
+
+/// Sends a GET whose answer is a stream (a capture) and hands each piece of the body to
+/// `sink` as it arrives, until the body ends. When `stop` turns true, `stop_request` is asked
+/// for a request that ends the stream cleanly (given the response headers) and that request is
+/// sent; reading goes on until the instance closes the stream, at most `grace` later.
+pub fn stream(
+    socket: &Path,
+    path: &str,
+    stop: &AtomicBool,
+    stop_request: impl Fn(&HeaderMap) -> Option<(Method, String)>,
+    grace: Duration,
+    mut sink: impl FnMut(&[u8]) -> Result<()>,
+) -> Result<()> {
+    runtime()?.block_on(async {
+        let resp = send(socket, Method::GET, path, None).await?;
+        let status = resp.status().as_u16();
+        if status >= 400 {
+            let bytes = resp.into_body().collect().await?.to_bytes();
+            return Err(refusal(status, &bytes));
+        }
+        let headers = resp.headers().clone();
+        let mut body = resp.into_body();
+        let mut stopping_since: Option<tokio::time::Instant> = None;
+        loop {
+            if stopping_since.is_none() && stop.load(Ordering::Relaxed) {
+                stopping_since = Some(tokio::time::Instant::now());
+                if let Some((method, p)) = stop_request(&headers) {
+                    let r = send(socket, method, &p, None).await?;
+                    if r.status().as_u16() >= 400 {
+                        break;
+                    }
+                }
+            }
+            if stopping_since.is_some_and(|t| t.elapsed() >= grace) {
+                break;
+            }
+            match tokio::time::timeout(Duration::from_millis(100), body.frame()).await {
+                Err(_) => continue,
+                Ok(None) => break,
+                Ok(Some(frame)) => {
+                    if let Ok(data) = frame.context("reading the stream")?.into_data() {
+                        sink(&data)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    })
 }

@@ -8,6 +8,7 @@
 //! state and queued packets and a refused change leaves everything as it was. The routes and
 //! their answers are described in `openapi.yaml`, served at `/api/v1/openapi.json`.
 
+mod capture;
 pub mod client;
 mod metrics;
 mod rates;
@@ -24,6 +25,7 @@ use stitch_core::engine::{ApplyReport, EngineError};
 use stitch_core::graph::GraphErrors;
 use stitch_core::{Engine, Graph, Stats};
 
+pub use capture::CAPTURE_ID_HEADER;
 pub use rates::Rates;
 
 /// Where the Unix socket of instance `name` lives.
@@ -112,6 +114,9 @@ pub struct Api {
     rates: Mutex<Rates>,
     changes: Mutex<()>,
     graph_file: Option<PathBuf>,
+    /// The instance's name, written into captures.
+    instance: String,
+    captures: capture::Captures,
 }
 
 impl Api {
@@ -121,7 +126,15 @@ impl Api {
             rates: Mutex::new(Rates::default()),
             changes: Mutex::new(()),
             graph_file,
+            instance: "stitch".into(),
+            captures: Default::default(),
         }
+    }
+
+    /// Names the instance (as `--name` does), for what it writes into captures.
+    pub fn with_instance(mut self, name: &str) -> Api {
+        self.instance = name.to_string();
+        self
     }
 
     pub fn engine(&self) -> &Engine {

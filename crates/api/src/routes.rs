@@ -8,7 +8,7 @@ use axum::extract::{DefaultBodyLimit, Path, Query, Request, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use serde_json::{json, Value};
 use std::collections::HashMap;
@@ -88,6 +88,9 @@ pub fn router(api: Arc<Api>, token: Option<String>) -> Router {
             "/api/v1/links",
             get(list_links).post(add_link).delete(delete_link),
         )
+        .route("/api/v1/links/{link}/capture", get(capture_link))
+        .route("/api/v1/captures", get(list_captures))
+        .route("/api/v1/captures/{id}", delete(stop_capture))
         .route("/api/v1/types", get(list_types))
         .with_state(api);
     if let Some(token) = token {
@@ -255,6 +258,28 @@ async fn delete_link(
         ));
     };
     Ok(Json(blocking(move || api.delete_link(&spec)).await?).into_response())
+}
+
+async fn capture_link(
+    State(api): State<Arc<Api>>,
+    link: Result<Path<String>, PathRejection>,
+    q: Result<Query<HashMap<String, String>>, QueryRejection>,
+) -> Answer {
+    let selector = path(link)?;
+    let options = crate::capture::options_from_query(&query(q)?)?;
+    blocking(move || api.start_capture(&selector, options)).await
+}
+
+async fn list_captures(State(api): State<Arc<Api>>) -> Answer {
+    Ok(Json(api.captures_json()).into_response())
+}
+
+async fn stop_capture(
+    State(api): State<Arc<Api>>,
+    id: Result<Path<String>, PathRejection>,
+) -> Answer {
+    let id = path(id)?;
+    Ok(Json(api.stop_capture(&id)?).into_response())
 }
 
 async fn list_types(State(api): State<Arc<Api>>) -> Answer {

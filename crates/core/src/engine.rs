@@ -293,6 +293,8 @@ pub struct AppStats {
 pub struct LinkInfo {
     pub link: String,
     pub size: usize,
+    /// Captures watching the link now.
+    pub taps: usize,
     #[serde(flatten)]
     pub stats: LinkStats,
 }
@@ -777,6 +779,7 @@ impl Engine {
             .map(|(d, r)| LinkInfo {
                 link: d.spec(),
                 size: r.capacity(),
+                taps: r.tap_count(),
                 stats: r.stats(),
             })
             .collect();
@@ -847,6 +850,12 @@ impl Engine {
             }
         }
         any_finite && st.links.iter().all(|(_, r)| r.is_empty())
+    }
+
+    /// Every link of the running graph with its ring, in the order of the graph file (to tap
+    /// them: see [`Ring::add_tap`]).
+    pub fn link_rings(&self) -> Vec<(LinkDecl, Arc<Ring>)> {
+        self.state.lock().unwrap().links.clone()
     }
 
     /// Total link activity, to see whether anything still moves.

@@ -5,14 +5,19 @@
 //! the shared one only when its copy says the ring is full or empty, so a packet crosses a link
 //! with a slot write and an index store, even between threads. Every operation is non-blocking:
 //! a full ring drops the newest packet and counts a tx drop.
+//!
+//! A link can be tapped while it runs ([`Ring::add_tap`]): each [`LinkTap`] sees every packet
+//! the consumer is about to receive, in order, as a batch, on the consumer's thread. An untapped
+//! link pays one relaxed load per batch for this.
 
 use crate::packet::Packet;
+use arc_swap::ArcSwapOption;
 use crossbeam_utils::CachePadded;
 use std::any::Any;
 use std::cell::UnsafeCell;
 use std::mem::MaybeUninit;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// Ring size when the graph does not give one.
 pub const DEFAULT_LINK_SIZE: usize = 1024;
@@ -29,6 +34,8 @@ struct ProducerSide {
 struct ConsumerSide {
     head: AtomicUsize,
     rx_packets: AtomicU64,
+    /// Whether `Ring::taps` holds any tap: read by the consumer once per batch, on its own line.
+    tapped: AtomicBool,
 }
 
 /// The shared part of a link. Counters are written by one side only (relaxed load + store, no
@@ -41,6 +48,17 @@ pub struct Ring {
     /// What the app at each end says it is, for the app at the other end (see [`EndTag`]).
     producer_end: OnceLock<EndTag>,
     consumer_end: OnceLock<EndTag>,
+    taps: ArcSwapOption<Vec<Arc<dyn LinkTap>>>,
+    /// Serialises adding and removing taps (the data path never takes it).
+    tap_edit: Mutex<()>,
+}
+
+/// Something that watches the packets a link delivers (a capture). `observe` is called on the
+/// consumer's thread with each run of packets as the consumer first sees them, oldest first, in
+/// one or two slices (the ring wraps); it must not block: a tap that cannot keep up drops and
+/// counts on its own side.
+pub trait LinkTap: Send + Sync {
+    fn observe(&self, packets: &[Packet]);
 }
 
 /// An app's description of itself at its end of a link, set once per link. An app that can
@@ -103,6 +121,47 @@ impl Ring {
         self.consumer_end.get()
     }
 
+    /// Starts showing the packets this link delivers to `tap` (from the next batch on). Several
+    /// taps may watch one link.
+    pub fn add_tap(&self, tap: Arc<dyn LinkTap>) {
+        let _edit = self.tap_edit.lock().unwrap_or_else(|e| e.into_inner());
+        let mut taps: Vec<_> = self
+            .taps
+            .load_full()
+            .map(|t| t.to_vec())
+            .unwrap_or_default();
+        taps.push(tap);
+        self.taps.store(Some(Arc::new(taps)));
+        self.cons.tapped.store(true, Ordering::Release);
+    }
+
+    /// Stops showing packets to `tap` (the same `Arc` given to `add_tap`); returns whether it
+    /// was there. The consumer may still be inside a call to `observe` when this returns.
+    pub fn remove_tap(&self, tap: &Arc<dyn LinkTap>) -> bool {
+        let _edit = self.tap_edit.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(current) = self.taps.load_full() else {
+            return false;
+        };
+        let rest: Vec<_> = current
+            .iter()
+            .filter(|t| !std::ptr::addr_eq(Arc::as_ptr(t), Arc::as_ptr(tap)))
+            .cloned()
+            .collect();
+        let removed = rest.len() != current.len();
+        if rest.is_empty() {
+            self.cons.tapped.store(false, Ordering::Release);
+            self.taps.store(None);
+        } else {
+            self.taps.store(Some(Arc::new(rest)));
+        }
+        removed
+    }
+
+    /// Taps watching this link now.
+    pub fn tap_count(&self) -> usize {
+        self.taps.load().as_ref().map_or(0, |t| t.len())
+    }
+
     /// Packets the producer has queued so far (without the drops): cheaper than `stats()`.
     pub fn tx_packets(&self) -> u64 {
         self.prod.tx_packets.load(Ordering::Relaxed)
@@ -160,6 +219,8 @@ pub fn link(size: usize) -> (Producer, Consumer) {
         slots,
         producer_end: OnceLock::new(),
         consumer_end: OnceLock::new(),
+        taps: ArcSwapOption::empty(),
+        tap_edit: Mutex::new(()),
     });
     (
         Producer {
@@ -272,10 +333,43 @@ impl Consumer {
     }
 
     /// Packets ready to be received now (reads the producer's index: call once per batch).
+    /// Packets seen here for the first time are shown to the link's taps.
     #[inline]
     pub fn available(&mut self) -> usize {
-        self.cached_tail = self.ring.prod.tail.load(Ordering::Acquire);
+        let tail = self.ring.prod.tail.load(Ordering::Acquire);
+        if tail != self.cached_tail && self.ring.cons.tapped.load(Ordering::Relaxed) {
+            self.show_taps(tail);
+        }
+        self.cached_tail = tail;
         self.cached_tail.wrapping_sub(self.head)
+    }
+
+    /// Shows the packets between the last tail this consumer saw and `tail` to every tap.
+    #[cold]
+    #[inline(never)]
+    fn show_taps(&self, tail: usize) {
+        let taps = self.ring.taps.load();
+        let Some(taps) = taps.as_ref() else { return };
+        let start = self.cached_tail & self.ring.mask;
+        let n = tail.wrapping_sub(self.cached_tail);
+        let first = n.min(self.ring.mask + 1 - start);
+        let slots = &self.ring.slots;
+        // SAFETY: slots cached_tail..tail (≥ head) hold packets the producer published with its
+        // release store of `tail`, read above with acquire; they stay in place, unchanged, until
+        // this consumer takes them, which it cannot do while `&self` is borrowed here, and the
+        // producer does not write them before head passes them. `UnsafeCell` and `MaybeUninit`
+        // have the layout of the `Packet` they wrap, so initialised slots read as `[Packet]`.
+        let runs = unsafe {
+            [
+                std::slice::from_raw_parts(slots.as_ptr().add(start).cast::<Packet>(), first),
+                std::slice::from_raw_parts(slots.as_ptr().cast::<Packet>(), n - first),
+            ]
+        };
+        for tap in taps.iter() {
+            for run in runs.iter().filter(|r| !r.is_empty()) {
+                tap.observe(run);
+            }
+        }
     }
 
     #[inline]
@@ -513,6 +607,64 @@ mod tests {
             }
         }
         t.join().unwrap();
+    }
+
+    struct Recorder(Mutex<Vec<u8>>);
+
+    impl LinkTap for Recorder {
+        fn observe(&self, packets: &[Packet]) {
+            self.0
+                .lock()
+                .unwrap()
+                .extend(packets.iter().map(|p| p.data()[0]));
+        }
+    }
+
+    #[test]
+    fn taps_see_every_delivered_packet_once_in_order_across_the_wrap() {
+        let (mut atx, mut arx) = link(8);
+        let (mut btx, mut brx) = link(8);
+        let first = Arc::new(Recorder(Mutex::new(Vec::new())));
+        let second = Arc::new(Recorder(Mutex::new(Vec::new())));
+        let (t1, t2): (Arc<dyn LinkTap>, Arc<dyn LinkTap>) = (first.clone(), second.clone());
+        atx.ring().add_tap(t1.clone());
+        atx.ring().add_tap(t2.clone());
+        assert_eq!(atx.ring().tap_count(), 2);
+        let mut sent = Vec::new();
+        for round in 0..7u8 {
+            for i in 0..5 {
+                let tag = round * 5 + i;
+                atx.transmit(pkt(tag));
+                sent.push(tag);
+            }
+            // Every way of reading: one by one, a partial drain, forwarding.
+            match round % 3 {
+                0 => while arx.receive().is_some() {},
+                1 => {
+                    let _ = arx.drain().take(2).count();
+                    assert!(arx.peek().is_some());
+                    let _ = arx.drain().count();
+                }
+                _ => {
+                    arx.forward_to(&mut btx);
+                    let _ = brx.drain().count();
+                }
+            }
+        }
+        assert_eq!(*first.0.lock().unwrap(), sent);
+        assert_eq!(*second.0.lock().unwrap(), sent);
+        assert!(atx.ring().remove_tap(&t1));
+        assert!(!atx.ring().remove_tap(&t1));
+        atx.transmit(pkt(200));
+        let _ = arx.drain().count();
+        assert_eq!(first.0.lock().unwrap().len(), sent.len());
+        assert_eq!(second.0.lock().unwrap().last(), Some(&200));
+        assert!(atx.ring().remove_tap(&t2));
+        assert_eq!(atx.ring().tap_count(), 0);
+        assert!(
+            btx.ring().tap_count() == 0,
+            "a tap belongs to one link only"
+        );
     }
 
     #[test]

@@ -21,25 +21,11 @@ use stitch_core::packet::now_ns;
 /// Bytes per buffer: one `write` each.
 pub const BUFFER_BYTES: usize = 4 << 20;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Format {
-    Pcap,
-    Pcapng,
-}
-
-impl Format {
-    /// `pcapng` for a `.pcapng` file name, `pcap` otherwise.
-    pub fn for_path(p: &Path) -> Format {
-        if p.extension()
-            .is_some_and(|e| e.eq_ignore_ascii_case("pcapng"))
-        {
-            Format::Pcapng
-        } else {
-            Format::Pcap
-        }
-    }
-}
+pub use crate::capture_format::Format;
+use crate::capture_format::{
+    append_record, interface_block, pcap_header, record_at, record_len, section_header,
+    statistics_block, Direction, InterfaceCounts, RecordMeta,
+};
 
 /// What and where to write.
 #[derive(Debug, Clone)]
@@ -97,106 +83,13 @@ pub struct CaptureWriter {
 
 /// Bytes of the file header (PCAP) or section + interface blocks (PCAPNG).
 fn file_header(spec: &FileSpec) -> Vec<u8> {
-    let mut h = Vec::with_capacity(128);
     match spec.format {
-        Format::Pcap => {
-            h.extend_from_slice(&0xa1b2_3c4du32.to_le_bytes()); // nanosecond magic
-            h.extend_from_slice(&2u16.to_le_bytes());
-            h.extend_from_slice(&4u16.to_le_bytes());
-            h.extend_from_slice(&0i32.to_le_bytes());
-            h.extend_from_slice(&0u32.to_le_bytes());
-            h.extend_from_slice(&spec.snaplen.to_le_bytes());
-            h.extend_from_slice(&1u32.to_le_bytes()); // LINKTYPE_ETHERNET
-        }
+        Format::Pcap => pcap_header(spec.snaplen),
         Format::Pcapng => {
-            // Section header block.
-            let shb_len = 28u32;
-            h.extend_from_slice(&0x0a0d_0d0au32.to_le_bytes());
-            h.extend_from_slice(&shb_len.to_le_bytes());
-            h.extend_from_slice(&0x1a2b_3c4du32.to_le_bytes());
-            h.extend_from_slice(&1u16.to_le_bytes());
-            h.extend_from_slice(&0u16.to_le_bytes());
-            h.extend_from_slice(&(-1i64).to_le_bytes()); // section length unknown
-            h.extend_from_slice(&shb_len.to_le_bytes());
-            // Interface description block: if_name, if_tsresol = 9.
-            let mut opts = Vec::new();
-            push_option(&mut opts, 2, spec.interface.as_bytes());
-            push_option(&mut opts, 9, &[9]);
-            opts.extend_from_slice(&[0, 0, 0, 0]); // opt_endofopt
-            let idb_len = (20 + opts.len()) as u32;
-            h.extend_from_slice(&1u32.to_le_bytes());
-            h.extend_from_slice(&idb_len.to_le_bytes());
-            h.extend_from_slice(&1u16.to_le_bytes()); // LINKTYPE_ETHERNET
-            h.extend_from_slice(&0u16.to_le_bytes());
-            h.extend_from_slice(&spec.snaplen.to_le_bytes());
-            h.extend_from_slice(&opts);
-            h.extend_from_slice(&idb_len.to_le_bytes());
+            let mut h = section_header();
+            h.extend(interface_block(&spec.interface, None, spec.snaplen));
+            h
         }
-    }
-    h
-}
-
-fn push_option(v: &mut Vec<u8>, code: u16, value: &[u8]) {
-    v.extend_from_slice(&code.to_le_bytes());
-    v.extend_from_slice(&(value.len() as u16).to_le_bytes());
-    v.extend_from_slice(value);
-    v.resize(v.len().next_multiple_of(4), 0);
-}
-
-fn statistics_block(received: u64, dropped: u64) -> Vec<u8> {
-    let mut opts = Vec::new();
-    push_option(&mut opts, 4, &received.to_le_bytes()); // isb_ifrecv
-    push_option(&mut opts, 5, &dropped.to_le_bytes()); // isb_ifdrop
-    opts.extend_from_slice(&[0, 0, 0, 0]);
-    let len = (24 + opts.len()) as u32;
-    let ts = now_ns();
-    let mut b = Vec::with_capacity(len as usize);
-    b.extend_from_slice(&5u32.to_le_bytes());
-    b.extend_from_slice(&len.to_le_bytes());
-    b.extend_from_slice(&0u32.to_le_bytes());
-    b.extend_from_slice(&((ts >> 32) as u32).to_le_bytes());
-    b.extend_from_slice(&(ts as u32).to_le_bytes());
-    b.extend_from_slice(&opts);
-    b.extend_from_slice(&len.to_le_bytes());
-    b
-}
-
-/// Appends one record for a packet of `orig_len` bytes whose first bytes are `data`.
-#[inline]
-fn append_record(buf: &mut Vec<u8>, format: Format, ts_ns: u64, data: &[u8], orig_len: usize) {
-    match format {
-        Format::Pcap => {
-            let mut h = [0u8; 16];
-            h[0..4].copy_from_slice(&((ts_ns / 1_000_000_000) as u32).to_le_bytes());
-            h[4..8].copy_from_slice(&((ts_ns % 1_000_000_000) as u32).to_le_bytes());
-            h[8..12].copy_from_slice(&(data.len() as u32).to_le_bytes());
-            h[12..16].copy_from_slice(&(orig_len as u32).to_le_bytes());
-            buf.extend_from_slice(&h);
-            buf.extend_from_slice(data);
-        }
-        Format::Pcapng => {
-            let padded = data.len().next_multiple_of(4);
-            let len = (32 + padded) as u32;
-            let mut h = [0u8; 28];
-            h[0..4].copy_from_slice(&6u32.to_le_bytes());
-            h[4..8].copy_from_slice(&len.to_le_bytes());
-            h[8..12].copy_from_slice(&0u32.to_le_bytes());
-            h[12..16].copy_from_slice(&((ts_ns >> 32) as u32).to_le_bytes());
-            h[16..20].copy_from_slice(&(ts_ns as u32).to_le_bytes());
-            h[20..24].copy_from_slice(&(data.len() as u32).to_le_bytes());
-            h[24..28].copy_from_slice(&(orig_len as u32).to_le_bytes());
-            buf.extend_from_slice(&h);
-            buf.extend_from_slice(data);
-            buf.resize(buf.len() + padded - data.len(), 0);
-            buf.extend_from_slice(&len.to_le_bytes());
-        }
-    }
-}
-
-fn record_len(format: Format, caplen: usize) -> usize {
-    match format {
-        Format::Pcap => 16 + caplen,
-        Format::Pcapng => 32 + caplen.next_multiple_of(4),
     }
 }
 
@@ -218,19 +111,6 @@ fn records_in(buf: &[u8], format: Format, limit: usize) -> (usize, u64) {
 /// The first record of `buf` on its own.
 fn first_record(buf: &[u8], format: Format) -> (usize, u64) {
     (record_at(buf, format).min(buf.len()), 1)
-}
-
-/// Length of the record at the start of `buf` (0 if unreadable; buffers hold only whole
-/// records written by `append_record`).
-fn record_at(buf: &[u8], format: Format) -> usize {
-    let word = |o: usize| {
-        buf.get(o..o + 4)
-            .map(|b| u32::from_le_bytes(b.try_into().unwrap()) as usize)
-    };
-    match format {
-        Format::Pcap => word(8).map(|l| 16 + l).unwrap_or(0),
-        Format::Pcapng => word(4).unwrap_or(0),
-    }
 }
 
 impl CaptureWriter {
@@ -267,7 +147,7 @@ impl CaptureWriter {
     #[inline]
     pub fn record(&mut self, ts_ns: u64, data: &[u8]) -> bool {
         let cap = data.len().min(self.spec.snaplen as usize);
-        let need = record_len(self.spec.format, cap);
+        let need = record_len(self.spec.format, cap, Direction::Unknown);
         if self
             .current
             .as_ref()
@@ -285,7 +165,13 @@ impl CaptureWriter {
             }
         }
         let buf = self.current.as_mut().expect("just set");
-        append_record(buf, self.spec.format, ts_ns, &data[..cap], data.len());
+        let meta = RecordMeta {
+            ts_ns,
+            orig_len: data.len(),
+            interface: 0,
+            direction: Direction::Unknown,
+        };
+        append_record(buf, self.spec.format, meta, &data[..cap]);
         self.current_records += 1;
         true
     }
@@ -641,7 +527,12 @@ impl FileRing {
             return;
         }
         if let (Format::Pcapng, Some((recv, drop))) = (self.spec.format, stats) {
-            let isb = statistics_block(recv, drop);
+            let counts = InterfaceCounts {
+                received: recv,
+                dropped: drop,
+                accepted: None,
+            };
+            let isb = statistics_block(0, counts);
             if f.write(&isb, 0).is_ok() {
                 self.written += isb.len() as u64;
             } else {

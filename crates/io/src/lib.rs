@@ -5,6 +5,8 @@ pub mod af_packet;
 pub mod af_xdp;
 pub mod capture;
 pub mod capture_file;
+pub mod capture_format;
+pub mod link_capture;
 pub mod netdev;
 pub mod pcap_sink;
 pub mod pcap_source;

@@ -21,7 +21,7 @@ use pcap_file::pcapng::blocks::interface_statistics::{
     InterfaceStatisticsBlock, InterfaceStatisticsOption,
 };
 use pcap_file::pcapng::PcapNgWriter;
-use pcap_file::{DataLink, TsResolution};
+use pcap_file::{DataLink, Endianness, TsResolution};
 use serde::Deserialize;
 use std::borrow::Cow;
 use std::fs::File;
@@ -111,6 +111,7 @@ impl App for PcapSink {
                     snaplen: c.snaplen,
                     datalink: DataLink::ETHERNET,
                     ts_resolution: TsResolution::NanoSecond,
+                    endianness: Endianness::native(),
                     ..Default::default()
                 };
                 Writer::Pcap(PcapWriter::with_header(out, header)?)
@@ -219,8 +220,31 @@ pub fn ethernet_pcap_writer(path: &std::path::Path) -> Result<PcapWriter<BufWrit
     let header = PcapHeader {
         snaplen: 65535,
         datalink: DataLink::ETHERNET,
+        endianness: Endianness::native(),
         ..Default::default()
     };
     PcapWriter::with_header(BufWriter::new(f), header)
         .map_err(|e| format!("cannot write {}: {e}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn files_are_written_in_the_hosts_byte_order_as_libpcap_writes_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("a.pcap");
+        drop(ethernet_pcap_writer(&path).unwrap());
+        let bytes = std::fs::read(&path).unwrap();
+        assert_eq!(bytes[..4], 0xa1b2_c3d4u32.to_ne_bytes());
+        assert_eq!(
+            crate::capture_format::pcap_header(100)[..4],
+            0xa1b2_3c4du32.to_ne_bytes()
+        );
+        assert_eq!(
+            crate::capture_format::section_header()[8..12],
+            0x1a2b_3c4du32.to_ne_bytes()
+        );
+    }
 }

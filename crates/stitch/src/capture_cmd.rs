@@ -1,5 +1,7 @@
-//! `stitch capture`: tcpdump's habits, Stitch's data path. Builds the graph
-//! `af_packet (filter in the kernel) → capture (writer thread, rotation)` and runs it.
+//! `stitch capture`: tcpdump's habits, Stitch's data path. On an interface (`-i`) it builds the
+//! graph `af_packet (filter in the kernel) → capture (writer thread, rotation)` and runs it; on
+//! the links of a running instance (`--link`) it asks that instance's API for a live capture
+//! stream and writes it to a file or standard output.
 
 use anyhow::{Context, Result};
 use serde_json::json;
@@ -13,9 +15,13 @@ use stitch_core::{Engine, Graph, Registry};
 #[derive(clap::Args)]
 pub struct CaptureArgs {
     /// Interface to capture on.
-    #[arg(short = 'i')]
-    interface: String,
-    /// File to write (a strftime pattern with -G).
+    #[arg(short = 'i', required_unless_present = "link", conflicts_with = "link")]
+    interface: Option<String>,
+    /// Links of a running instance to capture: APP (all its links), APP.PORT (both directions)
+    /// or `APP.PORT -> APP.PORT`. The graph is not changed; the taps go when the capture ends.
+    #[arg(long)]
+    link: Option<String>,
+    /// File to write (a strftime pattern with -G); with --link, `-` is standard output.
     #[arg(short = 'w')]
     file: PathBuf,
     /// Bytes kept of each packet.
@@ -45,9 +51,13 @@ pub struct CaptureArgs {
     /// Stop after this many seconds.
     #[arg(long)]
     duration: Option<f64>,
-    /// Instance name for `stitch stats` (control socket).
-    #[arg(long, default_value = "capture")]
-    name: String,
+    /// With -i: this capture's instance name (for `stitch stats`; default `capture`). With
+    /// --link: the running instance whose links are captured (default `stitch`).
+    #[arg(long)]
+    name: Option<String>,
+    /// With --link: the instance's API socket (overrides --name).
+    #[arg(long, requires = "link")]
+    control: Option<PathBuf>,
     /// Filter expression in libpcap syntax.
     filter: Vec<String>,
 }
@@ -62,10 +72,18 @@ fn counter(stats: &stitch_core::Stats, app: &str, name: &str) -> u64 {
 }
 
 pub fn run(a: CaptureArgs, registry: Arc<Registry>) -> Result<()> {
+    match (&a.interface, &a.link) {
+        (Some(interface), None) => capture_interface(&a, interface, registry),
+        (None, Some(link)) => capture_link(&a, link),
+        _ => anyhow::bail!("give either -i INTERFACE or --link APP[.PORT]"),
+    }
+}
+
+fn capture_interface(a: &CaptureArgs, interface: &str, registry: Arc<Registry>) -> Result<()> {
     let filter = a.filter.join(" ");
     let mut src = json!({
         "type": "af_packet",
-        "interface": a.interface,
+        "interface": interface,
         "promisc": !a.no_promisc,
         "ignore_outgoing": false,
         "blocks": a.ring_mb.max(1),
@@ -77,7 +95,7 @@ pub fn run(a: CaptureArgs, registry: Arc<Registry>) -> Result<()> {
         "type": "capture",
         "file": std::path::absolute(&a.file).context("output file name")?,
         "snaplen": a.snaplen,
-        "interface": a.interface,
+        "interface": interface,
     });
     for (k, v) in [
         ("count", a.count.map(|v| json!(v))),
@@ -107,7 +125,7 @@ pub fn run(a: CaptureArgs, registry: Arc<Registry>) -> Result<()> {
     // The capture is an instance like any other: `stitch stats --name` and the API see it.
     let api = Arc::new(stitch_api::Api::new(engine.clone(), None));
     let config = stitch_api::ApiConfig {
-        unix: stitch_api::socket_path(&a.name),
+        unix: stitch_api::socket_path(a.name.as_deref().unwrap_or("capture")),
         ..Default::default()
     };
     let server = stitch_api::Server::start(api, &config)
@@ -119,8 +137,7 @@ pub fn run(a: CaptureArgs, registry: Arc<Registry>) -> Result<()> {
         format!(", filter `{filter}`")
     };
     eprintln!(
-        "stitch: capturing on {}{what} to {}",
-        a.interface,
+        "stitch: capturing on {interface}{what} to {}",
         a.file.display()
     );
 
@@ -173,5 +190,131 @@ pub fn run(a: CaptureArgs, registry: Arc<Registry>) -> Result<()> {
     if counter(&stats, "cap", "write_errors") > 0 {
         anyhow::bail!("writing failed (see the error above); the files hold every packet up to it");
     }
+    Ok(())
+}
+
+/// `stitch capture --link`: streams a live capture of links of a running instance from its
+/// API to a file or standard output; Ctrl-C ends it cleanly (the stream closes with its
+/// statistics), and so do -c and --duration, on the instance's side.
+fn capture_link(a: &CaptureArgs, link: &str) -> Result<()> {
+    for (given, flag) in [
+        (a.rotate_mb.is_some(), "-C"),
+        (a.rotate_seconds.is_some(), "-G"),
+        (a.files.is_some(), "-W"),
+        (a.no_promisc, "-p"),
+    ] {
+        if given {
+            anyhow::bail!(
+                "{flag} is for interface captures (-i); a link capture writes one file or a stream"
+            );
+        }
+    }
+    let to_stdout = a.file.as_os_str() == "-";
+    let format = match a.format.as_deref() {
+        Some(f) => f.to_string(),
+        None if !to_stdout
+            && a.file
+                .extension()
+                .is_some_and(|e| e.eq_ignore_ascii_case("pcap")) =>
+        {
+            "pcap".into()
+        }
+        None => "pcapng".into(),
+    };
+    let mut query = vec![format!("format={format}"), format!("snaplen={}", a.snaplen)];
+    if let Some(c) = a.count {
+        query.push(format!("count={c}"));
+    }
+    if let Some(d) = a.duration {
+        query.push(format!("duration={d}"));
+    }
+    let filter = a.filter.join(" ");
+    if !filter.trim().is_empty() {
+        query.push(format!("filter={}", crate::encode(&filter)));
+    }
+    let path = format!(
+        "/api/v1/links/{}/capture?{}",
+        crate::encode(link),
+        query.join("&")
+    );
+    let socket = a
+        .control
+        .clone()
+        .unwrap_or_else(|| stitch_api::socket_path(a.name.as_deref().unwrap_or("stitch")));
+
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, stop.clone())?;
+    }
+    let mut out: Box<dyn std::io::Write> = if to_stdout {
+        Box::new(std::io::stdout().lock())
+    } else {
+        let f = std::fs::File::create(&a.file)
+            .with_context(|| format!("cannot create {}", a.file.display()))?;
+        Box::new(std::io::BufWriter::with_capacity(1 << 20, f))
+    };
+    let mut tally = stitch_io::capture_format::StreamTally::default();
+    let mut announced = false;
+    let stop_request = |headers: &stitch_api::client::HeaderMap| {
+        let id = headers.get(stitch_api::CAPTURE_ID_HEADER)?.to_str().ok()?;
+        Some((
+            stitch_api::client::Method::DELETE,
+            format!("/api/v1/captures/{id}"),
+        ))
+    };
+    let result = stitch_api::client::stream(
+        &socket,
+        &path,
+        &stop,
+        stop_request,
+        Duration::from_secs(5),
+        |bytes| {
+            if !announced {
+                announced = true;
+                let what = if filter.trim().is_empty() {
+                    String::new()
+                } else {
+                    format!(", filter `{filter}`")
+                };
+                let to = if to_stdout {
+                    "standard output".to_string()
+                } else {
+                    a.file.display().to_string()
+                };
+                eprintln!("stitch: capturing link {link}{what} to {to}");
+            }
+            tally.feed(bytes);
+            out.write_all(bytes)?;
+            // A reader on a pipe (tshark, Wireshark) sees packets as they pass.
+            if to_stdout {
+                out.flush()?;
+            }
+            Ok(())
+        },
+    );
+    let flushed = out.flush();
+    match result {
+        // The reader went away (`| head`, Wireshark closed): the capture ends with it.
+        Err(e)
+            if e.downcast_ref::<std::io::Error>()
+                .is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe) => {}
+        r => r?,
+    }
+    flushed.or_else(|e| {
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            Ok(())
+        } else {
+            Err(e)
+        }
+    })?;
+    eprintln!("{} packets captured", tally.packets);
+    eprintln!(
+        "{} packets carried by the link(s) while tapped",
+        tally.received
+    );
+    eprintln!(
+        "{} packets dropped by the tap (the reader fell behind)",
+        tally.dropped
+    );
     Ok(())
 }

@@ -361,10 +361,10 @@ fn run(
         graph_file: Some(std::path::absolute(file)?),
     };
     let engine = Arc::new(Engine::new(registry));
-    let api = Arc::new(stitch_api::Api::new(
-        engine.clone(),
-        config.graph_file.clone(),
-    ));
+    let api = Arc::new(
+        stitch_api::Api::new(engine.clone(), config.graph_file.clone())
+            .with_instance(&instance.name),
+    );
     // Listeners first: a busy port or a missing certificate is an error before anything runs.
     let server = stitch_api::Server::start(api.clone(), &config)?;
     let report = engine
