@@ -141,3 +141,92 @@ pub fn stream(
         Ok(())
     })
 }
+
+/// What to ask of a live link capture (`GET /api/v1/links/{link}/capture`).
+#[derive(Debug, Clone, Default)]
+pub struct CaptureRequest {
+    /// `pcapng` (default) or `pcap`.
+    pub format: Option<String>,
+    pub snaplen: Option<u32>,
+    pub count: Option<u64>,
+    pub duration: Option<f64>,
+    /// libpcap filter expression.
+    pub filter: Option<String>,
+}
+
+impl CaptureRequest {
+    /// The request's path for the links `selector` names.
+    pub fn path(&self, selector: &str) -> String {
+        let enc = |s: &str| {
+            percent_encoding::utf8_percent_encode(s, percent_encoding::NON_ALPHANUMERIC).to_string()
+        };
+        let mut q = Vec::new();
+        if let Some(f) = &self.format {
+            q.push(format!("format={}", enc(f)));
+        }
+        if let Some(s) = self.snaplen {
+            q.push(format!("snaplen={s}"));
+        }
+        if let Some(c) = self.count {
+            q.push(format!("count={c}"));
+        }
+        if let Some(d) = self.duration {
+            q.push(format!("duration={d}"));
+        }
+        if let Some(f) = self.filter.as_deref().filter(|f| !f.trim().is_empty()) {
+            q.push(format!("filter={}", enc(f)));
+        }
+        format!("/api/v1/links/{}/capture?{}", enc(selector), q.join("&"))
+    }
+}
+
+/// Streams a live capture of the links `selector` names into `out` until it ends (count,
+/// duration, `stop`, or `out` refusing more: a reader that went away). `on_start` runs once,
+/// when the instance has accepted the capture. Returns the packets and drops seen in the
+/// stream.
+pub fn capture_link(
+    socket: &Path,
+    selector: &str,
+    request: &CaptureRequest,
+    stop: &AtomicBool,
+    out: &mut dyn std::io::Write,
+    flush_each_piece: bool,
+    mut on_start: impl FnMut(),
+) -> Result<stitch_io::capture_format::StreamTally> {
+    let mut tally = stitch_io::capture_format::StreamTally::default();
+    let mut started = false;
+    let stop_request = |headers: &HeaderMap| {
+        let id = headers.get(crate::CAPTURE_ID_HEADER)?.to_str().ok()?;
+        Some((Method::DELETE, format!("/api/v1/captures/{id}")))
+    };
+    let result = stream(
+        socket,
+        &request.path(selector),
+        stop,
+        stop_request,
+        Duration::from_secs(5),
+        |bytes| {
+            if !started {
+                started = true;
+                on_start();
+            }
+            tally.feed(bytes);
+            out.write_all(bytes)?;
+            if flush_each_piece {
+                out.flush()?;
+            }
+            Ok(())
+        },
+    );
+    let flushed = out.flush();
+    let broken_pipe = |e: &std::io::Error| e.kind() == std::io::ErrorKind::BrokenPipe;
+    match result {
+        // The reader went away (`| head`, Wireshark closed): the capture ends with it.
+        Err(e) if e.downcast_ref::<std::io::Error>().is_some_and(broken_pipe) => {}
+        r => r?,
+    }
+    match flushed {
+        Err(e) if !broken_pipe(&e) => Err(e.into()),
+        _ => Ok(tally),
+    }
+}

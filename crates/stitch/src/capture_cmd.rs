@@ -221,22 +221,14 @@ fn capture_link(a: &CaptureArgs, link: &str) -> Result<()> {
         }
         None => "pcapng".into(),
     };
-    let mut query = vec![format!("format={format}"), format!("snaplen={}", a.snaplen)];
-    if let Some(c) = a.count {
-        query.push(format!("count={c}"));
-    }
-    if let Some(d) = a.duration {
-        query.push(format!("duration={d}"));
-    }
     let filter = a.filter.join(" ");
-    if !filter.trim().is_empty() {
-        query.push(format!("filter={}", crate::encode(&filter)));
-    }
-    let path = format!(
-        "/api/v1/links/{}/capture?{}",
-        crate::encode(link),
-        query.join("&")
-    );
+    let request = stitch_api::client::CaptureRequest {
+        format: Some(format),
+        snaplen: Some(a.snaplen),
+        count: a.count,
+        duration: a.duration,
+        filter: Some(filter.clone()),
+    };
     let socket = a
         .control
         .clone()
@@ -253,60 +245,23 @@ fn capture_link(a: &CaptureArgs, link: &str) -> Result<()> {
             .with_context(|| format!("cannot create {}", a.file.display()))?;
         Box::new(std::io::BufWriter::with_capacity(1 << 20, f))
     };
-    let mut tally = stitch_io::capture_format::StreamTally::default();
-    let mut announced = false;
-    let stop_request = |headers: &stitch_api::client::HeaderMap| {
-        let id = headers.get(stitch_api::CAPTURE_ID_HEADER)?.to_str().ok()?;
-        Some((
-            stitch_api::client::Method::DELETE,
-            format!("/api/v1/captures/{id}"),
-        ))
-    };
-    let result = stitch_api::client::stream(
-        &socket,
-        &path,
-        &stop,
-        stop_request,
-        Duration::from_secs(5),
-        |bytes| {
-            if !announced {
-                announced = true;
-                let what = if filter.trim().is_empty() {
-                    String::new()
-                } else {
-                    format!(", filter `{filter}`")
-                };
-                let to = if to_stdout {
-                    "standard output".to_string()
-                } else {
-                    a.file.display().to_string()
-                };
-                eprintln!("stitch: capturing link {link}{what} to {to}");
-            }
-            tally.feed(bytes);
-            out.write_all(bytes)?;
-            // A reader on a pipe (tshark, Wireshark) sees packets as they pass.
-            if to_stdout {
-                out.flush()?;
-            }
-            Ok(())
-        },
-    );
-    let flushed = out.flush();
-    match result {
-        // The reader went away (`| head`, Wireshark closed): the capture ends with it.
-        Err(e)
-            if e.downcast_ref::<std::io::Error>()
-                .is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe) => {}
-        r => r?,
-    }
-    flushed.or_else(|e| {
-        if e.kind() == std::io::ErrorKind::BrokenPipe {
-            Ok(())
+    let announce = || {
+        let what = if filter.trim().is_empty() {
+            String::new()
         } else {
-            Err(e)
-        }
-    })?;
+            format!(", filter `{filter}`")
+        };
+        let to = if to_stdout {
+            "standard output".to_string()
+        } else {
+            a.file.display().to_string()
+        };
+        eprintln!("stitch: capturing link {link}{what} to {to}");
+    };
+    // On a pipe (tshark, Wireshark) packets are passed on as they come.
+    let tally = stitch_api::client::capture_link(
+        &socket, link, &request, &stop, &mut out, to_stdout, announce,
+    )?;
     eprintln!("{} packets captured", tally.packets);
     eprintln!(
         "{} packets carried by the link(s) while tapped",

@@ -1,0 +1,260 @@
+//! `stitch-extcap`: Wireshark's external capture interface for Stitch. Every link of every
+//! running instance on this host (the API sockets in Stitch's runtime folder) is a capture
+//! interface named `stitch:INSTANCE:APP.PORT>APP.PORT`, so `tshark -D` lists them and
+//! `tshark -i 'stitch:default:fw.output>out.input'` or Wireshark's interface list captures them.
+//! Wireshark runs this program with the options of its extcap protocol (see `extcap(4)`); the
+//! capture itself is the instance's live link capture (`GET /api/v1/links/{link}/capture`),
+//! written to the FIFO Wireshark names. `stitch-extcap --install` links it into Wireshark's
+//! extcap folder.
+
+use anyhow::{anyhow, bail, Context, Result};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use stitch_api::client::{self, CaptureRequest, Method};
+
+const PREFIX: &str = "stitch:";
+
+/// The options Wireshark passes, as `--name value` or `--name=value`, and flags.
+struct Options {
+    values: HashMap<String, String>,
+    flags: Vec<String>,
+}
+
+const TAKES_VALUE: [&str; 7] = [
+    "--extcap-interface",
+    "--extcap-version",
+    "--fifo",
+    "--extcap-capture-filter",
+    "--snaplen",
+    "--extcap-control-in",
+    "--extcap-control-out",
+];
+
+fn parse(args: &[String]) -> Result<Options> {
+    let mut o = Options {
+        values: HashMap::new(),
+        flags: Vec::new(),
+    };
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        if let Some((k, v)) = a.split_once('=') {
+            o.values.insert(k.to_string(), v.to_string());
+        } else if TAKES_VALUE.contains(&a.as_str()) {
+            let v = it.next().ok_or_else(|| anyhow!("{a} needs a value"))?;
+            o.values.insert(a.clone(), v.clone());
+        } else {
+            o.flags.push(a.clone());
+        }
+    }
+    Ok(o)
+}
+
+impl Options {
+    fn flag(&self, f: &str) -> bool {
+        self.flags.iter().any(|x| x == f)
+    }
+    fn value(&self, k: &str) -> Option<&str> {
+        self.values.get(k).map(String::as_str)
+    }
+}
+
+/// The running instances: name and API socket.
+fn instances() -> Vec<(String, PathBuf)> {
+    let mut found: Vec<(String, PathBuf)> = std::fs::read_dir(stitch_core::runtime_dir())
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let p = e.path();
+            let name = p.file_name()?.to_str()?.strip_suffix(".sock")?.to_string();
+            Some((name, p))
+        })
+        .collect();
+    found.sort();
+    found
+}
+
+/// The interface name of a link (`a.x -> b.y`) of instance `instance`.
+fn interface_name(instance: &str, link: &str) -> String {
+    format!("{PREFIX}{instance}:{}", link.replace(" -> ", ">"))
+}
+
+/// Instance and link selector of an interface name.
+fn parse_interface(name: &str) -> Result<(String, String)> {
+    let rest = name
+        .strip_prefix(PREFIX)
+        .ok_or_else(|| anyhow!("`{name}` is not a Stitch interface (they start with {PREFIX})"))?;
+    let (instance, link) = rest
+        .split_once(':')
+        .ok_or_else(|| anyhow!("`{name}`: expected {PREFIX}INSTANCE:APP.PORT>APP.PORT"))?;
+    Ok((instance.to_string(), link.replace('>', " -> ")))
+}
+
+fn list_interfaces() {
+    println!("extcap {{version={}}}", env!("CARGO_PKG_VERSION"));
+    for (instance, socket) in instances() {
+        // A socket left by a dead instance does not answer: it has no links to offer.
+        let Ok(links) = client::json(&socket, Method::GET, "/api/v1/links", None) else {
+            continue;
+        };
+        for l in links.as_array().into_iter().flatten() {
+            let Some(link) = l["link"].as_str() else {
+                continue;
+            };
+            println!(
+                "interface {{value={}}}{{display=Stitch {instance}: {link}}}",
+                interface_name(&instance, link)
+            );
+        }
+    }
+}
+
+fn capture(o: &Options) -> Result<()> {
+    let interface = o
+        .value("--extcap-interface")
+        .ok_or_else(|| anyhow!("--capture needs --extcap-interface"))?;
+    let fifo = o
+        .value("--fifo")
+        .ok_or_else(|| anyhow!("--capture needs --fifo"))?;
+    let (instance, link) = parse_interface(interface)?;
+    let socket = stitch_api::socket_path(&instance);
+    let snaplen = o
+        .value("--snaplen")
+        .map(|s| s.parse::<u32>().context("--snaplen"))
+        .transpose()?;
+    let request = CaptureRequest {
+        format: Some("pcapng".into()),
+        snaplen,
+        filter: o.value("--extcap-capture-filter").map(str::to_string),
+        ..Default::default()
+    };
+    // Wireshark ends an extcap capture with SIGTERM (SIGINT from a terminal).
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, stop.clone())?;
+    }
+    let mut out = std::fs::OpenOptions::new()
+        .write(true)
+        .open(fifo)
+        .with_context(|| format!("cannot open {fifo}"))?;
+    client::capture_link(&socket, &link, &request, &stop, &mut out, true, || {})?;
+    Ok(())
+}
+
+/// Links this program into Wireshark's extcap folder (the one `tshark -G folders` names, or
+/// `dir`).
+fn install(dir: Option<&str>) -> Result<()> {
+    let dir = match dir {
+        Some(d) => PathBuf::from(d),
+        None => {
+            let out = std::process::Command::new("tshark")
+                .args(["-G", "folders"])
+                .output()
+                .context("running `tshark -G folders` to find Wireshark's extcap folder (or give it: --install DIR)")?;
+            String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .find_map(|l| {
+                    l.strip_prefix("Extcap path:")
+                        .map(|p| PathBuf::from(p.trim()))
+                })
+                .ok_or_else(|| {
+                    anyhow!("`tshark -G folders` names no extcap path; give it: --install DIR")
+                })?
+        }
+    };
+    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let me = std::env::current_exe()?.canonicalize()?;
+    let at = dir.join("stitch-extcap");
+    let _ = std::fs::remove_file(&at);
+    std::os::unix::fs::symlink(&me, &at)
+        .with_context(|| format!("cannot link {} to {}", at.display(), me.display()))?;
+    println!("{} -> {}", at.display(), me.display());
+    Ok(())
+}
+
+fn run(args: &[String]) -> Result<()> {
+    if let Some(i) = args.iter().position(|a| a == "--install") {
+        return install(args.get(i + 1).map(String::as_str));
+    }
+    let o = parse(args)?;
+    if o.flag("--extcap-interfaces") {
+        list_interfaces();
+    } else if o.flag("--extcap-dlts") {
+        let interface = o.value("--extcap-interface").unwrap_or_default();
+        parse_interface(interface)?;
+        println!("dlt {{number=1}}{{name=EN10MB}}{{display=Ethernet}}");
+    } else if o.flag("--extcap-config") {
+        println!("arg {{number=0}}{{call=--snaplen}}{{display=Snapshot length}}{{tooltip=Bytes kept of each packet}}{{type=integer}}{{range=1,262144}}{{default=262144}}");
+    } else if o.flag("--capture") {
+        capture(&o)?;
+    } else if let Some(f) = o.value("--extcap-capture-filter") {
+        // Wireshark checks a capture filter as it is typed: the instance compiles it.
+        let (instance, link) = parse_interface(o.value("--extcap-interface").unwrap_or_default())?;
+        check_filter(&stitch_api::socket_path(&instance), &link, f)?;
+    } else {
+        bail!("usage: stitch-extcap --extcap-interfaces | --extcap-interface IF (--extcap-dlts | --extcap-config | --capture --fifo PATH [--extcap-capture-filter F] [--snaplen N]) | --install [DIR]");
+    }
+    Ok(())
+}
+
+/// Checks a filter by asking for a capture of nothing (count 0), which compiles it.
+fn check_filter(socket: &Path, link: &str, filter: &str) -> Result<()> {
+    let request = CaptureRequest {
+        count: Some(0),
+        filter: Some(filter.to_string()),
+        ..Default::default()
+    };
+    let (status, body) = client::call(socket, Method::GET, &request.path(link), None)?;
+    if status >= 400 {
+        let reason = serde_json::from_slice::<serde_json::Value>(&body)
+            .ok()
+            .and_then(|v| v["error"].as_str().map(str::to_string))
+            .unwrap_or_else(|| format!("status {status}"));
+        bail!("{reason}");
+    }
+    Ok(())
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if let Err(e) = run(&args) {
+        eprintln!("stitch-extcap: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn interface_names_round_trip() {
+        let n = interface_name("lab-1", "fw.output -> out.input");
+        assert_eq!(n, "stitch:lab-1:fw.output>out.input");
+        assert_eq!(
+            parse_interface(&n).unwrap(),
+            ("lab-1".to_string(), "fw.output -> out.input".to_string())
+        );
+        assert!(parse_interface("eth0").is_err());
+        assert!(parse_interface("stitch:nolink").is_err());
+    }
+
+    #[test]
+    fn options_in_both_spellings() {
+        let args: Vec<String> = [
+            "--capture",
+            "--extcap-interface=stitch:a:x.o>y.i",
+            "--fifo",
+            "/tmp/f",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let o = parse(&args).unwrap();
+        assert!(o.flag("--capture"));
+        assert_eq!(o.value("--extcap-interface"), Some("stitch:a:x.o>y.i"));
+        assert_eq!(o.value("--fifo"), Some("/tmp/f"));
+    }
+}
