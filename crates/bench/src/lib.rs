@@ -1,6 +1,7 @@
 //! `stitch bench`: performance measured against a baseline taken in the same run. One module per
 //! benchmark; the `stitch` binary parses the command line and calls `run`.
 
+mod capture_link;
 mod chain_switch;
 mod kernel;
 mod lwaftr;
@@ -50,6 +51,9 @@ pub enum BenchCmd {
         #[arg(long, default_value_t = 3)]
         runs: usize,
     },
+    /// The chain at full rate with and without a live capture of its middle link (PCAPNG to
+    /// tmpfs): the tap's cost and drop rate.
+    CaptureLink(crate::capture_link::CaptureLinkArgs),
     /// Seed 004's experiment: N function processes, each packet through two of them.
     NfScale(crate::nf_scale::NfScaleArgs),
     /// Seed 001's chain: N function processes chained through the OpenFlow switch, with the
@@ -141,7 +145,7 @@ pub(crate) fn cpu_seconds(who: i32) -> f64 {
     tv(u.ru_utime) + tv(u.ru_stime)
 }
 
-fn load_average() -> String {
+pub(crate) fn load_average() -> String {
     std::fs::read_to_string("/proc/loadavg")
         .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
         .unwrap_or_default()
@@ -165,7 +169,7 @@ impl Sample {
     }
 }
 
-fn chain_graph(hops: usize, size: usize) -> String {
+pub(crate) fn chain_graph(hops: usize, size: usize) -> String {
     let mut s = format!(
         "engine: {{ busy_poll: true }}\napps:\n  src: {{ type: generator, size: {size}, timestamps: false }}\n  out: {{ type: sink }}\n"
     );
@@ -286,6 +290,7 @@ pub fn run(cmd: BenchCmd, registry: fn() -> Registry) -> Result<()> {
                 _ => anyhow::bail!("give CONF V4.pcap V6.pcap, or --softwires N"),
             }
         }
+        BenchCmd::CaptureLink(args) => capture_link::run(args, registry()),
         BenchCmd::NfScale(args) => nf_scale::run(args, registry()),
         BenchCmd::ChainSwitch(args) => chain_switch::run(args, registry()),
         BenchCmd::Kernel(args) => kernel::run(args),

@@ -13,9 +13,10 @@ use crate::capture_format::{
     append_record, interface_block, pcap_header, section_header, statistics_block, Direction,
     Format, InterfaceCounts, RecordMeta,
 };
-use ringbuf::traits::{Consumer as _, Observer as _, Producer as _, Split as _};
+use ringbuf::traits::{Consumer as _, Producer as _, Raw as _, Split as _};
 use ringbuf::{HeapCons, HeapProd, HeapRb};
 use serde::Serialize;
+use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -134,23 +135,37 @@ struct TapWriter {
 
 impl LinkTap for Tap {
     fn observe(&self, packets: &[Packet]) {
-        self.seen.fetch_add(packets.len() as u64, Relaxed);
         // Only the link's consumer takes this lock; it is never held while it waits for anything.
         let Ok(mut w) = self.writer.try_lock() else {
-            self.dropped.fetch_add(packets.len() as u64, Relaxed);
             return;
         };
+        // The counters have one writer, the holder of the lock: no read-modify-write needed.
+        let bump = |c: &AtomicU64, n: u64| c.store(c.load(Relaxed) + n, Relaxed);
+        bump(&self.seen, packets.len() as u64);
         let w = &mut *w;
         let now = now_ns();
         let (mut accepted, mut dropped) = (0u64, 0u64);
-        for p in packets {
+        // One look at the reader's index and one store of ours per batch.
+        let (first, second) = w.ring.vacant_slices_mut();
+        let mut room = VacantBytes {
+            first,
+            second,
+            written: 0,
+        };
+        // The apps before the tap may never have read these frames: ask for them ahead.
+        const AHEAD: usize = 4;
+        packets.iter().take(AHEAD).for_each(Packet::prefetch_data);
+        for (i, p) in packets.iter().enumerate() {
+            if let Some(next) = packets.get(i + AHEAD) {
+                next.prefetch_data();
+            }
             let frame = p.data();
             if w.filter.as_ref().is_some_and(|f| !f.matches(frame)) {
                 continue;
             }
             accepted += 1;
             let kept = &frame[..frame.len().min(w.snaplen)];
-            if w.ring.vacant_len() < TAP_RECORD_HEADER + kept.len() {
+            if room.left() < TAP_RECORD_HEADER + kept.len() {
                 dropped += 1;
                 continue;
             }
@@ -158,11 +173,43 @@ impl LinkTap for Tap {
             h[0..8].copy_from_slice(&now.to_ne_bytes());
             h[8..12].copy_from_slice(&(frame.len() as u32).to_ne_bytes());
             h[12..16].copy_from_slice(&(kept.len() as u32).to_ne_bytes());
-            w.ring.push_slice(&h);
-            w.ring.push_slice(kept);
+            room.put(&h);
+            room.put(kept);
         }
-        self.accepted.fetch_add(accepted, Relaxed);
-        self.dropped.fetch_add(dropped, Relaxed);
+        let written = room.written;
+        // SAFETY: `room.put` initialised exactly the first `written` bytes of the vacant slices
+        // ringbuf gave out just above, in order, and nothing else touched the ring since.
+        unsafe { w.ring.advance_write_index(written) };
+        bump(&self.accepted, accepted);
+        bump(&self.dropped, dropped);
+    }
+}
+
+/// The free part of a tap's ring, filled front to back across the wrap.
+struct VacantBytes<'a> {
+    first: &'a mut [MaybeUninit<u8>],
+    second: &'a mut [MaybeUninit<u8>],
+    written: usize,
+}
+
+impl VacantBytes<'_> {
+    fn left(&self) -> usize {
+        self.first.len() + self.second.len() - self.written
+    }
+
+    /// Appends `bytes` (the caller checked `left`).
+    fn put(&mut self, bytes: &[u8]) {
+        let at = self.written;
+        let in_first = self.first.len().saturating_sub(at).min(bytes.len());
+        if in_first > 0 {
+            self.first[at..at + in_first].write_copy_of_slice(&bytes[..in_first]);
+        }
+        let rest = &bytes[in_first..];
+        if !rest.is_empty() {
+            let from = (at + in_first) - self.first.len();
+            self.second[from..from + rest.len()].write_copy_of_slice(rest);
+        }
+        self.written += bytes.len();
     }
 }
 
@@ -294,7 +341,7 @@ impl LinkCapture {
             }
             let i = self.next_link;
             self.next_link = (i + 1) % n;
-            if self.take_record(i, out) {
+            if self.take_records(i, out, limit) > 0 {
                 idle = 0;
             } else {
                 idle += 1;
@@ -313,41 +360,50 @@ impl LinkCapture {
         None
     }
 
-    /// Moves one whole record of link `i` from its ring to `out`; false when there is none yet.
-    fn take_record(&mut self, i: usize, out: &mut Vec<u8>) -> bool {
+    /// Moves the whole records link `i` holds to `out`, while `out` stays under `limit` bytes
+    /// and the count allows; returns how many.
+    fn take_records(&mut self, i: usize, out: &mut Vec<u8>, limit: usize) -> u64 {
+        let format = self.options.format;
         let l = &mut self.links[i];
-        let mut h = [0u8; TAP_RECORD_HEADER];
-        if l.records.occupied_len() < TAP_RECORD_HEADER {
-            return false;
-        }
-        copy_front(&l.records, &mut h);
-        let ts_ns = u64::from_ne_bytes(h[0..8].try_into().unwrap());
-        let orig_len = u32::from_ne_bytes(h[8..12].try_into().unwrap()) as usize;
-        let kept = u32::from_ne_bytes(h[12..16].try_into().unwrap()) as usize;
-        // The tap writes the header and the bytes in two steps: wait for both.
-        if l.records.occupied_len() < TAP_RECORD_HEADER + kept {
-            return false;
-        }
-        l.records.skip(TAP_RECORD_HEADER);
-        let meta = RecordMeta {
-            ts_ns,
-            orig_len,
-            interface: i as u32,
-            direction: l.direction,
-        };
         let (a, b) = l.records.as_slices();
-        if a.len() >= kept {
-            append_record(out, self.options.format, meta, &a[..kept]);
-        } else {
-            let mut data = Vec::with_capacity(kept);
-            data.extend_from_slice(a);
-            data.extend_from_slice(&b[..kept - a.len()]);
-            append_record(out, self.options.format, meta, &data);
+        let queued = a.len() + b.len();
+        let (mut at, mut n) = (0usize, 0u64);
+        let mut scratch = Vec::new();
+        while queued - at >= TAP_RECORD_HEADER
+            && out.len() < limit
+            && self.options.count.is_none_or(|c| self.total + n < c)
+        {
+            let mut h = [0u8; TAP_RECORD_HEADER];
+            copy_out(a, b, at, &mut h);
+            let kept = u32::from_ne_bytes(h[12..16].try_into().unwrap()) as usize;
+            // The tap publishes whole batches, so a record is whole once its header is there.
+            if queued - at < TAP_RECORD_HEADER + kept {
+                break;
+            }
+            let meta = RecordMeta {
+                ts_ns: u64::from_ne_bytes(h[0..8].try_into().unwrap()),
+                orig_len: u32::from_ne_bytes(h[8..12].try_into().unwrap()) as usize,
+                interface: i as u32,
+                direction: l.direction,
+            };
+            let start = at + TAP_RECORD_HEADER;
+            if start + kept <= a.len() {
+                append_record(out, format, meta, &a[start..start + kept]);
+            } else if start >= a.len() {
+                let s = start - a.len();
+                append_record(out, format, meta, &b[s..s + kept]);
+            } else {
+                scratch.resize(kept, 0);
+                copy_out(a, b, start, &mut scratch);
+                append_record(out, format, meta, &scratch);
+            }
+            at = start + kept;
+            n += 1;
         }
-        l.records.skip(kept);
-        self.captured[i] += 1;
-        self.total += 1;
-        true
+        l.records.skip(at);
+        self.captured[i] += n;
+        self.total += n;
+        n
     }
 
     /// Counters of every tapped link.
@@ -400,13 +456,17 @@ impl Drop for LinkCapture {
     }
 }
 
-/// Copies the first `out.len()` bytes queued in `ring` without taking them.
-fn copy_front(ring: &HeapCons<u8>, out: &mut [u8]) {
-    let (a, b) = ring.as_slices();
-    let n = a.len().min(out.len());
-    out[..n].copy_from_slice(&a[..n]);
-    let rest = out.len() - n;
-    out[n..].copy_from_slice(&b[..rest]);
+/// Copies `out.len()` bytes from offset `at` of the two slices `a` then `b`.
+fn copy_out(a: &[u8], b: &[u8], at: usize, out: &mut [u8]) {
+    let from_a = a.len().saturating_sub(at).min(out.len());
+    if from_a > 0 {
+        out[..from_a].copy_from_slice(&a[at..at + from_a]);
+    }
+    let rest = out.len() - from_a;
+    if rest > 0 {
+        let s = (at + from_a) - a.len();
+        out[from_a..].copy_from_slice(&b[s..s + rest]);
+    }
 }
 
 #[cfg(test)]
@@ -556,6 +616,39 @@ mod tests {
         let mut out = Vec::new();
         assert_eq!(cap.poll(&mut out, 1 << 20), Some(EndReason::Count));
         assert_eq!(cap.stats()[0].captured, 3);
+    }
+
+    #[test]
+    fn records_come_back_whole_and_in_order_as_the_ring_wraps() {
+        let (links, mut ends) = two_links();
+        let chosen = select_links(&links, "gen.output -> fw.input").unwrap();
+        let options = CaptureOptions {
+            format: Format::Pcap,
+            ring_bytes: 1 << 16,
+            ..Default::default()
+        };
+        let mut cap = LinkCapture::start(chosen, options).unwrap();
+        let mut out = cap.header("test");
+        let mut sent = Vec::new();
+        // Odd sizes, so records straddle the end of the 64 KiB ring in every way.
+        for round in 0..300usize {
+            for k in 0..7usize {
+                let n = (round * 7 + k) as u8;
+                let len = 60 + (round * 37 + k * 101) % 1400;
+                ends[0].0.transmit(udp_frame(n, len));
+                sent.push((len, n));
+            }
+            let _ = ends[0].1.drain().count();
+            assert_eq!(cap.poll(&mut out, 1 << 20), None);
+        }
+        assert_eq!(cap.stats()[0].dropped, 0);
+        let mut reader = pcap_file::pcap::PcapReader::new(&out[..]).unwrap();
+        let mut got = Vec::new();
+        while let Some(p) = reader.next_packet() {
+            let p = p.unwrap();
+            got.push((p.orig_len as usize, *p.data.last().unwrap()));
+        }
+        assert_eq!(got, sent);
     }
 
     #[test]
