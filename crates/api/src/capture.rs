@@ -151,9 +151,11 @@ impl Api {
             Format::Pcapng => "pcapng",
         };
         let file: String = selector
+            .replace("->", "--")
             .chars()
+            .filter(|c| !c.is_whitespace())
             .map(|c| {
-                if c.is_ascii_alphanumeric() || c == '.' {
+                if c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_') {
                     c
                 } else {
                     '_'
@@ -169,7 +171,7 @@ impl Api {
         );
         h.insert(CAPTURE_ID_HEADER, HeaderValue::from(id));
         if let Ok(v) = HeaderValue::from_str(&format!(
-            "attachment; filename=\"stitch-{}-{file}.{extension}\"",
+            "attachment; filename=\"{}-{file}.{extension}\"",
             self.instance
         )) {
             h.insert(header::CONTENT_DISPOSITION, v);

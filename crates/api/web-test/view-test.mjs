@@ -1,12 +1,14 @@
 // Drives the live graph view of a running instance in headless Chromium:
-//   node view-test.mjs BASE_URL SCREENSHOT.png
+//   node view-test.mjs BASE_URL SCREENSHOT.png CAPTURE.pcapng
 // The instance runs `fw -> out` with no traffic. The page must draw both apps and the link;
 // then this script adds a generator through the API, and the link's label must show a packet
-// rate above zero within a few seconds; a click on `out` must show its counters. Prints what it
-// saw as JSON; exits non-zero on any failure.
+// rate above zero within a few seconds; a click on `out` must show its counters; a click on the
+// link and its capture button (1 s) must download a capture, saved to CAPTURE.pcapng, and a bad
+// filter must show the instance's reason. Prints what it saw as JSON; exits non-zero on any
+// failure.
 import { chromium } from "playwright-core";
 
-const [base, screenshot] = process.argv.slice(2);
+const [base, screenshot, captureFile] = process.argv.slice(2);
 const link = "fw.output -> out.input";
 const browser = await chromium.launch({
   executablePath: process.env.CHROMIUM || "/usr/bin/chromium",
@@ -46,9 +48,25 @@ try {
   await page.locator("#counters").waitFor({ timeout: 5000 });
   const panel = await page.locator("#panel").textContent();
   if (!panel.includes("packets")) throw new Error("the counters panel shows no packets: " + panel);
+
+  // A link: its counters and a capture downloaded as a file.
+  await page.locator(`.link[data-link="${link}"] path.hit`).click({ force: true });
+  await page.locator("#capture").waitFor({ timeout: 5000 });
+  await page.locator('#capture input[name="seconds"]').fill("1");
+  const button = await page.locator("#capture button").textContent();
+  const [download] = await Promise.all([
+    page.waitForEvent("download", { timeout: 15000 }),
+    page.locator("#capture button").click(),
+  ]);
+  await download.saveAs(captureFile);
+  const saved = await download.suggestedFilename();
+  await page.locator('#capture input[name="filter"]').fill("udp and and");
+  await page.locator("#capture button").click();
+  await page.locator(".capture-status.error").waitFor({ timeout: 10000 });
+  const refused = await page.locator(".capture-status").textContent();
   await page.screenshot({ path: screenshot, fullPage: true });
   if (errors.length) throw new Error("errors in the page: " + errors.join("; "));
-  console.log(JSON.stringify({ before, after, panel: panel.slice(0, 200) }));
+  console.log(JSON.stringify({ before, after, panel: panel.slice(0, 200), button, saved, refused }));
 } finally {
   await browser.close();
 }

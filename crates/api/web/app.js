@@ -6,6 +6,7 @@ const SVG = "http://www.w3.org/2000/svg";
 const token = new URLSearchParams(location.hash.slice(1)).get("token");
 const headers = token ? { Authorization: "Bearer " + token } : {};
 let shapeKey = null;
+// What the panel shows: { kind: "app" | "link", name }.
 let selected = null;
 let lastStats = null;
 
@@ -72,12 +73,14 @@ function draw(doc) {
     const edge = g.edge(e);
     const group = el("g", { class: "link", "data-link": edge.spec }, svg);
     const d = edge.points.map((p, i) => (i ? "L" : "M") + p.x + " " + p.y).join(" ");
-    el("path", { d, "marker-end": "url(#arrow)" }, group);
+    el("path", { d, class: "hit" }, group);
+    el("path", { d, "marker-end": "url(#arrow)", class: "line" }, group);
     const [, , from, to] = ends(edge.spec);
     const ports = el("text", { x: edge.x, y: edge.y - 8, "text-anchor": "middle", class: "ports" }, group);
     ports.textContent = from.split(".")[1] + " → " + to.split(".")[1];
     const label = el("text", { x: edge.x, y: edge.y + 8, "text-anchor": "middle", class: "rate" }, group);
     label.textContent = "…";
+    group.addEventListener("click", () => { select("link", edge.spec); });
   }
   for (const name of g.nodes()) {
     const n = g.node(name);
@@ -86,14 +89,23 @@ function draw(doc) {
     el("text", { x: n.width / 2, y: 18, "text-anchor": "middle", class: "name" }, group).textContent = name;
     el("text", { x: n.width / 2, y: 33, "text-anchor": "middle", class: "kind" }, group).textContent = "(" + n.kind + ")";
     el("text", { x: n.width / 2, y: 49, "text-anchor": "middle", class: "rate" }, group).textContent = "";
-    group.addEventListener("click", () => { selected = name; showPanel(); markSelected(); });
+    group.addEventListener("click", () => { select("app", name); });
   }
+  markSelected();
+}
+
+function select(kind, name) {
+  selected = { kind, name };
+  showPanel(true);
   markSelected();
 }
 
 function markSelected() {
   for (const g of document.querySelectorAll(".app")) {
-    g.classList.toggle("selected", g.dataset.app === selected);
+    g.classList.toggle("selected", selected?.kind === "app" && g.dataset.app === selected.name);
+  }
+  for (const g of document.querySelectorAll(".link")) {
+    g.classList.toggle("selected", selected?.kind === "link" && g.dataset.link === selected.name);
   }
 }
 
@@ -120,20 +132,7 @@ function update(stats) {
     `pool ${human(pool.in_use)}/${human(pool.packets)} buffers in use · up ${Math.round(stats.uptime_s)} s`;
 }
 
-function showPanel() {
-  const panel = document.getElementById("panel");
-  const a = lastStats && lastStats.apps.find((x) => x.name === selected);
-  if (!a) {
-    panel.innerHTML = '<p class="hint">Click an app to see its counters.</p>';
-    return;
-  }
-  const rows = [
-    ["type", a.type], ["worker", a.worker],
-    ["rx packets", a.rx_packets], ["rx bytes", a.rx_bytes], ["rx pps", human(a.rx_rate_pps)],
-    ["tx packets", a.tx_packets], ["tx bytes", a.tx_bytes], ["tx pps", human(a.tx_rate_pps)],
-    ["drops", a.drops], ["failed", a.failed ? "yes" : "no"],
-    ...Object.entries(a.counters),
-  ];
+function counterTable(rows) {
   const table = document.createElement("table");
   table.id = "counters";
   for (const [k, v] of rows) {
@@ -143,9 +142,91 @@ function showPanel() {
     td.className = "v";
     td.textContent = v;
   }
+  return table;
+}
+
+// `rebuild`: a new selection (the capture form is made again); otherwise only the numbers.
+function showPanel(rebuild) {
+  const panel = document.getElementById("panel");
+  const hint = '<p class="hint">Click an app to see its counters, a link to capture it.</p>';
+  if (!selected || !lastStats) {
+    panel.innerHTML = hint;
+    return;
+  }
+  if (selected.kind === "app") {
+    const a = lastStats.apps.find((x) => x.name === selected.name);
+    if (!a) { panel.innerHTML = hint; return; }
+    const h = document.createElement("h2");
+    h.textContent = a.name;
+    panel.replaceChildren(h, counterTable([
+      ["type", a.type], ["worker", a.worker],
+      ["rx packets", a.rx_packets], ["rx bytes", a.rx_bytes], ["rx pps", human(a.rx_rate_pps)],
+      ["tx packets", a.tx_packets], ["tx bytes", a.tx_bytes], ["tx pps", human(a.tx_rate_pps)],
+      ["drops", a.drops], ["failed", a.failed ? "yes" : "no"],
+      ...Object.entries(a.counters),
+    ]));
+    return;
+  }
+  const l = lastStats.links.find((x) => x.link === selected.name);
+  if (!l) { panel.innerHTML = hint; return; }
+  const table = counterTable([
+    ["size", l.size], ["tx packets", l.tx_packets], ["tx bytes", l.tx_bytes],
+    ["tx drops", l.tx_drops], ["rx packets", l.rx_packets], ["queued", l.queued],
+    ["pps", human(l.rate_pps)], ["captures now", l.taps],
+  ]);
+  const old = document.getElementById("capture");
+  if (!rebuild && old) {
+    document.getElementById("counters").replaceWith(table);
+    return;
+  }
   const h = document.createElement("h2");
-  h.textContent = a.name;
-  panel.replaceChildren(h, table);
+  h.textContent = l.link;
+  panel.replaceChildren(h, table, captureForm(l.link));
+}
+
+// A form that captures the link for some seconds and downloads the PCAPNG file.
+function captureForm(spec) {
+  const form = document.createElement("form");
+  form.id = "capture";
+  form.innerHTML =
+    '<label>seconds <input name="seconds" type="number" min="1" max="3600" value="10"></label>' +
+    '<label>filter <input name="filter" placeholder="libpcap, e.g. udp port 53"></label>' +
+    '<button type="submit">capture 10 s</button><p class="capture-status"></p>';
+  const seconds = form.elements.seconds;
+  const button = form.querySelector("button");
+  const status = form.querySelector(".capture-status");
+  seconds.addEventListener("input", () => { button.textContent = `capture ${seconds.value} s`; });
+  form.addEventListener("submit", async (ev) => {
+    ev.preventDefault();
+    const q = new URLSearchParams({ duration: seconds.value });
+    if (form.elements.filter.value.trim()) q.set("filter", form.elements.filter.value);
+    button.disabled = true;
+    status.className = "capture-status";
+    status.textContent = `capturing for ${seconds.value} s…`;
+    try {
+      const r = await fetch(`/api/v1/links/${encodeURIComponent(spec)}/capture?${q}`, { headers });
+      if (!r.ok) {
+        const body = await r.json().catch(() => ({}));
+        throw new Error(body.error || r.statusText);
+      }
+      const blob = await r.blob();
+      const name = /filename="([^"]+)"/.exec(r.headers.get("content-disposition") || "");
+      const a = document.createElement("a");
+      a.href = URL.createObjectURL(blob);
+      a.download = name ? name[1] : "stitch-capture.pcapng";
+      document.body.appendChild(a);
+      a.click();
+      a.remove();
+      setTimeout(() => URL.revokeObjectURL(a.href), 60000);
+      status.textContent = `saved ${a.download} (${human(blob.size)}B)`;
+    } catch (e) {
+      status.className = "capture-status error";
+      status.textContent = "capture refused: " + e.message;
+    } finally {
+      button.disabled = false;
+    }
+  });
+  return form;
 }
 
 async function refresh() {
@@ -159,7 +240,7 @@ async function refresh() {
     }
     lastStats = stats;
     update(stats);
-    if (selected) showPanel();
+    if (selected) showPanel(false);
     status.textContent = "live · " + new Date().toLocaleTimeString();
     status.className = "";
   } catch (e) {

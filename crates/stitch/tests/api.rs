@@ -544,7 +544,7 @@ links: [\"fast.output -> a.input\", \"slow.output -> b.input\"]
 /// `target/test-artifacts/graph-view.png`.
 #[test]
 fn graph_view_in_headless_chromium() {
-    require_root_and_tools(&["node", "chromium"]);
+    require_root_and_tools(&["node", "chromium", "tshark"]);
     let web_test = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../api/web-test");
     assert!(
         web_test.join("node_modules/playwright-core").exists(),
@@ -561,10 +561,12 @@ fn graph_view_in_headless_chromium() {
         "apps:\n  fw: { type: forwarder }\n  out: { type: sink }\nlinks: [\"fw.output -> out.input\"]\n",
         &["--listen", &format!("127.0.0.1:{port}")],
     );
+    let capture = s.path().join("from-the-page.pcapng");
     let out = std::process::Command::new("node")
         .arg(web_test.join("view-test.mjs"))
         .arg(format!("http://127.0.0.1:{port}"))
         .arg(&shot)
+        .arg(&capture)
         .output()
         .unwrap();
     assert!(
@@ -585,6 +587,25 @@ fn graph_view_in_headless_chromium() {
     assert!(
         std::fs::metadata(&shot).unwrap().len() > 10_000,
         "a real screenshot"
+    );
+    // The link's capture button: one second of the link as a PCAPNG file named after it.
+    assert_eq!(seen["button"], "capture 1 s", "{seen}");
+    assert!(
+        seen["saved"] == "stitch-fw.output--out.input.pcapng",
+        "{seen}"
+    );
+    let frames = must(&format!(
+        "tshark -r {} -T fields -e frame.interface_name 2>/dev/null",
+        capture.display()
+    ));
+    assert!(
+        frames.lines().count() > 1000 && frames.lines().all(|l| l == "fw.output -> out.input"),
+        "about 5000 packets in one second: {}",
+        frames.lines().count()
+    );
+    assert!(
+        seen["refused"].as_str().unwrap().contains("udp and and"),
+        "{seen}"
     );
     // The generator the page's script added through the API is in the graph.
     let (_, doc) = s.call("GET", "/api/v1/graph", None);
