@@ -80,11 +80,13 @@ fn frame(i: usize, len: usize) -> Vec<u8> {
 
 const SIZES: [usize; 8] = [60, 64, 128, 576, 1500, 1514, 4000, 9216];
 
+/// A PCAP file as libpcap writes it: in the host's byte order, as Stitch writes its own.
 fn write_pcap(path: &Path, resolution: TsResolution, count: usize) {
     let header = PcapHeader {
         snaplen: 262144,
         datalink: DataLink::ETHERNET,
         ts_resolution: resolution,
+        endianness: pcap_file::Endianness::native(),
         ..Default::default()
     };
     let mut w = PcapWriter::with_header(std::fs::File::create(path).unwrap(), header).unwrap();
