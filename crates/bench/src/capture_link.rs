@@ -2,14 +2,14 @@
 //! capture of its middle link written as PCAPNG to tmpfs, alternated run by run: what a tap
 //! costs the link it watches, and how many packets it drops when its reader cannot keep up.
 
-use crate::{chain_graph, cpu_seconds, load_average, median, sink_packets, HugePageReserve};
+use crate::{load_average, measure_window, median, start_chain, HugePageReserve, Sample};
 use anyhow::{Context, Result};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
-use stitch_core::{pool, Engine, Graph, Registry};
+use std::time::Duration;
+use stitch_core::{pool, Registry};
 use stitch_io::link_capture::{select_links, CaptureOptions, LinkCapture};
 
 #[derive(clap::Args)]
@@ -38,14 +38,12 @@ pub struct CaptureLinkArgs {
 }
 
 struct Run {
-    mpps: f64,
-    /// Packets the tap saw, dropped and wrote, and bytes written.
+    /// The chain; its CPU is the whole process's (workers and reader).
+    chain: Sample,
+    /// Packets the tap saw and dropped, and bytes written.
     seen: u64,
     dropped: u64,
-    captured: u64,
     bytes: u64,
-    /// CPU seconds of the whole process (workers and reader) per packet through the chain.
-    cpu_ns_per_packet: f64,
 }
 
 pub fn run(a: CaptureLinkArgs, registry: Registry) -> Result<()> {
@@ -84,22 +82,23 @@ pub fn run(a: CaptureLinkArgs, registry: Registry) -> Result<()> {
         let t = measure(&registry, &a, Some(&tapped), &file)?;
         let drops = 100.0 * t.dropped as f64 / t.seen.max(1) as f64;
         let mb = t.bytes as f64 / 1e6;
+        let (p_mpps, t_mpps) = (p.chain.mpps(), t.chain.mpps());
+        let extra = t.chain.ns_per_packet() - p.chain.ns_per_packet();
         println!(
             "{run:>3}  {:>10.2} {:>10.2} {:>7.3} {:>11.2} {:>10.1} {:>9.0} {:>10.2}",
-            p.mpps,
-            t.mpps,
-            t.mpps / p.mpps,
+            p_mpps,
+            t_mpps,
+            t_mpps / p_mpps,
             drops,
             mb,
             mb / a.seconds,
-            t.cpu_ns_per_packet - p.cpu_ns_per_packet
+            extra
         );
-        plain.push(p.mpps);
-        tap.push(t.mpps);
-        ratio.push(t.mpps / p.mpps);
+        plain.push(p_mpps);
+        tap.push(t_mpps);
+        ratio.push(t_mpps / p_mpps);
         drop_pct.push(drops);
-        extra_ns.push(t.cpu_ns_per_packet - p.cpu_ns_per_packet);
-        let _ = t.captured;
+        extra_ns.push(extra);
     }
     println!(
         "med  {:>10.2} {:>10.2} {:>7.3} {:>11.2}  {:>31.2}",
@@ -121,15 +120,7 @@ fn measure(
     tap: Option<&str>,
     file: &Path,
 ) -> Result<Run> {
-    let g = Graph::parse(
-        &chain_graph(a.hops, a.size),
-        "<bench>",
-        Path::new("."),
-        registry,
-    )
-    .map_err(|e| anyhow::anyhow!("{e}"))?;
-    let engine = Engine::new(registry.clone());
-    engine.apply(g)?;
+    let engine = start_chain(registry, a.hops, a.size)?;
     let stop = Arc::new(AtomicBool::new(false));
     let reader = match tap {
         None => None,
@@ -149,39 +140,28 @@ fn measure(
             }))
         }
     };
-    std::thread::sleep(Duration::from_millis(300));
-    let (p0, t0, c0) = (
-        sink_packets(&engine),
-        Instant::now(),
-        cpu_seconds(libc::RUSAGE_SELF),
-    );
-    std::thread::sleep(Duration::from_secs_f64(a.seconds));
-    let (p1, c1) = (sink_packets(&engine), cpu_seconds(libc::RUSAGE_SELF));
-    let wall = t0.elapsed().as_secs_f64();
+    let chain = measure_window(&engine, a.seconds);
     stop.store(true, Ordering::Release);
-    let (seen, dropped, captured, bytes) = match reader {
+    let (seen, dropped, bytes) = match reader {
         Some(r) => r.join().expect("capture reader")?,
-        None => (0, 0, 0, 0),
+        None => (0, 0, 0),
     };
     engine.stop();
-    let packets = p1 - p0;
     Ok(Run {
-        mpps: packets as f64 / wall / 1e6,
+        chain,
         seen,
         dropped,
-        captured,
         bytes,
-        cpu_ns_per_packet: (c1 - c0) * 1e9 / packets.max(1) as f64,
     })
 }
 
-/// The reader: moves records from the tap to the file until told to stop; returns the tap's
-/// counters and the bytes written.
+/// The reader: moves records from the tap to the file until told to stop; returns the packets
+/// the tap saw and dropped, and the bytes written.
 fn write_capture(
     mut capture: LinkCapture,
     mut out: std::fs::File,
     stop: &AtomicBool,
-) -> Result<(u64, u64, u64, u64)> {
+) -> Result<(u64, u64, u64)> {
     let mut bytes = 0u64;
     let header = capture.header("bench");
     out.write_all(&header)?;
@@ -200,5 +180,5 @@ fn write_capture(
     let s = capture.stats().remove(0);
     let end = capture.finish();
     out.write_all(&end)?;
-    Ok((s.seen, s.dropped, s.captured, bytes + end.len() as u64))
+    Ok((s.seen, s.dropped, bytes + end.len() as u64))
 }

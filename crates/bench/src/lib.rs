@@ -153,23 +153,23 @@ pub(crate) fn load_average() -> String {
 
 /// One measurement: packets through, wall seconds, CPU seconds of the measuring scope.
 #[derive(Clone, Copy, Default, serde::Serialize)]
-struct Sample {
+pub(crate) struct Sample {
     packets: u64,
     wall: f64,
     cpu: f64,
 }
 
 impl Sample {
-    fn mpps(&self) -> f64 {
+    pub(crate) fn mpps(&self) -> f64 {
         self.packets as f64 / self.wall / 1e6
     }
     /// Nanoseconds of CPU per packet (robust to preemption on a shared machine).
-    fn ns_per_packet(&self) -> f64 {
+    pub(crate) fn ns_per_packet(&self) -> f64 {
         self.cpu * 1e9 / self.packets.max(1) as f64
     }
 }
 
-pub(crate) fn chain_graph(hops: usize, size: usize) -> String {
+fn chain_graph(hops: usize, size: usize) -> String {
     let mut s = format!(
         "engine: {{ busy_poll: true }}\napps:\n  src: {{ type: generator, size: {size}, timestamps: false }}\n  out: {{ type: sink }}\n"
     );
@@ -196,7 +196,8 @@ pub(crate) fn sink_packets(e: &Engine) -> u64 {
         .unwrap_or(0)
 }
 
-fn measure_engine(registry: &Arc<Registry>, hops: usize, size: usize, secs: f64) -> Result<Sample> {
+/// The chain of `hops` forwarders running in a fresh engine.
+pub(crate) fn start_chain(registry: &Arc<Registry>, hops: usize, size: usize) -> Result<Engine> {
     let g = Graph::parse(
         &chain_graph(hops, size),
         "<bench>",
@@ -206,21 +207,32 @@ fn measure_engine(registry: &Arc<Registry>, hops: usize, size: usize, secs: f64)
     .map_err(|e| anyhow::anyhow!("{e}"))?;
     let engine = Engine::new(registry.clone());
     engine.apply(g)?;
+    Ok(engine)
+}
+
+/// After 300 ms of warm-up, `secs` of the running chain: packets into `out`, wall time and the
+/// whole process's CPU time.
+pub(crate) fn measure_window(engine: &Engine, secs: f64) -> Sample {
     std::thread::sleep(Duration::from_millis(300));
     let (p0, t0, c0) = (
-        sink_packets(&engine),
+        sink_packets(engine),
         Instant::now(),
         cpu_seconds(libc::RUSAGE_SELF),
     );
     std::thread::sleep(Duration::from_secs_f64(secs));
-    let (p1, c1) = (sink_packets(&engine), cpu_seconds(libc::RUSAGE_SELF));
-    let wall = t0.elapsed().as_secs_f64();
-    engine.stop();
-    Ok(Sample {
+    let (p1, c1) = (sink_packets(engine), cpu_seconds(libc::RUSAGE_SELF));
+    Sample {
         packets: p1 - p0,
-        wall,
+        wall: t0.elapsed().as_secs_f64(),
         cpu: c1 - c0,
-    })
+    }
+}
+
+fn measure_engine(registry: &Arc<Registry>, hops: usize, size: usize, secs: f64) -> Result<Sample> {
+    let engine = start_chain(registry, hops, size)?;
+    let sample = measure_window(&engine, secs);
+    engine.stop();
+    Ok(sample)
 }
 
 /// Moves packets around `rings` links in a cycle with a bare loop: the cost of the ring alone.

@@ -206,14 +206,16 @@ fn check_filter(socket: &Path, link: &str, filter: &str) -> Result<()> {
         filter: Some(filter.to_string()),
         ..Default::default()
     };
-    let (status, body) = client::call(socket, Method::GET, &request.path(link), None)?;
-    if status >= 400 {
-        let reason = serde_json::from_slice::<serde_json::Value>(&body)
-            .ok()
-            .and_then(|v| v["error"].as_str().map(str::to_string))
-            .unwrap_or_else(|| format!("status {status}"));
-        bail!("{reason}");
-    }
+    let never = AtomicBool::new(false);
+    client::capture_link(
+        socket,
+        link,
+        &request,
+        &never,
+        &mut std::io::sink(),
+        false,
+        || {},
+    )?;
     Ok(())
 }
 

@@ -218,8 +218,6 @@ struct TappedLink {
     direction: Direction,
     ring: Arc<Ring>,
     tap: Arc<Tap>,
-    /// The same tap as the ring holds it (to remove it).
-    installed: Arc<dyn LinkTap>,
     records: HeapCons<u8>,
 }
 
@@ -282,13 +280,12 @@ impl LinkCapture {
                 name: l.name,
                 direction: l.direction,
                 ring: l.ring,
-                installed: tap.clone(),
                 tap,
                 records: cons,
             });
         }
         for l in &tapped {
-            l.ring.add_tap(l.installed.clone());
+            l.ring.add_tap(l.tap.clone());
         }
         Ok(LinkCapture {
             captured: vec![0; tapped.len()],
@@ -335,10 +332,8 @@ impl LinkCapture {
         let limit = out.len() + max_bytes;
         let n = self.links.len();
         let mut idle = 0;
+        // `take_records` stops at the count, so a reached count ends the loop as idle.
         while idle < n && out.len() < limit {
-            if self.options.count.is_some_and(|c| self.total >= c) {
-                return Some(EndReason::Count);
-            }
             let i = self.next_link;
             self.next_link = (i + 1) % n;
             if self.take_records(i, out, limit) > 0 {
@@ -445,7 +440,8 @@ impl LinkCapture {
 
     fn remove_taps(&mut self) {
         for l in &self.links {
-            l.ring.remove_tap(&l.installed);
+            let tap: Arc<dyn LinkTap> = l.tap.clone();
+            l.ring.remove_tap(&tap);
         }
     }
 }
