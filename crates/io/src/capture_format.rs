@@ -138,6 +138,40 @@ pub fn statistics_block(interface: u32, counts: InterfaceCounts) -> Vec<u8> {
     b
 }
 
+/// One interface of a capture stream: a tapped link, named `app.port -> app.port`.
+pub struct StreamInterface {
+    pub name: String,
+    pub description: String,
+}
+
+/// The start of a capture stream: the PCAP file header, or the PCAPNG section header and one
+/// interface description block per interface (interface ids in this order).
+pub fn stream_header(format: Format, snaplen: u32, interfaces: &[StreamInterface]) -> Vec<u8> {
+    match format {
+        Format::Pcap => pcap_header(snaplen),
+        Format::Pcapng => {
+            let mut h = section_header();
+            for i in interfaces {
+                h.extend(interface_block(&i.name, Some(&i.description), snaplen));
+            }
+            h
+        }
+    }
+}
+
+/// The end of a capture stream: for PCAPNG one interface statistics block per interface, in
+/// interface order; nothing for PCAP, which has no place for them.
+pub fn stream_trailer(format: Format, counts: &[InterfaceCounts]) -> Vec<u8> {
+    if format != Format::Pcapng {
+        return Vec::new();
+    }
+    let mut out = Vec::new();
+    for (i, c) in counts.iter().enumerate() {
+        out.extend(statistics_block(i as u32, *c));
+    }
+    out
+}
+
 fn push_option(v: &mut Vec<u8>, code: u16, value: &[u8]) {
     v.extend_from_slice(&code.to_ne_bytes());
     v.extend_from_slice(&(value.len() as u16).to_ne_bytes());

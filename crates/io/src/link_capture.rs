@@ -10,8 +10,8 @@
 //! its own thread. Dropping the capture removes the taps.
 
 use crate::capture_format::{
-    append_record, interface_block, pcap_header, section_header, statistics_block, Direction,
-    Format, InterfaceCounts, RecordMeta,
+    append_record, stream_header, stream_trailer, Direction, Format, InterfaceCounts, RecordMeta,
+    StreamInterface,
 };
 use ringbuf::traits::{Consumer as _, Producer as _, Raw as _, Split as _};
 use ringbuf::{HeapCons, HeapProd, HeapRb};
@@ -57,34 +57,35 @@ impl Default for CaptureOptions {
     }
 }
 
-/// One link chosen for a capture.
+/// One link chosen for a capture; `link` is what the data path knows it by (the engine's
+/// ring, a kernel data plane's VID).
 #[derive(Clone)]
-pub struct SelectedLink {
+pub struct SelectedLink<L = Arc<Ring>> {
     /// `app.port -> app.port`.
     pub name: String,
     pub direction: Direction,
-    pub ring: Arc<Ring>,
+    pub link: L,
 }
 
 /// The links `selector` names among `links`: `APP` (every link of the app), `APP.PORT` (the
 /// links of that port, both directions) or a whole link `APP.PORT -> APP.PORT`. Directions are
 /// seen from the named app. The error names what exists.
-pub fn select_links(
-    links: &[(LinkDecl, Arc<Ring>)],
+pub fn select_links<L: Clone>(
+    links: &[(LinkDecl, L)],
     selector: &str,
-) -> Result<Vec<SelectedLink>, String> {
+) -> Result<Vec<SelectedLink<L>>, String> {
     let selector = selector.trim();
-    let chosen = |d: &LinkDecl, r: &Arc<Ring>, direction| SelectedLink {
+    let chosen = |d: &LinkDecl, l: &L, direction| SelectedLink {
         name: d.spec(),
         direction,
-        ring: r.clone(),
+        link: l.clone(),
     };
-    let found: Vec<SelectedLink> = if let Some((from, to)) = selector.split_once("->") {
+    let found: Vec<SelectedLink<L>> = if let Some((from, to)) = selector.split_once("->") {
         let (from, to) = (from.trim(), to.trim());
         links
             .iter()
             .filter(|(d, _)| d.from.to_string() == from && d.to.to_string() == to)
-            .map(|(d, r)| chosen(d, r, Direction::Unknown))
+            .map(|(d, l)| chosen(d, l, Direction::Unknown))
             .collect()
     } else {
         let (app, port) = match selector.split_once('.') {
@@ -95,11 +96,11 @@ pub fn select_links(
             |e: &stitch_core::graph::Endpoint| e.app == app && port.is_none_or(|p| e.port == p);
         links
             .iter()
-            .filter_map(|(d, r)| {
+            .filter_map(|(d, l)| {
                 if here(&d.to) {
-                    Some(chosen(d, r, Direction::Inbound))
+                    Some(chosen(d, l, Direction::Inbound))
                 } else if here(&d.from) {
-                    Some(chosen(d, r, Direction::Outbound))
+                    Some(chosen(d, l, Direction::Outbound))
                 } else {
                     None
                 }
@@ -279,7 +280,7 @@ impl LinkCapture {
             tapped.push(TappedLink {
                 name: l.name,
                 direction: l.direction,
-                ring: l.ring,
+                ring: l.link,
                 tap,
                 records: cons,
             });
@@ -309,21 +310,15 @@ impl LinkCapture {
     /// The start of the stream: the PCAP file header, or the PCAPNG section header and one
     /// interface per link.
     pub fn header(&self, instance: &str) -> Vec<u8> {
-        match self.options.format {
-            Format::Pcap => pcap_header(self.options.snaplen),
-            Format::Pcapng => {
-                let mut h = section_header();
-                for l in &self.links {
-                    let description = format!("link {} of stitch instance {instance}", l.name);
-                    h.extend(interface_block(
-                        &l.name,
-                        Some(&description),
-                        self.options.snaplen,
-                    ));
-                }
-                h
-            }
-        }
+        let interfaces: Vec<StreamInterface> = self
+            .links
+            .iter()
+            .map(|l| StreamInterface {
+                name: l.name.clone(),
+                description: format!("link {} of stitch instance {instance}", l.name),
+            })
+            .collect();
+        stream_header(self.options.format, self.options.snaplen, &interfaces)
     }
 
     /// Appends the records the taps hold to `out`, up to about `max_bytes`, taking turns
@@ -422,20 +417,17 @@ impl LinkCapture {
     /// Records still in the rings are not written (a count was reached, or the reader stops).
     pub fn finish(&mut self) -> Vec<u8> {
         self.remove_taps();
-        if self.options.format != Format::Pcapng {
-            return Vec::new();
-        }
         let filtered = self.options.filter.is_some();
-        let mut out = Vec::new();
-        for (i, s) in self.stats().iter().enumerate() {
-            let counts = InterfaceCounts {
+        let counts: Vec<InterfaceCounts> = self
+            .stats()
+            .iter()
+            .map(|s| InterfaceCounts {
                 received: s.seen,
                 dropped: s.dropped,
                 accepted: filtered.then_some(s.accepted),
-            };
-            out.extend(statistics_block(i as u32, counts));
-        }
-        out
+            })
+            .collect();
+        stream_trailer(self.options.format, &counts)
     }
 
     fn remove_taps(&mut self) {

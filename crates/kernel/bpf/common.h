@@ -205,6 +205,114 @@ static __always_inline void vi_count_drop(__u32 vid)
 		s->drops++;
 }
 
+/*
+ * Link taps (`stitch capture --link` on a kernel graph). `taps` says, per VID, which capture
+ * sessions copy the packets leaving it (a bit per session) and how many bytes of each they
+ * keep at most. Each session has its own BPF ring buffer in `tap_rings`, made and put there by
+ * its reader, so captures of the same link at once each see every packet. A packet is copied
+ * into a per-CPU record first (bpf_ringbuf_output takes the record's real size), then into the
+ * ring of each session; a full ring drops the record and counts it in `tap_drops`. Untapped,
+ * a hop pays one array lookup.
+ */
+#define TAP_SESSIONS 8
+#define TAP_SNAP_MAX 9216
+#define TAP_RING_BYTES (8u << 20)
+
+struct tap_point {
+	__u32 sessions; /* bit i: session i copies what leaves this VID */
+	__u32 snaplen;  /* the largest of the sessions' snap lengths */
+};
+
+struct tap_record {
+	__u64 time_ns; /* CLOCK_MONOTONIC */
+	__u32 vid;     /* the VID the packet left */
+	__u32 len;     /* its length on the link */
+	__u32 caplen;  /* bytes of it that follow */
+	__u32 pad;
+	__u8 data[TAP_SNAP_MAX];
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, MAX_VIDS);
+	__type(key, __u32);
+	__type(value, struct tap_point);
+} taps SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct tap_record);
+} tap_scratch SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, TAP_SESSIONS * MAX_VIDS);
+	__type(key, __u32);   /* session * MAX_VIDS + VID */
+	__type(value, __u64); /* records of that VID the session's ring had no room for */
+} tap_drops SEC(".maps");
+
+struct tap_ring {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, TAP_RING_BYTES);
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH_OF_MAPS);
+	__uint(max_entries, TAP_SESSIONS);
+	__type(key, __u32); /* session */
+	__array(values, struct tap_ring);
+} tap_rings SEC(".maps");
+
+/* Copies the packet leaving `vid` into the ring of every session in `sessions`. */
+static __noinline int tap_copy(struct __sk_buff *skb, __u32 vid, __u32 sessions, __u32 snaplen)
+{
+	__u32 zero = 0;
+	struct tap_record *r = bpf_map_lookup_elem(&tap_scratch, &zero);
+	if (!r)
+		return 0;
+	__u64 cap = skb->len;
+	if (cap > snaplen)
+		cap = snaplen;
+	/* The verifier must see the bound on the register passed to the helper. */
+	barrier_var(cap);
+	if (cap == 0 || cap > TAP_SNAP_MAX)
+		return 0;
+	r->time_ns = bpf_ktime_get_ns();
+	r->vid = vid;
+	r->len = skb->len;
+	r->caplen = cap;
+	if (bpf_skb_load_bytes(skb, 0, r->data, cap) < 0)
+		return 0;
+	for (__u32 i = 0; i < TAP_SESSIONS; i++) {
+		if (!(sessions & (1u << i)))
+			continue;
+		void *ring = bpf_map_lookup_elem(&tap_rings, &i);
+		if (!ring)
+			continue;
+		__u64 size = r->caplen;
+		barrier_var(size);
+		if (size > TAP_SNAP_MAX)
+			size = TAP_SNAP_MAX;
+		if (bpf_ringbuf_output(ring, r, __builtin_offsetof(struct tap_record, data) + size,
+				       0) < 0) {
+			__u32 key = i * MAX_VIDS + vid;
+			__u64 *d = bpf_map_lookup_elem(&tap_drops, &key);
+			if (d)
+				*d += 1;
+		}
+	}
+	return 0;
+}
+
+static __always_inline void tap(struct __sk_buff *skb, __u32 vid)
+{
+	struct tap_point *t = bpf_map_lookup_elem(&taps, &vid);
+	if (t && t->sessions)
+		tap_copy(skb, vid, t->sessions, t->snaplen);
+}
+
 static __always_inline __u32 loop_ifindex(void)
 {
 	__u32 zero = 0;
@@ -228,6 +336,7 @@ static __always_inline int pp_send(struct __sk_buff *skb, __u32 out_vid)
 	}
 	/* Links are one-to-one: what enters `to` is what left `out_vid` (counted once). */
 	vi_count_tx(out_vid, skb->len);
+	tap(skb, out_vid);
 	if (vi->kind == VI_INTERFACE)
 		return bpf_redirect(vi->target, 0);
 	__u32 hops = skb->cb[1] + 1;
@@ -261,6 +370,7 @@ static __always_inline void pp_send_copy(struct __sk_buff *skb, __u32 out_vid)
 		return;
 	/* Links are one-to-one: what enters `to` is what left `out_vid` (counted once). */
 	vi_count_tx(out_vid, skb->len);
+	tap(skb, out_vid);
 	if (vi->kind == VI_INTERFACE) {
 		bpf_clone_redirect(skb, vi->target, 0);
 		return;

@@ -113,7 +113,12 @@ fn verifier_excerpt() -> String {
     let log = std::mem::take(&mut *LIBBPF_LOG.lock().unwrap());
     let lines: Vec<&str> = log
         .lines()
-        .filter(|l| !l.trim().is_empty() && !l.starts_with("libbpf: elf:"))
+        .filter(|l| {
+            !l.trim().is_empty()
+                && !l.starts_with("libbpf: elf:")
+                && !l.contains("pinned map")
+                && !l.contains("reusing pinned")
+        })
         .collect();
     let tail = &lines[lines.len().saturating_sub(12)..];
     if tail.is_empty() {
@@ -196,6 +201,9 @@ impl Maps {
             ("vxlan_segments", 4, size_of::<VxlanSegment>()),
             ("vxlan_vnis", 4, size_of::<VniTarget>()),
             ("dp_counters", 4, 8),
+            ("taps", 4, size_of::<TapPoint>()),
+            ("tap_drops", 4, 8),
+            ("tap_rings", 4, 4),
         ];
         for (name, k, v) in expected {
             let path = dir.join(name);
@@ -253,6 +261,14 @@ impl Maps {
         total
     }
 
+    /// How many capture sessions tap what leaves `vid`.
+    fn tap_sessions(&self, vid: u32) -> u32 {
+        match self.get("taps").lookup(&vid.to_ne_bytes(), MapFlags::ANY) {
+            Ok(Some(b)) => TapPoint::from_bytes(&b).sessions.count_ones(),
+            _ => 0,
+        }
+    }
+
     /// Deletes every entry of a hash map whose key starts with `state_id`.
     fn forget_state(&self, map: &str, state_id: u32) {
         let h = self.get(map);
@@ -294,6 +310,55 @@ impl DataPlane {
 
     fn tunnel_device(&self) -> String {
         format!("stv-{}", self.name)
+    }
+
+    pub(crate) fn pin_dir(&self) -> &Path {
+        &self.pin_dir
+    }
+
+    /// Where this data plane's record and its capture sessions' claims are kept.
+    pub(crate) fn runtime_dir(&self) -> PathBuf {
+        self.record
+            .parent()
+            .map(Path::to_path_buf)
+            .unwrap_or_default()
+    }
+
+    /// The installed links as graph links, each with the VID its packets leave (what a tap
+    /// watches).
+    pub fn tappable_links(&self) -> Result<Vec<(stitch_core::graph::LinkDecl, u32)>, Error> {
+        let Some(inst) = self.installed()? else {
+            return fail(format!(
+                "no kernel data plane `{}` is installed (`stitch kernel apply FILE`)",
+                self.name
+            ));
+        };
+        let endpoint = |s: &str| {
+            let (app, port) = s.split_once('.').unwrap_or((s, ""));
+            stitch_core::graph::Endpoint {
+                app: app.to_string(),
+                port: port.to_string(),
+            }
+        };
+        Ok(inst
+            .links
+            .iter()
+            .map(|l| {
+                let decl = stitch_core::graph::LinkDecl {
+                    from: endpoint(&l.from),
+                    to: endpoint(&l.to),
+                    size: 0,
+                    line: 0,
+                };
+                (decl, l.from_vid)
+            })
+            .collect())
+    }
+
+    /// Starts copying the first `snaplen` bytes of what leaves each of `vids` to a ring of
+    /// this process's own (see [`crate::tap`]).
+    pub fn tap(&self, vids: &[u32], snaplen: u32) -> Result<crate::tap::KernelTap, Error> {
+        crate::tap::KernelTap::start(self, vids, snaplen)
     }
 
     fn links_dir(&self) -> PathBuf {
@@ -700,6 +765,8 @@ impl DataPlane {
             return Ok(None);
         };
         let maps = Maps::open(&self.pin_dir)?;
+        // Taps of readers that were killed are not shown (nor kept).
+        crate::tap::clear_dead(self)?;
         let sum = |v: u32| {
             maps.sum_percpu::<ViStats>("vi_counters", v, |t, x| {
                 t.tx_packets += x.tx_packets;
@@ -739,6 +806,7 @@ impl DataPlane {
                     port: p.clone(),
                     vid: a.base_vid + i as u32,
                     stats: vi(a.base_vid + i as u32),
+                    taps: maps.tap_sessions(a.base_vid + i as u32),
                 })
                 .collect();
             let attached = a
@@ -785,6 +853,7 @@ impl DataPlane {
                 .map_err(|e| Error(format!("cannot remove {}: {e}", self.pin_dir.display())))?;
         }
         let _ = std::fs::remove_file(&self.record);
+        crate::tap::forget_claims(&self.runtime_dir(), &self.name);
         Ok(had)
     }
 }
@@ -1004,6 +1073,8 @@ pub struct PortStatus {
     pub vid: u32,
     #[serde(serialize_with = "stats")]
     pub stats: ViStats,
+    /// Captures copying what leaves this port (`stitch capture --link --kernel`).
+    pub taps: u32,
 }
 
 fn stats<S: serde::Serializer>(v: &ViStats, s: S) -> Result<S::Ok, S::Error> {

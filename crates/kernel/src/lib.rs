@@ -9,11 +9,17 @@
 //! - [`plan`] — graph file → kernel functions, ports and links, with errors by line.
 //! - [`datapath`] — load, pin, install and change by diff, status, teardown.
 //! - [`maps`] — the maps' key and value layouts, shared with the C side.
+//! - [`tap`] — capture sessions on links: the patch panel copies what leaves a tapped VID
+//!   into the session's BPF ring buffer.
+//! - [`capture`] — a tap's records as a PCAPNG or PCAP stream, filtered, one interface per
+//!   link.
 
+pub mod capture;
 pub mod datapath;
 pub mod maps;
 mod netdev;
 pub mod plan;
+pub mod tap;
 
 pub use datapath::{ApplyReport, DataPlane, Error, Status};
 pub use plan::Plan;

@@ -286,6 +286,25 @@ pub fn counter_names(kind: u32) -> &'static [&'static str] {
     }
 }
 
+pub const TAP_SESSIONS: u32 = 8;
+pub const TAP_SNAP_MAX: u32 = 9216;
+
+/// Which capture sessions copy what leaves a VID (`taps`, by VID).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TapPoint {
+    /// Bit i: session i.
+    pub sessions: u32,
+    /// The largest snap length of those sessions.
+    pub snaplen: u32,
+}
+
+pod!(TapPoint);
+
+/// Bytes in front of the packet in a tap record (`struct tap_record`): time, VID, length,
+/// bytes kept, padding.
+pub const TAP_RECORD_HEADER: usize = 24;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -303,5 +322,6 @@ mod tests {
         assert_eq!(size_of::<Neigh>(), 16);
         assert_eq!(size_of::<FwRule>(), 32);
         assert_eq!(size_of::<CtKey>(), 20);
+        assert_eq!(size_of::<TapPoint>(), 8);
     }
 }

@@ -11,6 +11,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use stitch_core::{Engine, Graph, Registry};
+use stitch_io::capture_format::Format;
+use stitch_io::link_capture::{CaptureOptions, EndReason};
+use stitch_kernel::capture::KernelLinkCapture;
 
 #[derive(clap::Args)]
 pub struct CaptureArgs {
@@ -58,6 +61,10 @@ pub struct CaptureArgs {
     /// With --link: the instance's API socket (overrides --name).
     #[arg(long, requires = "link")]
     control: Option<PathBuf>,
+    /// With --link: capture links of this kernel data plane (`stitch kernel apply --name`);
+    /// the patch panel copies their packets into a ring buffer this command reads.
+    #[arg(long, requires = "link", conflicts_with_all = ["control", "name"])]
+    kernel: Option<String>,
     /// Filter expression in libpcap syntax.
     filter: Vec<String>,
 }
@@ -74,7 +81,10 @@ fn counter(stats: &stitch_core::Stats, app: &str, name: &str) -> u64 {
 pub fn run(a: CaptureArgs, registry: Arc<Registry>) -> Result<()> {
     match (&a.interface, &a.link) {
         (Some(interface), None) => capture_interface(&a, interface, registry),
-        (None, Some(link)) => capture_link(&a, link),
+        (None, Some(link)) => match &a.kernel {
+            Some(plane) => capture_kernel_link(&a, plane, link),
+            None => capture_link(&a, link),
+        },
         _ => anyhow::bail!("give either -i INTERFACE or --link APP[.PORT]"),
     }
 }
@@ -197,33 +207,18 @@ fn capture_interface(a: &CaptureArgs, interface: &str, registry: Arc<Registry>) 
 /// API to a file or standard output; Ctrl-C ends it cleanly (the stream closes with its
 /// statistics), and so do -c and --duration, on the instance's side.
 fn capture_link(a: &CaptureArgs, link: &str) -> Result<()> {
-    for (given, flag) in [
-        (a.rotate_mb.is_some(), "-C"),
-        (a.rotate_seconds.is_some(), "-G"),
-        (a.files.is_some(), "-W"),
-        (a.no_promisc, "-p"),
-    ] {
-        if given {
-            anyhow::bail!(
-                "{flag} is for interface captures (-i); a link capture writes one file or a stream"
-            );
-        }
-    }
+    refuse_interface_options(a)?;
     let to_stdout = a.file.as_os_str() == "-";
-    let format = match a.format.as_deref() {
-        Some(f) => f.to_string(),
-        None if !to_stdout
-            && a.file
-                .extension()
-                .is_some_and(|e| e.eq_ignore_ascii_case("pcap")) =>
-        {
-            "pcap".into()
-        }
-        None => "pcapng".into(),
-    };
+    let format = link_format(a, to_stdout);
     let filter = a.filter.join(" ");
     let request = stitch_api::client::CaptureRequest {
-        format: Some(format),
+        format: Some(
+            match format {
+                Format::Pcap => "pcap",
+                Format::Pcapng => "pcapng",
+            }
+            .to_string(),
+        ),
         snaplen: Some(a.snaplen),
         count: a.count,
         duration: a.duration,
@@ -238,26 +233,8 @@ fn capture_link(a: &CaptureArgs, link: &str) -> Result<()> {
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         signal_hook::flag::register(sig, stop.clone())?;
     }
-    let mut out: Box<dyn std::io::Write> = if to_stdout {
-        Box::new(std::io::stdout().lock())
-    } else {
-        let f = std::fs::File::create(&a.file)
-            .with_context(|| format!("cannot create {}", a.file.display()))?;
-        Box::new(std::io::BufWriter::with_capacity(1 << 20, f))
-    };
-    let announce = || {
-        let what = if filter.trim().is_empty() {
-            String::new()
-        } else {
-            format!(", filter `{filter}`")
-        };
-        let to = if to_stdout {
-            "standard output".to_string()
-        } else {
-            a.file.display().to_string()
-        };
-        eprintln!("stitch: capturing link {link}{what} to {to}");
-    };
+    let mut out = open_output(&a.file, to_stdout)?;
+    let announce = || announce_link(a, link, &filter, to_stdout);
     // On a pipe (tshark, Wireshark) packets are passed on as they come.
     let tally = stitch_api::client::capture_link(
         &socket, link, &request, &stop, &mut out, to_stdout, announce,
@@ -270,6 +247,127 @@ fn capture_link(a: &CaptureArgs, link: &str) -> Result<()> {
     eprintln!(
         "{} packets dropped by the tap (the reader fell behind)",
         tally.dropped
+    );
+    Ok(())
+}
+
+fn refuse_interface_options(a: &CaptureArgs) -> Result<()> {
+    for (given, flag) in [
+        (a.rotate_mb.is_some(), "-C"),
+        (a.rotate_seconds.is_some(), "-G"),
+        (a.files.is_some(), "-W"),
+        (a.no_promisc, "-p"),
+    ] {
+        if given {
+            anyhow::bail!(
+                "{flag} is for interface captures (-i); a link capture writes one file or a stream"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The format of a link capture: `--format`, else PCAP for a `.pcap` file, else PCAPNG.
+fn link_format(a: &CaptureArgs, to_stdout: bool) -> Format {
+    match a.format.as_deref() {
+        Some("pcap") => Format::Pcap,
+        Some(_) => Format::Pcapng,
+        None if !to_stdout
+            && a.file
+                .extension()
+                .is_some_and(|e| e.eq_ignore_ascii_case("pcap")) =>
+        {
+            Format::Pcap
+        }
+        None => Format::Pcapng,
+    }
+}
+
+fn open_output(file: &Path, to_stdout: bool) -> Result<Box<dyn std::io::Write>> {
+    Ok(if to_stdout {
+        Box::new(std::io::stdout().lock())
+    } else {
+        let f = std::fs::File::create(file)
+            .with_context(|| format!("cannot create {}", file.display()))?;
+        Box::new(std::io::BufWriter::with_capacity(1 << 20, f))
+    })
+}
+
+fn announce_link(a: &CaptureArgs, link: &str, filter: &str, to_stdout: bool) {
+    let what = if filter.trim().is_empty() {
+        String::new()
+    } else {
+        format!(", filter `{filter}`")
+    };
+    let to = if to_stdout {
+        "standard output".to_string()
+    } else {
+        a.file.display().to_string()
+    };
+    eprintln!("stitch: capturing link {link}{what} to {to}");
+}
+
+/// `stitch capture --link --kernel`: the same stream as a running instance's, read from the
+/// kernel data plane's tap ring by this process. Ctrl-C, -c, --duration, the link leaving the
+/// installed graph or the reader of standard output going away end it; the taps go with it.
+fn capture_kernel_link(a: &CaptureArgs, plane: &str, link: &str) -> Result<()> {
+    refuse_interface_options(a)?;
+    let to_stdout = a.file.as_os_str() == "-";
+    let filter = a.filter.join(" ");
+    let options = CaptureOptions {
+        format: link_format(a, to_stdout),
+        snaplen: a.snaplen,
+        filter: Some(filter.clone()),
+        count: a.count,
+        duration: a.duration.map(Duration::from_secs_f64),
+        ..CaptureOptions::default()
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, stop.clone())?;
+    }
+    let mut capture = KernelLinkCapture::start(plane, link, options)?;
+    let mut out = open_output(&a.file, to_stdout)?;
+    announce_link(a, link, &filter, to_stdout);
+    let mut buf = capture.header();
+    let mut reader_gone = false;
+    while !stop.load(Ordering::Relaxed) {
+        let end = capture.poll(&mut buf, Duration::from_millis(100))?;
+        match out
+            .write_all(&buf)
+            .and_then(|_| if to_stdout { out.flush() } else { Ok(()) })
+        {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
+                reader_gone = true;
+                break;
+            }
+            Err(e) => return Err(e).context("writing the capture"),
+        }
+        buf.clear();
+        if let Some(reason) = end {
+            if reason == EndReason::LinksGone {
+                eprintln!("stitch: the tapped link(s) left the installed graph");
+            }
+            break;
+        }
+    }
+    let stats = capture.stats();
+    let trailer = capture.finish();
+    if !reader_gone {
+        out.write_all(&trailer)
+            .and_then(|_| out.flush())
+            .context("writing the capture")?;
+    }
+    let sum = |f: fn(&stitch_io::link_capture::TapStats) -> u64| stats.iter().map(f).sum::<u64>();
+    eprintln!("{} packets captured", sum(|s| s.captured));
+    eprintln!(
+        "{} packets carried by the link(s) while tapped",
+        sum(|s| s.seen)
+    );
+    eprintln!(
+        "{} packets dropped by the tap (the reader fell behind)",
+        sum(|s| s.dropped)
     );
     Ok(())
 }

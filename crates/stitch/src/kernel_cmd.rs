@@ -116,8 +116,8 @@ pub fn run(cmd: KernelCmd) -> Result<()> {
 fn render(s: &stitch_kernel::Status) -> String {
     let mut out = format!("kernel data plane `{}` from {}\n", s.name, s.graph_file);
     out += &format!(
-        "{:<14} {:<10} {:<14} {:>12} {:>12} {:>12} {:>10}\n",
-        "app", "kind", "port", "in pkts", "out pkts", "out bytes", "drops"
+        "{:<14} {:<10} {:<14} {:>12} {:>12} {:>12} {:>10} {:>5}\n",
+        "app", "kind", "port", "in pkts", "out pkts", "out bytes", "drops", "taps"
     );
     for a in &s.apps {
         for p in &a.ports {
@@ -127,14 +127,15 @@ fn render(s: &stitch_kernel::Status) -> String {
                 _ => p.port.clone(),
             };
             out += &format!(
-                "{:<14} {:<10} {:<14} {:>12} {:>12} {:>12} {:>10}\n",
+                "{:<14} {:<10} {:<14} {:>12} {:>12} {:>12} {:>10} {:>5}\n",
                 a.name,
                 a.kind,
                 port,
                 p.stats.rx_packets,
                 p.stats.tx_packets,
                 p.stats.tx_bytes,
-                p.stats.drops
+                p.stats.drops,
+                p.taps
             );
         }
         let own: Vec<String> = a

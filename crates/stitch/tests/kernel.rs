@@ -466,3 +466,182 @@ fn an_interface_hooked_by_another_program_is_refused() {
     let o = h.exec(0, &format!("ping -c 2 -i 0.1 -W 2 {}", h.ip[1]));
     assert!(ok(&o), "{}", text(&o));
 }
+
+/// Captures running against the kernel data plane `p`: taps per port as `status` shows them.
+fn kernel_taps(p: &Plane) -> u64 {
+    p.status()["apps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|a| a["ports"].as_array().unwrap().clone())
+        .map(|port| port["taps"].as_u64().unwrap())
+        .sum()
+}
+
+fn kernel_capture(p: &Plane, args: &[&str]) -> std::process::Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_stitch"));
+    c.args(["capture", "--kernel", &p.name]).args(args);
+    c
+}
+
+#[test]
+fn links_between_kernel_functions_are_captured_in_the_kernel() {
+    require_root_and_tools(&["ip", "ping", "tshark", "capinfos"]);
+    use std::process::Stdio;
+    let h = TwoHosts::new();
+    let p = Plane::new();
+    let graph = |back: &str| {
+        format!(
+            "placement: kernel\napps:\n  a: {{ type: af_packet, interface: {} }}\n  b: {{ type: af_packet, interface: {} }}\n  f: {{ type: forwarder }}\n{}links:\n  - \"a.output -> f.input\"\n  - \"f.output -> b.input\"\n{back}",
+            h.outer[0],
+            h.outer[1],
+            if back.contains("g.") { "  g: { type: forwarder }\n" } else { "" },
+        )
+    };
+    let with_g = graph("  - \"b.output -> g.input\"\n  - \"g.output -> a.input\"\n");
+    p.apply(&with_g);
+
+    // Errors name what to fix and tap nothing.
+    for (args, says) in [
+        (
+            vec!["--link", "nope", "-w", "-"],
+            "its links: a.output -> f.input",
+        ),
+        (vec!["--link", "f", "-w", "-", "tcp port"], "filter"),
+    ] {
+        let o = kernel_capture(&p, &args).output().unwrap();
+        assert!(!o.status.success());
+        assert!(text(&o).contains(says), "{args:?}: {}", text(&o));
+    }
+    let o = Command::new(env!("CARGO_BIN_EXE_stitch"))
+        .args(["capture", "--kernel", "nosuchdp", "--link", "f", "-w", "-"])
+        .output()
+        .unwrap();
+    assert!(
+        !o.status.success() && text(&o).contains("stitch kernel apply"),
+        "{}",
+        text(&o)
+    );
+    assert_eq!(kernel_taps(&p), 0);
+
+    // Two captures at once: both directions of f to a file, and one link, filtered, to a pipe.
+    let file = p.dir.path().join("f.pcapng");
+    let both = Background(
+        kernel_capture(&p, &["--link", "f", "-c", "8", "--duration", "20", "-w"])
+            .arg(&file)
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let piped = Background(
+        kernel_capture(
+            &p,
+            &[
+                "--link",
+                "g.output -> a.input",
+                "-c",
+                "3",
+                "--duration",
+                "20",
+                "-w",
+                "-",
+            ],
+        )
+        .arg("icmp[icmptype] == icmp-echoreply")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap(),
+    );
+    wait_until("both captures to tap", 10, || kernel_taps(&p) == 3);
+    let o = h.exec(0, &format!("ping -c 4 -i 0.2 -W 2 {}", h.ip[1]));
+    assert!(ok(&o), "{}", text(&o));
+    let out = both.finish();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("8 packets captured"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let frames = tshark_fields(
+        &file,
+        &[
+            "frame.interface_name",
+            "frame.packet_flags_direction",
+            "icmp.type",
+        ],
+    );
+    assert_eq!(frames.len(), 8, "{frames:?}");
+    for f in &frames {
+        let cols: Vec<&str> = f.split('\t').collect();
+        match cols[0] {
+            "a.output -> f.input" => assert_eq!(cols[1], "0x00000001", "{f}"),
+            "f.output -> b.input" => assert_eq!(cols[1], "0x00000002", "{f}"),
+            other => panic!("a link of f was expected, not {other}"),
+        }
+    }
+    assert!(
+        frames.iter().filter(|f| f.ends_with("\t8")).count() >= 6,
+        "{frames:?}"
+    );
+    let info = must(&format!("capinfos -M {}", file.display()));
+    assert_eq!(
+        info.matches("Number of stat entries = 1").count(),
+        2,
+        "{info}"
+    );
+
+    let out = piped.finish();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let piped_file = p.dir.path().join("g.pcapng");
+    std::fs::write(&piped_file, &out.stdout).unwrap();
+    let frames = tshark_fields(&piped_file, &["frame.interface_name", "icmp.type"]);
+    assert_eq!(
+        frames,
+        vec!["g.output -> a.input\t0".to_string(); 3],
+        "only echo replies, only that link"
+    );
+    assert_eq!(kernel_taps(&p), 0, "the captures took their taps along");
+
+    // A reader killed outright: the next look at the data plane clears what it left.
+    let mut killed = Background(
+        kernel_capture(&p, &["--link", "f.output", "-w", "-"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_until("the capture to tap", 10, || kernel_taps(&p) == 1);
+    killed.signal(libc::SIGKILL);
+    let _ = killed.0.wait();
+    assert_eq!(kernel_taps(&p), 0, "a dead reader's tap is cleared");
+
+    // The tapped link leaves the installed graph: the capture ends by itself.
+    let gone = Background(
+        kernel_capture(&p, &["--link", "g", "--duration", "20", "-w"])
+            .arg(p.dir.path().join("gone.pcapng"))
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    wait_until("the capture to tap", 10, || kernel_taps(&p) == 2);
+    p.apply(&graph("  - \"b.output -> a.input\"\n"));
+    let t = std::time::Instant::now();
+    let out = gone.finish();
+    assert!(t.elapsed().as_secs() < 10, "ended well before its duration");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("left the installed graph"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let o = h.exec(0, &format!("ping -c 1 -W 2 {}", h.ip[1]));
+    assert!(ok(&o), "{}", text(&o));
+}
