@@ -4,8 +4,10 @@
 //! `tshark -i 'stitch:default:fw.output>out.input'` or Wireshark's interface list captures them.
 //! Wireshark runs this program with the options of its extcap protocol (see `extcap(4)`); the
 //! capture itself is the instance's live link capture (`GET /api/v1/links/{link}/capture`),
-//! written to the FIFO Wireshark names. `stitch-extcap --install` links it into Wireshark's
-//! extcap folder.
+//! written to the FIFO Wireshark names. The links of each kernel data plane (`stitch kernel
+//! apply`) are interfaces too, named `stitch-kernel:PLANE:APP.PORT>APP.PORT`: those are tapped
+//! in the kernel and read by this program itself (it needs the rights `stitch kernel` needs).
+//! `stitch-extcap --install` links it into Wireshark's extcap folder.
 
 use anyhow::{anyhow, bail, Context, Result};
 use std::collections::HashMap;
@@ -13,8 +15,21 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use stitch_api::client::{self, CaptureRequest, Method};
+use stitch_io::link_capture::CaptureOptions;
+use stitch_kernel::capture::KernelLinkCapture;
+use stitch_kernel::DataPlane;
 
 const PREFIX: &str = "stitch:";
+const KERNEL_PREFIX: &str = "stitch-kernel:";
+
+/// Where an interface's link runs.
+#[derive(Debug, PartialEq, Eq)]
+enum Source {
+    /// A running instance, by name.
+    Instance(String),
+    /// A kernel data plane, by name.
+    Kernel(String),
+}
 
 /// The options Wireshark passes, as `--name value` or `--name=value`, and flags.
 struct Options {
@@ -76,20 +91,37 @@ fn instances() -> Vec<(String, PathBuf)> {
     found
 }
 
-/// The interface name of a link (`a.x -> b.y`) of instance `instance`.
-fn interface_name(instance: &str, link: &str) -> String {
-    format!("{PREFIX}{instance}:{}", link.replace(" -> ", ">"))
+/// The interface name of a link (`a.x -> b.y`) of `source`.
+fn interface_name(source: &Source, link: &str) -> String {
+    let link = link.replace(" -> ", ">");
+    match source {
+        Source::Instance(i) => format!("{PREFIX}{i}:{link}"),
+        Source::Kernel(p) => format!("{KERNEL_PREFIX}{p}:{link}"),
+    }
 }
 
-/// Instance and link selector of an interface name.
-fn parse_interface(name: &str) -> Result<(String, String)> {
-    let rest = name
-        .strip_prefix(PREFIX)
-        .ok_or_else(|| anyhow!("`{name}` is not a Stitch interface (they start with {PREFIX})"))?;
-    let (instance, link) = rest
+/// Source and link selector of an interface name.
+fn parse_interface(name: &str) -> Result<(Source, String)> {
+    let (rest, kernel) = match name.strip_prefix(KERNEL_PREFIX) {
+        Some(r) => (r, true),
+        None => (
+            name.strip_prefix(PREFIX).ok_or_else(|| {
+                anyhow!(
+                    "`{name}` is not a Stitch interface (they start with {PREFIX} or {KERNEL_PREFIX})"
+                )
+            })?,
+            false,
+        ),
+    };
+    let (owner, link) = rest
         .split_once(':')
         .ok_or_else(|| anyhow!("`{name}`: expected {PREFIX}INSTANCE:APP.PORT>APP.PORT"))?;
-    Ok((instance.to_string(), link.replace('>', " -> ")))
+    let source = if kernel {
+        Source::Kernel(owner.to_string())
+    } else {
+        Source::Instance(owner.to_string())
+    };
+    Ok((source, link.replace('>', " -> ")))
 }
 
 fn list_interfaces() {
@@ -105,7 +137,19 @@ fn list_interfaces() {
             };
             println!(
                 "interface {{value={}}}{{display=Stitch {instance}: {link}}}",
-                interface_name(&instance, link)
+                interface_name(&Source::Instance(instance.clone()), link)
+            );
+        }
+    }
+    for plane in DataPlane::installed_names() {
+        let Ok(links) = DataPlane::new(&plane).and_then(|p| p.tappable_links()) else {
+            continue;
+        };
+        for (decl, _) in links {
+            let link = decl.spec();
+            println!(
+                "interface {{value={}}}{{display=Stitch kernel {plane}: {link}}}",
+                interface_name(&Source::Kernel(plane.clone()), &link)
             );
         }
     }
@@ -118,28 +162,48 @@ fn capture(o: &Options) -> Result<()> {
     let fifo = o
         .value("--fifo")
         .ok_or_else(|| anyhow!("--capture needs --fifo"))?;
-    let (instance, link) = parse_interface(interface)?;
-    let socket = stitch_api::socket_path(&instance);
+    let (source, link) = parse_interface(interface)?;
     let snaplen = o
         .value("--snaplen")
         .map(|s| s.parse::<u32>().context("--snaplen"))
         .transpose()?;
-    let request = CaptureRequest {
-        format: Some("pcapng".into()),
-        snaplen,
-        filter: o.value("--extcap-capture-filter").map(str::to_string),
-        ..Default::default()
-    };
+    let filter = o.value("--extcap-capture-filter").map(str::to_string);
     // Wireshark ends an extcap capture with SIGTERM (SIGINT from a terminal).
     let stop = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         signal_hook::flag::register(sig, stop.clone())?;
     }
-    let mut out = std::fs::OpenOptions::new()
-        .write(true)
-        .open(fifo)
-        .with_context(|| format!("cannot open {fifo}"))?;
-    client::capture_link(&socket, &link, &request, &stop, &mut out, true, || {})?;
+    let open_fifo = || {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(fifo)
+            .with_context(|| format!("cannot open {fifo}"))
+    };
+    match source {
+        Source::Instance(instance) => {
+            let socket = stitch_api::socket_path(&instance);
+            let request = CaptureRequest {
+                format: Some("pcapng".into()),
+                snaplen,
+                filter,
+                ..Default::default()
+            };
+            let mut out = open_fifo()?;
+            client::capture_link(&socket, &link, &request, &stop, &mut out, true, || {})?;
+        }
+        Source::Kernel(plane) => {
+            let mut options = CaptureOptions {
+                filter,
+                ..CaptureOptions::default()
+            };
+            if let Some(s) = snaplen {
+                options.snaplen = s;
+            }
+            let capture = KernelLinkCapture::start(&plane, &link, options)?;
+            let mut out = open_fifo()?;
+            capture.stream(&mut out, &stop, true)?;
+        }
+    }
     Ok(())
 }
 
@@ -191,8 +255,12 @@ fn run(args: &[String]) -> Result<()> {
         capture(&o)?;
     } else if let Some(f) = o.value("--extcap-capture-filter") {
         // Wireshark checks a capture filter as it is typed: the instance compiles it.
-        let (instance, link) = parse_interface(o.value("--extcap-interface").unwrap_or_default())?;
-        check_filter(&stitch_api::socket_path(&instance), &link, f)?;
+        match parse_interface(o.value("--extcap-interface").unwrap_or_default())? {
+            (Source::Instance(instance), link) => {
+                check_filter(&stitch_api::socket_path(&instance), &link, f)?
+            }
+            (Source::Kernel(_), _) => stitch_kernel::capture::check_filter(f)?,
+        }
     } else {
         bail!("usage: stitch-extcap --extcap-interfaces | --extcap-interface IF (--extcap-dlts | --extcap-config | --capture --fifo PATH [--extcap-capture-filter F] [--snaplen N]) | --install [DIR]");
     }
@@ -233,11 +301,23 @@ mod tests {
 
     #[test]
     fn interface_names_round_trip() {
-        let n = interface_name("lab-1", "fw.output -> out.input");
+        let n = interface_name(&Source::Instance("lab-1".into()), "fw.output -> out.input");
         assert_eq!(n, "stitch:lab-1:fw.output>out.input");
         assert_eq!(
             parse_interface(&n).unwrap(),
-            ("lab-1".to_string(), "fw.output -> out.input".to_string())
+            (
+                Source::Instance("lab-1".into()),
+                "fw.output -> out.input".to_string()
+            )
+        );
+        let k = interface_name(&Source::Kernel("dp".into()), "a.output -> f.input");
+        assert_eq!(k, "stitch-kernel:dp:a.output>f.input");
+        assert_eq!(
+            parse_interface(&k).unwrap(),
+            (
+                Source::Kernel("dp".into()),
+                "a.output -> f.input".to_string()
+            )
         );
         assert!(parse_interface("eth0").is_err());
         assert!(parse_interface("stitch:nolink").is_err());

@@ -10,6 +10,8 @@
 use crate::datapath::{DataPlane, Error};
 use crate::tap::KernelTap;
 use std::collections::HashMap;
+use std::io::Write;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 use stitch_io::capture_format::{
     append_record, stream_header, stream_trailer, InterfaceCounts, RecordMeta, StreamInterface,
@@ -19,6 +21,20 @@ use stitch_wire::filter::PacketFilter;
 
 /// How often the reader checks that the tapped links are still installed.
 const LINK_CHECK: Duration = Duration::from_millis(500);
+
+/// How a streamed capture went.
+pub struct StreamSummary {
+    /// Why it ended by itself, if it did.
+    pub end: Option<EndReason>,
+    /// The reader of the stream went away.
+    pub reader_gone: bool,
+    pub stats: Vec<TapStats>,
+}
+
+/// Checks that `filter` compiles (libpcap syntax), as a capture would.
+pub fn check_filter(filter: &str) -> Result<(), Error> {
+    PacketFilter::compile(filter).map(|_| ()).map_err(Error)
+}
 
 /// A capture of some links of a kernel data plane.
 pub struct KernelLinkCapture {
@@ -173,6 +189,52 @@ impl KernelLinkCapture {
                 dropped: dropped[i],
             })
             .collect()
+    }
+
+    /// Writes the whole stream to `out` until `stop` is set, the capture ends (count,
+    /// duration, the links leaving the installed graph) or the reader of `out` goes away;
+    /// flushes after every poll when `flush_each` (a pipe to Wireshark). Removes the taps.
+    pub fn stream(
+        mut self,
+        out: &mut dyn Write,
+        stop: &AtomicBool,
+        flush_each: bool,
+    ) -> Result<StreamSummary, Error> {
+        let write = |out: &mut dyn Write, bytes: &[u8]| -> Result<bool, Error> {
+            let written =
+                out.write_all(bytes)
+                    .and_then(|_| if flush_each { out.flush() } else { Ok(()) });
+            match written {
+                Ok(()) => Ok(true),
+                Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(false),
+                Err(e) => Err(Error(format!("writing the capture: {e}"))),
+            }
+        };
+        let mut buf = self.header();
+        let mut end = None;
+        let mut reader_gone = false;
+        while !stop.load(Ordering::Relaxed) {
+            end = self.poll(&mut buf, Duration::from_millis(100))?;
+            if !write(out, &buf)? {
+                reader_gone = true;
+                break;
+            }
+            buf.clear();
+            if end.is_some() {
+                break;
+            }
+        }
+        let stats = self.stats();
+        let trailer = self.finish();
+        if !reader_gone && write(out, &trailer)? {
+            out.flush()
+                .map_err(|e| Error(format!("writing the capture: {e}")))?;
+        }
+        Ok(StreamSummary {
+            end,
+            reader_gone,
+            stats,
+        })
     }
 
     /// Removes the taps and returns the end of the stream (PCAPNG statistics blocks).

@@ -303,6 +303,22 @@ impl DataPlane {
         })
     }
 
+    /// The names of the kernel data planes installed on this host.
+    pub fn installed_names() -> Vec<String> {
+        let dir = stitch_core::runtime_dir().join("kernel");
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| {
+                let n = e.file_name();
+                n.to_str()?.strip_suffix(".json").map(str::to_string)
+            })
+            .collect();
+        names.sort();
+        names
+    }
+
     /// The loop device: one end of a veth pair that packets re-enter the graph through.
     fn loop_device(&self) -> (String, String) {
         (format!("stl-{}", self.name), format!("stp-{}", self.name))

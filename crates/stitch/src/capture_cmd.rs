@@ -326,39 +326,14 @@ fn capture_kernel_link(a: &CaptureArgs, plane: &str, link: &str) -> Result<()> {
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         signal_hook::flag::register(sig, stop.clone())?;
     }
-    let mut capture = KernelLinkCapture::start(plane, link, options)?;
+    let capture = KernelLinkCapture::start(plane, link, options)?;
     let mut out = open_output(&a.file, to_stdout)?;
     announce_link(a, link, &filter, to_stdout);
-    let mut buf = capture.header();
-    let mut reader_gone = false;
-    while !stop.load(Ordering::Relaxed) {
-        let end = capture.poll(&mut buf, Duration::from_millis(100))?;
-        match out
-            .write_all(&buf)
-            .and_then(|_| if to_stdout { out.flush() } else { Ok(()) })
-        {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
-                reader_gone = true;
-                break;
-            }
-            Err(e) => return Err(e).context("writing the capture"),
-        }
-        buf.clear();
-        if let Some(reason) = end {
-            if reason == EndReason::LinksGone {
-                eprintln!("stitch: the tapped link(s) left the installed graph");
-            }
-            break;
-        }
+    let summary = capture.stream(&mut out, &stop, to_stdout)?;
+    if summary.end == Some(EndReason::LinksGone) {
+        eprintln!("stitch: the tapped link(s) left the installed graph");
     }
-    let stats = capture.stats();
-    let trailer = capture.finish();
-    if !reader_gone {
-        out.write_all(&trailer)
-            .and_then(|_| out.flush())
-            .context("writing the capture")?;
-    }
+    let stats = summary.stats;
     let sum = |f: fn(&stitch_io::link_capture::TapStats) -> u64| stats.iter().map(f).sum::<u64>();
     eprintln!("{} packets captured", sum(|s| s.captured));
     eprintln!(

@@ -645,3 +645,37 @@ fn links_between_kernel_functions_are_captured_in_the_kernel() {
     let o = h.exec(0, &format!("ping -c 1 -W 2 {}", h.ip[1]));
     assert!(ok(&o), "{}", text(&o));
 }
+
+#[test]
+fn wireshark_lists_kernel_links_through_the_extcap_and_captures_them() {
+    require_root_and_tools(&["ip", "ping", "tshark"]);
+    let _installed = install_extcap();
+    let h = TwoHosts::new();
+    let p = Plane::new();
+    p.apply(&format!(
+        "placement: kernel\napps:\n  a: {{ type: af_packet, interface: {} }}\n  b: {{ type: af_packet, interface: {} }}\n  f: {{ type: forwarder }}\nlinks:\n  - \"a.output -> f.input\"\n  - \"f.output -> b.input\"\n  - \"b.output -> a.input\"\n",
+        h.outer[0], h.outer[1]
+    ));
+    let interface = format!("stitch-kernel:{}:f.output>b.input", p.name);
+    let listed = must("tshark -D 2>/dev/null");
+    assert!(listed.contains(&interface), "{listed}");
+    assert!(listed.contains(&format!("stitch-kernel:{}:b.output>a.input", p.name)));
+
+    let _pings = h.spawn(0, &format!("ping -i 0.1 -c 100 {}", h.ip[1]));
+    let file = p.dir.path().join("ext.pcapng");
+    let o = sh(&format!(
+        "timeout 30 tshark -i '{interface}' -f icmp -c 5 -w {} 2>&1",
+        file.display()
+    ));
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
+    let frames = tshark_fields(&file, &["frame.interface_name", "icmp.type"]);
+    assert_eq!(frames, vec![format!("{}\t8", "f.output -> b.input"); 5]);
+    let o = sh(&format!(
+        "timeout 30 tshark -i '{interface}' -c 5 -f 'udp and and' 2>&1"
+    ));
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("can't parse filter expression"),
+        "{}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+}

@@ -6,7 +6,7 @@
 mod common;
 use common::*;
 use std::io::Read;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 
 fn stitch() -> Command {
@@ -271,40 +271,10 @@ fn ctrl_c_ends_with_statistics_and_a_vanished_reader_takes_its_taps_along() {
     });
 }
 
-/// `stitch-extcap`, built beside `stitch` by `cargo build --workspace` (as `scripts/test` does).
-fn extcap_binary() -> PathBuf {
-    let p = Path::new(env!("CARGO_BIN_EXE_stitch")).with_file_name("stitch-extcap");
-    assert!(
-        p.exists(),
-        "{} is missing: run `cargo build --workspace` first (scripts/test does)",
-        p.display()
-    );
-    p
-}
-
-/// The extcap linked into Wireshark's extcap folder for the test, removed after.
-struct Installed(PathBuf);
-
-impl Drop for Installed {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
-
 #[test]
 fn wireshark_lists_the_links_through_the_extcap_and_captures_them() {
     require_root_and_tools(&["tshark"]);
-    let out = Command::new(extcap_binary())
-        .arg("--install")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let at = String::from_utf8_lossy(&out.stdout);
-    let _installed = Installed(PathBuf::from(at.split(" -> ").next().unwrap()));
+    let _installed = install_extcap();
 
     // An instance under its own name, where the extcap looks for instances.
     let name = format!("lc-ext-{}", std::process::id());

@@ -412,3 +412,38 @@ pub fn capinfos_count(file: &Path) -> u64 {
         .expect("capinfos count");
     line.rsplit(' ').next().unwrap().trim().parse().unwrap()
 }
+
+/// `stitch-extcap`, built beside `stitch` by `cargo build --workspace` (as `scripts/test` does).
+pub fn extcap_binary() -> PathBuf {
+    let p = Path::new(env!("CARGO_BIN_EXE_stitch")).with_file_name("stitch-extcap");
+    assert!(
+        p.exists(),
+        "{} is missing: run `cargo build --workspace` first (scripts/test does)",
+        p.display()
+    );
+    p
+}
+
+/// The extcap linked into Wireshark's extcap folder for a test, removed after.
+pub struct InstalledExtcap(PathBuf);
+
+impl Drop for InstalledExtcap {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// Links `stitch-extcap` into Wireshark's extcap folder (`stitch-extcap --install`).
+pub fn install_extcap() -> InstalledExtcap {
+    let out = Command::new(extcap_binary())
+        .arg("--install")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let at = String::from_utf8_lossy(&out.stdout);
+    InstalledExtcap(PathBuf::from(at.split(" -> ").next().unwrap()))
+}
