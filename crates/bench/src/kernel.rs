@@ -6,7 +6,10 @@
 //! - `linux`: Linux router namespaces joined by Linux bridges,
 //! - `ovs`: router namespaces joined by Open vSwitch bridges in its userspace datapath (the
 //!   seed's reference: OpenStack's Open vSwitch with router namespaces),
-//! - `userspace`: Stitch's userspace engine running the same graph file.
+//! - `userspace`: Stitch's userspace engine running the same graph file,
+//! - `kernel-tapped` (on request): the kernel data plane with every link tapped by one capture
+//!   session whose reader formats each record as PCAPNG (and throws it away) — what a capture
+//!   costs the links it watches.
 //!
 //! Measured: UDP request/response round trips per second with median and p99 latency, TCP
 //! connection setups per second (connect, 1-byte request, 1-byte response, close), and iperf3
@@ -22,13 +25,14 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use stitch_io::capture_format::{append_record, Direction, Format, RecordMeta};
 
 #[derive(clap::Args)]
 pub struct KernelBenchArgs {
     /// Chain lengths (routers between the two hosts).
     #[arg(long, value_delimiter = ',', default_value = "1,3,5,10")]
     pub chains: Vec<usize>,
-    /// Which data planes to measure.
+    /// Which data planes to measure (also `kernel-tapped`, `userspace-packet`).
     #[arg(
         long,
         value_delimiter = ',',
@@ -447,6 +451,62 @@ fn measure(c: &Chain, secs: f64, spin: bool) -> Result<Figures> {
     })
 }
 
+/// One capture session on every link of a kernel data plane, read on a thread of its own.
+struct TapAll {
+    stop: Arc<AtomicBool>,
+    reader: std::thread::JoinHandle<Result<u64>>,
+}
+
+impl TapAll {
+    fn start(plane: &str) -> Result<TapAll> {
+        let dp = stitch_kernel::DataPlane::new(plane)?;
+        let vids: Vec<u32> = dp.tappable_links()?.iter().map(|(_, v)| *v).collect();
+        let stop = Arc::new(AtomicBool::new(false));
+        let (ready_tx, ready) = std::sync::mpsc::channel();
+        let flag = stop.clone();
+        let reader = std::thread::spawn(move || -> Result<u64> {
+            // The tap's ring reader is not Send: it lives on this thread.
+            let mut tap = match dp.tap(&vids, 262_144) {
+                Ok(t) => t,
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e.to_string()));
+                    return Ok(0);
+                }
+            };
+            let _ = ready_tx.send(Ok(()));
+            let mut out = Vec::with_capacity(1 << 20);
+            let mut records = 0u64;
+            while !flag.load(Ordering::Relaxed) {
+                out.clear();
+                tap.poll(Duration::from_millis(20), |r| {
+                    let meta = RecordMeta {
+                        ts_ns: r.time_ns,
+                        orig_len: r.len as usize,
+                        interface: 0,
+                        direction: Direction::Unknown,
+                    };
+                    append_record(&mut out, Format::Pcapng, meta, r.data);
+                    records += 1;
+                })?;
+            }
+            Ok(records)
+        });
+        ready
+            .recv()
+            .context("the tap's reader")?
+            .map_err(anyhow::Error::msg)?;
+        Ok(TapAll { stop, reader })
+    }
+
+    /// Stops the reader; returns how many records it read.
+    fn stop(self) -> Result<u64> {
+        self.stop.store(true, Ordering::Relaxed);
+        self.reader
+            .join()
+            .map_err(|_| anyhow::anyhow!("the tap's reader panicked"))?
+    }
+}
+
 /// A private Open vSwitch (ovsdb-server + ovs-vswitchd) in a temporary folder.
 pub(crate) struct Ovs {
     dir: tempfile::TempDir,
@@ -513,6 +573,24 @@ fn run_contender(name: &str, c: &Chain, secs: f64, spin: bool, tag: &str) -> Res
                 file.display()
             ))?;
             let r = measure(c, secs, spin);
+            quiet(&format!("{} kernel teardown --name {plane}", exe.display()));
+            r
+        }
+        "kernel-tapped" => {
+            let file = dir.path().join("graph.yaml");
+            std::fs::write(&file, c.graph(true, "af_packet"))?;
+            let plane = format!("bt{tag}");
+            sh(&format!(
+                "{} kernel apply --name {plane} {}",
+                exe.display(),
+                file.display()
+            ))?;
+            let r = TapAll::start(&plane).and_then(|tap| {
+                let r = measure(c, secs, spin);
+                let records = tap.stop()?;
+                anyhow::ensure!(records > 0, "the taps saw nothing");
+                r
+            });
             quiet(&format!("{} kernel teardown --name {plane}", exe.display()));
             r
         }
@@ -621,7 +699,7 @@ fn run_contender(name: &str, c: &Chain, secs: f64, spin: bool, tag: &str) -> Res
             r
         }
         other => {
-            bail!("unknown contender `{other}` (kernel, linux, ovs, userspace, userspace-packet)")
+            bail!("unknown contender `{other}` (kernel, kernel-tapped, linux, ovs, userspace, userspace-packet)")
         }
     }
 }

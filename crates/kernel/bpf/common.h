@@ -295,8 +295,13 @@ static __noinline int tap_copy(struct __sk_buff *skb, __u32 vid, __u32 sessions,
 		barrier_var(size);
 		if (size > TAP_SNAP_MAX)
 			size = TAP_SNAP_MAX;
+		/* The reader is woken only when its ring is a quarter full; it also looks every few
+		 * milliseconds. A wake-up per packet would cost the tapped link more than the copy. */
+		__u64 wake = bpf_ringbuf_query(ring, BPF_RB_AVAIL_DATA) > TAP_RING_BYTES / 4 ?
+				     BPF_RB_FORCE_WAKEUP :
+				     BPF_RB_NO_WAKEUP;
 		if (bpf_ringbuf_output(ring, r, __builtin_offsetof(struct tap_record, data) + size,
-				       0) < 0) {
+				       wake) < 0) {
 			__u32 key = i * MAX_VIDS + vid;
 			__u64 *d = bpf_map_lookup_elem(&tap_drops, &key);
 			if (d)

@@ -214,7 +214,7 @@ impl KernelLinkCapture {
         let mut end = None;
         let mut reader_gone = false;
         while !stop.load(Ordering::Relaxed) {
-            end = self.poll(&mut buf, Duration::from_millis(100))?;
+            end = self.poll(&mut buf, Duration::from_millis(20))?;
             if !write(out, &buf)? {
                 reader_gone = true;
                 break;

@@ -220,7 +220,12 @@ impl KernelTap {
         timeout: Duration,
         mut each: impl FnMut(TapRecord<'_>),
     ) -> Result<usize, Error> {
-        let r = self.reader.poll_raw(timeout);
+        // The kernel wakes the reader only when the ring fills up (`tap_copy`): wait, then
+        // take whatever is there.
+        let mut r = self.reader.poll_raw(timeout);
+        if r >= 0 {
+            r = self.reader.consume_raw();
+        }
         if r < 0 && r != -libc::EINTR {
             return Err(Error(format!(
                 "reading the tap's ring: {}",
