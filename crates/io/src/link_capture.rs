@@ -156,7 +156,16 @@ impl LinkTap for Tap {
         // The apps before the tap may never have read these frames: ask for them ahead.
         const AHEAD: usize = 4;
         packets.iter().take(AHEAD).for_each(Packet::prefetch_data);
+        let unfiltered = w.filter.is_none();
         for (i, p) in packets.iter().enumerate() {
+            // Without a filter every packet is taken: once one does not fit, the rest of the
+            // batch is dropped without reading a byte of it.
+            if unfiltered && room.left() < TAP_RECORD_HEADER + p.len().min(w.snaplen) {
+                let rest = (packets.len() - i) as u64;
+                accepted += rest;
+                dropped += rest;
+                break;
+            }
             if let Some(next) = packets.get(i + AHEAD) {
                 next.prefetch_data();
             }
