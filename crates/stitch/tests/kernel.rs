@@ -527,7 +527,7 @@ fn links_between_kernel_functions_are_captured_in_the_kernel() {
     // Two captures at once: both directions of f to a file, and one link, filtered, to a pipe.
     let file = p.dir.path().join("f.pcapng");
     let both = Background(
-        kernel_capture(&p, &["--link", "f", "-c", "8", "--duration", "20", "-w"])
+        kernel_capture(&p, &["--link", "f", "--duration", "30", "-w"])
             .arg(&file)
             .stderr(Stdio::piped())
             .spawn()
@@ -556,17 +556,12 @@ fn links_between_kernel_functions_are_captured_in_the_kernel() {
     wait_until("both captures to tap", 10, || kernel_taps(&p) == 3);
     let o = h.exec(0, &format!("ping -c 4 -i 0.2 -W 2 {}", h.ip[1]));
     assert!(ok(&o), "{}", text(&o));
+    // Ctrl-C ends the unbounded one cleanly.
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    both.signal(libc::SIGINT);
     let out = both.finish();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("8 packets captured"),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let said = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(out.status.success(), "{said}");
     let frames = tshark_fields(
         &file,
         &[
@@ -575,7 +570,10 @@ fn links_between_kernel_functions_are_captured_in_the_kernel() {
             "icmp.type",
         ],
     );
-    assert_eq!(frames.len(), 8, "{frames:?}");
+    assert!(
+        said.contains(&format!("{} packets captured", frames.len())),
+        "{said}"
+    );
     for f in &frames {
         let cols: Vec<&str> = f.split('\t').collect();
         match cols[0] {
@@ -584,10 +582,13 @@ fn links_between_kernel_functions_are_captured_in_the_kernel() {
             other => panic!("a link of f was expected, not {other}"),
         }
     }
-    assert!(
-        frames.iter().filter(|f| f.ends_with("\t8")).count() >= 6,
-        "{frames:?}"
-    );
+    for link in ["a.output -> f.input", "f.output -> b.input"] {
+        let requests = frames
+            .iter()
+            .filter(|f| f.starts_with(link) && f.ends_with("\t8"))
+            .count();
+        assert_eq!(requests, 4, "every echo request on {link}: {frames:?}");
+    }
     let info = must(&format!("capinfos -M {}", file.display()));
     assert_eq!(
         info.matches("Number of stat entries = 1").count(),
