@@ -297,7 +297,7 @@ pub fn run(cmd: BenchCmd, registry: fn() -> Registry) -> Result<()> {
             match (softwires, conf, v4, v6) {
                 (Some(n), ..) => lwaftr::bench_generated(n, seconds, runs),
                 (None, Some(conf), Some(v4), Some(v6)) => {
-                    lwaftr::bench(&conf, &v4, &v6, seconds, runs)
+                    lwaftr::bench(&conf, lwaftr::looped(&v4, &v6)?, seconds, runs)
                 }
                 _ => anyhow::bail!("give CONF V4.pcap V6.pcap, or --softwires N"),
             }

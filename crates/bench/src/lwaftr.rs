@@ -1,71 +1,90 @@
 //! `stitch bench lwaftr`: the function alone on one thread, fed from looped PCAP packets (Snabb's
-//! benchmark packets, or a generated table of N softwires with random traffic over it), against
-//! the refill alone in the same run.
+//! benchmark packets) or with random traffic over a generated table of N softwires, against the
+//! refill alone in the same run.
 
 use anyhow::{Context, Result};
-use pcap_file::pcap::PcapPacket;
 use std::fs::File;
 use std::io::BufWriter;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 use stitch_apps::lwaftr::offline::Offline;
 use stitch_apps::lwaftr::Compat;
 use stitch_core::link::link;
 use stitch_core::pool;
-use stitch_io::pcap_sink::ethernet_pcap_writer;
 use stitch_io::pcap_source::PcapFile;
 
-/// `--softwires N`: the benchmark on a generated table and 100 000 packets per direction.
+/// `--softwires N`: the benchmark on a generated table with random traffic over all of it.
 pub fn bench_generated(n: usize, seconds: f64, runs: usize) -> Result<()> {
     anyhow::ensure!(n >= 1, "--softwires must be at least 1");
     let dir = tempfile::tempdir()?;
     let t = Instant::now();
-    let (conf, v4, v6) = generate(dir.path(), n, 100_000, 550)?;
+    let conf = generated_table(dir.path(), n)?;
     println!(
-        "generated {n} softwires and 100000 random packets per direction in {:.1} s",
+        "generated {n} softwires in {:.1} s",
         t.elapsed().as_secs_f64()
     );
-    bench(&conf, &v4, &v6, seconds, runs)
+    bench(
+        &conf,
+        Traffic::Random(RandomTraffic::new(n, 550)),
+        seconds,
+        runs,
+    )
 }
 
-/// A binding table of `n` softwires (16 per IPv4 address, 4096 ports each) written as a Snabb
-/// configuration, and `count` random packets per direction over it: IPv4 toward a random bound
-/// port, IPv6 from a random B4 with a matching inner source.
-pub fn generate(
-    dir: &Path,
-    n: usize,
-    count: usize,
-    size: usize,
-) -> Result<(PathBuf, PathBuf, PathBuf)> {
+/// Softwire `i` of a generated table: 16 per IPv4 address (PSID length 4, 4096 ports each).
+fn softwire_ipv4(i: usize) -> std::net::Ipv4Addr {
+    std::net::Ipv4Addr::from(0x0a00_0000u32 + (i / 16) as u32)
+}
+
+fn softwire_b4(i: usize) -> std::net::Ipv6Addr {
+    std::net::Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, (i >> 16) as u16, i as u16)
+}
+
+const GENERATED_BR: std::net::Ipv6Addr =
+    std::net::Ipv6Addr::new(0x2001, 0xdb8, 0xffff, 0, 0, 0, 0, 1);
+
+/// A binding table of `n` softwires written as a Snabb configuration.
+pub fn generated_table(dir: &Path, n: usize) -> Result<PathBuf> {
     use std::io::Write;
     let conf = dir.join("lwaftr-generated.conf");
     let mut f = BufWriter::new(File::create(&conf)?);
     writeln!(f, "softwire-config {{\n  binding-table {{")?;
-    let addr = |i: usize| std::net::Ipv4Addr::from(0x0a00_0000u32 + (i / 16) as u32);
-    let b4 =
-        |i: usize| std::net::Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, (i >> 16) as u16, i as u16);
-    let br = std::net::Ipv6Addr::new(0x2001, 0xdb8, 0xffff, 0, 0, 0, 0, 1);
+    let br = GENERATED_BR;
     for i in 0..n {
         writeln!(
             f,
             "    softwire {{ ipv4 {}; psid {}; b4-ipv6 {}; br-address {br}; port-set {{ psid-length 4; }} }}",
-            addr(i),
+            softwire_ipv4(i),
             i % 16,
-            b4(i)
+            softwire_b4(i)
         )?;
     }
     writeln!(f, "  }}\n  instance {{ device bench; queue {{ id 0;\n    external-interface {{ ip 192.0.2.1; mac 02:00:00:00:00:01; next-hop {{ mac 02:00:00:00:00:02; }} }}\n    internal-interface {{ ip {br}; mac 02:00:00:00:00:03; next-hop {{ mac 02:00:00:00:00:04; }} }} }} }}\n}}")?;
-    drop(f);
-    let mut rng = fastrand::Rng::with_seed(0x2545f4914f6cdd1d);
-    let mut next = move || rng.u64(..);
-    let (in4, in6) = (dir.join("v4.pcap"), dir.join("v6.pcap"));
-    let (mut w4, mut w6) = (
-        ethernet_pcap_writer(&in4).map_err(anyhow::Error::msg)?,
-        ethernet_pcap_writer(&in6).map_err(anyhow::Error::msg)?,
-    );
-    for _ in 0..count {
-        let i = next() as usize % n;
-        let port = ((i % 16) as u16) << 12 | (next() as u16 & 0x0fff);
+    f.flush()?;
+    Ok(conf)
+}
+
+/// Random UDP traffic over a generated table: toward a random bound port from the internet,
+/// from a random B4 with a matching inner source from the B4s.
+pub struct RandomTraffic {
+    softwires: usize,
+    frames: [Vec<u8>; 2],
+    /// Each side's IPv4 header summed with its checksum, address and remote byte at zero: the
+    /// checksum is completed from the new values, without reading back bytes just written
+    /// (which would stall on store forwarding).
+    header_sums: [u64; 2],
+    rng: fastrand::Rng,
+}
+
+/// Offsets in the frames of [`RandomTraffic`]: Ethernet, then IPv4 and UDP on side 0; Ethernet,
+/// IPv6, then the inner IPv4 and UDP on side 1.
+const V4_IP: usize = 14;
+const V6_IP: usize = 14;
+const V6_INNER: usize = 14 + 40;
+
+impl RandomTraffic {
+    pub fn new(softwires: usize, size: usize) -> RandomTraffic {
+        let remote = std::net::Ipv4Addr::new(198, 51, 100, 1);
         let udp = |src: std::net::Ipv4Addr, sport: u16, dst: std::net::Ipv4Addr, dport: u16| {
             let mut ip = stitch_wire::ipv4_header(src, dst, 17, size - 34, false).to_vec();
             ip.extend_from_slice(&sport.to_be_bytes());
@@ -75,49 +94,129 @@ pub fn generate(
             ip.resize(size - 14, 0);
             ip
         };
-        let remote = std::net::Ipv4Addr::new(198, 51, 100, (next() % 250) as u8 + 1);
         let mut f4 = vec![2, 0, 0, 0, 0, 1, 2, 0, 0, 0, 0, 2, 8, 0];
-        f4.extend_from_slice(&udp(remote, 443, addr(i), port));
-        w4.write_packet(&PcapPacket::new(Duration::ZERO, f4.len() as u32, &f4))?;
-        let inner = udp(addr(i), port, remote, 443);
+        f4.extend_from_slice(&udp(remote, 443, softwire_ipv4(0), 0));
+        let inner = udp(softwire_ipv4(0), 0, remote, 443);
         let mut f6 = vec![
             2, 0, 0, 0, 0, 3, 2, 0, 0, 0, 0, 4, 0x86, 0xdd, 0x60, 0, 0, 0,
         ];
         f6.extend_from_slice(&(inner.len() as u16).to_be_bytes());
         f6.extend_from_slice(&[4, 64]);
-        f6.extend_from_slice(&b4(i).octets());
-        f6.extend_from_slice(&br.octets());
+        f6.extend_from_slice(&softwire_b4(0).octets());
+        f6.extend_from_slice(&GENERATED_BR.octets());
         f6.extend_from_slice(&inner);
-        w6.write_packet(&PcapPacket::new(Duration::ZERO, f6.len() as u32, &f6))?;
+        let header_sum = |f: &[u8], ip: usize, variable: [std::ops::Range<usize>; 2]| {
+            let mut h = f[ip..ip + 20].to_vec();
+            for r in [10..12].into_iter().chain(variable) {
+                h[r].fill(0);
+            }
+            stitch_wire::checksum::sum(&h, 0)
+        };
+        RandomTraffic {
+            softwires,
+            header_sums: [
+                header_sum(&f4, V4_IP, [15..16, 16..20]),
+                header_sum(&f6, V6_INNER, [12..16, 19..20]),
+            ],
+            frames: [f4, f6],
+            rng: fastrand::Rng::with_seed(0x2545_f491_4f6c_dd1d),
+        }
     }
-    Ok((conf, in4, in6))
+
+    /// The frame for `side`, rewritten for a random softwire and port.
+    #[inline]
+    fn next(&mut self, side: usize) -> &[u8] {
+        let i = self.rng.usize(..self.softwires);
+        let port = ((i % 16) as u16) << 12 | (self.rng.u16(..) & 0x0fff);
+        let remote = self.rng.u8(1..251);
+        let address = u32::from(softwire_ipv4(i));
+        let f = &mut self.frames[side];
+        let ip = if side == 0 {
+            f[V4_IP + 15] = remote;
+            f[V4_IP + 16..V4_IP + 20].copy_from_slice(&address.to_be_bytes());
+            f[V4_IP + 22..V4_IP + 24].copy_from_slice(&port.to_be_bytes());
+            V4_IP
+        } else {
+            f[V6_IP + 8..V6_IP + 24].copy_from_slice(&softwire_b4(i).octets());
+            f[V6_INNER + 12..V6_INNER + 16].copy_from_slice(&address.to_be_bytes());
+            f[V6_INNER + 19] = remote;
+            f[V6_INNER + 20..V6_INNER + 22].copy_from_slice(&port.to_be_bytes());
+            V6_INNER
+        };
+        // The remote is the low byte of its word in both headers.
+        let sum = self.header_sums[side]
+            + remote as u64
+            + (address >> 16) as u64
+            + (address & 0xffff) as u64;
+        let cs = stitch_wire::checksum::finish(sum);
+        f[ip + 10..ip + 12].copy_from_slice(&cs.to_be_bytes());
+        f
+    }
 }
 
-/// `stitch bench lwaftr`: the function alone on one thread, its inputs refilled from the
-/// given packets in a loop, against a baseline that moves the same refilled batches without
-/// the function, in the same run.
-pub fn bench(conf: &Path, v4: &Path, v6: &Path, seconds: f64, runs: usize) -> Result<()> {
-    let read = |p: &Path| PcapFile::read_all(p).map_err(anyhow::Error::msg);
-    let (p4, p6) = (read(v4)?, read(v6)?);
-    anyhow::ensure!(
-        !p4.is_empty() && !p6.is_empty(),
-        "both PCAP files need packets"
-    );
+/// Where the benchmark's input frames come from, side by side (0: IPv4, 1: IPv6).
+pub enum Traffic {
+    /// Frames looped from PCAP files, each copied whole, as Snabb's benchmark replays its files.
+    Looped {
+        v4: Vec<Vec<u8>>,
+        v6: Vec<Vec<u8>>,
+        next: [usize; 2],
+    },
+    /// Random traffic over a generated table: one frame per side whose addresses, ports and
+    /// checksums are rewritten for each packet (a traffic generator's field engine), so every
+    /// packet's softwire is drawn afresh from the whole table and the frame to copy stays in
+    /// the cache, as a NIC delivering into the cache would leave it.
+    Random(RandomTraffic),
+}
+
+impl Traffic {
+    /// The next frame for `side`.
+    #[inline]
+    fn next(&mut self, side: usize) -> &[u8] {
+        match self {
+            Traffic::Looped { v4, v6, next } => {
+                let frames = if side == 0 { v4 } else { v6 };
+                let i = next[side];
+                next[side] = if i + 1 == frames.len() { 0 } else { i + 1 };
+                &frames[i]
+            }
+            Traffic::Random(r) => r.next(side),
+        }
+    }
+
+    fn describe(&self) -> String {
+        match self {
+            Traffic::Looped { v4, v6, .. } => {
+                format!("{} IPv4 + {} IPv6 packets looped", v4.len(), v6.len())
+            }
+            Traffic::Random(r) => format!(
+                "random traffic over {} softwires ({}-byte frames rewritten per packet)",
+                r.softwires,
+                r.frames[0].len()
+            ),
+        }
+    }
+}
+
+/// `stitch bench lwaftr`: the function alone on one thread, its inputs refilled from `traffic`,
+/// against a baseline that moves the same refilled batches without the function, in the same
+/// run.
+pub fn bench(conf: &Path, mut traffic: Traffic, seconds: f64, runs: usize) -> Result<()> {
     let cpu = || crate::cpu_seconds(libc::RUSAGE_THREAD);
     const BATCH: usize = 128;
     let mut results = Vec::new();
+    let mut table = (0usize, 0usize);
     for _ in 0..runs {
         let mut h = Offline::new(conf, Compat::Rfc).map_err(anyhow::Error::msg)?;
-        let (mut i4, mut i6) = (0usize, 0usize);
+        let t = h.function().binding_table();
+        table = (t.len(), t.memory_bytes());
         let (mut n, mut out) = (0u64, [0u64; 2]);
         let t = Instant::now();
         let c0 = cpu();
         while t.elapsed().as_secs_f64() < seconds {
             for _ in 0..BATCH {
-                h.feed(0, &p4[i4 % p4.len()]).map_err(anyhow::Error::msg)?;
-                h.feed(1, &p6[i6 % p6.len()]).map_err(anyhow::Error::msg)?;
-                i4 += 1;
-                i6 += 1;
+                h.feed(0, traffic.next(0)).map_err(anyhow::Error::msg)?;
+                h.feed(1, traffic.next(1)).map_err(anyhow::Error::msg)?;
             }
             h.push();
             for (side, o) in out.iter_mut().enumerate() {
@@ -126,19 +225,19 @@ pub fn bench(conf: &Path, v4: &Path, v6: &Path, seconds: f64, runs: usize) -> Re
             n += 2 * BATCH as u64;
         }
         let lw = cpu() - c0;
+        drop(h);
         // Baseline: the same refill, moved straight to the outputs.
-        let (mut bi, mut bn) = (0usize, 0u64);
+        let mut bn = 0u64;
         let (mut bp, mut bc) = link(8192);
         let t = Instant::now();
         let c0 = cpu();
         while t.elapsed().as_secs_f64() < seconds {
             for _ in 0..BATCH {
-                for bytes in [&p4[bi % p4.len()], &p6[bi % p6.len()]] {
+                for side in 0..2 {
                     let mut p = pool::alloc().context("pool")?;
-                    let _ = p.set_data(bytes);
+                    let _ = p.set_data(traffic.next(side));
                     bp.transmit(p);
                 }
-                bi += 1;
             }
             bn += bc.drain().count() as u64;
         }
@@ -151,10 +250,9 @@ pub fn bench(conf: &Path, v4: &Path, v6: &Path, seconds: f64, runs: usize) -> Re
     let (ns_lw, ns_base, out, n) = results[results.len() / 2];
     let own = (ns_lw - ns_base).max(0.1);
     println!(
-        "lwaftr {}: {} IPv4 + {} IPv6 packets looped; median of {runs} runs of {seconds} s",
+        "lwaftr {}: {}; median of {runs} runs of {seconds} s",
         conf.display(),
-        p4.len(),
-        p6.len()
+        traffic.describe()
     );
     println!(
         "  with refill: {ns_lw:.1} ns/packet ({:.2} Mpps per direction on one core); refill alone {ns_base:.1} ns/packet",
@@ -165,5 +263,68 @@ pub fn bench(conf: &Path, v4: &Path, v6: &Path, seconds: f64, runs: usize) -> Re
         1e3 / own / 2.0
     );
     println!("  out: {} on v4, {} on v6 of {} in", out[0], out[1], n);
+    println!(
+        "  binding table: {} softwires in {:.1} MB, {:.1} bytes per softwire",
+        table.0,
+        table.1 as f64 / 1e6,
+        table.1 as f64 / table.0.max(1) as f64
+    );
+    anyhow::ensure!(
+        out[0] + out[1] >= n * 9 / 10,
+        "the function dropped most packets: the traffic does not match its table"
+    );
     Ok(())
+}
+
+/// Looped frames from two PCAP files.
+pub fn looped(v4: &Path, v6: &Path) -> Result<Traffic> {
+    let read = |p: &Path| PcapFile::read_all(p).map_err(anyhow::Error::msg);
+    let (v4, v6) = (read(v4)?, read(v6)?);
+    anyhow::ensure!(
+        !v4.is_empty() && !v6.is_empty(),
+        "both PCAP files need packets"
+    );
+    Ok(Traffic::Looped {
+        v4,
+        v6,
+        next: [0, 0],
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn random_traffic_is_valid_and_every_packet_matches_a_softwire() {
+        let dir = tempfile::tempdir().unwrap();
+        let n = 4096;
+        let conf = generated_table(dir.path(), n).unwrap();
+        let mut traffic = RandomTraffic::new(n, 550);
+        let mut h = Offline::new(&conf, Compat::Rfc).unwrap();
+        let mut seen = std::collections::HashSet::new();
+        for _ in 0..200 {
+            for (side, ip) in [(0, V4_IP), (1, V6_INNER)] {
+                let f = traffic.next(side).to_vec();
+                // The IPv6 side carries the 550-byte IPv4 frame's packet in 40 more bytes.
+                assert_eq!(f.len(), 550 + 40 * side);
+                assert_eq!(
+                    stitch_wire::checksum::checksum(&f[ip..ip + 20]),
+                    0,
+                    "a valid IPv4 header checksum"
+                );
+                seen.insert(f[ip + 12..ip + 20].to_vec());
+                h.feed(side, &f).unwrap();
+            }
+        }
+        h.push();
+        assert_eq!(h.drain(0).count(), 200, "every B4 packet decapsulated");
+        assert_eq!(
+            h.drain(1).count(),
+            200,
+            "every internet packet encapsulated"
+        );
+        assert!(seen.len() > 300, "addresses drawn afresh for each packet");
+        assert_eq!(h.function().binding_table().len(), n);
+    }
 }

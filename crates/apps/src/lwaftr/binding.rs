@@ -375,6 +375,27 @@ impl BindingTable {
         self.count
     }
 
+    /// Bytes the table holds in memory (what its vectors and map have allocated).
+    pub fn memory_bytes(&self) -> usize {
+        use std::mem::size_of;
+        let addresses = self.addresses.slots.capacity() * size_of::<(u32, Address)>()
+            + self.addresses.used.capacity();
+        // A hashbrown map: a bucket per capacity slot (rounded up to a power of two, 8/7 of the
+        // entries) and a control byte each.
+        let buckets = (self.sparse.capacity() * 8 / 7).next_power_of_two();
+        let sparse = if self.sparse.capacity() == 0 {
+            0
+        } else {
+            buckets * (size_of::<(u64, Softwire)>() + 1)
+        };
+        size_of::<BindingTable>()
+            + addresses
+            + self.slots.capacity() * size_of::<Slot>()
+            + self.free.capacity() * size_of::<(u8, u32)>()
+            + sparse
+            + self.br_addresses.capacity() * 16
+    }
+
     pub fn is_empty(&self) -> bool {
         self.count == 0
     }

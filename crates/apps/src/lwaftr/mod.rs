@@ -522,6 +522,11 @@ fn reply_addresses(d: &mut [u8], own: [u8; 6]) {
 }
 
 impl Lwaftr {
+    /// The binding table: its softwires and the bytes it holds.
+    pub fn binding_table(&self) -> &BindingTable {
+        &self.table
+    }
+
     fn build(cfg: LwaftrConfig, q: usize, compat: Compat, c: Counters) -> Result<Lwaftr, String> {
         let table = BindingTable::new(&cfg.softwires)?;
         let (reasm4, reasm6) = (

@@ -79,6 +79,10 @@ impl Offline {
         self.app.stop();
     }
 
+    pub fn function(&self) -> &Lwaftr {
+        &self.app
+    }
+
     pub fn counters(&self) -> &Counters {
         &self.counters
     }
