@@ -107,7 +107,8 @@ impl RandomTraffic {
         f6.extend_from_slice(&inner);
         let header_sum = |f: &[u8], ip: usize, variable: [std::ops::Range<usize>; 2]| {
             let mut h = f[ip..ip + 20].to_vec();
-            for r in [10..12].into_iter().chain(variable) {
+            h[10..12].fill(0);
+            for r in variable {
                 h[r].fill(0);
             }
             stitch_wire::checksum::sum(&h, 0)
