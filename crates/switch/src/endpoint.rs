@@ -1,9 +1,14 @@
 //! The OpenFlow side of a switch: a passive TCP endpoint (each controller connection on its own
 //! thread) and/or an active connection to a controller, speaking OpenFlow 1.3 over the shared
-//! flow table. Flow changes take effect in the data path before a BARRIER is answered.
+//! pipeline. Changes take effect in the data path before a BARRIER is answered. A timer thread
+//! expires flows (FLOW_REMOVED) and reports port changes (PORT_STATUS).
 
+use crate::group::{self, GroupTable};
+use crate::meter::{self, MeterTable};
 use crate::ofp::{self, Msg, OfError};
-use crate::{PacketIn, Shared};
+use crate::pipeline::{self, FlowEntry, TABLES};
+use crate::{oxm, Async, Connection, Shared, State};
+use crate::{ROLE_MASTER, ROLE_NOCHANGE, ROLE_SLAVE};
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -66,31 +71,91 @@ impl Endpoint {
                 })
                 .map_err(|e| e.to_string())?;
         }
+        let (shared, stop2) = (shared.clone(), stop.clone());
+        std::thread::Builder::new()
+            .name("stitch-openflow-timer".into())
+            .spawn(move || timer(&shared, &stop2))
+            .map_err(|e| e.to_string())?;
         Ok(Some(Endpoint { stop }))
     }
+}
+
+/// Every 100 ms: flows past their timeouts leave (FLOW_REMOVED), ports whose link came or went
+/// are reported (PORT_STATUS).
+fn timer(shared: &Shared, stop: &AtomicBool) {
+    let mut reported: Vec<bool> = shared
+        .port_live
+        .iter()
+        .map(|l| l.load(Ordering::Relaxed))
+        .collect();
+    while !stop.load(Ordering::Acquire) {
+        std::thread::sleep(Duration::from_millis(100));
+        let expired = {
+            let mut s = shared.state.lock().unwrap();
+            let gone = s.flows.expire(shared.now_ns());
+            if !gone.is_empty() {
+                shared.publish(&s);
+            }
+            gone
+        };
+        for (e, reason) in expired {
+            flow_removed(shared, &e, reason);
+        }
+        for (i, l) in shared.port_live.iter().enumerate() {
+            let live = l.load(Ordering::Relaxed);
+            if live != reported[i] {
+                reported[i] = live;
+                let mut m = ofp::start(ofp::PORT_STATUS, 0);
+                m.push(2); // OFPPR_MODIFY
+                m.extend_from_slice(&[0; 7]);
+                port_desc(&mut m, shared, i);
+                shared.send_async(Async::PortStatus, 2, &ofp::finish(m));
+            }
+        }
+    }
+}
+
+/// Sends FLOW_REMOVED for an entry that asked for it (OFPFF_SEND_FLOW_REM).
+fn flow_removed(shared: &Shared, e: &FlowEntry, reason: u8) {
+    if e.flags & pipeline::FF_SEND_FLOW_REM == 0 {
+        return;
+    }
+    let age = shared.now_ns().saturating_sub(e.created_ns);
+    let mut m = ofp::start(ofp::FLOW_REMOVED, 0);
+    m.extend_from_slice(&e.cookie.to_be_bytes());
+    m.extend_from_slice(&e.priority.to_be_bytes());
+    m.push(reason);
+    m.push(e.table);
+    m.extend_from_slice(&((age / 1_000_000_000) as u32).to_be_bytes());
+    m.extend_from_slice(&((age % 1_000_000_000) as u32).to_be_bytes());
+    m.extend_from_slice(&e.idle_timeout.to_be_bytes());
+    m.extend_from_slice(&e.hard_timeout.to_be_bytes());
+    m.extend_from_slice(&e.packets.load(Ordering::Relaxed).to_be_bytes());
+    m.extend_from_slice(&e.bytes.load(Ordering::Relaxed).to_be_bytes());
+    oxm::write_match(&mut m, &e.matching);
+    shared.send_async(Async::FlowRemoved, reason, &ofp::finish(m));
 }
 
 /// One controller connection until it closes or the switch stops.
 fn serve(mut s: TcpStream, shared: &Shared, stop: &AtomicBool) {
     let _ = s.set_nodelay(true);
-    let _ = s.set_read_timeout(Some(Duration::from_millis(10)));
+    let _ = s.set_read_timeout(Some(Duration::from_millis(5)));
     if s.write_all(&ofp::hello()).is_err() {
         return;
     }
+    let conn = Arc::new(Connection::default());
     let mut buf: Vec<u8> = Vec::with_capacity(1 << 16);
     let mut chunk = vec![0u8; 1 << 16];
     let mut greeted = false;
-    loop {
+    (|| loop {
         if stop.load(Ordering::Acquire) {
             return;
         }
-        // Frames for the controller (only once the connection speaks 1.3).
-        if greeted {
-            let ins: Vec<PacketIn> = shared.packet_ins.lock().unwrap().drain(..).collect();
-            for pi in ins {
-                if s.write_all(&packet_in(&pi)).is_err() {
-                    return;
-                }
+        // Asynchronous messages (only once the connection speaks 1.3).
+        let out: Vec<Vec<u8>> = conn.outbox.lock().unwrap().drain(..).collect();
+        for m in out {
+            if s.write_all(&m).is_err() {
+                return;
             }
         }
         match s.read(&mut chunk) {
@@ -119,13 +184,14 @@ fn serve(mut s: TcpStream, shared: &Shared, stop: &AtomicBool) {
             let replies = if !greeted {
                 if m.kind == ofp::HELLO && ofp::hello_accepts_13(&m) {
                     greeted = true;
+                    shared.connections.lock().unwrap().push(conn.clone());
                     Vec::new()
                 } else {
                     let _ = s.write_all(&ofp::error(ofp::BAD_REQUEST_VERSION, m.bytes));
                     return;
                 }
             } else {
-                match handle(&m, shared) {
+                match handle(&m, shared, &conn) {
                     Ok(r) => r,
                     Err(e) => vec![ofp::error(e, m.bytes)],
                 }
@@ -137,18 +203,24 @@ fn serve(mut s: TcpStream, shared: &Shared, stop: &AtomicBool) {
             }
             buf.drain(..used);
         }
-    }
+    })();
+    shared
+        .connections
+        .lock()
+        .unwrap()
+        .retain(|c| !Arc::ptr_eq(c, &conn));
 }
 
 /// Answers every complete message in `buf` as a greeted connection would (for fuzzing and
 /// tests; the data path is not involved, so a BARRIER does not wait).
 pub fn respond(shared: &Shared, mut buf: &[u8]) -> Vec<Vec<u8>> {
     let mut out = Vec::new();
+    let conn = Connection::default();
     shared.applied.store(u64::MAX, Ordering::Release);
     loop {
         match ofp::next_message(buf) {
             Ok(Some((m, used))) => {
-                match handle(&m, shared) {
+                match handle(&m, shared, &conn) {
                     Ok(r) => out.extend(r),
                     Err(e) => out.push(ofp::error(e, m.bytes)),
                 }
@@ -163,26 +235,7 @@ pub fn respond(shared: &Shared, mut buf: &[u8]) -> Vec<Vec<u8>> {
     }
 }
 
-fn packet_in(pi: &PacketIn) -> Vec<u8> {
-    let mut m = ofp::start(ofp::PACKET_IN, 0);
-    m.extend_from_slice(&ofp::NO_BUFFER.to_be_bytes());
-    m.extend_from_slice(&(pi.data.len() as u16).to_be_bytes());
-    m.push(pi.reason);
-    m.push(0);
-    m.extend_from_slice(&pi.cookie.to_be_bytes());
-    ofp::write_match(
-        &mut m,
-        &ofp::Match {
-            in_port: Some(pi.in_port),
-            ..ofp::Match::default()
-        },
-    );
-    m.extend_from_slice(&[0, 0]);
-    m.extend_from_slice(&pi.data);
-    ofp::finish(m)
-}
-
-/// Waits until the data path runs the current table (so that a BARRIER means "in effect").
+/// Waits until the data path runs the current pipeline (so that a BARRIER means "in effect").
 fn wait_applied(shared: &Shared) {
     let want = shared.version.load(Ordering::Acquire);
     let t = Instant::now();
@@ -199,26 +252,42 @@ fn name_bytes(s: &str, n: usize) -> Vec<u8> {
     b
 }
 
-fn handle(m: &Msg, shared: &Shared) -> Result<Vec<Vec<u8>>, OfError> {
+/// Messages that change the switch, which a slave controller may not send (§6.3.6).
+fn modifies(kind: u8) -> bool {
+    matches!(
+        kind,
+        ofp::PACKET_OUT
+            | ofp::FLOW_MOD
+            | ofp::GROUP_MOD
+            | ofp::PORT_MOD
+            | ofp::TABLE_MOD
+            | ofp::METER_MOD
+    )
+}
+
+fn handle(m: &Msg, shared: &Shared, conn: &Connection) -> Result<Vec<Vec<u8>>, OfError> {
     if m.version != ofp::VERSION {
         return Err(ofp::BAD_REQUEST_VERSION);
     }
+    if modifies(m.kind) && conn.role.load(Ordering::Relaxed) == ROLE_SLAVE {
+        return Err(ofp::BAD_REQUEST_IS_SLAVE);
+    }
     let b = m.bytes;
     Ok(match m.kind {
-        ofp::HELLO => vec![],
+        ofp::HELLO | ofp::ECHO_REPLY => vec![],
         ofp::ECHO_REQUEST => {
             let mut r = ofp::start(ofp::ECHO_REPLY, m.xid);
             r.extend_from_slice(&b[8..]);
             vec![ofp::finish(r)]
         }
-        ofp::ECHO_REPLY => vec![],
+        ofp::EXPERIMENTER => return Err(ofp::BAD_REQUEST_EXPERIMENTER),
         ofp::FEATURES_REQUEST => {
             let mut r = ofp::start(ofp::FEATURES_REPLY, m.xid);
             r.extend_from_slice(&shared.datapath_id.to_be_bytes());
             r.extend_from_slice(&0u32.to_be_bytes()); // no buffers
-            r.extend_from_slice(&[1, 0, 0, 0]); // one table, main connection
-                                                // Capabilities: flow, table and port statistics.
-            r.extend_from_slice(&(1u32 | 2 | 4).to_be_bytes());
+            r.extend_from_slice(&[TABLES as u8, 0, 0, 0]); // tables, main connection
+                                                           // Capabilities: flow, table, port and group statistics.
+            r.extend_from_slice(&(1u32 | 2 | 4 | 8).to_be_bytes());
             r.extend_from_slice(&0u32.to_be_bytes());
             vec![ofp::finish(r)]
         }
@@ -229,10 +298,55 @@ fn handle(m: &Msg, shared: &Shared) -> Result<Vec<Vec<u8>>, OfError> {
         }
         ofp::SET_CONFIG => vec![],
         ofp::FLOW_MOD => {
-            let fm = ofp::parse_flow_mod(b)?;
-            let mut t = shared.table.lock().unwrap();
-            t.apply(&fm)?;
-            shared.publish(&t);
+            flow_mod(b, shared)?;
+            vec![]
+        }
+        ofp::GROUP_MOD => {
+            let gm = group::parse_group_mod(b)?;
+            let mut s = shared.state.lock().unwrap();
+            let mut groups: GroupTable = s.groups.clone();
+            let deleted = groups.apply(gm, shared.now_ns())?;
+            s.groups = groups;
+            let removed = s.flows.remove_where(|e| {
+                e.instructions
+                    .actions()
+                    .any(|a| matches!(a, crate::action::Action::Group(g) if deleted.contains(g)))
+            });
+            shared.publish(&s);
+            drop(s);
+            for e in removed {
+                flow_removed(shared, &e, pipeline::REMOVED_GROUP_DELETE);
+            }
+            vec![]
+        }
+        ofp::METER_MOD => {
+            let mm = meter::parse_meter_mod(b)?;
+            let mut s = shared.state.lock().unwrap();
+            let mut meters: MeterTable = s.meters.clone();
+            let deleted = meters.apply(mm, shared.now_ns())?;
+            s.meters = meters;
+            let removed = s
+                .flows
+                .remove_where(|e| e.instructions.meter.is_some_and(|m| deleted.contains(&m)));
+            shared.publish(&s);
+            drop(s);
+            for e in removed {
+                flow_removed(shared, &e, pipeline::REMOVED_METER_DELETE);
+            }
+            vec![]
+        }
+        ofp::PORT_MOD => {
+            let port = ofp::u32_field(b, 8)?;
+            if port == 0 || port as usize > shared.ports.len() {
+                return Err(ofp::PORT_MOD_BAD_PORT);
+            }
+            vec![]
+        }
+        ofp::TABLE_MOD => {
+            let t = *b.get(8).ok_or(ofp::BAD_REQUEST_LEN)?;
+            if t as usize >= TABLES && t != ofp::TABLE_ALL {
+                return Err(ofp::TABLE_MOD_BAD_TABLE);
+            }
             vec![]
         }
         ofp::PACKET_OUT => {
@@ -249,13 +363,448 @@ fn handle(m: &Msg, shared: &Shared) -> Result<Vec<Vec<u8>>, OfError> {
             wait_applied(shared);
             vec![ofp::finish(ofp::start(ofp::BARRIER_REPLY, m.xid))]
         }
+        ofp::ROLE_REQUEST => vec![role_request(m, shared, conn)?],
+        ofp::GET_ASYNC_REQUEST => {
+            let mut r = ofp::start(ofp::GET_ASYNC_REPLY, m.xid);
+            for pair in conn.async_masks.lock().unwrap().iter() {
+                for mask in pair {
+                    r.extend_from_slice(&mask.to_be_bytes());
+                }
+            }
+            vec![ofp::finish(r)]
+        }
+        ofp::SET_ASYNC => {
+            let mut masks = [[0u32; 2]; 3];
+            for (i, pair) in masks.iter_mut().enumerate() {
+                for (j, mask) in pair.iter_mut().enumerate() {
+                    *mask = ofp::u32_field(b, 8 + (i * 2 + j) * 4)?;
+                }
+            }
+            *conn.async_masks.lock().unwrap() = masks;
+            vec![]
+        }
+        ofp::QUEUE_GET_CONFIG_REQUEST => {
+            let port = ofp::u32_field(b, 8)?;
+            let mut r = ofp::start(ofp::QUEUE_GET_CONFIG_REPLY, m.xid);
+            r.extend_from_slice(&port.to_be_bytes());
+            r.extend_from_slice(&[0; 4]);
+            vec![ofp::finish(r)]
+        }
         ofp::MULTIPART_REQUEST => multipart(m, shared)?,
         _ => return Err(ofp::BAD_REQUEST_TYPE),
     })
 }
 
-/// The one table's features: the instructions, actions and match fields this switch has.
-fn table_features(r: &mut Vec<u8>) {
+fn flow_mod(b: &[u8], shared: &Shared) -> Result<(), OfError> {
+    let fm = pipeline::parse_flow_mod(b)?;
+    if fm.buffer_id != ofp::NO_BUFFER && fm.command < pipeline::FC_DELETE {
+        return Err(ofp::BAD_REQUEST_BUFFER_UNKNOWN);
+    }
+    let mut s = shared.state.lock().unwrap();
+    check_references(&fm, &s)?;
+    let removed = s.flows.apply(&fm, shared.now_ns())?;
+    shared.publish(&s);
+    drop(s);
+    for e in removed {
+        flow_removed(shared, &e, pipeline::REMOVED_DELETE);
+    }
+    Ok(())
+}
+
+/// Groups and meters a new entry names must exist.
+fn check_references(fm: &pipeline::FlowMod, s: &State) -> Result<(), OfError> {
+    for a in fm.instructions.actions() {
+        if let crate::action::Action::Group(g) = a {
+            if !s.groups.groups.contains_key(g) {
+                return Err(ofp::BAD_ACTION_OUT_GROUP);
+            }
+        }
+    }
+    if let Some(m) = fm.instructions.meter {
+        if !s.meters.meters.contains_key(&m) {
+            return Err(ofp::METER_MOD_UNKNOWN_METER);
+        }
+    }
+    Ok(())
+}
+
+/// ROLE_REQUEST (§6.3.6): a new master makes the others slaves; stale generation ids are
+/// refused.
+fn role_request(m: &Msg, shared: &Shared, conn: &Connection) -> Result<Vec<u8>, OfError> {
+    let role = ofp::u32_field(m.bytes, 8)?;
+    let generation = ofp::u64_field(m.bytes, 16)?;
+    if role > ROLE_SLAVE {
+        return Err(ofp::ROLE_REQUEST_BAD_ROLE);
+    }
+    if role == ROLE_MASTER || role == ROLE_SLAVE {
+        let mut g = shared.generation_id.lock().unwrap();
+        if let Some(cur) = *g {
+            if (generation.wrapping_sub(cur) as i64) < 0 {
+                return Err(ofp::ROLE_REQUEST_STALE);
+            }
+        }
+        *g = Some(generation);
+    }
+    if role == ROLE_MASTER {
+        for c in shared.connections.lock().unwrap().iter() {
+            if !std::ptr::eq(&**c, conn) && c.role.load(Ordering::Relaxed) == ROLE_MASTER {
+                c.role.store(ROLE_SLAVE, Ordering::Relaxed);
+            }
+        }
+    }
+    if role != ROLE_NOCHANGE {
+        conn.role.store(role, Ordering::Relaxed);
+    }
+    let mut r = ofp::start(ofp::ROLE_REPLY, m.xid);
+    r.extend_from_slice(&conn.role.load(Ordering::Relaxed).to_be_bytes());
+    r.extend_from_slice(&[0; 4]);
+    r.extend_from_slice(
+        &shared
+            .generation_id
+            .lock()
+            .unwrap()
+            .unwrap_or(generation)
+            .to_be_bytes(),
+    );
+    Ok(ofp::finish(r))
+}
+
+/// A multipart reply cut into messages of at most 64 KiB, every one but the last flagged
+/// OFPMPF_REPLY_MORE.
+struct Replies {
+    kind: u16,
+    xid: u32,
+    done: Vec<Vec<u8>>,
+    current: Vec<u8>,
+}
+
+const REPLY_LIMIT: usize = 65000;
+
+impl Replies {
+    fn new(kind: u16, xid: u32) -> Replies {
+        Replies {
+            kind,
+            xid,
+            done: Vec::new(),
+            current: Replies::header(kind, xid),
+        }
+    }
+
+    fn header(kind: u16, xid: u32) -> Vec<u8> {
+        let mut r = ofp::start(ofp::MULTIPART_REPLY, xid);
+        r.extend_from_slice(&kind.to_be_bytes());
+        r.extend_from_slice(&[0; 6]);
+        r
+    }
+
+    /// Adds one body element.
+    fn push(&mut self, element: &[u8]) {
+        if self.current.len() + element.len() > REPLY_LIMIT && self.current.len() > 16 {
+            let full = std::mem::replace(&mut self.current, Replies::header(self.kind, self.xid));
+            self.done.push(full);
+        }
+        self.current.extend_from_slice(element);
+    }
+
+    fn finish(mut self) -> Vec<Vec<u8>> {
+        self.done.push(self.current);
+        let n = self.done.len();
+        self.done
+            .into_iter()
+            .enumerate()
+            .map(|(i, mut m)| {
+                if i + 1 < n {
+                    m[10..12].copy_from_slice(&1u16.to_be_bytes());
+                }
+                ofp::finish(m)
+            })
+            .collect()
+    }
+}
+
+fn duration(out: &mut Vec<u8>, ns: u64) {
+    out.extend_from_slice(&((ns / 1_000_000_000) as u32).to_be_bytes());
+    out.extend_from_slice(&((ns % 1_000_000_000) as u32).to_be_bytes());
+}
+
+fn set_len(e: &mut [u8]) {
+    let n = e.len() as u16;
+    e[0..2].copy_from_slice(&n.to_be_bytes());
+}
+
+fn multipart(m: &Msg, shared: &Shared) -> Result<Vec<Vec<u8>>, OfError> {
+    let b = m.bytes;
+    let kind = ofp::u16_field(b, 8)?;
+    let body = b.get(16..).ok_or(ofp::BAD_REQUEST_LEN)?;
+    let mut r = Replies::new(kind, m.xid);
+    let now = shared.now_ns();
+    match kind {
+        ofp::MP_DESC => {
+            let mut e = name_bytes("Stitch", 256);
+            e.extend(name_bytes("software switch", 256));
+            e.extend(name_bytes(env!("CARGO_PKG_VERSION"), 256));
+            e.extend(name_bytes("none", 32));
+            e.extend(name_bytes(&shared.name, 256));
+            r.push(&e);
+        }
+        ofp::MP_FLOW | ofp::MP_AGGREGATE => {
+            let table_id = *body.first().ok_or(ofp::BAD_REQUEST_LEN)?;
+            if table_id as usize >= TABLES && table_id != ofp::TABLE_ALL {
+                return Err(ofp::BAD_REQUEST_TABLE_ID);
+            }
+            let out_port = ofp::u32_field(body, 4)?;
+            let out_group = ofp::u32_field(body, 8)?;
+            let (cookie, cookie_mask) = (ofp::u64_field(body, 16)?, ofp::u64_field(body, 24)?);
+            let (matching, _) = oxm::parse_match(body, 32)?;
+            let s = shared.state.lock().unwrap();
+            let chosen = s.flows.select(
+                table_id,
+                &matching,
+                out_port,
+                out_group,
+                cookie,
+                cookie_mask,
+            );
+            if kind == ofp::MP_AGGREGATE {
+                let (mut packets, mut bytes, mut n) = (0u64, 0u64, 0u32);
+                for e in chosen {
+                    packets += e.packets.load(Ordering::Relaxed);
+                    bytes += e.bytes.load(Ordering::Relaxed);
+                    n += 1;
+                }
+                let mut e = packets.to_be_bytes().to_vec();
+                e.extend_from_slice(&bytes.to_be_bytes());
+                e.extend_from_slice(&n.to_be_bytes());
+                e.extend_from_slice(&[0; 4]);
+                r.push(&e);
+            } else {
+                for f in chosen {
+                    r.push(&flow_stats(f, now));
+                }
+            }
+        }
+        ofp::MP_TABLE => {
+            let s = shared.state.lock().unwrap();
+            for (t, c) in shared.table_counters.iter().enumerate() {
+                let mut e = vec![t as u8, 0, 0, 0];
+                e.extend_from_slice(&(s.flows.tables[t].len() as u32).to_be_bytes());
+                e.extend_from_slice(&c.lookups.load(Ordering::Relaxed).to_be_bytes());
+                e.extend_from_slice(&c.matched.load(Ordering::Relaxed).to_be_bytes());
+                r.push(&e);
+            }
+        }
+        ofp::MP_PORT_STATS => {
+            let want = ofp::u32_field(body, 0)?;
+            for (i, c) in shared.port_counters.iter().enumerate() {
+                let no = i as u32 + 1;
+                if want != ofp::PORT_ANY && want != no {
+                    continue;
+                }
+                let mut e = no.to_be_bytes().to_vec();
+                e.extend_from_slice(&[0; 4]);
+                for v in [
+                    c.rx_packets.load(Ordering::Relaxed),
+                    c.tx_packets.load(Ordering::Relaxed),
+                    c.rx_bytes.load(Ordering::Relaxed),
+                    c.tx_bytes.load(Ordering::Relaxed),
+                    0,
+                    c.tx_dropped.load(Ordering::Relaxed),
+                    0,
+                    0,
+                    0,
+                    0,
+                    0,
+                    0,
+                ] {
+                    e.extend_from_slice(&v.to_be_bytes());
+                }
+                duration(&mut e, now);
+                r.push(&e);
+            }
+        }
+        ofp::MP_PORT_DESC => {
+            for i in 0..shared.ports.len() {
+                let mut e = Vec::new();
+                port_desc(&mut e, shared, i);
+                r.push(&e);
+            }
+        }
+        ofp::MP_QUEUE => {}
+        ofp::MP_GROUP | ofp::MP_GROUP_DESC => {
+            // GROUP_DESC has no body: every group.
+            let want = if kind == ofp::MP_GROUP {
+                ofp::u32_field(body, 0)?
+            } else {
+                ofp::GROUP_ALL
+            };
+            let s = shared.state.lock().unwrap();
+            for g in s.groups.groups.values() {
+                if kind == ofp::MP_GROUP && want != ofp::GROUP_ALL && want != g.id {
+                    continue;
+                }
+                r.push(&if kind == ofp::MP_GROUP {
+                    group_stats(g, &s, now)
+                } else {
+                    group_desc(g)
+                });
+            }
+        }
+        ofp::MP_GROUP_FEATURES => {
+            let mut e = Vec::new();
+            e.extend_from_slice(&0b1111u32.to_be_bytes()); // all, select, indirect, ff
+            e.extend_from_slice(&(1u32 | 2 | 4 | 8).to_be_bytes()); // weight, liveness, chaining, checks
+            for _ in 0..4 {
+                e.extend_from_slice(&(group::MAX_GROUPS as u32).to_be_bytes());
+            }
+            for _ in 0..4 {
+                e.extend_from_slice(&supported_actions().to_be_bytes());
+            }
+            r.push(&e);
+        }
+        ofp::MP_METER | ofp::MP_METER_CONFIG => {
+            let want = ofp::u32_field(body, 0)?;
+            let s = shared.state.lock().unwrap();
+            for mt in s.meters.meters.values() {
+                if want != ofp::METER_ALL && want != mt.id {
+                    continue;
+                }
+                let mut e = Vec::new();
+                if kind == ofp::MP_METER {
+                    let flows = s
+                        .flows
+                        .tables
+                        .iter()
+                        .flatten()
+                        .filter(|f| f.instructions.meter == Some(mt.id))
+                        .count() as u32;
+                    e.extend_from_slice(&mt.id.to_be_bytes());
+                    e.extend_from_slice(&[0, 0, 0, 0, 0, 0, 0, 0]);
+                    e.extend_from_slice(&flows.to_be_bytes());
+                    e.extend_from_slice(&mt.packets.load(Ordering::Relaxed).to_be_bytes());
+                    e.extend_from_slice(&mt.bytes.load(Ordering::Relaxed).to_be_bytes());
+                    duration(&mut e, now.saturating_sub(mt.created_ns));
+                    for band in &mt.bands {
+                        e.extend_from_slice(&band.packets.load(Ordering::Relaxed).to_be_bytes());
+                        e.extend_from_slice(&band.bytes.load(Ordering::Relaxed).to_be_bytes());
+                    }
+                    let n = e.len() as u16;
+                    e[4..6].copy_from_slice(&n.to_be_bytes());
+                } else {
+                    e.extend_from_slice(&[0, 0]);
+                    e.extend_from_slice(&mt.flags.to_be_bytes());
+                    e.extend_from_slice(&mt.id.to_be_bytes());
+                    meter::write_bands(&mut e, mt);
+                    set_len(&mut e);
+                }
+                r.push(&e);
+            }
+        }
+        ofp::MP_METER_FEATURES => {
+            let mut e = meter::MAX_METERS.to_be_bytes().to_vec();
+            e.extend_from_slice(
+                &(1u32 << meter::BAND_DROP | 1 << meter::BAND_DSCP_REMARK).to_be_bytes(),
+            );
+            e.extend_from_slice(&0b1111u32.to_be_bytes()); // kbps, pktps, burst, stats
+            e.extend_from_slice(&[meter::MAX_BANDS as u8, 0, 0, 0]);
+            r.push(&e);
+        }
+        ofp::MP_TABLE_FEATURES => {
+            if !body.is_empty() {
+                // Setting the pipeline's shape is not supported: it is fixed (§7.3.5.5.1).
+                return Err(OfError(13, 5));
+            }
+            for t in 0..TABLES {
+                r.push(&table_features(t as u8));
+            }
+        }
+        _ => return Err(ofp::BAD_REQUEST_MULTIPART),
+    }
+    Ok(r.finish())
+}
+
+fn flow_stats(e: &FlowEntry, now: u64) -> Vec<u8> {
+    let mut r = vec![0, 0, e.table, 0];
+    duration(&mut r, now.saturating_sub(e.created_ns));
+    r.extend_from_slice(&e.priority.to_be_bytes());
+    r.extend_from_slice(&e.idle_timeout.to_be_bytes());
+    r.extend_from_slice(&e.hard_timeout.to_be_bytes());
+    r.extend_from_slice(&e.flags.to_be_bytes());
+    r.extend_from_slice(&[0; 4]);
+    r.extend_from_slice(&e.cookie.to_be_bytes());
+    r.extend_from_slice(&e.packets.load(Ordering::Relaxed).to_be_bytes());
+    r.extend_from_slice(&e.bytes.load(Ordering::Relaxed).to_be_bytes());
+    oxm::write_match(&mut r, &e.matching);
+    r.extend_from_slice(&e.instructions.raw);
+    set_len(&mut r);
+    r
+}
+
+fn group_desc(g: &group::Group) -> Vec<u8> {
+    let mut e = vec![0, 0, g.kind, 0];
+    e.extend_from_slice(&g.id.to_be_bytes());
+    group::write_buckets(&mut e, g);
+    set_len(&mut e);
+    e
+}
+
+fn group_stats(g: &group::Group, s: &State, now: u64) -> Vec<u8> {
+    let refs = s
+        .flows
+        .tables
+        .iter()
+        .flatten()
+        .filter(|f| {
+            f.instructions
+                .actions()
+                .any(|a| *a == crate::action::Action::Group(g.id))
+        })
+        .count() as u32;
+    let mut e = vec![0, 0, 0, 0];
+    e.extend_from_slice(&g.id.to_be_bytes());
+    e.extend_from_slice(&refs.to_be_bytes());
+    e.extend_from_slice(&[0; 4]);
+    e.extend_from_slice(&g.packets.load(Ordering::Relaxed).to_be_bytes());
+    e.extend_from_slice(&g.bytes.load(Ordering::Relaxed).to_be_bytes());
+    duration(&mut e, now.saturating_sub(g.created_ns));
+    for b in &g.buckets {
+        e.extend_from_slice(&b.packets.load(Ordering::Relaxed).to_be_bytes());
+        e.extend_from_slice(&b.bytes.load(Ordering::Relaxed).to_be_bytes());
+    }
+    set_len(&mut e);
+    e
+}
+
+/// `ofp_port` of port index `i` (state: live when its output link exists).
+fn port_desc(r: &mut Vec<u8>, shared: &Shared, i: usize) {
+    let no = i as u32 + 1;
+    let live = shared.port_live[i].load(Ordering::Relaxed);
+    r.extend_from_slice(&no.to_be_bytes());
+    r.extend_from_slice(&[0; 4]);
+    r.extend_from_slice(&[0x02, 0, 0, 0, (no >> 8) as u8, no as u8]);
+    r.extend_from_slice(&[0; 2]);
+    r.extend(name_bytes(&shared.ports[i], 16));
+    r.extend_from_slice(&0u32.to_be_bytes()); // config
+                                              // state: OFPPS_LIVE, or OFPPS_LINK_DOWN.
+    r.extend_from_slice(&(if live { 4u32 } else { 1 }).to_be_bytes());
+    // curr, advertised, supported, peer: 10 Gb full duplex, copper.
+    for v in [0x1040u32, 0, 0, 0] {
+        r.extend_from_slice(&v.to_be_bytes());
+    }
+    r.extend_from_slice(&10_000_000u32.to_be_bytes()); // curr_speed, kbit/s
+    r.extend_from_slice(&10_000_000u32.to_be_bytes()); // max_speed
+}
+
+/// Bitmap of the action types this switch runs (group features).
+fn supported_actions() -> u32 {
+    [
+        0u32, 11, 12, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27,
+    ]
+    .iter()
+    .fold(0, |m, t| m | 1 << t)
+}
+
+/// One table's features: the instructions, tables, actions and fields this pipeline has.
+fn table_features(table: u8) -> Vec<u8> {
     fn prop(out: &mut Vec<u8>, kind: u16, body: &[u8]) {
         let start = out.len();
         out.extend_from_slice(&kind.to_be_bytes());
@@ -271,165 +820,57 @@ fn table_features(r: &mut Vec<u8>) {
             .flat_map(|t| [t.to_be_bytes(), 4u16.to_be_bytes()].concat())
             .collect()
     };
-    let oxms = |fields: &[(u8, u8, bool)]| -> Vec<u8> {
-        fields
+    let actions = ids(&[
+        0, 11, 12, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27,
+    ]);
+    let fields = |set: bool| -> Vec<u8> {
+        oxm::FIELDS
             .iter()
+            .flatten()
+            .filter(|d| {
+                !set || !matches!(
+                    d.id,
+                    oxm::IN_PORT | oxm::IN_PHY_PORT | oxm::METADATA | oxm::IPV6_EXTHDR
+                )
+            })
             // Plain headers: Open vSwitch refuses masked ones in table features.
-            .flat_map(|&(f, len, _maskable)| [0x80, 0x00, f << 1, len])
+            .flat_map(|d| [0x80, 0x00, d.id << 1, d.len])
             .collect()
     };
-    let matchable = [
-        (0, 4, false),
-        (3, 6, true),
-        (4, 6, true),
-        (5, 2, false),
-        (6, 2, true),
-        (10, 1, false),
-        (11, 4, true),
-        (12, 4, true),
-        (13, 2, false),
-        (14, 2, false),
-        (15, 2, false),
-        (16, 2, false),
-        (26, 16, true),
-        (27, 16, true),
-    ];
-    let settable = [(3, 6, false), (4, 6, false), (6, 2, false)];
-    let start = r.len();
-    r.extend_from_slice(&[0, 0, 0, 0, 0, 0, 0, 0]); // length, table 0, pad
-    r.extend(name_bytes("main", 32));
-    r.extend_from_slice(&0u64.to_be_bytes());
-    r.extend_from_slice(&0u64.to_be_bytes());
-    r.extend_from_slice(&0u32.to_be_bytes());
-    r.extend_from_slice(&1_000_000u32.to_be_bytes());
-    prop(r, 0, &ids(&[3, 4, 5]));
-    prop(r, 2, &[]);
-    prop(r, 4, &ids(&[0, 17, 18, 25]));
-    prop(r, 6, &ids(&[0, 17, 18, 25]));
-    prop(r, 8, &oxms(&matchable));
-    prop(r, 10, &oxms(&matchable));
-    prop(r, 12, &oxms(&settable));
-    prop(r, 14, &oxms(&settable));
-    let len = (r.len() - start) as u16;
-    r[start..start + 2].copy_from_slice(&len.to_be_bytes());
-}
-
-fn multipart(m: &Msg, shared: &Shared) -> Result<Vec<Vec<u8>>, OfError> {
-    let b = m.bytes;
-    let kind = ofp::u16_field(b, 8)?;
-    let mut r = ofp::start(ofp::MULTIPART_REPLY, m.xid);
-    r.extend_from_slice(&kind.to_be_bytes());
-    r.extend_from_slice(&[0, 0, 0, 0, 0, 0]);
-    let body = b.get(16..).ok_or(ofp::BAD_REQUEST_LEN)?;
-    let uptime = shared.started.elapsed();
-    match kind {
-        ofp::MP_DESC => {
-            r.extend(name_bytes("Stitch", 256));
-            r.extend(name_bytes("software switch", 256));
-            r.extend(name_bytes(env!("CARGO_PKG_VERSION"), 256));
-            r.extend(name_bytes("none", 32));
-            r.extend(name_bytes(&shared.name, 256));
-        }
-        ofp::MP_FLOW | ofp::MP_AGGREGATE => {
-            let table_id = *body.first().ok_or(ofp::BAD_REQUEST_LEN)?;
-            let out_port = ofp::u32_field(body, 4)?;
-            let (cookie, cookie_mask) = (ofp::u64_field(body, 16)?, ofp::u64_field(body, 24)?);
-            let (matching, _) = ofp::parse_match(body, 32)?;
-            let t = shared.table.lock().unwrap();
-            let chosen = t.select(&matching, out_port).filter(|e| {
-                (table_id == 0 || table_id == 0xff)
-                    && (cookie_mask == 0 || e.cookie & cookie_mask == cookie & cookie_mask)
-            });
-            if kind == ofp::MP_AGGREGATE {
-                let (mut packets, mut bytes, mut n) = (0u64, 0u64, 0u32);
-                for e in chosen {
-                    packets += e.packets.load(Ordering::Relaxed);
-                    bytes += e.bytes.load(Ordering::Relaxed);
-                    n += 1;
-                }
-                r.extend_from_slice(&packets.to_be_bytes());
-                r.extend_from_slice(&bytes.to_be_bytes());
-                r.extend_from_slice(&n.to_be_bytes());
-                r.extend_from_slice(&[0; 4]);
-            } else {
-                for e in chosen {
-                    let start = r.len();
-                    let age = e.created.elapsed();
-                    r.extend_from_slice(&[0, 0, 0, 0]); // length, table 0, pad
-                    r.extend_from_slice(&(age.as_secs() as u32).to_be_bytes());
-                    r.extend_from_slice(&age.subsec_nanos().to_be_bytes());
-                    r.extend_from_slice(&e.priority.to_be_bytes());
-                    r.extend_from_slice(&e.idle_timeout.to_be_bytes());
-                    r.extend_from_slice(&e.hard_timeout.to_be_bytes());
-                    r.extend_from_slice(&e.flags.to_be_bytes());
-                    r.extend_from_slice(&[0; 4]);
-                    r.extend_from_slice(&e.cookie.to_be_bytes());
-                    r.extend_from_slice(&e.packets.load(Ordering::Relaxed).to_be_bytes());
-                    r.extend_from_slice(&e.bytes.load(Ordering::Relaxed).to_be_bytes());
-                    ofp::write_match(&mut r, &e.matching);
-                    ofp::write_instructions(&mut r, &e.actions);
-                    let len = (r.len() - start) as u16;
-                    r[start..start + 2].copy_from_slice(&len.to_be_bytes());
-                }
-            }
-        }
-        ofp::MP_TABLE => {
-            let active = shared.table.lock().unwrap().entries.len() as u32;
-            r.extend_from_slice(&[0, 0, 0, 0]);
-            r.extend_from_slice(&active.to_be_bytes());
-            r.extend_from_slice(&shared.lookups.load(Ordering::Relaxed).to_be_bytes());
-            r.extend_from_slice(&shared.matched.load(Ordering::Relaxed).to_be_bytes());
-        }
-        ofp::MP_PORT_STATS => {
-            let want = ofp::u32_field(body, 0)?;
-            for (i, c) in shared.port_counters.iter().enumerate() {
-                let no = i as u32 + 1;
-                if want != ofp::PORT_ANY && want != no {
-                    continue;
-                }
-                r.extend_from_slice(&no.to_be_bytes());
-                r.extend_from_slice(&[0; 4]);
-                for v in [
-                    c.rx_packets.load(Ordering::Relaxed),
-                    c.tx_packets.load(Ordering::Relaxed),
-                    c.rx_bytes.load(Ordering::Relaxed),
-                    c.tx_bytes.load(Ordering::Relaxed),
-                    0,
-                    c.tx_dropped.load(Ordering::Relaxed),
-                    0,
-                    0,
-                    0,
-                    0,
-                    0,
-                    0,
-                ] {
-                    r.extend_from_slice(&v.to_be_bytes());
-                }
-                r.extend_from_slice(&(uptime.as_secs() as u32).to_be_bytes());
-                r.extend_from_slice(&uptime.subsec_nanos().to_be_bytes());
-            }
-        }
-        ofp::MP_PORT_DESC => {
-            for (i, name) in shared.ports.iter().enumerate() {
-                let no = i as u32 + 1;
-                r.extend_from_slice(&no.to_be_bytes());
-                r.extend_from_slice(&[0; 4]);
-                r.extend_from_slice(&[0x02, 0, 0, 0, 0, i as u8 + 1]);
-                r.extend_from_slice(&[0; 2]);
-                r.extend(name_bytes(name, 16));
-                r.extend_from_slice(&0u32.to_be_bytes()); // config
-                r.extend_from_slice(&4u32.to_be_bytes()); // state: live
-                for _ in 0..4 {
-                    r.extend_from_slice(&0u32.to_be_bytes()); // curr, advertised, supported, peer
-                }
-                r.extend_from_slice(&10_000_000u32.to_be_bytes()); // curr_speed, kbit/s
-                r.extend_from_slice(&10_000_000u32.to_be_bytes()); // max_speed
-            }
-        }
-        ofp::MP_TABLE_FEATURES => table_features(&mut r),
-        _ => return Err(ofp::BAD_REQUEST_MULTIPART),
+    let wildcards: Vec<u8> = oxm::FIELDS
+        .iter()
+        .flatten()
+        .flat_map(|d| [0x80, 0x00, d.id << 1, d.len])
+        .collect();
+    let mut r = vec![0, 0, table, 0, 0, 0, 0, 0];
+    r.extend(name_bytes(&format!("table{table}"), 32));
+    r.extend_from_slice(&u64::MAX.to_be_bytes()); // metadata_match
+    r.extend_from_slice(&u64::MAX.to_be_bytes()); // metadata_write
+    r.extend_from_slice(&0u32.to_be_bytes()); // config
+    r.extend_from_slice(&1_000_000u32.to_be_bytes()); // max_entries
+    let last = table as usize + 1 == TABLES;
+    let instructions: &[u16] = if last {
+        &[2, 3, 4, 5, 6]
+    } else {
+        &[1, 2, 3, 4, 5, 6]
+    };
+    let next: Vec<u8> = (table + 1..TABLES as u8).collect();
+    for kind in [0u16, 1] {
+        prop(&mut r, kind, &ids(instructions));
     }
-    Ok(vec![ofp::finish(r)])
+    for kind in [2u16, 3] {
+        prop(&mut r, kind, &next);
+    }
+    for kind in [4u16, 5, 6, 7] {
+        prop(&mut r, kind, &actions);
+    }
+    prop(&mut r, 8, &fields(false));
+    prop(&mut r, 10, &wildcards);
+    for kind in [12u16, 13, 14, 15] {
+        prop(&mut r, kind, &fields(true));
+    }
+    set_len(&mut r);
+    r
 }
 
 #[cfg(test)]
@@ -448,5 +889,53 @@ mod tests {
         // Echo is answered with its payload.
         let r = respond(&shared, &[4, 2, 0, 10, 0, 0, 0, 7, 0xab, 0xcd]);
         assert_eq!(r[0], [4, 3, 0, 10, 0, 0, 0, 7, 0xab, 0xcd]);
+    }
+
+    #[test]
+    fn table_features_of_64_tables_come_in_several_replies() {
+        let shared = Shared::new("t", &["a".into()], 1);
+        let mut req = ofp::start(ofp::MULTIPART_REQUEST, 5);
+        req.extend_from_slice(&ofp::MP_TABLE_FEATURES.to_be_bytes());
+        req.extend_from_slice(&[0; 6]);
+        let r = respond(&shared, &ofp::finish(req));
+        assert!(r.len() >= 2, "{} replies", r.len());
+        for (i, m) in r.iter().enumerate() {
+            assert_eq!(u16::from_be_bytes([m[2], m[3]]) as usize, m.len());
+            let more = u16::from_be_bytes([m[10], m[11]]) & 1 == 1;
+            assert_eq!(more, i + 1 < r.len());
+        }
+    }
+
+    #[test]
+    fn a_slave_may_not_change_the_switch() {
+        let shared = Shared::new("t", &["a".into(), "b".into()], 1);
+        let conn = Connection::default();
+        let mut role = ofp::start(ofp::ROLE_REQUEST, 1);
+        role.extend_from_slice(&ROLE_SLAVE.to_be_bytes());
+        role.extend_from_slice(&[0; 4]);
+        role.extend_from_slice(&7u64.to_be_bytes());
+        let role = ofp::finish(role);
+        let (m, _) = ofp::next_message(&role).unwrap().unwrap();
+        let r = handle(&m, &shared, &conn).unwrap();
+        assert_eq!(&r[0][8..12], &ROLE_SLAVE.to_be_bytes());
+        let flow_mod = ofp::finish({
+            let mut f = ofp::start(ofp::FLOW_MOD, 2);
+            f.resize(48, 0);
+            f.extend_from_slice(&[0, 1, 0, 4, 0, 0, 0, 0]);
+            f
+        });
+        let (m, _) = ofp::next_message(&flow_mod).unwrap().unwrap();
+        assert_eq!(
+            handle(&m, &shared, &conn).err(),
+            Some(ofp::BAD_REQUEST_IS_SLAVE)
+        );
+        // A stale generation id is refused.
+        let mut stale = role.clone();
+        stale[16..24].copy_from_slice(&3u64.to_be_bytes());
+        let (m, _) = ofp::next_message(&stale).unwrap().unwrap();
+        assert_eq!(
+            handle(&m, &shared, &conn).err(),
+            Some(ofp::ROLE_REQUEST_STALE)
+        );
     }
 }

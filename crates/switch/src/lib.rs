@@ -1,10 +1,7 @@
 //! `switch`: an OpenFlow 1.3 switch between numbered ports (seed 001). Each name in `ports` is
-//! an input and an output of the app and OpenFlow port 1, 2, … in that order. A controller —
-//! `ovs-ofctl`, os-ken, any OpenFlow 1.3 controller — programs one flow table over TCP
-//! (`listen` for a passive endpoint, `controller` to dial one); packets take the actions of the
-//! highest-priority matching flow (output, flood, in-port, controller, drop, set-field,
-//! push/pop VLAN); a packet no flow matches is dropped (OpenFlow 1.3's default table miss) and
-//! counted. Flow and port counters are kept for the controller's statistics requests.
+//! an input and an output of the app and OpenFlow port 1, 2, … in that order. Controllers —
+//! `ovs-ofctl`, os-ken, Faucet, any OpenFlow 1.3 controller, several at once with roles —
+//! program its pipeline over TCP (`listen` for a passive endpoint, `controller` to dial one).
 //!
 //! ```yaml
 //! apps:
@@ -14,45 +11,38 @@
 //!   - "sw.a -> host_a.input"
 //! ```
 //!
-//! When the rules send all of a port's traffic to one other port (point to point), that port's
-//! packets move ring to ring in whole batches without a lookup each, and still count in the
-//! flow's and the ports' statistics; the switch-over happens between two batches, so nothing is
-//! lost or reordered.
+//! The pipeline is the specification's (§5): 64 flow tables walked from table 0 by goto-table,
+//! instructions meter / apply-actions / clear-actions / write-actions / write-metadata, the
+//! action set run at the end in the specification's order, groups (all, select, indirect,
+//! fast-failover), meters (drop and DSCP-remark bands), idle and hard timeouts with
+//! FLOW_REMOVED, PORT_STATUS, roles and asynchronous-message filters per controller
+//! ([`pipeline`], [`oxm`], [`action`], [`group`], [`meter`], [`endpoint`]). A packet no entry
+//! matches is dropped and counted (1.3's table miss without a table-miss entry).
 //!
-//! When both ends of such a pair are zero-copy function ports (`nf_port`), the switch steps out
-//! of the path altogether (seed 001's bypass): it gives the two functions a direct channel
-//! ([`stitch_nf::direct`]) — the first writes its packets straight to the second's — and
-//! takes it back when the rules change or a function leaves. Both hand-overs are ordered and
-//! lossless; the functions keep their ports; what crosses a channel is still counted in the
-//! flow's and the ports' OpenFlow statistics (counter `direct_channels`: channels in use).
-//! Not yet: flow timeouts, groups, meters, several tables.
+//! When the pipeline sends all of a port's traffic to one other port (point to point, through
+//! goto-table too), that port's packets move ring to ring in whole batches without a lookup
+//! each, and still count in every entry's, table's and port's statistics; the switch-over
+//! happens between two batches, so nothing is lost or reordered. When both ends of such a pair
+//! are zero-copy function ports (`nf_port`), the switch steps out of the path altogether
+//! (seed 001's bypass, [`bypass`]).
 
+pub mod action;
+mod bypass;
+mod datapath;
 pub mod endpoint;
+pub mod group;
+pub mod meter;
 pub mod ofp;
-pub mod table;
+pub mod oxm;
+pub mod pipeline;
 
-use ofp::{Action, PORT_ALL, PORT_CONTROLLER, PORT_FLOOD, PORT_IN_PORT};
+use pipeline::{FlowEntry, P2p, TABLES};
 use serde::Deserialize;
-use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use stitch_core::app::{AppContext, AppError, Counter, Io, PortNames, PortSpec};
-use stitch_core::{App, AppType, Packet, Registry};
-use stitch_nf::direct::{Direct, Phase};
-use stitch_nf::listener::PortShared;
-use table::{FlowEntry, Key};
-
-/// A direct channel the switch gave two function ports: traffic from input `from` that its
-/// flow `entry` sends to output `to`.
-struct Channel {
-    direct: Arc<Direct>,
-    from: usize,
-    to: usize,
-    entry: Arc<FlowEntry>,
-    handover_reported: bool,
-    /// The channel's packets and bytes already added to the statistics.
-    counted: (u64, u64),
-}
+use stitch_core::{App, AppType, Registry};
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -68,8 +58,8 @@ pub struct SwitchConfig {
     /// Datapath id (default: derived from the app's name).
     #[serde(default)]
     pub datapath_id: Option<u64>,
-    /// Keys remembered by the exact-match cache in front of the flow table's priority scan
-    /// (used once the table holds more than a few flows); 0 turns it off.
+    /// Keys remembered per table by the exact-match cache in front of its priority scan
+    /// (used once a table holds more than a few flows); 0 turns it off.
     #[serde(default = "default_cache")]
     pub exact_match_cache: usize,
 }
@@ -77,9 +67,6 @@ pub struct SwitchConfig {
 fn default_cache() -> usize {
     8192
 }
-
-/// Below this many flows a scan is as cheap as hashing the key.
-const CACHE_FROM_FLOWS: usize = 8;
 
 /// Per-port counters, as OpenFlow port statistics report them.
 #[derive(Default)]
@@ -91,33 +78,104 @@ pub struct PortCounters {
     pub tx_dropped: AtomicU64,
 }
 
-/// A frame for the controller.
-pub struct PacketIn {
-    pub in_port: u32,
-    pub reason: u8,
-    pub cookie: u64,
-    pub data: Vec<u8>,
+/// Per-table lookup and match counters (TABLE statistics).
+#[derive(Default)]
+pub struct TableCounters {
+    pub lookups: AtomicU64,
+    pub matched: AtomicU64,
 }
 
 /// A frame from the controller: in-port, actions, bytes.
-pub type PacketOut = (u32, Vec<Action>, Vec<u8>);
+pub type PacketOut = (u32, Vec<action::Action>, Vec<u8>);
+
+/// What the controllers own: flow tables, groups and meters.
+#[derive(Default)]
+pub struct State {
+    pub flows: pipeline::FlowTables,
+    pub groups: group::GroupTable,
+    pub meters: meter::MeterTable,
+}
+
+/// What the data path runs: a copy of the pipeline taken when it last changed.
+#[derive(Default)]
+pub struct Snapshot {
+    pub tables: Vec<Vec<Arc<FlowEntry>>>,
+    pub groups: BTreeMap<u32, Arc<group::Group>>,
+    pub meters: BTreeMap<u32, Arc<meter::Meter>>,
+}
+
+/// The kinds of asynchronous messages a controller can filter (SET_ASYNC).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Async {
+    PacketIn = 0,
+    PortStatus = 1,
+    FlowRemoved = 2,
+}
+
+pub const ROLE_NOCHANGE: u32 = 0;
+pub const ROLE_EQUAL: u32 = 1;
+pub const ROLE_MASTER: u32 = 2;
+pub const ROLE_SLAVE: u32 = 3;
+
+/// One controller connection as the switch side sees it.
+pub struct Connection {
+    pub outbox: Mutex<VecDeque<Vec<u8>>>,
+    pub role: AtomicU32,
+    /// SET_ASYNC masks: [packet-in, port-status, flow-removed] × [master/equal, slave].
+    pub async_masks: Mutex<[[u32; 2]; 3]>,
+    pub dropped: AtomicU64,
+}
+
+/// Messages waiting for a controller that does not read them are dropped past this.
+const OUTBOX_LIMIT: usize = 4096;
+
+impl Default for Connection {
+    fn default() -> Self {
+        Connection {
+            outbox: Mutex::new(VecDeque::new()),
+            role: AtomicU32::new(ROLE_EQUAL),
+            // §6.1.1: by default a slave gets only port status.
+            async_masks: Mutex::new([[0b11, 0], [0b111, 0b111], [0b1111, 0]]),
+            dropped: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Connection {
+    fn wants(&self, kind: Async, reason: u8) -> bool {
+        let slave = self.role.load(Ordering::Relaxed) == ROLE_SLAVE;
+        let masks = self.async_masks.lock().unwrap();
+        masks[kind as usize][slave as usize] & (1 << reason) != 0
+    }
+
+    pub fn post(&self, msg: Vec<u8>) {
+        let mut q = self.outbox.lock().unwrap();
+        if q.len() < OUTBOX_LIMIT {
+            q.push_back(msg);
+        } else {
+            self.dropped.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
 
 /// What the data path and the OpenFlow side share.
 pub struct Shared {
     pub name: String,
     pub ports: Vec<String>,
     pub datapath_id: u64,
-    pub table: Mutex<table::FlowTable>,
-    /// Snapshot of the table's entries for the data path, and its version.
-    pub snapshot: Mutex<Arc<Vec<Arc<FlowEntry>>>>,
+    pub state: Mutex<State>,
+    pub snapshot: Mutex<Arc<Snapshot>>,
     pub version: AtomicU64,
     pub applied: AtomicU64,
-    /// When the newest table was published (ns since `started`), for the switch-over time.
+    /// When the newest pipeline was published (ns since `started`), for the switch-over time.
     pub published_ns: AtomicU64,
     pub port_counters: Vec<PortCounters>,
-    pub lookups: AtomicU64,
-    pub matched: AtomicU64,
-    pub packet_ins: Mutex<VecDeque<PacketIn>>,
+    /// Whether each port's output is connected (its link is up), as the data path last saw.
+    pub port_live: Vec<AtomicBool>,
+    pub table_counters: Vec<TableCounters>,
+    pub connections: Mutex<Vec<Arc<Connection>>>,
+    /// The highest generation id a master or slave role request carried (§6.3.6).
+    pub generation_id: Mutex<Option<u64>>,
     pub packet_outs: Mutex<Vec<PacketOut>>,
     pub has_packet_outs: AtomicBool,
     pub started: std::time::Instant,
@@ -129,52 +187,74 @@ impl Shared {
             name: name.to_string(),
             ports: ports.to_vec(),
             datapath_id,
-            table: Mutex::new(table::FlowTable::default()),
-            snapshot: Mutex::new(Arc::new(Vec::new())),
+            state: Mutex::new(State::default()),
+            snapshot: Mutex::new(Arc::new(Snapshot {
+                tables: vec![Vec::new(); TABLES],
+                ..Snapshot::default()
+            })),
             version: AtomicU64::new(0),
             applied: AtomicU64::new(0),
             published_ns: AtomicU64::new(0),
             port_counters: ports.iter().map(|_| PortCounters::default()).collect(),
-            lookups: AtomicU64::new(0),
-            matched: AtomicU64::new(0),
-            packet_ins: Mutex::new(VecDeque::new()),
+            port_live: ports.iter().map(|_| AtomicBool::new(false)).collect(),
+            table_counters: (0..TABLES).map(|_| TableCounters::default()).collect(),
+            connections: Mutex::new(Vec::new()),
+            generation_id: Mutex::new(None),
             packet_outs: Mutex::new(Vec::new()),
             has_packet_outs: AtomicBool::new(false),
             started: std::time::Instant::now(),
         }
     }
 
-    /// Publishes the master table to the data path.
-    pub fn publish(&self, t: &table::FlowTable) {
-        *self.snapshot.lock().unwrap() = Arc::new(t.entries.clone());
-        self.published_ns
-            .store(self.started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    pub fn now_ns(&self) -> u64 {
+        self.started.elapsed().as_nanos() as u64
+    }
+
+    /// Publishes the controllers' pipeline to the data path.
+    pub fn publish(&self, s: &State) {
+        let snap = Snapshot {
+            tables: s.flows.tables.clone(),
+            groups: s.groups.groups.clone(),
+            meters: s.meters.meters.clone(),
+        };
+        *self.snapshot.lock().unwrap() = Arc::new(snap);
+        self.published_ns.store(self.now_ns(), Ordering::Relaxed);
         self.version.fetch_add(1, Ordering::Release);
+    }
+
+    /// Sends an asynchronous message to every controller whose role and filters take it.
+    pub fn send_async(&self, kind: Async, reason: u8, msg: &[u8]) {
+        for c in self.connections.lock().unwrap().iter() {
+            if c.wants(kind, reason) {
+                c.post(msg.to_vec());
+            }
+        }
     }
 }
 
 pub struct Switch {
     shared: Arc<Shared>,
-    entries: Arc<Vec<Arc<FlowEntry>>>,
-    /// Per input port: the flow and output when its traffic all goes to one other port.
-    direct: Vec<Option<(Arc<FlowEntry>, u32)>>,
+    snap: Arc<Snapshot>,
+    /// Per input port: where its traffic all goes, when it all goes to one other port.
+    direct: Vec<Option<P2p>>,
     seen: u64,
-    /// A table the data path runs, not yet announced as applied.
+    /// A pipeline the data path runs, not yet announced as applied.
     pending_version: Option<u64>,
-    /// Per port: packets, bytes and drops sent since the last flush into the shared counters
-    /// (one locked add per port and push, not per packet).
-    tx_pending: Vec<[u64; 3]>,
-    cache: Option<table::ExactMatchCache>,
-    batch: Vec<Packet>,
+    dp: datapath::DataPath,
     _endpoint: Option<endpoint::Endpoint>,
+    channels: Vec<bypass::Channel>,
+    counters: Counters,
+}
+
+/// The app's own counters (`stitch stats`).
+struct Counters {
     misses: Counter,
     cache_hits: Counter,
-    /// From a table's publication to the data path running it (the last change), and the
+    /// From a pipeline's publication to the data path running it (the last change), and the
     /// longest so far.
     switch_over_ns: Counter,
     switch_over_max_ns: Counter,
     direct_packets: Counter,
-    channels: Vec<Channel>,
     channels_in_use: Counter,
     channel_packets: Counter,
     /// The last channel's hand-over (offer → the receiving function reads it) and hand-back
@@ -183,9 +263,9 @@ pub struct Switch {
     handback_ns: Counter,
     to_controller: Counter,
     controller_drops: Counter,
+    meter_drops: Counter,
+    ttl_drops: Counter,
 }
-
-const MAX_PACKET_INS: usize = 1024;
 
 impl App for Switch {
     type Config = SwitchConfig;
@@ -218,60 +298,67 @@ impl App for Switch {
             c.listen.as_deref(),
             c.controller.as_deref(),
         )?;
-        Ok(Switch {
-            shared,
-            entries: Arc::new(Vec::new()),
-            direct: vec![None; c.ports.len()],
-            seen: 0,
-            pending_version: None,
-            tx_pending: vec![[0; 3]; c.ports.len()],
-            cache: (c.exact_match_cache > 0)
-                .then(|| table::ExactMatchCache::new(c.exact_match_cache)),
-            batch: Vec::with_capacity(256),
-            _endpoint: endpoint,
+        let counters = Counters {
             misses: ctx.counter("table_miss_drops"),
             cache_hits: ctx.counter("exact_match_cache_hits"),
             switch_over_ns: ctx.counter("switch_over_ns"),
             switch_over_max_ns: ctx.counter("switch_over_max_ns"),
             direct_packets: ctx.counter("point_to_point_packets"),
-            channels: Vec::new(),
             channels_in_use: ctx.counter("direct_channels"),
             channel_packets: ctx.counter("direct_channel_packets"),
             handover_ns: ctx.counter("direct_handover_ns"),
             handback_ns: ctx.counter("direct_handback_ns"),
             to_controller: ctx.counter("packet_ins"),
             controller_drops: ctx.counter("packet_in_drops"),
+            meter_drops: ctx.counter("meter_drops"),
+            ttl_drops: ctx.counter("ttl_expired_drops"),
+        };
+        let snap = shared.snapshot.lock().unwrap().clone();
+        Ok(Switch {
+            snap,
+            dp: datapath::DataPath::new(c.ports.len(), c.exact_match_cache),
+            shared,
+            direct: vec![None; c.ports.len()],
+            seen: 0,
+            pending_version: None,
+            _endpoint: endpoint,
+            channels: Vec::new(),
+            counters,
         })
     }
 
     fn pull(&mut self, io: &mut Io) {
         let v = self.shared.version.load(Ordering::Acquire);
         if v != self.seen {
-            self.entries = self.shared.snapshot.lock().unwrap().clone();
-            self.direct = table::point_to_point(&self.entries, self.shared.ports.len());
-            if let Some(c) = &mut self.cache {
-                c.clear();
-            }
+            self.snap = self.shared.snapshot.lock().unwrap().clone();
+            self.direct = pipeline::point_to_point(&self.snap.tables, self.shared.ports.len());
+            self.dp.clear_caches();
             self.seen = v;
             self.manage_channels(io);
             self.pending_version = Some(v);
         }
         if let Some(v) = self.pending_version {
-            // A table is in effect once no channel the old one allowed still carries packets:
-            // a BARRIER is answered only then.
+            // A pipeline is in effect once no channel the old one allowed still carries
+            // packets: a BARRIER is answered only then.
             if self.channels.iter().all(|c| !c.direct.is_draining()) {
-                let took = (self.shared.started.elapsed().as_nanos() as u64)
+                let took = self
+                    .shared
+                    .now_ns()
                     .saturating_sub(self.shared.published_ns.load(Ordering::Relaxed));
-                self.switch_over_ns.set(took);
-                if took > self.switch_over_max_ns.get() {
-                    self.switch_over_max_ns.set(took);
+                self.counters.switch_over_ns.set(took);
+                if took > self.counters.switch_over_max_ns.get() {
+                    self.counters.switch_over_max_ns.set(took);
                 }
                 self.shared.applied.store(v, Ordering::Release);
                 self.pending_version = None;
             }
         }
+        for (i, live) in self.shared.port_live.iter().enumerate() {
+            live.store(io.output(i).is_some(), Ordering::Relaxed);
+        }
         if self.shared.has_packet_outs.swap(false, Ordering::AcqRel) {
             let outs = std::mem::take(&mut *self.shared.packet_outs.lock().unwrap());
+            let snap = self.snap.clone();
             for (in_port, actions, data) in outs {
                 let Some(mut p) = stitch_core::pool::alloc() else {
                     continue;
@@ -279,83 +366,23 @@ impl App for Switch {
                 if p.set_data(&data).is_err() {
                     continue;
                 }
-                let key = Key::of(p.data(), in_port);
-                self.execute(p, &key, &actions, 0, io);
+                self.dp
+                    .packet_out(p, in_port, &actions, &snap, &self.shared, io);
             }
-            self.flush_tx_counters();
+            self.flush(io);
         }
     }
 
     fn push(&mut self, io: &mut Io) {
-        let entries = self.entries.clone();
+        let snap = self.snap.clone();
         for i in 0..self.shared.ports.len() {
-            if let Some((entry, out)) = self.direct[i].clone() {
-                self.forward_direct(io, i, &entry, out as usize - 1);
+            if let Some(p2p) = self.direct[i].clone() {
+                self.forward_direct(io, i, &p2p);
                 continue;
             }
-            let Some(input) = io.input(i) else { continue };
-            let mut batch = std::mem::take(&mut self.batch);
-            batch.extend(input.drain());
-            if batch.is_empty() {
-                self.batch = batch;
-                continue;
-            }
-            let port = i as u32 + 1;
-            let pc = &self.shared.port_counters[i];
-            pc.rx_packets
-                .fetch_add(batch.len() as u64, Ordering::Relaxed);
-            pc.rx_bytes.fetch_add(
-                batch.iter().map(|p| p.len() as u64).sum(),
-                Ordering::Relaxed,
-            );
-            self.shared
-                .lookups
-                .fetch_add(batch.len() as u64, Ordering::Relaxed);
-            let cached = entries.len() > CACHE_FROM_FLOWS;
-            // Flow counters are added once per run of packets that met the same entry, not
-            // once per packet: no locked add per packet on lines the OpenFlow side reads.
-            let mut run: Option<(usize, u64, u64)> = None;
-            let (mut matched, mut hits) = (0u64, 0u64);
-            for p in batch.drain(..) {
-                let key = Key::of(p.data(), port);
-                let found = match (&mut self.cache, cached) {
-                    (Some(c), true) => {
-                        let (f, hit) = c.lookup(&entries, &key);
-                        hits += hit as u64;
-                        f
-                    }
-                    _ => table::position(&entries, &key),
-                };
-                let Some(i) = found else {
-                    self.misses.add(1);
-                    continue;
-                };
-                matched += 1;
-                match &mut run {
-                    Some((at, n, b)) if *at == i => {
-                        *n += 1;
-                        *b += p.len() as u64;
-                    }
-                    _ => {
-                        if let Some((at, n, b)) = run.take() {
-                            entries[at].packets.fetch_add(n, Ordering::Relaxed);
-                            entries[at].bytes.fetch_add(b, Ordering::Relaxed);
-                        }
-                        run = Some((i, 1, p.len() as u64));
-                    }
-                }
-                let e = &entries[i];
-                self.execute(p, &key, &e.actions, e.cookie, io);
-            }
-            if let Some((at, n, b)) = run {
-                entries[at].packets.fetch_add(n, Ordering::Relaxed);
-                entries[at].bytes.fetch_add(b, Ordering::Relaxed);
-            }
-            self.shared.matched.fetch_add(matched, Ordering::Relaxed);
-            self.cache_hits.add(hits);
-            self.batch = batch;
+            self.dp.receive(i, &snap, &self.shared, io);
         }
-        self.flush_tx_counters();
+        self.flush(io);
         for c in &self.channels {
             let consumed = io.input(c.from).map(|i| i.ring().rx_packets());
             let sent = io.output(c.to).map(|o| o.ring().tx_packets());
@@ -378,287 +405,79 @@ impl App for Switch {
     }
 
     fn query(&mut self, _: &serde_json::Value) -> serde_json::Value {
-        let t = self.shared.table.lock().unwrap();
-        let flows: Vec<_> = t
-            .entries
+        let s = self.shared.state.lock().unwrap();
+        let flows: Vec<_> = s
+            .flows
+            .tables
             .iter()
+            .flatten()
             .map(|e| {
                 serde_json::json!({
-                    "priority": e.priority, "cookie": e.cookie, "match": format!("{:?}", e.matching),
-                    "actions": format!("{:?}", e.actions),
+                    "table": e.table, "priority": e.priority, "cookie": e.cookie,
+                    "match": e.matching.tlvs.iter().map(|t| {
+                        let name = oxm::field(t.id).map_or("?", |d| d.name);
+                        match &t.mask {
+                            Some(m) => format!("{name}={}/{}", hex(&t.value), hex(m)),
+                            None => format!("{name}={}", hex(&t.value)),
+                        }
+                    }).collect::<Vec<_>>(),
+                    "instructions": format!("{:?}", (e.instructions.meter, &e.instructions.apply,
+                        e.instructions.clear, &e.instructions.write, e.instructions.metadata,
+                        e.instructions.goto)),
                     "packets": e.packets.load(Ordering::Relaxed), "bytes": e.bytes.load(Ordering::Relaxed),
                 })
             })
             .collect();
-        let channels: Vec<_> = self
-            .channels
-            .iter()
-            .map(|c| {
-                serde_json::json!({
-                    "from": c.direct.from.name, "to": c.direct.to.name,
-                    "ports": [c.from + 1, c.to + 1],
-                    "phase": format!("{:?}", c.direct.phase()),
-                    // Descriptors the receiving function read that named a buffer the sender
-                    // did not hold (ignored, counted).
-                    "bad_descriptors": c.direct.bad.load(Ordering::Relaxed),
-                })
+        let groups: Vec<_> = s
+            .groups
+            .groups
+            .values()
+            .map(|g| {
+                serde_json::json!({"group_id": g.id, "type": g.kind, "buckets": g.buckets.len(),
+                "packets": g.packets.load(Ordering::Relaxed)})
+            })
+            .collect();
+        let meters: Vec<_> = s
+            .meters
+            .meters
+            .values()
+            .map(|m| {
+                serde_json::json!({"meter_id": m.id, "flags": m.flags, "bands": m.bands.len(),
+                "packets": m.packets.load(Ordering::Relaxed)})
             })
             .collect();
         serde_json::json!({
             "datapath_id": format!("{:016x}", self.shared.datapath_id),
             "flows": flows,
-            "direct_channels": channels,
+            "groups": groups,
+            "meters": meters,
+            "controllers": self.shared.connections.lock().unwrap().len(),
+            "direct_channels": self.channels_json(),
         })
     }
 }
 
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
 impl Switch {
-    /// Applies `actions` to `p` in order; every output sends the packet as it is at that point.
-    fn execute(&mut self, mut p: Packet, key: &Key, actions: &[Action], cookie: u64, io: &mut Io) {
-        let outputs = actions
-            .iter()
-            .filter(|a| matches!(a, Action::Output(_)))
-            .count();
-        let mut sent = 0;
-        for a in actions {
-            match a {
-                Action::Output(port) => {
-                    sent += 1;
-                    let last = sent == outputs;
-                    match *port {
-                        PORT_CONTROLLER => {
-                            let mut q = self.shared.packet_ins.lock().unwrap();
-                            if q.len() < MAX_PACKET_INS {
-                                q.push_back(PacketIn {
-                                    in_port: key.in_port,
-                                    reason: 1,
-                                    cookie,
-                                    data: p.data().to_vec(),
-                                });
-                                self.to_controller.add(1);
-                            } else {
-                                self.controller_drops.add(1);
-                            }
-                        }
-                        PORT_FLOOD | PORT_ALL => {
-                            for i in 0..self.shared.ports.len() as u32 {
-                                if i + 1 != key.in_port {
-                                    if let Some(c) = p.try_clone() {
-                                        self.send(c, i + 1, io);
-                                    }
-                                }
-                            }
-                        }
-                        n => {
-                            let n = if n == PORT_IN_PORT { key.in_port } else { n };
-                            if last {
-                                return self.send(p, n, io);
-                            }
-                            if let Some(c) = p.try_clone() {
-                                self.send(c, n, io);
-                            }
-                        }
-                    }
-                }
-                Action::PushVlan(tpid) => {
-                    let _ = stitch_wire::vlan::push(&mut p, *tpid, 0);
-                }
-                Action::PopVlan => {
-                    stitch_wire::vlan::pop(&mut p);
-                }
-                Action::SetEthDst(m) => {
-                    if let Some(d) = p.data_mut().get_mut(0..6) {
-                        d.copy_from_slice(m);
-                    }
-                }
-                Action::SetEthSrc(m) => {
-                    if let Some(d) = p.data_mut().get_mut(6..12) {
-                        d.copy_from_slice(m);
-                    }
-                }
-                Action::SetVlanVid(v) => {
-                    stitch_wire::vlan::set_vid(p.data_mut(), v & 0x0fff);
-                }
-            }
-        }
-    }
-
-    /// A point-to-point port: whole batches move ring to ring without a lookup per packet,
-    /// in order, with back-pressure instead of drops; flow and port counters count them all.
-    fn forward_direct(&mut self, io: &mut Io, from: usize, entry: &FlowEntry, to: usize) {
-        let (input, output) = io.pair(from, to);
-        let (Some(input), Some(output)) = (input, output) else {
-            return;
-        };
-        let before = output.ring().stats().tx_bytes;
-        let n = input.forward_to(output) as u64;
-        if n == 0 {
-            return;
-        }
-        let bytes = output.ring().stats().tx_bytes - before;
-        entry.packets.fetch_add(n, Ordering::Relaxed);
-        entry.bytes.fetch_add(bytes, Ordering::Relaxed);
-        let (rx, tx) = (
-            &self.shared.port_counters[from],
-            &self.shared.port_counters[to],
-        );
-        rx.rx_packets.fetch_add(n, Ordering::Relaxed);
-        rx.rx_bytes.fetch_add(bytes, Ordering::Relaxed);
-        tx.tx_packets.fetch_add(n, Ordering::Relaxed);
-        tx.tx_bytes.fetch_add(bytes, Ordering::Relaxed);
-        self.shared.lookups.fetch_add(n, Ordering::Relaxed);
-        self.shared.matched.fetch_add(n, Ordering::Relaxed);
-        self.direct_packets.add(n);
-    }
-
-    /// Gives point-to-point pairs of function ports a direct channel, takes back those the
-    /// rules or the functions no longer allow, counts what crossed them.
-    fn manage_channels(&mut self, io: &mut Io) {
-        let function_port = |tag: Option<&stitch_core::link::EndTag>| {
-            tag.and_then(|t| t.clone().downcast::<PortShared>().ok())
-        };
-        // Ends of the pair as the links say now.
-        let ends = |io: &mut Io, from: usize, to: usize| {
-            let a = function_port(io.input(from)?.ring().producer_end())?;
-            let b = function_port(io.output(to)?.ring().consumer_end())?;
-            (!Arc::ptr_eq(&a, &b)).then_some((a, b))
-        };
-        let mut in_use = 0;
-        let mut i = 0;
-        while i < self.channels.len() {
-            let c = &mut self.channels[i];
-            let now = c.direct.counts();
-            let (p, b) = (now.0 - c.counted.0, now.1 - c.counted.1);
-            c.counted = now;
-            if p > 0 {
-                c.entry.packets.fetch_add(p, Ordering::Relaxed);
-                c.entry.bytes.fetch_add(b, Ordering::Relaxed);
-                let pc = &self.shared.port_counters;
-                pc[c.from].rx_packets.fetch_add(p, Ordering::Relaxed);
-                pc[c.from].rx_bytes.fetch_add(b, Ordering::Relaxed);
-                pc[c.to].tx_packets.fetch_add(p, Ordering::Relaxed);
-                pc[c.to].tx_bytes.fetch_add(b, Ordering::Relaxed);
-                self.shared.lookups.fetch_add(p, Ordering::Relaxed);
-                self.shared.matched.fetch_add(p, Ordering::Relaxed);
-                self.channel_packets.add(p);
-            }
-            let phase = c.direct.phase();
-            if !c.handover_reported && c.direct.handover_ns.load(Ordering::Relaxed) > 0 {
-                c.handover_reported = true;
-                self.handover_ns
-                    .set(c.direct.handover_ns.load(Ordering::Relaxed));
-            }
-            if phase == Phase::Retired {
-                self.handback_ns
-                    .set(c.direct.handback_ns.load(Ordering::Relaxed));
-                self.channels.swap_remove(i);
-                continue;
-            }
-            let still = match &self.direct[c.from] {
-                Some((entry, out)) if *out as usize - 1 == c.to => {
-                    c.entry = entry.clone();
-                    let current =
-                        |p: &PortShared| p.current.lock().unwrap().as_ref().map(|c| c.generation);
-                    let (from, to) = (c.from, c.to);
-                    let d = c.direct.clone();
-                    ends(io, from, to).is_some_and(|(a, b)| {
-                        Arc::ptr_eq(&a, &d.from)
-                            && Arc::ptr_eq(&b, &d.to)
-                            && current(&a) == Some(d.sender.generation)
-                            && current(&b) == Some(d.receiver.generation)
-                    })
-                }
-                _ => false,
-            };
-            if !still {
-                c.direct.end();
-            } else if phase == Phase::ReceiverReads {
-                in_use += 1;
-            }
-            i += 1;
-        }
-        self.channels_in_use.set(in_use);
-        for from in 0..self.direct.len() {
-            let Some((entry, out)) = self.direct[from].clone() else {
-                continue;
-            };
-            let to = out as usize - 1;
-            if self.channels.iter().any(|c| c.from == from || c.to == to) {
-                continue; // One at a time per port: an ending channel retires first.
-            }
-            let Some((a, b)) = ends(io, from, to) else {
-                continue;
-            };
-            let (mut sa, mut sb) = (a.direct.lock().unwrap(), b.direct.lock().unwrap());
-            if sa.outgoing.is_some() || sb.incoming.is_some() {
-                continue;
-            }
-            // Room for a few milliseconds of traffic: the sender gets slots back only once
-            // Stitch accounted them, and on a loaded machine its thread may wait that long.
-            let size = (a.settings.ring_size * 4).clamp(4096, 65536);
-            match Direct::new(&a, &b, size) {
-                Ok(d) => {
-                    sa.outgoing = Some(d.clone());
-                    sb.incoming = Some(d.clone());
-                    drop((sa, sb));
-                    a.changed.store(true, Ordering::Release);
-                    b.changed.store(true, Ordering::Release);
-                    log::info!(
-                        "switch `{}`: direct channel {} -> {} (ports {} -> {})",
-                        self.shared.name,
-                        a.name,
-                        b.name,
-                        from + 1,
-                        out
-                    );
-                    self.channels.push(Channel {
-                        direct: d,
-                        from,
-                        to,
-                        entry,
-                        handover_reported: false,
-                        counted: (0, 0),
-                    });
-                }
-                Err(e) => log::debug!("switch `{}`: no direct channel: {e}", self.shared.name),
-            }
-        }
-    }
-
-    fn send(&mut self, p: Packet, port: u32, io: &mut Io) {
-        let Some(i) = (port as usize)
-            .checked_sub(1)
-            .filter(|i| *i < self.shared.ports.len())
-        else {
-            return;
-        };
-        let len = p.len() as u64;
-        let sent = io.output(i).is_some_and(|o| o.transmit(p));
-        let t = &mut self.tx_pending[i];
-        if sent {
-            t[0] += 1;
-            t[1] += len;
-        } else {
-            t[2] += 1;
-        }
-    }
-
-    /// Adds what `send` counted to the shared port counters.
-    fn flush_tx_counters(&mut self) {
-        for (t, pc) in self.tx_pending.iter_mut().zip(&self.shared.port_counters) {
-            if *t != [0; 3] {
-                pc.tx_packets.fetch_add(t[0], Ordering::Relaxed);
-                pc.tx_bytes.fetch_add(t[1], Ordering::Relaxed);
-                pc.tx_dropped.fetch_add(t[2], Ordering::Relaxed);
-                *t = [0; 3];
-            }
-        }
+    /// Adds what the data path counted since the last flush to the shared counters.
+    fn flush(&mut self, _io: &mut Io) {
+        let now = self.shared.now_ns();
+        let tally = self.dp.flush(&self.snap, &self.shared, now);
+        self.counters.misses.add(tally.misses);
+        self.counters.cache_hits.add(tally.cache_hits);
+        self.counters.to_controller.add(tally.packet_ins);
+        self.counters.controller_drops.add(tally.packet_in_drops);
+        self.counters.meter_drops.add(tally.meter_drops);
+        self.counters.ttl_drops.add(tally.ttl_drops);
     }
 }
 
 pub fn register(r: &mut Registry) {
     r.register(AppType::of::<Switch>(
         "switch",
-        "OpenFlow 1.3 switch between numbered ports, programmed by a controller (ovs-ofctl, os-ken)",
+        "OpenFlow 1.3 switch between numbered ports: 64-table pipeline, groups, meters, programmed by controllers (Faucet, os-ken, ovs-ofctl)",
     ));
 }

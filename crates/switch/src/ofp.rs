@@ -20,21 +20,50 @@ pub const MULTIPART_REQUEST: u8 = 18;
 pub const MULTIPART_REPLY: u8 = 19;
 pub const BARRIER_REQUEST: u8 = 20;
 pub const BARRIER_REPLY: u8 = 21;
+pub const FEATURES_REPLY_CAPABILITIES: u32 = 1 | 2 | 4 | 8 | 0x20;
+pub const EXPERIMENTER: u8 = 4;
+pub const FLOW_REMOVED: u8 = 11;
+pub const PORT_STATUS: u8 = 12;
+pub const PORT_MOD: u8 = 16;
+pub const TABLE_MOD: u8 = 17;
+pub const GROUP_MOD: u8 = 15;
+pub const QUEUE_GET_CONFIG_REQUEST: u8 = 22;
+pub const QUEUE_GET_CONFIG_REPLY: u8 = 23;
+pub const ROLE_REQUEST: u8 = 24;
+pub const ROLE_REPLY: u8 = 25;
+pub const GET_ASYNC_REQUEST: u8 = 26;
+pub const GET_ASYNC_REPLY: u8 = 27;
+pub const SET_ASYNC: u8 = 28;
+pub const METER_MOD: u8 = 29;
 
 pub const MP_DESC: u16 = 0;
 pub const MP_FLOW: u16 = 1;
 pub const MP_AGGREGATE: u16 = 2;
 pub const MP_TABLE: u16 = 3;
 pub const MP_PORT_STATS: u16 = 4;
+pub const MP_QUEUE: u16 = 5;
+pub const MP_GROUP: u16 = 6;
+pub const MP_GROUP_DESC: u16 = 7;
+pub const MP_GROUP_FEATURES: u16 = 8;
+pub const MP_METER: u16 = 9;
+pub const MP_METER_CONFIG: u16 = 10;
+pub const MP_METER_FEATURES: u16 = 11;
 pub const MP_TABLE_FEATURES: u16 = 12;
 pub const MP_PORT_DESC: u16 = 13;
 
+pub const PORT_MAX: u32 = 0xffff_ff00;
 pub const PORT_IN_PORT: u32 = 0xffff_fff8;
 pub const PORT_FLOOD: u32 = 0xffff_fffb;
 pub const PORT_ALL: u32 = 0xffff_fffc;
 pub const PORT_CONTROLLER: u32 = 0xffff_fffd;
 pub const PORT_ANY: u32 = 0xffff_ffff;
 pub const NO_BUFFER: u32 = 0xffff_ffff;
+pub const TABLE_ALL: u8 = 0xff;
+pub const GROUP_MAX: u32 = 0xffff_ff00;
+pub const GROUP_ALL: u32 = 0xffff_fffc;
+pub const GROUP_ANY: u32 = 0xffff_ffff;
+pub const METER_MAX: u32 = 0xffff_0000;
+pub const METER_ALL: u32 = 0xffff_ffff;
 
 /// An OpenFlow error: type and code (OpenFlow 1.3 §A.4.4).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,19 +72,62 @@ pub struct OfError(pub u16, pub u16);
 pub const BAD_REQUEST_VERSION: OfError = OfError(1, 0);
 pub const BAD_REQUEST_TYPE: OfError = OfError(1, 1);
 pub const BAD_REQUEST_MULTIPART: OfError = OfError(1, 2);
+pub const BAD_REQUEST_EXPERIMENTER: OfError = OfError(1, 3);
 pub const BAD_REQUEST_LEN: OfError = OfError(1, 6);
 pub const BAD_REQUEST_BUFFER_UNKNOWN: OfError = OfError(1, 8);
+pub const BAD_REQUEST_TABLE_ID: OfError = OfError(1, 9);
+pub const BAD_REQUEST_IS_SLAVE: OfError = OfError(1, 10);
+pub const BAD_REQUEST_BAD_PORT: OfError = OfError(1, 11);
 pub const BAD_ACTION_TYPE: OfError = OfError(2, 0);
 pub const BAD_ACTION_LEN: OfError = OfError(2, 1);
 pub const BAD_ACTION_OUT_PORT: OfError = OfError(2, 4);
 pub const BAD_ACTION_ARGUMENT: OfError = OfError(2, 5);
+pub const BAD_ACTION_OUT_GROUP: OfError = OfError(2, 9);
+pub const BAD_SET_TYPE: OfError = OfError(2, 13);
+pub const BAD_SET_LEN: OfError = OfError(2, 14);
+pub const BAD_SET_ARGUMENT: OfError = OfError(2, 15);
+pub const BAD_INSTRUCTION_UNKNOWN: OfError = OfError(3, 0);
 pub const BAD_INSTRUCTION_UNSUPPORTED: OfError = OfError(3, 1);
-pub const BAD_INSTRUCTION_LEN: OfError = OfError(3, 6);
+pub const BAD_INSTRUCTION_TABLE_ID: OfError = OfError(3, 2);
+pub const BAD_INSTRUCTION_EXPERIMENTER: OfError = OfError(3, 5);
+pub const BAD_INSTRUCTION_LEN: OfError = OfError(3, 7);
 pub const BAD_MATCH_TYPE: OfError = OfError(4, 0);
 pub const BAD_MATCH_LEN: OfError = OfError(4, 1);
+pub const BAD_MATCH_WILDCARDS: OfError = OfError(4, 5);
 pub const BAD_MATCH_FIELD: OfError = OfError(4, 6);
+pub const BAD_MATCH_VALUE: OfError = OfError(4, 7);
+pub const BAD_MATCH_MASK: OfError = OfError(4, 8);
+pub const BAD_MATCH_PREREQ: OfError = OfError(4, 9);
+pub const BAD_MATCH_DUP_FIELD: OfError = OfError(4, 10);
 pub const FLOW_MOD_BAD_TABLE: OfError = OfError(5, 2);
+pub const FLOW_MOD_OVERLAP: OfError = OfError(5, 3);
 pub const FLOW_MOD_BAD_COMMAND: OfError = OfError(5, 6);
+pub const FLOW_MOD_BAD_FLAGS: OfError = OfError(5, 7);
+pub const GROUP_MOD_EXISTS: OfError = OfError(6, 0);
+pub const GROUP_MOD_INVALID_GROUP: OfError = OfError(6, 1);
+pub const GROUP_MOD_WEIGHT_UNSUPPORTED: OfError = OfError(6, 2);
+pub const GROUP_MOD_OUT_OF_GROUPS: OfError = OfError(6, 3);
+pub const GROUP_MOD_OUT_OF_BUCKETS: OfError = OfError(6, 4);
+pub const GROUP_MOD_LOOP: OfError = OfError(6, 7);
+pub const GROUP_MOD_UNKNOWN: OfError = OfError(6, 8);
+pub const GROUP_MOD_CHAINED_UNKNOWN: OfError = OfError(6, 8);
+pub const GROUP_MOD_BAD_TYPE: OfError = OfError(6, 10);
+pub const GROUP_MOD_BAD_COMMAND: OfError = OfError(6, 11);
+pub const GROUP_MOD_BAD_BUCKET: OfError = OfError(6, 12);
+pub const GROUP_MOD_BAD_WATCH: OfError = OfError(6, 13);
+pub const PORT_MOD_BAD_PORT: OfError = OfError(7, 0);
+pub const TABLE_MOD_BAD_TABLE: OfError = OfError(8, 0);
+pub const ROLE_REQUEST_STALE: OfError = OfError(11, 0);
+pub const ROLE_REQUEST_BAD_ROLE: OfError = OfError(11, 2);
+pub const METER_MOD_EXISTS: OfError = OfError(12, 1);
+pub const METER_MOD_INVALID_METER: OfError = OfError(12, 2);
+pub const METER_MOD_UNKNOWN_METER: OfError = OfError(12, 3);
+pub const METER_MOD_BAD_COMMAND: OfError = OfError(12, 4);
+pub const METER_MOD_BAD_FLAGS: OfError = OfError(12, 5);
+pub const METER_MOD_BAD_RATE: OfError = OfError(12, 6);
+pub const METER_MOD_BAD_BAND: OfError = OfError(12, 8);
+pub const METER_MOD_OUT_OF_METERS: OfError = OfError(12, 10);
+pub const METER_MOD_OUT_OF_BANDS: OfError = OfError(12, 11);
 
 type R<T> = Result<T, OfError>;
 
@@ -164,366 +236,18 @@ pub fn hello_accepts_13(m: &Msg) -> bool {
     m.version >= VERSION
 }
 
-/// What a flow matches: `None` fields are wildcards; masked fields keep their mask.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Match {
-    pub in_port: Option<u32>,
-    pub eth_dst: Option<([u8; 6], [u8; 6])>,
-    pub eth_src: Option<([u8; 6], [u8; 6])>,
-    pub eth_type: Option<u16>,
-    /// VLAN id with the OFPVID_PRESENT bit (0x1000), and its mask.
-    pub vlan_vid: Option<(u16, u16)>,
-    pub ip_proto: Option<u8>,
-    pub ipv4_src: Option<(u32, u32)>,
-    pub ipv4_dst: Option<(u32, u32)>,
-    pub tp_src: Option<u16>,
-    pub tp_dst: Option<u16>,
-    pub ipv6_src: Option<(u128, u128)>,
-    pub ipv6_dst: Option<(u128, u128)>,
-}
-
-const OXM_BASIC: u16 = 0x8000;
-
-fn arr<const N: usize>(b: &[u8]) -> [u8; N] {
-    b[..N].try_into().unwrap()
-}
-
-/// Reads an `ofp_match` at `b[at..]`; returns it and the padded length it takes.
-pub fn parse_match(b: &[u8], at: usize) -> R<(Match, usize)> {
-    let t = u16_at(b, at)?;
-    let len = u16_at(b, at + 2)? as usize;
-    if t != 1 {
-        return Err(BAD_MATCH_TYPE);
-    }
-    if len < 4 || at + len > b.len() {
-        return Err(BAD_MATCH_LEN);
-    }
-    let mut m = Match::default();
-    let mut i = at + 4;
-    while i + 4 <= at + len {
-        let class = u16_at(b, i)?;
-        let (field, has_mask, l) = (b[i + 2] >> 1, b[i + 2] & 1 == 1, b[i + 3] as usize);
-        let v = b.get(i + 4..i + 4 + l).ok_or(BAD_MATCH_LEN)?;
-        if i + 4 + l > at + len {
-            return Err(BAD_MATCH_LEN);
-        }
-        if class != OXM_BASIC {
-            return Err(BAD_MATCH_FIELD);
-        }
-        let half = |n: usize| -> R<(&[u8], Option<&[u8]>)> {
-            match (has_mask, l) {
-                (false, x) if x == n => Ok((v, None)),
-                (true, x) if x == 2 * n => Ok((&v[..n], Some(&v[n..]))),
-                _ => Err(BAD_MATCH_LEN),
-            }
-        };
-        match field {
-            0 => m.in_port = Some(u32_at(half(4)?.0, 0)?),
-            3 | 4 => {
-                let (val, mask) = half(6)?;
-                let e = Some((arr::<6>(val), mask.map(arr::<6>).unwrap_or([0xff; 6])));
-                if field == 3 {
-                    m.eth_dst = e
-                } else {
-                    m.eth_src = e
-                }
-            }
-            5 => m.eth_type = Some(u16_at(half(2)?.0, 0)?),
-            6 => {
-                let (val, mask) = half(2)?;
-                m.vlan_vid = Some((
-                    u16_at(val, 0)?,
-                    mask.map(|x| u16_at(x, 0)).transpose()?.unwrap_or(0x1fff),
-                ));
-            }
-            10 => m.ip_proto = Some(half(1)?.0[0]),
-            11 | 12 => {
-                let (val, mask) = half(4)?;
-                let e = Some((
-                    u32_at(val, 0)?,
-                    mask.map(|x| u32_at(x, 0)).transpose()?.unwrap_or(u32::MAX),
-                ));
-                if field == 11 {
-                    m.ipv4_src = e
-                } else {
-                    m.ipv4_dst = e
-                }
-            }
-            13 | 15 => m.tp_src = Some(u16_at(half(2)?.0, 0)?),
-            14 | 16 => m.tp_dst = Some(u16_at(half(2)?.0, 0)?),
-            26 | 27 => {
-                let (val, mask) = half(16)?;
-                let e = Some((
-                    u128::from_be_bytes(arr::<16>(val)),
-                    mask.map(|x| u128::from_be_bytes(arr::<16>(x)))
-                        .unwrap_or(u128::MAX),
-                ));
-                if field == 26 {
-                    m.ipv6_src = e
-                } else {
-                    m.ipv6_dst = e
-                }
-            }
-            _ => return Err(BAD_MATCH_FIELD),
-        }
-        i += 4 + l;
-    }
-    Ok((m, len.div_ceil(8) * 8))
-}
-
-fn oxm(out: &mut Vec<u8>, field: u8, value: &[u8], mask: Option<&[u8]>) {
-    out.extend_from_slice(&OXM_BASIC.to_be_bytes());
-    out.push(field << 1 | mask.is_some() as u8);
-    out.push((value.len() + mask.map_or(0, <[u8]>::len)) as u8);
-    out.extend_from_slice(value);
-    if let Some(m) = mask {
-        out.extend_from_slice(m);
-    }
-}
-
-/// Writes an `ofp_match` (padded to 8 bytes).
-pub fn write_match(out: &mut Vec<u8>, m: &Match) {
-    let start = out.len();
-    out.extend_from_slice(&[0, 1, 0, 0]);
-    if let Some(p) = m.in_port {
-        oxm(out, 0, &p.to_be_bytes(), None);
-    }
-    for (field, e) in [(3u8, &m.eth_dst), (4, &m.eth_src)] {
-        if let Some((v, mask)) = e {
-            oxm(out, field, v, (*mask != [0xff; 6]).then_some(&mask[..]));
-        }
-    }
-    if let Some(t) = m.eth_type {
-        oxm(out, 5, &t.to_be_bytes(), None);
-    }
-    if let Some((v, mask)) = m.vlan_vid {
-        oxm(
-            out,
-            6,
-            &v.to_be_bytes(),
-            (mask != 0x1fff).then_some(&mask.to_be_bytes()[..]),
-        );
-    }
-    if let Some(p) = m.ip_proto {
-        oxm(out, 10, &[p], None);
-    }
-    for (field, e) in [(11u8, &m.ipv4_src), (12, &m.ipv4_dst)] {
-        if let Some((v, mask)) = e {
-            oxm(
-                out,
-                field,
-                &v.to_be_bytes(),
-                (*mask != u32::MAX).then_some(&mask.to_be_bytes()[..]),
-            );
-        }
-    }
-    // Transport ports are written as the field of the matched protocol.
-    let (src, dst) = if m.ip_proto == Some(17) {
-        (15, 16)
-    } else {
-        (13, 14)
-    };
-    if let Some(p) = m.tp_src {
-        oxm(out, src, &p.to_be_bytes(), None);
-    }
-    if let Some(p) = m.tp_dst {
-        oxm(out, dst, &p.to_be_bytes(), None);
-    }
-    for (field, e) in [(26u8, &m.ipv6_src), (27, &m.ipv6_dst)] {
-        if let Some((v, mask)) = e {
-            oxm(
-                out,
-                field,
-                &v.to_be_bytes(),
-                (*mask != u128::MAX).then_some(&mask.to_be_bytes()[..]),
-            );
-        }
-    }
-    let len = (out.len() - start) as u16;
-    out[start + 2..start + 4].copy_from_slice(&len.to_be_bytes());
-    while !(out.len() - start).is_multiple_of(8) {
-        out.push(0);
-    }
-}
-
-/// What a flow does with a packet.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Action {
-    Output(u32),
-    PushVlan(u16),
-    PopVlan,
-    SetEthDst([u8; 6]),
-    SetEthSrc([u8; 6]),
-    /// VLAN id with OFPVID_PRESENT.
-    SetVlanVid(u16),
-}
-
-/// Reads an action list.
-pub fn parse_actions(b: &[u8]) -> R<Vec<Action>> {
-    let mut out = Vec::new();
-    let mut i = 0;
-    while i < b.len() {
-        let t = u16_at(b, i)?;
-        let len = u16_at(b, i + 2)? as usize;
-        if len < 8 || !len.is_multiple_of(8) || i + len > b.len() {
-            return Err(BAD_ACTION_LEN);
-        }
-        let a = &b[i..i + len];
-        out.push(match t {
-            0 => {
-                let port = u32_at(a, 4)?;
-                if port == 0
-                    || (port > 0xffff_ff00
-                        && ![PORT_IN_PORT, PORT_FLOOD, PORT_ALL, PORT_CONTROLLER].contains(&port))
-                {
-                    return Err(BAD_ACTION_OUT_PORT);
-                }
-                Action::Output(port)
-            }
-            17 => {
-                let et = u16_at(a, 4)?;
-                if et != 0x8100 && et != 0x88a8 {
-                    return Err(BAD_ACTION_ARGUMENT);
-                }
-                Action::PushVlan(et)
-            }
-            18 => Action::PopVlan,
-            25 => {
-                let (field, l) = (
-                    a.get(6).ok_or(BAD_ACTION_LEN)? >> 1,
-                    *a.get(7).ok_or(BAD_ACTION_LEN)? as usize,
-                );
-                let v = a.get(8..8 + l).ok_or(BAD_ACTION_LEN)?;
-                match (field, l) {
-                    (3, 6) => Action::SetEthDst(arr(v)),
-                    (4, 6) => Action::SetEthSrc(arr(v)),
-                    (6, 2) => Action::SetVlanVid(u16::from_be_bytes([v[0], v[1]])),
-                    _ => return Err(BAD_ACTION_ARGUMENT),
-                }
-            }
-            _ => return Err(BAD_ACTION_TYPE),
-        });
-        i += len;
-    }
-    Ok(out)
-}
-
-pub fn write_actions(out: &mut Vec<u8>, actions: &[Action]) {
-    for a in actions {
-        match a {
-            Action::Output(p) => {
-                out.extend_from_slice(&[0, 0, 0, 16]);
-                out.extend_from_slice(&p.to_be_bytes());
-                out.extend_from_slice(&0xffffu16.to_be_bytes());
-                out.extend_from_slice(&[0; 6]);
-            }
-            Action::PushVlan(et) => {
-                out.extend_from_slice(&[0, 17, 0, 8]);
-                out.extend_from_slice(&et.to_be_bytes());
-                out.extend_from_slice(&[0, 0]);
-            }
-            Action::PopVlan => out.extend_from_slice(&[0, 18, 0, 8, 0, 0, 0, 0]),
-            Action::SetEthDst(m) | Action::SetEthSrc(m) => {
-                let field = if matches!(a, Action::SetEthDst(_)) {
-                    3
-                } else {
-                    4
-                };
-                out.extend_from_slice(&[0, 25, 0, 16]);
-                oxm(out, field, m, None);
-                out.extend_from_slice(&[0; 2]);
-            }
-            Action::SetVlanVid(v) => {
-                out.extend_from_slice(&[0, 25, 0, 16]);
-                oxm(out, 6, &v.to_be_bytes(), None);
-                out.extend_from_slice(&[0; 6]);
-            }
-        }
-    }
-}
-
-/// Reads instructions: apply-actions and write-actions (both applied at once: one table, no
-/// action set to carry) and clear-actions; goto-table, meters and metadata are refused.
-pub fn parse_instructions(b: &[u8]) -> R<Vec<Action>> {
-    let mut out = Vec::new();
-    let mut i = 0;
-    while i < b.len() {
-        let t = u16_at(b, i)?;
-        let len = u16_at(b, i + 2)? as usize;
-        if len < 8 || i + len > b.len() {
-            return Err(BAD_INSTRUCTION_LEN);
-        }
-        match t {
-            3 | 4 => out.extend(parse_actions(&b[i + 8..i + len])?),
-            5 => out.clear(),
-            _ => return Err(BAD_INSTRUCTION_UNSUPPORTED),
-        }
-        i += len;
-    }
-    Ok(out)
-}
-
-pub fn write_instructions(out: &mut Vec<u8>, actions: &[Action]) {
-    if actions.is_empty() {
-        return;
-    }
-    let start = out.len();
-    out.extend_from_slice(&[0, 4, 0, 0, 0, 0, 0, 0]);
-    write_actions(out, actions);
-    let len = (out.len() - start) as u16;
-    out[start + 2..start + 4].copy_from_slice(&len.to_be_bytes());
-}
-
-/// A FLOW_MOD, read.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct FlowMod {
-    pub cookie: u64,
-    pub cookie_mask: u64,
-    pub table_id: u8,
-    pub command: u8,
-    pub idle_timeout: u16,
-    pub hard_timeout: u16,
-    pub priority: u16,
-    pub out_port: u32,
-    pub flags: u16,
-    pub matching: Match,
-    pub actions: Vec<Action>,
-}
-
-pub fn parse_flow_mod(b: &[u8]) -> R<FlowMod> {
-    let (matching, mlen) = parse_match(b, 48)?;
-    let command = *b.get(25).ok_or(BAD_REQUEST_LEN)?;
-    if command > 4 {
-        return Err(FLOW_MOD_BAD_COMMAND);
-    }
-    let table_id = b[24];
-    if table_id != 0 && !(command >= 3 && table_id == 0xff) {
-        return Err(FLOW_MOD_BAD_TABLE);
-    }
-    Ok(FlowMod {
-        cookie: u64_at(b, 8)?,
-        cookie_mask: u64_at(b, 16)?,
-        table_id,
-        command,
-        idle_timeout: u16_at(b, 26)?,
-        hard_timeout: u16_at(b, 28)?,
-        priority: u16_at(b, 30)?,
-        out_port: u32_at(b, 36)?,
-        flags: u16_at(b, 44)?,
-        matching,
-        actions: parse_instructions(b.get(48 + mlen..).ok_or(BAD_REQUEST_LEN)?)?,
-    })
-}
-
 /// A PACKET_OUT, read: the in-port, the actions and the frame.
-pub fn parse_packet_out(b: &[u8]) -> R<(u32, Vec<Action>, &[u8])> {
+pub fn parse_packet_out(b: &[u8]) -> R<(u32, Vec<crate::action::Action>, &[u8])> {
     let buffer = u32_at(b, 8)?;
     if buffer != NO_BUFFER {
         return Err(BAD_REQUEST_BUFFER_UNKNOWN);
     }
     let in_port = u32_at(b, 12)?;
+    if in_port == 0 || (in_port > PORT_MAX && in_port != PORT_CONTROLLER && in_port != PORT_ANY) {
+        return Err(BAD_REQUEST_BAD_PORT);
+    }
     let alen = u16_at(b, 16)? as usize;
-    let actions = parse_actions(b.get(24..24 + alen).ok_or(BAD_REQUEST_LEN)?)?;
+    let actions = crate::action::parse_actions(b.get(24..24 + alen).ok_or(BAD_REQUEST_LEN)?)?;
     Ok((in_port, actions, &b[24 + alen..]))
 }
 
@@ -544,51 +268,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn matches_and_actions_round_trip() {
-        let m = Match {
-            in_port: Some(3),
-            eth_dst: Some(([2, 0, 0, 0, 0, 1], [0xff; 6])),
-            eth_type: Some(0x0800),
-            ip_proto: Some(17),
-            ipv4_dst: Some((0x0a00_0000, 0xff00_0000)),
-            tp_dst: Some(53),
-            vlan_vid: Some((0x1000 | 10, 0x1fff)),
-            ..Match::default()
-        };
-        let mut b = vec![0; 48];
-        write_match(&mut b, &m);
-        let (back, len) = parse_match(&b, 48).unwrap();
-        assert_eq!(back, m);
-        assert_eq!(len % 8, 0);
-        let acts = vec![
-            Action::PushVlan(0x8100),
-            Action::SetVlanVid(0x1000 | 20),
-            Action::SetEthDst([2, 0, 0, 0, 0, 9]),
-            Action::Output(2),
-            Action::PopVlan,
-            Action::Output(PORT_CONTROLLER),
-        ];
-        let mut a = Vec::new();
-        write_actions(&mut a, &acts);
-        assert_eq!(parse_actions(&a).unwrap(), acts);
-    }
-
-    #[test]
     fn damaged_messages_are_errors() {
         assert_eq!(
             next_message(&[4, 0, 0, 3, 0, 0, 0, 0]).err(),
             Some(BAD_REQUEST_LEN)
         );
         assert!(next_message(&[4, 0, 0, 16, 0, 0, 0, 0]).unwrap().is_none());
-        assert_eq!(parse_match(&[0, 1, 0, 200], 0).err(), Some(BAD_MATCH_LEN));
-        assert_eq!(parse_actions(&[0, 0, 0, 3]).err(), Some(BAD_ACTION_LEN));
-        assert_eq!(
-            parse_actions(&[0, 99, 0, 8, 0, 0, 0, 0]).err(),
-            Some(BAD_ACTION_TYPE)
-        );
-        assert_eq!(
-            parse_instructions(&[0, 1, 0, 8, 1, 0, 0, 0]).err(),
-            Some(BAD_INSTRUCTION_UNSUPPORTED)
-        );
+        assert!(hello_accepts_13(&Msg {
+            version: 4,
+            kind: HELLO,
+            xid: 0,
+            bytes: &hello(),
+        }));
     }
 }

@@ -1,0 +1,963 @@
+//! OpenFlow 1.3 actions (§5.12, §7.2.5): read from the wire with the specification's error
+//! codes, and the frame rewrites they make. Header checksums follow every rewrite (IPv4 header,
+//! TCP/UDP/ICMP incrementally, SCTP's CRC32c recomputed), so a frame leaves as valid as it came.
+
+use crate::ofp::{self, OfError};
+use crate::oxm::{self, layout, Key, Layout};
+use stitch_core::Packet;
+use stitch_wire::checksum;
+
+pub const OUTPUT: u16 = 0;
+pub const COPY_TTL_OUT: u16 = 11;
+pub const COPY_TTL_IN: u16 = 12;
+pub const SET_MPLS_TTL: u16 = 15;
+pub const DEC_MPLS_TTL: u16 = 16;
+pub const PUSH_VLAN: u16 = 17;
+pub const POP_VLAN: u16 = 18;
+pub const PUSH_MPLS: u16 = 19;
+pub const POP_MPLS: u16 = 20;
+pub const SET_QUEUE: u16 = 21;
+pub const GROUP: u16 = 22;
+pub const SET_NW_TTL: u16 = 23;
+pub const DEC_NW_TTL: u16 = 24;
+pub const SET_FIELD: u16 = 25;
+pub const PUSH_PBB: u16 = 26;
+pub const POP_PBB: u16 = 27;
+
+/// What a flow or a bucket does with a packet.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    Output {
+        port: u32,
+        max_len: u16,
+    },
+    Group(u32),
+    /// Accepted and ignored: ports have a single queue.
+    SetQueue(u32),
+    SetField {
+        id: u8,
+        value: Vec<u8>,
+    },
+    PushVlan(u16),
+    PopVlan,
+    PushMpls(u16),
+    PopMpls(u16),
+    PushPbb(u16),
+    PopPbb,
+    SetMplsTtl(u8),
+    DecMplsTtl,
+    SetNwTtl(u8),
+    DecNwTtl,
+    CopyTtlOut,
+    CopyTtlIn,
+}
+
+impl Action {
+    pub fn output(port: u32) -> Action {
+        Action::Output {
+            port,
+            max_len: 0xffe5,
+        }
+    }
+
+    /// The action's type number (§7.2.5).
+    pub fn kind(&self) -> u16 {
+        match self {
+            Action::Output { .. } => OUTPUT,
+            Action::Group(_) => GROUP,
+            Action::SetQueue(_) => SET_QUEUE,
+            Action::SetField { .. } => SET_FIELD,
+            Action::PushVlan(_) => PUSH_VLAN,
+            Action::PopVlan => POP_VLAN,
+            Action::PushMpls(_) => PUSH_MPLS,
+            Action::PopMpls(_) => POP_MPLS,
+            Action::PushPbb(_) => PUSH_PBB,
+            Action::PopPbb => POP_PBB,
+            Action::SetMplsTtl(_) => SET_MPLS_TTL,
+            Action::DecMplsTtl => DEC_MPLS_TTL,
+            Action::SetNwTtl(_) => SET_NW_TTL,
+            Action::DecNwTtl => DEC_NW_TTL,
+            Action::CopyTtlOut => COPY_TTL_OUT,
+            Action::CopyTtlIn => COPY_TTL_IN,
+        }
+    }
+}
+
+/// Ports an output action may name besides 1..=0xffffff00.
+const RESERVED_OUTPUTS: [u32; 4] = [
+    ofp::PORT_IN_PORT,
+    ofp::PORT_FLOOD,
+    ofp::PORT_ALL,
+    ofp::PORT_CONTROLLER,
+];
+
+/// Reads an action list.
+pub fn parse_actions(b: &[u8]) -> Result<Vec<Action>, OfError> {
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < b.len() {
+        let t = ofp::u16_field(b, i).map_err(|_| ofp::BAD_ACTION_LEN)?;
+        let len = ofp::u16_field(b, i + 2).map_err(|_| ofp::BAD_ACTION_LEN)? as usize;
+        if len < 8 || !len.is_multiple_of(8) || i + len > b.len() {
+            return Err(ofp::BAD_ACTION_LEN);
+        }
+        out.push(parse_action(t, &b[i..i + len])?);
+        i += len;
+    }
+    Ok(out)
+}
+
+fn parse_action(t: u16, a: &[u8]) -> Result<Action, OfError> {
+    let fixed = |n: usize| {
+        if a.len() == n {
+            Ok(())
+        } else {
+            Err(ofp::BAD_ACTION_LEN)
+        }
+    };
+    let u16_at = |at| ofp::u16_field(a, at);
+    let u32_at = |at| ofp::u32_field(a, at);
+    Ok(match t {
+        OUTPUT => {
+            fixed(16)?;
+            let port = u32_at(4)?;
+            if port == 0 || (port > ofp::PORT_MAX && !RESERVED_OUTPUTS.contains(&port)) {
+                return Err(ofp::BAD_ACTION_OUT_PORT);
+            }
+            Action::Output {
+                port,
+                max_len: u16_at(8)?,
+            }
+        }
+        GROUP => {
+            fixed(8)?;
+            let g = u32_at(4)?;
+            if g > ofp::GROUP_MAX {
+                return Err(ofp::BAD_ACTION_OUT_GROUP);
+            }
+            Action::Group(g)
+        }
+        SET_QUEUE => {
+            fixed(8)?;
+            Action::SetQueue(u32_at(4)?)
+        }
+        PUSH_VLAN => {
+            fixed(8)?;
+            let et = u16_at(4)?;
+            if et != 0x8100 && et != 0x88a8 {
+                return Err(ofp::BAD_ACTION_ARGUMENT);
+            }
+            Action::PushVlan(et)
+        }
+        POP_VLAN => {
+            fixed(8)?;
+            Action::PopVlan
+        }
+        PUSH_MPLS => {
+            fixed(8)?;
+            let et = u16_at(4)?;
+            if et != 0x8847 && et != 0x8848 {
+                return Err(ofp::BAD_ACTION_ARGUMENT);
+            }
+            Action::PushMpls(et)
+        }
+        POP_MPLS => {
+            fixed(8)?;
+            Action::PopMpls(u16_at(4)?)
+        }
+        PUSH_PBB => {
+            fixed(8)?;
+            let et = u16_at(4)?;
+            if et != 0x88e7 {
+                return Err(ofp::BAD_ACTION_ARGUMENT);
+            }
+            Action::PushPbb(et)
+        }
+        POP_PBB => {
+            fixed(8)?;
+            Action::PopPbb
+        }
+        SET_MPLS_TTL => {
+            fixed(8)?;
+            Action::SetMplsTtl(a[4])
+        }
+        DEC_MPLS_TTL => {
+            fixed(8)?;
+            Action::DecMplsTtl
+        }
+        SET_NW_TTL => {
+            fixed(8)?;
+            Action::SetNwTtl(a[4])
+        }
+        DEC_NW_TTL => {
+            fixed(8)?;
+            Action::DecNwTtl
+        }
+        COPY_TTL_OUT => {
+            fixed(8)?;
+            Action::CopyTtlOut
+        }
+        COPY_TTL_IN => {
+            fixed(8)?;
+            Action::CopyTtlIn
+        }
+        SET_FIELD => parse_set_field(a)?,
+        _ => return Err(ofp::BAD_ACTION_TYPE),
+    })
+}
+
+fn parse_set_field(a: &[u8]) -> Result<Action, OfError> {
+    let tlv = a.get(4..).ok_or(ofp::BAD_ACTION_LEN)?;
+    if tlv.len() < 4 {
+        return Err(ofp::BAD_ACTION_LEN);
+    }
+    let (class, id, has_mask, l) = (
+        u16::from_be_bytes([tlv[0], tlv[1]]),
+        tlv[2] >> 1,
+        tlv[2] & 1 == 1,
+        tlv[3] as usize,
+    );
+    if class != 0x8000 {
+        return Err(ofp::BAD_SET_TYPE);
+    }
+    let def = oxm::field(id).ok_or(ofp::BAD_SET_TYPE)?;
+    // Pipeline fields are not packet fields: write-metadata sets metadata.
+    if matches!(
+        id,
+        oxm::IN_PORT | oxm::IN_PHY_PORT | oxm::METADATA | oxm::IPV6_EXTHDR
+    ) {
+        return Err(ofp::BAD_SET_TYPE);
+    }
+    if has_mask || l != def.len as usize || 4 + 4 + l > a.len() {
+        return Err(ofp::BAD_SET_LEN);
+    }
+    let value = tlv[4..4 + l].to_vec();
+    let v = value.iter().fold(0u64, |acc, b| acc << 8 | *b as u64);
+    // VLAN_VID is set without OFPVID_PRESENT by most controllers; both forms are taken.
+    if def.max != u64::MAX && v > def.max {
+        return Err(ofp::BAD_SET_ARGUMENT);
+    }
+    Ok(Action::SetField { id, value })
+}
+
+/// What a rewrite left to do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rewrite {
+    /// The frame's fields may have changed: the key is read again.
+    Changed,
+    Unchanged,
+    /// A TTL ran out (§5.12.1: dropped; Stitch does not send these to the controller).
+    TtlExpired,
+    /// The frame could not grow.
+    NoRoom,
+}
+
+/// Applies one header-changing action to `p` (outputs, groups and queues are the pipeline's).
+pub fn rewrite(p: &mut Packet, key: &mut Key, a: &Action) -> Rewrite {
+    let l = layout(p.data());
+    match a {
+        Action::SetField { id, value } => {
+            if *id == oxm::TUNNEL_ID {
+                key.set(oxm::TUNNEL_ID, value);
+                return Rewrite::Unchanged;
+            }
+            write_field(p.data_mut(), &l, *id, value);
+            Rewrite::Changed
+        }
+        Action::PushVlan(tpid) => {
+            let tci = l
+                .vlan
+                .map(|v| u16::from_be_bytes([p.data()[v + 2], p.data()[v + 3]]))
+                .unwrap_or(0);
+            match stitch_wire::vlan::push(p, *tpid, tci) {
+                Ok(()) => Rewrite::Changed,
+                Err(_) => Rewrite::NoRoom,
+            }
+        }
+        Action::PopVlan => {
+            stitch_wire::vlan::pop(p);
+            pad_to_minimum(p);
+            Rewrite::Changed
+        }
+        Action::PushMpls(et) => push_mpls(p, &l, *et),
+        Action::PushPbb(et) => push_pbb(p, &l, *et),
+        Action::PopPbb => {
+            // The backbone addresses, tags and I-TAG go; the customer frame stays.
+            if let Some(t) = l.itag {
+                if p.shift_front(t + 4).is_ok() {
+                    pad_to_minimum(p);
+                    return Rewrite::Changed;
+                }
+            }
+            Rewrite::Unchanged
+        }
+        Action::PopMpls(et) => pop_mpls(p, &l, *et),
+        Action::SetMplsTtl(ttl) => {
+            if let Some(m) = l.mpls {
+                p.data_mut()[m + 3] = *ttl;
+            }
+            Rewrite::Unchanged
+        }
+        Action::DecMplsTtl => match l.mpls {
+            Some(m) => match p.data()[m + 3] {
+                0 | 1 => Rewrite::TtlExpired,
+                t => {
+                    p.data_mut()[m + 3] = t - 1;
+                    Rewrite::Unchanged
+                }
+            },
+            None => Rewrite::Unchanged,
+        },
+        Action::SetNwTtl(ttl) => {
+            set_ip_ttl(p.data_mut(), &l, |_| Some(*ttl));
+            Rewrite::Unchanged
+        }
+        Action::DecNwTtl => {
+            if set_ip_ttl(p.data_mut(), &l, |t| t.checked_sub(1).filter(|t| *t > 0)) {
+                Rewrite::Unchanged
+            } else {
+                Rewrite::TtlExpired
+            }
+        }
+        Action::CopyTtlOut => {
+            if let Some((outer, inner, _)) = ttl_pair(p.data(), &l) {
+                let v = p.data()[inner];
+                p.data_mut()[outer] = v;
+            }
+            Rewrite::Unchanged
+        }
+        Action::CopyTtlIn => {
+            if let Some((outer, inner, under)) = ttl_pair(p.data(), &l) {
+                let v = p.data()[outer];
+                let d = p.data_mut();
+                match under {
+                    Under::Ipv4 => patch(d, inner, &[v], &[Some(Sum::at(inner + 2))]),
+                    Under::Mpls | Under::Ipv6 => d[inner] = v,
+                }
+            }
+            Rewrite::Unchanged
+        }
+        Action::Output { .. } | Action::Group(_) | Action::SetQueue(_) => Rewrite::Unchanged,
+    }
+}
+
+/// Sets one field of the frame in place (the meter's DSCP remark uses it).
+pub fn set_field(p: &mut Packet, id: u8, value: &[u8]) {
+    let l = layout(p.data());
+    write_field(p.data_mut(), &l, id, value);
+}
+
+/// What lies under the outer MPLS shim.
+#[derive(Clone, Copy)]
+enum Under {
+    Mpls,
+    Ipv4,
+    Ipv6,
+}
+
+/// The TTL bytes of the outer MPLS shim and of what follows it (the next shim, or the IP
+/// header under the bottom of the stack).
+fn ttl_pair(d: &[u8], l: &Layout) -> Option<(usize, usize, Under)> {
+    let m = l.mpls?;
+    let outer = m + 3;
+    if d[m + 2] & 1 == 0 {
+        return (d.len() >= m + 8).then_some((outer, m + 7, Under::Mpls));
+    }
+    let ip = m + 4;
+    match d.get(ip)? >> 4 {
+        4 if d.len() >= ip + 20 => Some((outer, ip + 8, Under::Ipv4)),
+        6 if d.len() >= ip + 40 => Some((outer, ip + 7, Under::Ipv6)),
+        _ => None,
+    }
+}
+
+/// Sets the IPv4 TTL or IPv6 hop limit to `f(old)`; false when `f` refuses (TTL ran out).
+fn set_ip_ttl(d: &mut [u8], l: &Layout, f: impl Fn(u8) -> Option<u8>) -> bool {
+    let Some(at) = l.l3 else { return true };
+    match l.ethertype {
+        0x0800 => match f(d[at + 8]) {
+            Some(t) => {
+                patch(d, at + 8, &[t], &[Some(Sum::at(at + 10))]);
+                true
+            }
+            None => false,
+        },
+        0x86dd => match f(d[at + 7]) {
+            Some(t) => {
+                d[at + 7] = t;
+                true
+            }
+            None => false,
+        },
+        _ => true,
+    }
+}
+
+fn push_mpls(p: &mut Packet, l: &Layout, et: u16) -> Rewrite {
+    let d = p.data();
+    let shim = match l.mpls {
+        Some(m) => u32::from_be_bytes(d[m..m + 4].try_into().unwrap()) & !0x100,
+        None => {
+            let ttl = match (l.ethertype, l.l3) {
+                (0x0800, Some(at)) => d[at + 8],
+                (0x86dd, Some(at)) => d[at + 7],
+                _ => 0,
+            };
+            0x100 | ttl as u32
+        }
+    };
+    // The shim goes after the Ethernet header and its tags (§5.12.1).
+    let at = l.ethertype_at + 2;
+    if p.len() < at || p.prepend(4).is_err() {
+        return Rewrite::NoRoom;
+    }
+    let d = p.data_mut();
+    d.copy_within(4..4 + at, 0);
+    d[at - 2..at].copy_from_slice(&et.to_be_bytes());
+    d[at..at + 4].copy_from_slice(&shim.to_be_bytes());
+    Rewrite::Changed
+}
+
+/// IEEE 802.1ah: the frame becomes the customer frame behind new backbone addresses (copies of
+/// the customer's), ethertype 0x88e7 and an I-TAG (the I-SID of an outer I-TAG, else 0).
+fn push_pbb(p: &mut Packet, l: &Layout, et: u16) -> Rewrite {
+    if p.len() < 14 {
+        return Rewrite::Unchanged;
+    }
+    let itag = l
+        .itag
+        .map(|t| u32::from_be_bytes(p.data()[t..t + 4].try_into().unwrap()) & 0x00ff_ffff)
+        .unwrap_or(0);
+    let mut addresses = [0u8; 12];
+    addresses.copy_from_slice(&p.data()[..12]);
+    let Ok(front) = p.prepend(18) else {
+        return Rewrite::NoRoom;
+    };
+    front[..12].copy_from_slice(&addresses);
+    front[12..14].copy_from_slice(&et.to_be_bytes());
+    front[14..18].copy_from_slice(&itag.to_be_bytes());
+    Rewrite::Changed
+}
+
+fn pop_mpls(p: &mut Packet, l: &Layout, et: u16) -> Rewrite {
+    let Some(m) = l.mpls else {
+        return Rewrite::Unchanged;
+    };
+    let d = p.data_mut();
+    d[l.ethertype_at..l.ethertype_at + 2].copy_from_slice(&et.to_be_bytes());
+    d.copy_within(0..m, 4);
+    let _ = p.shift_front(4);
+    trim_padding(p, m);
+    pad_to_minimum(p);
+    Rewrite::Changed
+}
+
+/// Ethernet's shortest frame without its FCS.
+const MIN_FRAME: usize = 60;
+
+/// A frame that lost a tag or a label below Ethernet's minimum is padded back with zeros, as
+/// IEEE 802.1Q asks of a bridge that untags a frame.
+fn pad_to_minimum(p: &mut Packet) {
+    let n = p.len();
+    if n < MIN_FRAME && p.set_len(MIN_FRAME).is_ok() {
+        p.data_mut()[n..].fill(0);
+    }
+}
+
+/// Drops Ethernet padding past the end of the IP packet at `l3` that a label stack carried:
+/// once the stack is gone the frame ends where its IP packet says.
+fn trim_padding(p: &mut Packet, l3: usize) {
+    let d = p.data();
+    let Some(v) = d.get(l3).map(|b| b >> 4) else {
+        return;
+    };
+    let ip_len = match v {
+        4 if d.len() >= l3 + 4 => u16::from_be_bytes([d[l3 + 2], d[l3 + 3]]) as usize,
+        6 if d.len() >= l3 + 6 => 40 + u16::from_be_bytes([d[l3 + 4], d[l3 + 5]]) as usize,
+        _ => return,
+    };
+    if d[l3 - 2..l3] == [0x08, 0x00] || d[l3 - 2..l3] == [0x86, 0xdd] {
+        let end = l3 + ip_len;
+        if ip_len >= 20 && end < d.len() {
+            let _ = p.set_len(end);
+        }
+    }
+}
+
+/// A checksum field a rewrite keeps right.
+#[derive(Clone, Copy)]
+struct Sum {
+    at: usize,
+    /// UDP over IPv4: 0 means "no checksum" and stays 0.
+    zero_is_none: bool,
+}
+
+impl Sum {
+    fn at(at: usize) -> Sum {
+        Sum {
+            at,
+            zero_is_none: false,
+        }
+    }
+}
+
+/// Writes `new` at `at` and updates each checksum by the change of the 16-bit words it touched
+/// (RFC 1624). Every checksummed header here starts at an even offset of the frame, so words
+/// are aligned on the frame.
+fn patch(d: &mut [u8], at: usize, new: &[u8], sums: &[Option<Sum>]) {
+    let (lo, hi) = (at & !1, (at + new.len() + 1) & !1);
+    if hi > d.len() {
+        return;
+    }
+    let mut old = [0u8; 40];
+    old[..hi - lo].copy_from_slice(&d[lo..hi]);
+    d[at..at + new.len()].copy_from_slice(new);
+    for s in sums.iter().flatten() {
+        let Some(c) = d.get(s.at..s.at + 2) else {
+            continue;
+        };
+        let mut cs = u16::from_be_bytes([c[0], c[1]]);
+        if s.zero_is_none && cs == 0 {
+            continue;
+        }
+        for w in (0..hi - lo).step_by(2) {
+            let o = u16::from_be_bytes([old[w], old[w + 1]]);
+            let n = u16::from_be_bytes([d[lo + w], d[lo + w + 1]]);
+            cs = checksum::update(cs, o, n);
+        }
+        if s.zero_is_none && cs == 0 {
+            cs = 0xffff;
+        }
+        d[s.at..s.at + 2].copy_from_slice(&cs.to_be_bytes());
+    }
+}
+
+/// The transport checksum of the frame (TCP, UDP, ICMP, ICMPv6), if it has one.
+fn l4_sum(l: &Layout, pseudo: bool) -> Option<Sum> {
+    let at = l.l4?;
+    match l.ip_proto {
+        6 => Some(Sum::at(at + 16)),
+        17 => Some(Sum {
+            at: at + 6,
+            zero_is_none: l.ethertype == 0x0800,
+        }),
+        1 if !pseudo && l.ethertype == 0x0800 => Some(Sum::at(at + 2)),
+        58 => Some(Sum::at(at + 2)),
+        _ => None,
+    }
+}
+
+/// SCTP's CRC32c (RFC 4960 appendix B) over the packet with its checksum field taken as
+/// zero, as the packet stores it (little-endian words of the reflected CRC).
+fn sctp_crc(s: &[u8]) -> [u8; 4] {
+    let crc = crc32c::crc32c(&s[..8]);
+    let crc = crc32c::crc32c_append(crc, &[0; 4]);
+    crc32c::crc32c_append(crc, &s[12..]).to_le_bytes()
+}
+
+/// Rewrites SCTP bytes and keeps the checksum as right — or as wrong — as it was: the stored
+/// value changes by what the correct one changes (Open vSwitch does the same), so a switch
+/// never makes a damaged packet look valid.
+fn sctp_patch(d: &mut [u8], base: usize, at: usize, v: &[u8]) {
+    if d.len() < base + 12 {
+        d[at..at + v.len()].copy_from_slice(v);
+        return;
+    }
+    let before = sctp_crc(&d[base..]);
+    d[at..at + v.len()].copy_from_slice(v);
+    let after = sctp_crc(&d[base..]);
+    for i in 0..4 {
+        d[base + 8 + i] ^= before[i] ^ after[i];
+    }
+}
+
+fn write_field(d: &mut [u8], l: &Layout, id: u8, v: &[u8]) {
+    use oxm::*;
+    let l3 = l.l3;
+    let v4 = l.ethertype == 0x0800;
+    let v6 = l.ethertype == 0x86dd;
+    match id {
+        ETH_DST if d.len() >= 6 => d[0..6].copy_from_slice(v),
+        ETH_SRC if d.len() >= 12 => d[6..12].copy_from_slice(v),
+        ETH_TYPE => d[l.ethertype_at..l.ethertype_at + 2].copy_from_slice(v),
+        VLAN_VID => {
+            if let Some(t) = l.vlan {
+                let vid = u16::from_be_bytes([v[0], v[1]]) & 0x0fff;
+                let tci = u16::from_be_bytes([d[t + 2], d[t + 3]]) & 0xf000 | vid;
+                d[t + 2..t + 4].copy_from_slice(&tci.to_be_bytes());
+            }
+        }
+        VLAN_PCP => {
+            if let Some(t) = l.vlan {
+                d[t + 2] = (d[t + 2] & 0x1f) | (v[0] << 5);
+            }
+        }
+        MPLS_LABEL | MPLS_TC | MPLS_BOS => {
+            if let Some(m) = l.mpls {
+                let mut s = u32::from_be_bytes(d[m..m + 4].try_into().unwrap());
+                let x = u32::from_be_bytes(v.try_into().unwrap_or([0, 0, 0, v[0]]));
+                s = match id {
+                    MPLS_LABEL => (s & 0xfff) | (x & 0xfffff) << 12,
+                    MPLS_TC => (s & !0xe00) | (x & 7) << 9,
+                    _ => (s & !0x100) | (x & 1) << 8,
+                };
+                d[m..m + 4].copy_from_slice(&s.to_be_bytes());
+            }
+        }
+        IP_DSCP | IP_ECN if l3.is_some() && (v4 || v6) => {
+            let at = l3.unwrap();
+            let (dscp_ecn_at, old) = if v4 {
+                (at + 1, d[at + 1])
+            } else {
+                (
+                    at,
+                    ((u16::from_be_bytes([d[at], d[at + 1]]) >> 4) & 0xff) as u8,
+                )
+            };
+            let tc = if id == IP_DSCP {
+                (v[0] << 2) | (old & 3)
+            } else {
+                (old & 0xfc) | (v[0] & 3)
+            };
+            if v4 {
+                patch(d, dscp_ecn_at, &[tc], &[Some(Sum::at(at + 10))]);
+            } else {
+                d[at] = (d[at] & 0xf0) | (tc >> 4);
+                d[at + 1] = (d[at + 1] & 0x0f) | (tc << 4);
+            }
+        }
+        // The protocol is in the transport checksum's pseudo-header too.
+        IP_PROTO if l3.is_some() => {
+            let at = l3.unwrap();
+            if v4 {
+                // (TTL, protocol) changes by the same amount as the pseudo-header's (0, protocol).
+                patch(d, at + 9, v, &[Some(Sum::at(at + 10)), l4_sum(l, true)]);
+            } else if v6 {
+                let old = d[at + 6];
+                d[at + 6] = v[0];
+                if let Some(s) = l4_sum(l, true) {
+                    let cs = u16::from_be_bytes([d[s.at], d[s.at + 1]]);
+                    let cs = checksum::update(cs, old as u16, v[0] as u16);
+                    d[s.at..s.at + 2].copy_from_slice(&cs.to_be_bytes());
+                }
+            }
+        }
+        IPV4_SRC | IPV4_DST if v4 && l3.is_some() => {
+            let at = l3.unwrap() + if id == IPV4_SRC { 12 } else { 16 };
+            patch(
+                d,
+                at,
+                v,
+                &[Some(Sum::at(l3.unwrap() + 10)), l4_sum(l, true)],
+            );
+        }
+        IPV6_SRC | IPV6_DST if v6 && l3.is_some() => {
+            let at = l3.unwrap() + if id == IPV6_SRC { 8 } else { 24 };
+            patch(d, at, v, &[l4_sum(l, true)]);
+        }
+        IPV6_FLABEL if v6 && l3.is_some() => {
+            let at = l3.unwrap();
+            let w = u32::from_be_bytes(d[at..at + 4].try_into().unwrap()) & !0xfffff
+                | u32::from_be_bytes(v.try_into().unwrap()) & 0xfffff;
+            d[at..at + 4].copy_from_slice(&w.to_be_bytes());
+        }
+        TCP_SRC | TCP_DST | UDP_SRC | UDP_DST if l.l4.is_some() => {
+            let want = if matches!(id, TCP_SRC | TCP_DST) {
+                6
+            } else {
+                17
+            };
+            if l.ip_proto == want {
+                let at = l.l4.unwrap()
+                    + if matches!(id, TCP_SRC | UDP_SRC) {
+                        0
+                    } else {
+                        2
+                    };
+                patch(d, at, v, &[l4_sum(l, false)]);
+            }
+        }
+        SCTP_SRC | SCTP_DST if l.l4.is_some() && l.ip_proto == 132 => {
+            let base = l.l4.unwrap();
+            let at = base + if id == SCTP_SRC { 0 } else { 2 };
+            sctp_patch(d, base, at, v);
+        }
+        ICMPV4_TYPE | ICMPV4_CODE if v4 && l.ip_proto == 1 && l.l4.is_some() => {
+            let at = l.l4.unwrap();
+            let o = if id == ICMPV4_TYPE { 0 } else { 1 };
+            patch(d, at + o, v, &[Some(Sum::at(at + 2))]);
+        }
+        ICMPV6_TYPE | ICMPV6_CODE if v6 && l.ip_proto == 58 && l.l4.is_some() => {
+            let at = l.l4.unwrap();
+            let o = if id == ICMPV6_TYPE { 0 } else { 1 };
+            patch(d, at + o, v, &[Some(Sum::at(at + 2))]);
+        }
+        IPV6_ND_TARGET if v6 && l.ip_proto == 58 && l.l4.is_some() => {
+            let at = l.l4.unwrap();
+            if d.len() >= at + 24 {
+                patch(d, at + 8, v, &[Some(Sum::at(at + 2))]);
+            }
+        }
+        IPV6_ND_SLL | IPV6_ND_TLL if v6 && l.ip_proto == 58 && l.l4.is_some() => {
+            let at = l.l4.unwrap();
+            let kind = if id == IPV6_ND_SLL { 1 } else { 2 };
+            let mut o = at + 24;
+            while o + 8 <= d.len() {
+                let len = d[o + 1] as usize * 8;
+                if len == 0 {
+                    break;
+                }
+                if d[o] == kind && len == 8 {
+                    patch(d, o + 2, v, &[Some(Sum::at(at + 2))]);
+                    break;
+                }
+                o += len;
+            }
+        }
+        PBB_ISID => {
+            if let Some(t) = l.itag {
+                d[t + 1..t + 4].copy_from_slice(v);
+            }
+        }
+        ARP_OP | ARP_SPA | ARP_TPA | ARP_SHA | ARP_THA
+            if l.ethertype == 0x0806 && l3.is_some_and(|a| d.len() >= a + 28) =>
+        {
+            let at = l3.unwrap()
+                + match id {
+                    ARP_OP => 6,
+                    ARP_SHA => 8,
+                    ARP_SPA => 14,
+                    ARP_THA => 18,
+                    _ => 24,
+                };
+            d[at..at + v.len()].copy_from_slice(v);
+        }
+        _ => {}
+    }
+}
+
+/// Writes an action list (statistics and descriptions give back what was installed).
+pub fn write_actions(out: &mut Vec<u8>, actions: &[Action]) {
+    for a in actions {
+        let start = out.len();
+        out.extend_from_slice(&a.kind().to_be_bytes());
+        out.extend_from_slice(&[0, 0]);
+        match a {
+            Action::Output { port, max_len } => {
+                out.extend_from_slice(&port.to_be_bytes());
+                out.extend_from_slice(&max_len.to_be_bytes());
+                out.extend_from_slice(&[0; 6]);
+            }
+            Action::Group(x) | Action::SetQueue(x) => out.extend_from_slice(&x.to_be_bytes()),
+            Action::SetField { id, value } => oxm::write_tlv(out, *id, value, None),
+            Action::PushVlan(e) | Action::PushMpls(e) | Action::PopMpls(e) | Action::PushPbb(e) => {
+                out.extend_from_slice(&e.to_be_bytes());
+                out.extend_from_slice(&[0, 0]);
+            }
+            Action::SetMplsTtl(t) | Action::SetNwTtl(t) => out.extend_from_slice(&[*t, 0, 0, 0]),
+            _ => out.extend_from_slice(&[0; 4]),
+        }
+        while !(out.len() - start).is_multiple_of(8) {
+            out.push(0);
+        }
+        let len = (out.len() - start) as u16;
+        out[start + 2..start + 4].copy_from_slice(&len.to_be_bytes());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use stitch_core::pool;
+
+    fn udp4() -> Vec<u8> {
+        let payload = b"hello, openflow";
+        let mut f = vec![2, 0, 0, 0, 0, 2, 2, 0, 0, 0, 0, 1, 8, 0];
+        let ip = stitch_wire::ipv4_header(
+            "10.0.0.1".parse().unwrap(),
+            "10.0.0.2".parse().unwrap(),
+            17,
+            8 + payload.len(),
+            false,
+        );
+        f.extend_from_slice(&ip);
+        let mut udp = vec![0x04, 0xd2, 0, 53];
+        udp.extend_from_slice(&((8 + payload.len()) as u16).to_be_bytes());
+        udp.extend_from_slice(&[0, 0]);
+        udp.extend_from_slice(payload);
+        let mut acc = checksum::sum(&ip[12..20], 0);
+        acc += 17 + udp.len() as u64;
+        let cs = checksum::finish(checksum::sum(&udp, acc));
+        udp[6..8].copy_from_slice(&cs.to_be_bytes());
+        f.extend(udp);
+        f
+    }
+
+    fn valid_udp4(f: &[u8]) -> bool {
+        let ip = &f[14..34];
+        let udp = &f[34..];
+        let mut acc = checksum::sum(&ip[12..20], 0);
+        acc += 17 + udp.len() as u64;
+        checksum::checksum(ip) == 0 && checksum::finish(checksum::sum(udp, acc)) == 0
+    }
+
+    #[test]
+    fn rewrites_keep_checksums_right() {
+        let mut p = pool::alloc().unwrap();
+        p.set_data(&udp4()).unwrap();
+        let mut key = Key::extract(p.data(), 1);
+        assert!(valid_udp4(p.data()));
+        for a in [
+            Action::SetField {
+                id: oxm::IPV4_SRC,
+                value: vec![192, 168, 1, 7],
+            },
+            Action::SetField {
+                id: oxm::UDP_DST,
+                value: vec![0x13, 0x88],
+            },
+            Action::SetField {
+                id: oxm::IP_DSCP,
+                value: vec![46],
+            },
+            Action::DecNwTtl,
+        ] {
+            rewrite(&mut p, &mut key, &a);
+            assert!(valid_udp4(p.data()), "{a:?}");
+        }
+        let k = Key::extract(p.data(), 1);
+        assert_eq!(k.get(oxm::IPV4_SRC), [192, 168, 1, 7]);
+        assert_eq!(k.u16(oxm::UDP_DST), 5000);
+        assert_eq!(k.u8(oxm::IP_DSCP), 46);
+        assert_eq!(p.data()[14 + 8], 63);
+    }
+
+    #[test]
+    fn vlan_and_mpls_push_and_pop() {
+        let mut p = pool::alloc().unwrap();
+        let frame = udp4();
+        p.set_data(&frame).unwrap();
+        let mut key = Key::extract(p.data(), 1);
+        rewrite(&mut p, &mut key, &Action::PushVlan(0x8100));
+        rewrite(
+            &mut p,
+            &mut key,
+            &Action::SetField {
+                id: oxm::VLAN_VID,
+                value: vec![0x10, 10],
+            },
+        );
+        rewrite(&mut p, &mut key, &Action::PushMpls(0x8847));
+        let k = Key::extract(p.data(), 1);
+        assert_eq!(k.u16(oxm::VLAN_VID), 0x1000 | 10);
+        assert_eq!(k.u16(oxm::ETH_TYPE), 0x8847);
+        assert_eq!(k.u8(oxm::MPLS_BOS), 1);
+        // The shim takes the IP TTL.
+        assert_eq!(p.data()[18 + 3], 64);
+        rewrite(&mut p, &mut key, &Action::PopMpls(0x0800));
+        rewrite(&mut p, &mut key, &Action::PopVlan);
+        // The 57-byte frame comes back padded to Ethernet's 60.
+        assert_eq!(&p.data()[..frame.len()], &frame[..]);
+        assert_eq!(&p.data()[frame.len()..], &[0, 0, 0]);
+        // PBB: backbone addresses copied from the customer's, I-TAG, then the frame.
+        rewrite(&mut p, &mut key, &Action::PushPbb(0x88e7));
+        rewrite(
+            &mut p,
+            &mut key,
+            &Action::SetField {
+                id: oxm::PBB_ISID,
+                value: vec![0, 0, 100],
+            },
+        );
+        let k = Key::extract(p.data(), 1);
+        assert_eq!(
+            (k.u16(oxm::ETH_TYPE), k.get(oxm::PBB_ISID)),
+            (0x88e7, &[0, 0, 100][..])
+        );
+        assert_eq!(&p.data()[..12], &frame[..12]);
+        rewrite(&mut p, &mut key, &Action::PopPbb);
+        assert_eq!(&p.data()[..frame.len()], &frame[..]);
+    }
+
+    #[test]
+    fn sctp_checksums_stay_as_right_or_as_wrong_as_they_were() {
+        let mut f = udp4();
+        f[23] = 132;
+        let sctp_at = 34;
+        let good = sctp_crc(&f[sctp_at..]);
+        f[sctp_at + 8..sctp_at + 12].copy_from_slice(&good);
+        let mut p = pool::alloc().unwrap();
+        p.set_data(&f).unwrap();
+        let mut key = Key::extract(p.data(), 1);
+        let set = |id, v: u16| Action::SetField {
+            id,
+            value: v.to_be_bytes().to_vec(),
+        };
+        rewrite(&mut p, &mut key, &set(oxm::SCTP_SRC, 7));
+        let d = p.data();
+        assert_eq!(d[sctp_at + 8..sctp_at + 12], sctp_crc(&d[sctp_at..]));
+        // A damaged checksum stays damaged by the same bits.
+        let mut bad = f.clone();
+        bad[sctp_at + 8] ^= 0x5a;
+        p.set_data(&bad).unwrap();
+        rewrite(&mut p, &mut key, &set(oxm::SCTP_DST, 9));
+        let d = p.data();
+        assert_eq!(d[sctp_at + 8] ^ sctp_crc(&d[sctp_at..])[0], 0x5a);
+    }
+
+    #[test]
+    fn a_new_ip_protocol_is_in_the_transport_checksum() {
+        let mut p = pool::alloc().unwrap();
+        p.set_data(&udp4()).unwrap();
+        let mut key = Key::extract(p.data(), 1);
+        rewrite(
+            &mut p,
+            &mut key,
+            &Action::SetField {
+                id: oxm::IP_PROTO,
+                value: vec![6],
+            },
+        );
+        let d = p.data();
+        let mut acc = checksum::sum(&d[26..34], 0);
+        acc += 6 + (d.len() - 34) as u64;
+        assert_eq!(checksum::checksum(&d[14..34]), 0);
+        assert_eq!(checksum::finish(checksum::sum(&d[34..], acc)), 0);
+    }
+
+    #[test]
+    fn bad_actions_get_the_specs_errors() {
+        assert_eq!(
+            parse_actions(&[0, 0, 0, 3]).err(),
+            Some(ofp::BAD_ACTION_LEN)
+        );
+        assert_eq!(
+            parse_actions(&[0, 99, 0, 8, 0, 0, 0, 0]).err(),
+            Some(ofp::BAD_ACTION_TYPE)
+        );
+        let mut out = vec![];
+        write_actions(&mut out, &[Action::output(0)]);
+        assert_eq!(parse_actions(&out).err(), Some(ofp::BAD_ACTION_OUT_PORT));
+        // set-field on in_port is not allowed.
+        let mut sf = vec![0, 25, 0, 16];
+        oxm::write_tlv(&mut sf, oxm::IN_PORT, &[0, 0, 0, 1], None);
+        sf.resize(16, 0);
+        assert_eq!(parse_actions(&sf).err(), Some(ofp::BAD_SET_TYPE));
+        let all = vec![
+            Action::output(2),
+            Action::Group(7),
+            Action::SetField {
+                id: oxm::ETH_DST,
+                value: vec![2, 0, 0, 0, 0, 9],
+            },
+            Action::PushVlan(0x8100),
+            Action::PopMpls(0x0800),
+            Action::SetNwTtl(9),
+            Action::DecNwTtl,
+            Action::CopyTtlIn,
+        ];
+        let mut out = vec![];
+        write_actions(&mut out, &all);
+        assert_eq!(parse_actions(&out).unwrap(), all);
+    }
+}
