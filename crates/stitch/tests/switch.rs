@@ -105,7 +105,7 @@ links:
     let bad = Command::new("ovs-ofctl")
         .args(["-O", "OpenFlow13", "add-flow"])
         .arg(format!("tcp:127.0.0.1:{port}"))
-        .arg("table=3,actions=drop")
+        .arg("table=100,actions=drop")
         .output()
         .unwrap();
     assert!(!bad.status.success());

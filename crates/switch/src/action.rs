@@ -91,8 +91,20 @@ const RESERVED_OUTPUTS: [u32; 4] = [
     ofp::PORT_CONTROLLER,
 ];
 
+/// OFPP_TABLE: only in PACKET_OUT, runs the frame through the pipeline.
+pub const PORT_TABLE: u32 = 0xffff_fff9;
+
 /// Reads an action list.
 pub fn parse_actions(b: &[u8]) -> Result<Vec<Action>, OfError> {
+    parse_action_list(b, false)
+}
+
+/// Reads a PACKET_OUT's action list (where output to OFPP_TABLE is allowed).
+pub fn parse_packet_out_actions(b: &[u8]) -> Result<Vec<Action>, OfError> {
+    parse_action_list(b, true)
+}
+
+fn parse_action_list(b: &[u8], packet_out: bool) -> Result<Vec<Action>, OfError> {
     let mut out = Vec::new();
     let mut i = 0;
     while i < b.len() {
@@ -101,13 +113,14 @@ pub fn parse_actions(b: &[u8]) -> Result<Vec<Action>, OfError> {
         if len < 8 || !len.is_multiple_of(8) || i + len > b.len() {
             return Err(ofp::BAD_ACTION_LEN);
         }
-        out.push(parse_action(t, &b[i..i + len])?);
+        let action = parse_action(t, &b[i..i + len], packet_out)?;
+        out.push(action);
         i += len;
     }
     Ok(out)
 }
 
-fn parse_action(t: u16, a: &[u8]) -> Result<Action, OfError> {
+fn parse_action(t: u16, a: &[u8], packet_out: bool) -> Result<Action, OfError> {
     let fixed = |n: usize| {
         if a.len() == n {
             Ok(())
@@ -121,7 +134,8 @@ fn parse_action(t: u16, a: &[u8]) -> Result<Action, OfError> {
         OUTPUT => {
             fixed(16)?;
             let port = u32_at(4)?;
-            if port == 0 || (port > ofp::PORT_MAX && !RESERVED_OUTPUTS.contains(&port)) {
+            let reserved = RESERVED_OUTPUTS.contains(&port) || (packet_out && port == PORT_TABLE);
+            if port == 0 || (port > ofp::PORT_MAX && !reserved) {
                 return Err(ofp::BAD_ACTION_OUT_PORT);
             }
             Action::Output {

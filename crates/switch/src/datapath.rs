@@ -209,7 +209,7 @@ impl DataPath {
         };
         for (n, a) in actions.iter().enumerate() {
             let last = n + 1 == actions.len();
-            if matches!(a, Action::Output { port, .. } if *port == PORT_TABLE) {
+            if matches!(a, Action::Output { port, .. } if *port == action::PORT_TABLE) {
                 if last {
                     let k = Key::extract(p.data(), in_port);
                     return self.pipeline(p, k, 0, snap, shared, io);
@@ -624,9 +624,6 @@ fn add(e: &FlowEntry, n: u64, b: u64, now_ns: u64) {
     e.bytes.fetch_add(b, Ordering::Relaxed);
     e.last_used_ns.store(now_ns, Ordering::Relaxed);
 }
-
-/// OFPP_TABLE: only in PACKET_OUT, runs the frame through the pipeline.
-pub const PORT_TABLE: u32 = 0xffff_fff9;
 
 /// A fast-failover bucket is live when the port it watches is up and the group it watches
 /// has a live bucket (§5.6.1).

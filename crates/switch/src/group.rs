@@ -57,7 +57,8 @@ impl Group {
     }
 }
 
-/// A hash of what names a flow (addresses, protocol, ports), the same for every packet of it.
+/// A hash of what names a flow (Ethernet, IP and ARP addresses, protocol, ports), the same for
+/// every packet of it.
 fn flow_hash(k: &Key) -> u64 {
     let mut h = 0x9e37_79b9_7f4a_7c15u64;
     for id in [
@@ -75,6 +76,8 @@ fn flow_hash(k: &Key) -> u64 {
         oxm::UDP_DST,
         oxm::SCTP_SRC,
         oxm::SCTP_DST,
+        oxm::ARP_SPA,
+        oxm::ARP_TPA,
     ] {
         for b in k.get(id) {
             h = (h ^ *b as u64).wrapping_mul(0x0100_0000_01b3);
@@ -344,6 +347,15 @@ mod tests {
         }
         let share = counts[1] as f64 / 8000.0;
         assert!((0.70..0.80).contains(&share), "{counts:?}");
+        // ARP flows spread too.
+        let arp = (0..2000)
+            .filter(|_| {
+                let mut k = Key::default();
+                k.set(oxm::ARP_SPA, &rng.u32(..).to_be_bytes());
+                g.select(&k, |_| true) == Some(1)
+            })
+            .count();
+        assert!((1300..1700).contains(&arp), "{arp}");
         // With the heavy bucket down, everything takes the other.
         let mut k = Key::default();
         k.set(oxm::TCP_SRC, &[0, 1]);

@@ -172,6 +172,8 @@ pub struct Shared {
     pub port_counters: Vec<PortCounters>,
     /// Whether each port's output is connected (its link is up), as the data path last saw.
     pub port_live: Vec<AtomicBool>,
+    /// Set once the data path has filled `port_live` (before that nothing has changed).
+    pub ports_known: AtomicBool,
     pub table_counters: Vec<TableCounters>,
     pub connections: Mutex<Vec<Arc<Connection>>>,
     /// The highest generation id a master or slave role request carried (§6.3.6).
@@ -197,6 +199,7 @@ impl Shared {
             published_ns: AtomicU64::new(0),
             port_counters: ports.iter().map(|_| PortCounters::default()).collect(),
             port_live: ports.iter().map(|_| AtomicBool::new(false)).collect(),
+            ports_known: AtomicBool::new(false),
             table_counters: (0..TABLES).map(|_| TableCounters::default()).collect(),
             connections: Mutex::new(Vec::new()),
             generation_id: Mutex::new(None),
@@ -356,6 +359,7 @@ impl App for Switch {
         for (i, live) in self.shared.port_live.iter().enumerate() {
             live.store(io.output(i).is_some(), Ordering::Relaxed);
         }
+        self.shared.ports_known.store(true, Ordering::Release);
         if self.shared.has_packet_outs.swap(false, Ordering::AcqRel) {
             let outs = std::mem::take(&mut *self.shared.packet_outs.lock().unwrap());
             let snap = self.snap.clone();

@@ -247,7 +247,8 @@ pub fn parse_packet_out(b: &[u8]) -> R<(u32, Vec<crate::action::Action>, &[u8])>
         return Err(BAD_REQUEST_BAD_PORT);
     }
     let alen = u16_at(b, 16)? as usize;
-    let actions = crate::action::parse_actions(b.get(24..24 + alen).ok_or(BAD_REQUEST_LEN)?)?;
+    let actions =
+        crate::action::parse_packet_out_actions(b.get(24..24 + alen).ok_or(BAD_REQUEST_LEN)?)?;
     Ok((in_port, actions, &b[24 + alen..]))
 }
 
