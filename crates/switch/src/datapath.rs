@@ -17,6 +17,8 @@ use stitch_core::Packet;
 
 /// Below this many flows a scan is as cheap as hashing the key.
 const CACHE_FROM_FLOWS: usize = 8;
+/// How many packets ahead of the one in hand the data path prefetches.
+const PREFETCH: usize = 4;
 /// Groups may chain; a chain this deep is a loop that slipped through.
 const MAX_GROUP_DEPTH: usize = 8;
 
@@ -183,10 +185,21 @@ impl DataPath {
             Ordering::Relaxed,
         );
         let port = i as u32 + 1;
-        for p in batch.drain(..) {
-            let key = Key::extract(p.data(), port);
-            self.pipeline(p, key, 0, snap, shared, io);
+        // One key, refilled in place for each packet (it is too big to move around).
+        let mut key = Key::default();
+        // Headers are read a few packets ahead, so their lines are in cache when parsed.
+        for p in batch.iter().take(PREFETCH) {
+            p.prefetch_data();
         }
+        let mut rest = batch.drain(..);
+        while let Some(p) = rest.next() {
+            if let Some(ahead) = rest.as_slice().get(PREFETCH - 1) {
+                ahead.prefetch_data();
+            }
+            key.reset(p.data(), port);
+            self.pipeline(p, &mut key, 0, snap, shared, io);
+        }
+        drop(rest);
         self.batch = batch;
     }
 
@@ -211,12 +224,12 @@ impl DataPath {
             let last = n + 1 == actions.len();
             if matches!(a, Action::Output { port, .. } if *port == action::PORT_TABLE) {
                 if last {
-                    let k = Key::extract(p.data(), in_port);
-                    return self.pipeline(p, k, 0, snap, shared, io);
+                    let mut k = Key::extract(p.data(), in_port);
+                    return self.pipeline(p, &mut k, 0, snap, shared, io);
                 }
                 if let Some(c) = p.try_clone() {
-                    let k = Key::extract(c.data(), in_port);
-                    self.pipeline(c, k, 0, snap, shared, io);
+                    let mut k = Key::extract(c.data(), in_port);
+                    self.pipeline(c, &mut k, 0, snap, shared, io);
                 }
                 continue;
             }
@@ -231,7 +244,7 @@ impl DataPath {
     fn pipeline(
         &mut self,
         mut p: Packet,
-        mut key: Key,
+        key: &mut Key,
         mut table: usize,
         snap: &Snapshot,
         shared: &Shared,
@@ -243,11 +256,11 @@ impl DataPath {
             self.lookups[table] += 1;
             let found = match &mut self.caches[table] {
                 Some(c) if entries.len() > CACHE_FROM_FLOWS => {
-                    let (f, hit) = c.lookup(entries, &key);
+                    let (f, hit) = c.lookup(entries, key);
                     self.tally.cache_hits += hit as u64;
                     f
                 }
-                _ => pipeline::position(entries, &key),
+                _ => pipeline::position(entries, key),
             };
             let Some(at) = found else {
                 self.tally.misses += 1;
@@ -258,7 +271,7 @@ impl DataPath {
             let e = &entries[at];
             let ins = &e.instructions;
             if let Some(id) = ins.meter {
-                match self.meter(&mut p, &mut key, id, snap) {
+                match self.meter(&mut p, key, id, snap) {
                     Verdict::Drop => {
                         self.tally.meter_drops += 1;
                         return;
@@ -274,7 +287,7 @@ impl DataPath {
             let ends_here = ins.goto.is_none() && ins.write.is_none() && set.is_none();
             for (n, a) in ins.apply.iter().enumerate() {
                 let last = ends_here && n + 1 == ins.apply.len();
-                match self.act(p, &mut key, a, last, origin, snap, shared, io, 0) {
+                match self.act(p, key, a, last, origin, snap, shared, io, 0) {
                     Some(next) => p = next,
                     None => return,
                 }
@@ -300,7 +313,7 @@ impl DataPath {
                 cookie: snap.tables[table].first().map_or(u64::MAX, |e| e.cookie),
                 table_miss: false,
             };
-            self.run_set(p, key, &set, origin, snap, shared, io, 0);
+            self.run_set(p, *key, &set, origin, snap, shared, io, 0);
         }
     }
 

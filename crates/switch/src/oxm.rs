@@ -134,6 +134,21 @@ pub fn field(id: u8) -> Option<&'static FieldDef> {
 }
 
 pub const KEY_BYTES: usize = 168;
+
+// `fill` writes each transport protocol's two ports with one copy.
+const _: () = assert!(
+    at(TCP_DST) == at(TCP_SRC) + 2
+        && at(UDP_DST) == at(UDP_SRC) + 2
+        && at(SCTP_DST) == at(SCTP_SRC) + 2
+);
+
+/// Where field `id` sits in the key (a constant: the data path writes fields at fixed places).
+const fn at(id: u8) -> usize {
+    match FIELDS[id as usize] {
+        Some(f) => f.offset,
+        None => panic!("field without a place"),
+    }
+}
 pub const KEY_WORDS: usize = KEY_BYTES / 8;
 
 /// A packet's fields, each in its place (absent fields are zero; prerequisites keep a match
@@ -181,6 +196,12 @@ impl Key {
             let n = (d.len as usize).min(v.len());
             self.0[d.offset..d.offset + n].copy_from_slice(&v[..n]);
         }
+    }
+
+    /// Writes `N` bytes at a constant place (the compiler makes it a few stores).
+    #[inline(always)]
+    fn put<const N: usize>(&mut self, offset: usize, v: &[u8]) {
+        self.0[offset..offset + N].copy_from_slice(&v[..N]);
     }
 
     pub fn in_port(&self) -> u32 {
@@ -605,12 +626,22 @@ fn walk_ipv6_extensions(l3: &[u8]) -> (u8, usize, u16, bool) {
 impl Key {
     /// Reads the fields of `frame` arriving on `in_port` (anything shorter than a field leaves
     /// it unset).
+    #[inline]
     pub fn extract(frame: &[u8], in_port: u32) -> Key {
         let mut k = Key::default();
-        k.set(IN_PORT, &in_port.to_be_bytes());
-        k.set(IN_PHY_PORT, &in_port.to_be_bytes());
+        k.put::<4>(at(IN_PORT), &in_port.to_be_bytes());
+        k.put::<4>(at(IN_PHY_PORT), &in_port.to_be_bytes());
         k.fill(frame, &layout(frame));
         k
+    }
+
+    /// Makes this the key of `frame` arriving on `in_port`, in place.
+    #[inline]
+    pub fn reset(&mut self, frame: &[u8], in_port: u32) {
+        self.0 = [0; KEY_BYTES];
+        self.put::<4>(at(IN_PORT), &in_port.to_be_bytes());
+        self.put::<4>(at(IN_PHY_PORT), &in_port.to_be_bytes());
+        self.fill(frame, &layout(frame));
     }
 
     /// Re-reads the packet fields after an action changed the frame (`in_port`, `metadata`
@@ -624,56 +655,57 @@ impl Key {
         self.fill(frame, &layout(frame));
     }
 
+    #[inline]
     fn fill(&mut self, frame: &[u8], l: &Layout) {
         if frame.len() < 14 {
             return;
         }
-        self.set(ETH_DST, &frame[0..6]);
-        self.set(ETH_SRC, &frame[6..12]);
-        self.set(ETH_TYPE, &l.ethertype.to_be_bytes());
+        self.put::<6>(at(ETH_DST), &frame[0..6]);
+        self.put::<6>(at(ETH_SRC), &frame[6..12]);
+        self.put::<2>(at(ETH_TYPE), &l.ethertype.to_be_bytes());
         if let Some(v) = l.vlan {
             let tci = be16(frame, v + 2).unwrap_or(0);
-            self.set(VLAN_VID, &(0x1000 | (tci & 0x0fff)).to_be_bytes());
-            self.set(VLAN_PCP, &[(tci >> 13) as u8]);
+            self.put::<2>(at(VLAN_VID), &(0x1000 | (tci & 0x0fff)).to_be_bytes());
+            self.0[at(VLAN_PCP)] = (tci >> 13) as u8;
         }
         if let Some(t) = l.itag {
-            self.set(PBB_ISID, &frame[t + 1..t + 4]);
+            self.put::<3>(at(PBB_ISID), &frame[t + 1..t + 4]);
             return;
         }
         if let Some(m) = l.mpls {
             let s = u32::from_be_bytes(frame[m..m + 4].try_into().unwrap());
-            self.set(MPLS_LABEL, &(s >> 12).to_be_bytes());
-            self.set(MPLS_TC, &[((s >> 9) & 7) as u8]);
-            self.set(MPLS_BOS, &[((s >> 8) & 1) as u8]);
+            self.put::<4>(at(MPLS_LABEL), &(s >> 12).to_be_bytes());
+            self.0[at(MPLS_TC)] = ((s >> 9) & 7) as u8;
+            self.0[at(MPLS_BOS)] = ((s >> 8) & 1) as u8;
             return;
         }
-        let Some(at) = l.l3 else { return };
-        let l3 = &frame[at..];
+        let Some(l3at) = l.l3 else { return };
+        let l3 = &frame[l3at..];
         match l.ethertype {
             0x0800 => {
-                self.set(IP_DSCP, &[l3[1] >> 2]);
-                self.set(IP_ECN, &[l3[1] & 3]);
-                self.set(IP_PROTO, &[l.ip_proto]);
-                self.set(IPV4_SRC, &l3[12..16]);
-                self.set(IPV4_DST, &l3[16..20]);
+                self.0[at(IP_DSCP)] = l3[1] >> 2;
+                self.0[at(IP_ECN)] = l3[1] & 3;
+                self.0[at(IP_PROTO)] = l.ip_proto;
+                self.put::<4>(at(IPV4_SRC), &l3[12..16]);
+                self.put::<4>(at(IPV4_DST), &l3[16..20]);
             }
             0x86dd => {
                 let tc = ((be16(l3, 0).unwrap_or(0) >> 4) & 0xff) as u8;
-                self.set(IP_DSCP, &[tc >> 2]);
-                self.set(IP_ECN, &[tc & 3]);
-                self.set(IP_PROTO, &[l.ip_proto]);
+                self.0[at(IP_DSCP)] = tc >> 2;
+                self.0[at(IP_ECN)] = tc & 3;
+                self.0[at(IP_PROTO)] = l.ip_proto;
                 let fl = u32::from_be_bytes(l3[0..4].try_into().unwrap()) & 0xfffff;
-                self.set(IPV6_FLABEL, &fl.to_be_bytes());
-                self.set(IPV6_SRC, &l3[8..24]);
-                self.set(IPV6_DST, &l3[24..40]);
-                self.set(IPV6_EXTHDR, &l.ipv6_exthdr.to_be_bytes());
+                self.put::<4>(at(IPV6_FLABEL), &fl.to_be_bytes());
+                self.put::<16>(at(IPV6_SRC), &l3[8..24]);
+                self.put::<16>(at(IPV6_DST), &l3[24..40]);
+                self.put::<2>(at(IPV6_EXTHDR), &l.ipv6_exthdr.to_be_bytes());
             }
             0x0806 if l3.len() >= 28 && be16(l3, 0) == Some(1) && be16(l3, 2) == Some(0x0800) => {
-                self.set(ARP_OP, &l3[6..8]);
-                self.set(ARP_SHA, &l3[8..14]);
-                self.set(ARP_SPA, &l3[14..18]);
-                self.set(ARP_THA, &l3[18..24]);
-                self.set(ARP_TPA, &l3[24..28]);
+                self.put::<2>(at(ARP_OP), &l3[6..8]);
+                self.put::<6>(at(ARP_SHA), &l3[8..14]);
+                self.put::<4>(at(ARP_SPA), &l3[14..18]);
+                self.put::<6>(at(ARP_THA), &l3[18..24]);
+                self.put::<4>(at(ARP_TPA), &l3[24..28]);
                 return;
             }
             _ => return,
@@ -682,23 +714,23 @@ impl Key {
         let l4 = &frame[l4at..];
         match (l.ethertype, l.ip_proto) {
             (_, 6 | 17 | 132) if l4.len() >= 4 => {
-                let (src, dst) = match l.ip_proto {
-                    6 => (TCP_SRC, TCP_DST),
-                    17 => (UDP_SRC, UDP_DST),
-                    _ => (SCTP_SRC, SCTP_DST),
+                let src = match l.ip_proto {
+                    6 => at(TCP_SRC),
+                    17 => at(UDP_SRC),
+                    _ => at(SCTP_SRC),
                 };
-                self.set(src, &l4[0..2]);
-                self.set(dst, &l4[2..4]);
+                // Each protocol's source and destination ports are side by side in the key.
+                self.put::<4>(src, &l4[0..4]);
             }
             (0x0800, 1) if l4.len() >= 2 => {
-                self.set(ICMPV4_TYPE, &[l4[0]]);
-                self.set(ICMPV4_CODE, &[l4[1]]);
+                self.0[at(ICMPV4_TYPE)] = l4[0];
+                self.0[at(ICMPV4_CODE)] = l4[1];
             }
             (0x86dd, 58) if l4.len() >= 4 => {
-                self.set(ICMPV6_TYPE, &[l4[0]]);
-                self.set(ICMPV6_CODE, &[l4[1]]);
+                self.0[at(ICMPV6_TYPE)] = l4[0];
+                self.0[at(ICMPV6_CODE)] = l4[1];
                 if (l4[0] == 135 || l4[0] == 136) && l4.len() >= 24 {
-                    self.set(IPV6_ND_TARGET, &l4[8..24]);
+                    self.put::<16>(at(IPV6_ND_TARGET), &l4[8..24]);
                     let mut o = 24;
                     while o + 8 <= l4.len() {
                         let (kind, len) = (l4[o], l4[o + 1] as usize * 8);
@@ -706,10 +738,10 @@ impl Key {
                             break;
                         }
                         if len == 8 && kind == 1 && l4[0] == 135 {
-                            self.set(IPV6_ND_SLL, &l4[o + 2..o + 8]);
+                            self.put::<6>(at(IPV6_ND_SLL), &l4[o + 2..o + 8]);
                         }
                         if len == 8 && kind == 2 && l4[0] == 136 {
-                            self.set(IPV6_ND_TLL, &l4[o + 2..o + 8]);
+                            self.put::<6>(at(IPV6_ND_TLL), &l4[o + 2..o + 8]);
                         }
                         o += len;
                     }
