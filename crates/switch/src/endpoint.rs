@@ -83,9 +83,6 @@ impl Endpoint {
 /// Every 100 ms: flows past their timeouts leave (FLOW_REMOVED), ports whose link came or went
 /// are reported (PORT_STATUS).
 fn timer(shared: &Shared, stop: &AtomicBool) {
-    // What the controllers were last told of each port's link (learnt once the data path has
-    // looked: a link that was up from the start is no change).
-    let mut reported: Option<Vec<bool>> = None;
     while !stop.load(Ordering::Acquire) {
         std::thread::sleep(Duration::from_millis(100));
         let expired = {
@@ -99,23 +96,35 @@ fn timer(shared: &Shared, stop: &AtomicBool) {
         for (e, reason) in expired {
             flow_removed(shared, &e, reason);
         }
-        if !shared.ports_known.load(Ordering::Acquire) {
-            continue;
+        if shared.ports_known.load(Ordering::Acquire) {
+            report_port_changes(shared);
         }
-        let now: Vec<bool> = shared
-            .port_live
-            .iter()
-            .map(|l| l.load(Ordering::Relaxed))
-            .collect();
-        let before = reported.get_or_insert_with(|| now.clone());
+    }
+}
+
+/// Tells each controller of every port whose link differs from what it was last told
+/// (PORT_STATUS, reason MODIFY), within its asynchronous-message filter.
+fn report_port_changes(shared: &Shared) {
+    let now: Vec<bool> = shared
+        .port_live
+        .iter()
+        .map(|l| l.load(Ordering::Relaxed))
+        .collect();
+    for c in shared.connections.lock().unwrap().iter() {
+        let mut told = c.ports_told.lock().unwrap();
+        // A controller that never asked learns nothing from a change it never saw.
+        let before = told.get_or_insert_with(|| now.clone());
         for (i, &live) in now.iter().enumerate() {
-            if live != before[i] {
-                before[i] = live;
+            if live == before[i] {
+                continue;
+            }
+            before[i] = live;
+            if c.wants(Async::PortStatus, 2) {
                 let mut m = ofp::start(ofp::PORT_STATUS, 0);
                 m.push(2); // OFPPR_MODIFY
                 m.extend_from_slice(&[0; 7]);
-                port_desc(&mut m, shared, i);
-                shared.send_async(Async::PortStatus, 2, &ofp::finish(m));
+                port_desc(&mut m, shared, i, live);
+                c.post(ofp::finish(m));
             }
         }
     }
@@ -223,6 +232,7 @@ pub fn respond(shared: &Shared, mut buf: &[u8]) -> Vec<Vec<u8>> {
     let mut out = Vec::new();
     let conn = Connection::default();
     shared.applied.store(u64::MAX, Ordering::Release);
+    shared.ports_known.store(true, Ordering::Release);
     loop {
         match ofp::next_message(buf) {
             Ok(Some((m, used))) => {
@@ -396,7 +406,7 @@ fn handle(m: &Msg, shared: &Shared, conn: &Connection) -> Result<Vec<Vec<u8>>, O
             r.extend_from_slice(&[0; 4]);
             vec![ofp::finish(r)]
         }
-        ofp::MULTIPART_REQUEST => multipart(m, shared)?,
+        ofp::MULTIPART_REQUEST => multipart(m, shared, conn)?,
         _ => return Err(ofp::BAD_REQUEST_TYPE),
     })
 }
@@ -538,7 +548,7 @@ fn set_len(e: &mut [u8]) {
     e[0..2].copy_from_slice(&n.to_be_bytes());
 }
 
-fn multipart(m: &Msg, shared: &Shared) -> Result<Vec<Vec<u8>>, OfError> {
+fn multipart(m: &Msg, shared: &Shared, conn: &Connection) -> Result<Vec<Vec<u8>>, OfError> {
     let b = m.bytes;
     let kind = ofp::u16_field(b, 8)?;
     let body = b.get(16..).ok_or(ofp::BAD_REQUEST_LEN)?;
@@ -629,11 +639,25 @@ fn multipart(m: &Msg, shared: &Shared) -> Result<Vec<Vec<u8>>, OfError> {
             }
         }
         ofp::MP_PORT_DESC => {
-            for i in 0..shared.ports.len() {
+            // A controller's handshake may come before the data path first looked at the
+            // links: give it a moment, so the first answer is the truth.
+            let t = Instant::now();
+            while !shared.ports_known.load(Ordering::Acquire)
+                && t.elapsed() < Duration::from_millis(200)
+            {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            let told: Vec<bool> = shared
+                .port_live
+                .iter()
+                .map(|l| l.load(Ordering::Relaxed))
+                .collect();
+            for (i, &live) in told.iter().enumerate() {
                 let mut e = Vec::new();
-                port_desc(&mut e, shared, i);
+                port_desc(&mut e, shared, i, live);
                 r.push(&e);
             }
+            *conn.ports_told.lock().unwrap() = Some(told);
         }
         ofp::MP_QUEUE => {}
         ofp::MP_GROUP | ofp::MP_GROUP_DESC => {
@@ -780,10 +804,9 @@ fn group_stats(g: &group::Group, s: &State, now: u64) -> Vec<u8> {
     e
 }
 
-/// `ofp_port` of port index `i` (state: live when its output link exists).
-fn port_desc(r: &mut Vec<u8>, shared: &Shared, i: usize) {
+/// `ofp_port` of port index `i`, its link up (`live`: its output link exists) or down.
+fn port_desc(r: &mut Vec<u8>, shared: &Shared, i: usize, live: bool) {
     let no = i as u32 + 1;
-    let live = shared.port_live[i].load(Ordering::Relaxed);
     r.extend_from_slice(&no.to_be_bytes());
     r.extend_from_slice(&[0; 4]);
     r.extend_from_slice(&[0x02, 0, 0, 0, (no >> 8) as u8, no as u8]);
@@ -979,6 +1002,44 @@ mod tests {
                 assert_eq!(u16::from_be_bytes([r[2], r[3]]) as usize, r.len());
             }
         }
+    }
+
+    /// A controller told a port was down at its handshake hears when the link comes up, even
+    /// if the data path first looked after that handshake; one that connects later is not told
+    /// of changes from before it came.
+    #[test]
+    fn each_controller_hears_the_link_changes_it_did_not_see() {
+        let shared = Shared::new("t", &["a".into(), "b".into()], 1);
+        shared.ports_known.store(true, Ordering::Release);
+        let asked = Arc::new(Connection::default());
+        let silent = Arc::new(Connection::default());
+        shared
+            .connections
+            .lock()
+            .unwrap()
+            .extend([asked.clone(), silent.clone()]);
+        let mut req = ofp::start(ofp::MULTIPART_REQUEST, 3);
+        req.extend_from_slice(&ofp::MP_PORT_DESC.to_be_bytes());
+        req.extend_from_slice(&[0; 6]);
+        let req = ofp::finish(req);
+        let (m, _) = ofp::next_message(&req).unwrap().unwrap();
+        handle(&m, &shared, &asked).unwrap();
+        report_port_changes(&shared);
+        assert!(asked.outbox.lock().unwrap().is_empty());
+        // The data path now sees port 2's link.
+        shared.port_live[1].store(true, Ordering::Relaxed);
+        report_port_changes(&shared);
+        let out: Vec<Vec<u8>> = asked.outbox.lock().unwrap().drain(..).collect();
+        assert_eq!(out.len(), 1);
+        assert_eq!((out[0][1], out[0][8]), (ofp::PORT_STATUS, 2));
+        assert_eq!(&out[0][16..20], &2u32.to_be_bytes());
+        // Its state word says live (OFPPS_LIVE).
+        assert_eq!(&out[0][16 + 36..16 + 40], &4u32.to_be_bytes());
+        let late = Arc::new(Connection::default());
+        shared.connections.lock().unwrap().push(late.clone());
+        report_port_changes(&shared);
+        assert!(late.outbox.lock().unwrap().is_empty());
+        assert!(asked.outbox.lock().unwrap().is_empty());
     }
 
     #[test]

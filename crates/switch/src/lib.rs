@@ -124,6 +124,9 @@ pub struct Connection {
     /// SET_ASYNC masks: [packet-in, port-status, flow-removed] × [master/equal, slave].
     pub async_masks: Mutex<[[u32; 2]; 3]>,
     pub dropped: AtomicU64,
+    /// Each port's link as this controller was last told (PORT_DESC, PORT_STATUS); `None`
+    /// until it asked or the data path first looked.
+    pub ports_told: Mutex<Option<Vec<bool>>>,
 }
 
 /// Messages waiting for a controller that does not read them are dropped past this.
@@ -137,12 +140,13 @@ impl Default for Connection {
             // §6.1.1: by default a slave gets only port status.
             async_masks: Mutex::new([[0b11, 0], [0b111, 0b111], [0b1111, 0]]),
             dropped: AtomicU64::new(0),
+            ports_told: Mutex::new(None),
         }
     }
 }
 
 impl Connection {
-    fn wants(&self, kind: Async, reason: u8) -> bool {
+    pub fn wants(&self, kind: Async, reason: u8) -> bool {
         let slave = self.role.load(Ordering::Relaxed) == ROLE_SLAVE;
         let masks = self.async_masks.lock().unwrap();
         masks[kind as usize][slave as usize] & (1 << reason) != 0
