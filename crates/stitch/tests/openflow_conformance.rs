@@ -33,23 +33,54 @@ fn conformance(folders: &str, extra: &[&str]) {
         text,
         String::from_utf8_lossy(&out.stderr)
     );
-    // Every folder ran cases (an empty run would "pass").
+    // Every folder or file ran cases (an empty run would "pass").
     for folder in folders.split(',') {
         let line = summary
             .iter()
             .find(|l| l.starts_with(&format!("== {folder}:")))
             .unwrap_or_else(|| panic!("no results for {folder}:\n{text}"));
         let passed: u32 = line.split_whitespace().nth(2).unwrap().parse().unwrap();
-        assert!(passed > 10, "{line}");
+        assert!(passed >= 2, "{line}");
     }
 }
 
-/// Match fields and actions (940 cases, each a packet through the switch compared byte for
-/// byte with the tool's expectation, a PACKET_IN, or table statistics), then groups and meters
-/// (rates measured at the tester, ±10 %). One run after the other: the throughput cases want
-/// the cores. They run 6 s each here instead of the tool's 30 (`scripts/of13-conformance`
-/// runs them whole).
+/// The tool's case files, where os-ken keeps them.
+fn cases_dir() -> String {
+    let out = Command::new("python3")
+        .args([
+            "-c",
+            "import os, os_ken; print(os.path.dirname(os_ken.__file__))",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "os-ken is needed: scripts/install-deps installs it"
+    );
+    format!(
+        "{}/tests/switch/of13",
+        String::from_utf8_lossy(&out.stdout).trim()
+    )
+}
+
+/// Every match-field and action case (940, each a packet through the switch compared byte for
+/// byte with the tool's expectation, a PACKET_IN, or table statistics), then throughput cases
+/// of groups and meters at the tool's own 30 s (rates measured at the tester, ±10 %): all and
+/// weighted-select groups, drop meters in kbit/s and in packets/s. The tool's measurement
+/// window includes its statistics round trips, so shorter cases read rates low; the remaining
+/// group and meter files (another 20 minutes) run with `scripts/of13-conformance`.
 #[test]
 fn os_ken_switch_tester_cases_pass() {
-    conformance("match,action,group,meter", &["--duration", "6"]);
+    conformance("match,action", &[]);
+    let dir = cases_dir();
+    let files: Vec<String> = [
+        "group/00_ALL.json",
+        "group/01_SELECT_Weight_IP.json",
+        "meter/01_DROP_00_KBPS_01_10M.json",
+        "meter/01_DROP_01_PKTPS_01_1000.json",
+    ]
+    .iter()
+    .map(|f| format!("{dir}/{f}"))
+    .collect();
+    conformance(&files.join(","), &[]);
 }
