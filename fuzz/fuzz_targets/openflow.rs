@@ -8,21 +8,12 @@
 use libfuzzer_sys::fuzz_target;
 use stitch_switch::{endpoint, ofp, Shared};
 
-const KINDS: [u8; 7] = [
-    ofp::FLOW_MOD,
-    ofp::GROUP_MOD,
-    ofp::METER_MOD,
-    ofp::PACKET_OUT,
-    ofp::ROLE_REQUEST,
-    ofp::SET_ASYNC,
-    ofp::MULTIPART_REQUEST,
-];
-
 fn framed(data: &[u8]) -> Vec<u8> {
     let Some((&pick, body)) = data.split_first() else {
         return Vec::new();
     };
-    let mut m = ofp::start(KINDS[pick as usize % KINDS.len()], 1);
+    let kinds = ofp::PIPELINE_MESSAGES;
+    let mut m = ofp::start(kinds[pick as usize % kinds.len()], 1);
     m.extend_from_slice(&body[..body.len().min(65000)]);
     ofp::finish(m)
 }

@@ -567,17 +567,7 @@ impl DataPath {
         oxm::write_match(&mut m, &oxm::Match::from_fields(&fields));
         m.extend_from_slice(&[0, 0]);
         m.extend_from_slice(&data[..n]);
-        let m = ofp::finish(m);
-        let conns = shared.connections.lock().unwrap();
-        let mut delivered = false;
-        for c in conns.iter() {
-            if c.wants(Async::PacketIn, reason) {
-                let before = c.dropped.load(Ordering::Relaxed);
-                c.post(m.clone());
-                delivered |= c.dropped.load(Ordering::Relaxed) == before;
-            }
-        }
-        if delivered {
+        if shared.send_async(Async::PacketIn, reason, &ofp::finish(m)) {
             self.tally.packet_ins += 1;
         } else {
             self.tally.packet_in_drops += 1;

@@ -973,17 +973,10 @@ mod tests {
             respond(&shared, &fm).is_empty(),
             "the valid FLOW_MOD is taken"
         );
-        let kinds = [
-            ofp::FLOW_MOD,
-            ofp::GROUP_MOD,
-            ofp::METER_MOD,
-            ofp::PACKET_OUT,
-            ofp::ROLE_REQUEST,
-            ofp::SET_ASYNC,
-            ofp::MULTIPART_REQUEST,
-            ofp::PORT_MOD,
-            ofp::TABLE_MOD,
-        ];
+        let kinds: Vec<u8> = ofp::PIPELINE_MESSAGES
+            .into_iter()
+            .chain([ofp::PORT_MOD, ofp::TABLE_MOD])
+            .collect();
         for round in 0..20_000 {
             let msg = if round % 2 == 0 {
                 let mut m = ofp::start(kinds[round % kinds.len()], 1);

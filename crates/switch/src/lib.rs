@@ -152,12 +152,15 @@ impl Connection {
         masks[kind as usize][slave as usize] & (1 << reason) != 0
     }
 
-    pub fn post(&self, msg: Vec<u8>) {
+    /// Queues `msg` for this controller; false (and counted) when its outbox is full.
+    pub fn post(&self, msg: Vec<u8>) -> bool {
         let mut q = self.outbox.lock().unwrap();
         if q.len() < OUTBOX_LIMIT {
             q.push_back(msg);
+            true
         } else {
             self.dropped.fetch_add(1, Ordering::Relaxed);
+            false
         }
     }
 }
@@ -229,13 +232,16 @@ impl Shared {
         self.version.fetch_add(1, Ordering::Release);
     }
 
-    /// Sends an asynchronous message to every controller whose role and filters take it.
-    pub fn send_async(&self, kind: Async, reason: u8, msg: &[u8]) {
+    /// Sends an asynchronous message to every controller whose role and filters take it;
+    /// whether at least one queued it.
+    pub fn send_async(&self, kind: Async, reason: u8, msg: &[u8]) -> bool {
+        let mut delivered = false;
         for c in self.connections.lock().unwrap().iter() {
             if c.wants(kind, reason) {
-                c.post(msg.to_vec());
+                delivered |= c.post(msg.to_vec());
             }
         }
+        delivered
     }
 }
 

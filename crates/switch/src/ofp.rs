@@ -36,6 +36,17 @@ pub const GET_ASYNC_REPLY: u8 = 27;
 pub const SET_ASYNC: u8 = 28;
 pub const METER_MOD: u8 = 29;
 
+/// The controller messages that change or read the pipeline, with bodies worth fuzzing.
+pub const PIPELINE_MESSAGES: [u8; 7] = [
+    FLOW_MOD,
+    GROUP_MOD,
+    METER_MOD,
+    PACKET_OUT,
+    ROLE_REQUEST,
+    SET_ASYNC,
+    MULTIPART_REQUEST,
+];
+
 pub const MP_DESC: u16 = 0;
 pub const MP_FLOW: u16 = 1;
 pub const MP_AGGREGATE: u16 = 2;

@@ -629,9 +629,7 @@ impl Key {
     #[inline]
     pub fn extract(frame: &[u8], in_port: u32) -> Key {
         let mut k = Key::default();
-        k.put::<4>(at(IN_PORT), &in_port.to_be_bytes());
-        k.put::<4>(at(IN_PHY_PORT), &in_port.to_be_bytes());
-        k.fill(frame, &layout(frame));
+        k.reset(frame, in_port);
         k
     }
 
