@@ -251,6 +251,8 @@ impl DataPath {
         io: &mut Io,
     ) {
         let mut set: Option<ActionSet> = None;
+        // The entry the packet last met: a packet-in names its table and cookie.
+        let mut origin: Origin;
         loop {
             let entries = &snap.tables[table];
             self.lookups[table] += 1;
@@ -279,7 +281,7 @@ impl DataPath {
                     Verdict::Pass | Verdict::Remark(_) => {}
                 }
             }
-            let origin = Origin {
+            origin = Origin {
                 table: table as u8,
                 cookie: e.cookie,
                 table_miss: e.is_table_miss(),
@@ -308,11 +310,6 @@ impl DataPath {
             // Tables after 0 are at most 63, checked when the entry was added.
         }
         if let Some(set) = set {
-            let origin = Origin {
-                table: table as u8,
-                cookie: snap.tables[table].first().map_or(u64::MAX, |e| e.cookie),
-                table_miss: false,
-            };
             self.run_set(p, *key, &set, origin, snap, shared, io, 0);
         }
     }
