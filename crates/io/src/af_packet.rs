@@ -299,8 +299,11 @@ fn open(c: &AfPacketConfig) -> Result<(OwnedFd, Mapping, usize), String> {
             "interface `{name}` is down (ip link set {name} up)"
         ));
     }
+    // Protocol 0 until the bind below: a socket opened for ETH_P_ALL receives every
+    // interface's frames at once, and those that arrive while the rings are set up would leave
+    // through this graph (as libpcap does, the protocol is given with the interface).
     let proto = (libc::ETH_P_ALL as u16).to_be();
-    let fd = packet_socket(proto)?;
+    let fd = packet_socket(0)?;
     let raw = fd.as_raw_fd();
     let sol = libc::SOL_PACKET;
     let opt = |what: &str, r: std::io::Result<()>| {
@@ -344,6 +347,13 @@ fn open(c: &AfPacketConfig) -> Result<(OwnedFd, Mapping, usize), String> {
     opt(
         "PACKET_QDISC_BYPASS",
         setsockopt(raw, sol, libc::PACKET_QDISC_BYPASS, &1i32),
+    )?;
+    // Without it a frame the kernel refuses (too long for the interface, a virtio-net header
+    // it rejects) stays marked WRONG_FORMAT at the kernel's transmit head, and the kernel sends
+    // nothing after it until the ring wraps round to it: one bad frame would silence the port.
+    opt(
+        "PACKET_LOSS",
+        setsockopt(raw, sol, libc::PACKET_LOSS, &1i32),
     )?;
     let tx = (
         TX_BLOCK_SIZE,

@@ -331,3 +331,44 @@ fn af_xdp_serves_several_queues() {
     assert!(q0 > 0 && q1 > 0, "both queues carried traffic: {c}");
     assert!(q0 + q1 >= n as u64, "{c}");
 }
+
+/// An `af_packet` app carries only its own interface's frames, from its first breath: frames
+/// of other interfaces that pass while its rings are set up (here a ping flood on a third
+/// veth pair) never enter the graph. Before the socket was given its protocol only with the
+/// interface, such frames leaked in, and one the kernel refused to send stopped the port.
+#[test]
+fn af_packet_takes_no_frames_of_other_interfaces_while_it_starts() {
+    require_root_and_tools(&["ping"]);
+    let h = TwoHosts::new();
+    let noise = TwoHosts::new();
+    must(&format!(
+        "ip addr add {}/24 dev {}",
+        noise.ip[1], noise.outer[0]
+    ));
+    let flood = Background(
+        std::process::Command::new("ping")
+            .args(["-f", "-q", "-s", "1200", &noise.ip[0]])
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    for _ in 0..3 {
+        let s = cross_connect("af_packet", &h, "");
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        let stats = s.stop();
+        // Nothing crossed: the two hosts are quiet (IPv6 autoconfiguration at most).
+        for (app, host) in [("a", 0), ("b", 1)] {
+            let a = common::app(&stats, app);
+            assert!(
+                a["tx_bytes"].as_u64().unwrap() < 2000,
+                "{app} took frames that {} did not send: {a}",
+                h.ns[host]
+            );
+        }
+    }
+    let s = cross_connect("af_packet", &h, "");
+    ping_works(&h);
+    drop(flood);
+    s.stop();
+}
