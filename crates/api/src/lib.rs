@@ -111,6 +111,8 @@ pub struct ApiConfig {
 /// each read-modify-apply of the graph one step.
 pub struct Api {
     engine: Arc<Engine>,
+    /// The graph as given, and what runs beside the engine (function processes).
+    placements: stitch_place::Placements,
     rates: Mutex<Rates>,
     changes: Mutex<()>,
     graph_file: Option<PathBuf>,
@@ -121,20 +123,47 @@ pub struct Api {
 
 impl Api {
     pub fn new(engine: Arc<Engine>, graph_file: Option<PathBuf>) -> Api {
+        Api::for_instance(engine, graph_file, "stitch", "")
+    }
+
+    /// The API of instance `name` (as `--name` gives it, what it writes into captures), whose
+    /// function processes' cgroups are named after `key` (empty: it places no processes).
+    pub fn for_instance(
+        engine: Arc<Engine>,
+        graph_file: Option<PathBuf>,
+        name: &str,
+        key: &str,
+    ) -> Api {
         Api {
+            placements: stitch_place::Placements::new(engine.clone(), key),
             engine,
             rates: Mutex::new(Rates::default()),
             changes: Mutex::new(()),
             graph_file,
-            instance: "stitch".into(),
+            instance: name.into(),
             captures: Default::default(),
         }
     }
 
-    /// Names the instance (as `--name` does), for what it writes into captures.
-    pub fn with_instance(mut self, name: &str) -> Api {
-        self.instance = name.to_string();
-        self
+    /// The engine and what is placed beside it.
+    pub fn placements(&self) -> &stitch_place::Placements {
+        &self.placements
+    }
+
+    /// Applies `graph` by diff through the placements; an entry the placements refuse is an
+    /// error at its line of `text` (`None`: the API's own rendering, whose lines mean nothing).
+    fn place(&self, graph: Graph, file: &str, text: Option<&str>) -> Result<ApplyReport, ApiError> {
+        self.placements.apply(graph).map_err(|e| match e {
+            stitch_place::PlaceError::Engine(e) => e.into(),
+            stitch_place::PlaceError::Graph(errors) => ApiError::bad_graph(
+                stitch_core::graph::GraphErrors {
+                    file: file.to_string(),
+                    text: text.unwrap_or_default().to_string(),
+                    errors,
+                },
+                text.is_some(),
+            ),
+        })
     }
 
     pub fn engine(&self) -> &Engine {
@@ -151,12 +180,29 @@ impl Api {
     }
 
     /// Counters with per-second rates, as the API and `stitch stats` show them.
+    /// Counters and rates, every app with its placement (and a process app's supervision
+    /// state: running, restarts, last exit).
     pub fn stats_json(&self, stats: &Stats) -> Value {
-        rates::stats_json(stats, &self.rates.lock().unwrap())
+        let mut v = rates::stats_json(stats, &self.rates.lock().unwrap());
+        let graph = self.placements.graph();
+        if let Some(apps) = v["apps"].as_array_mut() {
+            for a in apps {
+                let name = a["name"].as_str().unwrap_or_default().to_string();
+                let placement = graph
+                    .as_ref()
+                    .and_then(|g| g.apps.get(&name).map(|d| d.placement))
+                    .unwrap_or_default();
+                a["placement"] = json!(placement.name());
+                if let Some(p) = self.placements.process(&name) {
+                    a["process"] = p;
+                }
+            }
+        }
+        v
     }
 
     fn running_graph(&self) -> Result<Graph, ApiError> {
-        self.engine
+        self.placements
             .graph()
             .ok_or_else(|| ApiError::new(409, "no graph is running"))
     }
@@ -181,11 +227,15 @@ impl Api {
         let _one_change = self.changes.lock().unwrap();
         let base = match base_dir {
             Some(d) => d.to_path_buf(),
-            None => self.engine.graph().map(|g| g.base_dir).unwrap_or_default(),
+            None => self
+                .placements
+                .graph()
+                .map(|g| g.base_dir)
+                .unwrap_or_default(),
         };
         let g = Graph::parse(text, file, &base, self.engine.registry())
             .map_err(|e| ApiError::bad_graph(e, true))?;
-        Ok(self.engine.apply(g)?)
+        self.place(g, file, Some(text))
     }
 
     /// Re-reads the graph file the instance was started with and applies it by diff.
@@ -219,7 +269,7 @@ impl Api {
         let text = serde_json::to_string_pretty(&doc).expect("a document serializes");
         let g = Graph::parse(&text, what, &graph.base_dir, self.engine.registry())
             .map_err(|e| ApiError::bad_graph(e, false))?;
-        Ok(self.engine.apply(g)?)
+        self.place(g, what, None)
     }
 
     /// Adds app `name` or replaces its entry; true when it is new.
@@ -320,7 +370,14 @@ impl Api {
             .and_then(|a| a.iter().find(|x| x["name"] == name))
             .cloned()
             .unwrap_or(Value::Null);
-        Ok(json!({ "name": name, "entry": entry, "stats": counters }))
+        let placed = self.placements.status(name);
+        Ok(json!({
+            "name": name,
+            "entry": entry,
+            "stats": counters,
+            "placement": placed["placement"],
+            "process": placed["process"],
+        }))
     }
 
     /// An app's own tables and commands (bridge MAC table, routes, NAT mappings, ...).
@@ -334,6 +391,12 @@ impl Api {
             .and_then(Value::as_str);
         if let Some(reason) = refusal {
             return Err(ApiError::new(400, reason));
+        }
+        if let (Some(process), Some(o)) = (self.placements.process(name), answer.as_object()) {
+            let mut o = o.clone();
+            o.insert("placement".into(), json!("process"));
+            o.insert("process".into(), process);
+            return Ok(Value::Object(o));
         }
         if answer.is_null() {
             let kind = self

@@ -394,15 +394,15 @@ impl Engine {
         if let Some(a) = graph
             .apps
             .values()
-            .find(|a| a.placement == crate::graph::Placement::Kernel)
+            .find(|a| a.placement != crate::graph::Placement::Engine)
         {
             return Err(EngineError::Config {
                 app: a.name.clone(),
                 message: format!(
-                    "line {}: `placement: kernel` apps run in the kernel's data plane: install \
-                     the graph with `stitch kernel apply FILE`, or remove `placement: kernel` to \
-                     run it here",
-                    a.line
+                    "line {}: the engine runs `placement: engine` apps; a `placement: {}` app \
+                     is placed beside it (`stitch run` does that, or `stitch kernel apply` for \
+                     a kernel-only graph)",
+                    a.line, a.placement
                 ),
             });
         }

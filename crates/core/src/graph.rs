@@ -60,23 +60,44 @@ pub struct WorkerConfig {
     pub core: Option<usize>,
 }
 
-/// Where an app runs: in Stitch's userspace engine (`stitch run`) or as an eBPF program in
-/// the kernel's data plane (`stitch kernel apply`). Set per app with `placement:`, or for the
-/// whole file with a top-level `placement:`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, serde::Serialize)]
+/// Where an app runs: in Stitch's engine, as an eBPF program in the kernel's data plane, as a
+/// function process Stitch starts and supervises, or in a VM. Set per app with `placement:`,
+/// or for the whole file with a top-level `placement:`. The engine runs only `engine` apps;
+/// what places the others sits beside it (`stitch-place`, `stitch kernel apply`).
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Deserialize, serde::Serialize,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum Placement {
     #[default]
-    Userspace,
+    #[serde(alias = "userspace")]
+    Engine,
     Kernel,
+    Process,
+    Vm,
+}
+
+impl Placement {
+    pub const ALL: [Placement; 4] = [
+        Placement::Engine,
+        Placement::Kernel,
+        Placement::Process,
+        Placement::Vm,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Placement::Engine => "engine",
+            Placement::Kernel => "kernel",
+            Placement::Process => "process",
+            Placement::Vm => "vm",
+        }
+    }
 }
 
 impl fmt::Display for Placement {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Placement::Userspace => "userspace",
-            Placement::Kernel => "kernel",
-        })
+        f.write_str(self.name())
     }
 }
 
@@ -294,7 +315,7 @@ impl Graph {
             if a.worker != MAIN_WORKER {
                 entry.insert("worker".into(), json!(a.worker));
             }
-            if a.placement != Placement::Userspace {
+            if a.placement != Placement::Engine {
                 entry.insert("placement".into(), json!(a.placement));
             }
             if let Value::Object(c) = &a.config {
@@ -347,10 +368,12 @@ impl Graph {
 
 fn parse_placement(v: &serde_json::Value) -> Result<Placement, String> {
     match v.as_str() {
-        Some("userspace") => Ok(Placement::Userspace),
-        Some("kernel") => Ok(Placement::Kernel),
-        _ => Err(format!("`{v}` is neither `userspace` nor `kernel`")),
+        // `userspace` is the engine's name before processes and VMs were placements.
+        Some("userspace") => Ok(Placement::Engine),
+        Some(s) => Placement::ALL.into_iter().find(|p| p.name() == s).ok_or(()),
+        None => Err(()),
     }
+    .map_err(|()| format!("`{v}` is none of `engine`, `kernel`, `process`, `vm`"))
 }
 
 fn err(errors: &mut Vec<GraphError>, (line, column): (usize, usize), message: String) {
@@ -407,10 +430,10 @@ fn parse_inner(
     }
 
     let default_placement = match &raw.placement {
-        None => Placement::Userspace,
+        None => Placement::Engine,
         Some(v) => parse_placement(&v.value).unwrap_or_else(|m| {
             err(errors, loc(v), format!("placement: {m}"));
-            Placement::Userspace
+            Placement::Engine
         }),
     };
     let mut apps: IndexMap<String, AppDecl> = IndexMap::new();
@@ -458,6 +481,11 @@ fn parse_inner(
                 }
             }
         }
+        let kind = kind.or_else(|| {
+            registry
+                .default_type(placement)
+                .map(|t| (t.to_string(), at))
+        });
         let Some((kind, kind_at)) = kind else {
             err(
                 errors,

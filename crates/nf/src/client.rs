@@ -96,11 +96,35 @@ fn map_channel(fd: &OwnedFd) -> io::Result<(Mapping, RingView)> {
     Ok((map, ring))
 }
 
+/// The socket and port Stitch gave a process it started, if it did.
+pub fn env_port() -> Option<(std::path::PathBuf, String)> {
+    let socket = std::env::var_os(crate::function::ENV_SOCKET)?;
+    let port = std::env::var(crate::function::ENV_PORT).ok()?;
+    Some((socket.into(), port))
+}
+
 fn invalid(msg: impl Into<String>) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, msg.into())
 }
 
 impl Function {
+    /// Attaches to the port Stitch named when it started this process (`placement: process`):
+    /// the socket and port in `STITCH_NF_SOCKET` and `STITCH_NF_PORT`.
+    pub fn attach_from_env() -> io::Result<Function> {
+        let (socket, port) = env_port().ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::NotFound,
+                format!(
+                    "{} and {} are not set: name the port (and --socket), or let Stitch start \
+                     this function (placement: process)",
+                    crate::function::ENV_SOCKET,
+                    crate::function::ENV_PORT
+                ),
+            )
+        })?;
+        Function::attach(socket, &port)
+    }
+
     /// Connects to `socket` and takes port `port`.
     pub fn attach(socket: impl AsRef<Path>, port: &str) -> io::Result<Function> {
         let socket = socket.as_ref();

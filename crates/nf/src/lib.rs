@@ -2,6 +2,8 @@
 //! shared memory — VPP's memif is the model for the attach protocol.
 //!
 //! - [`port`]: the `nf_port` app on Stitch's side.
+//! - [`function`]: the `function` app, a port whose process Stitch starts and supervises
+//!   (`placement: process`).
 //! - [`client`]: the library a function links (Rust); the binaries `stitch-nf-signature` and
 //!   `stitch-nf-firewall` are examples built on it.
 //! - [`shm`]: the shared region and its rings, the one layout both sides read.
@@ -12,10 +14,12 @@
 pub mod client;
 pub mod direct;
 pub mod ffi;
+pub mod function;
 pub mod listener;
 pub mod port;
 pub mod shm;
 
+use stitch_core::graph::Placement;
 use stitch_core::{AppType, Registry};
 
 pub fn register(r: &mut Registry) {
@@ -23,4 +27,9 @@ pub fn register(r: &mut Registry) {
         "nf_port",
         "a network function in another process, over shared-memory rings (zero-copy or isolated, polling or blocking)",
     ));
+    r.register(AppType::of::<function::FunctionPort>(
+        "function",
+        "a function process Stitch starts from `command`, attaches through an nf_port, restarts when it dies and limits (placement: process)",
+    ));
+    r.set_default_type(Placement::Process, "function");
 }

@@ -55,6 +55,36 @@ impl Instance {
             .unwrap_or_else(|| stitch_api::socket_path(&self.name))
     }
 
+    /// What the instance's resources on the host (function cgroups) are named after: its name,
+    /// or with `--control`, the socket's path (which only one live instance can hold).
+    fn key(&self) -> String {
+        match &self.control {
+            None => self.name.clone(),
+            Some(p) => {
+                let path = std::path::absolute(p).unwrap_or_else(|_| p.clone());
+                let flat: String = path
+                    .display()
+                    .to_string()
+                    .chars()
+                    .map(|c| {
+                        if c.is_ascii_alphanumeric() || c == '.' || c == '-' {
+                            c
+                        } else {
+                            '_'
+                        }
+                    })
+                    .collect();
+                flat.chars()
+                    .rev()
+                    .take(200)
+                    .collect::<Vec<_>>()
+                    .into_iter()
+                    .rev()
+                    .collect()
+            }
+        }
+    }
+
     fn get(&self, path: &str) -> Result<serde_json::Value> {
         stitch_api::client::json(&self.socket(), Method::GET, path, None)
     }
@@ -193,6 +223,16 @@ fn run_cli(cli: Cli) -> Result<()> {
     match cli.cmd {
         Cmd::Check { file } => {
             let g = load(&file, &registry())?;
+            stitch_place::check(&g).map_err(|errors| {
+                anyhow::anyhow!(
+                    "{}",
+                    stitch_core::graph::GraphErrors {
+                        file: file.display().to_string(),
+                        text: std::fs::read_to_string(&file).unwrap_or_default(),
+                        errors,
+                    }
+                )
+            })?;
             println!(
                 "{}: ok ({} apps, {} links, {} workers)",
                 file.display(),
@@ -361,15 +401,26 @@ fn run(
         graph_file: Some(std::path::absolute(file)?),
     };
     let engine = Arc::new(Engine::new(registry));
-    let api = Arc::new(
-        stitch_api::Api::new(engine.clone(), config.graph_file.clone())
-            .with_instance(&instance.name),
-    );
+    let api = Arc::new(stitch_api::Api::for_instance(
+        engine.clone(),
+        config.graph_file.clone(),
+        &instance.name,
+        &instance.key(),
+    ));
     // Listeners first: a busy port or a missing certificate is an error before anything runs.
     let server = stitch_api::Server::start(api.clone(), &config)?;
-    let report = engine
-        .apply(graph)
-        .map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
+    api.placements().clean_after_crash();
+    let report = api.placements().apply(graph).map_err(|e| match e {
+        stitch_place::PlaceError::Graph(errors) => anyhow::anyhow!(
+            "{}",
+            stitch_core::graph::GraphErrors {
+                file: file.display().to_string(),
+                text: std::fs::read_to_string(file).unwrap_or_default(),
+                errors,
+            }
+        ),
+        e => anyhow::anyhow!("{}: {e}", file.display()),
+    })?;
     log::info!(
         "running {} ({} apps); API on {}",
         file.display(),
@@ -421,7 +472,7 @@ fn run(
         started.elapsed().as_secs_f64()
     );
     server.shutdown();
-    let stats = engine.stop();
+    let stats = api.placements().stop();
     let v = api.stats_json(&stats);
     if as_json {
         println!("{}", serde_json::to_string_pretty(&v)?);

@@ -2,7 +2,8 @@
 //! the rest, drops what does not parse.
 //!
 //! `stitch-nf-firewall [--socket PATH] PORT [--drop-proto udp|tcp|icmp] [--drop-dport N]…`
-//! Rules combine: `--drop-proto udp --drop-dport 53` drops UDP to port 53 only.
+//! Rules combine: `--drop-proto udp --drop-dport 53` drops UDP to port 53 only. Started by
+//! Stitch (`placement: process`), it takes its socket and port from the environment.
 
 use stitch_nf::client::{Function, Verdict};
 use stitch_wire::flow;
@@ -14,8 +15,11 @@ struct Rule {
 
 fn main() {
     let mut args = std::env::args().skip(1);
-    let mut socket = stitch_nf::port::default_socket();
-    let mut port = None;
+    let from_env = stitch_nf::client::env_port();
+    let mut socket = from_env
+        .as_ref()
+        .map_or_else(stitch_nf::port::default_socket, |(s, _)| s.clone());
+    let mut port = from_env.map(|(_, p)| p);
     let mut proto = None;
     let mut dports = Vec::new();
     while let Some(a) = args.next() {

@@ -15,8 +15,12 @@ fn signature(bytes: &[u8]) -> u64 {
 
 fn main() {
     let mut args = std::env::args().skip(1);
-    let mut socket = stitch_nf::port::default_socket();
-    let mut ports = Vec::new();
+    // Started by Stitch (`placement: process`): its socket and port come from the environment.
+    let from_env = stitch_nf::client::env_port();
+    let mut socket = from_env
+        .as_ref()
+        .map_or_else(stitch_nf::port::default_socket, |(s, _)| s.clone());
+    let mut ports: Vec<String> = from_env.map(|(_, p)| p).into_iter().collect();
     let mut thread_per_port = false;
     while let Some(a) = args.next() {
         match a.as_str() {

@@ -1,0 +1,146 @@
+//! `function`: a function process Stitch starts, attaches and supervises (`placement: process`).
+//!
+//! On the engine's side it is an [`NfPort`] named after the app; the command, its environment
+//! and its limits are read by whatever supervises processes beside the engine (`stitch-place`),
+//! which starts the command with [`ENV_SOCKET`] and [`ENV_PORT`] set, so a function built on
+//! [`crate::client::Function::attach_from_env`] needs no arguments.
+//!
+//! ```yaml
+//! apps:
+//!   fw:
+//!     placement: process
+//!     command: [stitch-nf-firewall, --drop-proto, udp]
+//!     env: { RUST_LOG: info }
+//!     memory_mb: 64       # cgroup memory limit
+//!     cpu: 0.5            # cgroup CPU quota, in CPUs
+//!     mode: isolated      # the nf_port settings: mode, wake, batch, max_delay_us, ring_size, buffer_size
+//! ```
+
+use crate::port::{Mode, NfPort, NfPortConfig, Wake};
+use indexmap::IndexMap;
+use serde::Deserialize;
+use std::path::PathBuf;
+use std::time::Instant;
+use stitch_core::app::{AppContext, AppError, Io, PortSpec, Reconfigured};
+use stitch_core::App;
+
+/// The attach socket a supervised function connects to.
+pub const ENV_SOCKET: &str = "STITCH_NF_SOCKET";
+/// The port a supervised function asks for.
+pub const ENV_PORT: &str = "STITCH_NF_PORT";
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct FunctionConfig {
+    /// The program and its arguments. A program without a `/` is looked for beside the
+    /// `stitch` binary first (Stitch's own functions), then on `PATH`.
+    pub command: Vec<String>,
+    /// Variables added to the function's environment.
+    #[serde(default)]
+    pub env: IndexMap<String, String>,
+    /// The user the function runs as (default: Stitch's).
+    #[serde(default)]
+    pub user: Option<String>,
+    /// CPU quota, in CPUs (0.5: half of one), enforced by a cgroup.
+    #[serde(default)]
+    pub cpu: Option<f64>,
+    /// Memory limit in MiB, enforced by a cgroup.
+    #[serde(default)]
+    pub memory_mb: Option<u64>,
+    /// Attach socket (default: `/run/stitch/nf.sock` for root).
+    #[serde(default)]
+    pub socket: Option<PathBuf>,
+    #[serde(default)]
+    pub mode: Mode,
+    #[serde(default)]
+    pub wake: Wake,
+    #[serde(default)]
+    pub batch: Option<u32>,
+    #[serde(default)]
+    pub max_delay_us: Option<u64>,
+    #[serde(default)]
+    pub ring_size: Option<u32>,
+    #[serde(default)]
+    pub buffer_size: Option<u32>,
+}
+
+impl FunctionConfig {
+    /// The port's settings, the `nf_port` defaults where the entry gives none.
+    pub fn port_config(&self) -> NfPortConfig {
+        let mut c: NfPortConfig =
+            serde_json::from_value(serde_json::json!({})).expect("nf_port has defaults");
+        c.socket = self.socket.clone();
+        c.mode = self.mode;
+        c.wake = self.wake;
+        c.batch = self.batch.unwrap_or(c.batch);
+        c.max_delay_us = self.max_delay_us.unwrap_or(c.max_delay_us);
+        c.ring_size = self.ring_size.unwrap_or(c.ring_size);
+        c.buffer_size = self.buffer_size.unwrap_or(c.buffer_size);
+        c
+    }
+
+    /// What the entry asks of the process, checked without touching the system.
+    fn check(&self) -> Result<(), String> {
+        match self.command.first() {
+            None => return Err("`command` names no program".into()),
+            Some(p) if p.is_empty() => return Err("`command`'s program is empty".into()),
+            _ => {}
+        }
+        if let Some(cpu) = self.cpu {
+            if !(cpu > 0.0 && cpu <= 1024.0) {
+                return Err(format!("cpu {cpu}: give a share of CPUs above 0, like 0.5"));
+            }
+        }
+        if self.memory_mb == Some(0) {
+            return Err("memory_mb 0: give a limit in MiB, like 64".into());
+        }
+        if let Some(k) = self.env.keys().find(|k| k.is_empty() || k.contains('=')) {
+            return Err(format!("env: `{k}` is not a variable name"));
+        }
+        Ok(())
+    }
+}
+
+/// The engine's side of a supervised function: its port.
+pub struct FunctionPort(NfPort);
+
+impl App for FunctionPort {
+    type Config = FunctionConfig;
+
+    fn declare(c: &FunctionConfig) -> Result<PortSpec, AppError> {
+        c.check()?;
+        NfPort::declare(&c.port_config())
+    }
+
+    fn new(c: FunctionConfig, ctx: &mut AppContext) -> Result<Self, AppError> {
+        NfPort::new(c.port_config(), ctx).map(FunctionPort)
+    }
+
+    fn reconfigure(
+        &mut self,
+        c: FunctionConfig,
+        ctx: &mut AppContext,
+    ) -> Result<Reconfigured, AppError> {
+        self.0.reconfigure(c.port_config(), ctx)
+    }
+
+    fn pull(&mut self, io: &mut Io) {
+        self.0.pull(io)
+    }
+
+    fn push(&mut self, io: &mut Io) {
+        self.0.push(io)
+    }
+
+    fn tick(&mut self, io: &mut Io, now: Instant) {
+        self.0.tick(io, now)
+    }
+
+    fn stop(&mut self) {
+        self.0.stop()
+    }
+
+    fn query(&mut self, request: &serde_json::Value) -> serde_json::Value {
+        self.0.query(request)
+    }
+}

@@ -1,0 +1,373 @@
+//! Placements beside the engine: one graph file whose apps say where they run
+//! (`placement: engine | process | kernel | vm`), split into what the engine runs and what is
+//! started around it. The engine sees only engine apps; it hears of the rest through the graph
+//! it is given, as it hears of any change.
+//!
+//! - `process`: a `function` app. The engine runs its port (an `nf_port` named after the app);
+//!   the [`supervisor`] starts its `command` with the port's socket and name in the
+//!   environment, restarts it when it dies and holds it to its `cpu` and `memory_mb` limits
+//!   ([`cgroup`]).
+//! - `kernel`, `vm`: refused by `stitch run` with what to do instead (`stitch kernel apply` for a
+//!   kernel-only graph, a `vhost_user` app for a VM one starts itself), until they are placed
+//!   here too.
+//!
+//! [`Placements::apply`] checks everything it can first (each error names the app's line),
+//! then applies the engine's part by diff, then starts and stops processes: an app that did not
+//! change keeps its process, its port and its packets.
+
+pub mod cgroup;
+pub mod supervisor;
+
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use stitch_core::engine::{ApplyReport, EngineError};
+use stitch_core::graph::{AppDecl, GraphError, Placement};
+use stitch_core::{Engine, Graph, Stats};
+use stitch_nf::function::{FunctionConfig, ENV_PORT, ENV_SOCKET};
+use supervisor::{ProcessSpec, Supervisor};
+
+/// Why a graph was not applied.
+#[derive(Debug)]
+pub enum PlaceError {
+    /// Problems of the graph's entries, each at its line; nothing was changed.
+    Graph(Vec<GraphError>),
+    /// The engine refused its part; nothing was changed.
+    Engine(EngineError),
+}
+
+impl std::fmt::Display for PlaceError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PlaceError::Graph(errors) => {
+                let lines: Vec<String> = errors
+                    .iter()
+                    .map(|e| format!("line {}: {}", e.line, e.message))
+                    .collect();
+                f.write_str(&lines.join("\n"))
+            }
+            PlaceError::Engine(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+impl std::error::Error for PlaceError {}
+
+/// What a graph becomes: the engine's graph and the processes to keep running.
+#[derive(Debug)]
+pub struct Plan {
+    pub engine: Graph,
+    pub processes: Vec<ProcessSpec>,
+}
+
+/// Splits `graph` by placement and checks what the engine cannot: that each process's
+/// program and user exist, that no app asks for a placement not made here.
+pub fn plan(graph: &Graph) -> Result<Plan, Vec<GraphError>> {
+    let mut errors = Vec::new();
+    let mut engine = graph.clone();
+    let mut processes = Vec::new();
+    for app in engine.apps.values_mut() {
+        match check_app(app, &graph.base_dir) {
+            Ok(Some(spec)) => {
+                processes.push(spec);
+                app.placement = Placement::Engine;
+            }
+            Ok(None) => {}
+            Err(e) => errors.push(e),
+        }
+        match app.placement {
+            Placement::Kernel => errors.push(at(
+                app,
+                "placement",
+                format!(
+                    "app `{}`: `stitch run` does not place apps in the kernel yet: install a \
+                     kernel-only graph with `stitch kernel apply FILE`, or give the app \
+                     `placement: engine`",
+                    app.name
+                ),
+            )),
+            Placement::Vm => errors.push(at(
+                app,
+                "placement",
+                format!(
+                    "app `{}`: `stitch run` does not start VMs yet: give the VM a `vhost_user` \
+                     port and start QEMU with it",
+                    app.name
+                ),
+            )),
+            Placement::Engine | Placement::Process => {}
+        }
+    }
+    if errors.is_empty() {
+        Ok(Plan { engine, processes })
+    } else {
+        Err(errors)
+    }
+}
+
+/// What `stitch check` adds to the graph parser's checks: every function process can start
+/// (its program and user exist), and `function` apps are placed as processes.
+pub fn check(graph: &Graph) -> Result<(), Vec<GraphError>> {
+    let errors: Vec<GraphError> = graph
+        .apps
+        .values()
+        .filter_map(|a| check_app(a, &graph.base_dir).err())
+        .collect();
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(errors)
+    }
+}
+
+/// The process `app` needs, if it is one, or why it cannot run where it asks to.
+fn check_app(app: &AppDecl, base_dir: &Path) -> Result<Option<ProcessSpec>, GraphError> {
+    match app.placement {
+        Placement::Process => process_spec(app, base_dir).map(Some),
+        _ if app.kind == "function" => Err(at(
+            app,
+            "type",
+            format!(
+                "app `{}`: a `function` runs its `command` as a process: give it \
+                 `placement: process`",
+                app.name
+            ),
+        )),
+        _ => Ok(None),
+    }
+}
+
+fn at(app: &AppDecl, key: &str, message: String) -> GraphError {
+    let (line, column) = app.key_lines.get(key).copied().unwrap_or((app.line, 1));
+    GraphError {
+        line,
+        column,
+        message,
+    }
+}
+
+/// The process of a `placement: process` app, its program found and its user known.
+fn process_spec(app: &AppDecl, base_dir: &Path) -> Result<ProcessSpec, GraphError> {
+    if app.kind != "function" {
+        return Err(at(
+            app,
+            "type",
+            format!(
+                "app `{}`: type `{}` has no process version; a function process is \
+                 `placement: process` with a `command` (and no type, or `type: function`)",
+                app.name, app.kind
+            ),
+        ));
+    }
+    let c: FunctionConfig = serde_json::from_value(app.config.clone())
+        .map_err(|e| at(app, "command", format!("app `{}`: {e}", app.name)))?;
+    let program = find_program(&c.command[0], base_dir)
+        .map_err(|m| at(app, "command", format!("app `{}`: command: {m}", app.name)))?;
+    let user = match &c.user {
+        None => None,
+        Some(name) => Some(
+            lookup_user(name)
+                .map_err(|m| at(app, "user", format!("app `{}`: user: {m}", app.name)))?,
+        ),
+    };
+    let socket = c
+        .socket
+        .as_ref()
+        .map(|s| {
+            if s.is_absolute() {
+                s.clone()
+            } else {
+                base_dir.join(s)
+            }
+        })
+        .unwrap_or_else(stitch_nf::port::default_socket);
+    let mut env: Vec<(String, String)> = c.env.into_iter().collect();
+    env.push((ENV_SOCKET.into(), socket.display().to_string()));
+    env.push((ENV_PORT.into(), app.name.clone()));
+    Ok(ProcessSpec {
+        app: app.name.clone(),
+        program,
+        args: c.command[1..].to_vec(),
+        env,
+        user,
+        cpu: c.cpu,
+        memory_mb: c.memory_mb,
+    })
+}
+
+/// `name` with a `/` is a path (relative to the graph's folder); without, it is looked for
+/// beside the running `stitch` (its own functions), then on `PATH`.
+fn find_program(name: &str, base_dir: &Path) -> Result<PathBuf, String> {
+    let candidates: Vec<PathBuf> = if name.contains('/') {
+        vec![base_dir.join(name)]
+    } else {
+        let beside = std::env::current_exe()
+            .ok()
+            .and_then(|e| e.parent().map(|d| d.join(name)));
+        let path = std::env::var_os("PATH").unwrap_or_default();
+        beside
+            .into_iter()
+            .chain(std::env::split_paths(&path).map(|d| d.join(name)))
+            .collect()
+    };
+    candidates
+        .into_iter()
+        .find(|p| is_executable(p))
+        .ok_or_else(|| {
+            if name.contains('/') {
+                format!("`{name}` is not an executable file")
+            } else {
+                format!("no program `{name}` beside stitch or on PATH")
+            }
+        })
+}
+
+fn is_executable(p: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+}
+
+fn lookup_user(name: &str) -> Result<(u32, u32), String> {
+    match nix::unistd::User::from_name(name) {
+        Ok(Some(u)) => Ok((u.uid.as_raw(), u.gid.as_raw())),
+        Ok(None) => Err(format!("no user `{name}` on this host")),
+        Err(e) => Err(format!("cannot look up user `{name}`: {e}")),
+    }
+}
+
+/// The engine and everything placed beside it, for one instance.
+pub struct Placements {
+    engine: Arc<Engine>,
+    /// The graph as given (placements and all); the engine holds its own part.
+    graph: Mutex<Option<Graph>>,
+    supervisor: Mutex<Supervisor>,
+}
+
+impl Placements {
+    pub fn new(engine: Arc<Engine>, instance: &str) -> Placements {
+        Placements {
+            engine,
+            graph: Mutex::new(None),
+            supervisor: Mutex::new(Supervisor::new(instance)),
+        }
+    }
+
+    pub fn engine(&self) -> &Arc<Engine> {
+        &self.engine
+    }
+
+    /// The running graph as it was given, with every app's placement.
+    pub fn graph(&self) -> Option<Graph> {
+        self.graph.lock().unwrap().clone()
+    }
+
+    /// Makes `graph` the running graph: checks, then the engine's part by diff, then the
+    /// processes (started once their ports exist, stopped once their ports are gone).
+    pub fn apply(&self, graph: Graph) -> Result<ApplyReport, PlaceError> {
+        let mut current = self.graph.lock().unwrap();
+        let plan = plan(&graph).map_err(PlaceError::Graph)?;
+        let report = self.engine.apply(plan.engine).map_err(PlaceError::Engine)?;
+        let (started, stopped) = self.supervisor.lock().unwrap().apply(plan.processes);
+        if !started.is_empty() || !stopped.is_empty() {
+            log::info!("function processes: started {started:?}, stopped {stopped:?}");
+        }
+        *current = Some(graph);
+        Ok(report)
+    }
+
+    /// Where app `name` runs and, for a process, how it is doing.
+    pub fn status(&self, name: &str) -> Value {
+        let placement = self
+            .graph()
+            .and_then(|g| g.apps.get(name).map(|a| a.placement))
+            .unwrap_or_default();
+        let process = self.supervisor.lock().unwrap().status(name);
+        json!({ "placement": placement.name(), "process": process })
+    }
+
+    /// The supervision state of app `name`'s process, if it is one.
+    pub fn process(&self, name: &str) -> Option<Value> {
+        self.supervisor.lock().unwrap().status(name)
+    }
+
+    /// Every process app's status, by name.
+    pub fn processes(&self) -> Value {
+        let sup = self.supervisor.lock().unwrap();
+        Value::Object(
+            sup.names()
+                .into_iter()
+                .filter_map(|n| sup.status(&n).map(|s| (n, s)))
+                .collect(),
+        )
+    }
+
+    /// Removes what a crashed earlier run of this instance left. Call once the instance owns
+    /// its name (its API socket is bound).
+    pub fn clean_after_crash(&self) {
+        self.supervisor.lock().unwrap().clean_after_crash();
+    }
+
+    /// Stops the processes, then the engine; returns the engine's last counters.
+    pub fn stop(&self) -> Stats {
+        self.supervisor.lock().unwrap().stop_all();
+        self.engine.stop()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+    use stitch_core::Registry;
+
+    fn parse(text: &str) -> Graph {
+        let mut r = Registry::default();
+        stitch_nf::register(&mut r);
+        Graph::parse(text, "g.yaml", Path::new("/"), &r).unwrap()
+    }
+
+    #[test]
+    fn a_process_app_is_an_engine_port_and_a_process_to_run() {
+        let g = parse(
+            "apps:\n  fw:\n    placement: process\n    command: [sh, -c, 'exit 0']\n    env: { A: b }\n    memory_mb: 8\n",
+        );
+        let p = plan(&g).unwrap();
+        let fw = &p.engine.apps["fw"];
+        assert_eq!(fw.kind, "function");
+        assert_eq!(fw.placement, Placement::Engine);
+        assert_eq!(
+            g.apps["fw"].placement,
+            Placement::Process,
+            "the given graph keeps it"
+        );
+        let [spec] = &p.processes[..] else {
+            panic!("{:?}", p.processes)
+        };
+        assert!(spec.program.ends_with("sh"), "{spec:?}");
+        assert_eq!(spec.args, ["-c", "exit 0"]);
+        assert_eq!(spec.memory_mb, Some(8));
+        let env: BTreeMap<_, _> = spec.env.iter().cloned().collect();
+        assert_eq!(env["A"], "b");
+        assert_eq!(env[ENV_PORT], "fw");
+        assert!(env.contains_key(ENV_SOCKET));
+    }
+
+    #[test]
+    fn what_is_not_placed_here_is_refused_at_its_line() {
+        let g = parse("apps:\n  p:\n    type: nf_port\n    placement: kernel\n  q:\n    type: nf_port\n    placement: vm\n");
+        let errors = plan(&g).unwrap_err();
+        let lines: Vec<usize> = errors.iter().map(|e| e.line).collect();
+        assert_eq!(lines, [4, 7], "{errors:?}");
+        assert!(
+            errors[0].message.contains("stitch kernel apply"),
+            "{errors:?}"
+        );
+        let g = parse("apps:\n  p:\n    placement: process\n    command: [/no/such/program]\n");
+        let errors = plan(&g).unwrap_err();
+        assert_eq!(errors[0].line, 4, "{errors:?}");
+        assert!(
+            errors[0].message.contains("not an executable file"),
+            "{errors:?}"
+        );
+    }
+}

@@ -1,0 +1,353 @@
+//! Function processes kept running: each has a thread that starts its command, watches it,
+//! restarts it with backoff when it dies (100 ms doubling to 10 s; back to 100 ms after it
+//! ran 10 s), keeps its last stderr lines, and stops it with SIGTERM then SIGKILL.
+//!
+//! A function dies with Stitch: it gets SIGKILL when the thread that started it ends
+//! (`PR_SET_PDEATHSIG`), which a `kill -9` of Stitch also ends.
+
+use crate::cgroup::{self, Cgroup};
+use std::collections::{BTreeMap, VecDeque};
+use std::io::{BufRead, BufReader};
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime};
+
+const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+const MAX_BACKOFF: Duration = Duration::from_secs(10);
+/// A run at least this long resets the backoff.
+const STABLE_RUN: Duration = Duration::from_secs(10);
+const STOP_GRACE: Duration = Duration::from_secs(3);
+const STDERR_LINES: usize = 20;
+const POLL: Duration = Duration::from_millis(20);
+
+/// What a function process is: everything that, changed, restarts it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProcessSpec {
+    pub app: String,
+    pub program: PathBuf,
+    pub args: Vec<String>,
+    pub env: Vec<(String, String)>,
+    /// User id and group id to run as.
+    pub user: Option<(u32, u32)>,
+    pub cpu: Option<f64>,
+    pub memory_mb: Option<u64>,
+}
+
+#[derive(Default)]
+struct Status {
+    pid: Option<u32>,
+    child: Option<Child>,
+    started: Option<(Instant, SystemTime)>,
+    starts: u64,
+    restarts: u64,
+    last_exit: Option<String>,
+    last_error: Option<String>,
+    next_start: Option<Instant>,
+    stopping: bool,
+}
+
+struct Supervised {
+    spec: ProcessSpec,
+    status: Mutex<Status>,
+    wake: Condvar,
+    cgroup: Option<Cgroup>,
+    /// The last lines the process wrote to stderr (over restarts).
+    stderr: Arc<Mutex<VecDeque<String>>>,
+}
+
+/// The running function processes of one instance, by app name.
+pub struct Supervisor {
+    instance: String,
+    running: BTreeMap<String, (Arc<Supervised>, JoinHandle<()>)>,
+}
+
+impl Supervisor {
+    pub fn new(instance: &str) -> Supervisor {
+        Supervisor {
+            instance: instance.to_string(),
+            running: BTreeMap::new(),
+        }
+    }
+
+    /// Makes `specs` the running set: stops processes whose app left or whose spec changed,
+    /// starts the new and changed ones. Returns the apps started and stopped.
+    pub fn apply(&mut self, specs: Vec<ProcessSpec>) -> (Vec<String>, Vec<String>) {
+        let wanted: BTreeMap<String, ProcessSpec> =
+            specs.into_iter().map(|s| (s.app.clone(), s)).collect();
+        let leaving: Vec<String> = self
+            .running
+            .iter()
+            .filter(|(name, (s, _))| wanted.get(*name) != Some(&s.spec))
+            .map(|(name, _)| name.clone())
+            .collect();
+        for name in &leaving {
+            self.stop_one(name);
+        }
+        let mut started = Vec::new();
+        for (name, spec) in wanted {
+            if self.running.contains_key(&name) {
+                continue;
+            }
+            let cgroup = match Cgroup::create(&self.instance, &name, spec.cpu, spec.memory_mb) {
+                Ok(c) => c,
+                Err(e) => {
+                    log::error!("function `{name}`: limits not enforced: {e}");
+                    None
+                }
+            };
+            let s = Arc::new(Supervised {
+                spec,
+                status: Mutex::new(Status::default()),
+                wake: Condvar::new(),
+                cgroup,
+                stderr: Default::default(),
+            });
+            let t = s.clone();
+            let thread = std::thread::Builder::new()
+                .name(format!("fn-{name}"))
+                .spawn(move || supervise(&t))
+                .expect("spawn a supervision thread");
+            self.running.insert(name.clone(), (s, thread));
+            started.push(name);
+        }
+        (started, leaving)
+    }
+
+    fn stop_one(&mut self, name: &str) {
+        let Some((s, thread)) = self.running.remove(name) else {
+            return;
+        };
+        {
+            let mut st = s.status.lock().unwrap();
+            st.stopping = true;
+            if let Some(pid) = st.pid {
+                // SAFETY: kill has no memory preconditions. The child is not reaped while the
+                // lock is held (the thread reaps it under this lock), so `pid` is still ours.
+                unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+            }
+            s.wake.notify_all();
+        }
+        let _ = thread.join();
+        if let Some(c) = &s.cgroup {
+            c.remove();
+        }
+    }
+
+    /// Removes what a previous run of this instance left when it died (its cgroups, and any
+    /// process still in them). Only for the instance that now owns the name.
+    pub fn clean_after_crash(&self) {
+        let stale = cgroup::clean_instance(&self.instance);
+        if stale > 0 {
+            log::info!(
+                "removed {stale} cgroups a previous run of `{}` left",
+                self.instance
+            );
+        }
+    }
+
+    /// Stops every process.
+    pub fn stop_all(&mut self) {
+        let names: Vec<String> = self.running.keys().cloned().collect();
+        for n in names {
+            self.stop_one(&n);
+        }
+        cgroup::remove_instance(&self.instance);
+    }
+
+    /// The state of app `name`'s process, if it is one.
+    pub fn status(&self, name: &str) -> Option<serde_json::Value> {
+        let (s, _) = self.running.get(name)?;
+        let st = s.status.lock().unwrap();
+        let mut command = vec![s.spec.program.display().to_string()];
+        command.extend(s.spec.args.iter().cloned());
+        Some(serde_json::json!({
+            "command": command,
+            "state": if st.pid.is_some() { "running" } else if st.stopping { "stopping" } else { "waiting to restart" },
+            "pid": st.pid,
+            "up_seconds": st.started.filter(|_| st.pid.is_some()).map(|(t, _)| t.elapsed().as_secs_f64()),
+            "starts": st.starts,
+            "restarts": st.restarts,
+            "last_exit": st.last_exit,
+            "last_error": st.last_error,
+            "restart_in_seconds": st.next_start.map(|t| t.saturating_duration_since(Instant::now()).as_secs_f64()),
+            "stderr": s.stderr.lock().unwrap().iter().collect::<Vec<_>>(),
+            "limits": s.cgroup.as_ref().map(Cgroup::limits),
+        }))
+    }
+
+    pub fn names(&self) -> Vec<String> {
+        self.running.keys().cloned().collect()
+    }
+}
+
+impl Drop for Supervisor {
+    fn drop(&mut self) {
+        self.stop_all();
+    }
+}
+
+/// The thread of one function: start, watch, restart, until told to stop.
+fn supervise(s: &Supervised) {
+    let mut backoff = FIRST_BACKOFF;
+    loop {
+        let began = Instant::now();
+        match start(s) {
+            Ok(()) => watch(s),
+            Err(e) => {
+                log::error!("function `{}`: cannot start: {e}", s.spec.app);
+                s.status.lock().unwrap().last_error = Some(e.to_string());
+            }
+        }
+        let mut st = s.status.lock().unwrap();
+        if st.stopping {
+            return;
+        }
+        if began.elapsed() >= STABLE_RUN {
+            backoff = FIRST_BACKOFF;
+        }
+        let at = Instant::now() + backoff;
+        st.next_start = Some(at);
+        log::warn!(
+            "function `{}` ended ({}); restarting in {:?}",
+            s.spec.app,
+            st.last_exit.as_deref().unwrap_or("did not start"),
+            backoff
+        );
+        while !st.stopping && Instant::now() < at {
+            let left = at.saturating_duration_since(Instant::now());
+            st = s.wake.wait_timeout(st, left).unwrap().0;
+        }
+        st.next_start = None;
+        if st.stopping {
+            return;
+        }
+        st.restarts += 1;
+        drop(st);
+        backoff = (backoff * 2).min(MAX_BACKOFF);
+    }
+}
+
+fn start(s: &Supervised) -> std::io::Result<()> {
+    let spec = &s.spec;
+    let mut cmd = Command::new(&spec.program);
+    cmd.args(&spec.args)
+        .envs(spec.env.iter().map(|(k, v)| (k, v)))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    if let Some((uid, gid)) = spec.user {
+        cmd.uid(uid).gid(gid);
+    }
+    let join = match &s.cgroup {
+        Some(c) => c.join_fds()?,
+        None => Vec::new(),
+    };
+    let fds = cgroup::raw(&join);
+    // SAFETY: the closure runs in the child between fork and exec and makes only system calls
+    // (prctl, getppid, write): no allocation, no lock.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            cgroup::join_in_child(&fds)
+        });
+    }
+    let mut st = s.status.lock().unwrap();
+    if st.stopping {
+        return Ok(());
+    }
+    let mut child = cmd.spawn()?;
+    drop(join);
+    let pid = child.id();
+    log::info!("function `{}` started (pid {pid})", spec.app);
+    if let Some(err) = child.stderr.take() {
+        keep_lines(spec.app.clone(), err, Some(s.stderr.clone()));
+    }
+    if let Some(out) = child.stdout.take() {
+        keep_lines(spec.app.clone(), out, None);
+    }
+    st.pid = Some(pid);
+    st.child = Some(child);
+    st.started = Some((Instant::now(), SystemTime::now()));
+    st.starts += 1;
+    st.last_error = None;
+    Ok(())
+}
+
+/// Logs the lines of a function's stdout or stderr; keeps the last stderr lines in `tail`.
+fn keep_lines(
+    app: String,
+    from: impl std::io::Read + Send + 'static,
+    tail: Option<Arc<Mutex<VecDeque<String>>>>,
+) {
+    let _ = std::thread::Builder::new()
+        .name(format!("fn-{app}-out"))
+        .spawn(move || {
+            for line in BufReader::new(from).lines().map_while(Result::ok) {
+                match &tail {
+                    Some(t) => {
+                        log::warn!("function `{app}`: {line}");
+                        let mut t = t.lock().unwrap();
+                        if t.len() == STDERR_LINES {
+                            t.pop_front();
+                        }
+                        t.push_back(line);
+                    }
+                    None => log::info!("function `{app}`: {line}"),
+                }
+            }
+        });
+}
+
+/// Waits for the process to end (polled, so that a stop can signal it under the lock without
+/// racing the reaping), then records how it ended. Once told to stop, it waits `STOP_GRACE`
+/// for the SIGTERM to work, then kills.
+fn watch(s: &Supervised) {
+    let mut stop_deadline = None;
+    loop {
+        let mut st = s.status.lock().unwrap();
+        let stopping = st.stopping;
+        let Some(child) = st.child.as_mut() else {
+            return;
+        };
+        let ended = match child.try_wait() {
+            Ok(Some(status)) => Some(Some(status)),
+            Ok(None) => None,
+            Err(_) => Some(None),
+        };
+        if let Some(status) = ended {
+            record_exit(&mut st, status);
+            return;
+        }
+        if stopping && Instant::now() >= *stop_deadline.get_or_insert(Instant::now() + STOP_GRACE) {
+            let _ = child.kill();
+            let status = child.wait().ok();
+            record_exit(&mut st, status);
+            return;
+        }
+        drop(st);
+        std::thread::sleep(POLL);
+    }
+}
+
+fn record_exit(st: &mut Status, status: Option<ExitStatus>) {
+    st.child = None;
+    st.pid = None;
+    st.last_exit = Some(match status {
+        Some(s) => describe(s),
+        None => "unknown".into(),
+    });
+}
+
+fn describe(s: ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match (s.code(), s.signal()) {
+        (Some(c), _) => format!("exit status {c}"),
+        (None, Some(sig)) => format!("killed by signal {sig}"),
+        _ => s.to_string(),
+    }
+}

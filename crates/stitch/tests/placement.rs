@@ -1,0 +1,281 @@
+//! One graph, several placements: `placement: process` apps are function processes that
+//! `stitch run` starts with their port in the environment, restarts when they die, holds to
+//! their limits and stops when they leave the graph; what cannot be placed is a line-numbered
+//! error before anything starts.
+
+mod common;
+use common::*;
+use std::path::Path;
+use std::process::Command;
+
+/// Host 0 → `fw` (a `stitch-nf-firewall` process dropping UDP) → host 1; host 1 → host 0 direct.
+fn firewall_graph(hosts: &TwoHosts, nf_socket: &Path, with_fw: bool) -> String {
+    let (a, b) = (&hosts.outer[0], &hosts.outer[1]);
+    if with_fw {
+        format!(
+            "apps:
+  a: {{ type: af_packet, interface: {a} }}
+  b: {{ type: af_packet, interface: {b} }}
+  fw:
+    placement: process
+    command: [stitch-nf-firewall, --drop-proto, udp]
+    env: {{ RUST_LOG: info }}
+    memory_mb: 64
+    cpu: 0.5
+    socket: {nf}
+links:
+  - \"a.output -> fw.input\"
+  - \"fw.output -> b.input\"
+  - \"b.output -> a.input\"
+",
+            nf = nf_socket.display()
+        )
+    } else {
+        format!(
+            "apps:
+  a: {{ type: af_packet, interface: {a} }}
+  b: {{ type: af_packet, interface: {b} }}
+links:
+  - \"a.output -> b.input\"
+  - \"b.output -> a.input\"
+"
+        )
+    }
+}
+
+fn show(s: &Stitch, app: &str) -> serde_json::Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_stitch"))
+        .args(["show", app, "--control"])
+        .arg(&s.socket)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "stitch show {app}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn pid_of(s: &Stitch, app: &str) -> Option<i32> {
+    show(s, app)["process"]["pid"].as_i64().map(|p| p as i32)
+}
+
+fn alive(pid: i32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .unwrap_or_default()
+            .contains(") Z ")
+}
+
+/// Pings host 1 from host 0 until one answer comes (ARP first; the machine may be busy), for
+/// at most 15 s.
+fn ping(hosts: &TwoHosts) -> bool {
+    let t = std::time::Instant::now();
+    while t.elapsed() < std::time::Duration::from_secs(15) {
+        let o = hosts.exec(0, &format!("ping -c 1 -W 1 {}", hosts.ip[1]));
+        if o.status.success() {
+            return true;
+        }
+    }
+    false
+}
+
+/// The cgroup folders a function's limits live in, as `stitch show` reports them.
+fn cgroups(v: &serde_json::Value) -> Vec<String> {
+    v["process"]["limits"]["cgroups"]
+        .as_array()
+        .map(|a| a.iter().map(|c| c.as_str().unwrap().to_string()).collect())
+        .unwrap_or_default()
+}
+
+#[test]
+fn a_process_function_is_started_restarted_limited_and_stopped() {
+    require_root_and_tools(&["ping"]);
+    let hosts = TwoHosts::new();
+    let dir = tempfile::tempdir().unwrap();
+    let nf = dir.path().join("nf.sock");
+    let s = Stitch::run_with(&firewall_graph(&hosts, &nf, true), &["--keep-running"]);
+
+    // Started with its socket and port from the environment (the command names neither).
+    wait_until("the firewall process to attach", 20, || {
+        show(&s, "fw")["attached"] == true
+    });
+    let v = show(&s, "fw");
+    assert_eq!(v["placement"], "process", "{v}");
+    assert_eq!(v["process"]["state"], "running", "{v}");
+    let first = v["process"]["pid"].as_i64().unwrap() as i32;
+    let environ = std::fs::read(format!("/proc/{first}/environ")).unwrap();
+    let environ = String::from_utf8_lossy(&environ);
+    assert!(environ.contains("STITCH_NF_PORT=fw"), "{environ}");
+    assert!(environ.contains("RUST_LOG=info"), "{environ}");
+    assert!(
+        ping(&hosts),
+        "ping through the function process: {}\n{}",
+        s.stats().unwrap(),
+        show(&s, "fw")
+    );
+
+    // Its limits are the kernel's: the process sits in its cgroups with the limits written.
+    let groups = cgroups(&v);
+    assert!(!groups.is_empty(), "no cgroup: {v}");
+    for g in &groups {
+        let procs = std::fs::read_to_string(format!("{g}/cgroup.procs")).unwrap();
+        assert!(
+            procs.split_whitespace().any(|p| p == first.to_string()),
+            "pid {first} not in {g}: {procs}"
+        );
+    }
+    let limits = &v["process"]["limits"];
+    let memory = limits["memory.max"]
+        .as_str()
+        .or(limits["memory.limit_in_bytes"].as_str())
+        .unwrap();
+    assert_eq!(memory, (64u64 << 20).to_string(), "{limits}");
+    let cpu = limits["cpu.max"]
+        .as_str()
+        .or(limits["cpu.cfs_quota_us"].as_str())
+        .unwrap();
+    assert!(cpu.starts_with("50000"), "{limits}");
+
+    // Killed, it comes back (counted, with how it ended), and traffic flows again.
+    sh(&format!("kill -9 {first}"));
+    wait_until("the firewall to be restarted", 20, || {
+        let v = show(&s, "fw");
+        v["process"]["restarts"].as_u64() >= Some(1)
+            && v["process"]["pid"]
+                .as_i64()
+                .is_some_and(|p| p as i32 != first)
+            && v["attached"] == true
+    });
+    let v = show(&s, "fw");
+    assert_eq!(v["process"]["last_exit"], "killed by signal 9", "{v}");
+    assert!(ping(&hosts), "ping after the restart");
+    let stats = s.stats().unwrap();
+    assert_eq!(app(&stats, "fw")["placement"], "process", "{stats}");
+    assert_eq!(app(&stats, "a")["placement"], "engine", "{stats}");
+
+    // Out of the graph, the process stops and its cgroups go; the rest keeps forwarding.
+    let second = pid_of(&s, "fw").unwrap();
+    std::fs::write(s.graph_file(), firewall_graph(&hosts, &nf, false)).unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_stitch"))
+        .args(["apply", "--control"])
+        .arg(&s.socket)
+        .arg(s.graph_file())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    wait_until("the process to stop", 10, || !alive(second));
+    for g in &groups {
+        assert!(!Path::new(g).exists(), "{g} left behind");
+    }
+    assert!(ping(&hosts), "ping without the function");
+
+    // Back in, then Stitch stops: the process goes with it.
+    std::fs::write(s.graph_file(), firewall_graph(&hosts, &nf, true)).unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_stitch"))
+        .args(["apply", "--control"])
+        .arg(&s.socket)
+        .arg(s.graph_file())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    wait_until("the firewall to attach again", 20, || {
+        show(&s, "fw")["attached"] == true
+    });
+    let third = pid_of(&s, "fw").unwrap();
+    s.stop();
+    wait_until("the process to stop with stitch", 10, || !alive(third));
+}
+
+#[test]
+fn a_crashed_instance_leaves_nothing_behind_after_the_next_start() {
+    require_root_and_tools(&[]);
+    let hosts = TwoHosts::new();
+    let dir = tempfile::tempdir().unwrap();
+    let nf = dir.path().join("nf.sock");
+    let graph = firewall_graph(&hosts, &nf, true);
+    let s = Stitch::run_with(&graph, &["--keep-running"]);
+    wait_until("the firewall process to attach", 20, || {
+        show(&s, "fw")["attached"] == true
+    });
+    let v = show(&s, "fw");
+    let pid = v["process"]["pid"].as_i64().unwrap() as i32;
+    let groups = cgroups(&v);
+    let socket = s.socket.clone();
+    s.process.signal(libc::SIGKILL);
+    let _ = s.process.finish();
+    // The function dies with Stitch (parent-death signal) ...
+    wait_until("the function to die with stitch", 10, || !alive(pid));
+    // ... and the next start of the same instance removes the cgroups the dead one left.
+    let _ = std::fs::remove_file(&socket);
+    let file = dir.path().join("graph.yaml");
+    std::fs::write(&file, firewall_graph(&hosts, &nf, false)).unwrap();
+    let again = Command::new(env!("CARGO_BIN_EXE_stitch"))
+        .args(["run", "--duration", "1", "--control"])
+        .arg(&socket)
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert!(
+        again.status.success(),
+        "{}",
+        String::from_utf8_lossy(&again.stderr)
+    );
+    for g in &groups {
+        assert!(!Path::new(g).exists(), "{g} left behind by the crash");
+    }
+    drop(s.dir);
+}
+
+#[test]
+fn what_cannot_be_placed_is_a_line_numbered_error_before_anything_starts() {
+    let cases = [
+        (
+            "apps:\n  fw:\n    placement: process\n    command: [no-such-function-program]\n",
+            "g.yaml:4",
+            "no program `no-such-function-program`",
+        ),
+        (
+            "apps:\n  f:\n    type: forwarder\n    placement: process\n",
+            "g.yaml:3",
+            "type `forwarder` has no process version",
+        ),
+        (
+            "apps:\n  fw:\n    type: function\n    command: [stitch-nf-firewall]\n",
+            "g.yaml:3",
+            "give it `placement: process`",
+        ),
+        (
+            "apps:\n  fw:\n    placement: process\n    command: [stitch-nf-firewall]\n    user: no-such-user-here\n",
+            "g.yaml:5",
+            "no user `no-such-user-here`",
+        ),
+        (
+            "apps:\n  fw:\n    placement: process\n    command: [stitch-nf-firewall]\n    memory_mb: 0\n",
+            "g.yaml:",
+            "memory_mb 0",
+        ),
+        (
+            "apps:\n  fw:\n    placement: satellite\n    command: [x]\n",
+            "g.yaml:3",
+            "none of `engine`, `kernel`, `process`, `vm`",
+        ),
+    ];
+    for (graph, at, why) in cases {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("g.yaml");
+        std::fs::write(&file, graph).unwrap();
+        let check = Command::new(env!("CARGO_BIN_EXE_stitch"))
+            .arg("check")
+            .arg(&file)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&check.stderr);
+        assert!(!check.status.success(), "stitch check took:\n{graph}");
+        assert!(err.contains(at) && err.contains(why), "{graph}\n{err}");
+        let err = run_must_fail(graph);
+        assert!(err.contains(why), "stitch run of\n{graph}\n{err}");
+        assert!(!err.contains("started (pid"), "something started:\n{err}");
+    }
+}
