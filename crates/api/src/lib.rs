@@ -394,7 +394,10 @@ impl Api {
         }
         if let (Some(process), Some(o)) = (self.placements.process(name), answer.as_object()) {
             let mut o = o.clone();
-            o.insert("placement".into(), json!("process"));
+            o.insert(
+                "placement".into(),
+                self.placements.status(name)["placement"].clone(),
+            );
             o.insert("process".into(), process);
             return Ok(Value::Object(o));
         }

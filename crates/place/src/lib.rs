@@ -17,6 +17,7 @@
 
 pub mod cgroup;
 pub mod supervisor;
+pub mod vm;
 
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
@@ -53,7 +54,8 @@ impl std::fmt::Display for PlaceError {
 
 impl std::error::Error for PlaceError {}
 
-/// What a graph becomes: the engine's graph and the processes to keep running.
+/// What a graph becomes: the engine's graph and the processes (function processes and VMs) to
+/// keep running.
 #[derive(Debug)]
 pub struct Plan {
     pub engine: Graph,
@@ -61,22 +63,26 @@ pub struct Plan {
 }
 
 /// Splits `graph` by placement and checks what the engine cannot: that each process's
-/// program and user exist, that no app asks for a placement not made here.
-pub fn plan(graph: &Graph) -> Result<Plan, Vec<GraphError>> {
+/// program, user and files exist, that no app asks for a placement not made here. VMs' sockets,
+/// QMP sockets and consoles go in `vm_dir`. A pure plan: nothing on the system changes.
+pub fn plan(graph: &Graph, vm_dir: &Path) -> Result<Plan, Vec<GraphError>> {
     let mut errors = Vec::new();
     let mut engine = graph.clone();
     let mut processes = Vec::new();
     for app in engine.apps.values_mut() {
-        match check_app(app, &graph.base_dir) {
-            Ok(Some(spec)) => {
-                processes.push(spec);
+        match place_app(app, &graph.base_dir, vm_dir) {
+            Ok(Some(placed)) => {
+                processes.push(placed.spec);
+                if let Some(config) = placed.engine_config {
+                    app.config = config;
+                }
                 app.placement = Placement::Engine;
             }
             Ok(None) => {}
             Err(e) => errors.push(e),
         }
-        match app.placement {
-            Placement::Kernel => errors.push(at(
+        if app.placement == Placement::Kernel {
+            errors.push(at(
                 app,
                 "placement",
                 format!(
@@ -85,17 +91,7 @@ pub fn plan(graph: &Graph) -> Result<Plan, Vec<GraphError>> {
                      `placement: engine`",
                     app.name
                 ),
-            )),
-            Placement::Vm => errors.push(at(
-                app,
-                "placement",
-                format!(
-                    "app `{}`: `stitch run` does not start VMs yet: give the VM a `vhost_user` \
-                     port and start QEMU with it",
-                    app.name
-                ),
-            )),
-            Placement::Engine | Placement::Process => {}
+            ));
         }
     }
     if errors.is_empty() {
@@ -105,34 +101,40 @@ pub fn plan(graph: &Graph) -> Result<Plan, Vec<GraphError>> {
     }
 }
 
-/// What `stitch check` adds to the graph parser's checks: every function process can start
-/// (its program and user exist), and `function` apps are placed as processes.
+/// What `stitch check` adds to the graph parser's checks: every function process and VM can
+/// start (programs, users and files exist), and `function`/`vm` apps have their placement.
 pub fn check(graph: &Graph) -> Result<(), Vec<GraphError>> {
-    let errors: Vec<GraphError> = graph
-        .apps
-        .values()
-        .filter_map(|a| check_app(a, &graph.base_dir).err())
-        .collect();
-    if errors.is_empty() {
-        Ok(())
-    } else {
-        Err(errors)
-    }
+    plan(graph, &stitch_core::runtime_dir().join("check")).map(|_| ())
 }
 
-/// The process `app` needs, if it is one, or why it cannot run where it asks to.
-fn check_app(app: &AppDecl, base_dir: &Path) -> Result<Option<ProcessSpec>, GraphError> {
+/// A process that an app placed beside the engine needs, and the app's entry as the engine
+/// takes it (when the placement fills something in, as a VM's socket).
+struct Placed {
+    spec: ProcessSpec,
+    engine_config: Option<serde_json::Value>,
+}
+
+/// What `app` needs placed beside the engine, if anything, or why it cannot run where it asks.
+fn place_app(app: &AppDecl, base_dir: &Path, vm_dir: &Path) -> Result<Option<Placed>, GraphError> {
     match app.placement {
-        Placement::Process => process_spec(app, base_dir).map(Some),
-        _ if app.kind == "function" => Err(at(
-            app,
-            "type",
-            format!(
-                "app `{}`: a `function` runs its `command` as a process: give it \
-                 `placement: process`",
-                app.name
-            ),
-        )),
+        Placement::Process => process_spec(app, base_dir).map(|spec| {
+            Some(Placed {
+                spec,
+                engine_config: None,
+            })
+        }),
+        Placement::Vm => vm::spec(app, base_dir, vm_dir).map(Some),
+        _ if app.kind == "function" || app.kind == "vm" => {
+            let placement = if app.kind == "vm" { "vm" } else { "process" };
+            Err(at(
+                app,
+                "type",
+                format!(
+                    "app `{}`: a `{}` runs beside the engine: give it `placement: {placement}`",
+                    app.name, app.kind
+                ),
+            ))
+        }
         _ => Ok(None),
     }
 }
@@ -192,12 +194,15 @@ fn process_spec(app: &AppDecl, base_dir: &Path) -> Result<ProcessSpec, GraphErro
         user,
         cpu: c.cpu,
         memory_mb: c.memory_mb,
+        stop: supervisor::StopBy::Term,
+        stop_grace: std::time::Duration::from_secs(3),
+        kind: "process",
     })
 }
 
 /// `name` with a `/` is a path (relative to the graph's folder); without, it is looked for
 /// beside the running `stitch` (its own functions), then on `PATH`.
-fn find_program(name: &str, base_dir: &Path) -> Result<PathBuf, String> {
+pub(crate) fn find_program(name: &str, base_dir: &Path) -> Result<PathBuf, String> {
     let candidates: Vec<PathBuf> = if name.contains('/') {
         vec![base_dir.join(name)]
     } else {
@@ -238,6 +243,8 @@ fn lookup_user(name: &str) -> Result<(u32, u32), String> {
 /// The engine and everything placed beside it, for one instance.
 pub struct Placements {
     engine: Arc<Engine>,
+    /// Where this instance's VMs' sockets and consoles go.
+    vm_dir: PathBuf,
     /// The graph as given (placements and all); the engine holds its own part.
     graph: Mutex<Option<Graph>>,
     supervisor: Mutex<Supervisor>,
@@ -247,6 +254,7 @@ impl Placements {
     pub fn new(engine: Arc<Engine>, instance: &str) -> Placements {
         Placements {
             engine,
+            vm_dir: vm::dir_of(instance),
             graph: Mutex::new(None),
             supervisor: Mutex::new(Supervisor::new(instance)),
         }
@@ -265,7 +273,15 @@ impl Placements {
     /// processes (started once their ports exist, stopped once their ports are gone).
     pub fn apply(&self, graph: Graph) -> Result<ApplyReport, PlaceError> {
         let mut current = self.graph.lock().unwrap();
-        let plan = plan(&graph).map_err(PlaceError::Graph)?;
+        let plan = plan(&graph, &self.vm_dir).map_err(PlaceError::Graph)?;
+        if plan.processes.iter().any(|p| p.kind == "vm") {
+            std::fs::create_dir_all(&self.vm_dir).map_err(|e| {
+                PlaceError::Engine(EngineError::Config {
+                    app: String::new(),
+                    message: format!("cannot make {}: {e}", self.vm_dir.display()),
+                })
+            })?;
+        }
         let report = self.engine.apply(plan.engine).map_err(PlaceError::Engine)?;
         let (started, stopped) = self.supervisor.lock().unwrap().apply(plan.processes);
         if !started.is_empty() || !stopped.is_empty() {
@@ -310,7 +326,9 @@ impl Placements {
     /// Stops the processes, then the engine; returns the engine's last counters.
     pub fn stop(&self) -> Stats {
         self.supervisor.lock().unwrap().stop_all();
-        self.engine.stop()
+        let stats = self.engine.stop();
+        let _ = std::fs::remove_dir_all(&self.vm_dir);
+        stats
     }
 }
 
@@ -323,6 +341,7 @@ mod tests {
     fn parse(text: &str) -> Graph {
         let mut r = Registry::default();
         stitch_nf::register(&mut r);
+        stitch_vhost::register(&mut r);
         Graph::parse(text, "g.yaml", Path::new("/"), &r).unwrap()
     }
 
@@ -331,7 +350,7 @@ mod tests {
         let g = parse(
             "apps:\n  fw:\n    placement: process\n    command: [sh, -c, 'exit 0']\n    env: { A: b }\n    memory_mb: 8\n",
         );
-        let p = plan(&g).unwrap();
+        let p = plan(&g, Path::new("/run/x")).unwrap();
         let fw = &p.engine.apps["fw"];
         assert_eq!(fw.kind, "function");
         assert_eq!(fw.placement, Placement::Engine);
@@ -355,19 +374,72 @@ mod tests {
     #[test]
     fn what_is_not_placed_here_is_refused_at_its_line() {
         let g = parse("apps:\n  p:\n    type: nf_port\n    placement: kernel\n  q:\n    type: nf_port\n    placement: vm\n");
-        let errors = plan(&g).unwrap_err();
+        let errors = plan(&g, Path::new("/run/x")).unwrap_err();
         let lines: Vec<usize> = errors.iter().map(|e| e.line).collect();
-        assert_eq!(lines, [4, 7], "{errors:?}");
+        assert_eq!(lines, [4, 6], "{errors:?}");
+        assert!(errors[1].message.contains("no VM version"), "{errors:?}");
         assert!(
             errors[0].message.contains("stitch kernel apply"),
             "{errors:?}"
         );
         let g = parse("apps:\n  p:\n    placement: process\n    command: [/no/such/program]\n");
-        let errors = plan(&g).unwrap_err();
+        let errors = plan(&g, Path::new("/run/x")).unwrap_err();
         assert_eq!(errors[0].line, 4, "{errors:?}");
         assert!(
             errors[0].message.contains("not an executable file"),
             "{errors:?}"
         );
+    }
+
+    #[test]
+    fn a_vm_is_qemu_on_a_vhost_user_port_named_after_the_instance() {
+        let dir = tempfile::tempdir().unwrap();
+        let kernel = dir.path().join("vmlinux");
+        std::fs::write(&kernel, b"").unwrap();
+        let mut r = Registry::default();
+        stitch_vhost::register(&mut r);
+        let g = Graph::parse(
+            "apps:\n  vm1:\n    placement: vm\n    kernel: vmlinux\n    append: \"console=ttyS0\"\n    mac: \"52:54:00:00:00:11\"\n    qemu: /bin/true\n",
+            "g.yaml",
+            dir.path(),
+            &r,
+        )
+        .unwrap();
+        let vm_dir = vm::dir_of("some-instance");
+        let p = plan(&g, &vm_dir).unwrap();
+        let sock = vm_dir.join("vm1.sock");
+        assert_eq!(
+            p.engine.apps["vm1"].config["socket"],
+            sock.display().to_string()
+        );
+        let [spec] = &p.processes[..] else {
+            panic!("{:?}", p.processes)
+        };
+        let args = spec.args.join(" ");
+        assert!(
+            args.contains(&format!("-kernel {}", kernel.display())),
+            "{args}"
+        );
+        assert!(
+            args.contains(&format!("socket,id=port0,path={}", sock.display())),
+            "{args}"
+        );
+        assert!(
+            args.contains("virtio-net-pci,netdev=net0,vectors=0,mac=52:54:00:00:00:11"),
+            "{args}"
+        );
+        assert!(args.contains("share=on"), "{args}");
+        assert_eq!(spec.stop, supervisor::StopBy::Qmp(vm_dir.join("vm1.qmp")));
+        // A missing image is refused at its line.
+        let g = Graph::parse(
+            "apps:\n  vm1:\n    placement: vm\n    qemu: /bin/true\n    kernel: nowhere\n",
+            "g.yaml",
+            dir.path(),
+            &r,
+        )
+        .unwrap();
+        let errors = plan(&g, &vm_dir).unwrap_err();
+        assert_eq!(errors[0].line, 5, "{errors:?}");
+        assert!(errors[0].message.contains("kernel: no file"), "{errors:?}");
     }
 }

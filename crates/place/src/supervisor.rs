@@ -1,6 +1,7 @@
-//! Function processes kept running: each has a thread that starts its command, watches it,
-//! restarts it with backoff when it dies (100 ms doubling to 10 s; back to 100 ms after it
-//! ran 10 s), keeps its last stderr lines, and stops it with SIGTERM then SIGKILL.
+//! Function processes and VMs kept running: each has a thread that starts its command, watches
+//! it, restarts it with backoff when it dies (100 ms doubling to 10 s; back to 100 ms after it
+//! ran 10 s), keeps its last stderr lines, and stops it (SIGTERM, or a VM's ACPI power-down)
+//! and then, after its grace time, SIGKILL.
 //!
 //! A function dies with Stitch: it gets SIGKILL when the thread that started it ends
 //! (`PR_SET_PDEATHSIG`), which a `kill -9` of Stitch also ends.
@@ -19,11 +20,18 @@ const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(10);
 /// A run at least this long resets the backoff.
 const STABLE_RUN: Duration = Duration::from_secs(10);
-const STOP_GRACE: Duration = Duration::from_secs(3);
 const STDERR_LINES: usize = 20;
 const POLL: Duration = Duration::from_millis(20);
 
-/// What a function process is: everything that, changed, restarts it.
+/// How a process is asked to stop before it is killed.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StopBy {
+    Term,
+    /// A VM: `system_powerdown` on its QMP socket.
+    Qmp(PathBuf),
+}
+
+/// What a function process or VM is: everything that, changed, restarts it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ProcessSpec {
     pub app: String,
@@ -34,6 +42,11 @@ pub struct ProcessSpec {
     pub user: Option<(u32, u32)>,
     pub cpu: Option<f64>,
     pub memory_mb: Option<u64>,
+    pub stop: StopBy,
+    /// How long it has to stop before it is killed.
+    pub stop_grace: Duration,
+    /// `process` or `vm`, for status.
+    pub kind: &'static str,
 }
 
 #[derive(Default)]
@@ -120,10 +133,14 @@ impl Supervisor {
         let Some((s, thread)) = self.running.remove(name) else {
             return;
         };
+        let asked = match &s.spec.stop {
+            StopBy::Qmp(qmp) => crate::vm::power_down(qmp),
+            StopBy::Term => false,
+        };
         {
             let mut st = s.status.lock().unwrap();
             st.stopping = true;
-            if let Some(pid) = st.pid {
+            if let (Some(pid), false) = (st.pid, asked) {
                 // SAFETY: kill has no memory preconditions. The child is not reaped while the
                 // lock is held (the thread reaps it under this lock), so `pid` is still ours.
                 unsafe { libc::kill(pid as i32, libc::SIGTERM) };
@@ -164,6 +181,7 @@ impl Supervisor {
         let mut command = vec![s.spec.program.display().to_string()];
         command.extend(s.spec.args.iter().cloned());
         Some(serde_json::json!({
+            "kind": s.spec.kind,
             "command": command,
             "state": if st.pid.is_some() { "running" } else if st.stopping { "stopping" } else { "waiting to restart" },
             "pid": st.pid,
@@ -304,8 +322,8 @@ fn keep_lines(
 }
 
 /// Waits for the process to end (polled, so that a stop can signal it under the lock without
-/// racing the reaping), then records how it ended. Once told to stop, it waits `STOP_GRACE`
-/// for the SIGTERM to work, then kills.
+/// racing the reaping), then records how it ended. Once told to stop, it waits
+/// its grace time for the SIGTERM or power-down to work, then kills.
 fn watch(s: &Supervised) {
     let mut stop_deadline = None;
     loop {
@@ -323,7 +341,9 @@ fn watch(s: &Supervised) {
             record_exit(&mut st, status);
             return;
         }
-        if stopping && Instant::now() >= *stop_deadline.get_or_insert(Instant::now() + STOP_GRACE) {
+        if stopping
+            && Instant::now() >= *stop_deadline.get_or_insert(Instant::now() + s.spec.stop_grace)
+        {
             let _ = child.kill();
             let status = child.wait().ok();
             record_exit(&mut st, status);

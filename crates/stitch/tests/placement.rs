@@ -257,6 +257,26 @@ fn what_cannot_be_placed_is_a_line_numbered_error_before_anything_starts() {
             "memory_mb 0",
         ),
         (
+            "apps:\n  vm:\n    placement: vm\n    kernel: /no/such/vmlinux\n",
+            "g.yaml:4",
+            "kernel: no file /no/such/vmlinux",
+        ),
+        (
+            "apps:\n  vm:\n    placement: vm\n    disk: /dev/null\n    qemu: no-such-qemu-here\n",
+            "g.yaml:5",
+            "no program `no-such-qemu-here`",
+        ),
+        (
+            "apps:\n  vm:\n    type: vm\n    disk: /dev/null\n",
+            "g.yaml:3",
+            "give it `placement: vm`",
+        ),
+        (
+            "apps:\n  vm:\n    placement: vm\n    memory_mb: 512\n",
+            "g.yaml:",
+            "give the VM a `kernel` to boot, a `disk`, or both",
+        ),
+        (
             "apps:\n  fw:\n    placement: satellite\n    command: [x]\n",
             "g.yaml:3",
             "none of `engine`, `kernel`, `process`, `vm`",
@@ -278,4 +298,107 @@ fn what_cannot_be_placed_is_a_line_numbered_error_before_anything_starts() {
         assert!(err.contains(why), "stitch run of\n{graph}\n{err}");
         assert!(!err.contains("started (pid"), "something started:\n{err}");
     }
+}
+
+fn vm_image() -> std::path::PathBuf {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let out = root.join("target/vm-image");
+    must(&format!(
+        "{} {}",
+        root.join("scripts/vm-image").display(),
+        out.display()
+    ));
+    out
+}
+
+/// Host 0 ⇄ `vm1`, a QEMU guest Stitch launches (`placement: vm`) from `scripts/vm-image`.
+fn vm_graph(hosts: &TwoHosts, image: &Path, guest_ip: &str, with_vm: bool) -> String {
+    let ns = &hosts.outer[0];
+    if !with_vm {
+        return format!("apps:\n  ns: {{ type: af_packet, interface: {ns} }}\n");
+    }
+    format!(
+        "apps:
+  ns: {{ type: af_packet, interface: {ns} }}
+  vm1:
+    placement: vm
+    kernel: {image}/vmlinux
+    initrd: {image}/initrd.gz
+    append: 'console=ttyS0 quiet stitch.ip={guest_ip}/24 stitch.run=\"sleep 3600\"'
+    mac: \"52:54:00:00:00:11\"
+    memory_mb: 512
+    shutdown_timeout_s: 2
+links:
+  - \"ns.output -> vm1.input\"
+  - \"vm1.output -> ns.input\"
+",
+        image = image.display()
+    )
+}
+
+#[test]
+fn a_vm_is_launched_on_its_port_restarted_and_shut_down() {
+    require_root_and_tools(&["qemu-system-x86_64", "busybox", "cpio", "ping"]);
+    let image = vm_image();
+    let hosts = TwoHosts::new();
+    let prefix = hosts.ip[0].rsplit_once('.').unwrap().0.to_string();
+    let guest_ip = format!("{prefix}.11");
+    let s = Stitch::run_with(
+        &vm_graph(&hosts, &image, &guest_ip, true),
+        &["--keep-running"],
+    );
+    let v = show(&s, "vm1");
+    assert_eq!(v["placement"], "vm", "{v}");
+    let console = v["process"]["command"].to_string();
+    assert!(console.contains("-serial"), "{v}");
+    assert_eq!(v["process"]["kind"], "vm", "{v}");
+    let first = v["process"]["pid"].as_i64().unwrap() as i32;
+    let guest_answers = || {
+        let t = std::time::Instant::now();
+        while t.elapsed() < std::time::Duration::from_secs(90) {
+            if hosts
+                .exec(0, &format!("ping -c 1 -W 1 {guest_ip}"))
+                .status
+                .success()
+            {
+                return true;
+            }
+        }
+        false
+    };
+    assert!(
+        guest_answers(),
+        "the guest answers ping: {}",
+        show(&s, "vm1")
+    );
+    let socket = s.stats().unwrap();
+    assert_eq!(app(&socket, "vm1")["placement"], "vm", "{socket}");
+
+    // QEMU killed: started again, and the new guest answers.
+    sh(&format!("kill -9 {first}"));
+    wait_until("QEMU to be restarted", 20, || {
+        let v = show(&s, "vm1");
+        v["process"]["restarts"].as_u64() >= Some(1)
+            && v["process"]["pid"]
+                .as_i64()
+                .is_some_and(|p| p as i32 != first)
+    });
+    assert!(guest_answers(), "the restarted guest answers ping");
+    let second = pid_of(&s, "vm1").unwrap();
+
+    // Out of the graph: powered down (this guest has no ACPI daemon, so it is killed after
+    // its 2 s), its socket gone; the rest of the graph runs on.
+    std::fs::write(s.graph_file(), vm_graph(&hosts, &image, &guest_ip, false)).unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_stitch"))
+        .args(["apply", "--control"])
+        .arg(&s.socket)
+        .arg(s.graph_file())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        !alive(second),
+        "QEMU still runs after the VM left the graph"
+    );
+    s.stop();
 }

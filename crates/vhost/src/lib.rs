@@ -36,6 +36,7 @@ pub mod memory;
 pub mod message;
 pub mod policy;
 pub mod virtq;
+pub mod vm;
 
 use device::{feature, Device, Endpoint, Shared};
 use serde::Deserialize;
@@ -105,6 +106,11 @@ pub fn register(r: &mut Registry) {
         "vhost_user",
         "a VM's virtio-net port (vhost-user back-end): shared rings, multiqueue, offloads",
     ));
+    r.register(AppType::of::<vm::VmPort>(
+        "vm",
+        "a VM Stitch launches with QEMU on a vhost-user port, restarts when it dies and powers down (placement: vm)",
+    ));
+    r.set_default_type(stitch_core::graph::Placement::Vm, "vm");
 }
 
 pub struct VhostUser {

@@ -1,0 +1,228 @@
+//! `placement: vm`: QEMU started with a vhost-user netdev on the app's port, supervised like a
+//! function process, powered down through QMP (ACPI) when it leaves, then killed after its
+//! `shutdown_timeout_s`.
+
+use crate::supervisor::{ProcessSpec, StopBy};
+use crate::{at, find_program, Placed};
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use stitch_core::graph::AppDecl;
+use stitch_core::graph::GraphError;
+use stitch_vhost::vm::{Accel, VmConfig};
+
+/// The longest path a Unix socket address holds.
+const SUN_PATH_MAX: usize = 107;
+
+/// The folder of one instance's VM sockets and consoles, named after its key.
+pub fn dir_of(instance: &str) -> PathBuf {
+    // FNV-1a: short, stable names whatever the key's length (socket paths are limited).
+    let hash = instance.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
+    });
+    stitch_core::runtime_dir().join(format!("vm-{hash:016x}"))
+}
+
+fn resolve(base_dir: &Path, p: &Path) -> PathBuf {
+    if p.is_absolute() {
+        p.to_path_buf()
+    } else {
+        base_dir.join(p)
+    }
+}
+
+/// QEMU's command line for `app`, and the port's entry with its socket.
+pub(crate) fn spec(app: &AppDecl, base_dir: &Path, vm_dir: &Path) -> Result<Placed, GraphError> {
+    if app.kind != "vm" {
+        return Err(at(
+            app,
+            "type",
+            format!(
+                "app `{}`: type `{}` has no VM version; a VM is `placement: vm` with a `kernel` \
+                 or `disk` (and no type, or `type: vm`); to join a VM you start yourself, use a \
+                 `vhost_user` app",
+                app.name, app.kind
+            ),
+        ));
+    }
+    let c: VmConfig = serde_json::from_value(app.config.clone())
+        .map_err(|e| at(app, "kernel", format!("app `{}`: {e}", app.name)))?;
+    let qemu_name = c.qemu.as_deref().unwrap_or("qemu-system-x86_64");
+    let program = find_program(qemu_name, base_dir).map_err(|m| {
+        at(
+            app,
+            if c.qemu.is_some() {
+                "qemu"
+            } else {
+                "placement"
+            },
+            format!(
+                "app `{}`: QEMU: {m} (Debian: apt install qemu-system-x86)",
+                app.name
+            ),
+        )
+    })?;
+    let mut files = Vec::new();
+    for (key, f) in [
+        ("kernel", &c.kernel),
+        ("initrd", &c.initrd),
+        ("disk", &c.disk),
+    ] {
+        if let Some(f) = f {
+            let path = resolve(base_dir, f);
+            if !path.is_file() {
+                return Err(at(
+                    app,
+                    key,
+                    format!("app `{}`: {key}: no file {}", app.name, path.display()),
+                ));
+            }
+            files.push((key, path));
+        }
+    }
+    if c.accel == Accel::Kvm {
+        if let Err(e) = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/dev/kvm")
+        {
+            return Err(at(
+                app,
+                "accel",
+                format!(
+                    "app `{}`: accel: kvm, but /dev/kvm cannot be opened ({e}): use `accel: tcg`",
+                    app.name
+                ),
+            ));
+        }
+    }
+    let socket = match &c.socket {
+        Some(s) => resolve(base_dir, s),
+        None => vm_dir.join(format!("{}.sock", app.name)),
+    };
+    let qmp = vm_dir.join(format!("{}.qmp", app.name));
+    for p in [&socket, &qmp] {
+        if p.as_os_str().len() > SUN_PATH_MAX {
+            return Err(at(
+                app,
+                "socket",
+                format!(
+                    "app `{}`: socket path {} is longer than a Unix socket address holds ({SUN_PATH_MAX} bytes): give a shorter `socket` or a shorter app name",
+                    app.name,
+                    p.display()
+                ),
+            ));
+        }
+    }
+    let console = c
+        .console
+        .as_ref()
+        .map(|p| resolve(base_dir, p))
+        .unwrap_or_else(|| vm_dir.join(format!("{}.console", app.name)));
+    let args = qemu_args(&app.name, &c, &files, &socket, &qmp, &console);
+    let mut engine_config = app.config.clone();
+    engine_config["socket"] = serde_json::json!(socket);
+    Ok(Placed {
+        spec: ProcessSpec {
+            app: app.name.clone(),
+            program,
+            args,
+            env: Vec::new(),
+            user: None,
+            cpu: None,
+            memory_mb: None,
+            stop: StopBy::Qmp(qmp),
+            stop_grace: Duration::from_secs_f64(c.shutdown_timeout_s),
+            kind: "vm",
+        },
+        engine_config: Some(engine_config),
+    })
+}
+
+fn qemu_args(
+    name: &str,
+    c: &VmConfig,
+    files: &[(&str, PathBuf)],
+    socket: &Path,
+    qmp: &Path,
+    console: &Path,
+) -> Vec<String> {
+    let mut a: Vec<String> = Vec::new();
+    let mut arg = |words: &[&str]| a.extend(words.iter().map(|w| w.to_string()));
+    arg(&["-name", &format!("stitch-{name}")]);
+    arg(&["-accel", c.accel.name()]);
+    arg(&["-m", &c.memory_mb.to_string(), "-smp", &c.vcpus.to_string()]);
+    arg(&["-nodefaults", "-no-reboot", "-display", "none"]);
+    // vhost-user reads the guest's memory: it must be a shareable file.
+    arg(&[
+        "-object",
+        &format!("memory-backend-memfd,id=mem,size={}M,share=on", c.memory_mb),
+        "-numa",
+        "node,memdev=mem",
+    ]);
+    for (key, path) in files {
+        let path = path.display().to_string();
+        match *key {
+            "kernel" => arg(&["-kernel", &path]),
+            "initrd" => arg(&["-initrd", &path]),
+            _ => arg(&["-drive", &format!("file={path},if=virtio")]),
+        }
+    }
+    if let Some(append) = &c.append {
+        arg(&["-append", append]);
+    }
+    arg(&[
+        "-chardev",
+        &format!("socket,id=port0,path={}", socket.display()),
+        "-netdev",
+        "vhost-user,id=net0,chardev=port0",
+    ]);
+    // QEMU 7.2 under TCG crashes with vhost-user and MSI-X: legacy interrupts there.
+    let mut device = String::from("virtio-net-pci,netdev=net0");
+    if c.accel == Accel::Tcg {
+        device.push_str(",vectors=0");
+    }
+    if let Some(mac) = &c.mac {
+        device.push_str(&format!(",mac={mac}"));
+    }
+    arg(&["-device", &device]);
+    arg(&["-serial", &format!("file:{}", console.display())]);
+    arg(&[
+        "-qmp",
+        &format!("unix:{},server=on,wait=off", qmp.display()),
+    ]);
+    a.extend(c.qemu_args.iter().cloned());
+    a
+}
+
+/// Asks the VM behind QMP socket `qmp` to power down (the ACPI power button). False when QEMU
+/// did not take the request.
+pub fn power_down(qmp: &Path) -> bool {
+    let ask = || -> std::io::Result<bool> {
+        let stream = UnixStream::connect(qmp)?;
+        stream.set_read_timeout(Some(Duration::from_secs(1)))?;
+        let mut writer = stream.try_clone()?;
+        let mut reader = BufReader::new(stream);
+        let mut line = String::new();
+        reader.read_line(&mut line)?; // the greeting
+        for command in ["qmp_capabilities", "system_powerdown"] {
+            writeln!(writer, "{{\"execute\": \"{command}\"}}")?;
+            loop {
+                line.clear();
+                if reader.read_line(&mut line)? == 0 {
+                    return Ok(false);
+                }
+                // Events may come between; the answer is a `return` or an `error`.
+                if line.contains("\"error\"") {
+                    return Ok(false);
+                }
+                if line.contains("\"return\"") {
+                    break;
+                }
+            }
+        }
+        Ok(true)
+    };
+    ask().unwrap_or(false)
+}
