@@ -155,6 +155,9 @@ impl Api {
     fn place(&self, graph: Graph, file: &str, text: Option<&str>) -> Result<ApplyReport, ApiError> {
         self.placements.apply(graph).map_err(|e| match e {
             stitch_place::PlaceError::Engine(e) => e.into(),
+            stitch_place::PlaceError::Kernel(why) => {
+                ApiError::new(409, format!("kernel placement: {why}"))
+            }
             stitch_place::PlaceError::Graph(errors) => ApiError::bad_graph(
                 stitch_core::graph::GraphErrors {
                     file: file.to_string(),
@@ -186,7 +189,7 @@ impl Api {
         let mut v = rates::stats_json(stats, &self.rates.lock().unwrap());
         let graph = self.placements.graph();
         if let Some(apps) = v["apps"].as_array_mut() {
-            for a in apps {
+            for a in apps.iter_mut() {
                 let name = a["name"].as_str().unwrap_or_default().to_string();
                 let placement = graph
                     .as_ref()
@@ -197,8 +200,42 @@ impl Api {
                     a["process"] = p;
                 }
             }
+            apps.extend(self.kernel_apps_json(graph.as_ref()));
         }
         v
+    }
+
+    /// The graph's kernel apps with the data plane's counters, in the shape of engine apps
+    /// (`worker: kernel`; per-port packets summed; no rates).
+    fn kernel_apps_json(&self, graph: Option<&Graph>) -> Vec<Value> {
+        let (Some(graph), Some(status)) = (graph, self.placements.kernel_status()) else {
+            return Vec::new();
+        };
+        status
+            .apps
+            .iter()
+            .filter(|a| graph.apps.contains_key(&a.name))
+            .map(|a| {
+                let sum = |f: fn(&stitch_kernel::maps::ViStats) -> u64| {
+                    a.ports.iter().map(|p| f(&p.stats)).sum::<u64>()
+                };
+                json!({
+                    "name": a.name,
+                    "type": a.kind,
+                    "worker": "kernel",
+                    "rx_packets": sum(|s| s.rx_packets),
+                    "rx_bytes": sum(|s| s.rx_bytes),
+                    "tx_packets": sum(|s| s.tx_packets),
+                    "tx_bytes": sum(|s| s.tx_bytes),
+                    "drops": sum(|s| s.drops),
+                    "failed": false,
+                    "counters": a.counters,
+                    "rx_rate_pps": 0.0,
+                    "tx_rate_pps": 0.0,
+                    "placement": "kernel",
+                })
+            })
+            .collect()
     }
 
     fn running_graph(&self) -> Result<Graph, ApiError> {

@@ -23,6 +23,12 @@ int stitch_port(struct __sk_buff *skb)
 	__u32 *vid = bpf_map_lookup_elem(&ifaces, &ifindex);
 	if (!vid)
 		return TCX_NEXT;
+	/* Frames written by a packet socket (Stitch's engine on a boundary veth) or a virtio
+	 * device can arrive with their headers in page fragments, past data_end: functions read
+	 * headers there, so make the first bytes linear. */
+	__u32 len = skb->len;
+	if ((long)skb->data_end - (long)skb->data < (len < 256 ? len : 256))
+		bpf_skb_pull_data(skb, len < 256 ? len : 256);
 	skb->cb[1] = 0;
 	return pp_send(skb, *vid);
 }

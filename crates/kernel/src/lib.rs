@@ -17,7 +17,7 @@
 pub mod capture;
 pub mod datapath;
 pub mod maps;
-mod netdev;
+pub mod netdev;
 pub mod plan;
 pub mod tap;
 

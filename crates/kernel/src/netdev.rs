@@ -62,3 +62,30 @@ pub fn delete(name: &str) -> Result<(), String> {
     }
     ip(&["link", "del", name])
 }
+
+/// Creates (if needed) a veth pair that joins the kernel data plane to Stitch's engine, with
+/// IPv6 off on both ends (the host would otherwise send router solicitations and MLD reports
+/// into the graph), and brings it up.
+pub fn ensure_boundary_veth(name: &str, peer: &str) -> Result<(), String> {
+    if ifindex(name).is_none() {
+        ip(&["link", "add", name, "type", "veth", "peer", "name", peer])?;
+    }
+    for end in [name, peer] {
+        let _ = std::fs::write(format!("/proc/sys/net/ipv6/conf/{end}/disable_ipv6"), "1");
+        ip(&["link", "set", end, "up"])?;
+    }
+    Ok(())
+}
+
+/// The interfaces of this network namespace whose names start with `prefix`.
+pub fn named_with(prefix: &str) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir("/sys/class/net")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|n| n.starts_with(prefix))
+        .collect();
+    names.sort();
+    names
+}

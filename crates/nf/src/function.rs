@@ -13,7 +13,7 @@
 //!     env: { RUST_LOG: info }
 //!     memory_mb: 64       # cgroup memory limit
 //!     cpu: 0.5            # cgroup CPU quota, in CPUs
-//!     mode: isolated      # the nf_port settings: mode, wake, batch, max_delay_us, ring_size, buffer_size
+//!     mode: isolated      # the nf_port settings: mode, wake (default blocking), batch, max_delay_us, ring_size, buffer_size
 //! ```
 
 use crate::port::{Mode, NfPort, NfPortConfig, Wake};
@@ -52,7 +52,9 @@ pub struct FunctionConfig {
     pub socket: Option<PathBuf>,
     #[serde(default)]
     pub mode: Mode,
-    #[serde(default)]
+    /// `blocking` by default: a supervised function sleeps on its doorbell when idle instead
+    /// of spinning on a core it shares (`polling` for the lowest latency on a core of its own).
+    #[serde(default = "blocking")]
     pub wake: Wake,
     #[serde(default)]
     pub batch: Option<u32>,
@@ -62,6 +64,10 @@ pub struct FunctionConfig {
     pub ring_size: Option<u32>,
     #[serde(default)]
     pub buffer_size: Option<u32>,
+}
+
+fn blocking() -> Wake {
+    Wake::Blocking
 }
 
 impl FunctionConfig {

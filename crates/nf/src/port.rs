@@ -41,6 +41,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use stitch_core::app::{AppContext, AppError, Counter, Io, PortSpec, Reconfigured};
+use stitch_core::Packet;
 use stitch_core::{pool, App};
 
 #[derive(Debug, Clone, Copy, Deserialize, Default, PartialEq, Eq)]
@@ -342,6 +343,9 @@ pub struct NfPort {
     down_drops: Counter,
     ring_full_drops: Counter,
     too_big_drops: Counter,
+    offload_drops: Counter,
+    /// Packets of one push with their offloads resolved (kept to reuse its room).
+    finished: Vec<Packet>,
     bad_descriptors: Counter,
     pool_drops: Counter,
     attaches: Counter,
@@ -397,6 +401,8 @@ impl App for NfPort {
             down_drops: ctx.counter("down_drops"),
             ring_full_drops: ctx.counter("ring_full_drops"),
             too_big_drops: ctx.counter("too_big_drops"),
+            offload_drops: ctx.counter("offload_drops"),
+            finished: Vec::with_capacity(256),
             bad_descriptors: ctx.counter("bad_descriptors"),
             pool_drops: ctx.counter("pool_exhausted_drops"),
             attaches: ctx.counter("attaches"),
@@ -502,13 +508,24 @@ impl App for NfPort {
             self.detach();
             return;
         };
+        // A function gets final packets, as a NIC would give them: checksums complete and
+        // super-frames cut to MTU-sized segments (its buffers hold one frame, and the offload
+        // state does not survive the trip through a process, whose writes Stitch does not trust).
+        let mut finished = std::mem::take(&mut self.finished);
+        let mut bad_offloads = 0u64;
+        for p in input.drain() {
+            if finish_offloads(p, &mut finished).is_err() {
+                bad_offloads += 1;
+            }
+        }
+        self.offload_drops.add(bad_offloads);
         let zero_copy = self.shared.settings.zero_copy;
         let stamp = stitch_core::packet::now_ns() as u32;
         let (mut sent, mut full, mut big) = (0u64, 0u64, 0u64);
         let pool = pool::get();
         let held_arc = a.held.clone();
         let mut held = held_arc.lock();
-        for p in input.drain() {
+        for p in finished.drain(..) {
             if room == 0 {
                 full += 1;
                 continue;
@@ -557,6 +574,7 @@ impl App for NfPort {
             sent += 1;
         }
         drop(held);
+        self.finished = finished;
         if sent > 0 {
             a.to_nf.publish();
             self.to_nf.add(sent);
@@ -591,6 +609,26 @@ impl App for NfPort {
             "direct_in": self.active.as_ref().and_then(|a| a.incoming.as_ref()).map(|d| format!("{} ({:?})", d.from.name, d.phase())),
         })
     }
+}
+
+/// `p` as final packets into `out`: a super-frame cut into segments, partial checksums
+/// completed. Err when the offload metadata does not fit the frame (the packet is dropped).
+fn finish_offloads(
+    mut p: Packet,
+    out: &mut Vec<Packet>,
+) -> Result<(), stitch_wire::offload::OffloadError> {
+    use stitch_wire::offload;
+    if p.header().gso_type == offload::GSO_NONE {
+        offload::complete_checksum(&mut p)?;
+        out.push(p);
+        return Ok(());
+    }
+    let mut bad = Ok(());
+    offload::resolve_gso(p, |mut seg| match offload::complete_checksum(&mut seg) {
+        Ok(()) => out.push(seg),
+        Err(e) => bad = Err(e),
+    })?;
+    bad
 }
 
 impl NfPort {

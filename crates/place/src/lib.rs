@@ -16,6 +16,7 @@
 //! change keeps its process, its port and its packets.
 
 pub mod cgroup;
+pub mod kernel;
 pub mod supervisor;
 pub mod vm;
 
@@ -24,9 +25,16 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use stitch_core::engine::{ApplyReport, EngineError};
 use stitch_core::graph::{AppDecl, GraphError, Placement};
-use stitch_core::{Engine, Graph, Stats};
+use stitch_core::{Engine, Graph, Registry, Stats};
 use stitch_nf::function::{FunctionConfig, ENV_PORT, ENV_SOCKET};
 use supervisor::{ProcessSpec, Supervisor};
+
+/// FNV-1a: short names for what an instance creates on the host, stable across runs.
+pub(crate) fn hash(s: &str) -> u64 {
+    s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
 
 /// Why a graph was not applied.
 #[derive(Debug)]
@@ -35,6 +43,8 @@ pub enum PlaceError {
     Graph(Vec<GraphError>),
     /// The engine refused its part; nothing was changed.
     Engine(EngineError),
+    /// The kernel data plane or its links could not be set up; the engine's part is unchanged.
+    Kernel(String),
 }
 
 impl std::fmt::Display for PlaceError {
@@ -48,6 +58,7 @@ impl std::fmt::Display for PlaceError {
                 f.write_str(&lines.join("\n"))
             }
             PlaceError::Engine(e) => write!(f, "{e}"),
+            PlaceError::Kernel(e) => write!(f, "kernel placement: {e}"),
         }
     }
 }
@@ -60,17 +71,20 @@ impl std::error::Error for PlaceError {}
 pub struct Plan {
     pub engine: Graph,
     pub processes: Vec<ProcessSpec>,
+    /// The kernel apps and the veth pairs joining them to the engine.
+    pub kernel: Option<kernel::KernelPart>,
 }
 
 /// Splits `graph` by placement and checks what the engine cannot: that each process's
-/// program, user and files exist, that no app asks for a placement not made here. VMs' sockets,
-/// QMP sockets and consoles go in `vm_dir`. A pure plan: nothing on the system changes.
-pub fn plan(graph: &Graph, vm_dir: &Path) -> Result<Plan, Vec<GraphError>> {
+/// program, user and files exist, that each kernel app has a kernel version. What is created
+/// on the host is named after `instance`. A pure plan: nothing on the system changes.
+pub fn plan(graph: &Graph, registry: &Registry, instance: &str) -> Result<Plan, Vec<GraphError>> {
+    let vm_dir = vm::dir_of(instance);
     let mut errors = Vec::new();
     let mut engine = graph.clone();
     let mut processes = Vec::new();
     for app in engine.apps.values_mut() {
-        match place_app(app, &graph.base_dir, vm_dir) {
+        match place_app(app, &graph.base_dir, &vm_dir) {
             Ok(Some(placed)) => {
                 processes.push(placed.spec);
                 if let Some(config) = placed.engine_config {
@@ -81,30 +95,23 @@ pub fn plan(graph: &Graph, vm_dir: &Path) -> Result<Plan, Vec<GraphError>> {
             Ok(None) => {}
             Err(e) => errors.push(e),
         }
-        if app.placement == Placement::Kernel {
-            errors.push(at(
-                app,
-                "placement",
-                format!(
-                    "app `{}`: `stitch run` does not place apps in the kernel yet: install a \
-                     kernel-only graph with `stitch kernel apply FILE`, or give the app \
-                     `placement: engine`",
-                    app.name
-                ),
-            ));
-        }
     }
-    if errors.is_empty() {
-        Ok(Plan { engine, processes })
-    } else {
-        Err(errors)
+    if !errors.is_empty() {
+        return Err(errors);
     }
+    let kernel = kernel::split(&mut engine, registry, &kernel::KernelNames::of(instance))?;
+    Ok(Plan {
+        engine,
+        processes,
+        kernel,
+    })
 }
 
 /// What `stitch check` adds to the graph parser's checks: every function process and VM can
-/// start (programs, users and files exist), and `function`/`vm` apps have their placement.
-pub fn check(graph: &Graph) -> Result<(), Vec<GraphError>> {
-    plan(graph, &stitch_core::runtime_dir().join("check")).map(|_| ())
+/// start (programs, users and files exist), every kernel app has a kernel version, and
+/// `function`/`vm` apps have their placement.
+pub fn check(graph: &Graph, registry: &Registry) -> Result<(), Vec<GraphError>> {
+    plan(graph, registry, "check").map(|_| ())
 }
 
 /// A process that an app placed beside the engine needs, and the app's entry as the engine
@@ -243,20 +250,26 @@ fn lookup_user(name: &str) -> Result<(u32, u32), String> {
 /// The engine and everything placed beside it, for one instance.
 pub struct Placements {
     engine: Arc<Engine>,
+    /// What this instance's processes, VMs, kernel data plane and veths are named after.
+    instance: String,
     /// Where this instance's VMs' sockets and consoles go.
     vm_dir: PathBuf,
     /// The graph as given (placements and all); the engine holds its own part.
     graph: Mutex<Option<Graph>>,
     supervisor: Mutex<Supervisor>,
+    /// The installed kernel part, if the graph has kernel apps.
+    kernel: Mutex<Option<kernel::KernelPart>>,
 }
 
 impl Placements {
     pub fn new(engine: Arc<Engine>, instance: &str) -> Placements {
         Placements {
             engine,
+            instance: instance.to_string(),
             vm_dir: vm::dir_of(instance),
             graph: Mutex::new(None),
             supervisor: Mutex::new(Supervisor::new(instance)),
+            kernel: Mutex::new(None),
         }
     }
 
@@ -269,26 +282,93 @@ impl Placements {
         self.graph.lock().unwrap().clone()
     }
 
-    /// Makes `graph` the running graph: checks, then the engine's part by diff, then the
-    /// processes (started once their ports exist, stopped once their ports are gone).
+    fn kernel_names(&self) -> kernel::KernelNames {
+        kernel::KernelNames::of(&self.instance)
+    }
+
+    fn data_plane(&self) -> Result<stitch_kernel::DataPlane, PlaceError> {
+        stitch_kernel::DataPlane::new(&self.kernel_names().plane)
+            .map_err(|e| PlaceError::Kernel(e.0))
+    }
+
+    /// Makes `graph` the running graph: checks everything (nothing changes when a check
+    /// fails), then the kernel's part with the veth pairs it needs, the engine's part by diff,
+    /// the processes (started once their ports exist, stopped once their ports are gone), and
+    /// last removes the veth pairs no longer used.
     pub fn apply(&self, graph: Graph) -> Result<ApplyReport, PlaceError> {
         let mut current = self.graph.lock().unwrap();
-        let plan = plan(&graph, &self.vm_dir).map_err(PlaceError::Graph)?;
+        let plan =
+            plan(&graph, self.engine.registry(), &self.instance).map_err(PlaceError::Graph)?;
         if plan.processes.iter().any(|p| p.kind == "vm") {
             std::fs::create_dir_all(&self.vm_dir).map_err(|e| {
-                PlaceError::Engine(EngineError::Config {
-                    app: String::new(),
-                    message: format!("cannot make {}: {e}", self.vm_dir.display()),
-                })
+                PlaceError::Kernel(format!("cannot make {}: {e}", self.vm_dir.display()))
             })?;
         }
+        let mut installed = self.kernel.lock().unwrap();
+        let old_veths = installed
+            .as_ref()
+            .map(|k| k.veths.clone())
+            .unwrap_or_default();
+        self.apply_kernel(plan.kernel.as_ref(), installed.is_some(), &old_veths)?;
         let report = self.engine.apply(plan.engine).map_err(PlaceError::Engine)?;
         let (started, stopped) = self.supervisor.lock().unwrap().apply(plan.processes);
         if !started.is_empty() || !stopped.is_empty() {
-            log::info!("function processes: started {started:?}, stopped {stopped:?}");
+            log::info!("processes and VMs: started {started:?}, stopped {stopped:?}");
         }
+        let new_veths = plan
+            .kernel
+            .as_ref()
+            .map(|k| k.veths.clone())
+            .unwrap_or_default();
+        for (k_end, _) in old_veths.difference(&new_veths) {
+            if let Err(e) = stitch_kernel::netdev::delete(k_end) {
+                log::warn!("kernel placement: {e}");
+            }
+        }
+        *installed = plan.kernel;
         *current = Some(graph);
         Ok(report)
+    }
+
+    /// Installs (or changes by diff, or removes) the kernel data plane, creating the veth pairs
+    /// it needs first; on failure removes the pairs this call created.
+    fn apply_kernel(
+        &self,
+        part: Option<&kernel::KernelPart>,
+        was_installed: bool,
+        old_veths: &std::collections::BTreeSet<(String, String)>,
+    ) -> Result<(), PlaceError> {
+        let Some(part) = part else {
+            if was_installed {
+                self.data_plane()?
+                    .teardown()
+                    .map_err(|e| PlaceError::Kernel(e.0))?;
+            }
+            return Ok(());
+        };
+        let created: Vec<&(String, String)> = part.veths.difference(old_veths).collect();
+        let undo = |why: String| {
+            for (k_end, _) in &created {
+                let _ = stitch_kernel::netdev::delete(k_end);
+            }
+            PlaceError::Kernel(why)
+        };
+        for (k_end, e_end) in &created {
+            stitch_kernel::netdev::ensure_boundary_veth(k_end, e_end).map_err(&undo)?;
+        }
+        let plane = self.data_plane()?;
+        plane
+            .apply(&part.plan, &format!("<instance {}>", self.instance))
+            .map_err(|e| undo(e.0))?;
+        Ok(())
+    }
+
+    /// The kernel data plane's counters, if the graph has kernel apps.
+    pub fn kernel_status(&self) -> Option<stitch_kernel::Status> {
+        if self.kernel.lock().unwrap().is_none() {
+            return None;
+        }
+        self.data_plane().ok()?.status().ok().flatten()
     }
 
     /// Where app `name` runs and, for a process, how it is doing.
@@ -317,16 +397,57 @@ impl Placements {
         )
     }
 
-    /// Removes what a crashed earlier run of this instance left. Call once the instance owns
-    /// its name (its API socket is bound).
-    pub fn clean_after_crash(&self) {
-        self.supervisor.lock().unwrap().clean_after_crash();
+    /// What this instance creates on the host (veth pairs, the kernel data plane), for
+    /// `stitch show` and tests.
+    pub fn created(&self) -> Value {
+        let names = self.kernel_names();
+        let k = self.kernel.lock().unwrap();
+        json!({
+            "kernel_data_plane": k.as_ref().map(|_| names.plane.clone()),
+            "veths": k.as_ref().map(|k| k.veths.iter().map(|(a, b)| json!([a, b])).collect::<Vec<_>>()).unwrap_or_default(),
+            "vm_dir": self.vm_dir.display().to_string(),
+        })
     }
 
-    /// Stops the processes, then the engine; returns the engine's last counters.
+    /// Removes what a crashed earlier run of this instance left: processes and cgroups, its
+    /// kernel data plane (hooks, programs, pinned maps) and veth pairs. Call once the instance
+    /// owns its name (its API socket is bound).
+    pub fn clean_after_crash(&self) {
+        if self.instance.is_empty() {
+            return;
+        }
+        self.supervisor.lock().unwrap().clean_after_crash();
+        let names = self.kernel_names();
+        if let Ok(plane) = stitch_kernel::DataPlane::new(&names.plane) {
+            match plane.teardown() {
+                Ok(true) => log::info!("removed the kernel data plane a previous run left"),
+                Ok(false) => {}
+                Err(e) => log::warn!("kernel data plane a previous run left: {}", e.0),
+            }
+        }
+        for name in stitch_kernel::netdev::named_with(&names.veth_prefix) {
+            if name.ends_with('k') {
+                let _ = stitch_kernel::netdev::delete(&name);
+            }
+        }
+        let _ = std::fs::remove_dir_all(&self.vm_dir);
+    }
+
+    /// Stops the processes, then the engine, then the kernel data plane and its veth pairs;
+    /// returns the engine's last counters.
     pub fn stop(&self) -> Stats {
         self.supervisor.lock().unwrap().stop_all();
         let stats = self.engine.stop();
+        if let Some(part) = self.kernel.lock().unwrap().take() {
+            if let Ok(plane) = self.data_plane() {
+                if let Err(e) = plane.teardown() {
+                    log::warn!("kernel data plane: {}", e.0);
+                }
+            }
+            for (k_end, _) in &part.veths {
+                let _ = stitch_kernel::netdev::delete(k_end);
+            }
+        }
         let _ = std::fs::remove_dir_all(&self.vm_dir);
         stats
     }
@@ -338,11 +459,15 @@ mod tests {
     use std::collections::BTreeMap;
     use stitch_core::Registry;
 
-    fn parse(text: &str) -> Graph {
+    fn reg() -> Registry {
         let mut r = Registry::default();
         stitch_nf::register(&mut r);
         stitch_vhost::register(&mut r);
-        Graph::parse(text, "g.yaml", Path::new("/"), &r).unwrap()
+        r
+    }
+
+    fn parse(text: &str) -> Graph {
+        Graph::parse(text, "g.yaml", Path::new("/"), &reg()).unwrap()
     }
 
     #[test]
@@ -350,7 +475,7 @@ mod tests {
         let g = parse(
             "apps:\n  fw:\n    placement: process\n    command: [sh, -c, 'exit 0']\n    env: { A: b }\n    memory_mb: 8\n",
         );
-        let p = plan(&g, Path::new("/run/x")).unwrap();
+        let p = plan(&g, &reg(), "t").unwrap();
         let fw = &p.engine.apps["fw"];
         assert_eq!(fw.kind, "function");
         assert_eq!(fw.placement, Placement::Engine);
@@ -374,7 +499,7 @@ mod tests {
     #[test]
     fn what_is_not_placed_here_is_refused_at_its_line() {
         let g = parse("apps:\n  p:\n    type: nf_port\n    placement: kernel\n  q:\n    type: nf_port\n    placement: vm\n");
-        let errors = plan(&g, Path::new("/run/x")).unwrap_err();
+        let errors = plan(&g, &reg(), "t").unwrap_err();
         let lines: Vec<usize> = errors.iter().map(|e| e.line).collect();
         assert_eq!(lines, [4, 6], "{errors:?}");
         assert!(errors[1].message.contains("no VM version"), "{errors:?}");
@@ -383,7 +508,7 @@ mod tests {
             "{errors:?}"
         );
         let g = parse("apps:\n  p:\n    placement: process\n    command: [/no/such/program]\n");
-        let errors = plan(&g, Path::new("/run/x")).unwrap_err();
+        let errors = plan(&g, &reg(), "t").unwrap_err();
         assert_eq!(errors[0].line, 4, "{errors:?}");
         assert!(
             errors[0].message.contains("not an executable file"),
@@ -406,7 +531,7 @@ mod tests {
         )
         .unwrap();
         let vm_dir = vm::dir_of("some-instance");
-        let p = plan(&g, &vm_dir).unwrap();
+        let p = plan(&g, &r, "some-instance").unwrap();
         let sock = vm_dir.join("vm1.sock");
         assert_eq!(
             p.engine.apps["vm1"].config["socket"],
@@ -438,7 +563,7 @@ mod tests {
             &r,
         )
         .unwrap();
-        let errors = plan(&g, &vm_dir).unwrap_err();
+        let errors = plan(&g, &r, "some-instance").unwrap_err();
         assert_eq!(errors[0].line, 5, "{errors:?}");
         assert!(errors[0].message.contains("kernel: no file"), "{errors:?}");
     }

@@ -17,11 +17,8 @@ const SUN_PATH_MAX: usize = 107;
 
 /// The folder of one instance's VM sockets and consoles, named after its key.
 pub fn dir_of(instance: &str) -> PathBuf {
-    // FNV-1a: short, stable names whatever the key's length (socket paths are limited).
-    let hash = instance.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
-    });
-    stitch_core::runtime_dir().join(format!("vm-{hash:016x}"))
+    // Short, stable names whatever the key's length (socket paths are limited).
+    stitch_core::runtime_dir().join(format!("vm-{:016x}", crate::hash(instance)))
 }
 
 fn resolve(base_dir: &Path, p: &Path) -> PathBuf {

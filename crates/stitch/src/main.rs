@@ -222,8 +222,9 @@ fn main() {
 fn run_cli(cli: Cli) -> Result<()> {
     match cli.cmd {
         Cmd::Check { file } => {
-            let g = load(&file, &registry())?;
-            stitch_place::check(&g).map_err(|errors| {
+            let registry = registry();
+            let g = load(&file, &registry)?;
+            stitch_place::check(&g, &registry).map_err(|errors| {
                 anyhow::anyhow!(
                     "{}",
                     stitch_core::graph::GraphErrors {

@@ -402,3 +402,128 @@ fn a_vm_is_launched_on_its_port_restarted_and_shut_down() {
     );
     s.stop();
 }
+
+/// Host 0 → `fw` (function process) → `r` (router in the kernel) → host 1, and back through
+/// the kernel router to host 0, in one graph file.
+fn mixed_graph(hosts: &TwoHosts, nf_socket: &Path, n: u32) -> String {
+    format!(
+        "apps:
+  a: {{ type: af_packet, interface: {a} }}
+  b: {{ type: af_packet, interface: {b} }}
+  fw: {{ placement: process, command: [stitch-nf-firewall, --drop-proto, udp], socket: {nf} }}
+  r:
+    type: router
+    placement: kernel
+    interfaces:
+      left: {{ mac: \"02:00:00:00:01:01\", address: \"10.{n}.1.1/24\" }}
+      right: {{ mac: \"02:00:00:00:02:01\", address: \"10.{n}.2.1/24\" }}
+links:
+  - \"a.output -> fw.input\"
+  - \"fw.output -> r.left\"
+  - \"r.left -> a.input\"
+  - \"b.output -> r.right\"
+  - \"r.right -> b.input\"
+",
+        a = hosts.outer[0],
+        b = hosts.outer[1],
+        nf = nf_socket.display()
+    )
+}
+
+fn listing(dir: &str) -> std::collections::BTreeSet<String> {
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .collect()
+}
+
+#[test]
+fn kernel_engine_and_process_apps_run_as_one_graph_and_a_crash_leaves_nothing() {
+    require_root_and_tools(&["ping", "iperf3", "tc"]);
+    let hosts = TwoHosts::new();
+    let n = 150 + std::process::id() % 50;
+    hosts.two_subnets(n);
+    let dir = tempfile::tempdir().unwrap();
+    let nf = dir.path().join("nf.sock");
+    let links_before = listing("/sys/class/net");
+    let planes_before = listing("/sys/fs/bpf/stitch");
+    let s = Stitch::run_with(&mixed_graph(&hosts, &nf, n), &["--keep-running"]);
+    wait_until("the firewall process to attach", 20, || {
+        show(&s, "fw")["attached"] == true
+    });
+    let made: Vec<String> = listing("/sys/class/net")
+        .difference(&links_before)
+        .cloned()
+        .collect();
+    // Two veth pairs join r.left and r.right to the engine; the data plane has its loop pair.
+    assert_eq!(made.len(), 6, "{made:?}");
+    let planes: Vec<String> = listing("/sys/fs/bpf/stitch")
+        .difference(&planes_before)
+        .cloned()
+        .collect();
+    assert_eq!(planes.len(), 1, "one kernel data plane: {planes:?}");
+
+    let far = format!("10.{n}.2.2");
+    let t = std::time::Instant::now();
+    while !hosts
+        .exec(0, &format!("ping -c 1 -W 1 {far}"))
+        .status
+        .success()
+    {
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(15),
+            "ping across the kernel router: {}",
+            s.stats().unwrap()
+        );
+    }
+    let bits = hosts.iperf_tcp(&far, 2);
+    assert!(bits > 1e6, "iperf3 TCP across the graph: {bits} bit/s");
+    let stats = s.stats().unwrap();
+    let r = app(&stats, "r");
+    assert_eq!(r["placement"], "kernel", "{stats}");
+    assert!(r["rx_packets"].as_u64().unwrap() > 100, "{r}");
+    assert_eq!(app(&stats, "fw")["placement"], "process", "{stats}");
+    assert_eq!(app(&stats, "a")["placement"], "engine", "{stats}");
+    let fw_pid = pid_of(&s, "fw").unwrap();
+
+    // Stitch killed: the function dies with it; the next start of the same instance removes
+    // the data plane (hooks, programs, pinned maps) and the veth pairs it left.
+    let socket = s.socket.clone();
+    s.process.signal(libc::SIGKILL);
+    let _ = s.process.finish();
+    wait_until("the function to die with stitch", 10, || !alive(fw_pid));
+    assert!(
+        made.iter()
+            .all(|l| Path::new(&format!("/sys/class/net/{l}")).exists()),
+        "a crash leaves the veths (the next start removes them)"
+    );
+    let _ = std::fs::remove_file(&socket);
+    let file = dir.path().join("graph.yaml");
+    std::fs::write(&file, "apps:\n  g: { type: generator, count: 1 }\n  s: { type: sink }\nlinks: [\"g.output -> s.input\"]\n").unwrap();
+    let again = Command::new(env!("CARGO_BIN_EXE_stitch"))
+        .args(["run", "--duration", "1", "--control"])
+        .arg(&socket)
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert!(
+        again.status.success(),
+        "{}",
+        String::from_utf8_lossy(&again.stderr)
+    );
+    for l in &made {
+        assert!(
+            !Path::new(&format!("/sys/class/net/{l}")).exists(),
+            "{l} left behind"
+        );
+    }
+    for p in &planes {
+        assert!(
+            !Path::new(&format!("/sys/fs/bpf/stitch/{p}")).exists(),
+            "data plane {p} left behind"
+        );
+    }
+    drop(s.dir);
+}

@@ -1,0 +1,192 @@
+//! `placement: kernel` in a mixed graph: the kernel apps become a kernel data plane of the
+//! instance's own (`stitch-kernel`), and every link between a kernel app and an engine app goes
+//! through a veth pair Stitch creates: its kernel end is a workload interface of the data plane
+//! (hooked at tc ingress, where the kernel functions send to it), its engine end an `af_packet`
+//! app of the engine. One pair per kernel port that has links to the engine, named after the
+//! instance and the port, so a changed graph keeps the pairs it still uses.
+//!
+//! `af_packet` rather than `af_xdp` on the engine end: AF_XDP binds to a veth only in copy mode
+//! and needs an XDP program on the peer too, while packets from the data plane arrive on the
+//! engine end by a tc redirect, which XDP on the peer would not see first; a TPACKET ring takes
+//! them as they come (docs/benchmarks.md: `stitch bench placement`).
+
+use crate::hash;
+use std::collections::BTreeSet;
+use stitch_core::graph::{AppDecl, Endpoint, Graph, GraphError, LinkDecl, Placement};
+use stitch_core::Registry;
+
+/// What the kernel runs for one graph, and the veth pairs joining it to the engine.
+#[derive(Debug, Clone)]
+pub struct KernelPart {
+    /// The kernel apps, with an `af_packet` app on the kernel end of each pair.
+    pub graph: Graph,
+    pub plan: stitch_kernel::Plan,
+    /// (kernel end, engine end) of each pair.
+    pub veths: BTreeSet<(String, String)>,
+}
+
+/// The names an instance's kernel side goes by: its data plane, and the prefix of its veths.
+#[derive(Debug, Clone)]
+pub struct KernelNames {
+    pub plane: String,
+    pub veth_prefix: String,
+}
+
+impl KernelNames {
+    pub fn of(instance: &str) -> KernelNames {
+        let h = hash(instance);
+        KernelNames {
+            // A data plane's name holds up to 10 characters, an interface's 15.
+            plane: format!("p{:08x}", h as u32),
+            veth_prefix: format!("sx{:04x}", (h >> 48) as u16),
+        }
+    }
+}
+
+fn error(line: usize, message: String) -> GraphError {
+    GraphError {
+        line,
+        column: 1,
+        message,
+    }
+}
+
+/// One app entry parsed as a graph file would give it (so its ports are declared by its type).
+fn app_entry(
+    name: &str,
+    entry: &str,
+    base: &Graph,
+    registry: &Registry,
+) -> Result<AppDecl, Vec<GraphError>> {
+    let text = format!("apps:\n  {name}: {entry}\n");
+    let g = Graph::parse(&text, "<placement>", &base.base_dir, registry)
+        .map_err(|e| e.errors.clone())?;
+    Ok(g.apps[name].clone())
+}
+
+/// Moves the kernel apps of `engine` into a graph of their own and joins them to the engine's
+/// apps through veth pairs (an `af_packet` app on each end). `None`: no kernel apps.
+pub fn split(
+    engine: &mut Graph,
+    registry: &Registry,
+    names: &KernelNames,
+) -> Result<Option<KernelPart>, Vec<GraphError>> {
+    let kernel_apps: Vec<String> = engine
+        .apps
+        .values()
+        .filter(|a| a.placement == Placement::Kernel)
+        .map(|a| a.name.clone())
+        .collect();
+    if kernel_apps.is_empty() {
+        return Ok(None);
+    }
+    let mut kernel = Graph {
+        engine: engine.engine.clone(),
+        workers: Default::default(),
+        apps: Default::default(),
+        links: Vec::new(),
+        base_dir: engine.base_dir.clone(),
+    };
+    for name in &kernel_apps {
+        if let Some(app) = engine.apps.shift_remove(name) {
+            kernel.apps.insert(name.clone(), app);
+        }
+    }
+    let mut errors = Vec::new();
+    let mut veths = BTreeSet::new();
+    let mut engine_links = Vec::new();
+    for link in std::mem::take(&mut engine.links) {
+        let from_kernel = kernel.apps.contains_key(&link.from.app);
+        let to_kernel = kernel.apps.contains_key(&link.to.app);
+        match (from_kernel, to_kernel) {
+            (true, true) => kernel.links.push(link),
+            (false, false) => engine_links.push(link),
+            _ => {
+                let end = if from_kernel { &link.from } else { &link.to };
+                let boundary = format!("kernel-{}-{}", end.app, end.port);
+                let tag = hash(&format!("{}.{}", end.app, end.port)) & 0xf_ffff;
+                let k_end = format!("{}{tag:05x}k", names.veth_prefix);
+                let e_end = format!("{}{tag:05x}e", names.veth_prefix);
+                if !kernel.apps.contains_key(&boundary) {
+                    if engine.apps.contains_key(&boundary) {
+                        errors.push(error(
+                            link.line,
+                            format!(
+                                "link `{}`: Stitch names the kernel ↔ engine boundary of `{end}` \
+                                 `{boundary}`, and an app of the graph has that name: rename it",
+                                link.spec()
+                            ),
+                        ));
+                        continue;
+                    }
+                    let k = app_entry(
+                        &boundary,
+                        &format!("{{ type: af_packet, interface: {k_end}, placement: kernel }}"),
+                        engine,
+                        registry,
+                    );
+                    let e = app_entry(
+                        &boundary,
+                        &format!("{{ type: af_packet, interface: {e_end} }}"),
+                        engine,
+                        registry,
+                    );
+                    match (k, e) {
+                        (Ok(k), Ok(e)) => {
+                            kernel.apps.insert(boundary.clone(), k);
+                            engine.apps.insert(boundary.clone(), e);
+                        }
+                        (Err(mut a), b) => {
+                            errors.append(&mut a);
+                            errors.extend(b.err().into_iter().flatten());
+                            continue;
+                        }
+                        (_, Err(mut b)) => {
+                            errors.append(&mut b);
+                            continue;
+                        }
+                    }
+                    veths.insert((k_end, e_end));
+                }
+                let input = Endpoint {
+                    app: boundary.clone(),
+                    port: "input".into(),
+                };
+                let output = Endpoint {
+                    app: boundary,
+                    port: "output".into(),
+                };
+                let (kernel_link, engine_link) = if from_kernel {
+                    ((link.from.clone(), input), (output, link.to.clone()))
+                } else {
+                    ((output, link.to.clone()), (link.from.clone(), input))
+                };
+                kernel.links.push(LinkDecl {
+                    from: kernel_link.0,
+                    to: kernel_link.1,
+                    size: link.size,
+                    line: link.line,
+                });
+                engine_links.push(LinkDecl {
+                    from: engine_link.0,
+                    to: engine_link.1,
+                    size: link.size,
+                    line: link.line,
+                });
+            }
+        }
+    }
+    engine.links = engine_links;
+    let plan = stitch_kernel::Plan::from_graph(&kernel).map_err(|mut e| {
+        errors.append(&mut e);
+        std::mem::take(&mut errors)
+    })?;
+    if !errors.is_empty() {
+        return Err(errors);
+    }
+    Ok(Some(KernelPart {
+        graph: kernel,
+        plan,
+        veths,
+    }))
+}
