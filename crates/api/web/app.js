@@ -46,8 +46,10 @@ function draw(doc) {
   g.setGraph({ rankdir: "LR", nodesep: 40, ranksep: 60, edgesep: 30, marginx: 20, marginy: 20 });
   g.setDefaultEdgeLabel(() => ({}));
   for (const [name, entry] of Object.entries(doc.apps)) {
-    const width = Math.max(name.length, entry.type.length + 2, 12) * 8 + 24;
-    g.setNode(name, { width, height: 58, kind: entry.type });
+    const placement = entry.placement || "engine";
+    const kind = placement === "engine" ? entry.type : `${entry.type} · ${placement}`;
+    const width = Math.max(name.length, kind.length + 2, 12) * 8 + 24;
+    g.setNode(name, { width, height: 58, kind, placement });
   }
   for (const l of doc.links) {
     const spec = linkSpec(l);
@@ -84,7 +86,7 @@ function draw(doc) {
   }
   for (const name of g.nodes()) {
     const n = g.node(name);
-    const group = el("g", { class: "app", "data-app": name, transform: `translate(${n.x - n.width / 2},${n.y - n.height / 2})` }, svg);
+    const group = el("g", { class: `app placement-${n.placement}`, "data-app": name, transform: `translate(${n.x - n.width / 2},${n.y - n.height / 2})` }, svg);
     el("rect", { width: n.width, height: n.height, rx: 6 }, group);
     el("text", { x: n.width / 2, y: 18, "text-anchor": "middle", class: "name" }, group).textContent = name;
     el("text", { x: n.width / 2, y: 33, "text-anchor": "middle", class: "kind" }, group).textContent = "(" + n.kind + ")";
@@ -233,7 +235,7 @@ async function refresh() {
   const status = document.getElementById("status");
   try {
     const [doc, stats] = await Promise.all([get("/api/v1/graph"), get("/api/v1/stats")]);
-    const key = JSON.stringify([Object.entries(doc.apps).map(([n, e]) => [n, e.type]), doc.links.map(linkSpec)]);
+    const key = JSON.stringify([Object.entries(doc.apps).map(([n, e]) => [n, e.type, e.placement]), doc.links.map(linkSpec)]);
     if (key !== shapeKey) {
       draw(doc);
       shapeKey = key;

@@ -7,6 +7,7 @@ mod kernel;
 mod lwaftr;
 mod nf;
 mod nf_scale;
+mod placement;
 mod vhost;
 
 use anyhow::Result;
@@ -63,6 +64,10 @@ pub enum BenchCmd {
     /// Linux router namespaces, Open vSwitch (userspace datapath) with router namespaces and
     /// Stitch's userspace engine — round trips, connection setups and iperf3 in one run.
     Kernel(crate::kernel::KernelBenchArgs),
+    /// The same five-forwarder chain all in the engine and with its middle function in the
+    /// kernel, in a function process and behind a vhost-user port, beside one af_packet
+    /// interface hop: Mpps and ns per packet per crossing.
+    Placement(crate::placement::PlacementArgs),
     /// Packets through Stitch between two vhost-user ports, against testpmd as the vhost-user
     /// back-end, with one testpmd of two virtio-user ports as the front-end.
     Vhost(crate::vhost::VhostBenchArgs),
@@ -306,6 +311,7 @@ pub fn run(cmd: BenchCmd, registry: fn() -> Registry) -> Result<()> {
         BenchCmd::NfScale(args) => nf_scale::run(args, registry()),
         BenchCmd::ChainSwitch(args) => chain_switch::run(args, registry()),
         BenchCmd::Kernel(args) => kernel::run(args),
+        BenchCmd::Placement(args) => placement::run(args, registry()),
         BenchCmd::Vhost(args) => vhost::run(args),
         BenchCmd::Nf {
             name,

@@ -89,7 +89,7 @@ impl Drop for Proc {
     }
 }
 
-fn testpmd(
+pub(crate) fn testpmd(
     prefix: &str,
     cpu: usize,
     vdevs: &[String],

@@ -59,8 +59,16 @@ pub fn render(stats: &Value) -> String {
     let width = column_width(&apps.iter().collect::<Vec<_>>(), "name", 3);
     let _ = writeln!(
         s,
-        "\n{:<width$}  {:<12} {:<8} {:>12} {:>12} {:>10} {:>9} {:>9}  COUNTERS",
-        "APP", "TYPE", "WORKER", "RX PACKETS", "TX PACKETS", "DROPS", "RX PPS", "TX PPS"
+        "\n{:<width$}  {:<12} {:<9} {:<8} {:>12} {:>12} {:>10} {:>9} {:>9}  COUNTERS",
+        "APP",
+        "TYPE",
+        "PLACEMENT",
+        "WORKER",
+        "RX PACKETS",
+        "TX PACKETS",
+        "DROPS",
+        "RX PPS",
+        "TX PPS"
     );
     for a in &apps {
         let counters: Vec<String> = a["counters"]
@@ -74,9 +82,10 @@ pub fn render(stats: &Value) -> String {
         };
         let _ = writeln!(
             s,
-            "{:<width$}  {:<12} {:<8} {:>12} {:>12} {:>10} {:>9} {:>9}  {}{failed}",
+            "{:<width$}  {:<12} {:<9} {:<8} {:>12} {:>12} {:>10} {:>9} {:>9}  {}{failed}",
             a["name"].as_str().unwrap_or(""),
             a["type"].as_str().unwrap_or(""),
+            a["placement"].as_str().unwrap_or("engine"),
             a["worker"].as_str().unwrap_or(""),
             n(&a["rx_packets"]),
             n(&a["tx_packets"]),
