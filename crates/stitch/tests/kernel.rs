@@ -305,9 +305,13 @@ fn kernel_graph_errors_name_the_line_and_change_nothing() {
     let s = p.stitch(&["status"]);
     assert!(text(&s).contains("no kernel data plane"), "{}", text(&s));
 
-    // The userspace engine refuses kernel apps and says where they go.
-    let e = run_must_fail("apps:\n  f: { type: forwarder, placement: kernel }\n");
-    assert!(e.contains("stitch kernel apply"), "{e}");
+    // `stitch run` places kernel apps too (tests/placement.rs); one without a kernel version
+    // is refused at its line before anything starts.
+    let e = run_must_fail("apps:\n  g: { type: generator, placement: kernel }\n");
+    assert!(
+        e.contains("g.yaml:2") && e.contains("has no kernel version"),
+        "{e}"
+    );
 }
 
 /// Network namespaces made for a test, removed when dropped.
