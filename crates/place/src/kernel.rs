@@ -38,7 +38,8 @@ impl KernelNames {
         KernelNames {
             // A data plane's name holds up to 10 characters, an interface's 15.
             plane: format!("p{:08x}", h as u32),
-            veth_prefix: format!("sx{:04x}", (h >> 48) as u16),
+            // sx + 6 + 5 (the port) + k/e = 14 of an interface name's 15.
+            veth_prefix: format!("sx{:06x}", h >> 40),
         }
     }
 }

@@ -1,19 +1,22 @@
 //! Placements beside the engine: one graph file whose apps say where they run
 //! (`placement: engine | process | kernel | vm`), split into what the engine runs and what is
-//! started around it. The engine sees only engine apps; it hears of the rest through the graph
-//! it is given, as it hears of any change.
+//! started around it. The engine sees only engine apps and ports; it hears of the rest through
+//! the graph it is given, as it hears of any change.
 //!
 //! - `process`: a `function` app. The engine runs its port (an `nf_port` named after the app);
 //!   the [`supervisor`] starts its `command` with the port's socket and name in the
 //!   environment, restarts it when it dies and holds it to its `cpu` and `memory_mb` limits
 //!   ([`cgroup`]).
-//! - `kernel`, `vm`: refused by `stitch run` with what to do instead (`stitch kernel apply` for a
-//!   kernel-only graph, a `vhost_user` app for a VM one starts itself), until they are placed
-//!   here too.
+//! - `vm`: a `vm` app. The engine runs its `vhost_user` port; the supervisor runs QEMU ([`vm`])
+//!   and powers it down through QMP.
+//! - `kernel`: the kernel apps become a kernel data plane of the instance's own, joined to the
+//!   engine by veth pairs ([`kernel`]).
 //!
 //! [`Placements::apply`] checks everything it can first (each error names the app's line),
-//! then applies the engine's part by diff, then starts and stops processes: an app that did not
-//! change keeps its process, its port and its packets.
+//! then sets up the kernel's part, applies the engine's part by diff, then starts and stops
+//! processes and VMs: an app that did not change keeps its process, its port and its packets.
+//! Everything it creates is named after the instance and removed on stop, when unused, and —
+//! after a crash — by the next start of the same instance.
 
 pub mod cgroup;
 pub mod kernel;
@@ -498,13 +501,15 @@ mod tests {
 
     #[test]
     fn what_is_not_placed_here_is_refused_at_its_line() {
-        let g = parse("apps:\n  p:\n    type: nf_port\n    placement: kernel\n  q:\n    type: nf_port\n    placement: vm\n");
+        let g = parse("apps:\n  q:\n    type: nf_port\n    placement: vm\n");
         let errors = plan(&g, &reg(), "t").unwrap_err();
-        let lines: Vec<usize> = errors.iter().map(|e| e.line).collect();
-        assert_eq!(lines, [4, 6], "{errors:?}");
-        assert!(errors[1].message.contains("no VM version"), "{errors:?}");
+        assert_eq!(errors[0].line, 3, "{errors:?}");
+        assert!(errors[0].message.contains("no VM version"), "{errors:?}");
+        let g = parse("apps:\n  p:\n    type: nf_port\n    placement: kernel\n");
+        let errors = plan(&g, &reg(), "t").unwrap_err();
+        assert_eq!(errors[0].line, 2, "{errors:?}");
         assert!(
-            errors[0].message.contains("stitch kernel apply"),
+            errors[0].message.contains("has no kernel version"),
             "{errors:?}"
         );
         let g = parse("apps:\n  p:\n    placement: process\n    command: [/no/such/program]\n");
