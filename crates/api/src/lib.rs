@@ -429,13 +429,11 @@ impl Api {
         if let Some(reason) = refusal {
             return Err(ApiError::new(400, reason));
         }
-        if let (Some(process), Some(o)) = (self.placements.process(name), answer.as_object()) {
+        let placed = self.placements.status(name);
+        if let (false, Some(o)) = (placed["process"].is_null(), answer.as_object()) {
             let mut o = o.clone();
-            o.insert(
-                "placement".into(),
-                self.placements.status(name)["placement"].clone(),
-            );
-            o.insert("process".into(), process);
+            o.insert("placement".into(), placed["placement"].clone());
+            o.insert("process".into(), placed["process"].clone());
             return Ok(Value::Object(o));
         }
         if answer.is_null() {

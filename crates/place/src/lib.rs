@@ -276,10 +276,6 @@ impl Placements {
         }
     }
 
-    pub fn engine(&self) -> &Arc<Engine> {
-        &self.engine
-    }
-
     /// The running graph as it was given, with every app's placement.
     pub fn graph(&self) -> Option<Graph> {
         self.graph.lock().unwrap().clone()
@@ -387,29 +383,6 @@ impl Placements {
     /// The supervision state of app `name`'s process, if it is one.
     pub fn process(&self, name: &str) -> Option<Value> {
         self.supervisor.lock().unwrap().status(name)
-    }
-
-    /// Every process app's status, by name.
-    pub fn processes(&self) -> Value {
-        let sup = self.supervisor.lock().unwrap();
-        Value::Object(
-            sup.names()
-                .into_iter()
-                .filter_map(|n| sup.status(&n).map(|s| (n, s)))
-                .collect(),
-        )
-    }
-
-    /// What this instance creates on the host (veth pairs, the kernel data plane), for
-    /// `stitch show` and tests.
-    pub fn created(&self) -> Value {
-        let names = self.kernel_names();
-        let k = self.kernel.lock().unwrap();
-        json!({
-            "kernel_data_plane": k.as_ref().map(|_| names.plane.clone()),
-            "veths": k.as_ref().map(|k| k.veths.iter().map(|(a, b)| json!([a, b])).collect::<Vec<_>>()).unwrap_or_default(),
-            "vm_dir": self.vm_dir.display().to_string(),
-        })
     }
 
     /// Removes what a crashed earlier run of this instance left: processes and cgroups, its

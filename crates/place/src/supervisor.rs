@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(10);
@@ -53,7 +53,7 @@ pub struct ProcessSpec {
 struct Status {
     pid: Option<u32>,
     child: Option<Child>,
-    started: Option<(Instant, SystemTime)>,
+    started: Option<Instant>,
     starts: u64,
     restarts: u64,
     last_exit: Option<String>,
@@ -185,7 +185,7 @@ impl Supervisor {
             "command": command,
             "state": if st.pid.is_some() { "running" } else if st.stopping { "stopping" } else { "waiting to restart" },
             "pid": st.pid,
-            "up_seconds": st.started.filter(|_| st.pid.is_some()).map(|(t, _)| t.elapsed().as_secs_f64()),
+            "up_seconds": st.started.filter(|_| st.pid.is_some()).map(|t| t.elapsed().as_secs_f64()),
             "starts": st.starts,
             "restarts": st.restarts,
             "last_exit": st.last_exit,
@@ -194,10 +194,6 @@ impl Supervisor {
             "stderr": s.stderr.lock().unwrap().iter().collect::<Vec<_>>(),
             "limits": s.cgroup.as_ref().map(Cgroup::limits),
         }))
-    }
-
-    pub fn names(&self) -> Vec<String> {
-        self.running.keys().cloned().collect()
     }
 }
 
@@ -290,7 +286,7 @@ fn start(s: &Supervised) -> std::io::Result<()> {
     }
     st.pid = Some(pid);
     st.child = Some(child);
-    st.started = Some((Instant::now(), SystemTime::now()));
+    st.started = Some(Instant::now());
     st.starts += 1;
     st.last_error = None;
     Ok(())

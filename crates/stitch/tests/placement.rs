@@ -157,14 +157,7 @@ fn a_process_function_is_started_restarted_limited_and_stopped() {
 
     // Out of the graph, the process stops and its cgroups go; the rest keeps forwarding.
     let second = pid_of(&s, "fw").unwrap();
-    std::fs::write(s.graph_file(), firewall_graph(&hosts, &nf, false)).unwrap();
-    let o = Command::new(env!("CARGO_BIN_EXE_stitch"))
-        .args(["apply", "--control"])
-        .arg(&s.socket)
-        .arg(s.graph_file())
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    s.apply(&firewall_graph(&hosts, &nf, false));
     wait_until("the process to stop", 10, || !alive(second));
     for g in &groups {
         assert!(!Path::new(g).exists(), "{g} left behind");
@@ -172,14 +165,7 @@ fn a_process_function_is_started_restarted_limited_and_stopped() {
     assert!(ping(&hosts), "ping without the function");
 
     // Back in, then Stitch stops: the process goes with it.
-    std::fs::write(s.graph_file(), firewall_graph(&hosts, &nf, true)).unwrap();
-    let o = Command::new(env!("CARGO_BIN_EXE_stitch"))
-        .args(["apply", "--control"])
-        .arg(&s.socket)
-        .arg(s.graph_file())
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    s.apply(&firewall_graph(&hosts, &nf, true));
     wait_until("the firewall to attach again", 20, || {
         show(&s, "fw")["attached"] == true
     });
@@ -208,20 +194,9 @@ fn a_crashed_instance_leaves_nothing_behind_after_the_next_start() {
     // The function dies with Stitch (parent-death signal) ...
     wait_until("the function to die with stitch", 10, || !alive(pid));
     // ... and the next start of the same instance removes the cgroups the dead one left.
-    let _ = std::fs::remove_file(&socket);
     let file = dir.path().join("graph.yaml");
     std::fs::write(&file, firewall_graph(&hosts, &nf, false)).unwrap();
-    let again = Command::new(env!("CARGO_BIN_EXE_stitch"))
-        .args(["run", "--duration", "1", "--control"])
-        .arg(&socket)
-        .arg(&file)
-        .output()
-        .unwrap();
-    assert!(
-        again.status.success(),
-        "{}",
-        String::from_utf8_lossy(&again.stderr)
-    );
+    run_again(&socket, &file);
     for g in &groups {
         assert!(!Path::new(g).exists(), "{g} left behind by the crash");
     }
@@ -298,17 +273,6 @@ fn what_cannot_be_placed_is_a_line_numbered_error_before_anything_starts() {
         assert!(err.contains(why), "stitch run of\n{graph}\n{err}");
         assert!(!err.contains("started (pid"), "something started:\n{err}");
     }
-}
-
-fn vm_image() -> std::path::PathBuf {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let out = root.join("target/vm-image");
-    must(&format!(
-        "{} {}",
-        root.join("scripts/vm-image").display(),
-        out.display()
-    ));
-    out
 }
 
 /// Host 0 ⇄ `vm1`, a QEMU guest Stitch launches (`placement: vm`) from `scripts/vm-image`.
@@ -388,14 +352,7 @@ fn a_vm_is_launched_on_its_port_restarted_and_shut_down() {
 
     // Out of the graph: powered down (this guest has no ACPI daemon, so it is killed after
     // its 2 s), its socket gone; the rest of the graph runs on.
-    std::fs::write(s.graph_file(), vm_graph(&hosts, &image, &guest_ip, false)).unwrap();
-    let o = Command::new(env!("CARGO_BIN_EXE_stitch"))
-        .args(["apply", "--control"])
-        .arg(&s.socket)
-        .arg(s.graph_file())
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    s.apply(&vm_graph(&hosts, &image, &guest_ip, false));
     assert!(
         !alive(second),
         "QEMU still runs after the VM left the graph"
@@ -499,20 +456,9 @@ fn kernel_engine_and_process_apps_run_as_one_graph_and_a_crash_leaves_nothing() 
             .all(|l| Path::new(&format!("/sys/class/net/{l}")).exists()),
         "a crash leaves the veths (the next start removes them)"
     );
-    let _ = std::fs::remove_file(&socket);
     let file = dir.path().join("graph.yaml");
     std::fs::write(&file, "apps:\n  g: { type: generator, count: 1 }\n  s: { type: sink }\nlinks: [\"g.output -> s.input\"]\n").unwrap();
-    let again = Command::new(env!("CARGO_BIN_EXE_stitch"))
-        .args(["run", "--duration", "1", "--control"])
-        .arg(&socket)
-        .arg(&file)
-        .output()
-        .unwrap();
-    assert!(
-        again.status.success(),
-        "{}",
-        String::from_utf8_lossy(&again.stderr)
-    );
+    run_again(&socket, &file);
     for l in &made {
         assert!(
             !Path::new(&format!("/sys/class/net/{l}")).exists(),

@@ -279,17 +279,6 @@ impl Testpmd {
 }
 
 /// The guest kernel and initramfs (`scripts/vm-image`), built once into target/.
-fn vm_image() -> std::path::PathBuf {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let out = root.join("target/vm-image");
-    must(&format!(
-        "{} {}",
-        root.join("scripts/vm-image").display(),
-        out.display()
-    ));
-    out
-}
-
 /// A QEMU TCG guest on vhost-user socket `sock`; its console goes to `log`.
 fn guest(
     image: &std::path::Path,

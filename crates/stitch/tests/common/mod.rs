@@ -307,6 +307,23 @@ impl Stitch {
         )
     }
 
+    /// Writes `graph` to the instance's graph file and applies it with `stitch apply`, which
+    /// must succeed.
+    pub fn apply(&self, graph: &str) {
+        std::fs::write(self.graph_file(), graph).unwrap();
+        let o = Command::new(env!("CARGO_BIN_EXE_stitch"))
+            .args(["apply", "--control"])
+            .arg(&self.socket)
+            .arg(self.graph_file())
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "stitch apply: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+
     /// The graph file the instance runs.
     pub fn graph_file(&self) -> PathBuf {
         self.dir.path().join("graph.yaml")
@@ -446,4 +463,33 @@ pub fn install_extcap() -> InstalledExtcap {
     );
     let at = String::from_utf8_lossy(&out.stdout);
     InstalledExtcap(PathBuf::from(at.split(" -> ").next().unwrap()))
+}
+
+/// The QEMU guest of the VM tests (`scripts/vm-image`, built once into `target/vm-image`).
+pub fn vm_image() -> PathBuf {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let out = root.join("target/vm-image");
+    must(&format!(
+        "{} {}",
+        root.join("scripts/vm-image").display(),
+        out.display()
+    ));
+    out
+}
+
+/// Starts the instance on control socket `socket` again with graph `file` for a second (after a
+/// crash: it removes what the dead one left), which must succeed.
+pub fn run_again(socket: &Path, file: &Path) {
+    let _ = std::fs::remove_file(socket);
+    let o = Command::new(env!("CARGO_BIN_EXE_stitch"))
+        .args(["run", "--duration", "1", "--control"])
+        .arg(socket)
+        .arg(file)
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "stitch run again: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
 }
