@@ -107,6 +107,15 @@ pub struct ApiConfig {
     pub graph_file: Option<PathBuf>,
 }
 
+/// Something beside the engine that feeds the instance its graph (the cluster agent) and says
+/// how that goes: its state in `GET /api/v1/status` and `stitch show`, its gauges in `/metrics`.
+pub trait Reporter: Send + Sync {
+    /// A JSON object.
+    fn status(&self) -> Value;
+    /// `(metric name, help, value)`.
+    fn gauges(&self) -> Vec<(&'static str, &'static str, i64)>;
+}
+
 /// The state behind the API: the engine, rates between two snapshots, and a lock that makes
 /// each read-modify-apply of the graph one step.
 pub struct Api {
@@ -119,6 +128,7 @@ pub struct Api {
     /// The instance's name, written into captures.
     instance: String,
     captures: capture::Captures,
+    reporters: Mutex<Vec<(String, Arc<dyn Reporter>)>>,
 }
 
 impl Api {
@@ -142,6 +152,7 @@ impl Api {
             graph_file,
             instance: name.into(),
             captures: Default::default(),
+            reporters: Mutex::new(Vec::new()),
         }
     }
 
@@ -167,6 +178,40 @@ impl Api {
                 text.is_some(),
             ),
         })
+    }
+
+    /// Adds `reporter`'s state to the instance's status under `section`.
+    pub fn add_reporter(&self, section: &str, reporter: Arc<dyn Reporter>) {
+        self.reporters
+            .lock()
+            .unwrap()
+            .push((section.to_string(), reporter));
+    }
+
+    /// The instance: its name, where its graph comes from, what Stitch made on the host for
+    /// its placements, and each reporter's section.
+    pub fn status(&self) -> Value {
+        let mut v = json!({
+            "instance": self.instance,
+            "graph_file": self.graph_file,
+            "placements": self.placements.created(),
+        });
+        for (section, r) in self.reporters.lock().unwrap().iter() {
+            v[section.as_str()] = r.status();
+        }
+        v
+    }
+
+    /// The reporters' gauges.
+    pub fn gauges(&self) -> Vec<(&'static str, &'static str, i64)> {
+        let reporters: Vec<Arc<dyn Reporter>> = self
+            .reporters
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(_, r)| r.clone())
+            .collect();
+        reporters.iter().flat_map(|r| r.gauges()).collect()
     }
 
     pub fn engine(&self) -> &Engine {

@@ -12,8 +12,9 @@ use prometheus_client::registry::Registry;
 use stitch_core::engine::{AppStats, LinkInfo, WorkerStats};
 use stitch_core::Stats;
 
+/// A snapshot and the gauges of what feeds the instance (`(name, help, value)`).
 #[derive(Debug)]
-struct Snapshot(Stats);
+struct Snapshot(Stats, Vec<(&'static str, &'static str, i64)>);
 
 type Labels<'a> = Vec<(&'static str, &'a str)>;
 
@@ -190,14 +191,17 @@ impl Collector for Snapshot {
             ConstGauge::new(0f64).metric_type(),
         )?;
         ConstGauge::new(s.uptime_s).encode(m.encode_family(&Vec::<(&str, &str)>::new())?)?;
+        for (name, help, value) in &self.1 {
+            gauges(&mut enc, name, help, std::iter::once((Vec::new(), *value)))?;
+        }
         Ok(())
     }
 }
 
-/// The OpenMetrics text of one snapshot.
-pub fn render(stats: &Stats) -> String {
+/// The OpenMetrics text of one snapshot, with the reporters' gauges.
+pub fn render(stats: &Stats, extra: &[(&'static str, &'static str, i64)]) -> String {
     let mut registry = Registry::default();
-    registry.register_collector(Box::new(Snapshot(stats.clone())));
+    registry.register_collector(Box::new(Snapshot(stats.clone(), extra.to_vec())));
     let mut out = String::new();
     prometheus_client::encoding::text::encode(&mut out, &registry)
         .expect("writing to a String cannot fail");

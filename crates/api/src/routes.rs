@@ -78,6 +78,7 @@ pub fn router(api: Arc<Api>, token: Option<String>) -> Router {
         .route("/api/v1/graph", get(get_graph).put(put_graph))
         .route("/api/v1/graph/reload", post(reload))
         .route("/api/v1/stats", get(get_stats))
+        .route("/api/v1/status", get(get_status))
         .route("/api/v1/apps", get(list_apps))
         .route(
             "/api/v1/apps/{name}",
@@ -139,7 +140,7 @@ async fn get_openapi() -> Response {
 }
 
 async fn get_metrics(State(api): State<Arc<Api>>) -> Answer {
-    let text = blocking(move || Ok(metrics::render(&api.engine().stats()))).await?;
+    let text = blocking(move || Ok(metrics::render(&api.engine().stats(), &api.gauges()))).await?;
     Ok((
         [(
             header::CONTENT_TYPE,
@@ -188,6 +189,11 @@ async fn reload(State(api): State<Arc<Api>>) -> Answer {
 
 async fn get_stats(State(api): State<Arc<Api>>) -> Answer {
     let v = blocking(move || Ok(api.stats_json(&api.engine().stats()))).await?;
+    Ok(Json(v).into_response())
+}
+
+async fn get_status(State(api): State<Arc<Api>>) -> Answer {
+    let v = blocking(move || Ok(api.status())).await?;
     Ok(Json(v).into_response())
 }
 

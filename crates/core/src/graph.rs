@@ -110,6 +110,11 @@ pub struct AppDecl {
     /// The app's own keys (without `type` and `worker`), as given.
     pub config: serde_json::Value,
     pub worker: String,
+    /// Where a cluster runs the app: `host:` pins it to one host; `hosts:` (labels and the
+    /// values they must have) makes it eligible on the hosts that match. Only a cluster graph
+    /// (`stitch cluster apply`) may set them; the engine never sees them.
+    pub host: Option<String>,
+    pub hosts: IndexMap<String, String>,
     pub ports: PortSpec,
     pub line: usize,
     /// Line and column of each top-level key of the entry, for error messages.
@@ -318,6 +323,12 @@ impl Graph {
             if a.placement != Placement::Engine {
                 entry.insert("placement".into(), json!(a.placement));
             }
+            if let Some(h) = &a.host {
+                entry.insert("host".into(), json!(h));
+            }
+            if !a.hosts.is_empty() {
+                entry.insert("hosts".into(), json!(a.hosts));
+            }
             if let Value::Object(c) = &a.config {
                 entry.extend(c.clone());
             }
@@ -382,6 +393,27 @@ fn err(errors: &mut Vec<GraphError>, (line, column): (usize, usize), message: St
         column,
         message,
     });
+}
+
+/// `hosts:`: a mapping of label names to the values a host must have (scalars taken as text).
+fn parse_labels(v: &serde_json::Value) -> Result<IndexMap<String, String>, String> {
+    let serde_json::Value::Object(m) = v else {
+        return Err("must map labels to values, e.g. `{ zone: east }`".into());
+    };
+    let mut labels = IndexMap::new();
+    for (k, v) in m {
+        let value = match v {
+            serde_json::Value::String(s) => s.clone(),
+            serde_json::Value::Number(n) => n.to_string(),
+            serde_json::Value::Bool(b) => b.to_string(),
+            _ => return Err(format!("label `{k}` must have a text value")),
+        };
+        labels.insert(k.clone(), value);
+    }
+    if labels.is_empty() {
+        return Err("name at least one label".into());
+    }
+    Ok(labels)
 }
 
 fn parse_inner(
@@ -451,6 +483,8 @@ fn parse_inner(
         let mut kind = None;
         let mut worker = MAIN_WORKER.to_string();
         let mut placement = default_placement;
+        let mut host = None;
+        let mut hosts = IndexMap::new();
         let mut config = serde_json::Map::new();
         let mut key_lines = IndexMap::new();
         for (k, v) in entry.value.0 {
@@ -475,6 +509,18 @@ fn parse_inner(
                         loc(&v),
                         format!("app `{name}`: `worker` must be a name"),
                     ),
+                },
+                "host" => match v.value.as_str() {
+                    Some(h) if is_identifier(h) => host = Some(h.to_string()),
+                    _ => err(
+                        errors,
+                        loc(&v),
+                        format!("app `{name}`: `host` must be a host name"),
+                    ),
+                },
+                "hosts" => match parse_labels(&v.value) {
+                    Ok(l) => hosts = l,
+                    Err(m) => err(errors, loc(&v), format!("app `{name}`: hosts: {m}")),
                 },
                 _ => {
                     config.insert(k.value, v.value);
@@ -543,6 +589,8 @@ fn parse_inner(
                 placement,
                 config,
                 worker,
+                host,
+                hosts,
                 ports,
                 line: at.0,
                 key_lines,
@@ -726,6 +774,30 @@ mod tests {
 
     fn first_error(text: &str) -> (usize, String) {
         errors(text).into_iter().next().expect("an error")
+    }
+
+    #[test]
+    fn host_pins_and_label_selectors_are_kept_apart_from_the_config_and_written_back() {
+        let text = "apps:\n  a: { type: thing, host: h1 }\n  b: { type: thing, size: 2, hosts: { zone: east, rack: 4 } }\n";
+        let g = Graph::parse(text, "g.yaml", Path::new("."), &registry()).unwrap();
+        assert_eq!(g.apps["a"].host.as_deref(), Some("h1"));
+        assert_eq!(g.apps["b"].hosts["rack"], "4");
+        assert_eq!(g.apps["b"].config, serde_json::json!({ "size": 2 }));
+        let doc = serde_json::to_string(&g.to_document()).unwrap();
+        let back = Graph::parse(&doc, "doc", Path::new("."), &registry()).unwrap();
+        assert_eq!(back.apps["b"].hosts, g.apps["b"].hosts);
+        assert_eq!(back.apps["a"].host, g.apps["a"].host);
+        assert_eq!(
+            first_error("apps:\n  a: { type: thing, host: [h1] }\n"),
+            (2, "app `a`: `host` must be a host name".into())
+        );
+        assert_eq!(
+            first_error("apps:\n  a: { type: thing, hosts: east }\n"),
+            (
+                2,
+                "app `a`: hosts: must map labels to values, e.g. `{ zone: east }`".into()
+            )
+        );
     }
 
     #[test]

@@ -87,6 +87,10 @@ pub fn plan(graph: &Graph, registry: &Registry, instance: &str) -> Result<Plan, 
     let mut engine = graph.clone();
     let mut processes = Vec::new();
     for app in engine.apps.values_mut() {
+        if let Some(e) = cluster_keys(app) {
+            errors.push(e);
+            continue;
+        }
         match place_app(app, &graph.base_dir, &vm_dir) {
             Ok(Some(placed)) => {
                 processes.push(placed.spec);
@@ -107,6 +111,27 @@ pub fn plan(graph: &Graph, registry: &Registry, instance: &str) -> Result<Plan, 
         engine,
         processes,
         kernel,
+    })
+}
+
+/// An app that names hosts belongs to a cluster graph: one instance cannot honour it.
+fn cluster_keys(app: &AppDecl) -> Option<GraphError> {
+    let key = if app.host.is_some() {
+        "host"
+    } else if !app.hosts.is_empty() {
+        "hosts"
+    } else {
+        return None;
+    };
+    let (line, column) = app.key_lines.get(key).copied().unwrap_or((app.line, 0));
+    Some(GraphError {
+        line,
+        column,
+        message: format!(
+            "app `{}`: `{key}:` places apps on the hosts of a cluster; give this graph to \
+             `stitch cluster apply` (one instance runs every app itself)",
+            app.name
+        ),
     })
 }
 
@@ -250,6 +275,19 @@ fn lookup_user(name: &str) -> Result<(u32, u32), String> {
     }
 }
 
+/// The placements this host can run: the engine and processes always, the kernel where BPF's
+/// file system is mounted, VMs where QEMU is installed.
+pub fn available() -> Vec<String> {
+    let mut out = vec!["engine".to_string(), "process".to_string()];
+    if Path::new("/sys/fs/bpf").is_dir() {
+        out.push("kernel".into());
+    }
+    if find_program("qemu-system-x86_64", Path::new("/")).is_ok() {
+        out.push("vm".into());
+    }
+    out
+}
+
 /// The engine and everything placed beside it, for one instance.
 pub struct Placements {
     engine: Arc<Engine>,
@@ -380,6 +418,23 @@ impl Placements {
         json!({ "placement": placement.name(), "process": process })
     }
 
+    /// What this instance made on the host for its placements, as `stitch show` lists it:
+    /// the kernel data plane (its pin folder), the veth pairs, the processes and VMs.
+    pub fn created(&self) -> Value {
+        let kernel = self.kernel.lock().unwrap();
+        let veths: Vec<Value> = kernel
+            .iter()
+            .flat_map(|k| &k.veths)
+            .map(|(k_end, e_end)| json!({ "kernel_end": k_end, "engine_end": e_end }))
+            .collect();
+        json!({
+            "kernel_data_plane": kernel.as_ref().map(|_| self.kernel_names().plane),
+            "veth_pairs": veths,
+            "processes": self.supervisor.lock().unwrap().created(),
+            "vm_dir": self.vm_dir.exists().then(|| self.vm_dir.clone()),
+        })
+    }
+
     /// The supervision state of app `name`'s process, if it is one.
     pub fn process(&self, name: &str) -> Option<Value> {
         self.supervisor.lock().unwrap().status(name)
@@ -444,6 +499,17 @@ mod tests {
 
     fn parse(text: &str) -> Graph {
         Graph::parse(text, "g.yaml", Path::new("/"), &reg()).unwrap()
+    }
+
+    #[test]
+    fn a_host_pin_is_refused_at_its_line_outside_a_cluster() {
+        let g = parse("apps:\n  fw:\n    placement: process\n    command: [sh]\n    host: h1\n");
+        let errors = plan(&g, &reg(), "t").unwrap_err();
+        assert_eq!(errors[0].line, 5);
+        assert!(
+            errors[0].message.contains("stitch cluster apply"),
+            "{errors:?}"
+        );
     }
 
     #[test]

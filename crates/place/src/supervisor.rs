@@ -174,6 +174,21 @@ impl Supervisor {
         cgroup::remove_instance(&self.instance);
     }
 
+    /// Each running process or VM: app, kind, pid and cgroup.
+    pub fn created(&self) -> Vec<serde_json::Value> {
+        self.running
+            .iter()
+            .map(|(name, (s, _))| {
+                serde_json::json!({
+                    "app": name,
+                    "kind": s.spec.kind,
+                    "pid": s.status.lock().unwrap().pid,
+                    "cgroups": s.cgroup.as_ref().map(|c| c.limits()["cgroups"].clone()),
+                })
+            })
+            .collect()
+    }
+
     /// The state of app `name`'s process, if it is one.
     pub fn status(&self, name: &str) -> Option<serde_json::Value> {
         let (s, _) = self.running.get(name)?;

@@ -1,6 +1,7 @@
 //! `stitch`: run, check and inspect Stitch graphs.
 
 mod capture_cmd;
+mod cluster_cmd;
 mod kernel_cmd;
 mod lwaftr_cmd;
 mod nfv_cmd;
@@ -173,6 +174,12 @@ enum Cmd {
     /// The in-kernel data plane: graphs of `placement: kernel` apps as eBPF programs.
     #[command(subcommand)]
     Kernel(kernel_cmd::KernelCmd),
+    /// Run this host's part of the cluster's graphs: register with etcd, follow the host's
+    /// graph, and run the placement controller when elected.
+    Agent(cluster_cmd::AgentArgs),
+    /// Graphs across hosts: store, inspect and remove cluster graphs in etcd.
+    #[command(subcommand)]
+    Cluster(cluster_cmd::ClusterCmd),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(stitch_bench::BenchCmd),
@@ -313,6 +320,8 @@ fn run_cli(cli: Cli) -> Result<()> {
             print_report(&r);
         }
         Cmd::Bench(b) => stitch_bench::run(b, registry)?,
+        Cmd::Agent(args) => cluster_cmd::run_agent(args)?,
+        Cmd::Cluster(cmd) => cluster_cmd::run_cluster(cmd)?,
         Cmd::Lwaftr(lwaftr_cmd::LwaftrCmd::Run {
             conf,
             v4,
@@ -368,15 +377,24 @@ fn encode(s: &str) -> String {
     percent_encoding::utf8_percent_encode(s, percent_encoding::NON_ALPHANUMERIC).to_string()
 }
 
-fn run(
-    file: &Path,
-    duration: Option<f64>,
-    as_json: bool,
+/// A running instance: its engine and API, and the flags its signals set.
+struct Running {
+    engine: Arc<Engine>,
+    api: Arc<stitch_api::Api>,
+    server: stitch_api::Server,
+    config: stitch_api::ApiConfig,
+    stop: Arc<AtomicBool>,
+    reload: Arc<AtomicBool>,
+}
+
+/// Starts an instance's engine and API (nothing runs yet) and cleans up what a crashed
+/// earlier run of the same instance left.
+fn start_instance(
+    registry: Arc<Registry>,
     instance: &Instance,
     listen: &Listen,
-) -> Result<()> {
-    let registry = Arc::new(registry());
-    let graph = load(file, &registry)?;
+    graph_file: Option<PathBuf>,
+) -> Result<Running> {
     let stop = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         signal_hook::flag::register(sig, stop.clone()).context("cannot install signal handler")?;
@@ -399,7 +417,7 @@ fn run(
         listen: listen.listen,
         token,
         tls: listen.tls_cert.clone().zip(listen.tls_key.clone()),
-        graph_file: Some(std::path::absolute(file)?),
+        graph_file,
     };
     let engine = Arc::new(Engine::new(registry));
     let api = Arc::new(stitch_api::Api::for_instance(
@@ -411,6 +429,66 @@ fn run(
     // Listeners first: a busy port or a missing certificate is an error before anything runs.
     let server = stitch_api::Server::start(api.clone(), &config)?;
     api.placements().clean_after_crash();
+    Ok(Running {
+        engine,
+        api,
+        server,
+        config,
+        stop,
+        reload,
+    })
+}
+
+/// Stops the API, everything placed and the engine; prints the last counters.
+fn finish(r: Running, as_json: bool) -> Result<()> {
+    r.server.shutdown();
+    let stats = r.api.placements().stop();
+    let v = r.api.stats_json(&stats);
+    if as_json {
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        print!("{}", table::render(&v));
+    }
+    Ok(())
+}
+
+/// Runs an instance whose graph something beside it feeds (the cluster agent): `feed` starts
+/// it and returns how to stop it; the instance runs until SIGINT/SIGTERM.
+fn serve(
+    instance: &Instance,
+    listen: &Listen,
+    feed: impl FnOnce(&Arc<stitch_api::Api>) -> Result<Box<dyn FnOnce()>>,
+) -> Result<()> {
+    let registry = Arc::new(registry());
+    let empty = Graph::parse("apps: {}\n", "<empty>", Path::new("/"), &registry)
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let running = start_instance(registry, instance, listen, None)?;
+    running
+        .api
+        .placements()
+        .apply(empty)
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let stop_feed = feed(&running.api)?;
+    log::info!("running; API on {}", running.config.unix.display());
+    while !running.stop.load(Ordering::Relaxed) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    log::info!("stopping (signal)");
+    stop_feed();
+    finish(running, false)
+}
+
+fn run(
+    file: &Path,
+    duration: Option<f64>,
+    as_json: bool,
+    instance: &Instance,
+    listen: &Listen,
+) -> Result<()> {
+    let registry = Arc::new(registry());
+    let graph = load(file, &registry)?;
+    let running = start_instance(registry, instance, listen, Some(std::path::absolute(file)?))?;
+    let (engine, api) = (&running.engine, &running.api);
     let report = api.placements().apply(graph).map_err(|e| match e {
         stitch_place::PlaceError::Graph(errors) => anyhow::anyhow!(
             "{}",
@@ -426,7 +504,7 @@ fn run(
         "running {} ({} apps); API on {}",
         file.display(),
         report.started.len(),
-        config.unix.display()
+        running.config.unix.display()
     );
     let started = Instant::now();
     let limit = duration.map(Duration::from_secs_f64);
@@ -436,13 +514,13 @@ fn run(
     let mut last_activity = u64::MAX;
     let why = loop {
         std::thread::sleep(Duration::from_millis(10));
-        if stop.load(Ordering::Relaxed) {
+        if running.stop.load(Ordering::Relaxed) {
             break "signal";
         }
         if limit.is_some_and(|l| started.elapsed() >= l) {
             break "duration";
         }
-        if reload.swap(false, Ordering::Relaxed) {
+        if running.reload.swap(false, Ordering::Relaxed) {
             match api.reload() {
                 Ok(r) => log::info!(
                     "reloaded {}: {} started, {} stopped, {} reconfigured, {} restarted, {} links added, {} removed",
@@ -472,13 +550,5 @@ fn run(
         "stopping ({why}) after {:.3} s",
         started.elapsed().as_secs_f64()
     );
-    server.shutdown();
-    let stats = api.placements().stop();
-    let v = api.stats_json(&stats);
-    if as_json {
-        println!("{}", serde_json::to_string_pretty(&v)?);
-    } else {
-        print!("{}", table::render(&v));
-    }
-    Ok(())
+    finish(running, as_json)
 }

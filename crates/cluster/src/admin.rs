@@ -1,0 +1,416 @@
+//! `stitch cluster apply|status|delete`: the operator's side. A graph is checked here against
+//! the parser and the hosts etcd knows before anything is written; writes are compare-and-swap
+//! on the graph's revision, so two operators never overwrite each other silently.
+
+use crate::etcd::{self, read_prefix};
+use crate::keys::{self, ClusterState, GraphRecord};
+use crate::schedule::RESERVED_PREFIX;
+use anyhow::{anyhow, bail, Context, Result};
+use etcd_client::{Compare, CompareOp, Txn, TxnOp};
+use serde_json::{json, Value};
+use std::path::Path;
+use std::time::{Duration, Instant};
+use stitch_core::graph::{GraphError, GraphErrors};
+use stitch_core::{Graph, Registry};
+
+/// What `cluster apply` did.
+#[derive(Debug)]
+pub struct Applied {
+    pub name: String,
+    /// The graph's revision before (0: it is new) and now.
+    pub previous: i64,
+    pub revision: i64,
+    /// Pinned hosts whose agent is not live now: their apps start when they return.
+    pub waiting_for: Vec<String>,
+}
+
+/// The graph name of `file`: its stem.
+pub fn graph_name(file: &Path) -> Result<String> {
+    let stem = file
+        .file_stem()
+        .and_then(|s| s.to_str())
+        .ok_or_else(|| anyhow!("{}: give the graph a name with --graph", file.display()))?;
+    check_name(stem)?;
+    Ok(stem.to_string())
+}
+
+fn check_name(name: &str) -> Result<()> {
+    if name.is_empty()
+        || !name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-' || c == '.')
+    {
+        bail!("graph name `{name}`: use letters, digits, `_`, `-` and `.`");
+    }
+    Ok(())
+}
+
+/// Checks `graph` against the cluster: app names free (not reserved, not in another graph),
+/// pins naming registered hosts, labels that some registered host has. Errors name lines.
+fn check_against(
+    graph: &Graph,
+    name: &str,
+    state: &ClusterState,
+    registry: &Registry,
+) -> Vec<GraphError> {
+    let mut errors = Vec::new();
+    let at = |app: &stitch_core::graph::AppDecl, key: &str| {
+        app.key_lines.get(key).copied().unwrap_or((app.line, 0))
+    };
+    let mut push = |(line, column): (usize, usize), message: String| {
+        errors.push(GraphError {
+            line,
+            column,
+            message,
+        })
+    };
+    let others: Vec<(String, Graph)> = state
+        .graphs
+        .iter()
+        .filter(|(n, _)| n.as_str() != name)
+        .filter_map(|(n, (r, _))| {
+            Graph::parse(&r.text, &r.file, Path::new(&r.dir), registry)
+                .ok()
+                .map(|g| (n.clone(), g))
+        })
+        .collect();
+    for app in graph.apps.values() {
+        if app.name.starts_with(RESERVED_PREFIX) {
+            push(
+                (app.line, 0),
+                format!(
+                    "app `{}`: names starting with `{RESERVED_PREFIX}` are the cluster's own (its tunnels)",
+                    app.name
+                ),
+            );
+        }
+        if let Some((other, _)) = others.iter().find(|(_, g)| g.apps.contains_key(&app.name)) {
+            push(
+                (app.line, 0),
+                format!(
+                    "app `{}` is already in cluster graph `{other}`: app names are one namespace on every host",
+                    app.name
+                ),
+            );
+        }
+        if let Some(pin) = &app.host {
+            if !state.hosts.contains_key(pin) {
+                let known: Vec<&str> = state.hosts.keys().map(String::as_str).collect();
+                push(
+                    at(app, "host"),
+                    format!(
+                        "app `{}`: host `{pin}` is not in the cluster (hosts: {})",
+                        app.name,
+                        if known.is_empty() {
+                            "none yet".into()
+                        } else {
+                            known.join(", ")
+                        }
+                    ),
+                );
+            }
+        }
+        for (label, value) in &app.hosts {
+            let values: Vec<&str> = state
+                .hosts
+                .values()
+                .filter_map(|h| h.labels.get(label).map(String::as_str))
+                .collect();
+            if values.is_empty() {
+                push(
+                    at(app, "hosts"),
+                    format!("app `{}`: no host has the label `{label}`", app.name),
+                );
+            } else if !values.contains(&value.as_str()) {
+                push(
+                    at(app, "hosts"),
+                    format!(
+                        "app `{}`: no host has {label}={value} (its values: {})",
+                        app.name,
+                        values.join(", ")
+                    ),
+                );
+            }
+        }
+    }
+    errors
+}
+
+/// Stores the graph of `file` as cluster graph `name`, if its revision is still `expected`
+/// (by default the one read here). Nothing is written when a check fails.
+pub async fn apply(
+    endpoints: &[String],
+    file: &Path,
+    name: &str,
+    expected: Option<i64>,
+    registry: &Registry,
+) -> Result<Applied> {
+    check_name(name)?;
+    let text =
+        std::fs::read_to_string(file).with_context(|| format!("cannot read {}", file.display()))?;
+    let dir = std::path::absolute(file)?
+        .parent()
+        .map(|d| d.display().to_string())
+        .unwrap_or_default();
+    let shown = file.display().to_string();
+    let graph =
+        Graph::parse(&text, &shown, Path::new(&dir), registry).map_err(|e| anyhow!("{e}"))?;
+    let mut client = etcd::connect(endpoints).await?;
+    let (revision, kvs) = read_prefix(&mut client, keys::PREFIX).await?;
+    let state = ClusterState::decode(revision, &kvs);
+    let errors = check_against(&graph, name, &state, registry);
+    if !errors.is_empty() {
+        bail!(
+            "{}\nnothing was written",
+            GraphErrors {
+                file: shown,
+                text,
+                errors
+            }
+        );
+    }
+    let previous = state.graphs.get(name).map(|(_, r)| *r).unwrap_or(0);
+    let expected = expected.unwrap_or(previous);
+    let record = GraphRecord {
+        text,
+        file: shown,
+        dir,
+    };
+    let r = client
+        .txn(
+            Txn::new()
+                .when(vec![Compare::mod_revision(
+                    keys::graph(name),
+                    CompareOp::Equal,
+                    expected,
+                )])
+                .and_then(vec![TxnOp::put(
+                    keys::graph(name),
+                    serde_json::to_vec(&record)?,
+                    None,
+                )]),
+        )
+        .await
+        .context("cannot write the graph")?;
+    if !r.succeeded() {
+        bail!(
+            "graph `{name}` is no longer at revision {expected} (another apply changed it): \
+             read it with `stitch cluster status`, then apply again; nothing was written"
+        );
+    }
+    let mut waiting_for: Vec<String> = graph
+        .apps
+        .values()
+        .filter_map(|a| a.host.clone())
+        .filter(|h| !state.live.contains(h))
+        .collect();
+    waiting_for.sort();
+    waiting_for.dedup();
+    Ok(Applied {
+        name: name.to_string(),
+        previous,
+        revision: r.header().map(|h| h.revision()).unwrap_or(0),
+        waiting_for,
+    })
+}
+
+/// Removes cluster graph `name` (if still at `expected`, when given).
+pub async fn delete(endpoints: &[String], name: &str, expected: Option<i64>) -> Result<i64> {
+    let mut client = etcd::connect(endpoints).await?;
+    let key = keys::graph(name);
+    let (_, current) = etcd::read_key(&mut client, &key).await?;
+    let Some(kv) = current else {
+        bail!("there is no cluster graph `{name}`");
+    };
+    let expected = expected.unwrap_or(kv.mod_revision());
+    let r = client
+        .txn(
+            Txn::new()
+                .when(vec![Compare::mod_revision(
+                    key.as_str(),
+                    CompareOp::Equal,
+                    expected,
+                )])
+                .and_then(vec![TxnOp::delete(key.as_str(), None)]),
+        )
+        .await?;
+    if !r.succeeded() {
+        bail!("graph `{name}` is no longer at revision {expected}; nothing was deleted");
+    }
+    Ok(r.header().map(|h| h.revision()).unwrap_or(0))
+}
+
+/// The cluster as JSON: hosts (live, underlay, labels, what they applied), the leader, and
+/// each graph with where its apps run and its tunnels.
+pub async fn status(endpoints: &[String]) -> Result<Value> {
+    let mut client = etcd::connect(endpoints).await?;
+    let (revision, kvs) = read_prefix(&mut client, keys::PREFIX).await?;
+    Ok(status_json(&ClusterState::decode(revision, &kvs)))
+}
+
+fn status_json(s: &ClusterState) -> Value {
+    let hosts: Vec<Value> = s
+        .hosts
+        .iter()
+        .map(|(name, h)| {
+            let st = s.statuses.get(name);
+            json!({
+                "name": name,
+                "live": s.live.contains(name),
+                "underlay": h.underlay,
+                "labels": h.labels,
+                "placements": h.placements,
+                "assignment_revision": s.assignments.get(name).map(|(_, r)| *r),
+                "applied_revision": st.map(|x| x.assignment_revision),
+                "graphs": st.map(|x| &x.graphs),
+                "apps": st.map(|x| x.apps),
+                "error": st.and_then(|x| x.error.clone()),
+            })
+        })
+        .collect();
+    let graphs: Vec<Value> = s
+        .graphs
+        .iter()
+        .map(|(name, (_, revision))| {
+            let p = s.placements.get(name);
+            json!({
+                "name": name,
+                "revision": revision,
+                "placed_revision": p.map(|p| p.graph_revision),
+                "error": p.and_then(|p| p.error.clone()),
+                "apps": p.map(|p| &p.apps),
+                "tunnels": p.map(|p| &p.tunnels),
+            })
+        })
+        .collect();
+    json!({
+        "revision": s.revision,
+        "leader": s.leader,
+        "hosts": hosts,
+        "graphs": graphs,
+        "malformed": s.malformed,
+    })
+}
+
+/// Waits until every live host that runs apps of graph `name` reports running revision
+/// `revision` of it (or newer); returns how long that took.
+pub async fn wait_applied(
+    endpoints: &[String],
+    name: &str,
+    revision: i64,
+    limit: Duration,
+) -> Result<Duration> {
+    let start = Instant::now();
+    let mut client = etcd::connect(endpoints).await?;
+    loop {
+        let (r, kvs) = read_prefix(&mut client, keys::PREFIX).await?;
+        let s = ClusterState::decode(r, &kvs);
+        let placed = s
+            .placements
+            .get(name)
+            .filter(|p| p.graph_revision >= revision);
+        if let Some(p) = placed {
+            let hosts: std::collections::BTreeSet<&str> = p
+                .apps
+                .values()
+                .filter_map(|a| a.host.as_deref())
+                .filter(|h| s.live.contains(*h))
+                .collect();
+            let behind: Vec<&str> = hosts
+                .iter()
+                .copied()
+                .filter(|h| {
+                    s.statuses
+                        .get(*h)
+                        .and_then(|st| st.graphs.get(name))
+                        .is_none_or(|r| *r < revision)
+                })
+                .collect();
+            if behind.is_empty() {
+                return Ok(start.elapsed());
+            }
+            if start.elapsed() > limit {
+                bail!(
+                    "hosts {} have not applied revision {revision} of `{name}`",
+                    behind.join(", ")
+                );
+            }
+        } else if start.elapsed() > limit {
+            bail!("no controller placed revision {revision} of `{name}` (is any agent live?)");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// `stitch cluster status` as text.
+pub fn render_status(v: &Value) -> String {
+    let mut out = format!(
+        "etcd revision {}; controller on {}\n\nHOST         LIVE  UNDERLAY         APPLIED  APPS  LABELS / ERROR\n",
+        v["revision"],
+        v["leader"].as_str().unwrap_or("no host (no agent is live)")
+    );
+    for h in v["hosts"].as_array().into_iter().flatten() {
+        let labels: Vec<String> = h["labels"]
+            .as_object()
+            .into_iter()
+            .flatten()
+            .map(|(k, v)| format!("{k}={}", v.as_str().unwrap_or_default()))
+            .collect();
+        let note = match h["error"].as_str() {
+            Some(e) => format!("ERROR: {e}"),
+            None => labels.join(","),
+        };
+        out += &format!(
+            "{:<12} {:<5} {:<16} {:<8} {:<5} {}\n",
+            h["name"].as_str().unwrap_or_default(),
+            if h["live"].as_bool() == Some(true) {
+                "yes"
+            } else {
+                "NO"
+            },
+            h["underlay"].as_str().unwrap_or_default(),
+            h["applied_revision"]
+                .as_i64()
+                .map(|r| r.to_string())
+                .unwrap_or("-".into()),
+            h["apps"]
+                .as_u64()
+                .map(|r| r.to_string())
+                .unwrap_or("-".into()),
+            note
+        );
+    }
+    for g in v["graphs"].as_array().into_iter().flatten() {
+        out += &format!(
+            "\ngraph {} (revision {}, placed {})\n",
+            g["name"].as_str().unwrap_or_default(),
+            g["revision"],
+            g["placed_revision"]
+        );
+        if let Some(e) = g["error"].as_str() {
+            out += &format!("  ERROR: {e}\n");
+        }
+        for (app, p) in g["apps"].as_object().into_iter().flatten() {
+            out += &format!(
+                "  {:<16} {:<12} {}{}\n",
+                app,
+                p["host"].as_str().unwrap_or("-"),
+                p["state"].as_str().unwrap_or_default(),
+                p["reason"]
+                    .as_str()
+                    .map(|r| format!(" ({r})"))
+                    .unwrap_or_default()
+            );
+        }
+        for t in g["tunnels"].as_array().into_iter().flatten() {
+            out += &format!(
+                "  tunnel VNI {:<8} {} -> {}: {}\n",
+                t["vni"],
+                t["from_host"].as_str().unwrap_or_default(),
+                t["to_host"].as_str().unwrap_or_default(),
+                t["link"].as_str().unwrap_or_default()
+            );
+        }
+    }
+    out
+}

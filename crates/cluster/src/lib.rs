@@ -1,0 +1,17 @@
+//! Graphs that span hosts (`docs/cluster.md`). The desired state lives in an etcd v3 cluster:
+//! `stitch cluster apply` stores graph files whose apps may name a host (`host:`) or the
+//! labels of the hosts they may run on (`hosts:`); every host runs `stitch agent`, which
+//! registers the host under a lease, campaigns in etcd's election, and — while it leads —
+//! runs the placement controller ([`schedule`]): it decides where each app runs, turns every
+//! link between two hosts into a VXLAN tunnel, and writes each host's graph. Each agent watches
+//! its own host's graph and applies it to its engine by the same live diff as `stitch apply`.
+//!
+//! Nothing here is a protocol of Stitch's own: liveness is etcd's leases, leadership its
+//! election API, consistency its transactions and revisions.
+
+pub mod admin;
+pub mod agent;
+pub mod controller;
+pub mod etcd;
+pub mod keys;
+pub mod schedule;

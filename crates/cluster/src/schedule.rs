@@ -1,0 +1,526 @@
+//! The placement controller's decision, as a pure function: from the cluster's graphs, its
+//! hosts (registered and live) and the previous decision, where each app runs, which links
+//! become VXLAN tunnels (with which VNI), and the graph document each host runs.
+//!
+//! An app stays where it was while its host is live and still eligible (pins, labels, the
+//! placement it asks for), so a change elsewhere moves nothing; otherwise it goes to the
+//! eligible live host with the fewest apps. An app pinned to a host whose agent is gone stays
+//! assigned there (`host-down`): the host may still be forwarding, so the tunnels toward it
+//! stay. A link's VNI stays with the link while its graph exists, whichever hosts it joins.
+
+use crate::keys::{AppPlace, Assignment, HostRecord, PlacementRecord, Tunnel};
+use serde_json::{json, Map, Value};
+use std::collections::{BTreeMap, BTreeSet};
+use stitch_core::Graph;
+
+/// VNIs the controller gives links: from here up (lower ones are left to hand-made tunnels).
+pub const FIRST_VNI: u32 = 4096;
+const LAST_VNI: u32 = (1 << 24) - 1;
+/// Apps the controller adds to a host's graph are named with this prefix; graphs may not use it.
+pub const RESERVED_PREFIX: &str = "cluster-";
+
+/// One graph of the cluster: its name, the revision of its record and the parsed graph.
+pub struct ClusterGraph {
+    pub name: String,
+    pub revision: i64,
+    pub graph: Graph,
+}
+
+/// The hosts as the controller sees them.
+#[derive(Default)]
+pub struct Hosts {
+    pub registered: BTreeMap<String, HostRecord>,
+    /// Hosts whose agent holds its liveness lease.
+    pub live: BTreeSet<String>,
+}
+
+/// The decision: a placement per graph and a graph document per registered host.
+#[derive(Debug, Default, PartialEq)]
+pub struct Schedule {
+    pub placements: BTreeMap<String, PlacementRecord>,
+    pub assignments: BTreeMap<String, Assignment>,
+}
+
+/// Why `app` may not run on `host`, if it may not.
+fn ineligible(app: &stitch_core::graph::AppDecl, name: &str, host: &HostRecord) -> Option<String> {
+    if app.host.as_deref().is_some_and(|pin| pin != name) {
+        return Some("pinned elsewhere".into());
+    }
+    for (label, value) in &app.hosts {
+        if host.labels.get(label) != Some(value) {
+            return Some(format!("label {label}={value} not on {name}"));
+        }
+    }
+    let placement = app.placement.name();
+    if !host.placements.iter().any(|p| p == placement) {
+        return Some(format!("{name} cannot run `placement: {placement}`"));
+    }
+    None
+}
+
+/// Where each app runs.
+fn place_apps(
+    graphs: &[ClusterGraph],
+    hosts: &Hosts,
+    previous: &BTreeMap<String, PlacementRecord>,
+) -> BTreeMap<String, BTreeMap<String, AppPlace>> {
+    let mut load: BTreeMap<&str, usize> = hosts.live.iter().map(|h| (h.as_str(), 0)).collect();
+    let mut out: BTreeMap<String, BTreeMap<String, AppPlace>> = BTreeMap::new();
+    let mut waiting = Vec::new();
+    // First what stays: pins, and apps whose host is live and still eligible.
+    for g in graphs {
+        let places = out.entry(g.name.clone()).or_default();
+        for app in g.graph.apps.values() {
+            let was = previous
+                .get(&g.name)
+                .and_then(|p| p.apps.get(&app.name))
+                .and_then(|p| p.host.clone());
+            let place = if let Some(pin) = &app.host {
+                match hosts.registered.get(pin) {
+                    None => Some(unplaced(format!("host `{pin}` is not in the cluster"))),
+                    Some(record) => match ineligible(app, pin, record) {
+                        Some(why) => Some(unplaced(why)),
+                        None if hosts.live.contains(pin) => Some(running(pin)),
+                        None => Some(AppPlace {
+                            host: Some(pin.clone()),
+                            state: "host-down".into(),
+                            reason: Some(format!("the agent of `{pin}` is not live")),
+                        }),
+                    },
+                }
+            } else {
+                was.filter(|h| {
+                    hosts.live.contains(h)
+                        && hosts
+                            .registered
+                            .get(h)
+                            .is_some_and(|r| ineligible(app, h, r).is_none())
+                })
+                .map(|h| running(&h))
+            };
+            match place {
+                Some(p) => {
+                    if p.state == "running" {
+                        if let Some(n) = p.host.as_deref().and_then(|h| load.get_mut(h)) {
+                            *n += 1;
+                        }
+                    }
+                    places.insert(app.name.clone(), p);
+                }
+                None => waiting.push((g, app)),
+            }
+        }
+    }
+    // Then the rest, each on the eligible live host with the fewest apps.
+    for (g, app) in waiting {
+        let choice = load
+            .iter()
+            .filter(|(h, _)| {
+                hosts
+                    .registered
+                    .get(**h)
+                    .is_some_and(|r| ineligible(app, h, r).is_none())
+            })
+            .min_by_key(|(h, n)| (**n, **h))
+            .map(|(h, _)| h.to_string());
+        let place = match choice {
+            Some(h) => {
+                *load.get_mut(h.as_str()).expect("a live host") += 1;
+                running(&h)
+            }
+            None if hosts.live.is_empty() => unplaced("no host is live".into()),
+            None => unplaced(if app.hosts.is_empty() {
+                format!("no live host runs `placement: {}`", app.placement.name())
+            } else {
+                format!("no live host has the labels {:?}", app.hosts)
+            }),
+        };
+        out.get_mut(&g.name)
+            .expect("every graph has its map")
+            .insert(app.name.clone(), place);
+    }
+    out
+}
+
+fn running(host: &str) -> AppPlace {
+    AppPlace {
+        host: Some(host.to_string()),
+        state: "running".into(),
+        reason: None,
+    }
+}
+
+fn unplaced(reason: String) -> AppPlace {
+    AppPlace {
+        host: None,
+        state: "unplaced".into(),
+        reason: Some(reason),
+    }
+}
+
+/// The tunnels of every graph: each link whose ends are placed on different hosts, with the
+/// VNI it had or the lowest free one.
+fn tunnels(
+    graphs: &[ClusterGraph],
+    apps: &BTreeMap<String, BTreeMap<String, AppPlace>>,
+    previous: &BTreeMap<String, PlacementRecord>,
+) -> BTreeMap<String, Vec<Tunnel>> {
+    let mut used: BTreeSet<u32> = BTreeSet::new();
+    let mut known: BTreeMap<(&str, &str), u32> = BTreeMap::new();
+    for g in graphs {
+        for t in previous.get(&g.name).map(|p| &p.tunnels[..]).unwrap_or(&[]) {
+            if used.insert(t.vni) {
+                known.insert((g.name.as_str(), t.link.as_str()), t.vni);
+            }
+        }
+    }
+    let mut next = FIRST_VNI;
+    let mut out = BTreeMap::new();
+    for g in graphs {
+        let mut list = Vec::new();
+        for l in &g.graph.links {
+            let host = |app: &str| apps[&g.name].get(app).and_then(|p| p.host.clone());
+            let (Some(from), Some(to)) = (host(&l.from.app), host(&l.to.app)) else {
+                continue;
+            };
+            if from == to {
+                continue;
+            }
+            let link = l.spec();
+            let vni = match known.get(&(g.name.as_str(), link.as_str())) {
+                Some(v) => *v,
+                None => {
+                    while used.contains(&next) && next < LAST_VNI {
+                        next += 1;
+                    }
+                    used.insert(next);
+                    next
+                }
+            };
+            list.push(Tunnel {
+                link,
+                vni,
+                from_host: from,
+                to_host: to,
+            });
+        }
+        out.insert(g.name.clone(), list);
+    }
+    out
+}
+
+/// Computes where everything runs and what each registered host's graph is.
+pub fn schedule(
+    graphs: &[ClusterGraph],
+    hosts: &Hosts,
+    previous: &BTreeMap<String, PlacementRecord>,
+) -> Schedule {
+    let apps = place_apps(graphs, hosts, previous);
+    let mut tunnels = tunnels(graphs, &apps, previous);
+    let mut placements = BTreeMap::new();
+    for g in graphs {
+        placements.insert(
+            g.name.clone(),
+            PlacementRecord {
+                graph_revision: g.revision,
+                error: None,
+                apps: apps[&g.name].clone(),
+                tunnels: tunnels.remove(&g.name).unwrap_or_default(),
+            },
+        );
+    }
+    let assignments = hosts
+        .registered
+        .keys()
+        .map(|h| (h.clone(), host_assignment(h, graphs, &placements, hosts)))
+        .collect();
+    Schedule {
+        placements,
+        assignments,
+    }
+}
+
+/// The graph document host `me` runs: its apps, the links between them, and for each other
+/// host it exchanges tunnelled links with, a `vxlan` app (one segment per link) and an
+/// `af_packet` app on the underlay interface that takes only that host's VXLAN packets.
+fn host_assignment(
+    me: &str,
+    graphs: &[ClusterGraph],
+    placements: &BTreeMap<String, PlacementRecord>,
+    hosts: &Hosts,
+) -> Assignment {
+    let mut apps = Map::new();
+    let mut links = Vec::new();
+    let mut workers = Map::new();
+    let mut engine = None;
+    let mut graph_revisions = BTreeMap::new();
+    // Remote host → its segments (VNI) and the links through them.
+    let mut segments: BTreeMap<String, Map<String, Value>> = BTreeMap::new();
+    for g in graphs {
+        let place = &placements[&g.name];
+        let here = |app: &str| {
+            place
+                .apps
+                .get(app)
+                .is_some_and(|p| p.host.as_deref() == Some(me))
+        };
+        let doc = g.graph.to_document();
+        let mut any = false;
+        for (name, entry) in doc["apps"].as_object().into_iter().flatten() {
+            if !here(name) {
+                continue;
+            }
+            any = true;
+            let mut entry = entry.clone();
+            if let Some(e) = entry.as_object_mut() {
+                e.remove("host");
+                e.remove("hosts");
+                if let Some(w) = e.get("worker").and_then(Value::as_str) {
+                    if let Some(cfg) = doc["workers"].get(w) {
+                        workers.insert(w.to_string(), cfg.clone());
+                    }
+                }
+            }
+            apps.insert(name.clone(), entry);
+        }
+        if any {
+            engine.get_or_insert_with(|| doc["engine"].clone());
+        }
+        for l in &g.graph.links {
+            if here(&l.from.app) && here(&l.to.app) {
+                links.push(link_entry(&l.spec(), l.size, g.graph.engine.link_size));
+            }
+        }
+        for t in &place.tunnels {
+            let (from, to) = t.link.split_once(" -> ").expect("a link spec");
+            let (remote, entry) = if t.from_host == me {
+                (
+                    &t.to_host,
+                    format!("{from} -> {}.v{}", vtep(&t.to_host), t.vni),
+                )
+            } else if t.to_host == me {
+                (
+                    &t.from_host,
+                    format!("{}.v{} -> {to}", vtep(&t.from_host), t.vni),
+                )
+            } else {
+                continue;
+            };
+            let Some(record) = hosts.registered.get(remote) else {
+                continue;
+            };
+            segments.entry(remote.clone()).or_default().insert(
+                format!("v{}", t.vni),
+                json!({ "vni": t.vni, "remote": record.underlay }),
+            );
+            links.push(json!(entry));
+            any = true;
+        }
+        if any {
+            graph_revisions.insert(g.name.clone(), g.revision);
+        }
+    }
+    if let Some(mine) = hosts.registered.get(me) {
+        for (remote, segs) in segments {
+            let theirs = &hosts.registered[&remote];
+            apps.insert(
+                vtep(&remote),
+                json!({
+                    "type": "vxlan",
+                    "local": mine.underlay,
+                    "local_mac": mine.mac,
+                    "next_hop_mac": theirs.mac,
+                    "segments": segs,
+                }),
+            );
+            apps.insert(
+                underlay(&remote),
+                json!({
+                    "type": "af_packet",
+                    "interface": mine.interface,
+                    "promisc": false,
+                    "filter": format!(
+                        "udp dst port 4789 and src host {} and dst host {}",
+                        theirs.underlay, mine.underlay
+                    ),
+                }),
+            );
+            links.push(json!(format!(
+                "{}.underlay -> {}.input",
+                vtep(&remote),
+                underlay(&remote)
+            )));
+            links.push(json!(format!(
+                "{}.output -> {}.underlay",
+                underlay(&remote),
+                vtep(&remote)
+            )));
+        }
+    }
+    let mut document = json!({ "apps": apps, "links": links, "workers": workers });
+    if let Some(e) = engine {
+        document["engine"] = e;
+    }
+    Assignment {
+        graphs: graph_revisions,
+        document,
+    }
+}
+
+fn link_entry(spec: &str, size: usize, default: usize) -> Value {
+    if size == default {
+        json!(spec)
+    } else {
+        json!({ "link": spec, "size": size })
+    }
+}
+
+/// The `vxlan` app toward `remote`.
+pub fn vtep(remote: &str) -> String {
+    format!("{RESERVED_PREFIX}vtep-{remote}")
+}
+
+/// The `af_packet` app on the underlay that carries the tunnels of `remote`.
+pub fn underlay(remote: &str) -> String {
+    format!("{RESERVED_PREFIX}underlay-{remote}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    fn registry() -> stitch_core::Registry {
+        let mut r = stitch_core::Registry::new();
+        stitch_apps::register(&mut r);
+        stitch_io::register(&mut r);
+        r
+    }
+
+    fn host(n: u8, labels: &[(&str, &str)]) -> HostRecord {
+        HostRecord {
+            underlay: format!("192.0.2.{n}").parse().unwrap(),
+            interface: "ul0".into(),
+            mac: format!("02:00:00:00:00:0{n}"),
+            labels: labels
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            placements: vec!["engine".into(), "process".into()],
+        }
+    }
+
+    fn hosts(live: &[&str]) -> Hosts {
+        let mut h = Hosts::default();
+        h.registered.insert("h1".into(), host(1, &[("zone", "a")]));
+        h.registered.insert("h2".into(), host(2, &[("zone", "b")]));
+        h.registered.insert("h3".into(), host(3, &[("zone", "b")]));
+        h.live = live.iter().map(|s| s.to_string()).collect();
+        h
+    }
+
+    fn graph(text: &str) -> ClusterGraph {
+        ClusterGraph {
+            name: "chain".into(),
+            revision: 7,
+            graph: Graph::parse(text, "chain.yaml", Path::new("."), &registry()).unwrap(),
+        }
+    }
+
+    const CHAIN: &str = "apps:\n  a: { type: forwarder, host: h1 }\n  b: { type: forwarder, hosts: { zone: b } }\n  c: { type: forwarder, host: h3 }\nlinks:\n  - \"a.output -> b.input\"\n  - \"b.output -> c.input\"\n  - \"c.output -> a.input\"\n";
+
+    #[test]
+    fn pins_and_labels_place_apps_and_cross_host_links_become_tunnels() {
+        let g = [graph(CHAIN)];
+        let s = schedule(&g, &hosts(&["h1", "h2", "h3"]), &BTreeMap::new());
+        let p = &s.placements["chain"];
+        assert_eq!(p.apps["a"].host.as_deref(), Some("h1"));
+        // h2 and h3 match zone=b; h3 already runs c, so b goes to h2.
+        assert_eq!(p.apps["b"].host.as_deref(), Some("h2"));
+        assert_eq!(p.tunnels.len(), 3);
+        let vnis: BTreeSet<u32> = p.tunnels.iter().map(|t| t.vni).collect();
+        assert_eq!(vnis.len(), 3);
+        assert!(vnis.iter().all(|v| *v >= FIRST_VNI));
+        let h1 = &s.assignments["h1"].document;
+        assert!(
+            h1["apps"]["a"].get("host").is_none(),
+            "pins are not passed on"
+        );
+        assert_eq!(
+            h1["apps"]["cluster-vtep-h2"]["next_hop_mac"],
+            "02:00:00:00:00:02"
+        );
+        assert_eq!(h1["apps"]["cluster-vtep-h2"]["local"], "192.0.2.1");
+        assert_eq!(
+            h1["apps"]["cluster-underlay-h3"]["filter"],
+            "udp dst port 4789 and src host 192.0.2.3 and dst host 192.0.2.1"
+        );
+        let links: Vec<&str> = h1["links"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(Value::as_str)
+            .collect();
+        let ab = p
+            .tunnels
+            .iter()
+            .find(|t| t.link == "a.output -> b.input")
+            .unwrap();
+        assert!(links.contains(&format!("a.output -> cluster-vtep-h2.v{}", ab.vni).as_str()));
+        assert_eq!(s.assignments["h1"].graphs["chain"], 7);
+        // Every host document is a graph the parser takes.
+        for a in s.assignments.values() {
+            let text = serde_json::to_string(&a.document).unwrap();
+            if let Err(e) = Graph::parse(&text, "doc", Path::new("."), &registry()) {
+                panic!("{e}\n{text}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_dead_hosts_unpinned_apps_move_and_keep_their_vnis_while_pins_stay() {
+        let g = [graph(CHAIN)];
+        let before = schedule(&g, &hosts(&["h1", "h2", "h3"]), &BTreeMap::new());
+        let after = schedule(&g, &hosts(&["h1", "h3"]), &before.placements);
+        let p = &after.placements["chain"];
+        assert_eq!(
+            p.apps["b"].host.as_deref(),
+            Some("h3"),
+            "b moves to the other zone-b host"
+        );
+        let vni = |s: &Schedule, link: &str| {
+            s.placements["chain"]
+                .tunnels
+                .iter()
+                .find(|t| t.link == link)
+                .map(|t| t.vni)
+        };
+        assert_eq!(
+            vni(&after, "a.output -> b.input"),
+            vni(&before, "a.output -> b.input")
+        );
+        assert_eq!(
+            vni(&after, "b.output -> c.input"),
+            None,
+            "b and c share h3 now"
+        );
+        // h3 dies too: c is pinned, so it stays there, reported, with its tunnels.
+        let later = schedule(&g, &hosts(&["h1"]), &after.placements);
+        let c = &later.placements["chain"].apps["c"];
+        assert_eq!(
+            (c.host.as_deref(), c.state.as_str()),
+            (Some("h3"), "host-down")
+        );
+        assert_eq!(later.placements["chain"].apps["b"].state, "unplaced");
+        assert!(later.placements["chain"]
+            .tunnels
+            .iter()
+            .any(|t| t.link == "c.output -> a.input"));
+        // An unrelated change moves nothing.
+        let again = schedule(&g, &hosts(&["h1", "h2", "h3"]), &after.placements);
+        assert_eq!(
+            again.placements["chain"].apps["b"].host.as_deref(),
+            Some("h3")
+        );
+    }
+}

@@ -1,0 +1,187 @@
+//! `stitch agent` and `stitch cluster apply|status|delete` (crate `stitch-cluster`): graphs
+//! across hosts, with etcd holding the desired state.
+
+use anyhow::{Context, Result};
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+use stitch_cluster::{admin, agent, etcd};
+
+/// Where etcd is.
+#[derive(clap::Args, Clone)]
+pub struct Etcd {
+    /// etcd client URLs, comma-separated.
+    #[arg(long, env = "STITCH_ETCD", default_value = "http://127.0.0.1:2379")]
+    pub etcd: String,
+}
+
+impl Etcd {
+    fn endpoints(&self) -> Vec<String> {
+        etcd::endpoints(&self.etcd)
+    }
+}
+
+#[derive(clap::Args)]
+pub struct AgentArgs {
+    #[command(flatten)]
+    pub etcd: Etcd,
+    /// This host's name in the cluster (letters, digits, `_` and `-`).
+    #[arg(long)]
+    pub host: String,
+    /// This host's address on the underlay: VXLAN tunnels from other hosts reach it there.
+    #[arg(long)]
+    pub underlay: IpAddr,
+    /// Labels graphs can select hosts by (`hosts: {zone: east}`), e.g. zone=east,disk=ssd.
+    #[arg(long, value_delimiter = ',')]
+    pub labels: Vec<String>,
+    /// Seconds the host counts as live after its agent was last heard from.
+    #[arg(long, default_value_t = 2)]
+    pub lease_ttl: i64,
+    #[command(flatten)]
+    pub listen: super::Listen,
+    /// API Unix socket path (default: the socket of instance NAME, the host's name).
+    #[arg(long)]
+    pub control: Option<PathBuf>,
+}
+
+#[derive(clap::Subcommand)]
+pub enum ClusterCmd {
+    /// Store a graph file as a cluster graph; apps may name a host (`host:`) or host labels
+    /// (`hosts: {label: value}`). Checked against the cluster first; a compare-and-swap write.
+    Apply {
+        file: PathBuf,
+        #[command(flatten)]
+        etcd: Etcd,
+        /// The graph's name (default: the file's stem).
+        #[arg(long)]
+        graph: Option<String>,
+        /// Write only if the graph is still at this revision (0: only if it is new).
+        #[arg(long)]
+        if_revision: Option<i64>,
+        /// Wait up to this many seconds for every live host to run the new revision.
+        #[arg(long)]
+        wait: Option<f64>,
+    },
+    /// Hosts (live, underlay, labels, the revision each applied), the controller, and each
+    /// graph's apps with their hosts and tunnels.
+    Status {
+        #[command(flatten)]
+        etcd: Etcd,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove a cluster graph: every host stops its apps.
+    Delete {
+        graph: String,
+        #[command(flatten)]
+        etcd: Etcd,
+        #[arg(long)]
+        if_revision: Option<i64>,
+    },
+}
+
+pub fn run_cluster(cmd: ClusterCmd) -> Result<()> {
+    let registry = super::registry();
+    match cmd {
+        ClusterCmd::Apply {
+            file,
+            etcd,
+            graph,
+            if_revision,
+            wait,
+        } => {
+            let name = match graph {
+                Some(g) => g,
+                None => admin::graph_name(&file)?,
+            };
+            let endpoints = etcd.endpoints();
+            let applied = etcd::block_on(admin::apply(
+                &endpoints,
+                &file,
+                &name,
+                if_revision,
+                &registry,
+            ))?;
+            println!(
+                "graph {}: revision {} (was {})",
+                applied.name,
+                applied.revision,
+                if applied.previous == 0 {
+                    "new".to_string()
+                } else {
+                    applied.previous.to_string()
+                }
+            );
+            for h in &applied.waiting_for {
+                println!("host {h} is not live: its apps start when its agent returns");
+            }
+            if let Some(limit) = wait {
+                let took = etcd::block_on(admin::wait_applied(
+                    &endpoints,
+                    &name,
+                    applied.revision,
+                    Duration::from_secs_f64(limit),
+                ))?;
+                println!(
+                    "every live host runs it ({:.0} ms)",
+                    took.as_secs_f64() * 1e3
+                );
+            }
+        }
+        ClusterCmd::Status { etcd, json } => {
+            let v = etcd::block_on(admin::status(&etcd.endpoints()))?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&v)?);
+            } else {
+                print!("{}", admin::render_status(&v));
+            }
+        }
+        ClusterCmd::Delete {
+            graph,
+            etcd,
+            if_revision,
+        } => {
+            let r = etcd::block_on(admin::delete(&etcd.endpoints(), &graph, if_revision))?;
+            println!("graph {graph} deleted at revision {r}");
+        }
+    }
+    Ok(())
+}
+
+/// `stitch agent`: an instance named after the host whose graph comes from etcd.
+pub fn run_agent(args: AgentArgs) -> Result<()> {
+    let mut labels = BTreeMap::new();
+    for l in &args.labels {
+        let (k, v) = l
+            .split_once('=')
+            .with_context(|| format!("--labels: `{l}` is not LABEL=VALUE"))?;
+        labels.insert(k.trim().to_string(), v.trim().to_string());
+    }
+    let instance = super::Instance {
+        name: args.host.clone(),
+        control: args.control.clone(),
+    };
+    let config = agent::AgentConfig {
+        endpoints: args.etcd.endpoints(),
+        host: args.host.clone(),
+        underlay: args.underlay,
+        labels,
+        lease_ttl: args.lease_ttl,
+    };
+    super::serve(&instance, &args.listen, |api| {
+        let registry = Arc::new(super::registry());
+        let apply_api = api.clone();
+        let apply = Arc::new(move |doc: &serde_json::Value| {
+            let text = serde_json::to_string(doc).expect("a document serializes");
+            apply_api
+                .apply_text(&text, "<cluster host graph>", None)
+                .map(|_| doc["apps"].as_object().map(|a| a.len()).unwrap_or(0))
+                .map_err(|e| e.message)
+        });
+        let agent = agent::Agent::start(config, stitch_place::available(), registry, apply)?;
+        api.add_reporter("agent", agent.reporter());
+        Ok(Box::new(move || agent.stop()) as Box<dyn FnOnce()>)
+    })
+}

@@ -1,0 +1,590 @@
+//! Graphs across hosts: three hosts made of network namespaces, each with an etcd member (one
+//! 3-member cluster) and a `stitch agent`; a chain placed across them by `stitch cluster apply`
+//! carries ping and TCP between two workload namespaces through VXLAN tunnels, and keeps doing
+//! so when an agent dies, when etcd's leader is cut off, and when a host loses etcd.
+//!
+//! Each host has two links to the fabric (a namespace with two bridges): `mgmt`
+//! (198.51.100.0/24, etcd's traffic) and `ul0` (192.0.2.0/24, the underlay the tunnels use), as
+//! deployments keep their control and data networks apart. "Cutting a host off" takes its
+//! management link down: its data plane must keep forwarding.
+
+mod common;
+use common::*;
+use std::fs::File;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+static NEXT: AtomicUsize = AtomicUsize::new(0);
+const HOSTS: usize = 3;
+
+struct Cluster {
+    tag: String,
+    dir: tempfile::TempDir,
+    etcd: Vec<Option<Background>>,
+    agents: Vec<Option<Background>>,
+}
+
+impl Cluster {
+    fn ns(&self, i: usize) -> String {
+        format!("{}h{}", self.tag, i + 1)
+    }
+    fn fabric(&self) -> String {
+        format!("{}f", self.tag)
+    }
+    fn workload(&self, side: char) -> String {
+        format!("{}w{side}", self.tag)
+    }
+    fn endpoints(&self) -> String {
+        (1..=HOSTS)
+            .map(|i| format!("http://198.51.100.{i}:2379"))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    fn new() -> Cluster {
+        let tag = format!(
+            "sc{}x{}",
+            std::process::id() % 10000,
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        );
+        let c = Cluster {
+            tag,
+            dir: tempfile::tempdir().unwrap(),
+            etcd: Vec::new(),
+            agents: Vec::new(),
+        };
+        let f = c.fabric();
+        must(&format!("ip netns add {f}"));
+        for br in ["mg", "ul"] {
+            must(&format!("ip -n {f} link add {br} type bridge"));
+            must(&format!("ip -n {f} link set {br} mtu 9000 up"));
+        }
+        for i in 0..HOSTS {
+            let ns = c.ns(i);
+            must(&format!("ip netns add {ns}"));
+            must(&format!("ip -n {ns} link set lo up"));
+            for (br, inner, net) in [("mg", "mgmt", "198.51.100"), ("ul", "ul0", "192.0.2")] {
+                let outer = format!("{br}{}", i + 1);
+                must(&format!(
+                    "ip -n {ns} link add {inner} mtu 9000 type veth peer name {outer} mtu 9000 netns {f}"
+                ));
+                must(&format!("ip -n {f} link set {outer} master {br} up"));
+                must(&format!(
+                    "ip -n {ns} addr add {net}.{}/24 dev {inner}",
+                    i + 1
+                ));
+                must(&format!("ip -n {ns} link set {inner} up"));
+            }
+        }
+        // Workloads: a on host 1 (10.20.1.2, and 10.20.1.100, the NAT's outside address, so
+        // that it answers the router's ARP for it), b on host 3.
+        for (side, host, addr, gw) in [
+            ('a', 0, "10.20.1.2", "10.20.1.1"),
+            ('b', 2, "10.20.2.2", "10.20.2.1"),
+        ] {
+            let w = c.workload(side);
+            must(&format!("ip netns add {w}"));
+            must(&format!(
+                "ip -n {w} link add eth0 type veth peer name wl0 netns {}",
+                c.ns(host)
+            ));
+            must(&format!("ip -n {w} addr add {addr}/24 dev eth0"));
+            must(&format!("ip -n {w} link set eth0 up"));
+            must(&format!("ip -n {w} link set lo up"));
+            must(&format!("ip -n {w} route add default via {gw}"));
+            must(&format!("ip -n {} link set wl0 up", c.ns(host)));
+        }
+        must(&format!(
+            "ip -n {} addr add 10.20.1.100/32 dev eth0",
+            c.workload('a')
+        ));
+        c
+    }
+
+    fn exec(&self, ns: &str, cmd: &str) -> std::process::Output {
+        sh(&format!("ip netns exec {ns} {cmd}"))
+    }
+
+    fn spawn_logged(&self, ns: &str, args: &[&str], log: &str) -> Background {
+        let out = File::create(self.dir.path().join(log)).unwrap();
+        let err = out.try_clone().unwrap();
+        Background(
+            Command::new("ip")
+                .args(["netns", "exec", ns])
+                .args(args)
+                .stdout(Stdio::from(out))
+                .stderr(Stdio::from(err))
+                .spawn()
+                .unwrap(),
+        )
+    }
+
+    fn start_etcd(&mut self) {
+        let cluster: Vec<String> = (1..=HOSTS)
+            .map(|i| format!("e{i}=http://198.51.100.{i}:2380"))
+            .collect();
+        for i in 1..=HOSTS {
+            let data = self.dir.path().join(format!("e{i}"));
+            let args = [
+                "etcd".to_string(),
+                format!("--name=e{i}"),
+                format!("--data-dir={}", data.display()),
+                format!("--listen-client-urls=http://198.51.100.{i}:2379"),
+                format!("--advertise-client-urls=http://198.51.100.{i}:2379"),
+                format!("--listen-peer-urls=http://198.51.100.{i}:2380"),
+                format!("--initial-advertise-peer-urls=http://198.51.100.{i}:2380"),
+                format!("--initial-cluster={}", cluster.join(",")),
+                format!("--initial-cluster-token={}", self.tag),
+                "--heartbeat-interval=100".into(),
+                "--election-timeout=1000".into(),
+            ];
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            let b = self.spawn_logged(&self.ns(i - 1), &args, &format!("etcd{i}.log"));
+            self.etcd.push(Some(b));
+        }
+        wait_until("a healthy etcd cluster", 30, || {
+            self.etcdctl(0, "endpoint health --cluster")
+                .status
+                .success()
+        });
+    }
+
+    fn etcdctl(&self, host: usize, args: &str) -> std::process::Output {
+        self.exec(
+            &self.ns(host),
+            &format!(
+                "env ETCDCTL_API=3 etcdctl --endpoints={} --command-timeout=2s {args}",
+                self.endpoints()
+            ),
+        )
+    }
+
+    fn socket(&self, i: usize) -> PathBuf {
+        self.dir.path().join(format!("h{}.sock", i + 1))
+    }
+
+    fn start_agent(&mut self, i: usize) {
+        let host = format!("h{}", i + 1);
+        let underlay = format!("192.0.2.{}", i + 1);
+        let socket = self.socket(i).display().to_string();
+        let endpoints = self.endpoints();
+        let labels = if i == 0 { "zone=a" } else { "zone=b" };
+        let args = [
+            env!("CARGO_BIN_EXE_stitch"),
+            "agent",
+            "--etcd",
+            &endpoints,
+            "--host",
+            &host,
+            "--underlay",
+            &underlay,
+            "--labels",
+            labels,
+            "--control",
+            &socket,
+        ];
+        let b = self.spawn_logged(&self.ns(i), &args, &format!("agent{}.log", i + 1));
+        if self.agents.len() <= i {
+            self.agents.resize_with(i + 1, || None);
+        }
+        self.agents[i] = Some(b);
+        wait_until("the agent's API", 20, || self.status(i).is_some());
+    }
+
+    fn status(&self, i: usize) -> Option<serde_json::Value> {
+        stitch_api::client::json(
+            &self.socket(i),
+            stitch_api::client::Method::GET,
+            "/api/v1/status",
+            None,
+        )
+        .ok()
+    }
+
+    fn stats(&self, i: usize) -> serde_json::Value {
+        stitch_api::client::json(
+            &self.socket(i),
+            stitch_api::client::Method::GET,
+            "/api/v1/stats",
+            None,
+        )
+        .unwrap()
+    }
+
+    /// `stitch cluster ARGS` on host 1; output and success.
+    fn cli(&self, host: usize, args: &str) -> (bool, String) {
+        let o = self.exec(
+            &self.ns(host),
+            &format!(
+                "{} cluster {args} --etcd {}",
+                env!("CARGO_BIN_EXE_stitch"),
+                self.endpoints()
+            ),
+        );
+        (
+            o.status.success(),
+            format!(
+                "{}{}",
+                String::from_utf8_lossy(&o.stdout),
+                String::from_utf8_lossy(&o.stderr)
+            ),
+        )
+    }
+
+    fn cluster_status(&self, host: usize) -> serde_json::Value {
+        let (ok, out) = self.cli(host, "status --json");
+        assert!(ok, "{out}");
+        serde_json::from_str(&out).unwrap()
+    }
+
+    fn write(&self, name: &str, text: &str) -> PathBuf {
+        let p = self.dir.path().join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    }
+
+    /// Where app `app` of graph `chain` runs.
+    fn host_of(&self, app: &str) -> Option<String> {
+        let s = self.cluster_status(0);
+        s["graphs"][0]["apps"][app]["host"]
+            .as_str()
+            .map(String::from)
+    }
+
+    fn logs(&self) -> String {
+        let mut out = String::new();
+        for e in std::fs::read_dir(self.dir.path()).unwrap().flatten() {
+            let p = e.path();
+            if p.extension().is_some_and(|x| x == "log")
+                && p.display().to_string().contains("agent")
+            {
+                out += &format!(
+                    "--- {}\n{}\n",
+                    p.display(),
+                    std::fs::read_to_string(&p).unwrap_or_default()
+                );
+            }
+        }
+        out
+    }
+
+    /// A paced ping from workload a to b (every 10 ms), with receive times.
+    fn paced_ping(&self) -> Background {
+        let out = File::create(self.dir.path().join("ping.txt")).unwrap();
+        Background(
+            Command::new("ip")
+                .args([
+                    "netns",
+                    "exec",
+                    &self.workload('a'),
+                    "ping",
+                    "-D",
+                    "-n",
+                    "-i",
+                    "0.01",
+                    "10.20.2.2",
+                ])
+                .stdout(Stdio::from(out))
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap(),
+        )
+    }
+
+    /// Replies received and the longest time between two in a row, of the ping's log between
+    /// `from` and `to` seconds (UNIX time).
+    fn ping_gaps(&self, from: f64, to: f64) -> (usize, f64) {
+        let text = std::fs::read_to_string(self.dir.path().join("ping.txt")).unwrap();
+        let times: Vec<f64> = text
+            .lines()
+            .filter(|l| l.contains("bytes from"))
+            .filter_map(|l| l.strip_prefix('[')?.split(']').next()?.parse().ok())
+            .filter(|t| *t >= from && *t <= to)
+            .collect();
+        let gap = times.windows(2).map(|w| w[1] - w[0]).fold(0.0, f64::max);
+        (times.len(), gap)
+    }
+}
+
+fn now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("{}", self.logs());
+        }
+        self.agents.clear();
+        self.etcd.clear();
+        let mut all: Vec<String> = (0..HOSTS).map(|i| self.ns(i)).collect();
+        all.push(self.fabric());
+        all.push(self.workload('a'));
+        all.push(self.workload('b'));
+        for ns in all {
+            let _ = sh(&format!(
+                "ip netns pids {ns} 2>/dev/null | xargs -r kill -9"
+            ));
+            let _ = sh(&format!("ip netns del {ns} 2>/dev/null"));
+        }
+    }
+}
+
+/// The chain: workload a — firewall (h1) — NAT (any zone-b host) — router (h3) — workload b.
+fn chain(extra: &str) -> String {
+    format!(
+        "apps:
+  a: {{ type: af_packet, interface: wl0, host: h1 }}
+  fw:
+    type: firewall
+    host: h1
+    default: drop
+    rules:
+      - {{ action: accept, from: lan }}
+  nat: {{ type: nat, external: 10.20.1.100, hosts: {{ zone: b }} }}
+  r:
+    type: router
+    host: h3
+    interfaces:
+      left: {{ mac: \"02:00:00:00:01:01\", address: \"10.20.1.1/24\" }}
+      right: {{ mac: \"02:00:00:00:02:01\", address: \"10.20.2.1/24\" }}
+  b: {{ type: af_packet, interface: wl0, host: h3 }}
+{extra}links:
+  - \"a.output -> fw.lan\"
+  - \"fw.lan -> a.input\"
+  - \"fw.wan -> nat.lan\"
+  - \"nat.lan -> fw.wan\"
+  - \"nat.wan -> r.left\"
+  - \"r.left -> nat.wan\"
+  - \"b.output -> r.right\"
+  - \"r.right -> b.input\"
+"
+    )
+}
+
+#[test]
+fn a_chain_across_three_hosts_survives_a_dead_agent_a_lost_etcd_leader_and_a_cut_off_host() {
+    require_root_and_tools(&["etcd", "etcdctl", "ping", "iperf3"]);
+    let mut c = Cluster::new();
+    c.start_etcd();
+    for i in 0..HOSTS {
+        c.start_agent(i);
+    }
+    wait_until("three live hosts", 20, || {
+        c.cluster_status(0)["hosts"]
+            .as_array()
+            .is_some_and(|h| h.iter().filter(|h| h["live"] == true).count() == HOSTS)
+    });
+
+    // Bad input: nothing is written.
+    let bad = c.write(
+        "bad.yaml",
+        "apps:\n  x: { type: sink, host: h9 }\n  y: { type: sink, hosts: { rack: r1 } }\n  cluster-z: { type: sink, host: h1 }\n",
+    );
+    let (ok, out) = c.cli(0, &format!("apply {}", bad.display()));
+    assert!(!ok);
+    assert!(
+        out.contains("bad.yaml:2:") && out.contains("host `h9` is not in the cluster"),
+        "{out}"
+    );
+    assert!(
+        out.contains("bad.yaml:3:") && out.contains("no host has the label `rack`"),
+        "{out}"
+    );
+    assert!(
+        out.contains("bad.yaml:4:") && out.contains("the cluster's own"),
+        "{out}"
+    );
+    assert!(out.contains("nothing was written"), "{out}");
+    assert_eq!(c.cluster_status(0)["graphs"], serde_json::json!([]));
+
+    // The chain: placed, tunnelled, and carrying ping and TCP.
+    let file = c.write("chain.yaml", &chain(""));
+    let (ok, out) = c.cli(0, &format!("apply {} --wait 20", file.display()));
+    assert!(ok, "{out}\n{}", c.logs());
+    assert_eq!(
+        c.host_of("nat").as_deref(),
+        Some("h2"),
+        "NAT goes to the emptiest zone-b host"
+    );
+    let status = c.cluster_status(0);
+    assert_eq!(status["graphs"][0]["tunnels"].as_array().unwrap().len(), 4);
+    let wa = c.workload('a');
+    let wb = c.workload('b');
+    wait_until("ping through the chain", 20, || {
+        c.exec(&wa, "ping -c1 -W1 10.20.2.2").status.success()
+    });
+    let _server = Background(
+        Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &wb,
+                "iperf3",
+                "-s",
+                "-1",
+                "-B",
+                "10.20.2.2",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    let iperf = c.exec(&wa, "iperf3 -c 10.20.2.2 -t 2 -J");
+    assert!(
+        iperf.status.success(),
+        "{}",
+        String::from_utf8_lossy(&iperf.stdout)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&iperf.stdout).unwrap();
+    let gbps = report["end"]["sum_received"]["bits_per_second"]
+        .as_f64()
+        .unwrap()
+        / 1e9;
+    eprintln!("iperf3 TCP through three hosts and four VXLAN tunnels: {gbps:.2} Gbit/s");
+    assert!(gbps > 0.0);
+    let h2 = c.stats(1);
+    let nat = h2["apps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["name"] == "nat")
+        .unwrap();
+    assert!(
+        nat["rx_packets"].as_u64().unwrap() > 1000,
+        "TCP crossed the NAT on h2"
+    );
+
+    // Kill host 2's agent (and its engine, NAT and all): the NAT moves, traffic resumes.
+    let ping = c.paced_ping();
+    std::thread::sleep(Duration::from_secs(1));
+    let killed_at = now();
+    c.agents[1].as_ref().unwrap().signal(libc::SIGKILL);
+    wait_until("the NAT placed on another host", 15, || {
+        c.host_of("nat").is_some_and(|h| h != "h2")
+    });
+    std::thread::sleep(Duration::from_secs(2));
+    let (replies, outage) = c.ping_gaps(killed_at - 0.5, now());
+    eprintln!(
+        "NAT re-placed on {}: outage {:.0} ms (lease 2 s), {replies} replies after",
+        c.host_of("nat").unwrap(),
+        outage * 1e3
+    );
+    assert!(replies > 20, "traffic resumed after the NAT moved");
+    assert!(c.exec(&wa, "ping -c1 -W1 10.20.2.2").status.success());
+
+    // Host 2's agent returns (the NAT stays where it went), then etcd's leader moves to host 2's
+    // member and host 2's management link goes down: etcd elects another leader; traffic never
+    // stops.
+    c.start_agent(1);
+    let nat_host = c.host_of("nat").unwrap();
+    let members = String::from_utf8(c.etcdctl(0, "member list -w json").stdout).unwrap();
+    let members: serde_json::Value = serde_json::from_str(&members).unwrap();
+    let e2 = members["members"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["name"] == "e2")
+        .unwrap()["ID"]
+        .as_u64()
+        .unwrap();
+    let moved = c.etcdctl(0, &format!("move-leader {e2:x}"));
+    assert!(
+        moved.status.success(),
+        "{}",
+        String::from_utf8_lossy(&moved.stderr)
+    );
+    let cut_at = now();
+    must(&format!("ip -n {} link set mg2 down", c.fabric()));
+    wait_until("a new etcd leader", 20, || {
+        let o = c.exec(
+            &c.ns(0),
+            "env ETCDCTL_API=3 etcdctl --endpoints=http://198.51.100.1:2379,http://198.51.100.3:2379 --command-timeout=1s endpoint status -w json",
+        );
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_default();
+        v.as_array().is_some_and(|a| {
+            a.iter().any(|s| {
+                let st = &s["Status"];
+                st["leader"].as_u64().is_some_and(|l| l != 0 && l != e2)
+            })
+        })
+    });
+    std::thread::sleep(Duration::from_secs(3));
+    let (replies, gap) = c.ping_gaps(cut_at, now());
+    eprintln!(
+        "etcd leader cut off: longest gap between replies {:.0} ms",
+        gap * 1e3
+    );
+    assert!(
+        replies > 100 && gap < 0.5,
+        "traffic went on ({replies} replies, gap {gap:.3} s)"
+    );
+    assert_eq!(c.host_of("nat"), Some(nat_host), "nothing moved");
+    must(&format!("ip -n {} link set mg2 up", c.fabric()));
+    wait_until("host 2's agent back on etcd", 30, || {
+        c.status(1)
+            .is_some_and(|s| s["agent"]["etcd"] == "connected")
+    });
+
+    // Host 3 loses etcd: its data plane keeps running; a graph change made meanwhile reaches
+    // it when it returns.
+    let cut_at = now();
+    must(&format!("ip -n {} link set mg3 down", c.fabric()));
+    wait_until("host 3's agent to notice", 20, || {
+        c.status(2)
+            .is_some_and(|s| s["agent"]["etcd"] == "unreachable")
+    });
+    let file = c.write("chain.yaml", &chain("  extra: { type: sink, host: h3 }\n"));
+    let (ok, out) = c.cli(0, &format!("apply {}", file.display()));
+    assert!(ok, "{out}");
+    std::thread::sleep(Duration::from_secs(2));
+    let (replies, gap) = c.ping_gaps(cut_at, now());
+    eprintln!("host 3 cut off from etcd: longest gap {:.0} ms", gap * 1e3);
+    assert!(
+        replies > 100 && gap < 0.5,
+        "host 3 kept forwarding ({replies} replies, gap {gap:.3} s)"
+    );
+    let has_extra = |c: &Cluster| {
+        c.stats(2)["apps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|a| a["name"] == "extra")
+    };
+    assert!(!has_extra(&c), "a cut-off host cannot have the change yet");
+    must(&format!("ip -n {} link set mg3 up", c.fabric()));
+    wait_until("host 3 resynced to the new revision", 30, || has_extra(&c));
+    let s = c.cluster_status(0);
+    let graph_rev = s["graphs"][0]["revision"].as_i64().unwrap();
+    let h3 = s["hosts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|h| h["name"] == "h3")
+        .unwrap();
+    assert_eq!(h3["graphs"]["chain"].as_i64(), Some(graph_rev), "{s}");
+    assert!(c.exec(&wa, "ping -c1 -W1 10.20.2.2").status.success());
+
+    // A stale write loses: compare-and-swap on the graph's revision.
+    let (ok, out) = c.cli(0, &format!("apply {} --if-revision 1", file.display()));
+    assert!(!ok && out.contains("no longer at revision 1"), "{out}");
+    assert_eq!(
+        c.cluster_status(0)["graphs"][0]["revision"].as_i64(),
+        Some(graph_rev)
+    );
+    drop(ping);
+
+    // Delete: every host stops the chain's apps.
+    let (ok, out) = c.cli(0, "delete chain");
+    assert!(ok, "{out}");
+    wait_until("every host empty", 20, || {
+        (0..HOSTS).all(|i| c.stats(i)["apps"].as_array().is_some_and(|a| a.is_empty()))
+    });
+}
