@@ -320,6 +320,27 @@ impl Api {
         self.place(g, file, Some(text))
     }
 
+    /// Applies the graph document `derive` makes from the running one (if any), in one step
+    /// with respect to every other change (what the cluster agent uses, so that an app
+    /// `stitch-cni` attached between its read and its apply is not lost).
+    pub fn apply_derived(
+        &self,
+        what: &str,
+        derive: impl FnOnce(Option<Value>) -> Value,
+    ) -> Result<ApplyReport, ApiError> {
+        let _one_change = self.changes.lock().unwrap();
+        let running = self.placements.graph();
+        let base = running
+            .as_ref()
+            .map(|g| g.base_dir.clone())
+            .unwrap_or_default();
+        let doc = derive(running.map(|g| g.to_document()));
+        let text = serde_json::to_string_pretty(&doc).expect("a document serializes");
+        let g = Graph::parse(&text, what, &base, self.engine.registry())
+            .map_err(|e| ApiError::bad_graph(e, true))?;
+        self.place(g, what, Some(&text))
+    }
+
     /// Re-reads the graph file the instance was started with and applies it by diff.
     pub fn reload(&self) -> Result<ApplyReport, ApiError> {
         let Some(file) = &self.graph_file else {

@@ -31,6 +31,25 @@ pub struct AgentConfig {
 /// How the agent makes a graph document the host's running graph; returns the number of apps.
 pub type ApplyFn = dyn Fn(&Value) -> Result<usize, String> + Send + Sync;
 
+/// The host graph `doc` with each `attachment` app that something attached locally (an
+/// `af_packet` app `stitch-cni` put in its place, in the `running` graph) kept as attached.
+pub fn keep_attached(mut doc: Value, running: Option<&Value>) -> Value {
+    let Some(running) = running.and_then(|r| r["apps"].as_object()) else {
+        return doc;
+    };
+    if let Some(apps) = doc["apps"].as_object_mut() {
+        for (name, entry) in apps.iter_mut() {
+            if entry["type"] != "attachment" {
+                continue;
+            }
+            if let Some(local) = running.get(name).filter(|l| l["type"] != "attachment") {
+                *entry = local.clone();
+            }
+        }
+    }
+    doc
+}
+
 /// What the agent reports (`stitch show`, `/metrics`, its status key).
 #[derive(Debug, Default)]
 struct State {
@@ -298,7 +317,7 @@ async fn session(ctx: &Ctx, stopped: &mut watch::Receiver<bool>) -> Result<()> {
     log::info!("agent: host `{host}` registered (lease {lease:x})");
     let result = tokio::select! {
         r = keep_alive(client.clone(), lease, ctx.config.lease_ttl) => r,
-        r = campaign(client.clone(), lease, ctx) => r,
+        r = campaign(lease, ctx) => r,
         r = follow(client.clone(), ctx) => r,
         _ = stopped.changed() => {
             let _ = tokio::time::timeout(Duration::from_secs(1), client.lease_revoke(lease)).await;
@@ -326,13 +345,16 @@ async fn keep_alive(mut client: Client, lease: i64, ttl: i64) -> Result<()> {
     }
 }
 
-/// Waits to be elected, then runs the placement controller while leading.
-async fn campaign(mut client: Client, lease: i64, ctx: &Ctx) -> Result<()> {
+/// Waits to be elected (on a connection without a request timeout: a campaign waits as long
+/// as another agent leads), then runs the placement controller while leading.
+async fn campaign(lease: i64, ctx: &Ctx) -> Result<()> {
     let host = ctx.config.host.clone();
-    let mut won = client
+    let mut patient = etcd::connect_patient(&ctx.config.endpoints).await?;
+    let mut won = patient
         .campaign(keys::ELECTION, host.clone(), lease)
         .await
         .context("campaign")?;
+    let mut client = etcd::connect(&ctx.config.endpoints).await?;
     let leader = won
         .take_leader()
         .ok_or_else(|| anyhow!("the election answered without a leader key"))?;

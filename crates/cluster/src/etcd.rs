@@ -16,16 +16,28 @@ pub fn endpoints(list: &str) -> Vec<String> {
         .collect()
 }
 
-/// A client to any of `endpoints`. Requests need a member that sees a leader
-/// (`require_leader`): a member cut off from the others answers with an error instead of its
-/// stale state, and its watches end.
+/// A client to any of `endpoints` whose requests time out after [`REQUEST_TIMEOUT`].
+/// Requests need a member that sees a leader (`require_leader`): a member cut off from the
+/// others answers with an error instead of its stale state, and its watches end.
 pub async fn connect(endpoints: &[String]) -> Result<Client> {
-    let options = ConnectOptions::new()
+    connect_with(endpoints, Some(REQUEST_TIMEOUT)).await
+}
+
+/// A client for requests that wait as long as they must (an election campaign); the
+/// connection's keep-alive still notices a dead member.
+pub async fn connect_patient(endpoints: &[String]) -> Result<Client> {
+    connect_with(endpoints, None).await
+}
+
+async fn connect_with(endpoints: &[String], timeout: Option<Duration>) -> Result<Client> {
+    let mut options = ConnectOptions::new()
         .with_connect_timeout(Duration::from_secs(2))
-        .with_timeout(REQUEST_TIMEOUT)
         .with_keep_alive(Duration::from_secs(1), Duration::from_secs(2))
         .with_keep_alive_while_idle(true)
         .with_require_leader(true);
+    if let Some(t) = timeout {
+        options = options.with_timeout(t);
+    }
     Client::connect(endpoints, Some(options))
         .await
         .with_context(|| format!("cannot reach etcd at {}", endpoints.join(",")))
@@ -67,6 +79,21 @@ fn is_transient(e: &etcd_client::Error) -> bool {
     ]
     .iter()
     .any(|t| text.contains(t))
+}
+
+/// Puts `value` at `key` (an idempotent write), tried again for a few seconds while etcd
+/// answers that it is between leaders.
+pub async fn put_retrying(client: &mut Client, key: &str, value: Vec<u8>) -> Result<()> {
+    let start = std::time::Instant::now();
+    loop {
+        match client.put(key, value.clone(), None).await {
+            Ok(_) => return Ok(()),
+            Err(e) if start.elapsed() < RETRY_FOR && is_transient(&e) => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => return Err(e).with_context(|| format!("cannot write {key}")),
+        }
+    }
 }
 
 /// Every key under `prefix` and the revision of the read.

@@ -3,6 +3,7 @@
 
 pub mod af_packet;
 pub mod af_xdp;
+pub mod attachment;
 pub mod capture;
 pub mod capture_file;
 pub mod capture_format;
@@ -40,5 +41,9 @@ pub fn register(r: &mut Registry) {
     .register(AppType::of::<pcap_sink::PcapSink>(
         "pcap_sink",
         "writes packets to a PCAP/PCAPNG file with nanosecond timestamps",
+    ))
+    .register(AppType::of::<attachment::Attachment>(
+        "attachment",
+        "a port a workload attaches to later (stitch-cni); drops what it is sent until then",
     ));
 }

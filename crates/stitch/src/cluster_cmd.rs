@@ -174,9 +174,10 @@ pub fn run_agent(args: AgentArgs) -> Result<()> {
         let registry = Arc::new(super::registry());
         let apply_api = api.clone();
         let apply = Arc::new(move |doc: &serde_json::Value| {
-            let text = serde_json::to_string(doc).expect("a document serializes");
             apply_api
-                .apply_text(&text, "<cluster host graph>", None)
+                .apply_derived("<cluster host graph>", |running| {
+                    agent::keep_attached(doc.clone(), running.as_ref())
+                })
                 .map(|_| doc["apps"].as_object().map(|a| a.len()).unwrap_or(0))
                 .map_err(|e| e.message)
         });

@@ -150,9 +150,11 @@ enum Cmd {
         instance: Instance,
     },
     /// Show an app's own tables and state (bridge MAC table, routes and neighbours, NAT
-    /// mappings, firewall connections) from a running instance.
+    /// mappings, firewall connections) from a running instance; without an app, the instance:
+    /// where its graph comes from (a file, or etcd for an agent) and what Stitch made on the
+    /// host for its placements (kernel data plane, veth pairs, processes, VMs).
     Show {
-        app: String,
+        app: Option<String>,
         /// Request as JSON, e.g. '{"limit": 100}'.
         #[arg(long, default_value = "{}")]
         request: String,
@@ -251,7 +253,15 @@ fn run_cli(cli: Cli) -> Result<()> {
         }
         Cmd::Graph { file } => print!("{}", load(&file, &registry())?.to_dot()),
         Cmd::Show {
-            app,
+            app: None,
+            instance,
+            ..
+        } => {
+            let v = instance.get("/api/v1/status")?;
+            println!("{}", serde_json::to_string_pretty(&v)?);
+        }
+        Cmd::Show {
+            app: Some(app),
             request,
             instance,
         } => {

@@ -1,6 +1,7 @@
 //! Graphs across hosts: three hosts made of network namespaces, each with an etcd member (one
 //! 3-member cluster) and a `stitch agent`; a chain placed across them by `stitch cluster apply`
-//! carries ping and TCP between two workload namespaces through VXLAN tunnels, and keeps doing
+//! carries ping and TCP between two workload namespaces (attached by `stitch-cni`, driven by
+//! `cnitool`) through VXLAN tunnels, and keeps doing
 //! so when an agent dies, when etcd's leader is cut off, and when a host loses etcd.
 //!
 //! Each host has two links to the fabric (a namespace with two bridges): `mgmt`
@@ -11,12 +12,19 @@
 mod common;
 use common::*;
 use std::fs::File;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 static NEXT: AtomicUsize = AtomicUsize::new(0);
+/// cnitool and host-local (scripts/install-deps --test builds them).
+const CNI_BIN: &str = "/opt/cni/bin";
+
+/// The stitch-cni binary, built beside stitch.
+fn cni_plugin() -> PathBuf {
+    Path::new(env!("CARGO_BIN_EXE_stitch")).with_file_name("stitch-cni")
+}
 const HOSTS: usize = 3;
 
 struct Cluster {
@@ -78,29 +86,53 @@ impl Cluster {
                 must(&format!("ip -n {ns} link set {inner} up"));
             }
         }
-        // Workloads: a on host 1 (10.20.1.2, and 10.20.1.100, the NAT's outside address, so
-        // that it answers the router's ARP for it), b on host 3.
-        for (side, host, addr, gw) in [
-            ('a', 0, "10.20.1.2", "10.20.1.1"),
-            ('b', 2, "10.20.2.2", "10.20.2.1"),
-        ] {
-            let w = c.workload(side);
-            must(&format!("ip netns add {w}"));
-            must(&format!(
-                "ip -n {w} link add eth0 type veth peer name wl0 netns {}",
-                c.ns(host)
-            ));
-            must(&format!("ip -n {w} addr add {addr}/24 dev eth0"));
-            must(&format!("ip -n {w} link set eth0 up"));
-            must(&format!("ip -n {w} link set lo up"));
-            must(&format!("ip -n {w} route add default via {gw}"));
-            must(&format!("ip -n {} link set wl0 up", c.ns(host)));
+        // Workloads: namespaces a (on host 1) and b (on host 3); stitch-cni attaches them.
+        for side in ['a', 'b'] {
+            must(&format!("ip netns add {}", c.workload(side)));
+            must(&format!("ip -n {} link set lo up", c.workload(side)));
         }
-        must(&format!(
-            "ip -n {} addr add 10.20.1.100/32 dev eth0",
-            c.workload('a')
-        ));
+        let cni = c.dir.path().join("cni");
+        std::fs::create_dir_all(&cni).unwrap();
+        std::os::unix::fs::symlink(cni_plugin(), cni.join("stitch-cni")).unwrap();
         c
+    }
+
+    /// `cnitool COMMAND` on host `host` for workload `side`, attached as graph port `side` with
+    /// an address from host-local (`.2` of `subnet`, the gateway `.1`).
+    fn cnitool(
+        &self,
+        host: usize,
+        command: &str,
+        side: char,
+        subnet: &str,
+    ) -> std::process::Output {
+        let conf = self.dir.path().join(format!("net-{side}"));
+        std::fs::create_dir_all(&conf).unwrap();
+        let net = format!("chain-{side}");
+        let config = serde_json::json!({
+            "cniVersion": "1.0.0",
+            "name": net,
+            "type": "stitch-cni",
+            "control": self.socket(host),
+            "port": side.to_string(),
+            "ipam": {
+                "type": "host-local",
+                "ranges": [[{ "subnet": format!("{subnet}.0/24"), "rangeStart": format!("{subnet}.2"),
+                              "rangeEnd": format!("{subnet}.2"), "gateway": format!("{subnet}.1") }]],
+                "routes": [{ "dst": "0.0.0.0/0" }],
+                "dataDir": self.dir.path().join("ipam").display().to_string(),
+            },
+        });
+        std::fs::write(conf.join(format!("{net}.conf")), config.to_string()).unwrap();
+        self.exec(
+            &self.ns(host),
+            &format!(
+                "env NETCONFPATH={} CNI_PATH={}:{CNI_BIN} {CNI_BIN}/cnitool {command} {net} /var/run/netns/{}",
+                conf.display(),
+                self.dir.path().join("cni").display(),
+                self.workload(side)
+            ),
+        )
     }
 
     fn exec(&self, ns: &str, cmd: &str) -> std::process::Output {
@@ -339,7 +371,7 @@ impl Drop for Cluster {
 fn chain(extra: &str) -> String {
     format!(
         "apps:
-  a: {{ type: af_packet, interface: wl0, host: h1 }}
+  a: {{ type: attachment, host: h1 }}
   fw:
     type: firewall
     host: h1
@@ -353,7 +385,7 @@ fn chain(extra: &str) -> String {
     interfaces:
       left: {{ mac: \"02:00:00:00:01:01\", address: \"10.20.1.1/24\" }}
       right: {{ mac: \"02:00:00:00:02:01\", address: \"10.20.2.1/24\" }}
-  b: {{ type: af_packet, interface: wl0, host: h3 }}
+  b: {{ type: attachment, host: h3 }}
 {extra}links:
   - \"a.output -> fw.lan\"
   - \"fw.lan -> a.input\"
@@ -369,7 +401,17 @@ fn chain(extra: &str) -> String {
 
 #[test]
 fn a_chain_across_three_hosts_survives_a_dead_agent_a_lost_etcd_leader_and_a_cut_off_host() {
-    require_root_and_tools(&["etcd", "etcdctl", "ping", "iperf3"]);
+    require_root_and_tools(&["etcd", "etcdctl", "ping", "iperf3", "nsenter"]);
+    for tool in ["cnitool", "host-local"] {
+        assert!(
+            Path::new(CNI_BIN).join(tool).exists(),
+            "{CNI_BIN}/{tool} is needed: scripts/install-deps --test builds it"
+        );
+    }
+    assert!(
+        cni_plugin().exists(),
+        "build the workspace first (cargo build --workspace)"
+    );
     let mut c = Cluster::new();
     c.start_etcd();
     for i in 0..HOSTS {
@@ -416,6 +458,29 @@ fn a_chain_across_three_hosts_survives_a_dead_agent_a_lost_etcd_leader_and_a_cut
     assert_eq!(status["graphs"][0]["tunnels"].as_array().unwrap().len(), 4);
     let wa = c.workload('a');
     let wb = c.workload('b');
+    // The workloads attach through CNI, as a container runtime would attach them.
+    for (host, side, subnet) in [(0, 'a', "10.20.1"), (2, 'b', "10.20.2")] {
+        let o = c.cnitool(host, "add", side, subnet);
+        assert!(
+            o.status.success(),
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let result: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert_eq!(
+            result["ips"][0]["address"],
+            format!("{subnet}.2/24"),
+            "{result}"
+        );
+        assert_eq!(result["interfaces"][1]["name"], "eth0", "{result}");
+        let o = c.cnitool(host, "check", side, subnet);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
+    }
+    // ADD again for the same container and interface is refused (the spec: it exists).
+    let again = c.cnitool(0, "add", 'a', "10.20.1");
+    assert!(!again.status.success());
+    must(&format!("ip -n {wa} addr add 10.20.1.100/32 dev eth0"));
     wait_until("ping through the chain", 20, || {
         c.exec(&wa, "ping -c1 -W1 10.20.2.2").status.success()
     });
@@ -541,6 +606,24 @@ fn a_chain_across_three_hosts_survives_a_dead_agent_a_lost_etcd_leader_and_a_cut
         c.status(2)
             .is_some_and(|s| s["agent"]["etcd"] == "unreachable")
     });
+    let show = must(&format!(
+        "{} show --control {}",
+        env!("CARGO_BIN_EXE_stitch"),
+        c.socket(2).display()
+    ));
+    assert!(show.contains("\"kept as last applied\""), "{show}");
+    let (_, metrics) = stitch_api::client::call(
+        &c.socket(2),
+        stitch_api::client::Method::GET,
+        "/metrics",
+        None,
+    )
+    .unwrap();
+    let metrics = String::from_utf8_lossy(&metrics).into_owned();
+    assert!(
+        metrics.contains("stitch_agent_etcd_connected{} 0"),
+        "{metrics}"
+    );
     let file = c.write("chain.yaml", &chain("  extra: { type: sink, host: h3 }\n"));
     let (ok, out) = c.cli(0, &format!("apply {}", file.display()));
     assert!(ok, "{out}");
@@ -580,6 +663,24 @@ fn a_chain_across_three_hosts_survives_a_dead_agent_a_lost_etcd_leader_and_a_cut
         Some(graph_rev)
     );
     drop(ping);
+
+    // CNI DEL: the port is an attachment again, the host end and the address are gone.
+    let o = c.cnitool(2, "del", 'b', "10.20.2");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
+    let b = c.stats(2)["apps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["name"] == "b")
+        .cloned()
+        .unwrap();
+    assert_eq!(b["type"], "attachment");
+    assert!(
+        !c.exec(&wb, "ip link show eth0").status.success(),
+        "the container's end is gone"
+    );
+    let o = c.cnitool(2, "del", 'b', "10.20.2");
+    assert!(o.status.success(), "DEL twice is not an error");
 
     // Delete: every host stops the chain's apps.
     let (ok, out) = c.cli(0, "delete chain");
