@@ -3,6 +3,7 @@
 
 mod capture_link;
 mod chain_switch;
+mod cluster;
 mod kernel;
 mod lwaftr;
 mod nf;
@@ -68,6 +69,9 @@ pub enum BenchCmd {
     /// kernel, in a function process and behind a vhost-user port, beside one af_packet
     /// interface hop: Mpps and ns per packet per crossing.
     Placement(crate::placement::PlacementArgs),
+    /// The cluster's control plane at scale: N agents applying to a dry run against one etcd
+    /// cluster, M apps placed; time until every host runs a change, etcd writes, memory.
+    Cluster(crate::cluster::ClusterBenchArgs),
     /// Packets through Stitch between two vhost-user ports, against testpmd as the vhost-user
     /// back-end, with one testpmd of two virtio-user ports as the front-end.
     Vhost(crate::vhost::VhostBenchArgs),
@@ -312,6 +316,7 @@ pub fn run(cmd: BenchCmd, registry: fn() -> Registry) -> Result<()> {
         BenchCmd::ChainSwitch(args) => chain_switch::run(args, registry()),
         BenchCmd::Kernel(args) => kernel::run(args),
         BenchCmd::Placement(args) => placement::run(args, registry()),
+        BenchCmd::Cluster(args) => cluster::run(args, registry()),
         BenchCmd::Vhost(args) => vhost::run(args),
         BenchCmd::Nf {
             name,

@@ -303,28 +303,33 @@ pub async fn wait_applied(
     let start = Instant::now();
     let mut client = etcd::connect(endpoints).await?;
     loop {
-        let (r, kvs) = read_prefix(&mut client, keys::PREFIX).await?;
-        let s = ClusterState::decode(r, &kvs);
+        // Only what the answer needs: the graph's placement, liveness and statuses (not every
+        // host's graph).
+        let mut kvs = Vec::new();
+        for prefix in [
+            keys::placement(name),
+            keys::ALIVE.into(),
+            keys::STATUS.into(),
+        ] {
+            kvs.extend(read_prefix(&mut client, &prefix).await?.1);
+        }
+        let s = ClusterState::decode(0, &kvs);
         let placed = s
             .placements
             .get(name)
             .filter(|p| p.graph_revision >= revision);
         if let Some(p) = placed {
-            let hosts: std::collections::BTreeSet<&str> = p
-                .apps
-                .values()
-                .filter_map(|a| a.host.as_deref())
-                .filter(|h| s.live.contains(*h))
-                .collect();
-            let behind: Vec<&str> = hosts
+            let behind: Vec<&str> = p
+                .hosts
                 .iter()
-                .copied()
-                .filter(|h| {
+                .filter(|(h, _)| s.live.contains(*h))
+                .filter(|(h, needed)| {
                     s.statuses
                         .get(*h)
                         .and_then(|st| st.graphs.get(name))
-                        .is_none_or(|r| *r < revision)
+                        .is_none_or(|r| r < needed)
                 })
+                .map(|(h, _)| h.as_str())
                 .collect();
             if behind.is_empty() {
                 return Ok(start.elapsed());

@@ -80,6 +80,18 @@ impl Agent {
         apply: Arc<ApplyFn>,
     ) -> Result<Agent> {
         let record = host_record(&config, placements)?;
+        Agent::start_as(config, record, registry, apply)
+    }
+
+    /// Starts an agent that registers `record` as it is (its underlay address need not be
+    /// this machine's): `stitch bench cluster` runs many such agents against one etcd, each
+    /// applying to a dry run.
+    pub fn start_as(
+        config: AgentConfig,
+        record: HostRecord,
+        registry: Arc<Registry>,
+        apply: Arc<ApplyFn>,
+    ) -> Result<Agent> {
         let state = Arc::new(Mutex::new(State::default()));
         let (stop, stopped) = watch::channel(false);
         let ctx = Ctx {
@@ -91,6 +103,7 @@ impl Agent {
         };
         let thread = std::thread::Builder::new()
             .name("agent".into())
+            .stack_size(512 * 1024)
             .spawn(move || {
                 let rt = tokio::runtime::Builder::new_current_thread()
                     .enable_all()
@@ -345,9 +358,23 @@ async fn keep_alive(mut client: Client, lease: i64, ttl: i64) -> Result<()> {
     }
 }
 
+/// Campaigns in the election and runs the placement controller while leading, again and
+/// again: a campaign or a leadership lost to a broken connection is retried with the same
+/// lease (etcd resumes a candidate's key); only the lease's end (the keep-alive) ends the
+/// session.
+async fn campaign(lease: i64, ctx: &Ctx) -> Result<()> {
+    loop {
+        if let Err(e) = campaign_once(lease, ctx).await {
+            ctx.state.lock().unwrap().leader = false;
+            log::warn!("agent: election: {e:#}; campaigning again");
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+}
+
 /// Waits to be elected (on a connection without a request timeout: a campaign waits as long
 /// as another agent leads), then runs the placement controller while leading.
-async fn campaign(lease: i64, ctx: &Ctx) -> Result<()> {
+async fn campaign_once(lease: i64, ctx: &Ctx) -> Result<()> {
     let host = ctx.config.host.clone();
     let mut patient = etcd::connect_patient(&ctx.config.endpoints).await?;
     let mut won = patient

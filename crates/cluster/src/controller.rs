@@ -10,14 +10,17 @@ use anyhow::{bail, Context, Result};
 use etcd_client::{Client, Compare, CompareOp, LeaderKey, Txn, TxnOp, WatchOptions};
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 use stitch_core::{Graph, Registry};
 
-/// etcd refuses transactions of more than 128 operations by default (`--max-txn-ops`).
+/// etcd refuses transactions of more than 128 operations (`--max-txn-ops`) or 1.5 MiB
+/// (`--max-request-bytes`) by default.
 const OPS_PER_TXN: usize = 100;
+const BYTES_PER_TXN: usize = 1 << 20;
 
 /// Leads until leadership or the connection is lost (an error either way).
-pub async fn lead(client: &mut Client, leader: &LeaderKey, registry: &Registry) -> Result<()> {
+pub async fn lead(client: &mut Client, leader: &LeaderKey, registry: &Arc<Registry>) -> Result<()> {
     let mut decided = decide(client, leader, registry).await?;
     loop {
         let mut stream = client
@@ -85,60 +88,82 @@ fn parse_graphs(
     (graphs, broken)
 }
 
-/// Reads the state, computes the schedule and writes what differs; returns the revision the
-/// decision was made at.
-async fn decide(client: &mut Client, leader: &LeaderKey, registry: &Registry) -> Result<i64> {
-    let (revision, kvs) = read_prefix(client, keys::PREFIX).await?;
-    let state = ClusterState::decode(revision, &kvs);
+/// What differs between the state read and the decision: the writes (with their sizes), and
+/// a line for the log.
+fn plan_writes(state: &ClusterState, registry: &Registry) -> Result<(Vec<(TxnOp, usize)>, String)> {
     for m in &state.malformed {
         log::warn!("ignoring a malformed record: {m}");
     }
-    let (graphs, broken) = parse_graphs(&state, registry);
+    let (graphs, broken) = parse_graphs(state, registry);
     let hosts = Hosts {
         registered: state.hosts.clone(),
         live: state.live.clone(),
     };
-    let mut decision = schedule::schedule(&graphs, &hosts, &state.placements);
+    let assigned = state
+        .assignments
+        .iter()
+        .map(|(h, (a, _))| (h.clone(), a.clone()))
+        .collect();
+    let mut decision = schedule::schedule(&graphs, &hosts, &state.placements, &assigned);
     decision.placements.extend(broken);
-    let mut ops = Vec::new();
+    let mut ops: Vec<(TxnOp, usize)> = Vec::new();
+    let mut put = |key: String, v: Vec<u8>| {
+        let size = v.len();
+        ops.push((TxnOp::put(key, v, None), size));
+    };
     for (name, p) in &decision.placements {
         if state.placements.get(name) != Some(p) {
-            ops.push(TxnOp::put(
-                keys::placement(name),
-                serde_json::to_vec(p)?,
-                None,
-            ));
-        }
-    }
-    for name in state.placements.keys() {
-        if !decision.placements.contains_key(name) {
-            ops.push(TxnOp::delete(keys::placement(name), None));
+            put(keys::placement(name), serde_json::to_vec(p)?);
         }
     }
     for (host, a) in &decision.assignments {
         if state.assignments.get(host).map(|(a, _)| a) != Some(a) {
-            ops.push(TxnOp::put(keys::assign(host), serde_json::to_vec(a)?, None));
+            put(keys::assign(host), serde_json::to_vec(a)?);
         }
     }
+    for name in state.placements.keys() {
+        if !decision.placements.contains_key(name) {
+            ops.push((TxnOp::delete(keys::placement(name), None), 0));
+        }
+    }
+    let summary = format!(
+        "{} graphs on {} live of {} hosts",
+        graphs.len(),
+        hosts.live.len(),
+        hosts.registered.len()
+    );
+    Ok((ops, summary))
+}
+
+/// Reads the state, computes the schedule and writes what differs; returns the revision the
+/// decision was made at. The computation runs off the agent's event loop, which must keep
+/// the lease alive meanwhile.
+async fn decide(client: &mut Client, leader: &LeaderKey, registry: &Arc<Registry>) -> Result<i64> {
+    let started = std::time::Instant::now();
+    let (revision, kvs) = read_prefix(client, keys::PREFIX).await?;
+    let registry = registry.clone();
+    let (ops, summary) = tokio::task::spawn_blocking(move || {
+        plan_writes(&ClusterState::decode(revision, &kvs), &registry)
+    })
+    .await
+    .context("the placement computation panicked")??;
     if ops.is_empty() {
         return Ok(revision);
     }
     log::info!(
-        "controller: {} graphs on {} live of {} hosts; writing {} changes",
-        graphs.len(),
-        hosts.live.len(),
-        hosts.registered.len(),
-        ops.len()
+        "controller: {summary}; writing {} changes (decided in {} ms)",
+        ops.len(),
+        started.elapsed().as_millis()
     );
     let mut last = revision;
-    for chunk in ops.chunks(OPS_PER_TXN) {
+    for chunk in batches(ops) {
         let txn = Txn::new()
             .when(vec![Compare::create_revision(
                 leader.key(),
                 CompareOp::Equal,
                 leader.rev(),
             )])
-            .and_then(chunk.to_vec());
+            .and_then(chunk);
         let r = client.txn(txn).await.context("cannot write the schedule")?;
         if !r.succeeded() {
             bail!("no longer the leader: another agent's controller decides now");
@@ -146,4 +171,23 @@ async fn decide(client: &mut Client, leader: &LeaderKey, registry: &Registry) ->
         last = r.header().map(|h| h.revision()).unwrap_or(last);
     }
     Ok(last)
+}
+
+/// Operations cut into transactions etcd takes: at most [`OPS_PER_TXN`] and about
+/// [`BYTES_PER_TXN`] each (one larger value goes alone).
+fn batches(ops: Vec<(TxnOp, usize)>) -> Vec<Vec<TxnOp>> {
+    let mut out: Vec<Vec<TxnOp>> = Vec::new();
+    let mut bytes = 0;
+    for (op, size) in ops {
+        let full = out
+            .last()
+            .is_none_or(|b| b.len() >= OPS_PER_TXN || bytes + size > BYTES_PER_TXN);
+        if full {
+            out.push(Vec::new());
+            bytes = 0;
+        }
+        bytes += size;
+        out.last_mut().expect("a batch").push(op);
+    }
+    out
 }

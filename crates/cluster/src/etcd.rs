@@ -32,7 +32,7 @@ pub async fn connect_patient(endpoints: &[String]) -> Result<Client> {
 async fn connect_with(endpoints: &[String], timeout: Option<Duration>) -> Result<Client> {
     let mut options = ConnectOptions::new()
         .with_connect_timeout(Duration::from_secs(2))
-        .with_keep_alive(Duration::from_secs(1), Duration::from_secs(2))
+        .with_keep_alive(Duration::from_secs(2), Duration::from_secs(4))
         .with_keep_alive_while_idle(true)
         .with_require_leader(true);
     if let Some(t) = timeout {

@@ -109,6 +109,11 @@ pub struct PlacementRecord {
     pub error: Option<String>,
     pub apps: BTreeMap<String, AppPlace>,
     pub tunnels: Vec<Tunnel>,
+    /// Each host with a part of the graph → the graph revision its host graph realises (a
+    /// host whose part did not change keeps an older one and is not written again): the graph
+    /// runs everywhere once each host reports at least its revision here.
+    #[serde(default)]
+    pub hosts: BTreeMap<String, i64>,
 }
 
 /// What one host runs: a graph document in the graph file's shape, and which graph revisions

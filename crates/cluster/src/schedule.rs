@@ -111,18 +111,48 @@ fn place_apps(
             }
         }
     }
-    // Then the rest, each on the eligible live host with the fewest apps.
+    // Then the rest: beside an app it is linked with while that host has less than its fair
+    // share (fewer tunnels), else on the eligible live host with the fewest apps.
+    let total: usize = graphs.iter().map(|g| g.graph.apps.len()).sum();
+    let fair = total.div_ceil(hosts.live.len().max(1));
+    let mut linked: BTreeMap<(&str, &str), Vec<&str>> = BTreeMap::new();
+    for g in graphs {
+        for l in &g.graph.links {
+            linked
+                .entry((g.name.as_str(), l.from.app.as_str()))
+                .or_default()
+                .push(&l.to.app);
+            linked
+                .entry((g.name.as_str(), l.to.app.as_str()))
+                .or_default()
+                .push(&l.from.app);
+        }
+    }
     for (g, app) in waiting {
-        let choice = load
-            .iter()
-            .filter(|(h, _)| {
+        let eligible: Vec<&str> = load
+            .keys()
+            .copied()
+            .filter(|h| {
                 hosts
                     .registered
-                    .get(**h)
+                    .get(*h)
                     .is_some_and(|r| ineligible(app, h, r).is_none())
             })
-            .min_by_key(|(h, n)| (**n, **h))
-            .map(|(h, _)| h.to_string());
+            .collect();
+        let placed = &out[&g.name];
+        let beside = linked
+            .get(&(g.name.as_str(), app.name.as_str()))
+            .into_iter()
+            .flatten()
+            .filter_map(|n| placed.get(*n).and_then(|p| p.host.as_deref()))
+            .find(|h| eligible.contains(h) && load[h] < fair)
+            .map(String::from);
+        let choice = beside.or_else(|| {
+            eligible
+                .iter()
+                .min_by_key(|h| (load[**h], **h))
+                .map(|h| h.to_string())
+        });
         let place = match choice {
             Some(h) => {
                 *load.get_mut(h.as_str()).expect("a live host") += 1;
@@ -209,11 +239,13 @@ fn tunnels(
     out
 }
 
-/// Computes where everything runs and what each registered host's graph is.
+/// Computes where everything runs and what each registered host's graph is. A host whose
+/// graph document comes out as in `assigned` keeps that assignment as it is (no write).
 pub fn schedule(
     graphs: &[ClusterGraph],
     hosts: &Hosts,
     previous: &BTreeMap<String, PlacementRecord>,
+    assigned: &BTreeMap<String, Assignment>,
 ) -> Schedule {
     let apps = place_apps(graphs, hosts, previous);
     let mut tunnels = tunnels(graphs, &apps, previous);
@@ -226,14 +258,28 @@ pub fn schedule(
                 error: None,
                 apps: apps[&g.name].clone(),
                 tunnels: tunnels.remove(&g.name).unwrap_or_default(),
+                hosts: BTreeMap::new(),
             },
         );
     }
-    let assignments = hosts
+    // Each graph in its document shape once, not once per host.
+    let documents: Vec<Value> = graphs.iter().map(|g| g.graph.to_document()).collect();
+    let assignments: BTreeMap<String, Assignment> = hosts
         .registered
         .keys()
-        .map(|h| (h.clone(), host_assignment(h, graphs, &placements, hosts)))
+        .map(|h| {
+            let new = host_assignment(h, graphs, &documents, &placements, hosts);
+            let kept = assigned.get(h).filter(|old| old.document == new.document);
+            (h.clone(), kept.cloned().unwrap_or(new))
+        })
         .collect();
+    for (host, a) in &assignments {
+        for (graph, revision) in &a.graphs {
+            if let Some(p) = placements.get_mut(graph) {
+                p.hosts.insert(host.clone(), *revision);
+            }
+        }
+    }
     Schedule {
         placements,
         assignments,
@@ -246,6 +292,7 @@ pub fn schedule(
 fn host_assignment(
     me: &str,
     graphs: &[ClusterGraph],
+    documents: &[Value],
     placements: &BTreeMap<String, PlacementRecord>,
     hosts: &Hosts,
 ) -> Assignment {
@@ -256,7 +303,7 @@ fn host_assignment(
     let mut graph_revisions = BTreeMap::new();
     // Remote host → its segments (VNI) and the links through them.
     let mut segments: BTreeMap<String, Map<String, Value>> = BTreeMap::new();
-    for g in graphs {
+    for (g, doc) in graphs.iter().zip(documents) {
         let place = &placements[&g.name];
         let here = |app: &str| {
             place
@@ -264,7 +311,6 @@ fn host_assignment(
                 .get(app)
                 .is_some_and(|p| p.host.as_deref() == Some(me))
         };
-        let doc = g.graph.to_document();
         let mut any = false;
         for (name, entry) in doc["apps"].as_object().into_iter().flatten() {
             if !here(name) {
@@ -432,7 +478,12 @@ mod tests {
     #[test]
     fn pins_and_labels_place_apps_and_cross_host_links_become_tunnels() {
         let g = [graph(CHAIN)];
-        let s = schedule(&g, &hosts(&["h1", "h2", "h3"]), &BTreeMap::new());
+        let s = schedule(
+            &g,
+            &hosts(&["h1", "h2", "h3"]),
+            &BTreeMap::new(),
+            &BTreeMap::new(),
+        );
         let p = &s.placements["chain"];
         assert_eq!(p.apps["a"].host.as_deref(), Some("h1"));
         // h2 and h3 match zone=b; h3 already runs c, so b goes to h2.
@@ -480,8 +531,18 @@ mod tests {
     #[test]
     fn a_dead_hosts_unpinned_apps_move_and_keep_their_vnis_while_pins_stay() {
         let g = [graph(CHAIN)];
-        let before = schedule(&g, &hosts(&["h1", "h2", "h3"]), &BTreeMap::new());
-        let after = schedule(&g, &hosts(&["h1", "h3"]), &before.placements);
+        let before = schedule(
+            &g,
+            &hosts(&["h1", "h2", "h3"]),
+            &BTreeMap::new(),
+            &BTreeMap::new(),
+        );
+        let after = schedule(
+            &g,
+            &hosts(&["h1", "h3"]),
+            &before.placements,
+            &before.assignments,
+        );
         let p = &after.placements["chain"];
         assert_eq!(
             p.apps["b"].host.as_deref(),
@@ -505,7 +566,7 @@ mod tests {
             "b and c share h3 now"
         );
         // h3 dies too: c is pinned, so it stays there, reported, with its tunnels.
-        let later = schedule(&g, &hosts(&["h1"]), &after.placements);
+        let later = schedule(&g, &hosts(&["h1"]), &after.placements, &after.assignments);
         let c = &later.placements["chain"].apps["c"];
         assert_eq!(
             (c.host.as_deref(), c.state.as_str()),
@@ -517,7 +578,12 @@ mod tests {
             .iter()
             .any(|t| t.link == "c.output -> a.input"));
         // An unrelated change moves nothing.
-        let again = schedule(&g, &hosts(&["h1", "h2", "h3"]), &after.placements);
+        let again = schedule(
+            &g,
+            &hosts(&["h1", "h2", "h3"]),
+            &after.placements,
+            &after.assignments,
+        );
         assert_eq!(
             again.placements["chain"].apps["b"].host.as_deref(),
             Some("h3")

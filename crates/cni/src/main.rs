@@ -223,12 +223,14 @@ fn add(r: &Request) -> Result<Value, CniError> {
                 ),
             ))
         }
-        None => return Err(fail(
-            100,
-            format!(
+        None => {
+            return Err(fail(
+                100,
+                format!(
                 "the graph has no port `{port}`: declare it as `{port}: {{ type: attachment }}`"
             ),
-        )),
+            ))
+        }
     }
     net::make_pair(&host, &r.netns, &r.ifname, r.mtu()).map_err(|e| fail(5, e))?;
     let undo = |e: CniError| {
