@@ -103,7 +103,6 @@ impl Agent {
         };
         let thread = std::thread::Builder::new()
             .name("agent".into())
-            .stack_size(512 * 1024)
             .spawn(move || {
                 let rt = tokio::runtime::Builder::new_current_thread()
                     .enable_all()
