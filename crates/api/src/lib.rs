@@ -10,7 +10,7 @@
 
 mod capture;
 pub mod client;
-mod metrics;
+pub mod metrics;
 mod rates;
 mod routes;
 mod web;
@@ -200,6 +200,45 @@ impl Api {
             v[section.as_str()] = r.status();
         }
         v
+    }
+
+    /// What `/metrics` shows: the engine's counters with the kernel apps' among them (worker
+    /// `kernel`), the function processes and VMs, and the reporters' gauges.
+    pub fn metrics_snapshot(&self) -> metrics::Snapshot {
+        let mut stats = self.engine.stats();
+        let graph = self.placements.graph();
+        for k in self.kernel_apps_json(graph.as_ref()) {
+            let n = |key: &str| k[key].as_u64().unwrap_or(0);
+            stats.apps.push(stitch_core::engine::AppStats {
+                name: k["name"].as_str().unwrap_or_default().to_string(),
+                kind: k["type"].as_str().unwrap_or_default().to_string(),
+                worker: "kernel".into(),
+                rx_packets: n("rx_packets"),
+                rx_bytes: n("rx_bytes"),
+                tx_packets: n("tx_packets"),
+                tx_bytes: n("tx_bytes"),
+                drops: n("drops"),
+                failed: false,
+                counters: serde_json::from_value(k["counters"].clone()).unwrap_or_default(),
+            });
+        }
+        let processes = graph
+            .iter()
+            .flat_map(|g| g.apps.keys())
+            .filter_map(|name| {
+                let p = self.placements.process(name)?;
+                Some(metrics::ProcessGauge {
+                    app: name.clone(),
+                    running: p["state"] == "running",
+                    restarts: p["restarts"].as_u64().unwrap_or(0),
+                })
+            })
+            .collect();
+        metrics::Snapshot {
+            stats,
+            processes,
+            extra: self.gauges(),
+        }
     }
 
     /// The reporters' gauges.

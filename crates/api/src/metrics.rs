@@ -12,9 +12,23 @@ use prometheus_client::registry::Registry;
 use stitch_core::engine::{AppStats, LinkInfo, WorkerStats};
 use stitch_core::Stats;
 
-/// A snapshot and the gauges of what feeds the instance (`(name, help, value)`).
+/// A function process or VM as `/metrics` shows it.
+#[derive(Debug, Clone)]
+pub struct ProcessGauge {
+    pub app: String,
+    pub running: bool,
+    pub restarts: u64,
+}
+
+/// What one scrape shows: the engine's snapshot (kernel apps among its apps, on worker
+/// `kernel`), the supervised processes, and the gauges of what feeds the instance
+/// (`(name, help, value)`).
 #[derive(Debug)]
-struct Snapshot(Stats, Vec<(&'static str, &'static str, i64)>);
+pub struct Snapshot {
+    pub stats: Stats,
+    pub processes: Vec<ProcessGauge>,
+    pub extra: Vec<(&'static str, &'static str, i64)>,
+}
 
 type Labels<'a> = Vec<(&'static str, &'a str)>;
 
@@ -62,7 +76,7 @@ fn worker(w: &WorkerStats) -> Labels<'_> {
 
 impl Collector for Snapshot {
     fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let s = &self.0;
+        let s = &self.stats;
         counters(
             &mut enc,
             "stitch_link_packets",
@@ -191,17 +205,33 @@ impl Collector for Snapshot {
             ConstGauge::new(0f64).metric_type(),
         )?;
         ConstGauge::new(s.uptime_s).encode(m.encode_family(&Vec::<(&str, &str)>::new())?)?;
-        for (name, help, value) in &self.1 {
+        gauges(
+            &mut enc,
+            "stitch_process_up",
+            "1 while the app's function process or VM runs, 0 while it waits to restart",
+            self.processes
+                .iter()
+                .map(|p| (vec![("app", p.app.as_str())], p.running as i64)),
+        )?;
+        counters(
+            &mut enc,
+            "stitch_process_restarts",
+            "Times the app's function process or VM was restarted after it ended",
+            self.processes
+                .iter()
+                .map(|p| (vec![("app", p.app.as_str())], p.restarts)),
+        )?;
+        for (name, help, value) in &self.extra {
             gauges(&mut enc, name, help, std::iter::once((Vec::new(), *value)))?;
         }
         Ok(())
     }
 }
 
-/// The OpenMetrics text of one snapshot, with the reporters' gauges.
-pub fn render(stats: &Stats, extra: &[(&'static str, &'static str, i64)]) -> String {
+/// The OpenMetrics text of one scrape.
+pub fn render(snapshot: Snapshot) -> String {
     let mut registry = Registry::default();
-    registry.register_collector(Box::new(Snapshot(stats.clone(), extra.to_vec())));
+    registry.register_collector(Box::new(snapshot));
     let mut out = String::new();
     prometheus_client::encoding::text::encode(&mut out, &registry)
         .expect("writing to a String cannot fail");

@@ -140,7 +140,7 @@ async fn get_openapi() -> Response {
 }
 
 async fn get_metrics(State(api): State<Arc<Api>>) -> Answer {
-    let text = blocking(move || Ok(metrics::render(&api.engine().stats(), &api.gauges()))).await?;
+    let text = blocking(move || Ok(metrics::render(api.metrics_snapshot()))).await?;
     Ok((
         [(
             header::CONTENT_TYPE,

@@ -317,6 +317,19 @@ pub struct Stats {
     pub pool: pool::PoolStats,
 }
 
+/// An app that changed placement in an apply (the placements beside the engine fill these in).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Moved {
+    pub app: String,
+    pub from: crate::graph::Placement,
+    pub to: crate::graph::Placement,
+    /// How long the app's own traffic had no function to go through, ms: the engine's switch
+    /// (the new placement was ready before it, the old one ran until it).
+    pub pause_ms: f64,
+    /// The state the app had that its new placement starts without, if any.
+    pub state_left_behind: Option<String>,
+}
+
 /// What `apply` did.
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct ApplyReport {
@@ -328,6 +341,10 @@ pub struct ApplyReport {
     pub links_added: Vec<String>,
     pub links_removed: Vec<String>,
     pub links_kept: Vec<String>,
+    /// Apps that changed placement.
+    pub moved: Vec<Moved>,
+    /// How long the workers were parked (no packet moved anywhere in the engine), ms.
+    pub paused_ms: f64,
 }
 
 struct AppInfo {
@@ -432,6 +449,7 @@ impl Engine {
         // 2. Park all workers. Their plans come back whole, so that a change that fails in
         //    step 3 can resume them exactly as they were.
         let mut parked: Vec<(String, Plan)> = Vec::new();
+        let parking = std::time::Instant::now();
         for (wname, w) in st.workers.iter_mut() {
             w.park.store(true, Ordering::Release);
             let plan = w
@@ -509,13 +527,18 @@ impl Engine {
 
         // 4. Stop removed apps, apps replaced by another type and apps restarted by their new
         //    config.
+        //    They are dropped only once the workers run again (step 7): closing a socket or
+        //    unmapping a ring can wait for the kernel (a packet socket's close waits for an RCU
+        //    grace period), and nothing needs to wait for that.
         let mut names: Vec<String> = slots.keys().cloned().collect();
         names.sort();
+        let mut retired_apps: Vec<Box<dyn DynApp>> = Vec::new();
+        let mut retired_slots: Vec<AppSlot> = Vec::new();
         for name in names {
             if let Some(app) = replacements.remove(&name) {
                 let s = slots.get_mut(&name).expect("slot");
                 s.guarded("stop", |a, _| a.stop());
-                s.app = app;
+                retired_apps.push(std::mem::replace(&mut s.app, app));
                 s.config = graph.apps[&name].config.clone();
                 report.restarted.push(name);
                 continue;
@@ -523,6 +546,7 @@ impl Engine {
             if same(&name).is_none() {
                 let mut s = slots.remove(&name).unwrap();
                 s.guarded("stop", |a, _| a.stop());
+                retired_slots.push(s);
                 if graph.apps.contains_key(&name) {
                     report.restarted.push(name);
                 } else {
@@ -684,6 +708,10 @@ impl Engine {
         }
         st.links = new_links;
         st.graph = Some(graph);
+        report.paused_ms = parking.elapsed().as_secs_f64() * 1e3;
+        // 7. The workers run again; what was stopped in step 4 goes now.
+        drop(retired_apps);
+        drop(retired_slots);
         Ok(report)
     }
 

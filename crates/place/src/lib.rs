@@ -26,6 +26,7 @@ pub mod vm;
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
+use stitch_core::engine::Moved;
 use stitch_core::engine::{ApplyReport, EngineError};
 use stitch_core::graph::{AppDecl, GraphError, Placement};
 use stitch_core::{Engine, Graph, Registry, Stats};
@@ -111,6 +112,68 @@ pub fn plan(graph: &Graph, registry: &Registry, instance: &str) -> Result<Plan, 
         engine,
         processes,
         kernel,
+    })
+}
+
+/// Whether the kernel's part gains a function (new, or its settings changed) from `old` to
+/// `new`, rather than only losing some.
+fn kernel_gains(old: Option<&kernel::KernelPart>, new: Option<&kernel::KernelPart>) -> bool {
+    let Some(new) = new else {
+        return false;
+    };
+    let Some(old) = old else {
+        return true;
+    };
+    new.graph.apps.values().any(|a| {
+        old.graph
+            .apps
+            .get(&a.name)
+            .is_none_or(|o| o.kind != a.kind || o.config != a.config)
+    }) || new.graph.links != old.graph.links && new.graph.links.len() >= old.graph.links.len()
+}
+
+/// Apps of `new` whose placement differs from `old`'s, with the pause of their traffic (the
+/// engine's switch: the new placement was ready before it, the old one ran until it) and the
+/// state that did not follow them.
+fn moves(old: Option<&Graph>, new: &Graph, pause_ms: f64) -> Vec<Moved> {
+    let Some(old) = old else {
+        return Vec::new();
+    };
+    new.apps
+        .values()
+        .filter_map(|a| {
+            let was = old
+                .apps
+                .get(&a.name)
+                .filter(|o| o.placement != a.placement)?;
+            Some(Moved {
+                app: a.name.clone(),
+                from: was.placement,
+                to: a.placement,
+                pause_ms,
+                state_left_behind: state_of(&a.kind).map(|s| {
+                    format!(
+                        "its {s} did not move: it starts empty in the {} placement",
+                        a.placement
+                    )
+                }),
+            })
+        })
+        .collect()
+}
+
+/// The state an app of `kind` learns while it runs, which no placement hands to another.
+fn state_of(kind: &str) -> Option<&'static str> {
+    Some(match kind {
+        "firewall" => "connection table",
+        "nat" => "address and port mappings",
+        "bridge" => "learned MAC table",
+        "router" => "ARP and neighbour caches",
+        "vxlan" => "learned remote MAC addresses",
+        "load_balancer" => "flow-to-backend table",
+        "switch" => "flow table and counters",
+        "policer" | "rate_meter" => "token buckets and rates",
+        _ => return None,
     })
 }
 
@@ -346,8 +409,35 @@ impl Placements {
             .as_ref()
             .map(|k| k.veths.clone())
             .unwrap_or_default();
-        self.apply_kernel(plan.kernel.as_ref(), installed.is_some(), &old_veths)?;
-        let report = self.engine.apply(plan.engine).map_err(PlaceError::Engine)?;
+        // Whatever a packet will be sent to must exist before the engine switches to it: kernel
+        // functions that arrive are installed first; when the kernel's part only loses
+        // functions (an app moving back to the engine), the engine switches first and the
+        // kernel then drops what nothing sends to any more.
+        let kernel_first = kernel_gains(installed.as_ref(), plan.kernel.as_ref());
+        if kernel_first {
+            self.apply_kernel(plan.kernel.as_ref(), installed.is_some(), &old_veths)?;
+        }
+        let mut report = self.engine.apply(plan.engine).map_err(PlaceError::Engine)?;
+        report.moved = moves(current.as_ref(), &graph, report.paused_ms);
+        if !kernel_first {
+            if let Err(e) = self.apply_kernel(plan.kernel.as_ref(), installed.is_some(), &old_veths)
+            {
+                log::error!("the kernel's part could not drop what left it: {e}; it is removed when the instance stops");
+            }
+        }
+        for m in &report.moved {
+            log::info!(
+                "moved `{}` from {} to {}: its traffic paused {:.1} ms{}",
+                m.app,
+                m.from,
+                m.to,
+                m.pause_ms,
+                m.state_left_behind
+                    .as_ref()
+                    .map(|s| format!("; {s}"))
+                    .unwrap_or_default()
+            );
+        }
         let (started, stopped) = self.supervisor.lock().unwrap().apply(plan.processes);
         if !started.is_empty() || !stopped.is_empty() {
             log::info!("processes and VMs: started {started:?}, stopped {stopped:?}");

@@ -377,6 +377,19 @@ fn print_report(r: &serde_json::Value) {
             println!("{what}: {}", items.join(", "));
         }
     }
+    for m in r["moved"].as_array().into_iter().flatten() {
+        println!(
+            "moved: {} from {} to {} (its traffic paused {:.1} ms){}",
+            m["app"].as_str().unwrap_or_default(),
+            m["from"].as_str().unwrap_or_default(),
+            m["to"].as_str().unwrap_or_default(),
+            m["pause_ms"].as_f64().unwrap_or_default(),
+            m["state_left_behind"]
+                .as_str()
+                .map(|s| format!("; {s}"))
+                .unwrap_or_default()
+        );
+    }
     let kept = r["kept"].as_array().map(Vec::len).unwrap_or(0);
     let links_kept = r["links_kept"].as_array().map(Vec::len).unwrap_or(0);
     println!("unchanged: {kept} apps, {links_kept} links (state and queued packets kept)");

@@ -85,19 +85,29 @@ pub fn frame(stats: &Value, rows: usize) -> String {
     let width = column_width(&apps, "name", 3);
     let _ = writeln!(
         s,
-        "\n{:<width$}  {:<14} {:>9} {:>9} {:>10} {:>6}",
-        "APP", "TYPE", "IN PPS", "OUT PPS", "DROPS", "STATE"
+        "\n{:<width$}  {:<14} {:<9} {:>9} {:>9} {:>10}  STATE",
+        "APP", "TYPE", "PLACEMENT", "IN PPS", "OUT PPS", "DROPS"
     );
     for a in apps.iter().take(rows) {
+        // A function process or VM: its supervision state and restarts.
+        let state = match (&a["process"]["state"], a["failed"] == true) {
+            (_, true) => "FAILED".to_string(),
+            (Value::String(st), _) => match a["process"]["restarts"].as_u64() {
+                Some(r) if r > 0 => format!("{st} ({r} restarts)"),
+                _ => st.clone(),
+            },
+            _ => "ok".to_string(),
+        };
         let _ = writeln!(
             s,
-            "{:<width$}  {:<14} {:>9} {:>9} {:>10} {:>6}",
+            "{:<width$}  {:<14} {:<9} {:>9} {:>9} {:>10}  {}",
             a["name"].as_str().unwrap_or(""),
             a["type"].as_str().unwrap_or(""),
+            a["placement"].as_str().unwrap_or("engine"),
             rate(&a["rx_rate_pps"]),
             rate(&a["tx_rate_pps"]),
             n(&a["drops"]),
-            if a["failed"] == true { "FAILED" } else { "ok" }
+            state
         );
     }
     s

@@ -410,17 +410,38 @@ fn kernel_engine_and_process_apps_run_as_one_graph_and_a_crash_leaves_nothing() 
     wait_until("the firewall process to attach", 20, || {
         show(&s, "fw")["attached"] == true
     });
-    let made: Vec<String> = listing("/sys/class/net")
-        .difference(&links_before)
-        .cloned()
-        .collect();
+    // What this instance made (other tests make interfaces and data planes at the same time):
+    // `stitch show` lists it; it must be new.
+    let status = must(&format!(
+        "{} show --control {}",
+        env!("CARGO_BIN_EXE_stitch"),
+        s.socket.display()
+    ));
+    let status: serde_json::Value = serde_json::from_str(&status).unwrap();
+    let plane = status["placements"]["kernel_data_plane"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{status}"))
+        .to_string();
+    let mut made: Vec<String> = vec![format!("stl-{plane}"), format!("stp-{plane}")];
+    for pair in status["placements"]["veth_pairs"].as_array().unwrap() {
+        for end in ["kernel_end", "engine_end"] {
+            made.push(pair[end].as_str().unwrap().to_string());
+        }
+    }
     // Two veth pairs join r.left and r.right to the engine; the data plane has its loop pair.
-    assert_eq!(made.len(), 6, "{made:?}");
-    let planes: Vec<String> = listing("/sys/fs/bpf/stitch")
-        .difference(&planes_before)
-        .cloned()
-        .collect();
-    assert_eq!(planes.len(), 1, "one kernel data plane: {planes:?}");
+    assert_eq!(made.len(), 6, "{status}");
+    for l in &made {
+        assert!(
+            !links_before.contains(l) && Path::new(&format!("/sys/class/net/{l}")).exists(),
+            "{l}: {status}"
+        );
+    }
+    assert!(!planes_before.contains(&plane));
+    let planes = vec![plane];
+    assert_eq!(
+        status["placements"]["processes"][0]["app"], "fw",
+        "{status}"
+    );
 
     let far = format!("10.{n}.2.2");
     let t = std::time::Instant::now();
@@ -443,6 +464,41 @@ fn kernel_engine_and_process_apps_run_as_one_graph_and_a_crash_leaves_nothing() 
     assert!(r["rx_packets"].as_u64().unwrap() > 100, "{r}");
     assert_eq!(app(&stats, "fw")["placement"], "process", "{stats}");
     assert_eq!(app(&stats, "a")["placement"], "engine", "{stats}");
+    // /metrics has the kernel router's counters and the function process's state too.
+    let (_, metrics) =
+        stitch_api::client::call(&s.socket, stitch_api::client::Method::GET, "/metrics", None)
+            .unwrap();
+    let metrics = String::from_utf8_lossy(&metrics).into_owned();
+    assert!(
+        metrics
+            .contains("stitch_app_rx_packets_total{app=\"r\",type=\"router\",worker=\"kernel\"}"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("stitch_process_up{app=\"fw\"} 1"),
+        "{metrics}"
+    );
+    // `stitch show` without an app lists what the placements made: two veth pairs, the data
+    // plane, the process.
+    let status = must(&format!(
+        "{} show --control {}",
+        env!("CARGO_BIN_EXE_stitch"),
+        s.socket.display()
+    ));
+    let status: serde_json::Value = serde_json::from_str(&status).unwrap();
+    assert_eq!(
+        status["placements"]["veth_pairs"].as_array().unwrap().len(),
+        2,
+        "{status}"
+    );
+    assert!(
+        status["placements"]["kernel_data_plane"].is_string(),
+        "{status}"
+    );
+    assert_eq!(
+        status["placements"]["processes"][0]["app"], "fw",
+        "{status}"
+    );
     let fw_pid = pid_of(&s, "fw").unwrap();
 
     // Stitch killed: the function dies with it; the next start of the same instance removes
@@ -472,4 +528,79 @@ fn kernel_engine_and_process_apps_run_as_one_graph_and_a_crash_leaves_nothing() 
         );
     }
     drop(s.dir);
+}
+
+/// A firewall between the two hosts of `fw`, placed as `placement`, and beside it a path
+/// between the two hosts of `other` that no change touches.
+fn move_graph(fw: &TwoHosts, other: &TwoHosts, placement: &str) -> String {
+    format!(
+        "apps:
+  a: {{ type: af_packet, interface: {a} }}
+  b: {{ type: af_packet, interface: {b} }}
+  fw: {{ type: firewall, placement: {placement}, default: drop, rules: [ {{ action: accept, from: lan }} ] }}
+  c: {{ type: af_packet, interface: {c} }}
+  d: {{ type: af_packet, interface: {d} }}
+links:
+  - \"a.output -> fw.lan\"
+  - \"fw.lan -> a.input\"
+  - \"fw.wan -> b.input\"
+  - \"b.output -> fw.wan\"
+  - \"c.output -> d.input\"
+  - \"d.output -> c.input\"
+",
+        a = fw.outer[0],
+        b = fw.outer[1],
+        c = other.outer[0],
+        d = other.outer[1],
+    )
+}
+
+/// Replies a `ping -D` printed, and the longest time between two in a row (seconds).
+fn replies_and_gap(out: &str) -> (usize, f64) {
+    let times: Vec<f64> = out
+        .lines()
+        .filter(|l| l.contains("bytes from"))
+        .filter_map(|l| l.strip_prefix('[')?.split(']').next()?.parse().ok())
+        .collect();
+    let gap = times.windows(2).map(|w| w[1] - w[0]).fold(0.0, f64::max);
+    (times.len(), gap)
+}
+
+#[test]
+fn moving_the_firewall_engine_kernel_engine_pauses_only_its_own_traffic() {
+    require_root_and_tools(&["ping", "tc"]);
+    let (fw, other) = (TwoHosts::new(), TwoHosts::new());
+    let s = Stitch::run_with(&move_graph(&fw, &other, "engine"), &["--keep-running"]);
+    assert!(ping(&fw) && ping(&other), "{}", s.stats().unwrap());
+    // 10 ms paced streams for 6 s: one through the firewall, one on the untouched path.
+    let untouched = other.spawn(0, &format!("ping -n -i 0.01 -c 600 {}", other.ip[1]));
+    let through = fw.spawn(0, &format!("ping -D -n -i 0.01 -c 600 {}", fw.ip[1]));
+    std::thread::sleep(std::time::Duration::from_secs(1));
+    for (to, from) in [("kernel", "engine"), ("engine", "kernel")] {
+        let out = s.apply(&move_graph(&fw, &other, to));
+        assert!(
+            out.contains(&format!("moved: fw from {from} to {to}")),
+            "{out}"
+        );
+        assert!(out.contains("connection table did not move"), "{out}");
+        let stats = s.stats().unwrap();
+        assert_eq!(app(&stats, "fw")["placement"], to, "{stats}");
+        eprintln!("{}", out.lines().find(|l| l.starts_with("moved")).unwrap());
+        std::thread::sleep(std::time::Duration::from_millis(2000));
+    }
+    let untouched = String::from_utf8_lossy(&untouched.finish().stdout).into_owned();
+    assert!(
+        untouched.contains("600 packets transmitted, 600 received"),
+        "the path beside the firewall lost packets while it moved: {untouched}"
+    );
+    let through = String::from_utf8_lossy(&through.finish().stdout).into_owned();
+    let (replies, gap) = replies_and_gap(&through);
+    eprintln!(
+        "through the moving firewall: {replies} of 600 replies, longest gap {:.0} ms",
+        gap * 1e3
+    );
+    assert!(
+        replies > 400,
+        "traffic through the firewall resumed after each move: {through}"
+    );
 }

@@ -309,7 +309,8 @@ impl Stitch {
 
     /// Writes `graph` to the instance's graph file and applies it with `stitch apply`, which
     /// must succeed.
-    pub fn apply(&self, graph: &str) {
+    /// Applies `graph` with `stitch apply`; returns what it printed.
+    pub fn apply(&self, graph: &str) -> String {
         std::fs::write(self.graph_file(), graph).unwrap();
         let o = Command::new(env!("CARGO_BIN_EXE_stitch"))
             .args(["apply", "--control"])
@@ -322,6 +323,7 @@ impl Stitch {
             "stitch apply: {}",
             String::from_utf8_lossy(&o.stderr)
         );
+        String::from_utf8_lossy(&o.stdout).into_owned()
     }
 
     /// The graph file the instance runs.
