@@ -604,3 +604,160 @@ fn moving_the_firewall_engine_kernel_engine_pauses_only_its_own_traffic() {
         "traffic through the firewall resumed after each move: {through}"
     );
 }
+
+/// The whole platform in one graph: host A — firewall and NAT (engine) — a function process —
+/// a router (kernel) — a bridge (engine) — host B and a QEMU guest (VM placement).
+fn everything_graph(hosts: &TwoHosts, image: &Path, n: u32, nf_socket: &Path) -> String {
+    format!(
+        "apps:
+  a: {{ type: af_packet, interface: {a} }}
+  b: {{ type: af_packet, interface: {b} }}
+  fw: {{ type: firewall, default: drop, rules: [ {{ action: accept, from: lan }} ] }}
+  nat: {{ type: nat, external: 10.{n}.1.100 }}
+  nf: {{ placement: process, command: [stitch-nf-firewall, --drop-proto, udp], socket: {nf} }}
+  r:
+    type: router
+    placement: kernel
+    interfaces:
+      left: {{ mac: \"02:00:00:00:01:01\", address: \"10.{n}.1.1/24\" }}
+      right: {{ mac: \"02:00:00:00:02:01\", address: \"10.{n}.2.1/24\" }}
+  br: {{ type: bridge, ports: {{ r: {{}}, b: {{}}, vm: {{}} }} }}
+  vm1:
+    placement: vm
+    kernel: {image}/vmlinux
+    initrd: {image}/initrd.gz
+    append: 'console=ttyS0 quiet stitch.ip=10.{n}.2.11/24 stitch.run=\"ip route add default via 10.{n}.2.1; iperf3 -s\"'
+    mac: \"52:54:00:00:00:12\"
+    memory_mb: 512
+    shutdown_timeout_s: 2
+links:
+  - \"a.output -> fw.lan\"
+  - \"fw.lan -> a.input\"
+  - \"fw.wan -> nat.lan\"
+  - \"nat.lan -> fw.wan\"
+  - \"nat.wan -> nf.input\"
+  - \"nf.output -> r.left\"
+  - \"r.left -> nat.wan\"
+  - \"r.right -> br.r\"
+  - \"br.r -> r.right\"
+  - \"b.output -> br.b\"
+  - \"br.b -> b.input\"
+  - \"vm1.output -> br.vm\"
+  - \"br.vm -> vm1.input\"
+",
+        a = hosts.outer[0],
+        b = hosts.outer[1],
+        image = image.display(),
+        nf = nf_socket.display()
+    )
+}
+
+#[test]
+fn every_placement_in_one_graph_carries_traffic_and_restarts_lose_nothing_elsewhere() {
+    require_root_and_tools(&[
+        "qemu-system-x86_64",
+        "busybox",
+        "cpio",
+        "ping",
+        "iperf3",
+        "tc",
+    ]);
+    let image = vm_image();
+    let hosts = TwoHosts::new();
+    let n = 100 + std::process::id() % 50;
+    hosts.two_subnets(n);
+    // Host A answers ARP for the NAT's outside address (the router asks for it).
+    must(&format!(
+        "ip -n {} addr add 10.{n}.1.100/32 dev {}",
+        hosts.ns[0], hosts.inner[0]
+    ));
+    let dir = tempfile::tempdir().unwrap();
+    let nf = dir.path().join("nf.sock");
+    let s = Stitch::run_with(
+        &everything_graph(&hosts, &image, n, &nf),
+        &["--keep-running"],
+    );
+    let (host_b, guest) = (format!("10.{n}.2.2"), format!("10.{n}.2.11"));
+    let answers = |to: &str, secs: u64| {
+        let t = std::time::Instant::now();
+        while t.elapsed() < std::time::Duration::from_secs(secs) {
+            if hosts
+                .exec(0, &format!("ping -c 1 -W 1 {to}"))
+                .status
+                .success()
+            {
+                return true;
+            }
+        }
+        false
+    };
+    assert!(
+        answers(&host_b, 20),
+        "host B through every placement: {}",
+        s.stats().unwrap()
+    );
+    assert!(answers(&guest, 120), "the guest: {}", show(&s, "vm1"));
+    let stats = s.stats().unwrap();
+    for (name, placement) in [
+        ("fw", "engine"),
+        ("nat", "engine"),
+        ("nf", "process"),
+        ("r", "kernel"),
+        ("vm1", "vm"),
+        ("br", "engine"),
+    ] {
+        assert_eq!(app(&stats, name)["placement"], placement, "{name}: {stats}");
+    }
+    // TCP to host B and to the guest, both through the NAT, the process and the kernel router.
+    let bits = hosts.iperf_tcp(&host_b, 2);
+    assert!(bits > 1e6, "iperf3 to host B: {bits} bit/s");
+    let o = hosts.exec(0, &format!("iperf3 -c {guest} -t 2 -J"));
+    assert!(
+        o.status.success(),
+        "iperf3 to the guest: {}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let guest_bits = v["end"]["sum_received"]["bits_per_second"]
+        .as_f64()
+        .unwrap();
+    eprintln!(
+        "iperf3 TCP through every placement: host B {:.0} Mbit/s, the guest {:.0} Mbit/s",
+        bits / 1e6,
+        guest_bits / 1e6
+    );
+
+    // Killing the function process stops only the path through it: host B ↔ the guest
+    // (through the bridge) loses nothing meanwhile; killing QEMU stops only the guest: host A ↔
+    // host B (through everything else) loses nothing meanwhile.
+    let paced = hosts.spawn(1, &format!("ping -n -i 0.01 -c 300 {guest}"));
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let nf_pid = pid_of(&s, "nf").unwrap();
+    sh(&format!("kill -9 {nf_pid}"));
+    let paced = String::from_utf8_lossy(&paced.finish().stdout).into_owned();
+    assert!(
+        paced.contains("300 packets transmitted, 300 received"),
+        "host B ↔ the guest lost packets while the function process was killed: {paced}"
+    );
+    wait_until("the function process to be restarted", 20, || {
+        pid_of(&s, "nf").is_some_and(|p| p != nf_pid) && show(&s, "nf")["attached"] == true
+    });
+    assert!(
+        answers(&host_b, 10),
+        "host A reaches host B again after the process restarted"
+    );
+    let paced = hosts.spawn(0, &format!("ping -n -i 0.01 -c 300 {host_b}"));
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let vm_pid = pid_of(&s, "vm1").unwrap();
+    sh(&format!("kill -9 {vm_pid}"));
+    let paced = String::from_utf8_lossy(&paced.finish().stdout).into_owned();
+    assert!(
+        paced.contains("300 packets transmitted, 300 received"),
+        "host A ↔ host B lost packets while QEMU was killed: {paced}"
+    );
+    wait_until("QEMU to be restarted", 30, || {
+        pid_of(&s, "vm1").is_some_and(|p| p != vm_pid)
+    });
+    assert!(answers(&guest, 120), "the restarted guest answers");
+    s.stop();
+}
