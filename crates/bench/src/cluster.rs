@@ -234,6 +234,7 @@ fn one_size(
             underlay: format!("198.18.{}.{}", i / 250, i % 250 + 1).parse()?,
             labels: [("zone".to_string(), format!("z{}", i % 4))].into(),
             lease_ttl: 5,
+            probe_port: 0,
         };
         let record = HostRecord {
             underlay: config.underlay,
@@ -241,6 +242,7 @@ fn one_size(
             mac: format!("02:00:00:00:{:02x}:{:02x}", i / 256, i % 256),
             labels: config.labels.clone(),
             placements: vec!["engine".into(), "process".into()],
+            probe_port: 0,
         };
         let reg = registry.clone();
         let dry_run = Arc::new(move |doc: &serde_json::Value| {

@@ -26,6 +26,9 @@ pub struct AgentConfig {
     pub labels: BTreeMap<String, String>,
     /// Seconds the host stays live without a keep-alive.
     pub lease_ttl: i64,
+    /// TCP port on the underlay address where the agent answers the controller's probe while
+    /// it runs (0: no probe: a host cut off from etcd counts as dead).
+    pub probe_port: u16,
 }
 
 /// How the agent makes a graph document the host's running graph; returns the number of apps.
@@ -69,6 +72,48 @@ pub struct Agent {
     state: Arc<Mutex<State>>,
     stop: watch::Sender<bool>,
     thread: Option<std::thread::JoinHandle<()>>,
+    probe: Option<Probe>,
+}
+
+/// The answer to the controller's probe: a listening socket on the underlay that accepts and
+/// closes connections while the agent's process runs.
+struct Probe {
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Probe {
+    fn listen(addr: IpAddr, port: u16) -> Result<Probe> {
+        let listener = std::net::TcpListener::bind((addr, port)).with_context(|| {
+            format!("cannot listen for the controller's probe on {addr} port {port} (--probe-port)")
+        })?;
+        listener.set_nonblocking(true)?;
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("agent-probe".into())
+            .spawn(move || {
+                while !flag.load(std::sync::atomic::Ordering::Relaxed) {
+                    match listener.accept() {
+                        Ok((conn, _)) => drop(conn),
+                        Err(_) => std::thread::sleep(Duration::from_millis(50)),
+                    }
+                }
+            })?;
+        Ok(Probe {
+            stop,
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for Probe {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
 }
 
 impl Agent {
@@ -79,8 +124,18 @@ impl Agent {
         registry: Arc<Registry>,
         apply: Arc<ApplyFn>,
     ) -> Result<Agent> {
-        let record = host_record(&config, placements)?;
-        Agent::start_as(config, record, registry, apply)
+        let mut record = host_record(&config, placements)?;
+        let probe = match config.probe_port {
+            0 => None,
+            port => {
+                let p = Probe::listen(config.underlay, port)?;
+                record.probe_port = port;
+                Some(p)
+            }
+        };
+        let mut agent = Agent::start_as(config, record, registry, apply)?;
+        agent.probe = probe;
+        Ok(agent)
     }
 
     /// Starts an agent that registers `record` as it is (its underlay address need not be
@@ -114,11 +169,13 @@ impl Agent {
             state,
             stop,
             thread: Some(thread),
+            probe: None,
         })
     }
 
     /// Gives up the lease (the controller moves this host's apps at once) and ends the thread.
     pub fn stop(mut self) {
+        self.probe = None;
         let _ = self.stop.send(true);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
@@ -205,6 +262,7 @@ fn host_record(config: &AgentConfig, placements: Vec<String>) -> Result<HostReco
         mac,
         labels: config.labels.clone(),
         placements,
+        probe_port: 0,
     })
 }
 

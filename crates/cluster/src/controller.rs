@@ -18,10 +18,31 @@ use stitch_core::{Graph, Registry};
 /// (`--max-request-bytes`) by default.
 const OPS_PER_TXN: usize = 100;
 const BYTES_PER_TXN: usize = 1 << 20;
+/// How often hosts kept by their probe alone are probed again.
+const RECHECK: Duration = Duration::from_secs(1);
+/// How long a probe of a host's agent waits for its connection.
+const PROBE_TIMEOUT: Duration = Duration::from_millis(200);
+
+/// Registered hosts without their lease whose agent still accepts a connection on the
+/// underlay: cut off from etcd, but their process — engine and all — runs. Their apps stay
+/// (moving them would break the links through them: a host that cannot read etcd cannot
+/// learn new tunnels). A killed agent refuses the connection at once.
+fn probed_alive(state: &ClusterState) -> Vec<String> {
+    state
+        .hosts
+        .iter()
+        .filter(|(name, h)| !state.live.contains(*name) && h.probe_port != 0)
+        .filter(|(_, h)| {
+            let addr = std::net::SocketAddr::new(h.underlay, h.probe_port);
+            std::net::TcpStream::connect_timeout(&addr, PROBE_TIMEOUT).is_ok()
+        })
+        .map(|(name, _)| name.clone())
+        .collect()
+}
 
 /// Leads until leadership or the connection is lost (an error either way).
 pub async fn lead(client: &mut Client, leader: &LeaderKey, registry: &Arc<Registry>) -> Result<()> {
-    let mut decided = decide(client, leader, registry).await?;
+    let (mut decided, mut probed) = decide(client, leader, registry).await?;
     loop {
         let mut stream = client
             .watch(
@@ -34,7 +55,18 @@ pub async fn lead(client: &mut Client, leader: &LeaderKey, registry: &Arc<Regist
             )
             .await
             .context("cannot watch the cluster's state")?;
-        while let Some(r) = stream.message().await.context("the watch ended")? {
+        loop {
+            // While a host without its lease still answered the probe, look again now and then:
+            // if its process dies, its apps must move without waiting for an etcd event.
+            let recheck = tokio::time::sleep(if probed { RECHECK } else { Duration::MAX / 4 });
+            let r = tokio::select! {
+                r = stream.message() => r.context("the watch ended")?,
+                _ = recheck => {
+                    (decided, probed) = decide(client, leader, registry).await?;
+                    continue;
+                }
+            };
+            let Some(r) = r else { break };
             if r.canceled() {
                 break;
             }
@@ -50,11 +82,11 @@ pub async fn lead(client: &mut Client, leader: &LeaderKey, registry: &Arc<Regist
             if input_changed && seen > decided {
                 // A burst (a host's registration, then its liveness) makes one decision.
                 tokio::time::sleep(Duration::from_millis(20)).await;
-                decided = decide(client, leader, registry).await?;
+                (decided, probed) = decide(client, leader, registry).await?;
             }
         }
         // The watch was cancelled (compaction): decide on a fresh read and watch again.
-        decided = decide(client, leader, registry).await?;
+        (decided, probed) = decide(client, leader, registry).await?;
     }
 }
 
@@ -90,14 +122,20 @@ fn parse_graphs(
 
 /// What differs between the state read and the decision: the writes (with their sizes), and
 /// a line for the log.
-fn plan_writes(state: &ClusterState, registry: &Registry) -> Result<(Vec<(TxnOp, usize)>, String)> {
+fn plan_writes(
+    state: &ClusterState,
+    registry: &Registry,
+    probed: &[String],
+) -> Result<(Vec<(TxnOp, usize)>, String)> {
     for m in &state.malformed {
         log::warn!("ignoring a malformed record: {m}");
     }
     let (graphs, broken) = parse_graphs(state, registry);
+    let mut live = state.live.clone();
+    live.extend(probed.iter().cloned());
     let hosts = Hosts {
         registered: state.hosts.clone(),
-        live: state.live.clone(),
+        live,
     };
     let assigned = state
         .assignments
@@ -127,28 +165,36 @@ fn plan_writes(state: &ClusterState, registry: &Registry) -> Result<(Vec<(TxnOp,
         }
     }
     let summary = format!(
-        "{} graphs on {} live of {} hosts",
+        "{} graphs on {} live of {} hosts ({} of them cut off from etcd but answering on the underlay)",
         graphs.len(),
         hosts.live.len(),
-        hosts.registered.len()
+        hosts.registered.len(),
+        probed.len()
     );
     Ok((ops, summary))
 }
 
 /// Reads the state, computes the schedule and writes what differs; returns the revision the
-/// decision was made at. The computation runs off the agent's event loop, which must keep
-/// the lease alive meanwhile.
-async fn decide(client: &mut Client, leader: &LeaderKey, registry: &Arc<Registry>) -> Result<i64> {
+/// decision was made at, and whether a host was kept by its probe alone. The computation (and
+/// the probes) run off the agent's event loop, which must keep the lease alive meanwhile.
+async fn decide(
+    client: &mut Client,
+    leader: &LeaderKey,
+    registry: &Arc<Registry>,
+) -> Result<(i64, bool)> {
     let started = std::time::Instant::now();
     let (revision, kvs) = read_prefix(client, keys::PREFIX).await?;
     let registry = registry.clone();
-    let (ops, summary) = tokio::task::spawn_blocking(move || {
-        plan_writes(&ClusterState::decode(revision, &kvs), &registry)
+    let (ops, summary, probed) = tokio::task::spawn_blocking(move || {
+        let state = ClusterState::decode(revision, &kvs);
+        let probed = probed_alive(&state);
+        plan_writes(&state, &registry, &probed)
+            .map(|(ops, summary)| (ops, summary, !probed.is_empty()))
     })
     .await
     .context("the placement computation panicked")??;
     if ops.is_empty() {
-        return Ok(revision);
+        return Ok((revision, probed));
     }
     log::info!(
         "controller: {summary}; writing {} changes (decided in {} ms)",
@@ -170,7 +216,7 @@ async fn decide(client: &mut Client, leader: &LeaderKey, registry: &Arc<Registry
         }
         last = r.header().map(|h| h.revision()).unwrap_or(last);
     }
-    Ok(last)
+    Ok((last, probed))
 }
 
 /// Operations cut into transactions etcd takes: at most [`OPS_PER_TXN`] and about

@@ -63,6 +63,11 @@ pub struct HostRecord {
     /// The placements this host can run (`engine`, `process`, `kernel`, `vm`).
     #[serde(default)]
     pub placements: Vec<String>,
+    /// A TCP port on the underlay address where the agent accepts connections while its
+    /// process runs (0: none): the controller's way to tell a host cut off from etcd from a
+    /// dead one.
+    #[serde(default)]
+    pub probe_port: u16,
 }
 
 /// A cluster graph as `stitch cluster apply` stored it.

@@ -453,6 +453,7 @@ mod tests {
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
             placements: vec!["engine".into(), "process".into()],
+            probe_port: 0,
         }
     }
 

@@ -39,6 +39,11 @@ pub struct AgentArgs {
     /// Seconds the host counts as live after its agent was last heard from.
     #[arg(long, default_value_t = 2)]
     pub lease_ttl: i64,
+    /// TCP port on the underlay address where the agent answers the controller's probe: a
+    /// host whose lease expired but which still answers is cut off from etcd, not dead, and
+    /// keeps its apps (0: no probe).
+    #[arg(long, default_value_t = 7471)]
+    pub probe_port: u16,
     #[command(flatten)]
     pub listen: super::Listen,
     /// API Unix socket path (default: the socket of instance NAME, the host's name).
@@ -169,6 +174,7 @@ pub fn run_agent(args: AgentArgs) -> Result<()> {
         underlay: args.underlay,
         labels,
         lease_ttl: args.lease_ttl,
+        probe_port: args.probe_port,
     };
     super::serve(&instance, &args.listen, |api| {
         let registry = Arc::new(super::registry());

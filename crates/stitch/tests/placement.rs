@@ -71,14 +71,7 @@ fn alive(pid: i32) -> bool {
 /// Pings host 1 from host 0 until one answer comes (ARP first; the machine may be busy), for
 /// at most 15 s.
 fn ping(hosts: &TwoHosts) -> bool {
-    let t = std::time::Instant::now();
-    while t.elapsed() < std::time::Duration::from_secs(15) {
-        let o = hosts.exec(0, &format!("ping -c 1 -W 1 {}", hosts.ip[1]));
-        if o.status.success() {
-            return true;
-        }
-    }
-    false
+    hosts.reaches(0, &hosts.ip[1], 15)
 }
 
 /// The cgroup folders a function's limits live in, as `stitch show` reports them.
@@ -276,6 +269,22 @@ fn what_cannot_be_placed_is_a_line_numbered_error_before_anything_starts() {
 }
 
 /// Host 0 ⇄ `vm1`, a QEMU guest Stitch launches (`placement: vm`) from `scripts/vm-image`.
+/// The `vm1` app: the test guest of `scripts/vm-image` at `cidr`, running `run`.
+fn vm_app(image: &Path, cidr: &str, run: &str, mac: &str) -> String {
+    format!(
+        "  vm1:
+    placement: vm
+    kernel: {image}/vmlinux
+    initrd: {image}/initrd.gz
+    append: 'console=ttyS0 quiet stitch.ip={cidr} stitch.run=\"{run}\"'
+    mac: \"{mac}\"
+    memory_mb: 512
+    shutdown_timeout_s: 2
+",
+        image = image.display()
+    )
+}
+
 fn vm_graph(hosts: &TwoHosts, image: &Path, guest_ip: &str, with_vm: bool) -> String {
     let ns = &hosts.outer[0];
     if !with_vm {
@@ -284,19 +293,16 @@ fn vm_graph(hosts: &TwoHosts, image: &Path, guest_ip: &str, with_vm: bool) -> St
     format!(
         "apps:
   ns: {{ type: af_packet, interface: {ns} }}
-  vm1:
-    placement: vm
-    kernel: {image}/vmlinux
-    initrd: {image}/initrd.gz
-    append: 'console=ttyS0 quiet stitch.ip={guest_ip}/24 stitch.run=\"sleep 3600\"'
-    mac: \"52:54:00:00:00:11\"
-    memory_mb: 512
-    shutdown_timeout_s: 2
-links:
+{vm}links:
   - \"ns.output -> vm1.input\"
   - \"vm1.output -> ns.input\"
 ",
-        image = image.display()
+        vm = vm_app(
+            image,
+            &format!("{guest_ip}/24"),
+            "sleep 3600",
+            "52:54:00:00:00:11"
+        )
     )
 }
 
@@ -317,19 +323,7 @@ fn a_vm_is_launched_on_its_port_restarted_and_shut_down() {
     assert!(console.contains("-serial"), "{v}");
     assert_eq!(v["process"]["kind"], "vm", "{v}");
     let first = v["process"]["pid"].as_i64().unwrap() as i32;
-    let guest_answers = || {
-        let t = std::time::Instant::now();
-        while t.elapsed() < std::time::Duration::from_secs(90) {
-            if hosts
-                .exec(0, &format!("ping -c 1 -W 1 {guest_ip}"))
-                .status
-                .success()
-            {
-                return true;
-            }
-        }
-        false
-    };
+    let guest_answers = || hosts.reaches(0, &guest_ip, 90);
     assert!(
         guest_answers(),
         "the guest answers ping: {}",
@@ -555,17 +549,6 @@ links:
     )
 }
 
-/// Replies a `ping -D` printed, and the longest time between two in a row (seconds).
-fn replies_and_gap(out: &str) -> (usize, f64) {
-    let times: Vec<f64> = out
-        .lines()
-        .filter(|l| l.contains("bytes from"))
-        .filter_map(|l| l.strip_prefix('[')?.split(']').next()?.parse().ok())
-        .collect();
-    let gap = times.windows(2).map(|w| w[1] - w[0]).fold(0.0, f64::max);
-    (times.len(), gap)
-}
-
 #[test]
 fn moving_the_firewall_engine_kernel_engine_pauses_only_its_own_traffic() {
     require_root_and_tools(&["ping", "tc"]);
@@ -594,7 +577,7 @@ fn moving_the_firewall_engine_kernel_engine_pauses_only_its_own_traffic() {
         "the path beside the firewall lost packets while it moved: {untouched}"
     );
     let through = String::from_utf8_lossy(&through.finish().stdout).into_owned();
-    let (replies, gap) = replies_and_gap(&through);
+    let (replies, gap) = ping_replies_and_gap(&through, 0.0, f64::MAX);
     eprintln!(
         "through the moving firewall: {replies} of 600 replies, longest gap {:.0} ms",
         gap * 1e3
@@ -622,15 +605,7 @@ fn everything_graph(hosts: &TwoHosts, image: &Path, n: u32, nf_socket: &Path) ->
       left: {{ mac: \"02:00:00:00:01:01\", address: \"10.{n}.1.1/24\" }}
       right: {{ mac: \"02:00:00:00:02:01\", address: \"10.{n}.2.1/24\" }}
   br: {{ type: bridge, ports: {{ r: {{}}, b: {{}}, vm: {{}} }} }}
-  vm1:
-    placement: vm
-    kernel: {image}/vmlinux
-    initrd: {image}/initrd.gz
-    append: 'console=ttyS0 quiet stitch.ip=10.{n}.2.11/24 stitch.run=\"ip route add default via 10.{n}.2.1; iperf3 -s\"'
-    mac: \"52:54:00:00:00:12\"
-    memory_mb: 512
-    shutdown_timeout_s: 2
-links:
+{vm}links:
   - \"a.output -> fw.lan\"
   - \"fw.lan -> a.input\"
   - \"fw.wan -> nat.lan\"
@@ -647,7 +622,12 @@ links:
 ",
         a = hosts.outer[0],
         b = hosts.outer[1],
-        image = image.display(),
+        vm = vm_app(
+            image,
+            &format!("10.{n}.2.11/24"),
+            &format!("ip route add default via 10.{n}.2.1; iperf3 -s"),
+            "52:54:00:00:00:12"
+        ),
         nf = nf_socket.display()
     )
 }
@@ -678,19 +658,7 @@ fn every_placement_in_one_graph_carries_traffic_and_restarts_lose_nothing_elsewh
         &["--keep-running"],
     );
     let (host_b, guest) = (format!("10.{n}.2.2"), format!("10.{n}.2.11"));
-    let answers = |to: &str, secs: u64| {
-        let t = std::time::Instant::now();
-        while t.elapsed() < std::time::Duration::from_secs(secs) {
-            if hosts
-                .exec(0, &format!("ping -c 1 -W 1 {to}"))
-                .status
-                .success()
-            {
-                return true;
-            }
-        }
-        false
-    };
+    let answers = |to: &str, secs: u64| hosts.reaches(0, to, secs);
     assert!(
         answers(&host_b, 20),
         "host B through every placement: {}",
@@ -711,16 +679,10 @@ fn every_placement_in_one_graph_carries_traffic_and_restarts_lose_nothing_elsewh
     // TCP to host B and to the guest, both through the NAT, the process and the kernel router.
     let bits = hosts.iperf_tcp(&host_b, 2);
     assert!(bits > 1e6, "iperf3 to host B: {bits} bit/s");
-    let o = hosts.exec(0, &format!("iperf3 -c {guest} -t 2 -J"));
-    assert!(
-        o.status.success(),
-        "iperf3 to the guest: {}",
-        String::from_utf8_lossy(&o.stdout)
+    let guest_bits = iperf_bits(
+        &hosts.exec(0, &format!("iperf3 -c {guest} -t 2 -J")),
+        &guest,
     );
-    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    let guest_bits = v["end"]["sum_received"]["bits_per_second"]
-        .as_f64()
-        .unwrap();
     eprintln!(
         "iperf3 TCP through every placement: host B {:.0} Mbit/s, the guest {:.0} Mbit/s",
         bits / 1e6,

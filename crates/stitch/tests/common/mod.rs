@@ -101,6 +101,22 @@ impl TwoHosts {
         sh(&format!("ip netns exec {} {cmd}", self.ns[i]))
     }
 
+    /// Pings `to` from host `i` until one answer comes (ARP first; the machine may be busy),
+    /// for at most `secs`.
+    pub fn reaches(&self, i: usize, to: &str, secs: u64) -> bool {
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_secs(secs) {
+            if self
+                .exec(i, &format!("ping -c 1 -W 1 {to}"))
+                .status
+                .success()
+            {
+                return true;
+            }
+        }
+        false
+    }
+
     pub fn spawn(&self, i: usize, cmd: &str) -> Background {
         Background(
             Command::new("ip")
@@ -153,17 +169,36 @@ impl TwoHosts {
         std::thread::sleep(Duration::from_millis(300));
         let o = self.exec(0, &format!("iperf3 -c {to} -p 5299 -t {secs} -J"));
         let _ = server.finish();
-        assert!(
-            o.status.success(),
-            "iperf3 to {to} failed: {}{}",
-            String::from_utf8_lossy(&o.stdout),
-            String::from_utf8_lossy(&o.stderr)
-        );
-        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-        v["end"]["sum_received"]["bits_per_second"]
-            .as_f64()
-            .unwrap()
+        iperf_bits(&o, to)
     }
+}
+
+/// The received bits per second of an `iperf3 -J` client run to `to`; fails the test if
+/// iperf3 failed.
+pub fn iperf_bits(o: &Output, to: &str) -> f64 {
+    assert!(
+        o.status.success(),
+        "iperf3 to {to} failed: {}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    v["end"]["sum_received"]["bits_per_second"]
+        .as_f64()
+        .unwrap()
+}
+
+/// Of what a `ping -D` printed: the replies received between `from` and `to` (UNIX seconds),
+/// and the longest time between two in a row (seconds).
+pub fn ping_replies_and_gap(out: &str, from: f64, to: f64) -> (usize, f64) {
+    let times: Vec<f64> = out
+        .lines()
+        .filter(|l| l.contains("bytes from"))
+        .filter_map(|l| l.strip_prefix('[')?.split(']').next()?.parse().ok())
+        .filter(|t| *t >= from && *t <= to)
+        .collect();
+    let gap = times.windows(2).map(|w| w[1] - w[0]).fold(0.0, f64::max);
+    (times.len(), gap)
 }
 
 /// Runs a graph that must not start; returns what stitch printed on stderr.
