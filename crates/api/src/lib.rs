@@ -325,7 +325,12 @@ impl Api {
     fn running_graph(&self) -> Result<Graph, ApiError> {
         self.placements
             .graph()
-            .ok_or_else(|| ApiError::new(409, "no graph is running"))
+            .ok_or_else(|| {
+                ApiError::new(
+                    409,
+                    "no graph is running (yet: an instance answers while it starts its graph; try again)",
+                )
+            })
     }
 
     /// The running graph in the graph file's shape.

@@ -293,7 +293,19 @@ impl Stitch {
             dir,
         };
         let t = Instant::now();
-        while s.stats().is_none() {
+        // Ready once the graph runs: the API answers from before the graph is applied. (An
+        // instance whose graph already finished and exited counts as ready, as before.)
+        let graph_runs = |s: &Stitch| {
+            stitch_api::client::call(
+                &s.socket,
+                stitch_api::client::Method::GET,
+                "/api/v1/graph",
+                None,
+            )
+            .map(|(status, _)| status == 200)
+            .unwrap_or(true)
+        };
+        while s.stats().is_none() || !graph_runs(&s) {
             if let Ok(Some(status)) = s.process.0.try_wait() {
                 let out = std::mem::replace(
                     &mut s.process,
