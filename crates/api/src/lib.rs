@@ -207,21 +207,7 @@ impl Api {
     pub fn metrics_snapshot(&self) -> metrics::Snapshot {
         let mut stats = self.engine.stats();
         let graph = self.placements.graph();
-        for k in self.kernel_apps_json(graph.as_ref()) {
-            let n = |key: &str| k[key].as_u64().unwrap_or(0);
-            stats.apps.push(stitch_core::engine::AppStats {
-                name: k["name"].as_str().unwrap_or_default().to_string(),
-                kind: k["type"].as_str().unwrap_or_default().to_string(),
-                worker: "kernel".into(),
-                rx_packets: n("rx_packets"),
-                rx_bytes: n("rx_bytes"),
-                tx_packets: n("tx_packets"),
-                tx_bytes: n("tx_bytes"),
-                drops: n("drops"),
-                failed: false,
-                counters: serde_json::from_value(k["counters"].clone()).unwrap_or_default(),
-            });
-        }
+        stats.apps.extend(self.kernel_app_stats(graph.as_ref()));
         let processes = graph
             .iter()
             .flat_map(|g| g.apps.keys())
@@ -289,9 +275,9 @@ impl Api {
         v
     }
 
-    /// The graph's kernel apps with the data plane's counters, in the shape of engine apps
-    /// (`worker: kernel`; per-port packets summed; no rates).
-    fn kernel_apps_json(&self, graph: Option<&Graph>) -> Vec<Value> {
+    /// The graph's kernel apps with the data plane's counters, as engine apps are counted
+    /// (`worker: kernel`; per-port packets summed).
+    fn kernel_app_stats(&self, graph: Option<&Graph>) -> Vec<stitch_core::engine::AppStats> {
         let (Some(graph), Some(status)) = (graph, self.placements.kernel_status()) else {
             return Vec::new();
         };
@@ -303,21 +289,32 @@ impl Api {
                 let sum = |f: fn(&stitch_kernel::maps::ViStats) -> u64| {
                     a.ports.iter().map(|p| f(&p.stats)).sum::<u64>()
                 };
-                json!({
-                    "name": a.name,
-                    "type": a.kind,
-                    "worker": "kernel",
-                    "rx_packets": sum(|s| s.rx_packets),
-                    "rx_bytes": sum(|s| s.rx_bytes),
-                    "tx_packets": sum(|s| s.tx_packets),
-                    "tx_bytes": sum(|s| s.tx_bytes),
-                    "drops": sum(|s| s.drops),
-                    "failed": false,
-                    "counters": a.counters,
-                    "rx_rate_pps": 0.0,
-                    "tx_rate_pps": 0.0,
-                    "placement": "kernel",
-                })
+                stitch_core::engine::AppStats {
+                    name: a.name.clone(),
+                    kind: a.kind.clone(),
+                    worker: "kernel".into(),
+                    rx_packets: sum(|s| s.rx_packets),
+                    rx_bytes: sum(|s| s.rx_bytes),
+                    tx_packets: sum(|s| s.tx_packets),
+                    tx_bytes: sum(|s| s.tx_bytes),
+                    drops: sum(|s| s.drops),
+                    failed: false,
+                    counters: a.counters.iter().map(|(k, v)| (k.clone(), *v)).collect(),
+                }
+            })
+            .collect()
+    }
+
+    /// The kernel apps in the shape of engine apps in `stats_json` (no rates).
+    fn kernel_apps_json(&self, graph: Option<&Graph>) -> Vec<Value> {
+        self.kernel_app_stats(graph)
+            .into_iter()
+            .map(|a| {
+                let mut v = serde_json::to_value(a).expect("app stats serialize");
+                v["rx_rate_pps"] = json!(0.0);
+                v["tx_rate_pps"] = json!(0.0);
+                v["placement"] = json!("kernel");
+                v
             })
             .collect()
     }

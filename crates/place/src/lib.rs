@@ -115,8 +115,8 @@ pub fn plan(graph: &Graph, registry: &Registry, instance: &str) -> Result<Plan, 
     })
 }
 
-/// Whether the kernel's part gains a function (new, or its settings changed) from `old` to
-/// `new`, rather than only losing some.
+/// Whether the kernel's part gains something from `old` to `new` (a function that is new or
+/// whose settings changed, a link it did not have), rather than only losing some.
 fn kernel_gains(old: Option<&kernel::KernelPart>, new: Option<&kernel::KernelPart>) -> bool {
     let Some(new) = new else {
         return false;
@@ -129,7 +129,7 @@ fn kernel_gains(old: Option<&kernel::KernelPart>, new: Option<&kernel::KernelPar
             .apps
             .get(&a.name)
             .is_none_or(|o| o.kind != a.kind || o.config != a.config)
-    }) || new.graph.links != old.graph.links && new.graph.links.len() >= old.graph.links.len()
+    }) || new.graph.links.iter().any(|l| !old.graph.links.contains(l))
 }
 
 /// Apps of `new` whose placement differs from `old`'s, with the pause of their traffic (the
