@@ -225,27 +225,20 @@ impl Cluster {
         wait_until("the agent's API", 20, || self.status(i).is_some());
     }
 
+    /// `GET path` on host `i`'s agent; none while it does not answer.
+    fn get(&self, i: usize, path: &str) -> Option<serde_json::Value> {
+        stitch_api::client::json(&self.socket(i), stitch_api::client::Method::GET, path, None).ok()
+    }
+
     fn status(&self, i: usize) -> Option<serde_json::Value> {
-        stitch_api::client::json(
-            &self.socket(i),
-            stitch_api::client::Method::GET,
-            "/api/v1/status",
-            None,
-        )
-        .ok()
+        self.get(i, "/api/v1/status")
     }
 
     fn stats(&self, i: usize) -> serde_json::Value {
-        stitch_api::client::json(
-            &self.socket(i),
-            stitch_api::client::Method::GET,
-            "/api/v1/stats",
-            None,
-        )
-        .unwrap()
+        self.get(i, "/api/v1/stats").unwrap()
     }
 
-    /// `stitch cluster ARGS` on host 1; output and success.
+    /// `stitch cluster ARGS` on host `host`; output and success.
     fn cli(&self, host: usize, args: &str) -> (bool, String) {
         let o = self.exec(
             &self.ns(host),
