@@ -8,6 +8,10 @@
 //! that long after the graph starts — so that replays of several files (one per side of a
 //! function) come in a chosen order.
 //!
+//! A looped file of at most 64 MiB of frames is read once and replayed from memory (as DPDK's
+//! `net_pcap` does with `infinite_rx`): packets then go out in batches at the rate a traffic
+//! generator would offer, without the file's parsing on every pass.
+//!
 //! ```yaml
 //! apps:
 //!   src: { type: pcap_source, file: in.pcap, loop: false, pace: false, speed: 1.0 }
@@ -49,6 +53,58 @@ fn one() -> f64 {
 
 /// Most packets sent per breath.
 const BURST: usize = 256;
+
+/// The largest looped file (bytes of frames) kept in memory for replay.
+const REPLAY_LIMIT: usize = 64 << 20;
+
+/// A whole file's frames in memory, replayed in order from `next`.
+struct Replay {
+    bytes: Vec<u8>,
+    /// Per frame: where it starts in `bytes`, its length and its timestamp.
+    frames: Vec<(usize, usize, u64)>,
+    next: usize,
+    /// Whether a frame has been sent (a pass that begins after it is a loop).
+    started: bool,
+}
+
+impl Replay {
+    /// Reads every frame of `path`; `None` when the file is larger than [`REPLAY_LIMIT`],
+    /// damaged or empty (the source then reads it pass by pass and reports what it meets).
+    fn load(path: &std::path::Path) -> Option<Replay> {
+        let mut file = PcapFile::open(path).ok()?;
+        let (mut bytes, mut frames) = (Vec::new(), Vec::new());
+        while let Some(next) = file.next_packet() {
+            let (ts, data) = next.ok()?;
+            if data.is_empty() {
+                return None; // an oversize record: counted by the pass-by-pass reader
+            }
+            frames.push((bytes.len(), data.len(), ts));
+            bytes.extend_from_slice(data);
+            if bytes.len() > REPLAY_LIMIT {
+                return None;
+            }
+        }
+        (!frames.is_empty()).then_some(Replay {
+            bytes,
+            frames,
+            next: 0,
+            started: false,
+        })
+    }
+
+    /// The next frame and its timestamp, and whether it starts the file again.
+    fn next_frame(&mut self) -> (&[u8], u64, bool) {
+        let (at, len, ts) = self.frames[self.next];
+        let looped = self.next == 0 && self.started;
+        self.started = true;
+        self.next = if self.next + 1 == self.frames.len() {
+            0
+        } else {
+            self.next + 1
+        };
+        (&self.bytes[at..at + len], ts, looped)
+    }
+}
 
 type Input = Box<dyn Read + Send>;
 
@@ -210,6 +266,10 @@ impl PcapFile {
 pub struct PcapSource {
     path: PathBuf,
     file: Option<PcapFile>,
+    /// A looped file held in memory (then `file` is not read).
+    replay: Option<Replay>,
+    /// Packets on their way to the link (kept to reuse its allocation).
+    batch: Vec<stitch_core::Packet>,
     repeat: bool,
     pace: bool,
     speed: f64,
@@ -230,6 +290,20 @@ pub struct PcapSource {
 
 impl PcapSource {
     fn read_one(&mut self) -> Option<stitch_core::Packet> {
+        if let Some(replay) = &mut self.replay {
+            let Some(mut p) = pool::alloc() else {
+                self.exhausted.add(1);
+                return None;
+            };
+            let (data, ts, looped) = replay.next_frame();
+            // Cannot fail: frames over MAX_FRAME are never loaded.
+            let _ = p.set_data(data);
+            p.set_timestamp_ns(ts);
+            if looped {
+                self.new_pass();
+            }
+            return Some(p);
+        }
         loop {
             let file = self.file.as_mut()?;
             match file.next() {
@@ -257,9 +331,8 @@ impl PcapSource {
                 }
                 Next::End => {
                     if self.repeat && self.read_in_pass > 0 {
-                        self.loops.add(1);
+                        self.new_pass();
                         self.read_in_pass = 0;
-                        self.origin = None;
                         match PcapFile::open(&self.path) {
                             Ok(f) => self.file = Some(f),
                             Err(e) => {
@@ -277,6 +350,35 @@ impl PcapSource {
                 }
             }
         }
+    }
+
+    /// The file starts again: counted, and pacing takes a new origin.
+    fn new_pass(&mut self) {
+        self.loops.add(1);
+        self.origin = None;
+    }
+
+    /// Sends up to `n` frames of the in-memory file with one pool visit and one link update.
+    fn replay_batch(&mut self, n: usize, out: &mut stitch_core::Producer) {
+        let Some(replay) = &mut self.replay else {
+            return;
+        };
+        let mut batch = std::mem::take(&mut self.batch);
+        let got = pool::alloc_batch(n, &mut batch);
+        if got < n {
+            self.exhausted.add((n - got) as u64);
+        }
+        let mut loops = 0;
+        for p in batch.iter_mut() {
+            let (data, ts, looped) = replay.next_frame();
+            // Cannot fail: frames over MAX_FRAME are never loaded.
+            let _ = p.set_data(data);
+            p.set_timestamp_ns(ts);
+            loops += looped as u64;
+        }
+        self.loops.add(loops);
+        out.transmit_batch(&mut batch);
+        self.batch = batch;
     }
 }
 
@@ -300,9 +402,13 @@ impl App for PcapSource {
     fn new(c: PcapSourceConfig, ctx: &mut AppContext) -> Result<Self, AppError> {
         let path = ctx.path(&c.file);
         let file = PcapFile::open(&path)?;
+        let replay = c.repeat.then(|| Replay::load(&path)).flatten();
         Ok(PcapSource {
             path,
             file: Some(file),
+            replay,
+            batch: Vec::with_capacity(BURST),
+
             repeat: c.repeat,
             pace: c.pace,
             speed: c.speed,
@@ -324,6 +430,10 @@ impl App for PcapSource {
         let n = out.room().min(BURST);
         let now = Instant::now();
         if now < *self.start.get_or_insert(now + self.start_after) {
+            return;
+        }
+        if !self.pace && self.replay.is_some() {
+            self.replay_batch(n, out);
             return;
         }
         for _ in 0..n {

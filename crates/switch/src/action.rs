@@ -53,6 +53,13 @@ pub enum Action {
 }
 
 impl Action {
+    /// Whether the action brings a header back from the packet's bytes (what was inside the
+    /// tag or shim it pops), so that the key's fields after it are not a function of the key
+    /// before it.
+    pub fn exposes_inner_header(&self) -> bool {
+        matches!(self, Action::PopVlan | Action::PopMpls(_) | Action::PopPbb)
+    }
+
     pub fn output(port: u32) -> Action {
         Action::Output {
             port,

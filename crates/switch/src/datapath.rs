@@ -3,57 +3,24 @@
 //! are kept locally and added to the shared ones once per push, not once per packet.
 
 use crate::action::{self, Action, Rewrite};
+use crate::cache::{ExactMatchCache, Step, TraceCache, CACHE_FROM_FLOWS};
 use crate::group::{self, Group};
 use crate::meter::{self, Verdict};
 use crate::ofp;
 use crate::oxm::{self, Key};
 use crate::pipeline::{self, FlowEntry, TABLES};
 use crate::{Async, Shared, Snapshot};
-use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use stitch_core::app::Io;
 use stitch_core::Packet;
 
-/// Below this many flows a scan is as cheap as hashing the key.
-const CACHE_FROM_FLOWS: usize = 8;
+/// How often the entries' counts are added to the shared ones (statistics lag by at most this).
+const ENTRY_FLUSH_NS: u64 = 1_000_000;
 /// How many packets ahead of the one in hand the data path prefetches.
 const PREFETCH: usize = 4;
 /// Groups may chain; a chain this deep is a loop that slipped through.
 const MAX_GROUP_DEPTH: usize = 8;
-
-/// An exact-match cache in front of a table's priority scan, as Open vSwitch keeps one in
-/// front of its classifier: every field a match can look at is in the key, so a packet with
-/// the same key always meets the same first entry, and the answer (an entry's index, or a
-/// miss) can be remembered. Emptied whenever the pipeline changes; bounded, emptied when full.
-pub struct ExactMatchCache {
-    map: HashMap<Key, Option<u32>, foldhash::fast::RandomState>,
-    capacity: usize,
-}
-
-impl ExactMatchCache {
-    pub fn new(capacity: usize) -> Self {
-        ExactMatchCache {
-            map: HashMap::with_capacity_and_hasher(capacity.min(1024), Default::default()),
-            capacity,
-        }
-    }
-
-    /// The first matching entry's index, from the cache (`true`) or by a scan that then
-    /// fills it (`false`).
-    #[inline]
-    pub fn lookup(&mut self, entries: &[Arc<FlowEntry>], k: &Key) -> (Option<usize>, bool) {
-        if let Some(hit) = self.map.get(k) {
-            return (hit.map(|i| i as usize), true);
-        }
-        let found = pipeline::position(entries, k);
-        if self.map.len() >= self.capacity {
-            self.map.clear();
-        }
-        self.map.insert(*k, found.map(|i| i as u32));
-        (found, false)
-    }
-}
 
 /// What a flush hands to the app's counters.
 #[derive(Default)]
@@ -129,11 +96,40 @@ struct Origin {
     table_miss: bool,
 }
 
+impl Origin {
+    /// Before the first entry.
+    const NONE: Origin = Origin {
+        table: 0,
+        cookie: u64::MAX,
+        table_miss: false,
+    };
+}
+
+/// What an entry's instructions left of the walk.
+enum Walked {
+    /// On to this table.
+    Goto(usize, Packet),
+    /// No goto: the action set, if any, runs now.
+    End(Packet),
+    /// The packet was sent, dropped or handed on.
+    Gone,
+}
+
 pub struct DataPath {
     caches: Vec<Option<ExactMatchCache>>,
-    /// Per table: the entry (index in the snapshot's table) packets met last, and how many
-    /// packets and bytes since it was last counted.
-    runs: Vec<Option<(usize, u64, u64)>>,
+    traces: Option<TraceCache>,
+    /// A walk being replayed or recorded (kept to reuse its allocation).
+    steps: Vec<Step>,
+    /// The walk being recorded ended for a reason of the packet's own (meter, TTL, room).
+    walk_cut: bool,
+    /// The walk being recorded looked up a table after a header came back from the bytes.
+    walk_from_bytes: bool,
+    /// Packets and bytes per entry of each table since the last flush, and the entries
+    /// whose counts are not zero: dense, so counting touches no entry of the shared
+    /// pipeline (whose atomics would cost a cache miss and a locked add per packet).
+    counts: Vec<Vec<(u64, u64)>>,
+    counted: Vec<(u8, u32)>,
+    entries_flushed_ns: u64,
     lookups: [u64; TABLES],
     matched: [u64; TABLES],
     /// Per port: packets, bytes and drops sent since the last flush.
@@ -149,7 +145,13 @@ impl DataPath {
             caches: (0..TABLES)
                 .map(|_| (cache > 0).then(|| ExactMatchCache::new(cache)))
                 .collect(),
-            runs: vec![None; TABLES],
+            traces: (cache > 0).then(|| TraceCache::new(cache)),
+            steps: Vec::with_capacity(TABLES),
+            walk_cut: false,
+            walk_from_bytes: false,
+            counts: vec![Vec::new(); TABLES],
+            counted: Vec::new(),
+            entries_flushed_ns: 0,
             lookups: [0; TABLES],
             matched: [0; TABLES],
             tx: vec![[0; 3]; ports],
@@ -159,12 +161,22 @@ impl DataPath {
         }
     }
 
-    pub fn clear_caches(&mut self) {
-        for c in self.caches.iter_mut().flatten() {
-            c.map.clear();
+    /// Empties the caches for the pipeline `snap` (the one the data path now runs).
+    pub fn clear_caches(&mut self, snap: &Snapshot) {
+        for (c, entries) in self.caches.iter_mut().zip(&snap.tables) {
+            if let Some(c) = c {
+                c.reset(entries);
+            }
         }
-        // Runs name entries of the old snapshot; they were flushed with it.
-        self.runs.iter_mut().for_each(|r| *r = None);
+        if let Some(t) = &mut self.traces {
+            t.reset(&snap.tables);
+        }
+        // The counts were of the old snapshot's entries: flushed to it before (flush_entries).
+        self.counted.clear();
+        for (counts, entries) in self.counts.iter_mut().zip(&snap.tables) {
+            counts.clear();
+            counts.resize(entries.len(), (0, 0));
+        }
     }
 
     /// Takes port `i`'s input and sends every packet through the pipeline.
@@ -197,7 +209,7 @@ impl DataPath {
                 ahead.prefetch_data();
             }
             key.reset(p.data(), port);
-            self.pipeline(p, &mut key, 0, snap, shared, io);
+            self.receive_one(p, &mut key, snap, shared, io);
         }
         drop(rest);
         self.batch = batch;
@@ -240,8 +252,56 @@ impl DataPath {
         }
     }
 
-    /// Walks the tables from `table` (§5.1).
+    /// Walks the tables from `table` (§5.1), looking each one up.
     fn pipeline(
+        &mut self,
+        p: Packet,
+        key: &mut Key,
+        table: usize,
+        snap: &Snapshot,
+        shared: &Shared,
+        io: &mut Io,
+    ) {
+        self.walk(p, key, table, snap, shared, io, None);
+    }
+
+    /// A packet of port `port` whose key is `key`: the walk remembered for its key bits is
+    /// replayed; else the tables are looked up and the walk remembered when it may be.
+    fn receive_one(
+        &mut self,
+        p: Packet,
+        key: &mut Key,
+        snap: &Snapshot,
+        shared: &Shared,
+        io: &mut Io,
+    ) {
+        let Some(traces) = &self.traces else {
+            return self.pipeline(p, key, 0, snap, shared, io);
+        };
+        let slot = traces.slot(key);
+        let mut steps = std::mem::take(&mut self.steps);
+        if traces.walk(&slot, key, &mut steps) {
+            self.tally.cache_hits += 1;
+            self.replay(p, key, &steps, snap, shared, io);
+        } else {
+            let first = *key;
+            steps.clear();
+            self.walk_cut = false;
+            self.walk_from_bytes = false;
+            self.walk(p, key, 0, snap, shared, io, Some(&mut steps));
+            if !self.walk_cut && !self.walk_from_bytes {
+                if let Some(traces) = &mut self.traces {
+                    traces.record(slot, &first, &steps);
+                }
+            }
+        }
+        self.steps = steps;
+    }
+
+    /// Looks up each table from `table` and runs the entry found; with `record`, notes each
+    /// table's entry there.
+    #[allow(clippy::too_many_arguments)]
+    fn walk(
         &mut self,
         mut p: Packet,
         key: &mut Key,
@@ -249,10 +309,10 @@ impl DataPath {
         snap: &Snapshot,
         shared: &Shared,
         io: &mut Io,
+        mut record: Option<&mut Vec<Step>>,
     ) {
         let mut set: Option<ActionSet> = None;
-        // The entry the packet last met: a packet-in names its table and cookie.
-        let mut origin: Origin;
+        let mut origin = Origin::NONE;
         loop {
             let entries = &snap.tables[table];
             self.lookups[table] += 1;
@@ -264,53 +324,130 @@ impl DataPath {
                 }
                 _ => pipeline::position(entries, key),
             };
+            if let Some(r) = record.as_deref_mut() {
+                r.push(Step {
+                    table: table as u8,
+                    at: found.map_or(Step::MISS, |at| at as u32),
+                });
+            }
             let Some(at) = found else {
                 self.tally.misses += 1;
                 return;
             };
-            self.matched[table] += 1;
-            self.count(table, at, p.len(), snap);
-            let e = &entries[at];
-            let ins = &e.instructions;
-            if let Some(id) = ins.meter {
-                match self.meter(&mut p, key, id, snap) {
-                    Verdict::Drop => {
-                        self.tally.meter_drops += 1;
-                        return;
-                    }
-                    Verdict::Pass | Verdict::Remark(_) => {}
-                }
+            match self.run_entry(p, key, table, at, &mut set, &mut origin, snap, shared, io) {
+                Walked::Goto(next, q) => (table, p) = (next, q),
+                Walked::End(q) => return self.end_walk(q, key, set, origin, snap, shared, io),
+                Walked::Gone => return,
             }
-            origin = Origin {
-                table: table as u8,
-                cookie: e.cookie,
-                table_miss: e.is_table_miss(),
-            };
-            let ends_here = ins.goto.is_none() && ins.write.is_none() && set.is_none();
-            for (n, a) in ins.apply.iter().enumerate() {
-                let last = ends_here && n + 1 == ins.apply.len();
-                match self.act(p, key, a, last, origin, snap, shared, io, 0) {
-                    Some(next) => p = next,
-                    None => return,
-                }
-            }
-            if ins.clear {
-                set = None;
-            }
-            if let Some(w) = &ins.write {
-                set.get_or_insert_with(ActionSet::new).write(w);
-            }
-            if let Some((v, m)) = ins.metadata {
-                key.set_metadata(key.metadata() & !m | v & m);
-            }
-            match ins.goto {
-                Some(t) => table = t as usize,
-                None => break,
-            }
-            // Tables after 0 are at most 63, checked when the entry was added.
         }
+    }
+
+    /// Runs a remembered walk: each table's entry as a lookup would have found it.
+    fn replay(
+        &mut self,
+        mut p: Packet,
+        key: &mut Key,
+        steps: &[Step],
+        snap: &Snapshot,
+        shared: &Shared,
+        io: &mut Io,
+    ) {
+        let mut set: Option<ActionSet> = None;
+        let mut origin = Origin::NONE;
+        for s in steps {
+            let table = s.table as usize;
+            self.lookups[table] += 1;
+            if s.at == Step::MISS {
+                self.tally.misses += 1;
+                return;
+            }
+            let at = s.at as usize;
+            match self.run_entry(p, key, table, at, &mut set, &mut origin, snap, shared, io) {
+                Walked::Goto(_, q) => p = q,
+                Walked::End(q) => return self.end_walk(q, key, set, origin, snap, shared, io),
+                Walked::Gone => return,
+            }
+        }
+    }
+
+    /// The end of the tables: the action set, if the walk wrote one (§5.10).
+    #[allow(clippy::too_many_arguments)]
+    fn end_walk(
+        &mut self,
+        p: Packet,
+        key: &Key,
+        set: Option<ActionSet>,
+        origin: Origin,
+        snap: &Snapshot,
+        shared: &Shared,
+        io: &mut Io,
+    ) {
         if let Some(set) = set {
             self.run_set(p, *key, &set, origin, snap, shared, io, 0);
+        }
+    }
+
+    /// Runs the instructions of entry `at` of `table` on the packet (§5.9): meter, apply
+    /// actions, clear and write the action set, metadata, goto.
+    #[allow(clippy::too_many_arguments)]
+    fn run_entry<'s>(
+        &mut self,
+        mut p: Packet,
+        key: &mut Key,
+        table: usize,
+        at: usize,
+        set: &mut Option<ActionSet<'s>>,
+        origin: &mut Origin,
+        snap: &'s Snapshot,
+        shared: &Shared,
+        io: &mut Io,
+    ) -> Walked {
+        self.matched[table] += 1;
+        self.count(table, at, p.len(), snap);
+        let e = &snap.program.tables[table][at];
+        if let Some(id) = e.meter {
+            match self.meter(&mut p, key, id, snap) {
+                Verdict::Drop => {
+                    self.tally.meter_drops += 1;
+                    self.walk_cut = true;
+                    return Walked::Gone;
+                }
+                Verdict::Pass | Verdict::Remark(_) => {}
+            }
+        }
+        *origin = Origin {
+            table: table as u8,
+            cookie: e.cookie,
+            table_miss: e.table_miss,
+        };
+        let apply = snap.program.actions(e.apply);
+        let ends_here = e.goto.is_none() && e.write.is_none() && set.is_none();
+        for (n, a) in apply.iter().enumerate() {
+            let last = ends_here && n + 1 == apply.len();
+            match self.act(p, key, a, last, *origin, snap, shared, io, 0) {
+                Some(next) => p = next,
+                None => return Walked::Gone,
+            }
+        }
+        if e.clear {
+            *set = None;
+        }
+        if let Some(w) = e.write {
+            set.get_or_insert_with(ActionSet::new)
+                .write(snap.program.actions(w));
+        }
+        if let Some((v, m)) = e.metadata {
+            key.set_metadata(key.metadata() & !m | v & m);
+        }
+        match e.goto {
+            // Tables after 0 are at most 63, checked when the entry was added.
+            Some(t) => {
+                if e.exposes_inner_header {
+                    self.walk_from_bytes = true;
+                }
+                Walked::Goto(t as usize, p)
+            }
+            None => Walked::End(p),
         }
     }
 
@@ -382,9 +519,13 @@ impl DataPath {
                 Rewrite::Unchanged => Some(p),
                 Rewrite::TtlExpired => {
                     self.tally.ttl_drops += 1;
+                    self.walk_cut = true;
                     None
                 }
-                Rewrite::NoRoom => None,
+                Rewrite::NoRoom => {
+                    self.walk_cut = true;
+                    None
+                }
             },
         }
     }
@@ -571,32 +712,41 @@ impl DataPath {
         }
     }
 
-    /// Counts a packet of `len` bytes against entry `at` of `table`: runs of packets that meet
-    /// the same entry are added in one go.
+    /// Counts a packet of `len` bytes against entry `at` of `table`.
     #[inline]
     fn count(&mut self, table: usize, at: usize, len: usize, snap: &Snapshot) {
-        match &mut self.runs[table] {
-            Some((e, n, b)) if *e == at => {
-                *n += 1;
-                *b += len as u64;
-            }
-            run => {
-                if let Some((e, n, b)) = run.take() {
-                    add(&snap.tables[table][e], n, b, self.now_ns);
+        match self.counts[table].get_mut(at) {
+            Some(c) => {
+                if c.0 == 0 {
+                    self.counted.push((table as u8, at as u32));
                 }
-                *run = Some((at, 1, len as u64));
+                c.0 += 1;
+                c.1 += len as u64;
             }
+            // A snapshot the counts were not sized for (none is): counted directly.
+            None => add(&snap.tables[table][at], 1, len as u64, self.now_ns),
         }
     }
 
-    /// Adds the local counters to the shared ones; returns the app counters' share.
-    pub fn flush(&mut self, snap: &Snapshot, shared: &Shared, now_ns: u64) -> Tally {
-        for (t, run) in self.runs.iter_mut().enumerate() {
-            if let Some((e, n, b)) = run.take() {
-                if let Some(entry) = snap.tables[t].get(e) {
-                    add(entry, n, b, now_ns);
-                }
+    /// Adds the entries' local counts to `snap`'s entries (which they are of).
+    pub fn flush_entries(&mut self, snap: &Snapshot, now_ns: u64) {
+        for (t, at) in self.counted.drain(..) {
+            let (t, at) = (t as usize, at as usize);
+            let (n, b) = std::mem::take(&mut self.counts[t][at]);
+            if let Some(entry) = snap.tables[t].get(at) {
+                add(entry, n, b, now_ns);
             }
+        }
+        self.entries_flushed_ns = now_ns;
+    }
+
+    /// Adds the local counters to the shared ones; returns the app counters' share. The
+    /// entries' counts go every [`ENTRY_FLUSH_NS`]: with many flows a batch meets each
+    /// entry about once, and adding per batch cost a locked add and a cache miss per packet
+    /// and table.
+    pub fn flush(&mut self, snap: &Snapshot, shared: &Shared, now_ns: u64) -> Tally {
+        if now_ns.saturating_sub(self.entries_flushed_ns) >= ENTRY_FLUSH_NS {
+            self.flush_entries(snap, now_ns);
         }
         for t in 0..TABLES {
             if self.lookups[t] > 0 {
@@ -641,4 +791,176 @@ fn bucket_live(b: &group::Bucket, snap: &Snapshot, shared: &Shared, depth: usize
                     .any(|x| bucket_live(x, snap, shared, depth + 1))
             }));
     port_ok && group_ok
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::oxm::{Match, ETH_DST, IN_PORT, VLAN_VID};
+    use crate::pipeline::{FlowMod, Instructions, FC_ADD};
+    use crate::State;
+    use stitch_core::link::link;
+    use stitch_core::pool;
+
+    fn add(
+        s: &mut State,
+        table: u8,
+        priority: u16,
+        fields: &[crate::oxm::Field],
+        ins: Instructions,
+    ) {
+        let fm = FlowMod {
+            cookie: 0,
+            cookie_mask: 0,
+            table_id: table,
+            command: FC_ADD,
+            idle_timeout: 0,
+            hard_timeout: 0,
+            priority,
+            buffer_id: ofp::NO_BUFFER,
+            out_port: ofp::PORT_ANY,
+            out_group: ofp::GROUP_ANY,
+            flags: 0,
+            matching: Match::from_fields(fields),
+            instructions: ins,
+        };
+        s.flows.apply(&fm, 0).unwrap();
+    }
+
+    fn then(apply: Vec<Action>, goto: Option<u8>) -> Instructions {
+        Instructions {
+            goto,
+            ..Instructions::apply_actions(apply)
+        }
+    }
+
+    fn mac(i: u8) -> [u8; 6] {
+        [0x0e, 0, 0, 0, 0, i]
+    }
+
+    /// Faucet's shape: port 1 is tagged on the way in (VLAN 100), port 2 is a trunk whose
+    /// outer tag is popped before the lookup (its inner tag decides); table 1 sends by VLAN and
+    /// destination, popping the tag.
+    fn pipeline() -> Snapshot {
+        let shared = Shared::new(
+            "sw",
+            &["p1".into(), "p2".into(), "p3".into(), "p4".into()],
+            1,
+        );
+        let mut s = State::default();
+        let vid = |v: u16| (0x1000 | v).to_be_bytes();
+        add(
+            &mut s,
+            0,
+            10,
+            &[(IN_PORT, &1u32.to_be_bytes(), None)],
+            then(
+                vec![
+                    Action::PushVlan(0x8100),
+                    Action::SetField {
+                        id: VLAN_VID,
+                        value: vid(100).to_vec(),
+                    },
+                ],
+                Some(1),
+            ),
+        );
+        add(
+            &mut s,
+            0,
+            10,
+            &[(IN_PORT, &2u32.to_be_bytes(), None)],
+            then(vec![Action::PopVlan], Some(1)),
+        );
+        for i in 0..20u8 {
+            for (v, port) in [(100, 3), (200, 4)] {
+                add(
+                    &mut s,
+                    1,
+                    10,
+                    &[(VLAN_VID, &vid(v), None), (ETH_DST, &mac(i), None)],
+                    then(vec![Action::PopVlan, Action::output(port)], None),
+                );
+            }
+        }
+        shared.publish(&s);
+        let snap = std::mem::take(&mut *shared.snapshot.lock().unwrap());
+        Arc::into_inner(snap).unwrap()
+    }
+
+    fn frame(dst: u8, tags: &[u16], n: u16) -> Vec<u8> {
+        let mut f = mac(dst).to_vec();
+        f.extend_from_slice(&[0x0e, 0, 0, 1, 0, 1]);
+        for t in tags {
+            f.extend_from_slice(&[0x81, 0x00]);
+            f.extend_from_slice(&t.to_be_bytes());
+        }
+        f.extend_from_slice(&[0x88, 0xb5]);
+        f.extend_from_slice(&n.to_be_bytes());
+        f.resize(64, 0);
+        f
+    }
+
+    /// What each port sent for the same packets, with the caches (`cache` > 0) or without.
+    fn run(cache: usize) -> Vec<Vec<Vec<u8>>> {
+        let _ = pool::init(4096, 0);
+        let snap = pipeline();
+        let shared = Shared::new(
+            "sw",
+            &["p1".into(), "p2".into(), "p3".into(), "p4".into()],
+            1,
+        );
+        let mut dp = DataPath::new(4, cache);
+        dp.clear_caches(&snap);
+        let (mut ins, mut outs, mut io_in, mut io_out) = (vec![], vec![], vec![], vec![]);
+        for i in 0..4 {
+            let (tx, rx) = link(1024);
+            ins.push(tx);
+            io_in.push((format!("p{i}"), rx));
+            let (tx, rx) = link(1024);
+            io_out.push((format!("p{i}"), tx));
+            outs.push(rx);
+        }
+        let mut io = Io::new(io_in, io_out);
+        let mut sent: Vec<Vec<Vec<u8>>> = vec![Vec::new(); 4];
+        for round in 0..4u16 {
+            for n in 0..100u16 {
+                let dst = (n % 25) as u8; // some destinations are unknown: a miss
+                let (port, tags): (usize, Vec<u16>) = match n % 3 {
+                    0 => (0, vec![]),
+                    // The same outer tag, different inner tags: the same key bits at table 0.
+                    1 => (1, vec![5, 100]),
+                    _ => (1, vec![5, 200]),
+                };
+                let mut p = pool::alloc().unwrap();
+                p.set_data(&frame(dst, &tags, round * 100 + n)).unwrap();
+                assert!(ins[port].transmit(p));
+            }
+            for i in 0..4 {
+                dp.receive(i, &snap, &shared, &mut io);
+            }
+            for (i, rx) in outs.iter_mut().enumerate() {
+                sent[i].extend(rx.drain().map(|p| p.data().to_vec()));
+            }
+        }
+        dp.flush_entries(&snap, 0);
+        sent
+    }
+
+    #[test]
+    fn remembered_walks_send_what_lookups_send() {
+        let looked_up = run(0);
+        let cached = run(8192);
+        assert_eq!(
+            looked_up.iter().map(Vec::len).collect::<Vec<_>>(),
+            [0, 0, 216, 104]
+        );
+        let counts = |s: &[Vec<Vec<u8>>]| s.iter().map(Vec::len).collect::<Vec<_>>();
+        assert!(
+            cached == looked_up,
+            "with the caches, the ports sent {:?} (without: {:?}) or other frames",
+            counts(&cached),
+            counts(&looked_up)
+        );
+    }
 }

@@ -28,6 +28,7 @@
 
 pub mod action;
 mod bypass;
+mod cache;
 mod datapath;
 pub mod endpoint;
 pub mod group;
@@ -100,6 +101,8 @@ pub struct State {
 #[derive(Default)]
 pub struct Snapshot {
     pub tables: Vec<Vec<Arc<FlowEntry>>>,
+    /// The entries' instructions packed table by table, as the data path reads them.
+    pub program: pipeline::Program,
     pub groups: BTreeMap<u32, Arc<group::Group>>,
     pub meters: BTreeMap<u32, Arc<meter::Meter>>,
 }
@@ -199,6 +202,7 @@ impl Shared {
             state: Mutex::new(State::default()),
             snapshot: Mutex::new(Arc::new(Snapshot {
                 tables: vec![Vec::new(); TABLES],
+                program: pipeline::Program::of(&vec![Vec::new(); TABLES]),
                 ..Snapshot::default()
             })),
             version: AtomicU64::new(0),
@@ -224,6 +228,7 @@ impl Shared {
     pub fn publish(&self, s: &State) {
         let snap = Snapshot {
             tables: s.flows.tables.clone(),
+            program: pipeline::Program::of(&s.flows.tables),
             groups: s.groups.groups.clone(),
             meters: s.meters.meters.clone(),
         };
@@ -343,9 +348,10 @@ impl App for Switch {
     fn pull(&mut self, io: &mut Io) {
         let v = self.shared.version.load(Ordering::Acquire);
         if v != self.seen {
+            self.dp.flush_entries(&self.snap, self.shared.now_ns());
             self.snap = self.shared.snapshot.lock().unwrap().clone();
             self.direct = pipeline::point_to_point(&self.snap.tables, self.shared.ports.len());
-            self.dp.clear_caches();
+            self.dp.clear_caches(&self.snap);
             self.seen = v;
             self.manage_channels(io);
             self.pending_version = Some(v);
@@ -413,6 +419,7 @@ impl App for Switch {
     }
 
     fn stop(&mut self) {
+        self.dp.flush_entries(&self.snap, self.shared.now_ns());
         for c in &self.channels {
             c.direct.end();
         }

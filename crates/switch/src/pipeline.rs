@@ -432,6 +432,76 @@ impl FlowTables {
     }
 }
 
+/// An entry's instructions as the data path reads them: packed next to the other entries of
+/// its table, the actions in one array for the whole pipeline. A flow entry itself is spread
+/// over several allocations (its match, its instructions' lists, the raw bytes statistics
+/// give back); with a thousand learned hosts per table, reading those per packet missed the
+/// core's caches several times per table.
+#[derive(Debug, Clone, Copy)]
+pub struct Packed {
+    pub cookie: u64,
+    pub metadata: Option<(u64, u64)>,
+    pub meter: Option<u32>,
+    /// Where the apply-actions and write-actions are in [`Program::actions`].
+    pub apply: (u32, u32),
+    pub write: Option<(u32, u32)>,
+    pub goto: Option<u8>,
+    pub clear: bool,
+    pub table_miss: bool,
+    /// Whether an apply-action brings a header back from the bytes (see
+    /// [`Action::exposes_inner_header`]).
+    pub exposes_inner_header: bool,
+}
+
+/// Every table's entries, [`Packed`], in the same order as the tables.
+#[derive(Debug, Default)]
+pub struct Program {
+    pub tables: Vec<Vec<Packed>>,
+    pub actions: Vec<Action>,
+}
+
+impl Program {
+    pub fn of(tables: &[Vec<Arc<FlowEntry>>]) -> Program {
+        let mut actions = Vec::new();
+        let mut place = |list: &[Action]| {
+            let start = actions.len() as u32;
+            actions.extend_from_slice(list);
+            (start, actions.len() as u32)
+        };
+        let tables = tables
+            .iter()
+            .map(|entries| {
+                entries
+                    .iter()
+                    .map(|e| {
+                        let ins = &e.instructions;
+                        Packed {
+                            cookie: e.cookie,
+                            metadata: ins.metadata,
+                            meter: ins.meter,
+                            apply: place(&ins.apply),
+                            write: ins.write.as_deref().map(&mut place),
+                            goto: ins.goto,
+                            clear: ins.clear,
+                            table_miss: e.is_table_miss(),
+                            exposes_inner_header: ins
+                                .apply
+                                .iter()
+                                .any(Action::exposes_inner_header),
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
+        Program { tables, actions }
+    }
+
+    #[inline]
+    pub fn actions(&self, (start, end): (u32, u32)) -> &[Action] {
+        &self.actions[start as usize..end as usize]
+    }
+}
+
 /// The index of the first (highest-priority) entry of `entries` that matches.
 #[inline]
 pub fn position(entries: &[Arc<FlowEntry>], k: &Key) -> Option<usize> {
