@@ -809,21 +809,7 @@ mod tests {
         fields: &[crate::oxm::Field],
         ins: Instructions,
     ) {
-        let fm = FlowMod {
-            cookie: 0,
-            cookie_mask: 0,
-            table_id: table,
-            command: FC_ADD,
-            idle_timeout: 0,
-            hard_timeout: 0,
-            priority,
-            buffer_id: ofp::NO_BUFFER,
-            out_port: ofp::PORT_ANY,
-            out_group: ofp::GROUP_ANY,
-            flags: 0,
-            matching: Match::from_fields(fields),
-            instructions: ins,
-        };
+        let fm = FlowMod::plain(FC_ADD, table, priority, Match::from_fields(fields), ins);
         s.flows.apply(&fm, 0).unwrap();
     }
 

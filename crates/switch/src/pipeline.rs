@@ -174,6 +174,34 @@ pub struct FlowMod {
     pub instructions: Instructions,
 }
 
+#[cfg(test)]
+impl FlowMod {
+    /// A FLOW_MOD with no cookie, timeout, flag or filter (for tests).
+    pub(crate) fn plain(
+        command: u8,
+        table: u8,
+        priority: u16,
+        m: Match,
+        ins: Instructions,
+    ) -> Self {
+        FlowMod {
+            cookie: 0,
+            cookie_mask: 0,
+            table_id: table,
+            command,
+            idle_timeout: 0,
+            hard_timeout: 0,
+            priority,
+            buffer_id: ofp::NO_BUFFER,
+            out_port: ofp::PORT_ANY,
+            out_group: ofp::GROUP_ANY,
+            flags: 0,
+            matching: m,
+            instructions: ins,
+        }
+    }
+}
+
 pub const FC_ADD: u8 = 0;
 pub const FC_MODIFY: u8 = 1;
 pub const FC_MODIFY_STRICT: u8 = 2;
@@ -565,21 +593,7 @@ mod tests {
     use super::*;
 
     fn fm(command: u8, table: u8, priority: u16, m: Match, ins: Instructions) -> FlowMod {
-        FlowMod {
-            cookie: 0,
-            cookie_mask: 0,
-            table_id: table,
-            command,
-            idle_timeout: 0,
-            hard_timeout: 0,
-            priority,
-            buffer_id: ofp::NO_BUFFER,
-            out_port: ofp::PORT_ANY,
-            out_group: ofp::GROUP_ANY,
-            flags: 0,
-            matching: m,
-            instructions: ins,
-        }
+        FlowMod::plain(command, table, priority, m, ins)
     }
 
     fn in_port(n: u32) -> Match {
