@@ -124,6 +124,10 @@ pub struct DataPath {
     walk_cut: bool,
     /// The walk being recorded looked up a table after a header came back from the bytes.
     walk_from_bytes: bool,
+    /// The frame changed since the key was read from it: the key's packet fields are read
+    /// again only when something looks at them (a lookup, a group's bucket choice, a meter's
+    /// DSCP), so a remembered walk's rewrites do not parse the frame after each one.
+    key_stale: bool,
     /// Packets and bytes per entry of each table since the last flush, and the entries
     /// whose counts are not zero: dense, so counting touches no entry of the shared
     /// pipeline (whose atomics would cost a cache miss and a locked add per packet).
@@ -149,6 +153,7 @@ impl DataPath {
             steps: Vec::with_capacity(TABLES),
             walk_cut: false,
             walk_from_bytes: false,
+            key_stale: false,
             counts: vec![Vec::new(); TABLES],
             counted: Vec::new(),
             entries_flushed_ns: 0,
@@ -209,6 +214,7 @@ impl DataPath {
                 ahead.prefetch_data();
             }
             key.reset(p.data(), port);
+            self.key_stale = false;
             self.receive_one(p, &mut key, snap, shared, io);
         }
         drop(rest);
@@ -227,6 +233,7 @@ impl DataPath {
     ) {
         self.now_ns = shared.now_ns();
         let mut key = Key::extract(p.data(), in_port);
+        self.key_stale = false;
         let origin = Origin {
             table: 0xff,
             cookie: u64::MAX,
@@ -314,6 +321,7 @@ impl DataPath {
         let mut set: Option<ActionSet> = None;
         let mut origin = Origin::NONE;
         loop {
+            self.fresh(key, &p);
             let entries = &snap.tables[table];
             self.lookups[table] += 1;
             let found = match &mut self.caches[table] {
@@ -375,7 +383,7 @@ impl DataPath {
     fn end_walk(
         &mut self,
         p: Packet,
-        key: &Key,
+        key: &mut Key,
         set: Option<ActionSet>,
         origin: Origin,
         snap: &Snapshot,
@@ -383,6 +391,7 @@ impl DataPath {
         io: &mut Io,
     ) {
         if let Some(set) = set {
+            self.fresh(key, &p);
             self.run_set(p, *key, &set, origin, snap, shared, io, 0);
         }
     }
@@ -406,6 +415,7 @@ impl DataPath {
         self.count(table, at, p.len(), snap);
         let e = &snap.program.tables[table][at];
         if let Some(id) = e.meter {
+            self.fresh(key, &p);
             match self.meter(&mut p, key, id, snap) {
                 Verdict::Drop => {
                     self.tally.meter_drops += 1;
@@ -474,6 +484,15 @@ impl DataPath {
         }
     }
 
+    /// Reads the key's packet fields from `p` again if the frame changed since.
+    #[inline]
+    fn fresh(&mut self, key: &mut Key, p: &Packet) {
+        if self.key_stale {
+            key.refresh(p.data());
+            self.key_stale = false;
+        }
+    }
+
     /// One action on `p`; `last` lets an output take the packet instead of a copy. Returns the
     /// packet when there is more to do with it.
     #[allow(clippy::too_many_arguments)]
@@ -501,6 +520,7 @@ impl DataPath {
                 Some(p)
             }
             Action::Group(g) => {
+                self.fresh(key, &p);
                 if last {
                     self.group(p, key, *g, origin, snap, shared, io, depth);
                     return None;
@@ -513,7 +533,7 @@ impl DataPath {
             Action::SetQueue(_) => Some(p),
             _ => match action::rewrite(&mut p, key, a) {
                 Rewrite::Changed => {
-                    key.refresh(p.data());
+                    self.key_stale = true;
                     Some(p)
                 }
                 Rewrite::Unchanged => Some(p),
