@@ -206,6 +206,9 @@ impl Step {
 pub struct TraceCache {
     map: BitsMap<(u32, u8)>,
     steps: Vec<Step>,
+    /// Whether some table is big enough for a lookup to cost more than the cache's own probe
+    /// (with only small tables, scanning them is cheaper than hashing the key bits).
+    worth_it: bool,
 }
 
 impl TraceCache {
@@ -213,6 +216,7 @@ impl TraceCache {
         TraceCache {
             map: BitsMap::new(capacity),
             steps: Vec::new(),
+            worth_it: false,
         }
     }
 
@@ -221,6 +225,13 @@ impl TraceCache {
         self.map
             .reset(KeyBits::of(tables.iter().flatten().map(|e| &**e)));
         self.steps.clear();
+        self.worth_it = tables.iter().any(|t| t.len() > CACHE_FROM_FLOWS);
+    }
+
+    /// Whether packets should go through this cache at all.
+    #[inline]
+    pub fn worth_it(&self) -> bool {
+        self.worth_it
     }
 
     #[inline]

@@ -282,7 +282,7 @@ impl DataPath {
         shared: &Shared,
         io: &mut Io,
     ) {
-        let Some(traces) = &self.traces else {
+        let Some(traces) = self.traces.as_ref().filter(|t| t.worth_it()) else {
             return self.pipeline(p, key, 0, snap, shared, io);
         };
         let slot = traces.slot(key);
