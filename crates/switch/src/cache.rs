@@ -140,18 +140,19 @@ impl<V: Copy> BitsMap<V> {
         }
     }
 
-    /// Inserts; `false` when the map was full and has been emptied first.
-    fn insert(&mut self, slot: Slot, k: &Key, v: V) -> bool {
-        let len = self.compact.len() + self.whole.len();
-        let room = len < self.capacity;
-        if !room {
+    fn is_full(&self) -> bool {
+        self.compact.len() + self.whole.len() >= self.capacity
+    }
+
+    /// Inserts, emptying the map first when it is full.
+    fn insert(&mut self, slot: Slot, k: &Key, v: V) {
+        if self.is_full() {
             self.clear();
         }
         match slot {
             Slot::Compact(c) => self.compact.insert(c, v),
             Slot::Whole => self.whole.insert(*k, v),
         };
-        room
     }
 }
 
@@ -255,13 +256,40 @@ impl TraceCache {
         if walk.is_empty() || walk.len() > u8::MAX as usize {
             return;
         }
+        if self.map.is_full() {
+            // The walks go with the map that names them.
+            self.map.clear();
+            self.steps.clear();
+        }
         let start = self.steps.len() as u32;
         self.steps.extend_from_slice(walk);
-        if !self.map.insert(slot, k, (start, walk.len() as u8)) {
-            // The map was emptied: so are the steps, but this walk's.
-            self.steps.drain(..start as usize);
-            self.map.clear();
-            self.map.insert(slot, k, (0, walk.len() as u8));
+        self.map.insert(slot, k, (start, walk.len() as u8));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(n: u8) -> Key {
+        let mut k = Key::default();
+        k.0[0] = n;
+        k
+    }
+
+    #[test]
+    fn a_full_walk_cache_starts_over_with_its_steps() {
+        let mut cache = TraceCache::new(2);
+        let walk = |t: u8| [Step { table: 0, at: 1 }, Step { table: t, at: 2 }];
+        let mut out = Vec::new();
+        for n in 1..=3u8 {
+            let k = key(n);
+            cache.record(cache.slot(&k), &k, &walk(n));
         }
+        // The third walk found the map full: only it remains, and only its steps.
+        assert!(!cache.walk(&cache.slot(&key(1)), &key(1), &mut out));
+        assert!(cache.walk(&cache.slot(&key(3)), &key(3), &mut out));
+        assert_eq!(out, walk(3));
+        assert_eq!(cache.steps.len(), 2);
     }
 }
