@@ -75,6 +75,14 @@ fn ping(hosts: &TwoHosts) -> bool {
 }
 
 /// The cgroup folders a function's limits live in, as `stitch show` reports them.
+/// ping's summary of 300 pings 10 ms apart from host `i` to `to`, with `during` done 300 ms in.
+fn paced_ping_while(hosts: &TwoHosts, i: usize, to: &str, during: impl FnOnce()) -> String {
+    let paced = hosts.spawn(i, &format!("ping -n -i 0.01 -c 300 {to}"));
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    during();
+    String::from_utf8_lossy(&paced.finish().stdout).into_owned()
+}
+
 fn cgroups(v: &serde_json::Value) -> Vec<String> {
     v["process"]["limits"]["cgroups"]
         .as_array()
@@ -692,11 +700,10 @@ fn every_placement_in_one_graph_carries_traffic_and_restarts_lose_nothing_elsewh
     // Killing the function process stops only the path through it: host B ↔ the guest
     // (through the bridge) loses nothing meanwhile; killing QEMU stops only the guest: host A ↔
     // host B (through everything else) loses nothing meanwhile.
-    let paced = hosts.spawn(1, &format!("ping -n -i 0.01 -c 300 {guest}"));
-    std::thread::sleep(std::time::Duration::from_millis(300));
     let nf_pid = pid_of(&s, "nf").unwrap();
-    sh(&format!("kill -9 {nf_pid}"));
-    let paced = String::from_utf8_lossy(&paced.finish().stdout).into_owned();
+    let paced = paced_ping_while(&hosts, 1, &guest, || {
+        sh(&format!("kill -9 {nf_pid}"));
+    });
     assert!(
         paced.contains("300 packets transmitted, 300 received"),
         "host B ↔ the guest lost packets while the function process was killed: {paced}"
@@ -708,11 +715,10 @@ fn every_placement_in_one_graph_carries_traffic_and_restarts_lose_nothing_elsewh
         answers(&host_b, 10),
         "host A reaches host B again after the process restarted"
     );
-    let paced = hosts.spawn(0, &format!("ping -n -i 0.01 -c 300 {host_b}"));
-    std::thread::sleep(std::time::Duration::from_millis(300));
     let vm_pid = pid_of(&s, "vm1").unwrap();
-    sh(&format!("kill -9 {vm_pid}"));
-    let paced = String::from_utf8_lossy(&paced.finish().stdout).into_owned();
+    let paced = paced_ping_while(&hosts, 0, &host_b, || {
+        sh(&format!("kill -9 {vm_pid}"));
+    });
     assert!(
         paced.contains("300 packets transmitted, 300 received"),
         "host A ↔ host B lost packets while QEMU was killed: {paced}"
