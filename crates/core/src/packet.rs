@@ -173,15 +173,7 @@ impl Packet {
     /// (a hint: it never faults and changes nothing).
     #[inline(always)]
     pub fn prefetch_data(&self) {
-        let h = self.hdr();
-        let p = self.area().wrapping_add(h.offset as usize);
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: a prefetch never faults and reads or writes nothing visible.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p as *const i8)
-        };
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = p;
+        crate::prefetch(self.area().wrapping_add(self.hdr().offset as usize));
     }
 
     #[inline]

@@ -4,13 +4,15 @@
 //!
 //! - [`ExactMatchCache`]: per table, key bits → the first matching entry.
 //! - [`TraceCache`]: per pipeline, key bits → the whole walk (each table's entry), so a packet
-//!   of a known flow skips every lookup and only runs its entries' instructions.
+//!   of a known flow skips every lookup and only runs its entries' instructions — or, when the
+//!   walk has a [`Net`] effect, only that.
 //!
 //! Both are keyed on the union of the match masks concerned — in a [`CompactKey`] when it
 //! fits, which keeps the caches small enough for the core's own caches and lets packets that
 //! differ only in fields nobody looks at share an entry — and emptied whenever the pipeline
 //! changes.
 
+use crate::net::{self, Net};
 use crate::oxm::{Key, KEY_WORDS};
 use crate::pipeline::{self, FlowEntry};
 use std::collections::HashMap;
@@ -24,8 +26,18 @@ const COMPACT_WORDS: usize = 8;
 
 /// The bits of a key a cache looks at. Hashed and compared word by word: the derived
 /// versions go through the byte-slice paths (a call to `memcmp`, the long-input hash).
-#[derive(Clone, Copy, Eq)]
+#[derive(Clone, Copy, Default, Eq)]
 pub struct CompactKey([u64; COMPACT_WORDS]);
+
+impl CompactKey {
+    /// The hash that places the key in a [`CompactMap`] (fixed seeds: the maps are per
+    /// data path, and a key's place only needs to be the same within one).
+    #[inline]
+    fn hash(&self) -> u64 {
+        use std::hash::BuildHasher;
+        foldhash::fast::FixedState::default().hash_one(self)
+    }
+}
 
 impl PartialEq for CompactKey {
     #[inline]
@@ -83,26 +95,27 @@ impl KeyBits {
     }
 }
 
-/// A bounded map from key bits to `V`, emptied when full.
+/// A bounded map from key bits to `V`.
 struct BitsMap<V> {
     bits: KeyBits,
-    compact: HashMap<CompactKey, V, foldhash::fast::RandomState>,
+    compact: CompactMap<V>,
     whole: HashMap<Key, V, foldhash::fast::RandomState>,
     capacity: usize,
 }
 
-/// Where a key's value is, or goes: the key's bits taken once for the lookup and the insert.
+/// Where a key's value is, or goes: the key's bits and their hash, taken once for the lookup
+/// and the insert.
 #[derive(Clone, Copy)]
 pub enum Slot {
-    Compact(CompactKey),
+    Compact(CompactKey, u64),
     Whole,
 }
 
-impl<V: Copy> BitsMap<V> {
+impl<V: Copy + Default> BitsMap<V> {
     fn new(capacity: usize) -> Self {
         BitsMap {
             bits: KeyBits::Whole,
-            compact: HashMap::with_capacity_and_hasher(capacity.min(1024), Default::default()),
+            compact: CompactMap::new(capacity),
             whole: HashMap::with_capacity_and_hasher(capacity.min(1024), Default::default()),
             capacity,
         }
@@ -110,8 +123,7 @@ impl<V: Copy> BitsMap<V> {
 
     fn reset(&mut self, bits: KeyBits) {
         self.bits = bits;
-        self.compact.clear();
-        self.whole.clear();
+        self.clear();
     }
 
     fn clear(&mut self) {
@@ -124,34 +136,119 @@ impl<V: Copy> BitsMap<V> {
         match &self.bits {
             // Unused slots have a zero mask: they hold zero whatever the key.
             KeyBits::Compact { index, mask } => {
-                Slot::Compact(CompactKey(std::array::from_fn(|j| {
-                    k.word(index[j] as usize) & mask[j]
-                })))
+                let c = CompactKey(std::array::from_fn(|j| k.word(index[j] as usize) & mask[j]));
+                Slot::Compact(c, c.hash())
             }
             KeyBits::Whole => Slot::Whole,
+        }
+    }
+
+    /// Brings in the cache lines where the slot's value would be.
+    #[inline]
+    fn prefetch(&self, slot: &Slot) {
+        if let Slot::Compact(_, hash) = slot {
+            self.compact.prefetch(*hash);
         }
     }
 
     #[inline]
     fn get(&self, slot: &Slot, k: &Key) -> Option<V> {
         match slot {
-            Slot::Compact(c) => self.compact.get(c).copied(),
+            Slot::Compact(c, hash) => self.compact.get(*hash, c),
             Slot::Whole => self.whole.get(k).copied(),
         }
     }
 
-    fn is_full(&self) -> bool {
-        self.compact.len() + self.whole.len() >= self.capacity
+    /// Inserts (in place of an older key when the places for it are taken).
+    fn insert(&mut self, slot: Slot, k: &Key, v: V) {
+        match slot {
+            Slot::Compact(c, hash) => self.compact.insert(hash, c, v),
+            Slot::Whole => {
+                if self.whole.len() >= self.capacity {
+                    self.whole.clear();
+                }
+                self.whole.insert(*k, v);
+            }
+        }
+    }
+}
+
+/// Compact keys → `V` in a fixed array where each key has two places, found from its hash, as
+/// in Open vSwitch's exact-match cache: a new key whose places are both taken replaces the
+/// second one's. Unlike a general hash map it never grows, empties in constant time (entries
+/// of an older generation are empty) and can be fetched ahead of its use ([`Self::prefetch`]).
+struct CompactMap<V> {
+    entries: Vec<CompactEntry<V>>,
+    size: usize,
+    generation: u32,
+}
+
+#[derive(Clone, Copy, Default)]
+struct CompactEntry<V> {
+    key: CompactKey,
+    generation: u32,
+    value: V,
+}
+
+impl<V: Copy + Default> CompactMap<V> {
+    fn new(capacity: usize) -> Self {
+        CompactMap {
+            // Allocated at the first insert: most tables never need one.
+            entries: Vec::new(),
+            size: capacity.max(2).next_power_of_two(),
+            generation: 1,
+        }
     }
 
-    /// Inserts, emptying the map first when it is full.
-    fn insert(&mut self, slot: Slot, k: &Key, v: V) {
-        if self.is_full() {
-            self.clear();
+    #[inline]
+    fn places(&self, hash: u64) -> [usize; 2] {
+        let mask = self.size - 1;
+        [hash as usize & mask, (hash >> 32) as usize & mask]
+    }
+
+    fn clear(&mut self) {
+        self.generation = self.generation.wrapping_add(1);
+        if self.generation == 0 {
+            // Every 2^32 clears: old generations would come back.
+            self.entries.fill(CompactEntry::default());
+            self.generation = 1;
         }
-        match slot {
-            Slot::Compact(c) => self.compact.insert(c, v),
-            Slot::Whole => self.whole.insert(*k, v),
+    }
+
+    #[inline]
+    fn prefetch(&self, hash: u64) {
+        for i in self.places(hash) {
+            if let Some(e) = self.entries.get(i) {
+                let at = e as *const CompactEntry<V> as *const u8;
+                stitch_core::prefetch(at);
+                stitch_core::prefetch(at.wrapping_add(std::mem::size_of::<CompactEntry<V>>() - 1));
+            }
+        }
+    }
+
+    #[inline]
+    fn get(&self, hash: u64, key: &CompactKey) -> Option<V> {
+        self.places(hash).into_iter().find_map(|i| {
+            let e = self.entries.get(i)?;
+            (e.generation == self.generation && e.key == *key).then_some(e.value)
+        })
+    }
+
+    fn insert(&mut self, hash: u64, key: CompactKey, value: V) {
+        if self.entries.is_empty() {
+            self.entries = vec![CompactEntry::default(); self.size];
+        }
+        let [first, second] = self.places(hash);
+        let free_or_same = |e: &CompactEntry<V>| e.generation != self.generation || e.key == key;
+        let at = if free_or_same(&self.entries[first]) {
+            first
+        } else {
+            second
+        };
+        self.entries[at] = CompactEntry {
+            key,
+            generation: self.generation,
+            value,
         };
     }
 }
@@ -187,10 +284,12 @@ impl ExactMatchCache {
     }
 }
 
-/// One table of a walk: the entry the packet met there, or [`Step::MISS`].
+/// One table of a walk: the entry the packet met there, or [`Step::MISS`], and how much longer
+/// than it came in the frame was there (an entry counts the bytes it saw).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Step {
     pub table: u8,
+    pub grown: i16,
     pub at: u32,
 }
 
@@ -204,29 +303,61 @@ impl Step {
 /// unless an instruction before a later lookup brings back fields from the packet's bytes
 /// (a pop of VLAN, MPLS or PBB exposes an inner header); such walks, and walks a packet's own
 /// state cut short (a meter, an expired TTL), are not remembered: see [`TraceCache::record`].
+/// A walk may also have a [`Net`] effect, which packets it holds for take instead of the
+/// walk; they are counted on the walk and the counts spent on its entries later
+/// ([`TraceCache::spend_counts`]).
 pub struct TraceCache {
-    map: BitsMap<(u32, u8)>,
+    map: BitsMap<u32>,
+    walks: Vec<Walk>,
     steps: Vec<Step>,
+    outputs: Vec<net::Output>,
+    /// Walks whose counts are not zero.
+    counted: Vec<u32>,
+    /// Most walks remembered before the cache starts over.
+    capacity: usize,
     /// Whether some table is big enough for a lookup to cost more than the cache's own probe
     /// (with only small tables, scanning them is cheaper than hashing the key bits).
     worth_it: bool,
+}
+
+/// A remembered walk: its steps, its net effect, and the packets that took the net effect
+/// since the counts were last spent.
+struct Walk {
+    steps_at: u32,
+    steps: u8,
+    net: Option<Net>,
+    packets: u64,
+    bytes: u64,
 }
 
 impl TraceCache {
     pub fn new(capacity: usize) -> Self {
         TraceCache {
             map: BitsMap::new(capacity),
+            walks: Vec::new(),
             steps: Vec::new(),
+            outputs: Vec::new(),
+            counted: Vec::new(),
+            capacity,
             worth_it: false,
         }
     }
 
-    /// Forgets every walk and takes the bits to key on from all of the pipeline's tables.
+    /// Forgets every walk and takes the bits to key on from all of the pipeline's tables. The
+    /// counts are of the old pipeline's entries: [`TraceCache::spend_counts`] on it first.
     pub fn reset(&mut self, tables: &[Vec<Arc<FlowEntry>>]) {
+        self.clear(|_, _, _| {});
         self.map
             .reset(KeyBits::of(tables.iter().flatten().map(|e| &**e)));
-        self.steps.clear();
         self.worth_it = tables.iter().any(|t| t.len() > CACHE_FROM_FLOWS);
+    }
+
+    fn clear(&mut self, spend: impl FnMut(&[Step], u64, u64)) {
+        self.spend_counts(spend);
+        self.map.clear();
+        self.walks.clear();
+        self.steps.clear();
+        self.outputs.clear();
     }
 
     /// Whether packets should go through this cache at all.
@@ -240,30 +371,97 @@ impl TraceCache {
         self.map.slot(k)
     }
 
-    /// The walk remembered for these key bits, copied into `out`; `false` when there is none.
+    /// Brings in the cache lines where the walk for `slot` would be, for a packet a few on.
     #[inline]
-    pub fn walk(&self, slot: &Slot, k: &Key, out: &mut Vec<Step>) -> bool {
-        let Some((start, len)) = self.map.get(slot, k) else {
-            return false;
-        };
-        out.clear();
-        out.extend_from_slice(&self.steps[start as usize..start as usize + len as usize]);
-        true
+    pub fn prefetch(&self, slot: &Slot) {
+        self.map.prefetch(slot);
     }
 
-    /// Remembers the walk of a packet with these key bits.
-    pub fn record(&mut self, slot: Slot, k: &Key, walk: &[Step]) {
+    /// The walk remembered for these key bits.
+    #[inline]
+    pub fn find(&self, slot: &Slot, k: &Key) -> Option<u32> {
+        self.map.get(slot, k)
+    }
+
+    /// The steps of walk `w`.
+    #[inline]
+    pub fn steps(&self, w: u32) -> &[Step] {
+        let w = &self.walks[w as usize];
+        &self.steps[w.steps_at as usize..w.steps_at as usize + w.steps as usize]
+    }
+
+    /// The net effect of walk `w` and its outputs, when it has one.
+    #[inline]
+    pub fn net(&self, w: u32) -> Option<(&Net, &[net::Output])> {
+        let net = self.walks[w as usize].net.as_ref()?;
+        let at = net.outputs_at as usize;
+        Some((net, &self.outputs[at..at + net.outputs as usize]))
+    }
+
+    /// A packet of `len` bytes took walk `w`'s net effect.
+    #[inline]
+    pub fn count(&mut self, w: u32, len: usize) {
+        let walk = &mut self.walks[w as usize];
+        if walk.packets == 0 {
+            self.counted.push(w);
+        }
+        walk.packets += 1;
+        walk.bytes += len as u64;
+    }
+
+    /// Packets that took a net effect since the counts were last spent.
+    #[cfg(test)]
+    pub fn packets(&self) -> u64 {
+        self.counted
+            .iter()
+            .map(|w| self.walks[*w as usize].packets)
+            .sum()
+    }
+
+    /// Hands each walk's counts to `spend` with its steps, and zeroes them.
+    pub fn spend_counts(&mut self, mut spend: impl FnMut(&[Step], u64, u64)) {
+        for w in self.counted.drain(..) {
+            let walk = &mut self.walks[w as usize];
+            let (n, b) = (
+                std::mem::take(&mut walk.packets),
+                std::mem::take(&mut walk.bytes),
+            );
+            let at = walk.steps_at as usize;
+            spend(&self.steps[at..at + walk.steps as usize], n, b);
+        }
+    }
+
+    /// Remembers the walk of a packet with these key bits, and its net effect if it has one.
+    /// A full cache starts over, its counts going to `spend` first.
+    pub fn record(
+        &mut self,
+        slot: Slot,
+        k: &Key,
+        walk: &[Step],
+        net: Option<(Net, &[net::Output])>,
+        spend: impl FnMut(&[Step], u64, u64),
+    ) {
         if walk.is_empty() || walk.len() > u8::MAX as usize {
             return;
         }
-        if self.map.is_full() {
-            // The walks go with the map that names them.
-            self.map.clear();
-            self.steps.clear();
+        if self.walks.len() >= self.capacity {
+            // Walks replaced in the map still take room here: all go, with the map naming them.
+            self.clear(spend);
         }
-        let start = self.steps.len() as u32;
+        let net = net.map(|(mut net, outputs)| {
+            net.outputs_at = self.outputs.len() as u32;
+            self.outputs.extend_from_slice(outputs);
+            net
+        });
+        self.map.insert(slot, k, self.walks.len() as u32);
+        self.walks.push(Walk {
+            steps_at: self.steps.len() as u32,
+            steps: walk.len() as u8,
+            net,
+            packets: 0,
+            bytes: 0,
+        });
         self.steps.extend_from_slice(walk);
-        self.map.insert(slot, k, (start, walk.len() as u8));
     }
 }
 
@@ -280,16 +478,29 @@ mod tests {
     #[test]
     fn a_full_walk_cache_starts_over_with_its_steps() {
         let mut cache = TraceCache::new(2);
-        let walk = |t: u8| [Step { table: 0, at: 1 }, Step { table: t, at: 2 }];
-        let mut out = Vec::new();
+        let step = |table, at| Step {
+            table,
+            grown: 0,
+            at,
+        };
+        let walk = |t: u8| [step(0, 1), step(t, 2)];
+        let mut spent = Vec::new();
         for n in 1..=3u8 {
             let k = key(n);
-            cache.record(cache.slot(&k), &k, &walk(n));
+            cache.record(cache.slot(&k), &k, &walk(n), None, |s, n, _| {
+                spent.push((s.to_vec(), n))
+            });
+            let w = cache.find(&cache.slot(&k), &k).unwrap();
+            cache.count(w, 60);
         }
         // The third walk found the map full: only it remains, and only its steps.
-        assert!(!cache.walk(&cache.slot(&key(1)), &key(1), &mut out));
-        assert!(cache.walk(&cache.slot(&key(3)), &key(3), &mut out));
-        assert_eq!(out, walk(3));
+        assert!(cache.find(&cache.slot(&key(1)), &key(1)).is_none());
+        let w = cache.find(&cache.slot(&key(3)), &key(3)).unwrap();
+        assert_eq!(cache.steps(w), walk(3));
         assert_eq!(cache.steps.len(), 2);
+        // The counts of the walks it forgot were spent on their steps, none lost.
+        assert_eq!(spent, [(walk(1).to_vec(), 1), (walk(2).to_vec(), 1)]);
+        cache.spend_counts(|s, n, _| spent.push((s.to_vec(), n)));
+        assert_eq!(spent.last(), Some(&(walk(3).to_vec(), 1)));
     }
 }

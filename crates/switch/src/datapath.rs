@@ -3,9 +3,10 @@
 //! are kept locally and added to the shared ones once per push, not once per packet.
 
 use crate::action::{self, Action, Rewrite};
-use crate::cache::{ExactMatchCache, Step, TraceCache, CACHE_FROM_FLOWS};
+use crate::cache::{ExactMatchCache, Slot, Step, TraceCache, CACHE_FROM_FLOWS};
 use crate::group::{self, Group};
 use crate::meter::{self, Verdict};
+use crate::net::{self, Probe};
 use crate::ofp;
 use crate::oxm::{self, Key};
 use crate::pipeline::{self, FlowEntry, TABLES};
@@ -16,9 +17,17 @@ use stitch_core::app::Io;
 use stitch_core::Packet;
 
 /// How often the entries' counts are added to the shared ones (statistics lag by at most this).
-const ENTRY_FLUSH_NS: u64 = 1_000_000;
-/// How many packets ahead of the one in hand the data path prefetches.
-const PREFETCH: usize = 4;
+const ENTRY_FLUSH_NS: u64 = 10_000_000;
+/// How many packets ahead of the one in hand the data path prefetches the frame.
+const PREFETCH: usize = 8;
+/// How many packets ahead of the one in hand the data path reads the key.
+const LOOKAHEAD: usize = 4;
+/// How many packets ahead it fetches the walk cache's lines for a key: later than the key is
+/// read, so the key's bytes are no longer in flight to the cache (reading a word just written
+/// as several narrower stores stalls until they land).
+const FETCH_AHEAD: usize = 2;
+/// Keys kept: the one in hand and those read ahead.
+const AHEAD: usize = LOOKAHEAD + 1;
 /// Groups may chain; a chain this deep is a loop that slipped through.
 const MAX_GROUP_DEPTH: usize = 8;
 
@@ -128,14 +137,12 @@ pub struct DataPath {
     /// again only when something looks at them (a lookup, a group's bucket choice, a meter's
     /// DSCP), so a remembered walk's rewrites do not parse the frame after each one.
     key_stale: bool,
-    /// Packets and bytes per entry of each table since the last flush, and the entries
-    /// whose counts are not zero: dense, so counting touches no entry of the shared
-    /// pipeline (whose atomics would cost a cache miss and a locked add per packet).
-    counts: Vec<Vec<(u64, u64)>>,
-    counted: Vec<(u8, u32)>,
+    /// The keys of the packet in hand and of the next ones, with their walk cache slots.
+    ahead: Vec<(Key, Option<Slot>)>,
+    /// Watches a walk being recorded for its net effect.
+    probe: Probe,
+    counts: EntryCounts,
     entries_flushed_ns: u64,
-    lookups: [u64; TABLES],
-    matched: [u64; TABLES],
     /// Per port: packets, bytes and drops sent since the last flush.
     tx: Vec<[u64; 3]>,
     tally: Tally,
@@ -154,11 +161,10 @@ impl DataPath {
             walk_cut: false,
             walk_from_bytes: false,
             key_stale: false,
-            counts: vec![Vec::new(); TABLES],
-            counted: Vec::new(),
+            ahead: vec![(Key::default(), None); AHEAD],
+            probe: Probe::default(),
+            counts: EntryCounts::default(),
             entries_flushed_ns: 0,
-            lookups: [0; TABLES],
-            matched: [0; TABLES],
             tx: vec![[0; 3]; ports],
             tally: Tally::default(),
             batch: Vec::with_capacity(256),
@@ -177,11 +183,7 @@ impl DataPath {
             t.reset(&snap.tables);
         }
         // The counts were of the old snapshot's entries: flushed to it before (flush_entries).
-        self.counted.clear();
-        for (counts, entries) in self.counts.iter_mut().zip(&snap.tables) {
-            counts.clear();
-            counts.resize(entries.len(), (0, 0));
-        }
+        self.counts.resize(snap);
     }
 
     /// Takes port `i`'s input and sends every packet through the pipeline.
@@ -202,23 +204,48 @@ impl DataPath {
             Ordering::Relaxed,
         );
         let port = i as u32 + 1;
-        // One key, refilled in place for each packet (it is too big to move around).
-        let mut key = Key::default();
-        // Headers are read a few packets ahead, so their lines are in cache when parsed.
+        // Keys are read a few packets ahead of their use, and the walk cache's lines for them
+        // fetched then; frames further ahead, so their lines are in when parsed.
+        let mut ahead = std::mem::take(&mut self.ahead);
         for p in batch.iter().take(PREFETCH) {
             p.prefetch_data();
         }
+        for (j, p) in batch.iter().take(LOOKAHEAD).enumerate() {
+            ahead[j].0.reset(p.data(), port);
+        }
+        for a in ahead.iter_mut().take(FETCH_AHEAD.min(batch.len())) {
+            self.fetch_walk(a);
+        }
         let mut rest = batch.drain(..);
+        let mut n = 0;
         while let Some(p) = rest.next() {
-            if let Some(ahead) = rest.as_slice().get(PREFETCH - 1) {
-                ahead.prefetch_data();
+            if let Some(far) = rest.as_slice().get(PREFETCH - 1) {
+                far.prefetch_data();
             }
-            key.reset(p.data(), port);
+            if let Some(next) = rest.as_slice().get(LOOKAHEAD - 1) {
+                ahead[(n + LOOKAHEAD) % AHEAD].0.reset(next.data(), port);
+            }
+            if rest.as_slice().len() >= FETCH_AHEAD {
+                self.fetch_walk(&mut ahead[(n + FETCH_AHEAD) % AHEAD]);
+            }
+            let (key, slot) = &mut ahead[n % AHEAD];
             self.key_stale = false;
-            self.receive_one(p, &mut key, snap, shared, io);
+            self.receive_one(p, key, *slot, snap, shared, io);
+            n += 1;
         }
         drop(rest);
+        self.ahead = ahead;
         self.batch = batch;
+    }
+
+    /// When the walk cache is in use: the key's slot there, and its lines fetched.
+    #[inline]
+    fn fetch_walk(&self, (key, slot): &mut (Key, Option<Slot>)) {
+        *slot = self.traces.as_ref().filter(|t| t.worth_it()).map(|t| {
+            let s = t.slot(key);
+            t.prefetch(&s);
+            s
+        });
     }
 
     /// A PACKET_OUT: its actions on the frame (output to OFPP_TABLE runs the pipeline).
@@ -272,33 +299,45 @@ impl DataPath {
         self.walk(p, key, table, snap, shared, io, None);
     }
 
-    /// A packet of port `port` whose key is `key`: the walk remembered for its key bits is
-    /// replayed; else the tables are looked up and the walk remembered when it may be.
+    /// A packet whose key is `key`: the walk remembered for its key bits is replayed, or only
+    /// its net effect when that holds for the packet; else the tables are looked up and the
+    /// walk remembered when it may be.
     fn receive_one(
         &mut self,
         p: Packet,
         key: &mut Key,
+        slot: Option<Slot>,
         snap: &Snapshot,
         shared: &Shared,
         io: &mut Io,
     ) {
-        let Some(traces) = self.traces.as_ref().filter(|t| t.worth_it()) else {
+        let (Some(traces), Some(slot)) = (self.traces.as_mut(), slot) else {
             return self.pipeline(p, key, 0, snap, shared, io);
         };
-        let slot = traces.slot(key);
+        let in_port = key.in_port();
         let mut steps = std::mem::take(&mut self.steps);
-        if traces.walk(&slot, key, &mut steps) {
+        steps.clear();
+        if let Some(w) = traces.find(&slot, key) {
             self.tally.cache_hits += 1;
-            self.replay(p, key, &steps, snap, shared, io);
+            if let Some((_, outputs)) = traces.net(w).filter(|(n, _)| n.holds(&p, in_port)) {
+                let len = p.len();
+                send_net(p, outputs, &mut self.tx, io);
+                traces.count(w, len);
+            } else {
+                steps.extend_from_slice(traces.steps(w));
+                self.replay(p, key, &steps, snap, shared, io);
+            }
         } else {
             let first = *key;
-            steps.clear();
             self.walk_cut = false;
             self.walk_from_bytes = false;
+            self.probe.start(p.data(), in_port);
             self.walk(p, key, 0, snap, shared, io, Some(&mut steps));
+            let net = self.probe.finish();
             if !self.walk_cut && !self.walk_from_bytes {
                 if let Some(traces) = &mut self.traces {
-                    traces.record(slot, &first, &steps);
+                    let counts = &mut self.counts;
+                    traces.record(slot, &first, &steps, net, |s, n, b| counts.walk(s, n, b));
                 }
             }
         }
@@ -320,10 +359,11 @@ impl DataPath {
     ) {
         let mut set: Option<ActionSet> = None;
         let mut origin = Origin::NONE;
+        let came_in = p.len() as isize;
         loop {
             self.fresh(key, &p);
             let entries = &snap.tables[table];
-            self.lookups[table] += 1;
+            self.counts.lookups[table] += 1;
             let found = match &mut self.caches[table] {
                 Some(c) if entries.len() > CACHE_FROM_FLOWS => {
                     let (f, hit) = c.lookup(entries, key);
@@ -335,11 +375,12 @@ impl DataPath {
             if let Some(r) = record.as_deref_mut() {
                 r.push(Step {
                     table: table as u8,
+                    grown: (p.len() as isize - came_in) as i16,
                     at: found.map_or(Step::MISS, |at| at as u32),
                 });
             }
             let Some(at) = found else {
-                self.tally.misses += 1;
+                self.counts.misses += 1;
                 return;
             };
             match self.run_entry(p, key, table, at, &mut set, &mut origin, snap, shared, io) {
@@ -364,9 +405,9 @@ impl DataPath {
         let mut origin = Origin::NONE;
         for s in steps {
             let table = s.table as usize;
-            self.lookups[table] += 1;
+            self.counts.lookups[table] += 1;
             if s.at == Step::MISS {
-                self.tally.misses += 1;
+                self.counts.misses += 1;
                 return;
             }
             let at = s.at as usize;
@@ -411,10 +452,16 @@ impl DataPath {
         shared: &Shared,
         io: &mut Io,
     ) -> Walked {
-        self.matched[table] += 1;
-        self.count(table, at, p.len(), snap);
+        self.counts.matched[table] += 1;
+        if !self.counts.entry(table, at, p.len() as u64) {
+            // A snapshot the counts were not sized for (none is): counted directly.
+            add(&snap.tables[table][at], 1, p.len() as u64, self.now_ns);
+        }
         let e = &snap.program.tables[table][at];
         if let Some(id) = e.meter {
+            if self.probe.watching() {
+                self.probe.spoil();
+            }
             self.fresh(key, &p);
             match self.meter(&mut p, key, id, snap) {
                 Verdict::Drop => {
@@ -520,6 +567,9 @@ impl DataPath {
                 Some(p)
             }
             Action::Group(g) => {
+                if self.probe.watching() {
+                    self.probe.spoil();
+                }
                 self.fresh(key, &p);
                 if last {
                     self.group(p, key, *g, origin, snap, shared, io, depth);
@@ -531,7 +581,7 @@ impl DataPath {
                 Some(p)
             }
             Action::SetQueue(_) => Some(p),
-            _ => match action::rewrite(&mut p, key, a) {
+            _ => match self.rewrite(&mut p, key, a) {
                 Rewrite::Changed => {
                     self.key_stale = true;
                     Some(p)
@@ -548,6 +598,21 @@ impl DataPath {
                 }
             },
         }
+    }
+
+    /// A rewrite of the frame, watched when a walk's net effect is being worked out.
+    #[inline]
+    fn rewrite(&mut self, p: &mut Packet, key: &mut Key, a: &Action) -> Rewrite {
+        if !self.probe.watching() {
+            return action::rewrite(p, key, a);
+        }
+        let before = p.len();
+        let change = self.probe.before(a, p.data());
+        let r = action::rewrite(p, key, a);
+        if let Some(change) = change {
+            self.probe.after(change, before, p.len());
+        }
+        r
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -656,6 +721,12 @@ impl DataPath {
         io: &mut Io,
     ) {
         let in_port = key.in_port();
+        if self.probe.watching()
+            && matches!(port, ofp::PORT_CONTROLLER | ofp::PORT_FLOOD | ofp::PORT_ALL)
+        {
+            // The controller must see each packet; a flood depends on the ports of the moment.
+            self.probe.spoil();
+        }
         match port {
             ofp::PORT_CONTROLLER => self.packet_in(p, key, max_len, origin, shared),
             ofp::PORT_FLOOD | ofp::PORT_ALL => {
@@ -681,20 +752,10 @@ impl DataPath {
     }
 
     fn send(&mut self, p: Packet, port: u32, io: &mut Io) {
-        let Some(i) = (port as usize)
-            .checked_sub(1)
-            .filter(|i| *i < self.tx.len())
-        else {
-            return;
-        };
-        let len = p.len() as u64;
-        let t = &mut self.tx[i];
-        if io.output(i).is_some_and(|o| o.transmit(p)) {
-            t[0] += 1;
-            t[1] += len;
-        } else {
-            t[2] += 1;
+        if self.probe.watching() && (port as usize).wrapping_sub(1) < self.tx.len() {
+            self.probe.output(port, p.data());
         }
+        transmit(&mut self.tx, p, port, io);
     }
 
     fn packet_in(&mut self, p: Packet, key: &Key, max_len: u16, origin: Origin, shared: &Shared) {
@@ -732,31 +793,14 @@ impl DataPath {
         }
     }
 
-    /// Counts a packet of `len` bytes against entry `at` of `table`.
-    #[inline]
-    fn count(&mut self, table: usize, at: usize, len: usize, snap: &Snapshot) {
-        match self.counts[table].get_mut(at) {
-            Some(c) => {
-                if c.0 == 0 {
-                    self.counted.push((table as u8, at as u32));
-                }
-                c.0 += 1;
-                c.1 += len as u64;
-            }
-            // A snapshot the counts were not sized for (none is): counted directly.
-            None => add(&snap.tables[table][at], 1, len as u64, self.now_ns),
-        }
-    }
-
-    /// Adds the entries' local counts to `snap`'s entries (which they are of).
+    /// Adds the entries' local counts, and those of the walks' net effects, to `snap`'s
+    /// entries (which they are of).
     pub fn flush_entries(&mut self, snap: &Snapshot, now_ns: u64) {
-        for (t, at) in self.counted.drain(..) {
-            let (t, at) = (t as usize, at as usize);
-            let (n, b) = std::mem::take(&mut self.counts[t][at]);
-            if let Some(entry) = snap.tables[t].get(at) {
-                add(entry, n, b, now_ns);
-            }
+        if let Some(traces) = &mut self.traces {
+            let counts = &mut self.counts;
+            traces.spend_counts(|s, n, b| counts.walk(s, n, b));
         }
+        self.counts.flush_entries(snap, now_ns);
         self.entries_flushed_ns = now_ns;
     }
 
@@ -768,15 +812,8 @@ impl DataPath {
         if now_ns.saturating_sub(self.entries_flushed_ns) >= ENTRY_FLUSH_NS {
             self.flush_entries(snap, now_ns);
         }
-        for t in 0..TABLES {
-            if self.lookups[t] > 0 {
-                let c = &shared.table_counters[t];
-                c.lookups.fetch_add(self.lookups[t], Ordering::Relaxed);
-                c.matched.fetch_add(self.matched[t], Ordering::Relaxed);
-                self.lookups[t] = 0;
-                self.matched[t] = 0;
-            }
-        }
+        self.counts.flush_tables(shared);
+        self.tally.misses += std::mem::take(&mut self.counts.misses);
         for (t, pc) in self.tx.iter_mut().zip(&shared.port_counters) {
             if *t != [0; 3] {
                 pc.tx_packets.fetch_add(t[0], Ordering::Relaxed);
@@ -786,6 +823,132 @@ impl DataPath {
             }
         }
         std::mem::take(&mut self.tally)
+    }
+}
+
+/// Sends the copies a walk's net effect makes of `p`.
+fn send_net(p: Packet, outputs: &[net::Output], tx: &mut [[u64; 3]], io: &mut Io) {
+    let Some((last, copies)) = outputs.split_last() else {
+        return;
+    };
+    for o in copies {
+        if let Some(mut c) = p.try_clone() {
+            if o.apply(&mut c) {
+                transmit(tx, c, o.port, io);
+            }
+        }
+    }
+    let mut p = p;
+    if last.apply(&mut p) {
+        transmit(tx, p, last.port, io);
+    }
+}
+
+/// Sends `p` by OpenFlow port `port`, counting it in `tx`.
+#[inline]
+fn transmit(tx: &mut [[u64; 3]], p: Packet, port: u32, io: &mut Io) {
+    let Some(i) = (port as usize).checked_sub(1).filter(|i| *i < tx.len()) else {
+        return;
+    };
+    let len = p.len() as u64;
+    let t = &mut tx[i];
+    if io.output(i).is_some_and(|o| o.transmit(p)) {
+        t[0] += 1;
+        t[1] += len;
+    } else {
+        t[2] += 1;
+    }
+}
+
+/// Packets and bytes per entry of each table since the last flush, and the entries whose
+/// counts are not zero: dense, so counting touches no entry of the shared pipeline (whose
+/// atomics would cost a cache miss and a locked add per packet). Lookups, matches and misses
+/// per table likewise.
+struct EntryCounts {
+    per_entry: Vec<Vec<(u64, u64)>>,
+    counted: Vec<(u8, u32)>,
+    lookups: [u64; TABLES],
+    matched: [u64; TABLES],
+    misses: u64,
+}
+
+impl Default for EntryCounts {
+    fn default() -> Self {
+        EntryCounts {
+            per_entry: vec![Vec::new(); TABLES],
+            counted: Vec::new(),
+            lookups: [0; TABLES],
+            matched: [0; TABLES],
+            misses: 0,
+        }
+    }
+}
+
+impl EntryCounts {
+    /// Sizes the counts for `snap`'s tables (all zero: spent on the old ones before).
+    fn resize(&mut self, snap: &Snapshot) {
+        self.counted.clear();
+        for (counts, entries) in self.per_entry.iter_mut().zip(&snap.tables) {
+            counts.clear();
+            counts.resize(entries.len(), (0, 0));
+        }
+    }
+
+    /// Counts `len` bytes against entry `at` of `table`; `false` when there is no such count.
+    #[inline]
+    fn entry(&mut self, table: usize, at: usize, len: u64) -> bool {
+        let Some(c) = self.per_entry.get_mut(table).and_then(|t| t.get_mut(at)) else {
+            return false;
+        };
+        if c.0 == 0 {
+            self.counted.push((table as u8, at as u32));
+        }
+        c.0 += 1;
+        c.1 += len;
+        true
+    }
+
+    /// `n` packets of `b` bytes in all took the walk `steps`.
+    fn walk(&mut self, steps: &[Step], n: u64, b: u64) {
+        for s in steps {
+            let table = s.table as usize;
+            self.lookups[table] += n;
+            if s.at == Step::MISS {
+                self.misses += n;
+                continue;
+            }
+            self.matched[table] += n;
+            if let Some(c) = self.per_entry[table].get_mut(s.at as usize) {
+                if c.0 == 0 {
+                    self.counted.push((s.table, s.at));
+                }
+                c.0 += n;
+                c.1 =
+                    c.1.wrapping_add(b.wrapping_add_signed(n as i64 * s.grown as i64));
+            }
+        }
+    }
+
+    fn flush_entries(&mut self, snap: &Snapshot, now_ns: u64) {
+        for (t, at) in self.counted.drain(..) {
+            let (t, at) = (t as usize, at as usize);
+            let (n, b) = std::mem::take(&mut self.per_entry[t][at]);
+            if let Some(entry) = snap.tables[t].get(at) {
+                add(entry, n, b, now_ns);
+            }
+        }
+    }
+
+    fn flush_tables(&mut self, shared: &Shared) {
+        for t in 0..TABLES {
+            if self.lookups[t] > 0 {
+                let c = &shared.table_counters[t];
+                c.lookups.fetch_add(self.lookups[t], Ordering::Relaxed);
+                c.matched.fetch_add(self.matched[t], Ordering::Relaxed);
+                self.lookups[t] = 0;
+                self.matched[t] = 0;
+            }
+        }
     }
 }
 
@@ -816,7 +979,7 @@ fn bucket_live(b: &group::Bucket, snap: &Snapshot, shared: &Shared, depth: usize
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::oxm::{Match, ETH_DST, IN_PORT, VLAN_VID};
+    use crate::oxm::{Match, ETH_DST, ETH_SRC, IN_PORT, VLAN_VID};
     use crate::pipeline::{FlowMod, Instructions, FC_ADD};
     use crate::State;
     use stitch_core::link::link;
@@ -880,12 +1043,32 @@ mod tests {
         );
         for i in 0..20u8 {
             for (v, port) in [(100, 3), (200, 4)] {
+                // Some frames leave as they came, some tagged with a new source address or
+                // VLAN, some to two ports with different heads.
+                let actions = match i % 4 {
+                    0 | 1 => vec![Action::PopVlan, Action::output(port)],
+                    2 => vec![
+                        Action::SetField {
+                            id: ETH_SRC,
+                            value: mac(0xee).to_vec(),
+                        },
+                        Action::output(port),
+                    ],
+                    _ => vec![
+                        Action::output(port),
+                        Action::SetField {
+                            id: VLAN_VID,
+                            value: vid(300).to_vec(),
+                        },
+                        Action::output(2),
+                    ],
+                };
                 add(
                     &mut s,
                     1,
                     10,
                     &[(VLAN_VID, &vid(v), None), (ETH_DST, &mac(i), None)],
-                    then(vec![Action::PopVlan, Action::output(port)], None),
+                    then(actions, None),
                 );
             }
         }
@@ -907,8 +1090,17 @@ mod tests {
         f
     }
 
-    /// What each port sent for the same packets, with the caches (`cache` > 0) or without.
-    fn run(cache: usize) -> Vec<Vec<Vec<u8>>> {
+    /// What the data path did with the same packets, with the caches (`cache` > 0) or without.
+    struct Run {
+        /// What each port sent.
+        sent: Vec<Vec<Vec<u8>>>,
+        /// Each table's entries' packet and byte counts.
+        entries: Vec<Vec<(u64, u64)>>,
+        /// Packets that took a walk's net effect.
+        by_net: u64,
+    }
+
+    fn run(cache: usize) -> Run {
         let _ = pool::init(4096, 0);
         let snap = pipeline();
         let shared = Shared::new(
@@ -949,24 +1141,48 @@ mod tests {
                 sent[i].extend(rx.drain().map(|p| p.data().to_vec()));
             }
         }
+        let by_net = dp.traces.as_ref().map_or(0, TraceCache::packets);
         dp.flush_entries(&snap, 0);
-        sent
+        let entries = snap
+            .tables
+            .iter()
+            .map(|t| {
+                t.iter()
+                    .map(|e| {
+                        (
+                            e.packets.load(Ordering::Relaxed),
+                            e.bytes.load(Ordering::Relaxed),
+                        )
+                    })
+                    .collect()
+            })
+            .collect();
+        Run {
+            sent,
+            entries,
+            by_net,
+        }
     }
 
     #[test]
-    fn remembered_walks_send_what_lookups_send() {
+    fn remembered_walks_send_and_count_what_lookups_do() {
         let looked_up = run(0);
         let cached = run(8192);
-        assert_eq!(
-            looked_up.iter().map(Vec::len).collect::<Vec<_>>(),
-            [0, 0, 216, 104]
-        );
-        let counts = |s: &[Vec<Vec<u8>>]| s.iter().map(Vec::len).collect::<Vec<_>>();
+        let counts = |r: &Run| r.sent.iter().map(Vec::len).collect::<Vec<_>>();
+        assert_eq!(counts(&looked_up), [0, 28, 216, 104]);
         assert!(
-            cached == looked_up,
+            cached.sent == looked_up.sent,
             "with the caches, the ports sent {:?} (without: {:?}) or other frames",
             counts(&cached),
             counts(&looked_up)
+        );
+        assert_eq!(cached.entries, looked_up.entries);
+        // Port 1's frames of a known flow took its net effect; the trunk's are replayed (a pop
+        // before a lookup brings back the inner tag).
+        assert!(
+            cached.by_net > 100,
+            "{} packets took a net effect",
+            cached.by_net
         );
     }
 }

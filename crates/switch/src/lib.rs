@@ -33,6 +33,7 @@ mod datapath;
 pub mod endpoint;
 pub mod group;
 pub mod meter;
+mod net;
 pub mod ofp;
 pub mod oxm;
 pub mod pipeline;

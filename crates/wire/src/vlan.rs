@@ -56,6 +56,23 @@ pub fn set_vid(frame: &mut [u8], vid: u16) -> bool {
     true
 }
 
+/// Replaces the frame's first `cut` bytes by `head`: the net effect of tags pushed and popped
+/// and addresses rewritten, made in one copy. The rest of the frame does not move.
+pub fn replace_head(p: &mut Packet, cut: usize, head: &[u8]) -> Result<(), PacketError> {
+    let n = head.len();
+    if cut > p.len() {
+        return Err(PacketError::TooShort(cut));
+    }
+    if n > cut {
+        p.prepend(n - cut)?;
+    } else {
+        p.shift_front(cut - n)?;
+    }
+    p.data_mut()[..n].copy_from_slice(head);
+    fix_offsets(p, n as i32 - cut as i32);
+    Ok(())
+}
+
 /// Keeps a partial checksum's start pointing at the same header after the frame grew or shrank.
 fn fix_offsets(p: &mut Packet, delta: i32) {
     if p.checksum_state() == stitch_core::packet::ChecksumState::Partial {
@@ -84,5 +101,22 @@ mod tests {
         assert_eq!(pop(&mut p), Some(0x2014));
         assert_eq!(p.data(), &frame[..]);
         assert_eq!(pop(&mut p), None);
+    }
+
+    #[test]
+    fn a_replaced_head_is_what_a_push_and_a_rewrite_make() {
+        let frame: Vec<u8> = (0..64u8).collect();
+        let mut pushed = pool::alloc().unwrap();
+        pushed.set_data(&frame).unwrap();
+        push(&mut pushed, TPID_8021Q, 7).unwrap();
+        pushed.data_mut()[0] = 0xff;
+        let mut replaced = pool::alloc().unwrap();
+        replaced.set_data(&frame).unwrap();
+        replace_head(&mut replaced, 14, &pushed.data()[..18]).unwrap();
+        assert_eq!(replaced.data(), pushed.data());
+        // And back: the tag goes, the addresses come back.
+        replace_head(&mut replaced, 18, &frame[..14]).unwrap();
+        assert_eq!(replaced.data(), &frame[..]);
+        assert!(replace_head(&mut replaced, 65, &[]).is_err());
     }
 }
