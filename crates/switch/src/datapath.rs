@@ -143,8 +143,7 @@ pub struct DataPath {
     probe: Probe,
     counts: EntryCounts,
     entries_flushed_ns: u64,
-    /// Per port: packets, bytes and drops sent since the last flush.
-    tx: Vec<[u64; 3]>,
+    outbox: Outbox,
     tally: Tally,
     batch: Vec<Packet>,
     now_ns: u64,
@@ -165,7 +164,7 @@ impl DataPath {
             probe: Probe::default(),
             counts: EntryCounts::default(),
             entries_flushed_ns: 0,
-            tx: vec![[0; 3]; ports],
+            outbox: Outbox::new(ports),
             tally: Tally::default(),
             batch: Vec::with_capacity(256),
             now_ns: 0,
@@ -230,12 +229,13 @@ impl DataPath {
             }
             let (key, slot) = &mut ahead[n % AHEAD];
             self.key_stale = false;
-            self.receive_one(p, key, *slot, snap, shared, io);
+            self.receive_one(p, key, *slot, snap, shared);
             n += 1;
         }
         drop(rest);
         self.ahead = ahead;
         self.batch = batch;
+        self.outbox.send(io);
     }
 
     /// When the walk cache is in use: the key's slot there, and its lines fetched.
@@ -251,12 +251,24 @@ impl DataPath {
     /// A PACKET_OUT: its actions on the frame (output to OFPP_TABLE runs the pipeline).
     pub fn packet_out(
         &mut self,
-        mut p: Packet,
+        p: Packet,
         in_port: u32,
         actions: &[Action],
         snap: &Snapshot,
         shared: &Shared,
         io: &mut Io,
+    ) {
+        self.run_packet_out(p, in_port, actions, snap, shared);
+        self.outbox.send(io);
+    }
+
+    fn run_packet_out(
+        &mut self,
+        mut p: Packet,
+        in_port: u32,
+        actions: &[Action],
+        snap: &Snapshot,
+        shared: &Shared,
     ) {
         self.now_ns = shared.now_ns();
         let mut key = Key::extract(p.data(), in_port);
@@ -271,15 +283,15 @@ impl DataPath {
             if matches!(a, Action::Output { port, .. } if *port == action::PORT_TABLE) {
                 if last {
                     let mut k = Key::extract(p.data(), in_port);
-                    return self.pipeline(p, &mut k, 0, snap, shared, io);
+                    return self.pipeline(p, &mut k, 0, snap, shared);
                 }
                 if let Some(c) = p.try_clone() {
                     let mut k = Key::extract(c.data(), in_port);
-                    self.pipeline(c, &mut k, 0, snap, shared, io);
+                    self.pipeline(c, &mut k, 0, snap, shared);
                 }
                 continue;
             }
-            match self.act(p, &mut key, a, last, origin, snap, shared, io, 0) {
+            match self.act(p, &mut key, a, last, origin, snap, shared, 0) {
                 Some(next) => p = next,
                 None => return,
             }
@@ -294,9 +306,8 @@ impl DataPath {
         table: usize,
         snap: &Snapshot,
         shared: &Shared,
-        io: &mut Io,
     ) {
-        self.walk(p, key, table, snap, shared, io, None);
+        self.walk(p, key, table, snap, shared, None);
     }
 
     /// A packet whose key is `key`: the walk remembered for its key bits is replayed, or only
@@ -309,10 +320,9 @@ impl DataPath {
         slot: Option<Slot>,
         snap: &Snapshot,
         shared: &Shared,
-        io: &mut Io,
     ) {
         let (Some(traces), Some(slot)) = (self.traces.as_mut(), slot) else {
-            return self.pipeline(p, key, 0, snap, shared, io);
+            return self.pipeline(p, key, 0, snap, shared);
         };
         let in_port = key.in_port();
         let mut steps = std::mem::take(&mut self.steps);
@@ -321,18 +331,18 @@ impl DataPath {
             self.tally.cache_hits += 1;
             if let Some((_, outputs)) = traces.net(w).filter(|(n, _)| n.holds(&p, in_port)) {
                 let len = p.len();
-                send_net(p, outputs, &mut self.tx, io);
+                send_net(p, outputs, &mut self.outbox);
                 traces.count(w, len);
             } else {
                 steps.extend_from_slice(traces.steps(w));
-                self.replay(p, key, &steps, snap, shared, io);
+                self.replay(p, key, &steps, snap, shared);
             }
         } else {
             let first = *key;
             self.walk_cut = false;
             self.walk_from_bytes = false;
             self.probe.start(p.data(), in_port);
-            self.walk(p, key, 0, snap, shared, io, Some(&mut steps));
+            self.walk(p, key, 0, snap, shared, Some(&mut steps));
             let net = self.probe.finish();
             if !self.walk_cut && !self.walk_from_bytes {
                 if let Some(traces) = &mut self.traces {
@@ -346,7 +356,6 @@ impl DataPath {
 
     /// Looks up each table from `table` and runs the entry found; with `record`, notes each
     /// table's entry there.
-    #[allow(clippy::too_many_arguments)]
     fn walk(
         &mut self,
         mut p: Packet,
@@ -354,7 +363,6 @@ impl DataPath {
         mut table: usize,
         snap: &Snapshot,
         shared: &Shared,
-        io: &mut Io,
         mut record: Option<&mut Vec<Step>>,
     ) {
         let mut set: Option<ActionSet> = None;
@@ -383,9 +391,9 @@ impl DataPath {
                 self.counts.misses += 1;
                 return;
             };
-            match self.run_entry(p, key, table, at, &mut set, &mut origin, snap, shared, io) {
+            match self.run_entry(p, key, table, at, &mut set, &mut origin, snap, shared) {
                 Walked::Goto(next, q) => (table, p) = (next, q),
-                Walked::End(q) => return self.end_walk(q, key, set, origin, snap, shared, io),
+                Walked::End(q) => return self.end_walk(q, key, set, origin, snap, shared),
                 Walked::Gone => return,
             }
         }
@@ -399,7 +407,6 @@ impl DataPath {
         steps: &[Step],
         snap: &Snapshot,
         shared: &Shared,
-        io: &mut Io,
     ) {
         let mut set: Option<ActionSet> = None;
         let mut origin = Origin::NONE;
@@ -411,16 +418,15 @@ impl DataPath {
                 return;
             }
             let at = s.at as usize;
-            match self.run_entry(p, key, table, at, &mut set, &mut origin, snap, shared, io) {
+            match self.run_entry(p, key, table, at, &mut set, &mut origin, snap, shared) {
                 Walked::Goto(_, q) => p = q,
-                Walked::End(q) => return self.end_walk(q, key, set, origin, snap, shared, io),
+                Walked::End(q) => return self.end_walk(q, key, set, origin, snap, shared),
                 Walked::Gone => return,
             }
         }
     }
 
     /// The end of the tables: the action set, if the walk wrote one (§5.10).
-    #[allow(clippy::too_many_arguments)]
     fn end_walk(
         &mut self,
         p: Packet,
@@ -429,11 +435,10 @@ impl DataPath {
         origin: Origin,
         snap: &Snapshot,
         shared: &Shared,
-        io: &mut Io,
     ) {
         if let Some(set) = set {
             self.fresh(key, &p);
-            self.run_set(p, *key, &set, origin, snap, shared, io, 0);
+            self.run_set(p, *key, &set, origin, snap, shared, 0);
         }
     }
 
@@ -450,7 +455,6 @@ impl DataPath {
         origin: &mut Origin,
         snap: &'s Snapshot,
         shared: &Shared,
-        io: &mut Io,
     ) -> Walked {
         self.counts.matched[table] += 1;
         if !self.counts.entry(table, at, p.len() as u64) {
@@ -481,7 +485,7 @@ impl DataPath {
         let ends_here = e.goto.is_none() && e.write.is_none() && set.is_none();
         for (n, a) in apply.iter().enumerate() {
             let last = ends_here && n + 1 == apply.len();
-            match self.act(p, key, a, last, *origin, snap, shared, io, 0) {
+            match self.act(p, key, a, last, *origin, snap, shared, 0) {
                 Some(next) => p = next,
                 None => return Walked::Gone,
             }
@@ -518,13 +522,12 @@ impl DataPath {
         origin: Origin,
         snap: &Snapshot,
         shared: &Shared,
-        io: &mut Io,
         depth: usize,
     ) {
         let mut actions = set.ordered().peekable();
         while let Some(a) = actions.next() {
             let last = actions.peek().is_none();
-            match self.act(p, &mut key, a, last, origin, snap, shared, io, depth) {
+            match self.act(p, &mut key, a, last, origin, snap, shared, depth) {
                 Some(next) => p = next,
                 None => return,
             }
@@ -552,17 +555,16 @@ impl DataPath {
         origin: Origin,
         snap: &Snapshot,
         shared: &Shared,
-        io: &mut Io,
         depth: usize,
     ) -> Option<Packet> {
         match a {
             Action::Output { port, max_len } => {
                 if last {
-                    self.output(p, key, *port, *max_len, origin, shared, io);
+                    self.output(p, key, *port, *max_len, origin, shared);
                     return None;
                 }
                 if let Some(c) = p.try_clone() {
-                    self.output(c, key, *port, *max_len, origin, shared, io);
+                    self.output(c, key, *port, *max_len, origin, shared);
                 }
                 Some(p)
             }
@@ -572,11 +574,11 @@ impl DataPath {
                 }
                 self.fresh(key, &p);
                 if last {
-                    self.group(p, key, *g, origin, snap, shared, io, depth);
+                    self.group(p, key, *g, origin, snap, shared, depth);
                     return None;
                 }
                 if let Some(c) = p.try_clone() {
-                    self.group(c, key, *g, origin, snap, shared, io, depth);
+                    self.group(c, key, *g, origin, snap, shared, depth);
                 }
                 Some(p)
             }
@@ -624,7 +626,6 @@ impl DataPath {
         origin: Origin,
         snap: &Snapshot,
         shared: &Shared,
-        io: &mut Io,
         depth: usize,
     ) {
         let Some(g) = snap.groups.get(&id) else {
@@ -647,23 +648,23 @@ impl DataPath {
                         p.as_ref().and_then(Packet::try_clone)
                     };
                     if let Some(c) = copy {
-                        self.bucket(c, key, g, i, origin, snap, shared, io, depth);
+                        self.bucket(c, key, g, i, origin, snap, shared, depth);
                     }
                 }
             }
             group::SELECT => {
                 if let Some(i) = g.select(key, live) {
-                    self.bucket(p, key, g, i, origin, snap, shared, io, depth);
+                    self.bucket(p, key, g, i, origin, snap, shared, depth);
                 }
             }
             group::INDIRECT => {
                 if !g.buckets.is_empty() {
-                    self.bucket(p, key, g, 0, origin, snap, shared, io, depth);
+                    self.bucket(p, key, g, 0, origin, snap, shared, depth);
                 }
             }
             _ => {
                 if let Some(i) = g.buckets.iter().position(live) {
-                    self.bucket(p, key, g, i, origin, snap, shared, io, depth);
+                    self.bucket(p, key, g, i, origin, snap, shared, depth);
                 }
             }
         }
@@ -679,7 +680,6 @@ impl DataPath {
         origin: Origin,
         snap: &Snapshot,
         shared: &Shared,
-        io: &mut Io,
         depth: usize,
     ) {
         let b = &g.buckets[i];
@@ -687,7 +687,7 @@ impl DataPath {
         b.bytes.fetch_add(p.len() as u64, Ordering::Relaxed);
         let mut set = ActionSet::new();
         set.write(&b.actions);
-        self.run_set(p, *key, &set, origin, snap, shared, io, depth + 1);
+        self.run_set(p, *key, &set, origin, snap, shared, depth + 1);
     }
 
     fn meter(&mut self, p: &mut Packet, key: &mut Key, id: u32, snap: &Snapshot) -> Verdict {
@@ -709,7 +709,6 @@ impl DataPath {
         v
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn output(
         &mut self,
         p: Packet,
@@ -718,7 +717,6 @@ impl DataPath {
         max_len: u16,
         origin: Origin,
         shared: &Shared,
-        io: &mut Io,
     ) {
         let in_port = key.in_port();
         if self.probe.watching()
@@ -740,22 +738,22 @@ impl DataPath {
                         p.as_ref().and_then(Packet::try_clone)
                     };
                     if let Some(c) = copy {
-                        self.send(c, o, io);
+                        self.send(c, o);
                     }
                 }
             }
-            ofp::PORT_IN_PORT => self.send(p, in_port, io),
+            ofp::PORT_IN_PORT => self.send(p, in_port),
             // §4.5: a packet leaves by its ingress port only through OFPP_IN_PORT.
             n if n == in_port => {}
-            n => self.send(p, n, io),
+            n => self.send(p, n),
         }
     }
 
-    fn send(&mut self, p: Packet, port: u32, io: &mut Io) {
-        if self.probe.watching() && (port as usize).wrapping_sub(1) < self.tx.len() {
+    fn send(&mut self, p: Packet, port: u32) {
+        if self.probe.watching() && (port as usize).wrapping_sub(1) < self.outbox.ports() {
             self.probe.output(port, p.data());
         }
-        transmit(&mut self.tx, p, port, io);
+        self.outbox.put(p, port);
     }
 
     fn packet_in(&mut self, p: Packet, key: &Key, max_len: u16, origin: Origin, shared: &Shared) {
@@ -814,7 +812,7 @@ impl DataPath {
         }
         self.counts.flush_tables(shared);
         self.tally.misses += std::mem::take(&mut self.counts.misses);
-        for (t, pc) in self.tx.iter_mut().zip(&shared.port_counters) {
+        for (t, pc) in self.outbox.counts.iter_mut().zip(&shared.port_counters) {
             if *t != [0; 3] {
                 pc.tx_packets.fetch_add(t[0], Ordering::Relaxed);
                 pc.tx_bytes.fetch_add(t[1], Ordering::Relaxed);
@@ -827,36 +825,75 @@ impl DataPath {
 }
 
 /// Sends the copies a walk's net effect makes of `p`.
-fn send_net(p: Packet, outputs: &[net::Output], tx: &mut [[u64; 3]], io: &mut Io) {
+fn send_net(p: Packet, outputs: &[net::Output], outbox: &mut Outbox) {
     let Some((last, copies)) = outputs.split_last() else {
         return;
     };
     for o in copies {
         if let Some(mut c) = p.try_clone() {
             if o.apply(&mut c) {
-                transmit(tx, c, o.port, io);
+                outbox.put(c, o.port);
             }
         }
     }
     let mut p = p;
     if last.apply(&mut p) {
-        transmit(tx, p, last.port, io);
+        outbox.put(p, last.port);
     }
 }
 
-/// Sends `p` by OpenFlow port `port`, counting it in `tx`.
-#[inline]
-fn transmit(tx: &mut [[u64; 3]], p: Packet, port: u32, io: &mut Io) {
-    let Some(i) = (port as usize).checked_sub(1).filter(|i| *i < tx.len()) else {
-        return;
-    };
-    let len = p.len() as u64;
-    let t = &mut tx[i];
-    if io.output(i).is_some_and(|o| o.transmit(p)) {
-        t[0] += 1;
-        t[1] += len;
-    } else {
-        t[2] += 1;
+/// The packets going out by each port, queued on its link a batch at a time (one index update
+/// per batch, not per packet), and per port the packets, bytes and drops sent since the last
+/// flush.
+struct Outbox {
+    staged: Vec<Vec<Packet>>,
+    counts: Vec<[u64; 3]>,
+}
+
+impl Outbox {
+    fn new(ports: usize) -> Self {
+        Outbox {
+            staged: (0..ports).map(|_| Vec::with_capacity(256)).collect(),
+            counts: vec![[0; 3]; ports],
+        }
+    }
+
+    fn ports(&self) -> usize {
+        self.staged.len()
+    }
+
+    /// Queues `p` for OpenFlow port `port` (numbered from 1; another number drops it).
+    #[inline]
+    fn put(&mut self, p: Packet, port: u32) {
+        if let Some(staged) = (port as usize)
+            .checked_sub(1)
+            .and_then(|i| self.staged.get_mut(i))
+        {
+            staged.push(p);
+        }
+    }
+
+    /// Hands the queued packets to the ports' links; those that do not fit are dropped.
+    fn send(&mut self, io: &mut Io) {
+        for (i, (staged, t)) in self.staged.iter_mut().zip(&mut self.counts).enumerate() {
+            if staged.is_empty() {
+                continue;
+            }
+            let n = staged.len() as u64;
+            match io.output(i) {
+                Some(o) => {
+                    let bytes: u64 = staged.iter().take(o.room()).map(|p| p.len() as u64).sum();
+                    let sent = o.transmit_batch(staged) as u64;
+                    t[0] += sent;
+                    t[1] += bytes;
+                    t[2] += n - sent;
+                }
+                None => {
+                    t[2] += n;
+                    stitch_core::pool::free_batch(staged.drain(..));
+                }
+            }
+        }
     }
 }
 
