@@ -36,24 +36,12 @@ pub fn prefetch(p: *const u8, write: bool) {
                 options(nostack, preserves_flags, readonly)
             );
         } else {
-            prefetch_line(p);
-            prefetch_line(p.wrapping_add(64));
+            stitch_core::prefetch(p);
+            stitch_core::prefetch(p.wrapping_add(64));
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = (p, write);
-}
-
-/// Asks for the cache line at `p`, for reading.
-#[inline(always)]
-fn prefetch_line(p: *const u8) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: prefetching never faults.
-    unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p as *const i8)
-    };
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
 }
 
 /// Whether the CPU has `prefetchw` (CPUID 8000_0001h ECX bit 8, "3dnowprefetch" in
@@ -302,12 +290,12 @@ impl Vring {
         // for before the available entries that name them arrive, one miss fewer in a row.
         for k in (0..n).step_by(4) {
             let i = self.desc_guess.wrapping_add(k) & (self.num - 1);
-            prefetch_line(self.desc.wrapping_add(16 * i as usize));
+            stitch_core::prefetch(self.desc.wrapping_add(16 * i as usize));
         }
         for k in 0..n {
             let head = self.avail_entry(k);
             if head < self.num {
-                prefetch_line(self.desc.wrapping_add(16 * head as usize));
+                stitch_core::prefetch(self.desc.wrapping_add(16 * head as usize));
             }
         }
         // And the used entries these chains will take, for writing: the driver reads them,

@@ -132,13 +132,8 @@ impl AddressTable {
             return;
         }
         let i = self.home(key);
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: a prefetch is a hint that never faults; the address is of an element of `slots`.
-        unsafe {
-            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-            _mm_prefetch(&self.slots[i] as *const _ as *const i8, _MM_HINT_T0);
-            _mm_prefetch(&self.used[i] as *const _ as *const i8, _MM_HINT_T0);
-        }
+        stitch_core::prefetch(&self.slots[i]);
+        stitch_core::prefetch(&self.used[i]);
     }
 
     fn insert(&mut self, key: u32, a: Address) {
@@ -338,17 +333,7 @@ impl BindingTable {
         };
         if let (Some(base), Some(psid)) = (e.dense, e.set.psid(port)) {
             if let Some(slot) = self.slots.get(base as usize + psid as usize) {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: a prefetch is a hint that never faults; the address is of an element of
-                // `slots`.
-                unsafe {
-                    std::arch::x86_64::_mm_prefetch(
-                        slot as *const _ as *const i8,
-                        std::arch::x86_64::_MM_HINT_T0,
-                    );
-                }
-                #[cfg(not(target_arch = "x86_64"))]
-                let _ = slot;
+                stitch_core::prefetch(slot);
             }
         }
     }

@@ -260,7 +260,7 @@ impl<K: Key> Lpm<K> {
     #[inline]
     pub fn prefetch(&self, addr: K) {
         let entry = &self.direct[addr.top(self.shift)];
-        prefetch_read(entry as *const Bucket as *const u8);
+        stitch_core::prefetch(entry);
     }
 
     /// Brings the first range of `addr`'s bucket toward the cache (after [`Lpm::prefetch`]
@@ -269,7 +269,7 @@ impl<K: Key> Lpm<K> {
     pub fn prefetch_ranges(&self, addr: K) {
         let b = self.direct[addr.top(self.shift)];
         if b.len != 0 {
-            prefetch_read(&self.starts[b.base as usize] as *const K as *const u8);
+            stitch_core::prefetch(&self.starts[b.base as usize]);
         }
     }
 
@@ -284,17 +284,6 @@ impl<K: Key> Lpm<K> {
     pub fn ranges(&self) -> usize {
         self.starts.len()
     }
-}
-
-#[inline]
-fn prefetch_read(p: *const u8) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: a prefetch is a hint that never faults, whatever the address.
-    unsafe {
-        std::arch::x86_64::_mm_prefetch(p as *const i8, std::arch::x86_64::_MM_HINT_T0)
-    };
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
 }
 
 #[cfg(test)]
