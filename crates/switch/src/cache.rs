@@ -446,15 +446,16 @@ impl TraceCache {
 
     /// Hands each walk's counts to `spend` with its steps, and zeroes them.
     pub fn spend_counts(&mut self, mut spend: impl FnMut(&[Step], u64, u64)) {
-        for w in self.counted.drain(..) {
+        let mut counted = std::mem::take(&mut self.counted);
+        for w in counted.drain(..) {
             let walk = &mut self.walks[w as usize];
             let (n, b) = (
                 std::mem::take(&mut walk.packets),
                 std::mem::take(&mut walk.bytes),
             );
-            let at = walk.steps_at as usize;
-            spend(&self.steps[at..at + walk.steps as usize], n, b);
+            spend(self.steps(w), n, b);
         }
+        self.counted = counted;
     }
 
     /// Remembers the walk of a packet with these key bits, and its net effect if it has one.

@@ -457,15 +457,13 @@ impl DataPath {
         shared: &Shared,
     ) -> Walked {
         self.counts.matched[table] += 1;
-        if !self.counts.entry(table, at, p.len() as u64) {
+        if !self.counts.entry(table, at, 1, p.len() as u64) {
             // A snapshot the counts were not sized for (none is): counted directly.
             add(&snap.tables[table][at], 1, p.len() as u64, self.now_ns);
         }
         let e = &snap.program.tables[table][at];
         if let Some(id) = e.meter {
-            if self.probe.watching() {
-                self.probe.spoil();
-            }
+            self.probe.spoil();
             self.fresh(key, &p);
             match self.meter(&mut p, key, id, snap) {
                 Verdict::Drop => {
@@ -569,9 +567,7 @@ impl DataPath {
                 Some(p)
             }
             Action::Group(g) => {
-                if self.probe.watching() {
-                    self.probe.spoil();
-                }
+                self.probe.spoil();
                 self.fresh(key, &p);
                 if last {
                     self.group(p, key, *g, origin, snap, shared, depth);
@@ -719,9 +715,7 @@ impl DataPath {
         shared: &Shared,
     ) {
         let in_port = key.in_port();
-        if self.probe.watching()
-            && matches!(port, ofp::PORT_CONTROLLER | ofp::PORT_FLOOD | ofp::PORT_ALL)
-        {
+        if matches!(port, ofp::PORT_CONTROLLER | ofp::PORT_FLOOD | ofp::PORT_ALL) {
             // The controller must see each packet; a flood depends on the ports of the moment.
             self.probe.spoil();
         }
@@ -750,7 +744,7 @@ impl DataPath {
     }
 
     fn send(&mut self, p: Packet, port: u32) {
-        if self.probe.watching() && (port as usize).wrapping_sub(1) < self.outbox.ports() {
+        if self.probe.watching() && self.outbox.slot(port).is_some() {
             self.probe.output(port, p.data());
         }
         self.outbox.put(p, port);
@@ -858,18 +852,19 @@ impl Outbox {
         }
     }
 
-    fn ports(&self) -> usize {
-        self.staged.len()
+    /// Where OpenFlow port `port`'s packets are queued (ports are numbered from 1).
+    #[inline]
+    fn slot(&self, port: u32) -> Option<usize> {
+        (port as usize)
+            .checked_sub(1)
+            .filter(|i| *i < self.staged.len())
     }
 
-    /// Queues `p` for OpenFlow port `port` (numbered from 1; another number drops it).
+    /// Queues `p` for OpenFlow port `port` (another number drops it).
     #[inline]
     fn put(&mut self, p: Packet, port: u32) {
-        if let Some(staged) = (port as usize)
-            .checked_sub(1)
-            .and_then(|i| self.staged.get_mut(i))
-        {
-            staged.push(p);
+        if let Some(i) = self.slot(port) {
+            self.staged[i].push(p);
         }
     }
 
@@ -931,17 +926,18 @@ impl EntryCounts {
         }
     }
 
-    /// Counts `len` bytes against entry `at` of `table`; `false` when there is no such count.
+    /// Counts `n` packets of `bytes` in all against entry `at` of `table`; `false` when there
+    /// is no such count.
     #[inline]
-    fn entry(&mut self, table: usize, at: usize, len: u64) -> bool {
+    fn entry(&mut self, table: usize, at: usize, n: u64, bytes: u64) -> bool {
         let Some(c) = self.per_entry.get_mut(table).and_then(|t| t.get_mut(at)) else {
             return false;
         };
         if c.0 == 0 {
             self.counted.push((table as u8, at as u32));
         }
-        c.0 += 1;
-        c.1 += len;
+        c.0 += n;
+        c.1 = c.1.wrapping_add(bytes);
         true
     }
 
@@ -955,14 +951,9 @@ impl EntryCounts {
                 continue;
             }
             self.matched[table] += n;
-            if let Some(c) = self.per_entry[table].get_mut(s.at as usize) {
-                if c.0 == 0 {
-                    self.counted.push((s.table, s.at));
-                }
-                c.0 += n;
-                c.1 =
-                    c.1.wrapping_add(b.wrapping_add_signed(n as i64 * s.grown as i64));
-            }
+            // Each entry saw the frame as long as it was at that table.
+            let bytes = b.wrapping_add_signed(n as i64 * s.grown as i64);
+            self.entry(table, s.at as usize, n, bytes);
         }
     }
 

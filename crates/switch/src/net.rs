@@ -115,7 +115,8 @@ impl Probe {
         self.watching && self.pure
     }
 
-    /// The walk does something a net effect cannot hold.
+    /// The walk does something a net effect cannot hold (nothing, when no walk is watched: the
+    /// next [`Probe::start`] begins afresh).
     pub fn spoil(&mut self) {
         self.pure = false;
     }
