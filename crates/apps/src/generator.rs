@@ -17,7 +17,9 @@ use std::net::IpAddr;
 use std::time::Instant;
 use stitch_core::packet::now_ns;
 use stitch_core::packet::MAX_FRAME;
-use stitch_core::{pool, App, AppContext, AppError, Counter, Io, Packet, PortSpec, Producer};
+use stitch_core::{
+    pool, App, AppContext, AppError, Counter, Io, Packet, PortSpec, Producer, PULL_BURST,
+};
 use stitch_wire::{checksum, ipv4_header, parse_mac};
 
 /// Frame sizes of the simple IMIX.
@@ -461,7 +463,12 @@ impl App for Generator {
 
     fn pull(&mut self, io: &mut Io) {
         let Some(out) = io.output(0) else { return };
-        let mut n = out.room();
+        // Unpaced, a burst per breath (the next breath comes soon); paced, whatever the budget
+        // pays for, so that long breaths (thousands of apps) do not lower the rate.
+        let mut n = match self.rate {
+            None => out.room().min(PULL_BURST),
+            Some(_) => out.room(),
+        };
         if let Some(r) = self.remaining {
             n = n.min(r.min(usize::MAX as u64) as usize);
         }

@@ -7,7 +7,7 @@
 //! ```
 
 use serde::Deserialize;
-use stitch_core::{pool, App, AppContext, AppError, Counter, Io, PortNames, PortSpec};
+use stitch_core::{App, AppContext, AppError, Counter, Io, PortNames, PortSpec};
 
 #[derive(Debug, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
@@ -40,10 +40,9 @@ impl App for Sink {
         let (inputs, _) = io.split();
         let (mut n, mut bytes) = (0u64, 0u64);
         for input in inputs.iter_mut().flatten() {
-            pool::free_batch(input.drain().inspect(|p| {
-                n += 1;
-                bytes += p.len() as u64;
-            }));
+            let (packets, size) = input.free_available();
+            n += packets;
+            bytes += size;
         }
         self.packets.add(n);
         self.bytes.add(bytes);

@@ -255,6 +255,13 @@ pub enum Reconfigured {
     Restart,
 }
 
+/// The most packets a source should bring into the graph in one breath (`pull`), as the
+/// drivers' bursts do. A breath's packets then cross every link of the chain while their ring
+/// slots and headers are still in the first two cache levels; a source that filled its whole
+/// link (1024) each breath made every hop of an 8-forwarder chain several times dearer (Snabb
+/// caps its sources the same way: `engine.pull_npackets`).
+pub const PULL_BURST: usize = 256;
+
 /// A network function. See the crate docs of `stitch-apps` for examples.
 pub trait App: Send + 'static {
     /// The app's config, deserialized from its entry in the graph file (minus `type` and

@@ -20,6 +20,7 @@ pub mod pool;
 
 pub use app::{
     App, AppContext, AppError, AppType, Counter, Io, PortNames, PortSpec, Reconfigured, Registry,
+    PULL_BURST,
 };
 pub use engine::{Engine, Stats};
 pub use graph::{Graph, Placement};

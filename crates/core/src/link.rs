@@ -3,7 +3,9 @@
 //! A link is split into a [`Producer`] (held by the app that feeds it) and a [`Consumer`] (held
 //! by the app that reads it). Each side keeps a private copy of the other side's index and reads
 //! the shared one only when its copy says the ring is full or empty, so a packet crosses a link
-//! with a slot write and an index store, even between threads. Every operation is non-blocking:
+//! with a slot write and an index store, even between threads. Each slot also holds its
+//! packet's length, so an app that moves packets on (`forward_to`) or frees them
+//! (`free_available`) counts their bytes without reading the packets. Every operation is non-blocking:
 //! a full ring drops the newest packet and counts a tx drop.
 //!
 //! A link can be tapped while it runs ([`Ring::add_tap`]): each [`LinkTap`] sees every packet
@@ -45,6 +47,9 @@ pub struct Ring {
     cons: CachePadded<ConsumerSide>,
     mask: usize,
     slots: Box<[UnsafeCell<MaybeUninit<Packet>>]>,
+    /// Each slot's packet length, written with the slot: moving packets from link to link
+    /// counts their bytes from here, without touching a packet's own memory on every hop.
+    lens: Box<[UnsafeCell<u32>]>,
     /// What the app at each end says it is, for the app at the other end (see [`EndTag`]).
     producer_end: OnceLock<EndTag>,
     consumer_end: OnceLock<EndTag>,
@@ -89,6 +94,16 @@ fn bump(c: &AtomicU64, n: u64) {
 }
 
 impl Ring {
+    #[inline(always)]
+    fn slot_ptr(&self, at: usize) -> *mut MaybeUninit<Packet> {
+        UnsafeCell::raw_get(self.slots[at..].as_ptr())
+    }
+
+    #[inline(always)]
+    fn len_ptr(&self, at: usize) -> *mut u32 {
+        UnsafeCell::raw_get(self.lens[at..].as_ptr())
+    }
+
     pub fn capacity(&self) -> usize {
         self.mask + 1
     }
@@ -217,6 +232,7 @@ pub fn link(size: usize) -> (Producer, Consumer) {
         cons: CachePadded::new(ConsumerSide::default()),
         mask: size - 1,
         slots,
+        lens: (0..size).map(|_| UnsafeCell::new(0)).collect(),
         producer_end: OnceLock::new(),
         consumer_end: OnceLock::new(),
         taps: ArcSwapOption::empty(),
@@ -274,15 +290,20 @@ impl Producer {
                 return false;
             }
         }
-        let len = p.len() as u64;
+        let len = p.len();
+        let at = self.tail & self.ring.mask;
         // SAFETY: the slot at tail is free (the ring is not full, checked above) and only this
-        // producer writes it; the consumer reads it after the release store of the new tail.
-        unsafe { (*self.ring.slots[self.tail & self.ring.mask].get()).write(p) };
+        // producer writes it and its length; the consumer reads them after the release store
+        // of the new tail.
+        unsafe {
+            (*self.ring.slots[at].get()).write(p);
+            *self.ring.lens[at].get() = len as u32;
+        }
         self.tail = self.tail.wrapping_add(1);
         self.ring.prod.tail.store(self.tail, Ordering::Release);
         let side = &*self.ring.prod;
         bump(&side.tx_packets, 1);
-        bump(&side.tx_bytes, len);
+        bump(&side.tx_bytes, len as u64);
         true
     }
 
@@ -293,12 +314,16 @@ impl Producer {
         let n = batch.len().min(self.room());
         let mut bytes = 0u64;
         for (i, p) in batch.drain(..n).enumerate() {
-            bytes += p.len() as u64;
-            // SAFETY: slots tail..tail+n are free (n ≤ room) and only this producer writes them;
-            // the consumer reads them only after the release store of the new tail below.
+            let len = p.len();
+            bytes += len as u64;
+            let at = self.tail.wrapping_add(i) & self.ring.mask;
+            // SAFETY: slots tail..tail+n are free (n ≤ room) and only this producer writes them
+            // and their lengths; the consumer reads them only after the release store of the
+            // new tail below.
             unsafe {
-                (*self.ring.slots[self.tail.wrapping_add(i) & self.ring.mask].get()).write(p)
-            };
+                (*self.ring.slots[at].get()).write(p);
+                *self.ring.lens[at].get() = len as u32;
+            }
         }
         self.tail = self.tail.wrapping_add(n);
         self.ring.prod.tail.store(self.tail, Ordering::Release);
@@ -415,6 +440,31 @@ impl Consumer {
         }
     }
 
+    /// Frees every packet available now in one batch and returns how many there were and their
+    /// bytes, counted from the ring's lengths without reading the packets.
+    #[inline]
+    pub fn free_available(&mut self) -> (u64, u64) {
+        let n = self.available();
+        let mut bytes = 0u64;
+        let mut counted = 0;
+        while counted < n {
+            let from = self.head.wrapping_add(counted) & self.ring.mask;
+            let run = (n - counted).min(self.ring.mask + 1 - from);
+            // SAFETY: slots head..head+n hold published packets, so their lengths were written
+            // with them and stay unchanged until this consumer moves head past them.
+            let lens = unsafe { std::slice::from_raw_parts(self.ring.len_ptr(from), run) };
+            bytes += lens.iter().map(|&l| l as u64).sum::<u64>();
+            counted += run;
+        }
+        let end = self.head.wrapping_add(n);
+        crate::pool::free_batch(Drain {
+            start: self.head,
+            end,
+            consumer: self,
+        });
+        (n as u64, bytes)
+    }
+
     /// Moves as many packets as fit from this link to `out` with one index update on each side.
     /// Packets that do not fit stay queued here (back-pressure, no drop). Returns the number moved.
     #[inline]
@@ -425,15 +475,27 @@ impl Consumer {
         }
         let (src, dst) = (&self.ring, &out.ring);
         let mut bytes = 0u64;
-        for i in 0..n {
-            // SAFETY: n ≤ available, so source slots head..head+n hold published packets; n ≤
-            // room, so destination slots tail..tail+n are free. Each packet is moved once and
-            // both indexes are published after the loop.
+        let mut moved = 0;
+        while moved < n {
+            let from = self.head.wrapping_add(moved) & src.mask;
+            let to = out.tail.wrapping_add(moved) & dst.mask;
+            let run = (n - moved).min(src.mask + 1 - from).min(dst.mask + 1 - to);
+            // SAFETY: n ≤ available, so source slots head..head+n hold published packets and
+            // their lengths; n ≤ room, so destination slots tail..tail+n are free. `run` stays
+            // inside both arrays and the two ranges never overlap (published and free slots are
+            // disjoint even when both ends are the same ring). The packets' bits are moved:
+            // the source slots count as empty once head is published after the loop.
             unsafe {
-                let p = (*src.slots[self.head.wrapping_add(i) & src.mask].get()).assume_init_read();
-                bytes += p.len() as u64;
-                (*dst.slots[out.tail.wrapping_add(i) & dst.mask].get()).write(p);
+                let (from_slots, to_slots) = (src.slot_ptr(from), dst.slot_ptr(to));
+                let (from_lens, to_lens) = (src.len_ptr(from), dst.len_ptr(to));
+                for i in 0..run {
+                    to_slots.add(i).write(from_slots.add(i).read());
+                    let len = from_lens.add(i).read();
+                    to_lens.add(i).write(len);
+                    bytes += len as u64;
+                }
             }
+            moved += run;
         }
         self.head = self.head.wrapping_add(n);
         out.tail = out.tail.wrapping_add(n);
@@ -580,6 +642,36 @@ mod tests {
         }
         assert_eq!(btx.ring().stats().tx_bytes, 60 * 60);
         assert_eq!(atx.ring().stats().tx_drops, 0);
+    }
+
+    #[test]
+    fn bytes_are_counted_from_the_ring_across_wraps() {
+        let (mut atx, mut arx) = link(8);
+        let (mut btx, mut brx) = link(4);
+        let (mut sent, mut freed, mut freed_bytes) = (0u64, 0u64, 0u64);
+        for round in 0..10usize {
+            let lens: Vec<usize> = (0..5).map(|i| 60 + 7 * (round * 5 + i)).collect();
+            for &len in &lens {
+                let mut p = pool::alloc().unwrap();
+                p.set_data(&vec![len as u8; len]).unwrap();
+                atx.transmit(p);
+            }
+            sent += lens.iter().sum::<usize>() as u64;
+            let moved = arx.forward_to(&mut btx);
+            assert_eq!(moved, 4);
+            let (n, bytes) = brx.free_available();
+            assert_eq!((n, bytes), (4, lens[..4].iter().sum::<usize>() as u64));
+            assert_eq!(arx.forward_to(&mut btx), 1);
+            let last: Vec<usize> = brx.drain().map(|p| p.len()).collect();
+            assert_eq!(last, vec![lens[4]]);
+            freed += n + 1;
+            freed_bytes += bytes + lens[4] as u64;
+        }
+        let (a, b) = (atx.ring().stats(), btx.ring().stats());
+        assert_eq!((a.tx_bytes, b.tx_bytes), (sent, sent));
+        assert_eq!((freed, freed_bytes), (50, sent));
+        assert_eq!(b.rx_packets, 50);
+        assert_eq!(brx.free_available(), (0, 0));
     }
 
     #[test]
