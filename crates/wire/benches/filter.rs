@@ -1,0 +1,51 @@
+//! A libpcap filter on 64-byte frames: the JIT's machine code against libpcap's interpreter.
+
+use criterion::{black_box, criterion_group, criterion_main, Criterion, Throughput};
+use stitch_wire::filter::PacketFilter;
+
+/// 256 UDP-over-IPv4 frames of 60 bytes with varying ports.
+fn frames() -> Vec<Vec<u8>> {
+    (0..256u16)
+        .map(|i| {
+            let mut f = vec![0u8; 60];
+            f[12..14].copy_from_slice(&0x0800u16.to_be_bytes());
+            f[14] = 0x45;
+            f[16..18].copy_from_slice(&46u16.to_be_bytes());
+            f[23] = 17;
+            f[26..30].copy_from_slice(&[10, 0, 0, 1]);
+            f[30..34].copy_from_slice(&[10, 0, (i >> 8) as u8, i as u8]);
+            f[34..36].copy_from_slice(&(1000 + i).to_be_bytes());
+            f[36..38].copy_from_slice(&53u16.to_be_bytes());
+            f
+        })
+        .collect()
+}
+
+fn bench(c: &mut Criterion) {
+    let frames = frames();
+    for expression in ["tcp", "udp and dst port 53 and not net 10.0.0.0/24"] {
+        let filter = PacketFilter::compile(expression).expect("filter");
+        let mut g = c.benchmark_group(format!("filter `{expression}`"));
+        g.throughput(Throughput::Elements(frames.len() as u64));
+        g.bench_function("jit", |b| {
+            b.iter(|| {
+                frames
+                    .iter()
+                    .filter(|f| filter.matches(black_box(f)))
+                    .count()
+            })
+        });
+        g.bench_function("libpcap interpreter", |b| {
+            b.iter(|| {
+                frames
+                    .iter()
+                    .filter(|f| filter.matches_interpreted(black_box(f)))
+                    .count()
+            })
+        });
+        g.finish();
+    }
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
