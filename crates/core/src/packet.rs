@@ -95,6 +95,8 @@ pub enum PacketError {
 }
 
 /// An owned packet. Not `Clone`: use [`Packet::try_clone`], which takes a new buffer.
+/// Transparent: a run of packets (a link's slots) is a run of buffer pointers.
+#[repr(transparent)]
 pub struct Packet(NonNull<PacketBuf>);
 
 // SAFETY: a packet is owned by exactly one holder at a time (not Clone, not Sync); handing it

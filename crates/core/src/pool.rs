@@ -472,6 +472,37 @@ pub(crate) fn free_raw(buf: NonNull<PacketBuf>) {
     }
 }
 
+/// Returns `bufs` — buffers of packets their holder gives up, such as a link's slots — to the
+/// thread's cache with one visit: copied as one block when all are ordinary buffers (the usual
+/// case), one by one otherwise.
+///
+/// # Safety
+/// The caller owns every buffer of `bufs` and never uses any of them again.
+pub(crate) unsafe fn free_owned(bufs: &[NonNull<PacketBuf>]) {
+    let pool = get();
+    let large = &pool.classes[LARGE];
+    let cached = CACHE.try_with(|c| match c.try_borrow_mut() {
+        Ok(mut c) => {
+            if bufs.iter().any(|b| large.contains(b.as_ptr() as *const u8)) {
+                bufs.iter().for_each(|&b| cache_put(&mut c, pool, b));
+            } else {
+                c.bufs[SMALL].extend_from_slice(bufs);
+                while c.bufs[SMALL].len() > CACHE_MAX {
+                    pool.classes[SMALL].give(&mut c.bufs[SMALL], CACHE_BATCH);
+                }
+            }
+            c.publish();
+            true
+        }
+        Err(_) => false,
+    });
+    if cached != Ok(true) {
+        for &b in bufs {
+            give_uncached(&pool.classes[pool.class_of(b)], b);
+        }
+    }
+}
+
 /// Frees every packet of `packets` with one visit to the thread's cache (a sink's batch).
 pub fn free_batch(packets: impl IntoIterator<Item = Packet>) {
     let pool = get();
