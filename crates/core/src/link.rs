@@ -5,8 +5,8 @@
 //! the shared one only when its copy says the ring is full or empty, so a packet crosses a link
 //! with a slot write and an index store, even between threads. Each slot also holds its
 //! packet's length, so an app that moves packets on (`forward_to`) or frees them
-//! (`free_available`) counts their bytes without reading the packets. Every operation is non-blocking:
-//! a full ring drops the newest packet and counts a tx drop.
+//! (`free_available`) counts their bytes without reading the packets. Every operation is
+//! non-blocking: a full ring drops the newest packet and counts a tx drop.
 //!
 //! A link can be tapped while it runs ([`Ring::add_tap`]): each [`LinkTap`] sees every packet
 //! the consumer is about to receive, in order, as a batch, on the consumer's thread. An untapped
@@ -103,6 +103,31 @@ impl Ring {
     #[inline(always)]
     fn len_ptr(&self, at: usize) -> *mut u32 {
         UnsafeCell::raw_get(self.lens[at..].as_ptr())
+    }
+
+    /// Writes `p` and its length into slot `at`; returns the length.
+    ///
+    /// # Safety
+    /// Slot `at` is free and the caller is the ring's one producer; the consumer reads the slot
+    /// only after the producer's next release store of `tail`.
+    #[inline(always)]
+    unsafe fn put(&self, at: usize, p: Packet) -> u32 {
+        let len = p.len() as u32;
+        // SAFETY: the caller's contract: the slot is free and no one else writes or reads it.
+        unsafe {
+            (*self.slots[at].get()).write(p);
+            *self.lens[at].get() = len;
+        }
+        len
+    }
+
+    /// Slots `from..from + n` (unmasked indexes, `n` ≤ capacity) as at most two contiguous runs
+    /// of the arrays, `(first slot, count)`; the second is empty unless the ring wraps.
+    #[inline(always)]
+    fn runs(&self, from: usize, n: usize) -> [(usize, usize); 2] {
+        let start = from & self.mask;
+        let first = n.min(self.mask + 1 - start);
+        [(start, first), (0, n - first)]
     }
 
     pub fn capacity(&self) -> usize {
@@ -291,15 +316,9 @@ impl Producer {
                 return false;
             }
         }
-        let len = p.len();
-        let at = self.tail & self.ring.mask;
-        // SAFETY: the slot at tail is free (the ring is not full, checked above) and only this
-        // producer writes it and its length; the consumer reads them after the release store
-        // of the new tail.
-        unsafe {
-            (*self.ring.slots[at].get()).write(p);
-            *self.ring.lens[at].get() = len as u32;
-        }
+        // SAFETY: the slot at tail is free (the ring is not full, checked above), this is the
+        // ring's producer, and the release store of the new tail follows.
+        let len = unsafe { self.ring.put(self.tail & self.ring.mask, p) };
         self.tail = self.tail.wrapping_add(1);
         self.ring.prod.tail.store(self.tail, Ordering::Release);
         let side = &*self.ring.prod;
@@ -315,16 +334,10 @@ impl Producer {
         let n = batch.len().min(self.room());
         let mut bytes = 0u64;
         for (i, p) in batch.drain(..n).enumerate() {
-            let len = p.len();
-            bytes += len as u64;
             let at = self.tail.wrapping_add(i) & self.ring.mask;
-            // SAFETY: slots tail..tail+n are free (n ≤ room) and only this producer writes them
-            // and their lengths; the consumer reads them only after the release store of the
-            // new tail below.
-            unsafe {
-                (*self.ring.slots[at].get()).write(p);
-                *self.ring.lens[at].get() = len as u32;
-            }
+            // SAFETY: slots tail..tail+n are free (n ≤ room), this is the ring's producer, and
+            // the release store of the new tail follows below.
+            bytes += unsafe { self.ring.put(at, p) } as u64;
         }
         self.tail = self.tail.wrapping_add(n);
         self.ring.prod.tail.store(self.tail, Ordering::Release);
@@ -376,21 +389,22 @@ impl Consumer {
     fn show_taps(&self, tail: usize) {
         let taps = self.ring.taps.load();
         let Some(taps) = taps.as_ref() else { return };
-        let start = self.cached_tail & self.ring.mask;
         let n = tail.wrapping_sub(self.cached_tail);
-        let first = n.min(self.ring.mask + 1 - start);
-        let slots = &self.ring.slots;
         // SAFETY: slots cached_tail..tail (≥ head) hold packets the producer published with its
         // release store of `tail`, read above with acquire; they stay in place, unchanged, until
         // this consumer takes them, which it cannot do while `&self` is borrowed here, and the
-        // producer does not write them before head passes them. `UnsafeCell` and `MaybeUninit`
-        // have the layout of the `Packet` they wrap, so initialised slots read as `[Packet]`.
-        let runs = unsafe {
-            [
-                std::slice::from_raw_parts(slots.as_ptr().add(start).cast::<Packet>(), first),
-                std::slice::from_raw_parts(slots.as_ptr().cast::<Packet>(), n - first),
-            ]
-        };
+        // producer does not write them before head passes them. `runs` stays inside the slots.
+        // `UnsafeCell` and `MaybeUninit` have the layout of the `Packet` they wrap, so
+        // initialised slots read as `[Packet]`.
+        let runs = self
+            .ring
+            .runs(self.cached_tail, n)
+            .map(|(at, count)| unsafe {
+                std::slice::from_raw_parts(
+                    self.ring.slot_ptr(at).cast::<Packet>().cast_const(),
+                    count,
+                )
+            });
         for tap in taps.iter() {
             for run in runs.iter().filter(|r| !r.is_empty()) {
                 tap.observe(run);
@@ -447,10 +461,7 @@ impl Consumer {
     pub fn free_available(&mut self) -> (u64, u64) {
         let n = self.available();
         let mut bytes = 0u64;
-        let mut freed = 0;
-        while freed < n {
-            let from = self.head.wrapping_add(freed) & self.ring.mask;
-            let run = (n - freed).min(self.ring.mask + 1 - from);
+        for (from, run) in self.ring.runs(self.head, n).into_iter().filter(|r| r.1 > 0) {
             // SAFETY: slots head..head+n hold published packets, and their lengths written with
             // them, which only this consumer takes. `run` stays inside both arrays. A slot is a
             // `Packet` behind transparent wrappers, and `Packet` is a transparent buffer
@@ -465,7 +476,6 @@ impl Consumer {
                 );
                 crate::pool::free_owned(bufs);
             }
-            freed += run;
         }
         self.head = self.head.wrapping_add(n);
         self.ring.cons.head.store(self.head, Ordering::Release);
