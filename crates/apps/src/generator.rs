@@ -17,9 +17,7 @@ use std::net::IpAddr;
 use std::time::Instant;
 use stitch_core::packet::now_ns;
 use stitch_core::packet::MAX_FRAME;
-use stitch_core::{
-    pool, App, AppContext, AppError, Counter, Io, Packet, PortSpec, Producer, PULL_BURST,
-};
+use stitch_core::{App, AppContext, AppError, Counter, Io, Packet, PortSpec, PULL_BURST};
 use stitch_wire::{checksum, ipv4_header, parse_mac};
 
 /// Frame sizes of the simple IMIX.
@@ -279,9 +277,6 @@ pub struct Generator {
     /// zero-padded, so that a frame is copied in fixed-size blocks without a call to memcpy.
     template_stride: usize,
     templates: Vec<u8>,
-    /// Packets taken from the pool for one pull, kept to avoid allocating.
-    batch: Vec<stitch_core::Packet>,
-    smallest: usize,
     flows: usize,
     next_flow: usize,
     next_size: usize,
@@ -315,49 +310,28 @@ impl Generator {
     }
 }
 
-/// Packets taken, written and queued in one pass: few enough that their headers stay in the
-/// first-level cache from allocation to queueing (a whole link's worth did not).
-const CHUNK: usize = 64;
-
 impl Generator {
-    /// Takes `want` packets from the pool, writes the next frames into as many as the budget
-    /// pays for and queues them on `out`. Returns how many it queued.
-    fn emit_chunk(
-        &mut self,
-        want: usize,
-        budget: &mut f64,
-        by_bytes: bool,
-        ts: u64,
-        out: &mut Producer,
-    ) -> usize {
-        let mut batch = std::mem::take(&mut self.batch);
-        let got = pool::alloc_batch(want, &mut batch);
-        if got < want {
-            self.exhausted.add((want - got) as u64);
-        }
-        let mut made = 0;
-        if by_bytes {
-            for p in batch.iter_mut() {
-                let size = self.sizes[self.next_size];
-                if *budget < size as f64 {
-                    break;
+    /// How many of the next `n` packets the budget pays for: one token each, or their sizes in
+    /// bytes.
+    fn affordable(&self, n: usize, budget: f64) -> usize {
+        match self.rate {
+            Some(Rate::Bps(_)) => {
+                let mut left = budget;
+                let mut at = self.next_size;
+                let mut k = 0;
+                while k < n && left >= self.sizes[at] as f64 {
+                    left -= self.sizes[at] as f64;
+                    at = if at + 1 == self.sizes.len() {
+                        0
+                    } else {
+                        at + 1
+                    };
+                    k += 1;
                 }
-                self.write_next(p, ts);
-                *budget -= size as f64;
-                made += 1;
+                k
             }
-        } else {
-            for p in batch.iter_mut() {
-                self.write_next(p, ts);
-            }
-            made = batch.len();
-            *budget -= made as f64;
+            _ => n.min(budget.min(usize::MAX as f64) as usize),
         }
-        // Packets of a size mix that the byte budget could not pay for go back unused.
-        pool::free_batch(batch.drain(made..));
-        out.transmit_batch(&mut batch);
-        self.batch = batch;
-        made
     }
 
     /// Writes the next frame (flow and size in turn) into `p`.
@@ -447,8 +421,6 @@ impl App for Generator {
             header_len: p.header_len,
             template_stride,
             templates,
-            batch: Vec::with_capacity(CHUNK),
-            smallest: distinct[0],
             flows: c.flows as usize,
             next_flow: 0,
             next_size: 0,
@@ -475,27 +447,25 @@ impl App for Generator {
         if n == 0 {
             return;
         }
-        let mut budget = self.budget();
-        let by_bytes = matches!(self.rate, Some(Rate::Bps(_)));
-        let ts = if self.timestamps { now_ns() } else { 0 };
-        // As many packets as the budget pays for at the smallest size: a byte rate does not
-        // take a link's worth of buffers from the pool to use a few.
-        let unit = if by_bytes { self.smallest as f64 } else { 1.0 };
-        let n = n.min((budget / unit).min(usize::MAX as f64) as usize);
+        let budget = self.budget();
+        let n = self.affordable(n, budget);
         if n == 0 {
             return;
         }
-        let mut sent = 0;
-        while sent < n {
-            let want = (n - sent).min(CHUNK);
-            let made = self.emit_chunk(want, &mut budget, by_bytes, ts, out);
-            sent += made;
-            if made < want {
-                break; // the pool or the budget ran out
-            }
+        let ts = if self.timestamps { now_ns() } else { 0 };
+        let mut bytes = 0usize;
+        let sent = out.transmit_fresh(n, |p| {
+            self.write_next(p, ts);
+            bytes += p.len();
+        });
+        // The link had room for n: the rest is what the pool could not give.
+        if sent < n {
+            self.exhausted.add((n - sent) as u64);
         }
-        if self.rate.is_some() {
-            self.tokens = budget;
+        match self.rate {
+            Some(Rate::Bps(_)) => self.tokens = budget - bytes as f64,
+            Some(Rate::Pps(_)) => self.tokens = budget - sent as f64,
+            None => {}
         }
         if let Some(r) = self.remaining.as_mut() {
             *r -= sent as u64;

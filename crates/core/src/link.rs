@@ -247,6 +247,18 @@ impl Drop for Ring {
     }
 }
 
+/// Buffers taken into a link's slots and not yet queued: freed if the app writing them
+/// unwinds (the engine catches an app's panic and carries on), forgotten once queued.
+struct FreeUnqueued(*const NonNull<PacketBuf>, usize);
+
+impl Drop for FreeUnqueued {
+    fn drop(&mut self) {
+        // SAFETY: the `self.1` slots from `self.0` were written by `pool::take_owned` and the
+        // tail was not moved past them, so nothing else holds or will read these buffers.
+        unsafe { crate::pool::free_owned(std::slice::from_raw_parts(self.0, self.1)) };
+    }
+}
+
 /// Creates a link with room for `size` packets (rounded up to a power of two, at least 2).
 pub fn link(size: usize) -> (Producer, Consumer) {
     let size = size.max(2).next_power_of_two();
@@ -349,6 +361,62 @@ impl Producer {
             crate::pool::free_batch(batch.drain(..));
         }
         n
+    }
+
+    /// Takes up to `n` fresh packets from the pool straight into this link's free slots, lets
+    /// `write` make each one's frame, and queues them (a source's burst: no batch vector between
+    /// the pool and the ring, and each packet's header is written once). Returns how many it
+    /// queued: fewer than `n` when the link has less room, or when the pool runs out, which the
+    /// pool counts.
+    #[inline]
+    pub fn transmit_fresh(&mut self, n: usize, mut write: impl FnMut(&mut Packet)) -> usize {
+        let n = n.min(self.room());
+        let capacity = crate::pool::small_capacity();
+        let mut made = 0;
+        for (from, run) in self.ring.runs(self.tail, n) {
+            if run == 0 {
+                break;
+            }
+            // SAFETY: slots tail..tail+n are free (n ≤ room) and only this producer writes them
+            // until the release store of the new tail below. A slot is a `Packet` behind
+            // transparent wrappers, and `Packet` is a transparent buffer pointer, so the run
+            // takes the pool's pointers as they are.
+            let slots = unsafe {
+                std::slice::from_raw_parts_mut(
+                    self.ring
+                        .slot_ptr(from)
+                        .cast::<MaybeUninit<NonNull<PacketBuf>>>(),
+                    run,
+                )
+            };
+            let got = crate::pool::take_owned(slots);
+            let unwinding = FreeUnqueued(slots.as_ptr().cast(), got);
+            let mut bytes = 0u64;
+            for i in 0..got {
+                // SAFETY: `take_owned` wrote slots ..got with buffers only this link holds; the
+                // packet is made fresh before `write` sees it. The length beside the slot is
+                // this producer's alone to write.
+                unsafe {
+                    let p = &mut *self.ring.slot_ptr(from + i).cast::<Packet>();
+                    p.reset(capacity);
+                    write(p);
+                    let len = p.len() as u32;
+                    *self.ring.len_ptr(from + i) = len;
+                    bytes += len as u64;
+                }
+            }
+            std::mem::forget(unwinding);
+            self.tail = self.tail.wrapping_add(got);
+            self.ring.prod.tail.store(self.tail, Ordering::Release);
+            let side = &*self.ring.prod;
+            bump(&side.tx_packets, got as u64);
+            bump(&side.tx_bytes, bytes);
+            made += got;
+            if got < run {
+                break;
+            }
+        }
+        made
     }
 
     /// Counts `n` packets dropped by the producing app because this link was full (for apps that
@@ -591,6 +659,7 @@ pub fn resize(old: Consumer, size: usize) -> (Producer, Consumer) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::packet::HEADROOM;
     use crate::pool;
 
     fn pkt(tag: u8) -> Packet {
@@ -697,6 +766,35 @@ mod tests {
         assert_eq!((freed, freed_bytes), (50, sent));
         assert_eq!(b.rx_packets, 50);
         assert_eq!(brx.free_available(), (0, 0));
+    }
+
+    #[test]
+    fn fresh_packets_are_written_in_place_in_order_across_the_wrap() {
+        let (mut tx, mut rx) = link(8);
+        // Leave stale headers and frames in buffers the pool will hand out again.
+        for i in 0..5 {
+            let mut p = pkt(i);
+            p.set_timestamp_ns(77);
+            p.header_mut().user = [9; 4];
+            assert!(tx.transmit(p));
+        }
+        drop(rx.drain().collect::<Vec<_>>());
+        let mut next = 0u8;
+        let sent = tx.transmit_fresh(20, |p| {
+            assert_eq!((p.len(), p.headroom(), p.timestamp_ns()), (0, HEADROOM, 0));
+            assert_eq!(p.header().user, [0; 4]);
+            p.set_data(&vec![next; 60 + next as usize]).unwrap();
+            next += 1;
+        });
+        assert_eq!(sent, 8, "as many as the link has room for");
+        let got: Vec<(u8, usize)> = rx.drain().map(|p| (p.data()[0], p.len())).collect();
+        let want: Vec<(u8, usize)> = (0..8).map(|i| (i, 60 + i as usize)).collect();
+        assert_eq!(got, want);
+        let s = tx.ring().stats();
+        assert_eq!(s.tx_packets, 13);
+        assert_eq!(s.tx_bytes, 5 * 60 + (0..8).map(|i| 60 + i).sum::<u64>());
+        assert_eq!(s.tx_drops, 0);
+        assert_eq!(tx.transmit_fresh(0, |_| unreachable!()), 0);
     }
 
     #[test]

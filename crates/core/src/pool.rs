@@ -433,6 +433,52 @@ pub fn alloc_batch(n: usize, out: &mut Vec<Packet>) -> usize {
     got
 }
 
+/// Moves up to `into.len()` ordinary buffers from the thread's cache into `into` — a run of a
+/// link's free slots — as one block copy, and returns how many it moved, counting each one
+/// missing as a failed allocation. Their headers are stale: the caller makes each a fresh packet
+/// with [`Packet::reset`] (capacity [`small_capacity`]) before anything reads it, so that a
+/// buffer's header is written once, beside its frame.
+pub(crate) fn take_owned(into: &mut [std::mem::MaybeUninit<NonNull<PacketBuf>>]) -> usize {
+    let class = &get().classes[SMALL];
+    let n = into.len();
+    let copy = |bufs: &mut Vec<NonNull<PacketBuf>>, into: &mut [std::mem::MaybeUninit<_>]| {
+        let k = n.min(bufs.len());
+        let at = bufs.len() - k;
+        for (slot, &b) in into.iter_mut().zip(&bufs[at..]) {
+            slot.write(b);
+        }
+        bufs.truncate(at);
+        k
+    };
+    let cached = CACHE.try_with(|c| match c.try_borrow_mut() {
+        Ok(mut c) => {
+            refill(&mut c, class, SMALL, n);
+            let k = copy(&mut c.bufs[SMALL], into);
+            c.published[SMALL].store(c.bufs[SMALL].len(), Relaxed);
+            Some(k)
+        }
+        Err(_) => None,
+    });
+    let got = match cached {
+        Ok(Some(k)) => k,
+        _ => {
+            let mut bufs = Vec::with_capacity(n);
+            class.take(&mut bufs, n);
+            copy(&mut bufs, into)
+        }
+    };
+    if got < n {
+        class.exhausted.fetch_add((n - got) as u64, Relaxed);
+    }
+    got
+}
+
+/// Data-area bytes of an ordinary buffer, for [`Packet::reset`] of buffers from [`take_owned`].
+#[inline]
+pub(crate) fn small_capacity() -> usize {
+    get().classes[SMALL].capacity
+}
+
 /// Takes a fresh large packet, big enough for a 64 KiB GSO super-frame.
 #[inline]
 pub fn alloc_large() -> Option<Packet> {
