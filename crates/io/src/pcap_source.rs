@@ -268,8 +268,6 @@ pub struct PcapSource {
     file: Option<PcapFile>,
     /// A looped file held in memory (then `file` is not read).
     replay: Option<Replay>,
-    /// Packets on their way to the link (kept to reuse its allocation).
-    batch: Vec<stitch_core::Packet>,
     repeat: bool,
     pace: bool,
     speed: f64,
@@ -358,27 +356,25 @@ impl PcapSource {
         self.origin = None;
     }
 
-    /// Sends up to `n` frames of the in-memory file with one pool visit and one link update.
+    /// Sends up to `n` frames of the in-memory file, written straight into the link's slots
+    /// with one pool visit and one link update.
     fn replay_batch(&mut self, n: usize, out: &mut stitch_core::Producer) {
         let Some(replay) = &mut self.replay else {
             return;
         };
-        let mut batch = std::mem::take(&mut self.batch);
-        let got = pool::alloc_batch(n, &mut batch);
-        if got < n {
-            self.exhausted.add((n - got) as u64);
-        }
         let mut loops = 0;
-        for p in batch.iter_mut() {
+        let sent = out.transmit_fresh(n, |p| {
             let (data, ts, looped) = replay.next_frame();
             // Cannot fail: frames over MAX_FRAME are never loaded.
             let _ = p.set_data(data);
             p.set_timestamp_ns(ts);
             loops += looped as u64;
+        });
+        // n is at most the link's room: the rest is what the pool could not give.
+        if sent < n {
+            self.exhausted.add((n - sent) as u64);
         }
         self.loops.add(loops);
-        out.transmit_batch(&mut batch);
-        self.batch = batch;
     }
 }
 
@@ -407,7 +403,6 @@ impl App for PcapSource {
             path,
             file: Some(file),
             replay,
-            batch: Vec::with_capacity(BURST),
 
             repeat: c.repeat,
             pace: c.pace,
