@@ -59,6 +59,13 @@ impl Offline {
         Ok(())
     }
 
+    /// Queues up to `n` fresh packets on `side`'s input, each written by `write`, the way a
+    /// source feeds a link (`Producer::transmit_fresh`). Returns how many: fewer when the input
+    /// is full or the pool runs out.
+    pub fn feed_fresh(&mut self, side: usize, n: usize, write: impl FnMut(&mut Packet)) -> usize {
+        self.inputs[side].transmit_fresh(n, write)
+    }
+
     /// Runs the function over everything queued.
     pub fn push(&mut self) {
         self.app.push(&mut self.io);
@@ -73,6 +80,12 @@ impl Offline {
     /// What the function sent on `side` since the last call.
     pub fn drain(&mut self, side: usize) -> impl Iterator<Item = Packet> + '_ {
         self.outputs[side].drain()
+    }
+
+    /// Frees what the function sent on `side` since the last call, as a sink does; returns
+    /// how many packets.
+    pub fn discard(&mut self, side: usize) -> u64 {
+        self.outputs[side].free_available().0
     }
 
     pub fn stop(&mut self) {
