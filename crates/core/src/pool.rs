@@ -400,41 +400,33 @@ pub fn alloc() -> Option<Packet> {
 /// thread's cache, and returns how many it appended. Fewer than `n` only when the pool is
 /// exhausted; each packet missing is counted as one failed allocation.
 pub fn alloc_batch(n: usize, out: &mut Vec<Packet>) -> usize {
-    let class = &get().classes[SMALL];
     out.reserve(n);
     let before = out.len();
-    let fill = |bufs: &mut Vec<NonNull<PacketBuf>>, out: &mut Vec<Packet>| {
-        let at = bufs.len() - n.min(bufs.len());
-        out.extend(bufs.drain(at..).map(|b| {
-            // SAFETY: `b` came off a free list, so nothing else holds it.
-            let mut p = unsafe { Packet::from_raw(b) };
-            p.reset(class.capacity);
-            p
-        }));
+    let spare = &mut out.spare_capacity_mut()[..n];
+    // SAFETY: `Packet` is a transparent buffer pointer and `MaybeUninit` is transparent, so the
+    // spare room of a `Vec<Packet>` has the layout of uninitialised buffer pointers; the slice
+    // borrows `out` only until `take_owned` returns.
+    let spare = unsafe {
+        std::slice::from_raw_parts_mut(
+            spare
+                .as_mut_ptr()
+                .cast::<std::mem::MaybeUninit<NonNull<PacketBuf>>>(),
+            n,
+        )
     };
-    let cached = CACHE.try_with(|c| match c.try_borrow_mut() {
-        Ok(mut c) => {
-            refill(&mut c, class, SMALL, n);
-            fill(&mut c.bufs[SMALL], out);
-            c.published[SMALL].store(c.bufs[SMALL].len(), Relaxed);
-            true
-        }
-        Err(_) => false,
-    });
-    if cached != Ok(true) {
-        let mut bufs = Vec::with_capacity(n);
-        class.take(&mut bufs, n);
-        fill(&mut bufs, out);
-    }
-    let got = out.len() - before;
-    if got < n {
-        class.exhausted.fetch_add((n - got) as u64, Relaxed);
+    let got = take_owned(spare);
+    // SAFETY: `take_owned` initialised the first `got` spare elements with buffers off a free
+    // list, which nothing else holds; each is made a fresh packet just below.
+    unsafe { out.set_len(before + got) };
+    let capacity = small_capacity();
+    for p in &mut out[before..] {
+        p.reset(capacity);
     }
     got
 }
 
 /// Moves up to `into.len()` ordinary buffers from the thread's cache into `into` — a run of a
-/// link's free slots — as one block copy, and returns how many it moved, counting each one
+/// link's free slots, or a vector's spare room — as one block copy, and returns how many it moved, counting each one
 /// missing as a failed allocation. Their headers are stale: the caller makes each a fresh packet
 /// with [`Packet::reset`] (capacity [`small_capacity`]) before anything reads it, so that a
 /// buffer's header is written once, beside its frame.
