@@ -15,9 +15,10 @@
 use serde::Deserialize;
 use std::net::IpAddr;
 use std::time::Instant;
+use stitch_core::link::Producer;
 use stitch_core::packet::now_ns;
 use stitch_core::packet::MAX_FRAME;
-use stitch_core::{App, AppContext, AppError, Counter, Io, Packet, PortSpec, PULL_BURST};
+use stitch_core::{App, AppContext, AppError, Counter, Io, PortSpec, PULL_BURST};
 use stitch_wire::{checksum, ipv4_header, parse_mac};
 
 /// Frame sizes of the simple IMIX.
@@ -265,20 +266,21 @@ fn build_headers(c: &GeneratorConfig, p: &Plan, flow: u32, size: usize, out: &mu
 
 pub struct Generator {
     sizes: Vec<usize>,
-    /// Index into `distinct` for each entry of `sizes`.
-    size_slot: Vec<usize>,
-    distinct: usize,
+    /// One entry per entry of `sizes`: where that size's template sits among a flow's templates.
+    steps: Vec<Step>,
     /// Whether templates hold whole frames (when they all fit in `TEMPLATE_LIMIT`: a packet is
     /// one copy, as Snabb's Source clones its template) or headers only (the payload of zeroes
     /// is written per packet).
     whole_frames: bool,
     header_len: usize,
-    /// Templates by (flow, distinct size), `template_stride` bytes apart: whole 64-byte blocks,
+    /// Templates by (flow, distinct size). Whole frames are stored as whole 64-byte blocks,
     /// zero-padded, so that a frame is copied in fixed-size blocks without a call to memcpy.
-    template_stride: usize,
     templates: Vec<u8>,
-    flows: usize,
-    next_flow: usize,
+    /// Bytes of one flow's templates, and of all of them.
+    flow_stride: usize,
+    flows_end: usize,
+    /// Where the next frame's flow's templates start, and its entry in `sizes`.
+    next_flow_at: usize,
     next_size: usize,
     rate: Option<Rate>,
     tokens: f64,
@@ -286,6 +288,16 @@ pub struct Generator {
     remaining: Option<u64>,
     timestamps: bool,
     exhausted: Counter,
+}
+
+/// A frame size of the cycle, worked out once: the template's place within its flow's
+/// templates, the frame's length, and the bytes copied from the template (whole 64-byte
+/// blocks of a whole frame, or the headers).
+#[derive(Clone, Copy)]
+struct Step {
+    template_at: usize,
+    len: usize,
+    copied: usize,
 }
 
 impl Generator {
@@ -334,43 +346,79 @@ impl Generator {
         }
     }
 
-    /// Writes the next frame (flow and size in turn) into `p`.
-    #[inline(always)]
-    fn write_next(&mut self, p: &mut Packet, ts: u64) {
-        let size = self.sizes[self.next_size];
-        let at = (self.next_flow * self.distinct + self.size_slot[self.next_size])
-            * self.template_stride;
-        // set_len cannot fail: sizes (and their 64-byte round-up) were checked against MAX_FRAME.
-        if self.whole_frames {
-            let padded = size.next_multiple_of(64);
-            let _ = p.set_len(padded);
-            let template = &self.templates[at..at + padded];
-            for (to, from) in p
-                .data_mut()
-                .chunks_exact_mut(64)
-                .zip(template.chunks_exact(64))
-            {
-                to.copy_from_slice(from);
-            }
-            let _ = p.set_len(size);
+    /// Writes the next `n` frames (flows and sizes in turn) straight into the output's slots;
+    /// returns the packets and bytes made. The walk lives in a local and each template layout
+    /// has its own loop, so a packet costs one table entry, one copy and two wrapping counters.
+    fn write_burst(&mut self, out: &mut Producer, n: usize, ts: u64) -> (usize, usize) {
+        let templates = &self.templates[..];
+        let header_len = self.header_len;
+        let mut walk = Walk {
+            steps: &self.steps,
+            flow_stride: self.flow_stride,
+            flows_end: self.flows_end,
+            flow_at: self.next_flow_at,
+            size_at: self.next_size,
+            bytes: 0,
+        };
+        // set_len cannot fail below: sizes (and their 64-byte round-up) were checked against
+        // MAX_FRAME. A fresh packet's timestamp is 0, so writing `ts` = 0 changes nothing.
+        let sent = if self.whole_frames {
+            out.transmit_fresh(n, |p| {
+                let (at, step) = walk.next();
+                let _ = p.set_len(step.copied);
+                let template = &templates[at..at + step.copied];
+                for (to, from) in p
+                    .data_mut()
+                    .chunks_exact_mut(64)
+                    .zip(template.chunks_exact(64))
+                {
+                    to.copy_from_slice(from);
+                }
+                let _ = p.set_len(step.len);
+                p.set_timestamp_ns(ts);
+            })
         } else {
-            let _ = p.set_len(size);
-            let hl = self.header_len;
-            let d = p.data_mut();
-            d[..hl].copy_from_slice(&self.templates[at..at + hl]);
-            d[hl..].fill(0);
+            out.transmit_fresh(n, |p| {
+                let (at, step) = walk.next();
+                let _ = p.set_len(step.len);
+                let d = p.data_mut();
+                d[..header_len].copy_from_slice(&templates[at..at + header_len]);
+                d[header_len..].fill(0);
+                p.set_timestamp_ns(ts);
+            })
+        };
+        self.next_flow_at = walk.flow_at;
+        self.next_size = walk.size_at;
+        (sent, walk.bytes)
+    }
+}
+
+/// The generator's place in its cycle of flows and sizes during one burst.
+struct Walk<'a> {
+    steps: &'a [Step],
+    flow_stride: usize,
+    flows_end: usize,
+    flow_at: usize,
+    size_at: usize,
+    bytes: usize,
+}
+
+impl Walk<'_> {
+    /// The next frame's template offset and size; moves on to the frame after it.
+    #[inline(always)]
+    fn next(&mut self) -> (usize, Step) {
+        let step = self.steps[self.size_at];
+        let at = self.flow_at + step.template_at;
+        self.bytes += step.len;
+        self.size_at += 1;
+        if self.size_at == self.steps.len() {
+            self.size_at = 0;
         }
-        if ts != 0 {
-            p.set_timestamp_ns(ts);
+        self.flow_at += self.flow_stride;
+        if self.flow_at == self.flows_end {
+            self.flow_at = 0;
         }
-        self.next_size += 1;
-        if self.next_size == self.sizes.len() {
-            self.next_size = 0;
-        }
-        self.next_flow += 1;
-        if self.next_flow == self.flows {
-            self.next_flow = 0;
-        }
+        (at, step)
     }
 }
 
@@ -387,11 +435,6 @@ impl App for Generator {
         let mut distinct = p.sizes.clone();
         distinct.sort();
         distinct.dedup();
-        let size_slot = p
-            .sizes
-            .iter()
-            .map(|s| distinct.binary_search(s).unwrap())
-            .collect();
         let largest = *distinct.last().expect("plan gives at least one size");
         let whole_frames =
             c.flows as usize * distinct.len() * largest.next_multiple_of(64) <= TEMPLATE_LIMIT;
@@ -400,10 +443,11 @@ impl App for Generator {
         } else {
             p.header_len
         };
-        let mut templates = vec![0u8; c.flows as usize * distinct.len() * template_stride];
+        let flow_stride = distinct.len() * template_stride;
+        let mut templates = vec![0u8; c.flows as usize * flow_stride];
         for flow in 0..c.flows as usize {
             for (slot, &size) in distinct.iter().enumerate() {
-                let at = (flow * distinct.len() + slot) * template_stride;
+                let at = flow * flow_stride + slot * template_stride;
                 build_headers(
                     &c,
                     &p,
@@ -413,16 +457,28 @@ impl App for Generator {
                 );
             }
         }
+        let steps = p
+            .sizes
+            .iter()
+            .map(|&len| Step {
+                template_at: distinct.binary_search(&len).unwrap() * template_stride,
+                len,
+                copied: if whole_frames {
+                    len.next_multiple_of(64)
+                } else {
+                    p.header_len
+                },
+            })
+            .collect();
         Ok(Generator {
             sizes: p.sizes,
-            size_slot,
-            distinct: distinct.len(),
+            steps,
             whole_frames,
             header_len: p.header_len,
-            template_stride,
             templates,
-            flows: c.flows as usize,
-            next_flow: 0,
+            flow_stride,
+            flows_end: c.flows as usize * flow_stride,
+            next_flow_at: 0,
             next_size: 0,
             rate: p.rate,
             tokens: 0.0,
@@ -453,11 +509,7 @@ impl App for Generator {
             return;
         }
         let ts = if self.timestamps { now_ns() } else { 0 };
-        let mut bytes = 0usize;
-        let sent = out.transmit_fresh(n, |p| {
-            self.write_next(p, ts);
-            bytes += p.len();
-        });
+        let (sent, bytes) = self.write_burst(out, n, ts);
         // The link had room for n: the rest is what the pool could not give.
         if sent < n {
             self.exhausted.add((n - sent) as u64);
@@ -550,6 +602,36 @@ mod tests {
         let expect: Vec<usize> = IMIX.iter().map(|&s| s.max(74)).collect();
         assert_eq!(&sizes[..12], &expect[..]);
         frames.iter().for_each(|f| verify_l4(f));
+    }
+
+    /// The frame the generator must send as packet `i`: flow `i mod flows`, size `i mod sizes`.
+    fn expected(c: &GeneratorConfig, i: usize) -> Vec<u8> {
+        let p = plan(c).unwrap();
+        let size = p.sizes[i % p.sizes.len()];
+        let mut frame = vec![0u8; size];
+        build_headers(c, &p, (i % c.flows as usize) as u32, size, &mut frame);
+        frame
+    }
+
+    #[test]
+    fn flows_and_sizes_take_turns_across_bursts() {
+        // 3 flows × a 2-size list: a cycle of 6 frames, cut by bursts of 256 that do not divide
+        // it; then the same with templates of headers only (65 536 flows of 1500 bytes would
+        // take 100 MB of whole frames).
+        for (flows, sizes, count) in [(3, vec![64, 128], 1000), (65_536, vec![1500, 64], 600)] {
+            let c = GeneratorConfig {
+                flows,
+                size: SizeSpec::Mix(sizes),
+                count: Some(count),
+                ..Default::default()
+            };
+            let frames = run(c.clone(), 5);
+            assert_eq!(frames.len(), count as usize);
+            for (i, f) in frames.iter().enumerate() {
+                assert_eq!(f, &expected(&c, i), "frame {i} of {flows} flows");
+                verify_l4(f);
+            }
+        }
     }
 
     #[test]
