@@ -11,6 +11,7 @@
 //! queued packets), reconfigures or rebuilds what changed, rewires, and resumes the workers.
 
 use crate::app::{AppContext, AppError, Counters, DynApp, Io, PortNames, Reconfigured, Registry};
+use crate::diff::{compute_config_actions, ConfigActions};
 use crate::graph::{Endpoint, Graph, LinkDecl, WorkerConfig};
 use crate::link::{self, Consumer, LinkStats, Producer, Ring};
 use crate::pool;
@@ -402,283 +403,118 @@ impl Engine {
         self.state.lock().unwrap().graph.clone()
     }
 
-    /// Makes `graph` the running graph, keeping whatever did not change.
+    /// Makes `graph` the running graph, keeping whatever did not change. What changes is worked
+    /// out from the two documents first ([`compute_config_actions`]); new apps are built before
+    /// anything is touched, then the workers park between two breaths while the actions are
+    /// carried out, and resume.
     pub fn apply(&self, graph: Graph) -> Result<ApplyReport, EngineError> {
         let mut st = self.state.lock().unwrap();
-        if st.stopped {
-            return Err(EngineError::Other("engine is stopped".into()));
-        }
-        if let Some(a) = graph
-            .apps
-            .values()
-            .find(|a| a.placement != crate::graph::Placement::Engine)
-        {
-            return Err(EngineError::Config {
-                app: a.name.clone(),
-                message: format!(
-                    "line {}: the engine runs `placement: engine` apps; a `placement: {}` app \
-                     is placed beside it (`stitch run` does that, or `stitch kernel apply` for \
-                     a kernel-only graph)",
-                    a.line, a.placement
-                ),
-            });
-        }
-        if st.graph.is_none() {
-            pool::init(graph.engine.pool_packets, graph.engine.pool_large_packets)
-                .map_err(|e| EngineError::Other(e.to_string()))?;
-        }
-        let mut report = ApplyReport::default();
-        let old = st.graph.clone();
-        let same = |name: &str| -> Option<&crate::graph::AppDecl> {
-            let a = old.as_ref()?.apps.get(name)?;
-            let n = graph.apps.get(name)?;
-            (a.kind == n.kind).then_some(a)
+        check_applicable(&st, &graph)?;
+        let actions = compute_config_actions(st.graph.as_ref(), &graph);
+        // A failure while building changes nothing.
+        let built = self.build_apps(&actions.build, &graph)?;
+        let parking = Instant::now();
+        let mut parked = park_workers(&mut st)?;
+        // All or nothing: a failure gives the apps already reconfigured their old config back
+        // and the workers resume with the graph as it was.
+        let reconfigured = match self.reconfigure_apps(
+            &actions.reconfigure,
+            st.graph.as_ref(),
+            &graph,
+            &mut parked,
+        ) {
+            Ok(r) => r,
+            Err(e) => {
+                resume_parked(&st, parked)?;
+                return Err(EngineError::RolledBack(Box::new(e)));
+            }
         };
+        let mut report = ApplyReport::of_actions(&actions, &graph, &reconfigured);
+        let (mut slots, ends) = unpark(parked);
+        for name in &reconfigured.in_place {
+            let slot = slots.get_mut(name).expect("kept app has a slot");
+            slot.config = graph.apps[name].config.clone();
+        }
+        let retired = retire_apps(&mut slots, &actions.retire, reconfigured.rebuilt, &graph);
+        add_built_apps(&mut slots, built, &graph);
+        let links = rewire(&mut slots, ends, &actions, &graph, &mut report);
+        self.resume_workers(&mut st, slots, &graph)?;
+        st.links = links;
+        st.graph = Some(graph);
+        report.paused_ms = parking.elapsed().as_secs_f64() * 1e3;
+        // Closing a socket or unmapping a ring can wait for the kernel (a packet socket's
+        // close waits for an RCU grace period): what left goes once the workers run again.
+        drop(retired);
+        Ok(report)
+    }
 
-        // 1. Build every new app (and every app whose type changed) before touching the running
-        //    graph: a failure here changes nothing.
-        let mut built: HashMap<String, (Box<dyn DynApp>, Counters)> = HashMap::new();
-        for decl in graph.apps.values() {
-            if same(&decl.name).is_some() {
-                continue;
-            }
-            let b = self.build(decl, &graph, Counters::default());
-            built.insert(decl.name.clone(), b?);
-        }
+    /// Builds the apps named `names` of `graph`, each with fresh counters.
+    fn build_apps(
+        &self,
+        names: &[String],
+        graph: &Graph,
+    ) -> Result<BuiltApps, EngineError> {
+        names
+            .iter()
+            .map(|name| {
+                let built = self.build(&graph.apps[name], graph, Counters::default())?;
+                Ok((name.clone(), built))
+            })
+            .collect()
+    }
 
-        // 2. Park all workers. Their plans come back whole, so that a change that fails in
-        //    step 3 can resume them exactly as they were.
-        let mut parked: Vec<(String, Plan)> = Vec::new();
-        let parking = std::time::Instant::now();
-        for (wname, w) in st.workers.iter_mut() {
-            w.park.store(true, Ordering::Release);
-            let plan = w
-                .from_worker
-                .recv()
-                .map_err(|_| EngineError::WorkerLost(wname.clone()))?;
-            w.park.store(false, Ordering::Release);
-            parked.push((wname.clone(), plan));
-        }
-
-        // 3. Reconfigure kept apps whose config changed: all or nothing. On the first failure
-        //    the apps already reconfigured get their old config back and the workers resume
-        //    with the graph as it was.
-        let mut undo: Vec<(String, serde_json::Value)> = Vec::new();
-        let mut replacements: HashMap<String, Box<dyn DynApp>> = HashMap::new();
-        let mut failure = None;
-        for decl in graph.apps.values() {
-            let Some(old_decl) = same(&decl.name) else {
-                continue;
-            };
-            if old_decl.config == decl.config {
-                continue;
-            }
-            let slot = parked_slot(&mut parked, &decl.name).expect("kept app has a slot");
-            match self.reconfigure(slot, decl, &graph.base_dir) {
-                Ok(Reconfigured::Done) => undo.push((decl.name.clone(), old_decl.config.clone())),
-                Ok(Reconfigured::Restart) => {
-                    match self.build(decl, &graph, slot.counters.clone()) {
-                        Ok((app, _)) => {
-                            replacements.insert(decl.name.clone(), app);
-                        }
-                        Err(e) => {
-                            failure = Some(e);
-                            break;
-                        }
-                    }
-                }
-                Err(e) => {
-                    failure = Some(e);
-                    break;
-                }
-            }
-        }
-        if let Some(e) = failure {
-            let old = old.as_ref().expect("a reconfigured app has an old graph");
-            for (name, _) in undo.iter().rev() {
-                let slot = parked_slot(&mut parked, name).expect("kept app has a slot");
-                if let Err(e) = self.reconfigure(slot, &old.apps[name], &old.base_dir) {
-                    log::error!("cannot give app `{name}` its previous config back: {e}");
-                }
-            }
-            for (wname, plan) in parked {
-                st.workers[&wname]
-                    .to_worker
-                    .send(Command::Run(plan))
-                    .map_err(|_| EngineError::WorkerLost(wname))?;
-            }
-            return Err(EngineError::RolledBack(Box::new(e)));
-        }
-        let mut slots: HashMap<String, AppSlot> = HashMap::new();
-        for (_, plan) in parked {
-            for s in plan.slots {
-                slots.insert(s.name.clone(), s);
-            }
-        }
-        for (name, _) in undo {
-            let slot = slots.get_mut(&name).expect("kept app has a slot");
-            slot.config = graph.apps[&name].config.clone();
-            report.reconfigured.push(name);
-        }
-        let mut ends = LinkEnds::default();
-        for s in slots.values_mut() {
-            take_ends(s, &mut ends);
-        }
-
-        // 4. Stop removed apps, apps replaced by another type and apps restarted by their new
-        //    config.
-        //    They are dropped only once the workers run again (step 7): closing a socket or
-        //    unmapping a ring can wait for the kernel (a packet socket's close waits for an RCU
-        //    grace period), and nothing needs to wait for that.
-        let mut names: Vec<String> = slots.keys().cloned().collect();
-        names.sort();
-        let mut retired_apps: Vec<Box<dyn DynApp>> = Vec::new();
-        let mut retired_slots: Vec<AppSlot> = Vec::new();
+    /// Gives each parked app of `names` its config in `graph`, in place or (when the app asks)
+    /// by a rebuild that keeps its counters. On the first failure the apps already reconfigured
+    /// in place get their config in `old` back.
+    fn reconfigure_apps(
+        &self,
+        names: &[String],
+        old: Option<&Graph>,
+        graph: &Graph,
+        parked: &mut [(String, Plan)],
+    ) -> Result<Reconfiguration, EngineError> {
+        let mut done = Reconfiguration::default();
         for name in names {
-            if let Some(app) = replacements.remove(&name) {
-                let s = slots.get_mut(&name).expect("slot");
-                s.guarded("stop", |a, _| a.stop());
-                retired_apps.push(std::mem::replace(&mut s.app, app));
-                s.config = graph.apps[&name].config.clone();
-                report.restarted.push(name);
-                continue;
-            }
-            if same(&name).is_none() {
-                let mut s = slots.remove(&name).unwrap();
-                s.guarded("stop", |a, _| a.stop());
-                retired_slots.push(s);
-                if graph.apps.contains_key(&name) {
-                    report.restarted.push(name);
-                } else {
-                    report.stopped.push(name);
+            let slot = parked_slot(parked, name).expect("kept app has a slot");
+            let decl = &graph.apps[name];
+            let step = match self.reconfigure(slot, decl, &graph.base_dir) {
+                Ok(Reconfigured::Done) => {
+                    done.in_place.push(name.clone());
+                    Ok(())
                 }
-            }
-        }
-        for decl in graph.apps.values() {
-            match same(&decl.name) {
-                None if !report.restarted.contains(&decl.name) => {
-                    report.started.push(decl.name.clone())
+                Ok(Reconfigured::Restart) => {
+                    self.build(decl, graph, slot.counters.clone())
+                        .map(|(app, _)| {
+                            done.rebuilt.insert(name.clone(), app);
+                        })
                 }
-                Some(old_decl) if old_decl.config == decl.config => {
-                    report.kept.push(decl.name.clone())
-                }
-                _ => {}
-            }
-        }
-        for (name, (app, counters)) in built {
-            let decl = &graph.apps[&name];
-            slots.insert(
-                name.clone(),
-                AppSlot {
-                    name,
-                    kind: decl.kind.clone(),
-                    config: decl.config.clone(),
-                    app,
-                    io: Io::default(),
-                    counters,
-                    failed: Arc::new(AtomicBool::new(false)),
-                    has_inputs: false,
-                },
-            );
-        }
-
-        // 5. Rewire: keep links whose ends and size did not change, create the others.
-        let mut new_links = Vec::new();
-        for l in &graph.links {
-            let kept = st
-                .links
-                .iter()
-                .any(|(d, _)| d.from == l.from && d.to == l.to);
-            let (p, c) = match (ends.producers.remove(&l.from), ends.consumers.remove(&l.to)) {
-                (Some(p), Some(c)) if kept && Arc::ptr_eq(p.ring(), c.ring()) => {
-                    if p.ring().capacity() == l.size.next_power_of_two() {
-                        report.links_kept.push(l.spec());
-                        (p, c)
-                    } else {
-                        report.links_added.push(l.spec());
-                        link::resize(c, l.size)
-                    }
-                }
-                (p, c) => {
-                    // An end that belonged to another link goes back for that link's removal.
-                    if let Some(p) = p {
-                        ends.producers.insert(l.from.clone(), p);
-                    }
-                    if let Some(c) = c {
-                        ends.consumers.insert(l.to.clone(), c);
-                    }
-                    report.links_added.push(l.spec());
-                    link::link(l.size)
-                }
+                Err(e) => Err(e),
             };
-            new_links.push((l.clone(), p.ring().clone()));
-            let from = slots.get_mut(&l.from.app).expect("validated app");
-            attach_output(from, &l.from.port, p, &graph);
-            let to = slots.get_mut(&l.to.app).expect("validated app");
-            attach_input(to, &l.to.port, c, &graph);
-        }
-        for (d, _) in &st.links {
-            if !new_links
-                .iter()
-                .any(|(n, _)| n.from == d.from && n.to == d.to)
-            {
-                report.links_removed.push(d.spec());
-            }
-        }
-        drop(ends);
-
-        // 6. Distribute apps over workers in topological order and resume.
-        let order = topological_order(&graph);
-        let mut plans: IndexMap<String, Plan> = IndexMap::new();
-        for (wname, wcfg) in &graph.workers {
-            plans.insert(
-                wname.clone(),
-                Plan {
-                    slots: Vec::new(),
-                    rings: Vec::new(),
-                    busy_poll: graph.engine.busy_poll,
-                    max_sleep: Duration::from_micros(graph.engine.max_sleep_us.max(1)),
-                    core: wcfg.core,
-                },
-            );
-        }
-        st.apps.clear();
-        for name in order {
-            let mut s = slots.remove(&name).expect("slot for every app");
-            let decl = &graph.apps[&name];
-            s.has_inputs = s.io.inputs.iter().any(Option::is_some);
-            let inputs: Vec<Arc<Ring>> =
-                s.io.inputs
-                    .iter()
-                    .flatten()
-                    .map(|c| c.ring().clone())
-                    .collect();
-            let outputs: Vec<Arc<Ring>> =
-                s.io.outputs
-                    .iter()
-                    .flatten()
-                    .map(|p| p.ring().clone())
-                    .collect();
-            st.apps.insert(
-                name.clone(),
-                AppInfo {
-                    kind: decl.kind.clone(),
-                    worker: decl.worker.clone(),
-                    counters: s.counters.clone(),
-                    failed: s.failed.clone(),
-                    inputs: inputs.clone(),
-                    outputs: outputs.clone(),
-                },
-            );
-            let plan = plans.get_mut(&decl.worker).expect("worker of every app");
-            for r in inputs.into_iter().chain(outputs) {
-                if !plan.rings.iter().any(|x| Arc::ptr_eq(x, &r)) {
-                    plan.rings.push(r);
+            if let Err(e) = step {
+                let old = old.expect("a reconfigured app has an old graph");
+                for name in done.in_place.iter().rev() {
+                    let slot = parked_slot(parked, name).expect("kept app has a slot");
+                    if let Err(e) = self.reconfigure(slot, &old.apps[name], &old.base_dir) {
+                        log::error!("cannot give app `{name}` its previous config back: {e}");
+                    }
                 }
+                return Err(e);
             }
-            plan.slots.push(s);
         }
-        // Workers that are gone exit; new ones start.
+        Ok(done)
+    }
+
+    /// Hands every worker its share of `slots` in topological order (recording each app's
+    /// place and links in `st.apps`), stops workers the graph no longer has and starts its new
+    /// ones.
+    fn resume_workers(
+        &self,
+        st: &mut State,
+        slots: HashMap<String, AppSlot>,
+        graph: &Graph,
+    ) -> Result<(), EngineError> {
+        let (plans, apps) = distribute(slots, graph);
+        st.apps = apps;
         let gone: Vec<String> = st
             .workers
             .keys()
@@ -706,13 +542,7 @@ impl Engine {
                 .send(Command::Run(plan))
                 .map_err(|_| EngineError::WorkerLost(wname))?;
         }
-        st.links = new_links;
-        st.graph = Some(graph);
-        report.paused_ms = parking.elapsed().as_secs_f64() * 1e3;
-        // 7. The workers run again; what was stopped in step 4 goes now.
-        drop(retired_apps);
-        drop(retired_slots);
-        Ok(report)
+        Ok(())
     }
 
     /// Gives a running app its new config in place.
@@ -956,6 +786,275 @@ fn spawn_worker(name: &str, config: WorkerConfig) -> Result<Worker, EngineError>
         counters,
         config,
     })
+}
+
+/// Apps built for a graph before it is applied, by name, with their counters.
+type BuiltApps = HashMap<String, (Box<dyn DynApp>, Counters)>;
+
+/// What reconfiguring kept apps came to.
+#[derive(Default)]
+struct Reconfiguration {
+    /// Apps that took their new config in place.
+    in_place: Vec<String>,
+    /// Apps that asked to be rebuilt with it, rebuilt on their old counters.
+    rebuilt: HashMap<String, Box<dyn DynApp>>,
+}
+
+/// Apps that left the graph (or were rebuilt), kept until the workers run again.
+struct Retired {
+    _apps: Vec<Box<dyn DynApp>>,
+    _slots: Vec<AppSlot>,
+}
+
+impl ApplyReport {
+    /// The report of `actions` once carried out, its links still to be filled in by
+    /// [`rewire`].
+    fn of_actions(actions: &ConfigActions, graph: &Graph, done: &Reconfiguration) -> ApplyReport {
+        let mut restarted: Vec<String> = actions
+            .build
+            .iter()
+            .filter(|n| actions.replaces(n))
+            .chain(done.rebuilt.keys())
+            .cloned()
+            .collect();
+        restarted.sort();
+        ApplyReport {
+            started: (actions.build.iter())
+                .filter(|n| !actions.replaces(n))
+                .cloned()
+                .collect(),
+            stopped: (actions.retire.iter())
+                .filter(|n| !graph.apps.contains_key(*n))
+                .cloned()
+                .collect(),
+            reconfigured: done.in_place.clone(),
+            restarted,
+            kept: actions.keep.clone(),
+            links_removed: actions.remove_links.iter().map(LinkDecl::spec).collect(),
+            ..ApplyReport::default()
+        }
+    }
+}
+
+/// Refuses a graph the engine cannot run, before anything is touched; makes the packet pool
+/// for the first graph.
+fn check_applicable(st: &State, graph: &Graph) -> Result<(), EngineError> {
+    if st.stopped {
+        return Err(EngineError::Other("engine is stopped".into()));
+    }
+    if let Some(a) = graph
+        .apps
+        .values()
+        .find(|a| a.placement != crate::graph::Placement::Engine)
+    {
+        return Err(EngineError::Config {
+            app: a.name.clone(),
+            message: format!(
+                "line {}: the engine runs `placement: engine` apps; a `placement: {}` app \
+                 is placed beside it (`stitch run` does that, or `stitch kernel apply` for \
+                 a kernel-only graph)",
+                a.line, a.placement
+            ),
+        });
+    }
+    if st.graph.is_none() {
+        pool::init(graph.engine.pool_packets, graph.engine.pool_large_packets)
+            .map_err(|e| EngineError::Other(e.to_string()))?;
+    }
+    Ok(())
+}
+
+/// Parks every worker between two breaths. Their plans come back whole, so that a change that
+/// fails can resume them exactly as they were.
+fn park_workers(st: &mut State) -> Result<Vec<(String, Plan)>, EngineError> {
+    let mut parked = Vec::new();
+    for (wname, w) in st.workers.iter_mut() {
+        w.park.store(true, Ordering::Release);
+        let plan = w
+            .from_worker
+            .recv()
+            .map_err(|_| EngineError::WorkerLost(wname.clone()))?;
+        w.park.store(false, Ordering::Release);
+        parked.push((wname.clone(), plan));
+    }
+    Ok(parked)
+}
+
+/// Gives every parked worker its plan back unchanged.
+fn resume_parked(st: &State, parked: Vec<(String, Plan)>) -> Result<(), EngineError> {
+    for (wname, plan) in parked {
+        st.workers[&wname]
+            .to_worker
+            .send(Command::Run(plan))
+            .map_err(|_| EngineError::WorkerLost(wname))?;
+    }
+    Ok(())
+}
+
+/// The parked workers' apps by name, with their link ends taken out for rewiring.
+fn unpark(parked: Vec<(String, Plan)>) -> (HashMap<String, AppSlot>, LinkEnds) {
+    let mut slots = HashMap::new();
+    let mut ends = LinkEnds::default();
+    for (_, plan) in parked {
+        for mut s in plan.slots {
+            take_ends(&mut s, &mut ends);
+            slots.insert(s.name.clone(), s);
+        }
+    }
+    (slots, ends)
+}
+
+/// Stops the apps of `retire` (taking their slots out) and the old versions of the apps
+/// `rebuilt` replaces (their slots, links and counters stay), in name order.
+fn retire_apps(
+    slots: &mut HashMap<String, AppSlot>,
+    retire: &[String],
+    rebuilt: HashMap<String, Box<dyn DynApp>>,
+    graph: &Graph,
+) -> Retired {
+    let mut apps = Vec::new();
+    let mut rebuilt: Vec<(String, Box<dyn DynApp>)> = rebuilt.into_iter().collect();
+    rebuilt.sort_by(|a, b| a.0.cmp(&b.0));
+    for (name, app) in rebuilt {
+        let s = slots.get_mut(&name).expect("kept app has a slot");
+        s.guarded("stop", |a, _| a.stop());
+        apps.push(std::mem::replace(&mut s.app, app));
+        s.config = graph.apps[&name].config.clone();
+    }
+    let mut gone = Vec::new();
+    for name in retire {
+        if let Some(mut s) = slots.remove(name) {
+            s.guarded("stop", |a, _| a.stop());
+            gone.push(s);
+        }
+    }
+    Retired {
+        _apps: apps,
+        _slots: gone,
+    }
+}
+
+/// Gives each newly built app a slot, its ports still unconnected.
+fn add_built_apps(
+    slots: &mut HashMap<String, AppSlot>,
+    built: BuiltApps,
+    graph: &Graph,
+) {
+    for (name, (app, counters)) in built {
+        let decl = &graph.apps[&name];
+        slots.insert(
+            name.clone(),
+            AppSlot {
+                name,
+                kind: decl.kind.clone(),
+                config: decl.config.clone(),
+                app,
+                io: Io::default(),
+                counters,
+                failed: Arc::new(AtomicBool::new(false)),
+                has_inputs: false,
+            },
+        );
+    }
+}
+
+/// Connects every link of `graph`: a kept link gets its ring back (with its queued packets;
+/// moved to a ring of the new size when that changed), the others a new ring. Ends left in
+/// `ends` belong to removed links and close with them.
+fn rewire(
+    slots: &mut HashMap<String, AppSlot>,
+    mut ends: LinkEnds,
+    actions: &ConfigActions,
+    graph: &Graph,
+    report: &mut ApplyReport,
+) -> Vec<(LinkDecl, Arc<Ring>)> {
+    let same_ends = |a: &LinkDecl, b: &LinkDecl| a.from == b.from && a.to == b.to;
+    let mut links = Vec::new();
+    for l in &graph.links {
+        let keep = actions.keep_links.iter().any(|k| same_ends(k, l));
+        let resize = actions.resize_links.iter().any(|k| same_ends(k, l));
+        let (p, c) = match (ends.producers.remove(&l.from), ends.consumers.remove(&l.to)) {
+            (Some(p), Some(c)) if (keep || resize) && Arc::ptr_eq(p.ring(), c.ring()) => {
+                if keep {
+                    report.links_kept.push(l.spec());
+                    (p, c)
+                } else {
+                    report.links_added.push(l.spec());
+                    link::resize(c, l.size)
+                }
+            }
+            (p, c) => {
+                // An end that belonged to another link goes back for that link's removal.
+                if let Some(p) = p {
+                    ends.producers.insert(l.from.clone(), p);
+                }
+                if let Some(c) = c {
+                    ends.consumers.insert(l.to.clone(), c);
+                }
+                report.links_added.push(l.spec());
+                link::link(l.size)
+            }
+        };
+        links.push((l.clone(), p.ring().clone()));
+        let from = slots.get_mut(&l.from.app).expect("validated app");
+        attach_output(from, &l.from.port, p, graph);
+        let to = slots.get_mut(&l.to.app).expect("validated app");
+        attach_input(to, &l.to.port, c, graph);
+    }
+    links
+}
+
+/// Each worker's plan — its apps in topological order and the rings they touch — and what the
+/// engine records of each app.
+fn distribute(
+    mut slots: HashMap<String, AppSlot>,
+    graph: &Graph,
+) -> (IndexMap<String, Plan>, IndexMap<String, AppInfo>) {
+    let mut plans: IndexMap<String, Plan> = graph
+        .workers
+        .iter()
+        .map(|(wname, wcfg)| {
+            let plan = Plan {
+                slots: Vec::new(),
+                rings: Vec::new(),
+                busy_poll: graph.engine.busy_poll,
+                max_sleep: Duration::from_micros(graph.engine.max_sleep_us.max(1)),
+                core: wcfg.core,
+            };
+            (wname.clone(), plan)
+        })
+        .collect();
+    let mut apps = IndexMap::new();
+    for name in topological_order(graph) {
+        let mut s = slots.remove(&name).expect("slot for every app");
+        let decl = &graph.apps[&name];
+        s.has_inputs = s.io.inputs.iter().any(Option::is_some);
+        let inputs: Vec<Arc<Ring>> = (s.io.inputs.iter().flatten())
+            .map(|c| c.ring().clone())
+            .collect();
+        let outputs: Vec<Arc<Ring>> = (s.io.outputs.iter().flatten())
+            .map(|p| p.ring().clone())
+            .collect();
+        let plan = plans.get_mut(&decl.worker).expect("worker of every app");
+        for r in inputs.iter().chain(&outputs) {
+            if !plan.rings.iter().any(|x| Arc::ptr_eq(x, r)) {
+                plan.rings.push(r.clone());
+            }
+        }
+        apps.insert(
+            name,
+            AppInfo {
+                kind: decl.kind.clone(),
+                worker: decl.worker.clone(),
+                counters: s.counters.clone(),
+                failed: s.failed.clone(),
+                inputs,
+                outputs,
+            },
+        );
+        plan.slots.push(s);
+    }
+    (plans, apps)
 }
 
 fn parked_slot<'a>(parked: &'a mut [(String, Plan)], name: &str) -> Option<&'a mut AppSlot> {
