@@ -449,11 +449,7 @@ impl Engine {
     }
 
     /// Builds the apps named `names` of `graph`, each with fresh counters.
-    fn build_apps(
-        &self,
-        names: &[String],
-        graph: &Graph,
-    ) -> Result<BuiltApps, EngineError> {
+    fn build_apps(&self, names: &[String], graph: &Graph) -> Result<BuiltApps, EngineError> {
         names
             .iter()
             .map(|name| {
@@ -935,11 +931,7 @@ fn retire_apps(
 }
 
 /// Gives each newly built app a slot, its ports still unconnected.
-fn add_built_apps(
-    slots: &mut HashMap<String, AppSlot>,
-    built: BuiltApps,
-    graph: &Graph,
-) {
+fn add_built_apps(slots: &mut HashMap<String, AppSlot>, built: BuiltApps, graph: &Graph) {
     for (name, (app, counters)) in built {
         let decl = &graph.apps[&name];
         slots.insert(

@@ -422,27 +422,7 @@ fn parse_inner(
     registry: &Registry,
     errors: &mut Vec<GraphError>,
 ) -> Option<Graph> {
-    let raw: RawGraph = match serde_saphyr::from_str(text) {
-        Ok(r) => r,
-        Err(e) => {
-            let (line, column) = e
-                .location()
-                .map(|l| (l.line() as usize, l.column() as usize))
-                .unwrap_or((0, 0));
-            let full = e.without_snippet().to_string();
-            // Keep only the message: the location is printed by GraphErrors.
-            let msg = full.lines().next().unwrap_or_default();
-            let msg = msg.trim_start_matches("error: ");
-            let msg = match msg.split_once(": ") {
-                Some((head, rest)) if head.starts_with("line ") => rest,
-                _ => msg,
-            };
-            let msg = msg.replace(", set DuplicateKeyPolicy in Options if acceptable", "");
-            err(errors, (line, column), msg);
-            return None;
-        }
-    };
-
+    let raw = read_yaml(text, errors)?;
     let engine = match &raw.engine {
         None => EngineConfig::default(),
         Some(v) => serde_json::from_value(v.value.clone()).unwrap_or_else(|e| {
@@ -450,17 +430,7 @@ fn parse_inner(
             EngineConfig::default()
         }),
     };
-
-    let mut workers = IndexMap::new();
-    for (name, v) in raw.workers.map(|m| m.0).unwrap_or_default() {
-        match serde_json::from_value::<WorkerConfig>(v.value.clone()) {
-            Ok(w) => {
-                workers.insert(name.value, w);
-            }
-            Err(e) => err(errors, loc(&v), format!("worker `{}`: {e}", name.value)),
-        }
-    }
-
+    let mut workers = parse_workers(raw.workers, errors);
     let default_placement = match &raw.placement {
         None => Placement::Engine,
         Some(v) => parse_placement(&v.value).unwrap_or_else(|m| {
@@ -470,256 +440,16 @@ fn parse_inner(
     };
     let mut apps: IndexMap<String, AppDecl> = IndexMap::new();
     for (name, entry) in raw.apps.map(|m| m.0).unwrap_or_default() {
-        let at = loc(&name);
-        let name = name.value;
-        if !is_identifier(&name) {
-            err(
-                errors,
-                at,
-                format!("app name `{name}`: use letters, digits, `_` and `-`"),
-            );
-            continue;
+        if let Some(app) = parse_app(name, entry, default_placement, registry, errors) {
+            apps.insert(app.name.clone(), app);
         }
-        let mut kind = None;
-        let mut worker = MAIN_WORKER.to_string();
-        let mut placement = default_placement;
-        let mut host = None;
-        let mut hosts = IndexMap::new();
-        let mut config = serde_json::Map::new();
-        let mut key_lines = IndexMap::new();
-        for (k, v) in entry.value.0 {
-            key_lines.insert(k.value.clone(), loc(&k));
-            match k.value.as_str() {
-                "type" => match v.value.as_str() {
-                    Some(t) => kind = Some((t.to_string(), loc(&v))),
-                    None => err(
-                        errors,
-                        loc(&v),
-                        format!("app `{name}`: `type` must be a string"),
-                    ),
-                },
-                "placement" => match parse_placement(&v.value) {
-                    Ok(p) => placement = p,
-                    Err(m) => err(errors, loc(&v), format!("app `{name}`: placement: {m}")),
-                },
-                "worker" => match v.value.as_str() {
-                    Some(w) if is_identifier(w) => worker = w.to_string(),
-                    _ => err(
-                        errors,
-                        loc(&v),
-                        format!("app `{name}`: `worker` must be a name"),
-                    ),
-                },
-                "host" => match v.value.as_str() {
-                    Some(h) if is_identifier(h) => host = Some(h.to_string()),
-                    _ => err(
-                        errors,
-                        loc(&v),
-                        format!("app `{name}`: `host` must be a host name"),
-                    ),
-                },
-                "hosts" => match parse_labels(&v.value) {
-                    Ok(l) => hosts = l,
-                    Err(m) => err(errors, loc(&v), format!("app `{name}`: hosts: {m}")),
-                },
-                _ => {
-                    config.insert(k.value, v.value);
-                }
-            }
-        }
-        let kind = kind.or_else(|| {
-            registry
-                .default_type(placement)
-                .map(|t| (t.to_string(), at))
-        });
-        let Some((kind, kind_at)) = kind else {
-            err(
-                errors,
-                at,
-                format!("app `{name}` has no `type` (for example `type: forwarder`)"),
-            );
-            continue;
-        };
-        let Some(app_type) = registry.get(&kind) else {
-            let known: Vec<&str> = registry.types().map(|t| t.name).collect();
-            err(
-                errors,
-                kind_at,
-                format!(
-                    "app `{name}`: unknown app type `{kind}` (known: {})",
-                    known.join(", ")
-                ),
-            );
-            continue;
-        };
-        let config = serde_json::Value::Object(config);
-        let ports = match app_type.parse(&config) {
-            Err(e) => {
-                let key = e.path.split(['.', '[']).next().unwrap_or_default();
-                let key_at = key_lines.get(key).copied().unwrap_or(at);
-                let what = if e.path.is_empty() || e.path == "." {
-                    String::new()
-                } else {
-                    format!(" key `{}`", e.path)
-                };
-                let msg = e
-                    .message
-                    .replace("unknown field", "unknown key")
-                    .replace(", there are no fields", " (this app takes no settings)");
-                err(
-                    errors,
-                    key_at,
-                    format!("app `{name}` ({kind}){what}: {msg}"),
-                );
-                continue;
-            }
-            Ok(parsed) => match app_type.declare(&parsed) {
-                Ok(p) => p,
-                Err(e) => {
-                    err(errors, at, format!("app `{name}` ({kind}): {e}"));
-                    continue;
-                }
-            },
-        };
-        apps.insert(
-            name.clone(),
-            AppDecl {
-                name,
-                kind,
-                placement,
-                config,
-                worker,
-                host,
-                hosts,
-                ports,
-                line: at.0,
-                key_lines,
-            },
-        );
     }
-
     let mut links: Vec<LinkDecl> = Vec::new();
     for item in raw.links.unwrap_or_default() {
-        let at = loc(&item);
-        let (spec, size) = match &item.value {
-            serde_json::Value::String(s) => (s.clone(), None),
-            serde_json::Value::Object(m) => {
-                let unknown: Vec<&String> =
-                    m.keys().filter(|k| *k != "link" && *k != "size").collect();
-                if !unknown.is_empty() {
-                    err(
-                        errors,
-                        at,
-                        format!("link: unknown key `{}` (use `link` and `size`)", unknown[0]),
-                    );
-                    continue;
-                }
-                let Some(spec) = m.get("link").and_then(|v| v.as_str()) else {
-                    err(
-                        errors,
-                        at,
-                        "link: `link: \"APP.PORT -> APP.PORT\"` is missing".into(),
-                    );
-                    continue;
-                };
-                let size = match m.get("size") {
-                    None => None,
-                    Some(v) => match v.as_u64() {
-                        Some(n) if (2..=1 << 20).contains(&n) => Some(n as usize),
-                        _ => {
-                            err(
-                                errors,
-                                at,
-                                format!("link `{spec}`: size must be 2..=1048576 packets"),
-                            );
-                            continue;
-                        }
-                    },
-                };
-                (spec.to_string(), size)
-            }
-            _ => {
-                err(
-                    errors,
-                    at,
-                    "a link is \"APP.PORT -> APP.PORT\" or { link: ..., size: N }".into(),
-                );
-                continue;
-            }
-        };
-        let (from, to) = match parse_link_spec(&spec) {
-            Ok(x) => x,
-            Err(e) => {
-                err(errors, at, e);
-                continue;
-            }
-        };
-        let mut ok = true;
-        for (end, side) in [(&from, "output"), (&to, "input")] {
-            match apps.get(&end.app) {
-                None => {
-                    ok = false;
-                    err(
-                        errors,
-                        at,
-                        format!("link `{spec}`: no app named `{}`", end.app),
-                    );
-                }
-                Some(a) => {
-                    let names = if side == "output" {
-                        &a.ports.outputs
-                    } else {
-                        &a.ports.inputs
-                    };
-                    if !names.accepts(&end.port) {
-                        ok = false;
-                        err(
-                            errors,
-                            at,
-                            format!(
-                                "link `{spec}`: app `{}` ({}) has no {side} port `{}` ({side}s: {})",
-                                end.app,
-                                a.kind,
-                                end.port,
-                                names.describe()
-                            ),
-                        );
-                    }
-                }
-            }
-        }
-        if let Some(prev) = links.iter().find(|l| l.from == from) {
-            ok = false;
-            err(
-                errors,
-                at,
-                format!(
-                    "link `{spec}`: output `{from}` is already linked on line {}",
-                    prev.line
-                ),
-            );
-        }
-        if let Some(prev) = links.iter().find(|l| l.to == to) {
-            ok = false;
-            err(
-                errors,
-                at,
-                format!(
-                    "link `{spec}`: input `{to}` is already linked on line {}",
-                    prev.line
-                ),
-            );
-        }
-        if ok {
-            links.push(LinkDecl {
-                from,
-                to,
-                size: size.unwrap_or(engine.link_size),
-                line: at.0,
-            });
+        if let Some(l) = parse_link(&item, &apps, &links, engine.link_size, errors) {
+            links.push(l);
         }
     }
-
     for a in apps.values() {
         if !workers.contains_key(&a.worker) {
             workers.insert(a.worker.clone(), WorkerConfig::default());
@@ -732,6 +462,288 @@ fn parse_inner(
         links,
         base_dir: base_dir.to_path_buf(),
     })
+}
+
+/// The file's YAML, or its syntax error (the message alone: `GraphErrors` prints the place).
+fn read_yaml(text: &str, errors: &mut Vec<GraphError>) -> Option<RawGraph> {
+    match serde_saphyr::from_str(text) {
+        Ok(r) => Some(r),
+        Err(e) => {
+            let (line, column) = e
+                .location()
+                .map(|l| (l.line() as usize, l.column() as usize))
+                .unwrap_or((0, 0));
+            let full = e.without_snippet().to_string();
+            let msg = full.lines().next().unwrap_or_default();
+            let msg = msg.trim_start_matches("error: ");
+            let msg = match msg.split_once(": ") {
+                Some((head, rest)) if head.starts_with("line ") => rest,
+                _ => msg,
+            };
+            let msg = msg.replace(", set DuplicateKeyPolicy in Options if acceptable", "");
+            err(errors, (line, column), msg);
+            None
+        }
+    }
+}
+
+fn parse_workers(
+    raw: Option<SpannedMap<Spanned<serde_json::Value>>>,
+    errors: &mut Vec<GraphError>,
+) -> IndexMap<String, WorkerConfig> {
+    let mut workers = IndexMap::new();
+    for (name, v) in raw.map(|m| m.0).unwrap_or_default() {
+        match serde_json::from_value::<WorkerConfig>(v.value.clone()) {
+            Ok(w) => {
+                workers.insert(name.value, w);
+            }
+            Err(e) => err(errors, loc(&v), format!("worker `{}`: {e}", name.value)),
+        }
+    }
+    workers
+}
+
+/// The keys of an app entry that the graph reads itself; the rest is the app's config.
+struct AppKeys {
+    kind: Option<(String, (usize, usize))>,
+    worker: String,
+    placement: Placement,
+    host: Option<String>,
+    hosts: IndexMap<String, String>,
+    config: serde_json::Map<String, serde_json::Value>,
+    key_lines: IndexMap<String, (usize, usize)>,
+}
+
+/// One entry of `apps:`, checked against its type (its config parsed, its ports declared).
+fn parse_app(
+    name: Spanned<String>,
+    entry: Spanned<SpannedMap<Spanned<serde_json::Value>>>,
+    default_placement: Placement,
+    registry: &Registry,
+    errors: &mut Vec<GraphError>,
+) -> Option<AppDecl> {
+    let at = loc(&name);
+    let name = name.value;
+    if !is_identifier(&name) {
+        let msg = format!("app name `{name}`: use letters, digits, `_` and `-`");
+        err(errors, at, msg);
+        return None;
+    }
+    let keys = read_app_keys(&name, entry.value, default_placement, errors);
+    let kind = keys.kind.clone().or_else(|| {
+        registry
+            .default_type(keys.placement)
+            .map(|t| (t.to_string(), at))
+    });
+    let Some((kind, kind_at)) = kind else {
+        let msg = format!("app `{name}` has no `type` (for example `type: forwarder`)");
+        err(errors, at, msg);
+        return None;
+    };
+    let Some(app_type) = registry.get(&kind) else {
+        let known: Vec<&str> = registry.types().map(|t| t.name).collect();
+        let msg = format!(
+            "app `{name}`: unknown app type `{kind}` (known: {})",
+            known.join(", ")
+        );
+        err(errors, kind_at, msg);
+        return None;
+    };
+    let config = serde_json::Value::Object(keys.config);
+    let ports = match app_type.parse(&config) {
+        Err(e) => {
+            let key = e.path.split(['.', '[']).next().unwrap_or_default();
+            let key_at = keys.key_lines.get(key).copied().unwrap_or(at);
+            let what = if e.path.is_empty() || e.path == "." {
+                String::new()
+            } else {
+                format!(" key `{}`", e.path)
+            };
+            let msg = e
+                .message
+                .replace("unknown field", "unknown key")
+                .replace(", there are no fields", " (this app takes no settings)");
+            err(
+                errors,
+                key_at,
+                format!("app `{name}` ({kind}){what}: {msg}"),
+            );
+            return None;
+        }
+        Ok(parsed) => match app_type.declare(&parsed) {
+            Ok(p) => p,
+            Err(e) => {
+                err(errors, at, format!("app `{name}` ({kind}): {e}"));
+                return None;
+            }
+        },
+    };
+    Some(AppDecl {
+        name,
+        kind,
+        placement: keys.placement,
+        config,
+        worker: keys.worker,
+        host: keys.host,
+        hosts: keys.hosts,
+        ports,
+        line: at.0,
+        key_lines: keys.key_lines,
+    })
+}
+
+/// Sorts an app entry's keys into the graph's own (`type`, `placement`, `worker`, `host`,
+/// `hosts`) and the app's config.
+fn read_app_keys(
+    name: &str,
+    entry: SpannedMap<Spanned<serde_json::Value>>,
+    default_placement: Placement,
+    errors: &mut Vec<GraphError>,
+) -> AppKeys {
+    let mut keys = AppKeys {
+        kind: None,
+        worker: MAIN_WORKER.to_string(),
+        placement: default_placement,
+        host: None,
+        hosts: IndexMap::new(),
+        config: serde_json::Map::new(),
+        key_lines: IndexMap::new(),
+    };
+    for (k, v) in entry.0 {
+        keys.key_lines.insert(k.value.clone(), loc(&k));
+        let at = loc(&v);
+        match k.value.as_str() {
+            "type" => match v.value.as_str() {
+                Some(t) => keys.kind = Some((t.to_string(), at)),
+                None => err(errors, at, format!("app `{name}`: `type` must be a string")),
+            },
+            "placement" => match parse_placement(&v.value) {
+                Ok(p) => keys.placement = p,
+                Err(m) => err(errors, at, format!("app `{name}`: placement: {m}")),
+            },
+            "worker" => match v.value.as_str() {
+                Some(w) if is_identifier(w) => keys.worker = w.to_string(),
+                _ => err(errors, at, format!("app `{name}`: `worker` must be a name")),
+            },
+            "host" => match v.value.as_str() {
+                Some(h) if is_identifier(h) => keys.host = Some(h.to_string()),
+                _ => {
+                    let msg = format!("app `{name}`: `host` must be a host name");
+                    err(errors, at, msg)
+                }
+            },
+            "hosts" => match parse_labels(&v.value) {
+                Ok(l) => keys.hosts = l,
+                Err(m) => err(errors, at, format!("app `{name}`: hosts: {m}")),
+            },
+            _ => {
+                keys.config.insert(k.value, v.value);
+            }
+        }
+    }
+    keys
+}
+
+/// One entry of `links:`, checked against the apps' ports and the links before it.
+fn parse_link(
+    item: &Spanned<serde_json::Value>,
+    apps: &IndexMap<String, AppDecl>,
+    links: &[LinkDecl],
+    default_size: usize,
+    errors: &mut Vec<GraphError>,
+) -> Option<LinkDecl> {
+    let at = loc(item);
+    let (spec, size) = match read_link_entry(&item.value) {
+        Ok(x) => x,
+        Err(e) => {
+            err(errors, at, e);
+            return None;
+        }
+    };
+    let (from, to) = match parse_link_spec(&spec) {
+        Ok(x) => x,
+        Err(e) => {
+            err(errors, at, e);
+            return None;
+        }
+    };
+    let problems = link_problems(&spec, &from, &to, apps, links);
+    let ok = problems.is_empty();
+    for p in problems {
+        err(errors, at, p);
+    }
+    ok.then(|| LinkDecl {
+        from,
+        to,
+        size: size.unwrap_or(default_size),
+        line: at.0,
+    })
+}
+
+/// `"A.P -> B.Q"` or `{ link: "A.P -> B.Q", size: N }`: the spec and the size if given.
+fn read_link_entry(v: &serde_json::Value) -> Result<(String, Option<usize>), String> {
+    let m = match v {
+        serde_json::Value::String(s) => return Ok((s.clone(), None)),
+        serde_json::Value::Object(m) => m,
+        _ => return Err("a link is \"APP.PORT -> APP.PORT\" or { link: ..., size: N }".into()),
+    };
+    if let Some(k) = m.keys().find(|k| *k != "link" && *k != "size") {
+        return Err(format!("link: unknown key `{k}` (use `link` and `size`)"));
+    }
+    let Some(spec) = m.get("link").and_then(|v| v.as_str()) else {
+        return Err("link: `link: \"APP.PORT -> APP.PORT\"` is missing".into());
+    };
+    let size = match m.get("size").map(|v| v.as_u64()) {
+        None => None,
+        Some(Some(n)) if (2..=1 << 20).contains(&n) => Some(n as usize),
+        Some(_) => return Err(format!("link `{spec}`: size must be 2..=1048576 packets")),
+    };
+    Ok((spec.to_string(), size))
+}
+
+/// What is wrong with linking `from` to `to`: an app or port that does not exist, an end
+/// already linked by an earlier entry.
+fn link_problems(
+    spec: &str,
+    from: &Endpoint,
+    to: &Endpoint,
+    apps: &IndexMap<String, AppDecl>,
+    links: &[LinkDecl],
+) -> Vec<String> {
+    let mut problems = Vec::new();
+    for (end, side) in [(from, "output"), (to, "input")] {
+        let Some(a) = apps.get(&end.app) else {
+            problems.push(format!("link `{spec}`: no app named `{}`", end.app));
+            continue;
+        };
+        let names = if side == "output" {
+            &a.ports.outputs
+        } else {
+            &a.ports.inputs
+        };
+        if !names.accepts(&end.port) {
+            problems.push(format!(
+                "link `{spec}`: app `{}` ({}) has no {side} port `{}` ({side}s: {})",
+                end.app,
+                a.kind,
+                end.port,
+                names.describe()
+            ));
+        }
+    }
+    if let Some(prev) = links.iter().find(|l| l.from == *from) {
+        problems.push(format!(
+            "link `{spec}`: output `{from}` is already linked on line {}",
+            prev.line
+        ));
+    }
+    if let Some(prev) = links.iter().find(|l| l.to == *to) {
+        problems.push(format!(
+            "link `{spec}`: input `{to}` is already linked on line {}",
+            prev.line
+        ));
+    }
+    problems
 }
 
 #[cfg(test)]
