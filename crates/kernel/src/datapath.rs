@@ -403,42 +403,79 @@ impl DataPlane {
             .map_err(|e| Error(format!("cannot write {}: {e}", self.record.display())))
     }
 
-    /// Installs `plan`, or changes the installed graph into it.
+    /// Installs `plan`, or changes the installed graph into it: every check and allocation
+    /// first, then new settings into free slots, then VIs, links and hooks pointed at them,
+    /// then what is no longer used cleared.
     pub fn apply(&self, plan: &Plan, graph_file: &str) -> Result<ApplyReport, Error> {
         let old = self.installed()?.unwrap_or_default();
-        // Every interface must exist before anything is touched.
-        let mut ifindexes = HashMap::new();
-        for a in plan.apps.values() {
-            if let Function::Interface { ifname } = &a.function {
-                let Some(i) = netdev::ifindex(ifname) else {
-                    return fail(format!(
-                        "line {}: app `{}`: interface `{ifname}` does not exist (create it \
-                         first, for example a veth pair, or fix the name)",
-                        a.line, a.name
-                    ));
-                };
-                // Someone else's program on the hook: refuse before anything is changed.
-                if !self.links_dir().join(ifname).exists() {
-                    let others = tcx_programs(i);
-                    if others > 0 {
-                        return fail(format!(
-                            "line {}: app `{}`: interface `{ifname}` already has {others} \
-                             program(s) on its tc ingress hook (see `bpftool net show dev \
-                             {ifname}`); Stitch would take their traffic: remove them first",
-                            a.line, a.name
-                        ));
-                    }
-                }
-                ifindexes.insert(a.name.clone(), i);
-            }
-        }
+        let ifindexes = self.check_interfaces(plan)?;
+        let alloc = allocate(&old, plan, &ifindexes)?;
         ensure_bpffs()?;
         let (loop_dev, loop_peer) = self.loop_device();
         let loop_ifindex = netdev::ensure_veth(&loop_dev, &loop_peer).map_err(Error)?;
         std::fs::create_dir_all(self.links_dir())
             .map_err(|e| Error(format!("cannot create {}: {e}", self.links_dir().display())))?;
+        let obj = self.load_object()?;
+        let maps = Maps::open(&self.pin_dir)?;
+        self.install_functions(&maps, &obj, plan, &alloc)?;
+        let tunnel = self.install_devices(&maps, &obj, plan, loop_ifindex)?;
+        let links = install_vids_and_links(&maps, plan, &alloc.apps)?;
+        install_vnis(&maps, plan, &alloc.apps)?;
+        for a in alloc.apps.values() {
+            if let Some(ifname) = &a.interface {
+                maps.put("ifaces", &a.ifindex, &a.base_vid)?;
+                self.hook(&program(&obj, "stitch_port"), a.ifindex, ifname)?;
+            }
+        }
+        self.clear_unused(&maps, &old, &alloc.apps)?;
+        if tunnel.is_none() {
+            self.unhook("tunnel");
+            netdev::delete(&self.tunnel_device()).map_err(Error)?;
+        }
+        self.save(&Installed {
+            graph_file: graph_file.to_string(),
+            loop_device: loop_dev,
+            tunnel_device: tunnel,
+            apps: alloc.apps,
+            links,
+        })?;
+        Ok(alloc.report)
+    }
 
-        // Load the programs with the pinned maps (created and pinned on first use).
+    /// The ifindex of every interface app; an interface that does not exist, or whose hook
+    /// holds someone else's program, is refused before anything is changed.
+    fn check_interfaces(&self, plan: &Plan) -> Result<HashMap<String, u32>, Error> {
+        let mut ifindexes = HashMap::new();
+        for a in plan.apps.values() {
+            let Function::Interface { ifname } = &a.function else {
+                continue;
+            };
+            let Some(i) = netdev::ifindex(ifname) else {
+                return fail(format!(
+                    "line {}: app `{}`: interface `{ifname}` does not exist (create it \
+                     first, for example a veth pair, or fix the name)",
+                    a.line, a.name
+                ));
+            };
+            if !self.links_dir().join(ifname).exists() {
+                let others = tcx_programs(i);
+                if others > 0 {
+                    return fail(format!(
+                        "line {}: app `{}`: interface `{ifname}` already has {others} \
+                         program(s) on its tc ingress hook (see `bpftool net show dev \
+                         {ifname}`); Stitch would take their traffic: remove them first",
+                        a.line, a.name
+                    ));
+                }
+            }
+            ifindexes.insert(a.name.clone(), i);
+        }
+        Ok(ifindexes)
+    }
+
+    /// Loads the programs afresh, with the maps pinned under this data plane's folder
+    /// (created and pinned on first use, reused after).
+    fn load_object(&self) -> Result<libbpf_rs::Object, Error> {
         capture_libbpf_log();
         let mut open = ObjectBuilder::default()
             .open_memory(OBJECT)
@@ -451,7 +488,7 @@ impl DataPlane {
             m.set_pin_path(self.pin_dir.join(&name))
                 .map_err(|e| Error(format!("map {name}: {e}")))?;
         }
-        let obj = open.load().map_err(|e| {
+        open.load().map_err(|e| {
             let hint = if e.to_string().contains("Operation not permitted") {
                 "\nloading BPF programs needs root (CAP_BPF, CAP_NET_ADMIN, CAP_SYS_ADMIN)"
             } else if e.to_string().contains("Invalid argument") {
@@ -464,116 +501,42 @@ impl DataPlane {
                 "the kernel refused the data plane: {e}{hint}{}",
                 verifier_excerpt()
             ))
-        })?;
-        let prog = |name: &str| {
-            obj.progs()
-                .find(|p| p.name() == name)
-                .expect("program in the object")
-        };
-        let maps = Maps::open(&self.pin_dir)?;
+        })
+    }
 
-        // Allocate slots, state ids and VIDs.
-        let mut used_slots: BTreeSet<u32> = old.apps.values().map(|a| a.slot).collect();
-        let mut used_states: BTreeSet<u32> = old.apps.values().map(|a| a.state_id).collect();
-        let mut used_vids: BTreeSet<u32> = BTreeSet::new();
-        for a in old.apps.values() {
-            used_vids.extend(a.base_vid..a.base_vid + a.ports.len() as u32);
+    /// New apps start with clean state; new and changed functions' settings go into their
+    /// fresh slots; then every slot gets the freshly loaded program of its kind.
+    fn install_functions(
+        &self,
+        maps: &Maps,
+        obj: &libbpf_rs::Object,
+        plan: &Plan,
+        alloc: &Allocation,
+    ) -> Result<(), Error> {
+        for &state_id in &alloc.fresh_states {
+            // A state id used before by a removed app.
+            self.clear_state(maps, state_id)?;
         }
-        let mut report = ApplyReport::default();
-        let mut new_apps: IndexMap<String, InstalledApp> = IndexMap::new();
-        let mut fresh_slots = Vec::new();
-        for a in plan.apps.values() {
-            let fingerprint = format!("{:?}", a.function);
-            let prev = old.apps.get(&a.name).filter(|p| {
-                p.kind_code == a.function.kind_code() && p.kind == a.function.kind_name()
-            });
-            let interface = match &a.function {
-                Function::Interface { ifname } => Some(ifname.clone()),
-                _ => None,
-            };
-            let ifindex = ifindexes.get(&a.name).copied().unwrap_or(0);
-            let is_fn = interface.is_none();
-            let (slot, state_id, base_vid, what) = match prev {
-                Some(p)
-                    if p.fingerprint == fingerprint
-                        && p.ports == a.ports
-                        && p.ifindex == ifindex =>
-                {
-                    (p.slot, p.state_id, p.base_vid, 0)
-                }
-                Some(p) => {
-                    let slot = if is_fn {
-                        take(&mut used_slots, 1, MAX_SLOTS, "function slots")?
-                    } else {
-                        0
-                    };
-                    let base = if p.ports == a.ports {
-                        p.base_vid
-                    } else {
-                        take_range(&mut used_vids, a.ports.len() as u32)?
-                    };
-                    (slot, p.state_id, base, 1)
-                }
-                None => {
-                    let slot = if is_fn {
-                        take(&mut used_slots, 1, MAX_SLOTS, "function slots")?
-                    } else {
-                        0
-                    };
-                    let state = if is_fn {
-                        take(&mut used_states, 1, MAX_SLOTS, "functions")?
-                    } else {
-                        0
-                    };
-                    let base = take_range(&mut used_vids, a.ports.len() as u32)?;
-                    (slot, state, base, 2)
-                }
-            };
-            match what {
-                0 => report.kept.push(a.name.clone()),
-                1 => report.changed.push(a.name.clone()),
-                _ => report.added.push(a.name.clone()),
-            }
-            if what != 0 && is_fn {
-                fresh_slots.push(a.name.clone());
-            }
-            if what == 2 && is_fn {
-                // A state id used before by a removed app: start clean.
-                self.clear_state(&maps, state_id)?;
-            }
-            new_apps.insert(
-                a.name.clone(),
-                InstalledApp {
-                    kind: a.function.kind_name().into(),
-                    kind_code: a.function.kind_code(),
-                    fingerprint,
-                    ports: a.ports.clone(),
-                    base_vid,
-                    slot,
-                    state_id,
-                    interface,
-                    ifindex,
-                },
-            );
+        for name in &alloc.fresh_slots {
+            write_function(maps, &plan.apps[name], &alloc.apps[name])?;
         }
-        for name in old.apps.keys() {
-            if !plan.apps.contains_key(name) {
-                report.removed.push(name.clone());
-            }
-        }
-
-        // 1. Settings of new and changed functions into their new slots, then every slot gets
-        //    the freshly loaded program of its kind.
-        for name in &fresh_slots {
-            write_function(&maps, &plan.apps[name], &new_apps[name])?;
-        }
-        for a in new_apps.values().filter(|a| a.slot != 0) {
-            let fd = prog(kind_program(a.kind_code)).as_fd().as_raw_fd() as u32;
+        for a in alloc.apps.values().filter(|a| a.slot != 0) {
+            let fd = program(obj, kind_program(a.kind_code)).as_fd().as_raw_fd() as u32;
             maps.put("functions", &a.slot, &fd)?;
         }
+        Ok(())
+    }
 
-        // 2. The loop device, for copies and long chains; the VXLAN device while a tunnel
-        //    app is installed.
+    /// The loop device (for copies and long chains) and, while a tunnel app is installed, the
+    /// VXLAN device, with their hooks and the globals that name them. Returns the VXLAN
+    /// device's name, if any.
+    fn install_devices(
+        &self,
+        maps: &Maps,
+        obj: &libbpf_rs::Object,
+        plan: &Plan,
+        loop_ifindex: u32,
+    ) -> Result<Option<String>, Error> {
         let udp_port = plan.apps.values().find_map(|a| match a.function {
             Function::Vxlan { udp_port, .. } => Some(udp_port),
             _ => None,
@@ -582,7 +545,7 @@ impl DataPlane {
             Some(port) => {
                 let dev = self.tunnel_device();
                 let i = netdev::ensure_vxlan(&dev, port).map_err(Error)?;
-                self.hook(&prog("stitch_tunnel"), i, "tunnel")?;
+                self.hook(&program(obj, "stitch_tunnel"), i, "tunnel")?;
                 Some((dev, i))
             }
             None => None,
@@ -592,92 +555,25 @@ impl DataPlane {
             vxlan_ifindex: tunnel.as_ref().map(|t| t.1).unwrap_or(0),
         };
         maps.put("config", &0u32, &globals)?;
-        self.hook(&prog("stitch_loop"), loop_ifindex, "loop")?;
+        self.hook(&program(obj, "stitch_loop"), loop_ifindex, "loop")?;
+        Ok(tunnel.map(|t| t.0))
+    }
 
-        // 3. VIs, then links.
-        for a in new_apps.values() {
-            for p in 0..a.ports.len() as u32 {
-                let vi = if a.slot == 0 {
-                    ViInfo {
-                        kind: VI_INTERFACE,
-                        target: a.ifindex,
-                        port: 0,
-                        pad: 0,
-                    }
-                } else {
-                    ViInfo {
-                        kind: VI_FUNCTION,
-                        target: a.slot,
-                        port: p,
-                        pad: 0,
-                    }
-                };
-                maps.put("vids", &(a.base_vid + p), &vi)?;
-            }
-        }
-        let vid = |(app, port): &(String, u32)| new_apps[app].base_vid + port;
-        let mut links = Vec::new();
-        let mut linked = BTreeSet::new();
-        for l in &plan.links {
-            let (from, to) = (vid(&l.from), vid(&l.to));
-            maps.put("graph", &from, &to)?;
-            linked.insert(from);
-            links.push(InstalledLink {
-                from: port_name(&plan.apps[&l.from.0], l.from.1, true),
-                to: port_name(&plan.apps[&l.to.0], l.to.1, false),
-                from_vid: from,
-                to_vid: to,
-            });
-        }
-        for a in new_apps.values() {
-            for v in a.base_vid..a.base_vid + a.ports.len() as u32 {
-                if !linked.contains(&v) {
-                    maps.put("graph", &v, &0u32)?;
-                }
-            }
-        }
-
-        // Tunnel frames by VNI to their segment port.
-        let mut live_vnis = BTreeSet::new();
-        for (name, a) in &plan.apps {
-            if let Function::Vxlan { segments, .. } = &a.function {
-                for (p, (vni, remote)) in segments.iter().enumerate() {
-                    let t = VniTarget {
-                        vid: new_apps[name].base_vid + p as u32,
-                        remote: remote.octets(),
-                    };
-                    maps.put("vxlan_vnis", vni, &t)?;
-                    live_vnis.insert(*vni);
-                }
-            }
-        }
-        let stale: Vec<Vec<u8>> = maps
-            .get("vxlan_vnis")
-            .keys()
-            .filter(|k| !live_vnis.contains(&u32::from_ne_bytes([k[0], k[1], k[2], k[3]])))
-            .collect();
-        for k in stale {
-            let _ = maps.get("vxlan_vnis").delete(&k);
-        }
-
-        // 4. Hooks on the workload interfaces (new ones attached, existing ones switched to
-        //    the new program).
-        for a in new_apps.values() {
-            if let Some(ifname) = &a.interface {
-                maps.put("ifaces", &a.ifindex, &a.base_vid)?;
-                self.hook(&prog("stitch_port"), a.ifindex, ifname)?;
-            }
-        }
-
-        // 5. Clear what is no longer used.
-        let live_ifaces: BTreeSet<&str> = new_apps
+    /// Clears what the old graph used and the new one does not: interface hooks, VIs, slots
+    /// and state.
+    fn clear_unused(
+        &self,
+        maps: &Maps,
+        old: &Installed,
+        apps: &IndexMap<String, InstalledApp>,
+    ) -> Result<(), Error> {
+        let live_ifaces: BTreeSet<&str> = apps
             .values()
             .filter_map(|a| a.interface.as_deref())
             .collect();
         for a in old.apps.values() {
             if let Some(ifname) = &a.interface {
-                let still = new_apps.values().any(|n| n.ifindex == a.ifindex);
-                if !still {
+                if !apps.values().any(|n| n.ifindex == a.ifindex) {
                     maps.remove("ifaces", &a.ifindex);
                 }
                 if !live_ifaces.contains(ifname.as_str()) {
@@ -685,12 +581,12 @@ impl DataPlane {
                 }
             }
         }
-        let live_vids: BTreeSet<u32> = new_apps
+        let live_vids: BTreeSet<u32> = apps
             .values()
             .flat_map(|a| a.base_vid..a.base_vid + a.ports.len() as u32)
             .collect();
-        let live_slots: BTreeSet<u32> = new_apps.values().map(|a| a.slot).collect();
-        let live_states: BTreeSet<u32> = new_apps.values().map(|a| a.state_id).collect();
+        let live_slots: BTreeSet<u32> = apps.values().map(|a| a.slot).collect();
+        let live_states: BTreeSet<u32> = apps.values().map(|a| a.state_id).collect();
         for a in old.apps.values() {
             for v in a.base_vid..a.base_vid + a.ports.len() as u32 {
                 if !live_vids.contains(&v) {
@@ -701,24 +597,13 @@ impl DataPlane {
             }
             if a.slot != 0 && !live_slots.contains(&a.slot) {
                 maps.remove("functions", &a.slot);
-                clear_slot(&maps, a.slot)?;
+                clear_slot(maps, a.slot)?;
             }
             if a.state_id != 0 && !live_states.contains(&a.state_id) {
-                self.clear_state(&maps, a.state_id)?;
+                self.clear_state(maps, a.state_id)?;
             }
         }
-        if tunnel.is_none() {
-            self.unhook("tunnel");
-            netdev::delete(&self.tunnel_device()).map_err(Error)?;
-        }
-        self.save(&Installed {
-            graph_file: graph_file.to_string(),
-            loop_device: loop_dev,
-            tunnel_device: tunnel.map(|t| t.0),
-            apps: new_apps,
-            links,
-        })?;
-        Ok(report)
+        Ok(())
     }
 
     /// Attaches `prog` to the ingress hook of `ifindex` (TCX link pinned as `links/PIN`), or
@@ -872,6 +757,203 @@ impl DataPlane {
         crate::tap::forget_claims(&self.runtime_dir(), &self.name);
         Ok(had)
     }
+}
+
+/// The program named `name` of the loaded object.
+fn program<'o>(obj: &'o libbpf_rs::Object, name: &str) -> libbpf_rs::Program<'o> {
+    obj.progs()
+        .find(|p| p.name() == name)
+        .expect("program in the object")
+}
+
+/// Where each app of a new plan lives in the maps, worked out from the record of what is
+/// installed before anything is touched.
+struct Allocation {
+    apps: IndexMap<String, InstalledApp>,
+    report: ApplyReport,
+    /// Function apps whose settings go into a fresh slot (new or changed).
+    fresh_slots: Vec<String>,
+    /// State ids that new functions take: a removed app may have left state under them.
+    fresh_states: Vec<u32>,
+}
+
+/// Kept apps (same function, ports and interface) keep their slot, state id and VIDs; changed
+/// ones get a fresh slot and keep their state (and VIDs, when their ports are the same); new
+/// ones get everything fresh. Pure: fails (out of slots or VIDs) before anything is changed.
+fn allocate(
+    old: &Installed,
+    plan: &Plan,
+    ifindexes: &HashMap<String, u32>,
+) -> Result<Allocation, Error> {
+    let mut used_slots: BTreeSet<u32> = old.apps.values().map(|a| a.slot).collect();
+    let mut used_states: BTreeSet<u32> = old.apps.values().map(|a| a.state_id).collect();
+    let mut used_vids: BTreeSet<u32> = BTreeSet::new();
+    for a in old.apps.values() {
+        used_vids.extend(a.base_vid..a.base_vid + a.ports.len() as u32);
+    }
+    let mut alloc = Allocation {
+        apps: IndexMap::new(),
+        report: ApplyReport::default(),
+        fresh_slots: Vec::new(),
+        fresh_states: Vec::new(),
+    };
+    for a in plan.apps.values() {
+        let fingerprint = format!("{:?}", a.function);
+        let prev = old
+            .apps
+            .get(&a.name)
+            .filter(|p| p.kind_code == a.function.kind_code() && p.kind == a.function.kind_name());
+        let interface = match &a.function {
+            Function::Interface { ifname } => Some(ifname.clone()),
+            _ => None,
+        };
+        let ifindex = ifindexes.get(&a.name).copied().unwrap_or(0);
+        let is_fn = interface.is_none();
+        let mut fresh_slot = || -> Result<u32, Error> {
+            match is_fn {
+                true => take(&mut used_slots, 1, MAX_SLOTS, "function slots"),
+                false => Ok(0),
+            }
+        };
+        let kept = prev.is_some_and(|p| {
+            p.fingerprint == fingerprint && p.ports == a.ports && p.ifindex == ifindex
+        });
+        let (slot, state_id, base_vid) = match prev {
+            Some(p) if kept => {
+                alloc.report.kept.push(a.name.clone());
+                (p.slot, p.state_id, p.base_vid)
+            }
+            Some(p) => {
+                alloc.report.changed.push(a.name.clone());
+                let slot = fresh_slot()?;
+                let base = if p.ports == a.ports {
+                    p.base_vid
+                } else {
+                    take_range(&mut used_vids, a.ports.len() as u32)?
+                };
+                (slot, p.state_id, base)
+            }
+            None => {
+                alloc.report.added.push(a.name.clone());
+                let slot = fresh_slot()?;
+                let state = if is_fn {
+                    let s = take(&mut used_states, 1, MAX_SLOTS, "functions")?;
+                    alloc.fresh_states.push(s);
+                    s
+                } else {
+                    0
+                };
+                (
+                    slot,
+                    state,
+                    take_range(&mut used_vids, a.ports.len() as u32)?,
+                )
+            }
+        };
+        if is_fn && !kept {
+            alloc.fresh_slots.push(a.name.clone());
+        }
+        alloc.apps.insert(
+            a.name.clone(),
+            InstalledApp {
+                kind: a.function.kind_name().into(),
+                kind_code: a.function.kind_code(),
+                fingerprint,
+                ports: a.ports.clone(),
+                base_vid,
+                slot,
+                state_id,
+                interface,
+                ifindex,
+            },
+        );
+    }
+    alloc.report.removed = (old.apps.keys())
+        .filter(|name| !plan.apps.contains_key(*name))
+        .cloned()
+        .collect();
+    Ok(alloc)
+}
+
+/// Each port's VI (an interface, or a function's port), then the patch panel: each linked
+/// VID to its peer, every other VID of the graph to nothing.
+fn install_vids_and_links(
+    maps: &Maps,
+    plan: &Plan,
+    apps: &IndexMap<String, InstalledApp>,
+) -> Result<Vec<InstalledLink>, Error> {
+    for a in apps.values() {
+        for p in 0..a.ports.len() as u32 {
+            let vi = if a.slot == 0 {
+                ViInfo {
+                    kind: VI_INTERFACE,
+                    target: a.ifindex,
+                    port: 0,
+                    pad: 0,
+                }
+            } else {
+                ViInfo {
+                    kind: VI_FUNCTION,
+                    target: a.slot,
+                    port: p,
+                    pad: 0,
+                }
+            };
+            maps.put("vids", &(a.base_vid + p), &vi)?;
+        }
+    }
+    let vid = |(app, port): &(String, u32)| apps[app].base_vid + port;
+    let mut links = Vec::new();
+    let mut linked = BTreeSet::new();
+    for l in &plan.links {
+        let (from, to) = (vid(&l.from), vid(&l.to));
+        maps.put("graph", &from, &to)?;
+        linked.insert(from);
+        links.push(InstalledLink {
+            from: port_name(&plan.apps[&l.from.0], l.from.1, true),
+            to: port_name(&plan.apps[&l.to.0], l.to.1, false),
+            from_vid: from,
+            to_vid: to,
+        });
+    }
+    for a in apps.values() {
+        for v in a.base_vid..a.base_vid + a.ports.len() as u32 {
+            if !linked.contains(&v) {
+                maps.put("graph", &v, &0u32)?;
+            }
+        }
+    }
+    Ok(links)
+}
+
+/// Tunnel frames by VNI to their segment port; VNIs no app declares any more are removed.
+fn install_vnis(
+    maps: &Maps,
+    plan: &Plan,
+    apps: &IndexMap<String, InstalledApp>,
+) -> Result<(), Error> {
+    let mut live_vnis = BTreeSet::new();
+    for (name, a) in &plan.apps {
+        if let Function::Vxlan { segments, .. } = &a.function {
+            for (p, (vni, remote)) in segments.iter().enumerate() {
+                let t = VniTarget {
+                    vid: apps[name].base_vid + p as u32,
+                    remote: remote.octets(),
+                };
+                maps.put("vxlan_vnis", vni, &t)?;
+                live_vnis.insert(*vni);
+            }
+        }
+    }
+    let stale: Vec<Vec<u8>> = maps
+        .get("vxlan_vnis")
+        .keys()
+        .filter(|k| !live_vnis.contains(&u32::from_ne_bytes([k[0], k[1], k[2], k[3]])))
+        .collect();
+    for k in stale {
+        let _ = maps.get("vxlan_vnis").delete(&k);
+    }
+    Ok(())
 }
 
 fn port_name(a: &PlannedApp, port: u32, output: bool) -> String {
