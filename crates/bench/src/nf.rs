@@ -156,270 +156,287 @@ fn neighbor_advertisement(to_mac: [u8; 6], mac: [u8; 6], from: [u8; 16], to: [u8
 
 fn subject(name: &str) -> Result<Subject> {
     let mut rng = fastrand::Rng::with_seed(0x9e37_79b9_7f4a_7c15);
-    let two = |a: &str, b: &str| {
-        (
-            vec![a.to_string(), b.to_string()],
-            vec![a.to_string(), b.to_string()],
-        )
-    };
-    Ok(match name {
-        "router" => {
-            // A full table: 1M random prefixes /16../28 via one gateway; lookups hit them.
-            let mut routes = Vec::with_capacity(1 << 20);
-            let mut dsts = Vec::with_capacity(4096);
-            for i in 0..(1 << 20) {
-                let addr = (rng.u64(..) as u32) | 0x0100_0000;
-                let len = 16 + (rng.u64(..) % 13) as u32;
-                let net = addr & (u32::MAX << (32 - len));
-                let gw = 10 + rng.u64(..) % GATEWAYS;
-                routes.push(json!({ "prefix": format!("{}/{len}", std::net::Ipv4Addr::from(net)), "via": format!("192.0.2.{gw}") }));
-                if i % 256 == 0 {
-                    dsts.push(net | (rng.u64(..) as u32 & !(u32::MAX << (32 - len))));
-                }
-            }
-            let app = build::<Router>(json!({
-                "interfaces": { "lan": { "mac": "02:00:00:00:01:01", "address": "10.0.1.1/24" },
-                                "wan": { "mac": "02:00:00:00:02:01", "address": "192.0.2.2/24" } },
-                "routes": routes,
-            }))?;
-            let mut warmup: Vec<(usize, Vec<u8>)> = (10..10 + GATEWAYS as u8)
-                .map(|gw| {
-                    let mac = [2, 0, 0, 0, 2, gw];
-                    let mut arp = vec![0u8; 60];
-                    arp[0..6].copy_from_slice(&WAN_MAC);
-                    arp[6..12].copy_from_slice(&mac);
-                    arp[12..22].copy_from_slice(&[0x08, 0x06, 0, 1, 0x08, 0x00, 6, 4, 0, 2]);
-                    arp[22..28].copy_from_slice(&mac);
-                    arp[28..32].copy_from_slice(&[192, 0, 2, gw]);
-                    arp[32..38].copy_from_slice(&WAN_MAC);
-                    arp[38..42].copy_from_slice(&[192, 0, 2, 2]);
-                    (1, arp)
-                })
-                .collect();
-            warmup.push((
-                0,
-                udp_frame(LAN_MAC, HOST, [10, 0, 1, 2], 1000, [1, 2, 3, 4], 53),
-            ));
-            let templates = dsts
-                .iter()
-                .map(|d| udp_frame(LAN_MAC, HOST, [10, 0, 1, 2], 1000, d.to_be_bytes(), 53))
-                .collect();
-            let (inputs, outputs) = two("lan", "wan");
-            Subject {
-                app,
-                inputs,
-                outputs,
-                warmup,
-                templates,
-                table: "1M IPv4 routes (/16–/28) over 16 next hops, random destinations".into(),
-            }
-        }
-        "router6" => {
-            // 200 000 random prefixes /20../48 inside 2000::/3 (the lengths of the IPv6
-            // internet table) via one gateway; lookups hit them.
-            let mut routes = Vec::with_capacity(200_000);
-            let mut dsts = Vec::with_capacity(4096);
-            for i in 0..200_000 {
-                let addr = ((rng.u64(..) as u128) << 64 | rng.u64(..) as u128) >> 3 | 1 << 125;
-                let len = 20 + (rng.u64(..) % 29) as u32;
-                let net = addr & (u128::MAX << (128 - len));
-                let gw = 10 + rng.u64(..) % GATEWAYS;
-                routes.push(json!({ "prefix": format!("{}/{len}", std::net::Ipv6Addr::from(net)), "via": format!("2001:db8:2::{gw:x}") }));
-                if i % 48 == 0 {
-                    dsts.push(net | (rng.u64(..) as u128 & !(u128::MAX << (128 - len))));
-                }
-            }
-            let app = build::<Router>(json!({
-                "interfaces": { "lan": { "mac": "02:00:00:00:01:01", "address": "10.0.1.1/24", "address6": "2001:db8:1::1/64" },
-                                "wan": { "mac": "02:00:00:00:02:01", "address": "192.0.2.2/24", "address6": "2001:db8:2::2/64" } },
-                "routes": routes,
-            }))?;
-            let host: [u8; 16] = "2001:db8:1::2".parse::<std::net::Ipv6Addr>()?.octets();
-            let me: [u8; 16] = "2001:db8:2::2".parse::<std::net::Ipv6Addr>()?.octets();
-            let templates = dsts
-                .iter()
-                .map(|d| udp6_frame(LAN_MAC, HOST, host, d.to_be_bytes()))
-                .collect();
-            let (inputs, outputs) = two("lan", "wan");
-            Subject {
-                app,
-                inputs,
-                outputs,
-                warmup: (10..10 + GATEWAYS as u8)
-                    .map(|gw| {
-                        let mut addr = me;
-                        addr[15] = gw;
-                        (
-                            1,
-                            neighbor_advertisement(WAN_MAC, [2, 0, 0, 0, 2, gw], addr, me),
-                        )
-                    })
-                    .collect(),
-                templates,
-                table:
-                    "200k IPv6 routes (/20–/48 in 2000::/3) over 16 next hops, random destinations"
-                        .into(),
-            }
-        }
-        "firewall" | "firewall-stateless" => {
-            // 999 rules that do not match, then accept.
-            let mut rules: Vec<serde_json::Value> = (0..999)
-                .map(|i| json!({ "action": "drop", "proto": "udp", "dst": format!("172.16.{}.{}/32", i / 256, i % 256), "dst_port": "1-10" }))
-                .collect();
-            rules.push(json!({ "action": "accept" }));
-            let app = build::<Firewall>(json!({ "rules": rules, "stateful": name == "firewall" }))?;
-            let templates = (0..4096u32)
-                .map(|i| {
-                    udp_frame(
-                        WAN_MAC,
-                        HOST,
-                        [10, 0, (i >> 8) as u8, i as u8],
-                        1000 + i as u16,
-                        [198, 51, 100, 1],
-                        53,
-                    )
-                })
-                .collect();
-            let (inputs, outputs) = two("lan", "wan");
-            let table = if name == "firewall" {
-                "1000 rules, 4096 tracked UDP flows"
-            } else {
-                "1000 rules, classified: first match for every packet"
-            };
-            Subject {
-                app,
-                inputs,
-                outputs,
-                warmup: vec![],
-                templates,
-                table: table.into(),
-            }
-        }
-        "nat" => {
-            // 100 000 flows from as many hosts over six external addresses (64 512 ports each).
-            let app = build::<Nat>(json!({ "external": "192.0.2.8/29", "ports": "1024-65535" }))?;
-            let templates = (0..100_000u32)
-                .map(|i| {
-                    udp_frame(
-                        WAN_MAC,
-                        HOST,
-                        [10, 1 + (i >> 16) as u8, (i >> 8) as u8, i as u8],
-                        10000 + (i % 50000) as u16,
-                        [198, 51, 100, 1],
-                        53,
-                    )
-                })
-                .collect();
-            let (inputs, outputs) = two("lan", "wan");
-            Subject {
-                app,
-                inputs,
-                outputs,
-                warmup: vec![],
-                templates,
-                table: "100 000 mapped UDP flows, 6 external addresses".into(),
-            }
-        }
-        "bridge" => {
-            // 4096 learned addresses behind port b; frames from a go to them.
-            let app = build::<Bridge>(json!({ "ports": { "a": {}, "b": {}, "c": {}, "d": {} } }))?;
-            let macs: Vec<[u8; 6]> = (0..4096u32)
-                .map(|i| [2, 0xb, 0, 0, (i >> 8) as u8, i as u8])
-                .collect();
-            let warmup = macs
-                .iter()
-                .map(|m| {
-                    (
-                        1,
-                        udp_frame([0xff; 6], *m, [10, 0, 0, 2], 1, [10, 0, 0, 1], 1),
-                    )
-                })
-                .collect();
-            let templates = macs
-                .iter()
-                .map(|m| udp_frame(*m, HOST, [10, 0, 0, 1], 1, [10, 0, 0, 2], 1))
-                .collect();
-            let ports = vec!["a".to_string(), "b".into(), "c".into(), "d".into()];
-            Subject {
-                app,
-                inputs: ports.clone(),
-                outputs: ports,
-                warmup,
-                templates,
-                table: "4096 learned MAC addresses".into(),
-            }
-        }
-        "vxlan" | "vxlan6" => {
-            // Encapsulation toward one remote; over IPv6 with the UDP checksum over each frame.
-            let (local, remote) = if name == "vxlan" {
-                ("192.0.2.1", "192.0.2.2")
-            } else {
-                ("2001:db8::1", "2001:db8::2")
-            };
-            let app = build::<Vxlan>(json!({ "local": local, "local_mac": "02:00:00:00:00:01",
-                "next_hop_mac": "02:00:00:00:00:02",
-                "segments": { "t": { "vni": 5001, "remote": remote } } }))?;
-            Subject {
-                app,
-                inputs: vec!["t".into(), "underlay".into()],
-                outputs: vec!["t".into(), "underlay".into()],
-                warmup: vec![],
-                templates: flows(4096),
-                table: format!(
-                    "one segment over IPv{}, 4096 inner flows",
-                    if name == "vxlan" { 4 } else { 6 }
-                ),
-            }
-        }
-        "vlan" => {
-            // Translation through a 100-entry map; frames carry the 100 VLANs in turn.
-            let map: serde_json::Map<String, serde_json::Value> = (1..=100u16)
-                .map(|v| (v.to_string(), json!(v + 1000)))
-                .collect();
-            let app = build::<Vlan>(json!({ "mode": "translate", "map": map }))?;
-            let templates = (0..4096u16)
-                .map(|i| {
-                    let mut f = udp_frame(LAN_MAC, HOST, [10, 0, 0, 1], i, [10, 0, 0, 2], 53);
-                    let tag = [0x81, 0x00, 0, (1 + i % 100) as u8];
-                    f.splice(12..12, tag);
-                    f.truncate(64);
-                    f
-                })
-                .collect();
-            Subject {
-                app,
-                inputs: vec!["input".into()],
-                outputs: vec!["output".into()],
-                warmup: vec![],
-                templates,
-                table: "translate, 100-entry map".into(),
-            }
-        }
-        "policer" => {
-            // A bucket that never runs dry: the cost of metering, not of dropping.
-            let app = build::<Policer>(json!({ "rate": "100 Gbit/s" }))?;
-            Subject {
-                app,
-                inputs: vec!["input".into()],
-                outputs: vec!["output".into()],
-                warmup: vec![],
-                templates: flows(4096),
-                table: "bit-rate token bucket (100 Gbit/s)".into(),
-            }
-        }
-        "load_balancer" => {
-            let app = build::<LoadBalancer>(json!({ "symmetric": true }))?;
-            let outputs: Vec<String> = (0..4).map(|i| format!("o{i}")).collect();
-            Subject {
-                app,
-                inputs: vec!["input".into()],
-                outputs,
-                warmup: vec![],
-                templates: flows(4096),
-                table: "4096 flows over 4 outputs, symmetric hash".into(),
-            }
-        }
+    match name {
+        "router" => router_subject(&mut rng),
+        "router6" => router6_subject(&mut rng),
+        "firewall" | "firewall-stateless" => firewall_subject(name == "firewall"),
+        "nat" => nat_subject(),
+        "bridge" => bridge_subject(),
+        "vxlan" | "vxlan6" => vxlan_subject(name == "vxlan6"),
+        "vlan" => vlan_subject(),
+        "policer" => policer_subject(),
+        "load_balancer" => load_balancer_subject(),
         other => anyhow::bail!("no benchmark for `{other}` ({})", NAMES.join(", ")),
+    }
+}
+
+/// Ports `lan` and `wan`, each both an input and an output.
+fn lan_wan() -> (Vec<String>, Vec<String>) {
+    let ports = vec!["lan".to_string(), "wan".to_string()];
+    (ports.clone(), ports)
+}
+
+fn router_subject(rng: &mut fastrand::Rng) -> Result<Subject> {
+    // A full table: 1M random prefixes /16../28 via one gateway; lookups hit them.
+    let mut routes = Vec::with_capacity(1 << 20);
+    let mut dsts = Vec::with_capacity(4096);
+    for i in 0..(1 << 20) {
+        let addr = (rng.u64(..) as u32) | 0x0100_0000;
+        let len = 16 + (rng.u64(..) % 13) as u32;
+        let net = addr & (u32::MAX << (32 - len));
+        let gw = 10 + rng.u64(..) % GATEWAYS;
+        routes.push(json!({ "prefix": format!("{}/{len}", std::net::Ipv4Addr::from(net)), "via": format!("192.0.2.{gw}") }));
+        if i % 256 == 0 {
+            dsts.push(net | (rng.u64(..) as u32 & !(u32::MAX << (32 - len))));
+        }
+    }
+    let app = build::<Router>(json!({
+        "interfaces": { "lan": { "mac": "02:00:00:00:01:01", "address": "10.0.1.1/24" },
+                        "wan": { "mac": "02:00:00:00:02:01", "address": "192.0.2.2/24" } },
+        "routes": routes,
+    }))?;
+    let mut warmup: Vec<(usize, Vec<u8>)> = (10..10 + GATEWAYS as u8)
+        .map(|gw| {
+            let mac = [2, 0, 0, 0, 2, gw];
+            let mut arp = vec![0u8; 60];
+            arp[0..6].copy_from_slice(&WAN_MAC);
+            arp[6..12].copy_from_slice(&mac);
+            arp[12..22].copy_from_slice(&[0x08, 0x06, 0, 1, 0x08, 0x00, 6, 4, 0, 2]);
+            arp[22..28].copy_from_slice(&mac);
+            arp[28..32].copy_from_slice(&[192, 0, 2, gw]);
+            arp[32..38].copy_from_slice(&WAN_MAC);
+            arp[38..42].copy_from_slice(&[192, 0, 2, 2]);
+            (1, arp)
+        })
+        .collect();
+    warmup.push((
+        0,
+        udp_frame(LAN_MAC, HOST, [10, 0, 1, 2], 1000, [1, 2, 3, 4], 53),
+    ));
+    let templates = dsts
+        .iter()
+        .map(|d| udp_frame(LAN_MAC, HOST, [10, 0, 1, 2], 1000, d.to_be_bytes(), 53))
+        .collect();
+    let (inputs, outputs) = lan_wan();
+    Ok(Subject {
+        app,
+        inputs,
+        outputs,
+        warmup,
+        templates,
+        table: "1M IPv4 routes (/16–/28) over 16 next hops, random destinations".into(),
+    })
+}
+
+fn router6_subject(rng: &mut fastrand::Rng) -> Result<Subject> {
+    // 200 000 random prefixes /20../48 inside 2000::/3 (the lengths of the IPv6
+    // internet table) via one gateway; lookups hit them.
+    let mut routes = Vec::with_capacity(200_000);
+    let mut dsts = Vec::with_capacity(4096);
+    for i in 0..200_000 {
+        let addr = ((rng.u64(..) as u128) << 64 | rng.u64(..) as u128) >> 3 | 1 << 125;
+        let len = 20 + (rng.u64(..) % 29) as u32;
+        let net = addr & (u128::MAX << (128 - len));
+        let gw = 10 + rng.u64(..) % GATEWAYS;
+        routes.push(json!({ "prefix": format!("{}/{len}", std::net::Ipv6Addr::from(net)), "via": format!("2001:db8:2::{gw:x}") }));
+        if i % 48 == 0 {
+            dsts.push(net | (rng.u64(..) as u128 & !(u128::MAX << (128 - len))));
+        }
+    }
+    let app = build::<Router>(json!({
+        "interfaces": { "lan": { "mac": "02:00:00:00:01:01", "address": "10.0.1.1/24", "address6": "2001:db8:1::1/64" },
+                        "wan": { "mac": "02:00:00:00:02:01", "address": "192.0.2.2/24", "address6": "2001:db8:2::2/64" } },
+        "routes": routes,
+    }))?;
+    let host: [u8; 16] = "2001:db8:1::2".parse::<std::net::Ipv6Addr>()?.octets();
+    let me: [u8; 16] = "2001:db8:2::2".parse::<std::net::Ipv6Addr>()?.octets();
+    let templates = dsts
+        .iter()
+        .map(|d| udp6_frame(LAN_MAC, HOST, host, d.to_be_bytes()))
+        .collect();
+    let (inputs, outputs) = lan_wan();
+    Ok(Subject {
+        app,
+        inputs,
+        outputs,
+        warmup: (10..10 + GATEWAYS as u8)
+            .map(|gw| {
+                let mut addr = me;
+                addr[15] = gw;
+                (
+                    1,
+                    neighbor_advertisement(WAN_MAC, [2, 0, 0, 0, 2, gw], addr, me),
+                )
+            })
+            .collect(),
+        templates,
+        table: "200k IPv6 routes (/20–/48 in 2000::/3) over 16 next hops, random destinations"
+            .into(),
+    })
+}
+
+fn firewall_subject(stateful: bool) -> Result<Subject> {
+    // 999 rules that do not match, then accept.
+    let mut rules: Vec<serde_json::Value> = (0..999)
+        .map(|i| json!({ "action": "drop", "proto": "udp", "dst": format!("172.16.{}.{}/32", i / 256, i % 256), "dst_port": "1-10" }))
+        .collect();
+    rules.push(json!({ "action": "accept" }));
+    let app = build::<Firewall>(json!({ "rules": rules, "stateful": stateful }))?;
+    let templates = (0..4096u32)
+        .map(|i| {
+            udp_frame(
+                WAN_MAC,
+                HOST,
+                [10, 0, (i >> 8) as u8, i as u8],
+                1000 + i as u16,
+                [198, 51, 100, 1],
+                53,
+            )
+        })
+        .collect();
+    let (inputs, outputs) = lan_wan();
+    let table = if stateful {
+        "1000 rules, 4096 tracked UDP flows"
+    } else {
+        "1000 rules, classified: first match for every packet"
+    };
+    Ok(Subject {
+        app,
+        inputs,
+        outputs,
+        warmup: vec![],
+        templates,
+        table: table.into(),
+    })
+}
+
+fn nat_subject() -> Result<Subject> {
+    // 100 000 flows from as many hosts over six external addresses (64 512 ports each).
+    let app = build::<Nat>(json!({ "external": "192.0.2.8/29", "ports": "1024-65535" }))?;
+    let templates = (0..100_000u32)
+        .map(|i| {
+            udp_frame(
+                WAN_MAC,
+                HOST,
+                [10, 1 + (i >> 16) as u8, (i >> 8) as u8, i as u8],
+                10000 + (i % 50000) as u16,
+                [198, 51, 100, 1],
+                53,
+            )
+        })
+        .collect();
+    let (inputs, outputs) = lan_wan();
+    Ok(Subject {
+        app,
+        inputs,
+        outputs,
+        warmup: vec![],
+        templates,
+        table: "100 000 mapped UDP flows, 6 external addresses".into(),
+    })
+}
+
+fn bridge_subject() -> Result<Subject> {
+    // 4096 learned addresses behind port b; frames from a go to them.
+    let app = build::<Bridge>(json!({ "ports": { "a": {}, "b": {}, "c": {}, "d": {} } }))?;
+    let macs: Vec<[u8; 6]> = (0..4096u32)
+        .map(|i| [2, 0xb, 0, 0, (i >> 8) as u8, i as u8])
+        .collect();
+    let warmup = macs
+        .iter()
+        .map(|m| {
+            (
+                1,
+                udp_frame([0xff; 6], *m, [10, 0, 0, 2], 1, [10, 0, 0, 1], 1),
+            )
+        })
+        .collect();
+    let templates = macs
+        .iter()
+        .map(|m| udp_frame(*m, HOST, [10, 0, 0, 1], 1, [10, 0, 0, 2], 1))
+        .collect();
+    let ports = vec!["a".to_string(), "b".into(), "c".into(), "d".into()];
+    Ok(Subject {
+        app,
+        inputs: ports.clone(),
+        outputs: ports,
+        warmup,
+        templates,
+        table: "4096 learned MAC addresses".into(),
+    })
+}
+
+fn vxlan_subject(v6: bool) -> Result<Subject> {
+    // Encapsulation toward one remote; over IPv6 with the UDP checksum over each frame.
+    let (local, remote) = if !v6 {
+        ("192.0.2.1", "192.0.2.2")
+    } else {
+        ("2001:db8::1", "2001:db8::2")
+    };
+    let app = build::<Vxlan>(json!({ "local": local, "local_mac": "02:00:00:00:00:01",
+        "next_hop_mac": "02:00:00:00:00:02",
+        "segments": { "t": { "vni": 5001, "remote": remote } } }))?;
+    Ok(Subject {
+        app,
+        inputs: vec!["t".into(), "underlay".into()],
+        outputs: vec!["t".into(), "underlay".into()],
+        warmup: vec![],
+        templates: flows(4096),
+        table: format!(
+            "one segment over IPv{}, 4096 inner flows",
+            if v6 { 6 } else { 4 }
+        ),
+    })
+}
+
+fn vlan_subject() -> Result<Subject> {
+    // Translation through a 100-entry map; frames carry the 100 VLANs in turn.
+    let map: serde_json::Map<String, serde_json::Value> = (1..=100u16)
+        .map(|v| (v.to_string(), json!(v + 1000)))
+        .collect();
+    let app = build::<Vlan>(json!({ "mode": "translate", "map": map }))?;
+    let templates = (0..4096u16)
+        .map(|i| {
+            let mut f = udp_frame(LAN_MAC, HOST, [10, 0, 0, 1], i, [10, 0, 0, 2], 53);
+            let tag = [0x81, 0x00, 0, (1 + i % 100) as u8];
+            f.splice(12..12, tag);
+            f.truncate(64);
+            f
+        })
+        .collect();
+    Ok(Subject {
+        app,
+        inputs: vec!["input".into()],
+        outputs: vec!["output".into()],
+        warmup: vec![],
+        templates,
+        table: "translate, 100-entry map".into(),
+    })
+}
+
+fn policer_subject() -> Result<Subject> {
+    // A bucket that never runs dry: the cost of metering, not of dropping.
+    let app = build::<Policer>(json!({ "rate": "100 Gbit/s" }))?;
+    Ok(Subject {
+        app,
+        inputs: vec!["input".into()],
+        outputs: vec!["output".into()],
+        warmup: vec![],
+        templates: flows(4096),
+        table: "bit-rate token bucket (100 Gbit/s)".into(),
+    })
+}
+
+fn load_balancer_subject() -> Result<Subject> {
+    let app = build::<LoadBalancer>(json!({ "symmetric": true }))?;
+    let outputs: Vec<String> = (0..4).map(|i| format!("o{i}")).collect();
+    Ok(Subject {
+        app,
+        inputs: vec!["input".into()],
+        outputs,
+        warmup: vec![],
+        templates: flows(4096),
+        table: "4096 flows over 4 outputs, symmetric hash".into(),
     })
 }
 
