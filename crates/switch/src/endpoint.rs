@@ -555,201 +555,250 @@ fn multipart(m: &Msg, shared: &Shared, conn: &Connection) -> Result<Vec<Vec<u8>>
     let mut r = Replies::new(kind, m.xid);
     let now = shared.now_ns();
     match kind {
-        ofp::MP_DESC => {
-            let mut e = name_bytes("Stitch", 256);
-            e.extend(name_bytes("software switch", 256));
-            e.extend(name_bytes(env!("CARGO_PKG_VERSION"), 256));
-            e.extend(name_bytes("none", 32));
-            e.extend(name_bytes(&shared.name, 256));
-            r.push(&e);
-        }
-        ofp::MP_FLOW | ofp::MP_AGGREGATE => {
-            let table_id = *body.first().ok_or(ofp::BAD_REQUEST_LEN)?;
-            if table_id as usize >= TABLES && table_id != ofp::TABLE_ALL {
-                return Err(ofp::BAD_REQUEST_TABLE_ID);
-            }
-            let out_port = ofp::u32_field(body, 4)?;
-            let out_group = ofp::u32_field(body, 8)?;
-            let (cookie, cookie_mask) = (ofp::u64_field(body, 16)?, ofp::u64_field(body, 24)?);
-            let (matching, _) = oxm::parse_match(body, 32)?;
-            let s = shared.state.lock().unwrap();
-            let chosen = s.flows.select(
-                table_id,
-                &matching,
-                out_port,
-                out_group,
-                cookie,
-                cookie_mask,
-            );
-            if kind == ofp::MP_AGGREGATE {
-                let (mut packets, mut bytes, mut n) = (0u64, 0u64, 0u32);
-                for e in chosen {
-                    packets += e.packets.load(Ordering::Relaxed);
-                    bytes += e.bytes.load(Ordering::Relaxed);
-                    n += 1;
-                }
-                let mut e = packets.to_be_bytes().to_vec();
-                e.extend_from_slice(&bytes.to_be_bytes());
-                e.extend_from_slice(&n.to_be_bytes());
-                e.extend_from_slice(&[0; 4]);
-                r.push(&e);
-            } else {
-                for f in chosen {
-                    r.push(&flow_stats(f, now));
-                }
-            }
-        }
-        ofp::MP_TABLE => {
-            let s = shared.state.lock().unwrap();
-            for (t, c) in shared.table_counters.iter().enumerate() {
-                let mut e = vec![t as u8, 0, 0, 0];
-                e.extend_from_slice(&(s.flows.tables[t].len() as u32).to_be_bytes());
-                e.extend_from_slice(&c.lookups.load(Ordering::Relaxed).to_be_bytes());
-                e.extend_from_slice(&c.matched.load(Ordering::Relaxed).to_be_bytes());
-                r.push(&e);
-            }
-        }
-        ofp::MP_PORT_STATS => {
-            let want = ofp::u32_field(body, 0)?;
-            for (i, c) in shared.port_counters.iter().enumerate() {
-                let no = i as u32 + 1;
-                if want != ofp::PORT_ANY && want != no {
-                    continue;
-                }
-                let mut e = no.to_be_bytes().to_vec();
-                e.extend_from_slice(&[0; 4]);
-                for v in [
-                    c.rx_packets.load(Ordering::Relaxed),
-                    c.tx_packets.load(Ordering::Relaxed),
-                    c.rx_bytes.load(Ordering::Relaxed),
-                    c.tx_bytes.load(Ordering::Relaxed),
-                    0,
-                    c.tx_dropped.load(Ordering::Relaxed),
-                    0,
-                    0,
-                    0,
-                    0,
-                    0,
-                    0,
-                ] {
-                    e.extend_from_slice(&v.to_be_bytes());
-                }
-                duration(&mut e, now);
-                r.push(&e);
-            }
-        }
-        ofp::MP_PORT_DESC => {
-            // A controller's handshake may come before the data path first looked at the
-            // links: give it a moment, so the first answer is the truth.
-            let t = Instant::now();
-            while !shared.ports_known.load(Ordering::Acquire)
-                && t.elapsed() < Duration::from_millis(200)
-            {
-                std::thread::sleep(Duration::from_millis(2));
-            }
-            let told: Vec<bool> = shared
-                .port_live
-                .iter()
-                .map(|l| l.load(Ordering::Relaxed))
-                .collect();
-            for (i, &live) in told.iter().enumerate() {
-                let mut e = Vec::new();
-                port_desc(&mut e, shared, i, live);
-                r.push(&e);
-            }
-            *conn.ports_told.lock().unwrap() = Some(told);
-        }
+        ofp::MP_DESC => mp_desc(&mut r, shared),
+        ofp::MP_FLOW | ofp::MP_AGGREGATE => mp_flows(&mut r, kind, body, shared, now)?,
+        ofp::MP_TABLE => mp_table_stats(&mut r, shared),
+        ofp::MP_PORT_STATS => mp_port_stats(&mut r, body, shared, now)?,
+        ofp::MP_PORT_DESC => mp_port_descs(&mut r, shared, conn),
         ofp::MP_QUEUE => {}
-        ofp::MP_GROUP | ofp::MP_GROUP_DESC => {
-            // GROUP_DESC has no body: every group.
-            let want = if kind == ofp::MP_GROUP {
-                ofp::u32_field(body, 0)?
-            } else {
-                ofp::GROUP_ALL
-            };
-            let s = shared.state.lock().unwrap();
-            for g in s.groups.groups.values() {
-                if kind == ofp::MP_GROUP && want != ofp::GROUP_ALL && want != g.id {
-                    continue;
-                }
-                r.push(&if kind == ofp::MP_GROUP {
-                    group_stats(g, &s, now)
-                } else {
-                    group_desc(g)
-                });
-            }
-        }
-        ofp::MP_GROUP_FEATURES => {
-            let mut e = Vec::new();
-            e.extend_from_slice(&0b1111u32.to_be_bytes()); // all, select, indirect, ff
-            e.extend_from_slice(&(1u32 | 2 | 4 | 8).to_be_bytes()); // weight, liveness, chaining, checks
-            for _ in 0..4 {
-                e.extend_from_slice(&(group::MAX_GROUPS as u32).to_be_bytes());
-            }
-            for _ in 0..4 {
-                e.extend_from_slice(&supported_actions().to_be_bytes());
-            }
-            r.push(&e);
-        }
-        ofp::MP_METER | ofp::MP_METER_CONFIG => {
-            let want = ofp::u32_field(body, 0)?;
-            let s = shared.state.lock().unwrap();
-            for mt in s.meters.meters.values() {
-                if want != ofp::METER_ALL && want != mt.id {
-                    continue;
-                }
-                let mut e = Vec::new();
-                if kind == ofp::MP_METER {
-                    let flows = s
-                        .flows
-                        .tables
-                        .iter()
-                        .flatten()
-                        .filter(|f| f.instructions.meter == Some(mt.id))
-                        .count() as u32;
-                    e.extend_from_slice(&mt.id.to_be_bytes());
-                    e.extend_from_slice(&[0, 0, 0, 0, 0, 0, 0, 0]);
-                    e.extend_from_slice(&flows.to_be_bytes());
-                    e.extend_from_slice(&mt.packets.load(Ordering::Relaxed).to_be_bytes());
-                    e.extend_from_slice(&mt.bytes.load(Ordering::Relaxed).to_be_bytes());
-                    duration(&mut e, now.saturating_sub(mt.created_ns));
-                    for band in &mt.bands {
-                        e.extend_from_slice(&band.packets.load(Ordering::Relaxed).to_be_bytes());
-                        e.extend_from_slice(&band.bytes.load(Ordering::Relaxed).to_be_bytes());
-                    }
-                    let n = e.len() as u16;
-                    e[4..6].copy_from_slice(&n.to_be_bytes());
-                } else {
-                    e.extend_from_slice(&[0, 0]);
-                    e.extend_from_slice(&mt.flags.to_be_bytes());
-                    e.extend_from_slice(&mt.id.to_be_bytes());
-                    meter::write_bands(&mut e, mt);
-                    set_len(&mut e);
-                }
-                r.push(&e);
-            }
-        }
-        ofp::MP_METER_FEATURES => {
-            let mut e = meter::MAX_METERS.to_be_bytes().to_vec();
-            e.extend_from_slice(
-                &(1u32 << meter::BAND_DROP | 1 << meter::BAND_DSCP_REMARK).to_be_bytes(),
-            );
-            e.extend_from_slice(&0b1111u32.to_be_bytes()); // kbps, pktps, burst, stats
-            e.extend_from_slice(&[meter::MAX_BANDS as u8, 0, 0, 0]);
-            r.push(&e);
-        }
-        ofp::MP_TABLE_FEATURES => {
-            if !body.is_empty() {
-                // Setting the pipeline's shape is not supported: it is fixed (§7.3.5.5.1).
-                return Err(OfError(13, 5));
-            }
-            for t in 0..TABLES {
-                r.push(&table_features(t as u8));
-            }
-        }
+        ofp::MP_GROUP | ofp::MP_GROUP_DESC => mp_groups(&mut r, kind, body, shared, now)?,
+        ofp::MP_GROUP_FEATURES => mp_group_features(&mut r),
+        ofp::MP_METER | ofp::MP_METER_CONFIG => mp_meters(&mut r, kind, body, shared, now)?,
+        ofp::MP_METER_FEATURES => mp_meter_features(&mut r),
+        ofp::MP_TABLE_FEATURES => mp_table_features(&mut r, body)?,
         _ => return Err(ofp::BAD_REQUEST_MULTIPART),
     }
     Ok(r.finish())
+}
+
+/// OFPMP_DESC: who made the switch and what it is.
+fn mp_desc(r: &mut Replies, shared: &Shared) {
+    let mut e = name_bytes("Stitch", 256);
+    e.extend(name_bytes("software switch", 256));
+    e.extend(name_bytes(env!("CARGO_PKG_VERSION"), 256));
+    e.extend(name_bytes("none", 32));
+    e.extend(name_bytes(&shared.name, 256));
+    r.push(&e);
+}
+
+/// OFPMP_FLOW and OFPMP_AGGREGATE: the flows a request selects, one by one or summed.
+fn mp_flows(
+    r: &mut Replies,
+    kind: u16,
+    body: &[u8],
+    shared: &Shared,
+    now: u64,
+) -> Result<(), OfError> {
+    let table_id = *body.first().ok_or(ofp::BAD_REQUEST_LEN)?;
+    if table_id as usize >= TABLES && table_id != ofp::TABLE_ALL {
+        return Err(ofp::BAD_REQUEST_TABLE_ID);
+    }
+    let out_port = ofp::u32_field(body, 4)?;
+    let out_group = ofp::u32_field(body, 8)?;
+    let (cookie, cookie_mask) = (ofp::u64_field(body, 16)?, ofp::u64_field(body, 24)?);
+    let (matching, _) = oxm::parse_match(body, 32)?;
+    let s = shared.state.lock().unwrap();
+    let chosen = s.flows.select(
+        table_id,
+        &matching,
+        out_port,
+        out_group,
+        cookie,
+        cookie_mask,
+    );
+    if kind == ofp::MP_AGGREGATE {
+        let (mut packets, mut bytes, mut n) = (0u64, 0u64, 0u32);
+        for e in chosen {
+            packets += e.packets.load(Ordering::Relaxed);
+            bytes += e.bytes.load(Ordering::Relaxed);
+            n += 1;
+        }
+        let mut e = packets.to_be_bytes().to_vec();
+        e.extend_from_slice(&bytes.to_be_bytes());
+        e.extend_from_slice(&n.to_be_bytes());
+        e.extend_from_slice(&[0; 4]);
+        r.push(&e);
+    } else {
+        for f in chosen {
+            r.push(&flow_stats(f, now));
+        }
+    }
+    Ok(())
+}
+
+/// OFPMP_TABLE: each table's flows, lookups and matches.
+fn mp_table_stats(r: &mut Replies, shared: &Shared) {
+    let s = shared.state.lock().unwrap();
+    for (t, c) in shared.table_counters.iter().enumerate() {
+        let mut e = vec![t as u8, 0, 0, 0];
+        e.extend_from_slice(&(s.flows.tables[t].len() as u32).to_be_bytes());
+        e.extend_from_slice(&c.lookups.load(Ordering::Relaxed).to_be_bytes());
+        e.extend_from_slice(&c.matched.load(Ordering::Relaxed).to_be_bytes());
+        r.push(&e);
+    }
+}
+
+/// OFPMP_PORT_STATS: one port's counters, or every port's.
+fn mp_port_stats(r: &mut Replies, body: &[u8], shared: &Shared, now: u64) -> Result<(), OfError> {
+    let want = ofp::u32_field(body, 0)?;
+    for (i, c) in shared.port_counters.iter().enumerate() {
+        let no = i as u32 + 1;
+        if want != ofp::PORT_ANY && want != no {
+            continue;
+        }
+        let mut e = no.to_be_bytes().to_vec();
+        e.extend_from_slice(&[0; 4]);
+        for v in [
+            c.rx_packets.load(Ordering::Relaxed),
+            c.tx_packets.load(Ordering::Relaxed),
+            c.rx_bytes.load(Ordering::Relaxed),
+            c.tx_bytes.load(Ordering::Relaxed),
+            0,
+            c.tx_dropped.load(Ordering::Relaxed),
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+        ] {
+            e.extend_from_slice(&v.to_be_bytes());
+        }
+        duration(&mut e, now);
+        r.push(&e);
+    }
+    Ok(())
+}
+
+/// OFPMP_PORT_DESC: every port, whose liveness as told is remembered for PORT_STATUS.
+fn mp_port_descs(r: &mut Replies, shared: &Shared, conn: &Connection) {
+    // A controller's handshake may come before the data path first looked at the
+    // links: give it a moment, so the first answer is the truth.
+    let t = Instant::now();
+    while !shared.ports_known.load(Ordering::Acquire) && t.elapsed() < Duration::from_millis(200) {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let told: Vec<bool> = shared
+        .port_live
+        .iter()
+        .map(|l| l.load(Ordering::Relaxed))
+        .collect();
+    for (i, &live) in told.iter().enumerate() {
+        let mut e = Vec::new();
+        port_desc(&mut e, shared, i, live);
+        r.push(&e);
+    }
+    *conn.ports_told.lock().unwrap() = Some(told);
+}
+
+/// OFPMP_GROUP (one group's counters, or every group's) and OFPMP_GROUP_DESC (every group).
+fn mp_groups(
+    r: &mut Replies,
+    kind: u16,
+    body: &[u8],
+    shared: &Shared,
+    now: u64,
+) -> Result<(), OfError> {
+    // GROUP_DESC has no body: every group.
+    let want = if kind == ofp::MP_GROUP {
+        ofp::u32_field(body, 0)?
+    } else {
+        ofp::GROUP_ALL
+    };
+    let s = shared.state.lock().unwrap();
+    for g in s.groups.groups.values() {
+        if kind == ofp::MP_GROUP && want != ofp::GROUP_ALL && want != g.id {
+            continue;
+        }
+        r.push(&if kind == ofp::MP_GROUP {
+            group_stats(g, &s, now)
+        } else {
+            group_desc(g)
+        });
+    }
+    Ok(())
+}
+
+/// OFPMP_GROUP_FEATURES: the group types, capabilities, limits and actions supported.
+fn mp_group_features(r: &mut Replies) {
+    let mut e = Vec::new();
+    e.extend_from_slice(&0b1111u32.to_be_bytes()); // all, select, indirect, ff
+    e.extend_from_slice(&(1u32 | 2 | 4 | 8).to_be_bytes()); // weight, liveness, chaining, checks
+    for _ in 0..4 {
+        e.extend_from_slice(&(group::MAX_GROUPS as u32).to_be_bytes());
+    }
+    for _ in 0..4 {
+        e.extend_from_slice(&supported_actions().to_be_bytes());
+    }
+    r.push(&e);
+}
+
+/// OFPMP_METER (counters) and OFPMP_METER_CONFIG (bands) of one meter or every meter.
+fn mp_meters(
+    r: &mut Replies,
+    kind: u16,
+    body: &[u8],
+    shared: &Shared,
+    now: u64,
+) -> Result<(), OfError> {
+    let want = ofp::u32_field(body, 0)?;
+    let s = shared.state.lock().unwrap();
+    for mt in s.meters.meters.values() {
+        if want != ofp::METER_ALL && want != mt.id {
+            continue;
+        }
+        let mut e = Vec::new();
+        if kind == ofp::MP_METER {
+            let flows = s
+                .flows
+                .tables
+                .iter()
+                .flatten()
+                .filter(|f| f.instructions.meter == Some(mt.id))
+                .count() as u32;
+            e.extend_from_slice(&mt.id.to_be_bytes());
+            e.extend_from_slice(&[0, 0, 0, 0, 0, 0, 0, 0]);
+            e.extend_from_slice(&flows.to_be_bytes());
+            e.extend_from_slice(&mt.packets.load(Ordering::Relaxed).to_be_bytes());
+            e.extend_from_slice(&mt.bytes.load(Ordering::Relaxed).to_be_bytes());
+            duration(&mut e, now.saturating_sub(mt.created_ns));
+            for band in &mt.bands {
+                e.extend_from_slice(&band.packets.load(Ordering::Relaxed).to_be_bytes());
+                e.extend_from_slice(&band.bytes.load(Ordering::Relaxed).to_be_bytes());
+            }
+            let n = e.len() as u16;
+            e[4..6].copy_from_slice(&n.to_be_bytes());
+        } else {
+            e.extend_from_slice(&[0, 0]);
+            e.extend_from_slice(&mt.flags.to_be_bytes());
+            e.extend_from_slice(&mt.id.to_be_bytes());
+            meter::write_bands(&mut e, mt);
+            set_len(&mut e);
+        }
+        r.push(&e);
+    }
+    Ok(())
+}
+
+/// OFPMP_METER_FEATURES: limits, band types and capabilities.
+fn mp_meter_features(r: &mut Replies) {
+    let mut e = meter::MAX_METERS.to_be_bytes().to_vec();
+    e.extend_from_slice(&(1u32 << meter::BAND_DROP | 1 << meter::BAND_DSCP_REMARK).to_be_bytes());
+    e.extend_from_slice(&0b1111u32.to_be_bytes()); // kbps, pktps, burst, stats
+    e.extend_from_slice(&[meter::MAX_BANDS as u8, 0, 0, 0]);
+    r.push(&e);
+}
+
+/// OFPMP_TABLE_FEATURES: the fixed pipeline's description; setting it is refused.
+fn mp_table_features(r: &mut Replies, body: &[u8]) -> Result<(), OfError> {
+    if !body.is_empty() {
+        // Setting the pipeline's shape is not supported: it is fixed (§7.3.5.5.1).
+        return Err(OfError(13, 5));
+    }
+    for t in 0..TABLES {
+        r.push(&table_features(t as u8));
+    }
+    Ok(())
 }
 
 fn flow_stats(e: &FlowEntry, now: u64) -> Vec<u8> {
