@@ -305,10 +305,31 @@ fn open(c: &AfPacketConfig) -> Result<(OwnedFd, Mapping, usize), String> {
     let proto = (libc::ETH_P_ALL as u16).to_be();
     let fd = packet_socket(0)?;
     let raw = fd.as_raw_fd();
-    let sol = libc::SOL_PACKET;
-    let opt = |what: &str, r: std::io::Result<()>| {
-        r.map_err(|e| explain(&format!("af_packet {name}: {what}"), e))
+    set_options(raw, c)?;
+    let rx_len = request_rings(raw, c)?;
+    // One mapping holds the receive ring followed by the transmit ring.
+    let ring_len = rx_len + TX_FRAMES * TX_FRAME_SIZE;
+    let locked = MapOptions {
+        lock: true,
+        ..MapOptions::default()
     };
+    let ring = Mapping::shared(fd.as_fd(), ring_len, locked)
+        .map_err(|e| explain(&format!("af_packet {name}: mapping the ring"), e))?;
+    bind_to(&fd, ifindex, proto, name)?;
+    join(raw, c, ifindex)?;
+    Ok((fd, ring, rx_len))
+}
+
+/// The result of setting socket option `what` on the port's socket, explained.
+fn option_set(c: &AfPacketConfig, what: &str, r: std::io::Result<()>) -> Result<(), String> {
+    r.map_err(|e| explain(&format!("af_packet {}: {what}", c.interface), e))
+}
+
+/// The socket's options before its rings exist: virtio-net headers, ring version, what it
+/// hears and how it sends.
+fn set_options(raw: std::os::fd::RawFd, c: &AfPacketConfig) -> Result<(), String> {
+    let sol = libc::SOL_PACKET;
+    let opt = |what: &str, r| option_set(c, what, r);
     opt(
         "PACKET_VNET_HDR",
         setsockopt(raw, sol, libc::PACKET_VNET_HDR, &1i32),
@@ -355,13 +376,21 @@ fn open(c: &AfPacketConfig) -> Result<(OwnedFd, Mapping, usize), String> {
         "PACKET_LOSS",
         setsockopt(raw, sol, libc::PACKET_LOSS, &1i32),
     )?;
+    Ok(())
+}
+
+/// Asks for the receive ring (version 2 or 3, as configured) and the transmit ring; returns
+/// the receive ring's length in bytes.
+fn request_rings(raw: std::os::fd::RawFd, c: &AfPacketConfig) -> Result<usize, String> {
+    let sol = libc::SOL_PACKET;
+    let opt = |what: &str, r| option_set(c, what, r);
     let tx = (
         TX_BLOCK_SIZE,
         TX_FRAMES * TX_FRAME_SIZE / TX_BLOCK_SIZE,
         TX_FRAME_SIZE,
         TX_FRAMES,
     );
-    let rx_len = match c.ring {
+    Ok(match c.ring {
         RingVersion::V2 => {
             let req =
                 |(block, blocks, frame, frames): (usize, usize, usize, usize)| libc::tpacket_req {
@@ -410,16 +439,13 @@ fn open(c: &AfPacketConfig) -> Result<(OwnedFd, Mapping, usize), String> {
             )?;
             c.block_size * c.blocks
         }
-    };
-    // One mapping holds the receive ring followed by the transmit ring.
-    let ring_len = rx_len + TX_FRAMES * TX_FRAME_SIZE;
-    let locked = MapOptions {
-        lock: true,
-        ..MapOptions::default()
-    };
-    let ring = Mapping::shared(fd.as_fd(), ring_len, locked)
-        .map_err(|e| explain(&format!("af_packet {name}: mapping the ring"), e))?;
-    bind_to(&fd, ifindex, proto, name)?;
+    })
+}
+
+/// Promiscuous mode and the fanout group, once the socket is bound.
+fn join(raw: std::os::fd::RawFd, c: &AfPacketConfig, ifindex: u32) -> Result<(), String> {
+    let sol = libc::SOL_PACKET;
+    let opt = |what: &str, r| option_set(c, what, r);
     if c.promisc {
         let mreq = libc::packet_mreq {
             mr_ifindex: ifindex as i32,
@@ -445,7 +471,7 @@ fn open(c: &AfPacketConfig) -> Result<(OwnedFd, Mapping, usize), String> {
             setsockopt(raw, sol, libc::PACKET_FANOUT, &arg),
         )?;
     }
-    Ok((fd, ring, rx_len))
+    Ok(())
 }
 
 /// Compiles a libpcap filter expression for Ethernet frames.
