@@ -77,155 +77,181 @@ fn worker(w: &WorkerStats) -> Labels<'_> {
 impl Collector for Snapshot {
     fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let s = &self.stats;
-        counters(
-            &mut enc,
-            "stitch_link_packets",
-            "Packets transmitted on the link",
-            s.links.iter().map(|l| (link(l), l.stats.tx_packets)),
-        )?;
-        counters(
-            &mut enc,
-            "stitch_link_bytes",
-            "Bytes transmitted on the link",
-            s.links.iter().map(|l| (link(l), l.stats.tx_bytes)),
-        )?;
-        counters(
-            &mut enc,
-            "stitch_link_drops",
-            "Packets dropped because the link was full",
-            s.links.iter().map(|l| (link(l), l.stats.tx_drops)),
-        )?;
-        gauges(
-            &mut enc,
-            "stitch_link_queued_packets",
-            "Packets queued on the link now",
-            s.links.iter().map(|l| (link(l), l.stats.queued as i64)),
-        )?;
-        gauges(
-            &mut enc,
-            "stitch_link_capacity_packets",
-            "Size of the link in packets",
-            s.links.iter().map(|l| (link(l), l.size as i64)),
-        )?;
-
-        for (name, help, f) in [
-            (
-                "stitch_app_rx_packets",
-                "Packets the app received from its input links",
-                (|a: &AppStats| a.rx_packets) as fn(&_) -> u64,
-            ),
-            (
-                "stitch_app_rx_bytes",
-                "Bytes the app received from its input links",
-                |a| a.rx_bytes,
-            ),
-            (
-                "stitch_app_tx_packets",
-                "Packets the app sent on its output links",
-                |a| a.tx_packets,
-            ),
-            (
-                "stitch_app_tx_bytes",
-                "Bytes the app sent on its output links",
-                |a| a.tx_bytes,
-            ),
-            (
-                "stitch_app_drops",
-                "Packets the app dropped, plus drops of its full output links",
-                |a| a.drops,
-            ),
-        ] {
-            counters(&mut enc, name, help, s.apps.iter().map(|a| (app(a), f(a))))?;
-        }
-        gauges(
-            &mut enc,
-            "stitch_app_failed",
-            "1 when the app panicked and was stopped",
-            s.apps.iter().map(|a| (app(a), a.failed as i64)),
-        )?;
-        counters(
-            &mut enc,
-            "stitch_app_counter",
-            "An app's own counters, by name",
-            s.apps.iter().flat_map(|a| {
-                a.counters.iter().map(move |(c, v)| {
-                    (vec![("app", a.name.as_str()), ("counter", c.as_str())], *v)
-                })
-            }),
-        )?;
-
-        counters(
-            &mut enc,
-            "stitch_worker_breaths",
-            "Breaths (pull, push, tick rounds) of the worker",
-            s.workers.iter().map(|w| (worker(w), w.breaths)),
-        )?;
-        counters(
-            &mut enc,
-            "stitch_worker_idle_sleeps",
-            "Times the worker slept because nothing moved",
-            s.workers.iter().map(|w| (worker(w), w.idle_sleeps)),
-        )?;
-
-        let p = &s.pool;
-        gauges(
-            &mut enc,
-            "stitch_pool_buffers",
-            "Packet buffers in the pool",
-            [
-                (vec![("class", "ordinary")], p.packets as i64),
-                (vec![("class", "large")], p.large_packets as i64),
-            ]
-            .into_iter(),
-        )?;
-        gauges(
-            &mut enc,
-            "stitch_pool_buffers_in_use",
-            "Packet buffers taken from the pool now",
-            [
-                (vec![("class", "ordinary")], p.in_use as i64),
-                (vec![("class", "large")], p.large_in_use as i64),
-            ]
-            .into_iter(),
-        )?;
-        counters(
-            &mut enc,
-            "stitch_pool_exhausted",
-            "Allocations refused because the pool was empty",
-            [
-                (vec![("class", "ordinary")], p.exhausted),
-                (vec![("class", "large")], p.large_exhausted),
-            ]
-            .into_iter(),
-        )?;
-        let mut m = enc.encode_descriptor(
-            "stitch_uptime_seconds",
-            "Seconds since the instance started",
-            None,
-            ConstGauge::new(0f64).metric_type(),
-        )?;
-        ConstGauge::new(s.uptime_s).encode(m.encode_family(&Vec::<(&str, &str)>::new())?)?;
-        gauges(
-            &mut enc,
-            "stitch_process_up",
-            "1 while the app's function process or VM runs, 0 while it waits to restart",
-            self.processes
-                .iter()
-                .map(|p| (vec![("app", p.app.as_str())], p.running as i64)),
-        )?;
-        counters(
-            &mut enc,
-            "stitch_process_restarts",
-            "Times the app's function process or VM was restarted after it ended",
-            self.processes
-                .iter()
-                .map(|p| (vec![("app", p.app.as_str())], p.restarts)),
-        )?;
-        for (name, help, value) in &self.extra {
-            gauges(&mut enc, name, help, std::iter::once((Vec::new(), *value)))?;
-        }
-        Ok(())
+        encode_links(&mut enc, s)?;
+        encode_apps(&mut enc, s)?;
+        encode_workers(&mut enc, s)?;
+        encode_pool(&mut enc, s)?;
+        encode_processes(&mut enc, self)
     }
+}
+
+/// Each link's counters and fill.
+fn encode_links(enc: &mut DescriptorEncoder, s: &Stats) -> Result<(), std::fmt::Error> {
+    counters(
+        enc,
+        "stitch_link_packets",
+        "Packets transmitted on the link",
+        s.links.iter().map(|l| (link(l), l.stats.tx_packets)),
+    )?;
+    counters(
+        enc,
+        "stitch_link_bytes",
+        "Bytes transmitted on the link",
+        s.links.iter().map(|l| (link(l), l.stats.tx_bytes)),
+    )?;
+    counters(
+        enc,
+        "stitch_link_drops",
+        "Packets dropped because the link was full",
+        s.links.iter().map(|l| (link(l), l.stats.tx_drops)),
+    )?;
+    gauges(
+        enc,
+        "stitch_link_queued_packets",
+        "Packets queued on the link now",
+        s.links.iter().map(|l| (link(l), l.stats.queued as i64)),
+    )?;
+    gauges(
+        enc,
+        "stitch_link_capacity_packets",
+        "Size of the link in packets",
+        s.links.iter().map(|l| (link(l), l.size as i64)),
+    )?;
+    Ok(())
+}
+
+/// Each app's link totals, failure and own counters.
+fn encode_apps(enc: &mut DescriptorEncoder, s: &Stats) -> Result<(), std::fmt::Error> {
+    for (name, help, f) in [
+        (
+            "stitch_app_rx_packets",
+            "Packets the app received from its input links",
+            (|a: &AppStats| a.rx_packets) as fn(&_) -> u64,
+        ),
+        (
+            "stitch_app_rx_bytes",
+            "Bytes the app received from its input links",
+            |a| a.rx_bytes,
+        ),
+        (
+            "stitch_app_tx_packets",
+            "Packets the app sent on its output links",
+            |a| a.tx_packets,
+        ),
+        (
+            "stitch_app_tx_bytes",
+            "Bytes the app sent on its output links",
+            |a| a.tx_bytes,
+        ),
+        (
+            "stitch_app_drops",
+            "Packets the app dropped, plus drops of its full output links",
+            |a| a.drops,
+        ),
+    ] {
+        counters(enc, name, help, s.apps.iter().map(|a| (app(a), f(a))))?;
+    }
+    gauges(
+        enc,
+        "stitch_app_failed",
+        "1 when the app panicked and was stopped",
+        s.apps.iter().map(|a| (app(a), a.failed as i64)),
+    )?;
+    counters(
+        enc,
+        "stitch_app_counter",
+        "An app's own counters, by name",
+        s.apps.iter().flat_map(|a| {
+            a.counters
+                .iter()
+                .map(move |(c, v)| (vec![("app", a.name.as_str()), ("counter", c.as_str())], *v))
+        }),
+    )?;
+    Ok(())
+}
+
+/// Each worker's breaths and sleeps.
+fn encode_workers(enc: &mut DescriptorEncoder, s: &Stats) -> Result<(), std::fmt::Error> {
+    counters(
+        enc,
+        "stitch_worker_breaths",
+        "Breaths (pull, push, tick rounds) of the worker",
+        s.workers.iter().map(|w| (worker(w), w.breaths)),
+    )?;
+    counters(
+        enc,
+        "stitch_worker_idle_sleeps",
+        "Times the worker slept because nothing moved",
+        s.workers.iter().map(|w| (worker(w), w.idle_sleeps)),
+    )?;
+    Ok(())
+}
+
+/// The packet pool's size, use and refusals, and the uptime.
+fn encode_pool(enc: &mut DescriptorEncoder, s: &Stats) -> Result<(), std::fmt::Error> {
+    let p = &s.pool;
+    gauges(
+        enc,
+        "stitch_pool_buffers",
+        "Packet buffers in the pool",
+        [
+            (vec![("class", "ordinary")], p.packets as i64),
+            (vec![("class", "large")], p.large_packets as i64),
+        ]
+        .into_iter(),
+    )?;
+    gauges(
+        enc,
+        "stitch_pool_buffers_in_use",
+        "Packet buffers taken from the pool now",
+        [
+            (vec![("class", "ordinary")], p.in_use as i64),
+            (vec![("class", "large")], p.large_in_use as i64),
+        ]
+        .into_iter(),
+    )?;
+    counters(
+        enc,
+        "stitch_pool_exhausted",
+        "Allocations refused because the pool was empty",
+        [
+            (vec![("class", "ordinary")], p.exhausted),
+            (vec![("class", "large")], p.large_exhausted),
+        ]
+        .into_iter(),
+    )?;
+    let mut m = enc.encode_descriptor(
+        "stitch_uptime_seconds",
+        "Seconds since the instance started",
+        None,
+        ConstGauge::new(0f64).metric_type(),
+    )?;
+    ConstGauge::new(s.uptime_s).encode(m.encode_family(&Vec::<(&str, &str)>::new())?)?;
+    Ok(())
+}
+
+/// Function processes and VMs, and the placements' own gauges.
+fn encode_processes(enc: &mut DescriptorEncoder, snap: &Snapshot) -> Result<(), std::fmt::Error> {
+    gauges(
+        enc,
+        "stitch_process_up",
+        "1 while the app's function process or VM runs, 0 while it waits to restart",
+        snap.processes
+            .iter()
+            .map(|p| (vec![("app", p.app.as_str())], p.running as i64)),
+    )?;
+    counters(
+        enc,
+        "stitch_process_restarts",
+        "Times the app's function process or VM was restarted after it ended",
+        snap.processes
+            .iter()
+            .map(|p| (vec![("app", p.app.as_str())], p.restarts)),
+    )?;
+    for (name, help, value) in &snap.extra {
+        gauges(enc, name, help, std::iter::once((Vec::new(), *value)))?;
+    }
+    Ok(())
 }
 
 /// The OpenMetrics text of one scrape.
