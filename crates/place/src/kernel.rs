@@ -105,75 +105,21 @@ pub fn split(
             _ => {
                 let end = if from_kernel { &link.from } else { &link.to };
                 let boundary = format!("kernel-{}-{}", end.app, end.port);
-                let tag = hash(&format!("{}.{}", end.app, end.port)) & 0xf_ffff;
-                let k_end = format!("{}{tag:05x}k", names.veth_prefix);
-                let e_end = format!("{}{tag:05x}e", names.veth_prefix);
                 if !kernel.apps.contains_key(&boundary) {
-                    if engine.apps.contains_key(&boundary) {
-                        errors.push(error(
-                            link.line,
-                            format!(
-                                "link `{}`: Stitch names the kernel ↔ engine boundary of `{end}` \
-                                 `{boundary}`, and an app of the graph has that name: rename it",
-                                link.spec()
-                            ),
-                        ));
-                        continue;
-                    }
-                    let k = app_entry(
-                        &boundary,
-                        &format!("{{ type: af_packet, interface: {k_end}, placement: kernel }}"),
-                        engine,
-                        registry,
-                    );
-                    let e = app_entry(
-                        &boundary,
-                        &format!("{{ type: af_packet, interface: {e_end} }}"),
-                        engine,
-                        registry,
-                    );
-                    match (k, e) {
-                        (Ok(k), Ok(e)) => {
-                            kernel.apps.insert(boundary.clone(), k);
-                            engine.apps.insert(boundary.clone(), e);
+                    match add_boundary(&boundary, end, &link, names, engine, &mut kernel, registry)
+                    {
+                        Ok(pair) => {
+                            veths.insert(pair);
                         }
-                        (Err(mut a), b) => {
-                            errors.append(&mut a);
-                            errors.extend(b.err().into_iter().flatten());
-                            continue;
-                        }
-                        (_, Err(mut b)) => {
-                            errors.append(&mut b);
+                        Err(mut e) => {
+                            errors.append(&mut e);
                             continue;
                         }
                     }
-                    veths.insert((k_end, e_end));
                 }
-                let input = Endpoint {
-                    app: boundary.clone(),
-                    port: "input".into(),
-                };
-                let output = Endpoint {
-                    app: boundary,
-                    port: "output".into(),
-                };
-                let (kernel_link, engine_link) = if from_kernel {
-                    ((link.from.clone(), input), (output, link.to.clone()))
-                } else {
-                    ((output, link.to.clone()), (link.from.clone(), input))
-                };
-                kernel.links.push(LinkDecl {
-                    from: kernel_link.0,
-                    to: kernel_link.1,
-                    size: link.size,
-                    line: link.line,
-                });
-                engine_links.push(LinkDecl {
-                    from: engine_link.0,
-                    to: engine_link.1,
-                    size: link.size,
-                    line: link.line,
-                });
+                let (kernel_link, engine_link) = cut_link(&link, &boundary, from_kernel);
+                kernel.links.push(kernel_link);
+                engine_links.push(engine_link);
             }
         }
     }
@@ -190,4 +136,75 @@ pub fn split(
         plan,
         veths,
     }))
+}
+
+/// The two `af_packet` apps named `boundary` where a link crosses between the kernel and the
+/// engine at `end` — one in each graph, on the two ends of a veth pair named after the end —
+/// and the pair's names.
+fn add_boundary(
+    boundary: &str,
+    end: &Endpoint,
+    link: &LinkDecl,
+    names: &KernelNames,
+    engine: &mut Graph,
+    kernel: &mut Graph,
+    registry: &Registry,
+) -> Result<(String, String), Vec<GraphError>> {
+    if engine.apps.contains_key(boundary) {
+        return Err(vec![error(
+            link.line,
+            format!(
+                "link `{}`: Stitch names the kernel ↔ engine boundary of `{end}` \
+                 `{boundary}`, and an app of the graph has that name: rename it",
+                link.spec()
+            ),
+        )]);
+    }
+    let tag = hash(&format!("{}.{}", end.app, end.port)) & 0xf_ffff;
+    let k_end = format!("{}{tag:05x}k", names.veth_prefix);
+    let e_end = format!("{}{tag:05x}e", names.veth_prefix);
+    let k = app_entry(
+        boundary,
+        &format!("{{ type: af_packet, interface: {k_end}, placement: kernel }}"),
+        engine,
+        registry,
+    );
+    let e = app_entry(
+        boundary,
+        &format!("{{ type: af_packet, interface: {e_end} }}"),
+        engine,
+        registry,
+    );
+    match (k, e) {
+        (Ok(k), Ok(e)) => {
+            kernel.apps.insert(boundary.to_string(), k);
+            engine.apps.insert(boundary.to_string(), e);
+            Ok((k_end, e_end))
+        }
+        (k, e) => Err(k.err().into_iter().chain(e.err()).flatten().collect()),
+    }
+}
+
+/// A link that crosses at `boundary`, cut in two: the kernel graph's half and the engine's.
+fn cut_link(link: &LinkDecl, boundary: &str, from_kernel: bool) -> (LinkDecl, LinkDecl) {
+    let input = Endpoint {
+        app: boundary.to_string(),
+        port: "input".into(),
+    };
+    let output = Endpoint {
+        app: boundary.to_string(),
+        port: "output".into(),
+    };
+    let ((kf, kt), (ef, et)) = if from_kernel {
+        ((link.from.clone(), input), (output, link.to.clone()))
+    } else {
+        ((output, link.to.clone()), (link.from.clone(), input))
+    };
+    let half = |from, to| LinkDecl {
+        from,
+        to,
+        size: link.size,
+        line: link.line,
+    };
+    (half(kf, kt), half(ef, et))
 }
