@@ -368,39 +368,7 @@ fn host_assignment(
     }
     if let Some(mine) = hosts.registered.get(me) {
         for (remote, segs) in segments {
-            let theirs = &hosts.registered[&remote];
-            apps.insert(
-                vtep(&remote),
-                json!({
-                    "type": "vxlan",
-                    "local": mine.underlay,
-                    "local_mac": mine.mac,
-                    "next_hop_mac": theirs.mac,
-                    "segments": segs,
-                }),
-            );
-            apps.insert(
-                underlay(&remote),
-                json!({
-                    "type": "af_packet",
-                    "interface": mine.interface,
-                    "promisc": false,
-                    "filter": format!(
-                        "udp dst port 4789 and src host {} and dst host {}",
-                        theirs.underlay, mine.underlay
-                    ),
-                }),
-            );
-            links.push(json!(format!(
-                "{}.underlay -> {}.input",
-                vtep(&remote),
-                underlay(&remote)
-            )));
-            links.push(json!(format!(
-                "{}.output -> {}.underlay",
-                underlay(&remote),
-                vtep(&remote)
-            )));
+            add_tunnel_endpoint(mine, &remote, segs, hosts, &mut apps, &mut links);
         }
     }
     let mut document = json!({ "apps": apps, "links": links, "workers": workers });
@@ -411,6 +379,51 @@ fn host_assignment(
         graphs: graph_revisions,
         document,
     }
+}
+
+/// Toward `remote`: a `vxlan` app holding the segments of the links to it, and an
+/// `af_packet` app on this host's underlay interface that takes only `remote`'s VXLAN packets.
+fn add_tunnel_endpoint(
+    mine: &HostRecord,
+    remote: &str,
+    segs: Map<String, Value>,
+    hosts: &Hosts,
+    apps: &mut Map<String, Value>,
+    links: &mut Vec<Value>,
+) {
+    let theirs = &hosts.registered[remote];
+    apps.insert(
+        vtep(remote),
+        json!({
+            "type": "vxlan",
+            "local": mine.underlay,
+            "local_mac": mine.mac,
+            "next_hop_mac": theirs.mac,
+            "segments": segs,
+        }),
+    );
+    apps.insert(
+        underlay(remote),
+        json!({
+            "type": "af_packet",
+            "interface": mine.interface,
+            "promisc": false,
+            "filter": format!(
+                "udp dst port 4789 and src host {} and dst host {}",
+                theirs.underlay, mine.underlay
+            ),
+        }),
+    );
+    links.push(json!(format!(
+        "{}.underlay -> {}.input",
+        vtep(remote),
+        underlay(remote)
+    )));
+    links.push(json!(format!(
+        "{}.output -> {}.underlay",
+        underlay(remote),
+        vtep(remote)
+    )));
 }
 
 fn link_entry(spec: &str, size: usize, default: usize) -> Value {
