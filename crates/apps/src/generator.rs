@@ -265,21 +265,20 @@ fn build_headers(c: &GeneratorConfig, p: &Plan, flow: u32, size: usize, out: &mu
 }
 
 pub struct Generator {
-    sizes: Vec<usize>,
-    /// One entry per entry of `sizes`: where that size's template sits among a flow's templates.
+    /// The size list in its order, one entry per size: its length and its template's place
+    /// among a flow's templates.
     steps: Vec<Step>,
     /// Whether templates hold whole frames (when they all fit in `TEMPLATE_LIMIT`: a packet is
     /// one copy, as Snabb's Source clones its template) or headers only (the payload of zeroes
     /// is written per packet).
     whole_frames: bool,
-    header_len: usize,
     /// Templates by (flow, distinct size). Whole frames are stored as whole 64-byte blocks,
     /// zero-padded, so that a frame is copied in fixed-size blocks without a call to memcpy.
     templates: Vec<u8>,
     /// Bytes of one flow's templates, and of all of them.
     flow_stride: usize,
     flows_end: usize,
-    /// Where the next frame's flow's templates start, and its entry in `sizes`.
+    /// Where the next frame's flow's templates start, and its entry in `steps`.
     next_flow_at: usize,
     next_size: usize,
     rate: Option<Rate>,
@@ -331,9 +330,9 @@ impl Generator {
                 let mut left = budget;
                 let mut at = self.next_size;
                 let mut k = 0;
-                while k < n && left >= self.sizes[at] as f64 {
-                    left -= self.sizes[at] as f64;
-                    at = if at + 1 == self.sizes.len() {
+                while k < n && left >= self.steps[at].len as f64 {
+                    left -= self.steps[at].len as f64;
+                    at = if at + 1 == self.steps.len() {
                         0
                     } else {
                         at + 1
@@ -351,7 +350,6 @@ impl Generator {
     /// has its own loop, so a packet costs one table entry, one copy and two wrapping counters.
     fn write_burst(&mut self, out: &mut Producer, n: usize, ts: u64) -> (usize, usize) {
         let templates = &self.templates[..];
-        let header_len = self.header_len;
         let mut walk = Walk {
             steps: &self.steps,
             flow_stride: self.flow_stride,
@@ -381,9 +379,9 @@ impl Generator {
             out.transmit_fresh(n, |p| {
                 let (at, step) = walk.next();
                 let _ = p.set_len(step.len);
-                let d = p.data_mut();
-                d[..header_len].copy_from_slice(&templates[at..at + header_len]);
-                d[header_len..].fill(0);
+                let (headers, payload) = p.data_mut().split_at_mut(step.copied);
+                headers.copy_from_slice(&templates[at..at + step.copied]);
+                payload.fill(0);
                 p.set_timestamp_ns(ts);
             })
         };
@@ -471,10 +469,8 @@ impl App for Generator {
             })
             .collect();
         Ok(Generator {
-            sizes: p.sizes,
             steps,
             whole_frames,
-            header_len: p.header_len,
             templates,
             flow_stride,
             flows_end: c.flows as usize * flow_stride,

@@ -3,78 +3,78 @@
 //! out ([`crate::engine::Engine::apply`]); keeping the plan pure makes it testable on its own
 //! and lets a failure while carrying it out roll back to a known state.
 
-use crate::graph::{Graph, LinkDecl};
+use crate::graph::{Endpoint, Graph, LinkDecl};
+use std::collections::{HashMap, HashSet};
 
 /// The actions that turn the running graph into a new one.
 #[derive(Debug, Default, Clone, PartialEq)]
 pub struct ConfigActions {
-    /// Apps to build before anything is touched: new names, and names whose type changed.
-    pub build: Vec<String>,
-    /// Running apps that leave: names no longer in the graph, and names whose type changed
-    /// (their new version is in `build`). Sorted.
-    pub retire: Vec<String>,
+    /// New names: built before anything is touched.
+    pub start: Vec<String>,
+    /// Names whose type changed: the new app is built before anything is touched, the running
+    /// one stops.
+    pub replace: Vec<String>,
+    /// Names no longer in the graph. Sorted.
+    pub stop: Vec<String>,
     /// Same name and type, new config: reconfigured in place, or rebuilt when the app asks.
     pub reconfigure: Vec<String>,
     /// Same name, type and config: they keep their state.
     pub keep: Vec<String>,
-    /// Links of the new graph whose ends were linked the same way before: they keep their ring
-    /// and queued packets, or get a ring of the new size with their packets moved over.
-    pub keep_links: Vec<LinkDecl>,
-    pub resize_links: Vec<LinkDecl>,
-    /// Links of the new graph that are new.
-    pub add_links: Vec<LinkDecl>,
+    /// Every link of the new graph, in its order, with what becomes of it.
+    pub links: Vec<(LinkDecl, LinkAction)>,
     /// Links of the running graph that leave.
     pub remove_links: Vec<LinkDecl>,
 }
 
-impl ConfigActions {
-    /// Whether `name` is rebuilt although an app of that name runs now (its type changed).
-    pub fn replaces(&self, name: &str) -> bool {
-        self.build.iter().any(|n| n == name) && self.retire.iter().any(|n| n == name)
-    }
+/// What becomes of a link of the new graph.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LinkAction {
+    /// Its ends were linked the same way, with a ring of the same size: it keeps its ring and
+    /// queued packets.
+    Keep,
+    /// Its ends were linked the same way with another size: its packets move to a new ring.
+    Resize,
+    /// A new link.
+    Add,
 }
 
 /// The actions from `old` (nothing running when `None`) to `new`. An app is the same app when
 /// its name and type are; a link is the same link when its two ends are.
 pub fn compute_config_actions(old: Option<&Graph>, new: &Graph) -> ConfigActions {
     let mut actions = ConfigActions::default();
-    let old_app = |name: &str| old.and_then(|g| g.apps.get(name));
     for decl in new.apps.values() {
-        match old_app(&decl.name) {
-            Some(was) if was.kind == decl.kind && was.config == decl.config => {
-                actions.keep.push(decl.name.clone())
-            }
-            Some(was) if was.kind == decl.kind => actions.reconfigure.push(decl.name.clone()),
-            _ => actions.build.push(decl.name.clone()),
+        let name = decl.name.clone();
+        match old.and_then(|g| g.apps.get(&decl.name)) {
+            None => actions.start.push(name),
+            Some(was) if was.kind != decl.kind => actions.replace.push(name),
+            Some(was) if was.config == decl.config => actions.keep.push(name),
+            Some(_) => actions.reconfigure.push(name),
         }
     }
-    if let Some(old) = old {
-        actions.retire = old
-            .apps
-            .values()
-            .filter(|was| {
-                new.apps
-                    .get(&was.name)
-                    .is_none_or(|decl| decl.kind != was.kind)
-            })
-            .map(|was| was.name.clone())
+    let Some(old) = old else {
+        actions.links = (new.links.iter())
+            .map(|l| (l.clone(), LinkAction::Add))
             .collect();
-        actions.retire.sort();
-    }
-    let old_links = old.map(|g| &g.links[..]).unwrap_or_default();
-    let same_ends = |a: &LinkDecl, b: &LinkDecl| a.from == b.from && a.to == b.to;
+        return actions;
+    };
+    actions.stop = (old.apps.keys())
+        .filter(|name| !new.apps.contains_key(*name))
+        .cloned()
+        .collect();
+    actions.stop.sort();
+    let ends = |l: &LinkDecl| -> (Endpoint, Endpoint) { (l.from.clone(), l.to.clone()) };
+    let old_sizes: HashMap<_, usize> = old.links.iter().map(|l| (ends(l), l.size)).collect();
     for l in &new.links {
-        match old_links.iter().find(|was| same_ends(was, l)) {
-            Some(was) if was.size.next_power_of_two() == l.size.next_power_of_two() => {
-                actions.keep_links.push(l.clone())
-            }
-            Some(_) => actions.resize_links.push(l.clone()),
-            None => actions.add_links.push(l.clone()),
-        }
+        let action = match old_sizes.get(&ends(l)) {
+            Some(was) if was.next_power_of_two() == l.size.next_power_of_two() => LinkAction::Keep,
+            Some(_) => LinkAction::Resize,
+            None => LinkAction::Add,
+        };
+        actions.links.push((l.clone(), action));
     }
-    actions.remove_links = old_links
-        .iter()
-        .filter(|was| !new.links.iter().any(|l| same_ends(was, l)))
+    let new_ends: HashSet<_> = new.links.iter().map(ends).collect();
+    actions.remove_links = (old.links.iter())
+        .filter(|was| !new_ends.contains(&ends(was)))
         .cloned()
         .collect();
     actions
@@ -110,13 +110,21 @@ mod tests {
         links.iter().map(LinkDecl::spec).collect()
     }
 
+    fn with(act: &ConfigActions, action: LinkAction) -> Vec<String> {
+        (act.links.iter())
+            .filter(|(_, a)| *a == action)
+            .map(|(l, _)| l.spec())
+            .collect()
+    }
+
     #[test]
     fn a_first_graph_builds_everything() {
         let g = graph("apps: {x: {type: a}, y: {type: b}}\nlinks: [\"x.o -> y.i\"]\n");
         let act = compute_config_actions(None, &g);
-        assert_eq!(act.build, ["x", "y"]);
-        assert!(act.retire.is_empty() && act.keep.is_empty() && act.reconfigure.is_empty());
-        assert_eq!(names(&act.add_links), ["x.o -> y.i"]);
+        assert_eq!(act.start, ["x", "y"]);
+        assert!(act.replace.is_empty() && act.stop.is_empty());
+        assert!(act.keep.is_empty() && act.reconfigure.is_empty());
+        assert_eq!(with(&act, LinkAction::Add), ["x.o -> y.i"]);
     }
 
     #[test]
@@ -130,12 +138,12 @@ mod tests {
         let act = compute_config_actions(Some(&old), &new);
         assert_eq!(act.keep, ["same"]);
         assert_eq!(act.reconfigure, ["conf"]);
-        assert_eq!(act.build, ["kind", "fresh"]);
-        assert_eq!(act.retire, ["gone", "kind"]);
-        assert!(act.replaces("kind") && !act.replaces("fresh") && !act.replaces("gone"));
-        assert_eq!(names(&act.keep_links), ["same.o -> conf.i"]);
-        assert_eq!(names(&act.resize_links), ["conf.o -> kind.i"]);
-        assert_eq!(names(&act.add_links), ["kind.o -> fresh.i"]);
+        assert_eq!(act.start, ["fresh"]);
+        assert_eq!(act.replace, ["kind"]);
+        assert_eq!(act.stop, ["gone"]);
+        assert_eq!(with(&act, LinkAction::Keep), ["same.o -> conf.i"]);
+        assert_eq!(with(&act, LinkAction::Resize), ["conf.o -> kind.i"]);
+        assert_eq!(with(&act, LinkAction::Add), ["kind.o -> fresh.i"]);
         assert_eq!(
             names(&act.remove_links),
             ["kind.o -> gone.i", "same.p -> kind.q"]
@@ -151,7 +159,7 @@ mod tests {
             "apps: {x: {type: a}, y: {type: a}}\nlinks:\n  - {link: x.o -> y.i, size: 1024}\n",
         );
         let act = compute_config_actions(Some(&old), &new);
-        assert_eq!(names(&act.keep_links), ["x.o -> y.i"]);
-        assert!(act.resize_links.is_empty());
+        assert_eq!(with(&act, LinkAction::Keep), ["x.o -> y.i"]);
+        assert!(with(&act, LinkAction::Resize).is_empty());
     }
 }

@@ -11,7 +11,7 @@
 //! queued packets), reconfigures or rebuilds what changed, rewires, and resumes the workers.
 
 use crate::app::{AppContext, AppError, Counters, DynApp, Io, PortNames, Reconfigured, Registry};
-use crate::diff::{compute_config_actions, ConfigActions};
+use crate::diff::{compute_config_actions, ConfigActions, LinkAction};
 use crate::graph::{Endpoint, Graph, LinkDecl, WorkerConfig};
 use crate::link::{self, Consumer, LinkStats, Producer, Ring};
 use crate::pool;
@@ -412,7 +412,7 @@ impl Engine {
         check_applicable(&st, &graph)?;
         let actions = compute_config_actions(st.graph.as_ref(), &graph);
         // A failure while building changes nothing.
-        let built = self.build_apps(&actions.build, &graph)?;
+        let built = self.build_apps(actions.start.iter().chain(&actions.replace), &graph)?;
         let parking = Instant::now();
         let mut parked = park_workers(&mut st)?;
         // All or nothing: a failure gives the apps already reconfigured their old config back
@@ -429,15 +429,15 @@ impl Engine {
                 return Err(EngineError::RolledBack(Box::new(e)));
             }
         };
-        let mut report = ApplyReport::of_actions(&actions, &graph, &reconfigured);
+        let mut report = ApplyReport::of_actions(&actions, &reconfigured);
         let (mut slots, ends) = unpark(parked);
         for name in &reconfigured.in_place {
             let slot = slots.get_mut(name).expect("kept app has a slot");
             slot.config = graph.apps[name].config.clone();
         }
-        let retired = retire_apps(&mut slots, &actions.retire, reconfigured.rebuilt, &graph);
+        let retired = retire_apps(&mut slots, &actions, reconfigured.rebuilt, &graph);
         add_built_apps(&mut slots, built, &graph);
-        let links = rewire(&mut slots, ends, &actions, &graph, &mut report);
+        let links = rewire(&mut slots, ends, &actions.links, &graph, &mut report);
         self.resume_workers(&mut st, slots, &graph)?;
         st.links = links;
         st.graph = Some(graph);
@@ -449,9 +449,12 @@ impl Engine {
     }
 
     /// Builds the apps named `names` of `graph`, each with fresh counters.
-    fn build_apps(&self, names: &[String], graph: &Graph) -> Result<BuiltApps, EngineError> {
+    fn build_apps<'a>(
+        &self,
+        names: impl Iterator<Item = &'a String>,
+        graph: &Graph,
+    ) -> Result<BuiltApps, EngineError> {
         names
-            .iter()
             .map(|name| {
                 let built = self.build(&graph.apps[name], graph, Counters::default())?;
                 Ok((name.clone(), built))
@@ -805,24 +808,15 @@ struct Retired {
 impl ApplyReport {
     /// The report of `actions` once carried out, its links still to be filled in by
     /// [`rewire`].
-    fn of_actions(actions: &ConfigActions, graph: &Graph, done: &Reconfiguration) -> ApplyReport {
-        let mut restarted: Vec<String> = actions
-            .build
-            .iter()
-            .filter(|n| actions.replaces(n))
+    fn of_actions(actions: &ConfigActions, done: &Reconfiguration) -> ApplyReport {
+        let mut restarted: Vec<String> = (actions.replace.iter())
             .chain(done.rebuilt.keys())
             .cloned()
             .collect();
         restarted.sort();
         ApplyReport {
-            started: (actions.build.iter())
-                .filter(|n| !actions.replaces(n))
-                .cloned()
-                .collect(),
-            stopped: (actions.retire.iter())
-                .filter(|n| !graph.apps.contains_key(*n))
-                .cloned()
-                .collect(),
+            started: actions.start.clone(),
+            stopped: actions.stop.clone(),
             reconfigured: done.in_place.clone(),
             restarted,
             kept: actions.keep.clone(),
@@ -900,11 +894,12 @@ fn unpark(parked: Vec<(String, Plan)>) -> (HashMap<String, AppSlot>, LinkEnds) {
     (slots, ends)
 }
 
-/// Stops the apps of `retire` (taking their slots out) and the old versions of the apps
-/// `rebuilt` replaces (their slots, links and counters stay), in name order.
+/// Stops the apps that leave (their slots taken out: names gone, and names whose type
+/// changed, whose new app takes a new slot) and the old versions of the apps `rebuilt`
+/// replaces (their slots, links and counters stay), in name order.
 fn retire_apps(
     slots: &mut HashMap<String, AppSlot>,
-    retire: &[String],
+    actions: &ConfigActions,
     rebuilt: HashMap<String, Box<dyn DynApp>>,
     graph: &Graph,
 ) -> Retired {
@@ -917,8 +912,10 @@ fn retire_apps(
         apps.push(std::mem::replace(&mut s.app, app));
         s.config = graph.apps[&name].config.clone();
     }
+    let mut leaving: Vec<&String> = actions.stop.iter().chain(&actions.replace).collect();
+    leaving.sort();
     let mut gone = Vec::new();
-    for name in retire {
+    for name in leaving {
         if let Some(mut s) = slots.remove(name) {
             s.guarded("stop", |a, _| a.stop());
             gone.push(s);
@@ -950,24 +947,21 @@ fn add_built_apps(slots: &mut HashMap<String, AppSlot>, built: BuiltApps, graph:
     }
 }
 
-/// Connects every link of `graph`: a kept link gets its ring back (with its queued packets;
+/// Connects every link of the new graph, as its action says: a kept link gets its ring back (with its queued packets;
 /// moved to a ring of the new size when that changed), the others a new ring. Ends left in
 /// `ends` belong to removed links and close with them.
 fn rewire(
     slots: &mut HashMap<String, AppSlot>,
     mut ends: LinkEnds,
-    actions: &ConfigActions,
+    links: &[(LinkDecl, LinkAction)],
     graph: &Graph,
     report: &mut ApplyReport,
 ) -> Vec<(LinkDecl, Arc<Ring>)> {
-    let same_ends = |a: &LinkDecl, b: &LinkDecl| a.from == b.from && a.to == b.to;
-    let mut links = Vec::new();
-    for l in &graph.links {
-        let keep = actions.keep_links.iter().any(|k| same_ends(k, l));
-        let resize = actions.resize_links.iter().any(|k| same_ends(k, l));
+    let mut rings = Vec::new();
+    for (l, action) in links {
         let (p, c) = match (ends.producers.remove(&l.from), ends.consumers.remove(&l.to)) {
-            (Some(p), Some(c)) if (keep || resize) && Arc::ptr_eq(p.ring(), c.ring()) => {
-                if keep {
+            (Some(p), Some(c)) if *action != LinkAction::Add && Arc::ptr_eq(p.ring(), c.ring()) => {
+                if *action == LinkAction::Keep {
                     report.links_kept.push(l.spec());
                     (p, c)
                 } else {
@@ -987,13 +981,13 @@ fn rewire(
                 link::link(l.size)
             }
         };
-        links.push((l.clone(), p.ring().clone()));
+        rings.push((l.clone(), p.ring().clone()));
         let from = slots.get_mut(&l.from.app).expect("validated app");
         attach_output(from, &l.from.port, p, graph);
         let to = slots.get_mut(&l.to.app).expect("validated app");
         attach_input(to, &l.to.port, c, graph);
     }
-    links
+    rings
 }
 
 /// Each worker's plan — its apps in topological order and the rings they touch — and what the
