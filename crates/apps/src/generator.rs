@@ -358,21 +358,21 @@ impl Generator {
             size_at: self.next_size,
             bytes: 0,
         };
-        // set_len cannot fail below: sizes (and their 64-byte round-up) were checked against
-        // MAX_FRAME. A fresh packet's timestamp is 0, so writing `ts` = 0 changes nothing.
+        // Sizes (and their 64-byte round-up) were checked against MAX_FRAME: set_len cannot
+        // fail below. A fresh packet's timestamp is 0, so writing `ts` = 0 changes nothing.
         let sent = if self.whole_frames {
             out.transmit_fresh(n, |p| {
                 let (at, step) = walk.next();
-                let _ = p.set_len(step.copied);
-                let template = &templates[at..at + step.copied];
-                for (to, from) in p
-                    .data_mut()
-                    .chunks_exact_mut(64)
-                    .zip(template.chunks_exact(64))
-                {
-                    to.copy_from_slice(from);
+                // SAFETY: `transmit_fresh` hands fresh packets, and step.len ≤ step.copied ≤
+                // MAX_FRAME (checked by `plan`).
+                let frame = unsafe { p.fresh_frame_mut(step.len, step.copied) };
+                let (to, _) = frame.as_chunks_mut::<64>();
+                let (from, _) = templates[at..at + step.copied].as_chunks::<64>();
+                match (to, from) {
+                    // A minimum-size frame: one line, copied without a loop.
+                    ([to], [from]) => *to = *from,
+                    (to, from) => to.iter_mut().zip(from).for_each(|(t, f)| *t = *f),
                 }
-                let _ = p.set_len(step.len);
                 p.set_timestamp_ns(ts);
             })
         } else {

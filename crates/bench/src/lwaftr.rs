@@ -215,10 +215,7 @@ pub fn bench(conf: &Path, mut traffic: Traffic, seconds: f64, runs: usize) -> Re
         let c0 = cpu();
         while t.elapsed().as_secs_f64() < seconds {
             for side in 0..2 {
-                let fed = h.feed_fresh(side, BATCH, |p| {
-                    // Cannot fail: the frames were read from PCAP files or built to fit.
-                    let _ = p.set_data(traffic.next(side));
-                });
+                let fed = h.feed_fresh(side, BATCH, |p| write_fresh(p, traffic.next(side)));
                 anyhow::ensure!(fed == BATCH, "the packet pool ran out");
             }
             h.push();
@@ -236,9 +233,7 @@ pub fn bench(conf: &Path, mut traffic: Traffic, seconds: f64, runs: usize) -> Re
         let c0 = cpu();
         while t.elapsed().as_secs_f64() < seconds {
             for side in 0..2 {
-                let fed = bp.transmit_fresh(BATCH, |p| {
-                    let _ = p.set_data(traffic.next(side));
-                });
+                let fed = bp.transmit_fresh(BATCH, |p| write_fresh(p, traffic.next(side)));
                 anyhow::ensure!(fed == BATCH, "the packet pool ran out");
             }
             bn += bc.free_available().0;
@@ -276,6 +271,16 @@ pub fn bench(conf: &Path, mut traffic: Traffic, seconds: f64, runs: usize) -> Re
         "the function dropped most packets: the traffic does not match its table"
     );
     Ok(())
+}
+
+/// Copies `frame` into a packet `transmit_fresh` hands (the frames were read from PCAP files
+/// or built to fit a buffer).
+#[inline(always)]
+fn write_fresh(p: &mut stitch_core::Packet, frame: &[u8]) {
+    assert!(frame.len() <= stitch_core::packet::MAX_FRAME);
+    // SAFETY: `transmit_fresh` (and `feed_fresh` over it) hands fresh packets; the length is
+    // checked just above.
+    unsafe { p.fresh_frame_mut(frame.len(), frame.len()) }.copy_from_slice(frame);
 }
 
 /// Looped frames from two PCAP files.

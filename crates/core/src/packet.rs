@@ -215,6 +215,24 @@ impl Packet {
         Ok(())
     }
 
+    /// Sets the length of a fresh packet to `len` and returns the first `room` (≥ `len`) bytes of
+    /// its frame, without reading back the header that was just written: for sources that copy
+    /// whole lines into packets `Producer::transmit_fresh` hands them.
+    ///
+    /// # Safety
+    /// The packet is fresh — reset by the pool or by `Producer::transmit_fresh`, its header
+    /// unchanged since, so its frame starts `HEADROOM` bytes into its data area — and
+    /// `len ≤ room ≤ MAX_FRAME`.
+    #[inline(always)]
+    pub unsafe fn fresh_frame_mut(&mut self, len: usize, room: usize) -> &mut [u8] {
+        debug_assert!(self.headroom() == HEADROOM && len <= room && room <= MAX_FRAME);
+        self.header_mut().len = len as u32;
+        // SAFETY: by the caller's promise the frame starts HEADROOM bytes in, and
+        // HEADROOM + room ≤ HEADROOM + MAX_FRAME ≤ DATA_AREA, the smallest data area; the
+        // packet is this holder's alone (`&mut self`).
+        unsafe { std::slice::from_raw_parts_mut(self.area().add(HEADROOM), room) }
+    }
+
     /// Places the frame at `offset` bytes into the data area with `len` bytes, as another
     /// process sharing the buffer (a function port) left it.
     #[inline]

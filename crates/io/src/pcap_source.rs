@@ -294,8 +294,10 @@ impl PcapSource {
                 return None;
             };
             let (data, ts, looped) = replay.next_frame();
-            // Cannot fail: frames over MAX_FRAME are never loaded.
-            let _ = p.set_data(data);
+            // Frames over MAX_FRAME are never loaded; checked again for the block below.
+            assert!(data.len() <= MAX_FRAME);
+            // SAFETY: `transmit_fresh` hands fresh packets; the length is checked just above.
+            unsafe { p.fresh_frame_mut(data.len(), data.len()) }.copy_from_slice(data);
             p.set_timestamp_ns(ts);
             if looped {
                 self.new_pass();
@@ -365,8 +367,10 @@ impl PcapSource {
         let mut loops = 0;
         let sent = out.transmit_fresh(n, |p| {
             let (data, ts, looped) = replay.next_frame();
-            // Cannot fail: frames over MAX_FRAME are never loaded.
-            let _ = p.set_data(data);
+            // Frames over MAX_FRAME are never loaded; checked again for the block below.
+            assert!(data.len() <= MAX_FRAME);
+            // SAFETY: `transmit_fresh` hands fresh packets; the length is checked just above.
+            unsafe { p.fresh_frame_mut(data.len(), data.len()) }.copy_from_slice(data);
             p.set_timestamp_ns(ts);
             loops += looped as u64;
         });
