@@ -394,13 +394,20 @@ impl Producer {
             let mut bytes = 0u64;
             for i in 0..got {
                 // SAFETY: `take_owned` wrote slots ..got with buffers only this link holds; the
-                // packet is made fresh before `write` sees it. The length beside the slot is
-                // this producer's alone to write.
+                // packet is made fresh before `write` sees it.
                 unsafe {
                     let p = &mut *self.ring.slot_ptr(from + i).cast::<Packet>();
                     p.reset(capacity);
                     write(p);
-                    let len = p.len() as u32;
+                }
+            }
+            // The lengths are read once the burst is written: read right after `write`, each
+            // waited for the stores to its header line just made.
+            for i in 0..got {
+                // SAFETY: slots ..got hold the packets just written, still only this producer's
+                // (the tail is not published yet); the length beside the slot is its to write.
+                unsafe {
+                    let len = (*self.ring.slot_ptr(from + i).cast::<Packet>()).len() as u32;
                     *self.ring.len_ptr(from + i) = len;
                     bytes += len as u64;
                 }
