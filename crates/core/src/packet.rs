@@ -435,6 +435,23 @@ mod tests {
     }
 
     #[test]
+    fn a_fresh_frame_is_written_in_place_of_set_data() {
+        let mut p = pool::alloc().unwrap();
+        // SAFETY: the packet is fresh from the pool and 5 ≤ 64 ≤ MAX_FRAME.
+        let room = unsafe { p.fresh_frame_mut(5, 64) };
+        assert_eq!(room.len(), 64);
+        room.fill(7);
+        assert_eq!((p.len(), p.headroom()), (5, HEADROOM));
+        assert_eq!(p.data(), &[7; 5]);
+        let mut q = pool::alloc().unwrap();
+        q.set_data(&[7; 5]).unwrap();
+        assert_eq!(
+            (q.len(), q.headroom(), q.data()),
+            (p.len(), p.headroom(), p.data())
+        );
+    }
+
+    #[test]
     fn jumbo_frames_fit_and_oversize_is_refused() {
         let mut p = pool::alloc().unwrap();
         p.set_data(&vec![0xab; MAX_FRAME]).unwrap();
