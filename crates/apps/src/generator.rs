@@ -358,8 +358,8 @@ impl Generator {
             size_at: self.next_size,
             bytes: 0,
         };
-        // Sizes (and their 64-byte round-up) were checked against MAX_FRAME: set_len cannot
-        // fail below. A fresh packet's timestamp is 0, so writing `ts` = 0 changes nothing.
+        // Sizes (and their 64-byte round-up) were checked against MAX_FRAME by `plan`. A fresh
+        // packet's timestamp is 0, so writing `ts` = 0 changes nothing.
         let sent = if self.whole_frames {
             out.transmit_fresh(n, |p| {
                 let (at, step) = walk.next();
@@ -378,8 +378,9 @@ impl Generator {
         } else {
             out.transmit_fresh(n, |p| {
                 let (at, step) = walk.next();
-                let _ = p.set_len(step.len);
-                let (headers, payload) = p.data_mut().split_at_mut(step.copied);
+                // SAFETY: as above; step.copied (the header) ≤ step.len ≤ MAX_FRAME.
+                let frame = unsafe { p.fresh_frame_mut(step.len, step.len) };
+                let (headers, payload) = frame.split_at_mut(step.copied);
                 headers.copy_from_slice(&templates[at..at + step.copied]);
                 payload.fill(0);
                 p.set_timestamp_ns(ts);

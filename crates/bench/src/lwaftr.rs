@@ -277,10 +277,8 @@ pub fn bench(conf: &Path, mut traffic: Traffic, seconds: f64, runs: usize) -> Re
 /// or built to fit a buffer).
 #[inline(always)]
 fn write_fresh(p: &mut stitch_core::Packet, frame: &[u8]) {
-    assert!(frame.len() <= stitch_core::packet::MAX_FRAME);
-    // SAFETY: `transmit_fresh` (and `feed_fresh` over it) hands fresh packets; the length is
-    // checked just above.
-    unsafe { p.fresh_frame_mut(frame.len(), frame.len()) }.copy_from_slice(frame);
+    // SAFETY: `transmit_fresh` (and `feed_fresh` over it) hands fresh packets.
+    unsafe { p.set_fresh_data(frame) }
 }
 
 /// Looped frames from two PCAP files.

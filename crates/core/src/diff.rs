@@ -62,7 +62,9 @@ pub fn compute_config_actions(old: Option<&Graph>, new: &Graph) -> ConfigActions
         .cloned()
         .collect();
     actions.stop.sort();
-    let ends = |l: &LinkDecl| -> (Endpoint, Endpoint) { (l.from.clone(), l.to.clone()) };
+    fn ends(l: &LinkDecl) -> (&Endpoint, &Endpoint) {
+        (&l.from, &l.to)
+    }
     let old_sizes: HashMap<_, usize> = old.links.iter().map(|l| (ends(l), l.size)).collect();
     for l in &new.links {
         let action = match old_sizes.get(&ends(l)) {

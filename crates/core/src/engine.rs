@@ -947,8 +947,9 @@ fn add_built_apps(slots: &mut HashMap<String, AppSlot>, built: BuiltApps, graph:
     }
 }
 
-/// Connects every link of the new graph, as its action says: a kept link gets its ring back (with its queued packets;
-/// moved to a ring of the new size when that changed), the others a new ring. Ends left in
+/// Connects every link of the new graph as its action says: a kept link gets its ring back
+/// (with its queued packets; moved to a ring of the new size when that changed), the others a
+/// new ring. Ends left in
 /// `ends` belong to removed links and close with them.
 fn rewire(
     slots: &mut HashMap<String, AppSlot>,

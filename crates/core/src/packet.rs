@@ -233,6 +233,18 @@ impl Packet {
         unsafe { std::slice::from_raw_parts_mut(self.area().add(HEADROOM), room) }
     }
 
+    /// Replaces the content of a fresh packet with `bytes`, as [`Packet::set_data`] does but
+    /// without reading back the header just written. Panics when `bytes` is over `MAX_FRAME`.
+    ///
+    /// # Safety
+    /// The packet is fresh, as for [`Packet::fresh_frame_mut`].
+    #[inline(always)]
+    pub unsafe fn set_fresh_data(&mut self, bytes: &[u8]) {
+        assert!(bytes.len() <= MAX_FRAME);
+        // SAFETY: fresh by the caller's promise; the length is checked just above.
+        unsafe { self.fresh_frame_mut(bytes.len(), bytes.len()) }.copy_from_slice(bytes);
+    }
+
     /// Places the frame at `offset` bytes into the data area with `len` bytes, as another
     /// process sharing the buffer (a function port) left it.
     #[inline]

@@ -294,10 +294,9 @@ impl PcapSource {
                 return None;
             };
             let (data, ts, looped) = replay.next_frame();
-            // Frames over MAX_FRAME are never loaded; checked again for the block below.
-            assert!(data.len() <= MAX_FRAME);
-            // SAFETY: `transmit_fresh` hands fresh packets; the length is checked just above.
-            unsafe { p.fresh_frame_mut(data.len(), data.len()) }.copy_from_slice(data);
+            // SAFETY: `transmit_fresh` hands fresh packets (and frames over MAX_FRAME are
+            // never loaded).
+            unsafe { p.set_fresh_data(data) };
             p.set_timestamp_ns(ts);
             if looped {
                 self.new_pass();
