@@ -26,6 +26,7 @@
 //!   - "fwd.output -> eth0.input"      # sent to eth0
 //! ```
 
+use crate::kernel_ring::KernelRing;
 use crate::netdev::{self, explain, setsockopt};
 use serde::Deserialize;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
@@ -89,6 +90,10 @@ pub struct AfPacketConfig {
     /// header, segmented by the kernel or the receiver), or `segment` them on entry.
     #[serde(default)]
     pub gso: GsoMode,
+    /// A pinned BPF ring buffer (its path in bpffs) the kernel data plane writes this port's
+    /// packets into: set by Stitch on the engine end of a kernel ↔ engine boundary, where the
+    /// interface then only carries packets toward the kernel.
+    pub kernel_ring: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
@@ -144,6 +149,10 @@ const BURST: usize = 256;
 /// Transmit ring: fixed frames big enough for a jumbo frame behind the two headers.
 const TX_FRAME_SIZE: usize = 16384;
 const TX_FRAMES: usize = 256;
+/// Bytes of each transmitted frame the kernel copies into the socket buffer's linear part:
+/// the headers any function or the kernel's stack reads (the data plane makes this many
+/// linear at its tc hook anyway).
+const TX_LINEAR_BYTES: usize = 256;
 const TX_BLOCK_SIZE: usize = 4 * TX_FRAME_SIZE;
 /// Offset of the data in a transmit frame: `TPACKETx_HDRLEN - sizeof(struct sockaddr_ll)`.
 const TX_DATA_OFFSET_V2: usize = 32;
@@ -229,20 +238,30 @@ pub struct AfPacket {
     /// Start of the transmit ring (after the receive ring in the same mapping).
     tx_ring: usize,
     tx_next: usize,
+    /// What turns a received frame into packets (shared by the ring and the kernel ring).
+    rx_path: RxPath,
+    /// The engine end of a kernel ↔ engine boundary: what the kernel data plane sends this
+    /// port arrives in this BPF ring buffer rather than through the interface.
+    kernel_ring: Option<KernelRing>,
+    large_tx: OwnedFd,
+    last_stats: Instant,
+    kernel_drops: Counter,
+    tx_errors: Counter,
+    interface: String,
+}
+
+/// A received frame's way into the graph: whole, or cut into segments when it is a
+/// super-frame that cannot be kept whole.
+struct RxPath {
     /// Room to re-insert a VLAN tag into a GSO frame before segmenting it.
     scratch: Vec<u8>,
     keep_gso: bool,
     large_exhausted: Counter,
     gso_frames: Counter,
-    large_tx: OwnedFd,
-    last_stats: Instant,
-    kernel_drops: Counter,
     rx_malformed: Counter,
     gso_segments: Counter,
     gso_refused: Counter,
     pool_exhausted: Counter,
-    tx_errors: Counter,
-    interface: String,
 }
 
 /// A raw packet socket for `proto` (network byte order; 0 receives nothing).
@@ -526,14 +545,14 @@ impl AfPacket {
         // A frame the ring could not hold whole is not forwarded cut short.
         let inside = mac.checked_add(snaplen).is_some_and(|end| end <= room);
         if mac < VNET_HDR_LEN + 32 || snaplen < 14 || snaplen < wire_len || !inside {
-            self.rx_malformed.add(1);
+            self.rx_path.rx_malformed.add(1);
             return 0;
         }
         let (Some(vnet_bytes), Some(data)) = (
             self.ring.bytes(frame + mac - VNET_HDR_LEN, VNET_HDR_LEN),
             self.ring.bytes(frame + mac, snaplen),
         ) else {
-            self.rx_malformed.add(1);
+            self.rx_path.rx_malformed.add(1);
             return 0;
         };
         let vnet = VnetHdr::parse(vnet_bytes).unwrap_or_default();
@@ -549,76 +568,8 @@ impl AfPacket {
             tag[2..].copy_from_slice(&vlan_tci.to_be_bytes());
             tag
         });
-        // A super-frame travels whole in a large buffer; it is cut into segments only when
-        // asked to, or when no large buffer is free.
-        let mut large = None;
-        if vnet.gso_type != offload::GSO_NONE && self.keep_gso {
-            large = pool::alloc_large();
-            match large {
-                Some(_) => self.gso_frames.add(1),
-                None => self.large_exhausted.add(1),
-            }
-        }
-        if vnet.gso_type != offload::GSO_NONE && large.is_none() {
-            // A tagged super-frame is rebuilt in a buffer kept for that, not allocated per frame.
-            let mut scratch = std::mem::take(&mut self.scratch);
-            let frame_bytes: &[u8] = match vlan {
-                None => data,
-                Some(tag) => {
-                    scratch.clear();
-                    scratch.extend_from_slice(&data[..12]);
-                    scratch.extend_from_slice(&tag);
-                    scratch.extend_from_slice(&data[12..]);
-                    &scratch
-                }
-            };
-            let mut n = 0;
-            match offload::segment(frame_bytes, &vnet, ts, |p| {
-                n += 1;
-                out.transmit(p);
-            }) {
-                Ok(_) => self.gso_segments.add(n),
-                Err(offload::OffloadError::PoolExhausted) => self.pool_exhausted.add(1),
-                Err(e) => {
-                    log::debug!("af_packet {}: GSO frame refused: {e}", self.interface);
-                    self.gso_refused.add(1);
-                }
-            }
-            self.scratch = scratch;
-            return n as usize;
-        }
-        let len = data.len() + if vlan.is_some() { 4 } else { 0 };
-        if len
-            > if large.is_some() {
-                MAX_GSO_FRAME
-            } else {
-                MAX_FRAME
-            }
-        {
-            self.rx_malformed.add(1);
-            return 0;
-        }
-        let Some(mut p) = large.or_else(pool::alloc) else {
-            self.pool_exhausted.add(1);
-            return 0;
-        };
-        let _ = p.set_len(len);
-        let d = p.data_mut();
-        match vlan {
-            None => d.copy_from_slice(data),
-            Some(tag) => {
-                d[..12].copy_from_slice(&data[..12]);
-                d[12..16].copy_from_slice(&tag);
-                d[16..].copy_from_slice(&data[12..]);
-            }
-        }
-        p.set_timestamp_ns(ts);
-        vnet.apply_to(&mut p);
-        if vlan.is_some() && p.checksum_state() == stitch_core::packet::ChecksumState::Partial {
-            p.header_mut().csum_start += 4;
-        }
-        out.transmit(p);
-        1
+        self.rx_path
+            .deliver(&self.interface, &vnet, vlan, data, ts, out)
     }
 
     /// Where transmit frame `i` starts in the mapping.
@@ -640,12 +591,44 @@ impl AfPacket {
     fn fits(&self, frame: usize, m: &RxMeta, budget: usize, capacity: usize) -> bool {
         // A GSO frame becomes many packets: take it only when they all fit, so that a burst
         // of segments never overflows the output link (it waits in the ring).
-        let need = if self.keep_gso {
+        let need = if self.rx_path.keep_gso {
             1
         } else {
             segments_of(&self.ring, frame, m).min(capacity).min(BURST)
         };
         need <= budget
+    }
+
+    /// The kernel data plane's packets for this port, from its BPF ring buffer. A record
+    /// whose segments would not all fit waits for the next breath.
+    fn pull_kernel_ring(&mut self, out: &mut stitch_core::Producer, mut budget: usize) {
+        let Some(ring) = self.kernel_ring.as_mut() else {
+            return;
+        };
+        let (rx_path, interface) = (&mut self.rx_path, self.interface.as_str());
+        if !ring.has_data() {
+            return;
+        }
+        let ts = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        ring.consume(|record| {
+            let Some(r) = record else {
+                rx_path.rx_malformed.add(1);
+                return true;
+            };
+            let need = if rx_path.keep_gso || r.vnet.gso_type == offload::GSO_NONE {
+                1
+            } else {
+                r.frame.len().div_ceil(r.vnet.gso_size.max(1) as usize)
+            };
+            if need > budget {
+                return false;
+            }
+            let made = rx_path.deliver(interface, &r.vnet, r.vlan, r.frame, ts, out);
+            budget = budget.saturating_sub(made.max(1));
+            true
+        });
     }
 
     /// TPACKET_V2: frame by frame, each given back as soon as it is read.
@@ -706,7 +689,7 @@ impl AfPacket {
                     .then(|| RxMeta::read(&self.ring, base + offset, false))
                     .flatten()
                 else {
-                    self.rx_malformed.add(1);
+                    self.rx_path.rx_malformed.add(1);
                     break;
                 };
                 let frame = base + offset;
@@ -857,6 +840,17 @@ impl App for AfPacket {
 
     fn new(c: AfPacketConfig, ctx: &mut AppContext) -> Result<Self, AppError> {
         let (fd, ring, rx_len) = open(&c)?;
+        let kernel_ring = match &c.kernel_ring {
+            Some(path) => Some(KernelRing::open(path).map_err(|e| {
+                format!(
+                    "af_packet {}: kernel ring {}: {e} (Stitch makes it with the kernel data \
+                     plane of a mixed graph; is that data plane installed?)",
+                    c.interface,
+                    path.display()
+                )
+            })?),
+            None => None,
+        };
         Ok(AfPacket {
             fd,
             ring,
@@ -878,17 +872,20 @@ impl App for AfPacket {
             tx_v2: c.ring == RingVersion::V2,
             tx_ring: rx_len,
             tx_next: 0,
-            scratch: Vec::with_capacity(65536 + 64),
-            keep_gso: c.gso == GsoMode::Keep,
+            rx_path: RxPath {
+                scratch: Vec::with_capacity(65536 + 64),
+                keep_gso: c.gso == GsoMode::Keep,
+                large_exhausted: ctx.counter("large_pool_exhausted"),
+                gso_frames: ctx.counter("gso_frames"),
+                rx_malformed: ctx.counter("rx_malformed_drops"),
+                gso_segments: ctx.counter("gso_segments"),
+                gso_refused: ctx.counter("gso_refused_drops"),
+                pool_exhausted: ctx.counter("pool_exhausted_drops"),
+            },
+            kernel_ring,
             large_tx: open_large_tx(&c)?,
-            large_exhausted: ctx.counter("large_pool_exhausted"),
-            gso_frames: ctx.counter("gso_frames"),
             last_stats: Instant::now(),
             kernel_drops: ctx.counter("kernel_drops"),
-            rx_malformed: ctx.counter("rx_malformed_drops"),
-            gso_segments: ctx.counter("gso_segments"),
-            gso_refused: ctx.counter("gso_refused_drops"),
-            pool_exhausted: ctx.counter("pool_exhausted_drops"),
             tx_errors: ctx.counter("tx_error_drops"),
             interface: c.interface,
         })
@@ -900,6 +897,10 @@ impl App for AfPacket {
         match self.rx {
             Rx::V2 { .. } => self.pull_v2(out, budget),
             Rx::V3 { .. } => self.pull_v3(out, budget),
+        }
+        if self.kernel_ring.is_some() {
+            let budget = out.room().min(BURST);
+            self.pull_kernel_ring(out, budget);
         }
     }
 
@@ -917,7 +918,17 @@ impl App for AfPacket {
             let Some(p) = input.receive() else { break };
             let len = p.len();
             let mut hdr = [0u8; VNET_HDR_LEN];
-            VnetHdr::of_packet(&p).write(&mut hdr);
+            let mut vnet = VnetHdr::of_packet(&p);
+            // The kernel copies `hdr_len` bytes into the socket buffer's linear part and
+            // attaches the rest as zero-copy fragments of the ring frame; left at 0, only the
+            // Ethernet header is linear. Whatever then reads further into the frame — the
+            // in-kernel data plane's programs at a kernel ↔ engine boundary, a packet socket
+            // on the receiving end — first has the fragments copied (`skb_copy_ubufs`) or
+            // pulled into a new head: cheaper to copy the first bytes once here.
+            if vnet.hdr_len == 0 {
+                vnet.hdr_len = len.min(TX_LINEAR_BYTES) as u16;
+            }
+            vnet.write(&mut hdr);
             let data_at = if self.tx_v2 {
                 TX_DATA_OFFSET_V2
             } else {
@@ -962,5 +973,90 @@ impl App for AfPacket {
 
     fn stop(&mut self) {
         self.read_kernel_stats();
+    }
+}
+
+impl RxPath {
+    /// Turns one received frame (`vlan`: a tag the kernel lifted out of it) into packets on
+    /// `out`; returns how many it produced.
+    fn deliver(
+        &mut self,
+        interface: &str,
+        vnet: &VnetHdr,
+        vlan: Option<[u8; 4]>,
+        data: &[u8],
+        ts: u64,
+        out: &mut stitch_core::Producer,
+    ) -> usize {
+        // A super-frame travels whole in a large buffer; it is cut into segments only when
+        // asked to, or when no large buffer is free.
+        let mut large = None;
+        if vnet.gso_type != offload::GSO_NONE && self.keep_gso {
+            large = pool::alloc_large();
+            match large {
+                Some(_) => self.gso_frames.add(1),
+                None => self.large_exhausted.add(1),
+            }
+        }
+        if vnet.gso_type != offload::GSO_NONE && large.is_none() {
+            // A tagged super-frame is rebuilt in a buffer kept for that, not allocated per frame.
+            let mut scratch = std::mem::take(&mut self.scratch);
+            let frame_bytes: &[u8] = match vlan {
+                None => data,
+                Some(tag) => {
+                    scratch.clear();
+                    scratch.extend_from_slice(&data[..12]);
+                    scratch.extend_from_slice(&tag);
+                    scratch.extend_from_slice(&data[12..]);
+                    &scratch
+                }
+            };
+            let mut n = 0;
+            match offload::segment(frame_bytes, vnet, ts, |p| {
+                n += 1;
+                out.transmit(p);
+            }) {
+                Ok(_) => self.gso_segments.add(n),
+                Err(offload::OffloadError::PoolExhausted) => self.pool_exhausted.add(1),
+                Err(e) => {
+                    log::debug!("af_packet {interface}: GSO frame refused: {e}");
+                    self.gso_refused.add(1);
+                }
+            }
+            self.scratch = scratch;
+            return n as usize;
+        }
+        let len = data.len() + if vlan.is_some() { 4 } else { 0 };
+        if len
+            > if large.is_some() {
+                MAX_GSO_FRAME
+            } else {
+                MAX_FRAME
+            }
+        {
+            self.rx_malformed.add(1);
+            return 0;
+        }
+        let Some(mut p) = large.or_else(pool::alloc) else {
+            self.pool_exhausted.add(1);
+            return 0;
+        };
+        let _ = p.set_len(len);
+        let d = p.data_mut();
+        match vlan {
+            None => d.copy_from_slice(data),
+            Some(tag) => {
+                d[..12].copy_from_slice(&data[..12]);
+                d[12..16].copy_from_slice(&tag);
+                d[16..].copy_from_slice(&data[12..]);
+            }
+        }
+        p.set_timestamp_ns(ts);
+        vnet.apply_to(&mut p);
+        if vlan.is_some() && p.checksum_state() == stitch_core::packet::ChecksumState::Partial {
+            p.header_mut().csum_start += 4;
+        }
+        out.transmit(p);
+        1
     }
 }

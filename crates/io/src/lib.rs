@@ -7,6 +7,7 @@ pub mod attachment;
 pub mod capture;
 pub mod capture_file;
 pub mod capture_format;
+pub mod kernel_ring;
 pub mod link_capture;
 pub mod netdev;
 pub mod pcap_sink;

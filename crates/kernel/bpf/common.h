@@ -7,8 +7,8 @@
  * its VID. A packet carries the VID it is entering in skb->cb[0] and the number of tail calls
  * so far in skb->cb[1]. A function decides on an output VID and calls pp_send(), the patch
  * panel: `graph` gives the VID at the other end of the link, `vids` says what is behind it —
- * an interface (redirect to its ifindex) or a function (tail call into `functions` at the
- * function's slot). The patch panel is inlined into every program instead of being a program
+ * an interface (redirect to its ifindex), an engine port (a copy into its ring buffer, see
+ * engine_send) or a function (tail call into `functions` at the function's slot). The patch panel is inlined into every program instead of being a program
  * of its own so that one hop costs one tail call.
  *
  * The kernel stops a chain after 33 tail calls. Before that, pp_send re-enters the graph
@@ -32,6 +32,7 @@
 #include <linux/udp.h>
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
+#include <bpf/bpf_core_read.h>
 
 /* From linux/icmp.h, which pulls in glibc's socket headers. */
 #define ICMP_ECHOREPLY 0
@@ -64,7 +65,7 @@ struct icmphdr {
 #define TCX_NEXT -1 /* linux/bpf.h of kernels before 6.6 does not have it */
 #endif
 
-enum vi_kind { VI_NONE = 0, VI_FUNCTION = 1, VI_INTERFACE = 2 };
+enum vi_kind { VI_NONE = 0, VI_FUNCTION = 1, VI_INTERFACE = 2, VI_ENGINE = 3 };
 enum fn_kind { FN_NONE = 0, FN_FORWARDER = 1, FN_BRIDGE = 2, FN_ROUTER = 3, FN_FIREWALL = 4, FN_VXLAN = 5 };
 
 /* Counters every function has (fn_stats), then each kind's own from FC_OWN on. */
@@ -72,7 +73,7 @@ enum fn_counter { FC_RX = 0, FC_TX = 1, FC_DROP = 2, FC_MALFORMED = 3, FC_OWN = 
 
 struct vi_info {
 	__u32 kind;   /* enum vi_kind */
-	__u32 target; /* function slot, or interface ifindex */
+	__u32 target; /* function slot, interface ifindex, or engine ring (the VID) */
 	__u32 port;   /* port number within the function */
 	__u32 pad;
 };
@@ -318,6 +319,137 @@ static __always_inline void tap(struct __sk_buff *skb, __u32 vid)
 		tap_copy(skb, vid, t->sessions, t->snaplen);
 }
 
+/*
+ * Engine ports: the kernel end of a kernel ↔ engine boundary in a mixed graph (`stitch-place`).
+ * Packets from the engine still arrive through the boundary's veth (tc ingress, as from any
+ * workload), but packets for the engine are not redirected back through it: each is copied
+ * into a BPF ring buffer that the engine's end reads (its `af_packet` app, `kernel_ring`), one
+ * ring per such VI, in `engine_rings` at the VID. That skips the second pass through the
+ * host's stack a redirect costs (veth transmit, backlog, receive, packet socket copy). A record
+ * carries what the skb knew beyond the bytes — a partial checksum's place, a super-frame's
+ * segment size, a VLAN tag the kernel lifted out — as a virtio-net header would. The skb's
+ * checksum state is read from the kernel's `struct sk_buff` (a CO-RE read through
+ * bpf_cast_to_kern_ctx), which `struct __sk_buff` does not show. A full ring drops the packet
+ * and counts it as the VI's drop.
+ */
+#define ENGINE_RING_BYTES (8u << 20)
+
+struct engine_record {
+	__u32 len;         /* bytes of frame that follow */
+	__u16 csum_start;  /* ENGINE_CSUM_PARTIAL: where the sum starts, from the frame's start */
+	__u16 csum_offset; /* and where it goes, from csum_start */
+	__u16 gso_size;    /* a super-frame's segment size, else 0 */
+	__u16 vlan_tci;    /* ENGINE_VLAN: the tag the kernel lifted out of the frame */
+	__u16 vlan_proto;  /* its TPID, network byte order */
+	__u8 flags;
+	__u8 pad;
+	__u8 data[];
+};
+
+#define ENGINE_CSUM_PARTIAL 1
+#define ENGINE_CSUM_VALID 2
+#define ENGINE_VLAN 4
+
+struct engine_ring {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, ENGINE_RING_BYTES);
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY_OF_MAPS);
+	__uint(max_entries, MAX_VIDS);
+	__type(key, __u32); /* VID */
+	__array(values, struct engine_ring);
+} engine_rings SEC(".maps");
+
+extern void *bpf_cast_to_kern_ctx(void *obj) __ksym;
+
+/* The fields of the kernel's struct sk_buff a record needs, relocated by libbpf (CO-RE). */
+struct sk_buff___stitch {
+	__u8 ip_summed : 2;
+	__u16 csum_start;  /* from skb->head */
+	__u16 csum_offset; /* from csum_start */
+	__u16 mac_header;  /* from skb->head; the frame's first byte at tc ingress */
+} __attribute__((preserve_access_index));
+
+#define CHECKSUM_UNNECESSARY 1
+#define CHECKSUM_PARTIAL 3
+
+/* One record of at most `room` bytes of frame; `len` is the frame's length. */
+#define ENGINE_OUTPUT(room)                                                              \
+	static __noinline int engine_output_##room(struct __sk_buff *skb, void *ring,        \
+						    __u32 len, __u32 meta_lo, __u32 meta_hi)   \
+	{                                                                                    \
+		struct engine_record *r =                                                    \
+			bpf_ringbuf_reserve(ring, sizeof(struct engine_record) + room, 0);  \
+		if (!r)                                                                      \
+			return -1;                                                           \
+		/* Two checks with a barrier between: merged into one range test, the      \
+		 * verifier would not see the lower bound on the register passed on. */    \
+		__u64 n = len;                                                               \
+		if (n > room)                                                                \
+			goto discard;                                                        \
+		barrier_var(n);                                                              \
+		if (n == 0 || bpf_skb_load_bytes(skb, 0, r->data, n) < 0)                    \
+			goto discard;                                                        \
+		r->len = n;                                                                  \
+		r->csum_start = meta_lo & 0xffff;                                            \
+		r->csum_offset = meta_lo >> 16;                                              \
+		r->gso_size = skb->gso_size;                                                 \
+		r->vlan_tci = skb->vlan_tci;                                                 \
+		r->vlan_proto = skb->vlan_proto;                                             \
+		r->flags = meta_hi;                                                          \
+		r->pad = 0;                                                                  \
+		bpf_ringbuf_submit(r, BPF_RB_NO_WAKEUP);                                     \
+		return 0;                                                                    \
+	discard:                                                                             \
+		bpf_ringbuf_discard(r, BPF_RB_NO_WAKEUP);                                    \
+		return -1;                                                                   \
+	}
+ENGINE_OUTPUT(240)
+ENGINE_OUTPUT(2032)
+ENGINE_OUTPUT(9216)
+/* A whole super-frame: 64 KiB of IP packet, its Ethernet header and a tag (MAX_GSO_FRAME). */
+ENGINE_OUTPUT(65560)
+
+/* Hands the packet entering `vid` (an engine port) to the engine: TC_ACT_STOLEN once it is in
+ * the ring (the skb is freed as consumed, not as a drop), TC_ACT_SHOT when it cannot be. */
+static __always_inline int engine_send(struct __sk_buff *skb, __u32 vid)
+{
+	void *ring = bpf_map_lookup_elem(&engine_rings, &vid);
+	if (!ring) {
+		vi_count_drop(vid);
+		return TC_ACT_SHOT;
+	}
+	struct sk_buff___stitch *k = bpf_cast_to_kern_ctx(skb);
+	__u32 summed = BPF_CORE_READ_BITFIELD(k, ip_summed);
+	__u32 meta_lo = 0, flags = 0;
+	if (summed == CHECKSUM_PARTIAL) {
+		__u32 start = (__u32)k->csum_start - (__u32)k->mac_header;
+		meta_lo = (start & 0xffff) | ((__u32)k->csum_offset << 16);
+		flags = ENGINE_CSUM_PARTIAL;
+	} else if (summed == CHECKSUM_UNNECESSARY) {
+		flags = ENGINE_CSUM_VALID;
+	}
+	if (skb->vlan_present)
+		flags |= ENGINE_VLAN;
+	__u32 len = skb->len;
+	int err;
+	if (len <= 240)
+		err = engine_output_240(skb, ring, len, meta_lo, flags);
+	else if (len <= 2032)
+		err = engine_output_2032(skb, ring, len, meta_lo, flags);
+	else if (len <= 9216)
+		err = engine_output_9216(skb, ring, len, meta_lo, flags);
+	else
+		err = engine_output_65560(skb, ring, len, meta_lo, flags);
+	if (err) {
+		vi_count_drop(vid);
+		return TC_ACT_SHOT;
+	}
+	return TC_ACT_STOLEN;
+}
+
 static __always_inline __u32 loop_ifindex(void)
 {
 	__u32 zero = 0;
@@ -344,6 +476,8 @@ static __always_inline int pp_send(struct __sk_buff *skb, __u32 out_vid)
 	tap(skb, out_vid);
 	if (vi->kind == VI_INTERFACE)
 		return bpf_redirect(vi->target, 0);
+	if (vi->kind == VI_ENGINE)
+		return engine_send(skb, to);
 	__u32 hops = skb->cb[1] + 1;
 	if (hops >= MAX_HOPS) {
 		/* Start a new chain: re-enter at the loop device with the link's source VID. */
@@ -378,6 +512,10 @@ static __always_inline void pp_send_copy(struct __sk_buff *skb, __u32 out_vid)
 	tap(skb, out_vid);
 	if (vi->kind == VI_INTERFACE) {
 		bpf_clone_redirect(skb, vi->target, 0);
+		return;
+	}
+	if (vi->kind == VI_ENGINE) {
+		engine_send(skb, to);
 		return;
 	}
 	__u32 loop = loop_ifindex();

@@ -52,6 +52,8 @@ int stitch_loop(struct __sk_buff *skb)
 		return TC_ACT_SHOT;
 	if (vi->kind == VI_INTERFACE)
 		return bpf_redirect(vi->target, 0);
+	if (vi->kind == VI_ENGINE)
+		return engine_send(skb, to);
 	skb->cb[0] = to;
 	bpf_tail_call(skb, &functions, vi->target);
 	return TC_ACT_SHOT;

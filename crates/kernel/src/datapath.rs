@@ -204,6 +204,7 @@ impl Maps {
             ("taps", 4, size_of::<TapPoint>()),
             ("tap_drops", 4, 8),
             ("tap_rings", 4, 4),
+            ("engine_rings", 4, 4),
         ];
         for (name, k, v) in expected {
             let path = dir.join(name);
@@ -419,6 +420,7 @@ impl DataPlane {
         let maps = Maps::open(&self.pin_dir)?;
         self.install_functions(&maps, &obj, plan, &alloc)?;
         let tunnel = self.install_devices(&maps, &obj, plan, loop_ifindex)?;
+        self.install_engine_rings(&maps, plan, &alloc.apps)?;
         let links = install_vids_and_links(&maps, plan, &alloc.apps)?;
         install_vnis(&maps, plan, &alloc.apps)?;
         for a in alloc.apps.values() {
@@ -428,6 +430,7 @@ impl DataPlane {
             }
         }
         self.clear_unused(&maps, &old, &alloc.apps)?;
+        self.clear_engine_rings(&maps, plan, &old, &alloc.apps);
         if tunnel.is_none() {
             self.unhook("tunnel");
             netdev::delete(&self.tunnel_device()).map_err(Error)?;
@@ -447,7 +450,7 @@ impl DataPlane {
     fn check_interfaces(&self, plan: &Plan) -> Result<HashMap<String, u32>, Error> {
         let mut ifindexes = HashMap::new();
         for a in plan.apps.values() {
-            let Function::Interface { ifname } = &a.function else {
+            let Function::Interface { ifname, .. } = &a.function else {
                 continue;
             };
             let Some(i) = netdev::ifindex(ifname) else {
@@ -557,6 +560,66 @@ impl DataPlane {
         maps.put("config", &0u32, &globals)?;
         self.hook(&program(obj, "stitch_loop"), loop_ifindex, "loop")?;
         Ok(tunnel.map(|t| t.0))
+    }
+
+    /// Each engine port's ring buffer: made and pinned where the engine's end opens it
+    /// ([`engine_ring_path`]) the first time, the same ring after (the engine keeps reading
+    /// it across changes), and put in `engine_rings` at the port's VID.
+    fn install_engine_rings(
+        &self,
+        maps: &Maps,
+        plan: &Plan,
+        apps: &IndexMap<String, InstalledApp>,
+    ) -> Result<(), Error> {
+        for (ifname, vid) in engine_ports(plan, apps) {
+            let path = engine_ring_path(&self.name, ifname);
+            let ring = match MapHandle::from_pinned_path(&path) {
+                Ok(ring) => ring,
+                Err(_) => {
+                    let opts = libbpf_rs::libbpf_sys::bpf_map_create_opts {
+                        sz: size_of::<libbpf_rs::libbpf_sys::bpf_map_create_opts>() as _,
+                        ..Default::default()
+                    };
+                    let ring = MapHandle::create(
+                        libbpf_rs::MapType::RingBuf,
+                        Some("stitch_engine"),
+                        0,
+                        0,
+                        ENGINE_RING_BYTES,
+                        &opts,
+                    )
+                    .map_err(|e| Error(format!("cannot create the ring of `{ifname}`: {e}")))?;
+                    let mut ring = ring;
+                    ring.pin(&path)
+                        .map_err(|e| Error(format!("cannot pin {}: {e}", path.display())))?;
+                    ring
+                }
+            };
+            let fd = ring.as_fd().as_raw_fd() as u32;
+            maps.put("engine_rings", &vid, &fd)?;
+        }
+        Ok(())
+    }
+
+    /// Engine rings the new graph no longer sends to: out of `engine_rings`, and unpinned (the
+    /// engine's end, if still running, keeps its mapping until it stops).
+    fn clear_engine_rings(
+        &self,
+        maps: &Maps,
+        plan: &Plan,
+        old: &Installed,
+        apps: &IndexMap<String, InstalledApp>,
+    ) {
+        let live: Vec<(&str, u32)> = engine_ports(plan, apps).collect();
+        for a in old.apps.values() {
+            let Some(ifname) = &a.interface else { continue };
+            if !live.iter().any(|(_, vid)| *vid == a.base_vid) {
+                maps.remove("engine_rings", &a.base_vid);
+            }
+            if !live.iter().any(|(name, _)| name == ifname) {
+                let _ = std::fs::remove_file(engine_ring_path(&self.name, ifname));
+            }
+        }
     }
 
     /// Clears what the old graph used and the new one does not: interface hooks, VIs, slots
@@ -804,7 +867,7 @@ fn allocate(
             .get(&a.name)
             .filter(|p| p.kind_code == a.function.kind_code() && p.kind == a.function.kind_name());
         let interface = match &a.function {
-            Function::Interface { ifname } => Some(ifname.clone()),
+            Function::Interface { ifname, .. } => Some(ifname.clone()),
             _ => None,
         };
         let ifindex = ifindexes.get(&a.name).copied().unwrap_or(0);
@@ -875,6 +938,29 @@ fn allocate(
     Ok(alloc)
 }
 
+/// The engine ports of `plan`: each interface whose other end is the engine, with its VID.
+fn engine_ports<'a>(
+    plan: &'a Plan,
+    apps: &'a IndexMap<String, InstalledApp>,
+) -> impl Iterator<Item = (&'a str, u32)> + 'a {
+    plan.apps.values().filter_map(|a| match &a.function {
+        Function::Interface {
+            ifname,
+            to_engine: true,
+        } => Some((ifname.as_str(), apps[&a.name].base_vid)),
+        _ => None,
+    })
+}
+
+/// Where the ring buffer of the engine port on interface `ifname` of data plane `plane` is
+/// pinned: the engine's `af_packet` app on the boundary's other end opens it (`kernel_ring`).
+pub fn engine_ring_path(plane: &str, ifname: &str) -> PathBuf {
+    Path::new(BPFFS)
+        .join("stitch")
+        .join(plane)
+        .join(format!("engine-ring-{ifname}"))
+}
+
 /// Each port's VI (an interface, or a function's port), then the patch panel: each linked
 /// VID to its peer, every other VID of the graph to nothing.
 fn install_vids_and_links(
@@ -882,9 +968,23 @@ fn install_vids_and_links(
     plan: &Plan,
     apps: &IndexMap<String, InstalledApp>,
 ) -> Result<Vec<InstalledLink>, Error> {
-    for a in apps.values() {
+    for (name, a) in apps {
+        let to_engine = matches!(
+            plan.apps[name].function,
+            Function::Interface {
+                to_engine: true,
+                ..
+            }
+        );
         for p in 0..a.ports.len() as u32 {
-            let vi = if a.slot == 0 {
+            let vi = if a.slot == 0 && to_engine {
+                ViInfo {
+                    kind: VI_ENGINE,
+                    target: a.base_vid,
+                    port: 0,
+                    pad: 0,
+                }
+            } else if a.slot == 0 {
                 ViInfo {
                     kind: VI_INTERFACE,
                     target: a.ifindex,

@@ -21,5 +21,5 @@ pub mod netdev;
 pub mod plan;
 pub mod tap;
 
-pub use datapath::{ApplyReport, DataPlane, Error, Status};
+pub use datapath::{engine_ring_path, ApplyReport, DataPlane, Error, Status};
 pub use plan::Plan;

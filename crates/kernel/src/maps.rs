@@ -11,6 +11,10 @@ pub const FN_COUNTERS: u32 = 16;
 
 pub const VI_FUNCTION: u32 = 1;
 pub const VI_INTERFACE: u32 = 2;
+/// An engine port: packets for it go into its ring buffer in `engine_rings` (at its VID).
+pub const VI_ENGINE: u32 = 3;
+/// Bytes of each engine port's ring buffer (`ENGINE_RING_BYTES` in `bpf/common.h`).
+pub const ENGINE_RING_BYTES: u32 = 8 << 20;
 
 pub const FN_FORWARDER: u32 = 1;
 pub const FN_BRIDGE: u32 = 2;

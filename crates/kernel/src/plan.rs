@@ -20,6 +20,10 @@ pub enum Function {
     /// redirected to it.
     Interface {
         ifname: String,
+        /// The interface's other end is Stitch's own engine (a kernel ↔ engine boundary of a
+        /// mixed graph): packets for it go into a ring buffer the engine reads instead of
+        /// through the interface. Set by `stitch-place`, never by a graph file.
+        to_engine: bool,
     },
     Forwarder,
     Bridge {
@@ -257,7 +261,13 @@ fn plan_app(kind: &str, config: &serde_json::Value) -> Result<(Function, Vec<Str
                 .and_then(|v| v.as_str())
                 .ok_or("needs `interface`")?
                 .to_string();
-            Ok((Function::Interface { ifname }, vec!["input".into()]))
+            Ok((
+                Function::Interface {
+                    ifname,
+                    to_engine: false,
+                },
+                vec!["input".into()],
+            ))
         }
         "forwarder" => Ok((Function::Forwarder, vec!["input".into(), "output".into()])),
         "bridge" => {

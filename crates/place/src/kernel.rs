@@ -5,10 +5,16 @@
 //! app of the engine. One pair per kernel port that has links to the engine, named after the
 //! instance and the port, so a changed graph keeps the pairs it still uses.
 //!
-//! `af_packet` rather than `af_xdp` on the engine end: AF_XDP binds to a veth only in copy mode
-//! and needs an XDP program on the peer too, while packets from the data plane arrive on the
-//! engine end by a tc redirect, which XDP on the peer would not see first; a TPACKET ring takes
-//! them as they come (docs/benchmarks.md: `stitch bench placement`).
+//! Toward the kernel, the engine's `af_packet` app writes into its TPACKET ring and the
+//! frames enter the data plane at tc ingress of the kernel end. Toward the engine, the data
+//! plane does not send back through the pair: the kernel end is an *engine port*
+//! (`to_engine`), whose packets the data plane copies into a BPF ring buffer pinned for the
+//! instance (`stitch_kernel::engine_ring_path`), and the same `af_packet` app reads that ring
+//! (`kernel_ring`) with no system call. A redirect back through the pair cost a second pass
+//! through the host's stack — veth transmit, backlog, receive, the packet socket's copy —,
+//! which made a crossing cost about two `af_packet` hops (docs/benchmarks.md: `stitch bench
+//! placement`). `af_xdp` on the engine end would need an XDP program on the peer, binds to a
+//! veth in copy mode only, and sees nothing of a tc redirect.
 
 use crate::hash;
 use std::collections::BTreeSet;
@@ -124,10 +130,19 @@ pub fn split(
         }
     }
     engine.links = engine_links;
-    let plan = stitch_kernel::Plan::from_graph(&kernel).map_err(|mut e| {
+    let mut plan = stitch_kernel::Plan::from_graph(&kernel).map_err(|mut e| {
         errors.append(&mut e);
         std::mem::take(&mut errors)
     })?;
+    for (k_end, _) in &veths {
+        for app in plan.apps.values_mut() {
+            if let stitch_kernel::plan::Function::Interface { ifname, to_engine } =
+                &mut app.function
+            {
+                *to_engine |= ifname == k_end;
+            }
+        }
+    }
     if !errors.is_empty() {
         return Err(errors);
     }
@@ -169,9 +184,13 @@ fn add_boundary(
         engine,
         registry,
     );
+    let ring = stitch_kernel::engine_ring_path(&names.plane, &k_end);
     let e = app_entry(
         boundary,
-        &format!("{{ type: af_packet, interface: {e_end} }}"),
+        &format!(
+            "{{ type: af_packet, interface: {e_end}, kernel_ring: \"{}\" }}",
+            ring.display()
+        ),
         engine,
         registry,
     );
