@@ -1,7 +1,7 @@
 //! `stitch bench placement`: what crossing a placement costs. The same chain — generator → five
 //! forwarders → sink — runs all in the engine, then with its middle forwarder placed elsewhere:
 //! in the kernel (`placement: kernel`: out through a veth pair Stitch makes, through the eBPF
-//! forwarder, back through another pair), in a function process (`placement: process`,
+//! forwarder, back through the boundary's BPF ring buffer), in a function process (`placement: process`,
 //! `stitch-nf-firewall` without rules, zero-copy rings), and behind a `vhost_user` port whose
 //! guest is a DPDK virtio-user testpmd forwarding every packet back (what a VM's virtio driver
 //! does, without the emulation a TCG guest would add). The yardstick, in the same run: one
@@ -253,10 +253,18 @@ pub fn run(args: PlacementArgs, registry: Registry) -> Result<()> {
         println!("{v:<12} {m:>9.3} {ns:>12.1} {crossing:>22}");
     }
     if let Some(y) = yardstick {
+        let hop = 1e3 / y.max(1e-9);
         println!(
-            "af_packet: one interface hop (veth, af_packet on both ends) = {:.1} ns/packet",
-            1e3 / y.max(1e-9)
+            "af_packet: one interface hop (veth, af_packet on both ends) = {hop:.1} ns/packet"
         );
+        let kernel = variants.iter().position(|v| *v == "kernel").map(|i| med[i]);
+        if let (Some(e), Some(k)) = (engine, kernel) {
+            let crossing = 1e3 / k.max(1e-9) - 1e3 / e.max(1e-9);
+            println!(
+                "kernel ↔ engine crossing / one af_packet hop = {:.2}",
+                crossing / hop
+            );
+        }
     }
     Ok(())
 }
