@@ -57,6 +57,15 @@ fn show(s: &Stitch, app: &str) -> serde_json::Value {
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
+/// `stitch show` of the whole instance (what it placed where, what it made), as text.
+fn instance_status(s: &Stitch) -> String {
+    must(&format!(
+        "{} show --control {}",
+        env!("CARGO_BIN_EXE_stitch"),
+        s.socket.display()
+    ))
+}
+
 fn pid_of(s: &Stitch, app: &str) -> Option<i32> {
     show(s, app)["process"]["pid"].as_i64().map(|p| p as i32)
 }
@@ -414,11 +423,7 @@ fn kernel_engine_and_process_apps_run_as_one_graph_and_a_crash_leaves_nothing() 
     });
     // What this instance made (other tests make interfaces and data planes at the same time):
     // `stitch show` lists it; it must be new.
-    let status = must(&format!(
-        "{} show --control {}",
-        env!("CARGO_BIN_EXE_stitch"),
-        s.socket.display()
-    ));
+    let status = instance_status(&s);
     let status: serde_json::Value = serde_json::from_str(&status).unwrap();
     let plane = status["placements"]["kernel_data_plane"]
         .as_str()
@@ -482,11 +487,7 @@ fn kernel_engine_and_process_apps_run_as_one_graph_and_a_crash_leaves_nothing() 
     );
     // `stitch show` without an app lists what the placements made: two veth pairs, the data
     // plane, the process.
-    let status = must(&format!(
-        "{} show --control {}",
-        env!("CARGO_BIN_EXE_stitch"),
-        s.socket.display()
-    ));
+    let status = instance_status(&s);
     let status: serde_json::Value = serde_json::from_str(&status).unwrap();
     assert_eq!(
         status["placements"]["veth_pairs"].as_array().unwrap().len(),
@@ -574,11 +575,7 @@ links:
     assert_eq!(counters["gso_refused_drops"], 0, "{boundary}");
     assert_eq!(app(&stats, "e")["drops"], 0, "{stats}");
     // None of it came through a veth: the engine ends of the pairs received nothing.
-    let status = must(&format!(
-        "{} show --control {}",
-        env!("CARGO_BIN_EXE_stitch"),
-        s.socket.display()
-    ));
+    let status = instance_status(&s);
     let status: serde_json::Value = serde_json::from_str(&status).unwrap();
     let pairs = status["placements"]["veth_pairs"].as_array().unwrap();
     assert_eq!(pairs.len(), 2, "{status}");
