@@ -589,13 +589,12 @@ impl AfPacket {
 
     /// Packets `frame` turns into, and whether that many fit in `budget`.
     fn fits(&self, frame: usize, m: &RxMeta, budget: usize, capacity: usize) -> bool {
-        // A GSO frame becomes many packets: take it only when they all fit, so that a burst
-        // of segments never overflows the output link (it waits in the ring).
-        let need = if self.rx_path.keep_gso {
-            1
-        } else {
-            segments_of(&self.ring, frame, m).min(capacity).min(BURST)
-        };
+        let need = self.rx_path.packets_needed(m.snaplen, capacity, || {
+            (m.mac >= VNET_HDR_LEN)
+                .then(|| self.ring.bytes(frame + m.mac - VNET_HDR_LEN, VNET_HDR_LEN))
+                .flatten()
+                .and_then(VnetHdr::parse)
+        });
         need <= budget
     }
 
@@ -605,10 +604,11 @@ impl AfPacket {
         let Some(ring) = self.kernel_ring.as_mut() else {
             return;
         };
-        let (rx_path, interface) = (&mut self.rx_path, self.interface.as_str());
         if !ring.has_data() {
             return;
         }
+        let (rx_path, interface) = (&mut self.rx_path, self.interface.as_str());
+        let capacity = out.ring().capacity();
         let ts = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64);
@@ -617,12 +617,7 @@ impl AfPacket {
                 rx_path.rx_malformed.add(1);
                 return true;
             };
-            let need = if rx_path.keep_gso || r.vnet.gso_type == offload::GSO_NONE {
-                1
-            } else {
-                r.frame.len().div_ceil(r.vnet.gso_size.max(1) as usize)
-            };
-            if need > budget {
+            if rx_path.packets_needed(r.frame.len(), capacity, || Some(r.vnet)) > budget {
                 return false;
             }
             let made = rx_path.deliver(interface, &r.vnet, r.vlan, r.frame, ts, out);
@@ -799,22 +794,6 @@ fn status_word(ring: &Mapping, at: usize) -> &AtomicU32 {
 }
 
 /// Packets a ring frame turns into: its GSO segments, or one.
-fn segments_of(ring: &Mapping, frame: usize, m: &RxMeta) -> usize {
-    let mac = m.mac;
-    if mac < VNET_HDR_LEN {
-        return 1;
-    }
-    match ring
-        .bytes(frame + mac - VNET_HDR_LEN, VNET_HDR_LEN)
-        .and_then(VnetHdr::parse)
-    {
-        Some(h) if h.gso_type != offload::GSO_NONE && h.gso_size > 0 => {
-            m.snaplen.div_ceil(h.gso_size as usize)
-        }
-        _ => 1,
-    }
-}
-
 impl App for AfPacket {
     type Config = AfPacketConfig;
 
@@ -977,6 +956,28 @@ impl App for AfPacket {
 }
 
 impl RxPath {
+    /// How many packets a received frame of `len` bytes may become, for taking it only when
+    /// they all fit the output link (else it waits where it is): 1 while super-frames stay
+    /// whole; else its segments, at most what the link and a burst hold, so that a frame of
+    /// more segments than that is still taken rather than waiting forever. `vnet` is read only
+    /// when segmenting.
+    fn packets_needed(
+        &self,
+        len: usize,
+        capacity: usize,
+        vnet: impl FnOnce() -> Option<VnetHdr>,
+    ) -> usize {
+        if self.keep_gso {
+            return 1;
+        }
+        match vnet() {
+            Some(h) if h.gso_type != offload::GSO_NONE && h.gso_size > 0 => {
+                len.div_ceil(h.gso_size as usize).min(capacity).min(BURST)
+            }
+            _ => 1,
+        }
+    }
+
     /// Turns one received frame (`vlan`: a tag the kernel lifted out of it) into packets on
     /// `out`; returns how many it produced.
     fn deliver(
@@ -1058,5 +1059,42 @@ impl RxPath {
         }
         out.transmit(p);
         1
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rx_path(keep_gso: bool) -> RxPath {
+        RxPath {
+            scratch: Vec::new(),
+            keep_gso,
+            large_exhausted: Counter::default(),
+            gso_frames: Counter::default(),
+            rx_malformed: Counter::default(),
+            gso_segments: Counter::default(),
+            gso_refused: Counter::default(),
+            pool_exhausted: Counter::default(),
+        }
+    }
+
+    #[test]
+    fn a_frame_needs_room_for_its_segments_at_most_a_link_or_a_burst() {
+        let tcp = VnetHdr {
+            gso_type: offload::GSO_TCPV4,
+            gso_size: 1000,
+            ..Default::default()
+        };
+        let (split, whole) = (rx_path(false), rx_path(true));
+        assert_eq!(split.packets_needed(64_000, 1024, || Some(tcp)), 64);
+        assert_eq!(whole.packets_needed(64_000, 1024, || panic!("not read")), 1);
+        assert_eq!(split.packets_needed(1500, 1024, || None), 1);
+        let tiny = VnetHdr {
+            gso_size: 100,
+            ..tcp
+        };
+        assert_eq!(split.packets_needed(64_000, 1024, || Some(tiny)), BURST);
+        assert_eq!(split.packets_needed(64_000, 32, || Some(tiny)), 32);
     }
 }

@@ -11,6 +11,7 @@
 //! out of it, and flags; then the frame. Every length read from the ring is checked against the
 //! mapping; a record that does not parse is reported as `None` and skipped.
 
+use crate::xdp::Attr;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::Path;
@@ -68,25 +69,15 @@ pub struct KernelRing {
 // atomics; moving it to the worker thread that reads it is what an app does.
 unsafe impl Send for KernelRing {}
 
-fn bpf(cmd: libc::c_long, attr: &mut [u8; 128]) -> io::Result<i64> {
-    // SAFETY: `attr` is 128 live bytes; the pointers the callers write into it (a path, an
-    // info buffer with its length) stay alive and writable for the call.
-    let r = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr.as_mut_ptr(), attr.len() as u32) };
-    if r < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(r)
-    }
-}
-
 /// The map's type and `max_entries` (`struct bpf_map_info`'s first and fifth words).
 fn map_type_and_size(fd: &OwnedFd) -> io::Result<(u32, u32)> {
     let mut info = [0u8; 88];
-    let mut attr = [0u8; 128];
-    attr[0..4].copy_from_slice(&(fd.as_raw_fd() as u32).to_ne_bytes());
-    attr[4..8].copy_from_slice(&(info.len() as u32).to_ne_bytes());
-    attr[8..16].copy_from_slice(&(info.as_mut_ptr() as u64).to_ne_bytes());
-    bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr)?;
+    let attr = Attr::new()
+        .u32(0, fd.as_raw_fd() as u32)
+        .u32(4, info.len() as u32)
+        .u64(8, info.as_mut_ptr() as u64);
+    // SAFETY: the attribute points at `info`, live and writable for its length during the call.
+    unsafe { attr.call(BPF_OBJ_GET_INFO_BY_FD) }?;
     let word = |i: usize| u32::from_ne_bytes(info[i * 4..i * 4 + 4].try_into().unwrap());
     Ok((word(0), word(4)))
 }
@@ -96,9 +87,9 @@ impl KernelRing {
     pub fn open(path: &Path) -> io::Result<KernelRing> {
         let c_path = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
             .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL in path"))?;
-        let mut attr = [0u8; 128];
-        attr[0..8].copy_from_slice(&(c_path.as_ptr() as u64).to_ne_bytes());
-        let fd = bpf(BPF_OBJ_GET, &mut attr)?;
+        let attr = Attr::new().u64(0, c_path.as_ptr() as u64);
+        // SAFETY: the attribute points at `c_path`, a NUL-terminated string alive for the call.
+        let fd = unsafe { attr.call(BPF_OBJ_GET) }?;
         // SAFETY: BPF_OBJ_GET returned a new descriptor that nothing else owns.
         let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
         let (kind, size) = map_type_and_size(&fd)?;

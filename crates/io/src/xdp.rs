@@ -21,18 +21,19 @@ pub const XDP_FLAGS_DRV_MODE: u32 = 4;
 const BPF_FUNC_REDIRECT_MAP: i32 = 51;
 const XDP_PASS: i32 = 2;
 
-/// A zeroed `union bpf_attr` with fields written at their offsets.
-struct Attr([u8; 128]);
+/// A zeroed `union bpf_attr` with fields written at their offsets (also used by
+/// `kernel_ring` to open a pinned ring buffer).
+pub(crate) struct Attr([u8; 128]);
 
 impl Attr {
-    fn new() -> Attr {
+    pub(crate) fn new() -> Attr {
         Attr([0; 128])
     }
-    fn u32(mut self, off: usize, v: u32) -> Attr {
+    pub(crate) fn u32(mut self, off: usize, v: u32) -> Attr {
         self.0[off..off + 4].copy_from_slice(&v.to_ne_bytes());
         self
     }
-    fn u64(mut self, off: usize, v: u64) -> Attr {
+    pub(crate) fn u64(mut self, off: usize, v: u64) -> Attr {
         self.0[off..off + 8].copy_from_slice(&v.to_ne_bytes());
         self
     }
@@ -47,7 +48,7 @@ impl Attr {
     /// # Safety
     /// Every pointer written into the attribute must be valid, for what `cmd` does with it
     /// (reads, or writes of the length given beside it), for the whole call.
-    unsafe fn call(&self, cmd: libc::c_long) -> std::io::Result<i64> {
+    pub(crate) unsafe fn call(&self, cmd: libc::c_long) -> std::io::Result<i64> {
         // SAFETY: the attribute is 128 live bytes; the pointers in it are the caller's word.
         let r = unsafe { libc::syscall(libc::SYS_bpf, cmd, self.0.as_ptr(), self.0.len() as u32) };
         if r < 0 {

@@ -576,20 +576,8 @@ impl DataPlane {
             let ring = match MapHandle::from_pinned_path(&path) {
                 Ok(ring) => ring,
                 Err(_) => {
-                    let opts = libbpf_rs::libbpf_sys::bpf_map_create_opts {
-                        sz: size_of::<libbpf_rs::libbpf_sys::bpf_map_create_opts>() as _,
-                        ..Default::default()
-                    };
-                    let ring = MapHandle::create(
-                        libbpf_rs::MapType::RingBuf,
-                        Some("stitch_engine"),
-                        0,
-                        0,
-                        ENGINE_RING_BYTES,
-                        &opts,
-                    )
-                    .map_err(|e| Error(format!("cannot create the ring of `{ifname}`: {e}")))?;
-                    let mut ring = ring;
+                    let mut ring = ring_buffer("stitch_engine", ENGINE_RING_BYTES)
+                        .map_err(|e| Error(format!("cannot create the ring of `{ifname}`: {e}")))?;
                     ring.pin(&path)
                         .map_err(|e| Error(format!("cannot pin {}: {e}", path.display())))?;
                     ring
@@ -936,6 +924,15 @@ fn allocate(
         .cloned()
         .collect();
     Ok(alloc)
+}
+
+/// A fresh BPF ring buffer of `bytes` (a power of two), named `name` in `bpftool map`.
+pub(crate) fn ring_buffer(name: &str, bytes: u32) -> Result<MapHandle, libbpf_rs::Error> {
+    let opts = libbpf_rs::libbpf_sys::bpf_map_create_opts {
+        sz: size_of::<libbpf_rs::libbpf_sys::bpf_map_create_opts>() as _,
+        ..Default::default()
+    };
+    MapHandle::create(libbpf_rs::MapType::RingBuf, Some(name), 0, 0, bytes, &opts)
 }
 
 /// The engine ports of `plan`: each interface whose other end is the engine, with its VID.

@@ -10,7 +10,7 @@
 
 use crate::datapath::{DataPlane, Error};
 use crate::maps::{Pod, TapPoint, ViStats, MAX_VIDS, TAP_RECORD_HEADER, TAP_SESSIONS};
-use libbpf_rs::{MapCore, MapFlags, MapHandle, MapType, RingBuffer, RingBufferBuilder};
+use libbpf_rs::{MapCore, MapFlags, MapHandle, RingBuffer, RingBufferBuilder};
 use serde::{Deserialize, Serialize};
 use std::cell::RefCell;
 use std::collections::BTreeSet;
@@ -329,19 +329,8 @@ impl Drop for KernelTap {
 
 /// A ring buffer for session `session`, put in `tap_rings` at its place.
 fn make_ring(tap_rings: &MapHandle, session: u32) -> Result<MapHandle, Error> {
-    let opts = libbpf_rs::libbpf_sys::bpf_map_create_opts {
-        sz: size_of::<libbpf_rs::libbpf_sys::bpf_map_create_opts>() as _,
-        ..Default::default()
-    };
-    let ring = MapHandle::create(
-        MapType::RingBuf,
-        Some("stitch_tap"),
-        0,
-        0,
-        RING_BYTES,
-        &opts,
-    )
-    .map_err(|e| Error(format!("cannot create a ring buffer for the tap: {e}")))?;
+    let ring = crate::datapath::ring_buffer("stitch_tap", RING_BYTES)
+        .map_err(|e| Error(format!("cannot create a ring buffer for the tap: {e}")))?;
     let fd = ring.as_fd().as_raw_fd() as u32;
     tap_rings
         .update(&session.to_ne_bytes(), &fd.to_ne_bytes(), MapFlags::ANY)

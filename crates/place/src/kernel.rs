@@ -134,13 +134,9 @@ pub fn split(
         errors.append(&mut e);
         std::mem::take(&mut errors)
     })?;
-    for (k_end, _) in &veths {
-        for app in plan.apps.values_mut() {
-            if let stitch_kernel::plan::Function::Interface { ifname, to_engine } =
-                &mut app.function
-            {
-                *to_engine |= ifname == k_end;
-            }
+    for app in plan.apps.values_mut() {
+        if let stitch_kernel::plan::Function::Interface { ifname, to_engine } = &mut app.function {
+            *to_engine = veths.iter().any(|(k_end, _)| k_end == ifname);
         }
     }
     if !errors.is_empty() {
