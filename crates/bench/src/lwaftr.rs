@@ -205,11 +205,11 @@ pub fn bench(conf: &Path, mut traffic: Traffic, seconds: f64, runs: usize) -> Re
     let cpu = || crate::cpu_seconds(libc::RUSAGE_THREAD);
     const BATCH: usize = 128;
     let mut results = Vec::new();
-    let mut table = (0usize, 0usize);
+    let mut table = (0usize, 0usize, false);
     for _ in 0..runs {
         let mut h = Offline::new(conf, Compat::Rfc).map_err(anyhow::Error::msg)?;
         let t = h.function().binding_table();
-        table = (t.len(), t.memory_bytes());
+        table = (t.len(), t.memory_bytes(), t.in_huge_pages());
         let (mut n, mut out) = (0u64, [0u64; 2]);
         let t = Instant::now();
         let c0 = cpu();
@@ -261,10 +261,15 @@ pub fn bench(conf: &Path, mut traffic: Traffic, seconds: f64, runs: usize) -> Re
     );
     println!("  out: {} on v4, {} on v6 of {} in", out[0], out[1], n);
     println!(
-        "  binding table: {} softwires in {:.1} MB, {:.1} bytes per softwire",
+        "  binding table: {} softwires in {:.1} MB, {:.1} bytes per softwire, {}",
         table.0,
         table.1 as f64 / 1e6,
-        table.1 as f64 / table.0.max(1) as f64
+        table.1 as f64 / table.0.max(1) as f64,
+        if table.2 {
+            "in huge pages"
+        } else {
+            "in 4 KiB pages (under 2 MiB, or transparent huge pages are off)"
+        }
     );
     anyhow::ensure!(
         out[0] + out[1] >= n * 9 / 10,

@@ -225,6 +225,28 @@ pub fn memfd(name: &str, len: usize, huge: bool) -> io::Result<OwnedFd> {
     Ok(fd)
 }
 
+/// Asks the kernel to back the 2 MiB pages inside `items` with huge pages, now: for a large
+/// table read at random (a binding table, a route table), whose every lookup would otherwise
+/// miss the TLB and walk the page tables — twice over under a hypervisor. A hint: with
+/// transparent huge pages off, or no huge page free, nothing changes and `false` comes back.
+pub fn back_with_huge_pages<T>(items: &[T]) -> bool {
+    // Linux 6.1's MADV_COLLAPSE: collapse what is already populated, synchronously.
+    const MADV_COLLAPSE: libc::c_int = 25;
+    const HUGE: usize = 2 << 20;
+    let start = (items.as_ptr() as usize).next_multiple_of(HUGE);
+    let end = (items.as_ptr() as usize + std::mem::size_of_val(items)) & !(HUGE - 1);
+    if end <= start {
+        return false;
+    }
+    let (at, len) = (start as *mut libc::c_void, end - start);
+    // SAFETY: the range lies inside `items`' allocation and is 2 MiB aligned; MADV_HUGEPAGE and
+    // MADV_COLLAPSE change how its pages are backed, never their contents.
+    unsafe {
+        libc::madvise(at, len, libc::MADV_HUGEPAGE);
+        libc::madvise(at, len, MADV_COLLAPSE) == 0
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -251,5 +273,35 @@ mod tests {
         let b = Mapping::shared(fd.as_fd(), 8192, MapOptions::default()).unwrap();
         assert!(a.write(5000, b"stitch"));
         assert_eq!(b.bytes(5000, 6), Some(&b"stitch"[..]));
+    }
+}
+
+#[cfg(test)]
+mod huge_page_tests {
+    #[test]
+    fn a_large_table_is_collapsed_into_huge_pages_when_the_kernel_can() {
+        let table: Vec<u64> = (0..(8 << 20) / 8).collect();
+        let collapsed = super::back_with_huge_pages(&table);
+        let (start, end) = (table.as_ptr() as usize, table.as_ptr_range().end as usize);
+        // madvise splits the mapping: every part of it that overlaps the table counts.
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let mut huge_kb = 0;
+        let mut inside = false;
+        for line in smaps.lines() {
+            let range = line.split_once(' ').and_then(|(r, _)| r.split_once('-'));
+            if let Some((a, b)) = range.and_then(|(a, b)| {
+                Some((
+                    usize::from_str_radix(a, 16).ok()?,
+                    usize::from_str_radix(b, 16).ok()?,
+                ))
+            }) {
+                inside = a < end && start < b;
+            } else if let Some(kb) = line.strip_prefix("AnonHugePages:").filter(|_| inside) {
+                huge_kb += kb.trim().trim_end_matches(" kB").parse::<usize>().unwrap();
+            }
+        }
+        eprintln!("collapsed {collapsed}, {huge_kb} kB in huge pages");
+        assert_eq!(collapsed, huge_kb >= 2048, "{huge_kb} kB");
+        assert_eq!(table[12345], 12345, "contents survive");
     }
 }

@@ -207,6 +207,8 @@ pub struct BindingTable {
     sparse: HashMap<u64, Softwire, Fast>,
     count: usize,
     br_addresses: Vec<[u8; 16]>,
+    /// Whether the kernel backed the softwires' slots with huge pages when the table was built.
+    in_huge_pages: bool,
 }
 
 fn key(ipv4: u32, psid: u16) -> u64 {
@@ -219,6 +221,10 @@ impl BindingTable {
         for s in specs {
             t.add(s).map_err(|e| format!("line {}: {e}", s.line))?;
         }
+        // Lookups land anywhere in these: in 4 KiB pages a large table misses the TLB on
+        // nearly every one.
+        t.in_huge_pages = stitch_core::mapping::back_with_huge_pages(&t.slots);
+        stitch_core::mapping::back_with_huge_pages(&t.addresses.slots);
         Ok(t)
     }
 
@@ -361,6 +367,12 @@ impl BindingTable {
     }
 
     /// Bytes the table holds in memory (what its vectors and map have allocated).
+    /// Whether the softwires' slots sit in huge pages (a large table's lookups then seldom
+    /// miss the TLB); false for a table under 2 MiB or a kernel with transparent huge pages off.
+    pub fn in_huge_pages(&self) -> bool {
+        self.in_huge_pages
+    }
+
     pub fn memory_bytes(&self) -> usize {
         use std::mem::size_of;
         let addresses = self.addresses.slots.capacity() * size_of::<(u32, Address)>()
