@@ -263,13 +263,18 @@ impl<K: Key> Lpm<K> {
         stitch_core::prefetch(entry);
     }
 
-    /// Brings the first range of `addr`'s bucket toward the cache (after [`Lpm::prefetch`]
-    /// has had time to bring the bucket).
+    /// Brings the ranges of `addr`'s bucket — its first and last, between them the lines a
+    /// short binary search reads — and the first hop toward the cache (after
+    /// [`Lpm::prefetch`] has had time to bring the bucket): reads of a lookup that would
+    /// otherwise each wait for memory.
     #[inline]
     pub fn prefetch_ranges(&self, addr: K) {
         let b = self.direct[addr.top(self.shift)];
         if b.len != 0 {
-            stitch_core::prefetch(&self.starts[b.base as usize]);
+            let (first, last) = (b.base as usize, (b.base + b.len) as usize - 1);
+            stitch_core::prefetch(&self.starts[first]);
+            stitch_core::prefetch(&self.starts[last]);
+            stitch_core::prefetch(&self.hops[first]);
         }
     }
 
