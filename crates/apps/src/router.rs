@@ -30,7 +30,7 @@
 
 use indexmap::IndexMap;
 use ipnet::{Ipv4Net, Ipv6Net};
-use lpm::Lpm;
+use lpm::{Lpm, LpmError};
 use prefix_trie::PrefixMap;
 use serde::Deserialize;
 use std::collections::HashMap;
@@ -273,8 +273,60 @@ struct Counters {
 struct Fib {
     v4: Lpm<u32>,
     hops4: Vec<Route>,
-    v6: Lpm<u128>,
+    v6: Lpm6,
     hops6: Vec<Route6>,
+}
+
+/// The IPv6 table: keyed on the addresses' top 64 bits when no prefix is longer than /64 (a
+/// range boundary then always falls on a multiple of 2^64, so comparing top halves gives the
+/// same answer with half the bytes), on whole addresses otherwise.
+enum Lpm6 {
+    Top64(Lpm<u64>),
+    Whole(Lpm<u128>),
+}
+
+impl Lpm6 {
+    fn build(direct_bits: u32, routes: Vec<(u128, u8, u32)>) -> Result<Lpm6, LpmError> {
+        if routes.iter().all(|&(_, len, _)| len <= 64) {
+            let top = routes
+                .into_iter()
+                .map(|(a, len, hop)| ((a >> 64) as u64, len, hop));
+            Lpm::build(direct_bits, top).map(Lpm6::Top64)
+        } else {
+            Lpm::build(direct_bits, routes).map(Lpm6::Whole)
+        }
+    }
+
+    #[inline]
+    fn lookup(&self, a: u128) -> Option<u32> {
+        match self {
+            Lpm6::Top64(t) => t.lookup((a >> 64) as u64),
+            Lpm6::Whole(t) => t.lookup(a),
+        }
+    }
+
+    #[inline]
+    fn prefetch(&self, a: u128) {
+        match self {
+            Lpm6::Top64(t) => t.prefetch((a >> 64) as u64),
+            Lpm6::Whole(t) => t.prefetch(a),
+        }
+    }
+
+    #[inline]
+    fn prefetch_ranges(&self, a: u128) {
+        match self {
+            Lpm6::Top64(t) => t.prefetch_ranges((a >> 64) as u64),
+            Lpm6::Whole(t) => t.prefetch_ranges(a),
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        match self {
+            Lpm6::Top64(t) => t.bytes(),
+            Lpm6::Whole(t) => t.bytes(),
+        }
+    }
 }
 
 /// Direct-table bits for `routes` routes: about two buckets per route, 256 at least (a router
@@ -315,7 +367,7 @@ fn compile(
     )
     .map_err(|e| format!("IPv4 routes: {e}"))?;
     let (mut hops6, mut seen6) = (Vec::new(), HashMap::new());
-    let v6 = Lpm::build(
+    let v6 = Lpm6::build(
         direct_bits(routes6.len(), 20),
         routes6
             .iter()
@@ -875,6 +927,44 @@ impl App for Router {
 
 #[cfg(test)]
 mod tests {
+
+    /// An IPv6 table with no prefix beyond /64 is keyed on the top halves and answers as the
+    /// table on whole addresses does (itself checked against a linear scan in `lpm`), for
+    /// addresses inside the prefixes and anywhere; one /128 route makes it whole again.
+    #[test]
+    fn ipv6_tables_of_prefixes_up_to_64_bits_key_on_the_top_half() {
+        let mut rng = fastrand::Rng::with_seed(0x5eed);
+        let random = |rng: &mut fastrand::Rng| (rng.u64(..) as u128) << 64 | rng.u64(..) as u128;
+        let mut routes: Vec<(u128, u8, u32)> = Vec::new();
+        for i in 0..3000 {
+            let len = rng.u8(16..=64);
+            let addr = if i > 0 && rng.u8(..).is_multiple_of(3) {
+                let (a, _, _) = routes[rng.usize(..routes.len())];
+                a ^ (random(&mut rng) >> rng.u32(16..64))
+            } else {
+                random(&mut rng)
+            };
+            routes.push((addr, len, rng.u32(..40)));
+        }
+        let whole = Lpm::<u128>::build(12, routes.iter().copied()).unwrap();
+        let table = Lpm6::build(12, routes.clone()).unwrap();
+        assert!(matches!(table, Lpm6::Top64(_)));
+        for k in 0..20_000 {
+            let addr = if k % 2 == 0 {
+                let (a, len, _) = routes[rng.usize(..routes.len())];
+                let host = u128::MAX.checked_shr(len as u32).unwrap_or(0);
+                (a & !host) | (random(&mut rng) & host)
+            } else {
+                random(&mut rng)
+            };
+            assert_eq!(table.lookup(addr), whole.lookup(addr), "{addr:#x}");
+        }
+        routes.push((1, 128, 7));
+        let table = Lpm6::build(12, routes).unwrap();
+        assert!(matches!(table, Lpm6::Whole(_)));
+        assert_eq!(table.lookup(1), Some(7));
+    }
+
     use super::*;
     use stitch_core::link::Consumer;
 

@@ -7,7 +7,8 @@
 //! share one longest match. A lookup is one load from the direct table and, when its bucket
 //! holds several ranges, a bisection over a few neighbouring entries: two memory accesses,
 //! whatever the number of routes or the prefix lengths. The same code serves IPv4 (`u32` keys)
-//! and IPv6 (`u128` keys). Tables are rebuilt from the route list, never updated in place: the
+//! and IPv6 (`u128` keys, or `u64` — the addresses' top half — when no prefix is longer than
+//! /64, as in most IPv6 tables: half the bytes to compare and to bring in per range). Tables are rebuilt from the route list, never updated in place: the
 //! router's routes come from its configuration.
 
 /// An address as an unsigned integer of its width.
@@ -29,6 +30,22 @@ impl Key for u32 {
     #[inline]
     fn from_u128(v: u128) -> Self {
         v as u32
+    }
+    #[inline]
+    fn top(self, shift: u32) -> usize {
+        (self >> shift) as usize
+    }
+}
+
+impl Key for u64 {
+    const BITS: u32 = 64;
+    #[inline]
+    fn to_u128(self) -> u128 {
+        self as u128
+    }
+    #[inline]
+    fn from_u128(v: u128) -> Self {
+        v as u64
     }
     #[inline]
     fn top(self, shift: u32) -> usize {
@@ -358,6 +375,7 @@ mod tests {
         for seed in 1..=20u64 {
             check::<u128>(seed * 7919, 1 + (seed as usize * 37) % 400, 0..=128, 12);
             check::<u128>(seed * 104729, 300, 19..=64, 20);
+            check::<u64>(seed * 15485863, 300, 0..=64, 16);
         }
     }
 
