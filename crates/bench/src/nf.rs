@@ -2,9 +2,10 @@
 //! against a raw-ring baseline measured in the same run.
 //!
 //! Both loops refill a batch of 64-byte frames from templates (so that TTLs and addresses start
-//! fresh every time), queue them on the function's input link and drain its outputs; the
-//! function loop calls its `push`, the baseline moves the batch across with `forward_to`. The
-//! function's cost is the difference, in CPU time of the measuring thread.
+//! fresh every time), written straight into the function's input link as a source does
+//! (`transmit_fresh`), and free its outputs a block at a time (`free_available`), as a sink
+//! does; the function loop calls its `push`, the baseline moves the batch across with
+//! `forward_to`. The function's cost is the difference, in CPU time of the measuring thread.
 
 use anyhow::Result;
 use serde_json::json;
@@ -473,12 +474,12 @@ fn measure(s: &mut Subject, with_app: bool, secs: f64) -> (u64, f64) {
     let c0 = crate::cpu_seconds(libc::RUSAGE_THREAD);
     while Instant::now() < deadline {
         for _ in 0..64 {
-            for _ in 0..BATCH {
-                let Some(mut p) = pool::alloc() else { break };
-                let _ = p.set_data(&s.templates[next]);
-                next = (next + 1) % s.templates.len();
-                feeds[0].transmit(p);
-            }
+            let templates = &s.templates;
+            feeds[0].transmit_fresh(BATCH, |p| {
+                // SAFETY: `transmit_fresh` hands fresh packets; templates are 64-byte frames.
+                unsafe { p.set_fresh_data(&templates[next]) };
+                next = (next + 1) % templates.len();
+            });
             if with_app {
                 s.app.push(&mut io);
             } else {
@@ -486,7 +487,7 @@ fn measure(s: &mut Subject, with_app: bool, secs: f64) -> (u64, f64) {
                 i.unwrap().forward_to(o.unwrap());
             }
             for d in drains.iter_mut() {
-                packets += d.drain().count() as u64;
+                packets += d.free_available().0;
             }
         }
     }
