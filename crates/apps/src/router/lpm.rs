@@ -21,53 +21,28 @@ pub trait Key: Copy + Ord + Default + std::fmt::Debug {
     fn top(self, shift: u32) -> usize;
 }
 
-impl Key for u32 {
-    const BITS: u32 = 32;
-    #[inline]
-    fn to_u128(self) -> u128 {
-        self as u128
-    }
-    #[inline]
-    fn from_u128(v: u128) -> Self {
-        v as u32
-    }
-    #[inline]
-    fn top(self, shift: u32) -> usize {
-        (self >> shift) as usize
-    }
+/// Addresses of each width as the unsigned integer of that width.
+macro_rules! unsigned_key {
+    ($($t:ty),*) => {$(
+        impl Key for $t {
+            const BITS: u32 = <$t>::BITS;
+            #[inline]
+            fn to_u128(self) -> u128 {
+                self as u128
+            }
+            #[inline]
+            fn from_u128(v: u128) -> Self {
+                v as $t
+            }
+            #[inline]
+            fn top(self, shift: u32) -> usize {
+                (self >> shift) as usize
+            }
+        }
+    )*};
 }
 
-impl Key for u64 {
-    const BITS: u32 = 64;
-    #[inline]
-    fn to_u128(self) -> u128 {
-        self as u128
-    }
-    #[inline]
-    fn from_u128(v: u128) -> Self {
-        v as u64
-    }
-    #[inline]
-    fn top(self, shift: u32) -> usize {
-        (self >> shift) as usize
-    }
-}
-
-impl Key for u128 {
-    const BITS: u32 = 128;
-    #[inline]
-    fn to_u128(self) -> u128 {
-        self
-    }
-    #[inline]
-    fn from_u128(v: u128) -> Self {
-        v
-    }
-    #[inline]
-    fn top(self, shift: u32) -> usize {
-        (self >> shift) as usize
-    }
-}
+unsigned_key!(u32, u64, u128);
 
 /// The value of an address no prefix covers.
 const NO_ROUTE: u32 = u32::MAX;
