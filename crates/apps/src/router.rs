@@ -927,6 +927,8 @@ impl App for Router {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+    use stitch_core::link::Consumer;
 
     /// An IPv6 table with no prefix beyond /64 is keyed on the top halves and answers as the
     /// table on whole addresses does (itself checked against a linear scan in `lpm`), for
@@ -964,9 +966,6 @@ mod tests {
         assert!(matches!(table, Lpm6::Whole(_)));
         assert_eq!(table.lookup(1), Some(7));
     }
-
-    use super::*;
-    use stitch_core::link::Consumer;
 
     const R_LAN: [u8; 6] = [2, 0, 0, 0, 1, 1];
     const R_WAN: [u8; 6] = [2, 0, 0, 0, 2, 1];

@@ -225,6 +225,10 @@ pub fn memfd(name: &str, len: usize, huge: bool) -> io::Result<OwnedFd> {
     Ok(fd)
 }
 
+/// Bytes of an x86-64 huge page, as the packet pool's hugetlbfs memory and transparent huge
+/// pages use them.
+pub const HUGE_PAGE: usize = 2 << 20;
+
 /// Asks the kernel to back the 2 MiB pages inside `items` with huge pages, now: for a large
 /// table read at random (a binding table, a route table), whose every lookup would otherwise
 /// miss the TLB and walk the page tables — twice over under a hypervisor. A hint: with
@@ -232,9 +236,8 @@ pub fn memfd(name: &str, len: usize, huge: bool) -> io::Result<OwnedFd> {
 pub fn back_with_huge_pages<T>(items: &[T]) -> bool {
     // Linux 6.1's MADV_COLLAPSE: collapse what is already populated, synchronously.
     const MADV_COLLAPSE: libc::c_int = 25;
-    const HUGE: usize = 2 << 20;
-    let start = (items.as_ptr() as usize).next_multiple_of(HUGE);
-    let end = (items.as_ptr() as usize + std::mem::size_of_val(items)) & !(HUGE - 1);
+    let start = (items.as_ptr() as usize).next_multiple_of(HUGE_PAGE);
+    let end = (items.as_ptr() as usize + std::mem::size_of_val(items)) & !(HUGE_PAGE - 1);
     if end <= start {
         return false;
     }
@@ -274,14 +277,11 @@ mod tests {
         assert!(a.write(5000, b"stitch"));
         assert_eq!(b.bytes(5000, 6), Some(&b"stitch"[..]));
     }
-}
 
-#[cfg(test)]
-mod huge_page_tests {
     #[test]
     fn a_large_table_is_collapsed_into_huge_pages_when_the_kernel_can() {
         let table: Vec<u64> = (0..(8 << 20) / 8).collect();
-        let collapsed = super::back_with_huge_pages(&table);
+        let collapsed = back_with_huge_pages(&table);
         let (start, end) = (table.as_ptr() as usize, table.as_ptr_range().end as usize);
         // madvise splits the mapping: every part of it that overlaps the table counts.
         let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();

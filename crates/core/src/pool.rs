@@ -8,7 +8,7 @@
 //! packet takes no lock and no syscall. When a class is empty, allocation returns `None` and is
 //! counted: nothing ever waits.
 
-use crate::mapping::{memfd, MapOptions, Mapping};
+use crate::mapping::{memfd, MapOptions, Mapping, HUGE_PAGE};
 use crate::packet::{Packet, PacketBuf, BUFFER_STRIDE, DATA_AREA, LARGE_DATA_AREA, LARGE_STRIDE};
 use crossbeam_utils::CachePadded;
 use std::cell::RefCell;
@@ -22,7 +22,6 @@ use std::sync::{Arc, Mutex, OnceLock};
 pub const DEFAULT_PACKETS: usize = 65536;
 /// Large (GSO) packets when nothing else is configured (18 MiB).
 pub const DEFAULT_LARGE_PACKETS: usize = 256;
-const HUGEPAGE: usize = 2 << 20;
 /// Most buffers a thread keeps to itself, per class.
 const CACHE_MAX: usize = 512;
 /// Buffers moved between a thread cache and the global list at once.
@@ -117,13 +116,13 @@ pub fn init(packets: usize, large: usize) -> Result<&'static Pool, PoolError> {
 
 /// Bytes a class of `count` buffers of `stride` bytes maps: whole 2 MiB pages.
 fn class_bytes(count: usize, stride: usize) -> usize {
-    (count * stride).div_ceil(HUGEPAGE) * HUGEPAGE
+    (count * stride).div_ceil(HUGE_PAGE) * HUGE_PAGE
 }
 
 /// 2 MiB hugepages a pool of `packets` ordinary and `large` GSO buffers maps (what to reserve
 /// so that [`init`] puts it on hugepages).
 pub fn hugepages_needed(packets: usize, large: usize) -> usize {
-    (class_bytes(packets, BUFFER_STRIDE) + class_bytes(large.max(1), LARGE_STRIDE)) / HUGEPAGE
+    (class_bytes(packets, BUFFER_STRIDE) + class_bytes(large.max(1), LARGE_STRIDE)) / HUGE_PAGE
 }
 
 /// The process pool, created with the defaults on first use if `init` was not called.
@@ -146,7 +145,7 @@ impl Class {
                     "no 2 MiB hugepages for the {} MiB {name} pool ({e}); using ordinary pages \
                      (reserve with: echo {} > /proc/sys/vm/nr_hugepages)",
                     bytes >> 20,
-                    bytes / HUGEPAGE
+                    bytes / HUGE_PAGE
                 );
                 let (fd, mapping) = map_memfd(name, bytes, false)
                     .map_err(|source| PoolError::Map { bytes, source })?;

@@ -793,7 +793,6 @@ fn status_word(ring: &Mapping, at: usize) -> &AtomicU32 {
         .expect("frame and block headers lie inside the mapping, aligned")
 }
 
-/// Packets a ring frame turns into: its GSO segments, or one.
 impl App for AfPacket {
     type Config = AfPacketConfig;
 

@@ -366,13 +366,13 @@ impl BindingTable {
         self.count
     }
 
-    /// Bytes the table holds in memory (what its vectors and map have allocated).
     /// Whether the softwires' slots sit in huge pages (a large table's lookups then seldom
     /// miss the TLB); false for a table under 2 MiB or a kernel with transparent huge pages off.
     pub fn in_huge_pages(&self) -> bool {
         self.in_huge_pages
     }
 
+    /// Bytes the table holds in memory (what its vectors and map have allocated).
     pub fn memory_bytes(&self) -> usize {
         use std::mem::size_of;
         let addresses = self.addresses.slots.capacity() * size_of::<(u32, Address)>()

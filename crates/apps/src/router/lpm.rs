@@ -8,8 +8,9 @@
 //! holds several ranges, a bisection over a few neighbouring entries: two memory accesses,
 //! whatever the number of routes or the prefix lengths. The same code serves IPv4 (`u32` keys)
 //! and IPv6 (`u128` keys, or `u64` — the addresses' top half — when no prefix is longer than
-//! /64, as in most IPv6 tables: half the bytes to compare and to bring in per range). Tables are rebuilt from the route list, never updated in place: the
-//! router's routes come from its configuration.
+//! /64, as in most IPv6 tables: half the bytes to compare and to bring in per range). Tables
+//! are rebuilt from the route list, never updated in place: the router's routes come from its
+//! configuration.
 
 /// An address as an unsigned integer of its width.
 pub trait Key: Copy + Ord + Default + std::fmt::Debug {
