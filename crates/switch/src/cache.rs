@@ -32,11 +32,12 @@ pub struct CompactKey([u64; COMPACT_WORDS]);
 impl CompactKey {
     /// The hash that places the key in a [`CompactMap`] (fixed seeds: the maps are per
     /// data path, and a key's place only needs to be the same within one).
-    /// Four independent folded multiplies of word pairs, summed and folded once more (the
-    /// scheme of foldhash's long inputs): a few cycles, where hashing word by word through
-    /// `Hasher` chains eight dependent multiplies.
+    /// Independent folded multiplies of the first `pairs` word pairs (the others are zero for
+    /// every key of a map), summed and folded once more (the scheme of foldhash's long
+    /// inputs): a few cycles, where hashing word by word through `Hasher` chains eight
+    /// dependent multiplies.
     #[inline]
-    fn hash(&self) -> u64 {
+    fn hash(&self, pairs: usize) -> u64 {
         // Digits of pi, as foldhash's fixed seeds.
         const SEEDS: [u64; 10] = [
             0x243f_6a88_85a3_08d3,
@@ -55,7 +56,7 @@ impl CompactKey {
             m as u64 ^ (m >> 64) as u64
         };
         let w = &self.0;
-        let sum = (0..COMPACT_WORDS / 2).fold(0u64, |h, i| {
+        let sum = (0..pairs.min(COMPACT_WORDS / 2)).fold(0u64, |h, i| {
             h.wrapping_add(fold(
                 w[2 * i] ^ SEEDS[2 * i],
                 w[2 * i + 1] ^ SEEDS[2 * i + 1],
@@ -92,6 +93,8 @@ enum KeyBits {
     Compact {
         index: [u8; COMPACT_WORDS],
         mask: [u64; COMPACT_WORDS],
+        /// Word pairs in use (the words past them have a zero mask).
+        pairs: u8,
     },
     Whole,
 }
@@ -117,7 +120,12 @@ impl KeyBits {
             index[slot] = i as u8;
             mask[slot] = *m;
         }
-        KeyBits::Compact { index, mask }
+        let used = union.iter().filter(|m| **m != 0).count();
+        KeyBits::Compact {
+            index,
+            mask,
+            pairs: used.div_ceil(2) as u8,
+        }
     }
 }
 
@@ -161,9 +169,9 @@ impl<V: Copy + Default> BitsMap<V> {
     fn slot(&self, k: &Key) -> Slot {
         match &self.bits {
             // Unused slots have a zero mask: they hold zero whatever the key.
-            KeyBits::Compact { index, mask } => {
+            KeyBits::Compact { index, mask, pairs } => {
                 let c = CompactKey(std::array::from_fn(|j| k.word(index[j] as usize) & mask[j]));
-                Slot::Compact(c, c.hash())
+                Slot::Compact(c, c.hash(*pairs as usize))
             }
             KeyBits::Whole => Slot::Whole,
         }
