@@ -21,7 +21,7 @@ const ENTRY_FLUSH_NS: u64 = 10_000_000;
 /// How many packets ahead of the one in hand the data path prefetches the frame.
 const PREFETCH: usize = 8;
 /// How many packets ahead of the one in hand the data path reads the key.
-const LOOKAHEAD: usize = 4;
+const LOOKAHEAD: usize = 3;
 /// How many packets ahead it fetches the walk cache's lines for a key: later than the key is
 /// read, so the key's bytes are no longer in flight to the cache (reading a word just written
 /// as several narrower stores stalls until they land).
