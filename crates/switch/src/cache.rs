@@ -107,7 +107,8 @@ impl KeyBits {
                 union[w.index as usize] |= w.mask;
             }
         }
-        if union.iter().filter(|m| **m != 0).count() > COMPACT_WORDS {
+        let used = union.iter().filter(|m| **m != 0).count();
+        if used > COMPACT_WORDS {
             return KeyBits::Whole;
         }
         let (mut index, mut mask) = ([0u8; COMPACT_WORDS], [0u64; COMPACT_WORDS]);
@@ -120,7 +121,6 @@ impl KeyBits {
             index[slot] = i as u8;
             mask[slot] = *m;
         }
-        let used = union.iter().filter(|m| **m != 0).count();
         KeyBits::Compact {
             index,
             mask,

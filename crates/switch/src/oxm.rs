@@ -690,51 +690,81 @@ impl Key {
             }
             _ => return false,
         };
-        self.put::<6>(at(ETH_DST), &eth[0..6]);
-        self.put::<6>(at(ETH_SRC), &eth[6..12]);
+        let tci = tagged.then(|| u16::from_be_bytes([eth[14], eth[15]]));
+        self.put_ethernet(eth, ethertype, tci);
+        if ethertype == 0x0800 {
+            self.put_ipv4(l3, proto);
+        } else {
+            // No extension headers: none of the pseudo-field's bits.
+            self.put_ipv6(l3, proto, 0);
+        }
+        if let Some(l4) = l4 {
+            self.put_transport(ethertype, proto, l4);
+        }
+        true
+    }
+
+    /// The Ethernet fields: addresses, the ethertype after the tags, the outer tag's TCI.
+    #[inline(always)]
+    fn put_ethernet(&mut self, frame: &[u8], ethertype: u16, tci: Option<u16>) {
+        self.put::<6>(at(ETH_DST), &frame[0..6]);
+        self.put::<6>(at(ETH_SRC), &frame[6..12]);
         self.put::<2>(at(ETH_TYPE), &ethertype.to_be_bytes());
-        if tagged {
-            let tci = u16::from_be_bytes([eth[14], eth[15]]);
+        if let Some(tci) = tci {
             self.put::<2>(at(VLAN_VID), &(0x1000 | (tci & 0x0fff)).to_be_bytes());
             self.0[at(VLAN_PCP)] = (tci >> 13) as u8;
         }
+    }
+
+    /// The fields of IPv4 header `l3` (at least 20 bytes), `proto` the payload's protocol.
+    #[inline(always)]
+    fn put_ipv4(&mut self, l3: &[u8], proto: u8) {
+        self.0[at(IP_DSCP)] = l3[1] >> 2;
+        self.0[at(IP_ECN)] = l3[1] & 3;
         self.0[at(IP_PROTO)] = proto;
-        let tos = if ethertype == 0x0800 {
-            self.put::<4>(at(IPV4_SRC), &l3[12..16]);
-            self.put::<4>(at(IPV4_DST), &l3[16..20]);
-            l3[1]
-        } else {
-            let flow_label = u32::from_be_bytes([0, l3[1] & 0x0f, l3[2], l3[3]]);
-            self.put::<4>(at(IPV6_FLABEL), &flow_label.to_be_bytes());
-            self.put::<16>(at(IPV6_SRC), &l3[8..24]);
-            self.put::<16>(at(IPV6_DST), &l3[24..40]);
-            (u16::from_be_bytes([l3[0], l3[1]]) >> 4) as u8
-        };
-        self.0[at(IP_DSCP)] = tos >> 2;
-        self.0[at(IP_ECN)] = tos & 3;
-        let Some(l4) = l4 else {
-            return true;
-        };
-        match proto {
-            6 | 17 | 132 if l4.len() >= 4 => {
+        self.put::<4>(at(IPV4_SRC), &l3[12..16]);
+        self.put::<4>(at(IPV4_DST), &l3[16..20]);
+    }
+
+    /// The fields of IPv6 header `l3` (at least 40 bytes): `proto` the upper layer's protocol
+    /// and `exthdr` the extension headers' bits, both found past the extension headers.
+    #[inline(always)]
+    fn put_ipv6(&mut self, l3: &[u8], proto: u8, exthdr: u16) {
+        let tc = (u16::from_be_bytes([l3[0], l3[1]]) >> 4) as u8;
+        self.0[at(IP_DSCP)] = tc >> 2;
+        self.0[at(IP_ECN)] = tc & 3;
+        self.0[at(IP_PROTO)] = proto;
+        let flow_label = u32::from_be_bytes([0, l3[1] & 0x0f, l3[2], l3[3]]);
+        self.put::<4>(at(IPV6_FLABEL), &flow_label.to_be_bytes());
+        self.put::<16>(at(IPV6_SRC), &l3[8..24]);
+        self.put::<16>(at(IPV6_DST), &l3[24..40]);
+        self.put::<2>(at(IPV6_EXTHDR), &exthdr.to_be_bytes());
+    }
+
+    /// The transport fields of upper layer `l4`: ports, ICMP type and code (Neighbor
+    /// Discovery's target and options are [`Key::fill`]'s).
+    #[inline(always)]
+    fn put_transport(&mut self, ethertype: u16, proto: u8, l4: &[u8]) {
+        match (ethertype, proto) {
+            (_, 6 | 17 | 132) if l4.len() >= 4 => {
                 let src = match proto {
                     6 => at(TCP_SRC),
                     17 => at(UDP_SRC),
                     _ => at(SCTP_SRC),
                 };
+                // Each protocol's source and destination ports are side by side in the key.
                 self.put::<4>(src, &l4[0..4]);
             }
-            1 if ethertype == 0x0800 && l4.len() >= 2 => {
+            (0x0800, 1) if l4.len() >= 2 => {
                 self.0[at(ICMPV4_TYPE)] = l4[0];
                 self.0[at(ICMPV4_CODE)] = l4[1];
             }
-            58 if ethertype == 0x86dd && l4.len() >= 4 => {
+            (0x86dd, 58) if l4.len() >= 4 => {
                 self.0[at(ICMPV6_TYPE)] = l4[0];
                 self.0[at(ICMPV6_CODE)] = l4[1];
             }
             _ => {}
         }
-        true
     }
 
     /// Re-reads the packet fields after an action changed the frame (`in_port`, `metadata`
@@ -753,14 +783,8 @@ impl Key {
         if frame.len() < 14 {
             return;
         }
-        self.put::<6>(at(ETH_DST), &frame[0..6]);
-        self.put::<6>(at(ETH_SRC), &frame[6..12]);
-        self.put::<2>(at(ETH_TYPE), &l.ethertype.to_be_bytes());
-        if let Some(v) = l.vlan {
-            let tci = be16(frame, v + 2).unwrap_or(0);
-            self.put::<2>(at(VLAN_VID), &(0x1000 | (tci & 0x0fff)).to_be_bytes());
-            self.0[at(VLAN_PCP)] = (tci >> 13) as u8;
-        }
+        let tci = l.vlan.map(|v| be16(frame, v + 2).unwrap_or(0));
+        self.put_ethernet(frame, l.ethertype, tci);
         if let Some(t) = l.itag {
             self.put::<3>(at(PBB_ISID), &frame[t + 1..t + 4]);
             return;
@@ -775,24 +799,8 @@ impl Key {
         let Some(l3at) = l.l3 else { return };
         let l3 = &frame[l3at..];
         match l.ethertype {
-            0x0800 => {
-                self.0[at(IP_DSCP)] = l3[1] >> 2;
-                self.0[at(IP_ECN)] = l3[1] & 3;
-                self.0[at(IP_PROTO)] = l.ip_proto;
-                self.put::<4>(at(IPV4_SRC), &l3[12..16]);
-                self.put::<4>(at(IPV4_DST), &l3[16..20]);
-            }
-            0x86dd => {
-                let tc = ((be16(l3, 0).unwrap_or(0) >> 4) & 0xff) as u8;
-                self.0[at(IP_DSCP)] = tc >> 2;
-                self.0[at(IP_ECN)] = tc & 3;
-                self.0[at(IP_PROTO)] = l.ip_proto;
-                let fl = u32::from_be_bytes(l3[0..4].try_into().unwrap()) & 0xfffff;
-                self.put::<4>(at(IPV6_FLABEL), &fl.to_be_bytes());
-                self.put::<16>(at(IPV6_SRC), &l3[8..24]);
-                self.put::<16>(at(IPV6_DST), &l3[24..40]);
-                self.put::<2>(at(IPV6_EXTHDR), &l.ipv6_exthdr.to_be_bytes());
-            }
+            0x0800 => self.put_ipv4(l3, l.ip_proto),
+            0x86dd => self.put_ipv6(l3, l.ip_proto, l.ipv6_exthdr),
             0x0806 if l3.len() >= 28 && be16(l3, 0) == Some(1) && be16(l3, 2) == Some(0x0800) => {
                 self.put::<2>(at(ARP_OP), &l3[6..8]);
                 self.put::<6>(at(ARP_SHA), &l3[8..14]);
@@ -805,42 +813,26 @@ impl Key {
         }
         let Some(l4at) = l.l4 else { return };
         let l4 = &frame[l4at..];
-        match (l.ethertype, l.ip_proto) {
-            (_, 6 | 17 | 132) if l4.len() >= 4 => {
-                let src = match l.ip_proto {
-                    6 => at(TCP_SRC),
-                    17 => at(UDP_SRC),
-                    _ => at(SCTP_SRC),
-                };
-                // Each protocol's source and destination ports are side by side in the key.
-                self.put::<4>(src, &l4[0..4]);
-            }
-            (0x0800, 1) if l4.len() >= 2 => {
-                self.0[at(ICMPV4_TYPE)] = l4[0];
-                self.0[at(ICMPV4_CODE)] = l4[1];
-            }
-            (0x86dd, 58) if l4.len() >= 4 => {
-                self.0[at(ICMPV6_TYPE)] = l4[0];
-                self.0[at(ICMPV6_CODE)] = l4[1];
-                if (l4[0] == 135 || l4[0] == 136) && l4.len() >= 24 {
-                    self.put::<16>(at(IPV6_ND_TARGET), &l4[8..24]);
-                    let mut o = 24;
-                    while o + 8 <= l4.len() {
-                        let (kind, len) = (l4[o], l4[o + 1] as usize * 8);
-                        if len == 0 {
-                            break;
-                        }
-                        if len == 8 && kind == 1 && l4[0] == 135 {
-                            self.put::<6>(at(IPV6_ND_SLL), &l4[o + 2..o + 8]);
-                        }
-                        if len == 8 && kind == 2 && l4[0] == 136 {
-                            self.put::<6>(at(IPV6_ND_TLL), &l4[o + 2..o + 8]);
-                        }
-                        o += len;
-                    }
+        self.put_transport(l.ethertype, l.ip_proto, l4);
+        let neighbor_discovery = (l.ethertype, l.ip_proto) == (0x86dd, 58)
+            && l4.len() >= 24
+            && (l4[0] == 135 || l4[0] == 136);
+        if neighbor_discovery {
+            self.put::<16>(at(IPV6_ND_TARGET), &l4[8..24]);
+            let mut o = 24;
+            while o + 8 <= l4.len() {
+                let (kind, len) = (l4[o], l4[o + 1] as usize * 8);
+                if len == 0 {
+                    break;
                 }
+                if len == 8 && kind == 1 && l4[0] == 135 {
+                    self.put::<6>(at(IPV6_ND_SLL), &l4[o + 2..o + 8]);
+                }
+                if len == 8 && kind == 2 && l4[0] == 136 {
+                    self.put::<6>(at(IPV6_ND_TLL), &l4[o + 2..o + 8]);
+                }
+                o += len;
             }
-            _ => {}
         }
     }
 }
