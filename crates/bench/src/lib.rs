@@ -283,6 +283,14 @@ pub fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// The first quartile, the median and the third quartile of `v` (not empty), each the value at
+/// its rank (no interpolation), as [`median`] takes it.
+pub(crate) fn quartiles(mut v: Vec<f64>) -> (f64, f64, f64) {
+    v.sort_by(|a, b| a.total_cmp(b));
+    let at = |q: usize| v[(v.len() * q / 4).min(v.len() - 1)];
+    (at(1), at(2), at(3))
+}
+
 /// Runs one benchmark; `registry` makes the app types of this build (the engine benchmarks
 /// build their graphs from it).
 pub fn run(cmd: BenchCmd, registry: fn() -> Registry) -> Result<()> {
