@@ -343,6 +343,13 @@ impl Producer {
     /// those that do not fit are freed and counted as tx drops. Returns how many were queued.
     #[inline]
     pub fn transmit_batch(&mut self, batch: &mut Vec<Packet>) -> usize {
+        self.transmit_batch_counted(batch).0
+    }
+
+    /// [`Producer::transmit_batch`], which also returns the bytes it queued (read from each
+    /// packet once, as it is queued).
+    #[inline]
+    pub fn transmit_batch_counted(&mut self, batch: &mut Vec<Packet>) -> (usize, u64) {
         let n = batch.len().min(self.room());
         let mut bytes = 0u64;
         for (i, p) in batch.drain(..n).enumerate() {
@@ -360,7 +367,7 @@ impl Producer {
             bump(&side.tx_drops, batch.len() as u64);
             crate::pool::free_batch(batch.drain(..));
         }
-        n
+        (n, bytes)
     }
 
     /// Takes up to `n` fresh packets from the pool straight into this link's free slots, lets
@@ -528,6 +535,41 @@ impl Consumer {
             end,
             consumer: self,
         }
+    }
+
+    /// Moves every packet available now to the end of `out` — each run of slots in one copy,
+    /// the consumer index published once — and returns how many there were and their bytes,
+    /// counted from the ring's lengths without reading the packets.
+    #[inline]
+    pub fn receive_all(&mut self, out: &mut Vec<Packet>) -> (usize, u64) {
+        let n = self.available();
+        if n == 0 {
+            return (0, 0);
+        }
+        out.reserve(n);
+        let mut bytes = 0u64;
+        for (from, run) in self.ring.runs(self.head, n).into_iter().filter(|r| r.1 > 0) {
+            // SAFETY: slots head..head+n hold published packets, and their lengths written with
+            // them, which only this consumer takes; `run` stays inside both arrays. A slot is a
+            // `Packet` behind transparent wrappers, so the run reads as `[Packet]`; its bits
+            // move into `out`'s spare capacity (reserved above for all n) and head moves past
+            // them below, so each packet has one owner.
+            unsafe {
+                let lens = std::slice::from_raw_parts(self.ring.len_ptr(from), run);
+                bytes += lens.iter().map(|&l| l as u64).sum::<u64>();
+                let len = out.len();
+                std::ptr::copy_nonoverlapping(
+                    self.ring.slot_ptr(from).cast::<Packet>().cast_const(),
+                    out.as_mut_ptr().add(len),
+                    run,
+                );
+                out.set_len(len + run);
+            }
+        }
+        self.head = self.head.wrapping_add(n);
+        self.ring.cons.head.store(self.head, Ordering::Release);
+        bump(&self.ring.cons.rx_packets, n as u64);
+        (n, bytes)
     }
 
     /// Frees every packet available now in one batch and returns how many there were and their
@@ -704,6 +746,30 @@ mod tests {
             "the oldest packets stay, the newest are dropped"
         );
         assert_eq!(tx.ring().stats().tx_drops, 2);
+    }
+
+    #[test]
+    fn receive_all_moves_every_packet_across_the_wrap_and_counts_bytes() {
+        let (mut tx, mut rx) = link(8);
+        let mut out = vec![pkt(99)];
+        for round in 0..3u8 {
+            // 5 a round on 8 slots: the second and third rounds wrap.
+            for i in 0..5 {
+                let mut p = pkt(round * 10 + i);
+                p.set_len(60 + i as usize).unwrap();
+                assert!(tx.transmit(p));
+            }
+            let (n, bytes) = rx.receive_all(&mut out);
+            assert_eq!((n, bytes), (5, 5 * 60 + 10));
+            assert_eq!(rx.available(), 0);
+        }
+        let tags: Vec<u8> = out.iter().map(|p| p.data()[0]).collect();
+        assert_eq!(
+            tags,
+            [99, 0, 1, 2, 3, 4, 10, 11, 12, 13, 14, 20, 21, 22, 23, 24]
+        );
+        assert_eq!(rx.receive_all(&mut out), (0, 0));
+        assert_eq!(tx.ring().stats().rx_packets, 15);
     }
 
     #[test]

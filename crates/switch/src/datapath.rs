@@ -189,19 +189,15 @@ impl DataPath {
     pub fn receive(&mut self, i: usize, snap: &Snapshot, shared: &Shared, io: &mut Io) {
         let Some(input) = io.input(i) else { return };
         let mut batch = std::mem::take(&mut self.batch);
-        batch.extend(input.drain());
-        if batch.is_empty() {
+        let (n, bytes) = input.receive_all(&mut batch);
+        if n == 0 {
             self.batch = batch;
             return;
         }
         self.now_ns = shared.now_ns();
         let pc = &shared.port_counters[i];
-        pc.rx_packets
-            .fetch_add(batch.len() as u64, Ordering::Relaxed);
-        pc.rx_bytes.fetch_add(
-            batch.iter().map(|p| p.len() as u64).sum(),
-            Ordering::Relaxed,
-        );
+        pc.rx_packets.fetch_add(n as u64, Ordering::Relaxed);
+        pc.rx_bytes.fetch_add(bytes, Ordering::Relaxed);
         let port = i as u32 + 1;
         // Keys are read a few packets ahead of their use, and the walk cache's lines for them
         // fetched then; frames further ahead, so their lines are in when parsed.
@@ -877,11 +873,10 @@ impl Outbox {
             let n = staged.len() as u64;
             match io.output(i) {
                 Some(o) => {
-                    let bytes: u64 = staged.iter().take(o.room()).map(|p| p.len() as u64).sum();
-                    let sent = o.transmit_batch(staged) as u64;
-                    t[0] += sent;
+                    let (sent, bytes) = o.transmit_batch_counted(staged);
+                    t[0] += sent as u64;
                     t[1] += bytes;
-                    t[2] += n - sent;
+                    t[2] += n - sent as u64;
                 }
                 None => {
                     t[2] += n;

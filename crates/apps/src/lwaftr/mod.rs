@@ -639,7 +639,7 @@ impl Lwaftr {
     fn receive_on_a_stick(&mut self, inputs: &mut [Option<stitch_core::Consumer>]) {
         let mut batch = std::mem::take(&mut self.batch);
         if let Some(input) = inputs[0].as_mut() {
-            batch.extend(input.drain());
+            input.receive_all(&mut batch);
         }
         let by_tag =
             self.ext.vlan != self.int.vlan && self.ext.vlan.is_some() && self.int.vlan.is_some();
