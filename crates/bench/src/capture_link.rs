@@ -7,13 +7,13 @@
 //! 1.5-2x from one second to the next (runs of a fresh chain each, seconds apart, gave ratios
 //! from 0.54 to 0.96 for one build).
 
-use crate::{load_average, quartiles, sink_packets, start_chain, HugePageReserve, Sample};
+use crate::{load_average, measure_window, quartiles, start_chain, HugePageReserve, Sample};
 use anyhow::{Context, Result};
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use stitch_core::{pool, Engine, Registry};
 use stitch_io::link_capture::{select_links, CaptureOptions, LinkCapture};
 
@@ -104,16 +104,16 @@ fn take_turns(
     engine: &Engine,
     a: &CaptureLinkArgs,
     tapped: &str,
-    file: &std::path::Path,
+    file: &Path,
 ) -> Result<Vec<(Sample, Tapped)>> {
     let mut turns = Vec::with_capacity(a.turns);
     for turn in 1..=a.turns {
         let (plain, tap) = if turn % 2 == 1 {
-            let plain = window(engine, a.window);
+            let plain = measure_window(engine, SETTLE, a.window);
             (plain, window_tapped(engine, a, tapped, file)?)
         } else {
             let tap = window_tapped(engine, a, tapped, file)?;
-            (window(engine, a.window), tap)
+            (measure_window(engine, SETTLE, a.window), tap)
         };
         let (p_mpps, t_mpps) = (plain.mpps(), tap.chain.mpps());
         println!(
@@ -158,31 +158,8 @@ fn report(turns: &[(Sample, Tapped)]) {
     );
 }
 
-/// `secs` of the running chain, after settling: packets into `out`, wall time and the whole
-/// process's CPU time.
-fn window(engine: &Engine, secs: f64) -> Sample {
-    std::thread::sleep(SETTLE);
-    let (p0, t0, c0) = (
-        sink_packets(engine),
-        Instant::now(),
-        crate::cpu_seconds(libc::RUSAGE_SELF),
-    );
-    std::thread::sleep(Duration::from_secs_f64(secs));
-    let (p1, c1) = (sink_packets(engine), crate::cpu_seconds(libc::RUSAGE_SELF));
-    Sample {
-        packets: p1 - p0,
-        wall: t0.elapsed().as_secs_f64(),
-        cpu: c1 - c0,
-    }
-}
-
 /// A window with `link` captured to `file` (from before the settling to after the window).
-fn window_tapped(
-    engine: &Engine,
-    a: &CaptureLinkArgs,
-    link: &str,
-    file: &std::path::Path,
-) -> Result<Tapped> {
+fn window_tapped(engine: &Engine, a: &CaptureLinkArgs, link: &str, file: &Path) -> Result<Tapped> {
     let links = select_links(&engine.link_rings(), link).map_err(anyhow::Error::msg)?;
     let options = CaptureOptions {
         snaplen: a.snaplen,
@@ -197,7 +174,7 @@ fn window_tapped(
         let stop = stop.clone();
         std::thread::spawn(move || write_capture(capture, out, &stop))
     };
-    let chain = window(engine, a.window);
+    let chain = measure_window(engine, SETTLE, a.window);
     stop.store(true, Ordering::Release);
     let (seen, dropped, bytes) = reader.join().expect("capture reader")?;
     Ok(Tapped {

@@ -219,10 +219,10 @@ pub(crate) fn start_chain(registry: &Arc<Registry>, hops: usize, size: usize) ->
     Ok(engine)
 }
 
-/// After 300 ms of warm-up, `secs` of the running chain: packets into `out`, wall time and the
-/// whole process's CPU time.
-pub(crate) fn measure_window(engine: &Engine, secs: f64) -> Sample {
-    std::thread::sleep(Duration::from_millis(300));
+/// After `settle`, `secs` of the running chain: packets into `out`, wall time and the whole
+/// process's CPU time.
+pub(crate) fn measure_window(engine: &Engine, settle: Duration, secs: f64) -> Sample {
+    std::thread::sleep(settle);
     let (p0, t0, c0) = (
         sink_packets(engine),
         Instant::now(),
@@ -239,7 +239,7 @@ pub(crate) fn measure_window(engine: &Engine, secs: f64) -> Sample {
 
 fn measure_engine(registry: &Arc<Registry>, hops: usize, size: usize, secs: f64) -> Result<Sample> {
     let engine = start_chain(registry, hops, size)?;
-    let sample = measure_window(&engine, secs);
+    let sample = measure_window(&engine, Duration::from_millis(300), secs);
     engine.stop();
     Ok(sample)
 }

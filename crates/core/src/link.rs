@@ -537,34 +537,25 @@ impl Consumer {
         }
     }
 
-    /// Moves every packet available now to the end of `out` — each run of slots in one copy,
-    /// the consumer index published once — and returns how many there were and their bytes,
-    /// counted from the ring's lengths without reading the packets.
-    #[inline]
-    pub fn receive_all(&mut self, out: &mut Vec<Packet>) -> (usize, u64) {
+    /// Takes every packet available now, a run of slots at a time, and publishes the consumer
+    /// index once: `take` is handed each run (its first slot, read as a `Packet`, and its
+    /// length) and must take the packets' ownership, since head moves past them afterwards and
+    /// no one reads those slots again. Returns how many there were and their bytes, counted
+    /// from the ring's lengths without reading the packets.
+    #[inline(always)]
+    fn take_available(&mut self, mut take: impl FnMut(*const Packet, usize)) -> (usize, u64) {
         let n = self.available();
         if n == 0 {
             return (0, 0);
         }
-        out.reserve(n);
         let mut bytes = 0u64;
         for (from, run) in self.ring.runs(self.head, n).into_iter().filter(|r| r.1 > 0) {
-            // SAFETY: slots head..head+n hold published packets, and their lengths written with
-            // them, which only this consumer takes; `run` stays inside both arrays. A slot is a
-            // `Packet` behind transparent wrappers, so the run reads as `[Packet]`; its bits
-            // move into `out`'s spare capacity (reserved above for all n) and head moves past
-            // them below, so each packet has one owner.
-            unsafe {
-                let lens = std::slice::from_raw_parts(self.ring.len_ptr(from), run);
-                bytes += lens.iter().map(|&l| l as u64).sum::<u64>();
-                let len = out.len();
-                std::ptr::copy_nonoverlapping(
-                    self.ring.slot_ptr(from).cast::<Packet>().cast_const(),
-                    out.as_mut_ptr().add(len),
-                    run,
-                );
-                out.set_len(len + run);
-            }
+            // SAFETY: slots head..head+n hold published packets and the lengths written with
+            // them, which only this consumer takes; `run` stays inside the length array.
+            let lens = unsafe { std::slice::from_raw_parts(self.ring.len_ptr(from), run) };
+            bytes += lens.iter().map(|&l| l as u64).sum::<u64>();
+            // A slot is a `Packet` behind transparent wrappers.
+            take(self.ring.slot_ptr(from).cast::<Packet>().cast_const(), run);
         }
         self.head = self.head.wrapping_add(n);
         self.ring.cons.head.store(self.head, Ordering::Release);
@@ -572,31 +563,37 @@ impl Consumer {
         (n, bytes)
     }
 
+    /// Moves every packet available now to the end of `out` — each run of slots in one copy,
+    /// the consumer index published once — and returns how many there were and their bytes,
+    /// counted from the ring's lengths without reading the packets.
+    #[inline]
+    pub fn receive_all(&mut self, out: &mut Vec<Packet>) -> (usize, u64) {
+        self.take_available(|first, run| {
+            out.reserve(run);
+            // SAFETY: `take_available` hands `run` published packets from `first` on, whose
+            // ownership passes here: their bits move into `out`'s spare capacity, reserved just
+            // above, and the slots are not read again.
+            unsafe {
+                let len = out.len();
+                std::ptr::copy_nonoverlapping(first, out.as_mut_ptr().add(len), run);
+                out.set_len(len + run);
+            }
+        })
+    }
+
     /// Frees every packet available now in one batch and returns how many there were and their
     /// bytes, counted from the ring's lengths without reading the packets.
     #[inline]
     pub fn free_available(&mut self) -> (u64, u64) {
-        let n = self.available();
-        let mut bytes = 0u64;
-        for (from, run) in self.ring.runs(self.head, n).into_iter().filter(|r| r.1 > 0) {
-            // SAFETY: slots head..head+n hold published packets, and their lengths written with
-            // them, which only this consumer takes. `run` stays inside both arrays. A slot is a
-            // `Packet` behind transparent wrappers, and `Packet` is a transparent buffer
-            // pointer, so the run reads as the buffers' pointers; their ownership passes to the
-            // pool here and head moves past them below, so no one reads them again.
+        let (n, bytes) = self.take_available(|first, run| {
+            // SAFETY: `take_available` hands `run` published packets from `first` on, whose
+            // ownership passes here; `Packet` is a transparent buffer pointer, so the run reads
+            // as the buffers' pointers, which go back to the pool and are not read again.
             unsafe {
-                let lens = std::slice::from_raw_parts(self.ring.len_ptr(from), run);
-                bytes += lens.iter().map(|&l| l as u64).sum::<u64>();
-                let bufs = std::slice::from_raw_parts(
-                    self.ring.slot_ptr(from).cast::<NonNull<PacketBuf>>(),
-                    run,
-                );
+                let bufs = std::slice::from_raw_parts(first.cast::<NonNull<PacketBuf>>(), run);
                 crate::pool::free_owned(bufs);
             }
-        }
-        self.head = self.head.wrapping_add(n);
-        self.ring.cons.head.store(self.head, Ordering::Release);
-        bump(&self.ring.cons.rx_packets, n as u64);
+        });
         (n as u64, bytes)
     }
 
