@@ -1,8 +1,9 @@
-//! Untrusted frames through compiled filters: the JIT's machine code must answer what libpcap's
-//! interpreter answers, for any bytes and any length, and never read outside the frame.
+//! Untrusted frames through compiled filters: the machine code must answer what libpcap's
+//! interpreter answers, for any bytes and any length, one frame at a time or a batch at once,
+//! and never read outside a frame.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
-use stitch_wire::filter::PacketFilter;
+use stitch_wire::filter::{FrameRef, PacketFilter};
 
 const EXPRESSIONS: [&str; 6] = [
     "tcp and port 80",
@@ -21,9 +22,26 @@ thread_local! {
 }
 
 fuzz_target!(|data: &[u8]| {
+    // The whole input as one frame, and cut into frames whose lengths its first bytes give.
+    let (cuts, rest) = data.split_at(data.len().min(4));
+    let mut frames = Vec::new();
+    let mut left = rest;
+    for &cut in cuts {
+        let (frame, after) = left.split_at((cut as usize).min(left.len()));
+        frames.push(frame);
+        left = after;
+    }
+    frames.push(left);
+    let refs: Vec<FrameRef> = frames.iter().map(|f| FrameRef::new(f)).collect();
+    let mut matched = vec![0u32; refs.len()];
     FILTERS.with(|filters| {
         for f in filters {
             assert_eq!(f.matches(data), f.matches_interpreted(data), "{f:?}");
+            let n = f.select_frames(&refs, &mut matched);
+            let want: Vec<u32> = (0..frames.len() as u32)
+                .filter(|&i| f.matches_interpreted(frames[i as usize]))
+                .collect();
+            assert_eq!(&matched[..n], &want[..], "{f:?} over {} frames", frames.len());
         }
     });
 });

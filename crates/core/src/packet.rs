@@ -82,6 +82,12 @@ const _: () = assert!(std::mem::size_of::<PacketHeader>() == HEADER_SIZE);
 const _: () = assert!(HEADROOM + MAX_FRAME <= DATA_AREA);
 const _: () = assert!(HEADROOM + MAX_GSO_FRAME <= LARGE_DATA_AREA);
 
+/// Where a buffer keeps its frame, for code that finds it without [`Packet`]'s methods (a
+/// filter's machine code): the frame's length and its offset into the data area are `u32`s at
+/// these byte offsets of the buffer, and the data area starts [`HEADER_SIZE`] bytes in.
+pub const FRAME_LEN_AT: usize = std::mem::offset_of!(PacketHeader, len);
+pub const FRAME_OFFSET_AT: usize = std::mem::offset_of!(PacketHeader, offset);
+
 /// The start of a pool buffer: its header, followed in memory by `capacity` bytes of data area.
 pub type PacketBuf = PacketHeader;
 

@@ -134,6 +134,9 @@ struct TapWriter {
     ring: HeapProd<u8>,
 }
 
+/// Packets a filter judges per call into its machine code.
+const FILTER_BATCH: usize = 256;
+
 impl LinkTap for Tap {
     fn observe(&self, packets: &[Packet]) {
         // Only the link's consumer takes this lock; it is never held while it waits for anything.
@@ -144,54 +147,112 @@ impl LinkTap for Tap {
         let bump = |c: &AtomicU64, n: u64| c.store(c.load(Relaxed) + n, Relaxed);
         bump(&self.seen, packets.len() as u64);
         let w = &mut *w;
-        let now = now_ns();
-        let (mut accepted, mut dropped) = (0u64, 0u64);
-        // One look at the reader's index and one store of ours per batch.
-        let (first, second) = w.ring.vacant_slices_mut();
-        let mut room = VacantBytes {
-            first,
-            second,
-            written: 0,
+        let mut records = Records {
+            ring: Some(&mut w.ring),
+            room: None,
+            now: None,
+            snaplen: w.snaplen,
+            accepted: 0,
+            dropped: 0,
         };
+        match &w.filter {
+            Some(filter) => records.take_matching(filter, packets),
+            None => records.take_all(packets),
+        }
+        let (accepted, dropped) = (records.accepted, records.dropped);
+        let written = records.room.map_or(0, |room| room.written);
+        if written > 0 {
+            // SAFETY: `VacantBytes::put` initialised exactly the first `written` bytes of the
+            // vacant slices ringbuf gave out in `Records::room`, in order, and nothing else
+            // touched the ring since.
+            unsafe { w.ring.advance_write_index(written) };
+        }
+        if accepted > 0 {
+            bump(&self.accepted, accepted);
+            bump(&self.dropped, dropped);
+        }
+    }
+}
+
+/// One batch's records going into a tap's ring, with the batch's counts. The ring's indices and
+/// the clock are read only once a packet is to be recorded: a filter that takes nothing leaves
+/// the lines the reader's core polls alone.
+struct Records<'r> {
+    ring: Option<&'r mut HeapProd<u8>>,
+    room: Option<VacantBytes<'r>>,
+    /// The batch's time, read at its first record.
+    now: Option<u64>,
+    snaplen: usize,
+    accepted: u64,
+    dropped: u64,
+}
+
+impl<'r> Records<'r> {
+    /// The free part of the ring, looked up at the first call: one look at the reader's index
+    /// per batch.
+    fn room(&mut self) -> &mut VacantBytes<'r> {
+        if self.room.is_none() {
+            let ring = self.ring.take().expect("the ring is lent once");
+            let (first, second) = ring.vacant_slices_mut();
+            self.room = Some(VacantBytes {
+                first,
+                second,
+                written: 0,
+            });
+        }
+        self.room.as_mut().expect("just set")
+    }
+
+    /// Without a filter every packet is taken: once one does not fit, the rest of the batch is
+    /// dropped without reading a byte of it.
+    fn take_all(&mut self, packets: &[Packet]) {
         // The apps before the tap may never have read these frames: ask for them ahead.
         const AHEAD: usize = 4;
         packets.iter().take(AHEAD).for_each(Packet::prefetch_data);
-        let unfiltered = w.filter.is_none();
         for (i, p) in packets.iter().enumerate() {
-            // Without a filter every packet is taken: once one does not fit, the rest of the
-            // batch is dropped without reading a byte of it.
-            if unfiltered && room.left() < TAP_RECORD_HEADER + p.len().min(w.snaplen) {
+            if self.room().left() < TAP_RECORD_HEADER + p.len().min(self.snaplen) {
                 let rest = (packets.len() - i) as u64;
-                accepted += rest;
-                dropped += rest;
-                break;
+                self.accepted += rest;
+                self.dropped += rest;
+                return;
             }
             if let Some(next) = packets.get(i + AHEAD) {
                 next.prefetch_data();
             }
-            let frame = p.data();
-            if w.filter.as_ref().is_some_and(|f| !f.matches(frame)) {
-                continue;
-            }
-            accepted += 1;
-            let kept = &frame[..frame.len().min(w.snaplen)];
-            if room.left() < TAP_RECORD_HEADER + kept.len() {
-                dropped += 1;
-                continue;
-            }
-            let mut h = [0u8; TAP_RECORD_HEADER];
-            h[0..8].copy_from_slice(&now.to_ne_bytes());
-            h[8..12].copy_from_slice(&(frame.len() as u32).to_ne_bytes());
-            h[12..16].copy_from_slice(&(kept.len() as u32).to_ne_bytes());
-            room.put(&h);
-            room.put(kept);
+            self.accepted += 1;
+            self.put(p.data());
         }
-        let written = room.written;
-        // SAFETY: `room.put` initialised exactly the first `written` bytes of the vacant slices
-        // ringbuf gave out just above, in order, and nothing else touched the ring since.
-        unsafe { w.ring.advance_write_index(written) };
-        bump(&self.accepted, accepted);
-        bump(&self.dropped, dropped);
+    }
+
+    /// The filter's machine code judges up to `FILTER_BATCH` packets per call and names those
+    /// that match; only they are read again.
+    fn take_matching(&mut self, filter: &PacketFilter, packets: &[Packet]) {
+        let mut matched = [0u32; FILTER_BATCH];
+        for group in packets.chunks(FILTER_BATCH) {
+            let n = filter.select_packets(group, &mut matched);
+            self.accepted += n as u64;
+            for &i in &matched[..n] {
+                self.put(group[i as usize].data());
+            }
+        }
+    }
+
+    /// Copies the first `snaplen` bytes of `frame` behind its record header, or counts it as
+    /// dropped when it does not fit.
+    fn put(&mut self, frame: &[u8]) {
+        let kept = &frame[..frame.len().min(self.snaplen)];
+        if self.room().left() < TAP_RECORD_HEADER + kept.len() {
+            self.dropped += 1;
+            return;
+        }
+        let now = *self.now.get_or_insert_with(now_ns);
+        let mut h = [0u8; TAP_RECORD_HEADER];
+        h[0..8].copy_from_slice(&now.to_ne_bytes());
+        h[8..12].copy_from_slice(&(frame.len() as u32).to_ne_bytes());
+        h[12..16].copy_from_slice(&(kept.len() as u32).to_ne_bytes());
+        let room = self.room();
+        room.put(&h);
+        room.put(kept);
     }
 }
 
