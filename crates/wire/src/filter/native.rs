@@ -223,48 +223,51 @@ fn check(program: &[Insn]) -> Result<(), String> {
     Ok(())
 }
 
-/// The function: for each item, its frame, A = X = 0, the program, the index when it
+/// The function: for each item, its frame, A = X = 0, the program, the item's index when it
 /// matches; then the next item.
 ///
-/// Registers: A is eax, X r10d, the frame's address r8 and length r9, the next item r12, the
-/// item count r13, the next index slot r14, the index rbx, the first index slot r15; r11, rcx
-/// and rdx are scratch (shift counts, division, a packet's buffer). The 16 scratch words live on
-/// the stack.
+/// Only caller-saved registers, so a call costs no saves: A is eax, X r10d, the frame's address
+/// r8 and length r9, the item rdi and the end of the items rsi, the next index slot rdx (kept
+/// on the stack around a division, which needs it); r11 and rcx are scratch. The stack holds
+/// the 16 scratch words, then the first item and the first index slot.
 fn emit_batch_loop(ops: &mut Assembler, program: &[Insn], items: Items) {
     let labels: Vec<DynamicLabel> = program.iter().map(|_| ops.new_dynamic_label()).collect();
     let next_item = ops.new_dynamic_label();
     let accept = ops.new_dynamic_label();
     let advance = ops.new_dynamic_label();
     let done = ops.new_dynamic_label();
+    let (stride, stride_shift) = match items {
+        Items::Frames => (std::mem::size_of::<FrameRef>(), 4),
+        Items::Packets => (std::mem::size_of::<Packet>(), 3),
+    };
+    assert_eq!(
+        stride,
+        1 << stride_shift,
+        "an item's size is a power of two"
+    );
     dynasm!(ops
         ; .arch x64
-        ; push rbx
-        ; push r12
-        ; push r13
-        ; push r14
-        ; push r15
-        ; sub rsp, (MEMWORDS * 4) as i32
-        ; mov r12, rdi
-        ; mov r13, rsi
-        ; mov r14, rdx
-        ; mov r15, rdx
-        ; xor ebx, ebx
-        ; test r13, r13
-        ; jz =>done
+        ; sub rsp, FRAME_BYTES
+        ; mov QWORD [rsp + FIRST_ITEM_AT], rdi
+        ; mov QWORD [rsp + FIRST_SLOT_AT], rdx
+        ; shl rsi, stride_shift
+        ; add rsi, rdi
+        ; cmp rdi, rsi
+        ; jae =>done
         ; =>next_item
     );
     match items {
         Items::Frames => dynasm!(ops
             ; .arch x64
-            ; mov r8, QWORD [r12]
-            ; mov r9, QWORD [r12 + 8]
+            ; mov r8, QWORD [rdi]
+            ; mov r9, QWORD [rdi + 8]
         ),
         Items::Packets => dynasm!(ops
             ; .arch x64
-            ; mov rdx, QWORD [r12]
-            ; mov r9d, DWORD [rdx + FRAME_LEN_AT as i32]
-            ; mov ecx, DWORD [rdx + FRAME_OFFSET_AT as i32]
-            ; lea r8, [rdx + rcx + HEADER_SIZE as i32]
+            ; mov r11, QWORD [rdi]
+            ; mov r9d, DWORD [r11 + FRAME_LEN_AT as i32]
+            ; mov ecx, DWORD [r11 + FRAME_OFFSET_AT as i32]
+            ; lea r8, [r11 + rcx + HEADER_SIZE as i32]
         ),
     }
     dynasm!(ops
@@ -282,33 +285,32 @@ fn emit_batch_loop(ops: &mut Assembler, program: &[Insn], items: Items) {
             advance,
         );
     }
-    let stride = match items {
-        Items::Frames => std::mem::size_of::<FrameRef>(),
-        Items::Packets => std::mem::size_of::<Packet>(),
-    } as i32;
     dynasm!(ops
         ; .arch x64
         ; =>accept
-        ; mov DWORD [r14], ebx
-        ; add r14, 4
+        ; mov rax, rdi
+        ; sub rax, QWORD [rsp + FIRST_ITEM_AT]
+        ; shr rax, stride_shift
+        ; mov DWORD [rdx], eax
+        ; add rdx, 4
         ; =>advance
-        ; add r12, stride
-        ; add rbx, 1
-        ; cmp rbx, r13
+        ; add rdi, stride as i32
+        ; cmp rdi, rsi
         ; jb =>next_item
         ; =>done
-        ; mov rax, r14
-        ; sub rax, r15
+        ; mov rax, rdx
+        ; sub rax, QWORD [rsp + FIRST_SLOT_AT]
         ; shr rax, 2
-        ; add rsp, (MEMWORDS * 4) as i32
-        ; pop r15
-        ; pop r14
-        ; pop r13
-        ; pop r12
-        ; pop rbx
+        ; add rsp, FRAME_BYTES
         ; ret
     );
 }
+
+/// The stack frame: the scratch words from 0, then the two saved pointers, then padding that
+/// keeps the stack 16-byte aligned below the return address.
+const FIRST_ITEM_AT: i32 = (MEMWORDS * 4) as i32;
+const FIRST_SLOT_AT: i32 = FIRST_ITEM_AT + 8;
+const FRAME_BYTES: i32 = FIRST_SLOT_AT + 8 + 8;
 
 /// One instruction; `target(n)` is the label of the instruction `n` after the next.
 ///
@@ -482,14 +484,18 @@ fn emit_alu(ops: &mut Assembler, i: Insn, reject: DynamicLabel) {
             } else {
                 dynasm!(ops ; .arch x64 ; mov ecx, k);
             }
+            // The division takes rdx, the next index slot: pushed for it and popped after (no
+            // scratch word, which `rsp` locates, is touched in between).
             dynasm!(ops
                 ; .arch x64
+                ; push rdx
                 ; xor edx, edx
                 ; div ecx
             );
             if op == MOD {
                 dynasm!(ops ; .arch x64 ; mov eax, edx);
             }
+            dynasm!(ops ; .arch x64 ; pop rdx);
         }
         _ => dynasm!(ops ; .arch x64 ; neg eax),
     }
