@@ -407,11 +407,7 @@ fn emit_load_abs(ops: &mut Assembler, size: u16, offset: u32, reject: DynamicLab
         ; cmp r9, end
         ; jb =>reject
     );
-    match size {
-        W => dynasm!(ops ; .arch x64 ; mov eax, DWORD [r8 + at] ; bswap eax),
-        H => dynasm!(ops ; .arch x64 ; movzx eax, WORD [r8 + at] ; rol ax, 8),
-        _ => dynasm!(ops ; .arch x64 ; movzx eax, BYTE [r8 + at]),
-    }
+    emit_load(ops, size, FRAME_REG, at);
 }
 
 /// A = the big-endian value of `size` bytes at X + `offset` (no wrap: both are 32-bit and the
@@ -426,11 +422,21 @@ fn emit_load_ind(ops: &mut Assembler, size: u16, offset: u32, reject: DynamicLab
         ; lea rcx, [r11 + width]
         ; cmp rcx, r9
         ; ja =>reject
+        ; add r11, r8
     );
+    emit_load(ops, size, SCRATCH_REG, 0);
+}
+
+/// The frame's address (r8) and the scratch register (r11), by number for `emit_load`.
+const FRAME_REG: u8 = 8;
+const SCRATCH_REG: u8 = 11;
+
+/// A = the big-endian value of `size` bytes at `base` + `displacement` (already checked).
+fn emit_load(ops: &mut Assembler, size: u16, base: u8, displacement: i32) {
     match size {
-        W => dynasm!(ops ; .arch x64 ; mov eax, DWORD [r8 + r11] ; bswap eax),
-        H => dynasm!(ops ; .arch x64 ; movzx eax, WORD [r8 + r11] ; rol ax, 8),
-        _ => dynasm!(ops ; .arch x64 ; movzx eax, BYTE [r8 + r11]),
+        W => dynasm!(ops ; .arch x64 ; mov eax, DWORD [Rq(base) + displacement] ; bswap eax),
+        H => dynasm!(ops ; .arch x64 ; movzx eax, WORD [Rq(base) + displacement] ; rol ax, 8),
+        _ => dynasm!(ops ; .arch x64 ; movzx eax, BYTE [Rq(base) + displacement]),
     }
 }
 
