@@ -12,7 +12,9 @@
 //! the program or make it read outside the frame.
 
 use super::FrameRef;
-use dynasmrt::{dynasm, x64::Assembler, DynamicLabel, DynasmApi, DynasmLabelApi, ExecutableBuffer};
+use dynasmrt::{
+    dynasm, x64::Assembler, x64::Rq, DynamicLabel, DynasmApi, DynasmLabelApi, ExecutableBuffer,
+};
 use stitch_core::packet::{Packet, FRAME_LEN_AT, FRAME_OFFSET_AT, HEADER_SIZE};
 
 /// One classic BPF instruction (`struct bpf_insn`).
@@ -427,12 +429,12 @@ fn emit_load_ind(ops: &mut Assembler, size: u16, offset: u32, reject: DynamicLab
     emit_load(ops, size, SCRATCH_REG, 0);
 }
 
-/// The frame's address (r8) and the scratch register (r11), by number for `emit_load`.
-const FRAME_REG: u8 = 8;
-const SCRATCH_REG: u8 = 11;
+/// Where `emit_load` finds its base: the frame's address, or the scratch register.
+const FRAME_REG: Rq = Rq::R8;
+const SCRATCH_REG: Rq = Rq::R11;
 
 /// A = the big-endian value of `size` bytes at `base` + `displacement` (already checked).
-fn emit_load(ops: &mut Assembler, size: u16, base: u8, displacement: i32) {
+fn emit_load(ops: &mut Assembler, size: u16, base: Rq, displacement: i32) {
     match size {
         W => dynasm!(ops ; .arch x64 ; mov eax, DWORD [Rq(base) + displacement] ; bswap eax),
         H => dynasm!(ops ; .arch x64 ; movzx eax, WORD [Rq(base) + displacement] ; rol ax, 8),
