@@ -11,7 +11,7 @@ pub mod native;
 use std::marker::PhantomData;
 use stitch_core::packet::Packet;
 
-/// A frame handed to [`PacketFilter::matches_batch`]: its address and length, laid out as the
+/// A frame handed to [`PacketFilter::select_frames`]: its address and length, laid out as the
 /// machine code reads them.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -35,12 +35,6 @@ impl<'a> FrameRef<'a> {
     pub fn as_slice(&self) -> &'a [u8] {
         // SAFETY: `ptr` and `len` came from a `&'a [u8]` in `new`, and `'a` still holds.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
-    }
-}
-
-impl Default for FrameRef<'_> {
-    fn default() -> Self {
-        FrameRef::new(&[])
     }
 }
 
@@ -112,7 +106,7 @@ impl PacketFilter {
         assert!(matched.len() >= frames.len(), "room for every index");
         let mut n = 0;
         for (i, frame) in frames.enumerate() {
-            if self.program.filter(frame) {
+            if self.matches_interpreted(frame) {
                 matched[n] = i as u32;
                 n += 1;
             }

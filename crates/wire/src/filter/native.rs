@@ -1,14 +1,15 @@
 //! Classic BPF compiled to x86-64 machine code that runs over a whole batch of frames in one
 //! call: the program's body sits inside a loop over the frames, so a frame costs the program's
-//! own loads and compares and a verdict store, with no call, register save or argument block
-//! per frame (what a per-frame JIT such as NetBSD's bpfjit pays; `cargo bench -p stitch-wire
-//! --bench filter`).
+//! own loads and compares (and an index store when it matches), with no call, register save or
+//! argument block per frame (what a per-frame JIT such as NetBSD's bpfjit pays; `cargo bench
+//! -p stitch-wire --bench filter`).
 //!
 //! The semantics are libpcap's interpreter's (`bpf_filter`): A and X start at 0, a load outside
 //! the frame or a division by zero rejects the frame, a shift by 32 or more gives 0, a `ret`
 //! with a non-zero value accepts. The program is checked before a byte is emitted: known
 //! opcodes only, every jump forward and inside the program, the last instruction a `ret`,
-//! scratch words below 16, no constant division by 0. So no frame can take the code outside
+//! scratch words below 16, no constant division by 0 nor shift by 32 or more. So no frame can
+//! take the code outside
 //! the program or make it read outside the frame.
 
 use super::FrameRef;
@@ -75,8 +76,9 @@ impl NativeFilter {
             .finalize()
             .map_err(|_| "executable memory: the assembler could not finalise".to_string())?;
         // SAFETY: each offset is the start of a function `emit_batch_loop` wrote, which follows
-        // the System V ABI (saves the callee-saved registers it uses, keeps the stack aligned)
-        // and has `BatchFn`'s signature; `code` owns the pages and lives as long as the value.
+        // the System V ABI (it touches only caller-saved registers and gives back the stack as
+        // it found it) and has `BatchFn`'s signature; `code` owns the pages and lives as long
+        // as the value.
         let (over_frames, over_packets): (BatchFn, BatchFn) = unsafe {
             (
                 std::mem::transmute::<*const u8, BatchFn>(code.ptr(over_frames)),
@@ -238,15 +240,15 @@ fn emit_batch_loop(ops: &mut Assembler, program: &[Insn], items: Items) {
     let accept = ops.new_dynamic_label();
     let advance = ops.new_dynamic_label();
     let done = ops.new_dynamic_label();
-    let (stride, stride_shift) = match items {
-        Items::Frames => (std::mem::size_of::<FrameRef>(), 4),
-        Items::Packets => (std::mem::size_of::<Packet>(), 3),
+    let stride = match items {
+        Items::Frames => std::mem::size_of::<FrameRef>(),
+        Items::Packets => std::mem::size_of::<Packet>(),
     };
-    assert_eq!(
-        stride,
-        1 << stride_shift,
-        "an item's size is a power of two"
+    assert!(
+        stride.is_power_of_two(),
+        "an item's index is its offset shifted"
     );
+    let stride_shift = stride.trailing_zeros() as i8;
     dynasm!(ops
         ; .arch x64
         ; sub rsp, FRAME_BYTES
@@ -316,16 +318,15 @@ const FRAME_BYTES: i32 = FIRST_SLOT_AT + 8 + 8;
 
 /// One instruction; `target(n)` is the label of the instruction `n` after the next.
 ///
-/// A frame that does not match goes to `advance` (a load outside it or a division by zero
-/// included); one that does, to `accept`.
+/// A frame that matches goes to `accept`; one that does not — a load outside it or a division
+/// by zero included — to `reject` (the loop's next item).
 fn emit_insn(
     ops: &mut Assembler,
     i: Insn,
     target: &dyn Fn(usize) -> DynamicLabel,
     accept: DynamicLabel,
-    advance: DynamicLabel,
+    reject: DynamicLabel,
 ) {
-    let reject = advance;
     let k = i.k as i32;
     let slot = i.k.wrapping_mul(4) as i32; // used only for scratch words, which `check` bounds
     match i.code & CLASS {
@@ -342,16 +343,13 @@ fn emit_insn(
             MEM => dynasm!(ops ; .arch x64 ; mov r10d, DWORD [rsp + slot]),
             _ => {
                 // X = 4 × the low nibble of frame[k] (an IPv4 header's length).
-                match in_frame_end(i.k, 1) {
-                    Some(end) => dynasm!(ops
+                if emit_bounds_check(ops, i.k, 1, reject) {
+                    dynasm!(ops
                         ; .arch x64
-                        ; cmp r9, end
-                        ; jb =>reject
                         ; movzx r10d, BYTE [r8 + k]
                         ; and r10d, 0x0f
                         ; shl r10d, 2
-                    ),
-                    None => dynasm!(ops ; .arch x64 ; jmp =>reject),
+                    );
                 }
             }
         },
@@ -365,12 +363,12 @@ fn emit_insn(
                     ; .arch x64
                     ; test eax, eax
                     ; jnz =>accept
-                    ; jmp =>advance
+                    ; jmp =>reject
                 );
             } else if i.k != 0 {
                 dynasm!(ops ; .arch x64 ; jmp =>accept);
             } else {
-                dynasm!(ops ; .arch x64 ; jmp =>advance);
+                dynasm!(ops ; .arch x64 ; jmp =>reject);
             }
         }
         _ => {
@@ -383,10 +381,24 @@ fn emit_insn(
     }
 }
 
-/// `offset + size` when a load there can be expressed as a displacement; `None` when no frame
-/// is that long (the load always rejects).
-fn in_frame_end(offset: u32, size: u32) -> Option<i32> {
-    i32::try_from(offset as u64 + size as u64).ok()
+/// Rejects a frame shorter than `offset + size`; returns false when no frame is that long (or
+/// the offset is beyond a displacement's reach): the code rejects every frame there, and the
+/// load that would follow is not emitted.
+fn emit_bounds_check(ops: &mut Assembler, offset: u32, size: u32, reject: DynamicLabel) -> bool {
+    match i32::try_from(offset as u64 + size as u64) {
+        Ok(end) => {
+            dynasm!(ops
+                ; .arch x64
+                ; cmp r9, end
+                ; jb =>reject
+            );
+            true
+        }
+        Err(_) => {
+            dynasm!(ops ; .arch x64 ; jmp =>reject);
+            false
+        }
+    }
 }
 
 fn size_bytes(size: u16) -> u32 {
@@ -399,17 +411,9 @@ fn size_bytes(size: u16) -> u32 {
 
 /// A = the big-endian value of `size` bytes at `offset`, or reject when the frame is shorter.
 fn emit_load_abs(ops: &mut Assembler, size: u16, offset: u32, reject: DynamicLabel) {
-    let Some(end) = in_frame_end(offset, size_bytes(size)) else {
-        dynasm!(ops ; .arch x64 ; jmp =>reject);
-        return;
-    };
-    let at = offset as i32;
-    dynasm!(ops
-        ; .arch x64
-        ; cmp r9, end
-        ; jb =>reject
-    );
-    emit_load(ops, size, FRAME_REG, at);
+    if emit_bounds_check(ops, offset, size_bytes(size), reject) {
+        emit_load(ops, size, FRAME_REG, offset as i32);
+    }
 }
 
 /// A = the big-endian value of `size` bytes at X + `offset` (no wrap: both are 32-bit and the
