@@ -107,18 +107,26 @@ struct Iface {
     mtu: usize,
 }
 
-/// An IPv6 route: out of interface `port`, to `via` (None: the destination itself).
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
-struct Route6 {
-    port: usize,
-    via: Option<Ipv6Addr>,
-}
-
 /// Where a prefix leads: out of interface `port`, to `via` (None: the destination itself).
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
-struct Route {
+struct Route<A = Ipv4Addr> {
     port: usize,
-    via: Option<Ipv4Addr>,
+    via: Option<A>,
+}
+
+/// An IPv6 route.
+type Route6 = Route<Ipv6Addr>;
+
+impl<A: Copy> Route<A> {
+    /// The neighbour a packet to `dst` goes to, and the forwarding table's hop number `hop`
+    /// when that neighbour is the route's gateway (see [`NeighborTable::send`]).
+    #[inline]
+    fn neighbor(&self, dst: A, hop: usize) -> (A, Option<usize>) {
+        match self.via {
+            Some(via) => (via, Some(hop)),
+            None => (dst, None),
+        }
+    }
 }
 
 /// Packets wait here while their next hop is being resolved.
@@ -131,17 +139,34 @@ struct Neighbor {
     asked: Option<Instant>,
 }
 
+/// A gateway's link-layer address and until when its neighbour entry stays fresh.
+#[derive(Clone, Copy)]
+struct Resolved {
+    mac: [u8; 6],
+    until: Instant,
+}
+
 /// Next-hop resolution shared by ARP (IPv4) and Neighbor Discovery (IPv6): answers cached per
 /// (interface, address), packets waiting for an answer, and when to ask again.
-struct NeighborTable<A>(HashMap<(usize, A), Neighbor, foldhash::fast::RandomState>);
+struct NeighborTable<A> {
+    entries: HashMap<(usize, A), Neighbor, foldhash::fast::RandomState>,
+    /// The answer for each gateway of the forwarding table (by its hop number) while it is
+    /// fresh, an adjacency in VPP's terms: a packet routed via a gateway then skips the hash
+    /// lookup. Forgotten whenever an answer is learnt, so a changed address is never missed.
+    gateways: Vec<Option<Resolved>>,
+}
 
 impl<A: std::hash::Hash + Eq + Copy + std::fmt::Display> NeighborTable<A> {
-    fn new() -> Self {
-        NeighborTable(HashMap::default())
+    /// A table for a forwarding table with `gateways` distinct next hops.
+    fn new(gateways: usize) -> Self {
+        NeighborTable {
+            entries: HashMap::default(),
+            gateways: vec![None; gateways],
+        }
     }
 
     fn entry(&mut self, port: usize, ip: A, now: Instant) -> &mut Neighbor {
-        self.0.entry((port, ip)).or_insert(Neighbor {
+        self.entries.entry((port, ip)).or_insert(Neighbor {
             mac: None,
             expires: now,
             waiting: Vec::new(),
@@ -150,17 +175,44 @@ impl<A: std::hash::Hash + Eq + Copy + std::fmt::Display> NeighborTable<A> {
     }
 
     fn knows(&self, port: usize, ip: A) -> bool {
-        self.0.contains_key(&(port, ip))
+        self.entries.contains_key(&(port, ip))
     }
 
     /// Sends `p` (destination MAC to be filled) to neighbour `hop` on `port` when it is
     /// resolved; otherwise queues it (bounded; overflow counted in `queue_drops`) and returns
-    /// true when a new solicitation is due.
+    /// true when a new solicitation is due. `gateway` is the forwarding table's hop number
+    /// when `hop` is a route's gateway rather than the destination itself.
     #[allow(clippy::too_many_arguments)]
+    #[inline]
     fn send(
         &mut self,
         port: usize,
         hop: A,
+        gateway: Option<usize>,
+        mut p: Packet,
+        now: Instant,
+        timeout: Duration,
+        out: &mut Vec<(usize, Packet)>,
+        queue_drops: &Counter,
+    ) -> bool {
+        if let Some(Some(r)) = gateway.map(|g| self.gateways[g]) {
+            if r.until > now {
+                p.data_mut()[0..6].copy_from_slice(&r.mac);
+                out.push((port, p));
+                return false;
+            }
+        }
+        self.resolve_or_queue(port, hop, gateway, p, now, timeout, out, queue_drops)
+    }
+
+    /// [`NeighborTable::send`] through the table itself.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(never)]
+    fn resolve_or_queue(
+        &mut self,
+        port: usize,
+        hop: A,
+        gateway: Option<usize>,
         mut p: Packet,
         now: Instant,
         timeout: Duration,
@@ -169,8 +221,12 @@ impl<A: std::hash::Hash + Eq + Copy + std::fmt::Display> NeighborTable<A> {
     ) -> bool {
         let n = self.entry(port, hop, now);
         if let (Some(mac), true) = (n.mac, n.expires > now) {
+            let until = n.expires;
             p.data_mut()[0..6].copy_from_slice(&mac);
             out.push((port, p));
+            if let Some(g) = gateway {
+                self.gateways[g] = Some(Resolved { mac, until });
+            }
             return false;
         }
         if n.waiting.len() >= ARP_QUEUE {
@@ -198,6 +254,7 @@ impl<A: std::hash::Hash + Eq + Copy + std::fmt::Display> NeighborTable<A> {
         timeout: Duration,
         out: &mut Vec<(usize, Packet)>,
     ) {
+        self.gateways.fill(None);
         let n = self.entry(port, ip, now);
         n.mac = Some(mac);
         n.expires = now + timeout;
@@ -209,7 +266,7 @@ impl<A: std::hash::Hash + Eq + Copy + std::fmt::Display> NeighborTable<A> {
 
     /// Forgets stale neighbours (and what waited for an answer that never came).
     fn expire(&mut self, now: Instant) {
-        self.0.retain(|_, n| {
+        self.entries.retain(|_, n| {
             n.expires > now
                 || n.asked
                     .is_some_and(|t| now.duration_since(t) < Duration::from_secs(3))
@@ -217,7 +274,7 @@ impl<A: std::hash::Hash + Eq + Copy + std::fmt::Display> NeighborTable<A> {
     }
 
     fn dump(&self, names: &[String], limit: usize, now: Instant) -> Vec<serde_json::Value> {
-        self.0
+        self.entries
             .iter()
             .take(limit)
             .map(|((port, ip), n)| {
@@ -413,18 +470,18 @@ impl Fib {
         }
     }
 
+    /// The route to `dst` and its hop number.
     #[inline]
-    fn route4(&self, dst: Ipv4Addr) -> Option<Route> {
-        self.v4
-            .lookup(u32::from(dst))
-            .map(|h| self.hops4[h as usize])
+    fn route4(&self, dst: Ipv4Addr) -> Option<(usize, Route)> {
+        let h = self.v4.lookup(u32::from(dst))? as usize;
+        Some((h, self.hops4[h]))
     }
 
+    /// The route to `dst` and its hop number.
     #[inline]
-    fn route6(&self, dst: Ipv6Addr) -> Option<Route6> {
-        self.v6
-            .lookup(u128::from(dst))
-            .map(|h| self.hops6[h as usize])
+    fn route6(&self, dst: Ipv6Addr) -> Option<(usize, Route6)> {
+        let h = self.v6.lookup(u128::from(dst))? as usize;
+        Some((h, self.hops6[h]))
     }
 }
 
@@ -697,11 +754,13 @@ impl Router {
         }
     }
 
-    /// Sends `p` (destination MAC to be filled) to `hop` on `port`, resolving it if needed.
+    /// Sends `p` (destination MAC to be filled) to `hop` on `port`, resolving it if needed;
+    /// `gateway` as in [`NeighborTable::send`].
     fn send_to_neighbor(
         &mut self,
         port: usize,
         hop: Ipv4Addr,
+        gateway: Option<usize>,
         p: Packet,
         now: Instant,
         out: &mut Vec<(usize, Packet)>,
@@ -709,6 +768,7 @@ impl Router {
         if self.neighbors.send(
             port,
             hop,
+            gateway,
             p,
             now,
             self.arp_timeout,
@@ -782,7 +842,7 @@ impl Router {
             }
             return;
         }
-        let Some(r) = self.fib.route4(dst) else {
+        let Some((h, r)) = self.fib.route4(dst) else {
             self.c.no_route.add(1);
             if let Some(e) = self.icmp_error(d, port, 3, 0, 0, now) {
                 out.push(e);
@@ -810,7 +870,8 @@ impl Router {
         d[24..26].copy_from_slice(&checksum::update(cs, old, new).to_be_bytes());
         d[6..12].copy_from_slice(&self.ifaces[r.port].mac);
         self.c.forwarded.add(1);
-        self.send_to_neighbor(r.port, r.via.unwrap_or(dst), p, now, out);
+        let (hop, gateway) = r.neighbor(dst, h);
+        self.send_to_neighbor(r.port, hop, gateway, p, now, out);
     }
 }
 
@@ -829,6 +890,10 @@ impl App for Router {
     fn new(c: RouterConfig, ctx: &mut AppContext) -> Result<Self, AppError> {
         let (ifaces, routes, routes6) = build(&c)?;
         let fib = compile(&routes, &routes6)?;
+        let (neighbors, neighbors6) = (
+            NeighborTable::new(fib.hops4.len()),
+            NeighborTable::new(fib.hops6.len()),
+        );
         let ra = v6::Advertising::new(&ifaces, Duration::from_secs(c.ra_interval));
         let k = |n: &str| ctx.counter(n);
         Ok(Router {
@@ -837,8 +902,8 @@ impl App for Router {
             routes,
             routes6,
             fib,
-            neighbors: NeighborTable::new(),
-            neighbors6: NeighborTable::new(),
+            neighbors,
+            neighbors6,
             arp_timeout: Duration::from_secs(c.arp_timeout),
             icmp_rate: c.icmp_rate,
             icmp_tokens: c.icmp_rate,
@@ -1058,6 +1123,17 @@ mod tests {
         r.push(&mut io);
         assert_eq!(wan_out.drain().count(), 1);
         assert_eq!(r.c.bad_header.get(), 1);
+        // The gateway answers again from a new MAC: packets follow it from the next one on.
+        let moved = [2, 0, 0, 0, 2, 0x99];
+        reply[6..12].copy_from_slice(&moved);
+        reply[22..28].copy_from_slice(&moved);
+        wan_in.transmit(pkt(&reply));
+        r.push(&mut io);
+        lan_in.transmit(pkt(&ipv4([203, 0, 113, 8], 10)));
+        r.push(&mut io);
+        let fwd: Vec<Packet> = wan_out.drain().collect();
+        assert_eq!(fwd.len(), 1);
+        assert_eq!(&fwd[0].data()[0..6], &moved[..]);
         // Longest prefix: 198.51.100.0/24 goes back out of lan toward 10.0.1.9 (an ARP request).
         lan_in.transmit(pkt(&ipv4([198, 51, 100, 1], 10)));
         r.push(&mut io);

@@ -48,6 +48,15 @@ unsigned_key!(u32, u64, u128);
 /// The value of an address no prefix covers.
 const NO_ROUTE: u32 = u32::MAX;
 
+/// A range's first address and next hop side by side, so that the hop a search finds is on a
+/// line it read. Aligned to 4 bytes, so that no entry is padded: 8, 12 or 20 bytes.
+#[derive(Clone, Copy)]
+#[repr(C, packed(4))]
+struct Range<K> {
+    start: K,
+    hop: u32,
+}
+
 /// One direct-table entry: `len` ranges from `base` in the range arrays, or, when `len` is 0,
 /// the next hop of the whole bucket in `base`.
 #[derive(Clone, Copy, Default)]
@@ -83,10 +92,9 @@ impl std::fmt::Display for LpmError {
 pub struct Lpm<K: Key> {
     shift: u32,
     direct: Vec<Bucket>,
-    /// First address of each range; a bucket's run starts with the bucket's first address.
-    starts: Vec<K>,
-    /// Next hop of each range.
-    hops: Vec<u32>,
+    /// The ranges of every bucket with several, bucket by bucket; a bucket's run starts with
+    /// the bucket's first address.
+    ranges: Vec<Range<K>>,
 }
 
 /// The highest address of a `bits`-wide key.
@@ -192,7 +200,7 @@ impl<K: Key> Lpm<K> {
         let shift = K::BITS - direct_bits;
         let buckets = 1usize << direct_bits;
         let mut direct = Vec::with_capacity(buckets);
-        let (mut starts, mut hops) = (Vec::new(), Vec::new());
+        let mut runs = Vec::new();
         // Index of the range that holds the current bucket's first address.
         let mut at = 0usize;
         for b in 0..buckets {
@@ -209,27 +217,25 @@ impl<K: Key> Lpm<K> {
                 });
                 continue;
             }
-            let base = u32::try_from(starts.len()).map_err(|_| LpmError::TooManyRanges)?;
-            starts.push(K::from_u128(lo));
-            hops.push(ranges[at].1);
-            for r in &ranges[at + 1..at + 1 + inside] {
-                starts.push(K::from_u128(r.0));
-                hops.push(r.1);
-            }
+            let base = u32::try_from(runs.len()).map_err(|_| LpmError::TooManyRanges)?;
+            let bucket_ranges = std::iter::once((lo, ranges[at].1))
+                .chain(ranges[at + 1..at + 1 + inside].iter().copied());
+            runs.extend(bucket_ranges.map(|(start, hop)| Range {
+                start: K::from_u128(start),
+                hop,
+            }));
             direct.push(Bucket {
                 base,
                 len: inside as u32 + 1,
             });
             at += inside;
         }
-        u32::try_from(starts.len()).map_err(|_| LpmError::TooManyRanges)?;
-        starts.shrink_to_fit();
-        hops.shrink_to_fit();
+        u32::try_from(runs.len()).map_err(|_| LpmError::TooManyRanges)?;
+        runs.shrink_to_fit();
         Ok(Lpm {
             shift,
             direct,
-            starts,
-            hops,
+            ranges: runs,
         })
     }
 
@@ -241,10 +247,11 @@ impl<K: Key> Lpm<K> {
             b.base
         } else {
             let (base, len) = (b.base as usize, b.len as usize);
-            let run = &self.starts[base..base + len];
-            // run[0] is the bucket's first address, never above `addr`.
-            let i = run.partition_point(|s| *s <= addr) - 1;
-            self.hops[base + i]
+            let run = &self.ranges[base..base + len];
+            // run[0] starts at the bucket's first address, never above `addr`. The braces copy
+            // the packed field out instead of taking a reference to it.
+            let i = run.partition_point(|r| { r.start } <= addr) - 1;
+            run[i].hop
         };
         (hop != NO_ROUTE).then_some(hop)
     }
@@ -257,30 +264,28 @@ impl<K: Key> Lpm<K> {
     }
 
     /// Brings the ranges of `addr`'s bucket — its first and last, between them the lines a
-    /// short binary search reads — and the first hop toward the cache (after
-    /// [`Lpm::prefetch`] has had time to bring the bucket): reads of a lookup that would
-    /// otherwise each wait for memory.
+    /// short binary search reads, hops included — toward the cache (after [`Lpm::prefetch`]
+    /// has had time to bring the bucket): reads of a lookup that would otherwise each wait
+    /// for memory.
     #[inline]
     pub fn prefetch_ranges(&self, addr: K) {
         let b = self.direct[addr.top(self.shift)];
         if b.len != 0 {
             let (first, last) = (b.base as usize, (b.base + b.len) as usize - 1);
-            stitch_core::prefetch(&self.starts[first]);
-            stitch_core::prefetch(&self.starts[last]);
-            stitch_core::prefetch(&self.hops[first]);
+            stitch_core::prefetch(&self.ranges[first]);
+            stitch_core::prefetch(&self.ranges[last]);
         }
     }
 
     /// Bytes the table takes.
     pub fn bytes(&self) -> usize {
         self.direct.capacity() * std::mem::size_of::<Bucket>()
-            + self.starts.capacity() * std::mem::size_of::<K>()
-            + self.hops.capacity() * 4
+            + self.ranges.capacity() * std::mem::size_of::<Range<K>>()
     }
 
     /// Address ranges the prefixes were flattened into (those sharing a bucket's hop included).
     pub fn ranges(&self) -> usize {
-        self.starts.len()
+        self.ranges.len()
     }
 }
 

@@ -164,11 +164,13 @@ impl Router {
         Some((port, p))
     }
 
-    /// Sends `p` toward IPv6 next hop `hop` on `port`, soliciting it if unknown.
+    /// Sends `p` toward IPv6 next hop `hop` on `port`, soliciting it if unknown; `gateway` as
+    /// in [`NeighborTable::send`].
     fn send6(
         &mut self,
         port: usize,
         hop: Ipv6Addr,
+        gateway: Option<usize>,
         p: Packet,
         now: Instant,
         out: &mut Vec<(usize, Packet)>,
@@ -176,6 +178,7 @@ impl Router {
         if self.neighbors6.send(
             port,
             hop,
+            gateway,
             p,
             now,
             self.arp_timeout,
@@ -402,7 +405,7 @@ impl Router {
             }
             return;
         }
-        let Some(r) = self.fib.route6(dst) else {
+        let Some((h, r)) = self.fib.route6(dst) else {
             self.c.no_route.add(1);
             if let Some(e) = self.icmp6_error(d, port, 1, 0, 0, now) {
                 out.push(e);
@@ -421,7 +424,8 @@ impl Router {
         d[21] -= 1; // no header checksum in IPv6
         d[6..12].copy_from_slice(&self.ifaces[r.port].mac);
         self.c.forwarded.add(1);
-        self.send6(r.port, r.via.unwrap_or(dst), p, now, out);
+        let (hop, gateway) = r.neighbor(dst, h);
+        self.send6(r.port, hop, gateway, p, now, out);
     }
 }
 
