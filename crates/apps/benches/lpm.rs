@@ -18,7 +18,7 @@ fn ipv4(c: &mut Criterion) {
             addrs.push(net | (rng.u64(..) as u32 & !(u32::MAX << (32 - len))));
         }
     }
-    let lpm = Lpm::build(18, routes.iter().copied()).unwrap();
+    let lpm = Lpm::build(20, routes.iter().copied()).unwrap(); // the router's direct table at 1M routes
     let mut trie = PrefixMap::<Ipv4Net, u32>::new();
     for &(net, len, hop) in &routes {
         trie.insert(Ipv4Net::new(net.into(), len).unwrap(), hop);
