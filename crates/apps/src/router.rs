@@ -119,15 +119,30 @@ struct Route<A = Ipv4Addr> {
 type Route6 = Route<Ipv6Addr>;
 
 impl<A: Copy> Route<A> {
-    /// The neighbour a packet to `dst` goes to, and the forwarding table's hop number `hop`
-    /// when that neighbour is the route's gateway (see [`NeighborTable::send`]).
+    /// The neighbour a packet to `dst` goes to by this route, the forwarding table's hop
+    /// number `hop`.
     #[inline]
-    fn neighbor(&self, dst: A, hop: usize) -> (A, Option<usize>) {
-        match self.via {
+    fn next_hop(&self, dst: A, hop: usize) -> NextHop<A> {
+        let (addr, gateway) = match self.via {
             Some(via) => (via, Some(hop)),
             None => (dst, None),
+        };
+        NextHop {
+            port: self.port,
+            addr,
+            gateway,
         }
     }
+}
+
+/// Where a packet goes next: out of interface `port` to neighbour `addr`. `gateway` is the
+/// forwarding table's hop number when `addr` is a route's gateway rather than the destination
+/// itself: the neighbour table then keeps its answer by that number.
+#[derive(Clone, Copy)]
+struct NextHop<A> {
+    port: usize,
+    addr: A,
+    gateway: Option<usize>,
 }
 
 /// Packets wait here while their next hop is being resolved.
@@ -179,53 +194,32 @@ impl<A: std::hash::Hash + Eq + Copy + std::fmt::Display> NeighborTable<A> {
         self.entries.contains_key(&(port, ip))
     }
 
-    /// Sends `p` (destination MAC to be filled) to neighbour `hop` on `port` when it is
-    /// resolved; otherwise queues it (bounded; overflow counted in `queue_drops`) and returns
-    /// true when a new solicitation is due. `gateway` is the forwarding table's hop number
-    /// when `hop` is a route's gateway rather than the destination itself.
-    #[allow(clippy::too_many_arguments)]
+    /// Sends `p` (destination MAC to be filled) to its next hop when that is resolved;
+    /// otherwise queues it (bounded; overflow counted in `queue_drops`) and returns true when
+    /// a new solicitation is due.
     #[inline]
     fn send(
         &mut self,
-        port: usize,
-        hop: A,
-        gateway: Option<usize>,
+        next: NextHop<A>,
         mut p: Packet,
         now: Instant,
         timeout: Duration,
         out: &mut Vec<(usize, Packet)>,
         queue_drops: &Counter,
     ) -> bool {
-        if let Some(Some(r)) = gateway.map(|g| self.gateways[g]) {
+        if let Some(Some(r)) = next.gateway.map(|g| self.gateways[g]) {
             if r.until > now {
                 p.data_mut()[0..6].copy_from_slice(&r.mac);
-                out.push((port, p));
+                out.push((next.port, p));
                 return false;
             }
         }
-        self.resolve_or_queue(port, hop, gateway, p, now, timeout, out, queue_drops)
-    }
-
-    /// [`NeighborTable::send`] through the table itself.
-    #[allow(clippy::too_many_arguments)]
-    #[inline(never)]
-    fn resolve_or_queue(
-        &mut self,
-        port: usize,
-        hop: A,
-        gateway: Option<usize>,
-        mut p: Packet,
-        now: Instant,
-        timeout: Duration,
-        out: &mut Vec<(usize, Packet)>,
-        queue_drops: &Counter,
-    ) -> bool {
-        let n = self.entry(port, hop, now);
+        let n = self.entry(next.port, next.addr, now);
         if let (Some(mac), true) = (n.mac, n.expires > now) {
             let until = n.expires;
             p.data_mut()[0..6].copy_from_slice(&mac);
-            out.push((port, p));
-            if let Some(g) = gateway {
+            out.push((next.port, p));
+            if let Some(g) = next.gateway {
                 self.gateways[g] = Some(Resolved { mac, until });
             }
             return false;
@@ -757,30 +751,21 @@ impl Router {
         }
     }
 
-    /// Sends `p` (destination MAC to be filled) to `hop` on `port`, resolving it if needed;
-    /// `gateway` as in [`NeighborTable::send`].
+    /// Sends `p` (destination MAC to be filled) to `next`, resolving it if needed.
     fn send_to_neighbor(
         &mut self,
-        port: usize,
-        hop: Ipv4Addr,
-        gateway: Option<usize>,
+        next: NextHop<Ipv4Addr>,
         p: Packet,
         now: Instant,
         out: &mut Vec<(usize, Packet)>,
     ) {
-        if self.neighbors.send(
-            port,
-            hop,
-            gateway,
-            p,
-            now,
-            self.arp_timeout,
-            out,
-            &self.c.arp_queue_drops,
-        ) {
-            if let Some(q) = self.arp_frame(port, 1, [0; 6], hop, [0xff; 6]) {
+        if self
+            .neighbors
+            .send(next, p, now, self.arp_timeout, out, &self.c.arp_queue_drops)
+        {
+            if let Some(q) = self.arp_frame(next.port, 1, [0; 6], next.addr, [0xff; 6]) {
                 self.c.arp_requests.add(1);
-                out.push((port, q));
+                out.push((next.port, q));
             }
         }
     }
@@ -873,8 +858,7 @@ impl Router {
         d[24..26].copy_from_slice(&checksum::update(cs, old, new).to_be_bytes());
         d[6..12].copy_from_slice(&self.ifaces[r.port].mac);
         self.c.forwarded.add(1);
-        let (hop, gateway) = r.neighbor(dst, h);
-        self.send_to_neighbor(r.port, hop, gateway, p, now, out);
+        self.send_to_neighbor(r.next_hop(dst, h), p, now, out);
     }
 }
 

@@ -6,7 +6,7 @@
 //! §4: hop-by-hop, destination options, routing; fragments are not reassembled); link-local
 //! sources and destinations are never forwarded (RFC 4291 §2.5.6).
 
-use super::{Iface, Router};
+use super::{Iface, NextHop, Router};
 use std::net::Ipv6Addr;
 use std::time::{Duration, Instant};
 use stitch_core::{pool, Packet};
@@ -164,30 +164,21 @@ impl Router {
         Some((port, p))
     }
 
-    /// Sends `p` toward IPv6 next hop `hop` on `port`, soliciting it if unknown; `gateway` as
-    /// in [`NeighborTable::send`].
+    /// Sends `p` toward IPv6 next hop `next`, soliciting it if unknown.
     fn send6(
         &mut self,
-        port: usize,
-        hop: Ipv6Addr,
-        gateway: Option<usize>,
+        next: NextHop<Ipv6Addr>,
         p: Packet,
         now: Instant,
         out: &mut Vec<(usize, Packet)>,
     ) {
-        if self.neighbors6.send(
-            port,
-            hop,
-            gateway,
-            p,
-            now,
-            self.arp_timeout,
-            out,
-            &self.c.arp_queue_drops,
-        ) {
-            if let Some(q) = self.neighbor_solicitation(port, hop) {
+        if self
+            .neighbors6
+            .send(next, p, now, self.arp_timeout, out, &self.c.arp_queue_drops)
+        {
+            if let Some(q) = self.neighbor_solicitation(next.port, next.addr) {
                 self.c.arp_requests.add(1);
-                out.push((port, q));
+                out.push((next.port, q));
             }
         }
     }
@@ -424,8 +415,7 @@ impl Router {
         d[21] -= 1; // no header checksum in IPv6
         d[6..12].copy_from_slice(&self.ifaces[r.port].mac);
         self.c.forwarded.add(1);
-        let (hop, gateway) = r.neighbor(dst, h);
-        self.send6(r.port, hop, gateway, p, now, out);
+        self.send6(r.next_hop(dst, h), p, now, out);
     }
 }
 
