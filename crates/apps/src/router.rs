@@ -5,8 +5,8 @@
 //! the prefixes flattened into sorted address ranges, a direct table on the top bits pointing at
 //! each range bucket), built from the control plane's prefix map after every change, and looks a
 //! batch of frames up together with their table lines prefetched; a full IPv4 table takes
-//! about 18 MiB. A route's gateway is resolved once per forwarding-table hop (an adjacency),
-//! not per packet.
+//! about 18 MiB. The address a route's gateway resolved to is kept by forwarding-table hop (an
+//! adjacency), so a packet routed via a gateway needs no neighbour-table lookup.
 //!
 //! ARP: the router answers requests for its addresses, resolves next hops (packets wait in a
 //! short queue per next hop while it asks), and caches answers for `arp_timeout` seconds.

@@ -57,7 +57,7 @@ struct Range<K> {
     hop: u32,
 }
 
-/// One direct-table entry: `len` ranges from `base` in the range arrays, or, when `len` is 0,
+/// One direct-table entry: `len` ranges from `base` in `Lpm::ranges`, or, when `len` is 0,
 /// the next hop of the whole bucket in `base`.
 #[derive(Clone, Copy, Default)]
 #[repr(C, align(8))]
