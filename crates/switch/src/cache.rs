@@ -12,6 +12,7 @@
 //! differ only in fields nobody looks at share an entry — and emptied whenever the pipeline
 //! changes.
 
+use crate::frame_key::{self, FrameBits};
 use crate::net::{self, Net};
 use crate::oxm::{Key, KEY_WORDS};
 use crate::pipeline::{self, FlowEntry};
@@ -342,6 +343,9 @@ impl Step {
 /// ([`TraceCache::spend_counts`]).
 pub struct TraceCache {
     map: BitsMap<u32>,
+    /// The same walks found from an IPv4 frame's bytes, before its key is read.
+    frame_bits: Option<FrameBits>,
+    by_frame: CompactMap<u32>,
     walks: Vec<Walk>,
     steps: Vec<Step>,
     outputs: Vec<net::Output>,
@@ -368,6 +372,8 @@ impl TraceCache {
     pub fn new(capacity: usize) -> Self {
         TraceCache {
             map: BitsMap::new(capacity),
+            frame_bits: None,
+            by_frame: CompactMap::new(capacity),
             walks: Vec::new(),
             steps: Vec::new(),
             outputs: Vec::new(),
@@ -383,12 +389,15 @@ impl TraceCache {
         self.clear(|_, _, _| {});
         self.map
             .reset(KeyBits::of(tables.iter().flatten().map(|e| &**e)));
+        let words = tables.iter().flatten().flat_map(|e| &e.matching.words);
+        self.frame_bits = Some(FrameBits::of(&frame_key::key_mask(words)));
         self.worth_it = tables.iter().any(|t| t.len() > CACHE_FROM_FLOWS);
     }
 
     fn clear(&mut self, spend: impl FnMut(&[Step], u64, u64)) {
         self.spend_counts(spend);
         self.map.clear();
+        self.by_frame.clear();
         self.walks.clear();
         self.steps.clear();
         self.outputs.clear();
@@ -415,6 +424,33 @@ impl TraceCache {
     #[inline]
     pub fn find(&self, slot: &Slot, k: &Key) -> Option<u32> {
         self.map.get(slot, k)
+    }
+
+    /// Where the walk for a frame of one of [`FrameBits`]' shapes entering by `in_port` is
+    /// found from its bytes (`None` for other frames: their walks are found from their keys).
+    #[inline]
+    pub fn frame_slot(&self, frame: &[u8], in_port: u32) -> Option<FrameSlot> {
+        let words = self.frame_bits.as_ref()?.key(frame, in_port)?;
+        let key = CompactKey(std::array::from_fn(|i| words.get(i).copied().unwrap_or(0)));
+        Some(FrameSlot(key, key.hash(frame_key::WORDS.div_ceil(2))))
+    }
+
+    /// Brings in the cache lines where the walk for `slot` would be.
+    #[inline]
+    pub fn prefetch_frame(&self, slot: &FrameSlot) {
+        self.by_frame.prefetch(slot.1);
+    }
+
+    /// The walk known for the frame bits of `slot`.
+    #[inline]
+    pub fn find_frame(&self, slot: &FrameSlot) -> Option<u32> {
+        self.by_frame.get(slot.1, &slot.0)
+    }
+
+    /// Frames with the bits of `slot` take walk `w` (found or recorded from the key bits of
+    /// one of them).
+    pub fn remember_frame(&mut self, slot: &FrameSlot, w: u32) {
+        self.by_frame.insert(slot.1, slot.0, w);
     }
 
     /// The steps of walk `w`.
@@ -452,6 +488,13 @@ impl TraceCache {
             .sum()
     }
 
+    /// Frame keys whose walk is known.
+    #[cfg(test)]
+    pub fn frames_known(&self) -> usize {
+        let live = |e: &&CompactEntry<u32>| e.generation == self.by_frame.generation;
+        self.by_frame.entries.iter().filter(live).count()
+    }
+
     /// Hands each walk's counts to `spend` with its steps, and zeroes them.
     pub fn spend_counts(&mut self, mut spend: impl FnMut(&[Step], u64, u64)) {
         let mut counted = std::mem::take(&mut self.counted);
@@ -466,8 +509,8 @@ impl TraceCache {
         self.counted = counted;
     }
 
-    /// Remembers the walk of a packet with these key bits, and its net effect if it has one.
-    /// A full cache starts over, its counts going to `spend` first.
+    /// Remembers the walk of a packet with these key bits, and its net effect if it has one;
+    /// returns its number. A full cache starts over, its counts going to `spend` first.
     pub fn record(
         &mut self,
         slot: Slot,
@@ -475,9 +518,9 @@ impl TraceCache {
         walk: &[Step],
         net: Option<(Net, &[net::Output])>,
         spend: impl FnMut(&[Step], u64, u64),
-    ) {
+    ) -> Option<u32> {
         if walk.is_empty() || walk.len() > u8::MAX as usize {
-            return;
+            return None;
         }
         if self.walks.len() >= self.capacity {
             // Walks replaced in the map still take room here: all go, with the map naming them.
@@ -488,7 +531,8 @@ impl TraceCache {
             self.outputs.extend_from_slice(outputs);
             net
         });
-        self.map.insert(slot, k, self.walks.len() as u32);
+        let w = self.walks.len() as u32;
+        self.map.insert(slot, k, w);
         self.walks.push(Walk {
             steps_at: self.steps.len() as u32,
             steps: walk.len() as u8,
@@ -497,8 +541,13 @@ impl TraceCache {
             bytes: 0,
         });
         self.steps.extend_from_slice(walk);
+        Some(w)
     }
 }
+
+/// Where a frame's walk is in [`TraceCache`]'s map by frame bits: the frame key and its hash.
+#[derive(Clone, Copy)]
+pub struct FrameSlot(CompactKey, u64);
 
 #[cfg(test)]
 mod tests {

@@ -3,7 +3,7 @@
 //! are kept locally and added to the shared ones once per push, not once per packet.
 
 use crate::action::{self, Action, Rewrite};
-use crate::cache::{ExactMatchCache, Slot, Step, TraceCache, CACHE_FROM_FLOWS};
+use crate::cache::{ExactMatchCache, FrameSlot, Slot, Step, TraceCache, CACHE_FROM_FLOWS};
 use crate::group::{self, Group};
 use crate::meter::{self, Verdict};
 use crate::net::{self, Probe};
@@ -20,7 +20,7 @@ use stitch_core::Packet;
 const ENTRY_FLUSH_NS: u64 = 10_000_000;
 /// How many packets ahead of the one in hand the data path prefetches the frame.
 const PREFETCH: usize = 8;
-/// How many packets ahead of the one in hand the data path reads the key.
+/// How many packets ahead of the one in hand the data path reads the frame key or the key.
 const LOOKAHEAD: usize = 3;
 /// How many packets ahead it fetches the walk cache's lines for a key: later than the key is
 /// read, so the key's bytes are no longer in flight to the cache (reading a word just written
@@ -124,6 +124,15 @@ enum Walked {
     Gone,
 }
 
+/// A packet read ahead of its turn: the slot of its frame key when the walk cache reads one
+/// for it, else its key and the key's slot.
+#[derive(Clone, Copy, Default)]
+struct Ahead {
+    frame: Option<FrameSlot>,
+    key: Key,
+    slot: Option<Slot>,
+}
+
 pub struct DataPath {
     caches: Vec<Option<ExactMatchCache>>,
     traces: Option<TraceCache>,
@@ -137,8 +146,8 @@ pub struct DataPath {
     /// again only when something looks at them (a lookup, a group's bucket choice, a meter's
     /// DSCP), so a remembered walk's rewrites do not parse the frame after each one.
     key_stale: bool,
-    /// The keys of the packet in hand and of the next ones, with their walk cache slots.
-    ahead: Vec<(Key, Option<Slot>)>,
+    /// The packet in hand and the next ones as read ahead.
+    ahead: Vec<Ahead>,
     /// Watches a walk being recorded for its net effect.
     probe: Probe,
     counts: EntryCounts,
@@ -160,7 +169,7 @@ impl DataPath {
             walk_cut: false,
             walk_from_bytes: false,
             key_stale: false,
-            ahead: vec![(Key::default(), None); AHEAD],
+            ahead: vec![Ahead::default(); AHEAD],
             probe: Probe::default(),
             counts: EntryCounts::default(),
             entries_flushed_ns: 0,
@@ -199,14 +208,14 @@ impl DataPath {
         pc.rx_packets.fetch_add(n as u64, Ordering::Relaxed);
         pc.rx_bytes.fetch_add(bytes, Ordering::Relaxed);
         let port = i as u32 + 1;
-        // Keys are read a few packets ahead of their use, and the walk cache's lines for them
-        // fetched then; frames further ahead, so their lines are in when parsed.
+        // Frame keys (or keys) are read a few packets ahead of their use, and the walk cache's
+        // lines for them fetched then; frames further ahead, so their lines are in when read.
         let mut ahead = std::mem::take(&mut self.ahead);
         for p in batch.iter().take(PREFETCH) {
             p.prefetch_data();
         }
         for (j, p) in batch.iter().take(LOOKAHEAD).enumerate() {
-            ahead[j].0.reset(p.data(), port);
+            self.read_ahead(&mut ahead[j], p.data(), port);
         }
         for a in ahead.iter_mut().take(FETCH_AHEAD.min(batch.len())) {
             self.fetch_walk(a);
@@ -218,14 +227,13 @@ impl DataPath {
                 far.prefetch_data();
             }
             if let Some(next) = rest.as_slice().get(LOOKAHEAD - 1) {
-                ahead[(n + LOOKAHEAD) % AHEAD].0.reset(next.data(), port);
+                self.read_ahead(&mut ahead[(n + LOOKAHEAD) % AHEAD], next.data(), port);
             }
             if rest.as_slice().len() >= FETCH_AHEAD {
                 self.fetch_walk(&mut ahead[(n + FETCH_AHEAD) % AHEAD]);
             }
-            let (key, slot) = &mut ahead[n % AHEAD];
             self.key_stale = false;
-            self.receive_one(p, key, *slot, snap, shared);
+            self.receive_one(p, &mut ahead[n % AHEAD], port, snap, shared);
             n += 1;
         }
         drop(rest);
@@ -234,11 +242,30 @@ impl DataPath {
         self.outbox.send(io);
     }
 
-    /// When the walk cache is in use: the key's slot there, and its lines fetched.
+    /// When the walk cache is in use and `frame` is of a shape it reads: the frame key's slot,
+    /// its lines fetched; else the key.
     #[inline]
-    fn fetch_walk(&self, (key, slot): &mut (Key, Option<Slot>)) {
-        *slot = self.traces.as_ref().filter(|t| t.worth_it()).map(|t| {
-            let s = t.slot(key);
+    fn read_ahead(&self, a: &mut Ahead, frame: &[u8], port: u32) {
+        let traces = self.traces.as_ref().filter(|t| t.worth_it());
+        a.frame = traces.and_then(|t| {
+            let s = t.frame_slot(frame, port)?;
+            t.prefetch_frame(&s);
+            Some(s)
+        });
+        if a.frame.is_none() {
+            a.key.reset(frame, port);
+        }
+    }
+
+    /// When the walk cache is in use and the key was read: the key's slot there, and its lines
+    /// fetched.
+    #[inline]
+    fn fetch_walk(&self, a: &mut Ahead) {
+        if a.frame.is_some() {
+            return;
+        }
+        a.slot = self.traces.as_ref().filter(|t| t.worth_it()).map(|t| {
+            let s = t.slot(&a.key);
             t.prefetch(&s);
             s
         });
@@ -306,47 +333,105 @@ impl DataPath {
         self.walk(p, key, table, snap, shared, None);
     }
 
-    /// A packet whose key is `key`: the walk remembered for its key bits is replayed, or only
-    /// its net effect when that holds for the packet; else the tables are looked up and the
-    /// walk remembered when it may be.
+    /// A packet as read ahead: the walk known for its frame bits, else for its key bits, is
+    /// taken; else the tables are looked up and the walk remembered when it may be.
     fn receive_one(
+        &mut self,
+        p: Packet,
+        a: &mut Ahead,
+        in_port: u32,
+        snap: &Snapshot,
+        shared: &Shared,
+    ) {
+        let Some(frame) = a.frame else {
+            self.receive_by_key(p, &mut a.key, a.slot, snap, shared);
+            return;
+        };
+        let known = self.traces.as_ref().and_then(|t| t.find_frame(&frame));
+        if let Some(w) = known {
+            self.tally.cache_hits += 1;
+            if let Err(p) = self.take_net(p, w, in_port) {
+                a.key.reset(p.data(), in_port);
+                self.replay_walk(p, &mut a.key, w, snap, shared);
+            }
+            return;
+        }
+        a.key.reset(p.data(), in_port);
+        let slot = self.traces.as_ref().map(|t| t.slot(&a.key));
+        if let Some(w) = self.receive_by_key(p, &mut a.key, slot, snap, shared) {
+            if let Some(t) = &mut self.traces {
+                t.remember_frame(&frame, w);
+            }
+        }
+    }
+
+    /// A packet whose key is `key`: the walk remembered for its key bits is taken; else the
+    /// tables are looked up and the walk remembered when it may be. Returns the walk's number
+    /// in the walk cache when it is there.
+    fn receive_by_key(
         &mut self,
         p: Packet,
         key: &mut Key,
         slot: Option<Slot>,
         snap: &Snapshot,
         shared: &Shared,
-    ) {
+    ) -> Option<u32> {
         let (Some(traces), Some(slot)) = (self.traces.as_mut(), slot) else {
-            return self.pipeline(p, key, 0, snap, shared);
+            self.pipeline(p, key, 0, snap, shared);
+            return None;
         };
-        let in_port = key.in_port();
-        let mut steps = std::mem::take(&mut self.steps);
-        steps.clear();
         if let Some(w) = traces.find(&slot, key) {
             self.tally.cache_hits += 1;
-            if let Some((_, outputs)) = traces.net(w).filter(|(n, _)| n.holds(&p, in_port)) {
+            if let Err(p) = self.take_net(p, w, key.in_port()) {
+                self.replay_walk(p, key, w, snap, shared);
+            }
+            return Some(w);
+        }
+        let first = *key;
+        let mut steps = std::mem::take(&mut self.steps);
+        steps.clear();
+        self.walk_cut = false;
+        self.walk_from_bytes = false;
+        self.probe.start(p.data(), key.in_port());
+        self.walk(p, key, 0, snap, shared, Some(&mut steps));
+        let net = self.probe.finish();
+        let mut recorded = None;
+        if !self.walk_cut && !self.walk_from_bytes {
+            if let Some(traces) = &mut self.traces {
+                let counts = &mut self.counts;
+                recorded = traces.record(slot, &first, &steps, net, |s, n, b| counts.walk(s, n, b));
+            }
+        }
+        self.steps = steps;
+        recorded
+    }
+
+    /// Sends `p` by walk `w`'s net effect when the walk has one that holds for `p`; else
+    /// hands `p` back.
+    #[inline]
+    fn take_net(&mut self, p: Packet, w: u32, in_port: u32) -> Result<(), Packet> {
+        let Some(traces) = &mut self.traces else {
+            return Err(p);
+        };
+        match traces.net(w).filter(|(n, _)| n.holds(&p, in_port)) {
+            Some((_, outputs)) => {
                 let len = p.len();
                 send_net(p, outputs, &mut self.outbox);
                 traces.count(w, len);
-            } else {
-                steps.extend_from_slice(traces.steps(w));
-                self.replay(p, key, &steps, snap, shared);
+                Ok(())
             }
-        } else {
-            let first = *key;
-            self.walk_cut = false;
-            self.walk_from_bytes = false;
-            self.probe.start(p.data(), in_port);
-            self.walk(p, key, 0, snap, shared, Some(&mut steps));
-            let net = self.probe.finish();
-            if !self.walk_cut && !self.walk_from_bytes {
-                if let Some(traces) = &mut self.traces {
-                    let counts = &mut self.counts;
-                    traces.record(slot, &first, &steps, net, |s, n, b| counts.walk(s, n, b));
-                }
-            }
+            None => Err(p),
         }
+    }
+
+    /// Replays walk `w` of the walk cache on `p`, whose key is `key`.
+    fn replay_walk(&mut self, p: Packet, key: &mut Key, w: u32, snap: &Snapshot, shared: &Shared) {
+        let mut steps = std::mem::take(&mut self.steps);
+        steps.clear();
+        if let Some(traces) = &self.traces {
+            steps.extend_from_slice(traces.steps(w));
+        }
+        self.replay(p, key, &steps, snap, shared);
         self.steps = steps;
     }
 
@@ -1002,7 +1087,7 @@ fn bucket_live(b: &group::Bucket, snap: &Snapshot, shared: &Shared, depth: usize
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::oxm::{Match, ETH_DST, ETH_SRC, IN_PORT, VLAN_VID};
+    use crate::oxm::{Match, ETH_DST, ETH_SRC, ETH_TYPE, IN_PORT, IP_PROTO, UDP_DST, VLAN_VID};
     use crate::pipeline::{FlowMod, Instructions, FC_ADD};
     use crate::State;
     use stitch_core::link::link;
@@ -1064,6 +1149,20 @@ mod tests {
             &[(IN_PORT, &2u32.to_be_bytes(), None)],
             then(vec![Action::PopVlan], Some(1)),
         );
+        // UDP to port 53 in VLAN 100 leaves by port 4 whatever its destination: for frames
+        // found from their bytes, the UDP port is in their frame key.
+        add(
+            &mut s,
+            1,
+            20,
+            &[
+                (VLAN_VID, &vid(100), None),
+                (ETH_TYPE, &[8, 0], None),
+                (IP_PROTO, &[17], None),
+                (UDP_DST, &53u16.to_be_bytes(), None),
+            ],
+            then(vec![Action::PopVlan, Action::output(4)], None),
+        );
         for i in 0..20u8 {
             for (v, port) in [(100, 3), (200, 4)] {
                 // Some frames leave as they came, some tagged with a new source address or
@@ -1100,15 +1199,28 @@ mod tests {
         Arc::into_inner(snap).unwrap()
     }
 
-    fn frame(dst: u8, tags: &[u16], n: u16) -> Vec<u8> {
+    /// A frame numbered `n`: with `udp_dst`, UDP over IPv4 from a source that changes with
+    /// `n`; else of a local ethertype.
+    fn frame(dst: u8, tags: &[u16], n: u16, udp_dst: Option<u16>) -> Vec<u8> {
         let mut f = mac(dst).to_vec();
         f.extend_from_slice(&[0x0e, 0, 0, 1, 0, 1]);
         for t in tags {
             f.extend_from_slice(&[0x81, 0x00]);
             f.extend_from_slice(&t.to_be_bytes());
         }
-        f.extend_from_slice(&[0x88, 0xb5]);
-        f.extend_from_slice(&n.to_be_bytes());
+        match udp_dst {
+            Some(port) => {
+                let [hi, lo] = n.to_be_bytes();
+                f.extend_from_slice(&[8, 0, 0x45, 0, 0, 46, hi, lo, 0, 0, 64, 17, 0, 0]);
+                f.extend_from_slice(&[10, 0, hi, lo, 10, 1, 0, 1]);
+                f.extend_from_slice(&(1000 + n).to_be_bytes());
+                f.extend_from_slice(&port.to_be_bytes());
+            }
+            None => {
+                f.extend_from_slice(&[0x88, 0xb5]);
+                f.extend_from_slice(&n.to_be_bytes());
+            }
+        }
         f.resize(64, 0);
         f
     }
@@ -1121,6 +1233,8 @@ mod tests {
         entries: Vec<Vec<(u64, u64)>>,
         /// Packets that took a walk's net effect.
         by_net: u64,
+        /// Frame keys the walk cache knows.
+        by_frame: usize,
     }
 
     fn run(cache: usize) -> Run {
@@ -1148,13 +1262,16 @@ mod tests {
             for n in 0..100u16 {
                 let dst = (n % 25) as u8; // some destinations are unknown: a miss
                 let (port, tags): (usize, Vec<u16>) = match n % 3 {
+                    0 if n % 4 == 0 => (0, vec![7]),
                     0 => (0, vec![]),
                     // The same outer tag, different inner tags: the same key bits at table 0.
                     1 => (1, vec![5, 100]),
                     _ => (1, vec![5, 200]),
                 };
                 let mut p = pool::alloc().unwrap();
-                p.set_data(&frame(dst, &tags, round * 100 + n)).unwrap();
+                let udp_dst = (n % 2 == 0).then_some(53 + round % 2);
+                p.set_data(&frame(dst, &tags, round * 100 + n, udp_dst))
+                    .unwrap();
                 assert!(ins[port].transmit(p));
             }
             for i in 0..4 {
@@ -1165,6 +1282,7 @@ mod tests {
             }
         }
         let by_net = dp.traces.as_ref().map_or(0, TraceCache::packets);
+        let by_frame = dp.traces.as_ref().map_or(0, TraceCache::frames_known);
         dp.flush_entries(&snap, 0);
         let entries = snap
             .tables
@@ -1184,6 +1302,7 @@ mod tests {
             sent,
             entries,
             by_net,
+            by_frame,
         }
     }
 
@@ -1192,7 +1311,7 @@ mod tests {
         let looked_up = run(0);
         let cached = run(8192);
         let counts = |r: &Run| r.sent.iter().map(Vec::len).collect::<Vec<_>>();
-        assert_eq!(counts(&looked_up), [0, 28, 216, 104]);
+        assert_eq!(counts(&looked_up), [0, 22, 164, 170]);
         assert!(
             cached.sent == looked_up.sent,
             "with the caches, the ports sent {:?} (without: {:?}) or other frames",
@@ -1200,10 +1319,13 @@ mod tests {
             counts(&looked_up)
         );
         assert_eq!(cached.entries, looked_up.entries);
-        // Port 1's frames of a known flow took its net effect; the trunk's are replayed (a pop
-        // before a lookup brings back the inner tag).
+        // Single-tagged and untagged IPv4 frames were found by their bytes.
+        assert!(cached.by_frame > 10, "{} frame keys known", cached.by_frame);
+        // Port 1's frames of a known flow took its net effect (136 frames, of which those of
+        // the first two rounds mostly new flows); the trunk's are replayed (a pop before a
+        // lookup brings back the inner tag).
         assert!(
-            cached.by_net > 100,
+            cached.by_net > 60,
             "{} packets took a net effect",
             cached.by_net
         );
