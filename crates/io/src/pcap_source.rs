@@ -369,7 +369,7 @@ impl PcapSource {
             // Frames over MAX_FRAME are never loaded; checked again for the block below.
             assert!(data.len() <= MAX_FRAME);
             // SAFETY: `transmit_fresh` hands fresh packets; the length is checked just above.
-            unsafe { p.fresh_frame_mut(data.len(), data.len()) }.copy_from_slice(data);
+            stitch_core::copy_slice(unsafe { p.fresh_frame_mut(data.len(), data.len()) }, data);
             p.set_timestamp_ns(ts);
             loops += looped as u64;
         });

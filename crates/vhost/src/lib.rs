@@ -144,38 +144,6 @@ pub struct VhostUser {
     egress: policy::Direction,
 }
 
-/// Copies `n` bytes between guest memory and a packet. Short copies (most frames here) move 16
-/// bytes at a time inline, the last move overlapping the one before, instead of calling into
-/// `memcpy`, whose entry and size dispatch cost more than such a move.
-///
-/// # Safety
-/// `src` must be readable and `dst` writable for `n` bytes, and the two must not overlap.
-#[inline(always)]
-unsafe fn copy_bytes(src: *const u8, dst: *mut u8, n: usize) {
-    type Chunk = [u8; 16];
-    if n > 256 {
-        std::ptr::copy_nonoverlapping(src, dst, n);
-    } else if n >= 16 {
-        let mut i = 0;
-        while i + 16 < n {
-            let v = std::ptr::read_unaligned(src.add(i) as *const Chunk);
-            std::ptr::write_unaligned(dst.add(i) as *mut Chunk, v);
-            i += 16;
-        }
-        let v = std::ptr::read_unaligned(src.add(n - 16) as *const Chunk);
-        std::ptr::write_unaligned(dst.add(n - 16) as *mut Chunk, v);
-    } else if n >= 8 {
-        let a = std::ptr::read_unaligned(src as *const u64);
-        let b = std::ptr::read_unaligned(src.add(n - 8) as *const u64);
-        std::ptr::write_unaligned(dst as *mut u64, a);
-        std::ptr::write_unaligned(dst.add(n - 8) as *mut u64, b);
-    } else {
-        for i in 0..n {
-            *dst.add(i) = *src.add(i);
-        }
-    }
-}
-
 /// The virtio-net header (virtio 1.x §5.1.6, 12 bytes with `num_buffers`) as two
 /// little-endian words: bytes 0..8 and 8..12 (of which a 10-byte header uses the first two).
 fn header_words(v: &VnetHdr, num_buffers: u16) -> (u64, u32) {
@@ -603,7 +571,9 @@ impl VhostUser {
             p.set_len(frame_len).ok()?;
             // SAFETY: the segment lies in guest memory (checked by Vring::chain) and holds
             // `hlen + frame_len` bytes; the packet has just been given room for `frame_len`.
-            unsafe { copy_bytes(s.ptr.add(hlen), p.data_mut().as_mut_ptr(), frame_len) };
+            unsafe {
+                stitch_core::copy_bytes(s.ptr.add(hlen), p.data_mut().as_mut_ptr(), frame_len)
+            };
             p.set_timestamp_ns(now);
             vnet.apply_to(&mut p);
             return Some(p);
@@ -637,7 +607,9 @@ impl VhostUser {
             }
             // SAFETY: the segment lies in guest memory (checked by Vring::chain); the packet
             // has just been given room for `n` more bytes.
-            unsafe { copy_bytes(s.ptr.add(offset), p.data_mut().as_mut_ptr().add(old), n) };
+            unsafe {
+                stitch_core::copy_bytes(s.ptr.add(offset), p.data_mut().as_mut_ptr().add(old), n)
+            };
             offset = 0;
         }
         p.set_timestamp_ns(now);
@@ -782,7 +754,9 @@ impl VhostUser {
                 // (`reserve` took chains holding hlen + len bytes, so one buffer holds it.)
                 let data = p.data();
                 // SAFETY: as above; the buffer holds `hlen + data.len()` bytes.
-                unsafe { copy_bytes(data.as_ptr(), first_seg.ptr.add(hlen), data.len()) };
+                unsafe {
+                    stitch_core::copy_bytes(data.as_ptr(), first_seg.ptr.add(hlen), data.len())
+                };
                 ring.add_used(head, (hlen + data.len()) as u32, None);
                 return;
             }
@@ -808,7 +782,7 @@ impl VhostUser {
                     let src = &stream[part][at..];
                     let n = src.len().min(s.len as usize - off);
                     // SAFETY: the segment lies in guest memory (checked by Vring::chain).
-                    unsafe { copy_bytes(src.as_ptr(), s.ptr.add(off), n) };
+                    unsafe { stitch_core::copy_bytes(src.as_ptr(), s.ptr.add(off), n) };
                     off += n;
                     at += n;
                     written += n as u32;
@@ -825,7 +799,7 @@ impl VhostUser {
 
 #[cfg(test)]
 mod tests {
-    use super::{copy_bytes, header_words};
+    use super::header_words;
     use stitch_wire::offload::{VnetHdr, VNET_HDR_LEN};
 
     #[test]
@@ -853,7 +827,7 @@ mod tests {
         for n in 0..600 {
             let mut dst = vec![0xeeu8; 604];
             // SAFETY: both buffers are larger than the copy, and distinct.
-            unsafe { copy_bytes(src.as_ptr(), dst.as_mut_ptr().add(2), n) };
+            unsafe { stitch_core::copy_bytes(src.as_ptr(), dst.as_mut_ptr().add(2), n) };
             assert_eq!(&dst[2..2 + n], &src[..n], "length {n}");
             assert!(
                 dst[..2].iter().chain(&dst[2 + n..]).all(|b| *b == 0xee),
