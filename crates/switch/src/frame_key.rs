@@ -43,6 +43,22 @@ impl FrameBits {
     /// any other frame (its key bits are read from its key).
     #[inline]
     pub fn key(&self, frame: &[u8], in_port: u32) -> Option<[u64; WORDS]> {
+        let (head, mask, _) = self.shape(frame)?;
+        let mut key = [0u64; WORDS];
+        for (i, (k, m)) in key.iter_mut().zip(mask).enumerate() {
+            *k = u64::from_ne_bytes(head[i * 8..i * 8 + 8].try_into().unwrap()) & m;
+        }
+        key[FRAME_WORDS] = in_port as u64;
+        Some(key)
+    }
+
+    /// The frame's first bytes, the mask of its shape and where its IPv4 header starts, for a
+    /// frame of one of the shapes.
+    #[inline]
+    fn shape<'a>(
+        &self,
+        frame: &'a [u8],
+    ) -> Option<(&'a [u8; FRAME_BYTES], &[u64; FRAME_WORDS], usize)> {
         let head: &[u8; FRAME_BYTES] = frame.get(..FRAME_BYTES)?.try_into().ok()?;
         let (mask, l3) = match [head[12], head[13]] {
             [0x08, 0x00] => (&self.untagged, 14),
@@ -52,16 +68,60 @@ impl FrameBits {
             _ => return None,
         };
         // Version 4, a 20-byte header: the transport header at a fixed place.
-        if head[l3] != 0x45 {
-            return None;
-        }
-        let mut key = [0u64; WORDS];
-        for (i, (k, m)) in key.iter_mut().zip(mask).enumerate() {
-            *k = u64::from_ne_bytes(head[i * 8..i * 8 + 8].try_into().unwrap()) & m;
-        }
-        key[FRAME_WORDS] = in_port as u64;
-        Some(key)
+        (head[l3] == 0x45).then_some((head, mask, l3))
     }
+
+    /// For a frame of one of the shapes: per byte of its first bytes, the bits its frame key
+    /// holds or its shape depends on.
+    fn bits_read(&self, frame: &[u8]) -> Option<[u8; FRAME_BYTES]> {
+        let (_, mask, l3) = self.shape(frame)?;
+        let mut bytes: [u8; FRAME_BYTES] =
+            std::array::from_fn(|i| mask[i / 8].to_ne_bytes()[i % 8]);
+        for i in [12, 13, l3 - 2, l3 - 1, l3] {
+            bytes[i] = 0xff;
+        }
+        Some(bytes)
+    }
+}
+
+/// Checks what the frame key rests on, for frame `a` entering by `in_port` under key bits
+/// `key_mask`: a frame that differs from `a` only outside the bits its frame key reads (those
+/// bits taken from `noise`) has the same frame key and the same key bits as `a`. Panics when
+/// it has not; returns `false` when `a` is of no shape the frame key reads (for tests and
+/// fuzzing).
+pub fn check_frame_key(
+    key_mask: &[u8; KEY_BYTES],
+    a: &[u8],
+    in_port: u32,
+    mut noise: impl FnMut() -> u8,
+) -> bool {
+    let bits = FrameBits::of(key_mask);
+    let (Some(key), Some(read)) = (bits.key(a, in_port), bits.bits_read(a)) else {
+        return false;
+    };
+    let b: Vec<u8> = a
+        .iter()
+        .enumerate()
+        .map(|(i, x)| {
+            let keep = read.get(i).copied().unwrap_or(0);
+            (x & keep) | (noise() & !keep)
+        })
+        .collect();
+    assert_eq!(
+        bits.key(&b, in_port),
+        Some(key),
+        "the frame key sees only its bits"
+    );
+    let key_bits = |f: &[u8]| -> Vec<u8> {
+        let k = oxm::Key::extract(f, in_port);
+        k.0.iter().zip(key_mask).map(|(b, m)| b & m).collect()
+    };
+    assert_eq!(
+        key_bits(a),
+        key_bits(&b),
+        "frames {a:02x?} and {b:02x?} differ in key bits the frame key does not read"
+    );
+    true
 }
 
 fn words(bytes: &[u8; FRAME_BYTES]) -> [u64; FRAME_WORDS] {
@@ -135,13 +195,6 @@ pub fn key_mask<'a>(words: impl Iterator<Item = &'a oxm::Word>) -> [u8; KEY_BYTE
     union
 }
 
-/// What the frame key stands for: the key bits under `key_mask` (for tests).
-#[cfg(test)]
-fn key_bits(frame: &[u8], in_port: u32, key_mask: &[u8; KEY_BYTES]) -> Vec<u8> {
-    let k = oxm::Key::extract(frame, in_port);
-    k.0.iter().zip(key_mask).map(|(b, m)| b & m).collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -190,52 +243,11 @@ mod tests {
         let mut compared = 0;
         for _ in 0..20_000 {
             let mask = key_mask(&mut rng);
-            let bits = FrameBits::of(&mask);
             let a = frame(&mut rng);
             let port = rng.u32(1..4);
-            let Some(ka) = bits.key(&a, port) else {
-                continue;
-            };
-            // Another frame of the same length whose bytes differ outside the frame mask.
-            let b: Vec<u8> = a
-                .iter()
-                .enumerate()
-                .map(|(i, x)| {
-                    // The bytes that make the shape stay, as the frame key requires them.
-                    let l3 = if a[12..14] == [8, 0] { 14 } else { 18 };
-                    let keep = if matches!(i, 12 | 13) || (l3 - 2..=l3).contains(&i) {
-                        0xff
-                    } else if i < FRAME_BYTES {
-                        bits_at(&bits, &a, i)
-                    } else {
-                        0
-                    };
-                    (x & keep) | (rng.u8(..) & !keep)
-                })
-                .collect();
-            assert_eq!(
-                bits.key(&b, port),
-                Some(ka),
-                "the frame key sees only its bits"
-            );
-            assert_eq!(
-                key_bits(&a, port, &mask),
-                key_bits(&b, port, &mask),
-                "frames {a:02x?} and {b:02x?} differ in key bits the frame key missed"
-            );
-            compared += 1;
+            compared += check_frame_key(&mask, &a, port, || rng.u8(..)) as usize;
         }
         assert!(compared > 10_000, "only {compared} frames of the shapes");
-    }
-
-    /// The frame mask's bits at byte `i` for frame `f`'s shape.
-    fn bits_at(bits: &FrameBits, f: &[u8], i: usize) -> u8 {
-        let mask = if f[12..14] == [8, 0] {
-            &bits.untagged
-        } else {
-            &bits.tagged
-        };
-        mask[i / 8].to_ne_bytes()[i % 8]
     }
 
     #[test]

@@ -31,7 +31,7 @@ mod bypass;
 mod cache;
 mod datapath;
 pub mod endpoint;
-mod frame_key;
+pub mod frame_key;
 pub mod group;
 pub mod meter;
 mod net;
