@@ -24,6 +24,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 /// Ring size when the graph does not give one.
 pub const DEFAULT_LINK_SIZE: usize = 1024;
+/// How many packets ahead of the one being written a burst of fresh packets brings in its lines.
+const FRESH_AHEAD: usize = 8;
 
 #[derive(Default)]
 struct ProducerSide {
@@ -400,6 +402,13 @@ impl Producer {
             let unwinding = FreeUnqueued(slots.as_ptr().cast(), got);
             let mut bytes = 0u64;
             for i in 0..got {
+                if i + FRESH_AHEAD < got {
+                    // SAFETY: as below, slot from + i + FRESH_AHEAD holds a buffer of this burst.
+                    unsafe {
+                        (*self.ring.slot_ptr(from + i + FRESH_AHEAD).cast::<Packet>())
+                            .prefetch_fresh()
+                    };
+                }
                 // SAFETY: `take_owned` wrote slots ..got with buffers only this link holds; the
                 // packet is made fresh before `write` sees it.
                 unsafe {

@@ -177,6 +177,14 @@ impl Packet {
         self.hdr().len as usize
     }
 
+    /// Asks the CPU to bring in the lines a fresh packet's header and frame are written to,
+    /// for a writer a few packets on (without reading the header, which is not written yet).
+    #[inline(always)]
+    pub fn prefetch_fresh(&self) {
+        crate::prefetch(self.0.as_ptr());
+        crate::prefetch(self.area().wrapping_add(HEADROOM));
+    }
+
     /// Asks the CPU to bring the frame's first cache line in, for a reader a few packets on
     /// (a hint: it never faults and changes nothing).
     #[inline(always)]
