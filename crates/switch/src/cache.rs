@@ -100,14 +100,20 @@ enum KeyBits {
     Whole,
 }
 
-impl KeyBits {
-    fn of<'a>(entries: impl Iterator<Item = &'a FlowEntry>) -> KeyBits {
-        let mut union = [0u64; KEY_WORDS];
-        for e in entries {
-            for w in &e.matching.words {
-                union[w.index as usize] |= w.mask;
-            }
+/// The key bits some of `entries` look at: the union of their match masks, word by word.
+fn mask_union<'a>(entries: impl Iterator<Item = &'a FlowEntry>) -> [u64; KEY_WORDS] {
+    let mut union = [0u64; KEY_WORDS];
+    for e in entries {
+        for w in &e.matching.words {
+            union[w.index as usize] |= w.mask;
         }
+    }
+    union
+}
+
+impl KeyBits {
+    /// Keyed on the key bits `union` (see [`mask_union`]).
+    fn of(union: &[u64; KEY_WORDS]) -> KeyBits {
         let used = union.iter().filter(|m| **m != 0).count();
         if used > COMPACT_WORDS {
             return KeyBits::Whole;
@@ -303,7 +309,8 @@ impl ExactMatchCache {
 
     /// Forgets every answer and takes the bits to key on from the table's `entries`.
     pub fn reset(&mut self, entries: &[Arc<FlowEntry>]) {
-        self.map.reset(KeyBits::of(entries.iter().map(|e| &**e)));
+        self.map
+            .reset(KeyBits::of(&mask_union(entries.iter().map(|e| &**e))));
     }
 
     /// The first matching entry's index, from the cache (`true`) or by a scan that then
@@ -388,10 +395,10 @@ impl TraceCache {
     /// counts are of the old pipeline's entries: [`TraceCache::spend_counts`] on it first.
     pub fn reset(&mut self, tables: &[Vec<Arc<FlowEntry>>]) {
         self.clear(|_, _, _| {});
-        self.map
-            .reset(KeyBits::of(tables.iter().flatten().map(|e| &**e)));
-        let words = tables.iter().flatten().flat_map(|e| &e.matching.words);
-        self.frame_bits = Some(FrameBits::of(&frame_key::key_mask(words)));
+        let union = mask_union(tables.iter().flatten().map(|e| &**e));
+        self.map.reset(KeyBits::of(&union));
+        let key_mask = std::array::from_fn(|i| union[i / 8].to_ne_bytes()[i % 8]);
+        self.frame_bits = Some(FrameBits::of(&key_mask));
         self.worth_it = tables.iter().any(|t| t.len() > CACHE_FROM_FLOWS);
     }
 

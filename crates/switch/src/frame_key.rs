@@ -11,7 +11,7 @@
 //!
 //! Two frames of the same shape whose masked bytes are equal and that enter by the same port
 //! have the same key bits, so the same walk (the property `equal_frame_bits_mean_equal_key_bits`
-//! checks against [`Key::extract`] on random frames and masks).
+//! checks against [`oxm::Key::extract`] on random frames and masks).
 
 use crate::oxm::{self, KEY_BYTES};
 
@@ -181,18 +181,6 @@ fn frame_mask(key_mask: &[u8; KEY_BYTES], l3: usize) -> [u8; FRAME_BYTES] {
         whole(&mut m, l3 + 9..l3 + 10);
     }
     m
-}
-
-/// The key bits of `words` (a match's masked words) as a mask per key byte.
-pub fn key_mask<'a>(words: impl Iterator<Item = &'a oxm::Word>) -> [u8; KEY_BYTES] {
-    let mut union = [0u8; KEY_BYTES];
-    for w in words {
-        let at = w.index as usize * 8;
-        for (u, m) in union[at..at + 8].iter_mut().zip(w.mask.to_ne_bytes()) {
-            *u |= m;
-        }
-    }
-    union
 }
 
 #[cfg(test)]
