@@ -272,6 +272,8 @@ pub struct Generator {
     /// one copy, as Snabb's Source clones its template) or headers only (the payload of zeroes
     /// is written per packet).
     whole_frames: bool,
+    /// The mean frame length of the size cycle, for the prefetch of the lines frames fill.
+    mean_len: usize,
     /// Templates by (flow, distinct size). Whole frames are stored as whole 64-byte blocks,
     /// zero-padded, so that a frame is copied in fixed-size blocks without a call to memcpy.
     templates: Vec<u8>,
@@ -361,7 +363,7 @@ impl Generator {
         // Sizes (and their 64-byte round-up) were checked against MAX_FRAME by `plan`. A fresh
         // packet's timestamp is 0, so writing `ts` = 0 changes nothing.
         let sent = if self.whole_frames {
-            out.transmit_fresh(n, |p| {
+            out.transmit_fresh(n, self.mean_len, |p| {
                 let (at, step) = walk.next();
                 // SAFETY: `transmit_fresh` hands fresh packets, and step.len ≤ step.copied ≤
                 // MAX_FRAME (checked by `plan`).
@@ -376,7 +378,7 @@ impl Generator {
                 p.set_timestamp_ns(ts);
             })
         } else {
-            out.transmit_fresh(n, |p| {
+            out.transmit_fresh(n, self.mean_len, |p| {
                 let (at, step) = walk.next();
                 // SAFETY: as above; step.copied (the header) ≤ step.len ≤ MAX_FRAME.
                 let frame = unsafe { p.fresh_frame_mut(step.len, step.len) };
@@ -456,6 +458,7 @@ impl App for Generator {
                 );
             }
         }
+        let mean_len = p.sizes.iter().sum::<usize>() / p.sizes.len();
         let steps = p
             .sizes
             .iter()
@@ -472,6 +475,7 @@ impl App for Generator {
         Ok(Generator {
             steps,
             whole_frames,
+            mean_len,
             templates,
             flow_stride,
             flows_end: c.flows as usize * flow_stride,

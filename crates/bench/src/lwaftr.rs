@@ -192,6 +192,17 @@ impl Traffic {
         }
     }
 
+    /// The mean length of `side`'s frames, for the prefetch of the lines they are written to.
+    fn frame_bytes(&self, side: usize) -> usize {
+        match self {
+            Traffic::Looped { v4, v6, .. } => {
+                let frames = if side == 0 { v4 } else { v6 };
+                frames.iter().map(Vec::len).sum::<usize>() / frames.len().max(1)
+            }
+            Traffic::Random(r) => r.frames[side].len(),
+        }
+    }
+
     fn describe(&self) -> String {
         match self {
             Traffic::Looped { v4, v6, .. } => {
@@ -212,6 +223,7 @@ impl Traffic {
 pub fn bench(conf: &Path, mut traffic: Traffic, seconds: f64, runs: usize) -> Result<()> {
     let cpu = || crate::cpu_seconds(libc::RUSAGE_THREAD);
     const BATCH: usize = 128;
+    let frame_bytes = [traffic.frame_bytes(0), traffic.frame_bytes(1)];
     let mut results = Vec::new();
     let mut table = (0usize, 0usize, false);
     for _ in 0..runs {
@@ -222,8 +234,8 @@ pub fn bench(conf: &Path, mut traffic: Traffic, seconds: f64, runs: usize) -> Re
         let t = Instant::now();
         let c0 = cpu();
         while t.elapsed().as_secs_f64() < seconds {
-            for side in 0..2 {
-                let fed = h.feed_fresh(side, BATCH, |p| traffic.write_fresh(side, p));
+            for (side, &bytes) in frame_bytes.iter().enumerate() {
+                let fed = h.feed_fresh(side, BATCH, bytes, |p| traffic.write_fresh(side, p));
                 anyhow::ensure!(fed == BATCH, "the packet pool ran out");
             }
             h.push();
@@ -240,8 +252,8 @@ pub fn bench(conf: &Path, mut traffic: Traffic, seconds: f64, runs: usize) -> Re
         let t = Instant::now();
         let c0 = cpu();
         while t.elapsed().as_secs_f64() < seconds {
-            for side in 0..2 {
-                let fed = bp.transmit_fresh(BATCH, |p| traffic.write_fresh(side, p));
+            for (side, &bytes) in frame_bytes.iter().enumerate() {
+                let fed = bp.transmit_fresh(BATCH, bytes, |p| traffic.write_fresh(side, p));
                 anyhow::ensure!(fed == BATCH, "the packet pool ran out");
             }
             bn += bc.free_available().0;
@@ -346,7 +358,8 @@ mod tests {
         assert!(seen.len() > 300, "addresses drawn afresh for each packet");
         // The benchmark's own way in and out: bursts written into the inputs, outputs freed.
         for side in 0..2 {
-            let fed = h.feed_fresh(side, 200, |p| traffic.write_fresh(side, p));
+            let bytes = traffic.frames[side].len();
+            let fed = h.feed_fresh(side, 200, bytes, |p| traffic.write_fresh(side, p));
             assert_eq!(fed, 200);
         }
         h.push();

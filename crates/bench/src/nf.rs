@@ -475,7 +475,7 @@ fn measure(s: &mut Subject, with_app: bool, secs: f64) -> (u64, f64) {
     while Instant::now() < deadline {
         for _ in 0..64 {
             let templates = &s.templates;
-            feeds[0].transmit_fresh(BATCH, |p| {
+            feeds[0].transmit_fresh(BATCH, 64, |p| {
                 // SAFETY: `transmit_fresh` hands fresh packets; templates are 64-byte frames.
                 unsafe { p.set_fresh_data(&templates[next]) };
                 next = (next + 1) % templates.len();

@@ -377,8 +377,17 @@ impl Producer {
     /// the pool and the ring, and each packet's header is written once). Returns how many it
     /// queued: fewer than `n` when the link has less room, or when the pool runs out, which the
     /// pool counts.
+    ///
+    /// `frame_bytes` is about how long the frames `write` makes are (their usual length): the
+    /// lines they fill are brought in a few packets ahead, so that the writes do not wait for
+    /// them one by one. It is a hint; any length may be written.
     #[inline]
-    pub fn transmit_fresh(&mut self, n: usize, mut write: impl FnMut(&mut Packet)) -> usize {
+    pub fn transmit_fresh(
+        &mut self,
+        n: usize,
+        frame_bytes: usize,
+        mut write: impl FnMut(&mut Packet),
+    ) -> usize {
         let n = n.min(self.room());
         let capacity = crate::pool::small_capacity();
         let mut made = 0;
@@ -406,7 +415,7 @@ impl Producer {
                     // SAFETY: as below, slot from + i + FRESH_AHEAD holds a buffer of this burst.
                     unsafe {
                         (*self.ring.slot_ptr(from + i + FRESH_AHEAD).cast::<Packet>())
-                            .prefetch_fresh()
+                            .prefetch_fresh(frame_bytes)
                     };
                 }
                 // SAFETY: `take_owned` wrote slots ..got with buffers only this link holds; the
@@ -859,7 +868,7 @@ mod tests {
         }
         drop(rx.drain().collect::<Vec<_>>());
         let mut next = 0u8;
-        let sent = tx.transmit_fresh(20, |p| {
+        let sent = tx.transmit_fresh(20, 64, |p| {
             assert_eq!((p.len(), p.headroom(), p.timestamp_ns()), (0, HEADROOM, 0));
             assert_eq!(p.header().user, [0; 4]);
             p.set_data(&vec![next; 60 + next as usize]).unwrap();
@@ -873,7 +882,7 @@ mod tests {
         assert_eq!(s.tx_packets, 13);
         assert_eq!(s.tx_bytes, 5 * 60 + (0..8).map(|i| 60 + i).sum::<u64>());
         assert_eq!(s.tx_drops, 0);
-        assert_eq!(tx.transmit_fresh(0, |_| unreachable!()), 0);
+        assert_eq!(tx.transmit_fresh(0, 64, |_| unreachable!()), 0);
     }
 
     #[test]

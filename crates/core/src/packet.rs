@@ -27,6 +27,10 @@ pub const LARGE_DATA_AREA: usize = LARGE_STRIDE - HEADER_SIZE;
 pub const MAX_GSO_FRAME: usize = 65535 + 14 + 8;
 /// Free bytes kept in front of freshly allocated packets for pushing headers.
 pub const HEADROOM: usize = 256;
+/// Most frame bytes [`Packet::prefetch_fresh`] brings in: a longer frame's writes run on
+/// through the page, where the CPU's own prefetcher follows them, and eight jumbo frames ahead
+/// would fill the first-level cache.
+pub const FRESH_PREFETCH_LIMIT: usize = 1024;
 /// Largest frame (without FCS) Stitch accepts: a 9216-byte jumbo frame.
 pub const MAX_FRAME: usize = 9216;
 
@@ -177,12 +181,17 @@ impl Packet {
         self.hdr().len as usize
     }
 
-    /// Asks the CPU to bring in the lines a fresh packet's header and frame are written to,
-    /// for a writer a few packets on (without reading the header, which is not written yet).
+    /// Asks the CPU to bring in the lines a fresh packet's header and its first `frame_bytes`
+    /// frame bytes (at most [`FRESH_PREFETCH_LIMIT`]) are written to, for a writer a few
+    /// packets on (without reading the header, which is not written yet).
     #[inline(always)]
-    pub fn prefetch_fresh(&self) {
+    pub fn prefetch_fresh(&self, frame_bytes: usize) {
         crate::prefetch(self.0.as_ptr());
-        crate::prefetch(self.area().wrapping_add(HEADROOM));
+        let frame = self.area().wrapping_add(HEADROOM);
+        let lines = frame_bytes.clamp(1, FRESH_PREFETCH_LIMIT).div_ceil(64);
+        for line in 0..lines {
+            crate::prefetch(frame.wrapping_add(64 * line));
+        }
     }
 
     /// Asks the CPU to bring the frame's first cache line in, for a reader a few packets on

@@ -11,7 +11,7 @@ fn fresh_packets_count_exhaustion_and_survive_a_panicking_writer() {
     let total = p.packets();
     let (mut tx, mut rx) = link(2048);
 
-    let sent = tx.transmit_fresh(total + 40, |q| q.set_data(&[1; 60]).unwrap());
+    let sent = tx.transmit_fresh(total + 40, 60, |q| q.set_data(&[1; 60]).unwrap());
     assert_eq!(sent, total);
     assert_eq!(
         p.stats().exhausted,
@@ -27,7 +27,7 @@ fn fresh_packets_count_exhaustion_and_survive_a_panicking_writer() {
     // engine catches a panicking app and carries on, so this must hold.)
     let mut n = 0;
     let unwound = catch_unwind(AssertUnwindSafe(|| {
-        tx.transmit_fresh(100, |q| {
+        tx.transmit_fresh(100, 64, |q| {
             n += 1;
             assert!(n < 3, "writer gives up");
             q.set_data(&[2; 60]).unwrap();
@@ -40,7 +40,7 @@ fn fresh_packets_count_exhaustion_and_survive_a_panicking_writer() {
 
     // The link and the pool carry on as before.
     assert_eq!(
-        tx.transmit_fresh(100, |q| q.set_data(&[3; 64]).unwrap()),
+        tx.transmit_fresh(100, 64, |q| q.set_data(&[3; 64]).unwrap()),
         100
     );
     assert!(rx.drain().all(|q| q.data() == [3; 64]));

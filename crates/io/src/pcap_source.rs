@@ -62,6 +62,8 @@ struct Replay {
     bytes: Vec<u8>,
     /// Per frame: where it starts in `bytes`, its length and its timestamp.
     frames: Vec<(usize, usize, u64)>,
+    /// The frames' mean length, for the prefetch of the lines they are copied to.
+    mean_len: usize,
     next: usize,
     /// Whether a frame has been sent (a pass that begins after it is a loop).
     started: bool,
@@ -85,6 +87,7 @@ impl Replay {
             }
         }
         (!frames.is_empty()).then_some(Replay {
+            mean_len: bytes.len() / frames.len().max(1),
             bytes,
             frames,
             next: 0,
@@ -364,7 +367,7 @@ impl PcapSource {
             return;
         };
         let mut loops = 0;
-        let sent = out.transmit_fresh(n, |p| {
+        let sent = out.transmit_fresh(n, replay.mean_len, |p| {
             let (data, ts, looped) = replay.next_frame();
             // Frames over MAX_FRAME are never loaded; checked again for the block below.
             assert!(data.len() <= MAX_FRAME);

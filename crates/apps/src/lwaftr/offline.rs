@@ -59,11 +59,17 @@ impl Offline {
         Ok(())
     }
 
-    /// Queues up to `n` fresh packets on `side`'s input, each written by `write`, the way a
-    /// source feeds a link (`Producer::transmit_fresh`). Returns how many: fewer when the input
-    /// is full or the pool runs out.
-    pub fn feed_fresh(&mut self, side: usize, n: usize, write: impl FnMut(&mut Packet)) -> usize {
-        self.inputs[side].transmit_fresh(n, write)
+    /// Queues up to `n` fresh packets on `side`'s input, each written by `write` and about
+    /// `frame_bytes` long, the way a source feeds a link (`Producer::transmit_fresh`). Returns
+    /// how many: fewer when the input is full or the pool runs out.
+    pub fn feed_fresh(
+        &mut self,
+        side: usize,
+        n: usize,
+        frame_bytes: usize,
+        write: impl FnMut(&mut Packet),
+    ) -> usize {
+        self.inputs[side].transmit_fresh(n, frame_bytes, write)
     }
 
     /// Runs the function over everything queued.
