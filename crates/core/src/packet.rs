@@ -194,6 +194,15 @@ impl Packet {
         }
     }
 
+    /// Asks the CPU to bring in the line `bytes` before the frame's start, where a header
+    /// pushed in front of the frame a few packets on will be written (a hint, as
+    /// [`Packet::prefetch_data`]).
+    #[inline(always)]
+    pub fn prefetch_front(&self, bytes: usize) {
+        let start = self.area().wrapping_add(self.hdr().offset as usize);
+        crate::prefetch(start.wrapping_sub(bytes));
+    }
+
     /// Asks the CPU to bring the frame's first cache line in, for a reader a few packets on
     /// (a hint: it never faults and changes nothing).
     #[inline(always)]

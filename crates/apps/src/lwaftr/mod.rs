@@ -615,6 +615,10 @@ impl Lwaftr {
         let skip = if side == V4 { 0 } else { 40 };
         self.keys.clear();
         for p in &batch {
+            if side == V4 {
+                // Encapsulated, the frame starts 40 bytes earlier (an IPv6 header more).
+                p.prefetch_front(40);
+            }
             let key = peek(p.data(), skip);
             if let Some((a, _)) = key {
                 self.table.prefetch_address(a);
