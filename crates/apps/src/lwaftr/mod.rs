@@ -1308,9 +1308,7 @@ impl Lwaftr {
         {
             match output {
                 Some(o) => {
-                    for p in out.drain(..) {
-                        o.transmit(p);
-                    }
+                    o.transmit_batch(&mut out);
                 }
                 None => out.clear(),
             }
