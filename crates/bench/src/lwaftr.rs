@@ -328,10 +328,12 @@ mod tests {
     #[test]
     fn random_traffic_is_valid_and_every_packet_matches_a_softwire() {
         let dir = tempfile::tempdir().unwrap();
-        let n = 4096;
+        // Large enough for the function to fetch its lookups ahead, as with a million.
+        let n = 16384;
         let conf = generated_table(dir.path(), n).unwrap();
         let mut traffic = RandomTraffic::new(n, 550);
         let mut h = Offline::new(&conf, Compat::Rfc).unwrap();
+        assert!(h.function().binding_table().prefetch_pays());
         let mut seen = std::collections::HashSet::new();
         for _ in 0..200 {
             for (side, ip) in [(0, V4_IP), (1, V6_INNER)] {

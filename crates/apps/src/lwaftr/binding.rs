@@ -64,6 +64,10 @@ impl Slot {
     }
 }
 
+/// The smallest table whose lookups are fetched ahead: well inside a core's second-level cache
+/// on current servers, so a smaller table stays there while it is in use.
+const PREFETCHED_TABLE_BYTES: usize = 256 << 10;
+
 /// PSID lengths up to this keep an address's softwires in a dense array slice (one array
 /// read per lookup, prefetchable); longer ones, where most PSIDs are usually unbound, in a hash
 /// map.
@@ -366,6 +370,14 @@ impl BindingTable {
         self.count
     }
 
+    /// Whether the table is large enough for its lookups to gain from being fetched a batch
+    /// ahead. A smaller one stays in the caches, where the passes that fetch ahead cost more
+    /// than they save (Snabb's 12 softwires: 1.03-1.34x without them, in eight rounds).
+    #[inline]
+    pub fn prefetch_pays(&self) -> bool {
+        self.memory_bytes() >= PREFETCHED_TABLE_BYTES
+    }
+
     /// Whether the softwires' slots sit in huge pages (a large table's lookups then seldom
     /// miss the TLB); false for a table under 2 MiB or a kernel with transparent huge pages off.
     pub fn in_huge_pages(&self) -> bool {
@@ -468,6 +480,19 @@ mod tests {
         // k = 0: the whole address.
         let t = BindingTable::new(&[spec("10.0.0.2", 0, 0, 0)]).unwrap();
         assert!(t.lookup(u32::from(Ipv4Addr::new(10, 0, 0, 2)), 1).is_some());
+    }
+
+    #[test]
+    fn only_a_table_too_large_for_the_caches_is_fetched_ahead() {
+        let small: Vec<_> = (0..12).map(|i| spec("10.0.0.1", i, 4, 0)).collect();
+        assert!(!BindingTable::new(&small).unwrap().prefetch_pays());
+        let large: Vec<_> = (0..20_000u32)
+            .map(|i| {
+                let ip = Ipv4Addr::from(0x0a00_0000 + i / 16).to_string();
+                spec(&ip, (i % 16) as u16, 4, 0)
+            })
+            .collect();
+        assert!(BindingTable::new(&large).unwrap().prefetch_pays());
     }
 
     #[test]

@@ -612,9 +612,25 @@ impl Lwaftr {
                 batch.push(p);
             }
         }
+        if self.table.prefetch_pays() {
+            self.prefetch_lookups(side, &batch);
+        }
+        for p in batch.drain(..) {
+            if side == V4 {
+                self.handle_internet(p);
+            } else {
+                self.handle_b4s(p);
+            }
+        }
+        self.batch = batch;
+    }
+
+    /// Brings in what `batch`'s lookups will read, in two passes (each frame's address entry,
+    /// then its softwire), and the headroom line an encapsulated frame's IPv6 header goes to.
+    fn prefetch_lookups(&mut self, side: usize, batch: &[Packet]) {
         let skip = if side == V4 { 0 } else { 40 };
         self.keys.clear();
-        for p in &batch {
+        for p in batch {
             if side == V4 {
                 // Encapsulated, the frame starts 40 bytes earlier (an IPv6 header more).
                 p.prefetch_front(40);
@@ -628,14 +644,6 @@ impl Lwaftr {
         for &(a, port) in self.keys.iter().flatten() {
             self.table.prefetch(a, port);
         }
-        for p in batch.drain(..) {
-            if side == V4 {
-                self.handle_internet(p);
-            } else {
-                self.handle_b4s(p);
-            }
-        }
-        self.batch = batch;
     }
 
     /// Both sides on one port: each frame goes to the side its VLAN tag (when the sides' tags
