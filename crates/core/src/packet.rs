@@ -274,7 +274,10 @@ impl Packet {
     pub unsafe fn set_fresh_data(&mut self, bytes: &[u8]) {
         assert!(bytes.len() <= MAX_FRAME);
         // SAFETY: fresh by the caller's promise; the length is checked just above.
-        unsafe { self.fresh_frame_mut(bytes.len(), bytes.len()) }.copy_from_slice(bytes);
+        crate::copy_slice(
+            unsafe { self.fresh_frame_mut(bytes.len(), bytes.len()) },
+            bytes,
+        );
     }
 
     /// Places the frame at `offset` bytes into the data area with `len` bytes, as another

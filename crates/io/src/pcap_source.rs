@@ -369,10 +369,9 @@ impl PcapSource {
         let mut loops = 0;
         let sent = out.transmit_fresh(n, replay.mean_len, |p| {
             let (data, ts, looped) = replay.next_frame();
-            // Frames over MAX_FRAME are never loaded; checked again for the block below.
-            assert!(data.len() <= MAX_FRAME);
-            // SAFETY: `transmit_fresh` hands fresh packets; the length is checked just above.
-            stitch_core::copy_slice(unsafe { p.fresh_frame_mut(data.len(), data.len()) }, data);
+            // SAFETY: `transmit_fresh` hands fresh packets (and frames over MAX_FRAME are
+            // never loaded; `set_fresh_data` checks again).
+            unsafe { p.set_fresh_data(data) };
             p.set_timestamp_ns(ts);
             loops += looped as u64;
         });
