@@ -154,6 +154,18 @@ pub(crate) fn cpu_seconds(who: i32) -> f64 {
     tv(u.ru_utime) + tv(u.ru_stime)
 }
 
+/// CPU time of the calling thread, to the nanosecond (getrusage counts in ticks on some
+/// kernels, too coarse for slices of milliseconds).
+pub(crate) fn thread_cpu_seconds() -> f64 {
+    let mut t = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec into `t`, which is live.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) };
+    t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
+}
+
 pub(crate) fn load_average() -> String {
     std::fs::read_to_string("/proc/loadavg")
         .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))

@@ -10,6 +10,7 @@ use std::time::Instant;
 use stitch_apps::lwaftr::offline::Offline;
 use stitch_apps::lwaftr::Compat;
 use stitch_core::link::link;
+use stitch_core::{Consumer, Producer};
 use stitch_io::pcap_source::PcapFile;
 
 /// `--softwires N`: the benchmark on a generated table with random traffic over all of it.
@@ -217,12 +218,17 @@ impl Traffic {
     }
 }
 
+/// Packets per side that the benchmark writes into an input before each push.
+const BATCH: usize = 128;
+
+/// How long the function and the refill alone each run before the other takes its turn.
+const SLICE_SECONDS: f64 = 0.01;
+
 /// `stitch bench lwaftr`: the function alone on one thread, its inputs refilled from `traffic`,
 /// against a baseline that moves the same refilled batches without the function, in the same
-/// run.
+/// run. The two take turns in slices of `SLICE_SECONDS`, so that both see the same minutes of
+/// a shared machine whose speed changes from one second to the next.
 pub fn bench(conf: &Path, mut traffic: Traffic, seconds: f64, runs: usize) -> Result<()> {
-    let cpu = || crate::cpu_seconds(libc::RUSAGE_THREAD);
-    const BATCH: usize = 128;
     let frame_bytes = [traffic.frame_bytes(0), traffic.frame_bytes(1)];
     let mut results = Vec::new();
     let mut table = (0usize, 0usize, false);
@@ -230,35 +236,23 @@ pub fn bench(conf: &Path, mut traffic: Traffic, seconds: f64, runs: usize) -> Re
         let mut h = Offline::new(conf, Compat::Rfc).map_err(anyhow::Error::msg)?;
         let t = h.function().binding_table();
         table = (t.len(), t.memory_bytes(), t.in_huge_pages());
-        let (mut n, mut out) = (0u64, [0u64; 2]);
-        let t = Instant::now();
-        let c0 = cpu();
-        while t.elapsed().as_secs_f64() < seconds {
-            for (side, &bytes) in frame_bytes.iter().enumerate() {
-                let fed = h.feed_fresh(side, BATCH, bytes, |p| traffic.write_fresh(side, p));
-                anyhow::ensure!(fed == BATCH, "the packet pool ran out");
-            }
-            h.push();
-            for (side, o) in out.iter_mut().enumerate() {
-                *o += h.discard(side);
-            }
-            n += 2 * BATCH as u64;
-        }
-        let lw = cpu() - c0;
-        drop(h);
-        // Baseline: the same refill, moved straight to the outputs.
-        let mut bn = 0u64;
         let (mut bp, mut bc) = link(8192);
-        let t = Instant::now();
-        let c0 = cpu();
-        while t.elapsed().as_secs_f64() < seconds {
-            for (side, &bytes) in frame_bytes.iter().enumerate() {
-                let fed = bp.transmit_fresh(BATCH, bytes, |p| traffic.write_fresh(side, p));
-                anyhow::ensure!(fed == BATCH, "the packet pool ran out");
-            }
-            bn += bc.free_available().0;
+        // A turn of each first, uncounted: the pool grows to what the run keeps in flight.
+        slice_through_function(&mut h, &mut traffic, frame_bytes)?;
+        slice_of_refill_alone(&mut bp, &mut bc, &mut traffic, frame_bytes)?;
+        let (mut n, mut bn, mut out) = (0u64, 0u64, [0u64; 2]);
+        let (mut lw, mut base) = (0f64, 0f64);
+        let start = Instant::now();
+        while start.elapsed().as_secs_f64() < 2.0 * seconds {
+            let c0 = crate::thread_cpu_seconds();
+            let (fed, through) = slice_through_function(&mut h, &mut traffic, frame_bytes)?;
+            let c1 = crate::thread_cpu_seconds();
+            bn += slice_of_refill_alone(&mut bp, &mut bc, &mut traffic, frame_bytes)?;
+            base += crate::thread_cpu_seconds() - c1;
+            lw += c1 - c0;
+            n += fed;
+            out = [out[0] + through[0], out[1] + through[1]];
         }
-        let base = cpu() - c0;
         let ns_lw = lw * 1e9 / n as f64;
         let ns_base = base * 1e9 / bn as f64;
         results.push((ns_lw, ns_base, out, n));
@@ -296,6 +290,49 @@ pub fn bench(conf: &Path, mut traffic: Traffic, seconds: f64, runs: usize) -> Re
         "the function dropped most packets: the traffic does not match its table"
     );
     Ok(())
+}
+
+/// The function's turn: batches written into both inputs and pushed through, the outputs freed,
+/// for `SLICE_SECONDS`. Returns the packets fed and those that came out of each side.
+fn slice_through_function(
+    h: &mut Offline,
+    traffic: &mut Traffic,
+    frame_bytes: [usize; 2],
+) -> Result<(u64, [u64; 2])> {
+    let (mut n, mut out) = (0u64, [0u64; 2]);
+    let t = Instant::now();
+    while t.elapsed().as_secs_f64() < SLICE_SECONDS {
+        for (side, &bytes) in frame_bytes.iter().enumerate() {
+            let fed = h.feed_fresh(side, BATCH, bytes, |p| traffic.write_fresh(side, p));
+            anyhow::ensure!(fed == BATCH, "the packet pool ran out");
+        }
+        h.push();
+        for (side, o) in out.iter_mut().enumerate() {
+            *o += h.discard(side);
+        }
+        n += 2 * BATCH as u64;
+    }
+    Ok((n, out))
+}
+
+/// The baseline's turn: the same refill, moved straight to a link and freed, for
+/// `SLICE_SECONDS`. Returns the packets moved.
+fn slice_of_refill_alone(
+    input: &mut Producer,
+    output: &mut Consumer,
+    traffic: &mut Traffic,
+    frame_bytes: [usize; 2],
+) -> Result<u64> {
+    let mut n = 0;
+    let t = Instant::now();
+    while t.elapsed().as_secs_f64() < SLICE_SECONDS {
+        for (side, &bytes) in frame_bytes.iter().enumerate() {
+            let fed = input.transmit_fresh(BATCH, bytes, |p| traffic.write_fresh(side, p));
+            anyhow::ensure!(fed == BATCH, "the packet pool ran out");
+        }
+        n += output.free_available().0;
+    }
+    Ok(n)
 }
 
 /// Copies `frame` into a packet `transmit_fresh` hands (the frames were read from PCAP files
