@@ -1,13 +1,11 @@
 //! The binding table: which B4 owns (IPv4 address, port). Each shared IPv4 address has its
 //! port-set parameters (PSID length k, reserved bits a); a port maps to its PSID as
 //! `(port >> (16 − k − a)) & (2^k − 1)`, ports below 2^a belong to nobody, and (address, PSID)
-//! names the softwire. Two hash lookups per packet, no allocation; sized for millions.
+//! names the softwire. Two lookups per packet in open-addressing tables whose slot is known
+//! before it is read (so it can be fetched ahead), no allocation; sized for millions.
 
 use super::config::SoftwireSpec;
-use std::collections::HashMap;
 use std::net::{Ipv4Addr, Ipv6Addr};
-
-type Fast = foldhash::fast::RandomState;
 
 /// An address's port-set parameters (RFC 7597 §5.1): PSID length k, the offset's shift, and
 /// reserved bits a (ports below 2^a belong to nobody).
@@ -98,14 +96,20 @@ impl Address {
     };
 }
 
-/// One slot of the address table: 16 bytes, four to a cache line and none across two, with
-/// its own mark of use, so that a lookup reads one line (a million softwires: a line fewer
-/// from memory per lookup than with the marks in an array of their own).
+/// A slot of an [`OpenTable`]: its key and its mark of use live in the slot itself, so that a
+/// lookup reads one cache line.
+trait OpenSlot: Copy {
+    const EMPTY: Self;
+    fn key(&self) -> u64;
+    fn used(&self) -> bool;
+}
+
+/// One slot of the address table: 16 bytes, four to a cache line and none across two.
 #[derive(Clone, Copy)]
 #[repr(C, align(16))]
 struct AddressSlot {
     key: u32,
-    /// Where the address's dense slots start; `SPARSE` for an address kept in the hash map.
+    /// Where the address's dense slots start; `SPARSE` for an address in the sparse index.
     dense_base: u32,
     users: u32,
     set: PortSet,
@@ -117,9 +121,7 @@ const SPARSE: u32 = u32::MAX;
 const _: () = assert!(std::mem::size_of::<AddressSlot>() == 16);
 
 impl AddressSlot {
-    const EMPTY: AddressSlot = AddressSlot::new(0, Address::EMPTY, false);
-
-    const fn new(key: u32, a: Address, used: bool) -> AddressSlot {
+    const fn new(key: u32, a: Address) -> AddressSlot {
         AddressSlot {
             key,
             dense_base: match a.dense {
@@ -128,7 +130,7 @@ impl AddressSlot {
             },
             users: a.users,
             set: a.set,
-            used,
+            used: true,
         }
     }
 
@@ -142,30 +144,86 @@ impl AddressSlot {
     }
 }
 
-/// Addresses in an open-addressing table (linear probing, Fibonacci hashing): unlike a
-/// library map, the slot a lookup will read is known up front and can be prefetched.
-#[derive(Default)]
-struct AddressTable {
-    slots: Vec<AddressSlot>,
-    len: usize,
-}
+impl OpenSlot for AddressSlot {
+    const EMPTY: AddressSlot = AddressSlot {
+        used: false,
+        ..AddressSlot::new(0, Address::EMPTY)
+    };
 
-impl AddressTable {
     #[inline]
-    fn home(&self, key: u32) -> usize {
-        let bits = self.slots.len().trailing_zeros();
-        (key.wrapping_mul(0x9e37_79b1) >> (32 - bits)) as usize
+    fn key(&self) -> u64 {
+        self.key as u64
     }
 
     #[inline]
-    fn find(&self, key: u32) -> Option<usize> {
+    fn used(&self) -> bool {
+        self.used
+    }
+}
+
+/// One slot of the sparse index, for addresses whose PSIDs are too many to give each a slot
+/// (PSID length above `DENSE_MAX_PSID_LENGTH`): (address, PSID) and where its softwire is.
+#[derive(Clone, Copy)]
+#[repr(C, align(16))]
+struct SparseSlot {
+    key: u64,
+    softwire: u32,
+    used: bool,
+}
+
+const _: () = assert!(std::mem::size_of::<SparseSlot>() == 16);
+
+impl OpenSlot for SparseSlot {
+    const EMPTY: SparseSlot = SparseSlot {
+        key: 0,
+        softwire: 0,
+        used: false,
+    };
+
+    #[inline]
+    fn key(&self) -> u64 {
+        self.key
+    }
+
+    #[inline]
+    fn used(&self) -> bool {
+        self.used
+    }
+}
+
+/// An open-addressing table (linear probing, Fibonacci hashing, at most half full): unlike a
+/// library map, the slot a lookup will read is known up front and can be prefetched, and a
+/// lookup is a multiply, a load and a compare.
+struct OpenTable<S> {
+    slots: Vec<S>,
+    len: usize,
+}
+
+impl<S> Default for OpenTable<S> {
+    fn default() -> Self {
+        OpenTable {
+            slots: Vec::new(),
+            len: 0,
+        }
+    }
+}
+
+impl<S: OpenSlot> OpenTable<S> {
+    #[inline]
+    fn home(&self, key: u64) -> usize {
+        let bits = self.slots.len().trailing_zeros();
+        (key.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> (64 - bits)) as usize
+    }
+
+    #[inline]
+    fn find(&self, key: u64) -> Option<usize> {
         if self.slots.is_empty() {
             return None;
         }
         let mask = self.slots.len() - 1;
         let mut i = self.home(key);
-        while self.slots[i].used {
-            if self.slots[i].key == key {
+        while self.slots[i].used() {
+            if self.slots[i].key() == key {
                 return Some(i);
             }
             i = (i + 1) & mask;
@@ -174,81 +232,84 @@ impl AddressTable {
     }
 
     #[inline]
-    fn get(&self, key: u32) -> Option<Address> {
-        self.find(key).map(|i| self.slots[i].address())
+    fn get(&self, key: u64) -> Option<&S> {
+        self.find(key).map(|i| &self.slots[i])
     }
 
     #[inline]
-    fn prefetch(&self, key: u32) {
-        if self.slots.is_empty() {
-            return;
+    fn prefetch(&self, key: u64) {
+        if !self.slots.is_empty() {
+            stitch_core::prefetch(&self.slots[self.home(key)]);
         }
-        stitch_core::prefetch(&self.slots[self.home(key)]);
     }
 
-    fn insert(&mut self, key: u32, a: Address) {
-        if let Some(i) = self.find(key) {
-            self.slots[i] = AddressSlot::new(key, a, true);
+    /// Puts `slot` under its key, in place of the slot there before if any.
+    fn insert(&mut self, slot: S) {
+        if let Some(i) = self.find(slot.key()) {
+            self.slots[i] = slot;
             return;
         }
         if (self.len + 1) * 2 > self.slots.len() {
             self.grow();
         }
         let mask = self.slots.len() - 1;
-        let mut i = self.home(key);
-        while self.slots[i].used {
+        let mut i = self.home(slot.key());
+        while self.slots[i].used() {
             i = (i + 1) & mask;
         }
-        self.slots[i] = AddressSlot::new(key, a, true);
+        self.slots[i] = slot;
         self.len += 1;
     }
 
     fn grow(&mut self) {
         let n = (self.slots.len() * 2).max(16);
-        let old = std::mem::replace(&mut self.slots, vec![AddressSlot::EMPTY; n]);
+        let old = std::mem::replace(&mut self.slots, vec![S::EMPTY; n]);
         self.len = 0;
-        for slot in old.into_iter().filter(|s| s.used) {
-            self.insert(slot.key, slot.address());
+        for slot in old.into_iter().filter(S::used) {
+            self.insert(slot);
         }
     }
 
     /// Removes `key`, shifting later entries of its run back (no tombstones).
-    fn remove(&mut self, key: u32) {
+    fn remove(&mut self, key: u64) {
         let Some(mut hole) = self.find(key) else {
             return;
         };
         let mask = self.slots.len() - 1;
-        self.slots[hole].used = false;
+        self.slots[hole] = S::EMPTY;
         self.len -= 1;
         let mut i = (hole + 1) & mask;
-        while self.slots[i].used {
-            let home = self.home(self.slots[i].key);
+        while self.slots[i].used() {
+            let home = self.home(self.slots[i].key());
             // Move the entry into the hole when the hole lies on its probe path.
             if (i.wrapping_sub(home) & mask) >= (i.wrapping_sub(hole) & mask) {
                 self.slots[hole] = self.slots[i];
-                self.slots[i].used = false;
+                self.slots[i] = S::EMPTY;
                 hole = i;
             }
             i = (i + 1) & mask;
         }
     }
 
-    fn iter(&self) -> impl Iterator<Item = (u32, Address)> + '_ {
-        self.slots
-            .iter()
-            .filter(|s| s.used)
-            .map(|s| (s.key, s.address()))
+    fn iter(&self) -> impl Iterator<Item = &S> + '_ {
+        self.slots.iter().filter(|s| s.used())
+    }
+
+    fn memory_bytes(&self) -> usize {
+        self.slots.capacity() * std::mem::size_of::<S>()
     }
 }
 
 #[derive(Default)]
 pub struct BindingTable {
-    addresses: AddressTable,
-    /// Dense slots: `slots[base + psid]`.
+    addresses: OpenTable<AddressSlot>,
+    /// The softwires: a dense address's at `slots[base + psid]`, a sparse one's wherever its
+    /// entry of `sparse` says.
     slots: Vec<Slot>,
-    /// Free dense ranges by PSID length, for reuse after an address leaves.
+    /// Free ranges of `slots` by PSID length (0 for one slot), for reuse after an address or
+    /// a sparse softwire leaves.
     free: Vec<(u8, u32)>,
-    sparse: HashMap<u64, Softwire, Fast>,
+    sparse: OpenTable<SparseSlot>,
     count: usize,
     br_addresses: Vec<[u8; 16]>,
     /// Whether the kernel backed the softwires' slots with huge pages when the table was built.
@@ -269,6 +330,7 @@ impl BindingTable {
         // nearly every one.
         t.in_huge_pages = stitch_core::mapping::back_with_huge_pages(&t.slots);
         stitch_core::mapping::back_with_huge_pages(&t.addresses.slots);
+        stitch_core::mapping::back_with_huge_pages(&t.sparse.slots);
         Ok(t)
     }
 
@@ -286,7 +348,7 @@ impl BindingTable {
             shift: 16 - s.psid_length - s.reserved_bits,
             reserved_bits: s.reserved_bits,
         };
-        let entry = match self.addresses.get(a) {
+        let entry = match self.address(a) {
             Some(old) if old.set != set => {
                 return Err(format!(
                     "{}: its port set (psid-length {}, reserved bits {}) differs from that of the other softwires of this address",
@@ -307,19 +369,51 @@ impl BindingTable {
             Some(base) => self.slots[base as usize + s.psid as usize]
                 .replace(sw)
                 .is_none(),
-            None => self.sparse.insert(key(a, s.psid), sw).is_none(),
+            None => self.add_sparse(key(a, s.psid), sw),
         };
         let mut entry = entry;
         if new {
             entry.users += 1;
             self.count += 1;
         }
-        self.addresses.insert(a, entry);
+        self.addresses.insert(AddressSlot::new(a, entry));
         let br = s.br.octets();
         if !self.br_addresses.contains(&br) {
             self.br_addresses.push(br);
         }
         Ok(())
+    }
+
+    /// Puts `sw` under `key` in the sparse index; true when the key is new.
+    fn add_sparse(&mut self, key: u64, sw: Softwire) -> bool {
+        if let Some(e) = self.sparse.get(key) {
+            self.slots[e.softwire as usize].replace(sw);
+            return false;
+        }
+        let softwire = self.dense_range(0);
+        self.slots[softwire as usize].replace(sw);
+        self.sparse.insert(SparseSlot {
+            key,
+            softwire,
+            used: true,
+        });
+        true
+    }
+
+    /// Takes `key` out of the sparse index; false when it is not there.
+    fn remove_sparse(&mut self, key: u64) -> bool {
+        let Some(softwire) = self.sparse.get(key).map(|e| e.softwire) else {
+            return false;
+        };
+        self.slots[softwire as usize].take();
+        self.free.push((0, softwire));
+        self.sparse.remove(key);
+        true
+    }
+
+    #[inline]
+    fn address(&self, ipv4: u32) -> Option<Address> {
+        self.addresses.get(ipv4 as u64).map(AddressSlot::address)
     }
 
     fn dense_range(&mut self, k: u8) -> u32 {
@@ -334,7 +428,7 @@ impl BindingTable {
     /// Removes the softwire of (address, PSID); false when there is none.
     pub fn remove(&mut self, ipv4: Ipv4Addr, psid: u16) -> bool {
         let a = u32::from(ipv4);
-        let Some(mut entry) = self.addresses.get(a) else {
+        let Some(mut entry) = self.address(a) else {
             return false;
         };
         let removed = match entry.dense {
@@ -342,7 +436,7 @@ impl BindingTable {
                 (psid as u32) < (1u32 << entry.set.psid_length)
                     && self.slots[(base + psid as u32) as usize].take().is_some()
             }
-            None => self.sparse.remove(&key(a, psid)).is_some(),
+            None => self.remove_sparse(key(a, psid)),
         };
         if !removed {
             return false;
@@ -350,12 +444,12 @@ impl BindingTable {
         self.count -= 1;
         entry.users -= 1;
         if entry.users == 0 {
-            self.addresses.remove(a);
+            self.addresses.remove(a as u64);
             if let Some(base) = entry.dense {
                 self.free.push((entry.set.psid_length, base));
             }
         } else {
-            self.addresses.insert(a, entry);
+            self.addresses.insert(AddressSlot::new(a, entry));
         }
         true
     }
@@ -363,37 +457,43 @@ impl BindingTable {
     /// The softwire that owns `port` of `ipv4`.
     #[inline]
     pub fn lookup(&self, ipv4: u32, port: u16) -> Option<&Softwire> {
-        let e = self.addresses.get(ipv4)?;
+        let e = self.addresses.get(ipv4 as u64)?;
         let psid = e.set.psid(port)?;
-        match e.dense {
-            Some(base) => self.slots[base as usize + psid as usize].get(),
-            None => self.sparse.get(&key(ipv4, psid)),
-        }
+        let i = if e.dense_base != SPARSE {
+            e.dense_base as usize + psid as usize
+        } else {
+            self.sparse.get(key(ipv4, psid))?.softwire as usize
+        };
+        self.slots[i].get()
     }
 
-    /// Second stage: the softwire of (`ipv4`, `port`), once its address entry is in the cache.
+    /// Second stage: where the softwire of (`ipv4`, `port`) is (a dense address's slot, or a
+    /// sparse one's index entry), once the address entry is in the cache.
     #[inline]
     pub fn prefetch(&self, ipv4: u32, port: u16) {
-        let Some(e) = self.addresses.get(ipv4) else {
+        let Some(e) = self.addresses.get(ipv4 as u64) else {
             return;
         };
-        if let (Some(base), Some(psid)) = (e.dense, e.set.psid(port)) {
-            if let Some(slot) = self.slots.get(base as usize + psid as usize) {
-                stitch_core::prefetch(slot);
-            }
+        let Some(psid) = e.set.psid(port) else {
+            return;
+        };
+        if e.dense_base == SPARSE {
+            self.sparse.prefetch(key(ipv4, psid));
+        } else if let Some(slot) = self.slots.get(e.dense_base as usize + psid as usize) {
+            stitch_core::prefetch(slot);
         }
     }
 
     /// First stage of a two-stage prefetch: the address's entry.
     #[inline]
     pub fn prefetch_address(&self, ipv4: u32) {
-        self.addresses.prefetch(ipv4);
+        self.addresses.prefetch(ipv4 as u64);
     }
 
     /// Whether some softwire of the table holds ports of `ipv4`.
     #[inline]
     pub fn is_managed_address(&self, ipv4: u32) -> bool {
-        self.addresses.get(ipv4).is_some()
+        self.addresses.find(ipv4 as u64).is_some()
     }
 
     /// Whether `a` is one of the BR addresses of the table.
@@ -423,20 +523,11 @@ impl BindingTable {
     /// Bytes the table holds in memory (what its vectors and map have allocated).
     pub fn memory_bytes(&self) -> usize {
         use std::mem::size_of;
-        let addresses = self.addresses.slots.capacity() * size_of::<AddressSlot>();
-        // A hashbrown map: a bucket per capacity slot (rounded up to a power of two, 8/7 of the
-        // entries) and a control byte each.
-        let buckets = (self.sparse.capacity() * 8 / 7).next_power_of_two();
-        let sparse = if self.sparse.capacity() == 0 {
-            0
-        } else {
-            buckets * (size_of::<(u64, Softwire)>() + 1)
-        };
         size_of::<BindingTable>()
-            + addresses
+            + self.addresses.memory_bytes()
             + self.slots.capacity() * size_of::<Slot>()
             + self.free.capacity() * size_of::<(u8, u32)>()
-            + sparse
+            + self.sparse.memory_bytes()
             + self.br_addresses.capacity() * 16
     }
 
@@ -446,37 +537,30 @@ impl BindingTable {
 
     /// Softwires for the control socket (address, PSID, B4, BR), at most `limit`.
     pub fn dump(&self, limit: usize) -> Vec<(Ipv4Addr, u16, Ipv6Addr, Ipv6Addr)> {
-        let mut out = Vec::new();
-        for (a, e) in self.addresses.iter() {
-            if let Some(base) = e.dense {
-                for psid in 0..1u32 << e.set.psid_length {
-                    if let Some(s) = self.slots[(base + psid) as usize].get() {
-                        out.push((
-                            Ipv4Addr::from(a),
-                            psid as u16,
-                            Ipv6Addr::from(s.b4),
-                            Ipv6Addr::from(s.br),
-                        ));
-                    }
-                }
-            }
-            if out.len() >= limit {
-                break;
-            }
-        }
-        for (k, s) in &self.sparse {
-            if out.len() >= limit {
-                break;
-            }
-            out.push((
-                Ipv4Addr::from((k >> 16) as u32),
-                *k as u16,
-                Ipv6Addr::from(s.b4),
-                Ipv6Addr::from(s.br),
-            ));
-        }
-        out.truncate(limit);
-        out
+        let dense = self
+            .addresses
+            .iter()
+            .filter(|e| e.dense_base != SPARSE)
+            .flat_map(|e| {
+                (0..1u32 << e.set.psid_length).map(move |psid| (e.key, psid, e.dense_base + psid))
+            });
+        let sparse = self
+            .sparse
+            .iter()
+            .map(|e| ((e.key >> 16) as u32, e.key as u32 & 0xffff, e.softwire));
+        dense
+            .chain(sparse)
+            .filter_map(|(ipv4, psid, i)| {
+                let s = self.slots[i as usize].get()?;
+                Some((
+                    Ipv4Addr::from(ipv4),
+                    psid as u16,
+                    Ipv6Addr::from(s.b4),
+                    Ipv6Addr::from(s.br),
+                ))
+            })
+            .take(limit)
+            .collect()
     }
 }
 
@@ -532,24 +616,77 @@ mod tests {
 
     #[test]
     fn the_address_table_survives_growth_and_removals() {
-        let mut t = AddressTable::default();
+        let mut t = OpenTable::<AddressSlot>::default();
         for k in 0..5000u32 {
-            t.insert(
-                k * 7919,
-                Address {
-                    users: k,
-                    ..Address::EMPTY
-                },
-            );
+            let a = Address {
+                users: k,
+                ..Address::EMPTY
+            };
+            t.insert(AddressSlot::new(k * 7919, a));
         }
         for k in (0..5000u32).step_by(3) {
-            t.remove(k * 7919);
+            t.remove((k * 7919) as u64);
         }
         for k in 0..5000u32 {
-            let got = t.get(k * 7919).map(|a| a.users);
+            let got = t.get((k * 7919) as u64).map(|a| a.users);
             assert_eq!(got, (k % 3 != 0).then_some(k), "key {k}");
         }
         assert_eq!(t.iter().count(), t.len);
+    }
+
+    /// Random additions, replacements and removals over dense and sparse addresses, each
+    /// lookup compared with a plain map of (address, PSID) to the softwire.
+    #[test]
+    fn lookups_agree_with_a_map_through_additions_and_removals() {
+        let mut rng = fastrand::Rng::with_seed(7);
+        // Each address keeps one port set: (PSID length, reserved bits).
+        let sets = [
+            (0u8, 0u8),
+            (4, 0),
+            (6, 2),
+            (8, 0),
+            (12, 0),
+            (16, 0),
+            (10, 6),
+        ];
+        let set_of = |a: u32| sets[a as usize % sets.len()];
+        let mut t = BindingTable::default();
+        let mut reference = std::collections::HashMap::new();
+        for step in 0..20_000u32 {
+            let a = 0x0a00_0000 + rng.u32(0..200);
+            let (k, r) = set_of(a);
+            let psid = rng.u16(..) & ((1u32 << k) - 1) as u16;
+            if rng.u8(0..3) == 0 {
+                let removed = t.remove(Ipv4Addr::from(a), psid);
+                assert_eq!(
+                    removed,
+                    reference.remove(&(a, psid)).is_some(),
+                    "step {step}"
+                );
+            } else {
+                let mut s = spec(&Ipv4Addr::from(a).to_string(), psid, k, r);
+                s.b4 = Ipv6Addr::from(step as u128 + 1);
+                t.add(&s).unwrap();
+                reference.insert((a, psid), s.b4.octets());
+            }
+        }
+        assert_eq!(t.len(), reference.len());
+        for _ in 0..100_000 {
+            let a = 0x0a00_0000 + rng.u32(0..200);
+            let port = rng.u16(..);
+            let (k, r) = set_of(a);
+            let shift = 16 - k - r;
+            let bound = port >= ((1u32 << r) & !1) as u16;
+            let psid = ((port as u32 >> shift) & ((1u32 << k) - 1)) as u16;
+            let want = reference.get(&(a, psid)).filter(|_| bound);
+            assert_eq!(t.lookup(a, port).map(|s| &s.b4), want, "{a:x} port {port}");
+        }
+        let dumped = t.dump(usize::MAX);
+        assert_eq!(dumped.len(), reference.len());
+        for (ipv4, psid, b4, _) in dumped {
+            assert_eq!(reference.get(&(u32::from(ipv4), psid)), Some(&b4.octets()));
+        }
+        assert_eq!(t.dump(5).len(), 5);
     }
 
     #[test]
@@ -567,9 +704,11 @@ mod tests {
             "sparse (psid-length 12)"
         );
         assert!(t.is_empty());
-        // A freed dense range is reused.
+        // A freed dense range is reused, and so is a sparse softwire's slot.
         t.add(&spec("10.0.0.2", 3, 4, 0)).unwrap();
-        assert_eq!(t.slots.len(), 16);
+        assert_eq!(t.slots.len(), 17);
+        t.add(&spec("10.0.0.9", 6, 12, 0)).unwrap();
+        assert_eq!(t.slots.len(), 17);
         assert!(t
             .lookup(u32::from(Ipv4Addr::new(10, 0, 0, 2)), 3 << 12)
             .is_some());
