@@ -72,8 +72,8 @@ impl Slot {
 const PREFETCHED_TABLE_BYTES: usize = 256 << 10;
 
 /// PSID lengths up to this keep an address's softwires in a dense array slice (one array
-/// read per lookup, prefetchable); longer ones, where most PSIDs are usually unbound, in a hash
-/// map.
+/// read per lookup, prefetchable); longer ones, where most PSIDs are usually unbound, one slot
+/// each, found through the sparse index.
 const DENSE_MAX_PSID_LENGTH: u8 = 8;
 
 /// An address: its port set and, when dense, where its 2^k slots start.
