@@ -215,7 +215,7 @@ impl<S: OpenSlot> OpenTable<S> {
         (key.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> (64 - bits)) as usize
     }
 
-    #[inline]
+    #[inline(always)]
     fn find(&self, key: u64) -> Option<usize> {
         if self.slots.is_empty() {
             return None;
@@ -231,7 +231,7 @@ impl<S: OpenSlot> OpenTable<S> {
         None
     }
 
-    #[inline]
+    #[inline(always)]
     fn get(&self, key: u64) -> Option<&S> {
         self.find(key).map(|i| &self.slots[i])
     }
@@ -455,7 +455,7 @@ impl BindingTable {
     }
 
     /// The softwire that owns `port` of `ipv4`.
-    #[inline]
+    #[inline(always)]
     pub fn lookup(&self, ipv4: u32, port: u16) -> Option<&Softwire> {
         let e = self.addresses.get(ipv4 as u64)?;
         let psid = e.set.psid(port)?;
