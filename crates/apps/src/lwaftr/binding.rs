@@ -134,11 +134,17 @@ impl AddressSlot {
         }
     }
 
+    /// Where the address's dense slots start; `None` for an address in the sparse index.
+    #[inline(always)]
+    fn dense(&self) -> Option<u32> {
+        (self.dense_base != SPARSE).then_some(self.dense_base)
+    }
+
     #[inline]
     fn address(&self) -> Address {
         Address {
             set: self.set,
-            dense: (self.dense_base != SPARSE).then_some(self.dense_base),
+            dense: self.dense(),
             users: self.users,
         }
     }
@@ -459,10 +465,9 @@ impl BindingTable {
     pub fn lookup(&self, ipv4: u32, port: u16) -> Option<&Softwire> {
         let e = self.addresses.get(ipv4 as u64)?;
         let psid = e.set.psid(port)?;
-        let i = if e.dense_base != SPARSE {
-            e.dense_base as usize + psid as usize
-        } else {
-            self.sparse.get(key(ipv4, psid))?.softwire as usize
+        let i = match e.dense() {
+            Some(base) => base as usize + psid as usize,
+            None => self.sparse.get(key(ipv4, psid))?.softwire as usize,
         };
         self.slots[i].get()
     }
@@ -477,10 +482,13 @@ impl BindingTable {
         let Some(psid) = e.set.psid(port) else {
             return;
         };
-        if e.dense_base == SPARSE {
-            self.sparse.prefetch(key(ipv4, psid));
-        } else if let Some(slot) = self.slots.get(e.dense_base as usize + psid as usize) {
-            stitch_core::prefetch(slot);
+        match e.dense() {
+            Some(base) => {
+                if let Some(slot) = self.slots.get(base as usize + psid as usize) {
+                    stitch_core::prefetch(slot);
+                }
+            }
+            None => self.sparse.prefetch(key(ipv4, psid)),
         }
     }
 
@@ -540,9 +548,9 @@ impl BindingTable {
         let dense = self
             .addresses
             .iter()
-            .filter(|e| e.dense_base != SPARSE)
-            .flat_map(|e| {
-                (0..1u32 << e.set.psid_length).map(move |psid| (e.key, psid, e.dense_base + psid))
+            .filter_map(|e| Some((e, e.dense()?)))
+            .flat_map(|(e, base)| {
+                (0..1u32 << e.set.psid_length).map(move |psid| (e.key, psid, base + psid))
             });
         let sparse = self
             .sparse
