@@ -138,13 +138,14 @@ impl Drop for HugePageReserve {
     }
 }
 
-/// CPU seconds used by `who` (RUSAGE_SELF, RUSAGE_THREAD, …).
 /// Clock ticks per second, the unit of CPU times in /proc/PID/stat.
 pub(crate) fn clock_ticks() -> f64 {
     // SAFETY: sysconf takes no pointers.
     unsafe { libc::sysconf(libc::_SC_CLK_TCK) as f64 }
 }
 
+/// CPU seconds used by `who` (RUSAGE_SELF, RUSAGE_CHILDREN; for the calling thread,
+/// [`thread_cpu_seconds`]).
 pub(crate) fn cpu_seconds(who: i32) -> f64 {
     // SAFETY: rusage is a C struct of integers; all zeroes is a valid value.
     let mut u: libc::rusage = unsafe { std::mem::zeroed() };
@@ -154,8 +155,8 @@ pub(crate) fn cpu_seconds(who: i32) -> f64 {
     tv(u.ru_utime) + tv(u.ru_stime)
 }
 
-/// CPU time of the calling thread, to the nanosecond (getrusage counts in ticks on some
-/// kernels, too coarse for slices of milliseconds).
+/// CPU time of the calling thread, to the nanosecond (getrusage brings a running thread's time
+/// up to date only at the scheduler's ticks, too coarse for slices of milliseconds).
 pub(crate) fn thread_cpu_seconds() -> f64 {
     let mut t = libc::timespec {
         tv_sec: 0,
@@ -267,7 +268,7 @@ fn measure_raw(rings: usize, size: usize, secs: f64) -> Sample {
             ends[0].0.transmit(p);
         }
         let (mut producers, mut consumers): (Vec<Producer>, Vec<Consumer>) = ends.drain(..).unzip();
-        let (t0, c0) = (Instant::now(), cpu_seconds(libc::RUSAGE_THREAD));
+        let (t0, c0) = (Instant::now(), thread_cpu_seconds());
         let deadline = Duration::from_secs_f64(secs);
         let mut moves = 0u64;
         loop {
@@ -283,7 +284,7 @@ fn measure_raw(rings: usize, size: usize, secs: f64) -> Sample {
         Sample {
             packets: moves,
             wall: t0.elapsed().as_secs_f64(),
-            cpu: cpu_seconds(libc::RUSAGE_THREAD) - c0,
+            cpu: thread_cpu_seconds() - c0,
         }
     })
     .join()

@@ -471,7 +471,7 @@ fn measure(s: &mut Subject, with_app: bool, secs: f64) -> (u64, f64) {
     }
     let (mut next, mut packets) = (0usize, 0u64);
     let deadline = Instant::now() + Duration::from_secs_f64(secs);
-    let c0 = crate::cpu_seconds(libc::RUSAGE_THREAD);
+    let c0 = crate::thread_cpu_seconds();
     while Instant::now() < deadline {
         for _ in 0..64 {
             let templates = &s.templates;
@@ -491,7 +491,7 @@ fn measure(s: &mut Subject, with_app: bool, secs: f64) -> (u64, f64) {
             }
         }
     }
-    (packets, crate::cpu_seconds(libc::RUSAGE_THREAD) - c0)
+    (packets, crate::thread_cpu_seconds() - c0)
 }
 
 pub fn run(name: &str, seconds: f64, runs: usize) -> Result<()> {
