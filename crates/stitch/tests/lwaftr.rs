@@ -199,6 +199,95 @@ fn traffic_class_comes_from_the_tos_and_payload_length_is_exact() {
     );
 }
 
+/// A table of `n` softwires, 16 to an IPv4 address (PSID length 4), each with its own B4; the
+/// addresses and B4s are [`large_table_ipv4`] and [`large_table_b4`] of the softwire's number.
+fn large_table_conf(n: usize) -> String {
+    let mut softwires = String::new();
+    for i in 0..n {
+        softwires += &format!(
+            "    softwire {{ ipv4 {}; psid {}; b4-ipv6 {}; br-address {BR}; port-set {{ psid-length 4; }} }}\n",
+            large_table_ipv4(i),
+            i % 16,
+            large_table_b4(i)
+        );
+    }
+    default_conf().replace(
+        "  binding-table {\n",
+        &format!("  binding-table {{\n{softwires}"),
+    )
+}
+fn large_table_ipv4(i: usize) -> String {
+    let a = i / 16;
+    format!("100.{}.{}.{}", 64 + (a >> 16), (a >> 8) & 255, a & 255)
+}
+fn large_table_b4(i: usize) -> String {
+    // No two zero groups in a row: tshark prints the address as written here.
+    format!("127:1:2:3:4:{:x}:{:x}:1", (i >> 16) + 1, i & 0xffff)
+}
+
+#[test]
+fn a_table_large_enough_to_be_fetched_ahead_gives_every_frame_its_own_softwire() {
+    // 20 000 softwires (over 256 KiB: lookups are fetched a few frames ahead of the one handled)
+    // and batches of 300 frames per side in a pseudo-random order, every 7th to an address the
+    // table does not know, so that known and unknown keys interleave across the look-ahead.
+    const SOFTWIRES: usize = 20_000;
+    let leak = |s: String| -> &'static str { s.leak() };
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state % SOFTWIRES as u64) as usize
+    };
+    let (mut in4, mut in6, mut want6, mut want4) = (vec![], vec![], vec![], vec![]);
+    for k in 0..300 {
+        let i = next();
+        let port = (((i % 16) << 12) | (1000 + k)) as u16;
+        if k % 7 == 3 {
+            let unknown = leak(format!("100.200.{}.{}", k >> 8, k & 255));
+            in4.push(from_internet(ip4(
+                plain("1.2.3.4", unknown, 17),
+                &udp(443, port, 20),
+            )));
+        } else {
+            let dst = leak(large_table_ipv4(i));
+            in4.push(from_internet(ip4(
+                plain("1.2.3.4", dst, 17),
+                &udp(443, port, 20),
+            )));
+            want6.push(format!("{}\t{port}", large_table_b4(i)));
+        }
+        let j = next();
+        let sport = (((j % 16) << 12) | (2000 + k)) as u16;
+        let src = leak(large_table_ipv4(j));
+        let inner = ip4(plain(src, "1.2.3.4", 17), &udp(sport, 443, 20));
+        // Every 5th comes from another softwire's B4: a source mismatch.
+        let b4 = large_table_b4(if k % 5 == 1 { (j + 1) % SOFTWIRES } else { j });
+        in6.push(from_b4(&b4, BR, inner));
+        if k % 5 != 1 {
+            want4.push(format!("{src}\t{sport}"));
+        }
+    }
+    let out = check(&large_table_conf(SOFTWIRES), &in4, &in6);
+    let got6: Vec<String> = out
+        .v6(&["ipv6.dst", "udp.dstport", "icmpv6.type"])
+        .into_iter()
+        .filter(|l| !l.ends_with("\t1")) // the mismatches' ICMPv6 errors
+        .map(|l| l.trim_end().to_string())
+        .collect();
+    assert_eq!(got6, want6);
+    let got4: Vec<String> = out
+        .v4(&["ip.src", "udp.srcport", "icmp.type"])
+        .into_iter()
+        .filter(|l| !l.ends_with("\t3")) // the unknown addresses' host unreachables
+        .map(|l| l.trim_end().to_string())
+        .collect();
+    assert_eq!(got4, want4);
+    assert_eq!(out.counter("encapsulated"), want6.len() as u64);
+    assert_eq!(out.counter("decapsulated"), want4.len() as u64);
+    assert_eq!(out.counter("source_mismatch_drops"), 60);
+}
+
 #[test]
 fn unbound_destinations_are_dropped_with_icmp_host_unreachable() {
     let sent = ip4(plain("1.2.3.4", "178.79.150.233", 17), &udp(40000, 81, 20));

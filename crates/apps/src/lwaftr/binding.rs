@@ -514,9 +514,10 @@ impl BindingTable {
         self.count
     }
 
-    /// Whether the table is large enough for its lookups to gain from being fetched a batch
-    /// ahead. A smaller one stays in the caches, where the passes that fetch ahead cost more
-    /// than they save (Snabb's 12 softwires: 1.03-1.34x without them, in eight rounds).
+    /// Whether the table is large enough for its lookups to gain from being fetched a few
+    /// frames ahead. A smaller one stays in the caches, where reading the keys first and
+    /// fetching ahead cost more than they save (Snabb's 12 softwires: 1.03-1.34x without them,
+    /// in eight rounds).
     #[inline]
     pub fn prefetch_pays(&self) -> bool {
         self.memory_bytes() >= PREFETCHED_TABLE_BYTES

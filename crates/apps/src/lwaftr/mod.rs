@@ -237,6 +237,11 @@ const WAITING_MAX: usize = 1024;
 /// Seconds between ARP requests / Neighbor Solicitations while a next hop is unresolved.
 const SOLICIT_INTERVAL: Duration = Duration::from_secs(3);
 
+/// How many frames ahead of the one being handled its binding-table address entry is
+/// requested, and its softwire (read from the address entry, so nearer).
+const ADDRESS_LOOKAHEAD: usize = 16;
+const SOFTWIRE_LOOKAHEAD: usize = 8;
+
 /// The first IPv4 and IPv6 fragment identifications are these plus one, then they count up,
 /// as Snabb's fragmenters do under test, so that runs are reproducible.
 const FIRST_FRAGMENT_ID4: u16 = 0x4242;
@@ -602,9 +607,8 @@ impl Lwaftr {
 
     // ---- ingress: untag, then each side's handler (reassembly, filter, ND, echo, core) ----
 
-    /// One side's input in three passes per batch: the first starts loading each packet's
-    /// address entry into the cache, the second its softwire, so that with a large table the
-    /// lookups of the third do not wait for memory.
+    /// One side's input: each frame untagged, then handled while the lookups of the frames a
+    /// little further on are fetched ahead (with a large table: [`Self::fetch_ahead`]).
     fn receive(&mut self, side: usize, input: &mut stitch_core::Consumer) {
         let mut batch = std::mem::take(&mut self.batch);
         for p in input.drain() {
@@ -612,10 +616,15 @@ impl Lwaftr {
                 batch.push(p);
             }
         }
-        if self.table.prefetch_pays() {
-            self.prefetch_lookups(side, &batch);
+        let fetching = self.table.prefetch_pays();
+        if fetching {
+            self.read_keys(side, &batch);
+            self.start_fetching();
         }
-        for p in batch.drain(..) {
+        for (i, p) in batch.drain(..).enumerate() {
+            if fetching {
+                self.fetch_ahead(i);
+            }
             if side == V4 {
                 self.handle_internet(p);
             } else {
@@ -625,9 +634,9 @@ impl Lwaftr {
         self.batch = batch;
     }
 
-    /// Brings in what `batch`'s lookups will read, in two passes (each frame's address entry,
-    /// then its softwire), and the headroom line an encapsulated frame's IPv6 header goes to.
-    fn prefetch_lookups(&mut self, side: usize, batch: &[Packet]) {
+    /// Each frame's binding-table key into `keys`, in the batch's order, and the headroom line
+    /// an encapsulated frame's IPv6 header goes to into the cache.
+    fn read_keys(&mut self, side: usize, batch: &[Packet]) {
         let skip = if side == V4 { 0 } else { 40 };
         self.keys.clear();
         for p in batch {
@@ -635,14 +644,33 @@ impl Lwaftr {
                 // Encapsulated, the frame starts 40 bytes earlier (an IPv6 header more).
                 p.prefetch_front(40);
             }
-            let key = peek(p.data(), skip);
-            if let Some((a, _)) = key {
-                self.table.prefetch_address(a);
-            }
-            self.keys.push(key);
+            self.keys.push(peek(p.data(), skip));
         }
-        for &(a, port) in self.keys.iter().flatten() {
+    }
+
+    /// The fetches [`Self::fetch_ahead`] would have made before the batch's first frame.
+    fn start_fetching(&self) {
+        for &(a, _) in self.keys.iter().take(ADDRESS_LOOKAHEAD).flatten() {
+            self.table.prefetch_address(a);
+        }
+        for &(a, port) in self.keys.iter().take(SOFTWIRE_LOOKAHEAD).flatten() {
             self.table.prefetch(a, port);
+        }
+    }
+
+    /// While frame `i` is handled: the address entry of frame `i + ADDRESS_LOOKAHEAD` is
+    /// requested, and the softwire of frame `i + SOFTWIRE_LOOKAHEAD`, whose address entry came
+    /// in meanwhile. A software pipeline keeps a few misses in flight at a time; requesting a
+    /// whole batch's entries, then its softwires, in two passes asked for a hundred lines at
+    /// once, more than a core's miss buffers hold, and most came too late (1M softwires:
+    /// 1.2-1.3x faster this way on an AMD EPYC, no change on the Xeons before).
+    #[inline(always)]
+    fn fetch_ahead(&self, i: usize) {
+        if let Some(Some((a, _))) = self.keys.get(i + ADDRESS_LOOKAHEAD) {
+            self.table.prefetch_address(*a);
+        }
+        if let Some(Some((a, port))) = self.keys.get(i + SOFTWIRE_LOOKAHEAD) {
+            self.table.prefetch(*a, *port);
         }
     }
 
