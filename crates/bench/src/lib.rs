@@ -2,6 +2,7 @@
 //! benchmark; the `stitch` binary parses the command line and calls `run`.
 
 mod capture_link;
+mod chain;
 mod chain_switch;
 mod cluster;
 mod kernel;
@@ -16,13 +17,12 @@ use clap::Subcommand;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use stitch_core::link::{link, Consumer, Producer};
 use stitch_core::{pool, Engine, Graph, Registry};
 
 #[derive(Subcommand)]
 pub enum BenchCmd {
-    /// generator → N forwarders → sink on one worker, against a bare loop moving packets through
-    /// the same rings (raw-ring baseline), alternated run by run.
+    /// generator → N forwarders → sink on one worker, generator → sink alone and a bare loop
+    /// moving packets through the same rings (raw-ring baseline), taking turns on one core.
     Chain {
         /// Forwarders between source and sink.
         #[arg(long, default_value_t = 8)]
@@ -30,10 +30,10 @@ pub enum BenchCmd {
         /// Frame size in bytes.
         #[arg(long, default_value_t = 64)]
         size: usize,
-        /// Measured seconds per run and contender.
+        /// Seconds per measured window (the three contenders share each).
         #[arg(long, default_value_t = 2.0)]
         seconds: f64,
-        /// Runs (medians are reported).
+        /// Windows (medians are reported).
         #[arg(long, default_value_t = 3)]
         runs: usize,
         /// Print results as JSON.
@@ -167,6 +167,35 @@ pub(crate) fn thread_cpu_seconds() -> f64 {
     t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
 }
 
+/// CPU time of thread `tid` of this process, to the nanosecond: the thread's own CPU-time
+/// clock, as glibc's `pthread_getcpuclockid` makes its id from a thread id.
+pub(crate) fn cpu_seconds_of_thread(tid: libc::pid_t) -> f64 {
+    const CPUCLOCK_SCHED: libc::clockid_t = 2;
+    const CPUCLOCK_PERTHREAD: libc::clockid_t = 4;
+    let clock = (!tid << 3) | CPUCLOCK_PERTHREAD | CPUCLOCK_SCHED;
+    let mut t = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec into `t`, which is live; an id naming no
+    // thread of this process makes it fail with EINVAL and leave `t` at zero.
+    unsafe { libc::clock_gettime(clock, &mut t) };
+    t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
+}
+
+/// The ids of this process's threads named `name` (at most 15 bytes, as Linux keeps them).
+pub(crate) fn threads_named(name: &str) -> Vec<libc::pid_t> {
+    let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .filter(|t| {
+            std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim_end() == name)
+        })
+        .filter_map(|t| t.file_name().to_str()?.parse().ok())
+        .collect()
+}
+
 pub(crate) fn load_average() -> String {
     std::fs::read_to_string("/proc/loadavg")
         .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
@@ -191,12 +220,20 @@ impl Sample {
     }
 }
 
-fn chain_graph(hops: usize, size: usize) -> String {
+/// The chain's graph; with `worker`, all its apps on that worker, pinned to the given core.
+fn chain_graph(hops: usize, size: usize, worker: Option<(&str, usize)>) -> String {
+    let (workers, on) = match worker {
+        Some((name, core)) => (
+            format!("workers: {{ {name}: {{ core: {core} }} }}\n"),
+            format!(", worker: {name}"),
+        ),
+        None => (String::new(), String::new()),
+    };
     let mut s = format!(
-        "engine: {{ busy_poll: true }}\napps:\n  src: {{ type: generator, size: {size}, timestamps: false }}\n  out: {{ type: sink }}\n"
+        "engine: {{ busy_poll: true }}\n{workers}apps:\n  src: {{ type: generator, size: {size}, timestamps: false{on} }}\n  out: {{ type: sink{on} }}\n"
     );
     for i in 1..=hops {
-        s += &format!("  f{i}: {{ type: forwarder }}\n");
+        s += &format!("  f{i}: {{ type: forwarder{on} }}\n");
     }
     s += "links:\n";
     let mut prev = "src.output".to_string();
@@ -220,8 +257,18 @@ pub(crate) fn sink_packets(e: &Engine) -> u64 {
 
 /// The chain of `hops` forwarders running in a fresh engine.
 pub(crate) fn start_chain(registry: &Arc<Registry>, hops: usize, size: usize) -> Result<Engine> {
+    start_chain_on(registry, hops, size, None)
+}
+
+/// [`start_chain`], with `worker` naming the worker thread and the core it is pinned to.
+pub(crate) fn start_chain_on(
+    registry: &Arc<Registry>,
+    hops: usize,
+    size: usize,
+    worker: Option<(&str, usize)>,
+) -> Result<Engine> {
     let g = Graph::parse(
-        &chain_graph(hops, size),
+        &chain_graph(hops, size, worker),
         "<bench>",
         Path::new("."),
         registry,
@@ -250,47 +297,6 @@ pub(crate) fn measure_window(engine: &Engine, settle: Duration, secs: f64) -> Sa
     }
 }
 
-fn measure_engine(registry: &Arc<Registry>, hops: usize, size: usize, secs: f64) -> Result<Sample> {
-    let engine = start_chain(registry, hops, size)?;
-    let sample = measure_window(&engine, Duration::from_millis(300), secs);
-    engine.stop();
-    Ok(sample)
-}
-
-/// Moves packets around `rings` links in a cycle with a bare loop: the cost of the ring alone.
-/// Counts one packet per ring move.
-fn measure_raw(rings: usize, size: usize, secs: f64) -> Sample {
-    std::thread::spawn(move || {
-        let mut ends: Vec<(Producer, Consumer)> = (0..rings).map(|_| link(1024)).collect();
-        for _ in 0..512 {
-            let mut p = pool::alloc().expect("pool");
-            let _ = p.set_len(size);
-            ends[0].0.transmit(p);
-        }
-        let (mut producers, mut consumers): (Vec<Producer>, Vec<Consumer>) = ends.drain(..).unzip();
-        let (t0, c0) = (Instant::now(), thread_cpu_seconds());
-        let deadline = Duration::from_secs_f64(secs);
-        let mut moves = 0u64;
-        loop {
-            for _ in 0..256 {
-                for (i, c) in consumers.iter_mut().enumerate() {
-                    moves += c.forward_to(&mut producers[(i + 1) % rings]) as u64;
-                }
-            }
-            if t0.elapsed() >= deadline {
-                break;
-            }
-        }
-        Sample {
-            packets: moves,
-            wall: t0.elapsed().as_secs_f64(),
-            cpu: thread_cpu_seconds() - c0,
-        }
-    })
-    .join()
-    .expect("raw ring thread")
-}
-
 pub fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     v[v.len() / 2]
@@ -314,7 +320,7 @@ pub fn run(cmd: BenchCmd, registry: fn() -> Registry) -> Result<()> {
             seconds,
             runs,
             json,
-        } => chain(Arc::new(registry()), hops, size, seconds, runs, json),
+        } => chain::run(Arc::new(registry()), hops, size, seconds, runs, json),
         BenchCmd::Lwaftr {
             conf,
             v4,
@@ -354,90 +360,4 @@ pub fn run(cmd: BenchCmd, registry: fn() -> Registry) -> Result<()> {
             nf::run(&name, seconds, runs)
         }
     }
-}
-
-/// `stitch bench chain`: the chain, source → sink alone and the raw ring, run after run.
-fn chain(
-    registry: Arc<Registry>,
-    hops: usize,
-    size: usize,
-    seconds: f64,
-    runs: usize,
-    json: bool,
-) -> Result<()> {
-    anyhow::ensure!(hops >= 1, "--hops must be at least 1");
-    anyhow::ensure!(runs >= 1, "--runs must be at least 1");
-    for t in ["generator", "forwarder", "sink"] {
-        anyhow::ensure!(
-            registry.get(t).is_some(),
-            "app type {t} missing from this build"
-        );
-    }
-    // Snabb's packets live on hugepages; so do ours when the pool can have them (a TLB miss
-    // per packet otherwise: 19 ns source → sink instead of 16 on the machine of session 10).
-    let _hugepages = HugePageReserve::for_pool(pool::DEFAULT_PACKETS)?;
-    let load = load_average();
-    if !json {
-        println!(
-            "chain: {hops} forwarders, {size}-byte packets, {seconds} s per contender, {runs} runs; load average {load}"
-        );
-        println!(
-            "{:>3}  {:>11} {:>13} {:>13} {:>10} {:>12} {:>7}",
-            "run", "chain Mpps", "chain ns/pkt", "src→sink ns", "ns/hop", "raw ns/hop", "ratio"
-        );
-    }
-    let (mut mpps, mut per_hop, mut raw_hop, mut ratio, mut total, mut fixed) =
-        (vec![], vec![], vec![], vec![], vec![], vec![]);
-    let mut samples = Vec::new();
-    for run in 1..=runs {
-        let raw = measure_raw(hops + 1, size, seconds);
-        let chain = measure_engine(&registry, hops, size, seconds)?;
-        let direct = measure_engine(&registry, 0, size, seconds)?;
-        // The engine's cost per hop is what each forwarder adds to source → sink.
-        let hop = ((chain.ns_per_packet() - direct.ns_per_packet()) / hops as f64).max(0.0);
-        let r = raw.ns_per_packet();
-        if !json {
-            println!(
-                "{run:>3}  {:>11.2} {:>13.2} {:>13.2} {:>10.2} {:>12.2} {:>7.2}",
-                chain.mpps(),
-                chain.ns_per_packet(),
-                direct.ns_per_packet(),
-                hop,
-                r,
-                hop / r
-            );
-        }
-        mpps.push(chain.mpps());
-        total.push(chain.ns_per_packet());
-        fixed.push(direct.ns_per_packet());
-        per_hop.push(hop);
-        raw_hop.push(r);
-        ratio.push(hop / r);
-        samples.push((raw, chain, direct));
-    }
-    let result = serde_json::json!({
-        "hops": hops, "size": size, "seconds": seconds, "runs": runs, "load_average": load,
-        "chain_mpps": median(mpps.clone()),
-        "chain_ns_per_packet": median(total.clone()),
-        "source_to_sink_ns_per_packet": median(fixed.clone()),
-        "ns_per_hop": median(per_hop.clone()),
-        "raw_ns_per_hop": median(raw_hop.clone()),
-        "ratio": median(ratio.clone()),
-        "samples": samples.iter().map(|(r, c, d)| serde_json::json!({"raw": r, "chain": c, "direct": d})).collect::<Vec<_>>(),
-    });
-    if json {
-        println!("{}", serde_json::to_string_pretty(&result)?);
-    } else {
-        println!(
-            "med  {:>11.2} {:>13.2} {:>13.2} {:>10.2} {:>12.2} {:>7.2}",
-            median(mpps),
-            median(total),
-            median(fixed),
-            median(per_hop),
-            median(raw_hop),
-            median(ratio)
-        );
-        println!("(ns are CPU time per packet; ns/hop = (chain − source→sink) / hops)");
-    }
-    Ok(())
 }

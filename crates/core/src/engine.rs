@@ -132,7 +132,8 @@ struct Worker {
     config: WorkerConfig,
 }
 
-fn pin_to_core(core: usize) {
+/// Pins the calling thread to `core`; a failure is logged, and the thread runs where it is.
+pub fn pin_to_core(core: usize) {
     // SAFETY: cpu_set_t is a bit array, valid when zeroed; CPU_SET stays inside it for any
     // core below CPU_SETSIZE (libc's CPU_SET checks); sched_setaffinity reads `set` only.
     unsafe {

@@ -23,7 +23,7 @@ pub use app::{
     App, AppContext, AppError, AppType, Counter, Io, PortNames, PortSpec, Reconfigured, Registry,
     PULL_BURST,
 };
-pub use engine::{Engine, Stats};
+pub use engine::{pin_to_core, Engine, Stats};
 pub use graph::{Graph, Placement};
 pub use link::{Consumer, Producer};
 pub use packet::Packet;

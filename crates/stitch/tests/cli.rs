@@ -421,3 +421,34 @@ fn generated_packets_pass_tshark_checksum_validation() {
         );
     }
 }
+
+#[test]
+fn the_chain_benchmark_runs_its_three_contenders_side_by_side() {
+    // Root only for the hugepages the benchmark reserves; without them the pool falls back.
+    let out = ok(stitch()
+        .args([
+            "bench",
+            "chain",
+            "--hops",
+            "2",
+            "--seconds",
+            "0.2",
+            "--runs",
+            "2",
+            "--json",
+        ])
+        .output()
+        .unwrap());
+    let r: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let samples = r["samples"].as_array().unwrap();
+    assert_eq!(samples.len(), 2, "{out}");
+    for s in samples {
+        for contender in ["raw", "chain", "direct"] {
+            // Each thread had turns in every window: packets moved, CPU time of its own.
+            assert!(s[contender]["packets"].as_u64().unwrap() > 0, "{out}");
+            assert!(s[contender]["cpu"].as_f64().unwrap() > 0.0, "{out}");
+        }
+    }
+    assert_eq!(r["hops"], 2);
+    assert!(r["chain_ns_per_packet"].as_f64().unwrap() > 0.0, "{out}");
+}
