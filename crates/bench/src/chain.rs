@@ -5,34 +5,17 @@
 
 use crate::{
     cpu_seconds_of_thread, load_average, median, sink_packets, start_chain_on, threads_named,
-    HugePageReserve,
+    HugePageReserve, Sample,
 };
 use anyhow::{Context, Result};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use stitch_core::link::{link, Consumer, Producer};
 use stitch_core::{pin_to_core, pool, Engine, Registry};
 
 /// Time for every contender to start and warm up before the first window.
 const SETTLE: Duration = Duration::from_millis(300);
-
-/// Packets moved and CPU seconds used by one contender in one window.
-#[derive(Clone, Copy, serde::Serialize)]
-struct Window {
-    packets: u64,
-    cpu: f64,
-}
-
-impl Window {
-    fn ns_per_packet(&self) -> f64 {
-        self.cpu * 1e9 / self.packets.max(1) as f64
-    }
-    /// Millions of packets per second of CPU: what the contender moves on a core of its own.
-    fn mpps(&self) -> f64 {
-        self.packets as f64 / self.cpu.max(1e-9) / 1e6
-    }
-}
 
 /// Where a contender's counts are read: packets so far and its thread's CPU seconds.
 struct Reading {
@@ -41,12 +24,20 @@ struct Reading {
 }
 
 impl Reading {
-    fn since(&self, start: &Reading) -> Window {
-        Window {
+    /// What the contender did between `start` and this reading, `wall` seconds apart.
+    fn since(&self, start: &Reading, wall: f64) -> Sample {
+        Sample {
             packets: self.packets - start.packets,
+            wall,
             cpu: self.cpu - start.cpu,
         }
     }
+}
+
+/// Millions of packets per second of `s`'s CPU time: what the contender moves on a core of
+/// its own (its wall-clock rate counts the turns it waited).
+fn mpps_per_cpu_second(s: &Sample) -> f64 {
+    1e3 / s.ns_per_packet()
 }
 
 /// A chain in its own engine, on a worker of its own name.
@@ -162,9 +153,9 @@ fn shared_core() -> usize {
 
 /// One row of results: the three windows of a run.
 struct Run {
-    raw: Window,
-    chain: Window,
-    direct: Window,
+    raw: Sample,
+    chain: Sample,
+    direct: Sample,
     hops: usize,
 }
 
@@ -215,13 +206,14 @@ pub(crate) fn run(
     std::thread::sleep(SETTLE);
     let mut rows = Vec::new();
     for n in 1..=runs {
-        let start = [raw.read(), chain.read(), direct.read()];
+        let (start, t0) = ([raw.read(), chain.read(), direct.read()], Instant::now());
         std::thread::sleep(Duration::from_secs_f64(seconds));
         let end = [raw.read(), chain.read(), direct.read()];
+        let wall = t0.elapsed().as_secs_f64();
         let row = Run {
-            raw: end[0].since(&start[0]),
-            chain: end[1].since(&start[1]),
-            direct: end[2].since(&start[2]),
+            raw: end[0].since(&start[0], wall),
+            chain: end[1].since(&start[1], wall),
+            direct: end[2].since(&start[2], wall),
             hops,
         };
         anyhow::ensure!(
@@ -231,7 +223,7 @@ pub(crate) fn run(
         if !json {
             println!(
                 "{n:>3}  {:>11.2} {:>13.2} {:>13.2} {:>10.2} {:>12.2} {:>7.2}",
-                row.chain.mpps(),
+                mpps_per_cpu_second(&row.chain),
                 row.chain.ns_per_packet(),
                 row.direct.ns_per_packet(),
                 row.ns_per_hop(),
@@ -248,7 +240,7 @@ pub(crate) fn run(
     let result = serde_json::json!({
         "hops": hops, "size": size, "seconds": seconds, "runs": runs, "load_average": load,
         "core": core,
-        "chain_mpps": med(|r| r.chain.mpps()),
+        "chain_mpps": med(|r| mpps_per_cpu_second(&r.chain)),
         "chain_ns_per_packet": med(|r| r.chain.ns_per_packet()),
         "source_to_sink_ns_per_packet": med(|r| r.direct.ns_per_packet()),
         "ns_per_hop": med(Run::ns_per_hop),
@@ -261,7 +253,7 @@ pub(crate) fn run(
     } else {
         println!(
             "med  {:>11.2} {:>13.2} {:>13.2} {:>10.2} {:>12.2} {:>7.2}",
-            med(|r| r.chain.mpps()),
+            med(|r| mpps_per_cpu_second(&r.chain)),
             med(|r| r.chain.ns_per_packet()),
             med(|r| r.direct.ns_per_packet()),
             med(Run::ns_per_hop),

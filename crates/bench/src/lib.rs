@@ -158,13 +158,7 @@ pub(crate) fn cpu_seconds(who: i32) -> f64 {
 /// CPU time of the calling thread, to the nanosecond (getrusage brings a running thread's time
 /// up to date only at the scheduler's ticks, too coarse for slices of milliseconds).
 pub(crate) fn thread_cpu_seconds() -> f64 {
-    let mut t = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes one timespec into `t`, which is live.
-    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) };
-    t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
+    clock_seconds(libc::CLOCK_THREAD_CPUTIME_ID)
 }
 
 /// CPU time of thread `tid` of this process, to the nanosecond: the thread's own CPU-time
@@ -172,13 +166,17 @@ pub(crate) fn thread_cpu_seconds() -> f64 {
 pub(crate) fn cpu_seconds_of_thread(tid: libc::pid_t) -> f64 {
     const CPUCLOCK_SCHED: libc::clockid_t = 2;
     const CPUCLOCK_PERTHREAD: libc::clockid_t = 4;
-    let clock = (!tid << 3) | CPUCLOCK_PERTHREAD | CPUCLOCK_SCHED;
+    clock_seconds((!tid << 3) | CPUCLOCK_PERTHREAD | CPUCLOCK_SCHED)
+}
+
+/// Seconds on `clock`; 0 for a clock that does not exist (a thread that has gone).
+fn clock_seconds(clock: libc::clockid_t) -> f64 {
     let mut t = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
     };
     // SAFETY: clock_gettime writes one timespec into `t`, which is live; an id naming no
-    // thread of this process makes it fail with EINVAL and leave `t` at zero.
+    // clock makes it fail with EINVAL and leave `t` at zero.
     unsafe { libc::clock_gettime(clock, &mut t) };
     t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
 }
