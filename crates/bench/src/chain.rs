@@ -1,10 +1,12 @@
-//! `stitch bench chain`: generator → N forwarders → sink on one worker, generator → sink alone,
-//! and the raw-ring baseline (a bare loop moving packets round N + 1 rings), all three at once
-//! on one core. The scheduler gives each its turns of a few milliseconds, so all three meet the
-//! same minutes of a shared machine; each one's cost is its own thread's CPU time per packet.
+//! `stitch bench chain`: generator → N forwarders → sink and the raw-ring baseline (a bare loop
+//! moving packets round N + 1 rings) at once on one core, each on a thread of its own; the
+//! scheduler gives each its turns of a few milliseconds, so both meet the same minutes of a
+//! shared machine, and each one's cost is its own thread's CPU time per packet. The engine's
+//! worker takes turns between the chain and generator → sink alone, the forwarders spliced in
+//! and out by the live diff, so that the cost of a hop is a difference measured on one thread.
 
 use crate::{
-    cpu_seconds_of_thread, load_average, median, sink_packets, start_chain_on, threads_named,
+    cpu_seconds_of_thread, load_average, median, parse_chain, sink_packets, threads_named,
     HugePageReserve, Sample,
 };
 use anyhow::{Context, Result};
@@ -12,7 +14,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use stitch_core::link::{link, Consumer, Producer};
-use stitch_core::{pin_to_core, pool, Engine, Registry};
+use stitch_core::{pin_to_core, pool, Engine, Graph, Registry};
 
 /// Time for every contender to start and warm up before the first window.
 const SETTLE: Duration = Duration::from_millis(300);
@@ -40,30 +42,75 @@ fn mpps_per_cpu_second(s: &Sample) -> f64 {
     1e3 / s.ns_per_packet()
 }
 
-/// A chain in its own engine, on a worker of its own name.
-struct EngineContender {
+/// The engine's side of the comparison: one worker running source → sink, with the chain's
+/// forwarders spliced in and out by the engine's live diff (the generator and the sink are kept
+/// with their state). The chain and source → sink thus run on the same thread with the same
+/// packet buffers and caches, and the per-hop figure, their difference, compares like with
+/// like: two identical source → sink engines in one process differ by up to 12 % per packet
+/// (which engine's buffers and pages map where in the caches), enough to move the per-hop ratio
+/// at N = 8 by ±0.4 when chain and source → sink ran as two engines.
+struct SplicedChain {
     engine: Engine,
     thread: libc::pid_t,
+    chain: Graph,
+    direct: Graph,
 }
 
-impl EngineContender {
-    fn start(
-        registry: &Arc<Registry>,
-        hops: usize,
-        size: usize,
-        name: &str,
-        core: usize,
-    ) -> Result<Self> {
-        let engine = start_chain_on(registry, hops, size, Some((name, core)))?;
-        let thread_name = format!("stitch-{name}");
-        // The worker starts with the graph; give it a moment to appear.
+/// Turns of each shape per run: chain, source → sink, source → sink, chain, and again, so that
+/// a drift of the machine during a run weighs on both alike.
+const SPLICES_PER_RUN: usize = 4;
+/// After a splice, time for the worker to run the new graph before its window.
+const SPLICE_SETTLE: Duration = Duration::from_millis(20);
+/// The worker the engine's contender runs on.
+const WORKER: &str = "chain";
+
+impl SplicedChain {
+    fn start(registry: &Arc<Registry>, hops: usize, size: usize, core: usize) -> Result<Self> {
+        let chain = parse_chain(registry, hops, size, Some((WORKER, core)))?;
+        let direct = parse_chain(registry, 0, size, Some((WORKER, core)))?;
+        let engine = Engine::new(registry.clone());
+        engine.apply(chain.clone())?;
+        let thread = Self::worker_thread()?;
+        Ok(SplicedChain {
+            engine,
+            thread,
+            chain,
+            direct,
+        })
+    }
+
+    /// The worker's thread; it starts with the graph, so give it a moment to appear.
+    fn worker_thread() -> Result<libc::pid_t> {
+        let name = format!("stitch-{WORKER}");
         for _ in 0..100 {
-            if let Some(&thread) = threads_named(&thread_name).first() {
-                return Ok(EngineContender { engine, thread });
+            if let Some(&thread) = threads_named(&name).first() {
+                return Ok(thread);
             }
             std::thread::sleep(Duration::from_millis(10));
         }
-        anyhow::bail!("the engine's worker thread {thread_name} did not start")
+        anyhow::bail!("the engine's worker thread {name} did not start")
+    }
+
+    /// About `seconds` of turns of the chain and of source → sink: what each did in its windows.
+    fn measure(&self, seconds: f64) -> Result<(Sample, Sample)> {
+        let window = Duration::from_secs_f64(seconds / (2 * SPLICES_PER_RUN) as f64);
+        let (mut chain, mut direct) = (Sample::default(), Sample::default());
+        for turn in 0..2 * SPLICES_PER_RUN {
+            let (graph, total) = match turn % 4 {
+                0 | 3 => (&self.chain, &mut chain),
+                _ => (&self.direct, &mut direct),
+            };
+            self.engine.apply(graph.clone())?;
+            anyhow::ensure!(
+                threads_named(&format!("stitch-{WORKER}")).first() == Some(&self.thread),
+                "the engine replaced its worker thread on a splice"
+            );
+            std::thread::sleep(SPLICE_SETTLE);
+            let (start, t0) = (self.read(), Instant::now());
+            std::thread::sleep(window);
+            *total += self.read().since(&start, t0.elapsed().as_secs_f64());
+        }
+        Ok((chain, direct))
     }
 
     fn read(&self) -> Reading {
@@ -191,12 +238,12 @@ pub(crate) fn run(
     let load = load_average();
     let core = shared_core();
     let raw = RawRing::start(hops + 1, size, core)?;
-    let chain = EngineContender::start(&registry, hops, size, "chain", core)?;
-    let direct = EngineContender::start(&registry, 0, size, "direct", core)?;
+    let engine = SplicedChain::start(&registry, hops, size, core)?;
     if !json {
         println!(
-            "chain: {hops} forwarders, {size}-byte packets, {runs} windows of {seconds} s with the chain, \
-             source → sink and the raw ring taking turns on core {core}; load average {load}"
+            "chain: {hops} forwarders, {size}-byte packets, {runs} runs of {seconds} s: the raw ring and \
+             the engine taking turns on core {core}, the engine's worker {SPLICES_PER_RUN} turns each \
+             with and without the forwarders; load average {load}"
         );
         println!(
             "{:>3}  {:>11} {:>13} {:>13} {:>10} {:>12} {:>7}",
@@ -206,14 +253,12 @@ pub(crate) fn run(
     std::thread::sleep(SETTLE);
     let mut rows = Vec::new();
     for n in 1..=runs {
-        let (start, t0) = ([raw.read(), chain.read(), direct.read()], Instant::now());
-        std::thread::sleep(Duration::from_secs_f64(seconds));
-        let end = [raw.read(), chain.read(), direct.read()];
-        let wall = t0.elapsed().as_secs_f64();
+        let (start, t0) = (raw.read(), Instant::now());
+        let (chain, direct) = engine.measure(seconds)?;
         let row = Run {
-            raw: end[0].since(&start[0], wall),
-            chain: end[1].since(&start[1], wall),
-            direct: end[2].since(&start[2], wall),
+            raw: raw.read().since(&start, t0.elapsed().as_secs_f64()),
+            chain,
+            direct,
             hops,
         };
         anyhow::ensure!(
@@ -233,8 +278,7 @@ pub(crate) fn run(
         }
         rows.push(row);
     }
-    chain.engine.stop();
-    direct.engine.stop();
+    engine.engine.stop();
     drop(raw);
     let med = |f: fn(&Run) -> f64| median(rows.iter().map(f).collect());
     let result = serde_json::json!({

@@ -208,6 +208,15 @@ pub(crate) struct Sample {
     cpu: f64,
 }
 
+/// Windows added up: their packets, wall and CPU time.
+impl std::ops::AddAssign for Sample {
+    fn add_assign(&mut self, other: Sample) {
+        self.packets += other.packets;
+        self.wall += other.wall;
+        self.cpu += other.cpu;
+    }
+}
+
 impl Sample {
     pub(crate) fn mpps(&self) -> f64 {
         self.packets as f64 / self.wall / 1e6
@@ -243,13 +252,15 @@ fn chain_graph(hops: usize, size: usize, worker: Option<(&str, usize)>) -> Strin
     s
 }
 
-/// Packets the app named `out` has received.
+/// Packets the app named `out` has received: its own `packets` counter where it keeps one (a
+/// `sink`'s survives the graph's changes, while its links' counters start again with each new
+/// link), else what its links delivered.
 pub(crate) fn sink_packets(e: &Engine) -> u64 {
     e.stats()
         .apps
         .iter()
         .find(|a| a.name == "out")
-        .map(|a| a.rx_packets)
+        .map(|a| a.counters.get("packets").copied().unwrap_or(a.rx_packets))
         .unwrap_or(0)
 }
 
@@ -265,16 +276,25 @@ pub(crate) fn start_chain_on(
     size: usize,
     worker: Option<(&str, usize)>,
 ) -> Result<Engine> {
-    let g = Graph::parse(
+    let engine = Engine::new(registry.clone());
+    engine.apply(parse_chain(registry, hops, size, worker)?)?;
+    Ok(engine)
+}
+
+/// The chain's graph ([`chain_graph`]) parsed for `registry`.
+pub(crate) fn parse_chain(
+    registry: &Arc<Registry>,
+    hops: usize,
+    size: usize,
+    worker: Option<(&str, usize)>,
+) -> Result<Graph> {
+    Graph::parse(
         &chain_graph(hops, size, worker),
         "<bench>",
         Path::new("."),
         registry,
     )
-    .map_err(|e| anyhow::anyhow!("{e}"))?;
-    let engine = Engine::new(registry.clone());
-    engine.apply(g)?;
-    Ok(engine)
+    .map_err(|e| anyhow::anyhow!("{e}"))
 }
 
 /// After `settle`, `secs` of the running chain: packets into `out`, wall time and the whole

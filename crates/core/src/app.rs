@@ -6,6 +6,7 @@
 
 use crate::link::{Consumer, Producer};
 use serde::de::DeserializeOwned;
+use smallvec::SmallVec;
 use std::any::Any;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -83,13 +84,28 @@ impl PortSpec {
     }
 }
 
-/// The link ends of one app, by port slot.
+/// Link ends of one side of an app, by port slot: the first two inline (most apps have one or
+/// two ports a side), so that a breath finds them beside the app's slot.
+pub(crate) type Ends<T> = SmallVec<[Option<T>; 2]>;
+
+/// The link ends of one app, by port slot. The fields a breath reads come first (`repr(C)`).
 #[derive(Default)]
+#[repr(C)]
 pub struct Io {
-    pub(crate) inputs: Vec<Option<Consumer>>,
-    pub(crate) outputs: Vec<Option<Producer>>,
+    pub(crate) inputs: Ends<Consumer>,
+    pub(crate) outputs: Ends<Producer>,
+    /// Which breath callbacks the app turned out not to have: the default bodies of
+    /// [`App::pull`] and [`App::push`] say so here, and the engine stops calling them.
+    pub(crate) lacks: Callbacks,
     pub(crate) input_names: Vec<String>,
     pub(crate) output_names: Vec<String>,
+}
+
+/// The breath callbacks an app has shown it lacks.
+#[derive(Default, Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Callbacks {
+    pub(crate) pull: bool,
+    pub(crate) push: bool,
 }
 
 impl Io {
@@ -102,6 +118,7 @@ impl Io {
             outputs,
             input_names,
             output_names,
+            lacks: Callbacks::default(),
         }
     }
 
@@ -277,11 +294,17 @@ pub trait App: Send + 'static {
     where
         Self: Sized;
 
-    /// Brings packets in from outside the graph (sources, drivers).
-    fn pull(&mut self, _io: &mut Io) {}
+    /// Brings packets in from outside the graph (sources, drivers). An app without it is not
+    /// called for it: the default tells the engine so on the first call.
+    fn pull(&mut self, io: &mut Io) {
+        io.lacks.pull = true;
+    }
 
-    /// Processes packets from input links to output links.
-    fn push(&mut self, _io: &mut Io) {}
+    /// Processes packets from input links to output links. An app without it is not called for
+    /// it: the default tells the engine so on the first call.
+    fn push(&mut self, io: &mut Io) {
+        io.lacks.push = true;
+    }
 
     /// Called about every millisecond, for timers and housekeeping.
     fn tick(&mut self, _io: &mut Io, _now: Instant) {}

@@ -58,20 +58,22 @@ pub enum EngineError {
     Other(String),
 }
 
-/// One app with everything the worker needs to run it.
+/// One app with everything the worker needs to run it; what a breath reads first (`repr(C)`).
+#[repr(C)]
 struct AppSlot {
+    app: Box<dyn DynApp>,
+    io: Io,
     name: String,
     kind: String,
     config: serde_json::Value,
-    app: Box<dyn DynApp>,
-    io: Io,
     counters: Counters,
     failed: Arc<AtomicBool>,
-    has_inputs: bool,
 }
 
 impl AppSlot {
-    fn guarded(&mut self, what: &str, f: impl FnOnce(&mut dyn DynApp, &mut Io)) {
+    /// Runs `f` on the app; a panic stops the app (counted, logged) and the worker carries on.
+    /// Returns whether the app panicked.
+    fn guarded(&mut self, what: &str, f: impl FnOnce(&mut dyn DynApp, &mut Io)) -> bool {
         let r = catch_unwind(AssertUnwindSafe(|| f(self.app.as_mut(), &mut self.io)));
         if let Err(e) = r {
             let msg = e
@@ -86,7 +88,13 @@ impl AppSlot {
             );
             self.counters.get("panics").add(1);
             self.failed.store(true, Ordering::Relaxed);
+            return true;
         }
+        false
+    }
+
+    fn has_inputs(&self) -> bool {
+        self.io.inputs.iter().any(Option::is_some)
     }
 }
 
@@ -103,6 +111,7 @@ pub struct WorkerCounters {
 /// What a worker runs: its apps in topological order.
 struct Plan {
     slots: Vec<AppSlot>,
+    order: BreathOrder,
     rings: Vec<Arc<Ring>>,
     busy_poll: bool,
     max_sleep: Duration,
@@ -148,28 +157,81 @@ pub fn pin_to_core(core: usize) {
     }
 }
 
-fn breathe(plan: &mut Plan) {
-    for s in plan.slots.iter_mut() {
-        if !s.failed.load(Ordering::Relaxed) {
-            s.guarded("pull", |a, io| a.pull(io));
+/// The apps a breath calls, as indices into a plan's slots in topological order: those that
+/// pull, and those that push and have an input. Snabb's engine keeps the same two lists
+/// (`breathe_pull_order`, `breathe_push_order`) so that a breath walks only the apps with work
+/// to do, without a test per app per pass.
+#[derive(Default)]
+struct BreathOrder {
+    pull: Vec<usize>,
+    push: Vec<usize>,
+}
+
+impl BreathOrder {
+    fn of(slots: &[AppSlot]) -> BreathOrder {
+        let live = |s: &AppSlot| !s.failed.load(Ordering::Relaxed);
+        let indices = |keep: &dyn Fn(&AppSlot) -> bool| -> Vec<usize> {
+            (slots.iter().enumerate())
+                .filter(|(_, s)| live(s) && keep(s))
+                .map(|(i, _)| i)
+                .collect()
+        };
+        BreathOrder {
+            pull: indices(&|s| !s.io.lacks.pull),
+            push: indices(&|s| !s.io.lacks.push && s.has_inputs()),
         }
+    }
+}
+
+/// One breath: every app that pulls brings packets in, then apps push, in topological order,
+/// until no input holds packets (at most `MAX_PUSH_PASSES` passes, for links against the
+/// order). An app that panicked or lacks a callback leaves the order after the breath.
+fn breathe(plan: &mut Plan) {
+    let slots = &mut plan.slots;
+    let mut order_changed = false;
+    for &i in &plan.order.pull {
+        let s = &mut slots[i];
+        order_changed |= s.guarded("pull", |a, io| a.pull(io)) | s.io.lacks.pull;
     }
     for pass in 0..MAX_PUSH_PASSES {
         let mut pushed = false;
-        for s in plan.slots.iter_mut() {
-            if !s.has_inputs || s.failed.load(Ordering::Relaxed) {
-                continue;
-            }
+        for &i in &plan.order.push {
+            let s = &mut slots[i];
             if pass > 0 && !s.io.inputs.iter_mut().flatten().any(|c| !c.is_empty()) {
                 continue;
             }
             pushed = true;
-            s.guarded("push", |a, io| a.push(io));
+            order_changed |= s.guarded("push", |a, io| a.push(io)) | s.io.lacks.push;
         }
         if !pushed {
             break;
         }
     }
+    if order_changed {
+        plan.order = BreathOrder::of(&plan.slots);
+    }
+}
+
+/// Every app's `tick`, and whether the worker's finite sources have all finished.
+fn tick_apps(plan: &mut Plan, now: Instant, counters: &WorkerCounters) {
+    let (mut has_finite, mut done, mut panicked) = (false, true, false);
+    for s in plan.slots.iter_mut() {
+        if s.failed.load(Ordering::Relaxed) {
+            continue;
+        }
+        panicked |= s.guarded("tick", |a, io| a.tick(io, now));
+        if let Some(f) = s.app.finished() {
+            has_finite = true;
+            done &= f;
+        }
+    }
+    if panicked {
+        plan.order = BreathOrder::of(&plan.slots);
+    }
+    counters.has_finite.store(has_finite, Ordering::Relaxed);
+    counters
+        .finite_done
+        .store(has_finite && done, Ordering::Relaxed);
 }
 
 fn answer_queries(plan: &mut Plan, queries: &mpsc::Receiver<Query>) {
@@ -178,7 +240,9 @@ fn answer_queries(plan: &mut Plan, queries: &mpsc::Receiver<Query>) {
             None => Err(format!("app `{}` is not on this worker any more", q.app)),
             Some(s) => {
                 let mut out = serde_json::Value::Null;
-                s.guarded("query", |a, _| out = a.query(&q.request));
+                if s.guarded("query", |a, _| out = a.query(&q.request)) {
+                    plan.order = BreathOrder::of(&plan.slots);
+                }
                 Ok(out)
             }
         };
@@ -243,22 +307,7 @@ fn run_worker(
             // Published once per tick, not once per breath: no locked add on the hot loop.
             counters.breaths.fetch_add(breaths, Ordering::Relaxed);
             breaths = 0;
-            let mut has_finite = false;
-            let mut done = true;
-            for s in plan.slots.iter_mut() {
-                if s.failed.load(Ordering::Relaxed) {
-                    continue;
-                }
-                s.guarded("tick", |a, io| a.tick(io, now));
-                if let Some(f) = s.app.finished() {
-                    has_finite = true;
-                    done &= f;
-                }
-            }
-            counters.has_finite.store(has_finite, Ordering::Relaxed);
-            counters
-                .finite_done
-                .store(has_finite && done, Ordering::Relaxed);
+            tick_apps(&mut plan, now, &counters);
         }
         let after = activity(&plan);
         if after != before || plan.busy_poll {
@@ -942,7 +991,6 @@ fn add_built_apps(slots: &mut HashMap<String, AppSlot>, built: BuiltApps, graph:
                 io: Io::default(),
                 counters,
                 failed: Arc::new(AtomicBool::new(false)),
-                has_inputs: false,
             },
         );
     }
@@ -1004,6 +1052,7 @@ fn distribute(
         .map(|(wname, wcfg)| {
             let plan = Plan {
                 slots: Vec::new(),
+                order: BreathOrder::default(),
                 rings: Vec::new(),
                 busy_poll: graph.engine.busy_poll,
                 max_sleep: Duration::from_micros(graph.engine.max_sleep_us.max(1)),
@@ -1014,9 +1063,8 @@ fn distribute(
         .collect();
     let mut apps = IndexMap::new();
     for name in topological_order(graph) {
-        let mut s = slots.remove(&name).expect("slot for every app");
+        let s = slots.remove(&name).expect("slot for every app");
         let decl = &graph.apps[&name];
-        s.has_inputs = s.io.inputs.iter().any(Option::is_some);
         let inputs: Vec<Arc<Ring>> = (s.io.inputs.iter().flatten())
             .map(|c| c.ring().clone())
             .collect();
@@ -1041,6 +1089,9 @@ fn distribute(
             },
         );
         plan.slots.push(s);
+    }
+    for plan in plans.values_mut() {
+        plan.order = BreathOrder::of(&plan.slots);
     }
     (plans, apps)
 }
@@ -1142,4 +1193,125 @@ pub fn topological_order(graph: &Graph) -> Vec<String> {
         }
     }
     order
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::app::{App, AppContext, AppError, PortSpec};
+    use crate::link::link;
+    use crate::pool;
+
+    /// Sends one packet a breath; counts its `pull` calls.
+    struct Source(Arc<AtomicU64>);
+    /// Frees what it receives (no `pull`); counts its `push` calls and panics in `tick`.
+    struct Drain(Arc<AtomicU64>);
+
+    impl App for Source {
+        type Config = ();
+        fn declare(_: &()) -> Result<PortSpec, AppError> {
+            Ok(PortSpec::source())
+        }
+        fn new(_: (), _: &mut AppContext) -> Result<Self, AppError> {
+            unreachable!("built by hand")
+        }
+        fn pull(&mut self, io: &mut Io) {
+            self.0.fetch_add(1, Ordering::Relaxed);
+            if let (Some(out), Some(p)) = (io.output(0), pool::alloc()) {
+                out.transmit(p);
+            }
+        }
+    }
+
+    impl App for Drain {
+        type Config = ();
+        fn declare(_: &()) -> Result<PortSpec, AppError> {
+            Ok(PortSpec::sink())
+        }
+        fn new(_: (), _: &mut AppContext) -> Result<Self, AppError> {
+            unreachable!("built by hand")
+        }
+        fn push(&mut self, io: &mut Io) {
+            self.0.fetch_add(1, Ordering::Relaxed);
+            if let Some(input) = io.input(0) {
+                input.free_available();
+            }
+        }
+        fn tick(&mut self, _: &mut Io, _: Instant) {
+            panic!("tick fails on purpose");
+        }
+    }
+
+    fn slot(name: &str, app: Box<dyn DynApp>, io: Io) -> AppSlot {
+        AppSlot {
+            app,
+            io,
+            name: name.into(),
+            kind: name.into(),
+            config: serde_json::Value::Null,
+            counters: Counters::default(),
+            failed: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
+    /// source → drain on one plan, and the two apps' call counters.
+    fn source_to_drain() -> (Plan, Arc<AtomicU64>, Arc<AtomicU64>) {
+        let (pulls, pushes) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+        let (tx, rx) = link(64);
+        let slots = vec![
+            slot(
+                "source",
+                Box::new(Source(pulls.clone())),
+                Io::new(vec![], vec![("output".into(), tx)]),
+            ),
+            slot(
+                "drain",
+                Box::new(Drain(pushes.clone())),
+                Io::new(vec![("input".into(), rx)], vec![]),
+            ),
+        ];
+        let plan = Plan {
+            order: BreathOrder::of(&slots),
+            slots,
+            rings: Vec::new(),
+            busy_poll: true,
+            max_sleep: Duration::from_millis(1),
+            core: None,
+        };
+        (plan, pulls, pushes)
+    }
+
+    #[test]
+    fn a_breath_calls_only_the_callbacks_an_app_has() {
+        let (mut plan, pulls, pushes) = source_to_drain();
+        // Until the first breath the engine cannot know which callbacks are the defaults.
+        assert_eq!(
+            (&plan.order.pull[..], &plan.order.push[..]),
+            (&[0, 1][..], &[1][..])
+        );
+        for _ in 0..3 {
+            breathe(&mut plan);
+        }
+        assert_eq!(
+            (&plan.order.pull[..], &plan.order.push[..]),
+            (&[0][..], &[1][..])
+        );
+        assert_eq!(pulls.load(Ordering::Relaxed), 3);
+        // The drain pushes once a breath: a second pass finds its input empty.
+        assert_eq!(pushes.load(Ordering::Relaxed), 3);
+    }
+
+    #[test]
+    fn an_app_that_panics_outside_a_breath_leaves_the_breath_order() {
+        let (mut plan, pulls, pushes) = source_to_drain();
+        breathe(&mut plan);
+        tick_apps(&mut plan, Instant::now(), &WorkerCounters::default());
+        assert!(plan.slots[1].failed.load(Ordering::Relaxed));
+        assert!(plan.order.push.is_empty());
+        for _ in 0..3 {
+            breathe(&mut plan);
+        }
+        assert_eq!(pushes.load(Ordering::Relaxed), 1, "no push after the panic");
+        assert_eq!(pulls.load(Ordering::Relaxed), 4, "the source runs on");
+    }
 }

@@ -44,7 +44,10 @@ struct ConsumerSide {
 }
 
 /// The shared part of a link. Counters are written by one side only (relaxed load + store, no
-/// read-modify-write) and may be read by anyone.
+/// read-modify-write) and may be read by anyone. In field order (`repr(C)`): each side's line,
+/// then the ring's geometry — mask and both arrays' places — on one line of their own, which
+/// every batch reads (left to the compiler, the mask and the arrays straddled two lines).
+#[repr(C)]
 pub struct Ring {
     prod: CachePadded<ProducerSide>,
     cons: CachePadded<ConsumerSide>,
