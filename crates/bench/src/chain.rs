@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use stitch_core::link::{link, Consumer, Producer};
-use stitch_core::{pin_to_core, pool, Engine, Graph, Registry};
+use stitch_core::{pin_to_core, pool, Engine, Graph, Registry, PULL_BURST};
 
 /// Time for every contender to start and warm up before the first window.
 const SETTLE: Duration = Duration::from_millis(300);
@@ -121,8 +121,12 @@ impl SplicedChain {
     }
 }
 
-/// The raw-ring baseline on a thread of its own: 512 packets moved round `rings` links with the
-/// same `forward_to` call the forwarders make, one packet counted per ring move.
+/// The raw-ring baseline on a thread of its own: the engine's burst of packets ([`PULL_BURST`],
+/// what a source brings in each breath) moved round `rings` links with the same `forward_to`
+/// call the forwarders make, one packet counted per ring move. Each call then moves as many
+/// packets as a forwarder's does, so the ratio weighs what the engine adds to a ring's work, not
+/// a difference of batch size (with twice the burst, the ring's fixed cost per call was spread
+/// over twice the packets).
 struct RawRing {
     moves: Arc<AtomicU64>,
     stop: Arc<AtomicBool>,
@@ -174,7 +178,7 @@ impl Drop for RawRing {
 
 fn move_round_rings(rings: usize, size: usize, moves: &AtomicU64, stop: &AtomicBool) {
     let mut ends: Vec<(Producer, Consumer)> = (0..rings).map(|_| link(1024)).collect();
-    for _ in 0..512 {
+    for _ in 0..PULL_BURST {
         let mut p = pool::alloc().expect("pool");
         let _ = p.set_len(size);
         ends[0].0.transmit(p);
@@ -241,9 +245,11 @@ pub(crate) fn run(
     let engine = SplicedChain::start(&registry, hops, size, core)?;
     if !json {
         println!(
-            "chain: {hops} forwarders, {size}-byte packets, {runs} runs of {seconds} s: the raw ring and \
+            "chain: {hops} forwarders, {size}-byte packets, {runs} runs of {seconds} s: the raw ring \
+             ({PULL_BURST} packets round {} rings) and \
              the engine taking turns on core {core}, the engine's worker {SPLICES_PER_RUN} turns each \
-             with and without the forwarders; load average {load}"
+             with and without the forwarders; load average {load}",
+            hops + 1
         );
         println!(
             "{:>3}  {:>11} {:>13} {:>13} {:>10} {:>12} {:>7}",

@@ -444,7 +444,8 @@ fn the_chain_benchmark_runs_its_three_contenders_side_by_side() {
     assert_eq!(samples.len(), 2, "{out}");
     for s in samples {
         for contender in ["raw", "chain", "direct"] {
-            // Each thread had turns in every window: packets moved, CPU time of its own.
+            // Each contender had turns in every run: packets moved, CPU time of its own (the
+            // chain and source → sink on one worker, the forwarders spliced in and out).
             assert!(s[contender]["packets"].as_u64().unwrap() > 0, "{out}");
             assert!(s[contender]["cpu"].as_f64().unwrap() > 0.0, "{out}");
         }
