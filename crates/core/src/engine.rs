@@ -185,31 +185,69 @@ impl BreathOrder {
 
 /// One breath: every app that pulls brings packets in, then apps push, in topological order,
 /// until no input holds packets (at most `MAX_PUSH_PASSES` passes, for links against the
-/// order). An app that panicked or lacks a callback leaves the order after the breath.
+/// order). An app that panics leaves the order at once (a later pass must not call it again);
+/// one that lacks a callback, after the breath.
 fn breathe(plan: &mut Plan) {
-    let slots = &mut plan.slots;
-    let mut order_changed = false;
-    for &i in &plan.order.pull {
-        let s = &mut slots[i];
-        order_changed |= s.guarded("pull", |a, io| a.pull(io)) | s.io.lacks.pull;
+    let pulled = pull_all(plan);
+    if pulled.panicked {
+        plan.order = BreathOrder::of(&plan.slots);
     }
+    let mut lacking = pulled.lacking;
     for pass in 0..MAX_PUSH_PASSES {
-        let mut pushed = false;
-        for &i in &plan.order.push {
-            let s = &mut slots[i];
-            if pass > 0 && !s.io.inputs.iter_mut().flatten().any(|c| !c.is_empty()) {
-                continue;
-            }
-            pushed = true;
-            order_changed |= s.guarded("push", |a, io| a.push(io)) | s.io.lacks.push;
+        let pushed = push_pass(plan, pass);
+        lacking |= pushed.lacking;
+        if pushed.panicked {
+            plan.order = BreathOrder::of(&plan.slots);
         }
-        if !pushed {
+        if !pushed.called {
             break;
         }
     }
-    if order_changed {
+    if lacking {
         plan.order = BreathOrder::of(&plan.slots);
     }
+}
+
+/// What a walk over one of a breath's lists saw.
+#[derive(Default)]
+struct Walked {
+    /// Whether it called any app.
+    called: bool,
+    /// Whether an app panicked (it is marked failed).
+    panicked: bool,
+    /// Whether an app turned out to lack the callback.
+    lacking: bool,
+}
+
+/// `pull` on every app of the pull list.
+fn pull_all(plan: &mut Plan) -> Walked {
+    let mut walked = Walked::default();
+    for &i in &plan.order.pull {
+        let s = &mut plan.slots[i];
+        walked.panicked |= s.guarded("pull", |a, io| a.pull(io));
+        walked.lacking |= s.io.lacks.pull;
+        walked.called = true;
+    }
+    walked
+}
+
+/// One pass of `push` over the push list; after the first, only apps whose inputs hold packets.
+/// It stops at an app that panics, which must leave the list before anything is called again.
+fn push_pass(plan: &mut Plan, pass: usize) -> Walked {
+    let mut walked = Walked::default();
+    for &i in &plan.order.push {
+        let s = &mut plan.slots[i];
+        if pass > 0 && !s.io.inputs.iter_mut().flatten().any(|c| !c.is_empty()) {
+            continue;
+        }
+        walked.called = true;
+        if s.guarded("push", |a, io| a.push(io)) {
+            walked.panicked = true;
+            break;
+        }
+        walked.lacking |= s.io.lacks.push;
+    }
+    walked
 }
 
 /// Every app's `tick`, and whether the worker's finite sources have all finished.
