@@ -13,7 +13,7 @@ use anyhow::{Context, Result};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use stitch_core::link::{link, Consumer, Producer};
+use stitch_core::link::{link, Consumer, Producer, DEFAULT_LINK_SIZE};
 use stitch_core::{pin_to_core, pool, Engine, Graph, Registry, PULL_BURST};
 
 /// Time for every contender to start and warm up before the first window.
@@ -102,7 +102,7 @@ impl SplicedChain {
             };
             self.engine.apply(graph.clone())?;
             anyhow::ensure!(
-                threads_named(&format!("stitch-{WORKER}")).first() == Some(&self.thread),
+                Self::worker_thread()? == self.thread,
                 "the engine replaced its worker thread on a splice"
             );
             std::thread::sleep(SPLICE_SETTLE);
@@ -177,7 +177,7 @@ impl Drop for RawRing {
 }
 
 fn move_round_rings(rings: usize, size: usize, moves: &AtomicU64, stop: &AtomicBool) {
-    let mut ends: Vec<(Producer, Consumer)> = (0..rings).map(|_| link(1024)).collect();
+    let mut ends: Vec<(Producer, Consumer)> = (0..rings).map(|_| link(DEFAULT_LINK_SIZE)).collect();
     for _ in 0..PULL_BURST {
         let mut p = pool::alloc().expect("pool");
         let _ = p.set_len(size);

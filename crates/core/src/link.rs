@@ -652,8 +652,8 @@ impl Consumer {
 }
 
 /// Moves the packets of `src`'s slots `from..from + n` into `dst`'s slots `to..to + n`, their
-/// lengths with them, and returns their bytes. One loop over four slices the compiler knows do
-/// not overlap: vector moves with no test of the arrays against each other.
+/// lengths with them, and returns their bytes, in one loop (vectorised; the compiler still tests
+/// the four arrays against each other once per call, not knowing they are disjoint).
 ///
 /// # Safety
 /// Both ranges lie inside their arrays; the source slots hold packets the caller owns and gives
@@ -671,24 +671,12 @@ unsafe fn move_run(src: &Ring, from: usize, dst: &Ring, to: usize, n: usize) -> 
             std::slice::from_raw_parts_mut(dst.len_ptr(to), n),
         )
     };
-    move_slices(to_slots, from_slots, to_lens, from_lens)
-}
-
-/// The loop of [`move_run`], over slices passed as arguments: what tells the compiler that
-/// they do not overlap (slices made in the caller's body would not).
-#[inline(always)]
-fn move_slices(
-    to_slots: &mut [MaybeUninit<Packet>],
-    from_slots: &[MaybeUninit<Packet>],
-    to_lens: &mut [u32],
-    from_lens: &[u32],
-) -> u64 {
     let mut bytes = 0u64;
     for ((to_slot, from_slot), (to_len, &len)) in
         (to_slots.iter_mut().zip(from_slots)).zip(to_lens.iter_mut().zip(from_lens))
     {
         // SAFETY: a bit copy of a `MaybeUninit`, which asks nothing of its contents; the
-        // packet's ownership moves with it (`move_run`'s caller gives up the source slots).
+        // packet's ownership moves with it (the caller gives up the source slots).
         *to_slot = unsafe { std::ptr::read(from_slot) };
         *to_len = len;
         bytes += len as u64;
@@ -701,7 +689,6 @@ fn move_slices(
 /// # Safety
 /// As [`move_run`], for ranges of `n` ≤ each ring's capacity slots from `from` and `to`
 /// (masked), each going on at its ring's start when it passes the end.
-#[cold]
 unsafe fn move_wrapping(src: &Ring, from: usize, dst: &Ring, to: usize, n: usize) -> u64 {
     let (mut bytes, mut moved) = (0u64, 0);
     while moved < n {
