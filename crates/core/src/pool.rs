@@ -22,10 +22,13 @@ use std::sync::{Arc, Mutex, OnceLock};
 pub const DEFAULT_PACKETS: usize = 65536;
 /// Large (GSO) packets when nothing else is configured (18 MiB).
 pub const DEFAULT_LARGE_PACKETS: usize = 256;
-/// Most buffers a thread keeps to itself, per class.
-const CACHE_MAX: usize = 512;
-/// Buffers moved between a thread cache and the global list at once.
+/// Buffers moved between a thread cache and the global list at once, for a class large enough
+/// (a thread keeps at most twice its class's batch).
 const CACHE_BATCH: usize = 256;
+/// A class's batch is at most this fraction of its buffers, so that a few threads cannot hoard a
+/// small class: with 256 GSO buffers a thread trades 4 and keeps at most 8, and every worker gets
+/// large buffers while any are free.
+const CACHE_SHARE_DIVISOR: usize = 64;
 
 #[derive(Debug, thiserror::Error)]
 pub enum PoolError {
@@ -64,6 +67,15 @@ struct Class {
     free: Mutex<Vec<NonNull<PacketBuf>>>,
     global_free: AtomicUsize,
     exhausted: AtomicU64,
+    /// Buffers a thread cache takes from or gives to `free` at once.
+    cache_batch: usize,
+    /// Most buffers of this class a thread cache keeps.
+    cache_max: usize,
+}
+
+/// The batch a thread cache trades in for a class of `count` buffers.
+fn cache_batch_for(count: usize) -> usize {
+    (count / CACHE_SHARE_DIVISOR).clamp(1, CACHE_BATCH)
 }
 
 pub struct Pool {
@@ -175,6 +187,8 @@ impl Class {
             global_free: AtomicUsize::new(free.len()),
             free: Mutex::new(free),
             exhausted: AtomicU64::new(0),
+            cache_batch: cache_batch_for(count),
+            cache_max: 2 * cache_batch_for(count),
         })
     }
 
@@ -308,8 +322,8 @@ impl Cache {
         get().caches.lock().unwrap().push(published.clone());
         Cache {
             bufs: [
-                Vec::with_capacity(CACHE_MAX + CACHE_BATCH),
-                Vec::with_capacity(CACHE_MAX + CACHE_BATCH),
+                Vec::with_capacity(3 * CACHE_BATCH),
+                Vec::with_capacity(3 * CACHE_BATCH),
             ],
             published,
         }
@@ -346,8 +360,9 @@ thread_local! {
 /// `want` buffers; one lock for a whole batch.
 #[inline]
 fn refill(cache: &mut Cache, class: &Class, k: usize, want: usize) {
-    if cache.bufs[k].len() < want {
-        class.take(&mut cache.bufs[k], CACHE_BATCH.max(want));
+    let have = cache.bufs[k].len();
+    if have < want {
+        class.take(&mut cache.bufs[k], class.cache_batch.max(want - have));
     }
 }
 
@@ -488,8 +503,9 @@ fn give_uncached(class: &Class, buf: NonNull<PacketBuf>) {
 fn cache_put(cache: &mut Cache, pool: &Pool, buf: NonNull<PacketBuf>) {
     let k = pool.class_of(buf);
     cache.bufs[k].push(buf);
-    if cache.bufs[k].len() > CACHE_MAX {
-        pool.classes[k].give(&mut cache.bufs[k], CACHE_BATCH);
+    let class = &pool.classes[k];
+    if cache.bufs[k].len() > class.cache_max {
+        class.give(&mut cache.bufs[k], class.cache_batch);
     }
 }
 
@@ -524,8 +540,10 @@ pub(crate) unsafe fn free_owned(bufs: &[NonNull<PacketBuf>]) {
                 bufs.iter().for_each(|&b| cache_put(&mut c, pool, b));
             } else {
                 c.bufs[SMALL].extend_from_slice(bufs);
-                while c.bufs[SMALL].len() > CACHE_MAX {
-                    pool.classes[SMALL].give(&mut c.bufs[SMALL], CACHE_BATCH);
+                let small = &pool.classes[SMALL];
+                if c.bufs[SMALL].len() > small.cache_max {
+                    let over = c.bufs[SMALL].len() - small.cache_max + small.cache_batch;
+                    small.give(&mut c.bufs[SMALL], over);
                 }
             }
             c.publish();
@@ -589,6 +607,28 @@ mod tests {
         drop(p);
         let q = alloc().unwrap();
         assert_eq!(q.capacity(), DATA_AREA);
+    }
+
+    #[test]
+    fn a_thread_keeps_at_most_a_fair_share_of_a_small_class() {
+        let large = &get().classes[LARGE];
+        assert!(
+            large.cache_max * 16 <= large.count,
+            "a share is a sixteenth at most"
+        );
+        let kept = std::thread::spawn(|| {
+            let held: Vec<Packet> = std::iter::from_fn(alloc_large).take(40).collect();
+            assert!(!held.is_empty(), "the large class has free buffers");
+            drop(held);
+            CACHE.with(|c| c.borrow().bufs[LARGE].len())
+        })
+        .join()
+        .unwrap();
+        assert!(
+            kept <= large.cache_max,
+            "a thread kept {kept} large buffers, more than its share {}",
+            large.cache_max
+        );
     }
 
     #[test]

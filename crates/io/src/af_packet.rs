@@ -15,6 +15,10 @@
 //! receiver segments them — or are cut into MSS-sized segments on entry (`gso: segment`).
 //! TCP therefore works through Stitch with the interfaces' default offloads.
 //!
+//! A frame longer than the interface's MTU takes (read again each second) is dropped and counted
+//! as `too_big_drops`; a frame the kernel refuses further on (a veth peer of smaller MTU) as
+//! `tx_refused_drops` — the port never stops sending behind it.
+//!
 //! Several `af_packet` apps on one interface with the same `fanout.group` share its traffic
 //! (by flow hash by default), e.g. one per worker. Packets the socket itself sent are ignored.
 //!
@@ -238,6 +242,15 @@ pub struct AfPacket {
     /// Start of the transmit ring (after the receive ring in the same mapping).
     tx_ring: usize,
     tx_next: usize,
+    /// Which submitted frames the kernel has not yet moved past.
+    tx_pending: TxPending,
+    /// The longest frame the interface takes (MTU + Ethernet header), read again each second:
+    /// a longer frame that is not a GSO super-frame is dropped before the kernel sees it.
+    max_frame: usize,
+    too_big: Counter,
+    /// Frames the kernel refused twice in a row (a drop further on: the veth peer's MTU, a
+    /// device that is down), skipped so that the frames behind them go.
+    tx_refused: Counter,
     /// What turns a received frame into packets (shared by the ring and the kernel ring).
     rx_path: RxPath,
     /// The engine end of a kernel ↔ engine boundary: what the kernel data plane sends this
@@ -248,6 +261,51 @@ pub struct AfPacket {
     kernel_drops: Counter,
     tx_errors: Counter,
     interface: String,
+}
+
+/// The transmit ring's frames submitted and not yet past the kernel's head, oldest first.
+///
+/// The kernel sends a ring's frames in order from its head. A frame whose transmission the
+/// driver drops (`NET_XMIT_DROP`: a veth whose peer has a smaller MTU) comes back marked
+/// `SEND_REQUEST` with the head left on it and `sendto` failing with ENOBUFS: every later
+/// `sendto` tries it again and nothing behind it ever goes (`PACKET_LOSS` skips only frames
+/// the kernel finds malformed). So the port remembers the frame at the head when a send fails,
+/// and when the next send fails on the same frame it makes that frame malformed on purpose —
+/// a length longer than a ring frame — which the kernel skips and marks available.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct TxPending {
+    oldest: usize,
+    count: usize,
+    /// The head frame of the last failed send, given one more try.
+    suspect: Option<usize>,
+}
+
+impl TxPending {
+    /// Moves past the frames the kernel is done with (sent, in flight or skipped): everything
+    /// before the first frame still marked `SEND_REQUEST`.
+    fn advance(&mut self, status_of: impl Fn(usize) -> u32) {
+        while self.count > 0 && status_of(self.oldest) != TP_STATUS_SEND_REQUEST {
+            self.oldest = (self.oldest + 1) % TX_FRAMES;
+            self.count -= 1;
+        }
+    }
+
+    /// After a failed send (frames already advanced): the frame to refuse now, if the same
+    /// frame was at the head of the send before or `refuse_now` says so; else it is remembered
+    /// for the next.
+    fn after_failure(&mut self, refuse_now: impl Fn(usize) -> bool) -> Option<usize> {
+        if self.count == 0 {
+            self.suspect = None;
+            return None;
+        }
+        if self.suspect == Some(self.oldest) || refuse_now(self.oldest) {
+            self.suspect = None;
+            Some(self.oldest)
+        } else {
+            self.suspect = Some(self.oldest);
+            None
+        }
+    }
 }
 
 /// A received frame's way into the graph: whole, or cut into segments when it is a
@@ -741,7 +799,7 @@ impl AfPacket {
     }
 
     /// Asks the kernel to send every frame marked for sending.
-    fn kick(&mut self) {
+    fn kick(&mut self) -> Result<(), i32> {
         // SAFETY: a null buffer of length 0 asks the kernel to send the frames queued in the
         // transmit ring; nothing is read from the pointer.
         let r = unsafe {
@@ -756,13 +814,67 @@ impl AfPacket {
         };
         if r < 0 {
             let e = std::io::Error::last_os_error();
-            if !matches!(
-                e.raw_os_error(),
-                Some(libc::EAGAIN) | Some(libc::ENOBUFS) | Some(libc::EINTR)
-            ) {
+            let errno = e.raw_os_error().unwrap_or(0);
+            if !matches!(errno, libc::EAGAIN | libc::ENOBUFS | libc::EINTR) {
                 log::debug!("af_packet {}: send: {e}", self.interface);
             }
+            return Err(errno);
         }
+        Ok(())
+    }
+
+    /// Sends what is queued in the transmit ring; a frame the kernel refuses on two sends in a
+    /// row is dropped, counted, and the rest sent after it (see [`TxPending`]).
+    /// Within one flush, a frame failing right after a refused one at least as long is refused
+    /// at once: a run of frames too long for the peer goes in one flush, not one per breath.
+    fn flush(&mut self) {
+        let mut refused_len = usize::MAX;
+        for _ in 0..TX_FRAMES {
+            let sent = self.kick();
+            let mut pending = self.tx_pending;
+            pending.advance(|i| self.tx_status(i).load(Ordering::Acquire));
+            let refuse = match sent {
+                Ok(()) => {
+                    pending.suspect = None;
+                    None
+                }
+                // The socket's send buffer is full: frames in flight complete and make room.
+                Err(libc::EAGAIN) | Err(libc::EINTR) => None,
+                Err(_) => pending.after_failure(|i| self.tx_len(i) >= refused_len),
+            };
+            self.tx_pending = pending;
+            let Some(frame) = refuse else { return };
+            refused_len = refused_len.min(self.tx_len(frame));
+            self.refuse(frame);
+        }
+    }
+
+    /// The length written into transmit frame `i` (its virtio-net header included).
+    fn tx_len(&self, i: usize) -> usize {
+        let len_at = if self.tx_v2 { 4 } else { 16 };
+        self.ring
+            .bytes(self.tx_frame(i) + len_at, 4)
+            .map_or(0, |b| u32::from_ne_bytes(b.try_into().unwrap()) as usize)
+    }
+
+    /// Makes transmit frame `i` one the kernel skips: a length longer than any ring frame,
+    /// which it refuses as malformed and, with `PACKET_LOSS`, marks available.
+    fn refuse(&mut self, i: usize) {
+        let len_at = if self.tx_v2 { 4 } else { 16 };
+        let too_long = (TX_FRAME_SIZE as u32 + 1).to_ne_bytes();
+        let written = self.ring.write(self.tx_frame(i) + len_at, &too_long);
+        debug_assert!(written, "a transmit frame's header lies inside the ring");
+        self.tx_refused.add(1);
+        log::debug!(
+            "af_packet {}: the kernel refused a frame twice; dropped",
+            self.interface
+        );
+    }
+
+    /// Whether `p` is longer than the interface takes (GSO super-frames are cut to size by the
+    /// kernel or the receiver).
+    fn too_big(&self, p: &stitch_core::Packet, vnet: &VnetHdr) -> bool {
+        vnet.gso_type == offload::GSO_NONE && netdev::frame_too_big(p.data(), self.max_frame)
     }
 
     fn read_kernel_stats(&mut self) {
@@ -865,6 +977,10 @@ impl App for AfPacket {
             last_stats: Instant::now(),
             kernel_drops: ctx.counter("kernel_drops"),
             tx_errors: ctx.counter("tx_error_drops"),
+            tx_pending: TxPending::default(),
+            max_frame: netdev::max_frame(&c.interface),
+            too_big: ctx.counter("too_big_drops"),
+            tx_refused: ctx.counter("tx_refused_drops"),
             interface: c.interface,
         })
     }
@@ -897,6 +1013,10 @@ impl App for AfPacket {
             let len = p.len();
             let mut hdr = [0u8; VNET_HDR_LEN];
             let mut vnet = VnetHdr::of_packet(&p);
+            if self.too_big(&p, &vnet) {
+                self.too_big.add(1);
+                continue;
+            }
             // The kernel copies `hdr_len` bytes into the socket buffer's linear part and
             // attaches the rest as zero-copy fragments of the ring frame; left at 0, only the
             // Ethernet header is linear. Whatever then reads further into the frame — the
@@ -915,7 +1035,7 @@ impl App for AfPacket {
             if data_at + VNET_HDR_LEN + len > TX_FRAME_SIZE {
                 // A super-frame does not fit a ring frame: send what is queued, then it alone.
                 if queued > 0 {
-                    self.kick();
+                    self.flush();
                     queued = 0;
                 }
                 self.send_one(&mut hdr, p.data());
@@ -935,10 +1055,13 @@ impl App for AfPacket {
             self.tx_status(i)
                 .store(TP_STATUS_SEND_REQUEST, Ordering::Release);
             self.tx_next = (i + 1) % TX_FRAMES;
+            self.tx_pending.count += 1;
             queued += 1;
         }
-        if queued > 0 {
-            self.kick();
+        // A frame refused at the head waits for the next send to be tried again, even when
+        // nothing new came.
+        if queued > 0 || self.tx_pending.suspect.is_some() {
+            self.flush();
         }
     }
 
@@ -946,6 +1069,7 @@ impl App for AfPacket {
         if now.duration_since(self.last_stats) >= Duration::from_secs(1) {
             self.last_stats = now;
             self.read_kernel_stats();
+            self.max_frame = netdev::max_frame_or(&self.interface, self.max_frame);
         }
     }
 
@@ -1064,6 +1188,63 @@ impl RxPath {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_frame_refused_on_two_sends_in_a_row_is_given_up_and_the_rest_go() {
+        let status = std::cell::RefCell::new(vec![libc::TP_STATUS_AVAILABLE; TX_FRAMES]);
+        let mut pending = TxPending::default();
+        // Three frames submitted; the kernel sends the first and stops at the second.
+        for i in 0..3 {
+            status.borrow_mut()[i] = TP_STATUS_SEND_REQUEST;
+            pending.count += 1;
+        }
+        status.borrow_mut()[0] = libc::TP_STATUS_AVAILABLE;
+        let of = |i: usize| status.borrow()[i];
+        pending.advance(of);
+        assert_eq!((pending.oldest, pending.count), (1, 2));
+        assert_eq!(pending.after_failure(|_| false), None, "one more try first");
+        assert_eq!(pending.suspect, Some(1));
+        pending.advance(of);
+        assert_eq!(
+            pending.after_failure(|_| false),
+            Some(1),
+            "the same frame again"
+        );
+        // The kernel skipped it and sent the third.
+        status.borrow_mut()[1] = libc::TP_STATUS_AVAILABLE;
+        status.borrow_mut()[2] = libc::TP_STATUS_AVAILABLE;
+        pending.advance(of);
+        assert_eq!(
+            (pending.oldest, pending.count, pending.suspect),
+            (3, 0, None)
+        );
+        assert_eq!(
+            pending.after_failure(|_| true),
+            None,
+            "nothing of ours is waiting"
+        );
+    }
+
+    #[test]
+    fn a_failure_on_another_frame_starts_its_own_count() {
+        let mut pending = TxPending {
+            oldest: TX_FRAMES - 1,
+            count: 2,
+            suspect: None,
+        };
+        assert_eq!(pending.after_failure(|_| false), None);
+        // The head moved on (the suspect went after all) and the next frame fails once.
+        pending.advance(|i| {
+            if i == TX_FRAMES - 1 {
+                libc::TP_STATUS_AVAILABLE
+            } else {
+                TP_STATUS_SEND_REQUEST
+            }
+        });
+        assert_eq!((pending.oldest, pending.count), (0, 1));
+        assert_eq!(pending.after_failure(|_| false), None);
+        assert_eq!(pending.after_failure(|i| i == 0), Some(0));
+    }
 
     fn rx_path(keep_gso: bool) -> RxPath {
         RxPath {

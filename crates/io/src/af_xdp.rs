@@ -479,6 +479,10 @@ pub struct AfXdp {
     rx_malformed: Counter,
     pool_exhausted: Counter,
     tx_full: Counter,
+    interface: String,
+    /// The longest frame the interface takes, read again each second.
+    max_frame: usize,
+    too_big: Counter,
     /// Packets received per queue (`queueN_rx_packets`), to see how traffic spreads.
     queue_rx: Vec<Counter>,
 }
@@ -615,6 +619,9 @@ impl App for AfXdp {
             rx_malformed: ctx.counter("rx_malformed_drops"),
             pool_exhausted: ctx.counter("pool_exhausted_drops"),
             tx_full: ctx.counter("tx_ring_full"),
+            max_frame: netdev::max_frame(name),
+            interface: c.interface.clone(),
+            too_big: ctx.counter("too_big_drops"),
             queue_rx: c
                 .queues
                 .iter()
@@ -650,6 +657,8 @@ impl App for AfXdp {
         let room = (x.tx.free() as usize).min(x.tx_free.len()).min(BURST);
         let mut n = 0u32;
         let mut malformed = 0;
+        let mut too_big = 0;
+        let max_frame = self.max_frame;
         loop {
             // A super-frame is cut into segments here: take it only when they all fit.
             let need = match input.peek() {
@@ -667,6 +676,10 @@ impl App for AfXdp {
                     malformed += 1;
                     return;
                 }
+                if netdev::frame_too_big(seg.data(), max_frame) {
+                    too_big += 1;
+                    return;
+                }
                 let addr = x.tx_free.pop().expect("room counted above");
                 // Free frames are whole FRAME_SIZE chunks of the UMEM and the segment fits one.
                 let written = x.umem.write(addr as usize, seg.data());
@@ -679,6 +692,7 @@ impl App for AfXdp {
             }
         }
         self.rx_malformed.add(malformed);
+        self.too_big.add(too_big);
         if n > 0 {
             x.tx.local = x.tx.local.wrapping_add(n);
             x.tx.prod().store(x.tx.local, Ordering::Release);
@@ -697,6 +711,7 @@ impl App for AfXdp {
         if now.duration_since(self.last_stats) >= Duration::from_secs(1) {
             self.last_stats = now;
             self.read_kernel_stats();
+            self.max_frame = netdev::max_frame_or(&self.interface, self.max_frame);
         }
     }
 

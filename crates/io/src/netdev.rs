@@ -81,6 +81,31 @@ pub fn mtu(name: &str) -> io::Result<usize> {
     Ok(unsafe { r.ifr_ifru.ifru_mtu } as usize)
 }
 
+/// The longest frame `interface` takes: its MTU and an Ethernet header (no limit when the MTU
+/// cannot be read; the kernel's refusal is then the only check).
+pub fn max_frame(interface: &str) -> usize {
+    max_frame_or(interface, usize::MAX)
+}
+
+/// [`max_frame`], or `known` when the MTU cannot be read now — a TAP device moved into another
+/// namespace keeps the limit it had when it left.
+pub fn max_frame_or(interface: &str, known: usize) -> usize {
+    mtu(interface).map_or(known, |mtu| mtu + ETH_HEADER)
+}
+
+const ETH_HEADER: usize = 14;
+const VLAN_TAG: usize = 4;
+
+/// Whether a frame (not a GSO super-frame) is longer than an interface whose longest frame is
+/// `max_frame` takes; one VLAN tag rides on top of the MTU, as on the wire.
+pub fn frame_too_big(frame: &[u8], max_frame: usize) -> bool {
+    if frame.len() <= max_frame {
+        return false;
+    }
+    let tagged = matches!(frame.get(12..14), Some([0x81, 0x00] | [0x88, 0xa8]));
+    !tagged || frame.len() > max_frame + VLAN_TAG
+}
+
 /// Explains an error of a privileged network call.
 pub fn explain(what: &str, e: io::Error) -> String {
     match e.raw_os_error() {

@@ -52,6 +52,11 @@ pub struct Tap {
     gso_refused: Counter,
     pool_exhausted: Counter,
     tx_errors: Counter,
+    /// The longest frame the device takes, read again each second (no limit once the device
+    /// was moved to another namespace, where its name does not reach it).
+    max_frame: usize,
+    last_mtu_read: std::time::Instant,
+    too_big: Counter,
 }
 
 fn open(c: &TapConfig) -> Result<OwnedFd, String> {
@@ -137,7 +142,7 @@ impl App for Tap {
         let fd = open(&c)?;
         Ok(Tap {
             fd,
-            name: c.name,
+            name: c.name.clone(),
             // A GSO frame is at most 64 KiB plus headers.
             buf: vec![0; VNET_HDR_LEN + 65536 + 256],
             rx_malformed: ctx.counter("rx_malformed_drops"),
@@ -146,6 +151,9 @@ impl App for Tap {
             gso_refused: ctx.counter("gso_refused_drops"),
             pool_exhausted: ctx.counter("pool_exhausted_drops"),
             tx_errors: ctx.counter("tx_error_drops"),
+            max_frame: netdev::max_frame(&c.name),
+            last_mtu_read: std::time::Instant::now(),
+            too_big: ctx.counter("too_big_drops"),
         })
     }
 
@@ -227,7 +235,13 @@ impl App for Tap {
         let Some(input) = io.input(0) else { return };
         let mut hdr = [0u8; VNET_HDR_LEN];
         for p in input.drain().take(BURST) {
-            VnetHdr::of_packet(&p).write(&mut hdr);
+            let vnet = VnetHdr::of_packet(&p);
+            if vnet.gso_type == offload::GSO_NONE && netdev::frame_too_big(p.data(), self.max_frame)
+            {
+                self.too_big.add(1);
+                continue;
+            }
+            vnet.write(&mut hdr);
             let iov = [
                 libc::iovec {
                     iov_base: hdr.as_mut_ptr() as *mut libc::c_void,
@@ -244,6 +258,13 @@ impl App for Tap {
             if r < 0 {
                 self.tx_errors.add(1);
             }
+        }
+    }
+
+    fn tick(&mut self, _: &mut Io, now: std::time::Instant) {
+        if now.duration_since(self.last_mtu_read) >= std::time::Duration::from_secs(1) {
+            self.last_mtu_read = now;
+            self.max_frame = netdev::max_frame_or(&self.name, self.max_frame);
         }
     }
 }

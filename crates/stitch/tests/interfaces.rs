@@ -372,3 +372,124 @@ fn af_packet_takes_no_frames_of_other_interfaces_while_it_starts() {
     drop(flood);
     s.stop();
 }
+
+/// Pings `to` from host `i` with `count` packets of `size` bytes of payload, DF set; returns
+/// how many were answered.
+fn ping_df(h: &TwoHosts, i: usize, to: &str, size: usize, count: usize) -> usize {
+    let o = h.exec(
+        i,
+        &format!("ping -c {count} -i 0.05 -W 1 -s {size} -M do {to}"),
+    );
+    let out = String::from_utf8_lossy(&o.stdout);
+    out.lines()
+        .find_map(|l| {
+            let (_, rest) = l.split_once(" transmitted, ")?;
+            rest.split_whitespace().next()?.parse().ok()
+        })
+        .unwrap_or_else(|| panic!("no ping summary in: {out}"))
+}
+
+fn counter(stats: &serde_json::Value, app_name: &str, name: &str) -> u64 {
+    app(stats, app_name)["counters"][name].as_u64().unwrap_or(0)
+}
+
+/// A frame longer than the next hop takes — Stitch's own interface (MTU 1400 on the port) or
+/// the veth peer behind it (1400 in the namespace, 1500 on Stitch's side, so only the kernel
+/// can tell) — is dropped and counted, and every small frame after it still goes: a port
+/// never stops sending.
+fn oversized_frames_leave_the_port_sending(kind: &str) {
+    require_root_and_tools(&["ip", "ping"]);
+    let h = TwoHosts::new();
+    let s = cross_connect(kind, &h, "");
+    assert!(
+        h.reaches(0, &h.ip[1], 10),
+        "{kind}: no ping before the test"
+    );
+    let set_mtu = |ours: u32, theirs: u32| {
+        must(&format!("ip link set {} mtu {ours}", h.outer[1]));
+        must(&format!(
+            "ip -n {} link set {} mtu {theirs}",
+            h.ns[1], h.inner[1]
+        ));
+        // The port reads its interface's MTU once a second.
+        std::thread::sleep(std::time::Duration::from_millis(1500));
+    };
+    for (ours, theirs, counted) in [
+        (1400, 1400, "too_big_drops"),
+        (1500, 1400, "tx_refused_drops"),
+    ] {
+        set_mtu(ours, theirs);
+        let before = s.stats().unwrap();
+        assert_eq!(
+            ping_df(&h, 0, &h.ip[1], 1450, 20),
+            0,
+            "{kind}: 1478-byte packets cannot cross MTU {theirs}"
+        );
+        let small = ping_df(&h, 0, &h.ip[1], 56, 10);
+        let after = s.stats().unwrap();
+        let dropped = counter(&after, "b", counted) - counter(&before, "b", counted);
+        eprintln!("{kind}: MTU {ours} on Stitch's side, {theirs} behind it: {small}/10 small pings after 20 oversized, {dropped} counted as {counted}");
+        assert!(
+            small >= 9,
+            "{kind}: the port stopped sending after oversized frames ({small}/10 small pings)"
+        );
+        if kind == "af_packet" || counted == "too_big_drops" {
+            assert_eq!(
+                dropped, 20,
+                "{kind}: every oversized frame is counted as {counted}"
+            );
+        }
+    }
+    s.stop();
+}
+
+#[test]
+fn af_packet_drops_and_counts_oversized_frames_and_keeps_sending() {
+    oversized_frames_leave_the_port_sending("af_packet");
+}
+
+#[test]
+fn af_xdp_drops_and_counts_oversized_frames_and_keeps_sending() {
+    oversized_frames_leave_the_port_sending("af_xdp");
+}
+
+#[test]
+fn tap_survives_frames_longer_than_its_device_takes() {
+    require_root_and_tools(&["ip", "ping"]);
+    let h = TwoHosts::new();
+    must(&format!("ip -n {} link del {}", h.ns[0], h.inner[0]));
+    let tap = h.outer[0].clone();
+    let s = Stitch::run(&format!(
+        "apps:\n  t: {{ type: tap, name: {tap} }}\n  b: {{ type: af_packet, interface: {} }}\nlinks:\n  - \"t.output -> b.input\"\n  - \"b.output -> t.input\"\n",
+        h.outer[1]
+    ));
+    must(&format!("ip link set {tap} mtu 1400"));
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    must(&format!("ip link set {tap} netns {}", h.ns[0]));
+    must(&format!(
+        "ip -n {} addr add {}/24 dev {tap}",
+        h.ns[0], h.ip[0]
+    ));
+    must(&format!("ip -n {} link set {tap} up", h.ns[0]));
+    assert!(h.reaches(1, &h.ip[0], 10), "no ping before the test");
+    let before = s.stats().unwrap();
+    let big = ping_df(&h, 1, &h.ip[0], 1450, 20);
+    let small = ping_df(&h, 1, &h.ip[0], 56, 10);
+    let after = s.stop();
+    let dropped = |c| counter(&after, "t", c) - counter(&before, "t", c);
+    eprintln!(
+        "tap at MTU 1400: {big}/20 oversized answered, {small}/10 small after; too_big_drops {}, tx_error_drops {}",
+        dropped("too_big_drops"),
+        dropped("tx_error_drops")
+    );
+    assert!(small >= 9, "the tap stopped sending ({small}/10)");
+    assert_eq!(
+        big, 0,
+        "a 1478-byte packet cannot enter a device of MTU 1400"
+    );
+    assert_eq!(
+        dropped("too_big_drops") + dropped("tx_error_drops"),
+        20,
+        "every oversized frame is counted"
+    );
+}
