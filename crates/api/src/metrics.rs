@@ -117,6 +117,12 @@ fn encode_links(enc: &mut DescriptorEncoder, s: &Stats) -> Result<(), std::fmt::
         "Size of the link in packets",
         s.links.iter().map(|l| (link(l), l.size as i64)),
     )?;
+    counters(
+        enc,
+        "stitch_removed_link_drops",
+        "Packets freed unsent in links a live change removed with both their apps",
+        std::iter::once((Vec::new(), s.removed_link_drops)),
+    )?;
     Ok(())
 }
 

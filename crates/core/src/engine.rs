@@ -404,6 +404,9 @@ pub struct Stats {
     pub links: Vec<LinkInfo>,
     pub workers: Vec<WorkerStats>,
     pub pool: pool::PoolStats,
+    /// Packets freed unsent in links that a live change removed together with both their apps
+    /// (with an app staying, they are in its `drops`).
+    pub removed_link_drops: u64,
 }
 
 /// An app that changed placement in an apply (the placements beside the engine fill these in).
@@ -450,7 +453,22 @@ struct State {
     workers: IndexMap<String, Worker>,
     apps: IndexMap<String, AppInfo>,
     links: Vec<(LinkDecl, Arc<Ring>)>,
+    /// What the links an app no longer has carried, by app, so that its totals never go back.
+    folded: HashMap<String, LinkTotals>,
+    /// Packets freed in links that left the graph with both their apps.
+    orphaned_drops: u64,
     stopped: bool,
+}
+
+/// Packet and byte totals of the links an app had and lost to a live change.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct LinkTotals {
+    rx_packets: u64,
+    rx_bytes: u64,
+    tx_packets: u64,
+    tx_bytes: u64,
+    /// Full-link drops on its outputs, and packets still queued toward it when a link left.
+    drops: u64,
 }
 
 /// A running graph.
@@ -476,6 +494,8 @@ impl Engine {
                 workers: IndexMap::new(),
                 apps: IndexMap::new(),
                 links: Vec::new(),
+                folded: HashMap::new(),
+                orphaned_drops: 0,
                 stopped: false,
             }),
             started: Instant::now(),
@@ -525,7 +545,12 @@ impl Engine {
         }
         let retired = retire_apps(&mut slots, &actions, reconfigured.rebuilt, &graph);
         add_built_apps(&mut slots, built, &graph);
-        let links = rewire(&mut slots, ends, &actions.links, &graph, &mut report);
+        let (links, removed) = rewire(&mut slots, ends, &actions.links, &graph, &mut report);
+        for name in actions.stop.iter().chain(&actions.replace) {
+            st.folded.remove(name);
+        }
+        st.orphaned_drops += fold_removed_links(&mut st.folded, &removed, &slots);
+        drop(removed);
         self.resume_workers(&mut st, slots, &graph)?;
         st.links = links;
         st.graph = Some(graph);
@@ -697,6 +722,13 @@ impl Engine {
                 failed: a.failed.load(Ordering::Relaxed),
                 counters: a.counters.snapshot(),
             };
+            if let Some(t) = st.folded.get(name) {
+                s.rx_packets = t.rx_packets;
+                s.rx_bytes = t.rx_bytes;
+                s.tx_packets = t.tx_packets;
+                s.tx_bytes = t.tx_bytes;
+                s.drops = t.drops;
+            }
             for r in &a.inputs {
                 let l = r.stats();
                 s.rx_packets += l.rx_packets;
@@ -744,6 +776,7 @@ impl Engine {
             links,
             workers,
             pool: pool::get().stats(),
+            removed_link_drops: st.orphaned_drops,
         }
     }
 
@@ -1044,7 +1077,7 @@ fn rewire(
     links: &[(LinkDecl, LinkAction)],
     graph: &Graph,
     report: &mut ApplyReport,
-) -> Vec<(LinkDecl, Arc<Ring>)> {
+) -> (Vec<(LinkDecl, Arc<Ring>)>, LinkEnds) {
     let mut rings = Vec::new();
     for (l, action) in links {
         let (p, c) = match (ends.producers.remove(&l.from), ends.consumers.remove(&l.to)) {
@@ -1075,7 +1108,46 @@ fn rewire(
         let to = slots.get_mut(&l.to.app).expect("validated app");
         attach_input(to, &l.to.port, c, graph);
     }
-    rings
+    (rings, ends)
+}
+
+/// Adds the counts of the links that leave (their ends left over from [`rewire`]) to the
+/// totals of the apps that stay (`slots`): a producer keeps what it sent, a consumer what it
+/// received and, as drops, what was still queued toward it. Returns the packets queued in links
+/// whose two apps both left.
+fn fold_removed_links(
+    folded: &mut HashMap<String, LinkTotals>,
+    removed: &LinkEnds,
+    slots: &HashMap<String, AppSlot>,
+) -> u64 {
+    let mut orphaned = 0;
+    for (from, p) in &removed.producers {
+        let ring = p.ring();
+        let to = (removed.consumers.iter())
+            .find(|(_, c)| Arc::ptr_eq(c.ring(), ring))
+            .map(|(e, _)| e.app.as_str());
+        let l = ring.stats();
+        let producer_stays = slots.contains_key(&from.app);
+        if producer_stays {
+            let t = folded.entry(from.app.clone()).or_default();
+            t.tx_packets += l.tx_packets;
+            t.tx_bytes += l.tx_bytes;
+            t.drops += l.tx_drops;
+        }
+        match to.filter(|app| slots.contains_key(*app)) {
+            Some(app) => {
+                let t = folded.entry(app.to_string()).or_default();
+                t.rx_packets += l.rx_packets;
+                t.rx_bytes += l.tx_bytes;
+                t.drops += l.queued;
+            }
+            None if producer_stays => {
+                folded.get_mut(&from.app).expect("added above").drops += l.queued
+            }
+            None => orphaned += l.queued,
+        }
+    }
+    orphaned
 }
 
 /// Each worker's plan — its apps in topological order and the rings they touch — and what the

@@ -757,9 +757,24 @@ pub fn transmit_to(slot: &mut Option<Producer>, p: Packet) -> bool {
 pub fn resize(old: Consumer, size: usize) -> (Producer, Consumer) {
     let (mut tx, rx) = link(size);
     let mut old = old;
+    let before = old.ring().stats();
     for p in old.drain() {
         tx.transmit(p);
     }
+    // The link goes on under its name, so its counters carry over: the packets moved are not
+    // received or sent again, and those the smaller ring could not take become its drops.
+    let lost = tx.ring().prod.tx_drops.load(Ordering::Relaxed);
+    let ring = rx.ring();
+    ring.prod
+        .tx_packets
+        .store(before.tx_packets - lost, Ordering::Relaxed);
+    ring.prod.tx_bytes.store(before.tx_bytes, Ordering::Relaxed);
+    ring.prod
+        .tx_drops
+        .store(before.tx_drops + lost, Ordering::Relaxed);
+    ring.cons
+        .rx_packets
+        .store(before.rx_packets, Ordering::Relaxed);
     (tx, rx)
 }
 
@@ -1019,9 +1034,29 @@ mod tests {
         for i in 0..5 {
             tx.transmit(pkt(i));
         }
+        let mut rx = rx;
+        rx.receive().unwrap();
         let (ntx, mut nrx) = resize(rx, 4);
+        let s = ntx.ring().stats();
+        assert_eq!(
+            (s.tx_packets, s.rx_packets, s.tx_drops, s.queued),
+            (5, 1, 0, 4),
+            "the counters carry over"
+        );
         let got: Vec<u8> = nrx.drain().map(|p| p.data()[0]).collect();
-        assert_eq!(got, vec![0, 1, 2, 3]);
-        assert_eq!(ntx.ring().stats().tx_drops, 1);
+        assert_eq!(got, vec![1, 2, 3, 4]);
+        assert_eq!(ntx.ring().stats().rx_packets, 5);
+    }
+
+    #[test]
+    fn a_smaller_ring_counts_what_it_cannot_take_as_drops() {
+        let (mut tx, rx) = link(8);
+        for i in 0..6 {
+            tx.transmit(pkt(i));
+        }
+        let (ntx, _nrx) = resize(rx, 4);
+        let s = ntx.ring().stats();
+        let kept = s.queued;
+        assert_eq!((s.tx_packets, s.tx_drops), (kept, 6 - kept));
     }
 }

@@ -15,7 +15,7 @@
 //!   (with `batch: 1`, on every empty → non-empty transition).
 //!
 //! When a function exits, crashes or is killed, its connection closes: the port goes down, the
-//! buffers it held are reclaimed (`reclaimed`), counters are kept, and it can attach again.
+//! buffers it held are reclaimed and counted as drops (`reclaimed_drops`), counters are kept, and it can attach again.
 //!
 //! A `switch` whose rules join two zero-copy function ports point to point gives them a direct
 //! channel ([`crate::direct`]): the first function's packets go straight to the second, which
@@ -407,7 +407,7 @@ impl App for NfPort {
             pool_drops: ctx.counter("pool_exhausted_drops"),
             attaches: ctx.counter("attaches"),
             detaches: ctx.counter("detaches"),
-            reclaimed: ctx.counter("reclaimed"),
+            reclaimed: ctx.counter("reclaimed_drops"),
             wakeups: ctx.counter("wakeups"),
             attached: ctx.counter("attached"),
         })

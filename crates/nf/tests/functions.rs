@@ -178,7 +178,7 @@ fn attach_and_kill_under_traffic_lose_nothing_on_other_ports() {
     wait("a detached", 10, || counter(&e, "a", "attached") == 0);
     wait("no buffer held", 10, || e.stats().pool.in_use == 0);
     let a_in = counter(&e, "a", "to_function");
-    let a_back = counter(&e, "a", "from_function") + counter(&e, "a", "reclaimed");
+    let a_back = counter(&e, "a", "from_function") + counter(&e, "a", "reclaimed_drops");
     assert_eq!(
         a_in, a_back,
         "each buffer handed to a came back or was reclaimed"
