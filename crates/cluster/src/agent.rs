@@ -63,6 +63,9 @@ struct State {
     lease: i64,
     leader: bool,
     status: StatusRecord,
+    /// Whether `status` is what etcd holds under the host's status key: a write that failed
+    /// (etcd unreachable) is made again as soon as a session can, not only at the next change.
+    status_published: bool,
     resyncs: u64,
     sessions: u64,
 }
@@ -500,11 +503,12 @@ async fn apply_kv(client: &mut Client, ctx: &Ctx, kv: Option<&KeyValue>) -> Resu
             }
         },
     };
-    {
+    let running = {
         let s = ctx.state.lock().unwrap();
-        if revision != 0 && s.status.assignment_revision == revision && s.status.error.is_none() {
-            return Ok(());
-        }
+        revision != 0 && s.status.assignment_revision == revision && s.status.error.is_none()
+    };
+    if running {
+        return publish_status(client, ctx).await;
     }
     let apply = ctx.apply.clone();
     let document = assignment.document.clone();
@@ -535,7 +539,7 @@ async fn report(
     graphs: Option<BTreeMap<String, i64>>,
     error: Option<String>,
 ) -> Result<()> {
-    let record = {
+    {
         let mut s = ctx.state.lock().unwrap();
         if let Some(g) = graphs {
             s.status.graphs = g;
@@ -546,6 +550,19 @@ async fn report(
             .duration_since(SystemTime::UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0);
+        s.status_published = false;
+    }
+    publish_status(client, ctx).await
+}
+
+/// Writes the host's status record unless etcd holds it already; a failure ends the session,
+/// and the next one writes it again.
+async fn publish_status(client: &mut Client, ctx: &Ctx) -> Result<()> {
+    let record = {
+        let s = ctx.state.lock().unwrap();
+        if s.status_published {
+            return Ok(());
+        }
         s.status.clone()
     };
     client
@@ -556,5 +573,9 @@ async fn report(
         )
         .await
         .context("cannot write the host's status")?;
+    let mut s = ctx.state.lock().unwrap();
+    if s.status == record {
+        s.status_published = true;
+    }
     Ok(())
 }

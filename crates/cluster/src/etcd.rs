@@ -1,7 +1,8 @@
 //! Connecting to the etcd cluster, and the few reads every part of the cluster makes.
 
-use anyhow::{Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use etcd_client::{Client, ConnectOptions, GetOptions, KeyValue};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 /// How long one request may take before the cluster counts as unreachable.
@@ -16,9 +17,10 @@ pub fn endpoints(list: &str) -> Vec<String> {
         .collect()
 }
 
-/// A client to any of `endpoints` whose requests time out after [`REQUEST_TIMEOUT`].
-/// Requests need a member that sees a leader (`require_leader`): a member cut off from the
-/// others answers with an error instead of its stale state, and its watches end.
+/// A client to a member of `endpoints` that answers with a leader, whose requests time out
+/// after [`REQUEST_TIMEOUT`]. Requests need a member that sees a leader (`require_leader`): a
+/// member cut off from the others answers with an error instead of its stale state, and its
+/// watches end.
 pub async fn connect(endpoints: &[String]) -> Result<Client> {
     connect_with(endpoints, Some(REQUEST_TIMEOUT)).await
 }
@@ -29,18 +31,61 @@ pub async fn connect_patient(endpoints: &[String]) -> Result<Client> {
     connect_with(endpoints, None).await
 }
 
+/// Where the next connection starts trying: each connection starts one member further, so that
+/// a member that keeps failing (or is cut off from the others) is not tried first every time.
+static NEXT_FIRST: AtomicUsize = AtomicUsize::new(0);
+
+/// Fails over between members itself: a client of etcd-client given several endpoints balances
+/// requests over all of them, dead ones included, and a request sent to a dead member fails
+/// (`tcp connect error`) although the others would answer. So each connection goes to one
+/// member, the first (in turn) that answers a read needing a leader within the connect
+/// timeout; when that member goes, requests fail and the caller connects again.
 async fn connect_with(endpoints: &[String], timeout: Option<Duration>) -> Result<Client> {
+    if endpoints.is_empty() {
+        bail!("no etcd endpoint given (--etcd http://HOST:2379[,…])");
+    }
+    let first = NEXT_FIRST.fetch_add(1, Ordering::Relaxed);
+    let mut failures = Vec::new();
+    for k in 0..endpoints.len() {
+        let endpoint = &endpoints[(first + k) % endpoints.len()];
+        match connect_one(endpoint, timeout).await {
+            Ok(client) => return Ok(client),
+            Err(e) => failures.push(format!("{endpoint}: {e:#}")),
+        }
+    }
+    bail!(
+        "cannot reach a member of etcd with a leader ({}); is etcd running, and are the \
+         addresses those of its client URLs (--advertise-client-urls)?",
+        failures.join("; ")
+    )
+}
+
+/// Keep-alive pings every 10 s, answered within 5 s: etcd's default `--grpc-keepalive-min-time`
+/// is 5 s, and a client that pings more often (or while no stream is open) is told "too many
+/// pings" and disconnected.
+const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(10);
+const KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(5);
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+async fn connect_one(endpoint: &str, timeout: Option<Duration>) -> Result<Client> {
     let mut options = ConnectOptions::new()
-        .with_connect_timeout(Duration::from_secs(2))
-        .with_keep_alive(Duration::from_secs(2), Duration::from_secs(4))
-        .with_keep_alive_while_idle(true)
+        .with_connect_timeout(CONNECT_TIMEOUT)
+        .with_keep_alive(KEEP_ALIVE_INTERVAL, KEEP_ALIVE_TIMEOUT)
+        .with_keep_alive_while_idle(false)
         .with_require_leader(true);
     if let Some(t) = timeout {
         options = options.with_timeout(t);
     }
-    Client::connect(endpoints, Some(options))
-        .await
-        .with_context(|| format!("cannot reach etcd at {}", endpoints.join(",")))
+    let mut client = Client::connect([endpoint], Some(options)).await?;
+    // A read that needs a leader: a member cut off from the others, or still starting, fails it.
+    let probe = GetOptions::new().with_count_only();
+    tokio::time::timeout(
+        CONNECT_TIMEOUT,
+        client.get(crate::keys::PREFIX, Some(probe)),
+    )
+    .await
+    .map_err(|_| anyhow!("no answer within {CONNECT_TIMEOUT:?}"))??;
+    Ok(client)
 }
 
 /// How long a read is tried again while etcd answers that it is between leaders.
