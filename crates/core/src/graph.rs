@@ -439,14 +439,19 @@ fn parse_inner(
         }),
     };
     let mut apps: IndexMap<String, AppDecl> = IndexMap::new();
+    // Apps named in the file, valid or not: a link to an app whose settings were refused is
+    // not an error of its own (the app's error says what to fix).
+    let mut declared = std::collections::HashSet::new();
     for (name, entry) in raw.apps.map(|m| m.0).unwrap_or_default() {
+        declared.insert(name.value.clone());
         if let Some(app) = parse_app(name, entry, default_placement, registry, errors) {
             apps.insert(app.name.clone(), app);
         }
     }
     let mut links: Vec<LinkDecl> = Vec::new();
     for item in raw.links.unwrap_or_default() {
-        if let Some(l) = parse_link(&item, &apps, &links, engine.link_size, errors) {
+        let refused = |app: &str| declared.contains(app) && !apps.contains_key(app);
+        if let Some(l) = parse_link(&item, &apps, &links, engine.link_size, errors, refused) {
             links.push(l);
         }
     }
@@ -651,6 +656,7 @@ fn parse_link(
     links: &[LinkDecl],
     default_size: usize,
     errors: &mut Vec<GraphError>,
+    refused: impl Fn(&str) -> bool,
 ) -> Option<LinkDecl> {
     let at = loc(item);
     let (spec, size) = match read_link_entry(&item.value) {
@@ -667,6 +673,9 @@ fn parse_link(
             return None;
         }
     };
+    if refused(&from.app) || refused(&to.app) {
+        return None;
+    }
     let problems = link_problems(&spec, &from, &to, apps, links);
     let ok = problems.is_empty();
     for p in problems {
@@ -880,6 +889,19 @@ mod tests {
         assert_eq!(line, 3);
         assert!(msg.contains("duplicate") && msg.contains('a'), "{msg}");
         assert!(!msg.contains("DuplicateKeyPolicy"), "{msg}");
+    }
+
+    #[test]
+    fn an_app_with_a_bad_setting_is_the_one_error_its_links_are_not_more() {
+        let text = "apps:\n  a: { type: thing, size: 99999 }\n  b: { type: thing }\nlinks:\n  - \"a.output -> b.input\"\n";
+        let errs = errors(text);
+        assert_eq!(errs.len(), 1, "{errs:?}");
+        assert_eq!(errs[0].0, 2);
+        assert!(
+            errs[0].1.contains("size must be at most 9216"),
+            "{}",
+            errs[0].1
+        );
     }
 
     #[test]

@@ -12,14 +12,22 @@ use stitch_cluster::{admin, agent, etcd};
 /// Where etcd is.
 #[derive(clap::Args, Clone)]
 pub struct Etcd {
-    /// etcd client URLs, comma-separated.
-    #[arg(long, env = "STITCH_ETCD", default_value = "http://127.0.0.1:2379")]
-    pub etcd: String,
+    /// etcd client URLs, comma-separated (without it and STITCH_ETCD: http://127.0.0.1:2379,
+    /// said on standard error).
+    #[arg(long, env = "STITCH_ETCD")]
+    pub etcd: Option<String>,
 }
 
 impl Etcd {
     fn endpoints(&self) -> Vec<String> {
-        etcd::endpoints(&self.etcd)
+        const LOCAL: &str = "http://127.0.0.1:2379";
+        match &self.etcd {
+            Some(list) => etcd::endpoints(list),
+            None => {
+                eprintln!("stitch: no --etcd (or STITCH_ETCD) given: using etcd at {LOCAL}");
+                etcd::endpoints(LOCAL)
+            }
+        }
     }
 }
 

@@ -166,27 +166,36 @@ fn missing_interface_is_a_clear_error_and_nothing_starts() {
     );
 }
 
-#[test]
-fn tap_hands_packets_to_a_host_stack() {
-    require_root_and_tools(&["ip", "ping", "iperf3"]);
-    let h = TwoHosts::new();
-    // Replace ns1's veth by a TAP device that Stitch creates, moved into ns1.
+/// Replaces host 0's veth by a TAP device Stitch creates (joined to host 1's veth by an
+/// `af_packet` app), of MTU `mtu` if given, moved into host 0 with its addresses.
+fn tap_in_host_0(h: &TwoHosts, mtu: Option<u32>) -> Stitch {
     must(&format!("ip -n {} link del {}", h.ns[0], h.inner[0]));
     let tap = h.outer[0].clone();
     let s = Stitch::run(&format!(
         "apps:\n  t: {{ type: tap, name: {tap} }}\n  b: {{ type: af_packet, interface: {} }}\nlinks:\n  - \"t.output -> b.input\"\n  - \"b.output -> t.input\"\n",
         h.outer[1]
     ));
+    if let Some(mtu) = mtu {
+        must(&format!("ip link set {tap} mtu {mtu}"));
+        // The port reads its device's MTU once a second, and keeps it once the device moved.
+        std::thread::sleep(std::time::Duration::from_millis(1500));
+    }
     must(&format!("ip link set {tap} netns {}", h.ns[0]));
+    let ns = &h.ns[0];
+    must(&format!("ip -n {ns} addr add {}/24 dev {tap}", h.ip[0]));
     must(&format!(
-        "ip -n {} addr add {}/24 dev {tap}",
-        h.ns[0], h.ip[0]
+        "ip -n {ns} addr add {}/64 dev {tap} nodad",
+        h.ip6[0]
     ));
-    must(&format!(
-        "ip -n {} addr add {}/64 dev {tap} nodad",
-        h.ns[0], h.ip6[0]
-    ));
-    must(&format!("ip -n {} link set {tap} up", h.ns[0]));
+    must(&format!("ip -n {ns} link set {tap} up"));
+    s
+}
+
+#[test]
+fn tap_hands_packets_to_a_host_stack() {
+    require_root_and_tools(&["ip", "ping", "iperf3"]);
+    let h = TwoHosts::new();
+    let s = tap_in_host_0(&h, None);
     ping_works(&h);
     let bps = h.iperf_tcp(&h.ip[1], 2);
     eprintln!("tap ⇄ af_packet: iperf3 TCP {:.2} Gbit/s", bps / 1e9);
@@ -457,20 +466,7 @@ fn af_xdp_drops_and_counts_oversized_frames_and_keeps_sending() {
 fn tap_survives_frames_longer_than_its_device_takes() {
     require_root_and_tools(&["ip", "ping"]);
     let h = TwoHosts::new();
-    must(&format!("ip -n {} link del {}", h.ns[0], h.inner[0]));
-    let tap = h.outer[0].clone();
-    let s = Stitch::run(&format!(
-        "apps:\n  t: {{ type: tap, name: {tap} }}\n  b: {{ type: af_packet, interface: {} }}\nlinks:\n  - \"t.output -> b.input\"\n  - \"b.output -> t.input\"\n",
-        h.outer[1]
-    ));
-    must(&format!("ip link set {tap} mtu 1400"));
-    std::thread::sleep(std::time::Duration::from_millis(1500));
-    must(&format!("ip link set {tap} netns {}", h.ns[0]));
-    must(&format!(
-        "ip -n {} addr add {}/24 dev {tap}",
-        h.ns[0], h.ip[0]
-    ));
-    must(&format!("ip -n {} link set {tap} up", h.ns[0]));
+    let s = tap_in_host_0(&h, Some(1400));
     assert!(h.reaches(1, &h.ip[0], 10), "no ping before the test");
     let before = s.stats().unwrap();
     let big = ping_df(&h, 1, &h.ip[0], 1450, 20);
