@@ -636,6 +636,17 @@ impl AfPacket {
         self.tx_ring + i * TX_FRAME_SIZE
     }
 
+    /// Where a transmit frame's `tp_len` is: after `tp_status` in tpacket2_hdr, after the next
+    /// offset and time in tpacket3_hdr.
+    #[inline]
+    fn tx_len_at(&self) -> usize {
+        if self.tx_v2 {
+            4
+        } else {
+            16
+        }
+    }
+
     #[inline]
     fn tx_status(&self, i: usize) -> &AtomicU32 {
         // tp_status: first in tpacket2_hdr, after next offset, time and lengths in tpacket3_hdr.
@@ -851,18 +862,18 @@ impl AfPacket {
 
     /// The length written into transmit frame `i` (its virtio-net header included).
     fn tx_len(&self, i: usize) -> usize {
-        let len_at = if self.tx_v2 { 4 } else { 16 };
         self.ring
-            .bytes(self.tx_frame(i) + len_at, 4)
+            .bytes(self.tx_frame(i) + self.tx_len_at(), 4)
             .map_or(0, |b| u32::from_ne_bytes(b.try_into().unwrap()) as usize)
     }
 
     /// Makes transmit frame `i` one the kernel skips: a length longer than any ring frame,
     /// which it refuses as malformed and, with `PACKET_LOSS`, marks available.
     fn refuse(&mut self, i: usize) {
-        let len_at = if self.tx_v2 { 4 } else { 16 };
         let too_long = (TX_FRAME_SIZE as u32 + 1).to_ne_bytes();
-        let written = self.ring.write(self.tx_frame(i) + len_at, &too_long);
+        let written = self
+            .ring
+            .write(self.tx_frame(i) + self.tx_len_at(), &too_long);
         debug_assert!(written, "a transmit frame's header lies inside the ring");
         self.tx_refused.add(1);
         log::debug!(
@@ -1042,8 +1053,7 @@ impl App for AfPacket {
                 continue;
             }
             let frame = self.tx_frame(i);
-            // tp_len
-            let len_at = if self.tx_v2 { 4 } else { 16 };
+            let len_at = self.tx_len_at();
             let tp_len = ((VNET_HDR_LEN + len) as u32).to_ne_bytes();
             let written = self.ring.write(frame + data_at, &hdr)
                 && self.ring.write(frame + data_at + VNET_HDR_LEN, p.data())
