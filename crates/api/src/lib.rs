@@ -8,6 +8,7 @@
 //! state and queued packets and a refused change leaves everything as it was. The routes and
 //! their answers are described in `openapi.yaml`, served at `/api/v1/openapi.json`.
 
+pub mod attached;
 mod capture;
 pub mod client;
 pub mod metrics;

@@ -21,6 +21,14 @@
 //! without a mapping are dropped and counted. ICMP errors from outside about translated packets
 //! are translated back (outer destination and the quoted packet, RFC 5508).
 //!
+//! The NAT owns its external addresses on the wan side's link: it answers ARP requests for them
+//! with its `mac` (by default 02:4e: and the first external address's four bytes, the same on
+//! every host and after restarts), announces them with a gratuitous ARP when it starts, and
+//! sends translated packets from that MAC. Inbound packets go to the inside host's own MAC,
+//! learned from its ARP and its outbound packets (an inside host not yet seen is asked with an
+//! ARP probe, RFC 5227, and the packet keeps its MAC meanwhile): no neighbour entry or address
+//! has to be added by hand on either side.
+//!
 //! ```yaml
 //! apps:
 //!   nat: { type: nat, external: [192.0.2.10, 198.51.100.8/30], ports: "20000-59999",
@@ -36,7 +44,7 @@ use std::time::{Duration, Instant};
 use stitch_core::link::transmit_to;
 use stitch_core::packet::ChecksumState;
 use stitch_core::{App, AppContext, AppError, Counter, Io, Packet, PortNames, PortSpec};
-use stitch_wire::{checksum, flow};
+use stitch_wire::{arp_payload, checksum, flow, parse_mac};
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -64,6 +72,9 @@ pub struct NatConfig {
     pub tcp_timeout: u64,
     #[serde(default = "default_icmp")]
     pub icmp_timeout: u64,
+    /// The MAC address the external addresses answer from (default: 02:4e: and the first
+    /// external address).
+    pub mac: Option<String>,
 }
 
 fn default_ports() -> String {
@@ -80,6 +91,15 @@ fn default_icmp() -> u64 {
 }
 
 type Inside = (Ipv4Addr, u16);
+
+/// Inside hosts whose MAC address the NAT keeps at most: a lan side sending from ever new
+/// addresses cannot grow the table without bound (past this, packets keep their MAC).
+const MAX_HOSTS: usize = 65536;
+/// Inside hosts the NAT asks for in one second at most, and how often it asks for one.
+const PROBES_PER_SECOND: usize = 64;
+const PROBE_INTERVAL: Duration = Duration::from_secs(1);
+/// External addresses announced at start at most.
+const ANNOUNCED: usize = 16;
 
 /// The inbound half of a mapping. `expires` is a copy of the outbound half's, brought up to
 /// date when it is found stale, so that each direction costs one table lookup.
@@ -99,6 +119,14 @@ struct OutEntry {
 type Outside = (u8, u16, u16);
 
 pub struct Nat {
+    mac: [u8; 6],
+    /// Inside hosts' MAC addresses by IPv4 address.
+    hosts: HashMap<Ipv4Addr, [u8; 6], foldhash::fast::RandomState>,
+    /// Inside hosts asked for (ARP probe) and when, this second.
+    asked: HashMap<Ipv4Addr, Instant, foldhash::fast::RandomState>,
+    /// ARP frames to send out of `lan` (probes) and `wan` (answers, announcements).
+    arp_out: [Vec<Packet>; 2],
+    announced: bool,
     externals: Vec<Ipv4Addr>,
     external_index: HashMap<Ipv4Addr, u16, foldhash::fast::RandomState>,
     range: (u16, u16),
@@ -117,6 +145,9 @@ pub struct Nat {
     passed: Counter,
     malformed: Counter,
     mappings: Counter,
+    arp_answered: Counter,
+    arp_probes: Counter,
+    unresolved: Counter,
 }
 
 fn proto_number(p: &str) -> Result<u8, String> {
@@ -188,6 +219,37 @@ fn layout(d: &[u8]) -> Option<(usize, usize, u8)> {
         _ => return None,
     };
     (d.len() >= l3 + ihl + need).then_some((l3, l3 + ihl, proto))
+}
+
+/// An Ethernet/IPv4 ARP message's operation, sender MAC and address, and target address.
+fn arp_fields(d: &[u8]) -> Option<(u16, [u8; 6], Ipv4Addr, Ipv4Addr)> {
+    if d.len() < 42 || d[12..14] != [0x08, 0x06] || d[14..20] != [0, 1, 0x08, 0x00, 6, 4] {
+        return None;
+    }
+    Some((
+        u16::from_be_bytes([d[20], d[21]]),
+        d[22..28].try_into().ok()?,
+        Ipv4Addr::new(d[28], d[29], d[30], d[31]),
+        Ipv4Addr::new(d[38], d[39], d[40], d[41]),
+    ))
+}
+
+/// An ARP frame from `eth_src` to `eth_dst` (padded to the Ethernet minimum).
+fn arp_frame(
+    eth_dst: [u8; 6],
+    eth_src: [u8; 6],
+    op: u16,
+    sender: ([u8; 6], Ipv4Addr),
+    target: ([u8; 6], Ipv4Addr),
+) -> Option<Packet> {
+    let mut f = [0u8; 60];
+    f[0..6].copy_from_slice(&eth_dst);
+    f[6..12].copy_from_slice(&eth_src);
+    f[12..14].copy_from_slice(&[0x08, 0x06]);
+    f[14..42].copy_from_slice(&arp_payload(op, sender.0, sender.1, target.0, target.1));
+    let mut p = stitch_core::pool::alloc()?;
+    p.set_data(&f).ok()?;
+    Some(p)
 }
 
 /// L4 checksum field offset within the L4 header; ICMP's checksum does not cover addresses.
@@ -341,6 +403,110 @@ impl Nat {
         })
     }
 
+    /// An ARP frame that entered from `side`: requests for an external address on the wan side
+    /// are answered, inside hosts learnt on the lan side. Returns whether the frame passes on.
+    fn arp(&mut self, side: usize, d: &[u8]) -> bool {
+        let Some((op, sender_mac, sender_ip, target_ip)) = arp_fields(d) else {
+            return true;
+        };
+        if side == 0 {
+            if !sender_ip.is_unspecified() {
+                self.learn(sender_ip, sender_mac);
+            }
+            // Answers to the NAT's own probes stop here.
+            return d[0..6] != self.mac;
+        }
+        if op == 1 && self.external_index(target_ip).is_some() {
+            let answer = arp_frame(
+                sender_mac,
+                self.mac,
+                2,
+                (self.mac, target_ip),
+                (sender_mac, sender_ip),
+            );
+            if let Some(a) = answer {
+                self.arp_out[1].push(a);
+                self.arp_answered.add(1);
+            }
+            return false;
+        }
+        true
+    }
+
+    /// Keeps `mac` as inside host `ip`'s address.
+    fn learn(&mut self, ip: Ipv4Addr, mac: [u8; 6]) {
+        if mac[0] & 1 == 1 || mac == [0; 6] || mac == self.mac {
+            return;
+        }
+        let full = self.hosts.len() >= MAX_HOSTS;
+        match self.hosts.get_mut(&ip) {
+            Some(known) => *known = mac,
+            None if !full => {
+                self.hosts.insert(ip, mac);
+            }
+            None => {}
+        }
+    }
+
+    /// A translated packet of inside host `src` leaves from the NAT's MAC address.
+    fn send_from_nat_mac(&mut self, p: &mut Packet, src: Ipv4Addr) {
+        let d = p.data_mut();
+        let mac: [u8; 6] = d[6..12].try_into().unwrap();
+        d[6..12].copy_from_slice(&self.mac);
+        self.learn(src, mac);
+    }
+
+    /// A translated packet goes to inside host `to`'s MAC address, once the NAT knows it.
+    fn address_inside_host(&mut self, p: &mut Packet, to: Ipv4Addr, now: Instant) {
+        match self.hosts.get(&to) {
+            Some(mac) => p.data_mut()[0..6].copy_from_slice(mac),
+            None => {
+                self.unresolved.add(1);
+                self.probe(to, now);
+            }
+        }
+    }
+
+    /// Asks for inside host `ip` with an ARP probe (RFC 5227: sender address 0.0.0.0, as
+    /// the NAT has no address of its own on the lan side), at most once a second.
+    fn probe(&mut self, ip: Ipv4Addr, now: Instant) {
+        if self.asked.len() >= PROBES_PER_SECOND || self.asked.contains_key(&ip) {
+            return;
+        }
+        self.asked.insert(ip, now);
+        let probe = arp_frame(
+            [0xff; 6],
+            self.mac,
+            1,
+            (self.mac, Ipv4Addr::UNSPECIFIED),
+            ([0; 6], ip),
+        );
+        if let Some(f) = probe {
+            self.arp_out[0].push(f);
+            self.arp_probes.add(1);
+        }
+    }
+
+    /// Gratuitous ARP for the external addresses, once: neighbours that knew them at another
+    /// MAC address (an earlier NAT) update at once.
+    fn announce(&mut self) {
+        self.announced = true;
+        for i in 0..self.externals.len().min(ANNOUNCED) {
+            let ext = self.externals[i];
+            if let Some(f) = arp_frame([0xff; 6], self.mac, 1, (self.mac, ext), ([0; 6], ext)) {
+                self.arp_out[1].push(f);
+            }
+        }
+    }
+
+    fn send_arp(&mut self, outputs: &mut [Option<stitch_core::Producer>]) {
+        for (side, frames) in self.arp_out.iter_mut().enumerate() {
+            for f in frames.drain(..) {
+                transmit_to(&mut outputs[side], f);
+            }
+        }
+    }
+
     /// Translates a packet from the lan side; returns the side to send it out of.
     fn outbound(&mut self, p: &mut Packet, now: Instant) -> Option<usize> {
         let Some((l3, l4, proto)) = layout(p.data()) else {
@@ -370,8 +536,10 @@ impl Nat {
             sport_at,
             ext_port,
         );
+        self.send_from_nat_mac(p, src);
         if let Some((to_ip, to_port)) = hairpin {
             rewrite(p, At { l3, l4, proto }, 16, to_ip, dport_at, to_port);
+            self.address_inside_host(p, to_ip, now);
             self.hairpinned.add(1);
             return Some(0);
         }
@@ -411,6 +579,7 @@ impl Nat {
             },
         };
         rewrite(p, At { l3, l4, proto }, 16, target.0, dport_at, target.1);
+        self.address_inside_host(p, target.0, now);
         self.translated_in.add(1);
         Some(0)
     }
@@ -469,6 +638,7 @@ impl Nat {
         dd[at.l4 + 2..at.l4 + 4].copy_from_slice(&[0, 0]);
         let cs = checksum::checksum(&dd[at.l4..end]);
         dd[at.l4 + 2..at.l4 + 4].copy_from_slice(&cs.to_be_bytes());
+        self.address_inside_host(p, inside.0, now);
         self.translated_in.add(1);
         Some(0)
     }
@@ -502,6 +672,8 @@ impl Nat {
         let fwd_addr = self.externals[fwd_ext as usize];
         rewrite(p, At { l3, l4, proto }, 12, fwd_addr, 0, fwd_port);
         rewrite(p, At { l3, l4, proto }, 16, client.0, 2, client.1);
+        self.send_from_nat_mac(p, src);
+        self.address_inside_host(p, client.0, now);
         self.hairpinned.add(1);
         true
     }
@@ -548,7 +720,19 @@ impl App for Nat {
                 (f.to_address, f.to_port),
             );
         }
+        let mac = match &c.mac {
+            Some(m) => parse_mac(m)?,
+            None => {
+                let [a, b, c, d] = externals[0].octets();
+                [0x02, 0x4e, a, b, c, d]
+            }
+        };
         Ok(Nat {
+            mac,
+            hosts: HashMap::default(),
+            asked: HashMap::default(),
+            arp_out: [Vec::new(), Vec::new()],
+            announced: false,
             cursors: vec![range.0; externals.len()],
             externals,
             external_index,
@@ -566,6 +750,9 @@ impl App for Nat {
             passed: ctx.counter("passed_untranslated"),
             malformed: ctx.counter("malformed_drops"),
             mappings: ctx.counter("mappings"),
+            arp_answered: ctx.counter("arp_answered"),
+            arp_probes: ctx.counter("arp_probes"),
+            unresolved: ctx.counter("unresolved_inside_mac"),
         })
     }
 
@@ -579,6 +766,13 @@ impl App for Nat {
             for mut p in input.drain() {
                 if p.len() < 14 {
                     self.malformed.add(1);
+                    continue;
+                }
+                if p.data()[12..14] == [0x08, 0x06] {
+                    if self.arp(side, p.data()) {
+                        self.passed.add(1);
+                        transmit_to(&mut outputs[1 - side], p);
+                    }
                     continue;
                 }
                 let to = if side == 0 {
@@ -595,6 +789,7 @@ impl App for Nat {
                 }
             }
         }
+        self.send_arp(outputs);
         self.mappings.set(self.in_map.len() as u64);
     }
 
@@ -614,11 +809,17 @@ impl App for Nat {
         serde_json::json!({ "count": self.in_map.len(), "mappings": mappings })
     }
 
-    fn tick(&mut self, _: &mut Io, now: Instant) {
+    fn tick(&mut self, io: &mut Io, now: Instant) {
+        if !self.announced {
+            self.announce();
+            self.send_arp(io.split().1);
+        }
         if now.duration_since(self.last_sweep) < Duration::from_secs(1) {
             return;
         }
         self.last_sweep = now;
+        self.asked
+            .retain(|_, at| now.duration_since(*at) < PROBE_INTERVAL);
         let expired: Vec<(u8, Inside)> = self
             .out_map
             .iter()
@@ -657,6 +858,8 @@ mod tests {
     fn packet(proto: u8, src: [u8; 4], sp: u16, dst: [u8; 4], dp: u16) -> Packet {
         let l4 = if proto == 6 { 20 } else { 8 };
         let mut f = vec![0u8; 34 + l4 + 10];
+        f[0..6].copy_from_slice(&[2, 0, 0, 0, dst[2], dst[3]]);
+        f[6..12].copy_from_slice(&[2, 0, 0, 0, src[2], src[3]]);
         f[12..14].copy_from_slice(&[0x08, 0x00]);
         f[14] = 0x45;
         f[16..18].copy_from_slice(&((20 + l4 + 10) as u16).to_be_bytes());
@@ -701,6 +904,8 @@ mod tests {
         wan: stitch_core::Producer,
         to_lan: Consumer,
         to_wan: Consumer,
+        /// ARP frames the NAT sent: (side, frame).
+        arp: Vec<(usize, Vec<u8>)>,
     }
 
     fn rig() -> Rig {
@@ -720,16 +925,27 @@ mod tests {
             wan,
             to_lan,
             to_wan,
+            arp: Vec::new(),
         }
     }
 
     impl Rig {
+        /// The IP frames out of lan and wan; ARP frames go to `arp`.
         fn run(&mut self) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
             self.nat.push(&mut self.io);
-            (
-                self.to_lan.drain().map(|p| p.data().to_vec()).collect(),
-                self.to_wan.drain().map(|p| p.data().to_vec()).collect(),
-            )
+            let mut out = [Vec::new(), Vec::new()];
+            for (side, c) in [&mut self.to_lan, &mut self.to_wan].into_iter().enumerate() {
+                for p in c.drain() {
+                    let f = p.data().to_vec();
+                    if f[12..14] == [0x08, 0x06] {
+                        self.arp.push((side, f));
+                    } else {
+                        out[side].push(f);
+                    }
+                }
+            }
+            let [l, w] = out;
+            (l, w)
         }
     }
 
@@ -737,6 +953,94 @@ mod tests {
     const SRV: [u8; 4] = [10, 0, 0, 7];
     const OUT: [u8; 4] = [198, 51, 100, 1];
     const EXT: [u8; 4] = [192, 0, 2, 10];
+
+    fn arp_request(sender: ([u8; 6], [u8; 4]), target: [u8; 4]) -> Packet {
+        let f = arp_frame(
+            [0xff; 6],
+            sender.0,
+            1,
+            (sender.0, sender.1.into()),
+            ([0; 6], target.into()),
+        );
+        f.unwrap()
+    }
+
+    #[test]
+    fn external_addresses_are_answered_in_arp_and_inside_hosts_get_their_own_mac() {
+        let mut r = rig();
+        let router = [2, 0, 0, 0, 0, 0x99];
+        let nat_mac = [0x02, 0x4e, 192, 0, 2, 10];
+        r.nat.tick(&mut r.io, Instant::now());
+        r.run();
+        assert_eq!(
+            r.arp.len(),
+            1,
+            "one gratuitous ARP for the one external address"
+        );
+        assert_eq!((r.arp[0].0, &r.arp[0].1[28..32]), (1, &EXT[..]));
+        r.arp.clear();
+        // Who has the external address? The NAT, on the wan side; other addresses pass.
+        r.wan.transmit(arp_request((router, OUT), EXT));
+        r.wan.transmit(arp_request((router, OUT), [192, 0, 2, 11]));
+        let (l, _) = r.run();
+        assert_eq!(r.arp.len(), 2);
+        let (side, answer) = &r.arp[1];
+        assert_eq!(
+            (*side, &answer[0..6], &answer[20..22]),
+            (1, &router[..], &[0, 2][..])
+        );
+        assert_eq!((&answer[22..28], &answer[28..32]), (&nat_mac[..], &EXT[..]));
+        assert_eq!(r.arp[0].0, 0, "the other request is passed to lan");
+        assert!(l.is_empty());
+        r.arp.clear();
+        // An inside host's packet leaves from the NAT's MAC; the reply reaches the host's.
+        r.lan.transmit(packet(17, IN, 5000, OUT, 53));
+        let (_, w) = r.run();
+        assert_eq!(&w[0][6..12], &nat_mac);
+        r.wan.transmit(packet(17, OUT, 53, EXT, 5000));
+        let (l, _) = r.run();
+        assert_eq!(&l[0][0..6], &[2, 0, 0, 0, 0, 5], "IN's own MAC");
+        // A forward's server not seen yet: the packet keeps its MAC and the server is probed
+        // once; its answer is learnt and stops at the NAT.
+        r.wan.transmit(packet(6, OUT, 1234, EXT, 8080));
+        r.wan.transmit(packet(6, OUT, 1235, EXT, 8080));
+        let (l, _) = r.run();
+        assert_eq!(l.len(), 2);
+        assert_eq!(r.arp.len(), 1, "one probe");
+        let (side, probe) = &r.arp[0];
+        assert_eq!(
+            (*side, &probe[28..32], &probe[38..42]),
+            (0, &[0u8; 4][..], &SRV[..])
+        );
+        let server = [2, 0, 0, 0, 0, 7];
+        let mut answer = arp_frame(
+            nat_mac,
+            server,
+            2,
+            (server, SRV.into()),
+            (nat_mac, [0; 4].into()),
+        )
+        .unwrap();
+        answer.data_mut()[0..6].copy_from_slice(&nat_mac);
+        r.lan.transmit(answer);
+        r.arp.clear();
+        let (_, w) = r.run();
+        assert!(
+            w.is_empty() && r.arp.is_empty(),
+            "the probe's answer is the NAT's"
+        );
+        r.wan.transmit(packet(6, OUT, 1236, EXT, 8080));
+        let (l, _) = r.run();
+        assert_eq!(&l[0][0..6], &server);
+        assert_eq!(
+            (
+                r.nat.arp_answered.get(),
+                r.nat.arp_probes.get(),
+                r.nat.unresolved.get()
+            ),
+            (1, 1, 2)
+        );
+    }
 
     #[test]
     fn masquerade_keeps_mappings_and_checksums() {

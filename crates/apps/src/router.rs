@@ -39,6 +39,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::time::{Duration, Instant};
 use stitch_core::link::transmit_to;
 use stitch_core::{pool, App, AppContext, AppError, Counter, Io, Packet, PortNames, PortSpec};
+use stitch_wire::icmp::RateLimit;
 use stitch_wire::{checksum, parse_mac};
 
 pub mod lpm;
@@ -290,9 +291,7 @@ pub struct Router {
     neighbors: NeighborTable<Ipv4Addr>,
     neighbors6: NeighborTable<Ipv6Addr>,
     arp_timeout: Duration,
-    icmp_rate: f64,
-    icmp_tokens: f64,
-    icmp_last: Instant,
+    icmp_limit: RateLimit,
     /// Packets produced while handling one input packet, kept to avoid allocating.
     pending: Vec<(usize, Packet)>,
     /// Frames taken from an input for one round of lookups, kept to avoid allocating.
@@ -623,11 +622,7 @@ impl Router {
     }
 
     fn icmp_allowed(&mut self, now: Instant) -> bool {
-        let dt = now.duration_since(self.icmp_last).as_secs_f64();
-        self.icmp_last = now;
-        self.icmp_tokens = (self.icmp_tokens + dt * self.icmp_rate).min(self.icmp_rate.max(1.0));
-        if self.icmp_tokens >= 1.0 {
-            self.icmp_tokens -= 1.0;
+        if self.icmp_limit.allow(now) {
             true
         } else {
             self.c.icmp_rate_limited.add(1);
@@ -892,9 +887,7 @@ impl App for Router {
             neighbors,
             neighbors6,
             arp_timeout: Duration::from_secs(c.arp_timeout),
-            icmp_rate: c.icmp_rate,
-            icmp_tokens: c.icmp_rate,
-            icmp_last: Instant::now(),
+            icmp_limit: RateLimit::new(c.icmp_rate),
             pending: Vec::with_capacity(ARP_QUEUE + 2),
             batch: Vec::with_capacity(LOOKUP_BATCH),
             ra,

@@ -19,6 +19,15 @@
 //! Outer MAC addresses are configured (`local_mac`, `next_hop_mac`): put a router in front for
 //! resolution.
 //!
+//! `mtu` is the largest IP packet the underlay carries (1500 by default), so an inner frame
+//! whose IP packet exceeds `mtu` less the encapsulation (50 bytes over IPv4, 70 over IPv6; a
+//! 1500 underlay carries 1450-byte inner packets) is dropped (`too_big_drops`): the outer
+//! header says "don't fragment" (RFC 7348 §4.3). An IPv4 packet with DF set, or an IPv6
+//! packet, is answered back out of its segment port with "fragmentation needed" / "packet too
+//! big" giving the inner MTU, from the packet's own destination as Linux's tunnels do, at most
+//! `icmp_rate` per second: path MTU discovery works through the tunnel. A segment that carries
+//! one direction only names the segment of the other direction in `reply_via`.
+//!
 //! ```yaml
 //! apps:
 //!   vtep: { type: vxlan, local: 192.0.2.1, local_mac: "02:00:00:00:00:01",
@@ -38,7 +47,8 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::time::{Duration, Instant};
 use stitch_core::packet::ChecksumState;
 use stitch_core::{App, AppContext, AppError, Counter, Io, Packet, PortNames, PortSpec};
-use stitch_wire::{checksum, flow, ipv4_header, offload, parse_mac};
+use stitch_wire::icmp::{too_big_reply, RateLimit};
+use stitch_wire::{checksum, flow, ipv4_header, offload, parse_mac, vlan};
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -46,6 +56,11 @@ pub struct Segment {
     pub vni: u32,
     /// One remote VTEP, or a list for head-end replication with learning.
     pub remote: OneOrMany<IpAddr>,
+    /// The segment whose output reaches the senders of this segment's frames, where ICMP
+    /// errors about them go (this segment by default): a one-way segment's answers travel back
+    /// by the segment of the opposite direction.
+    #[serde(default)]
+    pub reply_via: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -58,6 +73,12 @@ pub struct VxlanConfig {
     pub port: u16,
     #[serde(default = "default_aging")]
     pub aging_seconds: u64,
+    /// The largest IP packet the underlay carries.
+    #[serde(default = "default_mtu")]
+    pub mtu: usize,
+    /// ICMP errors per second at most.
+    #[serde(default = "default_icmp_rate")]
+    pub icmp_rate: f64,
     pub segments: IndexMap<String, Segment>,
 }
 
@@ -66,6 +87,12 @@ fn default_port() -> u16 {
 }
 fn default_aging() -> u64 {
     300
+}
+fn default_mtu() -> usize {
+    1500
+}
+fn default_icmp_rate() -> f64 {
+    100.0
 }
 
 /// Learned MAC addresses at most (all segments): a remote sending from ever new addresses
@@ -89,6 +116,8 @@ pub struct Vxlan {
     next_hop_mac: [u8; 6],
     port: u16,
     vnis: Vec<u32>,
+    /// Per segment, the segment whose output answers go out of.
+    reply_via: Vec<usize>,
     remotes: Vec<Vec<IpAddr>>,
     segment_names: Vec<String>,
     by_vni: HashMap<u32, usize, foldhash::fast::RandomState>,
@@ -98,6 +127,11 @@ pub struct Vxlan {
     underlay: usize,
     /// Frames of one input after GSO segmentation, reused between pushes.
     staged: Vec<Packet>,
+    /// The longest inner frame (Ethernet header without tags, and IP packet) that fits.
+    max_inner: usize,
+    icmp_limit: RateLimit,
+    icmp_sent: Counter,
+    icmp_rate_limited: Counter,
     encapsulated: Counter,
     decapsulated: Counter,
     flooded: Counter,
@@ -294,6 +328,40 @@ impl Vxlan {
         }
     }
 
+    /// The inner frame `frame` (tags included) is longer than the underlay carries.
+    fn too_big(&self, frame: &[u8]) -> bool {
+        let tags = match vlan::outer_tag(frame) {
+            Some(_) if vlan::outer_tag(&frame[4..]).is_some() => 8,
+            Some(_) => 4,
+            None => 0,
+        };
+        frame.len() > self.max_inner + tags
+    }
+
+    /// Answers an inner frame too long for the underlay with the ICMP error that tells its
+    /// sender the inner MTU, when one is due and the rate allows.
+    fn refuse_too_big(
+        &mut self,
+        frame: &[u8],
+        now: Instant,
+        back: &mut Option<stitch_core::Producer>,
+    ) {
+        self.too_big.add(1);
+        let Some(back) = back.as_mut() else {
+            return;
+        };
+        let inner_mtu = (self.max_inner - 14).min(u16::MAX as usize) as u16;
+        let Some(answer) = too_big_reply(frame, inner_mtu) else {
+            return;
+        };
+        if self.icmp_limit.allow(now) {
+            back.transmit(answer);
+            self.icmp_sent.add(1);
+        } else {
+            self.icmp_rate_limited.add(1);
+        }
+    }
+
     /// Encapsulates one inner frame of segment `seg` toward its remote(s).
     fn send(
         &mut self,
@@ -344,6 +412,15 @@ impl App for Vxlan {
         if c.segments.is_empty() {
             return Err("give at least one segment".into());
         }
+        let outer = if c.local.is_ipv4() { OUTER4 } else { OUTER6 };
+        if c.mtu < outer - 14 + 68 || c.mtu > 65535 {
+            return Err(format!(
+                "mtu {} cannot carry tunnelled packets: give the underlay's MTU, {}–65535",
+                c.mtu,
+                outer - 14 + 68
+            )
+            .into());
+        }
         let mut seen = std::collections::HashSet::new();
         for (name, s) in &c.segments {
             if name == "underlay" {
@@ -361,6 +438,16 @@ impl App for Vxlan {
             let remotes = s.remote.to_vec();
             if remotes.is_empty() || remotes.len() > u16::MAX as usize {
                 return Err(format!("segment `{name}`: give one remote VTEP or a list").into());
+            }
+            if let Some(via) = s
+                .reply_via
+                .as_ref()
+                .filter(|v| !c.segments.contains_key(*v))
+            {
+                return Err(format!(
+                    "segment `{name}`: reply_via `{via}` is not a segment of this app"
+                )
+                .into());
             }
             if let Some(r) = remotes.iter().find(|r| r.is_ipv4() != c.local.is_ipv4()) {
                 return Err(format!(
@@ -389,6 +476,17 @@ impl App for Vxlan {
             port: c.port,
             underlay: vnis.len(),
             remotes: c.segments.values().map(|s| s.remote.to_vec()).collect(),
+            reply_via: c
+                .segments
+                .iter()
+                .enumerate()
+                .map(|(i, (_, s))| {
+                    s.reply_via
+                        .as_ref()
+                        .and_then(|v| c.segments.get_index_of(v))
+                        .unwrap_or(i)
+                })
+                .collect(),
             segment_names: c.segments.keys().cloned().collect(),
             vnis,
             by_vni,
@@ -396,6 +494,10 @@ impl App for Vxlan {
             aging: Duration::from_secs(c.aging_seconds),
             last_sweep: Instant::now(),
             staged: Vec::new(),
+            max_inner: c.mtu + 14 - if c.local.is_ipv4() { OUTER4 } else { OUTER6 },
+            icmp_limit: RateLimit::new(c.icmp_rate),
+            icmp_sent: ctx.counter("icmp_sent"),
+            icmp_rate_limited: ctx.counter("icmp_rate_limited"),
             encapsulated: ctx.counter("encapsulated"),
             decapsulated: ctx.counter("decapsulated"),
             flooded: ctx.counter("flooded"),
@@ -454,6 +556,10 @@ impl App for Vxlan {
                 }
             }
             for p in staged.drain(..) {
+                if self.too_big(p.data()) {
+                    self.refuse_too_big(p.data(), now, &mut outputs[self.reply_via[port]]);
+                    continue;
+                }
                 self.send(port, p, now, &mut outputs[self.underlay]);
             }
             self.staged = staged;
@@ -604,6 +710,85 @@ mod tests {
         .unwrap();
         let e = Vxlan::declare(&c).expect_err("refused").to_string();
         assert!(e.contains("not of the family"), "{e}");
+    }
+
+    /// An IPv4 frame whose IP packet is `ip_len` bytes long, DF set.
+    fn ipv4_df(ip_len: usize) -> Packet {
+        let mut f = vec![0u8; 14];
+        f[0..6].copy_from_slice(&[2, 0, 0, 0, 0, 0xb]);
+        f[6..12].copy_from_slice(&[2, 0, 0, 0, 0, 0xa]);
+        f[12..14].copy_from_slice(&[0x08, 0x00]);
+        let (a, b) = ("10.0.0.1".parse().unwrap(), "10.0.0.2".parse().unwrap());
+        f.extend_from_slice(&ipv4_header(a, b, 17, ip_len - 20, true));
+        f.resize(14 + ip_len, 0);
+        let mut p = pool::alloc().unwrap();
+        p.set_data(&f).unwrap();
+        p
+    }
+
+    #[test]
+    fn frames_the_underlay_cannot_carry_are_answered_with_the_inner_mtu() {
+        let mut v = crate::testing::build::<Vxlan>(serde_json::json!({
+            "local": "192.0.2.1", "local_mac": "02:00:00:00:00:01",
+            "next_hop_mac": "02:00:00:00:00:02", "mtu": 1500, "icmp_rate": 2,
+            "segments": { "a": { "vni": 7, "remote": "192.0.2.2" } }
+        }));
+        let (mut io, [mut seg_in, _wire_in], [mut seg_out, mut wire_out]) =
+            crate::testing::ports(["a", "underlay"]);
+        seg_in.transmit(ipv4_df(1450));
+        for _ in 0..3 {
+            seg_in.transmit(ipv4_df(1451));
+        }
+        v.push(&mut io);
+        let sent: Vec<usize> = wire_out.drain().map(|p| p.len()).collect();
+        assert_eq!(
+            sent,
+            vec![14 + 1450 + OUTER4],
+            "an outer IP packet of 1500 bytes"
+        );
+        let answers: Vec<Packet> = seg_out.drain().collect();
+        assert_eq!(answers.len(), 2, "the rest is rate-limited");
+        let d = answers[0].data();
+        assert_eq!((d[34], d[35]), (3, 4), "fragmentation needed");
+        assert_eq!(u16::from_be_bytes([d[40], d[41]]), 1450);
+        assert_eq!(&d[26..30], &[10, 0, 0, 2], "from the packet's destination");
+        assert_eq!(
+            (
+                v.too_big.get(),
+                v.icmp_sent.get(),
+                v.icmp_rate_limited.get()
+            ),
+            (3, 2, 1)
+        );
+        let c: VxlanConfig = serde_json::from_value(serde_json::json!({
+            "local": "2001:db8::1", "local_mac": "02:00:00:00:00:01",
+            "next_hop_mac": "02:00:00:00:00:02", "mtu": 100,
+            "segments": { "a": { "vni": 7, "remote": "2001:db8::2" } } }))
+        .unwrap();
+        let e = Vxlan::declare(&c).expect_err("refused").to_string();
+        assert!(e.contains("mtu 100 cannot carry"), "{e}");
+    }
+
+    #[test]
+    fn a_one_way_segment_answers_by_the_segment_of_the_other_way() {
+        let config = |via: &str| {
+            serde_json::json!({
+                "local": "192.0.2.1", "local_mac": "02:00:00:00:00:01",
+                "next_hop_mac": "02:00:00:00:00:02",
+                "segments": { "there": { "vni": 7, "remote": "192.0.2.2", "reply_via": via },
+                              "back": { "vni": 8, "remote": "192.0.2.2" } }
+            })
+        };
+        let mut v = crate::testing::build::<Vxlan>(config("back"));
+        let (mut io, [mut there_in, _back_in, _wire_in], [mut there_out, mut back_out, _wire_out]) =
+            crate::testing::ports(["there", "back", "underlay"]);
+        there_in.transmit(ipv4_df(1451));
+        v.push(&mut io);
+        assert_eq!(there_out.drain().count(), 0);
+        assert_eq!(back_out.drain().count(), 1, "the answer");
+        let c: VxlanConfig = serde_json::from_value(config("nowhere")).unwrap();
+        let e = Vxlan::declare(&c).expect_err("refused").to_string();
+        assert!(e.contains("reply_via `nowhere` is not a segment"), "{e}");
     }
 
     #[test]

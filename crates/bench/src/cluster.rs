@@ -243,6 +243,7 @@ fn one_size(
             labels: config.labels.clone(),
             placements: vec!["engine".into(), "process".into()],
             probe_port: 0,
+            mtu: 1500,
         };
         let reg = registry.clone();
         let dry_run = Arc::new(move |doc: &serde_json::Value| {

@@ -258,6 +258,7 @@ fn status_json(s: &ClusterState) -> Value {
                 "name": name,
                 "live": s.live.contains(name),
                 "underlay": h.underlay,
+                "mtu": h.mtu,
                 "labels": h.labels,
                 "placements": h.placements,
                 "assignment_revision": s.assignments.get(name).map(|(_, r)| *r),
@@ -283,9 +284,15 @@ fn status_json(s: &ClusterState) -> Value {
             })
         })
         .collect();
+    let workload_mtu = s
+        .hosts
+        .values()
+        .map(|h| h.mtu.saturating_sub(h.tunnel_overhead()))
+        .min();
     json!({
         "revision": s.revision,
         "leader": s.leader,
+        "workload_mtu": workload_mtu,
         "hosts": hosts,
         "graphs": graphs,
         "malformed": s.malformed,
@@ -350,9 +357,12 @@ pub async fn wait_applied(
 /// `stitch cluster status` as text.
 pub fn render_status(v: &Value) -> String {
     let mut out = format!(
-        "etcd revision {}; controller on {}\n\nHOST         LIVE  UNDERLAY         APPLIED  APPS  LABELS / ERROR\n",
+        "etcd revision {}; controller on {}; workloads' MTU across tunnels {}\n\nHOST         LIVE  UNDERLAY         MTU    APPLIED  APPS  LABELS / ERROR\n",
         v["revision"],
-        v["leader"].as_str().unwrap_or("no host (no agent is live)")
+        v["leader"].as_str().unwrap_or("no host (no agent is live)"),
+        v["workload_mtu"]
+            .as_u64()
+            .map_or("- (no host)".to_string(), |m| m.to_string())
     );
     for h in v["hosts"].as_array().into_iter().flatten() {
         let labels: Vec<String> = h["labels"]
@@ -366,7 +376,7 @@ pub fn render_status(v: &Value) -> String {
             None => labels.join(","),
         };
         out += &format!(
-            "{:<12} {:<5} {:<16} {:<8} {:<5} {}\n",
+            "{:<12} {:<5} {:<16} {:<6} {:<8} {:<5} {}\n",
             h["name"].as_str().unwrap_or_default(),
             if h["live"].as_bool() == Some(true) {
                 "yes"
@@ -374,6 +384,7 @@ pub fn render_status(v: &Value) -> String {
                 "NO"
             },
             h["underlay"].as_str().unwrap_or_default(),
+            h["mtu"],
             h["applied_revision"]
                 .as_i64()
                 .map(|r| r.to_string())

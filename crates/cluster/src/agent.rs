@@ -35,17 +35,25 @@ pub struct AgentConfig {
 pub type ApplyFn = dyn Fn(&Value) -> Result<usize, String> + Send + Sync;
 
 /// The host graph `doc` with each `attachment` app that something attached locally (an
-/// `af_packet` app `stitch-cni` put in its place, in the `running` graph) kept as attached.
-pub fn keep_attached(mut doc: Value, running: Option<&Value>) -> Value {
-    let Some(running) = running.and_then(|r| r["apps"].as_object()) else {
-        return doc;
-    };
+/// `af_packet` app `stitch-cni` put in its place) kept as attached: as the `running` graph has
+/// it, or, after a restart, as the host's records of attached ports (`recorded`, port → app
+/// entry) have it.
+pub fn keep_attached(
+    mut doc: Value,
+    running: Option<&Value>,
+    recorded: &BTreeMap<String, Value>,
+) -> Value {
+    let running = running.and_then(|r| r["apps"].as_object());
     if let Some(apps) = doc["apps"].as_object_mut() {
         for (name, entry) in apps.iter_mut() {
             if entry["type"] != "attachment" {
                 continue;
             }
-            if let Some(local) = running.get(name).filter(|l| l["type"] != "attachment") {
+            let local = running
+                .and_then(|r| r.get(name))
+                .filter(|l| l["type"] != "attachment")
+                .or_else(|| recorded.get(name));
+            if let Some(local) = local {
                 *entry = local.clone();
             }
         }
@@ -68,6 +76,8 @@ struct State {
     status_published: bool,
     resyncs: u64,
     sessions: u64,
+    /// What the controller says workloads can send across the cluster's tunnels.
+    workload_mtu: Option<u32>,
 }
 
 /// A running agent.
@@ -207,6 +217,7 @@ impl stitch_api::Reporter for Report {
             "graphs": s.status.graphs,
             "apply_error": s.status.error,
             "apps": s.status.apps,
+            "workload_mtu": s.workload_mtu,
             "resyncs": s.resyncs,
             "sessions": s.sessions,
         })
@@ -259,6 +270,10 @@ fn host_record(config: &AgentConfig, placements: Vec<String>) -> Result<HostReco
         .with_context(|| format!("cannot read the MAC address of {interface}"))?
         .trim()
         .to_string();
+    let mtu = std::fs::read_to_string(format!("/sys/class/net/{interface}/mtu"))
+        .ok()
+        .and_then(|m| m.trim().parse().ok())
+        .with_context(|| format!("cannot read the MTU of {interface}"))?;
     Ok(HostRecord {
         underlay: config.underlay,
         interface,
@@ -266,6 +281,7 @@ fn host_record(config: &AgentConfig, placements: Vec<String>) -> Result<HostReco
         labels: config.labels.clone(),
         placements,
         probe_port: 0,
+        mtu,
     })
 }
 
@@ -489,6 +505,7 @@ async fn apply_kv(client: &mut Client, ctx: &Ctx, kv: Option<&KeyValue>) -> Resu
             Assignment {
                 graphs: BTreeMap::new(),
                 document: json!({ "apps": {}, "links": [] }),
+                workload_mtu: None,
             },
             0,
         ),
@@ -521,7 +538,11 @@ async fn apply_kv(client: &mut Client, ctx: &Ctx, kv: Option<&KeyValue>) -> Resu
                 "agent: applied the host graph of revision {revision} ({apps} apps; graphs {:?})",
                 assignment.graphs
             );
-            ctx.state.lock().unwrap().status.apps = apps;
+            {
+                let mut s = ctx.state.lock().unwrap();
+                s.status.apps = apps;
+                s.workload_mtu = assignment.workload_mtu;
+            }
             report(client, ctx, revision, Some(assignment.graphs), None).await
         }
         Err(why) => {

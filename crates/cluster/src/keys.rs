@@ -68,6 +68,25 @@ pub struct HostRecord {
     /// dead one.
     #[serde(default)]
     pub probe_port: u16,
+    /// The MTU of `interface`: the largest packet the underlay carries from this host.
+    #[serde(default = "ethernet_mtu")]
+    pub mtu: u32,
+}
+
+fn ethernet_mtu() -> u32 {
+    1500
+}
+
+impl HostRecord {
+    /// Bytes VXLAN adds to a tunnelled frame's IP packet from this host: IPv4 or IPv6, UDP,
+    /// VXLAN and the inner Ethernet header (RFC 7348 §5).
+    pub fn tunnel_overhead(&self) -> u32 {
+        if self.underlay.is_ipv4() {
+            50
+        } else {
+            70
+        }
+    }
 }
 
 /// A cluster graph as `stitch cluster apply` stored it.
@@ -128,6 +147,10 @@ pub struct Assignment {
     /// Graph name → revision of its record.
     pub graphs: BTreeMap<String, i64>,
     pub document: serde_json::Value,
+    /// The largest IP packet a workload can send across any tunnel of the cluster (the
+    /// smallest underlay MTU less the encapsulation): `stitch-cni` gives containers this MTU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workload_mtu: Option<u32>,
 }
 
 /// What an agent reports after each apply.

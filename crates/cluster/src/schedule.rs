@@ -269,7 +269,7 @@ pub fn schedule(
         .keys()
         .map(|h| {
             let new = host_assignment(h, graphs, &documents, &placements, hosts);
-            let kept = assigned.get(h).filter(|old| old.document == new.document);
+            let kept = assigned.get(h).filter(|old| **old == new);
             (h.clone(), kept.cloned().unwrap_or(new))
         })
         .collect();
@@ -355,10 +355,21 @@ fn host_assignment(
             let Some(record) = hosts.registered.get(remote) else {
                 continue;
             };
-            segments.entry(remote.clone()).or_default().insert(
-                format!("v{}", t.vni),
-                json!({ "vni": t.vni, "remote": record.underlay }),
-            );
+            let mut segment = json!({ "vni": t.vni, "remote": record.underlay });
+            // ICMP errors about a link's frames (too big for the tunnel) go back to their
+            // sender by the tunnel of the link the other way, when the graph has one.
+            let reverse = place.tunnels.iter().find(|r| {
+                r.link == format!("{to} -> {from}")
+                    && r.from_host == t.to_host
+                    && r.to_host == t.from_host
+            });
+            if let (Some(r), true) = (reverse, t.from_host == me) {
+                segment["reply_via"] = json!(format!("v{}", r.vni));
+            }
+            segments
+                .entry(remote.clone())
+                .or_default()
+                .insert(format!("v{}", t.vni), segment);
             links.push(json!(entry));
             any = true;
         }
@@ -378,7 +389,18 @@ fn host_assignment(
     Assignment {
         graphs: graph_revisions,
         document,
+        workload_mtu: workload_mtu(hosts),
     }
+}
+
+/// The largest IP packet that crosses every tunnel the cluster's hosts can make: each host's
+/// underlay MTU less the encapsulation, the smallest of them.
+pub fn workload_mtu(hosts: &Hosts) -> Option<u32> {
+    hosts
+        .registered
+        .values()
+        .map(|h| h.mtu.saturating_sub(h.tunnel_overhead()))
+        .min()
 }
 
 /// Toward `remote`: a `vxlan` app holding the segments of the links to it, and an
@@ -399,6 +421,7 @@ fn add_tunnel_endpoint(
             "local": mine.underlay,
             "local_mac": mine.mac,
             "next_hop_mac": theirs.mac,
+            "mtu": mine.mtu.min(theirs.mtu),
             "segments": segs,
         }),
     );
@@ -467,6 +490,7 @@ mod tests {
                 .collect(),
             placements: vec!["engine".into(), "process".into()],
             probe_port: 0,
+            mtu: 1500,
         }
     }
 
@@ -540,6 +564,40 @@ mod tests {
                 panic!("{e}\n{text}");
             }
         }
+    }
+
+    #[test]
+    fn tunnels_carry_the_smaller_mtu_and_answer_by_the_link_the_other_way() {
+        let g = [graph("apps:\n  a: { type: firewall, host: h1 }\n  b: { type: firewall, host: h2 }\nlinks:\n  - \"a.wan -> b.lan\"\n  - \"b.lan -> a.wan\"\n")];
+        let mut h = hosts(&["h1", "h2", "h3"]);
+        h.registered.get_mut("h2").unwrap().mtu = 9000;
+        h.registered.get_mut("h3").unwrap().mtu = 1400;
+        let s = schedule(&g, &h, &BTreeMap::new(), &BTreeMap::new());
+        let vni = |link: &str| {
+            s.placements["chain"]
+                .tunnels
+                .iter()
+                .find(|t| t.link == link)
+                .unwrap()
+                .vni
+        };
+        let (there, back) = (vni("a.wan -> b.lan"), vni("b.lan -> a.wan"));
+        let vtep = &s.assignments["h1"].document["apps"]["cluster-vtep-h2"];
+        assert_eq!(vtep["mtu"], 1500, "the smaller of 1500 and 9000");
+        assert_eq!(
+            vtep["segments"][format!("v{there}")]["reply_via"],
+            format!("v{back}")
+        );
+        assert!(vtep["segments"][format!("v{back}")]
+            .get("reply_via")
+            .is_none());
+        assert_eq!(
+            s.assignments["h1"].workload_mtu,
+            Some(1350),
+            "h3's 1400 less 50 bounds every host's workloads"
+        );
+        let text = serde_json::to_string(&s.assignments["h1"].document).unwrap();
+        Graph::parse(&text, "doc", Path::new("."), &registry()).unwrap();
     }
 
     #[test]

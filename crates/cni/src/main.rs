@@ -6,7 +6,9 @@
 //! the spec says) for addresses and routes and sets them, then replaces the graph's
 //! `attachment` app of that name with an `af_packet` app on the host end, through the
 //! instance's API — its links stay. DEL undoes all of it and puts the `attachment` back
-//! (nothing there is not an error: DEL is idempotent). CHECK verifies each piece.
+//! (nothing there is not an error: DEL is idempotent). CHECK verifies each piece. Once the
+//! port carries traffic, ADD announces the container's addresses (gratuitous ARP, unsolicited
+//! neighbor advertisement), so a re-added container is reachable at once.
 //!
 //! ```json
 //! { "cniVersion": "1.0.0", "name": "chain", "type": "stitch-cni",
@@ -15,8 +17,11 @@
 //!             "routes": [ { "dst": "0.0.0.0/0" } ] } }
 //! ```
 //! The port may also come per container from `CNI_ARGS` (`STITCH_PORT=web`); `instance`
-//! names the instance instead of `control` (an agent's instance is its host's name).
+//! names the instance instead of `control` (an agent's instance is its host's name). On a
+//! cluster host the container's MTU is what the cluster's tunnels carry (the agent's
+//! `workload_mtu`), or `mtu` when that is less.
 
+mod announce;
 mod net;
 
 use anyhow::Result;
@@ -152,8 +157,20 @@ impl Request {
         }
     }
 
+    /// The container interface's MTU: what a cluster's tunnels carry (the host's agent says
+    /// so in the instance's status), or less when the configuration's `mtu` says less; 1500
+    /// when neither says.
     fn mtu(&self) -> u64 {
-        self.config["mtu"].as_u64().unwrap_or(1500)
+        let configured = self.config["mtu"].as_u64();
+        let tunnels =
+            stitch_api::client::json(&self.control(), Method::GET, "/api/v1/status", None)
+                .ok()
+                .and_then(|status| status["agent"]["workload_mtu"].as_u64());
+        match (configured, tunnels) {
+            (Some(c), Some(t)) => c.min(t),
+            (Some(m), None) | (None, Some(m)) => m,
+            (None, None) => 1500,
+        }
     }
 
     /// The host end's name: a hash of container and interface, so DEL finds it again.
@@ -239,11 +256,35 @@ fn add(r: &Request) -> Result<Value, CniError> {
     };
     let ipam = net::ipam(&r.config, &r.raw, "ADD").map_err(|e| undo(fail(e.0, e.1)))?;
     net::configure(&r.netns, &r.ifname, &ipam).map_err(|e| undo(fail(5, e)))?;
-    if let Err(e) = put_entry(r, &port, json!({ "type": "af_packet", "interface": host })) {
+    let entry = json!({ "type": "af_packet", "interface": host });
+    if let Err(e) = put_entry(r, &port, entry.clone()) {
         let _ = net::ipam(&r.config, &r.raw, "DEL");
         return Err(undo(e));
     }
+    // Kept on the host so that a restarted agent attaches the container again.
+    if let Err(e) = stitch_api::attached::record(&r.control(), &port, &entry) {
+        eprintln!("stitch-cni: cannot record the attachment of port `{port}`: {e}");
+    }
+    announce_addresses(r, &ipam);
     Ok(result(r, &host, &ipam))
+}
+
+/// The container's addresses announced on its interface (gratuitous ARP, unsolicited NA), now
+/// that Stitch carries its port. Best effort: neighbours still learn the ordinary way.
+fn announce_addresses(r: &Request, ipam: &Value) {
+    let addresses: Vec<std::net::IpAddr> = ipam["ips"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|ip| ip["address"].as_str()?.split('/').next()?.parse().ok())
+        .collect();
+    let mac = net::mac(Some(&r.netns), &r.ifname).and_then(|m| stitch_wire::parse_mac(&m).ok());
+    let Some(mac) = mac else {
+        return;
+    };
+    if let Err(e) = announce::send(&r.netns, &r.ifname, announce::frames(mac, &addresses)) {
+        eprintln!("stitch-cni: could not announce the container's addresses: {e}");
+    }
 }
 
 /// The spec's result: both interfaces, the addresses on the container's, routes and DNS as
@@ -286,6 +327,13 @@ fn result(r: &Request, host: &str, ipam: &Value) -> Value {
 fn del(r: &Request) -> Result<(), CniError> {
     let port = r.port()?;
     let host = r.host_end();
+    let recorded = stitch_api::attached::recorded(&r.control());
+    if recorded
+        .get(&port)
+        .is_some_and(|e| e["interface"] == host.as_str())
+    {
+        stitch_api::attached::forget(&r.control(), &port);
+    }
     if let Some(e) = graph_entry(r, &port).ok().flatten() {
         if e["type"] == "af_packet" && e["interface"] == host.as_str() {
             put_entry(r, &port, json!({ "type": "attachment" }))?;

@@ -187,10 +187,12 @@ pub fn run_agent(args: AgentArgs) -> Result<()> {
     super::serve(&instance, &args.listen, |api| {
         let registry = Arc::new(super::registry());
         let apply_api = api.clone();
+        let socket = instance.socket();
         let apply = Arc::new(move |doc: &serde_json::Value| {
+            let recorded = stitch_api::attached::recorded(&socket);
             apply_api
                 .apply_derived("<cluster host graph>", |running| {
-                    agent::keep_attached(doc.clone(), running.as_ref())
+                    agent::keep_attached(doc.clone(), running.as_ref(), &recorded)
                 })
                 .map(|_| doc["apps"].as_object().map(|a| a.len()).unwrap_or(0))
                 .map_err(|e| e.message)

@@ -67,7 +67,7 @@ impl Cluster {
         must(&format!("ip netns add {f}"));
         for br in ["mg", "ul"] {
             must(&format!("ip -n {f} link add {br} type bridge"));
-            must(&format!("ip -n {f} link set {br} mtu 9000 up"));
+            must(&format!("ip -n {f} link set {br} up"));
         }
         for i in 0..HOSTS {
             let ns = c.ns(i);
@@ -76,7 +76,7 @@ impl Cluster {
             for (br, inner, net) in [("mg", "mgmt", "198.51.100"), ("ul", "ul0", "192.0.2")] {
                 let outer = format!("{br}{}", i + 1);
                 must(&format!(
-                    "ip -n {ns} link add {inner} mtu 9000 type veth peer name {outer} mtu 9000 netns {f}"
+                    "ip -n {ns} link add {inner} type veth peer name {outer} netns {f}"
                 ));
                 must(&format!("ip -n {f} link set {outer} master {br} up"));
                 must(&format!(
@@ -445,6 +445,7 @@ fn a_chain_across_three_hosts_survives_a_dead_agent_a_lost_etcd_leader_and_a_cut
     let wa = c.workload('a');
     let wb = c.workload('b');
     // The workloads attach through CNI, as a container runtime would attach them.
+    let mut host_end = Vec::new();
     for (host, side, subnet) in [(0, 'a', "10.20.1"), (2, 'b', "10.20.2")] {
         let o = c.cnitool(host, "add", side, subnet);
         assert!(
@@ -460,13 +461,22 @@ fn a_chain_across_three_hosts_survives_a_dead_agent_a_lost_etcd_leader_and_a_cut
             "{result}"
         );
         assert_eq!(result["interfaces"][1]["name"], "eth0", "{result}");
+        host_end.push(
+            result["interfaces"][0]["name"]
+                .as_str()
+                .unwrap()
+                .to_string(),
+        );
         let o = c.cnitool(host, "check", side, subnet);
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
+        // The underlay's 1500 less VXLAN's 50: what crosses every tunnel.
+        let link = must(&format!("ip -n {} link show eth0", c.workload(side)));
+        assert!(link.contains("mtu 1450 "), "{link}");
     }
+    assert_eq!(c.cluster_status(0)["workload_mtu"], 1450);
     // ADD again for the same container and interface is refused (the spec: it exists).
     let again = c.cnitool(0, "add", 'a', "10.20.1");
     assert!(!again.status.success());
-    must(&format!("ip -n {wa} addr add 10.20.1.100/32 dev eth0"));
     wait_until("ping through the chain", 20, || {
         c.exec(&wa, "ping -c1 -W1 10.20.2.2").status.success()
     });
@@ -502,6 +512,38 @@ fn a_chain_across_three_hosts_survives_a_dead_agent_a_lost_etcd_leader_and_a_cut
         nat["rx_packets"].as_u64().unwrap() > 1000,
         "TCP crossed the NAT on h2"
     );
+    assert!(
+        nat["counters"]["arp_answered"].as_u64().unwrap() >= 1,
+        "{nat}"
+    );
+
+    // A workload whose MTU is larger than the tunnels carry learns the path MTU: the first
+    // tunnel answers a DF packet too big for it with "fragmentation needed", which reaches
+    // the workload through the firewall (related to its connection).
+    let set_mtu = |mtu: u32| {
+        must(&format!("ip -n {wa} link set eth0 mtu {mtu}"));
+        must(&format!(
+            "ip -n {} link set {} mtu {mtu}",
+            c.ns(0),
+            host_end[0]
+        ));
+    };
+    set_mtu(1500);
+    let over = c.exec(&wa, "ping -c 2 -i 0.3 -W 1 -M do -s 1472 10.20.2.2");
+    let said =
+        String::from_utf8_lossy(&over.stdout).to_string() + &String::from_utf8_lossy(&over.stderr);
+    assert!(
+        said.contains("mtu = 1450") || said.contains("mtu=1450"),
+        "{said}\n{}",
+        c.stats(0)
+    );
+    let fits = c.exec(&wa, "ping -c 2 -i 0.2 -W 2 -M do -s 1422 10.20.2.2");
+    assert!(
+        fits.status.success(),
+        "{}",
+        String::from_utf8_lossy(&fits.stdout)
+    );
+    set_mtu(1450);
 
     // Kill host 2's agent (and its engine, NAT and all): the NAT moves, traffic resumes.
     let ping = c.paced_ping();
@@ -520,6 +562,29 @@ fn a_chain_across_three_hosts_survives_a_dead_agent_a_lost_etcd_leader_and_a_cut
     );
     assert!(replies > 20, "traffic resumed after the NAT moved");
     assert!(c.exec(&wa, "ping -c1 -W1 10.20.2.2").status.success());
+
+    // Host 1's agent (its engine with it) killed and started again: workload a is attached
+    // again from the host's record, with its address, and its traffic resumes.
+    let killed_at = now();
+    c.agents[0].as_ref().unwrap().signal(libc::SIGKILL);
+    c.agents[0] = None;
+    c.start_agent(0);
+    wait_until("ping through the restarted host 1", 20, || {
+        c.exec(&wa, "ping -c1 -W1 10.20.2.2").status.success()
+    });
+    std::thread::sleep(Duration::from_secs(1));
+    let (replies, gap) = c.ping_gaps(killed_at - 0.5, now());
+    eprintln!(
+        "host 1's agent killed and restarted: longest gap {:.0} ms, {replies} replies after",
+        gap * 1e3
+    );
+    assert!(gap < 10.0, "traffic resumed ({gap:.3} s)");
+    let o = c.cnitool(0, "check", 'a', "10.20.1");
+    assert!(
+        o.status.success(),
+        "the container is attached as CNI left it: {}",
+        String::from_utf8_lossy(&o.stdout)
+    );
 
     // Host 2's agent returns (the NAT stays where it went), then etcd's leader moves to host 2's
     // member and host 2's management link goes down: etcd elects another leader; traffic never
@@ -654,6 +719,24 @@ fn a_chain_across_three_hosts_survives_a_dead_agent_a_lost_etcd_leader_and_a_cut
         Some(graph_rev)
     );
     drop(ping);
+
+    // A container re-added under the same address (a new MAC) is reachable at once: its
+    // announcement updates the router's neighbour entry.
+    let o = c.cnitool(2, "del", 'b', "10.20.2");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
+    let o = c.cnitool(2, "add", 'b', "10.20.2");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
+    let readded = Instant::now();
+    let first = c.exec(&wa, "ping -c 1 -W 1 10.20.2.2");
+    eprintln!(
+        "a re-added workload (new MAC, same address) answered after {:.0} ms",
+        readded.elapsed().as_secs_f64() * 1e3
+    );
+    assert!(
+        first.status.success(),
+        "the first ping after re-ADD: {}",
+        String::from_utf8_lossy(&first.stdout)
+    );
 
     // CNI DEL: the port is an attachment again, the host end and the address are gone.
     let o = c.cnitool(2, "del", 'b', "10.20.2");

@@ -259,14 +259,9 @@ print(s.recvfrom(2048)[0].decode())
 fn nat_masquerades_lan_hosts_behind_the_external_address() {
     require_root_and_tools(&["ip", "python3"]);
     let h = TwoHosts::new();
-    // One segment, NAT in the middle: host B knows the external address at host A's MAC.
+    // One segment, NAT in the middle: host B asks for the external address in ARP and the
+    // NAT answers.
     let external = format!("{}50", &h.ip[0][..h.ip[0].len() - 1]);
-    let mac_a = must(&format!("ip -n {} -br link show {}", h.ns[0], h.inner[0]));
-    let mac_a = mac_a.split_whitespace().nth(2).unwrap().to_string();
-    must(&format!(
-        "ip -n {} neigh add {external} lladdr {mac_a} dev {}",
-        h.ns[1], h.inner[1]
-    ));
     let s = Stitch::run(&format!(
         "apps:\n  lan: {{ type: af_packet, interface: {} }}\n  wan: {{ type: af_packet, interface: {} }}\n  nat: {{ type: nat, external: \"{external}\", ports: \"20000-29999\" }}\nlinks:\n  - \"lan.output -> nat.lan\"\n  - \"nat.lan -> lan.input\"\n  - \"wan.output -> nat.wan\"\n  - \"nat.wan -> wan.input\"\n",
         h.outer[0], h.outer[1]
@@ -311,7 +306,9 @@ fn nat_masquerades_lan_hosts_behind_the_external_address() {
     let stats = s.stop();
     let c = &app(&stats, "nat")["counters"];
     assert!(
-        c["translated_out"].as_u64().unwrap() >= 1 && c["translated_in"].as_u64().unwrap() >= 1,
+        c["translated_out"].as_u64().unwrap() >= 1
+            && c["translated_in"].as_u64().unwrap() >= 1
+            && c["arp_answered"].as_u64().unwrap() >= 1,
         "{c}"
     );
 }
@@ -413,14 +410,12 @@ fn vxlan_talks_to_linux_over(family: u8) {
     must(&format!(
         "ip -n {b} link add vx0 type vxlan id 4242 local {remote} remote {local} dstport 4789 dev {eth}"
     ));
-    // Linux's own overhead for an IPv6 underlay (70 bytes) sets the tenant MTU on both sides.
-    must(&format!("ip -n {b} link set vx0 mtu 1430"));
+    // Linux's tunnel MTU on host B (its own overhead, 50 or 70 bytes); host A keeps 1500
+    // and learns the tunnel's MTU from Stitch's "fragmentation needed".
+    let inner_mtu = if family == 4 { 1450 } else { 1430 };
+    must(&format!("ip -n {b} link set vx0 mtu {inner_mtu}"));
     must(&format!("ip -n {b} addr add {tenant_b}/24 dev vx0"));
     must(&format!("ip -n {b} link set vx0 up"));
-    must(&format!(
-        "ip -n {} link set {} mtu 1430",
-        h.ns[0], h.inner[0]
-    ));
     let mac_b = must(&format!("ip -n {b} -br link show {eth}"));
     let mac_b = mac_b.split_whitespace().nth(2).unwrap().to_string();
     let s = Stitch::run(&format!(
@@ -433,6 +428,42 @@ fn vxlan_talks_to_linux_over(family: u8) {
         "ping across the tunnel: {}",
         String::from_utf8_lossy(&ping.stdout)
     );
+    // Path MTU discovery through the tunnel: a DF ping one byte over is answered with the
+    // tunnel's MTU, and host A's stack takes it.
+    let over = h.exec(
+        0,
+        &format!(
+            "ping -c 2 -i 0.3 -W 1 -M do -s {} {tenant_b}",
+            inner_mtu - 27
+        ),
+    );
+    let said =
+        String::from_utf8_lossy(&over.stdout).to_string() + &String::from_utf8_lossy(&over.stderr);
+    assert!(!over.status.success(), "{said}");
+    assert!(
+        said.contains(&format!("mtu = {inner_mtu}")) || said.contains(&format!("mtu={inner_mtu}")),
+        "{said}"
+    );
+    let cached = must(&format!("ip -n {} route get {tenant_b}", h.ns[0]));
+    assert!(cached.contains(&format!("mtu {inner_mtu}")), "{cached}");
+    let fits = h.exec(
+        0,
+        &format!(
+            "ping -c 2 -i 0.2 -W 2 -M do -s {} {tenant_b}",
+            inner_mtu - 28
+        ),
+    );
+    assert!(
+        fits.status.success(),
+        "{}",
+        String::from_utf8_lossy(&fits.stdout)
+    );
+    let vtep = |s: &Stitch, name: &str| {
+        app(&s.stats().unwrap(), "vtep")["counters"][name]
+            .as_u64()
+            .unwrap()
+    };
+    assert!(vtep(&s, "icmp_sent") >= 1 && vtep(&s, "too_big_drops") >= 1);
     // Stitch learned where host B's VXLAN device is; Linux learned Stitch's side.
     let shown: serde_json::Value = serde_json::from_str(&must(&format!(
         "{} show vtep --control {}",
@@ -450,11 +481,7 @@ fn vxlan_talks_to_linux_over(family: u8) {
             .any(|e| e["mac"] == vx_mac.as_str() && e["remote"] == remote),
         "{shown}"
     );
-    let flooded = |s: &Stitch| {
-        app(&s.stats().unwrap(), "vtep")["counters"]["unknown_unicast_flooded"]
-            .as_u64()
-            .unwrap()
-    };
+    let flooded = |s: &Stitch| vtep(s, "unknown_unicast_flooded");
     let before = flooded(&s);
     let ping = h.exec(0, &format!("ping -c 5 -i 0.1 -W 2 {tenant_b}"));
     assert!(ping.status.success());
@@ -832,8 +859,25 @@ fn nat_pcap_in_pcap_out() {
         )),
     ];
     let stats = two_sided(dir.path(), "{ type: nat, external: 192.0.2.10, ports: \"5000-5999\", forwards: [ { proto: tcp, port: 8080, to_address: 10.0.0.7, to_port: 80 } ] }", &lan, &wan);
-    let w = tshark_checked(
+    // The NAT announces its external address on the wan side, and asks on the lan side for
+    // the forward's server, which it has not seen.
+    let arp = |file: &str| {
+        tshark_checked_where(
+            &dir.path().join(file),
+            "arp",
+            &[
+                "arp.src.proto_ipv4",
+                "arp.dst.proto_ipv4",
+                "arp.isgratuitous",
+                "arp.isprobe",
+            ],
+        )
+    };
+    assert_eq!(arp("wan_out.pcap"), vec!["192.0.2.10\t192.0.2.10\t1\t"]);
+    assert_eq!(arp("lan_out.pcap"), vec!["0.0.0.0\t10.0.0.7\t\t1"]);
+    let w = tshark_checked_where(
         &dir.path().join("wan_out.pcap"),
+        "ip",
         &[
             "ip.src",
             "udp.srcport",
@@ -854,8 +898,9 @@ fn nat_pcap_in_pcap_out() {
     );
     assert_eq!(w[2], "192.0.2.10\t\t5600\t\t1\t\t1\t");
     assert_eq!(w[3], "192.0.2.10\t\t\t5500\t1\t\t\t1");
-    let l = tshark_checked(
+    let l = tshark_checked_where(
         &dir.path().join("lan_out.pcap"),
+        "ip",
         &[
             "ip.dst",
             "ip.src",

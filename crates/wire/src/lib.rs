@@ -9,6 +9,7 @@
 pub mod checksum;
 pub mod filter;
 pub mod flow;
+pub mod icmp;
 pub mod ndp;
 pub mod offload;
 pub mod vlan;

@@ -457,10 +457,15 @@ pub fn tshark_fields(file: &Path, fields: &[&str]) -> Vec<String> {
 /// Like [`tshark_fields`], with tshark checking IPv4, UDP and TCP checksums (their
 /// `*.checksum.status` fields: 1 good, 0 bad).
 pub fn tshark_checked(file: &Path, fields: &[&str]) -> Vec<String> {
+    tshark_checked_where(file, "frame", fields)
+}
+
+/// [`tshark_checked`] of the frames that match display filter `filter` only.
+pub fn tshark_checked_where(file: &Path, filter: &str, fields: &[&str]) -> Vec<String> {
     let args: Vec<String> = fields.iter().map(|x| format!("-e {x}")).collect();
     must(&format!(
         "tshark -o ip.check_checksum:TRUE -o udp.check_checksum:TRUE -o tcp.check_checksum:TRUE \
-         -r {} -T fields {}",
+         -r {} -Y '{filter}' -T fields {}",
         file.display(),
         args.join(" ")
     ))
