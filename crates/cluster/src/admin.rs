@@ -384,7 +384,7 @@ pub fn render_status(v: &Value) -> String {
                 "NO"
             },
             h["underlay"].as_str().unwrap_or_default(),
-            h["mtu"],
+            h["mtu"].as_u64().map_or("-".into(), |m| m.to_string()),
             h["applied_revision"]
                 .as_i64()
                 .map(|r| r.to_string())
@@ -429,4 +429,31 @@ pub fn render_status(v: &Value) -> String {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_status_table_keeps_its_columns_and_says_the_workload_mtu() {
+        let v = json!({
+            "revision": 17, "leader": "h3", "workload_mtu": 1450,
+            "hosts": [ { "name": "h1", "live": true, "underlay": "192.0.2.1", "mtu": 1500,
+                         "applied_revision": 12, "apps": 3, "labels": { "zone": "a" } } ],
+            "graphs": []
+        });
+        let text = render_status(&v);
+        assert!(
+            text.contains("workloads' MTU across tunnels 1450"),
+            "{text}"
+        );
+        let header = text.lines().find(|l| l.starts_with("HOST")).unwrap();
+        let row = text.lines().find(|l| l.starts_with("h1")).unwrap();
+        for column in ["MTU", "APPLIED", "APPS"] {
+            let at = header.find(column).unwrap();
+            assert_ne!(&row[at..at + 1], " ", "{column} lines up:\n{text}");
+            assert_eq!(&row[at - 1..at], " ", "{column} lines up:\n{text}");
+        }
+    }
 }

@@ -84,6 +84,9 @@ pub enum ClusterCmd {
         etcd: Etcd,
         #[arg(long)]
         json: bool,
+        /// First wait (up to 30 s) until at least this many hosts are live.
+        #[arg(long)]
+        wait_live: Option<usize>,
     },
     /// Remove a cluster graph: every host stops its apps.
     Delete {
@@ -143,8 +146,16 @@ pub fn run_cluster(cmd: ClusterCmd) -> Result<()> {
                 );
             }
         }
-        ClusterCmd::Status { etcd, json } => {
-            let v = etcd::block_on(admin::status(&etcd.endpoints()))?;
+        ClusterCmd::Status {
+            etcd,
+            json,
+            wait_live,
+        } => {
+            let endpoints = etcd.endpoints();
+            let v = match wait_live {
+                Some(n) => wait_live_hosts(&endpoints, n, Duration::from_secs(30))?,
+                None => etcd::block_on(admin::status(&endpoints))?,
+            };
             if json {
                 println!("{}", serde_json::to_string_pretty(&v)?);
             } else {
@@ -161,6 +172,37 @@ pub fn run_cluster(cmd: ClusterCmd) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The cluster's status once at least `n` hosts are live.
+fn wait_live_hosts(endpoints: &[String], n: usize, limit: Duration) -> Result<serde_json::Value> {
+    let start = std::time::Instant::now();
+    loop {
+        let v = etcd::block_on(admin::status(endpoints))?;
+        let hosts = v["hosts"].as_array().cloned().unwrap_or_default();
+        let live: Vec<&str> = hosts
+            .iter()
+            .filter(|h| h["live"] == true)
+            .filter_map(|h| h["name"].as_str())
+            .collect();
+        if live.len() >= n {
+            return Ok(v);
+        }
+        if start.elapsed() > limit {
+            anyhow::bail!(
+                "{} of {n} hosts are live after {} s ({}): is each host's `stitch agent` running \
+                 and reaching etcd?",
+                live.len(),
+                limit.as_secs(),
+                if live.is_empty() {
+                    "none".to_string()
+                } else {
+                    live.join(", ")
+                }
+            );
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
 }
 
 /// `stitch agent`: an instance named after the host whose graph comes from etcd.

@@ -813,3 +813,94 @@ fn a_dead_etcd_member_is_invisible_to_applies_and_agents() {
         killed.elapsed().as_secs_f64()
     );
 }
+
+/// The shell blocks of `docs/cluster.md`'s walkthrough section, in order.
+fn walkthrough_commands() -> String {
+    let doc = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/cluster.md"),
+    )
+    .unwrap();
+    let start = doc.find("\n## Walkthrough").expect("a walkthrough section");
+    let section = &doc[start + 1..];
+    let section = &section[..section[1..].find("\n## ").map_or(section.len(), |e| e + 1)];
+    let mut out = String::new();
+    let mut inside = false;
+    for line in section.lines() {
+        match (inside, line.trim_start().starts_with("```")) {
+            (false, true) if line.trim() == "```sh" => inside = true,
+            (true, true) => inside = false,
+            (true, false) => {
+                out += line;
+                out += "\n";
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+/// `docs/cluster.md`'s walkthrough, its commands as the doc writes them (read from the doc),
+/// in a mount namespace of its own whose `/run/netns`, `/run/stitch` and `/var/lib/cni` are
+/// empty, so that its fixed names (h1, wa, …) meet nothing of the machine's or of other tests.
+#[test]
+fn the_cluster_walkthrough_runs_as_written() {
+    require_root_and_tools(&["etcd", "etcdctl", "iperf3", "unshare", "nsenter"]);
+    assert!(
+        Path::new(CNI_BIN).join("cnitool").exists(),
+        "{CNI_BIN}/cnitool is needed: scripts/install-deps --test builds it"
+    );
+    let commands = walkthrough_commands();
+    assert!(commands.contains("cluster apply"), "{commands}");
+    let dir = tempfile::tempdir().unwrap();
+    let script = dir.path().join("walkthrough.sh");
+    std::fs::write(
+        &script,
+        format!("set -eu\ntrap 'examples/cluster/fabric.sh down' EXIT\n{commands}"),
+    )
+    .unwrap();
+    let isolate = "mkdir -p /run/netns /run/stitch /var/lib/cni \
+         && mount -t tmpfs walkthrough /run/netns \
+         && mount -t tmpfs walkthrough /run/stitch \
+         && mount -t tmpfs walkthrough /var/lib/cni \
+         && exec sh -x \"$0\"";
+    let bin = Path::new(env!("CARGO_BIN_EXE_stitch")).parent().unwrap();
+    let started = Instant::now();
+    let out = Command::new("unshare")
+        .args(["--mount", "--propagation", "private", "sh", "-c", isolate])
+        .arg(&script)
+        .current_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join("../.."))
+        .env(
+            "PATH",
+            format!("{}:{}", bin.display(), std::env::var("PATH").unwrap()),
+        )
+        .env("STITCH_CLUSTER_DIR", dir.path())
+        .env_remove("STITCH_ETCD")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let logs: String = ["agent-h1.log", "agent-h2.log", "agent-h3.log"]
+        .iter()
+        .map(|f| {
+            format!(
+                "--- {f}\n{}\n",
+                std::fs::read_to_string(dir.path().join(f)).unwrap_or_default()
+            )
+        })
+        .collect();
+    assert!(
+        out.status.success(),
+        "the walkthrough failed:\n{stdout}\n{stderr}\n{logs}"
+    );
+    eprintln!(
+        "the walkthrough ran in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    assert!(stdout.contains("mtu 1450 "), "{stdout}");
+    assert!(
+        stdout.contains("3 packets transmitted, 3 received"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("receiver"), "iperf3's summary: {stdout}");
+    assert!(stdout.contains("every live host runs it"), "{stdout}");
+}
