@@ -425,11 +425,10 @@ impl Api {
                 "the body must be an app entry: an object with `type` and the app's keys",
             ));
         };
-        if !entry.get("type").is_some_and(Value::is_string) {
-            return Err(ApiError::new(
-                400,
-                "field `type`: an app entry needs a type name",
-            ));
+        // Without `type` the graph's rules decide, as in a graph file (an app placed in a
+        // process or VM may go without one).
+        if entry.get("type").is_some_and(|t| !t.is_string()) {
+            return Err(ApiError::new(400, "field `type`: give a type name"));
         }
         let mut created = false;
         let report = self.edit(&format!("<app {name}>"), |doc| {

@@ -3,11 +3,12 @@
 //! on the graph's revision, so two operators never overwrite each other silently.
 
 use crate::etcd::{self, read_prefix};
-use crate::keys::{self, ClusterState, GraphRecord};
+use crate::keys::{self, AppPlace, ClusterState, GraphRecord, PlacementRecord};
 use crate::schedule::RESERVED_PREFIX;
 use anyhow::{anyhow, bail, Context, Result};
 use etcd_client::{Compare, CompareOp, Txn, TxnOp};
 use serde_json::{json, Value};
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 use stitch_core::graph::{GraphError, GraphErrors};
@@ -153,8 +154,8 @@ pub async fn apply(
         .map(|d| d.display().to_string())
         .unwrap_or_default();
     let shown = file.display().to_string();
-    let graph =
-        Graph::parse(&text, &shown, Path::new(&dir), registry).map_err(|e| anyhow!("{e}"))?;
+    let graph = Graph::parse(&text, &shown, Path::new(&dir), registry)
+        .map_err(|e| anyhow!("{e}\nnothing was written"))?;
     let mut client = etcd::connect(endpoints).await?;
     let (revision, kvs) = read_prefix(&mut client, keys::PREFIX).await?;
     let state = ClusterState::decode(revision, &kvs);
@@ -194,8 +195,8 @@ pub async fn apply(
         .context("cannot write the graph")?;
     if !r.succeeded() {
         bail!(
-            "graph `{name}` is no longer at revision {expected} (another apply changed it): \
-             read it with `stitch cluster status`, then apply again; nothing was written"
+            "{}; nothing was written",
+            revision_conflict(name, expected, previous)
         );
     }
     let mut waiting_for: Vec<String> = graph
@@ -212,6 +213,30 @@ pub async fn apply(
         revision: r.header().map(|h| h.revision()).unwrap_or(0),
         waiting_for,
     })
+}
+
+/// Why a write expecting graph `name` at revision `expected` failed, the graph having been at
+/// revision `read` (0: absent) when this command read it.
+fn revision_conflict(name: &str, expected: i64, read: i64) -> String {
+    match (expected, read) {
+        (0, 0) => format!("graph `{name}` was created by another apply meanwhile"),
+        (0, r) => format!(
+            "graph `{name}` exists already (revision {r}); --if-revision 0 writes only a new graph"
+        ),
+        (e, r) if e != r => format!(
+            "graph `{name}` is no longer at revision {e} (it is at {}): read it with \
+             `stitch cluster status`, then apply again",
+            if r == 0 {
+                "none: deleted".to_string()
+            } else {
+                r.to_string()
+            }
+        ),
+        (e, _) => format!(
+            "graph `{name}` was changed by another apply meanwhile (it was at revision {e}): \
+             apply again"
+        ),
+    }
 }
 
 /// Removes cluster graph `name` (if still at `expected`, when given).
@@ -235,7 +260,10 @@ pub async fn delete(endpoints: &[String], name: &str, expected: Option<i64>) -> 
         )
         .await?;
     if !r.succeeded() {
-        bail!("graph `{name}` is no longer at revision {expected}; nothing was deleted");
+        bail!(
+            "{}; nothing was deleted",
+            revision_conflict(name, expected, kv.mod_revision())
+        );
     }
     Ok(r.header().map(|h| h.revision()).unwrap_or(0))
 }
@@ -279,7 +307,7 @@ fn status_json(s: &ClusterState) -> Value {
                 "revision": revision,
                 "placed_revision": p.map(|p| p.graph_revision),
                 "error": p.and_then(|p| p.error.clone()),
-                "apps": p.map(|p| &p.apps),
+                "apps": p.map(|p| applied_places(s, name, p)),
                 "tunnels": p.map(|p| &p.tunnels),
             })
         })
@@ -297,6 +325,35 @@ fn status_json(s: &ClusterState) -> Value {
         "graphs": graphs,
         "malformed": s.malformed,
     })
+}
+
+/// Where graph `name`'s apps are, as its placement says, with `running` kept for apps whose
+/// host reports running the graph revision the placement needs there: an app assigned but not
+/// applied yet is `starting`, one its host refused is `refused` (with the host's reason).
+fn applied_places(s: &ClusterState, name: &str, p: &PlacementRecord) -> BTreeMap<String, AppPlace> {
+    let mut apps = p.apps.clone();
+    for place in apps.values_mut() {
+        let Some(host) = place.host.as_deref().filter(|_| place.state == "running") else {
+            continue;
+        };
+        let needed = p.hosts.get(host).copied().unwrap_or(p.graph_revision);
+        let status = s.statuses.get(host);
+        let runs = status.and_then(|st| st.graphs.get(name)).copied();
+        if runs.is_some_and(|r| r >= needed) {
+            continue;
+        }
+        match status.and_then(|st| st.error.clone()) {
+            Some(why) => {
+                place.state = "refused".into();
+                place.reason = Some(why);
+            }
+            None => {
+                place.state = "starting".into();
+                place.reason = Some(format!("{host} has not applied it yet"));
+            }
+        }
+    }
+    apps
 }
 
 /// Waits until every live host that runs apps of graph `name` reports running revision
@@ -434,6 +491,55 @@ pub fn render_status(v: &Value) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_app_is_running_once_its_host_runs_the_revision_it_needs() {
+        let running = |host: &str| AppPlace {
+            host: Some(host.into()),
+            state: "running".into(),
+            reason: None,
+        };
+        let placement = PlacementRecord {
+            graph_revision: 9,
+            error: None,
+            apps: [
+                ("a".to_string(), running("h1")),
+                ("b".to_string(), running("h2")),
+            ]
+            .into(),
+            tunnels: Vec::new(),
+            hosts: [("h1".to_string(), 7), ("h2".to_string(), 9)].into(),
+        };
+        let mut s = ClusterState::default();
+        let status = |graph_revision: i64, error: Option<&str>| keys::StatusRecord {
+            graphs: [("chain".to_string(), graph_revision)].into(),
+            error: error.map(String::from),
+            ..Default::default()
+        };
+        s.statuses.insert("h1".into(), status(7, None));
+        s.statuses.insert("h2".into(), status(7, None));
+        let apps = applied_places(&s, "chain", &placement);
+        assert_eq!(
+            apps["a"].state, "running",
+            "h1's part did not change after 7"
+        );
+        assert_eq!(apps["b"].state, "starting");
+        s.statuses
+            .insert("h2".into(), status(7, Some("app `b`: bad setting")));
+        let apps = applied_places(&s, "chain", &placement);
+        assert_eq!(
+            (apps["b"].state.as_str(), apps["b"].reason.as_deref()),
+            ("refused", Some("app `b`: bad setting"))
+        );
+    }
+
+    #[test]
+    fn a_refused_compare_and_swap_says_what_the_graph_is_at() {
+        assert!(revision_conflict("chain", 0, 12).contains("exists already (revision 12)"));
+        assert!(revision_conflict("chain", 1, 12).contains("no longer at revision 1 (it is at 12)"));
+        assert!(revision_conflict("chain", 5, 0).contains("none: deleted"));
+        assert!(revision_conflict("chain", 12, 12).contains("changed by another apply meanwhile"));
+    }
 
     #[test]
     fn the_status_table_keeps_its_columns_and_says_the_workload_mtu() {

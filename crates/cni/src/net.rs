@@ -5,19 +5,21 @@ use serde_json::Value;
 use std::io::Write;
 use std::process::{Command, Stdio};
 
+/// Runs `cmd`; a failure is the tool's own message (`RTNETLINK answers: File exists`), for
+/// the caller to say what it was doing.
 fn run(cmd: &mut Command) -> Result<String, String> {
     let out = cmd
         .output()
-        .map_err(|e| format!("cannot run {:?}: {e}", cmd.get_program()))?;
+        .map_err(|e| format!("cannot run {}: {e}", cmd.get_program().to_string_lossy()))?;
     if !out.status.success() {
-        return Err(format!(
-            "{:?} {:?}: {}",
-            cmd.get_program(),
-            cmd.get_args().collect::<Vec<_>>(),
-            String::from_utf8_lossy(&out.stderr).trim()
-        ));
+        return Err(String::from_utf8_lossy(&out.stderr).trim().to_string());
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// [`ip`], a failure said as "cannot WHAT: why".
+fn ip_to(what: &str, netns: Option<&str>, args: &[&str]) -> Result<String, String> {
+    ip(netns, args).map_err(|why| format!("cannot {what}: {why}"))
 }
 
 /// `ip ARGS` in the namespace at `netns` (a path), or in this one.
@@ -43,12 +45,38 @@ pub fn make_pair(host: &str, netns: &str, ifname: &str, mtu: u64) -> Result<(), 
         &[
             "link", "add", host, "mtu", &mtu, "type", "veth", "peer", "name", &temp, "mtu", &mtu,
         ],
-    )?;
+    )
+    .map_err(|why| {
+        if why.contains("File exists") {
+            format!(
+                "cannot create the veth pair {host}: it exists already — this container and \
+                 interface were added before and not deleted (run DEL first)"
+            )
+        } else {
+            format!("cannot create the veth pair {host} (MTU {mtu}): {why}")
+        }
+    })?;
     let inside = || -> Result<(), String> {
-        ip(None, &["link", "set", &temp, "netns", netns])?;
-        ip(Some(netns), &["link", "set", &temp, "name", ifname])?;
-        ip(Some(netns), &["link", "set", ifname, "up"])?;
-        ip(None, &["link", "set", host, "up"])?;
+        ip_to(
+            &format!("move {temp} into {netns}"),
+            None,
+            &["link", "set", &temp, "netns", netns],
+        )?;
+        ip_to(
+            &format!("rename {temp} to {ifname} in {netns}"),
+            Some(netns),
+            &["link", "set", &temp, "name", ifname],
+        )?;
+        ip_to(
+            &format!("bring {ifname} up in {netns}"),
+            Some(netns),
+            &["link", "set", ifname, "up"],
+        )?;
+        ip_to(
+            &format!("bring {host} up"),
+            None,
+            &["link", "set", host, "up"],
+        )?;
         Ok(())
     };
     inside().inspect_err(|_| delete(host))
@@ -135,7 +163,11 @@ pub fn configure(netns: &str, ifname: &str, ipam: &Value) -> Result<(), String> 
         let addr = a["address"]
             .as_str()
             .ok_or("IPAM gave an address without `address`")?;
-        ip(Some(netns), &["addr", "add", addr, "dev", ifname])?;
+        ip_to(
+            &format!("give {ifname} the address {addr} that IPAM gave"),
+            Some(netns),
+            &["addr", "add", addr, "dev", ifname],
+        )?;
     }
     let gateway_of = |v6: bool| {
         ipam["ips"]
@@ -157,7 +189,11 @@ pub fn configure(netns: &str, ifname: &str, ipam: &Value) -> Result<(), String> 
             args.extend(["via", g.as_str()]);
         }
         args.extend(["dev", ifname]);
-        ip(Some(netns), &args)?;
+        ip_to(
+            &format!("add the route to {dst} that IPAM gave"),
+            Some(netns),
+            &args,
+        )?;
     }
     Ok(())
 }

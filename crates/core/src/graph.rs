@@ -188,7 +188,12 @@ impl fmt::Display for GraphErrors {
                 write!(f, "{}: {}", self.file, e.message)?;
                 continue;
             }
-            write!(f, "{}:{}:{}: {}", self.file, e.line, e.column, e.message)?;
+            // Column 0: the line is known, not where on it (as compilers write it).
+            if e.column == 0 {
+                write!(f, "{}:{}: {}", self.file, e.line, e.message)?;
+            } else {
+                write!(f, "{}:{}:{}: {}", self.file, e.line, e.column, e.message)?;
+            }
             if let Some(src) = self.text.lines().nth(e.line - 1) {
                 write!(f, "\n {:>4} | {}", e.line, src)?;
             }

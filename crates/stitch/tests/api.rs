@@ -181,6 +181,19 @@ fn changes_one_app_or_link_at_a_time() {
     let (st, e) = s.call("PUT", "/api/v1/apps/x", Some(r#"{"size": 1}"#));
     assert_eq!(st, 400);
     assert!(e["error"].as_str().unwrap().contains("`type`"), "{e}");
+    // An app placed in a process goes without `type` here as in a graph file: what is wrong
+    // with this one is its program, not its type.
+    let (st, e) = s.call(
+        "PUT",
+        "/api/v1/apps/x",
+        Some(r#"{"placement": "process", "command": ["no-such-function-program"]}"#),
+    );
+    assert_eq!(st, 400);
+    let said = e.to_string();
+    assert!(
+        said.contains("no program `no-such-function-program`") && !said.contains("`type`"),
+        "{e}"
+    );
     let (st, e) = s.call("PUT", "/api/v1/apps/x", Some("[1, 2]"));
     assert_eq!(st, 400);
     assert!(e["error"].as_str().unwrap().contains("object"), "{e}");
