@@ -20,6 +20,7 @@
 
 pub mod cgroup;
 pub mod kernel;
+pub mod leftovers;
 pub mod supervisor;
 pub mod vm;
 
@@ -531,27 +532,38 @@ impl Placements {
     }
 
     /// Removes what a crashed earlier run of this instance left: processes and cgroups, its
-    /// kernel data plane (hooks, programs, pinned maps) and veth pairs. Call once the instance
-    /// owns its name (its API socket is bound).
-    pub fn clean_after_crash(&self) {
+    /// kernel data plane (hooks, programs, pinned maps), veth pairs and VM sockets; returns
+    /// what it removed, in words. Call once the instance owns its name
+    /// ([`leftovers::Owner`]).
+    pub fn clean_after_crash(&self) -> Vec<String> {
+        let mut removed = Vec::new();
         if self.instance.is_empty() {
-            return;
+            return removed;
         }
-        self.supervisor.lock().unwrap().clean_after_crash();
+        let cgroups = self.supervisor.lock().unwrap().clean_after_crash();
+        if cgroups > 0 {
+            removed.push(format!("{cgroups} function cgroups (and their processes)"));
+        }
         let names = self.kernel_names();
         if let Ok(plane) = stitch_kernel::DataPlane::new(&names.plane) {
             match plane.teardown() {
-                Ok(true) => log::info!("removed the kernel data plane a previous run left"),
+                Ok(true) => removed.push("the kernel data plane".into()),
                 Ok(false) => {}
                 Err(e) => log::warn!("kernel data plane a previous run left: {}", e.0),
             }
         }
-        for name in stitch_kernel::netdev::named_with(&names.veth_prefix) {
-            if name.ends_with('k') {
-                let _ = stitch_kernel::netdev::delete(&name);
-            }
+        let veths: Vec<String> = stitch_kernel::netdev::named_with(&names.veth_prefix)
+            .into_iter()
+            .filter(|n| n.ends_with('k'))
+            .filter(|n| stitch_kernel::netdev::delete(n).is_ok())
+            .collect();
+        if !veths.is_empty() {
+            removed.push(format!("veth pairs {}", veths.join(", ")));
         }
-        let _ = std::fs::remove_dir_all(&self.vm_dir);
+        if std::fs::remove_dir_all(&self.vm_dir).is_ok() {
+            removed.push(format!("VM sockets in {}", self.vm_dir.display()));
+        }
+        removed
     }
 
     /// Stops the processes, then the engine, then the kernel data plane and its veth pairs;

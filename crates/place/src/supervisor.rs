@@ -154,15 +154,10 @@ impl Supervisor {
     }
 
     /// Removes what a previous run of this instance left when it died (its cgroups, and any
-    /// process still in them). Only for the instance that now owns the name.
-    pub fn clean_after_crash(&self) {
-        let stale = cgroup::clean_instance(&self.instance);
-        if stale > 0 {
-            log::info!(
-                "removed {stale} cgroups a previous run of `{}` left",
-                self.instance
-            );
-        }
+    /// process still in them); returns how many cgroups. Only for the instance that now owns
+    /// the name.
+    pub fn clean_after_crash(&self) -> usize {
+        cgroup::clean_instance(&self.instance)
     }
 
     /// Stops every process.

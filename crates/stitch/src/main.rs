@@ -165,6 +165,17 @@ enum Cmd {
     Top(top::TopArgs),
     /// List the app types this build knows.
     Apps,
+    /// Remove what a crashed instance left (its API socket, function processes and cgroups,
+    /// kernel data plane, veth pairs, VM sockets): the one named by --name/--control, or every
+    /// dead instance of this user's runtime folder. A running instance is never touched.
+    Cleanup {
+        /// Only this instance's leftovers.
+        #[arg(long)]
+        name: Option<String>,
+        /// Only the leftovers of the instance with this API socket path.
+        #[arg(long)]
+        control: Option<PathBuf>,
+    },
     /// The lwAFTR (RFC 7596) offline on PCAP files or between two interfaces.
     #[command(subcommand)]
     Lwaftr(lwaftr_cmd::LwaftrCmd),
@@ -228,8 +239,34 @@ fn main() {
     }
 }
 
+/// `stitch cleanup`: prints what it removed, instance by instance.
+fn cleanup(name: Option<String>, control: Option<PathBuf>) -> Result<()> {
+    let cleaned = if name.is_none() && control.is_none() {
+        stitch_place::leftovers::sweep(&stitch_core::runtime_dir(), None)
+    } else {
+        let instance = Instance {
+            name: name.unwrap_or_else(|| "stitch".into()),
+            control,
+        };
+        let removed = stitch_place::leftovers::clean_dead(&instance.socket(), &instance.key())
+            .map_err(|e| anyhow::anyhow!(e))?;
+        vec![(instance.name.clone(), removed)]
+            .into_iter()
+            .filter(|(_, r)| !r.is_empty())
+            .collect()
+    };
+    if cleaned.is_empty() {
+        println!("nothing left by a dead instance");
+    }
+    for (name, removed) in cleaned {
+        println!("{name}: removed {}", removed.join("; "));
+    }
+    Ok(())
+}
+
 fn run_cli(cli: Cli) -> Result<()> {
     match cli.cmd {
+        Cmd::Cleanup { name, control } => cleanup(name, control)?,
         Cmd::Check { file } => {
             let registry = registry();
             let g = load(&file, &registry)?;
@@ -408,6 +445,8 @@ struct Running {
     config: stitch_api::ApiConfig,
     stop: Arc<AtomicBool>,
     reload: Arc<AtomicBool>,
+    /// This process runs the instance while it holds this.
+    _owner: stitch_place::leftovers::Owner,
 }
 
 /// Starts an instance's engine and API (nothing runs yet) and cleans up what a crashed
@@ -449,9 +488,24 @@ fn start_instance(
         &instance.name,
         &instance.key(),
     ));
+    let owner = stitch_place::leftovers::own(&config.unix).map_err(|e| anyhow::anyhow!(e))?;
     // Listeners first: a busy port or a missing certificate is an error before anything runs.
     let server = stitch_api::Server::start(api.clone(), &config)?;
-    api.placements().clean_after_crash();
+    let mine = api.placements().clean_after_crash();
+    if !mine.is_empty() {
+        log::info!(
+            "removed what a crashed run of this instance left: {}",
+            mine.join("; ")
+        );
+    }
+    for (name, removed) in
+        stitch_place::leftovers::sweep(&stitch_core::runtime_dir(), Some(&config.unix))
+    {
+        log::info!(
+            "removed what crashed instance `{name}` left: {}",
+            removed.join("; ")
+        );
+    }
     Ok(Running {
         engine,
         api,
@@ -459,6 +513,7 @@ fn start_instance(
         config,
         stop,
         reload,
+        _owner: owner,
     })
 }
 

@@ -786,3 +786,56 @@ fn every_placement_in_one_graph_carries_traffic_and_restarts_lose_nothing_elsewh
     assert!(answers(&guest, 120), "the restarted guest answers");
     s.stop();
 }
+
+#[test]
+fn stitch_cleanup_removes_what_a_crashed_instance_left_and_never_touches_a_live_one() {
+    require_root_and_tools(&[]);
+    let hosts = TwoHosts::new();
+    let dir = tempfile::tempdir().unwrap();
+    let nf = dir.path().join("nf.sock");
+    let s = Stitch::run_with(&firewall_graph(&hosts, &nf, true), &["--keep-running"]);
+    wait_until("the firewall process to attach", 20, || {
+        show(&s, "fw")["attached"] == true
+    });
+    let cleanup = |socket: &Path| {
+        let o = Command::new(env!("CARGO_BIN_EXE_stitch"))
+            .args(["cleanup", "--control"])
+            .arg(socket)
+            .output()
+            .unwrap();
+        (
+            o.status.success(),
+            format!(
+                "{}{}",
+                String::from_utf8_lossy(&o.stdout),
+                String::from_utf8_lossy(&o.stderr)
+            ),
+        )
+    };
+    let (ok, said) = cleanup(&s.socket);
+    assert!(
+        !ok && said.contains("it is running, nothing was removed"),
+        "{said}"
+    );
+    let groups = cgroups(&show(&s, "fw"));
+    assert!(!groups.is_empty());
+    s.process.signal(libc::SIGKILL);
+    let _ = s.process.finish();
+    assert!(s.socket.exists(), "a process killed -9 leaves its socket");
+    let (ok, said) = cleanup(&s.socket);
+    assert!(ok, "{said}");
+    assert!(
+        said.contains("function cgroups") && said.contains("the API socket"),
+        "{said}"
+    );
+    for g in &groups {
+        assert!(!Path::new(g).exists(), "{g} left behind");
+    }
+    assert!(!s.socket.exists());
+    let (ok, said) = cleanup(&s.socket);
+    assert!(
+        ok && said.contains("nothing left by a dead instance"),
+        "{said}"
+    );
+    drop(s.dir);
+}

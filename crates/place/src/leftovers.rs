@@ -1,0 +1,137 @@
+//! Which instances are alive, and what dead ones left. A running instance holds an exclusive
+//! lock (`flock`) on the file beside its API socket (`NAME.lock`) for its whole life; the
+//! kernel releases it when the process dies, however it dies. Whoever takes a dead instance's
+//! lock may remove what it left — its API socket, its function processes and their cgroups,
+//! its kernel data plane, veth pairs and VM sockets — and an instance of that name starting
+//! meanwhile is refused until the lock is free, so nothing of a live instance is ever removed.
+//! Records of attached containers (`NAME.attached`) are kept: they are how a restarted agent
+//! attaches its containers again.
+
+use crate::Placements;
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use stitch_core::{Engine, Registry};
+
+/// The lock an instance holds while it runs.
+#[derive(Debug)]
+pub struct Owner {
+    _file: File,
+}
+
+/// The lock file of the instance whose API socket is `socket`.
+pub fn lock_path(socket: &Path) -> PathBuf {
+    socket.with_extension("lock")
+}
+
+/// Takes the instance whose API socket is `socket` for this process; refused while another
+/// live process holds it.
+pub fn own(socket: &Path) -> Result<Owner, String> {
+    let path = lock_path(socket);
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    }
+    let file = File::options()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+    // SAFETY: flock on a descriptor this function owns; no memory is passed.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+            format!(
+                "another stitch instance runs with the API socket {} (it holds {}): stop it, \
+                 or give this one another --name",
+                socket.display(),
+                path.display()
+            )
+        } else {
+            format!("cannot lock {}: {e}", path.display())
+        });
+    }
+    Ok(Owner { _file: file })
+}
+
+/// Removes what the dead instance with API socket `socket` and resource key `key` (its name,
+/// or its socket's path when it was given one) left; refused while it runs. Returns what was
+/// removed, in words.
+pub fn clean_dead(socket: &Path, key: &str) -> Result<Vec<String>, String> {
+    if std::os::unix::net::UnixStream::connect(socket).is_ok() {
+        return Err(format!(
+            "an instance answers on {}: it is running, nothing was removed",
+            socket.display()
+        ));
+    }
+    let _owner = own(socket)?;
+    let engine = Arc::new(Engine::new(Arc::new(Registry::new())));
+    let mut removed = Placements::new(engine, key).clean_after_crash();
+    if std::fs::remove_file(socket).is_ok() {
+        removed.push(format!("the API socket {}", socket.display()));
+    }
+    Ok(removed)
+}
+
+/// Cleans every dead instance whose API socket or lock is in `dir` (the runtime folder),
+/// except the one with socket `except`: instance name → what was removed (instances that
+/// left nothing are not listed).
+pub fn sweep(dir: &Path, except: Option<&Path>) -> Vec<(String, Vec<String>)> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "sock" || e == "lock"))
+        .filter_map(|p| p.file_stem()?.to_str().map(String::from))
+        .collect();
+    names.sort();
+    names.dedup();
+    let mut out = Vec::new();
+    for name in names {
+        let socket = dir.join(format!("{name}.sock"));
+        if except == Some(socket.as_path()) {
+            continue;
+        }
+        if let Ok(removed) = clean_dead(&socket, &name) {
+            if !removed.is_empty() {
+                out.push((name, removed));
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_live_owner_is_never_cleaned_and_a_dead_ones_socket_is() {
+        let dir = tempfile::tempdir().unwrap();
+        let live = dir.path().join("leftovers-unit-live.sock");
+        let dead = dir.path().join("leftovers-unit-dead.sock");
+        let owner = own(&live).unwrap();
+        assert!(own(&live)
+            .unwrap_err()
+            .contains("another stitch instance runs"));
+        // A socket nobody listens on, as a process killed -9 leaves it.
+        drop(std::os::unix::net::UnixListener::bind(&dead).unwrap());
+        let swept = sweep(dir.path(), None);
+        assert_eq!(swept.len(), 1, "{swept:?}");
+        assert_eq!(swept[0].0, "leftovers-unit-dead");
+        assert!(!dead.exists());
+        assert!(lock_path(&live).exists());
+        assert!(
+            clean_dead(&live, "leftovers-unit-live").is_err(),
+            "its lock is held"
+        );
+        drop(owner);
+        assert!(
+            clean_dead(&live, "leftovers-unit-live").is_ok(),
+            "free once its owner is gone"
+        );
+    }
+}
