@@ -3,7 +3,9 @@
 //!
 //! `size` is the frame length as a PCAP file holds it (no FCS): a number, `imix` (64, 576 and
 //! 1500 bytes in the proportion 7:4:1; 64 grows to 74 for IPv6/TCP headers) or a list that is cycled through. `rate` is packets per
-//! second (a number, or `"2.5 Mpps"`) or bits per second of frames (`"10 Gbit/s"`, `"100 Mbps"`).
+//! second (a number, or `"2.5 Mpps"`) or bits per second of frames (`"10 Gbit/s"`, `"100 Mbps"`);
+//! what the rate calls for while the output link is full is not sent later but counted in
+//! `rate_shortfall` (what a wire at that rate would have lost).
 //! Flow `i` has source address `src_ip + i`. With `count`, the generator stops after that many
 //! packets (and `stitch run` ends once they are through the graph).
 //!
@@ -285,10 +287,14 @@ pub struct Generator {
     next_size: usize,
     rate: Option<Rate>,
     tokens: f64,
-    last: Instant,
+    /// When the budget was last worked out; none before the first breath.
+    last: Option<Instant>,
     remaining: Option<u64>,
     timestamps: bool,
     exhausted: Counter,
+    /// Packets the rate called for that the output link had no room for: what a wire at that
+    /// rate would have lost (not drops of the graph: they were never made).
+    shortfall: Counter,
 }
 
 /// A frame size of the cycle, worked out once: the template's place within its flow's
@@ -308,8 +314,10 @@ impl Generator {
             return f64::INFINITY;
         };
         let now = Instant::now();
-        let dt = now.duration_since(self.last).as_secs_f64();
-        self.last = now;
+        let dt = now
+            .duration_since(*self.last.get_or_insert(now))
+            .as_secs_f64();
+        self.last = Some(now);
         // Tokens accrue for the time since the last breath; what the output could not take is
         // kept only up to one breath's worth (at least 1 ms, at least one batch), so a full link
         // does not build up a burst while a long breath (thousands of apps) keeps the rate.
@@ -318,7 +326,15 @@ impl Generator {
             Rate::Pps(r) => (r, (r * window).max(64.0)),
             Rate::Bps(r) => (r / 8.0, (r / 8.0 * window).max(64.0 * 1514.0)),
         };
-        self.tokens = (self.tokens + dt * per_s).min(cap);
+        let owed = self.tokens + dt * per_s;
+        if owed > cap {
+            let per_packet = match rate {
+                Rate::Pps(_) => 1.0,
+                Rate::Bps(_) => self.mean_len.max(1) as f64,
+            };
+            self.shortfall.add(((owed - cap) / per_packet) as u64);
+        }
+        self.tokens = owed.min(cap);
         self.tokens
     }
 }
@@ -483,10 +499,11 @@ impl App for Generator {
             next_size: 0,
             rate: p.rate,
             tokens: 0.0,
-            last: Instant::now(),
+            last: None,
             remaining: c.count,
             timestamps: c.timestamps,
             exhausted: ctx.counter("pool_exhausted_drops"),
+            shortfall: ctx.counter("rate_shortfall"),
         })
     }
 

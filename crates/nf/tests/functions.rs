@@ -578,3 +578,55 @@ fn links_to_a_function_process_are_captured_like_any_link() {
     drop(capture);
     e.stop();
 }
+
+/// A function that is not scheduled for 10 ms while 150 kpps reach it — an ordinary delay on a
+/// loaded host — loses nothing: the 1 500 packets of the stall wait in its ring (2048 by
+/// default) and the link in front of it (1024), and it catches up once it runs again.
+#[test]
+fn a_function_stalled_for_10_ms_at_150_kpps_loses_nothing() {
+    let _one = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let sock = socket(&dir);
+    let e = Engine::new(registry());
+    apply(
+        &e,
+        &format!(
+            "apps:\n  gen: {{ type: generator, size: 64, rate: 150000 }}\n  f: {{ type: nf_port, socket: {}, wake: blocking }}\n  out: {{ type: sink }}\nlinks:\n  - \"gen.output -> f.input\"\n  - \"f.output -> out.input\"\n",
+            sock.display()
+        ),
+    );
+    let f = signature(&sock, &["f"]);
+    wait_attached(&e, &["f"], 20);
+    std::thread::sleep(Duration::from_millis(500));
+    let lost = |e: &Engine| {
+        let s = e.stats();
+        let of = |name: &str| s.apps.iter().find(|a| a.name == name).unwrap().drops;
+        of("gen") + of("f") + counter(e, "gen", "rate_shortfall")
+    };
+    let generated = |e: &Engine| {
+        let s = e.stats();
+        s.apps.iter().find(|a| a.name == "gen").unwrap().tx_packets
+    };
+    let (lost_before, sent_before, gen_before) =
+        (lost(&e), counter(&e, "f", "to_function"), generated(&e));
+    let started = Instant::now();
+    let pid = f.0.id() as i32;
+    // SAFETY: kill takes no pointers; the pid is our own child's, not yet waited for.
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    std::thread::sleep(Duration::from_millis(10));
+    // SAFETY: as above.
+    unsafe { libc::kill(pid, libc::SIGCONT) };
+    std::thread::sleep(Duration::from_millis(500));
+    let (lost_after, sent_after) = (lost(&e), counter(&e, "f", "to_function"));
+    let rate = (generated(&e) - gen_before) as f64 / started.elapsed().as_secs_f64();
+    eprintln!(
+        "a function stopped 10 ms at {:.0} kpps: {} packets handed to it in the second around, {} lost",
+        rate / 1e3,
+        sent_after - sent_before,
+        lost_after - lost_before
+    );
+    assert!(rate > 140e3, "the generator keeps its rate ({rate:.0} pps)");
+    assert!(sent_after - sent_before > 10_000, "traffic went on");
+    assert_eq!(lost_after, lost_before, "nothing lost to the stall");
+    e.stop();
+}

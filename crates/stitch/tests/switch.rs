@@ -520,12 +520,15 @@ fn killing_a_function_on_a_direct_channel_leaks_nothing() {
     wait_until("traffic crosses the channel", &|| {
         counter("f1", "direct_channel_packets") > before + 10_000
     });
-    // Stopped, the function holds what Stitch keeps handing it (its ring fills up).
-    let full = counter("f0", "ring_full_drops");
+    // Stopped, the function holds what Stitch keeps handing it: its ring fills up, and what
+    // does not fit waits in the link in front of it.
     // SAFETY: kill takes no pointers; the pid is our own child's, not yet waited for.
     unsafe { libc::kill(f0.0.id() as i32, libc::SIGSTOP) };
+    let handed = std::cell::Cell::new(counter("f0", "to_function"));
     wait_until("the stopped function's ring fills", &|| {
-        counter("f0", "ring_full_drops") > full
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        let now = counter("f0", "to_function");
+        now == handed.replace(now)
     });
     assert_eq!(s.call("DELETE", "/api/v1/apps/f0", None).0, 200);
     wait_until("the channel is taken back", &|| {
