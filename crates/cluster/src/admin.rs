@@ -46,6 +46,25 @@ fn check_name(name: &str) -> Result<()> {
     Ok(())
 }
 
+/// What can be checked of a cluster graph without the cluster (`stitch check --cluster`), on
+/// top of the graph parser's checks: no app takes a name the cluster keeps for itself.
+pub fn check_offline(graph: &Graph) -> Vec<GraphError> {
+    graph
+        .apps
+        .values()
+        .filter(|app| app.name.starts_with(RESERVED_PREFIX))
+        .map(|app| GraphError {
+            line: app.line,
+            column: 0,
+            message: format!(
+                "app `{}`: names starting with `{RESERVED_PREFIX}` are the cluster's own (its \
+                 tunnels)",
+                app.name
+            ),
+        })
+        .collect()
+}
+
 /// Checks `graph` against the cluster: app names free (not reserved, not in another graph),
 /// pins naming registered hosts, labels that some registered host has. Errors name lines.
 fn check_against(
@@ -54,7 +73,7 @@ fn check_against(
     state: &ClusterState,
     registry: &Registry,
 ) -> Vec<GraphError> {
-    let mut errors = Vec::new();
+    let mut errors = check_offline(graph);
     let at = |app: &stitch_core::graph::AppDecl, key: &str| {
         app.key_lines.get(key).copied().unwrap_or((app.line, 0))
     };
@@ -76,15 +95,6 @@ fn check_against(
         })
         .collect();
     for app in graph.apps.values() {
-        if app.name.starts_with(RESERVED_PREFIX) {
-            push(
-                (app.line, 0),
-                format!(
-                    "app `{}`: names starting with `{RESERVED_PREFIX}` are the cluster's own (its tunnels)",
-                    app.name
-                ),
-            );
-        }
         if let Some((other, _)) = others.iter().find(|(_, g)| g.apps.contains_key(&app.name)) {
             push(
                 (app.line, 0),
@@ -237,6 +247,40 @@ fn revision_conflict(name: &str, expected: i64, read: i64) -> String {
              apply again"
         ),
     }
+}
+
+/// Removes host `name` from the cluster — its record, host graph and status — when its agent
+/// is not live (a live agent would register it again): apps pinned to it become `unplaced`,
+/// and the tunnels toward it go. Returns the etcd revision of the removal.
+pub async fn remove_host(endpoints: &[String], name: &str) -> Result<i64> {
+    let mut client = etcd::connect(endpoints).await?;
+    let (_, record) = etcd::read_key(&mut client, &keys::host(name)).await?;
+    if record.is_none() {
+        bail!("there is no host `{name}` in the cluster (`stitch cluster status` lists them)");
+    }
+    let r = client
+        .txn(
+            Txn::new()
+                .when(vec![Compare::version(
+                    keys::alive(name),
+                    CompareOp::Equal,
+                    0,
+                )])
+                .and_then(vec![
+                    TxnOp::delete(keys::host(name), None),
+                    TxnOp::delete(keys::assign(name), None),
+                    TxnOp::delete(keys::status(name), None),
+                ]),
+        )
+        .await
+        .context("cannot remove the host")?;
+    if !r.succeeded() {
+        bail!(
+            "host `{name}` is live (its agent holds its lease): stop its agent first (a live \
+             agent registers its host again); nothing was removed"
+        );
+    }
+    Ok(r.header().map(|h| h.revision()).unwrap_or(0))
 }
 
 /// Removes cluster graph `name` (if still at `expected`, when given).

@@ -193,7 +193,8 @@ fn cluster_keys(app: &AppDecl) -> Option<GraphError> {
         column,
         message: format!(
             "app `{}`: `{key}:` places apps on the hosts of a cluster; give this graph to \
-             `stitch cluster apply` (one instance runs every app itself)",
+             `stitch cluster apply` (one instance runs every app itself), or check it with \
+             `stitch check --cluster`",
             app.name
         ),
     })

@@ -88,6 +88,9 @@ pub enum ClusterCmd {
         #[arg(long)]
         wait_live: Option<usize>,
     },
+    /// Hosts of the cluster.
+    #[command(subcommand)]
+    Host(HostCmd),
     /// Remove a cluster graph: every host stops its apps.
     Delete {
         graph: String,
@@ -95,6 +98,17 @@ pub enum ClusterCmd {
         etcd: Etcd,
         #[arg(long)]
         if_revision: Option<i64>,
+    },
+}
+
+#[derive(clap::Subcommand)]
+pub enum HostCmd {
+    /// Forget a host whose agent is gone for good: its record, host graph and status. Apps
+    /// pinned to it become unplaced; tunnels toward it go. Refused while its agent is live.
+    Remove {
+        host: String,
+        #[command(flatten)]
+        etcd: Etcd,
     },
 }
 
@@ -161,6 +175,10 @@ pub fn run_cluster(cmd: ClusterCmd) -> Result<()> {
             } else {
                 print!("{}", admin::render_status(&v));
             }
+        }
+        ClusterCmd::Host(HostCmd::Remove { host, etcd }) => {
+            let r = etcd::block_on(admin::remove_host(&etcd.endpoints(), &host))?;
+            println!("host {host} removed at revision {r}");
         }
         ClusterCmd::Delete {
             graph,

@@ -129,7 +129,13 @@ enum Cmd {
         listen: Listen,
     },
     /// Validate a graph file; errors name the line.
-    Check { file: PathBuf },
+    Check {
+        file: PathBuf,
+        /// A cluster graph (apps may name `host:` / `hosts:`), checked without the cluster:
+        /// `stitch cluster apply` checks pins and labels against the hosts.
+        #[arg(long)]
+        cluster: bool,
+    },
     /// Print a graph file as Graphviz DOT.
     Graph { file: PathBuf },
     /// Print the live counters of a running instance.
@@ -267,10 +273,20 @@ fn cleanup(name: Option<String>, control: Option<PathBuf>) -> Result<()> {
 fn run_cli(cli: Cli) -> Result<()> {
     match cli.cmd {
         Cmd::Cleanup { name, control } => cleanup(name, control)?,
-        Cmd::Check { file } => {
+        Cmd::Check { file, cluster } => {
             let registry = registry();
             let g = load(&file, &registry)?;
-            stitch_place::check(&g, &registry).map_err(|errors| {
+            let checked = if cluster {
+                let errors = stitch_cluster::admin::check_offline(&g);
+                if errors.is_empty() {
+                    Ok(())
+                } else {
+                    Err(errors)
+                }
+            } else {
+                stitch_place::check(&g, &registry)
+            };
+            checked.map_err(|errors| {
                 anyhow::anyhow!(
                     "{}",
                     stitch_core::graph::GraphErrors {

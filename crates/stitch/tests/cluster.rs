@@ -854,6 +854,33 @@ fn a_dead_etcd_member_is_invisible_to_applies_and_agents() {
         "etcd quorum lost right after a change, then back: every host's status true {:.1} s later",
         back.elapsed().as_secs_f64()
     );
+
+    // A host gone for good is removed by hand; a live one or an unknown one is refused.
+    let (ok, out) = c.cli(0, "host remove h3");
+    assert!(
+        !ok && out.contains("is live") && out.contains("nothing was removed"),
+        "{out}"
+    );
+    let (ok, out) = c.cli(0, "host remove h9");
+    assert!(!ok && out.contains("there is no host `h9`"), "{out}");
+    c.agents[2] = None;
+    wait_until("h3 not live", 20, || {
+        c.cluster_status(0)["hosts"]
+            .as_array()
+            .is_some_and(|h| h.iter().any(|h| h["name"] == "h3" && h["live"] == false))
+    });
+    let (ok, out) = c.cli(0, "host remove h3");
+    assert!(ok, "{out}");
+    wait_until("h3 forgotten and `out` unplaced", 20, || {
+        let s = c.cluster_status(0);
+        let hosts: Vec<&str> = s["hosts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|h| h["name"].as_str())
+            .collect();
+        hosts == ["h1", "h2"] && s["graphs"][0]["apps"]["out"]["state"] == "unplaced"
+    });
 }
 
 /// The shell blocks of `docs/cluster.md`'s walkthrough section, in order.
@@ -945,4 +972,5 @@ fn the_cluster_walkthrough_runs_as_written() {
     );
     assert!(stdout.contains("receiver"), "iperf3's summary: {stdout}");
     assert!(stdout.contains("every live host runs it"), "{stdout}");
+    assert!(stdout.contains("chain.yaml: ok"), "{stdout}");
 }
