@@ -466,7 +466,7 @@ impl TapAll {
         let flag = stop.clone();
         let reader = std::thread::spawn(move || -> Result<u64> {
             // The tap's ring reader is not Send: it lives on this thread.
-            let mut tap = match dp.tap(&vids, 262_144) {
+            let mut tap = match stitch_kernel::tap::KernelTap::start(&dp, &vids, 262_144) {
                 Ok(t) => t,
                 Err(e) => {
                     let _ = ready_tx.send(Err(e.to_string()));

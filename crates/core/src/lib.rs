@@ -17,7 +17,8 @@ pub mod graph;
 pub mod link;
 pub mod mapping;
 pub mod packet;
-pub mod pool;
+pub mod placement;
+pub use packet::pool;
 
 pub use app::{
     App, AppContext, AppError, AppType, Counter, Io, PortNames, PortSpec, Reconfigured, Registry,

@@ -76,7 +76,7 @@ impl KernelLinkCapture {
         let links = select_links(&plane.tappable_links()?, selector).map_err(Error)?;
         let vids: Vec<u32> = links.iter().map(|l| l.link).collect();
         let snaplen = options.snaplen.min(crate::maps::TAP_SNAP_MAX);
-        let tap = plane.tap(&vids, snaplen)?;
+        let tap = KernelTap::start(&plane, &vids, snaplen)?;
         Ok(KernelLinkCapture {
             by_vid: vids.iter().enumerate().map(|(i, &v)| (v, i)).collect(),
             captured: vec![0; links.len()],

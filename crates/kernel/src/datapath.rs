@@ -19,7 +19,6 @@ use indexmap::IndexMap;
 use libbpf_rs::{MapCore, MapFlags, MapHandle, ObjectBuilder};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeSet, HashMap};
-use std::fmt;
 use std::os::fd::{AsFd, AsRawFd};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -29,16 +28,7 @@ static OBJECT: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/stitch.bpf.o"))
 const BPFFS: &str = "/sys/fs/bpf";
 const BPF_FS_MAGIC: i64 = 0xcafe4a11;
 
-#[derive(Debug)]
-pub struct Error(pub String);
-
-impl fmt::Display for Error {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for Error {}
+pub use crate::error::Error;
 
 fn fail<T>(m: impl Into<String>) -> Result<T, Error> {
     Err(Error(m.into()))
@@ -370,12 +360,6 @@ impl DataPlane {
                 (decl, l.from_vid)
             })
             .collect())
-    }
-
-    /// Starts copying the first `snaplen` bytes of what leaves each of `vids` to a ring of
-    /// this process's own (see [`crate::tap`]).
-    pub fn tap(&self, vids: &[u32], snaplen: u32) -> Result<crate::tap::KernelTap, Error> {
-        crate::tap::KernelTap::start(self, vids, snaplen)
     }
 
     fn links_dir(&self) -> PathBuf {
@@ -718,7 +702,7 @@ impl DataPlane {
         };
         let maps = Maps::open(&self.pin_dir)?;
         // Taps of readers that were killed are not shown (nor kept).
-        crate::tap::clear_dead(self)?;
+        crate::tap_claims::clear_dead(&self.runtime_dir(), &self.name, self.pin_dir())?;
         let sum = |v: u32| {
             maps.sum_percpu::<ViStats>("vi_counters", v, |t, x| {
                 t.tx_packets += x.tx_packets;
@@ -805,7 +789,7 @@ impl DataPlane {
                 .map_err(|e| Error(format!("cannot remove {}: {e}", self.pin_dir.display())))?;
         }
         let _ = std::fs::remove_file(&self.record);
-        crate::tap::forget_claims(&self.runtime_dir(), &self.name);
+        crate::tap_claims::forget_claims(&self.runtime_dir(), &self.name);
         Ok(had)
     }
 }

@@ -16,10 +16,12 @@
 
 pub mod capture;
 pub mod datapath;
+mod error;
 pub mod maps;
 pub mod netdev;
 pub mod plan;
 pub mod tap;
+mod tap_claims;
 
 pub use datapath::{engine_ring_path, ApplyReport, DataPlane, Error, Status};
 pub use plan::Plan;

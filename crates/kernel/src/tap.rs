@@ -9,26 +9,19 @@
 //! the next session that starts.
 
 use crate::datapath::{DataPlane, Error};
-use crate::maps::{Pod, TapPoint, ViStats, MAX_VIDS, TAP_RECORD_HEADER, TAP_SESSIONS};
+use crate::maps::{Pod, ViStats, MAX_VIDS, TAP_RECORD_HEADER, TAP_SESSIONS};
+use crate::tap_claims::{
+    claim_path, clear_dead_sessions, open_pinned, write_points, Claim, FileLock,
+};
 use libbpf_rs::{MapCore, MapFlags, MapHandle, RingBuffer, RingBufferBuilder};
-use serde::{Deserialize, Serialize};
 use std::cell::RefCell;
-use std::collections::BTreeSet;
 use std::os::fd::{AsFd, AsRawFd};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::rc::Rc;
 use std::time::Duration;
 
 /// Bytes of a session's ring between the kernel and its reader.
 const RING_BYTES: u32 = 8 << 20;
-
-/// What a claim file holds.
-#[derive(Debug, Serialize, Deserialize)]
-struct Claim {
-    pid: u32,
-    snaplen: u32,
-    vids: Vec<u32>,
-}
 
 /// One packet a tap saw.
 pub struct TapRecord<'a> {
@@ -63,17 +56,6 @@ pub struct KernelTap {
     _ring: MapHandle,
 }
 
-fn open_pinned(dir: &Path, name: &str) -> Result<MapHandle, Error> {
-    let path = dir.join(name);
-    MapHandle::from_pinned_path(&path).map_err(|e| {
-        Error(format!(
-            "cannot open {}: {e} (is the data plane installed by this version? `stitch kernel \
-             apply`)",
-            path.display()
-        ))
-    })
-}
-
 fn clock_ns(clock: libc::clockid_t) -> i64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
@@ -84,53 +66,9 @@ fn clock_ns(clock: libc::clockid_t) -> i64 {
     ts.tv_sec * 1_000_000_000 + ts.tv_nsec
 }
 
-fn process_alive(pid: u32) -> bool {
-    // SAFETY: signal 0 only checks that the process exists.
-    let r = unsafe { libc::kill(pid as libc::pid_t, 0) };
-    r == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
-}
-
-/// An exclusive lock on a file, released when dropped.
-struct FileLock(std::fs::File);
-
-impl FileLock {
-    fn take(path: &Path) -> Result<FileLock, Error> {
-        let f = std::fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(path)
-            .map_err(|e| Error(format!("cannot open {}: {e}", path.display())))?;
-        // SAFETY: a valid, open file descriptor.
-        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
-            return Err(Error(format!(
-                "cannot lock {}: {}",
-                path.display(),
-                std::io::Error::last_os_error()
-            )));
-        }
-        Ok(FileLock(f))
-    }
-}
-
-impl Drop for FileLock {
-    fn drop(&mut self) {
-        // SAFETY: a valid, open file descriptor.
-        unsafe { libc::flock(self.0.as_raw_fd(), libc::LOCK_UN) };
-    }
-}
-
-fn claim_path(dir: &Path, plane: &str, session: u32) -> PathBuf {
-    dir.join(format!("{plane}.tap.{session}"))
-}
-
-fn read_claim(path: &Path) -> Option<Claim> {
-    serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()
-}
-
 impl KernelTap {
     /// Starts a session that copies the first `snaplen` bytes of what leaves each of `vids`.
-    pub(crate) fn start(dp: &DataPlane, vids: &[u32], snaplen: u32) -> Result<KernelTap, Error> {
+    pub fn start(dp: &DataPlane, vids: &[u32], snaplen: u32) -> Result<KernelTap, Error> {
         if vids.is_empty() || vids.iter().any(|&v| v == 0 || v >= MAX_VIDS) {
             return Err(Error(format!("no valid VIDs to tap: {vids:?}")));
         }
@@ -336,81 +274,4 @@ fn make_ring(tap_rings: &MapHandle, session: u32) -> Result<MapHandle, Error> {
         .update(&session.to_ne_bytes(), &fd.to_ne_bytes(), MapFlags::ANY)
         .map_err(|e| Error(format!("cannot register the tap's ring: {e}")))?;
     Ok(ring)
-}
-
-/// Clears the claims of sessions whose process is gone, their rings and their tap points.
-/// Called with the lock held.
-fn clear_dead_sessions(
-    dir: &Path,
-    plane: &str,
-    taps: &MapHandle,
-    tap_rings: &MapHandle,
-) -> Result<(), Error> {
-    let mut orphaned = Vec::new();
-    let mut unknown = false;
-    for n in 0..TAP_SESSIONS {
-        let path = claim_path(dir, plane, n);
-        let dead = match read_claim(&path) {
-            Some(c) if !process_alive(c.pid) => Some(c.vids),
-            Some(_) => None,
-            // Unreadable: claims are written whole under the lock, so nobody is writing it.
-            // Its VIDs are unknown: every point is recomputed.
-            None if path.exists() => {
-                unknown = true;
-                Some(Vec::new())
-            }
-            None => None,
-        };
-        if let Some(vids) = dead {
-            let _ = tap_rings.delete(&n.to_ne_bytes());
-            let _ = std::fs::remove_file(&path);
-            orphaned.extend(vids);
-        }
-    }
-    if unknown {
-        orphaned = (1..MAX_VIDS).collect();
-    }
-    write_points(taps, dir, plane, &orphaned)
-}
-
-/// Clears what capture sessions whose process is gone left in data plane `dp` (a reader
-/// killed before it could remove its taps).
-pub(crate) fn clear_dead(dp: &DataPlane) -> Result<(), Error> {
-    let dir = dp.runtime_dir();
-    let lock = dir.join(format!("{}.taps.lock", dp.name));
-    if !lock.exists() {
-        return Ok(());
-    }
-    let taps = open_pinned(dp.pin_dir(), "taps")?;
-    let tap_rings = open_pinned(dp.pin_dir(), "tap_rings")?;
-    let _held = FileLock::take(&lock)?;
-    clear_dead_sessions(&dir, &dp.name, &taps, &tap_rings)
-}
-
-/// Recomputes the tap points of `vids` from the claims that exist.
-fn write_points(taps: &MapHandle, dir: &Path, plane: &str, vids: &[u32]) -> Result<(), Error> {
-    let claims: Vec<(u32, Claim)> = (0..TAP_SESSIONS)
-        .filter_map(|n| read_claim(&claim_path(dir, plane, n)).map(|c| (n, c)))
-        .collect();
-    let touched: BTreeSet<u32> = vids.iter().copied().collect();
-    for vid in touched {
-        let mut point = TapPoint::default();
-        for (n, c) in &claims {
-            if c.vids.contains(&vid) {
-                point.sessions |= 1 << n;
-                point.snaplen = point.snaplen.max(c.snaplen);
-            }
-        }
-        taps.update(&vid.to_ne_bytes(), point.bytes(), MapFlags::ANY)
-            .map_err(|e| Error(format!("writing map taps: {e}")))?;
-    }
-    Ok(())
-}
-
-/// Removes the claim files of a data plane (its maps are gone).
-pub(crate) fn forget_claims(dir: &Path, plane: &str) {
-    for n in 0..TAP_SESSIONS {
-        let _ = std::fs::remove_file(claim_path(dir, plane, n));
-    }
-    let _ = std::fs::remove_file(dir.join(format!("{plane}.taps.lock")));
 }

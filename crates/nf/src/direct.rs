@@ -24,13 +24,68 @@
 //! buffer passes from A's set of held buffers to B's (so a function that dies is reclaimed
 //! exactly), and packets and bytes are counted for the switch's flow and port statistics.
 
-use crate::listener::PortShared;
+use crate::attachment::{Attachment, PortSettings};
 use crate::shm::{channel_size, ChannelHeader, Consumer, Index, Mapping, Region, RingView, MAGIC};
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
+
+/// What the listener and a port's app share.
+pub struct PortShared {
+    pub name: String,
+    pub settings: PortSettings,
+    /// A new attachment for the app to take.
+    pub incoming: Mutex<Option<Attachment>>,
+    /// Something for the app to look at (attach or detach); checked every breath, cheaply.
+    pub changed: AtomicBool,
+    /// Generation of the last attachment whose connection closed.
+    pub closed: AtomicU64,
+    /// True while the app holds an attachment (a second function is refused).
+    pub busy: AtomicBool,
+    /// The attachment the app serves now, for a switch that joins two ports directly.
+    pub current: Mutex<Option<Current>>,
+    /// Direct channels this port takes part in, put here by the switch that offers them and
+    /// cleared by the port once they are retired.
+    pub direct: Mutex<DirectSlots>,
+}
+
+#[derive(Default)]
+pub struct DirectSlots {
+    /// From this port's function to another's.
+    pub outgoing: Option<Arc<Direct>>,
+    /// From another port's function to this one's.
+    pub incoming: Option<Arc<Direct>>,
+}
+
+impl PortShared {
+    pub fn new(name: &str, settings: PortSettings) -> Arc<PortShared> {
+        Arc::new(PortShared {
+            name: name.to_string(),
+            settings,
+            incoming: Mutex::new(None),
+            changed: AtomicBool::new(false),
+            closed: AtomicU64::new(0),
+            busy: AtomicBool::new(false),
+            current: Mutex::new(None),
+            direct: Mutex::new(DirectSlots::default()),
+        })
+    }
+
+    /// Frees the slot of a channel that is done with, if the slot still holds that one.
+    pub fn forget_direct(&self, d: &Arc<Direct>, outgoing: bool) {
+        let mut slots = self.direct.lock().unwrap();
+        let slot = if outgoing {
+            &mut slots.outgoing
+        } else {
+            &mut slots.incoming
+        };
+        if slot.as_ref().is_some_and(|s| Arc::ptr_eq(s, d)) {
+            *slot = None;
+        }
+    }
+}
 
 /// The buffers one attachment holds, one bit each (pool indices, or slots when isolated).
 /// Locked once per batch by its port, and by the port that accounts a channel into it.
@@ -520,7 +575,7 @@ pub fn test_port(name: &str, generation: u64) -> (Arc<PortShared>, Arc<Held>) {
     use std::os::fd::FromRawFd;
     let p = PortShared::new(
         name,
-        crate::listener::PortSettings {
+        PortSettings {
             zero_copy: true,
             blocking: false,
             ring_size: 64,

@@ -11,6 +11,7 @@
 //! - [`listener`]: the attach socket (one JSON line each way plus SCM_RIGHTS).
 //! - [`ffi`]: the same library for C (`include/stitch_nf.h`, `libstitch_nf.so`).
 
+pub mod attachment;
 pub mod client;
 pub mod direct;
 pub mod ffi;

@@ -5,104 +5,19 @@
 //! The connection then stays open and says nothing more: when it closes — the function exited,
 //! crashed or was killed — the port is detached and its buffers reclaimed by the app.
 
-use crate::direct::{Current, Direct};
-use crate::shm::{Layout, Mapping, RegionHeader, MAGIC, VERSION};
+pub use crate::attachment::{Attachment, PortSettings};
+pub use crate::direct::PortShared;
+use crate::shm::{Layout, RegionHeader, MAGIC, VERSION};
 use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::io::{self, BufRead, BufReader};
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 use stitch_core::fdpass;
-
-/// How a port hands packets over, fixed by its config.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct PortSettings {
-    pub zero_copy: bool,
-    pub blocking: bool,
-    pub ring_size: u32,
-    pub buffers: u32,
-    pub buffer_size: u32,
-}
-
-/// A function's live attachment, built by the listener and taken over by the port's app.
-pub struct Attachment {
-    pub region: Mapping,
-    pub layout: Layout,
-    pub doorbell: Arc<OwnedFd>,
-    /// The function's connection (a copy), for control messages: direct channels to map.
-    pub conn: OwnedFd,
-    pub generation: u64,
-    pub pid: i32,
-}
-
-impl Attachment {
-    /// The region's header (the listener made the region at least that large).
-    pub fn header(&self) -> &RegionHeader {
-        use crate::shm::Region;
-        self.region
-            .header()
-            .expect("the listener writes the header first")
-    }
-}
-
-/// What the listener and a port's app share.
-pub struct PortShared {
-    pub name: String,
-    pub settings: PortSettings,
-    /// A new attachment for the app to take.
-    pub incoming: Mutex<Option<Attachment>>,
-    /// Something for the app to look at (attach or detach); checked every breath, cheaply.
-    pub changed: AtomicBool,
-    /// Generation of the last attachment whose connection closed.
-    pub closed: AtomicU64,
-    /// True while the app holds an attachment (a second function is refused).
-    pub busy: AtomicBool,
-    /// The attachment the app serves now, for a switch that joins two ports directly.
-    pub current: Mutex<Option<Current>>,
-    /// Direct channels this port takes part in, put here by the switch that offers them and
-    /// cleared by the port once they are retired.
-    pub direct: Mutex<DirectSlots>,
-}
-
-#[derive(Default)]
-pub struct DirectSlots {
-    /// From this port's function to another's.
-    pub outgoing: Option<Arc<Direct>>,
-    /// From another port's function to this one's.
-    pub incoming: Option<Arc<Direct>>,
-}
-
-impl PortShared {
-    pub fn new(name: &str, settings: PortSettings) -> Arc<PortShared> {
-        Arc::new(PortShared {
-            name: name.to_string(),
-            settings,
-            incoming: Mutex::new(None),
-            changed: AtomicBool::new(false),
-            closed: AtomicU64::new(0),
-            busy: AtomicBool::new(false),
-            current: Mutex::new(None),
-            direct: Mutex::new(DirectSlots::default()),
-        })
-    }
-
-    /// Frees the slot of a channel that is done with, if the slot still holds that one.
-    pub fn forget_direct(&self, d: &Arc<Direct>, outgoing: bool) {
-        let mut slots = self.direct.lock().unwrap();
-        let slot = if outgoing {
-            &mut slots.outgoing
-        } else {
-            &mut slots.incoming
-        };
-        if slot.as_ref().is_some_and(|s| Arc::ptr_eq(s, d)) {
-            *slot = None;
-        }
-    }
-}
 
 static GENERATION: AtomicU64 = AtomicU64::new(1);
 

@@ -21,6 +21,7 @@
 pub mod cgroup;
 pub mod kernel;
 pub mod leftovers;
+pub mod qmp;
 pub mod supervisor;
 pub mod vm;
 

@@ -134,7 +134,7 @@ impl Supervisor {
             return;
         };
         let asked = match &s.spec.stop {
-            StopBy::Qmp(qmp) => crate::vm::power_down(qmp),
+            StopBy::Qmp(qmp) => crate::qmp::power_down(qmp),
             StopBy::Term => false,
         };
         {

@@ -111,6 +111,23 @@ pub fn parse_packet_out_actions(b: &[u8]) -> Result<Vec<Action>, OfError> {
     parse_action_list(b, true)
 }
 
+/// A PACKET_OUT, read: the in-port, the actions and the frame.
+pub fn parse_packet_out(b: &[u8]) -> Result<(u32, Vec<Action>, &[u8]), OfError> {
+    let buffer = ofp::u32_field(b, 8)?;
+    if buffer != ofp::NO_BUFFER {
+        return Err(ofp::BAD_REQUEST_BUFFER_UNKNOWN);
+    }
+    let in_port = ofp::u32_field(b, 12)?;
+    if in_port == 0
+        || (in_port > ofp::PORT_MAX && in_port != ofp::PORT_CONTROLLER && in_port != ofp::PORT_ANY)
+    {
+        return Err(ofp::BAD_REQUEST_BAD_PORT);
+    }
+    let alen = ofp::u16_field(b, 16)? as usize;
+    let actions = parse_packet_out_actions(b.get(24..24 + alen).ok_or(ofp::BAD_REQUEST_LEN)?)?;
+    Ok((in_port, actions, &b[24 + alen..]))
+}
+
 fn parse_action_list(b: &[u8], packet_out: bool) -> Result<Vec<Action>, OfError> {
     let mut out = Vec::new();
     let mut i = 0;

@@ -366,7 +366,7 @@ fn handle(m: &Msg, shared: &Shared, conn: &Connection) -> Result<Vec<Vec<u8>>, O
             vec![]
         }
         ofp::PACKET_OUT => {
-            let (in_port, actions, data) = ofp::parse_packet_out(b)?;
+            let (in_port, actions, data) = crate::action::parse_packet_out(b)?;
             shared
                 .packet_outs
                 .lock()

@@ -247,22 +247,6 @@ pub fn hello_accepts_13(m: &Msg) -> bool {
     m.version >= VERSION
 }
 
-/// A PACKET_OUT, read: the in-port, the actions and the frame.
-pub fn parse_packet_out(b: &[u8]) -> R<(u32, Vec<crate::action::Action>, &[u8])> {
-    let buffer = u32_at(b, 8)?;
-    if buffer != NO_BUFFER {
-        return Err(BAD_REQUEST_BUFFER_UNKNOWN);
-    }
-    let in_port = u32_at(b, 12)?;
-    if in_port == 0 || (in_port > PORT_MAX && in_port != PORT_CONTROLLER && in_port != PORT_ANY) {
-        return Err(BAD_REQUEST_BAD_PORT);
-    }
-    let alen = u16_at(b, 16)? as usize;
-    let actions =
-        crate::action::parse_packet_out_actions(b.get(24..24 + alen).ok_or(BAD_REQUEST_LEN)?)?;
-    Ok((in_port, actions, &b[24 + alen..]))
-}
-
 pub fn u16_field(b: &[u8], at: usize) -> R<u16> {
     u16_at(b, at)
 }

@@ -8,8 +8,8 @@
 //! packet takes no lock and no syscall. When a class is empty, allocation returns `None` and is
 //! counted: nothing ever waits.
 
+use super::{Packet, PacketBuf, BUFFER_STRIDE, DATA_AREA, LARGE_DATA_AREA, LARGE_STRIDE};
 use crate::mapping::{memfd, MapOptions, Mapping, HUGE_PAGE};
-use crate::packet::{Packet, PacketBuf, BUFFER_STRIDE, DATA_AREA, LARGE_DATA_AREA, LARGE_STRIDE};
 use crossbeam_utils::CachePadded;
 use std::cell::RefCell;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};

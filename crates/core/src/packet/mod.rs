@@ -6,9 +6,13 @@
 //! jumbo frame; a smaller number of large buffers (`LARGE_STRIDE`) hold whole 64 KiB GSO
 //! super-frames, so that offloaded TCP can cross the graph without being cut up. A `Packet` is
 //! owned: moving it moves the handle (8 bytes), dropping it returns the buffer to the pool.
+//! The pool is this module's part that owns the buffers ([`pool`], also `stitch_core::pool`):
+//! a packet and the pool it returns to are one thing.
 
 use std::fmt;
 use std::ptr::NonNull;
+
+pub mod pool;
 
 /// Bytes of one pool buffer, header included: an odd number of cache lines (161), so that
 /// consecutive buffers start in different cache sets. At 10 KiB (160 lines) every buffer's
