@@ -8,7 +8,7 @@
 //! out of the graph.
 
 pub mod app;
-pub mod diff;
+
 pub mod engine;
 /// File descriptors over Unix sockets: OS plumbing shared by the function-process ports
 /// (stitch-nf) and the vhost-user ports (stitch-vhost).

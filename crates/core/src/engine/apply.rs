@@ -1,0 +1,616 @@
+//! The live change, carried out: the plan's actions ([`super::plan`]) applied while the
+//! workers are parked between two breaths — new apps built first, kept apps with their state,
+//! links with their queued packets, counters of what leaves folded into what stays.
+
+use super::*;
+use crate::app::{AppContext, Counters, DynApp, Io, PortNames, Reconfigured};
+use crate::engine::plan::{compute_config_actions, ConfigActions, LinkAction};
+use crate::graph::{Endpoint, Graph, LinkDecl};
+use crate::link::{self, Consumer, Producer, Ring};
+use crate::pool;
+use indexmap::IndexMap;
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+impl Engine {
+    /// Makes `graph` the running graph, keeping whatever did not change. What changes is worked
+    /// out from the two documents first ([`compute_config_actions`]); new apps are built before
+    /// anything is touched, then the workers park between two breaths while the actions are
+    /// carried out, and resume.
+    pub fn apply(&self, graph: Graph) -> Result<ApplyReport, EngineError> {
+        let mut st = self.state.lock().unwrap();
+        check_applicable(&st, &graph)?;
+        let actions = compute_config_actions(st.graph.as_ref(), &graph);
+        // A failure while building changes nothing.
+        let built = self.build_apps(actions.start.iter().chain(&actions.replace), &graph)?;
+        let parking = Instant::now();
+        let mut parked = park_workers(&mut st)?;
+        // All or nothing: a failure gives the apps already reconfigured their old config back
+        // and the workers resume with the graph as it was.
+        let reconfigured = match self.reconfigure_apps(
+            &actions.reconfigure,
+            st.graph.as_ref(),
+            &graph,
+            &mut parked,
+        ) {
+            Ok(r) => r,
+            Err(e) => {
+                resume_parked(&st, parked)?;
+                return Err(EngineError::RolledBack(Box::new(e)));
+            }
+        };
+        let mut report = ApplyReport::of_actions(&actions, &reconfigured);
+        let (mut slots, ends) = unpark(parked);
+        for name in &reconfigured.in_place {
+            let slot = slots.get_mut(name).expect("kept app has a slot");
+            slot.config = graph.apps[name].config.clone();
+        }
+        let retired = retire_apps(&mut slots, &actions, reconfigured.rebuilt, &graph);
+        add_built_apps(&mut slots, built, &graph);
+        let (links, removed) = rewire(&mut slots, ends, &actions.links, &graph, &mut report);
+        for name in actions.stop.iter().chain(&actions.replace) {
+            st.folded.remove(name);
+        }
+        st.orphaned_drops += fold_removed_links(&mut st.folded, &removed, &slots);
+        drop(removed);
+        self.resume_workers(&mut st, slots, &graph)?;
+        st.links = links;
+        st.graph = Some(graph);
+        report.paused_ms = parking.elapsed().as_secs_f64() * 1e3;
+        // Closing a socket or unmapping a ring can wait for the kernel (a packet socket's
+        // close waits for an RCU grace period): what left goes once the workers run again.
+        drop(retired);
+        Ok(report)
+    }
+
+    /// Builds the apps named `names` of `graph`, each with fresh counters.
+    fn build_apps<'a>(
+        &self,
+        names: impl Iterator<Item = &'a String>,
+        graph: &Graph,
+    ) -> Result<BuiltApps, EngineError> {
+        names
+            .map(|name| {
+                let built = self.build(&graph.apps[name], graph, Counters::default())?;
+                Ok((name.clone(), built))
+            })
+            .collect()
+    }
+
+    /// Gives each parked app of `names` its config in `graph`, in place or (when the app asks)
+    /// by a rebuild that keeps its counters. On the first failure the apps already reconfigured
+    /// in place get their config in `old` back.
+    fn reconfigure_apps(
+        &self,
+        names: &[String],
+        old: Option<&Graph>,
+        graph: &Graph,
+        parked: &mut [(String, Plan)],
+    ) -> Result<Reconfiguration, EngineError> {
+        let mut done = Reconfiguration::default();
+        for name in names {
+            let slot = parked_slot(parked, name).expect("kept app has a slot");
+            let decl = &graph.apps[name];
+            let step = match self.reconfigure(slot, decl, &graph.base_dir) {
+                Ok(Reconfigured::Done) => {
+                    done.in_place.push(name.clone());
+                    Ok(())
+                }
+                Ok(Reconfigured::Restart) => {
+                    self.build(decl, graph, slot.counters.clone())
+                        .map(|(app, _)| {
+                            done.rebuilt.insert(name.clone(), app);
+                        })
+                }
+                Err(e) => Err(e),
+            };
+            if let Err(e) = step {
+                let old = old.expect("a reconfigured app has an old graph");
+                for name in done.in_place.iter().rev() {
+                    let slot = parked_slot(parked, name).expect("kept app has a slot");
+                    if let Err(e) = self.reconfigure(slot, &old.apps[name], &old.base_dir) {
+                        log::error!("cannot give app `{name}` its previous config back: {e}");
+                    }
+                }
+                return Err(e);
+            }
+        }
+        Ok(done)
+    }
+
+    /// Hands every worker its share of `slots` in topological order (recording each app's
+    /// place and links in `st.apps`), stops workers the graph no longer has and starts its new
+    /// ones.
+    fn resume_workers(
+        &self,
+        st: &mut State,
+        slots: HashMap<String, AppSlot>,
+        graph: &Graph,
+    ) -> Result<(), EngineError> {
+        let (plans, apps) = distribute(slots, graph);
+        st.apps = apps;
+        let gone: Vec<String> = st
+            .workers
+            .keys()
+            .filter(|w| !plans.contains_key(*w))
+            .cloned()
+            .collect();
+        for w in gone {
+            let mut worker = st.workers.shift_remove(&w).unwrap();
+            let _ = worker.to_worker.send(Command::Exit);
+            if let Some(t) = worker.thread.take() {
+                let _ = t.join();
+            }
+        }
+        for (wname, plan) in plans {
+            let cfg = graph.workers[&wname].clone();
+            let w = match st.workers.get_mut(&wname) {
+                Some(w) => w,
+                None => {
+                    let w = spawn_worker(&wname, cfg.clone())?;
+                    st.workers.entry(wname.clone()).or_insert(w)
+                }
+            };
+            w.config = cfg;
+            w.to_worker
+                .send(Command::Run(plan))
+                .map_err(|_| EngineError::WorkerLost(wname))?;
+        }
+        Ok(())
+    }
+
+    /// Gives a running app its new config in place.
+    fn reconfigure(
+        &self,
+        slot: &mut AppSlot,
+        decl: &crate::graph::AppDecl,
+        base_dir: &Path,
+    ) -> Result<Reconfigured, EngineError> {
+        let t = self.registry.get(&decl.kind).expect("validated type");
+        let parsed = t.parse(&decl.config).map_err(|e| EngineError::Config {
+            app: decl.name.clone(),
+            message: format!("{}: {}", e.path, e.message),
+        })?;
+        let mut ctx = AppContext::new(&decl.name, base_dir, slot.counters.clone());
+        slot.app
+            .reconfigure(parsed.into_any(), &mut ctx)
+            .map_err(|source| EngineError::Build {
+                app: decl.name.clone(),
+                source,
+            })
+    }
+
+    fn build(
+        &self,
+        decl: &crate::graph::AppDecl,
+        graph: &Graph,
+        counters: Counters,
+    ) -> Result<(Box<dyn DynApp>, Counters), EngineError> {
+        let t = self
+            .registry
+            .get(&decl.kind)
+            .ok_or_else(|| EngineError::Config {
+                app: decl.name.clone(),
+                message: format!("unknown app type `{}`", decl.kind),
+            })?;
+        let parsed = t.parse(&decl.config).map_err(|e| EngineError::Config {
+            app: decl.name.clone(),
+            message: format!("{}: {}", e.path, e.message),
+        })?;
+        let mut ctx = AppContext::new(&decl.name, &graph.base_dir, counters.clone());
+        let app = t
+            .build(parsed, &mut ctx)
+            .map_err(|source| EngineError::Build {
+                app: decl.name.clone(),
+                source,
+            })?;
+        Ok((app, counters))
+    }
+}
+
+/// Apps built for a graph before it is applied, by name, with their counters.
+pub(super) type BuiltApps = HashMap<String, (Box<dyn DynApp>, Counters)>;
+
+/// What reconfiguring kept apps came to.
+#[derive(Default)]
+pub(super) struct Reconfiguration {
+    /// Apps that took their new config in place.
+    pub(super) in_place: Vec<String>,
+    /// Apps that asked to be rebuilt with it, rebuilt on their old counters.
+    pub(super) rebuilt: HashMap<String, Box<dyn DynApp>>,
+}
+
+/// Apps that left the graph (or were rebuilt), kept until the workers run again.
+pub(super) struct Retired {
+    pub(super) _apps: Vec<Box<dyn DynApp>>,
+    pub(super) _slots: Vec<AppSlot>,
+}
+
+impl ApplyReport {
+    /// The report of `actions` once carried out, its links still to be filled in by
+    /// [`rewire`].
+    fn of_actions(actions: &ConfigActions, done: &Reconfiguration) -> ApplyReport {
+        let mut restarted: Vec<String> = (actions.replace.iter())
+            .chain(done.rebuilt.keys())
+            .cloned()
+            .collect();
+        restarted.sort();
+        ApplyReport {
+            started: actions.start.clone(),
+            stopped: actions.stop.clone(),
+            reconfigured: done.in_place.clone(),
+            restarted,
+            kept: actions.keep.clone(),
+            links_removed: actions.remove_links.iter().map(LinkDecl::spec).collect(),
+            ..ApplyReport::default()
+        }
+    }
+}
+
+/// Refuses a graph the engine cannot run, before anything is touched; makes the packet pool
+/// for the first graph.
+pub(super) fn check_applicable(st: &State, graph: &Graph) -> Result<(), EngineError> {
+    if st.stopped {
+        return Err(EngineError::Other("engine is stopped".into()));
+    }
+    if let Some(a) = graph
+        .apps
+        .values()
+        .find(|a| a.placement != crate::graph::Placement::Engine)
+    {
+        return Err(EngineError::Config {
+            app: a.name.clone(),
+            message: format!(
+                "line {}: the engine runs `placement: engine` apps; a `placement: {}` app \
+                 is placed beside it (`stitch run` does that, or `stitch kernel apply` for \
+                 a kernel-only graph)",
+                a.line, a.placement
+            ),
+        });
+    }
+    if st.graph.is_none() {
+        pool::init(graph.engine.pool_packets, graph.engine.pool_large_packets)
+            .map_err(|e| EngineError::Other(e.to_string()))?;
+    }
+    Ok(())
+}
+
+/// Parks every worker between two breaths. Their plans come back whole, so that a change that
+/// fails can resume them exactly as they were.
+pub(super) fn park_workers(st: &mut State) -> Result<Vec<(String, Plan)>, EngineError> {
+    let mut parked = Vec::new();
+    for (wname, w) in st.workers.iter_mut() {
+        w.park.store(true, Ordering::Release);
+        let plan = w
+            .from_worker
+            .recv()
+            .map_err(|_| EngineError::WorkerLost(wname.clone()))?;
+        w.park.store(false, Ordering::Release);
+        parked.push((wname.clone(), plan));
+    }
+    Ok(parked)
+}
+
+/// Gives every parked worker its plan back unchanged.
+pub(super) fn resume_parked(st: &State, parked: Vec<(String, Plan)>) -> Result<(), EngineError> {
+    for (wname, plan) in parked {
+        st.workers[&wname]
+            .to_worker
+            .send(Command::Run(plan))
+            .map_err(|_| EngineError::WorkerLost(wname))?;
+    }
+    Ok(())
+}
+
+/// The parked workers' apps by name, with their link ends taken out for rewiring.
+pub(super) fn unpark(parked: Vec<(String, Plan)>) -> (HashMap<String, AppSlot>, LinkEnds) {
+    let mut slots = HashMap::new();
+    let mut ends = LinkEnds::default();
+    for (_, plan) in parked {
+        for mut s in plan.slots {
+            take_ends(&mut s, &mut ends);
+            slots.insert(s.name.clone(), s);
+        }
+    }
+    (slots, ends)
+}
+
+/// Stops the apps that leave (their slots taken out: names gone, and names whose type
+/// changed, whose new app takes a new slot) and the old versions of the apps `rebuilt`
+/// replaces (their slots, links and counters stay), in name order.
+pub(super) fn retire_apps(
+    slots: &mut HashMap<String, AppSlot>,
+    actions: &ConfigActions,
+    rebuilt: HashMap<String, Box<dyn DynApp>>,
+    graph: &Graph,
+) -> Retired {
+    let mut apps = Vec::new();
+    let mut rebuilt: Vec<(String, Box<dyn DynApp>)> = rebuilt.into_iter().collect();
+    rebuilt.sort_by(|a, b| a.0.cmp(&b.0));
+    for (name, app) in rebuilt {
+        let s = slots.get_mut(&name).expect("kept app has a slot");
+        s.guarded("stop", |a, _| a.stop());
+        apps.push(std::mem::replace(&mut s.app, app));
+        s.config = graph.apps[&name].config.clone();
+    }
+    let mut leaving: Vec<&String> = actions.stop.iter().chain(&actions.replace).collect();
+    leaving.sort();
+    let mut gone = Vec::new();
+    for name in leaving {
+        if let Some(mut s) = slots.remove(name) {
+            s.guarded("stop", |a, _| a.stop());
+            gone.push(s);
+        }
+    }
+    Retired {
+        _apps: apps,
+        _slots: gone,
+    }
+}
+
+/// Gives each newly built app a slot, its ports still unconnected.
+pub(super) fn add_built_apps(
+    slots: &mut HashMap<String, AppSlot>,
+    built: BuiltApps,
+    graph: &Graph,
+) {
+    for (name, (app, counters)) in built {
+        let decl = &graph.apps[&name];
+        slots.insert(
+            name.clone(),
+            AppSlot {
+                name,
+                kind: decl.kind.clone(),
+                config: decl.config.clone(),
+                app,
+                io: Io::default(),
+                counters,
+                failed: Arc::new(AtomicBool::new(false)),
+            },
+        );
+    }
+}
+
+/// Connects every link of the new graph as its action says: a kept link gets its ring back
+/// (with its queued packets; moved to a ring of the new size when that changed), the others a
+/// new ring. Ends left in
+/// `ends` belong to removed links and close with them.
+pub(super) fn rewire(
+    slots: &mut HashMap<String, AppSlot>,
+    mut ends: LinkEnds,
+    links: &[(LinkDecl, LinkAction)],
+    graph: &Graph,
+    report: &mut ApplyReport,
+) -> (Vec<(LinkDecl, Arc<Ring>)>, LinkEnds) {
+    let mut rings = Vec::new();
+    for (l, action) in links {
+        let (p, c) = match (ends.producers.remove(&l.from), ends.consumers.remove(&l.to)) {
+            (Some(p), Some(c)) if *action != LinkAction::Add && Arc::ptr_eq(p.ring(), c.ring()) => {
+                if *action == LinkAction::Keep {
+                    report.links_kept.push(l.spec());
+                    (p, c)
+                } else {
+                    report.links_added.push(l.spec());
+                    link::resize(c, l.size)
+                }
+            }
+            (p, c) => {
+                // An end that belonged to another link goes back for that link's removal.
+                if let Some(p) = p {
+                    ends.producers.insert(l.from.clone(), p);
+                }
+                if let Some(c) = c {
+                    ends.consumers.insert(l.to.clone(), c);
+                }
+                report.links_added.push(l.spec());
+                link::link(l.size)
+            }
+        };
+        rings.push((l.clone(), p.ring().clone()));
+        let from = slots.get_mut(&l.from.app).expect("validated app");
+        attach_output(from, &l.from.port, p, graph);
+        let to = slots.get_mut(&l.to.app).expect("validated app");
+        attach_input(to, &l.to.port, c, graph);
+    }
+    (rings, ends)
+}
+
+/// Adds the counts of the links that leave (their ends left over from [`rewire`]) to the
+/// totals of the apps that stay (`slots`): a producer keeps what it sent, a consumer what it
+/// received and, as drops, what was still queued toward it. Returns the packets queued in links
+/// whose two apps both left.
+pub(super) fn fold_removed_links(
+    folded: &mut HashMap<String, LinkTotals>,
+    removed: &LinkEnds,
+    slots: &HashMap<String, AppSlot>,
+) -> u64 {
+    let mut orphaned = 0;
+    for (from, p) in &removed.producers {
+        let ring = p.ring();
+        let to = (removed.consumers.iter())
+            .find(|(_, c)| Arc::ptr_eq(c.ring(), ring))
+            .map(|(e, _)| e.app.as_str());
+        let l = ring.stats();
+        let producer_stays = slots.contains_key(&from.app);
+        if producer_stays {
+            let t = folded.entry(from.app.clone()).or_default();
+            t.tx_packets += l.tx_packets;
+            t.tx_bytes += l.tx_bytes;
+            t.drops += l.tx_drops;
+        }
+        match to.filter(|app| slots.contains_key(*app)) {
+            Some(app) => {
+                let t = folded.entry(app.to_string()).or_default();
+                t.rx_packets += l.rx_packets;
+                t.rx_bytes += l.tx_bytes;
+                t.drops += l.queued;
+            }
+            None if producer_stays => {
+                folded.get_mut(&from.app).expect("added above").drops += l.queued
+            }
+            None => orphaned += l.queued,
+        }
+    }
+    orphaned
+}
+
+/// Each worker's plan — its apps in topological order and the rings they touch — and what the
+/// engine records of each app.
+pub(super) fn distribute(
+    mut slots: HashMap<String, AppSlot>,
+    graph: &Graph,
+) -> (IndexMap<String, Plan>, IndexMap<String, AppInfo>) {
+    let mut plans: IndexMap<String, Plan> = graph
+        .workers
+        .iter()
+        .map(|(wname, wcfg)| {
+            let plan = Plan {
+                slots: Vec::new(),
+                order: BreathOrder::default(),
+                rings: Vec::new(),
+                busy_poll: graph.engine.busy_poll,
+                max_sleep: Duration::from_micros(graph.engine.max_sleep_us.max(1)),
+                core: wcfg.core,
+            };
+            (wname.clone(), plan)
+        })
+        .collect();
+    let mut apps = IndexMap::new();
+    for name in topological_order(graph) {
+        let s = slots.remove(&name).expect("slot for every app");
+        let decl = &graph.apps[&name];
+        let inputs: Vec<Arc<Ring>> = (s.io.inputs.iter().flatten())
+            .map(|c| c.ring().clone())
+            .collect();
+        let outputs: Vec<Arc<Ring>> = (s.io.outputs.iter().flatten())
+            .map(|p| p.ring().clone())
+            .collect();
+        let plan = plans.get_mut(&decl.worker).expect("worker of every app");
+        for r in inputs.iter().chain(&outputs) {
+            if !plan.rings.iter().any(|x| Arc::ptr_eq(x, r)) {
+                plan.rings.push(r.clone());
+            }
+        }
+        apps.insert(
+            name,
+            AppInfo {
+                kind: decl.kind.clone(),
+                worker: decl.worker.clone(),
+                counters: s.counters.clone(),
+                failed: s.failed.clone(),
+                inputs,
+                outputs,
+            },
+        );
+        plan.slots.push(s);
+    }
+    for plan in plans.values_mut() {
+        plan.order = BreathOrder::of(&plan.slots);
+    }
+    (plans, apps)
+}
+
+pub(super) fn parked_slot<'a>(
+    parked: &'a mut [(String, Plan)],
+    name: &str,
+) -> Option<&'a mut AppSlot> {
+    parked
+        .iter_mut()
+        .flat_map(|(_, p)| p.slots.iter_mut())
+        .find(|s| s.name == name)
+}
+
+pub(super) fn take_ends(s: &mut AppSlot, ends: &mut LinkEnds) {
+    let io = std::mem::take(&mut s.io);
+    for (name, c) in io.input_names.into_iter().zip(io.inputs) {
+        if let Some(c) = c {
+            ends.consumers.insert(
+                Endpoint {
+                    app: s.name.clone(),
+                    port: name,
+                },
+                c,
+            );
+        }
+    }
+    for (name, p) in io.output_names.into_iter().zip(io.outputs) {
+        if let Some(p) = p {
+            ends.producers.insert(
+                Endpoint {
+                    app: s.name.clone(),
+                    port: name,
+                },
+                p,
+            );
+        }
+    }
+}
+
+pub(super) fn prepare_io(s: &mut AppSlot, graph: &Graph) {
+    if s.io.input_names.is_empty() && s.io.output_names.is_empty() {
+        let ports = &graph.apps[&s.name].ports;
+        if let PortNames::Fixed(n) = &ports.inputs {
+            s.io.input_names = n.clone();
+            s.io.inputs = n.iter().map(|_| None).collect();
+        }
+        if let PortNames::Fixed(n) = &ports.outputs {
+            s.io.output_names = n.clone();
+            s.io.outputs = n.iter().map(|_| None).collect();
+        }
+    }
+}
+
+pub(super) fn attach_output(s: &mut AppSlot, port: &str, p: Producer, graph: &Graph) {
+    prepare_io(s, graph);
+    match s.io.output_slot(port) {
+        Some(i) => s.io.outputs[i] = Some(p),
+        None => {
+            s.io.output_names.push(port.to_string());
+            s.io.outputs.push(Some(p));
+        }
+    }
+}
+
+pub(super) fn attach_input(s: &mut AppSlot, port: &str, c: Consumer, graph: &Graph) {
+    prepare_io(s, graph);
+    match s.io.input_slot(port) {
+        Some(i) => s.io.inputs[i] = Some(c),
+        None => {
+            s.io.input_names.push(port.to_string());
+            s.io.inputs.push(Some(c));
+        }
+    }
+}
+
+/// Apps ordered so that producers come before consumers; in a cycle, the app listed first in the
+/// graph file goes first.
+pub fn topological_order(graph: &Graph) -> Vec<String> {
+    let names: Vec<&String> = graph.apps.keys().collect();
+    let index: HashMap<&String, usize> = names.iter().enumerate().map(|(i, n)| (*n, i)).collect();
+    let mut indegree = vec![0usize; names.len()];
+    let mut succ = vec![Vec::new(); names.len()];
+    for l in &graph.links {
+        let (a, b) = (index[&l.from.app], index[&l.to.app]);
+        succ[a].push(b);
+        indegree[b] += 1;
+    }
+    let mut done = vec![false; names.len()];
+    let mut order = Vec::with_capacity(names.len());
+    while order.len() < names.len() {
+        // Lowest-index app with no pending producer; when a cycle blocks, the lowest-index
+        // remaining app.
+        let next = (0..names.len())
+            .find(|&i| !done[i] && indegree[i] == 0)
+            .or_else(|| (0..names.len()).find(|&i| !done[i]))
+            .unwrap();
+        done[next] = true;
+        order.push(names[next].clone());
+        for &s in &succ[next] {
+            indegree[s] = indegree[s].saturating_sub(1);
+        }
+    }
+    order
+}

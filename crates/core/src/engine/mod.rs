@@ -1,0 +1,467 @@
+//! The engine: runs a graph on worker threads and changes it live by diff.
+//!
+//! Each worker runs the breath loop over its share of the apps: `pull` on every app, then `push`
+//! in topological order, repeated for apps whose inputs are still non-empty (cycles, links from
+//! later apps) up to a bound so that a cycle can never hang a breath, then `tick` about every
+//! millisecond. A breath that moved nothing makes the worker sleep, 1 µs growing to
+//! `max_sleep_us`, unless `busy_poll` is set.
+//!
+//! Applying a graph parks every worker between two breaths, hands their apps and links back to
+//! the controller, which keeps what did not change (apps with their state, links with their
+//! queued packets), reconfigures or rebuilds what changed, rewires, and resumes the workers.
+//!
+//! Its rooms: [`breath`] (the worker loop), [`plan`] (what a change does, worked out from the
+//! two graphs alone — Snabb's `compute_config_actions`), [`apply`] (carrying the plan out on
+//! parked workers) and [`stats`] (the counters and reports). This file holds the engine's
+//! state and what reads it.
+
+mod apply;
+mod breath;
+pub mod plan;
+mod stats;
+
+pub use apply::topological_order;
+use breath::*;
+pub use breath::{breath_started, pin_to_core, WorkerCounters};
+pub use stats::{AppStats, ApplyReport, LinkInfo, Moved, Stats, WorkerStats};
+
+use crate::app::{AppError, Counters, DynApp, Io, Registry};
+use crate::graph::{Endpoint, Graph, LinkDecl};
+use crate::link::{Consumer, Producer, Ring};
+use crate::pool;
+use indexmap::IndexMap;
+use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("app `{app}`: {source}")]
+    Build { app: String, source: AppError },
+    #[error("app `{app}`: config: {message}")]
+    Config { app: String, message: String },
+    #[error("worker `{0}` stopped unexpectedly")]
+    WorkerLost(String),
+    #[error("{0} (nothing was changed: the graph runs as before)")]
+    RolledBack(Box<EngineError>),
+    #[error("no app named `{0}`")]
+    NoSuchApp(String),
+    #[error("{0}")]
+    Other(String),
+}
+
+/// One app with everything the worker needs to run it; what a breath reads first (`repr(C)`).
+#[repr(C)]
+struct AppSlot {
+    app: Box<dyn DynApp>,
+    io: Io,
+    name: String,
+    kind: String,
+    config: serde_json::Value,
+    counters: Counters,
+    failed: Arc<AtomicBool>,
+}
+
+impl AppSlot {
+    /// Runs `f` on the app; a panic stops the app (counted, logged) and the worker carries on.
+    /// Returns whether the app panicked.
+    fn guarded(&mut self, what: &str, f: impl FnOnce(&mut dyn DynApp, &mut Io)) -> bool {
+        let r = catch_unwind(AssertUnwindSafe(|| f(self.app.as_mut(), &mut self.io)));
+        if let Err(e) = r {
+            let msg = e
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| e.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            log::error!(
+                "app `{}` ({}) panicked in {what}: {msg}; it is stopped",
+                self.name,
+                self.kind
+            );
+            self.counters.get("panics").add(1);
+            self.failed.store(true, Ordering::Relaxed);
+            return true;
+        }
+        false
+    }
+
+    fn has_inputs(&self) -> bool {
+        self.io.inputs.iter().any(Option::is_some)
+    }
+}
+
+struct AppInfo {
+    kind: String,
+    worker: String,
+    counters: Counters,
+    failed: Arc<AtomicBool>,
+    inputs: Vec<Arc<Ring>>,
+    outputs: Vec<Arc<Ring>>,
+}
+
+struct State {
+    graph: Option<Graph>,
+    workers: IndexMap<String, Worker>,
+    apps: IndexMap<String, AppInfo>,
+    links: Vec<(LinkDecl, Arc<Ring>)>,
+    /// What the links an app no longer has carried, by app, so that its totals never go back.
+    folded: HashMap<String, LinkTotals>,
+    /// Packets freed in links that left the graph with both their apps.
+    orphaned_drops: u64,
+    stopped: bool,
+}
+
+/// Packet and byte totals of the links an app had and lost to a live change.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct LinkTotals {
+    rx_packets: u64,
+    rx_bytes: u64,
+    tx_packets: u64,
+    tx_bytes: u64,
+    /// Full-link drops on its outputs, and packets still queued toward it when a link left.
+    drops: u64,
+}
+
+/// A running graph.
+pub struct Engine {
+    registry: Arc<Registry>,
+    state: Mutex<State>,
+    started: Instant,
+}
+
+/// Link ends taken out of parked apps, by endpoint.
+#[derive(Default)]
+struct LinkEnds {
+    producers: HashMap<Endpoint, Producer>,
+    consumers: HashMap<Endpoint, Consumer>,
+}
+
+impl Engine {
+    pub fn new(registry: Arc<Registry>) -> Engine {
+        Engine {
+            registry,
+            state: Mutex::new(State {
+                graph: None,
+                workers: IndexMap::new(),
+                apps: IndexMap::new(),
+                links: Vec::new(),
+                folded: HashMap::new(),
+                orphaned_drops: 0,
+                stopped: false,
+            }),
+            started: Instant::now(),
+        }
+    }
+
+    pub fn registry(&self) -> &Arc<Registry> {
+        &self.registry
+    }
+
+    /// The graph now running.
+    pub fn graph(&self) -> Option<Graph> {
+        self.state.lock().unwrap().graph.clone()
+    }
+
+    /// Current counters of every app, link and worker.
+    pub fn stats(&self) -> Stats {
+        let st = self.state.lock().unwrap();
+        let mut apps = Vec::new();
+        for (name, a) in &st.apps {
+            let mut s = AppStats {
+                name: name.clone(),
+                kind: a.kind.clone(),
+                worker: a.worker.clone(),
+                rx_packets: 0,
+                rx_bytes: 0,
+                tx_packets: 0,
+                tx_bytes: 0,
+                drops: 0,
+                failed: a.failed.load(Ordering::Relaxed),
+                counters: a.counters.snapshot(),
+            };
+            if let Some(t) = st.folded.get(name) {
+                s.rx_packets = t.rx_packets;
+                s.rx_bytes = t.rx_bytes;
+                s.tx_packets = t.tx_packets;
+                s.tx_bytes = t.tx_bytes;
+                s.drops = t.drops;
+            }
+            for r in &a.inputs {
+                let l = r.stats();
+                s.rx_packets += l.rx_packets;
+                // Bytes are counted once per link, on transmit; received bytes are transmitted
+                // bytes minus what is still queued, which is exact when the link is empty.
+                s.rx_bytes += l.tx_bytes;
+            }
+            for r in &a.outputs {
+                let l = r.stats();
+                s.tx_packets += l.tx_packets;
+                s.tx_bytes += l.tx_bytes;
+                s.drops += l.tx_drops;
+            }
+            s.drops += s
+                .counters
+                .iter()
+                .filter(|(k, _)| k.ends_with("drops"))
+                .map(|(_, v)| v)
+                .sum::<u64>();
+            apps.push(s);
+        }
+        let links = st
+            .links
+            .iter()
+            .map(|(d, r)| LinkInfo {
+                link: d.spec(),
+                size: r.capacity(),
+                taps: r.tap_count(),
+                stats: r.stats(),
+            })
+            .collect();
+        let workers = st
+            .workers
+            .iter()
+            .map(|(n, w)| WorkerStats {
+                name: n.clone(),
+                core: w.config.core,
+                breaths: w.counters.breaths.load(Ordering::Relaxed),
+                idle_sleeps: w.counters.idle_sleeps.load(Ordering::Relaxed),
+            })
+            .collect();
+        Stats {
+            uptime_s: self.started.elapsed().as_secs_f64(),
+            apps,
+            links,
+            workers,
+            pool: pool::get().stats(),
+            removed_link_drops: st.orphaned_drops,
+        }
+    }
+
+    /// Asks app `app` an app-specific question (its `query`), answered by its worker between
+    /// breaths.
+    pub fn query(
+        &self,
+        app: &str,
+        request: serde_json::Value,
+    ) -> Result<serde_json::Value, EngineError> {
+        let (tx, flag) = {
+            let st = self.state.lock().unwrap();
+            let info = st
+                .apps
+                .get(app)
+                .ok_or_else(|| EngineError::NoSuchApp(app.to_string()))?;
+            let w = st
+                .workers
+                .get(&info.worker)
+                .ok_or_else(|| EngineError::WorkerLost(info.worker.clone()))?;
+            (w.queries.clone(), w.query_flag.clone())
+        };
+        let (reply, answer) = mpsc::channel();
+        tx.send(Query {
+            app: app.to_string(),
+            request,
+            reply,
+        })
+        .map_err(|_| EngineError::Other("the worker is gone".into()))?;
+        flag.store(true, Ordering::Release);
+        match answer.recv_timeout(Duration::from_secs(5)) {
+            Ok(r) => r.map_err(EngineError::Other),
+            Err(_) => Err(EngineError::Other(format!(
+                "app `{app}` did not answer within 5 s"
+            ))),
+        }
+    }
+
+    /// True when the graph has finite sources, all of them finished, and every link is empty.
+    pub fn finished(&self) -> bool {
+        let st = self.state.lock().unwrap();
+        let mut any_finite = false;
+        for w in st.workers.values() {
+            if w.counters.has_finite.load(Ordering::Relaxed) {
+                any_finite = true;
+                if !w.counters.finite_done.load(Ordering::Relaxed) {
+                    return false;
+                }
+            }
+        }
+        any_finite && st.links.iter().all(|(_, r)| r.is_empty())
+    }
+
+    /// Every link of the running graph with its ring, in the order of the graph file (to tap
+    /// them: see [`Ring::add_tap`]).
+    pub fn link_rings(&self) -> Vec<(LinkDecl, Arc<Ring>)> {
+        self.state.lock().unwrap().links.clone()
+    }
+
+    /// Total link activity, to see whether anything still moves.
+    pub fn activity(&self) -> u64 {
+        self.state
+            .lock()
+            .unwrap()
+            .links
+            .iter()
+            .map(|(_, r)| r.activity())
+            .sum()
+    }
+
+    /// Stops every worker, then every app (which flushes its output), and returns the final
+    /// counters. Queued packets stay counted as queued.
+    pub fn stop(&self) -> Stats {
+        let mut slots = Vec::new();
+        {
+            let mut st = self.state.lock().unwrap();
+            if st.stopped {
+                drop(st);
+                return self.stats();
+            }
+            st.stopped = true;
+            for (_, w) in st.workers.iter_mut() {
+                w.park.store(true, Ordering::Release);
+                if let Ok(plan) = w.from_worker.recv() {
+                    slots.extend(plan.slots);
+                }
+                let _ = w.to_worker.send(Command::Exit);
+                if let Some(t) = w.thread.take() {
+                    let _ = t.join();
+                }
+            }
+        }
+        for s in slots.iter_mut() {
+            s.guarded("stop", |a, _| a.stop());
+        }
+        let stats = self.stats();
+        drop(slots);
+        stats
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::app::{App, AppContext, AppError, PortSpec};
+    use crate::link::link;
+    use crate::pool;
+    use std::sync::atomic::AtomicU64;
+
+    /// Sends one packet a breath; counts its `pull` calls.
+    struct Source(Arc<AtomicU64>);
+    /// Frees what it receives (no `pull`); counts its `push` calls and panics in `tick`.
+    struct Drain(Arc<AtomicU64>);
+
+    impl App for Source {
+        type Config = ();
+        fn declare(_: &()) -> Result<PortSpec, AppError> {
+            Ok(PortSpec::source())
+        }
+        fn new(_: (), _: &mut AppContext) -> Result<Self, AppError> {
+            unreachable!("built by hand")
+        }
+        fn pull(&mut self, io: &mut Io) {
+            self.0.fetch_add(1, Ordering::Relaxed);
+            if let (Some(out), Some(p)) = (io.output(0), pool::alloc()) {
+                out.transmit(p);
+            }
+        }
+    }
+
+    impl App for Drain {
+        type Config = ();
+        fn declare(_: &()) -> Result<PortSpec, AppError> {
+            Ok(PortSpec::sink())
+        }
+        fn new(_: (), _: &mut AppContext) -> Result<Self, AppError> {
+            unreachable!("built by hand")
+        }
+        fn push(&mut self, io: &mut Io) {
+            self.0.fetch_add(1, Ordering::Relaxed);
+            if let Some(input) = io.input(0) {
+                input.free_available();
+            }
+        }
+        fn tick(&mut self, _: &mut Io, _: Instant) {
+            panic!("tick fails on purpose");
+        }
+    }
+
+    fn slot(name: &str, app: Box<dyn DynApp>, io: Io) -> AppSlot {
+        AppSlot {
+            app,
+            io,
+            name: name.into(),
+            kind: name.into(),
+            config: serde_json::Value::Null,
+            counters: Counters::default(),
+            failed: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
+    /// source → drain on one plan, and the two apps' call counters.
+    fn source_to_drain() -> (Plan, Arc<AtomicU64>, Arc<AtomicU64>) {
+        let (pulls, pushes) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+        let (tx, rx) = link(64);
+        let slots = vec![
+            slot(
+                "source",
+                Box::new(Source(pulls.clone())),
+                Io::new(vec![], vec![("output".into(), tx)]),
+            ),
+            slot(
+                "drain",
+                Box::new(Drain(pushes.clone())),
+                Io::new(vec![("input".into(), rx)], vec![]),
+            ),
+        ];
+        let plan = Plan {
+            order: BreathOrder::of(&slots),
+            slots,
+            rings: Vec::new(),
+            busy_poll: true,
+            max_sleep: Duration::from_millis(1),
+            core: None,
+        };
+        (plan, pulls, pushes)
+    }
+
+    #[test]
+    fn a_breath_calls_only_the_callbacks_an_app_has() {
+        let (mut plan, pulls, pushes) = source_to_drain();
+        // Until the first breath the engine cannot know which callbacks are the defaults.
+        assert_eq!(
+            (&plan.order.pull[..], &plan.order.push[..]),
+            (&[0, 1][..], &[1][..])
+        );
+        for _ in 0..3 {
+            breathe(&mut plan);
+        }
+        assert_eq!(
+            (&plan.order.pull[..], &plan.order.push[..]),
+            (&[0][..], &[1][..])
+        );
+        assert_eq!(pulls.load(Ordering::Relaxed), 3);
+        // The drain pushes once a breath: a second pass finds its input empty.
+        assert_eq!(pushes.load(Ordering::Relaxed), 3);
+    }
+
+    #[test]
+    fn an_app_that_panics_outside_a_breath_leaves_the_breath_order() {
+        let (mut plan, pulls, pushes) = source_to_drain();
+        breathe(&mut plan);
+        tick_apps(&mut plan, Instant::now(), &WorkerCounters::default());
+        assert!(plan.slots[1].failed.load(Ordering::Relaxed));
+        assert!(plan.order.push.is_empty());
+        for _ in 0..3 {
+            breathe(&mut plan);
+        }
+        assert_eq!(pushes.load(Ordering::Relaxed), 1, "no push after the panic");
+        assert_eq!(pulls.load(Ordering::Relaxed), 4, "the source runs on");
+    }
+}

@@ -1,0 +1,83 @@
+//! What the engine reports: counters of apps, links and workers, and what a live change did.
+
+use crate::link::LinkStats;
+use crate::pool;
+use std::collections::BTreeMap;
+
+/// Counters of one app: its own named counters plus totals of its links.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct AppStats {
+    pub name: String,
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub worker: String,
+    pub rx_packets: u64,
+    pub rx_bytes: u64,
+    pub tx_packets: u64,
+    pub tx_bytes: u64,
+    /// Packets this app's output links dropped because they were full, plus the app's own drops.
+    pub drops: u64,
+    pub failed: bool,
+    pub counters: BTreeMap<String, u64>,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct LinkInfo {
+    pub link: String,
+    pub size: usize,
+    /// Captures watching the link now.
+    pub taps: usize,
+    #[serde(flatten)]
+    pub stats: LinkStats,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct WorkerStats {
+    pub name: String,
+    pub core: Option<usize>,
+    pub breaths: u64,
+    pub idle_sleeps: u64,
+}
+
+/// A snapshot of all counters.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Stats {
+    pub uptime_s: f64,
+    pub apps: Vec<AppStats>,
+    pub links: Vec<LinkInfo>,
+    pub workers: Vec<WorkerStats>,
+    pub pool: pool::PoolStats,
+    /// Packets freed unsent in links that a live change removed together with both their apps
+    /// (with an app staying, they are in its `drops`).
+    pub removed_link_drops: u64,
+}
+
+/// An app that changed placement in an apply (the placements beside the engine fill these in).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Moved {
+    pub app: String,
+    pub from: crate::graph::Placement,
+    pub to: crate::graph::Placement,
+    /// How long the app's own traffic had no function to go through, ms: the engine's switch
+    /// (the new placement was ready before it, the old one ran until it).
+    pub pause_ms: f64,
+    /// The state the app had that its new placement starts without, if any.
+    pub state_left_behind: Option<String>,
+}
+
+/// What `apply` did.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct ApplyReport {
+    pub started: Vec<String>,
+    pub stopped: Vec<String>,
+    pub reconfigured: Vec<String>,
+    pub restarted: Vec<String>,
+    pub kept: Vec<String>,
+    pub links_added: Vec<String>,
+    pub links_removed: Vec<String>,
+    pub links_kept: Vec<String>,
+    /// Apps that changed placement.
+    pub moved: Vec<Moved>,
+    /// How long the workers were parked (no packet moved anywhere in the engine), ms.
+    pub paused_ms: f64,
+}
