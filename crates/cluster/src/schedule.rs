@@ -337,42 +337,7 @@ fn host_assignment(
                 links.push(link_entry(&l.spec(), l.size, g.graph.engine.link_size));
             }
         }
-        for t in &place.tunnels {
-            let (from, to) = t.link.split_once(" -> ").expect("a link spec");
-            let (remote, entry) = if t.from_host == me {
-                (
-                    &t.to_host,
-                    format!("{from} -> {}.v{}", vtep(&t.to_host), t.vni),
-                )
-            } else if t.to_host == me {
-                (
-                    &t.from_host,
-                    format!("{}.v{} -> {to}", vtep(&t.from_host), t.vni),
-                )
-            } else {
-                continue;
-            };
-            let Some(record) = hosts.registered.get(remote) else {
-                continue;
-            };
-            let mut segment = json!({ "vni": t.vni, "remote": record.underlay });
-            // ICMP errors about a link's frames (too big for the tunnel) go back to their
-            // sender by the tunnel of the link the other way, when the graph has one.
-            let reverse = place.tunnels.iter().find(|r| {
-                r.link == format!("{to} -> {from}")
-                    && r.from_host == t.to_host
-                    && r.to_host == t.from_host
-            });
-            if let (Some(r), true) = (reverse, t.from_host == me) {
-                segment["reply_via"] = json!(format!("v{}", r.vni));
-            }
-            segments
-                .entry(remote.clone())
-                .or_default()
-                .insert(format!("v{}", t.vni), segment);
-            links.push(json!(entry));
-            any = true;
-        }
+        any |= tunnel_ends(me, place, hosts, &mut segments, &mut links);
         if any {
             graph_revisions.insert(g.name.clone(), g.revision);
         }
@@ -391,6 +356,56 @@ fn host_assignment(
         document,
         workload_mtu: workload_mtu(hosts),
     }
+}
+
+/// The ends on host `me` of graph placement `place`'s tunnels: for each, a segment of the
+/// `vxlan` app toward the other host (in `segments`) and the link to or from it (in `links`).
+/// Returns whether there was any.
+fn tunnel_ends(
+    me: &str,
+    place: &PlacementRecord,
+    hosts: &Hosts,
+    segments: &mut BTreeMap<String, Map<String, Value>>,
+    links: &mut Vec<Value>,
+) -> bool {
+    let mut any = false;
+    for t in &place.tunnels {
+        let (from, to) = t.link.split_once(" -> ").expect("a link spec");
+        let (remote, entry) = if t.from_host == me {
+            (
+                &t.to_host,
+                format!("{from} -> {}.v{}", vtep(&t.to_host), t.vni),
+            )
+        } else if t.to_host == me {
+            (
+                &t.from_host,
+                format!("{}.v{} -> {to}", vtep(&t.from_host), t.vni),
+            )
+        } else {
+            continue;
+        };
+        let Some(record) = hosts.registered.get(remote) else {
+            continue;
+        };
+        let mut segment = json!({ "vni": t.vni, "remote": record.underlay });
+        // ICMP errors about a link's frames (too big for the tunnel) go back to their
+        // sender by the tunnel of the link the other way, when the graph has one.
+        let reverse = place.tunnels.iter().find(|r| {
+            r.link == format!("{to} -> {from}")
+                && r.from_host == t.to_host
+                && r.to_host == t.from_host
+        });
+        if let (Some(r), true) = (reverse, t.from_host == me) {
+            segment["reply_via"] = json!(format!("v{}", r.vni));
+        }
+        segments
+            .entry(remote.clone())
+            .or_default()
+            .insert(format!("v{}", t.vni), segment);
+        links.push(json!(entry));
+        any = true;
+    }
+    any
 }
 
 /// The largest IP packet that crosses every tunnel the cluster's hosts can make: each host's

@@ -593,13 +593,7 @@ impl App for NfPort {
         if sent > 0 {
             a.to_nf.publish();
             self.to_nf.add(sent);
-            if self.shared.settings.blocking {
-                a.unsignalled += sent as u32;
-                if a.waiting_since.is_none() {
-                    a.waiting_since = Some(stitch_core::engine::breath_started());
-                }
-                self.maybe_wake();
-            }
+            self.handed_over(sent);
         }
         self.ring_full_drops.add(full);
         self.too_big_drops.add(big);
@@ -870,6 +864,22 @@ impl NfPort {
                 a.att.pid
             );
         }
+    }
+
+    /// After `sent` packets were put in the function's ring: a blocking function is woken when
+    /// enough wait or the oldest waited long enough.
+    fn handed_over(&mut self, sent: u64) {
+        if !self.shared.settings.blocking {
+            return;
+        }
+        let Some(a) = self.active.as_mut() else {
+            return;
+        };
+        a.unsignalled += sent as u32;
+        if a.waiting_since.is_none() {
+            a.waiting_since = Some(stitch_core::engine::breath_started());
+        }
+        self.maybe_wake();
     }
 
     /// Rings the function's doorbell when enough waits or the oldest waited long enough, and

@@ -245,6 +245,81 @@ fn main() {
     }
 }
 
+/// `stitch check`: the graph file's checks, a cluster graph's without the cluster.
+fn check(file: &Path, cluster: bool) -> Result<()> {
+    let registry = registry();
+    let g = load(file, &registry)?;
+    let checked = if cluster {
+        let errors = stitch_cluster::admin::check_offline(&g);
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(errors)
+        }
+    } else {
+        stitch_place::check(&g, &registry)
+    };
+    checked.map_err(|errors| {
+        anyhow::anyhow!(
+            "{}",
+            stitch_core::graph::GraphErrors {
+                file: file.display().to_string(),
+                text: std::fs::read_to_string(file).unwrap_or_default(),
+                errors,
+            }
+        )
+    })?;
+    println!(
+        "{}: ok ({} apps, {} links, {} workers)",
+        file.display(),
+        g.apps.len(),
+        g.links.len(),
+        g.workers.len()
+    );
+    Ok(())
+}
+
+/// `stitch apply`: the file checked here first (its errors then name its lines), then sent.
+fn apply(file: &Path, instance: &Instance) -> Result<()> {
+    load(file, &registry())?;
+    let text = std::fs::read_to_string(file)?;
+    let dir = std::fs::canonicalize(file)?
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_default();
+    let r = stitch_api::client::json(
+        &instance.socket(),
+        Method::PUT,
+        &format!(
+            "/api/v1/graph?dir={}&file={}",
+            encode(&dir.display().to_string()),
+            encode(&file.display().to_string())
+        ),
+        Some(text.into_bytes()),
+    )?;
+    print_report(&r);
+    Ok(())
+}
+
+/// `stitch stats`: once, or every second with `watch`.
+fn stats(instance: &Instance, json: bool, watch: bool) -> Result<()> {
+    loop {
+        let v = instance.get("/api/v1/stats")?;
+        if json {
+            println!("{}", serde_json::to_string_pretty(&v)?);
+        } else {
+            if watch {
+                print!("\x1b[H\x1b[2J");
+            }
+            print!("{}", table::render(&v));
+        }
+        if !watch {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_secs(1));
+    }
+}
+
 /// `stitch cleanup`: prints what it removed, instance by instance.
 fn cleanup(name: Option<String>, control: Option<PathBuf>) -> Result<()> {
     let cleaned = if name.is_none() && control.is_none() {
@@ -273,37 +348,7 @@ fn cleanup(name: Option<String>, control: Option<PathBuf>) -> Result<()> {
 fn run_cli(cli: Cli) -> Result<()> {
     match cli.cmd {
         Cmd::Cleanup { name, control } => cleanup(name, control)?,
-        Cmd::Check { file, cluster } => {
-            let registry = registry();
-            let g = load(&file, &registry)?;
-            let checked = if cluster {
-                let errors = stitch_cluster::admin::check_offline(&g);
-                if errors.is_empty() {
-                    Ok(())
-                } else {
-                    Err(errors)
-                }
-            } else {
-                stitch_place::check(&g, &registry)
-            };
-            checked.map_err(|errors| {
-                anyhow::anyhow!(
-                    "{}",
-                    stitch_core::graph::GraphErrors {
-                        file: file.display().to_string(),
-                        text: std::fs::read_to_string(&file).unwrap_or_default(),
-                        errors,
-                    }
-                )
-            })?;
-            println!(
-                "{}: ok ({} apps, {} links, {} workers)",
-                file.display(),
-                g.apps.len(),
-                g.links.len(),
-                g.workers.len()
-            );
-        }
+        Cmd::Check { file, cluster } => check(&file, cluster)?,
         Cmd::Graph { file } => print!("{}", load(&file, &registry())?.to_dot()),
         Cmd::Show {
             app: None,
@@ -347,41 +392,8 @@ fn run_cli(cli: Cli) -> Result<()> {
             instance,
             json,
             watch,
-        } => loop {
-            let v = instance.get("/api/v1/stats")?;
-            if json {
-                println!("{}", serde_json::to_string_pretty(&v)?);
-            } else {
-                if watch {
-                    print!("\x1b[H\x1b[2J");
-                }
-                print!("{}", table::render(&v));
-            }
-            if !watch {
-                break;
-            }
-            std::thread::sleep(Duration::from_secs(1));
-        },
-        Cmd::Apply { file, instance } => {
-            // Validate locally first: the errors then name this file and its lines.
-            load(&file, &registry())?;
-            let text = std::fs::read_to_string(&file)?;
-            let dir = std::fs::canonicalize(&file)?
-                .parent()
-                .map(Path::to_path_buf)
-                .unwrap_or_default();
-            let r = stitch_api::client::json(
-                &instance.socket(),
-                Method::PUT,
-                &format!(
-                    "/api/v1/graph?dir={}&file={}",
-                    encode(&dir.display().to_string()),
-                    encode(&file.display().to_string())
-                ),
-                Some(text.into_bytes()),
-            )?;
-            print_report(&r);
-        }
+        } => stats(&instance, json, watch)?,
+        Cmd::Apply { file, instance } => apply(&file, &instance)?,
         Cmd::Bench(b) => stitch_bench::run(b, registry)?,
         Cmd::Agent(args) => cluster_cmd::run_agent(args)?,
         Cmd::Cluster(cmd) => cluster_cmd::run_cluster(cmd)?,
