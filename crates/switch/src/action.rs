@@ -611,9 +611,20 @@ fn sctp_patch(d: &mut [u8], base: usize, at: usize, v: &[u8]) {
 
 fn write_field(d: &mut [u8], l: &Layout, id: u8, v: &[u8]) {
     use oxm::*;
-    let l3 = l.l3;
-    let v4 = l.ethertype == 0x0800;
-    let v6 = l.ethertype == 0x86dd;
+    match id {
+        ETH_DST | ETH_SRC | ETH_TYPE | VLAN_VID | VLAN_PCP | MPLS_LABEL | MPLS_TC | MPLS_BOS
+        | PBB_ISID => write_l2_field(d, l, id, v),
+        IP_DSCP | IP_ECN | IP_PROTO | IPV4_SRC | IPV4_DST | IPV6_SRC | IPV6_DST | IPV6_FLABEL => {
+            write_l3_field(d, l, id, v)
+        }
+        ARP_OP | ARP_SPA | ARP_TPA | ARP_SHA | ARP_THA => write_arp_field(d, l, id, v),
+        _ => write_l4_field(d, l, id, v),
+    }
+}
+
+/// Sets an Ethernet, VLAN, MPLS or PBB field.
+fn write_l2_field(d: &mut [u8], l: &Layout, id: u8, v: &[u8]) {
+    use oxm::*;
     match id {
         ETH_DST if d.len() >= 6 => d[0..6].copy_from_slice(v),
         ETH_SRC if d.len() >= 12 => d[6..12].copy_from_slice(v),
@@ -642,6 +653,22 @@ fn write_field(d: &mut [u8], l: &Layout, id: u8, v: &[u8]) {
                 d[m..m + 4].copy_from_slice(&s.to_be_bytes());
             }
         }
+        PBB_ISID => {
+            if let Some(t) = l.itag {
+                d[t + 1..t + 4].copy_from_slice(v);
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Sets an IPv4 or IPv6 header field, with the checksums that cover it.
+fn write_l3_field(d: &mut [u8], l: &Layout, id: u8, v: &[u8]) {
+    use oxm::*;
+    let l3 = l.l3;
+    let v4 = l.ethertype == 0x0800;
+    let v6 = l.ethertype == 0x86dd;
+    match id {
         IP_DSCP | IP_ECN if l3.is_some() && (v4 || v6) => {
             let at = l3.unwrap();
             let (dscp_ecn_at, old) = if v4 {
@@ -699,6 +726,16 @@ fn write_field(d: &mut [u8], l: &Layout, id: u8, v: &[u8]) {
                 | u32::from_be_bytes(v.try_into().unwrap()) & 0xfffff;
             d[at..at + 4].copy_from_slice(&w.to_be_bytes());
         }
+        _ => {}
+    }
+}
+
+/// Sets a TCP, UDP, SCTP, ICMP or neighbour-discovery field, with its checksum.
+fn write_l4_field(d: &mut [u8], l: &Layout, id: u8, v: &[u8]) {
+    use oxm::*;
+    let v4 = l.ethertype == 0x0800;
+    let v6 = l.ethertype == 0x86dd;
+    match id {
         TCP_SRC | TCP_DST | UDP_SRC | UDP_DST if l.l4.is_some() => {
             let want = if matches!(id, TCP_SRC | TCP_DST) {
                 6
@@ -752,11 +789,15 @@ fn write_field(d: &mut [u8], l: &Layout, id: u8, v: &[u8]) {
                 o += len;
             }
         }
-        PBB_ISID => {
-            if let Some(t) = l.itag {
-                d[t + 1..t + 4].copy_from_slice(v);
-            }
-        }
+        _ => {}
+    }
+}
+
+/// Sets an ARP field.
+fn write_arp_field(d: &mut [u8], l: &Layout, id: u8, v: &[u8]) {
+    use oxm::*;
+    let l3 = l.l3;
+    match id {
         ARP_OP | ARP_SPA | ARP_TPA | ARP_SHA | ARP_THA
             if l.ethertype == 0x0806 && l3.is_some_and(|a| d.len() >= a + 28) =>
         {
