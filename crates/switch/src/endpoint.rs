@@ -297,16 +297,7 @@ fn handle(m: &Msg, shared: &Shared, conn: &Connection) -> Result<Vec<Vec<u8>>, O
             vec![ofp::finish(r)]
         }
         ofp::EXPERIMENTER => return Err(ofp::BAD_REQUEST_EXPERIMENTER),
-        ofp::FEATURES_REQUEST => {
-            let mut r = ofp::start(ofp::FEATURES_REPLY, m.xid);
-            r.extend_from_slice(&shared.datapath_id.to_be_bytes());
-            r.extend_from_slice(&0u32.to_be_bytes()); // no buffers
-            r.extend_from_slice(&[TABLES as u8, 0, 0, 0]); // tables, main connection
-                                                           // Capabilities: flow, table, port and group statistics.
-            r.extend_from_slice(&(1u32 | 2 | 4 | 8).to_be_bytes());
-            r.extend_from_slice(&0u32.to_be_bytes());
-            vec![ofp::finish(r)]
-        }
+        ofp::FEATURES_REQUEST => vec![features_reply(m, shared)],
         ofp::GET_CONFIG_REQUEST => {
             let mut r = ofp::start(ofp::GET_CONFIG_REPLY, m.xid);
             r.extend_from_slice(&[0, 0, 0xff, 0xff]);
@@ -318,37 +309,11 @@ fn handle(m: &Msg, shared: &Shared, conn: &Connection) -> Result<Vec<Vec<u8>>, O
             vec![]
         }
         ofp::GROUP_MOD => {
-            let gm = group::parse_group_mod(b)?;
-            let mut s = shared.state.lock().unwrap();
-            let mut groups: GroupTable = s.groups.clone();
-            let deleted = groups.apply(gm, shared.now_ns())?;
-            s.groups = groups;
-            let removed = s.flows.remove_where(|e| {
-                e.instructions
-                    .actions()
-                    .any(|a| matches!(a, crate::action::Action::Group(g) if deleted.contains(g)))
-            });
-            shared.publish(&s);
-            drop(s);
-            for e in removed {
-                flow_removed(shared, &e, pipeline::REMOVED_GROUP_DELETE);
-            }
+            group_mod(b, shared)?;
             vec![]
         }
         ofp::METER_MOD => {
-            let mm = meter::parse_meter_mod(b)?;
-            let mut s = shared.state.lock().unwrap();
-            let mut meters: MeterTable = s.meters.clone();
-            let deleted = meters.apply(mm, shared.now_ns())?;
-            s.meters = meters;
-            let removed = s
-                .flows
-                .remove_where(|e| e.instructions.meter.is_some_and(|m| deleted.contains(&m)));
-            shared.publish(&s);
-            drop(s);
-            for e in removed {
-                flow_removed(shared, &e, pipeline::REMOVED_METER_DELETE);
-            }
+            meter_mod(b, shared)?;
             vec![]
         }
         ofp::PORT_MOD => {
@@ -380,23 +345,9 @@ fn handle(m: &Msg, shared: &Shared, conn: &Connection) -> Result<Vec<Vec<u8>>, O
             vec![ofp::finish(ofp::start(ofp::BARRIER_REPLY, m.xid))]
         }
         ofp::ROLE_REQUEST => vec![role_request(m, shared, conn)?],
-        ofp::GET_ASYNC_REQUEST => {
-            let mut r = ofp::start(ofp::GET_ASYNC_REPLY, m.xid);
-            for pair in conn.async_masks.lock().unwrap().iter() {
-                for mask in pair {
-                    r.extend_from_slice(&mask.to_be_bytes());
-                }
-            }
-            vec![ofp::finish(r)]
-        }
+        ofp::GET_ASYNC_REQUEST => vec![get_async(m, conn)],
         ofp::SET_ASYNC => {
-            let mut masks = [[0u32; 2]; 3];
-            for (i, pair) in masks.iter_mut().enumerate() {
-                for (j, mask) in pair.iter_mut().enumerate() {
-                    *mask = ofp::u32_field(b, 8 + (i * 2 + j) * 4)?;
-                }
-            }
-            *conn.async_masks.lock().unwrap() = masks;
+            set_async(b, conn)?;
             vec![]
         }
         ofp::QUEUE_GET_CONFIG_REQUEST => {
@@ -409,6 +360,77 @@ fn handle(m: &Msg, shared: &Shared, conn: &Connection) -> Result<Vec<Vec<u8>>, O
         ofp::MULTIPART_REQUEST => multipart(m, shared, conn)?,
         _ => return Err(ofp::BAD_REQUEST_TYPE),
     })
+}
+
+/// The switch's features: datapath id, no buffers, its tables, flow/table/port/group statistics.
+fn features_reply(m: &Msg, shared: &Shared) -> Vec<u8> {
+    let mut r = ofp::start(ofp::FEATURES_REPLY, m.xid);
+    r.extend_from_slice(&shared.datapath_id.to_be_bytes());
+    r.extend_from_slice(&0u32.to_be_bytes()); // no buffers
+    r.extend_from_slice(&[TABLES as u8, 0, 0, 0]); // tables, main connection
+    r.extend_from_slice(&(1u32 | 2 | 4 | 8).to_be_bytes());
+    r.extend_from_slice(&0u32.to_be_bytes());
+    ofp::finish(r)
+}
+
+/// A GROUP_MOD applied; flows that used a deleted group are removed (and said so).
+fn group_mod(b: &[u8], shared: &Shared) -> Result<(), OfError> {
+    let gm = group::parse_group_mod(b)?;
+    let mut s = shared.state.lock().unwrap();
+    let mut groups: GroupTable = s.groups.clone();
+    let deleted = groups.apply(gm, shared.now_ns())?;
+    s.groups = groups;
+    let removed = s.flows.remove_where(|e| {
+        e.instructions
+            .actions()
+            .any(|a| matches!(a, crate::action::Action::Group(g) if deleted.contains(g)))
+    });
+    shared.publish(&s);
+    drop(s);
+    for e in removed {
+        flow_removed(shared, &e, pipeline::REMOVED_GROUP_DELETE);
+    }
+    Ok(())
+}
+
+/// A METER_MOD applied; flows that used a deleted meter are removed (and said so).
+fn meter_mod(b: &[u8], shared: &Shared) -> Result<(), OfError> {
+    let mm = meter::parse_meter_mod(b)?;
+    let mut s = shared.state.lock().unwrap();
+    let mut meters: MeterTable = s.meters.clone();
+    let deleted = meters.apply(mm, shared.now_ns())?;
+    s.meters = meters;
+    let removed = s
+        .flows
+        .remove_where(|e| e.instructions.meter.is_some_and(|m| deleted.contains(&m)));
+    shared.publish(&s);
+    drop(s);
+    for e in removed {
+        flow_removed(shared, &e, pipeline::REMOVED_METER_DELETE);
+    }
+    Ok(())
+}
+
+/// The connection's asynchronous message filters.
+fn get_async(m: &Msg, conn: &Connection) -> Vec<u8> {
+    let mut r = ofp::start(ofp::GET_ASYNC_REPLY, m.xid);
+    for pair in conn.async_masks.lock().unwrap().iter() {
+        for mask in pair {
+            r.extend_from_slice(&mask.to_be_bytes());
+        }
+    }
+    ofp::finish(r)
+}
+
+fn set_async(b: &[u8], conn: &Connection) -> Result<(), OfError> {
+    let mut masks = [[0u32; 2]; 3];
+    for (i, pair) in masks.iter_mut().enumerate() {
+        for (j, mask) in pair.iter_mut().enumerate() {
+            *mask = ofp::u32_field(b, 8 + (i * 2 + j) * 4)?;
+        }
+    }
+    *conn.async_masks.lock().unwrap() = masks;
+    Ok(())
 }
 
 fn flow_mod(b: &[u8], shared: &Shared) -> Result<(), OfError> {

@@ -326,6 +326,51 @@ const PROTOCOLS: u64 = feature::PROTOCOL_MQ
     | feature::PROTOCOL_LOG_SHMFD
     | feature::PROTOCOL_RARP;
 
+impl Device {
+    /// New guest memory: the rings point into the old mapping, so they are mapped again in
+    /// the new one.
+    fn remap(&mut self, mem: GuestMemory) {
+        for q in self.queues.iter_mut() {
+            q.ring = None;
+        }
+        self.mem = Some(mem);
+        let Device { mem, queues, .. } = self;
+        for q in queues.iter_mut() {
+            if q.started {
+                q.build(mem.as_ref());
+            }
+        }
+    }
+
+    /// Stops ring `i` (GET_VRING_BASE) and returns where the front-end resumes it.
+    fn stop_ring(&mut self, i: usize) -> u16 {
+        let q = &mut self.queues[i];
+        let base = q.ring.as_ref().map(|r| r.last_avail).unwrap_or(q.base);
+        q.started = false;
+        q.ring = None;
+        q.base = base;
+        q.call = None;
+        base
+    }
+
+    /// A ring's kick (starts it; rings are polled, so the eventfd itself is not kept) or call
+    /// eventfd.
+    fn set_ring_fd(&mut self, i: usize, which: u32, fd: Option<OwnedFd>) {
+        match which {
+            req::SET_VRING_KICK => {
+                drop(fd);
+                let Device { mem, queues, .. } = self;
+                let q = &mut queues[i];
+                q.started = true;
+                q.fault = None;
+                q.build(mem.as_ref());
+            }
+            req::SET_VRING_CALL => self.queues[i].call = fd,
+            _ => drop(fd),
+        }
+    }
+}
+
 fn handle(shared: &Shared, request: Request, mut fds: Vec<OwnedFd>) -> Result<Reply, String> {
     let mut dev = shared.device.lock().unwrap();
     let nq = dev.queues.len();
@@ -340,16 +385,13 @@ fn handle(shared: &Shared, request: Request, mut fds: Vec<OwnedFd>) -> Result<Re
     };
     Ok(match request {
         Request::GetFeatures => Reply::Value(shared.offered),
-        Request::SetFeatures(f) => {
-            if f & !shared.offered != 0 {
-                return Err(format!(
-                    "features {:#x} were not offered",
-                    f & !shared.offered
-                ));
+        Request::SetFeatures(f) => match f & !shared.offered {
+            0 => {
+                dev.features = f;
+                Reply::Ack(true)
             }
-            dev.features = f;
-            Reply::Ack(true)
-        }
+            extra => return Err(format!("features {extra:#x} were not offered")),
+        },
         Request::SendRarp(mac) => {
             dev.announce = Some(mac);
             Reply::Ack(true)
@@ -369,17 +411,7 @@ fn handle(shared: &Shared, request: Request, mut fds: Vec<OwnedFd>) -> Result<Re
                 shared.name,
                 mem.total_size() >> 20
             );
-            // Rings point into the old mapping: map them again in the new one.
-            for q in dev.queues.iter_mut() {
-                q.ring = None;
-            }
-            dev.mem = Some(mem);
-            let Device { mem, queues, .. } = &mut *dev;
-            for q in queues.iter_mut() {
-                if q.started {
-                    q.build(mem.as_ref());
-                }
-            }
+            dev.remap(mem);
             Reply::Ack(true)
         }
         Request::SetLogBase { size, offset } => {
@@ -413,13 +445,7 @@ fn handle(shared: &Shared, request: Request, mut fds: Vec<OwnedFd>) -> Result<Re
             Reply::Ack(true)
         }
         Request::GetVringBase { index } => {
-            let i = queue(index)?;
-            let q = &mut dev.queues[i];
-            let base = q.ring.as_ref().map(|r| r.last_avail).unwrap_or(q.base);
-            q.started = false;
-            q.ring = None;
-            q.base = base;
-            q.call = None;
+            let base = dev.stop_ring(queue(index)?);
             Reply::State(index, base as u32)
         }
         Request::SetVringFd {
@@ -429,19 +455,7 @@ fn handle(shared: &Shared, request: Request, mut fds: Vec<OwnedFd>) -> Result<Re
         } => {
             let i = queue(index)?;
             let fd = if no_fd { None } else { fds.pop() };
-            match which {
-                req::SET_VRING_KICK => {
-                    // We poll the rings; the kick eventfd is not needed.
-                    drop(fd);
-                    let Device { mem, queues, .. } = &mut *dev;
-                    let q = &mut queues[i];
-                    q.started = true;
-                    q.fault = None;
-                    q.build(mem.as_ref());
-                }
-                req::SET_VRING_CALL => dev.queues[i].call = fd,
-                _ => drop(fd),
-            }
+            dev.set_ring_fd(i, which, fd);
             Reply::Ack(true)
         }
         Request::SetVringEnable { index, enable } => {
