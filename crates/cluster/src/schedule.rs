@@ -58,6 +58,24 @@ fn ineligible(app: &stitch_core::graph::AppDecl, name: &str, host: &HostRecord) 
     None
 }
 
+/// Each app (by graph and name) → the apps it has a link with.
+fn linked_apps(graphs: &[ClusterGraph]) -> BTreeMap<(&str, &str), Vec<&str>> {
+    let mut linked: BTreeMap<(&str, &str), Vec<&str>> = BTreeMap::new();
+    for g in graphs {
+        for l in &g.graph.links {
+            linked
+                .entry((g.name.as_str(), l.from.app.as_str()))
+                .or_default()
+                .push(&l.to.app);
+            linked
+                .entry((g.name.as_str(), l.to.app.as_str()))
+                .or_default()
+                .push(&l.from.app);
+        }
+    }
+    linked
+}
+
 /// Where each app runs.
 fn place_apps(
     graphs: &[ClusterGraph],
@@ -115,19 +133,7 @@ fn place_apps(
     // share (fewer tunnels), else on the eligible live host with the fewest apps.
     let total: usize = graphs.iter().map(|g| g.graph.apps.len()).sum();
     let fair = total.div_ceil(hosts.live.len().max(1));
-    let mut linked: BTreeMap<(&str, &str), Vec<&str>> = BTreeMap::new();
-    for g in graphs {
-        for l in &g.graph.links {
-            linked
-                .entry((g.name.as_str(), l.from.app.as_str()))
-                .or_default()
-                .push(&l.to.app);
-            linked
-                .entry((g.name.as_str(), l.to.app.as_str()))
-                .or_default()
-                .push(&l.from.app);
-        }
-    }
+    let linked = linked_apps(graphs);
     for (g, app) in waiting {
         let eligible: Vec<&str> = load
             .keys()

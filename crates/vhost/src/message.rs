@@ -169,6 +169,32 @@ fn need(payload: &[u8], n: usize, what: &str) -> Result<(), String> {
 }
 
 /// Decodes a request; `fds` is how many descriptors came with it.
+/// SET_MEM_TABLE's regions, one file descriptor each.
+fn mem_table(payload: &[u8], fds: usize) -> Result<Vec<Region>, String> {
+    need(payload, 8, "SET_MEM_TABLE")?;
+    let n = u32_at(payload, 0) as usize;
+    if n == 0 || n > MAX_REGIONS {
+        return Err(format!("SET_MEM_TABLE with {n} regions (1..=8)"));
+    }
+    need(payload, 8 + n * 32, "SET_MEM_TABLE")?;
+    if fds != n {
+        return Err(format!(
+            "SET_MEM_TABLE: {n} regions but {fds} file descriptors"
+        ));
+    }
+    Ok((0..n)
+        .map(|i| {
+            let at = 8 + i * 32;
+            Region {
+                guest_phys_addr: u64_at(payload, at),
+                size: u64_at(payload, at + 8),
+                user_addr: u64_at(payload, at + 16),
+                mmap_offset: u64_at(payload, at + 24),
+            }
+        })
+        .collect())
+}
+
 pub fn parse(h: &Header, payload: &[u8], fds: usize) -> Result<Request, String> {
     let u64_of = |what: &str| -> Result<u64, String> {
         need(payload, 8, what)?;
@@ -183,31 +209,7 @@ pub fn parse(h: &Header, payload: &[u8], fds: usize) -> Result<Request, String> 
         req::SET_FEATURES => Request::SetFeatures(u64_of("SET_FEATURES")?),
         req::SET_OWNER => Request::SetOwner,
         req::RESET_OWNER => Request::ResetOwner,
-        req::SET_MEM_TABLE => {
-            need(payload, 8, "SET_MEM_TABLE")?;
-            let n = u32_at(payload, 0) as usize;
-            if n == 0 || n > MAX_REGIONS {
-                return Err(format!("SET_MEM_TABLE with {n} regions (1..=8)"));
-            }
-            need(payload, 8 + n * 32, "SET_MEM_TABLE")?;
-            if fds != n {
-                return Err(format!(
-                    "SET_MEM_TABLE: {n} regions but {fds} file descriptors"
-                ));
-            }
-            let regions = (0..n)
-                .map(|i| {
-                    let at = 8 + i * 32;
-                    Region {
-                        guest_phys_addr: u64_at(payload, at),
-                        size: u64_at(payload, at + 8),
-                        user_addr: u64_at(payload, at + 16),
-                        mmap_offset: u64_at(payload, at + 24),
-                    }
-                })
-                .collect();
-            Request::SetMemTable(regions)
-        }
+        req::SET_MEM_TABLE => Request::SetMemTable(mem_table(payload, fds)?),
         req::SET_LOG_BASE => {
             need(payload, 16, "SET_LOG_BASE")?;
             Request::SetLogBase {
