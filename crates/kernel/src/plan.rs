@@ -207,36 +207,44 @@ impl Plan {
                 line: l.line,
             });
         }
-        let mut vnis: IndexMap<u32, &str> = IndexMap::new();
-        let mut udp_ports = Vec::new();
-        for a in apps.values() {
-            if let Function::Vxlan { segments, udp_port } = &a.function {
-                udp_ports.push(*udp_port);
-                for (vni, _) in segments {
-                    if let Some(other) = vnis.insert(*vni, &a.name) {
-                        errors.push(error(
-                            a.line,
-                            format!("app `{}`: VNI {vni} is also a segment of `{other}`", a.name),
-                        ));
-                    }
-                }
-            }
-        }
-        udp_ports.dedup();
-        if udp_ports.len() > 1 {
-            errors.push(error(
-                0,
-                "all kernel `vxlan` apps must use the same UDP `port` (one VXLAN device per \
-                 data plane)"
-                    .into(),
-            ));
-        }
+        errors.extend(vxlan_conflicts(&apps));
         if errors.is_empty() {
             Ok(Plan { apps, links })
         } else {
             Err(errors)
         }
     }
+}
+
+/// What the kernel's `vxlan` apps cannot share: a VNI, or differing UDP ports (the data plane
+/// has one VXLAN device).
+fn vxlan_conflicts(apps: &IndexMap<String, PlannedApp>) -> Vec<GraphError> {
+    let mut errors = Vec::new();
+    let mut vnis: IndexMap<u32, &str> = IndexMap::new();
+    let mut udp_ports = Vec::new();
+    for a in apps.values() {
+        if let Function::Vxlan { segments, udp_port } = &a.function {
+            udp_ports.push(*udp_port);
+            for (vni, _) in segments {
+                if let Some(other) = vnis.insert(*vni, &a.name) {
+                    errors.push(error(
+                        a.line,
+                        format!("app `{}`: VNI {vni} is also a segment of `{other}`", a.name),
+                    ));
+                }
+            }
+        }
+    }
+    udp_ports.dedup();
+    if udp_ports.len() > 1 {
+        errors.push(error(
+            0,
+            "all kernel `vxlan` apps must use the same UDP `port` (one VXLAN device per \
+             data plane)"
+                .into(),
+        ));
+    }
+    errors
 }
 
 fn parse<T: serde::de::DeserializeOwned>(config: &serde_json::Value) -> Result<T, String> {

@@ -27,6 +27,33 @@ fn resolve(base_dir: &Path, p: &Path) -> PathBuf {
     }
 }
 
+/// The guest's kernel, initrd and disk that the config names, each an existing file.
+fn guest_files(
+    app: &AppDecl,
+    c: &VmConfig,
+    base_dir: &Path,
+) -> Result<Vec<(&'static str, PathBuf)>, GraphError> {
+    let mut files = Vec::new();
+    for (key, f) in [
+        ("kernel", &c.kernel),
+        ("initrd", &c.initrd),
+        ("disk", &c.disk),
+    ] {
+        if let Some(f) = f {
+            let path = resolve(base_dir, f);
+            if !path.is_file() {
+                return Err(at(
+                    app,
+                    key,
+                    format!("app `{}`: {key}: no file {}", app.name, path.display()),
+                ));
+            }
+            files.push((key, path));
+        }
+    }
+    Ok(files)
+}
+
 /// QEMU's command line for `app`, and the port's entry with its socket.
 pub(crate) fn spec(app: &AppDecl, base_dir: &Path, vm_dir: &Path) -> Result<Placed, GraphError> {
     if app.kind != "vm" {
@@ -58,24 +85,7 @@ pub(crate) fn spec(app: &AppDecl, base_dir: &Path, vm_dir: &Path) -> Result<Plac
             ),
         )
     })?;
-    let mut files = Vec::new();
-    for (key, f) in [
-        ("kernel", &c.kernel),
-        ("initrd", &c.initrd),
-        ("disk", &c.disk),
-    ] {
-        if let Some(f) = f {
-            let path = resolve(base_dir, f);
-            if !path.is_file() {
-                return Err(at(
-                    app,
-                    key,
-                    format!("app `{}`: {key}: no file {}", app.name, path.display()),
-                ));
-            }
-            files.push((key, path));
-        }
-    }
+    let files = guest_files(app, &c, base_dir)?;
     if c.accel == Accel::Kvm {
         if let Err(e) = std::fs::OpenOptions::new()
             .read(true)
