@@ -7,7 +7,7 @@
 
 pub use crate::attachment::{Attachment, PortSettings};
 pub use crate::direct::PortShared;
-use crate::shm::{Layout, RegionHeader, MAGIC, VERSION};
+use crate::shm::{Layout, Mapping, RegionHeader, MAGIC, VERSION};
 use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::io::{self, BufRead, BufReader};
@@ -206,8 +206,8 @@ fn peer_pid(stream: &UnixStream) -> i32 {
     }
 }
 
-/// Reads the hello, builds the port's region and answers with it.
-fn attach(l: &Listener, stream: &UnixStream) -> Result<(Arc<PortShared>, u64), String> {
+/// The function's first line: the protocol version and the port it asks for.
+fn read_hello(stream: &UnixStream) -> Result<Value, String> {
     stream.set_nonblocking(false).map_err(|e| e.to_string())?;
     stream
         .set_read_timeout(Some(Duration::from_secs(1)))
@@ -224,6 +224,42 @@ fn attach(l: &Listener, stream: &UnixStream) -> Result<(Arc<PortShared>, u64), S
             hello["version"]
         ));
     }
+    Ok(hello)
+}
+
+/// The region's header, as the function reads it: layout, mode, wake and the pool it maps.
+fn write_header(region: &mut Mapping, layout: &Layout, s: PortSettings) -> Result<(), String> {
+    let pool = stitch_core::pool::get();
+    let (_, pool_bytes) = pool.region();
+    // SAFETY: RegionHeader is repr(C) of integers and atomics; the function has not got the
+    // memfd yet.
+    let header = unsafe { region.view_mut::<RegionHeader>(0) }.ok_or("region too small")?;
+    {
+        *header = RegionHeader {
+            magic: MAGIC,
+            version: VERSION,
+            mode: if s.zero_copy { 0 } else { 1 },
+            wake: if s.blocking { 1 } else { 0 },
+            ring_size: layout.ring_size,
+            buffers: layout.buffers,
+            buffer_size: layout.buffer_size,
+            to_nf: layout.to_nf as u32,
+            from_nf: layout.from_nf as u32,
+            bufs: layout.bufs as u32,
+            region_size: layout.size as u32,
+            pool_stride: pool.stride() as u32,
+            pool_header: stitch_core::packet::HEADER_SIZE as u32,
+            pool_bytes: if s.zero_copy { pool_bytes as u64 } else { 0 },
+            sleeping: crate::shm::Index(Default::default()),
+            control: crate::shm::Index(Default::default()),
+        };
+    }
+    Ok(())
+}
+
+/// Reads the hello, builds the port's region and answers with it.
+fn attach(l: &Listener, stream: &UnixStream) -> Result<(Arc<PortShared>, u64), String> {
+    let hello = read_hello(stream)?;
     let name = hello["port"]
         .as_str()
         .ok_or("hello names no `port`")?
@@ -257,29 +293,7 @@ fn attach(l: &Listener, stream: &UnixStream) -> Result<(Arc<PortShared>, u64), S
     .map_err(|e| format!("cannot map: {e}"))?;
     let pool = stitch_core::pool::get();
     let (_, pool_bytes) = pool.region();
-    // SAFETY: RegionHeader is repr(C) of integers and atomics; the function has not got the
-    // memfd yet.
-    let header = unsafe { region.view_mut::<RegionHeader>(0) }.ok_or("region too small")?;
-    {
-        *header = RegionHeader {
-            magic: MAGIC,
-            version: VERSION,
-            mode: if s.zero_copy { 0 } else { 1 },
-            wake: if s.blocking { 1 } else { 0 },
-            ring_size: layout.ring_size,
-            buffers: layout.buffers,
-            buffer_size: layout.buffer_size,
-            to_nf: layout.to_nf as u32,
-            from_nf: layout.from_nf as u32,
-            bufs: layout.bufs as u32,
-            region_size: layout.size as u32,
-            pool_stride: pool.stride() as u32,
-            pool_header: stitch_core::packet::HEADER_SIZE as u32,
-            pool_bytes: if s.zero_copy { pool_bytes as u64 } else { 0 },
-            sleeping: crate::shm::Index(Default::default()),
-            control: crate::shm::Index(Default::default()),
-        };
-    }
+    write_header(&mut region, &layout, s)?;
     // SAFETY: eventfd takes no pointers.
     let doorbell = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
     if doorbell < 0 {
