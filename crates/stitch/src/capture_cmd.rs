@@ -91,40 +91,7 @@ pub fn run(a: CaptureArgs, registry: Arc<Registry>) -> Result<()> {
 
 fn capture_interface(a: &CaptureArgs, interface: &str, registry: Arc<Registry>) -> Result<()> {
     let filter = a.filter.join(" ");
-    let mut src = json!({
-        "type": "af_packet",
-        "interface": interface,
-        "promisc": !a.no_promisc,
-        "ignore_outgoing": false,
-        "blocks": a.ring_mb.max(1),
-    });
-    if !filter.trim().is_empty() {
-        src["filter"] = json!(filter);
-    }
-    let mut cap = json!({
-        "type": "capture",
-        "file": std::path::absolute(&a.file).context("output file name")?,
-        "snaplen": a.snaplen,
-        "interface": interface,
-    });
-    for (k, v) in [
-        ("count", a.count.map(|v| json!(v))),
-        ("rotate_mb", a.rotate_mb.map(|v| json!(v))),
-        ("rotate_seconds", a.rotate_seconds.map(|v| json!(v))),
-        ("files", a.files.map(|v| json!(v))),
-        ("format", a.format.as_ref().map(|v| json!(v))),
-    ] {
-        if let Some(v) = v {
-            cap[k] = v;
-        }
-    }
-    // JSON is YAML: the graph goes through the same parser and checks as a file would.
-    let text = serde_json::to_string_pretty(&json!({
-        "apps": { "src": src, "cap": cap },
-        "links": ["src.output -> cap.input"],
-    }))?;
-    let graph = Graph::parse(&text, "<capture>", Path::new("."), &registry)
-        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let graph = capture_graph(a, interface, &filter, &registry)?;
 
     let stop = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
@@ -181,23 +148,74 @@ fn capture_interface(a: &CaptureArgs, interface: &str, registry: Arc<Registry>) 
     if tty {
         eprintln!();
     }
+    print_summary(&stats)
+}
+
+/// The capture's graph: an `af_packet` app on `interface` into a `capture` app, through the
+/// same parser and checks as a graph file.
+fn capture_graph(
+    a: &CaptureArgs,
+    interface: &str,
+    filter: &str,
+    registry: &Registry,
+) -> Result<Graph> {
+    let mut src = json!({
+        "type": "af_packet",
+        "interface": interface,
+        "promisc": !a.no_promisc,
+        "ignore_outgoing": false,
+        "blocks": a.ring_mb.max(1),
+    });
+    if !filter.trim().is_empty() {
+        src["filter"] = json!(filter);
+    }
+    let mut cap = json!({
+        "type": "capture",
+        "file": std::path::absolute(&a.file).context("output file name")?,
+        "snaplen": a.snaplen,
+        "interface": interface,
+    });
+    for (k, v) in [
+        ("count", a.count.map(|v| json!(v))),
+        ("rotate_mb", a.rotate_mb.map(|v| json!(v))),
+        ("rotate_seconds", a.rotate_seconds.map(|v| json!(v))),
+        ("files", a.files.map(|v| json!(v))),
+        ("format", a.format.as_ref().map(|v| json!(v))),
+    ] {
+        if let Some(v) = v {
+            cap[k] = v;
+        }
+    }
+    // JSON is YAML: the graph goes through the same parser and checks as a file would.
+    let text = serde_json::to_string_pretty(&json!({
+        "apps": { "src": src, "cap": cap },
+        "links": ["src.output -> cap.input"],
+    }))?;
+    let graph = Graph::parse(&text, "<capture>", Path::new("."), registry)
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+
+    Ok(graph)
+}
+
+/// tcpdump's closing lines; an error when writing failed.
+fn print_summary(stats: &stitch_core::Stats) -> Result<()> {
     let received = stats.links.first().map(|l| l.stats.tx_packets).unwrap_or(0);
-    eprintln!("{} packets captured", counter(&stats, "cap", "captured"));
+    eprintln!("{} packets captured", counter(stats, "cap", "captured"));
     eprintln!("{received} packets received by filter");
     eprintln!(
         "{} packets dropped by kernel",
-        counter(&stats, "src", "kernel_drops")
+        counter(stats, "src", "kernel_drops")
     );
     eprintln!(
         "{} packets dropped by stitch (writer queue or disk)",
-        counter(&stats, "cap", "writer_drops")
+        counter(stats, "cap", "writer_drops")
     );
     eprintln!(
         "{} bytes written to {} file(s)",
-        counter(&stats, "cap", "bytes_written"),
-        counter(&stats, "cap", "files")
+        counter(stats, "cap", "bytes_written"),
+        counter(stats, "cap", "files")
     );
-    if counter(&stats, "cap", "write_errors") > 0 {
+    if counter(stats, "cap", "write_errors") > 0 {
         anyhow::bail!("writing failed (see the error above); the files hold every packet up to it");
     }
     Ok(())
