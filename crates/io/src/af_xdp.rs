@@ -288,6 +288,55 @@ fn getsockopt<T: Default>(fd: RawFd, opt: i32) -> std::io::Result<T> {
     }
 }
 
+/// Binds AF_XDP socket `raw` to `queue` of `ifname`, zero-copy as `zc` asks; returns whether
+/// zero-copy was taken.
+fn bind(raw: i32, ifname: &str, ifindex: u32, queue: u32, zc: ZeroCopy) -> Result<bool, String> {
+    let try_bind = |flags: u16| {
+        let sa = SockaddrXdp {
+            family: AF_XDP as u16,
+            flags: flags | XDP_USE_NEED_WAKEUP,
+            ifindex,
+            queue_id: queue,
+            shared_umem_fd: 0,
+        };
+        // SAFETY: `sa` is a live sockaddr_xdp and the length passed is its size.
+        let r = unsafe {
+            libc::bind(
+                raw,
+                &sa as *const SockaddrXdp as *const libc::sockaddr,
+                std::mem::size_of::<SockaddrXdp>() as u32,
+            )
+        };
+        if r < 0 {
+            Err(std::io::Error::last_os_error())
+        } else {
+            Ok(())
+        }
+    };
+    let bound = match zc {
+        ZeroCopy::On => try_bind(XDP_ZEROCOPY).map(|_| true),
+        ZeroCopy::Off => try_bind(XDP_COPY).map(|_| false),
+        ZeroCopy::Auto => try_bind(XDP_ZEROCOPY)
+            .map(|_| true)
+            .or_else(|_| try_bind(XDP_COPY).map(|_| false)),
+    };
+    bound.map_err(|e| match e.raw_os_error() {
+        Some(libc::EOPNOTSUPP) => {
+            format!("`{ifname}` does not support AF_XDP zero-copy; use `zero_copy: auto`")
+        }
+        Some(libc::EINVAL) => {
+            format!("cannot bind AF_XDP to `{ifname}` queue {queue}: no such queue? ({e})")
+        }
+        Some(libc::EBUSY) => {
+            format!("queue {queue} of `{ifname}` is already used by another AF_XDP socket")
+        }
+        _ => explain(
+            &format!("cannot bind AF_XDP to `{ifname}` queue {queue}"),
+            e,
+        ),
+    })
+}
+
 impl Xsk {
     fn open(
         ifname: &str,
@@ -358,50 +407,7 @@ impl Xsk {
         xsk.fill.prod().store(xsk.fill.local, Ordering::Release);
         xsk.tx_free = (half..frames).map(|i| (i * FRAME_SIZE) as u64).collect();
 
-        let bind = |flags: u16| {
-            let sa = SockaddrXdp {
-                family: AF_XDP as u16,
-                flags: flags | XDP_USE_NEED_WAKEUP,
-                ifindex,
-                queue_id: queue,
-                shared_umem_fd: 0,
-            };
-            // SAFETY: `sa` is a live sockaddr_xdp and the length passed is its size.
-            let r = unsafe {
-                libc::bind(
-                    raw,
-                    &sa as *const SockaddrXdp as *const libc::sockaddr,
-                    std::mem::size_of::<SockaddrXdp>() as u32,
-                )
-            };
-            if r < 0 {
-                Err(std::io::Error::last_os_error())
-            } else {
-                Ok(())
-            }
-        };
-        let bound = match zc {
-            ZeroCopy::On => bind(XDP_ZEROCOPY).map(|_| true),
-            ZeroCopy::Off => bind(XDP_COPY).map(|_| false),
-            ZeroCopy::Auto => bind(XDP_ZEROCOPY)
-                .map(|_| true)
-                .or_else(|_| bind(XDP_COPY).map(|_| false)),
-        };
-        xsk.zero_copy = bound.map_err(|e| match e.raw_os_error() {
-            Some(libc::EOPNOTSUPP) => {
-                format!("`{ifname}` does not support AF_XDP zero-copy; use `zero_copy: auto`")
-            }
-            Some(libc::EINVAL) => {
-                format!("cannot bind AF_XDP to `{ifname}` queue {queue}: no such queue? ({e})")
-            }
-            Some(libc::EBUSY) => {
-                format!("queue {queue} of `{ifname}` is already used by another AF_XDP socket")
-            }
-            _ => explain(
-                &format!("cannot bind AF_XDP to `{ifname}` queue {queue}"),
-                e,
-            ),
-        })?;
+        xsk.zero_copy = bind(raw, ifname, ifindex, queue, zc)?;
         Ok(xsk)
     }
 
