@@ -25,6 +25,19 @@ pub(crate) struct Channel {
     pub counted: (u64, u64),
 }
 
+/// The function port at a link end, if it is one.
+fn function_port(tag: Option<&stitch_core::link::EndTag>) -> Option<Arc<PortShared>> {
+    tag.and_then(|t| t.clone().downcast::<PortShared>().ok())
+}
+
+/// The two function ports a pair joins, as the links say now: the one feeding input `from` and
+/// the one fed by output `to`.
+fn channel_ends(io: &mut Io, from: usize, to: usize) -> Option<(Arc<PortShared>, Arc<PortShared>)> {
+    let a = function_port(io.input(from)?.ring().producer_end())?;
+    let b = function_port(io.output(to)?.ring().consumer_end())?;
+    (!Arc::ptr_eq(&a, &b)).then_some((a, b))
+}
+
 impl Switch {
     /// A point-to-point port: whole batches move ring to ring without a lookup per packet,
     /// in order, with back-pressure instead of drops; flow and port counters count them all.
@@ -68,15 +81,14 @@ impl Switch {
     /// Gives point-to-point pairs of function ports a direct channel, takes back those the
     /// rules or the functions no longer allow, counts what crossed them.
     pub(crate) fn manage_channels(&mut self, io: &mut Io) {
-        let function_port = |tag: Option<&stitch_core::link::EndTag>| {
-            tag.and_then(|t| t.clone().downcast::<PortShared>().ok())
-        };
-        // Ends of the pair as the links say now.
-        let ends = |io: &mut Io, from: usize, to: usize| {
-            let a = function_port(io.input(from)?.ring().producer_end())?;
-            let b = function_port(io.output(to)?.ring().consumer_end())?;
-            (!Arc::ptr_eq(&a, &b)).then_some((a, b))
-        };
+        let in_use = self.review_channels(io);
+        self.counters.channels_in_use.set(in_use);
+        self.offer_channels(io);
+    }
+
+    /// Counts what crossed each channel, retires those done and ends those the rules or the
+    /// functions no longer allow; returns how many carry traffic.
+    fn review_channels(&mut self, io: &mut Io) -> u64 {
         let mut in_use = 0;
         let mut i = 0;
         while i < self.channels.len() {
@@ -117,7 +129,7 @@ impl Switch {
                         |p: &PortShared| p.current.lock().unwrap().as_ref().map(|c| c.generation);
                     let (from, to) = (c.from, c.to);
                     let d = c.direct.clone();
-                    ends(io, from, to).is_some_and(|(a, b)| {
+                    channel_ends(io, from, to).is_some_and(|(a, b)| {
                         Arc::ptr_eq(&a, &d.from)
                             && Arc::ptr_eq(&b, &d.to)
                             && current(&a) == Some(d.sender.generation)
@@ -133,7 +145,11 @@ impl Switch {
             }
             i += 1;
         }
-        self.counters.channels_in_use.set(in_use);
+        in_use
+    }
+
+    /// A channel for each point-to-point pair of function ports that has none.
+    fn offer_channels(&mut self, io: &mut Io) {
         for from in 0..self.direct.len() {
             let Some(p2p) = self.direct[from].clone() else {
                 continue;
@@ -142,7 +158,7 @@ impl Switch {
             if self.channels.iter().any(|c| c.from == from || c.to == to) {
                 continue; // One at a time per port: an ending channel retires first.
             }
-            let Some((a, b)) = ends(io, from, to) else {
+            let Some((a, b)) = channel_ends(io, from, to) else {
                 continue;
             };
             let (mut sa, mut sb) = (a.direct.lock().unwrap(), b.direct.lock().unwrap());
