@@ -382,27 +382,7 @@ impl App for VhostUser {
             return;
         }
         // Stage 1: every packet made acceptable to the guest, with its ring.
-        let mut batch = std::mem::take(&mut self.scratch);
-        let mut queue_of = std::mem::take(&mut self.scratch_queues);
-        let open = self.mac.is_none() && self.ingress.is_open();
-        self.ingress.refill();
-        for p in input.drain().take(BURST) {
-            if !open && !self.ingress.admit(&p, self.mac, false) {
-                continue;
-            }
-            let q = if rx.len() == 1 {
-                rx[0]
-            } else {
-                let h = stitch_wire::flow::flow(p.data())
-                    .ok()
-                    .flatten()
-                    .map(|f| f.hash(true))
-                    .unwrap_or(0);
-                rx[h as usize % rx.len()]
-            };
-            self.adapt(p, features, &mut batch);
-            queue_of.resize(batch.len(), q as u8);
-        }
+        let (batch, queue_of) = self.stage_for_guest(input, rx, features);
         // Stage 2: ring by ring, one lookup each.
         for &q in rx {
             let mut delivered = 0;
@@ -461,6 +441,7 @@ impl App for VhostUser {
                 self.fault(&mut dev, q, why);
             }
         }
+        let (mut batch, mut queue_of) = (batch, queue_of);
         batch.clear();
         queue_of.clear();
         self.scratch = batch;
@@ -523,6 +504,39 @@ fn rarp(mac: [u8; 6]) -> Option<Packet> {
 }
 
 impl VhostUser {
+    /// A burst of `input` admitted by the port's policy and made acceptable to the guest
+    /// (offloads it did not negotiate resolved), each with the receive ring of its flow.
+    #[inline]
+    fn stage_for_guest(
+        &mut self,
+        input: &mut stitch_core::Consumer,
+        rx: &[usize],
+        features: u64,
+    ) -> (Vec<Packet>, Vec<u8>) {
+        let mut batch = std::mem::take(&mut self.scratch);
+        let mut queue_of = std::mem::take(&mut self.scratch_queues);
+        let open = self.mac.is_none() && self.ingress.is_open();
+        self.ingress.refill();
+        for p in input.drain().take(BURST) {
+            if !open && !self.ingress.admit(&p, self.mac, false) {
+                continue;
+            }
+            let q = if rx.len() == 1 {
+                rx[0]
+            } else {
+                let h = stitch_wire::flow::flow(p.data())
+                    .ok()
+                    .flatten()
+                    .map(|f| f.hash(true))
+                    .unwrap_or(0);
+                rx[h as usize % rx.len()]
+            };
+            self.adapt(p, features, &mut batch);
+            queue_of.resize(batch.len(), q as u8);
+        }
+        (batch, queue_of)
+    }
+
     fn fault(&mut self, dev: &mut Device, q: usize, why: String) {
         log::error!(
             "vhost_user {}: queue {q} stopped, the guest broke it: {why} (it restarts when the guest sets the queue up again)",
