@@ -20,7 +20,7 @@ use anyhow::{bail, Context, Result};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::os::fd::AsRawFd;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -563,145 +563,178 @@ fn run_contender(name: &str, c: &Chain, secs: f64, spin: bool, tag: &str) -> Res
     let exe = std::env::current_exe()?;
     let dir = tempfile::tempdir()?;
     match name {
-        "kernel" => {
-            let file = dir.path().join("graph.yaml");
-            std::fs::write(&file, c.graph(true, "af_packet"))?;
-            let plane = format!("bk{tag}");
-            sh(&format!(
-                "{} kernel apply --name {plane} {}",
-                exe.display(),
-                file.display()
-            ))?;
-            let r = measure(c, secs, spin);
-            quiet(&format!("{} kernel teardown --name {plane}", exe.display()));
-            r
-        }
-        "kernel-tapped" => {
-            let file = dir.path().join("graph.yaml");
-            std::fs::write(&file, c.graph(true, "af_packet"))?;
-            let plane = format!("bt{tag}");
-            sh(&format!(
-                "{} kernel apply --name {plane} {}",
-                exe.display(),
-                file.display()
-            ))?;
-            let r = TapAll::start(&plane).and_then(|tap| {
-                let r = measure(c, secs, spin);
-                let records = tap.stop()?;
-                anyhow::ensure!(records > 0, "the taps saw nothing");
-                r
-            });
-            quiet(&format!("{} kernel teardown --name {plane}", exe.display()));
-            r
-        }
-        "userspace" | "userspace-packet" => {
-            // AF_XDP by default; `userspace-packet` runs the same graph over `af_packet`
-            // (TPACKET_V2: frames handed over one by one, no block timeout in the round trip).
-            let io = if name == "userspace" {
-                "af_xdp"
-            } else {
-                "af_packet"
-            };
-            let file = dir.path().join("graph.yaml");
-            std::fs::write(&file, c.graph(false, io))?;
-            let sock = dir.path().join("api.sock");
-            let mut child: Child = Command::new(&exe)
-                .args(["run", "--control"])
-                .arg(&sock)
-                .arg(&file)
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()?;
-            let t = Instant::now();
-            while !sock.exists() && t.elapsed() < Duration::from_secs(10) {
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            let r = measure(c, secs, spin);
-            // SAFETY: signalling our own child.
-            unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-            let _ = child.wait();
-            r
-        }
-        "linux" | "ovs" => {
-            let ports = c.router_namespaces()?;
-            let ovs = if name == "ovs" {
-                Some(Ovs::start()?)
-            } else {
-                None
-            };
-            let mut bridges = Vec::new();
-            let setup = (|| -> Result<()> {
-                for (i, members) in ports.iter().enumerate() {
-                    let br = format!("{tag}br{i}");
-                    match &ovs {
-                        None => {
-                            sh(&format!(
-                                "ip link add {br} type bridge stp_state 0 forward_delay 0"
-                            ))?;
-                            sh(&format!("ip link set {br} up"))?;
-                            for m in members {
-                                sh(&format!("ip link set {m} master {br}"))?;
-                            }
-                        }
-                        Some(o) => {
-                            o.vsctl(&format!(
-                                "add-br {br} -- set bridge {br} datapath_type=netdev"
-                            ))?;
-                            for m in members {
-                                o.vsctl(&format!("add-port {br} {m}"))?;
-                            }
-                        }
-                    }
-                    bridges.push(br);
-                }
-                if ovs.is_some() {
-                    // The userspace datapath forwards veth's partial checksums and GSO frames
-                    // raw: TCP only works with the offloads off on every veth (a known
-                    // Open vSwitch issue; Stitch completes checksums itself).
-                    for members in &ports {
-                        for m in members {
-                            quiet(&format!("ethtool -K {m} tx off tso off gso off"));
-                        }
-                    }
-                    for j in 1..=c.n {
-                        for side in ["left", "right"] {
-                            quiet(&format!(
-                                "ip netns exec {tag}rt{j} ethtool -K {side} tx off tso off gso off"
-                            ));
-                        }
-                    }
-                    for ns in &c.hosts {
-                        quiet(&format!(
-                            "ip netns exec {ns} ethtool -K eth0 tx off tso off gso off"
-                        ));
-                    }
-                }
-                Ok(())
-            })();
-            let r = setup.and_then(|_| measure(c, secs, spin));
-            for br in &bridges {
-                match &ovs {
-                    None => quiet(&format!("ip link del {br}")),
-                    Some(o) => {
-                        let _ = o.vsctl(&format!("del-br {br}"));
-                    }
-                }
-            }
-            drop(ovs);
-            c.remove_router_namespaces();
-            if name == "ovs" {
-                for ns in &c.hosts {
-                    quiet(&format!(
-                        "ip netns exec {ns} ethtool -K eth0 tx on tso on gso on"
-                    ));
-                }
-            }
-            r
-        }
+        "kernel" => run_kernel(&exe, dir.path(), c, secs, spin, tag),
+        "kernel-tapped" => run_kernel_tapped(&exe, dir.path(), c, secs, spin, tag),
+        "userspace" | "userspace-packet" => run_userspace(name, &exe, dir.path(), c, secs, spin),
+        "linux" | "ovs" => run_bridges(name, c, secs, spin, tag),
         other => {
             bail!("unknown contender `{other}` (kernel, kernel-tapped, linux, ovs, userspace, userspace-packet)")
         }
     }
+}
+
+/// The chain in Stitch's kernel data plane.
+fn run_kernel(
+    exe: &Path,
+    dir: &Path,
+    c: &Chain,
+    secs: f64,
+    spin: bool,
+    tag: &str,
+) -> Result<Figures> {
+    let file = dir.join("graph.yaml");
+    std::fs::write(&file, c.graph(true, "af_packet"))?;
+    let plane = format!("bk{tag}");
+    sh(&format!(
+        "{} kernel apply --name {plane} {}",
+        exe.display(),
+        file.display()
+    ))?;
+    let r = measure(c, secs, spin);
+    quiet(&format!("{} kernel teardown --name {plane}", exe.display()));
+    r
+}
+
+/// The same, with every link captured by a tap.
+fn run_kernel_tapped(
+    exe: &Path,
+    dir: &Path,
+    c: &Chain,
+    secs: f64,
+    spin: bool,
+    tag: &str,
+) -> Result<Figures> {
+    let file = dir.join("graph.yaml");
+    std::fs::write(&file, c.graph(true, "af_packet"))?;
+    let plane = format!("bt{tag}");
+    sh(&format!(
+        "{} kernel apply --name {plane} {}",
+        exe.display(),
+        file.display()
+    ))?;
+    let r = TapAll::start(&plane).and_then(|tap| {
+        let r = measure(c, secs, spin);
+        let records = tap.stop()?;
+        anyhow::ensure!(records > 0, "the taps saw nothing");
+        r
+    });
+    quiet(&format!("{} kernel teardown --name {plane}", exe.display()));
+    r
+}
+
+/// The chain in Stitch's engine, over AF_XDP (`userspace`) or `af_packet`.
+fn run_userspace(
+    name: &str,
+    exe: &Path,
+    dir: &Path,
+    c: &Chain,
+    secs: f64,
+    spin: bool,
+) -> Result<Figures> {
+    // AF_XDP by default; `userspace-packet` runs the same graph over `af_packet`
+    // (TPACKET_V2: frames handed over one by one, no block timeout in the round trip).
+    let io = if name == "userspace" {
+        "af_xdp"
+    } else {
+        "af_packet"
+    };
+    let file = dir.join("graph.yaml");
+    std::fs::write(&file, c.graph(false, io))?;
+    let sock = dir.join("api.sock");
+    let mut child: Child = Command::new(exe)
+        .args(["run", "--control"])
+        .arg(&sock)
+        .arg(&file)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let t = Instant::now();
+    while !sock.exists() && t.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let r = measure(c, secs, spin);
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let _ = child.wait();
+    r
+}
+
+/// The routers joined by Linux bridges (`linux`) or Open vSwitch's userspace datapath (`ovs`).
+fn run_bridges(name: &str, c: &Chain, secs: f64, spin: bool, tag: &str) -> Result<Figures> {
+    let ports = c.router_namespaces()?;
+    let ovs = if name == "ovs" {
+        Some(Ovs::start()?)
+    } else {
+        None
+    };
+    let mut bridges = Vec::new();
+    let setup = (|| -> Result<()> {
+        for (i, members) in ports.iter().enumerate() {
+            let br = format!("{tag}br{i}");
+            match &ovs {
+                None => {
+                    sh(&format!(
+                        "ip link add {br} type bridge stp_state 0 forward_delay 0"
+                    ))?;
+                    sh(&format!("ip link set {br} up"))?;
+                    for m in members {
+                        sh(&format!("ip link set {m} master {br}"))?;
+                    }
+                }
+                Some(o) => {
+                    o.vsctl(&format!(
+                        "add-br {br} -- set bridge {br} datapath_type=netdev"
+                    ))?;
+                    for m in members {
+                        o.vsctl(&format!("add-port {br} {m}"))?;
+                    }
+                }
+            }
+            bridges.push(br);
+        }
+        if ovs.is_some() {
+            // The userspace datapath forwards veth's partial checksums and GSO frames
+            // raw: TCP only works with the offloads off on every veth (a known
+            // Open vSwitch issue; Stitch completes checksums itself).
+            for members in &ports {
+                for m in members {
+                    quiet(&format!("ethtool -K {m} tx off tso off gso off"));
+                }
+            }
+            for j in 1..=c.n {
+                for side in ["left", "right"] {
+                    quiet(&format!(
+                        "ip netns exec {tag}rt{j} ethtool -K {side} tx off tso off gso off"
+                    ));
+                }
+            }
+            for ns in &c.hosts {
+                quiet(&format!(
+                    "ip netns exec {ns} ethtool -K eth0 tx off tso off gso off"
+                ));
+            }
+        }
+        Ok(())
+    })();
+    let r = setup.and_then(|_| measure(c, secs, spin));
+    for br in &bridges {
+        match &ovs {
+            None => quiet(&format!("ip link del {br}")),
+            Some(o) => {
+                let _ = o.vsctl(&format!("del-br {br}"));
+            }
+        }
+    }
+    drop(ovs);
+    c.remove_router_namespaces();
+    if name == "ovs" {
+        for ns in &c.hosts {
+            quiet(&format!(
+                "ip netns exec {ns} ethtool -K eth0 tx on tso on gso on"
+            ));
+        }
+    }
+    r
 }
 
 pub fn run(args: KernelBenchArgs) -> Result<()> {
