@@ -21,10 +21,11 @@ use crate::nf_scale::{
     counter_sum, function_counts, register_latency_sink, take_latencies, WithFunctions,
 };
 use anyhow::{Context, Result};
+use std::path::Path;
 use std::process::{Child, Command};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use stitch_core::Registry;
+use stitch_core::{Engine, Registry};
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BypassMode {
@@ -112,6 +113,72 @@ fn ofctl(port: u16, args: &[&str]) -> Result<Duration> {
 
 /// One phase of a chain of `n` at `rate` (None: flat out); returns the point and, when asked,
 /// the median switch-over time.
+/// Every flow flipped between the two shapes and back, five times, under traffic: the switch's
+/// own switch-over time, ovs-ofctl's round trip, and the direct channels' hand-over and back.
+fn switch_over_times(
+    engine: &Engine,
+    dir: &tempfile::TempDir,
+    port: u16,
+    n: usize,
+    bypass: bool,
+    file: &Path,
+) -> Result<SwitchOver> {
+    // Flip every flow between the two shapes and back, five times, under traffic
+    // (`replace-flows`: ovs-ofctl reads the table and sends the difference, then a BARRIER).
+    let other = dir.path().join("other");
+    std::fs::write(&other, flows(n, !bypass))?;
+    let mut times = Vec::new();
+    let mut round_trips = Vec::new();
+    let (mut handovers, mut handbacks) = (Vec::new(), Vec::new());
+    for k in 0..10 {
+        let f: &Path = if k % 2 == 0 { &other } else { file };
+        let to_bypass = (k % 2 == 0) != bypass;
+        let before = (
+            counter_sum(engine, "direct_handover_ns"),
+            counter_sum(engine, "direct_handback_ns"),
+        );
+        round_trips.push(ofctl(
+            port,
+            &["replace-flows", "SWITCH", f.to_str().unwrap()],
+        )?);
+        // The data path's own figure: publication of the last table -> running it.
+        times.push(Duration::from_nanos(counter_sum(engine, "switch_over_ns")));
+        // Between functions the switch also hands direct channels over or back: wait for
+        // the last of them (the switch looks every millisecond).
+        if n >= 2 {
+            let t = Instant::now();
+            while t.elapsed() < Duration::from_secs(2) {
+                let now = (
+                    counter_sum(engine, "direct_handover_ns"),
+                    counter_sum(engine, "direct_handback_ns"),
+                );
+                let channels = counter_sum(engine, "direct_channels") as usize;
+                if to_bypass && channels == n - 1 && now.0 != before.0 {
+                    handovers.push(Duration::from_nanos(now.0));
+                    break;
+                }
+                if !to_bypass && channels == 0 && now.1 != before.1 {
+                    handbacks.push(Duration::from_nanos(now.1));
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        }
+    }
+    let median = |v: &mut Vec<Duration>| {
+        v.sort();
+        v.get(v.len() / 2).copied()
+    };
+    times.sort();
+    round_trips.sort();
+    Ok(SwitchOver {
+        table: times[times.len() / 2],
+        round_trip: round_trips[round_trips.len() / 2],
+        handover: median(&mut handovers),
+        handback: median(&mut handbacks),
+    })
+}
+
 fn phase(
     registry: &Arc<Registry>,
     n: usize,
@@ -165,63 +232,11 @@ fn phase(
     let p1 = crate::sink_packets(engine);
     let c1 = run.cpu_split();
     let wall = t0.elapsed().as_secs_f64();
-    let mut switch_over = None;
-    if switch_overs {
-        // Flip every flow between the two shapes and back, five times, under traffic
-        // (`replace-flows`: ovs-ofctl reads the table and sends the difference, then a BARRIER).
-        let other = dir.path().join("other");
-        std::fs::write(&other, flows(n, !bypass))?;
-        let mut times = Vec::new();
-        let mut round_trips = Vec::new();
-        let (mut handovers, mut handbacks) = (Vec::new(), Vec::new());
-        for k in 0..10 {
-            let f = if k % 2 == 0 { &other } else { &file };
-            let to_bypass = (k % 2 == 0) != bypass;
-            let before = (
-                counter_sum(engine, "direct_handover_ns"),
-                counter_sum(engine, "direct_handback_ns"),
-            );
-            round_trips.push(ofctl(
-                port,
-                &["replace-flows", "SWITCH", f.to_str().unwrap()],
-            )?);
-            // The data path's own figure: publication of the last table -> running it.
-            times.push(Duration::from_nanos(counter_sum(engine, "switch_over_ns")));
-            // Between functions the switch also hands direct channels over or back: wait for
-            // the last of them (the switch looks every millisecond).
-            if n >= 2 {
-                let t = Instant::now();
-                while t.elapsed() < Duration::from_secs(2) {
-                    let now = (
-                        counter_sum(engine, "direct_handover_ns"),
-                        counter_sum(engine, "direct_handback_ns"),
-                    );
-                    let channels = counter_sum(engine, "direct_channels") as usize;
-                    if to_bypass && channels == n - 1 && now.0 != before.0 {
-                        handovers.push(Duration::from_nanos(now.0));
-                        break;
-                    }
-                    if !to_bypass && channels == 0 && now.1 != before.1 {
-                        handbacks.push(Duration::from_nanos(now.1));
-                        break;
-                    }
-                    std::thread::sleep(Duration::from_millis(2));
-                }
-            }
-        }
-        let median = |v: &mut Vec<Duration>| {
-            v.sort();
-            v.get(v.len() / 2).copied()
-        };
-        times.sort();
-        round_trips.sort();
-        switch_over = Some(SwitchOver {
-            table: times[times.len() / 2],
-            round_trip: round_trips[round_trips.len() / 2],
-            handover: median(&mut handovers),
-            handback: median(&mut handbacks),
-        });
-    }
+    let switch_over = if switch_overs {
+        Some(switch_over_times(engine, &dir, port, n, bypass, &file)?)
+    } else {
+        None
+    };
     run.stop();
     let (mean_us, p99_us) = take_latencies();
     let pps = (p1 - p0) as f64 / wall;
@@ -259,6 +274,34 @@ impl Drop for OvsChain {
     }
 }
 
+/// Namespace `{tag}{name}` on a veth whose other end is OpenFlow port `ofport` of bridge `br`;
+/// a function (`f…`) sends every frame back out of the interface it came in on.
+fn add_ovs_port(ovs: &Ovs, br: &str, tag: &str, name: &str, ofport: u32) -> Result<()> {
+    let (ns, dev) = (format!("{tag}{name}"), format!("{tag}{name}"));
+    sh(&format!("ip netns add {ns}"))?;
+    sh(&format!(
+        "ip link add {dev} type veth peer name eth0 netns {ns}"
+    ))?;
+    sh(&format!("sysctl -qw net.ipv6.conf.{dev}.disable_ipv6=1"))?;
+    sh(&format!(
+        "ip netns exec {ns} sysctl -qw net.ipv6.conf.all.disable_ipv6=1"
+    ))?;
+    sh(&format!("ip link set {dev} up"))?;
+    sh(&format!("ip -n {ns} link set eth0 up"))?;
+    ovs.vsctl(&format!(
+        "add-port {br} {dev} -- set interface {dev} ofport_request={}",
+        ofport
+    ))?;
+    if name.starts_with('f') {
+        // The function: every frame back out of the interface it came in on.
+        sh(&format!("tc -n {ns} qdisc add dev eth0 clsact"))?;
+        sh(&format!(
+            "tc -n {ns} filter add dev eth0 ingress u32 match u32 0 0 action mirred egress redirect dev eth0"
+        ))?;
+    }
+    Ok(())
+}
+
 /// One Open vSwitch phase: Mpps at the sink and the CPU of ovs-vswitchd (cores).
 fn ovs_phase(n: usize, args: &ChainSwitchArgs) -> Result<(f64, f64)> {
     let ovs = Ovs::start()?;
@@ -277,28 +320,7 @@ fn ovs_phase(n: usize, args: &ChainSwitchArgs) -> Result<(f64, f64)> {
         "add-br {br} -- set bridge {br} datapath_type=netdev fail_mode=secure"
     ))?;
     for (k, name) in names.iter().enumerate() {
-        let (ns, dev) = (format!("{tag}{name}"), format!("{tag}{name}"));
-        sh(&format!("ip netns add {ns}"))?;
-        sh(&format!(
-            "ip link add {dev} type veth peer name eth0 netns {ns}"
-        ))?;
-        sh(&format!("sysctl -qw net.ipv6.conf.{dev}.disable_ipv6=1"))?;
-        sh(&format!(
-            "ip netns exec {ns} sysctl -qw net.ipv6.conf.all.disable_ipv6=1"
-        ))?;
-        sh(&format!("ip link set {dev} up"))?;
-        sh(&format!("ip -n {ns} link set eth0 up"))?;
-        ovs.vsctl(&format!(
-            "add-port {br} {dev} -- set interface {dev} ofport_request={}",
-            k + 1
-        ))?;
-        if name.starts_with('f') {
-            // The function: every frame back out of the interface it came in on.
-            sh(&format!("tc -n {ns} qdisc add dev eth0 clsact"))?;
-            sh(&format!(
-                "tc -n {ns} filter add dev eth0 ingress u32 match u32 0 0 action mirred egress redirect dev eth0"
-            ))?;
-        }
+        add_ovs_port(&ovs, &br, &tag, name, k as u32 + 1)?;
     }
     let file = tempfile::NamedTempFile::new()?;
     std::fs::write(file.path(), flows(n, true))?;
