@@ -573,6 +573,27 @@ fn run_contender(name: &str, c: &Chain, secs: f64, spin: bool, tag: &str) -> Res
     }
 }
 
+/// The chain in Stitch's kernel data plane named `plane`, measured by `measure_it`, then
+/// torn down.
+fn with_kernel_plane(
+    exe: &Path,
+    dir: &Path,
+    c: &Chain,
+    plane: &str,
+    measure_it: impl FnOnce() -> Result<Figures>,
+) -> Result<Figures> {
+    let file = dir.join("graph.yaml");
+    std::fs::write(&file, c.graph(true, "af_packet"))?;
+    sh(&format!(
+        "{} kernel apply --name {plane} {}",
+        exe.display(),
+        file.display()
+    ))?;
+    let r = measure_it();
+    quiet(&format!("{} kernel teardown --name {plane}", exe.display()));
+    r
+}
+
 /// The chain in Stitch's kernel data plane.
 fn run_kernel(
     exe: &Path,
@@ -582,17 +603,7 @@ fn run_kernel(
     spin: bool,
     tag: &str,
 ) -> Result<Figures> {
-    let file = dir.join("graph.yaml");
-    std::fs::write(&file, c.graph(true, "af_packet"))?;
-    let plane = format!("bk{tag}");
-    sh(&format!(
-        "{} kernel apply --name {plane} {}",
-        exe.display(),
-        file.display()
-    ))?;
-    let r = measure(c, secs, spin);
-    quiet(&format!("{} kernel teardown --name {plane}", exe.display()));
-    r
+    with_kernel_plane(exe, dir, c, &format!("bk{tag}"), || measure(c, secs, spin))
 }
 
 /// The same, with every link captured by a tap.
@@ -604,22 +615,15 @@ fn run_kernel_tapped(
     spin: bool,
     tag: &str,
 ) -> Result<Figures> {
-    let file = dir.join("graph.yaml");
-    std::fs::write(&file, c.graph(true, "af_packet"))?;
     let plane = format!("bt{tag}");
-    sh(&format!(
-        "{} kernel apply --name {plane} {}",
-        exe.display(),
-        file.display()
-    ))?;
-    let r = TapAll::start(&plane).and_then(|tap| {
-        let r = measure(c, secs, spin);
-        let records = tap.stop()?;
-        anyhow::ensure!(records > 0, "the taps saw nothing");
-        r
-    });
-    quiet(&format!("{} kernel teardown --name {plane}", exe.display()));
-    r
+    with_kernel_plane(exe, dir, c, &plane, || {
+        TapAll::start(&plane).and_then(|tap| {
+            let r = measure(c, secs, spin);
+            let records = tap.stop()?;
+            anyhow::ensure!(records > 0, "the taps saw nothing");
+            r
+        })
+    })
 }
 
 /// The chain in Stitch's engine, over AF_XDP (`userspace`) or `af_packet`.

@@ -184,17 +184,22 @@ fn a_process_function_is_started_restarted_limited_and_stopped() {
     wait_until("the process to stop with stitch", 10, || !alive(third));
 }
 
-#[test]
-fn a_crashed_instance_leaves_nothing_behind_after_the_next_start() {
-    require_root_and_tools(&[]);
+/// Stitch running the firewall graph with its function process attached.
+fn firewall_running() -> (TwoHosts, tempfile::TempDir, std::path::PathBuf, Stitch) {
     let hosts = TwoHosts::new();
     let dir = tempfile::tempdir().unwrap();
     let nf = dir.path().join("nf.sock");
-    let graph = firewall_graph(&hosts, &nf, true);
-    let s = Stitch::run_with(&graph, &["--keep-running"]);
+    let s = Stitch::run_with(&firewall_graph(&hosts, &nf, true), &["--keep-running"]);
     wait_until("the firewall process to attach", 20, || {
         show(&s, "fw")["attached"] == true
     });
+    (hosts, dir, nf, s)
+}
+
+#[test]
+fn a_crashed_instance_leaves_nothing_behind_after_the_next_start() {
+    require_root_and_tools(&[]);
+    let (hosts, dir, nf, s) = firewall_running();
     let v = show(&s, "fw");
     let pid = v["process"]["pid"].as_i64().unwrap() as i32;
     let groups = cgroups(&v);
@@ -790,13 +795,7 @@ fn every_placement_in_one_graph_carries_traffic_and_restarts_lose_nothing_elsewh
 #[test]
 fn stitch_cleanup_removes_what_a_crashed_instance_left_and_never_touches_a_live_one() {
     require_root_and_tools(&[]);
-    let hosts = TwoHosts::new();
-    let dir = tempfile::tempdir().unwrap();
-    let nf = dir.path().join("nf.sock");
-    let s = Stitch::run_with(&firewall_graph(&hosts, &nf, true), &["--keep-running"]);
-    wait_until("the firewall process to attach", 20, || {
-        show(&s, "fw")["attached"] == true
-    });
+    let (_hosts, _dir, _nf, s) = firewall_running();
     let cleanup = |socket: &Path| {
         let o = Command::new(env!("CARGO_BIN_EXE_stitch"))
             .args(["cleanup", "--control"])
