@@ -416,7 +416,23 @@ fn a_chain_across_three_hosts_survives_a_dead_agent_a_lost_etcd_leader_and_a_cut
             .is_some_and(|h| h.iter().filter(|h| h["live"] == true).count() == HOSTS)
     });
 
-    // Bad input: nothing is written.
+    refuses_bad_input(&c);
+    let host_end = carries_the_chain(&c);
+    learns_the_path_mtu(&c, &host_end);
+    let ping = c.paced_ping();
+    std::thread::sleep(Duration::from_secs(1));
+    moves_the_nat_when_its_agent_dies(&mut c);
+    keeps_containers_across_an_agent_restart(&mut c);
+    outlives_a_cut_off_etcd_leader(&mut c);
+    let (file, graph_rev) = keeps_a_cut_off_host_forwarding(&c);
+    refuses_a_stale_write(&c, &file, graph_rev);
+    drop(ping);
+    reaches_a_readded_container_at_once(&c);
+    detaches_and_deletes(&c);
+}
+
+/// Bad input: nothing is written.
+fn refuses_bad_input(c: &Cluster) {
     let bad = c.write(
         "bad.yaml",
         "apps:\n  x: { type: sink, host: h9 }\n  y: { type: sink, hosts: { rack: r1 } }\n  cluster-z: { type: sink, host: h1 }\n",
@@ -437,8 +453,10 @@ fn a_chain_across_three_hosts_survives_a_dead_agent_a_lost_etcd_leader_and_a_cut
     );
     assert!(out.contains("nothing was written"), "{out}");
     assert_eq!(c.cluster_status(0)["graphs"], serde_json::json!([]));
+}
 
-    // The chain: placed, tunnelled, and carrying ping and TCP.
+/// The chain: placed, tunnelled, and carrying ping and TCP.
+fn carries_the_chain(c: &Cluster) -> Vec<String> {
     let file = c.write("chain.yaml", &chain(""));
     let (ok, out) = c.cli(0, &format!("apply {} --wait 20", file.display()));
     assert!(ok, "{out}\n{}", c.logs());
@@ -523,10 +541,14 @@ fn a_chain_across_three_hosts_survives_a_dead_agent_a_lost_etcd_leader_and_a_cut
         nat["counters"]["arp_answered"].as_u64().unwrap() >= 1,
         "{nat}"
     );
+    host_end
+}
 
-    // A workload whose MTU is larger than the tunnels carry learns the path MTU: the first
-    // tunnel answers a DF packet too big for it with "fragmentation needed", which reaches
-    // the workload through the firewall (related to its connection).
+/// A workload whose MTU is larger than the tunnels carry learns the path MTU: the first
+/// tunnel answers a DF packet too big for it with "fragmentation needed", which reaches
+/// the workload through the firewall (related to its connection).
+fn learns_the_path_mtu(c: &Cluster, host_end: &[String]) {
+    let wa = c.workload('a');
     let set_mtu = |mtu: u32| {
         must(&format!("ip -n {wa} link set eth0 mtu {mtu}"));
         must(&format!(
@@ -551,10 +573,11 @@ fn a_chain_across_three_hosts_survives_a_dead_agent_a_lost_etcd_leader_and_a_cut
         String::from_utf8_lossy(&fits.stdout)
     );
     set_mtu(1450);
+}
 
-    // Kill host 2's agent (and its engine, NAT and all): the NAT moves, traffic resumes.
-    let ping = c.paced_ping();
-    std::thread::sleep(Duration::from_secs(1));
+/// Kill host 2's agent (and its engine, NAT and all): the NAT moves, traffic resumes.
+fn moves_the_nat_when_its_agent_dies(c: &mut Cluster) {
+    let wa = c.workload('a');
     let killed_at = now();
     c.agents[1].as_ref().unwrap().signal(libc::SIGKILL);
     wait_until("the NAT placed on another host", 15, || {
@@ -569,9 +592,12 @@ fn a_chain_across_three_hosts_survives_a_dead_agent_a_lost_etcd_leader_and_a_cut
     );
     assert!(replies > 20, "traffic resumed after the NAT moved");
     assert!(c.exec(&wa, "ping -c1 -W1 10.20.2.2").status.success());
+}
 
-    // Host 1's agent (its engine with it) killed and started again: workload a is attached
-    // again from the host's record, with its address, and its traffic resumes.
+/// Host 1's agent (its engine with it) killed and started again: workload a is attached
+/// again from the host's record, with its address, and its traffic resumes.
+fn keeps_containers_across_an_agent_restart(c: &mut Cluster) {
+    let wa = c.workload('a');
     let killed_at = now();
     c.agents[0].as_ref().unwrap().signal(libc::SIGKILL);
     c.agents[0] = None;
@@ -592,10 +618,12 @@ fn a_chain_across_three_hosts_survives_a_dead_agent_a_lost_etcd_leader_and_a_cut
         "the container is attached as CNI left it: {}",
         String::from_utf8_lossy(&o.stdout)
     );
+}
 
-    // Host 2's agent returns (the NAT stays where it went), then etcd's leader moves to host 2's
-    // member and host 2's management link goes down: etcd elects another leader; traffic never
-    // stops.
+/// Host 2's agent returns (the NAT stays where it went), then etcd's leader moves to host 2's
+/// member and host 2's management link goes down: etcd elects another leader; traffic never
+/// stops.
+fn outlives_a_cut_off_etcd_leader(c: &mut Cluster) {
     c.start_agent(1);
     let nat_host = c.host_of("nat").unwrap();
     let members = String::from_utf8(c.etcdctl(0, "member list -w json").stdout).unwrap();
@@ -645,10 +673,13 @@ fn a_chain_across_three_hosts_survives_a_dead_agent_a_lost_etcd_leader_and_a_cut
         c.status(1)
             .is_some_and(|s| s["agent"]["etcd"] == "connected")
     });
+}
 
-    // Host 3 loses etcd: its data plane keeps running, and since its agent still answers the
-    // controller's probe on the underlay, nothing of it moves (its lease expires all the
-    // same); a graph change made meanwhile reaches it when it returns.
+/// Host 3 loses etcd: its data plane keeps running, and since its agent still answers the
+/// controller's probe on the underlay, nothing of it moves (its lease expires all the
+/// same); a graph change made meanwhile reaches it when it returns.
+fn keeps_a_cut_off_host_forwarding(c: &Cluster) -> (PathBuf, i64) {
+    let wa = c.workload('a');
     let nat_before = c.host_of("nat");
     let cut_at = now();
     must(&format!("ip -n {} link set mg3 down", c.fabric()));
@@ -697,9 +728,9 @@ fn a_chain_across_three_hosts_survives_a_dead_agent_a_lost_etcd_leader_and_a_cut
             .iter()
             .any(|a| a["name"] == "extra")
     };
-    assert!(!has_extra(&c), "a cut-off host cannot have the change yet");
+    assert!(!has_extra(c), "a cut-off host cannot have the change yet");
     must(&format!("ip -n {} link set mg3 up", c.fabric()));
-    wait_until("host 3 resynced to the new revision", 30, || has_extra(&c));
+    wait_until("host 3 resynced to the new revision", 30, || has_extra(c));
     let s = c.cluster_status(0);
     let graph_rev = s["graphs"][0]["revision"].as_i64().unwrap();
     let h3 = s["hosts"]
@@ -717,18 +748,23 @@ fn a_chain_across_three_hosts_survives_a_dead_agent_a_lost_etcd_leader_and_a_cut
         c.stats(1),
         c.stats(2)
     );
+    (file, graph_rev)
+}
 
-    // A stale write loses: compare-and-swap on the graph's revision.
+/// A stale write loses: compare-and-swap on the graph's revision.
+fn refuses_a_stale_write(c: &Cluster, file: &Path, graph_rev: i64) {
     let (ok, out) = c.cli(0, &format!("apply {} --if-revision 1", file.display()));
     assert!(!ok && out.contains("no longer at revision 1"), "{out}");
     assert_eq!(
         c.cluster_status(0)["graphs"][0]["revision"].as_i64(),
         Some(graph_rev)
     );
-    drop(ping);
+}
 
-    // A container re-added under the same address (a new MAC) is reachable at once: its
-    // announcement updates the router's neighbour entry.
+/// A container re-added under the same address (a new MAC) is reachable at once: its
+/// announcement updates the router's neighbour entry.
+fn reaches_a_readded_container_at_once(c: &Cluster) {
+    let wa = c.workload('a');
     let o = c.cnitool(2, "del", 'b', "10.20.2");
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
     let o = c.cnitool(2, "add", 'b', "10.20.2");
@@ -744,8 +780,11 @@ fn a_chain_across_three_hosts_survives_a_dead_agent_a_lost_etcd_leader_and_a_cut
         "the first ping after re-ADD: {}",
         String::from_utf8_lossy(&first.stdout)
     );
+}
 
-    // CNI DEL: the port is an attachment again, the host end and the address are gone.
+/// CNI DEL: the port is an attachment again, the host end and the address are gone.
+fn detaches_and_deletes(c: &Cluster) {
+    let wb = c.workload('b');
     let o = c.cnitool(2, "del", 'b', "10.20.2");
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stdout));
     let b = c.stats(2)["apps"]
@@ -855,7 +894,11 @@ fn a_dead_etcd_member_is_invisible_to_applies_and_agents() {
         back.elapsed().as_secs_f64()
     );
 
-    // A host gone for good is removed by hand; a live one or an unknown one is refused.
+    removes_a_host_gone_for_good(&mut c);
+}
+
+/// A host gone for good is removed by hand; a live one or an unknown one is refused.
+fn removes_a_host_gone_for_good(c: &mut Cluster) {
     let (ok, out) = c.cli(0, "host remove h3");
     assert!(
         !ok && out.contains("is live") && out.contains("nothing was removed"),

@@ -165,9 +165,24 @@ impl TwoHosts {
     /// iperf3 TCP from host 0 to `to` (host 1's address) for `secs`; received bits per second.
     /// Fails the test if iperf3 does.
     pub fn iperf_tcp(&self, to: &str, secs: u32) -> f64 {
-        let server = self.spawn(1, "iperf3 -s -1 -p 5299");
-        std::thread::sleep(Duration::from_millis(300));
-        let o = self.exec(0, &format!("iperf3 -c {to} -p 5299 -t {secs} -J"));
+        // The server gives up by itself (`timeout`) if no test completes, so a stalled data
+        // path fails the test instead of hanging it.
+        let server = self.spawn(1, &format!("timeout {} iperf3 -s -1 -p 5299", secs + 30));
+        wait_until("iperf3 listening", 10, || {
+            !sh(&format!(
+                "ip netns exec {} ss -Hltn 'sport = :5299'",
+                self.ns[1]
+            ))
+            .stdout
+            .is_empty()
+        });
+        let o = self.exec(
+            0,
+            &format!(
+                "timeout {} iperf3 -c {to} -p 5299 -t {secs} --connect-timeout 5000 -J",
+                secs + 20
+            ),
+        );
         let _ = server.finish();
         iperf_bits(&o, to)
     }
@@ -185,7 +200,7 @@ pub fn iperf_bits(o: &Output, to: &str) -> f64 {
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     v["end"]["sum_received"]["bits_per_second"]
         .as_f64()
-        .unwrap()
+        .unwrap_or_else(|| panic!("iperf3 to {to} gave no result: {v}"))
 }
 
 /// Of what a `ping -D` printed: the replies received between `from` and `to` (UNIX seconds),
