@@ -400,6 +400,23 @@ fn applied_places(s: &ClusterState, name: &str, p: &PlacementRecord) -> BTreeMap
     apps
 }
 
+/// What shows how far graph `name` got: its placement, liveness and statuses (not every
+/// host's graph).
+async fn read_progress(
+    client: &mut etcd_client::Client,
+    name: &str,
+) -> Result<Vec<etcd_client::KeyValue>> {
+    let mut kvs = Vec::new();
+    for prefix in [
+        keys::placement(name),
+        keys::ALIVE.into(),
+        keys::STATUS.into(),
+    ] {
+        kvs.extend(read_prefix(client, &prefix).await?.1);
+    }
+    Ok(kvs)
+}
+
 /// Waits until every live host that runs apps of graph `name` reports running revision
 /// `revision` of it (or newer); returns how long that took.
 pub async fn wait_applied(
@@ -411,16 +428,25 @@ pub async fn wait_applied(
     let start = Instant::now();
     let mut client = etcd::connect(endpoints).await?;
     loop {
-        // Only what the answer needs: the graph's placement, liveness and statuses (not every
-        // host's graph).
-        let mut kvs = Vec::new();
-        for prefix in [
-            keys::placement(name),
-            keys::ALIVE.into(),
-            keys::STATUS.into(),
-        ] {
-            kvs.extend(read_prefix(&mut client, &prefix).await?.1);
-        }
+        // A read that fails (etcd slow or electing a leader) is tried again on a fresh
+        // connection until the limit: the write is done, only its effect is awaited.
+        let kvs = match read_progress(&mut client, name).await {
+            Ok(kvs) => kvs,
+            Err(e) if start.elapsed() > limit => {
+                return Err(e.context(format!(
+                    "the graph was written, but whether every host runs revision {revision} \
+                     could not be read within {} s",
+                    limit.as_secs_f64()
+                )))
+            }
+            Err(_) => {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                if let Ok(c) = etcd::connect(endpoints).await {
+                    client = c;
+                }
+                continue;
+            }
+        };
         let s = ClusterState::decode(0, &kvs);
         let placed = s
             .placements

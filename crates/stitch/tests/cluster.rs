@@ -18,6 +18,14 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 static NEXT: AtomicUsize = AtomicUsize::new(0);
+
+/// Each test runs three etcd members and three agents: on two cores, one test at a time (in
+/// parallel, a loaded machine starved etcd's own heartbeats and it lost its leader).
+static ONE_CLUSTER: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_cluster() -> std::sync::MutexGuard<'static, ()> {
+    ONE_CLUSTER.lock().unwrap_or_else(|e| e.into_inner())
+}
 /// cnitool and host-local (scripts/install-deps --test builds them).
 const CNI_BIN: &str = "/opt/cni/bin";
 
@@ -271,6 +279,16 @@ impl Cluster {
         serde_json::from_str(&out).unwrap()
     }
 
+    /// The status, or null while etcd does not answer (for conditions waited on).
+    fn status_now(&self, host: usize) -> serde_json::Value {
+        let (ok, out) = self.cli(host, "status --json");
+        if ok {
+            serde_json::from_str(&out).unwrap_or_default()
+        } else {
+            serde_json::Value::Null
+        }
+    }
+
     fn write(&self, name: &str, text: &str) -> PathBuf {
         let p = self.dir.path().join(name);
         std::fs::write(&p, text).unwrap();
@@ -279,7 +297,7 @@ impl Cluster {
 
     /// Where app `app` of graph `chain` runs.
     fn host_of(&self, app: &str) -> Option<String> {
-        let s = self.cluster_status(0);
+        let s = self.status_now(0);
         s["graphs"][0]["apps"][app]["host"]
             .as_str()
             .map(String::from)
@@ -394,6 +412,7 @@ fn chain(extra: &str) -> String {
 
 #[test]
 fn a_chain_across_three_hosts_survives_a_dead_agent_a_lost_etcd_leader_and_a_cut_off_host() {
+    let _one = one_cluster();
     require_root_and_tools(&["etcd", "etcdctl", "ping", "iperf3", "nsenter"]);
     for tool in ["cnitool", "host-local"] {
         assert!(
@@ -411,7 +430,7 @@ fn a_chain_across_three_hosts_survives_a_dead_agent_a_lost_etcd_leader_and_a_cut
         c.start_agent(i);
     }
     wait_until("three live hosts", 20, || {
-        c.cluster_status(0)["hosts"]
+        c.status_now(0)["hosts"]
             .as_array()
             .is_some_and(|h| h.iter().filter(|h| h["live"] == true).count() == HOSTS)
     });
@@ -815,6 +834,7 @@ fn detaches_and_deletes(c: &Cluster) {
 /// are not told "too many pings" by etcd's default keep-alive policy.
 #[test]
 fn a_dead_etcd_member_is_invisible_to_applies_and_agents() {
+    let _one = one_cluster();
     require_root_and_tools(&["etcd", "etcdctl"]);
     let mut c = Cluster::new();
     c.start_etcd();
@@ -822,7 +842,7 @@ fn a_dead_etcd_member_is_invisible_to_applies_and_agents() {
         c.start_agent(i);
     }
     let all_live = |c: &Cluster| {
-        c.cluster_status(1)["hosts"]
+        c.status_now(1)["hosts"]
             .as_array()
             .is_some_and(|h| h.iter().filter(|h| h["live"] == true).count() == HOSTS)
     };
@@ -908,14 +928,14 @@ fn removes_a_host_gone_for_good(c: &mut Cluster) {
     assert!(!ok && out.contains("there is no host `h9`"), "{out}");
     c.agents[2] = None;
     wait_until("h3 not live", 20, || {
-        c.cluster_status(0)["hosts"]
+        c.status_now(0)["hosts"]
             .as_array()
             .is_some_and(|h| h.iter().any(|h| h["name"] == "h3" && h["live"] == false))
     });
     let (ok, out) = c.cli(0, "host remove h3");
     assert!(ok, "{out}");
     wait_until("h3 forgotten and `out` unplaced", 20, || {
-        let s = c.cluster_status(0);
+        let s = c.status_now(0);
         let hosts: Vec<&str> = s["hosts"]
             .as_array()
             .unwrap()
@@ -956,6 +976,7 @@ fn walkthrough_commands() -> String {
 /// empty, so that its fixed names (h1, wa, …) meet nothing of the machine's or of other tests.
 #[test]
 fn the_cluster_walkthrough_runs_as_written() {
+    let _one = one_cluster();
     require_root_and_tools(&["etcd", "etcdctl", "iperf3", "unshare", "nsenter"]);
     assert!(
         Path::new(CNI_BIN).join("cnitool").exists(),
