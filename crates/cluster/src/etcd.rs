@@ -31,6 +31,9 @@ pub async fn connect_patient(endpoints: &[String]) -> Result<Client> {
     connect_with(endpoints, None).await
 }
 
+/// How long a connection waits for etcd to elect a leader before it gives up.
+const ELECTION_GRACE: Duration = Duration::from_secs(6);
+
 /// Where the next connection starts trying: each connection starts one member further, so that
 /// a member that keeps failing (or is cut off from the others) is not tried first every time.
 static NEXT_FIRST: AtomicUsize = AtomicUsize::new(0);
@@ -44,14 +47,25 @@ async fn connect_with(endpoints: &[String], timeout: Option<Duration>) -> Result
     if endpoints.is_empty() {
         bail!("no etcd endpoint given (--etcd http://HOST:2379[,…])");
     }
-    let first = NEXT_FIRST.fetch_add(1, Ordering::Relaxed);
+    let started = std::time::Instant::now();
     let mut failures = Vec::new();
-    for k in 0..endpoints.len() {
-        let endpoint = &endpoints[(first + k) % endpoints.len()];
-        match connect_one(endpoint, timeout).await {
-            Ok(client) => return Ok(client),
-            Err(e) => failures.push(format!("{endpoint}: {e:#}")),
+    loop {
+        let first = NEXT_FIRST.fetch_add(1, Ordering::Relaxed);
+        failures.clear();
+        for k in 0..endpoints.len() {
+            let endpoint = &endpoints[(first + k) % endpoints.len()];
+            match connect_one(endpoint, timeout).await {
+                Ok(client) => return Ok(client),
+                Err(e) => failures.push(format!("{endpoint}: {e:#}")),
+            }
         }
+        // A member that answers "no leader" is in an election, which ends within a few
+        // election timeouts (1 s by default): wait for it rather than fail the request.
+        let electing = failures.iter().any(|f| f.contains("no leader"));
+        if !electing || started.elapsed() > ELECTION_GRACE {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
     }
     bail!(
         "cannot reach a member of etcd with a leader ({}); is etcd running, and are the \
