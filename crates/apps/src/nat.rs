@@ -44,7 +44,7 @@ use std::time::{Duration, Instant};
 use stitch_core::link::transmit_to;
 use stitch_core::packet::ChecksumState;
 use stitch_core::{App, AppContext, AppError, Counter, Io, Packet, PortNames, PortSpec};
-use stitch_wire::{arp_payload, checksum, flow, parse_mac};
+use stitch_wire::{checksum, flow, parse_mac};
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -234,7 +234,7 @@ fn arp_fields(d: &[u8]) -> Option<(u16, [u8; 6], Ipv4Addr, Ipv4Addr)> {
     ))
 }
 
-/// An ARP frame from `eth_src` to `eth_dst` (padded to the Ethernet minimum).
+/// An ARP frame from `eth_src` to `eth_dst`, as a packet.
 fn arp_frame(
     eth_dst: [u8; 6],
     eth_src: [u8; 6],
@@ -242,14 +242,9 @@ fn arp_frame(
     sender: ([u8; 6], Ipv4Addr),
     target: ([u8; 6], Ipv4Addr),
 ) -> Option<Packet> {
-    let mut f = [0u8; 60];
-    f[0..6].copy_from_slice(&eth_dst);
-    f[6..12].copy_from_slice(&eth_src);
-    f[12..14].copy_from_slice(&[0x08, 0x06]);
-    f[14..42].copy_from_slice(&arp_payload(op, sender.0, sender.1, target.0, target.1));
-    let mut p = stitch_core::pool::alloc()?;
-    p.set_data(&f).ok()?;
-    Some(p)
+    stitch_core::pool::alloc_with(&stitch_wire::arp_frame(
+        eth_dst, eth_src, op, sender, target,
+    ))
 }
 
 /// L4 checksum field offset within the L4 header; ICMP's checksum does not cover addresses.

@@ -696,9 +696,7 @@ impl Router {
         if f.len() < 60 {
             f.resize(60, 0);
         }
-        let mut p = pool::alloc()?;
-        p.set_data(&f).ok()?;
-        Some(p)
+        pool::alloc_with(&f)
     }
 
     fn arp_frame(
@@ -710,17 +708,13 @@ impl Router {
         eth_dst: [u8; 6],
     ) -> Option<Packet> {
         let me = &self.ifaces[port];
-        let mut f = Vec::with_capacity(60);
-        f.extend_from_slice(&eth_dst);
-        f.extend_from_slice(&me.mac);
-        f.extend_from_slice(&[0x08, 0x06]);
-        f.extend_from_slice(&stitch_wire::arp_payload(
-            op, me.mac, me.addr, target_mac, target_ip,
-        ));
-        f.resize(60, 0);
-        let mut p = pool::alloc()?;
-        p.set_data(&f).ok()?;
-        Some(p)
+        pool::alloc_with(&stitch_wire::arp_frame(
+            eth_dst,
+            me.mac,
+            op,
+            (me.mac, me.addr),
+            (target_mac, target_ip),
+        ))
     }
 
     fn arp(&mut self, port: usize, d: &[u8], now: Instant, out: &mut Vec<(usize, Packet)>) {

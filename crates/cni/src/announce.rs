@@ -15,12 +15,7 @@ pub fn frames(mac: [u8; 6], addresses: &[IpAddr]) -> Vec<Vec<u8>> {
         .iter()
         .map(|a| match a {
             IpAddr::V4(ip) => {
-                let mut f = vec![0xff; 6];
-                f.extend_from_slice(&mac);
-                f.extend_from_slice(&[0x08, 0x06]);
-                f.extend_from_slice(&stitch_wire::arp_payload(1, mac, *ip, [0; 6], *ip));
-                f.resize(60, 0);
-                f
+                stitch_wire::arp_frame([0xff; 6], mac, 1, (mac, *ip), ([0; 6], *ip)).to_vec()
             }
             IpAddr::V6(ip) => {
                 let all_nodes: std::net::Ipv6Addr = "ff02::1".parse().expect("an address");

@@ -41,18 +41,8 @@ impl RateLimit {
     }
 }
 
-/// The length of `frame`'s Ethernet header (with one or two VLAN tags) and its EtherType.
-fn l2(frame: &[u8]) -> Option<(usize, u16)> {
-    let mut at = 12;
-    loop {
-        let ty = u16::from_be_bytes(frame.get(at..at + 2)?.try_into().ok()?);
-        if matches!(ty, 0x8100 | 0x88a8) && at < 16 {
-            at += 4;
-        } else {
-            return Some((at + 2, ty));
-        }
-    }
-}
+/// The longest Ethernet header answered: two VLAN tags.
+const MAX_L2: usize = 18;
 
 /// The ICMP error telling the sender of `frame` that the path carries IP packets of at most
 /// `mtu` bytes: IPv4 "destination unreachable, fragmentation needed" with the next-hop MTU,
@@ -62,7 +52,10 @@ fn l2(frame: &[u8]) -> Option<(usize, u16)> {
 /// without DF, an ICMP error, a non-first fragment, a multicast or broadcast address, not IP,
 /// malformed — or the pool is empty.
 pub fn too_big_reply(frame: &[u8], mtu: u16) -> Option<Packet> {
-    let (l2_len, ethertype) = l2(frame)?;
+    let (l2_len, ethertype, _) = crate::flow::l3(frame).ok()?;
+    if l2_len > MAX_L2 {
+        return None;
+    }
     match ethertype {
         0x0800 => frag_needed(frame, l2_len, mtu),
         0x86dd => packet_too_big(frame, l2_len, mtu),
@@ -77,12 +70,6 @@ fn reply_l2(frame: &[u8], l2_len: usize, out: &mut [u8]) -> usize {
     out[6..12].copy_from_slice(&frame[0..6]);
     out[12..l2_len].copy_from_slice(&frame[12..l2_len]);
     l2_len
-}
-
-fn into_packet(bytes: &[u8]) -> Option<Packet> {
-    let mut p = pool::alloc()?;
-    p.set_data(bytes).ok()?;
-    Some(p)
 }
 
 fn frag_needed(frame: &[u8], l2_len: usize, mtu: u16) -> Option<Packet> {
@@ -108,7 +95,7 @@ fn frag_needed(frame: &[u8], l2_len: usize, mtu: u16) -> Option<Packet> {
         return None;
     }
     let quote = &ip[..ip.len().min(ihl + 8)];
-    let mut out = [0u8; 18 + 20 + 8 + 60 + 8];
+    let mut out = [0u8; MAX_L2 + 20 + 8 + 60 + 8];
     let at = reply_l2(frame, l2_len, &mut out);
     let icmp_len = 8 + quote.len();
     out[at..at + 20].copy_from_slice(&crate::ipv4_header(dst, src, 1, icmp_len, false));
@@ -120,7 +107,7 @@ fn frag_needed(frame: &[u8], l2_len: usize, mtu: u16) -> Option<Packet> {
     let cs = checksum::checksum(icmp);
     icmp[2..4].copy_from_slice(&cs.to_be_bytes());
     let end = (at + 20 + icmp_len).max(60);
-    into_packet(&out[..end])
+    pool::alloc_with(&out[..end])
 }
 
 /// The minimum IPv6 MTU, and so the largest ICMPv6 error (RFC 4443 §2.4 (c)).
@@ -146,7 +133,7 @@ fn packet_too_big(frame: &[u8], l2_len: usize, mtu: u16) -> Option<Packet> {
     }
     let whole = &frame[l2_len..];
     let quote = &whole[..whole.len().min(IPV6_MIN_MTU - 48)];
-    let mut out = [0u8; 18 + IPV6_MIN_MTU];
+    let mut out = [0u8; MAX_L2 + IPV6_MIN_MTU];
     let at = reply_l2(frame, l2_len, &mut out);
     let icmp_len = 8 + quote.len();
     let header = &mut out[at..at + 40];
@@ -162,7 +149,7 @@ fn packet_too_big(frame: &[u8], l2_len: usize, mtu: u16) -> Option<Packet> {
     icmp[8..].copy_from_slice(quote);
     let cs = icmp6_checksum(&dst.octets(), &src.octets(), icmp);
     icmp[2..4].copy_from_slice(&cs.to_be_bytes());
-    into_packet(&out[..at + 40 + icmp_len])
+    pool::alloc_with(&out[..at + 40 + icmp_len])
 }
 
 #[cfg(test)]

@@ -62,6 +62,23 @@ pub fn arp_payload(
     a
 }
 
+/// An Ethernet frame from `eth_src` to `eth_dst` carrying an ARP message (`op` 1 request, 2
+/// reply) from `sender` about `target` (MAC and address each), padded to the Ethernet minimum.
+pub fn arp_frame(
+    eth_dst: [u8; 6],
+    eth_src: [u8; 6],
+    op: u16,
+    sender: ([u8; 6], std::net::Ipv4Addr),
+    target: ([u8; 6], std::net::Ipv4Addr),
+) -> [u8; 60] {
+    let mut f = [0u8; 60];
+    f[0..6].copy_from_slice(&eth_dst);
+    f[6..12].copy_from_slice(&eth_src);
+    f[12..14].copy_from_slice(&[0x08, 0x06]);
+    f[14..42].copy_from_slice(&arp_payload(op, sender.0, sender.1, target.0, target.1));
+    f
+}
+
 /// Parses a MAC address written `02:00:00:00:00:01`.
 pub fn parse_mac(s: &str) -> Result<[u8; 6], String> {
     let bad = || format!("`{s}` is not a MAC address like 02:00:00:00:00:01");

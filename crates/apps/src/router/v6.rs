@@ -119,9 +119,7 @@ impl Router {
         f.extend_from_slice(&src.octets());
         f.extend_from_slice(&dst.octets());
         f.extend_from_slice(&body);
-        let mut p = pool::alloc()?;
-        p.set_data(&f).ok()?;
-        Some(p)
+        pool::alloc_with(&f)
     }
 
     fn neighbor_solicitation(&self, port: usize, target: Ipv6Addr) -> Option<Packet> {

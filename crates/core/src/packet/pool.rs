@@ -410,6 +410,14 @@ pub fn alloc() -> Option<Packet> {
     alloc_class(SMALL)
 }
 
+/// A fresh packet holding a copy of `data` (a frame an app makes: an answer, an error).
+/// `None` when the pool is exhausted or `data` is longer than a buffer holds.
+pub fn alloc_with(data: &[u8]) -> Option<Packet> {
+    let mut p = alloc()?;
+    p.set_data(data).ok()?;
+    Some(p)
+}
+
 /// Appends up to `n` fresh packets (as [`alloc`] makes them) to `out` with one visit to the
 /// thread's cache, and returns how many it appended. Fewer than `n` only when the pool is
 /// exhausted; each packet missing is counted as one failed allocation.
