@@ -48,7 +48,7 @@ use std::time::{Duration, Instant};
 use stitch_core::packet::ChecksumState;
 use stitch_core::{App, AppContext, AppError, Counter, Io, Packet, PortNames, PortSpec};
 use stitch_wire::icmp::{too_big_reply, RateLimit};
-use stitch_wire::{checksum, flow, ipv4_header, offload, parse_mac, vlan};
+use stitch_wire::{checksum, flow, ipv4_header, offload, parse_mac};
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -127,7 +127,7 @@ pub struct Vxlan {
     underlay: usize,
     /// Frames of one input after GSO segmentation, reused between pushes.
     staged: Vec<Packet>,
-    /// The longest inner frame (Ethernet header without tags, and IP packet) that fits.
+    /// The longest inner frame (Ethernet header, tags and IP packet) that fits.
     max_inner: usize,
     icmp_limit: RateLimit,
     icmp_sent: Counter,
@@ -328,14 +328,10 @@ impl Vxlan {
         }
     }
 
-    /// The inner frame `frame` (tags included) is longer than the underlay carries.
+    /// The inner frame `frame` is longer than the underlay carries (its VLAN tags travel in
+    /// the outer packet too).
     fn too_big(&self, frame: &[u8]) -> bool {
-        let tags = match vlan::outer_tag(frame) {
-            Some(_) if vlan::outer_tag(&frame[4..]).is_some() => 8,
-            Some(_) => 4,
-            None => 0,
-        };
-        frame.len() > self.max_inner + tags
+        frame.len() > self.max_inner
     }
 
     /// Answers an inner frame too long for the underlay with the ICMP error that tells its
@@ -350,7 +346,10 @@ impl Vxlan {
         let Some(back) = back.as_mut() else {
             return;
         };
-        let inner_mtu = (self.max_inner - 14).min(u16::MAX as usize) as u16;
+        // The IP packet's room: what is left of the longest inner frame after this frame's
+        // Ethernet header and tags.
+        let l2_len = flow::l3(frame).map_or(14, |(at, _, _)| at);
+        let inner_mtu = self.max_inner.saturating_sub(l2_len).min(u16::MAX as usize) as u16;
         let Some(answer) = too_big_reply(frame, inner_mtu) else {
             return;
         };
@@ -767,6 +766,39 @@ mod tests {
         .unwrap();
         let e = Vxlan::declare(&c).expect_err("refused").to_string();
         assert!(e.contains("mtu 100 cannot carry"), "{e}");
+    }
+
+    #[test]
+    fn a_tagged_frame_counts_its_tags_against_the_underlay() {
+        let mut v = crate::testing::build::<Vxlan>(serde_json::json!({
+            "local": "192.0.2.1", "local_mac": "02:00:00:00:00:01",
+            "next_hop_mac": "02:00:00:00:00:02",
+            "segments": { "a": { "vni": 7, "remote": "192.0.2.2" } }
+        }));
+        let (mut io, [mut seg_in, _wire_in], [mut seg_out, mut wire_out]) =
+            crate::testing::ports(["a", "underlay"]);
+        let tagged = |ip_len: usize| {
+            let mut p = ipv4_df(ip_len);
+            stitch_wire::vlan::push(&mut p, 0x8100, 7).unwrap();
+            p
+        };
+        seg_in.transmit(tagged(1446));
+        seg_in.transmit(tagged(1447));
+        v.push(&mut io);
+        let sent: Vec<usize> = wire_out.drain().map(|p| p.len()).collect();
+        assert_eq!(
+            sent,
+            vec![14 + 1500],
+            "tag and all, a 1500-byte outer packet"
+        );
+        let answer = seg_out.drain().next().expect("an answer");
+        let d = answer.data();
+        assert_eq!(
+            (d[38], d[39]),
+            (3, 4),
+            "fragmentation needed, behind the tag"
+        );
+        assert_eq!(u16::from_be_bytes([d[44], d[45]]), 1446);
     }
 
     #[test]
