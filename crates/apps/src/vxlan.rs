@@ -159,15 +159,16 @@ fn udp6_checksum(src: &Ipv6Addr, dst: &Ipv6Addr, udp: &[u8]) -> u16 {
     }
 }
 
-impl Vxlan {
-    fn outer_len(&self) -> usize {
-        if self.local.is_ipv4() {
-            OUTER4
-        } else {
-            OUTER6
-        }
+/// Bytes the outer headers take for an underlay of `local`'s family (outer Ethernet included).
+fn outer_len(local: IpAddr) -> usize {
+    if local.is_ipv4() {
+        OUTER4
+    } else {
+        OUTER6
     }
+}
 
+impl Vxlan {
     /// Encapsulates an inner frame (ordinary, complete checksums) toward `remote`.
     fn encapsulate(&self, seg: usize, remote: IpAddr, mut p: Packet) -> Option<Packet> {
         let inner_len = p.len();
@@ -178,7 +179,7 @@ impl Vxlan {
             .unwrap_or(0);
         let sport = 49152 + (hash % 16384) as u16;
         let udp_len = 8 + 8 + inner_len;
-        let outer = self.outer_len();
+        let outer = outer_len(self.local);
         let h = p.prepend(outer).ok()?;
         h[0..6].copy_from_slice(&self.next_hop_mac);
         h[6..12].copy_from_slice(&self.local_mac);
@@ -411,7 +412,7 @@ impl App for Vxlan {
         if c.segments.is_empty() {
             return Err("give at least one segment".into());
         }
-        let outer = if c.local.is_ipv4() { OUTER4 } else { OUTER6 };
+        let outer = outer_len(c.local);
         if c.mtu < outer - 14 + 68 || c.mtu > 65535 {
             return Err(format!(
                 "mtu {} cannot carry tunnelled packets: give the underlay's MTU, {}–65535",
@@ -493,7 +494,7 @@ impl App for Vxlan {
             aging: Duration::from_secs(c.aging_seconds),
             last_sweep: Instant::now(),
             staged: Vec::new(),
-            max_inner: c.mtu + 14 - if c.local.is_ipv4() { OUTER4 } else { OUTER6 },
+            max_inner: c.mtu + 14 - outer_len(c.local),
             icmp_limit: RateLimit::new(c.icmp_rate),
             icmp_sent: ctx.counter("icmp_sent"),
             icmp_rate_limited: ctx.counter("icmp_rate_limited"),
