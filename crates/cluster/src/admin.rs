@@ -356,11 +356,7 @@ fn status_json(s: &ClusterState) -> Value {
             })
         })
         .collect();
-    let workload_mtu = s
-        .hosts
-        .values()
-        .map(|h| h.mtu.saturating_sub(h.tunnel_overhead()))
-        .min();
+    let workload_mtu = crate::schedule::workload_mtu(s.hosts.values());
     json!({
         "revision": s.revision,
         "leader": s.leader,

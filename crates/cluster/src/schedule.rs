@@ -360,7 +360,7 @@ fn host_assignment(
     Assignment {
         graphs: graph_revisions,
         document,
-        workload_mtu: workload_mtu(hosts),
+        workload_mtu: workload_mtu(hosts.registered.values()),
     }
 }
 
@@ -416,10 +416,9 @@ fn tunnel_ends(
 
 /// The largest IP packet that crosses every tunnel the cluster's hosts can make: each host's
 /// underlay MTU less the encapsulation, the smallest of them.
-pub fn workload_mtu(hosts: &Hosts) -> Option<u32> {
+pub fn workload_mtu<'a>(hosts: impl IntoIterator<Item = &'a HostRecord>) -> Option<u32> {
     hosts
-        .registered
-        .values()
+        .into_iter()
         .map(|h| h.mtu.saturating_sub(h.tunnel_overhead()))
         .min()
 }
