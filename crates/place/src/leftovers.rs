@@ -26,8 +26,14 @@ pub fn lock_path(socket: &Path) -> PathBuf {
 }
 
 /// Takes the instance whose API socket is `socket` for this process; refused while another
-/// live process holds it.
+/// live process holds it. A sweep by another instance holds a dead instance's lock for a
+/// moment, so a held lock is waited for a little before its holder counts as live.
 pub fn own(socket: &Path) -> Result<Owner, String> {
+    lock(socket, HELD_PATIENCE)
+}
+
+/// The instance's lock, waiting at most `patience` while another process holds it.
+fn lock(socket: &Path, patience: std::time::Duration) -> Result<Owner, String> {
     let path = lock_path(socket);
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)
@@ -39,10 +45,19 @@ pub fn own(socket: &Path) -> Result<Owner, String> {
         .write(true)
         .open(&path)
         .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
-    // SAFETY: flock on a descriptor this function owns; no memory is passed.
-    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+    let started = std::time::Instant::now();
+    loop {
+        // SAFETY: flock on a descriptor this function owns; no memory is passed.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+            return Ok(Owner { _file: file });
+        }
         let e = std::io::Error::last_os_error();
-        return Err(if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        let held = e.raw_os_error() == Some(libc::EWOULDBLOCK);
+        if held && started.elapsed() < patience {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            continue;
+        }
+        return Err(if held {
             format!(
                 "another stitch instance runs with the API socket {} (it holds {}): stop it, \
                  or give this one another --name",
@@ -53,8 +68,10 @@ pub fn own(socket: &Path) -> Result<Owner, String> {
             format!("cannot lock {}: {e}", path.display())
         });
     }
-    Ok(Owner { _file: file })
 }
+
+/// How long a held lock is waited for before its holder counts as a live instance.
+const HELD_PATIENCE: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Removes what the dead instance with API socket `socket` and resource key `key` (its name,
 /// or its socket's path when it was given one) left; refused while it runs. Returns what was
@@ -66,7 +83,8 @@ pub fn clean_dead(socket: &Path, key: &str) -> Result<Vec<String>, String> {
             socket.display()
         ));
     }
-    let _owner = own(socket)?;
+    // Not waited for: a holder is a live instance, or one starting.
+    let _owner = lock(socket, std::time::Duration::ZERO)?;
     let engine = Arc::new(Engine::new(Arc::new(Registry::new())));
     let mut removed = Placements::new(engine, key).clean_after_crash();
     if std::fs::remove_file(socket).is_ok() {
@@ -75,16 +93,17 @@ pub fn clean_dead(socket: &Path, key: &str) -> Result<Vec<String>, String> {
     Ok(removed)
 }
 
-/// Cleans every dead instance whose API socket or lock is in `dir` (the runtime folder),
-/// except the one with socket `except`: instance name → what was removed (instances that
-/// left nothing are not listed).
+/// Cleans every dead instance whose API socket is in `dir` (the runtime folder), except the
+/// one with socket `except`: instance name → what was removed (instances that left nothing
+/// are not listed). An instance that stopped removed its socket: only one that died leaves
+/// it, so instances that ran and stopped cost the sweep nothing.
 pub fn sweep(dir: &Path, except: Option<&Path>) -> Vec<(String, Vec<String>)> {
     let mut names: Vec<String> = std::fs::read_dir(dir)
         .into_iter()
         .flatten()
         .flatten()
         .map(|e| e.path())
-        .filter(|p| p.extension().is_some_and(|e| e == "sock" || e == "lock"))
+        .filter(|p| p.extension().is_some_and(|e| e == "sock"))
         .filter_map(|p| p.file_stem()?.to_str().map(String::from))
         .collect();
     names.sort();
