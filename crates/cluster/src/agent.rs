@@ -418,19 +418,47 @@ async fn session(ctx: &Ctx, stopped: &mut watch::Receiver<bool>) -> Result<()> {
     result
 }
 
-/// Refreshes the lease three times per TTL; an unanswered or refused refresh ends the session.
+/// Refreshes the lease three times per TTL. A keep-alive stream that breaks (its member went
+/// away) is opened again, on a member that answers, for the same lease: the session — the
+/// host's liveness key and its place in the election — outlives a member. A lease etcd let
+/// expire, or one not refreshed for a whole TTL, ends the session.
 async fn keep_alive(mut client: Client, lease: i64, ttl: i64) -> Result<()> {
-    let (mut keeper, mut answers) = client.lease_keep_alive(lease).await?;
-    let period = Duration::from_millis((ttl.max(1) as u64 * 1000) / 3);
+    let lifetime = Duration::from_secs(ttl.max(1) as u64);
+    let period = lifetime / 3;
+    let mut refreshed = std::time::Instant::now();
     loop {
-        tokio::time::sleep(period).await;
-        keeper.keep_alive().await.context("lease keep-alive")?;
-        match tokio::time::timeout(REQUEST_TIMEOUT, answers.message()).await {
-            Ok(Ok(Some(a))) if a.ttl() > 0 => {}
-            Ok(Ok(_)) => bail!("the lease expired"),
-            Ok(Err(e)) => return Err(e).context("lease keep-alive"),
-            Err(_) => bail!("no answer to the lease keep-alive"),
+        let broken = match client.lease_keep_alive(lease).await {
+            Ok((keeper, answers)) => refresh(keeper, answers, period, &mut refreshed).await?,
+            Err(e) => anyhow!(e),
+        };
+        if refreshed.elapsed() >= lifetime {
+            return Err(broken).context("lease keep-alive: not refreshed for a whole TTL");
         }
+        log::info!("agent: lease keep-alive broke ({broken:#}); opening it again");
+        tokio::time::sleep(period / 4).await;
+    }
+}
+
+/// Refreshes the lease on one keep-alive stream until it breaks; returns why it broke.
+/// `Err`: the lease is gone.
+async fn refresh(
+    mut keeper: etcd_client::LeaseKeeper,
+    mut answers: etcd_client::LeaseKeepAliveStream,
+    period: Duration,
+    refreshed: &mut std::time::Instant,
+) -> Result<anyhow::Error> {
+    loop {
+        if let Err(e) = keeper.keep_alive().await {
+            return Ok(anyhow!(e));
+        }
+        match tokio::time::timeout(REQUEST_TIMEOUT, answers.message()).await {
+            Ok(Ok(Some(a))) if a.ttl() > 0 => *refreshed = std::time::Instant::now(),
+            Ok(Ok(Some(_))) => bail!("the lease expired"),
+            Ok(Ok(None)) => return Ok(anyhow!("the stream ended")),
+            Ok(Err(e)) => return Ok(anyhow!(e)),
+            Err(_) => return Ok(anyhow!("no answer")),
+        }
+        tokio::time::sleep(period).await;
     }
 }
 
