@@ -1,4 +1,5 @@
-//! Graph files typed by people: any text must give a graph or line-numbered errors.
+//! Graph files typed by people, placements and all: any text must give a graph or
+//! line-numbered errors.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
 use std::path::Path;
@@ -8,7 +9,9 @@ fuzz_target!(|data: &[u8]| {
     let mut r = stitch_core::Registry::new();
     stitch_apps::register(&mut r);
     stitch_io::register(&mut r);
-    if let Err(e) = stitch_core::Graph::parse(text, "fuzz.yaml", Path::new("."), &r) {
+    stitch_nf::register(&mut r);
+    stitch_vhost::register(&mut r);
+    if let Err(e) = stitch_place::PlacedGraph::parse(text, "fuzz.yaml", Path::new("."), &r) {
         assert!(!e.errors.is_empty());
         let _ = e.to_string();
     }

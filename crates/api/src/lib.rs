@@ -22,9 +22,10 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use stitch_core::engine::{ApplyReport, EngineError};
+use stitch_core::engine::EngineError;
 use stitch_core::graph::GraphErrors;
-use stitch_core::{Engine, Graph, Stats};
+use stitch_core::{Engine, Stats};
+use stitch_place::{PlaceReport, PlacedGraph};
 
 pub use capture::CAPTURE_ID_HEADER;
 pub use rates::Rates;
@@ -164,7 +165,12 @@ impl Api {
 
     /// Applies `graph` by diff through the placements; an entry the placements refuse is an
     /// error at its line of `text` (`None`: the API's own rendering, whose lines mean nothing).
-    fn place(&self, graph: Graph, file: &str, text: Option<&str>) -> Result<ApplyReport, ApiError> {
+    fn place(
+        &self,
+        graph: PlacedGraph,
+        file: &str,
+        text: Option<&str>,
+    ) -> Result<PlaceReport, ApiError> {
         self.placements.apply(graph).map_err(|e| match e {
             stitch_place::PlaceError::Engine(e) => e.into(),
             stitch_place::PlaceError::Kernel(why) => {
@@ -262,9 +268,8 @@ impl Api {
         if let Some(apps) = v["apps"].as_array_mut() {
             for a in apps.iter_mut() {
                 let name = a["name"].as_str().unwrap_or_default().to_string();
-                let placement = graph
-                    .as_ref()
-                    .and_then(|g| g.apps.get(&name).map(|d| d.placement))
+                let placement = (graph.as_ref())
+                    .map(|g| g.placement(&name))
                     .unwrap_or_default();
                 a["placement"] = json!(placement.name());
                 if let Some(p) = self.placements.process(&name) {
@@ -278,7 +283,7 @@ impl Api {
 
     /// The graph's kernel apps with the data plane's counters, as engine apps are counted
     /// (`worker: kernel`; per-port packets summed).
-    fn kernel_app_stats(&self, graph: Option<&Graph>) -> Vec<stitch_core::engine::AppStats> {
+    fn kernel_app_stats(&self, graph: Option<&PlacedGraph>) -> Vec<stitch_core::engine::AppStats> {
         let (Some(graph), Some(status)) = (graph, self.placements.kernel_status()) else {
             return Vec::new();
         };
@@ -307,7 +312,7 @@ impl Api {
     }
 
     /// The kernel apps in the shape of engine apps in `stats_json` (no rates).
-    fn kernel_apps_json(&self, graph: Option<&Graph>) -> Vec<Value> {
+    fn kernel_apps_json(&self, graph: Option<&PlacedGraph>) -> Vec<Value> {
         self.kernel_app_stats(graph)
             .into_iter()
             .map(|a| {
@@ -320,7 +325,7 @@ impl Api {
             .collect()
     }
 
-    fn running_graph(&self) -> Result<Graph, ApiError> {
+    fn running_graph(&self) -> Result<PlacedGraph, ApiError> {
         self.placements
             .graph()
             .ok_or_else(|| {
@@ -337,7 +342,7 @@ impl Api {
     }
 
     pub fn graph_dot(&self) -> Result<String, ApiError> {
-        Ok(self.running_graph()?.to_dot())
+        Ok(self.running_graph()?.graph.to_dot())
     }
 
     /// Applies graph text (YAML or JSON) by diff. Relative paths in it are resolved from
@@ -347,17 +352,17 @@ impl Api {
         text: &str,
         file: &str,
         base_dir: Option<&Path>,
-    ) -> Result<ApplyReport, ApiError> {
+    ) -> Result<PlaceReport, ApiError> {
         let _one_change = self.changes.lock().unwrap();
         let base = match base_dir {
             Some(d) => d.to_path_buf(),
             None => self
                 .placements
                 .graph()
-                .map(|g| g.base_dir)
+                .map(|g| g.graph.base_dir)
                 .unwrap_or_default(),
         };
-        let g = Graph::parse(text, file, &base, self.engine.registry())
+        let g = PlacedGraph::parse(text, file, &base, self.engine.registry())
             .map_err(|e| ApiError::bad_graph(e, true))?;
         self.place(g, file, Some(text))
     }
@@ -369,22 +374,22 @@ impl Api {
         &self,
         what: &str,
         derive: impl FnOnce(Option<Value>) -> Value,
-    ) -> Result<ApplyReport, ApiError> {
+    ) -> Result<PlaceReport, ApiError> {
         let _one_change = self.changes.lock().unwrap();
         let running = self.placements.graph();
         let base = running
             .as_ref()
-            .map(|g| g.base_dir.clone())
+            .map(|g| g.graph.base_dir.clone())
             .unwrap_or_default();
         let doc = derive(running.map(|g| g.to_document()));
         let text = serde_json::to_string_pretty(&doc).expect("a document serializes");
-        let g = Graph::parse(&text, what, &base, self.engine.registry())
+        let g = PlacedGraph::parse(&text, what, &base, self.engine.registry())
             .map_err(|e| ApiError::bad_graph(e, true))?;
         self.place(g, what, Some(&text))
     }
 
     /// Re-reads the graph file the instance was started with and applies it by diff.
-    pub fn reload(&self) -> Result<ApplyReport, ApiError> {
+    pub fn reload(&self) -> Result<PlaceReport, ApiError> {
         let Some(file) = &self.graph_file else {
             return Err(ApiError::new(
                 409,
@@ -406,19 +411,19 @@ impl Api {
         &self,
         what: &str,
         f: impl FnOnce(&mut Map<String, Value>) -> Result<(), ApiError>,
-    ) -> Result<ApplyReport, ApiError> {
+    ) -> Result<PlaceReport, ApiError> {
         let _one_change = self.changes.lock().unwrap();
         let graph = self.running_graph()?;
         let mut doc = graph.to_document();
         f(doc.as_object_mut().expect("a graph document is an object"))?;
         let text = serde_json::to_string_pretty(&doc).expect("a document serializes");
-        let g = Graph::parse(&text, what, &graph.base_dir, self.engine.registry())
+        let g = PlacedGraph::parse(&text, what, &graph.graph.base_dir, self.engine.registry())
             .map_err(|e| ApiError::bad_graph(e, false))?;
         self.place(g, what, None)
     }
 
     /// Adds app `name` or replaces its entry; true when it is new.
-    pub fn put_app(&self, name: &str, entry: Value) -> Result<(bool, ApplyReport), ApiError> {
+    pub fn put_app(&self, name: &str, entry: Value) -> Result<(bool, PlaceReport), ApiError> {
         let Value::Object(entry) = entry else {
             return Err(ApiError::new(
                 400,
@@ -442,7 +447,7 @@ impl Api {
     }
 
     /// Removes app `name` and every link to or from it.
-    pub fn delete_app(&self, name: &str) -> Result<ApplyReport, ApiError> {
+    pub fn delete_app(&self, name: &str) -> Result<PlaceReport, ApiError> {
         self.edit(&format!("<app {name}>"), |doc| {
             let apps = doc["apps"].as_object_mut().expect("apps");
             if apps.shift_remove(name).is_none() {
@@ -458,7 +463,7 @@ impl Api {
     }
 
     /// Adds a link given as in a graph file: `"a.x -> b.y"` or `{link: "a.x -> b.y", size: N}`.
-    pub fn add_link(&self, link: Value) -> Result<ApplyReport, ApiError> {
+    pub fn add_link(&self, link: Value) -> Result<PlaceReport, ApiError> {
         let spec = match &link {
             Value::String(s) => s.clone(),
             Value::Object(m) => match m.get("link") {
@@ -489,7 +494,7 @@ impl Api {
     }
 
     /// Removes the link `a.x -> b.y`.
-    pub fn delete_link(&self, spec: &str) -> Result<ApplyReport, ApiError> {
+    pub fn delete_link(&self, spec: &str) -> Result<PlaceReport, ApiError> {
         let wanted = normalize(spec);
         self.edit(&format!("<link {spec}>"), |doc| {
             let links = doc["links"].as_array_mut().expect("links");

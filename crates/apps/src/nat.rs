@@ -44,6 +44,10 @@ use std::time::{Duration, Instant};
 use stitch_core::link::transmit_to;
 use stitch_core::packet::ChecksumState;
 use stitch_core::{App, AppContext, AppError, Counter, Io, Packet, PortNames, PortSpec};
+use stitch_wire::header::{self, icmp, l4, End, Field16, L4Sum};
+use stitch_wire::views::{
+    ArpHardware, ArpOperation, ArpPacket, EthernetFrame, EthernetProtocol, Ipv4Packet,
+};
 use stitch_wire::{checksum, flow, parse_mac};
 
 #[derive(Debug, Clone, Deserialize)]
@@ -95,6 +99,9 @@ type Inside = (Ipv4Addr, u16);
 /// Inside hosts whose MAC address the NAT keeps at most: a lan side sending from ever new
 /// addresses cannot grow the table without bound (past this, packets keep their MAC).
 const MAX_HOSTS: usize = 65536;
+/// ICMP message types (RFC 792) the NAT translates.
+const ICMP_ECHO_REQUEST: u8 = 8;
+const ICMP_ECHO_REPLY: u8 = 0;
 /// Inside hosts the NAT asks for in one second at most, and how often it asks for one.
 const PROBES_PER_SECOND: usize = 64;
 const PROBE_INTERVAL: Duration = Duration::from_secs(1);
@@ -207,9 +214,10 @@ fn layout(d: &[u8]) -> Option<(usize, usize, u8)> {
     if ethertype != 0x0800 || d.len() < l3 + 20 {
         return None;
     }
-    let ihl = (d[l3] & 0x0f) as usize * 4;
-    let proto = d[l3 + 9];
-    if u16::from_be_bytes([d[l3 + 6], d[l3 + 7]]) & 0x1fff != 0 {
+    let ip = Ipv4Packet::new_unchecked(&d[l3..]);
+    let ihl = ip.header_len() as usize;
+    let proto = u8::from(ip.next_header());
+    if ip.frag_offset() != 0 {
         return None; // non-first fragment: no L4 header
     }
     let need = match proto {
@@ -222,15 +230,24 @@ fn layout(d: &[u8]) -> Option<(usize, usize, u8)> {
 }
 
 /// An Ethernet/IPv4 ARP message's operation, sender MAC and address, and target address.
-fn arp_fields(d: &[u8]) -> Option<(u16, [u8; 6], Ipv4Addr, Ipv4Addr)> {
-    if d.len() < 42 || d[12..14] != [0x08, 0x06] || d[14..20] != [0, 1, 0x08, 0x00, 6, 4] {
+fn arp_fields(d: &[u8]) -> Option<(ArpOperation, [u8; 6], Ipv4Addr, Ipv4Addr)> {
+    let eth = EthernetFrame::new_checked(d).ok()?;
+    if eth.ethertype() != EthernetProtocol::Arp {
         return None;
     }
+    let arp = ArpPacket::new_checked(eth.payload()).ok()?;
+    if arp.hardware_type() != ArpHardware::Ethernet
+        || arp.protocol_type() != EthernetProtocol::Ipv4
+        || (arp.hardware_len(), arp.protocol_len()) != (6, 4)
+    {
+        return None;
+    }
+    let ipv4 = |b: &[u8]| Some(Ipv4Addr::from(<[u8; 4]>::try_from(b).ok()?));
     Some((
-        u16::from_be_bytes([d[20], d[21]]),
-        d[22..28].try_into().ok()?,
-        Ipv4Addr::new(d[28], d[29], d[30], d[31]),
-        Ipv4Addr::new(d[38], d[39], d[40], d[41]),
+        arp.operation(),
+        arp.source_hardware_addr().try_into().ok()?,
+        ipv4(arp.source_protocol_addr())?,
+        ipv4(arp.target_protocol_addr())?,
     ))
 }
 
@@ -247,15 +264,6 @@ fn arp_frame(
     ))
 }
 
-/// L4 checksum field offset within the L4 header; ICMP's checksum does not cover addresses.
-fn csum_at(proto: u8) -> usize {
-    match proto {
-        6 => 16,
-        17 => 6,
-        _ => 2,
-    }
-}
-
 /// Where the headers of a frame are: IPv4 header, L4 header, protocol.
 #[derive(Clone, Copy)]
 struct At {
@@ -264,41 +272,26 @@ struct At {
     proto: u8,
 }
 
-/// Rewrites a 32-bit address at `addr_off` (source 12 or destination 16 of the IP header) and
-/// a port (or echo id) at `port_at` within L4, updating the checksums incrementally.
-fn rewrite(p: &mut Packet, at: At, addr_off: usize, addr: Ipv4Addr, port_at: usize, port: u16) {
-    let At { l3, l4, proto } = at;
-    let partial = p.checksum_state() == ChecksumState::Partial;
-    let d = p.data_mut();
-    let old_addr = u32::from_be_bytes(d[l3 + addr_off..l3 + addr_off + 4].try_into().unwrap());
-    let new_addr = u32::from(addr);
-    let ip_cs = u16::from_be_bytes([d[l3 + 10], d[l3 + 11]]);
-    d[l3 + 10..l3 + 12]
-        .copy_from_slice(&checksum::update32(ip_cs, old_addr, new_addr).to_be_bytes());
-    d[l3 + addr_off..l3 + addr_off + 4].copy_from_slice(&new_addr.to_be_bytes());
-    let old_port = u16::from_be_bytes([d[l4 + port_at], d[l4 + port_at + 1]]);
-    d[l4 + port_at..l4 + port_at + 2].copy_from_slice(&port.to_be_bytes());
-    let c = l4 + csum_at(proto);
-    let cs = u16::from_be_bytes([d[c], d[c + 1]]);
-    if proto == 17 && cs == 0 && !partial {
-        return; // UDP without checksum
+/// The field of a NAT mapping's "port" in an IPv4 packet's transport header at `end`: the
+/// port, or ICMP echo's identifier (at both ends).
+fn port_field(proto: u8, end: End) -> Field16 {
+    match (proto, end) {
+        (1, _) => icmp::ECHO_IDENT,
+        (_, End::Source) => l4::SRC_PORT,
+        (_, End::Destination) => l4::DST_PORT,
     }
-    let cs = if partial {
-        // The field holds the pseudo-header sum: only the address is part of it.
-        !checksum::update32(!cs, old_addr, new_addr)
-    } else {
-        let mut cs = cs;
-        if proto != 1 {
-            cs = checksum::update32(cs, old_addr, new_addr);
-        }
-        cs = checksum::update(cs, old_port, port);
-        if proto == 17 && cs == 0 {
-            0xffff
-        } else {
-            cs
-        }
+}
+
+/// Rewrites the address and port at `end` of the packet, updating the checksums incrementally.
+fn rewrite(p: &mut Packet, at: At, end: End, (addr, port): (Ipv4Addr, u16)) {
+    let sum = match p.checksum_state() {
+        ChecksumState::Partial => L4Sum::Partial,
+        _ => L4Sum::Full,
     };
-    d[c..c + 2].copy_from_slice(&cs.to_be_bytes());
+    let (ip, l4) = p.data_mut()[at.l3..].split_at_mut(at.l4 - at.l3);
+    let field = port_field(at.proto, end);
+    let mut ip = Ipv4Packet::new_unchecked(ip);
+    header::rewrite_ipv4_endpoint(&mut ip, l4, end, (addr, field, port), sum);
 }
 
 impl Nat {
@@ -411,7 +404,7 @@ impl Nat {
             // Answers to the NAT's own probes stop here.
             return d[0..6] != self.mac;
         }
-        if op == 1 && self.external_index(target_ip).is_some() {
+        if op == ArpOperation::Request && self.external_index(target_ip).is_some() {
             let answer = arp_frame(
                 sender_mac,
                 self.mac,
@@ -509,31 +502,25 @@ impl Nat {
             return Some(1);
         };
         let d = p.data();
-        if proto == 1 && d[l4] != 8 {
+        if proto == 1 && d[l4] != ICMP_ECHO_REQUEST {
             self.passed.add(1);
             return Some(1);
         }
-        let src = Ipv4Addr::new(d[l3 + 12], d[l3 + 13], d[l3 + 14], d[l3 + 15]);
-        let dst = Ipv4Addr::new(d[l3 + 16], d[l3 + 17], d[l3 + 18], d[l3 + 19]);
-        let (sport_at, dport_at) = if proto == 1 { (4, 4) } else { (0, 2) };
-        let sport = u16::from_be_bytes([d[l4 + sport_at], d[l4 + sport_at + 1]]);
-        let dport = u16::from_be_bytes([d[l4 + dport_at], d[l4 + dport_at + 1]]);
+        let ip = Ipv4Packet::new_unchecked(&d[l3..]);
+        let (src, dst) = (ip.src_addr(), ip.dst_addr());
+        let sport = port_field(proto, End::Source).get(&d[l4..]);
+        let dport = port_field(proto, End::Destination).get(&d[l4..]);
         // Hairpin: a lan host talking to a forwarded external port.
         let hairpin = self
             .external_index(dst)
             .and_then(|e| self.forwards.get(&(proto, e, dport)).copied());
         let (ext, ext_port) = self.map_out(proto, (src, sport), now)?;
-        rewrite(
-            p,
-            At { l3, l4, proto },
-            12,
-            self.externals[ext as usize],
-            sport_at,
-            ext_port,
-        );
+        let at = At { l3, l4, proto };
+        rewrite(p, at, End::Source, (self.externals[ext as usize], ext_port));
         self.send_from_nat_mac(p, src);
-        if let Some((to_ip, to_port)) = hairpin {
-            rewrite(p, At { l3, l4, proto }, 16, to_ip, dport_at, to_port);
+        if let Some(to) = hairpin {
+            let to_ip = to.0;
+            rewrite(p, at, End::Destination, to);
             self.address_inside_host(p, to_ip, now);
             self.hairpinned.add(1);
             return Some(0);
@@ -549,7 +536,7 @@ impl Nat {
             return Some(0);
         };
         let d = p.data();
-        let dst = Ipv4Addr::new(d[l3 + 16], d[l3 + 17], d[l3 + 18], d[l3 + 19]);
+        let dst = Ipv4Packet::new_unchecked(&d[l3..]).dst_addr();
         let Some(ext) = self.external_index(dst) else {
             self.passed.add(1);
             return Some(0);
@@ -557,12 +544,11 @@ impl Nat {
         if proto == 1 && matches!(d[l4], 3 | 11 | 12) {
             return self.icmp_error_in(p, At { l3, l4, proto }, ext, now);
         }
-        if proto == 1 && d[l4] != 0 {
+        if proto == 1 && d[l4] != ICMP_ECHO_REPLY {
             self.passed.add(1);
             return Some(0);
         }
-        let dport_at = if proto == 1 { 4 } else { 2 };
-        let dport = u16::from_be_bytes([d[l4 + dport_at], d[l4 + dport_at + 1]]);
+        let dport = port_field(proto, End::Destination).get(&d[l4..]);
         let target = match self.forwards.get(&(proto, ext, dport)) {
             Some(&t) => t,
             None => match self.inside_of((proto, ext, dport), now) {
@@ -573,7 +559,7 @@ impl Nat {
                 }
             },
         };
-        rewrite(p, At { l3, l4, proto }, 16, target.0, dport_at, target.1);
+        rewrite(p, At { l3, l4, proto }, End::Destination, target);
         self.address_inside_host(p, target.0, now);
         self.translated_in.add(1);
         Some(0)
@@ -585,20 +571,20 @@ impl Nat {
     fn icmp_error_in(&mut self, p: &mut Packet, at: At, ext: u16, now: Instant) -> Option<usize> {
         let d = p.data();
         let q = at.l4 + 8; // quoted IPv4 header
-        if d.len() < q + 20 || d[q] >> 4 != 4 {
+                           // A quote is cut short of the length its header gives: no checked view.
+        let Some(quote) = d.get(q..).filter(|b| b.len() >= 20) else {
+            self.malformed.add(1);
+            return None;
+        };
+        let quote = Ipv4Packet::new_unchecked(quote);
+        let qproto = u8::from(quote.next_header());
+        let ql4 = q + quote.header_len() as usize;
+        let field = port_field(qproto, End::Source);
+        if quote.version() != 4 || d.len() < ql4 + field.end() || !matches!(qproto, 1 | 6 | 17) {
             self.malformed.add(1);
             return None;
         }
-        let qihl = (d[q] & 0x0f) as usize * 4;
-        let qproto = d[q + 9];
-        let ql4 = q + qihl;
-        let port_at = if qproto == 1 { 4 } else { 0 };
-        if d.len() < ql4 + port_at + 2 || !matches!(qproto, 1 | 6 | 17) {
-            self.malformed.add(1);
-            return None;
-        }
-        let ext_port = u16::from_be_bytes([d[ql4 + port_at], d[ql4 + port_at + 1]]);
-        let Some(inside) = self.inside_of((qproto, ext, ext_port), now) else {
+        let Some(inside) = self.inside_of((qproto, ext, field.get(&d[ql4..])), now) else {
             self.no_mapping.add(1);
             return None;
         };
@@ -609,30 +595,23 @@ impl Nat {
             l4: ql4,
             proto: qproto,
         };
-        if d.len() >= ql4 + csum_at(qproto) + 2 {
-            rewrite(p, quoted, 12, inside.0, port_at, inside.1);
+        if d.len() >= ql4 + header::l4_checksum(qproto).end() {
+            rewrite(p, quoted, End::Source, inside);
         } else {
-            // Address and checksum of the quoted IP header only, then the port by hand.
-            let dd = p.data_mut();
-            let old = u32::from_be_bytes(dd[q + 12..q + 16].try_into().unwrap());
-            let cs = u16::from_be_bytes([dd[q + 10], dd[q + 11]]);
-            dd[q + 10..q + 12]
-                .copy_from_slice(&checksum::update32(cs, old, u32::from(inside.0)).to_be_bytes());
-            dd[q + 12..q + 16].copy_from_slice(&inside.0.octets());
-            dd[ql4 + port_at..ql4 + port_at + 2].copy_from_slice(&inside.1.to_be_bytes());
+            let (qip, ql4) = p.data_mut()[q..].split_at_mut(ql4 - q);
+            header::set_ipv4_addr(&mut Ipv4Packet::new_unchecked(qip), End::Source, inside.0);
+            field.set(ql4, inside.1);
         }
         // The outer destination, then the ICMP checksum over the whole (changed) message.
-        let dd = p.data_mut();
-        let old = u32::from_be_bytes(dd[at.l3 + 16..at.l3 + 20].try_into().unwrap());
-        let cs = u16::from_be_bytes([dd[at.l3 + 10], dd[at.l3 + 11]]);
-        dd[at.l3 + 10..at.l3 + 12]
-            .copy_from_slice(&checksum::update32(cs, old, u32::from(inside.0)).to_be_bytes());
-        dd[at.l3 + 16..at.l3 + 20].copy_from_slice(&inside.0.octets());
-        let end =
-            (at.l3 + u16::from_be_bytes([dd[at.l3 + 2], dd[at.l3 + 3]]) as usize).min(dd.len());
-        dd[at.l4 + 2..at.l4 + 4].copy_from_slice(&[0, 0]);
-        let cs = checksum::checksum(&dd[at.l4..end]);
-        dd[at.l4 + 2..at.l4 + 4].copy_from_slice(&cs.to_be_bytes());
+        let (ip, icmp_message) = p.data_mut()[at.l3..].split_at_mut(at.l4 - at.l3);
+        let mut ip = Ipv4Packet::new_unchecked(ip);
+        header::set_ipv4_addr(&mut ip, End::Destination, inside.0);
+        let end = (ip.total_len() as usize)
+            .saturating_sub(ip.header_len() as usize)
+            .min(icmp_message.len());
+        icmp::CHECKSUM.set(icmp_message, 0);
+        let cs = checksum::checksum(&icmp_message[..end]);
+        icmp::CHECKSUM.set(icmp_message, cs);
         self.address_inside_host(p, inside.0, now);
         self.translated_in.add(1);
         Some(0)
@@ -645,12 +624,9 @@ impl Nat {
             return false;
         };
         let d = p.data();
-        let src = Ipv4Addr::new(d[l3 + 12], d[l3 + 13], d[l3 + 14], d[l3 + 15]);
-        let dst = Ipv4Addr::new(d[l3 + 16], d[l3 + 17], d[l3 + 18], d[l3 + 19]);
-        let (sport, dport) = (
-            u16::from_be_bytes([d[l4], d[l4 + 1]]),
-            u16::from_be_bytes([d[l4 + 2], d[l4 + 3]]),
-        );
+        let ip = Ipv4Packet::new_unchecked(&d[l3..]);
+        let (src, dst) = (ip.src_addr(), ip.dst_addr());
+        let (sport, dport) = (l4::SRC_PORT.get(&d[l4..]), l4::DST_PORT.get(&d[l4..]));
         let Some(ext) = self.external_index(dst) else {
             return false;
         };
@@ -665,8 +641,9 @@ impl Nat {
             return false;
         };
         let fwd_addr = self.externals[fwd_ext as usize];
-        rewrite(p, At { l3, l4, proto }, 12, fwd_addr, 0, fwd_port);
-        rewrite(p, At { l3, l4, proto }, 16, client.0, 2, client.1);
+        let at = At { l3, l4, proto };
+        rewrite(p, at, End::Source, (fwd_addr, fwd_port));
+        rewrite(p, at, End::Destination, client);
         self.send_from_nat_mac(p, src);
         self.address_inside_host(p, client.0, now);
         self.hairpinned.add(1);
@@ -838,55 +815,43 @@ mod tests {
     use super::*;
     use stitch_core::link::Consumer;
     use stitch_core::pool;
+    use stitch_wire::build::{Frame, Transport};
 
     fn l4_ok(d: &[u8]) -> bool {
-        let proto = d[23];
-        let total = u16::from_be_bytes([d[16], d[17]]) as usize;
-        let l4 = &d[34..14 + total];
+        let ip = Ipv4Packet::new_checked(&d[14..]).unwrap();
+        let l4 = ip.payload();
+        let proto = u8::from(ip.next_header());
         let mut s = 0;
         if proto != 1 {
             s = checksum::sum(&d[26..34], 0) + proto as u64 + l4.len() as u64;
         }
-        checksum::checksum(&d[14..34]) == 0 && checksum::finish(checksum::sum(l4, s)) == 0
+        ip.verify_checksum() && checksum::finish(checksum::sum(l4, s)) == 0
     }
 
+    /// The source address and port of a frame.
+    fn src(d: &[u8]) -> (&[u8], u16) {
+        (&d[26..30], l4::SRC_PORT.get(&d[34..]))
+    }
+
+    /// The destination address and port of a frame.
+    fn dst(d: &[u8]) -> (&[u8], u16) {
+        (&d[30..34], l4::DST_PORT.get(&d[34..]))
+    }
+
+    /// A frame of `proto` (ICMP: an echo request with identifier `dp`, or a reply if `sp` is
+    /// 0) with 10 bytes of payload.
     fn packet(proto: u8, src: [u8; 4], sp: u16, dst: [u8; 4], dp: u16) -> Packet {
-        let l4 = if proto == 6 { 20 } else { 8 };
-        let mut f = vec![0u8; 34 + l4 + 10];
-        f[0..6].copy_from_slice(&[2, 0, 0, 0, dst[2], dst[3]]);
-        f[6..12].copy_from_slice(&[2, 0, 0, 0, src[2], src[3]]);
-        f[12..14].copy_from_slice(&[0x08, 0x00]);
-        f[14] = 0x45;
-        f[16..18].copy_from_slice(&((20 + l4 + 10) as u16).to_be_bytes());
-        f[22] = 64;
-        f[23] = proto;
-        f[26..30].copy_from_slice(&src);
-        f[30..34].copy_from_slice(&dst);
-        if proto == 1 {
-            f[34] = if sp == 0 { 0 } else { 8 };
-            f[38..40].copy_from_slice(&dp.to_be_bytes());
-        } else {
-            f[34..36].copy_from_slice(&sp.to_be_bytes());
-            f[36..38].copy_from_slice(&dp.to_be_bytes());
-        }
-        if proto == 6 {
-            f[46] = 5 << 4;
-        }
-        if proto == 17 {
-            f[38..40].copy_from_slice(&((l4 + 10) as u16).to_be_bytes());
-        }
-        for (i, b) in f[34 + l4..].iter_mut().enumerate() {
-            *b = i as u8;
-        }
-        let cs = checksum::checksum(&f[14..34]);
-        f[24..26].copy_from_slice(&cs.to_be_bytes());
-        let at = 34 + csum_at(proto);
-        let mut s = 0;
-        if proto != 1 {
-            s = checksum::sum(&f[26..34], 0) + proto as u64 + (l4 + 10) as u64;
-        }
-        let c = checksum::finish(checksum::sum(&f[34..], s));
-        f[at..at + 2].copy_from_slice(&c.to_be_bytes());
+        let transport = match proto {
+            6 => Transport::tcp(sp, dp),
+            17 => Transport::udp(sp, dp),
+            _ if sp == 0 => Transport::echo_reply(dp, 0),
+            _ => Transport::echo_request(dp, 0),
+        };
+        let payload: Vec<u8> = (0..10).collect();
+        let f = Frame::ipv4(src, dst, transport)
+            .macs([2, 0, 0, 0, src[2], src[3]], [2, 0, 0, 0, dst[2], dst[3]])
+            .payload(&payload)
+            .bytes();
         let mut p = pool::alloc().unwrap();
         p.set_data(&f).unwrap();
         p
@@ -1044,13 +1009,9 @@ mod tests {
         r.lan.transmit(packet(6, IN, 40000, OUT, 443));
         let (_, w) = r.run();
         assert_eq!(w.len(), 2);
-        assert_eq!(
-            (&w[0][26..30], u16::from_be_bytes([w[0][34], w[0][35]])),
-            (&EXT[..], 5000),
-            "port kept"
-        );
+        assert_eq!(src(&w[0]), (&EXT[..], 5000), "port kept");
         assert_eq!(&w[1][26..30], &EXT[..]);
-        let tcp_port = u16::from_be_bytes([w[1][34], w[1][35]]);
+        let tcp_port = l4::SRC_PORT.get(&w[1][34..]);
         assert!((5000..=5001).contains(&tcp_port));
         assert!(w.iter().all(|f| l4_ok(f)), "checksums after SNAT");
         // Replies from any outside endpoint reach the inside host (endpoint-independent).
@@ -1060,14 +1021,8 @@ mod tests {
         r.wan.transmit(packet(17, OUT, 53, EXT, 5001));
         let (l, _) = r.run();
         assert_eq!(l.len(), 2);
-        assert_eq!(
-            (&l[0][30..34], u16::from_be_bytes([l[0][36], l[0][37]])),
-            (&IN[..], 5000)
-        );
-        assert_eq!(
-            (&l[1][30..34], u16::from_be_bytes([l[1][36], l[1][37]])),
-            (&IN[..], 40000)
-        );
+        assert_eq!(dst(&l[0]), (&IN[..], 5000));
+        assert_eq!(dst(&l[1]), (&IN[..], 40000));
         assert!(
             l.iter().all(|f| l4_ok(f)),
             "checksums after reverse translation"
@@ -1087,21 +1042,12 @@ mod tests {
         let sent = &w[0];
         // OUT answers "port unreachable", quoting the translated IP header and 8 bytes of UDP.
         let quote = &sent[14..14 + 28];
-        let mut icmp = vec![3u8, 3, 0, 0, 0, 0, 0, 0];
-        icmp.extend_from_slice(quote);
-        let cs = checksum::checksum(&icmp);
-        icmp[2..4].copy_from_slice(&cs.to_be_bytes());
-        let mut f = vec![0u8; 34];
-        f[12..14].copy_from_slice(&[0x08, 0x00]);
-        f[14] = 0x45;
-        f[16..18].copy_from_slice(&((20 + icmp.len()) as u16).to_be_bytes());
-        f[22] = 64;
-        f[23] = 1;
-        f[26..30].copy_from_slice(&OUT);
-        f[30..34].copy_from_slice(&EXT);
-        let cs = checksum::checksum(&f[14..34]);
-        f[24..26].copy_from_slice(&cs.to_be_bytes());
-        f.extend_from_slice(&icmp);
+        let unreachable = Transport::Icmp {
+            kind: 3,
+            code: 3,
+            rest: 0,
+        };
+        let f = Frame::ipv4(OUT, EXT, unreachable).payload(quote).bytes();
         let mut p = pool::alloc().unwrap();
         p.set_data(&f).unwrap();
         r.wan.transmit(p);
@@ -1113,11 +1059,7 @@ mod tests {
         assert_eq!(checksum::checksum(&d[34..]), 0, "ICMP checksum");
         let q = 42;
         assert_eq!(&d[q + 12..q + 16], &IN[..], "quoted source address");
-        assert_eq!(
-            u16::from_be_bytes([d[q + 20], d[q + 21]]),
-            5000,
-            "quoted source port"
-        );
+        assert_eq!(l4::SRC_PORT.get(&d[q + 20..]), 5000, "quoted source port");
         assert_eq!(
             checksum::checksum(&d[q..q + 20]),
             0,
@@ -1130,33 +1072,21 @@ mod tests {
         let mut r = rig();
         r.wan.transmit(packet(6, OUT, 33333, EXT, 8080));
         let (l, _) = r.run();
-        assert_eq!(
-            (&l[0][30..34], u16::from_be_bytes([l[0][36], l[0][37]])),
-            (&SRV[..], 80)
-        );
+        assert_eq!(dst(&l[0]), (&SRV[..], 80));
         assert!(l4_ok(&l[0]));
         // A lan host uses the external address: back out of lan to the server, source translated.
         r.lan.transmit(packet(6, IN, 41000, EXT, 8080));
         let (l, w) = r.run();
         assert!(w.is_empty());
         assert_eq!(&l[0][26..30], &EXT[..]);
-        assert_eq!(
-            (&l[0][30..34], u16::from_be_bytes([l[0][36], l[0][37]])),
-            (&SRV[..], 80)
-        );
+        assert_eq!(dst(&l[0]), (&SRV[..], 80));
         assert!(l4_ok(&l[0]));
-        let mapped = u16::from_be_bytes([l[0][34], l[0][35]]);
+        let mapped = l4::SRC_PORT.get(&l[0][34..]);
         // The server answers the external address; the client sees the forward's address.
         r.lan.transmit(packet(6, SRV, 80, EXT, mapped));
         let (l, _) = r.run();
-        assert_eq!(
-            (&l[0][26..30], u16::from_be_bytes([l[0][34], l[0][35]])),
-            (&EXT[..], 8080)
-        );
-        assert_eq!(
-            (&l[0][30..34], u16::from_be_bytes([l[0][36], l[0][37]])),
-            (&IN[..], 41000)
-        );
+        assert_eq!(src(&l[0]), (&EXT[..], 8080));
+        assert_eq!(dst(&l[0]), (&IN[..], 41000));
         assert!(l4_ok(&l[0]));
         assert_eq!(r.nat.hairpinned.get(), 2);
     }
@@ -1172,7 +1102,7 @@ mod tests {
         while f > 0xffff {
             f = (f & 0xffff) + (f >> 16);
         }
-        d[50..52].copy_from_slice(&(f as u16).to_be_bytes());
+        header::tcp::CHECKSUM.set(&mut d[34..], f as u16);
         p.header_mut().csum_start = 34;
         p.header_mut().csum_offset = 16;
         p.set_checksum_state(ChecksumState::Partial);
@@ -1205,7 +1135,7 @@ mod tests {
                 "one external address per host (paired pooling)"
             );
             assert!(w.iter().all(|f| l4_ok(f)));
-            by_host.insert(host, (ext[0], u16::from_be_bytes([w[0][34], w[0][35]])));
+            by_host.insert(host, (ext[0], l4::SRC_PORT.get(&w[0][34..])));
             // Free the ports again so the next host finds room on any address.
             r.nat.in_map.clear();
             r.nat.out_map.clear();
@@ -1281,9 +1211,6 @@ mod tests {
         assert!(r.nat.in_map.is_empty() && r.nat.out_map.is_empty());
         let mut other = packet(17, SRV, 5000, OUT, 53);
         r.nat.outbound(&mut other, secs(20));
-        assert_eq!(
-            u16::from_be_bytes([other.data()[34], other.data()[35]]),
-            5000
-        );
+        assert_eq!(l4::SRC_PORT.get(&other.data()[34..]), 5000);
     }
 }

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use stitch_cluster::agent::{Agent, AgentConfig};
 use stitch_cluster::keys::{self, HostRecord};
 use stitch_cluster::{admin, etcd};
-use stitch_core::{Graph, Registry};
+use stitch_core::Registry;
 
 #[derive(clap::Args)]
 pub struct ClusterBenchArgs {
@@ -248,7 +248,7 @@ fn one_size(
         let reg = registry.clone();
         let dry_run = Arc::new(move |doc: &serde_json::Value| {
             let text = serde_json::to_string(doc).expect("a document serializes");
-            Graph::parse(&text, "<host graph>", std::path::Path::new("/"), &reg)
+            stitch_place::PlacedGraph::parse(&text, "<host graph>", std::path::Path::new("/"), &reg)
                 .map(|g| g.apps.len())
                 .map_err(|e| e.to_string())
         });

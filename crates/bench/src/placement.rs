@@ -13,7 +13,7 @@ use anyhow::{bail, Context, Result};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use stitch_core::{Engine, Graph, Registry};
+use stitch_core::{Engine, Registry};
 
 #[derive(clap::Args)]
 pub struct PlacementArgs {
@@ -142,7 +142,7 @@ fn measure(
         }
         other => bail!("unknown variant `{other}`: engine, kernel, process, vm, af_packet"),
     };
-    let g = Graph::parse(&text, "<bench placement>", dir.path(), registry)
+    let g = stitch_place::PlacedGraph::parse(&text, "<bench placement>", dir.path(), registry)
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     let engine = Arc::new(Engine::new(registry.clone()));
     let placements = stitch_place::Placements::new(engine.clone(), INSTANCE);

@@ -12,7 +12,8 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 use stitch_core::graph::{GraphError, GraphErrors};
-use stitch_core::{Graph, Registry};
+use stitch_core::Registry;
+use stitch_place::PlacedGraph;
 
 /// What `cluster apply` did.
 #[derive(Debug)]
@@ -48,7 +49,7 @@ fn check_name(name: &str) -> Result<()> {
 
 /// What can be checked of a cluster graph without the cluster (`stitch check --cluster`), on
 /// top of the graph parser's checks: no app takes a name the cluster keeps for itself.
-pub fn check_offline(graph: &Graph) -> Vec<GraphError> {
+pub fn check_offline(graph: &stitch_core::Graph) -> Vec<GraphError> {
     graph
         .apps
         .values()
@@ -68,12 +69,12 @@ pub fn check_offline(graph: &Graph) -> Vec<GraphError> {
 /// Checks `graph` against the cluster: app names free (not reserved, not in another graph),
 /// pins naming registered hosts, labels that some registered host has. Errors name lines.
 fn check_against(
-    graph: &Graph,
+    graph: &PlacedGraph,
     name: &str,
     state: &ClusterState,
     registry: &Registry,
 ) -> Vec<GraphError> {
-    let mut errors = check_offline(graph);
+    let mut errors = check_offline(&graph.graph);
     let at = |app: &stitch_core::graph::AppDecl, key: &str| {
         app.key_lines.get(key).copied().unwrap_or((app.line, 0))
     };
@@ -84,17 +85,18 @@ fn check_against(
             message,
         })
     };
-    let others: Vec<(String, Graph)> = state
+    let others: Vec<(String, PlacedGraph)> = state
         .graphs
         .iter()
         .filter(|(n, _)| n.as_str() != name)
         .filter_map(|(n, (r, _))| {
-            Graph::parse(&r.text, &r.file, Path::new(&r.dir), registry)
+            PlacedGraph::parse(&r.text, &r.file, Path::new(&r.dir), registry)
                 .ok()
                 .map(|g| (n.clone(), g))
         })
         .collect();
-    for app in graph.apps.values() {
+    for app in graph.graph.apps.values() {
+        let place = &graph.apps[&app.name];
         if let Some((other, _)) = others.iter().find(|(_, g)| g.apps.contains_key(&app.name)) {
             push(
                 (app.line, 0),
@@ -104,7 +106,7 @@ fn check_against(
                 ),
             );
         }
-        if let Some(pin) = &app.host {
+        if let Some(pin) = &place.host {
             if !state.hosts.contains_key(pin) {
                 let known: Vec<&str> = state.hosts.keys().map(String::as_str).collect();
                 push(
@@ -121,7 +123,7 @@ fn check_against(
                 );
             }
         }
-        for (label, value) in &app.hosts {
+        for (label, value) in &place.hosts {
             let values: Vec<&str> = state
                 .hosts
                 .values()
@@ -164,7 +166,7 @@ pub async fn apply(
         .map(|d| d.display().to_string())
         .unwrap_or_default();
     let shown = file.display().to_string();
-    let graph = Graph::parse(&text, &shown, Path::new(&dir), registry)
+    let graph = PlacedGraph::parse(&text, &shown, Path::new(&dir), registry)
         .map_err(|e| anyhow!("{e}\nnothing was written"))?;
     let mut client = etcd::connect(endpoints).await?;
     let (revision, kvs) = read_prefix(&mut client, keys::PREFIX).await?;

@@ -12,7 +12,8 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
-use stitch_core::{Graph, Registry};
+use stitch_core::Registry;
+use stitch_place::PlacedGraph;
 
 /// etcd refuses transactions of more than 128 operations (`--max-txn-ops`) or 1.5 MiB
 /// (`--max-request-bytes`) by default.
@@ -98,7 +99,7 @@ fn parse_graphs(
     let mut graphs = Vec::new();
     let mut broken = BTreeMap::new();
     for (name, (record, revision)) in &state.graphs {
-        match Graph::parse(&record.text, &record.file, Path::new(&record.dir), registry) {
+        match PlacedGraph::parse(&record.text, &record.file, Path::new(&record.dir), registry) {
             Ok(graph) => graphs.push(ClusterGraph {
                 name: name.clone(),
                 revision: *revision,

@@ -11,7 +11,7 @@
 use crate::keys::{AppPlace, Assignment, HostRecord, PlacementRecord, Tunnel};
 use serde_json::{json, Map, Value};
 use std::collections::{BTreeMap, BTreeSet};
-use stitch_core::Graph;
+use stitch_place::{AppPlacement, PlacedGraph};
 
 /// VNIs the controller gives links: from here up (lower ones are left to hand-made tunnels).
 pub const FIRST_VNI: u32 = 4096;
@@ -23,7 +23,7 @@ pub const RESERVED_PREFIX: &str = "cluster-";
 pub struct ClusterGraph {
     pub name: String,
     pub revision: i64,
-    pub graph: Graph,
+    pub graph: PlacedGraph,
 }
 
 /// The hosts as the controller sees them.
@@ -42,7 +42,7 @@ pub struct Schedule {
 }
 
 /// Why `app` may not run on `host`, if it may not.
-fn ineligible(app: &stitch_core::graph::AppDecl, name: &str, host: &HostRecord) -> Option<String> {
+fn ineligible(app: &AppPlacement, name: &str, host: &HostRecord) -> Option<String> {
     if app.host.as_deref().is_some_and(|pin| pin != name) {
         return Some("pinned elsewhere".into());
     }
@@ -62,7 +62,7 @@ fn ineligible(app: &stitch_core::graph::AppDecl, name: &str, host: &HostRecord) 
 fn linked_apps(graphs: &[ClusterGraph]) -> BTreeMap<(&str, &str), Vec<&str>> {
     let mut linked: BTreeMap<(&str, &str), Vec<&str>> = BTreeMap::new();
     for g in graphs {
-        for l in &g.graph.links {
+        for l in &g.graph.graph.links {
             linked
                 .entry((g.name.as_str(), l.from.app.as_str()))
                 .or_default()
@@ -88,10 +88,10 @@ fn place_apps(
     // First what stays: pins, and apps whose host is live and still eligible.
     for g in graphs {
         let places = out.entry(g.name.clone()).or_default();
-        for app in g.graph.apps.values() {
+        for (name, app) in &g.graph.apps {
             let was = previous
                 .get(&g.name)
-                .and_then(|p| p.apps.get(&app.name))
+                .and_then(|p| p.apps.get(name))
                 .and_then(|p| p.host.clone());
             let place = if let Some(pin) = &app.host {
                 match hosts.registered.get(pin) {
@@ -123,9 +123,9 @@ fn place_apps(
                             *n += 1;
                         }
                     }
-                    places.insert(app.name.clone(), p);
+                    places.insert(name.clone(), p);
                 }
-                None => waiting.push((g, app)),
+                None => waiting.push((g, name, app)),
             }
         }
     }
@@ -134,7 +134,7 @@ fn place_apps(
     let total: usize = graphs.iter().map(|g| g.graph.apps.len()).sum();
     let fair = total.div_ceil(hosts.live.len().max(1));
     let linked = linked_apps(graphs);
-    for (g, app) in waiting {
+    for (g, name, app) in waiting {
         let eligible: Vec<&str> = load
             .keys()
             .copied()
@@ -147,7 +147,7 @@ fn place_apps(
             .collect();
         let placed = &out[&g.name];
         let beside = linked
-            .get(&(g.name.as_str(), app.name.as_str()))
+            .get(&(g.name.as_str(), name.as_str()))
             .into_iter()
             .flatten()
             .filter_map(|n| placed.get(*n).and_then(|p| p.host.as_deref()))
@@ -173,7 +173,7 @@ fn place_apps(
         };
         out.get_mut(&g.name)
             .expect("every graph has its map")
-            .insert(app.name.clone(), place);
+            .insert(name.clone(), place);
     }
     out
 }
@@ -214,7 +214,7 @@ fn tunnels(
     let mut out = BTreeMap::new();
     for g in graphs {
         let mut list = Vec::new();
-        for l in &g.graph.links {
+        for l in &g.graph.graph.links {
             let host = |app: &str| apps[&g.name].get(app).and_then(|p| p.host.clone());
             let (Some(from), Some(to)) = (host(&l.from.app), host(&l.to.app)) else {
                 continue;
@@ -338,9 +338,13 @@ fn host_assignment(
         if any {
             engine.get_or_insert_with(|| doc["engine"].clone());
         }
-        for l in &g.graph.links {
+        for l in &g.graph.graph.links {
             if here(&l.from.app) && here(&l.to.app) {
-                links.push(link_entry(&l.spec(), l.size, g.graph.engine.link_size));
+                links.push(link_entry(
+                    &l.spec(),
+                    l.size,
+                    g.graph.graph.engine.link_size,
+                ));
             }
         }
         any |= tunnel_ends(me, place, hosts, &mut segments, &mut links);
@@ -527,7 +531,7 @@ mod tests {
         ClusterGraph {
             name: "chain".into(),
             revision: 7,
-            graph: Graph::parse(text, "chain.yaml", Path::new("."), &registry()).unwrap(),
+            graph: PlacedGraph::parse(text, "chain.yaml", Path::new("."), &registry()).unwrap(),
         }
     }
 
@@ -580,7 +584,7 @@ mod tests {
         // Every host document is a graph the parser takes.
         for a in s.assignments.values() {
             let text = serde_json::to_string(&a.document).unwrap();
-            if let Err(e) = Graph::parse(&text, "doc", Path::new("."), &registry()) {
+            if let Err(e) = PlacedGraph::parse(&text, "doc", Path::new("."), &registry()) {
                 panic!("{e}\n{text}");
             }
         }
@@ -617,7 +621,7 @@ mod tests {
             "h3's 1400 less 50 bounds every host's workloads"
         );
         let text = serde_json::to_string(&s.assignments["h1"].document).unwrap();
-        Graph::parse(&text, "doc", Path::new("."), &registry()).unwrap();
+        PlacedGraph::parse(&text, "doc", Path::new("."), &registry()).unwrap();
     }
 
     #[test]

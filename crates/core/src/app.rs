@@ -467,9 +467,6 @@ impl ParsedConfig {
 #[derive(Default)]
 pub struct Registry {
     types: BTreeMap<&'static str, AppType>,
-    /// The type an app of a placement has when its entry names none (a function process is
-    /// `placement: process` and a `command`).
-    default_types: BTreeMap<crate::placement::Placement, &'static str>,
 }
 
 impl Registry {
@@ -484,20 +481,6 @@ impl Registry {
 
     pub fn get(&self, name: &str) -> Option<&AppType> {
         self.types.get(name)
-    }
-
-    /// Makes `name` the type of apps with `placement` whose entry gives no `type`.
-    pub fn set_default_type(
-        &mut self,
-        placement: crate::placement::Placement,
-        name: &'static str,
-    ) -> &mut Self {
-        self.default_types.insert(placement, name);
-        self
-    }
-
-    pub fn default_type(&self, placement: crate::placement::Placement) -> Option<&'static str> {
-        self.default_types.get(&placement).copied()
     }
 
     pub fn types(&self) -> impl Iterator<Item = &AppType> {

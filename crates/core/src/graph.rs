@@ -60,22 +60,14 @@ pub struct WorkerConfig {
     pub core: Option<usize>,
 }
 
-pub use crate::placement::Placement;
-
 /// One app of the graph.
 #[derive(Debug, Clone)]
 pub struct AppDecl {
     pub name: String,
     pub kind: String,
-    pub placement: Placement,
-    /// The app's own keys (without `type` and `worker`), as given.
+    /// The app's own keys (without `type`, `worker` and an extension's keys), as given.
     pub config: serde_json::Value,
     pub worker: String,
-    /// Where a cluster runs the app: `host:` pins it to one host; `hosts:` (labels and the
-    /// values they must have) makes it eligible on the hosts that match. Only a cluster graph
-    /// (`stitch cluster apply`) may set them; the engine never sees them.
-    pub host: Option<String>,
-    pub hosts: IndexMap<String, String>,
     pub ports: PortSpec,
     pub line: usize,
     /// Line and column of each top-level key of the entry, for error messages.
@@ -110,6 +102,49 @@ impl LinkDecl {
     pub fn spec(&self) -> String {
         format!("{} -> {}", self.from, self.to)
     }
+}
+
+/// The value of a key that a [`KeyExtension`] reads, with the key's place in the file.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KeyValue {
+    pub value: serde_json::Value,
+    pub line: usize,
+    pub column: usize,
+}
+
+/// An extension's keys of one app entry or of the file, in the order written.
+pub type ExtensionKeys = IndexMap<String, KeyValue>;
+
+/// Keys that a layer beside the engine reads from the same graph file (where apps run, on
+/// which hosts). The parser checks their values with `check`, keeps them out of the apps'
+/// configs and hands them over beside the graph ([`Graph::parse_extended`]); the graph
+/// itself never holds them.
+pub struct KeyExtension {
+    /// Top-level keys beside `engine`, `workers`, `apps` and `links`.
+    pub file_keys: &'static [&'static str],
+    /// Keys of an app entry beside `type` and `worker`.
+    pub app_keys: &'static [&'static str],
+    /// Why the value of `key` is refused; the message names the key.
+    pub check: fn(key: &str, value: &serde_json::Value) -> Result<(), String>,
+    /// The type of an app whose entry names none, from its keys and the file's.
+    pub default_type: fn(app: &ExtensionKeys, file: &ExtensionKeys) -> Option<&'static str>,
+}
+
+/// The engine's graph alone: no key beside the engine's is allowed.
+const NO_EXTENSION: KeyExtension = KeyExtension {
+    file_keys: &[],
+    app_keys: &[],
+    check: |_, _| Ok(()),
+    default_type: |_, _| None,
+};
+
+/// A graph with the keys an extension read beside it.
+#[derive(Debug, Clone)]
+pub struct ExtendedGraph {
+    pub graph: Graph,
+    pub file_keys: ExtensionKeys,
+    /// By app name; an app without extension keys has an empty entry.
+    pub app_keys: IndexMap<String, ExtensionKeys>,
 }
 
 /// A validated graph.
@@ -188,19 +223,46 @@ impl<'de, V: Deserialize<'de>> Deserialize<'de> for SpannedMap<V> {
     }
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
+type RawApps = SpannedMap<Spanned<SpannedMap<Spanned<serde_json::Value>>>>;
+
+/// The file's top level, each part with its place; keys other than the engine's are kept
+/// for an extension to claim.
+#[derive(Default)]
 struct RawGraph {
-    #[serde(default)]
     engine: Option<Spanned<serde_json::Value>>,
-    #[serde(default)]
     workers: Option<SpannedMap<Spanned<serde_json::Value>>>,
-    #[serde(default)]
-    apps: Option<SpannedMap<Spanned<SpannedMap<Spanned<serde_json::Value>>>>>,
-    #[serde(default)]
+    apps: Option<RawApps>,
     links: Option<Vec<Spanned<serde_json::Value>>>,
-    #[serde(default)]
-    placement: Option<Spanned<serde_json::Value>>,
+    others: Vec<(Spanned<String>, Spanned<serde_json::Value>)>,
+}
+
+impl<'de> Deserialize<'de> for RawGraph {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct TopLevel;
+        impl<'de> Visitor<'de> for TopLevel {
+            type Value = RawGraph;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a mapping with `apps` and `links`")
+            }
+            fn visit_unit<E: serde::de::Error>(self) -> Result<RawGraph, E> {
+                Ok(RawGraph::default())
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> Result<RawGraph, A::Error> {
+                let mut raw = RawGraph::default();
+                while let Some(k) = m.next_key::<Spanned<String>>()? {
+                    match k.value.as_str() {
+                        "engine" => raw.engine = Some(m.next_value()?),
+                        "workers" => raw.workers = Some(m.next_value()?),
+                        "apps" => raw.apps = Some(m.next_value()?),
+                        "links" => raw.links = Some(m.next_value()?),
+                        _ => raw.others.push((k, m.next_value()?)),
+                    }
+                }
+                Ok(raw)
+            }
+        }
+        d.deserialize_map(TopLevel)
+    }
 }
 
 fn loc<T>(s: &Spanned<T>) -> (usize, usize) {
@@ -260,8 +322,20 @@ impl Graph {
         base_dir: &Path,
         registry: &Registry,
     ) -> Result<Graph, GraphErrors> {
+        Graph::parse_extended(text, file, base_dir, registry, &NO_EXTENSION).map(|g| g.graph)
+    }
+
+    /// Parses and validates graph text that may also hold `extension`'s keys, which come
+    /// back beside the graph; `file` names it in errors.
+    pub fn parse_extended(
+        text: &str,
+        file: &str,
+        base_dir: &Path,
+        registry: &Registry,
+        extension: &KeyExtension,
+    ) -> Result<ExtendedGraph, GraphErrors> {
         let mut errors = Vec::new();
-        let graph = parse_inner(text, base_dir, registry, &mut errors);
+        let graph = parse_inner(text, base_dir, registry, extension, &mut errors);
         if errors.is_empty() {
             Ok(graph.expect("graph without errors"))
         } else {
@@ -285,15 +359,6 @@ impl Graph {
             entry.insert("type".into(), json!(a.kind));
             if a.worker != MAIN_WORKER {
                 entry.insert("worker".into(), json!(a.worker));
-            }
-            if a.placement != Placement::Engine {
-                entry.insert("placement".into(), json!(a.placement));
-            }
-            if let Some(h) = &a.host {
-                entry.insert("host".into(), json!(h));
-            }
-            if !a.hosts.is_empty() {
-                entry.insert("hosts".into(), json!(a.hosts));
             }
             if let Value::Object(c) = &a.config {
                 entry.extend(c.clone());
@@ -343,16 +408,6 @@ impl Graph {
     }
 }
 
-fn parse_placement(v: &serde_json::Value) -> Result<Placement, String> {
-    match v.as_str() {
-        // `userspace` is the engine's name before processes and VMs were placements.
-        Some("userspace") => Ok(Placement::Engine),
-        Some(s) => Placement::ALL.into_iter().find(|p| p.name() == s).ok_or(()),
-        None => Err(()),
-    }
-    .map_err(|()| format!("`{v}` is none of `engine`, `kernel`, `process`, `vm`"))
-}
-
 fn err(errors: &mut Vec<GraphError>, (line, column): (usize, usize), message: String) {
     errors.push(GraphError {
         line,
@@ -361,34 +416,15 @@ fn err(errors: &mut Vec<GraphError>, (line, column): (usize, usize), message: St
     });
 }
 
-/// `hosts:`: a mapping of label names to the values a host must have (scalars taken as text).
-fn parse_labels(v: &serde_json::Value) -> Result<IndexMap<String, String>, String> {
-    let serde_json::Value::Object(m) = v else {
-        return Err("must map labels to values, e.g. `{ zone: east }`".into());
-    };
-    let mut labels = IndexMap::new();
-    for (k, v) in m {
-        let value = match v {
-            serde_json::Value::String(s) => s.clone(),
-            serde_json::Value::Number(n) => n.to_string(),
-            serde_json::Value::Bool(b) => b.to_string(),
-            _ => return Err(format!("label `{k}` must have a text value")),
-        };
-        labels.insert(k.clone(), value);
-    }
-    if labels.is_empty() {
-        return Err("name at least one label".into());
-    }
-    Ok(labels)
-}
-
 fn parse_inner(
     text: &str,
     base_dir: &Path,
     registry: &Registry,
+    extension: &KeyExtension,
     errors: &mut Vec<GraphError>,
-) -> Option<Graph> {
+) -> Option<ExtendedGraph> {
     let raw = read_yaml(text, errors)?;
+    let file_keys = read_file_keys(raw.others, extension, errors);
     let engine = match &raw.engine {
         None => EngineConfig::default(),
         Some(v) => serde_json::from_value(v.value.clone()).unwrap_or_else(|e| {
@@ -397,20 +433,20 @@ fn parse_inner(
         }),
     };
     let mut workers = parse_workers(raw.workers, errors);
-    let default_placement = match &raw.placement {
-        None => Placement::Engine,
-        Some(v) => parse_placement(&v.value).unwrap_or_else(|m| {
-            err(errors, loc(v), format!("placement: {m}"));
-            Placement::Engine
-        }),
-    };
     let mut apps: IndexMap<String, AppDecl> = IndexMap::new();
+    let mut app_keys = IndexMap::new();
     // Apps named in the file, valid or not: a link to an app whose settings were refused is
     // not an error of its own (the app's error says what to fix).
     let mut declared = std::collections::HashSet::new();
     for (name, entry) in raw.apps.map(|m| m.0).unwrap_or_default() {
         declared.insert(name.value.clone());
-        if let Some(app) = parse_app(name, entry, default_placement, registry, errors) {
+        let context = AppContext {
+            registry,
+            extension,
+            file_keys: &file_keys,
+        };
+        if let Some((app, keys)) = parse_app(name, entry, &context, errors) {
+            app_keys.insert(app.name.clone(), keys);
             apps.insert(app.name.clone(), app);
         }
     }
@@ -426,13 +462,66 @@ fn parse_inner(
             workers.insert(a.worker.clone(), WorkerConfig::default());
         }
     }
-    Some(Graph {
+    let graph = Graph {
         engine,
         workers,
         apps,
         links,
         base_dir: base_dir.to_path_buf(),
+    };
+    Some(ExtendedGraph {
+        graph,
+        file_keys,
+        app_keys,
     })
+}
+
+/// The top-level keys beside the engine's: the extension's, checked; any other is an error.
+fn read_file_keys(
+    others: Vec<(Spanned<String>, Spanned<serde_json::Value>)>,
+    extension: &KeyExtension,
+    errors: &mut Vec<GraphError>,
+) -> ExtensionKeys {
+    let mut keys = ExtensionKeys::new();
+    for (k, v) in others {
+        if !extension.file_keys.contains(&k.value.as_str()) {
+            let known: Vec<String> = ["engine", "workers", "apps", "links"]
+                .iter()
+                .chain(extension.file_keys)
+                .map(|k| format!("`{k}`"))
+                .collect();
+            let msg = format!(
+                "unknown top-level key `{}` (a graph file has {})",
+                k.value,
+                known.join(", ")
+            );
+            err(errors, loc(&k), msg);
+            continue;
+        }
+        match (extension.check)(&k.value, &v.value) {
+            Ok(()) => {
+                let (line, column) = loc(&k);
+                let value = v.value;
+                keys.insert(
+                    k.value,
+                    KeyValue {
+                        value,
+                        line,
+                        column,
+                    },
+                );
+            }
+            Err(m) => err(errors, loc(&v), m),
+        }
+    }
+    keys
+}
+
+/// What reading an app entry needs beside the entry.
+struct AppContext<'a> {
+    registry: &'a Registry,
+    extension: &'a KeyExtension,
+    file_keys: &'a ExtensionKeys,
 }
 
 /// The file's YAML, or its syntax error (the message alone: `GraphErrors` prints the place).
@@ -474,13 +563,12 @@ fn parse_workers(
     workers
 }
 
-/// The keys of an app entry that the graph reads itself; the rest is the app's config.
+/// The keys of an app entry that the graph reads itself, the extension's keys, and the rest:
+/// the app's config.
 struct AppKeys {
     kind: Option<(String, (usize, usize))>,
     worker: String,
-    placement: Placement,
-    host: Option<String>,
-    hosts: IndexMap<String, String>,
+    extension: ExtensionKeys,
     config: serde_json::Map<String, serde_json::Value>,
     key_lines: IndexMap<String, (usize, usize)>,
 }
@@ -489,10 +577,10 @@ struct AppKeys {
 fn parse_app(
     name: Spanned<String>,
     entry: Spanned<SpannedMap<Spanned<serde_json::Value>>>,
-    default_placement: Placement,
-    registry: &Registry,
+    context: &AppContext,
     errors: &mut Vec<GraphError>,
-) -> Option<AppDecl> {
+) -> Option<(AppDecl, ExtensionKeys)> {
+    let registry = context.registry;
     let at = loc(&name);
     let name = name.value;
     if !is_identifier(&name) {
@@ -500,10 +588,9 @@ fn parse_app(
         err(errors, at, msg);
         return None;
     }
-    let keys = read_app_keys(&name, entry.value, default_placement, errors);
+    let keys = read_app_keys(&name, entry.value, context.extension, errors);
     let kind = keys.kind.clone().or_else(|| {
-        registry
-            .default_type(keys.placement)
+        (context.extension.default_type)(&keys.extension, context.file_keys)
             .map(|t| (t.to_string(), at))
     });
     let Some((kind, kind_at)) = kind else {
@@ -549,34 +636,30 @@ fn parse_app(
             }
         },
     };
-    Some(AppDecl {
+    let decl = AppDecl {
         name,
         kind,
-        placement: keys.placement,
         config,
         worker: keys.worker,
-        host: keys.host,
-        hosts: keys.hosts,
         ports,
         line: at.0,
         key_lines: keys.key_lines,
-    })
+    };
+    Some((decl, keys.extension))
 }
 
-/// Sorts an app entry's keys into the graph's own (`type`, `placement`, `worker`, `host`,
-/// `hosts`) and the app's config.
+/// Sorts an app entry's keys into the graph's own (`type`, `worker`), the extension's and
+/// the app's config.
 fn read_app_keys(
     name: &str,
     entry: SpannedMap<Spanned<serde_json::Value>>,
-    default_placement: Placement,
+    extension: &KeyExtension,
     errors: &mut Vec<GraphError>,
 ) -> AppKeys {
     let mut keys = AppKeys {
         kind: None,
         worker: MAIN_WORKER.to_string(),
-        placement: default_placement,
-        host: None,
-        hosts: IndexMap::new(),
+        extension: ExtensionKeys::new(),
         config: serde_json::Map::new(),
         key_lines: IndexMap::new(),
     };
@@ -588,24 +671,21 @@ fn read_app_keys(
                 Some(t) => keys.kind = Some((t.to_string(), at)),
                 None => err(errors, at, format!("app `{name}`: `type` must be a string")),
             },
-            "placement" => match parse_placement(&v.value) {
-                Ok(p) => keys.placement = p,
-                Err(m) => err(errors, at, format!("app `{name}`: placement: {m}")),
-            },
             "worker" => match v.value.as_str() {
                 Some(w) if is_identifier(w) => keys.worker = w.to_string(),
                 _ => err(errors, at, format!("app `{name}`: `worker` must be a name")),
             },
-            "host" => match v.value.as_str() {
-                Some(h) if is_identifier(h) => keys.host = Some(h.to_string()),
-                _ => {
-                    let msg = format!("app `{name}`: `host` must be a host name");
-                    err(errors, at, msg)
+            k if extension.app_keys.contains(&k) => match (extension.check)(k, &v.value) {
+                Ok(()) => {
+                    let (line, column) = keys.key_lines[k];
+                    let value = KeyValue {
+                        value: v.value,
+                        line,
+                        column,
+                    };
+                    keys.extension.insert(k.to_string(), value);
                 }
-            },
-            "hosts" => match parse_labels(&v.value) {
-                Ok(l) => keys.hosts = l,
-                Err(m) => err(errors, at, format!("app `{name}`: hosts: {m}")),
+                Err(m) => err(errors, at, format!("app `{name}`: {m}")),
             },
             _ => {
                 keys.config.insert(k.value, v.value);
@@ -763,28 +843,65 @@ mod tests {
         errors(text).into_iter().next().expect("an error")
     }
 
+    /// An extension as a layer beside the engine would declare it: a file-wide default and a key per
+    /// app, one value of which gives apps without a type one.
+    const PINS: KeyExtension = KeyExtension {
+        file_keys: &["zone"],
+        app_keys: &["zone", "pin"],
+        check: |key, v| match v.as_str() {
+            Some(_) => Ok(()),
+            None => Err(format!("`{key}` must be a name")),
+        },
+        default_type: |app, file| {
+            let zone = app.get("zone").or_else(|| file.get("zone"))?;
+            (zone.value == "things").then_some("thing")
+        },
+    };
+
+    fn parse_pinned(text: &str) -> Result<ExtendedGraph, Vec<(usize, String)>> {
+        Graph::parse_extended(text, "g.yaml", Path::new("."), &registry(), &PINS)
+            .map_err(|e| e.errors.into_iter().map(|e| (e.line, e.message)).collect())
+    }
+
     #[test]
-    fn host_pins_and_label_selectors_are_kept_apart_from_the_config_and_written_back() {
-        let text = "apps:\n  a: { type: thing, host: h1 }\n  b: { type: thing, size: 2, hosts: { zone: east, rack: 4 } }\n";
-        let g = Graph::parse(text, "g.yaml", Path::new("."), &registry()).unwrap();
-        assert_eq!(g.apps["a"].host.as_deref(), Some("h1"));
-        assert_eq!(g.apps["b"].hosts["rack"], "4");
-        assert_eq!(g.apps["b"].config, serde_json::json!({ "size": 2 }));
-        let doc = serde_json::to_string(&g.to_document()).unwrap();
-        let back = Graph::parse(&doc, "doc", Path::new("."), &registry()).unwrap();
-        assert_eq!(back.apps["b"].hosts, g.apps["b"].hosts);
-        assert_eq!(back.apps["a"].host, g.apps["a"].host);
+    fn an_extensions_keys_come_back_beside_the_graph_with_their_places() {
+        let text = "zone: things\napps:\n  a: { size: 2, pin: h1 }\n  b:\n    type: thing\n    zone: west\n";
+        let g = parse_pinned(text).unwrap();
         assert_eq!(
-            first_error("apps:\n  a: { type: thing, host: [h1] }\n"),
-            (2, "app `a`: `host` must be a host name".into())
+            g.graph.apps["a"].kind, "thing",
+            "the file's zone gave its type"
+        );
+        assert_eq!(g.graph.apps["a"].config, serde_json::json!({ "size": 2 }));
+        assert_eq!(g.app_keys["a"]["pin"].value, "h1");
+        assert_eq!(
+            (g.app_keys["b"]["zone"].line, g.app_keys["b"]["zone"].column),
+            (6, 5)
+        );
+        assert_eq!(g.file_keys["zone"].line, 1);
+        assert!(g.graph.to_document()["apps"]["a"].get("pin").is_none());
+        assert_eq!(
+            parse_pinned("apps:\n  a: { type: thing, pin: [h1] }\n").unwrap_err(),
+            [(2, "app `a`: `pin` must be a name".to_string())]
         );
         assert_eq!(
-            first_error("apps:\n  a: { type: thing, hosts: east }\n"),
-            (
-                2,
-                "app `a`: hosts: must map labels to values, e.g. `{ zone: east }`".into()
-            )
+            parse_pinned("zone: 3\napps: {}\n").unwrap_err(),
+            [(1, "`zone` must be a name".to_string())]
         );
+    }
+
+    #[test]
+    fn the_engines_graph_refuses_an_extensions_keys() {
+        let (line, msg) = first_error("zone: things\napps:\n  a: { type: thing }\n");
+        assert_eq!(line, 1);
+        assert_eq!(
+            msg,
+            "unknown top-level key `zone` (a graph file has `engine`, `workers`, `apps`, `links`)"
+        );
+        let (line, msg) = first_error("apps:\n  a: { type: thing, pin: h1 }\n");
+        assert_eq!(line, 2);
+        assert!(msg.contains("unknown key `pin`"), "{msg}");
+        let (_, msg) = first_error("apps:\n  a: { size: 1, zone: things }\n");
+        assert!(msg.contains("has no `type`"), "{msg}");
     }
 
     #[test]

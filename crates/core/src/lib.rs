@@ -17,7 +17,6 @@ pub mod graph;
 pub mod link;
 pub mod mapping;
 pub mod packet;
-pub mod placement;
 pub use packet::pool;
 
 pub use app::{
@@ -25,7 +24,7 @@ pub use app::{
     PULL_BURST,
 };
 pub use engine::{pin_to_core, Engine, Stats};
-pub use graph::{Graph, Placement};
+pub use graph::Graph;
 pub use link::{Consumer, Producer};
 pub use packet::Packet;
 

@@ -1,13 +1,14 @@
-//! From a graph file to what the kernel data plane needs: each app with `placement: kernel`
-//! turned into a function kind with its ports and settings, and each link into a pair of port
-//! references. Every app of the graph must be placed in the kernel and have a kernel version;
-//! anything the kernel versions do not do is an error naming the app's line, never ignored.
+//! From a graph to what the kernel data plane needs: each app (those a graph file places in
+//! the kernel, `stitch-place` picks them) turned into a function kind with its ports and
+//! settings, and each link into a pair of port references. Every app must have a kernel
+//! version; anything the kernel versions do not do is an error naming the app's line, never
+//! ignored.
 
 use indexmap::IndexMap;
 use ipnet::Ipv4Net;
 use std::net::{IpAddr, Ipv4Addr};
 use stitch_apps::{bridge, firewall, router};
-use stitch_core::graph::{GraphError, Placement};
+use stitch_core::graph::GraphError;
 use stitch_core::Graph;
 
 use crate::maps::{self, FwRule, MAX_PORTS, MAX_RULES};
@@ -139,18 +140,6 @@ impl Plan {
         let mut errors = Vec::new();
         let mut apps = IndexMap::new();
         for decl in graph.apps.values() {
-            if decl.placement != Placement::Kernel {
-                errors.push(error(
-                    decl.line,
-                    format!(
-                        "app `{}` is placed in user space: the kernel data plane takes graphs \
-                         whose apps all have `placement: kernel` (per app, or once at the top \
-                         of the file)",
-                        decl.name
-                    ),
-                ));
-                continue;
-            }
             match plan_app(&decl.kind, &decl.config) {
                 Ok((function, ports)) => {
                     apps.insert(
@@ -494,7 +483,7 @@ mod tests {
         }
     }
 
-    const ROUTER: &str = "placement: kernel\napps:\n  a: { type: af_packet, interface: x0 }\n  r: { type: router, interfaces: { left: { mac: \"02:00:00:00:00:01\", address: \"10.0.1.1/24\" }, right: { mac: \"02:00:00:00:00:02\", address: \"10.0.2.1/24\" } }, routes: [ { prefix: \"10.9.0.0/16\", via: 10.0.2.7 } ] }\nlinks:\n  - \"a.output -> r.left\"\n  - \"r.left -> a.input\"\n";
+    const ROUTER: &str = "apps:\n  a: { type: af_packet, interface: x0 }\n  r: { type: router, interfaces: { left: { mac: \"02:00:00:00:00:01\", address: \"10.0.1.1/24\" }, right: { mac: \"02:00:00:00:00:02\", address: \"10.0.2.1/24\" } }, routes: [ { prefix: \"10.9.0.0/16\", via: 10.0.2.7 } ] }\nlinks:\n  - \"a.output -> r.left\"\n  - \"r.left -> a.input\"\n";
 
     #[test]
     fn ports_links_and_routes_are_planned() {
@@ -513,7 +502,7 @@ mod tests {
             PlannedLink {
                 from: ("a".into(), 0),
                 to: ("r".into(), 0),
-                line: 6
+                line: 5
             }
         );
     }
@@ -522,23 +511,21 @@ mod tests {
     fn what_the_kernel_versions_lack_is_an_error_on_its_line() {
         let e = first_error(&ROUTER.replace("10.0.2.7", "10.0.3.7"));
         assert!(e.message.contains("on no interface's subnet"), "{e:?}");
-        assert_eq!(e.line, 4);
+        assert_eq!(e.line, 3);
         let e = first_error(
-            "placement: kernel\napps:\n  r: { type: router, interfaces: { x: { mac: \"02:00:00:00:00:01\", address: \"10.0.1.1/24\", address6: \"fd00::1/64\" } } }\n",
+            "apps:\n  r: { type: router, interfaces: { x: { mac: \"02:00:00:00:00:01\", address: \"10.0.1.1/24\", address6: \"fd00::1/64\" } } }\n",
         );
         assert!(e.message.contains("IPv4 only"), "{e:?}");
         let e = first_error(
-            "placement: kernel\napps:\n  f: { type: firewall, rules: [ { action: accept, src: \"fd00::/8\" } ] }\n",
+            "apps:\n  f: { type: firewall, rules: [ { action: accept, src: \"fd00::/8\" } ] }\n",
         );
         assert!(
             e.message.contains("rule 1") && e.message.contains("IPv4"),
             "{e:?}"
         );
-        let e = first_error("placement: kernel\napps:\n  n: { type: nat, external: 192.0.2.1 }\n");
+        let e = first_error("apps:\n  n: { type: nat, external: 192.0.2.1 }\n");
         assert!(e.message.contains("no kernel version"), "{e:?}");
-        let e = first_error(
-            "placement: kernel\napps:\n  b: { type: bridge, ports: { p: { mode: trunk }, q: {} } }\n",
-        );
+        let e = first_error("apps:\n  b: { type: bridge, ports: { p: { mode: trunk }, q: {} } }\n");
         assert!(e.message.contains("trunk"), "{e:?}");
     }
 
@@ -546,8 +533,8 @@ mod tests {
     fn a_port_leads_to_one_place_and_vnis_are_unique() {
         let e = first_error(&format!("{ROUTER}  - \"a.output -> r.right\"\n"));
         assert!(e.message.contains("already linked"), "{e:?}");
-        assert_eq!(e.line, 8);
-        let vx = "placement: kernel\napps:\n  v: { type: vxlan, local: 192.0.2.1, local_mac: \"02:00:00:00:00:01\", next_hop_mac: \"02:00:00:00:00:02\", segments: { t1: { vni: 7, remote: 192.0.2.2 } } }\n  w: { type: vxlan, local: 192.0.2.1, local_mac: \"02:00:00:00:00:01\", next_hop_mac: \"02:00:00:00:00:02\", segments: { t2: { vni: 7, remote: 192.0.2.3 } } }\n";
+        assert_eq!(e.line, 7);
+        let vx = "apps:\n  v: { type: vxlan, local: 192.0.2.1, local_mac: \"02:00:00:00:00:01\", next_hop_mac: \"02:00:00:00:00:02\", segments: { t1: { vni: 7, remote: 192.0.2.2 } } }\n  w: { type: vxlan, local: 192.0.2.1, local_mac: \"02:00:00:00:00:01\", next_hop_mac: \"02:00:00:00:00:02\", segments: { t2: { vni: 7, remote: 192.0.2.3 } } }\n";
         let e = first_error(vx);
         assert!(e.message.contains("VNI 7"), "{e:?}");
         let e = first_error(&format!(

@@ -20,7 +20,6 @@ pub mod listener;
 pub mod port;
 pub mod shm;
 
-use stitch_core::graph::Placement;
 use stitch_core::{AppType, Registry};
 
 pub fn register(r: &mut Registry) {
@@ -32,5 +31,4 @@ pub fn register(r: &mut Registry) {
         "function",
         "a function process Stitch starts from `command`, attaches through an nf_port, restarts when it dies and limits (placement: process)",
     ));
-    r.set_default_type(Placement::Process, "function");
 }

@@ -17,8 +17,10 @@
 //! veth in copy mode only, and sees nothing of a tc redirect.
 
 use crate::hash;
+use crate::placed::{AppPlacement, Placement};
+use indexmap::IndexMap;
 use std::collections::BTreeSet;
-use stitch_core::graph::{AppDecl, Endpoint, Graph, GraphError, LinkDecl, Placement};
+use stitch_core::graph::{AppDecl, Endpoint, Graph, GraphError, LinkDecl};
 use stitch_core::Registry;
 
 /// What the kernel runs for one graph, and the veth pairs joining it to the engine.
@@ -75,13 +77,18 @@ fn app_entry(
 /// apps through veth pairs (an `af_packet` app on each end). `None`: no kernel apps.
 pub fn split(
     engine: &mut Graph,
+    places: &IndexMap<String, AppPlacement>,
     registry: &Registry,
     names: &KernelNames,
 ) -> Result<Option<KernelPart>, Vec<GraphError>> {
     let kernel_apps: Vec<String> = engine
         .apps
         .values()
-        .filter(|a| a.placement == Placement::Kernel)
+        .filter(|a| {
+            places
+                .get(&a.name)
+                .is_some_and(|p| p.placement == Placement::Kernel)
+        })
         .map(|a| a.name.clone())
         .collect();
     if kernel_apps.is_empty() {
@@ -176,7 +183,7 @@ fn add_boundary(
     let e_end = format!("{}{tag:05x}e", names.veth_prefix);
     let k = app_entry(
         boundary,
-        &format!("{{ type: af_packet, interface: {k_end}, placement: kernel }}"),
+        &format!("{{ type: af_packet, interface: {k_end} }}"),
         engine,
         registry,
     );
@@ -222,4 +229,27 @@ fn cut_link(link: &LinkDecl, boundary: &str, from_kernel: bool) -> (LinkDecl, Li
         line: link.line,
     };
     (half(kf, kt), half(ef, et))
+}
+
+/// The kernel data plane of a graph whose apps are all placed in the kernel (`stitch kernel
+/// apply`); an app placed elsewhere is an error at its line.
+pub fn kernel_only(graph: &crate::PlacedGraph) -> Result<stitch_kernel::Plan, Vec<GraphError>> {
+    let elsewhere: Vec<GraphError> = (graph.graph.apps.values())
+        .filter(|a| graph.placement(&a.name) != Placement::Kernel)
+        .map(|a| {
+            error(
+                a.line,
+                format!(
+                    "app `{}` is placed in user space: the kernel data plane takes graphs \
+                     whose apps all have `placement: kernel` (per app, or once at the top of \
+                     the file)",
+                    a.name
+                ),
+            )
+        })
+        .collect();
+    if !elsewhere.is_empty() {
+        return Err(elsewhere);
+    }
+    stitch_kernel::Plan::from_graph(&graph.graph)
 }

@@ -21,16 +21,17 @@
 pub mod cgroup;
 pub mod kernel;
 pub mod leftovers;
+pub mod placed;
 pub mod qmp;
 pub mod supervisor;
 pub mod vm;
 
+pub use placed::{AppPlacement, PlacedGraph, Placement};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use stitch_core::engine::Moved;
 use stitch_core::engine::{ApplyReport, EngineError};
-use stitch_core::graph::{AppDecl, GraphError, Placement};
+use stitch_core::graph::{AppDecl, GraphError};
 use stitch_core::{Engine, Graph, Registry, Stats};
 use stitch_nf::function::{FunctionConfig, ENV_PORT, ENV_SOCKET};
 use supervisor::{ProcessSpec, Supervisor};
@@ -71,6 +72,27 @@ impl std::fmt::Display for PlaceError {
 
 impl std::error::Error for PlaceError {}
 
+/// An app that changed placement in an apply.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Moved {
+    pub app: String,
+    pub from: Placement,
+    pub to: Placement,
+    /// How long the app's own traffic had no function to go through, ms: the engine's switch
+    /// (the new placement was ready before it, the old one ran until it).
+    pub pause_ms: f64,
+    /// The state the app had that its new placement starts without, if any.
+    pub state_left_behind: Option<String>,
+}
+
+/// What [`Placements::apply`] did: the engine's part and the apps that changed placement.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct PlaceReport {
+    #[serde(flatten)]
+    pub engine: ApplyReport,
+    pub moved: Vec<Moved>,
+}
+
 /// What a graph becomes: the engine's graph and the processes (function processes and VMs) to
 /// keep running.
 #[derive(Debug)]
@@ -84,23 +106,27 @@ pub struct Plan {
 /// Splits `graph` by placement and checks what the engine cannot: that each process's
 /// program, user and files exist, that each kernel app has a kernel version. What is created
 /// on the host is named after `instance`. A pure plan: nothing on the system changes.
-pub fn plan(graph: &Graph, registry: &Registry, instance: &str) -> Result<Plan, Vec<GraphError>> {
+pub fn plan(
+    graph: &PlacedGraph,
+    registry: &Registry,
+    instance: &str,
+) -> Result<Plan, Vec<GraphError>> {
     let vm_dir = vm::dir_of(instance);
     let mut errors = Vec::new();
-    let mut engine = graph.clone();
+    let mut engine = graph.graph.clone();
     let mut processes = Vec::new();
     for app in engine.apps.values_mut() {
-        if let Some(e) = cluster_keys(app) {
+        let place = &graph.apps[&app.name];
+        if let Some(e) = cluster_keys(app, place) {
             errors.push(e);
             continue;
         }
-        match place_app(app, &graph.base_dir, &vm_dir) {
+        match place_app(app, place.placement, &graph.graph.base_dir, &vm_dir) {
             Ok(Some(placed)) => {
                 processes.push(placed.spec);
                 if let Some(config) = placed.engine_config {
                     app.config = config;
                 }
-                app.placement = Placement::Engine;
             }
             Ok(None) => {}
             Err(e) => errors.push(e),
@@ -109,7 +135,12 @@ pub fn plan(graph: &Graph, registry: &Registry, instance: &str) -> Result<Plan, 
     if !errors.is_empty() {
         return Err(errors);
     }
-    let kernel = kernel::split(&mut engine, registry, &kernel::KernelNames::of(instance))?;
+    let kernel = kernel::split(
+        &mut engine,
+        &graph.apps,
+        registry,
+        &kernel::KernelNames::of(instance),
+    )?;
     Ok(Plan {
         engine,
         processes,
@@ -137,27 +168,22 @@ fn kernel_gains(old: Option<&kernel::KernelPart>, new: Option<&kernel::KernelPar
 /// Apps of `new` whose placement differs from `old`'s, with the pause of their traffic (the
 /// engine's switch: the new placement was ready before it, the old one ran until it) and the
 /// state that did not follow them.
-fn moves(old: Option<&Graph>, new: &Graph, pause_ms: f64) -> Vec<Moved> {
+fn moves(old: Option<&PlacedGraph>, new: &PlacedGraph, pause_ms: f64) -> Vec<Moved> {
     let Some(old) = old else {
         return Vec::new();
     };
-    new.apps
+    new.graph
+        .apps
         .values()
         .filter_map(|a| {
-            let was = old
-                .apps
-                .get(&a.name)
-                .filter(|o| o.placement != a.placement)?;
-            Some(Moved {
+            let (from, to) = (old.apps.get(&a.name)?.placement, new.placement(&a.name));
+            (from != to).then(|| Moved {
                 app: a.name.clone(),
-                from: was.placement,
-                to: a.placement,
+                from,
+                to,
                 pause_ms,
                 state_left_behind: state_of(&a.kind).map(|s| {
-                    format!(
-                        "its {s} did not move: it starts empty in the {} placement",
-                        a.placement
-                    )
+                    format!("its {s} did not move: it starts empty in the {to} placement")
                 }),
             })
         })
@@ -180,15 +206,8 @@ fn state_of(kind: &str) -> Option<&'static str> {
 }
 
 /// An app that names hosts belongs to a cluster graph: one instance cannot honour it.
-fn cluster_keys(app: &AppDecl) -> Option<GraphError> {
-    let key = if app.host.is_some() {
-        "host"
-    } else if !app.hosts.is_empty() {
-        "hosts"
-    } else {
-        return None;
-    };
-    let (line, column) = app.key_lines.get(key).copied().unwrap_or((app.line, 0));
+fn cluster_keys(app: &AppDecl, place: &AppPlacement) -> Option<GraphError> {
+    let (key, line, column) = place.cluster_key_at?;
     Some(GraphError {
         line,
         column,
@@ -204,7 +223,7 @@ fn cluster_keys(app: &AppDecl) -> Option<GraphError> {
 /// What `stitch check` adds to the graph parser's checks: every function process and VM can
 /// start (programs, users and files exist), every kernel app has a kernel version, and
 /// `function`/`vm` apps have their placement.
-pub fn check(graph: &Graph, registry: &Registry) -> Result<(), Vec<GraphError>> {
+pub fn check(graph: &PlacedGraph, registry: &Registry) -> Result<(), Vec<GraphError>> {
     plan(graph, registry, "check").map(|_| ())
 }
 
@@ -216,8 +235,13 @@ struct Placed {
 }
 
 /// What `app` needs placed beside the engine, if anything, or why it cannot run where it asks.
-fn place_app(app: &AppDecl, base_dir: &Path, vm_dir: &Path) -> Result<Option<Placed>, GraphError> {
-    match app.placement {
+fn place_app(
+    app: &AppDecl,
+    placement: Placement,
+    base_dir: &Path,
+    vm_dir: &Path,
+) -> Result<Option<Placed>, GraphError> {
+    match placement {
         Placement::Process => process_spec(app, base_dir).map(|spec| {
             Some(Placed {
                 spec,
@@ -362,7 +386,7 @@ pub struct Placements {
     /// Where this instance's VMs' sockets and consoles go.
     vm_dir: PathBuf,
     /// The graph as given (placements and all); the engine holds its own part.
-    graph: Mutex<Option<Graph>>,
+    graph: Mutex<Option<PlacedGraph>>,
     supervisor: Mutex<Supervisor>,
     /// The installed kernel part, if the graph has kernel apps.
     kernel: Mutex<Option<kernel::KernelPart>>,
@@ -381,7 +405,7 @@ impl Placements {
     }
 
     /// The running graph as it was given, with every app's placement.
-    pub fn graph(&self) -> Option<Graph> {
+    pub fn graph(&self) -> Option<PlacedGraph> {
         self.graph.lock().unwrap().clone()
     }
 
@@ -398,7 +422,7 @@ impl Placements {
     /// fails), then the kernel's part with the veth pairs it needs, the engine's part by diff,
     /// the processes (started once their ports exist, stopped once their ports are gone), and
     /// last removes the veth pairs no longer used.
-    pub fn apply(&self, graph: Graph) -> Result<ApplyReport, PlaceError> {
+    pub fn apply(&self, graph: PlacedGraph) -> Result<PlaceReport, PlaceError> {
         let mut current = self.graph.lock().unwrap();
         let plan =
             plan(&graph, self.engine.registry(), &self.instance).map_err(PlaceError::Graph)?;
@@ -420,8 +444,9 @@ impl Placements {
         if kernel_first {
             self.apply_kernel(plan.kernel.as_ref(), installed.is_some(), &old_veths)?;
         }
-        let mut report = self.engine.apply(plan.engine).map_err(PlaceError::Engine)?;
-        report.moved = moves(current.as_ref(), &graph, report.paused_ms);
+        let engine = self.engine.apply(plan.engine).map_err(PlaceError::Engine)?;
+        let moved = moves(current.as_ref(), &graph, engine.paused_ms);
+        let report = PlaceReport { engine, moved };
         if !kernel_first {
             if let Err(e) = self.apply_kernel(plan.kernel.as_ref(), installed.is_some(), &old_veths)
             {
@@ -503,9 +528,8 @@ impl Placements {
 
     /// Where app `name` runs and, for a process, how it is doing.
     pub fn status(&self, name: &str) -> Value {
-        let placement = self
-            .graph()
-            .and_then(|g| g.apps.get(name).map(|a| a.placement))
+        let placement = (self.graph.lock().unwrap().as_ref())
+            .map(|g| g.placement(name))
             .unwrap_or_default();
         let process = self.supervisor.lock().unwrap().status(name);
         json!({ "placement": placement.name(), "process": process })
@@ -601,8 +625,8 @@ mod tests {
         r
     }
 
-    fn parse(text: &str) -> Graph {
-        Graph::parse(text, "g.yaml", Path::new("/"), &reg()).unwrap()
+    fn parse(text: &str) -> PlacedGraph {
+        PlacedGraph::parse(text, "g.yaml", Path::new("/"), &reg()).unwrap()
     }
 
     #[test]
@@ -624,9 +648,8 @@ mod tests {
         let p = plan(&g, &reg(), "t").unwrap();
         let fw = &p.engine.apps["fw"];
         assert_eq!(fw.kind, "function");
-        assert_eq!(fw.placement, Placement::Engine);
         assert_eq!(
-            g.apps["fw"].placement,
+            g.placement("fw"),
             Placement::Process,
             "the given graph keeps it"
         );
@@ -671,7 +694,7 @@ mod tests {
         std::fs::write(&kernel, b"").unwrap();
         let mut r = Registry::default();
         stitch_vhost::register(&mut r);
-        let g = Graph::parse(
+        let g = PlacedGraph::parse(
             "apps:\n  vm1:\n    placement: vm\n    kernel: vmlinux\n    append: \"console=ttyS0\"\n    mac: \"52:54:00:00:00:11\"\n    qemu: /bin/true\n",
             "g.yaml",
             dir.path(),
@@ -704,7 +727,7 @@ mod tests {
         assert!(args.contains("share=on"), "{args}");
         assert_eq!(spec.stop, supervisor::StopBy::Qmp(vm_dir.join("vm1.qmp")));
         // A missing image is refused at its line.
-        let g = Graph::parse(
+        let g = PlacedGraph::parse(
             "apps:\n  vm1:\n    placement: vm\n    qemu: /bin/true\n    kernel: nowhere\n",
             "g.yaml",
             dir.path(),

@@ -17,7 +17,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use stitch_api::client::Method;
-use stitch_core::{Engine, Graph, Registry};
+use stitch_core::{Engine, Registry};
+use stitch_place::PlacedGraph;
 
 #[derive(Parser)]
 #[command(
@@ -214,8 +215,8 @@ fn registry() -> Registry {
     r
 }
 
-fn load(file: &Path, registry: &Registry) -> Result<Graph> {
-    Graph::load(file, registry).map_err(|e| anyhow::anyhow!("{e}"))
+fn load(file: &Path, registry: &Registry) -> Result<PlacedGraph> {
+    PlacedGraph::load(file, registry).map_err(|e| anyhow::anyhow!("{e}"))
 }
 
 fn main() {
@@ -250,7 +251,7 @@ fn check(file: &Path, cluster: bool) -> Result<()> {
     let registry = registry();
     let g = load(file, &registry)?;
     let checked = if cluster {
-        let errors = stitch_cluster::admin::check_offline(&g);
+        let errors = stitch_cluster::admin::check_offline(&g.graph);
         if errors.is_empty() {
             Ok(())
         } else {
@@ -273,8 +274,8 @@ fn check(file: &Path, cluster: bool) -> Result<()> {
         "{}: ok ({} apps, {} links, {} workers)",
         file.display(),
         g.apps.len(),
-        g.links.len(),
-        g.workers.len()
+        g.graph.links.len(),
+        g.graph.workers.len()
     );
     Ok(())
 }
@@ -349,7 +350,7 @@ fn run_cli(cli: Cli) -> Result<()> {
     match cli.cmd {
         Cmd::Cleanup { name, control } => cleanup(name, control)?,
         Cmd::Check { file, cluster } => check(&file, cluster)?,
-        Cmd::Graph { file } => print!("{}", load(&file, &registry())?.to_dot()),
+        Cmd::Graph { file } => print!("{}", load(&file, &registry())?.graph.to_dot()),
         Cmd::Show {
             app: None,
             instance,
@@ -566,7 +567,7 @@ fn serve(
     feed: impl FnOnce(&Arc<stitch_api::Api>) -> Result<Box<dyn FnOnce()>>,
 ) -> Result<()> {
     let registry = Arc::new(registry());
-    let empty = Graph::parse("apps: {}\n", "<empty>", Path::new("/"), &registry)
+    let empty = PlacedGraph::parse("apps: {}\n", "<empty>", Path::new("/"), &registry)
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     let running = start_instance(registry, instance, listen, None)?;
     running
@@ -609,7 +610,7 @@ fn run(
     log::info!(
         "running {} ({} apps); API on {}",
         file.display(),
-        report.started.len(),
+        report.engine.started.len(),
         running.config.unix.display()
     );
     let started = Instant::now();
@@ -631,12 +632,12 @@ fn run(
                 Ok(r) => log::info!(
                     "reloaded {}: {} started, {} stopped, {} reconfigured, {} restarted, {} links added, {} removed",
                     file.display(),
-                    r.started.len(),
-                    r.stopped.len(),
-                    r.reconfigured.len(),
-                    r.restarted.len(),
-                    r.links_added.len(),
-                    r.links_removed.len()
+                    r.engine.started.len(),
+                    r.engine.stopped.len(),
+                    r.engine.reconfigured.len(),
+                    r.engine.restarted.len(),
+                    r.engine.links_added.len(),
+                    r.engine.links_removed.len()
                 ),
                 Err(e) => log::error!("reload of {} refused, the graph runs as before: {}", file.display(), e.message),
             }

@@ -110,7 +110,6 @@ pub fn register(r: &mut Registry) {
         "vm",
         "a VM Stitch launches with QEMU on a vhost-user port, restarts when it dies and powers down (placement: vm)",
     ));
-    r.set_default_type(stitch_core::graph::Placement::Vm, "vm");
 }
 
 pub struct VhostUser {

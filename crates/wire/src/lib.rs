@@ -6,9 +6,11 @@
 //! the packet's own bytes, checked once by `new_checked`, with accessors and in-place setters —
 //! parsing never copies. VLAN tags (not in smoltcp) are in [`vlan`].
 
+pub mod build;
 pub mod checksum;
 pub mod filter;
 pub mod flow;
+pub mod header;
 pub mod icmp;
 pub mod ndp;
 pub mod offload;

@@ -250,26 +250,11 @@ impl ApplyReport {
     }
 }
 
-/// Refuses a graph the engine cannot run, before anything is touched; makes the packet pool
+/// Refuses a change to a stopped engine, before anything is touched; makes the packet pool
 /// for the first graph.
 pub(super) fn check_applicable(st: &State, graph: &Graph) -> Result<(), EngineError> {
     if st.stopped {
         return Err(EngineError::Other("engine is stopped".into()));
-    }
-    if let Some(a) = graph
-        .apps
-        .values()
-        .find(|a| a.placement != crate::graph::Placement::Engine)
-    {
-        return Err(EngineError::Config {
-            app: a.name.clone(),
-            message: format!(
-                "line {}: the engine runs `placement: engine` apps; a `placement: {}` app \
-                 is placed beside it (`stitch run` does that, or `stitch kernel apply` for \
-                 a kernel-only graph)",
-                a.line, a.placement
-            ),
-        });
     }
     if st.graph.is_none() {
         pool::init(graph.engine.pool_packets, graph.engine.pool_large_packets)

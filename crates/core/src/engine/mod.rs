@@ -23,7 +23,7 @@ mod stats;
 pub use apply::topological_order;
 use breath::*;
 pub use breath::{breath_started, pin_to_core, WorkerCounters};
-pub use stats::{AppStats, ApplyReport, LinkInfo, Moved, Stats, WorkerStats};
+pub use stats::{AppStats, ApplyReport, LinkInfo, Stats, WorkerStats};
 
 use crate::app::{AppError, Counters, DynApp, Io, Registry};
 use crate::graph::{Endpoint, Graph, LinkDecl};

@@ -52,19 +52,6 @@ pub struct Stats {
     pub removed_link_drops: u64,
 }
 
-/// An app that changed placement in an apply (the placements beside the engine fill these in).
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
-pub struct Moved {
-    pub app: String,
-    pub from: crate::graph::Placement,
-    pub to: crate::graph::Placement,
-    /// How long the app's own traffic had no function to go through, ms: the engine's switch
-    /// (the new placement was ready before it, the old one ran until it).
-    pub pause_ms: f64,
-    /// The state the app had that its new placement starts without, if any.
-    pub state_left_behind: Option<String>,
-}
-
 /// What `apply` did.
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct ApplyReport {
@@ -76,8 +63,6 @@ pub struct ApplyReport {
     pub links_added: Vec<String>,
     pub links_removed: Vec<String>,
     pub links_kept: Vec<String>,
-    /// Apps that changed placement.
-    pub moved: Vec<Moved>,
     /// How long the workers were parked (no packet moved anywhere in the engine), ms.
     pub paused_ms: f64,
 }
