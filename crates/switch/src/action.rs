@@ -5,6 +5,7 @@
 use crate::ofp::{self, OfError};
 use crate::oxm::{self, layout, Key, Layout};
 use stitch_core::Packet;
+use stitch_wire::be::{self, Put};
 use stitch_wire::checksum;
 
 pub const OUTPUT: u16 = 0;
@@ -250,7 +251,7 @@ fn parse_set_field(a: &[u8]) -> Result<Action, OfError> {
         return Err(ofp::BAD_ACTION_LEN);
     }
     let (class, id, has_mask, l) = (
-        u16::from_be_bytes([tlv[0], tlv[1]]),
+        be::get::<u16>(tlv, 0),
         tlv[2] >> 1,
         tlv[2] & 1 == 1,
         tlv[3] as usize,
@@ -303,10 +304,7 @@ pub fn rewrite(p: &mut Packet, key: &mut Key, a: &Action) -> Rewrite {
             Rewrite::Changed
         }
         Action::PushVlan(tpid) => {
-            let tci = l
-                .vlan
-                .map(|v| u16::from_be_bytes([p.data()[v + 2], p.data()[v + 3]]))
-                .unwrap_or(0);
+            let tci = l.vlan.map(|v| be::get::<u16>(p.data(), v + 2)).unwrap_or(0);
             match stitch_wire::vlan::push(p, *tpid, tci) {
                 Ok(()) => Rewrite::Changed,
                 Err(_) => Rewrite::NoRoom,
@@ -434,7 +432,7 @@ fn set_ip_ttl(d: &mut [u8], l: &Layout, f: impl Fn(u8) -> Option<u8>) -> bool {
 fn push_mpls(p: &mut Packet, l: &Layout, et: u16) -> Rewrite {
     let d = p.data();
     let shim = match l.mpls {
-        Some(m) => u32::from_be_bytes(d[m..m + 4].try_into().unwrap()) & !0x100,
+        Some(m) => be::get::<u32>(d, m) & !0x100,
         None => {
             let ttl = match (l.ethertype, l.l3) {
                 (0x0800, Some(at)) => d[at + 8],
@@ -451,8 +449,8 @@ fn push_mpls(p: &mut Packet, l: &Layout, et: u16) -> Rewrite {
     }
     let d = p.data_mut();
     d.copy_within(4..4 + at, 0);
-    d[at - 2..at].copy_from_slice(&et.to_be_bytes());
-    d[at..at + 4].copy_from_slice(&shim.to_be_bytes());
+    be::set(d, at - 2, et);
+    be::set(d, at, shim);
     Rewrite::Changed
 }
 
@@ -464,7 +462,7 @@ fn push_pbb(p: &mut Packet, l: &Layout, et: u16) -> Rewrite {
     }
     let itag = l
         .itag
-        .map(|t| u32::from_be_bytes(p.data()[t..t + 4].try_into().unwrap()) & 0x00ff_ffff)
+        .map(|t| be::get::<u32>(p.data(), t) & 0x00ff_ffff)
         .unwrap_or(0);
     let mut addresses = [0u8; 12];
     addresses.copy_from_slice(&p.data()[..12]);
@@ -472,8 +470,8 @@ fn push_pbb(p: &mut Packet, l: &Layout, et: u16) -> Rewrite {
         return Rewrite::NoRoom;
     };
     front[..12].copy_from_slice(&addresses);
-    front[12..14].copy_from_slice(&et.to_be_bytes());
-    front[14..18].copy_from_slice(&itag.to_be_bytes());
+    be::set(front, 12, et);
+    be::set(front, 14, itag);
     Rewrite::Changed
 }
 
@@ -482,7 +480,7 @@ fn pop_mpls(p: &mut Packet, l: &Layout, et: u16) -> Rewrite {
         return Rewrite::Unchanged;
     };
     let d = p.data_mut();
-    d[l.ethertype_at..l.ethertype_at + 2].copy_from_slice(&et.to_be_bytes());
+    be::set(d, l.ethertype_at, et);
     d.copy_within(0..m, 4);
     let _ = p.shift_front(4);
     trim_padding(p, m);
@@ -510,8 +508,8 @@ fn trim_padding(p: &mut Packet, l3: usize) {
         return;
     };
     let ip_len = match v {
-        4 if d.len() >= l3 + 4 => u16::from_be_bytes([d[l3 + 2], d[l3 + 3]]) as usize,
-        6 if d.len() >= l3 + 6 => 40 + u16::from_be_bytes([d[l3 + 4], d[l3 + 5]]) as usize,
+        4 if d.len() >= l3 + 4 => be::get::<u16>(d, l3 + 2) as usize,
+        6 if d.len() >= l3 + 6 => 40 + be::get::<u16>(d, l3 + 4) as usize,
         _ => return,
     };
     if d[l3 - 2..l3] == [0x08, 0x00] || d[l3 - 2..l3] == [0x86, 0xdd] {
@@ -554,19 +552,19 @@ fn patch(d: &mut [u8], at: usize, new: &[u8], sums: &[Option<Sum>]) {
         let Some(c) = d.get(s.at..s.at + 2) else {
             continue;
         };
-        let mut cs = u16::from_be_bytes([c[0], c[1]]);
+        let mut cs = be::get::<u16>(c, 0);
         if s.zero_is_none && cs == 0 {
             continue;
         }
         for w in (0..hi - lo).step_by(2) {
-            let o = u16::from_be_bytes([old[w], old[w + 1]]);
-            let n = u16::from_be_bytes([d[lo + w], d[lo + w + 1]]);
+            let o = be::get::<u16>(&old, w);
+            let n = be::get::<u16>(d, lo + w);
             cs = checksum::update(cs, o, n);
         }
         if s.zero_is_none && cs == 0 {
             cs = 0xffff;
         }
-        d[s.at..s.at + 2].copy_from_slice(&cs.to_be_bytes());
+        be::set(d, s.at, cs);
     }
 }
 
@@ -631,9 +629,9 @@ fn write_l2_field(d: &mut [u8], l: &Layout, id: u8, v: &[u8]) {
         ETH_TYPE => d[l.ethertype_at..l.ethertype_at + 2].copy_from_slice(v),
         VLAN_VID => {
             if let Some(t) = l.vlan {
-                let vid = u16::from_be_bytes([v[0], v[1]]) & 0x0fff;
-                let tci = u16::from_be_bytes([d[t + 2], d[t + 3]]) & 0xf000 | vid;
-                d[t + 2..t + 4].copy_from_slice(&tci.to_be_bytes());
+                let vid = be::get::<u16>(v, 0) & 0x0fff;
+                let tci = be::get::<u16>(d, t + 2) & 0xf000 | vid;
+                be::set(d, t + 2, tci);
             }
         }
         VLAN_PCP => {
@@ -643,14 +641,14 @@ fn write_l2_field(d: &mut [u8], l: &Layout, id: u8, v: &[u8]) {
         }
         MPLS_LABEL | MPLS_TC | MPLS_BOS => {
             if let Some(m) = l.mpls {
-                let mut s = u32::from_be_bytes(d[m..m + 4].try_into().unwrap());
+                let mut s = be::get::<u32>(d, m);
                 let x = u32::from_be_bytes(v.try_into().unwrap_or([0, 0, 0, v[0]]));
                 s = match id {
                     MPLS_LABEL => (s & 0xfff) | (x & 0xfffff) << 12,
                     MPLS_TC => (s & !0xe00) | (x & 7) << 9,
                     _ => (s & !0x100) | (x & 1) << 8,
                 };
-                d[m..m + 4].copy_from_slice(&s.to_be_bytes());
+                be::set(d, m, s);
             }
         }
         PBB_ISID => {
@@ -674,10 +672,7 @@ fn write_l3_field(d: &mut [u8], l: &Layout, id: u8, v: &[u8]) {
             let (dscp_ecn_at, old) = if v4 {
                 (at + 1, d[at + 1])
             } else {
-                (
-                    at,
-                    ((u16::from_be_bytes([d[at], d[at + 1]]) >> 4) & 0xff) as u8,
-                )
+                (at, ((be::get::<u16>(d, at) >> 4) & 0xff) as u8)
             };
             let tc = if id == IP_DSCP {
                 (v[0] << 2) | (old & 3)
@@ -701,9 +696,9 @@ fn write_l3_field(d: &mut [u8], l: &Layout, id: u8, v: &[u8]) {
                 let old = d[at + 6];
                 d[at + 6] = v[0];
                 if let Some(s) = l4_sum(l, true) {
-                    let cs = u16::from_be_bytes([d[s.at], d[s.at + 1]]);
+                    let cs = be::get::<u16>(d, s.at);
                     let cs = checksum::update(cs, old as u16, v[0] as u16);
-                    d[s.at..s.at + 2].copy_from_slice(&cs.to_be_bytes());
+                    be::set(d, s.at, cs);
                 }
             }
         }
@@ -722,9 +717,9 @@ fn write_l3_field(d: &mut [u8], l: &Layout, id: u8, v: &[u8]) {
         }
         IPV6_FLABEL if v6 && l3.is_some() => {
             let at = l3.unwrap();
-            let w = u32::from_be_bytes(d[at..at + 4].try_into().unwrap()) & !0xfffff
+            let w = be::get::<u32>(d, at) & !0xfffff
                 | u32::from_be_bytes(v.try_into().unwrap()) & 0xfffff;
-            d[at..at + 4].copy_from_slice(&w.to_be_bytes());
+            be::set(d, at, w);
         }
         _ => {}
     }
@@ -819,18 +814,18 @@ fn write_arp_field(d: &mut [u8], l: &Layout, id: u8, v: &[u8]) {
 pub fn write_actions(out: &mut Vec<u8>, actions: &[Action]) {
     for a in actions {
         let start = out.len();
-        out.extend_from_slice(&a.kind().to_be_bytes());
+        out.put(a.kind());
         out.extend_from_slice(&[0, 0]);
         match a {
             Action::Output { port, max_len } => {
-                out.extend_from_slice(&port.to_be_bytes());
-                out.extend_from_slice(&max_len.to_be_bytes());
+                out.put(*port);
+                out.put(*max_len);
                 out.extend_from_slice(&[0; 6]);
             }
-            Action::Group(x) | Action::SetQueue(x) => out.extend_from_slice(&x.to_be_bytes()),
+            Action::Group(x) | Action::SetQueue(x) => out.put(*x),
             Action::SetField { id, value } => oxm::write_tlv(out, *id, value, None),
             Action::PushVlan(e) | Action::PushMpls(e) | Action::PopMpls(e) | Action::PushPbb(e) => {
-                out.extend_from_slice(&e.to_be_bytes());
+                out.put(*e);
                 out.extend_from_slice(&[0, 0]);
             }
             Action::SetMplsTtl(t) | Action::SetNwTtl(t) => out.extend_from_slice(&[*t, 0, 0, 0]),
@@ -840,7 +835,7 @@ pub fn write_actions(out: &mut Vec<u8>, actions: &[Action]) {
             out.push(0);
         }
         let len = (out.len() - start) as u16;
-        out[start + 2..start + 4].copy_from_slice(&len.to_be_bytes());
+        be::set(out, start + 2, len);
     }
 }
 
@@ -861,13 +856,13 @@ mod tests {
         );
         f.extend_from_slice(&ip);
         let mut udp = vec![0x04, 0xd2, 0, 53];
-        udp.extend_from_slice(&((8 + payload.len()) as u16).to_be_bytes());
+        udp.put((8 + payload.len()) as u16);
         udp.extend_from_slice(&[0, 0]);
         udp.extend_from_slice(payload);
         let mut acc = checksum::sum(&ip[12..20], 0);
         acc += 17 + udp.len() as u64;
         let cs = checksum::finish(checksum::sum(&udp, acc));
-        udp[6..8].copy_from_slice(&cs.to_be_bytes());
+        be::set(&mut udp, 6, cs);
         f.extend(udp);
         f
     }
@@ -970,7 +965,7 @@ mod tests {
         let mut key = Key::extract(p.data(), 1);
         let set = |id, v: u16| Action::SetField {
             id,
-            value: v.to_be_bytes().to_vec(),
+            value: be::net(v).to_vec(),
         };
         rewrite(&mut p, &mut key, &set(oxm::SCTP_SRC, 7));
         let d = p.data();

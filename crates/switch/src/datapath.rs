@@ -15,6 +15,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use stitch_core::app::Io;
 use stitch_core::Packet;
+use stitch_wire::be::{self, Put};
 
 /// How often the entries' counts are added to the shared ones (statistics lag by at most this).
 const ENTRY_FLUSH_NS: u64 = 10_000_000;
@@ -841,12 +842,12 @@ impl DataPath {
             data.len().min(max_len as usize)
         };
         let mut m = ofp::start(ofp::PACKET_IN, 0);
-        m.extend_from_slice(&ofp::NO_BUFFER.to_be_bytes());
-        m.extend_from_slice(&(data.len() as u16).to_be_bytes());
+        m.put(ofp::NO_BUFFER);
+        m.put(data.len() as u16);
         m.push(reason);
         m.push(origin.table);
-        m.extend_from_slice(&origin.cookie.to_be_bytes());
-        let in_port = key.in_port().to_be_bytes();
+        m.put(origin.cookie);
+        let in_port = be::net(key.in_port());
         let metadata = key.get(oxm::METADATA);
         let tunnel = key.get(oxm::TUNNEL_ID);
         let mut fields: Vec<oxm::Field> = vec![(oxm::IN_PORT, &in_port, None)];
@@ -1130,7 +1131,7 @@ mod tests {
             &mut s,
             0,
             10,
-            &[(IN_PORT, &1u32.to_be_bytes(), None)],
+            &[(IN_PORT, &be::net(1u32), None)],
             then(
                 vec![
                     Action::PushVlan(0x8100),
@@ -1146,7 +1147,7 @@ mod tests {
             &mut s,
             0,
             10,
-            &[(IN_PORT, &2u32.to_be_bytes(), None)],
+            &[(IN_PORT, &be::net(2u32), None)],
             then(vec![Action::PopVlan], Some(1)),
         );
         // UDP to port 53 in VLAN 100 leaves by port 4 whatever its destination: for frames
@@ -1159,7 +1160,7 @@ mod tests {
                 (VLAN_VID, &vid(100), None),
                 (ETH_TYPE, &[8, 0], None),
                 (IP_PROTO, &[17], None),
-                (UDP_DST, &53u16.to_be_bytes(), None),
+                (UDP_DST, &be::net(53u16), None),
             ],
             then(vec![Action::PopVlan, Action::output(4)], None),
         );
@@ -1206,19 +1207,19 @@ mod tests {
         f.extend_from_slice(&[0x0e, 0, 0, 1, 0, 1]);
         for t in tags {
             f.extend_from_slice(&[0x81, 0x00]);
-            f.extend_from_slice(&t.to_be_bytes());
+            f.put(*t);
         }
         match udp_dst {
             Some(port) => {
-                let [hi, lo] = n.to_be_bytes();
+                let [hi, lo] = be::net(n);
                 f.extend_from_slice(&[8, 0, 0x45, 0, 0, 46, hi, lo, 0, 0, 64, 17, 0, 0]);
                 f.extend_from_slice(&[10, 0, hi, lo, 10, 1, 0, 1]);
-                f.extend_from_slice(&(1000 + n).to_be_bytes());
-                f.extend_from_slice(&port.to_be_bytes());
+                f.put(1000 + n);
+                f.put(port);
             }
             None => {
                 f.extend_from_slice(&[0x88, 0xb5]);
-                f.extend_from_slice(&n.to_be_bytes());
+                f.put(n);
             }
         }
         f.resize(64, 0);

@@ -14,6 +14,7 @@ use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use stitch_wire::be::{self, Put};
 
 pub struct Endpoint {
     stop: Arc<AtomicBool>,
@@ -137,16 +138,16 @@ fn flow_removed(shared: &Shared, e: &FlowEntry, reason: u8) {
     }
     let age = shared.now_ns().saturating_sub(e.created_ns);
     let mut m = ofp::start(ofp::FLOW_REMOVED, 0);
-    m.extend_from_slice(&e.cookie.to_be_bytes());
-    m.extend_from_slice(&e.priority.to_be_bytes());
+    m.put(e.cookie);
+    m.put(e.priority);
     m.push(reason);
     m.push(e.table);
-    m.extend_from_slice(&((age / 1_000_000_000) as u32).to_be_bytes());
-    m.extend_from_slice(&((age % 1_000_000_000) as u32).to_be_bytes());
-    m.extend_from_slice(&e.idle_timeout.to_be_bytes());
-    m.extend_from_slice(&e.hard_timeout.to_be_bytes());
-    m.extend_from_slice(&e.packets.load(Ordering::Relaxed).to_be_bytes());
-    m.extend_from_slice(&e.bytes.load(Ordering::Relaxed).to_be_bytes());
+    m.put((age / 1_000_000_000) as u32);
+    m.put((age % 1_000_000_000) as u32);
+    m.put(e.idle_timeout);
+    m.put(e.hard_timeout);
+    m.put(e.packets.load(Ordering::Relaxed));
+    m.put(e.bytes.load(Ordering::Relaxed));
     oxm::write_match(&mut m, &e.matching);
     shared.send_async(Async::FlowRemoved, reason, &ofp::finish(m));
 }
@@ -353,7 +354,7 @@ fn handle(m: &Msg, shared: &Shared, conn: &Connection) -> Result<Vec<Vec<u8>>, O
         ofp::QUEUE_GET_CONFIG_REQUEST => {
             let port = ofp::u32_field(b, 8)?;
             let mut r = ofp::start(ofp::QUEUE_GET_CONFIG_REPLY, m.xid);
-            r.extend_from_slice(&port.to_be_bytes());
+            r.put(port);
             r.extend_from_slice(&[0; 4]);
             vec![ofp::finish(r)]
         }
@@ -365,11 +366,11 @@ fn handle(m: &Msg, shared: &Shared, conn: &Connection) -> Result<Vec<Vec<u8>>, O
 /// The switch's features: datapath id, no buffers, its tables, flow/table/port/group statistics.
 fn features_reply(m: &Msg, shared: &Shared) -> Vec<u8> {
     let mut r = ofp::start(ofp::FEATURES_REPLY, m.xid);
-    r.extend_from_slice(&shared.datapath_id.to_be_bytes());
-    r.extend_from_slice(&0u32.to_be_bytes()); // no buffers
+    r.put(shared.datapath_id);
+    r.put(0u32); // no buffers
     r.extend_from_slice(&[TABLES as u8, 0, 0, 0]); // tables, main connection
-    r.extend_from_slice(&(1u32 | 2 | 4 | 8).to_be_bytes());
-    r.extend_from_slice(&0u32.to_be_bytes());
+    r.put(1u32 | 2 | 4 | 8);
+    r.put(0u32);
     ofp::finish(r)
 }
 
@@ -416,7 +417,7 @@ fn get_async(m: &Msg, conn: &Connection) -> Vec<u8> {
     let mut r = ofp::start(ofp::GET_ASYNC_REPLY, m.xid);
     for pair in conn.async_masks.lock().unwrap().iter() {
         for mask in pair {
-            r.extend_from_slice(&mask.to_be_bytes());
+            r.put(*mask);
         }
     }
     ofp::finish(r)
@@ -494,7 +495,7 @@ fn role_request(m: &Msg, shared: &Shared, conn: &Connection) -> Result<Vec<u8>, 
         conn.role.store(role, Ordering::Relaxed);
     }
     let mut r = ofp::start(ofp::ROLE_REPLY, m.xid);
-    r.extend_from_slice(&conn.role.load(Ordering::Relaxed).to_be_bytes());
+    r.put(conn.role.load(Ordering::Relaxed));
     r.extend_from_slice(&[0; 4]);
     r.extend_from_slice(
         &shared
@@ -530,7 +531,7 @@ impl Replies {
 
     fn header(kind: u16, xid: u32) -> Vec<u8> {
         let mut r = ofp::start(ofp::MULTIPART_REPLY, xid);
-        r.extend_from_slice(&kind.to_be_bytes());
+        r.put(kind);
         r.extend_from_slice(&[0; 6]);
         r
     }
@@ -552,7 +553,7 @@ impl Replies {
             .enumerate()
             .map(|(i, mut m)| {
                 if i + 1 < n {
-                    m[10..12].copy_from_slice(&1u16.to_be_bytes());
+                    be::set(&mut m, 10, 1u16);
                 }
                 ofp::finish(m)
             })
@@ -561,13 +562,13 @@ impl Replies {
 }
 
 fn duration(out: &mut Vec<u8>, ns: u64) {
-    out.extend_from_slice(&((ns / 1_000_000_000) as u32).to_be_bytes());
-    out.extend_from_slice(&((ns % 1_000_000_000) as u32).to_be_bytes());
+    out.put((ns / 1_000_000_000) as u32);
+    out.put((ns % 1_000_000_000) as u32);
 }
 
 fn set_len(e: &mut [u8]) {
     let n = e.len() as u16;
-    e[0..2].copy_from_slice(&n.to_be_bytes());
+    be::set(e, 0, n);
 }
 
 fn multipart(m: &Msg, shared: &Shared, conn: &Connection) -> Result<Vec<Vec<u8>>, OfError> {
@@ -635,9 +636,9 @@ fn mp_flows(
             bytes += e.bytes.load(Ordering::Relaxed);
             n += 1;
         }
-        let mut e = packets.to_be_bytes().to_vec();
-        e.extend_from_slice(&bytes.to_be_bytes());
-        e.extend_from_slice(&n.to_be_bytes());
+        let mut e = be::bytes(packets);
+        e.put(bytes);
+        e.put(n);
         e.extend_from_slice(&[0; 4]);
         r.push(&e);
     } else {
@@ -653,9 +654,9 @@ fn mp_table_stats(r: &mut Replies, shared: &Shared) {
     let s = shared.state.lock().unwrap();
     for (t, c) in shared.table_counters.iter().enumerate() {
         let mut e = vec![t as u8, 0, 0, 0];
-        e.extend_from_slice(&(s.flows.tables[t].len() as u32).to_be_bytes());
-        e.extend_from_slice(&c.lookups.load(Ordering::Relaxed).to_be_bytes());
-        e.extend_from_slice(&c.matched.load(Ordering::Relaxed).to_be_bytes());
+        e.put(s.flows.tables[t].len() as u32);
+        e.put(c.lookups.load(Ordering::Relaxed));
+        e.put(c.matched.load(Ordering::Relaxed));
         r.push(&e);
     }
 }
@@ -668,7 +669,7 @@ fn mp_port_stats(r: &mut Replies, body: &[u8], shared: &Shared, now: u64) -> Res
         if want != ofp::PORT_ANY && want != no {
             continue;
         }
-        let mut e = no.to_be_bytes().to_vec();
+        let mut e = be::bytes(no);
         e.extend_from_slice(&[0; 4]);
         for v in [
             c.rx_packets.load(Ordering::Relaxed),
@@ -684,7 +685,7 @@ fn mp_port_stats(r: &mut Replies, body: &[u8], shared: &Shared, now: u64) -> Res
             0,
             0,
         ] {
-            e.extend_from_slice(&v.to_be_bytes());
+            e.put(v);
         }
         duration(&mut e, now);
         r.push(&e);
@@ -744,13 +745,13 @@ fn mp_groups(
 /// OFPMP_GROUP_FEATURES: the group types, capabilities, limits and actions supported.
 fn mp_group_features(r: &mut Replies) {
     let mut e = Vec::new();
-    e.extend_from_slice(&0b1111u32.to_be_bytes()); // all, select, indirect, ff
-    e.extend_from_slice(&(1u32 | 2 | 4 | 8).to_be_bytes()); // weight, liveness, chaining, checks
+    e.put(0b1111u32); // all, select, indirect, ff
+    e.put(1u32 | 2 | 4 | 8); // weight, liveness, chaining, checks
     for _ in 0..4 {
-        e.extend_from_slice(&(group::MAX_GROUPS as u32).to_be_bytes());
+        e.put(group::MAX_GROUPS as u32);
     }
     for _ in 0..4 {
-        e.extend_from_slice(&supported_actions().to_be_bytes());
+        e.put(supported_actions());
     }
     r.push(&e);
 }
@@ -778,22 +779,22 @@ fn mp_meters(
                 .flatten()
                 .filter(|f| f.instructions.meter == Some(mt.id))
                 .count() as u32;
-            e.extend_from_slice(&mt.id.to_be_bytes());
+            e.put(mt.id);
             e.extend_from_slice(&[0, 0, 0, 0, 0, 0, 0, 0]);
-            e.extend_from_slice(&flows.to_be_bytes());
-            e.extend_from_slice(&mt.packets.load(Ordering::Relaxed).to_be_bytes());
-            e.extend_from_slice(&mt.bytes.load(Ordering::Relaxed).to_be_bytes());
+            e.put(flows);
+            e.put(mt.packets.load(Ordering::Relaxed));
+            e.put(mt.bytes.load(Ordering::Relaxed));
             duration(&mut e, now.saturating_sub(mt.created_ns));
             for band in &mt.bands {
-                e.extend_from_slice(&band.packets.load(Ordering::Relaxed).to_be_bytes());
-                e.extend_from_slice(&band.bytes.load(Ordering::Relaxed).to_be_bytes());
+                e.put(band.packets.load(Ordering::Relaxed));
+                e.put(band.bytes.load(Ordering::Relaxed));
             }
             let n = e.len() as u16;
-            e[4..6].copy_from_slice(&n.to_be_bytes());
+            be::set(&mut e, 4, n);
         } else {
             e.extend_from_slice(&[0, 0]);
-            e.extend_from_slice(&mt.flags.to_be_bytes());
-            e.extend_from_slice(&mt.id.to_be_bytes());
+            e.put(mt.flags);
+            e.put(mt.id);
             meter::write_bands(&mut e, mt);
             set_len(&mut e);
         }
@@ -804,9 +805,9 @@ fn mp_meters(
 
 /// OFPMP_METER_FEATURES: limits, band types and capabilities.
 fn mp_meter_features(r: &mut Replies) {
-    let mut e = meter::MAX_METERS.to_be_bytes().to_vec();
-    e.extend_from_slice(&(1u32 << meter::BAND_DROP | 1 << meter::BAND_DSCP_REMARK).to_be_bytes());
-    e.extend_from_slice(&0b1111u32.to_be_bytes()); // kbps, pktps, burst, stats
+    let mut e = be::bytes(meter::MAX_METERS);
+    e.put(1u32 << meter::BAND_DROP | 1 << meter::BAND_DSCP_REMARK);
+    e.put(0b1111u32); // kbps, pktps, burst, stats
     e.extend_from_slice(&[meter::MAX_BANDS as u8, 0, 0, 0]);
     r.push(&e);
 }
@@ -826,14 +827,14 @@ fn mp_table_features(r: &mut Replies, body: &[u8]) -> Result<(), OfError> {
 fn flow_stats(e: &FlowEntry, now: u64) -> Vec<u8> {
     let mut r = vec![0, 0, e.table, 0];
     duration(&mut r, now.saturating_sub(e.created_ns));
-    r.extend_from_slice(&e.priority.to_be_bytes());
-    r.extend_from_slice(&e.idle_timeout.to_be_bytes());
-    r.extend_from_slice(&e.hard_timeout.to_be_bytes());
-    r.extend_from_slice(&e.flags.to_be_bytes());
+    r.put(e.priority);
+    r.put(e.idle_timeout);
+    r.put(e.hard_timeout);
+    r.put(e.flags);
     r.extend_from_slice(&[0; 4]);
-    r.extend_from_slice(&e.cookie.to_be_bytes());
-    r.extend_from_slice(&e.packets.load(Ordering::Relaxed).to_be_bytes());
-    r.extend_from_slice(&e.bytes.load(Ordering::Relaxed).to_be_bytes());
+    r.put(e.cookie);
+    r.put(e.packets.load(Ordering::Relaxed));
+    r.put(e.bytes.load(Ordering::Relaxed));
     oxm::write_match(&mut r, &e.matching);
     r.extend_from_slice(&e.instructions.raw);
     set_len(&mut r);
@@ -842,7 +843,7 @@ fn flow_stats(e: &FlowEntry, now: u64) -> Vec<u8> {
 
 fn group_desc(g: &group::Group) -> Vec<u8> {
     let mut e = vec![0, 0, g.kind, 0];
-    e.extend_from_slice(&g.id.to_be_bytes());
+    e.put(g.id);
     group::write_buckets(&mut e, g);
     set_len(&mut e);
     e
@@ -861,15 +862,15 @@ fn group_stats(g: &group::Group, s: &State, now: u64) -> Vec<u8> {
         })
         .count() as u32;
     let mut e = vec![0, 0, 0, 0];
-    e.extend_from_slice(&g.id.to_be_bytes());
-    e.extend_from_slice(&refs.to_be_bytes());
+    e.put(g.id);
+    e.put(refs);
     e.extend_from_slice(&[0; 4]);
-    e.extend_from_slice(&g.packets.load(Ordering::Relaxed).to_be_bytes());
-    e.extend_from_slice(&g.bytes.load(Ordering::Relaxed).to_be_bytes());
+    e.put(g.packets.load(Ordering::Relaxed));
+    e.put(g.bytes.load(Ordering::Relaxed));
     duration(&mut e, now.saturating_sub(g.created_ns));
     for b in &g.buckets {
-        e.extend_from_slice(&b.packets.load(Ordering::Relaxed).to_be_bytes());
-        e.extend_from_slice(&b.bytes.load(Ordering::Relaxed).to_be_bytes());
+        e.put(b.packets.load(Ordering::Relaxed));
+        e.put(b.bytes.load(Ordering::Relaxed));
     }
     set_len(&mut e);
     e
@@ -878,20 +879,20 @@ fn group_stats(g: &group::Group, s: &State, now: u64) -> Vec<u8> {
 /// `ofp_port` of port index `i`, its link up (`live`: its output link exists) or down.
 fn port_desc(r: &mut Vec<u8>, shared: &Shared, i: usize, live: bool) {
     let no = i as u32 + 1;
-    r.extend_from_slice(&no.to_be_bytes());
+    r.put(no);
     r.extend_from_slice(&[0; 4]);
     r.extend_from_slice(&[0x02, 0, 0, 0, (no >> 8) as u8, no as u8]);
     r.extend_from_slice(&[0; 2]);
     r.extend(name_bytes(&shared.ports[i], 16));
-    r.extend_from_slice(&0u32.to_be_bytes()); // config
-                                              // state: OFPPS_LIVE, or OFPPS_LINK_DOWN.
-    r.extend_from_slice(&(if live { 4u32 } else { 1 }).to_be_bytes());
+    r.put(0u32); // config
+                 // state: OFPPS_LIVE, or OFPPS_LINK_DOWN.
+    r.put(if live { 4u32 } else { 1 });
     // curr, advertised, supported, peer: 10 Gb full duplex, copper.
     for v in [0x1040u32, 0, 0, 0] {
-        r.extend_from_slice(&v.to_be_bytes());
+        r.put(v);
     }
-    r.extend_from_slice(&10_000_000u32.to_be_bytes()); // curr_speed, kbit/s
-    r.extend_from_slice(&10_000_000u32.to_be_bytes()); // max_speed
+    r.put(10_000_000u32); // curr_speed, kbit/s
+    r.put(10_000_000u32); // max_speed
 }
 
 /// Bitmap of the action types this switch runs (group features).
@@ -907,8 +908,8 @@ fn supported_actions() -> u32 {
 fn table_features(table: u8) -> Vec<u8> {
     fn prop(out: &mut Vec<u8>, kind: u16, body: &[u8]) {
         let start = out.len();
-        out.extend_from_slice(&kind.to_be_bytes());
-        out.extend_from_slice(&((4 + body.len()) as u16).to_be_bytes());
+        out.put(kind);
+        out.put((4 + body.len()) as u16);
         out.extend_from_slice(body);
         while !(out.len() - start).is_multiple_of(8) {
             out.push(0);
@@ -917,7 +918,7 @@ fn table_features(table: u8) -> Vec<u8> {
     let ids = |types: &[u16]| -> Vec<u8> {
         types
             .iter()
-            .flat_map(|t| [t.to_be_bytes(), 4u16.to_be_bytes()].concat())
+            .flat_map(|t| [be::net(*t), be::net(4u16)].concat())
             .collect()
     };
     let actions = ids(&[
@@ -944,10 +945,10 @@ fn table_features(table: u8) -> Vec<u8> {
         .collect();
     let mut r = vec![0, 0, table, 0, 0, 0, 0, 0];
     r.extend(name_bytes(&format!("table{table}"), 32));
-    r.extend_from_slice(&u64::MAX.to_be_bytes()); // metadata_match
-    r.extend_from_slice(&u64::MAX.to_be_bytes()); // metadata_write
-    r.extend_from_slice(&0u32.to_be_bytes()); // config
-    r.extend_from_slice(&1_000_000u32.to_be_bytes()); // max_entries
+    r.put(u64::MAX); // metadata_match
+    r.put(u64::MAX); // metadata_write
+    r.put(0u32); // config
+    r.put(1_000_000u32); // max_entries
     let last = table as usize + 1 == TABLES;
     let instructions: &[u16] = if last {
         &[2, 3, 4, 5, 6]
@@ -995,13 +996,13 @@ mod tests {
     fn table_features_of_64_tables_come_in_several_replies() {
         let shared = Shared::new("t", &["a".into()], 1);
         let mut req = ofp::start(ofp::MULTIPART_REQUEST, 5);
-        req.extend_from_slice(&ofp::MP_TABLE_FEATURES.to_be_bytes());
+        req.put(ofp::MP_TABLE_FEATURES);
         req.extend_from_slice(&[0; 6]);
         let r = respond(&shared, &ofp::finish(req));
         assert!(r.len() >= 2, "{} replies", r.len());
         for (i, m) in r.iter().enumerate() {
-            assert_eq!(u16::from_be_bytes([m[2], m[3]]) as usize, m.len());
-            let more = u16::from_be_bytes([m[10], m[11]]) & 1 == 1;
+            assert_eq!(be::get::<u16>(m, 2) as usize, m.len());
+            let more = be::get::<u16>(m, 10) & 1 == 1;
             assert_eq!(more, i + 1 < r.len());
         }
     }
@@ -1015,9 +1016,9 @@ mod tests {
         // A valid FLOW_MOD with goto-table, write-actions and set-field, to damage byte by byte.
         let mut fm = ofp::start(ofp::FLOW_MOD, 9);
         fm.resize(48, 0);
-        fm[32..36].copy_from_slice(&ofp::NO_BUFFER.to_be_bytes());
-        fm[36..40].copy_from_slice(&ofp::PORT_ANY.to_be_bytes());
-        fm[40..44].copy_from_slice(&ofp::GROUP_ANY.to_be_bytes());
+        be::set(&mut fm, 32, ofp::NO_BUFFER);
+        be::set(&mut fm, 36, ofp::PORT_ANY);
+        be::set(&mut fm, 40, ofp::GROUP_ANY);
         let m = oxm::Match::from_fields(&[
             (oxm::ETH_TYPE, &[8, 0], None),
             (oxm::IP_PROTO, &[17], None),
@@ -1036,7 +1037,7 @@ mod tests {
             ],
         );
         fm.extend_from_slice(&[0, 3]);
-        fm.extend_from_slice(&((8 + acts.len()) as u16).to_be_bytes());
+        fm.put((8 + acts.len()) as u16);
         fm.extend_from_slice(&[0; 4]);
         fm.extend(acts);
         let fm = ofp::finish(fm);
@@ -1063,7 +1064,7 @@ mod tests {
                 m
             };
             for r in respond(&shared, &msg) {
-                assert_eq!(u16::from_be_bytes([r[2], r[3]]) as usize, r.len());
+                assert_eq!(be::get::<u16>(&r, 2) as usize, r.len());
             }
         }
     }
@@ -1083,7 +1084,7 @@ mod tests {
             .unwrap()
             .extend([asked.clone(), silent.clone()]);
         let mut req = ofp::start(ofp::MULTIPART_REQUEST, 3);
-        req.extend_from_slice(&ofp::MP_PORT_DESC.to_be_bytes());
+        req.put(ofp::MP_PORT_DESC);
         req.extend_from_slice(&[0; 6]);
         let req = ofp::finish(req);
         let (m, _) = ofp::next_message(&req).unwrap().unwrap();
@@ -1096,9 +1097,9 @@ mod tests {
         let out: Vec<Vec<u8>> = asked.outbox.lock().unwrap().drain(..).collect();
         assert_eq!(out.len(), 1);
         assert_eq!((out[0][1], out[0][8]), (ofp::PORT_STATUS, 2));
-        assert_eq!(&out[0][16..20], &2u32.to_be_bytes());
+        assert_eq!(&out[0][16..20], &be::net(2u32));
         // Its state word says live (OFPPS_LIVE).
-        assert_eq!(&out[0][16 + 36..16 + 40], &4u32.to_be_bytes());
+        assert_eq!(&out[0][16 + 36..16 + 40], &be::net(4u32));
         let late = Arc::new(Connection::default());
         shared.connections.lock().unwrap().push(late.clone());
         report_port_changes(&shared);
@@ -1111,13 +1112,13 @@ mod tests {
         let shared = Shared::new("t", &["a".into(), "b".into()], 1);
         let conn = Connection::default();
         let mut role = ofp::start(ofp::ROLE_REQUEST, 1);
-        role.extend_from_slice(&ROLE_SLAVE.to_be_bytes());
+        role.put(ROLE_SLAVE);
         role.extend_from_slice(&[0; 4]);
-        role.extend_from_slice(&7u64.to_be_bytes());
+        role.put(7u64);
         let role = ofp::finish(role);
         let (m, _) = ofp::next_message(&role).unwrap().unwrap();
         let r = handle(&m, &shared, &conn).unwrap();
-        assert_eq!(&r[0][8..12], &ROLE_SLAVE.to_be_bytes());
+        assert_eq!(&r[0][8..12], &be::net(ROLE_SLAVE));
         let flow_mod = ofp::finish({
             let mut f = ofp::start(ofp::FLOW_MOD, 2);
             f.resize(48, 0);
@@ -1131,7 +1132,7 @@ mod tests {
         );
         // A stale generation id is refused.
         let mut stale = role.clone();
-        stale[16..24].copy_from_slice(&3u64.to_be_bytes());
+        be::set(&mut stale, 16, 3u64);
         let (m, _) = ofp::next_message(&stale).unwrap().unwrap();
         assert_eq!(
             handle(&m, &shared, &conn).err(),

@@ -7,6 +7,7 @@ use crate::oxm::{self, Key};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use stitch_wire::be::{self, Put};
 
 pub const ALL: u8 = 0;
 pub const SELECT: u8 = 1;
@@ -250,13 +251,13 @@ pub fn write_buckets(out: &mut Vec<u8>, g: &Group) {
     for b in &g.buckets {
         let start = out.len();
         out.extend_from_slice(&[0, 0]);
-        out.extend_from_slice(&b.weight.to_be_bytes());
-        out.extend_from_slice(&b.watch_port.to_be_bytes());
-        out.extend_from_slice(&b.watch_group.to_be_bytes());
+        out.put(b.weight);
+        out.put(b.watch_port);
+        out.put(b.watch_group);
         out.extend_from_slice(&[0; 4]);
         action::write_actions(out, &b.actions);
         let len = (out.len() - start) as u16;
-        out[start..start + 2].copy_from_slice(&len.to_be_bytes());
+        be::set(out, start, len);
     }
 }
 
@@ -339,8 +340,8 @@ mod tests {
         let mut rng = fastrand::Rng::with_seed(7);
         for _ in 0..8000 {
             let mut k = Key::default();
-            k.set(oxm::IPV4_SRC, &rng.u32(..).to_be_bytes());
-            k.set(oxm::TCP_SRC, &rng.u16(..).to_be_bytes());
+            k.set(oxm::IPV4_SRC, &be::net(rng.u32(..)));
+            k.set(oxm::TCP_SRC, &be::net(rng.u16(..)));
             let b = g.select(&k, |_| true).unwrap();
             assert_eq!(g.select(&k, |_| true), Some(b));
             counts[b] += 1;
@@ -351,7 +352,7 @@ mod tests {
         let arp = (0..2000)
             .filter(|_| {
                 let mut k = Key::default();
-                k.set(oxm::ARP_SPA, &rng.u32(..).to_be_bytes());
+                k.set(oxm::ARP_SPA, &be::net(rng.u32(..)));
                 g.select(&k, |_| true) == Some(1)
             })
             .count();

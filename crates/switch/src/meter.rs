@@ -6,6 +6,7 @@ use crate::ofp::{self, OfError};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use stitch_wire::be::Put;
 
 pub const FLAG_KBPS: u16 = 1;
 pub const FLAG_PKTPS: u16 = 2;
@@ -236,10 +237,10 @@ impl MeterTable {
 /// `ofp_meter_band_header`s as METER_CONFIG gives them back.
 pub fn write_bands(out: &mut Vec<u8>, m: &Meter) {
     for b in &m.bands {
-        out.extend_from_slice(&b.kind.to_be_bytes());
-        out.extend_from_slice(&16u16.to_be_bytes());
-        out.extend_from_slice(&b.rate.to_be_bytes());
-        out.extend_from_slice(&b.burst.to_be_bytes());
+        out.put(b.kind);
+        out.put(16u16);
+        out.put(b.rate);
+        out.put(b.burst);
         out.extend_from_slice(&[b.prec_level, 0, 0, 0]);
     }
 }

@@ -221,6 +221,7 @@ impl Probe {
 mod tests {
     use super::*;
     use stitch_core::pool;
+    use stitch_wire::be::{self, Put};
 
     fn packet(frame: &[u8]) -> Packet {
         let _ = pool::init(1024, 0);
@@ -231,10 +232,10 @@ mod tests {
 
     /// An untagged (or, with `tag`, tagged) frame of `len` bytes whose payload counts up.
     fn frame(len: usize, tag: Option<u16>) -> Vec<u8> {
-        let mut f = vec![0x0e, 0, 0, 0, 0, 2, 0x0e, 0, 0, 0, 0, 1];
+        let mut f: Vec<u8> = vec![0x0e, 0, 0, 0, 0, 2, 0x0e, 0, 0, 0, 0, 1];
         if let Some(t) = tag {
             f.extend_from_slice(&[0x81, 0x00]);
-            f.extend_from_slice(&t.to_be_bytes());
+            f.put(t);
         }
         f.extend_from_slice(&[0x08, 0x00]);
         while f.len() < len {
@@ -272,7 +273,7 @@ mod tests {
     fn a_net_effect_makes_what_the_actions_made_for_every_frame_it_holds_for() {
         let actions = [
             Action::PushVlan(0x8100),
-            set(oxm::VLAN_VID, &0x1064u16.to_be_bytes()),
+            set(oxm::VLAN_VID, &be::net(0x1064u16)),
             set(oxm::ETH_SRC, &[0x0e, 0, 0, 0, 0, 9]),
         ];
         let (mut probe, sent) = watch(&frame(100, None), &actions);

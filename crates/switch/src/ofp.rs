@@ -2,6 +2,8 @@
 //! every length checked, and the replies it writes. A malformed message is an [`OfError`]
 //! (OpenFlow error type and code), answered with an ERROR message — never a panic.
 
+use stitch_wire::be::{self, Put};
+
 pub const VERSION: u8 = 0x04;
 
 pub const HELLO: u8 = 0;
@@ -145,21 +147,21 @@ type R<T> = Result<T, OfError>;
 #[inline]
 fn u16_at(b: &[u8], at: usize) -> R<u16> {
     b.get(at..at + 2)
-        .map(|x| u16::from_be_bytes([x[0], x[1]]))
+        .map(|x| be::get::<u16>(x, 0))
         .ok_or(BAD_REQUEST_LEN)
 }
 
 #[inline]
 fn u32_at(b: &[u8], at: usize) -> R<u32> {
     b.get(at..at + 4)
-        .map(|x| u32::from_be_bytes(x.try_into().unwrap()))
+        .map(|x| be::get::<u32>(x, 0))
         .ok_or(BAD_REQUEST_LEN)
 }
 
 #[inline]
 fn u64_at(b: &[u8], at: usize) -> R<u64> {
     b.get(at..at + 8)
-        .map(|x| u64::from_be_bytes(x.try_into().unwrap()))
+        .map(|x| be::get::<u64>(x, 0))
         .ok_or(BAD_REQUEST_LEN)
 }
 
@@ -177,7 +179,7 @@ pub fn next_message(buf: &[u8]) -> R<Option<(Msg<'_>, usize)>> {
     if buf.len() < 8 {
         return Ok(None);
     }
-    let len = u16::from_be_bytes([buf[2], buf[3]]) as usize;
+    let len = be::get::<u16>(buf, 2) as usize;
     if len < 8 {
         return Err(BAD_REQUEST_LEN);
     }
@@ -188,7 +190,7 @@ pub fn next_message(buf: &[u8]) -> R<Option<(Msg<'_>, usize)>> {
         Msg {
             version: buf[0],
             kind: buf[1],
-            xid: u32::from_be_bytes(buf[4..8].try_into().unwrap()),
+            xid: be::get::<u32>(buf, 4),
             bytes: &buf[..len],
         },
         len,
@@ -198,24 +200,24 @@ pub fn next_message(buf: &[u8]) -> R<Option<(Msg<'_>, usize)>> {
 /// Starts a message: header with the length fixed up by [`finish`].
 pub fn start(kind: u8, xid: u32) -> Vec<u8> {
     let mut m = vec![VERSION, kind, 0, 0];
-    m.extend_from_slice(&xid.to_be_bytes());
+    m.put(xid);
     m
 }
 
 pub fn finish(mut m: Vec<u8>) -> Vec<u8> {
     let n = m.len() as u16;
-    m[2..4].copy_from_slice(&n.to_be_bytes());
+    be::set(&mut m, 2, n);
     m
 }
 
 pub fn error(e: OfError, offending: &[u8]) -> Vec<u8> {
     let xid = offending
         .get(4..8)
-        .map(|x| u32::from_be_bytes(x.try_into().unwrap()))
+        .map(|x| be::get::<u32>(x, 0))
         .unwrap_or(0);
     let mut m = start(ERROR, xid);
-    m.extend_from_slice(&e.0.to_be_bytes());
-    m.extend_from_slice(&e.1.to_be_bytes());
+    m.put(e.0);
+    m.put(e.1);
     m.extend_from_slice(&offending[..offending.len().min(64)]);
     finish(m)
 }
@@ -232,14 +234,14 @@ pub fn hello_accepts_13(m: &Msg) -> bool {
     let mut at = 8;
     while at + 4 <= m.bytes.len() {
         let (t, len) = (
-            u16::from_be_bytes([m.bytes[at], m.bytes[at + 1]]),
-            u16::from_be_bytes([m.bytes[at + 2], m.bytes[at + 3]]) as usize,
+            be::get::<u16>(m.bytes, at),
+            be::get::<u16>(m.bytes, at + 2) as usize,
         );
         if len < 4 {
             break;
         }
         if t == 1 && at + 8 <= m.bytes.len() {
-            let bitmap = u32::from_be_bytes(m.bytes[at + 4..at + 8].try_into().unwrap());
+            let bitmap = be::get::<u32>(m.bytes, at + 4);
             return bitmap & (1 << VERSION) != 0;
         }
         at += len.div_ceil(8) * 8;

@@ -7,6 +7,7 @@
 //! path, only the 64-bit words it constrains: a lookup is a few masked word compares.
 
 use crate::ofp::{self, OfError};
+use stitch_wire::be::{self, Put};
 
 /// One OXM field of the basic class.
 #[derive(Debug, Clone, Copy)]
@@ -205,20 +206,20 @@ impl Key {
     }
 
     pub fn in_port(&self) -> u32 {
-        u32::from_be_bytes(self.get(IN_PORT).try_into().unwrap())
+        be::get::<u32>(self.get(IN_PORT), 0)
     }
 
     pub fn metadata(&self) -> u64 {
-        u64::from_be_bytes(self.get(METADATA).try_into().unwrap())
+        be::get::<u64>(self.get(METADATA), 0)
     }
 
     pub fn set_metadata(&mut self, v: u64) {
-        self.set(METADATA, &v.to_be_bytes());
+        self.set(METADATA, &be::net(v));
     }
 
     pub fn u16(&self, id: u8) -> u16 {
         let b = self.get(id);
-        u16::from_be_bytes([b[0], b[1]])
+        be::get::<u16>(b, 0)
     }
 
     pub fn u8(&self, id: u8) -> u8 {
@@ -379,7 +380,7 @@ pub fn parse_tlv(b: &[u8]) -> Result<(Tlv, usize), OfError> {
     if b.len() < 4 {
         return Err(ofp::BAD_MATCH_LEN);
     }
-    let class = u16::from_be_bytes([b[0], b[1]]);
+    let class = be::get::<u16>(b, 0);
     let (id, has_mask, l) = (b[2] >> 1, b[2] & 1 == 1, b[3] as usize);
     let body = b.get(4..4 + l).ok_or(ofp::BAD_MATCH_LEN)?;
     if class != OXM_BASIC {
@@ -451,7 +452,7 @@ fn check_prerequisites(tlvs: &[Tlv]) -> Result<(), OfError> {
 }
 
 pub fn write_tlv(out: &mut Vec<u8>, id: u8, value: &[u8], mask: Option<&[u8]>) {
-    out.extend_from_slice(&OXM_BASIC.to_be_bytes());
+    out.put(OXM_BASIC);
     out.push(id << 1 | mask.is_some() as u8);
     out.push((value.len() + mask.map_or(0, <[u8]>::len)) as u8);
     out.extend_from_slice(value);
@@ -468,7 +469,7 @@ pub fn write_match(out: &mut Vec<u8>, m: &Match) {
         write_tlv(out, t.id, &t.value, t.mask.as_deref());
     }
     let len = (out.len() - start) as u16;
-    out[start + 2..start + 4].copy_from_slice(&len.to_be_bytes());
+    be::set(out, start + 2, len);
     while !(out.len() - start).is_multiple_of(8) {
         out.push(0);
     }
@@ -646,8 +647,8 @@ impl Key {
     #[inline]
     fn clear_for(&mut self, in_port: u32) {
         self.0 = [0; KEY_BYTES];
-        self.put::<4>(at(IN_PORT), &in_port.to_be_bytes());
-        self.put::<4>(at(IN_PHY_PORT), &in_port.to_be_bytes());
+        be::set(&mut self.0, at(IN_PORT), in_port);
+        be::set(&mut self.0, at(IN_PHY_PORT), in_port);
     }
 
     /// The most common frames read in one pass, without [`layout`]: IPv4 (options allowed)
@@ -659,10 +660,10 @@ impl Key {
         let Some(eth) = frame.get(..18) else {
             return false;
         };
-        let outer = u16::from_be_bytes([eth[12], eth[13]]);
+        let outer = be::get::<u16>(eth, 12);
         let tagged = outer == 0x8100 || outer == 0x88a8;
         let (ethertype, l3_at) = if tagged {
-            (u16::from_be_bytes([eth[16], eth[17]]), 18)
+            (be::get::<u16>(eth, 16), 18)
         } else {
             (outer, 14)
         };
@@ -670,7 +671,7 @@ impl Key {
         let (proto, l4) = match ethertype {
             0x0800 if l3.len() >= 20 && l3[0] >> 4 == 4 => {
                 let ihl = (l3[0] & 0x0f) as usize * 4;
-                let first = u16::from_be_bytes([l3[6], l3[7]]) & 0x1fff == 0;
+                let first = be::get::<u16>(l3, 6) & 0x1fff == 0;
                 (
                     l3[9],
                     if first && ihl >= 20 {
@@ -690,7 +691,7 @@ impl Key {
             }
             _ => return false,
         };
-        let tci = tagged.then(|| u16::from_be_bytes([eth[14], eth[15]]));
+        let tci = tagged.then(|| be::get::<u16>(eth, 14));
         self.put_ethernet(eth, ethertype, tci);
         if ethertype == 0x0800 {
             self.put_ipv4(l3, proto);
@@ -709,9 +710,9 @@ impl Key {
     fn put_ethernet(&mut self, frame: &[u8], ethertype: u16, tci: Option<u16>) {
         self.put::<6>(at(ETH_DST), &frame[0..6]);
         self.put::<6>(at(ETH_SRC), &frame[6..12]);
-        self.put::<2>(at(ETH_TYPE), &ethertype.to_be_bytes());
+        be::set(&mut self.0, at(ETH_TYPE), ethertype);
         if let Some(tci) = tci {
-            self.put::<2>(at(VLAN_VID), &(0x1000 | (tci & 0x0fff)).to_be_bytes());
+            be::set(&mut self.0, at(VLAN_VID), 0x1000 | (tci & 0x0fff));
             self.0[at(VLAN_PCP)] = (tci >> 13) as u8;
         }
     }
@@ -730,15 +731,15 @@ impl Key {
     /// and `exthdr` the extension headers' bits, both found past the extension headers.
     #[inline(always)]
     fn put_ipv6(&mut self, l3: &[u8], proto: u8, exthdr: u16) {
-        let tc = (u16::from_be_bytes([l3[0], l3[1]]) >> 4) as u8;
+        let tc = (be::get::<u16>(l3, 0) >> 4) as u8;
         self.0[at(IP_DSCP)] = tc >> 2;
         self.0[at(IP_ECN)] = tc & 3;
         self.0[at(IP_PROTO)] = proto;
         let flow_label = u32::from_be_bytes([0, l3[1] & 0x0f, l3[2], l3[3]]);
-        self.put::<4>(at(IPV6_FLABEL), &flow_label.to_be_bytes());
+        be::set(&mut self.0, at(IPV6_FLABEL), flow_label);
         self.put::<16>(at(IPV6_SRC), &l3[8..24]);
         self.put::<16>(at(IPV6_DST), &l3[24..40]);
-        self.put::<2>(at(IPV6_EXTHDR), &exthdr.to_be_bytes());
+        be::set(&mut self.0, at(IPV6_EXTHDR), exthdr);
     }
 
     /// The transport fields of upper layer `l4`: ports, ICMP type and code (Neighbor
@@ -790,8 +791,8 @@ impl Key {
             return;
         }
         if let Some(m) = l.mpls {
-            let s = u32::from_be_bytes(frame[m..m + 4].try_into().unwrap());
-            self.put::<4>(at(MPLS_LABEL), &(s >> 12).to_be_bytes());
+            let s = be::get::<u32>(frame, m);
+            be::set(&mut self.0, at(MPLS_LABEL), s >> 12);
             self.0[at(MPLS_TC)] = ((s >> 9) & 7) as u8;
             self.0[at(MPLS_BOS)] = ((s >> 8) & 1) as u8;
             return;
@@ -849,13 +850,13 @@ mod tests {
             let mut f: Vec<u8> = (0..12).map(|_| rng.u8(..)).collect();
             for _ in 0..rng.usize(0..3) {
                 let tpid: u16 = *rng.choice(&[0x8100, 0x88a8, 0x0800]).unwrap();
-                f.extend_from_slice(&tpid.to_be_bytes());
-                f.extend_from_slice(&rng.u16(..).to_be_bytes());
+                f.put(tpid);
+                f.put(rng.u16(..));
             }
             let ethertype: u16 = *rng
                 .choice(&[0x0800, 0x0800, 0x86dd, 0x0806, 0x8847])
                 .unwrap();
-            f.extend_from_slice(&ethertype.to_be_bytes());
+            f.put(ethertype);
             if ethertype == 0x86dd && rng.bool() {
                 // An IPv6 header: random but for the next header, then an upper layer whose
                 // first byte is an ICMPv6 type.
@@ -876,7 +877,7 @@ mod tests {
             f.extend_from_slice(&[0, 60]);
             f.extend_from_slice(&[0, 0]);
             let fragment: u16 = *rng.choice(&[0, 0, 0x2000, 0x0010]).unwrap();
-            f.extend_from_slice(&fragment.to_be_bytes());
+            f.put(fragment);
             f.push(64);
             f.push(*rng.choice(&[6u8, 17, 132, 1, 47]).unwrap());
             f.extend((0..70).map(|_| rng.u8(..)));
@@ -920,7 +921,7 @@ mod tests {
     fn ofp_match(tlvs: &[Vec<u8>]) -> Vec<u8> {
         let body: Vec<u8> = tlvs.concat();
         let mut b = vec![0, 1];
-        b.extend_from_slice(&((4 + body.len()) as u16).to_be_bytes());
+        b.put((4 + body.len()) as u16);
         b.extend(body);
         while b.len() % 8 != 0 {
             b.push(0);
@@ -996,8 +997,8 @@ mod tests {
         f[23] = 6;
         f[26..30].copy_from_slice(&[10, 0, 0, 1]);
         f[30..34].copy_from_slice(&[10, 0, 0, 2]);
-        f[34..36].copy_from_slice(&1234u16.to_be_bytes());
-        f[36..38].copy_from_slice(&80u16.to_be_bytes());
+        be::set(&mut f, 34, 1234u16);
+        be::set(&mut f, 36, 80u16);
         f
     }
 

@@ -7,6 +7,7 @@ use crate::ofp::{self, OfError};
 use crate::oxm::{self, Key, Match};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use stitch_wire::be::{self};
 
 pub const TABLES: usize = 64;
 
@@ -40,7 +41,7 @@ impl Instructions {
         let mut raw = vec![0, INSTR_APPLY_ACTIONS as u8, 0, 0, 0, 0, 0, 0];
         action::write_actions(&mut raw, &actions);
         let len = raw.len() as u16;
-        raw[2..4].copy_from_slice(&len.to_be_bytes());
+        be::set(&mut raw, 2, len);
         Instructions {
             apply: actions,
             raw,
@@ -552,7 +553,7 @@ pub fn point_to_point(tables: &[Vec<Arc<FlowEntry>>], ports: usize) -> Vec<Optio
                 let e = tables.get(t)?.iter().find(|e| {
                     e.matching
                         .exact(oxm::IN_PORT)
-                        .is_none_or(|p| p == port.to_be_bytes())
+                        .is_none_or(|p| p == be::net(port))
                 })?;
                 let ins = &e.instructions;
                 if !e.matching.is_in_port_only() || ins.meter.is_some() || ins.metadata.is_some() {
@@ -597,7 +598,7 @@ mod tests {
     }
 
     fn in_port(n: u32) -> Match {
-        Match::from_fields(&[(oxm::IN_PORT, &n.to_be_bytes(), None)])
+        Match::from_fields(&[(oxm::IN_PORT, &be::net(n), None)])
     }
 
     fn out(n: u32) -> Instructions {
@@ -615,7 +616,7 @@ mod tests {
     fn priorities_modify_delete_and_overlap() {
         let mut t = FlowTables::default();
         let udp = Match::from_fields(&[
-            (oxm::IN_PORT, &1u32.to_be_bytes(), None),
+            (oxm::IN_PORT, &be::net(1u32), None),
             (oxm::ETH_TYPE, &[8, 0], None),
             (oxm::IP_PROTO, &[17], None),
         ]);

@@ -6,8 +6,8 @@
 //! views are used). Functions name what they touch — `l4::SRC_PORT`, `tcp::CHECKSUM`,
 //! `icmp::ECHO_IDENT` — and no byte offset or byte order is spelled outside this crate.
 
-use crate::checksum;
 use crate::views::Ipv4Packet;
+use crate::{be, checksum};
 use std::net::Ipv4Addr;
 
 /// A 16-bit big-endian field at an offset of its header.
@@ -17,12 +17,12 @@ pub struct Field16(pub usize);
 impl Field16 {
     #[inline]
     pub fn get(self, header: &[u8]) -> u16 {
-        u16::from_be_bytes([header[self.0], header[self.0 + 1]])
+        be::get(header, self.0)
     }
 
     #[inline]
     pub fn set(self, header: &mut [u8], value: u16) {
-        header[self.0..self.0 + 2].copy_from_slice(&value.to_be_bytes());
+        be::set(header, self.0, value);
     }
 
     /// Writes `value` and returns what the field held.
@@ -46,17 +46,12 @@ pub struct Field32(pub usize);
 impl Field32 {
     #[inline]
     pub fn get(self, header: &[u8]) -> u32 {
-        u32::from_be_bytes([
-            header[self.0],
-            header[self.0 + 1],
-            header[self.0 + 2],
-            header[self.0 + 3],
-        ])
+        be::get(header, self.0)
     }
 
     #[inline]
     pub fn set(self, header: &mut [u8], value: u32) {
-        header[self.0..self.0 + 4].copy_from_slice(&value.to_be_bytes());
+        be::set(header, self.0, value);
     }
 
     pub const fn end(self) -> usize {

@@ -6,6 +6,7 @@
 //! the packet's own bytes, checked once by `new_checked`, with accessors and in-place setters —
 //! parsing never copies. VLAN tags (not in smoltcp) are in [`vlan`].
 
+pub mod be;
 pub mod build;
 pub mod checksum;
 pub mod filter;
