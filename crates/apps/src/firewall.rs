@@ -35,8 +35,10 @@ use std::net::IpAddr;
 use std::time::{Duration, Instant};
 use stitch_core::link::transmit_to;
 use stitch_core::{pool, App, AppContext, AppError, Counter, Io, Packet, PortNames, PortSpec};
-use stitch_wire::checksum;
+use stitch_wire::build::{Frame, Transport};
 use stitch_wire::flow::{self, Flow, Malformed};
+use stitch_wire::header;
+use stitch_wire::views::{Ipv4Packet, TcpPacket};
 
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
@@ -452,12 +454,12 @@ fn related_key(d: &[u8], f: &Flow) -> Option<ConnKey> {
     };
     let (sp, dp) = match proto {
         6 | 17 => (
-            u16::from_be_bytes([*l4.first()?, *l4.get(1)?]),
-            u16::from_be_bytes([*l4.get(2)?, *l4.get(3)?]),
+            header::l4::SRC_PORT.try_get(l4)?,
+            header::l4::DST_PORT.try_get(l4)?,
         ),
         // A quoted echo: both "ports" are its identifier, as the tracker keys it.
         1 | 58 => {
-            let id = u16::from_be_bytes([*l4.get(4)?, *l4.get(5)?]);
+            let id = header::icmp::ECHO_IDENT.try_get(l4)?;
             (id, id)
         }
         _ => return None,
@@ -628,79 +630,56 @@ impl Firewall {
 fn rejection(d: &[u8], f: &Flow) -> Option<Packet> {
     let (l3, ethertype, _) = flow::l3(d).ok()?;
     let v4 = ethertype == 0x0800;
-    let ihl = if v4 { (d[l3] & 0x0f) as usize * 4 } else { 40 };
+    let ihl = if v4 {
+        Ipv4Packet::new_unchecked(d.get(l3..l3 + 20)?).header_len() as usize
+    } else {
+        40
+    };
     let l4 = l3 + ihl;
-    let mut p = pool::alloc()?;
-    let mut out = Vec::with_capacity(128);
-    out.extend_from_slice(&d[6..12]); // back to the sender
-    out.extend_from_slice(&d[0..6]);
-    out.extend_from_slice(&ethertype.to_be_bytes());
-    let (proto, body): (u8, Vec<u8>) = if f.protocol == 6 {
-        let t = d.get(l4..l4 + 20)?;
-        let seq = u32::from_be_bytes(t[4..8].try_into().ok()?);
-        let ack = u32::from_be_bytes(t[8..12].try_into().ok()?);
-        let payload = d.len().saturating_sub(l4 + ((t[12] >> 4) as usize * 4)) as u32;
-        let syn_fin = (t[13] & (SYN | FIN) != 0) as u32;
-        let mut r = vec![0u8; 20];
-        r[0..2].copy_from_slice(&t[2..4]);
-        r[2..4].copy_from_slice(&t[0..2]);
-        if t[13] & ACK != 0 {
-            r[4..8].copy_from_slice(&ack.to_be_bytes());
-            r[13] = RST;
+    let (transport, quote) = if f.protocol == 6 {
+        let t = TcpPacket::new_unchecked(d.get(l4..l4 + 20)?);
+        let payload = d.len().saturating_sub(l4 + t.header_len() as usize) as u32;
+        let syn_fin = (t.syn() || t.fin()) as u32;
+        let (seq, ack, flags) = if t.ack() {
+            (t.ack_number().0 as u32, 0, RST)
         } else {
-            r[8..12].copy_from_slice(&seq.wrapping_add(payload + syn_fin).to_be_bytes());
-            r[13] = RST | ACK;
-        }
-        r[12] = 5 << 4;
-        (6, r)
+            let ack = (t.seq_number().0 as u32).wrapping_add(payload + syn_fin);
+            (0, ack, RST | ACK)
+        };
+        let rst = Transport::Tcp {
+            src_port: t.dst_port(),
+            dst_port: t.src_port(),
+            seq,
+            ack,
+            flags,
+            window: 0,
+        };
+        (rst, &[][..])
     } else {
         // ICMP type 3 code 13 / ICMPv6 type 1 code 1, quoting as much as fits in 576/1280 bytes.
         let quote_max = if v4 { 576 - 20 - 8 } else { 1280 - 40 - 8 };
-        let quote = &d[l3..d.len().min(l3 + quote_max)];
-        let mut r = vec![0u8; 8];
-        (r[0], r[1]) = if v4 { (3, 13) } else { (1, 1) };
-        r.extend_from_slice(quote);
-        (if v4 { 1 } else { 58 }, r)
+        let (kind, code) = if v4 { (3, 13) } else { (1, 1) };
+        let prohibited = Transport::Icmp {
+            kind,
+            code,
+            rest: 0,
+        };
+        (prohibited, &d[l3..d.len().min(l3 + quote_max)])
     };
-    let (src, dst) = (f.dst, f.src);
-    match (src, dst) {
-        (IpAddr::V4(s), IpAddr::V4(t)) => {
-            out.extend_from_slice(&stitch_wire::ipv4_header(s, t, proto, body.len(), false));
-        }
-        (IpAddr::V6(s), IpAddr::V6(t)) => {
-            let mut ip = [0u8; 40];
-            ip[0] = 0x60;
-            ip[4..6].copy_from_slice(&(body.len() as u16).to_be_bytes());
-            ip[6] = proto;
-            ip[7] = 64;
-            ip[8..24].copy_from_slice(&s.octets());
-            ip[24..40].copy_from_slice(&t.octets());
-            out.extend_from_slice(&ip);
-        }
+    // Back to the sender, from the address it wrote to.
+    let frame = match (f.dst, f.src) {
+        (IpAddr::V4(s), IpAddr::V4(t)) => Frame::ipv4(s, t, transport),
+        (IpAddr::V6(s), IpAddr::V6(t)) => Frame::ipv6(s, t, transport),
         _ => return None,
-    }
-    let at = out.len();
-    out.extend_from_slice(&body);
-    // L4 checksum: pseudo-header for TCP and ICMPv6, none for ICMPv4.
-    let mut sum = 0u64;
-    if proto != 1 {
-        match (src, dst) {
-            (IpAddr::V4(s), IpAddr::V4(t)) => {
-                sum = checksum::sum(&s.octets(), checksum::sum(&t.octets(), 0));
-            }
-            (IpAddr::V6(s), IpAddr::V6(t)) => {
-                sum = checksum::sum(&s.octets(), checksum::sum(&t.octets(), 0));
-            }
-            _ => {}
-        }
-        sum += proto as u64 + body.len() as u64;
-    }
-    let cs = checksum::finish(checksum::sum(&out[at..], sum));
-    let off = at + if proto == 6 { 16 } else { 2 };
-    out[off..off + 2].copy_from_slice(&cs.to_be_bytes());
+    };
+    let mut out = frame
+        .macs(d[0..6].try_into().ok()?, d[6..12].try_into().ok()?)
+        .payload(quote)
+        .bytes();
     if out.len() < 60 {
         out.resize(60, 0);
     }
+    let mut p = pool::alloc()?;
     p.set_data(&out).ok()?;
     Some(p)
 }
@@ -879,24 +858,18 @@ mod tests {
     use stitch_core::link::Consumer;
 
     fn tcp(src: [u8; 4], dst: [u8; 4], sp: u16, dp: u16, flags: u8) -> Packet {
-        let mut f = vec![0u8; 54];
-        f[0..6].copy_from_slice(&[2, 0, 0, 0, 0, dst[3]]);
-        f[6..12].copy_from_slice(&[2, 0, 0, 0, 0, src[3]]);
-        f[12..14].copy_from_slice(&[0x08, 0x00]);
-        f[14] = 0x45;
-        f[16..18].copy_from_slice(&40u16.to_be_bytes());
-        f[22] = 64;
-        f[23] = 6;
-        f[26..30].copy_from_slice(&src);
-        f[30..34].copy_from_slice(&dst);
-        f[34..36].copy_from_slice(&sp.to_be_bytes());
-        f[36..38].copy_from_slice(&dp.to_be_bytes());
-        f[38..42].copy_from_slice(&1000u32.to_be_bytes());
-        f[46] = 5 << 4;
-        f[47] = flags;
-        let mut p = pool::alloc().unwrap();
-        p.set_data(&f).unwrap();
-        p
+        let segment = Transport::Tcp {
+            src_port: sp,
+            dst_port: dp,
+            seq: 1000,
+            ack: 0,
+            flags,
+            window: 0,
+        };
+        let f = Frame::ipv4(src, dst, segment)
+            .macs([2, 0, 0, 0, 0, src[3]], [2, 0, 0, 0, 0, dst[3]])
+            .bytes();
+        packet(&f)
     }
 
     struct Rig {
@@ -971,18 +944,18 @@ mod tests {
     }
 
     /// An IPv4 frame from `src` to `dst` with protocol `proto` and payload `l4`.
-    fn ip_frame(src: [u8; 4], dst: [u8; 4], proto: u8, l4: &[u8]) -> Vec<u8> {
-        let mut f = vec![2, 0, 0, 0, 0, dst[3], 2, 0, 0, 0, 0, src[3], 0x08, 0x00];
-        f.extend_from_slice(&stitch_wire::ipv4_header(
-            src.into(),
-            dst.into(),
-            proto,
-            l4.len(),
-            false,
-        ));
-        f.extend_from_slice(l4);
-        f
+    fn ip_frame(src: [u8; 4], dst: [u8; 4], transport: Transport, payload: &[u8]) -> Vec<u8> {
+        Frame::ipv4(src, dst, transport)
+            .macs([2, 0, 0, 0, 0, src[3]], [2, 0, 0, 0, 0, dst[3]])
+            .payload(payload)
+            .bytes()
     }
+
+    const UNREACHABLE: Transport = Transport::Icmp {
+        kind: 3,
+        code: 3,
+        rest: 0,
+    };
 
     fn packet(bytes: &[u8]) -> Packet {
         let mut p = pool::alloc().unwrap();
@@ -994,25 +967,19 @@ mod tests {
     fn icmp_errors_about_tracked_connections_are_related() {
         let mut r = rig(serde_json::json!({ "rules": [{ "action": "accept", "from": "lan" }] }));
         // H sends a UDP query to S: the connection is tracked.
-        let query = ip_frame(H, S, 17, &[0x9c, 0x40, 0, 53, 0, 8, 0, 0]);
+        let query = ip_frame(H, S, Transport::udp(40000, 53), &[]);
         assert_eq!(r.in_from_lan(packet(&query)), (0, 1));
         // A router says S's port is unreachable, quoting the query: related, it passes in.
         let router = [198, 51, 100, 9];
-        let mut icmp = vec![3, 3, 0, 0, 0, 0, 0, 0];
-        icmp.extend_from_slice(&query[14..]);
-        let c = checksum::checksum(&icmp);
-        icmp[2..4].copy_from_slice(&c.to_be_bytes());
         assert_eq!(
-            r.in_from_wan(packet(&ip_frame(router, H, 1, &icmp))),
+            r.in_from_wan(packet(&ip_frame(router, H, UNREACHABLE, &query[14..]))),
             (1, 0)
         );
         assert_eq!(r.fw.related.get(), 1);
         // The same error about a query nobody sent: no connection, default drop.
-        let other = ip_frame(H, S, 17, &[0x9c, 0x41, 0, 53, 0, 8, 0, 0]);
-        let mut icmp = vec![3, 3, 0, 0, 0, 0, 0, 0];
-        icmp.extend_from_slice(&other[14..]);
+        let other = ip_frame(H, S, Transport::udp(40001, 53), &[]);
         assert_eq!(
-            r.in_from_wan(packet(&ip_frame(router, H, 1, &icmp))),
+            r.in_from_wan(packet(&ip_frame(router, H, UNREACHABLE, &other[14..]))),
             (0, 0)
         );
         assert_eq!(r.fw.related.get(), 1);
@@ -1032,24 +999,15 @@ mod tests {
         r.fw.push(&mut r.io);
         let rst: Vec<Packet> = r.lan_out.drain().collect();
         assert_eq!(rst.len(), 1);
-        let d = rst[0].data();
-        assert_eq!(&d[26..30], &S);
-        assert_eq!(&d[30..34], &H);
-        assert_eq!(u16::from_be_bytes([d[34], d[35]]), 22);
-        assert_eq!(u16::from_be_bytes([d[36], d[37]]), 40000);
-        assert_eq!(d[47], RST | ACK);
-        assert_eq!(
-            u32::from_be_bytes(d[42..46].try_into().unwrap()),
-            1001,
-            "acknowledges the SYN"
-        );
-        assert_eq!(checksum::checksum(&d[14..34]), 0);
-        let pseudo = checksum::sum(&d[26..34], 0) + 6 + 20;
-        assert_eq!(
-            checksum::finish(checksum::sum(&d[34..54], pseudo)),
-            0,
-            "TCP checksum"
-        );
+        let ip = Ipv4Packet::new_checked(&rst[0].data()[14..]).unwrap();
+        assert_eq!((ip.src_addr().octets(), ip.dst_addr().octets()), (S, H));
+        assert!(ip.verify_checksum());
+        let t = TcpPacket::new_checked(ip.payload()).unwrap();
+        assert_eq!((t.src_port(), t.dst_port()), (22, 40000));
+        assert!(t.rst() && t.ack() && !t.syn());
+        assert_eq!(t.ack_number().0, 1001, "acknowledges the SYN");
+        let (s, d) = (ip.src_addr().into(), ip.dst_addr().into());
+        assert!(t.verify_checksum(&s, &d), "TCP checksum");
         assert_eq!(r.wan_out.drain().count(), 0);
         // Second rule: other TCP from 10/8 dropped; other traffic accepted by default.
         assert_eq!(r.in_from_lan(tcp(H, S, 40000, 80, SYN)), (0, 0));

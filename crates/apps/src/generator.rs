@@ -21,7 +21,8 @@ use stitch_core::link::Producer;
 use stitch_core::packet::now_ns;
 use stitch_core::packet::MAX_FRAME;
 use stitch_core::{App, AppContext, AppError, Counter, Io, PortSpec, PULL_BURST};
-use stitch_wire::{checksum, ipv4_header, parse_mac};
+use stitch_wire::build::{Frame, Transport};
+use stitch_wire::parse_mac;
 
 /// Frame sizes of the simple IMIX.
 pub const IMIX: [usize; 12] = [64, 576, 64, 64, 1500, 64, 576, 64, 64, 576, 64, 576];
@@ -209,61 +210,39 @@ fn plan(c: &GeneratorConfig) -> Result<Plan, String> {
     })
 }
 
-/// Builds the headers of one frame of `size` bytes whose payload is all zeroes.
-fn build_headers(c: &GeneratorConfig, p: &Plan, flow: u32, size: usize, out: &mut [u8]) {
-    out[0..6].copy_from_slice(&p.dst_mac);
-    out[6..12].copy_from_slice(&p.src_mac);
-    let l4_len = size - 14 - if p.src_ip.is_ipv4() { 20 } else { 40 };
-    let proto = if c.protocol == L4::Udp { 17u8 } else { 6u8 };
-    let l4_at;
-    let mut pseudo = 0u64;
-    match (p.src_ip, p.dst_ip) {
-        (IpAddr::V4(s), IpAddr::V4(d)) => {
-            let s = (u32::from(s).wrapping_add(flow)).to_be_bytes();
-            out[12..14].copy_from_slice(&0x0800u16.to_be_bytes());
-            out[14..34].copy_from_slice(&ipv4_header(s.into(), d, proto, size - 34, true));
-            pseudo = checksum::sum(&s, pseudo);
-            pseudo = checksum::sum(&d.octets(), pseudo);
-            l4_at = 34;
-        }
-        (IpAddr::V6(s), IpAddr::V6(d)) => {
-            let s = (u128::from(s).wrapping_add(flow as u128)).to_be_bytes();
-            out[12..14].copy_from_slice(&0x86ddu16.to_be_bytes());
-            let ip = &mut out[14..54];
-            ip[0..4].copy_from_slice(&0x6000_0000u32.to_be_bytes());
-            ip[4..6].copy_from_slice(&(l4_len as u16).to_be_bytes());
-            ip[6] = proto;
-            ip[7] = 64;
-            ip[8..24].copy_from_slice(&s);
-            ip[24..40].copy_from_slice(&d.octets());
-            pseudo = checksum::sum(&s, pseudo);
-            pseudo = checksum::sum(&d.octets(), pseudo);
-            l4_at = 54;
-        }
+/// The frame of flow 0 and `size` bytes, its payload all zeroes (flows differ in their source
+/// address, [`Frame::src`]).
+fn frame_of(c: &GeneratorConfig, p: &Plan, size: usize) -> Frame {
+    let transport = match c.protocol {
+        L4::Udp => Transport::udp(c.src_port, c.dst_port),
+        L4::Tcp => Transport::tcp(c.src_port, c.dst_port),
+    };
+    let mut f = match (p.src_ip, p.dst_ip) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => Frame::ipv4(s, d, transport).dont_fragment(true),
+        (IpAddr::V6(s), IpAddr::V6(d)) => Frame::ipv6(s, d, transport),
         _ => unreachable!("checked by plan"),
+    };
+    f = f
+        .macs(p.src_mac, p.dst_mac)
+        .payload_len(size - p.header_len);
+    f
+}
+
+/// Flow `flow`'s source address: the configured one plus `flow`.
+fn flow_source(src: IpAddr, flow: u32) -> IpAddr {
+    match src {
+        IpAddr::V4(s) => IpAddr::V4(u32::from(s).wrapping_add(flow).into()),
+        IpAddr::V6(s) => IpAddr::V6(u128::from(s).wrapping_add(flow as u128).into()),
     }
-    pseudo += proto as u64 + l4_len as u64;
-    let l4 = &mut out[l4_at..p.header_len];
-    l4[0..2].copy_from_slice(&c.src_port.to_be_bytes());
-    l4[2..4].copy_from_slice(&c.dst_port.to_be_bytes());
-    if c.protocol == L4::Udp {
-        l4[4..6].copy_from_slice(&(l4_len as u16).to_be_bytes());
-        l4[6..8].copy_from_slice(&[0, 0]);
-        let mut cs = checksum::finish(checksum::sum(l4, pseudo));
-        if cs == 0 {
-            cs = 0xffff;
-        }
-        l4[6..8].copy_from_slice(&cs.to_be_bytes());
-    } else {
-        l4[4..8].copy_from_slice(&1u32.to_be_bytes()); // sequence
-        l4[8..12].copy_from_slice(&1u32.to_be_bytes()); // acknowledgment
-        l4[12] = 5 << 4; // data offset
-        l4[13] = 0x18; // PSH + ACK
-        l4[14..16].copy_from_slice(&65535u16.to_be_bytes());
-        l4[16..20].copy_from_slice(&[0, 0, 0, 0]);
-        let cs = checksum::finish(checksum::sum(l4, pseudo));
-        l4[16..18].copy_from_slice(&cs.to_be_bytes());
-    }
+}
+
+/// Writes the headers of flow `flow`'s frame (`frame`, of flow 0) into `out`; `scratch` holds
+/// the whole frame meanwhile.
+fn write_headers(frame: &mut Frame, p: &Plan, flow: u32, scratch: &mut Vec<u8>, out: &mut [u8]) {
+    frame.src = flow_source(p.src_ip, flow);
+    scratch.resize(frame.len(), 0);
+    frame.write(scratch);
+    out.copy_from_slice(&scratch[..out.len()]);
 }
 
 pub struct Generator {
@@ -462,16 +441,13 @@ impl App for Generator {
         };
         let flow_stride = distinct.len() * template_stride;
         let mut templates = vec![0u8; c.flows as usize * flow_stride];
+        let mut frames: Vec<Frame> = distinct.iter().map(|&s| frame_of(&c, &p, s)).collect();
+        let mut scratch = Vec::new();
         for flow in 0..c.flows as usize {
-            for (slot, &size) in distinct.iter().enumerate() {
+            for (slot, frame) in frames.iter_mut().enumerate() {
                 let at = flow * flow_stride + slot * template_stride;
-                build_headers(
-                    &c,
-                    &p,
-                    flow as u32,
-                    size,
-                    &mut templates[at..at + p.header_len],
-                );
+                let out = &mut templates[at..at + p.header_len];
+                write_headers(frame, &p, flow as u32, &mut scratch, out);
             }
         }
         let mean_len = p.sizes.iter().sum::<usize>() / p.sizes.len();
@@ -551,6 +527,7 @@ impl App for Generator {
 mod tests {
     use super::*;
     use stitch_core::link::link;
+    use stitch_wire::checksum;
 
     fn run(c: GeneratorConfig, pulls: usize) -> Vec<Vec<u8>> {
         let mut ctx = AppContext::new("g", std::path::Path::new("."), Default::default());
@@ -626,9 +603,9 @@ mod tests {
     fn expected(c: &GeneratorConfig, i: usize) -> Vec<u8> {
         let p = plan(c).unwrap();
         let size = p.sizes[i % p.sizes.len()];
-        let mut frame = vec![0u8; size];
-        build_headers(c, &p, (i % c.flows as usize) as u32, size, &mut frame);
-        frame
+        let mut frame = frame_of(c, &p, size);
+        frame.src = flow_source(p.src_ip, (i % c.flows as usize) as u32);
+        frame.bytes()
     }
 
     #[test]

@@ -99,19 +99,13 @@ mod tests {
     use super::*;
     use stitch_core::link::link;
     use stitch_core::pool;
+    use stitch_wire::build::{Frame, Transport};
+    use stitch_wire::header::l4;
 
     fn udp(src: u8, dst: u8, sp: u16, dp: u16) -> stitch_core::Packet {
-        let mut f = vec![0u8; 60];
-        f[12..14].copy_from_slice(&[0x08, 0x00]);
-        f[14] = 0x45;
-        f[16..18].copy_from_slice(&46u16.to_be_bytes());
-        f[22] = 64;
-        f[23] = 17;
-        f[26..30].copy_from_slice(&[10, 0, 0, src]);
-        f[30..34].copy_from_slice(&[10, 0, 0, dst]);
-        f[34..36].copy_from_slice(&sp.to_be_bytes());
-        f[36..38].copy_from_slice(&dp.to_be_bytes());
-        f[38..40].copy_from_slice(&26u16.to_be_bytes());
+        let f = Frame::ipv4([10, 0, 0, src], [10, 0, 0, dst], Transport::udp(sp, dp))
+            .payload_len(18)
+            .bytes();
         let mut p = pool::alloc().unwrap();
         p.set_data(&f).unwrap();
         p
@@ -147,9 +141,9 @@ mod tests {
             for p in r.drain() {
                 let d = p.data();
                 let client_port = if d[29] == 1 {
-                    u16::from_be_bytes([d[34], d[35]])
+                    l4::SRC_PORT.get(&d[34..])
                 } else {
-                    u16::from_be_bytes([d[36], d[37]])
+                    l4::DST_PORT.get(&d[34..])
                 };
                 assert_eq!(
                     *owner.entry(client_port).or_insert(i),

@@ -43,11 +43,15 @@ use crate::OneOrMany;
 use indexmap::IndexMap;
 use serde::Deserialize;
 use std::collections::HashMap;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::net::{IpAddr, Ipv6Addr};
 use std::time::{Duration, Instant};
 use stitch_core::packet::ChecksumState;
 use stitch_core::{App, AppContext, AppError, Counter, Io, Packet, PortNames, PortSpec};
+use stitch_wire::header;
 use stitch_wire::icmp::{too_big_reply, RateLimit};
+use stitch_wire::views::{
+    EthernetAddress, EthernetFrame, EthernetProtocol, IpProtocol, Ipv4Packet, Ipv6Packet, UdpPacket,
+};
 use stitch_wire::{checksum, flow, ipv4_header, offload, parse_mac};
 
 #[derive(Debug, Clone, Deserialize)]
@@ -181,39 +185,41 @@ impl Vxlan {
         let udp_len = 8 + 8 + inner_len;
         let outer = outer_len(self.local);
         let h = p.prepend(outer).ok()?;
-        h[0..6].copy_from_slice(&self.next_hop_mac);
-        h[6..12].copy_from_slice(&self.local_mac);
         let udp = outer - 16;
+        let (eth, ip) = h[..udp].split_at_mut(14);
+        let mut eth = EthernetFrame::new_unchecked(eth);
+        eth.set_dst_addr(EthernetAddress(self.next_hop_mac));
+        eth.set_src_addr(EthernetAddress(self.local_mac));
         match (self.local, remote) {
             (IpAddr::V4(src), IpAddr::V4(dst)) => {
-                h[12..14].copy_from_slice(&[0x08, 0x00]);
+                eth.set_ethertype(EthernetProtocol::Ipv4);
                 // DF: the underlay must carry the whole frame (RFC 7348 §4.3).
-                h[14..34].copy_from_slice(&ipv4_header(src, dst, 17, udp_len, true));
+                ip.copy_from_slice(&ipv4_header(src, dst, 17, udp_len, true));
             }
             (IpAddr::V6(src), IpAddr::V6(dst)) => {
-                h[12..14].copy_from_slice(&[0x86, 0xdd]);
-                let label = hash as u32 & 0xf_ffff;
-                h[14..18].copy_from_slice(&(0x6000_0000 | label).to_be_bytes());
-                h[18..20].copy_from_slice(&(udp_len as u16).to_be_bytes());
-                h[20] = 17;
-                h[21] = 64;
-                h[22..38].copy_from_slice(&src.octets());
-                h[38..54].copy_from_slice(&dst.octets());
+                eth.set_ethertype(EthernetProtocol::Ipv6);
+                let mut ip = Ipv6Packet::new_unchecked(ip);
+                ip.set_version(6);
+                ip.set_traffic_class(0);
+                ip.set_flow_label(hash as u32 & 0xf_ffff);
+                ip.set_payload_len(udp_len as u16);
+                ip.set_next_header(IpProtocol::Udp);
+                ip.set_hop_limit(64);
+                ip.set_src_addr(src);
+                ip.set_dst_addr(dst);
             }
             _ => return None, // refused by `declare`
         }
-        h[udp..udp + 2].copy_from_slice(&sport.to_be_bytes());
-        h[udp + 2..udp + 4].copy_from_slice(&self.port.to_be_bytes());
-        h[udp + 4..udp + 6].copy_from_slice(&(udp_len as u16).to_be_bytes());
-        h[udp + 6..udp + 8].copy_from_slice(&[0, 0]); // IPv4: no UDP checksum (§5)
-        let vx = &mut h[udp + 8..udp + 16];
-        vx.fill(0);
-        vx[0] = 0x08; // I flag: VNI valid
-        vx[4..7].copy_from_slice(&self.vnis[seg].to_be_bytes()[1..4]);
+        let mut u = UdpPacket::new_unchecked(&mut h[udp..udp + 8]);
+        u.set_src_port(sport);
+        u.set_dst_port(self.port);
+        u.set_len(udp_len as u16);
+        u.set_checksum(0); // IPv4: no UDP checksum (§5)
+        header::vxlan::write(&mut h[udp + 8..], self.vnis[seg]);
         if let (IpAddr::V6(src), IpAddr::V6(dst)) = (self.local, remote) {
             let d = p.data_mut();
             let cs = udp6_checksum(&src, &dst, &d[udp..]);
-            d[udp + 6..udp + 8].copy_from_slice(&cs.to_be_bytes());
+            UdpPacket::new_unchecked(&mut d[udp..]).set_checksum(cs);
         }
         Some(p)
     }
@@ -221,35 +227,40 @@ impl Vxlan {
     /// The segment and remote (index) of an encapsulated packet, with the outer headers removed.
     fn decapsulate(&self, mut p: Packet) -> Result<(usize, u16, Packet), &Counter> {
         let d = p.data();
-        let (udp, src, dst) = match (self.local, u16::from_be_bytes([d[12], d[13]])) {
-            (IpAddr::V4(_), 0x0800) if d.len() >= 34 && d[14] >> 4 == 4 => {
-                let ihl = (d[14] & 0x0f) as usize * 4;
-                if d[23] != 17 {
+        let ethertype = EthernetFrame::new_checked(d).map(|e| e.ethertype());
+        let (udp, src, dst) = match (self.local, ethertype) {
+            (IpAddr::V4(_), Ok(EthernetProtocol::Ipv4)) if d.len() >= 34 => {
+                let ip = Ipv4Packet::new_unchecked(&d[14..]);
+                if ip.version() != 4 || ip.next_header() != IpProtocol::Udp {
                     return Err(&self.not_for_us);
                 }
-                let src = Ipv4Addr::new(d[26], d[27], d[28], d[29]);
-                let dst = Ipv4Addr::new(d[30], d[31], d[32], d[33]);
-                if ihl < 20 {
+                if ip.header_len() < 20 {
                     return Err(&self.malformed);
                 }
-                (14 + ihl, IpAddr::V4(src), IpAddr::V4(dst))
+                let (src, dst) = (ip.src_addr(), ip.dst_addr());
+                (
+                    14 + ip.header_len() as usize,
+                    IpAddr::V4(src),
+                    IpAddr::V4(dst),
+                )
             }
-            (IpAddr::V6(_), 0x86dd) if d.len() >= 54 && d[14] >> 4 == 6 => {
-                if d[20] != 17 {
+            (IpAddr::V6(_), Ok(EthernetProtocol::Ipv6)) if d.len() >= 54 => {
+                let ip = Ipv6Packet::new_unchecked(&d[14..]);
+                if ip.version() != 6 || ip.next_header() != IpProtocol::Udp {
                     return Err(&self.not_for_us);
                 }
-                let at = |o: usize| Ipv6Addr::from(<[u8; 16]>::try_from(&d[o..o + 16]).unwrap());
-                (54, IpAddr::V6(at(22)), IpAddr::V6(at(38)))
+                (54, IpAddr::V6(ip.src_addr()), IpAddr::V6(ip.dst_addr()))
             }
             _ => return Err(&self.not_for_us),
         };
         if d.len() < udp + 16 + 14 {
             return Err(&self.malformed);
         }
-        if dst != self.local || u16::from_be_bytes([d[udp + 2], d[udp + 3]]) != self.port {
+        let u = UdpPacket::new_unchecked(&d[udp..]);
+        if dst != self.local || u.dst_port() != self.port {
             return Err(&self.not_for_us);
         }
-        let udp_len = u16::from_be_bytes([d[udp + 4], d[udp + 5]]) as usize;
+        let udp_len = u.len() as usize;
         if udp_len < 16 + 14 || udp + udp_len > d.len() {
             return Err(&self.malformed);
         }
@@ -257,18 +268,16 @@ impl Vxlan {
         // finished on the wire.
         let partial = p.checksum_state() == ChecksumState::Partial;
         if let (IpAddr::V6(s), IpAddr::V6(t), false) = (src, dst, partial) {
-            let cs = u16::from_be_bytes([d[udp + 6], d[udp + 7]]);
+            let cs = u.checksum();
             let mut acc = checksum::sum(&s.octets(), 0);
             acc = checksum::sum(&t.octets(), acc) + udp_len as u64 + 17;
             if cs != 0 && checksum::finish(checksum::sum(&d[udp..udp + udp_len], acc)) != 0 {
                 return Err(&self.bad_checksum);
             }
         }
-        let vx = &d[udp + 8..udp + 16];
-        if vx[0] & 0x08 == 0 {
+        let Some(vni) = header::vxlan::vni(&d[udp + 8..]) else {
             return Err(&self.malformed);
-        }
-        let vni = u32::from_be_bytes([0, vx[4], vx[5], vx[6]]);
+        };
         let Some(&seg) = self.by_vni.get(&vni) else {
             return Err(&self.unknown_vni);
         };
@@ -682,7 +691,7 @@ mod tests {
         let d = outer.data();
         assert_eq!(outer.len(), 60 + OUTER6);
         assert_eq!((&d[12..14], d[20], d[21]), (&[0x86, 0xdd][..], 17, 64));
-        assert_eq!(u16::from_be_bytes([d[18], d[19]]) as usize, 16 + 60);
+        assert_eq!(Ipv6Packet::new_unchecked(&d[14..]).payload_len(), 16 + 60);
         let mut acc = checksum::sum(&d[22..54], 0) + 17 + 76;
         acc = checksum::sum(&d[54..], acc);
         assert_eq!(
@@ -690,7 +699,7 @@ mod tests {
             0,
             "UDP checksum over the pseudo-header"
         );
-        assert_ne!(u16::from_be_bytes([d[60], d[61]]), 0);
+        assert_ne!(UdpPacket::new_unchecked(&d[54..]).checksum(), 0);
         let mut bad = outer.try_clone().unwrap();
         let (seg, _, back) = v2.decapsulate(outer).unwrap();
         assert_eq!((seg, back.data()), (0, &bytes[..]));
@@ -750,7 +759,7 @@ mod tests {
         assert_eq!(answers.len(), 2, "the rest is rate-limited");
         let d = answers[0].data();
         assert_eq!((d[34], d[35]), (3, 4), "fragmentation needed");
-        assert_eq!(u16::from_be_bytes([d[40], d[41]]), 1450);
+        assert_eq!(header::icmp::NEXT_HOP_MTU.get(&d[34..]), 1450);
         assert_eq!(&d[26..30], &[10, 0, 0, 2], "from the packet's destination");
         assert_eq!(
             (
@@ -799,7 +808,7 @@ mod tests {
             (3, 4),
             "fragmentation needed, behind the tag"
         );
-        assert_eq!(u16::from_be_bytes([d[44], d[45]]), 1446);
+        assert_eq!(header::icmp::NEXT_HOP_MTU.get(&d[38..]), 1446);
     }
 
     #[test]
@@ -887,7 +896,7 @@ mod tests {
         while folded > 0xffff {
             folded = (folded & 0xffff) + (folded >> 16);
         }
-        f[50..52].copy_from_slice(&(folded as u16).to_be_bytes());
+        header::tcp::CHECKSUM.set(&mut f[34..], folded as u16);
         let mut p = pool::alloc_large().unwrap();
         p.set_data(&f).unwrap();
         {

@@ -36,8 +36,8 @@ pub enum Transport {
         ident: u16,
         seq: u16,
     },
-    /// Any other ICMP message (IPv4): its type, code and the 4 bytes after the checksum (an
-    /// error's unused field or next-hop MTU); the payload is what it quotes.
+    /// Any other ICMP (ICMPv6 over IPv6) message: its type, code and the 4 bytes after the
+    /// checksum (an error's unused field or next-hop MTU); the payload is what it quotes.
     Icmp {
         kind: u8,
         code: u8,
@@ -89,7 +89,7 @@ impl Transport {
         match self {
             Transport::Udp { .. } => IpProtocol::Udp,
             Transport::Tcp { .. } => IpProtocol::Tcp,
-            Transport::IcmpEcho { .. } if v6 => IpProtocol::Icmpv6,
+            Transport::IcmpEcho { .. } | Transport::Icmp { .. } if v6 => IpProtocol::Icmpv6,
             Transport::IcmpEcho { .. } | Transport::Icmp { .. } => IpProtocol::Icmp,
         }
     }
@@ -184,6 +184,7 @@ impl Frame {
     /// Writes the frame into `out`, which is [`Frame::len`] bytes long.
     pub fn write(&self, out: &mut [u8]) {
         assert_eq!(out.len(), self.len(), "a frame's buffer fits it");
+        out.fill(0);
         let (eth, rest) = out.split_at_mut(14);
         let mut e = EthernetFrame::new_unchecked(eth);
         e.set_src_addr(EthernetAddress(self.src_mac));
@@ -262,12 +263,9 @@ impl Frame {
                 seq,
             } => self.write_echo(l4, request, ident, seq),
             Transport::Icmp { kind, code, rest } => {
-                use crate::header::{icmp, Field32};
                 (l4[0], l4[1]) = (kind, code);
-                Field32(4).set(l4, rest);
-                icmp::CHECKSUM.set(l4, 0);
-                let cs = crate::checksum::checksum(l4);
-                icmp::CHECKSUM.set(l4, cs);
+                crate::header::Field32(4).set(l4, rest);
+                self.fill_icmp_checksum(l4);
             }
         }
     }
@@ -291,13 +289,21 @@ impl Frame {
         l4[1] = 0;
         icmp::ECHO_IDENT.set(l4, ident);
         icmp::ECHO_SEQ.set(l4, seq);
+        self.fill_icmp_checksum(l4);
+    }
+
+    /// ICMP's checksum covers the message; ICMPv6's also the pseudo-header (RFC 4443).
+    fn fill_icmp_checksum(&self, l4: &mut [u8]) {
+        use crate::checksum::{finish, sum};
+        use crate::header::icmp;
         icmp::CHECKSUM.set(l4, 0);
-        let pseudo = crate::checksum::sum(&self.src_octets(), 0)
-            + crate::checksum::sum(&self.dst_octets(), 0)
-            + 58
-            + l4.len() as u64;
-        let cs = crate::checksum::finish(crate::checksum::sum(l4, pseudo));
-        icmp::CHECKSUM.set(l4, cs);
+        let pseudo = match self.src {
+            IpAddr::V4(_) => 0,
+            IpAddr::V6(_) => {
+                sum(&self.src_octets(), 0) + sum(&self.dst_octets(), 0) + 58 + l4.len() as u64
+            }
+        };
+        icmp::CHECKSUM.set(l4, finish(sum(l4, pseudo)));
     }
 
     fn src_octets(&self) -> Vec<u8> {

@@ -25,6 +25,12 @@ impl Field16 {
         be::set(header, self.0, value);
     }
 
+    /// The field, or `None` where `header` is cut short of it.
+    #[inline]
+    pub fn try_get(self, header: &[u8]) -> Option<u16> {
+        be::try_get(header, self.0)
+    }
+
     /// Writes `value` and returns what the field held.
     #[inline]
     pub fn replace(self, header: &mut [u8], value: u16) -> u16 {
@@ -86,6 +92,26 @@ pub mod icmp {
     /// An echo request's or reply's identifier (the "port" of a NAT's ICMP mapping).
     pub const ECHO_IDENT: Field16 = Field16(4);
     pub const ECHO_SEQ: Field16 = Field16(6);
+    /// "Fragmentation needed"'s next-hop MTU (RFC 1191).
+    pub const NEXT_HOP_MTU: Field16 = Field16(6);
+}
+
+/// The VXLAN header (RFC 7348 §5): flags, reserved bits and a 24-bit VNI.
+pub mod vxlan {
+    pub const LEN: usize = 8;
+    /// The I flag: the VNI is valid.
+    const VNI_VALID: u8 = 0x08;
+
+    /// The header's VNI, or `None` when its I flag is clear.
+    pub fn vni(h: &[u8]) -> Option<u32> {
+        (h[0] & VNI_VALID != 0).then(|| u32::from_be_bytes([0, h[4], h[5], h[6]]))
+    }
+
+    /// Writes a header for `vni` (its low 24 bits) into the first [`LEN`] bytes of `h`.
+    pub fn write(h: &mut [u8], vni: u32) {
+        let [_, a, b, c] = vni.to_be_bytes();
+        h[..LEN].copy_from_slice(&[VNI_VALID, 0, 0, 0, a, b, c, 0]);
+    }
 }
 
 pub mod ethernet {
