@@ -615,6 +615,7 @@ impl App for Vxlan {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::net::Ipv4Addr;
     use stitch_core::link::{link, Consumer};
     use stitch_core::pool;
 
