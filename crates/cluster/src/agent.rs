@@ -405,7 +405,7 @@ async fn session(ctx: &Ctx, stopped: &mut watch::Receiver<bool>) -> Result<()> {
     }
     log::info!("agent: host `{host}` registered (lease {lease:x})");
     let result = tokio::select! {
-        r = keep_alive(client.clone(), lease, ctx.config.lease_ttl) => r,
+        r = keep_alive(&ctx.config.endpoints, lease, ctx.config.lease_ttl) => r,
         r = campaign(lease, ctx) => r,
         r = follow(client.clone(), ctx) => r,
         _ = stopped.changed() => {
@@ -422,14 +422,22 @@ async fn session(ctx: &Ctx, stopped: &mut watch::Receiver<bool>) -> Result<()> {
 /// away) is opened again, on a member that answers, for the same lease: the session — the
 /// host's liveness key and its place in the election — outlives a member. A lease etcd let
 /// expire, or one not refreshed for a whole TTL, ends the session.
-async fn keep_alive(mut client: Client, lease: i64, ttl: i64) -> Result<()> {
+async fn keep_alive(endpoints: &[String], lease: i64, ttl: i64) -> Result<()> {
     let lifetime = Duration::from_secs(ttl.max(1) as u64);
     let period = lifetime / 3;
     let mut refreshed = std::time::Instant::now();
     loop {
-        let broken = match client.lease_keep_alive(lease).await {
+        // A connection of its own, made anew after a break: the old one may still route to
+        // the member that died.
+        let client = tokio::time::timeout(lifetime, etcd::connect(endpoints)).await;
+        let opened = match client {
+            Ok(Ok(mut c)) => c.lease_keep_alive(lease).await.map_err(|e| anyhow!(e)),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(anyhow!("no member answered")),
+        };
+        let broken = match opened {
             Ok((keeper, answers)) => refresh(keeper, answers, period, &mut refreshed).await?,
-            Err(e) => anyhow!(e),
+            Err(e) => e,
         };
         if refreshed.elapsed() >= lifetime {
             return Err(broken).context("lease keep-alive: not refreshed for a whole TTL");
