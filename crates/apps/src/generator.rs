@@ -240,7 +240,7 @@ fn flow_source(src: IpAddr, flow: u32) -> IpAddr {
 /// the whole frame meanwhile.
 fn write_headers(frame: &mut Frame, p: &Plan, flow: u32, scratch: &mut Vec<u8>, out: &mut [u8]) {
     frame.src = flow_source(p.src_ip, flow);
-    scratch.resize(frame.len(), 0);
+    scratch.resize(frame.frame_len(), 0);
     frame.write(scratch);
     out.copy_from_slice(&scratch[..out.len()]);
 }

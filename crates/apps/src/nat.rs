@@ -45,10 +45,8 @@ use stitch_core::link::transmit_to;
 use stitch_core::packet::ChecksumState;
 use stitch_core::{App, AppContext, AppError, Counter, Io, Packet, PortNames, PortSpec};
 use stitch_wire::header::{self, icmp, l4, End, Field16, L4Sum};
-use stitch_wire::views::{
-    ArpHardware, ArpOperation, ArpPacket, EthernetFrame, EthernetProtocol, Ipv4Packet,
-};
-use stitch_wire::{checksum, flow, parse_mac};
+use stitch_wire::views::{ArpOperation, Ipv4Packet};
+use stitch_wire::{arp, checksum, flow, parse_mac};
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -229,28 +227,6 @@ fn layout(d: &[u8]) -> Option<(usize, usize, u8)> {
     (d.len() >= l3 + ihl + need).then_some((l3, l3 + ihl, proto))
 }
 
-/// An Ethernet/IPv4 ARP message's operation, sender MAC and address, and target address.
-fn arp_fields(d: &[u8]) -> Option<(ArpOperation, [u8; 6], Ipv4Addr, Ipv4Addr)> {
-    let eth = EthernetFrame::new_checked(d).ok()?;
-    if eth.ethertype() != EthernetProtocol::Arp {
-        return None;
-    }
-    let arp = ArpPacket::new_checked(eth.payload()).ok()?;
-    if arp.hardware_type() != ArpHardware::Ethernet
-        || arp.protocol_type() != EthernetProtocol::Ipv4
-        || (arp.hardware_len(), arp.protocol_len()) != (6, 4)
-    {
-        return None;
-    }
-    let ipv4 = |b: &[u8]| Some(Ipv4Addr::from(<[u8; 4]>::try_from(b).ok()?));
-    Some((
-        arp.operation(),
-        arp.source_hardware_addr().try_into().ok()?,
-        ipv4(arp.source_protocol_addr())?,
-        ipv4(arp.target_protocol_addr())?,
-    ))
-}
-
 /// An ARP frame from `eth_src` to `eth_dst`, as a packet.
 fn arp_frame(
     eth_dst: [u8; 6],
@@ -259,9 +235,7 @@ fn arp_frame(
     sender: ([u8; 6], Ipv4Addr),
     target: ([u8; 6], Ipv4Addr),
 ) -> Option<Packet> {
-    stitch_core::pool::alloc_with(&stitch_wire::arp_frame(
-        eth_dst, eth_src, op, sender, target,
-    ))
+    stitch_core::pool::alloc_with(&arp::frame(eth_dst, eth_src, op, sender, target))
 }
 
 /// Where the headers of a frame are: IPv4 header, L4 header, protocol.
@@ -394,7 +368,14 @@ impl Nat {
     /// An ARP frame that entered from `side`: requests for an external address on the wan side
     /// are answered, inside hosts learnt on the lan side. Returns whether the frame passes on.
     fn arp(&mut self, side: usize, d: &[u8]) -> bool {
-        let Some((op, sender_mac, sender_ip, target_ip)) = arp_fields(d) else {
+        let Some(arp::Message {
+            operation,
+            sender_mac,
+            sender_ip,
+            target_ip,
+            ..
+        }) = arp::Message::read(d)
+        else {
             return true;
         };
         if side == 0 {
@@ -404,7 +385,7 @@ impl Nat {
             // Answers to the NAT's own probes stop here.
             return d[0..6] != self.mac;
         }
-        if op == ArpOperation::Request && self.external_index(target_ip).is_some() {
+        if operation == ArpOperation::Request && self.external_index(target_ip).is_some() {
             let answer = arp_frame(
                 sender_mac,
                 self.mac,

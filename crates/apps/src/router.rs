@@ -39,8 +39,12 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::time::{Duration, Instant};
 use stitch_core::link::transmit_to;
 use stitch_core::{pool, App, AppContext, AppError, Counter, Io, Packet, PortNames, PortSpec};
+use stitch_wire::header::{self, icmp, ipv4};
 use stitch_wire::icmp::RateLimit;
-use stitch_wire::{checksum, parse_mac};
+use stitch_wire::views::ArpOperation;
+
+const ICMP: u8 = 1;
+use stitch_wire::{arp, checksum, parse_mac};
 
 pub mod lpm;
 mod v6;
@@ -613,7 +617,7 @@ impl Router {
             self.c.not_ours.add(1);
             return;
         }
-        match u16::from_be_bytes([d[12], d[13]]) {
+        match header::ethernet::ETHERTYPE.get(d) {
             0x0806 => self.arp(port, d, now, out),
             0x0800 => self.route(port, p, now, out),
             0x86dd => self.route6(port, p, now, out),
@@ -644,30 +648,21 @@ impl Router {
             return None;
         }
         let ip = &d[14..];
+        let ihl = ipv4::header_len(ip);
         // Never about ICMP errors themselves, nor about non-first fragments.
-        if ip[9] == 1
-            && ip
-                .get((ip[0] & 0x0f) as usize * 4)
-                .is_some_and(|t| ![0, 8].contains(t))
-        {
+        if ipv4::PROTOCOL.get(ip) == ICMP && ip.get(ihl).is_some_and(|t| ![0, 8].contains(t)) {
             return None;
         }
-        let quote = &ip[..ip.len().min((ip[0] & 0x0f) as usize * 4 + 8)];
-        let mut body = vec![kind, code, 0, 0];
-        body.extend_from_slice(&extra.to_be_bytes());
+        let quote = &ip[..ip.len().min(ihl + 8)];
+        let mut body = vec![kind, code, 0, 0, 0, 0, 0, 0];
+        icmp::REST.set(&mut body, extra);
         body.extend_from_slice(quote);
         let cs = checksum::checksum(&body);
-        body[2..4].copy_from_slice(&cs.to_be_bytes());
+        icmp::CHECKSUM.set(&mut body, cs);
         let src = self.ifaces[port].addr;
-        let dst = Ipv4Addr::new(ip[12], ip[13], ip[14], ip[15]);
-        let p = self.ipv4_frame(
-            port,
-            [d[6], d[7], d[8], d[9], d[10], d[11]],
-            src,
-            dst,
-            1,
-            &body,
-        )?;
+        let dst = Ipv4Addr::from(ipv4::SRC.get(ip));
+        let sender_mac = d[6..12].try_into().expect("an Ethernet header");
+        let p = self.ipv4_frame(port, sender_mac, src, dst, ICMP, &body)?;
         self.c.icmp_sent.add(1);
         Some((port, p))
     }
@@ -708,7 +703,7 @@ impl Router {
         eth_dst: [u8; 6],
     ) -> Option<Packet> {
         let me = &self.ifaces[port];
-        pool::alloc_with(&stitch_wire::arp_frame(
+        pool::alloc_with(&arp::frame(
             eth_dst,
             me.mac,
             op,
@@ -718,21 +713,23 @@ impl Router {
     }
 
     fn arp(&mut self, port: usize, d: &[u8], now: Instant, out: &mut Vec<(usize, Packet)>) {
-        let Some(a) = d.get(14..42) else { return };
-        if a[0..8] != [0, 1, 0x08, 0x00, 6, 4, 0, a[7]] {
+        let Some(arp::Message {
+            operation,
+            sender_mac,
+            sender_ip,
+            target_ip,
+            ..
+        }) = arp::Message::read(d)
+        else {
             return;
-        }
-        let op = u16::from_be_bytes([a[6], a[7]]);
-        let sender_mac: [u8; 6] = a[8..14].try_into().unwrap();
-        let sender_ip = Ipv4Addr::new(a[14], a[15], a[16], a[17]);
-        let target_ip = Ipv4Addr::new(a[24], a[25], a[26], a[27]);
+        };
         // Learn (or refresh) the sender when it is a neighbour we care about or addressed us.
         let for_us = target_ip == self.ifaces[port].addr;
         if for_us || self.neighbors.knows(port, sender_ip) {
             self.neighbors
                 .learn(port, sender_ip, sender_mac, now, self.arp_timeout, out);
         }
-        if op == 1 && for_us {
+        if operation == ArpOperation::Request && for_us {
             if let Some(r) = self.arp_frame(port, 2, sender_mac, sender_ip, sender_mac) {
                 self.c.arp_replies.add(1);
                 out.push((port, r));
@@ -760,10 +757,10 @@ impl Router {
     }
 
     fn local(&mut self, port: usize, mut p: Packet, now: Instant, out: &mut Vec<(usize, Packet)>) {
-        let d = p.data();
-        let ihl = (d[14] & 0x0f) as usize * 4;
-        let total = u16::from_be_bytes([d[16], d[17]]) as usize;
-        if d[23] != 1 || d.get(14 + ihl) != Some(&8) || 14 + total > d.len() {
+        let ip = &p.data()[14..];
+        let ihl = ipv4::header_len(ip);
+        let total = ipv4::TOTAL_LEN.get(ip) as usize;
+        if ipv4::PROTOCOL.get(ip) != ICMP || ip.get(ihl) != Some(&8) || total > ip.len() {
             self.c.local_drops.add(1);
             return;
         }
@@ -773,18 +770,16 @@ impl Router {
             (d[6..12].try_into().unwrap(), d[0..6].try_into().unwrap());
         d[0..6].copy_from_slice(&mac_src);
         d[6..12].copy_from_slice(&mac_dst);
-        let (s, t): ([u8; 4], [u8; 4]) =
-            (d[26..30].try_into().unwrap(), d[30..34].try_into().unwrap());
-        d[26..30].copy_from_slice(&t);
-        d[30..34].copy_from_slice(&s);
-        d[22] = 64;
-        d[24..26].copy_from_slice(&[0, 0]);
-        let cs = checksum::checksum(&d[14..14 + ihl]);
-        d[24..26].copy_from_slice(&cs.to_be_bytes());
-        let icmp = 14 + ihl;
-        d[icmp] = 0;
-        let old = u16::from_be_bytes([d[icmp + 2], d[icmp + 3]]);
-        d[icmp + 2..icmp + 4].copy_from_slice(&checksum::update(old, 0x0800, 0x0000).to_be_bytes());
+        let ip = &mut d[14..];
+        let (s, t) = (ipv4::SRC.get(ip), ipv4::DST.get(ip));
+        ipv4::SRC.set(ip, t);
+        ipv4::DST.set(ip, s);
+        ipv4::TTL.set(ip, 64);
+        ipv4::fill_checksum(&mut ip[..ihl]);
+        let echo = &mut ip[ihl..];
+        echo[0] = 0;
+        let old = icmp::CHECKSUM.get(echo);
+        icmp::CHECKSUM.set(echo, checksum::update(old, 0x0800, 0x0000));
         self.c.echo_replies.add(1);
         let _ = now;
         out.push((port, p));
@@ -792,27 +787,19 @@ impl Router {
 
     fn route(&mut self, port: usize, mut p: Packet, now: Instant, out: &mut Vec<(usize, Packet)>) {
         let d = p.data();
-        if d.len() < 34 {
+        let ip = &d[14..];
+        let Some(total) = ipv4::lengths(ip)
+            .filter(|&(ihl, _)| checksum::checksum(&ip[..ihl]) == 0)
+            .map(|(_, total)| total)
+        else {
             self.c.bad_header.add(1);
             return;
-        }
-        let ihl = (d[14] & 0x0f) as usize * 4;
-        let total = u16::from_be_bytes([d[16], d[17]]) as usize;
-        if d[14] >> 4 != 4
-            || ihl < 20
-            || 14 + ihl > d.len()
-            || total < ihl
-            || 14 + total > d.len()
-            || checksum::checksum(&d[14..14 + ihl]) != 0
-        {
-            self.c.bad_header.add(1);
-            return;
-        }
-        let dst = Ipv4Addr::new(d[30], d[31], d[32], d[33]);
+        };
+        let dst = Ipv4Addr::from(ipv4::DST.get(ip));
         if self.ifaces.iter().any(|i| i.addr == dst) {
             return self.local(port, p, now, out);
         }
-        if d[22] <= 1 {
+        if ipv4::TTL.get(ip) <= 1 {
             self.c.ttl_exceeded.add(1);
             if let Some(e) = self.icmp_error(d, port, 11, 0, 0, now) {
                 out.push(e);
@@ -827,7 +814,7 @@ impl Router {
             return;
         };
         let mtu = self.ifaces[r.port].mtu;
-        let df = d[20] & 0x40 != 0;
+        let df = ipv4::dont_fragment(ip);
         if total > mtu && p.header().gso_size == 0 {
             if df {
                 self.c.too_big.add(1);
@@ -840,11 +827,7 @@ impl Router {
             return;
         }
         let d = p.data_mut();
-        let old = u16::from_be_bytes([d[22], d[23]]);
-        d[22] -= 1;
-        let new = u16::from_be_bytes([d[22], d[23]]);
-        let cs = u16::from_be_bytes([d[24], d[25]]);
-        d[24..26].copy_from_slice(&checksum::update(cs, old, new).to_be_bytes());
+        ipv4::decrement_ttl(&mut d[14..]);
         d[6..12].copy_from_slice(&self.ifaces[r.port].mac);
         self.c.forwarded.add(1);
         self.send_to_neighbor(r.next_hop(dst, h), p, now, out);
@@ -968,6 +951,7 @@ impl App for Router {
 mod tests {
     use super::*;
     use stitch_core::link::Consumer;
+    use stitch_wire::build::{Frame, Transport};
 
     /// An IPv6 table with no prefix beyond /64 is keyed on the top halves and answers as the
     /// table on whole addresses does (itself checked against a linear scan in `lpm`), for
@@ -1012,19 +996,11 @@ mod tests {
     const GW: [u8; 6] = [2, 0, 0, 0, 2, 9];
 
     fn ipv4(dst: [u8; 4], ttl: u8) -> Vec<u8> {
-        let mut f = vec![0u8; 60];
-        f[0..6].copy_from_slice(&R_LAN);
-        f[6..12].copy_from_slice(&HOST);
-        f[12..14].copy_from_slice(&[0x08, 0x00]);
-        f[14] = 0x45;
-        f[16..18].copy_from_slice(&46u16.to_be_bytes());
-        f[22] = ttl;
-        f[23] = 17;
-        f[26..30].copy_from_slice(&[10, 0, 1, 2]);
-        f[30..34].copy_from_slice(&dst);
-        let cs = checksum::checksum(&f[14..34]);
-        f[24..26].copy_from_slice(&cs.to_be_bytes());
-        f
+        Frame::ipv4([10, 0, 1, 2], dst, Transport::udp(1000, 2000))
+            .macs(HOST, R_LAN)
+            .ttl(ttl)
+            .payload_len(18)
+            .bytes()
     }
 
     fn rig() -> (

@@ -15,7 +15,7 @@ pub fn frames(mac: [u8; 6], addresses: &[IpAddr]) -> Vec<Vec<u8>> {
         .iter()
         .map(|a| match a {
             IpAddr::V4(ip) => {
-                stitch_wire::arp_frame([0xff; 6], mac, 1, (mac, *ip), ([0; 6], *ip)).to_vec()
+                stitch_wire::arp::frame([0xff; 6], mac, 1, (mac, *ip), ([0; 6], *ip)).to_vec()
             }
             IpAddr::V6(ip) => {
                 let all_nodes: std::net::Ipv6Addr = "ff02::1".parse().expect("an address");

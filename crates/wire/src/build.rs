@@ -11,7 +11,7 @@
 
 use crate::views::{
     EthernetAddress, EthernetFrame, EthernetProtocol, Icmpv4Message, Icmpv4Packet, IpAddress,
-    IpProtocol, Ipv4Packet, Ipv6Packet, TcpPacket, TcpSeqNumber, UdpPacket,
+    IpProtocol, Ipv6Packet, TcpPacket, TcpSeqNumber, UdpPacket,
 };
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
@@ -167,23 +167,19 @@ impl Frame {
     }
 
     /// Bytes of the whole frame.
-    pub fn len(&self) -> usize {
+    pub fn frame_len(&self) -> usize {
         14 + self.ip_header_len() + self.transport.header_len() + self.payload.len()
     }
 
-    pub fn is_empty(&self) -> bool {
-        false
-    }
-
     pub fn bytes(&self) -> Vec<u8> {
-        let mut out = vec![0; self.len()];
+        let mut out = vec![0; self.frame_len()];
         self.write(&mut out);
         out
     }
 
-    /// Writes the frame into `out`, which is [`Frame::len`] bytes long.
+    /// Writes the frame into `out`, which is [`Frame::frame_len`] bytes long.
     pub fn write(&self, out: &mut [u8]) {
-        assert_eq!(out.len(), self.len(), "a frame's buffer fits it");
+        assert_eq!(out.len(), self.frame_len(), "a frame's buffer fits it");
         out.fill(0);
         let (eth, rest) = out.split_at_mut(14);
         let mut e = EthernetFrame::new_unchecked(eth);
@@ -195,17 +191,15 @@ impl Frame {
         match (self.src, self.dst) {
             (IpAddr::V4(s), IpAddr::V4(d)) => {
                 e.set_ethertype(EthernetProtocol::Ipv4);
-                let mut ip = Ipv4Packet::new_unchecked(ip);
-                ip.set_version(4);
-                ip.set_header_len(20);
-                ip.set_total_len((20 + l4.len()) as u16);
-                ip.clear_flags();
-                ip.set_dont_frag(self.dont_fragment);
-                ip.set_hop_limit(self.ttl);
-                ip.set_next_header(proto);
-                ip.set_src_addr(s);
-                ip.set_dst_addr(d);
-                ip.fill_checksum();
+                crate::header::ipv4::Header {
+                    src: s,
+                    dst: d,
+                    protocol: proto.into(),
+                    payload_len: l4.len(),
+                    ttl: self.ttl,
+                    dont_fragment: self.dont_fragment,
+                }
+                .write(ip);
             }
             (IpAddr::V6(s), IpAddr::V6(d)) => {
                 e.set_ethertype(EthernetProtocol::Ipv6);
@@ -264,7 +258,7 @@ impl Frame {
             } => self.write_echo(l4, request, ident, seq),
             Transport::Icmp { kind, code, rest } => {
                 (l4[0], l4[1]) = (kind, code);
-                crate::header::Field32(4).set(l4, rest);
+                crate::header::icmp::REST.set(l4, rest);
                 self.fill_icmp_checksum(l4);
             }
         }
@@ -297,28 +291,13 @@ impl Frame {
         use crate::checksum::{finish, sum};
         use crate::header::icmp;
         icmp::CHECKSUM.set(l4, 0);
-        let pseudo = match self.src {
-            IpAddr::V4(_) => 0,
-            IpAddr::V6(_) => {
-                sum(&self.src_octets(), 0) + sum(&self.dst_octets(), 0) + 58 + l4.len() as u64
+        let pseudo = match (self.src, self.dst) {
+            (IpAddr::V6(s), IpAddr::V6(d)) => {
+                sum(&s.octets(), 0) + sum(&d.octets(), 0) + 58 + l4.len() as u64
             }
+            _ => 0,
         };
         icmp::CHECKSUM.set(l4, finish(sum(l4, pseudo)));
-    }
-
-    fn src_octets(&self) -> Vec<u8> {
-        octets(self.src)
-    }
-
-    fn dst_octets(&self) -> Vec<u8> {
-        octets(self.dst)
-    }
-}
-
-fn octets(a: IpAddr) -> Vec<u8> {
-    match a {
-        IpAddr::V4(a) => a.octets().to_vec(),
-        IpAddr::V6(a) => a.octets().to_vec(),
     }
 }
 
@@ -326,6 +305,7 @@ fn octets(a: IpAddr) -> Vec<u8> {
 mod tests {
     use super::*;
     use crate::checksum;
+    use crate::views::Ipv4Packet;
 
     #[test]
     fn frames_carry_right_lengths_and_checksums() {

@@ -10,59 +10,230 @@ use crate::views::Ipv4Packet;
 use crate::{be, checksum};
 use std::net::Ipv4Addr;
 
-/// A 16-bit big-endian field at an offset of its header.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Field16(pub usize);
+macro_rules! field {
+    ($(#[$doc:meta])* $name:ident, $int:ty) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        pub struct $name(pub usize);
 
-impl Field16 {
+        impl $name {
+            #[inline]
+            pub fn get(self, header: &[u8]) -> $int {
+                be::get(header, self.0)
+            }
+
+            #[inline]
+            pub fn set(self, header: &mut [u8], value: $int) {
+                be::set(header, self.0, value);
+            }
+
+            /// The field, or `None` where `header` is cut short of it.
+            #[inline]
+            pub fn try_get(self, header: &[u8]) -> Option<$int> {
+                be::try_get(header, self.0)
+            }
+
+            /// Writes `value` and returns what the field held.
+            #[inline]
+            pub fn replace(self, header: &mut [u8], value: $int) -> $int {
+                let old = self.get(header);
+                self.set(header, value);
+                old
+            }
+
+            /// The field's end: a header shorter than this does not hold it.
+            pub const fn end(self) -> usize {
+                self.0 + std::mem::size_of::<$int>()
+            }
+        }
+    };
+}
+
+field!(
+    /// A byte of a header at an offset (a TTL, a protocol number, a type).
+    Field8,
+    u8
+);
+field!(
+    /// A 16-bit big-endian field at an offset of its header.
+    Field16,
+    u16
+);
+field!(
+    /// A 32-bit big-endian field at an offset of its header.
+    Field32,
+    u32
+);
+
+/// The IPv4 header (RFC 791) as the hot paths read it: after one check of its lengths
+/// ([`ipv4::lengths`]), every field is read where it lies.
+pub mod ipv4 {
+    use super::{Field16, Field32, Field8};
+    use crate::checksum;
+    use std::net::Ipv4Addr;
+    pub const MIN_LEN: usize = 20;
+    pub const TOS: Field8 = Field8(1);
+    pub const TOTAL_LEN: Field16 = Field16(2);
+    pub const IDENT: Field16 = Field16(4);
+    /// Flags (3 bits) and fragment offset (13 bits, in 8-byte units).
+    pub const FLAGS_FRAG: Field16 = Field16(6);
+    pub const TTL: Field8 = Field8(8);
+    pub const PROTOCOL: Field8 = Field8(9);
+    pub const CHECKSUM: Field16 = Field16(10);
+    pub const SRC: Field32 = Field32(12);
+    pub const DST: Field32 = Field32(16);
+    /// The source and destination addresses' bytes.
+    pub const SRC_BYTES: std::ops::Range<usize> = 12..16;
+    pub const DST_BYTES: std::ops::Range<usize> = 16..20;
+    pub const DONT_FRAGMENT: u16 = 0x4000;
+    pub const MORE_FRAGMENTS: u16 = 0x2000;
+    pub const OFFSET: u16 = 0x1fff;
+
+    /// The header's length in bytes, from its first byte (IHL).
     #[inline]
-    pub fn get(self, header: &[u8]) -> u16 {
-        be::get(header, self.0)
+    pub fn header_len(ip: &[u8]) -> usize {
+        (ip[0] & 0x0f) as usize * 4
+    }
+
+    /// The IPv4 packet at the head of `ip`, its lengths checked: (header length, total
+    /// length), or `None` when it is not IPv4 or `ip` does not hold what its header says.
+    #[inline]
+    pub fn lengths(ip: &[u8]) -> Option<(usize, usize)> {
+        let first = *ip.first()?;
+        let ihl = (first & 0x0f) as usize * 4;
+        if first >> 4 != 4 || ihl < MIN_LEN || ip.len() < ihl {
+            return None;
+        }
+        let total = TOTAL_LEN.get(ip) as usize;
+        (total >= ihl && total <= ip.len()).then_some((ihl, total))
+    }
+
+    /// A fragment: MF set or a non-zero offset.
+    #[inline]
+    pub fn is_fragment(ip: &[u8]) -> bool {
+        FLAGS_FRAG.get(ip) & (MORE_FRAGMENTS | OFFSET) != 0
     }
 
     #[inline]
-    pub fn set(self, header: &mut [u8], value: u16) {
-        be::set(header, self.0, value);
+    pub fn dont_fragment(ip: &[u8]) -> bool {
+        FLAGS_FRAG.get(ip) & DONT_FRAGMENT != 0
     }
 
-    /// The field, or `None` where `header` is cut short of it.
+    /// Computes the checksum of `header` (all of it, options included) anew.
+    pub fn fill_checksum(header: &mut [u8]) {
+        CHECKSUM.set(header, 0);
+        let cs = checksum::checksum(header);
+        CHECKSUM.set(header, cs);
+    }
+
+    /// An IPv4 header without options, identification 0.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub struct Header {
+        pub src: Ipv4Addr,
+        pub dst: Ipv4Addr,
+        pub protocol: u8,
+        /// The bytes after the header.
+        pub payload_len: usize,
+        pub ttl: u8,
+        pub dont_fragment: bool,
+    }
+
+    impl Header {
+        /// Writes the header, its checksum filled, into the first [`MIN_LEN`] bytes of `h`.
+        pub fn write(&self, h: &mut [u8]) {
+            let h = &mut h[..MIN_LEN];
+            h.fill(0);
+            h[0] = 0x40 | (MIN_LEN / 4) as u8;
+            TOTAL_LEN.set(h, (MIN_LEN + self.payload_len) as u16);
+            FLAGS_FRAG.set(h, if self.dont_fragment { DONT_FRAGMENT } else { 0 });
+            TTL.set(h, self.ttl);
+            PROTOCOL.set(h, self.protocol);
+            SRC.set(h, self.src.into());
+            DST.set(h, self.dst.into());
+            fill_checksum(h);
+        }
+    }
+
+    /// Decrements the TTL, updating the checksum incrementally (RFC 1624), and returns the
+    /// new TTL; a TTL of 0 stays 0.
     #[inline]
-    pub fn try_get(self, header: &[u8]) -> Option<u16> {
-        be::try_get(header, self.0)
-    }
-
-    /// Writes `value` and returns what the field held.
-    #[inline]
-    pub fn replace(self, header: &mut [u8], value: u16) -> u16 {
-        let old = self.get(header);
-        self.set(header, value);
-        old
-    }
-
-    /// The field's end: a header shorter than this does not hold it.
-    pub const fn end(self) -> usize {
-        self.0 + 2
+    pub fn decrement_ttl(ip: &mut [u8]) -> u8 {
+        let ttl = TTL.get(ip);
+        if ttl == 0 {
+            return 0;
+        }
+        // TTL and protocol are one 16-bit word of the checksum.
+        let word = Field16(TTL.0);
+        let old = word.get(ip);
+        TTL.set(ip, ttl - 1);
+        let cs = checksum::update(CHECKSUM.get(ip), old, word.get(ip));
+        CHECKSUM.set(ip, cs);
+        ttl - 1
     }
 }
 
-/// A 32-bit big-endian field at an offset of its header.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Field32(pub usize);
+/// The IPv6 header (RFC 8200).
+pub mod ipv6 {
+    use super::{Field16, Field32, Field8};
+    pub const LEN: usize = 40;
+    /// Version (4 bits), traffic class (8) and flow label (20).
+    pub const VERSION_CLASS_FLOW: Field32 = Field32(0);
+    pub const PAYLOAD_LEN: Field16 = Field16(4);
+    pub const NEXT_HEADER: Field8 = Field8(6);
+    pub const HOP_LIMIT: Field8 = Field8(7);
+    pub const SRC: std::ops::Range<usize> = 8..24;
+    pub const DST: std::ops::Range<usize> = 24..40;
+    pub const FRAGMENT: u8 = 44;
 
-impl Field32 {
+    /// An IPv6 header.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub struct Header {
+        pub traffic_class: u8,
+        /// The low 20 bits are the flow label.
+        pub flow_label: u32,
+        pub payload_len: u16,
+        pub next_header: u8,
+        pub hop_limit: u8,
+        pub src: [u8; 16],
+        pub dst: [u8; 16],
+    }
+
+    impl Header {
+        /// Writes the header into the first [`LEN`] bytes of `h`.
+        #[inline]
+        pub fn write(&self, h: &mut [u8]) {
+            let word = 6 << 28 | (self.traffic_class as u32) << 20 | (self.flow_label & 0xfffff);
+            VERSION_CLASS_FLOW.set(h, word);
+            PAYLOAD_LEN.set(h, self.payload_len);
+            NEXT_HEADER.set(h, self.next_header);
+            HOP_LIMIT.set(h, self.hop_limit);
+            h[SRC].copy_from_slice(&self.src);
+            h[DST].copy_from_slice(&self.dst);
+        }
+    }
+
+    /// The source or destination address of the header at the head of `ip`.
     #[inline]
-    pub fn get(self, header: &[u8]) -> u32 {
-        be::get(header, self.0)
+    pub fn addr(ip: &[u8], which: std::ops::Range<usize>) -> std::net::Ipv6Addr {
+        let octets: [u8; 16] = ip[which].try_into().expect("a 16-byte range");
+        octets.into()
     }
 
-    #[inline]
-    pub fn set(self, header: &mut [u8], value: u32) {
-        be::set(header, self.0, value);
+    /// The fragment header (RFC 8200 §4.5).
+    pub mod fragment {
+        use super::{Field16, Field32, Field8};
+        pub const LEN: usize = 8;
+        pub const NEXT_HEADER: Field8 = Field8(0);
+        /// Offset (13 bits, in 8-byte units, shifted left by 3) and the M flag (bit 0).
+        pub const OFFSET_MORE: Field16 = Field16(2);
+        pub const IDENT: Field32 = Field32(4);
     }
+}
 
-    pub const fn end(self) -> usize {
-        self.0 + 4
-    }
+/// The ARP message for Ethernet and IPv4 (RFC 826).
+pub mod arp {
+    use super::Field16;
+    pub const OPERATION: Field16 = Field16(6);
 }
 
 /// Fields at the head of every transport header with ports (TCP, UDP, SCTP).
@@ -87,8 +258,10 @@ pub mod udp {
 }
 
 pub mod icmp {
-    use super::Field16;
+    use super::{Field16, Field32};
     pub const CHECKSUM: Field16 = Field16(2);
+    /// The 4 bytes after the checksum: an error's unused word or next-hop MTU.
+    pub const REST: Field32 = Field32(4);
     /// An echo request's or reply's identifier (the "port" of a NAT's ICMP mapping).
     pub const ECHO_IDENT: Field16 = Field16(4);
     pub const ECHO_SEQ: Field16 = Field16(6);

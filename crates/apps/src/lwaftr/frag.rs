@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
-use stitch_wire::checksum;
+use stitch_wire::header::{ipv4, ipv6, ipv6::fragment};
 
 /// Why a fragment was dropped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,13 +70,16 @@ impl Reassembler {
     /// One IPv4 fragment (the IP packet, lengths already checked).
     pub fn add_v4(&mut self, ip: &[u8], ihl: usize, total: usize, now: Instant) -> Outcome {
         let key = (
-            u32::from_be_bytes(ip[12..16].try_into().unwrap()),
-            u32::from_be_bytes(ip[16..20].try_into().unwrap()),
-            u16::from_be_bytes([ip[4], ip[5]]),
-            ip[9],
+            ipv4::SRC.get(ip),
+            ipv4::DST.get(ip),
+            ipv4::IDENT.get(ip),
+            ipv4::PROTOCOL.get(ip),
         );
-        let ff = u16::from_be_bytes([ip[6], ip[7]]);
-        let (offset, more) = ((ff & 0x1fff) as usize * 8, ff & 0x2000 != 0);
+        let ff = ipv4::FLAGS_FRAG.get(ip);
+        let (offset, more) = (
+            (ff & ipv4::OFFSET) as usize * 8,
+            ff & ipv4::MORE_FRAGMENTS != 0,
+        );
         if !self.v4.contains_key(&key) && self.v4.len() + self.v6.len() >= self.max_packets {
             return Outcome::Dropped(Refused::TooManyPackets);
         }
@@ -96,16 +99,16 @@ impl Reassembler {
                 if len > 65535 {
                     return Outcome::Dropped(Refused::Bad);
                 }
-                out[2..4].copy_from_slice(&(len as u16).to_be_bytes());
+                ipv4::TOTAL_LEN.set(&mut out, len as u16);
                 if self.zero_id {
-                    out[4..7].fill(0);
+                    ipv4::IDENT.set(&mut out, 0);
+                    ipv4::FLAGS_FRAG.set(&mut out, 0);
                 } else {
-                    out[6] &= 0x40; // keep DF, clear MF and the offset
+                    // DF kept; MF and the offset cleared.
+                    let df = ipv4::FLAGS_FRAG.get(&out) & ipv4::DONT_FRAGMENT;
+                    ipv4::FLAGS_FRAG.set(&mut out, df);
                 }
-                out[7] = 0;
-                out[10..12].fill(0);
-                let cs = checksum::checksum(&out);
-                out[10..12].copy_from_slice(&cs.to_be_bytes());
+                ipv4::fill_checksum(&mut out);
                 out.extend_from_slice(&p.payload);
                 Outcome::Complete(out)
             }
@@ -115,13 +118,13 @@ impl Reassembler {
     /// One IPv6 fragment: the fixed header `ip6[..40]` followed directly by the fragment header
     /// (other extension headers before it are not supported and are refused by the caller).
     pub fn add_v6(&mut self, ip6: &[u8], now: Instant) -> Outcome {
-        let fh = &ip6[40..48];
+        let fh = &ip6[ipv6::LEN..ipv6::LEN + fragment::LEN];
         let key = (
-            ip6[8..24].try_into().unwrap(),
-            ip6[24..40].try_into().unwrap(),
-            u32::from_be_bytes(fh[4..8].try_into().unwrap()),
+            ip6[ipv6::SRC].try_into().unwrap(),
+            ip6[ipv6::DST].try_into().unwrap(),
+            fragment::IDENT.get(fh),
         );
-        let off = u16::from_be_bytes([fh[2], fh[3]]);
+        let off = fragment::OFFSET_MORE.get(fh);
         let (offset, more) = ((off >> 3) as usize * 8, off & 1 != 0);
         if !self.v6.contains_key(&key) && self.v4.len() + self.v6.len() >= self.max_packets {
             return Outcome::Dropped(Refused::TooManyPackets);
@@ -129,11 +132,13 @@ impl Reassembler {
         let max = self.max_fragments;
         let p = self.v6.entry(key).or_insert_with(|| Partial::new(now));
         let header = (offset == 0).then(|| {
-            let mut h = ip6[..40].to_vec();
-            h[6] = fh[0]; // the next header of the reassembled packet
+            let mut h = ip6[..ipv6::LEN].to_vec();
+            // The next header of the reassembled packet.
+            ipv6::NEXT_HEADER.set(&mut h, fragment::NEXT_HEADER.get(fh));
             h
         });
-        match p.add(header, offset, &ip6[48..], more, max) {
+        let data = &ip6[ipv6::LEN + fragment::LEN..];
+        match p.add(header, offset, data, more, max) {
             Err(r) => {
                 self.v6.remove(&key);
                 Outcome::Dropped(r)
@@ -145,7 +150,7 @@ impl Reassembler {
                 if p.payload.len() > 65535 {
                     return Outcome::Dropped(Refused::Bad);
                 }
-                out[4..6].copy_from_slice(&(p.payload.len() as u16).to_be_bytes());
+                ipv6::PAYLOAD_LEN.set(&mut out, p.payload.len() as u16);
                 out.extend_from_slice(&p.payload);
                 Outcome::Complete(out)
             }
@@ -231,31 +236,19 @@ mod tests {
     use super::*;
 
     fn frag4(id: u16, offset: usize, more: bool, data: &[u8]) -> Vec<u8> {
-        let mut ip = vec![
-            0x45,
-            0,
-            0,
-            0,
-            (id >> 8) as u8,
-            id as u8,
-            0,
-            0,
-            64,
-            17,
-            0,
-            0,
-            1,
-            2,
-            3,
-            4,
-            5,
-            6,
-            7,
-            8,
-        ];
-        let ff = (offset / 8) as u16 | if more { 0x2000 } else { 0 };
-        ip[6..8].copy_from_slice(&ff.to_be_bytes());
-        ip[2..4].copy_from_slice(&((20 + data.len()) as u16).to_be_bytes());
+        let mut ip = vec![0; 20];
+        ipv4::Header {
+            src: [1, 2, 3, 4].into(),
+            dst: [5, 6, 7, 8].into(),
+            protocol: 17,
+            payload_len: data.len(),
+            ttl: 64,
+            dont_fragment: false,
+        }
+        .write(&mut ip);
+        ipv4::IDENT.set(&mut ip, id);
+        let more = if more { ipv4::MORE_FRAGMENTS } else { 0 };
+        ipv4::FLAGS_FRAG.set(&mut ip, (offset / 8) as u16 | more);
         ip.extend_from_slice(data);
         ip
     }
@@ -275,8 +268,8 @@ mod tests {
             panic!("incomplete")
         };
         assert_eq!(&p[20..], &body[..]);
-        assert_eq!(u16::from_be_bytes([p[2], p[3]]), 60);
-        assert_eq!(checksum::checksum(&p[..20]), 0);
+        assert_eq!(ipv4::TOTAL_LEN.get(&p), 60);
+        assert_eq!(stitch_wire::checksum::checksum(&p[..20]), 0);
         // Overlap: dropped whole.
         let o = frag4(8, 8, true, &body[..16]);
         let a = frag4(8, 0, true, &body[..16]);

@@ -46,9 +46,11 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 use stitch_core::app::{AppContext, AppError, Counter, Io, PortNames, PortSpec, Reconfigured};
 use stitch_core::{pool, App, Packet};
-use stitch_wire::checksum;
 use stitch_wire::filter::PacketFilter;
+use stitch_wire::header::{self, ethernet, icmp, ipv4, ipv6, Field16};
 use stitch_wire::ndp::{icmp6_checksum, lladdr_option, multicast_mac, solicited_node, ICMPV6};
+use stitch_wire::views::ArpOperation;
+use stitch_wire::{arp, checksum};
 
 const V4: usize = 0;
 const V6: usize = 1;
@@ -438,33 +440,6 @@ fn softwire_from_json(r: &serde_json::Value) -> Result<SoftwireSpec, String> {
     })
 }
 
-/// The IPv4 header at `ip`, its lengths checked: (header length, total length). The header
-/// checksum is not verified (as in Snabb's lwAFTR, whose benchmark packets carry none): the
-/// incremental TTL update keeps a bad checksum bad, so the receiver still sees the damage.
-#[inline]
-fn ipv4(ip: &[u8]) -> Option<(usize, usize)> {
-    let first = *ip.first()?;
-    let ihl = (first & 0x0f) as usize * 4;
-    if first >> 4 != 4 || ihl < 20 || ip.len() < ihl {
-        return None;
-    }
-    let total = u16::from_be_bytes([ip[2], ip[3]]) as usize;
-    if total < ihl || total > ip.len() {
-        return None;
-    }
-    Some((ihl, total))
-}
-
-#[inline]
-fn is_fragment(ip: &[u8]) -> bool {
-    u16::from_be_bytes([ip[6], ip[7]]) & 0x3fff != 0
-}
-
-#[inline]
-fn be16(d: &[u8], at: usize) -> Option<u16> {
-    Some(u16::from_be_bytes([*d.get(at)?, *d.get(at + 1)?]))
-}
-
 #[inline]
 fn is_unicast(mac: &[u8]) -> bool {
     mac[0] & 1 == 0
@@ -478,20 +453,25 @@ fn is_unicast(mac: &[u8]) -> bool {
 /// port 0 is pingable); for an ICMP error, the port of the embedded packet on the other side.
 fn port_of(ip: &[u8], ihl: usize, total: usize, destination: bool) -> Option<u16> {
     let l4 = &ip[ihl..total];
-    match ip[9] {
-        TCP | UDP => be16(l4, if destination { 2 } else { 0 }),
+    let (this_end, other_end) = if destination {
+        (header::l4::DST_PORT, header::l4::SRC_PORT)
+    } else {
+        (header::l4::SRC_PORT, header::l4::DST_PORT)
+    };
+    match ipv4::PROTOCOL.get(ip) {
+        TCP | UDP => this_end.try_get(l4),
         ICMP => match *l4.first()? {
             8 if destination => Some(0),
             0 if !destination => Some(0),
-            0 | 8 => be16(l4, 4),
+            0 | 8 => icmp::ECHO_IDENT.try_get(l4),
             3 | 4 | 5 | 11 | 12 => {
                 // The embedded packet travelled the other way.
                 let inner = l4.get(8..)?;
                 let iihl = (*inner.first()? & 0x0f) as usize * 4;
                 let il4 = inner.get(iihl..)?;
-                match *inner.get(9)? {
-                    TCP | UDP => be16(il4, if destination { 0 } else { 2 }),
-                    ICMP => be16(il4, 4),
+                match ipv4::PROTOCOL.try_get(inner)? {
+                    TCP | UDP => other_end.try_get(il4),
+                    ICMP => icmp::ECHO_IDENT.try_get(il4),
                     _ => None,
                 }
             }
@@ -508,13 +488,16 @@ fn port_of(ip: &[u8], ihl: usize, total: usize, destination: bool) -> Option<u16
 fn peek(d: &[u8], skip: usize) -> Option<(u32, u16)> {
     let ip = d.get(14 + skip..)?;
     let ihl = (*ip.first()? & 0x0f) as usize * 4;
-    let total = (be16(ip, 2)? as usize).min(ip.len());
+    let total = (ipv4::TOTAL_LEN.try_get(ip)? as usize).min(ip.len());
     if ihl < 20 || total < ihl + 8 {
         return None;
     }
-    let (addr_at, destination) = if skip == 0 { (16, true) } else { (12, false) };
-    let a = u32::from_be_bytes(ip.get(addr_at..addr_at + 4)?.try_into().ok()?);
-    Some((a, port_of(ip, ihl, total, destination)?))
+    let (addr, destination) = if skip == 0 {
+        (ipv4::DST, true)
+    } else {
+        (ipv4::SRC, false)
+    };
+    Some((addr.try_get(ip)?, port_of(ip, ihl, total, destination)?))
 }
 
 /// Ethernet header of a reply to frame `d`: back to its sender, from the address it was sent
@@ -690,7 +673,7 @@ impl Lwaftr {
                     .is_some_and(|(_, tci)| Some(stitch_wire::vlan::vid(tci)) == self.int.vlan)
             } else {
                 let at = if self.int.vlan.is_some() { 16 } else { 12 };
-                be16(d, at) == Some(0x86dd)
+                Field16(at).try_get(d) == Some(0x86dd)
             };
             let side = if v6 { V6 } else { V4 };
             if let Some(p) = self.untag(p, side) {
@@ -732,15 +715,18 @@ impl Lwaftr {
 
     fn handle_internet(&mut self, p: Packet) {
         let d = p.data();
-        let Some(et) = be16(d, 12) else {
+        let Some(et) = ethernet::ETHERTYPE.try_get(d) else {
             return self.c.malformed.add(1);
         };
         if et == 0x0800 {
             let ip = &d[14..];
-            let Some((ihl, total)) = ipv4(ip) else {
+            // The header checksum is not verified (as in Snabb's lwAFTR, whose benchmark
+            // packets carry none): the incremental TTL update keeps a bad checksum bad, so the
+            // receiver still sees the damage.
+            let Some((ihl, total)) = ipv4::lengths(ip) else {
                 return self.c.malformed.add(1);
             };
-            if is_fragment(ip) {
+            if ipv4::is_fragment(ip) {
                 let outcome = self.reasm4.add_v4(ip, ihl, total, Instant::now());
                 if let Some(whole) = self.reassembled(outcome, &d[..14]) {
                     self.handle_internet(whole);
@@ -757,12 +743,12 @@ impl Lwaftr {
             _ => return self.c.not_ip.add(1),
         }
         let ip = &d[14..];
-        let (ihl, total) = ipv4(ip).expect("checked above");
-        let dst = u32::from_be_bytes([ip[16], ip[17], ip[18], ip[19]]);
+        let (ihl, total) = ipv4::lengths(ip).expect("checked above");
+        let dst = ipv4::DST.get(ip);
         if dst == u32::from(self.ext.ip) {
             return self.answer_ping_v4(p, ihl, total);
         }
-        if ip[9] == ICMP {
+        if ipv4::PROTOCOL.get(ip) == ICMP {
             if !self.ext_policy.allow_incoming_icmp {
                 return self.c.icmp_policy.add(1);
             }
@@ -787,7 +773,7 @@ impl Lwaftr {
     /// 3/1 to its sender when errors are on — never for ICMP (RFC 7596 §8.1: dropped).
     fn unreachable(&mut self, ip: &[u8]) {
         self.c.no_softwire.add(1);
-        if self.ext_policy.generate_icmp_errors && ip[9] != ICMP {
+        if self.ext_policy.generate_icmp_errors && ipv4::PROTOCOL.get(ip) != ICMP {
             self.icmp4_error(ip, 3, 1, 0);
         }
     }
@@ -796,7 +782,7 @@ impl Lwaftr {
     /// decremented first (errors quote the packet as it would have been forwarded, as RFC 1812
     /// §4.3.2.3 allows).
     fn encapsulate(&mut self, mut p: Packet, sw: Softwire, from: usize) {
-        let ttl = decrement_ttl(p.data_mut());
+        let ttl = ipv4::decrement_ttl(p.data_mut());
         if ttl == 0 {
             self.c.ttl_expired.add(1);
             if self.ext_policy.generate_icmp_errors {
@@ -805,7 +791,7 @@ impl Lwaftr {
             return;
         }
         let total = p.len();
-        if 40 + total > self.int_policy.mtu as usize && p.data()[6] & 0x40 != 0 {
+        if ipv6::LEN + total > self.int_policy.mtu as usize && ipv4::dont_fragment(p.data()) {
             self.c.too_big.add(1);
             if self.ext_policy.generate_icmp_errors {
                 let mtu = (self.int_policy.mtu - 40) as u32;
@@ -813,18 +799,19 @@ impl Lwaftr {
             }
             return;
         }
-        let tos = p.data()[1];
-        let flow = self.int_policy.flow_label & 0xfffff;
-        let Ok(h) = p.prepend(40) else {
+        let header = ipv6::Header {
+            traffic_class: ipv4::TOS.get(p.data()),
+            flow_label: self.int_policy.flow_label,
+            payload_len: total as u16,
+            next_header: IPIP,
+            hop_limit: 255,
+            src: sw.br,
+            dst: sw.b4,
+        };
+        let Ok(h) = p.prepend(ipv6::LEN) else {
             return self.c.malformed.add(1);
         };
-        let word = 6u32 << 28 | (tos as u32) << 20 | flow;
-        h[0..4].copy_from_slice(&word.to_be_bytes());
-        h[4..6].copy_from_slice(&(total as u16).to_be_bytes());
-        h[6] = IPIP;
-        h[7] = 255;
-        h[8..24].copy_from_slice(&sw.br);
-        h[24..40].copy_from_slice(&sw.b4);
+        header.write(h);
         self.c.encapsulated.add(1);
         if from == V6 {
             self.c.hairpinned.add(1);
@@ -834,7 +821,7 @@ impl Lwaftr {
 
     fn handle_b4s(&mut self, p: Packet) {
         let d = p.data();
-        match be16(d, 12) {
+        match ethernet::ETHERTYPE.try_get(d) {
             None => return self.c.malformed.add(1),
             Some(0x86dd) => {}
             Some(_) => {
@@ -845,16 +832,16 @@ impl Lwaftr {
             }
         }
         let ip6 = &d[14..];
-        if ip6.len() < 40 || ip6[0] >> 4 != 6 {
+        if ip6.len() < ipv6::LEN || ip6[0] >> 4 != 6 {
             return self.c.malformed.add(1);
         }
-        let plen = u16::from_be_bytes([ip6[4], ip6[5]]) as usize;
+        let plen = ipv6::PAYLOAD_LEN.get(ip6) as usize;
         if 40 + plen > ip6.len() {
             return self.c.malformed.add(1);
         }
-        let dst = &ip6[24..40];
+        let dst = &ip6[ipv6::DST];
         // Hop-by-hop, routing and destination options headers are stepped over.
-        let (mut nh, mut off) = (ip6[6], 40);
+        let (mut nh, mut off) = (ipv6::NEXT_HEADER.get(ip6), ipv6::LEN);
         while matches!(nh, 0 | 43 | 60) {
             let Some(h) = ip6.get(off..off + 2) else {
                 return self.c.malformed.add(1);
@@ -870,7 +857,9 @@ impl Lwaftr {
             // Fragments and ICMPv6 behind extension headers are not for this function.
             return self.c.not_for_us.add(1);
         }
-        if nh == 44 && plen >= 8 && (self.table.is_br_address(dst) || *dst == self.int.ip.octets())
+        if nh == ipv6::FRAGMENT
+            && plen >= ipv6::fragment::LEN
+            && (self.table.is_br_address(dst) || *dst == self.int.ip.octets())
         {
             let outcome = self.reasm6.add_v6(&ip6[..40 + plen], Instant::now());
             if let Some(whole) = self.reassembled(outcome, &d[..14]) {
@@ -888,17 +877,17 @@ impl Lwaftr {
             return self.c.not_for_us.add(1);
         }
         let inner = &ip6[off..40 + plen];
-        let Some((ihl, total)) = ipv4(inner) else {
+        let Some((ihl, total)) = ipv4::lengths(inner) else {
             return self.c.malformed.add(1);
         };
-        if is_fragment(inner) {
+        if ipv4::is_fragment(inner) {
             return self.c.fragments.add(1);
         }
-        if inner[9] == ICMP && !self.int_policy.allow_incoming_icmp {
+        if ipv4::PROTOCOL.get(inner) == ICMP && !self.int_policy.allow_incoming_icmp {
             return self.c.icmp_policy.add(1);
         }
-        let src = &ip6[8..24];
-        let isrc = u32::from_be_bytes([inner[12], inner[13], inner[14], inner[15]]);
+        let src = &ip6[ipv6::SRC];
+        let isrc = ipv4::SRC.get(inner);
         let bound = port_of(inner, ihl, total, false)
             .and_then(|port| self.table.lookup(isrc, port))
             .is_some_and(|sw| sw.b4 == src && sw.br == dst);
@@ -911,7 +900,7 @@ impl Lwaftr {
             return;
         }
         // Hairpinning: the destination is an address of this lwAFTR's table.
-        let idst = u32::from_be_bytes([inner[16], inner[17], inner[18], inner[19]]);
+        let idst = ipv4::DST.get(inner);
         let hairpin = self.int_policy.hairpinning && self.table.is_managed_address(idst);
         let mut p = p;
         if p.shift_front(14 + off).is_err() || p.set_len(total).is_err() {
@@ -958,8 +947,8 @@ impl Lwaftr {
     /// its sender; through the sender's softwire when the sender is behind a B4.
     fn icmp4_error(&mut self, ip: &[u8], kind: u8, code: u8, extra: u32) {
         // Never about an ICMP error (RFC 1812 §4.3.2.7).
-        let ihl = (ip[0] & 0x0f) as usize * 4;
-        if ip[9] == ICMP && ip.get(ihl).is_some_and(|t| ![0u8, 8].contains(t)) {
+        let ihl = ipv4::header_len(ip);
+        if ipv4::PROTOCOL.get(ip) == ICMP && ip.get(ihl).is_some_and(|t| ![0u8, 8].contains(t)) {
             return;
         }
         if !self.ext_limit.allow() {
@@ -967,20 +956,25 @@ impl Lwaftr {
         }
         // As much of the packet as fits in 576 bytes (RFC 1812 §4.3.2.3).
         let quote = &ip[..ip.len().min(576 - 28)];
-        let to = Ipv4Addr::new(ip[12], ip[13], ip[14], ip[15]);
+        let to = Ipv4Addr::from(ipv4::SRC.get(ip));
         let Some(mut p) = pool::alloc() else {
             return self.c.no_buffer.add(1);
         };
-        let mut header = stitch_wire::ipv4_header(self.ext.ip, to, ICMP, 8 + quote.len(), false);
-        header[8] = ORIGIN_TTL;
-        header[10..12].fill(0);
-        let cs = checksum::checksum(&header);
-        header[10..12].copy_from_slice(&cs.to_be_bytes());
-        let mut icmp = [kind, code, 0, 0, 0, 0, 0, 0];
-        icmp[4..8].copy_from_slice(&extra.to_be_bytes());
-        let cs = checksum::finish(checksum::sum(quote, checksum::sum(&icmp, 0)));
-        icmp[2..4].copy_from_slice(&cs.to_be_bytes());
-        if p.set_data(&header).is_err() || p.append(&icmp).is_err() || p.append(quote).is_err() {
+        let mut header = [0u8; ipv4::MIN_LEN];
+        ipv4::Header {
+            src: self.ext.ip,
+            dst: to,
+            protocol: ICMP,
+            payload_len: 8 + quote.len(),
+            ttl: ORIGIN_TTL,
+            dont_fragment: false,
+        }
+        .write(&mut header);
+        let mut message = [kind, code, 0, 0, 0, 0, 0, 0];
+        icmp::REST.set(&mut message, extra);
+        let cs = checksum::finish(checksum::sum(quote, checksum::sum(&message, 0)));
+        icmp::CHECKSUM.set(&mut message, cs);
+        if p.set_data(&header).is_err() || p.append(&message).is_err() || p.append(quote).is_err() {
             return self.c.malformed.add(1);
         }
         self.c.icmp_sent.add(1);
@@ -1004,13 +998,13 @@ impl Lwaftr {
             return self.c.icmp_rate_limited.add(1);
         }
         let ip6 = &p.data()[14..];
-        let ip6 = &ip6[..(40 + u16::from_be_bytes([ip6[4], ip6[5]]) as usize).min(ip6.len())];
+        let ip6 = &ip6[..(ipv6::LEN + ipv6::PAYLOAD_LEN.get(ip6) as usize).min(ip6.len())];
         // As much of the packet as fits in the minimum MTU (RFC 4443 §2.4).
         let quote = &ip6[..ip6.len().min(1280 - 48)];
         let mut body = Vec::with_capacity(8 + quote.len());
         body.extend_from_slice(&[kind, code, 0, 0, 0, 0, 0, 0]);
         body.extend_from_slice(quote);
-        let to: [u8; 16] = ip6[8..24].try_into().unwrap();
+        let to: [u8; 16] = ip6[ipv6::SRC].try_into().unwrap();
         if let Some(packet) = self.icmp6_packet(from, to, body) {
             self.c.icmp_sent.add(1);
             self.route(packet, V6);
@@ -1019,16 +1013,20 @@ impl Lwaftr {
 
     /// An ICMPv6 message `body` (checksum filled here) in an IPv6 packet, hop limit 255.
     fn icmp6_packet(&mut self, src: [u8; 16], dst: [u8; 16], mut body: Vec<u8>) -> Option<Packet> {
-        body[2..4].fill(0);
+        icmp::CHECKSUM.set(&mut body, 0);
         let cs = icmp6_checksum(&src, &dst, &body);
-        body[2..4].copy_from_slice(&cs.to_be_bytes());
-        let mut header = [0u8; 40];
-        header[0] = 0x60;
-        header[4..6].copy_from_slice(&(body.len() as u16).to_be_bytes());
-        header[6] = ICMPV6;
-        header[7] = ORIGIN_TTL;
-        header[8..24].copy_from_slice(&src);
-        header[24..40].copy_from_slice(&dst);
+        icmp::CHECKSUM.set(&mut body, cs);
+        let mut header = [0u8; ipv6::LEN];
+        ipv6::Header {
+            traffic_class: 0,
+            flow_label: 0,
+            payload_len: body.len() as u16,
+            next_header: ICMPV6,
+            hop_limit: ORIGIN_TTL,
+            src,
+            dst,
+        }
+        .write(&mut header);
         let Some(mut p) = pool::alloc() else {
             self.c.no_buffer.add(1);
             return None;
@@ -1057,7 +1055,7 @@ impl Lwaftr {
             Ok(h) => {
                 h[0..6].copy_from_slice(&dst);
                 h[6..12].copy_from_slice(&src);
-                h[12..14].copy_from_slice(&et.to_be_bytes());
+                ethernet::ETHERTYPE.set(h, et);
                 true
             }
             Err(_) => {
@@ -1104,7 +1102,7 @@ impl Lwaftr {
         }
         self.last_solicit = Some(now);
         if let (None, NextHop::Ipv4(hop)) = (self.hop[V4], self.ext.next_hop) {
-            let arp = stitch_wire::arp_payload(1, self.ext.mac, self.ext.ip, [0; 6], hop);
+            let arp = arp::payload(1, (self.ext.mac, self.ext.ip), ([0; 6], hop));
             if let Some(p) = self.new_frame(V4, [0xff; 6], 0x0806, &arp) {
                 self.out[V4].push(p);
             }
@@ -1126,21 +1124,21 @@ impl Lwaftr {
     // ---- ARP, neighbour discovery and ping for the function's own addresses ----
 
     fn arp(&mut self, p: &Packet) {
-        let Some(a) = p.data().get(14..42) else {
+        let Some(arp::Message {
+            operation,
+            sender_mac,
+            sender_ip: sender,
+            target_ip: target,
+            ..
+        }) = arp::Message::read(p.data())
+        else {
             return self.c.malformed.add(1);
         };
-        if a[0..6] != [0, 1, 0x08, 0x00, 6, 4] {
-            return self.c.malformed.add(1);
-        }
-        let op = u16::from_be_bytes([a[6], a[7]]);
-        let sender_mac: [u8; 6] = a[8..14].try_into().unwrap();
-        let sender = Ipv4Addr::new(a[14], a[15], a[16], a[17]);
-        let target = Ipv4Addr::new(a[24], a[25], a[26], a[27]);
         if self.ext.next_hop == NextHop::Ipv4(sender) && is_unicast(&sender_mac) {
             self.resolved(V4, sender_mac);
         }
-        if op == 1 && target == self.ext.ip {
-            let arp = stitch_wire::arp_payload(2, self.ext.mac, self.ext.ip, sender_mac, sender);
+        if operation == ArpOperation::Request && target == self.ext.ip {
+            let arp = arp::payload(2, (self.ext.mac, self.ext.ip), (sender_mac, sender));
             if let Some(reply) = self.new_frame(V4, sender_mac, 0x0806, &arp) {
                 self.c.arp_replies.add(1);
                 self.out[V4].push(reply);
@@ -1153,7 +1151,7 @@ impl Lwaftr {
     fn answer_ping_v4(&mut self, mut p: Packet, ihl: usize, total: usize) {
         let d = p.data();
         let ip = &d[14..];
-        if ip[9] != ICMP || total < ihl + 8 || ip[ihl] != 8 || ip[ihl + 1] != 0 {
+        if ipv4::PROTOCOL.get(ip) != ICMP || total < ihl + 8 || ip[ihl] != 8 || ip[ihl + 1] != 0 {
             return self.c.not_for_us.add(1);
         }
         if p.set_len(14 + total).is_err() {
@@ -1163,22 +1161,18 @@ impl Lwaftr {
         let d = p.data_mut();
         reply_addresses(d, own);
         let ip = &mut d[14..];
-        let (src, dst): ([u8; 4], [u8; 4]) = (
-            ip[12..16].try_into().unwrap(),
-            ip[16..20].try_into().unwrap(),
-        );
-        ip[12..16].copy_from_slice(&dst);
-        ip[16..20].copy_from_slice(&src);
-        ip[6] &= 0x1f;
-        ip[8] = ECHO_TTL;
-        ip[10..12].fill(0);
-        let cs = checksum::checksum(&ip[..ihl]);
-        ip[10..12].copy_from_slice(&cs.to_be_bytes());
-        let icmp = &mut ip[ihl..total];
-        icmp[0] = 0;
-        icmp[2..4].fill(0);
-        let cs = checksum::checksum(icmp);
-        icmp[2..4].copy_from_slice(&cs.to_be_bytes());
+        let (src, dst) = (ipv4::SRC.get(ip), ipv4::DST.get(ip));
+        ipv4::SRC.set(ip, dst);
+        ipv4::DST.set(ip, src);
+        let offset = ipv4::FLAGS_FRAG.get(ip) & ipv4::OFFSET;
+        ipv4::FLAGS_FRAG.set(ip, offset);
+        ipv4::TTL.set(ip, ECHO_TTL);
+        ipv4::fill_checksum(&mut ip[..ihl]);
+        let reply = &mut ip[ihl..total];
+        reply[0] = 0;
+        icmp::CHECKSUM.set(reply, 0);
+        let cs = checksum::checksum(reply);
+        icmp::CHECKSUM.set(reply, cs);
         self.c.echo_replies.add(1);
         self.out[V4].push(p);
     }
@@ -1193,16 +1187,16 @@ impl Lwaftr {
         let d = p.data_mut();
         reply_addresses(d, own);
         let ip6 = &mut d[14..];
-        let src: [u8; 16] = ip6[8..24].try_into().unwrap();
-        let dst: [u8; 16] = ip6[24..40].try_into().unwrap();
-        ip6[8..24].copy_from_slice(&dst);
-        ip6[24..40].copy_from_slice(&src);
-        ip6[7] = ECHO_TTL;
-        let body = &mut ip6[40..];
+        let src: [u8; 16] = ip6[ipv6::SRC].try_into().unwrap();
+        let dst: [u8; 16] = ip6[ipv6::DST].try_into().unwrap();
+        ip6[ipv6::SRC].copy_from_slice(&dst);
+        ip6[ipv6::DST].copy_from_slice(&src);
+        ipv6::HOP_LIMIT.set(ip6, ECHO_TTL);
+        let body = &mut ip6[ipv6::LEN..];
         body[0] = 129;
-        body[2..4].fill(0);
+        icmp::CHECKSUM.set(body, 0);
         let cs = icmp6_checksum(&dst, &src, body);
-        body[2..4].copy_from_slice(&cs.to_be_bytes());
+        icmp::CHECKSUM.set(body, cs);
         self.c.echo_replies.add(1);
         self.out[V6].push(p);
     }
@@ -1228,7 +1222,7 @@ impl Lwaftr {
                     self.resolved(V6, mac);
                 }
             }
-            128 if ip6[24..40] == me && body.len() >= 8 && body[1] == 0 => {
+            128 if ip6[ipv6::DST] == me && body.len() >= 8 && body[1] == 0 => {
                 self.answer_ping_v6(p, plen)
             }
             _ if !self.int_policy.allow_incoming_icmp => self.c.icmp_policy.add(1),
@@ -1249,10 +1243,10 @@ impl Lwaftr {
     fn neighbor_solicitation(&mut self, p: &Packet, plen: usize) {
         let d = p.data();
         let ip6 = &d[14..14 + 40 + plen];
-        let (src, dst, body) = (&ip6[8..24], &ip6[24..40], &ip6[40..]);
+        let (src, dst, body) = (&ip6[ipv6::SRC], &ip6[ipv6::DST], &ip6[ipv6::LEN..]);
         let unspecified = src.iter().all(|&b| b == 0);
         let options = &body[24..];
-        let valid = ip6[7] == 255
+        let valid = ipv6::HOP_LIMIT.get(ip6) == 255
             && body[1] == 0
             && icmp6_checksum(src, dst, body) == 0
             && body[8] != 0xff
@@ -1293,10 +1287,9 @@ impl Lwaftr {
     fn relay_icmp6_error(&mut self, body: &[u8]) -> bool {
         let (code, extra) = match (body[0], body.get(1)) {
             (2, Some(0)) => {
-                let Some(mtu) = body.get(4..8) else {
+                let Some(mtu) = icmp::REST.try_get(body) else {
                     return false;
                 };
-                let mtu = u32::from_be_bytes(mtu.try_into().unwrap());
                 (4, mtu.saturating_sub(40).min(0xffff))
             }
             (1 | 4, Some(_)) | (3, Some(0)) => (1, 0),
@@ -1307,13 +1300,13 @@ impl Lwaftr {
         };
         if inner6.len() < 60
             || inner6[0] >> 4 != 6
-            || inner6[6] != IPIP
-            || !self.table.is_br_address(&inner6[8..24])
+            || ipv6::NEXT_HEADER.get(inner6) != IPIP
+            || !self.table.is_br_address(&inner6[ipv6::SRC])
         {
             return false;
         }
-        let ip = &inner6[40..];
-        let ihl = (ip[0] & 0x0f) as usize * 4;
+        let ip = &inner6[ipv6::LEN..];
+        let ihl = ipv4::header_len(ip);
         if ip[0] >> 4 != 4 || ihl < 20 || ip.len() < ihl {
             return false;
         }
@@ -1358,7 +1351,7 @@ impl Lwaftr {
                     continue;
                 }
             }
-            if p.len() > max && be16(p.data(), 12) == Some(ip_type) {
+            if p.len() > max && ethernet::ETHERTYPE.try_get(p.data()) == Some(ip_type) {
                 for f in self.fragment(side, &p) {
                     self.transmit(side, f, output.as_deref_mut());
                 }
@@ -1388,33 +1381,31 @@ impl Lwaftr {
         let mut pieces = Vec::new();
         if side == V4 {
             let ip = &d[14..];
-            let Some((ihl, total)) = ipv4(ip) else {
+            let Some((ihl, total)) = ipv4::lengths(ip) else {
                 self.c.malformed.add(1);
                 return pieces;
             };
-            if ip[6] & 0x40 != 0 {
+            if ipv4::dont_fragment(ip) {
                 self.c.too_big.add(1);
                 return pieces;
             }
             self.next_frag_id4 = self.next_frag_id4.wrapping_add(1);
             let id = self.next_frag_id4;
-            let flags = u16::from_be_bytes([ip[6], ip[7]]) & 0xe000;
+            let flags = ipv4::FLAGS_FRAG.get(ip) & !ipv4::OFFSET;
             for (off, n, more) in frag::split(total - ihl, mtu - ihl) {
                 let mut h = [0u8; 60];
                 let h = &mut h[..ihl];
                 h.copy_from_slice(&ip[..ihl]);
-                h[2..4].copy_from_slice(&((ihl + n) as u16).to_be_bytes());
-                h[4..6].copy_from_slice(&id.to_be_bytes());
+                ipv4::TOTAL_LEN.set(h, (ihl + n) as u16);
+                ipv4::IDENT.set(h, id);
                 let ff = (off / 8) as u16
                     | if more {
-                        flags | 0x2000
+                        flags | ipv4::MORE_FRAGMENTS
                     } else {
-                        flags & !0x2000
+                        flags & !ipv4::MORE_FRAGMENTS
                     };
-                h[6..8].copy_from_slice(&ff.to_be_bytes());
-                h[10..12].fill(0);
-                let cs = checksum::checksum(h);
-                h[10..12].copy_from_slice(&cs.to_be_bytes());
+                ipv4::FLAGS_FRAG.set(h, ff);
+                ipv4::fill_checksum(h);
                 match self.piece(&d[..14], h, &ip[ihl + off..ihl + off + n]) {
                     Some(f) => pieces.push(f),
                     None => return Vec::new(),
@@ -1422,7 +1413,7 @@ impl Lwaftr {
             }
         } else {
             let ip6 = &d[14..];
-            let plen = u16::from_be_bytes([ip6[4], ip6[5]]) as usize;
+            let plen = ipv6::PAYLOAD_LEN.get(ip6) as usize;
             if ip6.len() < 40 + plen {
                 self.c.malformed.add(1);
                 return pieces;
@@ -1430,13 +1421,14 @@ impl Lwaftr {
             self.next_frag_id6 = self.next_frag_id6.wrapping_add(1);
             let id = self.next_frag_id6;
             for (off, n, more) in frag::split(plen, mtu - 48) {
-                let mut h = [0u8; 48];
-                h[..40].copy_from_slice(&ip6[..40]);
-                h[4..6].copy_from_slice(&((8 + n) as u16).to_be_bytes());
-                h[6] = 44;
-                h[40] = ip6[6];
-                h[42..44].copy_from_slice(&(off as u16 | more as u16).to_be_bytes());
-                h[44..48].copy_from_slice(&id.to_be_bytes());
+                let mut h = [0u8; ipv6::LEN + ipv6::fragment::LEN];
+                h[..ipv6::LEN].copy_from_slice(&ip6[..ipv6::LEN]);
+                ipv6::PAYLOAD_LEN.set(&mut h, (ipv6::fragment::LEN + n) as u16);
+                ipv6::NEXT_HEADER.set(&mut h, ipv6::FRAGMENT);
+                let fragment = &mut h[ipv6::LEN..];
+                ipv6::fragment::NEXT_HEADER.set(fragment, ipv6::NEXT_HEADER.get(ip6));
+                ipv6::fragment::OFFSET_MORE.set(fragment, off as u16 | more as u16);
+                ipv6::fragment::IDENT.set(fragment, id);
                 match self.piece(&d[..14], &h, &ip6[40 + off..40 + off + n]) {
                     Some(f) => pieces.push(f),
                     None => return Vec::new(),
@@ -1459,21 +1451,6 @@ impl Lwaftr {
         }
         Some(f)
     }
-}
-
-/// Decrements an IPv4 packet's TTL with an incremental checksum update (RFC 1624) and returns
-/// the new TTL; a TTL of 0 stays 0.
-fn decrement_ttl(ip: &mut [u8]) -> u8 {
-    let ttl = ip[8];
-    if ttl == 0 {
-        return 0;
-    }
-    let old = u16::from_be_bytes([ip[8], ip[9]]);
-    ip[8] = ttl - 1;
-    let new = u16::from_be_bytes([ip[8], ip[9]]);
-    let cs = checksum::update(u16::from_be_bytes([ip[10], ip[11]]), old, new);
-    ip[10..12].copy_from_slice(&cs.to_be_bytes());
-    ttl - 1
 }
 
 /// Neighbour discovery options whose lengths are all non-zero and within the message.

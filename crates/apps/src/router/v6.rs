@@ -10,6 +10,8 @@ use super::{Iface, NextHop, Router};
 use std::net::Ipv6Addr;
 use std::time::{Duration, Instant};
 use stitch_core::{pool, Packet};
+use stitch_wire::be::Put;
+use stitch_wire::header::{ethernet, icmp, ipv6};
 use stitch_wire::ndp::{icmp6_checksum, lladdr_option, multicast_mac, solicited_node, ICMPV6};
 
 /// All-nodes multicast, where unsolicited advertisements go.
@@ -67,7 +69,7 @@ enum Upper {
 }
 
 fn upper_layer(d: &[u8], end: usize) -> Upper {
-    let (mut next, mut at) = (d[20], 54);
+    let (mut next, mut at) = (ipv6::NEXT_HEADER.get(&d[IP..]), IP + ipv6::LEN);
     loop {
         match next {
             0 | 60 | 43 => {
@@ -75,7 +77,7 @@ fn upper_layer(d: &[u8], end: usize) -> Upper {
                     return Upper::Malformed;
                 }
                 if next == 43 && d[at + 3] != 0 {
-                    return Upper::Route(at + 2 - 14);
+                    return Upper::Route(at + 2 - IP);
                 }
                 next = d[at];
                 at += (d[at + 1] as usize + 1) * 8;
@@ -92,8 +94,26 @@ fn upper_layer(d: &[u8], end: usize) -> Upper {
     }
 }
 
-fn addr(d: &[u8], at: usize) -> Ipv6Addr {
-    Ipv6Addr::from(<[u8; 16]>::try_from(&d[at..at + 16]).unwrap())
+/// The IPv6 address at `at` of `b`.
+fn addr(b: &[u8], at: usize) -> Ipv6Addr {
+    ipv6::addr(b, at..at + 16)
+}
+
+/// Where a frame's IPv6 header starts.
+const IP: usize = 14;
+
+/// The source address of the IPv6 packet in frame `d`.
+fn src_of(d: &[u8]) -> Ipv6Addr {
+    ipv6::addr(&d[IP..], ipv6::SRC)
+}
+
+fn dst_of(d: &[u8]) -> Ipv6Addr {
+    ipv6::addr(&d[IP..], ipv6::DST)
+}
+
+/// Where the IPv6 packet in frame `d` ends, as its header says.
+fn end_of(d: &[u8]) -> usize {
+    IP + ipv6::LEN + ipv6::PAYLOAD_LEN.get(&d[IP..]) as usize
 }
 
 impl Router {
@@ -106,18 +126,23 @@ impl Router {
         dst: Ipv6Addr,
         mut body: Vec<u8>,
     ) -> Option<Packet> {
-        body[2..4].copy_from_slice(&[0, 0]);
+        icmp::CHECKSUM.set(&mut body, 0);
         let cs = icmp6_checksum(&src.octets(), &dst.octets(), &body);
-        body[2..4].copy_from_slice(&cs.to_be_bytes());
-        let mut f = Vec::with_capacity(54 + body.len());
-        f.extend_from_slice(&dst_mac);
-        f.extend_from_slice(&self.ifaces[port].mac);
-        f.extend_from_slice(&[0x86, 0xdd, 0x60, 0, 0, 0]);
-        f.extend_from_slice(&(body.len() as u16).to_be_bytes());
-        f.push(ICMPV6);
-        f.push(255);
-        f.extend_from_slice(&src.octets());
-        f.extend_from_slice(&dst.octets());
+        icmp::CHECKSUM.set(&mut body, cs);
+        let mut f = vec![0; IP + ipv6::LEN];
+        f[0..6].copy_from_slice(&dst_mac);
+        f[6..12].copy_from_slice(&self.ifaces[port].mac);
+        ethernet::ETHERTYPE.set(&mut f, 0x86dd);
+        ipv6::Header {
+            traffic_class: 0,
+            flow_label: 0,
+            payload_len: body.len() as u16,
+            next_header: ICMPV6,
+            hop_limit: 255,
+            src: src.octets(),
+            dst: dst.octets(),
+        }
+        .write(&mut f[IP..]);
         f.extend_from_slice(&body);
         pool::alloc_with(&f)
     }
@@ -144,7 +169,7 @@ impl Router {
     ) -> Option<(usize, Packet)> {
         let src = self.ifaces[port].addr6?;
         // Never about ICMPv6 errors (types below 128).
-        let end = (54 + u16::from_be_bytes([d[18], d[19]]) as usize).min(d.len());
+        let end = end_of(d).min(d.len());
         if let Upper::Found(at, ICMPV6) = upper_layer(d, end) {
             if d.get(at).is_some_and(|t| *t < 128) {
                 return None;
@@ -154,9 +179,9 @@ impl Router {
             return None;
         }
         let mut body = vec![kind, code, 0, 0];
-        body.extend_from_slice(&extra.to_be_bytes());
-        body.extend_from_slice(&d[14..d.len().min(14 + 1280 - 48)]);
-        let to = addr(d, 22);
+        body.put(extra);
+        body.extend_from_slice(&d[IP..d.len().min(IP + 1280 - 48)]);
+        let to = src_of(d);
         let p = self.icmp6_frame(port, d[6..12].try_into().unwrap(), src, to, body)?;
         self.c.icmp_sent.add(1);
         Some((port, p))
@@ -188,16 +213,16 @@ impl Router {
         let (ll, prefix) = (i.ll6?, i.prefix6?);
         let lifetime = (self.ra.interval.as_secs() * 3).min(9000) as u16;
         let mut body = vec![134, 0, 0, 0, 64, 0];
-        body.extend_from_slice(&lifetime.to_be_bytes());
+        body.put(lifetime);
         body.extend_from_slice(&[0; 8]); // reachable time, retrans timer: unspecified
         body.extend_from_slice(&[1, 1]);
         body.extend_from_slice(&i.mac);
         body.extend_from_slice(&[5, 1, 0, 0]);
-        body.extend_from_slice(&(i.mtu as u32).to_be_bytes());
+        body.put(i.mtu as u32);
         let autonomous = if prefix.prefix_len() == 64 { 0x40 } else { 0 };
         body.extend_from_slice(&[3, 4, prefix.prefix_len(), 0x80 | autonomous]);
-        body.extend_from_slice(&2_592_000u32.to_be_bytes()); // valid: 30 days
-        body.extend_from_slice(&604_800u32.to_be_bytes()); // preferred: 7 days
+        body.put(2_592_000u32); // valid: 30 days
+        body.put(604_800u32); // preferred: 7 days
         body.extend_from_slice(&[0; 4]);
         body.extend_from_slice(&prefix.network().octets());
         self.icmp6_frame(port, mac, ll, dst, body)
@@ -255,9 +280,8 @@ impl Router {
     /// headers.
     fn local6(&mut self, port: usize, p: Packet, now: Instant, out: &mut Vec<(usize, Packet)>) {
         let d = p.data();
-        let plen = u16::from_be_bytes([d[18], d[19]]) as usize;
-        let end = 54 + plen;
-        let (src, dst) = (addr(d, 22), addr(d, 38));
+        let end = end_of(d);
+        let (src, dst) = (src_of(d), dst_of(d));
         let at = match upper_layer(d, end) {
             Upper::Found(at, ICMPV6) if at + 8 <= end => at,
             Upper::Route(pointer) if !dst.is_multicast() => {
@@ -288,7 +312,8 @@ impl Router {
         };
         let ll = self.ifaces[port].ll6.unwrap_or(me);
         // Neighbor Discovery must come from the link itself (RFC 4861 §6.1, §7.1).
-        if (133..=137).contains(&body[0]) && (d[21] != 255 || body[1] != 0) {
+        let hop_limit = ipv6::HOP_LIMIT.get(&d[IP..]);
+        if (133..=137).contains(&body[0]) && (hop_limit != 255 || body[1] != 0) {
             self.c.bad_header.add(1);
             return;
         }
@@ -359,14 +384,11 @@ impl Router {
         out: &mut Vec<(usize, Packet)>,
     ) {
         let d = p.data();
-        if d.len() < 54
-            || d[14] >> 4 != 6
-            || 54 + u16::from_be_bytes([d[18], d[19]]) as usize > d.len()
-        {
+        if d.len() < IP + ipv6::LEN || d[IP] >> 4 != 6 || end_of(d) > d.len() {
             self.c.bad_header.add(1);
             return;
         }
-        let dst = addr(d, 38);
+        let dst = dst_of(d);
         let mine = self
             .ifaces
             .iter()
@@ -380,14 +402,14 @@ impl Router {
             self.c.scope_drops.add(1);
             return;
         }
-        if link_local(addr(d, 22)) {
+        if link_local(src_of(d)) {
             self.c.scope_drops.add(1);
             if let Some(e) = self.icmp6_error(d, port, 1, 2, 0, now) {
                 out.push(e);
             }
             return;
         }
-        if d[21] <= 1 {
+        if ipv6::HOP_LIMIT.get(&d[IP..]) <= 1 {
             self.c.ttl_exceeded.add(1);
             if let Some(e) = self.icmp6_error(d, port, 3, 0, 0, now) {
                 out.push(e);
@@ -410,7 +432,8 @@ impl Router {
             return;
         }
         let d = p.data_mut();
-        d[21] -= 1; // no header checksum in IPv6
+        let hops = &mut d[IP..];
+        ipv6::HOP_LIMIT.set(hops, ipv6::HOP_LIMIT.get(hops) - 1); // no header checksum in IPv6
         d[6..12].copy_from_slice(&self.ifaces[r.port].mac);
         self.c.forwarded.add(1);
         self.send6(r.next_hop(dst, h), p, now, out);
@@ -422,6 +445,7 @@ mod tests {
     use super::*;
     use stitch_core::link::{Consumer, Producer};
     use stitch_core::{App, Io};
+    use stitch_wire::be;
 
     const R_LAN: [u8; 6] = [2, 0, 0, 0, 1, 1];
     const HOST: [u8; 6] = [2, 0, 0, 0, 1, 2];
@@ -476,7 +500,7 @@ mod tests {
         if icmp {
             body[2..4].copy_from_slice(&[0, 0]);
             let cs = icmp6_checksum(&src.octets(), &dst.octets(), &body);
-            body[2..4].copy_from_slice(&cs.to_be_bytes());
+            icmp::CHECKSUM.set(&mut body, cs);
         }
         let mut f = Vec::new();
         let dmac = if dst.is_multicast() {
@@ -487,7 +511,7 @@ mod tests {
         f.extend_from_slice(&dmac);
         f.extend_from_slice(&HOST);
         f.extend_from_slice(&[0x86, 0xdd, 0x60, 0, 0, 0]);
-        f.extend_from_slice(&((headers.len() + body.len()) as u16).to_be_bytes());
+        f.put((headers.len() + body.len()) as u16);
         f.push(first);
         f.push(hops);
         f.extend_from_slice(&src.octets());
@@ -505,7 +529,7 @@ mod tests {
     }
 
     fn icmp_ok(f: &[u8]) -> bool {
-        let plen = u16::from_be_bytes([f[18], f[19]]) as usize;
+        let plen = ipv6::PAYLOAD_LEN.get(&f[IP..]) as usize;
         icmp6_checksum(&f[22..38], &f[38..54], &f[54..54 + plen]) == 0
     }
 
@@ -522,7 +546,7 @@ mod tests {
         assert!(icmp_ok(d));
         let ra = &d[54..];
         assert_eq!((ra[0], ra[4]), (134, 64));
-        assert_eq!(u16::from_be_bytes([ra[6], ra[7]]), 600, "3 × ra_interval");
+        assert_eq!(be::get::<u16>(ra, 6), 600, "3 × ra_interval");
         // Options: source link-layer address, MTU, prefix (on-link + autonomous).
         assert_eq!(&ra[16..24], &[1, 1, 2, 0, 0, 0, 1, 1]);
         assert_eq!(&ra[24..32], &[5, 1, 0, 0, 0, 0, 0x05, 0xdc]);
@@ -599,7 +623,7 @@ mod tests {
         assert!(out.is_empty(), "bad checksum: dropped");
         let mut body = echo.to_vec();
         let cs = icmp6_checksum(&host_ll().octets(), &ll().octets(), &body);
-        body[2..4].copy_from_slice(&cs.to_be_bytes());
+        icmp::CHECKSUM.set(&mut body, cs);
         r.lan_in
             .transmit(frame(host_ll(), ll(), 64, 0, &ext, &body, false));
         let out = run(&mut r);
@@ -619,11 +643,7 @@ mod tests {
         assert_eq!(out.len(), 1);
         let pp = &out[0];
         assert_eq!((pp[54], pp[55]), (4, 0));
-        assert_eq!(
-            u32::from_be_bytes(pp[58..62].try_into().unwrap()),
-            42,
-            "40 + 2"
-        );
+        assert_eq!(icmp::REST.get(&pp[54..]), 42, "40 + 2");
         // Multicast listener reports are not the router's business: ignored, no answer.
         let report = [143, 0, 0, 0, 0, 0, 0, 0];
         let mld: Ipv6Addr = "ff02::16".parse().unwrap();
