@@ -7,6 +7,7 @@ use crate::oxm::{self, layout, Key, Layout};
 use stitch_core::Packet;
 use stitch_wire::be::{self, Put};
 use stitch_wire::checksum;
+use stitch_wire::header::{self, arp, ethernet, icmp, ipv4, ipv6, nd, tcp, udp};
 
 pub const OUTPUT: u16 = 0;
 pub const COPY_TTL_OUT: u16 = 11;
@@ -401,8 +402,8 @@ fn ttl_pair(d: &[u8], l: &Layout) -> Option<(usize, usize, Under)> {
     }
     let ip = m + 4;
     match d.get(ip)? >> 4 {
-        4 if d.len() >= ip + 20 => Some((outer, ip + 8, Under::Ipv4)),
-        6 if d.len() >= ip + 40 => Some((outer, ip + 7, Under::Ipv6)),
+        4 if d.len() >= ip + ipv4::MIN_LEN => Some((outer, ip + ipv4::TTL.0, Under::Ipv4)),
+        6 if d.len() >= ip + ipv6::LEN => Some((outer, ip + ipv6::HOP_LIMIT.0, Under::Ipv6)),
         _ => None,
     }
 }
@@ -411,16 +412,17 @@ fn ttl_pair(d: &[u8], l: &Layout) -> Option<(usize, usize, Under)> {
 fn set_ip_ttl(d: &mut [u8], l: &Layout, f: impl Fn(u8) -> Option<u8>) -> bool {
     let Some(at) = l.l3 else { return true };
     match l.ethertype {
-        0x0800 => match f(d[at + 8]) {
+        0x0800 => match f(ipv4::TTL.get(&d[at..])) {
             Some(t) => {
-                patch(d, at + 8, &[t], &[Some(Sum::at(at + 10))]);
+                let sum = Sum::at(at + ipv4::CHECKSUM.0);
+                patch(d, at + ipv4::TTL.0, &[t], &[Some(sum)]);
                 true
             }
             None => false,
         },
-        0x86dd => match f(d[at + 7]) {
+        0x86dd => match f(ipv6::HOP_LIMIT.get(&d[at..])) {
             Some(t) => {
-                d[at + 7] = t;
+                ipv6::HOP_LIMIT.set(&mut d[at..], t);
                 true
             }
             None => false,
@@ -435,8 +437,8 @@ fn push_mpls(p: &mut Packet, l: &Layout, et: u16) -> Rewrite {
         Some(m) => be::get::<u32>(d, m) & !0x100,
         None => {
             let ttl = match (l.ethertype, l.l3) {
-                (0x0800, Some(at)) => d[at + 8],
-                (0x86dd, Some(at)) => d[at + 7],
+                (0x0800, Some(at)) => ipv4::TTL.get(&d[at..]),
+                (0x86dd, Some(at)) => ipv6::HOP_LIMIT.get(&d[at..]),
                 _ => 0,
             };
             0x100 | ttl as u32
@@ -508,10 +510,13 @@ fn trim_padding(p: &mut Packet, l3: usize) {
         return;
     };
     let ip_len = match v {
-        4 if d.len() >= l3 + 4 => be::get::<u16>(d, l3 + 2) as usize,
-        6 if d.len() >= l3 + 6 => 40 + be::get::<u16>(d, l3 + 4) as usize,
-        _ => return,
+        4 => ipv4::TOTAL_LEN.try_get(&d[l3..]).map(usize::from),
+        6 => ipv6::PAYLOAD_LEN
+            .try_get(&d[l3..])
+            .map(|n| ipv6::LEN + n as usize),
+        _ => None,
     };
+    let Some(ip_len) = ip_len else { return };
     if d[l3 - 2..l3] == [0x08, 0x00] || d[l3 - 2..l3] == [0x86, 0xdd] {
         let end = l3 + ip_len;
         if ip_len >= 20 && end < d.len() {
@@ -572,13 +577,13 @@ fn patch(d: &mut [u8], at: usize, new: &[u8], sums: &[Option<Sum>]) {
 fn l4_sum(l: &Layout, pseudo: bool) -> Option<Sum> {
     let at = l.l4?;
     match l.ip_proto {
-        6 => Some(Sum::at(at + 16)),
+        6 => Some(Sum::at(at + tcp::CHECKSUM.0)),
         17 => Some(Sum {
-            at: at + 6,
+            at: at + udp::CHECKSUM.0,
             zero_is_none: l.ethertype == 0x0800,
         }),
-        1 if !pseudo && l.ethertype == 0x0800 => Some(Sum::at(at + 2)),
-        58 => Some(Sum::at(at + 2)),
+        1 if !pseudo && l.ethertype == 0x0800 => Some(Sum::at(at + icmp::CHECKSUM.0)),
+        58 => Some(Sum::at(at + icmp::CHECKSUM.0)),
         _ => None,
     }
 }
@@ -624,8 +629,8 @@ fn write_field(d: &mut [u8], l: &Layout, id: u8, v: &[u8]) {
 fn write_l2_field(d: &mut [u8], l: &Layout, id: u8, v: &[u8]) {
     use oxm::*;
     match id {
-        ETH_DST if d.len() >= 6 => d[0..6].copy_from_slice(v),
-        ETH_SRC if d.len() >= 12 => d[6..12].copy_from_slice(v),
+        ETH_DST if d.len() >= ethernet::DST.end => d[ethernet::DST].copy_from_slice(v),
+        ETH_SRC if d.len() >= ethernet::SRC.end => d[ethernet::SRC].copy_from_slice(v),
         ETH_TYPE => d[l.ethertype_at..l.ethertype_at + 2].copy_from_slice(v),
         VLAN_VID => {
             if let Some(t) = l.vlan {
@@ -670,7 +675,7 @@ fn write_l3_field(d: &mut [u8], l: &Layout, id: u8, v: &[u8]) {
         IP_DSCP | IP_ECN if l3.is_some() && (v4 || v6) => {
             let at = l3.unwrap();
             let (dscp_ecn_at, old) = if v4 {
-                (at + 1, d[at + 1])
+                (at + ipv4::TOS.0, ipv4::TOS.get(&d[at..]))
             } else {
                 (at, ((be::get::<u16>(d, at) >> 4) & 0xff) as u8)
             };
@@ -680,7 +685,8 @@ fn write_l3_field(d: &mut [u8], l: &Layout, id: u8, v: &[u8]) {
                 (old & 0xfc) | (v[0] & 3)
             };
             if v4 {
-                patch(d, dscp_ecn_at, &[tc], &[Some(Sum::at(at + 10))]);
+                let sum = Sum::at(at + ipv4::CHECKSUM.0);
+                patch(d, dscp_ecn_at, &[tc], &[Some(sum)]);
             } else {
                 d[at] = (d[at] & 0xf0) | (tc >> 4);
                 d[at + 1] = (d[at + 1] & 0x0f) | (tc << 4);
@@ -691,10 +697,10 @@ fn write_l3_field(d: &mut [u8], l: &Layout, id: u8, v: &[u8]) {
             let at = l3.unwrap();
             if v4 {
                 // (TTL, protocol) changes by the same amount as the pseudo-header's (0, protocol).
-                patch(d, at + 9, v, &[Some(Sum::at(at + 10)), l4_sum(l, true)]);
+                let sums = [Some(Sum::at(at + ipv4::CHECKSUM.0)), l4_sum(l, true)];
+                patch(d, at + ipv4::PROTOCOL.0, v, &sums);
             } else if v6 {
-                let old = d[at + 6];
-                d[at + 6] = v[0];
+                let old = ipv6::NEXT_HEADER.replace(&mut d[at..], v[0]);
                 if let Some(s) = l4_sum(l, true) {
                     let cs = be::get::<u16>(d, s.at);
                     let cs = checksum::update(cs, old as u16, v[0] as u16);
@@ -703,23 +709,19 @@ fn write_l3_field(d: &mut [u8], l: &Layout, id: u8, v: &[u8]) {
             }
         }
         IPV4_SRC | IPV4_DST if v4 && l3.is_some() => {
-            let at = l3.unwrap() + if id == IPV4_SRC { 12 } else { 16 };
-            patch(
-                d,
-                at,
-                v,
-                &[Some(Sum::at(l3.unwrap() + 10)), l4_sum(l, true)],
-            );
+            let l3 = l3.unwrap();
+            let field = if id == IPV4_SRC { ipv4::SRC } else { ipv4::DST };
+            let sums = [Some(Sum::at(l3 + ipv4::CHECKSUM.0)), l4_sum(l, true)];
+            patch(d, l3 + field.0, v, &sums);
         }
         IPV6_SRC | IPV6_DST if v6 && l3.is_some() => {
-            let at = l3.unwrap() + if id == IPV6_SRC { 8 } else { 24 };
-            patch(d, at, v, &[l4_sum(l, true)]);
+            let field = if id == IPV6_SRC { ipv6::SRC } else { ipv6::DST };
+            patch(d, l3.unwrap() + field.start, v, &[l4_sum(l, true)]);
         }
         IPV6_FLABEL if v6 && l3.is_some() => {
-            let at = l3.unwrap();
-            let w = be::get::<u32>(d, at) & !0xfffff
-                | u32::from_be_bytes(v.try_into().unwrap()) & 0xfffff;
-            be::set(d, at, w);
+            let ip = &mut d[l3.unwrap()..];
+            let w = ipv6::VERSION_CLASS_FLOW.get(ip) & !0xfffff | be::get::<u32>(v, 0) & 0xfffff;
+            ipv6::VERSION_CLASS_FLOW.set(ip, w);
         }
         _ => {}
     }
@@ -738,47 +740,52 @@ fn write_l4_field(d: &mut [u8], l: &Layout, id: u8, v: &[u8]) {
                 17
             };
             if l.ip_proto == want {
-                let at = l.l4.unwrap()
-                    + if matches!(id, TCP_SRC | UDP_SRC) {
-                        0
-                    } else {
-                        2
-                    };
-                patch(d, at, v, &[l4_sum(l, false)]);
+                let port = if matches!(id, TCP_SRC | UDP_SRC) {
+                    header::l4::SRC_PORT
+                } else {
+                    header::l4::DST_PORT
+                };
+                patch(d, l.l4.unwrap() + port.0, v, &[l4_sum(l, false)]);
             }
         }
         SCTP_SRC | SCTP_DST if l.l4.is_some() && l.ip_proto == 132 => {
             let base = l.l4.unwrap();
-            let at = base + if id == SCTP_SRC { 0 } else { 2 };
+            let port = if id == SCTP_SRC {
+                header::l4::SRC_PORT
+            } else {
+                header::l4::DST_PORT
+            };
+            let at = base + port.0;
             sctp_patch(d, base, at, v);
         }
         ICMPV4_TYPE | ICMPV4_CODE if v4 && l.ip_proto == 1 && l.l4.is_some() => {
             let at = l.l4.unwrap();
             let o = if id == ICMPV4_TYPE { 0 } else { 1 };
-            patch(d, at + o, v, &[Some(Sum::at(at + 2))]);
+            patch(d, at + o, v, &[Some(Sum::at(at + icmp::CHECKSUM.0))]);
         }
         ICMPV6_TYPE | ICMPV6_CODE if v6 && l.ip_proto == 58 && l.l4.is_some() => {
             let at = l.l4.unwrap();
             let o = if id == ICMPV6_TYPE { 0 } else { 1 };
-            patch(d, at + o, v, &[Some(Sum::at(at + 2))]);
+            patch(d, at + o, v, &[Some(Sum::at(at + icmp::CHECKSUM.0))]);
         }
         IPV6_ND_TARGET if v6 && l.ip_proto == 58 && l.l4.is_some() => {
             let at = l.l4.unwrap();
-            if d.len() >= at + 24 {
-                patch(d, at + 8, v, &[Some(Sum::at(at + 2))]);
+            if d.len() >= at + nd::TARGET.end {
+                let sum = Sum::at(at + icmp::CHECKSUM.0);
+                patch(d, at + nd::TARGET.start, v, &[Some(sum)]);
             }
         }
         IPV6_ND_SLL | IPV6_ND_TLL if v6 && l.ip_proto == 58 && l.l4.is_some() => {
             let at = l.l4.unwrap();
             let kind = if id == IPV6_ND_SLL { 1 } else { 2 };
-            let mut o = at + 24;
+            let mut o = at + nd::OPTIONS;
             while o + 8 <= d.len() {
                 let len = d[o + 1] as usize * 8;
                 if len == 0 {
                     break;
                 }
                 if d[o] == kind && len == 8 {
-                    patch(d, o + 2, v, &[Some(Sum::at(at + 2))]);
+                    patch(d, o + 2, v, &[Some(Sum::at(at + icmp::CHECKSUM.0))]);
                     break;
                 }
                 o += len;
@@ -794,15 +801,15 @@ fn write_arp_field(d: &mut [u8], l: &Layout, id: u8, v: &[u8]) {
     let l3 = l.l3;
     match id {
         ARP_OP | ARP_SPA | ARP_TPA | ARP_SHA | ARP_THA
-            if l.ethertype == 0x0806 && l3.is_some_and(|a| d.len() >= a + 28) =>
+            if l.ethertype == 0x0806 && l3.is_some_and(|a| d.len() >= a + arp::LEN) =>
         {
             let at = l3.unwrap()
                 + match id {
-                    ARP_OP => 6,
-                    ARP_SHA => 8,
-                    ARP_SPA => 14,
-                    ARP_THA => 18,
-                    _ => 24,
+                    ARP_OP => arp::OPERATION.0,
+                    ARP_SHA => arp::SENDER_MAC.start,
+                    ARP_SPA => arp::SENDER_IP.start,
+                    ARP_THA => arp::TARGET_MAC.start,
+                    _ => arp::TARGET_IP.start,
                 };
             d[at..at + v.len()].copy_from_slice(v);
         }

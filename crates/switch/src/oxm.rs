@@ -8,6 +8,7 @@
 
 use crate::ofp::{self, OfError};
 use stitch_wire::be::{self, Put};
+use stitch_wire::header::{arp, ipv4, ipv6, nd};
 
 /// One OXM field of the basic class.
 #[derive(Debug, Clone, Copy)]
@@ -552,7 +553,7 @@ pub fn layout(frame: &[u8]) -> Layout {
         0x0800 if l3.len() >= 20 && l3[0] >> 4 == 4 => {
             l.ip_proto = l3[9];
             let ihl = (l3[0] & 0x0f) as usize * 4;
-            let first = be16(l3, 6).unwrap_or(0) & 0x1fff == 0;
+            let first = ipv4::FLAGS_FRAG.get(l3) & ipv4::OFFSET == 0;
             if first && ihl >= 20 && l3.len() >= ihl {
                 l.l4 = Some(at + ihl);
             }
@@ -671,7 +672,7 @@ impl Key {
         let (proto, l4) = match ethertype {
             0x0800 if l3.len() >= 20 && l3[0] >> 4 == 4 => {
                 let ihl = (l3[0] & 0x0f) as usize * 4;
-                let first = be::get::<u16>(l3, 6) & 0x1fff == 0;
+                let first = ipv4::FLAGS_FRAG.get(l3) & ipv4::OFFSET == 0;
                 (
                     l3[9],
                     if first && ihl >= 20 {
@@ -720,25 +721,26 @@ impl Key {
     /// The fields of IPv4 header `l3` (at least 20 bytes), `proto` the payload's protocol.
     #[inline(always)]
     fn put_ipv4(&mut self, l3: &[u8], proto: u8) {
-        self.0[at(IP_DSCP)] = l3[1] >> 2;
-        self.0[at(IP_ECN)] = l3[1] & 3;
+        let tos = ipv4::TOS.get(l3);
+        self.0[at(IP_DSCP)] = tos >> 2;
+        self.0[at(IP_ECN)] = tos & 3;
         self.0[at(IP_PROTO)] = proto;
-        self.put::<4>(at(IPV4_SRC), &l3[12..16]);
-        self.put::<4>(at(IPV4_DST), &l3[16..20]);
+        self.put::<4>(at(IPV4_SRC), &l3[ipv4::SRC_BYTES]);
+        self.put::<4>(at(IPV4_DST), &l3[ipv4::DST_BYTES]);
     }
 
     /// The fields of IPv6 header `l3` (at least 40 bytes): `proto` the upper layer's protocol
     /// and `exthdr` the extension headers' bits, both found past the extension headers.
     #[inline(always)]
     fn put_ipv6(&mut self, l3: &[u8], proto: u8, exthdr: u16) {
-        let tc = (be::get::<u16>(l3, 0) >> 4) as u8;
+        let first = ipv6::VERSION_CLASS_FLOW.get(l3);
+        let tc = (first >> 20) as u8;
         self.0[at(IP_DSCP)] = tc >> 2;
         self.0[at(IP_ECN)] = tc & 3;
         self.0[at(IP_PROTO)] = proto;
-        let flow_label = u32::from_be_bytes([0, l3[1] & 0x0f, l3[2], l3[3]]);
-        be::set(&mut self.0, at(IPV6_FLABEL), flow_label);
-        self.put::<16>(at(IPV6_SRC), &l3[8..24]);
-        self.put::<16>(at(IPV6_DST), &l3[24..40]);
+        be::set(&mut self.0, at(IPV6_FLABEL), first & 0xfffff);
+        self.put::<16>(at(IPV6_SRC), &l3[ipv6::SRC]);
+        self.put::<16>(at(IPV6_DST), &l3[ipv6::DST]);
         be::set(&mut self.0, at(IPV6_EXTHDR), exthdr);
     }
 
@@ -802,12 +804,16 @@ impl Key {
         match l.ethertype {
             0x0800 => self.put_ipv4(l3, l.ip_proto),
             0x86dd => self.put_ipv6(l3, l.ip_proto, l.ipv6_exthdr),
-            0x0806 if l3.len() >= 28 && be16(l3, 0) == Some(1) && be16(l3, 2) == Some(0x0800) => {
-                self.put::<2>(at(ARP_OP), &l3[6..8]);
-                self.put::<6>(at(ARP_SHA), &l3[8..14]);
-                self.put::<4>(at(ARP_SPA), &l3[14..18]);
-                self.put::<6>(at(ARP_THA), &l3[18..24]);
-                self.put::<4>(at(ARP_TPA), &l3[24..28]);
+            0x0806
+                if l3.len() >= arp::LEN
+                    && arp::HARDWARE.get(l3) == 1
+                    && arp::PROTOCOL.get(l3) == 0x0800 =>
+            {
+                be::set(&mut self.0, at(ARP_OP), arp::OPERATION.get(l3));
+                self.put::<6>(at(ARP_SHA), &l3[arp::SENDER_MAC]);
+                self.put::<4>(at(ARP_SPA), &l3[arp::SENDER_IP]);
+                self.put::<6>(at(ARP_THA), &l3[arp::TARGET_MAC]);
+                self.put::<4>(at(ARP_TPA), &l3[arp::TARGET_IP]);
                 return;
             }
             _ => return,
@@ -816,11 +822,11 @@ impl Key {
         let l4 = &frame[l4at..];
         self.put_transport(l.ethertype, l.ip_proto, l4);
         let neighbor_discovery = (l.ethertype, l.ip_proto) == (0x86dd, 58)
-            && l4.len() >= 24
+            && l4.len() >= nd::OPTIONS
             && (l4[0] == 135 || l4[0] == 136);
         if neighbor_discovery {
-            self.put::<16>(at(IPV6_ND_TARGET), &l4[8..24]);
-            let mut o = 24;
+            self.put::<16>(at(IPV6_ND_TARGET), &l4[nd::TARGET]);
+            let mut o = nd::OPTIONS;
             while o + 8 <= l4.len() {
                 let (kind, len) = (l4[o], l4[o + 1] as usize * 8);
                 if len == 0 {

@@ -233,7 +233,23 @@ pub mod ipv6 {
 /// The ARP message for Ethernet and IPv4 (RFC 826).
 pub mod arp {
     use super::Field16;
+    use std::ops::Range;
+    pub const LEN: usize = 28;
+    pub const HARDWARE: Field16 = Field16(0);
+    pub const PROTOCOL: Field16 = Field16(2);
     pub const OPERATION: Field16 = Field16(6);
+    pub const SENDER_MAC: Range<usize> = 8..14;
+    pub const SENDER_IP: Range<usize> = 14..18;
+    pub const TARGET_MAC: Range<usize> = 18..24;
+    pub const TARGET_IP: Range<usize> = 24..28;
+}
+
+/// Neighbor Discovery's solicitation and advertisement (RFC 4861 §4.3, §4.4).
+pub mod nd {
+    use std::ops::Range;
+    pub const TARGET: Range<usize> = 8..24;
+    /// Where the options start.
+    pub const OPTIONS: usize = 24;
 }
 
 /// Fields at the head of every transport header with ports (TCP, UDP, SCTP).
@@ -289,6 +305,10 @@ pub mod vxlan {
 
 pub mod ethernet {
     use super::Field16;
+    use std::ops::Range;
+    pub const LEN: usize = 14;
+    pub const DST: Range<usize> = 0..6;
+    pub const SRC: Range<usize> = 6..12;
     pub const ETHERTYPE: Field16 = Field16(12);
 }
 
