@@ -298,12 +298,20 @@ fn parse_link_spec(s: &str) -> Result<(Endpoint, Endpoint), String> {
     Ok((parse_endpoint(a)?, parse_endpoint(b)?))
 }
 
-impl Graph {
-    /// Reads and validates a graph file.
-    pub fn load(path: &Path, registry: &Registry) -> Result<Graph, GraphErrors> {
-        let file = path.display().to_string();
+/// A graph file's text, read, with what its parse needs: its name for errors and the folder
+/// its relative paths start from.
+pub struct GraphFile {
+    pub text: String,
+    pub name: String,
+    pub base: PathBuf,
+}
+
+impl GraphFile {
+    /// Reads `path`; an unreadable file is an error naming it, as a parse error would.
+    pub fn read(path: &Path) -> Result<GraphFile, GraphErrors> {
+        let name = path.display().to_string();
         let text = std::fs::read_to_string(path).map_err(|e| GraphErrors {
-            file: file.clone(),
+            file: name.clone(),
             text: String::new(),
             errors: vec![GraphError {
                 line: 0,
@@ -312,7 +320,15 @@ impl Graph {
             }],
         })?;
         let base = path.parent().map(Path::to_path_buf).unwrap_or_default();
-        Graph::parse(&text, &file, &base, registry)
+        Ok(GraphFile { text, name, base })
+    }
+}
+
+impl Graph {
+    /// Reads and validates a graph file.
+    pub fn load(path: &Path, registry: &Registry) -> Result<Graph, GraphErrors> {
+        let file = GraphFile::read(path)?;
+        Graph::parse(&file.text, &file.name, &file.base, registry)
     }
 
     /// Parses and validates graph text; `file` names it in errors.

@@ -166,17 +166,8 @@ impl PlacedGraph {
 
     /// Reads and validates a graph file.
     pub fn load(path: &Path, registry: &Registry) -> Result<PlacedGraph, GraphErrors> {
-        let text = std::fs::read_to_string(path).map_err(|e| GraphErrors {
-            file: path.display().to_string(),
-            text: String::new(),
-            errors: vec![stitch_core::graph::GraphError {
-                line: 0,
-                column: 0,
-                message: format!("cannot read graph file: {e}"),
-            }],
-        })?;
-        let base = path.parent().map(Path::to_path_buf).unwrap_or_default();
-        PlacedGraph::parse(&text, &path.display().to_string(), &base, registry)
+        let file = stitch_core::graph::GraphFile::read(path)?;
+        PlacedGraph::parse(&file.text, &file.name, &file.base, registry)
     }
 
     /// A graph whose apps all run in the engine.

@@ -140,7 +140,15 @@ fn reads_graph_counters_and_app_state() {
 #[test]
 fn changes_one_app_or_link_at_a_time() {
     let s = Stitch::run(GRAPH);
-    // Add an app (201), change it (200, reconfigured or restarted), refuse bad entries.
+    apps_are_added_changed_and_refused(&s);
+    links_are_added_refused_and_removed(&s);
+    removing_an_app_removes_its_links(&s);
+    a_whole_graph_is_refused_with_its_line_or_applied_by_diff(&s);
+    s.stop();
+}
+
+/// Add an app (201), change it (200, reconfigured or restarted), refuse bad entries.
+fn apps_are_added_changed_and_refused(s: &Stitch) {
     let (st, r) = s.call("PUT", "/api/v1/apps/tap0", Some(r#"{"type": "sink"}"#));
     assert_eq!(st, 201, "{r}");
     assert_eq!(names(&r["started"]), ["tap0"]);
@@ -204,8 +212,10 @@ fn changes_one_app_or_link_at_a_time() {
     );
     assert_eq!(st, 400);
     assert!(e["error"].as_str().unwrap().contains("app name"), "{e}");
+}
 
-    // Links: add (201), duplicate (409), bad ports (400, naming the port), remove (200), 404.
+/// Links: add (201), duplicate (409), bad ports (400, naming the port), remove (200), 404.
+fn links_are_added_refused_and_removed(s: &Stitch) {
     let (st, r) = s.call(
         "POST",
         "/api/v1/links",
@@ -252,16 +262,18 @@ fn changes_one_app_or_link_at_a_time() {
     let (st, e) = s.call("DELETE", "/api/v1/links", None);
     assert_eq!(st, 400);
     assert!(e["error"].as_str().unwrap().contains("`link`"), "{e}");
+}
 
-    // Removing an app removes its links.
+fn removing_an_app_removes_its_links(s: &Stitch) {
     let (st, r) = s.call("DELETE", "/api/v1/apps/fw", None);
     assert_eq!(st, 200, "{r}");
     assert_eq!(names(&r["stopped"]), ["fw"]);
     assert_eq!(r["links_removed"].as_array().unwrap().len(), 2, "{r}");
     let (st, _) = s.call("DELETE", "/api/v1/apps/fw", None);
     assert_eq!(st, 404);
+}
 
-    // A whole graph: bad YAML names the line; a good one applies by diff.
+fn a_whole_graph_is_refused_with_its_line_or_applied_by_diff(s: &Stitch) {
     let (st, e) = s.call(
         "PUT",
         "/api/v1/graph?file=new.yaml",
@@ -274,7 +286,6 @@ fn changes_one_app_or_link_at_a_time() {
     assert_eq!(st, 200, "{r}");
     assert_eq!(names(&r["started"]), ["fw"]);
     assert_eq!(names(&r["stopped"]), ["tap0"]);
-    s.stop();
 }
 
 /// Applying changes through the API while traffic flows loses nothing on the links that did

@@ -391,19 +391,55 @@ fn show_dumps_an_apps_tables_from_a_running_instance() {
 fn vxlan_talks_to_linux_over(family: u8) {
     require_root_and_tools(&["ip", "ping", "iperf3"]);
     let h = TwoHosts::new();
-    let (local, remote, absent, prefix) = if family == 4 {
-        ("192.0.2.1", "192.0.2.2", "192.0.2.9", 24)
+    let (local, remote, absent) = if family == 4 {
+        ("192.0.2.1", "192.0.2.2", "192.0.2.9")
     } else {
-        ("2001:db8:77::1", "2001:db8:77::2", "2001:db8:77::9", 64)
+        ("2001:db8:77::1", "2001:db8:77::2", "2001:db8:77::9")
     };
-    let (b, eth) = (&h.ns[1], &h.inner[1]);
-    // Host B: its eth0 is the underlay; the tenant address moves to a VXLAN device.
+    let stitch_mac = "02:00:00:00:77:01";
+    let (inner_mtu, mac_b) = linux_vtep_in_host_b(&h, family, (local, remote), stitch_mac);
     let tenant_b = h.ip[1].clone();
+    let s = Stitch::run(&format!(
+        "apps:\n  tenant: {{ type: af_packet, interface: {} }}\n  wire: {{ type: af_packet, interface: {} }}\n  vtep: {{ type: vxlan, local: \"{local}\", local_mac: \"{stitch_mac}\", next_hop_mac: \"{mac_b}\", segments: {{ t: {{ vni: 4242, remote: [\"{remote}\", \"{absent}\"] }} }} }}\nlinks:\n  - \"tenant.output -> vtep.t\"\n  - \"vtep.t -> tenant.input\"\n  - \"wire.output -> vtep.underlay\"\n  - \"vtep.underlay -> wire.input\"\n",
+        h.outer[0], h.outer[1]
+    ));
+    let ping = h.exec(0, &format!("ping -c 3 -i 0.2 -W 2 {tenant_b}"));
+    assert!(
+        ping.status.success(),
+        "ping across the tunnel: {}",
+        String::from_utf8_lossy(&ping.stdout)
+    );
+    path_mtu_is_learnt_through_the_tunnel(&h, &s, inner_mtu);
+    stitch_learns_where_linux_vtep_is(&h, &s, remote);
+    tcp_crosses_the_tunnel_both_ways(&h, family);
+    let stats = s.stop();
+    let c = &app(&stats, "vtep")["counters"];
+    assert_eq!(c["bad_checksum_drops"], 0, "{c}");
+    assert_eq!(c["foreign_vtep_drops"], 0, "{c}");
+    assert!(c["decapsulated"].as_u64().unwrap() > 100, "{c}");
+}
+
+fn vtep_counter(s: &Stitch, name: &str) -> u64 {
+    app(&s.stats().unwrap(), "vtep")["counters"][name]
+        .as_u64()
+        .unwrap()
+}
+
+/// Host B: its eth0 becomes the underlay (`remote`, with Stitch's MAC for `local`) and its
+/// tenant address moves to a Linux VXLAN device; returns the device's MTU and eth0's MAC.
+fn linux_vtep_in_host_b(
+    h: &TwoHosts,
+    family: u8,
+    (local, remote): (&str, &str),
+    stitch_mac: &str,
+) -> (usize, String) {
+    let prefix = if family == 4 { 24 } else { 64 };
+    let (b, eth) = (&h.ns[1], &h.inner[1]);
+    let tenant_b = &h.ip[1];
     must(&format!("ip -n {b} addr flush dev {eth}"));
     must(&format!(
         "ip -n {b} addr add {remote}/{prefix} dev {eth} nodad"
     ));
-    let stitch_mac = "02:00:00:00:77:01";
     must(&format!(
         "ip -n {b} neigh add {local} lladdr {stitch_mac} dev {eth}"
     ));
@@ -417,19 +453,16 @@ fn vxlan_talks_to_linux_over(family: u8) {
     must(&format!("ip -n {b} addr add {tenant_b}/24 dev vx0"));
     must(&format!("ip -n {b} link set vx0 up"));
     let mac_b = must(&format!("ip -n {b} -br link show {eth}"));
-    let mac_b = mac_b.split_whitespace().nth(2).unwrap().to_string();
-    let s = Stitch::run(&format!(
-        "apps:\n  tenant: {{ type: af_packet, interface: {} }}\n  wire: {{ type: af_packet, interface: {} }}\n  vtep: {{ type: vxlan, local: \"{local}\", local_mac: \"{stitch_mac}\", next_hop_mac: \"{mac_b}\", segments: {{ t: {{ vni: 4242, remote: [\"{remote}\", \"{absent}\"] }} }} }}\nlinks:\n  - \"tenant.output -> vtep.t\"\n  - \"vtep.t -> tenant.input\"\n  - \"wire.output -> vtep.underlay\"\n  - \"vtep.underlay -> wire.input\"\n",
-        h.outer[0], h.outer[1]
-    ));
-    let ping = h.exec(0, &format!("ping -c 3 -i 0.2 -W 2 {tenant_b}"));
-    assert!(
-        ping.status.success(),
-        "ping across the tunnel: {}",
-        String::from_utf8_lossy(&ping.stdout)
-    );
-    // Path MTU discovery through the tunnel: a DF ping one byte over is answered with the
-    // tunnel's MTU, and host A's stack takes it.
+    (
+        inner_mtu,
+        mac_b.split_whitespace().nth(2).unwrap().to_string(),
+    )
+}
+
+/// Path MTU discovery through the tunnel: a DF ping one byte over is answered with the
+/// tunnel's MTU, and host A's stack takes it.
+fn path_mtu_is_learnt_through_the_tunnel(h: &TwoHosts, s: &Stitch, inner_mtu: usize) {
+    let tenant_b = &h.ip[1];
     let over = h.exec(
         0,
         &format!(
@@ -458,13 +491,12 @@ fn vxlan_talks_to_linux_over(family: u8) {
         "{}",
         String::from_utf8_lossy(&fits.stdout)
     );
-    let vtep = |s: &Stitch, name: &str| {
-        app(&s.stats().unwrap(), "vtep")["counters"][name]
-            .as_u64()
-            .unwrap()
-    };
-    assert!(vtep(&s, "icmp_sent") >= 1 && vtep(&s, "too_big_drops") >= 1);
-    // Stitch learned where host B's VXLAN device is; Linux learned Stitch's side.
+    assert!(vtep_counter(s, "icmp_sent") >= 1 && vtep_counter(s, "too_big_drops") >= 1);
+}
+
+/// Stitch learned where host B's VXLAN device is, and sends to it alone.
+fn stitch_learns_where_linux_vtep_is(h: &TwoHosts, s: &Stitch, remote: &str) {
+    let (b, tenant_b) = (&h.ns[1], &h.ip[1]);
     let shown: serde_json::Value = serde_json::from_str(&must(&format!(
         "{} show vtep --control {}",
         env!("CARGO_BIN_EXE_stitch"),
@@ -481,25 +513,28 @@ fn vxlan_talks_to_linux_over(family: u8) {
             .any(|e| e["mac"] == vx_mac.as_str() && e["remote"] == remote),
         "{shown}"
     );
-    let flooded = |s: &Stitch| vtep(s, "unknown_unicast_flooded");
-    let before = flooded(&s);
+    let flooded = |s: &Stitch| vtep_counter(s, "unknown_unicast_flooded");
+    let before = flooded(s);
     let ping = h.exec(0, &format!("ping -c 5 -i 0.1 -W 2 {tenant_b}"));
     assert!(ping.status.success());
     assert_eq!(
-        flooded(&s),
+        flooded(s),
         before,
         "unicast went to the learned remote only"
     );
-    // TCP with the default offloads: super-frames from host A are cut and checksummed
-    // before encapsulation; Linux checks every checksum on the way in.
-    let bps = h.iperf_tcp(&tenant_b, 2);
+}
+
+/// TCP with the default offloads: super-frames from host A are cut and checksummed before
+/// encapsulation; Linux checks every checksum on the way in. And back: Linux sends UDP-tunnel
+/// super-frames over the veth, which the af_packet port takes apart on the way in.
+fn tcp_crosses_the_tunnel_both_ways(h: &TwoHosts, family: u8) {
+    let tenant_b = &h.ip[1];
+    let bps = h.iperf_tcp(tenant_b, 2);
     eprintln!(
         "iperf3 over Stitch's VXLAN (IPv{family} underlay) to Linux: {:.2} Gbit/s",
         bps / 1e9
     );
     assert!(bps > 1e6, "{bps}");
-    // And back: Linux sends UDP-tunnel super-frames over the veth, which the af_packet port
-    // takes apart on the way in.
     let server = h.spawn(1, "iperf3 -s -1 -p 5298");
     std::thread::sleep(std::time::Duration::from_millis(300));
     let back = h.exec(0, &format!("iperf3 -c {tenant_b} -p 5298 -t 2 -R -J"));
@@ -518,11 +553,6 @@ fn vxlan_talks_to_linux_over(family: u8) {
         bps / 1e9
     );
     assert!(bps > 1e6, "{bps}");
-    let stats = s.stop();
-    let c = &app(&stats, "vtep")["counters"];
-    assert_eq!(c["bad_checksum_drops"], 0, "{c}");
-    assert_eq!(c["foreign_vtep_drops"], 0, "{c}");
-    assert!(c["decapsulated"].as_u64().unwrap() > 100, "{c}");
 }
 
 #[test]
@@ -813,8 +843,34 @@ fn firewall_pcap_in_pcap_out() {
 
 #[test]
 fn nat_pcap_in_pcap_out() {
-    use frames::*;
     let dir = tempfile::tempdir().unwrap();
+    let (lan, wan) = nat_lan_and_wan_frames();
+    let stats = two_sided(dir.path(), "{ type: nat, external: 192.0.2.10, ports: \"5000-5999\", forwards: [ { proto: tcp, port: 8080, to_address: 10.0.0.7, to_port: 80 } ] }", &lan, &wan);
+    // The NAT announces its external address on the wan side, and asks on the lan side for
+    // the forward's server, which it has not seen.
+    let arp = |file: &str| {
+        tshark_checked_where(
+            &dir.path().join(file),
+            "arp",
+            &[
+                "arp.src.proto_ipv4",
+                "arp.dst.proto_ipv4",
+                "arp.isgratuitous",
+                "arp.isprobe",
+            ],
+        )
+    };
+    assert_eq!(arp("wan_out.pcap"), vec!["192.0.2.10\t192.0.2.10\t1\t"]);
+    assert_eq!(arp("lan_out.pcap"), vec!["0.0.0.0\t10.0.0.7\t\t1"]);
+    nat_wan_side_is_translated(&dir.path().join("wan_out.pcap"));
+    nat_lan_side_is_translated_back(&dir.path().join("lan_out.pcap"));
+    let c = &app(&stats, "f")["counters"];
+    assert_eq!(c["no_mapping_drops"], 1, "{c}");
+}
+
+/// Frames from the NAT's inside hosts, and from the gateway toward its external address.
+fn nat_lan_and_wan_frames() -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
+    use frames::*;
     let lan = vec![
         from_host(ip4_checksummed(
             plain("10.0.0.5", "198.51.100.1", 17),
@@ -858,25 +914,12 @@ fn nat_pcap_in_pcap_out() {
             &icmp(3, 3, [0; 4], &sent[..28]),
         )),
     ];
-    let stats = two_sided(dir.path(), "{ type: nat, external: 192.0.2.10, ports: \"5000-5999\", forwards: [ { proto: tcp, port: 8080, to_address: 10.0.0.7, to_port: 80 } ] }", &lan, &wan);
-    // The NAT announces its external address on the wan side, and asks on the lan side for
-    // the forward's server, which it has not seen.
-    let arp = |file: &str| {
-        tshark_checked_where(
-            &dir.path().join(file),
-            "arp",
-            &[
-                "arp.src.proto_ipv4",
-                "arp.dst.proto_ipv4",
-                "arp.isgratuitous",
-                "arp.isprobe",
-            ],
-        )
-    };
-    assert_eq!(arp("wan_out.pcap"), vec!["192.0.2.10\t192.0.2.10\t1\t"]);
-    assert_eq!(arp("lan_out.pcap"), vec!["0.0.0.0\t10.0.0.7\t\t1"]);
+    (lan, wan)
+}
+
+fn nat_wan_side_is_translated(pcap: &std::path::Path) {
     let w = tshark_checked_where(
-        &dir.path().join("wan_out.pcap"),
+        pcap,
         "ip",
         &[
             "ip.src",
@@ -898,8 +941,11 @@ fn nat_pcap_in_pcap_out() {
     );
     assert_eq!(w[2], "192.0.2.10\t\t5600\t\t1\t\t1\t");
     assert_eq!(w[3], "192.0.2.10\t\t\t5500\t1\t\t\t1");
+}
+
+fn nat_lan_side_is_translated_back(pcap: &std::path::Path) {
     let l = tshark_checked_where(
-        &dir.path().join("lan_out.pcap"),
+        pcap,
         "ip",
         &[
             "ip.dst",
@@ -925,8 +971,6 @@ fn nat_pcap_in_pcap_out() {
         ],
         "reply, echo reply, port forward, and the error translated back (outer and quoted)"
     );
-    let c = &app(&stats, "f")["counters"];
-    assert_eq!(c["no_mapping_drops"], 1, "{c}");
 }
 
 #[test]

@@ -504,8 +504,33 @@ fn links_between_kernel_functions_are_captured_in_the_kernel() {
     };
     let with_g = graph("  - \"b.output -> g.input\"\n  - \"g.output -> a.input\"\n");
     p.apply(&with_g);
+    bad_kernel_captures_name_what_to_fix(&p);
+    two_kernel_captures_at_once(&h, &p);
+    a_killed_readers_tap_is_cleared(&p);
+    // The tapped link leaves the installed graph: the capture ends by itself.
+    let gone = Background(
+        kernel_capture(&p, &["--link", "g", "--duration", "20", "-w"])
+            .arg(p.dir.path().join("gone.pcapng"))
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    wait_until("the capture to tap", 10, || kernel_taps(&p) == 2);
+    p.apply(&graph("  - \"b.output -> a.input\"\n"));
+    let t = std::time::Instant::now();
+    let out = gone.finish();
+    assert!(t.elapsed().as_secs() < 10, "ended well before its duration");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("left the installed graph"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let o = h.exec(0, &format!("ping -c 1 -W 2 {}", h.ip[1]));
+    assert!(ok(&o), "{}", text(&o));
+}
 
-    // Errors name what to fix and tap nothing.
+/// Errors name what to fix and tap nothing.
+fn bad_kernel_captures_name_what_to_fix(p: &Plane) {
     for (args, says) in [
         (
             vec!["--link", "nope", "-w", "-"],
@@ -513,7 +538,7 @@ fn links_between_kernel_functions_are_captured_in_the_kernel() {
         ),
         (vec!["--link", "f", "-w", "-", "tcp port"], "filter"),
     ] {
-        let o = kernel_capture(&p, &args).output().unwrap();
+        let o = kernel_capture(p, &args).output().unwrap();
         assert!(!o.status.success());
         assert!(text(&o).contains(says), "{args:?}: {}", text(&o));
     }
@@ -526,12 +551,15 @@ fn links_between_kernel_functions_are_captured_in_the_kernel() {
         "{}",
         text(&o)
     );
-    assert_eq!(kernel_taps(&p), 0);
+    assert_eq!(kernel_taps(p), 0);
+}
 
-    // Two captures at once: both directions of f to a file, and one link, filtered, to a pipe.
+/// Two captures at once: both directions of f to a file, and one link, filtered, to a pipe.
+fn two_kernel_captures_at_once(h: &TwoHosts, p: &Plane) {
+    use std::process::Stdio;
     let file = p.dir.path().join("f.pcapng");
     let both = Background(
-        kernel_capture(&p, &["--link", "f", "--duration", "30", "-w"])
+        kernel_capture(p, &["--link", "f", "--duration", "30", "-w"])
             .arg(&file)
             .stderr(Stdio::piped())
             .spawn()
@@ -539,7 +567,7 @@ fn links_between_kernel_functions_are_captured_in_the_kernel() {
     );
     let piped = Background(
         kernel_capture(
-            &p,
+            p,
             &[
                 "--link",
                 "g.output -> a.input",
@@ -557,7 +585,7 @@ fn links_between_kernel_functions_are_captured_in_the_kernel() {
         .spawn()
         .unwrap(),
     );
-    wait_until("both captures to tap", 10, || kernel_taps(&p) == 3);
+    wait_until("both captures to tap", 10, || kernel_taps(p) == 3);
     let o = h.exec(0, &format!("ping -c 4 -i 0.2 -W 2 {}", h.ip[1]));
     assert!(ok(&o), "{}", text(&o));
     // Ctrl-C ends the unbounded one cleanly.
@@ -566,8 +594,29 @@ fn links_between_kernel_functions_are_captured_in_the_kernel() {
     let out = both.finish();
     let said = String::from_utf8_lossy(&out.stderr).to_string();
     assert!(out.status.success(), "{said}");
+    both_directions_of_f_are_in_one_file(&file, &said);
+    let out = piped.finish();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let piped_file = p.dir.path().join("g.pcapng");
+    std::fs::write(&piped_file, &out.stdout).unwrap();
+    let frames = tshark_fields(&piped_file, &["frame.interface_name", "icmp.type"]);
+    assert_eq!(
+        frames,
+        vec!["g.output -> a.input\t0".to_string(); 3],
+        "only echo replies, only that link"
+    );
+    assert_eq!(kernel_taps(p), 0, "the captures took their taps along");
+}
+
+/// Every echo request on both of f's links, each with its direction, and the count the
+/// capture said it took.
+fn both_directions_of_f_are_in_one_file(file: &std::path::Path, said: &str) {
     let frames = tshark_fields(
-        &file,
+        file,
         &[
             "frame.interface_name",
             "frame.packet_flags_direction",
@@ -599,56 +648,22 @@ fn links_between_kernel_functions_are_captured_in_the_kernel() {
         2,
         "{info}"
     );
+}
 
-    let out = piped.finish();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let piped_file = p.dir.path().join("g.pcapng");
-    std::fs::write(&piped_file, &out.stdout).unwrap();
-    let frames = tshark_fields(&piped_file, &["frame.interface_name", "icmp.type"]);
-    assert_eq!(
-        frames,
-        vec!["g.output -> a.input\t0".to_string(); 3],
-        "only echo replies, only that link"
-    );
-    assert_eq!(kernel_taps(&p), 0, "the captures took their taps along");
-
-    // A reader killed outright: the next look at the data plane clears what it left.
+/// A reader killed outright: the next look at the data plane clears what it left.
+fn a_killed_readers_tap_is_cleared(p: &Plane) {
+    use std::process::Stdio;
     let mut killed = Background(
-        kernel_capture(&p, &["--link", "f.output", "-w", "-"])
+        kernel_capture(p, &["--link", "f.output", "-w", "-"])
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
             .unwrap(),
     );
-    wait_until("the capture to tap", 10, || kernel_taps(&p) == 1);
+    wait_until("the capture to tap", 10, || kernel_taps(p) == 1);
     killed.signal(libc::SIGKILL);
     let _ = killed.0.wait();
-    assert_eq!(kernel_taps(&p), 0, "a dead reader's tap is cleared");
-
-    // The tapped link leaves the installed graph: the capture ends by itself.
-    let gone = Background(
-        kernel_capture(&p, &["--link", "g", "--duration", "20", "-w"])
-            .arg(p.dir.path().join("gone.pcapng"))
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap(),
-    );
-    wait_until("the capture to tap", 10, || kernel_taps(&p) == 2);
-    p.apply(&graph("  - \"b.output -> a.input\"\n"));
-    let t = std::time::Instant::now();
-    let out = gone.finish();
-    assert!(t.elapsed().as_secs() < 10, "ended well before its duration");
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("left the installed graph"),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let o = h.exec(0, &format!("ping -c 1 -W 2 {}", h.ip[1]));
-    assert!(ok(&o), "{}", text(&o));
+    assert_eq!(kernel_taps(p), 0, "a dead reader's tap is cleared");
 }
 
 #[test]

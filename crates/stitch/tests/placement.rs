@@ -426,9 +426,44 @@ fn kernel_engine_and_process_apps_run_as_one_graph_and_a_crash_leaves_nothing() 
     wait_until("the firewall process to attach", 20, || {
         show(&s, "fw")["attached"] == true
     });
-    // What this instance made (other tests make interfaces and data planes at the same time):
-    // `stitch show` lists it; it must be new.
-    let status = instance_status(&s);
+    let (made, plane) = what_the_placements_made(&s, &links_before, &planes_before);
+    traffic_crosses_the_kernel_router_and_is_counted(&hosts, &s, n);
+    // Stitch killed: the function dies with it; the next start of the same instance removes
+    // the data plane (hooks, programs, pinned maps) and the veth pairs it left.
+    let fw_pid = pid_of(&s, "fw").unwrap();
+    let socket = s.socket.clone();
+    s.process.signal(libc::SIGKILL);
+    let _ = s.process.finish();
+    wait_until("the function to die with stitch", 10, || !alive(fw_pid));
+    assert!(
+        made.iter()
+            .all(|l| Path::new(&format!("/sys/class/net/{l}")).exists()),
+        "a crash leaves the veths (the next start removes them)"
+    );
+    let file = dir.path().join("graph.yaml");
+    std::fs::write(&file, "apps:\n  g: { type: generator, count: 1 }\n  s: { type: sink }\nlinks: [\"g.output -> s.input\"]\n").unwrap();
+    run_again(&socket, &file);
+    for l in &made {
+        assert!(
+            !Path::new(&format!("/sys/class/net/{l}")).exists(),
+            "{l} left behind"
+        );
+    }
+    assert!(
+        !Path::new(&format!("/sys/fs/bpf/stitch/{plane}")).exists(),
+        "data plane {plane} left behind"
+    );
+    drop(s.dir);
+}
+
+/// What this instance made (other tests make interfaces and data planes at the same time), as
+/// `stitch show` lists it, all of it new: the interfaces and the data plane's name.
+fn what_the_placements_made(
+    s: &Stitch,
+    links_before: &std::collections::BTreeSet<String>,
+    planes_before: &std::collections::BTreeSet<String>,
+) -> (Vec<String>, String) {
+    let status = instance_status(s);
     let status: serde_json::Value = serde_json::from_str(&status).unwrap();
     let plane = status["placements"]["kernel_data_plane"]
         .as_str()
@@ -449,12 +484,16 @@ fn kernel_engine_and_process_apps_run_as_one_graph_and_a_crash_leaves_nothing() 
         );
     }
     assert!(!planes_before.contains(&plane));
-    let planes = vec![plane];
     assert_eq!(
         status["placements"]["processes"][0]["app"], "fw",
         "{status}"
     );
+    (made, plane)
+}
 
+/// Ping and TCP across the kernel router; its counters and the process's state in the
+/// stats, /metrics and `stitch show`.
+fn traffic_crosses_the_kernel_router_and_is_counted(hosts: &TwoHosts, s: &Stitch, n: u32) {
     let far = format!("10.{n}.2.2");
     let t = std::time::Instant::now();
     while !hosts
@@ -492,7 +531,7 @@ fn kernel_engine_and_process_apps_run_as_one_graph_and_a_crash_leaves_nothing() 
     );
     // `stitch show` without an app lists what the placements made: two veth pairs, the data
     // plane, the process.
-    let status = instance_status(&s);
+    let status = instance_status(s);
     let status: serde_json::Value = serde_json::from_str(&status).unwrap();
     assert_eq!(
         status["placements"]["veth_pairs"].as_array().unwrap().len(),
@@ -507,35 +546,6 @@ fn kernel_engine_and_process_apps_run_as_one_graph_and_a_crash_leaves_nothing() 
         status["placements"]["processes"][0]["app"], "fw",
         "{status}"
     );
-    let fw_pid = pid_of(&s, "fw").unwrap();
-
-    // Stitch killed: the function dies with it; the next start of the same instance removes
-    // the data plane (hooks, programs, pinned maps) and the veth pairs it left.
-    let socket = s.socket.clone();
-    s.process.signal(libc::SIGKILL);
-    let _ = s.process.finish();
-    wait_until("the function to die with stitch", 10, || !alive(fw_pid));
-    assert!(
-        made.iter()
-            .all(|l| Path::new(&format!("/sys/class/net/{l}")).exists()),
-        "a crash leaves the veths (the next start removes them)"
-    );
-    let file = dir.path().join("graph.yaml");
-    std::fs::write(&file, "apps:\n  g: { type: generator, count: 1 }\n  s: { type: sink }\nlinks: [\"g.output -> s.input\"]\n").unwrap();
-    run_again(&socket, &file);
-    for l in &made {
-        assert!(
-            !Path::new(&format!("/sys/class/net/{l}")).exists(),
-            "{l} left behind"
-        );
-    }
-    for p in &planes {
-        assert!(
-            !Path::new(&format!("/sys/fs/bpf/stitch/{p}")).exists(),
-            "data plane {p} left behind"
-        );
-    }
-    drop(s.dir);
 }
 
 /// A firewall between the two hosts of `fw`, placed as `placement`, and beside it a path
