@@ -241,7 +241,8 @@ const ECHO_PEER: &str = r#"
 import socket
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 s.bind(("0.0.0.0", 5353))
-s.settimeout(5)
+print("ready", flush=True)
+s.settimeout(20)
 data, peer = s.recvfrom(2048)
 s.sendto(data, peer)
 print(peer[0])
@@ -268,11 +269,10 @@ fn nat_masquerades_lan_hosts_behind_the_external_address() {
     ));
     std::fs::write(s.path().join("peer.py"), ECHO_PEER).unwrap();
     std::fs::write(s.path().join("ask.py"), ASK).unwrap();
-    let peer = h.spawn(
+    let peer = h.spawn_ready(
         1,
         &format!("python3 {}", s.path().join("peer.py").display()),
     );
-    std::thread::sleep(std::time::Duration::from_millis(500));
     let o = h.exec(
         0,
         &format!("python3 {} {}", s.path().join("ask.py").display(), h.ip[1]),
@@ -284,11 +284,7 @@ fn nat_masquerades_lan_hosts_behind_the_external_address() {
         String::from_utf8_lossy(&o.stderr)
     );
     let seen = peer.finish();
-    assert_eq!(
-        String::from_utf8_lossy(&seen.stdout).trim(),
-        external,
-        "B saw the external address, not A's"
-    );
+    assert_eq!(seen.trim(), external, "B saw the external address, not A's");
     let shown = must(&format!(
         "{} show nat --control {}",
         env!("CARGO_BIN_EXE_stitch"),
@@ -536,7 +532,7 @@ fn tcp_crosses_the_tunnel_both_ways(h: &TwoHosts, family: u8) {
     );
     assert!(bps > 1e6, "{bps}");
     let server = h.spawn(1, "iperf3 -s -1 -p 5298");
-    std::thread::sleep(std::time::Duration::from_millis(300));
+    h.wait_listening(1, 5298);
     let back = h.exec(0, &format!("iperf3 -c {tenant_b} -p 5298 -t 2 -R -J"));
     let _ = server.finish();
     assert!(

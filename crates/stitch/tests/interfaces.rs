@@ -31,11 +31,15 @@ import socket, sys
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
 s.bind(("0.0.0.0", 5300))
-s.settimeout(3.0)
+print("ready", flush=True)
+# The first datagram may be a while coming (the sender starts when this is ready); after it,
+# 3 s of quiet ends the burst.
+s.settimeout(20.0)
 n = 0
 try:
     while True:
         s.recv(2048); n += 1
+        s.settimeout(3.0)
 except socket.timeout:
     pass
 print(n)
@@ -56,15 +60,13 @@ for i in range(n):
 fn udp_burst(h: &TwoHosts, dir: &std::path::Path, n: usize) -> usize {
     std::fs::write(dir.join("rx.py"), RECEIVER).unwrap();
     std::fs::write(dir.join("tx.py"), SENDER).unwrap();
-    let rx = h.spawn(1, &format!("python3 {}", dir.join("rx.py").display()));
-    std::thread::sleep(std::time::Duration::from_millis(500));
+    let rx = h.spawn_ready(1, &format!("python3 {}", dir.join("rx.py").display()));
     let o = h.exec(
         0,
         &format!("python3 {} {} {n}", dir.join("tx.py").display(), h.ip[1]),
     );
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let out = rx.finish();
-    String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
+    rx.finish().trim().parse().unwrap()
 }
 
 fn exercise(kind: &str, extra: &str) {
@@ -313,8 +315,7 @@ fn af_xdp_serves_several_queues() {
     ping_works(&h);
     std::fs::write(s.path().join("rx.py"), RECEIVER).unwrap();
     std::fs::write(s.path().join("tx.py"), MANY_FLOWS).unwrap();
-    let rx = h.spawn(1, &format!("python3 {}", s.path().join("rx.py").display()));
-    std::thread::sleep(std::time::Duration::from_millis(500));
+    let rx = h.spawn_ready(1, &format!("python3 {}", s.path().join("rx.py").display()));
     let n = 4000;
     let o = h.exec(
         0,
@@ -325,10 +326,7 @@ fn af_xdp_serves_several_queues() {
         ),
     );
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let got: usize = String::from_utf8_lossy(&rx.finish().stdout)
-        .trim()
-        .parse()
-        .unwrap();
+    let got: usize = rx.finish().trim().parse().unwrap();
     let stats = s.stop();
     assert_eq!(got, n, "every UDP datagram must arrive");
     let c = &app(&stats, "a")["counters"];

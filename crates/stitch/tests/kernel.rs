@@ -185,11 +185,10 @@ fn bridge_router_bridge_in_the_kernel_then_a_firewall_then_teardown() {
     assert!(ok(&o), "the firewall passes ping: {}", text(&o));
     assert_eq!(p.counter("r", "arp_requests"), arp_before, "ARP cache kept");
 
-    let server = h.spawn(
+    let server = h.spawn_ready(
         1,
-        "python3 -c \"import socket\nfor port in (5301, 5302):\n  s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('0.0.0.0', port)); s.listen(); globals()['s%d' % port]=s\nimport time; time.sleep(20)\"",
+        "python3 -c \"import socket\nfor port in (5301, 5302):\n  s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('0.0.0.0', port)); s.listen(); globals()['s%d' % port]=s\nprint('ready', flush=True)\nimport time; time.sleep(20)\"",
     );
-    std::thread::sleep(std::time::Duration::from_millis(500));
     let connect = |port: u16| {
         h.exec(
             0,

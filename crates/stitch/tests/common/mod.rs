@@ -117,6 +117,17 @@ impl TwoHosts {
         false
     }
 
+    /// A server in host `i` whose first line of output is `ready`, printed once it listens:
+    /// returned when it has said so (a fixed wait is too short on a loaded machine).
+    pub fn spawn_ready(&self, i: usize, cmd: &str) -> Listening {
+        let mut process = self.spawn(i, cmd);
+        let mut out = std::io::BufReader::new(process.0.stdout.take().unwrap());
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+        assert_eq!(line.trim(), "ready", "`{cmd}` did not start");
+        Listening { process, out }
+    }
+
     pub fn spawn(&self, i: usize, cmd: &str) -> Background {
         Background(
             Command::new("ip")
@@ -162,20 +173,25 @@ impl TwoHosts {
         }
     }
 
+    /// Waits for a TCP server in host `i` to listen on `port`.
+    pub fn wait_listening(&self, i: usize, port: u16) {
+        wait_until(&format!("a server listening on {port}"), 10, || {
+            !sh(&format!(
+                "ip netns exec {} ss -Hltn 'sport = :{port}'",
+                self.ns[i]
+            ))
+            .stdout
+            .is_empty()
+        });
+    }
+
     /// iperf3 TCP from host 0 to `to` (host 1's address) for `secs`; received bits per second.
     /// Fails the test if iperf3 does.
     pub fn iperf_tcp(&self, to: &str, secs: u32) -> f64 {
         // The server gives up by itself (`timeout`) if no test completes, so a stalled data
         // path fails the test instead of hanging it.
         let server = self.spawn(1, &format!("timeout {} iperf3 -s -1 -p 5299", secs + 30));
-        wait_until("iperf3 listening", 10, || {
-            !sh(&format!(
-                "ip netns exec {} ss -Hltn 'sport = :5299'",
-                self.ns[1]
-            ))
-            .stdout
-            .is_empty()
-        });
+        self.wait_listening(1, 5299);
         let o = self.exec(
             0,
             &format!(
@@ -265,6 +281,22 @@ impl Background {
     pub fn signal(&self, sig: i32) {
         // SAFETY: kill takes no pointers; the pid is our own child's, not yet waited for.
         unsafe { libc::kill(self.0.id() as i32, sig) };
+    }
+}
+
+/// A server started by [`TwoHosts::spawn_ready`].
+pub struct Listening {
+    pub process: Background,
+    out: std::io::BufReader<std::process::ChildStdout>,
+}
+
+impl Listening {
+    /// What it printed after `ready`, once it has ended.
+    pub fn finish(mut self) -> String {
+        let mut rest = String::new();
+        std::io::Read::read_to_string(&mut self.out, &mut rest).unwrap();
+        let _ = self.process.finish();
+        rest
     }
 }
 
