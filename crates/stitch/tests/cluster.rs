@@ -541,7 +541,9 @@ fn carries_the_chain(c: &Cluster) -> Vec<String> {
             .spawn()
             .unwrap(),
     );
-    std::thread::sleep(Duration::from_millis(300));
+    wait_until("iperf3 to listen", 10, || {
+        !c.exec(&wb, "ss -Hltn 'sport = :5201'").stdout.is_empty()
+    });
     let gbps = iperf_bits(&c.exec(&wa, "iperf3 -c 10.20.2.2 -t 2 -J"), "10.20.2.2") / 1e9;
     eprintln!("iperf3 TCP through three hosts and four VXLAN tunnels: {gbps:.2} Gbit/s");
     assert!(gbps > 0.0);
