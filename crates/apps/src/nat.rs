@@ -44,7 +44,7 @@ use std::time::{Duration, Instant};
 use stitch_core::link::transmit_to;
 use stitch_core::packet::ChecksumState;
 use stitch_core::{App, AppContext, AppError, Counter, Io, Packet, PortNames, PortSpec};
-use stitch_wire::header::{self, icmp, l4, End, Field16, L4Sum};
+use stitch_wire::header::{self, icmp, ipv4, l4, End, Field16, L4Sum};
 use stitch_wire::views::{ArpOperation, Ipv4Packet};
 use stitch_wire::{arp, checksum, flow, parse_mac};
 
@@ -215,8 +215,8 @@ fn layout(d: &[u8]) -> Option<(usize, usize, u8)> {
     let ip = Ipv4Packet::new_unchecked(&d[l3..]);
     let ihl = ip.header_len() as usize;
     let proto = u8::from(ip.next_header());
-    if ip.frag_offset() != 0 {
-        return None; // non-first fragment: no L4 header
+    if ihl < ipv4::MIN_LEN || ip.frag_offset() != 0 {
+        return None; // a header shorter than IPv4's, or a non-first fragment: no L4 header
     }
     let need = match proto {
         6 => 20,
@@ -561,7 +561,11 @@ impl Nat {
         let qproto = u8::from(quote.next_header());
         let ql4 = q + quote.header_len() as usize;
         let field = port_field(qproto, End::Source);
-        if quote.version() != 4 || d.len() < ql4 + field.end() || !matches!(qproto, 1 | 6 | 17) {
+        if quote.version() != 4
+            || (quote.header_len() as usize) < ipv4::MIN_LEN
+            || d.len() < ql4 + field.end()
+            || !matches!(qproto, 1 | 6 | 17)
+        {
             self.malformed.add(1);
             return None;
         }
@@ -1046,6 +1050,37 @@ mod tests {
             0,
             "quoted IP header checksum"
         );
+    }
+
+    /// Found by the `network_functions` fuzz target: an IPv4 header length below 20 bytes
+    /// (IHL < 5), in a packet or in the packet an ICMP error quotes, cut the header short of
+    /// its addresses and the rewrite panicked. Neither is translated now, and nothing panics.
+    #[test]
+    fn headers_shorter_than_ipv4_s_are_not_translated() {
+        let mut r = rig();
+        let mut f = packet(17, IN, 5000, OUT, 53);
+        f.data_mut()[14] = 0x43;
+        r.lan.transmit(f);
+        let (_, w) = r.run();
+        assert_eq!(w.len(), 1, "passed as it came");
+        assert_eq!(&w[0][26..30], &IN[..], "untranslated");
+        r.lan.transmit(packet(17, IN, 5000, OUT, 53));
+        let (_, w) = r.run();
+        let mut quote = w[0][14..14 + 28].to_vec();
+        quote[0] = 0x43;
+        let unreachable = Transport::Icmp {
+            kind: 3,
+            code: 3,
+            rest: 0,
+        };
+        let f = Frame::ipv4(OUT, EXT, unreachable).payload(&quote).bytes();
+        let mut p = pool::alloc().unwrap();
+        p.set_data(&f).unwrap();
+        let before = r.nat.malformed.get();
+        r.wan.transmit(p);
+        let (l, _) = r.run();
+        assert!(l.is_empty());
+        assert_eq!(r.nat.malformed.get(), before + 1);
     }
 
     #[test]
