@@ -1,18 +1,2 @@
-//! PCAP/PCAPNG bytes from an untrusted file: the reader must end in packets, an end or an error.
 #![no_main]
-use libfuzzer_sys::fuzz_target;
-use stitch_io::pcap_source::PcapFile;
-
-fuzz_target!(|data: &[u8]| {
-    let Ok(mut f) = PcapFile::from_reader(Box::new(std::io::Cursor::new(data.to_vec()))) else {
-        return;
-    };
-    let mut n = 0;
-    while let Some(Ok((_, bytes))) = f.next_packet() {
-        assert!(bytes.len() <= stitch_core::packet::MAX_FRAME);
-        n += 1;
-        if n > 100_000 {
-            break;
-        }
-    }
-});
+libfuzzer_sys::fuzz_target!(|data: &[u8]| stitch_fuzz::pcap_reader::run(data));
