@@ -212,10 +212,10 @@ fn layout(d: &[u8]) -> Option<(usize, usize, u8)> {
     if ethertype != 0x0800 || d.len() < l3 + 20 {
         return None;
     }
-    let ip = Ipv4Packet::new_unchecked(&d[l3..]);
-    let ihl = ip.header_len() as usize;
-    let proto = u8::from(ip.next_header());
-    if ihl < ipv4::MIN_LEN || ip.frag_offset() != 0 {
+    let ip = &d[l3..];
+    let ihl = ipv4::header_len(ip);
+    let proto = ipv4::PROTOCOL.get(ip);
+    if ihl < ipv4::MIN_LEN || ipv4::FLAGS_FRAG.get(ip) & ipv4::OFFSET != 0 {
         return None; // a header shorter than IPv4's, or a non-first fragment: no L4 header
     }
     let need = match proto {
@@ -264,8 +264,7 @@ fn rewrite(p: &mut Packet, at: At, end: End, (addr, port): (Ipv4Addr, u16)) {
     };
     let (ip, l4) = p.data_mut()[at.l3..].split_at_mut(at.l4 - at.l3);
     let field = port_field(at.proto, end);
-    let mut ip = Ipv4Packet::new_unchecked(ip);
-    header::rewrite_ipv4_endpoint(&mut ip, l4, end, (addr, field, port), sum);
+    header::rewrite_ipv4_endpoint(ip, l4, end, (addr, field, port), sum);
 }
 
 impl Nat {
@@ -487,8 +486,8 @@ impl Nat {
             self.passed.add(1);
             return Some(1);
         }
-        let ip = Ipv4Packet::new_unchecked(&d[l3..]);
-        let (src, dst) = (ip.src_addr(), ip.dst_addr());
+        let ip = &d[l3..];
+        let (src, dst) = (ipv4::SRC.get(ip).into(), ipv4::DST.get(ip).into());
         let sport = port_field(proto, End::Source).get(&d[l4..]);
         let dport = port_field(proto, End::Destination).get(&d[l4..]);
         // Hairpin: a lan host talking to a forwarded external port.
@@ -517,7 +516,7 @@ impl Nat {
             return Some(0);
         };
         let d = p.data();
-        let dst = Ipv4Packet::new_unchecked(&d[l3..]).dst_addr();
+        let dst = ipv4::DST.get(&d[l3..]).into();
         let Some(ext) = self.external_index(dst) else {
             self.passed.add(1);
             return Some(0);
@@ -584,15 +583,14 @@ impl Nat {
             rewrite(p, quoted, End::Source, inside);
         } else {
             let (qip, ql4) = p.data_mut()[q..].split_at_mut(ql4 - q);
-            header::set_ipv4_addr(&mut Ipv4Packet::new_unchecked(qip), End::Source, inside.0);
+            header::set_ipv4_addr(qip, End::Source, inside.0);
             field.set(ql4, inside.1);
         }
         // The outer destination, then the ICMP checksum over the whole (changed) message.
         let (ip, icmp_message) = p.data_mut()[at.l3..].split_at_mut(at.l4 - at.l3);
-        let mut ip = Ipv4Packet::new_unchecked(ip);
-        header::set_ipv4_addr(&mut ip, End::Destination, inside.0);
-        let end = (ip.total_len() as usize)
-            .saturating_sub(ip.header_len() as usize)
+        header::set_ipv4_addr(ip, End::Destination, inside.0);
+        let end = (ipv4::TOTAL_LEN.get(ip) as usize)
+            .saturating_sub(ip.len())
             .min(icmp_message.len());
         icmp::CHECKSUM.set(icmp_message, 0);
         let cs = checksum::checksum(&icmp_message[..end]);
@@ -609,8 +607,8 @@ impl Nat {
             return false;
         };
         let d = p.data();
-        let ip = Ipv4Packet::new_unchecked(&d[l3..]);
-        let (src, dst) = (ip.src_addr(), ip.dst_addr());
+        let ip = &d[l3..];
+        let (src, dst): (Ipv4Addr, Ipv4Addr) = (ipv4::SRC.get(ip).into(), ipv4::DST.get(ip).into());
         let (sport, dport) = (l4::SRC_PORT.get(&d[l4..]), l4::DST_PORT.get(&d[l4..]));
         let Some(ext) = self.external_index(dst) else {
             return false;

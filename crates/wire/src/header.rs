@@ -6,7 +6,6 @@
 //! views are used). Functions name what they touch — `l4::SRC_PORT`, `tcp::CHECKSUM`,
 //! `icmp::ECHO_IDENT` — and no byte offset or byte order is spelled outside this crate.
 
-use crate::views::Ipv4Packet;
 use crate::{be, checksum};
 use std::net::Ipv4Addr;
 
@@ -140,6 +139,7 @@ pub mod ipv4 {
 
     impl Header {
         /// Writes the header, its checksum filled, into the first [`MIN_LEN`] bytes of `h`.
+        #[inline]
         pub fn write(&self, h: &mut [u8]) {
             let h = &mut h[..MIN_LEN];
             h.fill(0);
@@ -199,8 +199,9 @@ pub mod ipv6 {
     }
 
     impl Header {
-        /// Writes the header into the first [`LEN`] bytes of `h`.
-        #[inline]
+        /// Writes the header into the first [`LEN`] bytes of `h`. Always inlined: the
+        /// encapsulating hot paths (VXLAN over IPv6, the lwAFTR) write one per packet.
+        #[inline(always)]
         pub fn write(&self, h: &mut [u8]) {
             let word = 6 << 28 | (self.traffic_class as u32) << 20 | (self.flow_label & 0xfffff);
             VERSION_CLASS_FLOW.set(h, word);
@@ -297,6 +298,7 @@ pub mod vxlan {
     }
 
     /// Writes a header for `vni` (its low 24 bits) into the first [`LEN`] bytes of `h`.
+    #[inline]
     pub fn write(h: &mut [u8], vni: u32) {
         let [_, a, b, c] = vni.to_be_bytes();
         h[..LEN].copy_from_slice(&[VNI_VALID, 0, 0, 0, a, b, c, 0]);
@@ -328,23 +330,19 @@ pub enum End {
     Destination,
 }
 
-/// Sets the address at `end` of an IPv4 header, updating its checksum; returns the old one.
-pub fn set_ipv4_addr<T: AsRef<[u8]> + AsMut<[u8]>>(
-    ip: &mut Ipv4Packet<T>,
-    end: End,
-    addr: Ipv4Addr,
-) -> Ipv4Addr {
-    let old = match end {
-        End::Source => ip.src_addr(),
-        End::Destination => ip.dst_addr(),
+/// Sets the address at `end` of IPv4 header `ip` (at least 20 bytes), updating its checksum;
+/// returns the old one.
+#[inline]
+pub fn set_ipv4_addr(ip: &mut [u8], end: End, addr: Ipv4Addr) -> Ipv4Addr {
+    let field = match end {
+        End::Source => ipv4::SRC,
+        End::Destination => ipv4::DST,
     };
-    match end {
-        End::Source => ip.set_src_addr(addr),
-        End::Destination => ip.set_dst_addr(addr),
-    }
-    let cs = checksum::update32(ip.checksum(), old.into(), addr.into());
-    ip.set_checksum(cs);
-    old
+    let new = u32::from(addr);
+    let old = field.replace(ip, new);
+    let cs = checksum::update32(ipv4::CHECKSUM.get(ip), old, new);
+    ipv4::CHECKSUM.set(ip, cs);
+    old.into()
 }
 
 /// How a transport checksum field is to be kept right after its packet changed.
@@ -360,14 +358,15 @@ pub enum L4Sum {
 /// Rewrites the address at `end` of an IPv4 packet and `port` (a port, or ICMP echo's
 /// identifier) of its transport header `l4`, keeping the IPv4 and transport checksums right:
 /// a NAT's one step.
-pub fn rewrite_ipv4_endpoint<T: AsRef<[u8]> + AsMut<[u8]>>(
-    ip: &mut Ipv4Packet<T>,
+#[inline]
+pub fn rewrite_ipv4_endpoint(
+    ip: &mut [u8],
     l4: &mut [u8],
     end: End,
     (addr, port_field, port): (Ipv4Addr, Field16, u16),
     sum: L4Sum,
 ) {
-    let proto = u8::from(ip.next_header());
+    let proto = ipv4::PROTOCOL.get(ip);
     let old_addr = set_ipv4_addr(ip, end, addr);
     let old_port = port_field.replace(l4, port);
     let field = l4_checksum(proto);
@@ -394,6 +393,7 @@ pub fn rewrite_ipv4_endpoint<T: AsRef<[u8]> + AsMut<[u8]>>(
 mod tests {
     use super::*;
     use crate::build::{Frame, Transport};
+    use crate::views::Ipv4Packet;
 
     fn sums_ok(f: &[u8]) -> bool {
         let ip = Ipv4Packet::new_unchecked(&f[14..]);
@@ -422,10 +422,9 @@ mod tests {
                 .bytes();
             assert!(sums_ok(&f));
             let (ip, l4) = f[14..].split_at_mut(20);
-            let mut ip = Ipv4Packet::new_unchecked(ip);
             let new = (Ipv4Addr::new(203, 0, 113, 5), port, 1024);
-            rewrite_ipv4_endpoint(&mut ip, l4, End::Source, new, L4Sum::Full);
-            assert_eq!(ip.src_addr(), new.0);
+            rewrite_ipv4_endpoint(ip, l4, End::Source, new, L4Sum::Full);
+            assert_eq!(Ipv4Packet::new_unchecked(&*ip).src_addr(), new.0);
             assert_eq!(port.get(l4), 1024);
             assert!(sums_ok(&f), "{transport:?}");
         }
@@ -437,9 +436,8 @@ mod tests {
         udp::CHECKSUM.set(&mut f[34..], 0);
         let (ip, l4) = f[14..].split_at_mut(20);
         let new = (Ipv4Addr::new(203, 0, 113, 5), l4::SRC_PORT, 9);
-        let mut ip = Ipv4Packet::new_unchecked(ip);
-        rewrite_ipv4_endpoint(&mut ip, l4, End::Source, new, L4Sum::Full);
+        rewrite_ipv4_endpoint(ip, l4, End::Source, new, L4Sum::Full);
         assert_eq!(udp::CHECKSUM.get(l4), 0);
-        assert!(ip.verify_checksum());
+        assert!(Ipv4Packet::new_unchecked(&*ip).verify_checksum());
     }
 }
