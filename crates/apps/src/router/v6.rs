@@ -384,11 +384,16 @@ impl Router {
         out: &mut Vec<(usize, Packet)>,
     ) {
         let d = p.data();
-        if d.len() < IP + ipv6::LEN || d[IP] >> 4 != 6 || end_of(d) > d.len() {
+        // One length check; the fields are then read from a header of known length.
+        let Some(ip) = d.get(IP..IP + ipv6::LEN) else {
+            self.c.bad_header.add(1);
+            return;
+        };
+        if ip[0] >> 4 != 6 || IP + ipv6::LEN + ipv6::PAYLOAD_LEN.get(ip) as usize > d.len() {
             self.c.bad_header.add(1);
             return;
         }
-        let dst = dst_of(d);
+        let dst = ipv6::addr(ip, ipv6::DST);
         let mine = self
             .ifaces
             .iter()
@@ -402,14 +407,14 @@ impl Router {
             self.c.scope_drops.add(1);
             return;
         }
-        if link_local(src_of(d)) {
+        if link_local(ipv6::addr(ip, ipv6::SRC)) {
             self.c.scope_drops.add(1);
             if let Some(e) = self.icmp6_error(d, port, 1, 2, 0, now) {
                 out.push(e);
             }
             return;
         }
-        if ipv6::HOP_LIMIT.get(&d[IP..]) <= 1 {
+        if ipv6::HOP_LIMIT.get(ip) <= 1 {
             self.c.ttl_exceeded.add(1);
             if let Some(e) = self.icmp6_error(d, port, 3, 0, 0, now) {
                 out.push(e);
