@@ -154,7 +154,7 @@ fn stitch_capture_on_an_interface_with_a_filter_count_and_sigint() {
     ));
     let target = format!("{}9", &h.ip[0][..h.ip[0].len() - 1]);
     let dir = tempfile::tempdir().unwrap();
-    let pinger = h.spawn(0, &format!("ping -c 200 -i 0.01 {target}"));
+    let pinger = h.spawn(0, &format!("ping -c 500 -i 0.01 {target}"));
     let file = dir.path().join("icmp.pcapng");
     let out = stitch()
         .args([
@@ -204,13 +204,21 @@ fn stitch_capture_on_an_interface_with_a_filter_count_and_sigint() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let run = Background(child);
-    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let mut run = Background(child);
+    // Interrupted a while after it says it captures (a fixed wait from its start could come
+    // before its signal handler on a loaded machine).
+    let mut said = std::io::BufReader::new(run.0.stderr.take().unwrap());
+    let mut err = String::new();
+    while !err.contains("capturing on") {
+        let n = std::io::BufRead::read_line(&mut said, &mut err).unwrap();
+        assert!(n > 0, "the capture ended before capturing: {err}");
+    }
+    std::thread::sleep(std::time::Duration::from_millis(1000));
     run.signal(libc::SIGINT);
+    std::io::Read::read_to_string(&mut said, &mut err).unwrap();
     let out = run.finish();
     let _ = pinger.finish();
-    assert!(out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
     let n: u64 = err
         .lines()
         .find(|l| l.ends_with("packets captured"))
