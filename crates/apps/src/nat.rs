@@ -45,7 +45,7 @@ use stitch_core::link::transmit_to;
 use stitch_core::packet::ChecksumState;
 use stitch_core::{App, AppContext, AppError, Counter, Io, Packet, PortNames, PortSpec};
 use stitch_wire::header::{self, icmp, ipv4, l4, End, Field16, L4Sum};
-use stitch_wire::views::{ArpOperation, Ipv4Packet};
+use stitch_wire::views::Ipv4Packet;
 use stitch_wire::{arp, checksum, flow, parse_mac};
 
 #[derive(Debug, Clone, Deserialize)]
@@ -367,30 +367,23 @@ impl Nat {
     /// An ARP frame that entered from `side`: requests for an external address on the wan side
     /// are answered, inside hosts learnt on the lan side. Returns whether the frame passes on.
     fn arp(&mut self, side: usize, d: &[u8]) -> bool {
-        let Some(arp::Message {
-            operation,
-            sender_mac,
-            sender_ip,
-            target_ip,
-            ..
-        }) = arp::Message::read(d)
-        else {
+        let Some(m) = arp::Message::read(d) else {
             return true;
         };
         if side == 0 {
-            if !sender_ip.is_unspecified() {
-                self.learn(sender_ip, sender_mac);
+            if !m.sender_ip.is_unspecified() {
+                self.learn(m.sender_ip, m.sender_mac);
             }
             // Answers to the NAT's own probes stop here.
             return d[0..6] != self.mac;
         }
-        if operation == ArpOperation::Request && self.external_index(target_ip).is_some() {
+        if m.is_request() && self.external_index(m.target_ip).is_some() {
             let answer = arp_frame(
-                sender_mac,
+                m.sender_mac,
                 self.mac,
                 2,
-                (self.mac, target_ip),
-                (sender_mac, sender_ip),
+                (self.mac, m.target_ip),
+                (m.sender_mac, m.sender_ip),
             );
             if let Some(a) = answer {
                 self.arp_out[1].push(a);

@@ -41,7 +41,6 @@ use stitch_core::link::transmit_to;
 use stitch_core::{pool, App, AppContext, AppError, Counter, Io, Packet, PortNames, PortSpec};
 use stitch_wire::header::{self, icmp, ipv4};
 use stitch_wire::icmp::RateLimit;
-use stitch_wire::views::ArpOperation;
 
 const ICMP: u8 = 1;
 use stitch_wire::{arp, checksum, parse_mac};
@@ -713,24 +712,17 @@ impl Router {
     }
 
     fn arp(&mut self, port: usize, d: &[u8], now: Instant, out: &mut Vec<(usize, Packet)>) {
-        let Some(arp::Message {
-            operation,
-            sender_mac,
-            sender_ip,
-            target_ip,
-            ..
-        }) = arp::Message::read(d)
-        else {
+        let Some(m) = arp::Message::read(d) else {
             return;
         };
         // Learn (or refresh) the sender when it is a neighbour we care about or addressed us.
-        let for_us = target_ip == self.ifaces[port].addr;
-        if for_us || self.neighbors.knows(port, sender_ip) {
+        let for_us = m.target_ip == self.ifaces[port].addr;
+        if for_us || self.neighbors.knows(port, m.sender_ip) {
             self.neighbors
-                .learn(port, sender_ip, sender_mac, now, self.arp_timeout, out);
+                .learn(port, m.sender_ip, m.sender_mac, now, self.arp_timeout, out);
         }
-        if operation == ArpOperation::Request && for_us {
-            if let Some(r) = self.arp_frame(port, 2, sender_mac, sender_ip, sender_mac) {
+        if m.is_request() && for_us {
+            if let Some(r) = self.arp_frame(port, 2, m.sender_mac, m.sender_ip, m.sender_mac) {
                 self.c.arp_replies.add(1);
                 out.push((port, r));
             }

@@ -49,7 +49,6 @@ use stitch_core::{pool, App, Packet};
 use stitch_wire::filter::PacketFilter;
 use stitch_wire::header::{self, ethernet, icmp, ipv4, ipv6, Field16};
 use stitch_wire::ndp::{icmp6_checksum, lladdr_option, multicast_mac, solicited_node, ICMPV6};
-use stitch_wire::views::ArpOperation;
 use stitch_wire::{arp, checksum};
 
 const V4: usize = 0;
@@ -1124,20 +1123,14 @@ impl Lwaftr {
     // ---- ARP, neighbour discovery and ping for the function's own addresses ----
 
     fn arp(&mut self, p: &Packet) {
-        let Some(arp::Message {
-            operation,
-            sender_mac,
-            sender_ip: sender,
-            target_ip: target,
-            ..
-        }) = arp::Message::read(p.data())
-        else {
+        let Some(m) = arp::Message::read(p.data()) else {
             return self.c.malformed.add(1);
         };
+        let (sender_mac, sender, target) = (m.sender_mac, m.sender_ip, m.target_ip);
         if self.ext.next_hop == NextHop::Ipv4(sender) && is_unicast(&sender_mac) {
             self.resolved(V4, sender_mac);
         }
-        if operation == ArpOperation::Request && target == self.ext.ip {
+        if m.is_request() && target == self.ext.ip {
             let arp = arp::payload(2, (self.ext.mac, self.ext.ip), (sender_mac, sender));
             if let Some(reply) = self.new_frame(V4, sender_mac, 0x0806, &arp) {
                 self.c.arp_replies.add(1);
