@@ -43,7 +43,7 @@ use std::net::Ipv4Addr;
 use std::time::{Duration, Instant};
 use stitch_core::link::transmit_to;
 use stitch_core::packet::ChecksumState;
-use stitch_core::{App, AppContext, AppError, Counter, Io, Packet, PortNames, PortSpec};
+use stitch_core::{App, AppContext, AppError, AppState, Counter, Io, Packet, PortNames, PortSpec};
 use stitch_wire::header::{self, icmp, ipv4, l4, End, Field16, L4Sum};
 use stitch_wire::views::Ipv4Packet;
 use stitch_wire::{arp, checksum, flow, parse_mac};
@@ -627,6 +627,68 @@ impl Nat {
     }
 }
 
+/// What the NAT carries across a restart of Stitch (format version [`STATE_VERSION`]): its
+/// live mappings, each with the time it has left, and the inside hosts' MAC addresses.
+#[derive(serde::Serialize, Deserialize)]
+struct NatState {
+    mappings: Vec<MappingState>,
+    hosts: Vec<(Ipv4Addr, [u8; 6])>,
+}
+
+#[derive(serde::Serialize, Deserialize)]
+struct MappingState {
+    proto: u8,
+    inside: Inside,
+    external: Ipv4Addr,
+    port: u16,
+    expires_in_ms: u64,
+}
+
+const STATE_VERSION: u32 = 1;
+
+impl Nat {
+    fn state(&self, now: Instant) -> NatState {
+        let mappings = self
+            .out_map
+            .iter()
+            .filter(|(_, e)| e.expires > now)
+            .map(|(&(proto, inside), e)| MappingState {
+                proto,
+                inside,
+                external: self.externals[self.external_of(inside.0) as usize],
+                port: e.port,
+                expires_in_ms: e.expires.duration_since(now).as_millis() as u64,
+            })
+            .collect();
+        let hosts = self.hosts.iter().map(|(ip, mac)| (*ip, *mac)).collect();
+        NatState { mappings, hosts }
+    }
+
+    /// Takes back a mapping from a snapshot when this configuration would have made it: the
+    /// same external address for its inside host, a port of the range that no forward holds.
+    fn take_back(&mut self, m: MappingState, now: Instant) -> bool {
+        let ext = self.external_of(m.inside.0);
+        let fits = self.externals[ext as usize] == m.external
+            && (self.range.0..=self.range.1).contains(&m.port)
+            && !self.forwards.contains_key(&(m.proto, ext, m.port))
+            && !self.in_map.contains_key(&(m.proto, ext, m.port));
+        if fits {
+            let expires = now + Duration::from_millis(m.expires_in_ms);
+            let inside = m.inside;
+            self.in_map
+                .insert((m.proto, ext, m.port), Mapping { inside, expires });
+            self.out_map.insert(
+                (m.proto, inside),
+                OutEntry {
+                    port: m.port,
+                    expires,
+                },
+            );
+        }
+        fits
+    }
+}
+
 impl App for Nat {
     type Config = NatConfig;
 
@@ -755,6 +817,36 @@ impl App for Nat {
                 "expires_in_s": e.expires.saturating_duration_since(now).as_secs() }))
             .collect();
         serde_json::json!({ "count": self.in_map.len(), "mappings": mappings })
+    }
+
+    fn snapshot(&self) -> Option<AppState> {
+        let state = serde_json::to_value(self.state(Instant::now())).ok()?;
+        Some(AppState {
+            version: STATE_VERSION,
+            state,
+        })
+    }
+
+    /// Mappings this configuration would not have made (another external address or port
+    /// range) are left out and counted in the log line.
+    fn restore(&mut self, state: AppState) -> Result<(), String> {
+        let state: NatState = serde_json::from_value(state.of_version(STATE_VERSION)?)
+            .map_err(|e| format!("NAT state: {e}"))?;
+        let now = Instant::now();
+        let total = state.mappings.len();
+        let kept = state
+            .mappings
+            .into_iter()
+            .filter(|m| m.expires_in_ms > 0)
+            .map(|m| self.take_back(m, now))
+            .filter(|&kept| kept)
+            .count();
+        for (ip, mac) in state.hosts.into_iter().take(MAX_HOSTS) {
+            self.hosts.insert(ip, mac);
+        }
+        self.mappings.set(self.in_map.len() as u64);
+        log::info!("nat: {kept} of {total} mappings taken back from the snapshot");
+        Ok(())
     }
 
     fn tick(&mut self, io: &mut Io, now: Instant) {
@@ -1072,6 +1164,37 @@ mod tests {
         let (l, _) = r.run();
         assert!(l.is_empty());
         assert_eq!(r.nat.malformed.get(), before + 1);
+    }
+
+    /// A restarted NAT given the old one's snapshot answers replies on the mappings the old one
+    /// made — the second host's moved port included, which a fresh NAT would give the first
+    /// host that asks; another format version is refused, never misread.
+    #[test]
+    fn mappings_survive_a_restart_through_a_snapshot() {
+        let mut old = rig();
+        old.lan.transmit(packet(17, IN, 5000, OUT, 53));
+        old.lan.transmit(packet(17, SRV, 5000, OUT, 53));
+        let (_, w) = old.run();
+        let moved = src(&w[1]).1;
+        assert_eq!(moved, 5001, "the second host's port 5000 was taken");
+        let state = old.nat.snapshot().unwrap();
+        let mut new = rig();
+        assert!(new
+            .nat
+            .restore(AppState {
+                version: 99,
+                state: state.state.clone()
+            })
+            .unwrap_err()
+            .contains("version 99"));
+        new.nat.restore(state).unwrap();
+        new.wan.transmit(packet(17, OUT, 53, EXT, 5001));
+        new.wan.transmit(packet(17, OUT, 53, EXT, 5000));
+        let (l, _) = new.run();
+        assert_eq!(l.len(), 2, "both replies found their mapping");
+        assert_eq!(dst(&l[0]), (&SRV[..], 5000));
+        assert_eq!(dst(&l[1]), (&IN[..], 5000));
+        assert_eq!(new.nat.no_mapping.get(), 0);
     }
 
     #[test]

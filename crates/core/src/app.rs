@@ -332,6 +332,42 @@ pub trait App: Send + 'static {
     fn query(&mut self, _request: &serde_json::Value) -> serde_json::Value {
         serde_json::Value::Null
     }
+
+    /// The state worth carrying across a restart of Stitch (mappings, learned tables,
+    /// connections), in a format the app versions itself; `None` for an app that keeps none.
+    /// Runs on the app's worker between breaths.
+    fn snapshot(&self) -> Option<AppState> {
+        None
+    }
+
+    /// Takes back state an earlier [`App::snapshot`] gave, right after `new` and before the
+    /// first breath. A version the app cannot read is refused with the reason, and the app
+    /// starts fresh: never misread.
+    fn restore(&mut self, _state: AppState) -> Result<(), String> {
+        Err("this app keeps no state across restarts".into())
+    }
+}
+
+/// An app's state as it carries it across a restart: its own format `version` and the data.
+/// Times are written as what is left of them (seconds), never as instants of one process.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct AppState {
+    pub version: u32,
+    pub state: serde_json::Value,
+}
+
+impl AppState {
+    /// The state of an app that reads format `version` only; the error names both versions.
+    pub fn of_version(self, version: u32) -> Result<serde_json::Value, String> {
+        if self.version == version {
+            Ok(self.state)
+        } else {
+            Err(format!(
+                "state format version {} (this Stitch reads version {version})",
+                self.version
+            ))
+        }
+    }
 }
 
 type AnyConfig = Box<dyn Any + Send>;
@@ -349,6 +385,8 @@ pub trait DynApp: Send {
     fn stop(&mut self);
     fn finished(&self) -> Option<bool>;
     fn query(&mut self, request: &serde_json::Value) -> serde_json::Value;
+    fn snapshot(&self) -> Option<AppState>;
+    fn restore(&mut self, state: AppState) -> Result<(), String>;
 }
 
 impl<A: App> DynApp for A {
@@ -381,6 +419,12 @@ impl<A: App> DynApp for A {
     }
     fn query(&mut self, request: &serde_json::Value) -> serde_json::Value {
         App::query(self, request)
+    }
+    fn snapshot(&self) -> Option<AppState> {
+        App::snapshot(self)
+    }
+    fn restore(&mut self, state: AppState) -> Result<(), String> {
+        App::restore(self, state)
     }
 }
 

@@ -113,6 +113,69 @@ struct Listen {
     tls_key: Option<PathBuf>,
 }
 
+/// Carrying the apps' state across a restart of `stitch run`.
+#[derive(clap::Args, Clone)]
+struct StateArgs {
+    /// Keep the apps' state (NAT mappings, ...) in this file: read back into the apps at start,
+    /// written every --state-interval and at a clean stop, atomically, so a Stitch killed -9
+    /// comes back with the last snapshot.
+    #[arg(long)]
+    state: Option<PathBuf>,
+    /// Seconds between two snapshots of the apps' state.
+    #[arg(long, default_value_t = 1.0, requires = "state")]
+    state_interval: f64,
+}
+
+/// Takes back the apps' state at start and writes it every interval and at the end.
+struct StateKeeper {
+    path: PathBuf,
+    every: Duration,
+    last: Instant,
+}
+
+impl StateKeeper {
+    fn start(args: &StateArgs, engine: &stitch_core::Engine) -> Result<Option<StateKeeper>> {
+        let Some(path) = args.state.clone() else {
+            return Ok(None);
+        };
+        anyhow::ensure!(
+            args.state_interval > 0.0,
+            "--state-interval: a number of seconds above 0"
+        );
+        let r = engine
+            .restore_state(&path)
+            .map_err(|e| anyhow::anyhow!("{e} (move it away to start without it)"))?;
+        log::info!(
+            "state from {}: {} apps restored, {} refused, {} no longer in the graph",
+            path.display(),
+            r.restored.len(),
+            r.refused.len(),
+            r.gone.len()
+        );
+        for (app, why) in &r.refused {
+            log::warn!("app `{app}` starts fresh: its saved state was refused: {why}");
+        }
+        Ok(Some(StateKeeper {
+            path,
+            every: Duration::from_secs_f64(args.state_interval),
+            last: Instant::now(),
+        }))
+    }
+
+    fn save(&mut self, engine: &stitch_core::Engine) {
+        self.last = Instant::now();
+        if let Err(e) = engine.save_state(&self.path) {
+            log::warn!("{e}");
+        }
+    }
+
+    fn save_when_due(&mut self, engine: &stitch_core::Engine) {
+        if self.last.elapsed() >= self.every {
+            self.save(engine);
+        }
+    }
+}
+
 #[derive(Subcommand)]
 enum Cmd {
     /// Run a graph until it finishes, --duration passes, or SIGINT/SIGTERM; then print counters.
@@ -128,6 +191,8 @@ enum Cmd {
         instance: Instance,
         #[command(flatten)]
         listen: Listen,
+        #[command(flatten)]
+        state: StateArgs,
     },
     /// Validate a graph file; errors name the line.
     Check {
@@ -385,7 +450,8 @@ fn run_cli(cli: Cli) -> Result<()> {
             json,
             instance,
             listen,
-        } => run(&file, duration, json, &instance, &listen)?,
+            state,
+        } => run(&file, duration, json, (&instance, &listen), &state)?,
         Cmd::Top(args) => top::run(&args.instance.socket(), &args)?,
         Cmd::Kernel(cmd) => kernel_cmd::run(cmd)?,
         Cmd::Nfv(args) => nfv_cmd::run(args)?,
@@ -417,7 +483,11 @@ fn run_cli(cli: Cli) -> Result<()> {
                 tls_key: None,
                 keep_running: false,
             };
-            run(&graph, duration, false, &instance, &listen)?
+            let state = StateArgs {
+                state: None,
+                state_interval: 1.0,
+            };
+            run(&graph, duration, false, (&instance, &listen), &state)?
         }
         Cmd::Lwaftr(c) => lwaftr_cmd::run(c)?,
         Cmd::Capture(c) => capture_cmd::run(c, Arc::new(registry()))?,
@@ -589,8 +659,8 @@ fn run(
     file: &Path,
     duration: Option<f64>,
     as_json: bool,
-    instance: &Instance,
-    listen: &Listen,
+    (instance, listen): (&Instance, &Listen),
+    state: &StateArgs,
 ) -> Result<()> {
     let registry = Arc::new(registry());
     let graph = load(file, &registry)?;
@@ -607,6 +677,7 @@ fn run(
         ),
         e => anyhow::anyhow!("{}: {e}", file.display()),
     })?;
+    let mut keeper = StateKeeper::start(state, engine)?;
     log::info!(
         "running {} ({} apps); API on {}",
         file.display(),
@@ -642,6 +713,9 @@ fn run(
                 Err(e) => log::error!("reload of {} refused, the graph runs as before: {}", file.display(), e.message),
             }
         }
+        if let Some(k) = keeper.as_mut() {
+            k.save_when_due(engine);
+        }
         let activity = engine.activity();
         if !listen.keep_running && engine.finished() && activity == last_activity {
             quiet_polls += 1;
@@ -657,5 +731,8 @@ fn run(
         "stopping ({why}) after {:.3} s",
         started.elapsed().as_secs_f64()
     );
+    if let Some(k) = keeper.as_mut() {
+        k.save(engine);
+    }
     finish(running, as_json)
 }

@@ -256,6 +256,101 @@ s.sendto(b"hello", (sys.argv[1], 5353))
 print(s.recvfrom(2048)[0].decode())
 "#;
 
+/// An outside peer that answers later: it writes who wrote to it, then waits for `go` (a
+/// file) and sends to that endpoint.
+const LATE_PEER: &str = r#"
+import os, socket, sys, time
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind(("0.0.0.0", 5354))
+print("ready", flush=True)
+s.settimeout(20)
+data, peer = s.recvfrom(2048)
+open(sys.argv[1] + ".tmp", "w").write("%s:%d" % peer)
+os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+while not os.path.exists(sys.argv[2]):
+    time.sleep(0.05)
+s.sendto(b"after the restart", peer)
+"#;
+
+/// An inside client that writes once, then waits for an answer.
+const WAITING_CLIENT: &str = r#"
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind(("0.0.0.0", 40000))
+s.sendto(b"hello", (sys.argv[1], 5354))
+s.settimeout(30)
+print(s.recvfrom(2048)[0].decode(), flush=True)
+"#;
+
+/// `stitch run --state`: Stitch killed -9 mid-session and started again with its state file
+/// delivers an outside peer's packet on the mapping the old process made — a fresh NAT drops it
+/// (no mapping: endpoint-independent filtering allows only mapped ports in). A state file of
+/// another format is refused with the reason.
+#[test]
+fn nat_mappings_survive_a_kill_9_through_the_state_file() {
+    require_root_and_tools(&["ip", "python3"]);
+    let h = TwoHosts::new();
+    let external = format!("{}51", &h.ip[0][..h.ip[0].len() - 1]);
+    let graph = format!(
+        "apps:\n  lan: {{ type: af_packet, interface: {} }}\n  wan: {{ type: af_packet, interface: {} }}\n  nat: {{ type: nat, external: \"{external}\", ports: \"20000-29999\" }}\nlinks:\n  - \"lan.output -> nat.lan\"\n  - \"nat.lan -> lan.input\"\n  - \"wan.output -> nat.wan\"\n  - \"nat.wan -> wan.input\"\n",
+        h.outer[0], h.outer[1]
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let (state, seen, go) = (
+        dir.path().join("stitch.state"),
+        dir.path().join("seen"),
+        dir.path().join("go"),
+    );
+    let state_args = [
+        "--state",
+        state.to_str().unwrap(),
+        "--state-interval",
+        "0.2",
+    ];
+    let first = Stitch::run_with(&graph, &state_args);
+    std::fs::write(dir.path().join("peer.py"), LATE_PEER).unwrap();
+    std::fs::write(dir.path().join("client.py"), WAITING_CLIENT).unwrap();
+    let py = |f: &str| dir.path().join(f).display().to_string();
+    let peer = h.spawn_ready(
+        1,
+        &format!(
+            "python3 {} {} {}",
+            py("peer.py"),
+            seen.display(),
+            go.display()
+        ),
+    );
+    let client = h.spawn(0, &format!("python3 {} {}", py("client.py"), h.ip[1]));
+    wait_until("the peer to hear from the client", 10, || seen.exists());
+    let outside = std::fs::read_to_string(&seen).unwrap();
+    assert!(outside.starts_with(&external), "{outside}");
+    // A snapshot taken after the mapping was made, then the kill.
+    std::thread::sleep(std::time::Duration::from_millis(600));
+    first.process.signal(libc::SIGKILL);
+    drop(first);
+    let second = Stitch::run_with(&graph, &state_args);
+    std::fs::write(&go, "").unwrap();
+    let _ = peer.finish();
+    let got = client.finish();
+    assert_eq!(
+        String::from_utf8_lossy(&got.stdout).trim(),
+        "after the restart",
+        "{}",
+        String::from_utf8_lossy(&got.stderr)
+    );
+    let stats = second.stop();
+    let c = &app(&stats, "nat")["counters"];
+    assert_eq!(c["no_mapping_drops"], 0, "{c}");
+    assert!(c["translated_in"].as_u64().unwrap() >= 1, "{c}");
+    // Another format: refused whole, with the reason, and nothing starts.
+    std::fs::write(&state, r#"{"stitch_state_format": 99, "apps": {}}"#).unwrap();
+    let err = run_must_fail_with(&graph, &state_args);
+    assert!(
+        err.contains("format 99") && err.contains("reads format 1"),
+        "{err}"
+    );
+}
+
 #[test]
 fn nat_masquerades_lan_hosts_behind_the_external_address() {
     require_root_and_tools(&["ip", "python3"]);

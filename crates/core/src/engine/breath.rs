@@ -55,9 +55,17 @@ pub(super) enum Command {
 }
 
 /// A request for one app, answered by its worker between breaths.
+/// What a worker is asked about one of its apps, between breaths.
+pub(super) enum Ask {
+    Query(serde_json::Value),
+    /// The app's state as JSON (`null` when it keeps none).
+    Snapshot,
+    Restore(AppState),
+}
+
 pub(super) struct Query {
     pub(super) app: String,
-    pub(super) request: serde_json::Value,
+    pub(super) ask: Ask,
     pub(super) reply: mpsc::Sender<Result<serde_json::Value, String>>,
 }
 
@@ -208,11 +216,20 @@ pub(super) fn answer_queries(plan: &mut Plan, queries: &mpsc::Receiver<Query>) {
         let answer = match plan.slots.iter_mut().find(|s| s.name == q.app) {
             None => Err(format!("app `{}` is not on this worker any more", q.app)),
             Some(s) => {
-                let mut out = serde_json::Value::Null;
-                if s.guarded("query", |a, _| out = a.query(&q.request)) {
+                let mut out = Ok(serde_json::Value::Null);
+                let panicked = match q.ask {
+                    Ask::Query(request) => s.guarded("query", |a, _| out = Ok(a.query(&request))),
+                    Ask::Snapshot => s.guarded("snapshot", |a, _| {
+                        out = serde_json::to_value(a.snapshot()).map_err(|e| e.to_string())
+                    }),
+                    Ask::Restore(state) => s.guarded("restore", |a, _| {
+                        out = a.restore(state).map(|()| serde_json::Value::Null)
+                    }),
+                };
+                if panicked {
                     plan.order = BreathOrder::of(&plan.slots);
                 }
-                Ok(out)
+                out
             }
         };
         let _ = q.reply.send(answer);

@@ -12,20 +12,22 @@
 //!
 //! Its rooms: [`breath`] (the worker loop), [`plan`] (what a change does, worked out from the
 //! two graphs alone — Snabb's `compute_config_actions`), [`apply`] (carrying the plan out on
-//! parked workers) and [`stats`] (the counters and reports). This file holds the engine's
-//! state and what reads it.
+//! parked workers), [`stats`] (the counters and reports) and [`state`] (the apps' state in a
+//! file, across a restart). This file holds the engine's state and what reads it.
 
 mod apply;
 mod breath;
 pub mod plan;
+mod state;
 mod stats;
 
 pub use apply::topological_order;
 use breath::*;
 pub use breath::{breath_started, pin_to_core, WorkerCounters};
+pub use state::{RestoreReport, STATE_FILE_FORMAT};
 pub use stats::{AppStats, ApplyReport, LinkInfo, Stats, WorkerStats};
 
-use crate::app::{AppError, Counters, DynApp, Io, Registry};
+use crate::app::{AppError, AppState, Counters, DynApp, Io, Registry};
 use crate::graph::{Endpoint, Graph, LinkDecl};
 use crate::link::{Consumer, Producer, Ring};
 use crate::pool;
@@ -247,6 +249,23 @@ impl Engine {
         app: &str,
         request: serde_json::Value,
     ) -> Result<serde_json::Value, EngineError> {
+        self.ask(app, Ask::Query(request))
+    }
+
+    /// App `app`'s state to carry across a restart ([`crate::App::snapshot`]), taken by its
+    /// worker between breaths; `None` when it keeps none.
+    pub fn snapshot_app(&self, app: &str) -> Result<Option<AppState>, EngineError> {
+        let state = self.ask(app, Ask::Snapshot)?;
+        serde_json::from_value(state).map_err(|e| EngineError::Other(e.to_string()))
+    }
+
+    /// Gives app `app` back state an earlier snapshot took ([`crate::App::restore`]); its
+    /// refusal says why.
+    pub fn restore_app(&self, app: &str, state: AppState) -> Result<(), EngineError> {
+        self.ask(app, Ask::Restore(state)).map(drop)
+    }
+
+    fn ask(&self, app: &str, ask: Ask) -> Result<serde_json::Value, EngineError> {
         let (tx, flag) = {
             let st = self.state.lock().unwrap();
             let info = st
@@ -262,7 +281,7 @@ impl Engine {
         let (reply, answer) = mpsc::channel();
         tx.send(Query {
             app: app.to_string(),
-            request,
+            ask,
             reply,
         })
         .map_err(|_| EngineError::Other("the worker is gone".into()))?;

@@ -1,0 +1,128 @@
+//! The apps' state in a file, to carry across a restart of Stitch: written whole and
+//! atomically (a temporary file, fsync, rename) so that a crash at any moment leaves the last
+//! complete snapshot; read back into the apps of the same name and type after a start.
+
+use super::*;
+use crate::app::AppState;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::Path;
+
+/// The file's own format; its apps' states carry their own versions.
+pub const STATE_FILE_FORMAT: u32 = 1;
+
+#[derive(Serialize, Deserialize)]
+struct StateFile {
+    stitch_state_format: u32,
+    apps: BTreeMap<String, SavedApp>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct SavedApp {
+    #[serde(rename = "type")]
+    kind: String,
+    #[serde(flatten)]
+    state: AppState,
+}
+
+/// What a restore did, app by app.
+#[derive(Debug, Default, Clone, Serialize)]
+pub struct RestoreReport {
+    /// Apps that took their state back.
+    pub restored: Vec<String>,
+    /// Apps whose saved state was refused, with the reason: they start fresh.
+    pub refused: Vec<(String, String)>,
+    /// Saved apps that are not in the running graph (or are of another type now).
+    pub gone: Vec<String>,
+}
+
+impl Engine {
+    /// Writes every app's state ([`crate::App::snapshot`]) to `path`; returns how many apps
+    /// had state. An app that fails to answer is left out of this snapshot, not the file.
+    pub fn save_state(&self, path: &Path) -> Result<usize, EngineError> {
+        let kinds: Vec<(String, String)> = {
+            let st = self.state.lock().unwrap();
+            st.apps
+                .iter()
+                .map(|(name, info)| (name.clone(), info.kind.clone()))
+                .collect()
+        };
+        let mut apps = BTreeMap::new();
+        for (name, kind) in kinds {
+            match self.snapshot_app(&name) {
+                Ok(Some(state)) => {
+                    apps.insert(name, SavedApp { kind, state });
+                }
+                Ok(None) => {}
+                Err(e) => log::warn!("state of app `{name}` left out of this snapshot: {e}"),
+            }
+        }
+        let n = apps.len();
+        let file = StateFile {
+            stitch_state_format: STATE_FILE_FORMAT,
+            apps,
+        };
+        write_atomically(path, &serde_json::to_vec(&file).expect("state is JSON"))
+            .map_err(|e| EngineError::Other(format!("state file {}: {e}", path.display())))?;
+        Ok(n)
+    }
+
+    /// Gives each running app the state `path` saved for an app of its name and type. A file
+    /// of another format is refused whole, with the reason; a missing file restores nothing.
+    pub fn restore_state(&self, path: &Path) -> Result<RestoreReport, EngineError> {
+        let bad = |why: String| EngineError::Other(format!("state file {}: {why}", path.display()));
+        let bytes = match std::fs::read(path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Ok(RestoreReport::default())
+            }
+            Err(e) => return Err(bad(e.to_string())),
+        };
+        let format = serde_json::from_slice::<serde_json::Value>(&bytes)
+            .map_err(|e| bad(e.to_string()))?["stitch_state_format"]
+            .as_u64();
+        if format != Some(STATE_FILE_FORMAT as u64) {
+            return Err(bad(format!(
+                "format {} (this Stitch reads format {STATE_FILE_FORMAT})",
+                format.map_or("missing".to_string(), |f| f.to_string())
+            )));
+        }
+        let file: StateFile = serde_json::from_slice(&bytes).map_err(|e| bad(e.to_string()))?;
+        let running: HashMap<String, String> = {
+            let st = self.state.lock().unwrap();
+            st.apps
+                .iter()
+                .map(|(name, info)| (name.clone(), info.kind.clone()))
+                .collect()
+        };
+        let mut report = RestoreReport::default();
+        for (name, saved) in file.apps {
+            if running.get(&name) != Some(&saved.kind) {
+                report.gone.push(name);
+                continue;
+            }
+            match self.restore_app(&name, saved.state) {
+                Ok(()) => report.restored.push(name),
+                Err(e) => report.refused.push((name, e.to_string())),
+            }
+        }
+        Ok(report)
+    }
+}
+
+/// Replaces `path` with `bytes` so that a reader (or a crash) sees the old file or the new one,
+/// whole.
+fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = std::path::PathBuf::from(tmp);
+    let mut f = std::fs::File::create(&tmp)?;
+    f.write_all(bytes)?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, path)?;
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::File::open(dir)?.sync_all()?;
+    }
+    Ok(())
+}
