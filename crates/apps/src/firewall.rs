@@ -34,7 +34,9 @@ use std::collections::HashMap;
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
 use stitch_core::link::transmit_to;
-use stitch_core::{pool, App, AppContext, AppError, Counter, Io, Packet, PortNames, PortSpec};
+use stitch_core::{
+    pool, App, AppContext, AppError, AppState, Counter, Io, Packet, PortNames, PortSpec,
+};
 use stitch_wire::build::{Frame, Transport};
 use stitch_wire::flow::{self, Flow, Malformed};
 use stitch_wire::header;
@@ -48,7 +50,7 @@ pub enum Action {
     Reject,
 }
 
-#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, Deserialize, serde::Serialize, PartialEq, Eq, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum Side {
     Lan,
@@ -396,7 +398,7 @@ fn compile(c: &FirewallConfig, ctx: Option<&AppContext>) -> Result<Vec<Rule>, St
 }
 
 /// TCP connection states (RFC 793 as a middlebox sees them).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize)]
 enum TcpState {
     SynSent,
     SynReceived,
@@ -684,6 +686,18 @@ fn rejection(d: &[u8], f: &Flow) -> Option<Packet> {
     Some(p)
 }
 
+/// A tracked connection as the firewall carries it across a restart (format
+/// [`STATE_VERSION`]): its key, state and the time it has left.
+#[derive(serde::Serialize, Deserialize)]
+struct ConnState {
+    key: ConnKey,
+    origin: Side,
+    tcp: Option<TcpState>,
+    expires_in_ms: u64,
+}
+
+const STATE_VERSION: u32 = 1;
+
 impl App for Firewall {
     type Config = FirewallConfig;
 
@@ -742,6 +756,50 @@ impl App for Firewall {
     }
 
     /// Tracked connections: `{"count", "connections": [{proto, a, b, origin, state, expires_in_s}]}`.
+    fn snapshot(&self) -> Option<AppState> {
+        let now = Instant::now();
+        let conns: Vec<ConnState> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| c.expires > now)
+            .map(|(key, c)| ConnState {
+                key: *key,
+                origin: c.origin,
+                tcp: c.tcp,
+                expires_in_ms: c.expires.duration_since(now).as_millis() as u64,
+            })
+            .collect();
+        Some(AppState {
+            version: STATE_VERSION,
+            state: serde_json::to_value(conns).ok()?,
+        })
+    }
+
+    /// Connections come back as they were tracked; the rules of the new configuration judge
+    /// their next packets as they judge any tracked connection's.
+    fn restore(&mut self, state: AppState) -> Result<(), String> {
+        let conns: Vec<ConnState> = serde_json::from_value(state.of_version(STATE_VERSION)?)
+            .map_err(|e| format!("firewall state: {e}"))?;
+        let now = Instant::now();
+        for c in conns.into_iter().take(self.max_connections) {
+            let expires = now + Duration::from_millis(c.expires_in_ms);
+            let (origin, tcp) = (c.origin, c.tcp);
+            self.conns.insert(
+                c.key,
+                Conn {
+                    origin,
+                    tcp,
+                    expires,
+                },
+            );
+        }
+        log::info!(
+            "firewall: {} tracked connections taken back from the snapshot",
+            self.conns.len()
+        );
+        Ok(())
+    }
+
     fn query(&mut self, request: &serde_json::Value) -> serde_json::Value {
         let limit = request["limit"].as_u64().unwrap_or(1000) as usize;
         let now = Instant::now();
@@ -941,6 +999,25 @@ mod tests {
         // RST closes; the next packet of the old connection is refused by state.
         assert_eq!(r.in_from_lan(tcp(H, S, 40000, 80, RST)), (0, 1));
         assert_eq!(r.in_from_wan(tcp(S, H, 80, 40000, ACK)), (0, 0));
+    }
+
+    /// An established TCP connection tracked by a firewall that stops goes on through the next
+    /// one given the snapshot: its packets from the wan side are let in (a fresh firewall finds
+    /// no connection and refuses them as invalid).
+    #[test]
+    fn tracked_connections_survive_a_restart_through_a_snapshot() {
+        let cfg = serde_json::json!({ "rules": [{ "action": "accept", "from": "lan" }] });
+        let mut old = rig(cfg.clone());
+        old.in_from_lan(tcp(H, S, 40000, 80, SYN));
+        old.in_from_wan(tcp(S, H, 80, 40000, SYN | ACK));
+        old.in_from_lan(tcp(H, S, 40000, 80, ACK));
+        let state = old.fw.snapshot().unwrap();
+        let mut fresh = rig(cfg.clone());
+        assert_eq!(fresh.in_from_wan(tcp(S, H, 80, 40000, ACK)), (0, 0));
+        let mut new = rig(cfg);
+        new.fw.restore(state).unwrap();
+        assert_eq!(new.in_from_wan(tcp(S, H, 80, 40000, ACK)), (1, 0));
+        assert_eq!(new.in_from_lan(tcp(H, S, 40000, 80, ACK)), (0, 1));
     }
 
     /// An IPv4 frame from `src` to `dst` with protocol `proto` and payload `l4`.
