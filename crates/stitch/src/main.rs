@@ -5,11 +5,13 @@ mod cluster_cmd;
 mod kernel_cmd;
 mod lwaftr_cmd;
 mod nfv_cmd;
+mod state_keeper;
 mod table;
 mod top;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
+use state_keeper::{StateArgs, StateKeeper};
 use std::io::IsTerminal;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -111,69 +113,6 @@ struct Listen {
     /// TLS private key (PEM).
     #[arg(long, requires = "tls_cert")]
     tls_key: Option<PathBuf>,
-}
-
-/// Carrying the apps' state across a restart of `stitch run`.
-#[derive(clap::Args, Clone)]
-struct StateArgs {
-    /// Keep the apps' state (NAT mappings, ...) in this file: read back into the apps at start,
-    /// written every --state-interval and at a clean stop, atomically, so a Stitch killed -9
-    /// comes back with the last snapshot.
-    #[arg(long)]
-    state: Option<PathBuf>,
-    /// Seconds between two snapshots of the apps' state.
-    #[arg(long, default_value_t = 1.0, requires = "state")]
-    state_interval: f64,
-}
-
-/// Takes back the apps' state at start and writes it every interval and at the end.
-struct StateKeeper {
-    path: PathBuf,
-    every: Duration,
-    last: Instant,
-}
-
-impl StateKeeper {
-    fn start(args: &StateArgs, engine: &stitch_core::Engine) -> Result<Option<StateKeeper>> {
-        let Some(path) = args.state.clone() else {
-            return Ok(None);
-        };
-        anyhow::ensure!(
-            args.state_interval > 0.0,
-            "--state-interval: a number of seconds above 0"
-        );
-        let r = engine
-            .restore_state(&path)
-            .map_err(|e| anyhow::anyhow!("{e} (move it away to start without it)"))?;
-        log::info!(
-            "state from {}: {} apps restored, {} refused, {} no longer in the graph",
-            path.display(),
-            r.restored.len(),
-            r.refused.len(),
-            r.gone.len()
-        );
-        for (app, why) in &r.refused {
-            log::warn!("app `{app}` starts fresh: its saved state was refused: {why}");
-        }
-        Ok(Some(StateKeeper {
-            path,
-            every: Duration::from_secs_f64(args.state_interval),
-            last: Instant::now(),
-        }))
-    }
-
-    fn save(&mut self, engine: &stitch_core::Engine) {
-        self.last = Instant::now();
-        if let Err(e) = engine.save_state(&self.path) {
-            log::warn!("{e}");
-        }
-    }
-
-    fn save_when_due(&mut self, engine: &stitch_core::Engine) {
-        if self.last.elapsed() >= self.every {
-            self.save(engine);
-        }
-    }
 }
 
 #[derive(Subcommand)]
@@ -678,6 +617,9 @@ fn run(
         e => anyhow::anyhow!("{}: {e}", file.display()),
     })?;
     let mut keeper = StateKeeper::start(state, engine)?;
+    if let Some(k) = &keeper {
+        api.add_reporter("state", k.reporter());
+    }
     log::info!(
         "running {} ({} apps); API on {}",
         file.display(),

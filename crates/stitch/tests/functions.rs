@@ -338,6 +338,16 @@ fn nat_mappings_survive_a_kill_9_through_the_state_file() {
         "{}",
         String::from_utf8_lossy(&got.stderr)
     );
+    // The instance says what came back from the file.
+    let (_, status) = second.call("GET", "/api/v1/status", None);
+    assert_eq!(
+        status["state"]["restored"],
+        serde_json::json!(["nat"]),
+        "{status}"
+    );
+    wait_until("a snapshot by the new instance", 5, || {
+        second.call("GET", "/api/v1/status", None).1["state"]["saves"].as_u64() >= Some(1)
+    });
     let stats = second.stop();
     let c = &app(&stats, "nat")["counters"];
     assert_eq!(c["no_mapping_drops"], 0, "{c}");
