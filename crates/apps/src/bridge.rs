@@ -21,7 +21,9 @@ use indexmap::IndexMap;
 use serde::Deserialize;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
-use stitch_core::{App, AppContext, AppError, AppState, Counter, Io, Packet, PortNames, PortSpec};
+use stitch_core::{
+    App, AppContext, AppError, AppSnapshot, AppState, Counter, Io, Packet, PortNames, PortSpec,
+};
 use stitch_wire::vlan;
 
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
@@ -217,7 +219,7 @@ impl App for Bridge {
     /// The learned table: `{"entries": [{vlan, mac, port, age_s}], "count"}`.
     /// `{"limit": N}` reads the learned table; `{"command": "flush"}` forgets it (e.g. after a
     /// topology change), so that frames flood until addresses are learned again.
-    fn snapshot(&self) -> Option<AppState> {
+    fn snapshot(&self) -> Option<AppSnapshot> {
         let now = Instant::now();
         let learned: Vec<LearnedState> = self
             .table
@@ -229,10 +231,7 @@ impl App for Bridge {
                 age_ms: now.duration_since(e.seen).as_millis() as u64,
             })
             .collect();
-        Some(AppState {
-            version: STATE_VERSION,
-            state: serde_json::to_value(learned).ok()?,
-        })
+        Some(AppSnapshot::new(STATE_VERSION, learned))
     }
 
     fn restore(&mut self, state: AppState) -> Result<(), String> {
@@ -474,7 +473,7 @@ mod tests {
         feed[0].transmit(frame(BCAST, A, None));
         old.push(&mut io);
         got(&mut seen);
-        let state = old.snapshot().unwrap();
+        let state = old.snapshot().unwrap().into_state().unwrap();
         let (mut new, mut io, mut feed, mut seen) = setup(300);
         let other = AppState {
             version: 2,

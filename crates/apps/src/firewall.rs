@@ -35,7 +35,8 @@ use std::net::IpAddr;
 use std::time::{Duration, Instant};
 use stitch_core::link::transmit_to;
 use stitch_core::{
-    pool, App, AppContext, AppError, AppState, Counter, Io, Packet, PortNames, PortSpec,
+    pool, App, AppContext, AppError, AppSnapshot, AppState, Counter, Io, Packet, PortNames,
+    PortSpec,
 };
 use stitch_wire::build::{Frame, Transport};
 use stitch_wire::flow::{self, Flow, Malformed};
@@ -756,7 +757,7 @@ impl App for Firewall {
     }
 
     /// Tracked connections: `{"count", "connections": [{proto, a, b, origin, state, expires_in_s}]}`.
-    fn snapshot(&self) -> Option<AppState> {
+    fn snapshot(&self) -> Option<AppSnapshot> {
         let now = Instant::now();
         let conns: Vec<ConnState> = self
             .conns
@@ -769,10 +770,7 @@ impl App for Firewall {
                 expires_in_ms: c.expires.duration_since(now).as_millis() as u64,
             })
             .collect();
-        Some(AppState {
-            version: STATE_VERSION,
-            state: serde_json::to_value(conns).ok()?,
-        })
+        Some(AppSnapshot::new(STATE_VERSION, conns))
     }
 
     /// Connections come back as they were tracked; the rules of the new configuration judge
@@ -1011,7 +1009,7 @@ mod tests {
         old.in_from_lan(tcp(H, S, 40000, 80, SYN));
         old.in_from_wan(tcp(S, H, 80, 40000, SYN | ACK));
         old.in_from_lan(tcp(H, S, 40000, 80, ACK));
-        let state = old.fw.snapshot().unwrap();
+        let state = old.fw.snapshot().unwrap().into_state().unwrap();
         let mut fresh = rig(cfg.clone());
         assert_eq!(fresh.in_from_wan(tcp(S, H, 80, 40000, ACK)), (0, 0));
         let mut new = rig(cfg);

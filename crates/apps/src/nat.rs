@@ -43,7 +43,9 @@ use std::net::Ipv4Addr;
 use std::time::{Duration, Instant};
 use stitch_core::link::transmit_to;
 use stitch_core::packet::ChecksumState;
-use stitch_core::{App, AppContext, AppError, AppState, Counter, Io, Packet, PortNames, PortSpec};
+use stitch_core::{
+    App, AppContext, AppError, AppSnapshot, AppState, Counter, Io, Packet, PortNames, PortSpec,
+};
 use stitch_wire::header::{self, icmp, ipv4, l4, End, Field16, L4Sum};
 use stitch_wire::views::Ipv4Packet;
 use stitch_wire::{arp, checksum, flow, parse_mac};
@@ -819,12 +821,8 @@ impl App for Nat {
         serde_json::json!({ "count": self.in_map.len(), "mappings": mappings })
     }
 
-    fn snapshot(&self) -> Option<AppState> {
-        let state = serde_json::to_value(self.state(Instant::now())).ok()?;
-        Some(AppState {
-            version: STATE_VERSION,
-            state,
-        })
+    fn snapshot(&self) -> Option<AppSnapshot> {
+        Some(AppSnapshot::new(STATE_VERSION, self.state(Instant::now())))
     }
 
     /// Mappings this configuration would not have made (another external address or port
@@ -1177,7 +1175,7 @@ mod tests {
         let (_, w) = old.run();
         let moved = src(&w[1]).1;
         assert_eq!(moved, 5001, "the second host's port 5000 was taken");
-        let state = old.nat.snapshot().unwrap();
+        let state = old.nat.snapshot().unwrap().into_state().unwrap();
         let mut new = rig();
         assert!(new
             .nat

@@ -335,8 +335,9 @@ pub trait App: Send + 'static {
 
     /// The state worth carrying across a restart of Stitch (mappings, learned tables,
     /// connections), in a format the app versions itself; `None` for an app that keeps none.
-    /// Runs on the app's worker between breaths.
-    fn snapshot(&self) -> Option<AppState> {
+    /// Runs on the app's worker between breaths, so it only copies the entries out
+    /// ([`AppSnapshot::new`]); they are serialized later, off the data path.
+    fn snapshot(&self) -> Option<AppSnapshot> {
         None
     }
 
@@ -354,6 +355,30 @@ pub trait App: Send + 'static {
 pub struct AppState {
     pub version: u32,
     pub state: serde_json::Value,
+}
+
+/// An app's state as its worker copied it out, serialized when [`AppSnapshot::into_state`] is
+/// called (by the engine's caller, not on the worker: a table of 100 000 entries takes tens of
+/// milliseconds to serialize, a breath must not).
+pub struct AppSnapshot {
+    version: u32,
+    serialize: Box<dyn FnOnce() -> Result<serde_json::Value, String> + Send>,
+}
+
+impl AppSnapshot {
+    pub fn new<T: serde::Serialize + Send + 'static>(version: u32, data: T) -> AppSnapshot {
+        AppSnapshot {
+            version,
+            serialize: Box::new(move || serde_json::to_value(data).map_err(|e| e.to_string())),
+        }
+    }
+
+    pub fn into_state(self) -> Result<AppState, String> {
+        Ok(AppState {
+            version: self.version,
+            state: (self.serialize)()?,
+        })
+    }
 }
 
 impl AppState {
@@ -385,7 +410,7 @@ pub trait DynApp: Send {
     fn stop(&mut self);
     fn finished(&self) -> Option<bool>;
     fn query(&mut self, request: &serde_json::Value) -> serde_json::Value;
-    fn snapshot(&self) -> Option<AppState>;
+    fn snapshot(&self) -> Option<AppSnapshot>;
     fn restore(&mut self, state: AppState) -> Result<(), String>;
 }
 
@@ -420,7 +445,7 @@ impl<A: App> DynApp for A {
     fn query(&mut self, request: &serde_json::Value) -> serde_json::Value {
         App::query(self, request)
     }
-    fn snapshot(&self) -> Option<AppState> {
+    fn snapshot(&self) -> Option<AppSnapshot> {
         App::snapshot(self)
     }
     fn restore(&mut self, state: AppState) -> Result<(), String> {

@@ -63,10 +63,16 @@ pub(super) enum Ask {
     Restore(AppState),
 }
 
+/// A worker's answer.
+pub(super) enum Answer {
+    Value(serde_json::Value),
+    Snapshot(Option<AppSnapshot>),
+}
+
 pub(super) struct Query {
     pub(super) app: String,
     pub(super) ask: Ask,
-    pub(super) reply: mpsc::Sender<Result<serde_json::Value, String>>,
+    pub(super) reply: mpsc::Sender<Result<Answer, String>>,
 }
 
 pub(super) struct Worker {
@@ -216,14 +222,18 @@ pub(super) fn answer_queries(plan: &mut Plan, queries: &mpsc::Receiver<Query>) {
         let answer = match plan.slots.iter_mut().find(|s| s.name == q.app) {
             None => Err(format!("app `{}` is not on this worker any more", q.app)),
             Some(s) => {
-                let mut out = Ok(serde_json::Value::Null);
+                let mut out = Err(format!("app `{}` failed", q.app));
                 let panicked = match q.ask {
-                    Ask::Query(request) => s.guarded("query", |a, _| out = Ok(a.query(&request))),
-                    Ask::Snapshot => s.guarded("snapshot", |a, _| {
-                        out = serde_json::to_value(a.snapshot()).map_err(|e| e.to_string())
-                    }),
+                    Ask::Query(request) => {
+                        s.guarded("query", |a, _| out = Ok(Answer::Value(a.query(&request))))
+                    }
+                    Ask::Snapshot => {
+                        s.guarded("snapshot", |a, _| out = Ok(Answer::Snapshot(a.snapshot())))
+                    }
                     Ask::Restore(state) => s.guarded("restore", |a, _| {
-                        out = a.restore(state).map(|()| serde_json::Value::Null)
+                        out = a
+                            .restore(state)
+                            .map(|()| Answer::Value(serde_json::Value::Null))
                     }),
                 };
                 if panicked {

@@ -27,7 +27,7 @@ pub use breath::{breath_started, pin_to_core, WorkerCounters};
 pub use state::{RestoreReport, STATE_FILE_FORMAT};
 pub use stats::{AppStats, ApplyReport, LinkInfo, Stats, WorkerStats};
 
-use crate::app::{AppError, AppState, Counters, DynApp, Io, Registry};
+use crate::app::{AppError, AppSnapshot, AppState, Counters, DynApp, Io, Registry};
 use crate::graph::{Endpoint, Graph, LinkDecl};
 use crate::link::{Consumer, Producer, Ring};
 use crate::pool;
@@ -249,14 +249,19 @@ impl Engine {
         app: &str,
         request: serde_json::Value,
     ) -> Result<serde_json::Value, EngineError> {
-        self.ask(app, Ask::Query(request))
+        match self.ask(app, Ask::Query(request))? {
+            Answer::Value(v) => Ok(v),
+            Answer::Snapshot(_) => unreachable!("a query is answered with a value"),
+        }
     }
 
     /// App `app`'s state to carry across a restart ([`crate::App::snapshot`]), taken by its
     /// worker between breaths; `None` when it keeps none.
-    pub fn snapshot_app(&self, app: &str) -> Result<Option<AppState>, EngineError> {
-        let state = self.ask(app, Ask::Snapshot)?;
-        serde_json::from_value(state).map_err(|e| EngineError::Other(e.to_string()))
+    pub fn snapshot_app(&self, app: &str) -> Result<Option<AppSnapshot>, EngineError> {
+        match self.ask(app, Ask::Snapshot)? {
+            Answer::Snapshot(s) => Ok(s),
+            Answer::Value(_) => unreachable!("a snapshot is answered with a snapshot"),
+        }
     }
 
     /// Gives app `app` back state an earlier snapshot took ([`crate::App::restore`]); its
@@ -265,7 +270,7 @@ impl Engine {
         self.ask(app, Ask::Restore(state)).map(drop)
     }
 
-    fn ask(&self, app: &str, ask: Ask) -> Result<serde_json::Value, EngineError> {
+    fn ask(&self, app: &str, ask: Ask) -> Result<Answer, EngineError> {
         let (tx, flag) = {
             let st = self.state.lock().unwrap();
             let info = st

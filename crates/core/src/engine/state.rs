@@ -50,11 +50,15 @@ impl Engine {
         };
         let mut apps = BTreeMap::new();
         for (name, kind) in kinds {
-            match self.snapshot_app(&name) {
-                Ok(Some(state)) => {
+            let state = match self.snapshot_app(&name) {
+                Ok(Some(snapshot)) => snapshot.into_state().map_err(EngineError::Other),
+                Ok(None) => continue,
+                Err(e) => Err(e),
+            };
+            match state {
+                Ok(state) => {
                     apps.insert(name, SavedApp { kind, state });
                 }
-                Ok(None) => {}
                 Err(e) => log::warn!("state of app `{name}` left out of this snapshot: {e}"),
             }
         }
