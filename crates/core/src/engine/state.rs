@@ -41,15 +41,8 @@ impl Engine {
     /// Writes every app's state ([`crate::App::snapshot`]) to `path`; returns how many apps
     /// had state. An app that fails to answer is left out of this snapshot, not the file.
     pub fn save_state(&self, path: &Path) -> Result<usize, EngineError> {
-        let kinds: Vec<(String, String)> = {
-            let st = self.state.lock().unwrap();
-            st.apps
-                .iter()
-                .map(|(name, info)| (name.clone(), info.kind.clone()))
-                .collect()
-        };
         let mut apps = BTreeMap::new();
-        for (name, kind) in kinds {
+        for (name, kind) in self.app_kinds() {
             let state = match self.snapshot_app(&name) {
                 Ok(Some(snapshot)) => snapshot.into_state().map_err(EngineError::Other),
                 Ok(None) => continue,
@@ -93,13 +86,7 @@ impl Engine {
             )));
         }
         let file: StateFile = serde_json::from_slice(&bytes).map_err(|e| bad(e.to_string()))?;
-        let running: HashMap<String, String> = {
-            let st = self.state.lock().unwrap();
-            st.apps
-                .iter()
-                .map(|(name, info)| (name.clone(), info.kind.clone()))
-                .collect()
-        };
+        let running = self.app_kinds();
         let mut report = RestoreReport::default();
         for (name, saved) in file.apps {
             if running.get(&name) != Some(&saved.kind) {
@@ -112,6 +99,17 @@ impl Engine {
             }
         }
         Ok(report)
+    }
+}
+
+impl Engine {
+    /// Each running app's name and type.
+    fn app_kinds(&self) -> HashMap<String, String> {
+        let st = self.state.lock().unwrap();
+        st.apps
+            .iter()
+            .map(|(name, info)| (name.clone(), info.kind.clone()))
+            .collect()
     }
 }
 
