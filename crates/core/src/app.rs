@@ -217,6 +217,15 @@ impl Counters {
         c
     }
 
+    /// Counters that start from `values` (an app's counters as its predecessor left them).
+    pub fn starting_at(values: &BTreeMap<String, u64>) -> Counters {
+        let c = Counters::default();
+        for (name, v) in values {
+            c.get(name).set(*v);
+        }
+        c
+    }
+
     pub fn snapshot(&self) -> BTreeMap<String, u64> {
         self.0
             .lock()
@@ -232,6 +241,7 @@ pub struct AppContext {
     name: String,
     base_dir: PathBuf,
     counters: Counters,
+    inherited: Option<Descriptors>,
 }
 
 impl AppContext {
@@ -240,7 +250,20 @@ impl AppContext {
             name: name.to_string(),
             base_dir: base_dir.to_path_buf(),
             counters,
+            inherited: None,
         }
+    }
+
+    /// Gives the app being built what its predecessor handed over (an upgrade).
+    pub fn inherit(&mut self, descriptors: Descriptors) {
+        self.inherited = Some(descriptors);
+    }
+
+    /// What the app of this name in the process Stitch is taking over from carried its traffic
+    /// on ([`App::hand_over`]): the app adopts it instead of opening its own. `None` on an
+    /// ordinary start.
+    pub fn take_inherited(&mut self) -> Option<Descriptors> {
+        self.inherited.take()
     }
 
     /// The app's name in the graph.
@@ -347,6 +370,24 @@ pub trait App: Send + 'static {
     fn restore(&mut self, _state: AppState) -> Result<(), String> {
         Err("this app keeps no state across restarts".into())
     }
+
+    /// Duplicates of the descriptors that carry the app's traffic (sockets, rings, devices)
+    /// and where it is in them, for a new Stitch process taking over (`stitch upgrade`): its
+    /// app of the same name and type adopts them in `new` ([`AppContext::take_inherited`]),
+    /// so that nothing is closed and reopened. Called on a parked worker, with every link
+    /// drained; the app keeps its own descriptors, in case the successor fails. `None`: the
+    /// successor opens its own.
+    fn hand_over(&mut self) -> Option<Descriptors> {
+        None
+    }
+}
+
+/// What an app hands its successor at an upgrade ([`App::hand_over`]).
+#[derive(Debug)]
+pub struct Descriptors {
+    pub fds: Vec<std::os::fd::OwnedFd>,
+    /// The app's place in them (a ring's cursor), in a format of its own.
+    pub position: serde_json::Value,
 }
 
 /// An app's state as it carries it across a restart: its own format `version` and the data.
@@ -412,6 +453,7 @@ pub trait DynApp: Send {
     fn query(&mut self, request: &serde_json::Value) -> serde_json::Value;
     fn snapshot(&self) -> Option<AppSnapshot>;
     fn restore(&mut self, state: AppState) -> Result<(), String>;
+    fn hand_over(&mut self) -> Option<Descriptors>;
 }
 
 impl<A: App> DynApp for A {
@@ -450,6 +492,9 @@ impl<A: App> DynApp for A {
     }
     fn restore(&mut self, state: AppState) -> Result<(), String> {
         App::restore(self, state)
+    }
+    fn hand_over(&mut self) -> Option<Descriptors> {
+        App::hand_over(self)
     }
 }
 

@@ -20,8 +20,8 @@ pub mod packet;
 pub use packet::pool;
 
 pub use app::{
-    App, AppContext, AppError, AppSnapshot, AppState, AppType, Counter, Io, PortNames, PortSpec,
-    Reconfigured, Registry, PULL_BURST,
+    App, AppContext, AppError, AppSnapshot, AppState, AppType, Counter, Descriptors, Io, PortNames,
+    PortSpec, Reconfigured, Registry, PULL_BURST,
 };
 pub use engine::{pin_to_core, Engine, Stats};
 pub use graph::Graph;

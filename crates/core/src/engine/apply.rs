@@ -66,7 +66,8 @@ impl Engine {
         Ok(report)
     }
 
-    /// Builds the apps named `names` of `graph`, each with fresh counters.
+    /// Builds the apps named `names` of `graph`, each with fresh counters, or with what a
+    /// predecessor process handed over ([`Engine::apply_inheriting`]).
     fn build_apps<'a>(
         &self,
         names: impl Iterator<Item = &'a String>,
@@ -74,8 +75,17 @@ impl Engine {
     ) -> Result<BuiltApps, EngineError> {
         names
             .map(|name| {
-                let built = self.build(&graph.apps[name], graph, Counters::default())?;
-                Ok((name.clone(), built))
+                let decl = &graph.apps[name];
+                let Some(handed) = self.inherited(name, &decl.kind) else {
+                    let built = self.build(decl, graph, Counters::default(), None)?;
+                    return Ok((name.clone(), built));
+                };
+                let counters = Counters::starting_at(&handed.counters);
+                let (mut app, counters) = self.build(decl, graph, counters, handed.descriptors)?;
+                if let Some(state) = handed.state {
+                    self.restore_inherited(name, app.as_mut(), state);
+                }
+                Ok((name.clone(), (app, counters)))
             })
             .collect()
     }
@@ -99,12 +109,11 @@ impl Engine {
                     done.in_place.push(name.clone());
                     Ok(())
                 }
-                Ok(Reconfigured::Restart) => {
-                    self.build(decl, graph, slot.counters.clone())
-                        .map(|(app, _)| {
-                            done.rebuilt.insert(name.clone(), app);
-                        })
-                }
+                Ok(Reconfigured::Restart) => self
+                    .build(decl, graph, slot.counters.clone(), None)
+                    .map(|(app, _)| {
+                        done.rebuilt.insert(name.clone(), app);
+                    }),
                 Err(e) => Err(e),
             };
             if let Err(e) = step {
@@ -188,6 +197,7 @@ impl Engine {
         decl: &crate::graph::AppDecl,
         graph: &Graph,
         counters: Counters,
+        inherited: Option<crate::app::Descriptors>,
     ) -> Result<(Box<dyn DynApp>, Counters), EngineError> {
         let t = self
             .registry
@@ -201,6 +211,9 @@ impl Engine {
             message: format!("{}: {}", e.path, e.message),
         })?;
         let mut ctx = AppContext::new(&decl.name, &graph.base_dir, counters.clone());
+        if let Some(d) = inherited {
+            ctx.inherit(d);
+        }
         let app = t
             .build(parsed, &mut ctx)
             .map_err(|source| EngineError::Build {

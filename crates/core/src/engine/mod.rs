@@ -12,11 +12,12 @@
 //!
 //! Its rooms: [`breath`] (the worker loop), [`plan`] (what a change does, worked out from the
 //! two graphs alone — Snabb's `compute_config_actions`), [`apply`] (carrying the plan out on
-//! parked workers), [`stats`] (the counters and reports) and [`state`] (the apps' state in a
-//! file, across a restart). This file holds the engine's state and what reads it.
+//! parked workers), [`stats`] (the counters and reports), [`state`] (the apps' state in a
+//! file, across a restart) and [`handover`] (an upgrade's two halves). This file holds the engine's state and what reads it.
 
 mod apply;
 mod breath;
+mod handover;
 pub mod plan;
 mod state;
 mod stats;
@@ -24,6 +25,7 @@ mod stats;
 pub use apply::topological_order;
 use breath::*;
 pub use breath::{breath_started, pin_to_core, WorkerCounters};
+pub use handover::{HandOver, HandedApp};
 pub use state::{RestoreReport, STATE_FILE_FORMAT};
 pub use stats::{AppStats, ApplyReport, LinkInfo, Stats, WorkerStats};
 
@@ -132,6 +134,8 @@ pub struct Engine {
     registry: Arc<Registry>,
     state: Mutex<State>,
     started: Instant,
+    /// What a predecessor process handed over, while [`Engine::apply_inheriting`] runs.
+    inheritance: Mutex<handover::Inheritance>,
 }
 
 /// Link ends taken out of parked apps, by endpoint.
@@ -155,6 +159,7 @@ impl Engine {
                 stopped: false,
             }),
             started: Instant::now(),
+            inheritance: Mutex::default(),
         }
     }
 
