@@ -11,6 +11,7 @@
 pub mod attached;
 mod capture;
 pub mod client;
+pub mod handover;
 pub mod metrics;
 mod rates;
 mod routes;
@@ -422,6 +423,12 @@ impl Api {
         self.place(g, what, None)
     }
 
+    /// Runs `f` with every change through the API held off (an upgrade's hand-over).
+    pub fn while_unchanged<T>(&self, f: impl FnOnce() -> T) -> T {
+        let _no_change = self.changes.lock().unwrap();
+        f()
+    }
+
     /// Adds app `name` or replaces its entry; true when it is new.
     pub fn put_app(&self, name: &str, entry: Value) -> Result<(bool, PlaceReport), ApiError> {
         let Value::Object(entry) = entry else {
@@ -613,18 +620,19 @@ pub struct Server {
     unix: PathBuf,
     shutdown: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
+    listeners: Listeners,
 }
 
-impl Server {
-    /// Binds every listener (so that errors come before the instance runs) and serves on a
-    /// thread of its own.
-    pub fn start(api: Arc<Api>, config: &ApiConfig) -> Result<Server> {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .thread_name("stitch-api")
-            .enable_all()
-            .build()
-            .context("cannot start the API runtime")?;
+/// The API's listening sockets: bound by [`Listeners::bind`], or handed over by the process
+/// an upgrade replaces (clients never find the socket gone).
+pub struct Listeners {
+    pub unix: std::os::unix::net::UnixListener,
+    pub tcp: Option<std::net::TcpListener>,
+}
+
+impl Listeners {
+    /// Binds every listener `config` asks for.
+    pub fn bind(config: &ApiConfig) -> Result<Listeners> {
         let unix = bind_unix(&config.unix)?;
         let tcp = match config.listen {
             None => None,
@@ -640,6 +648,39 @@ impl Server {
                 Some(l)
             }
         };
+        Ok(Listeners { unix, tcp })
+    }
+
+    /// Duplicates of the listeners, to hand over.
+    pub fn try_clone(&self) -> std::io::Result<Listeners> {
+        Ok(Listeners {
+            unix: self.unix.try_clone()?,
+            tcp: self.tcp.as_ref().map(|t| t.try_clone()).transpose()?,
+        })
+    }
+}
+
+impl Server {
+    /// Binds every listener (so that errors come before the instance runs) and serves on a
+    /// thread of its own.
+    pub fn start(api: Arc<Api>, config: &ApiConfig) -> Result<Server> {
+        Server::serve(api, config, Listeners::bind(config)?)
+    }
+
+    /// Serves on `listeners` (bound by [`Listeners::bind`] or handed over).
+    pub fn serve(api: Arc<Api>, config: &ApiConfig, listeners: Listeners) -> Result<Server> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("stitch-api")
+            .enable_all()
+            .build()
+            .context("cannot start the API runtime")?;
+        let kept = listeners.try_clone()?;
+        let Listeners { unix, tcp } = listeners;
+        unix.set_nonblocking(true)?;
+        if let Some(t) = &tcp {
+            t.set_nonblocking(true)?;
+        }
         let tls = match &config.tls {
             None => None,
             Some((cert, key)) => {
@@ -709,11 +750,17 @@ impl Server {
             unix: config.unix.clone(),
             shutdown: Some(tx),
             thread: Some(thread),
+            listeners: kept,
         })
     }
 
     pub fn api(&self) -> &Arc<Api> {
         &self.api
+    }
+
+    /// The listeners this server serves on, for a successor process to serve on too.
+    pub fn listeners(&self) -> &Listeners {
+        &self.listeners
     }
 
     /// Stops serving and removes the Unix socket.

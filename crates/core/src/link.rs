@@ -752,6 +752,17 @@ pub fn transmit_to(slot: &mut Option<Producer>, p: Packet) -> bool {
     }
 }
 
+impl Ring {
+    /// Adds the totals a predecessor of this link counted (the same link in the process an
+    /// upgrade replaced), so that its counters never go back. Only while neither end runs.
+    pub fn count_on_from(&self, before: &LinkStats) {
+        bump(&self.prod.tx_packets, before.tx_packets);
+        bump(&self.prod.tx_bytes, before.tx_bytes);
+        bump(&self.prod.tx_drops, before.tx_drops);
+        bump(&self.cons.rx_packets, before.rx_packets);
+    }
+}
+
 /// Moves the queued packets of `old` into a fresh link of `size` slots (used when a live change
 /// resizes a link). Packets that do not fit are dropped and counted on the new link.
 pub fn resize(old: Consumer, size: usize) -> (Producer, Consumer) {

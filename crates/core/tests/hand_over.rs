@@ -161,6 +161,7 @@ fn the_successor_adopts_the_descriptors_and_continues_counters_and_state() {
         .apply_inheriting(
             Graph::parse(GRAPH, "t.yaml", Path::new("."), &r).unwrap(),
             h.apps,
+            &h.links,
         )
         .unwrap();
     assert_eq!(restored.restored, ["tally"]);
@@ -173,6 +174,8 @@ fn the_successor_adopts_the_descriptors_and_continues_counters_and_state() {
         "counters continue"
     );
     assert!(counter("burst", "sent") >= sent);
+    let link = &stats.links[0];
+    assert!(link.stats.tx_packets >= sent, "links count on: {link:?}");
 
     // One pipe, signed by both apps.
     let mut read = std::fs::File::from(PIPE.with(|p| p.0.try_clone().unwrap()));

@@ -32,13 +32,13 @@
 
 use crate::kernel_ring::KernelRing;
 use crate::netdev::{self, explain, setsockopt};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 use stitch_core::mapping::{MapOptions, Mapping};
 use stitch_core::packet::{MAX_FRAME, MAX_GSO_FRAME};
-use stitch_core::{pool, App, AppContext, AppError, Counter, Io, PortSpec};
+use stitch_core::{pool, App, AppContext, AppError, Counter, Descriptors, Io, PortSpec};
 use stitch_wire::offload::{self, VnetHdr, VNET_HDR_LEN};
 
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
@@ -170,6 +170,7 @@ const TP_STATUS_VLAN_VALID: u32 = 0x10;
 const TP_STATUS_VLAN_TPID_VALID: u32 = 0x40;
 
 /// Where the reader is in the ring.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 struct Cursor {
     block: usize,
     /// Packets of the current block already taken, and the offset of the next one.
@@ -178,6 +179,7 @@ struct Cursor {
 }
 
 /// The receive ring's layout and the reader's place in it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 enum Rx {
     /// TPACKET_V2: `frames` fixed frames; `next` is the next one to read.
     V2 { frames: usize, next: usize },
@@ -272,7 +274,7 @@ pub struct AfPacket {
 /// the kernel finds malformed). So the port remembers the frame at the head when a send fails,
 /// and when the next send fails on the same frame it makes that frame malformed on purpose —
 /// a length longer than a ring frame — which the kernel skips and marks available.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 struct TxPending {
     oldest: usize,
     count: usize,
@@ -517,6 +519,89 @@ fn request_rings(raw: std::os::fd::RawFd, c: &AfPacketConfig) -> Result<usize, S
             c.block_size * c.blocks
         }
     })
+}
+
+/// The receive ring of `c`, before anything was read from it.
+fn fresh_rx(c: &AfPacketConfig) -> Rx {
+    match c.ring {
+        RingVersion::V2 => Rx::V2 {
+            frames: v2_frames(c.frames),
+            next: 0,
+        },
+        RingVersion::V3 => Rx::V3 {
+            block_size: c.block_size,
+            blocks: c.blocks,
+            cursor: Cursor {
+                block: 0,
+                taken: 0,
+                offset: 0,
+            },
+        },
+    }
+}
+
+/// An `af_packet` port's place in its rings, handed to a successor at an upgrade with the
+/// socket and the large-frame socket.
+#[derive(Debug, Serialize, Deserialize)]
+struct RingPosition {
+    rx_len: usize,
+    rx: Rx,
+    tx_next: usize,
+    tx_pending: TxPending,
+}
+
+/// The sockets and ring of a port taken over from the process before: its two sockets, the
+/// ring mapped again, and where it stood in them. Refused, with the reason, when the rings
+/// are not laid out as `c` lays them out (another config, another version's defaults).
+fn adopt(
+    c: &AfPacketConfig,
+    handed: Descriptors,
+) -> Result<(OwnedFd, Mapping, OwnedFd, RingPosition), String> {
+    let name = &c.interface;
+    let refuse = |why: String| format!("af_packet {name}: the socket handed over: {why}");
+    let at: RingPosition = serde_json::from_value(handed.position)
+        .map_err(|e| refuse(format!("its position does not read: {e}")))?;
+    let [fd, large_tx]: [OwnedFd; 2] = handed
+        .fds
+        .try_into()
+        .map_err(|fds: Vec<OwnedFd>| refuse(format!("{} descriptors, not 2", fds.len())))?;
+    for s in [&fd, &large_tx] {
+        match netdev::socket_domain(s.as_raw_fd()) {
+            Ok(libc::AF_PACKET) => {}
+            Ok(d) => return Err(refuse(format!("address family {d}, not AF_PACKET"))),
+            Err(e) => return Err(refuse(e.to_string())),
+        }
+    }
+    let same_layout = match (at.rx, fresh_rx(c)) {
+        (Rx::V2 { frames: a, .. }, Rx::V2 { frames: b, .. }) => a == b,
+        (
+            Rx::V3 {
+                block_size: a,
+                blocks: m,
+                ..
+            },
+            Rx::V3 {
+                block_size: b,
+                blocks: n,
+                ..
+            },
+        ) => a == b && m == n,
+        _ => false,
+    };
+    if !same_layout {
+        return Err(refuse(format!(
+            "its receive ring is {:?}, this config's is {:?}",
+            at.rx,
+            fresh_rx(c)
+        )));
+    }
+    let locked = MapOptions {
+        lock: true,
+        ..MapOptions::default()
+    };
+    let ring = Mapping::shared(fd.as_fd(), at.rx_len + TX_FRAMES * TX_FRAME_SIZE, locked)
+        .map_err(|e| explain(&format!("af_packet {name}: mapping the handed ring"), e))?;
+    Ok((fd, ring, large_tx, at))
 }
 
 /// Promiscuous mode and the fanout group, once the socket is bound.
@@ -940,7 +1025,19 @@ impl App for AfPacket {
     }
 
     fn new(c: AfPacketConfig, ctx: &mut AppContext) -> Result<Self, AppError> {
-        let (fd, ring, rx_len) = open(&c)?;
+        let (fd, ring, large_tx, at) = match ctx.take_inherited() {
+            Some(handed) => adopt(&c, handed)?,
+            None => {
+                let (fd, ring, rx_len) = open(&c)?;
+                let at = RingPosition {
+                    rx_len,
+                    rx: fresh_rx(&c),
+                    tx_next: 0,
+                    tx_pending: TxPending::default(),
+                };
+                (fd, ring, open_large_tx(&c)?, at)
+            }
+        };
         let kernel_ring = match &c.kernel_ring {
             Some(path) => Some(KernelRing::open(path).map_err(|e| {
                 format!(
@@ -955,24 +1052,10 @@ impl App for AfPacket {
         Ok(AfPacket {
             fd,
             ring,
-            rx: match c.ring {
-                RingVersion::V2 => Rx::V2 {
-                    frames: v2_frames(c.frames),
-                    next: 0,
-                },
-                RingVersion::V3 => Rx::V3 {
-                    block_size: c.block_size,
-                    blocks: c.blocks,
-                    cursor: Cursor {
-                        block: 0,
-                        taken: 0,
-                        offset: 0,
-                    },
-                },
-            },
+            rx: at.rx,
             tx_v2: c.ring == RingVersion::V2,
-            tx_ring: rx_len,
-            tx_next: 0,
+            tx_ring: at.rx_len,
+            tx_next: at.tx_next,
             rx_path: RxPath {
                 scratch: Vec::with_capacity(65536 + 64),
                 keep_gso: c.gso == GsoMode::Keep,
@@ -984,11 +1067,11 @@ impl App for AfPacket {
                 pool_exhausted: ctx.counter("pool_exhausted_drops"),
             },
             kernel_ring,
-            large_tx: open_large_tx(&c)?,
+            large_tx,
             last_stats: Instant::now(),
             kernel_drops: ctx.counter("kernel_drops"),
             tx_errors: ctx.counter("tx_error_drops"),
-            tx_pending: TxPending::default(),
+            tx_pending: at.tx_pending,
             max_frame: netdev::max_frame(&c.interface),
             too_big: ctx.counter("too_big_drops"),
             tx_refused: ctx.counter("tx_refused_drops"),
@@ -1085,6 +1168,25 @@ impl App for AfPacket {
 
     fn stop(&mut self) {
         self.read_kernel_stats();
+    }
+
+    /// Both sockets and the rings' cursors: the successor maps the same rings and reads on
+    /// from the next frame, so nothing the kernel queued meanwhile is lost or read twice. A
+    /// port fed by a kernel ring (a mixed graph's boundary) is not handed over.
+    fn hand_over(&mut self) -> Option<Descriptors> {
+        if self.kernel_ring.is_some() {
+            return None;
+        }
+        let at = RingPosition {
+            rx_len: self.tx_ring,
+            rx: self.rx,
+            tx_next: self.tx_next,
+            tx_pending: self.tx_pending,
+        };
+        Some(Descriptors {
+            fds: vec![self.fd.try_clone().ok()?, self.large_tx.try_clone().ok()?],
+            position: serde_json::to_value(at).ok()?,
+        })
     }
 }
 

@@ -117,6 +117,28 @@ pub fn explain(what: &str, e: io::Error) -> String {
     }
 }
 
+/// The address family of socket `fd` (`SO_DOMAIN`): what a descriptor handed over at an
+/// upgrade is checked against before it is used.
+pub fn socket_domain(fd: RawFd) -> io::Result<i32> {
+    let mut domain: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: the kernel writes at most `len` bytes into `domain`, a live c_int, and `len`.
+    let r = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_DOMAIN,
+            &mut domain as *mut libc::c_int as *mut libc::c_void,
+            &mut len,
+        )
+    };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(domain)
+    }
+}
+
 /// `setsockopt` with a plain value.
 pub fn setsockopt<T>(fd: RawFd, level: i32, opt: i32, v: &T) -> io::Result<()> {
     // SAFETY: the kernel reads size_of::<T>() bytes from `v`, a live reference.

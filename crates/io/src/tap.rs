@@ -16,7 +16,7 @@ use crate::netdev;
 use serde::Deserialize;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use stitch_core::packet::{MAX_FRAME, MAX_GSO_FRAME};
-use stitch_core::{pool, App, AppContext, AppError, Counter, Io, PortSpec};
+use stitch_core::{pool, App, AppContext, AppError, Counter, Descriptors, Io, PortSpec};
 use stitch_wire::offload::{self, VnetHdr, VNET_HDR_LEN};
 
 #[derive(Debug, Clone, Deserialize)]
@@ -38,6 +38,7 @@ const BURST: usize = 128;
 /// Most segments one TSO frame from the host can become (64 KiB at the smallest usual MSS).
 const MAX_SEGMENTS: usize = 128;
 const TUNSETVNETHDRSZ: libc::c_ulong = 0x400454d8;
+const TUNGETIFF: libc::c_ulong = 0x800454d2;
 const TUN_F_CSUM: libc::c_uint = 0x01;
 const TUN_F_TSO4: libc::c_uint = 0x02;
 const TUN_F_TSO6: libc::c_uint = 0x04;
@@ -128,6 +129,35 @@ fn open(c: &TapConfig) -> Result<OwnedFd, String> {
     Ok(fd)
 }
 
+/// The device a predecessor process held (an upgrade): kept open across the hand-over, the
+/// device never goes away and its addresses and routes stay. Checked to be TAP `c.name`.
+fn adopt(c: &TapConfig, handed: Descriptors) -> Result<OwnedFd, String> {
+    let name = &c.name;
+    let [fd]: [OwnedFd; 1] = handed.fds.try_into().map_err(|fds: Vec<OwnedFd>| {
+        format!("tap `{name}`: {} descriptors handed over, not 1", fds.len())
+    })?;
+    // SAFETY: ifreq is a C struct of bytes and a union of integers; all zeroes is a valid value.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    // SAFETY: TUNGETIFF writes one ifreq into `req`, which is live.
+    if unsafe { libc::ioctl(fd.as_raw_fd(), TUNGETIFF, &mut req) } < 0 {
+        return Err(format!(
+            "tap `{name}`: the descriptor handed over is not a TAP device: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    let held: Vec<u8> = (req.ifr_name.iter())
+        .take_while(|&&b| b != 0)
+        .map(|&b| b as u8)
+        .collect();
+    if held != name.as_bytes() {
+        return Err(format!(
+            "tap `{name}`: the descriptor handed over is tap `{}`",
+            String::from_utf8_lossy(&held)
+        ));
+    }
+    Ok(fd)
+}
+
 impl App for Tap {
     type Config = TapConfig;
 
@@ -139,7 +169,10 @@ impl App for Tap {
     }
 
     fn new(c: TapConfig, ctx: &mut AppContext) -> Result<Self, AppError> {
-        let fd = open(&c)?;
+        let fd = match ctx.take_inherited() {
+            Some(handed) => adopt(&c, handed)?,
+            None => open(&c)?,
+        };
         Ok(Tap {
             fd,
             name: c.name.clone(),
@@ -266,5 +299,14 @@ impl App for Tap {
             self.last_mtu_read = now;
             self.max_frame = netdev::max_frame_or(&self.name, self.max_frame);
         }
+    }
+
+    /// The device's descriptor: a TAP device lives while one is open, so the successor keeps
+    /// it with its addresses, routes and the frames queued on it.
+    fn hand_over(&mut self) -> Option<Descriptors> {
+        Some(Descriptors {
+            fds: vec![self.fd.try_clone().ok()?],
+            position: serde_json::Value::Null,
+        })
     }
 }

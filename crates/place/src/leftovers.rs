@@ -20,6 +20,22 @@ pub struct Owner {
     _file: File,
 }
 
+impl Owner {
+    /// A duplicate of the lock's descriptor: a successor holding it holds the same lock
+    /// (`flock` locks belong to the open file), so the instance is never unowned during an
+    /// upgrade.
+    pub fn try_clone_fd(&self) -> std::io::Result<std::os::fd::OwnedFd> {
+        Ok(self._file.try_clone()?.into())
+    }
+
+    /// The lock a predecessor handed over, held already.
+    pub fn adopt(fd: std::os::fd::OwnedFd) -> Owner {
+        Owner {
+            _file: File::from(fd),
+        }
+    }
+}
+
 /// The lock file of the instance whose API socket is `socket`.
 pub fn lock_path(socket: &Path) -> PathBuf {
     socket.with_extension("lock")

@@ -409,6 +409,54 @@ impl Placements {
         self.graph.lock().unwrap().clone()
     }
 
+    /// Why the running graph cannot be handed to a successor process (`stitch upgrade`), if it
+    /// cannot: only the engine's apps are handed over so far; function processes, VMs and the
+    /// kernel data plane would be stopped and started again.
+    pub fn upgrade_obstacle(&self) -> Option<String> {
+        let graph = self.graph.lock().unwrap();
+        let outside: Vec<String> = (graph.iter())
+            .flat_map(|g| &g.apps)
+            .filter(|(_, a)| a.placement != Placement::Engine)
+            .map(|(name, a)| format!("`{name}` ({:?})", a.placement).to_lowercase())
+            .collect();
+        (!outside.is_empty()).then(|| {
+            format!(
+                "apps placed outside the engine cannot be handed over yet: {}",
+                outside.join(", ")
+            )
+        })
+    }
+
+    /// [`Placements::apply`] for a process taking over from another (`stitch upgrade`): the
+    /// engine's apps adopt what their predecessors handed over. Only a graph that runs whole in
+    /// the engine ([`Placements::upgrade_obstacle`]).
+    pub fn apply_inheriting(
+        &self,
+        graph: PlacedGraph,
+        apps: std::collections::BTreeMap<String, stitch_core::engine::HandedApp>,
+        links: &std::collections::BTreeMap<String, stitch_core::link::LinkStats>,
+    ) -> Result<(PlaceReport, stitch_core::engine::RestoreReport), PlaceError> {
+        let mut current = self.graph.lock().unwrap();
+        let plan =
+            plan(&graph, self.engine.registry(), &self.instance).map_err(PlaceError::Graph)?;
+        if plan.kernel.is_some() || !plan.processes.is_empty() {
+            return Err(PlaceError::Kernel(
+                "apps placed outside the engine cannot be taken over yet".into(),
+            ));
+        }
+        let (engine, restored) = (self.engine)
+            .apply_inheriting(plan.engine, apps, links)
+            .map_err(PlaceError::Engine)?;
+        *current = Some(graph);
+        Ok((
+            PlaceReport {
+                engine,
+                moved: Vec::new(),
+            },
+            restored,
+        ))
+    }
+
     fn kernel_names(&self) -> kernel::KernelNames {
         kernel::KernelNames::of(&self.instance)
     }

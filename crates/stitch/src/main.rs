@@ -8,6 +8,7 @@ mod nfv_cmd;
 mod state_keeper;
 mod table;
 mod top;
+mod upgrade;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
@@ -207,6 +208,19 @@ enum Cmd {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(stitch_bench::BenchCmd),
+    /// Replace a running instance's process with a new one (a new version) without closing
+    /// its interfaces or forgetting its state: queued packets leave first, the new process
+    /// adopts the sockets, rings, devices, counters and app state. Refused, and the instance
+    /// carries on, when the new binary cannot start the graph.
+    Upgrade(upgrade::UpgradeArgs),
+    /// (What `stitch upgrade` starts: receive a running instance and run it.)
+    #[command(hide = true)]
+    TakeOver {
+        #[arg(long)]
+        control: PathBuf,
+        #[arg(long)]
+        ready_fd: i32,
+    },
 }
 
 fn registry() -> Registry {
@@ -430,6 +444,8 @@ fn run_cli(cli: Cli) -> Result<()> {
         }
         Cmd::Lwaftr(c) => lwaftr_cmd::run(c)?,
         Cmd::Capture(c) => capture_cmd::run(c, Arc::new(registry()))?,
+        Cmd::Upgrade(args) => upgrade::upgrade(args)?,
+        Cmd::TakeOver { control, ready_fd } => upgrade::take_over(&control, ready_fd)?,
     }
     Ok(())
 }
@@ -494,6 +510,7 @@ fn start_instance(
     instance: &Instance,
     listen: &Listen,
     graph_file: Option<PathBuf>,
+    inherited: Option<upgrade::Inherited>,
 ) -> Result<Running> {
     let stop = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
@@ -526,9 +543,35 @@ fn start_instance(
         &instance.name,
         &instance.key(),
     ));
-    let owner = stitch_place::leftovers::own(&config.unix).map_err(|e| anyhow::anyhow!(e))?;
-    // Listeners first: a busy port or a missing certificate is an error before anything runs.
-    let server = stitch_api::Server::start(api.clone(), &config)?;
+    let Some(inherited) = inherited else {
+        let owner = stitch_place::leftovers::own(&config.unix).map_err(|e| anyhow::anyhow!(e))?;
+        // Listeners first: a busy port or a missing certificate is an error before anything runs.
+        let server = stitch_api::Server::start(api.clone(), &config)?;
+        clean_up_crashes(&api, &config);
+        return Ok(Running {
+            engine,
+            api,
+            server,
+            config,
+            stop,
+            reload,
+            _owner: owner,
+        });
+    };
+    let server = stitch_api::Server::serve(api.clone(), &config, inherited.listeners)?;
+    Ok(Running {
+        engine,
+        api,
+        server,
+        config,
+        stop,
+        reload,
+        _owner: stitch_place::leftovers::Owner::adopt(inherited.lock),
+    })
+}
+
+/// Removes what a crashed earlier run of this instance, or another dead instance, left.
+fn clean_up_crashes(api: &stitch_api::Api, config: &stitch_api::ApiConfig) {
     let mine = api.placements().clean_after_crash();
     if !mine.is_empty() {
         log::info!(
@@ -544,15 +587,6 @@ fn start_instance(
             removed.join("; ")
         );
     }
-    Ok(Running {
-        engine,
-        api,
-        server,
-        config,
-        stop,
-        reload,
-        _owner: owner,
-    })
 }
 
 /// Stops the API, everything placed and the engine; prints the last counters.
@@ -578,7 +612,7 @@ fn serve(
     let registry = Arc::new(registry());
     let empty = PlacedGraph::parse("apps: {}\n", "<empty>", Path::new("/"), &registry)
         .map_err(|e| anyhow::anyhow!("{e}"))?;
-    let running = start_instance(registry, instance, listen, None)?;
+    let running = start_instance(registry, instance, listen, None, None)?;
     running
         .api
         .placements()
@@ -603,9 +637,9 @@ fn run(
 ) -> Result<()> {
     let registry = Arc::new(registry());
     let graph = load(file, &registry)?;
-    let running = start_instance(registry, instance, listen, Some(std::path::absolute(file)?))?;
-    let (engine, api) = (&running.engine, &running.api);
-    let report = api.placements().apply(graph).map_err(|e| match e {
+    let graph_file = Some(std::path::absolute(file)?);
+    let running = start_instance(registry, instance, listen, graph_file, None)?;
+    let report = running.api.placements().apply(graph).map_err(|e| match e {
         stitch_place::PlaceError::Graph(errors) => anyhow::anyhow!(
             "{}",
             stitch_core::graph::GraphErrors {
@@ -616,16 +650,31 @@ fn run(
         ),
         e => anyhow::anyhow!("{}: {e}", file.display()),
     })?;
-    let mut keeper = StateKeeper::start(state, engine)?;
-    if let Some(k) = &keeper {
-        api.add_reporter("state", k.reporter());
-    }
+    let keeper = StateKeeper::start(state, &running.engine)?;
     log::info!(
         "running {} ({} apps); API on {}",
         file.display(),
         report.engine.started.len(),
         running.config.unix.display()
     );
+    serve_until_stopped(running, keeper, file, duration, (as_json, listen))
+}
+
+/// Runs a started instance until its graph finishes, `duration` passes or a signal comes;
+/// reloads `file` on SIGHUP, keeps the state file, and lets a new process take over
+/// (`stitch upgrade`).
+fn serve_until_stopped(
+    running: Running,
+    mut keeper: Option<StateKeeper>,
+    file: &Path,
+    duration: Option<f64>,
+    (as_json, listen): (bool, &Listen),
+) -> Result<()> {
+    let (engine, api) = (&running.engine, &running.api);
+    if let Some(k) = &keeper {
+        api.add_reporter("state", k.reporter());
+    }
+    upgrade::offer_hand_over(&running)?;
     let started = Instant::now();
     let limit = duration.map(Duration::from_secs_f64);
     // A graph is finished when its finite sources are done, its links are empty and nothing moved

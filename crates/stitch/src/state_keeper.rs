@@ -47,10 +47,6 @@ impl StateKeeper {
         let Some(path) = args.state.clone() else {
             return Ok(None);
         };
-        anyhow::ensure!(
-            args.state_interval > 0.0,
-            "--state-interval: a number of seconds above 0"
-        );
         let restored = engine
             .restore_state(&path)
             .map_err(|e| anyhow::anyhow!("{e} (move it away to start without it)"))?;
@@ -64,6 +60,29 @@ impl StateKeeper {
         for (app, why) in &restored.refused {
             log::warn!("app `{app}` starts fresh: its saved state was refused: {why}");
         }
+        StateKeeper::keeping(args, restored)
+    }
+
+    /// Keeps the state file of `args` for a process that took over from another (`stitch
+    /// upgrade`): its apps took their state from the predecessor (`restored`), not the file.
+    pub fn after_take_over(
+        args: &StateArgs,
+        restored: stitch_core::engine::RestoreReport,
+    ) -> Result<Option<StateKeeper>> {
+        StateKeeper::keeping(args, restored)
+    }
+
+    fn keeping(
+        args: &StateArgs,
+        restored: stitch_core::engine::RestoreReport,
+    ) -> Result<Option<StateKeeper>> {
+        let Some(path) = args.state.clone() else {
+            return Ok(None);
+        };
+        anyhow::ensure!(
+            args.state_interval > 0.0,
+            "--state-interval: a number of seconds above 0"
+        );
         let report = Report {
             file: path.clone(),
             restored,

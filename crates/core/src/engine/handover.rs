@@ -7,6 +7,7 @@
 use super::apply::{park_workers, resume_parked};
 use super::*;
 use crate::app::Descriptors;
+use crate::link::LinkStats;
 use std::collections::BTreeMap;
 
 /// What one app leaves its successor.
@@ -25,6 +26,9 @@ pub struct HandedApp {
 #[derive(Debug)]
 pub struct HandOver {
     pub apps: BTreeMap<String, HandedApp>,
+    /// Each link's counters by its spec (`a.output -> b.input`), which the successor's
+    /// links continue from.
+    pub links: BTreeMap<String, LinkStats>,
     /// Packets that were queued on links when the workers parked and went out before the hand-over.
     pub drained: u64,
     /// Packets still queued when draining gave up (a full interface ring): lost to the upgrade.
@@ -50,8 +54,12 @@ impl Engine {
         let mut parked = park_workers(&mut st)?;
         let (drained, left_queued) = drain(&mut parked, DRAIN_PATIENCE);
         let (apps, unsaved) = collect(&mut parked);
+        let links = (st.links.iter())
+            .map(|(decl, ring)| (decl.spec(), ring.stats()))
+            .collect();
         let taken = give(HandOver {
             apps,
+            links,
             drained,
             left_queued,
             unsaved,
@@ -69,11 +77,13 @@ impl Engine {
 
     /// [`Engine::apply`] for a process taking over from another: each app of `graph` with a
     /// handed-over app of the same name and type starts from its counters, adopts its
-    /// descriptors in `new` and takes its state back before its first breath.
+    /// descriptors in `new` and takes its state back before its first breath; links of the same
+    /// spec continue their predecessors' counters.
     pub fn apply_inheriting(
         &self,
         graph: Graph,
         apps: BTreeMap<String, HandedApp>,
+        links: &BTreeMap<String, LinkStats>,
     ) -> Result<(ApplyReport, RestoreReport), EngineError> {
         *self.inheritance.lock().unwrap() = Inheritance {
             apps,
@@ -83,7 +93,25 @@ impl Engine {
         let Inheritance { apps, mut report } =
             std::mem::take(&mut *self.inheritance.lock().unwrap());
         report.gone.extend(apps.into_keys());
-        Ok((applied?, report))
+        let applied = applied?;
+        self.continue_link_counters(links)?;
+        Ok((applied, report))
+    }
+
+    /// Adds `before`'s counters to the running links of the same spec, with the workers
+    /// parked (a link's counters are written by its two ends alone while they run).
+    fn continue_link_counters(
+        &self,
+        before: &BTreeMap<String, LinkStats>,
+    ) -> Result<(), EngineError> {
+        let mut st = self.state.lock().unwrap();
+        let parked = park_workers(&mut st)?;
+        for (decl, ring) in &st.links {
+            if let Some(b) = before.get(&decl.spec()) {
+                ring.count_on_from(b);
+            }
+        }
+        resume_parked(&st, parked)
     }
 
     /// The counters and descriptors a predecessor left for app `name` of type `kind`, if any.

@@ -1,0 +1,346 @@
+//! `stitch upgrade` between two processes of one instance. The running process listens on a
+//! Unix socket beside its API socket (`NAME.upgrade`); a new process connects and asks to
+//! take over. The running one holds every API change off, parks its workers, lets queued
+//! packets leave, and sends an offer — its command line, the running graph, each app's
+//! counters, state and ring positions — then the descriptors that carry traffic, in batches
+//! (`SCM_RIGHTS`): the instance's lock, the API's listeners, its standard output and error, and
+//! each app's sockets and devices. The new process builds the same graph on them and answers
+//! `started`, and the old one exits without closing or stopping anything; any other answer (or
+//! none within [`ANSWER_PATIENCE`]) and the old one resumes where it was.
+//!
+//! Frames are a 4-byte little-endian length and a JSON document; a descriptor batch is one
+//! byte carrying up to [`fdpass::MAX_FDS`] descriptors.
+
+use crate::{Api, Listeners};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use stitch_core::engine::{HandOver, HandedApp};
+use stitch_core::{fdpass, AppState, Descriptors};
+
+/// The offer's own format; a process reading another refuses it and the old one carries on.
+pub const HAND_OVER_FORMAT: u32 = 1;
+
+/// How long the old process waits for the new one to start the graph.
+pub const ANSWER_PATIENCE: Duration = Duration::from_secs(30);
+
+/// The hand-over socket of the instance whose API socket is `api_socket`.
+pub fn socket_path(api_socket: &Path) -> PathBuf {
+    api_socket.with_extension("upgrade")
+}
+
+/// What the running process offers, before the descriptors.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Offer {
+    pub hand_over_format: u32,
+    pub pid: u32,
+    /// The running process's command line (its `run` arguments are the successor's).
+    pub args: Vec<String>,
+    /// Its working folder, from which those arguments' paths are read.
+    pub cwd: PathBuf,
+    /// The running graph, as a document.
+    pub graph: String,
+    pub graph_name: String,
+    pub base_dir: PathBuf,
+    pub tcp_listener: bool,
+    pub apps: BTreeMap<String, OfferedApp>,
+    pub links: BTreeMap<String, stitch_core::link::LinkStats>,
+    pub drained: u64,
+    pub left_queued: u64,
+    pub unsaved: Vec<(String, String)>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct OfferedApp {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub counters: BTreeMap<String, u64>,
+    pub state: Option<AppState>,
+    pub position: Option<serde_json::Value>,
+    pub fds: usize,
+}
+
+/// What the new process answers once it has tried to start the graph.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum Answer {
+    Started,
+    Failed(String),
+}
+
+#[derive(Serialize, Deserialize)]
+struct Request {
+    take_over: u32,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum Reply {
+    Refused(String),
+    Offer(Box<Offer>),
+}
+
+/// What the old process keeps for handing over: the instance's lock and the API's listeners.
+pub struct Holdings {
+    pub lock: OwnedFd,
+    pub listeners: Listeners,
+}
+
+/// Listens for a successor on `path` for the life of the process; when one takes over, the
+/// process exits (status 0) without stopping anything.
+pub fn serve(api: Arc<Api>, path: PathBuf, holdings: Holdings) -> anyhow::Result<()> {
+    let _ = std::fs::remove_file(&path);
+    let listener = UnixListener::bind(&path)
+        .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", path.display()))?;
+    std::thread::Builder::new()
+        .name("stitch-upgrade".into())
+        .spawn(move || {
+            for conn in listener.incoming().flatten() {
+                match hand_over(&api, conn, &holdings) {
+                    Ok(true) => {
+                        log::info!("a new process took over; this one leaves");
+                        let _ = std::fs::remove_file(&path);
+                        std::process::exit(0);
+                    }
+                    Ok(false) => {}
+                    Err(e) => log::warn!("upgrade: {e}"),
+                }
+            }
+        })?;
+    Ok(())
+}
+
+/// One successor's attempt: true when it took over.
+fn hand_over(api: &Api, mut conn: UnixStream, holdings: &Holdings) -> anyhow::Result<bool> {
+    conn.set_read_timeout(Some(ANSWER_PATIENCE))?;
+    let request: Request = read_frame(&mut conn)?;
+    if request.take_over != HAND_OVER_FORMAT {
+        let why = format!(
+            "hand-over format {} asked, this Stitch offers format {HAND_OVER_FORMAT}",
+            request.take_over
+        );
+        write_frame(&mut conn, &Reply::Refused(why.clone()))?;
+        anyhow::bail!("{why}");
+    }
+    if let Some(why) = api.placements().upgrade_obstacle() {
+        write_frame(&mut conn, &Reply::Refused(why.clone()))?;
+        anyhow::bail!("refused: {why}");
+    }
+    let graph = api.placements().graph();
+    let started = Instant::now();
+    let mut failure = None;
+    let taken = api.while_unchanged(|| {
+        api.engine()
+            .hand_over(|h| match offer(&mut conn, h, graph.as_ref(), holdings) {
+                Ok(taken) => taken,
+                Err(e) => {
+                    failure = Some(e);
+                    false
+                }
+            })
+    })?;
+    if let Some(e) = failure {
+        anyhow::bail!("the new process failed: {e}; this one carries on");
+    }
+    log::info!(
+        "handed over in {:.1} ms",
+        started.elapsed().as_secs_f64() * 1e3
+    );
+    Ok(taken)
+}
+
+/// Sends the offer and the descriptors; true when the successor answers `started`.
+fn offer(
+    conn: &mut UnixStream,
+    h: HandOver,
+    graph: Option<&stitch_place::PlacedGraph>,
+    holdings: &Holdings,
+) -> anyhow::Result<bool> {
+    let mut fds: Vec<BorrowedFd> = vec![holdings.lock.as_fd(), holdings.listeners.unix.as_fd()];
+    if let Some(t) = &holdings.listeners.tcp {
+        fds.push(t.as_fd());
+    }
+    let (stdout, stderr) = (std::io::stdout(), std::io::stderr());
+    fds.push(stdout.as_fd());
+    fds.push(stderr.as_fd());
+    let mut apps = BTreeMap::new();
+    let mut app_fds = Vec::new();
+    for (name, app) in h.apps {
+        let (position, n) = match app.descriptors {
+            Some(d) => {
+                let n = d.fds.len();
+                app_fds.extend(d.fds);
+                (Some(d.position), n)
+            }
+            None => (None, 0),
+        };
+        let offered = OfferedApp {
+            kind: app.kind,
+            counters: app.counters,
+            state: app.state,
+            position,
+            fds: n,
+        };
+        apps.insert(name, offered);
+    }
+    fds.extend(app_fds.iter().map(|f| f.as_fd()));
+    let (doc, name, base) = match graph {
+        Some(g) => (
+            g.to_document().to_string(),
+            "<graph taken over>".to_string(),
+            g.graph.base_dir.clone(),
+        ),
+        None => ("apps: {}\n".into(), "<empty>".into(), PathBuf::from("/")),
+    };
+    let offer = Offer {
+        hand_over_format: HAND_OVER_FORMAT,
+        pid: std::process::id(),
+        args: std::env::args().collect(),
+        cwd: std::env::current_dir().unwrap_or_else(|_| PathBuf::from("/")),
+        graph: doc,
+        graph_name: name,
+        base_dir: base,
+        tcp_listener: holdings.listeners.tcp.is_some(),
+        apps,
+        links: h.links,
+        drained: h.drained,
+        left_queued: h.left_queued,
+        unsaved: h.unsaved,
+    };
+    write_frame(conn, &Reply::Offer(Box::new(offer)))?;
+    for batch in fds.chunks(fdpass::MAX_FDS) {
+        let raw: Vec<i32> = batch.iter().map(|f| f.as_raw_fd()).collect();
+        fdpass::send(conn.as_raw_fd(), &[raw.len() as u8], &raw)?;
+    }
+    match read_frame::<Answer>(conn) {
+        Ok(Answer::Started) => Ok(true),
+        Ok(Answer::Failed(why)) => Err(anyhow::anyhow!("{why}")),
+        Err(e) => Err(anyhow::anyhow!("no answer: {e}")),
+    }
+}
+
+/// What a new process received from the one it takes over from.
+pub struct Inheritance {
+    pub offer: Offer,
+    pub lock: OwnedFd,
+    pub listeners: Listeners,
+    pub stdout: OwnedFd,
+    pub stderr: OwnedFd,
+    /// Each app's counters, state and descriptors, for [`stitch_core::Engine::apply_inheriting`].
+    pub apps: BTreeMap<String, HandedApp>,
+    /// How the old process learns the outcome.
+    pub answer: AnswerTo,
+}
+
+/// The old process's end of the hand-over, waiting for the outcome.
+pub struct AnswerTo {
+    conn: UnixStream,
+}
+
+/// Asks the instance whose API socket is `api_socket` for everything it runs on. Its workers
+/// stay parked until [`Inheritance::started`] or [`Inheritance::failed`] (or this process
+/// exits).
+pub fn take_over(api_socket: &Path) -> anyhow::Result<Inheritance> {
+    let path = socket_path(api_socket);
+    let mut conn = UnixStream::connect(&path).map_err(|e| {
+        anyhow::anyhow!(
+            "no instance offers a hand-over on {}: {e} (is it running, and started by a Stitch \
+             that can be upgraded?)",
+            path.display()
+        )
+    })?;
+    conn.set_read_timeout(Some(ANSWER_PATIENCE))?;
+    write_frame(
+        &mut conn,
+        &Request {
+            take_over: HAND_OVER_FORMAT,
+        },
+    )?;
+    let mut offer = match read_frame::<Reply>(&mut conn)? {
+        Reply::Refused(why) => anyhow::bail!("the running instance refused: {why}"),
+        Reply::Offer(o) => *o,
+    };
+    let tcp = usize::from(offer.tcp_listener);
+    let wanted = 4 + tcp + offer.apps.values().map(|a| a.fds).sum::<usize>();
+    let mut fds = Vec::with_capacity(wanted);
+    while fds.len() < wanted {
+        let (_, batch) = fdpass::recv(conn.as_raw_fd(), 1).map_err(|e| {
+            anyhow::anyhow!(
+                "receiving the descriptors: {e} (after {} of {wanted}; is the open-files limit, \
+                 ulimit -n, high enough?)",
+                fds.len()
+            )
+        })?;
+        anyhow::ensure!(
+            !batch.is_empty(),
+            "the hand-over stopped after {} descriptors of {wanted}",
+            fds.len()
+        );
+        fds.extend(batch);
+    }
+    let mut fds = fds.into_iter();
+    let mut next = || fds.next().expect("counted above");
+    let lock = next();
+    let listeners = Listeners {
+        unix: UnixListener::from(next()),
+        tcp: (tcp == 1).then(|| std::net::TcpListener::from(next())),
+    };
+    let (stdout, stderr) = (next(), next());
+    let mut apps = BTreeMap::new();
+    for (name, a) in std::mem::take(&mut offer.apps) {
+        let descriptors = a.position.map(|position| Descriptors {
+            fds: (0..a.fds).map(|_| next()).collect(),
+            position,
+        });
+        let handed = HandedApp {
+            kind: a.kind,
+            counters: a.counters,
+            state: a.state,
+            descriptors,
+        };
+        apps.insert(name, handed);
+    }
+    Ok(Inheritance {
+        offer,
+        lock,
+        listeners,
+        stdout,
+        stderr,
+        apps,
+        answer: AnswerTo { conn },
+    })
+}
+
+impl AnswerTo {
+    /// Tells the old process the graph runs here: it exits.
+    pub fn started(mut self) -> anyhow::Result<()> {
+        write_frame(&mut self.conn, &Answer::Started)
+    }
+
+    /// Tells the old process this one could not start: it resumes.
+    pub fn failed(mut self, why: &str) {
+        let _ = write_frame(&mut self.conn, &Answer::Failed(why.to_string()));
+    }
+}
+
+fn write_frame<T: Serialize>(conn: &mut UnixStream, v: &T) -> anyhow::Result<()> {
+    let bytes = serde_json::to_vec(v)?;
+    conn.write_all(&(bytes.len() as u32).to_le_bytes())?;
+    conn.write_all(&bytes)?;
+    Ok(())
+}
+
+fn read_frame<T: for<'de> Deserialize<'de>>(conn: &mut UnixStream) -> anyhow::Result<T> {
+    let mut len = [0u8; 4];
+    conn.read_exact(&mut len)?;
+    let len = u32::from_le_bytes(len) as usize;
+    anyhow::ensure!(len <= 1 << 30, "a frame of {len} bytes");
+    let mut bytes = vec![0; len];
+    conn.read_exact(&mut bytes)?;
+    Ok(serde_json::from_slice(&bytes)?)
+}

@@ -1,0 +1,262 @@
+//! `stitch upgrade`: a new Stitch process takes a running instance over without closing
+//! anything that carries traffic (the protocol is `stitch_api::handover`). The command starts
+//! the new binary (`stitch take-over`, in a session of its own) and waits for its word: the
+//! graph runs there, or why it does not — in which case the running instance carries on.
+
+use crate::{Cli, Cmd, Instance, Running, StateKeeper};
+use anyhow::{Context, Result};
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+use stitch_api::handover;
+use stitch_place::PlacedGraph;
+
+#[derive(clap::Args)]
+pub struct UpgradeArgs {
+    #[command(flatten)]
+    instance: Instance,
+    /// The Stitch binary to run the instance from now on (by default this one: after a
+    /// package upgrade, the new version).
+    #[arg(long)]
+    binary: Option<PathBuf>,
+}
+
+/// What a process taking over starts its instance on.
+pub struct Inherited {
+    pub lock: OwnedFd,
+    pub listeners: stitch_api::Listeners,
+}
+
+/// Lets a new process take the running instance over for the rest of its life.
+pub fn offer_hand_over(running: &Running) -> Result<()> {
+    let holdings = handover::Holdings {
+        lock: running._owner.try_clone_fd()?,
+        listeners: running.server.listeners().try_clone()?,
+    };
+    handover::serve(
+        running.api.clone(),
+        handover::socket_path(&running.config.unix),
+        holdings,
+    )
+}
+
+/// The descriptor number the new process reports on.
+const READY_FD: i32 = 3;
+
+/// `stitch upgrade`: starts the new process and reports what it says.
+pub fn upgrade(args: UpgradeArgs) -> Result<()> {
+    let binary = match args.binary {
+        Some(b) => b,
+        None => std::env::current_exe().context("which binary runs this command")?,
+    };
+    let socket = args.instance.socket();
+    let (mut ready, ready_w) = std::io::pipe()?;
+    let ready_w: OwnedFd = ready_w.into();
+    let raw = ready_w.as_raw_fd();
+    let mut cmd = std::process::Command::new(&binary);
+    cmd.arg("take-over")
+        .arg("--control")
+        .arg(&socket)
+        .arg("--ready-fd")
+        .arg(READY_FD.to_string())
+        .stdin(std::process::Stdio::null());
+    // SAFETY: between fork and exec only async-signal-safe calls (dup2, setsid) on descriptors
+    // this process owns.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::dup2(raw, READY_FD) < 0 || libc::setsid() < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let started = Instant::now();
+    let mut child = cmd
+        .spawn()
+        .with_context(|| format!("cannot start {}", binary.display()))?;
+    drop(ready_w);
+    let mut said = String::new();
+    let _ = ready.read_to_string(&mut said);
+    let word: serde_json::Value = serde_json::from_str(said.trim()).unwrap_or_default();
+    if let Some(ok) = word.get("took_over") {
+        println!(
+            "upgraded `{}`: process {} took over from {} in {:.0} ms",
+            socket.display(),
+            child.id(),
+            ok["from"],
+            started.elapsed().as_secs_f64() * 1e3
+        );
+        println!("{}", serde_json::to_string_pretty(ok)?);
+        return Ok(());
+    }
+    let status = child.wait()?;
+    let why = word["error"]
+        .as_str()
+        .map(str::to_string)
+        .unwrap_or_else(|| format!("{} ended ({status}) without taking over", binary.display()));
+    anyhow::bail!("{why}; the running instance carries on unchanged")
+}
+
+/// `stitch take-over`: receives the instance on `socket` and runs it; `ready_fd` hears the outcome.
+pub fn take_over(socket: &Path, ready_fd: i32) -> Result<()> {
+    // SAFETY: the parent (`stitch upgrade`) opened this descriptor for us and nothing else
+    // in this process owns it.
+    let mut ready = std::fs::File::from(unsafe { OwnedFd::from_raw_fd(ready_fd) });
+    let asked = Instant::now();
+    let taken = handover::take_over(socket).and_then(|inh| {
+        let from = inh.offer.pid;
+        let (answer, result) = start_inherited(inh, asked);
+        match result {
+            Ok(started) => {
+                answer.started()?;
+                Ok((started, from))
+            }
+            Err(e) => {
+                answer.failed(&format!("{e:#}"));
+                Err(e)
+            }
+        }
+    });
+    let (started, from) = match taken {
+        Ok(t) => t,
+        Err(e) => {
+            let _ = writeln!(
+                ready,
+                "{}",
+                serde_json::json!({ "error": format!("{e:#}") })
+            );
+            return Err(e);
+        }
+    };
+    let mut report = started.report;
+    report["from"] = from.into();
+    let _ = writeln!(ready, "{}", serde_json::json!({ "took_over": report }));
+    drop(ready);
+    log::info!("took over from process {from}: {report}");
+    let s = started.settings;
+    crate::serve_until_stopped(
+        started.running,
+        started.keeper,
+        &s.file,
+        s.duration,
+        (s.json, &s.listen),
+    )
+}
+
+/// The `run` settings of the process taken over from.
+struct RunSettings {
+    file: PathBuf,
+    duration: Option<f64>,
+    json: bool,
+    instance: Instance,
+    listen: crate::Listen,
+    state: crate::StateArgs,
+}
+
+/// An instance started on what its predecessor handed over.
+struct Started {
+    running: Running,
+    keeper: Option<StateKeeper>,
+    settings: RunSettings,
+    report: serde_json::Value,
+}
+
+/// Starts the instance on `inh`; the answer to give the old process comes back with the outcome.
+fn start_inherited(
+    inh: handover::Inheritance,
+    asked: Instant,
+) -> (handover::AnswerTo, Result<Started>) {
+    let handover::Inheritance {
+        offer,
+        lock,
+        listeners,
+        stdout,
+        stderr,
+        apps,
+        answer,
+    } = inh;
+    if let Err(e) = std::env::set_current_dir(&offer.cwd) {
+        let e = anyhow::anyhow!("cannot work in {}: {e}", offer.cwd.display());
+        return (answer, Err(e));
+    }
+    let settings = match run_settings(&offer.args) {
+        Ok(s) => s,
+        Err(e) => return (answer, Err(e)),
+    };
+    let result = (|| {
+        let registry = Arc::new(crate::registry());
+        let graph = PlacedGraph::parse(&offer.graph, &offer.graph_name, &offer.base_dir, &registry)
+            .map_err(|e| anyhow::anyhow!("the running graph does not parse here: {e}"))?;
+        let graph_file = Some(std::path::absolute(&settings.file)?);
+        let inherited = Inherited { lock, listeners };
+        let running = crate::start_instance(
+            registry,
+            &settings.instance,
+            &settings.listen,
+            graph_file,
+            Some(inherited),
+        )?;
+        let (applied, restored) = running
+            .api
+            .placements()
+            .apply_inheriting(graph, apps, &offer.links)
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        // Log lines go where the old process's went (a journal, a file) from here on.
+        for (from, to) in [(&stdout, 1), (&stderr, 2)] {
+            // SAFETY: dup2 onto the standard descriptors, which this process keeps open.
+            unsafe { libc::dup2(from.as_raw_fd(), to) };
+        }
+        let report = serde_json::json!({
+            "paused_ms_at_most": asked.elapsed().as_secs_f64() * 1e3,
+            "apps": applied.engine.started.len(),
+            "packets_drained": offer.drained,
+            "packets_left_queued": offer.left_queued,
+            "state_restored": restored.restored,
+            "state_refused": restored.refused,
+            "state_unsaved": offer.unsaved,
+        });
+        let keeper = StateKeeper::after_take_over(&settings.state, restored)?;
+        Ok((running, keeper, report))
+    })();
+    match result {
+        Ok((running, keeper, report)) => (
+            answer,
+            Ok(Started {
+                running,
+                keeper,
+                settings,
+                report,
+            }),
+        ),
+        Err(e) => (answer, Err(e)),
+    }
+}
+
+/// The old process's `stitch run` arguments, read by this version.
+fn run_settings(args: &[String]) -> Result<RunSettings> {
+    use clap::Parser;
+    let cli = Cli::try_parse_from(args).map_err(|e| {
+        anyhow::anyhow!("this Stitch does not take the running one's arguments {args:?}: {e}")
+    })?;
+    match cli.cmd {
+        Cmd::Run {
+            file,
+            duration,
+            json,
+            instance,
+            listen,
+            state,
+        } => Ok(RunSettings {
+            file,
+            duration,
+            json,
+            instance,
+            listen,
+            state,
+        }),
+        _ => anyhow::bail!("only an instance started by `stitch run` can be taken over"),
+    }
+}
