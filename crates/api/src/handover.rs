@@ -31,7 +31,7 @@ pub const ANSWER_PATIENCE: Duration = Duration::from_secs(30);
 
 /// The hand-over socket of the instance whose API socket is `api_socket`.
 pub fn socket_path(api_socket: &Path) -> PathBuf {
-    api_socket.with_extension("upgrade")
+    stitch_place::leftovers::upgrade_socket(api_socket)
 }
 
 /// What the running process offers, before the descriptors.
@@ -76,6 +76,7 @@ enum Answer {
 #[derive(Serialize, Deserialize)]
 struct Request {
     take_over: u32,
+    pid: u32,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -102,12 +103,12 @@ pub fn serve(api: Arc<Api>, path: PathBuf, holdings: Holdings) -> anyhow::Result
         .spawn(move || {
             for conn in listener.incoming().flatten() {
                 match hand_over(&api, conn, &holdings) {
-                    Ok(true) => {
-                        log::info!("a new process took over; this one leaves");
-                        let _ = std::fs::remove_file(&path);
+                    Ok(Some(successor)) => {
+                        log::info!("process {successor} took over; this one leaves");
+                        tell_service_manager(successor);
                         std::process::exit(0);
                     }
-                    Ok(false) => {}
+                    Ok(None) => {}
                     Err(e) => log::warn!("upgrade: {e}"),
                 }
             }
@@ -115,8 +116,28 @@ pub fn serve(api: Arc<Api>, path: PathBuf, holdings: Holdings) -> anyhow::Result
     Ok(())
 }
 
-/// One successor's attempt: true when it took over.
-fn hand_over(api: &Api, mut conn: UnixStream, holdings: &Holdings) -> anyhow::Result<bool> {
+/// Under systemd (`NOTIFY_SOCKET`), names the successor the service's main process, so that
+/// the service lives on in it (the unit says `NotifyAccess=main`).
+fn tell_service_manager(successor: u32) {
+    let Some(path) = std::env::var_os("NOTIFY_SOCKET") else {
+        return;
+    };
+    let sent = std::os::unix::net::UnixDatagram::unbound().and_then(|s| {
+        let message = format!(
+            "MAINPID={successor}\nSTATUS=upgraded: process {successor} runs the instance\n"
+        );
+        s.send_to(message.as_bytes(), &path)
+    });
+    if let Err(e) = sent {
+        log::warn!(
+            "could not tell the service manager ({}) about process {successor}: {e}",
+            path.to_string_lossy()
+        );
+    }
+}
+
+/// One successor's attempt: its pid when it took over.
+fn hand_over(api: &Api, mut conn: UnixStream, holdings: &Holdings) -> anyhow::Result<Option<u32>> {
     conn.set_read_timeout(Some(ANSWER_PATIENCE))?;
     let request: Request = read_frame(&mut conn)?;
     if request.take_over != HAND_OVER_FORMAT {
@@ -151,7 +172,7 @@ fn hand_over(api: &Api, mut conn: UnixStream, holdings: &Holdings) -> anyhow::Re
         "handed over in {:.1} ms",
         started.elapsed().as_secs_f64() * 1e3
     );
-    Ok(taken)
+    Ok(taken.then_some(request.pid))
 }
 
 /// Sends the offer and the descriptors; true when the successor answers `started`.
@@ -259,6 +280,7 @@ pub fn take_over(api_socket: &Path) -> anyhow::Result<Inheritance> {
         &mut conn,
         &Request {
             take_over: HAND_OVER_FORMAT,
+            pid: std::process::id(),
         },
     )?;
     let mut offer = match read_frame::<Reply>(&mut conn)? {

@@ -36,6 +36,12 @@ impl Owner {
     }
 }
 
+/// Where the instance whose API socket is `socket` listens for a process taking it over
+/// (`stitch upgrade`).
+pub fn upgrade_socket(socket: &Path) -> PathBuf {
+    socket.with_extension("upgrade")
+}
+
 /// The lock file of the instance whose API socket is `socket`.
 pub fn lock_path(socket: &Path) -> PathBuf {
     socket.with_extension("lock")
@@ -105,6 +111,10 @@ pub fn clean_dead(socket: &Path, key: &str) -> Result<Vec<String>, String> {
     let mut removed = Placements::new(engine, key).clean_after_crash();
     if std::fs::remove_file(socket).is_ok() {
         removed.push(format!("the API socket {}", socket.display()));
+    }
+    let upgrade = upgrade_socket(socket);
+    if std::fs::remove_file(&upgrade).is_ok() {
+        removed.push(format!("the upgrade socket {}", upgrade.display()));
     }
     Ok(removed)
 }

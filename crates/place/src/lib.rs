@@ -93,6 +93,25 @@ pub struct PlaceReport {
     pub moved: Vec<Moved>,
 }
 
+/// App types whose process-held resources a new process could not open beside the old one,
+/// or would lose by opening again: an upgrade is refused while the graph has one.
+const NOT_HANDED_OVER: [(&str, &str); 5] = [
+    (
+        "af_xdp",
+        "its queue's socket and UMEM are bound to this process",
+    ),
+    ("vhost_user", "the guest would see its socket go"),
+    (
+        "nf_port",
+        "its function processes are attached to this process",
+    ),
+    (
+        "pcap_sink",
+        "its file would be written again from the start",
+    ),
+    ("capture", "its file would be written again from the start"),
+];
+
 /// What a graph becomes: the engine's graph and the processes (function processes and VMs) to
 /// keep running.
 #[derive(Debug)]
@@ -414,17 +433,25 @@ impl Placements {
     /// kernel data plane would be stopped and started again.
     pub fn upgrade_obstacle(&self) -> Option<String> {
         let graph = self.graph.lock().unwrap();
-        let outside: Vec<String> = (graph.iter())
-            .flat_map(|g| &g.apps)
+        let graph = graph.as_ref()?;
+        let outside: Vec<String> = (graph.apps.iter())
             .filter(|(_, a)| a.placement != Placement::Engine)
             .map(|(name, a)| format!("`{name}` ({:?})", a.placement).to_lowercase())
             .collect();
-        (!outside.is_empty()).then(|| {
-            format!(
+        if !outside.is_empty() {
+            return Some(format!(
                 "apps placed outside the engine cannot be handed over yet: {}",
                 outside.join(", ")
-            )
-        })
+            ));
+        }
+        let held: Vec<String> = (graph.graph.apps.values())
+            .filter_map(|d| {
+                let (_, why) = NOT_HANDED_OVER.iter().find(|(k, _)| *k == d.kind)?;
+                Some(format!("`{}` ({}: {why})", d.name, d.kind))
+            })
+            .collect();
+        (!held.is_empty())
+            .then(|| format!("these apps cannot be handed over yet: {}", held.join("; ")))
     }
 
     /// [`Placements::apply`] for a process taking over from another (`stitch upgrade`): the

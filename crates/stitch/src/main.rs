@@ -592,6 +592,7 @@ fn clean_up_crashes(api: &stitch_api::Api, config: &stitch_api::ApiConfig) {
 /// Stops the API, everything placed and the engine; prints the last counters.
 fn finish(r: Running, as_json: bool) -> Result<()> {
     r.server.shutdown();
+    let _ = std::fs::remove_file(stitch_api::handover::socket_path(&r.config.unix));
     let stats = r.api.placements().stop();
     let v = r.api.stats_json(&stats);
     if as_json {

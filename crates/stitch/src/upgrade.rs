@@ -81,7 +81,8 @@ pub fn upgrade(args: UpgradeArgs) -> Result<()> {
     let mut said = String::new();
     let _ = ready.read_to_string(&mut said);
     let word: serde_json::Value = serde_json::from_str(said.trim()).unwrap_or_default();
-    if let Some(ok) = word.get("took_over") {
+    if let Some(mut ok) = word.get("took_over").cloned() {
+        ok["pid"] = child.id().into();
         println!(
             "upgraded `{}`: process {} took over from {} in {:.0} ms",
             socket.display(),
@@ -89,7 +90,7 @@ pub fn upgrade(args: UpgradeArgs) -> Result<()> {
             ok["from"],
             started.elapsed().as_secs_f64() * 1e3
         );
-        println!("{}", serde_json::to_string_pretty(ok)?);
+        println!("{}", serde_json::to_string_pretty(&ok)?);
         return Ok(());
     }
     let status = child.wait()?;

@@ -321,6 +321,11 @@ impl Stitch {
 
     /// Runs `graph` with more `stitch run` arguments (e.g. `--listen`).
     pub fn run_with(graph: &str, extra: &[&str]) -> Stitch {
+        Stitch::run_with_env(graph, extra, &[])
+    }
+
+    /// [`Stitch::run_with`] with more environment variables.
+    pub fn run_with_env(graph: &str, extra: &[&str], env: &[(&str, &Path)]) -> Stitch {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("graph.yaml");
         std::fs::write(&file, graph).unwrap();
@@ -330,6 +335,7 @@ impl Stitch {
             .arg(&socket)
             .arg(&file)
             .args(extra)
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()

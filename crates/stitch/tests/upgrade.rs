@@ -1,0 +1,301 @@
+//! `stitch upgrade` as an operator runs it, mid-traffic: a TCP connection through a firewall
+//! and a NAT carries on, a UDP stream loses nothing, counters go on from where they were, and
+//! a new process that cannot take over leaves the running one as it was.
+
+mod common;
+use common::*;
+use std::process::Command;
+
+/// The process that took an instance over (not a child of the test): killed if the test fails.
+struct Successor(i32);
+
+impl Drop for Successor {
+    fn drop(&mut self) {
+        // SAFETY: kill takes no pointers; a pid already gone fails harmlessly.
+        unsafe { libc::kill(self.0, libc::SIGKILL) };
+    }
+}
+
+impl Successor {
+    /// Stops it like an operator (SIGINT) and returns the final counters it printed on the
+    /// standard output it took over from `first`.
+    fn stop(self, first: Stitch) -> serde_json::Value {
+        // SAFETY: as in drop.
+        unsafe { libc::kill(self.0, libc::SIGINT) };
+        let out = first.process.finish();
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+            panic!(
+                "{e}: {}\n{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            )
+        })
+    }
+}
+
+/// `stitch upgrade` of `s` with `binary`: its exit status and output.
+fn upgrade_with(s: &Stitch, binary: &str) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_stitch"))
+        .args(["upgrade", "--control"])
+        .arg(&s.socket)
+        .args(["--binary", binary])
+        .output()
+        .unwrap()
+}
+
+/// Upgrades `s` to this build; returns the new process and its report.
+fn upgrade(s: &Stitch) -> (Successor, serde_json::Value) {
+    let o = upgrade_with(s, env!("CARGO_BIN_EXE_stitch"));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "stitch upgrade: {out}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let json = &out[out.find('{').expect("a report")..];
+    let report: serde_json::Value = serde_json::from_str(json).unwrap();
+    let pid = report["pid"].as_i64().unwrap() as i32;
+    (Successor(pid), report)
+}
+
+/// Echoes each line of one connection.
+const ECHO_SERVER: &str = r#"
+import socket
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", 7007))
+s.listen(1)
+print("ready", flush=True)
+c, _ = s.accept()
+f = c.makefile("rw")
+for line in f:
+    f.write(line)
+    f.flush()
+"#;
+
+/// One connection: a line before the upgrade, a line after it (once `go` exists).
+const TWO_LINE_CLIENT: &str = r#"
+import os, socket, sys, time
+c = socket.create_connection((sys.argv[1], 7007), timeout=20)
+f = c.makefile("rw")
+for word in ["before", "after"]:
+    if word == "after":
+        open(sys.argv[2] + ".asked", "w").close()
+        while not os.path.exists(sys.argv[2]):
+            time.sleep(0.02)
+    f.write(word + "\n")
+    f.flush()
+    print(f.readline().strip(), flush=True)
+"#;
+
+#[test]
+fn a_tcp_connection_through_a_firewall_and_a_nat_carries_on_across_an_upgrade() {
+    require_root_and_tools(&["ip", "python3"]);
+    let h = TwoHosts::new();
+    let external = format!("{}52", &h.ip[0][..h.ip[0].len() - 1]);
+    let graph = format!(
+        "apps:\n  lan: {{ type: af_packet, interface: {} }}\n  wan: {{ type: af_packet, interface: {} }}\n  fw: {{ type: firewall, default: drop, rules: [ {{ action: accept, from: lan }} ] }}\n  nat: {{ type: nat, external: \"{external}\", ports: \"20000-29999\" }}\nlinks:\n  - \"lan.output -> fw.lan\"\n  - \"fw.lan -> lan.input\"\n  - \"fw.wan -> nat.lan\"\n  - \"nat.lan -> fw.wan\"\n  - \"wan.output -> nat.wan\"\n  - \"nat.wan -> wan.input\"\n",
+        h.outer[0], h.outer[1]
+    );
+    let first = Stitch::run(&graph);
+    let dir = first.path().to_path_buf();
+    std::fs::write(dir.join("server.py"), ECHO_SERVER).unwrap();
+    std::fs::write(dir.join("client.py"), TWO_LINE_CLIENT).unwrap();
+    let go = dir.join("go");
+    let server = h.spawn_ready(1, &format!("python3 {}", dir.join("server.py").display()));
+    let client = h.spawn(
+        0,
+        &format!(
+            "python3 {} {} {}",
+            dir.join("client.py").display(),
+            h.ip[1],
+            go.display()
+        ),
+    );
+    let asked = dir.join("go.asked");
+    wait_until("the first line to cross", 20, || asked.exists());
+    let before = first.stats().unwrap();
+    let (successor, report) = upgrade(&first);
+    std::fs::write(&go, "").unwrap();
+    let got = client.finish();
+    assert_eq!(
+        String::from_utf8_lossy(&got.stdout).trim(),
+        "before\nafter",
+        "{}",
+        String::from_utf8_lossy(&got.stderr)
+    );
+    drop(server);
+    let restored: Vec<&str> = (report["state_restored"].as_array().unwrap().iter())
+        .filter_map(|v| v.as_str())
+        .collect();
+    assert_eq!(restored, ["fw", "nat"], "{report}");
+    // The API socket answered all along; counters go on from where they were.
+    let after = first.stats().unwrap();
+    for (a, counter) in [("nat", "translated_out"), ("fw", "accepted")] {
+        let was = app(&before, a)["counters"][counter].as_u64();
+        let is = app(&after, a)["counters"][counter].as_u64();
+        assert!(
+            was.is_some() && is >= was,
+            "{a} {counter}: {was:?} → {is:?}"
+        );
+    }
+    let spec = "lan.output -> fw.lan";
+    assert!(
+        link(&after, spec)["tx_packets"].as_u64() >= link(&before, spec)["tx_packets"].as_u64(),
+        "{after}"
+    );
+    let last = successor.stop(first);
+    assert_eq!(
+        app(&last, "nat")["counters"]["no_mapping_drops"],
+        0,
+        "{last}"
+    );
+}
+
+/// Sends `count` numbered datagrams, one every `gap` seconds.
+const NUMBERED_SENDER: &str = r#"
+import socket, sys, time
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+count, gap = int(sys.argv[2]), float(sys.argv[3])
+start = time.monotonic()
+for i in range(count):
+    s.sendto(i.to_bytes(4, "big"), (sys.argv[1], 7008))
+    delay = start + (i + 1) * gap - time.monotonic()
+    if delay > 0:
+        time.sleep(delay)
+"#;
+
+/// Counts the distinct numbers it receives until none comes for 2 s.
+const NUMBER_COUNTER: &str = r#"
+import socket
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind(("0.0.0.0", 7008))
+print("ready", flush=True)
+seen = set()
+s.settimeout(30)
+while True:
+    try:
+        seen.add(int.from_bytes(s.recv(64), "big"))
+    except socket.timeout:
+        break
+    s.settimeout(2)
+print(len(seen), flush=True)
+"#;
+
+#[test]
+fn a_udp_stream_loses_nothing_across_an_upgrade() {
+    require_root_and_tools(&["ip", "python3"]);
+    let h = TwoHosts::new();
+    let graph = format!(
+        "apps:\n  a: {{ type: af_packet, interface: {} }}\n  b: {{ type: af_packet, interface: {} }}\nlinks:\n  - \"a.output -> b.input\"\n  - \"b.output -> a.input\"\n",
+        h.outer[0], h.outer[1]
+    );
+    // As systemd runs it: the instance names its successor the service's main process.
+    let notify_dir = tempfile::tempdir().unwrap();
+    let notify_path = notify_dir.path().join("notify");
+    let notify = std::os::unix::net::UnixDatagram::bind(&notify_path).unwrap();
+    let first = Stitch::run_with_env(&graph, &[], &[("NOTIFY_SOCKET", &notify_path)]);
+    assert!(h.reaches(0, &h.ip[1], 10), "no path before the upgrade");
+    let dir = first.path().to_path_buf();
+    std::fs::write(dir.join("send.py"), NUMBERED_SENDER).unwrap();
+    std::fs::write(dir.join("count.py"), NUMBER_COUNTER).unwrap();
+    let counter = h.spawn_ready(1, &format!("python3 {}", dir.join("count.py").display()));
+    // 2 000 datagrams a second for 2 s; the upgrade in the middle.
+    let (count, gap) = (4000, 0.0005);
+    let sender = h.spawn(
+        0,
+        &format!(
+            "python3 {} {} {count} {gap}",
+            dir.join("send.py").display(),
+            h.ip[1]
+        ),
+    );
+    std::thread::sleep(std::time::Duration::from_millis(700));
+    let (successor, report) = upgrade(&first);
+    assert!(sender.finish().status.success());
+    let received: u64 = counter.finish().trim().parse().unwrap();
+    eprintln!("{received} of {count} datagrams received; the upgrade: {report}");
+    // What 1 ms of the stream carries, at most, may be lost.
+    let lost = count - received;
+    assert!(
+        lost <= 2,
+        "{lost} of {count} datagrams lost across the upgrade ({report})"
+    );
+    notify
+        .set_read_timeout(Some(std::time::Duration::from_secs(5)))
+        .unwrap();
+    let mut message = [0u8; 256];
+    let n = notify
+        .recv(&mut message)
+        .expect("a word to the service manager");
+    let message = String::from_utf8_lossy(&message[..n]);
+    assert!(
+        message.starts_with(&format!("MAINPID={}\n", successor.0)),
+        "{message}"
+    );
+    let last = successor.stop(first);
+    assert_eq!(app(&last, "a")["counters"]["kernel_drops"], 0, "{last}");
+}
+
+#[test]
+fn a_new_process_that_cannot_take_over_leaves_the_instance_running() {
+    require_root_and_tools(&["ip"]);
+    let h = TwoHosts::new();
+    let graph = format!(
+        "apps:\n  a: {{ type: af_packet, interface: {} }}\n  b: {{ type: af_packet, interface: {} }}\nlinks:\n  - \"a.output -> b.input\"\n  - \"b.output -> a.input\"\n",
+        h.outer[0], h.outer[1]
+    );
+    let first = Stitch::run(&graph);
+    assert!(h.reaches(0, &h.ip[1], 10));
+    // A binary that does not start at all.
+    let o = upgrade_with(&first, "/bin/false");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(
+        err.contains("without taking over") && err.contains("carries on"),
+        "{err}"
+    );
+    // One that starts, is given the instance and fails while the workers are parked: too few
+    // descriptors allowed to receive them.
+    let wrapper = first.path().join("cramped-stitch");
+    std::fs::write(
+        &wrapper,
+        format!(
+            "#!/bin/sh\nulimit -n 9\nexec {} \"$@\"\n",
+            env!("CARGO_BIN_EXE_stitch")
+        ),
+    )
+    .unwrap();
+    must(&format!("chmod +x {}", wrapper.display()));
+    let o = upgrade_with(&first, wrapper.to_str().unwrap());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(
+        err.contains("ulimit -n") && err.contains("carries on"),
+        "{err}"
+    );
+    // The old process runs on: it forwards, and its API answers.
+    assert!(
+        h.reaches(0, &h.ip[1], 10),
+        "no path after the failed upgrade"
+    );
+    // A capture file would be written again from the start: refused before anything pauses.
+    first.apply(&format!(
+        "apps:\n  a: {{ type: af_packet, interface: {} }}\n  b: {{ type: af_packet, interface: {} }}\n  cap: {{ type: capture, file: seen.pcap }}\nlinks:\n  - \"a.output -> cap.input\"\n  - \"cap.output -> b.input\"\n  - \"b.output -> a.input\"\n",
+        h.outer[0], h.outer[1]
+    ));
+    let o = upgrade_with(&first, env!("CARGO_BIN_EXE_stitch"));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(
+        err.contains("`cap` (capture: its file would be written again")
+            && err.contains("carries on"),
+        "{err}"
+    );
+    assert!(
+        h.reaches(0, &h.ip[1], 10),
+        "no path after the refused upgrade"
+    );
+    let stats = first.stop();
+    assert!(app(&stats, "a")["rx_packets"].as_u64() > Some(0), "{stats}");
+}
