@@ -38,7 +38,10 @@ use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::time::{Duration, Instant};
 use stitch_core::link::transmit_to;
-use stitch_core::{pool, App, AppContext, AppError, Counter, Io, Packet, PortNames, PortSpec};
+use stitch_core::{
+    pool, App, AppContext, AppError, AppSnapshot, AppState, Counter, Io, Packet, PortNames,
+    PortSpec,
+};
 use stitch_wire::header::{self, icmp, ipv4};
 use stitch_wire::icmp::RateLimit;
 
@@ -272,6 +275,37 @@ impl<A: std::hash::Hash + Eq + Copy + std::fmt::Display> NeighborTable<A> {
         });
     }
 
+    /// The resolved neighbours still fresh at `now`, by port name, for a snapshot.
+    fn resolved(&self, names: &[String], now: Instant) -> Vec<NeighborState<A>> {
+        (self.entries.iter())
+            .filter_map(|(&(port, ip), n)| {
+                let left = n.expires.checked_duration_since(now)?;
+                Some(NeighborState {
+                    port: names[port].clone(),
+                    ip,
+                    mac: n.mac?,
+                    left_ms: left.as_millis() as u64,
+                })
+            })
+            .collect()
+    }
+
+    /// Takes back the neighbours a snapshot holds whose port still exists; returns how many.
+    fn take_back(&mut self, names: &[String], saved: Vec<NeighborState<A>>, now: Instant) -> usize {
+        self.gateways.fill(None);
+        let mut kept = 0;
+        for e in saved {
+            let Some(port) = names.iter().position(|n| *n == e.port) else {
+                continue;
+            };
+            let n = self.entry(port, e.ip, now);
+            n.mac = Some(e.mac);
+            n.expires = now + Duration::from_millis(e.left_ms);
+            kept += 1;
+        }
+        kept
+    }
+
     fn dump(&self, names: &[String], limit: usize, now: Instant) -> Vec<serde_json::Value> {
         self.entries
             .iter()
@@ -284,6 +318,25 @@ impl<A: std::hash::Hash + Eq + Copy + std::fmt::Display> NeighborTable<A> {
             .collect()
     }
 }
+
+/// A resolved neighbour as the router carries it across a restart (format
+/// [`STATE_VERSION`]): the port by name and the time its entry had left.
+#[derive(serde::Serialize, Deserialize)]
+struct NeighborState<A> {
+    port: String,
+    ip: A,
+    mac: [u8; 6],
+    left_ms: u64,
+}
+
+/// The router's neighbours, IPv4 and IPv6.
+#[derive(serde::Serialize, Deserialize)]
+struct RouterState {
+    neighbors: Vec<NeighborState<Ipv4Addr>>,
+    neighbors6: Vec<NeighborState<Ipv6Addr>>,
+}
+
+const STATE_VERSION: u32 = 1;
 
 pub struct Router {
     ifaces: Vec<Iface>,
@@ -909,6 +962,32 @@ impl App for Router {
         self.batch = batch;
     }
 
+    /// The resolved neighbours with the time they had left: after a restart the router
+    /// forwards at once instead of asking again while packets wait.
+    fn snapshot(&self) -> Option<AppSnapshot> {
+        let now = Instant::now();
+        let state = RouterState {
+            neighbors: self.neighbors.resolved(&self.port_names, now),
+            neighbors6: self.neighbors6.resolved(&self.port_names, now),
+        };
+        Some(AppSnapshot::new(STATE_VERSION, state))
+    }
+
+    fn restore(&mut self, state: AppState) -> Result<(), String> {
+        let saved: RouterState = serde_json::from_value(state.of_version(STATE_VERSION)?)
+            .map_err(|e| format!("router state: {e}"))?;
+        let now = Instant::now();
+        let total = saved.neighbors.len() + saved.neighbors6.len();
+        let kept = self
+            .neighbors
+            .take_back(&self.port_names, saved.neighbors, now)
+            + self
+                .neighbors6
+                .take_back(&self.port_names, saved.neighbors6, now);
+        log::info!("router: {kept} of {total} neighbours taken back from the snapshot");
+        Ok(())
+    }
+
     /// Routes and neighbours: `{"routes": [{prefix, port, via}], "neighbors": [...]}`.
     fn query(&mut self, request: &serde_json::Value) -> serde_json::Value {
         let limit = request["limit"].as_u64().unwrap_or(1000) as usize;
@@ -1018,6 +1097,44 @@ mod tests {
         (r, io, lan_in, wan_in, lan_out, wan_out)
     }
 
+    /// The default gateway's ARP answer to the router's wan address.
+    fn gateway_answer() -> Vec<u8> {
+        let mut reply = vec![0u8; 60];
+        reply[0..6].copy_from_slice(&R_WAN);
+        reply[6..12].copy_from_slice(&GW);
+        reply[12..22].copy_from_slice(&[0x08, 0x06, 0, 1, 0x08, 0x00, 6, 4, 0, 2]);
+        reply[22..28].copy_from_slice(&GW);
+        reply[28..32].copy_from_slice(&[192, 0, 2, 9]);
+        reply[32..38].copy_from_slice(&R_WAN);
+        reply[38..42].copy_from_slice(&[192, 0, 2, 2]);
+        reply
+    }
+
+    /// A restarted router given the old one's snapshot forwards to a resolved gateway at once,
+    /// without asking again; another version is refused.
+    #[test]
+    fn resolved_neighbours_survive_a_restart_through_a_snapshot() {
+        let (mut old, mut io, mut lan_in, mut wan_in, _lan_out, mut wan_out) = rig();
+        lan_in.transmit(pkt(&ipv4([203, 0, 113, 5], 64)));
+        old.push(&mut io);
+        wan_in.transmit(pkt(&gateway_answer()));
+        old.push(&mut io);
+        assert_eq!(wan_out.drain().count(), 2, "the question, then the packet");
+        let state = old.snapshot().unwrap().into_state().unwrap();
+        let (mut new, mut io, mut lan_in, _wan_in, _lan_out, mut wan_out) = rig();
+        let other = AppState {
+            version: 9,
+            state: state.state.clone(),
+        };
+        assert!(new.restore(other).unwrap_err().contains("version 9"));
+        new.restore(state).unwrap();
+        lan_in.transmit(pkt(&ipv4([203, 0, 113, 5], 64)));
+        new.push(&mut io);
+        let fwd: Vec<Packet> = wan_out.drain().collect();
+        assert_eq!(fwd.len(), 1);
+        assert_eq!(&fwd[0].data()[0..6], &GW[..], "straight to the gateway");
+    }
+
     fn pkt(f: &[u8]) -> Packet {
         let mut p = pool::alloc().unwrap();
         p.set_data(f).unwrap();
@@ -1038,15 +1155,7 @@ mod tests {
             (&[0x08u8, 0x06][..], 1, &[192u8, 0, 2, 9][..])
         );
         // The gateway answers; the waiting packet leaves toward it.
-        let mut reply = vec![0u8; 60];
-        reply[0..6].copy_from_slice(&R_WAN);
-        reply[6..12].copy_from_slice(&GW);
-        reply[12..22].copy_from_slice(&[0x08, 0x06, 0, 1, 0x08, 0x00, 6, 4, 0, 2]);
-        reply[22..28].copy_from_slice(&GW);
-        reply[28..32].copy_from_slice(&[192, 0, 2, 9]);
-        reply[32..38].copy_from_slice(&R_WAN);
-        reply[38..42].copy_from_slice(&[192, 0, 2, 2]);
-        wan_in.transmit(pkt(&reply));
+        wan_in.transmit(pkt(&gateway_answer()));
         r.push(&mut io);
         let fwd: Vec<Packet> = wan_out.drain().collect();
         assert_eq!(fwd.len(), 1);
@@ -1067,6 +1176,7 @@ mod tests {
         assert_eq!(r.c.bad_header.get(), 1);
         // The gateway answers again from a new MAC: packets follow it from the next one on.
         let moved = [2, 0, 0, 0, 2, 0x99];
+        let mut reply = gateway_answer();
         reply[6..12].copy_from_slice(&moved);
         reply[22..28].copy_from_slice(&moved);
         wan_in.transmit(pkt(&reply));
