@@ -61,8 +61,14 @@ pub struct OfferedApp {
     pub kind: String,
     pub counters: BTreeMap<String, u64>,
     pub state: Option<AppState>,
-    pub position: Option<serde_json::Value>,
+    pub descriptors: Option<OfferedDescriptors>,
+}
+
+/// An app's descriptors: how many follow in the batches, and its place in them.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct OfferedDescriptors {
     pub fds: usize,
+    pub position: serde_json::Value,
 }
 
 /// What the new process answers once it has tried to start the graph.
@@ -192,20 +198,19 @@ fn offer(
     let mut apps = BTreeMap::new();
     let mut app_fds = Vec::new();
     for (name, app) in h.apps {
-        let (position, n) = match app.descriptors {
-            Some(d) => {
-                let n = d.fds.len();
-                app_fds.extend(d.fds);
-                (Some(d.position), n)
+        let descriptors = app.descriptors.map(|d| {
+            let fds = d.fds.len();
+            app_fds.extend(d.fds);
+            OfferedDescriptors {
+                fds,
+                position: d.position,
             }
-            None => (None, 0),
-        };
+        });
         let offered = OfferedApp {
             kind: app.kind,
             counters: app.counters,
             state: app.state,
-            position,
-            fds: n,
+            descriptors,
         };
         apps.insert(name, offered);
     }
@@ -288,7 +293,12 @@ pub fn take_over(api_socket: &Path) -> anyhow::Result<Inheritance> {
         Reply::Offer(o) => *o,
     };
     let tcp = usize::from(offer.tcp_listener);
-    let wanted = 4 + tcp + offer.apps.values().map(|a| a.fds).sum::<usize>();
+    let wanted = 4
+        + tcp
+        + (offer.apps.values())
+            .filter_map(|a| a.descriptors.as_ref())
+            .map(|d| d.fds)
+            .sum::<usize>();
     let mut fds = Vec::with_capacity(wanted);
     while fds.len() < wanted {
         let (_, batch) = fdpass::recv(conn.as_raw_fd(), 1).map_err(|e| {
@@ -315,9 +325,9 @@ pub fn take_over(api_socket: &Path) -> anyhow::Result<Inheritance> {
     let (stdout, stderr) = (next(), next());
     let mut apps = BTreeMap::new();
     for (name, a) in std::mem::take(&mut offer.apps) {
-        let descriptors = a.position.map(|position| Descriptors {
-            fds: (0..a.fds).map(|_| next()).collect(),
-            position,
+        let descriptors = a.descriptors.map(|d| Descriptors {
+            fds: (0..d.fds).map(|_| next()).collect(),
+            position: d.position,
         });
         let handed = HandedApp {
             kind: a.kind,

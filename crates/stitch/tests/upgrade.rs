@@ -299,3 +299,93 @@ fn a_new_process_that_cannot_take_over_leaves_the_instance_running() {
     let stats = first.stop();
     assert!(app(&stats, "a")["rx_packets"].as_u64() > Some(0), "{stats}");
 }
+
+/// The flows, group and meter `ovs-ofctl` gave the switch, with their counters, in the table
+/// after an upgrade; the controller's socket is the same; packets go on flowing.
+#[test]
+fn an_openflow_switch_keeps_its_tables_and_its_controller_socket_across_an_upgrade() {
+    require_root_and_tools(&["ip", "ovs-ofctl"]);
+    let h = TwoHosts::new();
+    let port = free_port();
+    let graph = format!(
+        "apps:\n  a: {{ type: af_packet, interface: {} }}\n  b: {{ type: af_packet, interface: {} }}\n  sw: {{ type: switch, ports: [a, b], listen: \"127.0.0.1:{port}\" }}\nlinks:\n  - \"a.output -> sw.a\"\n  - \"sw.a -> a.input\"\n  - \"b.output -> sw.b\"\n  - \"sw.b -> b.input\"\n",
+        h.outer[0], h.outer[1]
+    );
+    let first = Stitch::run(&graph);
+    ofctl(
+        port,
+        &["add-meter", "meter=7,kbps,band=type=drop,rate=100000"],
+    );
+    ofctl(port, &["add-group", "group_id=3,type=all,bucket=output:2"]);
+    ofctl(
+        port,
+        &["add-flow", "priority=10,in_port=1,actions=meter:7,group:3"],
+    );
+    ofctl(
+        port,
+        &["add-flow", "priority=10,in_port=2,actions=output:1"],
+    );
+    assert!(h.reaches(0, &h.ip[1], 10), "no path before the upgrade");
+    let flows = |dump: &str| -> Vec<String> {
+        let mut f: Vec<String> = (dump.lines())
+            .filter(|l| l.contains("priority="))
+            .map(|l| {
+                // Without what changes by itself: the duration and the counters.
+                (l.split(", ")
+                    .filter(|f| !f.contains("duration=") && !f.contains("n_")))
+                .collect::<Vec<_>>()
+                .join(", ")
+            })
+            .collect();
+        f.sort();
+        f
+    };
+    let packets = |dump: &str| -> u64 {
+        (dump.split([',', ' ']))
+            .filter_map(|f| f.strip_prefix("n_packets="))
+            .filter_map(|n| n.parse::<u64>().ok())
+            .sum()
+    };
+    let before = ofctl(port, &["dump-flows"]);
+    let (successor, report) = upgrade(&first);
+    assert!(
+        report["state_restored"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|a| a == "sw"),
+        "{report}"
+    );
+    let after = ofctl(port, &["dump-flows"]);
+    assert_eq!(flows(&after), flows(&before), "{after}");
+    assert!(
+        packets(&after) >= packets(&before) && packets(&before) > 0,
+        "{before}\n{after}"
+    );
+    assert!(ofctl(port, &["dump-groups"]).contains("group_id=3,type=all,bucket=actions=output:2"));
+    assert!(ofctl(port, &["dump-meters"]).contains("meter=7"));
+    assert!(h.reaches(0, &h.ip[1], 10), "no path after the upgrade");
+    successor.stop(first);
+}
+
+/// A TAP device is handed over open: it never goes away, so it keeps its index and the
+/// address the host gave it.
+#[test]
+fn a_tap_device_stays_across_an_upgrade() {
+    require_root_and_tools(&["ip"]);
+    let name = format!("stup{}", std::process::id() % 100_000);
+    let graph = format!(
+        "apps:\n  t: {{ type: tap, name: {name} }}\n  s: {{ type: sink }}\nlinks:\n  - \"t.output -> s.input\"\n"
+    );
+    let first = Stitch::run(&graph);
+    must(&format!("ip addr add 192.0.2.77/32 dev {name}"));
+    let index = || must(&format!("cat /sys/class/net/{name}/ifindex"));
+    let before = index();
+    let (successor, _) = upgrade(&first);
+    assert_eq!(index(), before, "the device was made again");
+    assert!(must(&format!("ip -o addr show dev {name}")).contains("192.0.2.77/32"));
+    successor.stop(first);
+    wait_until("the device to go with the instance", 10, || {
+        !std::path::Path::new(&format!("/sys/class/net/{name}")).exists()
+    });
+}

@@ -27,18 +27,18 @@ impl Drop for Endpoint {
 }
 
 impl Endpoint {
+    /// Serves controllers that connect to `listener` (bound by [`listen`] or handed over by
+    /// the process an upgrade replaced) and/or connects to `controller`.
     pub fn start(
         shared: Arc<Shared>,
-        listen: Option<&str>,
+        listener: Option<TcpListener>,
         controller: Option<&str>,
     ) -> Result<Option<Endpoint>, String> {
-        if listen.is_none() && controller.is_none() {
+        if listener.is_none() && controller.is_none() {
             return Ok(None);
         }
         let stop = Arc::new(AtomicBool::new(false));
-        if let Some(addr) = listen {
-            let l = TcpListener::bind(addr)
-                .map_err(|e| format!("cannot listen for OpenFlow on {addr}: {e}"))?;
+        if let Some(l) = listener {
             l.set_nonblocking(true).map_err(|e| e.to_string())?;
             let (shared, stop) = (shared.clone(), stop.clone());
             std::thread::Builder::new()
@@ -79,6 +79,11 @@ impl Endpoint {
             .map_err(|e| e.to_string())?;
         Ok(Some(Endpoint { stop }))
     }
+}
+
+/// The passive OpenFlow endpoint's socket on `addr`.
+pub fn listen(addr: &str) -> Result<TcpListener, String> {
+    TcpListener::bind(addr).map_err(|e| format!("cannot listen for OpenFlow on {addr}: {e}"))
 }
 
 /// Every 100 ms: flows past their timeouts leave (FLOW_REMOVED), ports whose link came or went
@@ -375,7 +380,7 @@ fn features_reply(m: &Msg, shared: &Shared) -> Vec<u8> {
 }
 
 /// A GROUP_MOD applied; flows that used a deleted group are removed (and said so).
-fn group_mod(b: &[u8], shared: &Shared) -> Result<(), OfError> {
+pub(crate) fn group_mod(b: &[u8], shared: &Shared) -> Result<(), OfError> {
     let gm = group::parse_group_mod(b)?;
     let mut s = shared.state.lock().unwrap();
     let mut groups: GroupTable = s.groups.clone();
@@ -395,7 +400,7 @@ fn group_mod(b: &[u8], shared: &Shared) -> Result<(), OfError> {
 }
 
 /// A METER_MOD applied; flows that used a deleted meter are removed (and said so).
-fn meter_mod(b: &[u8], shared: &Shared) -> Result<(), OfError> {
+pub(crate) fn meter_mod(b: &[u8], shared: &Shared) -> Result<(), OfError> {
     let mm = meter::parse_meter_mod(b)?;
     let mut s = shared.state.lock().unwrap();
     let mut meters: MeterTable = s.meters.clone();
@@ -434,7 +439,7 @@ fn set_async(b: &[u8], conn: &Connection) -> Result<(), OfError> {
     Ok(())
 }
 
-fn flow_mod(b: &[u8], shared: &Shared) -> Result<(), OfError> {
+pub(crate) fn flow_mod(b: &[u8], shared: &Shared) -> Result<(), OfError> {
     let fm = pipeline::parse_flow_mod(b)?;
     if fm.buffer_id != ofp::NO_BUFFER && fm.command < pipeline::FC_DELETE {
         return Err(ofp::BAD_REQUEST_BUFFER_UNKNOWN);

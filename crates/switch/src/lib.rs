@@ -38,6 +38,7 @@ mod net;
 pub mod ofp;
 pub mod oxm;
 pub mod pipeline;
+mod saved;
 
 use pipeline::{FlowEntry, P2p, TABLES};
 use serde::Deserialize;
@@ -45,7 +46,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use stitch_core::app::{AppContext, AppError, Counter, Io, PortNames, PortSpec};
-use stitch_core::{App, AppType, Registry};
+use stitch_core::{App, AppSnapshot, AppState, AppType, Descriptors, Registry};
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -262,6 +263,8 @@ pub struct Switch {
     pending_version: Option<u64>,
     dp: datapath::DataPath,
     _endpoint: Option<endpoint::Endpoint>,
+    /// The passive endpoint's socket, to hand over at an upgrade.
+    listener: Option<std::net::TcpListener>,
     channels: Vec<bypass::Channel>,
     counters: Counters,
 }
@@ -313,11 +316,16 @@ impl App for Switch {
             }) & 0x0000_ffff_ffff_ffff
         });
         let shared = Arc::new(Shared::new(ctx.name(), &c.ports, dpid));
-        let endpoint = endpoint::Endpoint::start(
-            shared.clone(),
-            c.listen.as_deref(),
-            c.controller.as_deref(),
-        )?;
+        let listener = match ctx.take_inherited() {
+            Some(handed) => Some(adopt_listener(handed, c.listen.as_deref())?),
+            None => c.listen.as_deref().map(endpoint::listen).transpose()?,
+        };
+        let kept = (listener.as_ref())
+            .map(|l| l.try_clone())
+            .transpose()
+            .map_err(|e| e.to_string())?;
+        let endpoint =
+            endpoint::Endpoint::start(shared.clone(), listener, c.controller.as_deref())?;
         let counters = Counters {
             misses: ctx.counter("table_miss_drops"),
             cache_hits: ctx.counter("exact_match_cache_hits"),
@@ -342,6 +350,7 @@ impl App for Switch {
             seen: 0,
             pending_version: None,
             _endpoint: endpoint,
+            listener: kept,
             channels: Vec::new(),
             counters,
         })
@@ -427,6 +436,35 @@ impl App for Switch {
         }
     }
 
+    /// Its meters, groups and flows as the OpenFlow messages that make them, with their
+    /// counters (`saved`): a restarted switch forwards before its controller is back.
+    fn snapshot(&self) -> Option<AppSnapshot> {
+        let tables = saved::save(&self.shared.state.lock().unwrap());
+        Some(AppSnapshot::new(saved::STATE_VERSION, tables))
+    }
+
+    fn restore(&mut self, state: AppState) -> Result<(), String> {
+        let tables: saved::SavedTables =
+            serde_json::from_value(state.of_version(saved::STATE_VERSION)?)
+                .map_err(|e| format!("switch state: {e}"))?;
+        let made = saved::restore(&self.shared, tables)?;
+        log::info!(
+            "switch `{}`: {made} meters, groups and flows taken back",
+            self.shared.name
+        );
+        Ok(())
+    }
+
+    /// The passive OpenFlow endpoint's listening socket: controllers connect to the same
+    /// socket throughout an upgrade.
+    fn hand_over(&mut self) -> Option<Descriptors> {
+        let l = self.listener.as_ref()?.try_clone().ok()?;
+        Some(Descriptors {
+            fds: vec![l.into()],
+            position: serde_json::Value::Null,
+        })
+    }
+
     fn query(&mut self, _: &serde_json::Value) -> serde_json::Value {
         let s = self.shared.state.lock().unwrap();
         let flows: Vec<_> = s
@@ -478,6 +516,28 @@ impl App for Switch {
             "direct_channels": self.channels_json(),
         })
     }
+}
+
+/// The OpenFlow listener a predecessor process handed over, checked to be a TCP socket on the
+/// address the config names.
+fn adopt_listener(
+    handed: Descriptors,
+    listen: Option<&str>,
+) -> Result<std::net::TcpListener, String> {
+    let [fd]: [std::os::fd::OwnedFd; 1] = (handed.fds.try_into())
+        .map_err(|fds: Vec<_>| format!("{} descriptors handed over, not 1", fds.len()))?;
+    let l = std::net::TcpListener::from(fd);
+    let at = l
+        .local_addr()
+        .map_err(|e| format!("the OpenFlow socket handed over: {e}"))?;
+    let wanted: Option<std::net::SocketAddr> = listen.and_then(|a| a.parse().ok());
+    if wanted.is_some_and(|w| w != at) {
+        return Err(format!(
+            "the OpenFlow socket handed over listens on {at}, the config on {}",
+            listen.unwrap_or_default()
+        ));
+    }
+    Ok(l)
 }
 
 fn hex(b: &[u8]) -> String {

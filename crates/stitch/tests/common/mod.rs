@@ -600,3 +600,24 @@ pub fn run_again(socket: &Path, file: &Path) {
         String::from_utf8_lossy(&o.stderr)
     );
 }
+
+/// `ovs-ofctl -O OpenFlow13 ARGS` against the switch listening on `port`, which must succeed;
+/// what it printed.
+pub fn ofctl(port: u16, args: &[&str]) -> String {
+    // Options, the command, the switch, the command's arguments.
+    let cmd = args.iter().position(|a| !a.starts_with("--")).unwrap();
+    let out = Command::new("ovs-ofctl")
+        .args(["-O", "OpenFlow13"])
+        .args(&args[..=cmd])
+        .arg(format!("tcp:127.0.0.1:{port}"))
+        .args(&args[cmd + 1..])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "ovs-ofctl {args:?}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
