@@ -10,6 +10,7 @@ mod lwaftr;
 mod nf;
 mod nf_scale;
 mod placement;
+mod upgrade;
 mod vhost;
 
 use anyhow::Result;
@@ -72,6 +73,9 @@ pub enum BenchCmd {
     /// The cluster's control plane at scale: N agents applying to a dry run against one etcd
     /// cluster, M apps placed; time until every host runs a change, etcd writes, memory.
     Cluster(crate::cluster::ClusterBenchArgs),
+    /// The traffic gap and frames lost while a running instance is replaced by `stitch
+    /// upgrade` and by kill -9 + restart, beside a live apply and a quiet window.
+    Upgrade(crate::upgrade::UpgradeBenchArgs),
     /// Packets through Stitch between two vhost-user ports, against testpmd as the vhost-user
     /// back-end, with one testpmd of two virtio-user ports as the front-end.
     Vhost(crate::vhost::VhostBenchArgs),
@@ -361,6 +365,7 @@ pub fn run(cmd: BenchCmd, registry: fn() -> Registry) -> Result<()> {
         BenchCmd::ChainSwitch(args) => chain_switch::run(args, registry()),
         BenchCmd::Kernel(args) => kernel::run(args),
         BenchCmd::Placement(args) => placement::run(args, registry()),
+        BenchCmd::Upgrade(args) => upgrade::run(args),
         BenchCmd::Cluster(args) => cluster::run(args, registry()),
         BenchCmd::Vhost(args) => vhost::run(args),
         BenchCmd::Nf {

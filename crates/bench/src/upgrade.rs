@@ -1,0 +1,407 @@
+//! `stitch bench upgrade`: what a running instance's traffic sees while the instance is
+//! replaced — by `stitch upgrade`, and by a `kill -9` followed by a start with the state file —
+//! beside a live `stitch apply` (the engine's own pause) and a quiet window, in one run.
+//!
+//! Frames numbered by the bench go into one veth pair, cross a `stitch run` instance (two
+//! `af_packet` ports) and come out of another; for each window the bench reports the longest
+//! time between two arrivals and the frames sent in it that never arrived.
+
+use anyhow::{bail, Context, Result};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+#[derive(clap::Args)]
+pub struct UpgradeBenchArgs {
+    /// Rounds of each action (medians are reported).
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// Frames sent per second.
+    #[arg(long, default_value_t = 20_000)]
+    rate: u64,
+    /// Print results as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// The local experimental EtherType (IEEE 802): nothing else on the veths uses it.
+const ETHERTYPE: u16 = 0x88b5;
+/// Seconds watched around each action.
+const WINDOW: f64 = 2.0;
+
+/// The veth pairs and the instance, removed when dropped.
+struct Rig {
+    veths: [String; 2],
+    instance: Option<Child>,
+    dir: tempfile::TempDir,
+}
+
+impl Drop for Rig {
+    fn drop(&mut self) {
+        if let Some(c) = self.instance.as_mut() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        kill_by_socket(&self.socket());
+        for v in &self.veths {
+            let _ = Command::new("ip").args(["link", "del", v]).status();
+        }
+    }
+}
+
+impl Rig {
+    fn socket(&self) -> PathBuf {
+        self.dir.path().join("ctl.sock")
+    }
+
+    fn graph(&self, through_meter: bool) -> String {
+        let [a, b] = &self.veths;
+        let (a, b) = (format!("{a}s"), format!("{b}s"));
+        if through_meter {
+            format!("apps:\n  a: {{ type: af_packet, interface: {a} }}\n  b: {{ type: af_packet, interface: {b} }}\n  m: {{ type: rate_meter }}\nlinks:\n  - \"a.output -> m.input\"\n  - \"m.output -> b.input\"\n")
+        } else {
+            format!("apps:\n  a: {{ type: af_packet, interface: {a} }}\n  b: {{ type: af_packet, interface: {b} }}\nlinks:\n  - \"a.output -> b.input\"\n")
+        }
+    }
+
+    /// Starts `stitch run` on the graph file with the state file; returns once its API answers.
+    fn start(&mut self) -> Result<()> {
+        let exe = std::env::current_exe()?;
+        let file = self.dir.path().join("graph.yaml");
+        let child = Command::new(exe)
+            .arg("run")
+            .arg(&file)
+            .arg("--control")
+            .arg(self.socket())
+            .args(["--keep-running", "--state"])
+            .arg(self.dir.path().join("state"))
+            .args(["--state-interval", "0.2"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()?;
+        self.instance = Some(child);
+        let t = Instant::now();
+        while std::os::unix::net::UnixStream::connect(self.socket()).is_err() {
+            if t.elapsed() > Duration::from_secs(20) {
+                bail!("the instance did not start");
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Ok(())
+    }
+}
+
+/// Kills (-9) whatever process runs the instance on `socket`, found by its command line.
+fn kill_by_socket(socket: &Path) -> Option<i32> {
+    let out = Command::new("pgrep")
+        .args(["-f", &socket.display().to_string()])
+        .output()
+        .ok()?;
+    let mut killed = None;
+    for pid in String::from_utf8_lossy(&out.stdout).lines() {
+        if let Ok(pid) = pid.trim().parse::<i32>() {
+            // SAFETY: kill takes no pointers.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            killed = Some(pid);
+        }
+    }
+    killed
+}
+
+/// A raw packet socket on `interface` for the bench's EtherType.
+fn packet_socket(interface: &str) -> Result<OwnedFd> {
+    let proto = ETHERTYPE.to_be();
+    // SAFETY: socket takes no pointers.
+    let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW, proto as i32) };
+    if fd < 0 {
+        bail!("AF_PACKET socket: {}", std::io::Error::last_os_error());
+    }
+    // SAFETY: socket returned a new descriptor that nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let name = std::ffi::CString::new(interface)?;
+    // SAFETY: the name is NUL-terminated.
+    let index = unsafe { libc::if_nametoindex(name.as_ptr()) };
+    // SAFETY: sockaddr_ll is a C struct of integers; all zeroes is valid.
+    let mut addr: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+    addr.sll_family = libc::AF_PACKET as u16;
+    addr.sll_protocol = proto;
+    addr.sll_ifindex = index as i32;
+    // SAFETY: bind reads one sockaddr_ll from `addr`, which is live.
+    let r = unsafe {
+        libc::bind(
+            fd.as_raw_fd(),
+            &addr as *const libc::sockaddr_ll as *const libc::sockaddr,
+            std::mem::size_of::<libc::sockaddr_ll>() as u32,
+        )
+    };
+    if r < 0 {
+        bail!("bind to {interface}: {}", std::io::Error::last_os_error());
+    }
+    Ok(fd)
+}
+
+/// What the sender and the receiver share: frames sent, and the arrival of each (µs since
+/// `start`, 0 = not arrived).
+struct Traffic {
+    start: Instant,
+    sent: AtomicU64,
+    arrivals: Vec<AtomicU64>,
+    stop: AtomicBool,
+}
+
+/// Sends numbered frames into `interface` at `rate` a second, 1 ms of them at a time.
+fn send(traffic: &Traffic, interface: &str, rate: u64) -> Result<()> {
+    let fd = packet_socket(interface)?;
+    let mut frame = [0u8; 60];
+    frame[0..6].copy_from_slice(&[0xff; 6]);
+    frame[6..12].copy_from_slice(&[2, 0, 0, 0x5b, 0, 1]);
+    frame[12..14].copy_from_slice(&ETHERTYPE.to_be_bytes());
+    let mut seq = 0u64;
+    while !traffic.stop.load(Ordering::Relaxed) && (seq as usize) < traffic.arrivals.len() {
+        let due = (traffic.start.elapsed().as_secs_f64() * rate as f64) as u64;
+        while seq < due && (seq as usize) < traffic.arrivals.len() {
+            frame[14..22].copy_from_slice(&seq.to_be_bytes());
+            // SAFETY: send reads `frame`, which is live, for its length.
+            unsafe { libc::send(fd.as_raw_fd(), frame.as_ptr() as *const _, frame.len(), 0) };
+            seq += 1;
+            traffic.sent.store(seq, Ordering::Relaxed);
+        }
+        std::thread::sleep(Duration::from_micros(500));
+    }
+    Ok(())
+}
+
+/// Records when each numbered frame comes out of `interface`.
+fn receive(traffic: &Traffic, interface: &str) -> Result<u32> {
+    let fd = packet_socket(interface)?;
+    // The frames held up by a pause arrive in one burst: room for seconds of them, so that
+    // the bench's own socket never drops what the instance delivered.
+    let room: libc::c_int = 64 << 20;
+    // SAFETY: setsockopt reads one c_int from `room`, which is live.
+    unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVBUFFORCE,
+            &room as *const libc::c_int as *const _,
+            std::mem::size_of::<libc::c_int>() as u32,
+        )
+    };
+    let timeout = libc::timeval {
+        tv_sec: 0,
+        tv_usec: 100_000,
+    };
+    // SAFETY: setsockopt reads one timeval from `timeout`, which is live.
+    unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVTIMEO,
+            &timeout as *const libc::timeval as *const _,
+            std::mem::size_of::<libc::timeval>() as u32,
+        )
+    };
+    let mut buf = [0u8; 128];
+    while !traffic.stop.load(Ordering::Relaxed) {
+        // SAFETY: recv writes at most `buf.len()` bytes into `buf`, which is live.
+        let n = unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr() as *mut _, buf.len(), 0) };
+        if n < 22 {
+            continue;
+        }
+        let seq = u64::from_be_bytes(buf[14..22].try_into().unwrap()) as usize;
+        let at = traffic.start.elapsed().as_micros() as u64;
+        if let Some(slot) = traffic.arrivals.get(seq) {
+            let _ = slot.compare_exchange(0, at.max(1), Ordering::Relaxed, Ordering::Relaxed);
+        }
+    }
+    // What this socket dropped itself (they would count as lost): reported, to trust the rest.
+    let mut stats = [0u32; 2];
+    let mut len = std::mem::size_of_val(&stats) as libc::socklen_t;
+    // SAFETY: PACKET_STATISTICS writes a tpacket_stats (two u32) into `stats`, which is live.
+    unsafe {
+        libc::getsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_PACKET,
+            libc::PACKET_STATISTICS,
+            stats.as_mut_ptr() as *mut _,
+            &mut len,
+        )
+    };
+    Ok(stats[1])
+}
+
+/// One window: the longest time between two arrivals and the frames sent in it that never
+/// arrived.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+struct Window {
+    gap_ms: f64,
+    lost: u64,
+}
+
+/// The window of frames sent from `from` to `to` seconds after the start.
+fn window(traffic: &Traffic, rate: u64, from: f64, to: f64) -> Window {
+    let (first, last) = ((from * rate as f64) as usize, (to * rate as f64) as usize);
+    let mut arrived: Vec<u64> = Vec::new();
+    let mut lost = 0;
+    for slot in &traffic.arrivals[first..last.min(traffic.arrivals.len())] {
+        match slot.load(Ordering::Relaxed) {
+            0 => lost += 1,
+            at => arrived.push(at),
+        }
+    }
+    arrived.sort_unstable();
+    let gap_us = arrived.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
+    Window {
+        gap_ms: gap_us as f64 / 1e3,
+        lost,
+    }
+}
+
+const ACTIONS: [&str; 4] = ["quiet", "live apply", "stitch upgrade", "kill -9 + restart"];
+
+/// Carries out action `i` on the instance.
+fn act(rig: &mut Rig, i: usize, round: usize) -> Result<()> {
+    let exe = std::env::current_exe()?;
+    match i {
+        0 => {}
+        1 => {
+            std::fs::write(rig.dir.path().join("graph.yaml"), rig.graph(round % 2 == 0))?;
+            let ok = Command::new(&exe)
+                .arg("apply")
+                .arg(rig.dir.path().join("graph.yaml"))
+                .arg("--control")
+                .arg(rig.socket())
+                .stdout(Stdio::null())
+                .status()?
+                .success();
+            if !ok {
+                bail!("stitch apply failed");
+            }
+        }
+        2 => {
+            let o = Command::new(&exe)
+                .args(["upgrade", "--control"])
+                .arg(rig.socket())
+                .output()?;
+            if !o.status.success() {
+                bail!("stitch upgrade: {}", String::from_utf8_lossy(&o.stderr));
+            }
+        }
+        _ => {
+            kill_by_socket(&rig.socket()).context("no instance to kill")?;
+            if let Some(mut c) = rig.instance.take() {
+                let _ = c.wait();
+            }
+            let _ = std::fs::remove_file(rig.socket());
+            rig.start()?;
+        }
+    }
+    Ok(())
+}
+
+pub fn run(args: UpgradeBenchArgs) -> Result<()> {
+    let tag = std::process::id() % 100_000;
+    let veths = [format!("sbu{tag}a"), format!("sbu{tag}b")];
+    for v in &veths {
+        let cmd = format!(
+            "ip link add {v} type veth peer name {v}s && for d in {v} {v}s; do sysctl -qw net.ipv6.conf.$d.disable_ipv6=1; ip link set $d up; done"
+        );
+        if !Command::new("sh").args(["-c", &cmd]).status()?.success() {
+            bail!("`{cmd}` failed (root is needed)");
+        }
+    }
+    let mut rig = Rig {
+        veths,
+        instance: None,
+        dir: tempfile::tempdir()?,
+    };
+    std::fs::write(rig.dir.path().join("graph.yaml"), rig.graph(false))?;
+    rig.start()?;
+    let total = (ACTIONS.len() * args.rounds) as f64 * WINDOW + 2.0;
+    let traffic = Arc::new(Traffic {
+        start: Instant::now(),
+        sent: AtomicU64::new(0),
+        arrivals: (0..(total * args.rate as f64) as usize)
+            .map(|_| AtomicU64::new(0))
+            .collect(),
+        stop: AtomicBool::new(false),
+    });
+    let (rx_if, tx_if) = (rig.veths[1].clone(), rig.veths[0].clone());
+    let rx = {
+        let t = traffic.clone();
+        std::thread::spawn(move || receive(&t, &rx_if))
+    };
+    let tx = {
+        let (t, rate) = (traffic.clone(), args.rate);
+        std::thread::spawn(move || send(&t, &tx_if, rate))
+    };
+    std::thread::sleep(Duration::from_secs(1));
+    let mut results: Vec<Vec<Window>> = vec![Vec::new(); ACTIONS.len()];
+    for round in 0..args.rounds {
+        for (i, result) in results.iter_mut().enumerate() {
+            let at = traffic.start.elapsed().as_secs_f64();
+            act(&mut rig, i, round)?;
+            let until = at + WINDOW;
+            std::thread::sleep(Duration::from_secs_f64(
+                (until - traffic.start.elapsed().as_secs_f64()).max(0.0),
+            ));
+            // Frames sent in the last 0.3 s of the window may still be on their way.
+            result.push(window(&traffic, args.rate, at, until - 0.3));
+        }
+    }
+    traffic.stop.store(true, Ordering::Relaxed);
+    tx.join().expect("sender")?;
+    let receiver_drops = rx.join().expect("receiver")?;
+    report(&args, &results, receiver_drops)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn report(args: &UpgradeBenchArgs, results: &[Vec<Window>], receiver_drops: u32) -> Result<()> {
+    if receiver_drops > 0 {
+        log::warn!(
+            "the bench's receiving socket dropped {receiver_drops} frames: losses are overstated"
+        );
+    }
+    let gaps: Vec<f64> = (results.iter())
+        .map(|r| median(r.iter().map(|w| w.gap_ms).collect()))
+        .collect();
+    let lost: Vec<f64> = (results.iter())
+        .map(|r| median(r.iter().map(|w| w.lost as f64).collect()))
+        .collect();
+    if args.json {
+        let rows: Vec<serde_json::Value> = (0..ACTIONS.len())
+            .map(|i| {
+                serde_json::json!({ "action": ACTIONS[i], "gap_ms": gaps[i], "lost": lost[i],
+                    "gap_vs_live_apply": gaps[i] / gaps[1], "rounds": results[i] })
+            })
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+        return Ok(());
+    }
+    println!(
+        "{} frames/s through two af_packet ports; medians of {} rounds, {WINDOW} s windows",
+        args.rate, args.rounds
+    );
+    println!(
+        "{:<20} {:>12} {:>8} {:>18}",
+        "action", "max gap ms", "lost", "gap / live apply"
+    );
+    for i in 0..ACTIONS.len() {
+        println!(
+            "{:<20} {:>12.2} {:>8} {:>18.2}",
+            ACTIONS[i],
+            gaps[i],
+            lost[i],
+            gaps[i] / gaps[1]
+        );
+    }
+    Ok(())
+}
