@@ -1,15 +1,22 @@
 //! `stitch upgrade` between two processes of one instance. The running process listens on a
 //! Unix socket beside its API socket (`NAME.upgrade`); a new process connects and asks to
-//! take over. The running one holds every API change off, parks its workers, lets queued
-//! packets leave, and sends an offer — its command line, the running graph, each app's
-//! counters, state and ring positions — then the descriptors that carry traffic, in batches
-//! (`SCM_RIGHTS`): the instance's lock, the API's listeners, its standard output and error, and
-//! each app's sockets and devices. The new process builds the same graph on them and answers
-//! `started`, and the old one exits without closing or stopping anything; any other answer (or
-//! none within [`ANSWER_PATIENCE`]) and the old one resumes where it was.
+//! take over. With every API change held off, the running process:
 //!
-//! Frames are a 4-byte little-endian length and a JSON document; a descriptor batch is one
-//! byte carrying up to [`fdpass::MAX_FDS`] descriptors.
+//! 1. lends duplicates of what carries traffic and runs on: an offer — its command line, the
+//!    running graph, each app's provisional position — then the descriptors in batches
+//!    (`SCM_RIGHTS`): the instance's lock, the API's listeners, its standard output and error,
+//!    each app's sockets and devices;
+//! 2. waits (traffic flowing) until the new process has built the graph on them and says
+//!    `ready`;
+//! 3. parks its workers, lets queued packets leave, and sends the final word: each app's
+//!    position, counters and state, each link's counters;
+//! 4. exits without closing or stopping anything once the new process says `started`. Any
+//!    other answer (or none within [`ANSWER_PATIENCE`]) and it carries on: in step 2 it never
+//!    stopped, in step 3 its workers resume where they were.
+//!
+//! So traffic pauses only for step 3 and the new process's start of its workers, not for the
+//! new process's start-up. Frames are a 4-byte little-endian length and a JSON document; a
+//! descriptor batch is one byte carrying up to [`fdpass::MAX_FDS`] descriptors.
 
 use crate::{Api, Listeners};
 use serde::{Deserialize, Serialize};
@@ -21,12 +28,13 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use stitch_core::engine::{HandOver, HandedApp};
+use stitch_core::link::LinkStats;
 use stitch_core::{fdpass, AppState, Descriptors};
 
-/// The offer's own format; a process reading another refuses it and the old one carries on.
-pub const HAND_OVER_FORMAT: u32 = 1;
+/// The protocol's own format; a process reading another refuses it and the old one carries on.
+pub const HAND_OVER_FORMAT: u32 = 2;
 
-/// How long the old process waits for the new one to start the graph.
+/// How long the old process waits for each answer of the new one.
 pub const ANSWER_PATIENCE: Duration = Duration::from_secs(30);
 
 /// The hand-over socket of the instance whose API socket is `api_socket`.
@@ -34,7 +42,7 @@ pub fn socket_path(api_socket: &Path) -> PathBuf {
     stitch_place::leftovers::upgrade_socket(api_socket)
 }
 
-/// What the running process offers, before the descriptors.
+/// What the running process lends first, before the descriptors.
 #[derive(Debug, Serialize, Deserialize)]
 pub struct Offer {
     pub hand_over_format: u32,
@@ -48,33 +56,64 @@ pub struct Offer {
     pub graph_name: String,
     pub base_dir: PathBuf,
     pub tcp_listener: bool,
-    pub apps: BTreeMap<String, OfferedApp>,
-    pub links: BTreeMap<String, stitch_core::link::LinkStats>,
+    /// Apps whose descriptors follow, in this order.
+    pub apps: BTreeMap<String, LentApp>,
+}
+
+/// An app's lent descriptors: how many follow in the batches, and its provisional position.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct LentApp {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub fds: usize,
+    pub position: serde_json::Value,
+}
+
+/// The final word, with the old process's workers parked.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Final {
+    pub apps: BTreeMap<String, FinalApp>,
+    pub links: BTreeMap<String, LinkStats>,
     pub drained: u64,
     pub left_queued: u64,
     pub unsaved: Vec<(String, String)>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
-pub struct OfferedApp {
+pub struct FinalApp {
     #[serde(rename = "type")]
     pub kind: String,
     pub counters: BTreeMap<String, u64>,
     pub state: Option<AppState>,
-    pub descriptors: Option<OfferedDescriptors>,
+    pub position: Option<serde_json::Value>,
 }
 
-/// An app's descriptors: how many follow in the batches, and its place in them.
-#[derive(Debug, Serialize, Deserialize)]
-pub struct OfferedDescriptors {
-    pub fds: usize,
-    pub position: serde_json::Value,
+impl Final {
+    /// Each app's final word as the engine takes it ([`stitch_core::Engine::commit_inheriting`]).
+    pub fn apps(&mut self) -> BTreeMap<String, HandedApp> {
+        (std::mem::take(&mut self.apps).into_iter())
+            .map(|(name, a)| {
+                let handed = HandedApp {
+                    kind: a.kind,
+                    counters: a.counters,
+                    state: a.state,
+                    descriptors: a.position.map(|position| Descriptors {
+                        fds: Vec::new(),
+                        position,
+                    }),
+                };
+                (name, handed)
+            })
+            .collect()
+    }
 }
 
-/// What the new process answers once it has tried to start the graph.
+/// What the new process answers.
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 enum Answer {
+    /// The graph is built on the lent descriptors: send the final word.
+    Ready,
     Started,
     Failed(String),
 }
@@ -115,7 +154,7 @@ pub fn serve(api: Arc<Api>, path: PathBuf, holdings: Holdings) -> anyhow::Result
                         std::process::exit(0);
                     }
                     Ok(None) => {}
-                    Err(e) => log::warn!("upgrade: {e}"),
+                    Err(e) => log::warn!("upgrade: {e:#}; this process carries on"),
                 }
             }
         })?;
@@ -146,48 +185,50 @@ fn tell_service_manager(successor: u32) {
 fn hand_over(api: &Api, mut conn: UnixStream, holdings: &Holdings) -> anyhow::Result<Option<u32>> {
     conn.set_read_timeout(Some(ANSWER_PATIENCE))?;
     let request: Request = read_frame(&mut conn)?;
-    if request.take_over != HAND_OVER_FORMAT {
-        let why = format!(
+    let refusal = if request.take_over != HAND_OVER_FORMAT {
+        Some(format!(
             "hand-over format {} asked, this Stitch offers format {HAND_OVER_FORMAT}",
             request.take_over
+        ))
+    } else {
+        api.placements().upgrade_obstacle()
+    };
+    if let Some(why) = refusal {
+        write_frame(&mut conn, &Reply::Refused(why.clone()))?;
+        anyhow::bail!("refused process {}: {why}", request.pid);
+    }
+    api.while_unchanged(|| {
+        lend(api, &mut conn, holdings)?;
+        match read_frame::<Answer>(&mut conn) {
+            Ok(Answer::Ready) => {}
+            Ok(Answer::Failed(why)) => anyhow::bail!("the new process failed: {why}"),
+            Ok(Answer::Started) => anyhow::bail!("the new process started before its time"),
+            Err(e) => anyhow::bail!("no word from the new process: {e}"),
+        }
+        let parked = Instant::now();
+        let mut failure = None;
+        let taken = api.engine().hand_over(|h| match last_word(&mut conn, h) {
+            Ok(()) => true,
+            Err(e) => {
+                failure = Some(e);
+                false
+            }
+        })?;
+        if let Some(e) = failure {
+            anyhow::bail!("the new process failed to start: {e:#}");
+        }
+        log::info!(
+            "handed over to process {}: traffic paused {:.1} ms",
+            request.pid,
+            parked.elapsed().as_secs_f64() * 1e3
         );
-        write_frame(&mut conn, &Reply::Refused(why.clone()))?;
-        anyhow::bail!("{why}");
-    }
-    if let Some(why) = api.placements().upgrade_obstacle() {
-        write_frame(&mut conn, &Reply::Refused(why.clone()))?;
-        anyhow::bail!("refused: {why}");
-    }
-    let graph = api.placements().graph();
-    let started = Instant::now();
-    let mut failure = None;
-    let taken = api.while_unchanged(|| {
-        api.engine()
-            .hand_over(|h| match offer(&mut conn, h, graph.as_ref(), holdings) {
-                Ok(taken) => taken,
-                Err(e) => {
-                    failure = Some(e);
-                    false
-                }
-            })
-    })?;
-    if let Some(e) = failure {
-        anyhow::bail!("the new process failed: {e}; this one carries on");
-    }
-    log::info!(
-        "handed over in {:.1} ms",
-        started.elapsed().as_secs_f64() * 1e3
-    );
-    Ok(taken.then_some(request.pid))
+        Ok(taken.then_some(request.pid))
+    })
 }
 
-/// Sends the offer and the descriptors; true when the successor answers `started`.
-fn offer(
-    conn: &mut UnixStream,
-    h: HandOver,
-    graph: Option<&stitch_place::PlacedGraph>,
-    holdings: &Holdings,
-) -> anyhow::Result<bool> {
+/// Step 1: the offer and the lent descriptors.
+fn lend(api: &Api, conn: &mut UnixStream, holdings: &Holdings) -> anyhow::Result<()> {
+    let lent = api.engine().lend_descriptors()?;
     let mut fds: Vec<BorrowedFd> = vec![holdings.lock.as_fd(), holdings.listeners.unix.as_fd()];
     if let Some(t) = &holdings.listeners.tcp {
         fds.push(t.as_fd());
@@ -197,25 +238,19 @@ fn offer(
     fds.push(stderr.as_fd());
     let mut apps = BTreeMap::new();
     let mut app_fds = Vec::new();
-    for (name, app) in h.apps {
-        let descriptors = app.descriptors.map(|d| {
-            let fds = d.fds.len();
-            app_fds.extend(d.fds);
-            OfferedDescriptors {
-                fds,
-                position: d.position,
-            }
-        });
-        let offered = OfferedApp {
-            kind: app.kind,
-            counters: app.counters,
-            state: app.state,
-            descriptors,
+    for (name, (kind, d)) in lent {
+        let fds = d.fds.len();
+        app_fds.extend(d.fds);
+        let app = LentApp {
+            kind,
+            fds,
+            position: d.position,
         };
-        apps.insert(name, offered);
+        apps.insert(name, app);
     }
     fds.extend(app_fds.iter().map(|f| f.as_fd()));
-    let (doc, name, base) = match graph {
+    let graph = api.placements().graph();
+    let (doc, name, base) = match &graph {
         Some(g) => (
             g.to_document().to_string(),
             "<graph taken over>".to_string(),
@@ -233,19 +268,40 @@ fn offer(
         base_dir: base,
         tcp_listener: holdings.listeners.tcp.is_some(),
         apps,
-        links: h.links,
-        drained: h.drained,
-        left_queued: h.left_queued,
-        unsaved: h.unsaved,
     };
     write_frame(conn, &Reply::Offer(Box::new(offer)))?;
     for batch in fds.chunks(fdpass::MAX_FDS) {
         let raw: Vec<i32> = batch.iter().map(|f| f.as_raw_fd()).collect();
         fdpass::send(conn.as_raw_fd(), &[raw.len() as u8], &raw)?;
     }
+    Ok(())
+}
+
+/// Step 3, workers parked: the final word, and the answer to it.
+fn last_word(conn: &mut UnixStream, h: HandOver) -> anyhow::Result<()> {
+    let apps = (h.apps.into_iter())
+        .map(|(name, a)| {
+            let app = FinalApp {
+                kind: a.kind,
+                counters: a.counters,
+                state: a.state,
+                position: a.descriptors.map(|d| d.position),
+            };
+            (name, app)
+        })
+        .collect();
+    let last = Final {
+        apps,
+        links: h.links,
+        drained: h.drained,
+        left_queued: h.left_queued,
+        unsaved: h.unsaved,
+    };
+    write_frame(conn, &last)?;
     match read_frame::<Answer>(conn) {
-        Ok(Answer::Started) => Ok(true),
+        Ok(Answer::Started) => Ok(()),
         Ok(Answer::Failed(why)) => Err(anyhow::anyhow!("{why}")),
+        Ok(Answer::Ready) => Err(anyhow::anyhow!("said ready twice")),
         Err(e) => Err(anyhow::anyhow!("no answer: {e}")),
     }
 }
@@ -257,21 +313,18 @@ pub struct Inheritance {
     pub listeners: Listeners,
     pub stdout: OwnedFd,
     pub stderr: OwnedFd,
-    /// Each app's counters, state and descriptors, for [`stitch_core::Engine::apply_inheriting`].
-    pub apps: BTreeMap<String, HandedApp>,
-    /// How the old process learns the outcome.
-    pub answer: AnswerTo,
+    /// Each app's type and lent descriptors, for [`stitch_core::Engine::prepare_inheriting`].
+    pub lent: BTreeMap<String, (String, Descriptors)>,
 }
 
-/// The old process's end of the hand-over, waiting for the outcome.
+/// The old process's end of the hand-over.
 pub struct AnswerTo {
     conn: UnixStream,
 }
 
-/// Asks the instance whose API socket is `api_socket` for everything it runs on. Its workers
-/// stay parked until [`Inheritance::started`] or [`Inheritance::failed`] (or this process
-/// exits).
-pub fn take_over(api_socket: &Path) -> anyhow::Result<Inheritance> {
+/// Asks the instance whose API socket is `api_socket` for everything it runs on; the old
+/// process hears from this one through the [`AnswerTo`].
+pub fn take_over(api_socket: &Path) -> anyhow::Result<(Inheritance, AnswerTo)> {
     let path = socket_path(api_socket);
     let mut conn = UnixStream::connect(&path).map_err(|e| {
         anyhow::anyhow!(
@@ -293,12 +346,7 @@ pub fn take_over(api_socket: &Path) -> anyhow::Result<Inheritance> {
         Reply::Offer(o) => *o,
     };
     let tcp = usize::from(offer.tcp_listener);
-    let wanted = 4
-        + tcp
-        + (offer.apps.values())
-            .filter_map(|a| a.descriptors.as_ref())
-            .map(|d| d.fds)
-            .sum::<usize>();
+    let wanted = 4 + tcp + offer.apps.values().map(|a| a.fds).sum::<usize>();
     let mut fds = Vec::with_capacity(wanted);
     while fds.len() < wanted {
         let (_, batch) = fdpass::recv(conn.as_raw_fd(), 1).map_err(|e| {
@@ -323,38 +371,39 @@ pub fn take_over(api_socket: &Path) -> anyhow::Result<Inheritance> {
         tcp: (tcp == 1).then(|| std::net::TcpListener::from(next())),
     };
     let (stdout, stderr) = (next(), next());
-    let mut apps = BTreeMap::new();
-    for (name, a) in std::mem::take(&mut offer.apps) {
-        let descriptors = a.descriptors.map(|d| Descriptors {
-            fds: (0..d.fds).map(|_| next()).collect(),
-            position: d.position,
-        });
-        let handed = HandedApp {
-            kind: a.kind,
-            counters: a.counters,
-            state: a.state,
-            descriptors,
-        };
-        apps.insert(name, handed);
-    }
-    Ok(Inheritance {
+    let lent = (std::mem::take(&mut offer.apps).into_iter())
+        .map(|(name, a)| {
+            let d = Descriptors {
+                fds: (0..a.fds).map(|_| next()).collect(),
+                position: a.position,
+            };
+            (name, (a.kind, d))
+        })
+        .collect();
+    let inheritance = Inheritance {
         offer,
         lock,
         listeners,
         stdout,
         stderr,
-        apps,
-        answer: AnswerTo { conn },
-    })
+        lent,
+    };
+    Ok((inheritance, AnswerTo { conn }))
 }
 
 impl AnswerTo {
+    /// Tells the old process the graph is built: it parks and sends its final word.
+    pub fn ready(&mut self) -> anyhow::Result<Final> {
+        write_frame(&mut self.conn, &Answer::Ready)?;
+        read_frame(&mut self.conn)
+    }
+
     /// Tells the old process the graph runs here: it exits.
     pub fn started(mut self) -> anyhow::Result<()> {
         write_frame(&mut self.conn, &Answer::Started)
     }
 
-    /// Tells the old process this one could not start: it resumes.
+    /// Tells the old process this one could not start: it carries on.
     pub fn failed(mut self, why: &str) {
         let _ = write_frame(&mut self.conn, &Answer::Failed(why.to_string()));
     }

@@ -269,7 +269,10 @@ fn act(rig: &mut Rig, i: usize, round: usize) -> Result<()> {
     match i {
         0 => {}
         1 => {
-            std::fs::write(rig.dir.path().join("graph.yaml"), rig.graph(round % 2 == 0))?;
+            std::fs::write(
+                rig.dir.path().join("graph.yaml"),
+                rig.graph(round.is_multiple_of(2)),
+            )?;
             let ok = Command::new(&exe)
                 .arg("apply")
                 .arg(rig.dir.path().join("graph.yaml"))

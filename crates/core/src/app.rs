@@ -217,13 +217,11 @@ impl Counters {
         c
     }
 
-    /// Counters that start from `values` (an app's counters as its predecessor left them).
-    pub fn starting_at(values: &BTreeMap<String, u64>) -> Counters {
-        let c = Counters::default();
+    /// Sets each counter of `values` (an app's counters as its predecessor left them).
+    pub fn continue_from(&self, values: &BTreeMap<String, u64>) {
         for (name, v) in values {
-            c.get(name).set(*v);
+            self.get(name).set(*v);
         }
-        c
     }
 
     pub fn snapshot(&self) -> BTreeMap<String, u64> {
@@ -380,6 +378,14 @@ pub trait App: Send + 'static {
     fn hand_over(&mut self) -> Option<Descriptors> {
         None
     }
+
+    /// Where the predecessor stopped in the descriptors it lent (the `position` of its last
+    /// [`App::hand_over`], taken with its workers parked), given after `new` and before the
+    /// first breath; the position `new` was given was provisional. A position the app cannot
+    /// take fails the take-over (and the predecessor carries on).
+    fn take_position(&mut self, _position: serde_json::Value) -> Result<(), String> {
+        Ok(())
+    }
 }
 
 /// What an app hands its successor at an upgrade ([`App::hand_over`]).
@@ -454,6 +460,7 @@ pub trait DynApp: Send {
     fn snapshot(&self) -> Option<AppSnapshot>;
     fn restore(&mut self, state: AppState) -> Result<(), String>;
     fn hand_over(&mut self) -> Option<Descriptors>;
+    fn take_position(&mut self, position: serde_json::Value) -> Result<(), String>;
 }
 
 impl<A: App> DynApp for A {
@@ -495,6 +502,9 @@ impl<A: App> DynApp for A {
     }
     fn hand_over(&mut self) -> Option<Descriptors> {
         App::hand_over(self)
+    }
+    fn take_position(&mut self, position: serde_json::Value) -> Result<(), String> {
+        App::take_position(self, position)
     }
 }
 

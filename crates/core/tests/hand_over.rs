@@ -138,6 +138,15 @@ fn total(engine: &Engine) -> u64 {
 fn the_successor_adopts_the_descriptors_and_continues_counters_and_state() {
     let r = registry();
     let first = running(&r);
+    // The successor builds on lent descriptors while the first runs on.
+    let lent = first.lend_descriptors().unwrap();
+    let second = Engine::new(r.clone());
+    let prepared = second
+        .prepare_inheriting(
+            Graph::parse(GRAPH, "t.yaml", Path::new("."), &r).unwrap(),
+            lent,
+        )
+        .unwrap();
     let mut handed = None;
     let taken = first
         .hand_over(|h| {
@@ -156,13 +165,8 @@ fn the_successor_adopts_the_descriptors_and_continues_counters_and_state() {
     assert_eq!(sent, received, "nothing stays behind in the links");
     assert_eq!(h.apps["tally"].state.as_ref().unwrap().state, received);
 
-    let second = Engine::new(r.clone());
     let (_, restored) = second
-        .apply_inheriting(
-            Graph::parse(GRAPH, "t.yaml", Path::new("."), &r).unwrap(),
-            h.apps,
-            &h.links,
-        )
+        .commit_inheriting(prepared, h.apps, &h.links)
         .unwrap();
     assert_eq!(restored.restored, ["tally"]);
     assert!(total(&second) >= received, "the state came back");

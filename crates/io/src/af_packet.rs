@@ -1188,6 +1188,25 @@ impl App for AfPacket {
             position: serde_json::to_value(at).ok()?,
         })
     }
+
+    /// The cursors where the predecessor stopped, on the rings this port already maps.
+    fn take_position(&mut self, position: serde_json::Value) -> Result<(), String> {
+        let at: RingPosition = serde_json::from_value(position)
+            .map_err(|e| format!("af_packet {}: position: {e}", self.interface))?;
+        let same = at.rx_len == self.tx_ring
+            && std::mem::discriminant(&at.rx) == std::mem::discriminant(&self.rx)
+            && at.tx_next < TX_FRAMES;
+        if !same {
+            return Err(format!(
+                "af_packet {}: the predecessor's rings ({:?}) are not these ({:?})",
+                self.interface, at.rx, self.rx
+            ));
+        }
+        self.rx = at.rx;
+        self.tx_next = at.tx_next;
+        self.tx_pending = at.tx_pending;
+        Ok(())
+    }
 }
 
 impl RxPath {

@@ -454,16 +454,15 @@ impl Placements {
             .then(|| format!("these apps cannot be handed over yet: {}", held.join("; ")))
     }
 
-    /// [`Placements::apply`] for a process taking over from another (`stitch upgrade`): the
-    /// engine's apps adopt what their predecessors handed over. Only a graph that runs whole in
-    /// the engine ([`Placements::upgrade_obstacle`]).
-    pub fn apply_inheriting(
+    /// [`Placements::apply`] for a process taking over from another (`stitch upgrade`), first
+    /// half: the engine's apps are built on the descriptors the predecessor lent
+    /// ([`stitch_core::Engine::prepare_inheriting`]). Only a graph that runs whole in the engine
+    /// ([`Placements::upgrade_obstacle`]).
+    pub fn prepare_inheriting(
         &self,
         graph: PlacedGraph,
-        apps: std::collections::BTreeMap<String, stitch_core::engine::HandedApp>,
-        links: &std::collections::BTreeMap<String, stitch_core::link::LinkStats>,
-    ) -> Result<(PlaceReport, stitch_core::engine::RestoreReport), PlaceError> {
-        let mut current = self.graph.lock().unwrap();
+        lent: std::collections::BTreeMap<String, (String, stitch_core::Descriptors)>,
+    ) -> Result<(PlacedGraph, stitch_core::engine::Prepared), PlaceError> {
         let plan =
             plan(&graph, self.engine.registry(), &self.instance).map_err(PlaceError::Graph)?;
         if plan.kernel.is_some() || !plan.processes.is_empty() {
@@ -471,8 +470,23 @@ impl Placements {
                 "apps placed outside the engine cannot be taken over yet".into(),
             ));
         }
+        let prepared = (self.engine)
+            .prepare_inheriting(plan.engine, lent)
+            .map_err(PlaceError::Engine)?;
+        Ok((graph, prepared))
+    }
+
+    /// Second half: the prepared graph starts with the predecessor's final positions,
+    /// counters and state ([`stitch_core::Engine::commit_inheriting`]).
+    pub fn commit_inheriting(
+        &self,
+        (graph, prepared): (PlacedGraph, stitch_core::engine::Prepared),
+        finals: std::collections::BTreeMap<String, stitch_core::engine::HandedApp>,
+        links: &std::collections::BTreeMap<String, stitch_core::link::LinkStats>,
+    ) -> Result<(PlaceReport, stitch_core::engine::RestoreReport), PlaceError> {
+        let mut current = self.graph.lock().unwrap();
         let (engine, restored) = (self.engine)
-            .apply_inheriting(plan.engine, apps, links)
+            .commit_inheriting(prepared, finals, links)
             .map_err(PlaceError::Engine)?;
         *current = Some(graph);
         Ok((

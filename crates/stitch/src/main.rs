@@ -510,8 +510,25 @@ fn start_instance(
     instance: &Instance,
     listen: &Listen,
     graph_file: Option<PathBuf>,
-    inherited: Option<upgrade::Inherited>,
 ) -> Result<Running> {
+    new_instance(registry, instance, listen, graph_file)?.serve(None)
+}
+
+/// An instance's engine and API, not yet serving.
+struct Parts {
+    engine: Arc<Engine>,
+    api: Arc<stitch_api::Api>,
+    config: stitch_api::ApiConfig,
+    stop: Arc<AtomicBool>,
+    reload: Arc<AtomicBool>,
+}
+
+fn new_instance(
+    registry: Arc<Registry>,
+    instance: &Instance,
+    listen: &Listen,
+    graph_file: Option<PathBuf>,
+) -> Result<Parts> {
     let stop = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         signal_hook::flag::register(sig, stop.clone()).context("cannot install signal handler")?;
@@ -543,12 +560,42 @@ fn start_instance(
         &instance.name,
         &instance.key(),
     ));
-    let Some(inherited) = inherited else {
-        let owner = stitch_place::leftovers::own(&config.unix).map_err(|e| anyhow::anyhow!(e))?;
-        // Listeners first: a busy port or a missing certificate is an error before anything runs.
-        let server = stitch_api::Server::start(api.clone(), &config)?;
-        clean_up_crashes(&api, &config);
-        return Ok(Running {
+    Ok(Parts {
+        engine,
+        api,
+        config,
+        stop,
+        reload,
+    })
+}
+
+impl Parts {
+    /// Takes the instance (its lock) and serves its API: on listeners of its own, or on those
+    /// a predecessor handed over (`stitch upgrade`), with its lock.
+    fn serve(self, inherited: Option<upgrade::Inherited>) -> Result<Running> {
+        let Parts {
+            engine,
+            api,
+            config,
+            stop,
+            reload,
+        } = self;
+        let (owner, server) = match inherited {
+            None => {
+                let owner =
+                    stitch_place::leftovers::own(&config.unix).map_err(|e| anyhow::anyhow!(e))?;
+                // Listeners first: a busy port or a missing certificate is an error before
+                // anything runs.
+                let server = stitch_api::Server::start(api.clone(), &config)?;
+                clean_up_crashes(&api, &config);
+                (owner, server)
+            }
+            Some(inherited) => (
+                stitch_place::leftovers::Owner::adopt(inherited.lock),
+                stitch_api::Server::serve(api.clone(), &config, inherited.listeners)?,
+            ),
+        };
+        Ok(Running {
             engine,
             api,
             server,
@@ -556,18 +603,8 @@ fn start_instance(
             stop,
             reload,
             _owner: owner,
-        });
-    };
-    let server = stitch_api::Server::serve(api.clone(), &config, inherited.listeners)?;
-    Ok(Running {
-        engine,
-        api,
-        server,
-        config,
-        stop,
-        reload,
-        _owner: stitch_place::leftovers::Owner::adopt(inherited.lock),
-    })
+        })
+    }
 }
 
 /// Removes what a crashed earlier run of this instance, or another dead instance, left.
@@ -613,7 +650,7 @@ fn serve(
     let registry = Arc::new(registry());
     let empty = PlacedGraph::parse("apps: {}\n", "<empty>", Path::new("/"), &registry)
         .map_err(|e| anyhow::anyhow!("{e}"))?;
-    let running = start_instance(registry, instance, listen, None, None)?;
+    let running = start_instance(registry, instance, listen, None)?;
     running
         .api
         .placements()
@@ -639,7 +676,7 @@ fn run(
     let registry = Arc::new(registry());
     let graph = load(file, &registry)?;
     let graph_file = Some(std::path::absolute(file)?);
-    let running = start_instance(registry, instance, listen, graph_file, None)?;
+    let running = start_instance(registry, instance, listen, graph_file)?;
     let report = running.api.placements().apply(graph).map_err(|e| match e {
         stitch_place::PlaceError::Graph(errors) => anyhow::anyhow!(
             "{}",

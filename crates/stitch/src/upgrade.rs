@@ -106,22 +106,15 @@ pub fn take_over(socket: &Path, ready_fd: i32) -> Result<()> {
     // SAFETY: the parent (`stitch upgrade`) opened this descriptor for us and nothing else
     // in this process owns it.
     let mut ready = std::fs::File::from(unsafe { OwnedFd::from_raw_fd(ready_fd) });
-    let asked = Instant::now();
-    let taken = handover::take_over(socket).and_then(|inh| {
-        let from = inh.offer.pid;
-        let (answer, result) = start_inherited(inh, asked);
-        match result {
-            Ok(started) => {
-                answer.started()?;
-                Ok((started, from))
+    let taken = handover::take_over(socket).and_then(|(inh, answer)| {
+        start_inherited(inh, answer).map_err(|(answer, e)| {
+            if let Some(a) = answer {
+                a.failed(&format!("{e:#}"));
             }
-            Err(e) => {
-                answer.failed(&format!("{e:#}"));
-                Err(e)
-            }
-        }
+            e
+        })
     });
-    let (started, from) = match taken {
+    let started = match taken {
         Ok(t) => t,
         Err(e) => {
             let _ = writeln!(
@@ -132,11 +125,10 @@ pub fn take_over(socket: &Path, ready_fd: i32) -> Result<()> {
             return Err(e);
         }
     };
-    let mut report = started.report;
-    report["from"] = from.into();
+    let report = started.report;
     let _ = writeln!(ready, "{}", serde_json::json!({ "took_over": report }));
     drop(ready);
-    log::info!("took over from process {from}: {report}");
+    log::info!("took over: {report}");
     let s = started.settings;
     crate::serve_until_stopped(
         started.running,
@@ -165,75 +157,81 @@ struct Started {
     report: serde_json::Value,
 }
 
-/// Starts the instance on `inh`; the answer to give the old process comes back with the outcome.
+/// A failure, with the answer still owed to the old process (none once it has been given).
+type Failure = (Option<handover::AnswerTo>, anyhow::Error);
+
+/// Builds the graph on what the old process lent while it runs on, then asks for its final
+/// word (it parks), starts, and answers.
 fn start_inherited(
     inh: handover::Inheritance,
-    asked: Instant,
-) -> (handover::AnswerTo, Result<Started>) {
+    mut answer: handover::AnswerTo,
+) -> Result<Started, Failure> {
     let handover::Inheritance {
         offer,
         lock,
         listeners,
         stdout,
         stderr,
-        apps,
-        answer,
+        lent,
     } = inh;
-    if let Err(e) = std::env::set_current_dir(&offer.cwd) {
-        let e = anyhow::anyhow!("cannot work in {}: {e}", offer.cwd.display());
-        return (answer, Err(e));
-    }
-    let settings = match run_settings(&offer.args) {
-        Ok(s) => s,
-        Err(e) => return (answer, Err(e)),
-    };
-    let result = (|| {
+    let prepared = (|| {
+        std::env::set_current_dir(&offer.cwd)
+            .with_context(|| format!("cannot work in {}", offer.cwd.display()))?;
+        let settings = run_settings(&offer.args)?;
         let registry = Arc::new(crate::registry());
         let graph = PlacedGraph::parse(&offer.graph, &offer.graph_name, &offer.base_dir, &registry)
             .map_err(|e| anyhow::anyhow!("the running graph does not parse here: {e}"))?;
         let graph_file = Some(std::path::absolute(&settings.file)?);
-        let inherited = Inherited { lock, listeners };
-        let running = crate::start_instance(
-            registry,
-            &settings.instance,
-            &settings.listen,
-            graph_file,
-            Some(inherited),
-        )?;
-        let (applied, restored) = running
-            .api
-            .placements()
-            .apply_inheriting(graph, apps, &offer.links)
+        let parts =
+            crate::new_instance(registry, &settings.instance, &settings.listen, graph_file)?;
+        let prepared = (parts.api.placements())
+            .prepare_inheriting(graph, lent)
             .map_err(|e| anyhow::anyhow!("{e}"))?;
-        // Log lines go where the old process's went (a journal, a file) from here on.
-        for (from, to) in [(&stdout, 1), (&stderr, 2)] {
-            // SAFETY: dup2 onto the standard descriptors, which this process keeps open.
-            unsafe { libc::dup2(from.as_raw_fd(), to) };
-        }
-        let report = serde_json::json!({
-            "paused_ms_at_most": asked.elapsed().as_secs_f64() * 1e3,
-            "apps": applied.engine.started.len(),
-            "packets_drained": offer.drained,
-            "packets_left_queued": offer.left_queued,
-            "state_restored": restored.restored,
-            "state_refused": restored.refused,
-            "state_unsaved": offer.unsaved,
-        });
-        let keeper = StateKeeper::after_take_over(&settings.state, restored)?;
-        Ok((running, keeper, report))
+        Ok((settings, parts, prepared))
     })();
-    match result {
-        Ok((running, keeper, report)) => (
-            answer,
-            Ok(Started {
-                running,
-                keeper,
-                settings,
-                report,
-            }),
-        ),
-        Err(e) => (answer, Err(e)),
+    let (settings, parts, prepared) = match prepared {
+        Ok(p) => p,
+        Err(e) => return Err((Some(answer), e)),
+    };
+    // The old process parks now: from here until `started`, its traffic waits.
+    let asked = Instant::now();
+    let mut last = answer.ready().map_err(|e| (None, e))?;
+    let committed = (parts.api.placements())
+        .commit_inheriting(prepared, last.apps(), &last.links)
+        .map_err(|e| anyhow::anyhow!("{e}"));
+    let (applied, restored) = match committed {
+        Ok(c) => c,
+        Err(e) => return Err((Some(answer), e)),
+    };
+    let paused_ms = asked.elapsed().as_secs_f64() * 1e3;
+    let running = match parts.serve(Some(Inherited { lock, listeners })) {
+        Ok(r) => r,
+        Err(e) => return Err((Some(answer), e)),
+    };
+    let from = offer.pid;
+    answer.started().map_err(|e| (None, e))?;
+    // Log lines go where the old process's went (a journal, a file) from here on.
+    for (from, to) in [(&stdout, 1), (&stderr, 2)] {
+        // SAFETY: dup2 onto the standard descriptors, which this process keeps open.
+        unsafe { libc::dup2(from.as_raw_fd(), to) };
     }
+    let report = serde_json::json!({
+        "from": from,
+        "paused_ms_at_most": paused_ms,
+        "apps": applied.engine.started.len(),
+        "packets_drained": last.drained,
+        "packets_left_queued": last.left_queued,
+        "state_restored": restored.restored,
+        "state_refused": restored.refused,
+        "state_unsaved": last.unsaved,
+    });
+    let keeper = StateKeeper::after_take_over(&settings.state, restored).map_err(|e| (None, e))?;
+    Ok(Started {
+        running,
+        keeper,
+        settings,
+        report,
+    })
 }
 
 /// The old process's `stitch run` arguments, read by this version.

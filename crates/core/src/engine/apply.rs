@@ -26,8 +26,20 @@ impl Engine {
         let actions = compute_config_actions(st.graph.as_ref(), &graph);
         // A failure while building changes nothing.
         let built = self.build_apps(actions.start.iter().chain(&actions.replace), &graph)?;
+        self.carry_out(&mut st, &actions, built, graph)
+    }
+
+    /// The actions of a change whose new apps are `built`: the workers park, the actions are
+    /// carried out (all or nothing), and the workers resume.
+    pub(super) fn carry_out(
+        &self,
+        st: &mut State,
+        actions: &ConfigActions,
+        built: BuiltApps,
+        graph: Graph,
+    ) -> Result<ApplyReport, EngineError> {
         let parking = Instant::now();
-        let mut parked = park_workers(&mut st)?;
+        let mut parked = park_workers(st)?;
         // All or nothing: a failure gives the apps already reconfigured their old config back
         // and the workers resume with the graph as it was.
         let reconfigured = match self.reconfigure_apps(
@@ -38,17 +50,17 @@ impl Engine {
         ) {
             Ok(r) => r,
             Err(e) => {
-                resume_parked(&st, parked)?;
+                resume_parked(st, parked)?;
                 return Err(EngineError::RolledBack(Box::new(e)));
             }
         };
-        let mut report = ApplyReport::of_actions(&actions, &reconfigured);
+        let mut report = ApplyReport::of_actions(actions, &reconfigured);
         let (mut slots, ends) = unpark(parked);
         for name in &reconfigured.in_place {
             let slot = slots.get_mut(name).expect("kept app has a slot");
             slot.config = graph.apps[name].config.clone();
         }
-        let retired = retire_apps(&mut slots, &actions, reconfigured.rebuilt, &graph);
+        let retired = retire_apps(&mut slots, actions, reconfigured.rebuilt, &graph);
         add_built_apps(&mut slots, built, &graph);
         let (links, removed) = rewire(&mut slots, ends, &actions.links, &graph, &mut report);
         for name in actions.stop.iter().chain(&actions.replace) {
@@ -56,7 +68,7 @@ impl Engine {
         }
         st.orphaned_drops += fold_removed_links(&mut st.folded, &removed, &slots);
         drop(removed);
-        self.resume_workers(&mut st, slots, &graph)?;
+        self.resume_workers(st, slots, &graph)?;
         st.links = links;
         st.graph = Some(graph);
         report.paused_ms = parking.elapsed().as_secs_f64() * 1e3;
@@ -66,9 +78,9 @@ impl Engine {
         Ok(report)
     }
 
-    /// Builds the apps named `names` of `graph`, each with fresh counters, or with what a
-    /// predecessor process handed over ([`Engine::apply_inheriting`]).
-    fn build_apps<'a>(
+    /// Builds the apps named `names` of `graph`, each with fresh counters, adopting what a
+    /// predecessor process lent it ([`Engine::prepare_inheriting`]).
+    pub(super) fn build_apps<'a>(
         &self,
         names: impl Iterator<Item = &'a String>,
         graph: &Graph,
@@ -76,16 +88,9 @@ impl Engine {
         names
             .map(|name| {
                 let decl = &graph.apps[name];
-                let Some(handed) = self.inherited(name, &decl.kind) else {
-                    let built = self.build(decl, graph, Counters::default(), None)?;
-                    return Ok((name.clone(), built));
-                };
-                let counters = Counters::starting_at(&handed.counters);
-                let (mut app, counters) = self.build(decl, graph, counters, handed.descriptors)?;
-                if let Some(state) = handed.state {
-                    self.restore_inherited(name, app.as_mut(), state);
-                }
-                Ok((name.clone(), (app, counters)))
+                let lent = self.inherited(name, &decl.kind);
+                let built = self.build(decl, graph, Counters::default(), lent)?;
+                Ok((name.clone(), built))
             })
             .collect()
     }

@@ -1,10 +1,13 @@
-//! An upgrade's two halves, engine side. The running engine parks its workers, lets the packets
-//! queued on its links go out, and gives a successor process each app's counters, state and
-//! the descriptors that carry its traffic ([`Engine::hand_over`]); the successor's engine
-//! builds the same graph with each app adopting what its predecessor held
-//! ([`Engine::apply_inheriting`]). How the two processes talk is the caller's business.
+//! An upgrade's two halves, engine side, in the order they happen. The running engine lends
+//! duplicates of each app's descriptors ([`Engine::lend_descriptors`]) and runs on while the
+//! successor's engine builds the same graph on them ([`Engine::prepare_inheriting`]); then it
+//! parks, lets the packets queued on its links go out and gives each app's final position,
+//! counters and state ([`Engine::hand_over`]), which the successor's apps take before their
+//! first breath ([`Engine::commit_inheriting`]). How the two processes talk is the caller's
+//! business.
 
-use super::apply::{park_workers, resume_parked};
+use super::apply::{check_applicable, park_workers, resume_parked, BuiltApps};
+use super::plan::{compute_config_actions, ConfigActions};
 use super::*;
 use crate::app::Descriptors;
 use crate::link::LinkStats;
@@ -75,25 +78,92 @@ impl Engine {
         Ok(taken)
     }
 
-    /// [`Engine::apply`] for a process taking over from another: each app of `graph` with a
-    /// handed-over app of the same name and type starts from its counters, adopts its
-    /// descriptors in `new` and takes its state back before its first breath; links of the same
-    /// spec continue their predecessors' counters.
-    pub fn apply_inheriting(
+    /// Duplicates of every app's descriptors ([`crate::App::hand_over`]), taken with the
+    /// workers parked for a moment: lent to a successor that builds its apps on them while
+    /// this engine runs on; their positions are provisional until [`Engine::hand_over`].
+    pub fn lend_descriptors(&self) -> Result<BTreeMap<String, (String, Descriptors)>, EngineError> {
+        let mut st = self.state.lock().unwrap();
+        if st.stopped {
+            return Err(EngineError::Other("the engine is stopping".into()));
+        }
+        let mut parked = park_workers(&mut st)?;
+        let lent = (parked.iter_mut().flat_map(|(_, p)| p.slots.iter_mut()))
+            .filter(|s| !s.failed.load(Ordering::Relaxed))
+            .filter_map(|s| Some((s.name.clone(), (s.kind.clone(), s.app.hand_over()?))))
+            .collect();
+        resume_parked(&st, parked)?;
+        Ok(lent)
+    }
+
+    /// First half of taking over from another process: builds `graph`'s apps (an engine that
+    /// runs nothing yet), each adopting the descriptors lent for an app of its name and type.
+    /// Nothing runs until [`Engine::commit_inheriting`].
+    pub fn prepare_inheriting(
         &self,
         graph: Graph,
-        apps: BTreeMap<String, HandedApp>,
+        lent: BTreeMap<String, (String, Descriptors)>,
+    ) -> Result<Prepared, EngineError> {
+        let st = self.state.lock().unwrap();
+        if st.graph.is_some() {
+            return Err(EngineError::Other(
+                "an engine that runs a graph cannot take another over".into(),
+            ));
+        }
+        check_applicable(&st, &graph)?;
+        let actions = compute_config_actions(None, &graph);
+        *self.inheritance.lock().unwrap() = Inheritance { lent };
+        let built = self.build_apps(actions.start.iter().chain(&actions.replace), &graph);
+        let unused = std::mem::take(&mut self.inheritance.lock().unwrap().lent);
+        Ok(Prepared {
+            graph,
+            actions,
+            built: built?,
+            unused: unused.into_keys().collect(),
+        })
+    }
+
+    /// Second half: each prepared app continues its predecessor's counters, takes its final
+    /// position and its state (`finals`, from [`Engine::hand_over`]), the graph starts, and
+    /// links of the same spec continue their predecessors' counters. A position an app
+    /// refuses fails the whole (nothing starts).
+    pub fn commit_inheriting(
+        &self,
+        mut prepared: Prepared,
+        finals: BTreeMap<String, HandedApp>,
         links: &BTreeMap<String, LinkStats>,
     ) -> Result<(ApplyReport, RestoreReport), EngineError> {
-        *self.inheritance.lock().unwrap() = Inheritance {
-            apps,
-            report: RestoreReport::default(),
+        let mut report = RestoreReport {
+            gone: prepared.unused.clone(),
+            ..RestoreReport::default()
         };
-        let applied = self.apply(graph);
-        let Inheritance { apps, mut report } =
-            std::mem::take(&mut *self.inheritance.lock().unwrap());
-        report.gone.extend(apps.into_keys());
-        let applied = applied?;
+        for (name, handed) in finals {
+            let Some((app, counters)) = (prepared.built.get_mut(&name))
+                .filter(|_| prepared.graph.apps[&name].kind == handed.kind)
+            else {
+                report.gone.push(name);
+                continue;
+            };
+            counters.continue_from(&handed.counters);
+            if let Some(d) = handed.descriptors {
+                app.take_position(d.position)
+                    .map_err(|e| EngineError::Other(format!("app `{name}`: {e}")))?;
+            }
+            if let Some(state) = handed.state {
+                match app.restore(state) {
+                    Ok(()) => report.restored.push(name),
+                    Err(e) => report.refused.push((name, e)),
+                }
+            }
+        }
+        let mut st = self.state.lock().unwrap();
+        let Prepared {
+            graph,
+            actions,
+            built,
+            ..
+        } = prepared;
+        let applied = self.carry_out(&mut st, &actions, built, graph)?;
+        drop(st);
         self.continue_link_counters(links)?;
         Ok((applied, report))
     }
@@ -114,32 +184,30 @@ impl Engine {
         resume_parked(&st, parked)
     }
 
-    /// The counters and descriptors a predecessor left for app `name` of type `kind`, if any.
-    pub(super) fn inherited(&self, name: &str, kind: &str) -> Option<HandedApp> {
+    /// The descriptors lent for app `name` of type `kind`, if any.
+    pub(super) fn inherited(&self, name: &str, kind: &str) -> Option<Descriptors> {
         let mut inheritance = self.inheritance.lock().unwrap();
-        if inheritance.apps.get(name).is_some_and(|h| h.kind == kind) {
-            inheritance.apps.remove(name)
+        if inheritance.lent.get(name).is_some_and(|(k, _)| k == kind) {
+            inheritance.lent.remove(name).map(|(_, d)| d)
         } else {
             None
         }
     }
-
-    /// Gives a just-built app its predecessor's state, noting the outcome.
-    pub(super) fn restore_inherited(&self, name: &str, app: &mut dyn DynApp, state: AppState) {
-        let outcome = app.restore(state);
-        let mut inheritance = self.inheritance.lock().unwrap();
-        match outcome {
-            Ok(()) => inheritance.report.restored.push(name.to_string()),
-            Err(e) => inheritance.report.refused.push((name.to_string(), e)),
-        }
-    }
 }
 
-/// What an engine taking over is given, consumed as its apps are built.
+/// A graph built on lent descriptors, waiting for [`Engine::commit_inheriting`].
+pub struct Prepared {
+    graph: Graph,
+    actions: ConfigActions,
+    built: BuiltApps,
+    /// Lent descriptors no app of the graph took.
+    unused: Vec<String>,
+}
+
+/// The descriptors lent to an engine taking over, consumed as its apps are built.
 #[derive(Default)]
 pub(super) struct Inheritance {
-    apps: BTreeMap<String, HandedApp>,
-    report: RestoreReport,
+    lent: BTreeMap<String, (String, Descriptors)>,
 }
 
 /// Pushes on the parked plans, on this thread, until every link is empty or `patience` has

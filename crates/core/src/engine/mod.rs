@@ -25,7 +25,7 @@ mod stats;
 pub use apply::topological_order;
 use breath::*;
 pub use breath::{breath_started, pin_to_core, WorkerCounters};
-pub use handover::{HandOver, HandedApp};
+pub use handover::{HandOver, HandedApp, Prepared};
 pub use state::{RestoreReport, STATE_FILE_FORMAT};
 pub use stats::{AppStats, ApplyReport, LinkInfo, Stats, WorkerStats};
 
@@ -134,7 +134,7 @@ pub struct Engine {
     registry: Arc<Registry>,
     state: Mutex<State>,
     started: Instant,
-    /// What a predecessor process handed over, while [`Engine::apply_inheriting`] runs.
+    /// What a predecessor process lent, while [`Engine::prepare_inheriting`] builds.
     inheritance: Mutex<handover::Inheritance>,
 }
 
