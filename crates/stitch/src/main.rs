@@ -95,6 +95,25 @@ impl Instance {
     }
 }
 
+/// `stitch run`'s arguments (also what a process taking an instance over reads from the old
+/// one's command line).
+#[derive(clap::Args)]
+struct RunArgs {
+    file: PathBuf,
+    /// Stop after this many seconds.
+    #[arg(long)]
+    duration: Option<f64>,
+    /// Print counters as JSON instead of tables.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    instance: Instance,
+    #[command(flatten)]
+    listen: Listen,
+    #[command(flatten)]
+    state: StateArgs,
+}
+
 /// How `stitch run` offers its API beyond the Unix socket.
 #[derive(clap::Args, Clone)]
 struct Listen {
@@ -119,21 +138,7 @@ struct Listen {
 #[derive(Subcommand)]
 enum Cmd {
     /// Run a graph until it finishes, --duration passes, or SIGINT/SIGTERM; then print counters.
-    Run {
-        file: PathBuf,
-        /// Stop after this many seconds.
-        #[arg(long)]
-        duration: Option<f64>,
-        /// Print counters as JSON instead of tables.
-        #[arg(long)]
-        json: bool,
-        #[command(flatten)]
-        instance: Instance,
-        #[command(flatten)]
-        listen: Listen,
-        #[command(flatten)]
-        state: StateArgs,
-    },
+    Run(RunArgs),
     /// Validate a graph file; errors name the line.
     Check {
         file: PathBuf,
@@ -397,14 +402,7 @@ fn run_cli(cli: Cli) -> Result<()> {
                 println!("{:<14} {}", t.name, t.summary);
             }
         }
-        Cmd::Run {
-            file,
-            duration,
-            json,
-            instance,
-            listen,
-            state,
-        } => run(&file, duration, json, (&instance, &listen), &state)?,
+        Cmd::Run(args) => run(&args)?,
         Cmd::Top(args) => top::run(&args.instance.socket(), &args)?,
         Cmd::Kernel(cmd) => kernel_cmd::run(cmd)?,
         Cmd::Nfv(args) => nfv_cmd::run(args)?,
@@ -424,7 +422,7 @@ fn run_cli(cli: Cli) -> Result<()> {
             duration,
             name,
         }) => {
-            let (_dir, graph) = lwaftr_cmd::run_graph(&conf, &v4, &v6)?;
+            let (_dir, file) = lwaftr_cmd::run_graph(&conf, &v4, &v6)?;
             let instance = Instance {
                 name,
                 control: None,
@@ -440,7 +438,14 @@ fn run_cli(cli: Cli) -> Result<()> {
                 state: None,
                 state_interval: 1.0,
             };
-            run(&graph, duration, false, (&instance, &listen), &state)?
+            run(&RunArgs {
+                file,
+                duration,
+                json: false,
+                instance,
+                listen,
+                state,
+            })?
         }
         Cmd::Lwaftr(c) => lwaftr_cmd::run(c)?,
         Cmd::Capture(c) => capture_cmd::run(c, Arc::new(registry()))?,
@@ -666,13 +671,16 @@ fn serve(
     finish(running, false)
 }
 
-fn run(
-    file: &Path,
-    duration: Option<f64>,
-    as_json: bool,
-    (instance, listen): (&Instance, &Listen),
-    state: &StateArgs,
-) -> Result<()> {
+fn run(args: &RunArgs) -> Result<()> {
+    let RunArgs {
+        file,
+        duration,
+        json: as_json,
+        instance,
+        listen,
+        state,
+    } = args;
+    let (duration, as_json) = (*duration, *as_json);
     let registry = Arc::new(registry());
     let graph = load(file, &registry)?;
     let graph_file = Some(std::path::absolute(file)?);

@@ -3,7 +3,7 @@
 //! the new binary (`stitch take-over`, in a session of its own) and waits for its word: the
 //! graph runs there, or why it does not — in which case the running instance carries on.
 
-use crate::{Cli, Cmd, Instance, Running, StateKeeper};
+use crate::{Cli, Cmd, Instance, RunArgs, Running, StateKeeper};
 use anyhow::{Context, Result};
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -139,21 +139,11 @@ pub fn take_over(socket: &Path, ready_fd: i32) -> Result<()> {
     )
 }
 
-/// The `run` settings of the process taken over from.
-struct RunSettings {
-    file: PathBuf,
-    duration: Option<f64>,
-    json: bool,
-    instance: Instance,
-    listen: crate::Listen,
-    state: crate::StateArgs,
-}
-
 /// An instance started on what its predecessor handed over.
 struct Started {
     running: Running,
     keeper: Option<StateKeeper>,
-    settings: RunSettings,
+    settings: RunArgs,
     report: serde_json::Value,
 }
 
@@ -235,27 +225,13 @@ fn start_inherited(
 }
 
 /// The old process's `stitch run` arguments, read by this version.
-fn run_settings(args: &[String]) -> Result<RunSettings> {
+fn run_settings(args: &[String]) -> Result<RunArgs> {
     use clap::Parser;
     let cli = Cli::try_parse_from(args).map_err(|e| {
         anyhow::anyhow!("this Stitch does not take the running one's arguments {args:?}: {e}")
     })?;
     match cli.cmd {
-        Cmd::Run {
-            file,
-            duration,
-            json,
-            instance,
-            listen,
-            state,
-        } => Ok(RunSettings {
-            file,
-            duration,
-            json,
-            instance,
-            listen,
-            state,
-        }),
+        Cmd::Run(run) => Ok(run),
         _ => anyhow::bail!("only an instance started by `stitch run` can be taken over"),
     }
 }
