@@ -131,10 +131,12 @@ enum Reply {
     Offer(Box<Offer>),
 }
 
-/// What the old process keeps for handing over: the instance's lock and the API's listeners.
+/// What the old process keeps for handing over: the instance's lock, the API's listeners and
+/// the `stitch run` command line it was started with.
 pub struct Holdings {
     pub lock: OwnedFd,
     pub listeners: Listeners,
+    pub command_line: Vec<String>,
 }
 
 /// Listens for a successor on `path` for the life of the process; when one takes over, the
@@ -261,7 +263,7 @@ fn lend(api: &Api, conn: &mut UnixStream, holdings: &Holdings) -> anyhow::Result
     let offer = Offer {
         hand_over_format: HAND_OVER_FORMAT,
         pid: std::process::id(),
-        args: std::env::args().collect(),
+        args: holdings.command_line.clone(),
         cwd: std::env::current_dir().unwrap_or_else(|_| PathBuf::from("/")),
         graph: doc,
         graph_name: name,

@@ -506,6 +506,9 @@ struct Running {
     reload: Arc<AtomicBool>,
     /// This process runs the instance while it holds this.
     _owner: stitch_place::leftovers::Owner,
+    /// The `stitch run` command line the instance was started with (a process that took it
+    /// over runs as `stitch take-over`, and offers this one to its own successor).
+    command_line: Vec<String>,
 }
 
 /// Starts an instance's engine and API (nothing runs yet) and cleans up what a crashed
@@ -608,6 +611,7 @@ impl Parts {
             stop,
             reload,
             _owner: owner,
+            command_line: std::env::args().collect(),
         })
     }
 }

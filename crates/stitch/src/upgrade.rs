@@ -35,6 +35,7 @@ pub fn offer_hand_over(running: &Running) -> Result<()> {
     let holdings = handover::Holdings {
         lock: running._owner.try_clone_fd()?,
         listeners: running.server.listeners().try_clone()?,
+        command_line: running.command_line.clone(),
     };
     handover::serve(
         running.api.clone(),
@@ -194,10 +195,11 @@ fn start_inherited(
         Err(e) => return Err((Some(answer), e)),
     };
     let paused_ms = asked.elapsed().as_secs_f64() * 1e3;
-    let running = match parts.serve(Some(Inherited { lock, listeners })) {
+    let mut running = match parts.serve(Some(Inherited { lock, listeners })) {
         Ok(r) => r,
         Err(e) => return Err((Some(answer), e)),
     };
+    running.command_line = offer.args.clone();
     let from = offer.pid;
     answer.started().map_err(|e| (None, e))?;
     // Log lines go where the old process's went (a journal, a file) from here on.

@@ -346,7 +346,7 @@ fn an_openflow_switch_keeps_its_tables_and_its_controller_socket_across_an_upgra
 }
 
 /// A TAP device is handed over open: it never goes away, so it keeps its index and the
-/// address the host gave it.
+/// address the host gave it, across two upgrades in a row.
 #[test]
 fn a_tap_device_stays_across_an_upgrade() {
     require_root_and_tools(&["ip"]);
@@ -361,7 +361,17 @@ fn a_tap_device_stays_across_an_upgrade() {
     let (successor, _) = upgrade(&first);
     assert_eq!(index(), before, "the device was made again");
     assert!(must(&format!("ip -o addr show dev {name}")).contains("192.0.2.77/32"));
-    successor.stop(first);
+    // A process that took over can be upgraded in turn: it offers the `stitch run` command
+    // line, not its own.
+    let (third, report) = upgrade(&first);
+    assert_eq!(
+        report["from"].as_i64(),
+        Some(successor.0 as i64),
+        "{report}"
+    );
+    assert_eq!(index(), before, "the device was made again");
+    drop(successor);
+    third.stop(first);
     wait_until("the device to go with the instance", 10, || {
         !std::path::Path::new(&format!("/sys/class/net/{name}")).exists()
     });
