@@ -7,7 +7,7 @@
 //! time between two arrivals and the frames sent in it that never arrived.
 
 use anyhow::{bail, Context, Result};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -114,33 +114,11 @@ fn kill_by_socket(socket: &Path) -> Option<i32> {
 
 /// A raw packet socket on `interface` for the bench's EtherType.
 fn packet_socket(interface: &str) -> Result<OwnedFd> {
+    use stitch_io::{af_packet, netdev};
     let proto = ETHERTYPE.to_be();
-    // SAFETY: socket takes no pointers.
-    let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW, proto as i32) };
-    if fd < 0 {
-        bail!("AF_PACKET socket: {}", std::io::Error::last_os_error());
-    }
-    // SAFETY: socket returned a new descriptor that nothing else owns.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    let name = std::ffi::CString::new(interface)?;
-    // SAFETY: the name is NUL-terminated.
-    let index = unsafe { libc::if_nametoindex(name.as_ptr()) };
-    // SAFETY: sockaddr_ll is a C struct of integers; all zeroes is valid.
-    let mut addr: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
-    addr.sll_family = libc::AF_PACKET as u16;
-    addr.sll_protocol = proto;
-    addr.sll_ifindex = index as i32;
-    // SAFETY: bind reads one sockaddr_ll from `addr`, which is live.
-    let r = unsafe {
-        libc::bind(
-            fd.as_raw_fd(),
-            &addr as *const libc::sockaddr_ll as *const libc::sockaddr,
-            std::mem::size_of::<libc::sockaddr_ll>() as u32,
-        )
-    };
-    if r < 0 {
-        bail!("bind to {interface}: {}", std::io::Error::last_os_error());
-    }
+    let fd = af_packet::packet_socket(proto).map_err(anyhow::Error::msg)?;
+    let index = netdev::ifindex(interface).map_err(anyhow::Error::msg)?;
+    af_packet::bind_to(&fd, index, proto, interface).map_err(anyhow::Error::msg)?;
     Ok(fd)
 }
 

@@ -325,7 +325,7 @@ struct RxPath {
 }
 
 /// A raw packet socket for `proto` (network byte order; 0 receives nothing).
-fn packet_socket(proto: u16) -> Result<OwnedFd, String> {
+pub fn packet_socket(proto: u16) -> Result<OwnedFd, String> {
     // SAFETY: socket takes no pointers.
     let fd = unsafe {
         libc::socket(
@@ -345,7 +345,7 @@ fn packet_socket(proto: u16) -> Result<OwnedFd, String> {
 }
 
 /// Binds a packet socket to interface `ifindex` (named `name` in errors).
-fn bind_to(fd: &OwnedFd, ifindex: u32, proto: u16, name: &str) -> Result<(), String> {
+pub fn bind_to(fd: &OwnedFd, ifindex: u32, proto: u16, name: &str) -> Result<(), String> {
     // SAFETY: sockaddr_ll is a C struct of integers; all zeroes is a valid value.
     let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
     sll.sll_family = libc::AF_PACKET as u16;
