@@ -5,7 +5,8 @@
 //! 1. lends duplicates of what carries traffic and runs on: an offer — its command line, the
 //!    running graph, each app's provisional position — then the descriptors in batches
 //!    (`SCM_RIGHTS`): the instance's lock, the API's listeners, its standard output and error,
-//!    each app's sockets and devices;
+//!    each app's sockets and devices, each function process (a pidfd and its output pipes),
+//!    which keeps running;
 //! 2. waits (traffic flowing) until the new process has built the graph on them and says
 //!    `ready`;
 //! 3. parks its workers, lets queued packets leave, and sends the final word: each app's
@@ -32,7 +33,8 @@ use stitch_core::link::LinkStats;
 use stitch_core::{fdpass, AppState, Descriptors};
 
 /// The protocol's own format; a process reading another refuses it and the old one carries on.
-pub const HAND_OVER_FORMAT: u32 = 2;
+/// 3: function processes.
+pub const HAND_OVER_FORMAT: u32 = 3;
 
 /// How long the old process waits for each answer of the new one.
 pub const ANSWER_PATIENCE: Duration = Duration::from_secs(30);
@@ -58,6 +60,8 @@ pub struct Offer {
     pub tcp_listener: bool,
     /// Apps whose descriptors follow, in this order.
     pub apps: BTreeMap<String, LentApp>,
+    /// Then the function processes', in this order (`type` is `process`).
+    pub processes: BTreeMap<String, LentApp>,
 }
 
 /// An app's lent descriptors: how many follow in the batches, and its provisional position.
@@ -230,7 +234,7 @@ fn hand_over(api: &Api, mut conn: UnixStream, holdings: &Holdings) -> anyhow::Re
 
 /// Step 1: the offer and the lent descriptors.
 fn lend(api: &Api, conn: &mut UnixStream, holdings: &Holdings) -> anyhow::Result<()> {
-    let lent = api.engine().lend_descriptors()?;
+    let lent = api.placements().lend()?;
     let mut fds: Vec<BorrowedFd> = vec![holdings.lock.as_fd(), holdings.listeners.unix.as_fd()];
     if let Some(t) = &holdings.listeners.tcp {
         fds.push(t.as_fd());
@@ -238,18 +242,12 @@ fn lend(api: &Api, conn: &mut UnixStream, holdings: &Holdings) -> anyhow::Result
     let (stdout, stderr) = (std::io::stdout(), std::io::stderr());
     fds.push(stdout.as_fd());
     fds.push(stderr.as_fd());
-    let mut apps = BTreeMap::new();
     let mut app_fds = Vec::new();
-    for (name, (kind, d)) in lent {
-        let fds = d.fds.len();
-        app_fds.extend(d.fds);
-        let app = LentApp {
-            kind,
-            fds,
-            position: d.position,
-        };
-        apps.insert(name, app);
-    }
+    let apps = offered(lent.apps, &mut app_fds);
+    let processes = (lent.processes.into_iter())
+        .map(|(name, d)| (name, ("process".to_string(), d)))
+        .collect();
+    let processes = offered(processes, &mut app_fds);
     fds.extend(app_fds.iter().map(|f| f.as_fd()));
     let graph = api.placements().graph();
     let (doc, name, base) = match &graph {
@@ -270,6 +268,7 @@ fn lend(api: &Api, conn: &mut UnixStream, holdings: &Holdings) -> anyhow::Result
         base_dir: base,
         tcp_listener: holdings.listeners.tcp.is_some(),
         apps,
+        processes,
     };
     write_frame(conn, &Reply::Offer(Box::new(offer)))?;
     for batch in fds.chunks(fdpass::MAX_FDS) {
@@ -277,6 +276,24 @@ fn lend(api: &Api, conn: &mut UnixStream, holdings: &Holdings) -> anyhow::Result
         fdpass::send(conn.as_raw_fd(), &[raw.len() as u8], &raw)?;
     }
     Ok(())
+}
+
+/// Each lent item's entry in the offer; its descriptors go to `fds`, in the same order.
+fn offered(
+    lent: BTreeMap<String, (String, Descriptors)>,
+    fds: &mut Vec<OwnedFd>,
+) -> BTreeMap<String, LentApp> {
+    (lent.into_iter())
+        .map(|(name, (kind, d))| {
+            let app = LentApp {
+                kind,
+                fds: d.fds.len(),
+                position: d.position,
+            };
+            fds.extend(d.fds);
+            (name, app)
+        })
+        .collect()
 }
 
 /// Step 3, workers parked: the final word, and the answer to it.
@@ -315,8 +332,9 @@ pub struct Inheritance {
     pub listeners: Listeners,
     pub stdout: OwnedFd,
     pub stderr: OwnedFd,
-    /// Each app's type and lent descriptors, for [`stitch_core::Engine::prepare_inheriting`].
-    pub lent: BTreeMap<String, (String, Descriptors)>,
+    /// Each app's type and lent descriptors, and each function process's, for
+    /// [`stitch_place::Placements::prepare_inheriting`].
+    pub lent: stitch_place::handover::Lent,
 }
 
 /// The old process's end of the hand-over.
@@ -348,7 +366,11 @@ pub fn take_over(api_socket: &Path) -> anyhow::Result<(Inheritance, AnswerTo)> {
         Reply::Offer(o) => *o,
     };
     let tcp = usize::from(offer.tcp_listener);
-    let wanted = 4 + tcp + offer.apps.values().map(|a| a.fds).sum::<usize>();
+    let wanted = 4
+        + tcp
+        + (offer.apps.values().chain(offer.processes.values()))
+            .map(|a| a.fds)
+            .sum::<usize>();
     let mut fds = Vec::with_capacity(wanted);
     while fds.len() < wanted {
         let (_, batch) = fdpass::recv(conn.as_raw_fd(), 1).map_err(|e| {
@@ -373,15 +395,23 @@ pub fn take_over(api_socket: &Path) -> anyhow::Result<(Inheritance, AnswerTo)> {
         tcp: (tcp == 1).then(|| std::net::TcpListener::from(next())),
     };
     let (stdout, stderr) = (next(), next());
-    let lent = (std::mem::take(&mut offer.apps).into_iter())
-        .map(|(name, a)| {
-            let d = Descriptors {
-                fds: (0..a.fds).map(|_| next()).collect(),
-                position: a.position,
-            };
-            (name, (a.kind, d))
-        })
+    let mut received =
+        |lent: BTreeMap<String, LentApp>| -> BTreeMap<String, (String, Descriptors)> {
+            (lent.into_iter())
+                .map(|(name, a)| {
+                    let d = Descriptors {
+                        fds: (0..a.fds).map(|_| next()).collect(),
+                        position: a.position,
+                    };
+                    (name, (a.kind, d))
+                })
+                .collect()
+        };
+    let apps = received(std::mem::take(&mut offer.apps));
+    let processes = (received(std::mem::take(&mut offer.processes)).into_iter())
+        .map(|(name, (_, d))| (name, d))
         .collect();
+    let lent = stitch_place::handover::Lent { apps, processes };
     let inheritance = Inheritance {
         offer,
         lock,

@@ -386,6 +386,13 @@ pub trait App: Send + 'static {
     fn take_position(&mut self, _position: serde_json::Value) -> Result<(), String> {
         Ok(())
     }
+
+    /// Packets this app handed outside the process that are still to come back to it (a
+    /// function process's ring): before an upgrade hands over, the engine pulls such an app
+    /// until they are back.
+    fn outstanding(&self) -> u64 {
+        0
+    }
 }
 
 /// What an app hands its successor at an upgrade ([`App::hand_over`]).
@@ -461,6 +468,7 @@ pub trait DynApp: Send {
     fn restore(&mut self, state: AppState) -> Result<(), String>;
     fn hand_over(&mut self) -> Option<Descriptors>;
     fn take_position(&mut self, position: serde_json::Value) -> Result<(), String>;
+    fn outstanding(&self) -> u64;
 }
 
 impl<A: App> DynApp for A {
@@ -505,6 +513,9 @@ impl<A: App> DynApp for A {
     }
     fn take_position(&mut self, position: serde_json::Value) -> Result<(), String> {
         App::take_position(self, position)
+    }
+    fn outstanding(&self) -> u64 {
+        App::outstanding(self)
     }
 }
 

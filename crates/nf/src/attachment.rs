@@ -18,6 +18,8 @@ pub struct PortSettings {
 /// A function's live attachment, built by the listener and taken over by the port's app.
 pub struct Attachment {
     pub region: Mapping,
+    /// The region's memory, for a process taking over (`stitch upgrade`).
+    pub memfd: OwnedFd,
     pub layout: Layout,
     pub doorbell: Arc<OwnedFd>,
     /// The function's connection (a copy), for control messages: direct channels to map.

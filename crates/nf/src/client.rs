@@ -207,6 +207,11 @@ impl Function {
                 self.control_seen = self.control_seen.wrapping_add(1);
                 let msg: Value = serde_json::from_slice(line)
                     .map_err(|e| invalid(format!("bad control message from Stitch: {e}")))?;
+                if let Some(pool) = msg.get("pool") {
+                    let memfd = fds.next().ok_or_else(|| invalid("no packet memory"))?;
+                    self.use_pool(pool, &memfd)?;
+                    continue;
+                }
                 match msg["direct"].as_str() {
                     Some("send") => {
                         let (Some(memfd), Some(bell)) = (fds.next(), fds.next()) else {
@@ -229,6 +234,25 @@ impl Function {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// Maps the packet memory of the Stitch process that took this port over (`stitch
+    /// upgrade`): every descriptor from now on names one of its buffers. The old process
+    /// had all its buffers back before it handed over.
+    fn use_pool(&mut self, pool: &Value, memfd: &OwnedFd) -> io::Result<()> {
+        if !self.zero_copy {
+            return Err(invalid("packet memory sent to an isolated port"));
+        }
+        let field = |k: &str| {
+            pool[k]
+                .as_u64()
+                .ok_or_else(|| invalid(format!("packet memory without its `{k}`")))
+        };
+        let bytes = field("bytes")? as usize;
+        self.pool = Some(shm::map(memfd.as_fd(), bytes, false)?);
+        self.pool_stride = field("stride")? as usize;
+        self.pool_header = field("header")? as usize;
         Ok(())
     }
 
@@ -321,6 +345,12 @@ impl Function {
             .to_nf
             .available()
             .ok_or_else(|| invalid("Stitch's ring index is impossible"))?;
+        // A control message sent before these descriptors were published (new packet memory)
+        // is visible now that the head was read: it is taken before they are.
+        if avail > 0 && self.region_header().control.0.load(Ordering::Acquire) != self.control_seen
+        {
+            self.check_control()?;
+        }
         let mut done = self.serve(false, (avail as usize).min(max), &mut f)?;
         // The channel only once this function's own ring was read empty: what came through
         // Stitch before the hand-over comes first.

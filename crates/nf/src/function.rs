@@ -149,4 +149,16 @@ impl App for FunctionPort {
     fn query(&mut self, request: &serde_json::Value) -> serde_json::Value {
         self.0.query(request)
     }
+
+    fn hand_over(&mut self) -> Option<stitch_core::Descriptors> {
+        self.0.hand_over()
+    }
+
+    fn take_position(&mut self, position: serde_json::Value) -> Result<(), String> {
+        self.0.take_position(position)
+    }
+
+    fn outstanding(&self) -> u64 {
+        self.0.outstanding()
+    }
 }

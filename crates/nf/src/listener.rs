@@ -25,6 +25,36 @@ static GENERATION: AtomicU64 = AtomicU64::new(1);
 pub struct Listener {
     path: PathBuf,
     ports: Mutex<HashMap<String, Arc<PortShared>>>,
+    /// A duplicate of the listening socket, lent to a process taking over (`stitch upgrade`).
+    socket: OwnedFd,
+    /// Connections of functions attached under a predecessor process, for the listener thread
+    /// to watch from its next round.
+    adopted: Mutex<Vec<Connection>>,
+    /// Served on a predecessor's socket: the path is not removed when the listener stops (a
+    /// take-over that fails leaves the predecessor serving it).
+    inherited: bool,
+}
+
+/// Listening sockets a predecessor process lent (`stitch upgrade`), by path: the listener of
+/// that path serves on it instead of binding the path again.
+fn inherited_sockets() -> &'static Mutex<HashMap<PathBuf, OwnedFd>> {
+    static S: OnceLock<Mutex<HashMap<PathBuf, OwnedFd>>> = OnceLock::new();
+    S.get_or_init(Default::default)
+}
+
+/// Offers `socket`, the listening socket a predecessor process served `path` on, to the
+/// listener of `path` when it starts; ignored when this process already serves that path.
+pub fn inherit_socket(path: &Path, socket: OwnedFd) {
+    inherited_sockets()
+        .lock()
+        .unwrap()
+        .entry(path.to_path_buf())
+        .or_insert(socket);
+}
+
+/// A generation number for an attachment made here (or adopted from a predecessor).
+pub fn next_generation() -> u64 {
+    GENERATION.fetch_add(1, Ordering::Relaxed)
 }
 
 fn listeners() -> &'static Mutex<HashMap<PathBuf, Weak<Listener>>> {
@@ -39,6 +69,30 @@ pub fn listener(path: &Path) -> io::Result<Arc<Listener>> {
     if let Some(l) = all.get(path).and_then(Weak::upgrade) {
         return Ok(l);
     }
+    raise_fd_limit();
+    let inherited = inherited_sockets().lock().unwrap().remove(path);
+    let (sock, inherited) = match inherited {
+        Some(fd) => (UnixListener::from(fd), true),
+        None => (bind(path)?, false),
+    };
+    sock.set_nonblocking(true)?;
+    let l = Arc::new(Listener {
+        path: path.to_path_buf(),
+        ports: Mutex::new(HashMap::new()),
+        socket: sock.as_fd().try_clone_to_owned()?,
+        adopted: Mutex::new(Vec::new()),
+        inherited,
+    });
+    let weak = Arc::downgrade(&l);
+    std::thread::Builder::new()
+        .name("stitch-nf-attach".into())
+        .spawn(move || serve(sock, weak))?;
+    all.insert(path.to_path_buf(), Arc::downgrade(&l));
+    Ok(l)
+}
+
+/// Binds `path`, replacing a socket file no process serves any more.
+fn bind(path: &Path) -> io::Result<UnixListener> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)?;
     }
@@ -54,24 +108,27 @@ pub fn listener(path: &Path) -> io::Result<Arc<Listener>> {
         }
         let _ = std::fs::remove_file(path);
     }
-    raise_fd_limit();
-    let sock = UnixListener::bind(path)?;
-    sock.set_nonblocking(true)?;
-    let l = Arc::new(Listener {
-        path: path.to_path_buf(),
-        ports: Mutex::new(HashMap::new()),
-    });
-    let weak = Arc::downgrade(&l);
-    std::thread::Builder::new()
-        .name("stitch-nf-attach".into())
-        .spawn(move || serve(sock, weak))?;
-    all.insert(path.to_path_buf(), Arc::downgrade(&l));
-    Ok(l)
+    UnixListener::bind(path)
 }
 
 impl Listener {
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// A duplicate of the listening socket, for a process taking over.
+    pub fn socket(&self) -> io::Result<OwnedFd> {
+        self.socket.try_clone()
+    }
+
+    /// Watches `conn`, the connection of a function attached to `port` under a predecessor
+    /// process: when it closes, the port detaches it as if it had attached here.
+    pub fn adopt(&self, conn: UnixStream, port: &Arc<PortShared>, generation: u64) {
+        self.adopted.lock().unwrap().push(Connection {
+            stream: conn,
+            port: Arc::downgrade(port),
+            generation,
+        });
     }
 
     pub fn register(&self, port: Arc<PortShared>) -> Result<(), String> {
@@ -97,6 +154,9 @@ impl Listener {
 
 impl Drop for Listener {
     fn drop(&mut self) {
+        if self.inherited {
+            return;
+        }
         let _ = std::fs::remove_file(&self.path);
     }
 }
@@ -114,6 +174,7 @@ fn serve(sock: UnixListener, listener: Weak<Listener>) {
             // The last port is gone: close every connection so that functions see it.
             return;
         };
+        conns.append(&mut l.adopted.lock().unwrap());
         // Connections of ports that were removed are closed.
         let ports = l.ports.lock().unwrap();
         conns.retain(|c| {
@@ -305,7 +366,7 @@ fn attach(l: &Listener, stream: &UnixStream) -> Result<(Arc<PortShared>, u64), S
         .try_clone()
         .map_err(|e| format!("cannot keep the connection: {e}"))?
         .into();
-    let generation = GENERATION.fetch_add(1, Ordering::Relaxed);
+    let generation = next_generation();
     let reply = json!({
         "ok": true,
         "port": name,
@@ -324,6 +385,7 @@ fn attach(l: &Listener, stream: &UnixStream) -> Result<(Arc<PortShared>, u64), S
         .map_err(|e| format!("cannot answer the function: {e}"))?;
     *port.incoming.lock().unwrap() = Some(Attachment {
         region,
+        memfd,
         layout,
         doorbell,
         conn,

@@ -18,8 +18,9 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use stitch_core::mapping::MapOptions;
 
 pub const MAGIC: u64 = u64::from_le_bytes(*b"STITCHNF");
-/// 2: the `control` word and direct channels.
-pub const VERSION: u32 = 2;
+/// 2: the `control` word and direct channels. 3: the packet memory can be replaced under an
+/// attached function (a `pool` control message: Stitch's process was upgraded).
+pub const VERSION: u32 = 3;
 const PAGE: usize = 4096;
 /// Regions up to this size are faulted in at attach (rings: no page fault on the data path);
 /// larger ones (isolated buffer slots) fill in as they are used, so that thousands of ports
@@ -123,7 +124,7 @@ pub fn channel_size(ring_size: u32) -> usize {
 }
 
 /// Where each part of a region lies for a ring size and buffer count.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Layout {
     pub ring_size: u32,
     pub buffers: u32,
@@ -343,6 +344,14 @@ impl Producer {
         }
     }
 
+    /// A producer that takes over at `head` (its predecessor's private index).
+    pub fn at(ring: RingView, head: u32) -> Producer {
+        let mut p = Producer::new(ring);
+        p.head = head;
+        p.tail = ring.tail();
+        p
+    }
+
     /// A producer whose slots come back through `gate` (a channel's `released`), starting at
     /// the ring's published head.
     ///
@@ -382,6 +391,11 @@ impl Producer {
                 .write_volatile(d)
         };
         self.head = self.head.wrapping_add(1);
+    }
+
+    /// The next descriptor's index (published or not).
+    pub fn position(&self) -> u32 {
+        self.head
     }
 
     /// Makes the descriptors written so far visible to the consumer.

@@ -19,6 +19,7 @@
 //! after a crash — by the next start of the same instance.
 
 pub mod cgroup;
+pub mod handover;
 pub mod kernel;
 pub mod leftovers;
 pub mod placed;
@@ -92,25 +93,6 @@ pub struct PlaceReport {
     pub engine: ApplyReport,
     pub moved: Vec<Moved>,
 }
-
-/// App types whose process-held resources a new process could not open beside the old one,
-/// or would lose by opening again: an upgrade is refused while the graph has one.
-const NOT_HANDED_OVER: [(&str, &str); 5] = [
-    (
-        "af_xdp",
-        "its queue's socket and UMEM are bound to this process",
-    ),
-    ("vhost_user", "the guest would see its socket go"),
-    (
-        "nf_port",
-        "its function processes are attached to this process",
-    ),
-    (
-        "pcap_sink",
-        "its file would be written again from the start",
-    ),
-    ("capture", "its file would be written again from the start"),
-];
 
 /// What a graph becomes: the engine's graph and the processes (function processes and VMs) to
 /// keep running.
@@ -426,76 +408,6 @@ impl Placements {
     /// The running graph as it was given, with every app's placement.
     pub fn graph(&self) -> Option<PlacedGraph> {
         self.graph.lock().unwrap().clone()
-    }
-
-    /// Why the running graph cannot be handed to a successor process (`stitch upgrade`), if it
-    /// cannot: only the engine's apps are handed over so far; function processes, VMs and the
-    /// kernel data plane would be stopped and started again.
-    pub fn upgrade_obstacle(&self) -> Option<String> {
-        let graph = self.graph.lock().unwrap();
-        let graph = graph.as_ref()?;
-        let outside: Vec<String> = (graph.apps.iter())
-            .filter(|(_, a)| a.placement != Placement::Engine)
-            .map(|(name, a)| format!("`{name}` ({:?})", a.placement).to_lowercase())
-            .collect();
-        if !outside.is_empty() {
-            return Some(format!(
-                "apps placed outside the engine cannot be handed over yet: {}",
-                outside.join(", ")
-            ));
-        }
-        let held: Vec<String> = (graph.graph.apps.values())
-            .filter_map(|d| {
-                let (_, why) = NOT_HANDED_OVER.iter().find(|(k, _)| *k == d.kind)?;
-                Some(format!("`{}` ({}: {why})", d.name, d.kind))
-            })
-            .collect();
-        (!held.is_empty())
-            .then(|| format!("these apps cannot be handed over yet: {}", held.join("; ")))
-    }
-
-    /// [`Placements::apply`] for a process taking over from another (`stitch upgrade`), first
-    /// half: the engine's apps are built on the descriptors the predecessor lent
-    /// ([`stitch_core::Engine::prepare_inheriting`]). Only a graph that runs whole in the engine
-    /// ([`Placements::upgrade_obstacle`]).
-    pub fn prepare_inheriting(
-        &self,
-        graph: PlacedGraph,
-        lent: std::collections::BTreeMap<String, (String, stitch_core::Descriptors)>,
-    ) -> Result<(PlacedGraph, stitch_core::engine::Prepared), PlaceError> {
-        let plan =
-            plan(&graph, self.engine.registry(), &self.instance).map_err(PlaceError::Graph)?;
-        if plan.kernel.is_some() || !plan.processes.is_empty() {
-            return Err(PlaceError::Kernel(
-                "apps placed outside the engine cannot be taken over yet".into(),
-            ));
-        }
-        let prepared = (self.engine)
-            .prepare_inheriting(plan.engine, lent)
-            .map_err(PlaceError::Engine)?;
-        Ok((graph, prepared))
-    }
-
-    /// Second half: the prepared graph starts with the predecessor's final positions,
-    /// counters and state ([`stitch_core::Engine::commit_inheriting`]).
-    pub fn commit_inheriting(
-        &self,
-        (graph, prepared): (PlacedGraph, stitch_core::engine::Prepared),
-        finals: std::collections::BTreeMap<String, stitch_core::engine::HandedApp>,
-        links: &std::collections::BTreeMap<String, stitch_core::link::LinkStats>,
-    ) -> Result<(PlaceReport, stitch_core::engine::RestoreReport), PlaceError> {
-        let mut current = self.graph.lock().unwrap();
-        let (engine, restored) = (self.engine)
-            .commit_inheriting(prepared, finals, links)
-            .map_err(PlaceError::Engine)?;
-        *current = Some(graph);
-        Ok((
-            PlaceReport {
-                engine,
-                moved: Vec::new(),
-            },
-            restored,
-        ))
     }
 
     fn kernel_names(&self) -> kernel::KernelNames {

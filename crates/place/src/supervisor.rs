@@ -3,18 +3,23 @@
 //! ran 10 s), keeps its last stderr lines, and stops it (SIGTERM, or a VM's ACPI power-down)
 //! and then, after its grace time, SIGKILL.
 //!
-//! A function dies with Stitch: it gets SIGKILL when the thread that started it ends
-//! (`PR_SET_PDEATHSIG`), which a `kill -9` of Stitch also ends.
+//! A VM dies with Stitch: it gets SIGKILL when the thread that started it ends
+//! (`PR_SET_PDEATHSIG`), which a `kill -9` of Stitch also ends. A function process ends itself
+//! when its port's connection closes (Stitch's function library does), and outlives the
+//! Stitch process that started it only when another takes it over (`stitch upgrade`): that one
+//! adopts it ([`Supervisor::adopt`]), watching it through a pidfd and reading its output.
 
 use crate::cgroup::{self, Cgroup};
 use std::collections::{BTreeMap, VecDeque};
 use std::io::{BufRead, BufReader};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+use stitch_core::Descriptors;
 
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(10);
@@ -53,6 +58,10 @@ pub struct ProcessSpec {
 struct Status {
     pid: Option<u32>,
     child: Option<Child>,
+    /// A process taken over from a predecessor Stitch (not this one's child): its pidfd.
+    adopted: Option<OwnedFd>,
+    /// Duplicates of the read ends of its stdout and stderr, to lend to a successor.
+    output: Option<[OwnedFd; 2]>,
     started: Option<Instant>,
     starts: u64,
     restarts: u64,
@@ -104,29 +113,116 @@ impl Supervisor {
             if self.running.contains_key(&name) {
                 continue;
             }
-            let cgroup = match Cgroup::create(&self.instance, &name, spec.cpu, spec.memory_mb) {
-                Ok(c) => c,
-                Err(e) => {
-                    log::error!("function `{name}`: limits not enforced: {e}");
-                    None
-                }
-            };
-            let s = Arc::new(Supervised {
-                spec,
-                status: Mutex::new(Status::default()),
-                wake: Condvar::new(),
-                cgroup,
-                stderr: Default::default(),
-            });
-            let t = s.clone();
-            let thread = std::thread::Builder::new()
-                .name(format!("fn-{name}"))
-                .spawn(move || supervise(&t))
-                .expect("spawn a supervision thread");
-            self.running.insert(name.clone(), (s, thread));
+            self.launch(spec, Status::default());
             started.push(name);
         }
         (started, leaving)
+    }
+
+    /// Starts the thread that keeps `spec`'s process running, from `status` (a process taken
+    /// over, or none yet).
+    fn launch(&mut self, spec: ProcessSpec, status: Status) {
+        let name = spec.app.clone();
+        let cgroup = match Cgroup::create(&self.instance, &name, spec.cpu, spec.memory_mb) {
+            Ok(c) => c,
+            Err(e) => {
+                log::error!("function `{name}`: limits not enforced: {e}");
+                None
+            }
+        };
+        let s = Arc::new(Supervised {
+            spec,
+            status: Mutex::new(status),
+            wake: Condvar::new(),
+            cgroup,
+            stderr: Default::default(),
+        });
+        if let Some([out, err]) = &s.status.lock().unwrap().output {
+            for (fd, tail) in [(out, None), (err, Some(s.stderr.clone()))] {
+                match fd.try_clone() {
+                    Ok(fd) => keep_lines(name.clone(), std::fs::File::from(fd), tail),
+                    Err(e) => log::warn!("function `{name}`: its output is not read: {e}"),
+                }
+            }
+        }
+        let t = s.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("fn-{name}"))
+            .spawn(move || supervise(&t))
+            .expect("spawn a supervision thread");
+        self.running.insert(name, (s, thread));
+    }
+
+    /// For a process taking this instance over (`stitch upgrade`): each running function
+    /// process, as a pidfd and duplicates of the read ends of its stdout and stderr, with its
+    /// pid, starts and restarts. VMs are not lent.
+    pub fn lend(&self) -> BTreeMap<String, Descriptors> {
+        let mut lent = BTreeMap::new();
+        for (name, (s, _)) in &self.running {
+            if s.spec.kind != "process" {
+                continue;
+            }
+            // Under the lock the process is not reaped, so its pid is still its own.
+            let st = s.status.lock().unwrap();
+            let Some(pid) = st.pid else { continue };
+            let fds = (|| -> std::io::Result<Vec<OwnedFd>> {
+                let mut fds = vec![match &st.adopted {
+                    Some(fd) => fd.try_clone()?,
+                    None => pidfd_open(pid)?,
+                }];
+                for fd in st.output.iter().flatten() {
+                    fds.push(fd.try_clone()?);
+                }
+                Ok(fds)
+            })();
+            let fds = match fds {
+                Ok(fds) => fds,
+                Err(e) => {
+                    log::warn!("function `{name}` (pid {pid}) cannot be lent: {e}");
+                    continue;
+                }
+            };
+            let position = serde_json::json!({
+                "pid": pid,
+                "starts": st.starts,
+                "restarts": st.restarts,
+                "up_seconds": st.started.map(|t| t.elapsed().as_secs_f64()),
+            });
+            lent.insert(name.clone(), Descriptors { fds, position });
+        }
+        lent
+    }
+
+    /// Makes `specs` the running set, as [`Supervisor::apply`] does, but each process `lent`
+    /// by the predecessor this process takes over from ([`Supervisor::lend`]) is adopted,
+    /// not started: it keeps running, attached to its port.
+    pub fn adopt(
+        &mut self,
+        specs: Vec<ProcessSpec>,
+        mut lent: BTreeMap<String, Descriptors>,
+    ) -> (Vec<String>, Vec<String>) {
+        let mut rest = Vec::new();
+        for spec in specs {
+            match lent
+                .remove(&spec.app)
+                .and_then(|d| adopted_status(&spec.app, d))
+            {
+                Some(status) if !self.running.contains_key(&spec.app) => {
+                    log::info!(
+                        "function `{}` (pid {}) carries on under this process",
+                        spec.app,
+                        status.pid.unwrap_or(0)
+                    );
+                    self.launch(spec, status);
+                }
+                _ => rest.push(spec),
+            }
+        }
+        let kept: Vec<ProcessSpec> = (self.running.values())
+            .map(|(s, _)| s.spec.clone())
+            .chain(rest)
+            .collect();
+        self.apply(kept)
     }
 
     fn stop_one(&mut self, name: &str) {
@@ -140,7 +236,9 @@ impl Supervisor {
         {
             let mut st = s.status.lock().unwrap();
             st.stopping = true;
-            if let (Some(pid), false) = (st.pid, asked) {
+            if let (Some(fd), false) = (&st.adopted, asked) {
+                pidfd_signal(fd, libc::SIGTERM);
+            } else if let (Some(pid), false) = (st.pid, asked) {
                 // SAFETY: kill has no memory preconditions. The child is not reaped while the
                 // lock is held (the thread reaps it under this lock), so `pid` is still ours.
                 unsafe { libc::kill(pid as i32, libc::SIGTERM) };
@@ -213,12 +311,19 @@ impl Drop for Supervisor {
     }
 }
 
-/// The thread of one function: start, watch, restart, until told to stop.
+/// The thread of one function: start (unless it was taken over running), watch, restart,
+/// until told to stop.
 fn supervise(s: &Supervised) {
     let mut backoff = FIRST_BACKOFF;
+    let mut running = s.status.lock().unwrap().adopted.is_some();
     loop {
         let began = Instant::now();
-        match start(s) {
+        let started = if std::mem::take(&mut running) {
+            Ok(())
+        } else {
+            start(s)
+        };
+        match started {
             Ok(()) => watch(s),
             Err(e) => {
                 log::error!("function `{}`: cannot start: {e}", s.spec.app);
@@ -270,11 +375,12 @@ fn start(s: &Supervised) -> std::io::Result<()> {
         None => Vec::new(),
     };
     let fds = cgroup::raw(&join);
+    let die_with_parent = spec.kind == "vm";
     // SAFETY: the closure runs in the child between fork and exec and makes only system calls
     // (prctl, getppid, write): no allocation, no lock.
     unsafe {
         cmd.pre_exec(move || {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+            if die_with_parent && libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
                 return Err(std::io::Error::last_os_error());
             }
             cgroup::join_in_child(&fds)
@@ -288,6 +394,13 @@ fn start(s: &Supervised) -> std::io::Result<()> {
     drop(join);
     let pid = child.id();
     log::info!("function `{}` started (pid {pid})", spec.app);
+    st.output = match (&child.stdout, &child.stderr) {
+        (Some(out), Some(err)) => Some([
+            out.as_fd().try_clone_to_owned()?,
+            err.as_fd().try_clone_to_owned()?,
+        ]),
+        _ => None,
+    };
     if let Some(err) = child.stderr.take() {
         keep_lines(spec.app.clone(), err, Some(s.stderr.clone()));
     }
@@ -334,25 +447,18 @@ fn watch(s: &Supervised) {
     let mut stop_deadline = None;
     loop {
         let mut st = s.status.lock().unwrap();
-        let stopping = st.stopping;
-        let Some(child) = st.child.as_mut() else {
-            return;
-        };
-        let ended = match child.try_wait() {
-            Ok(Some(status)) => Some(Some(status)),
-            Ok(None) => None,
-            Err(_) => Some(None),
-        };
-        if let Some(status) = ended {
-            record_exit(&mut st, status);
+        if st.child.is_none() && st.adopted.is_none() {
             return;
         }
-        if stopping
+        if let Some(how) = ended(&mut st) {
+            record_exit(&mut st, how);
+            return;
+        }
+        if st.stopping
             && Instant::now() >= *stop_deadline.get_or_insert(Instant::now() + s.spec.stop_grace)
         {
-            let _ = child.kill();
-            let status = child.wait().ok();
-            record_exit(&mut st, status);
+            let how = kill(&mut st);
+            record_exit(&mut st, how);
             return;
         }
         drop(st);
@@ -360,13 +466,39 @@ fn watch(s: &Supervised) {
     }
 }
 
-fn record_exit(st: &mut Status, status: Option<ExitStatus>) {
+/// How the process ended, if it has.
+fn ended(st: &mut Status) -> Option<String> {
+    if let Some(child) = st.child.as_mut() {
+        return match child.try_wait() {
+            Ok(Some(status)) => Some(describe(status)),
+            Ok(None) => None,
+            Err(_) => Some("unknown".into()),
+        };
+    }
+    let fd = st.adopted.as_ref()?;
+    pidfd_ended(fd, 0)
+        .then(|| "ended (taken over from another Stitch process, which is told how)".into())
+}
+
+/// Kills the process and waits for it; how it ended.
+fn kill(st: &mut Status) -> String {
+    if let Some(child) = st.child.as_mut() {
+        let _ = child.kill();
+        return child.wait().map_or("unknown".into(), describe);
+    }
+    if let Some(fd) = &st.adopted {
+        pidfd_signal(fd, libc::SIGKILL);
+        pidfd_ended(fd, 1000);
+    }
+    "killed by signal 9".into()
+}
+
+fn record_exit(st: &mut Status, how: String) {
     st.child = None;
+    st.adopted = None;
+    st.output = None;
     st.pid = None;
-    st.last_exit = Some(match status {
-        Some(s) => describe(s),
-        None => "unknown".into(),
-    });
+    st.last_exit = Some(how);
 }
 
 fn describe(s: ExitStatus) -> String {
@@ -376,4 +508,66 @@ fn describe(s: ExitStatus) -> String {
         (None, Some(sig)) => format!("killed by signal {sig}"),
         _ => s.to_string(),
     }
+}
+
+/// What a predecessor lent for one running process ([`Supervisor::lend`]), as a status.
+fn adopted_status(app: &str, lent: Descriptors) -> Option<Status> {
+    let p = &lent.position;
+    let pid = p["pid"].as_u64()? as u32;
+    let mut fds = lent.fds.into_iter();
+    let pidfd = fds.next()?;
+    if pidfd_ended(&pidfd, 0) {
+        log::info!("function `{app}` (pid {pid}) ended before it could be taken over");
+        return None;
+    }
+    let output = match (fds.next(), fds.next()) {
+        (Some(out), Some(err)) => Some([out, err]),
+        _ => None,
+    };
+    let up = Duration::from_secs_f64(p["up_seconds"].as_f64().unwrap_or(0.0).max(0.0));
+    Some(Status {
+        pid: Some(pid),
+        adopted: Some(pidfd),
+        output,
+        started: Instant::now().checked_sub(up),
+        starts: p["starts"].as_u64().unwrap_or(1),
+        restarts: p["restarts"].as_u64().unwrap_or(0),
+        ..Status::default()
+    })
+}
+
+/// A descriptor for process `pid` that stays its own even once the pid is reused.
+fn pidfd_open(pid: u32) -> std::io::Result<OwnedFd> {
+    // SAFETY: pidfd_open takes a pid and flags, no pointers.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: the kernel returned a new descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+fn pidfd_signal(fd: &OwnedFd, signal: i32) -> bool {
+    // SAFETY: no siginfo (null) and no flags: the call reads nothing from this process.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            fd.as_raw_fd(),
+            signal,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        )
+    };
+    r == 0
+}
+
+/// Whether the process ended (its pidfd reads ready), waiting up to `wait_ms`.
+fn pidfd_ended(fd: &OwnedFd, wait_ms: i32) -> bool {
+    let mut p = libc::pollfd {
+        fd: fd.as_fd().as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: `p` is one live pollfd.
+    unsafe { libc::poll(&mut p, 1, wait_ms) > 0 }
 }

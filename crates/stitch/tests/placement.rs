@@ -43,20 +43,6 @@ links:
     }
 }
 
-fn show(s: &Stitch, app: &str) -> serde_json::Value {
-    let out = Command::new(env!("CARGO_BIN_EXE_stitch"))
-        .args(["show", app, "--control"])
-        .arg(&s.socket)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "stitch show {app}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
-}
-
 /// `stitch show` of the whole instance (what it placed where, what it made), as text.
 fn instance_status(s: &Stitch) -> String {
     must(&format!(
@@ -64,17 +50,6 @@ fn instance_status(s: &Stitch) -> String {
         env!("CARGO_BIN_EXE_stitch"),
         s.socket.display()
     ))
-}
-
-fn pid_of(s: &Stitch, app: &str) -> Option<i32> {
-    show(s, app)["process"]["pid"].as_i64().map(|p| p as i32)
-}
-
-fn alive(pid: i32) -> bool {
-    Path::new(&format!("/proc/{pid}")).exists()
-        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .unwrap_or_default()
-            .contains(") Z ")
 }
 
 /// Pings host 1 from host 0 until one answer comes (ARP first; the machine may be busy), for

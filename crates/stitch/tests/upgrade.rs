@@ -129,27 +129,30 @@ fn tcp_through_a_firewall_and_a_nat_carries_on_across_an_upgrade_without_a_stall
     );
 }
 
-/// Sends `count` numbered datagrams, one every `gap` seconds.
+/// Sends `count` numbered datagrams, one every `gap` seconds (to port 7008, or the fourth
+/// argument).
 const NUMBERED_SENDER: &str = r#"
 import socket, sys, time
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 count, gap = int(sys.argv[2]), float(sys.argv[3])
+port = int(sys.argv[4]) if len(sys.argv) > 4 else 7008
 start = time.monotonic()
 for i in range(count):
-    s.sendto(i.to_bytes(4, "big"), (sys.argv[1], 7008))
+    s.sendto(i.to_bytes(4, "big"), (sys.argv[1], port))
     delay = start + (i + 1) * gap - time.monotonic()
     if delay > 0:
         time.sleep(delay)
 "#;
 
-/// Counts the distinct numbers it receives until none comes for 2 s.
+/// Counts the distinct numbers it receives (on port 7008, or the first argument) until none
+/// comes for 2 s, or for the second argument's seconds at first.
 const NUMBER_COUNTER: &str = r#"
-import socket
+import socket, sys
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-s.bind(("0.0.0.0", 7008))
+s.bind(("0.0.0.0", int(sys.argv[1]) if len(sys.argv) > 1 else 7008))
 print("ready", flush=True)
 seen = set()
-s.settimeout(30)
+s.settimeout(float(sys.argv[2]) if len(sys.argv) > 2 else 30)
 while True:
     try:
         seen.add(int.from_bytes(s.recv(64), "big"))
@@ -173,31 +176,7 @@ fn a_udp_stream_loses_nothing_across_an_upgrade() {
     let notify = std::os::unix::net::UnixDatagram::bind(&notify_path).unwrap();
     let first = Stitch::run_with_env(&graph, &[], &[("NOTIFY_SOCKET", &notify_path)]);
     assert!(h.reaches(0, &h.ip[1], 10), "no path before the upgrade");
-    let dir = first.path().to_path_buf();
-    std::fs::write(dir.join("send.py"), NUMBERED_SENDER).unwrap();
-    std::fs::write(dir.join("count.py"), NUMBER_COUNTER).unwrap();
-    let counter = h.spawn_ready(1, &format!("python3 {}", dir.join("count.py").display()));
-    // 2 000 datagrams a second for 2 s; the upgrade in the middle.
-    let (count, gap) = (4000, 0.0005);
-    let sender = h.spawn(
-        0,
-        &format!(
-            "python3 {} {} {count} {gap}",
-            dir.join("send.py").display(),
-            h.ip[1]
-        ),
-    );
-    std::thread::sleep(std::time::Duration::from_millis(700));
-    let (successor, report) = upgrade(&first);
-    assert!(sender.finish().status.success());
-    let received: u64 = counter.finish().trim().parse().unwrap();
-    eprintln!("{received} of {count} datagrams received; the upgrade: {report}");
-    // What 1 ms of the stream carries, at most, may be lost.
-    let lost = count - received;
-    assert!(
-        lost <= 2,
-        "{lost} of {count} datagrams lost across the upgrade ({report})"
-    );
+    let (successor, _) = numbered_stream_across_an_upgrade(&h, &first);
     notify
         .set_read_timeout(Some(std::time::Duration::from_secs(5)))
         .unwrap();
@@ -212,6 +191,165 @@ fn a_udp_stream_loses_nothing_across_an_upgrade() {
     );
     let last = successor.stop(first);
     assert_eq!(app(&last, "a")["counters"]["kernel_drops"], 0, "{last}");
+}
+
+/// 2 000 numbered UDP datagrams a second for 2 s from host 0 to host 1 through `first`, which
+/// is upgraded in the middle; fails if more than 1 ms of the stream (2 datagrams) is lost.
+fn numbered_stream_across_an_upgrade(
+    h: &TwoHosts,
+    first: &Stitch,
+) -> (Successor, serde_json::Value) {
+    let dir = first.path().to_path_buf();
+    std::fs::write(dir.join("send.py"), NUMBERED_SENDER).unwrap();
+    std::fs::write(dir.join("count.py"), NUMBER_COUNTER).unwrap();
+    let counter = h.spawn_ready(1, &format!("python3 {}", dir.join("count.py").display()));
+    let (count, gap) = (4000, 0.0005);
+    let sender = h.spawn(
+        0,
+        &format!(
+            "python3 {} {} {count} {gap}",
+            dir.join("send.py").display(),
+            h.ip[1]
+        ),
+    );
+    std::thread::sleep(std::time::Duration::from_millis(700));
+    let (successor, report) = upgrade(first);
+    assert!(sender.finish().status.success());
+    let received: u64 = counter.finish().trim().parse().unwrap();
+    eprintln!("{received} of {count} datagrams received; the upgrade: {report}");
+    let lost = count - received;
+    assert!(
+        lost <= 2,
+        "{lost} of {count} datagrams lost across the upgrade ({report})"
+    );
+    (successor, report)
+}
+
+/// A function process (the firewall, dropping UDP to port 7009) in `mode` between two
+/// interfaces.
+fn function_graph(h: &TwoHosts, nf: &std::path::Path, mode: &str) -> String {
+    format!(
+        "apps:
+  a: {{ type: af_packet, interface: {a} }}
+  b: {{ type: af_packet, interface: {b} }}
+  fw:
+    placement: process
+    command: [stitch-nf-firewall, --drop-proto, udp, --drop-dport, \"7009\"]
+    mode: {mode}
+    socket: {nf}
+links:
+  - \"a.output -> fw.input\"
+  - \"fw.output -> b.input\"
+  - \"b.output -> a.input\"
+",
+        a = h.outer[0],
+        b = h.outer[1],
+        nf = nf.display()
+    )
+}
+
+/// The function process keeps running, attached, through the upgrade: same pid, no second
+/// attach, the numbered stream through it loses nothing; the successor supervises it (a kill
+/// restarts it) and stops it when it stops.
+fn a_function_process_carries_on_across_an_upgrade(mode: &str) {
+    require_root_and_tools(&["ip", "python3"]);
+    let h = TwoHosts::new();
+    let dir = tempfile::tempdir().unwrap();
+    let nf = dir.path().join("nf.sock");
+    let first = Stitch::run(&function_graph(&h, &nf, mode));
+    wait_until("the firewall process to attach", 20, || {
+        show(&first, "fw")["attached"] == true
+    });
+    assert!(h.reaches(0, &h.ip[1], 10), "no path before the upgrade");
+    let pid = pid_of(&first, "fw").unwrap();
+    let (successor, report) = numbered_stream_across_an_upgrade(&h, &first);
+    assert_eq!(report["packets_left_queued"], 0, "{report}");
+    let fw = show(&first, "fw");
+    assert_eq!(fw["process"]["pid"].as_i64(), Some(pid as i64), "{fw}");
+    assert_eq!(fw["process"]["starts"], 1, "{fw}");
+    assert_eq!(fw["attached"], true, "{fw}");
+    let stats = first.stats().unwrap();
+    let counters = &app(&stats, "fw")["counters"];
+    assert_eq!(counters["attaches"], 1, "attached again: {counters}");
+    assert_eq!(counters["reclaimed_drops"], 0, "{counters}");
+    assert_eq!(counters["bad_descriptors"], 0, "{counters}");
+    assert!(
+        counters["from_function"].as_u64() > Some(4000),
+        "{counters}"
+    );
+    // The function reads the packets this process hands it (zero-copy: in this process's
+    // memory, which it was given): its rule still drops what it should, and only that.
+    let dir = first.path().to_path_buf();
+    let counter = h.spawn_ready(
+        1,
+        &format!("python3 {} 7009 3", dir.join("count.py").display()),
+    );
+    let sent = h.exec(
+        0,
+        &format!(
+            "python3 {} {} 50 0.001 7009",
+            dir.join("send.py").display(),
+            h.ip[1]
+        ),
+    );
+    assert!(sent.status.success());
+    assert_eq!(
+        counter.finish().trim(),
+        "0",
+        "the rule dropping port 7009 lapsed"
+    );
+    // A function stopped with packets in its ring cannot give them back: the upgrade is
+    // abandoned, says why, and the instance carries on; continued, the function catches up.
+    // SAFETY: kill takes no pointers.
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    let counter = h.spawn_ready(
+        1,
+        &format!("python3 {} 7008 5", dir.join("count.py").display()),
+    );
+    h.exec(
+        0,
+        &format!(
+            "python3 {} {} 20 0.001",
+            dir.join("send.py").display(),
+            h.ip[1]
+        ),
+    );
+    let o = upgrade_with(&first, env!("CARGO_BIN_EXE_stitch"));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(
+        err.contains(&format!("its function (pid {pid}) kept")) && err.contains("carries on"),
+        "{err}"
+    );
+    // SAFETY: as above.
+    unsafe { libc::kill(pid, libc::SIGCONT) };
+    assert_eq!(counter.finish().trim(), "20", "held packets lost");
+    // The successor supervises the function it took over: killed, it is started again.
+    // SAFETY: kill takes no pointers.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    wait_until("the firewall to be started again and attach", 20, || {
+        let fw = show(&first, "fw");
+        fw["attached"] == true
+            && fw["process"]["pid"]
+                .as_i64()
+                .is_some_and(|p| p != pid as i64)
+    });
+    assert!(h.reaches(0, &h.ip[1], 10), "no path after the restart");
+    let again = pid_of(&first, "fw").unwrap();
+    successor.stop(first);
+    wait_until("the function to stop with the successor", 10, || {
+        !alive(again)
+    });
+}
+
+#[test]
+fn a_zero_copy_function_process_carries_on_across_an_upgrade() {
+    a_function_process_carries_on_across_an_upgrade("zero_copy");
+}
+
+#[test]
+fn an_isolated_function_process_carries_on_across_an_upgrade() {
+    a_function_process_carries_on_across_an_upgrade("isolated");
 }
 
 #[test]

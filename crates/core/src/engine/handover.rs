@@ -34,7 +34,8 @@ pub struct HandOver {
     pub links: BTreeMap<String, LinkStats>,
     /// Packets that were queued on links when the workers parked and went out before the hand-over.
     pub drained: u64,
-    /// Packets still queued when draining gave up (a full interface ring): lost to the upgrade.
+    /// Packets still queued when draining gave up (a full interface ring, a function process
+    /// that did not give its packets back): lost to the upgrade.
     pub left_queued: u64,
     /// Apps whose state could not be serialized, with the reason: their successors start fresh.
     pub unsaved: Vec<(String, String)>,
@@ -210,20 +211,17 @@ pub(super) struct Inheritance {
     lent: BTreeMap<String, (String, Descriptors)>,
 }
 
-/// Pushes on the parked plans, on this thread, until every link is empty or `patience` has
-/// passed; returns the packets that went and those left queued.
+/// Pushes on the parked plans, on this thread, until every link is empty and every app has
+/// its packets back from outside the process ([`crate::App::outstanding`]: those apps are
+/// pulled too), or `patience` has passed; returns the packets that went and those left
+/// queued (on links or outside).
 fn drain(parked: &mut [(String, Plan)], patience: Duration) -> (u64, u64) {
-    let queued = |parked: &[(String, Plan)]| -> u64 {
-        let mut rings: Vec<&Arc<Ring>> = parked.iter().flat_map(|(_, p)| &p.rings).collect();
-        rings.sort_by_key(|r| Arc::as_ptr(r));
-        rings.dedup_by_key(|r| Arc::as_ptr(r));
-        rings.iter().map(|r| r.len() as u64).sum()
-    };
     let before = queued(parked);
     let deadline = Instant::now() + patience;
     let mut left = before;
     while left > 0 && Instant::now() < deadline {
         for (_, plan) in parked.iter_mut() {
+            pull_outstanding(plan);
             // Past the first pass only apps whose inputs hold packets are called.
             if push_pass(plan, 1).panicked {
                 plan.order = BreathOrder::of(&plan.slots);
@@ -235,7 +233,29 @@ fn drain(parked: &mut [(String, Plan)], patience: Duration) -> (u64, u64) {
         }
         left = now;
     }
-    (before - left.min(before), left)
+    (before.saturating_sub(left), left)
+}
+
+/// Packets on the parked plans' links, and out of the process waiting to come back.
+fn queued(parked: &[(String, Plan)]) -> u64 {
+    let mut rings: Vec<&Arc<Ring>> = parked.iter().flat_map(|(_, p)| &p.rings).collect();
+    rings.sort_by_key(|r| Arc::as_ptr(r));
+    rings.dedup_by_key(|r| Arc::as_ptr(r));
+    let outside: u64 = (parked.iter().flat_map(|(_, p)| &p.slots))
+        .filter(|s| !s.failed.load(Ordering::Relaxed))
+        .map(|s| s.app.outstanding())
+        .sum();
+    rings.iter().map(|r| r.len() as u64).sum::<u64>() + outside
+}
+
+/// Pulls the apps that wait for packets from outside the process (and only those: an
+/// interface pulled now would take in new traffic, which is the successor's).
+fn pull_outstanding(plan: &mut Plan) {
+    for s in plan.slots.iter_mut() {
+        if !s.failed.load(Ordering::Relaxed) && s.app.outstanding() > 0 {
+            s.guarded("pull", |a, io| a.pull(io));
+        }
+    }
 }
 
 /// Every parked app's counters, state and descriptors.

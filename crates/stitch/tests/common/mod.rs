@@ -621,3 +621,31 @@ pub fn ofctl(port: u16, args: &[&str]) -> String {
     );
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
+
+/// `stitch show APP` of instance `s`, as JSON.
+pub fn show(s: &Stitch, app: &str) -> serde_json::Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_stitch"))
+        .args(["show", app, "--control"])
+        .arg(&s.socket)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "stitch show {app}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// The pid of app `app`'s process, if it runs one.
+pub fn pid_of(s: &Stitch, app: &str) -> Option<i32> {
+    show(s, app)["process"]["pid"].as_i64().map(|p| p as i32)
+}
+
+/// Whether process `pid` runs (exists and is no zombie).
+pub fn alive(pid: i32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .unwrap_or_default()
+            .contains(") Z ")
+}

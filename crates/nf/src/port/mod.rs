@@ -38,7 +38,9 @@
 
 use crate::direct::{self, Current, Direct, Held, SenderStep};
 use crate::listener::{self, Attachment, Listener, PortSettings, PortShared};
-use crate::shm::{Consumer, Desc, Producer, Region, FLAG_DROP};
+use crate::shm::{Consumer, Desc, Producer, Region, RingView, FLAG_DROP};
+
+mod handover;
 use serde::Deserialize;
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
@@ -144,21 +146,15 @@ struct Active {
     outgoing: Option<Arc<Direct>>,
     incoming: Option<Arc<Direct>>,
     control_sent: u32,
+    /// Zero-copy, taken over from a predecessor process: the function maps that process's
+    /// packet memory until this one sends its own, before the first packet.
+    pool_unsent: bool,
 }
 
 impl Active {
     fn new(att: Attachment, zero_copy: bool) -> Active {
+        let (to_nf, from_nf) = rings(&att);
         let l = att.layout;
-        // SAFETY: the views live in `Active` beside `att`, which owns the region and outlives
-        // them; the listener checked the layout against the region when it made it.
-        let (to_nf, from_nf) = unsafe {
-            (
-                att.region.ring(l.to_nf, l.ring_size),
-                att.region.ring(l.from_nf, l.ring_size),
-            )
-        };
-        let to_nf = Producer::new(to_nf.expect("layout checked by the listener"));
-        let from_nf = Consumer::new(from_nf.expect("layout checked by the listener"));
         let bits = if zero_copy {
             pool::get().packets()
         } else {
@@ -166,8 +162,8 @@ impl Active {
         };
         Active {
             att,
-            to_nf,
-            from_nf,
+            to_nf: Producer::new(to_nf),
+            from_nf: Consumer::new(from_nf),
             held: Held::new(bits),
             free_slots: (0..l.buffers).rev().collect(),
             slot_stamps: vec![0; l.buffers as usize],
@@ -176,6 +172,7 @@ impl Active {
             outgoing: None,
             incoming: None,
             control_sent: 0,
+            pool_unsent: false,
         }
     }
 
@@ -213,6 +210,24 @@ impl Active {
             .store(self.control_sent, Ordering::Release);
         true
     }
+}
+
+/// The attachment's two rings: to the function and from it.
+fn rings(att: &Attachment) -> (RingView, RingView) {
+    let l = att.layout;
+    // SAFETY: the views live in `Active` beside `att`, which owns the region and outlives
+    // them; the listener (or the adoption of a predecessor's port) checked the layout against
+    // the region when it made it.
+    let (to_nf, from_nf) = unsafe {
+        (
+            att.region.ring(l.to_nf, l.ring_size),
+            att.region.ring(l.from_nf, l.ring_size),
+        )
+    };
+    (
+        to_nf.expect("layout checked at attach"),
+        from_nf.expect("layout checked at attach"),
+    )
 }
 
 /// Where isolated slot `i` starts in the region.
@@ -360,6 +375,8 @@ pub struct NfPort {
     reclaimed: Counter,
     wakeups: Counter,
     attached: Counter,
+    /// Taken over from a predecessor process: the generation its attachment had there.
+    lent_generation: Option<u64>,
 }
 
 impl App for NfPort {
@@ -390,11 +407,14 @@ impl App for NfPort {
             .map(|p| ctx.path(p))
             .unwrap_or_else(default_socket);
         let settings = c.settings();
+        let inherited = ctx
+            .take_inherited()
+            .map(|d| handover::lend_socket(&socket, d));
         let listener = listener::listener(&socket)
             .map_err(|e| format!("cannot serve function ports on {}: {e}", socket.display()))?;
         let shared = PortShared::new(&name, settings);
         listener.register(shared.clone())?;
-        Ok(NfPort {
+        let mut port = NfPort {
             shared,
             listener,
             active: None,
@@ -417,7 +437,12 @@ impl App for NfPort {
             reclaimed: ctx.counter("reclaimed_drops"),
             wakeups: ctx.counter("wakeups"),
             attached: ctx.counter("attached"),
-        })
+            lent_generation: None,
+        };
+        if let Some(d) = inherited {
+            port.adopt(d)?;
+        }
+        Ok(port)
     }
 
     fn reconfigure(
@@ -605,6 +630,24 @@ impl App for NfPort {
         self.listener.unregister(&self.shared);
     }
 
+    fn hand_over(&mut self) -> Option<stitch_core::Descriptors> {
+        self.lend()
+    }
+
+    fn take_position(&mut self, position: serde_json::Value) -> Result<(), String> {
+        self.resume(position)
+    }
+
+    fn outstanding(&self) -> u64 {
+        let active = self.active.as_ref().map_or(0, |a| a.held.lock().count());
+        active
+            + self
+                .leaving
+                .iter()
+                .map(|l| l.held.lock().count())
+                .sum::<u64>()
+    }
+
     fn query(&mut self, _: &serde_json::Value) -> serde_json::Value {
         let s = self.shared.settings;
         serde_json::json!({
@@ -642,6 +685,9 @@ fn finish_offloads(
 
 impl NfPort {
     fn attach_or_detach(&mut self) {
+        if self.active.as_ref().is_some_and(|a| a.pool_unsent) {
+            self.send_pool();
+        }
         if let Some(a) = &self.active {
             if self.shared.closed.load(Ordering::Acquire) >= a.att.generation {
                 log::info!(

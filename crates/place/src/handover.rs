@@ -1,0 +1,136 @@
+//! An instance's placements handed to a Stitch process taking over (`stitch upgrade`): the
+//! engine's apps lend their descriptors ([`stitch_core::Engine::lend_descriptors`]), function
+//! processes keep running and are adopted by the successor's supervisor
+//! ([`Supervisor::adopt`]), their ports staying attached (`nf_port` hands over its
+//! function's connection and rings). VMs and the kernel data plane cannot be handed over yet.
+
+use crate::placed::{PlacedGraph, Placement};
+use crate::supervisor::ProcessSpec;
+use crate::{plan, PlaceError, PlaceReport, Placements};
+use std::collections::BTreeMap;
+use stitch_core::engine::{HandedApp, Prepared, RestoreReport};
+use stitch_core::link::LinkStats;
+use stitch_core::Descriptors;
+
+/// App types whose process-held resources a new process could not open beside the old one,
+/// or would lose by opening again: an upgrade is refused while the graph has one.
+const NOT_HANDED_OVER: [(&str, &str); 4] = [
+    (
+        "af_xdp",
+        "its queue's socket and UMEM are bound to this process",
+    ),
+    ("vhost_user", "the guest would see its socket go"),
+    (
+        "pcap_sink",
+        "its file would be written again from the start",
+    ),
+    ("capture", "its file would be written again from the start"),
+];
+
+/// What a running instance lends its successor: each engine app's descriptors (by app, with
+/// its type) and each running function process's ([`Supervisor::lend`]).
+pub struct Lent {
+    pub apps: BTreeMap<String, (String, Descriptors)>,
+    pub processes: BTreeMap<String, Descriptors>,
+}
+
+/// A graph built on lent descriptors, waiting for the predecessor's final word.
+pub struct Inheriting {
+    graph: PlacedGraph,
+    engine: Prepared,
+    processes: Vec<ProcessSpec>,
+    lent_processes: BTreeMap<String, Descriptors>,
+}
+
+impl Placements {
+    /// Why the running graph cannot be handed to a successor process (`stitch upgrade`), if it
+    /// cannot: VMs and the kernel data plane would be stopped and started again, and some
+    /// engine apps hold what a second process cannot share.
+    pub fn upgrade_obstacle(&self) -> Option<String> {
+        let graph = self.graph.lock().unwrap();
+        let graph = graph.as_ref()?;
+        let outside: Vec<String> = (graph.apps.iter())
+            .filter(|(_, a)| !matches!(a.placement, Placement::Engine | Placement::Process))
+            .map(|(name, a)| format!("`{name}` ({:?})", a.placement).to_lowercase())
+            .collect();
+        if !outside.is_empty() {
+            return Some(format!(
+                "VMs and kernel apps cannot be handed over yet: {}",
+                outside.join(", ")
+            ));
+        }
+        let held: Vec<String> = (graph.graph.apps.values())
+            .filter_map(|d| {
+                let (_, why) = NOT_HANDED_OVER.iter().find(|(k, _)| *k == d.kind)?;
+                Some(format!("`{}` ({}: {why})", d.name, d.kind))
+            })
+            .collect();
+        (!held.is_empty())
+            .then(|| format!("these apps cannot be handed over yet: {}", held.join("; ")))
+    }
+
+    /// Duplicates of what carries the instance's traffic, for a successor that builds on them
+    /// while this process runs on.
+    pub fn lend(&self) -> Result<Lent, PlaceError> {
+        let apps = self.engine.lend_descriptors().map_err(PlaceError::Engine)?;
+        let processes = self.supervisor.lock().unwrap().lend();
+        Ok(Lent { apps, processes })
+    }
+
+    /// [`Placements::apply`] for a process taking over from another (`stitch upgrade`), first
+    /// half: the engine's apps are built on the descriptors the predecessor lent
+    /// ([`stitch_core::Engine::prepare_inheriting`]); function processes are adopted at the
+    /// commit. Only a graph without VMs and kernel apps ([`Placements::upgrade_obstacle`]).
+    pub fn prepare_inheriting(
+        &self,
+        graph: PlacedGraph,
+        lent: Lent,
+    ) -> Result<Inheriting, PlaceError> {
+        let plan =
+            plan(&graph, self.engine.registry(), &self.instance).map_err(PlaceError::Graph)?;
+        if plan.kernel.is_some() || plan.processes.iter().any(|p| p.kind != "process") {
+            return Err(PlaceError::Kernel(
+                "VMs and kernel apps cannot be taken over yet".into(),
+            ));
+        }
+        let engine = (self.engine)
+            .prepare_inheriting(plan.engine, lent.apps)
+            .map_err(PlaceError::Engine)?;
+        Ok(Inheriting {
+            graph,
+            engine,
+            processes: plan.processes,
+            lent_processes: lent.processes,
+        })
+    }
+
+    /// Second half: the prepared graph starts with the predecessor's final positions,
+    /// counters and state ([`stitch_core::Engine::commit_inheriting`]), then the function
+    /// processes it ran are adopted (those that ended meanwhile are started again).
+    pub fn commit_inheriting(
+        &self,
+        inheriting: Inheriting,
+        finals: BTreeMap<String, HandedApp>,
+        links: &BTreeMap<String, LinkStats>,
+    ) -> Result<(PlaceReport, RestoreReport), PlaceError> {
+        let mut current = self.graph.lock().unwrap();
+        let (engine, restored) = (self.engine)
+            .commit_inheriting(inheriting.engine, finals, links)
+            .map_err(PlaceError::Engine)?;
+        let (started, _) = (self.supervisor.lock().unwrap())
+            .adopt(inheriting.processes, inheriting.lent_processes);
+        if !started.is_empty() {
+            log::info!(
+                "processes started again (they were not running to be taken over): {started:?}"
+            );
+        }
+        *current = Some(inheriting.graph);
+        Ok((
+            PlaceReport {
+                engine,
+                moved: Vec::new(),
+            },
+            restored,
+        ))
+    }
+}
