@@ -3,8 +3,9 @@
 //! beside a live `stitch apply` (the engine's own pause) and a quiet window, in one run.
 //!
 //! Frames numbered by the bench go into one veth pair, cross a `stitch run` instance (two
-//! `af_packet` ports) and come out of another; for each window the bench reports the longest
-//! time between two arrivals and the frames sent in it that never arrived.
+//! `af_packet` ports, and with `--function-process` a function process between them) and come
+//! out of another; for each window the bench reports the longest time between two arrivals
+//! and the frames sent in it that never arrived.
 
 use anyhow::{bail, Context, Result};
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -22,6 +23,10 @@ pub struct UpgradeBenchArgs {
     /// Frames sent per second.
     #[arg(long, default_value_t = 20_000)]
     rate: u64,
+    /// The frames also cross a function process (Stitch's firewall, `placement: process`,
+    /// forwarding them all) between the two ports.
+    #[arg(long)]
+    function_process: bool,
     /// Print results as JSON.
     #[arg(long)]
     json: bool,
@@ -35,6 +40,7 @@ const WINDOW: f64 = 2.0;
 /// The veth pairs and the instance, removed when dropped.
 struct Rig {
     veths: [String; 2],
+    function_process: bool,
     instance: Option<Child>,
     dir: tempfile::TempDir,
 }
@@ -57,14 +63,30 @@ impl Rig {
         self.dir.path().join("ctl.sock")
     }
 
+    /// a → (function process) → (rate meter) → b.
     fn graph(&self, through_meter: bool) -> String {
         let [a, b] = &self.veths;
-        let (a, b) = (format!("{a}s"), format!("{b}s"));
-        if through_meter {
-            format!("apps:\n  a: {{ type: af_packet, interface: {a} }}\n  b: {{ type: af_packet, interface: {b} }}\n  m: {{ type: rate_meter }}\nlinks:\n  - \"a.output -> m.input\"\n  - \"m.output -> b.input\"\n")
-        } else {
-            format!("apps:\n  a: {{ type: af_packet, interface: {a} }}\n  b: {{ type: af_packet, interface: {b} }}\nlinks:\n  - \"a.output -> b.input\"\n")
+        let mut apps = format!(
+            "apps:\n  a: {{ type: af_packet, interface: {a}s }}\n  b: {{ type: af_packet, interface: {b}s }}\n"
+        );
+        let mut hops = vec!["a"];
+        if self.function_process {
+            let nf = self.dir.path().join("nf.sock");
+            apps += &format!(
+                "  f: {{ placement: process, command: [stitch-nf-firewall], socket: {} }}\n",
+                nf.display()
+            );
+            hops.push("f");
         }
+        if through_meter {
+            apps += "  m: { type: rate_meter }\n";
+            hops.push("m");
+        }
+        hops.push("b");
+        let links: String = (hops.windows(2))
+            .map(|w| format!("  - \"{}.output -> {}.input\"\n", w[0], w[1]))
+            .collect();
+        format!("{apps}links:\n{links}")
     }
 
     /// Starts `stitch run` on the graph file with the state file; returns once its API answers.
@@ -297,6 +319,7 @@ pub fn run(args: UpgradeBenchArgs) -> Result<()> {
     }
     let mut rig = Rig {
         veths,
+        function_process: args.function_process,
         instance: None,
         dir: tempfile::tempdir()?,
     };
@@ -367,8 +390,13 @@ fn report(args: &UpgradeBenchArgs, results: &[Vec<Window>], receiver_drops: u32)
         println!("{}", serde_json::to_string_pretty(&rows)?);
         return Ok(());
     }
+    let through = if args.function_process {
+        "two af_packet ports and a function process"
+    } else {
+        "two af_packet ports"
+    };
     println!(
-        "{} frames/s through two af_packet ports; medians of {} rounds, {WINDOW} s windows",
+        "{} frames/s through {through}; medians of {} rounds, {WINDOW} s windows",
         args.rate, args.rounds
     );
     println!(

@@ -515,33 +515,37 @@ fn a_tap_device_stays_across_an_upgrade() {
     });
 }
 
-/// `stitch bench upgrade` runs all four actions and counts frames: none lost by an upgrade
-/// or a live apply; the restart after kill -9 loses what came meanwhile (counted).
+/// `stitch bench upgrade` runs all four actions and counts frames, through the engine alone
+/// and through a function process: none lost by an upgrade or a live apply; the restart after
+/// kill -9 loses what came meanwhile (counted).
 #[test]
 fn the_upgrade_bench_counts_what_each_way_of_replacing_an_instance_loses() {
     require_root_and_tools(&["ip", "pgrep"]);
-    let o = Command::new(env!("CARGO_BIN_EXE_stitch"))
-        .args([
-            "bench", "upgrade", "--rounds", "1", "--rate", "2000", "--json",
-        ])
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let rows: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    let lost = |action: &str| {
-        rows.as_array()
-            .unwrap()
-            .iter()
-            .find(|r| r["action"] == action)
-            .unwrap()["lost"]
-            .as_f64()
-            .unwrap()
-    };
-    assert_eq!(lost("quiet"), 0.0, "{rows}");
-    assert_eq!(lost("live apply"), 0.0, "{rows}");
-    assert_eq!(lost("stitch upgrade"), 0.0, "{rows}");
-    assert!(
-        lost("kill -9 + restart") > 0.0,
-        "a restart cannot keep the ring: {rows}"
-    );
+    for through in [&[][..], &["--function-process"][..]] {
+        let o = Command::new(env!("CARGO_BIN_EXE_stitch"))
+            .args([
+                "bench", "upgrade", "--rounds", "1", "--rate", "2000", "--json",
+            ])
+            .args(through)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let rows: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let lost = |action: &str| {
+            rows.as_array()
+                .unwrap()
+                .iter()
+                .find(|r| r["action"] == action)
+                .unwrap()["lost"]
+                .as_f64()
+                .unwrap()
+        };
+        assert_eq!(lost("quiet"), 0.0, "{through:?}: {rows}");
+        assert_eq!(lost("live apply"), 0.0, "{through:?}: {rows}");
+        assert_eq!(lost("stitch upgrade"), 0.0, "{through:?}: {rows}");
+        assert!(
+            lost("kill -9 + restart") > 0.0,
+            "{through:?}: a restart cannot keep the ring: {rows}"
+        );
+    }
 }
