@@ -26,6 +26,9 @@ pub struct Attachment {
     pub conn: OwnedFd,
     pub generation: u64,
     pub pid: i32,
+    /// The function attached before, to a Stitch process that ended, and lost this many
+    /// packets with it.
+    pub lost_before: Option<u64>,
 }
 
 impl Attachment {

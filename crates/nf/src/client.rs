@@ -19,8 +19,9 @@ use serde_json::Value;
 use std::io::{self, Write};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
 use stitch_core::fdpass;
 
 /// What to do with a packet.
@@ -32,6 +33,9 @@ pub enum Verdict {
 
 /// An attached function.
 pub struct Function {
+    /// Where the port was asked for, to ask again (`reattach`).
+    socket: PathBuf,
+    port: String,
     conn: UnixStream,
     region: Mapping,
     pool: Option<Mapping>,
@@ -127,7 +131,12 @@ impl Function {
 
     /// Connects to `socket` and takes port `port`.
     pub fn attach(socket: impl AsRef<Path>, port: &str) -> io::Result<Function> {
-        let socket = socket.as_ref();
+        Function::attach_again(socket.as_ref(), port, None)
+    }
+
+    /// [`Function::attach`]; `lost`: this process attached before, to a Stitch process that
+    /// ended, and lost that many packets with it (they were in the old rings).
+    fn attach_again(socket: &Path, port: &str, lost: Option<u64>) -> io::Result<Function> {
         let mut conn = UnixStream::connect(socket).map_err(|e| {
             io::Error::new(
                 e.kind(),
@@ -137,7 +146,10 @@ impl Function {
                 ),
             )
         })?;
-        let hello = serde_json::json!({ "version": crate::shm::VERSION, "port": port });
+        let mut hello = serde_json::json!({ "version": crate::shm::VERSION, "port": port });
+        if let Some(lost) = lost {
+            hello["resumed"] = serde_json::json!({ "lost": lost });
+        }
         conn.write_all(format!("{hello}\n").as_bytes())?;
         let (bytes, fds) = fdpass::recv(conn.as_raw_fd(), 4096)?;
         let reply: Value = serde_json::from_slice(&bytes)
@@ -172,7 +184,12 @@ impl Function {
         };
         let to_nf = Consumer::new(ring(layout.to_nf)?);
         let from_nf = Producer::new(ring(layout.from_nf)?);
+        if reply["output"] == true {
+            take_output(&mut fds)?;
+        }
         Ok(Function {
+            socket: socket.to_path_buf(),
+            port: port.to_string(),
             conn,
             blocking: h.wake == 1,
             pool_stride: h.pool_stride as usize,
@@ -541,6 +558,56 @@ impl Function {
     }
 }
 
+impl Function {
+    /// Asks for the port again after the Stitch process serving it ended (killed, or
+    /// crashed), for as long as the Stitch that started this process allows
+    /// ([`crate::function::ENV_REATTACH`]): the Stitch started in its place adopts this process
+    /// and serves the port again. What was in the old rings is lost, and told to the new
+    /// Stitch. False when not allowed, or when no Stitch served the port in time.
+    pub fn reattach(&mut self) -> bool {
+        let Some(window) = reattach_window() else {
+            return false;
+        };
+        let lost =
+            u64::from(self.to_nf.available().unwrap_or(0)) + u64::from(self.from_nf.pending());
+        let deadline = Instant::now() + window;
+        while Instant::now() < deadline {
+            match Function::attach_again(&self.socket, &self.port, Some(lost)) {
+                Ok(again) => {
+                    *self = again;
+                    return true;
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
+        false
+    }
+}
+
+/// How long a function started by Stitch waits for its port to be served again.
+fn reattach_window() -> Option<Duration> {
+    let seconds: f64 = std::env::var(crate::function::ENV_REATTACH)
+        .ok()?
+        .parse()
+        .ok()?;
+    (seconds > 0.0).then(|| Duration::from_secs_f64(seconds.min(3600.0)))
+}
+
+/// Makes the two descriptors after the region's this process's standard output and error
+/// (the Stitch that adopted it reads them from now on; the old one's pipes died with it).
+fn take_output(fds: &mut impl Iterator<Item = OwnedFd>) -> io::Result<()> {
+    let (Some(out), Some(err)) = (fds.next(), fds.next()) else {
+        return Err(invalid("Stitch said it sends output pipes and sent none"));
+    };
+    for (fd, to) in [(out, 1), (err, 2)] {
+        // SAFETY: dup2 onto the standard descriptors, which this process keeps open.
+        if unsafe { libc::dup2(fd.as_raw_fd(), to) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
 fn closed_port() -> io::Error {
     io::Error::new(io::ErrorKind::ConnectionAborted, "Stitch closed the port")
 }
@@ -578,12 +645,14 @@ fn serve_ports(
                 continue;
             }
             if let Some(i) = wait_any(&mut functions, &mut fds)? {
-                functions.swap_remove(i);
+                if !functions[i].reattach() {
+                    functions.swap_remove(i);
+                }
             }
         } else {
             idle += 1;
             if idle.is_multiple_of(1024) {
-                functions.retain(|fun| fun.connected());
+                functions.retain_mut(|fun| fun.connected() || fun.reattach());
             }
             std::thread::yield_now();
         }

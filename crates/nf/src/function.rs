@@ -28,6 +28,13 @@ use stitch_core::App;
 pub const ENV_SOCKET: &str = "STITCH_NF_SOCKET";
 /// The port a supervised function asks for.
 pub const ENV_PORT: &str = "STITCH_NF_PORT";
+/// Seconds a supervised function waits for its port to be served again when the Stitch
+/// process serving it ends (`client::Function::reattach`): the Stitch started in its place
+/// adopts the function instead of starting another.
+pub const ENV_REATTACH: &str = "STITCH_NF_REATTACH_SECONDS";
+/// What Stitch sets [`ENV_REATTACH`] to: long enough for systemd or `stitch run --supervise`
+/// to start Stitch again, short enough that a function does not outlive its instance by much.
+pub const REATTACH_SECONDS: u32 = 10;
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]

@@ -52,6 +52,26 @@ pub fn inherit_socket(path: &Path, socket: OwnedFd) {
         .or_insert(socket);
 }
 
+/// A function's standard output and error: the write ends of two pipes.
+type Output = [OwnedFd; 2];
+
+/// Standard output and error (pipe write ends) for functions that attach again after the
+/// Stitch process before this one ended, by socket path and port: the supervisor that adopted
+/// the process reads the other ends.
+fn offered_outputs() -> &'static Mutex<HashMap<(PathBuf, String), Output>> {
+    static O: OnceLock<Mutex<HashMap<(PathBuf, String), Output>>> = OnceLock::new();
+    O.get_or_init(Default::default)
+}
+
+/// Gives the function that asks for `port` on `path` again after a restart of Stitch (its
+/// hello says `resumed`) `output` as its standard output and error, when it attaches.
+pub fn offer_output(path: &Path, port: &str, output: [OwnedFd; 2]) {
+    offered_outputs()
+        .lock()
+        .unwrap()
+        .insert((path.to_path_buf(), port.to_string()), output);
+}
+
 /// A generation number for an attachment made here (or adopted from a predecessor).
 pub fn next_generation() -> u64 {
     GENERATION.fetch_add(1, Ordering::Relaxed)
@@ -367,6 +387,10 @@ fn attach(l: &Listener, stream: &UnixStream) -> Result<(Arc<PortShared>, u64), S
         .map_err(|e| format!("cannot keep the connection: {e}"))?
         .into();
     let generation = next_generation();
+    // A function whose Stitch process ended asks again: what it lost, and its new output.
+    let lost_before = hello["resumed"]["lost"].as_u64();
+    let output = lost_before
+        .and_then(|_| (offered_outputs().lock().unwrap()).remove(&(l.path.clone(), name.clone())));
     let reply = json!({
         "ok": true,
         "port": name,
@@ -374,6 +398,7 @@ fn attach(l: &Listener, stream: &UnixStream) -> Result<(Arc<PortShared>, u64), S
         "wake": if s.blocking { "blocking" } else { "polling" },
         "region_size": layout.size,
         "pool_bytes": if s.zero_copy { pool_bytes } else { 0 },
+        "output": output.is_some(),
     })
     .to_string()
         + "\n";
@@ -381,6 +406,7 @@ fn attach(l: &Listener, stream: &UnixStream) -> Result<(Arc<PortShared>, u64), S
     if s.zero_copy {
         fds.push(pool.memfd());
     }
+    fds.extend(output.iter().flatten().map(|fd| fd.as_raw_fd()));
     fdpass::send(stream.as_raw_fd(), reply.as_bytes(), &fds)
         .map_err(|e| format!("cannot answer the function: {e}"))?;
     *port.incoming.lock().unwrap() = Some(Attachment {
@@ -391,9 +417,16 @@ fn attach(l: &Listener, stream: &UnixStream) -> Result<(Arc<PortShared>, u64), S
         conn,
         generation,
         pid,
+        lost_before,
     });
     port.changed.store(true, Ordering::Release);
-    log::info!("function (pid {pid}) attached to port `{name}`");
+    match lost_before {
+        Some(lost) => log::info!(
+            "function (pid {pid}) attached to port `{name}` again after Stitch's process \
+             ended; {lost} packets were left with that process"
+        ),
+        None => log::info!("function (pid {pid}) attached to port `{name}`"),
+    }
     Ok((port, generation))
 }
 

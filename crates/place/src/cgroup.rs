@@ -196,10 +196,9 @@ pub fn raw(fds: &[OwnedFd]) -> Vec<i32> {
     fds.iter().map(AsRawFd::as_raw_fd).collect()
 }
 
-/// Removes the cgroups a previous run of `instance` left (a crash of Stitch kills its
-/// functions through their parent-death signal; their empty cgroups remain). Any process still
-/// inside is killed first.
-pub fn clean_instance(instance: &str) -> usize {
+/// Removes the cgroups a previous run of `instance` left, but those of the apps in `spare`
+/// (function processes that outlived it, to adopt). Any process still inside is killed first.
+pub fn clean_instance(instance: &str, spare: &[String]) -> usize {
     let Some(h) = hierarchy() else { return 0 };
     let mut removed = 0;
     for top in instance_dirs(h, instance) {
@@ -208,7 +207,7 @@ pub fn clean_instance(instance: &str) -> usize {
         };
         for e in entries.flatten() {
             let dir = e.path();
-            if !dir.is_dir() {
+            if !dir.is_dir() || spare.iter().any(|a| dir.file_name() == Some(a.as_ref())) {
                 continue;
             }
             if let Ok(pids) = fs::read_to_string(dir.join("cgroup.procs")) {

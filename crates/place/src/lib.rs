@@ -22,9 +22,11 @@ pub mod cgroup;
 pub mod handover;
 pub mod kernel;
 pub mod leftovers;
+pub mod pidfd;
 pub mod placed;
 pub mod qmp;
 pub mod supervisor;
+pub mod survivors;
 pub mod vm;
 
 pub use placed::{AppPlacement, PlacedGraph, Placement};
@@ -34,7 +36,7 @@ use std::sync::{Arc, Mutex};
 use stitch_core::engine::{ApplyReport, EngineError};
 use stitch_core::graph::{AppDecl, GraphError};
 use stitch_core::{Engine, Graph, Registry, Stats};
-use stitch_nf::function::{FunctionConfig, ENV_PORT, ENV_SOCKET};
+use stitch_nf::function::{FunctionConfig, ENV_PORT, ENV_REATTACH, ENV_SOCKET, REATTACH_SECONDS};
 use supervisor::{ProcessSpec, Supervisor};
 
 /// FNV-1a: short names for what an instance creates on the host, stable across runs.
@@ -312,6 +314,7 @@ fn process_spec(app: &AppDecl, base_dir: &Path) -> Result<ProcessSpec, GraphErro
     let mut env: Vec<(String, String)> = c.env.into_iter().collect();
     env.push((ENV_SOCKET.into(), socket.display().to_string()));
     env.push((ENV_PORT.into(), app.name.clone()));
+    env.push((ENV_REATTACH.into(), REATTACH_SECONDS.to_string()));
     Ok(ProcessSpec {
         app: app.name.clone(),
         program,
@@ -563,11 +566,21 @@ impl Placements {
     /// what it removed, in words. Call once the instance owns its name
     /// ([`leftovers::Owner`]).
     pub fn clean_after_crash(&self) -> Vec<String> {
+        self.clean_after(false)
+    }
+
+    /// [`Placements::clean_after_crash`] for the instance starting again, but the function
+    /// processes the crashed run left running are kept for the first graph to adopt.
+    pub fn clean_after_crash_adopting(&self) -> Vec<String> {
+        self.clean_after(true)
+    }
+
+    fn clean_after(&self, adopting: bool) -> Vec<String> {
         let mut removed = Vec::new();
         if self.instance.is_empty() {
             return removed;
         }
-        let cgroups = self.supervisor.lock().unwrap().clean_after_crash();
+        let cgroups = self.supervisor.lock().unwrap().clean_after_crash(adopting);
         if cgroups > 0 {
             removed.push(format!("{cgroups} function cgroups (and their processes)"));
         }

@@ -10,9 +10,11 @@
 //! adopts it ([`Supervisor::adopt`]), watching it through a pidfd and reading its output.
 
 use crate::cgroup::{self, Cgroup};
+use crate::pidfd;
+use crate::survivors::{self, Records, Survivor};
 use std::collections::{BTreeMap, VecDeque};
 use std::io::{BufRead, BufReader};
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -62,6 +64,8 @@ struct Status {
     adopted: Option<OwnedFd>,
     /// Duplicates of the read ends of its stdout and stderr, to lend to a successor.
     output: Option<[OwnedFd; 2]>,
+    /// Why it runs without this process having started it, if it does.
+    carried: Option<&'static str>,
     started: Option<Instant>,
     starts: u64,
     restarts: u64,
@@ -78,12 +82,17 @@ struct Supervised {
     cgroup: Option<Cgroup>,
     /// The last lines the process wrote to stderr (over restarts).
     stderr: Arc<Mutex<VecDeque<String>>>,
+    records: Records,
 }
 
 /// The running function processes of one instance, by app name.
 pub struct Supervisor {
     instance: String,
     running: BTreeMap<String, (Arc<Supervised>, JoinHandle<()>)>,
+    records: Records,
+    /// Function processes a killed or crashed run of this instance left running, until the
+    /// first graph adopts them (or stops them).
+    survivors: BTreeMap<String, Survivor>,
 }
 
 impl Supervisor {
@@ -91,6 +100,8 @@ impl Supervisor {
         Supervisor {
             instance: instance.to_string(),
             running: BTreeMap::new(),
+            records: Records::of(instance),
+            survivors: BTreeMap::new(),
         }
     }
 
@@ -113,10 +124,38 @@ impl Supervisor {
             if self.running.contains_key(&name) {
                 continue;
             }
-            self.launch(spec, Status::default());
-            started.push(name);
+            let status = match self.survivors.remove(&name) {
+                Some(s) if s.program == spec.program && s.args == spec.args => {
+                    survivor_status(&spec, s)
+                }
+                _ => Status::default(),
+            };
+            if status.adopted.is_none() {
+                started.push(name);
+            }
+            self.launch(spec, status);
         }
+        self.stop_survivors();
         (started, leaving)
+    }
+
+    /// Kills what a crashed run left that the graph does not run again, with its cgroup.
+    fn stop_survivors(&mut self) {
+        if self.survivors.is_empty() {
+            return;
+        }
+        for (app, s) in std::mem::take(&mut self.survivors) {
+            log::info!(
+                "function `{app}` (pid {}) kept running after the last run of this instance \
+                 ended, but is not in its graph now: killed",
+                s.pid
+            );
+            pidfd::signal(&s.pidfd, libc::SIGKILL);
+            pidfd::ended(&s.pidfd, 1000);
+            self.records.remove(&app);
+        }
+        let running: Vec<String> = self.running.keys().cloned().collect();
+        cgroup::clean_instance(&self.instance, &running);
     }
 
     /// Starts the thread that keeps `spec`'s process running, from `status` (a process taken
@@ -136,6 +175,7 @@ impl Supervisor {
             wake: Condvar::new(),
             cgroup,
             stderr: Default::default(),
+            records: self.records.clone(),
         });
         if let Some([out, err]) = &s.status.lock().unwrap().output {
             for (fd, tail) in [(out, None), (err, Some(s.stderr.clone()))] {
@@ -168,7 +208,7 @@ impl Supervisor {
             let fds = (|| -> std::io::Result<Vec<OwnedFd>> {
                 let mut fds = vec![match &st.adopted {
                     Some(fd) => fd.try_clone()?,
-                    None => pidfd_open(pid)?,
+                    None => pidfd::open(pid)?,
                 }];
                 for fd in st.output.iter().flatten() {
                     fds.push(fd.try_clone()?);
@@ -237,7 +277,7 @@ impl Supervisor {
             let mut st = s.status.lock().unwrap();
             st.stopping = true;
             if let (Some(fd), false) = (&st.adopted, asked) {
-                pidfd_signal(fd, libc::SIGTERM);
+                pidfd::signal(fd, libc::SIGTERM);
             } else if let (Some(pid), false) = (st.pid, asked) {
                 // SAFETY: kill has no memory preconditions. The child is not reaped while the
                 // lock is held (the thread reaps it under this lock), so `pid` is still ours.
@@ -246,6 +286,7 @@ impl Supervisor {
             s.wake.notify_all();
         }
         let _ = thread.join();
+        self.records.remove(name);
         if let Some(c) = &s.cgroup {
             c.remove();
         }
@@ -254,8 +295,25 @@ impl Supervisor {
     /// Removes what a previous run of this instance left when it died (its cgroups, and any
     /// process still in them); returns how many cgroups. Only for the instance that now owns
     /// the name.
-    pub fn clean_after_crash(&self) -> usize {
-        cgroup::clean_instance(&self.instance)
+    /// `adopting`: function processes that run as recorded are spared: they ask for their
+    /// ports again, and the first graph applied adopts those it still runs
+    /// ([`Supervisor::apply`]).
+    pub fn clean_after_crash(&mut self, adopting: bool) -> usize {
+        if !adopting {
+            for (app, s) in self.records.survivors() {
+                log::info!("function `{app}` (pid {}) left running: killed", s.pid);
+                pidfd::signal(&s.pidfd, libc::SIGKILL);
+                pidfd::ended(&s.pidfd, 1000);
+            }
+            self.records.remove_all();
+            return cgroup::clean_instance(&self.instance, &[]);
+        }
+        self.survivors = self.records.survivors();
+        let spared: Vec<String> = self.survivors.keys().cloned().collect();
+        if !spared.is_empty() {
+            log::info!("function processes left running by the last run of this instance, to adopt: {spared:?}");
+        }
+        cgroup::clean_instance(&self.instance, &spared)
     }
 
     /// Stops every process.
@@ -264,6 +322,8 @@ impl Supervisor {
         for n in names {
             self.stop_one(&n);
         }
+        self.stop_survivors();
+        self.records.remove_all();
         cgroup::remove_instance(&self.instance);
     }
 
@@ -298,6 +358,7 @@ impl Supervisor {
             "restarts": st.restarts,
             "last_exit": st.last_exit,
             "last_error": st.last_error,
+            "carried_over": st.carried,
             "restart_in_seconds": st.next_start.map(|t| t.saturating_duration_since(Instant::now()).as_secs_f64()),
             "stderr": s.stderr.lock().unwrap().iter().collect::<Vec<_>>(),
             "limits": s.cgroup.as_ref().map(Cgroup::limits),
@@ -407,6 +468,7 @@ fn start(s: &Supervised) -> std::io::Result<()> {
     if let Some(out) = child.stdout.take() {
         keep_lines(spec.app.clone(), out, None);
     }
+    s.records.write(&spec.app, pid, &spec.program, &spec.args);
     st.pid = Some(pid);
     st.child = Some(child);
     st.started = Some(Instant::now());
@@ -476,7 +538,7 @@ fn ended(st: &mut Status) -> Option<String> {
         };
     }
     let fd = st.adopted.as_ref()?;
-    pidfd_ended(fd, 0)
+    pidfd::ended(fd, 0)
         .then(|| "ended (taken over from another Stitch process, which is told how)".into())
 }
 
@@ -487,8 +549,8 @@ fn kill(st: &mut Status) -> String {
         return child.wait().map_or("unknown".into(), describe);
     }
     if let Some(fd) = &st.adopted {
-        pidfd_signal(fd, libc::SIGKILL);
-        pidfd_ended(fd, 1000);
+        pidfd::signal(fd, libc::SIGKILL);
+        pidfd::ended(fd, 1000);
     }
     "killed by signal 9".into()
 }
@@ -497,6 +559,7 @@ fn record_exit(st: &mut Status, how: String) {
     st.child = None;
     st.adopted = None;
     st.output = None;
+    st.carried = None;
     st.pid = None;
     st.last_exit = Some(how);
 }
@@ -516,7 +579,7 @@ fn adopted_status(app: &str, lent: Descriptors) -> Option<Status> {
     let pid = p["pid"].as_u64()? as u32;
     let mut fds = lent.fds.into_iter();
     let pidfd = fds.next()?;
-    if pidfd_ended(&pidfd, 0) {
+    if pidfd::ended(&pidfd, 0) {
         log::info!("function `{app}` (pid {pid}) ended before it could be taken over");
         return None;
     }
@@ -532,42 +595,45 @@ fn adopted_status(app: &str, lent: Descriptors) -> Option<Status> {
         started: Instant::now().checked_sub(up),
         starts: p["starts"].as_u64().unwrap_or(1),
         restarts: p["restarts"].as_u64().unwrap_or(0),
+        carried: Some("taken over from the Stitch process before this one (stitch upgrade)"),
         ..Status::default()
     })
 }
 
-/// A descriptor for process `pid` that stays its own even once the pid is reused.
-fn pidfd_open(pid: u32) -> std::io::Result<OwnedFd> {
-    // SAFETY: pidfd_open takes a pid and flags, no pointers.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
+/// A process a killed or crashed run left running ([`Supervisor::clean_after_crash`]), as
+/// the status of its app, adopted: it gets new pipes for its output (the old ones died with
+/// the old process) when it attaches again.
+fn survivor_status(spec: &ProcessSpec, s: Survivor) -> Status {
+    log::info!(
+        "function `{}` (pid {}) kept running after the last run of this instance ended: adopted",
+        spec.app,
+        s.pid
+    );
+    let var = |k: &str| {
+        spec.env
+            .iter()
+            .find(|(n, _)| n == k)
+            .map(|(_, v)| v.clone())
+    };
+    let socket = var(stitch_nf::function::ENV_SOCKET);
+    let port = var(stitch_nf::function::ENV_PORT);
+    let output = match (socket, port, survivors::output_pipes()) {
+        (Some(socket), Some(port), Ok((read, write))) => {
+            stitch_nf::listener::offer_output(std::path::Path::new(&socket), &port, write);
+            Some(read)
+        }
+        (_, _, Err(e)) => {
+            log::warn!("function `{}`: its output is not read: {e}", spec.app);
+            None
+        }
+        _ => None,
+    };
+    Status {
+        pid: Some(s.pid),
+        adopted: Some(s.pidfd),
+        output,
+        starts: 1,
+        carried: Some("kept running when the Stitch process before this one ended"),
+        ..Status::default()
     }
-    // SAFETY: the kernel returned a new descriptor that nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
-}
-
-fn pidfd_signal(fd: &OwnedFd, signal: i32) -> bool {
-    // SAFETY: no siginfo (null) and no flags: the call reads nothing from this process.
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_pidfd_send_signal,
-            fd.as_raw_fd(),
-            signal,
-            std::ptr::null::<libc::siginfo_t>(),
-            0,
-        )
-    };
-    r == 0
-}
-
-/// Whether the process ended (its pidfd reads ready), waiting up to `wait_ms`.
-fn pidfd_ended(fd: &OwnedFd, wait_ms: i32) -> bool {
-    let mut p = libc::pollfd {
-        fd: fd.as_fd().as_raw_fd(),
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    // SAFETY: `p` is one live pollfd.
-    unsafe { libc::poll(&mut p, 1, wait_ms) > 0 }
 }

@@ -6,6 +6,7 @@ mod kernel_cmd;
 mod lwaftr_cmd;
 mod nfv_cmd;
 mod state_keeper;
+mod supervise;
 mod table;
 mod top;
 mod upgrade;
@@ -112,6 +113,11 @@ struct RunArgs {
     listen: Listen,
     #[command(flatten)]
     state: StateArgs,
+    /// Start again (with backoff) when killed or crashed, from a small parent process: the
+    /// new process reads the state file and adopts the function processes the old one left
+    /// running. Under systemd, use the unit's `Restart=` instead.
+    #[arg(long)]
+    supervise: bool,
 }
 
 /// How `stitch run` offers its API beyond the Unix socket.
@@ -402,6 +408,10 @@ fn run_cli(cli: Cli) -> Result<()> {
                 println!("{:<14} {}", t.name, t.summary);
             }
         }
+        Cmd::Run(args) if args.supervise => {
+            let argv = std::env::args().filter(|a| a != "--supervise").collect();
+            supervise::run(argv, args.instance.socket())?
+        }
         Cmd::Run(args) => run(&args)?,
         Cmd::Top(args) => top::run(&args.instance.socket(), &args)?,
         Cmd::Kernel(cmd) => kernel_cmd::run(cmd)?,
@@ -445,6 +455,7 @@ fn run_cli(cli: Cli) -> Result<()> {
                 instance,
                 listen,
                 state,
+                supervise: false,
             })?
         }
         Cmd::Lwaftr(c) => lwaftr_cmd::run(c)?,
@@ -618,7 +629,7 @@ impl Parts {
 
 /// Removes what a crashed earlier run of this instance, or another dead instance, left.
 fn clean_up_crashes(api: &stitch_api::Api, config: &stitch_api::ApiConfig) {
-    let mine = api.placements().clean_after_crash();
+    let mine = api.placements().clean_after_crash_adopting();
     if !mine.is_empty() {
         log::info!(
             "removed what a crashed run of this instance left: {}",
@@ -683,6 +694,7 @@ fn run(args: &RunArgs) -> Result<()> {
         instance,
         listen,
         state,
+        supervise: _,
     } = args;
     let (duration, as_json) = (*duration, *as_json);
     let registry = Arc::new(registry());

@@ -181,12 +181,15 @@ fn a_crashed_instance_leaves_nothing_behind_after_the_next_start() {
     let socket = s.socket.clone();
     s.process.signal(libc::SIGKILL);
     let _ = s.process.finish();
-    // The function dies with Stitch (parent-death signal) ...
-    wait_until("the function to die with stitch", 10, || !alive(pid));
-    // ... and the next start of the same instance removes the cgroups the dead one left.
+    // The function outlives Stitch, asking for its port again (a Stitch started again would
+    // adopt it) ...
+    assert!(alive(pid), "the function died with stitch");
+    // ... but the next start of the same instance has no firewall in its graph: it stops the
+    // function and removes the cgroups the dead one left.
     let file = dir.path().join("graph.yaml");
     std::fs::write(&file, firewall_graph(&hosts, &nf, false)).unwrap();
     run_again(&socket, &file);
+    wait_until("the function left running to be stopped", 5, || !alive(pid));
     for g in &groups {
         assert!(!Path::new(g).exists(), "{g} left behind by the crash");
     }
@@ -403,13 +406,13 @@ fn kernel_engine_and_process_apps_run_as_one_graph_and_a_crash_leaves_nothing() 
     });
     let (made, plane) = what_the_placements_made(&s, &links_before, &planes_before);
     traffic_crosses_the_kernel_router_and_is_counted(&hosts, &s, n);
-    // Stitch killed: the function dies with it; the next start of the same instance removes
-    // the data plane (hooks, programs, pinned maps) and the veth pairs it left.
+    // Stitch killed: the next start of the same instance, without the function in its graph,
+    // stops the function left running and removes the data plane (hooks, programs, pinned
+    // maps) and the veth pairs it left.
     let fw_pid = pid_of(&s, "fw").unwrap();
     let socket = s.socket.clone();
     s.process.signal(libc::SIGKILL);
     let _ = s.process.finish();
-    wait_until("the function to die with stitch", 10, || !alive(fw_pid));
     assert!(
         made.iter()
             .all(|l| Path::new(&format!("/sys/class/net/{l}")).exists()),
@@ -418,6 +421,9 @@ fn kernel_engine_and_process_apps_run_as_one_graph_and_a_crash_leaves_nothing() 
     let file = dir.path().join("graph.yaml");
     std::fs::write(&file, "apps:\n  g: { type: generator, count: 1 }\n  s: { type: sink }\nlinks: [\"g.output -> s.input\"]\n").unwrap();
     run_again(&socket, &file);
+    wait_until("the function left running to be stopped", 5, || {
+        !alive(fw_pid)
+    });
     for l in &made {
         assert!(
             !Path::new(&format!("/sys/class/net/{l}")).exists(),

@@ -136,6 +136,7 @@ impl NfPort {
             conn,
             generation,
             pid: at.pid,
+            lost_before: None,
         };
         let mut a = Active::new(att, s.zero_copy);
         a.resume_at(&at);

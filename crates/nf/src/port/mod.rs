@@ -373,6 +373,9 @@ pub struct NfPort {
     attaches: Counter,
     detaches: Counter,
     reclaimed: Counter,
+    /// Packets a function had in its rings when the Stitch process before this one ended
+    /// (it said so when it attached again).
+    restart_lost: Counter,
     wakeups: Counter,
     attached: Counter,
     /// Taken over from a predecessor process: the generation its attachment had there.
@@ -435,6 +438,7 @@ impl App for NfPort {
             attaches: ctx.counter("attaches"),
             detaches: ctx.counter("detaches"),
             reclaimed: ctx.counter("reclaimed_drops"),
+            restart_lost: ctx.counter("restart_lost"),
             wakeups: ctx.counter("wakeups"),
             attached: ctx.counter("attached"),
             lent_generation: None,
@@ -704,6 +708,7 @@ impl NfPort {
                     return; // It left before it was ever served.
                 }
                 self.shared.busy.store(true, Ordering::Release);
+                self.restart_lost.add(att.lost_before.unwrap_or(0));
                 let a = Active::new(att, self.shared.settings.zero_copy);
                 *self.shared.current.lock().unwrap() = Some(Current {
                     generation: a.att.generation,
