@@ -229,7 +229,8 @@ fn numbered_stream_across_an_upgrade(
     let lost = 4000 - received;
     assert!(
         lost <= 2,
-        "{lost} of 4000 datagrams lost across the upgrade ({report})"
+        "{lost} of 4000 datagrams lost across the upgrade ({report}); where they went: {}",
+        first.stats().unwrap_or_default()
     );
     (successor, report)
 }
