@@ -108,15 +108,18 @@ pub fn run(args: Vec<String>, api_socket: PathBuf) -> Result<()> {
     let mut runner = start()?;
     let mut backoff = FIRST_BACKOFF;
     let mut since = Instant::now();
-    let mut stopping = false;
+    // The stop signal passed on, if one was: a successor named after it gets it too.
+    let mut stopping: Option<i32> = None;
     loop {
         let sig = signals.swap(0, Ordering::Relaxed);
         if sig != 0 {
-            stopping |= sig != libc::SIGHUP as usize;
+            if sig != libc::SIGHUP as usize {
+                stopping = Some(sig as i32);
+            }
             runner.signal(sig as i32);
         }
         if let Some(successor) = read_main_pid(&notify) {
-            runner = adopt(runner, successor);
+            runner = adopt(runner, successor, stopping);
         }
         let Some(end) = runner.ended(&api_socket) else {
             std::thread::sleep(POLL);
@@ -124,12 +127,12 @@ pub fn run(args: Vec<String>, api_socket: PathBuf) -> Result<()> {
         };
         // The process that ended may have named a successor just before (an upgrade).
         if let Some(successor) = read_main_pid(&notify) {
-            runner = adopt(runner, successor);
+            runner = adopt(runner, successor, stopping);
             continue;
         }
         let how = match end {
             End::Stopped(code) => std::process::exit(code),
-            End::Crashed(_) if stopping => return Ok(()),
+            End::Crashed(_) if stopping.is_some() => return Ok(()),
             End::Crashed(how) => how,
         };
         if since.elapsed() >= STABLE_RUN {
@@ -161,18 +164,23 @@ fn read_main_pid(notify: &UnixDatagram) -> Option<u32> {
     found
 }
 
-/// Watches `successor` from now on; the old runner (its child, exiting) is reaped.
-fn adopt(old: Runner, successor: u32) -> Runner {
+/// Watches `successor` from now on, passing on `stopping` (a stop asked of the old runner as
+/// it left); the old runner (its child, exiting) is reaped.
+fn adopt(old: Runner, successor: u32, stopping: Option<i32>) -> Runner {
     match pidfd::open(successor) {
         Ok(fd) => {
             if let Runner::Child(mut c) = old {
                 std::thread::spawn(move || c.wait());
             }
             log::info!("the instance runs in process {successor} now (stitch upgrade)");
-            Runner::Adopted {
+            let runner = Runner::Adopted {
                 pid: successor,
                 pidfd: fd,
+            };
+            if let Some(sig) = stopping {
+                runner.signal(sig);
             }
+            runner
         }
         Err(e) => {
             log::warn!("process {successor} named as the instance's cannot be watched: {e}");

@@ -365,7 +365,7 @@ fn an_isolated_function_process_carries_on_across_an_upgrade() {
 /// `stitch run --supervise` whose instance is killed -9 mid-stream: the parent starts it
 /// again, and the new process adopts the function process the old one left running (same
 /// pid, attached again; what was in the old rings is counted in `restart_lost`); the stream
-/// flows again. SIGTERM to the parent stops the instance and the function.
+/// flows again. After an upgrade, SIGTERM to the parent stops the successor and the function.
 #[test]
 fn a_supervised_instance_killed_9_comes_back_and_adopts_its_function_process() {
     require_root_and_tools(&["ip", "python3", "pgrep"]);
@@ -412,6 +412,11 @@ fn a_supervised_instance_killed_9_comes_back_and_adopts_its_function_process() {
     assert!(counters["restart_lost"].as_u64().is_some(), "{counters}");
     assert!(counters["from_function"].as_u64() > Some(0), "{counters}");
     eprintln!("the function's port: {counters}");
+    // Upgraded, the instance runs in a process that is not the parent's child: the parent
+    // follows it, and SIGTERM to the parent still stops it, and the function with it.
+    let (successor, _) = upgrade(&s);
+    wait_until("the old process to leave", 10, || !alive(second));
+    assert!(alive(successor.0) && alive(parent as i32));
     // SAFETY: as above.
     unsafe { libc::kill(parent as i32, libc::SIGTERM) };
     let out = s.process.finish();
@@ -420,10 +425,13 @@ fn a_supervised_instance_killed_9_comes_back_and_adopts_its_function_process() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    assert!(
+        !alive(successor.0),
+        "the successor outlived the parent's SIGTERM"
+    );
     wait_until("the function to stop with the instance", 10, || {
         !alive(fw_pid)
     });
-    assert!(!alive(second));
 }
 
 #[test]
