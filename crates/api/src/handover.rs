@@ -62,6 +62,10 @@ pub struct Offer {
     pub apps: BTreeMap<String, LentApp>,
     /// Then the function processes', in this order (`type` is `process`).
     pub processes: BTreeMap<String, LentApp>,
+    /// The service manager's notify socket, which the successor tells about its own successor
+    /// in turn (it was started by `stitch upgrade`, outside the service's environment).
+    #[serde(default)]
+    pub notify_socket: Option<PathBuf>,
 }
 
 /// An app's lent descriptors: how many follow in the batches, and its provisional position.
@@ -167,10 +171,27 @@ pub fn serve(api: Arc<Api>, path: PathBuf, holdings: Holdings) -> anyhow::Result
     Ok(())
 }
 
-/// Under systemd (`NOTIFY_SOCKET`), names the successor the service's main process, so that
-/// the service lives on in it (the unit says `NotifyAccess=main`).
+/// The notify socket of the process this one took over from, if any.
+static INHERITED_SERVICE_MANAGER: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+
+/// A process that took over serves the service manager its predecessor served.
+pub fn inherit_service_manager(notify_socket: Option<PathBuf>) {
+    if let Some(path) = notify_socket {
+        let _ = INHERITED_SERVICE_MANAGER.set(path);
+    }
+}
+
+/// The service manager's notify socket: this process's own (`NOTIFY_SOCKET`, under systemd or
+/// `stitch run --supervise`) or the one it inherited in a hand-over.
+fn service_manager() -> Option<PathBuf> {
+    (std::env::var_os("NOTIFY_SOCKET").map(PathBuf::from))
+        .or_else(|| INHERITED_SERVICE_MANAGER.get().cloned())
+}
+
+/// Under a service manager, names the successor the service's main process, so that the
+/// service lives on in it (the unit says `NotifyAccess=main`).
 fn tell_service_manager(successor: u32) {
-    let Some(path) = std::env::var_os("NOTIFY_SOCKET") else {
+    let Some(path) = service_manager() else {
         return;
     };
     let sent = std::os::unix::net::UnixDatagram::unbound().and_then(|s| {
@@ -182,7 +203,7 @@ fn tell_service_manager(successor: u32) {
     if let Err(e) = sent {
         log::warn!(
             "could not tell the service manager ({}) about process {successor}: {e}",
-            path.to_string_lossy()
+            path.display()
         );
     }
 }
@@ -269,6 +290,7 @@ fn lend(api: &Api, conn: &mut UnixStream, holdings: &Holdings) -> anyhow::Result
         tcp_listener: holdings.listeners.tcp.is_some(),
         apps,
         processes,
+        notify_socket: service_manager(),
     };
     write_frame(conn, &Reply::Offer(Box::new(offer)))?;
     for batch in fds.chunks(fdpass::MAX_FDS) {

@@ -89,7 +89,7 @@ enum End {
 /// Runs `stitch run ARGS` (this binary, `args` without `--supervise`) until it stops.
 pub fn run(args: Vec<String>, api_socket: PathBuf) -> Result<()> {
     let signals = Arc::new(AtomicUsize::new(0));
-    for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+    for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGUSR2] {
         signal_hook::flag::register_usize(sig, signals.clone(), sig as usize)
             .context("cannot install signal handler")?;
     }
@@ -111,15 +111,17 @@ pub fn run(args: Vec<String>, api_socket: PathBuf) -> Result<()> {
     // The stop signal passed on, if one was: a successor named after it gets it too.
     let mut stopping: Option<i32> = None;
     loop {
+        // A successor named before a signal came gets that signal, not the process it replaced.
+        if let Some(successor) = read_main_pid(&notify) {
+            runner = adopt(runner, successor, stopping);
+        }
         let sig = signals.swap(0, Ordering::Relaxed);
         if sig != 0 {
-            if sig != libc::SIGHUP as usize {
+            // HUP (re-read the graph) and USR2 (upgrade) keep the instance.
+            if sig != libc::SIGHUP as usize && sig != libc::SIGUSR2 as usize {
                 stopping = Some(sig as i32);
             }
             runner.signal(sig as i32);
-        }
-        if let Some(successor) = read_main_pid(&notify) {
-            runner = adopt(runner, successor, stopping);
         }
         let Some(end) = runner.ended(&api_socket) else {
             std::thread::sleep(POLL);

@@ -41,7 +41,48 @@ pub fn offer_hand_over(running: &Running) -> Result<()> {
         running.api.clone(),
         handover::socket_path(&running.config.unix),
         holdings,
-    )
+    )?;
+    upgrade_on_sigusr2(running.config.unix.clone())
+}
+
+/// SIGUSR2 upgrades the instance to the binary at the path this process was started from (after
+/// a package upgrade, the new version: `systemctl kill -s USR2 stitch@NAME`), as `stitch
+/// upgrade` would; the outcome goes to the log.
+fn upgrade_on_sigusr2(socket: PathBuf) -> Result<()> {
+    let binary = std::env::current_exe().context("which binary runs this instance")?;
+    // A package upgrade replaces the file: the kernel then names the running one "PATH (deleted)".
+    let binary = match binary.to_str().and_then(|p| p.strip_suffix(" (deleted)")) {
+        Some(path) => PathBuf::from(path),
+        None => binary,
+    };
+    let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGUSR2])
+        .context("cannot install the SIGUSR2 handler")?;
+    std::thread::Builder::new()
+        .name("stitch-sigusr2".into())
+        .spawn(move || {
+            for _ in signals.forever() {
+                log::info!("SIGUSR2: upgrading to {}", binary.display());
+                let out = std::process::Command::new(&binary)
+                    .args(["upgrade", "--control"])
+                    .arg(&socket)
+                    .arg("--binary")
+                    .arg(&binary)
+                    .stdin(std::process::Stdio::null())
+                    // Its report would be written after this process left.
+                    .stdout(std::process::Stdio::null())
+                    .output();
+                match out {
+                    // Handed over: this process is leaving (the hand-over thread exits it).
+                    Ok(o) if o.status.success() => {}
+                    Ok(o) => log::error!(
+                        "SIGUSR2: upgrade failed: {}",
+                        String::from_utf8_lossy(&o.stderr).trim()
+                    ),
+                    Err(e) => log::error!("SIGUSR2: cannot run {}: {e}", binary.display()),
+                }
+            }
+        })?;
+    Ok(())
 }
 
 /// The descriptor number the new process reports on.
@@ -200,6 +241,7 @@ fn start_inherited(
         Err(e) => return Err((Some(answer), e)),
     };
     running.command_line = offer.args.clone();
+    handover::inherit_service_manager(offer.notify_socket.clone());
     let from = offer.pid;
     answer.started().map_err(|e| (None, e))?;
     // Log lines go where the old process's went (a journal, a file) from here on.

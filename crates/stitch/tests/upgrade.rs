@@ -365,7 +365,8 @@ fn an_isolated_function_process_carries_on_across_an_upgrade() {
 /// `stitch run --supervise` whose instance is killed -9 mid-stream: the parent starts it
 /// again, and the new process adopts the function process the old one left running (same
 /// pid, attached again; what was in the old rings is counted in `restart_lost`); the stream
-/// flows again. After an upgrade, SIGTERM to the parent stops the successor and the function.
+/// flows again. After an upgrade, SIGUSR2 to the parent upgrades the successor, and SIGTERM
+/// to the parent stops the last process and the function.
 #[test]
 fn a_supervised_instance_killed_9_comes_back_and_adopts_its_function_process() {
     require_root_and_tools(&["ip", "python3", "pgrep"]);
@@ -417,6 +418,23 @@ fn a_supervised_instance_killed_9_comes_back_and_adopts_its_function_process() {
     let (successor, _) = upgrade(&s);
     wait_until("the old process to leave", 10, || !alive(second));
     assert!(alive(successor.0) && alive(parent as i32));
+    // SIGUSR2 to the parent reaches the process it follows, which upgrades in turn.
+    // SAFETY: as above.
+    unsafe { libc::kill(parent as i32, libc::SIGUSR2) };
+    wait_until("the successor to hand over on SIGUSR2", 30, || {
+        !alive(successor.0)
+    });
+    let third = must(&format!(
+        "pgrep -n -f '[t]ake-over --control {}'",
+        s.socket.display()
+    ));
+    let third = Successor(third.trim().parse().unwrap());
+    assert_ne!(third.0, successor.0);
+    wait_until("the instance to answer after SIGUSR2", 10, || {
+        s.stats().is_some()
+    });
+    assert_eq!(pid_of(&s, "fw"), Some(fw_pid), "the function was restarted");
+    assert!(h.reaches(0, &h.ip[1], 10), "no path after SIGUSR2");
     // SAFETY: as above.
     unsafe { libc::kill(parent as i32, libc::SIGTERM) };
     let out = s.process.finish();
@@ -426,7 +444,7 @@ fn a_supervised_instance_killed_9_comes_back_and_adopts_its_function_process() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(
-        !alive(successor.0),
+        !alive(third.0),
         "the successor outlived the parent's SIGTERM"
     );
     wait_until("the function to stop with the instance", 10, || {
@@ -569,7 +587,7 @@ fn an_openflow_switch_keeps_its_tables_and_its_controller_socket_across_an_upgra
 /// address the host gave it, across two upgrades in a row.
 #[test]
 fn a_tap_device_stays_across_an_upgrade() {
-    require_root_and_tools(&["ip"]);
+    require_root_and_tools(&["ip", "pgrep"]);
     let name = format!("stup{}", std::process::id() % 100_000);
     let graph = format!(
         "apps:\n  t: {{ type: tap, name: {name} }}\n  s: {{ type: sink }}\nlinks:\n  - \"t.output -> s.input\"\n"
@@ -591,7 +609,25 @@ fn a_tap_device_stays_across_an_upgrade() {
     );
     assert_eq!(index(), before, "the device was made again");
     drop(successor);
-    third.stop(first);
+    // SIGUSR2 does the same, with the binary the process was started from.
+    // SAFETY: kill takes no pointers.
+    unsafe { libc::kill(third.0, libc::SIGUSR2) };
+    wait_until("the process to hand over on SIGUSR2", 20, || {
+        !alive(third.0)
+    });
+    let fourth = must(&format!(
+        // The brackets keep the pattern from matching the shell that runs pgrep.
+        "pgrep -n -f '[t]ake-over --control {}'",
+        first.socket.display()
+    ));
+    let fourth = Successor(fourth.trim().parse().unwrap());
+    drop(third);
+    assert_eq!(index(), before, "the device was made again");
+    assert!(
+        first.stats().is_some(),
+        "the API does not answer after SIGUSR2"
+    );
+    fourth.stop(first);
     wait_until("the device to go with the instance", 10, || {
         !std::path::Path::new(&format!("/sys/class/net/{name}")).exists()
     });
