@@ -10,6 +10,7 @@ mod lwaftr;
 mod nf;
 mod nf_scale;
 mod placement;
+mod soak;
 mod upgrade;
 mod vhost;
 
@@ -76,6 +77,10 @@ pub enum BenchCmd {
     /// The traffic gap and frames lost while a running instance is replaced by `stitch
     /// upgrade` and by kill -9 + restart, beside a live apply and a quiet window.
     Upgrade(crate::upgrade::UpgradeBenchArgs),
+    /// Minutes of traffic through the engine and a function process while the instance is
+    /// changed live, its API abused, its function killed and the instance upgraded: fails on
+    /// growth of memory, descriptors or threads, or on a frame lost without a counter.
+    Soak(crate::soak::SoakArgs),
     /// Packets through Stitch between two vhost-user ports, against testpmd as the vhost-user
     /// back-end, with one testpmd of two virtio-user ports as the front-end.
     Vhost(crate::vhost::VhostBenchArgs),
@@ -366,6 +371,7 @@ pub fn run(cmd: BenchCmd, registry: fn() -> Registry) -> Result<()> {
         BenchCmd::Kernel(args) => kernel::run(args),
         BenchCmd::Placement(args) => placement::run(args, registry()),
         BenchCmd::Upgrade(args) => upgrade::run(args),
+        BenchCmd::Soak(args) => soak::run(args),
         BenchCmd::Cluster(args) => cluster::run(args, registry()),
         BenchCmd::Vhost(args) => vhost::run(args),
         BenchCmd::Nf {

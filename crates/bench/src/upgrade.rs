@@ -38,11 +38,11 @@ const ETHERTYPE: u16 = 0x88b5;
 const WINDOW: f64 = 2.0;
 
 /// The veth pairs and the instance, removed when dropped.
-struct Rig {
-    veths: [String; 2],
+pub(crate) struct Rig {
+    pub(crate) veths: [String; 2],
     function_process: bool,
-    instance: Option<Child>,
-    dir: tempfile::TempDir,
+    pub(crate) instance: Option<Child>,
+    pub(crate) dir: tempfile::TempDir,
 }
 
 impl Drop for Rig {
@@ -59,12 +59,39 @@ impl Drop for Rig {
 }
 
 impl Rig {
-    fn socket(&self) -> PathBuf {
+    /// Two veth pairs (`PREFIX…a`/`…as`, `…b`/`…bs`) and the graph file between their inner ends.
+    pub(crate) fn new(prefix: &str, function_process: bool) -> Result<Rig> {
+        let tag = std::process::id() % 100_000;
+        let veths = [format!("{prefix}{tag}a"), format!("{prefix}{tag}b")];
+        let mut made = Vec::new();
+        for v in &veths {
+            let cmd = format!(
+                "ip link add {v} type veth peer name {v}s && for d in {v} {v}s; do sysctl -qw net.ipv6.conf.$d.disable_ipv6=1; ip link set $d up; done"
+            );
+            if !Command::new("sh").args(["-c", &cmd]).status()?.success() {
+                for m in made {
+                    let _ = Command::new("ip").args(["link", "del", m]).status();
+                }
+                bail!("`{cmd}` failed (root is needed)");
+            }
+            made.push(v);
+        }
+        let rig = Rig {
+            veths,
+            function_process,
+            instance: None,
+            dir: tempfile::tempdir()?,
+        };
+        std::fs::write(rig.dir.path().join("graph.yaml"), rig.graph(false))?;
+        Ok(rig)
+    }
+
+    pub(crate) fn socket(&self) -> PathBuf {
         self.dir.path().join("ctl.sock")
     }
 
     /// a → (function process) → (rate meter) → b.
-    fn graph(&self, through_meter: bool) -> String {
+    pub(crate) fn graph(&self, through_meter: bool) -> String {
         let [a, b] = &self.veths;
         let mut apps = format!(
             "apps:\n  a: {{ type: af_packet, interface: {a}s }}\n  b: {{ type: af_packet, interface: {b}s }}\n"
@@ -90,7 +117,7 @@ impl Rig {
     }
 
     /// Starts `stitch run` on the graph file with the state file; returns once its API answers.
-    fn start(&mut self) -> Result<()> {
+    pub(crate) fn start(&mut self) -> Result<()> {
         let exe = std::env::current_exe()?;
         let file = self.dir.path().join("graph.yaml");
         let child = Command::new(exe)
@@ -118,7 +145,7 @@ impl Rig {
 }
 
 /// Kills (-9) whatever process runs the instance on `socket`, found by its command line.
-fn kill_by_socket(socket: &Path) -> Option<i32> {
+pub(crate) fn kill_by_socket(socket: &Path) -> Option<i32> {
     let out = Command::new("pgrep")
         .args(["-f", &socket.display().to_string()])
         .output()
@@ -146,15 +173,15 @@ fn packet_socket(interface: &str) -> Result<OwnedFd> {
 
 /// What the sender and the receiver share: frames sent, and the arrival of each (µs since
 /// `start`, 0 = not arrived).
-struct Traffic {
-    start: Instant,
-    sent: AtomicU64,
-    arrivals: Vec<AtomicU64>,
-    stop: AtomicBool,
+pub(crate) struct Traffic {
+    pub(crate) start: Instant,
+    pub(crate) sent: AtomicU64,
+    pub(crate) arrivals: Vec<AtomicU64>,
+    pub(crate) stop: AtomicBool,
 }
 
 /// Sends numbered frames into `interface` at `rate` a second, 1 ms of them at a time.
-fn send(traffic: &Traffic, interface: &str, rate: u64) -> Result<()> {
+pub(crate) fn send(traffic: &Traffic, interface: &str, rate: u64) -> Result<()> {
     let fd = packet_socket(interface)?;
     let mut frame = [0u8; 60];
     frame[0..6].copy_from_slice(&[0xff; 6]);
@@ -176,7 +203,7 @@ fn send(traffic: &Traffic, interface: &str, rate: u64) -> Result<()> {
 }
 
 /// Records when each numbered frame comes out of `interface`.
-fn receive(traffic: &Traffic, interface: &str) -> Result<u32> {
+pub(crate) fn receive(traffic: &Traffic, interface: &str) -> Result<u32> {
     let fd = packet_socket(interface)?;
     // The frames held up by a pause arrive in one burst: room for seconds of them, so that
     // the bench's own socket never drops what the instance delivered.
@@ -307,23 +334,7 @@ fn act(rig: &mut Rig, i: usize, round: usize) -> Result<()> {
 }
 
 pub fn run(args: UpgradeBenchArgs) -> Result<()> {
-    let tag = std::process::id() % 100_000;
-    let veths = [format!("sbu{tag}a"), format!("sbu{tag}b")];
-    for v in &veths {
-        let cmd = format!(
-            "ip link add {v} type veth peer name {v}s && for d in {v} {v}s; do sysctl -qw net.ipv6.conf.$d.disable_ipv6=1; ip link set $d up; done"
-        );
-        if !Command::new("sh").args(["-c", &cmd]).status()?.success() {
-            bail!("`{cmd}` failed (root is needed)");
-        }
-    }
-    let mut rig = Rig {
-        veths,
-        function_process: args.function_process,
-        instance: None,
-        dir: tempfile::tempdir()?,
-    };
-    std::fs::write(rig.dir.path().join("graph.yaml"), rig.graph(false))?;
+    let mut rig = Rig::new("sbu", args.function_process)?;
     rig.start()?;
     let total = (ACTIONS.len() * args.rounds) as f64 * WINDOW + 2.0;
     let traffic = Arc::new(Traffic {
