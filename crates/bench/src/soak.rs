@@ -9,15 +9,14 @@
 //! `af_packet` ports, the firewall function in a process of its own, a rate meter added and
 //! removed by the live changes).
 
-use crate::upgrade::{receive, send, Rig, Traffic};
+use crate::upgrade::{Rig, Stream, Traffic};
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::sync::atomic::Ordering;
+use std::time::Duration;
 use stitch_api::client;
 
 #[derive(clap::Args)]
@@ -297,23 +296,8 @@ pub fn run(args: SoakArgs) -> Result<()> {
     let mut rig = Rig::new("sbs", true)?;
     rig.start()?;
     let total = args.minutes * 60.0 + 2.0 * args.period + 5.0;
-    let traffic = Arc::new(Traffic {
-        start: Instant::now(),
-        sent: AtomicU64::new(0),
-        arrivals: (0..(total * args.rate as f64) as usize)
-            .map(|_| AtomicU64::new(0))
-            .collect(),
-        stop: AtomicBool::new(false),
-    });
-    let (rx_if, tx_if) = (rig.veths[1].clone(), rig.veths[0].clone());
-    let rx = {
-        let t = traffic.clone();
-        std::thread::spawn(move || receive(&t, &rx_if))
-    };
-    let tx = {
-        let (t, rate) = (traffic.clone(), args.rate);
-        std::thread::spawn(move || send(&t, &tx_if, rate))
-    };
+    let stream = Stream::start(&rig, total, args.rate);
+    let traffic = stream.traffic.clone();
     let mut record = match &args.record {
         Some(path) => {
             let mut f = std::fs::File::create(path)
@@ -362,9 +346,8 @@ pub fn run(args: SoakArgs) -> Result<()> {
         }
         Ok(samples)
     })();
-    traffic.stop.store(true, Ordering::Relaxed);
-    tx.join().expect("sender")?;
-    let bench_socket_drops = rx.join().expect("receiver")?;
+    drop(traffic);
+    let bench_socket_drops = stream.stop()?;
     let samples = outcome?;
     check_growth(&samples)?;
     let last = samples.last().context("no sample")?;

@@ -180,6 +180,49 @@ pub(crate) struct Traffic {
     pub(crate) stop: AtomicBool,
 }
 
+/// Numbered frames flowing from the rig's first veth to its second: a sender and a receiver
+/// thread sharing one [`Traffic`].
+pub(crate) struct Stream {
+    pub(crate) traffic: Arc<Traffic>,
+    sender: std::thread::JoinHandle<Result<()>>,
+    receiver: std::thread::JoinHandle<Result<u32>>,
+}
+
+impl Stream {
+    /// Starts `rate` frames a second, with room to record `seconds` of them.
+    pub(crate) fn start(rig: &Rig, seconds: f64, rate: u64) -> Stream {
+        let traffic = Arc::new(Traffic {
+            start: Instant::now(),
+            sent: AtomicU64::new(0),
+            arrivals: (0..(seconds * rate as f64) as usize)
+                .map(|_| AtomicU64::new(0))
+                .collect(),
+            stop: AtomicBool::new(false),
+        });
+        let (rx_if, tx_if) = (rig.veths[1].clone(), rig.veths[0].clone());
+        let receiver = {
+            let t = traffic.clone();
+            std::thread::spawn(move || receive(&t, &rx_if))
+        };
+        let sender = {
+            let t = traffic.clone();
+            std::thread::spawn(move || send(&t, &tx_if, rate))
+        };
+        Stream {
+            traffic,
+            sender,
+            receiver,
+        }
+    }
+
+    /// Stops both threads; returns what the bench's receiving socket dropped itself.
+    pub(crate) fn stop(self) -> Result<u32> {
+        self.traffic.stop.store(true, Ordering::Relaxed);
+        self.sender.join().expect("sender")?;
+        self.receiver.join().expect("receiver")
+    }
+}
+
 /// Sends numbered frames into `interface` at `rate` a second, 1 ms of them at a time.
 pub(crate) fn send(traffic: &Traffic, interface: &str, rate: u64) -> Result<()> {
     let fd = packet_socket(interface)?;
@@ -337,23 +380,8 @@ pub fn run(args: UpgradeBenchArgs) -> Result<()> {
     let mut rig = Rig::new("sbu", args.function_process)?;
     rig.start()?;
     let total = (ACTIONS.len() * args.rounds) as f64 * WINDOW + 2.0;
-    let traffic = Arc::new(Traffic {
-        start: Instant::now(),
-        sent: AtomicU64::new(0),
-        arrivals: (0..(total * args.rate as f64) as usize)
-            .map(|_| AtomicU64::new(0))
-            .collect(),
-        stop: AtomicBool::new(false),
-    });
-    let (rx_if, tx_if) = (rig.veths[1].clone(), rig.veths[0].clone());
-    let rx = {
-        let t = traffic.clone();
-        std::thread::spawn(move || receive(&t, &rx_if))
-    };
-    let tx = {
-        let (t, rate) = (traffic.clone(), args.rate);
-        std::thread::spawn(move || send(&t, &tx_if, rate))
-    };
+    let stream = Stream::start(&rig, total, args.rate);
+    let traffic = stream.traffic.clone();
     std::thread::sleep(Duration::from_secs(1));
     let mut results: Vec<Vec<Window>> = vec![Vec::new(); ACTIONS.len()];
     for round in 0..args.rounds {
@@ -368,9 +396,8 @@ pub fn run(args: UpgradeBenchArgs) -> Result<()> {
             result.push(window(&traffic, args.rate, at, until - 0.3));
         }
     }
-    traffic.stop.store(true, Ordering::Relaxed);
-    tx.join().expect("sender")?;
-    let receiver_drops = rx.join().expect("receiver")?;
+    drop(traffic);
+    let receiver_drops = stream.stop()?;
     report(&args, &results, receiver_drops)
 }
 
