@@ -14,7 +14,7 @@ use anyhow::{bail, Context, Result};
 use serde_json::Value;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 use stitch_api::client;
@@ -58,7 +58,7 @@ struct Sample {
     sent: u64,
     /// Frames sent before the period's last half second that never arrived.
     lost: u64,
-    /// What the instance's counters say it dropped, and the bench's receiving socket.
+    /// What the instance's counters say it dropped or lost.
     counted: u64,
 }
 
@@ -164,34 +164,14 @@ fn abuse_api(socket: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Runs a `stitch` subcommand on the instance; fails with its error output.
-fn stitch(args: &[&str], socket: &Path) -> Result<()> {
-    let out = Command::new(std::env::current_exe()?)
-        .args(args)
-        .arg("--control")
-        .arg(socket)
-        .stdout(Stdio::null())
-        .output()?;
-    if !out.status.success() {
-        bail!(
-            "stitch {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    Ok(())
-}
-
 /// What the bench does in period `i`: a live change always, the API abuse always, and now and
 /// then a function kill or an upgrade; returns its name for the record.
 fn act(rig: &Rig, args: &SoakArgs, i: usize, upgrade_due: bool) -> Result<&'static str> {
     let socket = rig.socket();
-    let file = rig.dir.path().join("graph.yaml");
-    std::fs::write(&file, rig.graph(i.is_multiple_of(2)))?;
-    stitch(&["apply", &file.display().to_string()], &socket)?;
+    rig.apply_live(i.is_multiple_of(2))?;
     abuse_api(&socket)?;
     if upgrade_due {
-        stitch(&["upgrade"], &socket)?;
+        rig.stitch(&["upgrade"])?;
         return Ok("upgrade");
     }
     if i % args.kill_every == args.kill_every - 1 {

@@ -39,9 +39,9 @@ const WINDOW: f64 = 2.0;
 
 /// The veth pairs and the instance, removed when dropped.
 pub(crate) struct Rig {
-    pub(crate) veths: [String; 2],
+    veths: [String; 2],
     function_process: bool,
-    pub(crate) instance: Option<Child>,
+    instance: Option<Child>,
     pub(crate) dir: tempfile::TempDir,
 }
 
@@ -91,7 +91,7 @@ impl Rig {
     }
 
     /// a → (function process) → (rate meter) → b.
-    pub(crate) fn graph(&self, through_meter: bool) -> String {
+    fn graph(&self, through_meter: bool) -> String {
         let [a, b] = &self.veths;
         let mut apps = format!(
             "apps:\n  a: {{ type: af_packet, interface: {a}s }}\n  b: {{ type: af_packet, interface: {b}s }}\n"
@@ -114,6 +114,31 @@ impl Rig {
             .map(|w| format!("  - \"{}.output -> {}.input\"\n", w[0], w[1]))
             .collect();
         format!("{apps}links:\n{links}")
+    }
+
+    /// Runs the `stitch` subcommand `args` on the instance; fails with its error output.
+    pub(crate) fn stitch(&self, args: &[&str]) -> Result<()> {
+        let out = Command::new(std::env::current_exe()?)
+            .args(args)
+            .arg("--control")
+            .arg(self.socket())
+            .stdout(Stdio::null())
+            .output()?;
+        if !out.status.success() {
+            bail!(
+                "stitch {}: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        Ok(())
+    }
+
+    /// Writes the graph with or without the rate meter and applies it live (`stitch apply`).
+    pub(crate) fn apply_live(&self, through_meter: bool) -> Result<()> {
+        let file = self.dir.path().join("graph.yaml");
+        std::fs::write(&file, self.graph(through_meter))?;
+        self.stitch(&["apply", &file.display().to_string()])
     }
 
     /// Starts `stitch run` on the graph file with the state file; returns once its API answers.
@@ -145,7 +170,7 @@ impl Rig {
 }
 
 /// Kills (-9) whatever process runs the instance on `socket`, found by its command line.
-pub(crate) fn kill_by_socket(socket: &Path) -> Option<i32> {
+fn kill_by_socket(socket: &Path) -> Option<i32> {
     let out = Command::new("pgrep")
         .args(["-f", &socket.display().to_string()])
         .output()
@@ -177,7 +202,7 @@ pub(crate) struct Traffic {
     pub(crate) start: Instant,
     pub(crate) sent: AtomicU64,
     pub(crate) arrivals: Vec<AtomicU64>,
-    pub(crate) stop: AtomicBool,
+    stop: AtomicBool,
 }
 
 /// Numbered frames flowing from the rig's first veth to its second: a sender and a receiver
@@ -224,7 +249,7 @@ impl Stream {
 }
 
 /// Sends numbered frames into `interface` at `rate` a second, 1 ms of them at a time.
-pub(crate) fn send(traffic: &Traffic, interface: &str, rate: u64) -> Result<()> {
+fn send(traffic: &Traffic, interface: &str, rate: u64) -> Result<()> {
     let fd = packet_socket(interface)?;
     let mut frame = [0u8; 60];
     frame[0..6].copy_from_slice(&[0xff; 6]);
@@ -246,7 +271,7 @@ pub(crate) fn send(traffic: &Traffic, interface: &str, rate: u64) -> Result<()> 
 }
 
 /// Records when each numbered frame comes out of `interface`.
-pub(crate) fn receive(traffic: &Traffic, interface: &str) -> Result<u32> {
+fn receive(traffic: &Traffic, interface: &str) -> Result<u32> {
     let fd = packet_socket(interface)?;
     // The frames held up by a pause arrive in one burst: room for seconds of them, so that
     // the bench's own socket never drops what the instance delivered.
@@ -335,35 +360,10 @@ const ACTIONS: [&str; 4] = ["quiet", "live apply", "stitch upgrade", "kill -9 + 
 
 /// Carries out action `i` on the instance.
 fn act(rig: &mut Rig, i: usize, round: usize) -> Result<()> {
-    let exe = std::env::current_exe()?;
     match i {
         0 => {}
-        1 => {
-            std::fs::write(
-                rig.dir.path().join("graph.yaml"),
-                rig.graph(round.is_multiple_of(2)),
-            )?;
-            let ok = Command::new(&exe)
-                .arg("apply")
-                .arg(rig.dir.path().join("graph.yaml"))
-                .arg("--control")
-                .arg(rig.socket())
-                .stdout(Stdio::null())
-                .status()?
-                .success();
-            if !ok {
-                bail!("stitch apply failed");
-            }
-        }
-        2 => {
-            let o = Command::new(&exe)
-                .args(["upgrade", "--control"])
-                .arg(rig.socket())
-                .output()?;
-            if !o.status.success() {
-                bail!("stitch upgrade: {}", String::from_utf8_lossy(&o.stderr));
-            }
-        }
+        1 => rig.apply_live(round.is_multiple_of(2))?,
+        2 => rig.stitch(&["upgrade"])?,
         _ => {
             kill_by_socket(&rig.socket()).context("no instance to kill")?;
             if let Some(mut c) = rig.instance.take() {

@@ -33,6 +33,16 @@ impl Successor {
     }
 }
 
+/// The newest process that took `s` over: one a signal started, whose pid no report gave.
+fn newest_take_over(s: &Stitch) -> Successor {
+    let pid = must(&format!(
+        // The brackets keep the pattern from matching the shell that runs pgrep.
+        "pgrep -n -f '[t]ake-over --control {}'",
+        s.socket.display()
+    ));
+    Successor(pid.trim().parse().unwrap())
+}
+
 /// `stitch upgrade` of `s` with `binary`: its exit status and output.
 fn upgrade_with(s: &Stitch, binary: &str) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_stitch"))
@@ -424,11 +434,7 @@ fn a_supervised_instance_killed_9_comes_back_and_adopts_its_function_process() {
     wait_until("the successor to hand over on SIGUSR2", 30, || {
         !alive(successor.0)
     });
-    let third = must(&format!(
-        "pgrep -n -f '[t]ake-over --control {}'",
-        s.socket.display()
-    ));
-    let third = Successor(third.trim().parse().unwrap());
+    let third = newest_take_over(&s);
     assert_ne!(third.0, successor.0);
     wait_until("the instance to answer after SIGUSR2", 10, || {
         s.stats().is_some()
@@ -615,12 +621,7 @@ fn a_tap_device_stays_across_an_upgrade() {
     wait_until("the process to hand over on SIGUSR2", 20, || {
         !alive(third.0)
     });
-    let fourth = must(&format!(
-        // The brackets keep the pattern from matching the shell that runs pgrep.
-        "pgrep -n -f '[t]ake-over --control {}'",
-        first.socket.display()
-    ));
-    let fourth = Successor(fourth.trim().parse().unwrap());
+    let fourth = newest_take_over(&first);
     drop(third);
     assert_eq!(index(), before, "the device was made again");
     assert!(
