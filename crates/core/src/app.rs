@@ -379,6 +379,14 @@ pub trait App: Send + 'static {
         None
     }
 
+    /// The final [`App::hand_over`] comes next: stop taking changes from outside that it would
+    /// have to describe (a front-end's control messages) — for good if the successor takes
+    /// over, until [`App::carry_on`] if not. Called on a parked worker.
+    fn hold_for_hand_over(&mut self) {}
+
+    /// The successor did not take over after [`App::hold_for_hand_over`]: carry on as before.
+    fn carry_on(&mut self) {}
+
     /// Where the predecessor stopped in the descriptors it lent (the `position` of its last
     /// [`App::hand_over`], taken with its workers parked), given after `new` and before the
     /// first breath; the position `new` was given was provisional. A position the app cannot
@@ -467,6 +475,8 @@ pub trait DynApp: Send {
     fn snapshot(&self) -> Option<AppSnapshot>;
     fn restore(&mut self, state: AppState) -> Result<(), String>;
     fn hand_over(&mut self) -> Option<Descriptors>;
+    fn hold_for_hand_over(&mut self);
+    fn carry_on(&mut self);
     fn take_position(&mut self, position: serde_json::Value) -> Result<(), String>;
     fn outstanding(&self) -> u64;
 }
@@ -510,6 +520,12 @@ impl<A: App> DynApp for A {
     }
     fn hand_over(&mut self) -> Option<Descriptors> {
         App::hand_over(self)
+    }
+    fn hold_for_hand_over(&mut self) {
+        App::hold_for_hand_over(self)
+    }
+    fn carry_on(&mut self) {
+        App::carry_on(self)
     }
     fn take_position(&mut self, position: serde_json::Value) -> Result<(), String> {
         App::take_position(self, position)

@@ -14,12 +14,11 @@ use stitch_core::Descriptors;
 
 /// App types whose process-held resources a new process could not open beside the old one,
 /// or would lose by opening again: an upgrade is refused while the graph has one.
-const NOT_HANDED_OVER: [(&str, &str); 4] = [
+const NOT_HANDED_OVER: [(&str, &str); 3] = [
     (
         "af_xdp",
         "its queue's socket and UMEM are bound to this process",
     ),
-    ("vhost_user", "the guest would see its socket go"),
     (
         "pcap_sink",
         "its file would be written again from the start",

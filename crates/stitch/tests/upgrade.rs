@@ -3,6 +3,7 @@
 //! a new process that cannot take over leaves the running one as it was.
 
 mod common;
+use common::testpmd::Testpmd;
 use common::*;
 use std::process::Command;
 
@@ -591,6 +592,53 @@ fn an_openflow_switch_keeps_its_tables_and_its_controller_socket_across_an_upgra
 
 /// A TAP device is handed over open: it never goes away, so it keeps its index and the
 /// address the host gave it, across two upgrades in a row.
+/// A guest's virtio driver (testpmd's virtio-user, forwarding what it receives back) never
+/// sees its vhost-user connection go: the successor carries the port on in the same rings, on
+/// the same connection, and the numbered stream through the guest loses nothing.
+#[test]
+fn a_vhost_user_guest_keeps_its_connection_across_an_upgrade() {
+    require_root_and_tools(&["ip", "python3", "dpdk-testpmd"]);
+    let h = TwoHosts::new();
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("vm.sock");
+    let first = Stitch::run(&format!(
+        "apps:
+  a: {{ type: af_packet, interface: {a} }}
+  b: {{ type: af_packet, interface: {b} }}
+  vm: {{ type: vhost_user, socket: {sock} }}
+links:
+  - \"a.output -> vm.input\"
+  - \"vm.output -> b.input\"
+  - \"b.output -> a.input\"
+",
+        a = h.outer[0],
+        b = h.outer[1],
+        sock = sock.display()
+    ));
+    let guest = Testpmd::start_io(&sock);
+    let ready = |s: &Stitch| {
+        let (_, v) = s.call("POST", "/api/v1/apps/vm/query", Some("{}"));
+        (v["queues"].as_array()).is_some_and(|q| q.iter().all(|q| q["ready"] == true))
+    };
+    wait_until("testpmd to set its rings up", 20, || ready(&first));
+    // testpmd sets its port up more than once while starting.
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    assert!(h.reaches(0, &h.ip[1], 10), "no path through the guest");
+    let (successor, report) = numbered_stream_across_an_upgrade(&h, &first);
+    assert_eq!(report["packets_left_queued"], 0, "{report}");
+    assert!(ready(&first), "the rings are not running after the upgrade");
+    let counters = app(&first.stats().unwrap(), "vm")["counters"].clone();
+    assert_eq!(counters["connections"], 1, "the guest connected again: {counters}");
+    assert_eq!(counters["guest_faults"], 0, "{counters}");
+    // Traffic through the guest after the upgrade too (the successor's rings, its interrupts).
+    assert!(h.reaches(0, &h.ip[1], 10), "no path through the guest after the upgrade");
+    let (received, sent) = guest.stop();
+    assert!(received >= 4000 && sent >= 4000, "testpmd: {received} in, {sent} out");
+    let last = successor.stop(first);
+    let to_guest = app(&last, "vm")["counters"]["to_guest_packets"].as_u64().unwrap();
+    assert!(to_guest >= received, "{to_guest} given to the guest, {received} received");
+}
+
 #[test]
 fn a_tap_device_stays_across_an_upgrade() {
     require_root_and_tools(&["ip", "pgrep"]);

@@ -32,6 +32,7 @@
 //! ```
 
 pub mod device;
+mod handover;
 pub mod memory;
 pub mod message;
 pub mod policy;
@@ -42,11 +43,13 @@ use device::{feature, Device, Endpoint, Shared};
 use serde::Deserialize;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use stitch_apps::generator::RateSpec;
 use stitch_core::app::AppType;
-use stitch_core::{pool, App, AppContext, AppError, Counter, Io, Packet, PortSpec, Registry};
+use stitch_core::{
+    pool, App, AppContext, AppError, Counter, Descriptors, Io, Packet, PortSpec, Registry,
+};
 use stitch_wire::offload::{self, VnetHdr, VNET_HDR_LEN};
 use virtq::{prefetch, Segment, Vring};
 
@@ -116,6 +119,13 @@ pub struct VhostUser {
     name: String,
     shared: Arc<Shared>,
     thread: Option<std::thread::JoinHandle<()>>,
+    /// A duplicate of the listening socket (server mode), to lend at an upgrade.
+    listener: Option<OwnedFd>,
+    /// Taken over from another process: its connection thread's changes when it lent the
+    /// port, which the final word must match.
+    lent_changes: Option<u64>,
+    /// The connection thread is held between two messages for the final hand-over.
+    held: bool,
     /// Chains taken from a ring for a burst: head, first segment, segment count.
     chains: Vec<(u16, usize, usize)>,
     rx_segs: Vec<Segment>,
@@ -202,15 +212,19 @@ impl App for VhostUser {
     }
 
     fn new(c: VhostUserConfig, ctx: &mut AppContext) -> Result<Self, AppError> {
-        let shared = Arc::new(Shared {
-            name: ctx.name().to_string(),
-            device: Mutex::new(Device::new(c.queues)),
-            stop: AtomicBool::new(false),
-            offered: device::offered_features(c.offloads, c.queues),
-            connections: AtomicU64::new(0),
-            protocol_errors: AtomicU64::new(0),
-        });
+        let shared = Arc::new(Shared::new(
+            ctx.name(),
+            c.queues,
+            device::offered_features(c.offloads, c.queues),
+        ));
         let socket = ctx.path(&c.socket);
+        let (sockets, lent_changes) = match ctx.take_inherited() {
+            Some(lent) => {
+                let (sockets, changes) = handover::adopt(&shared, c.queues, lent)?;
+                (sockets, Some(changes))
+            }
+            None => (device::Sockets::default(), None),
+        };
         let mac = match &c.mac_address {
             Some(m) => Some(stitch_wire::parse_mac(m)?),
             None => None,
@@ -227,18 +241,22 @@ impl App for VhostUser {
             c.egress_filter.as_deref(),
             c.tx_rate.as_ref(),
         )?;
-        let thread = device::spawn(
+        let connection = device::spawn(
             Endpoint {
                 path: socket.clone(),
                 server: c.mode == Mode::Server,
             },
             shared.clone(),
+            sockets,
         )
         .map_err(|e| format!("socket {}: {e}", socket.display()))?;
         Ok(VhostUser {
             name: ctx.name().to_string(),
             shared,
-            thread: Some(thread),
+            thread: Some(connection.thread),
+            listener: connection.listener,
+            lent_changes,
+            held: false,
             chains: Vec::with_capacity(64),
             rx_segs: Vec::with_capacity(64),
             placed: Vec::with_capacity(RING_BURST),
@@ -460,6 +478,23 @@ impl App for VhostUser {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+    }
+
+    fn hold_for_hand_over(&mut self) {
+        self.held = self.shared.hold(handover::HOLD_PATIENCE);
+    }
+
+    fn carry_on(&mut self) {
+        self.held = false;
+        self.shared.paused.store(false, Ordering::SeqCst);
+    }
+
+    fn hand_over(&mut self) -> Option<Descriptors> {
+        Some(self.lend())
+    }
+
+    fn take_position(&mut self, position: serde_json::Value) -> Result<(), String> {
+        self.resume(position)
     }
 
     fn query(&mut self, _request: &serde_json::Value) -> serde_json::Value {

@@ -8,6 +8,8 @@ use std::os::fd::{AsRawFd, OwnedFd};
 
 struct Mapped {
     region: Region,
+    /// Kept to be lent to a Stitch process taking over (`stitch upgrade`).
+    fd: OwnedFd,
     /// Where the region starts in our address space.
     ptr: *mut u8,
     map_base: *mut libc::c_void,
@@ -69,6 +71,7 @@ impl GuestMemory {
                 .map_err(|e| format!("cannot map a memory region of {} bytes: {e}", r.size))?;
             out.push(Mapped {
                 region: *r,
+                fd,
                 ptr,
                 map_base,
                 map_len,
@@ -95,6 +98,13 @@ impl GuestMemory {
     /// `len` bytes at the front-end's own address `addr` (ring addresses).
     pub fn user(&self, addr: u64, len: u64) -> Option<*mut u8> {
         self.find(addr, len, |r| r.user_addr)
+    }
+
+    /// The memory table and duplicates of its files, from which another process maps the
+    /// same memory ([`GuestMemory::map`]).
+    pub fn lend(&self) -> std::io::Result<(Vec<Region>, Vec<OwnedFd>)> {
+        let fds = (self.regions.iter().map(|m| m.fd.try_clone())).collect::<Result<_, _>>()?;
+        Ok((self.regions.iter().map(|m| m.region).collect(), fds))
     }
 
     pub fn total_size(&self) -> u64 {
@@ -168,7 +178,7 @@ impl Drop for DirtyLog {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use std::os::fd::FromRawFd;
 

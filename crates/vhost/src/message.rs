@@ -93,7 +93,7 @@ fn u64_at(b: &[u8], at: usize) -> u64 {
 }
 
 /// One region of the front-end's memory table.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Region {
     pub guest_phys_addr: u64,
     pub size: u64,
@@ -102,7 +102,7 @@ pub struct Region {
     pub mmap_offset: u64,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct VringAddr {
     pub index: u32,
     pub flags: u32,

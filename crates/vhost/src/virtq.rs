@@ -359,6 +359,21 @@ impl Vring {
         self.used_idx = self.used_idx.wrapping_add(1);
     }
 
+    /// Where the ring stands: the next available entry to take and the next used entry to
+    /// fill (all published once a batch is done).
+    pub fn position(&self) -> (u16, u16) {
+        (self.last_avail, self.used_idx)
+    }
+
+    /// Carries on where another process left the ring ([`Vring::position`]).
+    pub fn resume_at(&mut self, (last_avail, used_idx): (u16, u16)) {
+        self.last_avail = last_avail;
+        self.avail_seen = last_avail;
+        self.used_idx = used_idx;
+        self.published = used_idx;
+        self.desc_guess = 0;
+    }
+
     /// Makes the used entries visible to the driver; true if it wants an interrupt.
     pub fn publish(&mut self, log: Option<&DirtyLog>) -> bool {
         if self.used_idx == self.published {

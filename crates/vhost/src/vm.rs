@@ -185,6 +185,22 @@ impl App for VmPort {
         self.0.stop()
     }
 
+    fn hold_for_hand_over(&mut self) {
+        self.0.hold_for_hand_over()
+    }
+
+    fn carry_on(&mut self) {
+        self.0.carry_on()
+    }
+
+    fn hand_over(&mut self) -> Option<stitch_core::Descriptors> {
+        self.0.hand_over()
+    }
+
+    fn take_position(&mut self, position: serde_json::Value) -> Result<(), String> {
+        self.0.take_position(position)
+    }
+
     fn query(&mut self, request: &serde_json::Value) -> serde_json::Value {
         self.0.query(request)
     }

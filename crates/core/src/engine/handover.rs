@@ -74,6 +74,9 @@ impl Engine {
             // (detaching programs, removing devices) under it.
             std::mem::forget(parked);
         } else {
+            for s in parked.iter_mut().flat_map(|(_, p)| p.slots.iter_mut()) {
+                s.app.carry_on();
+            }
             resume_parked(&st, parked)?;
         }
         Ok(taken)
@@ -272,7 +275,12 @@ fn collect(parked: &mut [(String, Plan)]) -> (BTreeMap<String, HandedApp>, Vec<(
             }
             _ => None,
         };
-        let descriptors = if failed { None } else { s.app.hand_over() };
+        let descriptors = if failed {
+            None
+        } else {
+            s.app.hold_for_hand_over();
+            s.app.hand_over()
+        };
         apps.insert(
             s.name.clone(),
             HandedApp {

@@ -9,6 +9,8 @@
 use crate::memory::{DirtyLog, GuestMemory};
 use crate::message::{self, req, Header, Request, VringAddr, HEADER_LEN};
 use crate::virtq::Vring;
+
+pub mod handover;
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -79,6 +81,8 @@ pub struct Device {
     pub announce: Option<[u8; 6]>,
     pub queues: Vec<Queue>,
     pub connected: bool,
+    /// A duplicate of the front-end's connection, to lend to a process taking over.
+    connection: Option<OwnedFd>,
 }
 
 impl Device {
@@ -91,6 +95,7 @@ impl Device {
             announce: None,
             queues: (0..2 * queue_pairs).map(|_| Queue::default()).collect(),
             connected: false,
+            connection: None,
         }
     }
 
@@ -140,6 +145,52 @@ pub struct Shared {
     pub offered: u64,
     pub connections: AtomicU64,
     pub protocol_errors: AtomicU64,
+    /// The thread neither accepts, connects nor reads a message while set: another process
+    /// is taking the port over (`stitch upgrade`), or this one has not taken it yet.
+    pub paused: AtomicBool,
+    /// Held by the thread while it checks `paused` and then accepts or handles one message:
+    /// whoever sets `paused` and then takes this lock knows the thread is between messages
+    /// and stays there.
+    pub serving: Mutex<()>,
+    /// Messages handled and connections begun or ended: what a described device state is
+    /// current with.
+    pub changes: AtomicU64,
+    /// The server socket's path is this process's to remove when the port stops (not while
+    /// it serves a listener another process lent it and still owns).
+    pub owns_path: AtomicBool,
+}
+
+impl Shared {
+    pub fn new(name: &str, queue_pairs: usize, offered: u64) -> Shared {
+        Shared {
+            name: name.to_string(),
+            device: Mutex::new(Device::new(queue_pairs)),
+            stop: AtomicBool::new(false),
+            offered,
+            connections: AtomicU64::new(0),
+            protocol_errors: AtomicU64::new(0),
+            paused: AtomicBool::new(false),
+            serving: Mutex::new(()),
+            changes: AtomicU64::new(0),
+            owns_path: AtomicBool::new(false),
+        }
+    }
+
+    /// Stops the thread between two messages for good (until `paused` is cleared): false if
+    /// it stayed inside one for `patience`.
+    pub fn hold(&self, patience: Duration) -> bool {
+        self.paused.store(true, Ordering::SeqCst);
+        let deadline = std::time::Instant::now() + patience;
+        loop {
+            if self.serving.try_lock().is_ok() {
+                return true;
+            }
+            if std::time::Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -147,6 +198,14 @@ pub struct Endpoint {
     pub path: PathBuf,
     /// Listen (QEMU with `server=off`, virtio-user) or connect (QEMU with `server=on`).
     pub server: bool,
+}
+
+/// What a port taken over from another process starts on instead of opening its own: the
+/// listening socket and the front-end's connection.
+#[derive(Default)]
+pub struct Sockets {
+    pub listener: Option<UnixListener>,
+    pub connection: Option<UnixStream>,
 }
 
 pub fn offered_features(offloads: bool, queue_pairs: usize) -> u64 {
@@ -169,50 +228,98 @@ pub fn offered_features(offloads: bool, queue_pairs: usize) -> u64 {
     f
 }
 
-/// Starts the connection thread of a port.
+/// The listening socket of a server port: `lent`, or bound on the path (a socket file left
+/// there is replaced).
+fn listen(
+    endpoint: &Endpoint,
+    lent: Option<UnixListener>,
+    shared: &Shared,
+) -> std::io::Result<UnixListener> {
+    let l = match lent {
+        Some(l) => l,
+        None => {
+            if let Ok(meta) = std::fs::symlink_metadata(&endpoint.path) {
+                use std::os::unix::fs::FileTypeExt;
+                if meta.file_type().is_socket() {
+                    let _ = std::fs::remove_file(&endpoint.path);
+                }
+            }
+            if let Some(d) = endpoint.path.parent() {
+                std::fs::create_dir_all(d)?;
+            }
+            let l = UnixListener::bind(&endpoint.path)?;
+            shared.owns_path.store(true, Ordering::Relaxed);
+            l
+        }
+    };
+    l.set_nonblocking(true)?;
+    Ok(l)
+}
+
+/// The next front-end connection: accepted, or connected to (client mode); `None` when there
+/// is none yet or the thread is paused.
+fn next_connection(
+    listener: Option<&UnixListener>,
+    endpoint: &Endpoint,
+    shared: &Shared,
+) -> Option<UnixStream> {
+    let _serving = shared.serving.lock().unwrap();
+    if shared.paused.load(Ordering::SeqCst) {
+        return None;
+    }
+    let stream = match listener {
+        Some(l) => l.accept().ok()?.0,
+        None => UnixStream::connect(&endpoint.path).ok()?,
+    };
+    shared.connections.fetch_add(1, Ordering::Relaxed);
+    shared.changes.fetch_add(1, Ordering::SeqCst);
+    log::info!("vhost_user {}: front-end connected", shared.name);
+    let mut dev = shared.device.lock().unwrap();
+    dev.connected = true;
+    dev.connection = stream.try_clone().ok().map(OwnedFd::from);
+    Some(stream)
+}
+
+/// A port's connection thread, and a duplicate of its listening socket (server mode) to lend.
+pub struct Connection {
+    pub thread: std::thread::JoinHandle<()>,
+    pub listener: Option<OwnedFd>,
+}
+
+/// Starts the connection thread of a port, on `sockets` a predecessor lent or on its own.
 pub fn spawn(
     endpoint: Endpoint,
     shared: Arc<Shared>,
-) -> std::io::Result<std::thread::JoinHandle<()>> {
-    let listener = if endpoint.server {
-        if let Ok(meta) = std::fs::symlink_metadata(&endpoint.path) {
-            use std::os::unix::fs::FileTypeExt;
-            if meta.file_type().is_socket() {
-                let _ = std::fs::remove_file(&endpoint.path);
-            }
-        }
-        if let Some(d) = endpoint.path.parent() {
-            std::fs::create_dir_all(d)?;
-        }
-        let l = UnixListener::bind(&endpoint.path)?;
-        l.set_nonblocking(true)?;
-        Some(l)
-    } else {
-        None
+    sockets: Sockets,
+) -> std::io::Result<Connection> {
+    let listener = match endpoint.server {
+        true => Some(listen(&endpoint, sockets.listener, &shared)?),
+        false => None,
     };
-    std::thread::Builder::new()
+    let listener_dup = match &listener {
+        Some(l) => Some(OwnedFd::from(l.try_clone()?)),
+        None => None,
+    };
+    let mut lent_connection = sockets.connection;
+    let thread = std::thread::Builder::new()
         .name(format!("vhost-{}", shared.name))
         .spawn(move || {
             while !shared.stop.load(Ordering::Relaxed) {
-                let stream = match &listener {
-                    Some(l) => match l.accept() {
-                        Ok((s, _)) => s,
-                        Err(_) => {
-                            std::thread::sleep(Duration::from_millis(50));
-                            continue;
-                        }
-                    },
-                    None => match UnixStream::connect(&endpoint.path) {
-                        Ok(s) => s,
-                        Err(_) => {
-                            std::thread::sleep(Duration::from_millis(200));
+                if shared.paused.load(Ordering::SeqCst) {
+                    std::thread::sleep(Duration::from_millis(20));
+                    continue;
+                }
+                let stream = match lent_connection.take() {
+                    Some(s) => s,
+                    None => match next_connection(listener.as_ref(), &endpoint, &shared) {
+                        Some(s) => s,
+                        None => {
+                            let wait = if endpoint.server { 50 } else { 200 };
+                            std::thread::sleep(Duration::from_millis(wait));
                             continue;
                         }
                     },
                 };
-                shared.connections.fetch_add(1, Ordering::Relaxed);
-                log::info!("vhost_user {}: front-end connected", shared.name);
-                shared.device.lock().unwrap().connected = true;
                 if let Err(e) = serve(&stream, &shared) {
                     shared.protocol_errors.fetch_add(1, Ordering::Relaxed);
                     log::warn!(
@@ -221,12 +328,40 @@ pub fn spawn(
                     );
                 }
                 shared.device.lock().unwrap().reset();
+                shared.changes.fetch_add(1, Ordering::SeqCst);
                 log::info!("vhost_user {}: front-end gone", shared.name);
             }
-            if endpoint.server {
+            if endpoint.server && shared.owns_path.load(Ordering::Relaxed) {
                 let _ = std::fs::remove_file(&endpoint.path);
             }
-        })
+        })?;
+    Ok(Connection {
+        thread,
+        listener: listener_dup,
+    })
+}
+
+/// Waits up to `timeout` for `fd` to have something to read (or to be closed).
+fn readable(fd: i32, timeout: Duration) -> std::io::Result<bool> {
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one pollfd on the stack.
+    let n = unsafe { libc::poll(&mut p, 1, timeout.as_millis() as i32) };
+    match n {
+        n if n > 0 => Ok(true),
+        0 => Ok(false),
+        _ => {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                Ok(false)
+            } else {
+                Err(e)
+            }
+        }
+    }
 }
 
 fn read_full(mut s: &UnixStream, buf: &mut [u8], stop: &AtomicBool) -> std::io::Result<()> {
@@ -252,7 +387,7 @@ fn read_full(mut s: &UnixStream, buf: &mut [u8], stop: &AtomicBool) -> std::io::
     Ok(())
 }
 
-/// Handles the messages of one connection until it ends.
+/// Handles the messages of one connection until it ends (or the port stops).
 fn serve(stream: &UnixStream, shared: &Shared) -> Result<(), String> {
     stream
         .set_read_timeout(Some(Duration::from_millis(200)))
@@ -261,56 +396,76 @@ fn serve(stream: &UnixStream, shared: &Shared) -> Result<(), String> {
         if shared.stop.load(Ordering::Relaxed) {
             return Ok(());
         }
-        let (mut head, fds) = match stitch_core::fdpass::recv(stream.as_raw_fd(), HEADER_LEN) {
-            Ok((b, _)) if b.is_empty() => return Ok(()), // closed
-            Ok(x) => x,
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                ) =>
-            {
-                continue
-            }
-            Err(e) => return Err(format!("reading a message: {e}")),
-        };
-        if head.len() < HEADER_LEN {
-            let have = head.len();
-            head.resize(HEADER_LEN, 0);
-            read_full(stream, &mut head[have..], &shared.stop).map_err(|e| e.to_string())?;
+        if !readable(stream.as_raw_fd(), Duration::from_millis(200))
+            .map_err(|e| format!("waiting for a message: {e}"))?
+        {
+            continue;
         }
-        let h = Header::parse(&head)?;
-        let mut payload = vec![0u8; h.size as usize];
-        read_full(stream, &mut payload, &shared.stop)
-            .map_err(|e| format!("reading a payload: {e}"))?;
-        let request = message::parse(&h, &payload, fds.len())?;
-        let reply = handle(shared, request, fds)?;
-        let mut out = Vec::new();
-        match reply {
-            Reply::Value(v) => {
-                out.extend_from_slice(&h.reply(8));
-                out.extend_from_slice(&v.to_le_bytes());
-            }
-            Reply::State(index, num) => {
-                out.extend_from_slice(&h.reply(8));
-                out.extend_from_slice(&index.to_le_bytes());
-                out.extend_from_slice(&num.to_le_bytes());
-            }
-            Reply::Empty => out.extend_from_slice(&h.reply(0)),
-            Reply::Ack(ok) => {
-                let acks =
-                    shared.device.lock().unwrap().protocol & feature::PROTOCOL_REPLY_ACK != 0;
-                if h.need_reply() && acks {
-                    out.extend_from_slice(&h.reply(8));
-                    out.extend_from_slice(&(if ok { 0u64 } else { 1 }).to_le_bytes());
-                }
-            }
+        let serving = shared.serving.lock().unwrap();
+        if shared.paused.load(Ordering::SeqCst) {
+            drop(serving);
+            std::thread::sleep(Duration::from_millis(20));
+            continue;
         }
-        if !out.is_empty() {
-            let mut w = stream;
-            w.write_all(&out).map_err(|e| format!("replying: {e}"))?;
+        if !serve_one(stream, shared)? {
+            return Ok(());
+        }
+        shared.changes.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// Reads, handles and answers one message; false when the front-end closed the connection.
+fn serve_one(stream: &UnixStream, shared: &Shared) -> Result<bool, String> {
+    let (mut head, fds) = match stitch_core::fdpass::recv(stream.as_raw_fd(), HEADER_LEN) {
+        Ok((b, _)) if b.is_empty() => return Ok(false),
+        Ok(x) => x,
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock
+                    | std::io::ErrorKind::TimedOut
+                    | std::io::ErrorKind::Interrupted
+            ) =>
+        {
+            return Ok(true)
+        }
+        Err(e) => return Err(format!("reading a message: {e}")),
+    };
+    if head.len() < HEADER_LEN {
+        let have = head.len();
+        head.resize(HEADER_LEN, 0);
+        read_full(stream, &mut head[have..], &shared.stop).map_err(|e| e.to_string())?;
+    }
+    let h = Header::parse(&head)?;
+    let mut payload = vec![0u8; h.size as usize];
+    read_full(stream, &mut payload, &shared.stop).map_err(|e| format!("reading a payload: {e}"))?;
+    let request = message::parse(&h, &payload, fds.len())?;
+    let reply = handle(shared, request, fds)?;
+    let mut out = Vec::new();
+    match reply {
+        Reply::Value(v) => {
+            out.extend_from_slice(&h.reply(8));
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        Reply::State(index, num) => {
+            out.extend_from_slice(&h.reply(8));
+            out.extend_from_slice(&index.to_le_bytes());
+            out.extend_from_slice(&num.to_le_bytes());
+        }
+        Reply::Empty => out.extend_from_slice(&h.reply(0)),
+        Reply::Ack(ok) => {
+            let acks = shared.device.lock().unwrap().protocol & feature::PROTOCOL_REPLY_ACK != 0;
+            if h.need_reply() && acks {
+                out.extend_from_slice(&h.reply(8));
+                out.extend_from_slice(&(if ok { 0u64 } else { 1 }).to_le_bytes());
+            }
         }
     }
+    if !out.is_empty() {
+        let mut w = stream;
+        w.write_all(&out).map_err(|e| format!("replying: {e}"))?;
+    }
+    Ok(true)
 }
 
 enum Reply {
