@@ -2,7 +2,8 @@
 //! engine's apps lend their descriptors ([`stitch_core::Engine::lend_descriptors`]), function
 //! processes keep running and are adopted by the successor's supervisor
 //! ([`Supervisor::adopt`]), their ports staying attached (`nf_port` hands over its
-//! function's connection and rings). VMs and the kernel data plane cannot be handed over yet.
+//! function's connection and rings); so are VMs (QEMU adopted, its `vhost_user` port handing
+//! over its guest's connection and rings). The kernel data plane cannot be handed over yet.
 
 use crate::placed::{PlacedGraph, Placement};
 use crate::supervisor::ProcessSpec;
@@ -43,18 +44,18 @@ pub struct Inheriting {
 
 impl Placements {
     /// Why the running graph cannot be handed to a successor process (`stitch upgrade`), if it
-    /// cannot: VMs and the kernel data plane would be stopped and started again, and some
-    /// engine apps hold what a second process cannot share.
+    /// cannot: the kernel data plane would be stopped and started again, and some engine apps
+    /// hold what a second process cannot share.
     pub fn upgrade_obstacle(&self) -> Option<String> {
         let graph = self.graph.lock().unwrap();
         let graph = graph.as_ref()?;
         let outside: Vec<String> = (graph.apps.iter())
-            .filter(|(_, a)| !matches!(a.placement, Placement::Engine | Placement::Process))
-            .map(|(name, a)| format!("`{name}` ({:?})", a.placement).to_lowercase())
+            .filter(|(_, a)| a.placement == Placement::Kernel)
+            .map(|(name, _)| format!("`{name}`"))
             .collect();
         if !outside.is_empty() {
             return Some(format!(
-                "VMs and kernel apps cannot be handed over yet: {}",
+                "kernel apps cannot be handed over yet: {}",
                 outside.join(", ")
             ));
         }
@@ -78,8 +79,8 @@ impl Placements {
 
     /// [`Placements::apply`] for a process taking over from another (`stitch upgrade`), first
     /// half: the engine's apps are built on the descriptors the predecessor lent
-    /// ([`stitch_core::Engine::prepare_inheriting`]); function processes are adopted at the
-    /// commit. Only a graph without VMs and kernel apps ([`Placements::upgrade_obstacle`]).
+    /// ([`stitch_core::Engine::prepare_inheriting`]); function processes and VMs are adopted at
+    /// the commit. Only a graph without kernel apps ([`Placements::upgrade_obstacle`]).
     pub fn prepare_inheriting(
         &self,
         graph: PlacedGraph,
@@ -87,9 +88,9 @@ impl Placements {
     ) -> Result<Inheriting, PlaceError> {
         let plan =
             plan(&graph, self.engine.registry(), &self.instance).map_err(PlaceError::Graph)?;
-        if plan.kernel.is_some() || plan.processes.iter().any(|p| p.kind != "process") {
+        if plan.kernel.is_some() {
             return Err(PlaceError::Kernel(
-                "VMs and kernel apps cannot be taken over yet".into(),
+                "kernel apps cannot be taken over yet".into(),
             ));
         }
         let engine = (self.engine)

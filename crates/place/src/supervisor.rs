@@ -3,11 +3,13 @@
 //! ran 10 s), keeps its last stderr lines, and stops it (SIGTERM, or a VM's ACPI power-down)
 //! and then, after its grace time, SIGKILL.
 //!
-//! A VM dies with Stitch: it gets SIGKILL when the thread that started it ends
-//! (`PR_SET_PDEATHSIG`), which a `kill -9` of Stitch also ends. A function process ends itself
-//! when its port's connection closes (Stitch's function library does), and outlives the
-//! Stitch process that started it only when another takes it over (`stitch upgrade`): that one
-//! adopts it ([`Supervisor::adopt`]), watching it through a pidfd and reading its output.
+//! Function processes and VMs outlive the Stitch process that started them: another that takes
+//! the instance over (`stitch upgrade`) adopts them ([`Supervisor::adopt`]), watching each
+//! through a pidfd and reading its output; after a crash, the next run of the instance adopts
+//! those that run the same command ([`Supervisor::clean_after_crash`] and
+//! [`Supervisor::apply`]) and kills the rest. A function asks for its port again for a while
+//! (Stitch's function library does); QEMU connects to its vhost-user socket again
+//! (`reconnect=1`).
 
 use crate::cgroup::{self, Cgroup};
 use crate::pidfd;
@@ -194,14 +196,11 @@ impl Supervisor {
     }
 
     /// For a process taking this instance over (`stitch upgrade`): each running function
-    /// process, as a pidfd and duplicates of the read ends of its stdout and stderr, with its
-    /// pid, starts and restarts. VMs are not lent.
+    /// process and VM, as a pidfd and duplicates of the read ends of its stdout and stderr,
+    /// with its pid, starts and restarts.
     pub fn lend(&self) -> BTreeMap<String, Descriptors> {
         let mut lent = BTreeMap::new();
         for (name, (s, _)) in &self.running {
-            if s.spec.kind != "process" {
-                continue;
-            }
             // Under the lock the process is not reaped, so its pid is still its own.
             let st = s.status.lock().unwrap();
             let Some(pid) = st.pid else { continue };
@@ -436,16 +435,10 @@ fn start(s: &Supervised) -> std::io::Result<()> {
         None => Vec::new(),
     };
     let fds = cgroup::raw(&join);
-    let die_with_parent = spec.kind == "vm";
     // SAFETY: the closure runs in the child between fork and exec and makes only system calls
-    // (prctl, getppid, write): no allocation, no lock.
+    // (write): no allocation, no lock.
     unsafe {
-        cmd.pre_exec(move || {
-            if die_with_parent && libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            cgroup::join_in_child(&fds)
-        });
+        cmd.pre_exec(move || cgroup::join_in_child(&fds));
     }
     let mut st = s.status.lock().unwrap();
     if st.stopping {

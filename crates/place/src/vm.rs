@@ -177,9 +177,10 @@ fn qemu_args(
     if let Some(append) = &c.append {
         arg(&["-append", append]);
     }
+    // reconnect: a Stitch restarted after a crash adopts the VM, which connects again.
     arg(&[
         "-chardev",
-        &format!("socket,id=port0,path={}", socket.display()),
+        &format!("socket,id=port0,path={},reconnect=1", socket.display()),
         "-netdev",
         "vhost-user,id=net0,chardev=port0",
     ]);

@@ -59,14 +59,6 @@ fn ping(hosts: &TwoHosts) -> bool {
 }
 
 /// The cgroup folders a function's limits live in, as `stitch show` reports them.
-/// ping's summary of 300 pings 10 ms apart from host `i` to `to`, with `during` done 300 ms in.
-fn paced_ping_while(hosts: &TwoHosts, i: usize, to: &str, during: impl FnOnce()) -> String {
-    let paced = hosts.spawn(i, &format!("ping -n -i 0.01 -c 300 {to}"));
-    std::thread::sleep(std::time::Duration::from_millis(300));
-    during();
-    String::from_utf8_lossy(&paced.finish().stdout).into_owned()
-}
-
 fn cgroups(v: &serde_json::Value) -> Vec<String> {
     v["process"]["limits"]["cgroups"]
         .as_array()
@@ -269,22 +261,6 @@ fn what_cannot_be_placed_is_a_line_numbered_error_before_anything_starts() {
 }
 
 /// Host 0 ⇄ `vm1`, a QEMU guest Stitch launches (`placement: vm`) from `scripts/vm-image`.
-/// The `vm1` app: the test guest of `scripts/vm-image` at `cidr`, running `run`.
-fn vm_app(image: &Path, cidr: &str, run: &str, mac: &str) -> String {
-    format!(
-        "  vm1:
-    placement: vm
-    kernel: {image}/vmlinux
-    initrd: {image}/initrd.gz
-    append: 'console=ttyS0 quiet stitch.ip={cidr} stitch.run=\"{run}\"'
-    mac: \"{mac}\"
-    memory_mb: 512
-    shutdown_timeout_s: 2
-",
-        image = image.display()
-    )
-}
-
 fn vm_graph(hosts: &TwoHosts, image: &Path, guest_ip: &str, with_vm: bool) -> String {
     let ns = &hosts.outer[0];
     if !with_vm {

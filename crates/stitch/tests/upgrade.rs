@@ -628,15 +628,107 @@ links:
     assert_eq!(report["packets_left_queued"], 0, "{report}");
     assert!(ready(&first), "the rings are not running after the upgrade");
     let counters = app(&first.stats().unwrap(), "vm")["counters"].clone();
-    assert_eq!(counters["connections"], 1, "the guest connected again: {counters}");
+    assert_eq!(
+        counters["connections"], 1,
+        "the guest connected again: {counters}"
+    );
     assert_eq!(counters["guest_faults"], 0, "{counters}");
     // Traffic through the guest after the upgrade too (the successor's rings, its interrupts).
-    assert!(h.reaches(0, &h.ip[1], 10), "no path through the guest after the upgrade");
+    assert!(
+        h.reaches(0, &h.ip[1], 10),
+        "no path through the guest after the upgrade"
+    );
     let (received, sent) = guest.stop();
-    assert!(received >= 4000 && sent >= 4000, "testpmd: {received} in, {sent} out");
+    assert!(
+        received >= 4000 && sent >= 4000,
+        "testpmd: {received} in, {sent} out"
+    );
     let last = successor.stop(first);
-    let to_guest = app(&last, "vm")["counters"]["to_guest_packets"].as_u64().unwrap();
-    assert!(to_guest >= received, "{to_guest} given to the guest, {received} received");
+    let to_guest = app(&last, "vm")["counters"]["to_guest_packets"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        to_guest >= received,
+        "{to_guest} given to the guest, {received} received"
+    );
+}
+
+/// A VM Stitch runs (`placement: vm`) outlives Stitch. Killed -9 under `--supervise`: the
+/// restarted instance adopts the same QEMU, which connects to its port again, and the guest
+/// answers again. Upgraded: the same QEMU on the same vhost-user connection (the guest never
+/// sees its link go), and every paced ping to the guest answered across the hand-over. The
+/// instance stopped: the VM goes with it.
+#[test]
+fn a_vm_is_adopted_after_a_crash_and_carries_on_across_an_upgrade() {
+    require_root_and_tools(&[
+        "ip",
+        "qemu-system-x86_64",
+        "busybox",
+        "cpio",
+        "ping",
+        "pgrep",
+    ]);
+    let image = vm_image();
+    let h = TwoHosts::new();
+    let guest = format!("{}.11", h.ip[0].rsplit_once('.').unwrap().0);
+    let graph = format!(
+        "apps:\n  ns: {{ type: af_packet, interface: {} }}\n{}links:\n  - \"ns.output -> vm1.input\"\n  - \"vm1.output -> ns.input\"\n",
+        h.outer[0],
+        vm_app(&image, &format!("{guest}/24"), "sleep 3600", "52:54:00:00:00:11")
+    );
+    let s = Stitch::run_with(&graph, &["--supervise", "--keep-running"]);
+    assert!(h.reaches(0, &guest, 120), "the guest: {}", show(&s, "vm1"));
+    let qemu = pid_of(&s, "vm1").unwrap();
+    let parent = s.process.0.id();
+    let first: i32 = must(&format!("pgrep -P {parent}")).trim().parse().unwrap();
+    // SAFETY: kill takes no pointers.
+    unsafe { libc::kill(first, libc::SIGKILL) };
+    wait_until("the instance to come back", 30, || {
+        s.stats().is_some() && must(&format!("pgrep -P {parent}")).trim() != first.to_string()
+    });
+    let vm = show(&s, "vm1");
+    assert_eq!(
+        vm["process"]["pid"].as_i64(),
+        Some(qemu as i64),
+        "QEMU was restarted: {vm}"
+    );
+    assert!(
+        (vm["process"]["carried_over"].as_str()).is_some_and(|c| c.contains("kept running")),
+        "{vm}"
+    );
+    assert!(
+        h.reaches(0, &guest, 30),
+        "the adopted guest does not answer: {vm}"
+    );
+
+    let mut upgraded = None;
+    let paced = paced_ping_while(&h, 0, &guest, || upgraded = Some(upgrade(&s)));
+    let (successor, report) = upgraded.unwrap();
+    let summary: Vec<&str> = paced.lines().rev().take(2).collect();
+    eprintln!("pings to the guest across the upgrade: {summary:?}");
+    assert!(
+        paced.contains("300 packets transmitted, 300 received"),
+        "pings to the guest lost across the upgrade ({report}): {paced}"
+    );
+    assert_eq!(pid_of(&s, "vm1"), Some(qemu), "QEMU was restarted");
+    let stats = s.stats().unwrap();
+    let counters = &app(&stats, "vm1")["counters"];
+    assert_eq!(
+        counters["connections"], 1,
+        "the guest connected again: {counters}"
+    );
+    // SAFETY: as above.
+    unsafe { libc::kill(parent as i32, libc::SIGTERM) };
+    let out = s.process.finish();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    drop(successor);
+    wait_until("the VM to stop with the instance", 10, || {
+        !alive(qemu as i32)
+    });
 }
 
 #[test]

@@ -3,8 +3,8 @@
 
 mod common;
 use common::testpmd::Testpmd;
-use std::process::{Command, Stdio};
 use common::*;
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 /// testpmd polls a core flat out: one test with it at a time on a 2-core machine.
@@ -171,7 +171,6 @@ fn testpmd_io_forwarding_loops_through_stitch() {
         to_guest + dropped + counter(&stats, "vm", "to_guest_too_big_drops")
     );
 }
-
 
 /// The guest kernel and initramfs (`scripts/vm-image`), built once into target/.
 /// A QEMU TCG guest on vhost-user socket `sock`; its console goes to `log`.

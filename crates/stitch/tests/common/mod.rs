@@ -311,8 +311,28 @@ impl Drop for Background {
 /// A `stitch run` of a graph, with its control socket in a temporary folder.
 pub struct Stitch {
     pub process: Background,
+    /// Declared after `process`: removed once it is gone.
+    pub leftovers: Leftovers,
     pub socket: PathBuf,
     pub dir: tempfile::TempDir,
+}
+
+/// What an instance killed by a failing test left running (VMs and function processes outlive
+/// a killed Stitch, for the next run to adopt): removed by `stitch cleanup`, which never
+/// touches an instance that runs (one that took this one over).
+pub struct Leftovers(pub PathBuf);
+
+impl Drop for Leftovers {
+    fn drop(&mut self) {
+        if self.0.exists() {
+            let _ = Command::new(env!("CARGO_BIN_EXE_stitch"))
+                .args(["cleanup", "--control"])
+                .arg(&self.0)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
+        }
+    }
 }
 
 impl Stitch {
@@ -343,6 +363,7 @@ impl Stitch {
             .unwrap();
         let mut s = Stitch {
             process: Background(child),
+            leftovers: Leftovers(socket.clone()),
             socket,
             dir,
         };
@@ -649,4 +670,28 @@ pub fn alive(pid: i32) -> bool {
         && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
             .unwrap_or_default()
             .contains(") Z ")
+}
+
+/// The `vm1` app: the test guest of `scripts/vm-image` at `cidr`, running `run`.
+pub fn vm_app(image: &Path, cidr: &str, run: &str, mac: &str) -> String {
+    format!(
+        "  vm1:
+    placement: vm
+    kernel: {image}/vmlinux
+    initrd: {image}/initrd.gz
+    append: 'console=ttyS0 quiet stitch.ip={cidr} stitch.run=\"{run}\"'
+    mac: \"{mac}\"
+    memory_mb: 512
+    shutdown_timeout_s: 2
+",
+        image = image.display()
+    )
+}
+
+/// ping's summary of 300 pings 10 ms apart from host `i` to `to`, with `during` done 300 ms in.
+pub fn paced_ping_while(hosts: &TwoHosts, i: usize, to: &str, during: impl FnOnce()) -> String {
+    let paced = hosts.spawn(i, &format!("ping -n -i 0.01 -c 300 {to}"));
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    during();
+    String::from_utf8_lossy(&paced.finish().stdout).into_owned()
 }

@@ -204,7 +204,11 @@ mod tests {
     fn a_lent_device_is_built_again_on_the_same_memory_and_ring_positions() {
         let dev = device((7, 5));
         let (state, fds) = dev.lend().unwrap().expect("connected");
-        assert_eq!(fds.len(), 1 + 1 + 2, "connection, one region, two call eventfds");
+        assert_eq!(
+            fds.len(),
+            1 + 1 + 2,
+            "connection, one region, two call eventfds"
+        );
         let json = serde_json::to_value(&state).unwrap();
         let state: DeviceState = serde_json::from_value(json).unwrap();
         let (mut again, _connection) = Device::rebuild(state, fds, 1).unwrap();
@@ -224,7 +228,10 @@ mod tests {
         // The final word moves the rings on.
         let (last, _) = device((9, 9)).lend().unwrap().unwrap();
         again.resume_at(&last).unwrap();
-        assert!(again.queues.iter().all(|q| q.ring.as_ref().unwrap().position() == (9, 9)));
+        assert!(again
+            .queues
+            .iter()
+            .all(|q| q.ring.as_ref().unwrap().position() == (9, 9)));
         // A set-up that does not match is refused, never misread.
         let (state, fds) = dev.lend().unwrap().unwrap();
         let e = Device::rebuild(state, fds, 2).map(|_| ()).unwrap_err();
@@ -237,14 +244,19 @@ mod tests {
         dev.features |= feature::LOG_ALL;
         let e = dev.lend().map(|_| ()).unwrap_err();
         assert!(e.contains("migrating"), "{e}");
-        assert!(Device::new(1).lend().unwrap().is_none(), "nothing connected");
+        assert!(
+            Device::new(1).lend().unwrap().is_none(),
+            "nothing connected"
+        );
     }
 
     #[test]
     fn hold_waits_for_the_message_being_handled_and_no_longer_than_its_patience() {
         let shared = std::sync::Arc::new(Shared::new("p", 1, 0));
         assert!(shared.hold(Duration::from_millis(100)), "idle");
-        shared.paused.store(false, std::sync::atomic::Ordering::SeqCst);
+        shared
+            .paused
+            .store(false, std::sync::atomic::Ordering::SeqCst);
         let (held, release) = std::sync::mpsc::channel();
         let busy = {
             let shared = shared.clone();
@@ -255,7 +267,10 @@ mod tests {
             })
         };
         release.recv().unwrap();
-        assert!(!shared.hold(Duration::from_millis(50)), "in the middle of a message");
+        assert!(
+            !shared.hold(Duration::from_millis(50)),
+            "in the middle of a message"
+        );
         busy.join().unwrap();
         assert!(shared.hold(Duration::from_millis(50)));
     }
