@@ -6,10 +6,10 @@
 //! saying so.
 //!
 //! Frames cross the same rig as `stitch bench upgrade --function-process` (two veth pairs,
-//! `af_packet` ports, the firewall function in a process of its own, a rate meter added and
-//! removed by the live changes).
+//! `af_packet` ports, the firewall function in a process of its own, with `--guest` a guest's
+//! virtio driver on a `vhost_user` port, a rate meter added and removed by the live changes).
 
-use crate::upgrade::{Rig, Stream, Traffic};
+use crate::upgrade::{Hops, Rig, Stream, Traffic};
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
 use std::io::Write;
@@ -39,6 +39,10 @@ pub struct SoakArgs {
     /// Write every sample as a CSV row to this file.
     #[arg(long)]
     record: Option<PathBuf>,
+    /// The frames also cross a guest: dpdk-testpmd's virtio-user port (io forwarding) on a
+    /// `vhost_user` port, which every upgrade hands over.
+    #[arg(long)]
+    guest: bool,
 }
 
 /// One look at the instance after a period.
@@ -273,7 +277,11 @@ pub fn run(args: SoakArgs) -> Result<()> {
     if args.kill_every == 0 || args.period <= 0.0 {
         bail!("--kill-every and --period must be above 0");
     }
-    let mut rig = Rig::new("sbs", true)?;
+    let hops = Hops {
+        function_process: true,
+        guest: args.guest,
+    };
+    let mut rig = Rig::new("sbs", hops)?;
     rig.start()?;
     let total = args.minutes * 60.0 + 2.0 * args.period + 5.0;
     let stream = Stream::start(&rig, total, args.rate);

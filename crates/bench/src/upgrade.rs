@@ -3,9 +3,11 @@
 //! beside a live `stitch apply` (the engine's own pause) and a quiet window, in one run.
 //!
 //! Frames numbered by the bench go into one veth pair, cross a `stitch run` instance (two
-//! `af_packet` ports, and with `--function-process` a function process between them) and come
-//! out of another; for each window the bench reports the longest time between two arrivals
-//! and the frames sent in it that never arrived.
+//! `af_packet` ports; with `--function-process` a function process between them; with
+//! `--guest` a guest's virtio driver on a `vhost_user` port — `dpdk-testpmd`'s virtio-user
+//! forwarding what it receives, the vhost-user server, which the instance connects to again
+//! after a restart) and come out of another; for each window the bench reports the longest
+//! time between two arrivals and the frames sent in it that never arrived.
 
 use anyhow::{bail, Context, Result};
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -27,6 +29,10 @@ pub struct UpgradeBenchArgs {
     /// forwarding them all) between the two ports.
     #[arg(long)]
     function_process: bool,
+    /// The frames also cross a guest: dpdk-testpmd's virtio-user port (io forwarding) on a
+    /// `vhost_user` port.
+    #[arg(long)]
+    guest: bool,
     /// Print results as JSON.
     #[arg(long)]
     json: bool,
@@ -37,17 +43,30 @@ const ETHERTYPE: u16 = 0x88b5;
 /// Seconds watched around each action.
 const WINDOW: f64 = 2.0;
 
-/// The veth pairs and the instance, removed when dropped.
+/// What the frames cross between the instance's two ports, beside the engine.
+#[derive(Clone, Copy)]
+pub(crate) struct Hops {
+    /// Stitch's firewall, `placement: process`.
+    pub(crate) function_process: bool,
+    /// A guest's virtio driver on a `vhost_user` port (dpdk-testpmd's virtio-user).
+    pub(crate) guest: bool,
+}
+
+/// The veth pairs, the guest and the instance, removed when dropped.
 pub(crate) struct Rig {
     veths: [String; 2],
-    function_process: bool,
+    hops: Hops,
     instance: Option<Child>,
+    guest: Option<Child>,
     pub(crate) dir: tempfile::TempDir,
 }
 
 impl Drop for Rig {
     fn drop(&mut self) {
-        if let Some(c) = self.instance.as_mut() {
+        for c in [self.instance.as_mut(), self.guest.as_mut()]
+            .into_iter()
+            .flatten()
+        {
             let _ = c.kill();
             let _ = c.wait();
         }
@@ -55,12 +74,13 @@ impl Drop for Rig {
         for v in &self.veths {
             let _ = Command::new("ip").args(["link", "del", v]).status();
         }
+        let _ = std::fs::remove_dir_all(format!("/var/run/dpdk/{}", self.guest_prefix()));
     }
 }
 
 impl Rig {
     /// Two veth pairs (`PREFIX…a`/`…as`, `…b`/`…bs`) and the graph file between their inner ends.
-    pub(crate) fn new(prefix: &str, function_process: bool) -> Result<Rig> {
+    pub(crate) fn new(prefix: &str, hops: Hops) -> Result<Rig> {
         let tag = std::process::id() % 100_000;
         let veths = [format!("{prefix}{tag}a"), format!("{prefix}{tag}b")];
         let mut made = Vec::new();
@@ -76,34 +96,97 @@ impl Rig {
             }
             made.push(v);
         }
-        let rig = Rig {
+        let mut rig = Rig {
             veths,
-            function_process,
+            hops,
             instance: None,
+            guest: None,
             dir: tempfile::tempdir()?,
         };
         std::fs::write(rig.dir.path().join("graph.yaml"), rig.graph(false))?;
+        if hops.guest {
+            rig.guest = Some(rig.start_guest()?);
+        }
         Ok(rig)
+    }
+
+    fn guest_prefix(&self) -> String {
+        format!("stitch-bench-{}", std::process::id())
+    }
+
+    /// dpdk-testpmd with a virtio-user port in server mode (it outlives instances and takes
+    /// each one's connection), forwarding what it receives back out.
+    fn start_guest(&self) -> Result<Child> {
+        use std::io::Write;
+        let vdev = format!(
+            "net_virtio_user0,path={},queues=1,server=1",
+            self.dir.path().join("guest.sock").display()
+        );
+        let mut child = Command::new("dpdk-testpmd")
+            .args([
+                "-l",
+                "0,1",
+                "--no-pci",
+                "--no-huge",
+                "-m",
+                "512",
+                "--file-prefix",
+            ])
+            .arg(self.guest_prefix())
+            .args(["--log-level", "pmd.net.virtio.*:error", "--vdev", &vdev])
+            .args(["--", "-i", "--total-num-mbufs=32768", "--forward-mode=io"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("dpdk-testpmd (Debian: apt install dpdk) is needed for --guest")?;
+        writeln!(child.stdin.as_mut().context("testpmd's input")?, "start")?;
+        Ok(child)
+    }
+
+    /// Whether the guest's rings are set up (always, without a guest).
+    fn guest_ready(&self) -> bool {
+        if !self.hops.guest {
+            return true;
+        }
+        let Ok((200, body)) = stitch_api::client::call(
+            &self.socket(),
+            stitch_api::client::Method::POST,
+            "/api/v1/apps/g/query",
+            Some(b"{}".to_vec()),
+        ) else {
+            return false;
+        };
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+        (v["queues"].as_array()).is_some_and(|q| q.iter().all(|q| q["ready"] == true))
     }
 
     pub(crate) fn socket(&self) -> PathBuf {
         self.dir.path().join("ctl.sock")
     }
 
-    /// a → (function process) → (rate meter) → b.
+    /// a → (function process) → (guest) → (rate meter) → b.
     fn graph(&self, through_meter: bool) -> String {
         let [a, b] = &self.veths;
         let mut apps = format!(
             "apps:\n  a: {{ type: af_packet, interface: {a}s }}\n  b: {{ type: af_packet, interface: {b}s }}\n"
         );
         let mut hops = vec!["a"];
-        if self.function_process {
+        if self.hops.function_process {
             let nf = self.dir.path().join("nf.sock");
             apps += &format!(
                 "  f: {{ placement: process, command: [stitch-nf-firewall], socket: {} }}\n",
                 nf.display()
             );
             hops.push("f");
+        }
+        if self.hops.guest {
+            let socket = self.dir.path().join("guest.sock");
+            apps += &format!(
+                "  g: {{ type: vhost_user, socket: {}, mode: client }}\n",
+                socket.display()
+            );
+            hops.push("g");
         }
         if through_meter {
             apps += "  m: { type: rate_meter }\n";
@@ -141,7 +224,8 @@ impl Rig {
         self.stitch(&["apply", &file.display().to_string()])
     }
 
-    /// Starts `stitch run` on the graph file with the state file; returns once its API answers.
+    /// Starts `stitch run` on the graph file with the state file; returns once its API answers
+    /// (and the guest's rings are up).
     pub(crate) fn start(&mut self) -> Result<()> {
         let exe = std::env::current_exe()?;
         let file = self.dir.path().join("graph.yaml");
@@ -159,9 +243,10 @@ impl Rig {
             .spawn()?;
         self.instance = Some(child);
         let t = Instant::now();
-        while std::os::unix::net::UnixStream::connect(self.socket()).is_err() {
+        while std::os::unix::net::UnixStream::connect(self.socket()).is_err() || !self.guest_ready()
+        {
             if t.elapsed() > Duration::from_secs(20) {
-                bail!("the instance did not start");
+                bail!("the instance did not start (or the guest did not set its rings up)");
             }
             std::thread::sleep(Duration::from_millis(10));
         }
@@ -377,7 +462,11 @@ fn act(rig: &mut Rig, i: usize, round: usize) -> Result<()> {
 }
 
 pub fn run(args: UpgradeBenchArgs) -> Result<()> {
-    let mut rig = Rig::new("sbu", args.function_process)?;
+    let hops = Hops {
+        function_process: args.function_process,
+        guest: args.guest,
+    };
+    let mut rig = Rig::new("sbu", hops)?;
     rig.start()?;
     let total = (ACTIONS.len() * args.rounds) as f64 * WINDOW + 2.0;
     let stream = Stream::start(&rig, total, args.rate);
@@ -428,10 +517,11 @@ fn report(args: &UpgradeBenchArgs, results: &[Vec<Window>], receiver_drops: u32)
         println!("{}", serde_json::to_string_pretty(&rows)?);
         return Ok(());
     }
-    let through = if args.function_process {
-        "two af_packet ports and a function process"
-    } else {
-        "two af_packet ports"
+    let through = match (args.function_process, args.guest) {
+        (false, false) => "two af_packet ports",
+        (true, false) => "two af_packet ports and a function process",
+        (false, true) => "two af_packet ports and a guest (testpmd on a vhost_user port)",
+        (true, true) => "two af_packet ports, a function process and a guest (testpmd)",
     };
     println!(
         "{} frames/s through {through}; medians of {} rounds, {WINDOW} s windows",

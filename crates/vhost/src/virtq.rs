@@ -365,6 +365,11 @@ impl Vring {
         (self.last_avail, self.used_idx)
     }
 
+    /// The used index the driver sees (in its memory).
+    pub fn used_in_memory(&self) -> u16 {
+        rd16(self.used.wrapping_add(2))
+    }
+
     /// Carries on where another process left the ring ([`Vring::position`]).
     pub fn resume_at(&mut self, (last_avail, used_idx): (u16, u16)) {
         self.last_avail = last_avail;

@@ -239,6 +239,22 @@ mod tests {
     }
 
     #[test]
+    fn a_front_end_back_without_its_index_carries_on_where_its_used_ring_stands() {
+        let mut dev = device((0, 0));
+        let used = dev.queues[1].addr.unwrap().used;
+        let at = dev.mem.as_ref().unwrap().user(used + 2, 2).unwrap();
+        // SAFETY: two bytes inside the test's guest memory.
+        unsafe { std::ptr::write_volatile(at as *mut u16, 40) };
+        // DPDK's virtio-user after a reconnect: base 0, then the kick.
+        dev.queues[1].base = 0;
+        dev.set_ring_fd(1, crate::message::req::SET_VRING_KICK, None);
+        assert_eq!(dev.queues[1].ring.as_ref().unwrap().position(), (40, 40));
+        // A ring whose used index is where the front-end says starts there.
+        dev.set_ring_fd(0, crate::message::req::SET_VRING_KICK, None);
+        assert_eq!(dev.queues[0].ring.as_ref().unwrap().position(), (0, 0));
+    }
+
+    #[test]
     fn a_migrating_guest_is_not_lent() {
         let mut dev = device((0, 0));
         dev.features |= feature::LOG_ALL;

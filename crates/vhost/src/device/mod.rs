@@ -57,6 +57,26 @@ pub struct Queue {
 }
 
 impl Queue {
+    /// A front-end that starts a ring again after a reconnect without its old index (DPDK's
+    /// virtio-user in server mode gives base 0) leaves its used ring where the last back-end
+    /// stopped: carry on from there, as DPDK's own vhost library does. Chains the last
+    /// back-end took and never used are taken again (a frame from the guest may be sent twice;
+    /// one toward it is lost).
+    fn resync(&mut self, i: usize) {
+        let Some(ring) = self.ring.as_mut() else {
+            return;
+        };
+        let used = ring.used_in_memory();
+        if used != self.base {
+            log::info!(
+                "vhost_user ring {i}: started at {} but its used ring stands at {used} (the \
+                 front-end came back without its old index): carrying on from {used}",
+                self.base
+            );
+            ring.resume_at((used, used));
+        }
+    }
+
     fn build(&mut self, mem: Option<&GuestMemory>) {
         self.ring = None;
         let (Some(mem), Some(a)) = (mem, self.addr) else {
@@ -519,6 +539,7 @@ impl Device {
                 q.started = true;
                 q.fault = None;
                 q.build(mem.as_ref());
+                q.resync(i);
             }
             req::SET_VRING_CALL => self.queues[i].call = fd,
             _ => drop(fd),
