@@ -6,8 +6,9 @@
 //! saying so.
 //!
 //! Frames cross the same rig as `stitch bench upgrade --function-process` (two veth pairs,
-//! `af_packet` ports, the firewall function in a process of its own, with `--guest` a guest's
-//! virtio driver on a `vhost_user` port, a rate meter added and removed by the live changes).
+//! `af_packet` ports, the firewall function in a process of its own, with `--kernel` a
+//! forwarder in the kernel, with `--guest` a guest's virtio driver on a `vhost_user` port, a
+//! rate meter added and removed by the live changes).
 
 use crate::upgrade::{Hops, Rig, Stream, Traffic};
 use anyhow::{bail, Context, Result};
@@ -39,6 +40,10 @@ pub struct SoakArgs {
     /// Write every sample as a CSV row to this file.
     #[arg(long)]
     record: Option<PathBuf>,
+    /// The frames also cross a forwarder in the kernel (`placement: kernel`), whose data plane
+    /// every upgrade takes as it runs.
+    #[arg(long)]
+    kernel: bool,
     /// The frames also cross a guest: dpdk-testpmd's virtio-user port (io forwarding) on a
     /// `vhost_user` port, which every upgrade hands over.
     #[arg(long)]
@@ -279,6 +284,7 @@ pub fn run(args: SoakArgs) -> Result<()> {
     }
     let hops = Hops {
         function_process: true,
+        kernel: args.kernel,
         guest: args.guest,
     };
     let mut rig = Rig::new("sbs", hops)?;

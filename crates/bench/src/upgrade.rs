@@ -4,7 +4,8 @@
 //!
 //! Frames numbered by the bench go into one veth pair, cross a `stitch run` instance (two
 //! `af_packet` ports; with `--function-process` a function process between them; with
-//! `--guest` a guest's virtio driver on a `vhost_user` port — `dpdk-testpmd`'s virtio-user
+//! `--kernel` a forwarder in the kernel; with `--guest` a guest's virtio driver on a
+//! `vhost_user` port — `dpdk-testpmd`'s virtio-user
 //! forwarding what it receives, the vhost-user server, which the instance connects to again
 //! after a restart) and come out of another; for each window the bench reports the longest
 //! time between two arrivals and the frames sent in it that never arrived.
@@ -29,6 +30,9 @@ pub struct UpgradeBenchArgs {
     /// forwarding them all) between the two ports.
     #[arg(long)]
     function_process: bool,
+    /// The frames also cross a forwarder in the kernel (`placement: kernel`).
+    #[arg(long)]
+    kernel: bool,
     /// The frames also cross a guest: dpdk-testpmd's virtio-user port (io forwarding) on a
     /// `vhost_user` port.
     #[arg(long)]
@@ -48,6 +52,9 @@ const WINDOW: f64 = 2.0;
 pub(crate) struct Hops {
     /// Stitch's firewall, `placement: process`.
     pub(crate) function_process: bool,
+    /// A forwarder in the kernel (`placement: kernel`): the instance's own data plane, joined
+    /// to the engine by veth pairs.
+    pub(crate) kernel: bool,
     /// A guest's virtio driver on a `vhost_user` port (dpdk-testpmd's virtio-user).
     pub(crate) guest: bool,
 }
@@ -165,7 +172,7 @@ impl Rig {
         self.dir.path().join("ctl.sock")
     }
 
-    /// a → (function process) → (guest) → (rate meter) → b.
+    /// a → (function process) → (kernel) → (guest) → (rate meter) → b.
     fn graph(&self, through_meter: bool) -> String {
         let [a, b] = &self.veths;
         let mut apps = format!(
@@ -179,6 +186,10 @@ impl Rig {
                 nf.display()
             );
             hops.push("f");
+        }
+        if self.hops.kernel {
+            apps += "  k: { type: forwarder, placement: kernel }\n";
+            hops.push("k");
         }
         if self.hops.guest {
             let socket = self.dir.path().join("guest.sock");
@@ -464,6 +475,7 @@ fn act(rig: &mut Rig, i: usize, round: usize) -> Result<()> {
 pub fn run(args: UpgradeBenchArgs) -> Result<()> {
     let hops = Hops {
         function_process: args.function_process,
+        kernel: args.kernel,
         guest: args.guest,
     };
     let mut rig = Rig::new("sbu", hops)?;
@@ -517,12 +529,17 @@ fn report(args: &UpgradeBenchArgs, results: &[Vec<Window>], receiver_drops: u32)
         println!("{}", serde_json::to_string_pretty(&rows)?);
         return Ok(());
     }
-    let through = match (args.function_process, args.guest) {
-        (false, false) => "two af_packet ports",
-        (true, false) => "two af_packet ports and a function process",
-        (false, true) => "two af_packet ports and a guest (testpmd on a vhost_user port)",
-        (true, true) => "two af_packet ports, a function process and a guest (testpmd)",
-    };
+    let mut through = vec!["two af_packet ports"];
+    for (on, what) in [
+        (args.function_process, "a function process"),
+        (args.kernel, "a kernel forwarder"),
+        (args.guest, "a guest (testpmd on a vhost_user port)"),
+    ] {
+        if on {
+            through.push(what);
+        }
+    }
+    let through = through.join(", ");
     println!(
         "{} frames/s through {through}; medians of {} rounds, {WINDOW} s windows",
         args.rate, args.rounds

@@ -1172,11 +1172,9 @@ impl App for AfPacket {
 
     /// Both sockets and the rings' cursors: the successor maps the same rings and reads on
     /// from the next frame, so nothing the kernel queued meanwhile is lost or read twice. A
-    /// port fed by a kernel ring (a mixed graph's boundary) is not handed over.
+    /// port fed by a kernel data plane's ring buffer (a mixed graph's boundary) needs nothing
+    /// more: the successor opens the pinned ring, whose consumer position is shared.
     fn hand_over(&mut self) -> Option<Descriptors> {
-        if self.kernel_ring.is_some() {
-            return None;
-        }
         let at = RingPosition {
             rx_len: self.tx_ring,
             rx: self.rx,

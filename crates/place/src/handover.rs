@@ -3,9 +3,13 @@
 //! processes keep running and are adopted by the successor's supervisor
 //! ([`Supervisor::adopt`]), their ports staying attached (`nf_port` hands over its
 //! function's connection and rings); so are VMs (QEMU adopted, its `vhost_user` port handing
-//! over its guest's connection and rings). The kernel data plane cannot be handed over yet.
+//! over its guest's connection and rings). The kernel data plane stays where it is (pinned, it
+//! needs no process): the successor's boundary ports read the same BPF ring buffers on from
+//! where the predecessor stopped, and once it runs the graph it loads its own programs into
+//! the data plane with the pinned maps — state and counters — kept, as any apply does.
 
-use crate::placed::{PlacedGraph, Placement};
+use crate::kernel::KernelPart;
+use crate::placed::PlacedGraph;
 use crate::supervisor::ProcessSpec;
 use crate::{plan, PlaceError, PlaceReport, Placements};
 use std::collections::BTreeMap;
@@ -40,25 +44,15 @@ pub struct Inheriting {
     engine: Prepared,
     processes: Vec<ProcessSpec>,
     lent_processes: BTreeMap<String, Descriptors>,
+    kernel: Option<KernelPart>,
 }
 
 impl Placements {
     /// Why the running graph cannot be handed to a successor process (`stitch upgrade`), if it
-    /// cannot: the kernel data plane would be stopped and started again, and some engine apps
-    /// hold what a second process cannot share.
+    /// cannot: some engine apps hold what a second process cannot share.
     pub fn upgrade_obstacle(&self) -> Option<String> {
         let graph = self.graph.lock().unwrap();
         let graph = graph.as_ref()?;
-        let outside: Vec<String> = (graph.apps.iter())
-            .filter(|(_, a)| a.placement == Placement::Kernel)
-            .map(|(name, _)| format!("`{name}`"))
-            .collect();
-        if !outside.is_empty() {
-            return Some(format!(
-                "kernel apps cannot be handed over yet: {}",
-                outside.join(", ")
-            ));
-        }
         let held: Vec<String> = (graph.graph.apps.values())
             .filter_map(|d| {
                 let (_, why) = NOT_HANDED_OVER.iter().find(|(k, _)| *k == d.kind)?;
@@ -80,7 +74,7 @@ impl Placements {
     /// [`Placements::apply`] for a process taking over from another (`stitch upgrade`), first
     /// half: the engine's apps are built on the descriptors the predecessor lent
     /// ([`stitch_core::Engine::prepare_inheriting`]); function processes and VMs are adopted at
-    /// the commit. Only a graph without kernel apps ([`Placements::upgrade_obstacle`]).
+    /// the commit, and the kernel data plane taken as it runs.
     pub fn prepare_inheriting(
         &self,
         graph: PlacedGraph,
@@ -88,11 +82,6 @@ impl Placements {
     ) -> Result<Inheriting, PlaceError> {
         let plan =
             plan(&graph, self.engine.registry(), &self.instance).map_err(PlaceError::Graph)?;
-        if plan.kernel.is_some() {
-            return Err(PlaceError::Kernel(
-                "kernel apps cannot be taken over yet".into(),
-            ));
-        }
         let engine = (self.engine)
             .prepare_inheriting(plan.engine, lent.apps)
             .map_err(PlaceError::Engine)?;
@@ -101,12 +90,15 @@ impl Placements {
             engine,
             processes: plan.processes,
             lent_processes: lent.processes,
+            kernel: plan.kernel,
         })
     }
 
     /// Second half: the prepared graph starts with the predecessor's final positions,
     /// counters and state ([`stitch_core::Engine::commit_inheriting`]), then the function
-    /// processes it ran are adopted (those that ended meanwhile are started again).
+    /// processes it ran are adopted (those that ended meanwhile are started again) and the
+    /// kernel data plane is taken as it runs ([`Placements::reload_kernel`] gives it this
+    /// binary's programs).
     pub fn commit_inheriting(
         &self,
         inheriting: Inheriting,
@@ -124,6 +116,7 @@ impl Placements {
                 "processes started again (they were not running to be taken over): {started:?}"
             );
         }
+        *self.kernel.lock().unwrap() = inheriting.kernel;
         *current = Some(inheriting.graph);
         Ok((
             PlaceReport {
@@ -132,5 +125,19 @@ impl Placements {
             },
             restored,
         ))
+    }
+
+    /// After a take-over, once the predecessor has left: the kernel data plane gets this
+    /// binary's programs, its pinned maps (state, counters) kept, as any apply does; it
+    /// forwards throughout. Returns how long the load took, if the graph has kernel apps. A
+    /// failure leaves the predecessor's programs running (the next apply replaces them).
+    pub fn reload_kernel(&self) -> Option<std::time::Duration> {
+        let installed = self.kernel.lock().unwrap();
+        let part = installed.as_ref()?;
+        let t = std::time::Instant::now();
+        if let Err(e) = self.apply_kernel(Some(part), true, &part.veths) {
+            log::error!("the kernel data plane keeps the previous process's programs: {e}");
+        }
+        Some(t.elapsed())
     }
 }

@@ -236,6 +236,7 @@ fn start_inherited(
         Err(e) => return Err((Some(answer), e)),
     };
     let paused_ms = asked.elapsed().as_secs_f64() * 1e3;
+    let api = parts.api.clone();
     let mut running = match parts.serve(Some(Inherited { lock, listeners })) {
         Ok(r) => r,
         Err(e) => return Err((Some(answer), e)),
@@ -244,6 +245,7 @@ fn start_inherited(
     handover::inherit_service_manager(offer.notify_socket.clone());
     let from = offer.pid;
     answer.started().map_err(|e| (None, e))?;
+    let kernel_loaded = api.placements().reload_kernel();
     // Log lines go where the old process's went (a journal, a file) from here on.
     for (from, to) in [(&stdout, 1), (&stderr, 2)] {
         // SAFETY: dup2 onto the standard descriptors, which this process keeps open.
@@ -258,6 +260,7 @@ fn start_inherited(
         "state_restored": restored.restored,
         "state_refused": restored.refused,
         "state_unsaved": last.unsaved,
+        "kernel_programs_loaded_ms": kernel_loaded.map(|t| t.as_secs_f64() * 1e3),
     });
     let keeper = StateKeeper::after_take_over(&settings.state, restored).map_err(|e| (None, e))?;
     Ok(Started {

@@ -5,6 +5,7 @@
 mod common;
 use common::testpmd::Testpmd;
 use common::*;
+use std::path::Path;
 use std::process::Command;
 
 /// The process that took an instance over (not a child of the test): killed if the test fails.
@@ -729,6 +730,62 @@ fn a_vm_is_adopted_after_a_crash_and_carries_on_across_an_upgrade() {
     wait_until("the VM to stop with the instance", 10, || {
         !alive(qemu as i32)
     });
+}
+
+/// A kernel app (`placement: kernel`) between two engine ports: its data plane stays pinned
+/// and forwards throughout, the successor's boundary ports read its BPF ring buffer on from
+/// where the predecessor stopped, and the numbered stream through it loses nothing; the
+/// successor loads its own programs into the data plane (the counters in the pinned maps go
+/// on) and removes it when it stops.
+#[test]
+fn a_kernel_app_carries_on_across_an_upgrade() {
+    require_root_and_tools(&["ip", "python3"]);
+    let h = TwoHosts::new();
+    let planes = || {
+        std::fs::read_dir("/sys/fs/bpf/stitch")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.file_name())
+            .collect::<std::collections::BTreeSet<_>>()
+    };
+    let before = planes();
+    let first = Stitch::run(&format!(
+        "apps:
+  a: {{ type: af_packet, interface: {a} }}
+  b: {{ type: af_packet, interface: {b} }}
+  k: {{ type: forwarder, placement: kernel }}
+links:
+  - \"a.output -> k.input\"
+  - \"k.output -> b.input\"
+  - \"b.output -> a.input\"
+",
+        a = h.outer[0],
+        b = h.outer[1]
+    ));
+    let made: Vec<_> = planes().difference(&before).cloned().collect();
+    assert_eq!(made.len(), 1, "one data plane: {made:?}");
+    assert!(h.reaches(0, &h.ip[1], 10), "no path through the kernel");
+    let kernel_rx = |s: &Stitch| {
+        let stats = s.stats().unwrap();
+        assert_eq!(app(&stats, "k")["placement"], "kernel", "{stats}");
+        app(&stats, "k")["rx_packets"].as_u64().unwrap()
+    };
+    let (successor, report) = numbered_stream_across_an_upgrade(&h, &first);
+    assert_eq!(report["packets_left_queued"], 0, "{report}");
+    let after = kernel_rx(&first);
+    assert!(after > 4000, "the kernel's counters went on: {after}");
+    assert!(h.reaches(0, &h.ip[1], 10), "no path after the upgrade");
+    assert!(
+        kernel_rx(&first) > after,
+        "the kernel forwards after the upgrade"
+    );
+    let last = successor.stop(first);
+    assert_eq!(app(&last, "b")["counters"]["kernel_drops"], 0, "{last}");
+    assert!(
+        !Path::new("/sys/fs/bpf/stitch").join(&made[0]).exists(),
+        "the data plane outlived the instance"
+    );
 }
 
 #[test]
