@@ -5,40 +5,28 @@
 //! through a 1 MiB buffer, so there is no system call per packet; `stop` (end of run, SIGINT,
 //! SIGTERM, removal by a live change) flushes it. A PCAPNG file ends with an interface statistics
 //! block giving the packets received and those its input link dropped. A write error (disk full)
-//! is logged once; later packets are counted in `write_drops`.
+//! is logged once; later packets are counted in `write_drops`. A Stitch process taking the
+//! instance over (`stitch upgrade`) writes on in the same file, after the last record this one
+//! wrote out.
 //!
 //! ```yaml
 //! apps:
 //!   out: { type: pcap_sink, file: out.pcapng, snaplen: 262144 }
 //! ```
 
-use pcap_file::pcap::{PcapHeader, PcapPacket, PcapWriter};
-use pcap_file::pcapng::blocks::enhanced_packet::EnhancedPacketBlock;
-use pcap_file::pcapng::blocks::interface_description::{
-    InterfaceDescriptionBlock, InterfaceDescriptionOption,
-};
-use pcap_file::pcapng::blocks::interface_statistics::{
-    InterfaceStatisticsBlock, InterfaceStatisticsOption,
-};
-use pcap_file::pcapng::PcapNgWriter;
-use pcap_file::{DataLink, Endianness, TsResolution};
-use serde::Deserialize;
-use std::borrow::Cow;
+use crate::capture_format::{self as cf, Direction, InterfaceCounts, RecordMeta};
+use pcap_file::pcap::{PcapHeader, PcapWriter};
+use pcap_file::{DataLink, Endianness};
+use serde::{Deserialize, Serialize};
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 use stitch_core::link::Ring;
 use stitch_core::packet::now_ns;
-use stitch_core::{App, AppContext, AppError, Counter, Io, PortSpec};
+use stitch_core::{App, AppContext, AppError, Counter, Descriptors, Io, PortSpec};
 
-#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "lowercase")]
-pub enum Format {
-    Pcap,
-    Pcapng,
-}
+pub use crate::capture_format::Format;
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -54,15 +42,14 @@ fn default_snaplen() -> u32 {
     262144
 }
 
-type Out = BufWriter<File>;
-
-enum Writer {
-    Pcap(PcapWriter<Out>),
-    PcapNg(PcapNgWriter<Out>),
-}
+/// Records are written to the file once this many bytes wait.
+const BUFFER: usize = 1 << 20;
 
 pub struct PcapSink {
-    writer: Option<Writer>,
+    /// `None` once a write failed.
+    file: Option<File>,
+    buffer: Vec<u8>,
+    format: Format,
     path: PathBuf,
     snaplen: u32,
     input: Option<Arc<Ring>>,
@@ -70,13 +57,40 @@ pub struct PcapSink {
     write_drops: Counter,
 }
 
+/// What a `pcap_sink` lends a process taking over: the file (its descriptor shares the
+/// offset, so the successor writes on where this one's last flush ended).
+#[derive(Debug, Serialize, Deserialize)]
+struct Position {
+    format: Format,
+    snaplen: u32,
+}
+
 impl PcapSink {
-    fn fail(&mut self, e: impl std::fmt::Display) {
-        log::error!(
-            "pcap_sink {}: write failed: {e}; dropping further packets",
-            self.path.display()
-        );
-        self.writer = None;
+    /// Writes out what waits; a failure is logged and later packets are counted as drops.
+    fn flush(&mut self) {
+        let Some(f) = self.file.as_mut() else {
+            self.buffer.clear();
+            return;
+        };
+        if let Err(e) = f.write_all(&self.buffer) {
+            log::error!(
+                "pcap_sink {}: write failed: {e}; dropping further packets",
+                self.path.display()
+            );
+            self.file = None;
+        }
+        self.buffer.clear();
+    }
+
+    fn header(format: Format, name: &str, snaplen: u32) -> Vec<u8> {
+        match format {
+            Format::Pcap => cf::pcap_header(snaplen),
+            Format::Pcapng => {
+                let mut h = cf::section_header();
+                h.extend(cf::interface_block(name, None, snaplen));
+                h
+            }
+        }
     }
 }
 
@@ -92,46 +106,33 @@ impl App for PcapSink {
 
     fn new(c: PcapSinkConfig, ctx: &mut AppContext) -> Result<Self, AppError> {
         let path = ctx.path(&c.file);
-        let format = c.format.unwrap_or(
-            if path
-                .extension()
-                .is_some_and(|e| e.eq_ignore_ascii_case("pcapng"))
-            {
-                Format::Pcapng
-            } else {
-                Format::Pcap
-            },
-        );
-        let f =
-            File::create(&path).map_err(|e| format!("cannot create {}: {e}", path.display()))?;
-        let out = BufWriter::with_capacity(1 << 20, f);
-        let writer = match format {
-            Format::Pcap => {
-                let header = PcapHeader {
-                    snaplen: c.snaplen,
-                    datalink: DataLink::ETHERNET,
-                    ts_resolution: TsResolution::NanoSecond,
-                    endianness: Endianness::native(),
-                    ..Default::default()
-                };
-                Writer::Pcap(PcapWriter::with_header(out, header)?)
+        let format = c.format.unwrap_or(Format::for_path(&path));
+        let mut buffer = Vec::with_capacity(BUFFER + 65536);
+        let file = match ctx.take_inherited() {
+            // Taken over: the predecessor's file, written on from where it stopped.
+            Some(mut lent) => {
+                let at: Position = serde_json::from_value(lent.position)
+                    .map_err(|e| format!("lent position: {e}"))?;
+                if (at.format, at.snaplen) != (format, c.snaplen) {
+                    return Err(format!(
+                        "the predecessor wrote {} as {:?} with snaplen {}",
+                        path.display(),
+                        at.format,
+                        at.snaplen
+                    )
+                    .into());
+                }
+                File::from(lent.fds.pop().ok_or("no file lent")?)
             }
-            Format::Pcapng => {
-                let mut w = PcapNgWriter::new(out)?;
-                let idb = InterfaceDescriptionBlock {
-                    linktype: DataLink::ETHERNET,
-                    snaplen: c.snaplen,
-                    options: vec![
-                        InterfaceDescriptionOption::IfName(Cow::Owned(ctx.name().to_string())),
-                        InterfaceDescriptionOption::IfTsResol(9),
-                    ],
-                };
-                w.write_pcapng_block(idb)?;
-                Writer::PcapNg(w)
+            None => {
+                buffer.extend(PcapSink::header(format, ctx.name(), c.snaplen));
+                File::create(&path).map_err(|e| format!("cannot create {}: {e}", path.display()))?
             }
         };
         Ok(PcapSink {
-            writer: Some(writer),
+            file: Some(file),
+            buffer,
+            format,
             path,
             snaplen: c.snaplen,
             input: None,
@@ -145,71 +146,58 @@ impl App for PcapSink {
         if self.input.is_none() {
             self.input = Some(input.ring().clone());
         }
-        let (mut written, mut dropped) = (0, 0);
-        let mut error = None;
+        if self.file.is_none() {
+            let n = input.drain().count();
+            self.write_drops.add(n as u64);
+            return;
+        }
+        let mut written = 0;
         for p in input.drain() {
-            let Some(w) = self.writer.as_mut() else {
-                dropped += 1;
-                continue;
-            };
-            let ts = match p.timestamp_ns() {
+            let ts_ns = match p.timestamp_ns() {
                 0 => now_ns(),
                 t => t,
             };
             let data = &p.data()[..p.len().min(self.snaplen as usize)];
-            let r = match w {
-                Writer::Pcap(w) => w.write_packet(&PcapPacket::new(
-                    Duration::from_nanos(ts),
-                    p.len() as u32,
-                    data,
-                )),
-                Writer::PcapNg(w) => w.write_pcapng_block(EnhancedPacketBlock {
-                    interface_id: 0,
-                    timestamp: Duration::from_nanos(ts),
-                    original_len: p.len() as u32,
-                    data: Cow::Borrowed(data),
-                    options: vec![],
-                }),
+            let meta = RecordMeta {
+                ts_ns,
+                orig_len: p.len(),
+                interface: 0,
+                direction: Direction::Unknown,
             };
-            match r {
-                Ok(_) => written += 1,
-                Err(e) => {
-                    dropped += 1;
-                    error = Some(e);
-                    self.writer = None;
-                }
-            }
+            cf::append_record(&mut self.buffer, self.format, meta, data);
+            written += 1;
         }
         self.written.add(written);
-        self.write_drops.add(dropped);
-        if let Some(e) = error {
-            self.fail(e);
+        if self.buffer.len() >= BUFFER {
+            self.flush();
         }
     }
 
     fn stop(&mut self) {
-        let Some(w) = self.writer.take() else { return };
-        let r = match w {
-            Writer::Pcap(w) => w.into_writer().flush(),
-            Writer::PcapNg(mut w) => {
-                let link_drops = self.input.as_ref().map(|r| r.stats().tx_drops).unwrap_or(0);
-                let isb = InterfaceStatisticsBlock {
-                    interface_id: 0,
-                    timestamp: now_ns(),
-                    options: vec![
-                        InterfaceStatisticsOption::IsbIfRecv(self.written.get() + link_drops),
-                        InterfaceStatisticsOption::IsbIfDrop(link_drops),
-                    ],
-                };
-                match w.write_pcapng_block(isb) {
-                    Ok(_) => w.into_inner().flush(),
-                    Err(e) => Err(std::io::Error::other(e.to_string())),
-                }
-            }
-        };
-        if let Err(e) = r {
-            log::error!("pcap_sink {}: final flush failed: {e}", self.path.display());
+        if self.format == Format::Pcapng && self.file.is_some() {
+            let link_drops = self.input.as_ref().map(|r| r.stats().tx_drops).unwrap_or(0);
+            let counts = InterfaceCounts {
+                received: self.written.get() + link_drops,
+                dropped: link_drops,
+                accepted: None,
+            };
+            self.buffer.extend(cf::statistics_block(0, counts));
         }
+        self.flush();
+    }
+
+    /// The file, after writing out what waits: the successor appends to it.
+    fn hand_over(&mut self) -> Option<Descriptors> {
+        self.flush();
+        let fd = self.file.as_ref()?.try_clone().ok()?;
+        let position = Position {
+            format: self.format,
+            snaplen: self.snaplen,
+        };
+        Some(Descriptors {
+            fds: vec![fd.into()],
+            position: serde_json::to_value(position).ok()?,
+        })
     }
 }
 

@@ -788,6 +788,52 @@ links:
     );
 }
 
+/// A `pcap_sink` recording the stream through an upgrade: one file, written on by the new
+/// process after the old one's last record — every numbered datagram in it once, in order,
+/// and tshark reads it to the end (the new process writes the closing statistics block).
+#[test]
+fn a_capture_file_is_written_on_across_an_upgrade() {
+    require_root_and_tools(&["ip", "python3", "tshark"]);
+    let h = TwoHosts::new();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("cap.pcapng");
+    let first = Stitch::run(&format!(
+        "apps:
+  a: {{ type: af_packet, interface: {a} }}
+  b: {{ type: af_packet, interface: {b} }}
+  t: {{ type: tee }}
+  cap: {{ type: pcap_sink, file: {file} }}
+links:
+  - \"a.output -> t.input\"
+  - \"t.a -> b.input\"
+  - \"t.b -> cap.input\"
+  - \"b.output -> a.input\"
+",
+        a = h.outer[0],
+        b = h.outer[1],
+        file = file.display()
+    ));
+    assert!(h.reaches(0, &h.ip[1], 10), "no path before the upgrade");
+    let (successor, _) = numbered_stream_across_an_upgrade(&h, &first);
+    let last = successor.stop(first);
+    let numbers: Vec<u32> = tshark_checked_where(&file, "udp.dstport == 7008", &["data.data"])
+        .iter()
+        .map(|hex| u32::from_str_radix(hex, 16).unwrap())
+        .collect();
+    assert_eq!(
+        numbers.len(),
+        4000,
+        "datagrams in the file: {}",
+        numbers.len()
+    );
+    assert!(
+        numbers.windows(2).all(|w| w[1] == w[0] + 1),
+        "out of order or twice in the file"
+    );
+    let written = app(&last, "cap")["counters"]["written"].as_u64().unwrap();
+    assert_eq!(capinfos_count(&file), written, "{last}");
+}
+
 #[test]
 fn a_tap_device_stays_across_an_upgrade() {
     require_root_and_tools(&["ip", "pgrep"]);
