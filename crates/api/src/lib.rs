@@ -538,6 +538,16 @@ impl Api {
 
     /// An app's own tables and commands (bridge MAC table, routes, NAT mappings, ...).
     pub fn query(&self, name: &str, request: Value) -> Result<Value, ApiError> {
+        let placed = self.placements.status(name);
+        if placed["placement"] == "kernel" {
+            // Not in the engine: its counters, as the kernel data plane keeps them.
+            let stats = self.stats_json(&self.engine.stats());
+            let app = (stats["apps"].as_array().into_iter().flatten())
+                .find(|a| a["name"] == name)
+                .cloned()
+                .unwrap_or(Value::Null);
+            return Ok(json!({ "placement": "kernel", "stats": app }));
+        }
         let answer = self.engine.query(name, request)?;
         // Apps refuse a request by answering `{"error": REASON}` alone.
         let refusal = answer
@@ -548,7 +558,6 @@ impl Api {
         if let Some(reason) = refusal {
             return Err(ApiError::new(400, reason));
         }
-        let placed = self.placements.status(name);
         if let (false, Some(o)) = (placed["process"].is_null(), answer.as_object()) {
             let mut o = o.clone();
             o.insert("placement".into(), placed["placement"].clone());

@@ -394,6 +394,9 @@ pub struct Placements {
     supervisor: Mutex<Supervisor>,
     /// The installed kernel part, if the graph has kernel apps.
     kernel: Mutex<Option<kernel::KernelPart>>,
+    /// The veth pairs of a kernel data plane a crashed run of this instance left installed,
+    /// kept for the first graph to take over by diff (an adopting restart).
+    kernel_left: Mutex<Option<std::collections::BTreeSet<(String, String)>>>,
 }
 
 impl Placements {
@@ -405,6 +408,7 @@ impl Placements {
             graph: Mutex::new(None),
             supervisor: Mutex::new(Supervisor::new(instance)),
             kernel: Mutex::new(None),
+            kernel_left: Mutex::new(None),
         }
     }
 
@@ -436,9 +440,10 @@ impl Placements {
             })?;
         }
         let mut installed = self.kernel.lock().unwrap();
-        let old_veths = installed
-            .as_ref()
-            .map(|k| k.veths.clone())
+        let left = self.kernel_left.lock().unwrap().take();
+        let was_installed = installed.is_some() || left.is_some();
+        let old_veths = (installed.as_ref().map(|k| k.veths.clone()))
+            .or(left)
             .unwrap_or_default();
         // Whatever a packet will be sent to must exist before the engine switches to it: kernel
         // functions that arrive are installed first; when the kernel's part only loses
@@ -446,14 +451,13 @@ impl Placements {
         // kernel then drops what nothing sends to any more.
         let kernel_first = kernel_gains(installed.as_ref(), plan.kernel.as_ref());
         if kernel_first {
-            self.apply_kernel(plan.kernel.as_ref(), installed.is_some(), &old_veths)?;
+            self.apply_kernel(plan.kernel.as_ref(), was_installed, &old_veths)?;
         }
         let engine = self.engine.apply(plan.engine).map_err(PlaceError::Engine)?;
         let moved = moves(current.as_ref(), &graph, engine.paused_ms);
         let report = PlaceReport { engine, moved };
         if !kernel_first {
-            if let Err(e) = self.apply_kernel(plan.kernel.as_ref(), installed.is_some(), &old_veths)
-            {
+            if let Err(e) = self.apply_kernel(plan.kernel.as_ref(), was_installed, &old_veths) {
                 log::error!("the kernel's part could not drop what left it: {e}; it is removed when the instance stops");
             }
         }
@@ -569,8 +573,10 @@ impl Placements {
         self.clean_after(false)
     }
 
-    /// [`Placements::clean_after_crash`] for the instance starting again, but the function
-    /// processes the crashed run left running are kept for the first graph to adopt.
+    /// [`Placements::clean_after_crash`] for the instance starting again, but what the crashed
+    /// run left running is kept for the first graph to adopt: function processes and VMs
+    /// (with their sockets' folder), and the kernel data plane with its veth pairs, which the
+    /// first apply takes by diff (state and counters in its pinned maps kept).
     pub fn clean_after_crash_adopting(&self) -> Vec<String> {
         self.clean_after(true)
     }
@@ -585,6 +591,9 @@ impl Placements {
             removed.push(format!("{cgroups} function cgroups (and their processes)"));
         }
         let names = self.kernel_names();
+        if adopting && self.keep_kernel_left(&names) {
+            return removed;
+        }
         if let Ok(plane) = stitch_kernel::DataPlane::new(&names.plane) {
             match plane.teardown() {
                 Ok(true) => removed.push("the kernel data plane".into()),
@@ -600,10 +609,31 @@ impl Placements {
         if !veths.is_empty() {
             removed.push(format!("veth pairs {}", veths.join(", ")));
         }
-        if std::fs::remove_dir_all(&self.vm_dir).is_ok() {
+        if !adopting && std::fs::remove_dir_all(&self.vm_dir).is_ok() {
             removed.push(format!("VM sockets in {}", self.vm_dir.display()));
         }
         removed
+    }
+
+    /// Keeps the kernel data plane a crashed run installed, and its veth pairs, for the first
+    /// apply; false when there is none.
+    fn keep_kernel_left(&self, names: &kernel::KernelNames) -> bool {
+        let installed = stitch_kernel::DataPlane::new(&names.plane).and_then(|p| p.installed());
+        if !matches!(installed, Ok(Some(_))) {
+            return false;
+        }
+        let pairs: std::collections::BTreeSet<(String, String)> =
+            (stitch_kernel::netdev::named_with(&names.veth_prefix).into_iter())
+                .filter_map(|k| Some((k.clone(), format!("{}e", k.strip_suffix('k')?))))
+                .collect();
+        log::info!(
+            "the kernel data plane {} a crashed run of this instance left is kept for the graph \
+             to take over ({} veth pairs)",
+            names.plane,
+            pairs.len()
+        );
+        *self.kernel_left.lock().unwrap() = Some(pairs);
+        true
     }
 
     /// Stops the processes, then the engine, then the kernel data plane and its veth pairs;

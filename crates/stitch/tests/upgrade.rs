@@ -684,8 +684,10 @@ fn a_vm_is_adopted_after_a_crash_and_carries_on_across_an_upgrade() {
     let first: i32 = must(&format!("pgrep -P {parent}")).trim().parse().unwrap();
     // SAFETY: kill takes no pointers.
     unsafe { libc::kill(first, libc::SIGKILL) };
-    wait_until("the instance to come back", 30, || {
-        s.stats().is_some() && must(&format!("pgrep -P {parent}")).trim() != first.to_string()
+    wait_until("the instance to come back with its graph", 30, || {
+        s.stats().is_some()
+            && must(&format!("pgrep -P {parent}")).trim() != first.to_string()
+            && try_show(&s, "vm1").is_ok_and(|v| v["placement"] == "vm")
     });
     let vm = show(&s, "vm1");
     assert_eq!(
@@ -732,14 +734,15 @@ fn a_vm_is_adopted_after_a_crash_and_carries_on_across_an_upgrade() {
     });
 }
 
-/// A kernel app (`placement: kernel`) between two engine ports: its data plane stays pinned
-/// and forwards throughout, the successor's boundary ports read its BPF ring buffer on from
-/// where the predecessor stopped, and the numbered stream through it loses nothing; the
-/// successor loads its own programs into the data plane (the counters in the pinned maps go
-/// on) and removes it when it stops.
+/// A kernel app (`placement: kernel`) between two engine ports. Killed -9 under `--supervise`:
+/// the restarted instance takes the data plane the crashed one left as it runs (its pinned
+/// counters go on, nothing is installed afresh). Upgraded: the data plane forwards throughout,
+/// the successor's boundary ports read its BPF ring buffer on from where the predecessor
+/// stopped, the numbered stream through it loses nothing, and the successor loads its own
+/// programs into it. The instance stopped: the data plane goes with it.
 #[test]
-fn a_kernel_app_carries_on_across_an_upgrade() {
-    require_root_and_tools(&["ip", "python3"]);
+fn a_kernel_app_carries_on_across_a_crash_and_an_upgrade() {
+    require_root_and_tools(&["ip", "python3", "pgrep"]);
     let h = TwoHosts::new();
     let planes = || {
         std::fs::read_dir("/sys/fs/bpf/stitch")
@@ -750,7 +753,7 @@ fn a_kernel_app_carries_on_across_an_upgrade() {
             .collect::<std::collections::BTreeSet<_>>()
     };
     let before = planes();
-    let first = Stitch::run(&format!(
+    let graph = format!(
         "apps:
   a: {{ type: af_packet, interface: {a} }}
   b: {{ type: af_packet, interface: {b} }}
@@ -762,7 +765,8 @@ links:
 ",
         a = h.outer[0],
         b = h.outer[1]
-    ));
+    );
+    let s = Stitch::run_with(&graph, &["--supervise", "--keep-running"]);
     let made: Vec<_> = planes().difference(&before).cloned().collect();
     assert_eq!(made.len(), 1, "one data plane: {made:?}");
     assert!(h.reaches(0, &h.ip[1], 10), "no path through the kernel");
@@ -771,26 +775,53 @@ links:
         assert_eq!(app(&stats, "k")["placement"], "kernel", "{stats}");
         app(&stats, "k")["rx_packets"].as_u64().unwrap()
     };
-    let (successor, report) = numbered_stream_across_an_upgrade(&h, &first);
+    let before_crash = kernel_rx(&s);
+    let parent = s.process.0.id();
+    let first: i32 = must(&format!("pgrep -P {parent}")).trim().parse().unwrap();
+    // SAFETY: kill takes no pointers.
+    unsafe { libc::kill(first, libc::SIGKILL) };
+    wait_until("the instance to come back with its graph", 30, || {
+        s.stats().is_some()
+            && must(&format!("pgrep -P {parent}")).trim() != first.to_string()
+            && try_show(&s, "k").is_ok_and(|k| k["placement"] == "kernel")
+    });
+    assert!(
+        kernel_rx(&s) >= before_crash,
+        "the data plane was installed afresh after the crash"
+    );
+    assert!(h.reaches(0, &h.ip[1], 10), "no path after the crash");
+
+    let (successor, report) = numbered_stream_across_an_upgrade(&h, &s);
     assert_eq!(report["packets_left_queued"], 0, "{report}");
-    let after = kernel_rx(&first);
-    assert!(after > 4000, "the kernel's counters went on: {after}");
+    assert!(
+        report["kernel_programs_loaded_ms"].as_f64().is_some(),
+        "{report}"
+    );
+    let after = kernel_rx(&s);
+    assert!(
+        after > before_crash + 4000,
+        "the kernel's counters went on: {after}"
+    );
     assert!(h.reaches(0, &h.ip[1], 10), "no path after the upgrade");
     assert!(
-        kernel_rx(&first) > after,
+        kernel_rx(&s) > after,
         "the kernel forwards after the upgrade"
     );
-    let last = successor.stop(first);
-    assert_eq!(app(&last, "b")["counters"]["kernel_drops"], 0, "{last}");
+    // SAFETY: as above.
+    unsafe { libc::kill(parent as i32, libc::SIGTERM) };
+    let out = s.process.finish();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    drop(successor);
     assert!(
         !Path::new("/sys/fs/bpf/stitch").join(&made[0]).exists(),
         "the data plane outlived the instance"
     );
 }
 
-/// A `pcap_sink` recording the stream through an upgrade: one file, written on by the new
-/// process after the old one's last record — every numbered datagram in it once, in order,
-/// and tshark reads it to the end (the new process writes the closing statistics block).
 #[test]
 fn a_capture_file_is_written_on_across_an_upgrade() {
     require_root_and_tools(&["ip", "python3", "tshark"]);

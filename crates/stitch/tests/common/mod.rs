@@ -646,17 +646,20 @@ pub fn ofctl(port: u16, args: &[&str]) -> String {
 
 /// `stitch show APP` of instance `s`, as JSON.
 pub fn show(s: &Stitch, app: &str) -> serde_json::Value {
+    try_show(s, app).unwrap_or_else(|e| panic!("stitch show {app}: {e}"))
+}
+
+/// `stitch show APP`, or why it failed (the instance not answering yet, no such app).
+pub fn try_show(s: &Stitch, app: &str) -> Result<serde_json::Value, String> {
     let out = Command::new(env!("CARGO_BIN_EXE_stitch"))
         .args(["show", app, "--control"])
         .arg(&s.socket)
         .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "stitch show {app}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
+        .map_err(|e| e.to_string())?;
+    if !out.status.success() {
+        return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+    }
+    serde_json::from_slice(&out.stdout).map_err(|e| e.to_string())
 }
 
 /// The pid of app `app`'s process, if it runs one.
