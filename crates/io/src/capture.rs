@@ -8,7 +8,9 @@
 //! are still passed on but not recorded, counted in `writer_drops` — capture never slows the
 //! link. As a sink (output unlinked) it leaves packets queued instead, so that the input link
 //! and the ring behind it absorb a slow disk. Rotation follows tcpdump: `rotate_mb` (-C), `rotate_seconds` (-G, strftime file names)
-//! and `files` (-W, a ring of files). Files are complete at every rotation and at stop.
+//! and `files` (-W, a ring of files). Files are complete at every rotation and at stop. A
+//! Stitch process taking the instance over (`stitch upgrade`) writes on in the current file,
+//! after the last record this one wrote, and rotates on from there.
 //!
 //! ```yaml
 //! apps:
@@ -18,15 +20,15 @@
 //!   - "tap.output -> nat.input"
 //! ```
 
-use crate::capture_file::{CaptureWriter, FileSpec, Format};
-use serde::Deserialize;
+use crate::capture_file::{CaptureWriter, FileSpec, FileState, Format};
+use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use stitch_core::link::Ring;
 use stitch_core::packet::now_ns;
-use stitch_core::{App, AppContext, AppError, Counter, Io, PortSpec};
+use stitch_core::{App, AppContext, AppError, Counter, Descriptors, Io, PortSpec};
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -62,7 +64,12 @@ fn default_buffer_mb() -> usize {
 }
 
 pub struct Capture {
-    writer: CaptureWriter,
+    /// `None` in a process taking over until the predecessor's final word says where its file
+    /// stands ([`App::take_position`]).
+    writer: Option<CaptureWriter>,
+    spec: FileSpec,
+    /// The writer held for the final hand-over, and where its file stood.
+    held: Option<Option<FileState>>,
     remaining: Option<u64>,
     input: Option<Arc<Ring>>,
     last_flush: Instant,
@@ -71,6 +78,14 @@ pub struct Capture {
     bytes_written: Counter,
     files: Counter,
     write_errors: Counter,
+}
+
+/// Where a capture stands at an upgrade: its file (`None` at the loan, or when it had none
+/// left) and the packets it may still record.
+#[derive(Debug, Serialize, Deserialize)]
+struct Position {
+    file: Option<FileState>,
+    remaining: Option<u64>,
 }
 
 impl App for Capture {
@@ -107,8 +122,15 @@ impl App for Capture {
             files: c.files,
             buffers: c.buffer_mb / (crate::capture_file::BUFFER_BYTES >> 20),
         };
+        // Taken over: the file is the predecessor's, opened once it says where it stands.
+        let writer = match ctx.take_inherited() {
+            Some(_) => None,
+            None => Some(CaptureWriter::start(spec.clone())?),
+        };
         Ok(Capture {
-            writer: CaptureWriter::start(spec)?,
+            writer,
+            spec,
+            held: None,
             remaining: c.count,
             input: None,
             last_flush: Instant::now(),
@@ -139,7 +161,10 @@ impl App for Capture {
                         0 => now_ns(),
                         t => t,
                     };
-                    if !self.writer.record(ts, p.data()) {
+                    let Some(writer) = self.writer.as_mut() else {
+                        break;
+                    };
+                    if !writer.record(ts, p.data()) {
                         break;
                     }
                     captured += 1;
@@ -160,7 +185,7 @@ impl App for Capture {
                     0 => now_ns(),
                     t => t,
                 };
-                if self.writer.record(ts, p.data()) {
+                if self.writer.as_mut().is_some_and(|w| w.record(ts, p.data())) {
                     captured += 1;
                     if let Some(r) = self.remaining.as_mut() {
                         *r -= 1;
@@ -178,10 +203,22 @@ impl App for Capture {
     }
 
     fn tick(&mut self, _: &mut Io, now: Instant) {
+        if self.writer.is_none() {
+            // Taken over from a predecessor that gave no final word for this app (it had
+            // failed there): a file of its own, as a start makes.
+            log::warn!(
+                "capture {}: no file to write on from the process before; starting one",
+                self.spec.path.display()
+            );
+            self.writer = CaptureWriter::start(self.spec.clone()).ok();
+        }
+        let Some(writer) = self.writer.as_mut() else {
+            return;
+        };
         if now.duration_since(self.last_flush) >= Duration::from_millis(100) {
             self.last_flush = now;
-            self.writer.flush_if_older(Duration::from_millis(200));
-            let s = &self.writer.stats;
+            writer.flush_if_older(Duration::from_millis(200));
+            let s = &writer.stats;
             self.bytes_written.set(s.bytes_written.load(Relaxed));
             self.files.set(s.files_opened.load(Relaxed));
             self.write_errors.set(s.write_errors.load(Relaxed));
@@ -189,10 +226,13 @@ impl App for Capture {
     }
 
     fn stop(&mut self) {
+        let Some(writer) = self.writer.as_mut() else {
+            return;
+        };
         let upstream = self.input.as_ref().map(|r| r.stats().tx_drops).unwrap_or(0);
         let dropped = self.writer_drops.get() + upstream;
-        self.writer.close(self.captured.get() + dropped, dropped);
-        let s = &self.writer.stats;
+        writer.close(self.captured.get() + dropped, dropped);
+        let s = &writer.stats;
         self.bytes_written.set(s.bytes_written.load(Relaxed));
         self.files.set(s.files_opened.load(Relaxed));
         self.write_errors.set(s.write_errors.load(Relaxed));
@@ -201,5 +241,41 @@ impl App for Capture {
             self.writer_drops.add(lost);
             self.captured.set(self.captured.get().saturating_sub(lost));
         }
+    }
+
+    fn hold_for_hand_over(&mut self) {
+        self.held = Some(self.writer.as_mut().and_then(CaptureWriter::hold));
+    }
+
+    fn carry_on(&mut self) {
+        if self.held.take().is_some() {
+            if let Some(w) = self.writer.as_mut() {
+                w.resume();
+            }
+        }
+    }
+
+    /// Nothing to lend (the successor opens the file by its name); the final word says where
+    /// the held file stands.
+    fn hand_over(&mut self) -> Option<Descriptors> {
+        let position = Position {
+            file: self.held.clone().flatten(),
+            remaining: self.remaining,
+        };
+        Some(Descriptors {
+            fds: Vec::new(),
+            position: serde_json::to_value(position).ok()?,
+        })
+    }
+
+    fn take_position(&mut self, position: serde_json::Value) -> Result<(), String> {
+        let at: Position = serde_json::from_value(position).map_err(|e| e.to_string())?;
+        self.remaining = at.remaining;
+        self.writer = Some(match at.file {
+            Some(file) => CaptureWriter::resume_at(self.spec.clone(), file)?,
+            // The predecessor had no file left (a write failed): start one, as a start would.
+            None => CaptureWriter::start(self.spec.clone())?,
+        });
+        Ok(())
     }
 }

@@ -7,6 +7,10 @@
 //! fails half-way (disk full, folder gone) is cut back to the last complete buffer, the error is
 //! logged once with what to do, and the capture goes on counting the packets it cannot keep.
 //! A PCAPNG file ends with an interface statistics block (packets received and dropped).
+//!
+//! At an upgrade the writer is held ([`CaptureWriter::hold`]): everything queued is written
+//! and the thread waits, giving where the file stands ([`FileState`]); a successor writes on
+//! in that file ([`CaptureWriter::resume_at`]), and if there is none the writer goes on.
 
 use std::fs::File;
 use std::io::Write;
@@ -62,11 +66,28 @@ enum Job {
         buf: Vec<u8>,
         records: u64,
     },
+    /// Write out everything, say where the file stands and wait for `Resume` (or the end).
+    Hold(SyncSender<Option<FileState>>),
+    Resume,
     /// Close the file; for PCAPNG with interface statistics (received, dropped).
     Close {
         received: u64,
         dropped: u64,
     },
+}
+
+/// Where a held capture's current file stands, for a process that writes on in it.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct FileState {
+    pub path: PathBuf,
+    /// Bytes in it, all whole records.
+    pub written: u64,
+    /// Files opened so far (the ring's next name follows).
+    pub index: u64,
+    /// How long it has been open (time rotation).
+    pub age_seconds: f64,
+    pub bytes_written_total: u64,
+    pub files_opened_total: u64,
 }
 
 /// The data-path half: formats records into buffers and hands full ones to the writer thread.
@@ -116,6 +137,16 @@ fn first_record(buf: &[u8], format: Format) -> (usize, u64) {
 impl CaptureWriter {
     /// Opens the first file and starts the writer thread.
     pub fn start(spec: FileSpec) -> Result<CaptureWriter, String> {
+        CaptureWriter::start_on(spec, None)
+    }
+
+    /// Starts the writer thread on the file a predecessor process held ([`CaptureWriter::hold`]),
+    /// writing on after its last record.
+    pub fn resume_at(spec: FileSpec, at: FileState) -> Result<CaptureWriter, String> {
+        CaptureWriter::start_on(spec, Some(at))
+    }
+
+    fn start_on(spec: FileSpec, at: Option<FileState>) -> Result<CaptureWriter, String> {
         let buffers = spec.buffers.max(2);
         let (to_writer, jobs) = mpsc::sync_channel::<Job>(buffers);
         let (give_back, free) = mpsc::sync_channel::<Vec<u8>>(buffers + 1);
@@ -126,7 +157,10 @@ impl CaptureWriter {
         }
         let stats = Arc::new(WriterStats::default());
         let mut files = FileRing::new(spec.clone(), stats.clone());
-        files.open_next(now_ns())?;
+        match at {
+            Some(at) => files.reopen(at)?,
+            None => files.open_next(now_ns())?,
+        }
         let thread = std::thread::Builder::new()
             .name("stitch-capture-writer".into())
             .spawn(move || writer_loop(files, jobs, give_back))
@@ -209,6 +243,31 @@ impl CaptureWriter {
         }
     }
 
+    /// For an upgrade: writes out everything recorded so far and holds the thread (it writes
+    /// nothing more, rotates nothing) until [`CaptureWriter::resume`]; where the file stands,
+    /// or `None` when there is no file (a write failed) or the thread did not answer.
+    pub fn hold(&mut self) -> Option<FileState> {
+        let tx = self.to_writer.as_ref()?;
+        if let Some(buf) = self.current.take().filter(|b| !b.is_empty()) {
+            tx.send(Job::Data {
+                buf,
+                records: self.current_records,
+            })
+            .ok()?;
+            self.current_records = 0;
+        }
+        let (reply, state) = mpsc::sync_channel(1);
+        tx.send(Job::Hold(reply)).ok()?;
+        state.recv_timeout(Duration::from_secs(5)).ok().flatten()
+    }
+
+    /// Lets a held writer go on.
+    pub fn resume(&mut self) {
+        if let Some(tx) = &self.to_writer {
+            let _ = tx.send(Job::Resume);
+        }
+    }
+
     /// Writes everything, closes the file (PCAPNG: with interface statistics) and stops the
     /// writer thread. Blocks until the data is written.
     pub fn close(&mut self, received: u64, dropped: u64) {
@@ -286,6 +345,20 @@ impl Output {
             ends: Default::default(),
             complete: 0,
         })
+    }
+
+    /// A file another process wrote `on_disk` bytes of, written on through the page cache.
+    fn appending(file: File, on_disk: u64) -> Output {
+        Output {
+            file,
+            direct: false,
+            stage: Vec::new(),
+            base: 0,
+            staged: 0,
+            on_disk,
+            ends: Default::default(),
+            complete: on_disk,
+        }
     }
 
     fn capacity(&self) -> usize {
@@ -438,6 +511,55 @@ impl FileRing {
         Ok(())
     }
 
+    /// Writes on in the file a predecessor held, after its last whole record.
+    fn reopen(&mut self, at: FileState) -> Result<(), String> {
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&at.path)
+            .map_err(|e| explain_io(&at.path, &e))?;
+        // Anything past the last whole record (there should be nothing) goes.
+        let placed = file.set_len(at.written).and_then(|()| {
+            use std::io::{Seek, SeekFrom};
+            (&file).seek(SeekFrom::Start(at.written)).map(|_| ())
+        });
+        placed.map_err(|e| explain_io(&at.path, &e))?;
+        self.file = Some(Output::appending(file, at.written));
+        self.written = at.written;
+        self.index = at.index;
+        self.opened_at = Instant::now()
+            .checked_sub(Duration::from_secs_f64(at.age_seconds.max(0.0)))
+            .unwrap_or_else(Instant::now);
+        self.path = at.path;
+        self.stats
+            .bytes_written
+            .store(at.bytes_written_total, Relaxed);
+        self.stats
+            .files_opened
+            .store(at.files_opened_total, Relaxed);
+        Ok(())
+    }
+
+    /// Writes out what is staged; where the file stands (`None` without a file).
+    fn hold(&mut self) -> Option<FileState> {
+        let f = self.file.as_mut()?;
+        if let Err(e) = f.drain() {
+            let lost = f.cut_back();
+            self.stats.records_lost.fetch_add(lost, Relaxed);
+            let msg = explain_io(&self.path, &e);
+            self.fail(&msg);
+            self.file = None;
+            return None;
+        }
+        Some(FileState {
+            path: self.path.clone(),
+            written: self.written,
+            index: self.index,
+            age_seconds: self.opened_at.elapsed().as_secs_f64(),
+            bytes_written_total: self.stats.bytes_written.load(Relaxed),
+            files_opened_total: self.stats.files_opened.load(Relaxed),
+        })
+    }
+
     fn rotate(&mut self) {
         self.finish(None);
         if let Err(e) = self.open_next(now_ns()) {
@@ -559,7 +681,7 @@ fn explain_io(path: &Path, e: &std::io::Error) -> String {
 }
 
 fn writer_loop(mut files: FileRing, jobs: Receiver<Job>, give_back: SyncSender<Vec<u8>>) {
-    loop {
+    'jobs: loop {
         let job = match jobs.recv_timeout(Duration::from_millis(200)) {
             Ok(j) => j,
             Err(mpsc::RecvTimeoutError::Timeout) => {
@@ -578,6 +700,30 @@ fn writer_loop(mut files: FileRing, jobs: Receiver<Job>, give_back: SyncSender<V
                 files.finish(Some((received, dropped)));
                 break;
             }
+            Job::Hold(reply) => {
+                let _ = reply.send(files.hold());
+                // Held: nothing is written or rotated until told to go on; a process that
+                // handed over exits meanwhile.
+                loop {
+                    match jobs.recv() {
+                        Ok(Job::Resume) => break,
+                        Ok(Job::Close { received, dropped }) => {
+                            files.finish(Some((received, dropped)));
+                            break 'jobs;
+                        }
+                        Err(_) => break 'jobs,
+                        Ok(Job::Data { mut buf, .. }) => {
+                            files.write(&buf);
+                            buf.clear();
+                            let _ = give_back.try_send(buf);
+                        }
+                        Ok(Job::Hold(reply)) => {
+                            let _ = reply.send(files.hold());
+                        }
+                    }
+                }
+            }
+            Job::Resume => {}
         }
     }
     files.finish(None);
@@ -660,6 +806,38 @@ mod tests {
                 assert_eq!(*ts, 1_700_000_000_123_456_789 + i as u64);
                 assert_eq!(d, &frames[i]);
             }
+        }
+    }
+
+    #[test]
+    fn a_held_file_is_written_on_by_a_successor_or_by_the_writer_that_held_it() {
+        let dir = tempfile::tempdir().unwrap();
+        for (name, format) in [("h.pcap", Format::Pcap), ("h.pcapng", Format::Pcapng)] {
+            let frames: Vec<Vec<u8>> = (0..3000).map(|i| vec![i as u8; 60 + i % 1000]).collect();
+            let mut w = CaptureWriter::start(spec(dir.path(), name, format)).unwrap();
+            for f in &frames[..1000] {
+                assert!(w.record(1, f));
+            }
+            // Held and let go again (a take-over that failed): it goes on.
+            assert!(w.hold().is_some());
+            w.resume();
+            for f in &frames[1000..2000] {
+                assert!(w.record(2, f));
+            }
+            // Held for a successor (in another process: a writer of its own on the same file).
+            let at = w.hold().expect("a file");
+            // The process that handed over exits without closing anything.
+            std::mem::forget(w);
+            assert_eq!(at.written, std::fs::metadata(&at.path).unwrap().len());
+            let mut next = CaptureWriter::resume_at(spec(dir.path(), name, format), at).unwrap();
+            for f in &frames[2000..] {
+                assert!(next.record(3, f));
+            }
+            next.close(3000, 0);
+            assert_eq!(next.stats.files_opened.load(Relaxed), 1);
+            let back = read_all(&dir.path().join(name));
+            assert_eq!(back.len(), 3000, "{name}");
+            assert!(back.iter().zip(&frames).all(|((_, d), f)| d == f), "{name}");
         }
     }
 

@@ -19,13 +19,10 @@ use stitch_core::Descriptors;
 
 /// App types whose process-held resources a new process could not open beside the old one,
 /// or would lose by opening again: an upgrade is refused while the graph has one.
-const NOT_HANDED_OVER: [(&str, &str); 2] = [
-    (
-        "af_xdp",
-        "its queue's socket and UMEM are bound to this process",
-    ),
-    ("capture", "its file would be written again from the start"),
-];
+const NOT_HANDED_OVER: [(&str, &str); 1] = [(
+    "af_xdp",
+    "its queue's socket and UMEM are bound to this process",
+)];
 
 /// What a running instance lends its successor: each engine app's descriptors (by app, with
 /// its type) and each running function process's ([`Supervisor::lend`]).

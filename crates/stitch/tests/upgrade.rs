@@ -822,47 +822,61 @@ links:
     );
 }
 
+/// A `capture` tap on the stream and a `pcap_sink` behind a tee, through an upgrade: each
+/// file is one file written on by the new process after the old one's last record — every
+/// numbered datagram in it once, in order — and tshark reads both to the end (the new process
+/// writes the closing statistics blocks).
 #[test]
-fn a_capture_file_is_written_on_across_an_upgrade() {
+fn capture_files_are_written_on_across_an_upgrade() {
     require_root_and_tools(&["ip", "python3", "tshark"]);
     let h = TwoHosts::new();
     let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("cap.pcapng");
+    let (sink_file, tap_file) = (dir.path().join("sink.pcapng"), dir.path().join("tap.pcap"));
     let first = Stitch::run(&format!(
         "apps:
   a: {{ type: af_packet, interface: {a} }}
   b: {{ type: af_packet, interface: {b} }}
+  tap: {{ type: capture, file: {tap} }}
   t: {{ type: tee }}
-  cap: {{ type: pcap_sink, file: {file} }}
+  cap: {{ type: pcap_sink, file: {sink} }}
 links:
-  - \"a.output -> t.input\"
+  - \"a.output -> tap.input\"
+  - \"tap.output -> t.input\"
   - \"t.a -> b.input\"
   - \"t.b -> cap.input\"
   - \"b.output -> a.input\"
 ",
         a = h.outer[0],
         b = h.outer[1],
-        file = file.display()
+        tap = tap_file.display(),
+        sink = sink_file.display()
     ));
     assert!(h.reaches(0, &h.ip[1], 10), "no path before the upgrade");
     let (successor, _) = numbered_stream_across_an_upgrade(&h, &first);
     let last = successor.stop(first);
-    let numbers: Vec<u32> = tshark_checked_where(&file, "udp.dstport == 7008", &["data.data"])
-        .iter()
-        .map(|hex| u32::from_str_radix(hex, 16).unwrap())
-        .collect();
-    assert_eq!(
-        numbers.len(),
-        4000,
-        "datagrams in the file: {}",
-        numbers.len()
-    );
-    assert!(
-        numbers.windows(2).all(|w| w[1] == w[0] + 1),
-        "out of order or twice in the file"
-    );
-    let written = app(&last, "cap")["counters"]["written"].as_u64().unwrap();
-    assert_eq!(capinfos_count(&file), written, "{last}");
+    for (file, app_name, counter) in [
+        (&sink_file, "cap", "written"),
+        (&tap_file, "tap", "captured"),
+    ] {
+        let numbers: Vec<u32> = tshark_checked_where(file, "udp.dstport == 7008", &["data.data"])
+            .iter()
+            .map(|hex| u32::from_str_radix(hex, 16).unwrap())
+            .collect();
+        assert_eq!(
+            numbers.len(),
+            4000,
+            "{}: {} datagrams",
+            file.display(),
+            numbers.len()
+        );
+        assert!(
+            numbers.windows(2).all(|w| w[1] == w[0] + 1),
+            "{}: out of order or twice",
+            file.display()
+        );
+        let recorded = app(&last, app_name)["counters"][counter].as_u64().unwrap();
+        assert_eq!(capinfos_count(file), recorded, "{app_name}: {last}");
+    }
 }
 
 #[test]
