@@ -593,6 +593,52 @@ fn an_openflow_switch_keeps_its_tables_and_its_controller_socket_across_an_upgra
 
 /// A TAP device is handed over open: it never goes away, so it keeps its index and the
 /// address the host gave it, across two upgrades in a row.
+/// Two `af_packet` ports on the hosts' veths with `apps` between them: host 0's frames go
+/// `a → hops… → b`, host 1's straight back to `a`.
+fn ports_around(h: &TwoHosts, apps: &str, hops: &[&str]) -> String {
+    let mut path = vec!["a.output".to_string()];
+    for hop in hops {
+        path.push(format!("{hop}.input"));
+        path.push(format!("{hop}.output"));
+    }
+    path.push("b.input".into());
+    let links: String = (path.chunks(2))
+        .map(|w| format!("  - \"{} -> {}\"\n", w[0], w[1]))
+        .collect();
+    format!(
+        "apps:\n  a: {{ type: af_packet, interface: {} }}\n  b: {{ type: af_packet, interface: {} }}\n{apps}links:\n{links}  - \"b.output -> a.input\"\n",
+        h.outer[0], h.outer[1]
+    )
+}
+
+/// Kills (-9) the process a `--supervise` parent runs the instance in, and waits for the
+/// parent to run it again with app `name` placed as `placement`.
+fn crash_supervised(s: &Stitch, name: &str, placement: &str) {
+    let parent = s.process.0.id();
+    let first: i32 = must(&format!("pgrep -P {parent}")).trim().parse().unwrap();
+    // SAFETY: kill takes no pointers.
+    unsafe { libc::kill(first, libc::SIGKILL) };
+    wait_until("the instance to come back with its graph", 30, || {
+        s.stats().is_some()
+            && must(&format!("pgrep -P {parent}")).trim() != first.to_string()
+            && try_show(s, name).is_ok_and(|v| v["placement"] == placement)
+    });
+}
+
+/// Stops a `--supervise` instance upgraded to `successor` by SIGTERM to its parent, which
+/// must end well.
+fn stop_supervised(s: Stitch, successor: Successor) {
+    // SAFETY: kill takes no pointers.
+    unsafe { libc::kill(s.process.0.id() as i32, libc::SIGTERM) };
+    let out = s.process.finish();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    drop(successor);
+}
+
 /// A guest's virtio driver (testpmd's virtio-user, forwarding what it receives back) never
 /// sees its vhost-user connection go: the successor carries the port on in the same rings, on
 /// the same connection, and the numbered stream through the guest loses nothing.
@@ -602,19 +648,10 @@ fn a_vhost_user_guest_keeps_its_connection_across_an_upgrade() {
     let h = TwoHosts::new();
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("vm.sock");
-    let first = Stitch::run(&format!(
-        "apps:
-  a: {{ type: af_packet, interface: {a} }}
-  b: {{ type: af_packet, interface: {b} }}
-  vm: {{ type: vhost_user, socket: {sock} }}
-links:
-  - \"a.output -> vm.input\"
-  - \"vm.output -> b.input\"
-  - \"b.output -> a.input\"
-",
-        a = h.outer[0],
-        b = h.outer[1],
-        sock = sock.display()
+    let first = Stitch::run(&ports_around(
+        &h,
+        &format!("  vm: {{ type: vhost_user, socket: {} }}\n", sock.display()),
+        &["vm"],
     ));
     let guest = Testpmd::start_io(&sock);
     let ready = |s: &Stitch| {
@@ -680,15 +717,7 @@ fn a_vm_is_adopted_after_a_crash_and_carries_on_across_an_upgrade() {
     let s = Stitch::run_with(&graph, &["--supervise", "--keep-running"]);
     assert!(h.reaches(0, &guest, 120), "the guest: {}", show(&s, "vm1"));
     let qemu = pid_of(&s, "vm1").unwrap();
-    let parent = s.process.0.id();
-    let first: i32 = must(&format!("pgrep -P {parent}")).trim().parse().unwrap();
-    // SAFETY: kill takes no pointers.
-    unsafe { libc::kill(first, libc::SIGKILL) };
-    wait_until("the instance to come back with its graph", 30, || {
-        s.stats().is_some()
-            && must(&format!("pgrep -P {parent}")).trim() != first.to_string()
-            && try_show(&s, "vm1").is_ok_and(|v| v["placement"] == "vm")
-    });
+    crash_supervised(&s, "vm1", "vm");
     let vm = show(&s, "vm1");
     assert_eq!(
         vm["process"]["pid"].as_i64(),
@@ -720,15 +749,7 @@ fn a_vm_is_adopted_after_a_crash_and_carries_on_across_an_upgrade() {
         counters["connections"], 1,
         "the guest connected again: {counters}"
     );
-    // SAFETY: as above.
-    unsafe { libc::kill(parent as i32, libc::SIGTERM) };
-    let out = s.process.finish();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    drop(successor);
+    stop_supervised(s, successor);
     wait_until("the VM to stop with the instance", 10, || {
         !alive(qemu as i32)
     });
@@ -753,19 +774,7 @@ fn a_kernel_app_carries_on_across_a_crash_and_an_upgrade() {
             .collect::<std::collections::BTreeSet<_>>()
     };
     let before = planes();
-    let graph = format!(
-        "apps:
-  a: {{ type: af_packet, interface: {a} }}
-  b: {{ type: af_packet, interface: {b} }}
-  k: {{ type: forwarder, placement: kernel }}
-links:
-  - \"a.output -> k.input\"
-  - \"k.output -> b.input\"
-  - \"b.output -> a.input\"
-",
-        a = h.outer[0],
-        b = h.outer[1]
-    );
+    let graph = ports_around(&h, "  k: { type: forwarder, placement: kernel }\n", &["k"]);
     let s = Stitch::run_with(&graph, &["--supervise", "--keep-running"]);
     let made: Vec<_> = planes().difference(&before).cloned().collect();
     assert_eq!(made.len(), 1, "one data plane: {made:?}");
@@ -776,15 +785,7 @@ links:
         app(&stats, "k")["rx_packets"].as_u64().unwrap()
     };
     let before_crash = kernel_rx(&s);
-    let parent = s.process.0.id();
-    let first: i32 = must(&format!("pgrep -P {parent}")).trim().parse().unwrap();
-    // SAFETY: kill takes no pointers.
-    unsafe { libc::kill(first, libc::SIGKILL) };
-    wait_until("the instance to come back with its graph", 30, || {
-        s.stats().is_some()
-            && must(&format!("pgrep -P {parent}")).trim() != first.to_string()
-            && try_show(&s, "k").is_ok_and(|k| k["placement"] == "kernel")
-    });
+    crash_supervised(&s, "k", "kernel");
     assert!(
         kernel_rx(&s) >= before_crash,
         "the data plane was installed afresh after the crash"
@@ -807,15 +808,7 @@ links:
         kernel_rx(&s) > after,
         "the kernel forwards after the upgrade"
     );
-    // SAFETY: as above.
-    unsafe { libc::kill(parent as i32, libc::SIGTERM) };
-    let out = s.process.finish();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    drop(successor);
+    stop_supervised(s, successor);
     assert!(
         !Path::new("/sys/fs/bpf/stitch").join(&made[0]).exists(),
         "the data plane outlived the instance"
