@@ -33,8 +33,14 @@ use stitch_core::link::LinkStats;
 use stitch_core::{fdpass, AppState, Descriptors};
 
 /// The protocol's own format; a process reading another refuses it and the old one carries on.
-/// 3: function processes.
-pub const HAND_OVER_FORMAT: u32 = 3;
+/// 3: function processes. 4: `vhost_user` ports, VMs, kernel apps, `pcap_sink`, `capture` and
+/// `af_xdp` apps — which a process reading only format 3 would open afresh under the old one,
+/// so such a process (an older Stitch) is refused.
+pub const HAND_OVER_FORMAT: u32 = 4;
+
+/// The oldest format this process takes over from: a format 3 process lends what format 4
+/// lends, less the apps it refuses to hand over.
+const OLDEST_TAKEN_OVER: u32 = 3;
 
 /// How long the old process waits for each answer of the new one.
 pub const ANSWER_PATIENCE: Duration = Duration::from_secs(30);
@@ -128,8 +134,12 @@ enum Answer {
 
 #[derive(Serialize, Deserialize)]
 struct Request {
+    /// The oldest format the new process reads (a process of format 3 compares it with its own).
     take_over: u32,
     pid: u32,
+    /// The newest format it reads (absent: `take_over` alone).
+    #[serde(default)]
+    reads_up_to: Option<u32>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -212,14 +222,14 @@ fn tell_service_manager(successor: u32) {
 fn hand_over(api: &Api, mut conn: UnixStream, holdings: &Holdings) -> anyhow::Result<Option<u32>> {
     conn.set_read_timeout(Some(ANSWER_PATIENCE))?;
     let request: Request = read_frame(&mut conn)?;
-    let refusal = if request.take_over != HAND_OVER_FORMAT {
-        Some(format!(
-            "hand-over format {} asked, this Stitch offers format {HAND_OVER_FORMAT}",
+    let newest = request.reads_up_to.unwrap_or(request.take_over);
+    let refusal = (!(request.take_over..=newest).contains(&HAND_OVER_FORMAT)).then(|| {
+        format!(
+            "the new process reads hand-over formats {}..={newest}, this Stitch hands over in \
+             format {HAND_OVER_FORMAT} (is the new binary older?)",
             request.take_over
-        ))
-    } else {
-        api.placements().upgrade_obstacle()
-    };
+        )
+    });
     if let Some(why) = refusal {
         write_frame(&mut conn, &Reply::Refused(why.clone()))?;
         anyhow::bail!("refused process {}: {why}", request.pid);
@@ -379,8 +389,9 @@ pub fn take_over(api_socket: &Path) -> anyhow::Result<(Inheritance, AnswerTo)> {
     write_frame(
         &mut conn,
         &Request {
-            take_over: HAND_OVER_FORMAT,
+            take_over: OLDEST_TAKEN_OVER,
             pid: std::process::id(),
+            reads_up_to: Some(HAND_OVER_FORMAT),
         },
     )?;
     let mut offer = match read_frame::<Reply>(&mut conn)? {

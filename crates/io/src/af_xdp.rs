@@ -21,12 +21,12 @@
 
 use crate::netdev::{self, explain, setsockopt};
 use crate::xdp::XdpRedirect;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 use stitch_core::mapping::{MapOptions, Mapping};
-use stitch_core::{pool, App, AppContext, AppError, Counter, Io, PortSpec};
+use stitch_core::{pool, App, AppContext, AppError, Counter, Descriptors, Io, PortSpec};
 use stitch_wire::offload;
 
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
@@ -258,6 +258,10 @@ struct Xsk {
     queue: u32,
     /// The frames the kernel receives into and sends from.
     umem: Mapping,
+    /// The UMEM's file, to lend at an upgrade.
+    umem_fd: OwnedFd,
+    frames: u32,
+    ring_size: u32,
     fill: Ring,
     comp: Ring,
     rx: Ring,
@@ -357,7 +361,7 @@ impl Xsk {
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
         let raw = fd.as_raw_fd();
         let umem_len = (frames * FRAME_SIZE) as usize;
-        let (_memfd, umem) = Mapping::create(&format!("stitch-xdp-{ifname}-{queue}"), umem_len)
+        let (umem_fd, umem) = Mapping::create(&format!("stitch-xdp-{ifname}-{queue}"), umem_len)
             .map_err(|e| explain("cannot allocate UMEM", e))?;
         let reg = UmemReg {
             addr: umem.as_ptr() as u64,
@@ -380,16 +384,14 @@ impl Xsk {
             setsockopt(raw, SOL_XDP, opt, &ring_size)
                 .map_err(|e| format!("AF_XDP {what} ring: {e}"))?;
         }
-        let off: MmapOffsets =
-            getsockopt(raw, XDP_MMAP_OFFSETS).map_err(|e| format!("XDP_MMAP_OFFSETS: {e}"))?;
-        let fill = Ring::map(fd.as_fd(), &off.fr, ring_size, 8, PGOFF_FILL)?;
-        let comp = Ring::map(fd.as_fd(), &off.cr, ring_size, 8, PGOFF_COMPLETION)?;
-        let rx = Ring::map(fd.as_fd(), &off.rx, ring_size, 16, PGOFF_RX)?;
-        let tx = Ring::map(fd.as_fd(), &off.tx, ring_size, 16, PGOFF_TX)?;
+        let [fill, comp, rx, tx] = map_rings(fd.as_fd(), ring_size)?;
         let mut xsk = Xsk {
             fd,
             queue,
             umem,
+            umem_fd,
+            frames,
+            ring_size,
             fill,
             comp,
             rx,
@@ -409,6 +411,58 @@ impl Xsk {
 
         xsk.zero_copy = bind(raw, ifname, ifindex, queue, zc)?;
         Ok(xsk)
+    }
+
+    /// The socket and its UMEM's file, and where it stands, for a process taking over.
+    fn lend(&self) -> std::io::Result<(Vec<OwnedFd>, XskPosition)> {
+        let position = XskPosition {
+            queue: self.queue,
+            frames: self.frames,
+            ring_size: self.ring_size,
+            zero_copy: self.zero_copy,
+            tx_free: self.tx_free.clone(),
+        };
+        Ok((
+            vec![self.fd.try_clone()?, self.umem_fd.try_clone()?],
+            position,
+        ))
+    }
+
+    /// The socket a predecessor lent, on its UMEM and rings (the XSKMAP already points at it).
+    fn adopt(fd: OwnedFd, umem_fd: OwnedFd, at: &XskPosition) -> Result<Xsk, String> {
+        let len = (at.frames * FRAME_SIZE) as usize;
+        let opts = MapOptions {
+            populate: true,
+            ..MapOptions::default()
+        };
+        let umem = Mapping::shared(umem_fd.as_fd(), len, opts)
+            .map_err(|e| explain("cannot map the lent UMEM", e))?;
+        let [fill, comp, rx, tx] = map_rings(fd.as_fd(), at.ring_size)?;
+        Ok(Xsk {
+            fd,
+            queue: at.queue,
+            umem,
+            umem_fd,
+            frames: at.frames,
+            ring_size: at.ring_size,
+            fill,
+            comp,
+            rx,
+            tx,
+            tx_free: at.tx_free.clone(),
+            zero_copy: at.zero_copy,
+        })
+    }
+
+    /// Carries on where the predecessor stopped: its free transmit frames, and each ring's
+    /// index on this side as the shared ring words hold it (each was published before the
+    /// final word).
+    fn resume_at(&mut self, at: &XskPosition) {
+        self.tx_free = at.tx_free.clone();
+        self.fill.local = self.fill.prod().load(Ordering::Acquire);
+        self.tx.local = self.tx.prod().load(Ordering::Acquire);
+        self.rx.local = self.rx.cons().load(Ordering::Acquire);
+        self.comp.local = self.comp.cons().load(Ordering::Acquire);
     }
 
     fn kick_rx(&self) {
@@ -473,9 +527,91 @@ impl Xsk {
     }
 }
 
+/// The fill, completion, receive and transmit rings of socket `fd`, mapped.
+fn map_rings(fd: BorrowedFd<'_>, ring_size: u32) -> Result<[Ring; 4], String> {
+    let off: MmapOffsets = getsockopt(fd.as_raw_fd(), XDP_MMAP_OFFSETS)
+        .map_err(|e| format!("XDP_MMAP_OFFSETS: {e}"))?;
+    Ok([
+        Ring::map(fd, &off.fr, ring_size, 8, PGOFF_FILL)?,
+        Ring::map(fd, &off.cr, ring_size, 8, PGOFF_COMPLETION)?,
+        Ring::map(fd, &off.rx, ring_size, 16, PGOFF_RX)?,
+        Ring::map(fd, &off.tx, ring_size, 16, PGOFF_TX)?,
+    ])
+}
+
+/// Where one socket stands at an upgrade: its set-up and the transmit frames this side holds
+/// (the others are in the kernel's rings).
+#[derive(Debug, Serialize, Deserialize)]
+struct XskPosition {
+    queue: u32,
+    frames: u32,
+    ring_size: u32,
+    zero_copy: bool,
+    tx_free: Vec<u64>,
+}
+
+/// Where an `af_xdp` port stands at an upgrade. Its descriptors: the XDP map, program and
+/// link, then each socket and its UMEM's file.
+#[derive(Debug, Serialize, Deserialize)]
+struct Position {
+    native: bool,
+    socks: Vec<XskPosition>,
+}
+
+/// The XDP program attached to the interface and a socket per queue, bound and mapped.
+fn open(c: &AfXdpConfig, ifindex: u32) -> Result<(XdpRedirect, Vec<Xsk>), String> {
+    let name = &c.interface;
+    let max_queue = c.queues.iter().max().copied().unwrap_or(0) + 1;
+    let xdp = match c.xdp_mode {
+        XdpMode::Native => XdpRedirect::attach(name, ifindex, true, max_queue)?,
+        XdpMode::Generic => XdpRedirect::attach(name, ifindex, false, max_queue)?,
+        XdpMode::Auto => match XdpRedirect::attach(name, ifindex, true, max_queue) {
+            Ok(x) => x,
+            Err(e) if e.contains("no native XDP") => {
+                log::warn!("{e}; using generic XDP");
+                XdpRedirect::attach(name, ifindex, false, max_queue)?
+            }
+            Err(e) => return Err(e),
+        },
+    };
+    let mut socks = Vec::new();
+    for &q in &c.queues {
+        let x = Xsk::open(name, ifindex, q, c.frames, c.zero_copy)?;
+        xdp.bind_queue(q, x.fd.as_raw_fd())?;
+        socks.push(x);
+    }
+    Ok((xdp, socks))
+}
+
+/// The program and sockets a predecessor lent, for the same queues.
+fn adopt(c: &AfXdpConfig, lent: Descriptors) -> Result<(XdpRedirect, Vec<Xsk>), String> {
+    let at: Position =
+        serde_json::from_value(lent.position).map_err(|e| format!("lent position: {e}"))?;
+    let lent_queues: Vec<u32> = at.socks.iter().map(|s| s.queue).collect();
+    if lent_queues != c.queues {
+        return Err(format!(
+            "the predecessor served queues {lent_queues:?}, this graph asks for {:?}",
+            c.queues
+        ));
+    }
+    let mut fds = lent.fds.into_iter();
+    let xdp = XdpRedirect::adopt(&mut fds, at.native)?;
+    let mut socks = Vec::new();
+    for s in &at.socks {
+        let (Some(fd), Some(umem_fd)) = (fds.next(), fds.next()) else {
+            return Err(format!("queue {}: its socket was not lent", s.queue));
+        };
+        socks.push(Xsk::adopt(fd, umem_fd, s)?);
+    }
+    Ok((xdp, socks))
+}
+
 pub struct AfXdp {
     socks: Vec<Xsk>,
     xdp: XdpRedirect,
+    /// The XSKMAP entries are this process's to remove when the port goes (not while a
+    /// predecessor still serves the sockets it lent).
+    owns: bool,
     complete_checksums: bool,
     next_rx: usize,
     next_tx: usize,
@@ -495,6 +631,9 @@ pub struct AfXdp {
 
 impl Drop for AfXdp {
     fn drop(&mut self) {
+        if !self.owns {
+            return;
+        }
         for s in &self.socks {
             self.xdp.unbind_queue(s.queue);
         }
@@ -584,38 +723,31 @@ impl App for AfXdp {
         {
             return Err(format!("interface `{name}` is down (ip link set {name} up)").into());
         }
-        let max_queue = c.queues.iter().max().copied().unwrap_or(0) + 1;
-        let xdp = match c.xdp_mode {
-            XdpMode::Native => XdpRedirect::attach(name, ifindex, true, max_queue)?,
-            XdpMode::Generic => XdpRedirect::attach(name, ifindex, false, max_queue)?,
-            XdpMode::Auto => match XdpRedirect::attach(name, ifindex, true, max_queue) {
-                Ok(x) => x,
-                Err(e) if e.contains("no native XDP") => {
-                    log::warn!("{e}; using generic XDP");
-                    XdpRedirect::attach(name, ifindex, false, max_queue)?
-                }
-                Err(e) => return Err(e.into()),
-            },
+        let (xdp, socks, owns) = match ctx.take_inherited() {
+            Some(lent) => {
+                let (xdp, socks) = adopt(&c, lent)?;
+                (xdp, socks, false)
+            }
+            None => {
+                let (xdp, socks) = open(&c, ifindex)?;
+                (xdp, socks, true)
+            }
         };
-        let mut socks = Vec::new();
-        for &q in &c.queues {
-            let x = Xsk::open(name, ifindex, q, c.frames, c.zero_copy)?;
-            xdp.bind_queue(q, x.fd.as_raw_fd())?;
-            socks.push(x);
-        }
         log::info!(
-            "af_xdp {name}: queues {:?}, {} XDP, {}",
+            "af_xdp {name}: queues {:?}, {} XDP, {}{}",
             c.queues,
             if xdp.native { "native" } else { "generic" },
             if socks.iter().all(|s| s.zero_copy) {
                 "zero-copy"
             } else {
                 "copy mode"
-            }
+            },
+            if owns { "" } else { ", taken over" }
         );
         Ok(AfXdp {
             socks,
             xdp,
+            owns,
             complete_checksums: c.complete_checksums,
             next_rx: 0,
             next_tx: 0,
@@ -723,5 +855,41 @@ impl App for AfXdp {
 
     fn stop(&mut self) {
         self.read_kernel_stats();
+    }
+
+    /// The program, the sockets and their UMEMs: the successor maps the same rings and
+    /// frames and carries on at the indices the rings hold, the XSKMAP pointing at the same
+    /// sockets throughout.
+    fn hand_over(&mut self) -> Option<Descriptors> {
+        let mut fds = self.xdp.lend().ok()?;
+        let mut socks = Vec::new();
+        for x in &self.socks {
+            let (lent, position) = x.lend().ok()?;
+            fds.extend(lent);
+            socks.push(position);
+        }
+        let position = Position {
+            native: self.xdp.native,
+            socks,
+        };
+        Some(Descriptors {
+            fds,
+            position: serde_json::to_value(position).ok()?,
+        })
+    }
+
+    fn take_position(&mut self, position: serde_json::Value) -> Result<(), String> {
+        let at: Position = serde_json::from_value(position).map_err(|e| e.to_string())?;
+        if at.socks.len() != self.socks.len() {
+            return Err(format!(
+                "af_xdp {}: the predecessor's sockets changed",
+                self.interface
+            ));
+        }
+        for (x, s) in self.socks.iter_mut().zip(&at.socks) {
+            x.resume_at(s);
+        }
+        self.owns = true;
+        Ok(())
     }
 }

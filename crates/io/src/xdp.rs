@@ -163,6 +163,34 @@ impl XdpRedirect {
         })
     }
 
+    /// Duplicates of the map, the program and the link, for a Stitch process taking over: the
+    /// program stays attached while any process holds the link.
+    pub fn lend(&self) -> std::io::Result<Vec<OwnedFd>> {
+        Ok(vec![
+            self.map.try_clone()?,
+            self._prog.try_clone()?,
+            self._link.try_clone()?,
+        ])
+    }
+
+    /// The redirect a predecessor lent ([`XdpRedirect::lend`]), attached as it is, its map
+    /// pointing at the predecessor's sockets.
+    pub fn adopt(
+        fds: &mut impl Iterator<Item = OwnedFd>,
+        native: bool,
+    ) -> Result<XdpRedirect, String> {
+        let mut next = || {
+            fds.next()
+                .ok_or("the XDP program's descriptors were not lent")
+        };
+        Ok(XdpRedirect {
+            map: next()?,
+            _prog: next()?,
+            _link: next()?,
+            native,
+        })
+    }
+
     /// Directs queue `queue` to socket `xsk`.
     pub fn bind_queue(&self, queue: u32, xsk: RawFd) -> Result<(), String> {
         let (key, value) = (queue, xsk as u32);

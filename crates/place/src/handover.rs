@@ -17,13 +17,6 @@ use stitch_core::engine::{HandedApp, Prepared, RestoreReport};
 use stitch_core::link::LinkStats;
 use stitch_core::Descriptors;
 
-/// App types whose process-held resources a new process could not open beside the old one,
-/// or would lose by opening again: an upgrade is refused while the graph has one.
-const NOT_HANDED_OVER: [(&str, &str); 1] = [(
-    "af_xdp",
-    "its queue's socket and UMEM are bound to this process",
-)];
-
 /// What a running instance lends its successor: each engine app's descriptors (by app, with
 /// its type) and each running function process's ([`Supervisor::lend`]).
 pub struct Lent {
@@ -41,21 +34,6 @@ pub struct Inheriting {
 }
 
 impl Placements {
-    /// Why the running graph cannot be handed to a successor process (`stitch upgrade`), if it
-    /// cannot: some engine apps hold what a second process cannot share.
-    pub fn upgrade_obstacle(&self) -> Option<String> {
-        let graph = self.graph.lock().unwrap();
-        let graph = graph.as_ref()?;
-        let held: Vec<String> = (graph.graph.apps.values())
-            .filter_map(|d| {
-                let (_, why) = NOT_HANDED_OVER.iter().find(|(k, _)| *k == d.kind)?;
-                Some(format!("`{}` ({}: {why})", d.name, d.kind))
-            })
-            .collect();
-        (!held.is_empty())
-            .then(|| format!("these apps cannot be handed over yet: {}", held.join("; ")))
-    }
-
     /// Duplicates of what carries the instance's traffic, for a successor that builds on them
     /// while this process runs on.
     pub fn lend(&self) -> Result<Lent, PlaceError> {
