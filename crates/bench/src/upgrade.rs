@@ -126,7 +126,8 @@ impl Rig {
     fn start_guest(&self) -> Result<Child> {
         use std::io::Write;
         let vdev = format!(
-            "net_virtio_user0,path={},queues=1,server=1",
+            // 1024 descriptors: half a second of the soak's stream waits there through a stall.
+            "net_virtio_user0,path={},queues=1,server=1,queue_size=1024",
             self.dir.path().join("guest.sock").display()
         );
         let mut child = Command::new("dpdk-testpmd")

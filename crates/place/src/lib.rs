@@ -441,15 +441,20 @@ impl Placements {
         }
         let mut installed = self.kernel.lock().unwrap();
         let left = self.kernel_left.lock().unwrap().take();
+        // Whatever a packet will be sent to must exist before the engine switches to it: kernel
+        // functions that arrive are installed first; when the kernel's part only loses
+        // functions (an app moving back to the engine), the engine switches first and the
+        // kernel then drops what nothing sends to any more. A data plane a crashed run left
+        // forwards already: the engine opens its ports first when their veths are all there,
+        // so that the interfaces are served while the programs load.
+        let kernel_first = match (&left, plan.kernel.as_ref()) {
+            (Some(kept), Some(part)) => !part.veths.is_subset(kept),
+            _ => kernel_gains(installed.as_ref(), plan.kernel.as_ref()),
+        };
         let was_installed = installed.is_some() || left.is_some();
         let old_veths = (installed.as_ref().map(|k| k.veths.clone()))
             .or(left)
             .unwrap_or_default();
-        // Whatever a packet will be sent to must exist before the engine switches to it: kernel
-        // functions that arrive are installed first; when the kernel's part only loses
-        // functions (an app moving back to the engine), the engine switches first and the
-        // kernel then drops what nothing sends to any more.
-        let kernel_first = kernel_gains(installed.as_ref(), plan.kernel.as_ref());
         if kernel_first {
             self.apply_kernel(plan.kernel.as_ref(), was_installed, &old_veths)?;
         }
@@ -458,7 +463,10 @@ impl Placements {
         let report = PlaceReport { engine, moved };
         if !kernel_first {
             if let Err(e) = self.apply_kernel(plan.kernel.as_ref(), was_installed, &old_veths) {
-                log::error!("the kernel's part could not drop what left it: {e}; it is removed when the instance stops");
+                log::error!(
+                    "the kernel's part could not follow the engine's: {e}; it keeps what it \
+                     ran (removed when the instance stops)"
+                );
             }
         }
         for m in &report.moved {
