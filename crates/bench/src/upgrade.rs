@@ -78,6 +78,16 @@ impl Drop for Rig {
             let _ = c.wait();
         }
         kill_by_socket(&self.socket());
+        // What a killed instance leaves (a kernel data plane, its veths, VM sockets).
+        if let Ok(exe) = std::env::current_exe() {
+            let _ = Command::new(exe)
+                .arg("cleanup")
+                .arg("--control")
+                .arg(self.socket())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
+        }
         for v in &self.veths {
             let _ = Command::new("ip").args(["link", "del", v]).status();
         }
