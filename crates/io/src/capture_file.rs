@@ -680,6 +680,13 @@ fn explain_io(path: &Path, e: &std::io::Error) -> String {
     }
 }
 
+/// Writes a buffer of records and hands it back, empty, to the data path.
+fn write_and_give_back(files: &mut FileRing, mut buf: Vec<u8>, give_back: &SyncSender<Vec<u8>>) {
+    files.write(&buf);
+    buf.clear();
+    let _ = give_back.try_send(buf);
+}
+
 fn writer_loop(mut files: FileRing, jobs: Receiver<Job>, give_back: SyncSender<Vec<u8>>) {
     'jobs: loop {
         let job = match jobs.recv_timeout(Duration::from_millis(200)) {
@@ -691,11 +698,7 @@ fn writer_loop(mut files: FileRing, jobs: Receiver<Job>, give_back: SyncSender<V
             Err(mpsc::RecvTimeoutError::Disconnected) => break,
         };
         match job {
-            Job::Data { mut buf, .. } => {
-                files.write(&buf);
-                buf.clear();
-                let _ = give_back.try_send(buf);
-            }
+            Job::Data { buf, .. } => write_and_give_back(&mut files, buf, &give_back),
             Job::Close { received, dropped } => {
                 files.finish(Some((received, dropped)));
                 break;
@@ -712,10 +715,8 @@ fn writer_loop(mut files: FileRing, jobs: Receiver<Job>, give_back: SyncSender<V
                             break 'jobs;
                         }
                         Err(_) => break 'jobs,
-                        Ok(Job::Data { mut buf, .. }) => {
-                            files.write(&buf);
-                            buf.clear();
-                            let _ = give_back.try_send(buf);
+                        Ok(Job::Data { buf, .. }) => {
+                            write_and_give_back(&mut files, buf, &give_back)
                         }
                         Ok(Job::Hold(reply)) => {
                             let _ = reply.send(files.hold());
