@@ -28,8 +28,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use stitch_core::engine::{HandOver, HandedApp};
-use stitch_core::link::LinkStats;
+use stitch_core::engine::{HandOver, HandedApp, HandedLink};
 use stitch_core::{fdpass, AppState, Descriptors};
 
 /// The protocol's own format; a process reading another refuses it and the old one carries on.
@@ -87,7 +86,7 @@ pub struct LentApp {
 #[derive(Debug, Serialize, Deserialize)]
 pub struct Final {
     pub apps: BTreeMap<String, FinalApp>,
-    pub links: BTreeMap<String, LinkStats>,
+    pub links: BTreeMap<String, HandedLink>,
     pub drained: u64,
     pub left_queued: u64,
     pub unsaved: Vec<(String, String)>,

@@ -5,11 +5,13 @@
 //! so that a new counter in an app never needs a new metric name.
 
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, MetricEncoder, NoLabelSet};
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 use stitch_core::engine::{AppStats, LinkInfo, WorkerStats};
+use stitch_core::latency::LatencyReport;
 use stitch_core::Stats;
 
 /// A function process or VM as `/metrics` shows it.
@@ -56,6 +58,45 @@ fn gauges<'a>(
         ConstGauge::new(v).encode(m.encode_family(&labels)?)?;
     }
     Ok(())
+}
+
+/// A histogram read from elsewhere: `(upper bound, count)` of each bucket, not cumulative
+/// (the encoder adds them up), the last one `+Inf`.
+struct ConstHistogram {
+    sum: f64,
+    count: u64,
+    buckets: Vec<(f64, u64)>,
+}
+
+impl EncodeMetric for ConstHistogram {
+    fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
+        encoder.encode_histogram::<NoLabelSet>(self.sum, self.count, &self.buckets, None)
+    }
+
+    fn metric_type(&self) -> MetricType {
+        MetricType::Histogram
+    }
+}
+
+/// The bounds of the latency histograms' buckets: every power of two of nanoseconds from
+/// 1.024 µs to 17.2 s. Each is a boundary of the instance's own buckets (16 per power of two),
+/// so every count is exact.
+const LATENCY_BOUNDS_LOG2_NS: std::ops::RangeInclusive<u32> = 10..=34;
+
+fn latency_histogram(r: &LatencyReport) -> ConstHistogram {
+    let mut below_so_far = 0;
+    let mut buckets = Vec::new();
+    for k in LATENCY_BOUNDS_LOG2_NS {
+        let below = r.below(1 << k);
+        buckets.push(((1u64 << k) as f64 * 1e-9, below - below_so_far));
+        below_so_far = below;
+    }
+    buckets.push((f64::INFINITY, r.summary.count - below_so_far));
+    ConstHistogram {
+        sum: r.sum_ns as f64 * 1e-9,
+        count: r.summary.count,
+        buckets,
+    }
 }
 
 fn link(l: &LinkInfo) -> Labels<'_> {
@@ -117,6 +158,17 @@ fn encode_links(enc: &mut DescriptorEncoder, s: &Stats) -> Result<(), std::fmt::
         "Size of the link in packets",
         s.links.iter().map(|l| (link(l), l.size as i64)),
     )?;
+    let mut m = enc.encode_descriptor(
+        "stitch_link_latency_seconds",
+        "Time from a packet's receive timestamp to its link's consumer taking it (links with latency: true)",
+        None,
+        MetricType::Histogram,
+    )?;
+    for l in &s.links {
+        if let Some(r) = &l.latency {
+            latency_histogram(r).encode(m.encode_family(&link(l))?)?;
+        }
+    }
     counters(
         enc,
         "stitch_removed_link_drops",

@@ -3,6 +3,7 @@
 
 pub mod bridge;
 pub mod classify;
+pub mod delay;
 pub mod firewall;
 pub mod forwarder;
 pub mod generator;
@@ -82,6 +83,10 @@ pub fn register(r: &mut Registry) {
     .register(AppType::of::<policer::Policer>(
         "policer",
         "token bucket in pps or bit/s; excess dropped",
+    ))
+    .register(AppType::of::<delay::Delay>(
+        "delay",
+        "holds each packet a fixed time, in order: a link of known latency",
     ))
     .register(AppType::of::<load_balancer::LoadBalancer>(
         "load_balancer",

@@ -4,6 +4,8 @@
 //! shared machine, and each one's cost is its own thread's CPU time per packet. The engine's
 //! worker takes turns between the chain and generator → sink alone, the forwarders spliced in
 //! and out by the live diff, so that the cost of a hop is a difference measured on one thread.
+//! With `--latency` it also takes turns with the chain measuring latency (the generator stamping
+//! its batches, a histogram on the link into the sink): the cost of measuring is the difference.
 
 use crate::{
     cpu_seconds_of_thread, load_average, median, parse_chain, sink_packets, threads_named,
@@ -54,20 +56,49 @@ struct SplicedChain {
     thread: libc::pid_t,
     chain: Graph,
     direct: Graph,
+    /// The chain measuring its latency, with `--latency`.
+    measured: Option<Graph>,
 }
 
-/// Turns of each shape per run: chain, source → sink, source → sink, chain, and again, so that
-/// a drift of the machine during a run weighs on both alike.
-const SPLICES_PER_RUN: usize = 4;
+/// The graphs a worker takes turns with.
+#[derive(Clone, Copy, PartialEq)]
+enum Shape {
+    Chain,
+    Direct,
+    Measured,
+}
+
+/// The order of the turns, run twice per run, so that a drift of the machine during a run weighs
+/// on every shape alike.
+const TURNS: [Shape; 4] = [Shape::Chain, Shape::Direct, Shape::Direct, Shape::Chain];
+const TURNS_MEASURED: [Shape; 6] = [
+    Shape::Chain,
+    Shape::Measured,
+    Shape::Direct,
+    Shape::Direct,
+    Shape::Measured,
+    Shape::Chain,
+];
 /// After a splice, time for the worker to run the new graph before its window.
 const SPLICE_SETTLE: Duration = Duration::from_millis(20);
 /// The worker the engine's contender runs on.
 const WORKER: &str = "chain";
 
 impl SplicedChain {
-    fn start(registry: &Arc<Registry>, hops: usize, size: usize, core: usize) -> Result<Self> {
-        let chain = parse_chain(registry, hops, size, Some((WORKER, core)))?;
-        let direct = parse_chain(registry, 0, size, Some((WORKER, core)))?;
+    fn start(
+        registry: &Arc<Registry>,
+        hops: usize,
+        size: usize,
+        core: usize,
+        latency: bool,
+    ) -> Result<Self> {
+        let on = Some((WORKER, core));
+        let chain = parse_chain(registry, hops, size, on, false)?;
+        let direct = parse_chain(registry, 0, size, on, false)?;
+        let measured = match latency {
+            true => Some(parse_chain(registry, hops, size, on, true)?),
+            false => None,
+        };
         let engine = Engine::new(registry.clone());
         engine.apply(chain.clone())?;
         let thread = Self::worker_thread()?;
@@ -76,6 +107,7 @@ impl SplicedChain {
             thread,
             chain,
             direct,
+            measured,
         })
     }
 
@@ -91,14 +123,21 @@ impl SplicedChain {
         anyhow::bail!("the engine's worker thread {name} did not start")
     }
 
-    /// About `seconds` of turns of the chain and of source → sink: what each did in its windows.
-    fn measure(&self, seconds: f64) -> Result<(Sample, Sample)> {
-        let window = Duration::from_secs_f64(seconds / (2 * SPLICES_PER_RUN) as f64);
-        let (mut chain, mut direct) = (Sample::default(), Sample::default());
-        for turn in 0..2 * SPLICES_PER_RUN {
-            let (graph, total) = match turn % 4 {
-                0 | 3 => (&self.chain, &mut chain),
-                _ => (&self.direct, &mut direct),
+    /// About `seconds` of turns of the chain, of source → sink and of the chain measuring
+    /// latency: what each did in its windows.
+    fn measure(&self, seconds: f64) -> Result<(Sample, Sample, Option<Sample>)> {
+        let turns: &[Shape] = match self.measured {
+            Some(_) => &TURNS_MEASURED,
+            None => &TURNS,
+        };
+        let window = Duration::from_secs_f64(seconds / (2 * turns.len()) as f64);
+        let (mut chain, mut direct, mut measured) = Default::default();
+        for &shape in turns.iter().chain(turns) {
+            let (graph, total) = match (shape, &self.measured) {
+                (Shape::Chain, _) => (&self.chain, &mut chain),
+                (Shape::Direct, _) => (&self.direct, &mut direct),
+                (Shape::Measured, Some(g)) => (g, &mut measured),
+                (Shape::Measured, None) => unreachable!("measured turns only with the graph"),
             };
             self.engine.apply(graph.clone())?;
             anyhow::ensure!(
@@ -110,7 +149,7 @@ impl SplicedChain {
             std::thread::sleep(window);
             *total += self.read().since(&start, t0.elapsed().as_secs_f64());
         }
-        Ok((chain, direct))
+        Ok((chain, direct, self.measured.as_ref().map(|_| measured)))
     }
 
     fn read(&self) -> Reading {
@@ -207,6 +246,7 @@ struct Run {
     raw: Sample,
     chain: Sample,
     direct: Sample,
+    measured: Option<Sample>,
     hops: usize,
 }
 
@@ -218,6 +258,10 @@ impl Run {
     fn ratio(&self) -> f64 {
         self.ns_per_hop() / self.raw.ns_per_packet()
     }
+    /// What measuring latency adds to a packet through the chain (stamps and histogram).
+    fn latency_ns(&self) -> f64 {
+        (self.measured.as_ref()).map_or(0.0, |m| m.ns_per_packet() - self.chain.ns_per_packet())
+    }
 }
 
 pub(crate) fn run(
@@ -227,6 +271,7 @@ pub(crate) fn run(
     seconds: f64,
     runs: usize,
     json: bool,
+    latency: bool,
 ) -> Result<()> {
     anyhow::ensure!(hops >= 1, "--hops must be at least 1");
     anyhow::ensure!(runs >= 1, "--runs must be at least 1");
@@ -237,34 +282,41 @@ pub(crate) fn run(
         );
     }
     // Snabb's packets live on hugepages; so do ours when the pool can have them (a TLB miss
-    // per packet otherwise: 19 ns source → sink instead of 16 on the machine of session 10).
+    // per packet otherwise: 19 ns source → sink instead of 16: run of 2026-11-24, commit 371c81e).
     let _hugepages = HugePageReserve::for_pool(pool::DEFAULT_PACKETS)?;
     let load = load_average();
     let core = shared_core();
     let raw = RawRing::start(hops + 1, size, core)?;
-    let engine = SplicedChain::start(&registry, hops, size, core)?;
+    let engine = SplicedChain::start(&registry, hops, size, core, latency)?;
     if !json {
         println!(
             "chain: {hops} forwarders, {size}-byte packets, {runs} runs of {seconds} s: the raw ring \
              ({PULL_BURST} packets round {} rings) and \
-             the engine taking turns on core {core}, the engine's worker {SPLICES_PER_RUN} turns each \
-             with and without the forwarders; load average {load}",
-            hops + 1
+             the engine taking turns on core {core}, the engine's worker 4 turns each \
+             with and without the forwarders{}; load average {load}",
+            hops + 1,
+            if latency {
+                " and with them measuring latency"
+            } else {
+                ""
+            }
         );
+        let latency_header = latency.then_some("latency ns/pkt");
         println!(
-            "{:>3}  {:>11} {:>13} {:>13} {:>10} {:>12} {:>7}",
-            "run", "chain Mpps", "chain ns/pkt", "src→sink ns", "ns/hop", "raw ns/hop", "ratio"
+            "{}",
+            columns("run", HEADERS.map(String::from), latency_header)
         );
     }
     std::thread::sleep(SETTLE);
     let mut rows = Vec::new();
     for n in 1..=runs {
         let (start, t0) = (raw.read(), Instant::now());
-        let (chain, direct) = engine.measure(seconds)?;
+        let (chain, direct, measured) = engine.measure(seconds)?;
         let row = Run {
             raw: raw.read().since(&start, t0.elapsed().as_secs_f64()),
             chain,
             direct,
+            measured,
             hops,
         };
         anyhow::ensure!(
@@ -272,48 +324,73 @@ pub(crate) fn run(
             "a contender moved no packet in {seconds} s"
         );
         if !json {
-            println!(
-                "{n:>3}  {:>11.2} {:>13.2} {:>13.2} {:>10.2} {:>12.2} {:>7.2}",
-                mpps_per_cpu_second(&row.chain),
-                row.chain.ns_per_packet(),
-                row.direct.ns_per_packet(),
-                row.ns_per_hop(),
-                row.raw.ns_per_packet(),
-                row.ratio()
-            );
+            println!("{}", row_line(&n.to_string(), |f| f(&row), latency));
         }
         rows.push(row);
     }
     engine.engine.stop();
     drop(raw);
     let med = |f: fn(&Run) -> f64| median(rows.iter().map(f).collect());
-    let result = serde_json::json!({
-        "hops": hops, "size": size, "seconds": seconds, "runs": runs, "load_average": load,
-        "core": core,
-        "chain_mpps": med(|r| mpps_per_cpu_second(&r.chain)),
-        "chain_ns_per_packet": med(|r| r.chain.ns_per_packet()),
-        "source_to_sink_ns_per_packet": med(|r| r.direct.ns_per_packet()),
-        "ns_per_hop": med(Run::ns_per_hop),
-        "raw_ns_per_hop": med(|r| r.raw.ns_per_packet()),
-        "ratio": med(Run::ratio),
-        "samples": rows.iter().map(|r| serde_json::json!({"raw": r.raw, "chain": r.chain, "direct": r.direct})).collect::<Vec<_>>(),
-    });
     if json {
+        let result = serde_json::json!({
+            "hops": hops, "size": size, "seconds": seconds, "runs": runs, "load_average": load,
+            "core": core,
+            "chain_mpps": med(|r| mpps_per_cpu_second(&r.chain)),
+            "chain_ns_per_packet": med(|r| r.chain.ns_per_packet()),
+            "source_to_sink_ns_per_packet": med(|r| r.direct.ns_per_packet()),
+            "ns_per_hop": med(Run::ns_per_hop),
+            "raw_ns_per_hop": med(|r| r.raw.ns_per_packet()),
+            "ratio": med(Run::ratio),
+            "latency_ns_per_packet": latency.then(|| med(Run::latency_ns)),
+            "samples": rows.iter().map(|r| serde_json::json!({"raw": r.raw, "chain": r.chain, "direct": r.direct, "measured": r.measured})).collect::<Vec<_>>(),
+        });
         println!("{}", serde_json::to_string_pretty(&result)?);
-    } else {
-        println!(
-            "med  {:>11.2} {:>13.2} {:>13.2} {:>10.2} {:>12.2} {:>7.2}",
-            med(|r| mpps_per_cpu_second(&r.chain)),
-            med(|r| r.chain.ns_per_packet()),
-            med(|r| r.direct.ns_per_packet()),
-            med(Run::ns_per_hop),
-            med(|r| r.raw.ns_per_packet()),
-            med(Run::ratio)
-        );
-        println!(
-            "(ns are each contender's own CPU time per packet; Mpps per second of CPU, what a core \
-             of its own would move; ns/hop = (chain − source→sink) / hops)"
-        );
+        return Ok(());
     }
+    println!("{}", row_line("med", med, latency));
+    println!(
+        "(ns are each contender's own CPU time per packet; Mpps per second of CPU, what a core \
+         of its own would move; ns/hop = (chain − source→sink) / hops{})",
+        if latency {
+            "; latency ns/pkt = the chain with its generator stamping batches and a latency \
+             histogram on the link into the sink − the chain"
+        } else {
+            ""
+        }
+    );
     Ok(())
+}
+
+const HEADERS: [&str; 6] = [
+    "chain Mpps",
+    "chain ns/pkt",
+    "src→sink ns",
+    "ns/hop",
+    "raw ns/hop",
+    "ratio",
+];
+
+/// A line of the table: `label`, then the six figures of [`HEADERS`] and, with `latency`, what
+/// measuring it costs, each read from a run by `figure` (one run's, or the runs' median).
+fn row_line(label: &str, figure: impl Fn(fn(&Run) -> f64) -> f64, latency: bool) -> String {
+    let cells = [
+        figure(|r| mpps_per_cpu_second(&r.chain)),
+        figure(|r| r.chain.ns_per_packet()),
+        figure(|r| r.direct.ns_per_packet()),
+        figure(Run::ns_per_hop),
+        figure(|r| r.raw.ns_per_packet()),
+        figure(Run::ratio),
+    ];
+    let latency = latency.then(|| format!("{:.2}", figure(Run::latency_ns)));
+    columns(label, cells.map(|c| format!("{c:.2}")), latency.as_deref())
+}
+
+/// The table's columns, right-aligned.
+fn columns(label: &str, cells: [String; 6], latency: Option<&str>) -> String {
+    let [a, b, c, d, e, f] = cells;
+    let mut line = format!("{label:>3}  {a:>11} {b:>13} {c:>13} {d:>10} {e:>12} {f:>7}");
+    if let Some(l) = latency {
+        line += &format!(" {l:>15}");
+    }
+    line
 }

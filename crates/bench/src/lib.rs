@@ -41,6 +41,10 @@ pub enum BenchCmd {
         /// Print results as JSON.
         #[arg(long)]
         json: bool,
+        /// Also take turns with the chain measuring its latency (generator stamps, a histogram
+        /// on the link into the sink) and report what that costs per packet.
+        #[arg(long)]
+        latency: bool,
     },
     /// The lwAFTR on looped PCAP inputs (Snabb's benchmark), against a refill-only baseline.
     /// With --softwires N, on a generated table of N softwires with random traffic over it.
@@ -237,7 +241,7 @@ impl Sample {
 }
 
 /// The chain's graph; with `worker`, all its apps on that worker, pinned to the given core.
-fn chain_graph(hops: usize, size: usize, worker: Option<(&str, usize)>) -> String {
+fn chain_graph(hops: usize, size: usize, worker: Option<(&str, usize)>, latency: bool) -> String {
     let (workers, on) = match worker {
         Some((name, core)) => (
             format!("workers: {{ {name}: {{ core: {core} }} }}\n"),
@@ -246,7 +250,7 @@ fn chain_graph(hops: usize, size: usize, worker: Option<(&str, usize)>) -> Strin
         None => (String::new(), String::new()),
     };
     let mut s = format!(
-        "engine: {{ busy_poll: true }}\n{workers}apps:\n  src: {{ type: generator, size: {size}, timestamps: false{on} }}\n  out: {{ type: sink{on} }}\n"
+        "engine: {{ busy_poll: true }}\n{workers}apps:\n  src: {{ type: generator, size: {size}, timestamps: {latency}{on} }}\n  out: {{ type: sink{on} }}\n"
     );
     for i in 1..=hops {
         s += &format!("  f{i}: {{ type: forwarder{on} }}\n");
@@ -257,7 +261,7 @@ fn chain_graph(hops: usize, size: usize, worker: Option<(&str, usize)>) -> Strin
         s += &format!("  - \"{prev} -> f{i}.input\"\n");
         prev = format!("f{i}.output");
     }
-    s += &format!("  - \"{prev} -> out.input\"\n");
+    s += &format!("  - {{ link: \"{prev} -> out.input\", latency: {latency} }}\n");
     s
 }
 
@@ -286,7 +290,7 @@ pub(crate) fn start_chain_on(
     worker: Option<(&str, usize)>,
 ) -> Result<Engine> {
     let engine = Engine::new(registry.clone());
-    engine.apply(parse_chain(registry, hops, size, worker)?)?;
+    engine.apply(parse_chain(registry, hops, size, worker, false)?)?;
     Ok(engine)
 }
 
@@ -296,9 +300,10 @@ pub(crate) fn parse_chain(
     hops: usize,
     size: usize,
     worker: Option<(&str, usize)>,
+    latency: bool,
 ) -> Result<Graph> {
     Graph::parse(
-        &chain_graph(hops, size, worker),
+        &chain_graph(hops, size, worker, latency),
         "<bench>",
         Path::new("."),
         registry,
@@ -347,7 +352,16 @@ pub fn run(cmd: BenchCmd, registry: fn() -> Registry) -> Result<()> {
             seconds,
             runs,
             json,
-        } => chain::run(Arc::new(registry()), hops, size, seconds, runs, json),
+            latency,
+        } => chain::run(
+            Arc::new(registry()),
+            hops,
+            size,
+            seconds,
+            runs,
+            json,
+            latency,
+        ),
         BenchCmd::Lwaftr {
             conf,
             v4,

@@ -10,6 +10,7 @@
 //! links:
 //!   - "gen.output -> out.input"
 //!   - { link: "a.x -> b.y", size: 4096 }
+//!   - { link: "b.out -> c.in", latency: true }
 //! ```
 
 use crate::app::{PortSpec, Registry};
@@ -93,6 +94,9 @@ pub struct LinkDecl {
     pub from: Endpoint,
     pub to: Endpoint,
     pub size: usize,
+    /// Whether the link counts its packets' latency ([`crate::latency`]).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub latency: bool,
     #[serde(skip)]
     pub line: usize,
 }
@@ -385,10 +389,17 @@ impl Graph {
             .links
             .iter()
             .map(|l| {
-                if l.size == self.engine.link_size {
-                    json!(l.spec())
-                } else {
-                    json!({ "link": l.spec(), "size": l.size })
+                let mut entry = Map::new();
+                entry.insert("link".into(), json!(l.spec()));
+                if l.size != self.engine.link_size {
+                    entry.insert("size".into(), json!(l.size));
+                }
+                if l.latency {
+                    entry.insert("latency".into(), json!(true));
+                }
+                match entry.len() {
+                    1 => json!(l.spec()),
+                    _ => Value::Object(entry),
                 }
             })
             .collect();
@@ -721,7 +732,11 @@ fn parse_link(
     refused: impl Fn(&str) -> bool,
 ) -> Option<LinkDecl> {
     let at = loc(item);
-    let (spec, size) = match read_link_entry(&item.value) {
+    let LinkEntry {
+        spec,
+        size,
+        latency,
+    } = match read_link_entry(&item.value) {
         Ok(x) => x,
         Err(e) => {
             err(errors, at, e);
@@ -747,19 +762,40 @@ fn parse_link(
         from,
         to,
         size: size.unwrap_or(default_size),
+        latency,
         line: at.0,
     })
 }
 
-/// `"A.P -> B.Q"` or `{ link: "A.P -> B.Q", size: N }`: the spec and the size if given.
-fn read_link_entry(v: &serde_json::Value) -> Result<(String, Option<usize>), String> {
+/// One entry of `links:` as written.
+struct LinkEntry {
+    spec: String,
+    size: Option<usize>,
+    latency: bool,
+}
+
+/// `"A.P -> B.Q"` or `{ link: "A.P -> B.Q", size: N, latency: BOOL }`.
+fn read_link_entry(v: &serde_json::Value) -> Result<LinkEntry, String> {
     let m = match v {
-        serde_json::Value::String(s) => return Ok((s.clone(), None)),
+        serde_json::Value::String(s) => {
+            return Ok(LinkEntry {
+                spec: s.clone(),
+                size: None,
+                latency: false,
+            })
+        }
         serde_json::Value::Object(m) => m,
-        _ => return Err("a link is \"APP.PORT -> APP.PORT\" or { link: ..., size: N }".into()),
+        _ => {
+            return Err(
+                "a link is \"APP.PORT -> APP.PORT\" or { link: ..., size: N, latency: true }"
+                    .into(),
+            )
+        }
     };
-    if let Some(k) = m.keys().find(|k| *k != "link" && *k != "size") {
-        return Err(format!("link: unknown key `{k}` (use `link` and `size`)"));
+    if let Some(k) = (m.keys()).find(|k| !["link", "size", "latency"].contains(&k.as_str())) {
+        return Err(format!(
+            "link: unknown key `{k}` (use `link`, `size` and `latency`)"
+        ));
     }
     let Some(spec) = m.get("link").and_then(|v| v.as_str()) else {
         return Err("link: `link: \"APP.PORT -> APP.PORT\"` is missing".into());
@@ -769,7 +805,16 @@ fn read_link_entry(v: &serde_json::Value) -> Result<(String, Option<usize>), Str
         Some(Some(n)) if (2..=1 << 20).contains(&n) => Some(n as usize),
         Some(_) => return Err(format!("link `{spec}`: size must be 2..=1048576 packets")),
     };
-    Ok((spec.to_string(), size))
+    let latency = match m.get("latency") {
+        None => false,
+        Some(serde_json::Value::Bool(b)) => *b,
+        Some(_) => return Err(format!("link `{spec}`: latency is true or false")),
+    };
+    Ok(LinkEntry {
+        spec: spec.to_string(),
+        size,
+        latency,
+    })
 }
 
 /// What is wrong with linking `from` to `to`: an app or port that does not exist, an end
@@ -943,6 +988,15 @@ mod tests {
     }
 
     #[test]
+    fn a_link_latency_that_is_not_a_boolean_names_its_line() {
+        let (line, msg) = first_error(
+            "apps:\n  a: { type: thing }\n  b: { type: thing }\nlinks:\n  - { link: \"a.output -> b.input\", latency: yes please }\n",
+        );
+        assert_eq!(line, 5);
+        assert!(msg.contains("latency is true or false"), "{msg}");
+    }
+
+    #[test]
     fn unknown_app_type_names_line_and_known_types() {
         let (line, msg) = first_error("apps:\n  a: { type: thing }\n  b: { type: rooter }\n");
         assert_eq!(line, 3);
@@ -1070,16 +1124,20 @@ mod tests {
 
     #[test]
     fn document_parses_back_to_the_same_graph() {
-        let text = "engine: { link_size: 512 }\nworkers: { w1: { core: 1 } }\napps:\n  a: { type: thing, size: 60 }\n  b: { type: thing, worker: w1 }\nlinks:\n  - \"a.output -> b.input\"\n  - { link: \"b.output -> a.input\", size: 64 }\n";
+        let text = "engine: { link_size: 512 }\nworkers: { w1: { core: 1 } }\napps:\n  a: { type: thing, size: 60 }\n  b: { type: thing, worker: w1 }\nlinks:\n  - { link: \"a.output -> b.input\", latency: true }\n  - { link: \"b.output -> a.input\", size: 64 }\n";
         let g = Graph::parse(text, "g.yaml", Path::new("."), &registry()).unwrap();
+        assert!(g.links[0].latency && !g.links[1].latency);
         let doc = serde_json::to_string_pretty(&g.to_document()).unwrap();
         let back = Graph::parse(&doc, "doc.json", Path::new("."), &registry()).unwrap();
         assert_eq!(back.to_document(), g.to_document());
         assert_eq!(back.engine, g.engine);
         assert_eq!(back.workers, g.workers);
         assert_eq!(
-            back.links.iter().map(|l| l.size).collect::<Vec<_>>(),
-            [512, 64]
+            back.links
+                .iter()
+                .map(|l| (l.size, l.latency))
+                .collect::<Vec<_>>(),
+            [(512, true), (64, false)]
         );
         assert_eq!(back.apps["b"].worker, "w1");
         assert_eq!(back.apps["a"].config, serde_json::json!({ "size": 60 }));

@@ -14,6 +14,7 @@ pub mod engine;
 /// (stitch-nf) and the vhost-user ports (stitch-vhost).
 pub mod fdpass;
 pub mod graph;
+pub mod latency;
 pub mod link;
 pub mod mapping;
 pub mod packet;

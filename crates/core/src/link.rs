@@ -10,8 +10,11 @@
 //!
 //! A link can be tapped while it runs ([`Ring::add_tap`]): each [`LinkTap`] sees every packet
 //! the consumer is about to receive, in order, as a batch, on the consumer's thread. An untapped
-//! link pays one relaxed load per batch for this.
+//! link pays one relaxed load per batch for this. A link can carry a latency histogram
+//! ([`Ring::set_latency`]) the same way: it counts, per batch, how long ago each packet the
+//! consumer is about to receive was stamped.
 
+use crate::latency::LatencyHistogram;
 use crate::packet::{Packet, PacketBuf};
 use arc_swap::ArcSwapOption;
 use crossbeam_utils::CachePadded;
@@ -39,7 +42,8 @@ struct ProducerSide {
 struct ConsumerSide {
     head: AtomicUsize,
     rx_packets: AtomicU64,
-    /// Whether `Ring::taps` holds any tap: read by the consumer once per batch, on its own line.
+    /// Whether `Ring::taps` holds any tap or `Ring::latency` a histogram: read by the consumer
+    /// once per batch, on its own line.
     tapped: AtomicBool,
 }
 
@@ -60,7 +64,8 @@ pub struct Ring {
     producer_end: OnceLock<EndTag>,
     consumer_end: OnceLock<EndTag>,
     taps: ArcSwapOption<Vec<Arc<dyn LinkTap>>>,
-    /// Serialises adding and removing taps (the data path never takes it).
+    latency: ArcSwapOption<LatencyHistogram>,
+    /// Serialises adding and removing taps and histograms (the data path never takes it).
     tap_edit: Mutex<()>,
 }
 
@@ -195,12 +200,27 @@ impl Ring {
             .collect();
         let removed = rest.len() != current.len();
         if rest.is_empty() {
-            self.cons.tapped.store(false, Ordering::Release);
+            let measured = self.latency.load().is_some();
+            self.cons.tapped.store(measured, Ordering::Release);
             self.taps.store(None);
         } else {
             self.taps.store(Some(Arc::new(rest)));
         }
         removed
+    }
+
+    /// Starts (`Some`) or stops (`None`) counting the latency of the packets this link
+    /// delivers in `histogram`, from the next batch on.
+    pub fn set_latency(&self, histogram: Option<Arc<LatencyHistogram>>) {
+        let _edit = self.tap_edit.lock().unwrap_or_else(|e| e.into_inner());
+        let watched = histogram.is_some() || self.taps.load().is_some();
+        self.latency.store(histogram);
+        self.cons.tapped.store(watched, Ordering::Release);
+    }
+
+    /// The histogram counting this link's latency, if it has one.
+    pub fn latency(&self) -> Option<Arc<LatencyHistogram>> {
+        self.latency.load_full()
     }
 
     /// Taps watching this link now.
@@ -279,6 +299,7 @@ pub fn link(size: usize) -> (Producer, Consumer) {
         producer_end: OnceLock::new(),
         consumer_end: OnceLock::new(),
         taps: ArcSwapOption::empty(),
+        latency: ArcSwapOption::empty(),
         tap_edit: Mutex::new(()),
     });
     (
@@ -486,12 +507,11 @@ impl Consumer {
         self.cached_tail.wrapping_sub(self.head)
     }
 
-    /// Shows the packets between the last tail this consumer saw and `tail` to every tap.
+    /// Shows the packets between the last tail this consumer saw and `tail` to every tap and
+    /// to the latency histogram.
     #[cold]
     #[inline(never)]
     fn show_taps(&self, tail: usize) {
-        let taps = self.ring.taps.load();
-        let Some(taps) = taps.as_ref() else { return };
         let n = tail.wrapping_sub(self.cached_tail);
         // SAFETY: slots cached_tail..tail (≥ head) hold packets the producer published with its
         // release store of `tail`, read above with acquire; they stay in place, unchanged, until
@@ -508,9 +528,17 @@ impl Consumer {
                     count,
                 )
             });
-        for tap in taps.iter() {
-            for run in runs.iter().filter(|r| !r.is_empty()) {
-                tap.observe(run);
+        if let Some(taps) = self.ring.taps.load().as_ref() {
+            for tap in taps.iter() {
+                for run in runs.iter().filter(|r| !r.is_empty()) {
+                    tap.observe(run);
+                }
+            }
+        }
+        if let Some(histogram) = self.ring.latency.load().as_ref() {
+            let now = crate::packet::now_ns();
+            for run in &runs {
+                histogram.observe(run, now);
             }
         }
     }

@@ -1,6 +1,7 @@
 //! An engine hands its apps to another (what `stitch upgrade` does between two processes): the
 //! queued packets go out first, the successor's apps adopt the same descriptors, continue the
 //! counters and take the state back; a hand-over the successor refuses leaves the first running.
+//! A link's latency histogram counts on across the hand-over and across live changes.
 
 use serde::Deserialize;
 use std::io::{Read, Write};
@@ -33,8 +34,10 @@ impl App for Burst {
     }
     fn pull(&mut self, io: &mut Io) {
         let Some(out) = io.output(0) else { return };
+        let now = stitch_core::packet::now_ns();
         for _ in 0..16 {
-            let Some(p) = pool::alloc() else { return };
+            let Some(mut p) = pool::alloc() else { return };
+            p.set_timestamp_ns(now);
             if out.transmit(p) {
                 self.sent.add(1);
             }
@@ -101,7 +104,7 @@ thread_local! {
     };
 }
 
-const GRAPH: &str = "apps:\n  burst: {type: burst}\n  tally: {type: tally}\nlinks: [\"burst.output -> tally.input\"]\n";
+const GRAPH: &str = "apps:\n  burst: {type: burst}\n  tally: {type: tally}\nlinks: [{link: \"burst.output -> tally.input\", latency: true}]\n";
 
 fn registry() -> Arc<Registry> {
     let mut r = Registry::new();
@@ -180,12 +183,61 @@ fn the_successor_adopts_the_descriptors_and_continues_counters_and_state() {
     assert!(counter("burst", "sent") >= sent);
     let link = &stats.links[0];
     assert!(link.stats.tx_packets >= sent, "links count on: {link:?}");
+    let measured = h.links["burst.output -> tally.input"].latency.as_ref();
+    let measured = measured.expect("the histogram is handed over").count;
+    assert!(measured > 0);
+    let latency = link.latency.as_ref().expect("the link measures latency");
+    assert!(latency.summary.count >= measured, "the histogram counts on");
 
     // One pipe, signed by both apps.
     let mut read = std::fs::File::from(PIPE.with(|p| p.0.try_clone().unwrap()));
     let mut signatures = [0u8; 2];
     read.read_exact(&mut signatures).unwrap();
     assert_eq!(&signatures, b"++");
+}
+
+/// Packets the link's latency histogram counted (None: the link measures none).
+fn measured(engine: &Engine) -> Option<u64> {
+    let stats = engine.stats();
+    stats.links[0].latency.as_ref().map(|l| l.summary.count)
+}
+
+#[test]
+fn a_links_latency_histogram_counts_on_across_live_changes() {
+    let r = registry();
+    let engine = running(&r);
+    let apply = |links: &str| {
+        let text = GRAPH.replace(
+            "links: [{link: \"burst.output -> tally.input\", latency: true}]",
+            links,
+        );
+        engine
+            .apply(Graph::parse(&text, "t.yaml", Path::new("."), &r).unwrap())
+            .unwrap()
+    };
+    let before = measured(&engine).unwrap();
+    assert!(before > 0);
+    let summary = engine.stats().links[0].latency.clone().unwrap().summary;
+    assert!(summary.min_ns <= summary.p50_ns && summary.p50_ns <= summary.max_ns);
+    assert_eq!(summary.unstamped, 0);
+    // A new size moves the packets, and the histogram, to a new ring.
+    let report =
+        apply("links: [{link: \"burst.output -> tally.input\", latency: true, size: 4096}]");
+    assert_eq!(report.links_added, ["burst.output -> tally.input"]);
+    assert!(measured(&engine).unwrap() >= before, "counts never go back");
+    apply("links: [\"burst.output -> tally.input\"]");
+    assert_eq!(measured(&engine), None, "switched off");
+    let text = engine.graph().unwrap().to_document().to_string();
+    assert!(!text.contains("latency"), "{text}");
+    apply("links: [{link: \"burst.output -> tally.input\", latency: true}]");
+    let started = Instant::now();
+    while measured(&engine) == Some(0) {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "nothing measured"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }
 
 #[test]

@@ -543,6 +543,7 @@ mod tests {
             from: e(from),
             to: e(to),
             size: 64,
+            latency: false,
             line: 0,
         }
     }

@@ -355,6 +355,7 @@ impl DataPlane {
                     from: endpoint(&l.from),
                     to: endpoint(&l.to),
                     size: 0,
+                    latency: false,
                     line: 0,
                 };
                 (decl, l.from_vid)

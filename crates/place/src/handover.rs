@@ -13,8 +13,7 @@ use crate::placed::PlacedGraph;
 use crate::supervisor::ProcessSpec;
 use crate::{plan, PlaceError, PlaceReport, Placements};
 use std::collections::BTreeMap;
-use stitch_core::engine::{HandedApp, Prepared, RestoreReport};
-use stitch_core::link::LinkStats;
+use stitch_core::engine::{HandedApp, HandedLink, Prepared, RestoreReport};
 use stitch_core::Descriptors;
 
 /// What a running instance lends its successor: each engine app's descriptors (by app, with
@@ -74,7 +73,7 @@ impl Placements {
         &self,
         inheriting: Inheriting,
         finals: BTreeMap<String, HandedApp>,
-        links: &BTreeMap<String, LinkStats>,
+        links: &BTreeMap<String, HandedLink>,
     ) -> Result<(PlaceReport, RestoreReport), PlaceError> {
         let mut current = self.graph.lock().unwrap();
         let (engine, restored) = (self.engine)

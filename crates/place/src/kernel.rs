@@ -113,6 +113,14 @@ pub fn split(
         let from_kernel = kernel.apps.contains_key(&link.from.app);
         let to_kernel = kernel.apps.contains_key(&link.to.app);
         match (from_kernel, to_kernel) {
+            (true, true) if link.latency => errors.push(error(
+                link.line,
+                format!(
+                    "link `{}`: latency is measured by the engine, and both apps of this link \
+                     are placed in the kernel: measure it on a link into or out of the engine",
+                    link.spec()
+                ),
+            )),
             (true, true) => kernel.links.push(link),
             (false, false) => engine_links.push(link),
             _ => {
@@ -222,13 +230,15 @@ fn cut_link(link: &LinkDecl, boundary: &str, from_kernel: bool) -> (LinkDecl, Li
     } else {
         ((output, link.to.clone()), (link.from.clone(), input))
     };
-    let half = |from, to| LinkDecl {
+    let half = |from, to, latency| LinkDecl {
         from,
         to,
         size: link.size,
+        latency,
         line: link.line,
     };
-    (half(kf, kt), half(ef, et))
+    // The engine's half measures: the kernel's cannot.
+    (half(kf, kt, false), half(ef, et, link.latency))
 }
 
 /// The kernel data plane of a graph whose apps are all placed in the kernel (`stitch kernel

@@ -204,6 +204,7 @@ fn state_of(kind: &str) -> Option<&'static str> {
         "load_balancer" => "flow-to-backend table",
         "switch" => "flow table and counters",
         "policer" | "rate_meter" => "token buckets and rates",
+        "delay" => "packets it holds",
         _ => return None,
     })
 }

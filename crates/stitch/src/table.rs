@@ -32,6 +32,48 @@ pub fn column_width(items: &[&Value], key: &str, min: usize) -> usize {
         .max(min)
 }
 
+/// A latency in the unit that suits it: `850ns`, `12.4µs`, `3.07ms`, `1.20s`.
+fn duration_ns(v: &Value) -> String {
+    let ns = v.as_u64().unwrap_or(0) as f64;
+    if ns >= 1e9 {
+        format!("{:.2}s", ns / 1e9)
+    } else if ns >= 1e6 {
+        format!("{:.2}ms", ns / 1e6)
+    } else if ns >= 1e3 {
+        format!("{:.1}µs", ns / 1e3)
+    } else {
+        format!("{ns:.0}ns")
+    }
+}
+
+/// The latency of the links that measure it (`latency: true`), one line each.
+fn render_latency(s: &mut String, links: &[Value], width: usize) {
+    let measured: Vec<&Value> = links.iter().filter(|l| l["latency"].is_object()).collect();
+    if measured.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        s,
+        "\n{:<width$}  {:>12} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
+        "LATENCY", "PACKETS", "MIN", "P50", "P99", "P99.9", "MAX", "MEAN"
+    );
+    for l in measured {
+        let h = &l["latency"];
+        let _ = writeln!(
+            s,
+            "{:<width$}  {:>12} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
+            l["link"].as_str().unwrap_or(""),
+            n(&h["count"]),
+            duration_ns(&h["min_ns"]),
+            duration_ns(&h["p50_ns"]),
+            duration_ns(&h["p99_ns"]),
+            duration_ns(&h["p999_ns"]),
+            duration_ns(&h["max_ns"]),
+            duration_ns(&h["mean_ns"]),
+        );
+    }
+}
+
 /// Renders the `stats` JSON of an instance (links, apps, workers, pool).
 pub fn render(stats: &Value) -> String {
     let mut s = String::new();
@@ -55,6 +97,7 @@ pub fn render(stats: &Value) -> String {
             rate(&l["rate_pps"]),
         );
     }
+    render_latency(&mut s, &links, width);
     let apps = stats["apps"].as_array().cloned().unwrap_or_default();
     let width = column_width(&apps.iter().collect::<Vec<_>>(), "name", 3);
     let _ = writeln!(

@@ -724,3 +724,106 @@ fn app_totals_never_go_back_and_every_packet_is_accounted_for_across_applies() {
         "every packet is delivered or dropped under a name"
     );
 }
+
+/// The `stitch_link_latency_seconds` buckets of `link` in `/metrics`: (upper bound, cumulative
+/// count), and the family's `_count`.
+fn latency_buckets(s: &Stitch, link: &str) -> (Vec<(f64, u64)>, u64) {
+    let (status, body) =
+        stitch_api::client::call(&s.socket, stitch_api::client::Method::GET, "/metrics", None)
+            .unwrap();
+    assert_eq!(status, 200);
+    let text = String::from_utf8(body).unwrap();
+    let label = format!("link=\"{link}\"");
+    let ours = |l: &&str| l.starts_with("stitch_link_latency_seconds") && l.contains(&label);
+    let value = |l: &str| l.rsplit(' ').next().unwrap().parse::<u64>().unwrap();
+    let mut buckets = Vec::new();
+    let mut count = None;
+    for l in text.lines().filter(ours) {
+        if l.starts_with("stitch_link_latency_seconds_count") {
+            count = Some(value(l));
+        } else if let Some(le) = l.split("le=\"").nth(1) {
+            let le = le.split('"').next().unwrap();
+            let bound = if le == "+Inf" {
+                f64::INFINITY
+            } else {
+                le.parse().unwrap()
+            };
+            buckets.push((bound, value(l)));
+        }
+    }
+    (
+        buckets,
+        count.unwrap_or_else(|| panic!("no latency of {link} in\n{text}")),
+    )
+}
+
+#[test]
+fn a_links_latency_is_measured_against_a_known_delay() {
+    const DELAY_NS: u64 = 5_000_000;
+    let s = Stitch::run(&format!(
+        "apps:
+  gen: {{ type: generator, size: 64, rate: 2000 }}
+  wait: {{ type: delay, delay_us: {} }}
+  out: {{ type: sink }}
+links:
+  - \"gen.output -> wait.input\"
+  - {{ link: \"wait.output -> out.input\", latency: true }}
+",
+        DELAY_NS / 1000
+    ));
+    let measured = |s: &Stitch| {
+        let st = s.stats()?;
+        let l = link(&st, "wait.output -> out.input")["latency"].clone();
+        (l["count"].as_u64()? >= 1000).then_some(l)
+    };
+    wait_until("1000 packets measured", 20, || measured(&s).is_some());
+    let l = measured(&s).unwrap();
+    eprintln!("latency through a 5 ms delay: {l}");
+    let ns = |k: &str| l[k].as_u64().unwrap();
+    // Nothing leaves the delay early; the stamps are the generator's, once per batch.
+    assert!(ns("min_ns") >= DELAY_NS, "{l}");
+    assert_eq!(ns("unstamped"), 0, "{l}");
+    // The median in the delay's bucket, or the next one on a busy machine: a bucket is 1/16
+    // of its values wide (5 ms is in 4.98–5.24 ms).
+    let bucket = |v: u64| stitch_core::latency::bucket_of(v);
+    let off = bucket(ns("p50_ns")) - bucket(DELAY_NS);
+    assert!(
+        off <= 1,
+        "p50 {} is {off} buckets above 5 ms: {l}",
+        ns("p50_ns")
+    );
+    let buckets = l["buckets"].as_array().unwrap();
+    let in_buckets: u64 = buckets.iter().map(|b| b["packets"].as_u64().unwrap()).sum();
+    assert_eq!(in_buckets, ns("count"));
+
+    // `/metrics`: a Prometheus histogram in seconds, nothing below 4.19 ms (2^22 ns), all
+    // of it by 17.2 s.
+    let (buckets, count) = latency_buckets(&s, "wait.output -> out.input");
+    assert!(count >= 1000);
+    assert_eq!(buckets.last().unwrap(), &(f64::INFINITY, count));
+    let at = |bound: f64| {
+        buckets
+            .iter()
+            .find(|b| (b.0 - bound).abs() < 1e-12)
+            .unwrap()
+            .1
+    };
+    assert_eq!(at((1u64 << 22) as f64 * 1e-9), 0);
+    assert!(buckets
+        .windows(2)
+        .all(|w| w[0].0 < w[1].0 && w[0].1 <= w[1].1));
+
+    // The table of `stitch stats` has a line for it.
+    let table = must(&format!(
+        "{} stats --control {}",
+        env!("CARGO_BIN_EXE_stitch"),
+        s.socket.display()
+    ));
+    assert!(
+        table
+            .lines()
+            .any(|l| l.starts_with("wait.output -> out.input") && l.contains("ms")),
+        "{table}"
+    );
+    s.stop();
+}

@@ -423,7 +423,7 @@ fn generated_packets_pass_tshark_checksum_validation() {
 }
 
 #[test]
-fn the_chain_benchmark_runs_its_three_contenders_side_by_side() {
+fn the_chain_benchmark_runs_its_contenders_side_by_side() {
     // Root only for the hugepages the benchmark reserves; without them the pool falls back.
     let out = ok(stitch()
         .args([
@@ -436,6 +436,7 @@ fn the_chain_benchmark_runs_its_three_contenders_side_by_side() {
             "--runs",
             "2",
             "--json",
+            "--latency",
         ])
         .output()
         .unwrap());
@@ -443,7 +444,7 @@ fn the_chain_benchmark_runs_its_three_contenders_side_by_side() {
     let samples = r["samples"].as_array().unwrap();
     assert_eq!(samples.len(), 2, "{out}");
     for s in samples {
-        for contender in ["raw", "chain", "direct"] {
+        for contender in ["raw", "chain", "direct", "measured"] {
             // Each contender had turns in every run: packets moved, CPU time of its own (the
             // chain and source → sink on one worker, the forwarders spliced in and out).
             assert!(s[contender]["packets"].as_u64().unwrap() > 0, "{out}");
@@ -452,4 +453,5 @@ fn the_chain_benchmark_runs_its_three_contenders_side_by_side() {
     }
     assert_eq!(r["hops"], 2);
     assert!(r["chain_ns_per_packet"].as_f64().unwrap() > 0.0, "{out}");
+    assert!(r["latency_ns_per_packet"].is_f64(), "{out}");
 }

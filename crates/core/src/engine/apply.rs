@@ -390,8 +390,10 @@ pub(super) fn rewire(
 ) -> (Vec<(LinkDecl, Arc<Ring>)>, LinkEnds) {
     let mut rings = Vec::new();
     for (l, action) in links {
+        let mut histogram = None;
         let (p, c) = match (ends.producers.remove(&l.from), ends.consumers.remove(&l.to)) {
             (Some(p), Some(c)) if *action != LinkAction::Add && Arc::ptr_eq(p.ring(), c.ring()) => {
+                histogram = c.ring().latency();
                 if *action == LinkAction::Keep {
                     report.links_kept.push(l.spec());
                     (p, c)
@@ -412,6 +414,9 @@ pub(super) fn rewire(
                 link::link(l.size)
             }
         };
+        // A link keeps counting in the histogram it had (its counts never go back).
+        p.ring()
+            .set_latency(l.latency.then(|| histogram.unwrap_or_default()));
         rings.push((l.clone(), p.ring().clone()));
         let from = slots.get_mut(&l.from.app).expect("validated app");
         attach_output(from, &l.from.port, p, graph);

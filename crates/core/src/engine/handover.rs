@@ -10,6 +10,7 @@ use super::apply::{check_applicable, park_workers, resume_parked, BuiltApps};
 use super::plan::{compute_config_actions, ConfigActions};
 use super::*;
 use crate::app::Descriptors;
+use crate::latency::LatencyCounts;
 use crate::link::LinkStats;
 use std::collections::BTreeMap;
 
@@ -25,13 +26,23 @@ pub struct HandedApp {
     pub descriptors: Option<Descriptors>,
 }
 
+/// What one link leaves its successor (the link of the same spec): its counters and its
+/// latency histogram's, which the successor continues from.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct HandedLink {
+    #[serde(flatten)]
+    pub counters: LinkStats,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub latency: Option<LatencyCounts>,
+}
+
 /// What a running engine gives its successor.
 #[derive(Debug)]
 pub struct HandOver {
     pub apps: BTreeMap<String, HandedApp>,
     /// Each link's counters by its spec (`a.output -> b.input`), which the successor's
     /// links continue from.
-    pub links: BTreeMap<String, LinkStats>,
+    pub links: BTreeMap<String, HandedLink>,
     /// Packets that were queued on links when the workers parked and went out before the hand-over.
     pub drained: u64,
     /// Packets still queued when draining gave up (a full interface ring, a function process
@@ -59,7 +70,13 @@ impl Engine {
         let (drained, left_queued) = drain(&mut parked, DRAIN_PATIENCE);
         let (apps, unsaved) = collect(&mut parked);
         let links = (st.links.iter())
-            .map(|(decl, ring)| (decl.spec(), ring.stats()))
+            .map(|(decl, ring)| {
+                let handed = HandedLink {
+                    counters: ring.stats(),
+                    latency: ring.latency().map(|h| h.counts()),
+                };
+                (decl.spec(), handed)
+            })
             .collect();
         let taken = give(HandOver {
             apps,
@@ -134,7 +151,7 @@ impl Engine {
         &self,
         mut prepared: Prepared,
         finals: BTreeMap<String, HandedApp>,
-        links: &BTreeMap<String, LinkStats>,
+        links: &BTreeMap<String, HandedLink>,
     ) -> Result<(ApplyReport, RestoreReport), EngineError> {
         let mut report = RestoreReport {
             gone: prepared.unused.clone(),
@@ -176,13 +193,17 @@ impl Engine {
     /// parked (a link's counters are written by its two ends alone while they run).
     fn continue_link_counters(
         &self,
-        before: &BTreeMap<String, LinkStats>,
+        before: &BTreeMap<String, HandedLink>,
     ) -> Result<(), EngineError> {
         let mut st = self.state.lock().unwrap();
         let parked = park_workers(&mut st)?;
         for (decl, ring) in &st.links {
-            if let Some(b) = before.get(&decl.spec()) {
-                ring.count_on_from(b);
+            let Some(b) = before.get(&decl.spec()) else {
+                continue;
+            };
+            ring.count_on_from(&b.counters);
+            if let (Some(histogram), Some(counts)) = (ring.latency(), &b.latency) {
+                histogram.continue_from(counts);
             }
         }
         resume_parked(&st, parked)

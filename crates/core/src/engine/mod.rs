@@ -25,7 +25,7 @@ mod stats;
 pub use apply::topological_order;
 use breath::*;
 pub use breath::{breath_started, pin_to_core, WorkerCounters};
-pub use handover::{HandOver, HandedApp, Prepared};
+pub use handover::{HandOver, HandedApp, HandedLink, Prepared};
 pub use state::{RestoreReport, STATE_FILE_FORMAT};
 pub use stats::{AppStats, ApplyReport, LinkInfo, Stats, WorkerStats};
 
@@ -225,6 +225,7 @@ impl Engine {
                 size: r.capacity(),
                 taps: r.tap_count(),
                 stats: r.stats(),
+                latency: r.latency().map(|h| h.counts().report()),
             })
             .collect();
         let workers = st

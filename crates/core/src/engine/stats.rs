@@ -1,5 +1,6 @@
 //! What the engine reports: counters of apps, links and workers, and what a live change did.
 
+use crate::latency::LatencyReport;
 use crate::link::LinkStats;
 use crate::pool;
 use std::collections::BTreeMap;
@@ -29,6 +30,9 @@ pub struct LinkInfo {
     pub taps: usize,
     #[serde(flatten)]
     pub stats: LinkStats,
+    /// The latency of the packets the link delivered, for a link with `latency: true`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub latency: Option<LatencyReport>,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
