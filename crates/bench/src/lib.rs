@@ -10,6 +10,7 @@ mod lwaftr;
 mod nf;
 mod nf_scale;
 mod placement;
+mod rfc2544;
 mod soak;
 mod upgrade;
 mod vhost;
@@ -88,6 +89,9 @@ pub enum BenchCmd {
     /// Packets through Stitch between two vhost-user ports, against testpmd as the vhost-user
     /// back-end, with one testpmd of two virtio-user ports as the front-end.
     Vhost(crate::vhost::VhostBenchArgs),
+    /// RFC 2544 through vhost-user ports: the no-drop and partial-drop rates by binary search
+    /// and latency at fractions of the no-drop rate, Stitch beside testpmd's io forwarding.
+    Rfc2544(crate::rfc2544::Rfc2544Args),
     /// One network function with a realistic table (router, firewall, firewall-stateless, nat,
     /// bridge, vxlan, vxlan6, vlan, policer, load_balancer — or `all`) against a raw-ring
     /// baseline in the same run.
@@ -388,6 +392,7 @@ pub fn run(cmd: BenchCmd, registry: fn() -> Registry) -> Result<()> {
         BenchCmd::Soak(args) => soak::run(args),
         BenchCmd::Cluster(args) => cluster::run(args, registry()),
         BenchCmd::Vhost(args) => vhost::run(args),
+        BenchCmd::Rfc2544(args) => rfc2544::run(args),
         BenchCmd::Nf {
             name,
             seconds,

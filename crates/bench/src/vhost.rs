@@ -65,7 +65,7 @@ impl Drop for HugePages {
     }
 }
 
-struct Proc {
+pub(crate) struct Proc {
     child: Child,
     prefix: Option<String>,
 }
@@ -211,7 +211,7 @@ fn front_end(
     Ok(crate::median(v))
 }
 
-fn stitch_backend(dir: &std::path::Path, link_size: usize) -> Result<Proc> {
+pub(crate) fn stitch_backend(dir: &std::path::Path, link_size: usize) -> Result<Proc> {
     let graph = dir.join("vhost.yaml");
     std::fs::write(
         &graph,
@@ -220,10 +220,15 @@ fn stitch_backend(dir: &std::path::Path, link_size: usize) -> Result<Proc> {
             d = dir.display()
         ),
     )?;
+    stitch_process(dir, &graph)
+}
+
+/// `stitch run` of `graph`, its API socket in `dir`.
+pub(crate) fn stitch_process(dir: &std::path::Path, graph: &std::path::Path) -> Result<Proc> {
     let child = Command::new(std::env::current_exe()?)
         .args(["run", "--control"])
         .arg(dir.join("api.sock"))
-        .arg(&graph)
+        .arg(graph)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()?;
@@ -233,7 +238,7 @@ fn stitch_backend(dir: &std::path::Path, link_size: usize) -> Result<Proc> {
     })
 }
 
-fn testpmd_backend(
+pub(crate) fn testpmd_backend(
     dir: &std::path::Path,
     tag: &str,
     huge: Option<&std::path::Path>,
@@ -254,7 +259,7 @@ fn testpmd_backend(
     })
 }
 
-fn wait_sockets(dir: &std::path::Path) {
+pub(crate) fn wait_sockets(dir: &std::path::Path) {
     let t = Instant::now();
     while t.elapsed() < Duration::from_secs(10)
         && !(dir.join("a.sock").exists() && dir.join("b.sock").exists())

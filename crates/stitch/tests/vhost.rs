@@ -659,3 +659,64 @@ fn a_qemu_guest_migrates_live_from_one_port_to_another_and_keeps_its_pings() {
         "the destination announced the guest (QEMU asks for a RARP after the migration)"
     );
 }
+
+/// `stitch bench rfc2544` on a device that drops above a known rate: a policer of X frames/s
+/// and depth B frames between two vhost_user ports. A trial of T seconds at rate r loses
+/// nothing while r·T ≤ X·T + B, so the no-drop rate is X + B/T, which the search must find
+/// to within its resolution; the partial-drop rate is at least that, and the latency trials
+/// at fractions of it lose nothing.
+#[test]
+fn the_rfc2544_search_finds_the_rate_of_a_policer() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    const X: f64 = 20_000.0;
+    const B: f64 = 1_000.0;
+    const T: f64 = 1.0;
+    const MAX: f64 = 40_000.0;
+    const RESOLUTION_PERCENT: f64 = 2.0;
+    let dir = tempfile::tempdir().unwrap();
+    let graph = dir.path().join("policer.yaml");
+    std::fs::write(
+        &graph,
+        format!(
+            "engine: {{ busy_poll: true }}\napps:\n  a: {{ type: vhost_user, socket: set-by-the-bench }}\n  p: {{ type: policer, rate: {X}, burst: {B} }}\n  b: {{ type: vhost_user, socket: set-by-the-bench }}\nlinks:\n  - \"a.output -> p.input\"\n  - \"p.output -> b.input\"\n"
+        ),
+    )
+    .unwrap();
+    let out = dir.path().join("results");
+    let run = Command::new(env!("CARGO_BIN_EXE_stitch"))
+        .args(["bench", "rfc2544", "--duts", "graph", "--graph"])
+        .arg(&graph)
+        .args(["--sizes", "64", "--trial-seconds", &T.to_string()])
+        .args(["--max-rate", &MAX.to_string()])
+        .args(["--resolution", &RESOLUTION_PERCENT.to_string(), "--out"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&run.stdout);
+    assert!(
+        run.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    eprintln!("{text}");
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("rfc2544.json")).unwrap()).unwrap();
+    let r = &doc["results"][0];
+    let ndr = r["ndr"]["rate_pps"].as_f64().unwrap();
+    let pdr = r["pdr"]["rate_pps"].as_f64().unwrap();
+    let threshold = X + B / T;
+    let resolution = MAX * RESOLUTION_PERCENT / 100.0;
+    assert!(
+        ndr <= threshold && ndr >= threshold - resolution,
+        "NDR {ndr} not within {resolution} below {threshold}: {r}"
+    );
+    assert!(pdr >= ndr, "{r}");
+    let latency = r["latency"].as_array().unwrap();
+    assert_eq!(latency.len(), 3, "{r}");
+    for l in latency {
+        assert_eq!(l["loss_ratio"], 0.0, "{l}");
+        assert!(l["count"].as_u64().unwrap() > 1000, "{l}");
+        assert!(l["p50_ns"].as_u64().unwrap() >= l["min_ns"].as_u64().unwrap());
+    }
+    assert!(out.join("rfc2544.png").exists(), "the run's plot");
+}

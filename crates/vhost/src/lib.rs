@@ -32,6 +32,7 @@
 //! ```
 
 pub mod device;
+pub mod frontend;
 mod handover;
 pub mod memory;
 pub mod message;

@@ -1,0 +1,150 @@
+//! RFC 2544's throughput search (§26.1): the highest rate a device forwards with no more than
+//! a given share of its frames lost, found by binary search over trials of fixed length. The
+//! search is pure: a trial is whatever the caller runs at a rate.
+
+use anyhow::Result;
+
+/// What one trial at a rate gave.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct Outcome {
+    /// Frames per second the tester offered (it may fall short of the rate asked for).
+    pub offered_pps: f64,
+    /// Frames lost over frames sent.
+    pub loss_ratio: f64,
+}
+
+/// The bounds of a search.
+#[derive(Debug, Clone, Copy)]
+pub struct Bounds {
+    /// The highest rate tried first; a search that loses more at it looks below.
+    pub max_pps: f64,
+    /// The search stops when the rates that passed and failed are this close.
+    pub resolution_pps: f64,
+    /// The most of a trial's frames that may be lost for the rate to pass (0.00001 for the
+    /// no-drop rate, 0.001 for the partial-drop rate).
+    pub loss_ratio: f64,
+}
+
+/// What a search found: the highest rate that passed (0 when none did), every trial in the
+/// order run, and whether the tester could not offer more than it (the device may do better).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Found {
+    pub rate_pps: f64,
+    pub trials: Vec<(f64, Outcome)>,
+    pub tester_limited: bool,
+}
+
+/// Searches the rates up to `bounds.max_pps` with `trial` (which runs the device at a rate).
+/// The first trial is at the maximum; if the tester offered less there, the search stays
+/// below what it offered.
+pub fn highest_rate(
+    bounds: Bounds,
+    mut trial: impl FnMut(f64) -> Result<Outcome>,
+) -> Result<Found> {
+    anyhow::ensure!(bounds.max_pps > 0.0, "the highest rate must be positive");
+    anyhow::ensure!(
+        bounds.resolution_pps > 0.0,
+        "the search resolution must be positive"
+    );
+    let mut trials = Vec::new();
+    let first = trial(bounds.max_pps)?;
+    trials.push((bounds.max_pps, first));
+    let top = first.offered_pps.min(bounds.max_pps);
+    let passes = |o: &Outcome| o.loss_ratio <= bounds.loss_ratio;
+    if passes(&first) {
+        return Ok(Found {
+            rate_pps: top,
+            trials,
+            tester_limited: true,
+        });
+    }
+    let (mut passed, mut failed) = (0.0, top);
+    while failed - passed > bounds.resolution_pps {
+        let rate = (passed + failed) / 2.0;
+        let o = trial(rate)?;
+        trials.push((rate, o));
+        if passes(&o) {
+            passed = rate;
+        } else {
+            failed = rate;
+        }
+    }
+    Ok(Found {
+        rate_pps: passed,
+        trials,
+        tester_limited: false,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A device that forwards up to `capacity` frames per second and drops the excess.
+    fn device(capacity: f64) -> impl FnMut(f64) -> Result<Outcome> {
+        move |rate| {
+            Ok(Outcome {
+                offered_pps: rate,
+                loss_ratio: ((rate - capacity) / rate).max(0.0),
+            })
+        }
+    }
+
+    #[test]
+    fn the_search_finds_a_capacity_within_its_resolution() {
+        for capacity in [1_000.0, 123_456.0, 999_000.0] {
+            let bounds = Bounds {
+                max_pps: 1_000_000.0,
+                resolution_pps: 1_000.0,
+                loss_ratio: 0.0,
+            };
+            let found = highest_rate(bounds, device(capacity)).unwrap();
+            assert!(found.rate_pps <= capacity, "{capacity}: {found:?}");
+            assert!(found.rate_pps > capacity - 1_000.0, "{capacity}: {found:?}");
+            assert!(found.trials.len() <= 12, "{}", found.trials.len());
+        }
+    }
+
+    #[test]
+    fn a_device_faster_than_the_tester_is_reported_at_what_the_tester_offered() {
+        let bounds = Bounds {
+            max_pps: 1e9,
+            resolution_pps: 1e3,
+            loss_ratio: 0.0,
+        };
+        let tester = |_: f64| {
+            Ok(Outcome {
+                offered_pps: 2e6,
+                loss_ratio: 0.0,
+            })
+        };
+        let found = highest_rate(bounds, tester).unwrap();
+        assert_eq!((found.rate_pps, found.tester_limited), (2e6, true));
+    }
+
+    #[test]
+    fn a_partial_drop_rate_allows_its_share_of_loss() {
+        let bounds = Bounds {
+            max_pps: 200_000.0,
+            resolution_pps: 100.0,
+            loss_ratio: 0.001,
+        };
+        // Loses 0.05 % at any rate, and everything above 100 000.
+        let leaky = |rate: f64| {
+            Ok(Outcome {
+                offered_pps: rate,
+                loss_ratio: if rate > 100_000.0 { 0.5 } else { 0.0005 },
+            })
+        };
+        let found = highest_rate(bounds, leaky).unwrap();
+        assert!(
+            (99_900.0..=100_000.0).contains(&found.rate_pps),
+            "{found:?}"
+        );
+        let strict = Bounds {
+            loss_ratio: 0.00001,
+            ..bounds
+        };
+        assert_eq!(highest_rate(strict, leaky).unwrap().rate_pps, 0.0);
+    }
+}
