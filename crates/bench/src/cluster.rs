@@ -48,16 +48,10 @@ impl Drop for LocalEtcd {
     }
 }
 
-fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
-}
-
 fn start_etcd() -> Result<LocalEtcd> {
     let dir = tempfile::tempdir()?;
     let ports: Vec<(u16, u16)> = (0..3)
-        .map(|_| Ok((free_port()?, free_port()?)))
+        .map(|_| Ok((crate::free_port()?, crate::free_port()?)))
         .collect::<Result<_>>()?;
     let cluster: Vec<String> = ports
         .iter()

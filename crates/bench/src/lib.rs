@@ -244,6 +244,13 @@ impl Sample {
     }
 }
 
+/// A TCP port of 127.0.0.1 free a moment ago.
+pub(crate) fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
 /// The chain's graph; with `worker`, all its apps on that worker, pinned to the given core.
 fn chain_graph(hops: usize, size: usize, worker: Option<(&str, usize)>, latency: bool) -> String {
     let (workers, on) = match worker {

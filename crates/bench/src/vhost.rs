@@ -70,6 +70,16 @@ pub(crate) struct Proc {
     prefix: Option<String>,
 }
 
+impl Proc {
+    /// A process to stop with SIGINT (and kill after 3 s) when dropped.
+    pub(crate) fn of(child: Child) -> Proc {
+        Proc {
+            child,
+            prefix: None,
+        }
+    }
+}
+
 impl Drop for Proc {
     fn drop(&mut self) {
         // SAFETY: signalling our own child.

@@ -10,14 +10,15 @@
 //! p50, p99, p99.9, max) and jitter at 10, 50 and 90 % of the NDR. Unidirectional: frames
 //! flow a → b. Figures are comparable only within one run of one machine.
 
+mod duts;
 mod plot;
 pub mod search;
 pub mod tester;
 
-use crate::vhost::{stitch_backend, testpmd_backend, wait_sockets, Proc};
-use anyhow::{bail, Context, Result};
+use anyhow::Result;
+use duts::{Dut, Setup};
 use search::{highest_rate, Bounds, Found, Outcome};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 use stitch_core::latency::LatencyReport;
 use stitch_vhost::frontend::Frontend;
@@ -28,17 +29,24 @@ use tester::{trial, FrameSize, Frames, TrialResult};
 const NDR_LOSS: f64 = 0.00001;
 /// Loss allowed at the partial-drop rate.
 const PDR_LOSS: f64 = 0.001;
-/// Entries of each of the tester's queues.
-const QUEUE_SIZE: u16 = 1024;
 /// The fractions of the NDR at which latency is measured.
 const LATENCY_AT: [f64; 3] = [0.1, 0.5, 0.9];
 
 #[derive(clap::Args)]
 pub struct Rfc2544Args {
-    /// Devices under test, in turn: `stitch` (a forwarder between the two ports), `testpmd`
-    /// (io forwarding), `graph` (the graph of --graph).
-    #[arg(long, value_delimiter = ',', default_value = "stitch,testpmd")]
+    /// Devices under test, in turn: `stitch` (a forwarder between the two ports), `switch`
+    /// (Stitch's OpenFlow switch with --flows), `testpmd` (io forwarding), `ovs` (Open
+    /// vSwitch's DPDK datapath with --flows), `graph` (the graph of --graph).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "stitch,switch,testpmd,ovs"
+    )]
     pub duts: Vec<String>,
+    /// The switches' flow table (`ovs-ofctl add-flows` syntax; ports 1 and 2 are `a` and
+    /// `b`); by default port 1 to port 2 and back.
+    #[arg(long)]
+    pub flows: Option<PathBuf>,
     /// A Stitch graph to measure (with `--duts graph`): its apps `a` and `b` must be
     /// `vhost_user` ports; the benchmark sets their sockets. Frames go in at `a`, out at `b`.
     #[arg(long)]
@@ -92,70 +100,6 @@ impl SizeResult {
     }
 }
 
-/// A device under test, running; its two sockets are `a.sock` and `b.sock` in its folder.
-struct Dut {
-    _process: Proc,
-    dir: tempfile::TempDir,
-}
-
-impl Dut {
-    fn start(kind: &str, graph: Option<&Path>, tag: usize) -> Result<Dut> {
-        let dir = tempfile::tempdir()?;
-        let process = match kind {
-            "stitch" => stitch_backend(dir.path(), stitch_core::link::DEFAULT_LINK_SIZE)?,
-            "testpmd" => testpmd_backend(dir.path(), &format!("r{tag}"), None)?,
-            "graph" => {
-                let graph = graph.context("--duts graph needs --graph FILE")?;
-                let file = dir.path().join("dut.yaml");
-                std::fs::write(&file, graph_on_sockets(graph, dir.path())?)?;
-                crate::vhost::stitch_process(dir.path(), &file)?
-            }
-            other => bail!("unknown device under test `{other}` (stitch, testpmd or graph)"),
-        };
-        wait_sockets(dir.path());
-        Ok(Dut {
-            _process: process,
-            dir,
-        })
-    }
-
-    /// The tester's two ports, connected.
-    fn connect(&self) -> Result<(Frontend, Frontend)> {
-        let port = |name: &str| {
-            let path = self.dir.path().join(name);
-            Frontend::connect(&path, QUEUE_SIZE, Duration::from_secs(10))
-                .with_context(|| format!("connecting to {}", path.display()))
-        };
-        Ok((port("a.sock")?, port("b.sock")?))
-    }
-}
-
-/// The graph of `file` with its apps `a` and `b` (vhost_user ports) listening in `dir`.
-fn graph_on_sockets(file: &Path, dir: &Path) -> Result<String> {
-    let text =
-        std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
-    let mut doc: serde_json::Value =
-        serde_saphyr::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
-    for port in ["a", "b"] {
-        let app = doc["apps"]
-            .get_mut(port)
-            .filter(|a| a["type"] == "vhost_user")
-            .with_context(|| {
-                format!(
-                    "{}: the benchmark sends into app `a` and takes from app `b`, which must be \
-                     vhost_user ports",
-                    file.display()
-                )
-            })?;
-        app["socket"] = dir
-            .join(format!("{port}.sock"))
-            .display()
-            .to_string()
-            .into();
-    }
-    Ok(serde_json::to_string_pretty(&doc)?)
-}
-
 /// Runs the searches and latency trials of one device at one size.
 fn measure(
     dut: &str,
@@ -177,13 +121,14 @@ fn measure(
         Some(r) => r,
         None => run(None, false).offered_pps(),
     };
-    let bounds = |loss_ratio| Bounds {
+    let bounds = |loss_ratio, passes_at_pps| Bounds {
         max_pps: max,
         resolution_pps: max * args.resolution / 100.0,
         loss_ratio,
+        passes_at_pps,
     };
-    let mut search = |loss| {
-        highest_rate(bounds(loss), |rate| {
+    let mut search = |loss, floor| {
+        highest_rate(bounds(loss, floor), |rate| {
             let r = run(Some(rate), false);
             Ok(Outcome {
                 offered_pps: r.offered_pps(),
@@ -191,8 +136,9 @@ fn measure(
             })
         })
     };
-    let ndr = search(NDR_LOSS)?;
-    let pdr = search(PDR_LOSS)?;
+    let ndr = search(NDR_LOSS, 0.0)?;
+    // What loses nothing loses less than the partial drop allows.
+    let pdr = search(PDR_LOSS, ndr.rate_pps)?;
     let mut latency = Vec::new();
     for fraction in LATENCY_AT.iter().filter(|_| ndr.rate_pps > 0.0) {
         let rate = ndr.rate_pps * fraction;
@@ -238,10 +184,15 @@ pub fn run(args: Rfc2544Args) -> Result<()> {
             args.resolution
         );
     }
+    let flows = duts::flows(args.flows.as_ref())?;
+    let setup = Setup {
+        graph: args.graph.as_deref(),
+        flows: &flows,
+    };
     let mut results = Vec::new();
     let mut tag = 0u16;
     for (i, kind) in args.duts.iter().enumerate() {
-        let dut = Dut::start(kind, args.graph.as_deref(), i)?;
+        let dut = Dut::start(kind, &setup, i)?;
         let mut ports = dut.connect()?;
         for &size in &args.sizes {
             let r = measure(kind, &mut ports, size, &args, &mut tag)?;

@@ -23,6 +23,9 @@ pub struct Bounds {
     /// The most of a trial's frames that may be lost for the rate to pass (0.00001 for the
     /// no-drop rate, 0.001 for the partial-drop rate).
     pub loss_ratio: f64,
+    /// A rate known to pass (the no-drop rate, for the partial-drop search): the search
+    /// looks above it only.
+    pub passes_at_pps: f64,
 }
 
 /// What a search found: the highest rate that passed (0 when none did), every trial in the
@@ -58,7 +61,7 @@ pub fn highest_rate(
             tester_limited: true,
         });
     }
-    let (mut passed, mut failed) = (0.0, top);
+    let (mut passed, mut failed) = (bounds.passes_at_pps.min(top), top);
     while failed - passed > bounds.resolution_pps {
         let rate = (passed + failed) / 2.0;
         let o = trial(rate)?;
@@ -97,6 +100,7 @@ mod tests {
                 max_pps: 1_000_000.0,
                 resolution_pps: 1_000.0,
                 loss_ratio: 0.0,
+                passes_at_pps: 0.0,
             };
             let found = highest_rate(bounds, device(capacity)).unwrap();
             assert!(found.rate_pps <= capacity, "{capacity}: {found:?}");
@@ -111,6 +115,7 @@ mod tests {
             max_pps: 1e9,
             resolution_pps: 1e3,
             loss_ratio: 0.0,
+            passes_at_pps: 0.0,
         };
         let tester = |_: f64| {
             Ok(Outcome {
@@ -128,6 +133,7 @@ mod tests {
             max_pps: 200_000.0,
             resolution_pps: 100.0,
             loss_ratio: 0.001,
+            passes_at_pps: 0.0,
         };
         // Loses 0.05 % at any rate, and everything above 100 000.
         let leaky = |rate: f64| {
@@ -146,5 +152,21 @@ mod tests {
             ..bounds
         };
         assert_eq!(highest_rate(strict, leaky).unwrap().rate_pps, 0.0);
+    }
+
+    #[test]
+    fn a_search_from_a_rate_known_to_pass_looks_only_above_it() {
+        let bounds = Bounds {
+            max_pps: 100_000.0,
+            resolution_pps: 1_000.0,
+            loss_ratio: 0.0,
+            passes_at_pps: 60_000.0,
+        };
+        let found = highest_rate(bounds, device(70_000.0)).unwrap();
+        assert!(
+            found.trials.iter().all(|(rate, _)| *rate > 60_000.0),
+            "{found:?}"
+        );
+        assert!((69_000.0..=70_000.0).contains(&found.rate_pps), "{found:?}");
     }
 }
