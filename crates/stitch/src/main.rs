@@ -361,7 +361,12 @@ fn cleanup(name: Option<String>, control: Option<PathBuf>) -> Result<()> {
         };
         let removed = stitch_place::leftovers::clean_dead(&instance.socket(), &instance.key())
             .map_err(|e| anyhow::anyhow!(e))?;
-        vec![(instance.name.clone(), removed)]
+        // An instance given a socket is known by it.
+        let label = match &instance.control {
+            Some(socket) => socket.display().to_string(),
+            None => instance.name.clone(),
+        };
+        vec![(label, removed)]
             .into_iter()
             .filter(|(_, r)| !r.is_empty())
             .collect()
