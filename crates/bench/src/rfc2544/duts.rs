@@ -1,6 +1,6 @@
 //! The devices under test, each started on CPU 1 with its two vhost-user ports on `a.sock`
 //! and `b.sock` of a fresh folder: Stitch's forwarder, Stitch's OpenFlow switch with a flow
-//! table, testpmd's io forwarding, Open vSwitch's DPDK datapath with the same flow table
+//! table, Stitch's firewall and NAT, testpmd's io forwarding, Open vSwitch's DPDK datapath with the same flow table
 //! (`dpdkvhostuserclient` ports: Open vSwitch connects to sockets the tester listens on), or a
 //! graph of the user's.
 
@@ -61,6 +61,11 @@ impl Dut {
                 hugepages = Some(crate::HugePageReserve::at_least(OVS_PAGES)?);
                 start_ovs(d, setup.flows)?
             }
+            "fw-nat" => {
+                let graph = d.join("fw-nat.yaml");
+                std::fs::write(&graph, firewall_nat_graph(d))?;
+                vec![stitch_process(d, &graph)?]
+            }
             "graph" => {
                 let graph = setup.graph.context("--duts graph needs --graph FILE")?;
                 let file = d.join("dut.yaml");
@@ -68,7 +73,7 @@ impl Dut {
                 vec![stitch_process(d, &file)?]
             }
             other => {
-                bail!("unknown device under test `{other}` (stitch, switch, testpmd, ovs or graph)")
+                bail!("unknown device under test `{other}` (stitch, switch, fw-nat, testpmd, ovs or graph)")
             }
         };
         if listeners.is_none() {
@@ -114,12 +119,51 @@ fn accept(listener: &UnixListener, name: &str) -> Result<Frontend> {
     }
 }
 
+/// A Stitch graph between the two ports on one busy-polling worker on CPU 1: `apps` (graph
+/// entries, one per line) and `links`.
+fn ported_graph(dir: &Path, apps: &[&str], links: &[&str]) -> String {
+    let mut g = format!(
+        "engine: {{ busy_poll: true }}\nworkers: {{ main: {{ core: 1 }} }}\napps:\n  a: {{ type: vhost_user, socket: {d}/a.sock }}\n  b: {{ type: vhost_user, socket: {d}/b.sock }}\n",
+        d = dir.display()
+    );
+    for a in apps {
+        g += &format!("  {a}\n");
+    }
+    g += "links:\n";
+    for l in links {
+        g += &format!("  - \"{l}\"\n");
+    }
+    g
+}
+
 /// Stitch's OpenFlow switch between the two ports, its controller endpoint on `port`.
 fn switch_graph(dir: &Path, port: u16) -> String {
-    format!(
-        "engine: {{ busy_poll: true }}\nworkers: {{ main: {{ core: 1 }} }}\napps:\n  a: {{ type: vhost_user, socket: {d}/a.sock }}\n  b: {{ type: vhost_user, socket: {d}/b.sock }}\n  sw: {{ type: switch, ports: [a, b], listen: \"127.0.0.1:{port}\" }}\nlinks:\n  - \"a.output -> sw.a\"\n  - \"sw.a -> a.input\"\n  - \"b.output -> sw.b\"\n  - \"sw.b -> b.input\"\n",
-        d = dir.display()
-    )
+    let switch = format!("sw: {{ type: switch, ports: [a, b], listen: \"127.0.0.1:{port}\" }}");
+    let links = [
+        "a.output -> sw.a",
+        "sw.a -> a.input",
+        "b.output -> sw.b",
+        "sw.b -> b.input",
+    ];
+    ported_graph(dir, &[&switch], &links)
+}
+
+/// A stateful firewall (the lan side opens connections) and a NAT that masquerades what
+/// leaves behind one address: `a` is inside, `b` outside.
+fn firewall_nat_graph(dir: &Path) -> String {
+    let apps = [
+        "fw: { type: firewall, default: drop, rules: [ { action: accept, from: lan } ] }",
+        "nat: { type: nat, external: 198.19.255.1, ports: \"1024-65535\" }",
+    ];
+    let links = [
+        "a.output -> fw.lan",
+        "fw.lan -> a.input",
+        "fw.wan -> nat.lan",
+        "nat.lan -> fw.wan",
+        "nat.wan -> b.input",
+        "b.output -> nat.wan",
+    ];
+    ported_graph(dir, &apps, &links)
 }
 
 /// `ovs-ofctl add-flows` of `flows` into the switch listening on `port`, once it answers.

@@ -35,12 +35,13 @@ const LATENCY_AT: [f64; 3] = [0.1, 0.5, 0.9];
 #[derive(clap::Args)]
 pub struct Rfc2544Args {
     /// Devices under test, in turn: `stitch` (a forwarder between the two ports), `switch`
-    /// (Stitch's OpenFlow switch with --flows), `testpmd` (io forwarding), `ovs` (Open
-    /// vSwitch's DPDK datapath with --flows), `graph` (the graph of --graph).
+    /// (Stitch's OpenFlow switch with --flows), `fw-nat` (Stitch's stateful firewall and
+    /// NAT), `testpmd` (io forwarding), `ovs` (Open vSwitch's DPDK datapath with --flows),
+    /// `graph` (the graph of --graph).
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "stitch,switch,testpmd,ovs"
+        default_value = "stitch,switch,fw-nat,testpmd,ovs"
     )]
     pub duts: Vec<String>,
     /// The switches' flow table (`ovs-ofctl add-flows` syntax; ports 1 and 2 are `a` and
