@@ -244,6 +244,24 @@ impl Sample {
     }
 }
 
+/// Makes the process `cmd` starts receive SIGTERM when this one ends, however it ends: an
+/// interrupted benchmark leaves no device under test or peer running.
+pub(crate) fn ends_with_this_process(
+    cmd: &mut std::process::Command,
+) -> &mut std::process::Command {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: the closure runs in the child between fork and exec and only calls prctl, which
+    // is async-signal-safe and touches no memory.
+    unsafe {
+        cmd.pre_exec(
+            || match libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) {
+                0 => Ok(()),
+                _ => Err(std::io::Error::last_os_error()),
+            },
+        )
+    }
+}
+
 /// A TCP port of 127.0.0.1 free a moment ago.
 pub(crate) fn free_port() -> Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?

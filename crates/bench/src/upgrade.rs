@@ -282,15 +282,30 @@ fn kill_by_socket(socket: &Path) -> Option<i32> {
         .args(["-f", &socket.display().to_string()])
         .output()
         .ok()?;
-    let mut killed = None;
+    let mut killed = Vec::new();
     for pid in String::from_utf8_lossy(&out.stdout).lines() {
         if let Ok(pid) = pid.trim().parse::<i32>() {
             // SAFETY: kill takes no pointers.
             unsafe { libc::kill(pid, libc::SIGKILL) };
-            killed = Some(pid);
+            killed.push(pid);
         }
     }
-    killed
+    // Until a killed process has exited it holds its socket and lock, and `stitch cleanup`
+    // would take it for a live instance and remove nothing (its kernel data plane stayed).
+    let started = Instant::now();
+    while killed.iter().any(|&pid| still_running(pid)) && started.elapsed() < Duration::from_secs(5)
+    {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    killed.last().copied()
+}
+
+/// Whether process `pid` exists and has not exited (a zombie has: its descriptors are closed).
+fn still_running(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| Some(stat.rsplit_once(") ")?.1.starts_with('Z')))
+        .is_some_and(|zombie| !zombie)
 }
 
 /// A raw packet socket on `interface` for the bench's EtherType.

@@ -115,6 +115,7 @@ pub(crate) fn testpmd(
         bail!("dpdk-testpmd is missing: `apt install dpdk-dev`");
     }
     let mut c = Command::new("dpdk-testpmd");
+    crate::ends_with_this_process(&mut c);
     c.arg("--lcores").arg(format!("0@{cpu},1@{cpu}")).args([
         "--no-pci",
         "-m",
@@ -235,7 +236,7 @@ pub(crate) fn stitch_backend(dir: &std::path::Path, link_size: usize) -> Result<
 
 /// `stitch run` of `graph`, its API socket in `dir`.
 pub(crate) fn stitch_process(dir: &std::path::Path, graph: &std::path::Path) -> Result<Proc> {
-    let child = Command::new(std::env::current_exe()?)
+    let child = crate::ends_with_this_process(&mut Command::new(std::env::current_exe()?))
         .args(["run", "--control"])
         .arg(dir.join("api.sock"))
         .arg(graph)

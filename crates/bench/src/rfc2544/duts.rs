@@ -232,7 +232,7 @@ impl Ovs {
     fn spawn(&self, program: &str, args: Vec<String>) -> Result<Proc> {
         let name = Path::new(program).file_name().unwrap_or_default();
         let log = std::fs::File::create(self.dir.join(format!("{}.log", name.to_string_lossy())))?;
-        let child = Command::new(program)
+        let child = crate::ends_with_this_process(&mut Command::new(program))
             .args(args)
             .envs(self.env())
             .stdout(log.try_clone()?)

@@ -16,6 +16,10 @@ use stitch_vhost::frontend::Frontend;
 const TRAILER: usize = 18;
 /// Frames sent per batch at most (one clock reading, one publication, one kick).
 const BURST: usize = 32;
+/// Frames the tester may be behind its schedule; beyond, its own core was taken from it (it
+/// is not a line-rate generator) and the frames it missed are not offered at all, rather than
+/// sent as a burst the device's input was never meant to take.
+const MOST_BEHIND: u64 = 4 * BURST as u64;
 /// After the last frame is sent, how long the receiver waits for stragglers once none came.
 const QUIET: Duration = Duration::from_millis(100);
 /// The longest wait for stragglers (RFC 2544 §23 waits 2 s).
@@ -117,7 +121,13 @@ impl Frames {
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct TrialResult {
     pub seconds: f64,
+    /// Frames offered: those sent, and those due while the device's input ring was full.
     pub sent: u64,
+    /// Frames due while the device's input ring was full (the device took nothing more): lost
+    /// at its input, as a NIC's full receive ring loses them.
+    pub input_overflow: u64,
+    /// Frames the tester missed its schedule by (its core was busy elsewhere): not offered.
+    pub tester_behind: u64,
     pub received: u64,
     /// Frames that arrived with a number below one already received.
     pub reordered: u64,
@@ -205,18 +215,24 @@ pub fn trial(
     let cycle = frames.templates.len() as u64;
     let start = Instant::now();
     let length = Duration::from_secs_f64(seconds);
-    let mut sent = 0u64;
+    // Frames offered (sent or lost at the input) and frames sent, which are numbered.
+    let (mut offered, mut sent) = (0u64, 0u64);
     loop {
         let elapsed = start.elapsed();
         if elapsed >= length {
             break;
         }
         let due = rate_pps.map_or(u64::MAX, |r| (elapsed.as_secs_f64() * r) as u64);
-        let want = due.saturating_sub(sent).min(BURST as u64) as usize;
+        let mut due_now = due.saturating_sub(offered + r.result.tester_behind);
+        if rate_pps.is_some() && due_now > MOST_BEHIND {
+            r.result.tester_behind += due_now - BURST as u64;
+            due_now = BURST as u64;
+        }
+        let want = due_now.min(BURST as u64) as usize;
         if want > 0 {
             let stamp = now_ns().to_le_bytes();
             let mut seq = sent;
-            sent += tx.send(want, |buf| {
+            let n = tx.send(want, |buf| {
                 let t = &frames.templates[(seq % cycle) as usize];
                 let len = t.len();
                 buf[..len].copy_from_slice(t);
@@ -227,12 +243,23 @@ pub fn trial(
                 seq += 1;
                 len
             }) as u64;
+            sent += n;
+            offered += n;
+            // At a paced rate, what the full ring did not take is lost at the input; as fast
+            // as possible, the ring's room is the pace.
+            if n < want as u64 && rate_pps.is_some() {
+                r.result.input_overflow += want as u64 - n;
+                offered += want as u64 - n;
+            }
         }
         let now = now_ns();
         rx.receive(|f| r.take(f, now));
     }
     r.result.seconds = start.elapsed().as_secs_f64();
-    r.result.sent = sent;
+    r.result.sent = offered;
+    if r.result.tester_behind > 0 {
+        log::debug!("the tester fell {} frames behind its schedule", r.result.tester_behind);
+    }
     let (ended, mut last_frame) = (Instant::now(), Instant::now());
     while r.result.received < sent && last_frame.elapsed() < QUIET && ended.elapsed() < MOST_DRAIN {
         let now = now_ns();
