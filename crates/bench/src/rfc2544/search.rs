@@ -28,6 +28,10 @@ pub struct Bounds {
     pub passes_at_pps: f64,
 }
 
+/// A trial passes only if the tester offered at least this share of the rate asked for: below
+/// it, the tester (not the device) set the pace, and the rate was not tried.
+const OFFERED_AT_LEAST: f64 = 0.98;
+
 /// What a search found: the highest rate that passed (0 when none did), every trial in the
 /// order run, and whether the tester could not offer more than it (the device may do better).
 #[derive(Debug, Clone, serde::Serialize)]
@@ -53,8 +57,18 @@ pub fn highest_rate(
     let first = trial(bounds.max_pps)?;
     trials.push((bounds.max_pps, first));
     let top = first.offered_pps.min(bounds.max_pps);
-    let passes = |o: &Outcome| o.loss_ratio <= bounds.loss_ratio;
-    if passes(&first) {
+    // Whether the tester fell short of a rate, and whether the device lost too much at one
+    // the tester did offer.
+    let (mut short, mut device_failed) =
+        (first.offered_pps < bounds.max_pps * OFFERED_AT_LEAST, false);
+    let mut passes = |rate: f64, o: &Outcome| {
+        let offered = o.offered_pps >= rate * OFFERED_AT_LEAST;
+        let kept = o.loss_ratio <= bounds.loss_ratio;
+        short |= !offered;
+        device_failed |= offered && !kept;
+        offered && kept
+    };
+    if first.loss_ratio <= bounds.loss_ratio {
         return Ok(Found {
             rate_pps: top,
             trials,
@@ -66,7 +80,7 @@ pub fn highest_rate(
         let rate = (passed + failed) / 2.0;
         let o = trial(rate)?;
         trials.push((rate, o));
-        if passes(&o) {
+        if passes(rate, &o) {
             passed = rate;
         } else {
             failed = rate;
@@ -75,7 +89,7 @@ pub fn highest_rate(
     Ok(Found {
         rate_pps: passed,
         trials,
-        tester_limited: false,
+        tester_limited: short && !device_failed,
     })
 }
 
@@ -152,6 +166,26 @@ mod tests {
             ..bounds
         };
         assert_eq!(highest_rate(strict, leaky).unwrap().rate_pps, 0.0);
+    }
+
+    #[test]
+    fn a_rate_the_tester_could_not_offer_does_not_pass() {
+        let bounds = Bounds {
+            max_pps: 100_000.0,
+            resolution_pps: 1_000.0,
+            loss_ratio: 0.0,
+            passes_at_pps: 0.0,
+        };
+        // Loses 1 % at full speed; offers at most 40 000/s and loses nothing at that pace.
+        let tester = |rate: f64| {
+            Ok(Outcome {
+                offered_pps: rate.min(40_000.0),
+                loss_ratio: if rate >= 100_000.0 { 0.01 } else { 0.0 },
+            })
+        };
+        let found = highest_rate(bounds, tester).unwrap();
+        assert!(found.rate_pps <= 40_000.0 / OFFERED_AT_LEAST, "{found:?}");
+        assert!(found.tester_limited, "{found:?}");
     }
 
     #[test]

@@ -258,7 +258,10 @@ pub fn trial(
     r.result.seconds = start.elapsed().as_secs_f64();
     r.result.sent = offered;
     if r.result.tester_behind > 0 {
-        log::debug!("the tester fell {} frames behind its schedule", r.result.tester_behind);
+        log::debug!(
+            "the tester fell {} frames behind its schedule",
+            r.result.tester_behind
+        );
     }
     let (ended, mut last_frame) = (Instant::now(), Instant::now());
     while r.result.received < sent && last_frame.elapsed() < QUIET && ended.elapsed() < MOST_DRAIN {
