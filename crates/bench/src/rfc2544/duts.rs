@@ -362,7 +362,8 @@ fn start_ovs(dir: &Path, flows: &str) -> Result<Vec<Proc>> {
     Ok(vec![switch, database])
 }
 
-/// The graph of `file` with its apps `a` and `b` (vhost_user ports) listening in `dir`.
+/// The graph of `file` with its apps `a` and `b` (vhost_user ports) listening in `dir`, its
+/// main worker on CPU 1 if it pins none.
 fn graph_on_sockets(file: &Path, dir: &Path) -> Result<String> {
     let text =
         std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
@@ -384,6 +385,10 @@ fn graph_on_sockets(file: &Path, dir: &Path) -> Result<String> {
             .display()
             .to_string()
             .into();
+    }
+    // The device's core, unless the graph places its workers itself.
+    if doc.get("workers").is_none_or(serde_json::Value::is_null) {
+        doc["workers"] = serde_json::json!({ "main": { "core": 1 } });
     }
     Ok(serde_json::to_string_pretty(&doc)?)
 }

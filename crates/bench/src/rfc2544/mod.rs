@@ -49,7 +49,8 @@ pub struct Rfc2544Args {
     #[arg(long)]
     pub flows: Option<PathBuf>,
     /// A Stitch graph to measure (with `--duts graph`): its apps `a` and `b` must be
-    /// `vhost_user` ports; the benchmark sets their sockets. Frames go in at `a`, out at `b`.
+    /// `vhost_user` ports; the benchmark sets their sockets (and pins its main worker to CPU 1
+    /// unless it has `workers:`). Frames go in at `a`, out at `b`.
     #[arg(long)]
     pub graph: Option<PathBuf>,
     /// Frame sizes in bytes with the FCS (64..=1518), or `imix` (64, 570, 1518 as 7 : 4 : 1).
