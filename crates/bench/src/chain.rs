@@ -264,15 +264,38 @@ impl Run {
     }
 }
 
-pub(crate) fn run(
-    registry: Arc<Registry>,
-    hops: usize,
-    size: usize,
-    seconds: f64,
-    runs: usize,
-    json: bool,
-    latency: bool,
-) -> Result<()> {
+#[derive(clap::Args)]
+pub struct ChainArgs {
+    /// Forwarders between source and sink.
+    #[arg(long, default_value_t = 8)]
+    pub hops: usize,
+    /// Frame size in bytes.
+    #[arg(long, default_value_t = 64)]
+    pub size: usize,
+    /// Seconds per measured window (the three contenders share each).
+    #[arg(long, default_value_t = 2.0)]
+    pub seconds: f64,
+    /// Windows (medians are reported).
+    #[arg(long, default_value_t = 3)]
+    pub runs: usize,
+    /// Print results as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Also take turns with the chain measuring its latency (generator stamps, a histogram
+    /// on the link into the sink) and report what that costs per packet.
+    #[arg(long)]
+    pub latency: bool,
+}
+
+pub(crate) fn run(registry: Arc<Registry>, args: ChainArgs) -> Result<()> {
+    let ChainArgs {
+        hops,
+        size,
+        seconds,
+        runs,
+        json,
+        latency,
+    } = args;
     anyhow::ensure!(hops >= 1, "--hops must be at least 1");
     anyhow::ensure!(runs >= 1, "--runs must be at least 1");
     for t in ["generator", "forwarder", "sink"] {

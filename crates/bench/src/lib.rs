@@ -26,27 +26,7 @@ use stitch_core::{pool, Engine, Graph, Registry};
 pub enum BenchCmd {
     /// generator → N forwarders → sink on one worker, generator → sink alone and a bare loop
     /// moving packets through the same rings (raw-ring baseline), taking turns on one core.
-    Chain {
-        /// Forwarders between source and sink.
-        #[arg(long, default_value_t = 8)]
-        hops: usize,
-        /// Frame size in bytes.
-        #[arg(long, default_value_t = 64)]
-        size: usize,
-        /// Seconds per measured window (the three contenders share each).
-        #[arg(long, default_value_t = 2.0)]
-        seconds: f64,
-        /// Windows (medians are reported).
-        #[arg(long, default_value_t = 3)]
-        runs: usize,
-        /// Print results as JSON.
-        #[arg(long)]
-        json: bool,
-        /// Also take turns with the chain measuring its latency (generator stamps, a histogram
-        /// on the link into the sink) and report what that costs per packet.
-        #[arg(long)]
-        latency: bool,
-    },
+    Chain(crate::chain::ChainArgs),
     /// The lwAFTR on looped PCAP inputs (Snabb's benchmark), against a refill-only baseline.
     /// With --softwires N, on a generated table of N softwires with random traffic over it.
     Lwaftr {
@@ -375,22 +355,7 @@ pub(crate) fn quartiles(mut v: Vec<f64>) -> (f64, f64, f64) {
 /// build their graphs from it).
 pub fn run(cmd: BenchCmd, registry: fn() -> Registry) -> Result<()> {
     match cmd {
-        BenchCmd::Chain {
-            hops,
-            size,
-            seconds,
-            runs,
-            json,
-            latency,
-        } => chain::run(
-            Arc::new(registry()),
-            hops,
-            size,
-            seconds,
-            runs,
-            json,
-            latency,
-        ),
+        BenchCmd::Chain(args) => chain::run(Arc::new(registry()), args),
         BenchCmd::Lwaftr {
             conf,
             v4,

@@ -97,6 +97,15 @@ pub fn highest_rate(
 mod tests {
     use super::*;
 
+    fn bounds(max_pps: f64, resolution_pps: f64, loss_ratio: f64, passes_at_pps: f64) -> Bounds {
+        Bounds {
+            max_pps,
+            resolution_pps,
+            loss_ratio,
+            passes_at_pps,
+        }
+    }
+
     /// A device that forwards up to `capacity` frames per second and drops the excess.
     fn device(capacity: f64) -> impl FnMut(f64) -> Result<Outcome> {
         move |rate| {
@@ -110,12 +119,7 @@ mod tests {
     #[test]
     fn the_search_finds_a_capacity_within_its_resolution() {
         for capacity in [1_000.0, 123_456.0, 999_000.0] {
-            let bounds = Bounds {
-                max_pps: 1_000_000.0,
-                resolution_pps: 1_000.0,
-                loss_ratio: 0.0,
-                passes_at_pps: 0.0,
-            };
+            let bounds = bounds(1_000_000.0, 1_000.0, 0.0, 0.0);
             let found = highest_rate(bounds, device(capacity)).unwrap();
             assert!(found.rate_pps <= capacity, "{capacity}: {found:?}");
             assert!(found.rate_pps > capacity - 1_000.0, "{capacity}: {found:?}");
@@ -125,12 +129,7 @@ mod tests {
 
     #[test]
     fn a_device_faster_than_the_tester_is_reported_at_what_the_tester_offered() {
-        let bounds = Bounds {
-            max_pps: 1e9,
-            resolution_pps: 1e3,
-            loss_ratio: 0.0,
-            passes_at_pps: 0.0,
-        };
+        let bounds = bounds(1e9, 1e3, 0.0, 0.0);
         let tester = |_: f64| {
             Ok(Outcome {
                 offered_pps: 2e6,
@@ -143,12 +142,7 @@ mod tests {
 
     #[test]
     fn a_partial_drop_rate_allows_its_share_of_loss() {
-        let bounds = Bounds {
-            max_pps: 200_000.0,
-            resolution_pps: 100.0,
-            loss_ratio: 0.001,
-            passes_at_pps: 0.0,
-        };
+        let bounds = bounds(200_000.0, 100.0, 0.001, 0.0);
         // Loses 0.05 % at any rate, and everything above 100 000.
         let leaky = |rate: f64| {
             Ok(Outcome {
@@ -170,12 +164,7 @@ mod tests {
 
     #[test]
     fn a_rate_the_tester_could_not_offer_does_not_pass() {
-        let bounds = Bounds {
-            max_pps: 100_000.0,
-            resolution_pps: 1_000.0,
-            loss_ratio: 0.0,
-            passes_at_pps: 0.0,
-        };
+        let bounds = bounds(100_000.0, 1_000.0, 0.0, 0.0);
         // Loses 1 % at full speed; offers at most 40 000/s and loses nothing at that pace.
         let tester = |rate: f64| {
             Ok(Outcome {
@@ -190,12 +179,7 @@ mod tests {
 
     #[test]
     fn a_search_from_a_rate_known_to_pass_looks_only_above_it() {
-        let bounds = Bounds {
-            max_pps: 100_000.0,
-            resolution_pps: 1_000.0,
-            loss_ratio: 0.0,
-            passes_at_pps: 60_000.0,
-        };
+        let bounds = bounds(100_000.0, 1_000.0, 0.0, 60_000.0);
         let found = highest_rate(bounds, device(70_000.0)).unwrap();
         assert!(
             found.trials.iter().all(|(rate, _)| *rate > 60_000.0),
