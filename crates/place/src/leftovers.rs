@@ -105,8 +105,13 @@ pub fn clean_dead(socket: &Path, key: &str) -> Result<Vec<String>, String> {
             socket.display()
         ));
     }
-    // Not waited for: a holder is a live instance, or one starting.
-    let _owner = lock(socket, std::time::Duration::ZERO)?;
+    // Not waited for: a holder is a live instance, or one starting. Where the socket's folder
+    // is gone no instance can hold it (and none is made just to hold a lock).
+    let folder_gone = lock_path(socket).parent().is_some_and(|d| !d.exists());
+    let _owner = match folder_gone {
+        true => None,
+        false => Some(lock(socket, std::time::Duration::ZERO)?),
+    };
     let engine = Arc::new(Engine::new(Arc::new(Registry::new())));
     let mut removed = Placements::new(engine, key).clean_after_crash();
     if std::fs::remove_file(socket).is_ok() {
@@ -178,5 +183,15 @@ mod tests {
             clean_dead(&live, "leftovers-unit-live").is_ok(),
             "free once its owner is gone"
         );
+    }
+
+    #[test]
+    fn cleaning_after_an_instance_whose_folder_is_gone_makes_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let folder = dir.path().join("gone");
+        let socket = folder.join("ctl.sock");
+        let removed = clean_dead(&socket, &socket.display().to_string()).unwrap();
+        assert!(removed.is_empty(), "{removed:?}");
+        assert!(!folder.exists(), "no folder made to hold a lock in");
     }
 }
