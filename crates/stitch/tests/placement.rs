@@ -597,8 +597,9 @@ fn moving_the_firewall_engine_kernel_engine_pauses_only_its_own_traffic() {
     let s = Stitch::run_with(&move_graph(&fw, &other, "engine"), &["--keep-running"]);
     assert!(ping(&fw) && ping(&other), "{}", s.stats().unwrap());
     // 10 ms paced streams for 6 s: one through the firewall, one on the untouched path.
-    let untouched = other.spawn(0, &format!("ping -n -i 0.01 -c 600 {}", other.ip[1]));
-    let through = fw.spawn(0, &format!("ping -D -n -i 0.01 -c 600 {}", fw.ip[1]));
+    // `-w`: the last replies are waited for (see `paced_ping_while`).
+    let untouched = other.spawn(0, &format!("ping -n -i 0.01 -c 600 -w 15 {}", other.ip[1]));
+    let through = fw.spawn(0, &format!("ping -D -n -i 0.01 -c 600 -w 15 {}", fw.ip[1]));
     std::thread::sleep(std::time::Duration::from_secs(1));
     for (to, from) in [("kernel", "engine"), ("engine", "kernel")] {
         let out = s.apply(&move_graph(&fw, &other, to));

@@ -693,7 +693,9 @@ pub fn vm_app(image: &Path, cidr: &str, run: &str, mac: &str) -> String {
 
 /// ping's summary of 300 pings 10 ms apart from host `i` to `to`, with `during` done 300 ms in.
 pub fn paced_ping_while(hosts: &TwoHosts, i: usize, to: &str, during: impl FnOnce()) -> String {
-    let paced = hosts.spawn(i, &format!("ping -n -i 0.01 -c 300 {to}"));
+    // `-w`: wait for the last reply too (without it ping leaves twice the slowest round trip
+    // after the last request, and a late last reply from a busy guest reads as a loss).
+    let paced = hosts.spawn(i, &format!("ping -n -i 0.01 -c 300 -w 10 {to}"));
     std::thread::sleep(std::time::Duration::from_millis(300));
     during();
     String::from_utf8_lossy(&paced.finish().stdout).into_owned()
