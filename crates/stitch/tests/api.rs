@@ -641,13 +641,18 @@ fn graph_view_in_headless_chromium() {
     s.stop();
 }
 
-/// An app's totals in `/metrics`, by family (`stitch_app_tx_packets_total` …).
-fn metric_of_app(s: &Stitch, family: &str, app_name: &str) -> u64 {
+/// The instance's `/metrics`, read over its API socket.
+fn metrics_text(s: &Stitch) -> String {
     let (status, body) =
         stitch_api::client::call(&s.socket, stitch_api::client::Method::GET, "/metrics", None)
             .unwrap();
     assert_eq!(status, 200);
-    let text = String::from_utf8(body).unwrap();
+    String::from_utf8(body).unwrap()
+}
+
+/// An app's totals in `/metrics`, by family (`stitch_app_tx_packets_total` …).
+fn metric_of_app(s: &Stitch, family: &str, app_name: &str) -> u64 {
+    let text = metrics_text(s);
     let label = format!("app=\"{app_name}\"");
     text.lines()
         .find(|l| l.starts_with(family) && l.contains(&label))
@@ -728,11 +733,7 @@ fn app_totals_never_go_back_and_every_packet_is_accounted_for_across_applies() {
 /// The `stitch_link_latency_seconds` buckets of `link` in `/metrics`: (upper bound, cumulative
 /// count), and the family's `_count`.
 fn latency_buckets(s: &Stitch, link: &str) -> (Vec<(f64, u64)>, u64) {
-    let (status, body) =
-        stitch_api::client::call(&s.socket, stitch_api::client::Method::GET, "/metrics", None)
-            .unwrap();
-    assert_eq!(status, 200);
-    let text = String::from_utf8(body).unwrap();
+    let text = metrics_text(s);
     let label = format!("link=\"{link}\"");
     let ours = |l: &&str| l.starts_with("stitch_link_latency_seconds") && l.contains(&label);
     let value = |l: &str| l.rsplit(' ').next().unwrap().parse::<u64>().unwrap();
