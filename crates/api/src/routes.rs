@@ -112,7 +112,32 @@ pub fn router(api: Arc<Api>, token: Option<String>) -> Router {
                 "method not allowed on this route: see /api/v1/openapi.json",
             )
         })
-        .layer(DefaultBodyLimit::max(64 << 20))
+        .layer(DefaultBodyLimit::max(BODY_LIMIT))
+        .layer(middleware::from_fn(refuse_declared_oversize))
+}
+
+/// The largest request body the API reads.
+const BODY_LIMIT: usize = 64 << 20;
+
+/// A body whose declared length is over the limit is refused before a byte of it is read: the
+/// limit alone refuses it only once `BODY_LIMIT` bytes sit in memory, which the allocator then
+/// keeps for the process's life (`stitch bench soak` saw 66 MiB more RssAnon per such request).
+async fn refuse_declared_oversize(req: Request, next: Next) -> Response {
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    match declared {
+        Some(n) if n > BODY_LIMIT as u64 => ApiError::new(
+            413,
+            format!(
+                "the body is {n} bytes; the API reads at most {BODY_LIMIT} (64 MiB): send a smaller graph, or change it in parts (PUT /api/v1/apps/NAME)"
+            ),
+        )
+        .into_response(),
+        _ => next.run(req).await,
+    }
 }
 
 async fn require_token(token: &str, req: Request, next: Next) -> Response {
@@ -332,6 +357,45 @@ mod tests {
             out.push((path, methods));
         }
         out
+    }
+
+    #[tokio::test]
+    async fn a_body_declared_over_the_limit_is_refused_unread() {
+        let engine = Arc::new(Engine::new(Arc::new(Registry::new())));
+        let router = router(Arc::new(Api::new(engine.clone(), None)), None);
+        // A body that never yields a byte: reading it would hang the request.
+        struct Silent;
+        impl http_body::Body for Silent {
+            type Data = Bytes;
+            type Error = std::io::Error;
+            fn poll_frame(
+                self: std::pin::Pin<&mut Self>,
+                _: &mut std::task::Context<'_>,
+            ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, std::io::Error>>>
+            {
+                std::task::Poll::Pending
+            }
+        }
+        let endless = Body::new(Silent);
+        let req = axum::http::Request::builder()
+            .method("PUT")
+            .uri("/api/v1/graph")
+            .header(header::CONTENT_LENGTH, (BODY_LIMIT + 1).to_string())
+            .body(endless)
+            .unwrap();
+        let resp = tokio::time::timeout(std::time::Duration::from_secs(10), router.oneshot(req))
+            .await
+            .expect("answered without reading the body")
+            .unwrap();
+        assert_eq!(resp.status().as_u16(), 413);
+        let body = axum::body::to_bytes(resp.into_body(), 1 << 20)
+            .await
+            .unwrap();
+        assert!(
+            String::from_utf8_lossy(&body).contains("at most"),
+            "{body:?}"
+        );
+        engine.stop();
     }
 
     #[test]
