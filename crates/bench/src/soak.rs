@@ -369,6 +369,7 @@ pub fn run(args: SoakArgs) -> Result<()> {
     drop(traffic);
     let bench_socket_drops = stream.stop()?;
     let samples = outcome?;
+    rig.tear_down()?;
     check_growth(&samples)?;
     let last = samples.last().context("no sample")?;
     let json = serde_json::json!({

@@ -66,10 +66,34 @@ pub(crate) struct Rig {
     instance: Option<Child>,
     guest: Option<Child>,
     pub(crate) dir: tempfile::TempDir,
+    /// Whether `tear_down` has removed everything already.
+    torn_down: bool,
 }
 
 impl Drop for Rig {
     fn drop(&mut self) {
+        if !self.torn_down {
+            for left in self.remove_everything() {
+                log::warn!("the bench left {left}");
+            }
+        }
+    }
+}
+
+impl Rig {
+    /// Kills the instance and the guest and removes what they left; an error names what
+    /// stayed (a bench that leaves a kernel data plane behind fails).
+    pub(crate) fn tear_down(mut self) -> Result<()> {
+        self.torn_down = true;
+        let left = self.remove_everything();
+        if !left.is_empty() {
+            bail!("the bench left {}", left.join("; "));
+        }
+        Ok(())
+    }
+
+    /// Kills, cleans up and returns what is still there.
+    fn remove_everything(&mut self) -> Vec<String> {
         for c in [self.instance.as_mut(), self.guest.as_mut()]
             .into_iter()
             .flatten()
@@ -78,24 +102,47 @@ impl Drop for Rig {
             let _ = c.wait();
         }
         kill_by_socket(&self.socket());
+        let mut left = Vec::new();
         // What a killed instance leaves (a kernel data plane, its veths, VM sockets).
-        if let Ok(exe) = std::env::current_exe() {
-            let _ = Command::new(exe)
+        match std::env::current_exe().and_then(|exe| {
+            Command::new(exe)
                 .arg("cleanup")
                 .arg("--control")
                 .arg(self.socket())
                 .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status();
+                .output()
+        }) {
+            Ok(out) if out.status.success() => {}
+            Ok(out) => left.push(format!(
+                "what `stitch cleanup` refused to remove: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            )),
+            Err(e) => left.push(format!("what `stitch cleanup` was to remove: {e}")),
         }
         for v in &self.veths {
             let _ = Command::new("ip").args(["link", "del", v]).status();
         }
         let _ = std::fs::remove_dir_all(format!("/var/run/dpdk/{}", self.guest_prefix()));
+        let key = stitch_place::leftovers::key_of_socket(&self.socket());
+        let names = stitch_place::kernel::KernelNames::of(&key);
+        let plane = Path::new("/sys/fs/bpf/stitch").join(&names.plane);
+        if plane.exists() {
+            left.push(format!("its kernel data plane {}", plane.display()));
+        }
+        let veths = std::fs::read_dir("/sys/class/net")
+            .into_iter()
+            .flatten()
+            .flatten();
+        for v in veths.filter(|v| {
+            v.file_name()
+                .to_string_lossy()
+                .starts_with(&names.veth_prefix)
+        }) {
+            left.push(format!("the veth {}", v.file_name().to_string_lossy()));
+        }
+        left
     }
-}
 
-impl Rig {
     /// Two veth pairs (`PREFIX…a`/`…as`, `…b`/`…bs`) and the graph file between their inner ends.
     pub(crate) fn new(prefix: &str, hops: Hops) -> Result<Rig> {
         let tag = std::process::id() % 100_000;
@@ -119,6 +166,7 @@ impl Rig {
             instance: None,
             guest: None,
             dir: tempfile::tempdir()?,
+            torn_down: false,
         };
         std::fs::write(rig.dir.path().join("graph.yaml"), rig.graph(false))?;
         if hops.guest {
@@ -300,12 +348,19 @@ fn kill_by_socket(socket: &Path) -> Option<i32> {
     killed.last().copied()
 }
 
-/// Whether process `pid` exists and has not exited (a zombie has: its descriptors are closed).
+/// Whether any thread of process `pid` has yet to exit. A killed process's main thread turns
+/// zombie before its other threads have gone, and until the last has, the descriptors they
+/// share stay open: its API socket answered `stitch cleanup`, which removed nothing.
 fn still_running(pid: i32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|stat| Some(stat.rsplit_once(") ")?.1.starts_with('Z')))
-        .is_some_and(|zombie| !zombie)
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    tasks.flatten().any(|task| {
+        std::fs::read_to_string(task.path().join("stat"))
+            .ok()
+            .and_then(|stat| stat.rsplit_once(") ")?.1.chars().next())
+            .is_some_and(|state| !matches!(state, 'Z' | 'X'))
+    })
 }
 
 /// A raw packet socket on `interface` for the bench's EtherType.
@@ -525,6 +580,7 @@ pub fn run(args: UpgradeBenchArgs) -> Result<()> {
     }
     drop(traffic);
     let receiver_drops = stream.stop()?;
+    rig.tear_down()?;
     report(&args, &results, receiver_drops)
 }
 

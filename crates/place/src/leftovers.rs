@@ -17,7 +17,8 @@ use stitch_core::{Engine, Registry};
 /// The lock an instance holds while it runs.
 #[derive(Debug)]
 pub struct Owner {
-    _file: File,
+    file: File,
+    path: PathBuf,
 }
 
 impl Owner {
@@ -25,14 +26,24 @@ impl Owner {
     /// (`flock` locks belong to the open file), so the instance is never unowned during an
     /// upgrade.
     pub fn try_clone_fd(&self) -> std::io::Result<std::os::fd::OwnedFd> {
-        Ok(self._file.try_clone()?.into())
+        Ok(self.file.try_clone()?.into())
     }
 
-    /// The lock a predecessor handed over, held already.
-    pub fn adopt(fd: std::os::fd::OwnedFd) -> Owner {
+    /// The lock a predecessor of the instance with API socket `socket` handed over, held
+    /// already.
+    pub fn adopt(fd: std::os::fd::OwnedFd, socket: &Path) -> Owner {
         Owner {
-            _file: File::from(fd),
+            file: File::from(fd),
+            path: lock_path(socket),
         }
+    }
+
+    /// At a clean stop: removes the lock file, then lets go of the lock. The file is unlinked
+    /// while still held, so a process waiting for it finds, once it holds it, that the path no
+    /// longer names that file and locks the path afresh (`lock`): two owners never coexist.
+    /// Not for a process handing its instance over: the successor holds the same file.
+    pub fn release(self) {
+        let _ = std::fs::remove_file(&self.path);
     }
 }
 
@@ -40,6 +51,25 @@ impl Owner {
 /// (`stitch upgrade`).
 pub fn upgrade_socket(socket: &Path) -> PathBuf {
     socket.with_extension("upgrade")
+}
+
+/// What the resources on the host (function cgroups, the kernel data plane) of an instance
+/// given its API socket with `--control` are named after: the socket's absolute path, made
+/// safe for a file name (only one live instance can hold a socket).
+pub fn key_of_socket(socket: &Path) -> String {
+    let path = std::path::absolute(socket).unwrap_or_else(|_| socket.to_path_buf());
+    let flat: Vec<char> = path
+        .display()
+        .to_string()
+        .chars()
+        .map(
+            |c| match c.is_ascii_alphanumeric() || c == '.' || c == '-' {
+                true => c,
+                false => '_',
+            },
+        )
+        .collect();
+    flat[flat.len().saturating_sub(200)..].iter().collect()
 }
 
 /// The lock file of the instance whose API socket is `socket`.
@@ -61,17 +91,22 @@ fn lock(socket: &Path, patience: std::time::Duration) -> Result<Owner, String> {
         std::fs::create_dir_all(dir)
             .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
     }
-    let file = File::options()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&path)
-        .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
     let started = std::time::Instant::now();
     loop {
+        let file = File::options()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
         // SAFETY: flock on a descriptor this function owns; no memory is passed.
         if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
-            return Ok(Owner { _file: file });
+            if names_the_same_file(&path, &file) {
+                return Ok(Owner { file, path });
+            }
+            // Its owner removed it at a clean stop while this process waited: that lock
+            // guards nothing now.
+            continue;
         }
         let e = std::io::Error::last_os_error();
         let held = e.raw_os_error() == Some(libc::EWOULDBLOCK);
@@ -92,6 +127,15 @@ fn lock(socket: &Path, patience: std::time::Duration) -> Result<Owner, String> {
     }
 }
 
+/// Whether `path` still names the open `file` (a released lock's file is unlinked).
+fn names_the_same_file(path: &Path, file: &File) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (std::fs::metadata(path), file.metadata()) {
+        (Ok(named), Ok(open)) => named.dev() == open.dev() && named.ino() == open.ino(),
+        _ => false,
+    }
+}
+
 /// How long a held lock is waited for before its holder counts as a live instance.
 const HELD_PATIENCE: std::time::Duration = std::time::Duration::from_secs(2);
 
@@ -108,7 +152,7 @@ pub fn clean_dead(socket: &Path, key: &str) -> Result<Vec<String>, String> {
     // Not waited for: a holder is a live instance, or one starting. Where the socket's folder
     // is gone no instance can hold it (and none is made just to hold a lock).
     let folder_gone = lock_path(socket).parent().is_some_and(|d| !d.exists());
-    let _owner = match folder_gone {
+    let owner = match folder_gone {
         true => None,
         false => Some(lock(socket, std::time::Duration::ZERO)?),
     };
@@ -120,6 +164,9 @@ pub fn clean_dead(socket: &Path, key: &str) -> Result<Vec<String>, String> {
     let upgrade = upgrade_socket(socket);
     if std::fs::remove_file(&upgrade).is_ok() {
         removed.push(format!("the upgrade socket {}", upgrade.display()));
+    }
+    if let Some(owner) = owner {
+        owner.release();
     }
     Ok(removed)
 }
@@ -151,7 +198,28 @@ pub fn sweep(dir: &Path, except: Option<&Path>) -> Vec<(String, Vec<String>)> {
             }
         }
     }
+    remove_free_locks(dir);
     out
+}
+
+/// Removes the lock files in `dir` that no process holds and that have no API socket beside
+/// them (instances that stopped before their lock files were removed at a clean stop).
+fn remove_free_locks(dir: &Path) {
+    let locks = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "lock"));
+    for lock_file in locks {
+        let socket = lock_file.with_extension("sock");
+        if socket.exists() || lock_file.to_string_lossy().ends_with(".taps.lock") {
+            continue;
+        }
+        if let Ok(owner) = lock(&socket, std::time::Duration::ZERO) {
+            owner.release();
+        }
+    }
 }
 
 #[cfg(test)]
@@ -183,6 +251,43 @@ mod tests {
             clean_dead(&live, "leftovers-unit-live").is_ok(),
             "free once its owner is gone"
         );
+    }
+
+    #[test]
+    fn a_clean_stop_leaves_no_lock_file_and_a_waiter_never_holds_a_removed_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("leftovers-unit-stop.sock");
+        let first = own(&socket).unwrap();
+        // A second instance starting meanwhile waits for the lock; the first stops cleanly.
+        let waiter = std::thread::spawn({
+            let socket = socket.clone();
+            move || own(&socket)
+        });
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        first.release();
+        let second = waiter
+            .join()
+            .unwrap()
+            .expect("the lock is free after a clean stop");
+        assert!(
+            lock_path(&socket).exists(),
+            "the second owner's file is at the path"
+        );
+        assert!(
+            own(&socket).is_err(),
+            "the path names the file the second owner holds"
+        );
+        second.release();
+        assert!(!lock_path(&socket).exists());
+        // Lock files of instances that stopped before they were removed at a stop go with a
+        // sweep; a held one stays.
+        let stale = dir.path().join("leftovers-unit-stale.lock");
+        std::fs::write(&stale, "").unwrap();
+        let held = own(&dir.path().join("leftovers-unit-held.sock")).unwrap();
+        sweep(dir.path(), None);
+        assert!(!stale.exists());
+        assert!(dir.path().join("leftovers-unit-held.lock").exists());
+        drop(held);
     }
 
     #[test]

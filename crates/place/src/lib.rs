@@ -327,6 +327,7 @@ fn process_spec(app: &AppDecl, base_dir: &Path) -> Result<ProcessSpec, GraphErro
         stop: supervisor::StopBy::Term,
         stop_grace: std::time::Duration::from_secs(3),
         kind: "process",
+        console: None,
     })
 }
 

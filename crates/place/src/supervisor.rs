@@ -56,6 +56,16 @@ pub struct ProcessSpec {
     pub stop_grace: Duration,
     /// `process` or `vm`, for status.
     pub kind: &'static str,
+    /// A VM's serial console, the file its guest's boot and kernel messages go to.
+    pub console: Option<PathBuf>,
+}
+
+impl ProcessSpec {
+    /// How logs name it: "function `f`" or "VM `vm1`".
+    pub fn label(&self) -> String {
+        let what = if self.kind == "vm" { "VM" } else { "function" };
+        format!("{what} `{}`", self.app)
+    }
 }
 
 #[derive(Default)]
@@ -167,7 +177,7 @@ impl Supervisor {
         let cgroup = match Cgroup::create(&self.instance, &name, spec.cpu, spec.memory_mb) {
             Ok(c) => c,
             Err(e) => {
-                log::error!("function `{name}`: limits not enforced: {e}");
+                log::error!("{}: limits not enforced: {e}", spec.label());
                 None
             }
         };
@@ -182,8 +192,8 @@ impl Supervisor {
         if let Some([out, err]) = &s.status.lock().unwrap().output {
             for (fd, tail) in [(out, None), (err, Some(s.stderr.clone()))] {
                 match fd.try_clone() {
-                    Ok(fd) => keep_lines(name.clone(), std::fs::File::from(fd), tail),
-                    Err(e) => log::warn!("function `{name}`: its output is not read: {e}"),
+                    Ok(fd) => keep_lines(&s.spec, std::fs::File::from(fd), tail),
+                    Err(e) => log::warn!("{}: its output is not read: {e}", s.spec.label()),
                 }
             }
         }
@@ -248,8 +258,8 @@ impl Supervisor {
             {
                 Some(status) if !self.running.contains_key(&spec.app) => {
                     log::info!(
-                        "function `{}` (pid {}) carries on under this process",
-                        spec.app,
+                        "{} (pid {}) carries on under this process",
+                        spec.label(),
                         status.pid.unwrap_or(0)
                     );
                     self.launch(spec, status);
@@ -272,6 +282,13 @@ impl Supervisor {
             StopBy::Qmp(qmp) => crate::qmp::power_down(qmp),
             StopBy::Term => false,
         };
+        if asked {
+            log::info!(
+                "{}: asked to power down (ACPI); killed if still running after {:?} (`shutdown_timeout_s`)",
+                s.spec.label(),
+                s.spec.stop_grace
+            );
+        }
         {
             let mut st = s.status.lock().unwrap();
             st.stopping = true;
@@ -331,12 +348,16 @@ impl Supervisor {
         self.running
             .iter()
             .map(|(name, (s, _))| {
-                serde_json::json!({
+                let mut made = serde_json::json!({
                     "app": name,
                     "kind": s.spec.kind,
                     "pid": s.status.lock().unwrap().pid,
                     "cgroups": s.cgroup.as_ref().map(|c| c.limits()["cgroups"].clone()),
-                })
+                });
+                if let Some(console) = &s.spec.console {
+                    made["console"] = serde_json::json!(console);
+                }
+                made
             })
             .collect()
     }
@@ -361,6 +382,7 @@ impl Supervisor {
             "restart_in_seconds": st.next_start.map(|t| t.saturating_duration_since(Instant::now()).as_secs_f64()),
             "stderr": s.stderr.lock().unwrap().iter().collect::<Vec<_>>(),
             "limits": s.cgroup.as_ref().map(Cgroup::limits),
+            "console": s.spec.console,
         }))
     }
 }
@@ -386,7 +408,7 @@ fn supervise(s: &Supervised) {
         match started {
             Ok(()) => watch(s),
             Err(e) => {
-                log::error!("function `{}`: cannot start: {e}", s.spec.app);
+                log::error!("{}: cannot start: {e}", s.spec.label());
                 s.status.lock().unwrap().last_error = Some(e.to_string());
             }
         }
@@ -400,8 +422,8 @@ fn supervise(s: &Supervised) {
         let at = Instant::now() + backoff;
         st.next_start = Some(at);
         log::warn!(
-            "function `{}` ended ({}); restarting in {:?}",
-            s.spec.app,
+            "{} ended ({}); restarting in {:?}",
+            s.spec.label(),
             st.last_exit.as_deref().unwrap_or("did not start"),
             backoff
         );
@@ -447,7 +469,7 @@ fn start(s: &Supervised) -> std::io::Result<()> {
     let mut child = cmd.spawn()?;
     drop(join);
     let pid = child.id();
-    log::info!("function `{}` started (pid {pid})", spec.app);
+    log::info!("{} started (pid {pid})", spec.label());
     st.output = match (&child.stdout, &child.stderr) {
         (Some(out), Some(err)) => Some([
             out.as_fd().try_clone_to_owned()?,
@@ -456,10 +478,10 @@ fn start(s: &Supervised) -> std::io::Result<()> {
         _ => None,
     };
     if let Some(err) = child.stderr.take() {
-        keep_lines(spec.app.clone(), err, Some(s.stderr.clone()));
+        keep_lines(spec, err, Some(s.stderr.clone()));
     }
     if let Some(out) = child.stdout.take() {
-        keep_lines(spec.app.clone(), out, None);
+        keep_lines(spec, out, None);
     }
     s.records.write(&spec.app, pid, &spec.program, &spec.args);
     st.pid = Some(pid);
@@ -470,26 +492,28 @@ fn start(s: &Supervised) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Logs the lines of a function's stdout or stderr; keeps the last stderr lines in `tail`.
+/// Logs the lines of a function's or VM's stdout or stderr; keeps the last stderr lines in
+/// `tail`.
 fn keep_lines(
-    app: String,
+    spec: &ProcessSpec,
     from: impl std::io::Read + Send + 'static,
     tail: Option<Arc<Mutex<VecDeque<String>>>>,
 ) {
+    let label = spec.label();
     let _ = std::thread::Builder::new()
-        .name(format!("fn-{app}-out"))
+        .name(format!("fn-{}-out", spec.app))
         .spawn(move || {
             for line in BufReader::new(from).lines().map_while(Result::ok) {
                 match &tail {
                     Some(t) => {
-                        log::warn!("function `{app}`: {line}");
+                        log::warn!("{label}: {line}");
                         let mut t = t.lock().unwrap();
                         if t.len() == STDERR_LINES {
                             t.pop_front();
                         }
                         t.push_back(line);
                     }
-                    None => log::info!("function `{app}`: {line}"),
+                    None => log::info!("{label}: {line}"),
                 }
             }
         });
@@ -499,19 +523,30 @@ fn keep_lines(
 /// racing the reaping), then records how it ended. Once told to stop, it waits
 /// its grace time for the SIGTERM or power-down to work, then kills.
 fn watch(s: &Supervised) {
-    let mut stop_deadline = None;
+    let mut asked_at: Option<Instant> = None;
     loop {
         let mut st = s.status.lock().unwrap();
         if st.child.is_none() && st.adopted.is_none() {
             return;
         }
         if let Some(how) = ended(&mut st) {
+            if let Some(at) = asked_at {
+                let waited = at.elapsed();
+                log::info!("{} stopped ({how}) {waited:.1?} after it was asked", s.spec.label());
+            }
             record_exit(&mut st, how);
             return;
         }
-        if st.stopping
-            && Instant::now() >= *stop_deadline.get_or_insert(Instant::now() + s.spec.stop_grace)
-        {
+        if st.stopping && asked_at.get_or_insert_with(Instant::now).elapsed() >= s.spec.stop_grace {
+            let hint = match s.spec.stop {
+                StopBy::Qmp(_) => " (its guest ignores the ACPI power button: run acpid in it, or lower `shutdown_timeout_s`)",
+                StopBy::Term => " (it ignores SIGTERM)",
+            };
+            log::warn!(
+                "{} did not stop within {:?}: killed{hint}",
+                s.spec.label(),
+                s.spec.stop_grace
+            );
             let how = kill(&mut st);
             record_exit(&mut st, how);
             return;
@@ -598,8 +633,8 @@ fn adopted_status(app: &str, lent: Descriptors) -> Option<Status> {
 /// the old process) when it attaches again.
 fn survivor_status(spec: &ProcessSpec, s: Survivor) -> Status {
     log::info!(
-        "function `{}` (pid {}) kept running after the last run of this instance ended: adopted",
-        spec.app,
+        "{} (pid {}) kept running after the last run of this instance ended: adopted",
+        spec.label(),
         s.pid
     );
     let var = |k: &str| {
@@ -616,7 +651,7 @@ fn survivor_status(spec: &ProcessSpec, s: Survivor) -> Status {
             Some(read)
         }
         (_, _, Err(e)) => {
-            log::warn!("function `{}`: its output is not read: {e}", spec.app);
+            log::warn!("{}: its output is not read: {e}", spec.label());
             None
         }
         _ => None,

@@ -140,6 +140,7 @@ pub(crate) fn spec(app: &AppDecl, base_dir: &Path, vm_dir: &Path) -> Result<Plac
             stop: StopBy::Qmp(qmp),
             stop_grace: Duration::from_secs_f64(c.shutdown_timeout_s),
             kind: "vm",
+            console: Some(console),
         },
         engine_config: Some(engine_config),
     })

@@ -66,28 +66,7 @@ impl Instance {
     fn key(&self) -> String {
         match &self.control {
             None => self.name.clone(),
-            Some(p) => {
-                let path = std::path::absolute(p).unwrap_or_else(|_| p.clone());
-                let flat: String = path
-                    .display()
-                    .to_string()
-                    .chars()
-                    .map(|c| {
-                        if c.is_ascii_alphanumeric() || c == '.' || c == '-' {
-                            c
-                        } else {
-                            '_'
-                        }
-                    })
-                    .collect();
-                flat.chars()
-                    .rev()
-                    .take(200)
-                    .collect::<Vec<_>>()
-                    .into_iter()
-                    .rev()
-                    .collect()
-            }
+            Some(p) => stitch_place::leftovers::key_of_socket(p),
         }
     }
 
@@ -521,7 +500,7 @@ struct Running {
     stop: Arc<AtomicBool>,
     reload: Arc<AtomicBool>,
     /// This process runs the instance while it holds this.
-    _owner: stitch_place::leftovers::Owner,
+    owner: stitch_place::leftovers::Owner,
     /// The `stitch run` command line the instance was started with (a process that took it
     /// over runs as `stitch take-over`, and offers this one to its own successor).
     command_line: Vec<String>,
@@ -615,7 +594,7 @@ impl Parts {
                 (owner, server)
             }
             Some(inherited) => (
-                stitch_place::leftovers::Owner::adopt(inherited.lock),
+                stitch_place::leftovers::Owner::adopt(inherited.lock, &config.unix),
                 stitch_api::Server::serve(api.clone(), &config, inherited.listeners)?,
             ),
         };
@@ -626,7 +605,7 @@ impl Parts {
             config,
             stop,
             reload,
-            _owner: owner,
+            owner,
             command_line: std::env::args().collect(),
         })
     }
@@ -656,6 +635,7 @@ fn finish(r: Running, as_json: bool) -> Result<()> {
     r.server.shutdown();
     let _ = std::fs::remove_file(stitch_api::handover::socket_path(&r.config.unix));
     let stats = r.api.placements().stop();
+    r.owner.release();
     let v = r.api.stats_json(&stats);
     if as_json {
         println!("{}", serde_json::to_string_pretty(&v)?);

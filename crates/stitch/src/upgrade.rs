@@ -33,7 +33,7 @@ pub struct Inherited {
 /// Lets a new process take the running instance over for the rest of its life.
 pub fn offer_hand_over(running: &Running) -> Result<()> {
     let holdings = handover::Holdings {
-        lock: running._owner.try_clone_fd()?,
+        lock: running.owner.try_clone_fd()?,
         listeners: running.server.listeners().try_clone()?,
         command_line: running.command_line.clone(),
     };

@@ -320,14 +320,28 @@ fn a_vm_is_launched_on_its_port_restarted_and_shut_down() {
     assert!(guest_answers(), "the restarted guest answers ping");
     let second = pid_of(&s, "vm1").unwrap();
 
-    // Out of the graph: powered down (this guest has no ACPI daemon, so it is killed after
-    // its 2 s), its socket gone; the rest of the graph runs on.
+    // Out of the graph: powered down by its guest on the ACPI power button (the default
+    // `shutdown_timeout_s`, 30 s, is not waited), its socket gone; the rest of the graph runs on.
+    let console = show(&s, "vm1")["process"]["console"]
+        .as_str()
+        .expect("`stitch show` names the VM's console file")
+        .to_string();
     s.apply(&vm_graph(&hosts, &image, &guest_ip, false));
     assert!(
         !alive(second),
         "QEMU still runs after the VM left the graph"
     );
-    s.stop();
+    let said = std::fs::read_to_string(&console).unwrap();
+    assert!(
+        said.contains("STITCH-POWER-BUTTON"),
+        "the guest powered itself off on the power button; its console:\n{said}"
+    );
+    let (_, log) = s.stop_with_log();
+    assert!(
+        log.contains("VM `vm1`: asked to power down") && log.contains("VM `vm1` stopped"),
+        "the wait and its end are logged under the VM's name:\n{log}"
+    );
+    assert!(!log.contains("did not stop within"), "{log}");
 }
 
 /// Host 0 → `fw` (function process) → `r` (router in the kernel) → host 1, and back through

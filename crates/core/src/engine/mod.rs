@@ -243,7 +243,7 @@ impl Engine {
             apps,
             links,
             workers,
-            pool: pool::get().stats(),
+            pool: pool::stats(),
             removed_link_drops: st.orphaned_drops,
         }
     }

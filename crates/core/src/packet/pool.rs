@@ -42,7 +42,7 @@ pub enum PoolError {
 }
 
 /// Counters of the pool, as seen by `stitch stats`.
-#[derive(Debug, Clone, Copy, serde::Serialize)]
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
 pub struct PoolStats {
     pub packets: usize,
     pub in_use: usize,
@@ -135,6 +135,13 @@ fn class_bytes(count: usize, stride: usize) -> usize {
 /// so that [`init`] puts it on hugepages).
 pub fn hugepages_needed(packets: usize, large: usize) -> usize {
     (class_bytes(packets, BUFFER_STRIDE) + class_bytes(large.max(1), LARGE_STRIDE)) / HUGE_PAGE
+}
+
+/// The process pool's counters; zeros while no pool is made (no packet exists), so that a
+/// process that only reads counters (`stitch cleanup` stopping a dead instance's leftovers)
+/// does not map 644 MiB to say so.
+pub fn stats() -> PoolStats {
+    POOL.get().map(Pool::stats).unwrap_or_default()
 }
 
 /// The process pool, created with the defaults on first use if `init` was not called.

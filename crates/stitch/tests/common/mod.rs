@@ -455,14 +455,16 @@ impl Stitch {
 
     /// Stops with SIGINT and returns the final counters.
     pub fn stop(self) -> serde_json::Value {
+        self.stop_with_log().0
+    }
+
+    /// Stops the instance: its last counters and its log.
+    pub fn stop_with_log(self) -> (serde_json::Value, String) {
         self.process.signal(libc::SIGINT);
         let out = self.process.finish();
-        assert!(
-            out.status.success(),
-            "stitch failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        serde_json::from_slice(&out.stdout).unwrap()
+        let log = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "stitch failed: {log}");
+        (serde_json::from_slice(&out.stdout).unwrap(), log)
     }
 
     pub fn path(&self) -> &Path {
@@ -685,7 +687,6 @@ pub fn vm_app(image: &Path, cidr: &str, run: &str, mac: &str) -> String {
     append: 'console=ttyS0 quiet stitch.ip={cidr} stitch.run=\"{run}\"'
     mac: \"{mac}\"
     memory_mb: 512
-    shutdown_timeout_s: 2
 ",
         image = image.display()
     )
