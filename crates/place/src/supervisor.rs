@@ -532,7 +532,10 @@ fn watch(s: &Supervised) {
         if let Some(how) = ended(&mut st) {
             if let Some(at) = asked_at {
                 let waited = at.elapsed();
-                log::info!("{} stopped ({how}) {waited:.1?} after it was asked", s.spec.label());
+                log::info!(
+                    "{} stopped ({how}) {waited:.1?} after it was asked",
+                    s.spec.label()
+                );
             }
             record_exit(&mut st, how);
             return;

@@ -320,6 +320,12 @@ impl App for Switch {
             Some(handed) => Some(adopt_listener(handed, c.listen.as_deref())?),
             None => c.listen.as_deref().map(endpoint::listen).transpose()?,
         };
+        if let Some(addr) = listener.as_ref().and_then(|l| l.local_addr().ok()) {
+            log::info!(
+                "switch `{}`: OpenFlow controllers can connect on tcp:{addr}",
+                ctx.name()
+            );
+        }
         let kept = (listener.as_ref())
             .map(|l| l.try_clone())
             .transpose()
