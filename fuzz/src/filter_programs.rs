@@ -2,7 +2,8 @@
 //! takes runs on every frame without leaving its code or the frame — each frame ends where an
 //! unreadable page begins, so a read past it faults — and a program libpcap's validator also
 //! takes answers what libpcap's interpreter answers, a frame at a time and a batch at once.
-use stitch_wire::filter::native::{reference, Insn, NativeFilter};
+use stitch_wire::filter::cbpf::{reference, Insn};
+use stitch_wire::filter::native::NativeFilter;
 use stitch_wire::filter::FrameRef;
 
 const PAGE: usize = 4096;

@@ -12,6 +12,7 @@ const BPF_MAP_CREATE: libc::c_long = 0;
 const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
 const BPF_MAP_DELETE_ELEM: libc::c_long = 3;
 const BPF_PROG_LOAD: libc::c_long = 5;
+const BPF_PROG_TEST_RUN: libc::c_long = 10;
 const BPF_LINK_CREATE: libc::c_long = 28;
 const BPF_MAP_TYPE_XSKMAP: u32 = 17;
 const BPF_PROG_TYPE_XDP: u32 = 6;
@@ -49,8 +50,19 @@ impl Attr {
     /// Every pointer written into the attribute must be valid, for what `cmd` does with it
     /// (reads, or writes of the length given beside it), for the whole call.
     pub(crate) unsafe fn call(&self, cmd: libc::c_long) -> std::io::Result<i64> {
+        let mut copy = Attr(self.0);
+        // SAFETY: the caller's word, as for `call_mut`.
+        unsafe { copy.call_mut(cmd) }
+    }
+
+    /// [`Attr::call`] for commands that write their answer into the attribute.
+    ///
+    /// # Safety
+    /// As for [`Attr::call`].
+    pub(crate) unsafe fn call_mut(&mut self, cmd: libc::c_long) -> std::io::Result<i64> {
         // SAFETY: the attribute is 128 live bytes; the pointers in it are the caller's word.
-        let r = unsafe { libc::syscall(libc::SYS_bpf, cmd, self.0.as_ptr(), self.0.len() as u32) };
+        let r =
+            unsafe { libc::syscall(libc::SYS_bpf, cmd, self.0.as_mut_ptr(), self.0.len() as u32) };
         if r < 0 {
             Err(std::io::Error::last_os_error())
         } else {
@@ -67,6 +79,58 @@ fn insn(code: u8, dst: u8, src: u8, off: i16, imm: i32) -> [u8; 8] {
     b[2..4].copy_from_slice(&off.to_ne_bytes());
     b[4..8].copy_from_slice(&imm.to_ne_bytes());
     b
+}
+
+/// Loads an XDP program (`code` in the kernel's encoding); the error carries the verifier's
+/// log.
+pub fn load_xdp(code: &[[u8; 8]], name: &str) -> Result<OwnedFd, String> {
+    let bytes: Vec<u8> = code.concat();
+    let license = c"Dual BSD/GPL";
+    let load = |log: &mut [u8]| {
+        let attr = Attr::new()
+            .u32(0, BPF_PROG_TYPE_XDP)
+            .u32(4, code.len() as u32)
+            .u64(8, bytes.as_ptr() as u64)
+            .u64(16, license.as_ptr() as u64)
+            .u32(24, u32::from(!log.is_empty()))
+            .u32(28, log.len() as u32)
+            .u64(32, log.as_mut_ptr() as u64)
+            .name(48, name)
+            .u32(68, BPF_XDP);
+        // SAFETY: `bytes`, `license` and `log` (written by the kernel up to its length)
+        // outlive the call.
+        unsafe { attr.call(BPF_PROG_LOAD) }
+    };
+    // Without a log first: a long program's log can overflow any buffer, which fails the load.
+    let prog = load(&mut []).or_else(|_| {
+        let mut log = vec![0u8; 1 << 20];
+        load(&mut log).map_err(|e| {
+            let verifier = String::from_utf8_lossy(&log);
+            let verifier = verifier.trim_end_matches('\0').trim();
+            let skip = verifier.chars().count().saturating_sub(2000);
+            let tail: String = verifier.chars().skip(skip).collect();
+            crate::netdev::explain(&format!("cannot load the XDP program ({tail})"), e)
+        })
+    })?;
+    // SAFETY: BPF_PROG_LOAD returned a new descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(prog as RawFd) })
+}
+
+/// Runs XDP program `prog` once on `frame` (`BPF_PROG_TEST_RUN`, no interface involved) and
+/// returns its verdict.
+pub fn test_run(prog: &OwnedFd, frame: &[u8]) -> std::io::Result<u32> {
+    let mut out = vec![0u8; frame.len() + 512];
+    let mut attr = Attr::new()
+        .u32(0, prog.as_raw_fd() as u32)
+        .u32(8, frame.len() as u32)
+        .u32(12, out.len() as u32)
+        .u64(16, frame.as_ptr() as u64)
+        .u64(24, out.as_mut_ptr() as u64)
+        .u32(32, 1);
+    // SAFETY: `frame` is read for its length and `out` written up to its length, both live
+    // for the call.
+    unsafe { attr.call_mut(BPF_PROG_TEST_RUN) }?;
+    Ok(u32::from_ne_bytes(attr.0[4..8].try_into().unwrap()))
 }
 
 /// An XSKMAP, the redirect program and its attachment to one interface.
@@ -105,32 +169,7 @@ impl XdpRedirect {
             insn(0x85, 0, 0, 0, BPF_FUNC_REDIRECT_MAP), // bpf_redirect_map(r1, r2, r3)
             insn(0x95, 0, 0, 0, 0),                     // return
         ];
-        let bytes: Vec<u8> = code.concat();
-        let license = c"Dual BSD/GPL";
-        let mut log = vec![0u8; 4096];
-        let attr = Attr::new()
-            .u32(0, BPF_PROG_TYPE_XDP)
-            .u32(4, code.len() as u32)
-            .u64(8, bytes.as_ptr() as u64)
-            .u64(16, license.as_ptr() as u64)
-            .u32(24, 1)
-            .u32(28, log.len() as u32)
-            .u64(32, log.as_mut_ptr() as u64)
-            .name(48, "stitch_xsk")
-            .u32(68, BPF_XDP);
-        // SAFETY: `bytes`, `license` and `log` (written by the kernel up to its length) outlive the call.
-        let prog = unsafe { attr.call(BPF_PROG_LOAD) }.map_err(|e| {
-            let verifier = String::from_utf8_lossy(&log);
-            crate::netdev::explain(
-                &format!(
-                    "cannot load the XDP program ({})",
-                    verifier.trim_end_matches('\0').trim()
-                ),
-                e,
-            )
-        })?;
-        // SAFETY: BPF_PROG_LOAD returned a new descriptor that nothing else owns.
-        let prog = unsafe { OwnedFd::from_raw_fd(prog as RawFd) };
+        let prog = load_xdp(&code, "stitch_xsk")?;
         let flags = if native {
             XDP_FLAGS_DRV_MODE
         } else {
@@ -214,5 +253,157 @@ impl XdpRedirect {
             .u64(8, &key as *const u32 as u64);
         // SAFETY: `key` is a live u32, the map's key size.
         let _ = unsafe { attr.call(BPF_MAP_DELETE_ELEM) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use stitch_wire::build::{Frame, Transport};
+    use stitch_wire::filter::cbpf::{reference, testing, Insn};
+    use stitch_wire::filter::{ebpf::Asm, PacketFilter};
+
+    const XDP_DROP: i32 = 1;
+
+    /// An XDP program that passes the frames `program` accepts and drops the others.
+    fn verdict_program(program: &[Insn]) -> OwnedFd {
+        let mut asm = Asm::new();
+        let miss = asm.label();
+        asm.xdp_prologue();
+        asm.filter(program, miss).expect("translates");
+        asm.ret(XDP_PASS);
+        asm.bind(miss);
+        asm.ret(XDP_DROP);
+        let code = asm.finish().expect("assembles");
+        load_xdp(&code, "stitch_test")
+            .unwrap_or_else(|e| panic!("the verifier refused {program:?}: {e}"))
+    }
+
+    /// Whether the kernel, running the translation, accepts `frame`.
+    fn kernel_accepts(prog: &OwnedFd, frame: &[u8]) -> bool {
+        match test_run(prog, frame).expect("BPF_PROG_TEST_RUN") as i32 {
+            XDP_PASS => true,
+            XDP_DROP => false,
+            other => panic!("verdict {other}"),
+        }
+    }
+
+    fn require_root() {
+        // SAFETY: geteuid has no preconditions.
+        let uid = unsafe { libc::geteuid() };
+        assert_eq!(
+            uid,
+            0,
+            "loading XDP programs needs root (the project's tests run as root)"
+        );
+    }
+
+    /// Frames of the kinds a steering rule looks at, and each damaged and cut short.
+    fn frames(rng: &mut fastrand::Rng) -> Vec<Vec<u8>> {
+        let whole = [
+            Frame::ipv4([10, 0, 0, 1], [10, 0, 0, 2], Transport::udp(5000, 4789)).payload_len(50),
+            Frame::ipv4([10, 1, 2, 3], [192, 168, 0, 9], Transport::tcp(40000, 80))
+                .payload(b"GET / HTTP/1.1\r\n"),
+            Frame::ipv4([10, 0, 0, 1], [224, 0, 0, 5], Transport::echo_request(7, 1)),
+            Frame::ipv6(
+                [0xfd00, 0, 0, 0, 0, 0, 0, 1],
+                [0xfd00, 0, 0, 0, 0, 0, 0, 2],
+                Transport::udp(53, 4789),
+            ),
+            Frame::ipv6(
+                [0xfd00, 0, 0, 0, 0, 0, 0, 1],
+                [0xfd00, 0, 0, 0, 0, 0, 0, 2],
+                Transport::tcp(22, 1234),
+            )
+            .payload_len(900),
+        ];
+        let mut out = Vec::new();
+        for f in whole.iter().map(Frame::bytes) {
+            out.push(f.clone());
+            // An 802.1Q tag (VLAN 100) in front of the EtherType.
+            let mut tagged = f[..12].to_vec();
+            tagged.extend([0x81, 0x00, 0x00, 100]);
+            tagged.extend(&f[12..]);
+            out.push(tagged);
+            // A fragment that is not the first.
+            if f[12..14] == [0x08, 0x00] {
+                let mut fragment = f.clone();
+                fragment[20] = 0x00;
+                fragment[21] = 0x10;
+                out.push(fragment);
+            }
+            for _ in 0..6 {
+                let mut damaged = f.clone();
+                for _ in 0..rng.usize(1..4) {
+                    let at = rng.usize(12..damaged.len());
+                    damaged[at] = rng.u8(..);
+                }
+                damaged.truncate(rng.usize(14..=damaged.len()));
+                out.push(damaged);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn filter_expressions_steer_in_the_kernel_as_libpcap_decides() {
+        require_root();
+        let mut rng = fastrand::Rng::with_seed(4789);
+        let frames = frames(&mut rng);
+        let expressions = [
+            "udp and dst port 4789",
+            "ip and udp",
+            "tcp port 80 and tcp[((tcp[12:1] & 0xf0) >> 2):4] = 0x47455420",
+            "ip6 and tcp",
+            "vlan 100 and udp",
+            "vlan and ip6",
+            "icmp or arp",
+            "ip[6:2] & 0x1fff = 0",
+            "net 10.0.0.0/8 and not host 10.0.0.2",
+            "ip multicast",
+            "ether host 02:00:00:00:00:01 or ether broadcast",
+            "len > 100",
+            "greater 200 and less 1000",
+            "portrange 1000-2000 or port 22",
+            "ip proto 17 or ip6 proto 17",
+            "udp[8:2] = 0x0800",
+            "ip[0] & 0xf != 5",
+            "tcp[tcpflags] & (tcp-syn|tcp-ack) != 0",
+        ];
+        for expression in expressions {
+            let filter = PacketFilter::compile(expression).unwrap();
+            let program = filter.instructions();
+            let prog = verdict_program(&program);
+            for frame in &frames {
+                assert_eq!(
+                    kernel_accepts(&prog, frame),
+                    filter.matches_interpreted(frame),
+                    "`{expression}` on {frame:02x?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn random_programs_decide_in_the_kernel_as_libpcap_interprets() {
+        require_root();
+        let mut rng = fastrand::Rng::with_seed(17);
+        // An interface never gives XDP a frame shorter than an Ethernet header.
+        let frames: Vec<Vec<u8>> = std::iter::repeat_with(|| testing::random_frame(&mut rng))
+            .filter(|f| f.len() >= 14)
+            .take(48)
+            .collect();
+        for _ in 0..3000 {
+            let program = testing::random_program(&mut rng);
+            assert!(reference::valid(&program), "{program:?}");
+            let prog = verdict_program(&program);
+            for frame in &frames {
+                assert_eq!(
+                    kernel_accepts(&prog, frame),
+                    reference::interpret(&program, frame),
+                    "{program:?} on {frame:02x?}"
+                );
+            }
+        }
     }
 }

@@ -5,6 +5,8 @@
 //! batch of frames per call ([`PacketFilter::select_packets`]), several times faster than
 //! libpcap's interpreter per frame (`cargo bench -p stitch-wire --bench filter`).
 
+pub mod cbpf;
+pub mod ebpf;
 #[cfg(target_arch = "x86_64")]
 pub mod native;
 
@@ -131,17 +133,25 @@ impl PacketFilter {
     pub fn expression(&self) -> &str {
         &self.expression
     }
+
+    /// The classic BPF program libpcap compiled the expression to (for the eBPF back end).
+    pub fn instructions(&self) -> Vec<cbpf::Insn> {
+        instructions(&self.program).expect("libpcap prints its instructions as four numbers")
+    }
 }
 
-/// libpcap's program as machine code. The instructions cross as the "code jt jf k" text the
-/// pcap crate prints (it does not expose an instruction's fields).
+/// libpcap's program as instructions. They cross as the "code jt jf k" text the pcap crate
+/// prints (it does not expose an instruction's fields).
+fn instructions(program: &pcap::BpfProgram) -> Option<Vec<cbpf::Insn>> {
+    (program.get_instructions().iter())
+        .map(|i| cbpf::Insn::parse(&i.to_string()))
+        .collect()
+}
+
+/// libpcap's program as machine code.
 #[cfg(target_arch = "x86_64")]
 fn machine_code(program: &pcap::BpfProgram) -> Option<native::NativeFilter> {
-    let insns: Vec<native::Insn> = program
-        .get_instructions()
-        .iter()
-        .map(|i| native::Insn::parse(&i.to_string()))
-        .collect::<Option<_>>()?;
+    let insns = instructions(program)?;
     match native::NativeFilter::compile(&insns) {
         Ok(code) => Some(code),
         Err(e) => {

@@ -12,34 +12,12 @@
 //! take the code outside
 //! the program or make it read outside the frame.
 
+use super::cbpf::*;
 use super::FrameRef;
 use dynasmrt::{
     dynasm, x64::Assembler, x64::Rq, DynamicLabel, DynasmApi, DynasmLabelApi, ExecutableBuffer,
 };
 use stitch_core::packet::{Packet, FRAME_LEN_AT, FRAME_OFFSET_AT, HEADER_SIZE};
-
-/// One classic BPF instruction (`struct bpf_insn`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Insn {
-    pub code: u16,
-    pub jt: u8,
-    pub jf: u8,
-    pub k: u32,
-}
-
-impl Insn {
-    /// The "code jt jf k" form libpcap prints an instruction in (`bpf_dump -dd` without commas).
-    pub fn parse(text: &str) -> Option<Insn> {
-        let mut fields = text.split_ascii_whitespace();
-        let insn = Insn {
-            code: fields.next()?.parse().ok()?,
-            jt: fields.next()?.parse().ok()?,
-            jf: fields.next()?.parse().ok()?,
-            k: fields.next()?.parse().ok()?,
-        };
-        fields.next().is_none().then_some(insn)
-    }
-}
 
 /// The program's entry: `count` items from `items` in (frames or packets, as compiled), the
 /// indices of those that match out, in order; returns how many matched.
@@ -113,118 +91,6 @@ impl NativeFilter {
         // borrowed, so no one changes them while the code reads.
         unsafe { (self.over_packets)(packets.as_ptr().cast(), packets.len(), matched.as_mut_ptr()) }
     }
-}
-
-// Fields of an opcode (`bpf.h`).
-const CLASS: u16 = 0x07;
-const LD: u16 = 0x00;
-const LDX: u16 = 0x01;
-const ST: u16 = 0x02;
-const STX: u16 = 0x03;
-const ALU: u16 = 0x04;
-const JMP: u16 = 0x05;
-const RET: u16 = 0x06;
-const MISC: u16 = 0x07;
-const SIZE: u16 = 0x18;
-const W: u16 = 0x00;
-const H: u16 = 0x08;
-const B: u16 = 0x10;
-const MODE: u16 = 0xe0;
-const IMM: u16 = 0x00;
-const ABS: u16 = 0x20;
-const IND: u16 = 0x40;
-const MEM: u16 = 0x60;
-const LEN: u16 = 0x80;
-const MSH: u16 = 0xa0;
-const OP: u16 = 0xf0;
-const SRC_X: u16 = 0x08;
-// ALU operations.
-const ADD: u16 = 0x00;
-const SUB: u16 = 0x10;
-const MUL: u16 = 0x20;
-const DIV: u16 = 0x30;
-const OR: u16 = 0x40;
-const AND: u16 = 0x50;
-const LSH: u16 = 0x60;
-const RSH: u16 = 0x70;
-const NEG: u16 = 0x80;
-const MOD: u16 = 0x90;
-const XOR: u16 = 0xa0;
-// Jumps.
-const JA: u16 = 0x00;
-const JEQ: u16 = 0x10;
-const JGT: u16 = 0x20;
-const JGE: u16 = 0x30;
-const JSET: u16 = 0x40;
-const RVAL: u16 = 0x18;
-const RET_K: u16 = 0x00;
-const RET_A: u16 = 0x10;
-const MISC_TXA: u16 = 0x80;
-/// Scratch words (`BPF_MEMWORDS`).
-const MEMWORDS: u32 = 16;
-/// libpcap's limit on a program's length (`BPF_MAXINSNS`).
-const MAX_INSNS: usize = 4096;
-
-/// The checks that make the emitted code safe to run on any frame.
-fn check(program: &[Insn]) -> Result<(), String> {
-    if program.is_empty() || program.len() > MAX_INSNS {
-        return Err(format!(
-            "a program has 1 to {MAX_INSNS} instructions, not {}",
-            program.len()
-        ));
-    }
-    if program[program.len() - 1].code & CLASS != RET {
-        return Err("the program's last instruction is not a return".into());
-    }
-    for (pc, i) in program.iter().enumerate() {
-        let refuse = |why: &str| Err(format!("instruction {pc} (code {:#06x}): {why}", i.code));
-        let after = |offset: u64| pc as u64 + 1 + offset < program.len() as u64;
-        let ok = match i.code & CLASS {
-            LD => match (i.code & MODE, i.code & SIZE) {
-                (ABS | IND, W | H | B) => i.code & !(MODE | SIZE | CLASS) == 0,
-                (IMM | LEN, W) => i.code == LD | IMM || i.code == LD | LEN,
-                (MEM, W) => i.code == LD | MEM && i.k < MEMWORDS,
-                _ => false,
-            },
-            LDX => match i.code {
-                c if c == LDX | IMM || c == LDX | LEN => true,
-                c if c == LDX | MEM => i.k < MEMWORDS,
-                c if c == LDX | B | MSH => true,
-                _ => false,
-            },
-            ST | STX => i.code & !CLASS == 0 && i.k < MEMWORDS,
-            ALU => {
-                let op = i.code & OP;
-                let by_k = i.code & SRC_X == 0;
-                let known = i.code & !(OP | SRC_X | CLASS) == 0
-                    && matches!(
-                        op,
-                        ADD | SUB | MUL | DIV | OR | AND | LSH | RSH | NEG | MOD | XOR
-                    );
-                let operand_fits = match op {
-                    NEG => by_k,
-                    DIV | MOD => !by_k || i.k != 0,
-                    LSH | RSH => !by_k || i.k < 32,
-                    _ => true,
-                };
-                known && operand_fits
-            }
-            JMP => match i.code & OP {
-                JA => i.code == JMP && after(i.k as u64),
-                JEQ | JGT | JGE | JSET => {
-                    i.code & !(OP | SRC_X | CLASS) == 0 && after(i.jt as u64) && after(i.jf as u64)
-                }
-                _ => false,
-            },
-            RET => i.code & !(RVAL | CLASS) == 0 && matches!(i.code & RVAL, RET_K | RET_A),
-            MISC => i.code == MISC || i.code == MISC | MISC_TXA,
-            _ => unreachable!("the class is three bits"),
-        };
-        if !ok {
-            return refuse("not an instruction this compiler takes, or out of range");
-        }
-    }
-    Ok(())
 }
 
 /// The function: for each item, its frame, A = X = 0, the program, the item's index when it
@@ -558,142 +424,13 @@ fn emit_jump(ops: &mut Assembler, i: Insn, target: &dyn Fn(usize) -> DynamicLabe
     }
 }
 
-/// libpcap's interpreter and validator over raw instructions: the reference for tests and fuzz
-/// targets (libpcap exports both).
-#[doc(hidden)]
-pub mod reference {
-    use super::Insn;
-
-    #[repr(C)]
-    struct BpfInsn {
-        code: u16,
-        jt: u8,
-        jf: u8,
-        k: u32,
-    }
-
-    #[link(name = "pcap")]
-    extern "C" {
-        fn bpf_filter(pc: *const BpfInsn, pkt: *const u8, wirelen: u32, buflen: u32) -> u32;
-        fn bpf_validate(pc: *const BpfInsn, len: i32) -> i32;
-    }
-
-    fn raw(program: &[Insn]) -> Vec<BpfInsn> {
-        program
-            .iter()
-            .map(|i| BpfInsn {
-                code: i.code,
-                jt: i.jt,
-                jf: i.jf,
-                k: i.k,
-            })
-            .collect()
-    }
-
-    /// Whether libpcap's validator takes `program`.
-    pub fn valid(program: &[Insn]) -> bool {
-        let raw = raw(program);
-        // SAFETY: `raw` holds `program.len()` instructions in libpcap's layout; the validator
-        // only reads them.
-        unsafe { bpf_validate(raw.as_ptr(), raw.len() as i32) != 0 }
-    }
-
-    /// libpcap's interpreter's answer for `frame`; only for programs `valid` takes.
-    pub fn interpret(program: &[Insn], frame: &[u8]) -> bool {
-        assert!(
-            valid(program),
-            "libpcap's interpreter runs validated programs only"
-        );
-        let raw = raw(program);
-        let len = frame.len() as u32;
-        // SAFETY: a validated program only jumps within itself, and the interpreter checks every
-        // load against `buflen`, the length of `frame`.
-        unsafe { bpf_filter(raw.as_ptr(), frame.as_ptr(), len, len) != 0 }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::filter::cbpf::testing::{random_frame, random_program};
 
     fn insn(code: u16, jt: u8, jf: u8, k: u32) -> Insn {
         Insn { code, jt, jf, k }
-    }
-
-    /// A random program libpcap's validator takes: loads of every kind, arithmetic, forward
-    /// jumps and returns; scratch words are stored at the start (before any path reads them, as
-    /// libpcap's compiler guarantees).
-    fn random_program(rng: &mut fastrand::Rng) -> Vec<Insn> {
-        let mut p = vec![insn(LD | IMM, 0, 0, rng.u32(..))];
-        for word in 0..4 {
-            p.push(insn(ST, 0, 0, word));
-        }
-        let body = rng.usize(1..24);
-        let offset = |rng: &mut fastrand::Rng| match rng.u8(..8) {
-            0 => rng.u32(..),
-            1 => rng.u32(60..200),
-            _ => rng.u32(..64),
-        };
-        for i in 0..body {
-            let left = (body - i) as u8; // instructions after this one, the final return included
-            let alu = |rng: &mut fastrand::Rng| {
-                let op = [ADD, SUB, MUL, DIV, OR, AND, LSH, RSH, NEG, MOD, XOR][rng.usize(..11)];
-                let by_x = op != NEG && rng.bool();
-                let k = match op {
-                    LSH | RSH => rng.u32(..32),
-                    DIV | MOD => rng.u32(1..20),
-                    _ => rng.u32(..),
-                };
-                insn(ALU | op | if by_x { SRC_X } else { 0 }, 0, 0, k)
-            };
-            let next = match rng.u8(..16) {
-                0..=2 => insn(LD | ABS | [W, H, B][rng.usize(..3)], 0, 0, offset(rng)),
-                3..=4 => insn(LD | IND | [W, H, B][rng.usize(..3)], 0, 0, offset(rng)),
-                5 => insn(LDX | B | MSH, 0, 0, offset(rng)),
-                6 => [
-                    insn(LD | LEN, 0, 0, 0),
-                    insn(LDX | LEN, 0, 0, 0),
-                    insn(LDX | IMM, 0, 0, rng.u32(..40)),
-                    insn(LD | IMM, 0, 0, rng.u32(..)),
-                ][rng.usize(..4)],
-                7 => [
-                    insn(LD | MEM, 0, 0, rng.u32(..4)),
-                    insn(LDX | MEM, 0, 0, rng.u32(..4)),
-                    insn(ST, 0, 0, rng.u32(..4)),
-                    insn(STX, 0, 0, rng.u32(..4)),
-                ][rng.usize(..4)],
-                8 => insn(MISC | [0, MISC_TXA][rng.usize(..2)], 0, 0, 0),
-                9..=11 => alu(rng),
-                12 => insn(JMP, 0, 0, rng.u32(..left as u32)),
-                13 => insn(RET | [RET_K, RET_A][rng.usize(..2)], 0, 0, rng.u32(..3)),
-                _ => {
-                    let op = [JEQ, JGT, JGE, JSET][rng.usize(..4)];
-                    let k = match rng.u8(..3) {
-                        0 => rng.u32(..),
-                        _ => rng.u32(..256),
-                    };
-                    let src = if rng.bool() { SRC_X } else { 0 };
-                    insn(JMP | op | src, rng.u8(..left), rng.u8(..left), k)
-                }
-            };
-            p.push(next);
-        }
-        p.push(insn(RET | RET_A, 0, 0, 0));
-        p
-    }
-
-    fn random_frame(rng: &mut fastrand::Rng) -> Vec<u8> {
-        let len = match rng.u8(..4) {
-            0 => rng.usize(..16),
-            _ => rng.usize(14..160),
-        };
-        (0..len)
-            .map(|_| match rng.u8(..4) {
-                0 => 0,
-                1 => rng.u8(..8),
-                _ => rng.u8(..),
-            })
-            .collect()
     }
 
     #[test]
