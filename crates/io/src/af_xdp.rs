@@ -14,9 +14,18 @@
 //! the checksum — this is why TCP works here where Open vSwitch's afxdp ports need `ethtool -K
 //! … tx off`. The veth driver itself stops its peer's TSO while an XDP program is attached.
 //!
+//! Steering: `steer` rules (tcpdump filter expressions, tried in order) send the frames they
+//! match out another port of this app, classified in the kernel by the XDP program (the
+//! expressions are translated to eBPF, `stitch_wire::filter::ebpf`) before Stitch sees them:
+//! each rule's frames arrive on an AF_XDP socket of their own that shares the queue's UMEM.
+//!
 //! ```yaml
 //! apps:
 //!   nic: { type: af_xdp, interface: eth0, queues: [0, 1], xdp_mode: native, zero_copy: auto }
+//!   edge:
+//!     type: af_xdp
+//!     interface: eth1
+//!     steer: [{ match: "udp and dst port 4789", to: vxlan }]   # port `vxlan` besides `output`
 //! ```
 
 use crate::netdev::{self, explain, setsockopt};
@@ -64,6 +73,63 @@ pub struct AfXdpConfig {
     pub frames: u32,
     #[serde(default = "yes")]
     pub complete_checksums: bool,
+    /// Rules tried in order by the XDP program: the frames a rule matches leave by its port.
+    #[serde(default)]
+    pub steer: Vec<SteerRule>,
+}
+
+/// Frames `filter` matches leave by port `to` instead of `output`.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct SteerRule {
+    /// A filter expression, as tcpdump takes it.
+    #[serde(rename = "match")]
+    pub filter: String,
+    pub to: String,
+}
+
+/// The most steering rules an interface takes (each one runs on every frame that the earlier
+/// ones did not match).
+const MAX_RULES: usize = 32;
+
+impl AfXdpConfig {
+    /// The ports the rules send to, in the order they first appear (outputs 1, 2, …).
+    fn steer_ports(&self) -> Vec<String> {
+        let mut ports: Vec<String> = Vec::new();
+        for r in &self.steer {
+            if !ports.contains(&r.to) {
+                ports.push(r.to.clone());
+            }
+        }
+        ports
+    }
+
+    /// Each rule's program, or the reason a rule is refused.
+    fn steer_programs(&self) -> Result<Vec<Vec<stitch_wire::filter::cbpf::Insn>>, String> {
+        if self.steer.len() > MAX_RULES {
+            return Err(format!(
+                "steer: at most {MAX_RULES} rules, got {}",
+                self.steer.len()
+            ));
+        }
+        (self.steer.iter().enumerate())
+            .map(|(i, r)| {
+                let valid = !r.to.is_empty()
+                    && r.to != "output"
+                    && r.to.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+                if !valid {
+                    return Err(format!(
+                        "steer rule {}: `to: {}` must name a port of its own (letters, digits, _ and -; not `output`)",
+                        i + 1,
+                        r.to
+                    ));
+                }
+                stitch_wire::filter::PacketFilter::compile(&r.filter)
+                    .map(|f| f.instructions())
+                    .map_err(|e| format!("steer rule {}: {e}", i + 1))
+            })
+            .collect()
+    }
 }
 
 fn queue0() -> Vec<u32> {
@@ -85,6 +151,7 @@ const XDP_UMEM_REG: i32 = 4;
 const XDP_UMEM_FILL_RING: i32 = 5;
 const XDP_UMEM_COMPLETION_RING: i32 = 6;
 const XDP_STATISTICS: i32 = 7;
+const XDP_SHARED_UMEM: u16 = 1;
 const XDP_COPY: u16 = 2;
 const XDP_ZEROCOPY: u16 = 4;
 const XDP_USE_NEED_WAKEUP: u16 = 8;
@@ -268,6 +335,66 @@ struct Xsk {
     tx: Ring,
     tx_free: Vec<u64>,
     zero_copy: bool,
+    /// Sockets on the same queue and UMEM that receive what the steering rules match, one per
+    /// port they send to.
+    steered: Vec<Steered>,
+}
+
+/// A socket sharing a queue's socket's UMEM and fill ring, receiving what the steering rules
+/// for one port match on that queue.
+struct Steered {
+    fd: OwnedFd,
+    rx: Ring,
+    /// The app's output the frames leave by.
+    output: usize,
+}
+
+impl Steered {
+    /// A socket on `owner`'s queue and UMEM for output `output`.
+    fn open(owner: &Xsk, ifindex: u32, output: usize) -> Result<Steered, String> {
+        // SAFETY: socket takes no pointers.
+        let fd = unsafe { libc::socket(AF_XDP, libc::SOCK_RAW | libc::SOCK_CLOEXEC, 0) };
+        if fd < 0 {
+            return Err(explain(
+                "cannot open an AF_XDP socket",
+                std::io::Error::last_os_error(),
+            ));
+        }
+        // SAFETY: socket returned a new descriptor (checked above) that nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        setsockopt(fd.as_raw_fd(), SOL_XDP, XDP_RX_RING, &owner.ring_size)
+            .map_err(|e| format!("AF_XDP rx ring: {e}"))?;
+        // A socket sharing a UMEM on the same queue takes no other flag.
+        let sa = SockaddrXdp {
+            family: AF_XDP as u16,
+            flags: XDP_SHARED_UMEM,
+            ifindex,
+            queue_id: owner.queue,
+            shared_umem_fd: owner.fd.as_raw_fd() as u32,
+        };
+        // SAFETY: `sa` is a live sockaddr_xdp and the length passed is its size.
+        let r = unsafe {
+            libc::bind(
+                fd.as_raw_fd(),
+                &sa as *const SockaddrXdp as *const libc::sockaddr,
+                std::mem::size_of::<SockaddrXdp>() as u32,
+            )
+        };
+        if r < 0 {
+            return Err(explain(
+                &format!("cannot bind a steering socket to queue {}", owner.queue),
+                std::io::Error::last_os_error(),
+            ));
+        }
+        Steered::map(fd, owner.ring_size, output)
+    }
+
+    fn map(fd: OwnedFd, ring_size: u32, output: usize) -> Result<Steered, String> {
+        let off: MmapOffsets = getsockopt(fd.as_raw_fd(), XDP_MMAP_OFFSETS)
+            .map_err(|e| format!("XDP_MMAP_OFFSETS: {e}"))?;
+        let rx = Ring::map(fd.as_fd(), &off.rx, ring_size, 16, PGOFF_RX)?;
+        Ok(Steered { fd, rx, output })
+    }
 }
 
 /// An XDP socket option; `T` is one of the repr(C) integer structs above.
@@ -398,6 +525,7 @@ impl Xsk {
             tx,
             tx_free: Vec::new(),
             zero_copy: false,
+            steered: Vec::new(),
         };
         // First half of the frames waits in the fill ring for received packets, the rest is for
         // sending.
@@ -421,15 +549,23 @@ impl Xsk {
             ring_size: self.ring_size,
             zero_copy: self.zero_copy,
             tx_free: self.tx_free.clone(),
+            steered: self.steered.iter().map(|s| s.output).collect(),
         };
-        Ok((
-            vec![self.fd.try_clone()?, self.umem_fd.try_clone()?],
-            position,
-        ))
+        let mut fds = vec![self.fd.try_clone()?, self.umem_fd.try_clone()?];
+        for s in &self.steered {
+            fds.push(s.fd.try_clone()?);
+        }
+        Ok((fds, position))
     }
 
-    /// The socket a predecessor lent, on its UMEM and rings (the XSKMAP already points at it).
-    fn adopt(fd: OwnedFd, umem_fd: OwnedFd, at: &XskPosition) -> Result<Xsk, String> {
+    /// The socket a predecessor lent, on its UMEM and rings (the XSKMAP already points at it),
+    /// and its steering sockets from `more`.
+    fn adopt(
+        fd: OwnedFd,
+        umem_fd: OwnedFd,
+        at: &XskPosition,
+        more: &mut impl Iterator<Item = OwnedFd>,
+    ) -> Result<Xsk, String> {
         let len = (at.frames * FRAME_SIZE) as usize;
         let opts = MapOptions {
             populate: true,
@@ -438,6 +574,13 @@ impl Xsk {
         let umem = Mapping::shared(umem_fd.as_fd(), len, opts)
             .map_err(|e| explain("cannot map the lent UMEM", e))?;
         let [fill, comp, rx, tx] = map_rings(fd.as_fd(), at.ring_size)?;
+        let mut steered = Vec::new();
+        for &output in &at.steered {
+            let fd = more
+                .next()
+                .ok_or_else(|| format!("queue {}: a steering socket was not lent", at.queue))?;
+            steered.push(Steered::map(fd, at.ring_size, output)?);
+        }
         Ok(Xsk {
             fd,
             queue: at.queue,
@@ -451,6 +594,7 @@ impl Xsk {
             tx,
             tx_free: at.tx_free.clone(),
             zero_copy: at.zero_copy,
+            steered,
         })
     }
 
@@ -463,6 +607,9 @@ impl Xsk {
         self.tx.local = self.tx.prod().load(Ordering::Acquire);
         self.rx.local = self.rx.cons().load(Ordering::Acquire);
         self.comp.local = self.comp.cons().load(Ordering::Acquire);
+        for s in &mut self.steered {
+            s.rx.local = s.rx.cons().load(Ordering::Acquire);
+        }
     }
 
     fn kick_rx(&self) {
@@ -548,35 +695,52 @@ struct XskPosition {
     ring_size: u32,
     zero_copy: bool,
     tx_free: Vec<u64>,
+    /// The outputs of its steering sockets, in order.
+    #[serde(default)]
+    steered: Vec<usize>,
 }
 
 /// Where an `af_xdp` port stands at an upgrade. Its descriptors: the XDP map, program and
-/// link, then each socket and its UMEM's file.
+/// link (and the steering map, with rules), then each socket, its UMEM's file and its
+/// steering sockets.
 #[derive(Debug, Serialize, Deserialize)]
 struct Position {
     native: bool,
     socks: Vec<XskPosition>,
+    /// The steering rules the program runs.
+    #[serde(default)]
+    steer: Vec<SteerRule>,
 }
 
 /// The XDP program attached to the interface and a socket per queue, bound and mapped.
 fn open(c: &AfXdpConfig, ifindex: u32) -> Result<(XdpRedirect, Vec<Xsk>), String> {
     let name = &c.interface;
     let max_queue = c.queues.iter().max().copied().unwrap_or(0) + 1;
+    let rules = c.steer_programs()?;
+    let attach = |native| XdpRedirect::attach(name, ifindex, native, max_queue, &rules);
     let xdp = match c.xdp_mode {
-        XdpMode::Native => XdpRedirect::attach(name, ifindex, true, max_queue)?,
-        XdpMode::Generic => XdpRedirect::attach(name, ifindex, false, max_queue)?,
-        XdpMode::Auto => match XdpRedirect::attach(name, ifindex, true, max_queue) {
+        XdpMode::Native => attach(true)?,
+        XdpMode::Generic => attach(false)?,
+        XdpMode::Auto => match attach(true) {
             Ok(x) => x,
             Err(e) if e.contains("no native XDP") => {
                 log::warn!("{e}; using generic XDP");
-                XdpRedirect::attach(name, ifindex, false, max_queue)?
+                attach(false)?
             }
             Err(e) => return Err(e),
         },
     };
+    let ports = c.steer_ports();
     let mut socks = Vec::new();
     for &q in &c.queues {
-        let x = Xsk::open(name, ifindex, q, c.frames, c.zero_copy)?;
+        let mut x = Xsk::open(name, ifindex, q, c.frames, c.zero_copy)?;
+        for (p, port) in ports.iter().enumerate() {
+            let steered = Steered::open(&x, ifindex, p + 1)?;
+            for (rule, _) in c.steer.iter().enumerate().filter(|(_, r)| &r.to == port) {
+                xdp.bind_steered(rule, q, steered.fd.as_raw_fd())?;
+            }
+            x.steered.push(steered);
+        }
         xdp.bind_queue(q, x.fd.as_raw_fd())?;
         socks.push(x);
     }
@@ -594,14 +758,18 @@ fn adopt(c: &AfXdpConfig, lent: Descriptors) -> Result<(XdpRedirect, Vec<Xsk>), 
             c.queues
         ));
     }
+    if at.steer != c.steer {
+        return Err("the predecessor's steering rules differ from this graph's".into());
+    }
+    let max_queue = c.queues.iter().max().copied().unwrap_or(0) + 1;
     let mut fds = lent.fds.into_iter();
-    let xdp = XdpRedirect::adopt(&mut fds, at.native)?;
+    let xdp = XdpRedirect::adopt(&mut fds, at.native, max_queue, !at.steer.is_empty())?;
     let mut socks = Vec::new();
     for s in &at.socks {
         let (Some(fd), Some(umem_fd)) = (fds.next(), fds.next()) else {
             return Err(format!("queue {}: its socket was not lent", s.queue));
         };
-        socks.push(Xsk::adopt(fd, umem_fd, s)?);
+        socks.push(Xsk::adopt(fd, umem_fd, s, &mut fds)?);
     }
     Ok((xdp, socks))
 }
@@ -627,6 +795,11 @@ pub struct AfXdp {
     too_big: Counter,
     /// Packets received per queue (`queueN_rx_packets`), to see how traffic spreads.
     queue_rx: Vec<Counter>,
+    /// Frames the steering rules sent to their ports.
+    steered: Counter,
+    /// Steered frames dropped because their port has no link.
+    unlinked: Counter,
+    steer: Vec<SteerRule>,
 }
 
 impl Drop for AfXdp {
@@ -641,10 +814,22 @@ impl Drop for AfXdp {
 }
 
 impl AfXdp {
-    fn receive(&mut self, s: usize, out: &mut stitch_core::Producer, budget: usize) -> usize {
+    /// Takes up to `budget` frames from queue socket `s`'s receive ring (or, with `steered`,
+    /// from that steering socket's) into `out`; without `out` they are dropped and counted.
+    fn receive(
+        &mut self,
+        s: usize,
+        steered: Option<usize>,
+        mut out: Option<&mut stitch_core::Producer>,
+        budget: usize,
+    ) -> usize {
         let complete = self.complete_checksums;
         let x = &mut self.socks[s];
-        let n = (x.rx.ready() as usize).min(budget);
+        let rx = match steered {
+            None => &mut x.rx,
+            Some(j) => &mut x.steered[j].rx,
+        };
+        let n = (rx.ready() as usize).min(budget);
         if n == 0 {
             if x.fill.needs_wakeup() {
                 x.kick_rx();
@@ -653,14 +838,21 @@ impl AfXdp {
         }
         let ts = stitch_core::packet::now_ns();
         self.queue_rx[s].add(n as u64);
+        if steered.is_some() {
+            self.steered.add(n as u64);
+        }
         let mut made = 0;
         for i in 0..n as u32 {
-            let (addr, len) = x.rx.desc(x.rx.local.wrapping_add(i));
+            let (addr, len) = rx.desc(rx.local.wrapping_add(i));
             // Give the frame back to the fill ring at once: the data is copied below.
             x.fill.set_addr(
                 x.fill.local.wrapping_add(i),
                 addr & !(FRAME_SIZE as u64 - 1),
             );
+            let Some(out) = out.as_deref_mut() else {
+                self.unlinked.add(1);
+                continue;
+            };
             let bytes = usize::try_from(addr)
                 .ok()
                 .and_then(|at| x.umem.bytes(at, len as usize));
@@ -680,8 +872,8 @@ impl AfXdp {
             out.transmit(p);
             made += 1;
         }
-        x.rx.local = x.rx.local.wrapping_add(n as u32);
-        x.rx.cons().store(x.rx.local, Ordering::Release);
+        rx.local = rx.local.wrapping_add(n as u32);
+        rx.cons().store(rx.local, Ordering::Release);
         x.fill.local = x.fill.local.wrapping_add(n as u32);
         x.fill.prod().store(x.fill.local, Ordering::Release);
         made
@@ -713,7 +905,13 @@ impl App for AfXdp {
             )
             .into());
         }
-        Ok(PortSpec::filter())
+        c.steer_programs()?;
+        let mut spec = PortSpec::filter();
+        if !c.steer.is_empty() {
+            let outputs = std::iter::once("output".to_string()).chain(c.steer_ports());
+            spec.outputs = stitch_core::app::PortNames::Fixed(outputs.collect());
+        }
+        Ok(spec)
     }
 
     fn new(c: AfXdpConfig, ctx: &mut AppContext) -> Result<Self, AppError> {
@@ -734,7 +932,7 @@ impl App for AfXdp {
             }
         };
         log::info!(
-            "af_xdp {name}: queues {:?}, {} XDP, {}{}",
+            "af_xdp {name}: queues {:?}, {} XDP, {}{}{}",
             c.queues,
             if xdp.native { "native" } else { "generic" },
             if socks.iter().all(|s| s.zero_copy) {
@@ -742,7 +940,11 @@ impl App for AfXdp {
             } else {
                 "copy mode"
             },
-            if owns { "" } else { ", taken over" }
+            if owns { "" } else { ", taken over" },
+            match c.steer.len() {
+                0 => String::new(),
+                n => format!(", {n} steering rules to {:?}", c.steer_ports()),
+            }
         );
         Ok(AfXdp {
             socks,
@@ -765,6 +967,9 @@ impl App for AfXdp {
                 .iter()
                 .map(|q| ctx.counter(&format!("queue{q}_rx_packets")))
                 .collect(),
+            steered: ctx.counter("steered_packets"),
+            unlinked: ctx.counter("steered_unlinked_drops"),
+            steer: c.steer.clone(),
         })
     }
 
@@ -774,11 +979,19 @@ impl App for AfXdp {
                 x.flush_tx();
             }
         }
-        let Some(out) = io.output(0) else { return };
-        let mut budget = out.room().min(BURST);
-        for k in 0..self.socks.len() {
-            let s = (self.next_rx + k) % self.socks.len();
-            budget -= self.receive(s, out, budget).min(budget);
+        if let Some(out) = io.output(0) {
+            let mut budget = out.room().min(BURST);
+            for k in 0..self.socks.len() {
+                let s = (self.next_rx + k) % self.socks.len();
+                budget -= self.receive(s, None, Some(&mut *out), budget).min(budget);
+            }
+        }
+        for s in 0..self.socks.len() {
+            for j in 0..self.socks[s].steered.len() {
+                let mut out = io.output(self.socks[s].steered[j].output);
+                let budget = out.as_mut().map_or(BURST, |o| o.room().min(BURST));
+                self.receive(s, Some(j), out, budget);
+            }
         }
         self.next_rx = (self.next_rx + 1) % self.socks.len();
     }
@@ -871,6 +1084,7 @@ impl App for AfXdp {
         let position = Position {
             native: self.xdp.native,
             socks,
+            steer: self.steer.clone(),
         };
         Some(Descriptors {
             fds,

@@ -1,10 +1,13 @@
-//! The XDP side of AF_XDP: an XSKMAP and the six-instruction program that redirects every
-//! packet of a queue to the AF_XDP socket bound to it (anything without a socket goes on to the
-//! kernel stack), attached with a BPF link so that it disappears when Stitch closes it.
+//! The XDP side of AF_XDP: an XSKMAP and the program that redirects every packet of a queue
+//! to the AF_XDP socket bound to it (anything without a socket goes on to the kernel stack),
+//! attached with a BPF link so that it disappears when Stitch closes it. With steering rules,
+//! the program first runs each rule's filter (translated from classic BPF,
+//! `stitch_wire::filter::ebpf`) and sends what a rule matches to that rule's socket for the
+//! queue, from a second XSKMAP.
 //!
 //! Written against the stable `bpf(2)` ABI rather than through a BPF library: the program is
-//! fixed and tiny, and this keeps the interface apps free of the BPF library choice that the
-//! in-kernel data plane makes for its C programs.
+//! generated, not compiled from C, and this keeps the interface apps free of the BPF library
+//! choice that the in-kernel data plane makes for its C programs.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
@@ -71,16 +74,6 @@ impl Attr {
     }
 }
 
-/// One eBPF instruction.
-fn insn(code: u8, dst: u8, src: u8, off: i16, imm: i32) -> [u8; 8] {
-    let mut b = [0u8; 8];
-    b[0] = code;
-    b[1] = (src << 4) | (dst & 0x0f);
-    b[2..4].copy_from_slice(&off.to_ne_bytes());
-    b[4..8].copy_from_slice(&imm.to_ne_bytes());
-    b
-}
-
 /// Loads an XDP program (`code` in the kernel's encoding); the error carries the verifier's
 /// log.
 pub fn load_xdp(code: &[[u8; 8]], name: &str) -> Result<OwnedFd, String> {
@@ -133,42 +126,96 @@ pub fn test_run(prog: &OwnedFd, frame: &[u8]) -> std::io::Result<u32> {
     Ok(u32::from_ne_bytes(attr.0[4..8].try_into().unwrap()))
 }
 
-/// An XSKMAP, the redirect program and its attachment to one interface.
+/// An XSKMAP, the redirect program and its attachment to one interface; with steering rules,
+/// a second XSKMAP of the sockets each rule sends its frames to.
 pub struct XdpRedirect {
     map: OwnedFd,
     _prog: OwnedFd,
     _link: OwnedFd,
     pub native: bool,
+    /// The rules' sockets, at `rule * queues + queue`.
+    steer: Option<OwnedFd>,
+    queues: u32,
+}
+
+/// An XSKMAP of `entries` sockets.
+fn xskmap(entries: u32, name: &str) -> Result<OwnedFd, String> {
+    let attr = Attr::new()
+        .u32(0, BPF_MAP_TYPE_XSKMAP)
+        .u32(4, 4)
+        .u32(8, 4)
+        .u32(12, entries.max(1))
+        .name(28, name);
+    // SAFETY: the attribute holds no pointers.
+    let map = unsafe { attr.call(BPF_MAP_CREATE) }
+        .map_err(|e| crate::netdev::explain("cannot create an XSKMAP (bpf)", e))?;
+    // SAFETY: BPF_MAP_CREATE returned a new descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(map as RawFd) })
+}
+
+/// The program: each steering rule in order, a frame it accepts going to the rule's socket
+/// for the frame's queue (on to the next rule when there is none), then every other frame to
+/// the queue's own socket, or the kernel stack.
+fn redirect_program(
+    xsks: &OwnedFd,
+    steer: Option<&OwnedFd>,
+    rules: &[Vec<stitch_wire::filter::cbpf::Insn>],
+    queues: u32,
+) -> Result<Vec<[u8; 8]>, String> {
+    use stitch_wire::filter::ebpf::{Asm, QUEUE_SLOT, R0, R1, R2, R3};
+    const ALU64_ADD_K: u8 = 0x07;
+    const JGE_K: u8 = 0x35;
+    const JNE_K: u8 = 0x55;
+    const XDP_REDIRECT: i32 = 4;
+    let mut asm = Asm::new();
+    asm.xdp_prologue();
+    let own_socket = asm.label();
+    if let Some(steer) = steer {
+        asm.load_stack(R2, QUEUE_SLOT);
+        asm.jump(JGE_K, R2, 0, queues as i32, own_socket);
+        for (i, rule) in rules.iter().enumerate() {
+            let next = asm.label();
+            asm.filter(rule, next)
+                .map_err(|e| format!("steering rule {}: {e}", i + 1))?;
+            asm.load_map(R1, steer.as_raw_fd());
+            asm.load_stack(R2, QUEUE_SLOT);
+            asm.raw(ALU64_ADD_K, R2, 0, 0, (i as u32 * queues) as i32);
+            asm.mov_imm(R3, 0);
+            asm.call(BPF_FUNC_REDIRECT_MAP);
+            asm.jump(JNE_K, R0, 0, XDP_REDIRECT, next);
+            asm.exit();
+            asm.bind(next);
+        }
+    }
+    asm.bind(own_socket);
+    asm.load_map(R1, xsks.as_raw_fd());
+    asm.load_stack(R2, QUEUE_SLOT);
+    asm.mov_imm(R3, XDP_PASS);
+    asm.call(BPF_FUNC_REDIRECT_MAP);
+    asm.exit();
+    asm.finish()
 }
 
 impl XdpRedirect {
     /// Loads and attaches the program to `ifindex`: native (driver) mode, or generic (SKB) mode
     /// when `native` is false. `queues` bounds the queue ids the map can hold.
+    /// Loads and attaches the program to `ifindex`: native (driver) mode, or generic (SKB) mode
+    /// when `native` is false. `queues` bounds the queue ids the maps hold; `rules` are the
+    /// steering rules' classic BPF programs, in order.
     pub fn attach(
         ifname: &str,
         ifindex: u32,
         native: bool,
         queues: u32,
+        rules: &[Vec<stitch_wire::filter::cbpf::Insn>],
     ) -> Result<XdpRedirect, String> {
-        let attr = Attr::new()
-            .u32(0, BPF_MAP_TYPE_XSKMAP)
-            .u32(4, 4)
-            .u32(8, 4)
-            .u32(12, queues.max(1))
-            .name(28, "stitch_xsks");
-        // SAFETY: the attribute holds no pointers.
-        let map = unsafe { attr.call(BPF_MAP_CREATE) }
-            .map_err(|e| crate::netdev::explain("cannot create the XSKMAP (bpf)", e))?;
-        // SAFETY: BPF_MAP_CREATE returned a new descriptor that nothing else owns.
-        let map = unsafe { OwnedFd::from_raw_fd(map as RawFd) };
-        let code: Vec<[u8; 8]> = vec![
-            insn(0x61, 2, 1, 16, 0),                    // r2 = ctx->rx_queue_index
-            insn(0x18, 1, 1, 0, map.as_raw_fd()),       // r1 = &xsks (map fd)
-            insn(0, 0, 0, 0, 0),                        //   (second half of ld_imm64)
-            insn(0xb7, 3, 0, 0, XDP_PASS),              // r3 = XDP_PASS (when no socket)
-            insn(0x85, 0, 0, 0, BPF_FUNC_REDIRECT_MAP), // bpf_redirect_map(r1, r2, r3)
-            insn(0x95, 0, 0, 0, 0),                     // return
-        ];
+        let queues = queues.max(1);
+        let map = xskmap(queues, "stitch_xsks")?;
+        let steer = match rules.len() {
+            0 => None,
+            n => Some(xskmap(n as u32 * queues, "stitch_steer")?),
+        };
+        let code = redirect_program(&map, steer.as_ref(), rules, queues)?;
         let prog = load_xdp(&code, "stitch_xsk")?;
         let flags = if native {
             XDP_FLAGS_DRV_MODE
@@ -199,17 +246,23 @@ impl XdpRedirect {
             _prog: prog,
             _link: link,
             native,
+            steer,
+            queues,
         })
     }
 
     /// Duplicates of the map, the program and the link, for a Stitch process taking over: the
     /// program stays attached while any process holds the link.
     pub fn lend(&self) -> std::io::Result<Vec<OwnedFd>> {
-        Ok(vec![
+        let mut fds = vec![
             self.map.try_clone()?,
             self._prog.try_clone()?,
             self._link.try_clone()?,
-        ])
+        ];
+        if let Some(steer) = &self.steer {
+            fds.push(steer.try_clone()?);
+        }
+        Ok(fds)
     }
 
     /// The redirect a predecessor lent ([`XdpRedirect::lend`]), attached as it is, its map
@@ -217,6 +270,8 @@ impl XdpRedirect {
     pub fn adopt(
         fds: &mut impl Iterator<Item = OwnedFd>,
         native: bool,
+        queues: u32,
+        steering: bool,
     ) -> Result<XdpRedirect, String> {
         let mut next = || {
             fds.next()
@@ -227,7 +282,28 @@ impl XdpRedirect {
             _prog: next()?,
             _link: next()?,
             native,
+            steer: if steering { Some(next()?) } else { None },
+            queues: queues.max(1),
         })
+    }
+
+    /// Directs what steering rule `rule` accepts on queue `queue` to socket `xsk`.
+    pub fn bind_steered(&self, rule: usize, queue: u32, xsk: RawFd) -> Result<(), String> {
+        let steer = self.steer.as_ref().ok_or("no steering rules")?;
+        let (key, value) = (rule as u32 * self.queues + queue, xsk as u32);
+        let attr = Attr::new()
+            .u32(0, steer.as_raw_fd() as u32)
+            .u64(8, &key as *const u32 as u64)
+            .u64(16, &value as *const u32 as u64);
+        // SAFETY: `key` and `value` are live u32s, the map's key and value size.
+        unsafe { attr.call(BPF_MAP_UPDATE_ELEM) }
+            .map(|_| ())
+            .map_err(|e| {
+                format!(
+                    "cannot add the socket of steering rule {} to the map: {e}",
+                    rule + 1
+                )
+            })
     }
 
     /// Directs queue `queue` to socket `xsk`.
@@ -292,8 +368,7 @@ mod tests {
         // SAFETY: geteuid has no preconditions.
         let uid = unsafe { libc::geteuid() };
         assert_eq!(
-            uid,
-            0,
+            uid, 0,
             "loading XDP programs needs root (the project's tests run as root)"
         );
     }

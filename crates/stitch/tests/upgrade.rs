@@ -648,14 +648,15 @@ fn stop_supervised(s: Stitch, successor: Successor) {
 }
 
 /// `af_xdp` ports through an upgrade: the new process maps the same sockets' rings and UMEM,
-/// the XDP program stays attached and its map points at the same sockets throughout, and the
-/// numbered stream loses nothing; the successor removes the program when it stops.
+/// the XDP program stays attached and its maps point at the same sockets throughout, and the
+/// numbered stream loses nothing; the successor removes the program when it stops. Port `a`
+/// steers UDP (the stream) out of a port of its own, so its steering socket crosses too.
 #[test]
 fn af_xdp_ports_carry_on_across_an_upgrade() {
     require_root_and_tools(&["ip", "python3"]);
     let h = TwoHosts::new();
     let first = Stitch::run(&format!(
-        "apps:\n  a: {{ type: af_xdp, interface: {} }}\n  b: {{ type: af_xdp, interface: {} }}\nlinks:\n  - \"a.output -> b.input\"\n  - \"b.output -> a.input\"\n",
+        "apps:\n  a: {{ type: af_xdp, interface: {}, steer: [{{ match: udp, to: udp }}] }}\n  b: {{ type: af_xdp, interface: {} }}\n  j: {{ type: join }}\nlinks:\n  - \"a.output -> j.other\"\n  - \"a.udp -> j.udp\"\n  - \"j.output -> b.input\"\n  - \"b.output -> a.input\"\n",
         h.outer[0], h.outer[1]
     ));
     assert!(h.reaches(0, &h.ip[1], 10), "no path before the upgrade");
@@ -665,10 +666,11 @@ fn af_xdp_ports_carry_on_across_an_upgrade() {
     let xdp_attached = || must(&format!("ip link show {}", h.outer[0])).contains("xdp");
     assert!(xdp_attached(), "the XDP program left with the old process");
     let last = successor.stop(first);
-    assert_eq!(
-        app(&last, "a")["counters"]["rx_malformed_drops"],
-        0,
-        "{last}"
+    let a = &app(&last, "a")["counters"];
+    assert_eq!(a["rx_malformed_drops"], 0, "{last}");
+    assert!(
+        a["steered_packets"].as_u64() > Some(0),
+        "the successor received the stream on the steering socket: {a}"
     );
     assert!(!xdp_attached(), "the XDP program outlived the instance");
 }

@@ -157,16 +157,12 @@ impl Asm {
     }
 
     /// The start of an XDP program: the frame's bounds in r6/r7, the queue it came in on at
-    /// [`QUEUE_SLOT`], the scratch words zeroed (the verifier refuses a read of a stack slot
-    /// never written, which libpcap's programs never do but cannot show it).
+    /// [`QUEUE_SLOT`].
     pub fn xdp_prologue(&mut self) {
         self.raw(LDX_W, R2, R1, XDP_RX_QUEUE_INDEX, 0);
         self.raw(STX_W, FP, R2, QUEUE_SLOT, 0);
         self.raw(LDX_W, DATA, R1, XDP_DATA, 0);
         self.raw(LDX_W, DATA_END, R1, XDP_DATA_END, 0);
-        for word in 0..MEMWORDS as i16 {
-            self.raw(ST_W, FP, 0, SCRATCH_TOP + 4 * word, 0);
-        }
     }
 
     /// The classic BPF `program`: falls through when it accepts the frame, jumps to `miss`
@@ -175,6 +171,17 @@ impl Asm {
         check(program)?;
         self.raw(ALU32 | MOV, A, 0, 0, 0);
         self.raw(ALU32 | MOV, X, 0, 0, 0);
+        // The scratch words the program reads start at 0: the verifier refuses a read of a
+        // stack slot never written, which libpcap's programs never make but cannot show.
+        let mut read = [false; MEMWORDS as usize];
+        for i in program {
+            if i.code == LD | MEM || i.code == LDX | MEM {
+                read[i.k as usize] = true;
+            }
+        }
+        for (k, _) in read.iter().enumerate().filter(|(_, r)| **r) {
+            self.raw(ST_W, FP, 0, scratch(k as u32), 0);
+        }
         let at: Vec<Label> = program.iter().map(|_| self.label()).collect();
         let accept = self.label();
         let after = |pc: usize, offset: u32| at[pc + 1 + offset as usize];
