@@ -62,6 +62,11 @@ pub struct Rfc2544Args {
     /// The highest rate tried, frames per second (default: as fast as the tester sends).
     #[arg(long)]
     pub max_rate: Option<f64>,
+    /// Trials at most per rate: the majority decides, so that one trial losing frames to a
+    /// stall of the shared host does not fail a rate the device forwards (1: RFC 2544's
+    /// single trial).
+    #[arg(long, default_value_t = 3)]
+    pub trials_per_rate: usize,
     /// The search stops when it has the rate to within this share of the highest rate, %.
     #[arg(long, default_value_t = 1.0)]
     pub resolution: f64,
@@ -128,6 +133,7 @@ fn measure(
         resolution_pps: max * args.resolution / 100.0,
         loss_ratio,
         passes_at_pps,
+        trials_per_rate: args.trials_per_rate,
     };
     let mut search = |loss, floor| {
         highest_rate(bounds(loss, floor), |rate| {
@@ -208,6 +214,7 @@ pub fn run(args: Rfc2544Args) -> Result<()> {
         "load_average": load,
         "trial_seconds": args.trial_seconds,
         "resolution_percent": args.resolution,
+        "trials_per_rate": args.trials_per_rate,
         "ndr_loss": NDR_LOSS,
         "pdr_loss": PDR_LOSS,
         "results": results,

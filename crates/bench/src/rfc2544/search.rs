@@ -1,6 +1,13 @@
 //! RFC 2544's throughput search (§26.1): the highest rate a device forwards with no more than
 //! a given share of its frames lost, found by binary search over trials of fixed length. The
 //! search is pure: a trial is whatever the caller runs at a rate.
+//!
+//! On shared CPUs one trial can lose frames to a stall of the host, not of the device (a
+//! millisecond's preemption of a polling core overflows its rings): each rate is judged by the
+//! majority of up to `trials_per_rate` trials, stopping as soon as the majority is known (so a
+//! device that passes or fails steadily costs two trials per rate). This is MLRsearch's rule
+//! with an exceed ratio of one half (the search CSIT reports, RFC 9682's draft family); with
+//! one trial per rate it is RFC 2544's.
 
 use anyhow::Result;
 
@@ -26,6 +33,8 @@ pub struct Bounds {
     /// A rate known to pass (the no-drop rate, for the partial-drop search): the search
     /// looks above it only.
     pub passes_at_pps: f64,
+    /// Trials at most per rate; the majority decides (odd numbers avoid ties; 1 is RFC 2544).
+    pub trials_per_rate: usize,
 }
 
 /// A trial passes only if the tester offered at least this share of the rate asked for: below
@@ -41,8 +50,46 @@ pub struct Found {
     pub tester_limited: bool,
 }
 
+/// The trials run so far and what they showed.
+#[derive(Default)]
+struct Log {
+    trials: Vec<(f64, Outcome)>,
+    /// The tester fell short of a rate.
+    short: bool,
+    /// The device lost too much at a rate the tester did offer.
+    device_failed: bool,
+}
+
+impl Log {
+    /// Whether `rate` passes by the majority of its trials; and the least the tester offered.
+    fn judge(
+        &mut self,
+        rate: f64,
+        bounds: &Bounds,
+        trial: &mut impl FnMut(f64) -> Result<Outcome>,
+    ) -> Result<(bool, f64)> {
+        let needed = bounds.trials_per_rate / 2 + 1;
+        let (mut passed, mut failed, mut offered) = (0, 0, f64::INFINITY);
+        while passed < needed && failed < needed {
+            let o = trial(rate)?;
+            self.trials.push((rate, o));
+            offered = offered.min(o.offered_pps);
+            let tester_kept_up = o.offered_pps >= rate * OFFERED_AT_LEAST;
+            let kept = o.loss_ratio <= bounds.loss_ratio;
+            self.short |= !tester_kept_up;
+            self.device_failed |= tester_kept_up && !kept;
+            if tester_kept_up && kept {
+                passed += 1;
+            } else {
+                failed += 1;
+            }
+        }
+        Ok((passed >= needed, offered))
+    }
+}
+
 /// Searches the rates up to `bounds.max_pps` with `trial` (which runs the device at a rate).
-/// The first trial is at the maximum; if the tester offered less there, the search stays
+/// The first rate tried is the maximum; if the tester offered less there, the search stays
 /// below what it offered.
 pub fn highest_rate(
     bounds: Bounds,
@@ -53,34 +100,24 @@ pub fn highest_rate(
         bounds.resolution_pps > 0.0,
         "the search resolution must be positive"
     );
-    let mut trials = Vec::new();
-    let first = trial(bounds.max_pps)?;
-    trials.push((bounds.max_pps, first));
-    let top = first.offered_pps.min(bounds.max_pps);
-    // Whether the tester fell short of a rate, and whether the device lost too much at one
-    // the tester did offer.
-    let (mut short, mut device_failed) =
-        (first.offered_pps < bounds.max_pps * OFFERED_AT_LEAST, false);
-    let mut passes = |rate: f64, o: &Outcome| {
-        let offered = o.offered_pps >= rate * OFFERED_AT_LEAST;
-        let kept = o.loss_ratio <= bounds.loss_ratio;
-        short |= !offered;
-        device_failed |= offered && !kept;
-        offered && kept
-    };
-    if first.loss_ratio <= bounds.loss_ratio {
+    anyhow::ensure!(bounds.trials_per_rate > 0, "at least one trial per rate");
+    let mut log = Log::default();
+    let (top_passed, offered) = log.judge(bounds.max_pps, &bounds, &mut trial)?;
+    let top = offered.min(bounds.max_pps);
+    // Nothing lost at the top, or only the tester's pace fell short there: the device keeps
+    // up with all the tester sends.
+    let kept_all = log.trials.iter().all(|(_, o)| o.loss_ratio <= bounds.loss_ratio);
+    if top_passed || (log.short && kept_all) {
         return Ok(Found {
             rate_pps: top,
-            trials,
+            trials: log.trials,
             tester_limited: true,
         });
     }
     let (mut passed, mut failed) = (bounds.passes_at_pps.min(top), top);
     while failed - passed > bounds.resolution_pps {
         let rate = (passed + failed) / 2.0;
-        let o = trial(rate)?;
-        trials.push((rate, o));
-        if passes(rate, &o) {
+        if log.judge(rate, &bounds, &mut trial)?.0 {
             passed = rate;
         } else {
             failed = rate;
@@ -88,8 +125,8 @@ pub fn highest_rate(
     }
     Ok(Found {
         rate_pps: passed,
-        trials,
-        tester_limited: short && !device_failed,
+        trials: log.trials,
+        tester_limited: log.short && !log.device_failed,
     })
 }
 
@@ -103,6 +140,7 @@ mod tests {
             resolution_pps,
             loss_ratio,
             passes_at_pps,
+            trials_per_rate: 1,
         }
     }
 
@@ -186,5 +224,37 @@ mod tests {
             "{found:?}"
         );
         assert!((69_000.0..=70_000.0).contains(&found.rate_pps), "{found:?}");
+    }
+
+    #[test]
+    fn the_majority_of_trials_decides_so_a_stall_in_one_does_not_halve_the_rate() {
+        // Forwards up to 500 000/s; every third trial at any rate loses 1 % to a host stall.
+        let stalling = || {
+            let mut n = 0;
+            move |rate: f64| {
+                n += 1;
+                let stall = if n % 3 == 2 { 0.01 } else { 0.0 };
+                Ok(Outcome {
+                    offered_pps: rate,
+                    loss_ratio: ((rate - 500_000.0) / rate).max(0.0).max(stall),
+                })
+            }
+        };
+        let one = bounds(1_000_000.0, 1_000.0, 0.0, 0.0);
+        let alone = highest_rate(one, stalling()).unwrap();
+        let three = Bounds {
+            trials_per_rate: 3,
+            ..one
+        };
+        let voted = highest_rate(three, stalling()).unwrap();
+        assert!(
+            (499_000.0..=500_000.0).contains(&voted.rate_pps),
+            "{voted:?}"
+        );
+        assert!(alone.rate_pps < 499_000.0, "one trial per rate was misled: {alone:?}");
+        // A steady device costs two trials per rate, not three.
+        let steady = highest_rate(three, device(500_000.0)).unwrap();
+        let rates = steady.trials.len() / 2;
+        assert_eq!(steady.trials.len(), 2 * rates, "{steady:?}");
     }
 }
