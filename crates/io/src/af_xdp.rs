@@ -88,20 +88,24 @@ pub struct SteerRule {
     pub to: String,
 }
 
+/// The ports `rules` send to, in the order they first appear (outputs 1, 2, …).
+fn steer_ports(rules: &[SteerRule]) -> Vec<String> {
+    let mut ports: Vec<String> = Vec::new();
+    for r in rules {
+        if !ports.contains(&r.to) {
+            ports.push(r.to.clone());
+        }
+    }
+    ports
+}
+
 /// The most steering rules an interface takes (each one runs on every frame that the earlier
 /// ones did not match).
 const MAX_RULES: usize = 32;
 
 impl AfXdpConfig {
-    /// The ports the rules send to, in the order they first appear (outputs 1, 2, …).
     fn steer_ports(&self) -> Vec<String> {
-        let mut ports: Vec<String> = Vec::new();
-        for r in &self.steer {
-            if !ports.contains(&r.to) {
-                ports.push(r.to.clone());
-            }
-        }
-        ports
+        steer_ports(&self.steer)
     }
 
     /// Each rule's program, or the reason a rule is refused.
@@ -641,6 +645,42 @@ impl Xsk {
         };
     }
 
+    /// Where each of the UMEM's frames is now, by owner (`stitch show`): the rings' shares read
+    /// from their indices, the kernel's the rest (frames it took from the fill ring and has not
+    /// put in a receive ring yet, and frames it is sending).
+    fn frames_by_owner(&self, ports: &[String]) -> serde_json::Value {
+        let fill = self
+            .fill
+            .local
+            .wrapping_sub(self.fill.cons().load(Ordering::Acquire));
+        let rx = self.rx.ready();
+        let tx_ring = self.tx_pending();
+        let completion = self.comp.ready();
+        let mut steered = serde_json::Map::new();
+        let mut held = u64::from(fill) + u64::from(rx) + u64::from(tx_ring) + u64::from(completion);
+        held += self.tx_free.len() as u64;
+        for s in &self.steered {
+            let n = s.rx.ready();
+            held += u64::from(n);
+            let port = ports.get(s.output - 1).cloned().unwrap_or_default();
+            steered.insert(port, n.into());
+        }
+        serde_json::json!({
+            "queue": self.queue,
+            "zero_copy": self.zero_copy,
+            "frames": self.frames,
+            "by_owner": {
+                "fill_ring": fill,
+                "rx_ring": rx,
+                "steered_rx_rings": steered,
+                "tx_free": self.tx_free.len(),
+                "tx_ring": tx_ring,
+                "completion_ring": completion,
+                "kernel": i64::from(self.frames) - held as i64,
+            },
+        })
+    }
+
     /// Descriptors queued for sending that the kernel has not taken yet.
     fn tx_pending(&self) -> u32 {
         self.tx
@@ -1068,6 +1108,17 @@ impl App for AfXdp {
 
     fn stop(&mut self) {
         self.read_kernel_stats();
+    }
+
+    /// The interface, its steering rules and where each queue's frames are.
+    fn query(&mut self, _: &serde_json::Value) -> serde_json::Value {
+        let ports = steer_ports(&self.steer);
+        serde_json::json!({
+            "interface": self.interface,
+            "xdp": if self.xdp.native { "native" } else { "generic" },
+            "steer": self.steer,
+            "queues": self.socks.iter().map(|x| x.frames_by_owner(&ports)).collect::<Vec<_>>(),
+        })
     }
 
     /// The program, the sockets and their UMEMs: the successor maps the same rings and

@@ -501,6 +501,28 @@ for i in range(n):
         time.sleep(0.005)
 "#;
 
+/// (UDP destination port, number) of each datagram of `file` sent by [`THREE_PORTS`].
+fn numbered_datagrams(file: &std::path::Path) -> Vec<(u16, u64)> {
+    let lines = tshark_checked_where(file, "udp", &["udp.dstport", "udp.payload"]);
+    lines
+        .iter()
+        .map(|l| {
+            let (port, data) = l.split_once('\t').unwrap();
+            let digits: String = (0..8)
+                .map(|i| u8::from_str_radix(&data[2 * i..2 * i + 2], 16).unwrap() as char)
+                .collect();
+            (port.parse().unwrap(), digits.parse().unwrap())
+        })
+        .collect()
+}
+
+/// Where the UMEM frames of `af_xdp` app `app`'s first queue are (`stitch show APP`).
+fn umem_frames(s: &Stitch, app: &str) -> serde_json::Value {
+    let (status, v) = s.call("POST", &format!("/api/v1/apps/{app}/query"), Some("{}"));
+    assert_eq!(status, 200, "{v}");
+    v["queues"][0].clone()
+}
+
 /// Steering rules: the XDP program sends what a rule matches out of the rule's port,
 /// classified in the kernel before Stitch sees a frame; the rest leaves by `output`. Both
 /// captures are read back by tshark: each datagram once, on the right side, in order.
@@ -533,6 +555,17 @@ links:
         tunnel.display(),
         rest.display()
     ));
+    // Where the UMEM's frames are, idle: all in the fill ring (for the kernel to receive
+    // into) or free for sending, none anywhere else.
+    let idle = umem_frames(&s, "nic");
+    let owners = &idle["by_owner"];
+    assert_eq!(owners["kernel"], 0, "{idle}");
+    assert_eq!(
+        owners["fill_ring"].as_u64().unwrap() + owners["tx_free"].as_u64().unwrap(),
+        idle["frames"].as_u64().unwrap(),
+        "{idle}"
+    );
+    assert_eq!(owners["steered_rx_rings"]["tunnel"], 0, "{idle}");
     std::fs::write(dir.path().join("tx.py"), THREE_PORTS).unwrap();
     let n = 1000;
     let o = h.exec(
@@ -549,26 +582,18 @@ links:
         app(&stats, "t")["rx_packets"].as_u64() >= Some(2 * n)
             && app(&stats, "r")["rx_packets"].as_u64() >= Some(n)
     });
+    assert_eq!(
+        umem_frames(&s, "nic")["by_owner"],
+        idle["by_owner"],
+        "no frame was lost on the way"
+    );
     let stats = s.stop();
     let nic = &app(&stats, "nic")["counters"];
     assert_eq!(nic["steered_packets"], 2 * n, "{nic}");
     assert_eq!(nic["steered_unlinked_drops"], 0, "{nic}");
 
-    let numbered = |file: &std::path::Path, filter: &str| -> Vec<(u16, u64)> {
-        let lines = tshark_checked_where(file, filter, &["udp.dstport", "udp.payload"]);
-        lines
-            .iter()
-            .map(|l| {
-                let (port, data) = l.split_once('\t').unwrap();
-                let digits: String = (0..8)
-                    .map(|i| u8::from_str_radix(&data[2 * i..2 * i + 2], 16).unwrap() as char)
-                    .collect();
-                (port.parse().unwrap(), digits.parse().unwrap())
-            })
-            .collect()
-    };
-    let steered = numbered(&tunnel, "udp");
-    let others = numbered(&rest, "udp");
+    let steered = numbered_datagrams(&tunnel);
+    let others = numbered_datagrams(&rest);
     for (port, side) in [(4789, &steered), (4790, &steered), (5000, &others)] {
         let seq: Vec<u64> = side
             .iter()

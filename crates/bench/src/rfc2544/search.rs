@@ -106,7 +106,10 @@ pub fn highest_rate(
     let top = offered.min(bounds.max_pps);
     // Nothing lost at the top, or only the tester's pace fell short there: the device keeps
     // up with all the tester sends.
-    let kept_all = log.trials.iter().all(|(_, o)| o.loss_ratio <= bounds.loss_ratio);
+    let kept_all = log
+        .trials
+        .iter()
+        .all(|(_, o)| o.loss_ratio <= bounds.loss_ratio);
     if top_passed || (log.short && kept_all) {
         return Ok(Found {
             rate_pps: top,
@@ -251,7 +254,10 @@ mod tests {
             (499_000.0..=500_000.0).contains(&voted.rate_pps),
             "{voted:?}"
         );
-        assert!(alone.rate_pps < 499_000.0, "one trial per rate was misled: {alone:?}");
+        assert!(
+            alone.rate_pps < 499_000.0,
+            "one trial per rate was misled: {alone:?}"
+        );
         // A steady device costs two trials per rate, not three.
         let steady = highest_rate(three, device(500_000.0)).unwrap();
         let rates = steady.trials.len() / 2;
