@@ -120,6 +120,10 @@ fn measure(
     let mut run = |rate: Option<f64>, latency: bool| -> TrialResult {
         *tag = tag.wrapping_add(1);
         let r = trial(tx, rx, &frames, rate, args.trial_seconds, *tag, latency);
+        log::debug!(
+            "{dut} {size} at {rate:?}/s: offered {} (over the full input ring {}, the tester behind {}), received {}, reordered {}, stale {}",
+            r.sent, r.input_overflow, r.tester_behind, r.received, r.reordered, r.stale
+        );
         // Frames still inside the device go out before the next trial starts.
         std::thread::sleep(Duration::from_millis(20));
         r
