@@ -356,16 +356,7 @@ struct Steered {
 impl Steered {
     /// A socket on `owner`'s queue and UMEM for output `output`.
     fn open(owner: &Xsk, ifindex: u32, output: usize) -> Result<Steered, String> {
-        // SAFETY: socket takes no pointers.
-        let fd = unsafe { libc::socket(AF_XDP, libc::SOCK_RAW | libc::SOCK_CLOEXEC, 0) };
-        if fd < 0 {
-            return Err(explain(
-                "cannot open an AF_XDP socket",
-                std::io::Error::last_os_error(),
-            ));
-        }
-        // SAFETY: socket returned a new descriptor (checked above) that nothing else owns.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let fd = xdp_socket()?;
         setsockopt(fd.as_raw_fd(), SOL_XDP, XDP_RX_RING, &owner.ring_size)
             .map_err(|e| format!("AF_XDP rx ring: {e}"))?;
         // A socket sharing a UMEM on the same queue takes no other flag.
@@ -376,20 +367,12 @@ impl Steered {
             queue_id: owner.queue,
             shared_umem_fd: owner.fd.as_raw_fd() as u32,
         };
-        // SAFETY: `sa` is a live sockaddr_xdp and the length passed is its size.
-        let r = unsafe {
-            libc::bind(
-                fd.as_raw_fd(),
-                &sa as *const SockaddrXdp as *const libc::sockaddr,
-                std::mem::size_of::<SockaddrXdp>() as u32,
-            )
-        };
-        if r < 0 {
-            return Err(explain(
+        bind_to(fd.as_raw_fd(), &sa).map_err(|e| {
+            explain(
                 &format!("cannot bind a steering socket to queue {}", owner.queue),
-                std::io::Error::last_os_error(),
-            ));
-        }
+                e,
+            )
+        })?;
         Steered::map(fd, owner.ring_size, output)
     }
 
@@ -423,6 +406,37 @@ fn getsockopt<T: Default>(fd: RawFd, opt: i32) -> std::io::Result<T> {
     }
 }
 
+/// A new AF_XDP socket.
+fn xdp_socket() -> Result<OwnedFd, String> {
+    // SAFETY: socket takes no pointers.
+    let fd = unsafe { libc::socket(AF_XDP, libc::SOCK_RAW | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(explain(
+            "cannot open an AF_XDP socket",
+            std::io::Error::last_os_error(),
+        ));
+    }
+    // SAFETY: socket returned a new descriptor (checked above) that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// `bind(2)` of AF_XDP socket `raw` to `sa`.
+fn bind_to(raw: RawFd, sa: &SockaddrXdp) -> std::io::Result<()> {
+    // SAFETY: `sa` is a live sockaddr_xdp and the length passed is its size.
+    let r = unsafe {
+        libc::bind(
+            raw,
+            sa as *const SockaddrXdp as *const libc::sockaddr,
+            std::mem::size_of::<SockaddrXdp>() as u32,
+        )
+    };
+    if r < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
 /// Binds AF_XDP socket `raw` to `queue` of `ifname`, zero-copy as `zc` asks; returns whether
 /// zero-copy was taken.
 fn bind(raw: i32, ifname: &str, ifindex: u32, queue: u32, zc: ZeroCopy) -> Result<bool, String> {
@@ -434,19 +448,7 @@ fn bind(raw: i32, ifname: &str, ifindex: u32, queue: u32, zc: ZeroCopy) -> Resul
             queue_id: queue,
             shared_umem_fd: 0,
         };
-        // SAFETY: `sa` is a live sockaddr_xdp and the length passed is its size.
-        let r = unsafe {
-            libc::bind(
-                raw,
-                &sa as *const SockaddrXdp as *const libc::sockaddr,
-                std::mem::size_of::<SockaddrXdp>() as u32,
-            )
-        };
-        if r < 0 {
-            Err(std::io::Error::last_os_error())
-        } else {
-            Ok(())
-        }
+        bind_to(raw, &sa)
     };
     let bound = match zc {
         ZeroCopy::On => try_bind(XDP_ZEROCOPY).map(|_| true),
@@ -480,16 +482,7 @@ impl Xsk {
         frames: u32,
         zc: ZeroCopy,
     ) -> Result<Xsk, String> {
-        // SAFETY: socket takes no pointers.
-        let fd = unsafe { libc::socket(AF_XDP, libc::SOCK_RAW | libc::SOCK_CLOEXEC, 0) };
-        if fd < 0 {
-            return Err(explain(
-                "cannot open an AF_XDP socket",
-                std::io::Error::last_os_error(),
-            ));
-        }
-        // SAFETY: socket returned a new descriptor (checked above) that nothing else owns.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let fd = xdp_socket()?;
         let raw = fd.as_raw_fd();
         let umem_len = (frames * FRAME_SIZE) as usize;
         let (umem_fd, umem) = Mapping::create(&format!("stitch-xdp-{ifname}-{queue}"), umem_len)
