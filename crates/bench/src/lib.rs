@@ -14,6 +14,7 @@ mod rfc2544;
 mod soak;
 mod upgrade;
 mod vhost;
+mod xdp_steer;
 
 use anyhow::Result;
 use clap::Subcommand;
@@ -72,6 +73,9 @@ pub enum BenchCmd {
     /// RFC 2544 through vhost-user ports: the no-drop and partial-drop rates by binary search
     /// and latency at fractions of the no-drop rate, Stitch beside testpmd's io forwarding.
     Rfc2544(crate::rfc2544::Rfc2544Args),
+    /// What `af_xdp` steering rules cost a frame in the interface's XDP program, timed by the
+    /// kernel against the program without rules.
+    XdpSteer(crate::xdp_steer::XdpSteerArgs),
     /// One network function with a realistic table (router, firewall, firewall-stateless, nat,
     /// bridge, vxlan, vxlan6, vlan, policer, load_balancer — or `all`) against a raw-ring
     /// baseline in the same run.
@@ -383,6 +387,7 @@ pub fn run(cmd: BenchCmd, registry: fn() -> Registry) -> Result<()> {
         BenchCmd::Cluster(args) => cluster::run(args, registry()),
         BenchCmd::Vhost(args) => vhost::run(args),
         BenchCmd::Rfc2544(args) => rfc2544::run(args),
+        BenchCmd::XdpSteer(args) => xdp_steer::run(args),
         BenchCmd::Nf {
             name,
             seconds,

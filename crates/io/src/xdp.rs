@@ -112,6 +112,12 @@ pub fn load_xdp(code: &[[u8; 8]], name: &str) -> Result<OwnedFd, String> {
 /// Runs XDP program `prog` once on `frame` (`BPF_PROG_TEST_RUN`, no interface involved) and
 /// returns its verdict.
 pub fn test_run(prog: &OwnedFd, frame: &[u8]) -> std::io::Result<u32> {
+    test_runs(prog, frame, 1).map(|(verdict, _)| verdict)
+}
+
+/// Runs XDP program `prog` `repeat` times on `frame` in the kernel; its verdict and the mean
+/// time of a run, ns (the kernel's own timing of the loop).
+pub fn test_runs(prog: &OwnedFd, frame: &[u8], repeat: u32) -> std::io::Result<(u32, u32)> {
     let mut out = vec![0u8; frame.len() + 512];
     let mut attr = Attr::new()
         .u32(0, prog.as_raw_fd() as u32)
@@ -119,11 +125,45 @@ pub fn test_run(prog: &OwnedFd, frame: &[u8]) -> std::io::Result<u32> {
         .u32(12, out.len() as u32)
         .u64(16, frame.as_ptr() as u64)
         .u64(24, out.as_mut_ptr() as u64)
-        .u32(32, 1);
+        .u32(32, repeat.max(1));
     // SAFETY: `frame` is read for its length and `out` written up to its length, both live
     // for the call.
     unsafe { attr.call_mut(BPF_PROG_TEST_RUN) }?;
-    Ok(u32::from_ne_bytes(attr.0[4..8].try_into().unwrap()))
+    let word = |at: usize| u32::from_ne_bytes(attr.0[at..at + 4].try_into().unwrap());
+    Ok((word(4), word(36)))
+}
+
+/// An interface's redirect program with `rules` and its maps, loaded, attached nowhere yet:
+/// what [`XdpRedirect::attach`] attaches, and alone what `stitch bench xdp-steer` runs
+/// ([`test_runs`]) to measure what the rules cost a frame (its maps empty, a rule's frames
+/// fall through to the queue's socket, then to the kernel stack).
+pub struct Unattached {
+    pub prog: OwnedFd,
+    map: OwnedFd,
+    steer: Option<OwnedFd>,
+    queues: u32,
+}
+
+impl Unattached {
+    pub fn load(
+        rules: &[Vec<stitch_wire::filter::cbpf::Insn>],
+        queues: u32,
+    ) -> Result<Unattached, String> {
+        let queues = queues.max(1);
+        let map = xskmap(queues, "stitch_xsks")?;
+        let steer = match rules.len() {
+            0 => None,
+            n => Some(xskmap(n as u32 * queues, "stitch_steer")?),
+        };
+        let code = redirect_program(&map, steer.as_ref(), rules, queues)?;
+        let prog = load_xdp(&code, "stitch_xsk")?;
+        Ok(Unattached {
+            prog,
+            map,
+            steer,
+            queues,
+        })
+    }
 }
 
 /// An XSKMAP, the redirect program and its attachment to one interface; with steering rules,
@@ -209,14 +249,12 @@ impl XdpRedirect {
         queues: u32,
         rules: &[Vec<stitch_wire::filter::cbpf::Insn>],
     ) -> Result<XdpRedirect, String> {
-        let queues = queues.max(1);
-        let map = xskmap(queues, "stitch_xsks")?;
-        let steer = match rules.len() {
-            0 => None,
-            n => Some(xskmap(n as u32 * queues, "stitch_steer")?),
-        };
-        let code = redirect_program(&map, steer.as_ref(), rules, queues)?;
-        let prog = load_xdp(&code, "stitch_xsk")?;
+        let Unattached {
+            prog,
+            map,
+            steer,
+            queues,
+        } = Unattached::load(rules, queues)?;
         let flags = if native {
             XDP_FLAGS_DRV_MODE
         } else {
