@@ -104,8 +104,9 @@ fn steer_ports(rules: &[SteerRule]) -> Vec<String> {
 const MAX_RULES: usize = 32;
 
 impl AfXdpConfig {
-    fn steer_ports(&self) -> Vec<String> {
-        steer_ports(&self.steer)
+    /// One more than the highest queue id: the size of the XDP maps' per-queue ranges.
+    fn queue_bound(&self) -> u32 {
+        self.queues.iter().max().copied().unwrap_or(0) + 1
     }
 
     /// Each rule's program, or the reason a rule is refused.
@@ -748,7 +749,7 @@ struct Position {
 /// The XDP program attached to the interface and a socket per queue, bound and mapped.
 fn open(c: &AfXdpConfig, ifindex: u32) -> Result<(XdpRedirect, Vec<Xsk>), String> {
     let name = &c.interface;
-    let max_queue = c.queues.iter().max().copied().unwrap_or(0) + 1;
+    let max_queue = c.queue_bound();
     let rules = c.steer_programs()?;
     let attach = |native| XdpRedirect::attach(name, ifindex, native, max_queue, &rules);
     let xdp = match c.xdp_mode {
@@ -763,7 +764,7 @@ fn open(c: &AfXdpConfig, ifindex: u32) -> Result<(XdpRedirect, Vec<Xsk>), String
             Err(e) => return Err(e),
         },
     };
-    let ports = c.steer_ports();
+    let ports = steer_ports(&c.steer);
     let mut socks = Vec::new();
     for &q in &c.queues {
         let mut x = Xsk::open(name, ifindex, q, c.frames, c.zero_copy)?;
@@ -794,7 +795,7 @@ fn adopt(c: &AfXdpConfig, lent: Descriptors) -> Result<(XdpRedirect, Vec<Xsk>), 
     if at.steer != c.steer {
         return Err("the predecessor's steering rules differ from this graph's".into());
     }
-    let max_queue = c.queues.iter().max().copied().unwrap_or(0) + 1;
+    let max_queue = c.queue_bound();
     let mut fds = lent.fds.into_iter();
     let xdp = XdpRedirect::adopt(&mut fds, at.native, max_queue, !at.steer.is_empty())?;
     let mut socks = Vec::new();
@@ -941,7 +942,7 @@ impl App for AfXdp {
         c.steer_programs()?;
         let mut spec = PortSpec::filter();
         if !c.steer.is_empty() {
-            let outputs = std::iter::once("output".to_string()).chain(c.steer_ports());
+            let outputs = std::iter::once("output".to_string()).chain(steer_ports(&c.steer));
             spec.outputs = stitch_core::app::PortNames::Fixed(outputs.collect());
         }
         Ok(spec)
@@ -976,7 +977,7 @@ impl App for AfXdp {
             if owns { "" } else { ", taken over" },
             match c.steer.len() {
                 0 => String::new(),
-                n => format!(", {n} steering rules to {:?}", c.steer_ports()),
+                n => format!(", {n} steering rules to {:?}", steer_ports(&c.steer)),
             }
         );
         Ok(AfXdp {

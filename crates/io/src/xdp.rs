@@ -193,6 +193,17 @@ fn xskmap(entries: u32, name: &str) -> Result<OwnedFd, String> {
     Ok(unsafe { OwnedFd::from_raw_fd(map as RawFd) })
 }
 
+/// Puts socket `xsk` at `key` of XSKMAP `map`.
+fn put_socket(map: &OwnedFd, key: u32, xsk: RawFd) -> std::io::Result<()> {
+    let value = xsk as u32;
+    let attr = Attr::new()
+        .u32(0, map.as_raw_fd() as u32)
+        .u64(8, &key as *const u32 as u64)
+        .u64(16, &value as *const u32 as u64);
+    // SAFETY: `key` and `value` are live u32s, the map's key and value size.
+    unsafe { attr.call(BPF_MAP_UPDATE_ELEM) }.map(|_| ())
+}
+
 /// The program: each steering rule in order, a frame it accepts going to the rule's socket
 /// for the frame's queue (on to the next rule when there is none), then every other frame to
 /// the queue's own socket, or the kernel stack.
@@ -203,26 +214,23 @@ fn redirect_program(
     queues: u32,
 ) -> Result<Vec<[u8; 8]>, String> {
     use stitch_wire::filter::ebpf::{Asm, QUEUE_SLOT, R0, R1, R2, R3};
-    const ALU64_ADD_K: u8 = 0x07;
-    const JGE_K: u8 = 0x35;
-    const JNE_K: u8 = 0x55;
     const XDP_REDIRECT: i32 = 4;
     let mut asm = Asm::new();
     asm.xdp_prologue();
     let own_socket = asm.label();
     if let Some(steer) = steer {
         asm.load_stack(R2, QUEUE_SLOT);
-        asm.jump(JGE_K, R2, 0, queues as i32, own_socket);
+        asm.jump_if_at_least(R2, queues as i32, own_socket);
         for (i, rule) in rules.iter().enumerate() {
             let next = asm.label();
             asm.filter(rule, next)
                 .map_err(|e| format!("steering rule {}: {e}", i + 1))?;
             asm.load_map(R1, steer.as_raw_fd());
             asm.load_stack(R2, QUEUE_SLOT);
-            asm.raw(ALU64_ADD_K, R2, 0, 0, (i as u32 * queues) as i32);
+            asm.add_imm(R2, (i as u32 * queues) as i32);
             asm.mov_imm(R3, 0);
             asm.call(BPF_FUNC_REDIRECT_MAP);
-            asm.jump(JNE_K, R0, 0, XDP_REDIRECT, next);
+            asm.jump_if_not(R0, XDP_REDIRECT, next);
             asm.exit();
             asm.bind(next);
         }
@@ -237,8 +245,6 @@ fn redirect_program(
 }
 
 impl XdpRedirect {
-    /// Loads and attaches the program to `ifindex`: native (driver) mode, or generic (SKB) mode
-    /// when `native` is false. `queues` bounds the queue ids the map can hold.
     /// Loads and attaches the program to `ifindex`: native (driver) mode, or generic (SKB) mode
     /// when `native` is false. `queues` bounds the queue ids the maps hold; `rules` are the
     /// steering rules' classic BPF programs, in order.
@@ -328,35 +334,19 @@ impl XdpRedirect {
     /// Directs what steering rule `rule` accepts on queue `queue` to socket `xsk`.
     pub fn bind_steered(&self, rule: usize, queue: u32, xsk: RawFd) -> Result<(), String> {
         let steer = self.steer.as_ref().ok_or("no steering rules")?;
-        let (key, value) = (rule as u32 * self.queues + queue, xsk as u32);
-        let attr = Attr::new()
-            .u32(0, steer.as_raw_fd() as u32)
-            .u64(8, &key as *const u32 as u64)
-            .u64(16, &value as *const u32 as u64);
-        // SAFETY: `key` and `value` are live u32s, the map's key and value size.
-        unsafe { attr.call(BPF_MAP_UPDATE_ELEM) }
-            .map(|_| ())
-            .map_err(|e| {
-                format!(
-                    "cannot add the socket of steering rule {} to the map: {e}",
-                    rule + 1
-                )
-            })
+        put_socket(steer, rule as u32 * self.queues + queue, xsk).map_err(|e| {
+            format!(
+                "cannot add the socket of steering rule {} to the map: {e}",
+                rule + 1
+            )
+        })
     }
 
     /// Directs queue `queue` to socket `xsk`.
     pub fn bind_queue(&self, queue: u32, xsk: RawFd) -> Result<(), String> {
-        let (key, value) = (queue, xsk as u32);
-        let attr = Attr::new()
-            .u32(0, self.map.as_raw_fd() as u32)
-            .u64(8, &key as *const u32 as u64)
-            .u64(16, &value as *const u32 as u64);
-        // SAFETY: `key` and `value` are live u32s, the map's key and value size.
-        unsafe { attr.call(BPF_MAP_UPDATE_ELEM) }
-            .map(|_| ())
-            .map_err(|e| {
-                format!("cannot add the AF_XDP socket of queue {queue} to the XSKMAP: {e}")
-            })
+        put_socket(&self.map, queue, xsk).map_err(|e| {
+            format!("cannot add the AF_XDP socket of queue {queue} to the XSKMAP: {e}")
+        })
     }
 
     /// Stops directing queue `queue` to a socket.

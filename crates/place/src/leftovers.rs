@@ -213,7 +213,7 @@ fn remove_free_locks(dir: &Path) {
         .filter(|p| p.extension().is_some_and(|e| e == "lock"));
     for lock_file in locks {
         let socket = lock_file.with_extension("sock");
-        if socket.exists() || lock_file.to_string_lossy().ends_with(".taps.lock") {
+        if socket.exists() {
             continue;
         }
         if let Ok(owner) = lock(&socket, std::time::Duration::ZERO) {

@@ -56,16 +56,20 @@ for i in range(n):
         time.sleep(0.002)
 "#;
 
+/// Runs Python sender `script` (arguments: host 1's address and `n`) on host 0, from a file in
+/// `dir`, to its end.
+fn send_from_host0(h: &TwoHosts, dir: &std::path::Path, script: &str, n: u64) {
+    let file = dir.join("tx.py");
+    std::fs::write(&file, script).unwrap();
+    let o = h.exec(0, &format!("python3 {} {} {n}", file.display(), h.ip[1]));
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
 /// Sends `n` UDP datagrams from ns1 to ns2 and returns how many arrived.
 fn udp_burst(h: &TwoHosts, dir: &std::path::Path, n: usize) -> usize {
     std::fs::write(dir.join("rx.py"), RECEIVER).unwrap();
-    std::fs::write(dir.join("tx.py"), SENDER).unwrap();
     let rx = h.spawn_ready(1, &format!("python3 {}", dir.join("rx.py").display()));
-    let o = h.exec(
-        0,
-        &format!("python3 {} {} {n}", dir.join("tx.py").display(), h.ip[1]),
-    );
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    send_from_host0(h, dir, SENDER, n as u64);
     rx.finish().trim().parse().unwrap()
 }
 
@@ -314,19 +318,10 @@ fn af_xdp_serves_several_queues() {
     let s = cross_connect("af_xdp", &h, ", queues: [0, 1]");
     ping_works(&h);
     std::fs::write(s.path().join("rx.py"), RECEIVER).unwrap();
-    std::fs::write(s.path().join("tx.py"), MANY_FLOWS).unwrap();
     let rx = h.spawn_ready(1, &format!("python3 {}", s.path().join("rx.py").display()));
     let n = 4000;
-    let o = h.exec(
-        0,
-        &format!(
-            "python3 {} {} {n}",
-            s.path().join("tx.py").display(),
-            h.ip[1]
-        ),
-    );
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let got: usize = rx.finish().trim().parse().unwrap();
+    send_from_host0(&h, s.path(), MANY_FLOWS, n);
+    let got: u64 = rx.finish().trim().parse().unwrap();
     let stats = s.stop();
     assert_eq!(got, n, "every UDP datagram must arrive");
     let c = &app(&stats, "a")["counters"];
@@ -336,7 +331,7 @@ fn af_xdp_serves_several_queues() {
     );
     eprintln!("af_xdp two queues: {q0} + {q1} packets received");
     assert!(q0 > 0 && q1 > 0, "both queues carried traffic: {c}");
-    assert!(q0 + q1 >= n as u64, "{c}");
+    assert!(q0 + q1 >= n, "{c}");
 }
 
 /// An `af_packet` app carries only its own interface's frames, from its first breath: frames
@@ -566,17 +561,8 @@ links:
         "{idle}"
     );
     assert_eq!(owners["steered_rx_rings"]["tunnel"], 0, "{idle}");
-    std::fs::write(dir.path().join("tx.py"), THREE_PORTS).unwrap();
     let n = 1000;
-    let o = h.exec(
-        0,
-        &format!(
-            "python3 {} {} {n}",
-            dir.path().join("tx.py").display(),
-            h.ip[1]
-        ),
-    );
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    send_from_host0(&h, dir.path(), THREE_PORTS, n);
     wait_until("every datagram to reach a capture", 20, || {
         let stats = s.stats().unwrap();
         app(&stats, "t")["rx_packets"].as_u64() >= Some(2 * n)

@@ -75,6 +75,15 @@ pub(crate) const MEMWORDS: u32 = 16;
 /// libpcap's limit on a program's length (`BPF_MAXINSNS`).
 pub(crate) const MAX_INSNS: usize = 4096;
 
+/// The bytes a load reads, from its opcode (or its size field alone).
+pub(crate) fn bytes_loaded(code: u16) -> u32 {
+    match code & SIZE {
+        W => 4,
+        H => 2,
+        _ => 1,
+    }
+}
+
 /// The checks that make the emitted code safe to run on any frame.
 pub(crate) fn check(program: &[Insn]) -> Result<(), String> {
     if program.is_empty() || program.len() > MAX_INSNS {

@@ -55,6 +55,7 @@ const END_TO_BE: u8 = 0xdc;
 const EXIT: u8 = 0x95;
 const CALL: u8 = 0x85;
 const LD_IMM64: u8 = 0x18;
+const JNE: u8 = 0x50;
 const PSEUDO_MAP_FD: u8 = 1;
 
 pub const R0: u8 = 0;
@@ -135,6 +136,21 @@ impl Asm {
         self.raw(CALL, 0, 0, 0, helper);
     }
 
+    /// `dst += imm` (64 bits).
+    pub fn add_imm(&mut self, dst: u8, imm: i32) {
+        self.raw(ALU64 | ADD as u8, dst, 0, 0, imm);
+    }
+
+    /// `if dst >= imm goto target` (unsigned, 64 bits).
+    pub fn jump_if_at_least(&mut self, dst: u8, imm: i32, target: Label) {
+        self.jump(JMP64 | JGE as u8, dst, 0, imm, target);
+    }
+
+    /// `if dst != imm goto target` (64 bits).
+    pub fn jump_if_not(&mut self, dst: u8, imm: i32, target: Label) {
+        self.jump(JMP64 | JNE, dst, 0, imm, target);
+    }
+
     /// `dst = imm` (64 bits, sign-extended).
     pub fn mov_imm(&mut self, dst: u8, imm: i32) {
         self.raw(ALU64 | MOV, dst, 0, 0, imm);
@@ -190,8 +206,8 @@ impl Asm {
             let k = i.k;
             match i.code & CLASS {
                 LD => match i.code & MODE {
-                    ABS => self.load_absolute(A, k, size_of(i.code), miss),
-                    IND => self.load_indirect(k, size_of(i.code), miss),
+                    ABS => self.load_absolute(A, k, bytes_loaded(i.code), miss),
+                    IND => self.load_indirect(k, bytes_loaded(i.code), miss),
                     IMM => self.raw(ALU32 | MOV, A, 0, 0, k as i32),
                     LEN => self.frame_length(A),
                     _ => self.raw(LDX_W, A, FP, scratch(k), 0),
@@ -249,7 +265,7 @@ impl Asm {
             return;
         }
         self.raw(ALU64 | MOV | SRC_REG, R2, DATA, 0, 0);
-        self.raw(ALU64 | ADD as u8, R2, 0, 0, (k + size) as i32);
+        self.add_imm(R2, (k + size) as i32);
         self.jump(JMP64 | JGT as u8 | SRC_REG, R2, DATA_END, 0, miss);
         self.raw(load_op(size), dst, DATA, k as i16, 0);
         self.swap_to_network_order(dst, size);
@@ -266,7 +282,7 @@ impl Asm {
         self.jump(JMP64 | JGT as u8, R1, 0, MAX_REACH as i32, miss);
         self.raw(ALU64 | ADD as u8 | SRC_REG, R1, DATA, 0, 0);
         self.raw(ALU64 | MOV | SRC_REG, R2, R1, 0, 0);
-        self.raw(ALU64 | ADD as u8, R2, 0, 0, (k + size) as i32);
+        self.add_imm(R2, (k + size) as i32);
         self.jump(JMP64 | JGT as u8 | SRC_REG, R2, DATA_END, 0, miss);
         self.raw(load_op(size), A, R1, k as i16, 0);
         self.swap_to_network_order(A, size);
@@ -297,7 +313,7 @@ impl Asm {
             (LSH | RSH, true) => {
                 // eBPF masks the shift count; libpcap gives 0 for 32 and more.
                 let (zero, done) = (self.label(), self.label());
-                self.jump(JMP64 | JGE as u8, X, 0, 32, zero);
+                self.jump_if_at_least(X, 32, zero);
                 self.raw(ALU32 | op | SRC_REG, A, X, 0, 0);
                 self.goto(done);
                 self.bind(zero);
@@ -391,15 +407,6 @@ impl Asm {
             }
         }
         Ok(reached)
-    }
-}
-
-/// The load's size in bytes from a classic `LD` opcode.
-fn size_of(code: u16) -> u32 {
-    match code & SIZE {
-        W => 4,
-        H => 2,
-        _ => 1,
     }
 }
 

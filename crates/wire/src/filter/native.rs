@@ -267,17 +267,9 @@ fn emit_bounds_check(ops: &mut Assembler, offset: u32, size: u32, reject: Dynami
     }
 }
 
-fn size_bytes(size: u16) -> u32 {
-    match size {
-        W => 4,
-        H => 2,
-        _ => 1,
-    }
-}
-
 /// A = the big-endian value of `size` bytes at `offset`, or reject when the frame is shorter.
 fn emit_load_abs(ops: &mut Assembler, size: u16, offset: u32, reject: DynamicLabel) {
-    if emit_bounds_check(ops, offset, size_bytes(size), reject) {
+    if emit_bounds_check(ops, offset, bytes_loaded(size), reject) {
         emit_load(ops, size, FRAME_REG, offset as i32);
     }
 }
@@ -285,7 +277,7 @@ fn emit_load_abs(ops: &mut Assembler, size: u16, offset: u32, reject: DynamicLab
 /// A = the big-endian value of `size` bytes at X + `offset` (no wrap: both are 32-bit and the
 /// sum is taken in 64 bits), or reject when the frame is shorter.
 fn emit_load_ind(ops: &mut Assembler, size: u16, offset: u32, reject: DynamicLabel) {
-    let width = size_bytes(size) as i32;
+    let width = bytes_loaded(size) as i32;
     dynasm!(ops
         ; .arch x64
         ; mov r11d, r10d
