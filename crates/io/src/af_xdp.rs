@@ -32,10 +32,14 @@ use crate::netdev::{self, explain, setsockopt};
 use crate::xdp::XdpRedirect;
 use serde::{Deserialize, Serialize};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use stitch_core::mapping::{MapOptions, Mapping};
 use stitch_core::{pool, App, AppContext, AppError, Counter, Descriptors, Io, PortSpec};
+use stitch_nf::listener::PortShared;
+use stitch_nf::steer::{self, SteerOffer, SteerQueue};
+use stitch_nf::xsk::{self, getsockopt, Ring};
 use stitch_wire::offload;
 
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
@@ -149,7 +153,6 @@ fn yes() -> bool {
 
 const AF_XDP: i32 = 44;
 const SOL_XDP: i32 = 283;
-const XDP_MMAP_OFFSETS: i32 = 1;
 const XDP_RX_RING: i32 = 2;
 const XDP_TX_RING: i32 = 3;
 const XDP_UMEM_REG: i32 = 4;
@@ -160,31 +163,8 @@ const XDP_SHARED_UMEM: u16 = 1;
 const XDP_COPY: u16 = 2;
 const XDP_ZEROCOPY: u16 = 4;
 const XDP_USE_NEED_WAKEUP: u16 = 8;
-const XDP_RING_NEED_WAKEUP: u32 = 1;
-const PGOFF_RX: i64 = 0;
-const PGOFF_TX: i64 = 0x8000_0000;
-const PGOFF_FILL: i64 = 0x1_0000_0000;
-const PGOFF_COMPLETION: i64 = 0x1_8000_0000;
 const FRAME_SIZE: u32 = 4096;
 const BURST: usize = 256;
-
-#[repr(C)]
-#[derive(Default, Clone, Copy)]
-struct RingOffset {
-    producer: u64,
-    consumer: u64,
-    desc: u64,
-    flags: u64,
-}
-
-#[repr(C)]
-#[derive(Default)]
-struct MmapOffsets {
-    rx: RingOffset,
-    tx: RingOffset,
-    fr: RingOffset,
-    cr: RingOffset,
-}
 
 #[repr(C)]
 struct UmemReg {
@@ -214,114 +194,6 @@ struct XdpStatistics {
     rx_ring_full: u64,
     rx_fill_ring_empty_descs: u64,
     tx_ring_empty_descs: u64,
-}
-
-/// One of the four rings shared with the kernel. Entries are u64 addresses (fill, completion)
-/// or 16-byte descriptors (rx, tx). The offsets of its words come from the kernel and are
-/// checked once, when mapped.
-struct Ring {
-    map: Mapping,
-    producer: usize,
-    consumer: usize,
-    flags: usize,
-    desc: usize,
-    entry_size: usize,
-    mask: u32,
-    /// Our side's index (producer for fill/tx, consumer for rx/completion).
-    local: u32,
-}
-
-impl Ring {
-    fn map(
-        fd: BorrowedFd<'_>,
-        off: &RingOffset,
-        entries: u32,
-        entry_size: usize,
-        pgoff: i64,
-    ) -> Result<Ring, String> {
-        let map_len = off.desc as usize + entries as usize * entry_size;
-        let opts = MapOptions {
-            offset: pgoff,
-            populate: true,
-            ..MapOptions::default()
-        };
-        let map = Mapping::shared(fd, map_len, opts)
-            .map_err(|e| explain("cannot map an AF_XDP ring", e))?;
-        let words = [off.producer, off.consumer, off.flags];
-        if words.iter().any(|&w| map.atomic_u32(w as usize).is_none())
-            || !(off.desc as usize).is_multiple_of(8)
-        {
-            return Err("the kernel's AF_XDP ring offsets fall outside the ring".into());
-        }
-        let mut r = Ring {
-            map,
-            producer: off.producer as usize,
-            consumer: off.consumer as usize,
-            flags: off.flags as usize,
-            desc: off.desc as usize,
-            entry_size,
-            mask: entries - 1,
-            local: 0,
-        };
-        // Start where the kernel's indices are (both zero on a fresh socket).
-        r.local = if pgoff == PGOFF_RX || pgoff == PGOFF_COMPLETION {
-            r.cons().load(Ordering::Relaxed)
-        } else {
-            r.prod().load(Ordering::Relaxed)
-        };
-        Ok(r)
-    }
-    fn word(&self, at: usize) -> &AtomicU32 {
-        self.map.atomic_u32(at).expect("checked when mapped")
-    }
-    fn prod(&self) -> &AtomicU32 {
-        self.word(self.producer)
-    }
-    fn cons(&self) -> &AtomicU32 {
-        self.word(self.consumer)
-    }
-    fn needs_wakeup(&self) -> bool {
-        self.word(self.flags).load(Ordering::Relaxed) & XDP_RING_NEED_WAKEUP != 0
-    }
-    /// Free slots for a producer ring.
-    fn free(&self) -> u32 {
-        self.mask + 1 - self.local.wrapping_sub(self.cons().load(Ordering::Acquire))
-    }
-    /// Entries ready for a consumer ring.
-    fn ready(&self) -> u32 {
-        self.prod().load(Ordering::Acquire).wrapping_sub(self.local)
-    }
-    /// Where entry `i` lies in the mapping (inside it: the index is masked).
-    fn slot(&self, i: u32) -> usize {
-        self.desc + (i & self.mask) as usize * self.entry_size
-    }
-    /// The address in entry `i` of a fill or completion ring.
-    fn addr(&self, i: u32) -> u64 {
-        self.map
-            .read_u64(self.slot(i))
-            .expect("entries lie inside the ring")
-    }
-    fn set_addr(&self, i: u32, addr: u64) {
-        let written = self.map.write(self.slot(i), &addr.to_ne_bytes());
-        debug_assert!(written, "entries lie inside the ring");
-    }
-    /// (addr, len) of descriptor `i` of an rx or tx ring.
-    fn desc(&self, i: u32) -> (u64, u32) {
-        let at = self.slot(i);
-        let addr = self.map.read_u64(at).expect("entries lie inside the ring");
-        let len = self
-            .map
-            .read_u32(at + 8)
-            .expect("entries lie inside the ring");
-        (addr, len)
-    }
-    fn set_desc(&self, i: u32, addr: u64, len: u32) {
-        let mut d = [0u8; 16];
-        d[..8].copy_from_slice(&addr.to_ne_bytes());
-        d[8..12].copy_from_slice(&len.to_ne_bytes());
-        let written = self.map.write(self.slot(i), &d);
-        debug_assert!(written, "entries lie inside the ring");
-    }
 }
 
 /// One AF_XDP socket with its own UMEM.
@@ -378,32 +250,8 @@ impl Steered {
     }
 
     fn map(fd: OwnedFd, ring_size: u32, output: usize) -> Result<Steered, String> {
-        let off: MmapOffsets = getsockopt(fd.as_raw_fd(), XDP_MMAP_OFFSETS)
-            .map_err(|e| format!("XDP_MMAP_OFFSETS: {e}"))?;
-        let rx = Ring::map(fd.as_fd(), &off.rx, ring_size, 16, PGOFF_RX)?;
+        let rx = Ring::map_rx(fd.as_fd(), ring_size)?;
         Ok(Steered { fd, rx, output })
-    }
-}
-
-/// An XDP socket option; `T` is one of the repr(C) integer structs above.
-fn getsockopt<T: Default>(fd: RawFd, opt: i32) -> std::io::Result<T> {
-    let mut v = T::default();
-    let mut len = std::mem::size_of::<T>() as u32;
-    // SAFETY: the kernel writes at most `len` bytes, size_of::<T>(), into `v`; every T asked for
-    // here is a repr(C) struct of integers, valid for any bytes.
-    let r = unsafe {
-        libc::getsockopt(
-            fd,
-            SOL_XDP,
-            opt,
-            &mut v as *mut T as *mut libc::c_void,
-            &mut len,
-        )
-    };
-    if r < 0 {
-        Err(std::io::Error::last_os_error())
-    } else {
-        Ok(v)
     }
 }
 
@@ -710,13 +558,12 @@ impl Xsk {
 
 /// The fill, completion, receive and transmit rings of socket `fd`, mapped.
 fn map_rings(fd: BorrowedFd<'_>, ring_size: u32) -> Result<[Ring; 4], String> {
-    let off: MmapOffsets = getsockopt(fd.as_raw_fd(), XDP_MMAP_OFFSETS)
-        .map_err(|e| format!("XDP_MMAP_OFFSETS: {e}"))?;
+    let off = xsk::offsets(fd)?;
     Ok([
-        Ring::map(fd, &off.fr, ring_size, 8, PGOFF_FILL)?,
-        Ring::map(fd, &off.cr, ring_size, 8, PGOFF_COMPLETION)?,
-        Ring::map(fd, &off.rx, ring_size, 16, PGOFF_RX)?,
-        Ring::map(fd, &off.tx, ring_size, 16, PGOFF_TX)?,
+        Ring::map(fd, &off.fr, ring_size, 8, xsk::PGOFF_FILL)?,
+        Ring::map(fd, &off.cr, ring_size, 8, xsk::PGOFF_COMPLETION)?,
+        Ring::map(fd, &off.rx, ring_size, xsk::DESC_SIZE, xsk::PGOFF_RX)?,
+        Ring::map(fd, &off.tx, ring_size, xsk::DESC_SIZE, xsk::PGOFF_TX)?,
     ])
 }
 
@@ -834,10 +681,25 @@ pub struct AfXdp {
     /// Steered frames dropped because their port has no link.
     unlinked: Counter,
     steer: Vec<SteerRule>,
+    /// Per steering port: the sockets lent to the function port its link leads to, and the
+    /// function's attachment they were last offered to (not offered twice).
+    offers: Vec<Option<Offered>>,
+    offered_to: Vec<Option<u64>>,
+    /// Steered frames a function read straight from the rings and gave back.
+    function_steered: Counter,
+}
+
+/// Sockets of one steering port lent to a function ([`stitch_nf::steer`]).
+struct Offered {
+    offer: Arc<SteerOffer>,
+    to: Arc<PortShared>,
 }
 
 impl Drop for AfXdp {
     fn drop(&mut self) {
+        for o in self.offers.iter().flatten() {
+            o.offer.end.store(true, Ordering::Release);
+        }
         if !self.owns {
             return;
         }
@@ -925,6 +787,105 @@ impl AfXdp {
     }
 }
 
+/// Puts the frames a function gave back of steering socket `j` of `x` (up to `q.returned`)
+/// in the fill ring, and moves the socket's ring on past them; how many.
+fn take_back_from_function(x: &mut Xsk, j: usize, q: &SteerQueue) -> u64 {
+    let rx = &mut x.steered[j].rx;
+    let n = q.returned.load(Ordering::Acquire).wrapping_sub(rx.local);
+    // Never past what the kernel put there (the port checks each frame; this is the bound).
+    if n == 0 || n > rx.ready() {
+        return 0;
+    }
+    for i in 0..n {
+        let (addr, _) = rx.desc(rx.local.wrapping_add(i));
+        x.fill.set_addr(
+            x.fill.local.wrapping_add(i),
+            addr & !(FRAME_SIZE as u64 - 1),
+        );
+    }
+    rx.local = rx.local.wrapping_add(n);
+    rx.cons().store(rx.local, Ordering::Release);
+    x.fill.local = x.fill.local.wrapping_add(n);
+    x.fill.prod().store(x.fill.local, Ordering::Release);
+    if x.fill.needs_wakeup() {
+        x.kick_rx();
+    }
+    u64::from(n)
+}
+
+impl AfXdp {
+    /// Offers steering port `port`'s sockets to the zero-copy function port its link leads
+    /// to, once per attachment of a function there; asks for them back when the link no
+    /// longer leads there; forgets an offer the port is done with (this app reads the
+    /// sockets again from where the function's frames came back).
+    fn follow_offer(&mut self, port: usize, io: &mut Io) {
+        let linked = io
+            .output(port + 1)
+            .and_then(|o| o.ring().consumer_end().cloned())
+            .and_then(|tag| tag.downcast::<PortShared>().ok())
+            .filter(|p| p.settings.zero_copy);
+        if let Some(o) = &self.offers[port] {
+            if o.offer.phase() == steer::DONE {
+                // Its last frames first, then the sockets are this app's again.
+                for s in 0..self.socks.len() {
+                    if let Some(j) = self.socks[s]
+                        .steered
+                        .iter()
+                        .position(|t| t.output == port + 1)
+                    {
+                        let n = take_back_from_function(&mut self.socks[s], j, &o.offer.queues[s]);
+                        self.function_steered.add(n);
+                    }
+                }
+                self.offers[port] = None;
+            } else if linked.is_none_or(|to| !Arc::ptr_eq(&to, &o.to)) {
+                o.offer.end.store(true, Ordering::Release);
+            }
+            return;
+        }
+        let Some(to) = linked else { return };
+        let generation = to.current.lock().unwrap().as_ref().map(|c| c.generation);
+        if generation.is_none() || generation == self.offered_to[port] {
+            return;
+        }
+        let mut slot = to.steer.lock().unwrap();
+        if slot.is_some() {
+            return; // A predecessor's offer is still being handed back.
+        }
+        let Some(offer) = self.offer(port) else {
+            return;
+        };
+        *slot = Some(offer.clone());
+        drop(slot);
+        to.changed.store(true, Ordering::Release);
+        self.offered_to[port] = generation;
+        self.offers[port] = Some(Offered { offer, to });
+    }
+
+    /// Port `port`'s sockets on every queue, from where this app stopped reading them.
+    fn offer(&self, port: usize) -> Option<Arc<SteerOffer>> {
+        let mut queues = Vec::new();
+        for x in &self.socks {
+            let s = x.steered.iter().find(|s| s.output == port + 1)?;
+            queues.push(SteerQueue {
+                socket: s.fd.try_clone().ok()?,
+                umem: x.umem_fd.try_clone().ok()?,
+                umem_len: (x.frames * FRAME_SIZE) as usize,
+                ring_size: x.ring_size,
+                start: s.rx.local,
+                returned: s.rx.local.into(),
+            });
+        }
+        let ports = steer_ports(&self.steer);
+        Some(Arc::new(SteerOffer {
+            from: format!("af_xdp `{}` port `{}`", self.interface, ports[port]),
+            queues,
+            phase: steer::OFFERED.into(),
+            end: false.into(),
+        }))
+    }
+}
+
 impl App for AfXdp {
     type Config = AfXdpConfig;
 
@@ -1003,6 +964,9 @@ impl App for AfXdp {
                 .collect(),
             steered: ctx.counter("steered_packets"),
             unlinked: ctx.counter("steered_unlinked_drops"),
+            offers: steer_ports(&c.steer).iter().map(|_| None).collect(),
+            offered_to: steer_ports(&c.steer).iter().map(|_| None).collect(),
+            function_steered: ctx.counter("steered_function_packets"),
             steer: c.steer.clone(),
         })
     }
@@ -1022,7 +986,13 @@ impl App for AfXdp {
         }
         for s in 0..self.socks.len() {
             for j in 0..self.socks[s].steered.len() {
-                let mut out = io.output(self.socks[s].steered[j].output);
+                let output = self.socks[s].steered[j].output;
+                if let Some(o) = &self.offers[output - 1] {
+                    let n = take_back_from_function(&mut self.socks[s], j, &o.offer.queues[s]);
+                    self.function_steered.add(n);
+                    continue;
+                }
+                let mut out = io.output(output);
                 let budget = out.as_mut().map_or(BURST, |o| o.room().min(BURST));
                 self.receive(s, Some(j), out, budget);
             }
@@ -1089,9 +1059,12 @@ impl App for AfXdp {
         }
     }
 
-    fn tick(&mut self, _: &mut Io, now: Instant) {
+    fn tick(&mut self, io: &mut Io, now: Instant) {
         for x in &mut self.socks {
             x.reclaim();
+        }
+        for port in 0..self.offers.len() {
+            self.follow_offer(port, io);
         }
         if now.duration_since(self.last_stats) >= Duration::from_secs(1) {
             self.last_stats = now;

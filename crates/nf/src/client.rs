@@ -13,8 +13,10 @@
 //! the port.
 
 use crate::shm::{
-    self, ChannelHeader, Consumer, Desc, Layout, Mapping, Producer, Region, RingView, FLAG_DROP,
+    self, ChannelHeader, Consumer, Desc, Layout, Mapping, Producer, Region, RingView, SteerHeader,
+    FLAG_DROP, FLAG_STEERED, MAGIC,
 };
+use crate::xsk;
 use serde_json::Value;
 use std::io::{self, Write};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
@@ -53,6 +55,63 @@ pub struct Function {
     /// and packets come straight from the previous one.
     tx: Option<TxChannel>,
     rx: Option<RxChannel>,
+    /// An interface's receive rings this function reads itself (seed 004's flow director).
+    steered: Option<SteeredInput>,
+}
+
+/// Receive rings of an interface's AF_XDP sockets, read from this function's own index: it
+/// writes nothing in them, and gives each frame back on `from_nf` in ring order.
+struct SteeredInput {
+    header: Mapping,
+    queues: Vec<SteeredQueue>,
+}
+
+struct SteeredQueue {
+    /// Polled (POLLIN) by a blocking function, beside its doorbell.
+    socket: OwnedFd,
+    rx: xsk::Ring,
+    umem: Mapping,
+}
+
+impl SteeredInput {
+    fn header(&self) -> &SteerHeader {
+        self.header.steer_header().expect("checked when mapped")
+    }
+
+    /// Frames waiting in queue `q`'s ring; `None` when the kernel's index is impossible.
+    fn waiting(&self, q: usize) -> Option<u32> {
+        let r = &self.queues[q].rx;
+        let n = r.ready();
+        (n <= r.size()).then_some(n)
+    }
+
+    /// Maps what Stitch sent: the header page, then each queue's socket and UMEM.
+    fn map(msg: &Value, fds: &mut impl Iterator<Item = OwnedFd>) -> io::Result<SteeredInput> {
+        let page = fds
+            .next()
+            .ok_or_else(|| invalid("steered input without its page"))?;
+        let header = shm::map(page.as_fd(), 4096, true)?;
+        if header.steer_header().is_none_or(|h| h.magic != MAGIC) {
+            return Err(invalid("not a steered input page"));
+        }
+        let mut queues = Vec::new();
+        for q in msg["queues"].as_array().into_iter().flatten() {
+            let (Some(socket), Some(umem)) = (fds.next(), fds.next()) else {
+                return Err(invalid("steered input without its sockets"));
+            };
+            let field = |k: &str| {
+                q[k].as_u64()
+                    .ok_or_else(|| invalid(format!("steered input without its `{k}`")))
+            };
+            let ring_size = u32::try_from(field("ring_size")?)
+                .map_err(|_| invalid("steered ring too large"))?;
+            let mut rx = xsk::Ring::map_rx(socket.as_fd(), ring_size).map_err(invalid)?;
+            rx.local = field("start")? as u32;
+            let umem = shm::map(umem.as_fd(), field("umem_len")? as usize, false)?;
+            queues.push(SteeredQueue { socket, rx, umem });
+        }
+        Ok(SteeredInput { header, queues })
+    }
 }
 
 struct TxChannel {
@@ -204,6 +263,7 @@ impl Function {
             control_seen: 0,
             tx: None,
             rx: None,
+            steered: None,
         })
     }
 
@@ -227,6 +287,12 @@ impl Function {
                 if let Some(pool) = msg.get("pool") {
                     let memfd = fds.next().ok_or_else(|| invalid("no packet memory"))?;
                     self.use_pool(pool, &memfd)?;
+                    continue;
+                }
+                if let Some(steer) = msg.get("steer") {
+                    let input = SteeredInput::map(steer, &mut fds)?;
+                    input.header().reader.0.store(1, Ordering::Release);
+                    self.steered = Some(input);
                     continue;
                 }
                 match msg["direct"].as_str() {
@@ -368,10 +434,12 @@ impl Function {
         {
             self.check_control()?;
         }
+        let steered = self.steered_state();
         let mut done = self.serve(false, (avail as usize).min(max), &mut f)?;
+        let mut caught_up = done == avail as usize;
         // The channel only once this function's own ring was read empty: what came through
         // Stitch before the hand-over comes first.
-        if channel && done == avail as usize && done < max {
+        if channel && caught_up && done < max {
             let rx = self
                 .rx
                 .as_mut()
@@ -380,7 +448,80 @@ impl Function {
             let more = rx
                 .available()
                 .ok_or_else(|| invalid("the sending function's ring index is impossible"))?;
-            done += self.serve(true, (more as usize).min(max - done), &mut f)?;
+            let n = (more as usize).min(max - done);
+            let served = self.serve(true, n, &mut f)?;
+            caught_up = served == more as usize;
+            done += served;
+        }
+        // The interface's rings likewise: what Stitch read from them before it handed them
+        // over is in this function's ring.
+        if steered && caught_up && done < max {
+            done += self.serve_steered(max - done, &mut f)?;
+        }
+        Ok(done)
+    }
+
+    /// Follows Stitch's word on the steered input: once it wants the rings back, stops
+    /// reading them (all that was read is published on `from_nf`: each serve ends so).
+    /// Returns whether they may be read.
+    fn steered_state(&mut self) -> bool {
+        let Some(s) = &self.steered else {
+            return false;
+        };
+        if s.header().end.0.load(Ordering::Acquire) == 0 {
+            return true;
+        }
+        s.header().reader.0.store(2, Ordering::Release);
+        self.steered = None;
+        false
+    }
+
+    /// Serves up to `max` frames from the interface's rings, each given back on `from_nf` in
+    /// ring order (Stitch moves the rings on once it has them).
+    fn serve_steered(
+        &mut self,
+        max: usize,
+        f: &mut impl FnMut(&mut [u8]) -> Verdict,
+    ) -> io::Result<usize> {
+        let Some(input) = self.steered.as_mut() else {
+            return Ok(0);
+        };
+        let mut done = 0;
+        for q in 0..input.queues.len() {
+            let waiting = input
+                .waiting(q)
+                .ok_or_else(|| invalid("the interface's ring index is impossible"))?;
+            let room = self
+                .from_nf
+                .free()
+                .ok_or_else(|| invalid("Stitch's ring index is impossible"))?;
+            let n = (waiting as usize).min(room as usize).min(max - done);
+            let queue = &mut input.queues[q];
+            for _ in 0..n {
+                let i = queue.rx.local;
+                let (addr, len) = queue.rx.desc(i);
+                let frame = usize::try_from(addr)
+                    .ok()
+                    .and_then(|at| queue.umem.bytes_mut(at, len as usize));
+                let verdict = frame.map_or(Verdict::Drop, &mut *f);
+                let drop = if verdict == Verdict::Drop {
+                    FLAG_DROP
+                } else {
+                    0
+                };
+                self.from_nf.put(Desc {
+                    buffer: i,
+                    offset: q as u16,
+                    flags: FLAG_STEERED | drop,
+                    len,
+                    stamp_lo: 0,
+                });
+                queue.rx.local = i.wrapping_add(1);
+            }
+            done += n;
+        }
+        if done > 0 {
+            self.from_nf.publish();
         }
         Ok(done)
     }
@@ -473,6 +614,13 @@ impl Function {
             || self.region_header().control.0.load(Ordering::Acquire) != self.control_seen
         {
             return true;
+        }
+        if let Some(s) = &self.steered {
+            if s.header().end.0.load(Ordering::Acquire) != 0
+                || (0..s.queues.len()).any(|q| s.waiting(q) != Some(0))
+            {
+                return true;
+            }
         }
         let Some(rx) = &self.rx else { return false };
         let h = rx.header();
@@ -683,15 +831,24 @@ fn wait_any(
     // Per port: its doorbell, then its connection (readable for a control message, or when
     // Stitch is gone).
     fds.clear();
+    // After them, the sockets of steered inputs (readable while their ring holds frames).
+    let pollin = |fd| libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
     fds.extend(
         functions
             .iter()
             .flat_map(|fun| [fun.doorbell.as_raw_fd(), fun.conn.as_raw_fd()])
-            .map(|fd| libc::pollfd {
-                fd,
-                events: libc::POLLIN,
-                revents: 0,
-            }),
+            .map(pollin),
+    );
+    let sockets = fds.len();
+    fds.extend(
+        (functions.iter())
+            .filter_map(|fun| fun.steered.as_ref())
+            .flat_map(|s| s.queues.iter().map(|q| q.socket.as_raw_fd()))
+            .map(pollin),
     );
     loop {
         // SAFETY: `fds` is a live array of fds.len() pollfd entries.
@@ -706,6 +863,11 @@ fn wait_any(
         break;
     }
     awake(functions);
+    if fds[..sockets].iter().all(|p| p.revents == 0) {
+        // Only a steered ring: it stays readable for the kernel until Stitch has moved its
+        // consumer past the frames this function gave back, which takes a breath.
+        std::thread::sleep(Duration::from_micros(20));
+    }
     let mut gone = None;
     for (i, fun) in functions.iter().enumerate() {
         if fds[2 * i].revents != 0 {

@@ -49,6 +49,9 @@ pub struct PortShared {
     /// Direct channels this port takes part in, put here by the switch that offers them and
     /// cleared by the port once they are retired.
     pub direct: Mutex<DirectSlots>,
+    /// An interface's sockets offered to this port's function ([`crate::steer`]), put here by
+    /// the interface and cleared by the port once it is done with them.
+    pub steer: Mutex<Option<Arc<crate::steer::SteerOffer>>>,
 }
 
 #[derive(Default)]
@@ -70,6 +73,7 @@ impl PortShared {
             busy: AtomicBool::new(false),
             current: Mutex::new(None),
             direct: Mutex::new(DirectSlots::default()),
+            steer: Mutex::new(None),
         })
     }
 

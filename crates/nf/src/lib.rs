@@ -8,6 +8,8 @@
 //!   `stitch-nf-firewall` are examples built on it.
 //! - [`shm`]: the shared region and its rings, the one layout both sides read.
 //! - [`direct`]: direct channels from one function to another (seed 001's bypass), Stitch's side.
+//! - [`steer`]: an interface's frames read by a function straight from the interface's AF_XDP
+//!   sockets (seed 004's flow director), on [`xsk`]'s rings.
 //! - [`listener`]: the attach socket (one JSON line each way plus SCM_RIGHTS).
 //! - [`ffi`]: the same library for C (`include/stitch_nf.h`, `libstitch_nf.so`).
 
@@ -19,6 +21,8 @@ pub mod function;
 pub mod listener;
 pub mod port;
 pub mod shm;
+pub mod steer;
+pub mod xsk;
 
 use stitch_core::{AppType, Registry};
 

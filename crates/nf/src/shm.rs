@@ -19,8 +19,9 @@ use stitch_core::mapping::MapOptions;
 
 pub const MAGIC: u64 = u64::from_le_bytes(*b"STITCHNF");
 /// 2: the `control` word and direct channels. 3: the packet memory can be replaced under an
-/// attached function (a `pool` control message: Stitch's process was upgraded).
-pub const VERSION: u32 = 3;
+/// attached function (a `pool` control message: Stitch's process was upgraded). 4: steered
+/// input (a `steer` control message: an interface's frames read straight from its sockets).
+pub const VERSION: u32 = 4;
 const PAGE: usize = 4096;
 /// Regions up to this size are faulted in at attach (rings: no page fault on the data path);
 /// larger ones (isolated buffer slots) fill in as they are used, so that thousands of ports
@@ -29,6 +30,9 @@ pub const POPULATE_MAX: usize = 1 << 20;
 
 /// The function asks Stitch to free this buffer instead of forwarding it.
 pub const FLAG_DROP: u16 = 1;
+/// The descriptor gives back a frame the function read from a steered receive ring
+/// ([`SteerHeader`]): `buffer` is its index in that ring, `offset` the ring's queue.
+pub const FLAG_STEERED: u16 = 2;
 
 /// One packet handed across: which buffer, where its frame starts in it and how long it is.
 #[repr(C)]
@@ -111,6 +115,20 @@ pub struct ChannelHeader {
     pub receiver_sleeping: Index,
     pub magic: u64,
     pub ring_size: u32,
+}
+
+/// The page Stitch shares with a function it steers an interface's frames to
+/// ([`crate::steer`]). The function reads the interface's receive rings itself, from its own
+/// index, and writes nothing in them: each frame comes back on `from_nf` (flagged
+/// [`FLAG_STEERED`], in ring order), and Stitch moves the rings on.
+#[repr(C)]
+pub struct SteerHeader {
+    /// Stitch: 1 when the interface takes its rings back.
+    pub end: Index,
+    /// Function: 1 once it reads the rings, 2 once it stopped after `end` (everything it read
+    /// was given back before).
+    pub reader: Index,
+    pub magic: u64,
 }
 
 /// Where a channel's descriptors start, and its size for `ring_size` descriptors.
@@ -206,6 +224,9 @@ pub trait Region {
     /// The header of a direct channel; `None` if the mapping is too small for one.
     fn channel_header(&self) -> Option<&ChannelHeader>;
 
+    /// The header of a steered input; `None` if the mapping is too small for one.
+    fn steer_header(&self) -> Option<&SteerHeader>;
+
     /// The ring at `offset` of `size` descriptors (a power of two); `None` unless it lies
     /// inside the mapping, aligned.
     ///
@@ -231,6 +252,12 @@ impl Region for Mapping {
         // SAFETY: ChannelHeader is repr(C) of integers and atomics; the fields the other side
         // writes while this side reads are atomics.
         unsafe { self.view::<ChannelHeader>(0) }
+    }
+
+    fn steer_header(&self) -> Option<&SteerHeader> {
+        // SAFETY: SteerHeader is repr(C) of integers and atomics; the fields either side
+        // writes while the other reads are atomics.
+        unsafe { self.view::<SteerHeader>(0) }
     }
 
     unsafe fn ring(&self, offset: usize, size: u32) -> Option<RingView> {

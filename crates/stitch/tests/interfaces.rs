@@ -604,6 +604,96 @@ links:
     );
 }
 
+/// The `steered_from` of function `name` (`stitch show`): the interface port it reads
+/// straight from, once it does.
+fn steered_from(s: &Stitch, name: &str) -> serde_json::Value {
+    let (status, v) = s.call("POST", &format!("/api/v1/apps/{name}/query"), Some("{}"));
+    assert_eq!(status, 200, "{v}");
+    v["steered_from"].clone()
+}
+
+/// Two rules steer to two function processes: each function reads its frames straight from
+/// the interface's rings — counted by its port, not by the interface's receive counters —
+/// and its output leaves through the chain; tshark reads each capture back: every datagram
+/// once, on its side, in order. The UMEM's frames are all back where they were, idle.
+#[test]
+fn steered_frames_reach_two_functions_without_the_engine_reading_them() {
+    require_root_and_tools(&["ip", "python3", "tshark"]);
+    let h = TwoHosts::new();
+    must(&format!(
+        "ip -n {} neigh replace {} lladdr 02:00:00:00:00:02 dev {}",
+        h.ns[0], h.ip[1], h.inner[0]
+    ));
+    let dir = tempfile::tempdir().unwrap();
+    let file = |name: &str| dir.path().join(name);
+    let s = Stitch::run(&format!(
+        "apps:
+  nic:
+    type: af_xdp
+    interface: {nic}
+    steer:
+      - {{ match: \"udp and dst port 4789\", to: to_nf1 }}
+      - {{ match: \"udp dst port 4790\", to: to_nf2 }}
+  nf1: {{ placement: process, command: [stitch-nf-firewall], socket: {nf} }}
+  nf2: {{ placement: process, command: [stitch-nf-firewall], socket: {nf} }}
+  c1: {{ type: pcap_sink, file: {c1} }}
+  c2: {{ type: pcap_sink, file: {c2} }}
+  r: {{ type: pcap_sink, file: {r} }}
+links:
+  - \"nic.to_nf1 -> nf1.input\"
+  - \"nic.to_nf2 -> nf2.input\"
+  - \"nf1.output -> c1.input\"
+  - \"nf2.output -> c2.input\"
+  - \"nic.output -> r.input\"
+",
+        nic = h.outer[0],
+        nf = file("nf.sock").display(),
+        c1 = file("c1.pcap").display(),
+        c2 = file("c2.pcap").display(),
+        r = file("r.pcap").display(),
+    ));
+    wait_until("both functions to read the interface's rings", 20, || {
+        steered_from(&s, "nf1").is_string() && steered_from(&s, "nf2").is_string()
+    });
+    let idle = umem_frames(&s, "nic");
+    let n = 1000;
+    send_from_host0(&h, dir.path(), THREE_PORTS, n);
+    wait_until("every datagram to reach a capture", 20, || {
+        let stats = s.stats().unwrap();
+        ["c1", "c2", "r"]
+            .iter()
+            .all(|c| app(&stats, c)["rx_packets"].as_u64() >= Some(n))
+    });
+    assert_eq!(
+        umem_frames(&s, "nic")["by_owner"],
+        idle["by_owner"],
+        "every frame the functions read came back"
+    );
+    let stats = s.stop();
+    let nic = &app(&stats, "nic")["counters"];
+    assert_eq!(
+        nic["queue0_rx_packets"],
+        app(&stats, "r")["rx_packets"],
+        "only `output`'s frames: {nic}"
+    );
+    assert_eq!(nic["steered_packets"], 0, "{nic}");
+    assert_eq!(nic["steered_function_packets"], 2 * n, "{nic}");
+    for f in ["nf1", "nf2"] {
+        let c = &app(&stats, f)["counters"];
+        assert_eq!(c["steered_packets"], n, "{f}: {c}");
+        assert_eq!(
+            c["to_function"], 0,
+            "{f}: nothing came through the engine: {c}"
+        );
+        assert_eq!(c["bad_descriptors"], 0, "{f}: {c}");
+    }
+    for (capture, port) in [("c1.pcap", 4789), ("c2.pcap", 4790), ("r.pcap", 5000)] {
+        let seq: Vec<(u16, u64)> = numbered_datagrams(&file(capture));
+        let want: Vec<(u16, u64)> = (0..n).map(|i| (port, i)).collect();
+        assert_eq!(seq, want, "{capture}: each datagram once, in order");
+    }
+}
+
 /// A steering rule that cannot work is refused at its line, with the reason.
 #[test]
 fn bad_steering_rules_are_refused_at_their_line() {

@@ -40,6 +40,9 @@ struct Attached {
     held: u64,
     /// A direct channel (switch bypass) was up.
     direct: bool,
+    /// The function read an interface's rings (steered input).
+    #[serde(default)]
+    steered: bool,
 }
 
 /// Offers the attach socket a predecessor lent (the first descriptor) to the listener of
@@ -69,6 +72,7 @@ impl NfPort {
                     control_sent: a.control_sent,
                     held: a.held.lock().count(),
                     direct: a.outgoing.is_some() || a.incoming.is_some(),
+                    steered: a.steering.is_some(),
                 })
             }
         };
@@ -178,6 +182,13 @@ impl NfPort {
             return Err(format!(
                 "function port `{name}`: a direct channel (switch bypass) is up, which cannot \
                  be handed over yet"
+            ));
+        }
+        if at.steered {
+            return Err(format!(
+                "function port `{name}`: its function reads an interface's frames straight from \
+                 its sockets (steered input), which cannot be handed over yet; remove the steering \
+                 rule, upgrade, then put it back"
             ));
         }
         if at.held > 0 {

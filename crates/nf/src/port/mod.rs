@@ -38,7 +38,8 @@
 
 use crate::direct::{self, Current, Direct, Held, SenderStep};
 use crate::listener::{self, Attachment, Listener, PortSettings, PortShared};
-use crate::shm::{Consumer, Desc, Producer, Region, RingView, FLAG_DROP};
+use crate::shm::{Consumer, Desc, Producer, Region, RingView, FLAG_DROP, FLAG_STEERED};
+use crate::steer::{self, Steering, Taken};
 
 mod handover;
 use serde::Deserialize;
@@ -149,6 +150,8 @@ struct Active {
     /// Zero-copy, taken over from a predecessor process: the function maps that process's
     /// packet memory until this one sends its own, before the first packet.
     pool_unsent: bool,
+    /// An interface's sockets the function reads ([`crate::steer`]), once offered.
+    steering: Option<Steering>,
 }
 
 impl Active {
@@ -173,6 +176,7 @@ impl Active {
             incoming: None,
             control_sent: 0,
             pool_unsent: false,
+            steering: None,
         }
     }
 
@@ -195,9 +199,19 @@ impl Active {
                 vec![d.memfd.as_raw_fd()],
             )
         };
-        if let Err(e) = direct::send_control(&self.att.conn, &msg, &fds) {
+        self.send_control(&msg, &fds, "direct channel")
+    }
+
+    /// Sends the function a control message with descriptors; false when it cannot take it.
+    fn send_control(
+        &mut self,
+        msg: &serde_json::Value,
+        fds: &[std::os::fd::RawFd],
+        what: &str,
+    ) -> bool {
+        if let Err(e) = direct::send_control(&self.att.conn, msg, fds) {
             log::info!(
-                "direct channel not sent to the function (pid {}): {e}",
+                "{what} not sent to the function (pid {}): {e}",
                 self.att.pid
             );
             return false;
@@ -243,41 +257,52 @@ struct Leaving {
     held: Arc<Held>,
 }
 
-/// Takes zero-copy descriptors back from `src`: each buffer must be one the function held;
-/// forwarded ones go to `out`. Returns (forwarded, bad).
+/// Takes zero-copy descriptors back from `src`: each buffer must be one the function held, or
+/// (with `steering`) the next frame of a steered ring; forwarded ones go to `out`.
 fn take_back(
     src: &mut Consumer,
     n: u32,
     held: &Held,
     mut out: Option<&mut stitch_core::link::Producer>,
-) -> (u64, u64) {
+    mut steering: Option<&mut Steering>,
+) -> Taken {
     let pool = pool::get();
     let mut held = held.lock();
-    let (mut got, mut bad) = (0u64, 0u64);
+    let mut t = Taken::default();
     for _ in 0..n {
         let d = src.take();
+        if d.flags & FLAG_STEERED != 0 {
+            match steering.as_deref_mut() {
+                Some(s) => s.take(&d, &mut out, &mut t),
+                None => t.bad += 1,
+            }
+            continue;
+        }
         if !held.release(d.buffer) {
-            bad += 1;
+            t.bad += 1;
             continue;
         }
         // Safety: the function held this buffer (its bit was set) and gave it back.
         let Some(mut p) = (unsafe { pool.take(d.buffer as usize) }) else {
-            bad += 1;
+            t.bad += 1;
             continue;
         };
         if d.flags & FLAG_DROP != 0 {
             continue;
         }
         if p.set_bounds(d.offset as usize, d.len as usize).is_err() {
-            bad += 1;
+            t.bad += 1;
             continue;
         }
-        got += 1;
+        t.forwarded += 1;
         if let Some(o) = out.as_mut() {
             o.transmit(p);
         }
     }
-    (got, bad)
+    if let Some(s) = steering {
+        s.publish();
+    }
+    t
 }
 
 /// Stitch reads a channel as its consumer ([`take_back`] over it); `None` when the sending
@@ -291,9 +316,9 @@ fn read_channel(
     if n == 0 {
         return Some((0, 0));
     }
-    let r = take_back(&mut c, n, held, out);
+    let t = take_back(&mut c, n, held, out, None);
     d.engine_read_done(&c);
-    Some(r)
+    Some((t.forwarded, t.bad))
 }
 
 /// Isolated: copies `n` returned slots out of the region into fresh packets, each descriptor
@@ -358,6 +383,8 @@ pub struct NfPort {
     /// The links this port has tagged as its ends (a switch recognises function ports by them).
     tagged: [usize; 2],
     direct_packets: Counter,
+    /// Frames the function read straight from an interface's rings and forwarded.
+    steered: Counter,
     batch: u32,
     max_delay: Duration,
     to_nf: Counter,
@@ -424,6 +451,7 @@ impl App for NfPort {
             leaving: Vec::new(),
             tagged: [0; 2],
             direct_packets: ctx.counter("direct_channel_packets"),
+            steered: ctx.counter("steered_packets"),
             batch: c.batch,
             max_delay: Duration::from_micros(c.max_delay_us),
             to_nf: ctx.counter("to_function"),
@@ -471,6 +499,7 @@ impl App for NfPort {
         {
             self.attach_or_detach();
             self.take_direct_offers();
+            self.take_steer_offer();
         }
         if !self.leaving.is_empty() {
             self.drain_leaving(io);
@@ -521,6 +550,9 @@ impl App for NfPort {
         }
         if matches!(step, SenderStep::FromNfThenChannel | SenderStep::Channel) {
             self.receive_channel(io);
+        }
+        if self.active.as_ref().is_some_and(|a| a.steering.is_some()) {
+            self.steer_step(io);
         }
         if self.shared.settings.blocking {
             self.maybe_wake();
@@ -663,6 +695,7 @@ impl App for NfPort {
             "pid": self.active.as_ref().map(|a| a.att.pid),
             "direct_out": self.active.as_ref().and_then(|a| a.outgoing.as_ref()).map(|d| format!("{} ({:?})", d.to.name, d.phase())),
             "direct_in": self.active.as_ref().and_then(|a| a.incoming.as_ref()).map(|d| format!("{} ({:?})", d.from.name, d.phase())),
+            "steered_from": self.active.as_ref().and_then(|a| a.steering.as_ref()).map(|s| s.offer.from.clone()),
         })
     }
 }
@@ -784,6 +817,89 @@ impl NfPort {
         }
     }
 
+    /// Takes an interface's offer of its sockets for the function; declines it (the interface
+    /// reads them again) when no function is attached or they cannot be mapped.
+    fn take_steer_offer(&mut self) {
+        let Some(offer) = self.shared.steer.lock().unwrap().clone() else {
+            return;
+        };
+        if offer.phase() == steer::DONE {
+            return;
+        }
+        let Some(a) = self.active.as_mut() else {
+            offer.finish();
+            self.forget_steer(&offer);
+            return;
+        };
+        if a.steering.is_some() {
+            return;
+        }
+        match Steering::new(offer.clone()) {
+            Ok(st) => a.steering = Some(st),
+            Err(e) => {
+                log::warn!(
+                    "function port `{}`: frames steered from {} stay on the engine's path: {e}",
+                    self.shared.name,
+                    offer.from
+                );
+                offer.finish();
+                self.forget_steer(&offer);
+            }
+        }
+    }
+
+    /// Sends the sockets once the frames read before are all in the function's ring; hands
+    /// them back when the interface asks.
+    fn steer_step(&mut self, io: &mut Io) {
+        let a = self.active.as_mut().expect("attached");
+        let mut st = a.steering.take().expect("steering");
+        if !st.sent() {
+            if io.input(0).is_some_and(|i| !i.is_empty()) {
+                a.steering = Some(st);
+                return;
+            }
+            let sent = match st.message() {
+                Ok((msg, fds)) => a.send_control(&msg, &fds, "steered input"),
+                Err(e) => {
+                    log::warn!("steered input for port `{}`: {e}", self.shared.name);
+                    false
+                }
+            };
+            if !sent {
+                self.end_steering(st);
+                return;
+            }
+            log::info!(
+                "function (pid {}) of port `{}` reads the frames {} steers to it",
+                a.att.pid,
+                self.shared.name,
+                st.offer.from
+            );
+            st.offer.phase.store(steer::FUNCTION, Ordering::Release);
+            a.steering = Some(st);
+            return;
+        }
+        if st.offer.end.load(Ordering::Acquire) && st.hand_back(&a.from_nf) {
+            self.end_steering(st);
+            return;
+        }
+        a.steering = Some(st);
+    }
+
+    /// The interface reads its sockets again from where the function's frames came back.
+    fn end_steering(&mut self, st: Steering) {
+        st.publish();
+        st.offer.finish();
+        self.forget_steer(&st.offer);
+    }
+
+    fn forget_steer(&self, offer: &Arc<steer::SteerOffer>) {
+        let mut slot = self.shared.steer.lock().unwrap();
+        if slot.as_ref().is_some_and(|o| Arc::ptr_eq(o, offer)) {
+            *slot = None;
+        }
+    }
+
     /// The port is going away: its function's channels are finished by the ports that remain.
     fn orphan_channels(&mut self) {
         if self.leaving.is_empty() {
@@ -860,6 +976,11 @@ impl NfPort {
             return;
         };
         *self.shared.current.lock().unwrap() = None;
+        // What it gave back of an interface's frames is accounted: the interface reads the
+        // rest again.
+        if let Some(st) = a.steering.take() {
+            self.end_steering(st);
+        }
         // What it read from an incoming channel is its own: accounted before the reclaim.
         if let Some(d) = a.incoming.take() {
             d.receiver_left();
@@ -899,8 +1020,15 @@ impl NfPort {
         }
         let a = self.active.as_mut().expect("attached");
         let (got, bad, exhausted) = if self.shared.settings.zero_copy {
-            let (got, bad) = take_back(&mut a.from_nf, n, &a.held, io.output(0));
-            (got, bad, 0)
+            let t = take_back(
+                &mut a.from_nf,
+                n,
+                &a.held,
+                io.output(0),
+                a.steering.as_mut(),
+            );
+            self.steered.add(t.steered);
+            (t.forwarded, t.bad, t.exhausted)
         } else {
             copy_back(a, n, io.output(0))
         };

@@ -1,0 +1,234 @@
+//! Steered input — seed 004's "double buffer + FDIR": an `af_xdp` interface whose steering
+//! rules send frames to a port whose consumer is a zero-copy function port hands that
+//! function the port's AF_XDP sockets, so the function reads those frames straight from the
+//! kernel's receive rings, without the engine touching them on the way in.
+//!
+//! The hand-over is ordered and lossless, one step per actor:
+//!
+//! 1. **Offered**: the interface stops reading the port's sockets (noting each ring's index,
+//!    `start`) and puts a [`SteerOffer`] in the function port's slot ([`crate::listener::PortShared`]).
+//! 2. The port waits until its input link is empty (every frame the interface read before is
+//!    in the function's ring), then sends the function the sockets, their UMEM and a
+//!    [`SteerHeader`] page (**Function**). The function reads its own ring empty first, then
+//!    the receive rings from `start`.
+//! 3. Each frame comes back on `from_nf` in ring order, flagged [`FLAG_STEERED`]; the port
+//!    checks it is the next one, copies it from the UMEM into a packet of the pool (forwarded)
+//!    or not (dropped), and publishes `returned`. The interface puts the frames up to
+//!    `returned` back in the fill ring and moves the ring's consumer index: the kernel never
+//!    overwrites a frame the function still has.
+//! 4. **Done**: the function left (or was killed), or stopped after the interface asked for
+//!    its rings back (`end`) and everything it read was accounted. The interface reads its
+//!    sockets again from `returned`: frames the function had read without giving back are read
+//!    again (through the engine), so no frame leaks and nothing it gave back is lost.
+
+use crate::shm::{self, Desc, Mapping, Region, SteerHeader, FLAG_DROP, MAGIC};
+use crate::xsk::Ring;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use stitch_core::{pool, Packet};
+
+/// The interface stopped reading; the port has not sent the sockets yet.
+pub const OFFERED: u32 = 0;
+/// The function reads the rings.
+pub const FUNCTION: u32 = 1;
+/// The port gave everything back (or declined): the interface reads its sockets again.
+pub const DONE: u32 = 2;
+
+/// One queue's steering socket, lent to a function.
+pub struct SteerQueue {
+    pub socket: OwnedFd,
+    /// The UMEM the socket receives into (the queue's socket's, shared).
+    pub umem: OwnedFd,
+    pub umem_len: usize,
+    pub ring_size: u32,
+    /// The receive ring's index the function starts at.
+    pub start: u32,
+    /// The ring index up to which frames were given back: the interface refills and moves
+    /// the consumer up to it.
+    pub returned: AtomicU32,
+}
+
+/// What an interface offers a function port: its sockets for one steering port.
+pub struct SteerOffer {
+    /// For logs: the interface and the port of it that steers here.
+    pub from: String,
+    pub queues: Vec<SteerQueue>,
+    /// [`OFFERED`], [`FUNCTION`] or [`DONE`]; the port moves it.
+    pub phase: AtomicU32,
+    /// The interface wants its sockets back (its graph changed, it is stopping).
+    pub end: AtomicBool,
+}
+
+impl SteerOffer {
+    pub fn phase(&self) -> u32 {
+        self.phase.load(Ordering::Acquire)
+    }
+
+    /// The port is done with it: the interface may read again from each `returned`.
+    pub fn finish(&self) {
+        self.phase.store(DONE, Ordering::Release);
+    }
+}
+
+/// One queue as the port reads it: the ring's descriptors and the frames they name.
+struct PortQueue {
+    rx: Ring,
+    umem: Mapping,
+    /// The ring index of the next frame the function must give back.
+    next: u32,
+}
+
+/// What one batch of steered descriptors gave.
+#[derive(Default)]
+pub struct Taken {
+    pub forwarded: u64,
+    /// Of those forwarded, frames from steered rings.
+    pub steered: u64,
+    pub bad: u64,
+    pub exhausted: u64,
+}
+
+/// A port's side of an offer it took.
+pub struct Steering {
+    pub offer: std::sync::Arc<SteerOffer>,
+    queues: Vec<PortQueue>,
+    /// The page shared with the function, once sent.
+    header: Option<(OwnedFd, Mapping)>,
+    /// The function stopped: the `from_nf` position up to which its frames may still come.
+    stopped_at: Option<u32>,
+}
+
+impl Steering {
+    /// Maps the offer's rings and frames in this process, to check and copy what the
+    /// function gives back.
+    pub fn new(offer: std::sync::Arc<SteerOffer>) -> Result<Steering, String> {
+        let mut queues = Vec::new();
+        for q in &offer.queues {
+            let rx = Ring::map_rx(q.socket.as_fd(), q.ring_size)?;
+            let umem = shm::map(q.umem.as_fd(), q.umem_len, false)
+                .map_err(|e| format!("cannot map the interface's UMEM: {e}"))?;
+            queues.push(PortQueue {
+                rx,
+                umem,
+                next: q.start,
+            });
+        }
+        Ok(Steering {
+            offer,
+            queues,
+            header: None,
+            stopped_at: None,
+        })
+    }
+
+    pub fn sent(&self) -> bool {
+        self.header.is_some()
+    }
+
+    /// The message and descriptors that hand the sockets to the function: the header page,
+    /// then each queue's socket and UMEM.
+    pub fn message(&mut self) -> std::io::Result<(serde_json::Value, Vec<RawFd>)> {
+        let fd = shm::memfd("stitch-steer", 4096)?;
+        let mut map = shm::map(fd.as_fd(), 4096, true)?;
+        // SAFETY: SteerHeader is repr(C) of integers and atomics; nobody else maps the page yet.
+        let h = unsafe { map.view_mut::<SteerHeader>(0) }.ok_or_else(|| {
+            std::io::Error::new(std::io::ErrorKind::InvalidData, "steer page too small")
+        })?;
+        h.magic = MAGIC;
+        let queues: Vec<serde_json::Value> = (self.offer.queues.iter())
+            .map(|q| {
+                serde_json::json!({
+                    "ring_size": q.ring_size,
+                    "start": q.start,
+                    "umem_len": q.umem_len,
+                })
+            })
+            .collect();
+        let mut fds = vec![fd.as_raw_fd()];
+        for q in &self.offer.queues {
+            fds.extend([q.socket.as_raw_fd(), q.umem.as_raw_fd()]);
+        }
+        let message = serde_json::json!({ "steer": { "queues": queues } });
+        self.header = Some((fd, map));
+        Ok((message, fds))
+    }
+
+    /// Takes steered descriptor `d` back: it must name the next frame of its queue. A
+    /// forwarded frame is copied into a packet of the pool for `out`.
+    #[inline]
+    pub fn take(
+        &mut self,
+        d: &Desc,
+        out: &mut Option<&mut stitch_core::link::Producer>,
+        taken: &mut Taken,
+    ) {
+        let Some(q) = self.queues.get_mut(d.offset as usize) else {
+            taken.bad += 1;
+            return;
+        };
+        // The next frame, and one the kernel has put in the ring: what the interface puts
+        // back in its fill ring never goes past what it received.
+        let received = q.rx.prod().load(Ordering::Acquire);
+        if d.buffer != q.next || received.wrapping_sub(q.next) as i32 <= 0 {
+            taken.bad += 1;
+            return;
+        }
+        let (addr, len) = q.rx.desc(q.next);
+        q.next = q.next.wrapping_add(1);
+        if d.flags & FLAG_DROP != 0 {
+            return;
+        }
+        let frame = usize::try_from(addr)
+            .ok()
+            .and_then(|at| q.umem.bytes(at, len as usize));
+        let Some(frame) = frame.filter(|f| f.len() >= 14) else {
+            taken.bad += 1;
+            return;
+        };
+        let Some(mut p): Option<Packet> = pool::alloc() else {
+            taken.exhausted += 1;
+            return;
+        };
+        if p.set_data(frame).is_err() {
+            taken.bad += 1;
+            return;
+        }
+        taken.forwarded += 1;
+        taken.steered += 1;
+        if let Some(o) = out.as_mut() {
+            o.transmit(p);
+        }
+    }
+
+    /// Tells the interface how far the function's frames came back.
+    pub fn publish(&self) {
+        for (q, o) in self.queues.iter().zip(&self.offer.queues) {
+            o.returned.store(q.next, Ordering::Release);
+        }
+    }
+
+    fn header(&self) -> Option<&SteerHeader> {
+        self.header.as_ref().and_then(|(_, m)| m.steer_header())
+    }
+
+    /// Follows the hand-back once the interface asked for its rings: passes `end` on, then
+    /// waits for the function to stop and for its last frames (published on `from_nf` before
+    /// it said so) to be taken. True once done.
+    pub fn hand_back(&mut self, from_nf: &crate::shm::Consumer) -> bool {
+        let Some(h) = self.header() else {
+            return true;
+        };
+        if h.end.0.load(Ordering::Relaxed) == 0 {
+            h.end.0.store(1, Ordering::Release);
+        }
+        if self.stopped_at.is_none() && h.reader.0.load(Ordering::Acquire) == 2 {
+            // The head read after the function said it stopped covers all it gave back.
+            let Some(n) = from_nf.available() else {
+                return true;
+            };
+            self.stopped_at = Some(from_nf.position().wrapping_add(n));
+        }
+        self.stopped_at
+            .is_some_and(|at| (from_nf.position().wrapping_sub(at) as i32) >= 0)
+    }
+}
