@@ -9,6 +9,7 @@ mod kernel;
 mod lwaftr;
 mod nf;
 mod nf_scale;
+mod nf_steer;
 mod placement;
 mod rfc2544;
 mod soak;

@@ -94,6 +94,14 @@ pub struct NfScaleArgs {
     /// page faults and page tables.
     #[arg(long)]
     pub hugepages: bool,
+    /// Seed 004's figure 3(c) instead: traffic from an `af_xdp` interface on a veth, each
+    /// function the head of its own chain, with the interface steering each function's flow
+    /// straight to it and without (the engine deals every frame out), at `--steer-mpps`.
+    #[arg(long)]
+    pub steer: bool,
+    /// `--steer`: the offered load, Mpps (the same for both paths).
+    #[arg(long, default_value_t = 0.1)]
+    pub steer_mpps: f64,
 }
 
 struct Point {
@@ -368,6 +376,9 @@ pub(crate) fn function_counts(list: &str, example: &str) -> Result<Vec<usize>> {
 }
 
 pub fn run(args: NfScaleArgs, mut r: Registry) -> Result<()> {
+    if args.steer {
+        return crate::nf_steer::run(args, r);
+    }
     register_latency_sink(&mut r);
     let registry = Arc::new(r);
     let points = function_counts(&args.nfs, "1,10,100")?;

@@ -18,6 +18,10 @@
 //! match out another port of this app, classified in the kernel by the XDP program (the
 //! expressions are translated to eBPF, `stitch_wire::filter::ebpf`) before Stitch sees them:
 //! each rule's frames arrive on an AF_XDP socket of their own that shares the queue's UMEM.
+//! When a rule's port is linked to a zero-copy function port, the function reads that socket's
+//! receive ring itself ([`stitch_nf::steer`]): the engine neither receives nor counts those
+//! frames (`steered_function_packets` counts them as they come back); when the function
+//! leaves, this app reads the socket again from where its frames came back.
 //!
 //! ```yaml
 //! apps:

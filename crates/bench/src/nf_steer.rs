@@ -1,0 +1,279 @@
+//! `stitch bench nf-scale --steer`: seed 004's figure 3(c). N function processes, each the
+//! head of its own chain, fed from an `af_xdp` interface on a veth: with steering, the
+//! interface's XDP program sends each function's flow to a socket the function reads itself;
+//! without, the engine receives every frame and deals them out (round robin, the cheapest
+//! dispatch). A generator on another worker of the same engine sends 64-byte frames over the
+//! veth at a fixed rate, so both paths carry the same offered load; the figures are the
+//! receiving worker's CPU per packet, each function's, and what arrived.
+
+use crate::kernel::sh;
+use crate::nf_scale::{function_counts, signature_binary, NfScaleArgs};
+use crate::{cpu_seconds_of_thread, threads_named};
+use anyhow::{Context, Result};
+use std::path::Path;
+use std::process::{Child, Command};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use stitch_core::{Engine, Graph, Registry};
+
+/// The veth pair the generator sends over, removed when dropped.
+struct Veth(String);
+
+impl Veth {
+    fn new() -> Result<Veth> {
+        let a = format!("sxs{}a", std::process::id() % 100_000);
+        let b = format!("sxs{}b", std::process::id() % 100_000);
+        let _ = sh(&format!("ip link del {a} 2>/dev/null"));
+        sh(&format!(
+            "ip link add {a} type veth peer name {b} && for d in {a} {b}; do sysctl -qw net.ipv6.conf.$d.disable_ipv6=1; ip link set $d up; done"
+        ))?;
+        Ok(Veth(a))
+    }
+    fn sender(&self) -> &str {
+        &self.0
+    }
+    fn receiver(&self) -> String {
+        format!("{}b", self.0.trim_end_matches('a'))
+    }
+}
+
+impl Drop for Veth {
+    fn drop(&mut self) {
+        let _ = sh(&format!("ip link del {}", self.0));
+    }
+}
+
+/// Function `i`'s flow: the generator's flow `i` (flows differ in their source address).
+fn source(i: usize) -> String {
+    format!("10.200.{}.{}", (1 + i) / 256, (1 + i) % 256)
+}
+
+fn graph(n: usize, steer: bool, args: &NfScaleArgs, veth: &Veth, socket: &Path) -> String {
+    let wake = if args.mode == crate::nf_scale::ScaleMode::Polling {
+        "polling"
+    } else {
+        "blocking"
+    };
+    let mut g = format!(
+        "engine: {{ busy_poll: false, pool_packets: {pool} }}
+apps:
+  gen: {{ type: generator, size: {size}, flows: {n}, src_ip: {src}, dst_ip: 10.201.0.1, rate: {rate:.0}, worker: tx }}
+  tx: {{ type: af_packet, interface: {a}, worker: tx }}
+  j: {{ type: join, worker: dut }}
+  out: {{ type: sink, worker: dut }}
+",
+        pool = args.pool_packets,
+        size = args.size,
+        src = source(0),
+        rate = args.steer_mpps * 1e6,
+        a = veth.sender(),
+    );
+    let mut links = String::from(
+        "links:\n  - \"gen.output -> tx.input\"\n  - \"j.output -> out.input\"\n",
+    );
+    if steer {
+        g += &format!(
+            "  nic:\n    type: af_xdp\n    interface: {}\n    worker: dut\n    steer:\n",
+            veth.receiver()
+        );
+        for i in 0..n {
+            g += &format!("      - {{ match: \"src host {}\", to: p{i} }}\n", source(i));
+            links += &format!("  - \"nic.p{i} -> f{i}.input\"\n");
+        }
+        g += "  rest: { type: sink, worker: dut }\n";
+        links += "  - \"nic.output -> rest.input\"\n";
+    } else {
+        g += &format!(
+            "  nic: {{ type: af_xdp, interface: {}, worker: dut }}\n  rr: {{ type: round_robin, worker: dut }}\n",
+            veth.receiver()
+        );
+        links += "  - \"nic.output -> rr.input\"\n";
+        for i in 0..n {
+            links += &format!("  - \"rr.o{i} -> f{i}.input\"\n");
+        }
+    }
+    for i in 0..n {
+        g += &format!(
+            "  f{i}: {{ type: nf_port, socket: {}, mode: zero_copy, wake: {wake}, worker: dut }}\n",
+            socket.display()
+        );
+        links += &format!("  - \"f{i}.output -> j.i{i}\"\n");
+    }
+    g + &links
+}
+
+struct Point {
+    offered_mpps: f64,
+    mpps: f64,
+    /// The receiving worker's CPU per packet, ns.
+    engine_ns: f64,
+    /// The functions' CPU per packet, ns, all together.
+    functions_ns: f64,
+    steered: u64,
+    drops: u64,
+}
+
+fn counter(e: &Engine, app: &str, name: &str) -> u64 {
+    e.stats()
+        .apps
+        .iter()
+        .find(|a| a.name == app)
+        .and_then(|a| a.counters.get(name).copied())
+        .unwrap_or(0)
+}
+
+fn delivered(e: &Engine) -> (u64, u64) {
+    let stats = e.stats();
+    let app = |n: &str| stats.apps.iter().find(|a| a.name == n);
+    (
+        app("gen").map_or(0, |a| a.tx_packets),
+        app("out").map_or(0, |a| a.rx_packets),
+    )
+}
+
+fn process_cpu(children: &[Child]) -> f64 {
+    let tick = crate::clock_ticks();
+    children
+        .iter()
+        .filter_map(|c| std::fs::read_to_string(format!("/proc/{}/stat", c.id())).ok())
+        .filter_map(|s| {
+            let f: Vec<String> = s
+                .rsplit_once(')')?
+                .1
+                .split_whitespace()
+                .map(String::from)
+                .collect();
+            Some((f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?) / tick)
+        })
+        .sum()
+}
+
+fn phase(registry: &Arc<Registry>, n: usize, steer: bool, args: &NfScaleArgs) -> Result<Point> {
+    let veth = Veth::new()?;
+    let dir = tempfile::tempdir()?;
+    let socket = dir.path().join("nf.sock");
+    let text = graph(n, steer, args, &veth, &socket);
+    let graph = Graph::parse(&text, "<nf-scale --steer>", dir.path(), registry)
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let engine = Engine::new(registry.clone());
+    let mut idle = graph.clone();
+    idle.links.retain(|l| l.from.app != "gen");
+    engine.apply(idle)?;
+    let bin = signature_binary()?;
+    let mut functions = Functions(Vec::new());
+    for i in 0..n {
+        functions.0.push(
+            Command::new(&bin)
+                .arg("--socket")
+                .arg(&socket)
+                .arg(format!("f{i}"))
+                .spawn()
+                .context("cannot start a function")?,
+        );
+    }
+    let t = Instant::now();
+    let ready = |e: &Engine| {
+        (0..n).all(|i| {
+            let name = format!("f{i}");
+            counter(e, &name, "attached") == 1
+                && (!steer || e.query(&name, serde_json::json!({}))
+                        .is_ok_and(|v| v["steered_from"].is_string()))
+        })
+    };
+    while !ready(&engine) {
+        anyhow::ensure!(
+            t.elapsed() < Duration::from_secs(30),
+            "the functions did not attach (or were not steered to) in 30 s"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    engine.apply(graph)?;
+    std::thread::sleep(Duration::from_millis(500));
+    let dut = *threads_named("stitch-dut")
+        .first()
+        .context("no `dut` worker thread")?;
+    let drops = |e: &Engine| -> u64 {
+        e.stats()
+            .apps
+            .iter()
+            .map(|a| a.drops + a.counters.get("kernel_drops").copied().unwrap_or(0))
+            .sum()
+    };
+    let (g0, d0) = delivered(&engine);
+    let (e0, f0, x0, t0) = (
+        cpu_seconds_of_thread(dut),
+        process_cpu(&functions.0),
+        drops(&engine),
+        Instant::now(),
+    );
+    std::thread::sleep(Duration::from_secs_f64(args.seconds));
+    let (g1, d1) = delivered(&engine);
+    let (e1, f1, x1) = (
+        cpu_seconds_of_thread(dut),
+        process_cpu(&functions.0),
+        drops(&engine),
+    );
+    let wall = t0.elapsed().as_secs_f64();
+    let got = (d1 - d0).max(1) as f64;
+    let steered = counter(&engine, "nic", "steered_function_packets");
+    engine.stop();
+    Ok(Point {
+        offered_mpps: (g1 - g0) as f64 / wall / 1e6,
+        mpps: (d1 - d0) as f64 / wall / 1e6,
+        engine_ns: (e1 - e0) / got * 1e9,
+        functions_ns: (f1 - f0) / got * 1e9,
+        steered,
+        drops: x1 - x0,
+    })
+}
+
+/// The function processes, killed and reaped when the phase ends however it ends.
+struct Functions(Vec<Child>);
+
+impl Drop for Functions {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+pub fn run(args: NfScaleArgs, registry: Registry) -> Result<()> {
+    {
+        let registry = Arc::new(registry);
+        let points = function_counts(&args.nfs, "1,2,4,8")?;
+        println!(
+            "nf-scale --steer: {} B frames at {:.3} Mpps from a generator over a veth into af_xdp; N {:?} functions (stitch-nf-signature), each the head of its own chain; {} s per phase",
+            args.size, args.steer_mpps, args.mode, args.seconds
+        );
+        println!(
+            "{:>3} {:>8} {:>9} {:>9} {:>14} {:>14} {:>10} {:>8}",
+            "N", "path", "offered", "Mpps", "engine ns/pkt", "functions ns/pkt", "steered", "drops"
+        );
+        for n in points {
+            anyhow::ensure!(n >= 1, "--nfs values must be at least 1");
+            let mut engine_ns = [0.0; 2];
+            for (k, steer) in [false, true].into_iter().enumerate() {
+                let p = phase(&registry, n, steer, &args)?;
+                engine_ns[k] = p.engine_ns;
+                println!(
+                    "{:>3} {:>8} {:>9.3} {:>9.3} {:>14.0} {:>14.0} {:>10} {:>8}",
+                    n,
+                    if steer { "steered" } else { "engine" },
+                    p.offered_mpps,
+                    p.mpps,
+                    p.engine_ns,
+                    p.functions_ns,
+                    p.steered,
+                    p.drops
+                );
+            }
+            println!(
+                "{n:>3} steered / engine path, the receiving worker's CPU per packet: {:.2}",
+                engine_ns[1] / engine_ns[0]
+            );
+        }
+        Ok(())
+    }
+}
