@@ -379,6 +379,7 @@ pub fn run(cmd: BenchCmd, registry: fn() -> Registry) -> Result<()> {
             }
         }
         BenchCmd::CaptureLink(args) => capture_link::run(args, registry()),
+        BenchCmd::NfScale(args) if args.steer => nf_steer::run(args, registry()),
         BenchCmd::NfScale(args) => nf_scale::run(args, registry()),
         BenchCmd::ChainSwitch(args) => chain_switch::run(args, registry()),
         BenchCmd::Kernel(args) => kernel::run(args),

@@ -376,9 +376,6 @@ pub(crate) fn function_counts(list: &str, example: &str) -> Result<Vec<usize>> {
 }
 
 pub fn run(args: NfScaleArgs, mut r: Registry) -> Result<()> {
-    if args.steer {
-        return crate::nf_steer::run(args, r);
-    }
     register_latency_sink(&mut r);
     let registry = Arc::new(r);
     let points = function_counts(&args.nfs, "1,10,100")?;

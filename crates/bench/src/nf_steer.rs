@@ -68,16 +68,18 @@ apps:
         rate = args.steer_mpps * 1e6,
         a = veth.sender(),
     );
-    let mut links = String::from(
-        "links:\n  - \"gen.output -> tx.input\"\n  - \"j.output -> out.input\"\n",
-    );
+    let mut links =
+        String::from("links:\n  - \"gen.output -> tx.input\"\n  - \"j.output -> out.input\"\n");
     if steer {
         g += &format!(
             "  nic:\n    type: af_xdp\n    interface: {}\n    worker: dut\n    steer:\n",
             veth.receiver()
         );
         for i in 0..n {
-            g += &format!("      - {{ match: \"src host {}\", to: p{i} }}\n", source(i));
+            g += &format!(
+                "      - {{ match: \"src host {}\", to: p{i} }}\n",
+                source(i)
+            );
             links += &format!("  - \"nic.p{i} -> f{i}.input\"\n");
         }
         g += "  rest: { type: sink, worker: dut }\n";
@@ -176,7 +178,8 @@ fn phase(registry: &Arc<Registry>, n: usize, steer: bool, args: &NfScaleArgs) ->
         (0..n).all(|i| {
             let name = format!("f{i}");
             counter(e, &name, "attached") == 1
-                && (!steer || e.query(&name, serde_json::json!({}))
+                && (!steer
+                    || e.query(&name, serde_json::json!({}))
                         .is_ok_and(|v| v["steered_from"].is_string()))
         })
     };
