@@ -66,7 +66,7 @@ pub enum ZeroCopy {
     Off,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct AfXdpConfig {
     pub interface: String,
@@ -112,6 +112,15 @@ fn steer_ports(rules: &[SteerRule]) -> Vec<String> {
 const MAX_RULES: usize = 32;
 
 impl AfXdpConfig {
+    /// Whether `other` differs from this config in its steering rules only.
+    fn same_but_rules(&self, other: &AfXdpConfig) -> bool {
+        let bare = |c: &AfXdpConfig| AfXdpConfig {
+            steer: Vec::new(),
+            ..c.clone()
+        };
+        bare(self) == bare(other)
+    }
+
     /// One more than the highest queue id: the size of the XDP maps' per-queue ranges.
     fn queue_bound(&self) -> u32 {
         self.queues.iter().max().copied().unwrap_or(0) + 1
@@ -691,6 +700,22 @@ pub struct AfXdp {
     offered_to: Vec<Option<u64>>,
     /// Steered frames a function read straight from the rings and gave back.
     function_steered: Counter,
+    /// Steering sockets of ports the rules no longer have, kept until a function they were
+    /// lent to has given back what it read; then the frames left in their rings go back to
+    /// the fill ring (counted) and the sockets close.
+    retiring: Vec<Retiring>,
+    removed_drops: Counter,
+    config: AfXdpConfig,
+    ifindex: u32,
+}
+
+/// A steering port the rules no longer have: its socket on each queue (by queue index).
+struct Retiring {
+    sockets: Vec<(usize, Steered)>,
+    offer: Option<Offered>,
+    /// When the program that sent it frames was replaced: a frame that program was
+    /// redirecting then may land a moment later.
+    since: Instant,
 }
 
 /// Sockets of one steering port lent to a function ([`stitch_nf::steer`]).
@@ -791,27 +816,30 @@ impl AfXdp {
     }
 }
 
-/// Puts the frames a function gave back of steering socket `j` of `x` (up to `q.returned`)
-/// in the fill ring, and moves the socket's ring on past them; how many.
-fn take_back_from_function(x: &mut Xsk, j: usize, q: &SteerQueue) -> u64 {
-    let rx = &mut x.steered[j].rx;
-    let n = q.returned.load(Ordering::Acquire).wrapping_sub(rx.local);
-    // Never past what the kernel put there (the port checks each frame; this is the bound).
+/// Puts the frames of receive ring `rx` up to ring index `upto` back in fill ring `fill`
+/// and moves `rx` past them; how many (never past what the kernel put there).
+fn refill_from(fill: &mut Ring, rx: &mut Ring, upto: u32) -> u32 {
+    let n = upto.wrapping_sub(rx.local);
     if n == 0 || n > rx.ready() {
         return 0;
     }
     for i in 0..n {
         let (addr, _) = rx.desc(rx.local.wrapping_add(i));
-        x.fill.set_addr(
-            x.fill.local.wrapping_add(i),
-            addr & !(FRAME_SIZE as u64 - 1),
-        );
+        fill.set_addr(fill.local.wrapping_add(i), addr & !(FRAME_SIZE as u64 - 1));
     }
     rx.local = rx.local.wrapping_add(n);
     rx.cons().store(rx.local, Ordering::Release);
-    x.fill.local = x.fill.local.wrapping_add(n);
-    x.fill.prod().store(x.fill.local, Ordering::Release);
-    if x.fill.needs_wakeup() {
+    fill.local = fill.local.wrapping_add(n);
+    fill.prod().store(fill.local, Ordering::Release);
+    n
+}
+
+/// Puts the frames a function gave back of steering socket `j` of `x` (up to `q.returned`)
+/// in the fill ring, and moves the socket's ring on past them; how many.
+fn take_back_from_function(x: &mut Xsk, j: usize, q: &SteerQueue) -> u64 {
+    let upto = q.returned.load(Ordering::Acquire);
+    let n = refill_from(&mut x.fill, &mut x.steered[j].rx, upto);
+    if n > 0 && x.fill.needs_wakeup() {
         x.kick_rx();
     }
     u64::from(n)
@@ -864,6 +892,143 @@ impl AfXdp {
         to.changed.store(true, Ordering::Release);
         self.offered_to[port] = generation;
         self.offers[port] = Some(Offered { offer, to });
+    }
+
+    /// Changes the steering rules in place: steering sockets of ports that stay are kept
+    /// (with their rings and any function reading them), ports that are new get sockets, and
+    /// the new program replaces the old one in one step once its maps are filled. Sockets of
+    /// ports that go retire ([`Retiring`]). On an error nothing has changed.
+    fn change_rules(&mut self, c: &AfXdpConfig) -> Result<(), String> {
+        let rules = c.steer_programs()?;
+        let old_ports = steer_ports(&self.steer);
+        let new_ports = steer_ports(&c.steer);
+        // Sockets for the new ports first: a failure here leaves the running program alone.
+        let mut opened: Vec<Vec<Option<Steered>>> = Vec::new();
+        for x in &self.socks {
+            let mut mine = Vec::new();
+            for (p, name) in new_ports.iter().enumerate() {
+                mine.push(match old_ports.contains(name) {
+                    true => None,
+                    false => Some(Steered::open(x, self.ifindex, p + 1)?),
+                });
+            }
+            opened.push(mine);
+        }
+        let socket_of = |s: usize, port: &str| -> RawFd {
+            let p = new_ports
+                .iter()
+                .position(|n| n == port)
+                .expect("a rule's port");
+            match &opened[s][p] {
+                Some(st) => st.fd.as_raw_fd(),
+                None => {
+                    let old = old_ports.iter().position(|n| n == port).expect("kept");
+                    let x = &self.socks[s];
+                    let st = x
+                        .steered
+                        .iter()
+                        .find(|t| t.output == old + 1)
+                        .expect("kept");
+                    st.fd.as_raw_fd()
+                }
+            }
+        };
+        let socks = &self.socks;
+        self.xdp.replace_rules(&rules, |staged| {
+            for (s, x) in socks.iter().enumerate() {
+                staged.bind_queue(x.queue, x.fd.as_raw_fd())?;
+                for (rule, r) in c.steer.iter().enumerate() {
+                    staged.bind_steered(rule, x.queue, socket_of(s, &r.to))?;
+                }
+            }
+            Ok(())
+        })?;
+        // The new program runs: each queue's sockets in the new ports' order.
+        let mut offers: Vec<Option<Offered>> = new_ports.iter().map(|_| None).collect();
+        let mut offered_to: Vec<Option<u64>> = new_ports.iter().map(|_| None).collect();
+        let mut retiring: Vec<Retiring> = Vec::new();
+        for (old, name) in old_ports.iter().enumerate() {
+            match new_ports.iter().position(|n| n == name) {
+                Some(p) => {
+                    offers[p] = self.offers[old].take();
+                    offered_to[p] = self.offered_to[old];
+                }
+                None => {
+                    let offer = self.offers[old].take();
+                    if let Some(o) = &offer {
+                        o.offer.end.store(true, Ordering::Release);
+                    }
+                    retiring.push(Retiring {
+                        sockets: Vec::new(),
+                        offer,
+                        since: Instant::now(),
+                    });
+                }
+            }
+        }
+        for (s, (x, mut fresh)) in self.socks.iter_mut().zip(opened).enumerate() {
+            let mut kept: Vec<Steered> = Vec::new();
+            for mut st in std::mem::take(&mut x.steered) {
+                let name = &old_ports[st.output - 1];
+                match new_ports.iter().position(|n| n == name) {
+                    Some(p) => {
+                        st.output = p + 1;
+                        kept.push(st);
+                    }
+                    None => {
+                        let gone = old_ports.iter().filter(|n| !new_ports.contains(n));
+                        let r = gone.clone().position(|n| n == name).expect("gone");
+                        retiring[r].sockets.push((s, st));
+                    }
+                }
+            }
+            kept.extend(fresh.iter_mut().filter_map(Option::take));
+            kept.sort_by_key(|st| st.output);
+            x.steered = kept;
+        }
+        self.retiring.extend(retiring);
+        self.offers = offers;
+        self.offered_to = offered_to;
+        self.steer = c.steer.clone();
+        log::info!(
+            "af_xdp {}: {} steering rules to {:?} now",
+            self.interface,
+            c.steer.len(),
+            new_ports
+        );
+        Ok(())
+    }
+
+    /// Retiring sockets: what a function gives back goes to the fill ring; once it is done
+    /// (or none had them), the frames left in their rings too, counted, and they close.
+    fn retire(&mut self) {
+        let mut i = 0;
+        while i < self.retiring.len() {
+            let r = &mut self.retiring[i];
+            let done = r
+                .offer
+                .as_ref()
+                .is_none_or(|o| o.offer.phase() == steer::DONE)
+                && r.since.elapsed() >= Duration::from_millis(10);
+            for (s, st) in &mut r.sockets {
+                let x = &mut self.socks[*s];
+                if let Some(o) = &r.offer {
+                    let upto = o.offer.queues[*s].returned.load(Ordering::Acquire);
+                    let n = refill_from(&mut x.fill, &mut st.rx, upto);
+                    self.function_steered.add(u64::from(n));
+                }
+                if done {
+                    let upto = st.rx.prod().load(Ordering::Acquire);
+                    let n = refill_from(&mut x.fill, &mut st.rx, upto);
+                    self.removed_drops.add(u64::from(n));
+                }
+            }
+            if done {
+                self.retiring.swap_remove(i);
+            } else {
+                i += 1;
+            }
+        }
     }
 
     /// Port `port`'s sockets on every queue, from where this app stopped reading them.
@@ -971,11 +1136,42 @@ impl App for AfXdp {
             offers: steer_ports(&c.steer).iter().map(|_| None).collect(),
             offered_to: steer_ports(&c.steer).iter().map(|_| None).collect(),
             function_steered: ctx.counter("steered_function_packets"),
+            retiring: Vec::new(),
+            removed_drops: ctx.counter("steer_removed_drops"),
             steer: c.steer.clone(),
+            config: c.clone(),
+            ifindex,
         })
     }
 
+    /// Steering rules change in place; anything else needs a new port.
+    fn reconfigure(
+        &mut self,
+        c: AfXdpConfig,
+        _: &mut AppContext,
+    ) -> Result<stitch_core::app::Reconfigured, AppError> {
+        use stitch_core::app::Reconfigured;
+        if !c.same_but_rules(&self.config) {
+            return Ok(Reconfigured::Restart);
+        }
+        if c.steer != self.steer {
+            if !self.owns {
+                return Err(
+                    "the steering rules cannot change while an upgrade hands this \
+                            interface over; apply them again once it is done"
+                        .into(),
+                );
+            }
+            self.change_rules(&c)?;
+        }
+        self.config = c;
+        Ok(Reconfigured::Done)
+    }
+
     fn pull(&mut self, io: &mut Io) {
+        if !self.retiring.is_empty() {
+            self.retire();
+        }
         for x in &mut self.socks {
             if x.tx_pending() > 0 {
                 x.flush_tx();
@@ -1096,6 +1292,9 @@ impl App for AfXdp {
     /// frames and carries on at the indices the rings hold, the XSKMAP pointing at the same
     /// sockets throughout.
     fn hand_over(&mut self) -> Option<Descriptors> {
+        if !self.retiring.is_empty() {
+            return None; // Sockets of removed rules still hold frames for a moment.
+        }
         let mut fds = self.xdp.lend().ok()?;
         let mut socks = Vec::new();
         for x in &self.socks {

@@ -17,6 +17,7 @@ const BPF_MAP_DELETE_ELEM: libc::c_long = 3;
 const BPF_PROG_LOAD: libc::c_long = 5;
 const BPF_PROG_TEST_RUN: libc::c_long = 10;
 const BPF_LINK_CREATE: libc::c_long = 28;
+const BPF_LINK_UPDATE: libc::c_long = 29;
 const BPF_MAP_TYPE_XSKMAP: u32 = 17;
 const BPF_PROG_TYPE_XDP: u32 = 6;
 const BPF_XDP: u32 = 37;
@@ -329,6 +330,38 @@ impl XdpRedirect {
             steer: if steering { Some(next()?) } else { None },
             queues: queues.max(1),
         })
+    }
+
+    /// Swaps in a program with new steering `rules` and fresh maps, which `bind` fills (each
+    /// queue's socket, each rule's) before the new program replaces the attached one in one
+    /// step (`BPF_LINK_UPDATE`): no frame meets a half-filled map, none goes to the kernel
+    /// stack on the way. On an error the attached program stays as it was.
+    pub fn replace_rules(
+        &mut self,
+        rules: &[Vec<stitch_wire::filter::cbpf::Insn>],
+        bind: impl FnOnce(&XdpRedirect) -> Result<(), String>,
+    ) -> Result<(), String> {
+        let u = Unattached::load(rules, self.queues)?;
+        let staged = XdpRedirect {
+            map: u.map,
+            _prog: u.prog,
+            _link: self
+                ._link
+                .try_clone()
+                .map_err(|e| format!("cannot keep the XDP link: {e}"))?,
+            native: self.native,
+            steer: u.steer,
+            queues: u.queues,
+        };
+        bind(&staged)?;
+        let attr = Attr::new()
+            .u32(0, self._link.as_raw_fd() as u32)
+            .u32(4, staged._prog.as_raw_fd() as u32);
+        // SAFETY: the attribute holds no pointers.
+        unsafe { attr.call(BPF_LINK_UPDATE) }
+            .map_err(|e| format!("cannot replace the XDP program with the new rules: {e}"))?;
+        *self = staged;
+        Ok(())
     }
 
     /// Directs what steering rule `rule` accepts on queue `queue` to socket `xsk`.

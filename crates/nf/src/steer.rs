@@ -213,13 +213,16 @@ impl Steering {
 
     /// Follows the hand-back once the interface asked for its rings: passes `end` on, then
     /// waits for the function to stop and for its last frames (published on `from_nf` before
-    /// it said so) to be taken. True once done.
-    pub fn hand_back(&mut self, from_nf: &crate::shm::Consumer) -> bool {
+    /// it said so) to be taken; rings `doorbell` once, so that a sleeping function hears it.
+    /// True once done.
+    pub fn hand_back(&mut self, from_nf: &crate::shm::Consumer, doorbell: &OwnedFd) -> bool {
         let Some(h) = self.header() else {
             return true;
         };
         if h.end.0.load(Ordering::Relaxed) == 0 {
             h.end.0.store(1, Ordering::Release);
+            // A blocking function asleep would not see it before its next packet.
+            crate::direct::ring_doorbell(doorbell);
         }
         if self.stopped_at.is_none() && h.reader.0.load(Ordering::Acquire) == 2 {
             // The head read after the function said it stopped covers all it gave back.

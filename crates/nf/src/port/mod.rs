@@ -879,7 +879,7 @@ impl NfPort {
             a.steering = Some(st);
             return;
         }
-        if st.offer.end.load(Ordering::Acquire) && st.hand_back(&a.from_nf) {
+        if st.offer.end.load(Ordering::Acquire) && st.hand_back(&a.from_nf, &a.att.doorbell) {
             self.end_steering(st);
             return;
         }
