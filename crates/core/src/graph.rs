@@ -658,7 +658,21 @@ fn parse_app(
         Ok(parsed) => match app_type.declare(&parsed) {
             Ok(p) => p,
             Err(e) => {
-                err(errors, at, format!("app `{name}` ({kind}): {e}"));
+                // An error that names one of the app's keys first is that key's line.
+                let message = e.to_string();
+                let named = (keys.key_lines.iter())
+                    .filter(|(k, _)| {
+                        message
+                            .strip_prefix(k.as_str())
+                            .is_some_and(|rest| rest.starts_with([' ', ':']))
+                    })
+                    .map(|(_, at)| *at)
+                    .next();
+                err(
+                    errors,
+                    named.unwrap_or(at),
+                    format!("app `{name}` ({kind}): {message}"),
+                );
                 return None;
             }
         },

@@ -96,6 +96,15 @@ pub struct SteerRule {
     pub to: String,
 }
 
+/// The steering rules of an `af_xdp` app's config as a graph holds it (none when it has
+/// none, or when they do not parse: the app's own check says why).
+pub fn steering_rules(config: &serde_json::Value) -> Vec<SteerRule> {
+    config
+        .get("steer")
+        .and_then(|v| serde_json::from_value(v.clone()).ok())
+        .unwrap_or_default()
+}
+
 /// The ports `rules` send to, in the order they first appear (outputs 1, 2, …).
 fn steer_ports(rules: &[SteerRule]) -> Vec<String> {
     let mut ports: Vec<String> = Vec::new();
@@ -1284,6 +1293,10 @@ impl App for AfXdp {
             "interface": self.interface,
             "xdp": if self.xdp.native { "native" } else { "generic" },
             "steer": self.steer,
+            // Per steering port, the function port reading its rings itself, if one does.
+            "read_by": (ports.iter().zip(&self.offers))
+                .map(|(p, o)| (p.clone(), o.as_ref().map(|o| o.to.name.clone()).into()))
+                .collect::<serde_json::Map<String, serde_json::Value>>(),
             "queues": self.socks.iter().map(|x| x.frames_by_owner(&ports)).collect::<Vec<_>>(),
         })
     }

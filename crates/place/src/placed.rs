@@ -9,7 +9,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use std::fmt;
 use std::path::Path;
-use stitch_core::graph::{ExtensionKeys, GraphErrors, KeyExtension};
+use stitch_core::graph::{ExtensionKeys, GraphError, GraphErrors, KeyExtension};
 use stitch_core::{Graph, Registry};
 
 /// Where an app runs: in Stitch's engine, as an eBPF program in the kernel's data plane, as a
@@ -142,6 +142,54 @@ pub struct PlacedGraph {
     pub apps: IndexMap<String, AppPlacement>,
 }
 
+/// Steering rules of `af_xdp` apps that send frames nowhere (their port has no link) or to a
+/// function that cannot read the interface's rings (an isolated one): each at its app's
+/// `steer` line.
+fn steering_problems(g: &Graph) -> Vec<GraphError> {
+    let mut errors = Vec::new();
+    for a in g.apps.values().filter(|a| a.kind == "af_xdp") {
+        let (line, column) = a.key_lines.get("steer").copied().unwrap_or((a.line, 1));
+        let mut problem = |message: String| {
+            errors.push(GraphError {
+                line,
+                column,
+                message,
+            })
+        };
+        for (i, rule) in stitch_io::af_xdp::steering_rules(&a.config)
+            .iter()
+            .enumerate()
+        {
+            let to = &rule.to;
+            let Some(link) = (g.links.iter()).find(|l| l.from.app == a.name && l.from.port == *to)
+            else {
+                problem(format!(
+                    "app `{}`: steer rule {} sends to port `{to}`, which no link leaves from \
+                     (add \"{}.{to} -> FUNCTION.input\", or remove the rule)",
+                    a.name,
+                    i + 1,
+                    a.name
+                ));
+                continue;
+            };
+            let Some(b) = g.apps.get(&link.to.app) else {
+                continue;
+            };
+            let function = b.kind == "nf_port" || b.kind == "function";
+            if function && b.config.get("mode").and_then(|m| m.as_str()) == Some("isolated") {
+                problem(format!(
+                    "app `{}`: steer rule {} leads to function `{}`, which is isolated and \
+                     cannot read the interface's rings (give it `mode: zero_copy`)",
+                    a.name,
+                    i + 1,
+                    b.name
+                ));
+            }
+        }
+    }
+    errors
+}
+
 impl PlacedGraph {
     /// Parses and validates graph text; `file` names it in errors.
     pub fn parse(
@@ -151,6 +199,14 @@ impl PlacedGraph {
         registry: &Registry,
     ) -> Result<PlacedGraph, GraphErrors> {
         let g = Graph::parse_extended(text, file, base_dir, registry, &PLACEMENT_KEYS)?;
+        let errors = steering_problems(&g.graph);
+        if !errors.is_empty() {
+            return Err(GraphErrors {
+                file: file.to_string(),
+                text: text.to_string(),
+                errors,
+            });
+        }
         let file_default = g.file_keys.get("placement");
         let apps = (g.app_keys.iter())
             .map(|(name, keys)| {

@@ -662,6 +662,11 @@ fn steered_frames_reach_two_functions_without_the_engine_reading_them() {
     wait_until("both functions to read the interface's rings", 20, || {
         steered_from(&s, "nf1").is_string() && steered_from(&s, "nf2").is_string()
     });
+    let (_, nic) = s.call("POST", "/api/v1/apps/nic/query", Some("{}"));
+    assert_eq!(
+        nic["read_by"],
+        serde_json::json!({ "to_nf1": "nf1", "to_nf2": "nf2" })
+    );
     let idle = umem_frames(&s, "nic");
     let n = 1000;
     send_from_host0(&h, dir.path(), THREE_PORTS, n);
@@ -860,28 +865,49 @@ fn steering_rules_added_and_removed_under_traffic_lose_nothing_delivered() {
     eprintln!("{nic}");
 }
 
-/// A steering rule that cannot work is refused at its line, with the reason.
+/// A steering rule that cannot work is refused at its line, with the reason: a filter that
+/// does not compile, a port that is not its own, a key it does not take, a port no link
+/// leaves from, a function that cannot read the interface's rings.
 #[test]
 fn bad_steering_rules_are_refused_at_their_line() {
     let dir = tempfile::tempdir().unwrap();
-    for (rule, reason) in [
+    let isolated = "  f: { type: nf_port, mode: isolated }\n";
+    for (rule, more_apps, more_links, reason) in [
         (
             "{ match: \"udp and dst port\", to: tunnel }",
-            "steer rule 1",
+            "",
+            "",
+            "g.yaml:5:5: app `nic` (af_xdp): steer rule 1",
         ),
         (
             "{ match: \"udp\", to: output }",
+            "",
+            "",
             "must name a port of its own",
         ),
         (
             "{ match: \"udp\", to: tunnel, queue: 3 }",
+            "",
+            "",
             "unknown key `queue`",
+        ),
+        (
+            "{ match: \"udp\", to: tunnel }",
+            "",
+            "",
+            "g.yaml:5:5: app `nic`: steer rule 1 sends to port `tunnel`, which no link leaves from",
+        ),
+        (
+            "{ match: \"tcp\", to: t }, { match: \"udp\", to: tunnel }",
+            isolated,
+            ", \"nic.tunnel -> f.input\", \"nic.t -> f2.input\"",
+            "g.yaml:5:5: app `nic`: steer rule 2 leads to function `f`, which is isolated",
         ),
     ] {
         let graph = dir.path().join("g.yaml");
         std::fs::write(
             &graph,
-            format!("apps:\n  nic:\n    type: af_xdp\n    interface: lo\n    steer: [{rule}]\n  s: {{ type: sink }}\nlinks: [\"nic.output -> s.input\"]\n"),
+            format!("apps:\n  nic:\n    type: af_xdp\n    interface: lo\n    steer: [{rule}]\n  s: {{ type: sink }}\n  f2: {{ type: nf_port }}\n{more_apps}links: [\"nic.output -> s.input\"{more_links}]\n"),
         )
         .unwrap();
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_stitch"))
