@@ -321,12 +321,24 @@ fn bind(raw: i32, ifname: &str, ifindex: u32, queue: u32, zc: ZeroCopy) -> Resul
         };
         bind_to(raw, &sa)
     };
-    let bound = match zc {
+    let bind_once = || match zc {
         ZeroCopy::On => try_bind(XDP_ZEROCOPY).map(|_| true),
         ZeroCopy::Off => try_bind(XDP_COPY).map(|_| false),
         ZeroCopy::Auto => try_bind(XDP_ZEROCOPY)
             .map(|_| true)
             .or_else(|_| try_bind(XDP_COPY).map(|_| false)),
+    };
+    // The kernel lets go of a queue a moment after its last socket closes (the pool is
+    // released from a work queue): a queue whose previous owner just died — a Stitch killed
+    // and started again, a function that let go of a steering socket — is busy for that long.
+    let deadline = Instant::now() + Duration::from_secs(2);
+    let bound = loop {
+        match bind_once() {
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            other => break other,
+        }
     };
     bound.map_err(|e| match e.raw_os_error() {
         Some(libc::EOPNOTSUPP) => {
@@ -613,6 +625,10 @@ struct Position {
     /// The steering rules the program runs.
     #[serde(default)]
     steer: Vec<SteerRule>,
+    /// Steering ports whose rings a function reads itself: its port in the successor takes
+    /// the function on, and this app's successor leaves those rings to it.
+    #[serde(default)]
+    read_by_functions: Vec<String>,
 }
 
 /// The XDP program attached to the interface and a socket per queue, bound and mapped.
@@ -709,6 +725,10 @@ pub struct AfXdp {
     offered_to: Vec<Option<u64>>,
     /// Steered frames a function read straight from the rings and gave back.
     function_steered: Counter,
+    /// Taken over: steering ports a function read in the predecessor, left alone until the
+    /// function's port offers them back (or turns out not to have carried the function on).
+    awaiting: Vec<bool>,
+    taken_over_at: Instant,
     /// Steering sockets of ports the rules no longer have, kept until a function they were
     /// lent to has given back what it read; then the frames left in their rings go back to
     /// the fill ring (counted) and the sockets close.
@@ -884,6 +904,10 @@ impl AfXdp {
             }
             return;
         }
+        if self.awaiting[port] {
+            self.take_on_offer(port, linked);
+            return;
+        }
         let Some(to) = linked else { return };
         let generation = to.current.lock().unwrap().as_ref().map(|c| c.generation);
         if generation.is_none() || generation == self.offered_to[port] {
@@ -900,6 +924,27 @@ impl AfXdp {
         drop(slot);
         to.changed.store(true, Ordering::Release);
         self.offered_to[port] = generation;
+        self.offers[port] = Some(Offered { offer, to });
+    }
+
+    /// Taken over: the function port that read steering port `port`'s rings in the
+    /// predecessor offers them again from its slot (its successor carried the function on);
+    /// if its slot holds nothing, or the port no longer leads to one, this app reads them.
+    fn take_on_offer(&mut self, port: usize, linked: Option<Arc<PortShared>>) {
+        let Some(to) = linked else {
+            // Its port tags the link on its first breath; a link to anything else (or none)
+            // gets its frames from this app after a moment.
+            if self.taken_over_at.elapsed() >= Duration::from_secs(1) {
+                self.awaiting[port] = false;
+            }
+            return;
+        };
+        self.awaiting[port] = false;
+        let offer = to.steer.lock().unwrap().clone();
+        let Some(offer) = offer.filter(|o| o.phase() == steer::FUNCTION) else {
+            return;
+        };
+        self.offered_to[port] = to.current.lock().unwrap().as_ref().map(|c| c.generation);
         self.offers[port] = Some(Offered { offer, to });
     }
 
@@ -955,12 +1000,14 @@ impl AfXdp {
         // The new program runs: each queue's sockets in the new ports' order.
         let mut offers: Vec<Option<Offered>> = new_ports.iter().map(|_| None).collect();
         let mut offered_to: Vec<Option<u64>> = new_ports.iter().map(|_| None).collect();
+        let mut awaiting: Vec<bool> = new_ports.iter().map(|_| false).collect();
         let mut retiring: Vec<Retiring> = Vec::new();
         for (old, name) in old_ports.iter().enumerate() {
             match new_ports.iter().position(|n| n == name) {
                 Some(p) => {
                     offers[p] = self.offers[old].take();
                     offered_to[p] = self.offered_to[old];
+                    awaiting[p] = self.awaiting[old];
                 }
                 None => {
                     let offer = self.offers[old].take();
@@ -998,6 +1045,7 @@ impl AfXdp {
         self.retiring.extend(retiring);
         self.offers = offers;
         self.offered_to = offered_to;
+        self.awaiting = awaiting;
         self.steer = c.steer.clone();
         log::info!(
             "af_xdp {}: {} steering rules to {:?} now",
@@ -1060,6 +1108,7 @@ impl AfXdp {
             queues,
             phase: steer::OFFERED.into(),
             end: false.into(),
+            complete_checksums: self.complete_checksums,
         }))
     }
 }
@@ -1146,6 +1195,8 @@ impl App for AfXdp {
             offered_to: steer_ports(&c.steer).iter().map(|_| None).collect(),
             function_steered: ctx.counter("steered_function_packets"),
             retiring: Vec::new(),
+            awaiting: steer_ports(&c.steer).iter().map(|_| false).collect(),
+            taken_over_at: Instant::now(),
             removed_drops: ctx.counter("steer_removed_drops"),
             steer: c.steer.clone(),
             config: c.clone(),
@@ -1196,6 +1247,9 @@ impl App for AfXdp {
         for s in 0..self.socks.len() {
             for j in 0..self.socks[s].steered.len() {
                 let output = self.socks[s].steered[j].output;
+                if self.awaiting[output - 1] {
+                    continue;
+                }
                 if let Some(o) = &self.offers[output - 1] {
                     let n = take_back_from_function(&mut self.socks[s], j, &o.offer.queues[s]);
                     self.function_steered.add(n);
@@ -1305,9 +1359,28 @@ impl App for AfXdp {
     /// frames and carries on at the indices the rings hold, the XSKMAP pointing at the same
     /// sockets throughout.
     fn hand_over(&mut self) -> Option<Descriptors> {
-        if !self.retiring.is_empty() {
+        if !self.retiring.is_empty() || self.awaiting.iter().any(|&a| a) {
             return None; // Sockets of removed rules still hold frames for a moment.
         }
+        // What the functions gave back goes to the fill ring first: the rings' consumer
+        // indices, which the successor starts from, are then where their ports stand.
+        for s in 0..self.socks.len() {
+            for j in 0..self.socks[s].steered.len() {
+                let output = self.socks[s].steered[j].output;
+                if let Some(o) = &self.offers[output - 1] {
+                    let n = take_back_from_function(&mut self.socks[s], j, &o.offer.queues[s]);
+                    self.function_steered.add(n);
+                }
+            }
+        }
+        let ports = steer_ports(&self.steer);
+        let read_by_functions = (ports.iter().zip(&self.offers))
+            .filter(|(_, o)| {
+                o.as_ref()
+                    .is_some_and(|o| o.offer.phase() == steer::FUNCTION)
+            })
+            .map(|(p, _)| p.clone())
+            .collect();
         let mut fds = self.xdp.lend().ok()?;
         let mut socks = Vec::new();
         for x in &self.socks {
@@ -1319,6 +1392,7 @@ impl App for AfXdp {
             native: self.xdp.native,
             socks,
             steer: self.steer.clone(),
+            read_by_functions,
         };
         Some(Descriptors {
             fds,
@@ -1337,6 +1411,11 @@ impl App for AfXdp {
         for (x, s) in self.socks.iter_mut().zip(&at.socks) {
             x.resume_at(s);
         }
+        let ports = steer_ports(&self.steer);
+        for (p, name) in ports.iter().enumerate() {
+            self.awaiting[p] = at.read_by_functions.contains(name);
+        }
+        self.taken_over_at = Instant::now();
         self.owns = true;
         Ok(())
     }

@@ -718,6 +718,9 @@ impl Function {
         };
         let lost =
             u64::from(self.to_nf.available().unwrap_or(0)) + u64::from(self.from_nf.pending());
+        // The interface's sockets and memory go with the Stitch that lent them: a queue
+        // stays bound while any socket on it is open, and the next Stitch binds it afresh.
+        self.steered = None;
         let deadline = Instant::now() + window;
         while Instant::now() < deadline {
             match Function::attach_again(&self.socket, &self.port, Some(lost)) {
@@ -788,8 +791,13 @@ fn serve_ports(
         if functions.iter().all(|fun| fun.blocking) {
             if functions.iter_mut().any(|fun| fun.has_work()) {
                 // Work waits but its output is full: give the core to the functions
-                // downstream for a moment instead of spinning on it.
+                // downstream for a moment instead of spinning on it — and look now and then
+                // whether Stitch is still there to empty it.
                 std::thread::sleep(std::time::Duration::from_micros(20));
+                idle += 1;
+                if idle.is_multiple_of(256) {
+                    functions.retain_mut(|fun| fun.connected() || fun.reattach());
+                }
                 continue;
             }
             if let Some(i) = wait_any(&mut functions, &mut fds)? {

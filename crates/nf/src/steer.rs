@@ -23,6 +23,7 @@
 
 use crate::shm::{self, Desc, Mapping, Region, SteerHeader, FLAG_DROP, MAGIC};
 use crate::xsk::Ring;
+use serde::{Deserialize, Serialize};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use stitch_core::{pool, Packet};
@@ -55,6 +56,9 @@ pub struct SteerOffer {
     pub queues: Vec<SteerQueue>,
     /// [`OFFERED`], [`FUNCTION`] or [`DONE`]; the port moves it.
     pub phase: AtomicU32,
+    /// Complete a TCP/UDP checksum that holds only the pseudo-header sum (a local sender's
+    /// offload, which XDP does not see), as the interface does for what it receives.
+    pub complete_checksums: bool,
     /// The interface wants its sockets back (its graph changed, it is stopping).
     pub end: AtomicBool,
 }
@@ -88,6 +92,24 @@ pub struct Taken {
     pub exhausted: u64,
 }
 
+/// Where a port's steered input stands, for a Stitch process taking the port over: the
+/// function goes on reading the rings, and the successor goes on taking its frames back.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct SteeringAt {
+    pub from: String,
+    #[serde(default)]
+    pub complete_checksums: bool,
+    pub queues: Vec<QueueAt>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct QueueAt {
+    pub ring_size: u32,
+    pub umem_len: usize,
+    /// The ring index of the next frame the function gives back.
+    pub next: u32,
+}
+
 /// A port's side of an offer it took.
 pub struct Steering {
     pub offer: std::sync::Arc<SteerOffer>,
@@ -119,6 +141,70 @@ impl Steering {
             header: None,
             stopped_at: None,
         })
+    }
+
+    /// The header page, then each queue's socket and UMEM, for a process taking over.
+    pub fn lend(&self) -> std::io::Result<Vec<OwnedFd>> {
+        let (page, _) = self.header.as_ref().ok_or_else(|| {
+            std::io::Error::new(std::io::ErrorKind::NotFound, "not sent to the function")
+        })?;
+        let mut fds = vec![page.try_clone()?];
+        for q in &self.offer.queues {
+            fds.push(q.socket.try_clone()?);
+            fds.push(q.umem.try_clone()?);
+        }
+        Ok(fds)
+    }
+
+    pub fn position(&self) -> SteeringAt {
+        SteeringAt {
+            from: self.offer.from.clone(),
+            complete_checksums: self.offer.complete_checksums,
+            queues: (self.offer.queues.iter().zip(&self.queues))
+                .map(|(o, q)| QueueAt {
+                    ring_size: o.ring_size,
+                    umem_len: o.umem_len,
+                    next: q.next,
+                })
+                .collect(),
+        }
+    }
+
+    /// The steered input a predecessor's port served (`lend`'s descriptors, `at` its final
+    /// position), served on here: an offer already with the function, which the interface
+    /// finds in the port's slot.
+    pub fn adopt(at: &SteeringAt, fds: Vec<OwnedFd>) -> Result<Steering, String> {
+        let mut fds = fds.into_iter();
+        let page = fds.next().ok_or("the steered input's page was not lent")?;
+        let mut queues = Vec::new();
+        for q in &at.queues {
+            let (Some(socket), Some(umem)) = (fds.next(), fds.next()) else {
+                return Err("the steered input's sockets were not lent".into());
+            };
+            queues.push(SteerQueue {
+                socket,
+                umem,
+                umem_len: q.umem_len,
+                ring_size: q.ring_size,
+                start: q.next,
+                returned: q.next.into(),
+            });
+        }
+        let offer = std::sync::Arc::new(SteerOffer {
+            from: at.from.clone(),
+            queues,
+            phase: FUNCTION.into(),
+            end: false.into(),
+            complete_checksums: at.complete_checksums,
+        });
+        let mut steering = Steering::new(offer)?;
+        let map = shm::map(page.as_fd(), 4096, true)
+            .map_err(|e| format!("cannot map the steered input's page: {e}"))?;
+        if map.steer_header().is_none_or(|h| h.magic != MAGIC) {
+            return Err("the lent page is not a steered input's".into());
+        }
+        steering.header = Some((page, map));
+        Ok(steering)
     }
 
     pub fn sent(&self) -> bool {
@@ -193,6 +279,9 @@ impl Steering {
             taken.bad += 1;
             return;
         }
+        if self.offer.complete_checksums {
+            stitch_wire::offload::complete_if_partial(p.data_mut());
+        }
         taken.forwarded += 1;
         taken.steered += 1;
         if let Some(o) = out.as_mut() {
@@ -213,16 +302,17 @@ impl Steering {
 
     /// Follows the hand-back once the interface asked for its rings: passes `end` on, then
     /// waits for the function to stop and for its last frames (published on `from_nf` before
-    /// it said so) to be taken; rings `doorbell` once, so that a sleeping function hears it.
+    /// it said so) to be taken; calls `ring` once (the function's doorbell), so that a
+    /// sleeping function hears it.
     /// True once done.
-    pub fn hand_back(&mut self, from_nf: &crate::shm::Consumer, doorbell: &OwnedFd) -> bool {
+    pub fn hand_back(&mut self, from_nf: &crate::shm::Consumer, ring: impl FnOnce()) -> bool {
         let Some(h) = self.header() else {
             return true;
         };
         if h.end.0.load(Ordering::Relaxed) == 0 {
             h.end.0.store(1, Ordering::Release);
             // A blocking function asleep would not see it before its next packet.
-            crate::direct::ring_doorbell(doorbell);
+            ring();
         }
         if self.stopped_at.is_none() && h.reader.0.load(Ordering::Acquire) == 2 {
             // The head read after the function said it stopped covers all it gave back.

@@ -675,6 +675,99 @@ fn af_xdp_ports_carry_on_across_an_upgrade() {
     assert!(!xdp_attached(), "the XDP program outlived the instance");
 }
 
+/// Host 0's UDP steered by `a` to function `fw`, whose output goes on to host 1; the rest
+/// of host 0's frames straight there, and host 1's back.
+fn steered_function_graph(h: &TwoHosts, dir: &std::path::Path) -> String {
+    format!(
+        "apps:
+  a: {{ type: af_xdp, interface: {a}, steer: [{{ match: udp, to: udp }}] }}
+  b: {{ type: af_xdp, interface: {b} }}
+  fw: {{ placement: process, command: [stitch-nf-firewall], socket: {nf} }}
+  j: {{ type: join }}
+links:
+  - \"a.udp -> fw.input\"
+  - \"fw.output -> j.udp\"
+  - \"a.output -> j.other\"
+  - \"j.output -> b.input\"
+  - \"b.output -> a.input\"
+",
+        a = h.outer[0],
+        b = h.outer[1],
+        nf = dir.join("nf.sock").display()
+    )
+}
+
+/// The function that reads `a`'s steered rings, if one does.
+fn read_by(s: &Stitch) -> serde_json::Value {
+    let (_, v) = s.call("POST", "/api/v1/apps/a/query", Some("{}"));
+    v["read_by"]["udp"].clone()
+}
+
+/// A function reading an interface's frames straight from its rings (steering) through an
+/// upgrade: the successor's port takes on the function where it stands, the successor's
+/// `af_xdp` leaves the rings to it, and the numbered stream (UDP, all steered) loses nothing.
+#[test]
+fn a_steered_function_carries_on_across_an_upgrade() {
+    require_root_and_tools(&["ip", "python3"]);
+    let h = TwoHosts::new();
+    let dir = tempfile::tempdir().unwrap();
+    let first = Stitch::run(&steered_function_graph(&h, dir.path()));
+    wait_until("the function to read the interface's rings", 20, || {
+        read_by(&first) == "fw"
+    });
+    assert!(h.reaches(0, &h.ip[1], 10), "no path before the upgrade");
+    let (successor, report) = numbered_stream_across_an_upgrade(&h, &first);
+    assert_eq!(
+        read_by(&first),
+        "fw",
+        "the successor left the rings to the function"
+    );
+    assert!(h.reaches(0, &h.ip[1], 10), "no path after the upgrade");
+    let last = successor.stop(first);
+    let fw = &app(&last, "fw")["counters"];
+    assert_eq!(fw["bad_descriptors"], 0, "{fw}");
+    assert!(fw["steered_packets"].as_u64() > Some(0), "{fw}");
+    assert_eq!(
+        fw["to_function"], 0,
+        "nothing went through the engine: {fw}"
+    );
+    eprintln!("{report}\n{fw}");
+}
+
+/// A supervised instance killed -9 while a function reads an interface's rings: the function
+/// lets go of the dead instance's sockets, the restarted instance binds the queue afresh,
+/// adopts the function and steers to it again; the stream flows on.
+#[test]
+fn a_steered_function_is_steered_to_again_after_its_instance_is_killed() {
+    require_root_and_tools(&["ip", "python3", "pgrep"]);
+    let h = TwoHosts::new();
+    let dir = tempfile::tempdir().unwrap();
+    let s = Stitch::run_with(
+        &steered_function_graph(&h, dir.path()),
+        &["--supervise", "--keep-running"],
+    );
+    wait_until("the function to read the interface's rings", 20, || {
+        read_by(&s) == "fw"
+    });
+    let fw_pid = pid_of(&s, "fw").unwrap();
+    let (received, ()) = numbered_stream_around(&h, &s, || crash_supervised(&s, "fw", "process"));
+    eprintln!("{received} of 4000 datagrams received across kill -9 and a supervised restart");
+    wait_until("the adopted function to be steered to again", 30, || {
+        s.stats().is_some() && read_by(&s) == "fw"
+    });
+    assert_eq!(pid_of(&s, "fw"), Some(fw_pid), "the function was adopted");
+    let (after, ()) = numbered_stream_around(&h, &s, || ());
+    assert_eq!(after, 4000, "the stream through the adopted function");
+    // SAFETY: kill takes no pointers.
+    unsafe { libc::kill(s.process.0.id() as i32, libc::SIGTERM) };
+    let out = s.process.finish();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// A guest's virtio driver (testpmd's virtio-user, forwarding what it receives back) never
 /// sees its vhost-user connection go: the successor carries the port on in the same rings, on
 /// the same connection, and the numbered stream through the guest loses nothing.

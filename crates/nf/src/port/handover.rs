@@ -40,9 +40,9 @@ struct Attached {
     held: u64,
     /// A direct channel (switch bypass) was up.
     direct: bool,
-    /// The function read an interface's rings (steered input).
+    /// The function reads an interface's rings (steered input): where it stands.
     #[serde(default)]
-    steered: bool,
+    steering: Option<crate::steer::SteeringAt>,
 }
 
 /// Offers the attach socket a predecessor lent (the first descriptor) to the listener of
@@ -64,6 +64,9 @@ impl NfPort {
                 fds.push(a.att.conn.try_clone().ok()?);
                 fds.push(a.att.memfd.try_clone().ok()?);
                 fds.push(a.att.doorbell.try_clone().ok()?);
+                if let Some(st) = &a.steering {
+                    fds.extend(st.lend().ok()?);
+                }
                 Some(Attached {
                     generation: a.att.generation,
                     pid: a.att.pid,
@@ -72,7 +75,7 @@ impl NfPort {
                     control_sent: a.control_sent,
                     held: a.held.lock().count(),
                     direct: a.outgoing.is_some() || a.incoming.is_some(),
-                    steered: a.steering.is_some(),
+                    steering: a.steering.as_ref().map(|st| st.position()),
                 })
             }
         };
@@ -144,6 +147,8 @@ impl NfPort {
         };
         let mut a = Active::new(att, s.zero_copy);
         a.resume_at(&at);
+        // The steered input's descriptors, for `resume` (where it stands is in the final word).
+        self.lent_steering = fds.collect();
         *self.shared.current.lock().unwrap() = Some(Current {
             generation,
             held: a.held.clone(),
@@ -184,13 +189,6 @@ impl NfPort {
                  be handed over yet"
             ));
         }
-        if at.steered {
-            return Err(format!(
-                "function port `{name}`: its function reads an interface's frames straight from \
-                 its sockets (steered input), which cannot be handed over yet; remove the steering \
-                 rule, upgrade, then put it back"
-            ));
-        }
         if at.held > 0 {
             return Err(format!(
                 "function port `{name}`: its function (pid {}) kept {} packets past the \
@@ -198,9 +196,26 @@ impl NfPort {
                 at.pid, at.held
             ));
         }
+        let steering = match &at.steering {
+            None => None,
+            Some(st) => {
+                let fds = std::mem::take(&mut self.lent_steering);
+                if fds.is_empty() {
+                    return Err(again());
+                }
+                let steering = crate::steer::Steering::adopt(st, fds)
+                    .map_err(|e| format!("function port `{name}`: steered input: {e}"))?;
+                Some(steering)
+            }
+        };
         let a = self.active.as_mut().ok_or_else(again)?;
         a.resume_at(&at);
         a.pool_unsent = self.shared.settings.zero_copy;
+        if let Some(st) = steering {
+            // The interface takes its rings on from the offer it finds here.
+            *self.shared.steer.lock().unwrap() = Some(st.offer.clone());
+            a.steering = Some(st);
+        }
         // The first breath sends the packet memory (`send_pool`), once this process runs.
         self.shared.changed.store(true, Ordering::Release);
         Ok(())

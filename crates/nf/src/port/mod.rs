@@ -407,6 +407,8 @@ pub struct NfPort {
     attached: Counter,
     /// Taken over from a predecessor process: the generation its attachment had there.
     lent_generation: Option<u64>,
+    /// Taken over: the descriptors of the steered input the predecessor served, if any.
+    lent_steering: Vec<std::os::fd::OwnedFd>,
 }
 
 impl App for NfPort {
@@ -470,6 +472,7 @@ impl App for NfPort {
             wakeups: ctx.counter("wakeups"),
             attached: ctx.counter("attached"),
             lent_generation: None,
+            lent_steering: Vec::new(),
         };
         if let Some(d) = inherited {
             port.adopt(d)?;
@@ -879,7 +882,9 @@ impl NfPort {
             a.steering = Some(st);
             return;
         }
-        if st.offer.end.load(Ordering::Acquire) && st.hand_back(&a.from_nf, &a.att.doorbell) {
+        if st.offer.end.load(Ordering::Acquire)
+            && st.hand_back(&a.from_nf, || direct::ring_doorbell(&a.att.doorbell))
+        {
             self.end_steering(st);
             return;
         }
