@@ -281,7 +281,7 @@ impl Drop for WithFunctions {
 }
 
 /// Process CPU time of the functions, from /proc (they are still running).
-fn children_cpu(children: &[Child]) -> f64 {
+pub(crate) fn children_cpu(children: &[Child]) -> f64 {
     let tick = crate::clock_ticks();
     children
         .iter()

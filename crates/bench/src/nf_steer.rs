@@ -7,14 +7,59 @@
 //! receiving worker's CPU per packet, each function's, and what arrived.
 
 use crate::kernel::sh;
-use crate::nf_scale::{function_counts, signature_binary, NfScaleArgs};
+use crate::nf_scale::{
+    children_cpu, function_counts, register_latency_sink, reset_latencies, signature_binary,
+    take_latencies, NfScaleArgs,
+};
 use crate::{cpu_seconds_of_thread, threads_named};
 use anyhow::{Context, Result};
 use std::path::Path;
 use std::process::{Child, Command};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use stitch_core::app::{AppContext, AppError, Io, PortSpec};
+use stitch_core::{App, AppType};
 use stitch_core::{Engine, Graph, Registry};
+
+/// Where a frame's send time rides across the veth: the first payload bytes of the
+/// generator's untagged IPv4 UDP frames (14 + 20 + 8).
+const CLOCK_AT: usize = 42;
+
+/// Writes the time into each frame's payload (`write: true`, before the sending port), or
+/// reads it back into the packet's timestamp (before the latency sink): the generator's own
+/// timestamp does not cross the wire.
+struct PayloadClock {
+    write: bool,
+}
+
+impl App for PayloadClock {
+    type Config = serde_json::Value;
+    fn declare(_: &serde_json::Value) -> Result<PortSpec, AppError> {
+        Ok(PortSpec::filter())
+    }
+    fn new(c: serde_json::Value, _: &mut AppContext) -> Result<Self, AppError> {
+        Ok(PayloadClock {
+            write: c["write"] == true,
+        })
+    }
+    fn push(&mut self, io: &mut Io) {
+        let (Some(input), Some(output)) = io.pair(0, 0) else {
+            return;
+        };
+        let now = stitch_core::packet::now_ns();
+        for mut p in input.drain() {
+            if let Some(at) = p.data_mut().get_mut(CLOCK_AT..CLOCK_AT + 8) {
+                if self.write {
+                    at.copy_from_slice(&now.to_le_bytes());
+                } else {
+                    let sent = u64::from_le_bytes(at.try_into().expect("8 bytes"));
+                    p.set_timestamp_ns(sent);
+                }
+            }
+            output.transmit(p);
+        }
+    }
+}
 
 /// The veth pair the generator sends over, removed when dropped.
 struct Veth(String);
@@ -58,9 +103,11 @@ fn graph(n: usize, steer: bool, args: &NfScaleArgs, veth: &Veth, socket: &Path) 
         "engine: {{ busy_poll: false, pool_packets: {pool} }}
 apps:
   gen: {{ type: generator, size: {size}, flows: {n}, src_ip: {src}, dst_ip: 10.201.0.1, rate: {rate:.0}, worker: tx }}
+  stamp: {{ type: payload_clock, write: true, worker: tx }}
   tx: {{ type: af_packet, interface: {a}, worker: tx }}
   j: {{ type: join, worker: dut }}
-  out: {{ type: sink, worker: dut }}
+  read: {{ type: payload_clock, worker: dut }}
+  out: {{ type: latency_sink, worker: dut }}
 ",
         pool = args.pool_packets,
         size = args.size,
@@ -69,7 +116,7 @@ apps:
         a = veth.sender(),
     );
     let mut links =
-        String::from("links:\n  - \"gen.output -> tx.input\"\n  - \"j.output -> out.input\"\n");
+        String::from("links:\n  - \"gen.output -> stamp.input\"\n  - \"stamp.output -> tx.input\"\n  - \"j.output -> read.input\"\n  - \"read.output -> out.input\"\n");
     if steer {
         g += &format!(
             "  nic:\n    type: af_xdp\n    interface: {}\n    worker: dut\n    steer:\n",
@@ -113,6 +160,8 @@ struct Point {
     functions_ns: f64,
     steered: u64,
     drops: u64,
+    mean_us: f64,
+    p99_us: f64,
 }
 
 fn counter(e: &Engine, app: &str, name: &str) -> u64 {
@@ -131,23 +180,6 @@ fn delivered(e: &Engine) -> (u64, u64) {
         app("gen").map_or(0, |a| a.tx_packets),
         app("out").map_or(0, |a| a.rx_packets),
     )
-}
-
-fn process_cpu(children: &[Child]) -> f64 {
-    let tick = crate::clock_ticks();
-    children
-        .iter()
-        .filter_map(|c| std::fs::read_to_string(format!("/proc/{}/stat", c.id())).ok())
-        .filter_map(|s| {
-            let f: Vec<String> = s
-                .rsplit_once(')')?
-                .1
-                .split_whitespace()
-                .map(String::from)
-                .collect();
-            Some((f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?) / tick)
-        })
-        .sum()
 }
 
 fn phase(registry: &Arc<Registry>, n: usize, steer: bool, args: &NfScaleArgs) -> Result<Point> {
@@ -192,6 +224,7 @@ fn phase(registry: &Arc<Registry>, n: usize, steer: bool, args: &NfScaleArgs) ->
     }
     engine.apply(graph)?;
     std::thread::sleep(Duration::from_millis(500));
+    reset_latencies();
     let dut = *threads_named("stitch-dut")
         .first()
         .context("no `dut` worker thread")?;
@@ -205,7 +238,7 @@ fn phase(registry: &Arc<Registry>, n: usize, steer: bool, args: &NfScaleArgs) ->
     let (g0, d0) = delivered(&engine);
     let (e0, f0, x0, t0) = (
         cpu_seconds_of_thread(dut),
-        process_cpu(&functions.0),
+        children_cpu(&functions.0),
         drops(&engine),
         Instant::now(),
     );
@@ -213,13 +246,14 @@ fn phase(registry: &Arc<Registry>, n: usize, steer: bool, args: &NfScaleArgs) ->
     let (g1, d1) = delivered(&engine);
     let (e1, f1, x1) = (
         cpu_seconds_of_thread(dut),
-        process_cpu(&functions.0),
+        children_cpu(&functions.0),
         drops(&engine),
     );
     let wall = t0.elapsed().as_secs_f64();
     let got = (d1 - d0).max(1) as f64;
     let steered = counter(&engine, "nic", "steered_function_packets");
     engine.stop();
+    let (mean_us, p99_us) = take_latencies();
     Ok(Point {
         offered_mpps: (g1 - g0) as f64 / wall / 1e6,
         mpps: (d1 - d0) as f64 / wall / 1e6,
@@ -227,6 +261,8 @@ fn phase(registry: &Arc<Registry>, n: usize, steer: bool, args: &NfScaleArgs) ->
         functions_ns: (f1 - f0) / got * 1e9,
         steered,
         drops: x1 - x0,
+        mean_us,
+        p99_us,
     })
 }
 
@@ -242,7 +278,12 @@ impl Drop for Functions {
     }
 }
 
-pub fn run(args: NfScaleArgs, registry: Registry) -> Result<()> {
+pub fn run(args: NfScaleArgs, mut registry: Registry) -> Result<()> {
+    register_latency_sink(&mut registry);
+    registry.register(AppType::of::<PayloadClock>(
+        "payload_clock",
+        "writes the time into a frame's payload, or reads it back into its timestamp",
+    ));
     {
         let registry = Arc::new(registry);
         let points = function_counts(&args.nfs, "1,2,4,8")?;
@@ -251,8 +292,17 @@ pub fn run(args: NfScaleArgs, registry: Registry) -> Result<()> {
             args.size, args.steer_mpps, args.mode, args.seconds
         );
         println!(
-            "{:>3} {:>8} {:>9} {:>9} {:>14} {:>14} {:>10} {:>8}",
-            "N", "path", "offered", "Mpps", "engine ns/pkt", "functions ns/pkt", "steered", "drops"
+            "{:>3} {:>8} {:>9} {:>9} {:>14} {:>14} {:>10} {:>8} {:>8} {:>8}",
+            "N",
+            "path",
+            "offered",
+            "Mpps",
+            "engine ns/pkt",
+            "functions ns/pkt",
+            "steered",
+            "drops",
+            "mean µs",
+            "p99 µs"
         );
         for n in points {
             anyhow::ensure!(n >= 1, "--nfs values must be at least 1");
@@ -261,7 +311,7 @@ pub fn run(args: NfScaleArgs, registry: Registry) -> Result<()> {
                 let p = phase(&registry, n, steer, &args)?;
                 engine_ns[k] = p.engine_ns;
                 println!(
-                    "{:>3} {:>8} {:>9.3} {:>9.3} {:>14.0} {:>14.0} {:>10} {:>8}",
+                    "{:>3} {:>8} {:>9.3} {:>9.3} {:>14.0} {:>14.0} {:>10} {:>8} {:>8.1} {:>8.0}",
                     n,
                     if steer { "steered" } else { "engine" },
                     p.offered_mpps,
@@ -269,7 +319,9 @@ pub fn run(args: NfScaleArgs, registry: Registry) -> Result<()> {
                     p.engine_ns,
                     p.functions_ns,
                     p.steered,
-                    p.drops
+                    p.drops,
+                    p.mean_us,
+                    p.p99_us
                 );
             }
             println!(
