@@ -78,12 +78,26 @@ impl Switch {
         }
     }
 
+    /// Counts `p` packets and `b` bytes that crossed from input `from` to output `to` by a
+    /// direct channel or path: in the entries and tables they passed, the ports, and
+    /// `direct_channel_packets`.
+    pub(crate) fn count_crossing(&mut self, p2p: &P2p, from: usize, to: usize, p: u64, b: u64) {
+        self.count_passing(p2p, p, b);
+        let pc = &self.shared.port_counters;
+        pc[from].rx_packets.fetch_add(p, Ordering::Relaxed);
+        pc[from].rx_bytes.fetch_add(b, Ordering::Relaxed);
+        pc[to].tx_packets.fetch_add(p, Ordering::Relaxed);
+        pc[to].tx_bytes.fetch_add(b, Ordering::Relaxed);
+        self.counters.channel_packets.add(p);
+    }
+
     /// Gives point-to-point pairs of function ports a direct channel, takes back those the
     /// rules or the functions no longer allow, counts what crossed them.
     pub(crate) fn manage_channels(&mut self, io: &mut Io) {
-        let in_use = self.review_channels(io);
+        let in_use = self.review_channels(io) + self.review_vm_paths(io);
         self.counters.channels_in_use.set(in_use);
         self.offer_channels(io);
+        self.offer_vm_paths(io);
     }
 
     /// Counts what crossed each channel, retires those done and ends those the rules or the
@@ -97,15 +111,8 @@ impl Switch {
             let (p, b) = (now.0 - c.counted.0, now.1 - c.counted.1);
             c.counted = now;
             if p > 0 {
-                let p2p = c.p2p.clone();
-                self.count_passing(&p2p, p, b);
-                let c = &mut self.channels[i];
-                let pc = &self.shared.port_counters;
-                pc[c.from].rx_packets.fetch_add(p, Ordering::Relaxed);
-                pc[c.from].rx_bytes.fetch_add(b, Ordering::Relaxed);
-                pc[c.to].tx_packets.fetch_add(p, Ordering::Relaxed);
-                pc[c.to].tx_bytes.fetch_add(b, Ordering::Relaxed);
-                self.counters.channel_packets.add(p);
+                let (p2p, from, to) = (c.p2p.clone(), c.from, c.to);
+                self.count_crossing(&p2p, from, to, p, b);
             }
             let c = &mut self.channels[i];
             let phase = c.direct.phase();

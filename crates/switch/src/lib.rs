@@ -39,6 +39,7 @@ pub mod ofp;
 pub mod oxm;
 pub mod pipeline;
 mod saved;
+mod vm_paths;
 
 use pipeline::{FlowEntry, P2p, TABLES};
 use serde::Deserialize;
@@ -266,6 +267,8 @@ pub struct Switch {
     /// The passive endpoint's socket, to hand over at an upgrade.
     listener: Option<std::net::TcpListener>,
     channels: Vec<bypass::Channel>,
+    /// Direct paths between VM ports ([`vm_paths`]).
+    vm_paths: Vec<vm_paths::VmPath>,
     counters: Counters,
 }
 
@@ -358,6 +361,7 @@ impl App for Switch {
             _endpoint: endpoint,
             listener: kept,
             channels: Vec::new(),
+            vm_paths: Vec::new(),
             counters,
         })
     }
@@ -376,7 +380,9 @@ impl App for Switch {
         if let Some(v) = self.pending_version {
             // A pipeline is in effect once no channel the old one allowed still carries
             // packets: a BARRIER is answered only then.
-            if self.channels.iter().all(|c| !c.direct.is_draining()) {
+            if self.channels.iter().all(|c| !c.direct.is_draining())
+                && self.vm_paths.iter().all(|v| !v.direct.is_draining())
+            {
                 let took = self
                     .shared
                     .now_ns()
@@ -427,10 +433,14 @@ impl App for Switch {
                 c.direct.switch_progress(consumed, sent);
             }
         }
+        self.vm_paths_progress(io);
     }
 
     fn tick(&mut self, io: &mut Io, _now: std::time::Instant) {
-        if !self.channels.is_empty() || self.direct.iter().any(Option::is_some) {
+        if !self.channels.is_empty()
+            || !self.vm_paths.is_empty()
+            || self.direct.iter().any(Option::is_some)
+        {
             self.manage_channels(io);
         }
     }
@@ -439,6 +449,9 @@ impl App for Switch {
         self.dp.flush_entries(&self.snap, self.shared.now_ns());
         for c in &self.channels {
             c.direct.end();
+        }
+        for v in &self.vm_paths {
+            v.direct.end();
         }
     }
 
@@ -520,6 +533,7 @@ impl App for Switch {
             "meters": meters,
             "controllers": self.shared.connections.lock().unwrap().len(),
             "direct_channels": self.channels_json(),
+            "direct_vm_paths": self.vm_paths_json(),
         })
     }
 }

@@ -32,6 +32,7 @@
 //! ```
 
 pub mod device;
+pub mod direct;
 pub mod frontend;
 mod handover;
 pub mod memory;
@@ -41,6 +42,7 @@ pub mod virtq;
 pub mod vm;
 
 use device::{feature, Device, Endpoint, Shared};
+use direct::{Step, VmDirect, VmPort};
 use serde::Deserialize;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::PathBuf;
@@ -152,6 +154,47 @@ pub struct VhostUser {
     mac: Option<[u8; 6]>,
     ingress: policy::Direction,
     egress: policy::Direction,
+    /// This port as a switch sees it at its links' ends (for direct paths between VMs).
+    port: Arc<VmPort>,
+    /// The links (by ring) this port has tagged with `port`.
+    tagged: [usize; 2],
+    /// A direct path from this port's guest to another port's ([`direct`]).
+    direct: Option<Arc<VmDirect>>,
+    /// The guest's chain being copied on a direct path (scratch).
+    direct_segs: Vec<Segment>,
+    direct_packets: Counter,
+}
+
+/// The virtio-net header at the start of a chain's buffers (`hlen` bytes, which they hold):
+/// read in place when the first buffer holds it (the usual case), else gathered from the
+/// buffers it is split over.
+fn read_header(segs: &[Segment], hlen: usize) -> Option<VnetHdr> {
+    if segs[0].len as usize >= hlen {
+        // SAFETY: every segment was checked against guest memory by Vring::chain.
+        return VnetHdr::parse(unsafe { std::slice::from_raw_parts(segs[0].ptr, VNET_HDR_LEN) });
+    }
+    let mut hdr = [0u8; 12];
+    let mut copied = 0;
+    for s in segs {
+        // SAFETY: as above.
+        let b = unsafe { std::slice::from_raw_parts(s.ptr, s.len as usize) };
+        let take = (hlen - copied).min(b.len());
+        hdr[copied..copied + take].copy_from_slice(&b[..take]);
+        copied += take;
+        if copied == hlen {
+            break;
+        }
+    }
+    VnetHdr::parse(&hdr[..VNET_HDR_LEN])
+}
+
+/// Why a guest's receive ring had no room for a frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Shortage {
+    /// No buffers posted: the guest has not caught up.
+    Buffers,
+    /// Its buffers are too short for the frame (and it takes no mergeable buffers).
+    TooBig,
 }
 
 /// The virtio-net header (virtio 1.x §5.1.6, 12 bytes with `num_buffers`) as two
@@ -242,6 +285,12 @@ impl App for VhostUser {
             c.egress_filter.as_deref(),
             c.tx_rate.as_ref(),
         )?;
+        let port = Arc::new(VmPort {
+            shared: shared.clone(),
+            slot: std::sync::Mutex::new(None),
+            offered: false.into(),
+            plain: mac.is_none() && ingress.is_open() && egress.is_open(),
+        });
         let connection = device::spawn(
             Endpoint {
                 path: socket.clone(),
@@ -279,12 +328,19 @@ impl App for VhostUser {
             mac,
             ingress,
             egress,
+            port,
+            tagged: [0; 2],
+            direct: None,
+            direct_segs: Vec::with_capacity(16),
+            direct_packets: ctx.counter("direct_vm_packets"),
         })
     }
 
     /// From the guest: its transmit rings (odd indexes) into `output`.
     fn pull(&mut self, io: &mut Io) {
+        self.tag_link_ends(io);
         let Some(out) = io.output(0) else { return };
+        let step = self.direct_step(out.ring().tx_packets());
         let shared = self.shared.clone();
         let Ok(mut dev) = shared.device.try_lock() else {
             return;
@@ -297,6 +353,11 @@ impl App for VhostUser {
                 out.transmit(p);
                 self.announcements.add(1);
             }
+        }
+        match step {
+            Step::Hold => return,
+            Step::Direct => return self.copy_direct(&mut dev),
+            Step::Retired => {}
         }
         for q in (1..dev.queues.len()).step_by(2) {
             let mut fault = None;
@@ -588,26 +649,7 @@ impl VhostUser {
             self.from_guest_malformed.add(1);
             return None;
         }
-        // The header, read in place when the first buffer holds it (the usual case), else
-        // gathered from the buffers it is split over.
-        let mut hdr = [0u8; 12];
-        let vnet = if segs[0].len as usize >= hlen {
-            // SAFETY: every segment was checked against guest memory by Vring::chain.
-            VnetHdr::parse(unsafe { std::slice::from_raw_parts(segs[0].ptr, VNET_HDR_LEN) })?
-        } else {
-            let mut copied = 0;
-            for s in segs {
-                // SAFETY: as above.
-                let b = unsafe { std::slice::from_raw_parts(s.ptr, s.len as usize) };
-                let take = (hlen - copied).min(b.len());
-                hdr[copied..copied + take].copy_from_slice(&b[..take]);
-                copied += take;
-                if copied == hlen {
-                    break;
-                }
-            }
-            VnetHdr::parse(&hdr[..VNET_HDR_LEN])?
-        };
+        let vnet = read_header(segs, hlen)?;
         let frame_len = total - hlen;
         let gso = vnet.gso_type != offload::GSO_NONE;
         if let ([s], false, true) = (segs, gso, frame_len <= MAX_FRAME) {
@@ -713,9 +755,26 @@ impl VhostUser {
         total: usize,
         mergeable: bool,
     ) -> Result<bool, virtq::Fault> {
+        let r = self.reserve_quietly(ring, mem, total, mergeable);
+        match r {
+            Ok(Some(Shortage::Buffers)) => self.to_guest_no_buffers.add(1),
+            Ok(Some(Shortage::TooBig)) => self.to_guest_too_big.add(1),
+            _ => {}
+        }
+        r.map(|short| short.is_none())
+    }
+
+    /// [`VhostUser::reserve`], saying why it found no room instead of counting it.
+    fn reserve_quietly(
+        &mut self,
+        ring: &mut Vring,
+        mem: &memory::GuestMemory,
+        total: usize,
+        mergeable: bool,
+    ) -> Result<Option<Shortage>, virtq::Fault> {
         let (chains_before, segs_before) = (self.chains.len(), self.rx_segs.len());
         let r = self.take_chains(ring, mem, total, mergeable, chains_before);
-        if !matches!(r, Ok(true)) {
+        if !matches!(r, Ok(None)) {
             self.chains.truncate(chains_before);
             self.rx_segs.truncate(segs_before);
         }
@@ -731,19 +790,17 @@ impl VhostUser {
         total: usize,
         mergeable: bool,
         chains_before: usize,
-    ) -> Result<bool, virtq::Fault> {
+    ) -> Result<Option<Shortage>, virtq::Fault> {
         let mut room = 0usize;
         while room < total {
             let taken = self.chains.len() - chains_before;
             let out_of_buffers = ring.pending() == 0;
             if out_of_buffers || (!mergeable && taken > 0) {
                 ring.unget(taken as u16);
-                if out_of_buffers {
-                    self.to_guest_no_buffers.add(1);
-                } else {
-                    self.to_guest_too_big.add(1);
-                }
-                return Ok(false);
+                return Ok(Some(match out_of_buffers {
+                    true => Shortage::Buffers,
+                    false => Shortage::TooBig,
+                }));
             }
             let head = ring.next_head()?;
             let first = self.rx_segs.len();
@@ -760,7 +817,7 @@ impl VhostUser {
             room += segs.iter().map(|s| s.len as usize).sum::<usize>();
             self.chains.push((head, first, segs.len()));
         }
-        Ok(true)
+        Ok(None)
     }
 
     /// Writes `p`, behind its virtio-net header, into the reserved chains `chains` and
