@@ -15,6 +15,7 @@ mod rfc2544;
 mod soak;
 mod upgrade;
 mod vhost;
+mod vm2vm;
 mod xdp_steer;
 
 use anyhow::Result;
@@ -74,6 +75,9 @@ pub enum BenchCmd {
     /// RFC 2544 through vhost-user ports: the no-drop and partial-drop rates by binary search
     /// and latency at fractions of the no-drop rate, Stitch beside testpmd's io forwarding.
     Rfc2544(crate::rfc2544::Rfc2544Args),
+    /// Seed 001 with VMs: chains of testpmd guests through the OpenFlow switch, with and
+    /// without direct paths between VM ports.
+    Vm2vm(crate::vm2vm::Vm2vmArgs),
     /// What `af_xdp` steering rules cost a frame in the interface's XDP program, timed by the
     /// kernel against the program without rules.
     XdpSteer(crate::xdp_steer::XdpSteerArgs),
@@ -141,6 +145,14 @@ impl Drop for HugePageReserve {
 }
 
 /// Clock ticks per second, the unit of CPU times in /proc/PID/stat.
+/// CPU time (user and system) of process `pid` so far, from /proc; `None` once it is gone.
+pub(crate) fn process_cpu_seconds(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let ticks = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+    Some(ticks / clock_ticks())
+}
+
 pub(crate) fn clock_ticks() -> f64 {
     // SAFETY: sysconf takes no pointers.
     unsafe { libc::sysconf(libc::_SC_CLK_TCK) as f64 }
@@ -389,6 +401,7 @@ pub fn run(cmd: BenchCmd, registry: fn() -> Registry) -> Result<()> {
         BenchCmd::Cluster(args) => cluster::run(args, registry()),
         BenchCmd::Vhost(args) => vhost::run(args),
         BenchCmd::Rfc2544(args) => rfc2544::run(args),
+        BenchCmd::Vm2vm(args) => vm2vm::run(args),
         BenchCmd::XdpSteer(args) => xdp_steer::run(args),
         BenchCmd::Nf {
             name,

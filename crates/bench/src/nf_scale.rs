@@ -282,15 +282,8 @@ impl Drop for WithFunctions {
 
 /// Process CPU time of the functions, from /proc (they are still running).
 pub(crate) fn children_cpu(children: &[Child]) -> f64 {
-    let tick = crate::clock_ticks();
-    children
-        .iter()
-        .filter_map(|c| std::fs::read_to_string(format!("/proc/{}/stat", c.id())).ok())
-        .filter_map(|s| {
-            let rest = s.rsplit_once(')')?.1;
-            let f: Vec<&str> = rest.split_whitespace().collect();
-            Some((f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?) / tick)
-        })
+    (children.iter())
+        .filter_map(|c| crate::process_cpu_seconds(c.id()))
         .sum()
 }
 

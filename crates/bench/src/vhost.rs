@@ -71,6 +71,10 @@ pub(crate) struct Proc {
 }
 
 impl Proc {
+    pub(crate) fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// A process to stop with SIGINT (and kill after 3 s) when dropped.
     pub(crate) fn of(child: Child) -> Proc {
         Proc {

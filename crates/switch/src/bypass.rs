@@ -96,8 +96,10 @@ impl Switch {
     pub(crate) fn manage_channels(&mut self, io: &mut Io) {
         let in_use = self.review_channels(io) + self.review_vm_paths(io);
         self.counters.channels_in_use.set(in_use);
-        self.offer_channels(io);
-        self.offer_vm_paths(io);
+        if self.offers_direct {
+            self.offer_channels(io);
+            self.offer_vm_paths(io);
+        }
     }
 
     /// Counts what crossed each channel, retires those done and ends those the rules or the

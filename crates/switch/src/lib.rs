@@ -67,10 +67,19 @@ pub struct SwitchConfig {
     /// (used once a table holds more than a few flows); 0 turns it off.
     #[serde(default = "default_cache")]
     pub exact_match_cache: usize,
+    /// Point-to-point pairs of zero-copy function ports or of VM ports get a direct channel
+    /// or path (the switch out of their way, its counters kept); false: the switch carries
+    /// every packet itself.
+    #[serde(default = "yes")]
+    pub direct_paths: bool,
 }
 
 fn default_cache() -> usize {
     8192
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// Per-port counters, as OpenFlow port statistics report them.
@@ -269,6 +278,8 @@ pub struct Switch {
     channels: Vec<bypass::Channel>,
     /// Direct paths between VM ports ([`vm_paths`]).
     vm_paths: Vec<vm_paths::VmPath>,
+    /// `direct_paths` of the config.
+    offers_direct: bool,
     counters: Counters,
 }
 
@@ -362,6 +373,7 @@ impl App for Switch {
             listener: kept,
             channels: Vec::new(),
             vm_paths: Vec::new(),
+            offers_direct: c.direct_paths,
             counters,
         })
     }

@@ -167,7 +167,7 @@ fn firewall_nat_graph(dir: &Path) -> String {
 }
 
 /// `ovs-ofctl add-flows` of `flows` into the switch listening on `port`, once it answers.
-fn add_flows(port: u16, flows: &str, dir: &Path) -> Result<()> {
+pub(crate) fn add_flows(port: u16, flows: &str, dir: &Path) -> Result<()> {
     let target = format!("tcp:127.0.0.1:{port}");
     let ofctl = |args: &[&str]| {
         Command::new("ovs-ofctl")

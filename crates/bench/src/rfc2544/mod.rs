@@ -10,7 +10,7 @@
 //! p50, p99, p99.9, max) and jitter at 10, 50 and 90 % of the NDR. Unidirectional: frames
 //! flow a → b. Figures are comparable only within one run of one machine.
 
-mod duts;
+pub(crate) mod duts;
 mod plot;
 pub mod search;
 pub mod tester;
