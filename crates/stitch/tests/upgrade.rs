@@ -768,6 +768,90 @@ fn a_steered_function_is_steered_to_again_after_its_instance_is_killed() {
     );
 }
 
+/// Two guests (Stitch's virtio-net driver on each port) joined by the switch's direct path
+/// through an upgrade: the old process's worker stops copying between two breaths, the
+/// successor carries both vhost-user connections and the switch's flows on, and gives the
+/// pair a direct path again; every numbered frame arrives once, in order.
+#[test]
+fn a_direct_path_between_vms_carries_on_across_an_upgrade() {
+    use stitch_vhost::frontend::Frontend;
+    require_root_and_tools(&["ovs-ofctl"]);
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let sock = |n: &str| dir.path().join(format!("{n}.sock"));
+    let first = Stitch::run(&format!(
+        "apps:
+  sw: {{ type: switch, ports: [a, b], listen: \"127.0.0.1:{port}\" }}
+  a: {{ type: vhost_user, socket: {a} }}
+  b: {{ type: vhost_user, socket: {b} }}
+links:
+  - \"sw.a -> a.input\"
+  - \"a.output -> sw.a\"
+  - \"sw.b -> b.input\"
+  - \"b.output -> sw.b\"
+",
+        a = sock("a").display(),
+        b = sock("b").display(),
+    ));
+    ofctl(
+        port,
+        &["add-flow", "priority=100,in_port=1,actions=output:2"],
+    );
+    let patience = std::time::Duration::from_secs(10);
+    let mut a = Frontend::connect(&sock("a"), 256, patience).unwrap();
+    let mut b = Frontend::connect(&sock("b"), 256, patience).unwrap();
+    let frame = |buf: &mut [u8], seq: u32| {
+        buf[..14].copy_from_slice(&[2, 0, 0, 0, 0, 2, 2, 0, 0, 0, 0, 1, 0x88, 0xb5]);
+        buf[14..18].copy_from_slice(&seq.to_be_bytes());
+        buf[18..60].fill(0);
+        60
+    };
+    let direct = |s: &Stitch| {
+        let (_, v) = s.call("POST", "/api/v1/apps/sw/query", Some("{}"));
+        v["direct_vm_paths"][0]["phase"] == "Direct"
+    };
+    let t = std::time::Instant::now();
+    let mut warm = 0u32;
+    while !direct(&first) {
+        warm += a.send(1, |buf| frame(buf, u32::MAX)) as u32;
+        b.receive(|_| {});
+        assert!(t.elapsed() < patience, "no direct path before the upgrade");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    const N: u32 = 6000;
+    let (mut next, mut got) = (0u32, Vec::new());
+    let mut successor = None;
+    let t = std::time::Instant::now();
+    while got.len() < N as usize && t.elapsed() < std::time::Duration::from_secs(30) {
+        for _ in 0..8 {
+            let seq = next;
+            if next < N && a.send(1, |buf| frame(buf, seq)) == 1 {
+                next += 1;
+            }
+        }
+        b.receive(|f| {
+            let seq = u32::from_be_bytes(f[14..18].try_into().unwrap());
+            if seq != u32::MAX {
+                got.push(seq);
+            }
+        });
+        if next >= N / 3 && successor.is_none() {
+            successor = Some(upgrade(&first).0);
+        }
+        std::thread::sleep(std::time::Duration::from_micros(500));
+    }
+    let successor = successor.expect("upgraded mid-stream");
+    assert_eq!(got.len(), N as usize, "every frame arrived ({warm} before)");
+    assert!(
+        got.iter().enumerate().all(|(i, &seq)| seq == i as u32),
+        "once each, in order"
+    );
+    wait_until("the successor's direct path", 10, || direct(&first));
+    let last = successor.stop(first);
+    let sw = &app(&last, "sw")["counters"];
+    assert!(sw["direct_channel_packets"].as_u64() > Some(0), "{sw}");
+}
+
 /// A guest's virtio driver (testpmd's virtio-user, forwarding what it receives back) never
 /// sees its vhost-user connection go: the successor carries the port on in the same rings, on
 /// the same connection, and the numbered stream through the guest loses nothing.
