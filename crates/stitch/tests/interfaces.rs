@@ -496,6 +496,25 @@ for i in range(n):
         time.sleep(0.005)
 "#;
 
+/// Two hosts of which only host 0's veth is attached (to Stitch): host 1's address resolves
+/// to a made-up MAC, so that host 0 sends to it.
+fn host0_sending_into_stitch() -> TwoHosts {
+    require_root_and_tools(&["ip", "python3", "tshark"]);
+    let h = TwoHosts::new();
+    must(&format!(
+        "ip -n {} neigh replace {} lladdr 02:00:00:00:00:02 dev {}",
+        h.ns[0], h.ip[1], h.inner[0]
+    ));
+    h
+}
+
+/// [`THREE_PORTS`] sending `n` rounds from host 0, in the background.
+fn three_ports_from_host0(h: &TwoHosts, dir: &std::path::Path, n: u64) -> Background {
+    let file = dir.join("tx.py");
+    std::fs::write(&file, THREE_PORTS).unwrap();
+    h.spawn(0, &format!("python3 {} {} {n}", file.display(), h.ip[1]))
+}
+
 /// (UDP destination port, number) of each datagram of `file` sent by [`THREE_PORTS`].
 fn numbered_datagrams(file: &std::path::Path) -> Vec<(u16, u64)> {
     let lines = tshark_checked_where(file, "udp", &["udp.dstport", "udp.payload"]);
@@ -523,13 +542,7 @@ fn umem_frames(s: &Stitch, app: &str) -> serde_json::Value {
 /// captures are read back by tshark: each datagram once, on the right side, in order.
 #[test]
 fn af_xdp_steers_what_its_rules_match_out_of_their_port() {
-    require_root_and_tools(&["ip", "python3", "tshark"]);
-    let h = TwoHosts::new();
-    // Host 1 is not attached: its address resolves to a made-up MAC so that host 0 sends.
-    must(&format!(
-        "ip -n {} neigh replace {} lladdr 02:00:00:00:00:02 dev {}",
-        h.ns[0], h.ip[1], h.inner[0]
-    ));
+    let h = host0_sending_into_stitch();
     let dir = tempfile::tempdir().unwrap();
     let (tunnel, rest) = (dir.path().join("tunnel.pcap"), dir.path().join("rest.pcap"));
     let s = Stitch::run(&format!(
@@ -650,12 +663,7 @@ links:
 /// once, on its side, in order. The UMEM's frames are all back where they were, idle.
 #[test]
 fn steered_frames_reach_two_functions_without_the_engine_reading_them() {
-    require_root_and_tools(&["ip", "python3", "tshark"]);
-    let h = TwoHosts::new();
-    must(&format!(
-        "ip -n {} neigh replace {} lladdr 02:00:00:00:00:02 dev {}",
-        h.ns[0], h.ip[1], h.inner[0]
-    ));
+    let h = host0_sending_into_stitch();
     let dir = tempfile::tempdir().unwrap();
     let file = |name: &str| dir.path().join(name);
     let s = Stitch::run(&steered_graph(&h, dir.path()));
@@ -712,12 +720,7 @@ fn steered_frames_reach_two_functions_without_the_engine_reading_them() {
 /// uncounted, nothing arrives twice or out of order, and the UMEM's frames are all back.
 #[test]
 fn a_steered_function_killed_falls_back_and_leaks_no_frame() {
-    require_root_and_tools(&["ip", "python3", "tshark"]);
-    let h = TwoHosts::new();
-    must(&format!(
-        "ip -n {} neigh replace {} lladdr 02:00:00:00:00:02 dev {}",
-        h.ns[0], h.ip[1], h.inner[0]
-    ));
+    let h = host0_sending_into_stitch();
     let dir = tempfile::tempdir().unwrap();
     let s = Stitch::run(&steered_graph(&h, dir.path()));
     let steering =
@@ -728,15 +731,7 @@ fn a_steered_function_killed_falls_back_and_leaks_no_frame() {
     let idle = umem_frames(&s, "nic");
     let first = pid_of(&s, "nf1").unwrap();
     let n = 20_000;
-    std::fs::write(dir.path().join("tx.py"), THREE_PORTS).unwrap();
-    let sender = h.spawn(
-        0,
-        &format!(
-            "python3 {} {} {n}",
-            dir.path().join("tx.py").display(),
-            h.ip[1]
-        ),
-    );
+    let sender = three_ports_from_host0(&h, dir.path(), n);
     wait_until("nf1 to be well into the stream", 20, || {
         let stats = s.stats().unwrap();
         app(&stats, "nf1")["counters"]["steered_packets"].as_u64() > Some(n / 10)
@@ -793,12 +788,7 @@ fn a_steered_function_killed_falls_back_and_leaks_no_frame() {
 /// the UMEM's frames are all back where they were.
 #[test]
 fn steering_rules_added_and_removed_under_traffic_lose_nothing_delivered() {
-    require_root_and_tools(&["ip", "python3", "tshark"]);
-    let h = TwoHosts::new();
-    must(&format!(
-        "ip -n {} neigh replace {} lladdr 02:00:00:00:00:02 dev {}",
-        h.ns[0], h.ip[1], h.inner[0]
-    ));
+    let h = host0_sending_into_stitch();
     let dir = tempfile::tempdir().unwrap();
     let both = steered_graph(&h, dir.path());
     let one = both
@@ -811,15 +801,7 @@ fn steering_rules_added_and_removed_under_traffic_lose_nothing_delivered() {
     });
     let idle = umem_frames(&s, "nic");
     let n = 20_000;
-    std::fs::write(dir.path().join("tx.py"), THREE_PORTS).unwrap();
-    let sender = h.spawn(
-        0,
-        &format!(
-            "python3 {} {} {n}",
-            dir.path().join("tx.py").display(),
-            h.ip[1]
-        ),
-    );
+    let sender = three_ports_from_host0(&h, dir.path(), n);
     for (graph, steered) in [(&both, true), (&one, false)] {
         std::thread::sleep(std::time::Duration::from_millis(300));
         s.apply(graph);

@@ -466,45 +466,17 @@ fn numbered_frame(buf: &mut [u8], seq: u32) -> usize {
 /// counters count every frame either way.
 #[test]
 fn vm_ports_get_a_direct_path_and_give_it_back_losing_nothing() {
-    use stitch_vhost::frontend::Frontend;
     require_root_and_tools(&["ovs-ofctl"]);
     const N: u32 = 24_000;
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
-    let sock = |n: &str| dir.path().join(format!("{n}.sock"));
-    let s = Stitch::run(&format!(
-        "apps:
-  sw: {{ type: switch, ports: [a, b], listen: \"127.0.0.1:{port}\" }}
-  a: {{ type: vhost_user, socket: {a} }}
-  b: {{ type: vhost_user, socket: {b} }}
-links:
-  - \"sw.a -> a.input\"
-  - \"a.output -> sw.a\"
-  - \"sw.b -> b.input\"
-  - \"b.output -> sw.b\"
-",
-        a = sock("a").display(),
-        b = sock("b").display(),
-    ));
+    let s = Stitch::run(&switch_between_two_vm_ports(dir.path(), port));
     ofctl(
         port,
         &["add-flow", "priority=100,in_port=1,actions=output:2"],
     );
-    let patience = Duration::from_secs(10);
-    let mut a = Frontend::connect(&sock("a"), 256, patience).unwrap();
-    let mut b = Frontend::connect(&sock("b"), 256, patience).unwrap();
-    let phase = |s: &Stitch| {
-        let (_, v) = s.call("POST", "/api/v1/apps/sw/query", Some("{}"));
-        v["direct_vm_paths"][0]["phase"].clone()
-    };
-    let (t, mut warm) = (Instant::now(), 0u32);
-    while phase(&s) != "Direct" {
-        // The path is taken once the guests are there and A sends.
-        warm += a.send(1, |buf| numbered_frame(buf, u32::MAX)) as u32;
-        b.receive(|_| {});
-        assert!(t.elapsed() < patience, "no direct path: {}", phase(&s));
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let (mut a, mut b, warm) =
+        guests_on_a_direct_path(&s, dir.path(), |buf| numbered_frame(buf, u32::MAX));
     while b.receive(|_| {}) > 0 || a.in_flight() > 0 {
         a.reclaim();
         std::thread::sleep(Duration::from_millis(20));

@@ -774,32 +774,14 @@ fn a_steered_function_is_steered_to_again_after_its_instance_is_killed() {
 /// pair a direct path again; every numbered frame arrives once, in order.
 #[test]
 fn a_direct_path_between_vms_carries_on_across_an_upgrade() {
-    use stitch_vhost::frontend::Frontend;
     require_root_and_tools(&["ovs-ofctl"]);
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
-    let sock = |n: &str| dir.path().join(format!("{n}.sock"));
-    let first = Stitch::run(&format!(
-        "apps:
-  sw: {{ type: switch, ports: [a, b], listen: \"127.0.0.1:{port}\" }}
-  a: {{ type: vhost_user, socket: {a} }}
-  b: {{ type: vhost_user, socket: {b} }}
-links:
-  - \"sw.a -> a.input\"
-  - \"a.output -> sw.a\"
-  - \"sw.b -> b.input\"
-  - \"b.output -> sw.b\"
-",
-        a = sock("a").display(),
-        b = sock("b").display(),
-    ));
+    let first = Stitch::run(&switch_between_two_vm_ports(dir.path(), port));
     ofctl(
         port,
         &["add-flow", "priority=100,in_port=1,actions=output:2"],
     );
-    let patience = std::time::Duration::from_secs(10);
-    let mut a = Frontend::connect(&sock("a"), 256, patience).unwrap();
-    let mut b = Frontend::connect(&sock("b"), 256, patience).unwrap();
     let frame = |buf: &mut [u8], seq: u32| {
         buf[..14].copy_from_slice(&[2, 0, 0, 0, 0, 2, 2, 0, 0, 0, 0, 1, 0x88, 0xb5]);
         buf[14..18].copy_from_slice(&seq.to_be_bytes());
@@ -810,14 +792,8 @@ links:
         let (_, v) = s.call("POST", "/api/v1/apps/sw/query", Some("{}"));
         v["direct_vm_paths"][0]["phase"] == "Direct"
     };
-    let t = std::time::Instant::now();
-    let mut warm = 0u32;
-    while !direct(&first) {
-        warm += a.send(1, |buf| frame(buf, u32::MAX)) as u32;
-        b.receive(|_| {});
-        assert!(t.elapsed() < patience, "no direct path before the upgrade");
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    let (mut a, mut b, warm) =
+        guests_on_a_direct_path(&first, dir.path(), |buf| frame(buf, u32::MAX));
     const N: u32 = 6000;
     let (mut next, mut got) = (0u32, Vec::new());
     let mut successor = None;

@@ -245,6 +245,46 @@ fn guest_output(log: &std::path::Path) -> String {
     text[start..end].to_string()
 }
 
+/// Guest 1 at `ips.0` (an iperf3 server) on `vm1.sock` of `dir` and guest 2 at `ips.1` on
+/// `vm2.sock`, which runs `client` once it reaches guest 1; what guest 2 printed.
+fn two_guests(
+    image: &std::path::Path,
+    dir: &std::path::Path,
+    ips: (&str, &str),
+    client: &str,
+) -> String {
+    let (log1, log2) = (dir.join("vm1.log"), dir.join("vm2.log"));
+    let g1 = guest(
+        image,
+        &dir.join("vm1.sock"),
+        "52:54:00:00:00:11",
+        &format!("{}/24", ips.0),
+        "iperf3 -s -1",
+        &log1,
+    );
+    let g2 = guest(
+        image,
+        &dir.join("vm2.sock"),
+        "52:54:00:00:00:12",
+        &format!("{}/24", ips.1),
+        &format!(
+            "for i in $(seq 1 60); do ping -c 1 -W 1 {} >/dev/null && break; done; {client}",
+            ips.0
+        ),
+        &log2,
+    );
+    let out2 = g2.finish();
+    assert!(
+        out2.status.success(),
+        "guest 2: {}",
+        String::from_utf8_lossy(&out2.stderr)
+    );
+    let _ = g1.finish();
+    let text = guest_output(&log2);
+    eprintln!("guest 2 said:\n{text}");
+    text
+}
+
 fn iperf_mbits(out: &str, server: &str) -> f64 {
     // iperf3's receiver summary: "[  5]   0.00-3.00  sec  X MBytes  Y Mbits/sec   receiver"
     let section = out
@@ -285,37 +325,17 @@ fn two_qemu_guests_ping_and_run_iperf3_through_stitch() {
         h.outer[0]
     ));
     let ns_server = h.spawn(0, "iperf3 -s -1 -p 5201");
-    let (log1, log2) = (dir.path().join("vm1.log"), dir.path().join("vm2.log"));
     let vm1_ip = format!("{prefix}.11");
     let vm2_ip = format!("{prefix}.12");
-    let g1 = guest(
+    let text = two_guests(
         &image,
-        &s1,
-        "52:54:00:00:00:11",
-        &format!("{vm1_ip}/24"),
-        "iperf3 -s -1",
-        &log1,
-    );
-    let g2 = guest(
-        &image,
-        &s2,
-        "52:54:00:00:00:12",
-        &format!("{vm2_ip}/24"),
+        dir.path(),
+        (&vm1_ip, &vm2_ip),
         &format!(
-            "for i in $(seq 1 60); do ping -c 1 -W 1 {vm1_ip} >/dev/null && break; done; ping -c 3 {vm1_ip}; ping -c 3 {ns_ip}; iperf3 -c {vm1_ip} -t 3; iperf3 -c {ns_ip} -t 3"
+            "ping -c 3 {vm1_ip}; ping -c 3 {ns_ip}; iperf3 -c {vm1_ip} -t 3; iperf3 -c {ns_ip} -t 3"
         ),
-        &log2,
     );
-    let out2 = g2.finish();
-    assert!(
-        out2.status.success(),
-        "guest 2: {}",
-        String::from_utf8_lossy(&out2.stderr)
-    );
-    let _ = g1.finish();
     let _ = ns_server.finish();
-    let text = guest_output(&log2);
-    eprintln!("guest 2 said:\n{text}");
     assert!(
         text.matches("3 packets transmitted, 3 packets received")
             .count()
@@ -370,35 +390,13 @@ links:
     ] {
         ofctl(port, &["add-flow", flow]);
     }
-    let (log1, log2) = (dir.path().join("vm1.log"), dir.path().join("vm2.log"));
     let (vm1_ip, vm2_ip) = ("10.77.0.11", "10.77.0.12");
-    let g1 = guest(
+    let text = two_guests(
         &image,
-        &s1,
-        "52:54:00:00:00:11",
-        &format!("{vm1_ip}/24"),
-        "iperf3 -s -1",
-        &log1,
+        dir.path(),
+        (vm1_ip, vm2_ip),
+        &format!("ping -c 3 {vm1_ip}; iperf3 -c {vm1_ip} -t 3"),
     );
-    let g2 = guest(
-        &image,
-        &s2,
-        "52:54:00:00:00:12",
-        &format!("{vm2_ip}/24"),
-        &format!(
-            "for i in $(seq 1 60); do ping -c 1 -W 1 {vm1_ip} >/dev/null && break; done; ping -c 3 {vm1_ip}; iperf3 -c {vm1_ip} -t 3"
-        ),
-        &log2,
-    );
-    let out2 = g2.finish();
-    assert!(
-        out2.status.success(),
-        "guest 2: {}",
-        String::from_utf8_lossy(&out2.stderr)
-    );
-    let _ = g1.finish();
-    let text = guest_output(&log2);
-    eprintln!("guest 2 said:\n{text}");
     assert!(
         text.contains("3 packets transmitted, 3 packets received"),
         "the guests ping each other"

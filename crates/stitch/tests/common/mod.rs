@@ -701,3 +701,53 @@ pub fn paced_ping_while(hosts: &TwoHosts, i: usize, to: &str, during: impl FnOnc
     during();
     String::from_utf8_lossy(&paced.finish().stdout).into_owned()
 }
+
+/// A `switch` between VM ports `a` (OpenFlow port 1) and `b` (2), on vhost-user sockets
+/// `a.sock` and `b.sock` of `dir`, its OpenFlow endpoint on `port`.
+pub fn switch_between_two_vm_ports(dir: &Path, port: u16) -> String {
+    format!(
+        "apps:
+  sw: {{ type: switch, ports: [a, b], listen: \"127.0.0.1:{port}\" }}
+  a: {{ type: vhost_user, socket: {d}/a.sock }}
+  b: {{ type: vhost_user, socket: {d}/b.sock }}
+links:
+  - \"sw.a -> a.input\"
+  - \"a.output -> sw.a\"
+  - \"sw.b -> b.input\"
+  - \"b.output -> sw.b\"
+",
+        d = dir.display()
+    )
+}
+
+/// Stitch's virtio-net driver as the guest of VM ports `a` and `b` of `dir` (served by `s`'s
+/// switch between them, with a flow from 1 to 2), sending frames written by `filler` from `a`
+/// until the switch has given the pair a direct path; the two guests and how many frames
+/// that took.
+pub fn guests_on_a_direct_path(
+    s: &Stitch,
+    dir: &Path,
+    filler: impl Fn(&mut [u8]) -> usize,
+) -> (
+    stitch_vhost::frontend::Frontend,
+    stitch_vhost::frontend::Frontend,
+    u32,
+) {
+    use stitch_vhost::frontend::Frontend;
+    let patience = Duration::from_secs(10);
+    let mut a = Frontend::connect(&dir.join("a.sock"), 256, patience).unwrap();
+    let mut b = Frontend::connect(&dir.join("b.sock"), 256, patience).unwrap();
+    let phase = || {
+        let (_, v) = s.call("POST", "/api/v1/apps/sw/query", Some("{}"));
+        v["direct_vm_paths"][0]["phase"].clone()
+    };
+    let (t, mut sent) = (Instant::now(), 0u32);
+    while phase() != "Direct" {
+        // The path is taken once both guests are there and `a`'s sends.
+        sent += a.send(1, &filler) as u32;
+        b.receive(|_| {});
+        assert!(t.elapsed() < patience, "no direct path: {}", phase());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    (a, b, sent)
+}
