@@ -531,6 +531,94 @@ fn vm_ports_get_a_direct_path_and_give_it_back_losing_nothing() {
     eprintln!("{direct} of {N} frames went guest to guest: {c}");
 }
 
+/// A receiving guest that goes away while a direct path copies into it, the two ports on
+/// workers of their own: the path is taken back (its frames go through the switch, which drops
+/// and counts what the absent guest cannot take), and once the guest is back the pair gets a
+/// path again; what is sent after that arrives, once each, in order.
+#[test]
+fn a_vm_path_is_taken_back_when_the_receiving_guest_leaves_and_given_again() {
+    use stitch_vhost::frontend::Frontend;
+    require_root_and_tools(&["ovs-ofctl"]);
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let graph = switch_between_two_vm_ports(dir.path(), port)
+        .replace(
+            "a: { type: vhost_user,",
+            "a: { worker: wa, type: vhost_user,",
+        )
+        .replace(
+            "b: { type: vhost_user,",
+            "b: { worker: wb, type: vhost_user,",
+        );
+    assert!(graph.contains("worker: wb"), "{graph}");
+    let s = Stitch::run(&graph);
+    ofctl(
+        port,
+        &["add-flow", "priority=100,in_port=1,actions=output:2"],
+    );
+    let (mut a, b, _) =
+        guests_on_a_direct_path(&s, dir.path(), |buf| numbered_frame(buf, u32::MAX));
+    drop(b);
+    let phase = |s: &Stitch| {
+        let (_, v) = s.call("POST", "/api/v1/apps/sw/query", Some("{}"));
+        v["direct_vm_paths"][0]["phase"].clone()
+    };
+    let t = Instant::now();
+    while phase(&s) == "Direct" {
+        a.send(1, |buf| numbered_frame(buf, u32::MAX));
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the path outlived its guest"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Sent while the guest is away: through the switch, dropped and counted.
+    let mut away = 0;
+    while away < 10 {
+        away += a.send(1, |buf| numbered_frame(buf, u32::MAX));
+    }
+    let t = Instant::now();
+    while s
+        .stats()
+        .is_none_or(|st| app(&st, "b")["counters"]["to_guest_no_buffer_drops"].as_u64() < Some(10))
+    {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the guest's absence is counted"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Back: a new connection on the same port.
+    let mut b =
+        Frontend::connect(&dir.path().join("b.sock"), 256, Duration::from_secs(10)).unwrap();
+    let t = Instant::now();
+    while phase(&s) != "Direct" {
+        a.send(1, |buf| numbered_frame(buf, u32::MAX));
+        b.receive(|_| {});
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "no path again: {}",
+            phase(&s)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    while b.receive(|_| {}) > 0 || a.in_flight() > 0 {
+        a.reclaim();
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    const N: u32 = 2000;
+    let (mut next, mut got) = (0u32, Vec::new());
+    let t = Instant::now();
+    while got.len() < N as usize && t.elapsed() < Duration::from_secs(20) {
+        let seq = next;
+        if next < N && a.send(1, |buf| numbered_frame(buf, seq)) == 1 {
+            next += 1;
+        }
+        b.receive(|f| got.push(u32::from_be_bytes(f[42..46].try_into().unwrap())));
+    }
+    assert_eq!(got, (0..N).collect::<Vec<_>>(), "once each, in order");
+}
+
 /// A function killed (-9) while its direct channel carries traffic — the receiving one, then
 /// the sending one: Stitch carries on, the channel is taken back and given again once a new
 /// function attaches; then the sending port is removed from the graph. Once traffic stops no
