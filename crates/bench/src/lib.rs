@@ -145,6 +145,32 @@ impl Drop for HugePageReserve {
 }
 
 /// Clock ticks per second, the unit of CPU times in /proc/PID/stat.
+/// A veth pair `a`–`b` in this namespace, up, without IPv6 (no router solicitations on the
+/// wire), removed when dropped.
+pub(crate) struct VethPair {
+    pub a: String,
+    pub b: String,
+}
+
+impl VethPair {
+    pub(crate) fn new(a: &str, b: &str) -> Result<VethPair> {
+        crate::kernel::quiet(&format!("ip link del {a}"));
+        crate::kernel::sh(&format!(
+            "ip link add {a} type veth peer name {b} && for d in {a} {b}; do sysctl -qw net.ipv6.conf.$d.disable_ipv6=1; ip link set $d up; done"
+        ))?;
+        Ok(VethPair {
+            a: a.to_string(),
+            b: b.to_string(),
+        })
+    }
+}
+
+impl Drop for VethPair {
+    fn drop(&mut self) {
+        crate::kernel::quiet(&format!("ip link del {}", self.a));
+    }
+}
+
 /// CPU time (user and system) of process `pid` so far, from /proc; `None` once it is gone.
 pub(crate) fn process_cpu_seconds(pid: u32) -> Option<f64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;

@@ -6,12 +6,11 @@
 //! veth at a fixed rate, so both paths carry the same offered load; the figures are the
 //! receiving worker's CPU per packet, each function's, and what arrived.
 
-use crate::kernel::sh;
 use crate::nf_scale::{
     children_cpu, function_counts, register_latency_sink, reset_latencies, signature_binary,
     take_latencies, NfScaleArgs,
 };
-use crate::{cpu_seconds_of_thread, threads_named};
+use crate::{cpu_seconds_of_thread, threads_named, VethPair};
 use anyhow::{Context, Result};
 use std::path::Path;
 use std::process::{Child, Command};
@@ -61,39 +60,12 @@ impl App for PayloadClock {
     }
 }
 
-/// The veth pair the generator sends over, removed when dropped.
-struct Veth(String);
-
-impl Veth {
-    fn new() -> Result<Veth> {
-        let a = format!("sxs{}a", std::process::id() % 100_000);
-        let b = format!("sxs{}b", std::process::id() % 100_000);
-        let _ = sh(&format!("ip link del {a} 2>/dev/null"));
-        sh(&format!(
-            "ip link add {a} type veth peer name {b} && for d in {a} {b}; do sysctl -qw net.ipv6.conf.$d.disable_ipv6=1; ip link set $d up; done"
-        ))?;
-        Ok(Veth(a))
-    }
-    fn sender(&self) -> &str {
-        &self.0
-    }
-    fn receiver(&self) -> String {
-        format!("{}b", self.0.trim_end_matches('a'))
-    }
-}
-
-impl Drop for Veth {
-    fn drop(&mut self) {
-        let _ = sh(&format!("ip link del {}", self.0));
-    }
-}
-
 /// Function `i`'s flow: the generator's flow `i` (flows differ in their source address).
 fn source(i: usize) -> String {
     format!("10.200.{}.{}", (1 + i) / 256, (1 + i) % 256)
 }
 
-fn graph(n: usize, steer: bool, args: &NfScaleArgs, veth: &Veth, socket: &Path) -> String {
+fn graph(n: usize, steer: bool, args: &NfScaleArgs, veth: &VethPair, socket: &Path) -> String {
     let wake = if args.mode == crate::nf_scale::ScaleMode::Polling {
         "polling"
     } else {
@@ -113,14 +85,14 @@ apps:
         size = args.size,
         src = source(0),
         rate = args.steer_mpps * 1e6,
-        a = veth.sender(),
+        a = veth.a,
     );
     let mut links =
         String::from("links:\n  - \"gen.output -> stamp.input\"\n  - \"stamp.output -> tx.input\"\n  - \"j.output -> read.input\"\n  - \"read.output -> out.input\"\n");
     if steer {
         g += &format!(
             "  nic:\n    type: af_xdp\n    interface: {}\n    worker: dut\n    steer:\n",
-            veth.receiver()
+            veth.b
         );
         for i in 0..n {
             g += &format!(
@@ -134,7 +106,7 @@ apps:
     } else {
         g += &format!(
             "  nic: {{ type: af_xdp, interface: {}, worker: dut }}\n  rr: {{ type: round_robin, worker: dut }}\n",
-            veth.receiver()
+            veth.b
         );
         links += "  - \"nic.output -> rr.input\"\n";
         for i in 0..n {
@@ -183,7 +155,9 @@ fn delivered(e: &Engine) -> (u64, u64) {
 }
 
 fn phase(registry: &Arc<Registry>, n: usize, steer: bool, args: &NfScaleArgs) -> Result<Point> {
-    let veth = Veth::new()?;
+    // The generator sends on `a`; `nic` receives on `b`.
+    let tag = std::process::id() % 100_000;
+    let veth = VethPair::new(&format!("sxs{tag}a"), &format!("sxs{tag}b"))?;
     let dir = tempfile::tempdir()?;
     let socket = dir.path().join("nf.sock");
     let text = graph(n, steer, args, &veth, &socket);

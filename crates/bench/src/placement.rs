@@ -10,7 +10,7 @@
 
 use crate::{load_average, median};
 use anyhow::{bail, Context, Result};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use stitch_core::{Engine, Registry};
@@ -62,7 +62,10 @@ fn yardstick_graph(source: &str, a: &str, b: &str) -> String {
 /// What one variant needs beside its graph, removed when dropped.
 enum Extra {
     None,
-    Veth(String),
+    /// Removed when the pair drops.
+    Veth {
+        _pair: crate::VethPair,
+    },
     Testpmd(std::process::Child, String),
 }
 
@@ -70,9 +73,7 @@ impl Drop for Extra {
     fn drop(&mut self) {
         match self {
             Extra::None => {}
-            Extra::Veth(name) => {
-                let _ = Command::new("ip").args(["link", "del", name]).status();
-            }
+            Extra::Veth { .. } => {}
             Extra::Testpmd(child, prefix) => {
                 let _ = child.kill();
                 let _ = child.wait();
@@ -80,14 +81,6 @@ impl Drop for Extra {
             }
         }
     }
-}
-
-fn sh(cmd: &str) -> Result<()> {
-    let ok = Command::new("sh").args(["-c", cmd]).status()?.success();
-    if !ok {
-        bail!("`{cmd}` failed");
-    }
-    Ok(())
 }
 
 /// Runs `variant` once with the generator at `rate` packets/s (unlimited: `None`): Mpps into
@@ -134,11 +127,8 @@ fn measure(
             Extra::None,
         ),
         "af_packet" => {
-            let (a, b) = (format!("sbp{tag}a"), format!("sbp{tag}b"));
-            sh(&format!(
-                "ip link add {a} type veth peer name {b} && for d in {a} {b}; do sysctl -qw net.ipv6.conf.$d.disable_ipv6=1; ip link set $d up; done"
-            ))?;
-            (yardstick_graph(source, &a, &b), Extra::Veth(a))
+            let pair = crate::VethPair::new(&format!("sbp{tag}a"), &format!("sbp{tag}b"))?;
+            (yardstick_graph(source, &pair.a, &pair.b), Extra::Veth { _pair: pair })
         }
         other => bail!("unknown variant `{other}`: engine, kernel, process, vm, af_packet"),
     };

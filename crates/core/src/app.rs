@@ -134,6 +134,30 @@ impl Io {
         self.outputs.get_mut(i).and_then(Option::as_mut)
     }
 
+    /// Tags this app's end of its first output's link and of its first input's link with
+    /// `tag` (what it says it is, for the app at the other end: [`crate::link::EndTag`]),
+    /// once per link: `tagged` remembers the rings tagged so far.
+    pub fn tag_ends<T: std::any::Any + Send + Sync>(
+        &mut self,
+        tag: &std::sync::Arc<T>,
+        tagged: &mut [usize; 2],
+    ) {
+        if let Some(o) = self.output(0) {
+            let r = std::sync::Arc::as_ptr(o.ring()) as usize;
+            if tagged[0] != r {
+                o.ring().tag_producer_end(tag.clone());
+                tagged[0] = r;
+            }
+        }
+        if let Some(i) = self.input(0) {
+            let r = std::sync::Arc::as_ptr(i.ring()) as usize;
+            if tagged[1] != r {
+                i.ring().tag_consumer_end(tag.clone());
+                tagged[1] = r;
+            }
+        }
+    }
+
     /// Input slot `i` and output slot `o` at once.
     #[inline]
     pub fn pair(&mut self, i: usize, o: usize) -> (Option<&mut Consumer>, Option<&mut Producer>) {

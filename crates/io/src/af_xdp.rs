@@ -718,16 +718,11 @@ pub struct AfXdp {
     steered: Counter,
     /// Steered frames dropped because their port has no link.
     unlinked: Counter,
-    steer: Vec<SteerRule>,
-    /// Per steering port: the sockets lent to the function port its link leads to, and the
-    /// function's attachment they were last offered to (not offered twice).
-    offers: Vec<Option<Offered>>,
-    offered_to: Vec<Option<u64>>,
+    /// Per steering port: its sockets lent to a function, or waiting to be.
+    lending: Vec<Lending>,
     /// Steered frames a function read straight from the rings and gave back.
     function_steered: Counter,
-    /// Taken over: steering ports a function read in the predecessor, left alone until the
-    /// function's port offers them back (or turns out not to have carried the function on).
-    awaiting: Vec<bool>,
+    /// When this app took its sockets over from a predecessor.
     taken_over_at: Instant,
     /// Steering sockets of ports the rules no longer have, kept until a function they were
     /// lent to has given back what it read; then the frames left in their rings go back to
@@ -753,9 +748,28 @@ struct Offered {
     to: Arc<PortShared>,
 }
 
+/// One steering port's sockets and the function port its link leads to.
+#[derive(Default)]
+struct Lending {
+    /// Lent to that function port's function, until it is done with them.
+    offer: Option<Offered>,
+    /// The function's attachment they were last offered to (not offered twice).
+    offered_to: Option<u64>,
+    /// Taken over: a function read them in the predecessor; left alone until its port
+    /// offers them back (or turns out not to have carried the function on).
+    awaiting: bool,
+}
+
+impl Lending {
+    /// Whether a function reads the sockets, or may: this app leaves them alone.
+    fn away(&self) -> bool {
+        self.awaiting || self.offer.is_some()
+    }
+}
+
 impl Drop for AfXdp {
     fn drop(&mut self) {
-        for o in self.offers.iter().flatten() {
+        for o in self.lending.iter().filter_map(|l| l.offer.as_ref()) {
             o.offer.end.store(true, Ordering::Release);
         }
         if !self.owns {
@@ -863,18 +877,31 @@ fn refill_from(fill: &mut Ring, rx: &mut Ring, upto: u32) -> u32 {
     n
 }
 
-/// Puts the frames a function gave back of steering socket `j` of `x` (up to `q.returned`)
-/// in the fill ring, and moves the socket's ring on past them; how many.
-fn take_back_from_function(x: &mut Xsk, j: usize, q: &SteerQueue) -> u64 {
-    let upto = q.returned.load(Ordering::Acquire);
-    let n = refill_from(&mut x.fill, &mut x.steered[j].rx, upto);
-    if n > 0 && x.fill.needs_wakeup() {
-        x.kick_rx();
-    }
-    u64::from(n)
-}
-
 impl AfXdp {
+    /// Puts the frames functions gave back (up to each queue's `returned`) in the fill rings
+    /// and moves the lent sockets' rings on past them — of every lent port, or of `only`.
+    fn take_back_from_functions(&mut self, only: Option<usize>) {
+        for (s, x) in self.socks.iter_mut().enumerate() {
+            let mut given_back = 0;
+            for st in &mut x.steered {
+                let port = st.output - 1;
+                let Some(o) = &self.lending[port].offer else {
+                    continue;
+                };
+                if only.is_none_or(|p| p == port) {
+                    let upto = o.offer.queues[s].returned.load(Ordering::Acquire);
+                    given_back += refill_from(&mut x.fill, &mut st.rx, upto);
+                }
+            }
+            if given_back > 0 {
+                self.function_steered.add(u64::from(given_back));
+                if x.fill.needs_wakeup() {
+                    x.kick_rx();
+                }
+            }
+        }
+    }
+
     /// Offers steering port `port`'s sockets to the zero-copy function port its link leads
     /// to, once per attachment of a function there; asks for them back when the link no
     /// longer leads there; forgets an offer the port is done with (this app reads the
@@ -885,32 +912,23 @@ impl AfXdp {
             .and_then(|o| o.ring().consumer_end().cloned())
             .and_then(|tag| tag.downcast::<PortShared>().ok())
             .filter(|p| p.settings.zero_copy);
-        if let Some(o) = &self.offers[port] {
+        if let Some(o) = &self.lending[port].offer {
             if o.offer.phase() == steer::DONE {
                 // Its last frames first, then the sockets are this app's again.
-                for s in 0..self.socks.len() {
-                    if let Some(j) = self.socks[s]
-                        .steered
-                        .iter()
-                        .position(|t| t.output == port + 1)
-                    {
-                        let n = take_back_from_function(&mut self.socks[s], j, &o.offer.queues[s]);
-                        self.function_steered.add(n);
-                    }
-                }
-                self.offers[port] = None;
+                self.take_back_from_functions(Some(port));
+                self.lending[port].offer = None;
             } else if linked.is_none_or(|to| !Arc::ptr_eq(&to, &o.to)) {
                 o.offer.end.store(true, Ordering::Release);
             }
             return;
         }
-        if self.awaiting[port] {
+        if self.lending[port].awaiting {
             self.take_on_offer(port, linked);
             return;
         }
         let Some(to) = linked else { return };
         let generation = to.current.lock().unwrap().as_ref().map(|c| c.generation);
-        if generation.is_none() || generation == self.offered_to[port] {
+        if generation.is_none() || generation == self.lending[port].offered_to {
             return;
         }
         let mut slot = to.steer.lock().unwrap();
@@ -923,8 +941,8 @@ impl AfXdp {
         *slot = Some(offer.clone());
         drop(slot);
         to.changed.store(true, Ordering::Release);
-        self.offered_to[port] = generation;
-        self.offers[port] = Some(Offered { offer, to });
+        self.lending[port].offered_to = generation;
+        self.lending[port].offer = Some(Offered { offer, to });
     }
 
     /// Taken over: the function port that read steering port `port`'s rings in the
@@ -935,17 +953,18 @@ impl AfXdp {
             // Its port tags the link on its first breath; a link to anything else (or none)
             // gets its frames from this app after a moment.
             if self.taken_over_at.elapsed() >= Duration::from_secs(1) {
-                self.awaiting[port] = false;
+                self.lending[port].awaiting = false;
             }
             return;
         };
-        self.awaiting[port] = false;
+        let l = &mut self.lending[port];
+        l.awaiting = false;
         let offer = to.steer.lock().unwrap().clone();
         let Some(offer) = offer.filter(|o| o.phase() == steer::FUNCTION) else {
             return;
         };
-        self.offered_to[port] = to.current.lock().unwrap().as_ref().map(|c| c.generation);
-        self.offers[port] = Some(Offered { offer, to });
+        l.offered_to = to.current.lock().unwrap().as_ref().map(|c| c.generation);
+        l.offer = Some(Offered { offer, to });
     }
 
     /// Changes the steering rules in place: steering sockets of ports that stay are kept
@@ -954,7 +973,7 @@ impl AfXdp {
     /// ports that go retire ([`Retiring`]). On an error nothing has changed.
     fn change_rules(&mut self, c: &AfXdpConfig) -> Result<(), String> {
         let rules = c.steer_programs()?;
-        let old_ports = steer_ports(&self.steer);
+        let old_ports = steer_ports(&self.config.steer);
         let new_ports = steer_ports(&c.steer);
         // Sockets for the new ports first: a failure here leaves the running program alone.
         let mut opened: Vec<Vec<Option<Steered>>> = Vec::new();
@@ -998,19 +1017,14 @@ impl AfXdp {
             Ok(())
         })?;
         // The new program runs: each queue's sockets in the new ports' order.
-        let mut offers: Vec<Option<Offered>> = new_ports.iter().map(|_| None).collect();
-        let mut offered_to: Vec<Option<u64>> = new_ports.iter().map(|_| None).collect();
-        let mut awaiting: Vec<bool> = new_ports.iter().map(|_| false).collect();
+        let mut lending: Vec<Lending> = new_ports.iter().map(|_| Lending::default()).collect();
         let mut retiring: Vec<Retiring> = Vec::new();
         for (old, name) in old_ports.iter().enumerate() {
+            let l = std::mem::take(&mut self.lending[old]);
             match new_ports.iter().position(|n| n == name) {
-                Some(p) => {
-                    offers[p] = self.offers[old].take();
-                    offered_to[p] = self.offered_to[old];
-                    awaiting[p] = self.awaiting[old];
-                }
+                Some(p) => lending[p] = l,
                 None => {
-                    let offer = self.offers[old].take();
+                    let offer = l.offer;
                     if let Some(o) = &offer {
                         o.offer.end.store(true, Ordering::Release);
                     }
@@ -1043,10 +1057,7 @@ impl AfXdp {
             x.steered = kept;
         }
         self.retiring.extend(retiring);
-        self.offers = offers;
-        self.offered_to = offered_to;
-        self.awaiting = awaiting;
-        self.steer = c.steer.clone();
+        self.lending = lending;
         log::info!(
             "af_xdp {}: {} steering rules to {:?} now",
             self.interface,
@@ -1102,7 +1113,7 @@ impl AfXdp {
                 returned: s.rx.local.into(),
             });
         }
-        let ports = steer_ports(&self.steer);
+        let ports = steer_ports(&self.config.steer);
         Some(Arc::new(SteerOffer {
             from: format!("af_xdp `{}` port `{}`", self.interface, ports[port]),
             queues,
@@ -1191,14 +1202,14 @@ impl App for AfXdp {
                 .collect(),
             steered: ctx.counter("steered_packets"),
             unlinked: ctx.counter("steered_unlinked_drops"),
-            offers: steer_ports(&c.steer).iter().map(|_| None).collect(),
-            offered_to: steer_ports(&c.steer).iter().map(|_| None).collect(),
+            lending: steer_ports(&c.steer)
+                .iter()
+                .map(|_| Lending::default())
+                .collect(),
             function_steered: ctx.counter("steered_function_packets"),
             retiring: Vec::new(),
-            awaiting: steer_ports(&c.steer).iter().map(|_| false).collect(),
             taken_over_at: Instant::now(),
             removed_drops: ctx.counter("steer_removed_drops"),
-            steer: c.steer.clone(),
             config: c.clone(),
             ifindex,
         })
@@ -1214,7 +1225,7 @@ impl App for AfXdp {
         if !c.same_but_rules(&self.config) {
             return Ok(Reconfigured::Restart);
         }
-        if c.steer != self.steer {
+        if c.steer != self.config.steer {
             if !self.owns {
                 return Err(
                     "the steering rules cannot change while an upgrade hands this \
@@ -1244,15 +1255,13 @@ impl App for AfXdp {
                 budget -= self.receive(s, None, Some(&mut *out), budget).min(budget);
             }
         }
+        if self.lending.iter().any(|l| l.offer.is_some()) {
+            self.take_back_from_functions(None);
+        }
         for s in 0..self.socks.len() {
             for j in 0..self.socks[s].steered.len() {
                 let output = self.socks[s].steered[j].output;
-                if self.awaiting[output - 1] {
-                    continue;
-                }
-                if let Some(o) = &self.offers[output - 1] {
-                    let n = take_back_from_function(&mut self.socks[s], j, &o.offer.queues[s]);
-                    self.function_steered.add(n);
+                if self.lending[output - 1].away() {
                     continue;
                 }
                 let mut out = io.output(output);
@@ -1326,7 +1335,7 @@ impl App for AfXdp {
         for x in &mut self.socks {
             x.reclaim();
         }
-        for port in 0..self.offers.len() {
+        for port in 0..self.lending.len() {
             self.follow_offer(port, io);
         }
         if now.duration_since(self.last_stats) >= Duration::from_secs(1) {
@@ -1342,14 +1351,14 @@ impl App for AfXdp {
 
     /// The interface, its steering rules and where each queue's frames are.
     fn query(&mut self, _: &serde_json::Value) -> serde_json::Value {
-        let ports = steer_ports(&self.steer);
+        let ports = steer_ports(&self.config.steer);
         serde_json::json!({
             "interface": self.interface,
             "xdp": if self.xdp.native { "native" } else { "generic" },
-            "steer": self.steer,
+            "steer": self.config.steer,
             // Per steering port, the function port reading its rings itself, if one does.
-            "read_by": (ports.iter().zip(&self.offers))
-                .map(|(p, o)| (p.clone(), o.as_ref().map(|o| o.to.name.clone()).into()))
+            "read_by": (ports.iter().zip(&self.lending))
+                .map(|(p, l)| (p.clone(), l.offer.as_ref().map(|o| o.to.name.clone()).into()))
                 .collect::<serde_json::Map<String, serde_json::Value>>(),
             "queues": self.socks.iter().map(|x| x.frames_by_owner(&ports)).collect::<Vec<_>>(),
         })
@@ -1359,26 +1368,15 @@ impl App for AfXdp {
     /// frames and carries on at the indices the rings hold, the XSKMAP pointing at the same
     /// sockets throughout.
     fn hand_over(&mut self) -> Option<Descriptors> {
-        if !self.retiring.is_empty() || self.awaiting.iter().any(|&a| a) {
+        if !self.retiring.is_empty() || self.lending.iter().any(|l| l.awaiting) {
             return None; // Sockets of removed rules still hold frames for a moment.
         }
         // What the functions gave back goes to the fill ring first: the rings' consumer
         // indices, which the successor starts from, are then where their ports stand.
-        for s in 0..self.socks.len() {
-            for j in 0..self.socks[s].steered.len() {
-                let output = self.socks[s].steered[j].output;
-                if let Some(o) = &self.offers[output - 1] {
-                    let n = take_back_from_function(&mut self.socks[s], j, &o.offer.queues[s]);
-                    self.function_steered.add(n);
-                }
-            }
-        }
-        let ports = steer_ports(&self.steer);
-        let read_by_functions = (ports.iter().zip(&self.offers))
-            .filter(|(_, o)| {
-                o.as_ref()
-                    .is_some_and(|o| o.offer.phase() == steer::FUNCTION)
-            })
+        self.take_back_from_functions(None);
+        let ports = steer_ports(&self.config.steer);
+        let read_by_functions = (ports.iter().zip(&self.lending))
+            .filter(|(_, l)| (l.offer.as_ref()).is_some_and(|o| o.offer.phase() == steer::FUNCTION))
             .map(|(p, _)| p.clone())
             .collect();
         let mut fds = self.xdp.lend().ok()?;
@@ -1391,7 +1389,7 @@ impl App for AfXdp {
         let position = Position {
             native: self.xdp.native,
             socks,
-            steer: self.steer.clone(),
+            steer: self.config.steer.clone(),
             read_by_functions,
         };
         Some(Descriptors {
@@ -1411,9 +1409,9 @@ impl App for AfXdp {
         for (x, s) in self.socks.iter_mut().zip(&at.socks) {
             x.resume_at(s);
         }
-        let ports = steer_ports(&self.steer);
-        for (p, name) in ports.iter().enumerate() {
-            self.awaiting[p] = at.read_by_functions.contains(name);
+        let ports = steer_ports(&self.config.steer);
+        for (l, name) in self.lending.iter_mut().zip(&ports) {
+            l.awaiting = at.read_by_functions.contains(name);
         }
         self.taken_over_at = Instant::now();
         self.owns = true;

@@ -14,7 +14,7 @@
 
 use crate::shm::{
     self, ChannelHeader, Consumer, Desc, Layout, Mapping, Producer, Region, RingView, SteerHeader,
-    FLAG_DROP, FLAG_STEERED, MAGIC,
+    FLAG_DROP, FLAG_STEERED,
 };
 use crate::xsk;
 use serde_json::Value;
@@ -90,10 +90,7 @@ impl SteeredInput {
         let page = fds
             .next()
             .ok_or_else(|| invalid("steered input without its page"))?;
-        let header = shm::map(page.as_fd(), 4096, true)?;
-        if header.steer_header().is_none_or(|h| h.magic != MAGIC) {
-            return Err(invalid("not a steered input page"));
-        }
+        let header = shm::map_steer_page(page.as_fd())?;
         let mut queues = Vec::new();
         for q in msg["queues"].as_array().into_iter().flatten() {
             let (Some(socket), Some(umem)) = (fds.next(), fds.next()) else {

@@ -13,7 +13,7 @@
 //! can confuse only itself — Stitch checks every index and descriptor it reads.
 
 use std::io;
-use std::os::fd::{BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, Ordering};
 use stitch_core::mapping::MapOptions;
 
@@ -129,6 +129,32 @@ pub struct SteerHeader {
     /// was given back before).
     pub reader: Index,
     pub magic: u64,
+}
+
+/// The size of a steered input's page.
+pub const STEER_PAGE: usize = PAGE;
+
+/// A new steered input's page, its header written (before anyone else maps it).
+pub fn new_steer_page() -> io::Result<(OwnedFd, Mapping)> {
+    let fd = memfd("stitch-steer", STEER_PAGE)?;
+    let mut map = self::map(fd.as_fd(), STEER_PAGE, true)?;
+    // SAFETY: SteerHeader is repr(C) of integers and atomics; nobody else maps the page yet.
+    let h = unsafe { map.view_mut::<SteerHeader>(0) }
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "steer page too small"))?;
+    h.magic = MAGIC;
+    Ok((fd, map))
+}
+
+/// A steered input's page another side made, checked to be one.
+pub fn map_steer_page(fd: BorrowedFd<'_>) -> io::Result<Mapping> {
+    let map = self::map(fd, STEER_PAGE, true)?;
+    if map.steer_header().is_none_or(|h| h.magic != MAGIC) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "not a steered input's page",
+        ));
+    }
+    Ok(map)
 }
 
 /// Where a channel's descriptors start, and its size for `ring_size` descriptors.

@@ -21,7 +21,7 @@
 //!    sockets again from `returned`: frames the function had read without giving back are read
 //!    again (through the engine), so no frame leaks and nothing it gave back is lost.
 
-use crate::shm::{self, Desc, Mapping, Region, SteerHeader, FLAG_DROP, MAGIC};
+use crate::shm::{self, Desc, Mapping, Region, SteerHeader, FLAG_DROP};
 use crate::xsk::Ring;
 use serde::{Deserialize, Serialize};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
@@ -80,6 +80,8 @@ struct PortQueue {
     umem: Mapping,
     /// The ring index of the next frame the function must give back.
     next: u32,
+    /// The kernel's producer index as last read: read again only when `next` reaches it.
+    received: u32,
 }
 
 /// What one batch of steered descriptors gave.
@@ -133,6 +135,7 @@ impl Steering {
                 rx,
                 umem,
                 next: q.start,
+                received: q.start,
             });
         }
         Ok(Steering {
@@ -198,11 +201,8 @@ impl Steering {
             complete_checksums: at.complete_checksums,
         });
         let mut steering = Steering::new(offer)?;
-        let map = shm::map(page.as_fd(), 4096, true)
-            .map_err(|e| format!("cannot map the steered input's page: {e}"))?;
-        if map.steer_header().is_none_or(|h| h.magic != MAGIC) {
-            return Err("the lent page is not a steered input's".into());
-        }
+        let map = shm::map_steer_page(page.as_fd())
+            .map_err(|e| format!("the lent steered input's page: {e}"))?;
         steering.header = Some((page, map));
         Ok(steering)
     }
@@ -214,13 +214,7 @@ impl Steering {
     /// The message and descriptors that hand the sockets to the function: the header page,
     /// then each queue's socket and UMEM.
     pub fn message(&mut self) -> std::io::Result<(serde_json::Value, Vec<RawFd>)> {
-        let fd = shm::memfd("stitch-steer", 4096)?;
-        let mut map = shm::map(fd.as_fd(), 4096, true)?;
-        // SAFETY: SteerHeader is repr(C) of integers and atomics; nobody else maps the page yet.
-        let h = unsafe { map.view_mut::<SteerHeader>(0) }.ok_or_else(|| {
-            std::io::Error::new(std::io::ErrorKind::InvalidData, "steer page too small")
-        })?;
-        h.magic = MAGIC;
+        let (fd, map) = shm::new_steer_page()?;
         let queues: Vec<serde_json::Value> = (self.offer.queues.iter())
             .map(|q| {
                 serde_json::json!({
@@ -254,8 +248,10 @@ impl Steering {
         };
         // The next frame, and one the kernel has put in the ring: what the interface puts
         // back in its fill ring never goes past what it received.
-        let received = q.rx.prod().load(Ordering::Acquire);
-        if d.buffer != q.next || received.wrapping_sub(q.next) as i32 <= 0 {
+        if q.received.wrapping_sub(q.next) as i32 <= 0 {
+            q.received = q.rx.prod().load(Ordering::Acquire);
+        }
+        if d.buffer != q.next || q.received.wrapping_sub(q.next) as i32 <= 0 {
             taken.bad += 1;
             return;
         }

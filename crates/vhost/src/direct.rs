@@ -206,20 +206,7 @@ impl crate::VhostUser {
     /// Says on each of its links "a VM port is here", so that a switch at the other end can
     /// join it to another directly.
     pub(crate) fn tag_link_ends(&mut self, io: &mut stitch_core::Io) {
-        if let Some(o) = io.output(0) {
-            let r = Arc::as_ptr(o.ring()) as usize;
-            if self.tagged[0] != r {
-                o.ring().tag_producer_end(self.port.clone());
-                self.tagged[0] = r;
-            }
-        }
-        if let Some(i) = io.input(0) {
-            let r = Arc::as_ptr(i.ring()) as usize;
-            if self.tagged[1] != r {
-                i.ring().tag_consumer_end(self.port.clone());
-                self.tagged[1] = r;
-            }
-        }
+        io.tag_ends(&self.port, &mut self.tagged);
     }
 
     /// Takes a path a switch offered, and follows its switch-over; `sent` is what this port

@@ -762,22 +762,8 @@ impl NfPort {
     /// Says on each of its links "a function port is here", so that a switch at the other end
     /// can offer it a direct channel.
     fn tag_link_ends(&mut self, io: &mut Io) {
-        if !self.shared.settings.zero_copy {
-            return;
-        }
-        if let Some(o) = io.output(0) {
-            let r = Arc::as_ptr(o.ring()) as usize;
-            if self.tagged[0] != r {
-                o.ring().tag_producer_end(self.shared.clone());
-                self.tagged[0] = r;
-            }
-        }
-        if let Some(i) = io.input(0) {
-            let r = Arc::as_ptr(i.ring()) as usize;
-            if self.tagged[1] != r {
-                i.ring().tag_consumer_end(self.shared.clone());
-                self.tagged[1] = r;
-            }
+        if self.shared.settings.zero_copy {
+            io.tag_ends(&self.shared, &mut self.tagged);
         }
     }
 
@@ -893,7 +879,6 @@ impl NfPort {
 
     /// The interface reads its sockets again from where the function's frames came back.
     fn end_steering(&mut self, st: Steering) {
-        st.publish();
         st.offer.finish();
         self.forget_steer(&st.offer);
     }
