@@ -481,6 +481,14 @@ fn print_report(r: &serde_json::Value) {
                 .unwrap_or_default()
         );
     }
+    for m in r["worker_moves"].as_array().into_iter().flatten() {
+        println!(
+            "moved: {} from worker {} to worker {} (state and queued packets kept)",
+            m["app"].as_str().unwrap_or_default(),
+            m["from"].as_str().unwrap_or_default(),
+            m["to"].as_str().unwrap_or_default(),
+        );
+    }
     let kept = r["kept"].as_array().map(Vec::len).unwrap_or(0);
     let links_kept = r["links_kept"].as_array().map(Vec::len).unwrap_or(0);
     println!("unchanged: {kept} apps, {links_kept} links (state and queued packets kept)");

@@ -442,22 +442,6 @@ fn function_processes_get_a_direct_channel_and_give_it_back_losing_nothing() {
     assert_in_order(&dir.path().join("out.pcap"), N);
 }
 
-/// A numbered UDP frame (its sequence number at byte 42, as `write_sequence` writes them)
-/// into `buf`; its length.
-fn numbered_frame(buf: &mut [u8], seq: u32) -> usize {
-    let mut ip = [
-        0x45, 0, 0, 32, 0, 0, 0, 0, 64, 17, 0, 0, 10, 0, 0, 1, 10, 0, 0, 2,
-    ];
-    let c = stitch_wire::checksum::checksum(&ip);
-    ip[10..12].copy_from_slice(&c.to_be_bytes());
-    buf[..14].copy_from_slice(&[2, 0, 0, 0, 0, 2, 2, 0, 0, 0, 0, 1, 8, 0]);
-    buf[14..34].copy_from_slice(&ip);
-    buf[34..42].copy_from_slice(&[0x30, 0x39, 0x30, 0x39, 0, 12, 0, 0]);
-    buf[42..46].copy_from_slice(&seq.to_be_bytes());
-    buf[46..60].fill(0);
-    60
-}
-
 /// Two VMs behind the switch (Stitch's own virtio-net driver on each vhost-user port, as a
 /// guest's would be): with `in_port=1,actions=output:2` the switch gives A's port a direct
 /// path into B's receive ring — A's worker copies each frame guest to guest. A more specific
@@ -496,22 +480,7 @@ fn vm_ports_get_a_direct_path_and_give_it_back_losing_nothing() {
             ofctl(port, &["--strict", "del-flows", rule]);
         }
     });
-    let (mut next, mut got) = (0u32, Vec::with_capacity(N as usize));
-    let t = Instant::now();
-    while got.len() < N as usize && t.elapsed() < Duration::from_secs(30) {
-        while next < N {
-            let seq = next;
-            if a.send(1, |buf| numbered_frame(buf, seq)) == 0 {
-                break;
-            }
-            next += 1;
-            if next % 16 == 0 {
-                break;
-            }
-        }
-        b.receive(|f| got.push(u32::from_be_bytes(f[42..46].try_into().unwrap())));
-        std::thread::sleep(Duration::from_micros(1000));
-    }
+    let got = stream_numbered(&mut a, &mut b, N);
     flips.join().unwrap();
     assert_eq!(got.len(), N as usize, "every frame arrived");
     assert!(
@@ -607,16 +576,76 @@ fn a_vm_path_is_taken_back_when_the_receiving_guest_leaves_and_given_again() {
         std::thread::sleep(Duration::from_millis(20));
     }
     const N: u32 = 2000;
-    let (mut next, mut got) = (0u32, Vec::new());
-    let t = Instant::now();
-    while got.len() < N as usize && t.elapsed() < Duration::from_secs(20) {
-        let seq = next;
-        if next < N && a.send(1, |buf| numbered_frame(buf, seq)) == 1 {
-            next += 1;
-        }
-        b.receive(|f| got.push(u32::from_be_bytes(f[42..46].try_into().unwrap())));
-    }
+    let got = stream_numbered(&mut a, &mut b, N);
     assert_eq!(got, (0..N).collect::<Vec<_>>(), "once each, in order");
+}
+
+/// The two VM ports of a direct path moved between workers by live applies while frames flow
+/// — the sending port to a third worker, then the receiving one, then both back: the path
+/// carries on (the sending port's state moves with it), what was sent arrives once each, in
+/// order, and frames still go guest to guest after the last move.
+#[test]
+fn a_vm_path_carries_on_while_its_ports_move_between_workers() {
+    require_root_and_tools(&["ovs-ofctl"]);
+    const N: u32 = 24_000;
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let on_workers = |wa: &str, wb: &str| {
+        switch_between_two_vm_ports(dir.path(), port)
+            .replace(
+                "a: { type: vhost_user,",
+                &format!("a: {{ worker: {wa}, type: vhost_user,"),
+            )
+            .replace(
+                "b: { type: vhost_user,",
+                &format!("b: {{ worker: {wb}, type: vhost_user,"),
+            )
+    };
+    let s = Stitch::run(&on_workers("wa", "wb"));
+    ofctl(
+        port,
+        &["add-flow", "priority=100,in_port=1,actions=output:2"],
+    );
+    let (mut a, mut b, warm) =
+        guests_on_a_direct_path(&s, dir.path(), |buf| numbered_frame(buf, u32::MAX));
+    while b.receive(|_| {}) > 0 || a.in_flight() > 0 {
+        a.reclaim();
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let direct_packets = |s: &Stitch| {
+        let st = s.stats().unwrap();
+        app(&st, "sw")["counters"]["direct_channel_packets"]
+            .as_u64()
+            .unwrap()
+    };
+    let got = std::thread::scope(|scope| {
+        scope.spawn(|| {
+            for (wa, wb) in [("wc", "wb"), ("wc", "wa"), ("wa", "wb")] {
+                std::thread::sleep(Duration::from_millis(200));
+                let said = s.apply(&on_workers(wa, wb));
+                assert!(said.contains("moved: "), "{said}");
+            }
+        });
+        stream_numbered(&mut a, &mut b, N)
+    });
+    assert_eq!(got.len(), N as usize, "every frame arrived");
+    assert!(
+        got.iter().enumerate().all(|(i, &seq)| seq == i as u32),
+        "once each, in order"
+    );
+    // After the moves the path is still direct: every frame of a second stream takes it.
+    let (_, q) = s.call("POST", "/api/v1/apps/sw/query", Some("{}"));
+    assert_eq!(q["direct_vm_paths"][0]["phase"], "Direct", "{q}");
+    const M: u32 = 500;
+    std::thread::sleep(Duration::from_millis(50));
+    let before = direct_packets(&s);
+    assert_eq!(
+        stream_numbered(&mut a, &mut b, M),
+        (0..M).collect::<Vec<_>>()
+    );
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(direct_packets(&s) - before, M as u64);
+    assert_port_counts(port, 1, 2, N + M + warm);
 }
 
 /// A function killed (-9) while its direct channel carries traffic — the receiving one, then

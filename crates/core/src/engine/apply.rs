@@ -263,6 +263,7 @@ impl ApplyReport {
             restarted,
             kept: actions.keep.clone(),
             links_removed: actions.remove_links.iter().map(LinkDecl::spec).collect(),
+            worker_moves: actions.change_worker.clone(),
             ..ApplyReport::default()
         }
     }

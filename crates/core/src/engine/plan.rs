@@ -24,6 +24,17 @@ pub struct ConfigActions {
     pub links: Vec<(LinkDecl, LinkAction)>,
     /// Links of the running graph that leave.
     pub remove_links: Vec<LinkDecl>,
+    /// Apps that stay (kept, reconfigured or rebuilt) but run on another worker: they move
+    /// with their state and queued packets while the workers are parked.
+    pub change_worker: Vec<WorkerMove>,
+}
+
+/// An app that changes worker.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct WorkerMove {
+    pub app: String,
+    pub from: String,
+    pub to: String,
 }
 
 /// What becomes of a link of the new graph.
@@ -62,6 +73,16 @@ pub fn compute_config_actions(old: Option<&Graph>, new: &Graph) -> ConfigActions
         .cloned()
         .collect();
     actions.stop.sort();
+    actions.change_worker = (new.apps.values())
+        .filter_map(|decl| {
+            let was = old.apps.get(&decl.name)?;
+            (was.kind == decl.kind && was.worker != decl.worker).then(|| WorkerMove {
+                app: decl.name.clone(),
+                from: was.worker.clone(),
+                to: decl.worker.clone(),
+            })
+        })
+        .collect();
     fn ends(l: &LinkDecl) -> (&Endpoint, &Endpoint) {
         (&l.from, &l.to)
     }
@@ -150,6 +171,18 @@ mod tests {
             names(&act.remove_links),
             ["kind.o -> gone.i", "same.p -> kind.q"]
         );
+    }
+
+    #[test]
+    fn an_app_on_another_worker_is_kept_and_said_to_move() {
+        let old = graph("apps: {x: {type: a}, y: {type: a, worker: w1}}\nlinks: []\n");
+        let new = graph("apps: {x: {type: a, worker: w2}, y: {type: a}}\nlinks: []\n");
+        let act = compute_config_actions(Some(&old), &new);
+        assert_eq!(act.keep, ["x", "y"]);
+        let moves: Vec<(&str, &str, &str)> = (act.change_worker.iter())
+            .map(|m| (m.app.as_str(), m.from.as_str(), m.to.as_str()))
+            .collect();
+        assert_eq!(moves, [("x", "main", "w2"), ("y", "w1", "main")]);
     }
 
     #[test]

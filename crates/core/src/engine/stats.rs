@@ -67,6 +67,8 @@ pub struct ApplyReport {
     pub links_added: Vec<String>,
     pub links_removed: Vec<String>,
     pub links_kept: Vec<String>,
+    /// Apps that now run on another worker (with their state and queued packets).
+    pub worker_moves: Vec<super::plan::WorkerMove>,
     /// How long the workers were parked (no packet moved anywhere in the engine), ms.
     pub paused_ms: f64,
 }

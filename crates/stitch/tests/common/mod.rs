@@ -430,8 +430,7 @@ impl Stitch {
     }
 
     /// Writes `graph` to the instance's graph file and applies it with `stitch apply`, which
-    /// must succeed.
-    /// Applies `graph` with `stitch apply`; returns what it printed.
+    /// must succeed; what it printed.
     pub fn apply(&self, graph: &str) -> String {
         std::fs::write(self.graph_file(), graph).unwrap();
         let o = Command::new(env!("CARGO_BIN_EXE_stitch"))
@@ -718,6 +717,49 @@ links:
 ",
         d = dir.display()
     )
+}
+
+/// A numbered UDP frame from 02:00:00:00:00:01 to 02:00:00:00:00:02 (its sequence number at
+/// byte 42, as `write_sequence` writes them) into `buf`; its length.
+pub fn numbered_frame(buf: &mut [u8], seq: u32) -> usize {
+    let mut ip = [
+        0x45, 0, 0, 32, 0, 0, 0, 0, 64, 17, 0, 0, 10, 0, 0, 1, 10, 0, 0, 2,
+    ];
+    let c = stitch_wire::checksum::checksum(&ip);
+    ip[10..12].copy_from_slice(&c.to_be_bytes());
+    buf[..14].copy_from_slice(&[2, 0, 0, 0, 0, 2, 2, 0, 0, 0, 0, 1, 8, 0]);
+    buf[14..34].copy_from_slice(&ip);
+    buf[34..42].copy_from_slice(&[0x30, 0x39, 0x30, 0x39, 0, 12, 0, 0]);
+    buf[42..46].copy_from_slice(&seq.to_be_bytes());
+    buf[46..60].fill(0);
+    60
+}
+
+/// Frames numbered 0..`n` sent by guest `a`, sixteen a millisecond (about 16 kpps: long
+/// enough for changes to happen mid-stream), while guest `b` takes what arrives; the numbers
+/// `b` received, in the order it did, once all arrived or after 30 s.
+pub fn stream_numbered(
+    a: &mut stitch_vhost::frontend::Frontend,
+    b: &mut stitch_vhost::frontend::Frontend,
+    n: u32,
+) -> Vec<u32> {
+    let (mut next, mut got) = (0u32, Vec::with_capacity(n as usize));
+    let t = Instant::now();
+    while got.len() < n as usize && t.elapsed() < Duration::from_secs(30) {
+        while next < n {
+            let seq = next;
+            if a.send(1, |buf| numbered_frame(buf, seq)) == 0 {
+                break;
+            }
+            next += 1;
+            if next % 16 == 0 {
+                break;
+            }
+        }
+        b.receive(|f| got.push(u32::from_be_bytes(f[42..46].try_into().unwrap())));
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    got
 }
 
 /// Stitch's virtio-net driver as the guest of VM ports `a` and `b` of `dir` (served by `s`'s
