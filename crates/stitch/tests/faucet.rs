@@ -1,8 +1,10 @@
 //! Faucet, a production OpenFlow controller, runs a Stitch switch whose ports are veth pairs to
 //! four network namespaces: two VLANs, hosts learning and pinging within each, Faucet's
 //! inter-VLAN routing carrying ping and iperf3 TCP between them, and an ACL blocking one TCP
-//! port. Faucet (pinned, in its own virtualenv: scripts/requirements-faucet.txt) programs its
-//! whole multi-table pipeline; the test fails if it logs an error about the datapath.
+//! port; and two VMs' vhost-user ports that Faucet patches to each other and back, which get
+//! a direct path guest to guest while patched. Faucet (pinned, in its own virtualenv:
+//! scripts/requirements-faucet.txt) programs its whole multi-table pipeline; the tests fail if
+//! it logs an error about the datapath.
 
 mod common;
 use common::*;
@@ -114,13 +116,18 @@ dps:
 ";
 
 fn start_faucet(dir: &Path, of_port: u16) -> Background {
+    start_faucet_with(dir, of_port, FAUCET_YAML)
+}
+
+/// Faucet with `config`, checked first, listening for switches on `of_port`.
+fn start_faucet_with(dir: &Path, of_port: u16, config: &str) -> Background {
     let venv = faucet_venv();
     assert!(
         venv.join("bin/faucet").exists(),
         "Faucet is needed in {}: scripts/install-deps installs it",
         venv.display()
     );
-    std::fs::write(dir.join("faucet.yaml"), FAUCET_YAML).unwrap();
+    std::fs::write(dir.join("faucet.yaml"), config).unwrap();
     let check = Command::new(venv.join("bin/check_faucet_config"))
         .arg(dir.join("faucet.yaml"))
         .output()
@@ -153,14 +160,18 @@ fn start_faucet(dir: &Path, of_port: u16) -> Background {
 /// fabricating port-up events before os-ken has registered the datapath, and logs
 /// "send_flow_msgs: DP not up" for them — with any switch whose ports are up at connection,
 /// Open vSwitch included (docs/openflow.md); the cold start that follows installs everything.
-/// That one line before the cold start is not an error of the switch; anything else is.
+/// (A reload that changes Faucet's tables drops the connection on purpose — "forcing DP
+/// reconnection" — so each such reload has one too.) That line before a cold start is not an
+/// error of the switch; anything else is.
 fn datapath_errors(log: &str) -> Vec<&str> {
-    let cold = log.find("Cold start configuring DP").unwrap_or(0);
+    let last_cold_start = log.rfind("Cold start configuring DP").unwrap_or(0);
+    let mut at = 0;
     log.lines()
-        .filter(|l| l.contains(" ERROR ") || l.contains(" CRITICAL "))
         .filter(|l| {
-            let before_cold_start = log.find(*l).is_some_and(|at| at < cold);
-            !(before_cold_start && l.contains("send_flow_msgs: DP not up"))
+            let start = at;
+            at += l.len() + 1;
+            (l.contains(" ERROR ") || l.contains(" CRITICAL "))
+                && !(start < last_cold_start && l.contains("send_flow_msgs: DP not up"))
         })
         .collect()
 }
@@ -245,6 +256,135 @@ fn faucet_routes_between_vlans_and_enforces_an_acl_on_a_stitch_switch() {
     faucet.signal(libc::SIGTERM);
     let log = std::fs::read_to_string(dir.path().join("faucet.log")).unwrap_or_default();
     assert!(log.contains("Cold start configuring DP"), "{log}");
+    let errors = datapath_errors(&log);
+    assert!(errors.is_empty(), "Faucet logged errors: {errors:#?}");
+    let exceptions =
+        std::fs::read_to_string(dir.path().join("faucet_exception.log")).unwrap_or_default();
+    assert!(exceptions.trim().is_empty(), "{exceptions}");
+}
+
+/// Faucet's configuration for two VM ports on one VLAN, port 1 patched straight to port 2 by
+/// an ACL when `patched` (Faucet's way of wiring two ports point to point).
+fn two_vm_ports(patched: bool) -> String {
+    let acl = if patched { ", acl_in: patch" } else { "" };
+    format!(
+        "vlans:
+  vms: {{ vid: 100 }}
+acls:
+  patch:
+    - rule: {{ actions: {{ output: {{ port: 2 }} }} }}
+dps:
+  sw1:
+    dp_id: 0x1
+    hardware: \"Open vSwitch\"
+    interfaces:
+      1: {{ native_vlan: vms{acl} }}
+      2: {{ native_vlan: vms }}
+"
+    )
+}
+
+/// Two VMs behind a Stitch switch run by Faucet: while Faucet patches port 1 to port 2 with an
+/// ACL and unpatches it (its configuration changed and reloaded, three times each way), a
+/// numbered stream from guest A reaches guest B in order, never twice — over a direct path
+/// guest to guest when patched, through Faucet's learning pipeline when not. Each reload
+/// changes Faucet's tables, so Faucet cold-starts: it drops the connection and deletes every
+/// flow before writing the new ones; frames sent in between meet an empty table and are
+/// counted as table misses. Nothing else is lost, and the OpenFlow port statistics count what
+/// A sent and what B received.
+#[test]
+fn faucet_patching_two_vm_ports_gives_them_a_direct_path_and_takes_it_back() {
+    require_root_and_tools(&["ovs-ofctl"]);
+    let dir = tempfile::tempdir().unwrap();
+    let (of_port, listen) = (free_port(), free_port());
+    let faucet = start_faucet_with(dir.path(), of_port, &two_vm_ports(true));
+    wait_until("Faucet listens", 30, || {
+        std::net::TcpStream::connect(("127.0.0.1", of_port)).is_ok()
+    });
+    let s = Stitch::run(&switch_between_two_vm_ports(dir.path(), listen).replace(
+        "listen:",
+        &format!("controller: \"127.0.0.1:{of_port}\", datapath_id: 1, listen:"),
+    ));
+    let (mut a, mut b, warm) =
+        guests_on_a_direct_path(&s, dir.path(), |buf| numbered_frame(buf, u32::MAX));
+    while b.receive(|_| {}) > 0 || a.in_flight() > 0 {
+        a.reclaim();
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let counter = |name: &str| {
+        let st = s.stats().unwrap();
+        app(&st, "sw")["counters"][name].as_u64().unwrap()
+    };
+    let phase = || {
+        let (_, v) = s.call("POST", "/api/v1/apps/sw/query", Some("{}"));
+        v["direct_vm_paths"][0]["phase"]
+            .as_str()
+            .unwrap_or("none")
+            .to_string()
+    };
+    let (misses, direct) = (
+        counter("table_miss_drops"),
+        counter("direct_channel_packets"),
+    );
+    let config = dir.path().join("faucet.yaml");
+    let toggled = std::sync::atomic::AtomicBool::new(false);
+    let (sent, got) = std::thread::scope(|scope| {
+        scope.spawn(|| {
+            for _ in 0..3 {
+                for patched in [false, true] {
+                    std::thread::sleep(Duration::from_millis(300));
+                    std::fs::write(&config, two_vm_ports(patched)).unwrap();
+                    faucet.signal(libc::SIGHUP);
+                    wait_until("Faucet's change reaches the path", 20, || {
+                        (phase() == "Direct") == patched
+                    });
+                }
+            }
+            std::thread::sleep(Duration::from_millis(300));
+            toggled.store(true, std::sync::atomic::Ordering::Relaxed);
+        });
+        stream_numbered_while(&mut a, &mut b, |_| {
+            !toggled.load(std::sync::atomic::Ordering::Relaxed)
+        })
+    });
+    let mut last = None;
+    for (i, &seq) in got.iter().enumerate() {
+        assert!(
+            last < Some(seq),
+            "frame {seq} arrived after {last:?} (the {i}th)"
+        );
+        last = Some(seq);
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    let (misses, direct) = (
+        counter("table_miss_drops") - misses,
+        counter("direct_channel_packets") - direct,
+    );
+    assert_eq!(
+        sent as u64 - got.len() as u64,
+        misses,
+        "what did not arrive met Faucet's emptied tables"
+    );
+    assert!(
+        direct > 0 && direct < got.len() as u64,
+        "both the direct path and Faucet's pipeline carried frames ({direct} of {})",
+        got.len()
+    );
+    let rx = ofctl(listen, &["--no-names", "dump-ports", "1"]);
+    assert!(rx.contains(&format!("rx pkts={},", sent + warm)), "{rx}");
+    let tx = ofctl(listen, &["--no-names", "dump-ports", "2"]);
+    assert!(
+        tx.contains(&format!("tx pkts={},", got.len() as u32 + warm)),
+        "{tx}"
+    );
+    eprintln!(
+        "{} of {sent} frames arrived, {direct} guest to guest, {misses} met emptied tables",
+        got.len()
+    );
+    s.stop();
+    faucet.signal(libc::SIGTERM);
+    let log = std::fs::read_to_string(dir.path().join("faucet.log")).unwrap_or_default();
+    assert_eq!(log.matches("Cold start configuring DP").count(), 7, "{log}");
     let errors = datapath_errors(&log);
     assert!(errors.is_empty(), "Faucet logged errors: {errors:#?}");
     let exceptions =

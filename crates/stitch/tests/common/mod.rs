@@ -743,10 +743,20 @@ pub fn stream_numbered(
     b: &mut stitch_vhost::frontend::Frontend,
     n: u32,
 ) -> Vec<u32> {
-    let (mut next, mut got) = (0u32, Vec::with_capacity(n as usize));
-    let t = Instant::now();
-    while got.len() < n as usize && t.elapsed() < Duration::from_secs(30) {
-        while next < n {
+    stream_numbered_while(a, b, |sent| sent < n).1
+}
+
+/// [`stream_numbered`] for as long as `more(sent so far)` says, then until what was sent
+/// arrived or a second passed without a frame: how many were sent, and the numbers received.
+pub fn stream_numbered_while(
+    a: &mut stitch_vhost::frontend::Frontend,
+    b: &mut stitch_vhost::frontend::Frontend,
+    more: impl Fn(u32) -> bool,
+) -> (u32, Vec<u32>) {
+    let (mut next, mut got) = (0u32, Vec::new());
+    let (t, mut last_arrival) = (Instant::now(), Instant::now());
+    loop {
+        while more(next) {
             let seq = next;
             if a.send(1, |buf| numbered_frame(buf, seq)) == 0 {
                 break;
@@ -756,10 +766,18 @@ pub fn stream_numbered(
                 break;
             }
         }
-        b.receive(|f| got.push(u32::from_be_bytes(f[42..46].try_into().unwrap())));
+        if b.receive(|f| got.push(u32::from_be_bytes(f[42..46].try_into().unwrap()))) > 0 {
+            last_arrival = Instant::now();
+        }
+        let sending = more(next);
+        if !sending
+            && (got.len() >= next as usize || last_arrival.elapsed() > Duration::from_secs(1))
+            || t.elapsed() > Duration::from_secs(60)
+        {
+            return (next, got);
+        }
         std::thread::sleep(Duration::from_millis(1));
     }
-    got
 }
 
 /// Stitch's virtio-net driver as the guest of VM ports `a` and `b` of `dir` (served by `s`'s
