@@ -99,6 +99,8 @@ pub struct Io {
     pub(crate) lacks: Callbacks,
     pub(crate) input_names: Vec<String>,
     pub(crate) output_names: Vec<String>,
+    /// Set by [`Io::moved_off_links`], taken by the worker after the callback.
+    pub(crate) moved_off_links: bool,
 }
 
 /// The breath callbacks an app has shown it lacks.
@@ -119,7 +121,16 @@ impl Io {
             input_names,
             output_names,
             lacks: Callbacks::default(),
+            moved_off_links: false,
         }
+    }
+
+    /// Says the app moved packets in this callback where no link of the engine sees them (a
+    /// direct path from one guest's ring to another's): the worker judges whether a breath
+    /// was idle, and sleeps, by its links alone otherwise.
+    #[inline]
+    pub fn moved_off_links(&mut self) {
+        self.moved_off_links = true;
     }
 
     /// The link on input slot `i`, if connected.

@@ -817,3 +817,43 @@ fn the_rfc2544_search_finds_the_rate_of_a_policer() {
     }
     assert!(out.join("rfc2544.png").exists(), "the run's plot");
 }
+
+/// `stitch bench vm2vm` on one VM (a testpmd guest) three ways — Stitch's switch carrying
+/// every frame, direct paths, Open vSwitch's DPDK datapath on the same guest and flows — at a
+/// rate the chain carries: each way delivers, the direct way has a path for both hops, and the
+/// flow changed and back under traffic reorders nothing.
+#[test]
+fn the_vm2vm_bench_chains_a_guest_three_ways() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    require_root_and_tools(&["dpdk-testpmd", "ovs-ofctl", "ovs-vsctl"]);
+    let run = Command::new(env!("CARGO_BIN_EXE_stitch"))
+        .args(["bench", "vm2vm", "--vms", "1", "--sizes", "64"])
+        .args(["--seconds", "0.5", "--rate-mpps", "0.02"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&run.stdout);
+    assert!(
+        run.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    eprintln!("{text}");
+    for way in ["switched", "direct", "ovs-dpdk"] {
+        let row: Vec<&str> = text
+            .lines()
+            .find(|l| l.split_whitespace().nth(1) == Some(way))
+            .unwrap_or_else(|| panic!("no {way} row: {text}"))
+            .split_whitespace()
+            .collect();
+        let mpps: f64 = row[3].parse().unwrap();
+        assert!(mpps > 0.01, "{way} delivered {mpps} Mpps of 0.02: {text}");
+        assert_eq!(row[6], "0", "{way} reordered: {text}");
+        let paths = if way == "direct" { "2" } else { "0" };
+        assert_eq!(row[7], paths, "{way}'s direct paths: {text}");
+        let flip = text
+            .lines()
+            .find(|l| l.contains(&format!("{way}: the first hop's flow changed")))
+            .unwrap_or_else(|| panic!("no {way} flip: {text}"));
+        assert!(flip.contains(" 0 reordered"), "{flip}");
+    }
+}

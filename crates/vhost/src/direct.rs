@@ -196,6 +196,41 @@ pub fn offloads_fit(from: u64, to: u64) -> bool {
         .all(|&(sends, takes)| from & sends == 0 || to & takes != 0)
 }
 
+/// What became of one frame on a direct path.
+enum Copied {
+    /// In the other guest's ring, this long.
+    Frame(usize),
+    /// Malformed or too big for the other guest's buffers: counted and dropped.
+    Dropped,
+    /// The other guest has no buffer free: the frame waits.
+    NoRoom,
+}
+
+/// Up to a burst of the chains `ring` has available, walked into `segs` (each chain's head
+/// and place among them in `chains`), their buffers' lines asked for; a fault stops the walk
+/// after the chains before it.
+fn gather(
+    ring: &mut crate::Vring,
+    mem: &crate::memory::GuestMemory,
+    segs: &mut Vec<crate::Segment>,
+    chains: &mut Vec<(u16, usize, usize)>,
+) -> Result<(), String> {
+    segs.clear();
+    chains.clear();
+    let n = (ring.pending() as usize).min(crate::BURST);
+    ring.prefetch_descriptors(n as u16);
+    for _ in 0..n {
+        let head = ring.next_head().map_err(|f| f.0)?;
+        let first = segs.len();
+        ring.chain_onto(mem, head, segs).map_err(|f| f.0)?;
+        for s in &segs[first..] {
+            crate::virtq::prefetch(s.ptr, false);
+        }
+        chains.push((head, first, segs.len() - first));
+    }
+    Ok(())
+}
+
 /// Which side's guest broke its ring during a copy.
 enum Broken {
     From(String),
@@ -228,25 +263,27 @@ impl crate::VhostUser {
         step
     }
 
-    /// Moves what this port's guest sent straight into the other port's receive ring. A busy
-    /// other port is tried again next breath; one whose guest is gone, or whose offloads no
-    /// longer fit, ends the path (the switch's path drops and counts what it cannot deliver).
-    pub(crate) fn copy_direct(&mut self, from: &mut crate::Device) {
+    /// Moves what this port's guest sent straight into the other port's receive ring; whether
+    /// it moved any. A busy other port is tried again next breath; one whose guest is gone, or
+    /// whose offloads no longer fit, ends the path (the switch's path drops and counts what it
+    /// cannot deliver).
+    pub(crate) fn copy_direct(&mut self, from: &mut crate::Device) -> bool {
         let d = self.direct.clone().expect("a path");
         let Ok(mut to) = d.to.shared.device.try_lock() else {
-            return;
+            return false;
         };
         if !offloads_fit(from.features, to.features) {
             d.end();
-            return;
+            return false;
         }
         let Some(qb) = (0..to.queues.len())
             .step_by(2)
             .find(|&q| to.live(q).is_some())
         else {
             d.end();
-            return;
+            return false;
         };
+        let before = d.packets.load(Ordering::Relaxed);
         let (hlen_a, hlen_b) = (
             crate::header_len(from.features),
             crate::header_len(to.features),
@@ -265,82 +302,53 @@ impl crate::VhostUser {
                     );
                     to.stop_queue(qb, why);
                     d.end();
-                    return;
+                    return false;
                 }
             }
         }
+        d.packets.load(Ordering::Relaxed) != before
     }
 
     /// One burst from transmit ring `a` into receive ring `b`; `hlens` are the two guests'
-    /// virtio-net header lengths.
+    /// virtio-net header lengths. The burst's chains are walked first, asking for their lines
+    /// as we go, then copied one by one: the misses on the sending guest's frames overlap
+    /// instead of coming one after the other.
     fn copy_ring(
         &mut self,
         a: crate::device::Live<'_>,
-        b: crate::device::Live<'_>,
+        mut b: crate::device::Live<'_>,
         hlens: (usize, usize),
         mergeable: bool,
         d: &VmDirect,
     ) -> Result<(), Broken> {
-        let (hlen_a, hlen_b) = hlens;
         let mut segs = std::mem::take(&mut self.direct_segs);
+        let mut chains = std::mem::take(&mut self.direct_chains);
+        let gathered = gather(a.ring, a.mem, &mut segs, &mut chains);
+        let mut result = gathered.map_err(Broken::From);
+        b.ring.prefetch_descriptors(chains.len() as u16);
         let (mut packets, mut bytes) = (0u64, 0u64);
-        let mut result = Ok(());
-        for _ in 0..crate::BURST {
-            if a.ring.pending() == 0 {
-                break;
-            }
-            let head = match a.ring.next_head() {
-                Ok(h) => h,
-                Err(f) => {
-                    result = Err(Broken::From(f.0));
+        for (k, &(head, first, count)) in chains.iter().enumerate() {
+            match self.copy_chain(&segs[first..first + count], hlens, &mut b, mergeable, d) {
+                Ok(Copied::Frame(len)) => {
+                    packets += 1;
+                    bytes += len as u64;
+                }
+                Ok(Copied::Dropped) => {}
+                Ok(Copied::NoRoom) => {
+                    // The other guest has not caught up: the rest wait in this one's ring.
+                    a.ring.unget((chains.len() - k) as u16);
                     break;
                 }
-            };
-            segs.clear();
-            if let Err(f) = a.ring.chain(a.mem, head, &mut segs) {
-                result = Err(Broken::From(f.0));
-                break;
-            }
-            let total: usize = segs.iter().map(|s| s.len as usize).sum();
-            let vnet = (total >= hlen_a + 14 && segs.iter().all(|s| !s.writable))
-                .then(|| crate::read_header(&segs, hlen_a))
-                .flatten();
-            let Some(vnet) = vnet else {
-                self.from_guest_malformed.add(1);
-                a.ring.add_used(head, 0, a.log);
-                continue;
-            };
-            let frame_len = total - hlen_a;
-            self.chains.clear();
-            self.rx_segs.clear();
-            match self.reserve_quietly(b.ring, b.mem, hlen_b + frame_len, mergeable) {
-                Err(f) => {
-                    a.ring.unget(1);
-                    result = Err(Broken::To(f.0));
+                Err(broken) => {
+                    a.ring.unget((chains.len() - k) as u16);
+                    result = Err(broken);
                     break;
                 }
-                Ok(Some(crate::Shortage::Buffers)) => {
-                    // The other guest has not caught up: the frame waits in this one's ring.
-                    a.ring.unget(1);
-                    break;
-                }
-                Ok(Some(crate::Shortage::TooBig)) => {
-                    d.too_big.fetch_add(1, Ordering::Relaxed);
-                    a.ring.add_used(head, 0, a.log);
-                    continue;
-                }
-                Ok(None) => {}
             }
-            let (low, high) = crate::header_words(&vnet, self.chains.len() as u16);
-            let mut hdr = [0u8; 12];
-            hdr[..8].copy_from_slice(&low.to_le_bytes());
-            hdr[8..].copy_from_slice(&high.to_le_bytes());
-            self.scatter(b.ring, b.log, &hdr[..hlen_b], &segs, hlen_a);
             a.ring.add_used(head, 0, a.log);
-            packets += 1;
-            bytes += frame_len as u64;
         }
         self.direct_segs = segs;
+        self.direct_chains = chains;
         if packets > 0 {
             if b.ring.publish(b.log) {
                 crate::signal(b.call, &self.interrupts);
@@ -353,6 +361,43 @@ impl crate::VhostUser {
             crate::signal(a.call, &self.interrupts);
         }
         result
+    }
+
+    /// One frame of the sending guest (its chain `chain`) into the receiving guest's ring `b`.
+    fn copy_chain(
+        &mut self,
+        chain: &[crate::Segment],
+        (hlen_a, hlen_b): (usize, usize),
+        b: &mut crate::device::Live<'_>,
+        mergeable: bool,
+        d: &VmDirect,
+    ) -> Result<Copied, Broken> {
+        let total: usize = chain.iter().map(|s| s.len as usize).sum();
+        let vnet = (total >= hlen_a + 14 && chain.iter().all(|s| !s.writable))
+            .then(|| crate::read_header(chain, hlen_a))
+            .flatten();
+        let Some(vnet) = vnet else {
+            self.from_guest_malformed.add(1);
+            return Ok(Copied::Dropped);
+        };
+        let frame_len = total - hlen_a;
+        self.chains.clear();
+        self.rx_segs.clear();
+        match self.reserve_quietly(b.ring, b.mem, hlen_b + frame_len, mergeable) {
+            Err(f) => return Err(Broken::To(f.0)),
+            Ok(Some(crate::Shortage::Buffers)) => return Ok(Copied::NoRoom),
+            Ok(Some(crate::Shortage::TooBig)) => {
+                d.too_big.fetch_add(1, Ordering::Relaxed);
+                return Ok(Copied::Dropped);
+            }
+            Ok(None) => {}
+        }
+        let (low, high) = crate::header_words(&vnet, self.chains.len() as u16);
+        let mut hdr = [0u8; 12];
+        hdr[..8].copy_from_slice(&low.to_le_bytes());
+        hdr[8..].copy_from_slice(&high.to_le_bytes());
+        self.scatter(b.ring, b.log, &hdr[..hlen_b], chain, hlen_a);
+        Ok(Copied::Frame(frame_len))
     }
 
     /// Writes `hdr`, then the bytes of `src` past its first `skip`, into the reserved chains

@@ -160,8 +160,10 @@ pub struct VhostUser {
     tagged: [usize; 2],
     /// A direct path from this port's guest to another port's ([`direct`]).
     direct: Option<Arc<VmDirect>>,
-    /// The guest's chain being copied on a direct path (scratch).
+    /// The burst of the guest's chains being copied on a direct path: their segments, and
+    /// each chain's head and place among them (scratch).
     direct_segs: Vec<Segment>,
+    direct_chains: Vec<(u16, usize, usize)>,
     direct_packets: Counter,
 }
 
@@ -331,7 +333,8 @@ impl App for VhostUser {
             port,
             tagged: [0; 2],
             direct: None,
-            direct_segs: Vec::with_capacity(16),
+            direct_segs: Vec::with_capacity(BURST * 2),
+            direct_chains: Vec::with_capacity(BURST),
             direct_packets: ctx.counter("direct_vm_packets"),
         })
     }
@@ -356,7 +359,12 @@ impl App for VhostUser {
         }
         match step {
             Step::Hold => return,
-            Step::Direct => return self.copy_direct(&mut dev),
+            Step::Direct => {
+                if self.copy_direct(&mut dev) {
+                    io.moved_off_links();
+                }
+                return;
+            }
             Step::Retired => {}
         }
         for q in (1..dev.queues.len()).step_by(2) {

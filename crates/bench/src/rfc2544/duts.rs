@@ -35,7 +35,7 @@ pub struct Dut {
     _processes: Vec<Proc>,
     /// The tester's listening sockets when the device connects to them (Open vSwitch).
     listeners: Option<(UnixListener, UnixListener)>,
-    _hugepages: Option<crate::HugePageReserve>,
+    _ovs: Option<OvsRunning>,
     dir: tempfile::TempDir,
 }
 
@@ -43,7 +43,7 @@ impl Dut {
     pub fn start(kind: &str, setup: &Setup, tag: usize) -> Result<Dut> {
         let dir = tempfile::tempdir()?;
         let d = dir.path();
-        let (mut listeners, mut hugepages) = (None, None);
+        let (mut listeners, mut ovs) = (None, None);
         let processes = match kind {
             "stitch" => vec![stitch_backend(d, stitch_core::link::DEFAULT_LINK_SIZE)?],
             "testpmd" => vec![testpmd_backend(d, &format!("r{tag}"), None)?],
@@ -58,8 +58,9 @@ impl Dut {
             "ovs" => {
                 let listen = |name: &str| UnixListener::bind(d.join(name));
                 listeners = Some((listen("a.sock")?, listen("b.sock")?));
-                hugepages = Some(crate::HugePageReserve::at_least(OVS_PAGES)?);
-                start_ovs(d, setup.flows)?
+                // It polls all the time, as the other devices here do.
+                ovs = Some(start_ovs(d, &["a", "b"], setup.flows, 0)?);
+                vec![]
             }
             "fw-nat" => {
                 let graph = d.join("fw-nat.yaml");
@@ -82,7 +83,7 @@ impl Dut {
         Ok(Dut {
             _processes: processes,
             listeners,
-            _hugepages: hugepages,
+            _ovs: ovs,
             dir,
         })
     }
@@ -102,7 +103,7 @@ impl Dut {
 }
 
 /// The first back-end to connect to `listener`, within 30 s.
-fn accept(listener: &UnixListener, name: &str) -> Result<Frontend> {
+pub(crate) fn accept(listener: &UnixListener, name: &str) -> Result<Frontend> {
     listener.set_nonblocking(true)?;
     let started = Instant::now();
     loop {
@@ -275,8 +276,10 @@ impl Ovs {
         Ok(server)
     }
 
-    /// The switch daemon with DPDK: its main thread on CPU 0, one PMD on CPU 1.
-    fn switch(&self) -> Result<Proc> {
+    /// The switch daemon with DPDK: its main thread on CPU 0, one PMD on CPU 1 that sleeps
+    /// up to `pmd_max_sleep_us` when it finds little to do (`pmd-maxsleep`; 0: it polls all
+    /// the time).
+    fn switch(&self, pmd_max_sleep_us: u32) -> Result<Proc> {
         self.vsctl(&[
             "--no-wait",
             "set",
@@ -287,6 +290,7 @@ impl Ovs {
             "other_config:dpdk-socket-mem=1024",
             "other_config:pmd-cpu-mask=0x2",
             "other_config:dpdk-lcore-mask=0x1",
+            &format!("other_config:pmd-maxsleep={pmd_max_sleep_us}"),
         ])?;
         self.spawn(
             OVS_DPDK,
@@ -297,14 +301,10 @@ impl Ovs {
         )
     }
 
-    /// A netdev bridge whose OpenFlow ports 1 and 2 connect to the tester's sockets in
-    /// `sockets`, its OpenFlow endpoint on `port`.
-    fn bridge(&self, sockets: &Path, port: u16) -> Result<()> {
-        let path =
-            |name: &str| format!("options:vhost-server-path={}", sockets.join(name).display());
-        let (a, b) = (path("a.sock"), path("b.sock"));
-        let controller = format!("ptcp:{port}:127.0.0.1");
-        self.vsctl(&[
+    /// A netdev bridge whose OpenFlow ports 1, 2, … are `ports` in order, each connecting to
+    /// the socket of its name in `sockets`, its OpenFlow endpoint on `port`.
+    fn bridge(&self, sockets: &Path, ports: &[&str], port: u16) -> Result<()> {
+        let mut args: Vec<String> = [
             "add-br",
             "br0",
             "--",
@@ -314,52 +314,84 @@ impl Ovs {
             "datapath_type=netdev",
             "protocols=OpenFlow13",
             "fail-mode=secure",
-            "--",
-            "add-port",
-            "br0",
-            "a",
-            "--",
-            "set",
-            "interface",
-            "a",
-            "type=dpdkvhostuserclient",
-            &a,
-            "ofport_request=1",
-            "--",
-            "add-port",
-            "br0",
-            "b",
-            "--",
-            "set",
-            "interface",
-            "b",
-            "type=dpdkvhostuserclient",
-            &b,
-            "ofport_request=2",
-            "--",
-            "set-controller",
-            "br0",
-            &controller,
-        ])
+        ]
+        .map(String::from)
+        .to_vec();
+        for (i, name) in ports.iter().enumerate() {
+            let socket = sockets.join(format!("{name}.sock"));
+            args.extend([
+                "--".into(),
+                "add-port".into(),
+                "br0".into(),
+                name.to_string(),
+                "--".into(),
+                "set".into(),
+                "interface".into(),
+                name.to_string(),
+                "type=dpdkvhostuserclient".into(),
+                format!("options:vhost-server-path={}", socket.display()),
+                format!("ofport_request={}", i + 1),
+            ]);
+        }
+        args.extend([
+            "--".into(),
+            "set-controller".into(),
+            "br0".into(),
+            format!("ptcp:{port}:127.0.0.1"),
+        ]);
+        self.vsctl(&args.iter().map(String::as_str).collect::<Vec<_>>())
     }
 }
 
-/// Open vSwitch with DPDK, its folder in `dir`, its ports on the tester's sockets there and
-/// `flows` in its table.
-fn start_ovs(dir: &Path, flows: &str) -> Result<Vec<Proc>> {
+/// Open vSwitch's DPDK datapath started by [`start_ovs`].
+pub(crate) struct OvsRunning {
+    _ovs: Ovs,
+    /// Its OpenFlow endpoint on 127.0.0.1.
+    of_port: u16,
+    _processes: Vec<Proc>,
+    _hugepages: crate::HugePageReserve,
+}
+
+impl OvsRunning {
+    /// Where `ovs-ofctl` reaches its bridge.
+    pub(crate) fn openflow_target(&self) -> String {
+        format!("tcp:127.0.0.1:{}", self.of_port)
+    }
+
+    /// The switch daemon's process (`ovs-vswitchd`, its PMD threads included).
+    pub(crate) fn pid(&self) -> u32 {
+        self._processes[0].pid()
+    }
+}
+
+/// Open vSwitch with DPDK, its folder in `dir`: a bridge whose ports 1, 2, … are `ports`,
+/// connecting to the sockets of their names in `dir` (someone must listen there), with
+/// `flows` in its table, its PMD sleeping up to `pmd_max_sleep_us` when idle.
+pub(crate) fn start_ovs(
+    dir: &Path,
+    ports: &[&str],
+    flows: &str,
+    pmd_max_sleep_us: u32,
+) -> Result<OvsRunning> {
     if !Path::new(OVS_DPDK).exists() {
         bail!("{OVS_DPDK} is needed: apt install openvswitch-switch-dpdk");
     }
+    let hugepages = crate::HugePageReserve::at_least(OVS_PAGES)?;
     let ovs = Ovs {
         dir: dir.join("ovs"),
     };
     std::fs::create_dir(&ovs.dir)?;
     let database = ovs.database()?;
-    let switch = ovs.switch()?;
+    let switch = ovs.switch(pmd_max_sleep_us)?;
     let port = crate::free_port()?;
-    ovs.bridge(dir, port)?;
+    ovs.bridge(dir, ports, port)?;
     add_flows(port, flows, dir)?;
-    Ok(vec![switch, database])
+    Ok(OvsRunning {
+        _ovs: ovs,
+        of_port: port,
+        _processes: vec![switch, database],
+        _hugepages: hugepages,
+    })
 }
 
 /// The graph of `file` with its apps `a` and `b` (vhost_user ports) listening in `dir`, its

@@ -132,8 +132,9 @@ impl BreathOrder {
 /// until no input holds packets (at most `MAX_PUSH_PASSES` passes, for links against the
 /// order). An app that panics leaves the order at once (a later pass must not call it again);
 /// one that lacks a callback, after the breath.
-pub(super) fn breathe(plan: &mut Plan) {
+pub(super) fn breathe(plan: &mut Plan) -> bool {
     let pulled = pull_all(plan);
+    let mut moved_off_links = pulled.moved_off_links;
     if pulled.panicked {
         plan.order = BreathOrder::of(&plan.slots);
     }
@@ -141,6 +142,7 @@ pub(super) fn breathe(plan: &mut Plan) {
     for pass in 0..MAX_PUSH_PASSES {
         let pushed = push_pass(plan, pass);
         lacking |= pushed.lacking;
+        moved_off_links |= pushed.moved_off_links;
         if pushed.panicked {
             plan.order = BreathOrder::of(&plan.slots);
         }
@@ -151,6 +153,7 @@ pub(super) fn breathe(plan: &mut Plan) {
     if lacking {
         plan.order = BreathOrder::of(&plan.slots);
     }
+    moved_off_links
 }
 
 /// What a walk over one of a breath's lists saw.
@@ -162,6 +165,8 @@ pub(super) struct Walked {
     pub(super) panicked: bool,
     /// Whether an app turned out to lack the callback.
     pub(super) lacking: bool,
+    /// Whether an app moved packets no link saw ([`crate::app::Io::moved_off_links`]).
+    pub(super) moved_off_links: bool,
 }
 
 /// `pull` on every app of the pull list.
@@ -171,6 +176,7 @@ pub(super) fn pull_all(plan: &mut Plan) -> Walked {
         let s = &mut plan.slots[i];
         walked.panicked |= s.guarded("pull", |a, io| a.pull(io));
         walked.lacking |= s.io.lacks.pull;
+        walked.moved_off_links |= std::mem::take(&mut s.io.moved_off_links);
         walked.called = true;
     }
     walked
@@ -191,6 +197,7 @@ pub(super) fn push_pass(plan: &mut Plan, pass: usize) -> Walked {
             break;
         }
         walked.lacking |= s.io.lacks.push;
+        walked.moved_off_links |= std::mem::take(&mut s.io.moved_off_links);
     }
     walked
 }
@@ -296,7 +303,7 @@ pub(super) fn run_worker(
         let before = activity(&plan);
         let now = Instant::now();
         BREATH_STARTED.with(|b| b.set(Some(now)));
-        breathe(&mut plan);
+        let moved_off_links = breathe(&mut plan);
         breaths += 1;
         if now.duration_since(last_tick) >= TICK_INTERVAL {
             last_tick = now;
@@ -306,7 +313,7 @@ pub(super) fn run_worker(
             tick_apps(&mut plan, now, &counters);
         }
         let after = activity(&plan);
-        if after != before || plan.busy_poll {
+        if after != before || moved_off_links || plan.busy_poll {
             sleep = Duration::from_micros(1);
             if plan.busy_poll {
                 std::hint::spin_loop();

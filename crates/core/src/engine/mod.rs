@@ -461,6 +461,44 @@ mod tests {
         (plan, pulls, pushes)
     }
 
+    /// Moves packets no link sees on every other breath (as a direct path between guests does).
+    struct OffLinks(u64);
+
+    impl App for OffLinks {
+        type Config = ();
+        fn declare(_: &()) -> Result<PortSpec, AppError> {
+            Ok(PortSpec::source())
+        }
+        fn new(_: (), _: &mut AppContext) -> Result<Self, AppError> {
+            unreachable!("built by hand")
+        }
+        fn pull(&mut self, io: &mut Io) {
+            self.0 += 1;
+            if self.0 % 2 == 1 {
+                io.moved_off_links();
+            }
+        }
+    }
+
+    #[test]
+    fn a_breath_says_when_an_app_moved_packets_no_link_saw() {
+        let slots = vec![slot(
+            "direct",
+            Box::new(OffLinks(0)),
+            Io::new(vec![], vec![]),
+        )];
+        let mut plan = Plan {
+            order: BreathOrder::of(&slots),
+            slots,
+            rings: Vec::new(),
+            busy_poll: false,
+            max_sleep: Duration::from_millis(1),
+            core: None,
+        };
+        let said: Vec<bool> = (0..4).map(|_| breathe(&mut plan)).collect();
+        assert_eq!(said, [true, false, true, false]);
+    }
+
     #[test]
     fn a_breath_calls_only_the_callbacks_an_app_has() {
         let (mut plan, pulls, pushes) = source_to_drain();
