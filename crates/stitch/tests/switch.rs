@@ -648,6 +648,157 @@ fn a_vm_path_carries_on_while_its_ports_move_between_workers() {
     assert_port_counts(port, 1, 2, N + M + warm);
 }
 
+/// Guests that break their rings while a direct path joins them. The receiving guest
+/// scribbles on its receive descriptors: the sending port's copy finds it, stops that queue
+/// (counted in the receiving port's `guest_faults`) and hands the path back — what A sends
+/// then goes through the switch, which drops and counts what B's stopped queue cannot take —
+/// while A's port carries on. Once B's guest sets its queues up again (a new connection) the
+/// path comes back and a stream arrives whole, in order. Then the sending guest sends a frame
+/// from beyond its memory: its own queue stops and is counted, B's port is untouched.
+#[test]
+fn guests_breaking_their_rings_on_a_direct_path_are_contained() {
+    use stitch_vhost::frontend::Frontend;
+    require_root_and_tools(&["ovs-ofctl"]);
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let s = Stitch::run(&switch_between_two_vm_ports(dir.path(), port));
+    ofctl(
+        port,
+        &["add-flow", "priority=100,in_port=1,actions=output:2"],
+    );
+    let (mut a, mut b, _) =
+        guests_on_a_direct_path(&s, dir.path(), |buf| numbered_frame(buf, u32::MAX));
+    let counter = |app_name: &str, c: &str| {
+        s.stats()
+            .and_then(|st| app(&st, app_name)["counters"][c].as_u64())
+            .unwrap_or(0)
+    };
+    let phase = || {
+        let (_, v) = s.call("POST", "/api/v1/apps/sw/query", Some("{}"));
+        v["direct_vm_paths"][0]["phase"]
+            .as_str()
+            .unwrap_or("none")
+            .to_string()
+    };
+    b.scribble_on_receive_descriptors();
+    let t = Instant::now();
+    while phase() == "Direct" {
+        a.send(1, |buf| numbered_frame(buf, u32::MAX));
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the path outlived the scribble"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    wait_until("B's fault is counted", 10, || {
+        counter("b", "guest_faults") == 1
+    });
+    let dropped = counter("b", "to_guest_no_buffer_drops");
+    for _ in 0..10 {
+        assert_eq!(a.send(1, |buf| numbered_frame(buf, u32::MAX)), 1);
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    wait_until("what B cannot take is dropped and counted", 10, || {
+        counter("b", "to_guest_no_buffer_drops") == dropped + 10
+    });
+    assert_eq!(counter("a", "guest_faults"), 0, "A's port is untouched");
+    // B's guest sets its queues up again: the path comes back.
+    drop(b);
+    let mut b =
+        Frontend::connect(&dir.path().join("b.sock"), 256, Duration::from_secs(10)).unwrap();
+    let t = Instant::now();
+    while phase() != "Direct" {
+        a.send(1, |buf| numbered_frame(buf, u32::MAX));
+        b.receive(|_| {});
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "no path again: {}",
+            phase()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    while b.receive(|_| {}) > 0 || a.in_flight() > 0 {
+        a.reclaim();
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    const N: u32 = 2000;
+    assert_eq!(
+        stream_numbered(&mut a, &mut b, N),
+        (0..N).collect::<Vec<_>>()
+    );
+    // Now A's guest sends from beyond its memory: its own queue stops.
+    assert!(a.send_wild_descriptor());
+    wait_until("A's fault is counted", 10, || {
+        counter("a", "guest_faults") == 1
+    });
+    assert_eq!(counter("b", "guest_faults"), 1, "B's port is untouched");
+    assert_eq!(a.send(1, |buf| numbered_frame(buf, 0)), 1);
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(b.receive(|_| {}), 0, "A's stopped queue is not read");
+    s.stop();
+}
+
+/// A guest that goes away around a switch-over — 0 to 1.8 ms after the rule that makes the
+/// pair point to point, the receiving guest and the sending one in turn, ten times; the offer
+/// comes at the switch's next tick and the switch-over then takes tens of µs, so rounds fall
+/// before, within and after it — wedges nothing: each time the guest is back the path is
+/// given again, and a stream arrives whole and in order.
+#[test]
+fn a_guest_gone_mid_switch_over_wedges_nothing() {
+    use stitch_vhost::frontend::Frontend;
+    require_root_and_tools(&["ovs-ofctl"]);
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let s = Stitch::run(&switch_between_two_vm_ports(dir.path(), port));
+    let rule = "priority=100,in_port=1";
+    ofctl(port, &["add-flow", &format!("{rule},actions=output:2")]);
+    let (mut a, mut b, _) =
+        guests_on_a_direct_path(&s, dir.path(), |buf| numbered_frame(buf, u32::MAX));
+    let phase = || {
+        let (_, v) = s.call("POST", "/api/v1/apps/sw/query", Some("{}"));
+        v["direct_vm_paths"][0]["phase"]
+            .as_str()
+            .unwrap_or("none")
+            .to_string()
+    };
+    let guest = |name: &str| {
+        Frontend::connect(&dir.path().join(name), 256, Duration::from_secs(10)).unwrap()
+    };
+    for k in 0..10u64 {
+        ofctl(port, &["--strict", "del-flows", rule]);
+        wait_until("the path is handed back", 10, || phase() == "none");
+        ofctl(port, &["add-flow", &format!("{rule},actions=output:2")]);
+        a.send(4, |buf| numbered_frame(buf, u32::MAX));
+        std::thread::sleep(Duration::from_micros(k * 200));
+        if k % 2 == 0 {
+            drop(b);
+            b = guest("b.sock");
+        } else {
+            drop(a);
+            a = guest("a.sock");
+        }
+        let t = Instant::now();
+        while phase() != "Direct" {
+            a.send(1, |buf| numbered_frame(buf, u32::MAX));
+            b.receive(|_| {});
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "round {k}: no path again: {}",
+                phase()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        while b.receive(|_| {}) > 0 || a.in_flight() > 0 {
+            a.reclaim();
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        const N: u32 = 300;
+        let got = stream_numbered(&mut a, &mut b, N);
+        assert_eq!(got, (0..N).collect::<Vec<_>>(), "round {k}");
+    }
+    s.stop();
+}
+
 /// A function killed (-9) while its direct channel carries traffic — the receiving one, then
 /// the sending one: Stitch carries on, the channel is taken back and given again once a new
 /// function attaches; then the sending port is removed from the graph. Once traffic stops no

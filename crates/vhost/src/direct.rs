@@ -297,9 +297,11 @@ impl crate::VhostUser {
                 Err(Broken::From(why)) => self.fault(from, qa, why),
                 Err(Broken::To(why)) => {
                     log::error!(
-                        "vhost_user {}: queue {qb} stopped, the guest broke it: {why}",
-                        d.to.shared.name
+                        "vhost_user {}: queue {qb} stopped, the guest broke it: {why} (found by a direct path from {}; it restarts when the guest sets the queue up again)",
+                        d.to.shared.name,
+                        self.name
                     );
+                    (d.to.shared.faults_found_by_peers).fetch_add(1, Ordering::Relaxed);
                     to.stop_queue(qb, why);
                     d.end();
                     return false;

@@ -361,6 +361,37 @@ impl Frontend {
     pub fn in_flight(&self) -> usize {
         self.size as usize - self.queues[TX].free.len()
     }
+
+    /// Behaves as a broken or hostile driver would, to test a back-end's containment: every
+    /// receive descriptor now names a buffer beyond the memory the back-end was given.
+    pub fn scribble_on_receive_descriptors(&mut self) {
+        for id in 0..self.size {
+            self.set_wild_desc(RX, id, DESC_F_WRITE);
+        }
+    }
+
+    /// Behaves as a broken or hostile driver would: sends one frame whose descriptor names a
+    /// buffer beyond the memory the back-end was given; whether a transmit buffer was free.
+    pub fn send_wild_descriptor(&mut self) -> bool {
+        self.reclaim();
+        let Some(id) = self.queues[TX].free.pop() else {
+            return false;
+        };
+        self.set_wild_desc(TX, id, 0);
+        self.offer(TX, id);
+        self.publish(TX);
+        true
+    }
+
+    fn set_wild_desc(&self, queue: usize, id: u16, flags: u16) {
+        let mut d = [0u8; 16];
+        let beyond = self.mem.len() as u64 + (1 << 30);
+        d[0..8].copy_from_slice(&beyond.to_le_bytes());
+        d[8..12].copy_from_slice(&(BUFFER as u32).to_le_bytes());
+        d[12..14].copy_from_slice(&flags.to_le_bytes());
+        let at = self.queues[queue].rings.desc + 16 * id as usize;
+        assert!(self.mem.write(at, &d), "descriptor inside the rings");
+    }
 }
 
 impl Rings {

@@ -150,6 +150,7 @@ pub struct VhostUser {
     checksums_completed: Counter,
     connections: Counter,
     seen_connections: u64,
+    seen_peer_faults: u64,
     port_id: Option<String>,
     mac: Option<[u8; 6]>,
     ingress: policy::Direction,
@@ -326,6 +327,7 @@ impl App for VhostUser {
             checksums_completed: ctx.counter("checksums_completed"),
             connections: ctx.counter("connections"),
             seen_connections: 0,
+            seen_peer_faults: 0,
             port_id: c.port_id,
             mac,
             ingress,
@@ -540,6 +542,11 @@ impl App for VhostUser {
         if c != self.seen_connections {
             self.connections.add(c - self.seen_connections);
             self.seen_connections = c;
+        }
+        let f = self.shared.faults_found_by_peers.load(Ordering::Relaxed);
+        if f != self.seen_peer_faults {
+            self.guest_faults.add(f - self.seen_peer_faults);
+            self.seen_peer_faults = f;
         }
     }
 

@@ -165,6 +165,9 @@ pub struct Shared {
     pub offered: u64,
     pub connections: AtomicU64,
     pub protocol_errors: AtomicU64,
+    /// Faults of this port's guest found by another port writing into its rings (a direct
+    /// path): counted in this port's `guest_faults` at its tick.
+    pub faults_found_by_peers: AtomicU64,
     /// The thread neither accepts, connects nor reads a message while set: another process
     /// is taking the port over (`stitch upgrade`), or this one has not taken it yet.
     pub paused: AtomicBool,
@@ -189,6 +192,7 @@ impl Shared {
             offered,
             connections: AtomicU64::new(0),
             protocol_errors: AtomicU64::new(0),
+            faults_found_by_peers: AtomicU64::new(0),
             paused: AtomicBool::new(false),
             serving: Mutex::new(()),
             changes: AtomicU64::new(0),
