@@ -169,6 +169,15 @@ impl Vring {
 
     /// Takes the next available chain head.
     pub fn next_head(&mut self) -> Result<u16, Fault> {
+        let ahead = self.avail_seen.wrapping_sub(self.last_avail);
+        if ahead > self.num {
+            // The driver moved its index further than the ring holds: every entry would be
+            // one already taken (QEMU's virtio treats it as an error too).
+            return Err(Fault(format!(
+                "the driver made {ahead} entries available in a ring of {}",
+                self.num
+            )));
+        }
         let head = self.avail_entry(0);
         if head >= self.num {
             return Err(Fault(format!(
@@ -451,6 +460,24 @@ pub(crate) mod tests {
             }
             (avail.add(2) as *mut u16).write(heads.len() as u16);
         }
+    }
+
+    #[test]
+    fn a_driver_that_makes_more_available_than_the_ring_holds_is_a_fault() {
+        let (m, base) = guest();
+        let mut v = Vring::new(&m, 8, GPA, GPA + 0x1000, GPA + 0x2000, 0, None).unwrap();
+        put_desc(base, 0, GPA + 0x10000, 64, 0, 0);
+        make_available(base, &[0; 9]);
+        assert_eq!(v.pending(), 9);
+        let fault = v.next_head().unwrap_err();
+        assert!(
+            fault.0.contains("9 entries available in a ring of 8"),
+            "{}",
+            fault.0
+        );
+        make_available(base, &[0; 8]);
+        assert_eq!(v.pending(), 8);
+        assert_eq!(v.next_head().unwrap(), 0);
     }
 
     #[test]
