@@ -645,7 +645,16 @@ fn a_vm_path_carries_on_while_its_ports_move_between_workers() {
     );
     std::thread::sleep(Duration::from_millis(50));
     assert_eq!(direct_packets(&s) - before, M as u64);
-    assert_port_counts(port, 1, 2, N + M + warm);
+    // The OpenFlow statistics count every frame, whichever way it went.
+    let all = N + M + warm;
+    assert_port_counts(port, 1, 2, all);
+    let flows = ofctl(port, &["--no-names", "dump-flows"]);
+    assert!(flows.contains(&format!("n_packets={all},")), "{flows}");
+    let tables = ofctl(port, &["dump-tables"]);
+    assert!(
+        tables.contains(&format!("lookup={all}, matched={all}")),
+        "{tables}"
+    );
 }
 
 /// Guests that break their rings while a direct path joins them. The receiving guest
@@ -797,6 +806,56 @@ fn a_guest_gone_mid_switch_over_wedges_nothing() {
         assert_eq!(got, (0..N).collect::<Vec<_>>(), "round {k}");
     }
     s.stop();
+}
+
+/// The two directions between two VMs are independent: A → B is point to point and gets a
+/// direct path, B → A is not (a UDP flow above its port's flow) and goes through the switch;
+/// each way's stream arrives whole and in order, and only A's took the path.
+#[test]
+fn a_vm_path_takes_one_direction_and_leaves_the_other_to_the_switch() {
+    require_root_and_tools(&["ovs-ofctl"]);
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let s = Stitch::run(&switch_between_two_vm_ports(dir.path(), port));
+    for flow in [
+        "priority=100,in_port=1,actions=output:2",
+        "priority=100,in_port=2,actions=output:1",
+        "priority=200,in_port=2,udp,actions=output:1",
+    ] {
+        ofctl(port, &["add-flow", flow]);
+    }
+    let (mut a, mut b, _) =
+        guests_on_a_direct_path(&s, dir.path(), |buf| numbered_frame(buf, u32::MAX));
+    while b.receive(|_| {}) > 0 || a.in_flight() > 0 {
+        a.reclaim();
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let direct_packets = || {
+        let st = s.stats().unwrap();
+        app(&st, "sw")["counters"]["direct_channel_packets"]
+            .as_u64()
+            .unwrap()
+    };
+    let before = direct_packets();
+    const N: u32 = 1000;
+    assert_eq!(
+        stream_numbered(&mut a, &mut b, N),
+        (0..N).collect::<Vec<_>>()
+    );
+    assert_eq!(
+        stream_numbered(&mut b, &mut a, N),
+        (0..N).collect::<Vec<_>>()
+    );
+    let (_, q) = s.call("POST", "/api/v1/apps/sw/query", Some("{}"));
+    let paths = q["direct_vm_paths"].as_array().unwrap();
+    assert_eq!(paths.len(), 1, "{q}");
+    assert_eq!(paths[0]["ports"], serde_json::json!([1, 2]), "{q}");
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(
+        direct_packets() - before,
+        N as u64,
+        "only A's frames took the path"
+    );
 }
 
 /// A function killed (-9) while its direct channel carries traffic — the receiving one, then
