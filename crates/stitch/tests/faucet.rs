@@ -307,20 +307,9 @@ fn faucet_patching_two_vm_ports_gives_them_a_direct_path_and_takes_it_back() {
     ));
     let (mut a, mut b, warm) =
         guests_on_a_direct_path(&s, dir.path(), |buf| numbered_frame(buf, u32::MAX));
-    while b.receive(|_| {}) > 0 || a.in_flight() > 0 {
-        a.reclaim();
-        std::thread::sleep(Duration::from_millis(20));
-    }
     let counter = |name: &str| {
         let st = s.stats().unwrap();
         app(&st, "sw")["counters"][name].as_u64().unwrap()
-    };
-    let phase = || {
-        let (_, v) = s.call("POST", "/api/v1/apps/sw/query", Some("{}"));
-        v["direct_vm_paths"][0]["phase"]
-            .as_str()
-            .unwrap_or("none")
-            .to_string()
     };
     let (misses, direct) = (
         counter("table_miss_drops"),
@@ -336,7 +325,7 @@ fn faucet_patching_two_vm_ports_gives_them_a_direct_path_and_takes_it_back() {
                     std::fs::write(&config, two_vm_ports(patched)).unwrap();
                     faucet.signal(libc::SIGHUP);
                     wait_until("Faucet's change reaches the path", 20, || {
-                        (phase() == "Direct") == patched
+                        (vm_path_phase(&s) == "Direct") == patched
                     });
                 }
             }

@@ -461,10 +461,6 @@ fn vm_ports_get_a_direct_path_and_give_it_back_losing_nothing() {
     );
     let (mut a, mut b, warm) =
         guests_on_a_direct_path(&s, dir.path(), |buf| numbered_frame(buf, u32::MAX));
-    while b.receive(|_| {}) > 0 || a.in_flight() > 0 {
-        a.reclaim();
-        std::thread::sleep(Duration::from_millis(20));
-    }
     let before = {
         let st = s.stats().unwrap();
         app(&st, "sw")["counters"]["direct_channel_packets"]
@@ -506,7 +502,6 @@ fn vm_ports_get_a_direct_path_and_give_it_back_losing_nothing() {
 /// path again; what is sent after that arrives, once each, in order.
 #[test]
 fn a_vm_path_is_taken_back_when_the_receiving_guest_leaves_and_given_again() {
-    use stitch_vhost::frontend::Frontend;
     require_root_and_tools(&["ovs-ofctl"]);
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
@@ -528,12 +523,8 @@ fn a_vm_path_is_taken_back_when_the_receiving_guest_leaves_and_given_again() {
     let (mut a, b, _) =
         guests_on_a_direct_path(&s, dir.path(), |buf| numbered_frame(buf, u32::MAX));
     drop(b);
-    let phase = |s: &Stitch| {
-        let (_, v) = s.call("POST", "/api/v1/apps/sw/query", Some("{}"));
-        v["direct_vm_paths"][0]["phase"].clone()
-    };
     let t = Instant::now();
-    while phase(&s) == "Direct" {
+    while vm_path_phase(&s) == "Direct" {
         a.send(1, |buf| numbered_frame(buf, u32::MAX));
         assert!(
             t.elapsed() < Duration::from_secs(10),
@@ -558,23 +549,8 @@ fn a_vm_path_is_taken_back_when_the_receiving_guest_leaves_and_given_again() {
         std::thread::sleep(Duration::from_millis(20));
     }
     // Back: a new connection on the same port.
-    let mut b =
-        Frontend::connect(&dir.path().join("b.sock"), 256, Duration::from_secs(10)).unwrap();
-    let t = Instant::now();
-    while phase(&s) != "Direct" {
-        a.send(1, |buf| numbered_frame(buf, u32::MAX));
-        b.receive(|_| {});
-        assert!(
-            t.elapsed() < Duration::from_secs(10),
-            "no path again: {}",
-            phase(&s)
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    while b.receive(|_| {}) > 0 || a.in_flight() > 0 {
-        a.reclaim();
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let mut b = vm_guest(dir.path(), "b.sock");
+    send_until_direct(&s, &mut a, &mut b, |buf| numbered_frame(buf, u32::MAX));
     const N: u32 = 2000;
     let got = stream_numbered(&mut a, &mut b, N);
     assert_eq!(got, (0..N).collect::<Vec<_>>(), "once each, in order");
@@ -608,10 +584,6 @@ fn a_vm_path_carries_on_while_its_ports_move_between_workers() {
     );
     let (mut a, mut b, warm) =
         guests_on_a_direct_path(&s, dir.path(), |buf| numbered_frame(buf, u32::MAX));
-    while b.receive(|_| {}) > 0 || a.in_flight() > 0 {
-        a.reclaim();
-        std::thread::sleep(Duration::from_millis(20));
-    }
     let direct_packets = |s: &Stitch| {
         let st = s.stats().unwrap();
         app(&st, "sw")["counters"]["direct_channel_packets"]
@@ -666,7 +638,6 @@ fn a_vm_path_carries_on_while_its_ports_move_between_workers() {
 /// from beyond its memory: its own queue stops and is counted, B's port is untouched.
 #[test]
 fn guests_breaking_their_rings_on_a_direct_path_are_contained() {
-    use stitch_vhost::frontend::Frontend;
     require_root_and_tools(&["ovs-ofctl"]);
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
@@ -682,16 +653,9 @@ fn guests_breaking_their_rings_on_a_direct_path_are_contained() {
             .and_then(|st| app(&st, app_name)["counters"][c].as_u64())
             .unwrap_or(0)
     };
-    let phase = || {
-        let (_, v) = s.call("POST", "/api/v1/apps/sw/query", Some("{}"));
-        v["direct_vm_paths"][0]["phase"]
-            .as_str()
-            .unwrap_or("none")
-            .to_string()
-    };
     b.scribble_on_receive_descriptors();
     let t = Instant::now();
-    while phase() == "Direct" {
+    while vm_path_phase(&s) == "Direct" {
         a.send(1, |buf| numbered_frame(buf, u32::MAX));
         assert!(
             t.elapsed() < Duration::from_secs(10),
@@ -713,23 +677,8 @@ fn guests_breaking_their_rings_on_a_direct_path_are_contained() {
     assert_eq!(counter("a", "guest_faults"), 0, "A's port is untouched");
     // B's guest sets its queues up again: the path comes back.
     drop(b);
-    let mut b =
-        Frontend::connect(&dir.path().join("b.sock"), 256, Duration::from_secs(10)).unwrap();
-    let t = Instant::now();
-    while phase() != "Direct" {
-        a.send(1, |buf| numbered_frame(buf, u32::MAX));
-        b.receive(|_| {});
-        assert!(
-            t.elapsed() < Duration::from_secs(10),
-            "no path again: {}",
-            phase()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    while b.receive(|_| {}) > 0 || a.in_flight() > 0 {
-        a.reclaim();
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let mut b = vm_guest(dir.path(), "b.sock");
+    send_until_direct(&s, &mut a, &mut b, |buf| numbered_frame(buf, u32::MAX));
     const N: u32 = 2000;
     assert_eq!(
         stream_numbered(&mut a, &mut b, N),
@@ -754,7 +703,6 @@ fn guests_breaking_their_rings_on_a_direct_path_are_contained() {
 /// given again, and a stream arrives whole and in order.
 #[test]
 fn a_guest_gone_mid_switch_over_wedges_nothing() {
-    use stitch_vhost::frontend::Frontend;
     require_root_and_tools(&["ovs-ofctl"]);
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
@@ -763,44 +711,22 @@ fn a_guest_gone_mid_switch_over_wedges_nothing() {
     ofctl(port, &["add-flow", &format!("{rule},actions=output:2")]);
     let (mut a, mut b, _) =
         guests_on_a_direct_path(&s, dir.path(), |buf| numbered_frame(buf, u32::MAX));
-    let phase = || {
-        let (_, v) = s.call("POST", "/api/v1/apps/sw/query", Some("{}"));
-        v["direct_vm_paths"][0]["phase"]
-            .as_str()
-            .unwrap_or("none")
-            .to_string()
-    };
-    let guest = |name: &str| {
-        Frontend::connect(&dir.path().join(name), 256, Duration::from_secs(10)).unwrap()
-    };
     for k in 0..10u64 {
         ofctl(port, &["--strict", "del-flows", rule]);
-        wait_until("the path is handed back", 10, || phase() == "none");
+        wait_until("the path is handed back", 10, || {
+            vm_path_phase(&s) == "none"
+        });
         ofctl(port, &["add-flow", &format!("{rule},actions=output:2")]);
         a.send(4, |buf| numbered_frame(buf, u32::MAX));
         std::thread::sleep(Duration::from_micros(k * 200));
         if k % 2 == 0 {
             drop(b);
-            b = guest("b.sock");
+            b = vm_guest(dir.path(), "b.sock");
         } else {
             drop(a);
-            a = guest("a.sock");
+            a = vm_guest(dir.path(), "a.sock");
         }
-        let t = Instant::now();
-        while phase() != "Direct" {
-            a.send(1, |buf| numbered_frame(buf, u32::MAX));
-            b.receive(|_| {});
-            assert!(
-                t.elapsed() < Duration::from_secs(10),
-                "round {k}: no path again: {}",
-                phase()
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        while b.receive(|_| {}) > 0 || a.in_flight() > 0 {
-            a.reclaim();
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        send_until_direct(&s, &mut a, &mut b, |buf| numbered_frame(buf, u32::MAX));
         const N: u32 = 300;
         let got = stream_numbered(&mut a, &mut b, N);
         assert_eq!(got, (0..N).collect::<Vec<_>>(), "round {k}");
@@ -826,10 +752,6 @@ fn a_vm_path_takes_one_direction_and_leaves_the_other_to_the_switch() {
     }
     let (mut a, mut b, _) =
         guests_on_a_direct_path(&s, dir.path(), |buf| numbered_frame(buf, u32::MAX));
-    while b.receive(|_| {}) > 0 || a.in_flight() > 0 {
-        a.reclaim();
-        std::thread::sleep(Duration::from_millis(20));
-    }
     let direct_packets = || {
         let st = s.stats().unwrap();
         app(&st, "sw")["counters"]["direct_channel_packets"]

@@ -793,21 +793,50 @@ pub fn guests_on_a_direct_path(
     stitch_vhost::frontend::Frontend,
     u32,
 ) {
-    use stitch_vhost::frontend::Frontend;
-    let patience = Duration::from_secs(10);
-    let mut a = Frontend::connect(&dir.join("a.sock"), 256, patience).unwrap();
-    let mut b = Frontend::connect(&dir.join("b.sock"), 256, patience).unwrap();
-    let phase = || {
-        let (_, v) = s.call("POST", "/api/v1/apps/sw/query", Some("{}"));
-        v["direct_vm_paths"][0]["phase"].clone()
-    };
+    let mut a = vm_guest(dir, "a.sock");
+    let mut b = vm_guest(dir, "b.sock");
+    let sent = send_until_direct(s, &mut a, &mut b, filler);
+    (a, b, sent)
+}
+
+/// Stitch's virtio-net driver on the VM port whose socket is `name` in `dir`.
+pub fn vm_guest(dir: &Path, name: &str) -> stitch_vhost::frontend::Frontend {
+    stitch_vhost::frontend::Frontend::connect(&dir.join(name), 256, Duration::from_secs(10))
+        .unwrap()
+}
+
+/// The phase of the first direct VM path of `s`'s switch `sw` (`none` without one).
+pub fn vm_path_phase(s: &Stitch) -> String {
+    let (_, v) = s.call("POST", "/api/v1/apps/sw/query", Some("{}"));
+    v["direct_vm_paths"][0]["phase"]
+        .as_str()
+        .unwrap_or("none")
+        .to_string()
+}
+
+/// Guest `a` sends frames written by `filler` while guest `b` takes what arrives, until `s`'s
+/// switch has a direct path (once both guests are there and `a` sends; 10 s at most), then
+/// until nothing is in flight between them; how many `a` sent.
+pub fn send_until_direct(
+    s: &Stitch,
+    a: &mut stitch_vhost::frontend::Frontend,
+    b: &mut stitch_vhost::frontend::Frontend,
+    filler: impl Fn(&mut [u8]) -> usize,
+) -> u32 {
     let (t, mut sent) = (Instant::now(), 0u32);
-    while phase() != "Direct" {
-        // The path is taken once both guests are there and `a`'s sends.
+    while vm_path_phase(s) != "Direct" {
         sent += a.send(1, &filler) as u32;
         b.receive(|_| {});
-        assert!(t.elapsed() < patience, "no direct path: {}", phase());
-        std::thread::sleep(Duration::from_millis(20));
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "no direct path: {}",
+            vm_path_phase(s)
+        );
+        std::thread::sleep(Duration::from_millis(10));
     }
-    (a, b, sent)
+    while b.receive(|_| {}) > 0 || a.in_flight() > 0 {
+        a.reclaim();
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    sent
 }
