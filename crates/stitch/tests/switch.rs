@@ -442,6 +442,37 @@ fn function_processes_get_a_direct_channel_and_give_it_back_losing_nothing() {
     assert_in_order(&dir.path().join("out.pcap"), N);
 }
 
+/// Two VMs behind the switch (Stitch's virtio-net driver as each guest), `flows` added, once
+/// the pair has its direct path: the folder, the switch's OpenFlow port, Stitch, guests A and
+/// B, and how many frames A sent before the path.
+struct VmPair {
+    dir: tempfile::TempDir,
+    port: u16,
+    s: Stitch,
+    a: stitch_vhost::frontend::Frontend,
+    b: stitch_vhost::frontend::Frontend,
+    warm: u32,
+}
+
+fn vm_pair(flows: &[&str]) -> VmPair {
+    require_root_and_tools(&["ovs-ofctl"]);
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let s = Stitch::run(&switch_between_two_vm_ports(dir.path(), port));
+    for flow in flows {
+        ofctl(port, &["add-flow", flow]);
+    }
+    let (a, b, warm) = guests_on_a_direct_path(&s, dir.path(), |buf| numbered_frame(buf, u32::MAX));
+    VmPair {
+        dir,
+        port,
+        s,
+        a,
+        b,
+        warm,
+    }
+}
+
 /// Two VMs behind the switch (Stitch's own virtio-net driver on each vhost-user port, as a
 /// guest's would be): with `in_port=1,actions=output:2` the switch gives A's port a direct
 /// path into B's receive ring — A's worker copies each frame guest to guest. A more specific
@@ -450,17 +481,15 @@ fn function_processes_get_a_direct_channel_and_give_it_back_losing_nothing() {
 /// counters count every frame either way.
 #[test]
 fn vm_ports_get_a_direct_path_and_give_it_back_losing_nothing() {
-    require_root_and_tools(&["ovs-ofctl"]);
     const N: u32 = 24_000;
-    let dir = tempfile::tempdir().unwrap();
-    let port = free_port();
-    let s = Stitch::run(&switch_between_two_vm_ports(dir.path(), port));
-    ofctl(
+    let VmPair {
         port,
-        &["add-flow", "priority=100,in_port=1,actions=output:2"],
-    );
-    let (mut a, mut b, warm) =
-        guests_on_a_direct_path(&s, dir.path(), |buf| numbered_frame(buf, u32::MAX));
+        s,
+        mut a,
+        mut b,
+        warm,
+        ..
+    } = vm_pair(&["priority=100,in_port=1,actions=output:2"]);
     let before = {
         let st = s.stats().unwrap();
         app(&st, "sw")["counters"]["direct_channel_packets"]
@@ -638,16 +667,13 @@ fn a_vm_path_carries_on_while_its_ports_move_between_workers() {
 /// from beyond its memory: its own queue stops and is counted, B's port is untouched.
 #[test]
 fn guests_breaking_their_rings_on_a_direct_path_are_contained() {
-    require_root_and_tools(&["ovs-ofctl"]);
-    let dir = tempfile::tempdir().unwrap();
-    let port = free_port();
-    let s = Stitch::run(&switch_between_two_vm_ports(dir.path(), port));
-    ofctl(
-        port,
-        &["add-flow", "priority=100,in_port=1,actions=output:2"],
-    );
-    let (mut a, mut b, _) =
-        guests_on_a_direct_path(&s, dir.path(), |buf| numbered_frame(buf, u32::MAX));
+    let VmPair {
+        dir,
+        s,
+        mut a,
+        mut b,
+        ..
+    } = vm_pair(&["priority=100,in_port=1,actions=output:2"]);
     let counter = |app_name: &str, c: &str| {
         s.stats()
             .and_then(|st| app(&st, app_name)["counters"][c].as_u64())
@@ -703,14 +729,15 @@ fn guests_breaking_their_rings_on_a_direct_path_are_contained() {
 /// given again, and a stream arrives whole and in order.
 #[test]
 fn a_guest_gone_mid_switch_over_wedges_nothing() {
-    require_root_and_tools(&["ovs-ofctl"]);
-    let dir = tempfile::tempdir().unwrap();
-    let port = free_port();
-    let s = Stitch::run(&switch_between_two_vm_ports(dir.path(), port));
     let rule = "priority=100,in_port=1";
-    ofctl(port, &["add-flow", &format!("{rule},actions=output:2")]);
-    let (mut a, mut b, _) =
-        guests_on_a_direct_path(&s, dir.path(), |buf| numbered_frame(buf, u32::MAX));
+    let VmPair {
+        dir,
+        port,
+        s,
+        mut a,
+        mut b,
+        ..
+    } = vm_pair(&[&format!("{rule},actions=output:2")]);
     for k in 0..10u64 {
         ofctl(port, &["--strict", "del-flows", rule]);
         wait_until("the path is handed back", 10, || {
@@ -739,19 +766,13 @@ fn a_guest_gone_mid_switch_over_wedges_nothing() {
 /// each way's stream arrives whole and in order, and only A's took the path.
 #[test]
 fn a_vm_path_takes_one_direction_and_leaves_the_other_to_the_switch() {
-    require_root_and_tools(&["ovs-ofctl"]);
-    let dir = tempfile::tempdir().unwrap();
-    let port = free_port();
-    let s = Stitch::run(&switch_between_two_vm_ports(dir.path(), port));
-    for flow in [
+    let VmPair {
+        s, mut a, mut b, ..
+    } = vm_pair(&[
         "priority=100,in_port=1,actions=output:2",
         "priority=100,in_port=2,actions=output:1",
         "priority=200,in_port=2,udp,actions=output:1",
-    ] {
-        ofctl(port, &["add-flow", flow]);
-    }
-    let (mut a, mut b, _) =
-        guests_on_a_direct_path(&s, dir.path(), |buf| numbered_frame(buf, u32::MAX));
+    ]);
     let direct_packets = || {
         let st = s.stats().unwrap();
         app(&st, "sw")["counters"]["direct_channel_packets"]

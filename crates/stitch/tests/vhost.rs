@@ -778,22 +778,23 @@ fn the_rfc2544_search_finds_the_rate_of_a_policer() {
     )
     .unwrap();
     let out = dir.path().join("results");
-    let run = Command::new(env!("CARGO_BIN_EXE_stitch"))
-        .args(["bench", "rfc2544", "--duts", "graph", "--graph"])
-        .arg(&graph)
-        .args(["--sizes", "64", "--trial-seconds", &T.to_string()])
-        .args(["--max-rate", &MAX.to_string()])
-        .args(["--resolution", &RESOLUTION_PERCENT.to_string(), "--out"])
-        .arg(&out)
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&run.stdout);
-    assert!(
-        run.status.success(),
-        "{text}{}",
-        String::from_utf8_lossy(&run.stderr)
-    );
-    eprintln!("{text}");
+    run_bench(&[
+        "rfc2544",
+        "--duts",
+        "graph",
+        "--graph",
+        graph.to_str().unwrap(),
+        "--sizes",
+        "64",
+        "--trial-seconds",
+        &T.to_string(),
+        "--max-rate",
+        &MAX.to_string(),
+        "--resolution",
+        &RESOLUTION_PERCENT.to_string(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
     let doc: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("rfc2544.json")).unwrap()).unwrap();
     let r = &doc["results"][0];
@@ -826,18 +827,17 @@ fn the_rfc2544_search_finds_the_rate_of_a_policer() {
 fn the_vm2vm_bench_chains_a_guest_three_ways() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     require_root_and_tools(&["dpdk-testpmd", "ovs-ofctl", "ovs-vsctl"]);
-    let run = Command::new(env!("CARGO_BIN_EXE_stitch"))
-        .args(["bench", "vm2vm", "--vms", "1", "--sizes", "64"])
-        .args(["--seconds", "0.5", "--rate-mpps", "0.02"])
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&run.stdout);
-    assert!(
-        run.status.success(),
-        "{text}{}",
-        String::from_utf8_lossy(&run.stderr)
-    );
-    eprintln!("{text}");
+    let text = run_bench(&[
+        "vm2vm",
+        "--vms",
+        "1",
+        "--sizes",
+        "64",
+        "--seconds",
+        "0.5",
+        "--rate-mpps",
+        "0.02",
+    ]);
     for way in ["switched", "direct", "ovs-dpdk"] {
         let row: Vec<&str> = text
             .lines()

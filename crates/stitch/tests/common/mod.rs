@@ -719,6 +719,24 @@ links:
     )
 }
 
+/// `stitch bench ARGS`, which must succeed; what it printed (echoed to the test's output).
+pub fn run_bench(args: &[&str]) -> String {
+    let run = Command::new(env!("CARGO_BIN_EXE_stitch"))
+        .arg("bench")
+        .args(args)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&run.stdout).into_owned();
+    assert!(
+        run.status.success(),
+        "stitch bench {}: {text}{}",
+        args.join(" "),
+        String::from_utf8_lossy(&run.stderr)
+    );
+    eprintln!("{text}");
+    text
+}
+
 /// A numbered UDP frame from 02:00:00:00:00:01 to 02:00:00:00:00:02 (its sequence number at
 /// byte 42, as `write_sequence` writes them) into `buf`; its length.
 pub fn numbered_frame(buf: &mut [u8], seq: u32) -> usize {
