@@ -549,7 +549,10 @@ impl Placements {
         let placement = (self.graph.lock().unwrap().as_ref())
             .map(|g| g.placement(name))
             .unwrap_or_default();
-        let process = self.supervisor.lock().unwrap().status(name);
+        let mut process = self.supervisor.lock().unwrap().status(name);
+        if let (Some(p), Some(guest)) = (process.as_mut(), self.guest_status(name)) {
+            p["guest"] = guest;
+        }
         json!({ "placement": placement.name(), "process": process })
     }
 
@@ -568,6 +571,14 @@ impl Placements {
             "processes": self.supervisor.lock().unwrap().created(),
             "vm_dir": self.vm_dir.exists().then(|| self.vm_dir.clone()),
         })
+    }
+
+    /// App `name`'s guest as its QEMU sees it (`query-status` on its QMP socket: running,
+    /// paused, shut down, stopped on an error), if it is a VM whose QEMU runs. Asked outside
+    /// the supervisor's lock: QEMU may take its time.
+    fn guest_status(&self, name: &str) -> Option<Value> {
+        let qmp = self.supervisor.lock().unwrap().qmp_of(name)?;
+        Some(qmp::guest_status(&qmp))
     }
 
     /// The supervision state of app `name`'s process, if it is one.

@@ -362,6 +362,16 @@ impl Supervisor {
             .collect()
     }
 
+    /// The QMP socket of app `name`'s VM while its QEMU runs.
+    pub fn qmp_of(&self, name: &str) -> Option<PathBuf> {
+        let (s, _) = self.running.get(name)?;
+        let running = s.status.lock().unwrap().pid.is_some();
+        match &s.spec.stop {
+            StopBy::Qmp(qmp) if running => Some(qmp.clone()),
+            _ => None,
+        }
+    }
+
     /// The state of app `name`'s process, if it is one.
     pub fn status(&self, name: &str) -> Option<serde_json::Value> {
         let (s, _) = self.running.get(name)?;

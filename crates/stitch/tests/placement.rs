@@ -7,6 +7,7 @@ mod common;
 use common::*;
 use std::path::Path;
 use std::process::Command;
+use std::time::Duration;
 
 /// Host 0 → `fw` (a `stitch-nf-firewall` process dropping UDP) → host 1; host 1 → host 0 direct.
 fn firewall_graph(hosts: &TwoHosts, nf_socket: &Path, with_fw: bool) -> String {
@@ -307,6 +308,23 @@ fn a_vm_is_launched_on_its_port_restarted_and_shut_down() {
     );
     let socket = s.stats().unwrap();
     assert_eq!(app(&socket, "vm1")["placement"], "vm", "{socket}");
+    // QEMU's own view of the guest: running; paused by an operator's `stop` on its QMP
+    // socket, `stitch show` says so.
+    let guest = |s: &Stitch| show(s, "vm1")["process"]["guest"]["status"].clone();
+    assert_eq!(guest(&s), "running", "{}", show(&s, "vm1"));
+    let command = show(&s, "vm1")["process"]["command"].to_string();
+    let qmp = command
+        .split("unix:")
+        .find_map(|rest| rest.split(',').next().filter(|p| p.ends_with(".qmp")))
+        .expect("the VM's QMP socket in its command");
+    let mut q = stitch_place::qmp::Qmp::connect(Path::new(qmp), Duration::from_secs(5)).unwrap();
+    q.execute("stop", None).unwrap();
+    drop(q);
+    assert_eq!(guest(&s), "paused", "{}", show(&s, "vm1"));
+    let mut q = stitch_place::qmp::Qmp::connect(Path::new(qmp), Duration::from_secs(5)).unwrap();
+    q.execute("cont", None).unwrap();
+    drop(q);
+    assert_eq!(guest(&s), "running", "{}", show(&s, "vm1"));
 
     // QEMU killed: started again, and the new guest answers.
     sh(&format!("kill -9 {first}"));
