@@ -208,7 +208,8 @@ enum Copied {
 
 /// Up to a burst of the chains `ring` has available, walked into `segs` (each chain's head
 /// and place among them in `chains`), their buffers' lines asked for; a fault stops the walk
-/// after the chains before it.
+/// after the chains before it, the faulty one left in the ring (so that giving back the
+/// chains after any of them gives back the right heads).
 fn gather(
     ring: &mut crate::Vring,
     mem: &crate::memory::GuestMemory,
@@ -222,7 +223,10 @@ fn gather(
     for _ in 0..n {
         let head = ring.next_head().map_err(|f| f.0)?;
         let first = segs.len();
-        ring.chain_onto(mem, head, segs).map_err(|f| f.0)?;
+        if let Err(f) = ring.chain_onto(mem, head, segs) {
+            ring.unget(1);
+            return Err(f.0);
+        }
         for s in &segs[first..] {
             crate::virtq::prefetch(s.ptr, false);
         }
