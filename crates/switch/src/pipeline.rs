@@ -704,6 +704,29 @@ mod tests {
     }
 
     #[test]
+    fn a_meter_a_packet_in_or_two_outputs_make_no_pair() {
+        let mut t = FlowTables::default();
+        let metered = Instructions {
+            meter: Some(1),
+            ..out(2)
+        };
+        t.apply(&fm(FC_ADD, 0, 10, in_port(1), metered), 0).unwrap();
+        let to_controller = Instructions::apply_actions(vec![Action::output(ofp::PORT_CONTROLLER)]);
+        t.apply(&fm(FC_ADD, 0, 10, in_port(2), to_controller), 0)
+            .unwrap();
+        let twice = Instructions::apply_actions(vec![Action::output(1), Action::output(2)]);
+        t.apply(&fm(FC_ADD, 0, 10, in_port(3), twice), 0).unwrap();
+        let tagged = Instructions {
+            metadata: Some((1, 1)),
+            ..goto(1)
+        };
+        t.apply(&fm(FC_ADD, 0, 10, in_port(4), tagged), 0).unwrap();
+        t.apply(&fm(FC_ADD, 1, 10, Match::default(), out(1)), 0)
+            .unwrap();
+        assert!(point_to_point(&t.tables, 4).iter().all(Option::is_none));
+    }
+
+    #[test]
     fn instructions_are_checked() {
         let goto_back = [0, 1, 0, 8, 0, 0, 0, 0];
         assert_eq!(
