@@ -351,13 +351,10 @@ fn two_qemu_guests_ping_and_run_iperf3_through_stitch() {
     assert_eq!(counter(&stats, "vm2", "guest_faults"), 0);
 }
 
-/// Two Linux guests (unmodified virtio-net, offloads and mergeable buffers on) behind the
-/// OpenFlow switch with `in_port=1,actions=output:2` and `in_port=2,actions=output:1`: each
-/// port gets a direct path into the other's receive ring, ping and iperf3 (TSO super-frames,
-/// partial checksums) cross guest to guest, and the switch's port counters count what the
-/// paths carried as if it had walked the tables.
-#[test]
-fn two_linux_guests_behind_the_switch_talk_over_direct_paths() {
+/// Stitch's OpenFlow switch between VM ports `vm1` and `vm2` (their sockets in `dir`), the
+/// flows 1 → 2 and 2 → 1 added with `ovs-ofctl`, for two QEMU guests with iperf3; the instance
+/// and the switch's OpenFlow port.
+fn switch_between_guests(dir: &std::path::Path) -> (Stitch, u16) {
     require_root_and_tools(&[
         "qemu-system-x86_64",
         "busybox",
@@ -365,15 +362,11 @@ fn two_linux_guests_behind_the_switch_talk_over_direct_paths() {
         "cpio",
         "ovs-ofctl",
     ]);
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let image = vm_image();
-    let dir = tempfile::tempdir().unwrap();
-    let (s1, s2) = (dir.path().join("vm1.sock"), dir.path().join("vm2.sock"));
     let port = free_port();
     let s = Stitch::run(&format!(
         "apps:
-  vm1: {{ type: vhost_user, socket: {} }}
-  vm2: {{ type: vhost_user, socket: {} }}
+  vm1: {{ type: vhost_user, socket: {d}/vm1.sock }}
+  vm2: {{ type: vhost_user, socket: {d}/vm2.sock }}
   sw: {{ type: switch, ports: [vm1, vm2], listen: \"127.0.0.1:{port}\" }}
 links:
   - \"vm1.output -> sw.vm1\"
@@ -381,8 +374,7 @@ links:
   - \"vm2.output -> sw.vm2\"
   - \"sw.vm2 -> vm2.input\"
 ",
-        s1.display(),
-        s2.display(),
+        d = dir.display()
     ));
     for flow in [
         "priority=100,in_port=1,actions=output:2",
@@ -390,6 +382,20 @@ links:
     ] {
         ofctl(port, &["add-flow", flow]);
     }
+    (s, port)
+}
+
+/// Two Linux guests (unmodified virtio-net, offloads and mergeable buffers on) behind the
+/// OpenFlow switch with `in_port=1,actions=output:2` and `in_port=2,actions=output:1`: each
+/// port gets a direct path into the other's receive ring, ping and iperf3 (TSO super-frames,
+/// partial checksums) cross guest to guest, and the switch's port counters count what the
+/// paths carried as if it had walked the tables.
+#[test]
+fn two_linux_guests_behind_the_switch_talk_over_direct_paths() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let (s, port) = switch_between_guests(dir.path());
+    let image = vm_image();
     let (vm1_ip, vm2_ip) = ("10.77.0.11", "10.77.0.12");
     let text = two_guests(
         &image,
@@ -433,36 +439,10 @@ links:
 /// none out of order.
 #[test]
 fn a_udp_stream_between_linux_guests_survives_three_hand_backs() {
-    require_root_and_tools(&[
-        "qemu-system-x86_64",
-        "busybox",
-        "iperf3",
-        "cpio",
-        "ovs-ofctl",
-    ]);
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let image = vm_image();
     let dir = tempfile::tempdir().unwrap();
-    let port = free_port();
-    let s = Stitch::run(&format!(
-        "apps:
-  vm1: {{ type: vhost_user, socket: {d}/vm1.sock }}
-  vm2: {{ type: vhost_user, socket: {d}/vm2.sock }}
-  sw: {{ type: switch, ports: [vm1, vm2], listen: \"127.0.0.1:{port}\" }}
-links:
-  - \"vm1.output -> sw.vm1\"
-  - \"sw.vm1 -> vm1.input\"
-  - \"vm2.output -> sw.vm2\"
-  - \"sw.vm2 -> vm2.input\"
-",
-        d = dir.path().display()
-    ));
-    for flow in [
-        "priority=100,in_port=1,actions=output:2",
-        "priority=100,in_port=2,actions=output:1",
-    ] {
-        ofctl(port, &["add-flow", flow]);
-    }
+    let (s, port) = switch_between_guests(dir.path());
+    let image = vm_image();
     let direct_from_vm2 = |s: &Stitch| {
         s.stats()
             .map(|st| counter(&st, "vm2", "direct_vm_packets"))
