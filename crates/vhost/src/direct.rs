@@ -206,35 +206,6 @@ enum Copied {
     NoRoom,
 }
 
-/// Up to a burst of the chains `ring` has available, walked into `segs` (each chain's head
-/// and place among them in `chains`), their buffers' lines asked for; a fault stops the walk
-/// after the chains before it, the faulty one left in the ring (so that giving back the
-/// chains after any of them gives back the right heads).
-fn gather(
-    ring: &mut crate::Vring,
-    mem: &crate::memory::GuestMemory,
-    segs: &mut Vec<crate::Segment>,
-    chains: &mut Vec<(u16, usize, usize)>,
-) -> Result<(), String> {
-    segs.clear();
-    chains.clear();
-    let n = (ring.pending() as usize).min(crate::BURST);
-    ring.prefetch_descriptors(n as u16);
-    for _ in 0..n {
-        let head = ring.next_head().map_err(|f| f.0)?;
-        let first = segs.len();
-        if let Err(f) = ring.chain_onto(mem, head, segs) {
-            ring.unget(1);
-            return Err(f.0);
-        }
-        for s in &segs[first..] {
-            crate::virtq::prefetch(s.ptr, false);
-        }
-        chains.push((head, first, segs.len() - first));
-    }
-    Ok(())
-}
-
 /// Which side's guest broke its ring during a copy.
 enum Broken {
     From(String),
@@ -316,9 +287,8 @@ impl crate::VhostUser {
     }
 
     /// One burst from transmit ring `a` into receive ring `b`; `hlens` are the two guests'
-    /// virtio-net header lengths. The burst's chains are walked first, asking for their lines
-    /// as we go, then copied one by one: the misses on the sending guest's frames overlap
-    /// instead of coming one after the other.
+    /// virtio-net header lengths. The burst's chains are walked first
+    /// ([`crate::Vring::take_burst`]), then copied one by one.
     fn copy_ring(
         &mut self,
         a: crate::device::Live<'_>,
@@ -329,8 +299,10 @@ impl crate::VhostUser {
     ) -> Result<(), Broken> {
         let mut segs = std::mem::take(&mut self.direct_segs);
         let mut chains = std::mem::take(&mut self.direct_chains);
-        let gathered = gather(a.ring, a.mem, &mut segs, &mut chains);
-        let mut result = gathered.map_err(Broken::From);
+        let gathered = a
+            .ring
+            .take_burst(a.mem, crate::BURST, &mut segs, &mut chains);
+        let mut result = gathered.map_err(|f| Broken::From(f.0));
         b.ring.prefetch_descriptors(chains.len() as u16);
         let (mut packets, mut bytes) = (0u64, 0u64);
         for (k, &(head, first, count)) in chains.iter().enumerate() {

@@ -238,8 +238,13 @@ impl Frontend {
 
     /// Writes descriptor `id` of `queue`: its buffer, `len` bytes, `flags`.
     fn set_desc(&self, queue: usize, id: u16, len: u32, flags: u16) {
+        self.write_desc(queue, id, self.buffer(queue, id) as u64, len, flags);
+    }
+
+    /// Writes descriptor `id` of `queue`: `len` bytes at guest address `addr`, `flags`.
+    fn write_desc(&self, queue: usize, id: u16, addr: u64, len: u32, flags: u16) {
         let mut d = [0u8; 16];
-        d[0..8].copy_from_slice(&(self.buffer(queue, id) as u64).to_le_bytes());
+        d[0..8].copy_from_slice(&addr.to_le_bytes());
         d[8..12].copy_from_slice(&len.to_le_bytes());
         d[12..14].copy_from_slice(&flags.to_le_bytes());
         let at = self.queues[queue].rings.desc + 16 * id as usize;
@@ -383,14 +388,10 @@ impl Frontend {
         true
     }
 
+    /// Points descriptor `id` of `queue` at a buffer beyond the memory the back-end has.
     fn set_wild_desc(&self, queue: usize, id: u16, flags: u16) {
-        let mut d = [0u8; 16];
         let beyond = self.mem.len() as u64 + (1 << 30);
-        d[0..8].copy_from_slice(&beyond.to_le_bytes());
-        d[8..12].copy_from_slice(&(BUFFER as u32).to_le_bytes());
-        d[12..14].copy_from_slice(&flags.to_le_bytes());
-        let at = self.queues[queue].rings.desc + 16 * id as usize;
-        assert!(self.mem.write(at, &d), "descriptor inside the rings");
+        self.write_desc(queue, id, beyond, BUFFER as u32, flags);
     }
 }
 

@@ -383,36 +383,17 @@ impl App for VhostUser {
                 // in a busy loop would otherwise spend its time in clock_gettime.
                 let mut now = None;
                 self.egress.refill();
-                // A burst at a time: take the heads and walk their chains first, asking for
-                // every buffer's lines as we go, then copy — the cross-core misses of the
-                // burst overlap instead of coming one after the other.
+                // A burst at a time: take the heads and walk their chains first, then copy.
                 let mut chains = std::mem::take(&mut self.chains);
                 let mut segs = std::mem::take(&mut self.rx_segs);
                 while budget > 0 && fault.is_none() {
-                    let n = (ring.pending() as usize).min(budget).min(RING_BURST);
-                    if n == 0 {
-                        break;
+                    if let Err(f) =
+                        ring.take_burst(mem, budget.min(RING_BURST), &mut segs, &mut chains)
+                    {
+                        fault = Some(f.0);
                     }
-                    chains.clear();
-                    segs.clear();
-                    ring.prefetch_descriptors(n as u16);
-                    for _ in 0..n {
-                        let head = match ring.next_head() {
-                            Ok(h) => h,
-                            Err(f) => {
-                                fault = Some(f.0);
-                                break;
-                            }
-                        };
-                        let first = segs.len();
-                        if let Err(f) = ring.chain_onto(mem, head, &mut segs) {
-                            fault = Some(f.0);
-                            break;
-                        }
-                        for sg in &segs[first..] {
-                            prefetch(sg.ptr, false);
-                        }
-                        chains.push((head, first, segs.len() - first));
+                    if chains.is_empty() {
+                        break;
                     }
                     let now = *now.get_or_insert_with(stitch_core::packet::now_ns);
                     for &(head, first, count) in &chains {
