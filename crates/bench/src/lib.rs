@@ -144,7 +144,6 @@ impl Drop for HugePageReserve {
     }
 }
 
-/// Clock ticks per second, the unit of CPU times in /proc/PID/stat.
 /// A veth pair `a`–`b` in this namespace, up, without IPv6 (no router solicitations on the
 /// wire), removed when dropped.
 pub(crate) struct VethPair {
@@ -179,6 +178,7 @@ pub(crate) fn process_cpu_seconds(pid: u32) -> Option<f64> {
     Some(ticks / clock_ticks())
 }
 
+/// Clock ticks per second, the unit of CPU times in /proc/PID/stat.
 pub(crate) fn clock_ticks() -> f64 {
     // SAFETY: sysconf takes no pointers.
     unsafe { libc::sysconf(libc::_SC_CLK_TCK) as f64 }

@@ -307,10 +307,7 @@ fn faucet_patching_two_vm_ports_gives_them_a_direct_path_and_takes_it_back() {
     ));
     let (mut a, mut b, warm) =
         guests_on_a_direct_path(&s, dir.path(), |buf| numbered_frame(buf, u32::MAX));
-    let counter = |name: &str| {
-        let st = s.stats().unwrap();
-        app(&st, "sw")["counters"][name].as_u64().unwrap()
-    };
+    let counter = |name: &str| s.counter("sw", name).unwrap();
     let (misses, direct) = (
         counter("table_miss_drops"),
         counter("direct_channel_packets"),

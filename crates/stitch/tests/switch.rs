@@ -490,12 +490,7 @@ fn vm_ports_get_a_direct_path_and_give_it_back_losing_nothing() {
         warm,
         ..
     } = vm_pair(&["priority=100,in_port=1,actions=output:2"]);
-    let before = {
-        let st = s.stats().unwrap();
-        app(&st, "sw")["counters"]["direct_channel_packets"]
-            .as_u64()
-            .unwrap()
-    };
+    let before = s.counter("sw", "direct_channel_packets").unwrap();
     let flips = std::thread::spawn(move || {
         let rule = "priority=200,in_port=1,udp";
         for _ in 0..5 {
@@ -552,15 +547,7 @@ fn a_vm_path_is_taken_back_when_the_receiving_guest_leaves_and_given_again() {
     let (mut a, b, _) =
         guests_on_a_direct_path(&s, dir.path(), |buf| numbered_frame(buf, u32::MAX));
     drop(b);
-    let t = Instant::now();
-    while vm_path_phase(&s) == "Direct" {
-        a.send(1, |buf| numbered_frame(buf, u32::MAX));
-        assert!(
-            t.elapsed() < Duration::from_secs(10),
-            "the path outlived its guest"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    send_until_handed_back(&s, &mut a, "the path outlived its guest");
     // Sent while the guest is away: through the switch, dropped and counted.
     let mut away = 0;
     while away < 10 {
@@ -613,12 +600,7 @@ fn a_vm_path_carries_on_while_its_ports_move_between_workers() {
     );
     let (mut a, mut b, warm) =
         guests_on_a_direct_path(&s, dir.path(), |buf| numbered_frame(buf, u32::MAX));
-    let direct_packets = |s: &Stitch| {
-        let st = s.stats().unwrap();
-        app(&st, "sw")["counters"]["direct_channel_packets"]
-            .as_u64()
-            .unwrap()
-    };
+    let direct_packets = |s: &Stitch| s.counter("sw", "direct_channel_packets").unwrap();
     let got = std::thread::scope(|scope| {
         scope.spawn(|| {
             for (wa, wb) in [("wc", "wb"), ("wc", "wa"), ("wa", "wb")] {
@@ -674,21 +656,9 @@ fn guests_breaking_their_rings_on_a_direct_path_are_contained() {
         mut b,
         ..
     } = vm_pair(&["priority=100,in_port=1,actions=output:2"]);
-    let counter = |app_name: &str, c: &str| {
-        s.stats()
-            .and_then(|st| app(&st, app_name)["counters"][c].as_u64())
-            .unwrap_or(0)
-    };
+    let counter = |app_name: &str, c: &str| s.counter(app_name, c).unwrap_or(0);
     b.scribble_on_receive_descriptors();
-    let t = Instant::now();
-    while vm_path_phase(&s) == "Direct" {
-        a.send(1, |buf| numbered_frame(buf, u32::MAX));
-        assert!(
-            t.elapsed() < Duration::from_secs(10),
-            "the path outlived the scribble"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    send_until_handed_back(&s, &mut a, "the path outlived the scribble");
     wait_until("B's fault is counted", 10, || {
         counter("b", "guest_faults") == 1
     });
@@ -773,12 +743,7 @@ fn a_vm_path_takes_one_direction_and_leaves_the_other_to_the_switch() {
         "priority=100,in_port=2,actions=output:1",
         "priority=200,in_port=2,udp,actions=output:1",
     ]);
-    let direct_packets = || {
-        let st = s.stats().unwrap();
-        app(&st, "sw")["counters"]["direct_channel_packets"]
-            .as_u64()
-            .unwrap()
-    };
+    let direct_packets = || s.counter("sw", "direct_channel_packets").unwrap();
     let before = direct_packets();
     const N: u32 = 1000;
     assert_eq!(

@@ -412,6 +412,13 @@ impl Stitch {
             .then(|| serde_json::from_slice(&out.stdout).unwrap())
     }
 
+    /// Counter `name` of app `app_name`, as `stitch stats` gives it now; `None` when the
+    /// instance does not answer or has no such counter.
+    pub fn counter(&self, app_name: &str, name: &str) -> Option<u64> {
+        self.stats()
+            .and_then(|st| app(&st, app_name)["counters"][name].as_u64())
+    }
+
     /// One API request on the instance's Unix socket: status and JSON body (`null` when the
     /// body is not JSON).
     pub fn call(&self, method: &str, path: &str, body: Option<&str>) -> (u16, serde_json::Value) {
@@ -830,6 +837,17 @@ pub fn vm_path_phase(s: &Stitch) -> String {
         .as_str()
         .unwrap_or("none")
         .to_string()
+}
+
+/// Guest `a` sends filler frames until `s`'s switch has ended its direct path (10 s at most,
+/// else the test fails saying `why` the path should have ended).
+pub fn send_until_handed_back(s: &Stitch, a: &mut stitch_vhost::frontend::Frontend, why: &str) {
+    let t = Instant::now();
+    while vm_path_phase(s) == "Direct" {
+        a.send(1, |buf| numbered_frame(buf, u32::MAX));
+        assert!(t.elapsed() < Duration::from_secs(10), "{why}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 /// Guest `a` sends frames written by `filler` while guest `b` takes what arrives, until `s`'s
