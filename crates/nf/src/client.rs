@@ -12,6 +12,7 @@
 //! polling mode it yields the CPU between empty polls. Either way it returns when Stitch closes
 //! the port.
 
+use crate::connection::Control;
 use crate::shm::{
     self, ChannelHeader, Consumer, Desc, Layout, Mapping, Producer, Region, RingView, SteerHeader,
     FLAG_DROP, FLAG_STEERED,
@@ -38,10 +39,11 @@ pub struct Function {
     /// Where the port was asked for, to ask again (`reattach`).
     socket: PathBuf,
     port: String,
-    conn: UnixStream,
+    conn: Control,
     region: Mapping,
     pool: Option<Mapping>,
-    doorbell: OwnedFd,
+    /// None in a guest: Stitch cannot ring it there, the function polls.
+    doorbell: Option<OwnedFd>,
     layout: Layout,
     to_nf: Consumer,
     from_nf: Producer,
@@ -156,15 +158,51 @@ fn map_channel(fd: &OwnedFd) -> io::Result<(Mapping, RingView)> {
     Ok((map, ring))
 }
 
-/// The socket and port Stitch gave a process it started, if it did.
+/// The socket and port Stitch gave a process it started, if it did — or, in a VM whose
+/// port Stitch serves (`rings: ivshmem`), the virtio-serial port to Stitch and the port's name.
 pub fn env_port() -> Option<(std::path::PathBuf, String)> {
-    let socket = std::env::var_os(crate::function::ENV_SOCKET)?;
-    let port = std::env::var(crate::function::ENV_PORT).ok()?;
-    Some((socket.into(), port))
+    let from_env = || {
+        let socket = std::env::var_os(crate::function::ENV_SOCKET)?;
+        let port = std::env::var(crate::function::ENV_PORT).ok()?;
+        Some((socket.into(), port))
+    };
+    from_env().or_else(crate::guest::serial_port)
 }
 
 fn invalid(msg: impl Into<String>) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, msg.into())
+}
+
+/// How long a function in a guest waits for Stitch: for its QEMU to be connected, for the
+/// answer (QEMU hot-plugs the devices first), for the guest's kernel to show the devices.
+const GUEST_WAIT: Duration = Duration::from_secs(30);
+
+/// The memory an attachment gave: the region (`size` bytes of it are Stitch's), the packet
+/// memory in zero-copy mode, the doorbell (not in a guest).
+struct Memory {
+    region: Mapping,
+    size: usize,
+    pool: Option<Mapping>,
+    doorbell: Option<OwnedFd>,
+}
+
+/// Stitch's answer to a hello, when it is a yes.
+fn accepted(bytes: &[u8]) -> io::Result<Value> {
+    let reply: Value = serde_json::from_slice(bytes)
+        .map_err(|e| invalid(format!("bad answer from Stitch: {e}")))?;
+    if reply["ok"] != true {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            reply["error"].as_str().unwrap_or("refused").to_string(),
+        ));
+    }
+    Ok(reply)
+}
+
+/// Whether `path` is a character device (a guest's virtio-serial port), not a socket.
+fn is_char_device(path: &Path) -> bool {
+    use std::os::unix::fs::FileTypeExt;
+    std::fs::metadata(path).is_ok_and(|m| m.file_type().is_char_device())
 }
 
 impl Function {
@@ -193,6 +231,9 @@ impl Function {
     /// [`Function::attach`]; `lost`: this process attached before, to a Stitch process that
     /// ended, and lost that many packets with it (they were in the old rings).
     fn attach_again(socket: &Path, port: &str, lost: Option<u64>) -> io::Result<Function> {
+        if is_char_device(socket) {
+            return Function::attach_in_guest(socket, port, Control::serial(socket)?, lost);
+        }
         let mut conn = UnixStream::connect(socket).map_err(|e| {
             io::Error::new(
                 e.kind(),
@@ -208,14 +249,7 @@ impl Function {
         }
         conn.write_all(format!("{hello}\n").as_bytes())?;
         let (bytes, fds) = fdpass::recv(conn.as_raw_fd(), 4096)?;
-        let reply: Value = serde_json::from_slice(&bytes)
-            .map_err(|e| invalid(format!("bad answer from Stitch: {e}")))?;
-        if reply["ok"] != true {
-            return Err(io::Error::new(
-                io::ErrorKind::PermissionDenied,
-                reply["error"].as_str().unwrap_or("refused").to_string(),
-            ));
-        }
+        let reply = accepted(&bytes)?;
         let zero_copy = reply["mode"] == "zero_copy";
         let mut fds = fds.into_iter();
         let (Some(memfd), Some(doorbell)) = (fds.next(), fds.next()) else {
@@ -223,16 +257,84 @@ impl Function {
         };
         let size = reply["region_size"].as_u64().unwrap_or(0) as usize;
         let region = shm::map(memfd.as_fd(), size, size <= crate::shm::POPULATE_MAX)?;
-        let h = region
-            .header()
-            .ok_or_else(|| invalid("region smaller than its header"))?;
-        let layout = Layout::read(h, size)?;
         let pool = if zero_copy {
             let fd = fds.next().ok_or_else(|| invalid("no packet memory"))?;
-            Some(shm::map(fd.as_fd(), h.pool_bytes as usize, false)?)
+            let bytes = region
+                .header()
+                .ok_or_else(|| invalid("region smaller than its header"))?
+                .pool_bytes;
+            Some(shm::map(fd.as_fd(), bytes as usize, false)?)
         } else {
             None
         };
+        if reply["output"] == true {
+            take_output(&mut fds)?;
+        }
+        let memory = Memory {
+            region,
+            size,
+            pool,
+            doorbell: Some(doorbell),
+        };
+        Function::on(socket, port, Control::Socket(conn), memory)
+    }
+
+    /// Attaches through `device`, the virtio-serial port QEMU joins to Stitch's socket: the
+    /// region (and the packet memory) come as hot-plugged ivshmem devices, mapped from sysfs.
+    fn attach_in_guest(
+        device: &Path,
+        port: &str,
+        mut conn: Control,
+        lost: Option<u64>,
+    ) -> io::Result<Function> {
+        conn.wait_for_host(GUEST_WAIT)?;
+        let mut hello = serde_json::json!({
+            "version": crate::shm::VERSION,
+            "port": port,
+            "transport": crate::guest::TRANSPORT,
+        });
+        if let Some(lost) = lost {
+            hello["resumed"] = serde_json::json!({ "lost": lost });
+        }
+        conn.send_line(&hello.to_string())?;
+        let (bytes, _) = conn.recv(Some(GUEST_WAIT))?;
+        let reply = accepted(&bytes)?;
+        let plugged = |what: &str| -> io::Result<Mapping> {
+            let d = &reply["devices"][what];
+            let (Some(addr), Some(bytes)) = (d["pci"].as_str(), d["bytes"].as_u64()) else {
+                return Err(invalid(format!("Stitch named no {what} device")));
+            };
+            crate::guest::map_bar(addr, bytes as usize, GUEST_WAIT)
+        };
+        let region = plugged("region")?;
+        let size = region.len();
+        let pool = if reply["mode"] == "zero_copy" {
+            Some(plugged("pool")?)
+        } else {
+            None
+        };
+        let memory = Memory {
+            region,
+            size,
+            pool,
+            doorbell: None,
+        };
+        Function::on(device, port, conn, memory)
+    }
+
+    /// The function on memory Stitch gave it, its layout read from the region's header.
+    fn on(socket: &Path, port: &str, conn: Control, m: Memory) -> io::Result<Function> {
+        let region = m.region;
+        let h = region
+            .header()
+            .ok_or_else(|| invalid("region smaller than its header"))?;
+        let layout = Layout::read(h, m.size)?;
+        let zero_copy = h.mode == 0;
+        if zero_copy != m.pool.is_some() {
+            return Err(invalid(
+                "Stitch's answer and its region disagree on the mode",
+            ));
+        }
         let ring = |offset| {
             // SAFETY: the views live in `Function` beside `region`, which outlives them.
             unsafe { region.ring(offset, layout.ring_size) }
@@ -240,9 +342,6 @@ impl Function {
         };
         let to_nf = Consumer::new(ring(layout.to_nf)?);
         let from_nf = Producer::new(ring(layout.from_nf)?);
-        if reply["output"] == true {
-            take_output(&mut fds)?;
-        }
         Ok(Function {
             socket: socket.to_path_buf(),
             port: port.to_string(),
@@ -251,8 +350,8 @@ impl Function {
             pool_stride: h.pool_stride as usize,
             pool_header: h.pool_header as usize,
             region,
-            pool,
-            doorbell,
+            pool: m.pool,
+            doorbell: m.doorbell,
             layout,
             to_nf,
             from_nf,
@@ -269,7 +368,7 @@ impl Function {
     fn check_control(&mut self) -> io::Result<()> {
         let sent = self.region_header().control.0.load(Ordering::Acquire);
         while self.control_seen != sent {
-            let (bytes, fds) = fdpass::recv(self.conn.as_raw_fd(), 4096)?;
+            let (bytes, fds) = self.conn.recv(None)?;
             if bytes.is_empty() {
                 return Err(io::Error::new(
                     io::ErrorKind::ConnectionAborted,
@@ -632,26 +731,7 @@ impl Function {
 
     /// Whether the connection has ended (not merely carries a control message).
     fn closed(&self, wait: bool) -> bool {
-        let mut fd = libc::pollfd {
-            fd: self.conn.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: `fd` is one live pollfd.
-        if unsafe { libc::poll(&mut fd, 1, if wait { -1 } else { 0 }) } <= 0 {
-            return false;
-        }
-        let mut b = 0u8;
-        // SAFETY: the kernel writes at most one byte into `b`.
-        let n = unsafe {
-            libc::recv(
-                self.conn.as_raw_fd(),
-                &mut b as *mut u8 as *mut libc::c_void,
-                1,
-                libc::MSG_PEEK | libc::MSG_DONTWAIT,
-            )
-        };
-        n == 0 || (n < 0 && io::Error::last_os_error().kind() != io::ErrorKind::WouldBlock)
+        self.conn.closed(wait)
     }
 
     /// Sleeps until Stitch (or the function sending on a direct channel) rings the doorbell —
@@ -710,7 +790,9 @@ impl Function {
     /// and serves the port again. What was in the old rings is lost, and told to the new
     /// Stitch. False when not allowed, or when no Stitch served the port in time.
     pub fn reattach(&mut self) -> bool {
-        let Some(window) = reattach_window() else {
+        let in_guest = matches!(self.conn, Control::Serial { .. });
+        // In a guest, always: its QEMU connects to the next Stitch by itself.
+        let Some(window) = reattach_window().or(in_guest.then_some(GUEST_WAIT)) else {
             return false;
         };
         let lost =
@@ -720,7 +802,15 @@ impl Function {
         self.steered = None;
         let deadline = Instant::now() + window;
         while Instant::now() < deadline {
-            match Function::attach_again(&self.socket, &self.port, Some(lost)) {
+            let again = if in_guest {
+                // The same open port: a virtio-serial port takes one opener at a time.
+                (self.conn.try_clone()).and_then(|conn| {
+                    Function::attach_in_guest(&self.socket, &self.port, conn, Some(lost))
+                })
+            } else {
+                Function::attach_again(&self.socket, &self.port, Some(lost))
+            };
+            match again {
                 Ok(again) => {
                     *self = again;
                     return true;
@@ -845,7 +935,12 @@ fn wait_any(
     fds.extend(
         functions
             .iter()
-            .flat_map(|fun| [fun.doorbell.as_raw_fd(), fun.conn.as_raw_fd()])
+            .flat_map(|fun| {
+                [
+                    fun.doorbell.as_ref().map_or(-1, |d| d.as_raw_fd()),
+                    fun.conn.as_raw_fd(),
+                ]
+            })
             .map(pollin),
     );
     let sockets = fds.len();
@@ -875,12 +970,12 @@ fn wait_any(
     }
     let mut gone = None;
     for (i, fun) in functions.iter().enumerate() {
-        if fds[2 * i].revents != 0 {
+        if let (true, Some(doorbell)) = (fds[2 * i].revents != 0, &fun.doorbell) {
             let mut v = 0u64;
             // SAFETY: the kernel writes at most 8 bytes into `v`, a u64.
             unsafe {
                 libc::read(
-                    fun.doorbell.as_raw_fd(),
+                    doorbell.as_raw_fd(),
                     &mut v as *mut u64 as *mut libc::c_void,
                     8,
                 )

@@ -52,6 +52,8 @@ pub struct PortShared {
     /// An interface's sockets offered to this port's function ([`crate::steer`]), put here by
     /// the interface and cleared by the port once it is done with them.
     pub steer: Mutex<Option<Arc<crate::steer::SteerOffer>>>,
+    /// Devices QEMU refused to plug into this port's guest ([`crate::guest`]).
+    pub guest_plug_refusals: AtomicU64,
 }
 
 #[derive(Default)]
@@ -74,6 +76,7 @@ impl PortShared {
             current: Mutex::new(None),
             direct: Mutex::new(DirectSlots::default()),
             steer: Mutex::new(None),
+            guest_plug_refusals: AtomicU64::new(0),
         })
     }
 

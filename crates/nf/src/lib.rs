@@ -15,9 +15,11 @@
 
 pub mod attachment;
 pub mod client;
+mod connection;
 pub mod direct;
 pub mod ffi;
 pub mod function;
+pub mod guest;
 pub mod listener;
 pub mod port;
 pub mod shm;

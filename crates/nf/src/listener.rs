@@ -7,16 +7,17 @@
 
 pub use crate::attachment::{Attachment, PortSettings};
 pub use crate::direct::PortShared;
+use crate::guest::{self, GuestBus, Plugged};
 use crate::shm::{Layout, Mapping, RegionHeader, MAGIC, VERSION};
 use serde_json::{json, Value};
 use std::collections::HashMap;
-use std::io::{self, BufRead, BufReader};
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use stitch_core::fdpass;
 
 static GENERATION: AtomicU64 = AtomicU64::new(1);
@@ -148,6 +149,7 @@ impl Listener {
             stream: conn,
             port: Arc::downgrade(port),
             generation,
+            guest: None,
         });
     }
 
@@ -185,10 +187,69 @@ struct Connection {
     stream: UnixStream,
     port: Weak<PortShared>,
     generation: u64,
+    /// The connection of a guest's QEMU: it outlives the function, and carries the next
+    /// hello when the function starts again.
+    guest: Option<GuestLink>,
+}
+
+/// What an attachment of a function in a guest holds beside its connection.
+struct GuestLink {
+    /// Its devices, unplugged when the attachment ends.
+    _plugged: Plugged,
+    /// Bytes of a line not yet complete.
+    line: Vec<u8>,
+}
+
+/// A connection whose hello is not complete yet — or is, for a port still held by the
+/// attachment it replaces.
+struct Pending {
+    stream: UnixStream,
+    line: Vec<u8>,
+    hello: Option<Value>,
+    /// When the hello came: a port not free within [`FREE_WAIT`] of it is refused.
+    since: Instant,
+}
+
+/// How long a hello waits for its port to be let go by the attachment it replaces.
+const FREE_WAIT: Duration = Duration::from_secs(5);
+/// Connections that have said nothing yet, at most (a guest's QEMU connects long before its
+/// function speaks): the oldest are closed first.
+const SILENT_MAX: usize = 256;
+
+/// What became of reading a connection.
+enum Heard {
+    Nothing,
+    Closed,
+    Line(Vec<u8>),
+}
+
+/// Reads what `stream` has (it does not block) into `line`; a complete line is taken out.
+fn hear(stream: &UnixStream, line: &mut Vec<u8>) -> Heard {
+    let mut buf = [0u8; 4096];
+    loop {
+        match io::Read::read(&mut &*stream, &mut buf) {
+            Ok(0) => return Heard::Closed,
+            Ok(n) => line.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(_) => return Heard::Closed,
+        }
+        if line.len() > 64 << 10 {
+            return Heard::Closed;
+        }
+    }
+    match line.iter().position(|b| *b == b'\n') {
+        Some(at) => {
+            let rest = line.split_off(at + 1);
+            Heard::Line(std::mem::replace(line, rest))
+        }
+        None => Heard::Nothing,
+    }
 }
 
 fn serve(sock: UnixListener, listener: Weak<Listener>) {
     let mut conns: Vec<Connection> = Vec::new();
+    let mut pending: Vec<Pending> = Vec::new();
     loop {
         let Some(l) = listener.upgrade() else {
             // The last port is gone: close every connection so that functions see it.
@@ -203,53 +264,140 @@ fn serve(sock: UnixListener, listener: Weak<Listener>) {
                 .is_some_and(|p| ports.get(&p.name).is_some_and(|q| Arc::ptr_eq(q, &p)))
         });
         drop(ports);
-        drop(l);
+        let waiting = pending.iter().any(|p| p.hello.is_some());
         let mut fds: Vec<libc::pollfd> = std::iter::once(sock.as_raw_fd())
             .chain(conns.iter().map(|c| c.stream.as_raw_fd()))
+            .chain(pending.iter().map(|p| p.stream.as_raw_fd()))
             .map(|fd| libc::pollfd {
                 fd,
                 events: libc::POLLIN,
                 revents: 0,
             })
             .collect();
+        let timeout = if waiting { 20 } else { 200 };
         // SAFETY: `fds` is a live array of fds.len() pollfd entries.
-        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 200) };
-        if n <= 0 {
-            continue;
-        }
-        // A readable or hung-up connection means the function went away (it never sends
-        // anything after its hello).
-        let mut gone = Vec::new();
-        for (i, p) in fds.iter().enumerate().skip(1) {
-            if p.revents != 0 {
-                gone.push(i - 1);
-            }
-        }
-        for i in gone.into_iter().rev() {
-            let c = conns.swap_remove(i);
-            if let Some(port) = c.port.upgrade() {
-                port.closed.fetch_max(c.generation, Ordering::AcqRel);
-                port.changed.store(true, Ordering::Release);
-            }
-        }
-        if fds[0].revents != 0 {
-            while let Ok((stream, _)) = sock.accept() {
-                let Some(l) = listener.upgrade() else { return };
-                match attach(&l, &stream) {
-                    Ok((port, generation)) => conns.push(Connection {
-                        stream,
-                        port: Arc::downgrade(&port),
-                        generation,
-                    }),
-                    Err(e) => {
-                        log::info!("function attach refused: {e}");
-                        let reply = json!({ "ok": false, "error": e }).to_string() + "\n";
-                        let _ = fdpass::send(stream.as_raw_fd(), reply.as_bytes(), &[]);
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
+        if n > 0 {
+            let readable = |i: usize| fds[i].revents != 0;
+            let (first_conn, first_pending) = (1, 1 + conns.len());
+            for i in (0..pending.len()).rev() {
+                if readable(first_pending + i) && pending[i].hello.is_none() {
+                    let p = &mut pending[i];
+                    match hear(&p.stream, &mut p.line) {
+                        Heard::Nothing => {}
+                        Heard::Closed => drop(pending.swap_remove(i)),
+                        Heard::Line(line) => match parse_hello(&line) {
+                            Ok(hello) => {
+                                p.hello = Some(hello);
+                                p.since = Instant::now();
+                            }
+                            Err(e) => refuse(&pending.swap_remove(i).stream, &e),
+                        },
                     }
                 }
             }
+            for i in (0..conns.len()).rev() {
+                if readable(first_conn + i) {
+                    if let Some(again) = hear_attached(&mut conns, i) {
+                        pending.push(again);
+                    }
+                }
+            }
+            if readable(0) {
+                while let Ok((stream, _)) = sock.accept() {
+                    if stream.set_nonblocking(true).is_err() {
+                        continue;
+                    }
+                    pending.push(Pending {
+                        stream,
+                        line: Vec::new(),
+                        hello: None,
+                        since: Instant::now(),
+                    });
+                }
+            }
+        }
+        answer_hellos(&l, &mut pending, &mut conns);
+        let silent = pending.iter().filter(|p| p.hello.is_none()).count();
+        if silent > SILENT_MAX {
+            let mut extra = silent - SILENT_MAX;
+            pending.retain(|p| {
+                let keep = p.hello.is_some() || extra == 0;
+                extra -= usize::from(!keep);
+                keep
+            });
         }
     }
+}
+
+/// Reads attached connection `i`: a function on the host says nothing after its hello, so
+/// anything readable means it went away; a guest's connection stays with QEMU and brings the
+/// hello of the function started again in the guest, returned to be answered once the port
+/// is free. Either way the attachment ends (and a guest's devices are unplugged).
+fn hear_attached(conns: &mut Vec<Connection>, i: usize) -> Option<Pending> {
+    let c = &mut conns[i];
+    let again = match c.guest.as_mut() {
+        None => None,
+        Some(g) => match hear(&c.stream, &mut g.line) {
+            Heard::Nothing => return None,
+            Heard::Closed => None,
+            Heard::Line(line) => {
+                let hello = parse_hello(&line);
+                if let Err(e) = &hello {
+                    refuse(&c.stream, e);
+                }
+                let stream = c.stream.try_clone().ok()?;
+                Some(Pending {
+                    stream,
+                    line: std::mem::take(&mut g.line),
+                    hello: hello.ok(),
+                    since: Instant::now(),
+                })
+            }
+        },
+    };
+    let c = conns.swap_remove(i);
+    if let Some(port) = c.port.upgrade() {
+        port.closed.fetch_max(c.generation, Ordering::AcqRel);
+        port.changed.store(true, Ordering::Release);
+    }
+    again
+}
+
+/// Attaches the functions whose hello came, or refuses them; a port still held by the
+/// attachment a new hello replaces is tried again at the next round.
+fn answer_hellos(l: &Listener, pending: &mut Vec<Pending>, conns: &mut Vec<Connection>) {
+    let mut i = 0;
+    while i < pending.len() {
+        let Some(hello) = &pending[i].hello else {
+            i += 1;
+            continue;
+        };
+        match attach(l, &pending[i].stream, hello) {
+            Ok(a) => {
+                let p = pending.swap_remove(i);
+                conns.push(Connection {
+                    stream: p.stream,
+                    port: Arc::downgrade(&a.port),
+                    generation: a.generation,
+                    guest: a.plugged.map(|plugged| GuestLink {
+                        _plugged: plugged,
+                        line: p.line,
+                    }),
+                });
+            }
+            Err(Refusal::Busy(_)) if pending[i].since.elapsed() < FREE_WAIT => i += 1,
+            Err(Refusal::Busy(e) | Refusal::Other(e)) => {
+                log::info!("function attach refused: {e}");
+                refuse(&pending.swap_remove(i).stream, &e);
+            }
+        }
+    }
+}
+
+fn refuse(stream: &UnixStream, why: &str) {
+    let reply = json!({ "ok": false, "error": why }).to_string() + "\n";
+    let _ = fdpass::send(stream.as_raw_fd(), reply.as_bytes(), &[]);
 }
 
 /// Each attached function costs two descriptors (its connection and doorbell): thousands of
@@ -288,17 +436,9 @@ fn peer_pid(stream: &UnixStream) -> i32 {
 }
 
 /// The function's first line: the protocol version and the port it asks for.
-fn read_hello(stream: &UnixStream) -> Result<Value, String> {
-    stream.set_nonblocking(false).map_err(|e| e.to_string())?;
-    stream
-        .set_read_timeout(Some(Duration::from_secs(1)))
-        .map_err(|e| e.to_string())?;
-    let mut line = String::new();
-    BufReader::new(stream.take_ref(4096))
-        .read_line(&mut line)
-        .map_err(|e| format!("no hello from the function: {e}"))?;
+fn parse_hello(line: &[u8]) -> Result<Value, String> {
     let hello: Value =
-        serde_json::from_str(&line).map_err(|e| format!("hello is not JSON: {e}"))?;
+        serde_json::from_slice(line).map_err(|e| format!("hello is not JSON: {e}"))?;
     if hello["version"] != json!(VERSION) {
         return Err(format!(
             "protocol version {} is not {VERSION}: rebuild the function with this Stitch's library",
@@ -338,27 +478,147 @@ fn write_header(region: &mut Mapping, layout: &Layout, s: PortSettings) -> Resul
     Ok(())
 }
 
-/// Reads the hello, builds the port's region and answers with it.
-fn attach(l: &Listener, stream: &UnixStream) -> Result<(Arc<PortShared>, u64), String> {
-    let hello = read_hello(stream)?;
-    let name = hello["port"]
-        .as_str()
-        .ok_or("hello names no `port`")?
-        .to_string();
-    let port = l
-        .ports
-        .lock()
-        .unwrap()
-        .get(&name)
-        .cloned()
+/// Why a hello was not answered with a port.
+enum Refusal {
+    /// The port is held by an attachment (perhaps the one this hello replaces, not let go
+    /// yet).
+    Busy(String),
+    Other(String),
+}
+
+impl From<String> for Refusal {
+    fn from(e: String) -> Refusal {
+        Refusal::Other(e)
+    }
+}
+
+impl From<&str> for Refusal {
+    fn from(e: &str) -> Refusal {
+        Refusal::Other(e.to_string())
+    }
+}
+
+/// A function attached: its port, the attachment's generation and, in a guest, its devices.
+struct Attached {
+    port: Arc<PortShared>,
+    generation: u64,
+    plugged: Option<Plugged>,
+}
+
+/// The port a hello asks for, if it is here and free.
+fn requested_port(l: &Listener, hello: &Value) -> Result<Arc<PortShared>, Refusal> {
+    let name = hello["port"].as_str().ok_or("hello names no `port`")?;
+    let port = (l.ports.lock().unwrap().get(name).cloned())
         .ok_or_else(|| format!("no function port `{name}` on {}", l.path.display()))?;
-    let pid = peer_pid(stream);
     if port.busy.load(Ordering::Acquire) || port.incoming.lock().unwrap().is_some() {
-        return Err(format!(
+        return Err(Refusal::Busy(format!(
             "function port `{name}` is in use by another function; detach it first"
+        )));
+    }
+    Ok(port)
+}
+
+/// The guest a hello comes from, for a function in a VM (`"transport": "ivshmem"`).
+fn guest_of(
+    l: &Listener,
+    hello: &Value,
+    s: PortSettings,
+) -> Result<Option<Arc<dyn GuestBus>>, String> {
+    match hello["transport"].as_str() {
+        None => Ok(None),
+        Some(guest::TRANSPORT) => {
+            let bus = guest::bus(&l.path).ok_or_else(|| {
+                format!(
+                    "{} serves no VM: a function in a guest attaches through a `vm` app with \
+                     `rings: ivshmem`",
+                    l.path.display()
+                )
+            })?;
+            if s.blocking {
+                return Err(
+                    "a function in a guest polls its rings: give its port `wake: polling`".into(),
+                );
+            }
+            Ok(Some(bus))
+        }
+        Some(other) => Err(format!(
+            "unknown transport `{other}` (this Stitch knows `{}`)",
+            guest::TRANSPORT
+        )),
+    }
+}
+
+/// Plugs the port's region (and in zero-copy mode the packet memory) into the guest; the
+/// devices' PCI addresses for the answer. A refusal is counted on the port.
+fn plug_into_guest(
+    bus: &Arc<dyn GuestBus>,
+    port: &PortShared,
+    generation: u64,
+    region: (&OwnedFd, usize),
+) -> Result<(Plugged, Value), String> {
+    let mut plugged = Plugged {
+        bus: bus.clone(),
+        ids: Vec::new(),
+    };
+    let mut devices = serde_json::Map::new();
+    let pool = stitch_core::pool::get();
+    let pool_memory = port.settings.zero_copy.then(|| {
+        let (_, bytes) = pool.region();
+        // SAFETY: the pool's memfd lives as long as the process (the pool is never freed).
+        (unsafe { BorrowedFd::borrow_raw(pool.memfd()) }, bytes)
+    });
+    let memories = std::iter::once(("region", region.0.as_fd(), region.1))
+        .chain(pool_memory.map(|(fd, bytes)| ("pool", fd, bytes)));
+    for (what, fd, bytes) in memories {
+        let id = format!("stitch-{}-{generation}-{what}", port.name);
+        let bar = guest::bar_size(bytes);
+        let plugged_one = grow_to(fd, bar).and_then(|()| bus.plug(&id, fd, bar));
+        match plugged_one {
+            Ok(addr) => {
+                plugged.ids.push(id);
+                devices.insert(what.into(), json!({ "pci": addr, "bytes": bytes }));
+            }
+            Err(e) => {
+                port.guest_plug_refusals.fetch_add(1, Ordering::Relaxed);
+                port.changed.store(true, Ordering::Release);
+                return Err(format!(
+                    "QEMU did not plug the port's {what} into the guest: {e}"
+                ));
+            }
+        }
+    }
+    Ok((plugged, Value::Object(devices)))
+}
+
+/// Makes the file behind `fd` at least `bytes` long (a BAR's power of two; the pages past
+/// what Stitch uses are never touched, so cost nothing).
+fn grow_to(fd: BorrowedFd<'_>, bytes: usize) -> Result<(), String> {
+    // SAFETY: stat is a C struct of integers; all zeroes is a valid value.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstat writes one stat into `st`, which is live and large enough.
+    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+        return Err(io::Error::last_os_error().to_string());
+    }
+    if st.st_size as usize >= bytes {
+        return Ok(());
+    }
+    // SAFETY: ftruncate takes no pointers.
+    if unsafe { libc::ftruncate(fd.as_raw_fd(), bytes as libc::off_t) } != 0 {
+        return Err(format!(
+            "cannot grow the memory to {bytes} bytes: {}",
+            io::Error::last_os_error()
         ));
     }
+    Ok(())
+}
+
+/// Builds the port's region for the hello's function and answers with it.
+fn attach(l: &Listener, stream: &UnixStream, hello: &Value) -> Result<Attached, Refusal> {
+    let port = requested_port(l, hello)?;
+    let name = port.name.clone();
+    let pid = peer_pid(stream);
     let s = port.settings;
+    let guest = guest_of(l, hello, s)?;
     let layout = Layout::new(
         s.ring_size,
         if s.zero_copy { 0 } else { s.buffers },
@@ -378,7 +638,7 @@ fn attach(l: &Listener, stream: &UnixStream) -> Result<(Arc<PortShared>, u64), S
     // SAFETY: eventfd takes no pointers.
     let doorbell = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
     if doorbell < 0 {
-        return Err(format!("eventfd: {}", io::Error::last_os_error()));
+        return Err(format!("eventfd: {}", io::Error::last_os_error()).into());
     }
     // SAFETY: eventfd returned a new descriptor that nothing else owns.
     let doorbell = Arc::new(unsafe { OwnedFd::from_raw_fd(doorbell) });
@@ -387,11 +647,20 @@ fn attach(l: &Listener, stream: &UnixStream) -> Result<(Arc<PortShared>, u64), S
         .map_err(|e| format!("cannot keep the connection: {e}"))?
         .into();
     let generation = next_generation();
+    let plugged = match &guest {
+        Some(bus) => Some(plug_into_guest(
+            bus,
+            &port,
+            generation,
+            (&memfd, layout.size),
+        )?),
+        None => None,
+    };
     // A function whose Stitch process ended asks again: what it lost, and its new output.
     let lost_before = hello["resumed"]["lost"].as_u64();
     let output = lost_before
         .and_then(|_| (offered_outputs().lock().unwrap()).remove(&(l.path.clone(), name.clone())));
-    let reply = json!({
+    let mut reply = json!({
         "ok": true,
         "port": name,
         "mode": if s.zero_copy { "zero_copy" } else { "isolated" },
@@ -399,15 +668,18 @@ fn attach(l: &Listener, stream: &UnixStream) -> Result<(Arc<PortShared>, u64), S
         "region_size": layout.size,
         "pool_bytes": if s.zero_copy { pool_bytes } else { 0 },
         "output": output.is_some(),
-    })
-    .to_string()
-        + "\n";
-    let mut fds = vec![memfd.as_raw_fd(), doorbell.as_raw_fd()];
-    if s.zero_copy {
-        fds.push(pool.memfd());
+    });
+    let mut fds = Vec::new();
+    if let Some((_, devices)) = &plugged {
+        reply["devices"] = devices.clone();
+    } else {
+        fds = vec![memfd.as_raw_fd(), doorbell.as_raw_fd()];
+        if s.zero_copy {
+            fds.push(pool.memfd());
+        }
+        fds.extend(output.iter().flatten().map(|fd| fd.as_raw_fd()));
     }
-    fds.extend(output.iter().flatten().map(|fd| fd.as_raw_fd()));
-    fdpass::send(stream.as_raw_fd(), reply.as_bytes(), &fds)
+    fdpass::send(stream.as_raw_fd(), format!("{reply}\n").as_bytes(), &fds)
         .map_err(|e| format!("cannot answer the function: {e}"))?;
     *port.incoming.lock().unwrap() = Some(Attachment {
         region,
@@ -418,24 +690,23 @@ fn attach(l: &Listener, stream: &UnixStream) -> Result<(Arc<PortShared>, u64), S
         generation,
         pid,
         lost_before,
+        in_guest: plugged.is_some(),
     });
     port.changed.store(true, Ordering::Release);
-    match lost_before {
-        Some(lost) => log::info!(
+    match (lost_before, &plugged) {
+        (_, Some((_, devices))) => log::info!(
+            "function in the guest of {} attached to port `{name}` on ivshmem devices {devices}",
+            l.path.display()
+        ),
+        (Some(lost), None) => log::info!(
             "function (pid {pid}) attached to port `{name}` again after Stitch's process \
              ended; {lost} packets were left with that process"
         ),
-        None => log::info!("function (pid {pid}) attached to port `{name}`"),
+        (None, None) => log::info!("function (pid {pid}) attached to port `{name}`"),
     }
-    Ok((port, generation))
-}
-
-trait TakeRef {
-    fn take_ref(&self, limit: u64) -> io::Take<&UnixStream>;
-}
-
-impl TakeRef for UnixStream {
-    fn take_ref(&self, limit: u64) -> io::Take<&UnixStream> {
-        io::Read::take(self, limit)
-    }
+    Ok(Attached {
+        port,
+        generation,
+        plugged: plugged.map(|(p, _)| p),
+    })
 }

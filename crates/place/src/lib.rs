@@ -20,6 +20,7 @@
 
 pub mod cgroup;
 pub mod handover;
+pub mod hotplug;
 pub mod kernel;
 pub mod leftovers;
 pub mod pidfd;
@@ -104,6 +105,8 @@ pub struct Plan {
     pub processes: Vec<ProcessSpec>,
     /// The kernel apps and the veth pairs joining them to the engine.
     pub kernel: Option<kernel::KernelPart>,
+    /// VMs whose functions' rings are hot-plugged into them (`rings: ivshmem`).
+    pub guest_buses: Vec<vm::GuestBusAt>,
 }
 
 /// Splits `graph` by placement and checks what the engine cannot: that each process's
@@ -118,6 +121,7 @@ pub fn plan(
     let mut errors = Vec::new();
     let mut engine = graph.graph.clone();
     let mut processes = Vec::new();
+    let mut guest_buses = Vec::new();
     for app in engine.apps.values_mut() {
         let place = &graph.apps[&app.name];
         if let Some(e) = cluster_keys(app, place) {
@@ -130,6 +134,10 @@ pub fn plan(
                 if let Some(config) = placed.engine_config {
                     app.config = config;
                 }
+                if let Some(kind) = placed.engine_kind {
+                    app.kind = kind.to_string();
+                }
+                guest_buses.extend(placed.guest_bus);
             }
             Ok(None) => {}
             Err(e) => errors.push(e),
@@ -148,6 +156,7 @@ pub fn plan(
         engine,
         processes,
         kernel,
+        guest_buses,
     })
 }
 
@@ -236,6 +245,10 @@ pub fn check(graph: &PlacedGraph, registry: &Registry) -> Result<(), Vec<GraphEr
 struct Placed {
     spec: ProcessSpec,
     engine_config: Option<serde_json::Value>,
+    /// The engine's app type, when not the app's own (a VM with ivshmem rings: `nf_port`).
+    engine_kind: Option<&'static str>,
+    /// A VM whose function's memory is hot-plugged into it.
+    guest_bus: Option<vm::GuestBusAt>,
 }
 
 /// What `app` needs placed beside the engine, if anything, or why it cannot run where it asks.
@@ -250,6 +263,8 @@ fn place_app(
             Some(Placed {
                 spec,
                 engine_config: None,
+                engine_kind: None,
+                guest_bus: None,
             })
         }),
         Placement::Vm => vm::spec(app, base_dir, vm_dir).map(Some),
@@ -399,6 +414,8 @@ pub struct Placements {
     /// The veth pairs of a kernel data plane a crashed run of this instance left installed,
     /// kept for the first graph to take over by diff (an adopting restart).
     kernel_left: Mutex<Option<std::collections::BTreeSet<(String, String)>>>,
+    /// The VMs whose guests' memory is hot-plugged, as last offered to the function library.
+    guest_buses: Mutex<Vec<vm::GuestBusAt>>,
 }
 
 impl Placements {
@@ -411,6 +428,7 @@ impl Placements {
             supervisor: Mutex::new(Supervisor::new(instance)),
             kernel: Mutex::new(None),
             kernel_left: Mutex::new(None),
+            guest_buses: Mutex::new(Vec::new()),
         }
     }
 
@@ -461,6 +479,7 @@ impl Placements {
             self.apply_kernel(plan.kernel.as_ref(), was_installed, &old_veths)?;
         }
         let engine = self.engine.apply(plan.engine).map_err(PlaceError::Engine)?;
+        self.offer_guest_buses(&plan.guest_buses);
         let moved = moves(current.as_ref(), &graph, engine.paused_ms);
         let report = PlaceReport { engine, moved };
         if !kernel_first {
@@ -501,6 +520,20 @@ impl Placements {
         *installed = plan.kernel;
         *current = Some(graph);
         Ok(report)
+    }
+
+    /// Makes each ivshmem VM's QMP socket the way into its guest for the function that
+    /// attaches on its socket; forgets VMs that left.
+    fn offer_guest_buses(&self, buses: &[vm::GuestBusAt]) {
+        let mut offered = self.guest_buses.lock().unwrap();
+        for gone in offered.iter().filter(|b| !buses.contains(b)) {
+            stitch_nf::guest::withdraw_bus(&gone.socket);
+        }
+        for b in buses.iter().filter(|b| !offered.contains(b)) {
+            let bus = Arc::new(hotplug::QmpBus { qmp: b.qmp.clone() });
+            stitch_nf::guest::offer_bus(&b.socket, bus);
+        }
+        *offered = buses.to_vec();
     }
 
     /// Installs (or changes by diff, or removes) the kernel data plane, creating the veth pairs

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 use stitch_core::graph::AppDecl;
 use stitch_core::graph::GraphError;
-use stitch_vhost::vm::{Accel, VmConfig};
+use stitch_vhost::vm::{Accel, GuestRings, VmConfig};
 
 /// The longest path a Unix socket address holds.
 const SUN_PATH_MAX: usize = 107;
@@ -102,9 +102,11 @@ pub(crate) fn spec(app: &AppDecl, base_dir: &Path, vm_dir: &Path) -> Result<Plac
             ));
         }
     }
-    let socket = match &c.socket {
-        Some(s) => resolve(base_dir, s),
-        None => vm_dir.join(format!("{}.sock", app.name)),
+    // One function socket per VM: its guest can ask for no port but its own.
+    let socket = match (&c.socket, c.rings) {
+        (Some(s), _) => resolve(base_dir, s),
+        (None, GuestRings::Virtio) => vm_dir.join(format!("{}.sock", app.name)),
+        (None, GuestRings::Ivshmem) => vm_dir.join(format!("{}.nf", app.name)),
     };
     let qmp = vm_dir.join(format!("{}.qmp", app.name));
     for p in [&socket, &qmp] {
@@ -126,8 +128,7 @@ pub(crate) fn spec(app: &AppDecl, base_dir: &Path, vm_dir: &Path) -> Result<Plac
         .map(|p| resolve(base_dir, p))
         .unwrap_or_else(|| vm_dir.join(format!("{}.console", app.name)));
     let args = qemu_args(&app.name, &c, &files, &socket, &qmp, &console);
-    let mut engine_config = app.config.clone();
-    engine_config["socket"] = serde_json::json!(socket);
+    let (engine_kind, engine_config, guest_bus) = engine_side(app, &c, &socket, &qmp);
     Ok(Placed {
         spec: ProcessSpec {
             app: app.name.clone(),
@@ -143,7 +144,45 @@ pub(crate) fn spec(app: &AppDecl, base_dir: &Path, vm_dir: &Path) -> Result<Plac
             console: Some(console),
         },
         engine_config: Some(engine_config),
+        engine_kind,
+        guest_bus,
     })
+}
+
+/// The app the engine runs for the VM — its type when not `vm`, its config — and, with
+/// `rings: ivshmem`, the way into the guest for the port's function.
+fn engine_side(
+    app: &AppDecl,
+    c: &VmConfig,
+    socket: &Path,
+    qmp: &Path,
+) -> (Option<&'static str>, serde_json::Value, Option<GuestBusAt>) {
+    match c.rings {
+        GuestRings::Virtio => {
+            let mut config = app.config.clone();
+            config["socket"] = serde_json::json!(socket);
+            (None, config, None)
+        }
+        GuestRings::Ivshmem => (
+            Some("nf_port"),
+            serde_json::json!({
+                "socket": socket,
+                "mode": c.mode.unwrap_or_default().name(),
+                "wake": "polling",
+            }),
+            Some(GuestBusAt {
+                socket: socket.to_path_buf(),
+                qmp: qmp.to_path_buf(),
+            }),
+        ),
+    }
+}
+
+/// A VM whose function attaches on `socket` and whose memory is plugged over `qmp`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GuestBusAt {
+    pub socket: PathBuf,
+    pub qmp: PathBuf,
 }
 
 fn qemu_args(
@@ -182,18 +221,30 @@ fn qemu_args(
     arg(&[
         "-chardev",
         &format!("socket,id=port0,path={},reconnect=1", socket.display()),
-        "-netdev",
-        "vhost-user,id=net0,chardev=port0",
     ]);
-    // QEMU 7.2 under TCG crashes with vhost-user and MSI-X: legacy interrupts there.
-    let mut device = String::from("virtio-net-pci,netdev=net0");
-    if c.accel == Accel::Tcg {
-        device.push_str(",vectors=0");
+    match c.rings {
+        GuestRings::Virtio => {
+            arg(&["-netdev", "vhost-user,id=net0,chardev=port0"]);
+            // QEMU 7.2 under TCG crashes with vhost-user and MSI-X: legacy interrupts there.
+            let mut device = String::from("virtio-net-pci,netdev=net0");
+            if c.accel == Accel::Tcg {
+                device.push_str(",vectors=0");
+            }
+            if let Some(mac) = &c.mac {
+                device.push_str(&format!(",mac={mac}"));
+            }
+            arg(&["-device", &device]);
+        }
+        GuestRings::Ivshmem => arg(&[
+            "-device",
+            "virtio-serial-pci,id=stitch-serial",
+            "-device",
+            &format!(
+                "virtserialport,bus=stitch-serial.0,chardev=port0,name={}{name}",
+                stitch_nf::guest::SERIAL_PREFIX
+            ),
+        ]),
     }
-    if let Some(mac) = &c.mac {
-        device.push_str(&format!(",mac={mac}"));
-    }
-    arg(&["-device", &device]);
     arg(&["-serial", &format!("file:{}", console.display())]);
     arg(&[
         "-qmp",

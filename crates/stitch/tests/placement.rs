@@ -838,3 +838,131 @@ fn stitch_cleanup_removes_what_a_crashed_instance_left_and_never_touches_a_live_
     );
     drop(s.dir);
 }
+
+/// Host 0 → `vm1`, a guest whose `stitch-nf-firewall` (dropping UDP) runs on the port's rings
+/// hot-plugged as ivshmem devices (`rings: ivshmem`, `mode`) → host 1; host 1 → host 0 direct.
+/// The guest runs `run`.
+fn ivshmem_graph(hosts: &TwoHosts, image: &Path, run: &str, mode: &str) -> String {
+    let (a, b) = (&hosts.outer[0], &hosts.outer[1]);
+    format!(
+        "apps:
+  a: {{ type: af_packet, interface: {a} }}
+  b: {{ type: af_packet, interface: {b} }}
+  vm1:
+    placement: vm
+    kernel: {image}/vmlinux
+    initrd: {image}/initrd.gz
+    append: 'console=ttyS0 quiet stitch.run=\"{run}\"'
+    memory_mb: 256
+    rings: ivshmem
+    mode: {mode}
+links:
+  - \"a.output -> vm1.input\"
+  - \"vm1.output -> b.input\"
+  - \"b.output -> a.input\"
+",
+        image = image.display()
+    )
+}
+
+/// Waits for `marker` on the VM's console; what the console said.
+fn console_until(s: &Stitch, vm: &str, marker: &str, seconds: u64) -> String {
+    let console = show(s, vm)["process"]["console"]
+        .as_str()
+        .expect("the VM's console file")
+        .to_string();
+    let mut said = String::new();
+    wait_until(&format!("`{marker}` on {vm}'s console"), seconds, || {
+        said = std::fs::read_to_string(&console).unwrap_or_default();
+        said.contains(marker)
+    });
+    said
+}
+
+/// The ivshmem devices (`1af4:1110`) in the `lspci -n` the guest printed before `marker`
+/// (after the one before it).
+fn ivshmem_devices(console: &str, marker: &str) -> Vec<String> {
+    let upto = &console[..console.find(marker).expect("the marker")];
+    let from = upto.rfind("-UP").map_or(0, |i| i + 3);
+    (upto[from..].lines())
+        .filter(|l| l.contains("1af4:1110"))
+        .map(|l| l.split_whitespace().next().unwrap_or("").to_string())
+        .collect()
+}
+
+/// The test of `rings: ivshmem` in `mode`: the guest's function forwards pings on
+/// hot-plugged rings; killed and started again in the guest, its first devices are
+/// unplugged and new ones plugged (the guest's `lspci` shows it).
+fn a_function_in_a_guest_forwards_on_ivshmem(mode: &str, devices: usize) {
+    require_root_and_tools(&["qemu-system-x86_64", "busybox", "cpio", "ping", "lspci"]);
+    let image = vm_image_with("vm-image-nf", &["stitch-nf-firewall"]);
+    let hosts = TwoHosts::new();
+    let lspci = "lspci -n | grep 1af4";
+    let nf = "stitch-nf-firewall --drop-proto udp";
+    let run = format!(
+        "{lspci}; echo NONE-UP; {nf} & F=$!; \
+         while ! lspci -n | grep -q 1af4:1110; do sleep 0.2; done; sleep 1; {lspci}; echo FIRST-UP; \
+         sleep 15; kill $F; sleep 1; {nf} & sleep 12; {lspci}; echo SECOND-UP; sleep 3600"
+    );
+    let s = Stitch::run_with(
+        &ivshmem_graph(&hosts, &image, &run, mode),
+        &["--keep-running"],
+    );
+    // Attach number `n`; the guest's console and the port when it does not come.
+    let attached = |n: u64| {
+        let t = std::time::Instant::now();
+        while s.counter("vm1", "attaches") != Some(n) || show(&s, "vm1")["attached"] != true {
+            if t.elapsed() > Duration::from_secs(90) {
+                let v = show(&s, "vm1");
+                let console = v["process"]["console"].as_str().unwrap_or_default();
+                let said = std::fs::read_to_string(console).unwrap_or_default();
+                panic!("no attach number {n} from the guest: {v}\nits console:\n{said}");
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    attached(1);
+    let said = console_until(&s, "vm1", "FIRST-UP", 30);
+    assert!(
+        ivshmem_devices(&said, "NONE-UP").is_empty(),
+        "no ivshmem device before the function attached:\n{said}"
+    );
+    let first = ivshmem_devices(&said, "FIRST-UP");
+    assert_eq!(first.len(), devices, "{said}");
+    assert!(
+        ping(&hosts),
+        "pings cross the guest's function: {}",
+        show(&s, "vm1")
+    );
+    let forwarded = s.counter("vm1", "from_function").unwrap();
+    assert!(forwarded > 0, "{}", show(&s, "vm1"));
+    // The function in the guest killed and started again: its hello comes on the same QEMU
+    // connection; the first devices are unplugged, new ones plugged.
+    attached(2);
+    let said = console_until(&s, "vm1", "SECOND-UP", 60);
+    let second = ivshmem_devices(&said, "SECOND-UP");
+    assert_eq!(
+        second.len(),
+        devices,
+        "the first devices were unplugged:\n{said}"
+    );
+    assert!(
+        ping(&hosts),
+        "pings cross the restarted function: {}",
+        show(&s, "vm1")
+    );
+    assert_eq!(s.counter("vm1", "guest_plug_refusals"), Some(0));
+    let (_, log) = s.stop_with_log();
+    assert!(log.contains("unplugged stitch-vm1-"), "{log}");
+    assert!(!log.contains("cannot unplug"), "{log}");
+}
+
+#[test]
+fn a_function_in_a_guest_forwards_on_ivshmem_rings() {
+    a_function_in_a_guest_forwards_on_ivshmem("isolated", 1);
+}
+
+#[test]
+fn a_function_in_a_guest_forwards_in_stitchs_packet_memory() {
+    a_function_in_a_guest_forwards_on_ivshmem("zero_copy", 2);
+}

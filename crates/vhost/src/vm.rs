@@ -19,12 +19,47 @@
 //!     accel: tcg                    # or kvm
 //!     shutdown_timeout_s: 30        # ACPI power-down first, then killed
 //! ```
+//!
+//! With `rings: ivshmem` the guest has no NIC: a function built on Stitch's function library
+//! runs in it, on an `nf_port`'s rings that the placement hot-plugs into the guest as
+//! ivshmem devices (`stitch_nf::guest`); `mode: zero_copy` plugs Stitch's packet memory too.
 
 use crate::{VhostUser, VhostUserConfig};
 use serde::Deserialize;
 use std::path::PathBuf;
 use stitch_core::app::{AppContext, AppError, Io, PortSpec};
 use stitch_core::App;
+
+/// How the guest meets the engine.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum GuestRings {
+    /// A virtio-net NIC on a `vhost_user` port.
+    #[default]
+    Virtio,
+    /// A function in the guest on an `nf_port`'s rings, hot-plugged as ivshmem devices.
+    Ivshmem,
+}
+
+/// `rings: ivshmem`: what the guest's function gets, as an `nf_port`'s `mode`.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum GuestRingMode {
+    /// The port's own buffer slots: frames are copied in and out.
+    #[default]
+    Isolated,
+    /// Stitch's packet memory as a second device: no copy.
+    ZeroCopy,
+}
+
+impl GuestRingMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            GuestRingMode::Isolated => "isolated",
+            GuestRingMode::ZeroCopy => "zero_copy",
+        }
+    }
+}
 
 /// How the guest's CPU runs.
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
@@ -87,6 +122,11 @@ pub struct VmConfig {
     /// Offer checksum and TSO offloads to the guest.
     #[serde(default = "yes")]
     pub offloads: bool,
+    #[serde(default)]
+    pub rings: GuestRings,
+    /// `rings: ivshmem` only.
+    #[serde(default)]
+    pub mode: Option<GuestRingMode>,
 }
 
 fn default_memory() -> u64 {
@@ -110,6 +150,9 @@ impl VmConfig {
         }
         if self.kernel.is_none() && (self.initrd.is_some() || self.append.is_some()) {
             return Err("`initrd` and `append` go with a `kernel`".into());
+        }
+        if self.rings == GuestRings::Virtio && self.mode.is_some() {
+            return Err("`mode` is the ivshmem rings': give `rings: ivshmem` too".into());
         }
         if !(64..=1 << 20).contains(&self.memory_mb) {
             return Err(format!(

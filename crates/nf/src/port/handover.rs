@@ -59,7 +59,10 @@ impl NfPort {
     pub(super) fn lend(&mut self) -> Option<Descriptors> {
         let mut fds = vec![self.listener.socket().ok()?];
         let attached = match &self.active {
+            // A guest's function is not lent: its QEMU connects to the next process, and the
+            // function says its hello there again.
             None => None,
+            Some(a) if a.att.in_guest => None,
             Some(a) => {
                 fds.push(a.att.conn.try_clone().ok()?);
                 fds.push(a.att.memfd.try_clone().ok()?);
@@ -144,6 +147,7 @@ impl NfPort {
             generation,
             pid: at.pid,
             lost_before: None,
+            in_guest: false,
         };
         let mut a = Active::new(att, s.zero_copy);
         a.resume_at(&at);

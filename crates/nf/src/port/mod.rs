@@ -209,6 +209,13 @@ impl Active {
         fds: &[std::os::fd::RawFd],
         what: &str,
     ) -> bool {
+        if self.att.in_guest {
+            log::info!(
+                "{what} not sent to the function in a guest: its memory would be hot-plugged, \
+                 which this Stitch does only for the port's own rings"
+            );
+            return false;
+        }
         if let Err(e) = direct::send_control(&self.att.conn, msg, fds) {
             log::info!(
                 "{what} not sent to the function (pid {}): {e}",
@@ -405,6 +412,8 @@ pub struct NfPort {
     restart_lost: Counter,
     wakeups: Counter,
     attached: Counter,
+    /// Devices its guest's QEMU would not plug (a function in a VM: [`crate::guest`]).
+    guest_plug_refusals: Counter,
     /// Taken over from a predecessor process: the generation its attachment had there.
     lent_generation: Option<u64>,
     /// Taken over: the descriptors of the steered input the predecessor served, if any.
@@ -471,6 +480,7 @@ impl App for NfPort {
             restart_lost: ctx.counter("restart_lost"),
             wakeups: ctx.counter("wakeups"),
             attached: ctx.counter("attached"),
+            guest_plug_refusals: ctx.counter("guest_plug_refusals"),
             lent_generation: None,
             lent_steering: Vec::new(),
         };
@@ -725,6 +735,7 @@ fn finish_offloads(
 
 impl NfPort {
     fn attach_or_detach(&mut self) {
+        (self.guest_plug_refusals).set(self.shared.guest_plug_refusals.load(Ordering::Relaxed));
         if self.active.as_ref().is_some_and(|a| a.pool_unsent) {
             self.send_pool();
         }

@@ -604,12 +604,23 @@ pub fn install_extcap() -> InstalledExtcap {
 
 /// The QEMU guest of the VM tests (`scripts/vm-image`, built once into `target/vm-image`).
 pub fn vm_image() -> PathBuf {
+    vm_image_with("vm-image", &[])
+}
+
+/// The test guest with `programs` (beside the `stitch` binary: Stitch's functions) in its
+/// `/bin`, built into `target/NAME`.
+pub fn vm_image_with(name: &str, programs: &[&str]) -> PathBuf {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let out = root.join("target/vm-image");
+    let out = root.join("target").join(name);
+    let beside = Path::new(env!("CARGO_BIN_EXE_stitch")).parent().unwrap();
+    let programs: Vec<String> = (programs.iter())
+        .map(|p| beside.join(p).display().to_string())
+        .collect();
     must(&format!(
-        "{} {}",
+        "{} {} {}",
         root.join("scripts/vm-image").display(),
-        out.display()
+        out.display(),
+        programs.join(" ")
     ));
     out
 }

@@ -1,0 +1,147 @@
+//! Shared memory hot-plugged into a guest over QMP, for a function in a VM
+//! (`rings: ivshmem`, [`stitch_nf::guest`]): a memfd of this process becomes a
+//! `memory-backend-file` (`share=on`, opened by QEMU through `/proc/PID/fd/N`) under an
+//! `ivshmem-plain` device on the guest's root PCI bus; unplugging asks the guest to let the
+//! device go (ACPI), waits until it has, then drops the memory.
+
+use crate::qmp::{Qmp, QmpError};
+use serde_json::{json, Value};
+use std::os::fd::{AsRawFd, BorrowedFd};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+use stitch_nf::guest::GuestBus;
+
+/// How long a QMP command may take.
+const PATIENCE: Duration = Duration::from_secs(5);
+/// How long a guest has to let a device go.
+const UNPLUG_WAIT: Duration = Duration::from_secs(10);
+
+/// The QMP socket of one VM.
+pub struct QmpBus {
+    pub qmp: PathBuf,
+}
+
+fn memdev(id: &str) -> String {
+    format!("{id}-mem")
+}
+
+fn said(e: QmpError) -> String {
+    e.to_string()
+}
+
+impl QmpBus {
+    fn connect(&self) -> Result<Qmp, String> {
+        Qmp::connect(&self.qmp, PATIENCE).map_err(said)
+    }
+}
+
+impl GuestBus for QmpBus {
+    fn plug(&self, id: &str, memory: BorrowedFd<'_>, bytes: usize) -> Result<String, String> {
+        let mut q = self.connect()?;
+        let path = format!("/proc/{}/fd/{}", std::process::id(), memory.as_raw_fd());
+        q.execute(
+            "object-add",
+            Some(json!({
+                "qom-type": "memory-backend-file",
+                "id": memdev(id),
+                "mem-path": path,
+                "size": bytes,
+                "share": true,
+            })),
+        )
+        .map_err(said)?;
+        let added = q.execute(
+            "device_add",
+            Some(json!({ "driver": "ivshmem-plain", "id": id, "memdev": memdev(id) })),
+        );
+        if let Err(e) = added {
+            let _ = q.execute("object-del", Some(json!({ "id": memdev(id) })));
+            return Err(said(e));
+        }
+        let pci = q.execute("query-pci", None).map_err(said)?;
+        pci_address(&pci, id).ok_or_else(|| format!("QEMU plugged {id} and does not list it"))
+    }
+
+    fn unplug(&self, id: &str) -> Result<(), String> {
+        let mut q = match Qmp::connect(&self.qmp, PATIENCE) {
+            Ok(q) => q,
+            // The VM stopped: its devices went with it.
+            Err(QmpError::Io(e))
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
+                ) =>
+            {
+                return Ok(())
+            }
+            Err(e) => return Err(said(e)),
+        };
+        q.execute("device_del", Some(json!({ "id": id })))
+            .map_err(said)?;
+        let deadline = Instant::now() + UNPLUG_WAIT;
+        loop {
+            let pci = q.execute("query-pci", None).map_err(said)?;
+            if pci_address(&pci, id).is_none() {
+                break;
+            }
+            if Instant::now() >= deadline {
+                return Err(format!(
+                    "the guest did not let {id} go in {} s (it stays until the VM stops)",
+                    UNPLUG_WAIT.as_secs()
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        q.execute("object-del", Some(json!({ "id": memdev(id) })))
+            .map_err(said)?;
+        Ok(())
+    }
+}
+
+/// The sysfs address (`0000:BB:SS.F`) of device `id` in QEMU's `query-pci` answer: buses and
+/// the buses behind bridges.
+fn pci_address(query: &Value, id: &str) -> Option<String> {
+    fn find(devices: &Value, id: &str) -> Option<String> {
+        for d in devices.as_array()? {
+            if d["qdev_id"] == id {
+                let n = |k: &str| d[k].as_u64();
+                return Some(format!(
+                    "0000:{:02x}:{:02x}.{:x}",
+                    n("bus")?,
+                    n("slot")?,
+                    n("function")?
+                ));
+            }
+            if let Some(found) = find(&d["pci_bridge"]["devices"], id) {
+                return Some(found);
+            }
+        }
+        None
+    }
+    query
+        .as_array()?
+        .iter()
+        .find_map(|bus| find(&bus["devices"], id))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_device_is_found_on_its_bus_or_behind_a_bridge() {
+        let q = json!([{ "bus": 0, "devices": [
+            { "bus": 0, "slot": 1, "function": 1, "qdev_id": "" },
+            { "bus": 0, "slot": 4, "function": 0, "qdev_id": "stitch-vm1-7-region" },
+            { "bus": 0, "slot": 5, "function": 0, "qdev_id": "bridge",
+              "pci_bridge": { "devices": [
+                { "bus": 1, "slot": 31, "function": 0, "qdev_id": "deep" } ] } }
+        ] }]);
+        assert_eq!(
+            pci_address(&q, "stitch-vm1-7-region").as_deref(),
+            Some("0000:00:04.0")
+        );
+        assert_eq!(pci_address(&q, "deep").as_deref(), Some("0000:01:1f.0"));
+        assert_eq!(pci_address(&q, "gone"), None);
+    }
+}
