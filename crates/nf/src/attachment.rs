@@ -29,9 +29,9 @@ pub struct Attachment {
     /// The function attached before, to a Stitch process that ended, and lost this many
     /// packets with it.
     pub lost_before: Option<u64>,
-    /// The function runs in a VM ([`crate::guest`]): it polls, and takes no descriptors —
-    /// nothing with an fd (a direct channel, new packet memory) can be sent to it.
-    pub in_guest: bool,
+    /// The function runs in a VM ([`crate::guest`]), whose memory this bus plugs: it polls,
+    /// and takes no descriptors — a direct channel is plugged into its guest instead.
+    pub guest: Option<Arc<dyn crate::guest::GuestBus>>,
 }
 
 impl Attachment {

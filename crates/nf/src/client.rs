@@ -116,8 +116,9 @@ impl SteeredInput {
 struct TxChannel {
     map: Mapping,
     ring: Producer,
-    /// The receiving function's doorbell, rung when it sleeps.
-    peer_doorbell: OwnedFd,
+    /// The receiving function's doorbell, rung when it sleeps (none in a guest: the receiver
+    /// polls).
+    peer_doorbell: Option<OwnedFd>,
 }
 
 struct RxChannel {
@@ -137,6 +138,28 @@ impl RxChannel {
     fn header(&self) -> &ChannelHeader {
         self.map.channel_header().expect("checked by map_channel")
     }
+}
+
+/// Maps the direct channel a message names: a memfd whatever its size (read from the file),
+/// or in a guest the device Stitch plugged (`pci`, `bytes`).
+fn map_named_channel(
+    msg: &Value,
+    fds: &mut impl Iterator<Item = OwnedFd>,
+) -> io::Result<(Mapping, RingView)> {
+    let Some(pci) = msg["pci"].as_str() else {
+        let memfd = fds
+            .next()
+            .ok_or_else(|| invalid("direct channel without its memory"))?;
+        return map_channel(&memfd);
+    };
+    let bytes = msg["bytes"].as_u64().unwrap_or(0) as usize;
+    if !(crate::shm::CHANNEL_RING..=64 << 20).contains(&bytes) {
+        return Err(invalid("direct channel of an impossible size"));
+    }
+    let map = crate::guest::map_bar(pci, bytes, GUEST_WAIT)?;
+    // SAFETY: as in `map_channel`: the view is returned with the mapping.
+    let (_, ring) = unsafe { map.channel()? };
+    Ok((map, ring))
 }
 
 /// Maps a channel memfd whatever its size (read from the file).
@@ -393,14 +416,12 @@ impl Function {
                 }
                 match msg["direct"].as_str() {
                     Some("send") => {
-                        let (Some(memfd), Some(bell)) = (fds.next(), fds.next()) else {
-                            return Err(invalid("direct channel without its memory"));
-                        };
-                        self.use_tx_channel(&memfd, bell)?;
+                        let channel = map_named_channel(&msg, &mut fds)?;
+                        // The receiver's doorbell follows the memfd (none into a guest).
+                        self.use_tx_channel(channel, fds.next())?;
                     }
                     Some("receive") => {
-                        let memfd = fds.next().ok_or_else(|| invalid("no channel memory"))?;
-                        let (map, ring) = map_channel(&memfd)?;
+                        let (map, ring) = map_named_channel(&msg, &mut fds)?;
                         let rx = RxChannel {
                             map,
                             ring,
@@ -435,8 +456,11 @@ impl Function {
         Ok(())
     }
 
-    fn use_tx_channel(&mut self, memfd: &OwnedFd, peer_doorbell: OwnedFd) -> io::Result<()> {
-        let (map, ring) = map_channel(memfd)?;
+    fn use_tx_channel(
+        &mut self,
+        (map, ring): (Mapping, RingView),
+        peer_doorbell: Option<OwnedFd>,
+    ) -> io::Result<()> {
         let h = map.channel_header().expect("checked by map_channel");
         if h.end.0.load(Ordering::Acquire) != 0 {
             h.sender.0.store(2, Ordering::Release);
@@ -697,7 +721,9 @@ impl Function {
                         .compare_exchange(1, 0, Ordering::SeqCst, Ordering::SeqCst)
                         .is_ok()
                 {
-                    crate::direct::ring_doorbell(&tx.peer_doorbell);
+                    if let Some(bell) = &tx.peer_doorbell {
+                        crate::direct::ring_doorbell(bell);
+                    }
                 }
             }
         }

@@ -161,6 +161,8 @@ pub struct Current {
     pub held: Arc<Held>,
     pub doorbell: Arc<OwnedFd>,
     pub blocking: bool,
+    /// The function runs in a VM: it rings no doorbell.
+    pub in_guest: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -239,6 +241,13 @@ impl Direct {
                 .ok_or_else(|| format!("function port `{}` has no function", p.name))
         };
         let (sender, receiver) = (current(from)?, current(to)?);
+        if sender.in_guest && receiver.blocking {
+            return Err(format!(
+                "`{}` runs in a guest, which rings no doorbell: a channel from it goes to a \
+                 polling function only (`{}` blocks)",
+                from.name, to.name
+            ));
+        }
         let len = channel_size(ring_size);
         let (memfd, mut map) =
             Mapping::create(&format!("stitch-direct-{}-{}", from.name, to.name), len)
@@ -277,6 +286,11 @@ impl Direct {
 
     pub fn header(&self) -> &ChannelHeader {
         self.map.channel_header().expect("checked when created")
+    }
+
+    /// The channel's size in bytes (its memfd's).
+    pub fn bytes(&self) -> usize {
+        self.map.len()
     }
 
     pub fn ring_size(&self) -> u32 {
@@ -601,6 +615,7 @@ pub fn test_port(name: &str, generation: u64) -> (Arc<PortShared>, Arc<Held>) {
         held: held.clone(),
         doorbell: Arc::new(fd),
         blocking: false,
+        in_guest: false,
     });
     (p, held)
 }

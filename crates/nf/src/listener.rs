@@ -572,7 +572,7 @@ fn plug_into_guest(
     for (what, fd, bytes) in memories {
         let id = format!("stitch-{}-{generation}-{what}", port.name);
         let bar = guest::bar_size(bytes);
-        let plugged_one = grow_to(fd, bar).and_then(|()| bus.plug(&id, fd, bar));
+        let plugged_one = guest::grow_to(fd, bar).and_then(|()| bus.plug(&id, fd, bar));
         match plugged_one {
             Ok(addr) => {
                 plugged.ids.push(id);
@@ -588,28 +588,6 @@ fn plug_into_guest(
         }
     }
     Ok((plugged, Value::Object(devices)))
-}
-
-/// Makes the file behind `fd` at least `bytes` long (a BAR's power of two; the pages past
-/// what Stitch uses are never touched, so cost nothing).
-fn grow_to(fd: BorrowedFd<'_>, bytes: usize) -> Result<(), String> {
-    // SAFETY: stat is a C struct of integers; all zeroes is a valid value.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: fstat writes one stat into `st`, which is live and large enough.
-    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
-        return Err(io::Error::last_os_error().to_string());
-    }
-    if st.st_size as usize >= bytes {
-        return Ok(());
-    }
-    // SAFETY: ftruncate takes no pointers.
-    if unsafe { libc::ftruncate(fd.as_raw_fd(), bytes as libc::off_t) } != 0 {
-        return Err(format!(
-            "cannot grow the memory to {bytes} bytes: {}",
-            io::Error::last_os_error()
-        ));
-    }
-    Ok(())
 }
 
 /// Builds the port's region for the hello's function and answers with it.
@@ -690,7 +668,7 @@ fn attach(l: &Listener, stream: &UnixStream, hello: &Value) -> Result<Attached, 
         generation,
         pid,
         lost_before,
-        in_guest: plugged.is_some(),
+        guest,
     });
     port.changed.store(true, Ordering::Release);
     match (lost_before, &plugged) {

@@ -848,32 +848,20 @@ fn ivshmem_graph(hosts: &TwoHosts, image: &Path, run: &str, mode: &str) -> Strin
         "apps:
   a: {{ type: af_packet, interface: {a} }}
   b: {{ type: af_packet, interface: {b} }}
-  vm1:
-    placement: vm
-    kernel: {image}/vmlinux
-    initrd: {image}/initrd.gz
-    append: 'console=ttyS0 quiet stitch.run=\"{run}\"'
-    memory_mb: 256
-    rings: ivshmem
-    mode: {mode}
-links:
+{vm}links:
   - \"a.output -> vm1.input\"
   - \"vm1.output -> b.input\"
   - \"b.output -> a.input\"
 ",
-        image = image.display()
+        vm = ivshmem_vm_app("vm1", image, run, mode)
     )
 }
 
 /// Waits for `marker` on the VM's console; what the console said.
 fn console_until(s: &Stitch, vm: &str, marker: &str, seconds: u64) -> String {
-    let console = show(s, vm)["process"]["console"]
-        .as_str()
-        .expect("the VM's console file")
-        .to_string();
     let mut said = String::new();
     wait_until(&format!("`{marker}` on {vm}'s console"), seconds, || {
-        said = std::fs::read_to_string(&console).unwrap_or_default();
+        said = console_of(s, vm);
         said.contains(marker)
     });
     said
@@ -913,9 +901,7 @@ fn a_function_in_a_guest_forwards_on_ivshmem(mode: &str, devices: usize) {
         let t = std::time::Instant::now();
         while s.counter("vm1", "attaches") != Some(n) || show(&s, "vm1")["attached"] != true {
             if t.elapsed() > Duration::from_secs(90) {
-                let v = show(&s, "vm1");
-                let console = v["process"]["console"].as_str().unwrap_or_default();
-                let said = std::fs::read_to_string(console).unwrap_or_default();
+                let (v, said) = (show(&s, "vm1"), console_of(&s, "vm1"));
                 panic!("no attach number {n} from the guest: {v}\nits console:\n{said}");
             }
             std::thread::sleep(Duration::from_millis(100));

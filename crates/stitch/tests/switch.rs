@@ -282,6 +282,11 @@ fn signature_function(nf: &std::path::Path, port: &str) -> Background {
 
 /// `n` UDP frames carrying their sequence number, 100 µs apart (paced replay: `n` / 10 ms).
 fn write_sequence(path: &std::path::Path, n: u32) {
+    write_sequence_apart(path, n, 100);
+}
+
+/// `n` UDP frames carrying their sequence number, `gap_us` apart.
+fn write_sequence_apart(path: &std::path::Path, n: u32, gap_us: u64) {
     let f = std::fs::File::create(path).unwrap();
     let mut w = pcap_file::pcap::PcapWriter::new(f).unwrap();
     for i in 0..n {
@@ -295,7 +300,7 @@ fn write_sequence(path: &std::path::Path, n: u32) {
         frame.extend_from_slice(&[0x30, 0x39, 0x30, 0x39, 0, 12, 0, 0]);
         frame.extend_from_slice(&i.to_be_bytes());
         frame.resize(60, 0);
-        let t = Duration::from_micros(100 * i as u64);
+        let t = Duration::from_micros(gap_us * i as u64);
         w.write_packet(&pcap_file::pcap::PcapPacket::new(
             t,
             frame.len() as u32,
@@ -924,4 +929,136 @@ fn chain_switch_bench_carries_packets_through_a_function() {
     let mpps: f64 = row.split_whitespace().nth(2).unwrap().parse().unwrap();
     assert!(mpps > 0.0, "{row}");
     assert!(row.contains("µs"), "switch-over measured: {row}");
+}
+
+/// src → f0 → f1 → out through the switch (OpenFlow ports 1 to 4, a rule from each to the
+/// next), f0 and f1 guests of `image` running `stitch-nf-firewall` on zero-copy ivshmem rings
+/// and saying on their consoles how many ivshmem devices they see; `out` writes `dir`/out.pcap.
+fn two_guests_behind_the_switch(image: &std::path::Path, dir: &std::path::Path) -> (Stitch, u16) {
+    let run = guest_watching_ivshmem("stitch-nf-firewall");
+    let port = free_port();
+    let s = Stitch::run_with(
+        &format!(
+            "apps:
+  sw: {{ type: switch, ports: [src, f0, f1, out], listen: \"127.0.0.1:{port}\" }}
+{f0}{f1}  out: {{ type: pcap_sink, file: {dir}/out.pcap }}
+links:
+  - \"sw.f0 -> f0.input\"
+  - \"f0.output -> sw.f0\"
+  - \"sw.f1 -> f1.input\"
+  - \"f1.output -> sw.f1\"
+  - \"sw.out -> out.input\"
+",
+            f0 = ivshmem_vm_app("f0", image, &run, "zero_copy"),
+            f1 = ivshmem_vm_app("f1", image, &run, "zero_copy"),
+            dir = dir.display(),
+        ),
+        &["--keep-running"],
+    );
+    for flow in [
+        "priority=100,in_port=1,actions=output:2",
+        "priority=100,in_port=2,actions=output:3",
+        "priority=100,in_port=3,actions=output:4",
+    ] {
+        ofctl(port, &["add-flow", flow]);
+    }
+    (s, port)
+}
+
+/// Two guests whose functions (`stitch-nf-firewall`, forwarding all) run on ivshmem rings in
+/// zero-copy mode, chained through the switch: src → f0 (guest) → f1 (guest) → out. While the
+/// rules make f0 → f1 point to point, the switch gives the pair a direct channel, hot-plugged
+/// into both guests; a rule that breaks it takes the channel back and the device is unplugged.
+/// Three times under a paced stream: every frame arrives once, in order; both guests' `lspci`
+/// saw the channel's device come and go three times; the OpenFlow counters count every frame.
+#[test]
+fn functions_in_two_guests_get_a_hot_plugged_direct_channel_and_give_it_back() {
+    require_root_and_tools(&[
+        "ovs-ofctl",
+        "qemu-system-x86_64",
+        "busybox",
+        "cpio",
+        "lspci",
+    ]);
+    const N: u32 = 24_000;
+    let image = vm_image_with("vm-image-nf", &["stitch-nf-firewall"]);
+    let dir = tempfile::tempdir().unwrap();
+    // 2 kpps for 12 s: what two TCG guests forward beside each other on two shared cores.
+    write_sequence_apart(&dir.path().join("seq.pcap"), N, 500);
+    let (s, port) = two_guests_behind_the_switch(&image, dir.path());
+    let channels = || s.counter("sw", "direct_channels");
+    let phase = || {
+        let (_, shown) = s.call("POST", "/api/v1/apps/sw/query", Some("{}"));
+        shown["direct_channels"][0]["phase"]
+            .as_str()
+            .map(str::to_string)
+    };
+    let up = |what: &str| {
+        let t = Instant::now();
+        while phase().as_deref() != Some("ReceiverReads") {
+            assert!(
+                t.elapsed() < Duration::from_secs(60),
+                "{what}: no direct channel between the guests: {}\nf0's console:\n{}\nf1's:\n{}",
+                serde_json::to_string_pretty(&s.stats()).unwrap(),
+                console_of(&s, "f0"),
+                console_of(&s, "f1")
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    up("before the stream");
+    let src = format!(
+        r#"{{"type": "pcap_source", "file": "{}/seq.pcap", "pace": true}}"#,
+        dir.path().display()
+    );
+    assert_eq!(s.call("PUT", "/api/v1/apps/src", Some(&src)).0, 201);
+    assert_eq!(
+        s.call("POST", "/api/v1/links", Some(r#""src.output -> sw.src""#))
+            .0,
+        201
+    );
+    let rule = "priority=200,in_port=2,udp";
+    for round in 0..3 {
+        std::thread::sleep(Duration::from_millis(800));
+        ofctl(port, &["add-flow", &format!("{rule},actions=output:3")]);
+        wait_until("the channel to be handed back", 20, || {
+            channels() == Some(0)
+        });
+        std::thread::sleep(Duration::from_millis(800));
+        ofctl(port, &["--strict", "del-flows", rule]);
+        up(&format!("round {round}"));
+    }
+    wait_for_sink(&s, N as u64, 60);
+    std::thread::sleep(Duration::from_millis(50));
+    assert_port_counts(port, 2, 3, N);
+    for vm in ["f0", "f1"] {
+        // The region, the packet memory and the channel (plugged within the guest's 200 ms
+        // between two looks, or after them), then the channel unplugged and plugged again,
+        // three times.
+        let said = console_of(&s, vm);
+        let counts: Vec<&str> = (said.lines())
+            .filter_map(|l| l.trim().strip_prefix("IVSHMEM-DEVICES="))
+            .collect();
+        let counts = counts.join(",");
+        assert!(
+            counts.ends_with("3,2,3,2,3,2,3"),
+            "{vm}'s lspci saw the channel come and go three times ({counts}):\n{said}"
+        );
+    }
+    let stats = s.stop();
+    let c = &app(&stats, "sw")["counters"];
+    let direct = c["direct_channel_packets"].as_u64().unwrap();
+    assert!(
+        direct > 0 && direct < N as u64,
+        "both the channel and the switch carried frames: {c}"
+    );
+    assert_eq!(
+        app(&stats, "f1")["counters"]["direct_channel_packets"].as_u64(),
+        Some(direct)
+    );
+    assert_eq!(
+        app(&stats, "f0")["counters"]["guest_plug_refusals"].as_u64(),
+        Some(0)
+    );
+    assert_in_order(&dir.path().join("out.pcap"), N);
 }

@@ -62,7 +62,7 @@ impl NfPort {
             // A guest's function is not lent: its QEMU connects to the next process, and the
             // function says its hello there again.
             None => None,
-            Some(a) if a.att.in_guest => None,
+            Some(a) if a.att.guest.is_some() => None,
             Some(a) => {
                 fds.push(a.att.conn.try_clone().ok()?);
                 fds.push(a.att.memfd.try_clone().ok()?);
@@ -147,7 +147,7 @@ impl NfPort {
             generation,
             pid: at.pid,
             lost_before: None,
-            in_guest: false,
+            guest: None,
         };
         let mut a = Active::new(att, s.zero_copy);
         a.resume_at(&at);
@@ -158,6 +158,7 @@ impl NfPort {
             held: a.held.clone(),
             doorbell: a.att.doorbell.clone(),
             blocking: s.blocking,
+            in_guest: false,
         });
         self.shared.busy.store(true, Ordering::Release);
         self.listener.adopt(watched, &self.shared, generation);

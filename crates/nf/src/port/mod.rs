@@ -41,6 +41,7 @@ use crate::listener::{self, Attachment, Listener, PortSettings, PortShared};
 use crate::shm::{Consumer, Desc, Producer, Region, RingView, FLAG_DROP, FLAG_STEERED};
 use crate::steer::{self, Steering, Taken};
 
+mod guest;
 mod handover;
 use serde::Deserialize;
 use std::os::fd::AsRawFd;
@@ -146,6 +147,8 @@ struct Active {
     /// Direct channels (seed 001's bypass) from and to this function, once sent to it.
     outgoing: Option<Arc<Direct>>,
     incoming: Option<Arc<Direct>>,
+    /// In a guest: the devices of those channels (outgoing, incoming), unplugged when dropped.
+    guest_channels: [Option<guest::GuestChannel>; 2],
     control_sent: u32,
     /// Zero-copy, taken over from a predecessor process: the function maps that process's
     /// packet memory until this one sends its own, before the first packet.
@@ -174,6 +177,7 @@ impl Active {
             waiting_since: None,
             outgoing: None,
             incoming: None,
+            guest_channels: [None, None],
             control_sent: 0,
             pool_unsent: false,
             steering: None,
@@ -186,8 +190,21 @@ impl Active {
         self.waiting_since = None;
     }
 
-    /// Sends a direct channel to the function; false when it cannot take it.
-    fn send_direct(&mut self, d: &Direct, outgoing: bool) -> bool {
+    /// Sends a direct channel to the function (in a guest: plugs it there first, and sends
+    /// later); false when it cannot take it.
+    fn send_direct(&mut self, d: &Direct, outgoing: bool, port: &Arc<PortShared>) -> bool {
+        if let Some(bus) = &self.att.guest {
+            return match guest::GuestChannel::start(bus, &self.att.conn, d, outgoing, port) {
+                Ok(c) => {
+                    self.guest_channels[usize::from(!outgoing)] = Some(c);
+                    true
+                }
+                Err(e) => {
+                    log::warn!("function port `{}`: {e}", port.name);
+                    false
+                }
+            };
+        }
         let (msg, fds) = if outgoing {
             (
                 serde_json::json!({ "direct": "send" }),
@@ -209,7 +226,7 @@ impl Active {
         fds: &[std::os::fd::RawFd],
         what: &str,
     ) -> bool {
-        if self.att.in_guest {
+        if self.att.guest.is_some() {
             log::info!(
                 "{what} not sent to the function in a guest: its memory would be hot-plugged, \
                  which this Stitch does only for the port's own rings"
@@ -511,6 +528,7 @@ impl App for NfPort {
             && self.shared.changed.swap(false, Ordering::AcqRel)
         {
             self.attach_or_detach();
+            self.settle_guest_channels();
             self.take_direct_offers();
             self.take_steer_offer();
         }
@@ -762,6 +780,7 @@ impl NfPort {
                     held: a.held.clone(),
                     doorbell: a.att.doorbell.clone(),
                     blocking: self.shared.settings.blocking,
+                    in_guest: a.att.guest.is_some(),
                 });
                 self.active = Some(a);
                 self.attaches.add(1);
@@ -806,7 +825,7 @@ impl NfPort {
             } else {
                 d.receiver.generation
             };
-            if generation != a.att.generation || !a.send_direct(&d, outgoing) {
+            if generation != a.att.generation || !a.send_direct(&d, outgoing, &self.shared) {
                 d.end();
             }
             if outgoing {
@@ -910,11 +929,40 @@ impl NfPort {
         HAS_ORPHANS.store(true, Ordering::Relaxed);
     }
 
+    /// Counts the messages of channels plugged into the function's guest since the last
+    /// breath; ends those QEMU refused (their traffic stays with the switch).
+    fn settle_guest_channels(&mut self) {
+        let Some(a) = self.active.as_mut() else {
+            return;
+        };
+        for (i, slot) in a.guest_channels.iter_mut().enumerate() {
+            match slot.as_mut().and_then(|c| c.settle()) {
+                None => {}
+                Some(Ok(())) => {
+                    a.control_sent += 1;
+                    (a.att.header().control.0).store(a.control_sent, Ordering::Release);
+                }
+                Some(Err(e)) => {
+                    log::warn!(
+                        "function port `{}`: no direct channel into its guest: {e}; the switch \
+                         keeps the traffic",
+                        self.shared.name
+                    );
+                    let d = if i == 0 { &a.outgoing } else { &a.incoming };
+                    if let Some(d) = d {
+                        d.end();
+                    }
+                }
+            }
+        }
+    }
+
     /// Forgets a retired channel (and frees its slot for the next offer).
     fn clear_direct(&mut self, outgoing: bool) {
         let Some(a) = self.active.as_mut() else {
             return;
         };
+        a.guest_channels[usize::from(!outgoing)] = None;
         let d = if outgoing {
             a.outgoing.take()
         } else {

@@ -709,6 +709,39 @@ pub fn vm_app(image: &Path, cidr: &str, run: &str, mac: &str) -> String {
     )
 }
 
+/// App `name`: the test guest of [`vm_image_with`] running `run`, whose function runs on its
+/// port's rings hot-plugged as ivshmem devices (`rings: ivshmem`) in `mode`.
+pub fn ivshmem_vm_app(name: &str, image: &Path, run: &str, mode: &str) -> String {
+    format!(
+        "  {name}:
+    placement: vm
+    kernel: {image}/vmlinux
+    initrd: {image}/initrd.gz
+    append: 'console=ttyS0 quiet stitch.run=\"{run}\"'
+    memory_mb: 256
+    rings: ivshmem
+    mode: {mode}
+",
+        image = image.display()
+    )
+}
+
+/// A guest's shell loop that prints `IVSHMEM-DEVICES=N` each time the number of ivshmem
+/// devices its `lspci` lists changes, beside `function` started in the background.
+pub fn guest_watching_ivshmem(function: &str) -> String {
+    format!(
+        "{function} & L=x; while true; do N=$(lspci -n | grep -c 1af4:1110); \
+         [ $N != $L ] && echo IVSHMEM-DEVICES=$N; L=$N; sleep 0.2; done"
+    )
+}
+
+/// The VM app `vm`'s console so far.
+pub fn console_of(s: &Stitch, vm: &str) -> String {
+    let v = show(s, vm);
+    let console = v["process"]["console"].as_str().unwrap_or_default();
+    std::fs::read_to_string(console).unwrap_or_default()
+}
+
 /// ping's summary of 300 pings 10 ms apart from host `i` to `to`, with `during` done 300 ms in.
 pub fn paced_ping_while(hosts: &TwoHosts, i: usize, to: &str, during: impl FnOnce()) -> String {
     // `-w`: wait for the last reply too (without it ping leaves twice the slowest round trip
