@@ -30,7 +30,7 @@ use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// What the listener and a port's app share.
 pub struct PortShared {
@@ -54,7 +54,13 @@ pub struct PortShared {
     pub steer: Mutex<Option<Arc<crate::steer::SteerOffer>>>,
     /// Devices QEMU refused to plug into this port's guest ([`crate::guest`]).
     pub guest_plug_refusals: AtomicU64,
+    /// When QEMU last refused a direct channel into this port's guest: no channel is offered
+    /// to it for [`CHANNEL_RETRY`] after (a guest out of PCI slots stays so a while).
+    pub channel_refused_at: Mutex<Option<Instant>>,
 }
+
+/// How long a port whose guest refused a direct channel goes without one.
+pub const CHANNEL_RETRY: Duration = Duration::from_secs(10);
 
 #[derive(Default)]
 pub struct DirectSlots {
@@ -77,6 +83,7 @@ impl PortShared {
             direct: Mutex::new(DirectSlots::default()),
             steer: Mutex::new(None),
             guest_plug_refusals: AtomicU64::new(0),
+            channel_refused_at: Mutex::new(None),
         })
     }
 
@@ -241,6 +248,18 @@ impl Direct {
                 .ok_or_else(|| format!("function port `{}` has no function", p.name))
         };
         let (sender, receiver) = (current(from)?, current(to)?);
+        for p in [from, to] {
+            if let Some(at) = *p.channel_refused_at.lock().unwrap() {
+                if at.elapsed() < CHANNEL_RETRY {
+                    return Err(format!(
+                        "`{}`'s guest refused a direct channel {:.1} s ago: tried again {} s after",
+                        p.name,
+                        at.elapsed().as_secs_f64(),
+                        CHANNEL_RETRY.as_secs()
+                    ));
+                }
+            }
+        }
         if sender.in_guest && receiver.blocking {
             return Err(format!(
                 "`{}` runs in a guest, which rings no doorbell: a channel from it goes to a \

@@ -934,14 +934,19 @@ fn chain_switch_bench_carries_packets_through_a_function() {
 /// src → f0 → f1 → out through the switch (OpenFlow ports 1 to 4, a rule from each to the
 /// next), f0 and f1 guests of `image` running `stitch-nf-firewall` on zero-copy ivshmem rings
 /// and saying on their consoles how many ivshmem devices they see; `out` writes `dir`/out.pcap.
-fn two_guests_behind_the_switch(image: &std::path::Path, dir: &std::path::Path) -> (Stitch, u16) {
+/// `f1_more`: more of f1's entry.
+fn two_guests_behind_the_switch(
+    image: &std::path::Path,
+    dir: &std::path::Path,
+    f1_more: &str,
+) -> (Stitch, u16) {
     let run = guest_watching_ivshmem("stitch-nf-firewall");
     let port = free_port();
     let s = Stitch::run_with(
         &format!(
             "apps:
   sw: {{ type: switch, ports: [src, f0, f1, out], listen: \"127.0.0.1:{port}\" }}
-{f0}{f1}  out: {{ type: pcap_sink, file: {dir}/out.pcap }}
+{f0}{f1}{f1_more}  out: {{ type: pcap_sink, file: {dir}/out.pcap }}
 links:
   - \"sw.f0 -> f0.input\"
   - \"f0.output -> sw.f0\"
@@ -985,7 +990,7 @@ fn functions_in_two_guests_get_a_hot_plugged_direct_channel_and_give_it_back() {
     let dir = tempfile::tempdir().unwrap();
     // 2 kpps for 12 s: what two TCG guests forward beside each other on two shared cores.
     write_sequence_apart(&dir.path().join("seq.pcap"), N, 500);
-    let (s, port) = two_guests_behind_the_switch(&image, dir.path());
+    let (s, port) = two_guests_behind_the_switch(&image, dir.path(), "");
     let channels = || s.counter("sw", "direct_channels");
     let phase = || {
         let (_, shown) = s.call("POST", "/api/v1/apps/sw/query", Some("{}"));
@@ -1059,6 +1064,81 @@ fn functions_in_two_guests_get_a_hot_plugged_direct_channel_and_give_it_back() {
     assert_eq!(
         app(&stats, "f0")["counters"]["guest_plug_refusals"].as_u64(),
         Some(0)
+    );
+    assert_in_order(&dir.path().join("out.pcap"), N);
+}
+
+/// The ivshmem devices f0's or f1's guest listed last (its console's last `IVSHMEM-DEVICES=`).
+fn ivshmem_devices_now(s: &Stitch, vm: &str) -> Option<u32> {
+    let said = console_of(s, vm);
+    let last = said
+        .lines()
+        .rev()
+        .find_map(|l| l.trim().strip_prefix("IVSHMEM-DEVICES="));
+    last.and_then(|n| n.parse().ok())
+}
+
+/// The same two guests, f1's with every PCI slot but two taken (27 more devices on the
+/// command line): QEMU plugs its region and packet memory, then refuses the direct channel.
+/// The refusal is counted on f1's port, f0's half of the channel is unplugged again, no
+/// channel is offered again for a while, and the stream goes whole and in order through the
+/// switch, both guests' functions forwarding it.
+#[test]
+fn a_guest_out_of_pci_slots_keeps_its_traffic_on_the_switch() {
+    require_root_and_tools(&[
+        "ovs-ofctl",
+        "qemu-system-x86_64",
+        "busybox",
+        "cpio",
+        "lspci",
+    ]);
+    const N: u32 = 6_000;
+    let image = vm_image_with("vm-image-nf", &["stitch-nf-firewall"]);
+    let dir = tempfile::tempdir().unwrap();
+    write_sequence_apart(&dir.path().join("seq.pcap"), N, 500);
+    let fillers = vec!["-device, virtio-rng-pci"; 27].join(", ");
+    let (s, port) =
+        two_guests_behind_the_switch(&image, dir.path(), &format!("    qemu_args: [{fillers}]\n"));
+    wait_until("f1's guest to refuse the channel", 60, || {
+        s.counter("f1", "guest_plug_refusals") >= Some(1)
+    });
+    let refused = Instant::now();
+    assert_eq!(
+        s.counter("f1", "attached"),
+        Some(1),
+        "f1's function runs on"
+    );
+    wait_until("f0's half of the channel to be unplugged", 20, || {
+        ivshmem_devices_now(&s, "f0") == Some(2)
+    });
+    let src = format!(
+        r#"{{"type": "pcap_source", "file": "{}/seq.pcap", "pace": true}}"#,
+        dir.path().display()
+    );
+    assert_eq!(s.call("PUT", "/api/v1/apps/src", Some(&src)).0, 201);
+    assert_eq!(
+        s.call("POST", "/api/v1/links", Some(r#""src.output -> sw.src""#))
+            .0,
+        201
+    );
+    wait_for_sink(&s, N as u64, 60);
+    assert_port_counts(port, 2, 3, N);
+    // Offered again every 10 s at most, not at every breath.
+    let offers = 1 + refused.elapsed().as_secs() / 10;
+    assert!(
+        s.counter("f1", "guest_plug_refusals") <= Some(offers),
+        "{:?} refusals in {:?}",
+        s.counter("f1", "guest_plug_refusals"),
+        refused.elapsed()
+    );
+    let (stats, log) = s.stop_with_log();
+    assert_eq!(
+        app(&stats, "sw")["counters"]["direct_channel_packets"].as_u64(),
+        Some(0)
+    );
+    assert!(
+        log.contains("no direct channel into its guest") && log.contains("all in use"),
+        "{log}"
     );
     assert_in_order(&dir.path().join("out.pcap"), N);
 }

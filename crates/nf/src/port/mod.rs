@@ -945,9 +945,11 @@ impl NfPort {
                 Some(Err(e)) => {
                     log::warn!(
                         "function port `{}`: no direct channel into its guest: {e}; the switch \
-                         keeps the traffic",
-                        self.shared.name
+                         keeps the traffic (and offers one again in {} s)",
+                        self.shared.name,
+                        direct::CHANNEL_RETRY.as_secs()
                     );
+                    *self.shared.channel_refused_at.lock().unwrap() = Some(Instant::now());
                     let d = if i == 0 { &a.outgoing } else { &a.incoming };
                     if let Some(d) = d {
                         d.end();
