@@ -836,4 +836,51 @@ mod tests {
         assert_eq!(errors[0].line, 5, "{errors:?}");
         assert!(errors[0].message.contains("kernel: no file"), "{errors:?}");
     }
+
+    #[test]
+    fn a_vm_with_ivshmem_rings_is_a_polling_function_port_on_a_socket_of_its_own() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("vmlinux"), b"").unwrap();
+        let mut r = Registry::default();
+        stitch_vhost::register(&mut r);
+        stitch_nf::register(&mut r);
+        let parse = |text: &str| PlacedGraph::parse(text, "g.yaml", dir.path(), &r);
+        let g = parse(
+            "apps:\n  vm1:\n    placement: vm\n    kernel: vmlinux\n    qemu: /bin/true\n    rings: ivshmem\n    mode: zero_copy\n",
+        )
+        .unwrap();
+        let vm_dir = vm::dir_of("some-instance");
+        let p = plan(&g, &r, "some-instance").unwrap();
+        let port = &p.engine.apps["vm1"];
+        let sock = vm_dir.join("vm1.nf");
+        assert_eq!(port.kind, "nf_port");
+        assert_eq!(
+            port.config,
+            json!({ "socket": sock, "mode": "zero_copy", "wake": "polling" })
+        );
+        let args = p.processes[0].args.join(" ");
+        assert!(
+            args.contains(&format!("socket,id=port0,path={}", sock.display()))
+                && args.contains(
+                    "virtserialport,bus=stitch-serial.0,chardev=port0,name=org.stitch.nf.vm1"
+                )
+                && !args.contains("vhost-user"),
+            "{args}"
+        );
+        assert_eq!(
+            p.guest_buses,
+            [vm::GuestBusAt {
+                socket: sock,
+                qmp: vm_dir.join("vm1.qmp")
+            }]
+        );
+        // `mode` belongs to the ivshmem rings: refused at its app without them.
+        let e = match parse(
+            "apps:\n  vm1:\n    placement: vm\n    kernel: vmlinux\n    qemu: /bin/true\n    mode: zero_copy\n",
+        ) {
+            Err(e) => e.to_string(),
+            Ok(g) => format!("{:?}", plan(&g, &r, "some-instance").unwrap_err()),
+        };
+        assert!(e.contains("rings: ivshmem"), "{e}");
+    }
 }
