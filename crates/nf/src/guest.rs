@@ -33,6 +33,47 @@ pub trait GuestBus: Send + Sync {
     /// Removes device `id` and its memory (the guest acknowledges the removal; this waits
     /// for it, a few seconds at most).
     fn unplug(&self, id: &str) -> Result<(), String>;
+
+    /// Removes every device and memory of Stitch's ([`DEVICE_PREFIX`]) whose name does not
+    /// start with `keep`; the ids removed. One that will not go is left (and said in the
+    /// error) while the rest go on.
+    fn sweep(&self, keep: &str) -> Result<Vec<String>, String>;
+}
+
+/// Every device and memory Stitch plugs into a guest is named with this first.
+pub const DEVICE_PREFIX: &str = "stitch-ivshmem-";
+
+/// What the names of the devices of one attachment (`generation`) of `port` start with: the
+/// process id in them, so that no process reuses a name a predecessor left.
+pub fn attachment_prefix(port: &str, generation: u64) -> String {
+    format!("{DEVICE_PREFIX}{}-{port}-{generation}-", std::process::id())
+}
+
+/// Whether `id` is a device or memory Stitch plugged whose name does not start with `keep`.
+pub fn swept(id: &str, keep: &str) -> bool {
+    id.starts_with(DEVICE_PREFIX) && !id.starts_with(keep)
+}
+
+/// Sweeps the guest on `bus` of Stitch's devices but those named with `keep` first, on a
+/// thread of its own. Called at a guest's hello: whatever an earlier attachment — of this
+/// process or of one that ended (killed, upgraded, or the port left the graph while the VM ran)
+/// — left there is no longer used by anyone, as the function that used it is gone.
+pub(crate) fn sweep(bus: &Arc<dyn GuestBus>, keep: String) {
+    let bus = bus.clone();
+    let spawned = std::thread::Builder::new()
+        .name("stitch-nf-sweep".into())
+        .spawn(move || match bus.sweep(&keep) {
+            Ok(gone) if gone.is_empty() => {}
+            Ok(gone) => log::info!(
+                "removed from a guest what its function's last attachment left: {gone:?}"
+            ),
+            Err(e) => log::warn!(
+                "cannot remove from a guest what its function's last attachment left: {e}"
+            ),
+        });
+    if let Err(e) = spawned {
+        log::warn!("cannot sweep a guest: {e}");
+    }
 }
 
 fn buses() -> &'static Mutex<HashMap<PathBuf, Arc<dyn GuestBus>>> {
@@ -55,32 +96,26 @@ pub(crate) fn bus(socket: &Path) -> Option<Arc<dyn GuestBus>> {
     buses().lock().unwrap().get(socket).cloned()
 }
 
-/// Devices plugged into a guest for one attachment: unplugged when it ends (on a thread of
-/// their own: the guest takes its time to acknowledge, and nothing waits for it).
+/// A device plugged into a guest, unplugged only when asked: a device is never taken from
+/// under a function that may still touch it (its pages would fault, SIGBUS) — one left when
+/// its process ends or its function goes is swept at the guest's next hello.
 pub(crate) struct Plugged {
     pub bus: Arc<dyn GuestBus>,
-    pub ids: Vec<String>,
+    pub id: String,
 }
 
-impl Drop for Plugged {
-    fn drop(&mut self) {
-        if self.ids.is_empty() {
-            return;
-        }
-        let bus = self.bus.clone();
-        let ids = std::mem::take(&mut self.ids);
+impl Plugged {
+    /// Unplugs it on a thread of its own: the guest takes its time to acknowledge, and nothing
+    /// waits for it.
+    pub fn unplug(self) {
         let spawned = std::thread::Builder::new()
             .name("stitch-nf-unplug".into())
-            .spawn(move || {
-                for id in ids.iter().rev() {
-                    match bus.unplug(id) {
-                        Ok(()) => log::info!("unplugged {id} from its guest"),
-                        Err(e) => log::warn!("cannot unplug {id} from its guest: {e}"),
-                    }
-                }
+            .spawn(move || match self.bus.unplug(&self.id) {
+                Ok(()) => log::info!("unplugged {} from its guest", self.id),
+                Err(e) => log::warn!("cannot unplug {} from its guest: {e}", self.id),
             });
         if let Err(e) = spawned {
-            log::warn!("cannot unplug guest devices: {e}");
+            log::warn!("cannot unplug a guest's device: {e}");
         }
     }
 }
@@ -193,6 +228,21 @@ mod tests {
         assert_eq!(bar_size(4096), 4096);
         assert_eq!(bar_size(4097), 8192);
         assert_eq!(bar_size(675 << 20), 1 << 30);
+    }
+
+    #[test]
+    fn a_sweep_takes_what_earlier_attachments_plugged_and_nothing_else() {
+        let keep = attachment_prefix("vm1", 12);
+        let mine = format!("{keep}region");
+        assert!(!swept(&mine, &keep) && !swept(&format!("{mine}-mem"), &keep));
+        assert!(!swept(&format!("{keep}ch3-tx"), &keep));
+        assert!(swept(
+            &format!("{}region", attachment_prefix("vm1", 11)),
+            &keep
+        ));
+        assert!(swept("stitch-ivshmem-1-vm1-12-region", &keep));
+        // The VM's own devices, named by the placement.
+        assert!(!swept("stitch-serial", &keep) && !swept("mem", &keep));
     }
 
     #[test]

@@ -7,7 +7,7 @@
 
 pub use crate::attachment::{Attachment, PortSettings};
 pub use crate::direct::PortShared;
-use crate::guest::{self, GuestBus, Plugged};
+use crate::guest::{self, GuestBus};
 use crate::shm::{Layout, Mapping, RegionHeader, MAGIC, VERSION};
 use serde_json::{json, Value};
 use std::collections::HashMap;
@@ -192,10 +192,8 @@ struct Connection {
     guest: Option<GuestLink>,
 }
 
-/// What an attachment of a function in a guest holds beside its connection.
+/// What the connection of a guest's QEMU holds beside it.
 struct GuestLink {
-    /// Its devices, unplugged when the attachment ends.
-    _plugged: Plugged,
     /// Bytes of a line not yet complete.
     line: Vec<u8>,
 }
@@ -380,10 +378,7 @@ fn answer_hellos(l: &Listener, pending: &mut Vec<Pending>, conns: &mut Vec<Conne
                     stream: p.stream,
                     port: Arc::downgrade(&a.port),
                     generation: a.generation,
-                    guest: a.plugged.map(|plugged| GuestLink {
-                        _plugged: plugged,
-                        line: p.line,
-                    }),
+                    guest: a.in_guest.then_some(GuestLink { line: p.line }),
                 });
             }
             Err(Refusal::Busy(_)) if pending[i].since.elapsed() < FREE_WAIT => i += 1,
@@ -498,11 +493,11 @@ impl From<&str> for Refusal {
     }
 }
 
-/// A function attached: its port, the attachment's generation and, in a guest, its devices.
+/// A function attached: its port, the attachment's generation, whether it runs in a guest.
 struct Attached {
     port: Arc<PortShared>,
     generation: u64,
-    plugged: Option<Plugged>,
+    in_guest: bool,
 }
 
 /// The port a hello asks for, if it is here and free.
@@ -548,18 +543,17 @@ fn guest_of(
     }
 }
 
-/// Plugs the port's region (and in zero-copy mode the packet memory) into the guest; the
-/// devices' PCI addresses for the answer. A refusal is counted on the port.
+/// Plugs the port's region (and in zero-copy mode the packet memory) into the guest, after
+/// sweeping it of what earlier attachments left; the devices' PCI addresses for the answer. A
+/// refusal is counted on the port (a device plugged before it stays until the next sweep).
 fn plug_into_guest(
     bus: &Arc<dyn GuestBus>,
     port: &PortShared,
     generation: u64,
     region: (&OwnedFd, usize),
-) -> Result<(Plugged, Value), String> {
-    let mut plugged = Plugged {
-        bus: bus.clone(),
-        ids: Vec::new(),
-    };
+) -> Result<Value, String> {
+    let prefix = guest::attachment_prefix(&port.name, generation);
+    guest::sweep(bus, prefix.clone());
     let mut devices = serde_json::Map::new();
     let pool = stitch_core::pool::get();
     let pool_memory = port.settings.zero_copy.then(|| {
@@ -570,12 +564,11 @@ fn plug_into_guest(
     let memories = std::iter::once(("region", region.0.as_fd(), region.1))
         .chain(pool_memory.map(|(fd, bytes)| ("pool", fd, bytes)));
     for (what, fd, bytes) in memories {
-        let id = format!("stitch-{}-{generation}-{what}", port.name);
+        let id = format!("{prefix}{what}");
         let bar = guest::bar_size(bytes);
         let plugged_one = guest::grow_to(fd, bar).and_then(|()| bus.plug(&id, fd, bar));
         match plugged_one {
             Ok(addr) => {
-                plugged.ids.push(id);
                 devices.insert(what.into(), json!({ "pci": addr, "bytes": bytes }));
             }
             Err(e) => {
@@ -587,7 +580,7 @@ fn plug_into_guest(
             }
         }
     }
-    Ok((plugged, Value::Object(devices)))
+    Ok(Value::Object(devices))
 }
 
 /// Builds the port's region for the hello's function and answers with it.
@@ -625,7 +618,7 @@ fn attach(l: &Listener, stream: &UnixStream, hello: &Value) -> Result<Attached, 
         .map_err(|e| format!("cannot keep the connection: {e}"))?
         .into();
     let generation = next_generation();
-    let plugged = match &guest {
+    let devices = match &guest {
         Some(bus) => Some(plug_into_guest(
             bus,
             &port,
@@ -648,7 +641,7 @@ fn attach(l: &Listener, stream: &UnixStream, hello: &Value) -> Result<Attached, 
         "output": output.is_some(),
     });
     let mut fds = Vec::new();
-    if let Some((_, devices)) = &plugged {
+    if let Some(devices) = &devices {
         reply["devices"] = devices.clone();
     } else {
         fds = vec![memfd.as_raw_fd(), doorbell.as_raw_fd()];
@@ -671,8 +664,8 @@ fn attach(l: &Listener, stream: &UnixStream, hello: &Value) -> Result<Attached, 
         guest,
     });
     port.changed.store(true, Ordering::Release);
-    match (lost_before, &plugged) {
-        (_, Some((_, devices))) => log::info!(
+    match (lost_before, &devices) {
+        (_, Some(devices)) => log::info!(
             "function in the guest of {} attached to port `{name}` on ivshmem devices {devices}",
             l.path.display()
         ),
@@ -685,6 +678,6 @@ fn attach(l: &Listener, stream: &UnixStream, hello: &Value) -> Result<Attached, 
     Ok(Attached {
         port,
         generation,
-        plugged: plugged.map(|(p, _)| p),
+        in_guest: devices.is_some(),
     })
 }

@@ -30,6 +30,7 @@ pub struct Inheriting {
     processes: Vec<ProcessSpec>,
     lent_processes: BTreeMap<String, Descriptors>,
     kernel: Option<KernelPart>,
+    guest_buses: Vec<crate::vm::GuestBusAt>,
 }
 
 impl Placements {
@@ -61,6 +62,7 @@ impl Placements {
             processes: plan.processes,
             lent_processes: lent.processes,
             kernel: plan.kernel,
+            guest_buses: plan.guest_buses,
         })
     }
 
@@ -79,6 +81,9 @@ impl Placements {
         let (engine, restored) = (self.engine)
             .commit_inheriting(inheriting.engine, finals, links)
             .map_err(PlaceError::Engine)?;
+        // The functions in guests say their hello to this process once the predecessor has
+        // left: their memory goes in through here.
+        self.offer_guest_buses(&inheriting.guest_buses);
         let (started, _) = (self.supervisor.lock().unwrap())
             .adopt(inheriting.processes, inheriting.lent_processes);
         if !started.is_empty() {

@@ -9,7 +9,7 @@ use serde_json::{json, Value};
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
-use stitch_nf::guest::GuestBus;
+use stitch_nf::guest::{swept, GuestBus};
 
 /// How long a QMP command may take.
 const PATIENCE: Duration = Duration::from_secs(5);
@@ -76,26 +76,78 @@ impl GuestBus for QmpBus {
             }
             Err(e) => return Err(said(e)),
         };
-        q.execute("device_del", Some(json!({ "id": id })))
-            .map_err(said)?;
-        let deadline = Instant::now() + UNPLUG_WAIT;
-        loop {
-            let pci = q.execute("query-pci", None).map_err(said)?;
-            if pci_address(&pci, id).is_none() {
-                break;
-            }
-            if Instant::now() >= deadline {
-                return Err(format!(
-                    "the guest did not let {id} go in {} s (it stays until the VM stops)",
-                    UNPLUG_WAIT.as_secs()
-                ));
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        q.execute("object-del", Some(json!({ "id": memdev(id) })))
-            .map_err(said)?;
-        Ok(())
+        unplug_on(&mut q, id)
     }
+
+    fn sweep(&self, keep: &str) -> Result<Vec<String>, String> {
+        let mut q = self.connect()?;
+        let pci = q.execute("query-pci", None).map_err(said)?;
+        let (mut gone, mut failed) = (Vec::new(), Vec::new());
+        for id in device_ids(&pci).into_iter().filter(|id| swept(id, keep)) {
+            match unplug_on(&mut q, &id) {
+                Ok(()) => gone.push(id),
+                Err(e) => failed.push(format!("{id}: {e}")),
+            }
+        }
+        // Memory whose device went (or never came): a plug or an unplug cut short.
+        let objects = q
+            .execute("qom-list", Some(json!({ "path": "/objects" })))
+            .map_err(said)?;
+        let names = objects.as_array().into_iter().flatten();
+        for name in names.filter_map(|o| o["name"].as_str()) {
+            if swept(name, keep) && name.ends_with("-mem") {
+                match q.execute("object-del", Some(json!({ "id": name }))) {
+                    Ok(_) => gone.push(name.to_string()),
+                    Err(e) => failed.push(format!("{name}: {e}")),
+                }
+            }
+        }
+        if failed.is_empty() {
+            Ok(gone)
+        } else {
+            Err(format!("removed {gone:?}, not {failed:?}"))
+        }
+    }
+}
+
+/// Unplugs device `id` and then its memory, on `q`.
+fn unplug_on(q: &mut Qmp, id: &str) -> Result<(), String> {
+    q.execute("device_del", Some(json!({ "id": id })))
+        .map_err(said)?;
+    let deadline = Instant::now() + UNPLUG_WAIT;
+    loop {
+        let pci = q.execute("query-pci", None).map_err(said)?;
+        if pci_address(&pci, id).is_none() {
+            break;
+        }
+        if Instant::now() >= deadline {
+            return Err(format!(
+                "the guest did not let {id} go in {} s (it stays until the VM stops)",
+                UNPLUG_WAIT.as_secs()
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    q.execute("object-del", Some(json!({ "id": memdev(id) })))
+        .map_err(said)?;
+    Ok(())
+}
+
+/// Every device id in QEMU's `query-pci` answer, behind bridges too.
+fn device_ids(query: &Value) -> Vec<String> {
+    fn collect(devices: &Value, out: &mut Vec<String>) {
+        for d in devices.as_array().into_iter().flatten() {
+            if let Some(id) = d["qdev_id"].as_str().filter(|id| !id.is_empty()) {
+                out.push(id.to_string());
+            }
+            collect(&d["pci_bridge"]["devices"], out);
+        }
+    }
+    let mut out = Vec::new();
+    for bus in query.as_array().into_iter().flatten() {
+        collect(&bus["devices"], &mut out);
+    }
+    out
 }
 
 /// The sysfs address (`0000:BB:SS.F`) of device `id` in QEMU's `query-pci` answer: buses and
@@ -143,5 +195,6 @@ mod tests {
         );
         assert_eq!(pci_address(&q, "deep").as_deref(), Some("0000:01:1f.0"));
         assert_eq!(pci_address(&q, "gone"), None);
+        assert_eq!(device_ids(&q), ["stitch-vm1-7-region", "bridge", "deep"]);
     }
 }

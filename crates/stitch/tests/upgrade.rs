@@ -939,9 +939,70 @@ fn a_vm_is_adopted_after_a_crash_and_carries_on_across_an_upgrade() {
         "the guest connected again: {counters}"
     );
     stop_supervised(s, successor);
-    wait_until("the VM to stop with the instance", 10, || {
-        !alive(qemu as i32)
-    });
+    wait_until("the VM to stop with the instance", 10, || !alive(qemu));
+}
+
+/// A function in a guest (`rings: ivshmem`, `stitch-nf-firewall` between the two hosts)
+/// across a crash of its instance and an upgrade: QEMU is adopted each time; its connection to
+/// the old process ends, the function in the guest says its hello to the new one and is served
+/// on new devices, and what the old process plugged is swept from the guest.
+#[test]
+fn a_function_in_a_guest_comes_back_after_a_crash_and_an_upgrade() {
+    require_root_and_tools(&[
+        "qemu-system-x86_64",
+        "busybox",
+        "cpio",
+        "ping",
+        "pgrep",
+        "lspci",
+    ]);
+    let image = vm_image_with("vm-image-nf", &["stitch-nf-firewall"]);
+    let h = TwoHosts::new();
+    let run = guest_watching_ivshmem("stitch-nf-firewall");
+    let vm = ivshmem_vm_app("vm1", &image, &run, "isolated");
+    let s = Stitch::run_with(
+        &ports_around(&h, &vm, &["vm1"]),
+        &["--supervise", "--keep-running"],
+    );
+    let served = |s: &Stitch, what: &str| {
+        let t = std::time::Instant::now();
+        while !(try_show(s, "vm1").is_ok_and(|v| v["attached"] == true)
+            && ivshmem_devices_now(s, "vm1") == Some(1))
+        {
+            assert!(
+                t.elapsed() < std::time::Duration::from_secs(60),
+                "the guest's function is not served {what}: {:?}\nits console:\n{}",
+                try_show(s, "vm1"),
+                console_of(s, "vm1")
+            );
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        assert!(
+            h.reaches(0, &h.ip[1], 30),
+            "pings cross the guest {what}: {}\nits console:\n{}",
+            serde_json::to_string_pretty(&s.stats()).unwrap(),
+            console_of(s, "vm1")
+        );
+    };
+    served(&s, "at first");
+    let qemu = pid_of(&s, "vm1").unwrap();
+    crash_supervised(&s, "vm1", "vm");
+    served(&s, "after the crash");
+    assert_eq!(
+        pid_of(&s, "vm1"),
+        Some(qemu),
+        "QEMU was adopted, not restarted"
+    );
+
+    let mut upgraded = None;
+    let paced = paced_ping_while(&h, 0, &h.ip[1], || upgraded = Some(upgrade(&s)));
+    let (successor, _) = upgraded.unwrap();
+    let summary: Vec<&str> = paced.lines().rev().take(2).collect();
+    eprintln!("pings through the guest's function across the upgrade: {summary:?}");
+    served(&s, "after the upgrade");
+    assert_eq!(pid_of(&s, "vm1"), Some(qemu), "QEMU was restarted");
+    stop_supervised(s, successor);
+    wait_until("the VM to stop with the instance", 10, || !alive(qemu));
 }
 
 /// A kernel app (`placement: kernel`) between two engine ports. Killed -9 under `--supervise`:

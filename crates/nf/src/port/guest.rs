@@ -1,8 +1,10 @@
 //! Direct channels of a function in a VM: the channel's memory is hot-plugged into the guest
 //! ([`crate::guest`]) on a thread of its own — QEMU and the guest take milliseconds, which a
 //! worker does not wait — and the message naming the device is sent once it is there. The
-//! port counts that message in the region's `control` word at its next breath, or ends the
-//! channel if QEMU refused; dropping the channel unplugs its device.
+//! port counts that message in the region's `control` word at its next tick, or ends the
+//! channel if QEMU refused. A retired channel's device is unplugged once the function has said
+//! it let the channel go (its flag at 2): a device taken from under a function that still maps
+//! it would fault (SIGBUS). One whose function left first is swept at the guest's next hello.
 
 use crate::direct::{send_control, Direct, PortShared};
 use crate::guest::{self, GuestBus, Plugged};
@@ -17,35 +19,52 @@ enum Outcome {
     Plugging,
     /// Plugged, and the message sent; not yet counted by the port.
     Sent(Plugged),
-    /// Counted; the device stays until the channel is dropped.
-    Counted {
-        _device: Plugged,
-    },
+    /// Counted: the function reads the message.
+    Counted(Plugged),
     Refused(String),
-    Told,
+    /// Refused, and said so to the port.
+    Gone,
 }
 
-/// One direct channel on its way into (or in) a port's guest.
-pub(super) struct GuestChannel {
+/// One direct channel on its way into (or in, or out of) a port's guest.
+struct GuestChannel {
+    direct: Arc<Direct>,
+    outgoing: bool,
     outcome: Arc<Mutex<Outcome>>,
+    /// The channel retired: its device goes once the function let it go.
+    retired: bool,
 }
 
-impl GuestChannel {
-    /// Plugs `d` into the guest on `bus` and then tells the function on `conn` (the sending
-    /// end when `outgoing`); `port` hears when it is done.
+/// The direct channels plugged into one attachment's guest.
+#[derive(Default)]
+pub(super) struct GuestChannels(Vec<GuestChannel>);
+
+/// What [`GuestChannels::tend`] found.
+#[derive(Default)]
+pub(super) struct Tended {
+    /// Messages sent to the function since the last call: the `control` word moves this much.
+    pub told: u32,
+    /// Channels QEMU refused, with why: to be ended.
+    pub refused: Vec<(Arc<Direct>, String)>,
+}
+
+impl GuestChannels {
+    /// Plugs `d` into the guest on `bus` and then tells the function of attachment
+    /// `generation` on `conn` (the sending end when `outgoing`); `port` hears when it is done.
     pub fn start(
+        &mut self,
         bus: &Arc<dyn GuestBus>,
-        conn: &OwnedFd,
-        d: &Direct,
+        (conn, generation): (&OwnedFd, u64),
+        d: &Arc<Direct>,
         outgoing: bool,
         port: &Arc<PortShared>,
-    ) -> std::io::Result<GuestChannel> {
+    ) -> std::io::Result<()> {
         let (memory, conn) = (d.memfd.try_clone()?, conn.try_clone()?);
         let bytes = d.bytes();
         let (bus, port) = (bus.clone(), port.clone());
         let id = format!(
-            "stitch-{}-ch{}-{}",
-            port.name,
+            "{}ch{}-{}",
+            guest::attachment_prefix(&port.name, generation),
             NEXT.fetch_add(1, Ordering::Relaxed),
             if outgoing { "tx" } else { "rx" }
         );
@@ -56,7 +75,7 @@ impl GuestChannel {
             .spawn(move || {
                 let told = plug_and_tell(&bus, &id, &memory, bytes, &conn, outgoing);
                 *result.lock().unwrap() = match told {
-                    Ok(()) => Outcome::Sent(Plugged { bus, ids: vec![id] }),
+                    Ok(()) => Outcome::Sent(Plugged { bus, id }),
                     Err(e) => {
                         port.guest_plug_refusals.fetch_add(1, Ordering::Relaxed);
                         Outcome::Refused(e)
@@ -64,24 +83,64 @@ impl GuestChannel {
                 };
                 port.changed.store(true, Ordering::Release);
             })?;
-        Ok(GuestChannel { outcome })
+        self.0.push(GuestChannel {
+            direct: d.clone(),
+            outgoing,
+            outcome,
+            retired: false,
+        });
+        Ok(())
     }
 
-    /// What became of it since last asked: `Some(Ok)` once the function was told (one more
-    /// control message), `Some(Err)` once when QEMU refused.
-    pub fn settle(&mut self) -> Option<Result<(), String>> {
-        let mut o = self.outcome.lock().unwrap();
-        match std::mem::replace(&mut *o, Outcome::Told) {
-            Outcome::Sent(p) => {
-                *o = Outcome::Counted { _device: p };
-                Some(Ok(()))
-            }
-            Outcome::Refused(e) => Some(Err(e)),
-            other => {
-                *o = other;
-                None
-            }
+    /// Channel `d` retired: its device goes once the function let it go.
+    pub fn retire(&mut self, d: &Arc<Direct>) {
+        for c in self.0.iter_mut().filter(|c| Arc::ptr_eq(&c.direct, d)) {
+            c.retired = true;
         }
+    }
+
+    /// Counts the messages sent, takes the refusals, and unplugs the devices of retired
+    /// channels the function let go.
+    pub fn tend(&mut self) -> Tended {
+        let mut t = Tended::default();
+        self.0.retain_mut(|c| {
+            let mut o = c.outcome.lock().unwrap();
+            match std::mem::replace(&mut *o, Outcome::Gone) {
+                Outcome::Sent(device) => {
+                    t.told += 1;
+                    *o = Outcome::Counted(device);
+                }
+                Outcome::Refused(e) => {
+                    if !c.retired {
+                        t.refused.push((c.direct.clone(), e));
+                    }
+                    return false;
+                }
+                other => *o = other,
+            }
+            let h = c.direct.header();
+            let flag = if c.outgoing { &h.sender } else { &h.receiver };
+            let let_go = flag.0.load(Ordering::Acquire) >= 2;
+            if !(c.retired && let_go) {
+                return true;
+            }
+            match std::mem::replace(&mut *o, Outcome::Gone) {
+                Outcome::Counted(device) => {
+                    device.unplug();
+                    false
+                }
+                // Still being plugged: its message comes, the function lets it go again.
+                other => {
+                    *o = other;
+                    true
+                }
+            }
+        });
+        t
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
     }
 }
 

@@ -148,7 +148,7 @@ struct Active {
     outgoing: Option<Arc<Direct>>,
     incoming: Option<Arc<Direct>>,
     /// In a guest: the devices of those channels (outgoing, incoming), unplugged when dropped.
-    guest_channels: [Option<guest::GuestChannel>; 2],
+    guest_channels: guest::GuestChannels,
     control_sent: u32,
     /// Zero-copy, taken over from a predecessor process: the function maps that process's
     /// packet memory until this one sends its own, before the first packet.
@@ -177,7 +177,7 @@ impl Active {
             waiting_since: None,
             outgoing: None,
             incoming: None,
-            guest_channels: [None, None],
+            guest_channels: guest::GuestChannels::default(),
             control_sent: 0,
             pool_unsent: false,
             steering: None,
@@ -192,13 +192,11 @@ impl Active {
 
     /// Sends a direct channel to the function (in a guest: plugs it there first, and sends
     /// later); false when it cannot take it.
-    fn send_direct(&mut self, d: &Direct, outgoing: bool, port: &Arc<PortShared>) -> bool {
+    fn send_direct(&mut self, d: &Arc<Direct>, outgoing: bool, port: &Arc<PortShared>) -> bool {
         if let Some(bus) = &self.att.guest {
-            return match guest::GuestChannel::start(bus, &self.att.conn, d, outgoing, port) {
-                Ok(c) => {
-                    self.guest_channels[usize::from(!outgoing)] = Some(c);
-                    true
-                }
+            let attachment = (&self.att.conn, self.att.generation);
+            return match (self.guest_channels).start(bus, attachment, d, outgoing, port) {
+                Ok(()) => true,
                 Err(e) => {
                     log::warn!("function port `{}`: {e}", port.name);
                     false
@@ -528,7 +526,7 @@ impl App for NfPort {
             && self.shared.changed.swap(false, Ordering::AcqRel)
         {
             self.attach_or_detach();
-            self.settle_guest_channels();
+            self.tend_guest_channels();
             self.take_direct_offers();
             self.take_steer_offer();
         }
@@ -689,6 +687,10 @@ impl App for NfPort {
         }
         self.ring_full_drops.add(full);
         self.too_big_drops.add(big);
+    }
+
+    fn tick(&mut self, _io: &mut Io, _now: Instant) {
+        self.tend_guest_channels();
     }
 
     fn stop(&mut self) {
@@ -930,32 +932,29 @@ impl NfPort {
     }
 
     /// Counts the messages of channels plugged into the function's guest since the last
-    /// breath; ends those QEMU refused (their traffic stays with the switch).
-    fn settle_guest_channels(&mut self) {
+    /// look; ends those QEMU refused (their traffic stays with the switch); unplugs those
+    /// retired that the function let go.
+    fn tend_guest_channels(&mut self) {
         let Some(a) = self.active.as_mut() else {
             return;
         };
-        for (i, slot) in a.guest_channels.iter_mut().enumerate() {
-            match slot.as_mut().and_then(|c| c.settle()) {
-                None => {}
-                Some(Ok(())) => {
-                    a.control_sent += 1;
-                    (a.att.header().control.0).store(a.control_sent, Ordering::Release);
-                }
-                Some(Err(e)) => {
-                    log::warn!(
-                        "function port `{}`: no direct channel into its guest: {e}; the switch \
-                         keeps the traffic (and offers one again in {} s)",
-                        self.shared.name,
-                        direct::CHANNEL_RETRY.as_secs()
-                    );
-                    *self.shared.channel_refused_at.lock().unwrap() = Some(Instant::now());
-                    let d = if i == 0 { &a.outgoing } else { &a.incoming };
-                    if let Some(d) = d {
-                        d.end();
-                    }
-                }
-            }
+        if a.guest_channels.is_empty() {
+            return;
+        }
+        let t = a.guest_channels.tend();
+        if t.told > 0 {
+            a.control_sent += t.told;
+            (a.att.header().control.0).store(a.control_sent, Ordering::Release);
+        }
+        for (d, e) in t.refused {
+            log::warn!(
+                "function port `{}`: no direct channel into its guest: {e}; the switch keeps \
+                 the traffic (and offers one again in {} s)",
+                self.shared.name,
+                direct::CHANNEL_RETRY.as_secs()
+            );
+            *self.shared.channel_refused_at.lock().unwrap() = Some(Instant::now());
+            d.end();
         }
     }
 
@@ -964,13 +963,13 @@ impl NfPort {
         let Some(a) = self.active.as_mut() else {
             return;
         };
-        a.guest_channels[usize::from(!outgoing)] = None;
         let d = if outgoing {
             a.outgoing.take()
         } else {
             a.incoming.take()
         };
         if let Some(d) = d {
+            a.guest_channels.retire(&d);
             self.shared.forget_direct(&d, outgoing);
         }
     }

@@ -735,6 +735,24 @@ pub fn guest_watching_ivshmem(function: &str) -> String {
     )
 }
 
+/// A guest whose function polls takes a core of the two: one test with such guests at a
+/// time in a test binary (tests of one binary run side by side).
+pub fn one_guest_test_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    ONE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The ivshmem devices VM app `vm`'s guest listed last (the last `IVSHMEM-DEVICES=` of a
+/// [`guest_watching_ivshmem`] guest).
+pub fn ivshmem_devices_now(s: &Stitch, vm: &str) -> Option<u32> {
+    let said = console_of(s, vm);
+    let last = said
+        .lines()
+        .rev()
+        .find_map(|l| l.trim().strip_prefix("IVSHMEM-DEVICES="));
+    last.and_then(|n| n.parse().ok())
+}
+
 /// The VM app `vm`'s console so far.
 pub fn console_of(s: &Stitch, vm: &str) -> String {
     let v = show(s, vm);
