@@ -891,7 +891,7 @@ fn a_function_in_a_guest_forwards_on_ivshmem(mode: &str, devices: usize) {
     let run = format!(
         "{lspci}; echo NONE-UP; {nf} & F=$!; \
          while ! lspci -n | grep -q 1af4:1110; do sleep 0.2; done; sleep 1; {lspci}; echo FIRST-UP; \
-         sleep 15; kill $F; sleep 1; {nf} & sleep 12; {lspci}; echo SECOND-UP; sleep 3600"
+         sleep 8; kill $F; sleep 1; {nf} & sleep 6; {lspci}; echo SECOND-UP; sleep 3600"
     );
     let s = Stitch::run_with(
         &ivshmem_graph(&hosts, &image, &run, mode),
@@ -909,6 +909,9 @@ fn a_function_in_a_guest_forwards_on_ivshmem(mode: &str, devices: usize) {
         }
     };
     attached(1);
+    let v = show(&s, "vm1");
+    assert_eq!(v["in_guest"], true, "{v}");
+    assert_eq!(v["pid"], v["process"]["pid"], "its QEMU: {v}");
     let said = console_until(&s, "vm1", "FIRST-UP", 30);
     assert!(
         ivshmem_devices(&said, "NONE-UP").is_empty(),

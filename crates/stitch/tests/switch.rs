@@ -1142,3 +1142,81 @@ fn a_guest_out_of_pci_slots_keeps_its_traffic_on_the_switch() {
     );
     assert_in_order(&dir.path().join("out.pcap"), N);
 }
+
+/// The same two guests; three times, the pair's rule is given back (a channel is offered and
+/// plugged into both guests) and f1's QEMU is killed -9 from 0 to 200 ms later — before,
+/// during or after the plugging. Each time f0's function stays attached, f1's VM is started
+/// again and its function attaches, a new channel comes up between them; f0's guest ends with
+/// only the devices it uses (the dead channels' went); then a stream crosses both, whole and in
+/// order.
+#[test]
+fn a_guest_killed_mid_switch_over_wedges_nothing() {
+    require_root_and_tools(&[
+        "ovs-ofctl",
+        "qemu-system-x86_64",
+        "busybox",
+        "cpio",
+        "lspci",
+    ]);
+    let _one = one_guest_test_at_a_time();
+    const N: u32 = 4_000;
+    let image = vm_image_with("vm-image-nf", &["stitch-nf-firewall"]);
+    let dir = tempfile::tempdir().unwrap();
+    write_sequence_apart(&dir.path().join("seq.pcap"), N, 500);
+    let (s, port) = two_guests_behind_the_switch(&image, dir.path(), "");
+    let phase = || {
+        let (_, shown) = s.call("POST", "/api/v1/apps/sw/query", Some("{}"));
+        shown["direct_channels"][0]["phase"]
+            .as_str()
+            .map(str::to_string)
+    };
+    let up = |what: &str| {
+        wait_until(what, 90, || {
+            phase().as_deref() == Some("ReceiverReads")
+                && ["f0", "f1"]
+                    .iter()
+                    .all(|vm| ivshmem_devices_now(&s, vm) == Some(3))
+        })
+    };
+    up("a channel between the guests");
+    let rule = "priority=200,in_port=2,udp";
+    for (round, delay_ms) in [0u64, 60, 200].into_iter().enumerate() {
+        ofctl(port, &["add-flow", &format!("{rule},actions=output:3")]);
+        wait_until("the channel to be handed back", 20, || {
+            s.counter("sw", "direct_channels") == Some(0)
+        });
+        let qemu = pid_of(&s, "f1").unwrap();
+        ofctl(port, &["--strict", "del-flows", rule]);
+        std::thread::sleep(Duration::from_millis(delay_ms));
+        sh(&format!("kill -9 {qemu}"));
+        wait_until("f1's VM to be started again", 30, || {
+            pid_of(&s, "f1").is_some_and(|p| p != qemu)
+        });
+        up(&format!("a channel again after round {round}"));
+    }
+    assert_eq!(
+        s.counter("f0", "attaches"),
+        Some(1),
+        "f0's function never left"
+    );
+    assert_eq!(s.counter("f1", "attaches"), Some(4));
+    let src = format!(
+        r#"{{"type": "pcap_source", "file": "{}/seq.pcap", "pace": true}}"#,
+        dir.path().display()
+    );
+    assert_eq!(s.call("PUT", "/api/v1/apps/src", Some(&src)).0, 201);
+    assert_eq!(
+        s.call("POST", "/api/v1/links", Some(r#""src.output -> sw.src""#))
+            .0,
+        201
+    );
+    wait_for_sink(&s, N as u64, 60);
+    assert_eq!(
+        ivshmem_devices_now(&s, "f0"),
+        Some(3),
+        "{}",
+        console_of(&s, "f0")
+    );
+    s.stop();
+    assert_in_order(&dir.path().join("out.pcap"), N);
+}
