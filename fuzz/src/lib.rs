@@ -4,6 +4,7 @@
 
 pub mod filter_programs;
 pub mod function_channels;
+pub mod function_hellos;
 pub mod graph_file;
 pub mod lwaftr_packets;
 pub mod network_functions;
@@ -18,6 +19,7 @@ pub mod vhost_messages;
 pub const TARGETS: &[(&str, fn(&[u8]))] = &[
     ("filter_programs", filter_programs::run),
     ("function_channels", function_channels::run),
+    ("function_hellos", function_hellos::run),
     ("graph_file", graph_file::run),
     ("lwaftr_packets", lwaftr_packets::run),
     ("network_functions", network_functions::run),

@@ -221,6 +221,9 @@ enum Heard {
     Line(Vec<u8>),
 }
 
+/// The longest line a connection may send: a longer one closes it.
+const LINE_MAX: usize = 64 << 10;
+
 /// Reads what `stream` has (it does not block) into `line`; a complete line is taken out.
 fn hear(stream: &UnixStream, line: &mut Vec<u8>) -> Heard {
     let mut buf = [0u8; 4096];
@@ -232,17 +235,38 @@ fn hear(stream: &UnixStream, line: &mut Vec<u8>) -> Heard {
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(_) => return Heard::Closed,
         }
-        if line.len() > 64 << 10 {
+        if line.len() > LINE_MAX {
             return Heard::Closed;
         }
     }
-    match line.iter().position(|b| *b == b'\n') {
-        Some(at) => {
-            let rest = line.split_off(at + 1);
-            Heard::Line(std::mem::replace(line, rest))
+    take_line(line).map_or(Heard::Nothing, Heard::Line)
+}
+
+/// Takes the first complete line (with its newline) out of `line`, if one is there.
+fn take_line(line: &mut Vec<u8>) -> Option<Vec<u8>> {
+    let at = line.iter().position(|b| *b == b'\n')?;
+    let rest = line.split_off(at + 1);
+    Some(std::mem::replace(line, rest))
+}
+
+/// What the listener makes of the bytes a function — or a guest, through its serial port —
+/// sends, arriving in `chunks`: each complete line's hello, or why it is refused; and whether
+/// the connection was closed for a line longer than it takes. For the fuzzer.
+#[doc(hidden)]
+pub fn hellos_in<'a>(
+    chunks: impl IntoIterator<Item = &'a [u8]>,
+) -> (Vec<Result<Value, String>>, bool) {
+    let (mut line, mut hellos) = (Vec::new(), Vec::new());
+    for chunk in chunks {
+        line.extend_from_slice(chunk);
+        while let Some(l) = take_line(&mut line) {
+            hellos.push(parse_hello(&l));
         }
-        None => Heard::Nothing,
+        if line.len() > LINE_MAX {
+            return (hellos, true);
+        }
     }
+    (hellos, false)
 }
 
 fn serve(sock: UnixListener, listener: Weak<Listener>) {
