@@ -400,9 +400,15 @@ impl Function {
             }
             let mut fds = fds.into_iter();
             for line in bytes.split(|b| *b == b'\n').filter(|l| !l.is_empty()) {
-                self.control_seen = self.control_seen.wrapping_add(1);
                 let msg: Value = serde_json::from_slice(line)
                     .map_err(|e| invalid(format!("bad control message from Stitch: {e}")))?;
+                if msg["ok"] == false {
+                    // An answer to something this process sent after its hello (a guest's
+                    // port carries both ways): not a control message.
+                    eprintln!("Stitch: {}", msg["error"].as_str().unwrap_or("refused"));
+                    continue;
+                }
+                self.control_seen = self.control_seen.wrapping_add(1);
                 if let Some(pool) = msg.get("pool") {
                     let memfd = fds.next().ok_or_else(|| invalid("no packet memory"))?;
                     self.use_pool(pool, &memfd)?;

@@ -355,7 +355,8 @@ fn serve(sock: UnixListener, listener: Weak<Listener>) {
 /// Reads attached connection `i`: a function on the host says nothing after its hello, so
 /// anything readable means it went away; a guest's connection stays with QEMU and brings the
 /// hello of the function started again in the guest, returned to be answered once the port
-/// is free. Either way the attachment ends (and a guest's devices are unplugged).
+/// is free (the attachment ends). A line from a guest that is no hello is answered with why,
+/// and changes nothing.
 fn hear_attached(conns: &mut Vec<Connection>, i: usize) -> Option<Pending> {
     let c = &mut conns[i];
     let again = match c.guest.as_mut() {
@@ -363,19 +364,18 @@ fn hear_attached(conns: &mut Vec<Connection>, i: usize) -> Option<Pending> {
         Some(g) => match hear(&c.stream, &mut g.line) {
             Heard::Nothing => return None,
             Heard::Closed => None,
-            Heard::Line(line) => {
-                let hello = parse_hello(&line);
-                if let Err(e) = &hello {
-                    refuse(&c.stream, e);
+            Heard::Line(line) => match parse_hello(&line) {
+                Err(e) => {
+                    refuse(&c.stream, &format!("{e} (the function stays attached)"));
+                    return None;
                 }
-                let stream = c.stream.try_clone().ok()?;
-                Some(Pending {
-                    stream,
+                Ok(hello) => Some(Pending {
+                    stream: c.stream.try_clone().ok()?,
                     line: std::mem::take(&mut g.line),
-                    hello: hello.ok(),
+                    hello: Some(hello),
                     since: Instant::now(),
-                })
-            }
+                }),
+            },
         },
     };
     let c = conns.swap_remove(i);

@@ -139,6 +139,18 @@ fn a_guest_gets_its_region_and_packet_memory_as_devices_and_a_new_hello_replaces
         counter(&e, "attached") == 1
     });
 
+    // A line that is no hello: told why, and nothing changes.
+    conn.write_all(b"{\"version\": 4, \"port\n").unwrap();
+    let mut line = String::new();
+    reader.read_line(&mut line).unwrap();
+    let reply: Value = serde_json::from_str(&line).unwrap();
+    assert!(
+        reply["error"].as_str().unwrap().contains("stays attached"),
+        "{reply}"
+    );
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!((counter(&e, "attached"), counter(&e, "attaches")), (1, 1));
+
     // The function started again in the guest: its hello on the same connection ends the
     // first attachment, whose devices are swept from the guest, and plugs new ones.
     let reply = hello(&mut conn, &mut reader);
