@@ -932,19 +932,36 @@ fn chain_switch_bench_carries_packets_through_a_function() {
 }
 
 /// src → f0 → f1 → out through the switch (OpenFlow ports 1 to 4, a rule from each to the
-/// next), f0 and f1 guests of `image` running `stitch-nf-firewall` on zero-copy ivshmem rings
-/// and saying on their consoles how many ivshmem devices they see; `out` writes `dir`/out.pcap.
-/// `f1_more`: more of f1's entry.
-fn two_guests_behind_the_switch(
-    image: &std::path::Path,
-    dir: &std::path::Path,
-    f1_more: &str,
-) -> (Stitch, u16) {
-    let run = guest_watching_ivshmem("stitch-nf-firewall");
-    let port = free_port();
-    let s = Stitch::run_with(
-        &format!(
-            "apps:
+/// next), f0 and f1 guests running `stitch-nf-firewall` (forwarding all) on zero-copy ivshmem
+/// rings and saying on their consoles how many ivshmem devices they see; `dir` holds seq.pcap
+/// (numbered frames 500 µs apart: 2 kpps, what two TCG guests forward beside each other on two
+/// shared cores) and out.pcap. One test of guests at a time.
+struct TwoGuests {
+    s: Stitch,
+    port: u16,
+    dir: tempfile::TempDir,
+    _one: std::sync::MutexGuard<'static, ()>,
+}
+
+impl TwoGuests {
+    /// `n` frames to replay; `f1_more`: more of f1's entry.
+    fn start(n: u32, f1_more: &str) -> TwoGuests {
+        require_root_and_tools(&[
+            "ovs-ofctl",
+            "qemu-system-x86_64",
+            "busybox",
+            "cpio",
+            "lspci",
+        ]);
+        let one = one_guest_test_at_a_time();
+        let image = vm_image_with("vm-image-nf", &["stitch-nf-firewall"]);
+        let dir = tempfile::tempdir().unwrap();
+        write_sequence_apart(&dir.path().join("seq.pcap"), n, 500);
+        let run = guest_watching_ivshmem("stitch-nf-firewall");
+        let port = free_port();
+        let s = Stitch::run_with(
+            &format!(
+                "apps:
   sw: {{ type: switch, ports: [src, f0, f1, out], listen: \"127.0.0.1:{port}\" }}
 {f0}{f1}{f1_more}  out: {{ type: pcap_sink, file: {dir}/out.pcap }}
 links:
@@ -954,100 +971,97 @@ links:
   - \"f1.output -> sw.f1\"
   - \"sw.out -> out.input\"
 ",
-            f0 = ivshmem_vm_app("f0", image, &run, "zero_copy"),
-            f1 = ivshmem_vm_app("f1", image, &run, "zero_copy"),
-            dir = dir.display(),
-        ),
-        &["--keep-running"],
-    );
-    for flow in [
-        "priority=100,in_port=1,actions=output:2",
-        "priority=100,in_port=2,actions=output:3",
-        "priority=100,in_port=3,actions=output:4",
-    ] {
-        ofctl(port, &["add-flow", flow]);
+                f0 = ivshmem_vm_app("f0", &image, &run, "zero_copy"),
+                f1 = ivshmem_vm_app("f1", &image, &run, "zero_copy"),
+                dir = dir.path().display(),
+            ),
+            &["--keep-running"],
+        );
+        for flow in [
+            "priority=100,in_port=1,actions=output:2",
+            "priority=100,in_port=2,actions=output:3",
+            "priority=100,in_port=3,actions=output:4",
+        ] {
+            ofctl(port, &["add-flow", flow]);
+        }
+        TwoGuests {
+            s,
+            port,
+            dir,
+            _one: one,
+        }
     }
-    (s, port)
-}
 
-/// Two guests whose functions (`stitch-nf-firewall`, forwarding all) run on ivshmem rings in
-/// zero-copy mode, chained through the switch: src → f0 (guest) → f1 (guest) → out. While the
-/// rules make f0 → f1 point to point, the switch gives the pair a direct channel, hot-plugged
-/// into both guests; a rule that breaks it takes the channel back and the device is unplugged.
-/// Three times under a paced stream: every frame arrives once, in order; both guests' `lspci`
-/// saw the channel's device come and go three times; the OpenFlow counters count every frame.
-#[test]
-fn functions_in_two_guests_get_a_hot_plugged_direct_channel_and_give_it_back() {
-    require_root_and_tools(&[
-        "ovs-ofctl",
-        "qemu-system-x86_64",
-        "busybox",
-        "cpio",
-        "lspci",
-    ]);
-    let _one = one_guest_test_at_a_time();
-    const N: u32 = 24_000;
-    let image = vm_image_with("vm-image-nf", &["stitch-nf-firewall"]);
-    let dir = tempfile::tempdir().unwrap();
-    // 2 kpps for 12 s: what two TCG guests forward beside each other on two shared cores.
-    write_sequence_apart(&dir.path().join("seq.pcap"), N, 500);
-    let (s, port) = two_guests_behind_the_switch(&image, dir.path(), "");
-    let channels = || s.counter("sw", "direct_channels");
-    let phase = || {
-        let (_, shown) = s.call("POST", "/api/v1/apps/sw/query", Some("{}"));
-        shown["direct_channels"][0]["phase"]
-            .as_str()
-            .map(str::to_string)
-    };
-    let up = |what: &str| {
+    /// Both guests' lspci lists the region, the packet memory and `channel` devices more (a
+    /// guest looks every 200 ms; one look during a change may fail: each stage is waited for).
+    fn guests_see(&self, channel: u32) -> bool {
+        ["f0", "f1"]
+            .iter()
+            .all(|vm| ivshmem_devices_now(&self.s, vm) == Some(2 + channel))
+    }
+
+    /// Waits (`what`) until f0 → f1 is a direct channel that f1's function reads, plugged into
+    /// both guests.
+    fn channel_up(&self, what: &str, secs: u64) {
         let t = Instant::now();
-        while phase().as_deref() != Some("ReceiverReads") {
+        loop {
+            let (_, shown) = self.s.call("POST", "/api/v1/apps/sw/query", Some("{}"));
+            let phase = &shown["direct_channels"][0]["phase"];
+            if phase == "ReceiverReads" && self.guests_see(1) {
+                return;
+            }
             assert!(
-                t.elapsed() < Duration::from_secs(60),
-                "{what}: no direct channel between the guests: {}\nf0's console:\n{}\nf1's:\n{}",
-                serde_json::to_string_pretty(&s.stats()).unwrap(),
-                console_of(&s, "f0"),
-                console_of(&s, "f1")
+                t.elapsed() < Duration::from_secs(secs),
+                "{what}: no direct channel between the guests ({phase}): {}\nf0's console:\n{}\nf1's:\n{}",
+                serde_json::to_string_pretty(&self.s.stats()).unwrap(),
+                console_of(&self.s, "f0"),
+                console_of(&self.s, "f1")
             );
             std::thread::sleep(Duration::from_millis(50));
         }
-    };
-    up("before the stream");
-    let src = format!(
-        r#"{{"type": "pcap_source", "file": "{}/seq.pcap", "pace": true}}"#,
-        dir.path().display()
-    );
-    assert_eq!(s.call("PUT", "/api/v1/apps/src", Some(&src)).0, 201);
-    assert_eq!(
-        s.call("POST", "/api/v1/links", Some(r#""src.output -> sw.src""#))
-            .0,
-        201
-    );
-    let rule = "priority=200,in_port=2,udp";
-    // Both guests' lspci: the region, the packet memory, and `channel` more. Each stage is
-    // waited for in turn (a guest looks every 200 ms; one look during a change may fail).
-    let guests_see = |channel: u32| {
-        ["f0", "f1"]
-            .iter()
-            .all(|vm| ivshmem_devices_now(&s, vm) == Some(2 + channel))
-    };
-    wait_until("both guests to see the channel's device", 20, || {
-        guests_see(1)
-    });
+    }
+
+    /// Replays seq.pcap into switch port 1 (a paced `pcap_source` added through the API).
+    fn replay(&self) {
+        let src = format!(
+            r#"{{"type": "pcap_source", "file": "{}/seq.pcap", "pace": true}}"#,
+            self.dir.path().display()
+        );
+        assert_eq!(self.s.call("PUT", "/api/v1/apps/src", Some(&src)).0, 201);
+        let link = r#""src.output -> sw.src""#;
+        assert_eq!(self.s.call("POST", "/api/v1/links", Some(link)).0, 201);
+    }
+}
+
+/// The pair's rule that makes f0 → f1 no longer point to point (a UDP rule above it).
+const BREAKING_RULE: &str = "priority=200,in_port=2,udp";
+
+/// Two guests' functions chained through the switch ([`TwoGuests`]). While the rules make
+/// f0 → f1 point to point, the switch gives the pair a direct channel, hot-plugged into both
+/// guests; a rule that breaks it takes the channel back and the device is unplugged. Three
+/// times under a paced stream: every frame arrives once, in order; both guests' `lspci` saw
+/// the channel's device come and go three times; the OpenFlow counters count every frame.
+#[test]
+fn functions_in_two_guests_get_a_hot_plugged_direct_channel_and_give_it_back() {
+    const N: u32 = 24_000;
+    let g = TwoGuests::start(N, "");
+    let (s, port) = (&g.s, g.port);
+    g.channel_up("before the stream", 60);
+    g.replay();
     for round in 0..3 {
         std::thread::sleep(Duration::from_millis(500));
-        ofctl(port, &["add-flow", &format!("{rule},actions=output:3")]);
+        ofctl(
+            port,
+            &["add-flow", &format!("{BREAKING_RULE},actions=output:3")],
+        );
         wait_until("the channel to be handed back", 20, || {
-            channels() == Some(0)
+            s.counter("sw", "direct_channels") == Some(0)
         });
         wait_until("the channel's device to leave both guests", 20, || {
-            guests_see(0)
+            g.guests_see(0)
         });
-        ofctl(port, &["--strict", "del-flows", rule]);
-        up(&format!("round {round}"));
-        wait_until("both guests to see the new channel's device", 20, || {
-            guests_see(1)
-        });
+        ofctl(port, &["--strict", "del-flows", BREAKING_RULE]);
+        g.channel_up(&format!("round {round}"), 60);
         // From the offer to the receiving guest reading (both plugs and both guests' kernels
         // on the way), and from the end asked to the channel retired.
         eprintln!(
@@ -1056,9 +1070,10 @@ fn functions_in_two_guests_get_a_hot_plugged_direct_channel_and_give_it_back() {
             s.counter("sw", "direct_handback_ns").map(|n| n / 1000)
         );
     }
-    wait_for_sink(&s, N as u64, 60);
+    wait_for_sink(s, N as u64, 60);
     std::thread::sleep(Duration::from_millis(50));
     assert_port_counts(port, 2, 3, N);
+    let TwoGuests { s, dir, .. } = g;
     let stats = s.stop();
     let c = &app(&stats, "sw")["counters"];
     let direct = c["direct_channel_packets"].as_u64().unwrap();
@@ -1084,21 +1099,10 @@ fn functions_in_two_guests_get_a_hot_plugged_direct_channel_and_give_it_back() {
 /// switch, both guests' functions forwarding it.
 #[test]
 fn a_guest_out_of_pci_slots_keeps_its_traffic_on_the_switch() {
-    require_root_and_tools(&[
-        "ovs-ofctl",
-        "qemu-system-x86_64",
-        "busybox",
-        "cpio",
-        "lspci",
-    ]);
-    let _one = one_guest_test_at_a_time();
     const N: u32 = 6_000;
-    let image = vm_image_with("vm-image-nf", &["stitch-nf-firewall"]);
-    let dir = tempfile::tempdir().unwrap();
-    write_sequence_apart(&dir.path().join("seq.pcap"), N, 500);
     let fillers = vec!["-device, virtio-rng-pci"; 27].join(", ");
-    let (s, port) =
-        two_guests_behind_the_switch(&image, dir.path(), &format!("    qemu_args: [{fillers}]\n"));
+    let g = TwoGuests::start(N, &format!("    qemu_args: [{fillers}]\n"));
+    let (s, port) = (&g.s, g.port);
     wait_until("f1's guest to refuse the channel", 60, || {
         s.counter("f1", "guest_plug_refusals") >= Some(1)
     });
@@ -1109,19 +1113,10 @@ fn a_guest_out_of_pci_slots_keeps_its_traffic_on_the_switch() {
         "f1's function runs on"
     );
     wait_until("f0's half of the channel to be unplugged", 20, || {
-        ivshmem_devices_now(&s, "f0") == Some(2)
+        ivshmem_devices_now(s, "f0") == Some(2)
     });
-    let src = format!(
-        r#"{{"type": "pcap_source", "file": "{}/seq.pcap", "pace": true}}"#,
-        dir.path().display()
-    );
-    assert_eq!(s.call("PUT", "/api/v1/apps/src", Some(&src)).0, 201);
-    assert_eq!(
-        s.call("POST", "/api/v1/links", Some(r#""src.output -> sw.src""#))
-            .0,
-        201
-    );
-    wait_for_sink(&s, N as u64, 60);
+    g.replay();
+    wait_for_sink(s, N as u64, 60);
     assert_port_counts(port, 2, 3, N);
     // Offered again every 10 s at most, not at every breath.
     let offers = 1 + refused.elapsed().as_secs() / 10;
@@ -1131,6 +1126,7 @@ fn a_guest_out_of_pci_slots_keeps_its_traffic_on_the_switch() {
         s.counter("f1", "guest_plug_refusals"),
         refused.elapsed()
     );
+    let TwoGuests { s, dir, .. } = g;
     let (stats, log) = s.stop_with_log();
     assert_eq!(
         app(&stats, "sw")["counters"]["direct_channel_packets"].as_u64(),
@@ -1151,48 +1147,26 @@ fn a_guest_out_of_pci_slots_keeps_its_traffic_on_the_switch() {
 /// order.
 #[test]
 fn a_guest_killed_mid_switch_over_wedges_nothing() {
-    require_root_and_tools(&[
-        "ovs-ofctl",
-        "qemu-system-x86_64",
-        "busybox",
-        "cpio",
-        "lspci",
-    ]);
-    let _one = one_guest_test_at_a_time();
     const N: u32 = 4_000;
-    let image = vm_image_with("vm-image-nf", &["stitch-nf-firewall"]);
-    let dir = tempfile::tempdir().unwrap();
-    write_sequence_apart(&dir.path().join("seq.pcap"), N, 500);
-    let (s, port) = two_guests_behind_the_switch(&image, dir.path(), "");
-    let phase = || {
-        let (_, shown) = s.call("POST", "/api/v1/apps/sw/query", Some("{}"));
-        shown["direct_channels"][0]["phase"]
-            .as_str()
-            .map(str::to_string)
-    };
-    let up = |what: &str| {
-        wait_until(what, 90, || {
-            phase().as_deref() == Some("ReceiverReads")
-                && ["f0", "f1"]
-                    .iter()
-                    .all(|vm| ivshmem_devices_now(&s, vm) == Some(3))
-        })
-    };
-    up("a channel between the guests");
-    let rule = "priority=200,in_port=2,udp";
+    let g = TwoGuests::start(N, "");
+    let (s, port) = (&g.s, g.port);
+    g.channel_up("a channel between the guests", 90);
     for (round, delay_ms) in [0u64, 60, 200].into_iter().enumerate() {
-        ofctl(port, &["add-flow", &format!("{rule},actions=output:3")]);
+        ofctl(
+            port,
+            &["add-flow", &format!("{BREAKING_RULE},actions=output:3")],
+        );
         wait_until("the channel to be handed back", 20, || {
             s.counter("sw", "direct_channels") == Some(0)
         });
-        let qemu = pid_of(&s, "f1").unwrap();
-        ofctl(port, &["--strict", "del-flows", rule]);
+        let qemu = pid_of(s, "f1").unwrap();
+        ofctl(port, &["--strict", "del-flows", BREAKING_RULE]);
         std::thread::sleep(Duration::from_millis(delay_ms));
         sh(&format!("kill -9 {qemu}"));
         wait_until("f1's VM to be started again", 30, || {
-            pid_of(&s, "f1").is_some_and(|p| p != qemu)
+            pid_of(s, "f1").is_some_and(|p| p != qemu)
         });
-        up(&format!("a channel again after round {round}"));
+        g.channel_up(&format!("a channel again after round {round}"), 90);
     }
     assert_eq!(
         s.counter("f0", "attaches"),
@@ -1200,23 +1174,15 @@ fn a_guest_killed_mid_switch_over_wedges_nothing() {
         "f0's function never left"
     );
     assert_eq!(s.counter("f1", "attaches"), Some(4));
-    let src = format!(
-        r#"{{"type": "pcap_source", "file": "{}/seq.pcap", "pace": true}}"#,
-        dir.path().display()
-    );
-    assert_eq!(s.call("PUT", "/api/v1/apps/src", Some(&src)).0, 201);
+    g.replay();
+    wait_for_sink(s, N as u64, 60);
     assert_eq!(
-        s.call("POST", "/api/v1/links", Some(r#""src.output -> sw.src""#))
-            .0,
-        201
-    );
-    wait_for_sink(&s, N as u64, 60);
-    assert_eq!(
-        ivshmem_devices_now(&s, "f0"),
+        ivshmem_devices_now(s, "f0"),
         Some(3),
         "{}",
-        console_of(&s, "f0")
+        console_of(s, "f0")
     );
+    let TwoGuests { s, dir, .. } = g;
     s.stop();
     assert_in_order(&dir.path().join("out.pcap"), N);
 }
