@@ -28,6 +28,15 @@ struct FakeBus {
     refusal: Option<String>,
 }
 
+impl FakeBus {
+    fn new(refusal: Option<&str>) -> Arc<FakeBus> {
+        Arc::new(FakeBus {
+            seen: Mutex::default(),
+            refusal: refusal.map(str::to_string),
+        })
+    }
+}
+
 impl GuestBus for FakeBus {
     fn plug(&self, id: &str, memory: BorrowedFd<'_>, bytes: usize) -> Result<String, String> {
         if let Some(r) = &self.refusal {
@@ -108,10 +117,7 @@ fn connect(socket: &Path) -> (UnixStream, BufReader<UnixStream>) {
 fn a_guest_gets_its_region_and_packet_memory_as_devices_and_a_new_hello_replaces_them() {
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("vm1.nf");
-    let bus = Arc::new(FakeBus {
-        seen: Mutex::default(),
-        refusal: None,
-    });
+    let bus = FakeBus::new(None);
     guest::offer_bus(&socket, bus.clone());
     let e = engine_with_port(&socket, "mode: zero_copy, wake: polling");
     // A QEMU connects long before its guest's function speaks: the listener does not wait
@@ -187,13 +193,7 @@ fn a_refused_plug_is_counted_and_told_and_attaches_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("vm1.nf");
     let reason = "Bus 'pcie.0' does not support hotplugging";
-    guest::offer_bus(
-        &socket,
-        Arc::new(FakeBus {
-            seen: Mutex::default(),
-            refusal: Some(reason.into()),
-        }),
-    );
+    guest::offer_bus(&socket, FakeBus::new(Some(reason)));
     let e = engine_with_port(&socket, "mode: isolated, wake: polling");
     let (mut conn, mut reader) = connect(&socket);
     let reply = hello(&mut conn, &mut reader);
@@ -221,13 +221,7 @@ fn a_guest_hello_where_no_vm_is_served_or_to_a_blocking_port_is_refused_with_the
         reply["error"].as_str().unwrap().contains("rings: ivshmem"),
         "{reply}"
     );
-    guest::offer_bus(
-        &socket,
-        Arc::new(FakeBus {
-            seen: Mutex::default(),
-            refusal: None,
-        }),
-    );
+    guest::offer_bus(&socket, FakeBus::new(None));
     let (mut conn, mut reader) = connect(&socket);
     let reply = hello(&mut conn, &mut reader);
     assert!(

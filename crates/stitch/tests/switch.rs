@@ -256,6 +256,12 @@ links:
         ),
         &["--keep-running"],
     );
+    chain_flows(port);
+    (s, port)
+}
+
+/// The rules of a chain src → f0 → f1 → out on switch ports 1 to 4: each port to the next.
+fn chain_flows(port: u16) {
     for flow in [
         "priority=100,in_port=1,actions=output:2",
         "priority=100,in_port=2,actions=output:3",
@@ -263,7 +269,6 @@ links:
     ] {
         ofctl(port, &["add-flow", flow]);
     }
-    (s, port)
 }
 
 /// A `stitch-nf-signature` process serving function port `port` on socket `nf`.
@@ -330,6 +335,21 @@ fn assert_in_order(path: &std::path::Path, n: u32) {
         next += 1;
     }
     assert_eq!(next, n);
+}
+
+/// Of `n` frames from f0 to f1 some took the direct channel and some the switch, and f1's port
+/// counted as read from the channel what the switch counted as crossing it.
+fn assert_both_paths_carried(stats: &serde_json::Value, n: u32) {
+    let c = &app(stats, "sw")["counters"];
+    let direct = c["direct_channel_packets"].as_u64().unwrap();
+    assert!(
+        direct > 0 && direct < n as u64,
+        "both the channel and the switch carried frames: {c}"
+    );
+    assert_eq!(
+        app(stats, "f1")["counters"]["direct_channel_packets"].as_u64(),
+        Some(direct)
+    );
 }
 
 /// Replays `dir`/seq.pcap into switch port `into` (a paced `pcap_source` added through the
@@ -434,16 +454,7 @@ fn function_processes_get_a_direct_channel_and_give_it_back_losing_nothing() {
     std::thread::sleep(Duration::from_millis(50));
     assert_port_counts(port, 2, 3, N);
     let stats = s.stop();
-    let c = &app(&stats, "sw")["counters"];
-    let direct = c["direct_channel_packets"].as_u64().unwrap();
-    assert!(
-        direct > 0 && direct < N as u64,
-        "both the channel and the switch carried packets: {c}"
-    );
-    assert_eq!(
-        app(&stats, "f1")["counters"]["direct_channel_packets"].as_u64(),
-        Some(direct)
-    );
+    assert_both_paths_carried(&stats, N);
     assert_in_order(&dir.path().join("out.pcap"), N);
 }
 
@@ -977,13 +988,7 @@ links:
             ),
             &["--keep-running"],
         );
-        for flow in [
-            "priority=100,in_port=1,actions=output:2",
-            "priority=100,in_port=2,actions=output:3",
-            "priority=100,in_port=3,actions=output:4",
-        ] {
-            ofctl(port, &["add-flow", flow]);
-        }
+        chain_flows(port);
         TwoGuests {
             s,
             port,
@@ -1075,16 +1080,7 @@ fn functions_in_two_guests_get_a_hot_plugged_direct_channel_and_give_it_back() {
     assert_port_counts(port, 2, 3, N);
     let TwoGuests { s, dir, .. } = g;
     let stats = s.stop();
-    let c = &app(&stats, "sw")["counters"];
-    let direct = c["direct_channel_packets"].as_u64().unwrap();
-    assert!(
-        direct > 0 && direct < N as u64,
-        "both the channel and the switch carried frames: {c}"
-    );
-    assert_eq!(
-        app(&stats, "f1")["counters"]["direct_channel_packets"].as_u64(),
-        Some(direct)
-    );
+    assert_both_paths_carried(&stats, N);
     assert_eq!(
         app(&stats, "f0")["counters"]["guest_plug_refusals"].as_u64(),
         Some(0)
