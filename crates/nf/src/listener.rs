@@ -143,13 +143,14 @@ impl Listener {
     }
 
     /// Watches `conn`, the connection of a function attached to `port` under a predecessor
-    /// process: when it closes, the port detaches it as if it had attached here.
-    pub fn adopt(&self, conn: UnixStream, port: &Arc<PortShared>, generation: u64) {
+    /// process (`in_guest`: its VM's QEMU's): when it closes — or a guest's function says its
+    /// hello again — the port detaches it as if it had attached here.
+    pub fn adopt(&self, conn: UnixStream, port: &Arc<PortShared>, generation: u64, in_guest: bool) {
         self.adopted.lock().unwrap().push(Connection {
             stream: conn,
             port: Arc::downgrade(port),
             generation,
-            guest: None,
+            guest: in_guest.then(|| GuestLink { line: Vec::new() }),
         });
     }
 

@@ -30,7 +30,6 @@ pub struct Inheriting {
     processes: Vec<ProcessSpec>,
     lent_processes: BTreeMap<String, Descriptors>,
     kernel: Option<KernelPart>,
-    guest_buses: Vec<crate::vm::GuestBusAt>,
 }
 
 impl Placements {
@@ -53,6 +52,9 @@ impl Placements {
     ) -> Result<Inheriting, PlaceError> {
         let plan =
             plan(&graph, self.engine.registry(), &self.instance).map_err(PlaceError::Graph)?;
+        // Before the engine's apps: a function port lent with a guest's function maps nothing
+        // new, but plugs that guest's channels through here.
+        self.offer_guest_buses(&plan.guest_buses);
         let engine = (self.engine)
             .prepare_inheriting(plan.engine, lent.apps)
             .map_err(PlaceError::Engine)?;
@@ -62,7 +64,6 @@ impl Placements {
             processes: plan.processes,
             lent_processes: lent.processes,
             kernel: plan.kernel,
-            guest_buses: plan.guest_buses,
         })
     }
 
@@ -81,9 +82,6 @@ impl Placements {
         let (engine, restored) = (self.engine)
             .commit_inheriting(inheriting.engine, finals, links)
             .map_err(PlaceError::Engine)?;
-        // The functions in guests say their hello to this process once the predecessor has
-        // left: their memory goes in through here.
-        self.offer_guest_buses(&inheriting.guest_buses);
         let (started, _) = (self.supervisor.lock().unwrap())
             .adopt(inheriting.processes, inheriting.lent_processes);
         if !started.is_empty() {

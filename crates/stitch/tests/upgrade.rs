@@ -942,10 +942,13 @@ fn a_vm_is_adopted_after_a_crash_and_carries_on_across_an_upgrade() {
     wait_until("the VM to stop with the instance", 10, || !alive(qemu));
 }
 
-/// A function in a guest (`rings: ivshmem`, `stitch-nf-firewall` between the two hosts)
-/// across a crash of its instance and an upgrade: QEMU is adopted each time; its connection to
-/// the old process ends, the function in the guest says its hello to the new one and is served
-/// on new devices, and what the old process plugged is swept from the guest.
+/// A function in a guest (`rings: ivshmem`, isolated, `stitch-nf-firewall` between the two
+/// hosts) across a crash of its instance and an upgrade; QEMU is adopted each time. Killed -9:
+/// the guest's connection to the dead process ends, its function says its hello to the new one
+/// and is served on new devices, and what the dead process plugged is swept from the guest.
+/// Upgraded: the attachment is lent like a function process's — QEMU's connection, the region
+/// still plugged in the guest, the rings' positions — and pings through the guest's function
+/// lose nothing.
 #[test]
 fn a_function_in_a_guest_comes_back_after_a_crash_and_an_upgrade() {
     require_root_and_tools(&[
@@ -994,12 +997,22 @@ fn a_function_in_a_guest_comes_back_after_a_crash_and_an_upgrade() {
         "QEMU was adopted, not restarted"
     );
 
+    let attaches = s.counter("vm1", "attaches");
     let mut upgraded = None;
     let paced = paced_ping_while(&h, 0, &h.ip[1], || upgraded = Some(upgrade(&s)));
     let (successor, _) = upgraded.unwrap();
     let summary: Vec<&str> = paced.lines().rev().take(2).collect();
     eprintln!("pings through the guest's function across the upgrade: {summary:?}");
+    assert!(
+        paced.contains("300 packets transmitted, 300 received"),
+        "pings through the guest's function lost across the upgrade: {paced}"
+    );
     served(&s, "after the upgrade");
+    assert_eq!(
+        s.counter("vm1", "attaches"),
+        attaches,
+        "the guest's function was taken over, not attached again"
+    );
     assert_eq!(pid_of(&s, "vm1"), Some(qemu), "QEMU was restarted");
     stop_supervised(s, successor);
     wait_until("the VM to stop with the instance", 10, || !alive(qemu));

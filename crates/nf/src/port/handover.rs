@@ -43,6 +43,9 @@ struct Attached {
     /// The function reads an interface's rings (steered input): where it stands.
     #[serde(default)]
     steering: Option<crate::steer::SteeringAt>,
+    /// The function runs in a VM: its connection is its QEMU's, its region plugged there.
+    #[serde(default)]
+    in_guest: bool,
 }
 
 /// Offers the attach socket a predecessor lent (the first descriptor) to the listener of
@@ -59,10 +62,11 @@ impl NfPort {
     pub(super) fn lend(&mut self) -> Option<Descriptors> {
         let mut fds = vec![self.listener.socket().ok()?];
         let attached = match &self.active {
-            // A guest's function is not lent: its QEMU connects to the next process, and the
-            // function says its hello there again.
             None => None,
-            Some(a) if a.att.guest.is_some() => None,
+            // A zero-copy guest's function is not lent: the successor's packet memory would
+            // have to be plugged into its guest before the first packet. Its QEMU connects to
+            // the next process, and the function says its hello there again.
+            Some(a) if a.att.guest.is_some() && self.shared.settings.zero_copy => None,
             Some(a) => {
                 fds.push(a.att.conn.try_clone().ok()?);
                 fds.push(a.att.memfd.try_clone().ok()?);
@@ -79,6 +83,7 @@ impl NfPort {
                     held: a.held.lock().count(),
                     direct: a.outgoing.is_some() || a.incoming.is_some(),
                     steering: a.steering.as_ref().map(|st| st.position()),
+                    in_guest: a.att.guest.is_some(),
                 })
             }
         };
@@ -137,6 +142,15 @@ impl NfPort {
             conn.try_clone()
                 .map_err(|e| format!("function port `{name}`: {e}"))?,
         );
+        // A guest's region stays plugged where it is; this process plugs its channels.
+        let guest = match at.in_guest {
+            false => None,
+            true => Some(crate::guest::bus(self.listener.path()).ok_or_else(|| {
+                format!(
+                    "function port `{name}`: its function runs in a VM this process does not run"
+                )
+            })?),
+        };
         let generation = listener::next_generation();
         let att = Attachment {
             region,
@@ -147,7 +161,7 @@ impl NfPort {
             generation,
             pid: at.pid,
             lost_before: None,
-            guest: None,
+            guest,
         };
         let mut a = Active::new(att, s.zero_copy);
         a.resume_at(&at);
@@ -158,10 +172,11 @@ impl NfPort {
             held: a.held.clone(),
             doorbell: a.att.doorbell.clone(),
             blocking: s.blocking,
-            in_guest: false,
+            in_guest: at.in_guest,
         });
         self.shared.busy.store(true, Ordering::Release);
-        self.listener.adopt(watched, &self.shared, generation);
+        self.listener
+            .adopt(watched, &self.shared, generation, at.in_guest);
         self.active = Some(a);
         self.lent_generation = Some(at.generation);
         self.attached.set(1);

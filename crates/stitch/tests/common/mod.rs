@@ -303,6 +303,11 @@ impl Listening {
 
 impl Drop for Background {
     fn drop(&mut self) {
+        // Its children first: a `--supervise` parent killed alone leaves its instance running
+        // (an orphan that keeps the socket, so `stitch cleanup` spares its VMs too).
+        let _ = Command::new("pkill")
+            .args(["-KILL", "-P", &self.0.id().to_string()])
+            .status();
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
