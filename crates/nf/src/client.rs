@@ -130,13 +130,17 @@ struct RxChannel {
 
 impl TxChannel {
     fn header(&self) -> &ChannelHeader {
-        self.map.channel_header().expect("checked by map_channel")
+        self.map
+            .channel_header()
+            .expect("checked by map_named_channel")
     }
 }
 
 impl RxChannel {
     fn header(&self) -> &ChannelHeader {
-        self.map.channel_header().expect("checked by map_channel")
+        self.map
+            .channel_header()
+            .expect("checked by map_named_channel")
     }
 }
 
@@ -146,39 +150,31 @@ fn map_named_channel(
     msg: &Value,
     fds: &mut impl Iterator<Item = OwnedFd>,
 ) -> io::Result<(Mapping, RingView)> {
-    let Some(pci) = msg["pci"].as_str() else {
-        let memfd = fds
-            .next()
-            .ok_or_else(|| invalid("direct channel without its memory"))?;
-        return map_channel(&memfd);
+    let map = match msg["pci"].as_str() {
+        Some(pci) => {
+            let bytes = channel_size(msg["bytes"].as_u64().unwrap_or(0) as usize)?;
+            crate::guest::map_bar(pci, bytes, GUEST_WAIT)?
+        }
+        None => {
+            let memfd = fds
+                .next()
+                .ok_or_else(|| invalid("direct channel without its memory"))?;
+            let bytes = channel_size(shm::file_size(memfd.as_fd())?)?;
+            shm::map(memfd.as_fd(), bytes, true)?
+        }
     };
-    let bytes = msg["bytes"].as_u64().unwrap_or(0) as usize;
-    if !(crate::shm::CHANNEL_RING..=64 << 20).contains(&bytes) {
-        return Err(invalid("direct channel of an impossible size"));
-    }
-    let map = crate::guest::map_bar(pci, bytes, GUEST_WAIT)?;
-    // SAFETY: as in `map_channel`: the view is returned with the mapping.
-    let (_, ring) = unsafe { map.channel()? };
-    Ok((map, ring))
-}
-
-/// Maps a channel memfd whatever its size (read from the file).
-fn map_channel(fd: &OwnedFd) -> io::Result<(Mapping, RingView)> {
-    // SAFETY: stat is a C struct of integers; all zeroes is a valid value.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: fstat writes one stat into `st`, which is live and large enough.
-    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let len = st.st_size as usize;
-    if !(crate::shm::CHANNEL_RING..=64 << 20).contains(&len) {
-        return Err(invalid("direct channel of an impossible size"));
-    }
-    let map = shm::map(fd.as_fd(), len, true)?;
     // SAFETY: the view is returned with the mapping, and every holder keeps both together (a
     // TxChannel or RxChannel).
     let (_, ring) = unsafe { map.channel()? };
     Ok((map, ring))
+}
+
+/// `bytes`, if a direct channel can be that large.
+fn channel_size(bytes: usize) -> io::Result<usize> {
+    if !(crate::shm::CHANNEL_RING..=64 << 20).contains(&bytes) {
+        return Err(invalid("direct channel of an impossible size"));
+    }
+    Ok(bytes)
 }
 
 /// The socket and port Stitch gave a process it started, if it did — or, in a VM whose
@@ -207,6 +203,19 @@ struct Memory {
     size: usize,
     pool: Option<Mapping>,
     doorbell: Option<OwnedFd>,
+}
+
+/// The hello that asks for `port`: by a process that lost `lost` packets with a Stitch that
+/// ended, if it did; over `transport` (a guest's), if not the socket.
+fn hello(port: &str, lost: Option<u64>, transport: Option<&str>) -> Value {
+    let mut hello = serde_json::json!({ "version": crate::shm::VERSION, "port": port });
+    if let Some(lost) = lost {
+        hello["resumed"] = serde_json::json!({ "lost": lost });
+    }
+    if let Some(t) = transport {
+        hello["transport"] = t.into();
+    }
+    hello
 }
 
 /// Stitch's answer to a hello, when it is a yes.
@@ -266,11 +275,7 @@ impl Function {
                 ),
             )
         })?;
-        let mut hello = serde_json::json!({ "version": crate::shm::VERSION, "port": port });
-        if let Some(lost) = lost {
-            hello["resumed"] = serde_json::json!({ "lost": lost });
-        }
-        conn.write_all(format!("{hello}\n").as_bytes())?;
+        conn.write_all(format!("{}\n", hello(port, lost, None)).as_bytes())?;
         let (bytes, fds) = fdpass::recv(conn.as_raw_fd(), 4096)?;
         let reply = accepted(&bytes)?;
         let zero_copy = reply["mode"] == "zero_copy";
@@ -311,14 +316,7 @@ impl Function {
         lost: Option<u64>,
     ) -> io::Result<Function> {
         conn.wait_for_host(GUEST_WAIT)?;
-        let mut hello = serde_json::json!({
-            "version": crate::shm::VERSION,
-            "port": port,
-            "transport": crate::guest::TRANSPORT,
-        });
-        if let Some(lost) = lost {
-            hello["resumed"] = serde_json::json!({ "lost": lost });
-        }
+        let hello = hello(port, lost, Some(crate::guest::TRANSPORT));
         conn.send_line(&hello.to_string())?;
         let (bytes, _) = conn.recv(Some(GUEST_WAIT))?;
         let reply = accepted(&bytes)?;
@@ -467,7 +465,7 @@ impl Function {
         (map, ring): (Mapping, RingView),
         peer_doorbell: Option<OwnedFd>,
     ) -> io::Result<()> {
-        let h = map.channel_header().expect("checked by map_channel");
+        let h = map.channel_header().expect("checked by map_named_channel");
         if h.end.0.load(Ordering::Acquire) != 0 {
             h.sender.0.store(2, Ordering::Release);
             return Ok(());
@@ -499,7 +497,10 @@ impl Function {
         let Some(rx) = &mut self.rx else {
             return false;
         };
-        let h = rx.map.channel_header().expect("checked by map_channel");
+        let h = rx
+            .map
+            .channel_header()
+            .expect("checked by map_named_channel");
         if h.end.0.load(Ordering::Acquire) != 0 {
             if let Some(c) = &rx.reading {
                 c.release();

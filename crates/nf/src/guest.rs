@@ -9,7 +9,7 @@
 use crate::shm::Mapping;
 use std::collections::HashMap;
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+use std::os::fd::{AsFd, BorrowedFd};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -128,23 +128,14 @@ pub fn bar_size(bytes: usize) -> usize {
 /// Makes the file behind `fd` at least `bytes` long (a BAR's power of two; the pages past
 /// what Stitch uses are never touched, so cost nothing).
 pub(crate) fn grow_to(fd: BorrowedFd<'_>, bytes: usize) -> Result<(), String> {
-    // SAFETY: stat is a C struct of integers; all zeroes is a valid value.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: fstat writes one stat into `st`, which is live and large enough.
-    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
-        return Err(io::Error::last_os_error().to_string());
-    }
-    if st.st_size as usize >= bytes {
-        return Ok(());
-    }
-    // SAFETY: ftruncate takes no pointers.
-    if unsafe { libc::ftruncate(fd.as_raw_fd(), bytes as libc::off_t) } != 0 {
-        return Err(format!(
-            "cannot grow the memory to {bytes} bytes: {}",
-            io::Error::last_os_error()
-        ));
-    }
-    Ok(())
+    let grow = || -> io::Result<()> {
+        let file = std::fs::File::from(fd.try_clone_to_owned()?);
+        if (file.metadata()?.len() as usize) < bytes {
+            file.set_len(bytes as u64)?;
+        }
+        Ok(())
+    };
+    grow().map_err(|e| format!("cannot grow the memory to {bytes} bytes: {e}"))
 }
 
 /// Where a guest maps the device at PCI address `addr`.

@@ -237,6 +237,13 @@ pub fn map(fd: BorrowedFd<'_>, len: usize, populate: bool) -> io::Result<Mapping
     Mapping::shared(fd, len, opts)
 }
 
+/// The length of the file behind `fd` (a memfd someone else made).
+pub fn file_size(fd: BorrowedFd<'_>) -> io::Result<usize> {
+    Ok(std::fs::File::from(fd.try_clone_to_owned()?)
+        .metadata()?
+        .len() as usize)
+}
+
 /// A new anonymous shared-memory file of `len` bytes.
 pub fn memfd(name: &str, len: usize) -> io::Result<OwnedFd> {
     stitch_core::mapping::memfd(name, len, false)

@@ -619,6 +619,21 @@ fn ports_around(h: &TwoHosts, apps: &str, hops: &[&str]) -> String {
     )
 }
 
+/// Upgrades `s` while host 0 pings `to` every 10 ms (`what`: where the pings go, for the
+/// messages): all 300 answered. The new process.
+fn upgrade_under_pings(h: &TwoHosts, s: &Stitch, to: &str, what: &str) -> Successor {
+    let mut upgraded = None;
+    let paced = paced_ping_while(h, 0, to, || upgraded = Some(upgrade(s)));
+    let (successor, report) = upgraded.unwrap();
+    let summary: Vec<&str> = paced.lines().rev().take(2).collect();
+    eprintln!("pings {what} across the upgrade: {summary:?}");
+    assert!(
+        paced.contains("300 packets transmitted, 300 received"),
+        "pings {what} lost across the upgrade ({report}): {paced}"
+    );
+    successor
+}
+
 /// Kills (-9) the process a `--supervise` parent runs the instance in, and waits for the
 /// parent to run it again with app `name` placed as `placement`.
 fn crash_supervised(s: &Stitch, name: &str, placement: &str) {
@@ -922,15 +937,7 @@ fn a_vm_is_adopted_after_a_crash_and_carries_on_across_an_upgrade() {
         "the adopted guest does not answer: {vm}"
     );
 
-    let mut upgraded = None;
-    let paced = paced_ping_while(&h, 0, &guest, || upgraded = Some(upgrade(&s)));
-    let (successor, report) = upgraded.unwrap();
-    let summary: Vec<&str> = paced.lines().rev().take(2).collect();
-    eprintln!("pings to the guest across the upgrade: {summary:?}");
-    assert!(
-        paced.contains("300 packets transmitted, 300 received"),
-        "pings to the guest lost across the upgrade ({report}): {paced}"
-    );
+    let successor = upgrade_under_pings(&h, &s, &guest, "to the guest");
     assert_eq!(pid_of(&s, "vm1"), Some(qemu), "QEMU was restarted");
     let stats = s.stats().unwrap();
     let counters = &app(&stats, "vm1")["counters"];
@@ -998,15 +1005,7 @@ fn a_function_in_a_guest_comes_back_after_a_crash_and_an_upgrade() {
     );
 
     let attaches = s.counter("vm1", "attaches");
-    let mut upgraded = None;
-    let paced = paced_ping_while(&h, 0, &h.ip[1], || upgraded = Some(upgrade(&s)));
-    let (successor, _) = upgraded.unwrap();
-    let summary: Vec<&str> = paced.lines().rev().take(2).collect();
-    eprintln!("pings through the guest's function across the upgrade: {summary:?}");
-    assert!(
-        paced.contains("300 packets transmitted, 300 received"),
-        "pings through the guest's function lost across the upgrade: {paced}"
-    );
+    let successor = upgrade_under_pings(&h, &s, &h.ip[1], "through the guest's function");
     served(&s, "after the upgrade");
     assert_eq!(
         s.counter("vm1", "attaches"),

@@ -147,7 +147,7 @@ struct Active {
     /// Direct channels (seed 001's bypass) from and to this function, once sent to it.
     outgoing: Option<Arc<Direct>>,
     incoming: Option<Arc<Direct>>,
-    /// In a guest: the devices of those channels (outgoing, incoming), unplugged when dropped.
+    /// In a guest: the devices of those channels, unplugged once retired and let go.
     guest_channels: guest::GuestChannels,
     control_sent: u32,
     /// Zero-copy, taken over from a predecessor process: the function maps that process's
@@ -225,10 +225,7 @@ impl Active {
         what: &str,
     ) -> bool {
         if self.att.guest.is_some() {
-            log::info!(
-                "{what} not sent to the function in a guest: its memory would be hot-plugged, \
-                 which this Stitch does only for the port's own rings"
-            );
+            log::info!("{what} not sent to the function in a guest: it takes no descriptors");
             return false;
         }
         if let Err(e) = direct::send_control(&self.att.conn, msg, fds) {
