@@ -25,6 +25,7 @@
 //! exactly), and packets and bytes are counted for the switch's flow and port statistics.
 
 use crate::attachment::{Attachment, PortSettings};
+use crate::guest::Plugged;
 use crate::shm::{channel_size, ChannelHeader, Consumer, Index, Mapping, Region, RingView, MAGIC};
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -57,10 +58,46 @@ pub struct PortShared {
     /// When QEMU last refused a direct channel into this port's guest: no channel is offered
     /// to it for [`CHANNEL_RETRY`] after (a guest out of PCI slots stays so a while).
     pub channel_refused_at: Mutex<Option<Instant>>,
+    /// In a guest: the devices of this port's last channels, kept plugged a while for the
+    /// pair's next channel.
+    pub(crate) spares: Mutex<Spares>,
+    /// Channels into this port's guest that found their device already there.
+    pub guest_channels_reused: AtomicU64,
 }
 
 /// How long a port whose guest refused a direct channel goes without one.
 pub const CHANNEL_RETRY: Duration = Duration::from_secs(10);
+
+/// How long the devices of a retired channel between two guests stay plugged, waiting for the
+/// pair's next channel: a hot-plug takes a guest 0.1 s and more, reusing the device nothing
+/// (a pair whose rules flap gets its channel back at once), and every device takes one of a
+/// guest's few PCI slots.
+pub const SPARE_KEPT: Duration = Duration::from_secs(10);
+
+/// One side of a retired channel between two guests, its device still plugged: both
+/// functions let it go, so the memory can serve the pair's next channel.
+pub(crate) struct Spare {
+    pub channel: Arc<Direct>,
+    pub device: Plugged,
+    pub since: Instant,
+}
+
+/// A port's spare devices, one per direction (the newest).
+#[derive(Default)]
+pub(crate) struct Spares {
+    pub outgoing: Option<Spare>,
+    pub incoming: Option<Spare>,
+}
+
+impl Spares {
+    pub fn slot(&mut self, outgoing: bool) -> &mut Option<Spare> {
+        if outgoing {
+            &mut self.outgoing
+        } else {
+            &mut self.incoming
+        }
+    }
+}
 
 #[derive(Default)]
 pub struct DirectSlots {
@@ -84,7 +121,35 @@ impl PortShared {
             steer: Mutex::new(None),
             guest_plug_refusals: AtomicU64::new(0),
             channel_refused_at: Mutex::new(None),
+            spares: Mutex::new(Spares::default()),
+            guest_channels_reused: AtomicU64::new(0),
         })
+    }
+
+    /// Keeps `spare` for the pair's next channel; the one it replaces is unplugged.
+    pub(crate) fn keep_spare(&self, spare: Spare, outgoing: bool) {
+        let old = self.spares.lock().unwrap().slot(outgoing).replace(spare);
+        if let Some(old) = old {
+            old.device.unplug();
+        }
+    }
+
+    /// Unplugs the spares kept past [`SPARE_KEPT`] and those whose pair changed (either
+    /// function attached again or left): no channel can use them any more.
+    pub(crate) fn expire_spares(&self) {
+        let mut spares = self.spares.lock().unwrap();
+        for outgoing in [true, false] {
+            let slot = spares.slot(outgoing);
+            if slot.as_ref().is_some_and(|s| !s.usable()) {
+                slot.take().expect("checked").device.unplug();
+            }
+        }
+    }
+
+    /// Forgets the spares without unplugging them: the attachment whose guest holds them
+    /// ended, and its guest is swept at the next hello.
+    pub(crate) fn forget_spares(&self) {
+        *self.spares.lock().unwrap() = Spares::default();
     }
 
     /// Frees the slot of a channel that is done with, if the slot still holds that one.
@@ -197,15 +262,79 @@ struct State {
     end_asked: Option<Instant>,
 }
 
+impl Spare {
+    /// Whether a channel of its pair may still come to use it.
+    fn usable(&self) -> bool {
+        let generation = |p: &PortShared| p.current.lock().unwrap().as_ref().map(|c| c.generation);
+        let d = &self.channel;
+        self.since.elapsed() < SPARE_KEPT
+            && generation(&d.from) == Some(d.sender.generation)
+            && generation(&d.to) == Some(d.receiver.generation)
+    }
+}
+
+/// A direct channel's memory: a ring in a memfd. Between two guests it outlives its channel a
+/// while ([`Spare`]) to serve the pair's next one.
+pub struct ChannelMemory {
+    pub memfd: OwnedFd,
+    map: Mapping,
+    ring: RingView,
+}
+
+// SAFETY: the ring view points into `map`, which lives as long as the `ChannelMemory`; who
+// touches which index is decided by the phase of the channel using it, under its `state`.
+unsafe impl Send for ChannelMemory {}
+// SAFETY: as for Send.
+unsafe impl Sync for ChannelMemory {}
+
+impl ChannelMemory {
+    fn create(name: &str, ring_size: u32) -> Result<ChannelMemory, String> {
+        let len = channel_size(ring_size);
+        let (memfd, mut map) = Mapping::create(name, len)
+            .map_err(|e| format!("cannot create a direct channel: {e}"))?;
+        // SAFETY: ChannelHeader is repr(C) of integers and atomics; nobody else has the memfd yet.
+        let h = unsafe { map.view_mut::<ChannelHeader>(0) }.ok_or("direct channel too small")?;
+        h.magic = MAGIC;
+        h.ring_size = ring_size;
+        // SAFETY: the view is kept beside `map`, which outlives it.
+        let (_, ring) = unsafe { map.channel() }.map_err(|e| format!("direct channel: {e}"))?;
+        Ok(ChannelMemory { memfd, map, ring })
+    }
+
+    pub fn header(&self) -> &ChannelHeader {
+        self.map.channel_header().expect("checked when created")
+    }
+
+    /// Every index and flag as a new channel's. Only once its last channel retired and both
+    /// functions let it go: nobody else touches it.
+    fn reset(&self) {
+        let h = self.header();
+        for i in [
+            &h.ring.head,
+            &h.ring.tail,
+            &h.released,
+            &h.reader,
+            &h.end,
+            &h.sender,
+            &h.receiver,
+            &h.receiver_sleeping,
+        ] {
+            store(i, 0);
+        }
+    }
+}
+
 /// One direct channel from `from`'s function to `to`'s.
 pub struct Direct {
     pub from: Arc<PortShared>,
     pub to: Arc<PortShared>,
     pub sender: Current,
     pub receiver: Current,
-    pub memfd: OwnedFd,
-    map: Mapping,
+    memory: Arc<ChannelMemory>,
     ring: RingView,
+    /// Between two guests, the devices of the pair's last channel, still plugged in the
+    /// sender's and the receiver's guests: taken by each port when it sends the channel.
+    guest_devices: Mutex<[Option<Plugged>; 2]>,
     state: Mutex<State>,
     /// Read by B's function and accounted, for the switch's statistics.
     packets: AtomicU64,
@@ -219,8 +348,8 @@ pub struct Direct {
     pub handback_ns: AtomicU64,
 }
 
-// SAFETY: the ring view points into `map`, which lives as long as the `Direct`; who touches
-// which index is decided by the phase, under `state`.
+// SAFETY: the ring view points into `memory`, which lives as long as the `Direct`; who
+// touches which index is decided by the phase, under `state`.
 unsafe impl Send for Direct {}
 // SAFETY: as for Send.
 unsafe impl Sync for Direct {}
@@ -267,24 +396,24 @@ impl Direct {
                 from.name, to.name
             ));
         }
-        let len = channel_size(ring_size);
-        let (memfd, mut map) =
-            Mapping::create(&format!("stitch-direct-{}-{}", from.name, to.name), len)
-                .map_err(|e| format!("cannot create a direct channel: {e}"))?;
-        // SAFETY: ChannelHeader is repr(C) of integers and atomics; nobody else has the memfd yet.
-        let h = unsafe { map.view_mut::<ChannelHeader>(0) }.ok_or("direct channel too small")?;
-        h.magic = MAGIC;
-        h.ring_size = ring_size;
-        // SAFETY: the view is kept in `Direct` beside `map`, which outlives it.
-        let (_, ring) = unsafe { map.channel() }.map_err(|e| format!("direct channel: {e}"))?;
+        let (memory, devices) = match reuse_spares(from, to, (&sender, &receiver), ring_size) {
+            Some(reused) => reused,
+            None => {
+                let name = format!("stitch-direct-{}-{}", from.name, to.name);
+                (
+                    Arc::new(ChannelMemory::create(&name, ring_size)?),
+                    [None, None],
+                )
+            }
+        };
         Ok(Arc::new(Direct {
             from: from.clone(),
             to: to.clone(),
             sender,
             receiver,
-            memfd,
-            ring,
-            map,
+            ring: memory.ring,
+            memory,
+            guest_devices: Mutex::new(devices),
             state: Mutex::new(State {
                 phase: Phase::Offered,
                 released: 0,
@@ -304,12 +433,27 @@ impl Direct {
     }
 
     pub fn header(&self) -> &ChannelHeader {
-        self.map.channel_header().expect("checked when created")
+        self.memory.header()
+    }
+
+    pub fn memfd(&self) -> &OwnedFd {
+        &self.memory.memfd
     }
 
     /// The channel's size in bytes (its memfd's).
     pub fn bytes(&self) -> usize {
-        self.map.len()
+        self.memory.map.len()
+    }
+
+    /// The device of the pair's last channel still plugged into the sender's guest
+    /// (`outgoing`) or the receiver's, if this channel reuses its memory.
+    pub(crate) fn take_guest_device(&self, outgoing: bool) -> Option<Plugged> {
+        self.guest_devices.lock().unwrap()[usize::from(!outgoing)].take()
+    }
+
+    /// Whether the receiving function read from it (its hand-over was done).
+    pub fn was_handed_over(&self) -> bool {
+        self.handover_ns.load(Ordering::Relaxed) > 0
     }
 
     pub fn ring_size(&self) -> u32 {
@@ -565,6 +709,45 @@ impl Direct {
     }
 }
 
+/// The memory and both devices of the last channel from `from` to `to` between the same two
+/// attachments, if both ports kept them ([`Spare`]): reset for a new channel, they spare it a
+/// hot-plug into each guest.
+fn reuse_spares(
+    from: &Arc<PortShared>,
+    to: &Arc<PortShared>,
+    (sender, receiver): (&Current, &Current),
+    ring_size: u32,
+) -> Option<(Arc<ChannelMemory>, [Option<Plugged>; 2])> {
+    if !(sender.in_guest && receiver.in_guest) || Arc::ptr_eq(from, to) {
+        return None;
+    }
+    // Two ports' locks, in one order whoever asks (the pair's other direction may be asking).
+    let (mut out, mut inc) = if Arc::as_ptr(from) < Arc::as_ptr(to) {
+        let out = from.spares.lock().unwrap();
+        (out, to.spares.lock().unwrap())
+    } else {
+        let inc = to.spares.lock().unwrap();
+        (from.spares.lock().unwrap(), inc)
+    };
+    let (s, r) = (out.outgoing.as_ref()?, inc.incoming.as_ref()?);
+    let old = &s.channel;
+    let same_pair = Arc::ptr_eq(old, &r.channel)
+        && Arc::ptr_eq(&old.to, to)
+        && old.sender.generation == sender.generation
+        && old.receiver.generation == receiver.generation
+        && old.ring_size() == ring_size
+        && old.phase() == Phase::Retired;
+    if !same_pair {
+        return None;
+    }
+    let (s, r) = (out.outgoing.take()?, inc.incoming.take()?);
+    s.channel.memory.reset();
+    for p in [from, to] {
+        p.guest_channels_reused.fetch_add(1, Ordering::Relaxed);
+    }
+    Some((s.channel.memory.clone(), [Some(s.device), Some(r.device)]))
+}
+
 /// What A's port reads this pull.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SenderStep {
@@ -658,6 +841,143 @@ mod tests {
             len: 60,
             stamp_lo: 0,
         }
+    }
+
+    /// Records what it is asked to unplug.
+    #[derive(Default)]
+    struct Unplugs(Mutex<Vec<String>>);
+
+    impl crate::guest::GuestBus for Unplugs {
+        fn plug(
+            &self,
+            _: &str,
+            _: std::os::fd::BorrowedFd<'_>,
+            _: usize,
+        ) -> Result<String, String> {
+            Err("not in this test".into())
+        }
+        fn unplug(&self, id: &str) -> Result<(), String> {
+            self.0.lock().unwrap().push(id.to_string());
+            Ok(())
+        }
+        fn sweep(&self, _: &str) -> Result<Vec<String>, String> {
+            Ok(Vec::new())
+        }
+    }
+
+    impl Unplugs {
+        /// Waits for `id` to be unplugged (on a thread of its own).
+        fn saw(&self, id: &str) -> bool {
+            let t = Instant::now();
+            while t.elapsed() < Duration::from_secs(2) {
+                if self.0.lock().unwrap().iter().any(|u| u == id) {
+                    return true;
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            false
+        }
+    }
+
+    fn in_guest(p: &PortShared) {
+        p.current.lock().unwrap().as_mut().unwrap().in_guest = true;
+    }
+
+    /// Both functions take the channel, then let it go; the engine retires it.
+    fn hand_over_and_back(d: &Direct) {
+        let h = d.header();
+        h.sender.0.store(1, Ordering::Release);
+        assert_eq!(d.sender_step(0, true), SenderStep::FromNfThenChannel);
+        h.receiver.0.store(1, Ordering::Release);
+        assert_eq!(d.sender_step(0, true), SenderStep::FromNf);
+        d.switch_progress(0, 0);
+        d.receiver_pull(0, true);
+        assert!(d.was_handed_over());
+        d.end();
+        h.receiver.0.store(2, Ordering::Release);
+        d.receiver_pull(0, true);
+        h.sender.0.store(2, Ordering::Release);
+        assert_eq!(d.sender_step(0, true), SenderStep::Retired);
+    }
+
+    fn keep_both(d: &Arc<Direct>, bus: &Arc<Unplugs>, since: Instant) {
+        for (port, outgoing, id) in [(&d.from, true, "tx"), (&d.to, false, "rx")] {
+            let device = Plugged {
+                bus: bus.clone(),
+                id: id.to_string(),
+                pci: format!("0000:00:0{}.0", 5 + usize::from(outgoing)),
+            };
+            let channel = d.clone();
+            port.keep_spare(
+                Spare {
+                    channel,
+                    device,
+                    since,
+                },
+                outgoing,
+            );
+        }
+    }
+
+    #[test]
+    fn the_next_channel_of_two_guests_reuses_the_last_ones_devices_until_the_pair_changes() {
+        let (a, _) = test_port("a", 1);
+        let (b, _) = test_port("b", 2);
+        let bus = Arc::new(Unplugs::default());
+        // Between a guest and a process, nothing is kept.
+        in_guest(&a);
+        let first = Direct::new(&a, &b, 64).unwrap();
+        assert!(reuse_spares(&a, &b, (&first.sender, &first.receiver), 64).is_none());
+        in_guest(&b);
+        let first = Direct::new(&a, &b, 64).unwrap();
+        hand_over_and_back(&first);
+        let h = first.header();
+        for i in [&h.ring.head, &h.ring.tail, &h.released] {
+            i.0.store(7, Ordering::Release);
+        }
+        keep_both(&first, &bus, Instant::now());
+        // The pair's other direction finds nothing of this one's.
+        let back = Direct::new(&b, &a, 64).unwrap();
+        assert!(back.take_guest_device(true).is_none());
+        let second = Direct::new(&a, &b, 64).unwrap();
+        assert_eq!(
+            second.memfd().as_raw_fd(),
+            first.memfd().as_raw_fd(),
+            "the same memory"
+        );
+        let h = second.header();
+        assert_eq!(
+            (
+                h.ring.head.0.load(Ordering::Acquire),
+                h.end.0.load(Ordering::Acquire)
+            ),
+            (0, 0),
+            "reset as a new channel's"
+        );
+        assert_eq!(second.take_guest_device(true).unwrap().pci, "0000:00:06.0");
+        assert_eq!(second.take_guest_device(false).unwrap().pci, "0000:00:05.0");
+        assert_eq!(a.guest_channels_reused.load(Ordering::Relaxed), 1);
+        assert_eq!(b.guest_channels_reused.load(Ordering::Relaxed), 1);
+        // A channel not yet retired is never reused, even if kept.
+        keep_both(&second, &bus, Instant::now());
+        let third = Direct::new(&a, &b, 64).unwrap();
+        assert_ne!(third.memfd().as_raw_fd(), second.memfd().as_raw_fd());
+        a.expire_spares();
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(bus.0.lock().unwrap().is_empty(), "still usable");
+        // B's function attached again: A's spare is of no use and goes.
+        hand_over_and_back(&second);
+        b.current.lock().unwrap().as_mut().unwrap().generation = 3;
+        a.expire_spares();
+        assert!(bus.saw("tx"));
+        assert!(a.spares.lock().unwrap().outgoing.is_none());
+        // Kept too long: goes too.
+        b.current.lock().unwrap().as_mut().unwrap().generation = 2;
+        hand_over_and_back(&third);
+        keep_both(&third, &bus, Instant::now() - SPARE_KEPT);
+        bus.0.lock().unwrap().clear();
+        b.expire_spares();
+        assert!(bus.saw("rx"));
     }
 
     /// No buffer is ever held by both functions, and none is lost between them.

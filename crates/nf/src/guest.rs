@@ -102,6 +102,8 @@ pub(crate) fn bus(socket: &Path) -> Option<Arc<dyn GuestBus>> {
 pub(crate) struct Plugged {
     pub bus: Arc<dyn GuestBus>,
     pub id: String,
+    /// Where the guest finds it.
+    pub pci: String,
 }
 
 impl Plugged {

@@ -1043,18 +1043,29 @@ const BREAKING_RULE: &str = "priority=200,in_port=2,udp";
 
 /// Two guests' functions chained through the switch ([`TwoGuests`]). While the rules make
 /// f0 → f1 point to point, the switch gives the pair a direct channel, hot-plugged into both
-/// guests; a rule that breaks it takes the channel back and the device is unplugged. Three
-/// times under a paced stream: every frame arrives once, in order; both guests' `lspci` saw
-/// the channel's device come and go three times; the OpenFlow counters count every frame.
+/// guests; a rule that breaks it takes the channel back, and its devices stay plugged for the
+/// pair's next channel, which reuses them. Three times under a paced stream; then the channel
+/// is taken back for good and its devices leave both guests. Every frame arrives once, in
+/// order; both guests' `lspci` saw the channel's device come and go; the OpenFlow counters
+/// count every frame.
 #[test]
 fn functions_in_two_guests_get_a_hot_plugged_direct_channel_and_give_it_back() {
     const N: u32 = 24_000;
     let g = TwoGuests::start(N, "");
     let (s, port) = (&g.s, g.port);
     g.channel_up("before the stream", 60);
+    let handed_over = |round: &str| {
+        // From the offer to the receiving guest reading, and from the end asked to the
+        // channel retired.
+        eprintln!(
+            "{round}: channel handed over in {:?} µs, handed back in {:?} µs",
+            s.counter("sw", "direct_handover_ns").map(|n| n / 1000),
+            s.counter("sw", "direct_handback_ns").map(|n| n / 1000)
+        );
+    };
+    handed_over("first (both devices hot-plugged)");
     g.replay();
-    for round in 0..3 {
-        std::thread::sleep(Duration::from_millis(500));
+    let break_pair = || {
         ofctl(
             port,
             &["add-flow", &format!("{BREAKING_RULE},actions=output:3")],
@@ -1062,19 +1073,26 @@ fn functions_in_two_guests_get_a_hot_plugged_direct_channel_and_give_it_back() {
         wait_until("the channel to be handed back", 20, || {
             s.counter("sw", "direct_channels") == Some(0)
         });
-        wait_until("the channel's device to leave both guests", 20, || {
-            g.guests_see(0)
-        });
+    };
+    for round in 1..=3 {
+        std::thread::sleep(Duration::from_millis(500));
+        break_pair();
         ofctl(port, &["--strict", "del-flows", BREAKING_RULE]);
         g.channel_up(&format!("round {round}"), 60);
-        // From the offer to the receiving guest reading (both plugs and both guests' kernels
-        // on the way), and from the end asked to the channel retired.
-        eprintln!(
-            "round {round}: channel handed over in {:?} µs, handed back in {:?} µs",
-            s.counter("sw", "direct_handover_ns").map(|n| n / 1000),
-            s.counter("sw", "direct_handback_ns").map(|n| n / 1000)
-        );
+        for f in ["f0", "f1"] {
+            assert_eq!(
+                s.counter(f, "guest_channels_reused"),
+                Some(round),
+                "{f}'s guest got the pair's last channel's device again"
+            );
+        }
+        handed_over(&format!("round {round} (devices reused)"));
     }
+    std::thread::sleep(Duration::from_millis(500));
+    break_pair();
+    wait_until("the channel's devices to leave both guests", 40, || {
+        g.guests_see(0)
+    });
     wait_for_sink(s, N as u64, 60);
     std::thread::sleep(Duration::from_millis(50));
     assert_port_counts(port, 2, 3, N);

@@ -1,17 +1,20 @@
 //! Direct channels of a function in a VM: the channel's memory is hot-plugged into the guest
 //! ([`crate::guest`]) on a thread of its own — QEMU and the guest take milliseconds, which a
 //! worker does not wait — and the message naming the device is sent once it is there. The
-//! port counts that message in the region's `control` word at its next tick, or ends the
-//! channel if QEMU refused. A retired channel's device is unplugged once the function has said
+//! port counts that message in the region's `control` word at its next breath, or ends the
+//! channel if QEMU refused. A retired channel's device is given up once the function has said
 //! it let the channel go (its flag at 2): a device taken from under a function that still maps
 //! it would fault (SIGBUS). One whose function left first is swept at the guest's next hello.
+//! A channel between two guests that was handed over leaves its devices plugged a while
+//! ([`crate::direct::SPARE_KEPT`]): the pair's next channel reuses them, told at once.
 
-use crate::direct::{send_control, Direct, PortShared};
+use crate::direct::{send_control, Direct, PortShared, Spare};
 use crate::guest::{self, GuestBus, Plugged};
 use serde_json::json;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 static NEXT: AtomicU64 = AtomicU64::new(1);
 
@@ -59,7 +62,11 @@ impl GuestChannels {
         outgoing: bool,
         port: &Arc<PortShared>,
     ) -> std::io::Result<()> {
-        let (memory, conn) = (d.memfd.try_clone()?, conn.try_clone()?);
+        if let Some(device) = d.take_guest_device(outgoing) {
+            self.reuse(device, conn, d, outgoing, port);
+            return Ok(());
+        }
+        let (memory, conn) = (d.memfd().try_clone()?, conn.try_clone()?);
         let bytes = d.bytes();
         let (bus, port) = (bus.clone(), port.clone());
         let id = format!(
@@ -75,7 +82,7 @@ impl GuestChannels {
             .spawn(move || {
                 let told = plug_and_tell(&bus, &id, &memory, bytes, &conn, outgoing);
                 *result.lock().unwrap() = match told {
-                    Ok(()) => Outcome::Sent(Plugged { bus, id }),
+                    Ok(pci) => Outcome::Sent(Plugged { bus, id, pci }),
                     Err(e) => {
                         port.guest_plug_refusals.fetch_add(1, Ordering::Relaxed);
                         Outcome::Refused(e)
@@ -92,6 +99,32 @@ impl GuestChannels {
         Ok(())
     }
 
+    /// Tells the function of channel `d` on the device of the pair's last channel, still
+    /// plugged (no thread: nothing waits for QEMU).
+    fn reuse(
+        &mut self,
+        device: Plugged,
+        conn: &OwnedFd,
+        d: &Arc<Direct>,
+        outgoing: bool,
+        port: &PortShared,
+    ) {
+        let outcome = match tell(conn, &device.pci, d.bytes(), outgoing) {
+            Ok(()) => Outcome::Sent(device),
+            Err(e) => {
+                device.unplug();
+                Outcome::Refused(e)
+            }
+        };
+        port.changed.store(true, Ordering::Release);
+        self.0.push(GuestChannel {
+            direct: d.clone(),
+            outgoing,
+            outcome: Arc::new(Mutex::new(outcome)),
+            retired: false,
+        });
+    }
+
     /// Channel `d` retired: its device goes once the function let it go.
     pub fn retire(&mut self, d: &Arc<Direct>) {
         for c in self.0.iter_mut().filter(|c| Arc::ptr_eq(&c.direct, d)) {
@@ -99,9 +132,10 @@ impl GuestChannels {
         }
     }
 
-    /// Counts the messages sent, takes the refusals, and unplugs the devices of retired
-    /// channels the function let go.
-    pub fn tend(&mut self) -> Tended {
+    /// Counts the messages sent, takes the refusals, and gives up the devices of retired
+    /// channels the function let go: kept as `port`'s spares when the channel ran between two
+    /// guests, unplugged otherwise.
+    pub fn tend(&mut self, port: &PortShared) -> Tended {
         let mut t = Tended::default();
         self.0.retain_mut(|c| {
             let mut o = c.outcome.lock().unwrap();
@@ -126,7 +160,21 @@ impl GuestChannels {
             }
             match std::mem::replace(&mut *o, Outcome::Gone) {
                 Outcome::Counted(device) => {
-                    device.unplug();
+                    let d = &c.direct;
+                    if d.was_handed_over() && d.sender.in_guest && d.receiver.in_guest {
+                        let since = Instant::now();
+                        let channel = d.clone();
+                        port.keep_spare(
+                            Spare {
+                                channel,
+                                device,
+                                since,
+                            },
+                            c.outgoing,
+                        );
+                    } else {
+                        device.unplug();
+                    }
                     false
                 }
                 // Still being plugged: its message comes, the function lets it go again.
@@ -151,19 +199,24 @@ fn plug_and_tell(
     bytes: usize,
     conn: &OwnedFd,
     outgoing: bool,
-) -> Result<(), String> {
+) -> Result<String, String> {
     let bar = guest::bar_size(bytes);
     guest::grow_to(memory.as_fd(), bar)?;
     let pci = bus.plug(id, memory.as_fd(), bar)?;
+    if let Err(e) = tell(conn, &pci, bytes, outgoing) {
+        // Plugged but never told: the device goes again.
+        let _ = bus.unplug(id);
+        return Err(e);
+    }
+    Ok(pci)
+}
+
+/// Sends the function the message naming its channel's device.
+fn tell(conn: &OwnedFd, pci: &str, bytes: usize, outgoing: bool) -> Result<(), String> {
     let message = json!({
         "direct": if outgoing { "send" } else { "receive" },
         "pci": pci,
         "bytes": bytes,
     });
-    if let Err(e) = send_control(conn, &message, &[]) {
-        // Plugged but never told: the device goes again.
-        let _ = bus.unplug(id);
-        return Err(format!("cannot tell the function: {e}"));
-    }
-    Ok(())
+    send_control(conn, &message, &[]).map_err(|e| format!("cannot tell the function: {e}"))
 }

@@ -206,12 +206,12 @@ impl Active {
         let (msg, fds) = if outgoing {
             (
                 serde_json::json!({ "direct": "send" }),
-                vec![d.memfd.as_raw_fd(), d.receiver.doorbell.as_raw_fd()],
+                vec![d.memfd().as_raw_fd(), d.receiver.doorbell.as_raw_fd()],
             )
         } else {
             (
                 serde_json::json!({ "direct": "receive" }),
-                vec![d.memfd.as_raw_fd()],
+                vec![d.memfd().as_raw_fd()],
             )
         };
         self.send_control(&msg, &fds, "direct channel")
@@ -426,6 +426,8 @@ pub struct NfPort {
     attached: Counter,
     /// Devices its guest's QEMU would not plug (a function in a VM: [`crate::guest`]).
     guest_plug_refusals: Counter,
+    /// Direct channels into its guest that reused the devices of the pair's last channel.
+    guest_channels_reused: Counter,
     /// Taken over from a predecessor process: the generation its attachment had there.
     lent_generation: Option<u64>,
     /// Taken over: the descriptors of the steered input the predecessor served, if any.
@@ -493,6 +495,7 @@ impl App for NfPort {
             wakeups: ctx.counter("wakeups"),
             attached: ctx.counter("attached"),
             guest_plug_refusals: ctx.counter("guest_plug_refusals"),
+            guest_channels_reused: ctx.counter("guest_channels_reused"),
             lent_generation: None,
             lent_steering: Vec::new(),
         };
@@ -755,6 +758,7 @@ fn finish_offloads(
 impl NfPort {
     fn attach_or_detach(&mut self) {
         (self.guest_plug_refusals).set(self.shared.guest_plug_refusals.load(Ordering::Relaxed));
+        (self.guest_channels_reused).set(self.shared.guest_channels_reused.load(Ordering::Relaxed));
         if self.active.as_ref().is_some_and(|a| a.pool_unsent) {
             self.send_pool();
         }
@@ -937,10 +941,11 @@ impl NfPort {
         let Some(a) = self.active.as_mut() else {
             return;
         };
+        self.shared.expire_spares();
         if a.guest_channels.is_empty() {
             return;
         }
-        let t = a.guest_channels.tend();
+        let t = a.guest_channels.tend(&self.shared);
         if t.told > 0 {
             a.control_sent += t.told;
             (a.att.header().control.0).store(a.control_sent, Ordering::Release);
@@ -1025,6 +1030,7 @@ impl NfPort {
             return;
         };
         *self.shared.current.lock().unwrap() = None;
+        self.shared.forget_spares();
         // What it gave back of an interface's frames is accounted: the interface reads the
         // rest again.
         if let Some(st) = a.steering.take() {
