@@ -408,8 +408,8 @@ impl Function {
                 }
                 self.control_seen = self.control_seen.wrapping_add(1);
                 if let Some(pool) = msg.get("pool") {
-                    let memfd = fds.next().ok_or_else(|| invalid("no packet memory"))?;
-                    self.use_pool(pool, &memfd)?;
+                    // A memfd from a process; in a guest, a device named by `pci`.
+                    self.use_pool(pool, fds.next())?;
                     continue;
                 }
                 if let Some(steer) = msg.get("steer") {
@@ -437,6 +437,8 @@ impl Function {
                     _ => {}
                 }
             }
+            // Only when something came: a poll writes nothing Stitch reads.
+            (self.region_header().control_taken.0).store(self.control_seen, Ordering::Release);
         }
         Ok(())
     }
@@ -444,7 +446,7 @@ impl Function {
     /// Maps the packet memory of the Stitch process that took this port over (`stitch
     /// upgrade`): every descriptor from now on names one of its buffers. The old process
     /// had all its buffers back before it handed over.
-    fn use_pool(&mut self, pool: &Value, memfd: &OwnedFd) -> io::Result<()> {
+    fn use_pool(&mut self, pool: &Value, memfd: Option<OwnedFd>) -> io::Result<()> {
         if !self.zero_copy {
             return Err(invalid("packet memory sent to an isolated port"));
         }
@@ -454,7 +456,11 @@ impl Function {
                 .ok_or_else(|| invalid(format!("packet memory without its `{k}`")))
         };
         let bytes = field("bytes")? as usize;
-        self.pool = Some(shm::map(memfd.as_fd(), bytes, false)?);
+        self.pool = Some(match (pool["pci"].as_str(), memfd) {
+            (Some(pci), _) => crate::guest::map_bar(pci, bytes, GUEST_WAIT)?,
+            (None, Some(memfd)) => shm::map(memfd.as_fd(), bytes, false)?,
+            (None, None) => return Err(invalid("no packet memory")),
+        });
         self.pool_stride = field("stride")? as usize;
         self.pool_header = field("header")? as usize;
         Ok(())

@@ -49,6 +49,12 @@ pub fn attachment_prefix(port: &str, generation: u64) -> String {
     format!("{DEVICE_PREFIX}{}-{port}-{generation}-", std::process::id())
 }
 
+/// The name of the device holding `what` (`region`, `pool`) of attachment `generation` of
+/// `port`, plugged by this process.
+pub fn device_id(port: &str, generation: u64, what: &str) -> String {
+    format!("{}{what}", attachment_prefix(port, generation))
+}
+
 /// Whether `id` is a device or memory Stitch plugged whose name does not start with `keep`.
 pub fn swept(id: &str, keep: &str) -> bool {
     id.starts_with(DEVICE_PREFIX) && !id.starts_with(keep)

@@ -493,6 +493,7 @@ fn write_header(region: &mut Mapping, layout: &Layout, s: PortSettings) -> Resul
             pool_bytes: if s.zero_copy { pool_bytes as u64 } else { 0 },
             sleeping: crate::shm::Index(Default::default()),
             control: crate::shm::Index(Default::default()),
+            control_taken: crate::shm::Index(Default::default()),
         };
     }
     Ok(())
@@ -589,7 +590,7 @@ fn plug_into_guest(
     let memories = std::iter::once(("region", region.0.as_fd(), region.1))
         .chain(pool_memory.map(|(fd, bytes)| ("pool", fd, bytes)));
     for (what, fd, bytes) in memories {
-        let id = format!("{prefix}{what}");
+        let id = guest::device_id(&port.name, generation, what);
         let bar = guest::bar_size(bytes);
         let plugged_one = guest::grow_to(fd, bar).and_then(|()| bus.plug(&id, fd, bar));
         match plugged_one {

@@ -83,6 +83,10 @@ pub struct RegionHeader {
     /// Messages Stitch sent on the connection since attach (a direct channel to map): the
     /// function reads the socket only when this moved, so a poll costs one load.
     pub control: Index,
+    /// Written by the function: the messages it has taken so far (what a message replaced —
+    /// a predecessor's packet memory in a guest — is then no longer used). Last, so that a
+    /// region laid out before it has it (zero) at the same place.
+    pub control_taken: Index,
 }
 
 /// The header of a direct channel (seed 001's bypass): a ring from one zero-copy function

@@ -958,6 +958,35 @@ fn a_vm_is_adopted_after_a_crash_and_carries_on_across_an_upgrade() {
 /// lose nothing.
 #[test]
 fn a_function_in_a_guest_comes_back_after_a_crash_and_an_upgrade() {
+    guest_function_across_a_crash_and_an_upgrade("isolated", 1);
+}
+
+/// The same in zero-copy mode: the guest maps Stitch's packet memory too. Upgraded, the
+/// successor plugs its own packet memory into the guest and tells the function before the
+/// first packet (the port holds its traffic meanwhile); the predecessor's goes once the
+/// function took it: the guest ends with two devices again, and no ping is lost.
+#[test]
+fn a_zero_copy_function_in_a_guest_comes_back_after_a_crash_and_an_upgrade() {
+    guest_function_across_a_crash_and_an_upgrade("zero_copy", 2);
+}
+
+/// The ivshmem devices guest `vm` lists once its listing stayed the same for 2 s.
+fn settled_ivshmem_addresses(s: &Stitch, vm: &str) -> Vec<String> {
+    let changes = || console_of(s, vm).matches("IVSHMEM-AT=").count();
+    let mut seen = (changes(), std::time::Instant::now());
+    wait_until("the guest's devices to settle", 60, || {
+        let now = changes();
+        if now != seen.0 {
+            seen = (now, std::time::Instant::now());
+        }
+        seen.1.elapsed() >= std::time::Duration::from_secs(2)
+    });
+    ivshmem_addresses_now(s, vm).unwrap()
+}
+
+/// `devices`: the ivshmem devices the guest sees while its function is served (the region,
+/// and the packet memory in zero-copy mode).
+fn guest_function_across_a_crash_and_an_upgrade(mode: &str, devices: u32) {
     require_root_and_tools(&[
         "qemu-system-x86_64",
         "busybox",
@@ -966,10 +995,11 @@ fn a_function_in_a_guest_comes_back_after_a_crash_and_an_upgrade() {
         "pgrep",
         "lspci",
     ]);
+    let _one = one_guest_test_at_a_time();
     let image = vm_image_with("vm-image-nf", &["stitch-nf-firewall"]);
     let h = TwoHosts::new();
     let run = guest_watching_ivshmem("stitch-nf-firewall");
-    let vm = ivshmem_vm_app("vm1", &image, &run, "isolated");
+    let vm = ivshmem_vm_app("vm1", &image, &run, mode);
     let s = Stitch::run_with(
         &ports_around(&h, &vm, &["vm1"]),
         &["--supervise", "--keep-running"],
@@ -977,11 +1007,11 @@ fn a_function_in_a_guest_comes_back_after_a_crash_and_an_upgrade() {
     let served = |s: &Stitch, what: &str| {
         let t = std::time::Instant::now();
         while !(try_show(s, "vm1").is_ok_and(|v| v["attached"] == true)
-            && ivshmem_devices_now(s, "vm1") == Some(1))
+            && ivshmem_devices_now(s, "vm1") == Some(devices))
         {
             assert!(
                 t.elapsed() < std::time::Duration::from_secs(60),
-                "the guest's function is not served {what}: {:?}\nits console:\n{}",
+                "the guest's function is not served {what} on {devices} devices: {:?}\nits console:\n{}",
                 try_show(s, "vm1"),
                 console_of(s, "vm1")
             );
@@ -1005,14 +1035,35 @@ fn a_function_in_a_guest_comes_back_after_a_crash_and_an_upgrade() {
     );
 
     let attaches = s.counter("vm1", "attaches");
+    // The dead process's devices swept, the new ones plugged: nothing changes for 2 s.
+    let before = settled_ivshmem_addresses(&s, "vm1");
+    assert_eq!(before.len(), devices as usize, "{before:?}");
     let successor = upgrade_under_pings(&h, &s, &h.ip[1], "through the guest's function");
     served(&s, "after the upgrade");
+    // The region stays where it is; a zero-copy guest's packet memory is the successor's, a
+    // device plugged before the predecessor's went (lspci lists them by address).
+    let t = std::time::Instant::now();
+    loop {
+        let now = ivshmem_addresses_now(&s, "vm1").unwrap();
+        let kept = now.iter().filter(|a| before.contains(a)).count();
+        if now.len() == before.len() && kept == 1 {
+            break;
+        }
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(30),
+            "the predecessor's packet memory did not leave the guest: {before:?} before, \
+             {now:?} now; its console:\n{}",
+            console_of(&s, "vm1")
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
     assert_eq!(
         s.counter("vm1", "attaches"),
         attaches,
         "the guest's function was taken over, not attached again"
     );
     assert_eq!(pid_of(&s, "vm1"), Some(qemu), "QEMU was restarted");
+    assert_eq!(s.counter("vm1", "guest_plug_refusals"), Some(0));
     stop_supervised(s, successor);
     wait_until("the VM to stop with the instance", 10, || !alive(qemu));
 }

@@ -5,7 +5,9 @@
 //! pulls the port until the function has given every packet back
 //! ([`stitch_core::App::outstanding`]), so nothing of this process's packet memory is left
 //! with it; a zero-copy function then gets the successor's packet memory (a `pool` control
-//! message) before its first packet.
+//! message) before its first packet. In a guest that memory is hot-plugged first (on a thread
+//! of its own; the port holds its traffic meanwhile), and the predecessor's goes once the
+//! function has taken the message.
 
 use super::{rings, Active, NfPort};
 use crate::attachment::Attachment;
@@ -17,7 +19,7 @@ use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use stitch_core::Descriptors;
 
 /// Where a port stands when it is lent, and again when its workers are parked.
@@ -46,6 +48,15 @@ struct Attached {
     /// The function runs in a VM: its connection is its QEMU's, its region plugged there.
     #[serde(default)]
     in_guest: bool,
+    /// Zero-copy in a guest: the device of the packet memory the function maps, and
+    /// others this process leaves there that nobody uses (direct channels' spares).
+    #[serde(default)]
+    guest_pool: Option<String>,
+    #[serde(default)]
+    guest_unused: Vec<String>,
+    /// This process's own packet memory was still on its way to the function.
+    #[serde(default)]
+    pool_settling: bool,
 }
 
 /// Offers the attach socket a predecessor lent (the first descriptor) to the listener of
@@ -63,10 +74,6 @@ impl NfPort {
         let mut fds = vec![self.listener.socket().ok()?];
         let attached = match &self.active {
             None => None,
-            // A zero-copy guest's function is not lent: the successor's packet memory would
-            // have to be plugged into its guest before the first packet. Its QEMU connects to
-            // the next process, and the function says its hello there again.
-            Some(a) if a.att.guest.is_some() && self.shared.settings.zero_copy => None,
             Some(a) => {
                 fds.push(a.att.conn.try_clone().ok()?);
                 fds.push(a.att.memfd.try_clone().ok()?);
@@ -84,6 +91,11 @@ impl NfPort {
                     direct: a.outgoing.is_some() || a.incoming.is_some(),
                     steering: a.steering.as_ref().map(|st| st.position()),
                     in_guest: a.att.guest.is_some(),
+                    guest_pool: a.pool_device.clone(),
+                    guest_unused: self.unused_in_guest(a),
+                    pool_settling: a.pool_unsent
+                        || a.pool_plug.is_some()
+                        || a.left_in_guest.is_some(),
                 })
             }
         };
@@ -165,6 +177,7 @@ impl NfPort {
         };
         let mut a = Active::new(att, s.zero_copy);
         a.resume_at(&at);
+        a.pool_device = at.guest_pool.clone();
         // The steered input's descriptors, for `resume` (where it stands is in the final word).
         self.lent_steering = fds.collect();
         *self.shared.current.lock().unwrap() = Some(Current {
@@ -209,6 +222,12 @@ impl NfPort {
                  be handed over yet"
             ));
         }
+        if at.pool_settling {
+            return Err(format!(
+                "function port `{name}`: its function in a guest was still taking the packet \
+                 memory of the last upgrade; upgrade again"
+            ));
+        }
         if at.held > 0 {
             return Err(format!(
                 "function port `{name}`: its function (pid {}) kept {} packets past the \
@@ -231,6 +250,19 @@ impl NfPort {
         let a = self.active.as_mut().ok_or_else(again)?;
         a.resume_at(&at);
         a.pool_unsent = self.shared.settings.zero_copy;
+        if let Some(bus) = &a.att.guest {
+            let left = (at.guest_unused.iter())
+                .chain(if a.pool_unsent { &at.guest_pool } else { &None })
+                .map(|id| crate::guest::Plugged {
+                    bus: bus.clone(),
+                    id: id.clone(),
+                    pci: String::new(),
+                })
+                .collect();
+            // Going once the function maps this process's packet memory, its next message
+            // (isolated: at the next tick, nothing it maps is among them).
+            a.left_in_guest = Some((left, at.control_sent.wrapping_add(1)));
+        }
         if let Some(st) = steering {
             // The interface takes its rings on from the offer it finds here.
             *self.shared.steer.lock().unwrap() = Some(st.offer.clone());
@@ -241,22 +273,112 @@ impl NfPort {
         Ok(())
     }
 
+    /// What this process leaves in the guest of `a` that nobody uses: its direct channels'
+    /// spare devices (the successor knows nothing of them).
+    fn unused_in_guest(&self, a: &Active) -> Vec<String> {
+        if a.att.guest.is_none() {
+            return Vec::new();
+        }
+        let spares = self.shared.spares.lock().unwrap();
+        let kept = [&spares.outgoing, &spares.incoming];
+        kept.into_iter()
+            .flatten()
+            .map(|s| s.device.id.clone())
+            .collect()
+    }
+
     /// Gives a zero-copy function taken over from a predecessor this process's packet
-    /// memory, before the first descriptor that names it; a function that cannot take it is
-    /// detached.
+    /// memory, before the first descriptor that names it (in a guest: plugged there first);
+    /// a function that cannot take it is detached.
     pub(super) fn send_pool(&mut self) {
         let Some(a) = self.active.as_mut() else {
             return;
         };
         a.pool_unsent = false;
+        if let Some(bus) = &a.att.guest {
+            let id = crate::guest::device_id(&self.shared.name, a.att.generation, "pool");
+            match PoolPlug::start(bus.clone(), id, self.shared.clone()) {
+                Ok(plug) => a.pool_plug = Some(plug),
+                Err(e) => self.pool_refused(&e.to_string()),
+            }
+            return;
+        }
+        let pool = stitch_core::pool::get();
+        self.tell_pool(None, &[pool.memfd()]);
+    }
+
+    /// This process's packet memory is plugged into the guest (or refused): the function is
+    /// told, or detached.
+    pub(super) fn pool_plugged(&mut self) {
+        let Some(a) = self.active.as_mut() else {
+            return;
+        };
+        let Some(outcome) = a.pool_plug.as_ref().and_then(PoolPlug::outcome) else {
+            return;
+        };
+        let plug = a.pool_plug.take().expect("checked");
+        match outcome {
+            Ok(pci) => {
+                a.pool_device = Some(plug.id);
+                self.tell_pool(Some(pci), &[]);
+            }
+            Err(e) => {
+                self.shared
+                    .guest_plug_refusals
+                    .fetch_add(1, Ordering::Relaxed);
+                self.pool_refused(&e);
+            }
+        }
+    }
+
+    fn pool_refused(&mut self, e: &str) {
+        log::warn!(
+            "function port `{}`: this process's packet memory cannot be plugged into the \
+             function's guest: {e}; detaching it (it attaches again)",
+            self.shared.name
+        );
+        self.detach();
+    }
+
+    /// Unplugs what a predecessor left in the guest once the function has taken the message
+    /// that replaced it.
+    pub(super) fn unplug_left_in_guest(&mut self) {
+        let Some(a) = self.active.as_mut() else {
+            return;
+        };
+        let Some((_, after)) = &a.left_in_guest else {
+            return;
+        };
+        let taken = a.att.header().control_taken.0.load(Ordering::Acquire);
+        // Wrapping counts: taken is at or past `after` when less than half the space behind.
+        let replaced = self.shared.settings.zero_copy;
+        if replaced
+            && (taken.wrapping_sub(*after) >= u32::MAX / 2
+                || a.pool_plug.is_some()
+                || a.pool_unsent)
+        {
+            return;
+        }
+        let (left, _) = a.left_in_guest.take().expect("checked");
+        left.into_iter().for_each(crate::guest::Plugged::unplug);
+    }
+
+    /// Sends the `pool` message: the memfd in `fds` to a process, or `pci` to a guest.
+    fn tell_pool(&mut self, pci: Option<String>, fds: &[std::os::fd::RawFd]) {
+        let Some(a) = self.active.as_mut() else {
+            return;
+        };
         let pool = stitch_core::pool::get();
         let (_, bytes) = pool.region();
-        let message = serde_json::json!({ "pool": {
+        let mut message = serde_json::json!({ "pool": {
             "bytes": bytes,
             "stride": pool.stride(),
             "header": stitch_core::packet::HEADER_SIZE,
         }});
-        if let Err(e) = direct::send_control(&a.att.conn, &message, &[pool.memfd()]) {
+        if let Some(pci) = pci {
+            message["pool"]["pci"] = pci.into();
+        }
+        if let Err(e) = direct::send_control(&a.att.conn, &message, fds) {
             log::warn!(
                 "function port `{}`: the function (pid {}) could not be given this process's \
                  packet memory: {e}; detaching it",
@@ -287,5 +409,43 @@ impl Active {
         self.to_nf = Producer::at(to_nf, at.to_nf_head);
         self.from_nf = Consumer::at(from_nf, at.from_nf_tail);
         self.control_sent = at.control_sent;
+    }
+}
+
+/// This process's packet memory on its way into a guest: QEMU and the guest take
+/// milliseconds, which a worker does not wait.
+pub(super) struct PoolPlug {
+    id: String,
+    outcome: Arc<Mutex<Option<Result<String, String>>>>,
+}
+
+impl PoolPlug {
+    fn start(
+        bus: Arc<dyn crate::guest::GuestBus>,
+        id: String,
+        port: Arc<crate::direct::PortShared>,
+    ) -> std::io::Result<PoolPlug> {
+        let outcome = Arc::new(Mutex::new(None));
+        let result = outcome.clone();
+        let device = id.clone();
+        std::thread::Builder::new()
+            .name("stitch-nf-plug".into())
+            .spawn(move || {
+                let pool = stitch_core::pool::get();
+                let (_, bytes) = pool.region();
+                // SAFETY: the pool's memfd lives as long as the process (the pool is never freed).
+                let memory = unsafe { std::os::fd::BorrowedFd::borrow_raw(pool.memfd()) };
+                let bar = crate::guest::bar_size(bytes);
+                let plugged = crate::guest::grow_to(memory, bar)
+                    .and_then(|()| bus.plug(&device, memory, bar));
+                *result.lock().unwrap() = Some(plugged);
+                port.changed.store(true, Ordering::Release);
+            })?;
+        Ok(PoolPlug { id, outcome })
+    }
+
+    /// The device's PCI address once plugged, or why QEMU refused; `None` until then.
+    fn outcome(&self) -> Option<Result<String, String>> {
+        self.outcome.lock().unwrap().take()
     }
 }

@@ -153,6 +153,13 @@ struct Active {
     /// Zero-copy, taken over from a predecessor process: the function maps that process's
     /// packet memory until this one sends its own, before the first packet.
     pool_unsent: bool,
+    /// Zero-copy in a guest: the device holding the packet memory the function maps, and
+    /// this process's being plugged (traffic waits for it, [`handover`]).
+    pool_device: Option<String>,
+    pool_plug: Option<handover::PoolPlug>,
+    /// Devices a predecessor left in the guest, unplugged once the function has taken the
+    /// `control` message numbered here (the packet memory that replaced them).
+    left_in_guest: Option<(Vec<crate::guest::Plugged>, u32)>,
     /// An interface's sockets the function reads ([`crate::steer`]), once offered.
     steering: Option<Steering>,
 }
@@ -180,6 +187,9 @@ impl Active {
             guest_channels: guest::GuestChannels::default(),
             control_sent: 0,
             pool_unsent: false,
+            pool_device: None,
+            pool_plug: None,
+            left_in_guest: None,
             steering: None,
         }
     }
@@ -599,6 +609,10 @@ impl App for NfPort {
             self.down_drops.add(n as u64);
             return;
         };
+        if a.pool_unsent || a.pool_plug.is_some() {
+            // Taken over: the function gets this process's packet memory first.
+            return;
+        }
         let Some(mut room) = a.to_nf.free() else {
             input.drain().for_each(drop);
             self.bad_descriptors.add(1);
@@ -691,6 +705,7 @@ impl App for NfPort {
 
     fn tick(&mut self, _io: &mut Io, _now: Instant) {
         self.tend_guest_channels();
+        self.unplug_left_in_guest();
     }
 
     fn stop(&mut self) {
@@ -762,6 +777,9 @@ impl NfPort {
         if self.active.as_ref().is_some_and(|a| a.pool_unsent) {
             self.send_pool();
         }
+        if self.active.as_ref().is_some_and(|a| a.pool_plug.is_some()) {
+            self.pool_plugged();
+        }
         if let Some(a) = &self.active {
             if self.shared.closed.load(Ordering::Acquire) >= a.att.generation {
                 log::info!(
@@ -779,7 +797,11 @@ impl NfPort {
                 }
                 self.shared.busy.store(true, Ordering::Release);
                 self.restart_lost.add(att.lost_before.unwrap_or(0));
-                let a = Active::new(att, self.shared.settings.zero_copy);
+                let mut a = Active::new(att, self.shared.settings.zero_copy);
+                if a.att.guest.is_some() && self.shared.settings.zero_copy {
+                    let pool = crate::guest::device_id(&self.shared.name, a.att.generation, "pool");
+                    a.pool_device = Some(pool);
+                }
                 *self.shared.current.lock().unwrap() = Some(Current {
                     generation: a.att.generation,
                     held: a.held.clone(),

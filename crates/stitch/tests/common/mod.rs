@@ -731,12 +731,15 @@ pub fn ivshmem_vm_app(name: &str, image: &Path, run: &str, mode: &str) -> String
     )
 }
 
-/// A guest's shell loop that prints `IVSHMEM-DEVICES=N` each time the number of ivshmem
-/// devices its `lspci` lists changes, beside `function` started in the background.
+/// A guest's shell loop that prints `IVSHMEM-AT=xADDR,ADDR,…` and `IVSHMEM-DEVICES=N` each
+/// time the ivshmem devices its `lspci` lists change, beside `function` started in the
+/// background. (No quotes: it goes on the kernel's command line.)
 pub fn guest_watching_ivshmem(function: &str) -> String {
     format!(
-        "{function} & L=x; while true; do N=$(lspci -n | grep -c 1af4:1110); \
-         [ $N != $L ] && echo IVSHMEM-DEVICES=$N; L=$N; sleep 0.2; done"
+        "{function} & L=none; while true; \
+         do A=x$(lspci -n | grep 1af4:1110 | while read a b; do echo -n $a,; done); \
+         [ $A != $L ] && echo IVSHMEM-AT=$A && \
+         echo IVSHMEM-DEVICES=$(echo $A | grep -o : | wc -l); L=$A; sleep 0.2; done"
     )
 }
 
@@ -756,6 +759,17 @@ pub fn ivshmem_devices_now(s: &Stitch, vm: &str) -> Option<u32> {
         .rev()
         .find_map(|l| l.trim().strip_prefix("IVSHMEM-DEVICES="));
     last.and_then(|n| n.parse().ok())
+}
+
+/// The PCI addresses of the ivshmem devices VM app `vm`'s guest listed last (as
+/// [`ivshmem_devices_now`]).
+pub fn ivshmem_addresses_now(s: &Stitch, vm: &str) -> Option<Vec<String>> {
+    let said = console_of(s, vm);
+    let last = said
+        .lines()
+        .rev()
+        .find_map(|l| l.trim().strip_prefix("IVSHMEM-AT=x"))?;
+    Some(last.split_terminator(',').map(str::to_string).collect())
 }
 
 /// The VM app `vm`'s console so far.
