@@ -234,12 +234,20 @@ fn hand_over(api: &Api, mut conn: UnixStream, holdings: &Holdings) -> anyhow::Re
         anyhow::bail!("refused process {}: {why}", request.pid);
     }
     api.while_unchanged(|| {
-        lend(api, &mut conn, holdings)?;
-        match read_frame::<Answer>(&mut conn) {
-            Ok(Answer::Ready) => {}
-            Ok(Answer::Failed(why)) => anyhow::bail!("the new process failed: {why}"),
-            Ok(Answer::Started) => anyhow::bail!("the new process started before its time"),
-            Err(e) => anyhow::bail!("no word from the new process: {e}"),
+        let ready = lend(api, &mut conn, holdings)
+            .map_err(|e| format!("{e:#}"))
+            .and_then(|()| match read_frame::<Answer>(&mut conn) {
+                Ok(Answer::Ready) => Ok(()),
+                Ok(Answer::Failed(why)) => Err(format!("the new process failed: {why}")),
+                Ok(Answer::Started) => Err("the new process started before its time".into()),
+                Err(e) => Err(format!("no word from the new process: {e}")),
+            });
+        if let Err(why) = ready {
+            // What the apps let go for the upgrade (direct channels), they take up again.
+            if let Err(e) = api.engine().abandon_hand_over() {
+                log::warn!("after an abandoned upgrade: {e}");
+            }
+            anyhow::bail!(why);
         }
         let parked = Instant::now();
         let mut failure = None;

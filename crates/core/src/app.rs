@@ -414,12 +414,20 @@ pub trait App: Send + 'static {
         None
     }
 
+    /// An upgrade begins: its descriptors are lent to a successor next ([`App::hand_over`]),
+    /// which takes over at the final hand-over unless the upgrade is abandoned
+    /// ([`App::carry_on`]). Let go meanwhile of what no successor can take over (a switch
+    /// hands its functions' direct channels back). Called on a parked worker; the workers run
+    /// on after it.
+    fn prepare_for_hand_over(&mut self) {}
+
     /// The final [`App::hand_over`] comes next: stop taking changes from outside that it would
     /// have to describe (a front-end's control messages) — for good if the successor takes
     /// over, until [`App::carry_on`] if not. Called on a parked worker.
     fn hold_for_hand_over(&mut self) {}
 
-    /// The successor did not take over after [`App::hold_for_hand_over`]: carry on as before.
+    /// The successor did not take over after [`App::prepare_for_hand_over`] or
+    /// [`App::hold_for_hand_over`]: carry on as before.
     fn carry_on(&mut self) {}
 
     /// Where the predecessor stopped in the descriptors it lent (the `position` of its last
@@ -510,6 +518,7 @@ pub trait DynApp: Send {
     fn snapshot(&self) -> Option<AppSnapshot>;
     fn restore(&mut self, state: AppState) -> Result<(), String>;
     fn hand_over(&mut self) -> Option<Descriptors>;
+    fn prepare_for_hand_over(&mut self);
     fn hold_for_hand_over(&mut self);
     fn carry_on(&mut self);
     fn take_position(&mut self, position: serde_json::Value) -> Result<(), String>;
@@ -555,6 +564,9 @@ impl<A: App> DynApp for A {
     }
     fn hand_over(&mut self) -> Option<Descriptors> {
         App::hand_over(self)
+    }
+    fn prepare_for_hand_over(&mut self) {
+        App::prepare_for_hand_over(self)
     }
     fn hold_for_hand_over(&mut self) {
         App::hold_for_hand_over(self)

@@ -12,6 +12,9 @@
 //! `net_pcap` does with `infinite_rx`): packets then go out in batches at the rate a traffic
 //! generator would offer, without the file's parsing on every pass.
 //!
+//! Across an upgrade (and a restart with a state file) the replay goes on where it was: the
+//! state is the file, its size and the frames of the pass already sent.
+//!
 //! ```yaml
 //! apps:
 //!   src: { type: pcap_source, file: in.pcap, loop: false, pace: false, speed: 1.0 }
@@ -25,6 +28,7 @@ use std::fs::File;
 use std::io::{BufReader, Read};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
+use stitch_core::app::{AppSnapshot, AppState};
 use stitch_core::packet::MAX_FRAME;
 use stitch_core::{pool, App, AppContext, AppError, Counter, Io, PortSpec};
 
@@ -53,6 +57,20 @@ fn one() -> f64 {
 
 /// Most packets sent per breath.
 const BURST: usize = 256;
+
+/// Where a replay stands, as it is carried across an upgrade (format [`STATE_VERSION`]).
+#[derive(Debug, serde::Serialize, Deserialize)]
+struct Position {
+    /// The file, and its size then: a position in another file means nothing.
+    file: PathBuf,
+    bytes: u64,
+    /// Frames of the current pass sent.
+    sent_in_pass: u64,
+    /// The file was sent to its end (and not looped).
+    done: bool,
+}
+
+const STATE_VERSION: u32 = 1;
 
 /// The largest looped file (bytes of frames) kept in memory for replay.
 const REPLAY_LIMIT: usize = 64 << 20;
@@ -360,6 +378,38 @@ impl PcapSource {
         self.origin = None;
     }
 
+    /// Frames of the current pass sent (one read and held back is not).
+    fn sent_in_pass(&self) -> u64 {
+        let held = u64::from(self.pending.is_some());
+        match &self.replay {
+            Some(r) => {
+                let len = r.frames.len() as u64;
+                (r.next as u64 + len - held) % len
+            }
+            None => self.read_in_pass.saturating_sub(held),
+        }
+    }
+
+    /// Goes on after `sent` frames of the pass (taken from a predecessor).
+    fn skip(&mut self, sent: u64) -> Result<(), String> {
+        if let Some(r) = &mut self.replay {
+            r.next = (sent % r.frames.len() as u64) as usize;
+            r.started = true;
+            return Ok(());
+        }
+        let file = self.file.as_mut().ok_or("the file is closed")?;
+        for read in 0..sent {
+            match file.next() {
+                Next::Packet { oversize: true, .. } => {}
+                Next::Packet { .. } => self.read_in_pass += 1,
+                Next::End | Next::Error(_) => {
+                    return Err(format!("the file holds {read} frames, not {sent}"));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Sends up to `n` frames of the in-memory file, written straight into the link's slots
     /// with one pool visit and one link update.
     fn replay_batch(&mut self, n: usize, out: &mut stitch_core::Producer) {
@@ -460,6 +510,42 @@ impl App for PcapSource {
     fn finished(&self) -> Option<bool> {
         Some(self.done && self.pending.is_none())
     }
+
+    fn snapshot(&self) -> Option<AppSnapshot> {
+        let position = Position {
+            file: self.path.clone(),
+            bytes: std::fs::metadata(&self.path).map_or(0, |m| m.len()),
+            sent_in_pass: self.sent_in_pass(),
+            done: self.done && self.pending.is_none(),
+        };
+        Some(AppSnapshot::new(STATE_VERSION, position))
+    }
+
+    fn restore(&mut self, state: AppState) -> Result<(), String> {
+        let at: Position = serde_json::from_value(state.of_version(STATE_VERSION)?)
+            .map_err(|e| format!("pcap_source state: {e}"))?;
+        let bytes = std::fs::metadata(&self.path).map_or(0, |m| m.len());
+        if at.file != self.path || at.bytes != bytes {
+            return Err(format!(
+                "the replay was of {} ({} bytes), this is {} ({bytes} bytes): it starts again",
+                at.file.display(),
+                at.bytes,
+                self.path.display()
+            ));
+        }
+        if at.done {
+            self.file = None;
+            self.replay = None;
+            self.done = true;
+        } else if let Err(e) = self.skip(at.sent_in_pass) {
+            self.file = Some(PcapFile::open(&self.path)?);
+            self.read_in_pass = 0;
+            return Err(e);
+        }
+        // Its first packet was held back already: no second wait.
+        self.start = Some(Instant::now());
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -496,6 +582,52 @@ mod tests {
             &mut ctx,
         )
         .unwrap()
+    }
+
+    /// Pulls until `n` frames came out (or the file ended); the first bytes of the first `n`.
+    fn take(s: &mut PcapSource, n: usize) -> Vec<u8> {
+        let (tx, mut rx) = link(1);
+        let mut io = Io::new(vec![], vec![("output".into(), tx)]);
+        let mut got = Vec::new();
+        while got.len() < n && App::finished(s) != Some(true) {
+            App::pull(s, &mut io);
+            got.extend(rx.drain().map(|p| p.data()[0]));
+        }
+        got.truncate(n);
+        got
+    }
+
+    fn carried_over(s: &PcapSource, to: &mut PcapSource) -> Result<(), String> {
+        let state = App::snapshot(s).unwrap().into_state().unwrap();
+        App::restore(to, state)
+    }
+
+    #[test]
+    fn a_replay_goes_on_where_its_predecessor_stopped() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = file_with(dir.path(), &[1, 2, 3, 4, 5]);
+        for repeat in [false, true] {
+            let mut first = source(path.clone(), repeat, false, 1.0);
+            assert_eq!(take(&mut first, 2), [0, 1]);
+            let mut next = source(path.clone(), repeat, false, 1.0);
+            carried_over(&first, &mut next).unwrap();
+            assert_eq!(
+                take(&mut next, 5),
+                [2, 3, 4, 0, 1][..if repeat { 5 } else { 3 }]
+            );
+        }
+        // Sent to its end: the successor sends nothing again.
+        let mut first = source(path.clone(), false, false, 1.0);
+        assert_eq!(take(&mut first, 9).len(), 5);
+        let mut next = source(path.clone(), false, false, 1.0);
+        carried_over(&first, &mut next).unwrap();
+        assert!(take(&mut next, 9).is_empty());
+        // Another file: refused, and the replay starts at its first frame.
+        let other = dir.path().join("other");
+        std::fs::create_dir(&other).unwrap();
+        let mut next = source(file_with(&other, &[1, 2, 3]), false, false, 1.0);
+        assert!(carried_over(&first, &mut next).is_err());
+        assert_eq!(take(&mut next, 9), [0, 1, 2]);
     }
 
     #[test]

@@ -1106,6 +1106,36 @@ fn functions_in_two_guests_get_a_hot_plugged_direct_channel_and_give_it_back() {
     assert_in_order(&dir.path().join("out.pcap"), N);
 }
 
+/// The two guests' channel through an upgrade, under the paced stream: the channel goes back
+/// to the switch first (no successor can take one over), the successor takes both guests'
+/// functions over — each given the successor's packet memory, hot-plugged — removes what the
+/// predecessor left in the guests (its packet memory, the channel's devices) and gives the pair
+/// a channel of its own. Every frame arrives once, in order; neither function attaches again.
+#[test]
+fn functions_in_two_guests_get_a_channel_again_across_an_upgrade() {
+    const N: u32 = 16_000;
+    let g = TwoGuests::start(N, "");
+    let (s, port) = (&g.s, g.port);
+    g.channel_up("before the stream", 60);
+    g.replay();
+    std::thread::sleep(Duration::from_secs(1));
+    let (successor, report) = common::upgrade::upgrade(s);
+    eprintln!("the upgrade: {report}");
+    // Region, the successor's packet memory and its channel: 3 devices in each guest.
+    g.channel_up("the successor's channel", 60);
+    for f in ["f0", "f1"] {
+        assert_eq!(s.counter(f, "attaches"), Some(1), "{f} attached again");
+        assert_eq!(s.counter(f, "guest_plug_refusals"), Some(0));
+    }
+    wait_for_sink(s, N as u64, 60);
+    std::thread::sleep(Duration::from_millis(50));
+    assert_port_counts(port, 2, 3, N);
+    let TwoGuests { s, dir, .. } = g;
+    let stats = successor.stop(s);
+    assert_both_paths_carried(&stats, N);
+    assert_in_order(&dir.path().join("out.pcap"), N);
+}
+
 /// The same two guests, f1's with every PCI slot but two taken (27 more devices on the
 /// command line): QEMU plugs its region and packet memory, then refuses the direct channel.
 /// The refusal is counted on f1's port, f0's half of the channel is unplugged again, no

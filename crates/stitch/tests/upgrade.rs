@@ -4,36 +4,10 @@
 
 mod common;
 use common::testpmd::Testpmd;
+use common::upgrade::*;
 use common::*;
 use std::path::Path;
 use std::process::Command;
-
-/// The process that took an instance over (not a child of the test): killed if the test fails.
-struct Successor(i32);
-
-impl Drop for Successor {
-    fn drop(&mut self) {
-        // SAFETY: kill takes no pointers; a pid already gone fails harmlessly.
-        unsafe { libc::kill(self.0, libc::SIGKILL) };
-    }
-}
-
-impl Successor {
-    /// Stops it like an operator (SIGINT) and returns the final counters it printed on the
-    /// standard output it took over from `first`.
-    fn stop(self, first: Stitch) -> serde_json::Value {
-        // SAFETY: as in drop.
-        unsafe { libc::kill(self.0, libc::SIGINT) };
-        let out = first.process.finish();
-        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-            panic!(
-                "{e}: {}\n{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            )
-        })
-    }
-}
 
 /// The newest process that took `s` over: one a signal started, whose pid no report gave.
 fn newest_take_over(s: &Stitch) -> Successor {
@@ -43,31 +17,6 @@ fn newest_take_over(s: &Stitch) -> Successor {
         s.socket.display()
     ));
     Successor(pid.trim().parse().unwrap())
-}
-
-/// `stitch upgrade` of `s` with `binary`: its exit status and output.
-fn upgrade_with(s: &Stitch, binary: &str) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_stitch"))
-        .args(["upgrade", "--control"])
-        .arg(&s.socket)
-        .args(["--binary", binary])
-        .output()
-        .unwrap()
-}
-
-/// Upgrades `s` to this build; returns the new process and its report.
-fn upgrade(s: &Stitch) -> (Successor, serde_json::Value) {
-    let o = upgrade_with(s, env!("CARGO_BIN_EXE_stitch"));
-    let out = String::from_utf8_lossy(&o.stdout);
-    assert!(
-        o.status.success(),
-        "stitch upgrade: {out}\n{}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    let json = &out[out.find('{').expect("a report")..];
-    let report: serde_json::Value = serde_json::from_str(json).unwrap();
-    let pid = report["pid"].as_i64().unwrap() as i32;
-    (Successor(pid), report)
 }
 
 /// iperf3 through a firewall and a NAT: without their connections and mappings the new process
@@ -578,6 +527,13 @@ fn an_openflow_switch_keeps_its_tables_and_its_controller_socket_across_an_upgra
             .sum()
     };
     let before = ofctl(port, &["dump-flows"]);
+    let rx_packets = |port_stats: &str| -> u64 {
+        (port_stats.split([',', ' ']))
+            .filter_map(|f| f.strip_prefix("pkts="))
+            .filter_map(|n| n.parse::<u64>().ok())
+            .sum()
+    };
+    let ports_before = ofctl(port, &["dump-ports"]);
     let (successor, report) = upgrade(&first);
     assert!(
         report["state_restored"]
@@ -589,6 +545,12 @@ fn an_openflow_switch_keeps_its_tables_and_its_controller_socket_across_an_upgra
     );
     let after = ofctl(port, &["dump-flows"]);
     assert_eq!(flows(&after), flows(&before), "{after}");
+    // Port counters go on from where they were (a controller's rates of them never drop).
+    let ports_after = ofctl(port, &["dump-ports"]);
+    assert!(
+        rx_packets(&ports_after) >= rx_packets(&ports_before) && rx_packets(&ports_before) > 0,
+        "{ports_before}\n{ports_after}"
+    );
     assert!(
         packets(&after) >= packets(&before) && packets(&before) > 0,
         "{before}\n{after}"
@@ -841,6 +803,92 @@ fn a_direct_path_between_vms_carries_on_across_an_upgrade() {
     let last = successor.stop(first);
     let sw = &app(&last, "sw")["counters"];
     assert!(sw["direct_channel_packets"].as_u64() > Some(0), "{sw}");
+}
+
+/// Two function processes (zero-copy firewalls) chained through the switch between the two
+/// hosts, their rules point to point, a direct channel from the first to the second: an
+/// upgrade hands the channel back to the switch first (no successor could take a channel
+/// over), then the functions carry on in the successor, which gives the pair a channel again.
+/// The numbered stream loses nothing across it; neither function attaches again.
+#[test]
+fn a_direct_channel_between_functions_is_given_back_and_offered_again_across_an_upgrade() {
+    require_root_and_tools(&["ip", "python3", "ovs-ofctl"]);
+    let h = TwoHosts::new();
+    let port = free_port();
+    let function = |name: &str| {
+        format!(
+            "  {name}: {{ placement: process, command: [stitch-nf-firewall], mode: zero_copy }}\n"
+        )
+    };
+    let first = Stitch::run(&format!(
+        "apps:
+  a: {{ type: af_packet, interface: {a} }}
+  b: {{ type: af_packet, interface: {b} }}
+  sw: {{ type: switch, ports: [a, f0, f1, b], listen: \"127.0.0.1:{port}\" }}
+{f0}{f1}links:
+  - \"a.output -> sw.a\"
+  - \"sw.f0 -> f0.input\"
+  - \"f0.output -> sw.f0\"
+  - \"sw.f1 -> f1.input\"
+  - \"f1.output -> sw.f1\"
+  - \"sw.b -> b.input\"
+  - \"b.output -> a.input\"
+",
+        a = h.outer[0],
+        b = h.outer[1],
+        f0 = function("f0"),
+        f1 = function("f1"),
+    ));
+    for flow in [
+        "priority=100,in_port=1,actions=output:2",
+        "priority=100,in_port=2,actions=output:3",
+        "priority=100,in_port=3,actions=output:4",
+    ] {
+        ofctl(port, &["add-flow", flow]);
+    }
+    let channel_up = |what: &str| {
+        wait_until(what, 20, || {
+            let (_, shown) = first.call("POST", "/api/v1/apps/sw/query", Some("{}"));
+            shown["direct_channels"][0]["phase"] == "ReceiverReads"
+        })
+    };
+    channel_up("a direct channel f0 -> f1");
+    // An upgrade abandoned after the channel was given back (the new process cannot receive
+    // what it is lent): the switch offers the pair a channel again.
+    let cramped = first.path().join("cramped-stitch");
+    std::fs::write(
+        &cramped,
+        format!(
+            "#!/bin/sh\nulimit -n 9\nexec {} \"$@\"\n",
+            env!("CARGO_BIN_EXE_stitch")
+        ),
+    )
+    .unwrap();
+    must(&format!("chmod +x {}", cramped.display()));
+    let o = upgrade_with(&first, cramped.to_str().unwrap());
+    assert!(
+        !o.status.success(),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let handed_back = first.counter("sw", "direct_handback_ns");
+    assert!(handed_back > Some(0), "the channel was given back");
+    channel_up("a direct channel again after the abandoned upgrade");
+    assert!(h.reaches(0, &h.ip[1], 10), "no path before the upgrade");
+    let (successor, report) = numbered_stream_across_an_upgrade(&h, &first);
+    assert_eq!(report["packets_left_queued"], 0, "{report}");
+    channel_up("the successor's direct channel f0 -> f1");
+    for f in ["f0", "f1"] {
+        assert_eq!(first.counter(f, "attaches"), Some(1), "{f} attached again");
+    }
+    let before = first.counter("sw", "direct_channel_packets").unwrap();
+    assert!(h.reaches(0, &h.ip[1], 10), "no path after the upgrade");
+    let after = first.counter("sw", "direct_channel_packets").unwrap();
+    assert!(
+        after > before,
+        "the new channel carries: {before} then {after}"
+    );
+    successor.stop(first);
 }
 
 /// A guest's virtio driver (testpmd's virtio-user, forwarding what it receives back) never

@@ -97,7 +97,10 @@ impl Switch {
         let in_use = self.review_channels(io) + self.review_vm_paths(io);
         self.counters.channels_in_use.set(in_use);
         if self.offers_direct {
-            self.offer_channels(io);
+            // A VM path is handed over at an upgrade, a functions' channel is not.
+            if !self.handing_over {
+                self.offer_channels(io);
+            }
             self.offer_vm_paths(io);
         }
     }
@@ -147,7 +150,7 @@ impl Switch {
                 }
                 _ => false,
             };
-            if !still {
+            if !still || self.handing_over {
                 c.direct.end();
             } else if phase == Phase::ReceiverReads {
                 in_use += 1;

@@ -280,6 +280,9 @@ pub struct Switch {
     vm_paths: Vec<vm_paths::VmPath>,
     /// `direct_paths` of the config.
     offers_direct: bool,
+    /// An upgrade began: the functions' direct channels go back through the switch (no
+    /// successor can take one over) and none is offered until it is abandoned.
+    handing_over: bool,
     counters: Counters,
 }
 
@@ -374,6 +377,7 @@ impl App for Switch {
             channels: Vec::new(),
             vm_paths: Vec::new(),
             offers_direct: c.direct_paths,
+            handing_over: false,
             counters,
         })
     }
@@ -457,6 +461,17 @@ impl App for Switch {
         }
     }
 
+    fn prepare_for_hand_over(&mut self) {
+        self.handing_over = true;
+        for c in &self.channels {
+            c.direct.end();
+        }
+    }
+
+    fn carry_on(&mut self) {
+        self.handing_over = false;
+    }
+
     fn stop(&mut self) {
         self.dp.flush_entries(&self.snap, self.shared.now_ns());
         for c in &self.channels {
@@ -470,7 +485,7 @@ impl App for Switch {
     /// Its meters, groups and flows as the OpenFlow messages that make them, with their
     /// counters (`saved`): a restarted switch forwards before its controller is back.
     fn snapshot(&self) -> Option<AppSnapshot> {
-        let tables = saved::save(&self.shared.state.lock().unwrap());
+        let tables = saved::save(&self.shared);
         Some(AppSnapshot::new(saved::STATE_VERSION, tables))
     }
 

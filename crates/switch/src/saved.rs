@@ -1,6 +1,7 @@
 //! The switch's tables carried across a restart or an upgrade as the OpenFlow 1.3 messages that
 //! would make them again — METER_MODs, GROUP_MODs and FLOW_MODs, each an ADD — with the counters
-//! and age each entry had. The wire format is the one a controller speaks, read back by the same
+//! and age each entry had, and the port and table counters (a controller's rates of them never
+//! see a drop). The wire format is the one a controller speaks, read back by the same
 //! parsers and checks as a controller's messages, so a saved table is never misread.
 
 use crate::ofp;
@@ -17,6 +18,23 @@ pub struct SavedTables {
     meters: Vec<SavedEntry>,
     groups: Vec<SavedEntry>,
     flows: Vec<SavedEntry>,
+    /// By port name (a port the new graph no longer has is left out).
+    #[serde(default)]
+    ports: Vec<SavedPort>,
+    /// Lookups and matches of each table, by table number.
+    #[serde(default)]
+    tables: Vec<(u64, u64)>,
+}
+
+/// One port's PORT statistics.
+#[derive(Debug, Serialize, Deserialize)]
+struct SavedPort {
+    name: String,
+    rx_packets: u64,
+    rx_bytes: u64,
+    tx_packets: u64,
+    tx_bytes: u64,
+    tx_dropped: u64,
 }
 
 /// One entry: the message that makes it (hex) and its counters.
@@ -27,8 +45,27 @@ struct SavedEntry {
     bytes: u64,
 }
 
-/// Every meter, group and flow of `s`.
-pub fn save(s: &State) -> SavedTables {
+/// Every meter, group and flow of the switch, and its port and table counters.
+pub fn save(shared: &Shared) -> SavedTables {
+    let s = shared.state.lock().unwrap();
+    let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+    let ports = (shared.ports.iter().zip(&shared.port_counters))
+        .map(|(name, c)| SavedPort {
+            name: name.clone(),
+            rx_packets: load(&c.rx_packets),
+            rx_bytes: load(&c.rx_bytes),
+            tx_packets: load(&c.tx_packets),
+            tx_bytes: load(&c.tx_bytes),
+            tx_dropped: load(&c.tx_dropped),
+        })
+        .collect();
+    let tables = (shared.table_counters.iter())
+        .map(|t| (load(&t.lookups), load(&t.matched)))
+        .collect();
+    save_entries(&s, ports, tables)
+}
+
+fn save_entries(s: &State, ports: Vec<SavedPort>, tables: Vec<(u64, u64)>) -> SavedTables {
     let meters = (s.meters.meters.values())
         .map(|m| SavedEntry {
             message: crate::hex(&meter_add(m)),
@@ -54,6 +91,8 @@ pub fn save(s: &State) -> SavedTables {
         meters,
         groups,
         flows,
+        ports,
+        tables,
     }
 }
 
@@ -113,6 +152,21 @@ fn give_counters_back(shared: &Shared, saved: &SavedTables) {
     for (f, e) in s.flows.tables.iter().flatten().zip(&saved.flows) {
         f.packets.store(e.packets, Ordering::Relaxed);
         f.bytes.store(e.bytes, Ordering::Relaxed);
+    }
+    for p in &saved.ports {
+        let Some(i) = shared.ports.iter().position(|n| *n == p.name) else {
+            continue;
+        };
+        let c = &shared.port_counters[i];
+        c.rx_packets.fetch_add(p.rx_packets, Ordering::Relaxed);
+        c.rx_bytes.fetch_add(p.rx_bytes, Ordering::Relaxed);
+        c.tx_packets.fetch_add(p.tx_packets, Ordering::Relaxed);
+        c.tx_bytes.fetch_add(p.tx_bytes, Ordering::Relaxed);
+        c.tx_dropped.fetch_add(p.tx_dropped, Ordering::Relaxed);
+    }
+    for (t, &(lookups, matched)) in shared.table_counters.iter().zip(&saved.tables) {
+        t.lookups.fetch_add(lookups, Ordering::Relaxed);
+        t.matched.fetch_add(matched, Ordering::Relaxed);
     }
 }
 

@@ -110,10 +110,27 @@ impl Engine {
         let mut parked = park_workers(&mut st)?;
         let lent = (parked.iter_mut().flat_map(|(_, p)| p.slots.iter_mut()))
             .filter(|s| !s.failed.load(Ordering::Relaxed))
-            .filter_map(|s| Some((s.name.clone(), (s.kind.clone(), s.app.hand_over()?))))
+            .filter_map(|s| {
+                s.app.prepare_for_hand_over();
+                Some((s.name.clone(), (s.kind.clone(), s.app.hand_over()?)))
+            })
             .collect();
         resume_parked(&st, parked)?;
         Ok(lent)
+    }
+
+    /// The upgrade [`Engine::lend_descriptors`] began ends before [`Engine::hand_over`] (the
+    /// successor failed or went silent): every app carries on as before.
+    pub fn abandon_hand_over(&self) -> Result<(), EngineError> {
+        let mut st = self.state.lock().unwrap();
+        if st.stopped {
+            return Ok(());
+        }
+        let mut parked = park_workers(&mut st)?;
+        for s in parked.iter_mut().flat_map(|(_, p)| p.slots.iter_mut()) {
+            s.app.carry_on();
+        }
+        resume_parked(&st, parked)
     }
 
     /// First half of taking over from another process: builds `graph`'s apps (an engine that

@@ -32,6 +32,8 @@ enum Outcome {
 /// One direct channel on its way into (or in, or out of) a port's guest.
 struct GuestChannel {
     direct: Arc<Direct>,
+    /// Its device's name in the guest.
+    id: String,
     outgoing: bool,
     outcome: Arc<Mutex<Outcome>>,
     /// The channel retired: its device goes once the function let it go.
@@ -75,6 +77,7 @@ impl GuestChannels {
             NEXT.fetch_add(1, Ordering::Relaxed),
             if outgoing { "tx" } else { "rx" }
         );
+        let id_kept = id.clone();
         let outcome = Arc::new(Mutex::new(Outcome::Plugging));
         let result = outcome.clone();
         std::thread::Builder::new()
@@ -92,6 +95,7 @@ impl GuestChannels {
             })?;
         self.0.push(GuestChannel {
             direct: d.clone(),
+            id: id_kept,
             outgoing,
             outcome,
             retired: false,
@@ -109,6 +113,7 @@ impl GuestChannels {
         outgoing: bool,
         port: &PortShared,
     ) {
+        let id = device.id.clone();
         let outcome = match tell(conn, &device.pci, d.bytes(), outgoing) {
             Ok(()) => Outcome::Sent(device),
             Err(e) => {
@@ -119,6 +124,7 @@ impl GuestChannels {
         port.changed.store(true, Ordering::Release);
         self.0.push(GuestChannel {
             direct: d.clone(),
+            id,
             outgoing,
             outcome: Arc::new(Mutex::new(outcome)),
             retired: false,
@@ -185,6 +191,19 @@ impl GuestChannels {
             }
         });
         t
+    }
+
+    /// Whether a message is on its way, or sent and not yet counted in `control`.
+    pub fn unsettled(&self) -> bool {
+        self.0.iter().any(|c| {
+            let o = c.outcome.lock().unwrap();
+            matches!(*o, Outcome::Plugging | Outcome::Sent(_))
+        })
+    }
+
+    /// The names of its channels' devices (plugged, or being plugged).
+    pub fn devices(&self) -> impl Iterator<Item = &str> {
+        self.0.iter().map(|c| c.id.as_str())
     }
 
     pub fn is_empty(&self) -> bool {

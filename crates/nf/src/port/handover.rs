@@ -54,9 +54,10 @@ struct Attached {
     guest_pool: Option<String>,
     #[serde(default)]
     guest_unused: Vec<String>,
-    /// This process's own packet memory was still on its way to the function.
+    /// A message was still on its way to a function in a guest (this process's packet
+    /// memory, a direct channel being plugged): the successor could not count it.
     #[serde(default)]
-    pool_settling: bool,
+    settling: bool,
 }
 
 /// Offers the attach socket a predecessor lent (the first descriptor) to the listener of
@@ -93,9 +94,10 @@ impl NfPort {
                     in_guest: a.att.guest.is_some(),
                     guest_pool: a.pool_device.clone(),
                     guest_unused: self.unused_in_guest(a),
-                    pool_settling: a.pool_unsent
+                    settling: a.pool_unsent
                         || a.pool_plug.is_some()
-                        || a.left_in_guest.is_some(),
+                        || a.left_in_guest.is_some()
+                        || a.guest_channels.unsettled(),
                 })
             }
         };
@@ -222,10 +224,10 @@ impl NfPort {
                  be handed over yet"
             ));
         }
-        if at.pool_settling {
+        if at.settling {
             return Err(format!(
-                "function port `{name}`: its function in a guest was still taking the packet \
-                 memory of the last upgrade; upgrade again"
+                "function port `{name}`: a message was still on its way to its function in a \
+                 guest (packet memory or a direct channel being plugged); upgrade again"
             ));
         }
         if at.held > 0 {
@@ -273,17 +275,18 @@ impl NfPort {
         Ok(())
     }
 
-    /// What this process leaves in the guest of `a` that nobody uses: its direct channels'
-    /// spare devices (the successor knows nothing of them).
+    /// What this process leaves in the guest of `a` that the successor knows nothing of: its
+    /// direct channels' devices, spare or still plugged (the channels themselves retired
+    /// before a take-over, or it fails).
     fn unused_in_guest(&self, a: &Active) -> Vec<String> {
         if a.att.guest.is_none() {
             return Vec::new();
         }
         let spares = self.shared.spares.lock().unwrap();
         let kept = [&spares.outgoing, &spares.incoming];
-        kept.into_iter()
-            .flatten()
-            .map(|s| s.device.id.clone())
+        (kept.into_iter().flatten().map(|s| s.device.id.as_str()))
+            .chain(a.guest_channels.devices())
+            .map(str::to_string)
             .collect()
     }
 

@@ -722,8 +722,14 @@ impl App for NfPort {
         self.resume(position)
     }
 
+    /// The packets its function holds, and one for each direct channel not yet given back:
+    /// an upgrade's drain pulls the port until the channel retired (the switch hands its
+    /// channels back as the upgrade begins, and a function in a slow guest may take a while).
     fn outstanding(&self) -> u64 {
-        let active = self.active.as_ref().map_or(0, |a| a.held.lock().count());
+        let active = self.active.as_ref().map_or(0, |a| {
+            let channels = u64::from(a.outgoing.is_some()) + u64::from(a.incoming.is_some());
+            a.held.lock().count() + channels
+        });
         active
             + self
                 .leaving

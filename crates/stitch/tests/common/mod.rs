@@ -4,6 +4,7 @@
 
 pub mod frames;
 pub mod testpmd;
+pub mod upgrade;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
