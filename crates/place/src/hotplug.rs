@@ -16,9 +16,11 @@ const PATIENCE: Duration = Duration::from_secs(5);
 /// How long a guest has to let a device go.
 const UNPLUG_WAIT: Duration = Duration::from_secs(10);
 
-/// The QMP socket of one VM.
+/// The QMP socket of one VM, and the root ports a PCI Express machine got for Stitch's devices
+/// (empty: its root bus takes them).
 pub struct QmpBus {
     pub qmp: PathBuf,
+    pub root_ports: Vec<String>,
 }
 
 fn memdev(id: &str) -> String {
@@ -32,6 +34,27 @@ fn said(e: QmpError) -> String {
 impl QmpBus {
     fn connect(&self) -> Result<Qmp, String> {
         Qmp::connect(&self.qmp, PATIENCE).map_err(said)
+    }
+
+    /// `device_add`s `device` on the root bus, or in the first free root port: at its one
+    /// slot (a guest looks for nothing else behind a PCI Express port; QEMU would put a second
+    /// device at slot 1, where the guest never sees it, so the slot is named and an occupied
+    /// port refuses).
+    fn add_device(&self, q: &mut Qmp, device: Value) -> Result<Value, QmpError> {
+        let mut refused = None;
+        for port in &self.root_ports {
+            let mut on_port = device.clone();
+            on_port["bus"] = port.as_str().into();
+            on_port["addr"] = "0".into();
+            match q.execute("device_add", Some(on_port)) {
+                Ok(v) => return Ok(v),
+                Err(e) => refused = Some(e),
+            }
+        }
+        match refused {
+            Some(e) => Err(e),
+            None => q.execute("device_add", Some(device)),
+        }
     }
 }
 
@@ -50,10 +73,8 @@ impl GuestBus for QmpBus {
             })),
         )
         .map_err(said)?;
-        let added = q.execute(
-            "device_add",
-            Some(json!({ "driver": "ivshmem-plain", "id": id, "memdev": memdev(id) })),
-        );
+        let device = json!({ "driver": "ivshmem-plain", "id": id, "memdev": memdev(id) });
+        let added = self.add_device(&mut q, device);
         if let Err(e) = added {
             let _ = q.execute("object-del", Some(json!({ "id": memdev(id) })));
             return Err(said(e));

@@ -530,7 +530,10 @@ impl Placements {
             stitch_nf::guest::withdraw_bus(&gone.socket);
         }
         for b in buses.iter().filter(|b| !offered.contains(b)) {
-            let bus = Arc::new(hotplug::QmpBus { qmp: b.qmp.clone() });
+            let bus = Arc::new(hotplug::QmpBus {
+                qmp: b.qmp.clone(),
+                root_ports: b.root_ports.clone(),
+            });
             stitch_nf::guest::offer_bus(&b.socket, bus);
         }
         *offered = buses.to_vec();
@@ -871,9 +874,36 @@ mod tests {
             p.guest_buses,
             [vm::GuestBusAt {
                 socket: sock,
-                qmp: vm_dir.join("vm1.qmp")
+                qmp: vm_dir.join("vm1.qmp"),
+                root_ports: Vec::new(),
             }]
         );
+        // A PCI Express machine, whose root bus takes no hot-plug: root ports for the devices,
+        // each with room for the packet memory's BAR.
+        for (machine, ports) in [
+            ("[-machine, q35]", 8),
+            ("[-M, 'pc-q35-7.2,accel=tcg']", 8),
+            ("[-machine, 'type=q35']", 8),
+            ("[-machine, pc]", 0),
+            ("[-name, q35]", 0),
+        ] {
+            let g = parse(&format!(
+                "apps:\n  vm1:\n    placement: vm\n    kernel: vmlinux\n    qemu: /bin/true\n    rings: ivshmem\n    qemu_args: {machine}\n",
+            ))
+            .unwrap();
+            let p = plan(&g, &r, "some-instance").unwrap();
+            let args = p.processes[0].args.join(" ");
+            assert_eq!(p.guest_buses[0].root_ports.len(), ports, "{machine}");
+            assert_eq!(args.matches("pcie-root-port").count(), ports, "{args}");
+            if ports > 0 {
+                assert!(
+                    args.contains(
+                        "pcie-root-port,id=stitch-rp7,chassis=207,bus=pcie.0,pref64-reserve=1G"
+                    ),
+                    "{args}"
+                );
+            }
+        }
         // `mode` belongs to the ivshmem rings: refused at its app without them.
         let e = match parse(
             "apps:\n  vm1:\n    placement: vm\n    kernel: vmlinux\n    qemu: /bin/true\n    mode: zero_copy\n",

@@ -173,16 +173,46 @@ fn engine_side(
             Some(GuestBusAt {
                 socket: socket.to_path_buf(),
                 qmp: qmp.to_path_buf(),
+                root_ports: root_ports(c),
             }),
         ),
     }
 }
 
-/// A VM whose function attaches on `socket` and whose memory is plugged over `qmp`.
+/// A VM whose function attaches on `socket` and whose memory is plugged over `qmp` — on a
+/// PCI Express machine into one of `root_ports` (its root bus takes no hot-plug).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GuestBusAt {
     pub socket: PathBuf,
     pub qmp: PathBuf,
+    pub root_ports: Vec<String>,
+}
+
+/// Root ports a PCI Express machine gets for the devices Stitch plugs: the region, the packet
+/// memory and another during an upgrade, two direct channels and their two spares, one more.
+const ROOT_PORTS: usize = 8;
+
+/// The BAR of the packet memory (the default pool's 644 MiB, to a power of two): what each
+/// root port reserves room for, in the guest's 64-bit address space (nothing of its memory).
+const POOL_BAR: &str = "1G";
+
+/// Whether `qemu_args` make the machine a PCI Express one (`-machine q35…`, `-M pc-q35-…`).
+fn pcie_machine(c: &VmConfig) -> bool {
+    c.qemu_args.windows(2).any(|w| {
+        let machine = w[1]
+            .split(',')
+            .find(|f| !f.contains('=') || f.starts_with("type="));
+        matches!(w[0].as_str(), "-machine" | "-M")
+            && machine.is_some_and(|m| m.trim_start_matches("type=").contains("q35"))
+    })
+}
+
+/// The ids of the root ports an ivshmem VM on a PCI Express machine gets (none otherwise).
+fn root_ports(c: &VmConfig) -> Vec<String> {
+    if !pcie_machine(c) {
+        return Vec::new();
+    }
+    (0..ROOT_PORTS).map(|i| format!("stitch-rp{i}")).collect()
 }
 
 fn qemu_args(
@@ -235,15 +265,30 @@ fn qemu_args(
             }
             arg(&["-device", &device]);
         }
-        GuestRings::Ivshmem => arg(&[
-            "-device",
-            "virtio-serial-pci,id=stitch-serial",
-            "-device",
-            &format!(
-                "virtserialport,bus=stitch-serial.0,chardev=port0,name={}{name}",
-                stitch_nf::guest::SERIAL_PREFIX
-            ),
-        ]),
+        GuestRings::Ivshmem => {
+            arg(&[
+                "-device",
+                "virtio-serial-pci,id=stitch-serial",
+                "-device",
+                &format!(
+                    "virtserialport,bus=stitch-serial.0,chardev=port0,name={}{name}",
+                    stitch_nf::guest::SERIAL_PREFIX
+                ),
+            ]);
+            // Chassis numbers from 200: clear of those a user's own root ports take. Each
+            // port's window is reserved at boot for the largest BAR it may get, the packet
+            // memory's (a hot-plugged BAR larger than the window is never assigned).
+            for (i, port) in root_ports(c).iter().enumerate() {
+                let chassis = 200 + i;
+                arg(&[
+                    "-device",
+                    &format!(
+                        "pcie-root-port,id={port},chassis={chassis},bus=pcie.0,\
+                         pref64-reserve={POOL_BAR}"
+                    ),
+                ]);
+            }
+        }
     }
     arg(&["-serial", &format!("file:{}", console.display())]);
     arg(&[

@@ -842,13 +842,14 @@ fn stitch_cleanup_removes_what_a_crashed_instance_left_and_never_touches_a_live_
 /// Host 0 → `vm1`, a guest whose `stitch-nf-firewall` (dropping UDP) runs on the port's rings
 /// hot-plugged as ivshmem devices (`rings: ivshmem`, `mode`) → host 1; host 1 → host 0 direct.
 /// The guest runs `run`.
-fn ivshmem_graph(hosts: &TwoHosts, image: &Path, run: &str, mode: &str) -> String {
+/// `more`: more of the VM's entry.
+fn ivshmem_graph(hosts: &TwoHosts, image: &Path, run: &str, mode: &str, more: &str) -> String {
     let (a, b) = (&hosts.outer[0], &hosts.outer[1]);
     format!(
         "apps:
   a: {{ type: af_packet, interface: {a} }}
   b: {{ type: af_packet, interface: {b} }}
-{vm}links:
+{vm}{more}links:
   - \"a.output -> vm1.input\"
   - \"vm1.output -> b.input\"
   - \"b.output -> a.input\"
@@ -878,10 +879,10 @@ fn ivshmem_devices(console: &str, marker: &str) -> Vec<String> {
         .collect()
 }
 
-/// The test of `rings: ivshmem` in `mode`: the guest's function forwards pings on
-/// hot-plugged rings; killed and started again in the guest, its first devices are
-/// unplugged and new ones plugged (the guest's `lspci` shows it).
-fn a_function_in_a_guest_forwards_on_ivshmem(mode: &str, devices: usize) {
+/// The test of `rings: ivshmem` in `mode` (`more`: more of the VM's entry): the guest's
+/// function forwards pings on hot-plugged rings; killed and started again in the guest, its
+/// first devices are unplugged and new ones plugged (the guest's `lspci` shows it).
+fn a_function_in_a_guest_forwards_on_ivshmem(mode: &str, devices: usize, more: &str) {
     require_root_and_tools(&["qemu-system-x86_64", "busybox", "cpio", "ping", "lspci"]);
     let _one = one_guest_test_at_a_time();
     let image = vm_image_with("vm-image-nf", &["stitch-nf-firewall"]);
@@ -894,7 +895,7 @@ fn a_function_in_a_guest_forwards_on_ivshmem(mode: &str, devices: usize) {
          sleep 8; kill $F; sleep 1; {nf} & sleep 6; {lspci}; echo SECOND-UP; sleep 3600"
     );
     let s = Stitch::run_with(
-        &ivshmem_graph(&hosts, &image, &run, mode),
+        &ivshmem_graph(&hosts, &image, &run, mode, more),
         &["--keep-running"],
     );
     // Attach number `n`; the guest's console and the port when it does not come.
@@ -952,10 +953,17 @@ fn a_function_in_a_guest_forwards_on_ivshmem(mode: &str, devices: usize) {
 
 #[test]
 fn a_function_in_a_guest_forwards_on_ivshmem_rings() {
-    a_function_in_a_guest_forwards_on_ivshmem("isolated", 1);
+    a_function_in_a_guest_forwards_on_ivshmem("isolated", 1, "");
 }
 
 #[test]
 fn a_function_in_a_guest_forwards_in_stitchs_packet_memory() {
-    a_function_in_a_guest_forwards_on_ivshmem("zero_copy", 2);
+    a_function_in_a_guest_forwards_on_ivshmem("zero_copy", 2, "");
+}
+
+/// The same on a PCI Express machine (q35), whose root bus takes no hot-plug: the devices go
+/// into root ports the VM got for them.
+#[test]
+fn a_function_in_a_guest_of_a_pcie_machine_forwards_in_stitchs_packet_memory() {
+    a_function_in_a_guest_forwards_on_ivshmem("zero_copy", 2, "    qemu_args: [-machine, q35]\n");
 }
