@@ -263,6 +263,15 @@ struct State {
 }
 
 impl Spare {
+    /// `device`, of the retired `channel`, kept from now on.
+    pub fn kept(channel: Arc<Direct>, device: Plugged) -> Spare {
+        Spare {
+            channel,
+            device,
+            since: Instant::now(),
+        }
+    }
+
     /// Whether a channel of its pair may still come to use it.
     fn usable(&self) -> bool {
         let generation = |p: &PortShared| p.current.lock().unwrap().as_ref().map(|c| c.generation);
@@ -907,15 +916,8 @@ mod tests {
                 id: id.to_string(),
                 pci: format!("0000:00:0{}.0", 5 + usize::from(outgoing)),
             };
-            let channel = d.clone();
-            port.keep_spare(
-                Spare {
-                    channel,
-                    device,
-                    since,
-                },
-                outgoing,
-            );
+            let spare = Spare::kept(d.clone(), device);
+            port.keep_spare(Spare { since, ..spare }, outgoing);
         }
     }
 

@@ -429,17 +429,7 @@ fn a_new_process_that_cannot_take_over_leaves_the_instance_running() {
     );
     // One that starts, is given the instance and fails while the workers are parked: too few
     // descriptors allowed to receive them.
-    let wrapper = first.path().join("cramped-stitch");
-    std::fs::write(
-        &wrapper,
-        format!(
-            "#!/bin/sh\nulimit -n 9\nexec {} \"$@\"\n",
-            env!("CARGO_BIN_EXE_stitch")
-        ),
-    )
-    .unwrap();
-    must(&format!("chmod +x {}", wrapper.display()));
-    let o = upgrade_with(&first, wrapper.to_str().unwrap());
+    let o = upgrade_with(&first, &cramped_stitch(&first));
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success());
     assert!(
@@ -478,6 +468,22 @@ fn a_new_process_that_cannot_take_over_leaves_the_instance_running() {
     );
     let stats = first.stop();
     assert!(app(&stats, "a")["rx_packets"].as_u64() > Some(0), "{stats}");
+}
+
+/// This build of Stitch, started with too few descriptors allowed to receive what an instance
+/// lends it: it fails once lent everything, while the old process's workers are parked.
+fn cramped_stitch(s: &Stitch) -> String {
+    let wrapper = s.path().join("cramped-stitch");
+    std::fs::write(
+        &wrapper,
+        format!(
+            "#!/bin/sh\nulimit -n 9\nexec {} \"$@\"\n",
+            env!("CARGO_BIN_EXE_stitch")
+        ),
+    )
+    .unwrap();
+    must(&format!("chmod +x {}", wrapper.display()));
+    wrapper.display().to_string()
 }
 
 /// The flows, group and meter `ovs-ofctl` gave the switch, with their counters, in the table
@@ -855,17 +861,7 @@ fn a_direct_channel_between_functions_is_given_back_and_offered_again_across_an_
     channel_up("a direct channel f0 -> f1");
     // An upgrade abandoned after the channel was given back (the new process cannot receive
     // what it is lent): the switch offers the pair a channel again.
-    let cramped = first.path().join("cramped-stitch");
-    std::fs::write(
-        &cramped,
-        format!(
-            "#!/bin/sh\nulimit -n 9\nexec {} \"$@\"\n",
-            env!("CARGO_BIN_EXE_stitch")
-        ),
-    )
-    .unwrap();
-    must(&format!("chmod +x {}", cramped.display()));
-    let o = upgrade_with(&first, cramped.to_str().unwrap());
+    let o = upgrade_with(&first, &cramped_stitch(&first));
     assert!(
         !o.status.success(),
         "{}",

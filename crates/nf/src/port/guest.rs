@@ -14,7 +14,6 @@ use serde_json::json;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
 
 static NEXT: AtomicU64 = AtomicU64::new(1);
 
@@ -168,16 +167,7 @@ impl GuestChannels {
                 Outcome::Counted(device) => {
                     let d = &c.direct;
                     if d.was_handed_over() && d.sender.in_guest && d.receiver.in_guest {
-                        let since = Instant::now();
-                        let channel = d.clone();
-                        port.keep_spare(
-                            Spare {
-                                channel,
-                                device,
-                                since,
-                            },
-                            c.outgoing,
-                        );
+                        port.keep_spare(Spare::kept(d.clone(), device), c.outgoing);
                     } else {
                         device.unplug();
                     }
