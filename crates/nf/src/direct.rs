@@ -68,14 +68,14 @@ pub struct PortShared {
 /// How long a port whose guest refused a direct channel goes without one.
 pub const CHANNEL_RETRY: Duration = Duration::from_secs(10);
 
-/// How long the devices of a retired channel between two guests stay plugged, waiting for the
+/// How long the devices of a retired channel stay plugged in its guests, waiting for the
 /// pair's next channel: a hot-plug takes a guest 0.1 s and more, reusing the device nothing
 /// (a pair whose rules flap gets its channel back at once), and every device takes one of a
 /// guest's few PCI slots.
 pub const SPARE_KEPT: Duration = Duration::from_secs(10);
 
-/// One side of a retired channel between two guests, its device still plugged: both
-/// functions let it go, so the memory can serve the pair's next channel.
+/// The end in a guest of a retired channel, its device still plugged: the function there let
+/// it go, so once the other end's did too the memory can serve the pair's next channel.
 pub(crate) struct Spare {
     pub channel: Arc<Direct>,
     pub device: Plugged,
@@ -718,16 +718,17 @@ impl Direct {
     }
 }
 
-/// The memory and both devices of the last channel from `from` to `to` between the same two
-/// attachments, if both ports kept them ([`Spare`]): reset for a new channel, they spare it a
-/// hot-plug into each guest.
+/// The memory and devices of the last channel from `from` to `to` between the same two
+/// attachments, if the ports in guests kept their devices ([`Spare`]) and a function process
+/// at either end let it go: reset for a new channel, they spare it a hot-plug into each guest
+/// (the process is sent the same memfd again).
 fn reuse_spares(
     from: &Arc<PortShared>,
     to: &Arc<PortShared>,
     (sender, receiver): (&Current, &Current),
     ring_size: u32,
 ) -> Option<(Arc<ChannelMemory>, [Option<Plugged>; 2])> {
-    if !(sender.in_guest && receiver.in_guest) || Arc::ptr_eq(from, to) {
+    if !(sender.in_guest || receiver.in_guest) || Arc::ptr_eq(from, to) {
         return None;
     }
     // Two ports' locks, in one order whoever asks (the pair's other direction may be asking).
@@ -738,23 +739,48 @@ fn reuse_spares(
         let inc = to.spares.lock().unwrap();
         (from.spares.lock().unwrap(), inc)
     };
-    let (s, r) = (out.outgoing.as_ref()?, inc.incoming.as_ref()?);
-    let old = &s.channel;
-    let same_pair = Arc::ptr_eq(old, &r.channel)
+    // The spare each end in a guest must have kept, of one and the same channel.
+    let kept = |slot: &Option<Spare>, in_guest: bool| match (slot, in_guest) {
+        (Some(s), true) => Some(Some(s.channel.clone())),
+        (None, true) => None,
+        (_, false) => Some(None),
+    };
+    let (s, r) = (
+        kept(&out.outgoing, sender.in_guest)?,
+        kept(&inc.incoming, receiver.in_guest)?,
+    );
+    let old = s.as_ref().or(r.as_ref())?;
+    let h = old.header();
+    // A process at either end: it let the channel go (a 0 would be a message it has yet to
+    // take, and would take for the new channel).
+    let let_go = |in_guest: bool, flag: &Index| in_guest || load(flag) >= 2;
+    let same_pair = [&s, &r]
+        .iter()
+        .all(|c| c.as_ref().is_none_or(|c| Arc::ptr_eq(c, old)))
+        && Arc::ptr_eq(&old.from, from)
         && Arc::ptr_eq(&old.to, to)
         && old.sender.generation == sender.generation
         && old.receiver.generation == receiver.generation
         && old.ring_size() == ring_size
-        && old.phase() == Phase::Retired;
+        && old.phase() == Phase::Retired
+        && let_go(sender.in_guest, &h.sender)
+        && let_go(receiver.in_guest, &h.receiver);
     if !same_pair {
         return None;
     }
-    let (s, r) = (out.outgoing.take()?, inc.incoming.take()?);
-    s.channel.memory.reset();
+    let memory = old.memory.clone();
+    let take = |slot: &mut Option<Spare>, in_guest: bool| {
+        in_guest.then(|| slot.take()).flatten().map(|s| s.device)
+    };
+    let devices = [
+        take(&mut out.outgoing, sender.in_guest),
+        take(&mut inc.incoming, receiver.in_guest),
+    ];
+    memory.reset();
     for p in [from, to] {
         p.guest_channels_reused.fetch_add(1, Ordering::Relaxed);
     }
-    Some((s.channel.memory.clone(), [Some(s.device), Some(r.device)]))
+    Some((memory, devices))
 }
 
 /// What A's port reads this pull.
@@ -926,10 +952,25 @@ mod tests {
         let (a, _) = test_port("a", 1);
         let (b, _) = test_port("b", 2);
         let bus = Arc::new(Unplugs::default());
-        // Between a guest and a process, nothing is kept.
+        // From a guest to a process: the guest's device is kept; the process is sent the
+        // same memory again once it let the last channel go.
         in_guest(&a);
         let first = Direct::new(&a, &b, 64).unwrap();
-        assert!(reuse_spares(&a, &b, (&first.sender, &first.receiver), 64).is_none());
+        hand_over_and_back(&first);
+        first.header().receiver.0.store(0, Ordering::Release);
+        keep_both(&first, &bus, Instant::now());
+        b.forget_spares();
+        let not_yet = Direct::new(&a, &b, 64).unwrap();
+        assert!(
+            not_yet.take_guest_device(true).is_none(),
+            "the process never took the last channel: it may still take it"
+        );
+        first.header().receiver.0.store(2, Ordering::Release);
+        let second = Direct::new(&a, &b, 64).unwrap();
+        assert_eq!(second.memfd().as_raw_fd(), first.memfd().as_raw_fd());
+        assert!(second.take_guest_device(true).is_some());
+        assert!(second.take_guest_device(false).is_none());
+        // Between two guests, both devices.
         in_guest(&b);
         let first = Direct::new(&a, &b, 64).unwrap();
         hand_over_and_back(&first);
@@ -958,8 +999,8 @@ mod tests {
         );
         assert_eq!(second.take_guest_device(true).unwrap().pci, "0000:00:06.0");
         assert_eq!(second.take_guest_device(false).unwrap().pci, "0000:00:05.0");
-        assert_eq!(a.guest_channels_reused.load(Ordering::Relaxed), 1);
-        assert_eq!(b.guest_channels_reused.load(Ordering::Relaxed), 1);
+        assert_eq!(a.guest_channels_reused.load(Ordering::Relaxed), 2);
+        assert_eq!(b.guest_channels_reused.load(Ordering::Relaxed), 2);
         // A channel not yet retired is never reused, even if kept.
         keep_both(&second, &bus, Instant::now());
         let third = Direct::new(&a, &b, 64).unwrap();

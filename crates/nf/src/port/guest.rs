@@ -5,8 +5,8 @@
 //! channel if QEMU refused. A retired channel's device is given up once the function has said
 //! it let the channel go (its flag at 2): a device taken from under a function that still maps
 //! it would fault (SIGBUS). One whose function left first is swept at the guest's next hello.
-//! A channel between two guests that was handed over leaves its devices plugged a while
-//! ([`crate::direct::SPARE_KEPT`]): the pair's next channel reuses them, told at once.
+//! A channel that was handed over leaves its device plugged a while
+//! ([`crate::direct::SPARE_KEPT`]): the pair's next channel reuses it, told at once.
 
 use crate::direct::{send_control, Direct, PortShared, Spare};
 use crate::guest::{self, GuestBus, Plugged};
@@ -166,7 +166,7 @@ impl GuestChannels {
             match std::mem::replace(&mut *o, Outcome::Gone) {
                 Outcome::Counted(device) => {
                     let d = &c.direct;
-                    if d.was_handed_over() && d.sender.in_guest && d.receiver.in_guest {
+                    if d.was_handed_over() {
                         port.keep_spare(Spare::kept(d.clone(), device), c.outgoing);
                     } else {
                         device.unplug();
