@@ -957,6 +957,16 @@ struct TwoGuests {
 impl TwoGuests {
     /// `n` frames to replay; `f1_more`: more of f1's entry.
     fn start(n: u32, f1_more: &str) -> TwoGuests {
+        TwoGuests::start_with(n, |image, run, _| {
+            ivshmem_vm_app("f1", image, run, "zero_copy") + f1_more
+        })
+    }
+
+    /// The same with `f1(image, run, dir)` the entry of f1.
+    fn start_with(
+        n: u32,
+        f1: impl FnOnce(&std::path::Path, &str, &std::path::Path) -> String,
+    ) -> TwoGuests {
         require_root_and_tools(&[
             "ovs-ofctl",
             "qemu-system-x86_64",
@@ -974,7 +984,7 @@ impl TwoGuests {
             &format!(
                 "apps:
   sw: {{ type: switch, ports: [src, f0, f1, out], listen: \"127.0.0.1:{port}\" }}
-{f0}{f1}{f1_more}  out: {{ type: pcap_sink, file: {dir}/out.pcap }}
+{f0}{f1}  out: {{ type: pcap_sink, file: {dir}/out.pcap }}
 links:
   - \"sw.f0 -> f0.input\"
   - \"f0.output -> sw.f0\"
@@ -983,7 +993,7 @@ links:
   - \"sw.out -> out.input\"
 ",
                 f0 = ivshmem_vm_app("f0", &image, &run, "zero_copy"),
-                f1 = ivshmem_vm_app("f1", &image, &run, "zero_copy"),
+                f1 = f1(&image, &run, dir.path()),
                 dir = dir.path().display(),
             ),
             &["--keep-running"],
@@ -1132,6 +1142,73 @@ fn functions_in_two_guests_get_a_channel_again_across_an_upgrade() {
     assert_port_counts(port, 2, 3, N);
     let TwoGuests { s, dir, .. } = g;
     let stats = successor.stop(s);
+    assert_both_paths_carried(&stats, N);
+    assert_in_order(&dir.path().join("out.pcap"), N);
+}
+
+/// f0 in a guest, f1 a function process on the host: the channel between them is plugged into
+/// f0's guest only and sent to the process as a memfd; taken back and given again twice, it
+/// reuses f0's device (and the same memory, sent to the process again). Every frame arrives
+/// once, in order.
+#[test]
+fn a_guest_and_a_function_process_reuse_their_channel() {
+    const N: u32 = 12_000;
+    // Polling: nothing rings a doorbell from a guest.
+    let g = TwoGuests::start_with(N, |_, _, dir| {
+        format!(
+            "  f1: {{ placement: process, command: [stitch-nf-firewall], mode: zero_copy, \
+             wake: polling, socket: {}/nf.sock }}\n",
+            dir.display()
+        )
+    });
+    let (s, port) = (&g.s, g.port);
+    let up = |what: &str| {
+        let t = Instant::now();
+        loop {
+            let (_, shown) = s.call("POST", "/api/v1/apps/sw/query", Some("{}"));
+            if shown["direct_channels"][0]["phase"] == "ReceiverReads" {
+                break;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(60),
+                "{what}: {}\n{}\n{}",
+                shown["direct_channels"],
+                show(s, "f0"),
+                show(s, "f1")
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    up("a channel from the guest to the process");
+    g.replay();
+    for round in 1..=2 {
+        std::thread::sleep(Duration::from_millis(500));
+        ofctl(
+            port,
+            &["add-flow", &format!("{BREAKING_RULE},actions=output:3")],
+        );
+        wait_until("the channel to be handed back", 20, || {
+            s.counter("sw", "direct_channels") == Some(0)
+        });
+        ofctl(port, &["--strict", "del-flows", BREAKING_RULE]);
+        up(&format!("the channel again, round {round}"));
+        assert_eq!(s.counter("f0", "guest_channels_reused"), Some(round));
+        eprintln!(
+            "round {round}: handed over in {:?} µs",
+            s.counter("sw", "direct_handover_ns").map(|n| n / 1000)
+        );
+    }
+    assert_eq!(
+        ivshmem_devices_now(s, "f0"),
+        Some(3),
+        "{}",
+        console_of(s, "f0")
+    );
+    wait_for_sink(s, N as u64, 60);
+    std::thread::sleep(Duration::from_millis(50));
+    assert_port_counts(port, 2, 3, N);
+    let TwoGuests { s, dir, .. } = g;
+    let stats = s.stop();
     assert_both_paths_carried(&stats, N);
     assert_in_order(&dir.path().join("out.pcap"), N);
 }

@@ -821,9 +821,12 @@ fn a_direct_channel_between_functions_is_given_back_and_offered_again_across_an_
     require_root_and_tools(&["ip", "python3", "ovs-ofctl"]);
     let h = TwoHosts::new();
     let port = free_port();
+    let dir = tempfile::tempdir().unwrap();
     let function = |name: &str| {
         format!(
-            "  {name}: {{ placement: process, command: [stitch-nf-firewall], mode: zero_copy }}\n"
+            "  {name}: {{ placement: process, command: [stitch-nf-firewall], mode: zero_copy, \
+             socket: {}/nf.sock }}\n",
+            dir.path().display()
         )
     };
     let first = Stitch::run(&format!(
