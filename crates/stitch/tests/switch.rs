@@ -1007,6 +1007,23 @@ links:
         }
     }
 
+    /// Waits for the `n` frames at the sink and checks the OpenFlow port counters; stops the
+    /// instance (`successor`, when one took it over); checks that both the channel and the
+    /// switch carried frames and that every frame came once, in order. The final counters.
+    fn finish(self, n: u32, successor: Option<common::upgrade::Successor>) -> serde_json::Value {
+        wait_for_sink(&self.s, n as u64, 60);
+        std::thread::sleep(Duration::from_millis(50));
+        assert_port_counts(self.port, 2, 3, n);
+        let TwoGuests { s, dir, .. } = self;
+        let stats = match successor {
+            Some(successor) => successor.stop(s),
+            None => s.stop(),
+        };
+        assert_both_paths_carried(&stats, n);
+        assert_in_order(&dir.path().join("out.pcap"), n);
+        stats
+    }
+
     /// Both guests' lspci lists the region, the packet memory and `channel` devices more (a
     /// guest looks every 200 ms; one look during a change may fail: each stage is waited for).
     fn guests_see(&self, channel: u32) -> bool {
@@ -1103,17 +1120,11 @@ fn functions_in_two_guests_get_a_hot_plugged_direct_channel_and_give_it_back() {
     wait_until("the channel's devices to leave both guests", 40, || {
         g.guests_see(0)
     });
-    wait_for_sink(s, N as u64, 60);
-    std::thread::sleep(Duration::from_millis(50));
-    assert_port_counts(port, 2, 3, N);
-    let TwoGuests { s, dir, .. } = g;
-    let stats = s.stop();
-    assert_both_paths_carried(&stats, N);
+    let stats = g.finish(N, None);
     assert_eq!(
         app(&stats, "f0")["counters"]["guest_plug_refusals"].as_u64(),
         Some(0)
     );
-    assert_in_order(&dir.path().join("out.pcap"), N);
 }
 
 /// The two guests' channel through an upgrade, under the paced stream: the channel goes back
@@ -1125,7 +1136,7 @@ fn functions_in_two_guests_get_a_hot_plugged_direct_channel_and_give_it_back() {
 fn functions_in_two_guests_get_a_channel_again_across_an_upgrade() {
     const N: u32 = 16_000;
     let g = TwoGuests::start(N, "");
-    let (s, port) = (&g.s, g.port);
+    let s = &g.s;
     g.channel_up("before the stream", 60);
     g.replay();
     std::thread::sleep(Duration::from_secs(1));
@@ -1137,13 +1148,7 @@ fn functions_in_two_guests_get_a_channel_again_across_an_upgrade() {
         assert_eq!(s.counter(f, "attaches"), Some(1), "{f} attached again");
         assert_eq!(s.counter(f, "guest_plug_refusals"), Some(0));
     }
-    wait_for_sink(s, N as u64, 60);
-    std::thread::sleep(Duration::from_millis(50));
-    assert_port_counts(port, 2, 3, N);
-    let TwoGuests { s, dir, .. } = g;
-    let stats = successor.stop(s);
-    assert_both_paths_carried(&stats, N);
-    assert_in_order(&dir.path().join("out.pcap"), N);
+    g.finish(N, Some(successor));
 }
 
 /// f0 in a guest, f1 a function process on the host: the channel between them is plugged into
@@ -1204,13 +1209,7 @@ fn a_guest_and_a_function_process_reuse_their_channel() {
         "{}",
         console_of(s, "f0")
     );
-    wait_for_sink(s, N as u64, 60);
-    std::thread::sleep(Duration::from_millis(50));
-    assert_port_counts(port, 2, 3, N);
-    let TwoGuests { s, dir, .. } = g;
-    let stats = s.stop();
-    assert_both_paths_carried(&stats, N);
-    assert_in_order(&dir.path().join("out.pcap"), N);
+    g.finish(N, None);
 }
 
 /// The same two guests, f1's with every PCI slot but two taken (27 more devices on the
