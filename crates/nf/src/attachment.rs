@@ -32,6 +32,9 @@ pub struct Attachment {
     /// The function runs in a VM ([`crate::guest`]), whose memory this bus plugs: it polls,
     /// and takes no descriptors — a direct channel is plugged into its guest instead.
     pub guest: Option<Arc<dyn crate::guest::GuestBus>>,
+    /// In a guest: its devices as the function was told of them (`region`, `pool`: their PCI
+    /// addresses and sizes), for `stitch show`; null for a process.
+    pub guest_devices: serde_json::Value,
 }
 
 impl Attachment {

@@ -688,6 +688,7 @@ fn attach(l: &Listener, stream: &UnixStream, hello: &Value) -> Result<Attached, 
         pid,
         lost_before,
         guest,
+        guest_devices: devices.clone().unwrap_or_default(),
     });
     port.changed.store(true, Ordering::Release);
     match (lost_before, &devices) {

@@ -1104,6 +1104,15 @@ fn guest_function_across_a_crash_and_an_upgrade(mode: &str, devices: u32) {
         );
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
+    // `stitch show` names the devices the guest lists.
+    let shown = show(&s, "vm1");
+    let mut named: Vec<String> = ["region", "pool"]
+        .iter()
+        .filter_map(|d| shown["guest_devices"][d]["pci"].as_str())
+        .map(|pci| pci.trim_start_matches("0000:").to_string())
+        .collect();
+    named.sort();
+    assert_eq!(Some(named), ivshmem_addresses_now(&s, "vm1"), "{shown}");
     assert_eq!(
         s.counter("vm1", "attaches"),
         attaches,

@@ -54,6 +54,9 @@ struct Attached {
     guest_pool: Option<String>,
     #[serde(default)]
     guest_unused: Vec<String>,
+    /// Its devices as the function was told of them.
+    #[serde(default)]
+    guest_devices: serde_json::Value,
     /// A message was still on its way to a function in a guest (this process's packet
     /// memory, a direct channel being plugged): the successor could not count it.
     #[serde(default)]
@@ -93,6 +96,7 @@ impl NfPort {
                     steering: a.steering.as_ref().map(|st| st.position()),
                     in_guest: a.att.guest.is_some(),
                     guest_pool: a.pool_device.clone(),
+                    guest_devices: a.att.guest_devices.clone(),
                     guest_unused: self.unused_in_guest(a),
                     settling: a.pool_unsent
                         || a.pool_plug.is_some()
@@ -176,6 +180,7 @@ impl NfPort {
             pid: at.pid,
             lost_before: None,
             guest,
+            guest_devices: at.guest_devices.clone(),
         };
         let mut a = Active::new(att, s.zero_copy);
         a.resume_at(&at);
@@ -323,6 +328,7 @@ impl NfPort {
         match outcome {
             Ok(pci) => {
                 a.pool_device = Some(plug.id);
+                a.att.guest_devices["pool"]["pci"] = pci.as_str().into();
                 self.tell_pool(Some(pci), &[]);
             }
             Err(e) => {

@@ -749,6 +749,7 @@ impl App for NfPort {
             "pid": self.active.as_ref().map(|a| a.att.pid),
             // In a guest, `pid` is its QEMU's.
             "in_guest": self.active.as_ref().map(|a| a.att.guest.is_some()),
+            "guest_devices": self.active.as_ref().map(|a| &a.att.guest_devices),
             "direct_out": self.active.as_ref().and_then(|a| a.outgoing.as_ref()).map(|d| format!("{} ({:?})", d.to.name, d.phase())),
             "direct_in": self.active.as_ref().and_then(|a| a.incoming.as_ref()).map(|d| format!("{} ({:?})", d.from.name, d.phase())),
             "steered_from": self.active.as_ref().and_then(|a| a.steering.as_ref()).map(|s| s.offer.from.clone()),
