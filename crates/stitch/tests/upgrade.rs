@@ -1017,6 +1017,44 @@ fn a_zero_copy_function_in_a_guest_comes_back_after_a_crash_and_an_upgrade() {
     guest_function_across_a_crash_and_an_upgrade("zero_copy", 2);
 }
 
+/// A zero-copy function in a guest with no PCI slot to spare (27 more devices on its command
+/// line: its region and packet memory take the last two): the successor cannot plug its packet
+/// memory beside the predecessor's, so the take-over fails with QEMU's reason while it is
+/// prepared, and the instance carries on — pings cross the guest's function, which never
+/// attached again, and the guest lists its two devices, nothing of the successor's.
+#[test]
+fn a_guest_with_no_slot_for_the_successors_packet_memory_keeps_its_instance() {
+    require_root_and_tools(&["qemu-system-x86_64", "busybox", "cpio", "ping", "lspci"]);
+    let _one = one_guest_test_at_a_time();
+    let image = vm_image_with("vm-image-nf", &["stitch-nf-firewall"]);
+    let h = TwoHosts::new();
+    let run = guest_watching_ivshmem("stitch-nf-firewall");
+    let fillers = vec!["-device, virtio-rng-pci"; 27].join(", ");
+    let vm =
+        ivshmem_vm_app("vm1", &image, &run, "zero_copy") + &format!("    qemu_args: [{fillers}]\n");
+    let s = Stitch::run(&ports_around(&h, &vm, &["vm1"]));
+    wait_until("the guest's function to be served", 90, || {
+        try_show(&s, "vm1").is_ok_and(|v| v["attached"] == true)
+            && ivshmem_devices_now(&s, "vm1") == Some(2)
+    });
+    assert!(h.reaches(0, &h.ip[1], 30), "pings cross the guest");
+    let devices = settled_ivshmem_addresses(&s, "vm1");
+    let o = upgrade_with(&s, env!("CARGO_BIN_EXE_stitch"));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(
+        err.contains("packet memory cannot be plugged") && err.contains("carries on"),
+        "{err}"
+    );
+    assert!(
+        h.reaches(0, &h.ip[1], 10),
+        "pings cross after the failed upgrade"
+    );
+    assert_eq!(s.counter("vm1", "attaches"), Some(1));
+    assert_eq!(settled_ivshmem_addresses(&s, "vm1"), devices);
+    s.stop();
+}
+
 /// The ivshmem devices guest `vm` lists once its listing stayed the same for 2 s.
 fn settled_ivshmem_addresses(s: &Stitch, vm: &str) -> Vec<String> {
     let changes = || console_of(s, vm).matches("IVSHMEM-AT=").count();

@@ -5,9 +5,10 @@
 //! pulls the port until the function has given every packet back
 //! ([`stitch_core::App::outstanding`]), so nothing of this process's packet memory is left
 //! with it; a zero-copy function then gets the successor's packet memory (a `pool` control
-//! message) before its first packet. In a guest that memory is hot-plugged first (on a thread
-//! of its own; the port holds its traffic meanwhile), and the predecessor's goes once the
-//! function has taken the message.
+//! message) before its first packet. In a guest that memory is hot-plugged while the take-over
+//! is prepared (QEMU refusing it fails the take-over, and the predecessor carries on), named to
+//! the function at the final word, and the predecessor's goes once the function has taken the
+//! message.
 
 use super::{rings, Active, NfPort};
 use crate::attachment::Attachment;
@@ -19,7 +20,7 @@ use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use stitch_core::Descriptors;
 
 /// Where a port stands when it is lent, and again when its workers are parked.
@@ -99,7 +100,6 @@ impl NfPort {
                     guest_devices: a.att.guest_devices.clone(),
                     guest_unused: self.unused_in_guest(a),
                     settling: a.pool_unsent
-                        || a.pool_plug.is_some()
                         || a.left_in_guest.is_some()
                         || a.guest_channels.unsettled(),
                 })
@@ -185,6 +185,15 @@ impl NfPort {
         let mut a = Active::new(att, s.zero_copy);
         a.resume_at(&at);
         a.pool_device = at.guest_pool.clone();
+        if let Some(bus) = a.att.guest.as_ref().filter(|_| s.zero_copy) {
+            let pool = UntoldPool::plug(bus, &name, generation).map_err(|e| {
+                format!(
+                    "function port `{name}`: this process's packet memory cannot be plugged \
+                     into the function's guest: {e}"
+                )
+            })?;
+            a.pool_untold = Some(pool);
+        }
         // The steered input's descriptors, for `resume` (where it stands is in the final word).
         self.lent_steering = fds.collect();
         *self.shared.current.lock().unwrap() = Some(Current {
@@ -296,57 +305,25 @@ impl NfPort {
     }
 
     /// Gives a zero-copy function taken over from a predecessor this process's packet
-    /// memory, before the first descriptor that names it (in a guest: plugged there first);
-    /// a function that cannot take it is detached.
+    /// memory, before the first descriptor that names it (in a guest: the device plugged while
+    /// the take-over was prepared); a function that cannot take it is detached.
     pub(super) fn send_pool(&mut self) {
         let Some(a) = self.active.as_mut() else {
             return;
         };
         a.pool_unsent = false;
-        if let Some(bus) = &a.att.guest {
-            let id = crate::guest::device_id(&self.shared.name, a.att.generation, "pool");
-            match PoolPlug::start(bus.clone(), id, self.shared.clone()) {
-                Ok(plug) => a.pool_plug = Some(plug),
-                Err(e) => self.pool_refused(&e.to_string()),
-            }
-            return;
-        }
-        let pool = stitch_core::pool::get();
-        self.tell_pool(None, &[pool.memfd()]);
-    }
-
-    /// This process's packet memory is plugged into the guest (or refused): the function is
-    /// told, or detached.
-    pub(super) fn pool_plugged(&mut self) {
-        let Some(a) = self.active.as_mut() else {
-            return;
-        };
-        let Some(outcome) = a.pool_plug.as_ref().and_then(PoolPlug::outcome) else {
-            return;
-        };
-        let plug = a.pool_plug.take().expect("checked");
-        match outcome {
-            Ok(pci) => {
-                a.pool_device = Some(plug.id);
+        match a.pool_untold.take() {
+            Some(untold) => {
+                let (id, pci) = untold.told();
+                a.pool_device = Some(id);
                 a.att.guest_devices["pool"]["pci"] = pci.as_str().into();
                 self.tell_pool(Some(pci), &[]);
             }
-            Err(e) => {
-                self.shared
-                    .guest_plug_refusals
-                    .fetch_add(1, Ordering::Relaxed);
-                self.pool_refused(&e);
+            None => {
+                let pool = stitch_core::pool::get();
+                self.tell_pool(None, &[pool.memfd()]);
             }
         }
-    }
-
-    fn pool_refused(&mut self, e: &str) {
-        log::warn!(
-            "function port `{}`: this process's packet memory cannot be plugged into the \
-             function's guest: {e}; detaching it (it attaches again)",
-            self.shared.name
-        );
-        self.detach();
     }
 
     /// Unplugs what a predecessor left in the guest once the function has taken the message
@@ -361,11 +338,7 @@ impl NfPort {
         let taken = a.att.header().control_taken.0.load(Ordering::Acquire);
         // Wrapping counts: taken is at or past `after` when less than half the space behind.
         let replaced = self.shared.settings.zero_copy;
-        if replaced
-            && (taken.wrapping_sub(*after) >= u32::MAX / 2
-                || a.pool_plug.is_some()
-                || a.pool_unsent)
-        {
+        if replaced && (taken.wrapping_sub(*after) >= u32::MAX / 2 || a.pool_unsent) {
             return;
         }
         let (left, _) = a.left_in_guest.take().expect("checked");
@@ -421,40 +394,44 @@ impl Active {
     }
 }
 
-/// This process's packet memory on its way into a guest: QEMU and the guest take
-/// milliseconds, which a worker does not wait.
-pub(super) struct PoolPlug {
-    id: String,
-    outcome: Arc<Mutex<Option<Result<String, String>>>>,
-}
+/// This process's packet memory, plugged into the guest of a function taken over while the
+/// take-over is prepared, not yet named to the function: unplugged again if it never is (the
+/// take-over failed, and this process is ending: at once, not on a thread).
+pub(super) struct UntoldPool(Option<crate::guest::Plugged>);
 
-impl PoolPlug {
-    fn start(
-        bus: Arc<dyn crate::guest::GuestBus>,
-        id: String,
-        port: Arc<crate::direct::PortShared>,
-    ) -> std::io::Result<PoolPlug> {
-        let outcome = Arc::new(Mutex::new(None));
-        let result = outcome.clone();
-        let device = id.clone();
-        std::thread::Builder::new()
-            .name("stitch-nf-plug".into())
-            .spawn(move || {
-                let pool = stitch_core::pool::get();
-                let (_, bytes) = pool.region();
-                // SAFETY: the pool's memfd lives as long as the process (the pool is never freed).
-                let memory = unsafe { std::os::fd::BorrowedFd::borrow_raw(pool.memfd()) };
-                let bar = crate::guest::bar_size(bytes);
-                let plugged = crate::guest::grow_to(memory, bar)
-                    .and_then(|()| bus.plug(&device, memory, bar));
-                *result.lock().unwrap() = Some(plugged);
-                port.changed.store(true, Ordering::Release);
-            })?;
-        Ok(PoolPlug { id, outcome })
+impl UntoldPool {
+    /// Plugs this process's packet memory into the guest on `bus` for attachment `generation`
+    /// of `port`.
+    fn plug(
+        bus: &Arc<dyn crate::guest::GuestBus>,
+        port: &str,
+        generation: u64,
+    ) -> Result<UntoldPool, String> {
+        let pool = stitch_core::pool::get();
+        let (_, bytes) = pool.region();
+        // SAFETY: the pool's memfd lives as long as the process (the pool is never freed).
+        let memory = unsafe { std::os::fd::BorrowedFd::borrow_raw(pool.memfd()) };
+        let bar = crate::guest::bar_size(bytes);
+        crate::guest::grow_to(memory, bar)?;
+        let id = crate::guest::device_id(port, generation, "pool");
+        let pci = bus.plug(&id, memory, bar)?;
+        let bus = bus.clone();
+        Ok(UntoldPool(Some(crate::guest::Plugged { bus, id, pci })))
     }
 
-    /// The device's PCI address once plugged, or why QEMU refused; `None` until then.
-    fn outcome(&self) -> Option<Result<String, String>> {
-        self.outcome.lock().unwrap().take()
+    /// Named to the function: its name and PCI address.
+    fn told(mut self) -> (String, String) {
+        let p = self.0.take().expect("plugged");
+        (p.id, p.pci)
+    }
+}
+
+impl Drop for UntoldPool {
+    fn drop(&mut self) {
+        if let Some(p) = self.0.take() {
+            if let Err(e) = p.bus.unplug(&p.id) {
+                log::warn!("cannot unplug {} from its guest: {e}", p.id);
+            }
+        }
     }
 }

@@ -153,10 +153,11 @@ struct Active {
     /// Zero-copy, taken over from a predecessor process: the function maps that process's
     /// packet memory until this one sends its own, before the first packet.
     pool_unsent: bool,
-    /// Zero-copy in a guest: the device holding the packet memory the function maps, and
-    /// this process's being plugged (traffic waits for it, [`handover`]).
+    /// Zero-copy in a guest: the device holding the packet memory the function maps, and —
+    /// taken over from a predecessor — this process's, plugged while the take-over was
+    /// prepared and not yet named to the function ([`handover`]).
     pool_device: Option<String>,
-    pool_plug: Option<handover::PoolPlug>,
+    pool_untold: Option<handover::UntoldPool>,
     /// Devices a predecessor left in the guest, unplugged once the function has taken the
     /// `control` message numbered here (the packet memory that replaced them).
     left_in_guest: Option<(Vec<crate::guest::Plugged>, u32)>,
@@ -188,7 +189,7 @@ impl Active {
             control_sent: 0,
             pool_unsent: false,
             pool_device: None,
-            pool_plug: None,
+            pool_untold: None,
             left_in_guest: None,
             steering: None,
         }
@@ -609,7 +610,7 @@ impl App for NfPort {
             self.down_drops.add(n as u64);
             return;
         };
-        if a.pool_unsent || a.pool_plug.is_some() {
+        if a.pool_unsent {
             // Taken over: the function gets this process's packet memory first.
             return;
         }
@@ -783,9 +784,6 @@ impl NfPort {
         (self.guest_channels_reused).set(self.shared.guest_channels_reused.load(Ordering::Relaxed));
         if self.active.as_ref().is_some_and(|a| a.pool_unsent) {
             self.send_pool();
-        }
-        if self.active.as_ref().is_some_and(|a| a.pool_plug.is_some()) {
-            self.pool_plugged();
         }
         if let Some(a) = &self.active {
             if self.shared.closed.load(Ordering::Acquire) >= a.att.generation {
