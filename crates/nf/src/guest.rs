@@ -133,9 +133,30 @@ pub fn bar_size(bytes: usize) -> usize {
     bytes.max(4096).next_power_of_two()
 }
 
+/// Plugs the first `bytes` of `memory` into the guest on `bus` as device `id`, its file grown
+/// to a BAR's size first; the device's PCI address.
+pub(crate) fn plug_memory(
+    bus: &dyn GuestBus,
+    id: &str,
+    memory: BorrowedFd<'_>,
+    bytes: usize,
+) -> Result<String, String> {
+    let bar = bar_size(bytes);
+    grow_to(memory, bar)?;
+    bus.plug(id, memory, bar)
+}
+
+/// This process's packet memory and its size, to plug into a guest.
+pub(crate) fn pool_memory() -> (BorrowedFd<'static>, usize) {
+    let pool = stitch_core::pool::get();
+    let (_, bytes) = pool.region();
+    // SAFETY: the pool's memfd lives as long as the process (the pool is never freed).
+    (unsafe { BorrowedFd::borrow_raw(pool.memfd()) }, bytes)
+}
+
 /// Makes the file behind `fd` at least `bytes` long (a BAR's power of two; the pages past
 /// what Stitch uses are never touched, so cost nothing).
-pub(crate) fn grow_to(fd: BorrowedFd<'_>, bytes: usize) -> Result<(), String> {
+fn grow_to(fd: BorrowedFd<'_>, bytes: usize) -> Result<(), String> {
     let grow = || -> io::Result<()> {
         let file = std::fs::File::from(fd.try_clone_to_owned()?);
         if (file.metadata()?.len() as usize) < bytes {

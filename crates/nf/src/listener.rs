@@ -12,7 +12,7 @@ use crate::shm::{Layout, Mapping, RegionHeader, MAGIC, VERSION};
 use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -581,19 +581,12 @@ fn plug_into_guest(
     let prefix = guest::attachment_prefix(&port.name, generation);
     guest::sweep(bus, prefix.clone());
     let mut devices = serde_json::Map::new();
-    let pool = stitch_core::pool::get();
-    let pool_memory = port.settings.zero_copy.then(|| {
-        let (_, bytes) = pool.region();
-        // SAFETY: the pool's memfd lives as long as the process (the pool is never freed).
-        (unsafe { BorrowedFd::borrow_raw(pool.memfd()) }, bytes)
-    });
+    let pool_memory = port.settings.zero_copy.then(guest::pool_memory);
     let memories = std::iter::once(("region", region.0.as_fd(), region.1))
         .chain(pool_memory.map(|(fd, bytes)| ("pool", fd, bytes)));
     for (what, fd, bytes) in memories {
         let id = guest::device_id(&port.name, generation, what);
-        let bar = guest::bar_size(bytes);
-        let plugged_one = guest::grow_to(fd, bar).and_then(|()| bus.plug(&id, fd, bar));
-        match plugged_one {
+        match guest::plug_memory(bus.as_ref(), &id, fd, bytes) {
             Ok(addr) => {
                 devices.insert(what.into(), json!({ "pci": addr, "bytes": bytes }));
             }

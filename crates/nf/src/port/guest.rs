@@ -209,9 +209,7 @@ fn plug_and_tell(
     conn: &OwnedFd,
     outgoing: bool,
 ) -> Result<String, String> {
-    let bar = guest::bar_size(bytes);
-    guest::grow_to(memory.as_fd(), bar)?;
-    let pci = bus.plug(id, memory.as_fd(), bar)?;
+    let pci = guest::plug_memory(bus.as_ref(), id, memory.as_fd(), bytes)?;
     if let Err(e) = tell(conn, &pci, bytes, outgoing) {
         // Plugged but never told: the device goes again.
         let _ = bus.unplug(id);

@@ -407,14 +407,9 @@ impl UntoldPool {
         port: &str,
         generation: u64,
     ) -> Result<UntoldPool, String> {
-        let pool = stitch_core::pool::get();
-        let (_, bytes) = pool.region();
-        // SAFETY: the pool's memfd lives as long as the process (the pool is never freed).
-        let memory = unsafe { std::os::fd::BorrowedFd::borrow_raw(pool.memfd()) };
-        let bar = crate::guest::bar_size(bytes);
-        crate::guest::grow_to(memory, bar)?;
+        let (memory, bytes) = crate::guest::pool_memory();
         let id = crate::guest::device_id(port, generation, "pool");
-        let pci = bus.plug(&id, memory, bar)?;
+        let pci = crate::guest::plug_memory(bus.as_ref(), &id, memory, bytes)?;
         let bus = bus.clone();
         Ok(UntoldPool(Some(crate::guest::Plugged { bus, id, pci })))
     }
