@@ -264,7 +264,8 @@ fn an_isolated_function_writing_garbage_is_contained() {
     for b in a.region_bytes().iter_mut().skip(4096) {
         *b = rnd() as u8;
     }
-    std::thread::sleep(Duration::from_millis(300));
+    // Detached, it is told: Stitch hangs up (a function not driven by a test attaches again).
+    wait("a hung up on", 10, || !a.connected());
     drop(a);
     wait_count(&e, "out_b", "packets", 20_000, 20);
     let stats = e.stats();

@@ -367,7 +367,7 @@ impl NfPort {
                 self.shared.name,
                 a.att.pid
             );
-            self.detach();
+            self.cut_off();
             return;
         }
         a.control_sent += 1;

@@ -554,12 +554,13 @@ impl App for NfPort {
         // an incoming channel, it read before this load — and is accounted just below.
         let Some(n) = a.from_nf.available() else {
             log::warn!(
-                "function port `{}`: the function (pid {}) corrupted its ring; detaching it",
+                "function port `{}`: the function (pid {}) corrupted its ring; detaching it \
+                 (it attaches again on new rings)",
                 self.shared.name,
                 a.att.pid
             );
             self.bad_descriptors.add(1);
-            self.detach();
+            self.cut_off();
             return;
         };
         if let Some(d) = &a.incoming {
@@ -617,7 +618,7 @@ impl App for NfPort {
         let Some(mut room) = a.to_nf.free() else {
             input.drain().for_each(drop);
             self.bad_descriptors.add(1);
-            self.detach();
+            self.cut_off();
             return;
         };
         // A function gets final packets, as a NIC would give them: checksums complete and
@@ -1049,6 +1050,25 @@ impl NfPort {
         let l = self.leaving.swap_remove(i);
         self.reclaimed.add(reclaim(&l.held));
         self.shared.forget_direct(&l.direct, true);
+    }
+
+    /// Detaches a function this port will serve no more although it is still there (it broke
+    /// its rings, or cannot take a message), and hangs up on it so that it knows: a function
+    /// left on rings nobody serves would wait for ever; told, it attaches again (a guest's
+    /// QEMU connects again, and its function says its hello).
+    fn cut_off(&mut self) {
+        if let Some(a) = &self.active {
+            let hung_up = (a.att.conn.try_clone()).and_then(|c| {
+                std::os::unix::net::UnixStream::from(c).shutdown(std::net::Shutdown::Both)
+            });
+            if let Err(e) = hung_up {
+                log::warn!(
+                    "function port `{}`: cannot hang up on its function: {e}",
+                    self.shared.name
+                );
+            }
+        }
+        self.detach();
     }
 
     /// Drops the attachment and takes back every buffer the function held.
