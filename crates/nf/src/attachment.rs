@@ -33,7 +33,8 @@ pub struct Attachment {
     /// and takes no descriptors — a direct channel is plugged into its guest instead.
     pub guest: Option<Arc<dyn crate::guest::GuestBus>>,
     /// In a guest: its devices as the function was told of them (`region`, `pool`: their PCI
-    /// addresses and sizes), for `stitch show`; null for a process.
+    /// addresses and sizes) with their names in QEMU, for `stitch show` and a successor
+    /// process; null for a process.
     pub guest_devices: serde_json::Value,
 }
 

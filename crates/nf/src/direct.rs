@@ -282,8 +282,8 @@ impl Spare {
     }
 }
 
-/// A direct channel's memory: a ring in a memfd. Between two guests it outlives its channel a
-/// while ([`Spare`]) to serve the pair's next one.
+/// A direct channel's memory: a ring in a memfd. Plugged into a guest, it outlives its channel
+/// a while ([`Spare`]) to serve the pair's next one.
 pub struct ChannelMemory {
     pub memfd: OwnedFd,
     map: Mapping,
@@ -341,8 +341,8 @@ pub struct Direct {
     pub receiver: Current,
     memory: Arc<ChannelMemory>,
     ring: RingView,
-    /// Between two guests, the devices of the pair's last channel, still plugged in the
-    /// sender's and the receiver's guests: taken by each port when it sends the channel.
+    /// The devices of the pair's last channel still plugged in the sender's and the
+    /// receiver's guests, if it runs in one: taken by each port when it sends the channel.
     guest_devices: Mutex<[Option<Plugged>; 2]>,
     state: Mutex<State>,
     /// Read by B's function and accounted, for the switch's statistics.

@@ -588,7 +588,10 @@ fn plug_into_guest(
         let id = guest::device_id(&port.name, generation, what);
         match guest::plug_memory(bus.as_ref(), &id, fd, bytes) {
             Ok(addr) => {
-                devices.insert(what.into(), json!({ "pci": addr, "bytes": bytes }));
+                devices.insert(
+                    what.into(),
+                    json!({ "id": id, "pci": addr, "bytes": bytes }),
+                );
             }
             Err(e) => {
                 port.guest_plug_refusals.fetch_add(1, Ordering::Relaxed);

@@ -49,13 +49,10 @@ struct Attached {
     /// The function runs in a VM: its connection is its QEMU's, its region plugged there.
     #[serde(default)]
     in_guest: bool,
-    /// Zero-copy in a guest: the device of the packet memory the function maps, and
-    /// others this process leaves there that nobody uses (direct channels' spares).
-    #[serde(default)]
-    guest_pool: Option<String>,
+    /// In a guest: the devices this process leaves there that the function does not use
+    /// (direct channels'), and those it does as it was told of them (with their names).
     #[serde(default)]
     guest_unused: Vec<String>,
-    /// Its devices as the function was told of them.
     #[serde(default)]
     guest_devices: serde_json::Value,
     /// A message was still on its way to a function in a guest (this process's packet
@@ -96,7 +93,6 @@ impl NfPort {
                     direct: a.outgoing.is_some() || a.incoming.is_some(),
                     steering: a.steering.as_ref().map(|st| st.position()),
                     in_guest: a.att.guest.is_some(),
-                    guest_pool: a.pool_device.clone(),
                     guest_devices: a.att.guest_devices.clone(),
                     guest_unused: self.unused_in_guest(a),
                     settling: a.pool_unsent
@@ -184,7 +180,6 @@ impl NfPort {
         };
         let mut a = Active::new(att, s.zero_copy);
         a.resume_at(&at);
-        a.pool_device = at.guest_pool.clone();
         if let Some(bus) = a.att.guest.as_ref().filter(|_| s.zero_copy) {
             let pool = UntoldPool::plug(bus, &name, generation).map_err(|e| {
                 format!(
@@ -267,11 +262,15 @@ impl NfPort {
         a.resume_at(&at);
         a.pool_unsent = self.shared.settings.zero_copy;
         if let Some(bus) = &a.att.guest {
-            let left = (at.guest_unused.iter())
-                .chain(if a.pool_unsent { &at.guest_pool } else { &None })
+            // In zero-copy mode the predecessor's packet memory goes too.
+            let pool = at.guest_devices["pool"]["id"]
+                .as_str()
+                .filter(|_| a.pool_unsent);
+            let left = (at.guest_unused.iter().map(String::as_str))
+                .chain(pool)
                 .map(|id| crate::guest::Plugged {
                     bus: bus.clone(),
-                    id: id.clone(),
+                    id: id.to_string(),
                     pci: String::new(),
                 })
                 .collect();
@@ -315,8 +314,9 @@ impl NfPort {
         match a.pool_untold.take() {
             Some(untold) => {
                 let (id, pci) = untold.told();
-                a.pool_device = Some(id);
-                a.att.guest_devices["pool"]["pci"] = pci.as_str().into();
+                let pool = &mut a.att.guest_devices["pool"];
+                pool["id"] = id.into();
+                pool["pci"] = pci.as_str().into();
                 self.tell_pool(Some(pci), &[]);
             }
             None => {

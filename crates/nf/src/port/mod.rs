@@ -153,10 +153,9 @@ struct Active {
     /// Zero-copy, taken over from a predecessor process: the function maps that process's
     /// packet memory until this one sends its own, before the first packet.
     pool_unsent: bool,
-    /// Zero-copy in a guest: the device holding the packet memory the function maps, and —
-    /// taken over from a predecessor — this process's, plugged while the take-over was
-    /// prepared and not yet named to the function ([`handover`]).
-    pool_device: Option<String>,
+    /// Zero-copy in a guest taken over from a predecessor: this process's packet memory,
+    /// plugged while the take-over was prepared and not yet named to the function
+    /// ([`handover`]).
     pool_untold: Option<handover::UntoldPool>,
     /// Devices a predecessor left in the guest, unplugged once the function has taken the
     /// `control` message numbered here (the packet memory that replaced them).
@@ -188,7 +187,6 @@ impl Active {
             guest_channels: guest::GuestChannels::default(),
             control_sent: 0,
             pool_unsent: false,
-            pool_device: None,
             pool_untold: None,
             left_in_guest: None,
             steering: None,
@@ -803,11 +801,7 @@ impl NfPort {
                 }
                 self.shared.busy.store(true, Ordering::Release);
                 self.restart_lost.add(att.lost_before.unwrap_or(0));
-                let mut a = Active::new(att, self.shared.settings.zero_copy);
-                if a.att.guest.is_some() && self.shared.settings.zero_copy {
-                    let pool = crate::guest::device_id(&self.shared.name, a.att.generation, "pool");
-                    a.pool_device = Some(pool);
-                }
+                let a = Active::new(att, self.shared.settings.zero_copy);
                 *self.shared.current.lock().unwrap() = Some(Current {
                     generation: a.att.generation,
                     held: a.held.clone(),
