@@ -20,10 +20,7 @@ fn file(socket: &Path, port: &str) -> PathBuf {
 /// host end of a container's veth pair); written whole or not at all.
 pub fn record(socket: &Path, port: &str, entry: &Value) -> std::io::Result<()> {
     std::fs::create_dir_all(dir(socket))?;
-    let path = file(socket, port);
-    let temp = path.with_extension("tmp");
-    std::fs::write(&temp, entry.to_string())?;
-    std::fs::rename(&temp, &path)
+    stitch_core::files::write_atomically(&file(socket, port), entry.to_string().as_bytes(), 0o600)
 }
 
 /// Forgets port `port`'s record (none is not an error).

@@ -8,6 +8,7 @@
 //! state and queued packets and a refused change leaves everything as it was. The routes and
 //! their answers are described in `openapi.yaml`, served at `/api/v1/openapi.json`.
 
+pub mod access;
 pub mod attached;
 mod capture;
 pub mod client;
@@ -98,12 +99,19 @@ impl std::error::Error for ApiError {}
 /// How the API is reached.
 #[derive(Debug, Clone, Default)]
 pub struct ApiConfig {
-    /// Unix socket, always served (file permissions guard it).
+    /// Unix socket, always served: the admin door (its mode and group decide who connects).
     pub unix: PathBuf,
+    /// The group given the socket (mode 0660) and the runtime folder (0750); without one
+    /// they are 0600 and 0700.
+    pub group: Option<u32>,
     /// TCP address, when asked for.
     pub listen: Option<SocketAddr>,
-    /// Bearer token required on TCP.
-    pub token: Option<String>,
+    /// The folder of the role tokens TCP requests must carry (`access::Tokens`).
+    pub token_dir: Option<PathBuf>,
+    /// Names the API answers as on TCP besides IP addresses and `localhost`.
+    pub api_hosts: Vec<String>,
+    /// `/metrics` on TCP without a token.
+    pub open_metrics: bool,
     /// Certificate chain and key (PEM) for TLS on TCP.
     pub tls: Option<(PathBuf, PathBuf)>,
     /// The graph file, re-read by reload (SIGHUP or `POST /api/v1/graph/reload`).
@@ -397,6 +405,9 @@ impl Api {
                 "this instance was not started from a graph file",
             ));
         };
+        let real = std::fs::canonicalize(file).unwrap_or_else(|_| file.clone());
+        stitch_core::files::check_trusted(&real, "graph file")
+            .map_err(|why| ApiError::new(409, why))?;
         let text = std::fs::read_to_string(file).map_err(|e| {
             ApiError::new(
                 409,
@@ -642,13 +653,13 @@ pub struct Listeners {
 impl Listeners {
     /// Binds every listener `config` asks for.
     pub fn bind(config: &ApiConfig) -> Result<Listeners> {
-        let unix = bind_unix(&config.unix)?;
+        let unix = bind_unix(&config.unix, config.group)?;
         let tcp = match config.listen {
             None => None,
             Some(addr) => {
-                if !addr.ip().is_loopback() && (config.token.is_none() || config.tls.is_none()) {
+                if !addr.ip().is_loopback() && config.tls.is_none() {
                     bail!(
-                        "--listen {addr} is reachable from other hosts: give --token-file and --tls-cert/--tls-key, or listen on 127.0.0.1"
+                        "--listen {addr} is reachable from other hosts, and its tokens would cross the network in clear: give --tls-cert and --tls-key, or listen on 127.0.0.1"
                     );
                 }
                 let l = std::net::TcpListener::bind(addr)
@@ -711,7 +722,7 @@ impl Server {
         };
         let (tx, rx) = tokio::sync::oneshot::channel();
         let local = routes::router(api.clone(), None);
-        let remote = routes::router(api.clone(), config.token.clone());
+        let remote = tcp_router(&api, config, tcp.is_some())?;
         let sampler = api.clone();
         let thread = std::thread::Builder::new()
             .name("stitch-api".into())
@@ -752,7 +763,14 @@ impl Server {
             } else {
                 "http"
             };
-            log::info!("API and graph view at {scheme}://{addr}/");
+            log::info!(
+                "API and graph view at {scheme}://{addr}/ (every request with a role's token: {})",
+                config
+                    .token_dir
+                    .as_deref()
+                    .unwrap_or(Path::new(""))
+                    .display()
+            );
         }
         Ok(Server {
             api,
@@ -794,10 +812,56 @@ impl Drop for Server {
     }
 }
 
-fn bind_unix(path: &Path) -> Result<std::os::unix::net::UnixListener> {
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+/// Makes the folder of the admin socket at `path` fit to hold it (before anything is put there,
+/// its lock first): the runtime folder, or a folder that does not exist yet, is made this
+/// user's with mode 0750 and `group` (0700 without one), whatever it had; a folder given with
+/// `--control` that exists must be one only this user or root can write.
+pub fn prepare_socket_folder(path: &Path, group: Option<u32>) -> Result<()> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    if dir == stitch_core::runtime_dir() || !dir.exists() {
+        let mode = if group.is_some() { 0o750 } else { 0o700 };
+        stitch_core::files::private_dir(&dir, mode, group).map_err(anyhow::Error::msg)
+    } else {
+        stitch_core::files::check_trusted_folder(&dir, "the folder of the API socket")
+            .map_err(anyhow::Error::msg)
     }
+}
+
+/// The router of the API on TCP, behind its guard (the token folder's roles, hosts, origins),
+/// and the access report `stitch show` gives.
+fn tcp_router(api: &Arc<Api>, config: &ApiConfig, serves_tcp: bool) -> Result<axum::Router> {
+    let guard = match (serves_tcp, &config.token_dir) {
+        (false, _) => None,
+        (true, None) => bail!("the API on TCP needs a token folder (--token-dir)"),
+        (true, Some(dir)) => Some(Arc::new(access::Guard {
+            tokens: access::Tokens::open(dir).map_err(anyhow::Error::msg)?,
+            hosts: config.api_hosts.clone(),
+            open_metrics: config.open_metrics,
+        })),
+    };
+    let remote = routes::router(api.clone(), guard);
+    api.add_reporter(
+        "access",
+        Arc::new(access::Report {
+            unix: config.unix.clone(),
+            group: config.group,
+            listen: config.listen,
+            tls: config.tls.is_some(),
+            token_dir: config.token_dir.clone(),
+            open_metrics: config.open_metrics,
+        }),
+    );
+    Ok(remote)
+}
+
+/// Binds the admin socket at `path` in a folder [`prepare_socket_folder`] made fit: 0660 with
+/// `group`, else 0600 — set here, whatever the umask.
+fn bind_unix(path: &Path, group: Option<u32>) -> Result<std::os::unix::net::UnixListener> {
+    use std::os::unix::fs::PermissionsExt;
+    prepare_socket_folder(path, group)?;
     if path.exists() {
         if std::os::unix::net::UnixStream::connect(path).is_ok() {
             bail!(
@@ -809,6 +873,14 @@ fn bind_unix(path: &Path) -> Result<std::os::unix::net::UnixListener> {
     }
     let l = std::os::unix::net::UnixListener::bind(path)
         .with_context(|| format!("cannot listen on {}", path.display()))?;
+    // The folder is this user's alone: nobody can swap the name between bind and here.
+    if let Some(gid) = group {
+        std::os::unix::fs::lchown(path, None, Some(gid))
+            .with_context(|| format!("cannot give {} to group {gid}", path.display()))?;
+    }
+    let mode = if group.is_some() { 0o660 } else { 0o600 };
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+        .with_context(|| format!("cannot set the mode of {}", path.display()))?;
     l.set_nonblocking(true)?;
     Ok(l)
 }

@@ -1,6 +1,7 @@
 //! The HTTP routes: thin handlers over [`Api`], each answering JSON (or an error object with a
 //! reason) and running engine calls off the async threads.
 
+use crate::access::Guard;
 use crate::{metrics, web, Api, ApiError};
 use axum::body::Bytes;
 use axum::extract::rejection::{PathRejection, QueryRejection};
@@ -69,10 +70,13 @@ fn json_body(body: &Bytes, empty: Value) -> Result<Value, ApiError> {
         .map_err(|e| ApiError::new(400, format!("the body is not valid JSON: {e}")))
 }
 
-/// All routes; with `token`, every `/api` and `/metrics` request must carry it as a bearer
-/// token (the page and its scripts stay public: they hold no data).
-pub fn router(api: Arc<Api>, token: Option<String>) -> Router {
-    let mut data = Router::new()
+/// All routes; with `guard` (TCP), each request is checked by it first: its host, origin, body
+/// type and the role of its bearer token (`access`). Without (the Unix socket, whose mode and
+/// group decide who connects), every request is the admin's.
+pub fn router(api: Arc<Api>, guard: Option<Arc<Guard>>) -> Router {
+    let router = Router::new()
+        .route("/", get(web::index))
+        .route("/ui/{file}", get(web::asset))
         .route("/metrics", get(get_metrics))
         .route("/api/v1/openapi.json", get(get_openapi))
         .route("/api/v1/graph", get(get_graph).put(put_graph))
@@ -93,18 +97,7 @@ pub fn router(api: Arc<Api>, token: Option<String>) -> Router {
         .route("/api/v1/captures", get(list_captures))
         .route("/api/v1/captures/{id}", delete(stop_capture))
         .route("/api/v1/types", get(list_types))
-        .with_state(api);
-    if let Some(token) = token {
-        let token = Arc::new(token);
-        data = data.layer(middleware::from_fn(move |req: Request, next: Next| {
-            let token = token.clone();
-            async move { require_token(&token, req, next).await }
-        }));
-    }
-    Router::new()
-        .route("/", get(web::index))
-        .route("/ui/{file}", get(web::asset))
-        .merge(data)
+        .with_state(api)
         .fallback(|| async { ApiError::new(404, "no such route: see /api/v1/openapi.json") })
         .method_not_allowed_fallback(|| async {
             ApiError::new(
@@ -113,7 +106,14 @@ pub fn router(api: Arc<Api>, token: Option<String>) -> Router {
             )
         })
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
-        .layer(middleware::from_fn(refuse_declared_oversize))
+        .layer(middleware::from_fn(refuse_declared_oversize));
+    match guard {
+        None => router,
+        // Outermost: a request that may not come in is refused before anything reads it.
+        Some(guard) => router.layer(middleware::from_fn(move |req: Request, next: Next| {
+            guard.clone().check(req, next)
+        })),
+    }
 }
 
 /// The largest request body the API reads.
@@ -138,26 +138,6 @@ async fn refuse_declared_oversize(req: Request, next: Next) -> Response {
         .into_response(),
         _ => next.run(req).await,
     }
-}
-
-async fn require_token(token: &str, req: Request, next: Next) -> Response {
-    let given = req
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
-    match given {
-        Some(t) if constant_time_eq(t.as_bytes(), token.as_bytes()) => next.run(req).await,
-        _ => ApiError::new(
-            401,
-            "missing or wrong bearer token: send `Authorization: Bearer TOKEN`",
-        )
-        .into_response(),
-    }
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 async fn get_openapi() -> Response {

@@ -1,5 +1,7 @@
 // Drives the live graph view of a running instance in headless Chromium:
-//   node view-test.mjs BASE_URL SCREENSHOT.png CAPTURE.pcapng
+//   node view-test.mjs BASE_URL PAGE_TOKEN ADMIN_TOKEN SCREENSHOT.png CAPTURE.pcapng
+// The page is opened with PAGE_TOKEN (the capture role's) in its fragment, as an operator opens
+// it; this script's own changes to the graph carry ADMIN_TOKEN.
 // The instance runs `fw -> out` with no traffic. The page must draw both apps and the link;
 // then this script adds a generator through the API, and the link's label must show a packet
 // rate above zero within a few seconds; a click on `out` must show its counters; a click on the
@@ -8,7 +10,7 @@
 // failure.
 import { chromium } from "playwright-core";
 
-const [base, screenshot, captureFile] = process.argv.slice(2);
+const [base, pageToken, adminToken, screenshot, captureFile] = process.argv.slice(2);
 const link = "fw.output -> out.input";
 const browser = await chromium.launch({
   executablePath: process.env.CHROMIUM || "/usr/bin/chromium",
@@ -19,7 +21,7 @@ try {
   const page = await browser.newPage({ viewport: { width: 1100, height: 600 } });
   const errors = [];
   page.on("pageerror", (e) => errors.push(String(e)));
-  await page.goto(base + "/");
+  await page.goto(base + "/#token=" + pageToken);
   const label = page.locator(`.link[data-link="${link}"] .rate`);
   await page.locator('.app[data-app="fw"]').waitFor({ timeout: 10000 });
   await page.locator('.app[data-app="out"]').waitFor();
@@ -30,7 +32,11 @@ try {
   const before = await label.textContent();
 
   const call = async (method, path, body) => {
-    const r = await fetch(base + path, { method, body: JSON.stringify(body) });
+    const r = await fetch(base + path, {
+      method,
+      body: JSON.stringify(body),
+      headers: { Authorization: "Bearer " + adminToken, "Content-Type": "application/json" },
+    });
     if (!r.ok) throw new Error(`${method} ${path}: ${r.status} ${await r.text()}`);
   };
   await call("PUT", "/api/v1/apps/gen", { type: "generator", size: 64, rate: 5000 });

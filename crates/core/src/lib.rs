@@ -13,6 +13,7 @@ pub mod engine;
 /// File descriptors over Unix sockets: OS plumbing shared by the function-process ports
 /// (stitch-nf) and the vhost-user ports (stitch-vhost).
 pub mod fdpass;
+pub mod files;
 pub mod graph;
 pub mod latency;
 pub mod link;

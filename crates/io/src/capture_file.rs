@@ -317,16 +317,14 @@ struct Output {
 
 impl Output {
     fn create(path: &Path) -> std::io::Result<Output> {
-        use std::os::unix::fs::OpenOptionsExt;
-        let direct = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .custom_flags(libc::O_DIRECT)
-            .open(path);
+        // Captured traffic is for root's eyes (0600), and never written through a name another
+        // user planted (`files::create_output`).
+        let direct = stitch_core::files::create_output(path, 0o600, libc::O_DIRECT);
         let (file, direct) = match direct {
             Ok(f) => (f, true),
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => (File::create(path)?, false),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                (stitch_core::files::create_output(path, 0o600, 0)?, false)
+            }
             Err(e) => return Err(e),
         };
         let stage = if direct {
@@ -513,8 +511,10 @@ impl FileRing {
 
     /// Writes on in the file a predecessor held, after its last whole record.
     fn reopen(&mut self, at: FileState) -> Result<(), String> {
+        use std::os::unix::fs::OpenOptionsExt;
         let file = std::fs::OpenOptions::new()
             .write(true)
+            .custom_flags(libc::O_NOFOLLOW)
             .open(&at.path)
             .map_err(|e| explain_io(&at.path, &e))?;
         // Anything past the last whole record (there should be nothing) goes.

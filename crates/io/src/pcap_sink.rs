@@ -126,7 +126,8 @@ impl App for PcapSink {
             }
             None => {
                 buffer.extend(PcapSink::header(format, ctx.name(), c.snaplen));
-                File::create(&path).map_err(|e| format!("cannot create {}: {e}", path.display()))?
+                stitch_core::files::create_output(&path, 0o600, 0)
+                    .map_err(|e| format!("cannot create {}: {e}", path.display()))?
             }
         };
         Ok(PcapSink {
@@ -204,7 +205,8 @@ impl App for PcapSink {
 /// A classic PCAP file for Ethernet frames as offline tools write them (snaplen 65535,
 /// microsecond timestamps), so outputs compare with other tools' files packet by packet.
 pub fn ethernet_pcap_writer(path: &std::path::Path) -> Result<PcapWriter<BufWriter<File>>, String> {
-    let f = File::create(path).map_err(|e| format!("cannot create {}: {e}", path.display()))?;
+    let f = stitch_core::files::create_output(path, 0o600, 0)
+        .map_err(|e| format!("cannot create {}: {e}", path.display()))?;
     let header = PcapHeader {
         snaplen: 65535,
         datalink: DataLink::ETHERNET,

@@ -383,9 +383,8 @@ impl DataPlane {
             std::fs::create_dir_all(d)
                 .map_err(|e| Error(format!("cannot create {}: {e}", d.display())))?;
         }
-        let tmp = self.record.with_extension("json.tmp");
-        std::fs::write(&tmp, serde_json::to_string_pretty(inst).unwrap())
-            .and_then(|_| std::fs::rename(&tmp, &self.record))
+        let text = serde_json::to_string_pretty(inst).unwrap();
+        stitch_core::files::write_atomically(&self.record, text.as_bytes(), 0o600)
             .map_err(|e| Error(format!("cannot write {}: {e}", self.record.display())))
     }
 

@@ -55,9 +55,11 @@ impl Records {
             args: args.to_vec(),
         };
         let written = std::fs::create_dir_all(&self.dir).and_then(|()| {
-            let tmp = self.dir.join(format!(".{app}.json"));
-            std::fs::write(&tmp, serde_json::to_vec(&record)?)?;
-            std::fs::rename(&tmp, self.dir.join(format!("{app}.json")))
+            stitch_core::files::write_atomically(
+                &self.dir.join(format!("{app}.json")),
+                &serde_json::to_vec(&record)?,
+                0o600,
+            )
         });
         if let Err(e) = written {
             log::warn!(

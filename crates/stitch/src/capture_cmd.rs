@@ -305,7 +305,7 @@ fn open_output(file: &Path, to_stdout: bool) -> Result<Box<dyn std::io::Write>> 
     Ok(if to_stdout {
         Box::new(std::io::stdout().lock())
     } else {
-        let f = std::fs::File::create(file)
+        let f = stitch_core::files::create_output(file, 0o600, 0)
             .with_context(|| format!("cannot create {}", file.display()))?;
         Box::new(std::io::BufWriter::with_capacity(1 << 20, f))
     })

@@ -99,25 +99,77 @@ struct RunArgs {
     supervise: bool,
 }
 
-/// How `stitch run` offers its API beyond the Unix socket.
+/// How `stitch run` offers its API: who reaches the Unix socket, and the API on TCP.
 #[derive(clap::Args, Clone)]
 struct Listen {
-    /// Also serve the API, /metrics and the graph view on this TCP address (e.g. 127.0.0.1:8080).
+    /// Also serve the API, /metrics and the graph view on this TCP address (e.g.
+    /// 127.0.0.1:9440). Every request needs a role's token (--token-dir), loopback included.
     #[arg(long)]
     listen: Option<SocketAddr>,
     /// Keep running when the graph's finite sources are done (a service); stop on
     /// SIGINT/SIGTERM or --duration only.
     #[arg(long)]
     keep_running: bool,
-    /// File holding the bearer token TCP clients must send (required beyond localhost).
+    /// The folder of the tokens TCP requests carry, one file per role (read, capture,
+    /// admin; 0600), made at the first start; default NAME.tokens beside the API socket.
+    /// `stitch token new --role ROLE` replaces one.
     #[arg(long)]
+    token_dir: Option<PathBuf>,
+    /// (Gone: tokens are per role in --token-dir.)
+    #[arg(long, hide = true)]
     token_file: Option<PathBuf>,
+    /// A name the API on TCP answers as (the Host a browser sends), besides IP addresses and
+    /// localhost; may be given again.
+    #[arg(long = "api-host")]
+    api_hosts: Vec<String>,
+    /// Serve /metrics on TCP without a token (an explicit choice: counters name every app).
+    #[arg(long)]
+    metrics_without_token: bool,
+    /// The group whose members may use the API socket (mode 0660; the runtime folder 0750).
+    /// Default for root: `stitch` when that group exists (scripts/install-deps makes it);
+    /// without a group the socket is 0600, root's alone.
+    #[arg(long)]
+    group: Option<String>,
     /// TLS certificate chain (PEM) for --listen (required beyond localhost).
     #[arg(long, requires = "tls_key")]
     tls_cert: Option<PathBuf>,
     /// TLS private key (PEM).
     #[arg(long, requires = "tls_cert")]
     tls_key: Option<PathBuf>,
+}
+
+impl Listen {
+    /// Nothing but the Unix socket, with the default group.
+    fn socket_only() -> Listen {
+        Listen {
+            listen: None,
+            keep_running: false,
+            token_dir: None,
+            token_file: None,
+            api_hosts: Vec::new(),
+            metrics_without_token: false,
+            group: None,
+            tls_cert: None,
+            tls_key: None,
+        }
+    }
+
+    /// The group given the API socket: the one named, or `stitch` for root when it exists.
+    fn gid(&self) -> Result<Option<u32>> {
+        use nix::unistd::Group;
+        match &self.group {
+            Some(name) => match Group::from_name(name).context("cannot look up groups")? {
+                Some(g) => Ok(Some(g.gid.as_raw())),
+                None => anyhow::bail!("--group {name}: no such group (`groupadd --system {name}`)"),
+            },
+            // SAFETY: geteuid has no preconditions and cannot fail.
+            None if unsafe { libc::geteuid() } == 0 => Ok(Group::from_name("stitch")
+                .ok()
+                .flatten()
+                .map(|g| g.gid.as_raw())),
+            None => Ok(None),
+        }
+    }
 }
 
 #[derive(Subcommand)]
@@ -203,6 +255,9 @@ enum Cmd {
     /// adopts the sockets, rings, devices, counters and app state. Refused, and the instance
     /// carries on, when the new binary cannot start the graph.
     Upgrade(upgrade::UpgradeArgs),
+    /// The API's tokens, one per role (`docs/security.md`).
+    #[command(subcommand)]
+    Token(TokenCmd),
     /// (What `stitch upgrade` starts: receive a running instance and run it.)
     #[command(hide = true)]
     TakeOver {
@@ -210,6 +265,22 @@ enum Cmd {
         control: PathBuf,
         #[arg(long)]
         ready_fd: i32,
+    },
+}
+
+#[derive(Subcommand)]
+enum TokenCmd {
+    /// Write a new token for a role into the instance's token folder (0600); the old token of
+    /// that role stops working at the instance's next request. Prints the file's path.
+    New {
+        /// read (counters, graph, /metrics), capture (and link captures) or admin (and changes).
+        #[arg(long, value_parser = ["read", "capture", "admin"])]
+        role: String,
+        /// The token folder (default: NAME.tokens beside the instance's API socket).
+        #[arg(long)]
+        token_dir: Option<PathBuf>,
+        #[command(flatten)]
+        instance: Instance,
     },
 }
 
@@ -228,6 +299,10 @@ fn load(file: &Path, registry: &Registry) -> Result<PlacedGraph> {
 }
 
 fn main() {
+    // What Stitch creates is its own unless it says otherwise (a socket for a group, a folder
+    // for a function's user): the caller's umask decides nothing.
+    // SAFETY: umask only sets the process's file mode mask; it cannot fail.
+    unsafe { libc::umask(0o077) };
     let cli = Cli::parse();
     // RUST_LOG filters as usual (e.g. `RUST_LOG=stitch_io=debug`); info by default — but a
     // benchmark that starts thousands of functions would print a line for each attach and
@@ -252,6 +327,12 @@ fn main() {
         eprintln!("stitch: {e:#}");
         std::process::exit(1);
     }
+}
+
+/// Refuses `file` (as its link resolves) unless only this user or root can have written it.
+fn trusted_input(file: &Path, what: &str) -> Result<()> {
+    let real = std::fs::canonicalize(file).with_context(|| format!("{what} {}", file.display()))?;
+    stitch_core::files::check_trusted(&real, what).map_err(anyhow::Error::msg)
 }
 
 /// `stitch check`: the graph file's checks, a cluster graph's without the cluster.
@@ -421,13 +502,7 @@ fn run_cli(cli: Cli) -> Result<()> {
                 name,
                 control: None,
             };
-            let listen = Listen {
-                listen: None,
-                token_file: None,
-                tls_cert: None,
-                tls_key: None,
-                keep_running: false,
-            };
+            let listen = Listen::socket_only();
             let state = StateArgs {
                 state: None,
                 state_interval: 1.0,
@@ -445,6 +520,16 @@ fn run_cli(cli: Cli) -> Result<()> {
         Cmd::Lwaftr(c) => lwaftr_cmd::run(c)?,
         Cmd::Capture(c) => capture_cmd::run(c, Arc::new(registry()))?,
         Cmd::Upgrade(args) => upgrade::upgrade(args)?,
+        Cmd::Token(TokenCmd::New {
+            role,
+            token_dir,
+            instance,
+        }) => {
+            let dir = token_dir.unwrap_or_else(|| default_token_dir(&instance.socket()));
+            let role = stitch_api::access::Role::parse(&role).expect("clap checked the role");
+            let path = stitch_api::access::new_token(&dir, role).map_err(anyhow::Error::msg)?;
+            println!("{}", path.display());
+        }
         Cmd::TakeOver { control, ready_fd } => upgrade::take_over(&control, ready_fd)?,
     }
     Ok(())
@@ -514,6 +599,11 @@ struct Running {
     command_line: Vec<String>,
 }
 
+/// Where an instance keeps its API tokens unless told: `NAME.tokens` beside its socket.
+fn default_token_dir(socket: &Path) -> PathBuf {
+    socket.with_extension("tokens")
+}
+
 /// Starts an instance's engine and API (nothing runs yet) and cleans up what a crashed
 /// earlier run of the same instance left.
 fn start_instance(
@@ -547,20 +637,25 @@ fn new_instance(
     let reload = Arc::new(AtomicBool::new(false));
     signal_hook::flag::register(signal_hook::consts::SIGHUP, reload.clone())
         .context("cannot install signal handler")?;
-    let token = match &listen.token_file {
-        None => None,
-        Some(f) => {
-            let t = std::fs::read_to_string(f)
-                .with_context(|| format!("cannot read --token-file {}", f.display()))?;
-            let t = t.trim().to_string();
-            anyhow::ensure!(!t.is_empty(), "--token-file {} is empty", f.display());
-            Some(t)
-        }
-    };
+    if let Some(f) = &listen.token_file {
+        anyhow::bail!(
+            "--token-file {} is gone: the API's tokens are one per role (read, capture, admin) in a folder, --token-dir DIR; `stitch token new --role admin --token-dir DIR` writes one",
+            f.display()
+        );
+    }
+    let unix = instance.socket();
     let config = stitch_api::ApiConfig {
-        unix: instance.socket(),
+        token_dir: listen.listen.map(|_| {
+            listen
+                .token_dir
+                .clone()
+                .unwrap_or_else(|| default_token_dir(&unix))
+        }),
+        unix,
+        group: listen.gid()?,
         listen: listen.listen,
-        token,
+        api_hosts: listen.api_hosts.clone(),
+        open_metrics: listen.metrics_without_token,
         tls: listen.tls_cert.clone().zip(listen.tls_key.clone()),
         graph_file,
     };
@@ -593,6 +688,7 @@ impl Parts {
         } = self;
         let (owner, server) = match inherited {
             None => {
+                stitch_api::prepare_socket_folder(&config.unix, config.group)?;
                 let owner =
                     stitch_place::leftovers::own(&config.unix).map_err(|e| anyhow::anyhow!(e))?;
                 // Listeners first: a busy port or a missing certificate is an error before
@@ -690,6 +786,11 @@ fn run(args: &RunArgs) -> Result<()> {
         supervise: _,
     } = args;
     let (duration, as_json) = (*duration, *as_json);
+    // Whoever can write the graph or the state decides what root runs and lets through.
+    trusted_input(file, "graph file")?;
+    if let Some(path) = &state.state {
+        stitch_core::files::check_trusted(path, "state file").map_err(anyhow::Error::msg)?;
+    }
     let registry = Arc::new(registry());
     let graph = load(file, &registry)?;
     let graph_file = Some(std::path::absolute(file)?);

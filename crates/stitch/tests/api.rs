@@ -388,8 +388,27 @@ fn sighup_reloads_the_graph_file_and_keeps_it_on_errors() {
 fn tcp_listener_needs_the_token_and_serves_tls() {
     require_root_and_tools(&["curl", "openssl"]);
     let dir = tempfile::tempdir().unwrap();
-    let token = dir.path().join("token");
-    std::fs::write(&token, "s3cret-token\n").unwrap();
+    // The operator makes the admin token before the start; the instance makes the others.
+    let tokens = dir.path().join("tokens");
+    let made = std::process::Command::new(env!("CARGO_BIN_EXE_stitch"))
+        .args(["token", "new", "--role", "admin", "--token-dir"])
+        .arg(&tokens)
+        .output()
+        .unwrap();
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    let admin_file = tokens.join("admin");
+    assert_eq!(
+        String::from_utf8_lossy(&made.stdout).trim(),
+        admin_file.to_str().unwrap()
+    );
+    let admin = std::fs::read_to_string(&admin_file)
+        .unwrap()
+        .trim()
+        .to_string();
     let (cert, key) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
     must(&format!(
         "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost \
@@ -404,8 +423,8 @@ fn tcp_listener_needs_the_token_and_serves_tls() {
         &[
             "--listen",
             &addr,
-            "--token-file",
-            token.to_str().unwrap(),
+            "--token-dir",
+            tokens.to_str().unwrap(),
             "--tls-cert",
             cert.to_str().unwrap(),
             "--tls-key",
@@ -428,13 +447,15 @@ fn tcp_listener_needs_the_token_and_serves_tls() {
     );
     assert_eq!(
         curl(&format!(
-            "-H 'Authorization: Bearer s3cret-token' {url}/api/v1/stats"
+            "-H 'Authorization: Bearer {admin}' {url}/api/v1/stats"
         )),
         "200"
     );
+    let read = std::fs::read_to_string(tokens.join("read")).unwrap();
     assert_eq!(
         curl(&format!(
-            "-H 'Authorization: Bearer s3cret-token' {url}/metrics"
+            "-H 'Authorization: Bearer {}' {url}/metrics",
+            read.trim()
         )),
         "200"
     );
@@ -447,9 +468,9 @@ fn tcp_listener_needs_the_token_and_serves_tls() {
     assert_ne!(String::from_utf8_lossy(&plain.stdout), "200");
     s.stop();
 
-    // Beyond localhost without token and TLS: refused before anything runs.
+    // Beyond localhost without TLS: refused before anything runs.
     let err = run_must_fail_with(GRAPH, &["--listen", "0.0.0.0:1"]);
-    assert!(err.contains("--token-file"), "{err}");
+    assert!(err.contains("--tls-cert"), "{err}");
 }
 
 #[test]
@@ -465,7 +486,8 @@ fn metrics_parse_with_the_prometheus_client_parser() {
     let script = r#"
 import sys, urllib.request
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
-resp = urllib.request.urlopen(sys.argv[1])
+req = urllib.request.Request(sys.argv[1], headers={"Authorization": "Bearer " + sys.argv[2]})
+resp = urllib.request.urlopen(req)
 assert resp.headers["Content-Type"].startswith("application/openmetrics-text"), resp.headers["Content-Type"]
 families = {f.name: f for f in text_string_to_metric_families(resp.read().decode())}
 def sample(family, **labels):
@@ -484,7 +506,12 @@ assert families["stitch_uptime_seconds"].type == "gauge"
 print(len(families), "families")
 "#;
     let out = std::process::Command::new("python3")
-        .args(["-c", script, &format!("http://127.0.0.1:{port}/metrics")])
+        .args([
+            "-c",
+            script,
+            &format!("http://127.0.0.1:{port}/metrics"),
+            &s.token("read"),
+        ])
         .output()
         .unwrap();
     assert!(
@@ -514,6 +541,9 @@ fn schemathesis_finds_no_server_error() {
             "--no-color",
             "--seed",
             "20261122",
+            // Every route with the admin's token: the roles are `security.rs`'s.
+            "-H",
+            &format!("Authorization: Bearer {}", s.token("admin")),
             // A capture without count or duration streams until the client leaves, which the
             // fuzzer reads as a timeout; `link_capture.rs` tests the operation.
             "--exclude-operation-id",
@@ -593,6 +623,8 @@ fn graph_view_in_headless_chromium() {
     let out = std::process::Command::new("node")
         .arg(web_test.join("view-test.mjs"))
         .arg(format!("http://127.0.0.1:{port}"))
+        .arg(s.token("capture"))
+        .arg(s.token("admin"))
         .arg(&shot)
         .arg(&capture)
         .output()

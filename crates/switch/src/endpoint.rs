@@ -82,6 +82,23 @@ impl Endpoint {
 }
 
 /// The passive OpenFlow endpoint's socket on `addr`.
+/// Refuses a passive endpoint that other hosts reach: OpenFlow gives whoever connects the
+/// whole switch, and this endpoint authenticates nobody.
+pub fn check_listen_address(addr: &str) -> Result<(), String> {
+    use std::net::ToSocketAddrs;
+    let resolved: Vec<std::net::SocketAddr> = addr
+        .to_socket_addrs()
+        .map_err(|e| format!("`listen: {addr}`: {e} (give HOST:PORT)"))?
+        .collect();
+    match resolved.iter().find(|a| !a.ip().is_loopback()) {
+        None => Ok(()),
+        Some(a) => Err(format!(
+            "`listen: {addr}`: {} is reachable from other hosts, and whoever connects reprograms the switch (no TLS or authentication on this endpoint): listen on 127.0.0.1, or add `insecure: true` if that network is trusted",
+            a.ip()
+        )),
+    }
+}
+
 pub fn listen(addr: &str) -> Result<TcpListener, String> {
     TcpListener::bind(addr).map_err(|e| format!("cannot listen for OpenFlow on {addr}: {e}"))
 }

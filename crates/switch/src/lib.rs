@@ -72,6 +72,10 @@ pub struct SwitchConfig {
     /// every packet itself.
     #[serde(default = "yes")]
     pub direct_paths: bool,
+    /// A plain `listen` on an address other hosts reach (anyone who reaches it reprograms the
+    /// switch): refused unless this says so.
+    #[serde(default)]
+    pub insecure: bool,
 }
 
 fn default_cache() -> usize {
@@ -313,6 +317,9 @@ impl App for Switch {
     fn declare(c: &SwitchConfig) -> Result<PortSpec, AppError> {
         if c.ports.is_empty() {
             return Err("`ports` needs at least one port name".into());
+        }
+        if let Some(listen) = c.listen.as_deref().filter(|_| !c.insecure) {
+            endpoint::check_listen_address(listen)?;
         }
         let mut seen = std::collections::HashSet::new();
         for p in &c.ports {

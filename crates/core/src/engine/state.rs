@@ -1,12 +1,12 @@
 //! The apps' state in a file, to carry across a restart of Stitch: written whole and
-//! atomically (a temporary file, fsync, rename) so that a crash at any moment leaves the last
-//! complete snapshot; read back into the apps of the same name and type after a start.
+//! atomically, mode 0600 (`files::write_atomically`: a temporary name of its own, fsync,
+//! rename), so that a crash at any moment leaves the last complete snapshot; read back into the
+//! apps of the same name and type after a start, if nobody else can have written it.
 
 use super::*;
 use crate::app::AppState;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::Path;
 
 /// The file's own format; its apps' states carry their own versions.
@@ -60,8 +60,12 @@ impl Engine {
             stitch_state_format: STATE_FILE_FORMAT,
             apps,
         };
-        write_atomically(path, &serde_json::to_vec(&file).expect("state is JSON"))
-            .map_err(|e| EngineError::Other(format!("state file {}: {e}", path.display())))?;
+        crate::files::write_atomically(
+            path,
+            &serde_json::to_vec(&file).expect("state is JSON"),
+            0o600,
+        )
+        .map_err(|e| EngineError::Other(format!("state file {}: {e}", path.display())))?;
         Ok(n)
     }
 
@@ -69,12 +73,12 @@ impl Engine {
     /// of another format is refused whole, with the reason; a missing file restores nothing.
     pub fn restore_state(&self, path: &Path) -> Result<RestoreReport, EngineError> {
         let bad = |why: String| EngineError::Other(format!("state file {}: {why}", path.display()));
-        let bytes = match std::fs::read(path) {
-            Ok(b) => b,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Ok(RestoreReport::default())
-            }
-            Err(e) => return Err(bad(e.to_string())),
+        // Another user's file, or one in a folder others can write, could hold connections
+        // a firewall would then let through: refused, as sshd refuses such keys.
+        let bytes = match crate::files::read_trusted(path, "state file", false) {
+            Ok(Some(b)) => b,
+            Ok(None) => return Ok(RestoreReport::default()),
+            Err(why) => return Err(EngineError::Other(why)),
         };
         let format = serde_json::from_slice::<serde_json::Value>(&bytes)
             .map_err(|e| bad(e.to_string()))?["stitch_state_format"]
@@ -111,20 +115,4 @@ impl Engine {
             .map(|(name, info)| (name.clone(), info.kind.clone()))
             .collect()
     }
-}
-
-/// Replaces `path` with `bytes` so that a reader (or a crash) sees the old file or the new one,
-/// whole.
-fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
-    let tmp = std::path::PathBuf::from(tmp);
-    let mut f = std::fs::File::create(&tmp)?;
-    f.write_all(bytes)?;
-    f.sync_all()?;
-    std::fs::rename(&tmp, path)?;
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::File::open(dir)?.sync_all()?;
-    }
-    Ok(())
 }

@@ -353,16 +353,23 @@ impl Stitch {
 
     /// [`Stitch::run_with`] with more environment variables.
     pub fn run_with_env(graph: &str, extra: &[&str], env: &[(&str, &Path)]) -> Stitch {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_stitch"));
+        command.envs(env.iter().copied());
+        Stitch::run_as(command, graph, extra)
+    }
+
+    /// [`Stitch::run_with`] started by `command`: the stitch binary, or a program that runs
+    /// it with the arguments given after its own (`sh -c 'umask 0; exec "$0" "$@"' stitch`).
+    pub fn run_as(mut command: Command, graph: &str, extra: &[&str]) -> Stitch {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("graph.yaml");
         std::fs::write(&file, graph).unwrap();
         let socket = dir.path().join("ctl.sock");
-        let child = Command::new(env!("CARGO_BIN_EXE_stitch"))
+        let child = command
             .args(["run", "--json", "--control"])
             .arg(&socket)
             .arg(&file)
             .args(extra)
-            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -481,6 +488,15 @@ impl Stitch {
 
     pub fn path(&self) -> &Path {
         self.dir.path()
+    }
+
+    /// The token of `role` (read, capture, admin) that the instance made for its API on TCP.
+    pub fn token(&self, role: &str) -> String {
+        let file = self.socket.with_extension("tokens").join(role);
+        std::fs::read_to_string(&file)
+            .unwrap_or_else(|e| panic!("{}: {e}", file.display()))
+            .trim()
+            .to_string()
     }
 }
 
