@@ -103,6 +103,15 @@ pub(crate) struct HugePageReserve {
 
 const NR_HUGEPAGES: &str = "/proc/sys/vm/nr_hugepages";
 
+/// A temporary folder that function processes, which run as another user, may enter (not
+/// list): the folder of their attach socket.
+fn enterable_tempdir() -> Result<tempfile::TempDir> {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir()?;
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o711))?;
+    Ok(dir)
+}
+
 /// 2 MiB hugepages the kernel holds reserved now.
 fn nr_hugepages() -> Result<u64> {
     Ok(std::fs::read_to_string(NR_HUGEPAGES)?.trim().parse()?)

@@ -92,7 +92,7 @@ fn measure(
     rate: Option<f64>,
     secs: f64,
 ) -> Result<f64> {
-    let dir = tempfile::tempdir()?;
+    let dir = crate::enterable_tempdir()?;
     let source = match rate {
         Some(r) => format!(
             "{{ type: generator, size: {size}, timestamps: false, rate: {} }}",

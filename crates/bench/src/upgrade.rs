@@ -165,7 +165,7 @@ impl Rig {
             hops,
             instance: None,
             guest: None,
-            dir: tempfile::tempdir()?,
+            dir: crate::enterable_tempdir()?,
             torn_down: false,
         };
         std::fs::write(rig.dir.path().join("graph.yaml"), rig.graph(false))?;

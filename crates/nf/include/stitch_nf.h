@@ -1,7 +1,7 @@
 /* Stitch function library: attach a network function in any language to an `nf_port` of a
  * running Stitch graph, over shared memory. Link with -lstitch_nf (target/release/libstitch_nf.so).
  *
- *   stitch_nf *f = stitch_nf_attach("/run/stitch/nf.sock", "tenant1");
+ *   stitch_nf *f = stitch_nf_attach("/run/stitch-fn/nf.sock", "tenant1");
  *   if (!f) { fprintf(stderr, "%s\n", stitch_nf_last_error()); return 1; }
  *   stitch_nf_run(f, my_callback, my_state);   // until Stitch closes the port
  *   stitch_nf_detach(f);

@@ -63,6 +63,8 @@ pub struct PortShared {
     pub(crate) spares: Mutex<Spares>,
     /// Channels into this port's guest that found their device already there.
     pub guest_channels_reused: AtomicU64,
+    /// Who besides root, Stitch's user and the process started for it may attach it.
+    pub peers: Mutex<crate::peers::Peers>,
 }
 
 /// How long a port whose guest refused a direct channel goes without one.
@@ -123,6 +125,7 @@ impl PortShared {
             channel_refused_at: Mutex::new(None),
             spares: Mutex::new(Spares::default()),
             guest_channels_reused: AtomicU64::new(0),
+            peers: Mutex::new(Default::default()),
         })
     }
 

@@ -45,16 +45,22 @@ pub struct FunctionConfig {
     /// Variables added to the function's environment.
     #[serde(default)]
     pub env: IndexMap<String, String>,
-    /// The user the function runs as (default: Stitch's).
+    /// The user the function runs as (default for a Stitch running as root: the system user
+    /// `stitch-fn`), without capabilities, with `no_new_privs`, a clean environment and no
+    /// descriptor of Stitch's (`docs/security.md`).
     #[serde(default)]
     pub user: Option<String>,
+    /// Keep root's capabilities and Stitch's environment (a function that must have them);
+    /// the explicit word for an unconfined process.
+    #[serde(default)]
+    pub privileged: bool,
     /// CPU quota, in CPUs (0.5: half of one), enforced by a cgroup.
     #[serde(default)]
     pub cpu: Option<f64>,
     /// Memory limit in MiB, enforced by a cgroup.
     #[serde(default)]
     pub memory_mb: Option<u64>,
-    /// Attach socket (default: `/run/stitch/nf.sock` for root).
+    /// Attach socket (default: `/run/stitch-fn/nf.sock` for root).
     #[serde(default)]
     pub socket: Option<PathBuf>,
     #[serde(default)]

@@ -112,10 +112,16 @@ pub fn listener(path: &Path) -> io::Result<Arc<Listener>> {
     Ok(l)
 }
 
-/// Binds `path`, replacing a socket file no process serves any more.
+/// Binds `path`, replacing a socket file no process serves any more. The socket is 0666 and
+/// a folder made for it 0711 (entered, not listed), whatever the umask: functions of other
+/// users must reach it, and who may attach which port is decided per connection (`peers`).
 fn bind(path: &Path) -> io::Result<UnixListener> {
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir)?;
+    use std::os::unix::fs::PermissionsExt;
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        if *dir == *crate::port::default_socket_folder() || !dir.exists() {
+            stitch_core::files::private_dir(dir, 0o711, None)
+                .map_err(|e| io::Error::new(io::ErrorKind::PermissionDenied, e))?;
+        }
     }
     if path.exists() {
         if UnixStream::connect(path).is_ok() {
@@ -129,7 +135,9 @@ fn bind(path: &Path) -> io::Result<UnixListener> {
         }
         let _ = std::fs::remove_file(path);
     }
-    UnixListener::bind(path)
+    let l = UnixListener::bind(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666))?;
+    Ok(l)
 }
 
 impl Listener {
@@ -434,27 +442,6 @@ fn raise_fd_limit() {
     }
 }
 
-fn peer_pid(stream: &UnixStream) -> i32 {
-    // SAFETY: ucred is three integers; zero is a valid value.
-    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: the kernel writes at most `len` bytes (ucred's size) into `cred`.
-    let r = unsafe {
-        libc::getsockopt(
-            stream.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            &mut cred as *mut _ as *mut libc::c_void,
-            &mut len,
-        )
-    };
-    if r == 0 {
-        cred.pid
-    } else {
-        0
-    }
-}
-
 /// The function's first line: the protocol version and the port it asks for.
 fn parse_hello(line: &[u8]) -> Result<Value, String> {
     let hello: Value =
@@ -526,11 +513,17 @@ struct Attached {
     in_guest: bool,
 }
 
-/// The port a hello asks for, if it is here and free.
-fn requested_port(l: &Listener, hello: &Value) -> Result<Arc<PortShared>, Refusal> {
+/// The port a hello asks for, if it is here, the peer may attach it (`peers`) and it is free.
+fn requested_port(
+    l: &Listener,
+    hello: &Value,
+    cred: Option<crate::peers::Cred>,
+) -> Result<Arc<PortShared>, Refusal> {
     let name = hello["port"].as_str().ok_or("hello names no `port`")?;
     let port = (l.ports.lock().unwrap().get(name).cloned())
         .ok_or_else(|| format!("no function port `{name}` on {}", l.path.display()))?;
+    let peers = port.peers.lock().unwrap().clone();
+    crate::peers::check(&l.path, name, &peers, cred)?;
     if port.busy.load(Ordering::Acquire) || port.incoming.lock().unwrap().is_some() {
         return Err(Refusal::Busy(format!(
             "function port `{name}` is in use by another function; detach it first"
@@ -607,9 +600,10 @@ fn plug_into_guest(
 
 /// Builds the port's region for the hello's function and answers with it.
 fn attach(l: &Listener, stream: &UnixStream, hello: &Value) -> Result<Attached, Refusal> {
-    let port = requested_port(l, hello)?;
+    let cred = crate::peers::peer_cred(stream);
+    let port = requested_port(l, hello, cred)?;
     let name = port.name.clone();
-    let pid = peer_pid(stream);
+    let pid = cred.map_or(0, |c| c.pid);
     let s = port.settings;
     let guest = guest_of(l, hello, s)?;
     let layout = Layout::new(

@@ -19,6 +19,7 @@
 //! after a crash — by the next start of the same instance.
 
 pub mod cgroup;
+pub mod confine;
 pub mod handover;
 pub mod hotplug;
 pub mod kernel;
@@ -309,13 +310,8 @@ fn process_spec(app: &AppDecl, base_dir: &Path) -> Result<ProcessSpec, GraphErro
         .map_err(|e| at(app, "command", format!("app `{}`: {e}", app.name)))?;
     let program = find_program(&c.command[0], base_dir)
         .map_err(|m| at(app, "command", format!("app `{}`: command: {m}", app.name)))?;
-    let user = match &c.user {
-        None => None,
-        Some(name) => Some(
-            lookup_user(name)
-                .map_err(|m| at(app, "user", format!("app `{}`: user: {m}", app.name)))?,
-        ),
-    };
+    let user = confine::user_for(c.user.as_deref())
+        .map_err(|m| at(app, "user", format!("app `{}`: user: {m}", app.name)))?;
     let socket = c
         .socket
         .as_ref()
@@ -327,6 +323,11 @@ fn process_spec(app: &AppDecl, base_dir: &Path) -> Result<ProcessSpec, GraphErro
             }
         })
         .unwrap_or_else(stitch_nf::port::default_socket);
+    if let (Some(u), false) = (&user, c.privileged) {
+        let key = if c.socket.is_some() { "socket" } else { "user" };
+        confine::check_reachable(u, &socket)
+            .map_err(|m| at(app, key, format!("app `{}`: {m}", app.name)))?;
+    }
     let mut env: Vec<(String, String)> = c.env.into_iter().collect();
     env.push((ENV_SOCKET.into(), socket.display().to_string()));
     env.push((ENV_PORT.into(), app.name.clone()));
@@ -337,6 +338,8 @@ fn process_spec(app: &AppDecl, base_dir: &Path) -> Result<ProcessSpec, GraphErro
         args: c.command[1..].to_vec(),
         env,
         user,
+        privileged: c.privileged,
+        attaches: Some((socket, app.name.clone())),
         cpu: c.cpu,
         memory_mb: c.memory_mb,
         stop: supervisor::StopBy::Term,
@@ -376,14 +379,6 @@ pub(crate) fn find_program(name: &str, base_dir: &Path) -> Result<PathBuf, Strin
 fn is_executable(p: &Path) -> bool {
     use std::os::unix::fs::PermissionsExt;
     std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-}
-
-fn lookup_user(name: &str) -> Result<(u32, u32), String> {
-    match nix::unistd::User::from_name(name) {
-        Ok(Some(u)) => Ok((u.uid.as_raw(), u.gid.as_raw())),
-        Ok(None) => Err(format!("no user `{name}` on this host")),
-        Err(e) => Err(format!("cannot look up user `{name}`: {e}")),
-    }
 }
 
 /// The placements this host can run: the engine and processes always, the kernel where BPF's

@@ -47,8 +47,12 @@ pub struct ProcessSpec {
     pub program: PathBuf,
     pub args: Vec<String>,
     pub env: Vec<(String, String)>,
-    /// User id and group id to run as.
-    pub user: Option<(u32, u32)>,
+    /// The user to run as (`None`: Stitch's).
+    pub user: Option<crate::confine::RunAs>,
+    /// Root's capabilities and environment kept (`privileged: true`; QEMU): not confined.
+    pub privileged: bool,
+    /// The attach socket and port of a function: the process may attach it.
+    pub attaches: Option<(PathBuf, String)>,
     pub cpu: Option<f64>,
     pub memory_mb: Option<u64>,
     pub stop: StopBy,
@@ -413,14 +417,27 @@ fn supervise(s: &Supervised) {
         let started = if std::mem::take(&mut running) {
             Ok(())
         } else {
+            // Its hello may come before `start` knows its pid: `peers::expect_a_child`.
+            if let Some((socket, port)) = &s.spec.attaches {
+                stitch_nf::peers::expect_a_child(socket, port);
+            }
             start(s)
         };
+        // The function process (started or adopted) may attach its port (`peers`), until it
+        // ends.
+        let pid = s.status.lock().unwrap().pid.map(|p| p as i32);
+        if let (Some((socket, port)), Some(pid), true) = (&s.spec.attaches, pid, started.is_ok()) {
+            stitch_nf::peers::expect_process(socket, port, pid);
+        }
         match started {
             Ok(()) => watch(s),
             Err(e) => {
                 log::error!("{}: cannot start: {e}", s.spec.label());
                 s.status.lock().unwrap().last_error = Some(e.to_string());
             }
+        }
+        if let Some((socket, port)) = &s.spec.attaches {
+            stitch_nf::peers::forget_process(socket, port, pid);
         }
         let mut st = s.status.lock().unwrap();
         if st.stopping {
@@ -455,22 +472,37 @@ fn start(s: &Supervised) -> std::io::Result<()> {
     let spec = &s.spec;
     let mut cmd = Command::new(&spec.program);
     cmd.args(&spec.args)
-        .envs(spec.env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    if let Some((uid, gid)) = spec.user {
-        cmd.uid(uid).gid(gid);
+    let confined = (!spec.privileged).then(|| crate::confine::steps(spec.user.clone()));
+    match &spec.user {
+        _ if confined.is_some() => {
+            cmd.env_clear().env("PATH", crate::confine::PATH);
+        }
+        Some(u) => {
+            cmd.uid(u.uid).gid(u.gid);
+        }
+        None => {}
     }
+    cmd.envs(spec.env.iter().map(|(k, v)| (k, v)));
     let join = match &s.cgroup {
         Some(c) => c.join_fds()?,
         None => Vec::new(),
     };
     let fds = cgroup::raw(&join);
     // SAFETY: the closure runs in the child between fork and exec and makes only system calls
-    // (write): no allocation, no lock.
+    // (write, prctl, setgroups, setgid, setuid, close_range) on data made before the fork: no
+    // allocation, no lock.
     unsafe {
-        cmd.pre_exec(move || cgroup::join_in_child(&fds));
+        cmd.pre_exec(move || {
+            // Into the cgroup first, as root: the confinement takes that right away.
+            cgroup::join_in_child(&fds)?;
+            match &confined {
+                Some(steps) => steps.run(),
+                None => Ok(()),
+            }
+        });
     }
     let mut st = s.status.lock().unwrap();
     if st.stopping {

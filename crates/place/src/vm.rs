@@ -136,6 +136,9 @@ pub(crate) fn spec(app: &AppDecl, base_dir: &Path, vm_dir: &Path) -> Result<Plac
             args,
             env: Vec::new(),
             user: None,
+            // QEMU keeps root's rights for now (docs/security.md, "Not yet").
+            privileged: true,
+            attaches: None,
             cpu: None,
             memory_mb: None,
             stop: StopBy::Qmp(qmp),

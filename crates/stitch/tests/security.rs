@@ -625,3 +625,108 @@ fn an_openflow_endpoint_other_hosts_reach_is_refused_unless_called_insecure() {
     let o = check(&open.replace("0.0.0.0", "127.0.0.1"));
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 }
+
+/// The status fields of process `pid` that say who it runs as and what it may do.
+fn process_status(pid: i32) -> std::collections::HashMap<String, String> {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.to_string(), v.trim().to_string()))
+        .collect()
+}
+
+#[test]
+fn a_function_runs_unprivileged_and_only_its_own_process_or_a_named_user_attaches_a_port() {
+    let other = LocalUser::new(false);
+    // A folder the functions and the other user may enter (not list).
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
+    let socket = dir.path().join("nf.sock");
+    let graph = format!(
+        "apps:
+  gen: {{ type: generator, size: 64, rate: 2000 }}
+  fw: {{ placement: process, command: [stitch-nf-firewall], socket: {s} }}
+  out: {{ type: sink }}
+  g2: {{ type: generator, size: 64, rate: 100 }}
+  byhand: {{ type: nf_port, socket: {s} }}
+  s2: {{ type: sink }}
+  g3: {{ type: generator, size: 64, rate: 100 }}
+  theirs: {{ type: nf_port, socket: {s}, allow_users: [{u}] }}
+  s3: {{ type: sink }}
+links: [\"gen.output -> fw.input\", \"fw.output -> out.input\", \"g2.output -> byhand.input\",
+  \"byhand.output -> s2.input\", \"g3.output -> theirs.input\", \"theirs.output -> s3.input\"]
+",
+        s = socket.display(),
+        u = other.name
+    );
+    let mut command = Command::new(env!("CARGO_BIN_EXE_stitch"));
+    command.env("STITCH_TEST_SECRET", "root's environment");
+    let s = Stitch::run_as(command, &graph, &[]);
+    wait_until("the function to attach", 20, || {
+        show(&s, "fw")["attached"] == true
+    });
+    let pid = pid_of(&s, "fw").unwrap();
+    let st = process_status(pid);
+    let fn_uid = must("id -u stitch-fn").trim().to_string();
+    assert!(st["Uid"].split_whitespace().all(|u| u == fn_uid), "{st:?}");
+    for caps in ["CapBnd", "CapEff", "CapPrm", "CapAmb"] {
+        assert_eq!(st[caps], "0000000000000000", "{caps}: {st:?}");
+    }
+    assert_eq!(st["NoNewPrivs"], "1");
+    let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
+    let environ = String::from_utf8_lossy(&environ);
+    assert!(!environ.contains("STITCH_TEST_SECRET"), "{environ}");
+    assert!(environ.contains("STITCH_NF_PORT=fw"), "{environ}");
+    // Its descriptors: the standard three and what it opened itself.
+    for fd in std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .flatten()
+    {
+        let to = std::fs::read_link(fd.path()).unwrap_or_default();
+        let to = to.display().to_string();
+        assert!(
+            !to.starts_with(s.path().to_str().unwrap())
+                && !to.contains("pidfd")
+                && !to.contains("bpf"),
+            "the function holds {to}"
+        );
+    }
+    wait_until("traffic through the function", 10, || {
+        s.counter("out", "packets").unwrap_or(0) > 100
+    });
+    assert_eq!(mode_of(&socket), 0o666);
+
+    // Another user, posing as a function: refused for the function's port and one waiting
+    // for a function started by hand; let in where the port names it.
+    let firewall = Path::new(env!("CARGO_BIN_EXE_stitch")).with_file_name("stitch-nf-firewall");
+    let pose = |port: &str| {
+        other.sh(&format!(
+            "STITCH_NF_SOCKET={} STITCH_NF_PORT={port} timeout 3 {} 2>&1",
+            socket.display(),
+            firewall.display()
+        ))
+    };
+    for port in ["fw", "byhand"] {
+        let o = pose(port);
+        let said = String::from_utf8_lossy(&o.stdout);
+        assert!(
+            said.contains(&format!("uid {} ", other.uid())) && said.contains("may not attach"),
+            "{port}: {said}"
+        );
+    }
+    assert_ne!(show(&s, "byhand")["attached"], true);
+    let theirs = std::thread::scope(|scope| {
+        let running = scope.spawn(|| pose("theirs"));
+        wait_until("the named user's function to attach", 10, || {
+            show(&s, "theirs")["attached"] == true
+        });
+        let v = show(&s, "theirs");
+        let _ = running.join();
+        v
+    });
+    assert_eq!(theirs["attached"], true, "{theirs}");
+    // The function's process is still the one attached to its port.
+    assert_eq!(pid_of(&s, "fw"), Some(pid));
+    s.stop();
+}

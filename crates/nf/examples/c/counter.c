@@ -1,6 +1,6 @@
 /* A function in C: counts frames, drops those shorter than 100 bytes, forwards the rest.
  * cc -O2 counter.c -I../../include -L<target>/release -lstitch_nf -o counter
- * ./counter /run/stitch/nf.sock PORT */
+ * ./counter /run/stitch-fn/nf.sock PORT */
 #include <stdio.h>
 #include <stdint.h>
 #include "stitch_nf.h"

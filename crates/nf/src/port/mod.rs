@@ -29,7 +29,7 @@
 //!
 //! ```yaml
 //! apps:
-//!   tenant1: { type: nf_port, socket: /run/stitch/nf.sock, mode: isolated, wake: blocking,
+//!   tenant1: { type: nf_port, socket: /run/stitch-fn/nf.sock, mode: isolated, wake: blocking,
 //!              batch: 1, max_delay_us: 50 }
 //! links:
 //!   - "in.output -> tenant1.input"
@@ -75,9 +75,16 @@ pub struct NfPortConfig {
     /// Name the function asks for (default: the app's name).
     #[serde(default)]
     pub port: Option<String>,
-    /// Attach socket (default: `/run/stitch/nf.sock` for root).
+    /// Attach socket (default: `/run/stitch-fn/nf.sock` for root).
     #[serde(default)]
     pub socket: Option<PathBuf>,
+    /// Users besides root, Stitch's user and the process Stitch started for this port that
+    /// may attach it (a function started by hand, or by another service).
+    #[serde(default)]
+    pub allow_users: Vec<String>,
+    /// Groups whose members may attach it.
+    #[serde(default)]
+    pub allow_groups: Vec<String>,
     #[serde(default)]
     pub mode: Mode,
     #[serde(default)]
@@ -128,7 +135,19 @@ impl NfPortConfig {
 
 /// The default attach socket.
 pub fn default_socket() -> PathBuf {
-    stitch_core::runtime_dir().join("nf.sock")
+    default_socket_folder().join("nf.sock")
+}
+
+/// The folder of the default attach socket: `/run/stitch-fn` for root — beside the runtime
+/// folder, not in it: functions run as other users, who may not enter `/run/stitch` — else the
+/// user's runtime folder.
+pub fn default_socket_folder() -> PathBuf {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } == 0 {
+        PathBuf::from("/run/stitch-fn")
+    } else {
+        stitch_core::runtime_dir()
+    }
 }
 
 struct Active {
@@ -447,6 +466,7 @@ impl App for NfPort {
     type Config = NfPortConfig;
 
     fn declare(c: &NfPortConfig) -> Result<PortSpec, AppError> {
+        crate::peers::Peers::named(&c.allow_users, &c.allow_groups)?;
         if !c.ring_size.is_power_of_two() || !(16..=65536).contains(&c.ring_size) {
             return Err(format!(
                 "ring_size {} must be a power of two from 16 to 65536",
@@ -477,6 +497,8 @@ impl App for NfPort {
         let listener = listener::listener(&socket)
             .map_err(|e| format!("cannot serve function ports on {}: {e}", socket.display()))?;
         let shared = PortShared::new(&name, settings);
+        *shared.peers.lock().unwrap() =
+            crate::peers::Peers::named(&c.allow_users, &c.allow_groups)?;
         listener.register(shared.clone())?;
         let mut port = NfPort {
             shared,
@@ -525,6 +547,9 @@ impl App for NfPort {
         }
         self.batch = c.batch;
         self.max_delay = Duration::from_micros(c.max_delay_us);
+        // Taken at the next hello; an attached function stays.
+        *self.shared.peers.lock().unwrap() =
+            crate::peers::Peers::named(&c.allow_users, &c.allow_groups)?;
         Ok(Reconfigured::Done)
     }
 

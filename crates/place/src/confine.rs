@@ -1,0 +1,200 @@
+//! What a function process may do: Stitch runs as root, its functions need nothing of root's.
+//! By default a function runs as the system user `stitch-fn` (made by `scripts/install-deps`),
+//! with an empty capability bounding set and `no_new_privs` (no setuid program, no file
+//! capability gives any back), a clean environment (`PATH` and what the app and Stitch set),
+//! and no descriptor of Stitch's past its standard three. `user:` names another user (`root`
+//! too, still without capabilities); `privileged: true` is the explicit word for the old way:
+//! root's capabilities and environment.
+//!
+//! The steps that drop privileges run in the child between fork and exec, in this order: the
+//! bounding set first (it needs CAP_SETPCAP, which the user change takes away), then groups,
+//! group and user, then `no_new_privs`, then every descriptor past 2 marked close-on-exec.
+
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+
+/// The user functions run as unless their app says otherwise.
+pub const FUNCTION_USER: &str = "stitch-fn";
+
+/// A user to run as, with its groups, looked up before the fork.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunAs {
+    pub name: String,
+    pub uid: u32,
+    pub gid: u32,
+    /// Its supplementary groups (the primary one among them).
+    pub groups: Vec<u32>,
+}
+
+/// `name`'s ids and groups from the host's user database.
+pub fn lookup(name: &str) -> Result<RunAs, String> {
+    let user = match nix::unistd::User::from_name(name) {
+        Ok(Some(u)) => u,
+        Ok(None) => return Err(format!("no user `{name}` on this host")),
+        Err(e) => return Err(format!("cannot look up user `{name}`: {e}")),
+    };
+    let cname =
+        std::ffi::CString::new(name).map_err(|_| format!("user `{name}`: a NUL in the name"))?;
+    let groups = nix::unistd::getgrouplist(&cname, user.gid)
+        .map_err(|e| format!("cannot list the groups of `{name}`: {e}"))?
+        .into_iter()
+        .map(|g| g.as_raw())
+        .collect();
+    Ok(RunAs {
+        name: name.to_string(),
+        uid: user.uid.as_raw(),
+        gid: user.gid.as_raw(),
+        groups,
+    })
+}
+
+/// The user a function runs as: the one its app names; else, for a Stitch running as root,
+/// `stitch-fn`; else Stitch's own (`None`: no change).
+pub fn user_for(named: Option<&str>) -> Result<Option<RunAs>, String> {
+    match named {
+        Some(name) => lookup(name).map(Some),
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        None if unsafe { libc::geteuid() } == 0 => lookup(FUNCTION_USER).map(Some).map_err(|_| {
+            format!(
+                "functions run as the system user `{FUNCTION_USER}`, and this host has none: `scripts/install-deps` makes it (`useradd --system --user-group --no-create-home --shell /usr/sbin/nologin {FUNCTION_USER}`); or give the app `user: NAME`"
+            )
+        }),
+        None => Ok(None),
+    }
+}
+
+/// Refuses a function whose user cannot enter every folder above its attach socket (it would
+/// start, fail to attach and restart for ever): names the folder and its mode.
+pub fn check_reachable(user: &RunAs, socket: &Path) -> Result<(), String> {
+    if user.uid == 0 {
+        return Ok(());
+    }
+    let Some(folder) = socket.parent() else {
+        return Ok(());
+    };
+    for dir in folder.ancestors().filter(|d| !d.as_os_str().is_empty()) {
+        // A folder not made yet is made for the socket, enterable by all (0711).
+        let Ok(m) = std::fs::metadata(dir) else {
+            continue;
+        };
+        let bit = if m.uid() == user.uid {
+            0o100
+        } else if user.groups.contains(&m.gid()) || m.gid() == user.gid {
+            0o010
+        } else {
+            0o001
+        };
+        if m.mode() & bit == 0 {
+            return Err(format!(
+                "it runs as `{}` (uid {}), which cannot enter {} (mode {:o}, uid {}, gid {}) to reach its socket {}: put the socket in a folder it may enter (the default is /run/stitch-fn/nf.sock), or run it as a user who may",
+                user.name,
+                user.uid,
+                dir.display(),
+                m.mode() & 0o7777,
+                m.uid(),
+                m.gid(),
+                socket.display()
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// What the child does between fork and exec, prepared before the fork (no allocation after).
+#[derive(Debug, Clone)]
+pub struct ChildSteps {
+    user: Option<RunAs>,
+    last_capability: u32,
+}
+
+/// The child's steps for a confined function running as `user` (or Stitch's user).
+pub fn steps(user: Option<RunAs>) -> ChildSteps {
+    let last_capability = std::fs::read_to_string("/proc/sys/kernel/cap_last_cap")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(63);
+    ChildSteps {
+        user,
+        last_capability,
+    }
+}
+
+/// The environment a confined function starts with, before its app's and Stitch's variables.
+pub const PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+fn check(r: libc::c_int) -> std::io::Result<()> {
+    if r < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+impl ChildSteps {
+    /// Drops what the function must not have. Runs in the child after fork: only system
+    /// calls (none allocates or takes a lock), on data prepared before the fork.
+    pub fn run(&self) -> std::io::Result<()> {
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        let running_as_root = unsafe { libc::geteuid() } == 0;
+        if running_as_root {
+            for cap in 0..=self.last_capability {
+                // SAFETY: prctl with integer arguments only.
+                let r =
+                    unsafe { libc::prctl(libc::PR_CAPBSET_DROP, cap as libc::c_ulong, 0, 0, 0) };
+                // A capability this kernel does not know is not in the set: EINVAL is fine.
+                if r < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EINVAL) {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+        }
+        if let (Some(u), true) = (&self.user, running_as_root) {
+            // SAFETY: `groups` is a live slice of the given length, only read.
+            check(unsafe { libc::setgroups(u.groups.len(), u.groups.as_ptr()) })?;
+            // SAFETY: setgid and setuid take integers only.
+            check(unsafe { libc::setgid(u.gid) })?;
+            // SAFETY: as above.
+            check(unsafe { libc::setuid(u.uid) })?;
+        }
+        // SAFETY: prctl with integer arguments only.
+        check(unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) })?;
+        // Every descriptor but the standard three closes at exec (std's own error pipe is
+        // close-on-exec already).
+        // SAFETY: close_range takes integers only; it marks descriptors, closing none now.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_close_range,
+                3u32,
+                u32::MAX,
+                libc::CLOSE_RANGE_CLOEXEC,
+            )
+        };
+        check(r as libc::c_int)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_folder_the_user_cannot_enter_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        let inner = dir.path().join("closed");
+        std::fs::create_dir(&inner).unwrap();
+        std::fs::set_permissions(&inner, std::fs::Permissions::from_mode(0o700)).unwrap();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
+        let nobody = RunAs {
+            name: "nobody".into(),
+            uid: 65534,
+            gid: 65534,
+            groups: vec![65534],
+        };
+        let e = check_reachable(&nobody, &inner.join("nf.sock")).unwrap_err();
+        assert!(e.contains("cannot enter") && e.contains("closed"), "{e}");
+        std::fs::set_permissions(&inner, std::fs::Permissions::from_mode(0o711)).unwrap();
+        check_reachable(&nobody, &inner.join("nf.sock")).unwrap();
+        // Not made yet: the listener makes it enterable.
+        check_reachable(&nobody, &inner.join("new/nf.sock")).unwrap();
+    }
+}
