@@ -121,6 +121,11 @@ fn start_faucet(dir: &Path, of_port: u16) -> Background {
 
 /// Faucet with `config`, checked first, listening for switches on `of_port`.
 fn start_faucet_with(dir: &Path, of_port: u16, config: &str) -> Background {
+    start_faucet_with_args(dir, of_port, config, &[])
+}
+
+/// The same with more of os-ken's options (`--ryu-…`).
+fn start_faucet_with_args(dir: &Path, of_port: u16, config: &str, more: &[String]) -> Background {
     let venv = faucet_venv();
     assert!(
         venv.join("bin/faucet").exists(),
@@ -142,6 +147,7 @@ fn start_faucet_with(dir: &Path, of_port: u16, config: &str) -> Background {
         Command::new(venv.join("bin/faucet"))
             .args(["--ryu-ofp-listen-host", "127.0.0.1"])
             .args(["--ryu-ofp-tcp-listen-port", &of_port.to_string()])
+            .args(more)
             // faucet starts os-ken's manager from PATH.
             .env("PATH", path)
             .env("FAUCET_CONFIG", dir.join("faucet.yaml"))
@@ -376,4 +382,74 @@ fn faucet_patching_two_vm_ports_gives_them_a_direct_path_and_takes_it_back() {
     let exceptions =
         std::fs::read_to_string(dir.path().join("faucet_exception.log")).unwrap_or_default();
     assert!(exceptions.trim().is_empty(), "{exceptions}");
+}
+
+/// Faucet as a TLS controller (os-ken's `--ctl-privkey`, `--ctl-cert`, `--ca-certs`: switches
+/// must show a certificate its CA signed): a switch dialling it over `ssl:` with a certificate
+/// of that CA is programmed; one with a certificate of another CA is not.
+#[test]
+fn faucet_over_tls_programs_a_switch_whose_certificate_its_ca_signed() {
+    let dir = tempfile::tempdir().unwrap();
+    pki(dir.path(), "ca", &["faucet", "sw"]);
+    pki(dir.path(), "rogue-ca", &["rogue"]);
+    let p = |f: &str| dir.path().join(f).display().to_string();
+    let (tcp_port, ssl_port) = (free_port(), free_port());
+    let config = "
+vlans:
+  office: { vid: 100 }
+dps:
+  sw1:
+    dp_id: 0x1
+    hardware: \"Open vSwitch\"
+    interfaces:
+      1: {native_vlan: office}
+      2: {native_vlan: office}
+  sw2:
+    dp_id: 0x2
+    hardware: \"Open vSwitch\"
+    interfaces:
+      1: {native_vlan: office}
+      2: {native_vlan: office}
+";
+    let tls_args = [
+        "--ryu-ofp-ssl-listen-port".to_string(),
+        ssl_port.to_string(),
+        "--ryu-ctl-privkey".to_string(),
+        p("faucet.key"),
+        "--ryu-ctl-cert".to_string(),
+        p("faucet.crt"),
+        "--ryu-ca-certs".to_string(),
+        p("ca.crt"),
+    ];
+    let _faucet = start_faucet_with_args(dir.path(), tcp_port, config, &tls_args);
+    wait_until("Faucet listens for TLS", 30, || {
+        std::net::TcpStream::connect(("127.0.0.1", ssl_port)).is_ok()
+    });
+    let switch = |name: &str, dpid: u32, who: &str| {
+        format!(
+            "  {name}: {{ type: switch, ports: [a, b], datapath_id: {dpid}, controller: \"ssl:127.0.0.1:{ssl_port}\", cert: {}, key: {}, ca: {} }}\n",
+            p(&format!("{who}.crt")),
+            p(&format!("{who}.key")),
+            p("ca.crt")
+        )
+    };
+    let s = Stitch::run(&format!(
+        "apps:\n{}{}  x: {{ type: sink }}\n",
+        switch("sw1", 1, "sw"),
+        switch("sw2", 2, "rogue")
+    ));
+    let flows = |name: &str| {
+        show(&s, name)["flows"]
+            .as_array()
+            .map(Vec::len)
+            .unwrap_or(0)
+    };
+    wait_until("Faucet to program the switch over TLS", 30, || {
+        flows("sw1") > 0
+    });
+    // The rogue switch had as long, and more.
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(flows("sw2"), 0, "{}", show(&s, "sw2"));
+    assert_eq!(show(&s, "sw2")["controllers"], 0);
+    s.stop();
 }

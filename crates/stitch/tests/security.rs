@@ -730,3 +730,98 @@ links: [\"gen.output -> fw.input\", \"fw.output -> out.input\", \"g2.output -> b
     assert_eq!(pid_of(&s, "fw"), Some(pid));
     s.stop();
 }
+
+#[test]
+fn openflow_over_tls_lets_in_only_controllers_whose_certificate_its_ca_signed() {
+    require_root_and_tools(&["ovs-ofctl", "openssl"]);
+    let dir = tempfile::tempdir().unwrap();
+    pki(dir.path(), "ca", &["sw", "ctl"]);
+    pki(dir.path(), "rogue-ca", &["rogue"]);
+    let port = free_port();
+    let p = |f: &str| dir.path().join(f).display().to_string();
+    let s = Stitch::run(&format!(
+        "apps:
+  sw: {{ type: switch, ports: [a, b], listen: \"ssl:127.0.0.1:{port}\", cert: {}, key: {}, ca: {} }}
+  a: {{ type: sink }}
+  b: {{ type: sink }}
+",
+        p("sw.crt"),
+        p("sw.key"),
+        p("ca.crt")
+    ));
+    let ofctl = |who: &str, args: &str| {
+        sh(&format!(
+            "ovs-ofctl -O OpenFlow13 -p {} -c {} -C {} {args}",
+            p(&format!("{who}.key")),
+            p(&format!("{who}.crt")),
+            p("ca.crt")
+        ))
+    };
+    // The controller with a certificate from the switch's CA programs it.
+    let o = ofctl(
+        "ctl",
+        &format!("add-flow ssl:127.0.0.1:{port} in_port=1,actions=output:2"),
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = ofctl("ctl", &format!("dump-flows ssl:127.0.0.1:{port}"));
+    let flows = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(
+        flows.contains("in_port=1") && flows.contains("output:2"),
+        "{flows}"
+    );
+    // One signed by another CA, and plain TCP, get nothing.
+    let o = ofctl(
+        "rogue",
+        &format!("add-flow ssl:127.0.0.1:{port} in_port=2,actions=output:1"),
+    );
+    assert!(
+        !o.status.success(),
+        "a rogue controller programmed the switch"
+    );
+    let o = sh(&format!(
+        "timeout 5 ovs-ofctl -O OpenFlow13 add-flow tcp:127.0.0.1:{port} in_port=2,actions=output:1"
+    ));
+    assert!(!o.status.success(), "plain OpenFlow on the TLS port");
+    let o = ofctl("ctl", &format!("dump-flows ssl:127.0.0.1:{port}"));
+    let after = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(!after.contains("in_port=2"), "{after}");
+    s.stop();
+
+    // On an address other hosts reach, TLS needs no `insecure`; a key others may read is
+    // refused.
+    let check = |text: &str| {
+        let file = dir.path().join("check.yaml");
+        std::fs::write(&file, text).unwrap();
+        Command::new(env!("CARGO_BIN_EXE_stitch"))
+            .arg("check")
+            .arg(&file)
+            .output()
+            .unwrap()
+    };
+    let open = format!(
+        "apps:\n  sw: {{ type: switch, ports: [a], listen: \"ssl:0.0.0.0:6653\", cert: {}, key: {}, ca: {} }}\n",
+        p("sw.crt"),
+        p("sw.key"),
+        p("ca.crt")
+    );
+    let o = check(&open);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = check("apps:\n  sw: { type: switch, ports: [a], listen: \"ssl:127.0.0.1:6653\" }\n");
+    assert!(String::from_utf8_lossy(&o.stderr).contains("needs `cert`, `key` and `ca`"));
+    std::fs::set_permissions(
+        dir.path().join("sw.key"),
+        std::fs::Permissions::from_mode(0o644),
+    )
+    .unwrap();
+    let err = run_must_fail_with(
+        &format!(
+            "apps:\n  sw: {{ type: switch, ports: [a], listen: \"ssl:127.0.0.1:{}\", cert: {}, key: {}, ca: {} }}\n  a: {{ type: sink }}\n",
+            free_port(),
+            p("sw.crt"),
+            p("sw.key"),
+            p("ca.crt")
+        ),
+        &["--duration", "1"],
+    );
+    assert!(err.contains("may be read by other users"), "{err}");
+}

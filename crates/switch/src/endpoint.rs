@@ -1,5 +1,6 @@
 //! The OpenFlow side of a switch: a passive TCP endpoint (each controller connection on its own
-//! thread) and/or an active connection to a controller, speaking OpenFlow 1.3 over the shared
+//! thread) and/or an active connection to a controller, either over TLS with certificates both
+//! ways ([`crate::tls`]), speaking OpenFlow 1.3 over the shared
 //! pipeline. Changes take effect in the data path before a BARRIER is answered. A timer thread
 //! expires flows (FLOW_REMOVED) and reports port changes (PORT_STATUS).
 
@@ -7,6 +8,7 @@ use crate::group::{self, GroupTable};
 use crate::meter::{self, MeterTable};
 use crate::ofp::{self, Msg, OfError};
 use crate::pipeline::{self, FlowEntry, TABLES};
+use crate::tls::{self, Tls};
 use crate::{oxm, Async, Connection, Shared, State};
 use crate::{ROLE_MASTER, ROLE_NOCHANGE, ROLE_SLAVE};
 use std::io::{Read, Write};
@@ -31,14 +33,14 @@ impl Endpoint {
     /// the process an upgrade replaced) and/or connects to `controller`.
     pub fn start(
         shared: Arc<Shared>,
-        listener: Option<TcpListener>,
-        controller: Option<&str>,
+        listener: Option<(TcpListener, Option<Arc<Tls>>)>,
+        controller: Option<(String, Option<Arc<Tls>>)>,
     ) -> Result<Option<Endpoint>, String> {
         if listener.is_none() && controller.is_none() {
             return Ok(None);
         }
         let stop = Arc::new(AtomicBool::new(false));
-        if let Some(l) = listener {
+        if let Some((l, tls)) = listener {
             l.set_nonblocking(true).map_err(|e| e.to_string())?;
             let (shared, stop) = (shared.clone(), stop.clone());
             std::thread::Builder::new()
@@ -48,24 +50,32 @@ impl Endpoint {
                         return;
                     }
                     match l.accept() {
-                        Ok((s, _)) => {
-                            let (shared, stop) = (shared.clone(), stop.clone());
-                            std::thread::spawn(move || serve(s, &shared, &stop));
+                        Ok((s, peer)) => {
+                            let (shared, stop, tls) = (shared.clone(), stop.clone(), tls.clone());
+                            std::thread::spawn(move || match tls {
+                                None => serve(prepared(s), &shared, &stop),
+                                Some(tls) => match tls::accept(&tls, s) {
+                                    Ok(s) => serve(prepared_tls(s), &shared, &stop),
+                                    Err(e) => log::warn!(
+                                        "switch `{}`: controller {peer} refused: {e}",
+                                        shared.name
+                                    ),
+                                },
+                            });
                         }
                         Err(_) => std::thread::sleep(Duration::from_millis(20)),
                     }
                 })
                 .map_err(|e| e.to_string())?;
         }
-        if let Some(addr) = controller {
-            let (shared, stop, addr) = (shared.clone(), stop.clone(), addr.to_string());
+        if let Some((addr, tls)) = controller {
+            let (shared, stop) = (shared.clone(), stop.clone());
             std::thread::Builder::new()
                 .name("stitch-openflow-client".into())
                 .spawn(move || {
                     while !stop.load(Ordering::Acquire) {
                         if let Ok(s) = TcpStream::connect(&addr) {
-                            log::info!("switch `{}`: connected to controller {addr}", shared.name);
-                            serve(s, &shared, &stop);
+                            dialled(s, &addr, tls.as_deref(), &shared, &stop);
                         }
                         std::thread::sleep(Duration::from_secs(1));
                     }
@@ -81,9 +91,8 @@ impl Endpoint {
     }
 }
 
-/// The passive OpenFlow endpoint's socket on `addr`.
-/// Refuses a passive endpoint that other hosts reach: OpenFlow gives whoever connects the
-/// whole switch, and this endpoint authenticates nobody.
+/// Refuses a plain passive endpoint that other hosts reach: OpenFlow gives whoever connects the
+/// whole switch, and a plain endpoint authenticates nobody.
 pub fn check_listen_address(addr: &str) -> Result<(), String> {
     use std::net::ToSocketAddrs;
     let resolved: Vec<std::net::SocketAddr> = addr
@@ -99,6 +108,7 @@ pub fn check_listen_address(addr: &str) -> Result<(), String> {
     }
 }
 
+/// The passive OpenFlow endpoint's socket on `addr`.
 pub fn listen(addr: &str) -> Result<TcpListener, String> {
     TcpListener::bind(addr).map_err(|e| format!("cannot listen for OpenFlow on {addr}: {e}"))
 }
@@ -175,9 +185,42 @@ fn flow_removed(shared: &Shared, e: &FlowEntry, reason: u8) {
 }
 
 /// One controller connection until it closes or the switch stops.
-fn serve(mut s: TcpStream, shared: &Shared, stop: &AtomicBool) {
+/// A controller's connection made ready to serve: no delay, reads that wait 5 ms at most
+/// (so that asynchronous messages go out between them).
+fn prepared(s: TcpStream) -> TcpStream {
     let _ = s.set_nodelay(true);
     let _ = s.set_read_timeout(Some(Duration::from_millis(5)));
+    s
+}
+
+/// The same for a connection over TLS (its handshake done).
+fn prepared_tls<C>(s: rustls::StreamOwned<C, TcpStream>) -> rustls::StreamOwned<C, TcpStream> {
+    let _ = s.sock.set_nodelay(true);
+    let _ = s.sock.set_read_timeout(Some(Duration::from_millis(5)));
+    s
+}
+
+/// Serves the controller at `addr` this switch dialled, over TLS when `tls` is given.
+fn dialled(s: TcpStream, addr: &str, tls: Option<&Tls>, shared: &Shared, stop: &AtomicBool) {
+    let Some(tls) = tls else {
+        log::info!("switch `{}`: connected to controller {addr}", shared.name);
+        return serve(prepared(s), shared, stop);
+    };
+    let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    match tls::connect(tls, host, s) {
+        Ok(s) => {
+            log::info!(
+                "switch `{}`: connected to controller ssl:{addr}",
+                shared.name
+            );
+            serve(prepared_tls(s), shared, stop)
+        }
+        Err(e) => log::warn!("switch `{}`: controller ssl:{addr}: {e}", shared.name),
+    }
+}
+
+fn serve(mut s: impl Read + Write, shared: &Shared, stop: &AtomicBool) {
     if s.write_all(&ofp::hello()).is_err() {
         return;
     }

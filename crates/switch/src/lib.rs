@@ -39,6 +39,7 @@ pub mod ofp;
 pub mod oxm;
 pub mod pipeline;
 mod saved;
+pub mod tls;
 mod vm_paths;
 
 use pipeline::{FlowEntry, P2p, TABLES};
@@ -76,6 +77,25 @@ pub struct SwitchConfig {
     /// switch): refused unless this says so.
     #[serde(default)]
     pub insecure: bool,
+    /// For `ssl:` endpoints: the switch's certificate chain (PEM) ...
+    #[serde(default)]
+    pub cert: Option<std::path::PathBuf>,
+    /// ... its private key (PEM; 0600, Stitch's or root's) ...
+    #[serde(default)]
+    pub key: Option<std::path::PathBuf>,
+    /// ... and the CA that signed the controllers' certificates (PEM).
+    #[serde(default)]
+    pub ca: Option<std::path::PathBuf>,
+}
+
+impl SwitchConfig {
+    /// Whether an endpoint speaks TLS.
+    fn uses_tls(&self) -> bool {
+        [&self.listen, &self.controller]
+            .into_iter()
+            .flatten()
+            .any(|a| tls::split(a).0 == tls::Transport::Tls)
+    }
 }
 
 fn default_cache() -> usize {
@@ -318,8 +338,14 @@ impl App for Switch {
         if c.ports.is_empty() {
             return Err("`ports` needs at least one port name".into());
         }
-        if let Some(listen) = c.listen.as_deref().filter(|_| !c.insecure) {
+        let plain_listen = (c.listen.as_deref())
+            .map(tls::split)
+            .filter(|(t, _)| *t == tls::Transport::Tcp);
+        if let Some((_, listen)) = plain_listen.filter(|_| !c.insecure) {
             endpoint::check_listen_address(listen)?;
+        }
+        if c.uses_tls() && (c.cert.is_none() || c.key.is_none() || c.ca.is_none()) {
+            return Err("an `ssl:` endpoint needs `cert`, `key` and `ca` (PEM files: the switch's certificate and key, and the CA of its controllers)".into());
         }
         let mut seen = std::collections::HashSet::new();
         for p in &c.ports {
@@ -340,22 +366,43 @@ impl App for Switch {
             }) & 0x0000_ffff_ffff_ffff
         });
         let shared = Arc::new(Shared::new(ctx.name(), &c.ports, dpid));
-        let listener = match ctx.take_inherited() {
-            Some(handed) => Some(adopt_listener(handed, c.listen.as_deref())?),
-            None => c.listen.as_deref().map(endpoint::listen).transpose()?,
+        let listen = c.listen.as_deref().map(tls::split);
+        let tls = match (c.uses_tls(), &c.cert, &c.key, &c.ca) {
+            (true, Some(cert), Some(key), Some(ca)) => Some(Arc::new(tls::Tls::load(
+                &ctx.path(cert.clone()),
+                &ctx.path(key.clone()),
+                &ctx.path(ca.clone()),
+            )?)),
+            _ => None,
         };
+        let listener = match ctx.take_inherited() {
+            Some(handed) => Some(adopt_listener(handed, listen.map(|(_, a)| a))?),
+            None => listen.map(|(_, a)| endpoint::listen(a)).transpose()?,
+        };
+        let listen_tls = listen
+            .filter(|(t, _)| *t == tls::Transport::Tls)
+            .and(tls.clone());
         if let Some(addr) = listener.as_ref().and_then(|l| l.local_addr().ok()) {
             log::info!(
-                "switch `{}`: OpenFlow controllers can connect on tcp:{addr}",
-                ctx.name()
+                "switch `{}`: OpenFlow controllers can connect on {}:{addr}",
+                ctx.name(),
+                if listen_tls.is_some() { "ssl" } else { "tcp" }
             );
         }
         let kept = (listener.as_ref())
             .map(|l| l.try_clone())
             .transpose()
             .map_err(|e| e.to_string())?;
-        let endpoint =
-            endpoint::Endpoint::start(shared.clone(), listener, c.controller.as_deref())?;
+        let controller = c.controller.as_deref().map(|a| {
+            let (transport, addr) = tls::split(a);
+            let tls = tls.clone().filter(|_| transport == tls::Transport::Tls);
+            (addr.to_string(), tls)
+        });
+        let endpoint = endpoint::Endpoint::start(
+            shared.clone(),
+            listener.map(|l| (l, listen_tls)),
+            controller,
+        )?;
         let counters = Counters {
             misses: ctx.counter("table_miss_drops"),
             cache_hits: ctx.counter("exact_match_cache_hits"),

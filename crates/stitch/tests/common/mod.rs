@@ -974,3 +974,19 @@ pub fn send_until_direct(
     }
     sent
 }
+
+/// A CA in `dir` named `ca`, and certificates it signs: `name.crt` and `name.key` (0600).
+pub fn pki(dir: &Path, ca: &str, names: &[&str]) {
+    let d = dir.display();
+    must(&format!(
+        "cd {d} && openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN={ca} -keyout {ca}.key -out {ca}.crt 2>&1"
+    ));
+    for name in names {
+        must(&format!(
+            "cd {d} && openssl req -newkey rsa:2048 -nodes -subj /CN={name} -keyout {name}.key -out {name}.csr 2>&1 && \
+             printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\\n' > {name}.ext && \
+             openssl x509 -req -in {name}.csr -CA {ca}.crt -CAkey {ca}.key -CAcreateserial -days 2 -extfile {name}.ext -out {name}.crt 2>&1 && \
+             chmod 600 {name}.key"
+        ));
+    }
+}
