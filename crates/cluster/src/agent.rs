@@ -70,6 +70,8 @@ struct State {
     last_error: Option<String>,
     lease: i64,
     leader: bool,
+    /// etcd refused this host's campaign (its user has no role on the election).
+    barred_from_election: bool,
     status: StatusRecord,
     /// Whether `status` is what etcd holds under the host's status key: a write that failed
     /// (etcd unreachable) is made again as soon as a session can, not only at the next change.
@@ -213,6 +215,7 @@ impl stitch_api::Reporter for Report {
             "data_plane": if s.connected { "following etcd" } else { "kept as last applied" },
             "lease": format!("{:x}", s.lease),
             "controller": s.leader,
+            "may_run_controller": !s.barred_from_election,
             "assignment_revision": s.status.assignment_revision,
             "graphs": s.status.graphs,
             "apply_error": s.status.error,
@@ -478,6 +481,19 @@ async fn campaign(lease: i64, ctx: &Ctx) -> Result<()> {
     loop {
         if let Err(e) = campaign_once(lease, ctx).await {
             ctx.state.lock().unwrap().leader = false;
+            // etcd's roles keep this host from the election: it follows its graph only.
+            if format!("{e:#}").contains("permission denied") {
+                let first =
+                    !std::mem::replace(&mut ctx.state.lock().unwrap().barred_from_election, true);
+                if first {
+                    log::info!(
+                        "agent: etcd does not let `{}` run the placement controller (its user has no role on {}): this host follows its graph only",
+                        ctx.config.host,
+                        keys::ELECTION
+                    );
+                }
+                return std::future::pending().await;
+            }
             log::warn!("agent: election: {e:#}; campaigning again");
             tokio::time::sleep(Duration::from_millis(500)).await;
         }

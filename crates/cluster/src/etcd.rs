@@ -1,9 +1,78 @@
 //! Connecting to the etcd cluster, and the few reads every part of the cluster makes.
 
 use anyhow::{anyhow, bail, Context, Result};
-use etcd_client::{Client, ConnectOptions, GetOptions, KeyValue};
+use etcd_client::{
+    Certificate, Client, ConnectOptions, GetOptions, Identity, KeyValue, TlsOptions,
+};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
 use std::time::Duration;
+
+/// How this process proves to etcd who it is, and knows etcd is etcd: the CA etcd's
+/// certificates come from, this host's (or operator's) client certificate and key — with
+/// `--client-cert-auth`, etcd takes the certificate's common name as the user, whose roles
+/// decide which keys it may read and write (`docs/cluster.md`, "Who may write what") — and
+/// optionally a user name and password.
+#[derive(Debug, Clone, Default)]
+pub struct Credentials {
+    pub ca: Option<PathBuf>,
+    pub cert: Option<PathBuf>,
+    pub key: Option<PathBuf>,
+    pub user: Option<(String, String)>,
+}
+
+static CREDENTIALS: OnceLock<(Credentials, Option<TlsOptions>)> = OnceLock::new();
+
+/// Sets the credentials every connection of this process presents (once, from the command
+/// line); the files are read now, so a missing or unsafe one is an error before anything runs.
+pub fn present(c: Credentials) -> Result<()> {
+    let tls = match &c.ca {
+        None => {
+            if c.cert.is_some() || c.key.is_some() {
+                bail!("--etcd-cert and --etcd-key need --etcd-ca (the CA etcd's certificates come from)");
+            }
+            None
+        }
+        Some(ca) => {
+            let pem = std::fs::read(ca).with_context(|| format!("--etcd-ca {}", ca.display()))?;
+            let mut tls = TlsOptions::new().ca_certificate(Certificate::from_pem(pem));
+            match (&c.cert, &c.key) {
+                (Some(cert), Some(key)) => {
+                    let cert_pem = std::fs::read(cert)
+                        .with_context(|| format!("--etcd-cert {}", cert.display()))?;
+                    let key_pem = stitch_core::files::read_trusted(key, "etcd key", true)
+                        .map_err(anyhow::Error::msg)?
+                        .ok_or_else(|| anyhow!("--etcd-key {}: no such file", key.display()))?;
+                    tls = tls.identity(Identity::from_pem(cert_pem, key_pem));
+                }
+                (None, None) => {}
+                _ => bail!("give --etcd-cert and --etcd-key together"),
+            }
+            Some(tls)
+        }
+    };
+    CREDENTIALS
+        .set((c, tls))
+        .map_err(|_| anyhow!("the etcd credentials are set once"))
+}
+
+/// Refuses endpoints that would trust etcd blindly: a plain `http://` one (whoever reaches it
+/// can write a host's graph, which runs as root there) unless `insecure`, an `https://` one
+/// without a CA.
+pub fn check_endpoints(endpoints: &[String], c: &Credentials, insecure: bool) -> Result<()> {
+    for e in endpoints {
+        if e.starts_with("http://") && !insecure {
+            bail!(
+                "etcd at {e} is plain HTTP: whoever reaches it can write a host's graph, which runs as root there; give https:// endpoints with --etcd-ca and a client certificate (--etcd-cert, --etcd-key), or say --etcd-insecure on a network only the cluster's hosts reach"
+            );
+        }
+        if e.starts_with("https://") && c.ca.is_none() {
+            bail!("etcd at {e}: give --etcd-ca, the CA its certificate comes from");
+        }
+    }
+    Ok(())
+}
 
 /// How long one request may take before the cluster counts as unreachable.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(3);
@@ -90,15 +159,21 @@ async fn connect_one(endpoint: &str, timeout: Option<Duration>) -> Result<Client
     if let Some(t) = timeout {
         options = options.with_timeout(t);
     }
+    if let Some((c, tls)) = CREDENTIALS.get() {
+        if let (Some(tls), true) = (tls, endpoint.starts_with("https://")) {
+            options = options.with_tls(tls.clone());
+        }
+        if let Some((user, password)) = &c.user {
+            options = options.with_user(user, password);
+        }
+    }
     let mut client = Client::connect([endpoint], Some(options)).await?;
-    // A read that needs a leader: a member cut off from the others, or still starting, fails it.
+    // A read that needs a leader: a member cut off from the others, or still starting, fails
+    // it. The host records: every role of the cluster may read them (`docs/cluster.md`).
     let probe = GetOptions::new().with_count_only();
-    tokio::time::timeout(
-        CONNECT_TIMEOUT,
-        client.get(crate::keys::PREFIX, Some(probe)),
-    )
-    .await
-    .map_err(|_| anyhow!("no answer within {CONNECT_TIMEOUT:?}"))??;
+    tokio::time::timeout(CONNECT_TIMEOUT, client.get(crate::keys::HOSTS, Some(probe)))
+        .await
+        .map_err(|_| anyhow!("no answer within {CONNECT_TIMEOUT:?}"))??;
     Ok(client)
 }
 

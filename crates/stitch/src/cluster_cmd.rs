@@ -9,25 +9,69 @@ use std::sync::Arc;
 use std::time::Duration;
 use stitch_cluster::{admin, agent, etcd};
 
-/// Where etcd is.
+/// Where etcd is, and how this process proves who it is there.
 #[derive(clap::Args, Clone)]
 pub struct Etcd {
-    /// etcd client URLs, comma-separated (without it and STITCH_ETCD: http://127.0.0.1:2379,
-    /// said on standard error).
+    /// etcd client URLs, comma-separated: https://HOST:2379,… (without it and STITCH_ETCD:
+    /// https://127.0.0.1:2379, said on standard error).
     #[arg(long, env = "STITCH_ETCD")]
     pub etcd: Option<String>,
+    /// The CA that signed etcd's certificates (PEM).
+    #[arg(long, env = "STITCH_ETCD_CA")]
+    pub etcd_ca: Option<PathBuf>,
+    /// This client's certificate (PEM): etcd takes its common name as the user (a host's
+    /// agent: the host's name; `stitch cluster`: the operator).
+    #[arg(long, env = "STITCH_ETCD_CERT")]
+    pub etcd_cert: Option<PathBuf>,
+    /// Its private key (PEM, 0600).
+    #[arg(long, env = "STITCH_ETCD_KEY")]
+    pub etcd_key: Option<PathBuf>,
+    /// An etcd user to authenticate as by password (instead of, or besides, the certificate).
+    #[arg(long, env = "STITCH_ETCD_USER")]
+    pub etcd_user: Option<String>,
+    /// The file holding that user's password (0600).
+    #[arg(long, env = "STITCH_ETCD_PASSWORD_FILE", requires = "etcd_user")]
+    pub etcd_password_file: Option<PathBuf>,
+    /// Allow plain http:// endpoints (no TLS, no check of who etcd is or who writes there).
+    #[arg(long)]
+    pub etcd_insecure: bool,
 }
 
 impl Etcd {
-    fn endpoints(&self) -> Vec<String> {
-        const LOCAL: &str = "http://127.0.0.1:2379";
-        match &self.etcd {
+    /// The endpoints, checked against the credentials, which are set for this process.
+    fn endpoints(&self) -> Result<Vec<String>> {
+        const LOCAL: &str = "https://127.0.0.1:2379";
+        let endpoints = match &self.etcd {
             Some(list) => etcd::endpoints(list),
             None => {
                 eprintln!("stitch: no --etcd (or STITCH_ETCD) given: using etcd at {LOCAL}");
                 etcd::endpoints(LOCAL)
             }
-        }
+        };
+        let user = match (&self.etcd_user, &self.etcd_password_file) {
+            (None, _) => None,
+            (Some(_), None) => anyhow::bail!("--etcd-user needs --etcd-password-file"),
+            (Some(u), Some(f)) => {
+                let bytes = stitch_core::files::read_trusted(f, "etcd password file", true)
+                    .map_err(anyhow::Error::msg)?
+                    .ok_or_else(|| {
+                        anyhow::anyhow!("--etcd-password-file {}: no such file", f.display())
+                    })?;
+                Some((
+                    u.clone(),
+                    String::from_utf8_lossy(&bytes).trim().to_string(),
+                ))
+            }
+        };
+        let credentials = etcd::Credentials {
+            ca: self.etcd_ca.clone(),
+            cert: self.etcd_cert.clone(),
+            key: self.etcd_key.clone(),
+            user,
+        };
+        etcd::check_endpoints(&endpoints, &credentials, self.etcd_insecure)?;
+        etcd::present(credentials)?;
+        Ok(endpoints)
     }
 }
 
@@ -126,7 +170,7 @@ pub fn run_cluster(cmd: ClusterCmd) -> Result<()> {
                 Some(g) => g,
                 None => admin::graph_name(&file)?,
             };
-            let endpoints = etcd.endpoints();
+            let endpoints = etcd.endpoints()?;
             let applied = etcd::block_on(admin::apply(
                 &endpoints,
                 &file,
@@ -165,7 +209,7 @@ pub fn run_cluster(cmd: ClusterCmd) -> Result<()> {
             json,
             wait_live,
         } => {
-            let endpoints = etcd.endpoints();
+            let endpoints = etcd.endpoints()?;
             let v = match wait_live {
                 Some(n) => wait_live_hosts(&endpoints, n, Duration::from_secs(30))?,
                 None => etcd::block_on(admin::status(&endpoints))?,
@@ -177,7 +221,7 @@ pub fn run_cluster(cmd: ClusterCmd) -> Result<()> {
             }
         }
         ClusterCmd::Host(HostCmd::Remove { host, etcd }) => {
-            let r = etcd::block_on(admin::remove_host(&etcd.endpoints(), &host))?;
+            let r = etcd::block_on(admin::remove_host(&etcd.endpoints()?, &host))?;
             println!("host {host} removed at revision {r}");
         }
         ClusterCmd::Delete {
@@ -185,7 +229,7 @@ pub fn run_cluster(cmd: ClusterCmd) -> Result<()> {
             etcd,
             if_revision,
         } => {
-            let r = etcd::block_on(admin::delete(&etcd.endpoints(), &graph, if_revision))?;
+            let r = etcd::block_on(admin::delete(&etcd.endpoints()?, &graph, if_revision))?;
             println!("graph {graph} deleted at revision {r}");
         }
     }
@@ -237,7 +281,7 @@ pub fn run_agent(args: AgentArgs) -> Result<()> {
         control: args.control.clone(),
     };
     let config = agent::AgentConfig {
-        endpoints: args.etcd.endpoints(),
+        endpoints: args.etcd.endpoints()?,
         host: args.host.clone(),
         underlay: args.underlay,
         labels,

@@ -223,6 +223,9 @@ impl Cluster {
             "agent",
             "--etcd",
             &endpoints,
+            // This test is about failures, on a plain etcd of its own; the walkthrough and
+            // `etcd_lets_each_identity_write_only_its_keys` run the secure set-up.
+            "--etcd-insecure",
             "--host",
             &host,
             "--underlay",
@@ -258,7 +261,7 @@ impl Cluster {
         let o = self.exec(
             &self.ns(host),
             &format!(
-                "{} cluster {args} --etcd {}",
+                "{} cluster {args} --etcd-insecure --etcd {}",
                 env!("CARGO_BIN_EXE_stitch"),
                 self.endpoints()
             ),
@@ -967,6 +970,104 @@ fn removes_a_host_gone_for_good(c: &mut Cluster) {
 }
 
 /// The shell blocks of `docs/cluster.md`'s walkthrough section, in order.
+/// Runs `commands` as a shell script (`set -eu`, `fabric.sh down` at its end) from the
+/// repository's folder, with Stitch's binaries on PATH, in a mount namespace of its own whose
+/// /run/netns, /run/stitch and /var/lib/cni are empty (the fabric's namespaces and the
+/// instances' sockets are its own); its files under `dir`.
+fn run_isolated(dir: &Path, commands: &str) -> std::process::Output {
+    let script = dir.join("script.sh");
+    std::fs::write(
+        &script,
+        format!("set -eu\ntrap 'examples/cluster/fabric.sh down' EXIT\n{commands}"),
+    )
+    .unwrap();
+    let isolate = "mkdir -p /run/netns /run/stitch /var/lib/cni \
+         && mount -t tmpfs walkthrough /run/netns \
+         && mount -t tmpfs walkthrough /run/stitch \
+         && mount -t tmpfs walkthrough /var/lib/cni \
+         && exec sh -x \"$0\"";
+    let bin = Path::new(env!("CARGO_BIN_EXE_stitch")).parent().unwrap();
+    Command::new("unshare")
+        .args(["--mount", "--propagation", "private", "sh", "-c", isolate])
+        .arg(&script)
+        .current_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join("../.."))
+        .env(
+            "PATH",
+            format!("{}:{}", bin.display(), std::env::var("PATH").unwrap()),
+        )
+        .env("STITCH_CLUSTER_DIR", dir)
+        .env_remove("STITCH_ETCD")
+        .env_remove("STITCH_ETCD_CA")
+        .env_remove("STITCH_ETCD_CERT")
+        .env_remove("STITCH_ETCD_KEY")
+        .output()
+        .unwrap()
+}
+
+/// etcd as `fabric.sh` secures it (docs/cluster.md, "Who may write what"), attacked: a client
+/// without a certificate, one with a certificate of another CA, host 2's certificate writing
+/// host 1's graph, its own graph, a cluster graph and host 1's liveness, the operator writing a
+/// host's graph, `stitch cluster apply` with a host's certificate — each refused; each identity
+/// still writes what it owns.
+#[test]
+fn etcd_lets_each_identity_write_only_its_keys() {
+    let _one = one_cluster();
+    require_root_and_tools(&["etcd", "etcdctl", "openssl", "unshare"]);
+    let dir = tempfile::tempdir().unwrap();
+    let script = r#"
+examples/cluster/fabric.sh up
+pki=$STITCH_CLUSTER_DIR/pki
+ep=https://198.51.100.1:2379
+e() { ip netns exec h1 etcdctl --endpoints=$ep --cacert=$pki/ca.crt --command-timeout=3s "$@"; }
+as() { who=$1; shift; e --cert=$pki/$who.crt --key=$pki/$who.key "$@"; }
+if e put /stitch/assign/h1 '{}'; then echo "ATTACK: no certificate wrote"; fi
+if e get /stitch/ --prefix; then echo "ATTACK: no certificate read"; fi
+openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=h1 -keyout $pki/x.key -out $pki/x.crt 2>/dev/null
+if e --cert=$pki/x.crt --key=$pki/x.key put /stitch/assign/h1 '{}'; then echo "ATTACK: another CA's h1 wrote"; fi
+for k in /stitch/assign/h1 /stitch/assign/h2 /stitch/graphs/evil /stitch/alive/h1 /stitch/hosts/h1 /stitch/status/h1 /stitch/placements/chain; do
+  if as h2 put $k '{}'; then echo "ATTACK: h2 wrote $k"; fi
+done
+if as h2 get /stitch/assign/h1; then echo "ATTACK: h2 read h1's graph"; fi
+for k in /stitch/assign/h1 /stitch/placements/chain /stitch/alive/h1; do
+  if as operator put $k '{}'; then echo "ATTACK: the operator wrote $k"; fi
+done
+if STITCH_ETCD=$ep STITCH_ETCD_CA=$pki/ca.crt STITCH_ETCD_CERT=$pki/h2.crt STITCH_ETCD_KEY=$pki/h2.key    ip netns exec h1 stitch cluster apply examples/cluster/chain.yaml; then echo "ATTACK: h2 applied a graph"; fi
+as h2 put /stitch/status/h2 '{}' && echo "LEGIT: h2 wrote its status"
+as h2 get /stitch/assign/h2 && echo "LEGIT: h2 read its graph"
+as operator put /stitch/graphs/probe '{}' && echo "LEGIT: the operator wrote a graph"
+as h1 put /stitch/assign/h3 '{}' && echo "LEGIT: the controller wrote a host's graph"
+"#;
+    let out = run_isolated(dir.path(), script);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(!stdout.contains("ATTACK"), "{stdout}\n{stderr}");
+    for legit in [
+        "h2 wrote its status",
+        "h2 read its graph",
+        "the operator wrote a graph",
+        "the controller wrote a host's graph",
+    ] {
+        assert!(stdout.contains(legit), "{legit}: {stdout}\n{stderr}");
+    }
+    assert!(stderr.contains("permission denied"), "{stderr}");
+}
+
+#[test]
+fn a_plain_etcd_needs_the_word_insecure() {
+    let o = Command::new(env!("CARGO_BIN_EXE_stitch"))
+        .args(["cluster", "status", "--etcd", "http://127.0.0.1:1"])
+        .env_remove("STITCH_ETCD")
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("plain HTTP") && err.contains("--etcd-insecure"),
+        "{err}"
+    );
+}
+
 fn walkthrough_commands() -> String {
     let doc = std::fs::read_to_string(
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/cluster.md"),
@@ -1005,31 +1106,8 @@ fn the_cluster_walkthrough_runs_as_written() {
     let commands = walkthrough_commands();
     assert!(commands.contains("cluster apply"), "{commands}");
     let dir = tempfile::tempdir().unwrap();
-    let script = dir.path().join("walkthrough.sh");
-    std::fs::write(
-        &script,
-        format!("set -eu\ntrap 'examples/cluster/fabric.sh down' EXIT\n{commands}"),
-    )
-    .unwrap();
-    let isolate = "mkdir -p /run/netns /run/stitch /var/lib/cni \
-         && mount -t tmpfs walkthrough /run/netns \
-         && mount -t tmpfs walkthrough /run/stitch \
-         && mount -t tmpfs walkthrough /var/lib/cni \
-         && exec sh -x \"$0\"";
-    let bin = Path::new(env!("CARGO_BIN_EXE_stitch")).parent().unwrap();
     let started = Instant::now();
-    let out = Command::new("unshare")
-        .args(["--mount", "--propagation", "private", "sh", "-c", isolate])
-        .arg(&script)
-        .current_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join("../.."))
-        .env(
-            "PATH",
-            format!("{}:{}", bin.display(), std::env::var("PATH").unwrap()),
-        )
-        .env("STITCH_CLUSTER_DIR", dir.path())
-        .env_remove("STITCH_ETCD")
-        .output()
-        .unwrap();
+    let out = run_isolated(dir.path(), &commands);
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     let logs: String = ["agent-h1.log", "agent-h2.log", "agent-h3.log"]
@@ -1057,4 +1135,9 @@ fn the_cluster_walkthrough_runs_as_written() {
     assert!(stdout.contains("receiver"), "iperf3's summary: {stdout}");
     assert!(stdout.contains("every live host runs it"), "{stdout}");
     assert!(stdout.contains("chain.yaml: ok"), "{stdout}");
+    // Hosts 2 and 3 have no controller role: etcd refused their campaigns.
+    assert!(
+        logs.matches("follows its graph only").count() >= 2,
+        "{logs}"
+    );
 }
