@@ -229,6 +229,7 @@ fn one_size(
             labels: [("zone".to_string(), format!("z{}", i % 4))].into(),
             lease_ttl: 5,
             probe_port: 0,
+            allowed: Default::default(),
         };
         let record = HostRecord {
             underlay: config.underlay,
@@ -238,6 +239,7 @@ fn one_size(
             placements: vec!["engine".into(), "process".into()],
             probe_port: 0,
             mtu: 1500,
+            allowed: Default::default(),
         };
         let reg = registry.clone();
         let dry_run = Arc::new(move |doc: &serde_json::Value| {

@@ -29,6 +29,8 @@ pub struct AgentConfig {
     /// TCP port on the underlay address where the agent answers the controller's probe while
     /// it runs (0: no probe: a host cut off from etcd counts as dead).
     pub probe_port: u16,
+    /// What cluster graphs may run here (`--allow-commands`).
+    pub allowed: crate::allow::Allowed,
 }
 
 /// How the agent makes a graph document the host's running graph; returns the number of apps.
@@ -285,6 +287,7 @@ fn host_record(config: &AgentConfig, placements: Vec<String>) -> Result<HostReco
         placements,
         probe_port: 0,
         mtu,
+        allowed: config.allowed.clone(),
     })
 }
 
@@ -578,6 +581,17 @@ async fn apply_kv(client: &mut Client, ctx: &Ctx, kv: Option<&KeyValue>) -> Resu
     };
     if running {
         return publish_status(client, ctx).await;
+    }
+    // Checked here too, whoever wrote the graph: the programs as this host would start them.
+    let refusal = ctx
+        .config
+        .allowed
+        .check_document(&assignment.document, |p| {
+            stitch_place::find_program(p, std::path::Path::new("/"))
+        });
+    if let Err(why) = refusal {
+        log::error!("agent: the host graph of revision {revision} was refused: {why}");
+        return report(client, ctx, revision, None, Some(why)).await;
     }
     let apply = ctx.apply.clone();
     let document = assignment.document.clone();

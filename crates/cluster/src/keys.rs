@@ -71,6 +71,10 @@ pub struct HostRecord {
     /// The MTU of `interface`: the largest packet the underlay carries from this host.
     #[serde(default = "ethernet_mtu")]
     pub mtu: u32,
+    /// The programs and files cluster graphs may run here (`--allow-commands`; none: no
+    /// process and no VM).
+    #[serde(default)]
+    pub allowed: crate::allow::Allowed,
 }
 
 fn ethernet_mtu() -> u32 {

@@ -11,6 +11,7 @@
 
 pub mod admin;
 pub mod agent;
+pub mod allow;
 pub mod controller;
 pub mod etcd;
 pub mod keys;

@@ -42,7 +42,12 @@ pub struct Schedule {
 }
 
 /// Why `app` may not run on `host`, if it may not.
-fn ineligible(app: &AppPlacement, name: &str, host: &HostRecord) -> Option<String> {
+fn ineligible(
+    app: &AppPlacement,
+    config: &serde_json::Value,
+    name: &str,
+    host: &HostRecord,
+) -> Option<String> {
     if app.host.as_deref().is_some_and(|pin| pin != name) {
         return Some("pinned elsewhere".into());
     }
@@ -55,7 +60,9 @@ fn ineligible(app: &AppPlacement, name: &str, host: &HostRecord) -> Option<Strin
     if !host.placements.iter().any(|p| p == placement) {
         return Some(format!("{name} cannot run `placement: {placement}`"));
     }
-    None
+    host.allowed
+        .refusal_for_placement(placement, config)
+        .map(|why| format!("{name}: {why}"))
 }
 
 /// Each app (by graph and name) → the apps it has a link with.
@@ -96,23 +103,24 @@ fn place_apps(
             let place = if let Some(pin) = &app.host {
                 match hosts.registered.get(pin) {
                     None => Some(unplaced(format!("host `{pin}` is not in the cluster"))),
-                    Some(record) => match ineligible(app, pin, record) {
-                        Some(why) => Some(unplaced(why)),
-                        None if hosts.live.contains(pin) => Some(running(pin)),
-                        None => Some(AppPlace {
-                            host: Some(pin.clone()),
-                            state: "host-down".into(),
-                            reason: Some(format!("the agent of `{pin}` is not live")),
-                        }),
-                    },
+                    Some(record) => {
+                        match ineligible(app, &g.graph.graph.apps[name].config, pin, record) {
+                            Some(why) => Some(unplaced(why)),
+                            None if hosts.live.contains(pin) => Some(running(pin)),
+                            None => Some(AppPlace {
+                                host: Some(pin.clone()),
+                                state: "host-down".into(),
+                                reason: Some(format!("the agent of `{pin}` is not live")),
+                            }),
+                        }
+                    }
                 }
             } else {
                 was.filter(|h| {
                     hosts.live.contains(h)
-                        && hosts
-                            .registered
-                            .get(h)
-                            .is_some_and(|r| ineligible(app, h, r).is_none())
+                        && hosts.registered.get(h).is_some_and(|r| {
+                            ineligible(app, &g.graph.graph.apps[name].config, h, r).is_none()
+                        })
                 })
                 .map(|h| running(&h))
             };
@@ -139,10 +147,9 @@ fn place_apps(
             .keys()
             .copied()
             .filter(|h| {
-                hosts
-                    .registered
-                    .get(*h)
-                    .is_some_and(|r| ineligible(app, h, r).is_none())
+                hosts.registered.get(*h).is_some_and(|r| {
+                    ineligible(app, &g.graph.graph.apps[name].config, h, r).is_none()
+                })
             })
             .collect();
         let placed = &out[&g.name];
@@ -165,6 +172,11 @@ fn place_apps(
                 running(&h)
             }
             None if hosts.live.is_empty() => unplaced("no host is live".into()),
+            // Refused by every host's allow file: say so, with the first host's reason.
+            None if !allow_refusals(g, name, app, hosts).is_empty() => {
+                let refusals = allow_refusals(g, name, app, hosts);
+                unplaced(format!("no live host allows it: {}", refusals[0]))
+            }
             None => unplaced(if app.hosts.is_empty() {
                 format!("no live host runs `placement: {}`", app.placement.name())
             } else {
@@ -176,6 +188,25 @@ fn place_apps(
             .insert(name.clone(), place);
     }
     out
+}
+
+/// The reasons live hosts that would otherwise take `app` refuse it by their allow files.
+fn allow_refusals(g: &ClusterGraph, name: &str, app: &AppPlacement, hosts: &Hosts) -> Vec<String> {
+    let config = &g.graph.graph.apps[name].config;
+    hosts
+        .live
+        .iter()
+        .filter_map(|h| hosts.registered.get(h).map(|r| (h, r)))
+        .filter(|(h, r)| {
+            let mut open = (*r).clone();
+            open.allowed = crate::allow::Allowed {
+                paths: vec!["/".into()],
+                qemu_args: true,
+            };
+            ineligible(app, config, h, &open).is_none()
+        })
+        .filter_map(|(h, r)| ineligible(app, config, h, r))
+        .collect()
 }
 
 fn running(host: &str) -> AppPlace {
@@ -515,6 +546,7 @@ mod tests {
             placements: vec!["engine".into(), "process".into()],
             probe_port: 0,
             mtu: 1500,
+            allowed: Default::default(),
         }
     }
 

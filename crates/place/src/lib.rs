@@ -351,7 +351,7 @@ fn process_spec(app: &AppDecl, base_dir: &Path) -> Result<ProcessSpec, GraphErro
 
 /// `name` with a `/` is a path (relative to the graph's folder); without, it is looked for
 /// beside the running `stitch` (its own functions), then on `PATH`.
-pub(crate) fn find_program(name: &str, base_dir: &Path) -> Result<PathBuf, String> {
+pub fn find_program(name: &str, base_dir: &Path) -> Result<PathBuf, String> {
     let candidates: Vec<PathBuf> = if name.contains('/') {
         vec![base_dir.join(name)]
     } else {

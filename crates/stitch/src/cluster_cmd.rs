@@ -96,6 +96,10 @@ pub struct AgentArgs {
     /// keeps its apps (0: no probe).
     #[arg(long, default_value_t = 7471)]
     pub probe_port: u16,
+    /// The programs and files cluster graphs may run on this host, one a line (a file, a
+    /// folder ending with /, or `qemu-args`); without it, no process and no VM.
+    #[arg(long)]
+    pub allow_commands: Option<PathBuf>,
     #[command(flatten)]
     pub listen: super::Listen,
     /// API Unix socket path (default: the socket of instance NAME, the host's name).
@@ -287,6 +291,15 @@ pub fn run_agent(args: AgentArgs) -> Result<()> {
         labels,
         lease_ttl: args.lease_ttl,
         probe_port: args.probe_port,
+        allowed: match &args.allow_commands {
+            Some(f) => stitch_cluster::allow::Allowed::read(f).map_err(anyhow::Error::msg)?,
+            None => {
+                log::info!(
+                    "no --allow-commands: cluster graphs run no process and no VM on this host"
+                );
+                Default::default()
+            }
+        },
     };
     super::serve(&instance, &args.listen, |api| {
         let registry = Arc::new(super::registry());

@@ -972,7 +972,7 @@ fn removes_a_host_gone_for_good(c: &mut Cluster) {
 /// The shell blocks of `docs/cluster.md`'s walkthrough section, in order.
 /// Runs `commands` as a shell script (`set -eu`, `fabric.sh down` at its end) from the
 /// repository's folder, with Stitch's binaries on PATH, in a mount namespace of its own whose
-/// /run/netns, /run/stitch and /var/lib/cni are empty (the fabric's namespaces and the
+/// /run/netns, /run/stitch, /run/stitch-fn and /var/lib/cni are empty (the fabric's namespaces and the
 /// instances' sockets are its own); its files under `dir`.
 fn run_isolated(dir: &Path, commands: &str) -> std::process::Output {
     let script = dir.join("script.sh");
@@ -981,9 +981,10 @@ fn run_isolated(dir: &Path, commands: &str) -> std::process::Output {
         format!("set -eu\ntrap 'examples/cluster/fabric.sh down' EXIT\n{commands}"),
     )
     .unwrap();
-    let isolate = "mkdir -p /run/netns /run/stitch /var/lib/cni \
+    let isolate = "mkdir -p /run/netns /run/stitch /run/stitch-fn /var/lib/cni \
          && mount -t tmpfs walkthrough /run/netns \
          && mount -t tmpfs walkthrough /run/stitch \
+         && mount -t tmpfs walkthrough /run/stitch-fn \
          && mount -t tmpfs walkthrough /var/lib/cni \
          && exec sh -x \"$0\"";
     let bin = Path::new(env!("CARGO_BIN_EXE_stitch")).parent().unwrap();
@@ -1036,6 +1037,31 @@ as h2 put /stitch/status/h2 '{}' && echo "LEGIT: h2 wrote its status"
 as h2 get /stitch/assign/h2 && echo "LEGIT: h2 read its graph"
 as operator put /stitch/graphs/probe '{}' && echo "LEGIT: the operator wrote a graph"
 as h1 put /stitch/assign/h3 '{}' && echo "LEGIT: the controller wrote a host's graph"
+as root del /stitch/graphs/probe; as root del /stitch/assign/h3
+# What a host runs: only what its allow file names, whoever writes its graph.
+d=$STITCH_CLUSTER_DIR
+command -v stitch-nf-firewall > $d/allow
+export STITCH_ETCD=https://198.51.100.1:2379,https://198.51.100.2:2379 STITCH_ETCD_CA=$pki/ca.crt
+for i in 1 2; do
+  ip netns exec h$i stitch agent --host h$i --underlay 192.0.2.$i --allow-commands $d/allow \
+    --etcd-cert $pki/h$i.crt --etcd-key $pki/h$i.key >$d/agent-h$i.log 2>&1 &
+done
+export STITCH_ETCD_CERT=$pki/operator.crt STITCH_ETCD_KEY=$pki/operator.key
+ip netns exec h1 stitch cluster status --wait-live 2 >/dev/null
+# A host graph forged past the controller (etcd's root): the agent refuses it, runs nothing.
+as root put /stitch/assign/h2 "{\"graphs\":{},\"document\":{\"apps\":{\"pw\":{\"placement\":\"process\",\"command\":[\"/bin/sh\",\"-c\",\"id > $d/pwned\"]}},\"links\":[]}}"
+timeout 20 sh -c "until ip netns exec h1 etcdctl --endpoints=$ep --cacert=$pki/ca.crt --cert=$pki/root.crt --key=$pki/root.key get /stitch/status/h2 | grep -q 'does not allow'; do sleep 0.2; done" \
+  && echo "LEGIT: h2 refused the forged graph"
+sleep 1
+if [ -e $d/pwned ]; then echo "ATTACK: the forged graph ran"; fi
+# A cluster graph: the allowed function runs on h2; a shell is unplaced, with the reason.
+printf 'apps:\n  fw: { placement: process, command: [stitch-nf-firewall], host: h2 }\n  sh: { placement: process, command: [/bin/sh, -c, "id > %s/pwned2"] }\n' "$d" > $d/fn.yaml
+ip netns exec h1 stitch cluster apply $d/fn.yaml
+timeout 20 sh -c "until ip netns exec h1 stitch cluster status --json | grep -q 'no live host allows it'; do sleep 0.2; done" \
+  && echo "LEGIT: the shell is unplaced"
+timeout 20 sh -c "until ip netns exec h2 stitch show fw --name h2 2>/dev/null | grep -q running; do sleep 0.2; done" \
+  && echo "LEGIT: the allowed function runs"
+if [ -e $d/pwned2 ]; then echo "ATTACK: the shell ran"; fi
 "#;
     let out = run_isolated(dir.path(), script);
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -1047,6 +1073,9 @@ as h1 put /stitch/assign/h3 '{}' && echo "LEGIT: the controller wrote a host's g
         "h2 read its graph",
         "the operator wrote a graph",
         "the controller wrote a host's graph",
+        "h2 refused the forged graph",
+        "the shell is unplaced",
+        "the allowed function runs",
     ] {
         assert!(stdout.contains(legit), "{legit}: {stdout}\n{stderr}");
     }
