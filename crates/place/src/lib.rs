@@ -821,6 +821,10 @@ mod tests {
             "{args}"
         );
         assert!(args.contains("share=on"), "{args}");
+        assert!(
+            args.contains("-sandbox on,obsolete=deny,elevateprivileges=deny,spawn=deny"),
+            "{args}"
+        );
         assert_eq!(spec.stop, supervisor::StopBy::Qmp(vm_dir.join("vm1.qmp")));
         // A missing image is refused at its line.
         let g = PlacedGraph::parse(

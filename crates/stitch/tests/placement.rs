@@ -306,6 +306,9 @@ fn a_vm_is_launched_on_its_port_restarted_and_shut_down() {
         "the guest answers ping: {}",
         show(&s, "vm1")
     );
+    // QEMU runs under its own seccomp filter (`-sandbox on`, docs/security.md).
+    let status = std::fs::read_to_string(format!("/proc/{first}/status")).unwrap();
+    assert!(status.lines().any(|l| l == "Seccomp:\t2"), "{status}");
     let socket = s.stats().unwrap();
     assert_eq!(app(&socket, "vm1")["placement"], "vm", "{socket}");
     // QEMU's own view of the guest: running; paused by an operator's `stop` on its QMP

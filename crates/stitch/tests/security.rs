@@ -599,18 +599,21 @@ fn a_non_root_instance_refuses_a_runtime_folder_another_user_made() {
     std::fs::remove_dir_all(&folder).unwrap();
 }
 
+/// `stitch check` of graph `text`, written into `dir`.
+fn stitch_check(dir: &Path, text: &str) -> Output {
+    let file = dir.join("check.yaml");
+    std::fs::write(&file, text).unwrap();
+    Command::new(env!("CARGO_BIN_EXE_stitch"))
+        .arg("check")
+        .arg(&file)
+        .output()
+        .unwrap()
+}
+
 #[test]
 fn an_openflow_endpoint_other_hosts_reach_is_refused_unless_called_insecure() {
     let dir = tempfile::tempdir().unwrap();
-    let check = |text: &str| {
-        let file = dir.path().join("sw.yaml");
-        std::fs::write(&file, text).unwrap();
-        Command::new(env!("CARGO_BIN_EXE_stitch"))
-            .arg("check")
-            .arg(&file)
-            .output()
-            .unwrap()
-    };
+    let check = |text: &str| stitch_check(dir.path(), text);
     let open = "apps:\n  sw: { type: switch, ports: [a, b], listen: \"0.0.0.0:6653\" }\n";
     let o = check(open);
     assert!(!o.status.success());
@@ -789,15 +792,7 @@ fn openflow_over_tls_lets_in_only_controllers_whose_certificate_its_ca_signed() 
 
     // On an address other hosts reach, TLS needs no `insecure`; a key others may read is
     // refused.
-    let check = |text: &str| {
-        let file = dir.path().join("check.yaml");
-        std::fs::write(&file, text).unwrap();
-        Command::new(env!("CARGO_BIN_EXE_stitch"))
-            .arg("check")
-            .arg(&file)
-            .output()
-            .unwrap()
-    };
+    let check = |text: &str| stitch_check(dir.path(), text);
     let open = format!(
         "apps:\n  sw: {{ type: switch, ports: [a], listen: \"ssl:0.0.0.0:6653\", cert: {}, key: {}, ca: {} }}\n",
         p("sw.crt"),
