@@ -21,6 +21,7 @@ pub mod ffi;
 pub mod function;
 pub mod guest;
 pub mod listener;
+pub mod paths;
 pub mod peers;
 pub mod port;
 pub mod shm;

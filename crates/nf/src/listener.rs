@@ -118,7 +118,7 @@ pub fn listener(path: &Path) -> io::Result<Arc<Listener>> {
 fn bind(path: &Path) -> io::Result<UnixListener> {
     use std::os::unix::fs::PermissionsExt;
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        if *dir == *crate::port::default_socket_folder() || !dir.exists() {
+        if *dir == *crate::paths::default_socket_folder() || !dir.exists() {
             stitch_core::files::private_dir(dir, 0o711, None)
                 .map_err(|e| io::Error::new(io::ErrorKind::PermissionDenied, e))?;
         }
