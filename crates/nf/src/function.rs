@@ -54,6 +54,10 @@ pub struct FunctionConfig {
     /// the explicit word for an unconfined process.
     #[serde(default)]
     pub privileged: bool,
+    /// A system-call filter: `default` lets through what a function on Stitch's rings needs
+    /// (memory, files, threads, waiting, Unix sockets) and answers anything else EPERM.
+    #[serde(default)]
+    pub seccomp: Option<Seccomp>,
     /// CPU quota, in CPUs (0.5: half of one), enforced by a cgroup.
     #[serde(default)]
     pub cpu: Option<f64>,
@@ -77,6 +81,13 @@ pub struct FunctionConfig {
     pub ring_size: Option<u32>,
     #[serde(default)]
     pub buffer_size: Option<u32>,
+}
+
+/// The system-call filters a function may ask for.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Seccomp {
+    Default,
 }
 
 fn blocking() -> Wake {

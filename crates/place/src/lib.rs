@@ -339,6 +339,7 @@ fn process_spec(app: &AppDecl, base_dir: &Path) -> Result<ProcessSpec, GraphErro
         env,
         user,
         privileged: c.privileged,
+        seccomp: c.seccomp.is_some(),
         attaches: Some((socket, app.name.clone())),
         cpu: c.cpu,
         memory_mb: c.memory_mb,

@@ -51,6 +51,8 @@ pub struct ProcessSpec {
     pub user: Option<crate::confine::RunAs>,
     /// Root's capabilities and environment kept (`privileged: true`; QEMU): not confined.
     pub privileged: bool,
+    /// The default system-call filter (`seccomp: default`).
+    pub seccomp: bool,
     /// The attach socket and port of a function: the process may attach it.
     pub attaches: Option<(PathBuf, String)>,
     pub cpu: Option<f64>,
@@ -475,7 +477,13 @@ fn start(s: &Supervised) -> std::io::Result<()> {
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    let confined = (!spec.privileged).then(|| crate::confine::steps(spec.user.clone()));
+    let confined = match spec.privileged {
+        true => None,
+        false => Some(
+            crate::confine::steps(spec.user.clone(), spec.seccomp)
+                .map_err(std::io::Error::other)?,
+        ),
+    };
     match &spec.user {
         _ if confined.is_some() => {
             cmd.env_clear().env("PATH", crate::confine::PATH);

@@ -138,6 +138,7 @@ pub(crate) fn spec(app: &AppDecl, base_dir: &Path, vm_dir: &Path) -> Result<Plac
             user: None,
             // QEMU keeps root's rights for now (docs/security.md, "Not yet").
             privileged: true,
+            seccomp: false,
             attaches: None,
             cpu: None,
             memory_mb: None,

@@ -820,3 +820,67 @@ fn openflow_over_tls_lets_in_only_controllers_whose_certificate_its_ca_signed() 
     );
     assert!(err.contains("may be read by other users"), "{err}");
 }
+
+/// A Python program that tries to open an Internet socket and says on standard error what it
+/// got, then waits (a function that never attaches).
+const TRIES_A_SOCKET: &str = "import socket, sys, time
+try:
+    socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    print('inet socket made', file=sys.stderr, flush=True)
+except OSError as e:
+    print('inet socket refused', e.errno, file=sys.stderr, flush=True)
+time.sleep(60)
+";
+
+#[test]
+fn a_function_asking_for_the_default_seccomp_filter_runs_and_gets_nothing_else() {
+    require_root_and_tools(&["/usr/bin/python3"]);
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
+    let socket = dir.path().join("nf.sock");
+    let probe = |name: &str, seccomp: &str| {
+        format!(
+            "  {name}: {{ placement: process, command: [/usr/bin/python3, -c, {:?}], socket: {}{seccomp} }}\n",
+            TRIES_A_SOCKET,
+            socket.display()
+        )
+    };
+    let graph = format!(
+        "apps:
+  gen: {{ type: generator, size: 64, rate: 2000 }}
+  fw: {{ placement: process, command: [stitch-nf-firewall], socket: {s}, seccomp: default }}
+  out: {{ type: sink }}
+{}{}links: [\"gen.output -> fw.input\", \"fw.output -> out.input\"]
+",
+        probe("filtered", ", seccomp: default"),
+        probe("open", ""),
+        s = socket.display()
+    );
+    let s = Stitch::run(&graph);
+    // Stitch's own function lives with the filter: attached, forwarding.
+    wait_until("the filtered function to attach", 20, || {
+        show(&s, "fw")["attached"] == true
+    });
+    wait_until("traffic through it", 10, || {
+        s.counter("out", "packets").unwrap_or(0) > 100
+    });
+    let st = process_status(pid_of(&s, "fw").unwrap());
+    assert_eq!(st["Seccomp"], "2", "{st:?}");
+    // What the filter keeps out: an Internet socket (EPERM), which the same program without
+    // the filter gets.
+    let said = |app: &str| show(&s, app)["process"]["stderr"].to_string();
+    wait_until("the probes to report", 20, || {
+        said("filtered").contains("inet socket") && said("open").contains("inet socket")
+    });
+    assert!(
+        said("filtered").contains("inet socket refused 1"),
+        "{}",
+        said("filtered")
+    );
+    assert!(
+        said("open").contains("inet socket made"),
+        "{}",
+        said("open")
+    );
+    s.stop();
+}
