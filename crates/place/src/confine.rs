@@ -101,16 +101,78 @@ pub fn check_reachable(user: &RunAs, socket: &Path) -> Result<(), String> {
 }
 
 /// What the child does between fork and exec, prepared before the fork (no allocation after).
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct ChildSteps {
     user: Option<RunAs>,
     last_capability: u32,
     filter: Option<seccompiler::BpfProgram>,
+    exec: Exec,
+}
+
+/// The program, opened by Stitch before the fork and run from that descriptor (`execveat`):
+/// its user need not be able to reach it by its path (a checkout in a home folder of 0700),
+/// only to execute the file. Its arguments and environment, laid out for the call.
+#[derive(Debug)]
+struct Exec {
+    program: std::os::fd::OwnedFd,
+    _argv: Vec<std::ffi::CString>,
+    argv: Vec<*const libc::c_char>,
+    _envp: Vec<std::ffi::CString>,
+    envp: Vec<*const libc::c_char>,
+}
+
+// SAFETY: the pointers point into the CStrings the same value owns (moved with it, their heap
+// buffers never move), and are only read, by the child's execveat.
+unsafe impl Send for Exec {}
+// SAFETY: as above: nothing writes through them.
+unsafe impl Sync for Exec {}
+
+/// NUL-terminated strings and the null-terminated array of pointers to them that exec takes.
+fn c_strings(
+    items: impl Iterator<Item = String>,
+) -> Result<(Vec<std::ffi::CString>, Vec<*const libc::c_char>), String> {
+    let owned: Vec<std::ffi::CString> = items
+        .map(|s| {
+            std::ffi::CString::new(s).map_err(|_| "a NUL in an argument or variable".to_string())
+        })
+        .collect::<Result<_, _>>()?;
+    let mut pointers: Vec<*const libc::c_char> = owned.iter().map(|c| c.as_ptr()).collect();
+    pointers.push(std::ptr::null());
+    Ok((owned, pointers))
+}
+
+impl Exec {
+    fn new(program: &Path, args: &[String], env: &[(String, String)]) -> Result<Exec, String> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let file = std::fs::File::options()
+            .read(true)
+            .custom_flags(libc::O_PATH | libc::O_CLOEXEC)
+            .open(program)
+            .map_err(|e| format!("cannot open {}: {e}", program.display()))?;
+        let (_argv, argv) =
+            c_strings(std::iter::once(program.display().to_string()).chain(args.iter().cloned()))?;
+        let (_envp, envp) = c_strings(
+            std::iter::once(format!("PATH={PATH}"))
+                .chain(env.iter().map(|(k, v)| format!("{k}={v}"))),
+        )?;
+        Ok(Exec {
+            program: file.into(),
+            _argv,
+            argv,
+            _envp,
+            envp,
+        })
+    }
 }
 
 /// The child's steps for a confined function running as `user` (or Stitch's user), with the
-/// default system-call filter when `seccomp`.
-pub fn steps(user: Option<RunAs>, seccomp: bool) -> Result<ChildSteps, String> {
+/// default system-call filter when `seccomp`, ending in the exec of `program` with `args` and
+/// `env` (after `PATH`).
+pub fn steps(
+    user: Option<RunAs>,
+    seccomp: bool,
+    (program, args, env): (&Path, &[String], &[(String, String)]),
+) -> Result<ChildSteps, String> {
     let last_capability = std::fs::read_to_string("/proc/sys/kernel/cap_last_cap")
         .ok()
         .and_then(|s| s.trim().parse().ok())
@@ -119,6 +181,7 @@ pub fn steps(user: Option<RunAs>, seccomp: bool) -> Result<ChildSteps, String> {
         user,
         last_capability,
         filter: seccomp.then(default_filter).transpose()?,
+        exec: Exec::new(program, args, env)?,
     })
 }
 
@@ -180,6 +243,7 @@ const ALLOWED: &[libc::c_long] = &[
     libc::SYS_arch_prctl,
     libc::SYS_prlimit64,
     libc::SYS_execve,
+    libc::SYS_execveat,
     libc::SYS_access,
     libc::SYS_faccessat2,
     libc::SYS_readlink,
@@ -267,8 +331,9 @@ fn check(r: libc::c_int) -> std::io::Result<()> {
 }
 
 impl ChildSteps {
-    /// Drops what the function must not have. Runs in the child after fork: only system
-    /// calls (none allocates or takes a lock), on data prepared before the fork.
+    /// Drops what the function must not have, then runs it (returns only on failure). Runs in
+    /// the child after fork: only system calls (none allocates or takes a lock), on data
+    /// prepared before the fork.
     pub fn run(&self) -> std::io::Result<()> {
         // SAFETY: geteuid has no preconditions and cannot fail.
         let running_as_root = unsafe { libc::geteuid() } == 0;
@@ -307,10 +372,24 @@ impl ChildSteps {
         check(r as libc::c_int)?;
         // Last: after it, the calls above would be refused. (No allocation: the program was
         // compiled before the fork.)
-        match &self.filter {
-            Some(f) => seccompiler::apply_filter(f).map_err(std::io::Error::other),
-            None => Ok(()),
+        if let Some(f) = &self.filter {
+            seccompiler::apply_filter(f).map_err(std::io::Error::other)?;
         }
+        use std::os::fd::AsRawFd;
+        // SAFETY: the descriptor is open (Stitch's, until exec), the empty path and both
+        // arrays are NUL- and null-terminated and live in `self.exec`; it returns only on
+        // failure.
+        unsafe {
+            libc::syscall(
+                libc::SYS_execveat,
+                self.exec.program.as_raw_fd(),
+                c"".as_ptr(),
+                self.exec.argv.as_ptr(),
+                self.exec.envp.as_ptr(),
+                libc::AT_EMPTY_PATH,
+            )
+        };
+        Err(std::io::Error::last_os_error())
     }
 }
 

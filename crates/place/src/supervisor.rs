@@ -480,8 +480,12 @@ fn start(s: &Supervised) -> std::io::Result<()> {
     let confined = match spec.privileged {
         true => None,
         false => Some(
-            crate::confine::steps(spec.user.clone(), spec.seccomp)
-                .map_err(std::io::Error::other)?,
+            crate::confine::steps(
+                spec.user.clone(),
+                spec.seccomp,
+                (&spec.program, &spec.args, &spec.env),
+            )
+            .map_err(std::io::Error::other)?,
         ),
     };
     match &spec.user {
@@ -500,8 +504,8 @@ fn start(s: &Supervised) -> std::io::Result<()> {
     };
     let fds = cgroup::raw(&join);
     // SAFETY: the closure runs in the child between fork and exec and makes only system calls
-    // (write, prctl, setgroups, setgid, setuid, close_range) on data made before the fork: no
-    // allocation, no lock.
+    // (write, prctl, setgroups, setgid, setuid, close_range, seccomp, execveat) on data made
+    // before the fork: no allocation, no lock.
     unsafe {
         cmd.pre_exec(move || {
             // Into the cgroup first, as root: the confinement takes that right away.

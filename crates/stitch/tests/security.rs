@@ -126,6 +126,20 @@ fn under_umask_zero() -> Command {
     c
 }
 
+/// A copy of Stitch's binary `name` (`stitch`, `stitch-nf-firewall`) in a folder every user may
+/// enter, for a test's other users to run (the checkout may lie in a folder only root enters).
+fn runnable_by_all(dir: &Path, name: &str) -> std::path::PathBuf {
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let to = dir.join(name);
+    std::fs::copy(
+        Path::new(env!("CARGO_BIN_EXE_stitch")).with_file_name(name),
+        &to,
+    )
+    .unwrap();
+    std::fs::set_permissions(&to, std::fs::Permissions::from_mode(0o755)).unwrap();
+    to
+}
+
 /// A file root writes if an attack works; removed when dropped.
 struct Marker(std::path::PathBuf);
 
@@ -572,9 +586,10 @@ fn a_non_root_instance_refuses_a_runtime_folder_another_user_made() {
     let folder = std::env::temp_dir().join(format!("stitch-{}", owner.uid()));
     let _gone = Marker(folder.clone());
     let _ = std::fs::remove_dir_all(&folder);
+    let bin = tempfile::tempdir().unwrap();
     let run = format!(
         "{} run {} --duration 0.5",
-        env!("CARGO_BIN_EXE_stitch"),
+        runnable_by_all(bin.path(), "stitch").display(),
         graph.display()
     );
     // The attacker makes the folder first, open to all, to receive the owner's requests.
@@ -646,10 +661,21 @@ fn a_function_runs_unprivileged_and_only_its_own_process_or_a_named_user_attache
     let dir = tempfile::tempdir().unwrap();
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
     let socket = dir.path().join("nf.sock");
+    // Its program in a folder only root may enter (a checkout in a home folder of 0700): Stitch
+    // opens it and runs it from the descriptor.
+    let closed = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(closed.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+    let program = closed.path().join("stitch-nf-firewall");
+    std::fs::copy(
+        Path::new(env!("CARGO_BIN_EXE_stitch")).with_file_name("stitch-nf-firewall"),
+        &program,
+    )
+    .unwrap();
+    std::fs::set_permissions(&program, std::fs::Permissions::from_mode(0o755)).unwrap();
     let graph = format!(
         "apps:
   gen: {{ type: generator, size: 64, rate: 2000 }}
-  fw: {{ placement: process, command: [stitch-nf-firewall], socket: {s} }}
+  fw: {{ placement: process, command: [{p}], socket: {s} }}
   out: {{ type: sink }}
   g2: {{ type: generator, size: 64, rate: 100 }}
   byhand: {{ type: nf_port, socket: {s} }}
@@ -661,7 +687,8 @@ links: [\"gen.output -> fw.input\", \"fw.output -> out.input\", \"g2.output -> b
   \"byhand.output -> s2.input\", \"g3.output -> theirs.input\", \"theirs.output -> s3.input\"]
 ",
         s = socket.display(),
-        u = other.name
+        u = other.name,
+        p = program.display()
     );
     let mut command = Command::new(env!("CARGO_BIN_EXE_stitch"));
     command.env("STITCH_TEST_SECRET", "root's environment");
@@ -702,7 +729,8 @@ links: [\"gen.output -> fw.input\", \"fw.output -> out.input\", \"g2.output -> b
 
     // Another user, posing as a function: refused for the function's port and one waiting
     // for a function started by hand; let in where the port names it.
-    let firewall = Path::new(env!("CARGO_BIN_EXE_stitch")).with_file_name("stitch-nf-firewall");
+    let bin = tempfile::tempdir().unwrap();
+    let firewall = runnable_by_all(bin.path(), "stitch-nf-firewall");
     let pose = |port: &str| {
         other.sh(&format!(
             "STITCH_NF_SOCKET={} STITCH_NF_PORT={port} timeout 3 {} 2>&1",
