@@ -388,11 +388,9 @@ fn the_api_socket_is_root_and_its_groups_whatever_the_umask() {
             assert_eq!(mode_of(&f.path()) & 0o077, 0, "{}", f.path().display());
         }
     }
-    let stats = format!(
-        "{} stats --control {}",
-        env!("CARGO_BIN_EXE_stitch"),
-        socket.display()
-    );
+    let bin = tempfile::tempdir().unwrap();
+    let stitch = runnable_by_all(bin.path(), "stitch");
+    let stats = format!("{} stats --control {}", stitch.display(), socket.display());
     let o = member.sh(&stats);
     assert!(
         o.status.success(),
@@ -436,10 +434,7 @@ fn the_api_socket_is_root_and_its_groups_whatever_the_umask() {
     wait_answering(&socket, &mut process);
     assert_eq!(mode_of(Path::new("/run/stitch")) & 0o007, 0);
     assert_eq!(mode_of(&socket) & 0o007, 0);
-    let o = other.sh(&format!(
-        "{} stats --name {name}",
-        env!("CARGO_BIN_EXE_stitch")
-    ));
+    let o = other.sh(&format!("{} stats --name {name}", stitch.display()));
     assert!(
         !o.status.success(),
         "another user reached /run/stitch/{name}.sock"
