@@ -97,10 +97,14 @@ pub fn token_path(dir: &Path, role: Role) -> PathBuf {
 pub fn new_token(dir: &Path, role: Role) -> Result<PathBuf, String> {
     stitch_core::files::private_dir(dir, 0o700, None)?;
     let path = token_path(dir, role);
-    let token = generate()?;
-    stitch_core::files::write_atomically(&path, format!("{token}\n").as_bytes(), 0o600)
+    stitch_core::files::write_atomically(&path, &token_file_text()?, 0o600)
         .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
     Ok(path)
+}
+
+/// What a token file holds: a new token and a newline.
+fn token_file_text() -> Result<Vec<u8>, String> {
+    Ok(format!("{}\n", generate()?).into_bytes())
 }
 
 /// The tokens of one instance: a file per role in one folder, read again when a file changes.
@@ -140,20 +144,13 @@ impl Tokens {
     /// file gets a new token. A file another user could have written or may read is refused.
     pub fn open(dir: &Path) -> Result<Tokens, String> {
         stitch_core::files::private_dir(dir, 0o700, None)?;
-        stitch_core::files::check_trusted(&dir.join("x"), "token folder")?;
+        stitch_core::files::check_trusted_folder(dir, "token folder")?;
         let mut loaded = Vec::new();
         for role in Role::ALL {
             let path = token_path(dir, role);
             if stamp_of(&path).is_none() {
-                let token = generate()?;
-                match stitch_core::files::create_new(&path, 0o600) {
-                    Ok(mut f) => {
-                        use std::io::Write;
-                        f.write_all(format!("{token}\n").as_bytes())
-                            .and_then(|()| f.sync_all())
-                            .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
-                        log::info!("new {} token in {}", role.name(), path.display());
-                    }
+                match stitch_core::files::write_new(&path, &token_file_text()?, 0o600) {
+                    Ok(()) => log::info!("new {} token in {}", role.name(), path.display()),
                     // Made by another instance sharing the folder meanwhile: read it.
                     Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
                     Err(e) => return Err(format!("cannot create {}: {e}", path.display())),

@@ -405,8 +405,7 @@ impl Api {
                 "this instance was not started from a graph file",
             ));
         };
-        let real = std::fs::canonicalize(file).unwrap_or_else(|_| file.clone());
-        stitch_core::files::check_trusted(&real, "graph file")
+        stitch_core::files::check_trusted_target(file, "graph file")
             .map_err(|why| ApiError::new(409, why))?;
         let text = std::fs::read_to_string(file).map_err(|e| {
             ApiError::new(

@@ -41,13 +41,18 @@ pub struct Schedule {
     pub assignments: BTreeMap<String, Assignment>,
 }
 
-/// Why `app` may not run on `host`, if it may not.
+/// Why `app` (whose entry is `config`) may not run on `host`, if it may not.
 fn ineligible(
     app: &AppPlacement,
     config: &serde_json::Value,
     name: &str,
     host: &HostRecord,
 ) -> Option<String> {
+    unfit(app, name, host).or_else(|| not_allowed(app, config, name, host))
+}
+
+/// Why `app` does not fit `host` by its pin, labels and placement, if it does not.
+fn unfit(app: &AppPlacement, name: &str, host: &HostRecord) -> Option<String> {
     if app.host.as_deref().is_some_and(|pin| pin != name) {
         return Some("pinned elsewhere".into());
     }
@@ -60,8 +65,18 @@ fn ineligible(
     if !host.placements.iter().any(|p| p == placement) {
         return Some(format!("{name} cannot run `placement: {placement}`"));
     }
+    None
+}
+
+/// Why `host`'s allow file refuses `app`, if it does.
+fn not_allowed(
+    app: &AppPlacement,
+    config: &serde_json::Value,
+    name: &str,
+    host: &HostRecord,
+) -> Option<String> {
     host.allowed
-        .refusal_for_placement(placement, config)
+        .refusal_for_placement(app.placement.name(), config)
         .map(|why| format!("{name}: {why}"))
 }
 
@@ -96,6 +111,7 @@ fn place_apps(
     for g in graphs {
         let places = out.entry(g.name.clone()).or_default();
         for (name, app) in &g.graph.apps {
+            let config = &g.graph.graph.apps[name].config;
             let was = previous
                 .get(&g.name)
                 .and_then(|p| p.apps.get(name))
@@ -103,24 +119,23 @@ fn place_apps(
             let place = if let Some(pin) = &app.host {
                 match hosts.registered.get(pin) {
                     None => Some(unplaced(format!("host `{pin}` is not in the cluster"))),
-                    Some(record) => {
-                        match ineligible(app, &g.graph.graph.apps[name].config, pin, record) {
-                            Some(why) => Some(unplaced(why)),
-                            None if hosts.live.contains(pin) => Some(running(pin)),
-                            None => Some(AppPlace {
-                                host: Some(pin.clone()),
-                                state: "host-down".into(),
-                                reason: Some(format!("the agent of `{pin}` is not live")),
-                            }),
-                        }
-                    }
+                    Some(record) => match ineligible(app, config, pin, record) {
+                        Some(why) => Some(unplaced(why)),
+                        None if hosts.live.contains(pin) => Some(running(pin)),
+                        None => Some(AppPlace {
+                            host: Some(pin.clone()),
+                            state: "host-down".into(),
+                            reason: Some(format!("the agent of `{pin}` is not live")),
+                        }),
+                    },
                 }
             } else {
                 was.filter(|h| {
                     hosts.live.contains(h)
-                        && hosts.registered.get(h).is_some_and(|r| {
-                            ineligible(app, &g.graph.graph.apps[name].config, h, r).is_none()
-                        })
+                        && hosts
+                            .registered
+                            .get(h)
+                            .is_some_and(|r| ineligible(app, config, h, r).is_none())
                 })
                 .map(|h| running(&h))
             };
@@ -143,13 +158,15 @@ fn place_apps(
     let fair = total.div_ceil(hosts.live.len().max(1));
     let linked = linked_apps(graphs);
     for (g, name, app) in waiting {
+        let config = &g.graph.graph.apps[name].config;
         let eligible: Vec<&str> = load
             .keys()
             .copied()
             .filter(|h| {
-                hosts.registered.get(*h).is_some_and(|r| {
-                    ineligible(app, &g.graph.graph.apps[name].config, h, r).is_none()
-                })
+                hosts
+                    .registered
+                    .get(*h)
+                    .is_some_and(|r| ineligible(app, config, h, r).is_none())
             })
             .collect();
         let placed = &out[&g.name];
@@ -172,16 +189,15 @@ fn place_apps(
                 running(&h)
             }
             None if hosts.live.is_empty() => unplaced("no host is live".into()),
-            // Refused by every host's allow file: say so, with the first host's reason.
-            None if !allow_refusals(g, name, app, hosts).is_empty() => {
-                let refusals = allow_refusals(g, name, app, hosts);
-                unplaced(format!("no live host allows it: {}", refusals[0]))
-            }
-            None => unplaced(if app.hosts.is_empty() {
-                format!("no live host runs `placement: {}`", app.placement.name())
-            } else {
-                format!("no live host has the labels {:?}", app.hosts)
-            }),
+            None => match allow_refusal(app, config, hosts) {
+                // Hosts it fits refuse it by their allow files: say so, with the first's reason.
+                Some(why) => unplaced(format!("no live host allows it: {why}")),
+                None if app.hosts.is_empty() => unplaced(format!(
+                    "no live host runs `placement: {}`",
+                    app.placement.name()
+                )),
+                None => unplaced(format!("no live host has the labels {:?}", app.hosts)),
+            },
         };
         out.get_mut(&g.name)
             .expect("every graph has its map")
@@ -190,23 +206,14 @@ fn place_apps(
     out
 }
 
-/// The reasons live hosts that would otherwise take `app` refuse it by their allow files.
-fn allow_refusals(g: &ClusterGraph, name: &str, app: &AppPlacement, hosts: &Hosts) -> Vec<String> {
-    let config = &g.graph.graph.apps[name].config;
+/// Why the first live host that `app` fits refuses it by its allow file, if one does.
+fn allow_refusal(app: &AppPlacement, config: &serde_json::Value, hosts: &Hosts) -> Option<String> {
     hosts
         .live
         .iter()
         .filter_map(|h| hosts.registered.get(h).map(|r| (h, r)))
-        .filter(|(h, r)| {
-            let mut open = (*r).clone();
-            open.allowed = crate::allow::Allowed {
-                paths: vec!["/".into()],
-                qemu_args: true,
-            };
-            ineligible(app, config, h, &open).is_none()
-        })
-        .filter_map(|(h, r)| ineligible(app, config, h, r))
-        .collect()
+        .filter(|(h, r)| unfit(app, h, r).is_none())
+        .find_map(|(h, r)| not_allowed(app, config, h, r))
 }
 
 fn running(host: &str) -> AppPlace {

@@ -65,6 +65,14 @@ pub fn check_trusted(path: &Path, what: &str) -> Result<(), String> {
     )
 }
 
+/// [`check_trusted`] of the file `path` names, its links followed (a graph file may be a link
+/// to the operator's copy).
+pub fn check_trusted_target(path: &Path, what: &str) -> Result<(), String> {
+    let real =
+        std::fs::canonicalize(path).map_err(|e| format!("{what} {}: {e}", path.display()))?;
+    check_trusted(&real, what)
+}
+
 /// Refuses folder `dir` unless it and every folder above it belong to this user or root and
 /// are writable by no one else (a sticky folder such as /tmp may stand above it, not be it).
 /// `what` begins the reason.
@@ -156,7 +164,7 @@ fn temporary_name(path: &Path) -> PathBuf {
 
 /// Opens a new file at `path` that nobody else made: it must not exist (`O_EXCL`) and is not
 /// followed if it is a link (`O_NOFOLLOW`); its mode is `mode`, whatever the umask.
-pub fn create_new(path: &Path, mode: u32) -> std::io::Result<File> {
+fn create_new(path: &Path, mode: u32) -> std::io::Result<File> {
     let f = File::options()
         .write(true)
         .create_new(true)
@@ -171,12 +179,34 @@ pub fn create_new(path: &Path, mode: u32) -> std::io::Result<File> {
 /// whole; the new file has `mode`, whatever the umask. Written through a temporary name opened
 /// with `O_CREAT|O_EXCL|O_NOFOLLOW` and renamed, so a link planted at any name is never followed.
 pub fn write_atomically(path: &Path, bytes: &[u8], mode: u32) -> std::io::Result<()> {
+    write_through_temporary(path, bytes, mode, |tmp, path| std::fs::rename(tmp, path))
+}
+
+/// Makes `path` with `bytes` unless it exists (`AlreadyExists`, and nothing changes), as
+/// [`write_atomically`] does: a reader never sees it half written, as it could a file created
+/// and then written (two instances making the same token at once).
+pub fn write_new(path: &Path, bytes: &[u8], mode: u32) -> std::io::Result<()> {
+    write_through_temporary(path, bytes, mode, |tmp, path| {
+        let linked = std::fs::hard_link(tmp, path);
+        std::fs::remove_file(tmp)?;
+        linked
+    })
+}
+
+/// `bytes` into a temporary name of its own beside `path`, synced, then `put` there (renamed
+/// over it, or linked); the temporary name never outlives the call.
+fn write_through_temporary(
+    path: &Path,
+    bytes: &[u8],
+    mode: u32,
+    put: impl FnOnce(&Path, &Path) -> std::io::Result<()>,
+) -> std::io::Result<()> {
     let tmp = temporary_name(path);
     let written = (|| {
         let mut f = create_new(&tmp, mode)?;
         f.write_all(bytes)?;
         f.sync_all()?;
-        std::fs::rename(&tmp, path)
+        put(&tmp, path)
     })();
     if written.is_err() {
         let _ = std::fs::remove_file(&tmp);
@@ -283,6 +313,19 @@ mod tests {
 
     fn mode_of(p: &Path) -> u32 {
         std::fs::symlink_metadata(p).unwrap().mode() & 0o7777
+    }
+
+    #[test]
+    fn a_new_file_is_made_whole_or_not_at_all() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("token");
+        write_new(&file, b"first", 0o600).unwrap();
+        assert_eq!(mode_of(&file), 0o600);
+        let e = write_new(&file, b"second", 0o600).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::AlreadyExists);
+        assert_eq!(std::fs::read(&file).unwrap(), b"first");
+        let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+        assert_eq!(names.len(), 1, "no temporary file is left: {names:?}");
     }
 
     #[test]

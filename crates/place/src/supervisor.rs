@@ -488,16 +488,14 @@ fn start(s: &Supervised) -> std::io::Result<()> {
             .map_err(std::io::Error::other)?,
         ),
     };
-    match &spec.user {
-        _ if confined.is_some() => {
-            cmd.env_clear().env("PATH", crate::confine::PATH);
-        }
-        Some(u) => {
+    // A confined process is run by its steps, with their own user, environment and exec; an
+    // unconfined one (`privileged`, QEMU) by `cmd`, with Stitch's environment and the spec's.
+    if confined.is_none() {
+        if let Some(u) = &spec.user {
             cmd.uid(u.uid).gid(u.gid);
         }
-        None => {}
+        cmd.envs(spec.env.iter().map(|(k, v)| (k, v)));
     }
-    cmd.envs(spec.env.iter().map(|(k, v)| (k, v)));
     let join = match &s.cgroup {
         Some(c) => c.join_fds()?,
         None => Vec::new(),

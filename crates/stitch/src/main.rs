@@ -329,12 +329,6 @@ fn main() {
     }
 }
 
-/// Refuses `file` (as its link resolves) unless only this user or root can have written it.
-fn trusted_input(file: &Path, what: &str) -> Result<()> {
-    let real = std::fs::canonicalize(file).with_context(|| format!("{what} {}", file.display()))?;
-    stitch_core::files::check_trusted(&real, what).map_err(anyhow::Error::msg)
-}
-
 /// `stitch check`: the graph file's checks, a cluster graph's without the cluster.
 fn check(file: &Path, cluster: bool) -> Result<()> {
     let registry = registry();
@@ -787,7 +781,7 @@ fn run(args: &RunArgs) -> Result<()> {
     } = args;
     let (duration, as_json) = (*duration, *as_json);
     // Whoever can write the graph or the state decides what root runs and lets through.
-    trusted_input(file, "graph file")?;
+    stitch_core::files::check_trusted_target(file, "graph file").map_err(anyhow::Error::msg)?;
     if let Some(path) = &state.state {
         stitch_core::files::check_trusted(path, "state file").map_err(anyhow::Error::msg)?;
     }

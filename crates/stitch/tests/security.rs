@@ -140,6 +140,19 @@ fn runnable_by_all(dir: &Path, name: &str) -> std::path::PathBuf {
     to
 }
 
+/// `stitch run ARGS` under umask 0, its output dropped.
+fn run_under_umask_zero(args: &[&str]) -> Background {
+    Background(
+        under_umask_zero()
+            .arg("run")
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    )
+}
+
 /// A file root writes if an attack works; removed when dropped.
 struct Marker(std::path::PathBuf);
 
@@ -364,16 +377,10 @@ fn the_api_socket_is_root_and_its_groups_whatever_the_umask() {
     let socket = folder.join("ctl.sock");
     // Before the process: dropped after it, to clean what a failed test's instance left.
     let _leftovers = Leftovers(socket.clone());
-    let mut process = Background(
-        under_umask_zero()
-            .args(["run", "--group", &group, "--control"])
-            .arg(&socket)
-            .arg(&graph)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let socket_arg = socket.display().to_string();
+    let graph_arg = graph.display().to_string();
+    let mut process =
+        run_under_umask_zero(&["--group", &group, "--control", &socket_arg, &graph_arg]);
     wait_answering(&socket, &mut process);
     let gid = |p: &Path| std::fs::metadata(p).unwrap().gid();
     let group_id: u32 = must(&format!("getent group {group} | cut -d: -f3"))
@@ -422,15 +429,7 @@ fn the_api_socket_is_root_and_its_groups_whatever_the_umask() {
     let name = unique("stsec-");
     let socket = Path::new("/run/stitch").join(format!("{name}.sock"));
     let _leftovers_too = Leftovers(socket.clone());
-    let mut process = Background(
-        under_umask_zero()
-            .args(["run", "--name", &name])
-            .arg(&graph)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let mut process = run_under_umask_zero(&["--name", &name, &graph_arg]);
     wait_answering(&socket, &mut process);
     assert_eq!(mode_of(Path::new("/run/stitch")) & 0o007, 0);
     assert_eq!(mode_of(&socket) & 0o007, 0);
