@@ -11,13 +11,13 @@
 //! rate meter added and removed by the live changes).
 
 use crate::upgrade::{Hops, Rig, Stream, Traffic};
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use serde_json::Value;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use stitch_api::client;
 
 #[derive(clap::Args)]
@@ -195,6 +195,35 @@ fn act(rig: &Rig, args: &SoakArgs, i: usize, upgrade_due: bool) -> Result<&'stat
     Ok("live apply")
 }
 
+/// The look from which frames are accounted for. Frames sent before the path is whole (the
+/// guest posting its first buffers, the function attaching) are dropped and counted, or not
+/// even seen: nobody's to count. The path is whole once a second's frames arrived, every one,
+/// and no drop counter moved in that second: then every frame sent before the look's window
+/// that is missing was dropped before it, and no frame sent in its window was.
+fn settle(rig: &Rig, traffic: &Traffic, rate: u64) -> Result<Sample> {
+    let patience = Instant::now();
+    let mut before = sample(rig, traffic, rate, "start")?;
+    loop {
+        std::thread::sleep(Duration::from_secs(1));
+        let now = sample(rig, traffic, rate, "start")?;
+        let between = lost_until(traffic, rate, now.at_s - 0.5)
+            - lost_until(traffic, rate, before.at_s - 0.5);
+        if between == 0 && now.counted == before.counted && now.sent > before.sent {
+            return Ok(now);
+        }
+        if patience.elapsed() > Duration::from_secs(30) {
+            bail!(
+                "the path through the instance did not settle in 30 s: {} frames lost, {} \
+                 counted in the last second\n{}",
+                between,
+                now.counted - before.counted,
+                drops_by_place(rig)
+            );
+        }
+        before = now;
+    }
+}
+
 /// Fails when frames sent before the look `before` still missed at the look `now`, a period
 /// later, outnumber every drop the instance counted by `now`.
 fn check_accounted(
@@ -208,14 +237,87 @@ fn check_accounted(
     if missing > now.counted {
         bail!(
             "{} frames vanished: {missing} sent by {:.0} s still missing at {:.0} s, the \
-             counters account for {}",
+             counters account for {}\n{}",
             missing - now.counted,
             before.at_s - 0.5,
             now.at_s,
-            now.counted
+            now.counted,
+            where_lost(traffic, rate, before.at_s - 0.5)
         );
     }
     Ok(())
+}
+
+/// For a failure's message: every drop counter that is not zero, of each app and of the
+/// veths and the host's backlog (drops there are no app's, and no counter of the instance's).
+fn drops_by_place(rig: &Rig) -> String {
+    let mut out = Vec::new();
+    if let Ok(stats) = client::json(&rig.socket(), client::Method::GET, "/api/v1/stats", None) {
+        for app in stats["apps"].as_array().into_iter().flatten() {
+            let counters = (app["counters"].as_object().into_iter().flatten())
+                .filter(|(k, v)| (k.ends_with("drops") || k.ends_with("lost")) && v != &0)
+                .map(|(k, v)| format!("{k} {v}"));
+            let all: Vec<String> = std::iter::once(format!("drops {}", app["drops"]))
+                .chain(counters)
+                .collect();
+            out.push(format!("app {}: {}", app["name"], all.join(", ")));
+        }
+        out.push(format!("removed links: {}", stats["removed_link_drops"]));
+    }
+    for v in rig.interfaces() {
+        let read = |what: &str| {
+            std::fs::read_to_string(format!("/sys/class/net/{v}/statistics/{what}"))
+                .map(|s| s.trim().to_string())
+                .unwrap_or_default()
+        };
+        out.push(format!(
+            "{v}: rx_dropped {}, tx_dropped {}",
+            read("rx_dropped"),
+            read("tx_dropped")
+        ));
+    }
+    // /proc/net/softnet_stat: per CPU, the second column counts the backlog's drops (hex).
+    if let Ok(softnet) = std::fs::read_to_string("/proc/net/softnet_stat") {
+        let dropped: Vec<&str> = softnet
+            .lines()
+            .filter_map(|l| l.split_whitespace().nth(1))
+            .collect();
+        out.push(format!(
+            "backlog drops per CPU (hex): {}",
+            dropped.join(" ")
+        ));
+    }
+    format!("where frames were dropped:\n  {}", out.join("\n  "))
+}
+
+/// For a failure's message: when the missing frames were sent (runs of consecutive sequence
+/// numbers, by send time), so that a stall tells itself apart from a steady leak.
+fn where_lost(traffic: &Traffic, rate: u64, until: f64) -> String {
+    let last = ((until * rate as f64) as usize).min(traffic.arrivals.len());
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    for (seq, a) in traffic.arrivals[..last].iter().enumerate() {
+        if a.load(Ordering::Relaxed) != 0 {
+            continue;
+        }
+        match runs.last_mut() {
+            Some((_, end)) if *end + 1 == seq => *end = seq,
+            _ => runs.push((seq, seq)),
+        }
+    }
+    let at = |seq: usize| seq as f64 / rate as f64;
+    let shown: Vec<String> = (runs.iter().take(12))
+        .map(|&(a, b)| format!("{:.3}–{:.3} s ({})", at(a), at(b), b - a + 1))
+        .collect();
+    format!(
+        "missing frames were sent in {} runs: {}{}",
+        runs.len(),
+        shown.join(", "),
+        if runs.len() > shown.len() {
+            ", …"
+        } else {
+            ""
+        }
+    )
 }
 
 /// Frames sent from the start up to `until` seconds that never arrived.
@@ -324,9 +426,7 @@ pub fn run(args: SoakArgs) -> Result<()> {
         }
         None => None,
     };
-    // Frames sent before the instance's ports were up are nobody's to count.
-    std::thread::sleep(Duration::from_secs(2));
-    let settled = sample(&rig, &traffic, args.rate, "start")?;
+    let settled = settle(&rig, &traffic, args.rate)?;
     let outcome = (|| -> Result<Vec<Sample>> {
         let mut samples = Vec::new();
         let mut last_upgrade = 0.0;
@@ -352,7 +452,8 @@ pub fn run(args: SoakArgs) -> Result<()> {
             // A frame may be late (a stall on a loaded machine): it has vanished when, a period
             // after the last look, it still has not come and no counter says it was dropped.
             if let Some(before) = samples.last() {
-                check_accounted(&traffic, args.rate, before, &s, settled.lost)?;
+                check_accounted(&traffic, args.rate, before, &s, settled.lost)
+                    .map_err(|e| anyhow!("{e}\n{}", drops_by_place(&rig)))?;
             }
             samples.push(s);
             i += 1;
@@ -362,7 +463,8 @@ pub fn run(args: SoakArgs) -> Result<()> {
             std::thread::sleep(Duration::from_secs_f64(args.period));
             let mut s = sample(&rig, &traffic, args.rate, "last look")?;
             s.counted -= settled.counted.min(s.counted);
-            check_accounted(&traffic, args.rate, last, &s, settled.lost)?;
+            check_accounted(&traffic, args.rate, last, &s, settled.lost)
+                .map_err(|e| anyhow!("{e}\n{}", drops_by_place(&rig)))?;
         }
         Ok(samples)
     })();

@@ -143,6 +143,22 @@ impl Rig {
         left
     }
 
+    /// The rig's veths, both ends, and those of the instance's kernel data plane.
+    pub(crate) fn interfaces(&self) -> Vec<String> {
+        let key = stitch_place::leftovers::key_of_socket(&self.socket());
+        let prefix = stitch_place::kernel::KernelNames::of(&key).veth_prefix;
+        let mut names: Vec<String> = (self.veths.iter())
+            .flat_map(|v| [v.clone(), format!("{v}s")])
+            .collect();
+        let dir = std::fs::read_dir("/sys/class/net").into_iter().flatten();
+        names.extend(
+            dir.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with(&prefix)),
+        );
+        names
+    }
+
     /// Two veth pairs (`PREFIX…a`/`…as`, `…b`/`…bs`) and the graph file between their inner ends.
     pub(crate) fn new(prefix: &str, hops: Hops) -> Result<Rig> {
         let tag = std::process::id() % 100_000;
