@@ -11,12 +11,24 @@ use std::process::Command;
 
 /// The newest process that took `s` over: one a signal started, whose pid no report gave.
 fn newest_take_over(s: &Stitch) -> Successor {
-    let pid = must(&format!(
-        // The brackets keep the pattern from matching the shell that runs pgrep.
-        "pgrep -n -f '[t]ake-over --control {}'",
-        s.socket.display()
-    ));
-    Successor(pid.trim().parse().unwrap())
+    // The brackets keep the pattern from matching the shell that runs pgrep.
+    let find = format!("pgrep -n -f '[t]ake-over --control {}'", s.socket.display());
+    let since = std::time::Instant::now();
+    loop {
+        let out = Command::new("sh").args(["-c", &find]).output().unwrap();
+        if let Ok(pid) = String::from_utf8_lossy(&out.stdout).trim().parse() {
+            return Successor(pid);
+        }
+        assert!(
+            since.elapsed().as_secs() < 5,
+            "no take-over process; what runs on the socket: {}",
+            must(&format!(
+                "pgrep -a -f '[-]-control {}' || true",
+                s.socket.display()
+            ))
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
 }
 
 /// iperf3 through a firewall and a NAT: without their connections and mappings the new process
