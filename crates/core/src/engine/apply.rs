@@ -1,6 +1,12 @@
 //! The live change, carried out: the plan's actions ([`super::plan`]) applied while the
 //! workers are parked between two breaths — new apps built first, kept apps with their state,
 //! links with their queued packets, counters of what leaves folded into what stays.
+//!
+//! All or nothing, on every way out: an app's `new` or `reconfigure` that fails or panics
+//! (caught as a breath's panics are) fails the change with the app's name, and the parked
+//! workers get their plans back from [`Parked`] whatever the path — an error, a lost worker,
+//! a panic. Only a panic of the engine's own code with its lock held is beyond that: the
+//! graph runs on as left, and every further change is refused (`Engine::state_to_change`).
 
 use super::*;
 use crate::app::{AppContext, Counters, DynApp, Io, PortNames, Reconfigured};
@@ -12,7 +18,7 @@ use indexmap::IndexMap;
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 impl Engine {
@@ -21,7 +27,7 @@ impl Engine {
     /// anything is touched, then the workers park between two breaths while the actions are
     /// carried out, and resume.
     pub fn apply(&self, graph: Graph) -> Result<ApplyReport, EngineError> {
-        let mut st = self.state.lock().unwrap();
+        let mut st = self.state_to_change()?;
         check_applicable(&st, &graph)?;
         let actions = compute_config_actions(st.graph.as_ref(), &graph);
         // A failure while building changes nothing.
@@ -50,12 +56,12 @@ impl Engine {
         ) {
             Ok(r) => r,
             Err(e) => {
-                resume_parked(st, parked)?;
+                parked.resume()?;
                 return Err(EngineError::RolledBack(Box::new(e)));
             }
         };
         let mut report = ApplyReport::of_actions(actions, &reconfigured);
-        let (mut slots, ends) = unpark(parked);
+        let (mut slots, ends) = unpark(parked.into_plans());
         for name in &reconfigured.in_place {
             let slot = slots.get_mut(name).expect("kept app has a slot");
             slot.config = graph.apps[name].config.clone();
@@ -97,7 +103,9 @@ impl Engine {
 
     /// Gives each parked app of `names` its config in `graph`, in place or (when the app asks)
     /// by a rebuild that keeps its counters. On the first failure the apps already reconfigured
-    /// in place get their config in `old` back.
+    /// in place get their config in `old` back, and so does the app that failed when it
+    /// panicked (its refusal leaves it as it was; a panic, who knows where): if it fails again
+    /// it is stopped, as a breath's panic stops an app.
     fn reconfigure_apps(
         &self,
         names: &[String],
@@ -123,10 +131,17 @@ impl Engine {
             };
             if let Err(e) = step {
                 let old = old.expect("a reconfigured app has an old graph");
+                if e.is_panic() {
+                    slot.counters.get("panics").add(1);
+                    done.in_place.push(name.clone());
+                }
                 for name in done.in_place.iter().rev() {
                     let slot = parked_slot(parked, name).expect("kept app has a slot");
                     if let Err(e) = self.reconfigure(slot, &old.apps[name], &old.base_dir) {
-                        log::error!("cannot give app `{name}` its previous config back: {e}");
+                        log::error!(
+                            "cannot give app `{name}` its previous config back: {e}; it is stopped"
+                        );
+                        slot.failed.store(true, Ordering::Relaxed);
                     }
                 }
                 return Err(e);
@@ -189,12 +204,9 @@ impl Engine {
             message: format!("{}: {}", e.path, e.message),
         })?;
         let mut ctx = AppContext::new(&decl.name, base_dir, slot.counters.clone());
-        slot.app
-            .reconfigure(parsed.into_any(), &mut ctx)
-            .map_err(|source| EngineError::Build {
-                app: decl.name.clone(),
-                source,
-            })
+        caught(&decl.name, "reconfigure", || {
+            slot.app.reconfigure(parsed.into_any(), &mut ctx)
+        })
     }
 
     fn build(
@@ -219,12 +231,7 @@ impl Engine {
         if let Some(d) = inherited {
             ctx.inherit(d);
         }
-        let app = t
-            .build(parsed, &mut ctx)
-            .map_err(|source| EngineError::Build {
-                app: decl.name.clone(),
-                source,
-            })?;
+        let app = caught(&decl.name, "new", || t.build(parsed, &mut ctx))?;
         Ok((app, counters))
     }
 }
@@ -282,31 +289,84 @@ pub(super) fn check_applicable(st: &State, graph: &Graph) -> Result<(), EngineEr
     Ok(())
 }
 
-/// Parks every worker between two breaths. Their plans come back whole, so that a change that
-/// fails can resume them exactly as they were.
-pub(super) fn park_workers(st: &mut State) -> Result<Vec<(String, Plan)>, EngineError> {
-    let mut parked = Vec::new();
-    for (wname, w) in st.workers.iter_mut() {
-        w.park.store(true, Ordering::Release);
-        let plan = w
-            .from_worker
-            .recv()
-            .map_err(|_| EngineError::WorkerLost(wname.clone()))?;
-        w.park.store(false, Ordering::Release);
-        parked.push((wname.clone(), plan));
-    }
-    Ok(parked)
+/// Workers parked between two breaths, with their plans. However it is left — an error, a
+/// panic on the way — it hands every worker its plan back unchanged, unless the plans were
+/// taken ([`Parked::into_plans`]) or are to stay ([`Parked::keep_parked`]): no path out of a
+/// change leaves a worker waiting for a plan (`link.rs`'s `FreeUnqueued` is the same idiom).
+#[derive(Default)]
+pub(super) struct Parked {
+    plans: Vec<(String, Plan)>,
+    /// Each plan's way back to its worker, in the plans' order.
+    to_workers: Vec<mpsc::Sender<Command>>,
 }
 
-/// Gives every parked worker its plan back unchanged.
-pub(super) fn resume_parked(st: &State, parked: Vec<(String, Plan)>) -> Result<(), EngineError> {
-    for (wname, plan) in parked {
-        st.workers[&wname]
-            .to_worker
-            .send(Command::Run(plan))
-            .map_err(|_| EngineError::WorkerLost(wname))?;
+impl Parked {
+    /// Every worker gets its plan back; the first worker found gone is the error (the others
+    /// resume all the same).
+    pub(super) fn resume(mut self) -> Result<(), EngineError> {
+        self.resume_all()
     }
-    Ok(())
+
+    fn resume_all(&mut self) -> Result<(), EngineError> {
+        let mut lost = None;
+        for ((wname, plan), to) in self.plans.drain(..).zip(self.to_workers.drain(..)) {
+            if to.send(Command::Run(plan)).is_err() {
+                lost.get_or_insert(wname);
+            }
+        }
+        lost.map_or(Ok(()), |w| Err(EngineError::WorkerLost(w)))
+    }
+
+    /// The plans, for the change to take apart; resuming is then the change's to do.
+    pub(super) fn into_plans(mut self) -> Vec<(String, Plan)> {
+        self.to_workers.clear();
+        std::mem::take(&mut self.plans)
+    }
+
+    /// The workers stay parked and their apps are never dropped: a successor process runs
+    /// them now, and dropping the apps would close what it shares and run their teardown
+    /// (detaching programs, removing devices) under it.
+    pub(super) fn keep_parked(mut self) {
+        self.to_workers.clear();
+        std::mem::forget(std::mem::take(&mut self.plans));
+    }
+}
+
+impl Drop for Parked {
+    fn drop(&mut self) {
+        if let Err(e) = self.resume_all() {
+            log::error!("resuming the workers after a failed change: {e}");
+        }
+    }
+}
+
+impl std::ops::Deref for Parked {
+    type Target = Vec<(String, Plan)>;
+    fn deref(&self) -> &Self::Target {
+        &self.plans
+    }
+}
+
+impl std::ops::DerefMut for Parked {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.plans
+    }
+}
+
+/// Parks every worker between two breaths. Their plans come back whole, so that a change that
+/// fails can resume them exactly as they were; a worker found gone resumes those parked
+/// before it.
+pub(super) fn park_workers(st: &mut State) -> Result<Parked, EngineError> {
+    let mut parked = Parked::default();
+    for (wname, w) in st.workers.iter_mut() {
+        w.park.store(true, Ordering::Release);
+        let plan = w.from_worker.recv();
+        w.park.store(false, Ordering::Release);
+        let plan = plan.map_err(|_| EngineError::WorkerLost(wname.clone()))?;
+        parked.plans.push((wname.clone(), plan));
+        parked.to_workers.push(w.to_worker.clone());
+    }
+    Ok(parked)
 }
 
 /// The parked workers' apps by name, with their link ends taken out for rewiring.
@@ -622,4 +682,109 @@ pub fn topological_order(graph: &Graph) -> Vec<String> {
         }
     }
     order
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::app::{App, AppContext, AppError, AppType, Counter, PortSpec, Registry};
+
+    /// Counts its breaths (`beats`): whether its worker runs.
+    struct Beat(Counter);
+
+    impl App for Beat {
+        type Config = serde_json::Value;
+        fn declare(_: &serde_json::Value) -> Result<PortSpec, AppError> {
+            Ok(PortSpec::source())
+        }
+        fn new(_: serde_json::Value, ctx: &mut AppContext) -> Result<Self, AppError> {
+            Ok(Beat(ctx.counter("beats")))
+        }
+        fn pull(&mut self, _: &mut Io) {
+            self.0.add(1);
+        }
+    }
+
+    fn beats(engine: &Engine, app: &str) -> u64 {
+        let stats = engine.stats();
+        let app = stats.apps.iter().find(|a| a.name == app).unwrap();
+        app.counters["beats"]
+    }
+
+    /// Waits until `app`'s worker has breathed again.
+    fn runs(engine: &Engine, app: &str) {
+        let before = beats(engine, app);
+        let t = Instant::now();
+        while beats(engine, app) <= before {
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "`{app}` no longer runs"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    #[test]
+    fn a_worker_lost_while_the_second_of_three_parks_leaves_the_others_running() {
+        let mut r = Registry::new();
+        r.register(AppType::of::<Beat>("beat", "counts its breaths"));
+        let r = Arc::new(r);
+        let engine = Engine::new(r.clone());
+        let text = "apps:\n  one: {type: beat, worker: w1}\n  two: {type: beat, worker: w2}\n  three: {type: beat, worker: w3}\n";
+        let graph = Graph::parse(text, "t.yaml", Path::new("."), &r).unwrap();
+        engine.apply(graph.clone()).unwrap();
+        // The second worker goes as a panic outside any app would take it: its thread ends.
+        let second = {
+            let mut st = engine.state();
+            let (name, w) = st.workers.get_index_mut(1).unwrap();
+            w.park.store(true, Ordering::Release);
+            drop(w.from_worker.recv().unwrap());
+            w.to_worker.send(Command::Exit).unwrap();
+            w.thread.take().unwrap().join().unwrap();
+            name.clone()
+        };
+        let change = text.replace("  three:", "  four: {type: beat, worker: w1}\n  three:");
+        let change = Graph::parse(&change, "t.yaml", Path::new("."), &r).unwrap();
+        let err = engine.apply(change).unwrap_err();
+        assert!(
+            matches!(&err, EngineError::WorkerLost(w) if *w == second),
+            "{err}"
+        );
+        // The first was parked before the second was found gone: it got its plan back; the
+        // third was never parked.
+        let (first, third) = {
+            let st = engine.state();
+            let on = |i: usize| {
+                let (worker, _) = st.workers.get_index(i).unwrap();
+                let app = st.apps.iter().find(|(_, a)| a.worker == *worker).unwrap();
+                app.0.clone()
+            };
+            (on(0), on(2))
+        };
+        runs(&engine, &first);
+        runs(&engine, &third);
+        assert!(engine.graph().unwrap().apps.get("four").is_none());
+        engine.stop();
+    }
+
+    #[test]
+    fn after_a_panic_of_the_engine_itself_changes_are_refused_and_counters_still_read() {
+        let mut r = Registry::new();
+        r.register(AppType::of::<Beat>("beat", "counts its breaths"));
+        let r = Arc::new(r);
+        let engine = Arc::new(Engine::new(r.clone()));
+        let text = "apps:\n  one: {type: beat}\n";
+        let graph = Graph::parse(text, "t.yaml", Path::new("."), &r).unwrap();
+        engine.apply(graph.clone()).unwrap();
+        let e = engine.clone();
+        let poisoner = std::thread::spawn(move || {
+            let _st = e.state();
+            panic!("the engine's own bug, with its lock held");
+        });
+        assert!(poisoner.join().is_err());
+        let err = engine.apply(graph).unwrap_err().to_string();
+        assert!(err.contains("restart the instance"), "{err}");
+        runs(&engine, "one");
+        assert!(engine.stop().apps.iter().any(|a| a.name == "one"));
+    }
 }

@@ -6,7 +6,7 @@
 //! first breath ([`Engine::commit_inheriting`]). How the two processes talk is the caller's
 //! business.
 
-use super::apply::{check_applicable, park_workers, resume_parked, BuiltApps};
+use super::apply::{check_applicable, park_workers, BuiltApps};
 use super::plan::{compute_config_actions, ConfigActions};
 use super::*;
 use crate::app::Descriptors;
@@ -62,7 +62,7 @@ impl Engine {
     /// undo what the successor now uses). When it returns false, the workers resume where
     /// they were — what was handed were duplicates.
     pub fn hand_over(&self, give: impl FnOnce(HandOver) -> bool) -> Result<bool, EngineError> {
-        let mut st = self.state.lock().unwrap();
+        let mut st = self.state_to_change()?;
         if st.stopped {
             return Err(EngineError::Other("the engine is stopping".into()));
         }
@@ -87,14 +87,12 @@ impl Engine {
         });
         if taken {
             st.stopped = true;
-            // Dropping the apps would close what the successor shares and run teardown
-            // (detaching programs, removing devices) under it.
-            std::mem::forget(parked);
+            parked.keep_parked();
         } else {
             for s in parked.iter_mut().flat_map(|(_, p)| p.slots.iter_mut()) {
                 s.app.carry_on();
             }
-            resume_parked(&st, parked)?;
+            parked.resume()?;
         }
         Ok(taken)
     }
@@ -103,7 +101,7 @@ impl Engine {
     /// workers parked for a moment: lent to a successor that builds its apps on them while
     /// this engine runs on; their positions are provisional until [`Engine::hand_over`].
     pub fn lend_descriptors(&self) -> Result<BTreeMap<String, (String, Descriptors)>, EngineError> {
-        let mut st = self.state.lock().unwrap();
+        let mut st = self.state_to_change()?;
         if st.stopped {
             return Err(EngineError::Other("the engine is stopping".into()));
         }
@@ -115,14 +113,14 @@ impl Engine {
                 Some((s.name.clone(), (s.kind.clone(), s.app.hand_over()?)))
             })
             .collect();
-        resume_parked(&st, parked)?;
+        parked.resume()?;
         Ok(lent)
     }
 
     /// The upgrade [`Engine::lend_descriptors`] began ends before [`Engine::hand_over`] (the
     /// successor failed or went silent): every app carries on as before.
     pub fn abandon_hand_over(&self) -> Result<(), EngineError> {
-        let mut st = self.state.lock().unwrap();
+        let mut st = self.state_to_change()?;
         if st.stopped {
             return Ok(());
         }
@@ -130,7 +128,7 @@ impl Engine {
         for s in parked.iter_mut().flat_map(|(_, p)| p.slots.iter_mut()) {
             s.app.carry_on();
         }
-        resume_parked(&st, parked)
+        parked.resume()
     }
 
     /// First half of taking over from another process: builds `graph`'s apps (an engine that
@@ -141,7 +139,7 @@ impl Engine {
         graph: Graph,
         lent: BTreeMap<String, (String, Descriptors)>,
     ) -> Result<Prepared, EngineError> {
-        let st = self.state.lock().unwrap();
+        let st = self.state_to_change()?;
         if st.graph.is_some() {
             return Err(EngineError::Other(
                 "an engine that runs a graph cannot take another over".into(),
@@ -149,9 +147,9 @@ impl Engine {
         }
         check_applicable(&st, &graph)?;
         let actions = compute_config_actions(None, &graph);
-        *self.inheritance.lock().unwrap() = Inheritance { lent };
+        *self.inheritance() = Inheritance { lent };
         let built = self.build_apps(actions.start.iter().chain(&actions.replace), &graph);
-        let unused = std::mem::take(&mut self.inheritance.lock().unwrap().lent);
+        let unused = std::mem::take(&mut self.inheritance().lent);
         Ok(Prepared {
             graph,
             actions,
@@ -193,7 +191,7 @@ impl Engine {
                 }
             }
         }
-        let mut st = self.state.lock().unwrap();
+        let mut st = self.state_to_change()?;
         let Prepared {
             graph,
             actions,
@@ -212,7 +210,7 @@ impl Engine {
         &self,
         before: &BTreeMap<String, HandedLink>,
     ) -> Result<(), EngineError> {
-        let mut st = self.state.lock().unwrap();
+        let mut st = self.state_to_change()?;
         let parked = park_workers(&mut st)?;
         for (decl, ring) in &st.links {
             let Some(b) = before.get(&decl.spec()) else {
@@ -223,12 +221,19 @@ impl Engine {
                 histogram.continue_from(counts);
             }
         }
-        resume_parked(&st, parked)
+        parked.resume()
+    }
+
+    /// What a predecessor lent (a panic while it was held leaves it as it was: still read).
+    fn inheritance(&self) -> std::sync::MutexGuard<'_, Inheritance> {
+        self.inheritance
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// The descriptors lent for app `name` of type `kind`, if any.
     pub(super) fn inherited(&self, name: &str, kind: &str) -> Option<Descriptors> {
-        let mut inheritance = self.inheritance.lock().unwrap();
+        let mut inheritance = self.inheritance();
         if inheritance.lent.get(name).is_some_and(|(k, _)| k == kind) {
             inheritance.lent.remove(name).map(|(_, d)| d)
         } else {

@@ -47,7 +47,7 @@ pub enum EngineError {
     Build { app: String, source: AppError },
     #[error("app `{app}`: config: {message}")]
     Config { app: String, message: String },
-    #[error("worker `{0}` stopped unexpectedly")]
+    #[error("worker `{0}` is gone, and its apps with it (the log says why): restart the instance")]
     WorkerLost(String),
     #[error("{0} (nothing was changed: the graph runs as before)")]
     RolledBack(Box<EngineError>),
@@ -75,11 +75,7 @@ impl AppSlot {
     fn guarded(&mut self, what: &str, f: impl FnOnce(&mut dyn DynApp, &mut Io)) -> bool {
         let r = catch_unwind(AssertUnwindSafe(|| f(self.app.as_mut(), &mut self.io)));
         if let Err(e) = r {
-            let msg = e
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| e.downcast_ref::<String>().cloned())
-                .unwrap_or_default();
+            let msg = panic_text(&*e);
             log::error!(
                 "app `{}` ({}) panicked in {what}: {msg}; it is stopped",
                 self.name,
@@ -94,6 +90,55 @@ impl AppSlot {
 
     fn has_inputs(&self) -> bool {
         self.io.inputs.iter().any(Option::is_some)
+    }
+}
+
+/// What a panic carried, as text (`panic!`'s message, when it has one).
+fn panic_text(e: &(dyn std::any::Any + Send)) -> String {
+    (e.downcast_ref::<&str>().map(|s| s.to_string()))
+        .or_else(|| e.downcast_ref::<String>().cloned())
+        .unwrap_or_default()
+}
+
+/// An app's code panicked outside a breath (while built or reconfigured): the error a change
+/// fails with, so that it rolls back instead of unwinding through the engine's lock.
+#[derive(Debug, thiserror::Error)]
+#[error("panicked in {what}: {message}")]
+pub struct AppPanicked {
+    pub what: &'static str,
+    pub message: String,
+}
+
+/// Runs the code of app `app` (its `new` or `reconfigure`: `what`) with a panic caught and
+/// turned into the app's error.
+fn caught<T>(
+    app: &str,
+    what: &'static str,
+    f: impl FnOnce() -> Result<T, AppError>,
+) -> Result<T, EngineError> {
+    let source = match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(done)) => return Ok(done),
+        Ok(Err(e)) => e,
+        Err(e) => {
+            let message = panic_text(&*e);
+            log::error!("app `{app}` panicked in {what}: {message}");
+            Box::new(AppPanicked { what, message })
+        }
+    };
+    Err(EngineError::Build {
+        app: app.to_string(),
+        source,
+    })
+}
+
+impl EngineError {
+    /// Whether the error is an app's panic ([`AppPanicked`]).
+    fn is_panic(&self) -> bool {
+        match self {
+            EngineError::Build { source, .. } => source.is::<AppPanicked>(),
+            EngineError::RolledBack(e) => e.is_panic(),
+            _ => false,
+        }
     }
 }
 
@@ -163,18 +208,41 @@ impl Engine {
         }
     }
 
+    /// The engine's state to read. The lock is poisoned only by a panic of the engine's own
+    /// code while it held the lock (an app's panics are caught where its code runs); what
+    /// that left is still read, counters and graph, and [`Engine::state_to_change`] refuses
+    /// every further change.
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The engine's state to change: refused after a panic of the engine itself (a worker
+    /// may still wait for a plan no one will send it; parking it again would never end).
+    fn state_to_change(&self) -> Result<std::sync::MutexGuard<'_, State>, EngineError> {
+        self.state.lock().map_err(|_| {
+            EngineError::Other(
+                "an earlier change failed inside the engine itself (a bug: its panic is in the \
+                 log); the graph runs as that change left it and takes no further change: \
+                 restart the instance (`stitch upgrade`, or a restart with --state) to change it"
+                    .into(),
+            )
+        })
+    }
+
     pub fn registry(&self) -> &Arc<Registry> {
         &self.registry
     }
 
     /// The graph now running.
     pub fn graph(&self) -> Option<Graph> {
-        self.state.lock().unwrap().graph.clone()
+        self.state().graph.clone()
     }
 
     /// Current counters of every app, link and worker.
     pub fn stats(&self) -> Stats {
-        let st = self.state.lock().unwrap();
+        let st = self.state();
         let mut apps = Vec::new();
         for (name, a) in &st.apps {
             let mut s = AppStats {
@@ -278,7 +346,7 @@ impl Engine {
 
     fn ask(&self, app: &str, ask: Ask) -> Result<Answer, EngineError> {
         let (tx, flag) = {
-            let st = self.state.lock().unwrap();
+            let st = self.state();
             let info = st
                 .apps
                 .get(app)
@@ -307,7 +375,7 @@ impl Engine {
 
     /// True when the graph has finite sources, all of them finished, and every link is empty.
     pub fn finished(&self) -> bool {
-        let st = self.state.lock().unwrap();
+        let st = self.state();
         let mut any_finite = false;
         for w in st.workers.values() {
             if w.counters.has_finite.load(Ordering::Relaxed) {
@@ -323,18 +391,12 @@ impl Engine {
     /// Every link of the running graph with its ring, in the order of the graph file (to tap
     /// them: see [`Ring::add_tap`]).
     pub fn link_rings(&self) -> Vec<(LinkDecl, Arc<Ring>)> {
-        self.state.lock().unwrap().links.clone()
+        self.state().links.clone()
     }
 
     /// Total link activity, to see whether anything still moves.
     pub fn activity(&self) -> u64 {
-        self.state
-            .lock()
-            .unwrap()
-            .links
-            .iter()
-            .map(|(_, r)| r.activity())
-            .sum()
+        self.state().links.iter().map(|(_, r)| r.activity()).sum()
     }
 
     /// Stops every worker, then every app (which flushes its output), and returns the final
@@ -342,7 +404,8 @@ impl Engine {
     pub fn stop(&self) -> Stats {
         let mut slots = Vec::new();
         {
-            let mut st = self.state.lock().unwrap();
+            let poisoned = self.state.is_poisoned();
+            let mut st = self.state();
             if st.stopped {
                 drop(st);
                 return self.stats();
@@ -350,7 +413,14 @@ impl Engine {
             st.stopped = true;
             for (_, w) in st.workers.iter_mut() {
                 w.park.store(true, Ordering::Release);
-                if let Ok(plan) = w.from_worker.recv() {
+                // After the engine's own panic a worker may be parked already, waiting for a
+                // plan: it gets a moment to answer, then the command to leave.
+                let plan = if poisoned {
+                    w.from_worker.recv_timeout(Duration::from_secs(1)).ok()
+                } else {
+                    w.from_worker.recv().ok()
+                };
+                if let Some(plan) = plan {
                     slots.extend(plan.slots);
                 }
                 let _ = w.to_worker.send(Command::Exit);

@@ -109,7 +109,7 @@ impl Engine {
 impl Engine {
     /// Each running app's name and type.
     fn app_kinds(&self) -> HashMap<String, String> {
-        let st = self.state.lock().unwrap();
+        let st = self.state();
         st.apps
             .iter()
             .map(|(name, info)| (name.clone(), info.kind.clone()))
