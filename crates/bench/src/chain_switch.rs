@@ -1,20 +1,20 @@
-//! `stitch bench chain-switch`: seed 001's chain. A generator feeds port 1 of the OpenFlow
-//! `switch`; N function processes (`stitch-nf-signature`, one `nf_port` each) are chained
-//! through it by flows `in_port=k → output:k+1`; the last port leads to a latency sink. With
-//! `--bypass on` the flows are point to point (the switch moves whole batches ring to ring
-//! without a lookup); with `off` each flow also matches `ip`, so every packet is looked up.
-//! Flows are programmed with `ovs-ofctl` (openvswitch-common), as a controller would.
+//! `stitch bench chain-switch`: the inter-VNF bypass's chain (docs/references.md). A generator
+//! feeds port 1 of the OpenFlow `switch`; N function processes (`stitch-nf-signature`, one
+//! `nf_port` each) are chained through it by flows `in_port=k → output:k+1`; the last port leads to
+//! a latency sink. With `--bypass on` the flows are point to point (the switch moves whole batches
+//! ring to ring without a lookup); with `off` each flow also matches `ip`, so every packet is
+//! looked up. Flows are programmed with `ovs-ofctl` (openvswitch-common), as a controller would.
 //!
 //! Between two function ports a point-to-point flow also gets a direct channel: the function
-//! writes straight to the next one's ring and the switch is out of the path (seed 001).
+//! writes straight to the next one's ring and the switch is out of the path (the inter-VNF bypass).
 //!
 //! Per point: Mpps at full load, cores used there (engine + functions, CPU seconds per second),
-//! latency (mean, p99) and the engine's CPU per packet at half of that load (or `--rate`), and the switch-over time while every flow
-//! is flipped between the two shapes under traffic (`ovs-ofctl replace-flows`, ten times): the
-//! data path's own figure (a table's publication to the data path running it, the switch's
-//! `switch_over_ns` counter; median), the whole `ovs-ofctl` round trip (process start, flow
-//! dump, FLOW_MODs, BARRIER reply), and the direct channels' hand-over (offer → the receiving
-//! function reads the channel) and hand-back (end → channel retired), medians.
+//! latency (mean, p99) and the engine's CPU per packet at half of that load (or `--rate`), and the
+//! switch-over time while every flow is flipped between the two shapes under traffic (`ovs-ofctl
+//! replace-flows`, ten times): the data path's own figure (a table's publication to the data path
+//! running it, the switch's `switch_over_ns` counter; median), the whole `ovs-ofctl` round trip
+//! (process start, flow dump, FLOW_MODs, BARRIER reply), and the direct channels' hand-over (offer
+//! → the receiving function reads the channel) and hand-back (end → channel retired), medians.
 
 use crate::kernel::{quiet, sh, Ovs};
 use crate::nf_scale::{
@@ -76,7 +76,8 @@ struct Point {
     mpps: f64,
     cores: f64,
     /// The engine's CPU per packet delivered (generator, switch, ports, sink): with direct
-    /// channels it should not grow with the chain (seed 001: cores 2+2+N instead of 2+3N).
+    /// channels it should not grow with the chain (the inter-VNF bypass: cores 2+2+N instead of
+    /// 2+3N).
     engine_ns: f64,
     mean_us: f64,
     p99_us: f64,

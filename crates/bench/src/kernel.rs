@@ -1,6 +1,6 @@
-//! `stitch bench kernel`: seed 003's evaluation on this machine. Two hosts (namespaces) on
-//! either end of a chain of N routers, each pair of routers joined by a bridge (bridge–router–
-//! bridge…), built four ways and measured in the same run:
+//! `stitch bench kernel`: InKeV's evaluation (docs/references.md) on this machine. Two hosts
+//! (namespaces) on either end of a chain of N routers, each pair of routers joined by a bridge
+//! (bridge–router– bridge…), built four ways and measured in the same run:
 //!
 //! - `kernel`: Stitch's in-kernel data plane (`placement: kernel`),
 //! - `linux`: Linux router namespaces joined by Linux bridges,

@@ -46,12 +46,13 @@ pub enum BenchCmd {
     /// The chain at full rate with and without a live capture of its middle link (PCAPNG to
     /// tmpfs): the tap's cost and drop rate.
     CaptureLink(crate::capture_link::CaptureLinkArgs),
-    /// Seed 004's experiment: N function processes, each packet through two of them.
+    /// The experiment of fine-grained NFs (docs/references.md): N function processes, each packet
+    /// through two of them.
     NfScale(crate::nf_scale::NfScaleArgs),
-    /// Seed 001's chain: N function processes chained through the OpenFlow switch, with the
-    /// point-to-point path (bypass on) or a lookup per packet (off).
+    /// The inter-VNF bypass's chain: N function processes chained through the OpenFlow switch, with
+    /// the point-to-point path (bypass on) or a lookup per packet (off).
     ChainSwitch(crate::chain_switch::ChainSwitchArgs),
-    /// Seed 003's evaluation: chains of 1..N routers between two hosts — Stitch in the kernel,
+    /// InKeV's evaluation: chains of 1..N routers between two hosts — Stitch in the kernel,
     /// Linux router namespaces, Open vSwitch (userspace datapath) with router namespaces and
     /// Stitch's userspace engine — round trips, connection setups and iperf3 in one run.
     Kernel(crate::kernel::KernelBenchArgs),
@@ -75,8 +76,8 @@ pub enum BenchCmd {
     /// RFC 2544 through vhost-user ports: the no-drop and partial-drop rates by binary search
     /// and latency at fractions of the no-drop rate, Stitch beside testpmd's io forwarding.
     Rfc2544(crate::rfc2544::Rfc2544Args),
-    /// Seed 001 with VMs: chains of testpmd guests through the OpenFlow switch, with and
-    /// without direct paths between VM ports.
+    /// The inter-VNF bypass with VMs: chains of testpmd guests through the OpenFlow switch, with
+    /// and without direct paths between VM ports.
     Vm2vm(crate::vm2vm::Vm2vmArgs),
     /// What `af_xdp` steering rules cost a frame in the interface's XDP program, timed by the
     /// kernel against the program without rules.

@@ -1,8 +1,8 @@
-//! `stitch bench nf-scale`: seed 004's experiment. N function processes (the `signature`
-//! function); every packet goes through two of them — function i, then function i+1 — and
-//! consecutive packets go to different functions (round robin). Reports the throughput and
-//! latency (mean, p99) at full offered load, and the latency at the highest of 1/2, 1/4, 1/8,
-//! 1/16 of that load which the functions keep up with, for polling, blocking and isolated
+//! `stitch bench nf-scale`: the experiment of fine-grained NFs (docs/references.md). N function
+//! processes (the `signature` function); every packet goes through two of them — function i, then
+//! function i+1 — and consecutive packets go to different functions (round robin). Reports the
+//! throughput and latency (mean, p99) at full offered load, and the latency at the highest of 1/2,
+//! 1/4, 1/8, 1/16 of that load which the functions keep up with, for polling, blocking and isolated
 //! (blocking, copying) ports.
 
 use crate::cpu_seconds;
@@ -94,7 +94,7 @@ pub struct NfScaleArgs {
     /// page faults and page tables.
     #[arg(long)]
     pub hugepages: bool,
-    /// Seed 004's figure 3(c) instead: traffic from an `af_xdp` interface on a veth, each
+    /// Fine-grained NFs' figure 3(c) instead: traffic from an `af_xdp` interface on a veth, each
     /// function the head of its own chain, with the interface steering each function's flow
     /// straight to it and without (the engine deals every frame out), at `--steer-mpps`.
     #[arg(long)]

@@ -1,9 +1,9 @@
-//! `stitch bench nf-scale --steer`: seed 004's figure 3(c). N function processes, each the
-//! head of its own chain, fed from an `af_xdp` interface on a veth: with steering, the
-//! interface's XDP program sends each function's flow to a socket the function reads itself;
-//! without, the engine receives every frame and deals them out (round robin, the cheapest
-//! dispatch). A generator on another worker of the same engine sends 64-byte frames over the
-//! veth at a fixed rate, so both paths carry the same offered load; the figures are the
+//! `stitch bench nf-scale --steer`: the figure 3(c) of fine-grained NFs (docs/references.md). N
+//! function processes, each the head of its own chain, fed from an `af_xdp` interface on a veth:
+//! with steering, the interface's XDP program sends each function's flow to a socket the function
+//! reads itself; without, the engine receives every frame and deals them out (round robin, the
+//! cheapest dispatch). A generator on another worker of the same engine sends 64-byte frames over
+//! the veth at a fixed rate, so both paths carry the same offered load; the figures are the
 //! receiving worker's CPU per packet, each function's, and what arrived.
 
 use crate::nf_scale::{

@@ -1,16 +1,16 @@
-//! `stitch bench vm2vm`: seed 001's own case — VMs chained through the OpenFlow switch. N
-//! guests (`dpdk-testpmd` virtio-user front-ends in io forwarding, two ports each, as `stitch
-//! bench vhost` uses them) in a chain between the tester's two ports (Stitch's virtio-net
-//! driver, [`crate::rfc2544::tester`]) through one `switch`: tester → VM 1 → … → VM N → tester,
-//! every hop a flow `in_port=X,actions=output:Y`. Each chain runs three ways in the same run:
-//! with direct paths (each sending port's worker copies guest to guest), with `direct_paths:
+//! `stitch bench vm2vm`: the inter-VNF bypass's own case (docs/references.md) — VMs chained through
+//! the OpenFlow switch. N guests (`dpdk-testpmd` virtio-user front-ends in io forwarding, two ports
+//! each, as `stitch bench vhost` uses them) in a chain between the tester's two ports (Stitch's
+//! virtio-net driver, [`crate::rfc2544::tester`]) through one `switch`: tester → VM 1 → … → VM N →
+//! tester, every hop a flow `in_port=X,actions=output:Y`. Each chain runs three ways in the same
+//! run: with direct paths (each sending port's worker copies guest to guest), with `direct_paths:
 //! false` (the switch carries every packet), and through Open vSwitch's DPDK datapath
 //! (`dpdkvhostuserclient` ports, the guests' virtio-user ports in server mode, the same flows).
-//! Both switches sleep when idle (Stitch's worker up to 100 µs, its default; Open vSwitch's PMD
-//! as long, `pmd-maxsleep`). Figures: what arrived (Mpps), the switch process's CPU time per
-//! delivered packet, the paths' switch-over time, and frames lost or reordered; then one
-//! trial while a flow of the chain's first hop is changed under traffic and back (hand-back
-//! and switch-over under load).
+//! Both switches sleep when idle (Stitch's worker up to 100 µs, its default; Open vSwitch's PMD as
+//! long, `pmd-maxsleep`). Figures: what arrived (Mpps), the switch process's CPU time per delivered
+//! packet, the paths' switch-over time, and frames lost or reordered; then one trial while a flow
+//! of the chain's first hop is changed under traffic and back (hand-back and switch-over under
+//! load).
 
 use crate::rfc2544::duts::{accept, add_flows, start_ovs, OvsRunning};
 use crate::rfc2544::tester::{self, FrameSize, Frames};

@@ -79,7 +79,7 @@ pub trait LinkTap: Send + Sync {
 
 /// An app's description of itself at its end of a link, set once per link. An app that can
 /// take part in something beyond packets — a function port that can be joined straight to
-/// another (seed 001's bypass) — says so here, and the app at the other end downcasts it.
+/// another (the inter-VNF bypass) — says so here, and the app at the other end downcasts it.
 pub type EndTag = Arc<dyn Any + Send + Sync>;
 
 // SAFETY: slots are accessed only by the single producer (writes) and the single consumer

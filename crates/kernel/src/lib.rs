@@ -1,7 +1,7 @@
-//! Stitch's in-kernel data plane (seed 003, InKeV): network functions as eBPF programs in the
-//! kernel, stitched into a graph by a patch panel of tail calls, attached to workloads by
-//! programs on their interfaces' tc ingress hooks. The same graph file as the userspace
-//! engine: apps with `placement: kernel`.
+//! Stitch's in-kernel data plane (after InKeV, docs/references.md): network functions as eBPF
+//! programs in the kernel, stitched into a graph by a patch panel of tail calls, attached to
+//! workloads by programs on their interfaces' tc ingress hooks. The same graph file as the
+//! userspace engine: apps with `placement: kernel`.
 //!
 //! - `bpf/` — the C programs: `common.h` (maps, per-packet metadata, the patch panel),
 //!   one header per function kind (`forwarder.h`, `bridge.h`, `router.h`, `firewall.h`) and

@@ -53,11 +53,12 @@ pub struct Function {
     pool_header: usize,
     /// Control messages taken from the connection (compared with the region's `control`).
     control_seen: u32,
-    /// Direct channels (seed 001's bypass): forwarded packets go straight to the next function,
-    /// and packets come straight from the previous one.
+    /// Direct channels (the inter-VNF bypass, docs/references.md): forwarded packets go straight to
+    /// the next function, and packets come straight from the previous one.
     tx: Option<TxChannel>,
     rx: Option<RxChannel>,
-    /// An interface's receive rings this function reads itself (seed 004's flow director).
+    /// An interface's receive rings this function reads itself (the flow-director steering of
+    /// fine-grained NFs, docs/references.md).
     steered: Option<SteeredInput>,
 }
 
@@ -895,9 +896,10 @@ fn closed_port() -> io::Error {
 }
 
 /// Serves several ports from one thread until Stitch closed them all, as one process with one
-/// doorbell would (the seed's functions): a wake-up for one port serves whatever waits on all
-/// of them, so a function with two ports is scheduled up to half as often as with a thread per
-/// port. A port Stitch closes is left out from then on; an error on any port ends the call.
+/// doorbell would (the functions of fine-grained NFs, docs/references.md): a wake-up for one port
+/// serves whatever waits on all of them, so a function with two ports is scheduled up to half as
+/// often as with a thread per port. A port Stitch closes is left out from then on; an error on any
+/// port ends the call.
 pub fn run_all(functions: &mut [Function], f: impl FnMut(&mut [u8]) -> Verdict) -> io::Result<()> {
     serve_ports(functions.iter_mut().collect(), f)
 }

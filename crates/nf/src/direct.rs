@@ -1,4 +1,5 @@
-//! Direct channels between function ports — seed 001's bypass, on Stitch's side.
+//! Direct channels between function ports — the inter-VNF bypass (docs/references.md), on Stitch's
+//! side.
 //!
 //! When a switch's rules send everything from function A to function B, the switch offers the
 //! pair a [`Direct`]: a ring in a memfd of its own that A writes and B reads, so A's packets

@@ -1,10 +1,11 @@
-//! Functions in virtual machines (seed 001's ivshmem): a function built on this library runs in
-//! a guest unchanged. It reaches Stitch's attach socket through a virtio-serial port of its VM
-//! (QEMU's chardev connects to the socket), says the same hello with `"transport": "ivshmem"`,
-//! and gets no descriptors: the memory they would carry is hot-plugged into the guest as
-//! `ivshmem-plain` PCI devices ([`GuestBus`]), and the answer names their PCI addresses. The
-//! function maps each device's BAR 2 (`/sys/bus/pci/devices/ADDR/resource2`) where a process
-//! on the host maps the memfd, and polls its rings (a guest has no eventfd of Stitch's).
+//! Functions in virtual machines (the inter-VNF bypass over ivshmem, docs/references.md): a
+//! function built on this library runs in a guest unchanged. It reaches Stitch's attach socket
+//! through a virtio-serial port of its VM (QEMU's chardev connects to the socket), says the same
+//! hello with `"transport": "ivshmem"`, and gets no descriptors: the memory they would carry is
+//! hot-plugged into the guest as `ivshmem-plain` PCI devices ([`GuestBus`]), and the answer names
+//! their PCI addresses. The function maps each device's BAR 2
+//! (`/sys/bus/pci/devices/ADDR/resource2`) where a process on the host maps the memfd, and polls
+//! its rings (a guest has no eventfd of Stitch's).
 
 use crate::shm::Mapping;
 use std::collections::HashMap;

@@ -1,5 +1,5 @@
-//! Network functions as separate processes (seed 004), attached to a running graph through
-//! shared memory — VPP's memif is the model for the attach protocol.
+//! Network functions as separate processes (fine-grained NFs, docs/references.md), attached to a
+//! running graph through shared memory — VPP's memif is the model for the attach protocol.
 //!
 //! - [`port`]: the `nf_port` app on Stitch's side.
 //! - [`function`]: the `function` app, a port whose process Stitch starts and supervises
@@ -7,9 +7,11 @@
 //! - [`client`]: the library a function links (Rust); the binaries `stitch-nf-signature` and
 //!   `stitch-nf-firewall` are examples built on it.
 //! - [`shm`]: the shared region and its rings, the one layout both sides read.
-//! - [`direct`]: direct channels from one function to another (seed 001's bypass), Stitch's side.
+//! - [`direct`]: direct channels from one function to another (the inter-VNF bypass), Stitch's
+//!   side.
 //! - [`steer`]: an interface's frames read by a function straight from the interface's AF_XDP
-//!   sockets (seed 004's flow director), on [`xsk`]'s rings.
+//!   sockets (the NIC's flow director steering each function's flows, as in fine-grained NFs), on
+//!   [`xsk`]'s rings.
 //! - [`listener`]: the attach socket (one JSON line each way plus SCM_RIGHTS).
 //! - [`ffi`]: the same library for C (`include/stitch_nf.h`, `libstitch_nf.so`).
 

@@ -89,7 +89,7 @@ pub struct RegionHeader {
     pub control_taken: Index,
 }
 
-/// The header of a direct channel (seed 001's bypass): a ring from one zero-copy function
+/// The header of a direct channel (the inter-VNF bypass): a ring from one zero-copy function
 /// straight to another, in a memfd of its own that Stitch hands to both.
 ///
 /// ```text

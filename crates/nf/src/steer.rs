@@ -1,12 +1,13 @@
-//! Steered input — seed 004's "double buffer + FDIR": an `af_xdp` interface whose steering
-//! rules send frames to a port whose consumer is a zero-copy function port hands that
-//! function the port's AF_XDP sockets, so the function reads those frames straight from the
-//! kernel's receive rings, without the engine touching them on the way in.
+//! Steered input — the "double buffer + FDIR" of fine-grained NFs (docs/references.md): an `af_xdp`
+//! interface whose steering rules send frames to a port whose consumer is a zero-copy function port
+//! hands that function the port's AF_XDP sockets, so the function reads those frames straight from
+//! the kernel's receive rings, without the engine touching them on the way in.
 //!
 //! The hand-over is ordered and lossless, one step per actor:
 //!
 //! 1. **Offered**: the interface stops reading the port's sockets (noting each ring's index,
-//!    `start`) and puts a [`SteerOffer`] in the function port's slot ([`crate::listener::PortShared`]).
+//!    `start`) and puts a [`SteerOffer`] in the function port's slot
+//!    ([`crate::listener::PortShared`]).
 //! 2. The port waits until its input link is empty (every frame the interface read before is
 //!    in the function's ring), then sends the function the sockets, their UMEM and a
 //!    [`SteerHeader`] page (**Function**). The function reads its own ring empty first, then

@@ -1,8 +1,8 @@
-//! Seed 001's bypass: when the pipeline sends all of a port's traffic to one other port, the
-//! packets move ring to ring in whole batches; when both ends are zero-copy function ports,
-//! the two functions get a direct channel ([`stitch_nf::direct`]) — the first writes its
-//! packets straight to the second's — taken back when the rules change or a function leaves.
-//! Both hand-overs are ordered and lossless; what crosses a channel is still counted in the
+//! The inter-VNF bypass (docs/references.md): when the pipeline sends all of a port's traffic to
+//! one other port, the packets move ring to ring in whole batches; when both ends are zero-copy
+//! function ports, the two functions get a direct channel ([`stitch_nf::direct`]) — the first
+//! writes its packets straight to the second's — taken back when the rules change or a function
+//! leaves. Both hand-overs are ordered and lossless; what crosses a channel is still counted in the
 //! entries', tables' and ports' OpenFlow statistics (counter `direct_channels`: channels in use).
 
 use crate::pipeline::P2p;

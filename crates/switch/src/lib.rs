@@ -1,7 +1,8 @@
-//! `switch`: an OpenFlow 1.3 switch between numbered ports (seed 001). Each name in `ports` is
-//! an input and an output of the app and OpenFlow port 1, 2, … in that order. Controllers —
-//! `ovs-ofctl`, os-ken, Faucet, any OpenFlow 1.3 controller, several at once with roles —
-//! program its pipeline over TCP (`listen` for a passive endpoint, `controller` to dial one).
+//! `switch`: an OpenFlow 1.3 switch between numbered ports (with the inter-VNF bypass of
+//! docs/references.md). Each name in `ports` is an input and an output of the app and OpenFlow port
+//! 1, 2, … in that order. Controllers — `ovs-ofctl`, os-ken, Faucet, any OpenFlow 1.3 controller,
+//! several at once with roles — program its pipeline over TCP (`listen` for a passive endpoint,
+//! `controller` to dial one).
 //!
 //! ```yaml
 //! apps:
@@ -24,7 +25,7 @@
 //! each, and still count in every entry's, table's and port's statistics; the switch-over
 //! happens between two batches, so nothing is lost or reordered. When both ends of such a pair
 //! are zero-copy function ports (`nf_port`), the switch steps out of the path altogether
-//! (seed 001's bypass, [`bypass`]).
+//! (the inter-VNF bypass, [`bypass`]).
 
 pub mod action;
 mod bypass;

@@ -1,8 +1,8 @@
-//! Seed 001 for VMs on the switch's side: when the rules make VM port A → VM port B point to
-//! point, the switch offers A a direct path into B's receive ring ([`stitch_vhost::direct`]),
-//! follows its switch-over, counts what crosses it in the flow's, tables' and ports' OpenFlow
-//! statistics, and ends it when the rules, the ports or the guests no longer allow it. Both
-//! directions are independent.
+//! The inter-VNF bypass (docs/references.md) for VMs on the switch's side: when the rules make VM
+//! port A → VM port B point to point, the switch offers A a direct path into B's receive ring
+//! ([`stitch_vhost::direct`]), follows its switch-over, counts what crosses it in the flow's,
+//! tables' and ports' OpenFlow statistics, and ends it when the rules, the ports or the guests no
+//! longer allow it. Both directions are independent.
 
 use crate::pipeline::P2p;
 use crate::Switch;

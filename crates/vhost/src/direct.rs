@@ -1,7 +1,8 @@
-//! Direct paths between VM ports — seed 001 for VMs. When a switch's rules send everything
-//! VM port A's guest sends to VM port B, A's worker moves each frame from A's transmit ring
-//! straight into B's receive ring: one copy, guest memory to guest memory, no packet buffer,
-//! no table walk. The guests see nothing (virtio-net in Linux, DPDK's virtio-user).
+//! Direct paths between VM ports — the inter-VNF bypass (docs/references.md) for VMs. When a
+//! switch's rules send everything VM port A's guest sends to VM port B, A's worker moves each frame
+//! from A's transmit ring straight into B's receive ring: one copy, guest memory to guest memory,
+//! no packet buffer, no table walk. The guests see nothing (virtio-net in Linux, DPDK's
+//! virtio-user).
 //!
 //! The switch-over keeps order and loses nothing, one step per actor:
 //!

@@ -1,5 +1,5 @@
 //! `vhost_user`: a virtio-net device for a VM (QEMU) or a DPDK virtio-user process, with the
-//! front-end's rings and memory shared with Stitch (seed 000's snabbnfv): `input` goes to the
+//! front-end's rings and memory shared with Stitch (as Snabb's snabbnfv does): `input` goes to the
 //! guest, what the guest sends comes out of `output`.
 //!
 //! The port is a vhost-user back-end on `socket`: `mode: server` listens (QEMU

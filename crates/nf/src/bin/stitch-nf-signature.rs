@@ -1,8 +1,8 @@
-//! The seed's test function: a signature (FNV-1a) over the first 64 bytes of every packet,
-//! read-only, then forwarded.
+//! The test function of fine-grained NFs (docs/references.md): a signature (FNV-1a) over the first
+//! 64 bytes of every packet, read-only, then forwarded.
 //!
 //! `stitch-nf-signature --socket /run/stitch-fn/nf.sock PORT [PORT…]` serves all its ports from one
-//! thread, woken by any of their doorbells (`client::run_all`), as the seed's functions were
+//! thread, woken by any of their doorbells (`client::run_all`), as that work's functions were
 //! one process on one semaphore; `--thread-per-port` gives each port its own thread instead.
 
 use stitch_nf::client::{run_all, Function, Verdict};

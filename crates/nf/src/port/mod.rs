@@ -20,7 +20,8 @@
 //! 2048 and links of 1024, 20 ms of a 150 kpps stream (measured: `docs/benchmarks.md`).
 //!
 //! When a function exits, crashes or is killed, its connection closes: the port goes down, the
-//! buffers it held are reclaimed and counted as drops (`reclaimed_drops`), counters are kept, and it can attach again.
+//! buffers it held are reclaimed and counted as drops (`reclaimed_drops`), counters are kept, and
+//! it can attach again.
 //!
 //! A `switch` whose rules join two zero-copy function ports point to point gives them a direct
 //! channel ([`crate::direct`]): the first function's packets go straight to the second, which
@@ -148,7 +149,7 @@ struct Active {
     /// Blocking: packets handed over since the function last was awake, and since when.
     unsignalled: u32,
     waiting_since: Option<Instant>,
-    /// Direct channels (seed 001's bypass) from and to this function, once sent to it.
+    /// Direct channels (the inter-VNF bypass) from and to this function, once sent to it.
     outgoing: Option<Arc<Direct>>,
     incoming: Option<Arc<Direct>>,
     /// In a guest: the devices of those channels, unplugged once retired and let go.
