@@ -381,13 +381,14 @@ mod tests {
     use super::*;
     use stitch_core::link::{link, Consumer};
     use stitch_core::pool;
+    use stitch_wire::ethertype;
 
     fn frame(dst: [u8; 6], src: [u8; 6], tag: Option<u16>) -> Packet {
         let mut p = pool::alloc().unwrap();
         let mut f = vec![0u8; 60];
         f[0..6].copy_from_slice(&dst);
         f[6..12].copy_from_slice(&src);
-        f[12..14].copy_from_slice(&[0x08, 0x00]);
+        f[12..14].copy_from_slice(&ethertype::IPV4.to_be_bytes());
         p.set_data(&f).unwrap();
         if let Some(v) = tag {
             vlan::push(&mut p, vlan::TPID_8021Q, v).unwrap();

@@ -39,6 +39,7 @@ use stitch_core::{
     PortSpec,
 };
 use stitch_wire::build::{Frame, Transport};
+use stitch_wire::ethertype;
 use stitch_wire::flow::{self, Flow, Malformed};
 use stitch_wire::header;
 use stitch_wire::views::{Ipv4Packet, TcpPacket};
@@ -632,7 +633,7 @@ impl Firewall {
 /// prohibited" quoting the packet. `None` when the frame cannot be answered.
 fn rejection(d: &[u8], f: &Flow) -> Option<Packet> {
     let (l3, ethertype, _) = flow::l3(d).ok()?;
-    let v4 = ethertype == 0x0800;
+    let v4 = ethertype == ethertype::IPV4;
     let ihl = if v4 {
         Ipv4Packet::new_unchecked(d.get(l3..l3 + 20)?).header_len() as usize
     } else {

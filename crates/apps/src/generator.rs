@@ -528,6 +528,7 @@ mod tests {
     use super::*;
     use stitch_core::link::link;
     use stitch_wire::checksum;
+    use stitch_wire::ethertype;
 
     fn run(c: GeneratorConfig, pulls: usize) -> Vec<Vec<u8>> {
         let mut ctx = AppContext::new("g", std::path::Path::new("."), Default::default());
@@ -541,7 +542,7 @@ mod tests {
     }
 
     fn verify_l4(frame: &[u8]) {
-        let v4 = frame[12..14] == [0x08, 0x00];
+        let v4 = frame[12..14] == ethertype::IPV4.to_be_bytes();
         let (l3, proto) = if v4 { (20, frame[23]) } else { (40, frame[20]) };
         let l4 = &frame[14 + l3..];
         let mut pseudo = 0u64;

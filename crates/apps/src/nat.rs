@@ -46,6 +46,7 @@ use stitch_core::packet::ChecksumState;
 use stitch_core::{
     App, AppContext, AppError, AppSnapshot, AppState, Counter, Io, Packet, PortNames, PortSpec,
 };
+use stitch_wire::ethertype;
 use stitch_wire::header::{self, icmp, ipv4, l4, End, Field16, L4Sum};
 use stitch_wire::views::Ipv4Packet;
 use stitch_wire::{arp, checksum, flow, parse_mac};
@@ -211,7 +212,7 @@ fn parse_range(s: &str) -> Result<(u16, u16), String> {
 /// Offsets of the IPv4 header and L4 header of a frame; `None` if it is not one to translate.
 fn layout(d: &[u8]) -> Option<(usize, usize, u8)> {
     let (l3, ethertype, _) = flow::l3(d).ok()?;
-    if ethertype != 0x0800 || d.len() < l3 + 20 {
+    if ethertype != ethertype::IPV4 || d.len() < l3 + 20 {
         return None;
     }
     let ip = &d[l3..];
@@ -780,7 +781,7 @@ impl App for Nat {
                     self.malformed.add(1);
                     continue;
                 }
-                if p.data()[12..14] == [0x08, 0x06] {
+                if p.data()[12..14] == ethertype::ARP.to_be_bytes() {
                     if self.arp(side, p.data()) {
                         self.passed.add(1);
                         transmit_to(&mut outputs[1 - side], p);
@@ -963,7 +964,7 @@ mod tests {
             for (side, c) in [&mut self.to_lan, &mut self.to_wan].into_iter().enumerate() {
                 for p in c.drain() {
                     let f = p.data().to_vec();
-                    if f[12..14] == [0x08, 0x06] {
+                    if f[12..14] == ethertype::ARP.to_be_bytes() {
                         self.arp.push((side, f));
                     } else {
                         out[side].push(f);

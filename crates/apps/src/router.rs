@@ -42,6 +42,7 @@ use stitch_core::{
     pool, App, AppContext, AppError, AppSnapshot, AppState, Counter, Io, Packet, PortNames,
     PortSpec,
 };
+use stitch_wire::ethertype;
 use stitch_wire::header::{self, icmp, ipv4};
 use stitch_wire::icmp::RateLimit;
 
@@ -541,12 +542,12 @@ impl Fib {
 /// The destination address of an untagged IPv4 or IPv6 frame long enough to hold it.
 #[inline]
 fn destination(d: &[u8]) -> Option<IpAddr> {
-    match d.get(12..14)? {
-        [0x08, 0x00] => {
+    match u16::from_be_bytes(d.get(12..14)?.try_into().ok()?) {
+        ethertype::IPV4 => {
             let a: [u8; 4] = d.get(30..34)?.try_into().ok()?;
             Some(IpAddr::from(a))
         }
-        [0x86, 0xdd] => {
+        ethertype::IPV6 => {
             let a: [u8; 16] = d.get(38..54)?.try_into().ok()?;
             Some(IpAddr::from(a))
         }
@@ -671,9 +672,9 @@ impl Router {
             return;
         }
         match header::ethernet::ETHERTYPE.get(d) {
-            0x0806 => self.arp(port, d, now, out),
-            0x0800 => self.route(port, p, now, out),
-            0x86dd => self.route6(port, p, now, out),
+            ethertype::ARP => self.arp(port, d, now, out),
+            ethertype::IPV4 => self.route(port, p, now, out),
+            ethertype::IPV6 => self.route6(port, p, now, out),
             _ => self.c.not_ours.add(1),
         }
     }
@@ -732,7 +733,7 @@ impl Router {
         let mut f = Vec::with_capacity(34 + body.len());
         f.extend_from_slice(&dst_mac);
         f.extend_from_slice(&self.ifaces[port].mac);
-        f.extend_from_slice(&[0x08, 0x00]);
+        f.extend_from_slice(&ethertype::IPV4.to_be_bytes());
         f.extend_from_slice(&stitch_wire::ipv4_header(
             src,
             dst,

@@ -47,6 +47,7 @@ use std::net::{IpAddr, Ipv6Addr};
 use std::time::{Duration, Instant};
 use stitch_core::packet::ChecksumState;
 use stitch_core::{App, AppContext, AppError, Counter, Io, Packet, PortNames, PortSpec};
+use stitch_wire::ethertype;
 use stitch_wire::header::{self, ethernet, ipv6, udp};
 use stitch_wire::icmp::{too_big_reply, RateLimit};
 use stitch_wire::views::{
@@ -194,12 +195,12 @@ impl Vxlan {
         let ip = &mut rest[..udp - ethernet::LEN];
         match (self.local, remote) {
             (IpAddr::V4(src), IpAddr::V4(dst)) => {
-                ethernet::ETHERTYPE.set(eth, 0x0800);
+                ethernet::ETHERTYPE.set(eth, ethertype::IPV4);
                 // DF: the underlay must carry the whole frame (RFC 7348 §4.3).
                 ip.copy_from_slice(&ipv4_header(src, dst, 17, udp_len, true));
             }
             (IpAddr::V6(src), IpAddr::V6(dst)) => {
-                ethernet::ETHERTYPE.set(eth, 0x86dd);
+                ethernet::ETHERTYPE.set(eth, ethertype::IPV6);
                 ipv6::Header {
                     traffic_class: 0,
                     flow_label: hash as u32,
@@ -730,7 +731,7 @@ mod tests {
         let mut f = vec![0u8; 14];
         f[0..6].copy_from_slice(&[2, 0, 0, 0, 0, 0xb]);
         f[6..12].copy_from_slice(&[2, 0, 0, 0, 0, 0xa]);
-        f[12..14].copy_from_slice(&[0x08, 0x00]);
+        f[12..14].copy_from_slice(&ethertype::IPV4.to_be_bytes());
         let (a, b) = ("10.0.0.1".parse().unwrap(), "10.0.0.2".parse().unwrap());
         f.extend_from_slice(&ipv4_header(a, b, 17, ip_len - 20, true));
         f.resize(14 + ip_len, 0);
@@ -793,7 +794,7 @@ mod tests {
             crate::testing::ports(["a", "underlay"]);
         let tagged = |ip_len: usize| {
             let mut p = ipv4_df(ip_len);
-            stitch_wire::vlan::push(&mut p, 0x8100, 7).unwrap();
+            stitch_wire::vlan::push(&mut p, ethertype::VLAN, 7).unwrap();
             p
         };
         seg_in.transmit(tagged(1446));
@@ -885,7 +886,7 @@ mod tests {
         let mut f = vec![0u8; 54 + 3000];
         f[0..6].copy_from_slice(&[2, 0, 0, 0, 0, 2]);
         f[6..12].copy_from_slice(&[2, 0, 0, 0, 0, 1]);
-        f[12..14].copy_from_slice(&[0x08, 0x00]);
+        f[12..14].copy_from_slice(&ethertype::IPV4.to_be_bytes());
         f[14..34].copy_from_slice(&ipv4_header(
             Ipv4Addr::new(10, 0, 0, 1),
             Ipv4Addr::new(10, 0, 0, 2),

@@ -18,6 +18,7 @@ use stitch_core::app::DynApp;
 use stitch_core::link::{link, Consumer, Producer};
 use stitch_core::{pool, App, AppContext, Io};
 use stitch_wire::checksum;
+use stitch_wire::ethertype;
 
 const BATCH: usize = 256;
 
@@ -32,7 +33,7 @@ fn udp_frame(
     let mut f = vec![0u8; 60];
     f[0..6].copy_from_slice(&dst_mac);
     f[6..12].copy_from_slice(&src_mac);
-    f[12..14].copy_from_slice(&[0x08, 0x00]);
+    f[12..14].copy_from_slice(&ethertype::IPV4.to_be_bytes());
     f[14] = 0x45;
     f[16..18].copy_from_slice(&46u16.to_be_bytes());
     f[22] = 64;
@@ -116,7 +117,7 @@ fn udp6_frame(dst_mac: [u8; 6], src_mac: [u8; 6], src: [u8; 16], dst: [u8; 16]) 
     let mut f = vec![0u8; 64];
     f[0..6].copy_from_slice(&dst_mac);
     f[6..12].copy_from_slice(&src_mac);
-    f[12..14].copy_from_slice(&[0x86, 0xdd]);
+    f[12..14].copy_from_slice(&ethertype::IPV6.to_be_bytes());
     f[14] = 0x60;
     f[18..20].copy_from_slice(&10u16.to_be_bytes());
     f[20] = 17;
@@ -137,7 +138,7 @@ fn neighbor_advertisement(to_mac: [u8; 6], mac: [u8; 6], from: [u8; 16], to: [u8
     let mut f = vec![0u8; 14 + 40 + 32];
     f[0..6].copy_from_slice(&to_mac);
     f[6..12].copy_from_slice(&mac);
-    f[12..14].copy_from_slice(&[0x86, 0xdd]);
+    f[12..14].copy_from_slice(&ethertype::IPV6.to_be_bytes());
     f[14] = 0x60;
     f[18..20].copy_from_slice(&32u16.to_be_bytes());
     f[20] = 58;

@@ -39,6 +39,7 @@ use std::time::{Duration, Instant};
 use stitch_core::mapping::{MapOptions, Mapping};
 use stitch_core::packet::{MAX_FRAME, MAX_GSO_FRAME};
 use stitch_core::{pool, App, AppContext, AppError, Counter, Descriptors, Io, PortSpec};
+use stitch_wire::ethertype;
 use stitch_wire::offload::{self, VnetHdr, VNET_HDR_LEN};
 
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
@@ -704,7 +705,7 @@ impl AfPacket {
             let tpid = if status & TP_STATUS_VLAN_TPID_VALID != 0 {
                 vlan_tpid
             } else {
-                0x8100
+                ethertype::VLAN
             };
             let mut tag = [0u8; 4];
             tag[..2].copy_from_slice(&tpid.to_be_bytes());

@@ -17,6 +17,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::Path;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use stitch_wire::ethertype;
 use stitch_wire::offload::{self, VnetHdr};
 
 const BPF_OBJ_GET: libc::c_long = 7;
@@ -238,8 +239,8 @@ fn parse_record(b: &[u8]) -> Option<KernelRecord<'_>> {
 fn gso_type_of(frame: &[u8]) -> Option<u8> {
     let ethertype = u16::from_be_bytes([*frame.get(12)?, *frame.get(13)?]);
     let (v6, proto) = match ethertype {
-        0x0800 => (false, *frame.get(14 + 9)?),
-        0x86dd => (true, *frame.get(14 + 6)?),
+        ethertype::IPV4 => (false, *frame.get(14 + 9)?),
+        ethertype::IPV6 => (true, *frame.get(14 + 6)?),
         _ => return None,
     };
     match (proto, v6) {
@@ -276,7 +277,7 @@ mod tests {
 
     fn tcp4_frame(len: usize) -> Vec<u8> {
         let mut f = vec![0u8; len];
-        f[12..14].copy_from_slice(&0x0800u16.to_be_bytes());
+        f[12..14].copy_from_slice(&ethertype::IPV4.to_be_bytes());
         f[14] = 0x45;
         f[14 + 9] = 6;
         f
@@ -315,7 +316,7 @@ mod tests {
         assert!(parse_record(&b[..10]).is_none());
         // A super-frame of something that cannot be segmented.
         let mut arp = vec![0u8; 2000];
-        arp[12..14].copy_from_slice(&0x0806u16.to_be_bytes());
+        arp[12..14].copy_from_slice(&ethertype::ARP.to_be_bytes());
         assert!(parse_record(&record(0, &arp, (0, 0), 1000, (0, [0, 0]))).is_none());
     }
 }

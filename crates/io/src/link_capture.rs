@@ -533,6 +533,7 @@ mod tests {
     use stitch_core::graph::Endpoint;
     use stitch_core::link::{link, Consumer, Producer};
     use stitch_core::pool;
+    use stitch_wire::ethertype;
 
     fn decl(from: (&str, &str), to: (&str, &str)) -> LinkDecl {
         let e = |(app, port): (&str, &str)| Endpoint {
@@ -550,7 +551,7 @@ mod tests {
 
     fn udp_frame(n: u8, len: usize) -> Packet {
         let mut f = vec![0u8; len];
-        f[12..14].copy_from_slice(&0x0800u16.to_be_bytes());
+        f[12..14].copy_from_slice(&ethertype::IPV4.to_be_bytes());
         f[14] = 0x45;
         f[23] = if n.is_multiple_of(2) { 17 } else { 6 };
         f[len - 1] = n;

@@ -4,6 +4,7 @@
 use std::ffi::CString;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use stitch_wire::ethertype;
 
 /// The index of interface `name`.
 pub fn ifindex(name: &str) -> Result<u32, String> {
@@ -102,7 +103,8 @@ pub fn frame_too_big(frame: &[u8], max_frame: usize) -> bool {
     if frame.len() <= max_frame {
         return false;
     }
-    let tagged = matches!(frame.get(12..14), Some([0x81, 0x00] | [0x88, 0xa8]));
+    let tagged =
+        (frame.get(12..14)).is_some_and(|t| ethertype::is_vlan(u16::from_be_bytes([t[0], t[1]])));
     !tagged || frame.len() > max_frame + VLAN_TAG
 }
 

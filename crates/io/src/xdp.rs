@@ -397,6 +397,7 @@ impl XdpRedirect {
 mod tests {
     use super::*;
     use stitch_wire::build::{Frame, Transport};
+    use stitch_wire::ethertype;
     use stitch_wire::filter::cbpf::{reference, testing, Insn};
     use stitch_wire::filter::{ebpf::Asm, PacketFilter};
 
@@ -462,7 +463,7 @@ mod tests {
             tagged.extend(&f[12..]);
             out.push(tagged);
             // A fragment that is not the first.
-            if f[12..14] == [0x08, 0x00] {
+            if f[12..14] == ethertype::IPV4.to_be_bytes() {
                 let mut fragment = f.clone();
                 fragment[20] = 0x00;
                 fragment[21] = 0x10;

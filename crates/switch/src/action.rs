@@ -7,6 +7,7 @@ use crate::oxm::{self, layout, Key, Layout};
 use stitch_core::Packet;
 use stitch_wire::be::{self, Put};
 use stitch_wire::checksum;
+use stitch_wire::ethertype;
 use stitch_wire::header::{self, arp, ethernet, icmp, ipv4, ipv6, nd, tcp, udp};
 
 pub const OUTPUT: u16 = 0;
@@ -184,7 +185,7 @@ fn parse_action(t: u16, a: &[u8], packet_out: bool) -> Result<Action, OfError> {
         PUSH_VLAN => {
             fixed(8)?;
             let et = u16_at(4)?;
-            if et != 0x8100 && et != 0x88a8 {
+            if et != ethertype::VLAN && et != ethertype::QINQ {
                 return Err(ofp::BAD_ACTION_ARGUMENT);
             }
             Action::PushVlan(et)
@@ -196,7 +197,7 @@ fn parse_action(t: u16, a: &[u8], packet_out: bool) -> Result<Action, OfError> {
         PUSH_MPLS => {
             fixed(8)?;
             let et = u16_at(4)?;
-            if et != 0x8847 && et != 0x8848 {
+            if et != ethertype::MPLS && et != ethertype::MPLS_MULTICAST {
                 return Err(ofp::BAD_ACTION_ARGUMENT);
             }
             Action::PushMpls(et)
@@ -412,7 +413,7 @@ fn ttl_pair(d: &[u8], l: &Layout) -> Option<(usize, usize, Under)> {
 fn set_ip_ttl(d: &mut [u8], l: &Layout, f: impl Fn(u8) -> Option<u8>) -> bool {
     let Some(at) = l.l3 else { return true };
     match l.ethertype {
-        0x0800 => match f(ipv4::TTL.get(&d[at..])) {
+        ethertype::IPV4 => match f(ipv4::TTL.get(&d[at..])) {
             Some(t) => {
                 let sum = Sum::at(at + ipv4::CHECKSUM.0);
                 patch(d, at + ipv4::TTL.0, &[t], &[Some(sum)]);
@@ -420,7 +421,7 @@ fn set_ip_ttl(d: &mut [u8], l: &Layout, f: impl Fn(u8) -> Option<u8>) -> bool {
             }
             None => false,
         },
-        0x86dd => match f(ipv6::HOP_LIMIT.get(&d[at..])) {
+        ethertype::IPV6 => match f(ipv6::HOP_LIMIT.get(&d[at..])) {
             Some(t) => {
                 ipv6::HOP_LIMIT.set(&mut d[at..], t);
                 true
@@ -437,8 +438,8 @@ fn push_mpls(p: &mut Packet, l: &Layout, et: u16) -> Rewrite {
         Some(m) => be::get::<u32>(d, m) & !0x100,
         None => {
             let ttl = match (l.ethertype, l.l3) {
-                (0x0800, Some(at)) => ipv4::TTL.get(&d[at..]),
-                (0x86dd, Some(at)) => ipv6::HOP_LIMIT.get(&d[at..]),
+                (ethertype::IPV4, Some(at)) => ipv4::TTL.get(&d[at..]),
+                (ethertype::IPV6, Some(at)) => ipv6::HOP_LIMIT.get(&d[at..]),
                 _ => 0,
             };
             0x100 | ttl as u32
@@ -517,7 +518,9 @@ fn trim_padding(p: &mut Packet, l3: usize) {
         _ => None,
     };
     let Some(ip_len) = ip_len else { return };
-    if d[l3 - 2..l3] == [0x08, 0x00] || d[l3 - 2..l3] == [0x86, 0xdd] {
+    if d[l3 - 2..l3] == ethertype::IPV4.to_be_bytes()
+        || d[l3 - 2..l3] == ethertype::IPV6.to_be_bytes()
+    {
         let end = l3 + ip_len;
         if ip_len >= 20 && end < d.len() {
             let _ = p.set_len(end);
@@ -580,9 +583,9 @@ fn l4_sum(l: &Layout, pseudo: bool) -> Option<Sum> {
         6 => Some(Sum::at(at + tcp::CHECKSUM.0)),
         17 => Some(Sum {
             at: at + udp::CHECKSUM.0,
-            zero_is_none: l.ethertype == 0x0800,
+            zero_is_none: l.ethertype == ethertype::IPV4,
         }),
-        1 if !pseudo && l.ethertype == 0x0800 => Some(Sum::at(at + icmp::CHECKSUM.0)),
+        1 if !pseudo && l.ethertype == ethertype::IPV4 => Some(Sum::at(at + icmp::CHECKSUM.0)),
         58 => Some(Sum::at(at + icmp::CHECKSUM.0)),
         _ => None,
     }
@@ -669,8 +672,8 @@ fn write_l2_field(d: &mut [u8], l: &Layout, id: u8, v: &[u8]) {
 fn write_l3_field(d: &mut [u8], l: &Layout, id: u8, v: &[u8]) {
     use oxm::*;
     let l3 = l.l3;
-    let v4 = l.ethertype == 0x0800;
-    let v6 = l.ethertype == 0x86dd;
+    let v4 = l.ethertype == ethertype::IPV4;
+    let v6 = l.ethertype == ethertype::IPV6;
     match id {
         IP_DSCP | IP_ECN if l3.is_some() && (v4 || v6) => {
             let at = l3.unwrap();
@@ -730,8 +733,8 @@ fn write_l3_field(d: &mut [u8], l: &Layout, id: u8, v: &[u8]) {
 /// Sets a TCP, UDP, SCTP, ICMP or neighbour-discovery field, with its checksum.
 fn write_l4_field(d: &mut [u8], l: &Layout, id: u8, v: &[u8]) {
     use oxm::*;
-    let v4 = l.ethertype == 0x0800;
-    let v6 = l.ethertype == 0x86dd;
+    let v4 = l.ethertype == ethertype::IPV4;
+    let v6 = l.ethertype == ethertype::IPV6;
     match id {
         TCP_SRC | TCP_DST | UDP_SRC | UDP_DST if l.l4.is_some() => {
             let want = if matches!(id, TCP_SRC | TCP_DST) {
@@ -801,7 +804,7 @@ fn write_arp_field(d: &mut [u8], l: &Layout, id: u8, v: &[u8]) {
     let l3 = l.l3;
     match id {
         ARP_OP | ARP_SPA | ARP_TPA | ARP_SHA | ARP_THA
-            if l.ethertype == 0x0806 && l3.is_some_and(|a| d.len() >= a + arp::LEN) =>
+            if l.ethertype == ethertype::ARP && l3.is_some_and(|a| d.len() >= a + arp::LEN) =>
         {
             let at = l3.unwrap()
                 + match id {
@@ -919,7 +922,7 @@ mod tests {
         let frame = udp4();
         p.set_data(&frame).unwrap();
         let mut key = Key::extract(p.data(), 1);
-        rewrite(&mut p, &mut key, &Action::PushVlan(0x8100));
+        rewrite(&mut p, &mut key, &Action::PushVlan(ethertype::VLAN));
         rewrite(
             &mut p,
             &mut key,
@@ -928,14 +931,14 @@ mod tests {
                 value: vec![0x10, 10],
             },
         );
-        rewrite(&mut p, &mut key, &Action::PushMpls(0x8847));
+        rewrite(&mut p, &mut key, &Action::PushMpls(ethertype::MPLS));
         let k = Key::extract(p.data(), 1);
         assert_eq!(k.u16(oxm::VLAN_VID), 0x1000 | 10);
-        assert_eq!(k.u16(oxm::ETH_TYPE), 0x8847);
+        assert_eq!(k.u16(oxm::ETH_TYPE), ethertype::MPLS);
         assert_eq!(k.u8(oxm::MPLS_BOS), 1);
         // The shim takes the IP TTL.
         assert_eq!(p.data()[18 + 3], 64);
-        rewrite(&mut p, &mut key, &Action::PopMpls(0x0800));
+        rewrite(&mut p, &mut key, &Action::PopMpls(ethertype::IPV4));
         rewrite(&mut p, &mut key, &Action::PopVlan);
         // The 57-byte frame comes back padded to Ethernet's 60.
         assert_eq!(&p.data()[..frame.len()], &frame[..]);
@@ -1031,8 +1034,8 @@ mod tests {
                 id: oxm::ETH_DST,
                 value: vec![2, 0, 0, 0, 0, 9],
             },
-            Action::PushVlan(0x8100),
-            Action::PopMpls(0x0800),
+            Action::PushVlan(ethertype::VLAN),
+            Action::PopMpls(ethertype::IPV4),
             Action::SetNwTtl(9),
             Action::DecNwTtl,
             Action::CopyTtlIn,

@@ -16,6 +16,7 @@ use std::sync::Arc;
 use stitch_core::app::Io;
 use stitch_core::Packet;
 use stitch_wire::be::{self, Put};
+use stitch_wire::ethertype;
 
 /// How often the entries' counts are added to the shared ones (statistics lag by at most this).
 const ENTRY_FLUSH_NS: u64 = 10_000_000;
@@ -776,7 +777,7 @@ impl DataPath {
         if let Verdict::Remark(levels) = v {
             let dscp = key.u8(oxm::IP_DSCP);
             let et = key.u16(oxm::ETH_TYPE);
-            if et == 0x0800 || et == 0x86dd {
+            if et == ethertype::IPV4 || et == ethertype::IPV6 {
                 let new = meter::remark_dscp(dscp, levels);
                 if new != dscp {
                     action::set_field(p, oxm::IP_DSCP, &[new]);
@@ -1134,7 +1135,7 @@ mod tests {
             &[(IN_PORT, &be::net(1u32), None)],
             then(
                 vec![
-                    Action::PushVlan(0x8100),
+                    Action::PushVlan(ethertype::VLAN),
                     Action::SetField {
                         id: VLAN_VID,
                         value: vid(100).to_vec(),
@@ -1206,7 +1207,7 @@ mod tests {
         let mut f = mac(dst).to_vec();
         f.extend_from_slice(&[0x0e, 0, 0, 1, 0, 1]);
         for t in tags {
-            f.extend_from_slice(&[0x81, 0x00]);
+            f.extend_from_slice(&ethertype::VLAN.to_be_bytes());
             f.put(*t);
         }
         match udp_dst {

@@ -14,6 +14,7 @@
 //! checks against [`oxm::Key::extract`] on random frames and masks).
 
 use crate::oxm::{self, KEY_BYTES};
+use stitch_wire::ethertype;
 
 /// The frame bytes looked at: an IPv4 header after one tag ends at byte 38, its first four
 /// transport bytes at 42.
@@ -60,9 +61,12 @@ impl FrameBits {
         frame: &'a [u8],
     ) -> Option<(&'a [u8; FRAME_BYTES], &[u64; FRAME_WORDS], usize)> {
         let head: &[u8; FRAME_BYTES] = frame.get(..FRAME_BYTES)?.try_into().ok()?;
-        let (mask, l3) = match [head[12], head[13]] {
-            [0x08, 0x00] => (&self.untagged, 14),
-            [0x81, 0x00] | [0x88, 0xa8] if [head[16], head[17]] == [0x08, 0x00] => {
+        let outer = u16::from_be_bytes([head[12], head[13]]);
+        let (mask, l3) = match outer {
+            ethertype::IPV4 => (&self.untagged, 14),
+            ethertype::VLAN | ethertype::QINQ
+                if u16::from_be_bytes([head[16], head[17]]) == ethertype::IPV4 =>
+            {
                 (&self.tagged, 18)
             }
             _ => return None,
@@ -193,11 +197,12 @@ mod tests {
         let tagged = rng.bool();
         let l3 = if tagged { 18 } else { 14 };
         if tagged {
-            f[12..14].copy_from_slice(if rng.bool() {
-                &[0x81, 0]
+            let tag = if rng.bool() {
+                ethertype::VLAN
             } else {
-                &[0x88, 0xa8]
-            });
+                ethertype::QINQ
+            };
+            f[12..14].copy_from_slice(&tag.to_be_bytes());
         }
         if f.len() > l3 {
             f[l3 - 2..l3].copy_from_slice(&[8, 0]);

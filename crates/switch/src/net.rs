@@ -222,6 +222,7 @@ mod tests {
     use super::*;
     use stitch_core::pool;
     use stitch_wire::be::{self, Put};
+    use stitch_wire::ethertype;
 
     fn packet(frame: &[u8]) -> Packet {
         let _ = pool::init(1024, 0);
@@ -234,10 +235,10 @@ mod tests {
     fn frame(len: usize, tag: Option<u16>) -> Vec<u8> {
         let mut f: Vec<u8> = vec![0x0e, 0, 0, 0, 0, 2, 0x0e, 0, 0, 0, 0, 1];
         if let Some(t) = tag {
-            f.extend_from_slice(&[0x81, 0x00]);
+            f.extend_from_slice(&ethertype::VLAN.to_be_bytes());
             f.put(t);
         }
-        f.extend_from_slice(&[0x08, 0x00]);
+        f.extend_from_slice(&ethertype::IPV4.to_be_bytes());
         while f.len() < len {
             f.push(f.len() as u8);
         }
@@ -272,7 +273,7 @@ mod tests {
     #[test]
     fn a_net_effect_makes_what_the_actions_made_for_every_frame_it_holds_for() {
         let actions = [
-            Action::PushVlan(0x8100),
+            Action::PushVlan(ethertype::VLAN),
             set(oxm::VLAN_VID, &be::net(0x1064u16)),
             set(oxm::ETH_SRC, &[0x0e, 0, 0, 0, 0, 9]),
         ];
@@ -301,7 +302,7 @@ mod tests {
     fn a_tag_pushed_and_popped_again_is_no_edit() {
         let (mut probe, _) = watch(
             &frame(60, None),
-            &[Action::PushVlan(0x8100), Action::PopVlan],
+            &[Action::PushVlan(ethertype::VLAN), Action::PopVlan],
         );
         let (_, outputs) = probe.finish().unwrap();
         assert_eq!((outputs[0].cut, outputs[0].len), (0, 0));

@@ -9,6 +9,7 @@
 use crate::ofp::{self, OfError};
 use stitch_wire::be::{self, Put};
 use stitch_wire::header::{arp, ipv4, ipv6, nd};
+use stitch_wire::{ethertype, icmpv6, ip_proto};
 
 /// One OXM field of the basic class.
 #[derive(Debug, Clone, Copy)]
@@ -420,8 +421,11 @@ fn check_prerequisites(tlvs: &[Tlv]) -> Result<(), OfError> {
             .find(|t| t.id == id && t.mask.is_none())
             .map(|t| be_value(&t.value))
     };
-    let is = |id: u8, want: &[u64]| exact(id).is_some_and(|v| want.contains(&v));
-    let ip = || is(ETH_TYPE, &[0x0800, 0x86dd]);
+    let is =
+        |id: u8, want: &[u8]| exact(id).is_some_and(|v| want.iter().any(|w| u64::from(*w) == v));
+    let eth_type =
+        |want: &[u16]| exact(ETH_TYPE).is_some_and(|v| want.iter().any(|w| u64::from(*w) == v));
+    let ip = || eth_type(&[ethertype::IPV4, ethertype::IPV6]);
     for t in tlvs {
         let ok = match t.id {
             IN_PHY_PORT => exact(IN_PORT).is_some(),
@@ -429,20 +433,41 @@ fn check_prerequisites(tlvs: &[Tlv]) -> Result<(), OfError> {
                 .iter()
                 .any(|v| v.id == VLAN_VID && be_value(&v.value) & 0x1000 != 0),
             IP_DSCP | IP_ECN | IP_PROTO => ip(),
-            IPV4_SRC | IPV4_DST => is(ETH_TYPE, &[0x0800]),
-            TCP_SRC | TCP_DST => ip() && is(IP_PROTO, &[6]),
-            UDP_SRC | UDP_DST => ip() && is(IP_PROTO, &[17]),
-            SCTP_SRC | SCTP_DST => ip() && is(IP_PROTO, &[132]),
-            ICMPV4_TYPE | ICMPV4_CODE => is(ETH_TYPE, &[0x0800]) && is(IP_PROTO, &[1]),
-            ARP_OP | ARP_SPA | ARP_TPA | ARP_SHA | ARP_THA => is(ETH_TYPE, &[0x0806]),
-            IPV6_SRC | IPV6_DST | IPV6_FLABEL => is(ETH_TYPE, &[0x86dd]),
-            ICMPV6_TYPE | ICMPV6_CODE => is(ETH_TYPE, &[0x86dd]) && is(IP_PROTO, &[58]),
-            IPV6_ND_TARGET => is(IP_PROTO, &[58]) && is(ICMPV6_TYPE, &[135, 136]),
-            IPV6_ND_SLL => is(IP_PROTO, &[58]) && is(ICMPV6_TYPE, &[135]),
-            IPV6_ND_TLL => is(IP_PROTO, &[58]) && is(ICMPV6_TYPE, &[136]),
-            MPLS_LABEL | MPLS_TC | MPLS_BOS => is(ETH_TYPE, &[0x8847, 0x8848]),
-            PBB_ISID => is(ETH_TYPE, &[0x88e7]),
-            IPV6_EXTHDR => is(ETH_TYPE, &[0x86dd]),
+            IPV4_SRC | IPV4_DST => eth_type(&[ethertype::IPV4]),
+            TCP_SRC | TCP_DST => ip() && is(IP_PROTO, &[ip_proto::TCP]),
+            UDP_SRC | UDP_DST => ip() && is(IP_PROTO, &[ip_proto::UDP]),
+            SCTP_SRC | SCTP_DST => ip() && is(IP_PROTO, &[ip_proto::SCTP]),
+            ICMPV4_TYPE | ICMPV4_CODE => {
+                eth_type(&[ethertype::IPV4]) && is(IP_PROTO, &[ip_proto::ICMP])
+            }
+            ARP_OP | ARP_SPA | ARP_TPA | ARP_SHA | ARP_THA => eth_type(&[ethertype::ARP]),
+            IPV6_SRC | IPV6_DST | IPV6_FLABEL => eth_type(&[ethertype::IPV6]),
+            ICMPV6_TYPE | ICMPV6_CODE => {
+                eth_type(&[ethertype::IPV6]) && is(IP_PROTO, &[ip_proto::ICMPV6])
+            }
+            IPV6_ND_TARGET => {
+                is(IP_PROTO, &[ip_proto::ICMPV6])
+                    && is(
+                        ICMPV6_TYPE,
+                        &[
+                            icmpv6::NEIGHBOR_SOLICITATION,
+                            icmpv6::NEIGHBOR_ADVERTISEMENT,
+                        ],
+                    )
+            }
+            IPV6_ND_SLL => {
+                is(IP_PROTO, &[ip_proto::ICMPV6])
+                    && is(ICMPV6_TYPE, &[icmpv6::NEIGHBOR_SOLICITATION])
+            }
+            IPV6_ND_TLL => {
+                is(IP_PROTO, &[ip_proto::ICMPV6])
+                    && is(ICMPV6_TYPE, &[icmpv6::NEIGHBOR_ADVERTISEMENT])
+            }
+            MPLS_LABEL | MPLS_TC | MPLS_BOS => {
+                eth_type(&[ethertype::MPLS, ethertype::MPLS_MULTICAST])
+            }
+            PBB_ISID => eth_type(&[ethertype::PBB]),
+            IPV6_EXTHDR => eth_type(&[ethertype::IPV6]),
             _ => true,
         };
         if !ok {
@@ -524,7 +549,7 @@ pub fn layout(frame: &[u8]) -> Layout {
     let mut at = 14;
     let mut et_at = 12;
     let mut tagged = false;
-    while (et == 0x8100 || et == 0x88a8) && frame.len() >= at + 4 {
+    while (et == ethertype::VLAN || et == ethertype::QINQ) && frame.len() >= at + 4 {
         if !tagged {
             l.vlan = Some(at - 2);
             tagged = true;
@@ -541,7 +566,7 @@ pub fn layout(frame: &[u8]) -> Layout {
         }
         return l;
     }
-    if et == 0x8847 || et == 0x8848 {
+    if et == ethertype::MPLS || et == ethertype::MPLS_MULTICAST {
         if frame.len() >= at + 4 {
             l.mpls = Some(at);
         }
@@ -550,7 +575,7 @@ pub fn layout(frame: &[u8]) -> Layout {
     l.l3 = Some(at);
     let l3 = &frame[at.min(frame.len())..];
     match et {
-        0x0800 if l3.len() >= 20 && l3[0] >> 4 == 4 => {
+        ethertype::IPV4 if l3.len() >= 20 && l3[0] >> 4 == 4 => {
             l.ip_proto = l3[9];
             let ihl = (l3[0] & 0x0f) as usize * 4;
             let first = ipv4::FLAGS_FRAG.get(l3) & ipv4::OFFSET == 0;
@@ -558,7 +583,7 @@ pub fn layout(frame: &[u8]) -> Layout {
                 l.l4 = Some(at + ihl);
             }
         }
-        0x86dd if l3.len() >= 40 => {
+        ethertype::IPV6 if l3.len() >= 40 => {
             let (next, off, bits, later_fragment) = walk_ipv6_extensions(l3);
             l.ip_proto = next;
             l.ipv6_exthdr = bits;
@@ -566,7 +591,7 @@ pub fn layout(frame: &[u8]) -> Layout {
                 l.l4 = Some(at + off);
             }
         }
-        0x0800 | 0x86dd => l.l3 = None,
+        ethertype::IPV4 | ethertype::IPV6 => l.l3 = None,
         _ => {}
     }
     l
@@ -662,7 +687,7 @@ impl Key {
             return false;
         };
         let outer = be::get::<u16>(eth, 12);
-        let tagged = outer == 0x8100 || outer == 0x88a8;
+        let tagged = outer == ethertype::VLAN || outer == ethertype::QINQ;
         let (ethertype, l3_at) = if tagged {
             (be::get::<u16>(eth, 16), 18)
         } else {
@@ -670,7 +695,7 @@ impl Key {
         };
         let l3 = &frame[l3_at..];
         let (proto, l4) = match ethertype {
-            0x0800 if l3.len() >= 20 && l3[0] >> 4 == 4 => {
+            ethertype::IPV4 if l3.len() >= 20 && l3[0] >> 4 == 4 => {
                 let ihl = (l3[0] & 0x0f) as usize * 4;
                 let first = ipv4::FLAGS_FRAG.get(l3) & ipv4::OFFSET == 0;
                 (
@@ -683,7 +708,9 @@ impl Key {
                 )
             }
             // The extension headers walk_ipv6_extensions reads.
-            0x86dd if l3.len() >= 40 && !matches!(l3[6], 0 | 43 | 44 | 50 | 51 | 59 | 60) => {
+            ethertype::IPV6
+                if l3.len() >= 40 && !matches!(l3[6], 0 | 43 | 44 | 50 | 51 | 59 | 60) =>
+            {
                 let l4 = &l3[40..];
                 if l3[6] == 58 && l4.len() >= 24 && matches!(l4[0], 135 | 136) {
                     return false;
@@ -694,7 +721,7 @@ impl Key {
         };
         let tci = tagged.then(|| be::get::<u16>(eth, 14));
         self.put_ethernet(eth, ethertype, tci);
-        if ethertype == 0x0800 {
+        if ethertype == ethertype::IPV4 {
             self.put_ipv4(l3, proto);
         } else {
             // No extension headers: none of the pseudo-field's bits.
@@ -758,11 +785,11 @@ impl Key {
                 // Each protocol's source and destination ports are side by side in the key.
                 self.put::<4>(src, &l4[0..4]);
             }
-            (0x0800, 1) if l4.len() >= 2 => {
+            (ethertype::IPV4, 1) if l4.len() >= 2 => {
                 self.0[at(ICMPV4_TYPE)] = l4[0];
                 self.0[at(ICMPV4_CODE)] = l4[1];
             }
-            (0x86dd, 58) if l4.len() >= 4 => {
+            (ethertype::IPV6, 58) if l4.len() >= 4 => {
                 self.0[at(ICMPV6_TYPE)] = l4[0];
                 self.0[at(ICMPV6_CODE)] = l4[1];
             }
@@ -802,12 +829,12 @@ impl Key {
         let Some(l3at) = l.l3 else { return };
         let l3 = &frame[l3at..];
         match l.ethertype {
-            0x0800 => self.put_ipv4(l3, l.ip_proto),
-            0x86dd => self.put_ipv6(l3, l.ip_proto, l.ipv6_exthdr),
-            0x0806
+            ethertype::IPV4 => self.put_ipv4(l3, l.ip_proto),
+            ethertype::IPV6 => self.put_ipv6(l3, l.ip_proto, l.ipv6_exthdr),
+            ethertype::ARP
                 if l3.len() >= arp::LEN
                     && arp::HARDWARE.get(l3) == 1
-                    && arp::PROTOCOL.get(l3) == 0x0800 =>
+                    && arp::PROTOCOL.get(l3) == ethertype::IPV4 =>
             {
                 be::set(&mut self.0, at(ARP_OP), arp::OPERATION.get(l3));
                 self.put::<6>(at(ARP_SHA), &l3[arp::SENDER_MAC]);
@@ -821,7 +848,7 @@ impl Key {
         let Some(l4at) = l.l4 else { return };
         let l4 = &frame[l4at..];
         self.put_transport(l.ethertype, l.ip_proto, l4);
-        let neighbor_discovery = (l.ethertype, l.ip_proto) == (0x86dd, 58)
+        let neighbor_discovery = (l.ethertype, l.ip_proto) == (ethertype::IPV6, 58)
             && l4.len() >= nd::OPTIONS
             && (l4[0] == 135 || l4[0] == 136);
         if neighbor_discovery {
@@ -855,15 +882,23 @@ mod tests {
         for _ in 0..3000 {
             let mut f: Vec<u8> = (0..12).map(|_| rng.u8(..)).collect();
             for _ in 0..rng.usize(0..3) {
-                let tpid: u16 = *rng.choice(&[0x8100, 0x88a8, 0x0800]).unwrap();
+                let tpid: u16 = *rng
+                    .choice(&[ethertype::VLAN, ethertype::QINQ, ethertype::IPV4])
+                    .unwrap();
                 f.put(tpid);
                 f.put(rng.u16(..));
             }
             let ethertype: u16 = *rng
-                .choice(&[0x0800, 0x0800, 0x86dd, 0x0806, 0x8847])
+                .choice(&[
+                    ethertype::IPV4,
+                    ethertype::IPV4,
+                    ethertype::IPV6,
+                    ethertype::ARP,
+                    ethertype::MPLS,
+                ])
                 .unwrap();
             f.put(ethertype);
-            if ethertype == 0x86dd && rng.bool() {
+            if ethertype == ethertype::IPV6 && rng.bool() {
                 // An IPv6 header: random but for the next header, then an upper layer whose
                 // first byte is an ICMPv6 type.
                 f.extend((0..6).map(|_| rng.u8(..)));
@@ -907,7 +942,7 @@ mod tests {
             let mut one_pass = Key::default();
             if one_pass.fill_ip(&f) {
                 taken += 1;
-                ipv6 += (one_pass.get(ETH_TYPE) == [0x86, 0xdd]) as usize;
+                ipv6 += (one_pass.get(ETH_TYPE) == ethertype::IPV6.to_be_bytes()) as usize;
             }
         }
         // Both ways were taken, often.
@@ -945,7 +980,7 @@ mod tests {
         );
         assert_eq!(
             parse(&[
-                tlv(ETH_TYPE, &[0x86, 0xdd], None),
+                tlv(ETH_TYPE, &ethertype::IPV6.to_be_bytes(), None),
                 tlv(IPV4_SRC, &[1, 2, 3, 4], None)
             ])
             .err(),
@@ -1041,7 +1076,7 @@ mod tests {
     fn ipv6_extension_headers_make_the_pseudo_field() {
         // IPv6, hop-by-hop options, then an authentication header, then TCP.
         let mut f = vec![0u8; 14];
-        f[12..14].copy_from_slice(&[0x86, 0xdd]);
+        f[12..14].copy_from_slice(&ethertype::IPV6.to_be_bytes());
         let mut ip = vec![0u8; 40];
         ip[0] = 0x60;
         ip[6] = 0; // hop-by-hop

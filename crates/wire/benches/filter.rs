@@ -2,6 +2,7 @@
 //! called once per frame, and libpcap's interpreter.
 
 use criterion::{black_box, criterion_group, criterion_main, Criterion, Throughput};
+use stitch_wire::ethertype;
 use stitch_wire::filter::{FrameRef, PacketFilter};
 
 /// 256 UDP-over-IPv4 frames of 60 bytes with varying ports.
@@ -9,7 +10,7 @@ fn frames() -> Vec<Vec<u8>> {
     (0..256u16)
         .map(|i| {
             let mut f = vec![0u8; 60];
-            f[12..14].copy_from_slice(&0x0800u16.to_be_bytes());
+            f[12..14].copy_from_slice(&ethertype::IPV4.to_be_bytes());
             f[14] = 0x45;
             f[16..18].copy_from_slice(&46u16.to_be_bytes());
             f[23] = 17;

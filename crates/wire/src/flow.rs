@@ -144,10 +144,11 @@ const FIXED: foldhash::fast::FixedState = foldhash::fast::FixedState::with_seed(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ethertype;
 
     fn udp4(src: [u8; 4], dst: [u8; 4], sp: u16, dp: u16) -> Vec<u8> {
         let mut f = vec![0u8; 14 + 20 + 8 + 4];
-        f[12..14].copy_from_slice(&[0x08, 0x00]);
+        f[12..14].copy_from_slice(&ethertype::IPV4.to_be_bytes());
         f[14] = 0x45;
         f[16..18].copy_from_slice(&32u16.to_be_bytes());
         f[22] = 64;
@@ -176,7 +177,7 @@ mod tests {
         bad.truncate(30);
         assert_eq!(flow(&bad), Err(Malformed::Ipv4));
         let mut arp = vec![0u8; 60];
-        arp[12..14].copy_from_slice(&[0x08, 0x06]);
+        arp[12..14].copy_from_slice(&ethertype::ARP.to_be_bytes());
         assert_eq!(flow(&arp), Ok(None));
     }
 }

@@ -6,6 +6,7 @@
 //! Also the token bucket that keeps ICMP errors within a rate (RFC 1812 §4.3.2.8).
 
 use crate::checksum;
+use crate::ethertype;
 use crate::ndp::{icmp6_checksum, ICMPV6};
 use std::net::{Ipv4Addr, Ipv6Addr};
 use std::time::Instant;
@@ -57,8 +58,8 @@ pub fn too_big_reply(frame: &[u8], mtu: u16) -> Option<Packet> {
         return None;
     }
     match ethertype {
-        0x0800 => frag_needed(frame, l2_len, mtu),
-        0x86dd => packet_too_big(frame, l2_len, mtu),
+        ethertype::IPV4 => frag_needed(frame, l2_len, mtu),
+        ethertype::IPV6 => packet_too_big(frame, l2_len, mtu),
         _ => None,
     }
 }
@@ -170,7 +171,7 @@ mod tests {
         if tagged {
             f.extend_from_slice(&[0x81, 0x00, 0x00, 0x07]);
         }
-        f.extend_from_slice(&[0x08, 0x00]);
+        f.extend_from_slice(&ethertype::IPV4.to_be_bytes());
         f.extend_from_slice(&crate::ipv4_header(
             Ipv4Addr::new(10, 0, 0, 1),
             Ipv4Addr::new(10, 0, 0, 2),

@@ -15,8 +15,11 @@ pub mod flow;
 pub mod header;
 pub mod icmp;
 pub mod ndp;
+mod numbers;
 pub mod offload;
 pub mod vlan;
+
+pub use numbers::{ethertype, icmpv4, icmpv6, ip_proto};
 
 /// Typed zero-copy views of headers: `EthernetFrame`, `ArpPacket`, `Ipv4Packet`, `Ipv6Packet`,
 /// `Icmpv4Packet`, `Icmpv6Packet`, `UdpPacket`, `TcpPacket`, ...

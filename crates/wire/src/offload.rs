@@ -9,6 +9,7 @@
 //! graph ([`segment`]), so every packet of the graph fits one buffer.
 
 use crate::checksum;
+use crate::ethertype;
 use stitch_core::packet::{ChecksumState, Packet};
 
 pub const VNET_HDR_LEN: usize = 10;
@@ -208,19 +209,19 @@ fn layout(f: &[u8]) -> Result<Layout, OffloadError> {
     let get = |i: usize| f.get(i).copied().ok_or(OffloadError::Truncated);
     let mut l3 = 14;
     let mut ethertype = u16::from_be_bytes([get(12)?, get(13)?]);
-    while ethertype == 0x8100 || ethertype == 0x88a8 {
+    while ethertype == ethertype::VLAN || ethertype == ethertype::QINQ {
         ethertype = u16::from_be_bytes([get(l3 + 2)?, get(l3 + 3)?]);
         l3 += 4;
     }
     let (ipv4, l4, proto) = match ethertype {
-        0x0800 => {
+        ethertype::IPV4 => {
             let ihl = (get(l3)? & 0x0f) as usize * 4;
             if ihl < 20 {
                 return Err(OffloadError::NotSegmentable);
             }
             (true, l3 + ihl, get(l3 + 9)?)
         }
-        0x86dd => (false, l3 + 40, get(l3 + 6)?),
+        ethertype::IPV6 => (false, l3 + 40, get(l3 + 6)?),
         _ => return Err(OffloadError::NotSegmentable),
     };
     let (tcp, payload) = match proto {
@@ -355,7 +356,8 @@ mod tests {
     fn tcp_frame(v6: bool, payload: usize) -> Vec<u8> {
         let l3 = if v6 { 40 } else { 20 };
         let mut f = vec![0u8; 14 + l3 + 20 + payload];
-        f[12..14].copy_from_slice(if v6 { &[0x86, 0xdd] } else { &[0x08, 0x00] });
+        let ip = if v6 { ethertype::IPV6 } else { ethertype::IPV4 };
+        f[12..14].copy_from_slice(&ip.to_be_bytes());
         if v6 {
             f[14] = 0x60;
             f[18..20].copy_from_slice(&((20 + payload) as u16).to_be_bytes());

@@ -1,10 +1,11 @@
 //! IEEE 802.1Q / 802.1ad tags: reading, pushing and popping them in place (the 12 address bytes
 //! move by 4; the payload stays where it is).
 
+use crate::ethertype;
 use stitch_core::packet::{Packet, PacketError};
 
-pub const TPID_8021Q: u16 = 0x8100;
-pub const TPID_8021AD: u16 = 0x88a8;
+pub const TPID_8021Q: u16 = ethertype::VLAN;
+pub const TPID_8021AD: u16 = ethertype::QINQ;
 
 /// The outer tag of a frame: (TPID, TCI), if it has one.
 pub fn outer_tag(frame: &[u8]) -> Option<(u16, u16)> {

@@ -46,6 +46,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 use stitch_core::app::{AppContext, AppError, Counter, Io, PortNames, PortSpec, Reconfigured};
 use stitch_core::{pool, App, Packet};
+use stitch_wire::ethertype;
 use stitch_wire::filter::PacketFilter;
 use stitch_wire::header::{self, ethernet, icmp, ipv4, ipv6, Field16};
 use stitch_wire::ndp::{icmp6_checksum, lladdr_option, multicast_mac, solicited_node, ICMPV6};
@@ -672,7 +673,7 @@ impl Lwaftr {
                     .is_some_and(|(_, tci)| Some(stitch_wire::vlan::vid(tci)) == self.int.vlan)
             } else {
                 let at = if self.int.vlan.is_some() { 16 } else { 12 };
-                Field16(at).try_get(d) == Some(0x86dd)
+                Field16(at).try_get(d) == Some(ethertype::IPV6)
             };
             let side = if v6 { V6 } else { V4 };
             if let Some(p) = self.untag(p, side) {
@@ -717,7 +718,7 @@ impl Lwaftr {
         let Some(et) = ethernet::ETHERTYPE.try_get(d) else {
             return self.c.malformed.add(1);
         };
-        if et == 0x0800 {
+        if et == ethertype::IPV4 {
             let ip = &d[14..];
             // The header checksum is not verified (as in Snabb's lwAFTR, whose benchmark
             // packets carry none): the incremental TTL update keeps a bad checksum bad, so the
@@ -737,8 +738,8 @@ impl Lwaftr {
             return;
         }
         match et {
-            0x0806 => return self.arp(&p),
-            0x0800 => {}
+            ethertype::ARP => return self.arp(&p),
+            ethertype::IPV4 => {}
             _ => return self.c.not_ip.add(1),
         }
         let ip = &d[14..];
@@ -822,7 +823,7 @@ impl Lwaftr {
         let d = p.data();
         match ethernet::ETHERTYPE.try_get(d) {
             None => return self.c.malformed.add(1),
-            Some(0x86dd) => {}
+            Some(ethertype::IPV6) => {}
             Some(_) => {
                 if self.admitted(V6, &p) {
                     self.c.not_ip.add(1);
@@ -1067,7 +1068,11 @@ impl Lwaftr {
     /// Sends an IP packet (starting at its header) to `side`'s next hop, or keeps it until the
     /// next hop is resolved.
     fn route(&mut self, mut p: Packet, side: usize) {
-        let et = if side == V4 { 0x0800 } else { 0x86dd };
+        let et = if side == V4 {
+            ethertype::IPV4
+        } else {
+            ethertype::IPV6
+        };
         let hop = self.hop[side];
         if !self.address(&mut p, side, hop.unwrap_or([0; 6]), et) {
             return;
@@ -1102,7 +1107,7 @@ impl Lwaftr {
         self.last_solicit = Some(now);
         if let (None, NextHop::Ipv4(hop)) = (self.hop[V4], self.ext.next_hop) {
             let arp = arp::payload(1, (self.ext.mac, self.ext.ip), ([0; 6], hop));
-            if let Some(p) = self.new_frame(V4, [0xff; 6], 0x0806, &arp) {
+            if let Some(p) = self.new_frame(V4, [0xff; 6], ethertype::ARP, &arp) {
                 self.out[V4].push(p);
             }
         }
@@ -1113,7 +1118,7 @@ impl Lwaftr {
             body.extend_from_slice(&self.int.mac);
             let group = solicited_node(hop);
             if let Some(mut p) = self.icmp6_packet(self.int.ip.octets(), group.octets(), body) {
-                if self.address(&mut p, V6, multicast_mac(group), 0x86dd) {
+                if self.address(&mut p, V6, multicast_mac(group), ethertype::IPV6) {
                     self.out[V6].push(p);
                 }
             }
@@ -1132,7 +1137,7 @@ impl Lwaftr {
         }
         if m.is_request() && target == self.ext.ip {
             let arp = arp::payload(2, (self.ext.mac, self.ext.ip), (sender_mac, sender));
-            if let Some(reply) = self.new_frame(V4, sender_mac, 0x0806, &arp) {
+            if let Some(reply) = self.new_frame(V4, sender_mac, ethertype::ARP, &arp) {
                 self.c.arp_replies.add(1);
                 self.out[V4].push(reply);
             }
@@ -1266,7 +1271,7 @@ impl Lwaftr {
         };
         let eth_src: [u8; 6] = d[6..12].try_into().unwrap();
         if let Some(mut reply) = self.icmp6_packet(me, to, na) {
-            if self.address(&mut reply, V6, eth_src, 0x86dd) {
+            if self.address(&mut reply, V6, eth_src, ethertype::IPV6) {
                 self.c.ndp_replies.add(1);
                 self.out[V6].push(reply);
             }
@@ -1322,7 +1327,11 @@ impl Lwaftr {
         }
         let mut out = std::mem::take(&mut self.out[side]);
         let max = 14 + self.mtu(side);
-        let ip_type = if side == V4 { 0x0800 } else { 0x86dd };
+        let ip_type = if side == V4 {
+            ethertype::IPV4
+        } else {
+            ethertype::IPV6
+        };
         // The usual case: no filter, no tag, nothing above the MTU — straight to the link.
         if self.egress[side].is_none()
             && self.vlan(side).is_none()
@@ -1357,7 +1366,7 @@ impl Lwaftr {
 
     fn transmit(&mut self, side: usize, mut p: Packet, output: Option<&mut stitch_core::Producer>) {
         if let Some(v) = self.vlan(side) {
-            if stitch_wire::vlan::push(&mut p, 0x8100, v).is_err() {
+            if stitch_wire::vlan::push(&mut p, ethertype::VLAN, v).is_err() {
                 return self.c.malformed.add(1);
             }
         }

@@ -11,6 +11,7 @@ use std::net::Ipv6Addr;
 use std::time::{Duration, Instant};
 use stitch_core::{pool, Packet};
 use stitch_wire::be::Put;
+use stitch_wire::ethertype;
 use stitch_wire::header::{ethernet, icmp, ipv6};
 use stitch_wire::ndp::{icmp6_checksum, lladdr_option, multicast_mac, solicited_node, ICMPV6};
 
@@ -132,7 +133,7 @@ impl Router {
         let mut f = vec![0; IP + ipv6::LEN];
         f[0..6].copy_from_slice(&dst_mac);
         f[6..12].copy_from_slice(&self.ifaces[port].mac);
-        ethernet::ETHERTYPE.set(&mut f, 0x86dd);
+        ethernet::ETHERTYPE.set(&mut f, ethertype::IPV6);
         ipv6::Header {
             traffic_class: 0,
             flow_label: 0,

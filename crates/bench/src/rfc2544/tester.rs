@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use stitch_core::latency::{LatencyCounts, LatencyHistogram};
 use stitch_core::packet::now_ns;
 use stitch_vhost::frontend::Frontend;
+use stitch_wire::ethertype;
 
 const TRAILER: usize = 18;
 /// Frames sent per batch at most (one clock reading, one publication, one kick).
@@ -92,7 +93,7 @@ fn template(len: usize) -> Vec<u8> {
     let mut f = vec![0u8; len];
     f[0..6].copy_from_slice(&[0x02, 0, 0, 0, 0, 0x02]);
     f[6..12].copy_from_slice(&[0x02, 0, 0, 0, 0, 0x01]);
-    f[12..14].copy_from_slice(&0x0800u16.to_be_bytes());
+    f[12..14].copy_from_slice(&ethertype::IPV4.to_be_bytes());
     let ip = &mut f[14..34];
     ip[0] = 0x45;
     ip[2..4].copy_from_slice(&((len - 14) as u16).to_be_bytes());

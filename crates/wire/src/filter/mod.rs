@@ -170,6 +170,7 @@ impl std::fmt::Debug for PacketFilter {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ethertype;
 
     fn frame(ethertype: u16) -> Vec<u8> {
         let mut f = vec![0u8; 60];
@@ -181,10 +182,10 @@ mod tests {
     #[test]
     fn matches_by_expression_and_refuses_bad_ones() {
         let ip = PacketFilter::compile("ip").unwrap();
-        assert!(ip.matches(&frame(0x0800)));
-        assert!(!ip.matches(&frame(0x86dd)));
+        assert!(ip.matches(&frame(ethertype::IPV4)));
+        assert!(!ip.matches(&frame(ethertype::IPV6)));
         let ip6 = PacketFilter::compile("ip6").unwrap();
-        assert!(ip6.matches(&frame(0x86dd)));
+        assert!(ip6.matches(&frame(ethertype::IPV6)));
         let e = PacketFilter::compile("ip and and").unwrap_err();
         assert!(e.contains("ip and and"), "{e}");
     }
@@ -197,14 +198,14 @@ mod tests {
         f.extend_from_slice(&macs[rng.usize(..3)]);
         f.extend_from_slice(&macs[rng.usize(..2)]);
         if rng.u8(..4) == 0 {
-            f.extend_from_slice(&0x8100u16.to_be_bytes());
+            f.extend_from_slice(&ethertype::VLAN.to_be_bytes());
             f.extend_from_slice(&[100u16, 200][rng.usize(..2)].to_be_bytes());
         }
         let l4 = [6u8, 17, 1, 58, 47][rng.usize(..5)];
         let port = |rng: &mut fastrand::Rng| [22u16, 53, 80, 1500, rng.u16(..)][rng.usize(..5)];
         match rng.u8(..8) {
             0..=3 => {
-                f.extend_from_slice(&0x0800u16.to_be_bytes());
+                f.extend_from_slice(&ethertype::IPV4.to_be_bytes());
                 let ihl = if rng.u8(..8) == 0 { 6 } else { 5 };
                 f.push(0x40 | ihl);
                 f.push(rng.u8(..));
@@ -224,7 +225,7 @@ mod tests {
                 }
             }
             4..=5 => {
-                f.extend_from_slice(&0x86ddu16.to_be_bytes());
+                f.extend_from_slice(&ethertype::IPV6.to_be_bytes());
                 f.extend_from_slice(&[0x60, 0, 0, 0]);
                 f.extend_from_slice(&40u16.to_be_bytes());
                 f.push(l4);
@@ -237,7 +238,7 @@ mod tests {
                 }
             }
             6 => {
-                f.extend_from_slice(&0x0806u16.to_be_bytes());
+                f.extend_from_slice(&ethertype::ARP.to_be_bytes());
                 f.extend_from_slice(&[0, 1, 8, 0, 6, 4, 0, rng.u8(1..3)]);
                 f.extend_from_slice(&[2, 0, 0, 0, 0, 1, 10, 0, 0, 1]);
                 f.extend_from_slice(&[0, 0, 0, 0, 0, 0, 10, 0, 0, rng.u8(..4)]);
