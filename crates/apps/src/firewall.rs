@@ -39,10 +39,10 @@ use stitch_core::{
     PortSpec,
 };
 use stitch_wire::build::{Frame, Transport};
-use stitch_wire::ethertype;
 use stitch_wire::flow::{self, Flow, Malformed};
 use stitch_wire::header;
 use stitch_wire::views::{Ipv4Packet, TcpPacket};
+use stitch_wire::{ethertype, icmpv4, icmpv6, ip_proto};
 
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
@@ -422,8 +422,8 @@ type ConnKey = (u8, (IpAddr, u16), (IpAddr, u16));
 /// The connection an ICMP/ICMPv6 error is about: the key of the packet it quotes (RELATED).
 fn related_key(d: &[u8], f: &Flow) -> Option<ConnKey> {
     let is_error = match (f.protocol, f.icmp_type) {
-        (1, Some(t)) => matches!(t, 3 | 4 | 5 | 11 | 12),
-        (58, Some(t)) => (1..=4).contains(&t),
+        (ip_proto::ICMP, Some(t)) => icmpv4::is_error(t),
+        (ip_proto::ICMPV6, Some(t)) => icmpv6::is_error(t),
         _ => false,
     };
     if !is_error {
@@ -431,7 +431,7 @@ fn related_key(d: &[u8], f: &Flow) -> Option<ConnKey> {
     }
     let (at, _, _) = flow::l3(d).ok()?;
     let ip = d.get(at..)?;
-    let (quoted, v6) = if f.protocol == 1 {
+    let (quoted, v6) = if f.protocol == ip_proto::ICMP {
         (ip.get((ip.first()? & 0x0f) as usize * 4 + 8..)?, false)
     } else {
         (ip.get(48..)?, true)
@@ -457,12 +457,12 @@ fn related_key(d: &[u8], f: &Flow) -> Option<ConnKey> {
         )
     };
     let (sp, dp) = match proto {
-        6 | 17 => (
+        ip_proto::TCP | ip_proto::UDP => (
             header::l4::SRC_PORT.try_get(l4)?,
             header::l4::DST_PORT.try_get(l4)?,
         ),
         // A quoted echo: both "ports" are its identifier, as the tracker keys it.
-        1 | 58 => {
+        ip_proto::ICMP | ip_proto::ICMPV6 => {
             let id = header::icmp::ECHO_IDENT.try_get(l4)?;
             (id, id)
         }
@@ -602,14 +602,21 @@ impl Firewall {
     /// Opens a connection for an accepted packet, if it is one that may open one.
     fn open(&mut self, f: &Flow, side: Side, flags: Option<u8>, now: Instant) -> bool {
         let (tcp, secs) = match (f.protocol, flags) {
-            (6, Some(fl)) if fl & SYN != 0 && fl & (ACK | RST | FIN) == 0 => {
+            (ip_proto::TCP, Some(fl)) if fl & SYN != 0 && fl & (ACK | RST | FIN) == 0 => {
                 (Some(TcpState::SynSent), self.timeouts.tcp_transitory)
             }
-            (6, _) => return false,
-            (17, _) => (None, self.timeouts.udp),
+            (ip_proto::TCP, _) => return false,
+            (ip_proto::UDP, _) => (None, self.timeouts.udp),
             // Only echo requests open ICMP state; other accepted ICMP passes without it.
-            (1 | 58, _) if !matches!(f.icmp_type, Some(8) | Some(128)) => return true,
-            (1 | 58, _) => (None, self.timeouts.icmp),
+            (ip_proto::ICMP | ip_proto::ICMPV6, _)
+                if !matches!(
+                    f.icmp_type,
+                    Some(icmpv4::ECHO_REQUEST) | Some(icmpv6::ECHO_REQUEST)
+                ) =>
+            {
+                return true
+            }
+            (ip_proto::ICMP | ip_proto::ICMPV6, _) => (None, self.timeouts.icmp),
             // Other protocols pass by rule only.
             _ => return true,
         };
@@ -640,7 +647,7 @@ fn rejection(d: &[u8], f: &Flow) -> Option<Packet> {
         40
     };
     let l4 = l3 + ihl;
-    let (transport, quote) = if f.protocol == 6 {
+    let (transport, quote) = if f.protocol == ip_proto::TCP {
         let t = TcpPacket::new_unchecked(d.get(l4..l4 + 20)?);
         let payload = d.len().saturating_sub(l4 + t.header_len() as usize) as u32;
         let syn_fin = (t.syn() || t.fin()) as u32;
@@ -662,7 +669,17 @@ fn rejection(d: &[u8], f: &Flow) -> Option<Packet> {
     } else {
         // ICMP type 3 code 13 / ICMPv6 type 1 code 1, quoting as much as fits in 576/1280 bytes.
         let quote_max = if v4 { 576 - 20 - 8 } else { 1280 - 40 - 8 };
-        let (kind, code) = if v4 { (3, 13) } else { (1, 1) };
+        let (kind, code) = if v4 {
+            (
+                icmpv4::DESTINATION_UNREACHABLE,
+                icmpv4::CODE_ADMIN_PROHIBITED,
+            )
+        } else {
+            (
+                icmpv6::DESTINATION_UNREACHABLE,
+                icmpv6::CODE_ADMIN_PROHIBITED,
+            )
+        };
         let prohibited = Transport::Icmp {
             kind,
             code,
@@ -845,12 +862,15 @@ impl App for Firewall {
                 };
                 // Neighbor Discovery (RFC 4861, ICMPv6 133–137) is what makes IPv6 work on a
                 // link at all: it passes like ARP does.
-                if f.protocol == 58 && matches!(f.icmp_type, Some(133..=137)) {
+                let neighbor_discovery = icmpv6::ROUTER_SOLICITATION..=icmpv6::REDIRECT;
+                if f.protocol == ip_proto::ICMPV6
+                    && f.icmp_type.is_some_and(|t| neighbor_discovery.contains(&t))
+                {
                     self.ndp.add(1);
                     transmit_to(&mut outputs[other], p);
                     continue;
                 }
-                let flags = if f.protocol == 6 {
+                let flags = if f.protocol == ip_proto::TCP {
                     tcp_flags(p.data())
                 } else {
                     None

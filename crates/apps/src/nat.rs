@@ -46,10 +46,10 @@ use stitch_core::packet::ChecksumState;
 use stitch_core::{
     App, AppContext, AppError, AppSnapshot, AppState, Counter, Io, Packet, PortNames, PortSpec,
 };
-use stitch_wire::ethertype;
 use stitch_wire::header::{self, icmp, ipv4, l4, End, Field16, L4Sum};
 use stitch_wire::views::Ipv4Packet;
 use stitch_wire::{arp, checksum, flow, parse_mac};
+use stitch_wire::{ethertype, icmpv4, ip_proto};
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -100,9 +100,6 @@ type Inside = (Ipv4Addr, u16);
 /// Inside hosts whose MAC address the NAT keeps at most: a lan side sending from ever new
 /// addresses cannot grow the table without bound (past this, packets keep their MAC).
 const MAX_HOSTS: usize = 65536;
-/// ICMP message types (RFC 792) the NAT translates.
-const ICMP_ECHO_REQUEST: u8 = 8;
-const ICMP_ECHO_REPLY: u8 = 0;
 /// Inside hosts the NAT asks for in one second at most, and how often it asks for one.
 const PROBES_PER_SECOND: usize = 64;
 const PROBE_INTERVAL: Duration = Duration::from_secs(1);
@@ -144,7 +141,7 @@ pub struct Nat {
     /// Where the search for a free port goes on, per external address.
     cursors: Vec<u16>,
     last_sweep: Instant,
-    timeouts: [Duration; 3],
+    timeouts: Timeouts,
     translated_out: Counter,
     translated_in: Counter,
     hairpinned: Counter,
@@ -222,9 +219,9 @@ fn layout(d: &[u8]) -> Option<(usize, usize, u8)> {
         return None; // a header shorter than IPv4's, or a non-first fragment: no L4 header
     }
     let need = match proto {
-        6 => 20,
-        17 => 8,
-        1 => 8,
+        ip_proto::TCP => 20,
+        ip_proto::UDP => 8,
+        ip_proto::ICMP => 8,
         _ => return None,
     };
     (d.len() >= l3 + ihl + need).then_some((l3, l3 + ihl, proto))
@@ -253,7 +250,7 @@ struct At {
 /// port, or ICMP echo's identifier (at both ends).
 fn port_field(proto: u8, end: End) -> Field16 {
     match (proto, end) {
-        (1, _) => icmp::ECHO_IDENT,
+        (ip_proto::ICMP, _) => icmp::ECHO_IDENT,
         (_, End::Source) => l4::SRC_PORT,
         (_, End::Destination) => l4::DST_PORT,
     }
@@ -270,13 +267,28 @@ fn rewrite(p: &mut Packet, at: At, end: End, (addr, port): (Ipv4Addr, u16)) {
     header::rewrite_ipv4_endpoint(ip, l4, end, (addr, field, port), sum);
 }
 
+/// How long a mapping lives without traffic, by the protocol it maps.
+#[derive(Debug, Clone, Copy)]
+struct Timeouts {
+    udp: Duration,
+    tcp: Duration,
+    icmp: Duration,
+}
+
+impl Timeouts {
+    /// The timeout of a mapping of protocol `proto` (one of those [`layout`] lets through).
+    fn of(&self, proto: u8) -> Duration {
+        match proto {
+            ip_proto::UDP => self.udp,
+            ip_proto::TCP => self.tcp,
+            _ => self.icmp,
+        }
+    }
+}
+
 impl Nat {
     fn timeout(&self, proto: u8) -> Duration {
-        match proto {
-            17 => self.timeouts[0],
-            6 => self.timeouts[1],
-            _ => self.timeouts[2],
-        }
+        self.timeouts.of(proto)
     }
 
     /// The external address (index) of an inside host: fixed by its address, so all its
@@ -478,7 +490,7 @@ impl Nat {
             return Some(1);
         };
         let d = p.data();
-        if proto == 1 && d[l4] != ICMP_ECHO_REQUEST {
+        if proto == ip_proto::ICMP && d[l4] != icmpv4::ECHO_REQUEST {
             self.passed.add(1);
             return Some(1);
         }
@@ -517,10 +529,14 @@ impl Nat {
             self.passed.add(1);
             return Some(0);
         };
-        if proto == 1 && matches!(d[l4], 3 | 11 | 12) {
+        let icmp_error = matches!(
+            d[l4],
+            icmpv4::DESTINATION_UNREACHABLE | icmpv4::TIME_EXCEEDED | icmpv4::PARAMETER_PROBLEM
+        );
+        if proto == ip_proto::ICMP && icmp_error {
             return self.icmp_error_in(p, At { l3, l4, proto }, ext, now);
         }
-        if proto == 1 && d[l4] != ICMP_ECHO_REPLY {
+        if proto == ip_proto::ICMP && d[l4] != icmpv4::ECHO_REPLY {
             self.passed.add(1);
             return Some(0);
         }
@@ -559,7 +575,7 @@ impl Nat {
         if quote.version() != 4
             || (quote.header_len() as usize) < ipv4::MIN_LEN
             || d.len() < ql4 + field.end()
-            || !matches!(qproto, 1 | 6 | 17)
+            || !matches!(qproto, ip_proto::ICMP | ip_proto::TCP | ip_proto::UDP)
         {
             self.malformed.add(1);
             return None;
@@ -754,7 +770,11 @@ impl App for Nat {
             out_map: HashMap::default(),
             in_map: HashMap::default(),
             last_sweep: Instant::now(),
-            timeouts: [c.udp_timeout, c.tcp_timeout, c.icmp_timeout].map(Duration::from_secs),
+            timeouts: Timeouts {
+                udp: Duration::from_secs(c.udp_timeout),
+                tcp: Duration::from_secs(c.tcp_timeout),
+                icmp: Duration::from_secs(c.icmp_timeout),
+            },
             translated_out: ctx.counter("translated_out"),
             translated_in: ctx.counter("translated_in"),
             hairpinned: ctx.counter("hairpinned"),
@@ -889,7 +909,7 @@ mod tests {
         let l4 = ip.payload();
         let proto = u8::from(ip.next_header());
         let mut s = 0;
-        if proto != 1 {
+        if proto != ip_proto::ICMP {
             s = checksum::sum(&d[26..34], 0) + proto as u64 + l4.len() as u64;
         }
         ip.verify_checksum() && checksum::finish(checksum::sum(l4, s)) == 0
@@ -909,8 +929,8 @@ mod tests {
     /// 0) with 10 bytes of payload.
     fn packet(proto: u8, src: [u8; 4], sp: u16, dst: [u8; 4], dp: u16) -> Packet {
         let transport = match proto {
-            6 => Transport::tcp(sp, dp),
-            17 => Transport::udp(sp, dp),
+            ip_proto::TCP => Transport::tcp(sp, dp),
+            ip_proto::UDP => Transport::udp(sp, dp),
             _ if sp == 0 => Transport::echo_reply(dp, 0),
             _ => Transport::echo_request(dp, 0),
         };
@@ -1021,16 +1041,16 @@ mod tests {
         assert!(l.is_empty());
         r.arp.clear();
         // An inside host's packet leaves from the NAT's MAC; the reply reaches the host's.
-        r.lan.transmit(packet(17, IN, 5000, OUT, 53));
+        r.lan.transmit(packet(ip_proto::UDP, IN, 5000, OUT, 53));
         let (_, w) = r.run();
         assert_eq!(&w[0][6..12], &nat_mac);
-        r.wan.transmit(packet(17, OUT, 53, EXT, 5000));
+        r.wan.transmit(packet(ip_proto::UDP, OUT, 53, EXT, 5000));
         let (l, _) = r.run();
         assert_eq!(&l[0][0..6], &[2, 0, 0, 0, 0, 5], "IN's own MAC");
         // A forward's server not seen yet: the packet keeps its MAC and the server is probed
         // once; its answer is learnt and stops at the NAT.
-        r.wan.transmit(packet(6, OUT, 1234, EXT, 8080));
-        r.wan.transmit(packet(6, OUT, 1235, EXT, 8080));
+        r.wan.transmit(packet(ip_proto::TCP, OUT, 1234, EXT, 8080));
+        r.wan.transmit(packet(ip_proto::TCP, OUT, 1235, EXT, 8080));
         let (l, _) = r.run();
         assert_eq!(l.len(), 2);
         assert_eq!(r.arp.len(), 1, "one probe");
@@ -1056,7 +1076,7 @@ mod tests {
             w.is_empty() && r.arp.is_empty(),
             "the probe's answer is the NAT's"
         );
-        r.wan.transmit(packet(6, OUT, 1236, EXT, 8080));
+        r.wan.transmit(packet(ip_proto::TCP, OUT, 1236, EXT, 8080));
         let (l, _) = r.run();
         assert_eq!(&l[0][0..6], &server);
         assert_eq!(
@@ -1072,8 +1092,8 @@ mod tests {
     #[test]
     fn masquerade_keeps_mappings_and_checksums() {
         let mut r = rig();
-        r.lan.transmit(packet(17, IN, 5000, OUT, 53));
-        r.lan.transmit(packet(6, IN, 40000, OUT, 443));
+        r.lan.transmit(packet(ip_proto::UDP, IN, 5000, OUT, 53));
+        r.lan.transmit(packet(ip_proto::TCP, IN, 40000, OUT, 443));
         let (_, w) = r.run();
         assert_eq!(w.len(), 2);
         assert_eq!(src(&w[0]), (&EXT[..], 5000), "port kept");
@@ -1083,9 +1103,10 @@ mod tests {
         assert!(w.iter().all(|f| l4_ok(f)), "checksums after SNAT");
         // Replies from any outside endpoint reach the inside host (endpoint-independent).
         r.wan
-            .transmit(packet(17, [203, 0, 113, 9], 7777, EXT, 5000));
-        r.wan.transmit(packet(6, OUT, 443, EXT, tcp_port));
-        r.wan.transmit(packet(17, OUT, 53, EXT, 5001));
+            .transmit(packet(ip_proto::UDP, [203, 0, 113, 9], 7777, EXT, 5000));
+        r.wan
+            .transmit(packet(ip_proto::TCP, OUT, 443, EXT, tcp_port));
+        r.wan.transmit(packet(ip_proto::UDP, OUT, 53, EXT, 5001));
         let (l, _) = r.run();
         assert_eq!(l.len(), 2);
         assert_eq!(dst(&l[0]), (&IN[..], 5000));
@@ -1096,7 +1117,7 @@ mod tests {
         );
         assert_eq!(r.nat.no_mapping.get(), 1);
         // ICMP echo: the identifier is the port.
-        r.lan.transmit(packet(1, IN, 1, OUT, 777));
+        r.lan.transmit(packet(ip_proto::ICMP, IN, 1, OUT, 777));
         let (_, w) = r.run();
         assert!(l4_ok(&w[0]) && w[0][26..30] == EXT);
     }
@@ -1104,7 +1125,7 @@ mod tests {
     #[test]
     fn icmp_errors_about_translated_packets_reach_the_inside_host() {
         let mut r = rig();
-        r.lan.transmit(packet(17, IN, 5000, OUT, 53));
+        r.lan.transmit(packet(ip_proto::UDP, IN, 5000, OUT, 53));
         let (_, w) = r.run();
         let sent = &w[0];
         // OUT answers "port unreachable", quoting the translated IP header and 8 bytes of UDP.
@@ -1140,13 +1161,13 @@ mod tests {
     #[test]
     fn headers_shorter_than_ipv4_s_are_not_translated() {
         let mut r = rig();
-        let mut f = packet(17, IN, 5000, OUT, 53);
+        let mut f = packet(ip_proto::UDP, IN, 5000, OUT, 53);
         f.data_mut()[14] = 0x43;
         r.lan.transmit(f);
         let (_, w) = r.run();
         assert_eq!(w.len(), 1, "passed as it came");
         assert_eq!(&w[0][26..30], &IN[..], "untranslated");
-        r.lan.transmit(packet(17, IN, 5000, OUT, 53));
+        r.lan.transmit(packet(ip_proto::UDP, IN, 5000, OUT, 53));
         let (_, w) = r.run();
         let mut quote = w[0][14..14 + 28].to_vec();
         quote[0] = 0x43;
@@ -1171,8 +1192,8 @@ mod tests {
     #[test]
     fn mappings_survive_a_restart_through_a_snapshot() {
         let mut old = rig();
-        old.lan.transmit(packet(17, IN, 5000, OUT, 53));
-        old.lan.transmit(packet(17, SRV, 5000, OUT, 53));
+        old.lan.transmit(packet(ip_proto::UDP, IN, 5000, OUT, 53));
+        old.lan.transmit(packet(ip_proto::UDP, SRV, 5000, OUT, 53));
         let (_, w) = old.run();
         let moved = src(&w[1]).1;
         assert_eq!(moved, 5001, "the second host's port 5000 was taken");
@@ -1187,8 +1208,8 @@ mod tests {
             .unwrap_err()
             .contains("version 99"));
         new.nat.restore(state).unwrap();
-        new.wan.transmit(packet(17, OUT, 53, EXT, 5001));
-        new.wan.transmit(packet(17, OUT, 53, EXT, 5000));
+        new.wan.transmit(packet(ip_proto::UDP, OUT, 53, EXT, 5001));
+        new.wan.transmit(packet(ip_proto::UDP, OUT, 53, EXT, 5000));
         let (l, _) = new.run();
         assert_eq!(l.len(), 2, "both replies found their mapping");
         assert_eq!(dst(&l[0]), (&SRV[..], 5000));
@@ -1199,12 +1220,12 @@ mod tests {
     #[test]
     fn port_forward_and_hairpin() {
         let mut r = rig();
-        r.wan.transmit(packet(6, OUT, 33333, EXT, 8080));
+        r.wan.transmit(packet(ip_proto::TCP, OUT, 33333, EXT, 8080));
         let (l, _) = r.run();
         assert_eq!(dst(&l[0]), (&SRV[..], 80));
         assert!(l4_ok(&l[0]));
         // A lan host uses the external address: back out of lan to the server, source translated.
-        r.lan.transmit(packet(6, IN, 41000, EXT, 8080));
+        r.lan.transmit(packet(ip_proto::TCP, IN, 41000, EXT, 8080));
         let (l, w) = r.run();
         assert!(w.is_empty());
         assert_eq!(&l[0][26..30], &EXT[..]);
@@ -1212,7 +1233,7 @@ mod tests {
         assert!(l4_ok(&l[0]));
         let mapped = l4::SRC_PORT.get(&l[0][34..]);
         // The server answers the external address; the client sees the forward's address.
-        r.lan.transmit(packet(6, SRV, 80, EXT, mapped));
+        r.lan.transmit(packet(ip_proto::TCP, SRV, 80, EXT, mapped));
         let (l, _) = r.run();
         assert_eq!(src(&l[0]), (&EXT[..], 8080));
         assert_eq!(dst(&l[0]), (&IN[..], 41000));
@@ -1223,7 +1244,7 @@ mod tests {
     #[test]
     fn partial_checksums_stay_partial_sums() {
         let mut r = rig();
-        let mut p = packet(6, IN, 40000, OUT, 443);
+        let mut p = packet(ip_proto::TCP, IN, 40000, OUT, 443);
         // Make it look like an offloaded send: the field holds the pseudo-header sum.
         let d = p.data_mut();
         let ps = checksum::sum(&d[26..34], 0) + 6 + (d.len() - 34) as u64;
@@ -1253,7 +1274,8 @@ mod tests {
         let mut by_host = std::collections::HashMap::new();
         for host in 1..=24u8 {
             for sport in [1000, 2000] {
-                r.lan.transmit(packet(17, [10, 0, 1, host], sport, OUT, 53));
+                r.lan
+                    .transmit(packet(ip_proto::UDP, [10, 0, 1, host], sport, OUT, 53));
             }
             let (_, w) = r.run();
             // Two ports per address: both mappings of a host fit on its address.
@@ -1277,11 +1299,12 @@ mod tests {
             .find(|(_, (e, _))| *e == [192, 0, 2, 22])
             .map(|(h, v)| (*h, *v))
             .unwrap();
-        r.lan.transmit(packet(17, [10, 0, 1, host], 1000, OUT, 53));
+        r.lan
+            .transmit(packet(ip_proto::UDP, [10, 0, 1, host], 1000, OUT, 53));
         r.run();
-        r.wan.transmit(packet(17, OUT, 53, ext, port));
+        r.wan.transmit(packet(ip_proto::UDP, OUT, 53, ext, port));
         let other = [192, 0, 2, 21];
-        r.wan.transmit(packet(17, OUT, 53, other, port));
+        r.wan.transmit(packet(ip_proto::UDP, OUT, 53, other, port));
         let (l, _) = r.run();
         assert_eq!(l.len(), 1);
         assert_eq!(&l[0][30..34], &[10, 0, 1, host][..]);
@@ -1292,8 +1315,9 @@ mod tests {
             "same port on another address: no mapping"
         );
         // The forward listens on the first address only.
-        r.wan.transmit(packet(6, OUT, 33333, [192, 0, 2, 22], 8080));
-        r.wan.transmit(packet(6, OUT, 33333, EXT, 8080));
+        r.wan
+            .transmit(packet(ip_proto::TCP, OUT, 33333, [192, 0, 2, 22], 8080));
+        r.wan.transmit(packet(ip_proto::TCP, OUT, 33333, EXT, 8080));
         let (l, _) = r.run();
         assert_eq!(l.len(), 1);
         assert_eq!(&l[0][30..34], &SRV[..]);
@@ -1320,25 +1344,30 @@ mod tests {
     #[test]
     fn outbound_traffic_keeps_a_mapping_alive_and_silence_ends_it() {
         let mut r = rig();
-        r.nat.timeouts = [Duration::from_secs(10); 3];
+        let ten = Duration::from_secs(10);
+        r.nat.timeouts = Timeouts {
+            udp: ten,
+            tcp: ten,
+            icmp: ten,
+        };
         let t0 = Instant::now();
         let secs = |s: u64| t0 + Duration::from_secs(s);
-        let mut out = packet(17, IN, 5000, OUT, 53);
+        let mut out = packet(ip_proto::UDP, IN, 5000, OUT, 53);
         assert_eq!(r.nat.outbound(&mut out, t0), Some(1));
         // Refreshed by outbound traffic at 8 s: alive until 18 s, also for replies, whose
         // copy of the expiry is brought up to date on the way.
-        let mut again = packet(17, IN, 5000, OUT, 53);
+        let mut again = packet(ip_proto::UDP, IN, 5000, OUT, 53);
         r.nat.outbound(&mut again, secs(8));
-        let mut reply = packet(17, OUT, 53, EXT, 5000);
+        let mut reply = packet(ip_proto::UDP, OUT, 53, EXT, 5000);
         assert_eq!(r.nat.inbound(&mut reply, secs(15)), Some(0));
         assert_eq!(&reply.data()[30..34], &IN[..]);
         // Replies alone do not refresh it (RFC 4787 REQ-6: outbound refresh).
-        let mut late = packet(17, OUT, 53, EXT, 5000);
+        let mut late = packet(ip_proto::UDP, OUT, 53, EXT, 5000);
         assert_eq!(r.nat.inbound(&mut late, secs(19)), None);
         // The sweep forgets both halves; the port can go to another host.
         r.nat.tick(&mut r.io, secs(19));
         assert!(r.nat.in_map.is_empty() && r.nat.out_map.is_empty());
-        let mut other = packet(17, SRV, 5000, OUT, 53);
+        let mut other = packet(ip_proto::UDP, SRV, 5000, OUT, 53);
         r.nat.outbound(&mut other, secs(20));
         assert_eq!(l4::SRC_PORT.get(&other.data()[34..]), 5000);
     }

@@ -42,11 +42,11 @@ use stitch_core::{
     pool, App, AppContext, AppError, AppSnapshot, AppState, Counter, Io, Packet, PortNames,
     PortSpec,
 };
-use stitch_wire::ethertype;
 use stitch_wire::header::{self, icmp, ipv4};
 use stitch_wire::icmp::RateLimit;
+use stitch_wire::ip_proto::ICMP;
+use stitch_wire::{ethertype, icmpv4};
 
-const ICMP: u8 = 1;
 use stitch_wire::{arp, checksum, parse_mac};
 
 pub mod lpm;
@@ -704,7 +704,11 @@ impl Router {
         let ip = &d[14..];
         let ihl = ipv4::header_len(ip);
         // Never about ICMP errors themselves, nor about non-first fragments.
-        if ipv4::PROTOCOL.get(ip) == ICMP && ip.get(ihl).is_some_and(|t| ![0, 8].contains(t)) {
+        if ipv4::PROTOCOL.get(ip) == ICMP
+            && ip
+                .get(ihl)
+                .is_some_and(|t| !matches!(*t, icmpv4::ECHO_REPLY | icmpv4::ECHO_REQUEST))
+        {
             return None;
         }
         let quote = &ip[..ip.len().min(ihl + 8)];
@@ -807,7 +811,10 @@ impl Router {
         let ip = &p.data()[14..];
         let ihl = ipv4::header_len(ip);
         let total = ipv4::TOTAL_LEN.get(ip) as usize;
-        if ipv4::PROTOCOL.get(ip) != ICMP || ip.get(ihl) != Some(&8) || total > ip.len() {
+        if ipv4::PROTOCOL.get(ip) != ICMP
+            || ip.get(ihl) != Some(&icmpv4::ECHO_REQUEST)
+            || total > ip.len()
+        {
             self.c.local_drops.add(1);
             return;
         }
@@ -824,9 +831,12 @@ impl Router {
         ipv4::TTL.set(ip, 64);
         ipv4::fill_checksum(&mut ip[..ihl]);
         let echo = &mut ip[ihl..];
-        echo[0] = 0;
+        echo[0] = icmpv4::ECHO_REPLY;
+        // The type and code word changed from request to reply (code 0 both).
+        let (request, reply) = ([icmpv4::ECHO_REQUEST, 0], [icmpv4::ECHO_REPLY, 0]);
         let old = icmp::CHECKSUM.get(echo);
-        icmp::CHECKSUM.set(echo, checksum::update(old, 0x0800, 0x0000));
+        let new = checksum::update(old, u16::from_be_bytes(request), u16::from_be_bytes(reply));
+        icmp::CHECKSUM.set(echo, new);
         self.c.echo_replies.add(1);
         let _ = now;
         out.push((port, p));
@@ -848,14 +858,28 @@ impl Router {
         }
         if ipv4::TTL.get(ip) <= 1 {
             self.c.ttl_exceeded.add(1);
-            if let Some(e) = self.icmp_error(d, port, 11, 0, 0, now) {
+            if let Some(e) = self.icmp_error(
+                d,
+                port,
+                icmpv4::TIME_EXCEEDED,
+                icmpv4::CODE_TTL_EXCEEDED,
+                0,
+                now,
+            ) {
                 out.push(e);
             }
             return;
         }
         let Some((h, r)) = self.fib.route4(dst) else {
             self.c.no_route.add(1);
-            if let Some(e) = self.icmp_error(d, port, 3, 0, 0, now) {
+            if let Some(e) = self.icmp_error(
+                d,
+                port,
+                icmpv4::DESTINATION_UNREACHABLE,
+                icmpv4::CODE_NET_UNREACHABLE,
+                0,
+                now,
+            ) {
                 out.push(e);
             }
             return;
@@ -865,7 +889,14 @@ impl Router {
         if total > mtu && p.header().gso_size == 0 {
             if df {
                 self.c.too_big.add(1);
-                if let Some(e) = self.icmp_error(d, port, 3, 4, mtu as u32, now) {
+                if let Some(e) = self.icmp_error(
+                    d,
+                    port,
+                    icmpv4::DESTINATION_UNREACHABLE,
+                    icmpv4::CODE_FRAGMENTATION_NEEDED,
+                    mtu as u32,
+                    now,
+                ) {
                     out.push(e);
                 }
             } else {

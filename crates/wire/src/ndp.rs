@@ -6,7 +6,7 @@ use crate::checksum;
 use std::net::Ipv6Addr;
 
 /// IPv6 next header of ICMPv6.
-pub const ICMPV6: u8 = 58;
+pub const ICMPV6: u8 = crate::ip_proto::ICMPV6;
 
 /// The ICMPv6 checksum over the pseudo-header of `src` → `dst` (16 bytes each) and `body`.
 /// With the body's checksum field zero it is the value to store; over a received message it is

@@ -27,6 +27,8 @@ pub mod ip_proto {
     /// IPv6 hop-by-hop options.
     pub const HOP_BY_HOP: u8 = 0;
     pub const ICMP: u8 = 1;
+    /// IPv4 in IP (RFC 2003; IPv4 in IPv6 for RFC 2473's tunnels, the lwAFTR's softwires).
+    pub const IPIP: u8 = 4;
     pub const TCP: u8 = 6;
     pub const UDP: u8 = 17;
     /// IPv6 routing header.
@@ -52,10 +54,16 @@ pub mod icmpv4 {
     pub const ECHO_REQUEST: u8 = 8;
     pub const TIME_EXCEEDED: u8 = 11;
     pub const PARAMETER_PROBLEM: u8 = 12;
+    /// Destination unreachable: network unreachable.
+    pub const CODE_NET_UNREACHABLE: u8 = 0;
+    /// Destination unreachable: host unreachable.
+    pub const CODE_HOST_UNREACHABLE: u8 = 1;
     /// Destination unreachable: fragmentation needed and DF set (RFC 1191).
     pub const CODE_FRAGMENTATION_NEEDED: u8 = 4;
     /// Time exceeded: TTL exceeded in transit.
     pub const CODE_TTL_EXCEEDED: u8 = 0;
+    /// Destination unreachable: communication administratively prohibited (RFC 1812).
+    pub const CODE_ADMIN_PROHIBITED: u8 = 13;
 
     /// Whether an ICMP message of type `t` is an error, which quotes the packet it is about.
     pub const fn is_error(t: u8) -> bool {
@@ -84,10 +92,17 @@ pub mod icmpv6 {
     pub const NEIGHBOR_ADVERTISEMENT: u8 = 136;
     pub const REDIRECT: u8 = 137;
     pub const MLDV2_REPORT: u8 = 143;
+    /// Destination unreachable: communication with the destination administratively prohibited.
+    pub const CODE_ADMIN_PROHIBITED: u8 = 1;
+    /// Destination unreachable: the source address failed the ingress/egress policy.
+    pub const CODE_SOURCE_POLICY_FAILED: u8 = 5;
 
-    /// Whether an ICMPv6 message of type `t` is an error (types below 128), which quotes the
-    /// packet it is about.
+    /// Whether an ICMPv6 message of type `t` is one of the errors RFC 4443 defines, which
+    /// quote the packet they are about.
     pub const fn is_error(t: u8) -> bool {
-        t < 128
+        matches!(
+            t,
+            DESTINATION_UNREACHABLE | PACKET_TOO_BIG | TIME_EXCEEDED | PARAMETER_PROBLEM
+        )
     }
 }

@@ -49,15 +49,14 @@ use stitch_core::{pool, App, Packet};
 use stitch_wire::ethertype;
 use stitch_wire::filter::PacketFilter;
 use stitch_wire::header::{self, ethernet, icmp, ipv4, ipv6, Field16};
+use stitch_wire::icmpv4;
+use stitch_wire::icmpv6;
+use stitch_wire::ip_proto::{ICMP, IPIP, TCP, UDP};
 use stitch_wire::ndp::{icmp6_checksum, lladdr_option, multicast_mac, solicited_node, ICMPV6};
 use stitch_wire::{arp, checksum};
 
 const V4: usize = 0;
 const V6: usize = 1;
-const ICMP: u8 = 1;
-const TCP: u8 = 6;
-const UDP: u8 = 17;
-const IPIP: u8 = 4;
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -461,10 +460,10 @@ fn port_of(ip: &[u8], ihl: usize, total: usize, destination: bool) -> Option<u16
     match ipv4::PROTOCOL.get(ip) {
         TCP | UDP => this_end.try_get(l4),
         ICMP => match *l4.first()? {
-            8 if destination => Some(0),
-            0 if !destination => Some(0),
-            0 | 8 => icmp::ECHO_IDENT.try_get(l4),
-            3 | 4 | 5 | 11 | 12 => {
+            icmpv4::ECHO_REQUEST if destination => Some(0),
+            icmpv4::ECHO_REPLY if !destination => Some(0),
+            icmpv4::ECHO_REPLY | icmpv4::ECHO_REQUEST => icmp::ECHO_IDENT.try_get(l4),
+            t if icmpv4::is_error(t) => {
                 // The embedded packet travelled the other way.
                 let inner = l4.get(8..)?;
                 let iihl = (*inner.first()? & 0x0f) as usize * 4;
@@ -774,7 +773,12 @@ impl Lwaftr {
     fn unreachable(&mut self, ip: &[u8]) {
         self.c.no_softwire.add(1);
         if self.ext_policy.generate_icmp_errors && ipv4::PROTOCOL.get(ip) != ICMP {
-            self.icmp4_error(ip, 3, 1, 0);
+            self.icmp4_error(
+                ip,
+                icmpv4::DESTINATION_UNREACHABLE,
+                icmpv4::CODE_HOST_UNREACHABLE,
+                0,
+            );
         }
     }
 
@@ -786,7 +790,8 @@ impl Lwaftr {
         if ttl == 0 {
             self.c.ttl_expired.add(1);
             if self.ext_policy.generate_icmp_errors {
-                self.icmp4_error(p.data(), 11, 0, 0);
+                let (kind, code) = (icmpv4::TIME_EXCEEDED, icmpv4::CODE_TTL_EXCEEDED);
+                self.icmp4_error(p.data(), kind, code, 0);
             }
             return;
         }
@@ -795,7 +800,8 @@ impl Lwaftr {
             self.c.too_big.add(1);
             if self.ext_policy.generate_icmp_errors {
                 let mtu = (self.int_policy.mtu - 40) as u32;
-                self.icmp4_error(p.data(), 3, 4, mtu);
+                let kind = icmpv4::DESTINATION_UNREACHABLE;
+                self.icmp4_error(p.data(), kind, icmpv4::CODE_FRAGMENTATION_NEEDED, mtu);
             }
             return;
         }
@@ -895,7 +901,8 @@ impl Lwaftr {
             self.c.source_mismatch.add(1);
             if self.int_policy.generate_icmp_errors {
                 let from: [u8; 16] = dst.try_into().unwrap();
-                self.icmp6_error(&p, 1, 5, from);
+                let kind = icmpv6::DESTINATION_UNREACHABLE;
+                self.icmp6_error(&p, kind, icmpv6::CODE_SOURCE_POLICY_FAILED, from);
             }
             return;
         }
@@ -1112,7 +1119,7 @@ impl Lwaftr {
             }
         }
         if let (None, NextHop::Ipv6(hop)) = (self.hop[V6], self.int.next_hop) {
-            let mut body = vec![135, 0, 0, 0, 0, 0, 0, 0];
+            let mut body = vec![icmpv6::NEIGHBOR_SOLICITATION, 0, 0, 0, 0, 0, 0, 0];
             body.extend_from_slice(&hop.octets());
             body.extend_from_slice(&[1, 1]);
             body.extend_from_slice(&self.int.mac);
@@ -1149,7 +1156,11 @@ impl Lwaftr {
     fn answer_ping_v4(&mut self, mut p: Packet, ihl: usize, total: usize) {
         let d = p.data();
         let ip = &d[14..];
-        if ipv4::PROTOCOL.get(ip) != ICMP || total < ihl + 8 || ip[ihl] != 8 || ip[ihl + 1] != 0 {
+        if ipv4::PROTOCOL.get(ip) != ICMP
+            || total < ihl + 8
+            || ip[ihl] != icmpv4::ECHO_REQUEST
+            || ip[ihl + 1] != 0
+        {
             return self.c.not_for_us.add(1);
         }
         if p.set_len(14 + total).is_err() {
@@ -1191,7 +1202,7 @@ impl Lwaftr {
         ip6[ipv6::DST].copy_from_slice(&src);
         ipv6::HOP_LIMIT.set(ip6, ECHO_TTL);
         let body = &mut ip6[ipv6::LEN..];
-        body[0] = 129;
+        body[0] = icmpv6::ECHO_REPLY;
         icmp::CHECKSUM.set(body, 0);
         let cs = icmp6_checksum(&dst, &src, body);
         icmp::CHECKSUM.set(body, cs);
@@ -1211,8 +1222,10 @@ impl Lwaftr {
         };
         let me = self.int.ip.octets();
         match kind {
-            135 if body.len() >= 24 && body[8..24] == me => self.neighbor_solicitation(&p, plen),
-            136 if body.len() >= 24 => {
+            icmpv6::NEIGHBOR_SOLICITATION if body.len() >= 24 && body[8..24] == me => {
+                self.neighbor_solicitation(&p, plen)
+            }
+            icmpv6::NEIGHBOR_ADVERTISEMENT if body.len() >= 24 => {
                 let target = Ipv6Addr::from(<[u8; 16]>::try_from(&body[8..24]).unwrap());
                 if self.int.next_hop == NextHop::Ipv6(target) {
                     let eth_src: [u8; 6] = d[6..12].try_into().unwrap();
@@ -1220,7 +1233,7 @@ impl Lwaftr {
                     self.resolved(V6, mac);
                 }
             }
-            128 if ip6[ipv6::DST] == me && body.len() >= 8 && body[1] == 0 => {
+            icmpv6::ECHO_REQUEST if ip6[ipv6::DST] == me && body.len() >= 8 && body[1] == 0 => {
                 self.answer_ping_v6(p, plen)
             }
             _ if !self.int_policy.allow_incoming_icmp => self.c.icmp_policy.add(1),
@@ -1260,7 +1273,7 @@ impl Lwaftr {
             }
         }
         let me = self.int.ip.octets();
-        let mut na = vec![136, 0, 0, 0, 0xc0, 0, 0, 0];
+        let mut na = vec![icmpv6::NEIGHBOR_ADVERTISEMENT, 0, 0, 0, 0xc0, 0, 0, 0];
         na.extend_from_slice(&me);
         na.extend_from_slice(&[2, 1]);
         na.extend_from_slice(&self.int.mac);
@@ -1284,13 +1297,15 @@ impl Lwaftr {
     /// code), hop limit exceeded in transit and parameter problem as "host unreachable".
     fn relay_icmp6_error(&mut self, body: &[u8]) -> bool {
         let (code, extra) = match (body[0], body.get(1)) {
-            (2, Some(0)) => {
+            (icmpv6::PACKET_TOO_BIG, Some(0)) => {
                 let Some(mtu) = icmp::REST.try_get(body) else {
                     return false;
                 };
-                (4, mtu.saturating_sub(40).min(0xffff))
+                let mtu = mtu.saturating_sub(40).min(0xffff);
+                (icmpv4::CODE_FRAGMENTATION_NEEDED, mtu)
             }
-            (1 | 4, Some(_)) | (3, Some(0)) => (1, 0),
+            (icmpv6::DESTINATION_UNREACHABLE | icmpv6::PARAMETER_PROBLEM, Some(_))
+            | (icmpv6::TIME_EXCEEDED, Some(0)) => (icmpv4::CODE_HOST_UNREACHABLE, 0),
             _ => return false,
         };
         let Some(inner6) = body.get(8..) else {
@@ -1308,7 +1323,7 @@ impl Lwaftr {
         if ip[0] >> 4 != 4 || ihl < 20 || ip.len() < ihl {
             return false;
         }
-        self.icmp4_error(ip, 3, code, extra);
+        self.icmp4_error(ip, icmpv4::DESTINATION_UNREACHABLE, code, extra);
         true
     }
 

@@ -11,9 +11,9 @@ use std::net::Ipv6Addr;
 use std::time::{Duration, Instant};
 use stitch_core::{pool, Packet};
 use stitch_wire::be::Put;
-use stitch_wire::ethertype;
 use stitch_wire::header::{ethernet, icmp, ipv6};
 use stitch_wire::ndp::{icmp6_checksum, lladdr_option, multicast_mac, solicited_node, ICMPV6};
+use stitch_wire::{ethertype, icmpv6, ip_proto};
 
 /// All-nodes multicast, where unsolicited advertisements go.
 const ALL_NODES: Ipv6Addr = Ipv6Addr::new(0xff02, 0, 0, 0, 0, 0, 0, 1);
@@ -73,17 +73,17 @@ fn upper_layer(d: &[u8], end: usize) -> Upper {
     let (mut next, mut at) = (ipv6::NEXT_HEADER.get(&d[IP..]), IP + ipv6::LEN);
     loop {
         match next {
-            0 | 60 | 43 => {
+            ip_proto::HOP_BY_HOP | ip_proto::DESTINATION_OPTIONS | ip_proto::ROUTING => {
                 if at + 8 > end {
                     return Upper::Malformed;
                 }
-                if next == 43 && d[at + 3] != 0 {
+                if next == ip_proto::ROUTING && d[at + 3] != 0 {
                     return Upper::Route(at + 2 - IP);
                 }
                 next = d[at];
                 at += (d[at + 1] as usize + 1) * 8;
             }
-            44 => return Upper::Fragment,
+            ip_proto::FRAGMENT => return Upper::Fragment,
             _ => {
                 return if at <= end {
                     Upper::Found(at, next)
@@ -150,7 +150,7 @@ impl Router {
 
     fn neighbor_solicitation(&self, port: usize, target: Ipv6Addr) -> Option<Packet> {
         let src = self.ifaces[port].addr6?;
-        let mut body = vec![135, 0, 0, 0, 0, 0, 0, 0];
+        let mut body = vec![icmpv6::NEIGHBOR_SOLICITATION, 0, 0, 0, 0, 0, 0, 0];
         body.extend_from_slice(&target.octets());
         body.extend_from_slice(&[1, 1]);
         body.extend_from_slice(&self.ifaces[port].mac);
@@ -213,7 +213,7 @@ impl Router {
         let i = &self.ifaces[port];
         let (ll, prefix) = (i.ll6?, i.prefix6?);
         let lifetime = (self.ra.interval.as_secs() * 3).min(9000) as u16;
-        let mut body = vec![134, 0, 0, 0, 64, 0];
+        let mut body = vec![icmpv6::ROUTER_ADVERTISEMENT, 0, 0, 0, 64, 0];
         body.put(lifetime);
         body.extend_from_slice(&[0; 8]); // reachable time, retrans timer: unspecified
         body.extend_from_slice(&[1, 1]);
@@ -314,13 +314,14 @@ impl Router {
         let ll = self.ifaces[port].ll6.unwrap_or(me);
         // Neighbor Discovery must come from the link itself (RFC 4861 §6.1, §7.1).
         let hop_limit = ipv6::HOP_LIMIT.get(&d[IP..]);
-        if (133..=137).contains(&body[0]) && (hop_limit != 255 || body[1] != 0) {
+        let neighbor_discovery = icmpv6::ROUTER_SOLICITATION..=icmpv6::REDIRECT;
+        if neighbor_discovery.contains(&body[0]) && (hop_limit != 255 || body[1] != 0) {
             self.c.bad_header.add(1);
             return;
         }
         let options = |from: usize| body.get(from..).and_then(lladdr_option);
         match body[0] {
-            133 => {
+            icmpv6::ROUTER_SOLICITATION => {
                 let mac = options(8);
                 if let (Some(mac), false) = (mac, src.is_unspecified()) {
                     self.neighbors6
@@ -329,7 +330,9 @@ impl Router {
                 self.solicited(port, src, mac, now, out);
             }
             // Neighbor solicitation for one of our addresses: advertise, and learn the asker.
-            135 if body.len() >= 24 && [me, ll].contains(&addr(body, 8)) => {
+            icmpv6::NEIGHBOR_SOLICITATION
+                if body.len() >= 24 && [me, ll].contains(&addr(body, 8)) =>
+            {
                 let target = addr(body, 8);
                 if let Some(mac) = options(24) {
                     if !src.is_unspecified() {
@@ -338,7 +341,7 @@ impl Router {
                     }
                 }
                 // Router + solicited + override.
-                let mut na = vec![136, 0, 0, 0, 0xe0, 0, 0, 0];
+                let mut na = vec![icmpv6::NEIGHBOR_ADVERTISEMENT, 0, 0, 0, 0xe0, 0, 0, 0];
                 na.extend_from_slice(&target.octets());
                 na.extend_from_slice(&[2, 1]);
                 na.extend_from_slice(&self.ifaces[port].mac);
@@ -354,16 +357,16 @@ impl Router {
                 }
             }
             // Neighbor advertisement: learn it.
-            136 if body.len() >= 24 => {
+            icmpv6::NEIGHBOR_ADVERTISEMENT if body.len() >= 24 => {
                 let target = addr(body, 8);
                 if let Some(mac) = options(24).or_else(|| d[6..12].try_into().ok()) {
                     self.neighbors6
                         .learn(port, target, mac, now, self.arp_timeout, out);
                 }
             }
-            128 if !dst.is_multicast() => {
+            icmpv6::ECHO_REQUEST if !dst.is_multicast() => {
                 let mut reply = body.to_vec();
-                reply[0] = 129;
+                reply[0] = icmpv6::ECHO_REPLY;
                 let mac = d[6..12].try_into().unwrap();
                 if let Some(r) = self.icmp6_frame(port, mac, dst, src, reply) {
                     self.c.echo_replies.add(1);
@@ -372,7 +375,12 @@ impl Router {
             }
             // Multicast listener queries and reports, other routers' advertisements,
             // solicitations for other hosts' addresses: not the router's business.
-            130..=132 | 143 | 134 | 135 => self.c.ignored.add(1),
+            icmpv6::MLD_QUERY
+            | icmpv6::MLD_REPORT
+            | icmpv6::MLD_DONE
+            | icmpv6::MLDV2_REPORT
+            | icmpv6::ROUTER_ADVERTISEMENT
+            | icmpv6::NEIGHBOR_SOLICITATION => self.c.ignored.add(1),
             _ => self.c.local_drops.add(1),
         }
     }
