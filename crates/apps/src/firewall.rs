@@ -210,10 +210,10 @@ pub fn protocol(p: &Proto) -> Result<u8, String> {
     match p {
         Proto::Number(n) => Ok(*n),
         Proto::Name(n) => match n.as_str() {
-            "tcp" => Ok(6),
-            "udp" => Ok(17),
-            "icmp" => Ok(1),
-            "icmpv6" => Ok(58),
+            "tcp" => Ok(ip_proto::TCP),
+            "udp" => Ok(ip_proto::UDP),
+            "icmp" => Ok(ip_proto::ICMP),
+            "icmpv6" => Ok(ip_proto::ICMPV6),
             _ => Err(format!(
                 "proto `{n}`: use tcp, udp, icmp, icmpv6 or a number"
             )),

@@ -157,8 +157,8 @@ pub struct Nat {
 
 fn proto_number(p: &str) -> Result<u8, String> {
     match p {
-        "tcp" => Ok(6),
-        "udp" => Ok(17),
+        "tcp" => Ok(ip_proto::TCP),
+        "udp" => Ok(ip_proto::UDP),
         _ => Err(format!("forward proto `{p}`: tcp or udp")),
     }
 }

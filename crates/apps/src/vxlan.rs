@@ -695,7 +695,10 @@ mod tests {
         let outer = v1.encapsulate(0, ip("2001:db8::2"), inner).unwrap();
         let d = outer.data();
         assert_eq!(outer.len(), 60 + OUTER6);
-        assert_eq!((&d[12..14], d[20], d[21]), (&[0x86, 0xdd][..], 17, 64));
+        assert_eq!(
+            (&d[12..14], d[20], d[21]),
+            (&ethertype::IPV6.to_be_bytes()[..], 17, 64)
+        );
         assert_eq!(Ipv6Packet::new_unchecked(&d[14..]).payload_len(), 16 + 60);
         let mut acc = checksum::sum(&d[22..54], 0) + 17 + 76;
         acc = checksum::sum(&d[54..], acc);

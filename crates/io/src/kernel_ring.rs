@@ -291,7 +291,7 @@ mod tests {
             &frame,
             (34, 16),
             1448,
-            (0x0123, [0x81, 0x00]),
+            (0x0123, ethertype::VLAN.to_be_bytes()),
         );
         let r = parse_record(&b).expect("parses");
         assert_eq!(r.frame, &frame[..]);

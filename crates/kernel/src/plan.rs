@@ -422,7 +422,7 @@ fn plan_firewall(c: firewall::FirewallConfig) -> Result<(Function, Vec<String>),
         };
         if let Some(p) = &r.proto {
             k.proto = firewall::protocol(p).map_err(at)?;
-            if k.proto == 58 {
+            if k.proto == stitch_wire::ip_proto::ICMPV6 {
                 return Err(at("icmpv6: the kernel firewall filters IPv4 only".into()));
             }
         }

@@ -7,8 +7,8 @@ use crate::oxm::{self, layout, Key, Layout};
 use stitch_core::Packet;
 use stitch_wire::be::{self, Put};
 use stitch_wire::checksum;
-use stitch_wire::ethertype;
 use stitch_wire::header::{self, arp, ethernet, icmp, ipv4, ipv6, nd, tcp, udp};
+use stitch_wire::{ethertype, ip_proto};
 
 pub const OUTPUT: u16 = 0;
 pub const COPY_TTL_OUT: u16 = 11;
@@ -209,7 +209,7 @@ fn parse_action(t: u16, a: &[u8], packet_out: bool) -> Result<Action, OfError> {
         PUSH_PBB => {
             fixed(8)?;
             let et = u16_at(4)?;
-            if et != 0x88e7 {
+            if et != ethertype::PBB {
                 return Err(ofp::BAD_ACTION_ARGUMENT);
             }
             Action::PushPbb(et)
@@ -580,13 +580,15 @@ fn patch(d: &mut [u8], at: usize, new: &[u8], sums: &[Option<Sum>]) {
 fn l4_sum(l: &Layout, pseudo: bool) -> Option<Sum> {
     let at = l.l4?;
     match l.ip_proto {
-        6 => Some(Sum::at(at + tcp::CHECKSUM.0)),
-        17 => Some(Sum {
+        ip_proto::TCP => Some(Sum::at(at + tcp::CHECKSUM.0)),
+        ip_proto::UDP => Some(Sum {
             at: at + udp::CHECKSUM.0,
             zero_is_none: l.ethertype == ethertype::IPV4,
         }),
-        1 if !pseudo && l.ethertype == ethertype::IPV4 => Some(Sum::at(at + icmp::CHECKSUM.0)),
-        58 => Some(Sum::at(at + icmp::CHECKSUM.0)),
+        ip_proto::ICMP if !pseudo && l.ethertype == ethertype::IPV4 => {
+            Some(Sum::at(at + icmp::CHECKSUM.0))
+        }
+        ip_proto::ICMPV6 => Some(Sum::at(at + icmp::CHECKSUM.0)),
         _ => None,
     }
 }
@@ -751,7 +753,7 @@ fn write_l4_field(d: &mut [u8], l: &Layout, id: u8, v: &[u8]) {
                 patch(d, l.l4.unwrap() + port.0, v, &[l4_sum(l, false)]);
             }
         }
-        SCTP_SRC | SCTP_DST if l.l4.is_some() && l.ip_proto == 132 => {
+        SCTP_SRC | SCTP_DST if l.l4.is_some() && l.ip_proto == ip_proto::SCTP => {
             let base = l.l4.unwrap();
             let port = if id == SCTP_SRC {
                 header::l4::SRC_PORT
@@ -761,24 +763,24 @@ fn write_l4_field(d: &mut [u8], l: &Layout, id: u8, v: &[u8]) {
             let at = base + port.0;
             sctp_patch(d, base, at, v);
         }
-        ICMPV4_TYPE | ICMPV4_CODE if v4 && l.ip_proto == 1 && l.l4.is_some() => {
+        ICMPV4_TYPE | ICMPV4_CODE if v4 && l.ip_proto == ip_proto::ICMP && l.l4.is_some() => {
             let at = l.l4.unwrap();
             let o = if id == ICMPV4_TYPE { 0 } else { 1 };
             patch(d, at + o, v, &[Some(Sum::at(at + icmp::CHECKSUM.0))]);
         }
-        ICMPV6_TYPE | ICMPV6_CODE if v6 && l.ip_proto == 58 && l.l4.is_some() => {
+        ICMPV6_TYPE | ICMPV6_CODE if v6 && l.ip_proto == ip_proto::ICMPV6 && l.l4.is_some() => {
             let at = l.l4.unwrap();
             let o = if id == ICMPV6_TYPE { 0 } else { 1 };
             patch(d, at + o, v, &[Some(Sum::at(at + icmp::CHECKSUM.0))]);
         }
-        IPV6_ND_TARGET if v6 && l.ip_proto == 58 && l.l4.is_some() => {
+        IPV6_ND_TARGET if v6 && l.ip_proto == ip_proto::ICMPV6 && l.l4.is_some() => {
             let at = l.l4.unwrap();
             if d.len() >= at + nd::TARGET.end {
                 let sum = Sum::at(at + icmp::CHECKSUM.0);
                 patch(d, at + nd::TARGET.start, v, &[Some(sum)]);
             }
         }
-        IPV6_ND_SLL | IPV6_ND_TLL if v6 && l.ip_proto == 58 && l.l4.is_some() => {
+        IPV6_ND_SLL | IPV6_ND_TLL if v6 && l.ip_proto == ip_proto::ICMPV6 && l.l4.is_some() => {
             let at = l.l4.unwrap();
             let kind = if id == IPV6_ND_SLL { 1 } else { 2 };
             let mut o = at + nd::OPTIONS;
@@ -944,7 +946,7 @@ mod tests {
         assert_eq!(&p.data()[..frame.len()], &frame[..]);
         assert_eq!(&p.data()[frame.len()..], &[0, 0, 0]);
         // PBB: backbone addresses copied from the customer's, I-TAG, then the frame.
-        rewrite(&mut p, &mut key, &Action::PushPbb(0x88e7));
+        rewrite(&mut p, &mut key, &Action::PushPbb(ethertype::PBB));
         rewrite(
             &mut p,
             &mut key,
@@ -956,7 +958,7 @@ mod tests {
         let k = Key::extract(p.data(), 1);
         assert_eq!(
             (k.u16(oxm::ETH_TYPE), k.get(oxm::PBB_ISID)),
-            (0x88e7, &[0, 0, 100][..])
+            (ethertype::PBB, &[0, 0, 100][..])
         );
         assert_eq!(&p.data()[..12], &frame[..12]);
         rewrite(&mut p, &mut key, &Action::PopPbb);

@@ -414,6 +414,27 @@ fn be_value(v: &[u8]) -> u64 {
     v.iter().fold(0u64, |a, b| a << 8 | *b as u64)
 }
 
+/// Whether IPv6 next header `next` is one of the extension headers the key's walk reads.
+#[inline]
+fn is_extension_header(next: u8) -> bool {
+    matches!(
+        next,
+        ip_proto::HOP_BY_HOP
+            | ip_proto::ROUTING
+            | ip_proto::FRAGMENT
+            | ip_proto::ESP
+            | ip_proto::AH
+            | ip_proto::NO_NEXT_HEADER
+            | ip_proto::DESTINATION_OPTIONS
+    )
+}
+
+/// Whether ICMPv6 type `t` carries a Neighbor Discovery target (solicitation, advertisement).
+#[inline]
+fn is_neighbor_discovery(t: u8) -> bool {
+    t == icmpv6::NEIGHBOR_SOLICITATION || t == icmpv6::NEIGHBOR_ADVERTISEMENT
+}
+
 /// OpenFlow 1.3 §7.2.3.8: a field is allowed only with its prerequisite matched exactly.
 fn check_prerequisites(tlvs: &[Tlv]) -> Result<(), OfError> {
     let exact = |id: u8| -> Option<u64> {
@@ -560,7 +581,7 @@ pub fn layout(frame: &[u8]) -> Layout {
     }
     l.ethertype = et;
     l.ethertype_at = et_at;
-    if et == 0x88e7 {
+    if et == ethertype::PBB {
         if frame.len() >= at + 4 {
             l.itag = Some(at);
         }
@@ -610,16 +631,16 @@ fn walk_ipv6_extensions(l3: &[u8]) -> (u8, usize, u16, bool) {
     let mut dest_seen = 0;
     loop {
         let (bit, this_rank) = match next {
-            0 => (HOP, 0),
-            60 => {
+            ip_proto::HOP_BY_HOP => (HOP, 0),
+            ip_proto::DESTINATION_OPTIONS => {
                 dest_seen += 1;
                 (DEST, if dest_seen == 1 { 1 } else { 6 })
             }
-            43 => (ROUTER, 2),
-            44 => (FRAG, 3),
-            51 => (AUTH, 4),
-            50 => (ESP, 5),
-            59 => (NONEXT, 7),
+            ip_proto::ROUTING => (ROUTER, 2),
+            ip_proto::FRAGMENT => (FRAG, 3),
+            ip_proto::AH => (AUTH, 4),
+            ip_proto::ESP => (ESP, 5),
+            ip_proto::NO_NEXT_HEADER => (NONEXT, 7),
             _ => break,
         };
         if bits & bit != 0 && !(bit == DEST && dest_seen == 2) {
@@ -630,20 +651,20 @@ fn walk_ipv6_extensions(l3: &[u8]) -> (u8, usize, u16, bool) {
         }
         rank = rank.max(this_rank);
         bits |= bit;
-        if matches!(next, 50 | 59) || l3.len() < off + 8 {
+        if matches!(next, ip_proto::ESP | ip_proto::NO_NEXT_HEADER) || l3.len() < off + 8 {
             break;
         }
         let here = next;
         next = l3[off];
         match here {
-            44 => {
+            ip_proto::FRAGMENT => {
                 let later = be16(l3, off + 2).unwrap_or(0) & 0xfff8 != 0;
                 off += 8;
                 if later {
                     return (next, off, bits, true);
                 }
             }
-            51 => off += (l3[off + 1] as usize + 2) * 4,
+            ip_proto::AH => off += (l3[off + 1] as usize + 2) * 4,
             _ => off += (l3[off + 1] as usize + 1) * 8,
         }
     }
@@ -708,11 +729,9 @@ impl Key {
                 )
             }
             // The extension headers walk_ipv6_extensions reads.
-            ethertype::IPV6
-                if l3.len() >= 40 && !matches!(l3[6], 0 | 43 | 44 | 50 | 51 | 59 | 60) =>
-            {
+            ethertype::IPV6 if l3.len() >= 40 && !is_extension_header(l3[6]) => {
                 let l4 = &l3[40..];
-                if l3[6] == 58 && l4.len() >= 24 && matches!(l4[0], 135 | 136) {
+                if l3[6] == ip_proto::ICMPV6 && l4.len() >= 24 && is_neighbor_discovery(l4[0]) {
                     return false;
                 }
                 (l3[6], Some(l4))
@@ -776,20 +795,20 @@ impl Key {
     #[inline(always)]
     fn put_transport(&mut self, ethertype: u16, proto: u8, l4: &[u8]) {
         match (ethertype, proto) {
-            (_, 6 | 17 | 132) if l4.len() >= 4 => {
+            (_, ip_proto::TCP | ip_proto::UDP | ip_proto::SCTP) if l4.len() >= 4 => {
                 let src = match proto {
-                    6 => at(TCP_SRC),
-                    17 => at(UDP_SRC),
+                    ip_proto::TCP => at(TCP_SRC),
+                    ip_proto::UDP => at(UDP_SRC),
                     _ => at(SCTP_SRC),
                 };
                 // Each protocol's source and destination ports are side by side in the key.
                 self.put::<4>(src, &l4[0..4]);
             }
-            (ethertype::IPV4, 1) if l4.len() >= 2 => {
+            (ethertype::IPV4, ip_proto::ICMP) if l4.len() >= 2 => {
                 self.0[at(ICMPV4_TYPE)] = l4[0];
                 self.0[at(ICMPV4_CODE)] = l4[1];
             }
-            (ethertype::IPV6, 58) if l4.len() >= 4 => {
+            (ethertype::IPV6, ip_proto::ICMPV6) if l4.len() >= 4 => {
                 self.0[at(ICMPV6_TYPE)] = l4[0];
                 self.0[at(ICMPV6_CODE)] = l4[1];
             }
@@ -848,9 +867,9 @@ impl Key {
         let Some(l4at) = l.l4 else { return };
         let l4 = &frame[l4at..];
         self.put_transport(l.ethertype, l.ip_proto, l4);
-        let neighbor_discovery = (l.ethertype, l.ip_proto) == (ethertype::IPV6, 58)
+        let neighbor_discovery = (l.ethertype, l.ip_proto) == (ethertype::IPV6, ip_proto::ICMPV6)
             && l4.len() >= nd::OPTIONS
-            && (l4[0] == 135 || l4[0] == 136);
+            && is_neighbor_discovery(l4[0]);
         if neighbor_discovery {
             self.put::<16>(at(IPV6_ND_TARGET), &l4[nd::TARGET]);
             let mut o = nd::OPTIONS;

@@ -317,8 +317,8 @@ pub mod ethernet {
 /// The checksum field of an IPv4 packet's transport header (ICMP's covers no addresses).
 pub fn l4_checksum(proto: u8) -> Field16 {
     match proto {
-        6 => tcp::CHECKSUM,
-        17 => udp::CHECKSUM,
+        crate::ip_proto::TCP => tcp::CHECKSUM,
+        crate::ip_proto::UDP => udp::CHECKSUM,
         _ => icmp::CHECKSUM,
     }
 }
@@ -373,15 +373,15 @@ pub fn rewrite_ipv4_endpoint(
     let cs = field.get(l4);
     let (old_addr, new_addr) = (u32::from(old_addr), u32::from(addr));
     let cs = match sum {
-        L4Sum::Full if proto == 17 && cs == 0 => return,
+        L4Sum::Full if proto == crate::ip_proto::UDP && cs == 0 => return,
         L4Sum::Partial => !checksum::update32(!cs, old_addr, new_addr),
         L4Sum::Full => {
             let mut cs = cs;
-            if proto != 1 {
+            if proto != crate::ip_proto::ICMP {
                 cs = checksum::update32(cs, old_addr, new_addr);
             }
             match checksum::update(cs, old_port, port) {
-                0 if proto == 17 => 0xffff,
+                0 if proto == crate::ip_proto::UDP => 0xffff,
                 cs => cs,
             }
         }
@@ -399,7 +399,7 @@ mod tests {
         let ip = Ipv4Packet::new_unchecked(&f[14..]);
         let l4 = &f[34..14 + ip.total_len() as usize];
         let pseudo = match u8::from(ip.next_header()) {
-            1 => 0,
+            crate::ip_proto::ICMP => 0,
             p => checksum::sum(&f[26..34], 0) + p as u64 + l4.len() as u64,
         };
         ip.verify_checksum() && checksum::finish(checksum::sum(l4, pseudo)) == 0

@@ -225,14 +225,14 @@ fn layout(f: &[u8]) -> Result<Layout, OffloadError> {
         _ => return Err(OffloadError::NotSegmentable),
     };
     let (tcp, payload) = match proto {
-        6 => {
+        crate::ip_proto::TCP => {
             let doff = (get(l4 + 12)? >> 4) as usize * 4;
             if doff < 20 {
                 return Err(OffloadError::NotSegmentable); // a TCP header is at least 20 bytes
             }
             (true, l4 + doff)
         }
-        17 => (false, l4 + 8),
+        crate::ip_proto::UDP => (false, l4 + 8),
         _ => return Err(OffloadError::NotSegmentable),
     };
     if payload > f.len() {
