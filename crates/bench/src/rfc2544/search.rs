@@ -62,6 +62,11 @@ struct Log {
 
 impl Log {
     /// Whether `rate` passes by the majority of its trials; and the least the tester offered.
+    ///
+    /// A trial the tester could not pace (a stall of the tester's own core) says nothing of the
+    /// device: once another trial at the rate was paced, it is run again, up to
+    /// `trials_per_rate` times more, instead of counting as a failure. A tester that paces no
+    /// trial at the rate fails it as before, after a majority of trials.
     fn judge(
         &mut self,
         rate: f64,
@@ -69,7 +74,7 @@ impl Log {
         trial: &mut impl FnMut(f64) -> Result<Outcome>,
     ) -> Result<(bool, f64)> {
         let needed = bounds.trials_per_rate / 2 + 1;
-        let (mut passed, mut failed, mut offered) = (0, 0, f64::INFINITY);
+        let (mut passed, mut failed, mut short, mut offered) = (0, 0, 0, f64::INFINITY);
         while passed < needed && failed < needed {
             let o = trial(rate)?;
             self.trials.push((rate, o));
@@ -78,10 +83,16 @@ impl Log {
             let kept = o.loss_ratio <= bounds.loss_ratio;
             self.short |= !tester_kept_up;
             self.device_failed |= tester_kept_up && !kept;
-            if tester_kept_up && kept {
-                passed += 1;
-            } else {
-                failed += 1;
+            match (tester_kept_up, kept) {
+                (true, true) => passed += 1,
+                (true, false) => failed += 1,
+                (false, _) => {
+                    short += 1;
+                    let paced = passed + failed > 0;
+                    if (!paced && short >= needed) || short > bounds.trials_per_rate {
+                        failed = needed;
+                    }
+                }
             }
         }
         Ok((passed >= needed, offered))
@@ -227,6 +238,61 @@ mod tests {
             "{found:?}"
         );
         assert!((69_000.0..=70_000.0).contains(&found.rate_pps), "{found:?}");
+    }
+
+    #[test]
+    fn a_trial_the_tester_could_not_pace_is_run_again_not_held_against_the_device() {
+        // Forwards up to 400 000/s. At the first rate it can forward, one trial loses 1 % to
+        // a host stall and the next falls behind (the tester's core stalled: 5 % short).
+        let tester = || {
+            let (mut first, mut n) = (None, 0);
+            move |rate: f64| {
+                if rate <= 400_000.0 && first.is_none() {
+                    first = Some(rate);
+                }
+                if first == Some(rate) {
+                    n += 1;
+                }
+                let offered = if first == Some(rate) && n == 3 {
+                    rate * 0.95
+                } else {
+                    rate
+                };
+                let stall = if first == Some(rate) && n == 2 {
+                    0.01
+                } else {
+                    0.0
+                };
+                Ok(Outcome {
+                    offered_pps: offered,
+                    loss_ratio: ((offered - 400_000.0) / offered).max(stall),
+                })
+            }
+        };
+        let three = Bounds {
+            trials_per_rate: 3,
+            ..bounds(1_000_000.0, 1_000.0, 0.0, 0.0)
+        };
+        let found = highest_rate(three, tester()).unwrap();
+        assert!(
+            (399_000.0..=400_000.0).contains(&found.rate_pps),
+            "{found:?}"
+        );
+        // A tester that never keeps up at a rate still fails it, after a majority of trials.
+        let slow = |rate: f64| {
+            Ok(Outcome {
+                offered_pps: rate.min(40_000.0),
+                loss_ratio: 0.0,
+            })
+        };
+        let found = highest_rate(three, slow).unwrap();
+        assert!(found.rate_pps <= 40_000.0 / OFFERED_AT_LEAST, "{found:?}");
+        let at_top = found
+            .trials
+            .iter()
+            .filter(|(r, _)| *r == 1_000_000.0)
+            .count();
+        assert_eq!(at_top, 2, "{found:?}");
     }
 
     #[test]
