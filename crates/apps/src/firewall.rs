@@ -862,9 +862,8 @@ impl App for Firewall {
                 };
                 // Neighbor Discovery (RFC 4861, ICMPv6 133–137) is what makes IPv6 work on a
                 // link at all: it passes like ARP does.
-                let neighbor_discovery = icmpv6::ROUTER_SOLICITATION..=icmpv6::REDIRECT;
                 if f.protocol == ip_proto::ICMPV6
-                    && f.icmp_type.is_some_and(|t| neighbor_discovery.contains(&t))
+                    && f.icmp_type.is_some_and(icmpv6::is_neighbor_discovery)
                 {
                     self.ndp.add(1);
                     transmit_to(&mut outputs[other], p);

@@ -11,7 +11,7 @@
 //! rate meter added and removed by the live changes).
 
 use crate::upgrade::{Hops, Rig, Stream, Traffic};
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{bail, Context, Result};
 use serde_json::Value;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -225,8 +225,10 @@ fn settle(rig: &Rig, traffic: &Traffic, rate: u64) -> Result<Sample> {
 }
 
 /// Fails when frames sent before the look `before` still missed at the look `now`, a period
-/// later, outnumber every drop the instance counted by `now`.
+/// later, outnumber every drop the instance counted by `now`; the failure says where the
+/// instance counted its drops.
 fn check_accounted(
+    rig: &Rig,
     traffic: &Traffic,
     rate: u64,
     before: &Sample,
@@ -237,12 +239,13 @@ fn check_accounted(
     if missing > now.counted {
         bail!(
             "{} frames vanished: {missing} sent by {:.0} s still missing at {:.0} s, the \
-             counters account for {}\n{}",
+             counters account for {}\n{}\n{}",
             missing - now.counted,
             before.at_s - 0.5,
             now.at_s,
             now.counted,
-            where_lost(traffic, rate, before.at_s - 0.5)
+            where_lost(traffic, rate, before.at_s - 0.5),
+            drops_by_place(rig)
         );
     }
     Ok(())
@@ -452,8 +455,7 @@ pub fn run(args: SoakArgs) -> Result<()> {
             // A frame may be late (a stall on a loaded machine): it has vanished when, a period
             // after the last look, it still has not come and no counter says it was dropped.
             if let Some(before) = samples.last() {
-                check_accounted(&traffic, args.rate, before, &s, settled.lost)
-                    .map_err(|e| anyhow!("{e}\n{}", drops_by_place(&rig)))?;
+                check_accounted(&rig, &traffic, args.rate, before, &s, settled.lost)?;
             }
             samples.push(s);
             i += 1;
@@ -463,8 +465,7 @@ pub fn run(args: SoakArgs) -> Result<()> {
             std::thread::sleep(Duration::from_secs_f64(args.period));
             let mut s = sample(&rig, &traffic, args.rate, "last look")?;
             s.counted -= settled.counted.min(s.counted);
-            check_accounted(&traffic, args.rate, last, &s, settled.lost)
-                .map_err(|e| anyhow!("{e}\n{}", drops_by_place(&rig)))?;
+            check_accounted(&rig, &traffic, args.rate, last, &s, settled.lost)?;
         }
         Ok(samples)
     })();

@@ -123,40 +123,36 @@ impl Rig {
             let _ = Command::new("ip").args(["link", "del", v]).status();
         }
         let _ = std::fs::remove_dir_all(format!("/var/run/dpdk/{}", self.guest_prefix()));
-        let key = stitch_place::leftovers::key_of_socket(&self.socket());
-        let names = stitch_place::kernel::KernelNames::of(&key);
-        let plane = Path::new("/sys/fs/bpf/stitch").join(&names.plane);
+        let plane = Path::new("/sys/fs/bpf/stitch").join(&self.kernel_names().plane);
         if plane.exists() {
             left.push(format!("its kernel data plane {}", plane.display()));
         }
-        let veths = std::fs::read_dir("/sys/class/net")
-            .into_iter()
-            .flatten()
-            .flatten();
-        for v in veths.filter(|v| {
-            v.file_name()
-                .to_string_lossy()
-                .starts_with(&names.veth_prefix)
-        }) {
-            left.push(format!("the veth {}", v.file_name().to_string_lossy()));
+        for v in self.kernel_veths() {
+            left.push(format!("the veth {v}"));
         }
         left
     }
 
+    /// The names of the instance's kernel data plane (its pinned folder, its veths' prefix).
+    fn kernel_names(&self) -> stitch_place::kernel::KernelNames {
+        let key = stitch_place::leftovers::key_of_socket(&self.socket());
+        stitch_place::kernel::KernelNames::of(&key)
+    }
+
+    /// The veths of the instance's kernel data plane that exist now.
+    fn kernel_veths(&self) -> Vec<String> {
+        let prefix = self.kernel_names().veth_prefix;
+        let dir = std::fs::read_dir("/sys/class/net").into_iter().flatten();
+        dir.flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with(&prefix))
+            .collect()
+    }
+
     /// The rig's veths, both ends, and those of the instance's kernel data plane.
     pub(crate) fn interfaces(&self) -> Vec<String> {
-        let key = stitch_place::leftovers::key_of_socket(&self.socket());
-        let prefix = stitch_place::kernel::KernelNames::of(&key).veth_prefix;
-        let mut names: Vec<String> = (self.veths.iter())
-            .flat_map(|v| [v.clone(), format!("{v}s")])
-            .collect();
-        let dir = std::fs::read_dir("/sys/class/net").into_iter().flatten();
-        names.extend(
-            dir.flatten()
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| n.starts_with(&prefix)),
-        );
-        names
+        let ends = self.veths.iter().flat_map(|v| [v.clone(), format!("{v}s")]);
+        ends.chain(self.kernel_veths()).collect()
     }
 
     /// Two veth pairs (`PREFIX…a`/`…as`, `…b`/`…bs`) and the graph file between their inner ends.

@@ -431,7 +431,7 @@ fn is_extension_header(next: u8) -> bool {
 
 /// Whether ICMPv6 type `t` carries a Neighbor Discovery target (solicitation, advertisement).
 #[inline]
-fn is_neighbor_discovery(t: u8) -> bool {
+fn carries_nd_target(t: u8) -> bool {
     t == icmpv6::NEIGHBOR_SOLICITATION || t == icmpv6::NEIGHBOR_ADVERTISEMENT
 }
 
@@ -731,7 +731,7 @@ impl Key {
             // The extension headers walk_ipv6_extensions reads.
             ethertype::IPV6 if l3.len() >= 40 && !is_extension_header(l3[6]) => {
                 let l4 = &l3[40..];
-                if l3[6] == ip_proto::ICMPV6 && l4.len() >= 24 && is_neighbor_discovery(l4[0]) {
+                if l3[6] == ip_proto::ICMPV6 && l4.len() >= 24 && carries_nd_target(l4[0]) {
                     return false;
                 }
                 (l3[6], Some(l4))
@@ -869,7 +869,7 @@ impl Key {
         self.put_transport(l.ethertype, l.ip_proto, l4);
         let neighbor_discovery = (l.ethertype, l.ip_proto) == (ethertype::IPV6, ip_proto::ICMPV6)
             && l4.len() >= nd::OPTIONS
-            && is_neighbor_discovery(l4[0]);
+            && carries_nd_target(l4[0]);
         if neighbor_discovery {
             self.put::<16>(at(IPV6_ND_TARGET), &l4[nd::TARGET]);
             let mut o = nd::OPTIONS;

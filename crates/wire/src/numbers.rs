@@ -97,6 +97,12 @@ pub mod icmpv6 {
     /// Destination unreachable: the source address failed the ingress/egress policy.
     pub const CODE_SOURCE_POLICY_FAILED: u8 = 5;
 
+    /// Whether an ICMPv6 message of type `t` is one of Neighbor Discovery's (RFC 4861: router
+    /// and neighbour solicitation and advertisement, redirect).
+    pub const fn is_neighbor_discovery(t: u8) -> bool {
+        t >= ROUTER_SOLICITATION && t <= REDIRECT
+    }
+
     /// Whether an ICMPv6 message of type `t` is one of the errors RFC 4443 defines, which
     /// quote the packet they are about.
     pub const fn is_error(t: u8) -> bool {

@@ -314,8 +314,7 @@ impl Router {
         let ll = self.ifaces[port].ll6.unwrap_or(me);
         // Neighbor Discovery must come from the link itself (RFC 4861 §6.1, §7.1).
         let hop_limit = ipv6::HOP_LIMIT.get(&d[IP..]);
-        let neighbor_discovery = icmpv6::ROUTER_SOLICITATION..=icmpv6::REDIRECT;
-        if neighbor_discovery.contains(&body[0]) && (hop_limit != 255 || body[1] != 0) {
+        if icmpv6::is_neighbor_discovery(body[0]) && (hop_limit != 255 || body[1] != 0) {
             self.c.bad_header.add(1);
             return;
         }

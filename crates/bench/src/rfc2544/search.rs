@@ -89,8 +89,9 @@ impl Log {
                 (false, _) => {
                     short += 1;
                     let paced = passed + failed > 0;
+                    // The rate fails: no majority of passes came.
                     if (!paced && short >= needed) || short > bounds.trials_per_rate {
-                        failed = needed;
+                        break;
                     }
                 }
             }

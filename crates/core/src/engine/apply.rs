@@ -724,11 +724,16 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_worker_lost_while_the_second_of_three_parks_leaves_the_others_running() {
+    /// A registry of `beat` apps.
+    fn beats_only() -> Arc<Registry> {
         let mut r = Registry::new();
         r.register(AppType::of::<Beat>("beat", "counts its breaths"));
-        let r = Arc::new(r);
+        Arc::new(r)
+    }
+
+    #[test]
+    fn a_worker_lost_while_the_second_of_three_parks_leaves_the_others_running() {
+        let r = beats_only();
         let engine = Engine::new(r.clone());
         let text = "apps:\n  one: {type: beat, worker: w1}\n  two: {type: beat, worker: w2}\n  three: {type: beat, worker: w3}\n";
         let graph = Graph::parse(text, "t.yaml", Path::new("."), &r).unwrap();
@@ -769,9 +774,7 @@ mod tests {
 
     #[test]
     fn after_a_panic_of_the_engine_itself_changes_are_refused_and_counters_still_read() {
-        let mut r = Registry::new();
-        r.register(AppType::of::<Beat>("beat", "counts its breaths"));
-        let r = Arc::new(r);
+        let r = beats_only();
         let engine = Arc::new(Engine::new(r.clone()));
         let text = "apps:\n  one: {type: beat}\n";
         let graph = Graph::parse(text, "t.yaml", Path::new("."), &r).unwrap();

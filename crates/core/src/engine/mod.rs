@@ -134,11 +134,7 @@ fn caught<T>(
 impl EngineError {
     /// Whether the error is an app's panic ([`AppPanicked`]).
     fn is_panic(&self) -> bool {
-        match self {
-            EngineError::Build { source, .. } => source.is::<AppPanicked>(),
-            EngineError::RolledBack(e) => e.is_panic(),
-            _ => false,
-        }
+        matches!(self, EngineError::Build { source, .. } if source.is::<AppPanicked>())
     }
 }
 
