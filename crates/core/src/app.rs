@@ -146,25 +146,21 @@ impl Io {
     }
 
     /// Tags this app's end of its first output's link and of its first input's link with
-    /// `tag` (what it says it is, for the app at the other end: [`crate::link::EndTag`]),
-    /// once per link: `tagged` remembers the rings tagged so far.
-    pub fn tag_ends<T: std::any::Any + Send + Sync>(
-        &mut self,
-        tag: &std::sync::Arc<T>,
-        tagged: &mut [usize; 2],
-    ) {
+    /// `ends`' tag (what it says it is, for the app at the other end:
+    /// [`crate::link::EndTag`]), once per link.
+    pub fn tag_ends(&mut self, ends: &mut crate::link::TaggedEnds) {
         if let Some(o) = self.output(0) {
             let r = std::sync::Arc::as_ptr(o.ring()) as usize;
-            if tagged[0] != r {
-                o.ring().tag_producer_end(tag.clone());
-                tagged[0] = r;
+            if ends.tagged[0] != r {
+                o.ring().tag_producer_end(ends.tag.clone());
+                ends.tagged[0] = r;
             }
         }
         if let Some(i) = self.input(0) {
             let r = std::sync::Arc::as_ptr(i.ring()) as usize;
-            if tagged[1] != r {
-                i.ring().tag_consumer_end(tag.clone());
-                tagged[1] = r;
+            if ends.tagged[1] != r {
+                i.ring().tag_consumer_end(ends.tag.clone());
+                ends.tagged[1] = r;
             }
         }
     }

@@ -79,8 +79,37 @@ pub trait LinkTap: Send + Sync {
 
 /// An app's description of itself at its end of a link, set once per link. An app that can
 /// take part in something beyond packets — a function port that can be joined straight to
-/// another (the inter-VNF bypass) — says so here, and the app at the other end downcasts it.
-pub type EndTag = Arc<dyn Any + Send + Sync>;
+/// another (the inter-VNF bypass), or that can read an interface's rings itself — says so
+/// here, one facet per role, and the app at the other end asks for the facet it knows.
+#[derive(Clone)]
+pub struct EndTag(Arc<[Arc<dyn Any + Send + Sync>]>);
+
+impl EndTag {
+    /// A tag of these facets, each a value of a type of its own.
+    pub fn new(facets: Vec<Arc<dyn Any + Send + Sync>>) -> EndTag {
+        EndTag(facets.into())
+    }
+
+    /// The facet of type `T`, if the app gave one.
+    pub fn get<T: Any + Send + Sync>(&self) -> Option<Arc<T>> {
+        (self.0.iter()).find_map(|f| f.clone().downcast::<T>().ok())
+    }
+}
+
+/// An app's tag and the links (by ring) it has tagged with it so far ([`crate::Io::tag_ends`]).
+pub struct TaggedEnds {
+    pub(crate) tag: EndTag,
+    pub(crate) tagged: [usize; 2],
+}
+
+impl TaggedEnds {
+    pub fn new(tag: EndTag) -> TaggedEnds {
+        TaggedEnds {
+            tag,
+            tagged: [0; 2],
+        }
+    }
+}
 
 // SAFETY: slots are accessed only by the single producer (writes) and the single consumer
 // (reads), with ownership handed over by the release/acquire pair on `tail` and `head`.

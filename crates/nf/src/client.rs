@@ -17,7 +17,6 @@ use crate::shm::{
     self, ChannelHeader, Consumer, Desc, Layout, Mapping, Producer, Region, RingView, SteerHeader,
     FLAG_DROP, FLAG_STEERED,
 };
-use crate::xsk;
 use serde_json::Value;
 use std::io::{self, Write};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
@@ -72,7 +71,7 @@ struct SteeredInput {
 struct SteeredQueue {
     /// Polled (POLLIN) by a blocking function, beside its doorbell.
     socket: OwnedFd,
-    rx: xsk::Ring,
+    rx: stitch_xsk::Ring,
     umem: Mapping,
 }
 
@@ -105,8 +104,8 @@ impl SteeredInput {
             };
             let ring_size = u32::try_from(field("ring_size")?)
                 .map_err(|_| invalid("steered ring too large"))?;
-            let mut rx = xsk::Ring::map_rx(socket.as_fd(), ring_size).map_err(invalid)?;
-            rx.local = field("start")? as u32;
+            let mut rx = stitch_xsk::Ring::map_rx(socket.as_fd(), ring_size).map_err(invalid)?;
+            rx.seek(field("start")? as u32);
             let umem = shm::map(umem.as_fd(), field("umem_len")? as usize, false)?;
             queues.push(SteeredQueue { socket, rx, umem });
         }
@@ -632,8 +631,8 @@ impl Function {
             let n = (waiting as usize).min(room as usize).min(max - done);
             let queue = &mut input.queues[q];
             for _ in 0..n {
-                let i = queue.rx.local;
-                let (addr, len) = queue.rx.desc(i);
+                let i = queue.rx.position();
+                let (addr, len) = queue.rx.desc(0);
                 let frame = usize::try_from(addr)
                     .ok()
                     .and_then(|at| queue.umem.bytes_mut(at, len as usize));
@@ -650,7 +649,7 @@ impl Function {
                     len,
                     stamp_lo: 0,
                 });
-                queue.rx.local = i.wrapping_add(1);
+                queue.rx.read_past(1);
             }
             done += n;
         }

@@ -53,7 +53,7 @@ pub struct PortShared {
     pub direct: Mutex<DirectSlots>,
     /// An interface's sockets offered to this port's function ([`crate::steer`]), put here by
     /// the interface and cleared by the port once it is done with them.
-    pub steer: Mutex<Option<Arc<crate::steer::SteerOffer>>>,
+    pub steer: Mutex<Option<Arc<stitch_xsk::lend::SteerOffer>>>,
     /// Devices QEMU refused to plug into this port's guest ([`crate::guest`]).
     pub guest_plug_refusals: AtomicU64,
     /// When QEMU last refused a direct channel into this port's guest: no channel is offered

@@ -11,7 +11,7 @@
 //!   side.
 //! - [`steer`]: an interface's frames read by a function straight from the interface's AF_XDP
 //!   sockets (the NIC's flow director steering each function's flows, as in fine-grained NFs), on
-//!   [`xsk`]'s rings.
+//!   `stitch-xsk`'s rings.
 //! - [`listener`]: the attach socket (one JSON line each way plus SCM_RIGHTS).
 //! - [`ffi`]: the same library for C (`include/stitch_nf.h`, `libstitch_nf.so`).
 
@@ -28,7 +28,6 @@ pub mod peers;
 pub mod port;
 pub mod shm;
 pub mod steer;
-pub mod xsk;
 
 use stitch_core::{AppType, Registry};
 

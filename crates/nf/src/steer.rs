@@ -23,65 +23,39 @@
 //!    again (through the engine), so no frame leaks and nothing it gave back is lost.
 
 use crate::shm::{self, Desc, Mapping, Region, SteerHeader, FLAG_DROP};
-use crate::xsk::Ring;
 use serde::{Deserialize, Serialize};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::Ordering;
 use stitch_core::{pool, Packet};
+use stitch_xsk::Ring;
 
-/// The interface stopped reading; the port has not sent the sockets yet.
-pub const OFFERED: u32 = 0;
-/// The function reads the rings.
-pub const FUNCTION: u32 = 1;
-/// The port gave everything back (or declined): the interface reads its sockets again.
-pub const DONE: u32 = 2;
+pub use stitch_xsk::lend::{SteerOffer, SteerQueue, DONE, FUNCTION, OFFERED};
 
-/// One queue's steering socket, lent to a function.
-pub struct SteerQueue {
-    pub socket: OwnedFd,
-    /// The UMEM the socket receives into (the queue's socket's, shared).
-    pub umem: OwnedFd,
-    pub umem_len: usize,
-    pub ring_size: u32,
-    /// The receive ring's index the function starts at.
-    pub start: u32,
-    /// The ring index up to which frames were given back: the interface refills and moves
-    /// the consumer up to it.
-    pub returned: AtomicU32,
-}
-
-/// What an interface offers a function port: its sockets for one steering port.
-pub struct SteerOffer {
-    /// For logs: the interface and the port of it that steers here.
-    pub from: String,
-    pub queues: Vec<SteerQueue>,
-    /// [`OFFERED`], [`FUNCTION`] or [`DONE`]; the port moves it.
-    pub phase: AtomicU32,
-    /// Complete a TCP/UDP checksum that holds only the pseudo-header sum (a local sender's
-    /// offload, which XDP does not see), as the interface does for what it receives.
-    pub complete_checksums: bool,
-    /// The interface wants its sockets back (its graph changed, it is stopping).
-    pub end: AtomicBool,
-}
-
-impl SteerOffer {
-    pub fn phase(&self) -> u32 {
-        self.phase.load(Ordering::Acquire)
+impl stitch_xsk::lend::RingBorrower for crate::listener::PortShared {
+    fn name(&self) -> &str {
+        &self.name
     }
 
-    /// The port is done with it: the interface may read again from each `returned`.
-    pub fn finish(&self) {
-        self.phase.store(DONE, Ordering::Release);
+    fn reader(&self) -> Option<u64> {
+        self.current.lock().unwrap().as_ref().map(|c| c.generation)
+    }
+
+    fn offer_slot(&self) -> &std::sync::Mutex<Option<std::sync::Arc<SteerOffer>>> {
+        &self.steer
+    }
+
+    fn notify(&self) {
+        self.changed.store(true, Ordering::Release);
     }
 }
 
 /// One queue as the port reads it: the ring's descriptors and the frames they name.
 struct PortQueue {
+    /// Read from the ring index of the next frame the function must give back.
     rx: Ring,
     umem: Mapping,
-    /// The ring index of the next frame the function must give back.
-    next: u32,
-    /// The kernel's producer index as last read: read again only when `next` reaches it.
+    /// The kernel's producer index as last read: read again only when the next frame
+    /// reaches it.
     received: u32,
 }
 
@@ -129,13 +103,13 @@ impl Steering {
     pub fn new(offer: std::sync::Arc<SteerOffer>) -> Result<Steering, String> {
         let mut queues = Vec::new();
         for q in &offer.queues {
-            let rx = Ring::map_rx(q.socket.as_fd(), q.ring_size)?;
+            let mut rx = Ring::map_rx(q.socket.as_fd(), q.ring_size)?;
+            rx.seek(q.start);
             let umem = shm::map(q.umem.as_fd(), q.umem_len, false)
                 .map_err(|e| format!("cannot map the interface's UMEM: {e}"))?;
             queues.push(PortQueue {
                 rx,
                 umem,
-                next: q.start,
                 received: q.start,
             });
         }
@@ -168,7 +142,7 @@ impl Steering {
                 .map(|(o, q)| QueueAt {
                     ring_size: o.ring_size,
                     umem_len: o.umem_len,
-                    next: q.next,
+                    next: q.rx.position(),
                 })
                 .collect(),
         }
@@ -249,15 +223,16 @@ impl Steering {
         };
         // The next frame, and one the kernel has put in the ring: what the interface puts
         // back in its fill ring never goes past what it received.
-        if q.received.wrapping_sub(q.next) as i32 <= 0 {
-            q.received = q.rx.prod().load(Ordering::Acquire);
+        let next = q.rx.position();
+        if q.received.wrapping_sub(next) as i32 <= 0 {
+            q.received = q.rx.produced();
         }
-        if d.buffer != q.next || q.received.wrapping_sub(q.next) as i32 <= 0 {
+        if d.buffer != next || q.received.wrapping_sub(next) as i32 <= 0 {
             taken.bad += 1;
             return;
         }
-        let (addr, len) = q.rx.desc(q.next);
-        q.next = q.next.wrapping_add(1);
+        let (addr, len) = q.rx.desc(0);
+        q.rx.read_past(1);
         if d.flags & FLAG_DROP != 0 {
             return;
         }
@@ -289,7 +264,7 @@ impl Steering {
     /// Tells the interface how far the function's frames came back.
     pub fn publish(&self) {
         for (q, o) in self.queues.iter().zip(&self.offer.queues) {
-            o.returned.store(q.next, Ordering::Release);
+            o.returned.store(q.rx.position(), Ordering::Release);
         }
     }
 

@@ -27,7 +27,7 @@ pub(crate) struct Channel {
 
 /// The function port at a link end, if it is one.
 fn function_port(tag: Option<&stitch_core::link::EndTag>) -> Option<Arc<PortShared>> {
-    tag.and_then(|t| t.clone().downcast::<PortShared>().ok())
+    tag.and_then(|t| t.get::<PortShared>())
 }
 
 /// The two function ports a pair joins, as the links say now: the one feeding input `from` and

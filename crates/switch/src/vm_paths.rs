@@ -25,7 +25,7 @@ pub(crate) struct VmPath {
 }
 
 fn vm_port(tag: Option<&stitch_core::link::EndTag>) -> Option<Arc<VmPort>> {
-    tag.and_then(|t| t.clone().downcast::<VmPort>().ok())
+    tag.and_then(|t| t.get::<VmPort>())
 }
 
 /// The two VM ports a pair joins, as the links say now, and the link toward B.

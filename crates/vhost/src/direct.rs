@@ -217,7 +217,7 @@ impl crate::VhostUser {
     /// Says on each of its links "a VM port is here", so that a switch at the other end can
     /// join it to another directly.
     pub(crate) fn tag_link_ends(&mut self, io: &mut stitch_core::Io) {
-        io.tag_ends(&self.port, &mut self.tagged);
+        io.tag_ends(&mut self.tagged);
     }
 
     /// Takes a path a switch offered, and follows its switch-over; `sent` is what this port

@@ -157,8 +157,8 @@ pub struct VhostUser {
     egress: policy::Direction,
     /// This port as a switch sees it at its links' ends (for direct paths between VMs).
     port: Arc<VmPort>,
-    /// The links (by ring) this port has tagged with `port`.
-    tagged: [usize; 2],
+    /// `port` as its links' ends say it, and the links tagged so far.
+    tagged: stitch_core::link::TaggedEnds,
     /// A direct path from this port's guest to another port's ([`direct`]).
     direct: Option<Arc<VmDirect>>,
     /// The burst of the guest's chains being copied on a direct path: their segments, and
@@ -332,8 +332,10 @@ impl App for VhostUser {
             mac,
             ingress,
             egress,
+            tagged: stitch_core::link::TaggedEnds::new(stitch_core::link::EndTag::new(vec![
+                port.clone()
+            ])),
             port,
-            tagged: [0; 2],
             direct: None,
             direct_segs: Vec::with_capacity(BURST * 2),
             direct_chains: Vec::with_capacity(BURST),

@@ -51,8 +51,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use stitch_core::app::{AppContext, AppError, Counter, Io, PortSpec, Reconfigured};
+use stitch_core::link::{EndTag, TaggedEnds};
 use stitch_core::Packet;
 use stitch_core::{pool, App};
+use stitch_xsk::lend::RingBorrower;
 
 #[derive(Debug, Clone, Copy, Deserialize, Default, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
@@ -413,8 +415,9 @@ pub struct NfPort {
     listener: Arc<Listener>,
     active: Option<Active>,
     leaving: Vec<Leaving>,
-    /// The links this port has tagged as its ends (a switch recognises function ports by them).
-    tagged: [usize; 2],
+    /// What this port says it is at its links' ends — a function port a switch can join to
+    /// another, a reader of an interface's rings — and the links tagged so far.
+    tagged: TaggedEnds,
     direct_packets: Counter,
     /// Frames the function read straight from an interface's rings and forwarded.
     steered: Counter,
@@ -486,12 +489,16 @@ impl App for NfPort {
         *shared.peers.lock().unwrap() =
             crate::peers::Peers::named(&c.allow_users, &c.allow_groups)?;
         listener.register(shared.clone())?;
+        let tagged = TaggedEnds::new(EndTag::new(vec![
+            shared.clone(),
+            Arc::new(shared.clone() as Arc<dyn RingBorrower>),
+        ]));
         let mut port = NfPort {
             shared,
             listener,
             active: None,
             leaving: Vec::new(),
-            tagged: [0; 2],
+            tagged,
             direct_packets: ctx.counter("direct_channel_packets"),
             steered: ctx.counter("steered_packets"),
             batch: c.batch,
@@ -831,7 +838,7 @@ impl NfPort {
     /// can offer it a direct channel.
     fn tag_link_ends(&mut self, io: &mut Io) {
         if self.shared.settings.zero_copy {
-            io.tag_ends(&self.shared, &mut self.tagged);
+            io.tag_ends(&mut self.tagged);
         }
     }
 
