@@ -33,6 +33,7 @@ pub fn run(data: &[u8]) {
     let Ok(mem) = GuestMemory::map(&[region], vec![fd]) else {
         return;
     };
+    let mem = std::sync::Arc::new(mem);
     let base = mem.gpa(GPA, SIZE as u64).unwrap();
     let n = data.len().min(SIZE);
     unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), base, n) };
@@ -42,7 +43,7 @@ pub fn run(data: &[u8]) {
     let mut segs = Vec::new();
     for _ in 0..ring.pending().min(16) {
         let Ok(head) = ring.next_head() else { break };
-        if ring.chain(&mem, head, &mut segs).is_ok() {
+        if ring.chain(head, &mut segs).is_ok() {
             for s in &segs {
                 let start = s.ptr as usize - base as usize;
                 assert!(start + s.len as usize <= SIZE);

@@ -38,10 +38,9 @@ pub unsafe extern "C" fn stitch_nf_attach(
         set_error("socket and port must not be NULL");
         return std::ptr::null_mut();
     }
-    let (Ok(socket), Ok(port)) = (
-        CStr::from_ptr(socket).to_str(),
-        CStr::from_ptr(port).to_str(),
-    ) else {
+    // SAFETY: both are non-null (checked above) NUL-terminated strings (the caller's contract).
+    let (socket, port) = unsafe { (CStr::from_ptr(socket), CStr::from_ptr(port)) };
+    let (Ok(socket), Ok(port)) = (socket.to_str(), port.to_str()) else {
         set_error("socket and port must be UTF-8");
         return std::ptr::null_mut();
     };
@@ -65,7 +64,10 @@ pub unsafe extern "C" fn stitch_nf_poll(
     cb: Callback,
     user: *mut c_void,
 ) -> c_int {
-    let Some(f) = f.as_mut() else { return -1 };
+    // SAFETY: `f` is null or a live Function from `stitch_nf_attach` (the caller's contract).
+    let Some(f) = (unsafe { f.as_mut() }) else {
+        return -1;
+    };
     match f.poll(max as usize, |frame| verdict(cb, frame, user)) {
         Ok(n) => n as c_int,
         Err(e) => {
@@ -81,7 +83,10 @@ pub unsafe extern "C" fn stitch_nf_poll(
 /// `f` must come from `stitch_nf_attach`.
 #[no_mangle]
 pub unsafe extern "C" fn stitch_nf_wait(f: *mut Function) -> c_int {
-    let Some(f) = f.as_mut() else { return -1 };
+    // SAFETY: as in `stitch_nf_poll`.
+    let Some(f) = (unsafe { f.as_mut() }) else {
+        return -1;
+    };
     match f.wait() {
         Ok(()) => 0,
         Err(e) => {
@@ -97,7 +102,10 @@ pub unsafe extern "C" fn stitch_nf_wait(f: *mut Function) -> c_int {
 /// `f` must come from `stitch_nf_attach`.
 #[no_mangle]
 pub unsafe extern "C" fn stitch_nf_run(f: *mut Function, cb: Callback, user: *mut c_void) -> c_int {
-    let Some(f) = f.as_mut() else { return -1 };
+    // SAFETY: as in `stitch_nf_poll`.
+    let Some(f) = (unsafe { f.as_mut() }) else {
+        return -1;
+    };
     match f.run(|frame| verdict(cb, frame, user)) {
         Ok(()) => 0,
         Err(e) => {
@@ -113,7 +121,8 @@ pub unsafe extern "C" fn stitch_nf_run(f: *mut Function, cb: Callback, user: *mu
 /// `f` must come from `stitch_nf_attach`.
 #[no_mangle]
 pub unsafe extern "C" fn stitch_nf_is_blocking(f: *const Function) -> c_int {
-    f.as_ref().is_some_and(Function::is_blocking) as c_int
+    // SAFETY: as in `stitch_nf_poll`.
+    (unsafe { f.as_ref() }).is_some_and(Function::is_blocking) as c_int
 }
 
 /// Detaches and frees `f`.
@@ -123,7 +132,9 @@ pub unsafe extern "C" fn stitch_nf_is_blocking(f: *const Function) -> c_int {
 #[no_mangle]
 pub unsafe extern "C" fn stitch_nf_detach(f: *mut Function) {
     if !f.is_null() {
-        drop(Box::from_raw(f));
+        // SAFETY: `f` came from `Box::into_raw` in `stitch_nf_attach` and is not used again
+        // (the caller's contract).
+        drop(unsafe { Box::from_raw(f) });
     }
 }
 

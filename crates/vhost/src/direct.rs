@@ -300,10 +300,8 @@ impl crate::VhostUser {
     ) -> Result<(), Broken> {
         let mut segs = std::mem::take(&mut self.direct_segs);
         let mut chains = std::mem::take(&mut self.direct_chains);
-        let gathered = a
-            .ring
-            .take_burst(a.mem, crate::BURST, &mut segs, &mut chains);
-        let mut result = gathered.map_err(|f| Broken::From(f.0));
+        let gathered = a.ring.take_burst(crate::BURST, &mut segs, &mut chains);
+        let mut result = gathered.map_err(|f| Broken::From(f.to_string()));
         b.ring.prefetch_descriptors(chains.len() as u16);
         let (mut packets, mut bytes) = (0u64, 0u64);
         for (k, &(head, first, count)) in chains.iter().enumerate() {
@@ -362,8 +360,8 @@ impl crate::VhostUser {
         let frame_len = total - hlen_a;
         self.chains.clear();
         self.rx_segs.clear();
-        match self.reserve_quietly(b.ring, b.mem, hlen_b + frame_len, mergeable) {
-            Err(f) => return Err(Broken::To(f.0)),
+        match self.reserve_quietly(b.ring, hlen_b + frame_len, mergeable) {
+            Err(f) => return Err(Broken::To(f.to_string())),
             Ok(Some(crate::Shortage::Buffers)) => return Ok(Copied::NoRoom),
             Ok(Some(crate::Shortage::TooBig)) => {
                 d.too_big.fetch_add(1, Ordering::Relaxed);

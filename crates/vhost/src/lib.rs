@@ -373,13 +373,7 @@ impl App for VhostUser {
         }
         for q in (1..dev.queues.len()).step_by(2) {
             let mut fault = None;
-            if let Some(device::Live {
-                ring,
-                call,
-                mem,
-                log,
-            }) = dev.live(q)
-            {
+            if let Some(device::Live { ring, call, log }) = dev.live(q) {
                 let mut budget = BURST.min(out.room());
                 // The clock is read only when there is something to stamp: an idle port polled
                 // in a busy loop would otherwise spend its time in clock_gettime.
@@ -389,10 +383,9 @@ impl App for VhostUser {
                 let mut chains = std::mem::take(&mut self.chains);
                 let mut segs = std::mem::take(&mut self.rx_segs);
                 while budget > 0 && fault.is_none() {
-                    if let Err(f) =
-                        ring.take_burst(mem, budget.min(RING_BURST), &mut segs, &mut chains)
+                    if let Err(f) = ring.take_burst(budget.min(RING_BURST), &mut segs, &mut chains)
                     {
-                        fault = Some(f.0);
+                        fault = Some(f.to_string());
                     }
                     if chains.is_empty() {
                         break;
@@ -459,13 +452,7 @@ impl App for VhostUser {
         for &q in rx {
             let mut delivered = 0;
             let mut fault = None;
-            if let Some(device::Live {
-                ring,
-                call,
-                mem,
-                log,
-            }) = dev.live(q)
-            {
+            if let Some(device::Live { ring, call, log }) = dev.live(q) {
                 // A burst at a time: take the chains of up to RING_BURST packets first,
                 // asking for their buffers' lines for writing as they are found, then fill
                 // them — so that the cross-core misses of a burst overlap instead of each
@@ -483,12 +470,12 @@ impl App for VhostUser {
                             break;
                         };
                         let chains_before = self.chains.len();
-                        match self.reserve(ring, mem, hlen + batch[i].len(), mergeable) {
+                        match self.reserve(ring, hlen + batch[i].len(), mergeable) {
                             Ok(true) => self.placed.push((i, chains_before)),
                             Ok(false) => {}
                             Err(f) => {
                                 // The packets placed before it are still delivered.
-                                fault = Some(f.0);
+                                fault = Some(f.to_string());
                                 break;
                             }
                         }
@@ -505,7 +492,7 @@ impl App for VhostUser {
                         signal(call, &self.interrupts);
                     }
                     // The next burst's buffers, while the guest reads this one.
-                    ring.warm(mem, RING_BURST as u16, log.is_some());
+                    ring.warm(RING_BURST as u16, log.is_some());
                 }
             }
             self.to_guest.add(delivered);
@@ -749,11 +736,10 @@ impl VhostUser {
     fn reserve(
         &mut self,
         ring: &mut Vring,
-        mem: &memory::GuestMemory,
         total: usize,
         mergeable: bool,
     ) -> Result<bool, virtq::Fault> {
-        let r = self.reserve_quietly(ring, mem, total, mergeable);
+        let r = self.reserve_quietly(ring, total, mergeable);
         match r {
             Ok(Some(Shortage::Buffers)) => self.to_guest_no_buffers.add(1),
             Ok(Some(Shortage::TooBig)) => self.to_guest_too_big.add(1),
@@ -766,12 +752,11 @@ impl VhostUser {
     fn reserve_quietly(
         &mut self,
         ring: &mut Vring,
-        mem: &memory::GuestMemory,
         total: usize,
         mergeable: bool,
     ) -> Result<Option<Shortage>, virtq::Fault> {
         let (chains_before, segs_before) = (self.chains.len(), self.rx_segs.len());
-        let r = self.take_chains(ring, mem, total, mergeable, chains_before);
+        let r = self.take_chains(ring, total, mergeable, chains_before);
         if !matches!(r, Ok(None)) {
             self.chains.truncate(chains_before);
             self.rx_segs.truncate(segs_before);
@@ -784,7 +769,6 @@ impl VhostUser {
     fn take_chains(
         &mut self,
         ring: &mut Vring,
-        mem: &memory::GuestMemory,
         total: usize,
         mergeable: bool,
         chains_before: usize,
@@ -802,12 +786,10 @@ impl VhostUser {
             }
             let head = ring.next_head()?;
             let first = self.rx_segs.len();
-            ring.chain_onto(mem, head, &mut self.rx_segs)?;
+            ring.chain_onto(head, &mut self.rx_segs)?;
             let segs = &self.rx_segs[first..];
             if segs.iter().any(|s| !s.writable) {
-                return Err(virtq::Fault(format!(
-                    "receive chain {head} has a device-readable buffer"
-                )));
+                return Err(virtq::Fault::ReadOnlyReceiveBuffer { head });
             }
             for s in segs {
                 prefetch(s.ptr, true);

@@ -3,9 +3,15 @@
 //! guest memory and the ring size; a chain longer than the ring (a loop), an index past the
 //! ring, a buffer outside guest memory or an indirect table inside an indirect table is a
 //! [`Fault`], and the port stops that queue instead of trusting it.
+//!
+//! One rule for the ring's own memory: its three parts are checked against guest memory once,
+//! when the ring is made, and the ring holds that memory (an `Arc`) so that they stay mapped
+//! while it exists; every later access is an index masked to the ring's size, through the
+//! `unsafe fn`s below whose `# Safety` sections say what the caller checks.
 
 use crate::memory::{DirtyLog, GuestMemory};
 use std::sync::atomic::{fence, Ordering};
+use std::sync::Arc;
 
 pub const DESC_F_NEXT: u16 = 1;
 pub const DESC_F_WRITE: u16 = 2;
@@ -15,8 +21,43 @@ const USED_F_NO_NOTIFY: u16 = 1;
 /// Most buffers one chain may have (QEMU's limit is 1024 for indirect tables).
 pub const MAX_SEGMENTS: usize = 1024;
 
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Fault(pub String);
+/// How a guest broke its ring: the port stops the queue instead of trusting it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Fault {
+    #[error("ring size {0} is not a power of two")]
+    RingSize(u16),
+    #[error("{part} ring at {addr:#x} is not {align}-aligned")]
+    Misaligned {
+        part: &'static str,
+        addr: u64,
+        align: u64,
+    },
+    #[error("{part} ring at {addr:#x} ({len} bytes) is outside guest memory")]
+    RingOutside {
+        part: &'static str,
+        addr: u64,
+        len: u64,
+    },
+    /// Every entry would be one already taken (QEMU's virtio treats it as an error too).
+    #[error("the driver made {ahead} entries available in a ring of {num}")]
+    TooManyAvailable { ahead: u16, num: u16 },
+    #[error("available entry names descriptor {head} of {num}")]
+    HeadOutOfRange { head: u16, num: u16 },
+    #[error("descriptor chain from {head} loops or exceeds {MAX_SEGMENTS} buffers")]
+    ChainTooLong { head: u16 },
+    #[error("indirect table inside an indirect table")]
+    NestedIndirect,
+    #[error("indirect table of {len} bytes at {addr:#x}")]
+    BadIndirect { len: u32, addr: u64 },
+    #[error("indirect table at {addr:#x} is outside guest memory")]
+    IndirectOutside { addr: u64 },
+    #[error("buffer at {addr:#x} ({len} bytes) is outside guest memory")]
+    BufferOutside { addr: u64, len: u32 },
+    #[error("descriptor {at} continues at {next} of {size}")]
+    NextOutOfRange { at: u16, next: u16, size: u16 },
+    #[error("receive chain {head} has a device-readable buffer")]
+    ReadOnlyReceiveBuffer { head: u16 },
+}
 
 /// Asks for the first two cache lines at `p`; when `write`, for ownership (`prefetchw`), so
 /// that the stores which follow do not each wait for a second trip to the core that wrote
@@ -72,13 +113,16 @@ unsafe impl Send for Segment {}
 /// A ring's place in memory and our position in it.
 pub struct Vring {
     pub num: u16,
+    /// The guest memory the three parts below lie in (checked for `num` entries each when
+    /// the ring was made), kept mapped while the ring exists.
+    memory: Arc<GuestMemory>,
     desc: *mut u8,
     avail: *mut u8,
     used: *mut u8,
     /// Guest physical address of the used ring, when the front-end wants its writes logged.
     used_gpa: Option<u64>,
     /// Next available entry to take.
-    pub last_avail: u16,
+    last_avail: u16,
     /// The driver's available index as last read: re-read only when we catch up with it, so
     /// that the cache line the driver writes is not pulled over once per packet.
     avail_seen: u16,
@@ -90,18 +134,43 @@ pub struct Vring {
     desc_guess: u16,
 }
 
-// SAFETY: pointers into the shared mapping, used by one thread at a time (the port).
+// SAFETY: pointers into the shared mapping (which the ring keeps alive), used by one thread
+// at a time (the port).
 unsafe impl Send for Vring {}
 
-fn rd16(p: *const u8) -> u16 {
-    // SAFETY: callers pass pointers checked against guest memory, 2-aligned.
+/// The guest's 16-bit word at `p`.
+///
+/// # Safety
+/// `p` must be 2-aligned and lie, with the byte after it, in guest memory that stays mapped
+/// for the call (a ring part checked when the ring was made, at an index inside it).
+unsafe fn rd16(p: *const u8) -> u16 {
+    // SAFETY: the caller's contract; the guest may write the word at any time, hence the
+    // volatile read of one copy.
     unsafe { std::ptr::read_volatile(p as *const u16) }
+}
+
+/// Descriptor `i` of `table`: (address, length, flags, next), each read once.
+///
+/// # Safety
+/// `table` must be 16-aligned and hold at least `i + 1` descriptors of 16 bytes in guest
+/// memory that stays mapped for the call.
+unsafe fn read_desc(table: *const u8, i: u16) -> (u64, u32, u16, u16) {
+    // SAFETY: entry `i` lies inside the table (the caller's contract), 16-aligned.
+    unsafe {
+        let p = table.add(16 * i as usize);
+        (
+            std::ptr::read_volatile(p as *const u64),
+            std::ptr::read_volatile(p.add(8) as *const u32),
+            std::ptr::read_volatile(p.add(12) as *const u16),
+            std::ptr::read_volatile(p.add(14) as *const u16),
+        )
+    }
 }
 
 impl Vring {
     /// Maps the three parts of a ring of `num` entries given by front-end addresses.
     pub fn new(
-        mem: &GuestMemory,
+        mem: &Arc<GuestMemory>,
         num: u16,
         desc: u64,
         avail: u64,
@@ -110,23 +179,18 @@ impl Vring {
         used_gpa: Option<u64>,
     ) -> Result<Vring, Fault> {
         if num == 0 || !num.is_power_of_two() {
-            return Err(Fault(format!("ring size {num} is not a power of two")));
+            return Err(Fault::RingSize(num));
         }
         let n = num as u64;
-        let part = |addr: u64, len: u64, align: u64, what: &str| {
+        let part = |addr: u64, len: u64, align: u64, part: &'static str| {
             if !addr.is_multiple_of(align) {
-                return Err(Fault(format!(
-                    "{what} ring at {addr:#x} is not {align}-aligned"
-                )));
+                return Err(Fault::Misaligned { part, addr, align });
             }
-            mem.user(addr, len).ok_or_else(|| {
-                Fault(format!(
-                    "{what} ring at {addr:#x} ({len} bytes) is outside guest memory"
-                ))
-            })
+            (mem.user(addr, len)).ok_or(Fault::RingOutside { part, addr, len })
         };
         let v = Vring {
             num,
+            memory: mem.clone(),
             desc: part(desc, 16 * n, 16, "descriptor")?,
             avail: part(avail, 6 + 2 * n, 2, "available")?,
             used: part(used, 6 + 8 * n, 4, "used")?,
@@ -138,7 +202,7 @@ impl Vring {
             desc_guess: 0,
         };
         // We poll: ask the driver not to kick us.
-        // SAFETY: checked above.
+        // SAFETY: the used ring's flags word, checked above (6 + 8n bytes, 4-aligned).
         unsafe { std::ptr::write_volatile(v.used as *mut u16, USED_F_NO_NOTIFY) };
         Ok(v)
     }
@@ -155,7 +219,8 @@ impl Vring {
         if cached != 0 && cached <= self.num {
             return cached;
         }
-        self.avail_seen = rd16(self.avail.wrapping_add(2));
+        // SAFETY: the available ring's index word (checked for 6 + 2n bytes when made).
+        self.avail_seen = unsafe { rd16(self.avail.wrapping_add(2)) };
         fence(Ordering::Acquire);
         self.avail_seen.wrapping_sub(self.last_avail)
     }
@@ -164,112 +229,78 @@ impl Vring {
     /// (unchecked).
     fn avail_entry(&self, k: u16) -> u16 {
         let slot = self.slot(self.last_avail.wrapping_add(k));
-        rd16(self.avail.wrapping_add(4 + 2 * slot))
+        // SAFETY: entry `slot` < num of the available ring (masked), checked when made.
+        unsafe { rd16(self.avail.wrapping_add(4 + 2 * slot)) }
     }
 
     /// Takes the next available chain head.
     pub fn next_head(&mut self) -> Result<u16, Fault> {
         let ahead = self.avail_seen.wrapping_sub(self.last_avail);
         if ahead > self.num {
-            // The driver moved its index further than the ring holds: every entry would be
-            // one already taken (QEMU's virtio treats it as an error too).
-            return Err(Fault(format!(
-                "the driver made {ahead} entries available in a ring of {}",
-                self.num
-            )));
+            let num = self.num;
+            return Err(Fault::TooManyAvailable { ahead, num });
         }
         let head = self.avail_entry(0);
         if head >= self.num {
-            return Err(Fault(format!(
-                "available entry names descriptor {head} of {}",
-                self.num
-            )));
+            let num = self.num;
+            return Err(Fault::HeadOutOfRange { head, num });
         }
         self.last_avail = self.last_avail.wrapping_add(1);
         self.desc_guess = head.wrapping_add(1);
         Ok(head)
     }
 
-    fn read_desc(table: *const u8, i: u16) -> (u64, u32, u16, u16) {
-        // SAFETY: table and index are checked by callers; 16-byte entries, 16-aligned.
-        unsafe {
-            let p = table.add(16 * i as usize);
-            (
-                std::ptr::read_volatile(p as *const u64),
-                std::ptr::read_volatile(p.add(8) as *const u32),
-                std::ptr::read_volatile(p.add(12) as *const u16),
-                std::ptr::read_volatile(p.add(14) as *const u16),
-            )
-        }
-    }
-
     /// The buffers of the chain starting at `head`, in `out` (cleared first).
-    pub fn chain(&self, mem: &GuestMemory, head: u16, out: &mut Vec<Segment>) -> Result<(), Fault> {
+    pub fn chain(&self, head: u16, out: &mut Vec<Segment>) -> Result<(), Fault> {
         out.clear();
-        self.chain_onto(mem, head, out)
+        self.chain_onto(head, out)
     }
 
     /// The buffers of the chain starting at `head`, appended to `out` — so that a burst of
     /// chains gathers into one list without copying each chain's segments again. On a fault
     /// `out` is left as it was.
-    pub fn chain_onto(
-        &self,
-        mem: &GuestMemory,
-        head: u16,
-        out: &mut Vec<Segment>,
-    ) -> Result<(), Fault> {
+    pub fn chain_onto(&self, head: u16, out: &mut Vec<Segment>) -> Result<(), Fault> {
         let start = out.len();
-        let r = self.walk(mem, head, start, out);
+        let r = self.walk(head, start, out);
         if r.is_err() {
             out.truncate(start);
         }
         r
     }
 
-    fn walk(
-        &self,
-        mem: &GuestMemory,
-        head: u16,
-        start: usize,
-        out: &mut Vec<Segment>,
-    ) -> Result<(), Fault> {
+    fn walk(&self, head: u16, start: usize, out: &mut Vec<Segment>) -> Result<(), Fault> {
+        let mem = &*self.memory;
         let mut table = self.desc as *const u8;
         let mut size = self.num;
         let mut i = head;
         let mut indirect = false;
         loop {
             if out.len() - start >= MAX_SEGMENTS {
-                return Err(Fault(format!(
-                    "descriptor chain from {head} loops or exceeds {MAX_SEGMENTS} buffers"
-                )));
+                return Err(Fault::ChainTooLong { head });
             }
-            let (addr, len, flags, next) = Self::read_desc(table, i);
+            // SAFETY: `i` < `size` descriptors of `table`: the ring's own table (checked for
+            // `num` when made; `head` < num and every `next` < size checked below) or an
+            // indirect table checked in guest memory for `size` entries, 16-aligned, here.
+            // The ring holds `mem`.
+            let (addr, len, flags, next) = unsafe { read_desc(table, i) };
             if flags & DESC_F_INDIRECT != 0 {
                 if indirect {
-                    return Err(Fault("indirect table inside an indirect table".into()));
+                    return Err(Fault::NestedIndirect);
                 }
                 if len == 0
                     || !len.is_multiple_of(16)
                     || len / 16 > MAX_SEGMENTS as u32
                     || !addr.is_multiple_of(16)
                 {
-                    return Err(Fault(format!("indirect table of {len} bytes at {addr:#x}")));
+                    return Err(Fault::BadIndirect { len, addr });
                 }
-                table = mem.gpa(addr, len as u64).ok_or_else(|| {
-                    Fault(format!(
-                        "indirect table at {addr:#x} is outside guest memory"
-                    ))
-                })?;
+                table = (mem.gpa(addr, len as u64)).ok_or(Fault::IndirectOutside { addr })?;
                 size = (len / 16) as u16;
                 i = 0;
                 indirect = true;
                 continue;
             }
-            let ptr = mem.gpa(addr, len as u64).ok_or_else(|| {
-                Fault(format!(
-                    "buffer at {addr:#x} ({len} bytes) is outside guest memory"
-                ))
-            })?;
+            let ptr = (mem.gpa(addr, len as u64)).ok_or(Fault::BufferOutside { addr, len })?;
             out.push(Segment {
                 ptr,
                 gpa: addr,
@@ -280,9 +311,7 @@ impl Vring {
                 return Ok(());
             }
             if next >= size {
-                return Err(Fault(format!(
-                    "descriptor {i} continues at {next} of {size}"
-                )));
+                return Err(Fault::NextOutOfRange { at: i, next, size });
             }
             i = next;
         }
@@ -324,18 +353,19 @@ impl Vring {
     /// leaving them (the fill still waited on them when the cores were far apart). While
     /// the front-end logs dirty pages (`logging`), it only prefetches. Reads only available
     /// entries and their first descriptors; anything out of range or read-only is skipped.
-    pub fn warm(&mut self, mem: &GuestMemory, n: u16, logging: bool) {
+    pub fn warm(&mut self, n: u16, logging: bool) {
         let n = n.min(self.pending()).min(self.num);
         for k in 0..n {
             let head = self.avail_entry(k);
             if head >= self.num {
                 continue;
             }
-            let (addr, len, flags, _) = Self::read_desc(self.desc, head);
+            // SAFETY: `head` < num descriptors of the ring's table, checked when made.
+            let (addr, len, flags, _) = unsafe { read_desc(self.desc, head) };
             if flags & (DESC_F_INDIRECT | DESC_F_WRITE) != DESC_F_WRITE || len < 8 {
                 continue;
             }
-            let Some(p) = mem.gpa(addr, (len as u64).min(72)) else {
+            let Some(p) = self.memory.gpa(addr, (len as u64).min(72)) else {
                 continue;
             };
             if logging {
@@ -359,7 +389,8 @@ impl Vring {
         if let (Some(log), Some(g)) = (log, self.used_gpa) {
             log.mark(g + 4 + 8 * slot as u64, 8);
         }
-        // SAFETY: the used ring was checked for `num` entries.
+        // SAFETY: entry `slot` < num (masked) of the used ring, checked for `num` entries
+        // when made, 4-aligned.
         unsafe {
             let p = self.used.add(4 + 8 * slot);
             std::ptr::write_volatile(p as *mut u32, head as u32);
@@ -376,7 +407,8 @@ impl Vring {
 
     /// The used index the driver sees (in its memory).
     pub fn used_in_memory(&self) -> u16 {
-        rd16(self.used.wrapping_add(2))
+        // SAFETY: the used ring's index word, checked when made.
+        unsafe { rd16(self.used.wrapping_add(2)) }
     }
 
     /// Carries on where another process left the ring ([`Vring::position`]).
@@ -397,11 +429,12 @@ impl Vring {
             log.mark(g + 2, 2);
         }
         fence(Ordering::Release);
-        // SAFETY: checked in new().
+        // SAFETY: the used ring's index word, checked when made.
         unsafe { std::ptr::write_volatile(self.used.add(2) as *mut u16, self.used_idx) };
         self.published = self.used_idx;
         fence(Ordering::SeqCst);
-        rd16(self.avail) & AVAIL_F_NO_INTERRUPT == 0
+        // SAFETY: the available ring's flags word, checked when made.
+        unsafe { rd16(self.avail) & AVAIL_F_NO_INTERRUPT == 0 }
     }
 
     /// Takes up to `max` of the available chains, walked onto `segs` (each chain's head and
@@ -411,7 +444,6 @@ impl Vring {
     /// that giving back the chains after any of them gives back the right heads).
     pub fn take_burst(
         &mut self,
-        mem: &GuestMemory,
         max: usize,
         segs: &mut Vec<Segment>,
         chains: &mut Vec<(u16, usize, usize)>,
@@ -423,7 +455,7 @@ impl Vring {
         for _ in 0..n {
             let head = self.next_head()?;
             let first = segs.len();
-            if let Err(f) = self.chain_onto(mem, head, segs) {
+            if let Err(f) = self.chain_onto(head, segs) {
                 self.unget(1);
                 return Err(f);
             }
@@ -451,7 +483,7 @@ pub(crate) mod tests {
     pub const SIZE: usize = 1 << 20;
 
     /// A guest memory of 1 MiB whose user addresses equal its physical ones.
-    pub fn guest() -> (GuestMemory, *mut u8) {
+    pub fn guest() -> (Arc<GuestMemory>, *mut u8) {
         let name = std::ffi::CString::new("g").unwrap();
         // SAFETY: plain syscalls on a fresh descriptor.
         let fd = unsafe {
@@ -465,7 +497,7 @@ pub(crate) mod tests {
             user_addr: GPA,
             mmap_offset: 0,
         };
-        let m = GuestMemory::map(&[r], vec![fd]).unwrap();
+        let m = Arc::new(GuestMemory::map(&[r], vec![fd]).unwrap());
         let base = m.gpa(GPA, 1).unwrap();
         (m, base)
     }
@@ -501,10 +533,10 @@ pub(crate) mod tests {
         make_available(base, &[0; 9]);
         assert_eq!(v.pending(), 9);
         let fault = v.next_head().unwrap_err();
-        assert!(
-            fault.0.contains("9 entries available in a ring of 8"),
-            "{}",
-            fault.0
+        assert_eq!(fault, Fault::TooManyAvailable { ahead: 9, num: 8 });
+        assert_eq!(
+            fault.to_string(),
+            "the driver made 9 entries available in a ring of 8"
         );
         make_available(base, &[0; 8]);
         assert_eq!(v.pending(), 8);
@@ -524,7 +556,7 @@ pub(crate) mod tests {
         put_desc(base, 2, GPA + 0x12000, 40, DESC_F_WRITE, 0); // short: first 8 bytes only
         put_desc(base, 3, GPA + 0x13000, 2048, DESC_F_WRITE, 0); // past `n`
         make_available(base, &[0, 1, 2, 3]);
-        v.warm(&m, 3, false);
+        v.warm(3, false);
         // SAFETY: reading the test's guest memory.
         let bytes = |off: usize, n: usize| unsafe { std::slice::from_raw_parts(at(off), n) };
         assert_eq!(bytes(0x10000, 8), &[0; 8]);
@@ -538,7 +570,7 @@ pub(crate) mod tests {
         assert_eq!(v.pending(), 4);
         // SAFETY: as above.
         unsafe { std::ptr::write_bytes(at(0x10000), 0xee, 128) };
-        v.warm(&m, 3, true);
+        v.warm(3, true);
         assert!(bytes(0x10000, 128).iter().all(|b| *b == 0xee));
     }
 
@@ -550,30 +582,38 @@ pub(crate) mod tests {
         put_desc(base, 0, GPA + 0x10000, 100, DESC_F_NEXT, 1);
         put_desc(base, 1, GPA + 0x20000, 200, DESC_F_WRITE, 0);
         let mut segs = Vec::new();
-        v.chain(&m, 0, &mut segs).unwrap();
+        v.chain(0, &mut segs).unwrap();
         assert_eq!(segs.len(), 2);
         assert!(!segs[0].writable && segs[1].writable);
         // A loop: 1 → 0 → 1 …
         put_desc(base, 1, GPA + 0x20000, 200, DESC_F_NEXT, 0);
-        assert!(v.chain(&m, 0, &mut segs).unwrap_err().0.contains("loops"));
+        assert!(v
+            .chain(0, &mut segs)
+            .unwrap_err()
+            .to_string()
+            .contains("loops"));
         // Outside memory, and a next index past the ring.
         put_desc(base, 0, GPA + SIZE as u64 - 10, 100, 0, 0);
-        assert!(v.chain(&m, 0, &mut segs).unwrap_err().0.contains("outside"));
+        assert!(v
+            .chain(0, &mut segs)
+            .unwrap_err()
+            .to_string()
+            .contains("outside"));
         put_desc(base, 0, GPA + 0x10000, 100, DESC_F_NEXT, 9);
-        assert!(v.chain(&m, 0, &mut segs).is_err());
+        assert!(v.chain(0, &mut segs).is_err());
         // Indirect table with two entries at +0x30000; nested indirect refused.
         put_desc(base, 2, GPA + 0x30000, 32, DESC_F_INDIRECT, 0);
         // SAFETY: inside the test's guest memory.
         let table = unsafe { base.add(0x30000) };
         put_desc(table, 0, GPA + 0x40000, 10, DESC_F_NEXT, 1);
         put_desc(table, 1, GPA + 0x50000, 20, 0, 0);
-        v.chain(&m, 2, &mut segs).unwrap();
+        v.chain(2, &mut segs).unwrap();
         assert_eq!(segs.iter().map(|s| s.len).sum::<u32>(), 30);
         put_desc(table, 1, GPA + 0x30000, 32, DESC_F_INDIRECT, 0);
         assert!(v
-            .chain(&m, 2, &mut segs)
+            .chain(2, &mut segs)
             .unwrap_err()
-            .0
+            .to_string()
             .contains("indirect"));
         assert!(Vring::new(&m, 6, GPA, GPA + 0x1000, GPA + 0x2000, 0, None).is_err());
         assert!(Vring::new(&m, 8, GPA + 8, GPA + 0x1000, GPA + 0x2000, 0, None).is_err());

@@ -8,6 +8,7 @@ use crate::memory::GuestMemory;
 use crate::message::{Region, VringAddr};
 use serde::{Deserialize, Serialize};
 use std::os::fd::OwnedFd;
+use std::sync::Arc;
 
 /// A connected device, its descriptors aside: in [`Device::lend`]'s order, the connection,
 /// the memory regions' files, then the call eventfd of each ring that has one.
@@ -110,7 +111,7 @@ impl Device {
         let files: Vec<OwnedFd> = fds.by_ref().take(state.regions.len()).collect();
         let mem = match state.regions.is_empty() {
             true => None,
-            false => Some(GuestMemory::map(&state.regions, files)?),
+            false => Some(Arc::new(GuestMemory::map(&state.regions, files)?)),
         };
         let mut dev = Device::new(queue_pairs);
         dev.features = state.features;

@@ -77,7 +77,7 @@ impl Queue {
         }
     }
 
-    fn build(&mut self, mem: Option<&GuestMemory>) {
+    fn build(&mut self, mem: Option<&Arc<GuestMemory>>) {
         self.ring = None;
         let (Some(mem), Some(a)) = (mem, self.addr) else {
             return;
@@ -86,7 +86,7 @@ impl Queue {
         let used_gpa = (a.flags & 1 != 0).then_some(a.log);
         match Vring::new(mem, self.num, a.desc, a.avail, a.used, self.base, used_gpa) {
             Ok(r) => self.ring = Some(r),
-            Err(f) => self.fault = Some(f.0),
+            Err(f) => self.fault = Some(f.to_string()),
         }
     }
 }
@@ -94,7 +94,8 @@ impl Queue {
 pub struct Device {
     pub features: u64,
     protocol: u64,
-    pub mem: Option<GuestMemory>,
+    /// Shared with every ring made in it, which keeps it mapped while the ring exists.
+    pub mem: Option<Arc<GuestMemory>>,
     /// The dirty log, once the front-end gave one (live migration).
     log: Option<DirtyLog>,
     /// A MAC address to announce (RARP) for a guest that just migrated here.
@@ -135,7 +136,6 @@ impl Device {
         Some(Live {
             ring: q.ring.as_mut()?,
             call: q.call.as_ref(),
-            mem: self.mem.as_ref()?,
             log: if logging { self.log.as_ref() } else { None },
         })
     }
@@ -148,12 +148,11 @@ impl Device {
     }
 }
 
-/// A ring in use: the ring, its interrupt eventfd, guest memory and, while the front-end
-/// migrates the guest, the dirty log.
+/// A ring in use: the ring (which holds its guest memory), its interrupt eventfd and, while
+/// the front-end migrates the guest, the dirty log.
 pub struct Live<'a> {
     pub ring: &'a mut Vring,
     pub call: Option<&'a OwnedFd>,
-    pub mem: &'a GuestMemory,
     pub log: Option<&'a DirtyLog>,
 }
 
@@ -512,7 +511,7 @@ impl Device {
         for q in self.queues.iter_mut() {
             q.ring = None;
         }
-        self.mem = Some(mem);
+        self.mem = Some(Arc::new(mem));
         let Device { mem, queues, .. } = self;
         for q in queues.iter_mut() {
             if q.started {
@@ -524,7 +523,7 @@ impl Device {
     /// Stops ring `i` (GET_VRING_BASE) and returns where the front-end resumes it.
     fn stop_ring(&mut self, i: usize) -> u16 {
         let q = &mut self.queues[i];
-        let base = q.ring.as_ref().map(|r| r.last_avail).unwrap_or(q.base);
+        let base = q.ring.as_ref().map(|r| r.position().0).unwrap_or(q.base);
         q.started = false;
         q.ring = None;
         q.base = base;
