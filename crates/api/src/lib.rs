@@ -7,6 +7,16 @@
 //! edits the running graph's document and applies the result, so that unchanged apps keep their
 //! state and queued packets and a refused change leaves everything as it was. The routes and
 //! their answers are described in `openapi.yaml`, served at `/api/v1/openapi.json`.
+//!
+//! # Map
+//!
+//! The modules, in short: the HTTP API of a running instance (axum, on the Unix socket and
+//! optionally TCP with TLS), `access` (who may do what: roles and their token files, the TCP guard
+//! — host, origin, body type, token), graph edits applied by diff, `/metrics`, live link captures
+//! streamed (`capture`), the graph view page (`web/`), the small client the CLI and the extcap use;
+//! `openapi.yaml`; graphs go through `stitch-place`; `attached` (ports attached from outside the
+//! graph, recorded beside the socket so that a restarted agent attaches them again); `handover`
+//! (`stitch upgrade`'s protocol between the old and the new process).
 
 pub mod access;
 pub mod attached;

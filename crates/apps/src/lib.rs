@@ -1,5 +1,19 @@
 //! Stitch network functions. Each app is one module: its config, its documentation with a graph
 //! snippet, and its tests. [`register`] adds them all to a registry.
+//!
+//! # Map
+//!
+//! The modules, in short: network functions, one module each: `generator`, `forwarder`, `tee`,
+//! `sink`, `round_robin`, `join`, `rate_meter`, `bridge`, `router` (+ `router/lpm`: the forwarding
+//! table, prefixes flattened into address ranges under a direct table, looked up 16 frames at a
+//! time with prefetch), `nat`, `vlan`, `vxlan`, `policer`, `delay`, `load_balancer`, `lwaftr` (+
+//! `lwaftr/config`: Snabb's configuration text, `lwaftr/binding`: the binding table — addresses and
+//! long-PSID softwires in open-addressing tables of 16-byte slots, softwires in one array of
+//! 32-byte slots, so a lookup reads a line or two and can be fetched ahead —, `lwaftr/frag`:
+//! reassembly and fragment sizes, `lwaftr/offline`: the function driven without an engine, for
+//! `lwaftr check` and its benchmark; in `push` each side's frames go through Snabb's pipeline in
+//! one app — untag, reassemble, ingress filter, ARP/NDP, ping, translate — and leave through egress
+//! filter, fragmentation to the side's MTU and tagging).
 
 pub mod bridge;
 pub mod classify;

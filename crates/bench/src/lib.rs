@@ -1,5 +1,13 @@
 //! `stitch bench`: performance measured against a baseline taken in the same run. One module per
 //! benchmark; the `stitch` binary parses the command line and calls `run`.
+//!
+//! # Map
+//!
+//! The modules, in short: the harnesses of `stitch bench`, one module each (`chain`, `lwaftr`,
+//! `nf`, `nf_scale`, `chain_switch`, `kernel`, `vhost`, `placement`, `capture_link`, `cluster`,
+//! `upgrade`, `soak`, `rfc2544` — its `tester` on two vhost-user front-ends, the pure binary
+//! `search`, the devices under test in `duts`, the `plot`; `xdp_steer`: steering rules timed in the
+//! kernel), every figure beside a baseline measured in the same run.
 
 mod capture_link;
 mod chain;

@@ -8,6 +8,17 @@
 //!
 //! Nothing here is a protocol of Stitch's own: liveness is etcd's leases, leadership its
 //! election API, consistency its transactions and revisions.
+//!
+//! # Map
+//!
+//! The modules, in short: graphs across hosts on etcd (`docs/cluster.md`): `keys` (the key layout
+//! and its records), `allow` (what a cluster graph may run on a host: `--allow-commands`, checked
+//! by the controller and again by the agent), `etcd` (connections, TLS and credentials), `schedule`
+//! (the placement decision, pure: pins, labels, stable placements, links between hosts as VXLAN
+//! tunnels, each host's graph document), `controller` (runs in the elected agent: read, decide,
+//! write in leader-guarded transactions, watch), `agent` (lease, election, the host's graph
+//! followed and applied through the instance's API, status), `admin` (`stitch cluster
+//! apply/status/delete/host remove`: checks, compare-and-swap; `check --cluster` offline).
 
 pub mod admin;
 pub mod agent;

@@ -1,5 +1,17 @@
 //! Stitch I/O apps: the edges of a graph, where packets enter from and leave to the outside
 //! world. [`register`] adds them all to a registry.
+//!
+//! # Map
+//!
+//! The modules, in short: apps at the edge of a graph: `af_packet` (+ `kernel_ring`: the reading
+//! end of a kernel data plane's BPF ring buffer for an engine port), `af_xdp` (+ `xdp`: the
+//! redirect program over `bpf(2)`, with the steering rules' filters in front: what a rule matches
+//! goes to a socket of its own on the queue's UMEM and leaves by the rule's port — or, when that
+//! port's link leads to a reader of rings such as a zero-copy function port, is read by that reader
+//! itself: `stitch_xsk::lend`; the app in `af_xdp/`: `socket`, `datapath`, `steering`, `handover`),
+//! `tap`, `pcap_source`, `pcap_sink`, `capture` (+ `capture_file`: writer thread, rotation;
+//! `capture_format`: PCAP/PCAPNG records in the host's byte order); `link_capture`: live captures
+//! of running links (the taps, their byte rings, the PCAPNG stream); `netdev` helpers.
 
 pub mod af_packet;
 pub mod af_xdp;

@@ -13,6 +13,18 @@
 //!   into the session's BPF ring buffer.
 //! - [`capture`] — a tap's records as a PCAPNG or PCAP stream, filtered, one interface per
 //!   link.
+//!
+//! # Map
+//!
+//! The modules, in short: the in-kernel data plane: `bpf/` (C programs: `common.h` maps and patch
+//! panel, one header per function kind, `stitch.bpf.c` entry points, compiled by `build.rs`),
+//! `plan` (graph file → kernel functions and links), `datapath` (load with pinned maps,
+//! install/change by diff — a pure `allocate` of slots, state ids and VIDs from the record of what
+//! is installed, then named install steps —, status, teardown), `maps` (the maps' layouts), `tap`
+//! (capture sessions and the BPF ring buffer of each), `tap_claims` (which sessions tap which VIDs,
+//! in claim files; what dead readers left, cleared by the data plane), `error`, `capture` (a tap's
+//! records as the PCAPNG stream of `stitch capture --link --kernel` and the extcap), `netdev` (veth
+//! pairs and the interfaces a placement creates).
 
 pub mod capture;
 pub mod datapath;

@@ -14,6 +14,25 @@
 //!   `stitch-xsk`'s rings.
 //! - [`listener`]: the attach socket (one JSON line each way plus SCM_RIGHTS).
 //! - [`ffi`]: the same library for C (`include/stitch_nf.h`, `libstitch_nf.so`).
+//!
+//! # Map
+//!
+//! The modules, in short: functions in other processes: `nf_port` (the app; `port/handover`: a port
+//! lent to a process taking over, its function staying attached — connection, region, doorbell,
+//! ring indices, then the new packet memory, plugged into a guest while the take-over is prepared),
+//! `shm` (the shared region and its rings — the one layout both sides read), `listener` (the attach
+//! socket, SCM_RIGHTS; hellos heard without blocking, a guest's next hello on its QEMU's
+//! connection), `paths` (the default attach socket, `/run/stitch-fn/nf.sock` for root), `peers`
+//! (who may attach a port: `SO_PEERCRED` against root, the process Stitch started for it, the users
+//! and groups it names), `guest` (functions in VMs: the `GuestBus` that hot-plugs memory into a
+//! guest, the guest's side of finding and mapping its devices), `port/guest` (a direct channel
+//! plugged into a port's guest off the worker), `connection` (a function's connection: the socket,
+//! or a guest's virtio-serial port), `attachment` (what the listener hands a port: region, layout,
+//! doorbell), `client` (the library a function links), `direct` (channels from one function
+//! straight to another, Stitch's side, and `PortShared`, the state a port shares with the listener
+//! and the switch that offers it channels, `steer` (an interface's AF_XDP sockets lent to a
+//! function: the offer, the port's checks and copies) on `stitch-xsk`'s rings, example functions in
+//! `src/bin/`.
 
 pub mod attachment;
 pub mod client;

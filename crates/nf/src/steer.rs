@@ -12,7 +12,7 @@
 //!    in the function's ring), then sends the function the sockets, their UMEM and a
 //!    [`SteerHeader`] page (**Function**). The function reads its own ring empty first, then
 //!    the receive rings from `start`.
-//! 3. Each frame comes back on `from_nf` in ring order, flagged [`FLAG_STEERED`]; the port
+//! 3. Each frame comes back on `from_nf` in ring order, flagged [`FLAG_STEERED`](crate::shm::FLAG_STEERED); the port
 //!    checks it is the next one, copies it from the UMEM into a packet of the pool (forwarded)
 //!    or not (dropped), and publishes `returned`. The interface puts the frames up to
 //!    `returned` back in the fill ring and moves the ring's consumer index: the kernel never

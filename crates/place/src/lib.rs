@@ -17,6 +17,26 @@
 //! processes and VMs: an app that did not change keeps its process, its port and its packets.
 //! Everything it creates is named after the instance and removed on stop, when unused, and —
 //! after a crash — by the next start of the same instance.
+//!
+//! # Map
+//!
+//! The modules, in short: placements beside the engine: `Placements` splits a graph by `placement:`
+//! (a pure `plan`: the engine's part — a process app becomes its `nf_port`, a VM its `vhost_user`
+//! port with a socket named after the instance — and the processes and VMs to run), applies the
+//! engine's part by diff, then the processes; `supervisor` (a thread per process or VM: start,
+//! restart with backoff, stderr tail, stop by SIGTERM or QMP power-down, then kill; a function
+//! process or VM lent by a predecessor, or left running by a crashed one, adopted and watched
+//! through its pidfd), `handover` (what an upgrade lends — engine apps' descriptors, function
+//! processes and VMs — and the two-step take-over of the placements; the kernel data plane taken as
+//! it runs, its programs loaded again by the successor), `cgroup` (cpu and memory limits, v2 or
+//! v1), `confine` (what a function process may do: its user, no capabilities, `no_new_privs`, a
+//! clean environment, only its descriptors), `leftovers` (the lock a running instance holds beside
+//! its socket; what a dead instance left removed by `stitch cleanup` and by the next start of any
+//! instance), `vm` (QEMU's command line: a vhost-user NIC, or with `rings: ivshmem` a virtio-serial
+//! port to the VM's function socket), `qmp` (the QMP client: power-down, status), `hotplug` (the
+//! `GuestBus` of a VM: ivshmem devices plugged and unplugged over QMP), `kernel` (kernel apps split
+//! into a data plane of the instance's own, joined to the engine by veth pairs with an `af_packet`
+//! app on the engine end, which reads what the kernel sends it from a BPF ring buffer).
 
 pub mod cgroup;
 pub mod confine;

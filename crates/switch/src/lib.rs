@@ -26,6 +26,25 @@
 //! happens between two batches, so nothing is lost or reordered. When both ends of such a pair
 //! are zero-copy function ports (`nf_port`), the switch steps out of the path altogether
 //! (the inter-VNF bypass, [`bypass`]).
+//!
+//! # Map
+//!
+//! The modules, in short: the `switch` app (OpenFlow 1.3, `docs/openflow.md`): `ofp` (message
+//! framing, error codes), `oxm` (match fields, prerequisites, the 168-byte packet key and
+//! masked-word matching), `action` (actions and the frame rewrites they make, checksums kept; a
+//! PACKET_OUT read), `pipeline` (64 tables, instructions, FLOW_MOD rules, timeouts, point-to-point
+//! detection through goto-table; each snapshot's instructions packed for the data path), `group`
+//! and `meter` (GROUP_MOD/METER_MOD, select hashing, token buckets), `datapath` (a packet's walk
+//! through the tables, action set, groups, meters, packet-ins; port and table counters flushed per
+//! push, flow counters every 10 ms), `cache` (per-table exact-match caches and the pipeline's walk
+//! cache, keyed on the bits the tables look at, in fixed two-place arrays fetched ahead);
+//! `frame_key`: an IPv4 frame's walk found from its first bytes under a mask per pipeline, before
+//! its key is read), `net` (a remembered walk's net effect: each output's port and new first bytes,
+//! when its actions touch only the addresses and the outer tag), `endpoint` (controller connections
+//! — TCP, or TLS with certificates both ways through `tls` — with roles and async filters,
+//! statistics, a timer for timeouts and PORT_STATUS; snapshots published to the data path, a
+//! BARRIER answered once the data path runs them), `bypass` (point-to-point batches and direct
+//! channels between function ports), `vm_paths` (direct paths between VM ports).
 
 pub mod action;
 mod bypass;

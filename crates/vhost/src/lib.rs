@@ -30,6 +30,18 @@
 //!   - "nic.output -> vm1.input"
 //!   - "vm1.output -> nic.input"
 //! ```
+//!
+//! # Map
+//!
+//! The modules, in short: the `vhost_user` app: `message` (vhost-user requests decoded with every
+//! size checked), `device` (the connection thread: features, memory table, rings;
+//! `device/handover`: a connected device described for a successor process and built again there),
+//! `handover` (the port lent at an upgrade: its connection thread held between messages for the
+//! final word), `memory` (the front-end's memory mapped, bounds-checked access), `virtq` (split
+//! virtqueues: chains walked with loop and bounds checks); `frontend` (the other side: a virtio-net
+//! driver over vhost-user, one receive and one transmit queue in a memfd, polled, for testers
+//! outside a device); `direct` (a VM port's frames copied straight into another's receive ring: the
+//! switch-over, the copy); the `vm` app (a `vhost_user` port whose QEMU `stitch-place` launches).
 
 pub mod device;
 pub mod direct;

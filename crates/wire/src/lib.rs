@@ -5,6 +5,24 @@
 //! The header views are smoltcp's `wire` types, re-exported as [`views`]: each is a view over
 //! the packet's own bytes, checked once by `new_checked`, with accessors and in-place setters —
 //! parsing never copies. VLAN tags (not in smoltcp) are in [`vlan`].
+//!
+//! # Map
+//!
+//! The modules, in short: protocol knowledge shared by apps and drivers — the numbers protocols are
+//! told apart by, named once (`numbers`: `ethertype`, `ip_proto`, `icmpv4`, `icmpv6`;
+//! `scripts/wire-names` keeps literals out of the other crates), one way to read and write a
+//! header: zero-copy header views (smoltcp's `wire` types), named fields read where they lie after
+//! one length check (`header`: `ipv4` — lengths, fragment flags, TTL decrement, header builder —,
+//! `ipv6` and its fragment header, `arp`, `nd`, `ethernet`, `l4::SRC_PORT`, `tcp::CHECKSUM`,
+//! `icmp::ECHO_IDENT`, `vxlan`; an IPv4 endpoint rewrite with incremental checksums), ARP messages
+//! read and written through smoltcp's view (`arp`), integers in network byte order (`be`: at an
+//! offset, or appended to an OpenFlow message), frames built from their fields (`build::Frame`:
+//! generator templates, answers, tests), VLAN tags, flows (5-tuple), libpcap filter expressions run
+//! on frames as machine code (`filter`: libpcap compiles, `filter::cbpf` checks the classic BPF
+//! program and keeps libpcap's interpreter as the reference, `filter::native` emits it as x86-64
+//! code looping over a batch of packets, `filter::ebpf` translates it to eBPF for XDP, every frame
+//! load checked for the kernel's verifier), Internet checksum with RFC 1624 updates, offloads
+//! (virtio-net header, completing partial checksums, GSO segmentation).
 
 pub mod arp;
 pub mod be;

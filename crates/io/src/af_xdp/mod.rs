@@ -32,10 +32,10 @@
 //!     steer: [{ match: "udp and dst port 4789", to: vxlan }]   # port `vxlan` besides `output`
 //! ```
 //!
-//! The module's parts, one job each: [`socket`] (the sockets, their UMEM and rings, set up or
-//! taken over), [`datapath`] (receiving and sending a burst through the rings), [`steering`]
-//! (the rules, their sockets and lending them to a function), [`handover`] (what an upgrade
-//! hands the successor). The ring protocol itself is `stitch_xsk::ring`'s.
+//! The module's parts, one job each: `socket` (the sockets, their UMEM and rings, set up or
+//! taken over), `datapath` (receiving and sending a burst through the rings), `steering` (the
+//! rules, their sockets and lending them to a function), `handover` (what an upgrade hands the
+//! successor). The ring protocol itself is `stitch_xsk::ring`'s.
 
 mod datapath;
 mod handover;

@@ -2,9 +2,9 @@
 //! entries' instructions, then its action set (§5.10); groups and meters on the way. Counters
 //! are kept locally and added to the shared ones once per push, not once per packet.
 //!
-//! Its parts: [`action_set`] (the set's order), the walk here, [`actions`] (what an action does:
-//! rewrites, groups, meters, outputs, packet-ins), [`outbox`] (packets queued per port, sent a
-//! batch at a time) and [`counts`] (per-entry and per-table counts kept locally).
+//! Its parts: `action_set` (the set's order), the walk here, `actions` (what an action does:
+//! rewrites, groups, meters, outputs, packet-ins), `outbox` (packets queued per port, sent a
+//! batch at a time) and `counts` (per-entry and per-table counts kept locally).
 
 mod action_set;
 mod actions;
