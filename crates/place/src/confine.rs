@@ -77,14 +77,7 @@ pub fn check_reachable(user: &RunAs, socket: &Path) -> Result<(), String> {
         let Ok(m) = std::fs::metadata(dir) else {
             continue;
         };
-        let bit = if m.uid() == user.uid {
-            0o100
-        } else if user.groups.contains(&m.gid()) || m.gid() == user.gid {
-            0o010
-        } else {
-            0o001
-        };
-        if m.mode() & bit == 0 {
+        if bits_for(user, &m) & 1 == 0 {
             return Err(format!(
                 "it runs as `{}` (uid {}), which cannot enter {} (mode {:o}, uid {}, gid {}) to reach its socket {}: put the socket in a folder it may enter (the default is /run/stitch-fn/nf.sock), or run it as a user who may",
                 user.name,
@@ -96,6 +89,43 @@ pub fn check_reachable(user: &RunAs, socket: &Path) -> Result<(), String> {
                 socket.display()
             ));
         }
+    }
+    Ok(())
+}
+
+/// The permission bits of `m` that apply to `user` — its owner's, its group's or the others'
+/// — as 4 (read), 2 (write), 1 (execute, or enter).
+fn bits_for(user: &RunAs, m: &std::fs::Metadata) -> u32 {
+    let shift = if m.uid() == user.uid {
+        6
+    } else if user.groups.contains(&m.gid()) || m.gid() == user.gid {
+        3
+    } else {
+        0
+    };
+    (m.mode() >> shift) & 7
+}
+
+/// Refuses a VM whose user could not open `file` — to read, and with `write` to write too
+/// (QEMU would start and exit at once): names the folder or the file in the way.
+pub fn check_file(user: &RunAs, file: &Path, write: bool) -> Result<(), String> {
+    if user.uid == 0 {
+        return Ok(());
+    }
+    check_reachable(user, file)?;
+    let m = std::fs::metadata(file).map_err(|e| format!("{}: {e}", file.display()))?;
+    let need = if write { 6 } else { 4 };
+    if bits_for(user, &m) & need != need {
+        return Err(format!(
+            "it runs as `{}` (uid {}), which cannot {} {} (mode {:o}, uid {}, gid {}): give that user access (its group, or `chmod o+r`), or run it as a user who has it (`user:`)",
+            user.name,
+            user.uid,
+            if write { "read and write" } else { "read" },
+            file.display(),
+            m.mode() & 0o7777,
+            m.uid(),
+            m.gid(),
+        ));
     }
     Ok(())
 }

@@ -1,12 +1,14 @@
 //! Shared memory hot-plugged into a guest over QMP, for a function in a VM
-//! (`rings: ivshmem`, [`stitch_nf::guest`]): a memfd of this process becomes a
-//! `memory-backend-file` (`share=on`, opened by QEMU through `/proc/PID/fd/N`) under an
+//! (`rings: ivshmem`, [`stitch_nf::guest`]): a memfd of this process, passed to QEMU over the
+//! QMP socket (`add-fd`: QEMU runs as another user, and may not open this process's
+//! descriptors), becomes a `memory-backend-file` (`share=on`, opened by QEMU through its own
+//! `/proc/self/fd/N`; the passed copy is dropped once the backend holds one) under an
 //! `ivshmem-plain` device on the guest's root PCI bus; unplugging asks the guest to let the
 //! device go (ACPI), waits until it has, then drops the memory.
 
 use crate::qmp::{Qmp, QmpError};
 use serde_json::{json, Value};
-use std::os::fd::{AsRawFd, BorrowedFd};
+use std::os::fd::BorrowedFd;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 use stitch_nf::guest::{swept, GuestBus};
@@ -61,8 +63,15 @@ impl QmpBus {
 impl GuestBus for QmpBus {
     fn plug(&self, id: &str, memory: BorrowedFd<'_>, bytes: usize) -> Result<String, String> {
         let mut q = self.connect()?;
-        let path = format!("/proc/{}/fd/{}", std::process::id(), memory.as_raw_fd());
-        q.execute(
+        let passed =
+            (q.execute_passing("add-fd", Some(json!({ "opaque": id })), memory)).map_err(said)?;
+        let (Some(fd), Some(set)) = (passed["fd"].as_i64(), passed["fdset-id"].as_i64()) else {
+            return Err(format!(
+                "QEMU took the memory of {id} and said nothing of it: {passed}"
+            ));
+        };
+        let path = format!("/proc/self/fd/{fd}");
+        let added = q.execute(
             "object-add",
             Some(json!({
                 "qom-type": "memory-backend-file",
@@ -71,8 +80,10 @@ impl GuestBus for QmpBus {
                 "size": bytes,
                 "share": true,
             })),
-        )
-        .map_err(said)?;
+        );
+        // The backend opened its own descriptor (or failed): the passed one goes either way.
+        let _ = q.execute("remove-fd", Some(json!({ "fdset-id": set })));
+        added.map_err(said)?;
         let device = json!({ "driver": "ivshmem-plain", "id": id, "memdev": memdev(id) });
         let added = self.add_device(&mut q, device);
         if let Err(e) = added {

@@ -470,10 +470,8 @@ impl Placements {
         let mut current = self.graph.lock().unwrap();
         let plan =
             plan(&graph, self.engine.registry(), &self.instance).map_err(PlaceError::Graph)?;
-        if plan.processes.iter().any(|p| p.kind == "vm") {
-            std::fs::create_dir_all(&self.vm_dir).map_err(|e| {
-                PlaceError::Kernel(format!("cannot make {}: {e}", self.vm_dir.display()))
-            })?;
+        for p in plan.processes.iter().filter(|p| p.kind == "vm") {
+            vm::make_folders(&self.vm_dir, &p.app, p.user.as_ref()).map_err(PlaceError::Kernel)?;
         }
         let mut installed = self.kernel.lock().unwrap();
         let left = self.kernel_left.lock().unwrap().take();
@@ -733,6 +731,7 @@ impl Placements {
 mod tests {
     use super::*;
     use std::collections::BTreeMap;
+    use std::os::unix::fs::PermissionsExt;
     use stitch_core::Registry;
 
     fn reg() -> Registry {
@@ -807,6 +806,8 @@ mod tests {
     #[test]
     fn a_vm_is_qemu_on_a_vhost_user_port_named_after_the_instance() {
         let dir = tempfile::tempdir().unwrap();
+        // QEMU runs as `stitch-fn`: it must reach the guest's files.
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
         let kernel = dir.path().join("vmlinux");
         std::fs::write(&kernel, b"").unwrap();
         let mut r = Registry::default();
@@ -820,7 +821,7 @@ mod tests {
         .unwrap();
         let vm_dir = vm::dir_of("some-instance");
         let p = plan(&g, &r, "some-instance").unwrap();
-        let sock = vm_dir.join("vm1.sock");
+        let sock = vm_dir.join("vm1").join("vm1.sock");
         assert_eq!(
             p.engine.apps["vm1"].config["socket"],
             sock.display().to_string()
@@ -828,6 +829,14 @@ mod tests {
         let [spec] = &p.processes[..] else {
             panic!("{:?}", p.processes)
         };
+        // Confined, as its user; the port's socket is that user's.
+        assert!(!spec.privileged);
+        let user = spec.user.as_ref().map(|u| u.name.clone());
+        assert_eq!(p.engine.apps["vm1"].config["user"], json!(user));
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        if unsafe { libc::geteuid() } == 0 {
+            assert_eq!(user.as_deref(), Some(confine::FUNCTION_USER));
+        }
         let args = spec.args.join(" ");
         assert!(
             args.contains(&format!("-kernel {}", kernel.display())),
@@ -846,7 +855,10 @@ mod tests {
             args.contains("-sandbox on,obsolete=deny,elevateprivileges=deny,spawn=deny"),
             "{args}"
         );
-        assert_eq!(spec.stop, supervisor::StopBy::Qmp(vm_dir.join("vm1.qmp")));
+        assert_eq!(
+            spec.stop,
+            supervisor::StopBy::Qmp(vm_dir.join("vm1").join("vm1.qmp"))
+        );
         // A missing image is refused at its line.
         let g = PlacedGraph::parse(
             "apps:\n  vm1:\n    placement: vm\n    qemu: /bin/true\n    kernel: nowhere\n",
@@ -863,6 +875,7 @@ mod tests {
     #[test]
     fn a_vm_with_ivshmem_rings_is_a_polling_function_port_on_a_socket_of_its_own() {
         let dir = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
         std::fs::write(dir.path().join("vmlinux"), b"").unwrap();
         let mut r = Registry::default();
         stitch_vhost::register(&mut r);
@@ -875,11 +888,12 @@ mod tests {
         let vm_dir = vm::dir_of("some-instance");
         let p = plan(&g, &r, "some-instance").unwrap();
         let port = &p.engine.apps["vm1"];
-        let sock = vm_dir.join("vm1.nf");
+        let sock = vm_dir.join("vm1").join("vm1.nf");
         assert_eq!(port.kind, "nf_port");
+        let runs_as: Vec<String> = p.processes[0].user.iter().map(|u| u.name.clone()).collect();
         assert_eq!(
             port.config,
-            json!({ "socket": sock, "mode": "zero_copy", "wake": "polling" })
+            json!({ "socket": sock, "mode": "zero_copy", "wake": "polling", "allow_users": runs_as })
         );
         let args = p.processes[0].args.join(" ");
         assert!(
@@ -894,7 +908,7 @@ mod tests {
             p.guest_buses,
             [vm::GuestBusAt {
                 socket: sock,
-                qmp: vm_dir.join("vm1.qmp"),
+                qmp: vm_dir.join("vm1").join("vm1.qmp"),
                 root_ports: Vec::new(),
             }]
         );

@@ -70,13 +70,27 @@ impl Qmp {
 
     /// Runs `command` with `arguments`; what it returned.
     pub fn execute(&mut self, command: &str, arguments: Option<Value>) -> Result<Value, QmpError> {
-        let mut request = json!({ "execute": command });
-        if let Some(a) = arguments {
-            request["arguments"] = a;
-        }
-        let mut line = request.to_string();
-        line.push('\n');
+        let line = request(command, arguments);
         self.writer.write_all(line.as_bytes())?;
+        self.answer()
+    }
+
+    /// Runs `command` with descriptor `fd` passed along (SCM_RIGHTS: `add-fd`, `getfd`), so
+    /// that QEMU gets its own copy whatever user it runs as.
+    pub fn execute_passing(
+        &mut self,
+        command: &str,
+        arguments: Option<Value>,
+        fd: std::os::fd::BorrowedFd<'_>,
+    ) -> Result<Value, QmpError> {
+        use std::os::fd::AsRawFd;
+        let line = request(command, arguments);
+        stitch_core::fdpass::send(self.writer.as_raw_fd(), line.as_bytes(), &[fd.as_raw_fd()])?;
+        self.answer()
+    }
+
+    /// The answer to the command just sent, past any events.
+    fn answer(&mut self) -> Result<Value, QmpError> {
         loop {
             let mut answer = self.message()?;
             if let Some(r) = answer.get_mut("return") {
@@ -103,6 +117,17 @@ impl Qmp {
         }
         serde_json::from_str(&line).map_err(|e| QmpError::Protocol(format!("{e}: {line}")))
     }
+}
+
+/// One command as QMP reads it: a JSON object on a line.
+fn request(command: &str, arguments: Option<Value>) -> String {
+    let mut request = json!({ "execute": command });
+    if let Some(a) = arguments {
+        request["arguments"] = a;
+    }
+    let mut line = request.to_string();
+    line.push('\n');
+    line
 }
 
 /// Asks the VM behind QMP socket `qmp` to power down (the ACPI power button). False when QEMU

@@ -2,8 +2,10 @@
 //! function process, powered down through QMP (ACPI) when it leaves, then killed after its
 //! `shutdown_timeout_s`.
 
+use crate::confine::{self, RunAs};
 use crate::supervisor::{ProcessSpec, StopBy};
 use crate::{at, find_program, Placed};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 use stitch_core::graph::AppDecl;
@@ -13,10 +15,48 @@ use stitch_vhost::vm::{Accel, GuestRings, VmConfig};
 /// The longest path a Unix socket address holds.
 const SUN_PATH_MAX: usize = 107;
 
-/// The folder of one instance's VM sockets and consoles, named after its key.
+/// The folder of one instance's VMs, named after its key: beside the function socket's
+/// (`/run/stitch-fn` for root, 0711: entered, not listed), not in the runtime folder, which
+/// QEMU's user may not enter. Each VM has a folder of its own in it ([`vm_folder`]).
 pub fn dir_of(instance: &str) -> PathBuf {
     // Short, stable names whatever the key's length (socket paths are limited).
-    stitch_core::runtime_dir().join(format!("vm-{:016x}", crate::hash(instance)))
+    stitch_nf::paths::default_socket_folder().join(format!("vm-{:016x}", crate::hash(instance)))
+}
+
+/// The folder of VM `name`'s sockets and console: its user's (0700), so that its QEMU makes
+/// its QMP socket and console there and nobody else reaches them.
+pub fn vm_folder(vm_dir: &Path, name: &str) -> PathBuf {
+    vm_dir.join(name)
+}
+
+/// Makes the instance's VM folder (0711, root's) and VM `name`'s in it, given to `user`
+/// (0700), whatever was there: the instance's folder is Stitch's, so nobody else made it.
+pub fn make_folders(vm_dir: &Path, name: &str, user: Option<&RunAs>) -> Result<(), String> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    use std::os::unix::io::AsFd;
+    if let Some(parent) = vm_dir.parent() {
+        if *parent == *stitch_nf::paths::default_socket_folder() {
+            stitch_core::files::private_dir(parent, 0o711, None)?;
+        }
+    }
+    stitch_core::files::private_dir(vm_dir, 0o711, None)?;
+    let dir = vm_folder(vm_dir, name);
+    match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(format!("cannot create {}: {e}", dir.display())),
+    }
+    let d = std::fs::File::options()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(&dir)
+        .map_err(|e| format!("{} is not a folder Stitch can use ({e})", dir.display()))?;
+    if let Some(u) = user {
+        std::os::unix::fs::fchown(d.as_fd(), Some(u.uid), Some(u.gid))
+            .map_err(|e| format!("cannot give {} to `{}`: {e}", dir.display(), u.name))?;
+    }
+    d.set_permissions(std::fs::Permissions::from_mode(0o700))
+        .map_err(|e| format!("cannot set the mode of {}: {e}", dir.display()))
 }
 
 fn resolve(base_dir: &Path, p: &Path) -> PathBuf {
@@ -54,6 +94,54 @@ fn guest_files(
     Ok(files)
 }
 
+/// The user QEMU runs as (none: Stitch's own, or root's with `privileged: true`), refused
+/// when it could not open the guest's files or, with `accel: kvm`, /dev/kvm.
+fn qemu_user(
+    app: &AppDecl,
+    c: &VmConfig,
+    files: &[(&'static str, PathBuf)],
+) -> Result<Option<RunAs>, GraphError> {
+    if c.accel == Accel::Kvm {
+        if let Err(e) = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/dev/kvm")
+        {
+            return Err(at(
+                app,
+                "accel",
+                format!(
+                    "app `{}`: accel: kvm, but /dev/kvm cannot be opened ({e}): use `accel: tcg`",
+                    app.name
+                ),
+            ));
+        }
+    }
+    let user = match c.privileged {
+        true => None,
+        false => confine::user_for(c.user.as_deref())
+            .map_err(|e| at(app, "user", format!("app `{}`: {e}", app.name)))?,
+    };
+    let Some(u) = &user else { return Ok(None) };
+    for (key, path) in files {
+        confine::check_file(u, path, *key == "disk")
+            .map_err(|e| at(app, key, format!("app `{}`: QEMU {e}", app.name)))?;
+    }
+    if c.accel == Accel::Kvm {
+        confine::check_file(u, Path::new("/dev/kvm"), true).map_err(|e| {
+            at(
+                app,
+                "accel",
+                format!(
+                    "app `{}`: QEMU {e} (`usermod -aG kvm {}`)",
+                    app.name, u.name
+                ),
+            )
+        })?;
+    }
+    Ok(user)
+}
+
 /// QEMU's command line for `app`, and the port's entry with its socket.
 pub(crate) fn spec(app: &AppDecl, base_dir: &Path, vm_dir: &Path) -> Result<Placed, GraphError> {
     if app.kind != "vm" {
@@ -86,29 +174,15 @@ pub(crate) fn spec(app: &AppDecl, base_dir: &Path, vm_dir: &Path) -> Result<Plac
         )
     })?;
     let files = guest_files(app, &c, base_dir)?;
-    if c.accel == Accel::Kvm {
-        if let Err(e) = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open("/dev/kvm")
-        {
-            return Err(at(
-                app,
-                "accel",
-                format!(
-                    "app `{}`: accel: kvm, but /dev/kvm cannot be opened ({e}): use `accel: tcg`",
-                    app.name
-                ),
-            ));
-        }
-    }
+    let user = qemu_user(app, &c, &files)?;
     // One function socket per VM: its guest can ask for no port but its own.
+    let folder = vm_folder(vm_dir, &app.name);
     let socket = match (&c.socket, c.rings) {
         (Some(s), _) => resolve(base_dir, s),
-        (None, GuestRings::Virtio) => vm_dir.join(format!("{}.sock", app.name)),
-        (None, GuestRings::Ivshmem) => vm_dir.join(format!("{}.nf", app.name)),
+        (None, GuestRings::Virtio) => folder.join(format!("{}.sock", app.name)),
+        (None, GuestRings::Ivshmem) => folder.join(format!("{}.nf", app.name)),
     };
-    let qmp = vm_dir.join(format!("{}.qmp", app.name));
+    let qmp = folder.join(format!("{}.qmp", app.name));
     for p in [&socket, &qmp] {
         if p.as_os_str().len() > SUN_PATH_MAX {
             return Err(at(
@@ -126,18 +200,32 @@ pub(crate) fn spec(app: &AppDecl, base_dir: &Path, vm_dir: &Path) -> Result<Plac
         .console
         .as_ref()
         .map(|p| resolve(base_dir, p))
-        .unwrap_or_else(|| vm_dir.join(format!("{}.console", app.name)));
+        .unwrap_or_else(|| folder.join(format!("{}.console", app.name)));
+    if let Some(u) = &user {
+        // The VM's own folder is made for it; a socket or console named elsewhere must be
+        // reachable by its user.
+        for p in [&socket, &console]
+            .into_iter()
+            .filter(|p| !p.starts_with(&folder))
+        {
+            confine::check_reachable(u, p)
+                .map_err(|e| at(app, "socket", format!("app `{}`: QEMU {e}", app.name)))?;
+        }
+    }
     let args = qemu_args(&app.name, &c, &files, &socket, &qmp, &console);
-    let (engine_kind, engine_config, guest_bus) = engine_side(app, &c, &socket, &qmp);
+    let runs_as = user.as_ref().map(|u| u.name.as_str());
+    let (engine_kind, engine_config, guest_bus) = engine_side(app, &c, &socket, &qmp, runs_as);
     Ok(Placed {
         spec: ProcessSpec {
             app: app.name.clone(),
             program,
             args,
             env: Vec::new(),
-            user: None,
-            // QEMU keeps root's rights for now (docs/security.md, "Not yet").
-            privileged: true,
+            user,
+            // Confined as a function is (no capabilities, `no_new_privs`, a clean
+            // environment), unless the app says `privileged: true`; QEMU's own seccomp filter
+            // (`-sandbox on`) instead of a function's, which QEMU's system calls exceed.
+            privileged: c.privileged,
             seccomp: false,
             attaches: None,
             cpu: None,
@@ -160,11 +248,14 @@ fn engine_side(
     c: &VmConfig,
     socket: &Path,
     qmp: &Path,
+    runs_as: Option<&str>,
 ) -> (Option<&'static str>, serde_json::Value, Option<GuestBusAt>) {
     match c.rings {
         GuestRings::Virtio => {
             let mut config = app.config.clone();
             config["socket"] = serde_json::json!(socket);
+            // The port's socket goes to QEMU's user (`vm` gives it to the port as `owner`).
+            config["user"] = serde_json::json!(runs_as);
             (None, config, None)
         }
         GuestRings::Ivshmem => (
@@ -173,6 +264,8 @@ fn engine_side(
                 "socket": socket,
                 "mode": c.mode.unwrap_or_default().name(),
                 "wake": "polling",
+                // The function in the guest reaches the port through its QEMU.
+                "allow_users": runs_as.into_iter().collect::<Vec<_>>(),
             }),
             Some(GuestBusAt {
                 socket: socket.to_path_buf(),

@@ -309,6 +309,32 @@ fn a_vm_is_launched_on_its_port_restarted_and_shut_down() {
     // QEMU runs under its own seccomp filter (`-sandbox on`, docs/security.md).
     let status = std::fs::read_to_string(format!("/proc/{first}/status")).unwrap();
     assert!(status.lines().any(|l| l == "Seccomp:\t2"), "{status}");
+    // And as the functions' user, without capabilities or a way to gain any
+    // (docs/security.md); its port's socket is that user's alone.
+    let field = |k: &str| {
+        let line = status.lines().find(|l| l.starts_with(&format!("{k}:")));
+        line.unwrap_or_default()
+            .split_whitespace()
+            .nth(1)
+            .unwrap_or_default()
+            .to_string()
+    };
+    let fn_uid = sh("id -u stitch-fn");
+    let fn_uid = String::from_utf8_lossy(&fn_uid.stdout).trim().to_string();
+    assert_eq!(field("Uid"), fn_uid, "{status}");
+    assert_eq!(field("CapEff"), "0000000000000000", "{status}");
+    assert_eq!(field("CapBnd"), "0000000000000000", "{status}");
+    assert_eq!(field("NoNewPrivs"), "1", "{status}");
+    let port_socket = console
+        .split("path=")
+        .nth(1)
+        .and_then(|rest| rest.split([',', '"']).next())
+        .map(std::path::PathBuf::from)
+        .expect("the port's socket in QEMU's command");
+    let meta = std::fs::metadata(&port_socket).unwrap();
+    use std::os::unix::fs::MetadataExt;
+    assert_eq!(meta.uid().to_string(), fn_uid);
+    assert_eq!(meta.mode() & 0o777, 0o600);
     let socket = s.stats().unwrap();
     assert_eq!(app(&socket, "vm1")["placement"], "vm", "{socket}");
     // QEMU's own view of the guest: running; paused by an operator's `stop` on its QMP

@@ -757,6 +757,61 @@ links: [\"gen.output -> fw.input\", \"fw.output -> out.input\", \"g2.output -> b
 }
 
 #[test]
+fn a_vm_port_socket_is_its_owners_and_no_other_user_drives_the_guest() {
+    require_root_and_tools(&["python3"]);
+    let owner = LocalUser::new(false);
+    let stranger = LocalUser::new(false);
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
+    let (root_only, owned) = (dir.path().join("a.sock"), dir.path().join("b.sock"));
+    let graph = format!(
+        "apps:
+  a: {{ type: vhost_user, socket: {a} }}
+  b: {{ type: vhost_user, socket: {b}, owner: {o} }}
+links: [\"a.output -> b.input\", \"b.output -> a.input\"]
+",
+        a = root_only.display(),
+        b = owned.display(),
+        o = owner.name
+    );
+    // Under umask 0 too: the modes are Stitch's.
+    let s = Stitch::run_as(under_umask_zero(), &graph, &[]);
+    wait_until("both sockets", 10, || root_only.exists() && owned.exists());
+    assert_eq!(mode_of(&root_only), 0o600);
+    assert_eq!(mode_of(&owned), 0o600);
+    assert_eq!(std::fs::metadata(&owned).unwrap().uid(), owner.uid());
+    let connect = |u: &LocalUser, p: &Path| {
+        let o = u.sh(&format!(
+            "python3 -c 'import socket; s = socket.socket(socket.AF_UNIX); s.connect(\"{}\"); print(\"connected\")' 2>&1",
+            p.display()
+        ));
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    // Nobody but root reaches a port without an owner; only its owner one with.
+    for (u, p) in [
+        (&owner, &root_only),
+        (&stranger, &root_only),
+        (&stranger, &owned),
+    ] {
+        let said = connect(u, p);
+        assert!(
+            said.contains("Permission denied"),
+            "{} → {}: {said}",
+            u.name,
+            p.display()
+        );
+    }
+    assert!(connect(&owner, &owned).contains("connected"));
+    let connections = |app: &str| s.counter(app, "connections").unwrap_or(0);
+    wait_until("the owner's connection counted", 10, || {
+        connections("b") >= 1
+    });
+    assert_eq!(connections("a"), 0);
+    assert_eq!(show(&s, "b")["owner"], owner.name.as_str());
+    s.stop();
+}
+
+#[test]
 fn openflow_over_tls_lets_in_only_controllers_whose_certificate_its_ca_signed() {
     require_root_and_tools(&["ovs-ofctl", "openssl"]);
     let dir = tempfile::tempdir().unwrap();

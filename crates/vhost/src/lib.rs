@@ -16,6 +16,9 @@
 //! every guest page it writes while QEMU migrates, and announces a guest that arrived (a RARP
 //! from its MAC, when QEMU sends SEND_RARP).
 //!
+//! The socket of a listening port is 0600 and root's, or its `owner`'s (`owner: NAME`, the user
+//! a QEMU runs as; `placement: vm` sets it): a connection from anyone else but root is refused.
+//!
 //! Policy per port, as snabbnfv had it: `port_id`, `mac_address`, `ingress_filter` /
 //! `egress_filter` (libpcap syntax; ingress is toward the guest), `rx_rate` / `tx_rate`.
 //!
@@ -102,6 +105,19 @@ pub struct VhostUserConfig {
     pub rx_rate: Option<RateSpec>,
     /// Rate limit from the guest.
     pub tx_rate: Option<RateSpec>,
+    /// The user whose front-end connects to a listening port (a QEMU that runs as that user:
+    /// `placement: vm` sets it to the VM's user): the socket is given to it (0600) and a
+    /// connection from anyone else but root is refused. Without it, root's alone.
+    pub owner: Option<String>,
+}
+
+/// `name`'s uid and primary gid.
+fn owner_ids(name: &str) -> Result<(u32, u32), String> {
+    match nix::unistd::User::from_name(name) {
+        Ok(Some(u)) => Ok((u.uid.as_raw(), u.gid.as_raw())),
+        Ok(None) => Err(format!("owner: no user `{name}` on this host")),
+        Err(e) => Err(format!("owner: cannot look up user `{name}`: {e}")),
+    }
 }
 
 fn one() -> usize {
@@ -164,6 +180,8 @@ pub struct VhostUser {
     seen_connections: u64,
     seen_peer_faults: u64,
     port_id: Option<String>,
+    /// Whose front-end may connect besides root (`owner`), for `stitch show`.
+    owner: Option<String>,
     mac: Option<[u8; 6]>,
     ingress: policy::Direction,
     egress: policy::Direction,
@@ -251,6 +269,9 @@ impl App for VhostUser {
         if c.socket.as_os_str().is_empty() {
             return Err("socket: a path is needed".into());
         }
+        if let Some(o) = &c.owner {
+            owner_ids(o)?;
+        }
         if let Some(m) = &c.mac_address {
             stitch_wire::parse_mac(m).map_err(|e| format!("mac_address: {e}"))?;
         }
@@ -310,6 +331,7 @@ impl App for VhostUser {
             Endpoint {
                 path: socket.clone(),
                 server: c.mode == Mode::Server,
+                owner: c.owner.as_deref().map(owner_ids).transpose()?,
             },
             shared.clone(),
             sockets,
@@ -341,6 +363,7 @@ impl App for VhostUser {
             seen_connections: 0,
             seen_peer_faults: 0,
             port_id: c.port_id,
+            owner: c.owner.clone(),
             mac,
             ingress,
             egress,
@@ -578,6 +601,8 @@ impl App for VhostUser {
             "memory_bytes": dev.mem.as_ref().map(|m| m.total_size()).unwrap_or(0),
             "queues": queues,
             "protocol_errors": self.shared.protocol_errors.load(Ordering::Relaxed),
+            "owner": self.owner,
+            "refused_connections": self.shared.refused_connections.load(Ordering::Relaxed),
         })
     }
 }

@@ -127,6 +127,14 @@ pub struct VmConfig {
     /// `rings: ivshmem` only.
     #[serde(default)]
     pub mode: Option<GuestRingMode>,
+    /// The user QEMU runs as (without capabilities, `no_new_privs`, a clean environment):
+    /// by default, for a Stitch running as root, the functions' system user `stitch-fn`. The
+    /// port's socket and the VM's folder are given to it.
+    #[serde(default)]
+    pub user: Option<String>,
+    /// QEMU as root with root's capabilities and environment: the explicit word for it.
+    #[serde(default)]
+    pub privileged: bool,
 }
 
 fn default_memory() -> u64 {
@@ -147,6 +155,9 @@ impl VmConfig {
     pub fn check(&self) -> Result<(), String> {
         if self.kernel.is_none() && self.disk.is_none() {
             return Err("give the VM a `kernel` to boot, a `disk`, or both".into());
+        }
+        if self.privileged && self.user.is_some() {
+            return Err("`privileged: true` runs QEMU as root: leave out `user`".into());
         }
         if self.kernel.is_none() && (self.initrd.is_some() || self.append.is_some()) {
             return Err("`initrd` and `append` go with a `kernel`".into());
@@ -187,6 +198,8 @@ impl VmConfig {
             "socket": socket,
             "mode": "server",
             "offloads": self.offloads,
+            // The placement names the user its QEMU runs as: that QEMU connects.
+            "owner": if self.privileged { None } else { self.user.clone() },
         }))
         .map_err(|e| AppError::from(e.to_string()))
     }

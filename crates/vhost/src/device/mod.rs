@@ -164,6 +164,8 @@ pub struct Shared {
     pub offered: u64,
     pub connections: AtomicU64,
     pub protocol_errors: AtomicU64,
+    /// Front-ends refused at accept: not root and not the socket's owner.
+    pub refused_connections: AtomicU64,
     /// Faults of this port's guest found by another port writing into its rings (a direct
     /// path): counted in this port's `guest_faults` at its tick.
     pub faults_found_by_peers: AtomicU64,
@@ -191,6 +193,7 @@ impl Shared {
             offered,
             connections: AtomicU64::new(0),
             protocol_errors: AtomicU64::new(0),
+            refused_connections: AtomicU64::new(0),
             faults_found_by_peers: AtomicU64::new(0),
             paused: AtomicBool::new(false),
             serving: Mutex::new(()),
@@ -221,6 +224,10 @@ pub struct Endpoint {
     pub path: PathBuf,
     /// Listen (QEMU with `server=off`, virtio-user) or connect (QEMU with `server=on`).
     pub server: bool,
+    /// The user (uid, gid) whose front-end connects to a listening port: the socket is its
+    /// (0600), and a connection from anyone else but root is refused. Without one the socket
+    /// is Stitch's alone.
+    pub owner: Option<(u32, u32)>,
 }
 
 /// What a port taken over from another process starts on instead of opening its own: the
@@ -272,6 +279,7 @@ fn listen(
             }
             let l = UnixListener::bind(&endpoint.path)?;
             shared.owns_path.store(true, Ordering::Relaxed);
+            give_socket(&endpoint.path, endpoint.owner)?;
             l
         }
     };
@@ -291,7 +299,15 @@ fn next_connection(
         return None;
     }
     let stream = match listener {
-        Some(l) => l.accept().ok()?.0,
+        Some(l) => {
+            let stream = l.accept().ok()?.0;
+            if let Err(why) = may_connect(&stream, endpoint.owner) {
+                shared.refused_connections.fetch_add(1, Ordering::Relaxed);
+                log::warn!("vhost_user {}: {why}", shared.name);
+                return None;
+            }
+            stream
+        }
         None => UnixStream::connect(&endpoint.path).ok()?,
     };
     shared.connections.fetch_add(1, Ordering::Relaxed);
@@ -301,6 +317,56 @@ fn next_connection(
     dev.connected = true;
     dev.connection = stream.try_clone().ok().map(OwnedFd::from);
     Some(stream)
+}
+
+/// Makes the socket at `path` its owner's, or Stitch's alone: mode 0600 whatever the umask.
+fn give_socket(path: &std::path::Path, owner: Option<(u32, u32)>) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    if let Some((uid, gid)) = owner {
+        std::os::unix::fs::chown(path, Some(uid), Some(gid))?;
+    }
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+}
+
+/// The uid of the process at the other end of `stream` (`SO_PEERCRED`).
+fn peer_uid(stream: &UnixStream) -> std::io::Result<u32> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: the kernel writes at most `len` bytes, a ucred's size, into `cred`.
+    let r = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            &mut cred as *mut libc::ucred as *mut libc::c_void,
+            &mut len,
+        )
+    };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(cred.uid)
+}
+
+/// Whether the front-end at the other end of `stream` may drive the port: root, or the
+/// socket's owner when it has one (the socket's mode keeps others out; this holds if a
+/// descriptor of it is passed on).
+fn may_connect(stream: &UnixStream, owner: Option<(u32, u32)>) -> Result<(), String> {
+    let uid = peer_uid(stream).map_err(|e| format!("cannot tell who connected ({e})"))?;
+    if uid == 0 || owner.is_some_and(|(o, _)| o == uid) {
+        return Ok(());
+    }
+    Err(format!(
+        "refused a front-end of uid {uid}: the port's socket is for {}",
+        match owner {
+            Some((o, _)) => format!("uid {o} (its `owner`) and root"),
+            None => "root alone (give the port an `owner` for another user's QEMU)".into(),
+        }
+    ))
 }
 
 /// A port's connection thread, and a duplicate of its listening socket (server mode) to lend.
