@@ -13,12 +13,14 @@ const SET_FIELD_SLOT: usize = 12;
 const SLOTS: usize = SET_FIELD_SLOT + 40 + 3;
 
 impl<'a> ActionSet<'a> {
+    #[inline]
     pub(super) fn new() -> Self {
         ActionSet {
             slots: [None; SLOTS],
         }
     }
 
+    #[inline]
     pub(super) fn slot(a: &Action) -> usize {
         match a {
             Action::CopyTtlIn => 0,
@@ -40,6 +42,7 @@ impl<'a> ActionSet<'a> {
         }
     }
 
+    #[inline]
     pub(super) fn write(&mut self, actions: &'a [Action]) {
         for a in actions {
             self.slots[Self::slot(a)] = Some(a);
@@ -47,6 +50,7 @@ impl<'a> ActionSet<'a> {
     }
 
     /// The set's actions in the order they run; a group takes the place of the output.
+    #[inline]
     pub(super) fn ordered(&self) -> impl Iterator<Item = &'a Action> + '_ {
         let has_group = self.slots[SET_FIELD_SLOT + 41].is_some();
         self.slots

@@ -18,6 +18,7 @@ impl DataPath {
     /// One action on `p`; `last` lets an output take the packet instead of a copy. Returns the
     /// packet when there is more to do with it.
     #[allow(clippy::too_many_arguments)]
+    #[inline]
     pub(super) fn act(
         &mut self,
         mut p: Packet,
@@ -160,6 +161,7 @@ impl DataPath {
         self.run_set(p, *key, &set, origin, snap, shared, depth + 1);
     }
 
+    #[inline]
     pub(super) fn meter(
         &mut self,
         p: &mut Packet,
@@ -185,6 +187,7 @@ impl DataPath {
         v
     }
 
+    #[inline]
     pub(super) fn output(
         &mut self,
         p: Packet,
@@ -223,6 +226,7 @@ impl DataPath {
         }
     }
 
+    #[inline]
     pub(super) fn send(&mut self, p: Packet, port: u32) {
         if self.probe.watching() && self.outbox.slot(port).is_some() {
             self.probe.output(port, p.data());

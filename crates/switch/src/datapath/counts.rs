@@ -55,6 +55,7 @@ impl EntryCounts {
     }
 
     /// `n` packets of `b` bytes in all took the walk `steps`.
+    #[inline]
     pub(super) fn walk(&mut self, steps: &[Step], n: u64, b: u64) {
         for s in steps {
             let table = s.table as usize;
