@@ -1,4 +1,5 @@
-//! One message with file descriptors over a Unix stream socket (SCM_RIGHTS).
+//! One message with file descriptors over a Unix stream socket (SCM_RIGHTS), and who is at the
+//! other end of one (`SO_PEERCRED`).
 
 use std::io;
 use std::os::fd::{FromRawFd, OwnedFd, RawFd};
@@ -102,4 +103,34 @@ pub fn recv(sock: RawFd, max: usize) -> io::Result<(Vec<u8>, Vec<OwnedFd>)> {
     }
     buf.truncate(n as usize);
     Ok((buf, fds))
+}
+
+/// The process at the other end of a connection, as the kernel saw it connect.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cred {
+    pub pid: i32,
+    pub uid: u32,
+    pub gid: u32,
+}
+
+/// Who connected on `stream`; `None` if the kernel cannot say (never for a Unix socket).
+pub fn peer_cred(stream: &std::os::unix::net::UnixStream) -> Option<Cred> {
+    // SAFETY: ucred is three integers; zero is a valid value.
+    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: the kernel writes at most `len` bytes (ucred's size) into `cred`.
+    let r = unsafe {
+        libc::getsockopt(
+            std::os::fd::AsRawFd::as_raw_fd(stream),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            &mut cred as *mut _ as *mut libc::c_void,
+            &mut len,
+        )
+    };
+    (r == 0).then_some(Cred {
+        pid: cred.pid,
+        uid: cred.uid,
+        gid: cred.gid,
+    })
 }

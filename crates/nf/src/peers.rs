@@ -11,8 +11,6 @@
 //! region, no packet memory.
 
 use std::collections::HashMap;
-use std::os::fd::AsRawFd;
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
 
@@ -46,35 +44,7 @@ impl Peers {
     }
 }
 
-/// The process at the other end of a connection, as the kernel saw it connect.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Cred {
-    pub pid: i32,
-    pub uid: u32,
-    pub gid: u32,
-}
-
-/// Who connected on `stream`; `None` if the kernel cannot say (never for a Unix socket).
-pub fn peer_cred(stream: &UnixStream) -> Option<Cred> {
-    // SAFETY: ucred is three integers; zero is a valid value.
-    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: the kernel writes at most `len` bytes (ucred's size) into `cred`.
-    let r = unsafe {
-        libc::getsockopt(
-            stream.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            &mut cred as *mut _ as *mut libc::c_void,
-            &mut len,
-        )
-    };
-    (r == 0).then_some(Cred {
-        pid: cred.pid,
-        uid: cred.uid,
-        gid: cred.gid,
-    })
-}
+pub use stitch_core::fdpass::{peer_cred, Cred};
 
 /// The process Stitch runs for a port, as its supervisor told.
 #[derive(Debug, Clone, Copy, Default)]

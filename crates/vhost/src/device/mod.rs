@@ -328,35 +328,13 @@ fn give_socket(path: &std::path::Path, owner: Option<(u32, u32)>) -> std::io::Re
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
 }
 
-/// The uid of the process at the other end of `stream` (`SO_PEERCRED`).
-fn peer_uid(stream: &UnixStream) -> std::io::Result<u32> {
-    let mut cred = libc::ucred {
-        pid: 0,
-        uid: 0,
-        gid: 0,
-    };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: the kernel writes at most `len` bytes, a ucred's size, into `cred`.
-    let r = unsafe {
-        libc::getsockopt(
-            stream.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            &mut cred as *mut libc::ucred as *mut libc::c_void,
-            &mut len,
-        )
-    };
-    if r < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(cred.uid)
-}
-
 /// Whether the front-end at the other end of `stream` may drive the port: root, or the
 /// socket's owner when it has one (the socket's mode keeps others out; this holds if a
 /// descriptor of it is passed on).
 fn may_connect(stream: &UnixStream, owner: Option<(u32, u32)>) -> Result<(), String> {
-    let uid = peer_uid(stream).map_err(|e| format!("cannot tell who connected ({e})"))?;
+    let uid = (stitch_core::fdpass::peer_cred(stream))
+        .ok_or("cannot tell who connected")?
+        .uid;
     if uid == 0 || owner.is_some_and(|(o, _)| o == uid) {
         return Ok(());
     }
