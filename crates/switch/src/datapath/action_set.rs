@@ -86,7 +86,7 @@ mod tests {
             },
             set_field(3, 1),
             Action::DecNwTtl,
-            Action::PushVlan(0x8100),
+            Action::PushVlan(stitch_wire::ethertype::VLAN),
             Action::PopVlan,
             Action::CopyTtlIn,
             Action::SetQueue(0),
@@ -96,7 +96,7 @@ mod tests {
             [
                 Action::CopyTtlIn,
                 Action::PopVlan,
-                Action::PushVlan(0x8100),
+                Action::PushVlan(stitch_wire::ethertype::VLAN),
                 Action::DecNwTtl,
                 set_field(3, 1),
                 Action::SetQueue(0),
