@@ -92,7 +92,8 @@ impl EndTag {
 
     /// The facet of type `T`, if the app gave one.
     pub fn get<T: Any + Send + Sync>(&self) -> Option<Arc<T>> {
-        (self.0.iter()).find_map(|f| f.clone().downcast::<T>().ok())
+        let facet = self.0.iter().find(|f| (***f).is::<T>())?;
+        facet.clone().downcast::<T>().ok()
     }
 }
 

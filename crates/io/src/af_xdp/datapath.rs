@@ -50,22 +50,24 @@ pub(super) fn receive(
         frames: u64::from(n),
         ..Received::default()
     };
+    // The kernel wrote the descriptors; a frame outside the UMEM is a broken ring.
+    let frame = |(addr, len): (u64, u32)| {
+        usize::try_from(addr)
+            .ok()
+            .and_then(|at| umem.bytes(at, len as usize))
+            .filter(|b| b.len() >= MIN_FRAME)
+    };
+    // One pass over the descriptors: every chunk back to the fill ring (published below, once
+    // the data are copied), and the frames a packet will be made of counted.
+    let mut good = 0;
     for k in 0..n {
-        let (addr, _) = rx.desc(k);
-        fill.set_addr(k, addr & !(u64::from(FRAME_SIZE) - 1));
+        let d = rx.desc(k);
+        fill.set_addr(k, d.0 & !(u64::from(FRAME_SIZE) - 1));
+        good += usize::from(frame(d).is_some());
     }
     match out {
         None => r.unlinked = u64::from(n),
         Some(out) => {
-            // The kernel wrote the descriptors; a frame outside the UMEM is a broken ring.
-            let frame = |k: u32| {
-                let (addr, len) = rx.desc(k);
-                usize::try_from(addr)
-                    .ok()
-                    .and_then(|at| umem.bytes(at, len as usize))
-                    .filter(|b| b.len() >= MIN_FRAME)
-            };
-            let good = (0..n).filter(|&k| frame(k).is_some()).count();
             r.malformed = u64::from(n) - good as u64;
             let ts = stitch_core::packet::now_ns();
             let usual_len = rx.desc(0).1 as usize;
@@ -73,7 +75,7 @@ pub(super) fn receive(
             let mut completed = 0;
             r.made = out.transmit_fresh(good, usual_len, |p| {
                 let bytes = loop {
-                    let f = frame(next);
+                    let f = frame(rx.desc(next));
                     next += 1;
                     if let Some(b) = f {
                         break b;
