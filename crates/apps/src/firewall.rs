@@ -29,10 +29,11 @@
 //! ```
 
 use crate::classify::{self, Bits, Field};
+use crate::sessions::{self, Clock, Index, Millis, Sessions};
 use serde::Deserialize;
-use std::collections::HashMap;
+use std::hash::BuildHasher;
 use std::net::IpAddr;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 use stitch_core::link::transmit_to;
 use stitch_core::{
     pool, App, AppContext, AppError, AppSnapshot, AppState, Counter, Io, Packet, PortNames,
@@ -409,15 +410,209 @@ enum TcpState {
     Closed,
 }
 
-struct Conn {
-    /// Side of the packet that opened the connection.
-    origin: Side,
-    tcp: Option<TcpState>,
-    expires: Instant,
+impl TcpState {
+    const ALL: [TcpState; 5] = [
+        TcpState::SynSent,
+        TcpState::SynReceived,
+        TcpState::Established,
+        TcpState::FinWait,
+        TcpState::Closed,
+    ];
+
+    /// As a tracked connection keeps it: 0 for none.
+    fn code(s: Option<TcpState>) -> u8 {
+        s.map_or(0, |s| {
+            Self::ALL.iter().position(|x| *x == s).unwrap() as u8 + 1
+        })
+    }
+
+    fn of_code(c: u8) -> Option<TcpState> {
+        c.checked_sub(1)
+            .and_then(|i| Self::ALL.get(i as usize).copied())
+    }
 }
 
 /// Protocol and the two (address, port) ends, lower end first: the same in both directions.
 type ConnKey = (u8, (IpAddr, u16), (IpAddr, u16));
+
+/// A connection's key as the table keeps it: both ends as 16 address bytes (IPv4 in the
+/// first four) and a port, lower end first.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(C)]
+struct Key {
+    a: [u8; 16],
+    b: [u8; 16],
+    a_port: u16,
+    b_port: u16,
+    proto: u8,
+    v6: bool,
+}
+
+fn addr_bytes(a: IpAddr) -> [u8; 16] {
+    match a {
+        IpAddr::V4(v4) => {
+            let mut b = [0; 16];
+            b[..4].copy_from_slice(&v4.octets());
+            b
+        }
+        IpAddr::V6(v6) => v6.octets(),
+    }
+}
+
+impl Key {
+    fn of(k: &ConnKey) -> Key {
+        let (proto, (a, a_port), (b, b_port)) = *k;
+        Key {
+            a: addr_bytes(a),
+            b: addr_bytes(b),
+            a_port,
+            b_port,
+            proto,
+            v6: a.is_ipv6(),
+        }
+    }
+
+    fn conn_key(&self) -> ConnKey {
+        let addr = |b: [u8; 16]| -> IpAddr {
+            if self.v6 {
+                b.into()
+            } else {
+                <[u8; 4]>::try_from(&b[..4]).unwrap().into()
+            }
+        };
+        (
+            self.proto,
+            (addr(self.a), self.a_port),
+            (addr(self.b), self.b_port),
+        )
+    }
+}
+
+/// A tracked connection: 44 bytes, a 64-byte record with its expiry and list links.
+#[derive(Clone, Copy)]
+#[repr(C)]
+struct Conn {
+    key: Key,
+    /// Side of the packet that opened the connection (`Side::Lan` 0, `Side::Wan` 1).
+    origin: u8,
+    /// Its TCP state ([`TcpState::code`]).
+    tcp: u8,
+    _pad: [u8; 4],
+}
+
+// SAFETY: integers, byte arrays and bools only.
+unsafe impl stitch_core::mapping::Zeroable for Conn {}
+
+const _: () = assert!(Sessions::<Conn>::RECORD_BYTES == 64);
+
+impl Conn {
+    fn origin(&self) -> Side {
+        if self.origin == 0 {
+            Side::Lan
+        } else {
+            Side::Wan
+        }
+    }
+}
+
+/// Timeout classes, one expiry list each.
+const ESTABLISHED: u8 = 0;
+const TRANSITORY: u8 = 1;
+const UDP: u8 = 2;
+const ICMP: u8 = 3;
+
+fn class_of(proto: u8, tcp: Option<TcpState>) -> u8 {
+    match (tcp, proto) {
+        (Some(TcpState::Established), _) => ESTABLISHED,
+        (Some(_), _) => TRANSITORY,
+        (None, ip_proto::UDP) => UDP,
+        _ => ICMP,
+    }
+}
+
+fn timeouts(t: &Timeouts) -> Result<[Millis; 4], String> {
+    Ok([
+        sessions::timeout_millis("timeouts.tcp_established", t.tcp_established)?,
+        sessions::timeout_millis("timeouts.tcp_transitory", t.tcp_transitory)?,
+        sessions::timeout_millis("timeouts.udp", t.udp)?,
+        sessions::timeout_millis("timeouts.icmp", t.icmp)?,
+    ])
+}
+
+/// The tracked connections and their index.
+struct ConnTable {
+    sessions: Sessions<Conn>,
+    index: Index,
+    hasher: foldhash::fast::RandomState,
+}
+
+impl ConnTable {
+    fn new(capacity: usize, t: &Timeouts) -> Result<ConnTable, String> {
+        Ok(ConnTable {
+            sessions: Sessions::new(capacity, &timeouts(t)?)?,
+            index: Index::new(capacity)?,
+            hasher: Default::default(),
+        })
+    }
+
+    #[inline(always)]
+    fn hash(&self, k: &Key) -> u32 {
+        sessions::short_hash(self.hasher.hash_one(k))
+    }
+
+    #[inline(always)]
+    fn find(&self, k: &Key, hash: u32) -> Option<u32> {
+        let s = &self.sessions;
+        self.index.find(hash, |id| s.get(id).key == *k)
+    }
+
+    fn add(&mut self, c: Conn, class: u8, expires: Option<Millis>, now: Millis) -> Option<u32> {
+        let id = match expires {
+            Some(t) => self.sessions.insert_until(c, class, t, now)?,
+            None => self.sessions.insert(c, class, now)?,
+        };
+        self.index.insert(self.hash(&c.key), id);
+        Some(id)
+    }
+
+    fn forget(&mut self, id: u32) {
+        let c = self.sessions.remove(id);
+        let h = self.hash(&c.key);
+        self.index.remove(h, id);
+    }
+
+    fn reclaim(&mut self, now: Millis, budget: usize) -> usize {
+        let mut n = 0;
+        while n < budget {
+            let Some(id) = self.sessions.oldest_expired(now) else {
+                break;
+            };
+            self.forget(id);
+            n += 1;
+        }
+        n
+    }
+
+    /// The live connections, for snapshots and queries: (key, origin, state, ms left).
+    fn alive(
+        &self,
+        now: Millis,
+    ) -> impl Iterator<Item = (ConnKey, Side, Option<TcpState>, Millis)> + '_ {
+        self.sessions.iter_alive(now).map(move |(id, c)| {
+            (
+                c.key.conn_key(),
+                c.origin(),
+                TcpState::of_code(c.tcp),
+                self.sessions.expires(id).wrapping_sub(now),
+            )
+        })
+    }
+}
+
+/// Connections reclaimed at most per tick (a millisecond).
+const RECLAIM_PER_TICK: usize = 4096;
+/// Packets worked on as one batch: their index slots, then their connections, fetched ahead.
+const BATCH: usize = 32;
 
 /// The connection an ICMP/ICMPv6 error is about: the key of the packet it quotes (RELATED).
 fn related_key(d: &[u8], f: &Flow) -> Option<ConnKey> {
@@ -494,9 +689,11 @@ pub struct Firewall {
     default: Action,
     stateful: bool,
     timeouts: Timeouts,
-    max_connections: usize,
-    conns: HashMap<ConnKey, Conn, foldhash::fast::RandomState>,
-    last_sweep: Instant,
+    table: ConnTable,
+    clock: Clock,
+    /// Packets of one batch and what was read of them: their flow and key hash.
+    batch: Vec<Packet>,
+    flows: Vec<(Result<Option<Flow>, Malformed>, Key, u32)>,
     accepted: Counter,
     dropped: Counter,
     rejected: Counter,
@@ -527,22 +724,24 @@ const ACK: u8 = 0x10;
 
 impl Firewall {
     /// Advances a tracked connection; false when the packet breaks its state machine.
+    #[inline]
     fn track(
         &mut self,
-        key: &ConnKey,
+        (key, hash): (&Key, u32),
         side: Side,
         flags: Option<u8>,
         icmp: Option<u8>,
-        now: Instant,
+        now: Millis,
     ) -> Option<bool> {
-        let t = self.timeouts.clone();
-        let conn = self.conns.get_mut(key)?;
-        if conn.expires <= now {
-            self.conns.remove(key);
+        let id = self.table.find(key, hash)?;
+        let sessions = &mut self.table.sessions;
+        if !sessions.is_alive(id, now) {
+            self.table.forget(id);
             return None;
         }
-        let reply = side != conn.origin;
-        let ok = match (conn.tcp, flags) {
+        let conn = *sessions.get(id);
+        let reply = side != conn.origin();
+        let ok = match (TcpState::of_code(conn.tcp), flags) {
             (Some(state), Some(fl)) => {
                 let next = if fl & RST != 0 {
                     Some(TcpState::Closed)
@@ -570,13 +769,8 @@ impl Firewall {
                 };
                 match next {
                     Some(s) => {
-                        conn.tcp = Some(s);
-                        let secs = if s == TcpState::Established {
-                            t.tcp_established
-                        } else {
-                            t.tcp_transitory
-                        };
-                        conn.expires = now + Duration::from_secs(secs);
+                        sessions.get_mut(id).tcp = TcpState::code(Some(s));
+                        sessions.set_class(id, class_of(conn.key.proto, Some(s)), now);
                         true
                     }
                     None => false,
@@ -587,12 +781,12 @@ impl Firewall {
                 let want = if reply { [0, 129] } else { [8, 128] };
                 let ok = icmp.is_some_and(|t| want.contains(&t));
                 if ok {
-                    conn.expires = now + Duration::from_secs(t.icmp);
+                    sessions.refresh(id, now);
                 }
                 ok
             }
             _ => {
-                conn.expires = now + Duration::from_secs(t.udp);
+                sessions.refresh(id, now);
                 true
             }
         };
@@ -600,13 +794,13 @@ impl Firewall {
     }
 
     /// Opens a connection for an accepted packet, if it is one that may open one.
-    fn open(&mut self, f: &Flow, side: Side, flags: Option<u8>, now: Instant) -> bool {
-        let (tcp, secs) = match (f.protocol, flags) {
+    fn open(&mut self, f: &Flow, key: &Key, side: Side, flags: Option<u8>, now: Millis) -> bool {
+        let tcp = match (f.protocol, flags) {
             (ip_proto::TCP, Some(fl)) if fl & SYN != 0 && fl & (ACK | RST | FIN) == 0 => {
-                (Some(TcpState::SynSent), self.timeouts.tcp_transitory)
+                Some(TcpState::SynSent)
             }
             (ip_proto::TCP, _) => return false,
-            (ip_proto::UDP, _) => (None, self.timeouts.udp),
+            (ip_proto::UDP, _) => None,
             // Only echo requests open ICMP state; other accepted ICMP passes without it.
             (ip_proto::ICMP | ip_proto::ICMPV6, _)
                 if !matches!(
@@ -616,23 +810,47 @@ impl Firewall {
             {
                 return true
             }
-            (ip_proto::ICMP | ip_proto::ICMPV6, _) => (None, self.timeouts.icmp),
+            (ip_proto::ICMP | ip_proto::ICMPV6, _) => None,
             // Other protocols pass by rule only.
             _ => return true,
         };
-        if self.conns.len() >= self.max_connections {
-            self.table_full.add(1);
-            return true;
+        let conn = Conn {
+            key: *key,
+            origin: (side == Side::Wan) as u8,
+            tcp: TcpState::code(tcp),
+            _pad: [0; 4],
+        };
+        let class = class_of(f.protocol, tcp);
+        if self.table.sessions.len() == self.table.sessions.capacity() {
+            self.table.reclaim(now, 16);
         }
-        self.conns.insert(
-            conn_key(f),
-            Conn {
-                origin: side,
-                tcp,
-                expires: now + Duration::from_secs(secs),
-            },
-        );
+        if self.table.add(conn, class, None, now).is_none() {
+            self.table_full.add(1);
+        }
         true
+    }
+
+    /// Reads the flows of a batch, and brings in each one's index slot, then the connection
+    /// it leads to.
+    fn read_batch(&mut self) {
+        self.flows.clear();
+        for p in &self.batch {
+            let f = flow::flow(p.data());
+            let key = match &f {
+                Ok(Some(f)) => Key::of(&conn_key(f)),
+                _ => Key::of(&(0, (IpAddr::from([0u8; 4]), 0), (IpAddr::from([0u8; 4]), 0))),
+            };
+            let h = self.table.hash(&key);
+            self.table.index.prefetch(h);
+            self.flows.push((f, key, h));
+        }
+        for (f, _, h) in &self.flows {
+            if matches!(f, Ok(Some(_))) {
+                if let Some(id) = self.table.index.first(*h) {
+                    self.table.sessions.prefetch(id);
+                }
+            }
+        }
     }
 }
 
@@ -722,6 +940,10 @@ impl App for Firewall {
 
     fn declare(c: &FirewallConfig) -> Result<PortSpec, AppError> {
         compile(c, None)?;
+        timeouts(&c.timeouts)?;
+        if c.max_connections == 0 {
+            return Err("max_connections: at least 1".into());
+        }
         let sides = vec!["lan".to_string(), "wan".to_string()];
         Ok(PortSpec {
             inputs: PortNames::Fixed(sides.clone()),
@@ -742,10 +964,11 @@ impl App for Firewall {
             rules,
             default: c.default,
             stateful: c.stateful,
+            table: ConnTable::new(c.max_connections, &c.timeouts)?,
             timeouts: c.timeouts,
-            max_connections: c.max_connections,
-            conns: HashMap::default(),
-            last_sweep: Instant::now(),
+            clock: Clock::default(),
+            batch: Vec::with_capacity(BATCH),
+            flows: Vec::with_capacity(BATCH),
             accepted: ctx.counter("accepted"),
             dropped: ctx.counter("rule_drops"),
             rejected: ctx.counter("rejected"),
@@ -769,23 +992,49 @@ impl App for Firewall {
         self.classifier = Classifier::new(&self.rules);
         self.default = c.default;
         self.stateful = c.stateful;
+        let t = timeouts(&c.timeouts)?;
+        if c.max_connections != self.table.sessions.capacity() {
+            // Another size: the live connections move to a new table, in order of expiry
+            // (those past the new size are left out, counted as the table being full).
+            let now = self.clock.at(Instant::now());
+            let mut table = ConnTable::new(c.max_connections, &c.timeouts)?;
+            let mut live: Vec<(Conn, u8, Millis)> = self
+                .table
+                .sessions
+                .iter_alive(now)
+                .map(|(id, c)| {
+                    (
+                        *c,
+                        self.table.sessions.class(id),
+                        self.table.sessions.expires(id),
+                    )
+                })
+                .collect();
+            live.sort_by_key(|(_, _, e)| e.wrapping_sub(now));
+            for (conn, class, expires) in live {
+                if table.add(conn, class, Some(expires), now).is_none() {
+                    self.table_full.add(1);
+                }
+            }
+            self.table = table;
+        } else {
+            self.table.sessions.set_timeouts(&t);
+        }
         self.timeouts = c.timeouts;
-        self.max_connections = c.max_connections;
         Ok(stitch_core::Reconfigured::Done)
     }
 
     /// Tracked connections: `{"count", "connections": [{proto, a, b, origin, state, expires_in_s}]}`.
     fn snapshot(&self) -> Option<AppSnapshot> {
-        let now = Instant::now();
+        let now = self.clock.at(Instant::now());
         let conns: Vec<ConnState> = self
-            .conns
-            .iter()
-            .filter(|(_, c)| c.expires > now)
-            .map(|(key, c)| ConnState {
-                key: *key,
-                origin: c.origin,
-                tcp: c.tcp,
-                expires_in_ms: c.expires.duration_since(now).as_millis() as u64,
+            .table
+            .alive(now)
+            .map(|(key, origin, tcp, left)| ConnState {
+                key,
+                origin,
+                tcp,
+                expires_in_ms: left as u64,
             })
             .collect();
         Some(AppSnapshot::new(STATE_VERSION, conns))
@@ -794,137 +1043,189 @@ impl App for Firewall {
     /// Connections come back as they were tracked; the rules of the new configuration judge
     /// their next packets as they judge any tracked connection's.
     fn restore(&mut self, state: AppState) -> Result<(), String> {
-        let conns: Vec<ConnState> = serde_json::from_value(state.of_version(STATE_VERSION)?)
+        let mut conns: Vec<ConnState> = serde_json::from_value(state.of_version(STATE_VERSION)?)
             .map_err(|e| format!("firewall state: {e}"))?;
-        let now = Instant::now();
-        for c in conns.into_iter().take(self.max_connections) {
-            let expires = now + Duration::from_millis(c.expires_in_ms);
-            let (origin, tcp) = (c.origin, c.tcp);
-            self.conns.insert(
-                c.key,
-                Conn {
-                    origin,
-                    tcp,
-                    expires,
-                },
-            );
+        let now = self.clock.at(Instant::now());
+        // In order of expiry: the expiry lists stay in order.
+        conns.sort_by_key(|c| c.expires_in_ms);
+        for c in conns {
+            let key = Key::of(&c.key);
+            if c.expires_in_ms == 0 || self.table.find(&key, self.table.hash(&key)).is_some() {
+                continue;
+            }
+            let class = class_of(key.proto, c.tcp);
+            let left = c
+                .expires_in_ms
+                .min(self.table.sessions.timeout(class) as u64) as Millis;
+            let conn = Conn {
+                key,
+                origin: (c.origin == Side::Wan) as u8,
+                tcp: TcpState::code(c.tcp),
+                _pad: [0; 4],
+            };
+            if self
+                .table
+                .add(conn, class, Some(now.wrapping_add(left)), now)
+                .is_none()
+            {
+                break;
+            }
         }
         log::info!(
             "firewall: {} tracked connections taken back from the snapshot",
-            self.conns.len()
+            self.table.sessions.len()
         );
         Ok(())
     }
 
+    /// Tracked connections: `{"count", "capacity", "memory_bytes", "connections": [{proto, a,
+    /// b, origin, state, expires_in_s}]}`.
     fn query(&mut self, request: &serde_json::Value) -> serde_json::Value {
         let limit = request["limit"].as_u64().unwrap_or(1000) as usize;
-        let now = Instant::now();
+        let now = self.clock.at(Instant::now());
         let conns: Vec<_> = self
-            .conns
-            .iter()
-            .filter(|(_, c)| c.expires > now)
+            .table
+            .alive(now)
             .take(limit)
-            .map(|((proto, a, b), c)| serde_json::json!({ "proto": proto, "a": format!("{}:{}", a.0, a.1),
-                "b": format!("{}:{}", b.0, b.1), "origin": format!("{:?}", c.origin).to_lowercase(),
-                "state": c.tcp.map(|s| format!("{s:?}")), "expires_in_s": c.expires.saturating_duration_since(now).as_secs() }))
+            .map(|((proto, a, b), origin, tcp, left)| {
+                serde_json::json!({ "proto": proto, "a": format!("{}:{}", a.0, a.1),
+                "b": format!("{}:{}", b.0, b.1), "origin": format!("{origin:?}").to_lowercase(),
+                "state": tcp.map(|s| format!("{s:?}")), "expires_in_s": left / 1000 })
+            })
             .collect();
-        serde_json::json!({ "count": self.conns.len(), "connections": conns })
+        let t = &self.table;
+        serde_json::json!({ "count": t.sessions.len(), "capacity": t.sessions.capacity(),
+            "memory_bytes": t.sessions.memory_bytes() + t.index.memory_bytes(),
+            "connections": conns })
+    }
+
+    fn tick(&mut self, _io: &mut Io, now: Instant) {
+        self.table.reclaim(self.clock.at(now), RECLAIM_PER_TICK);
+        self.connections.set(self.table.sessions.len() as u64);
     }
 
     fn push(&mut self, io: &mut Io) {
-        let now = Instant::now();
+        let now = self.clock.at(Instant::now());
         let (inputs, outputs) = io.split();
         for (i, side) in [(0usize, Side::Lan), (1, Side::Wan)] {
             let Some(input) = inputs[i].as_mut() else {
                 continue;
             };
-            let other = 1 - i;
-            for p in input.drain() {
-                let f = match flow::flow(p.data()) {
-                    Ok(Some(f)) => f,
-                    Ok(None) => {
-                        transmit_to(&mut outputs[other], p);
-                        continue;
-                    }
-                    Err(m) => {
-                        let k = [
-                            Malformed::Ethernet,
-                            Malformed::Ipv4,
-                            Malformed::Ipv6,
-                            Malformed::L4,
-                        ]
-                        .iter()
-                        .position(|x| *x == m)
-                        .unwrap_or(0);
-                        self.malformed[k].add(1);
-                        continue;
-                    }
-                };
-                // Neighbor Discovery (RFC 4861, ICMPv6 133–137) is what makes IPv6 work on a
-                // link at all: it passes like ARP does.
-                if f.protocol == ip_proto::ICMPV6
-                    && f.icmp_type.is_some_and(icmpv6::is_neighbor_discovery)
-                {
-                    self.ndp.add(1);
+            loop {
+                self.batch.extend(input.drain().take(BATCH));
+                if self.batch.is_empty() {
+                    break;
+                }
+                self.read_batch();
+                let mut batch = std::mem::take(&mut self.batch);
+                let mut flows = std::mem::take(&mut self.flows);
+                for (p, (f, key, hash)) in batch.drain(..).zip(flows.drain(..)) {
+                    self.judge(p, f, (&key, hash), (i, side), outputs, now);
+                }
+                self.batch = batch;
+                self.flows = flows;
+            }
+        }
+        self.connections.set(self.table.sessions.len() as u64);
+    }
+}
+
+impl Firewall {
+    /// One packet from side `i`: passed on by its connection, by the rules, or dropped.
+    #[inline]
+    fn judge(
+        &mut self,
+        p: Packet,
+        f: Result<Option<Flow>, Malformed>,
+        key: (&Key, u32),
+        (i, side): (usize, Side),
+        outputs: &mut [Option<stitch_core::Producer>],
+        now: Millis,
+    ) {
+        let other = 1 - i;
+        let f = match f {
+            Ok(Some(f)) => f,
+            Ok(None) => {
+                transmit_to(&mut outputs[other], p);
+                return;
+            }
+            Err(m) => {
+                let k = [
+                    Malformed::Ethernet,
+                    Malformed::Ipv4,
+                    Malformed::Ipv6,
+                    Malformed::L4,
+                ]
+                .iter()
+                .position(|x| *x == m)
+                .unwrap_or(0);
+                self.malformed[k].add(1);
+                return;
+            }
+        };
+        // Neighbor Discovery (RFC 4861, ICMPv6 133–137) is what makes IPv6 work on a
+        // link at all: it passes like ARP does.
+        if f.protocol == ip_proto::ICMPV6 && f.icmp_type.is_some_and(icmpv6::is_neighbor_discovery)
+        {
+            self.ndp.add(1);
+            transmit_to(&mut outputs[other], p);
+            return;
+        }
+        let flags = if f.protocol == ip_proto::TCP {
+            tcp_flags(p.data())
+        } else {
+            None
+        };
+        if self.stateful {
+            match self.track(key, side, flags, f.icmp_type, now) {
+                Some(true) => {
+                    self.established.add(1);
                     transmit_to(&mut outputs[other], p);
-                    continue;
+                    return;
                 }
-                let flags = if f.protocol == ip_proto::TCP {
-                    tcp_flags(p.data())
-                } else {
-                    None
-                };
-                if self.stateful {
-                    match self.track(&conn_key(&f), side, flags, f.icmp_type, now) {
-                        Some(true) => {
-                            self.established.add(1);
-                            transmit_to(&mut outputs[other], p);
-                            continue;
-                        }
-                        Some(false) => {
-                            self.invalid.add(1);
-                            continue;
-                        }
-                        None => {}
-                    }
-                    if related_key(p.data(), &f).is_some_and(|k| self.conns.contains_key(&k)) {
-                        self.related.add(1);
-                        transmit_to(&mut outputs[other], p);
-                        continue;
-                    }
+                Some(false) => {
+                    self.invalid.add(1);
+                    return;
                 }
-                let rule = self.classifier.first(side, &f);
-                let action = match rule {
-                    Some(k) => {
-                        self.rules[k].hits.add(1);
-                        self.rules[k].action
-                    }
-                    None => self.default,
-                };
-                match action {
-                    Action::Accept => {
-                        if self.stateful && !self.open(&f, side, flags, now) {
-                            self.invalid.add(1);
-                            continue;
-                        }
-                        self.accepted.add(1);
-                        transmit_to(&mut outputs[other], p);
-                    }
-                    Action::Drop => self.dropped.add(1),
-                    Action::Reject => {
-                        self.rejected.add(1);
-                        if let Some(r) = rejection(p.data(), &f) {
-                            transmit_to(&mut outputs[i], r);
-                        }
-                    }
+                None => {}
+            }
+            let related = related_key(p.data(), &f).is_some_and(|k| {
+                let k = Key::of(&k);
+                self.table
+                    .find(&k, self.table.hash(&k))
+                    .is_some_and(|id| self.table.sessions.is_alive(id, now))
+            });
+            if related {
+                self.related.add(1);
+                transmit_to(&mut outputs[other], p);
+                return;
+            }
+        }
+        let rule = self.classifier.first(side, &f);
+        let action = match rule {
+            Some(k) => {
+                self.rules[k].hits.add(1);
+                self.rules[k].action
+            }
+            None => self.default,
+        };
+        match action {
+            Action::Accept => {
+                if self.stateful && !self.open(&f, key.0, side, flags, now) {
+                    self.invalid.add(1);
+                    return;
+                }
+                self.accepted.add(1);
+                transmit_to(&mut outputs[other], p);
+            }
+            Action::Drop => self.dropped.add(1),
+            Action::Reject => {
+                self.rejected.add(1);
+                if let Some(r) = rejection(p.data(), &f) {
+                    transmit_to(&mut outputs[i], r);
                 }
             }
         }
-        if now.duration_since(self.last_sweep) >= Duration::from_secs(1) {
-            self.last_sweep = now;
-            self.conns.retain(|_, c| c.expires > now);
-        }
-        self.connections.set(self.conns.len() as u64);
     }
 }
 
@@ -1004,7 +1305,7 @@ mod tests {
             (1, 0),
             "established"
         );
-        assert_eq!(r.fw.conns.len(), 1);
+        assert_eq!(r.fw.table.sessions.len(), 1);
         // A connection the wan side starts: no rule for it, default drop.
         assert_eq!(r.in_from_wan(tcp(S, H, 5555, 22, SYN)), (0, 0));
         assert_eq!(r.fw.dropped.get(), 1);
@@ -1036,6 +1337,40 @@ mod tests {
         new.fw.restore(state).unwrap();
         assert_eq!(new.in_from_wan(tcp(S, H, 80, 40000, ACK)), (1, 0));
         assert_eq!(new.in_from_lan(tcp(H, S, 40000, 80, ACK)), (0, 1));
+    }
+
+    fn udp(src: [u8; 4], dst: [u8; 4], sp: u16, dp: u16) -> Packet {
+        packet(&ip_frame(src, dst, Transport::udp(sp, dp), b"data"))
+    }
+
+    /// Connections expire after their timeout and are reclaimed by the tick; a full table
+    /// opens no more (counted) until one expires; a new size keeps the live ones.
+    #[test]
+    fn connections_expire_the_table_has_a_size_and_can_be_resized() {
+        let cfg = serde_json::json!({ "rules": [{ "action": "accept", "from": "lan" }],
+            "max_connections": 2, "timeouts": { "udp": 1 } });
+        let mut r = rig(cfg);
+        assert_eq!(r.in_from_lan(udp(H, S, 1000, 53)), (0, 1));
+        assert_eq!(r.in_from_lan(udp(H, S, 1001, 53)), (0, 1));
+        assert_eq!(r.in_from_lan(udp(H, S, 1002, 53)), (0, 1), "passed by rule");
+        assert_eq!(r.fw.table_full.get(), 1);
+        assert_eq!(r.in_from_wan(udp(S, H, 53, 1001)), (1, 0), "a reply");
+        assert_eq!(r.in_from_wan(udp(S, H, 53, 1002)), (0, 0), "untracked");
+        // Resized with both connections live: the reply of one still passes.
+        let bigger: FirewallConfig = serde_json::from_value(serde_json::json!({
+            "rules": [{ "action": "accept", "from": "lan" }],
+            "max_connections": 100, "timeouts": { "udp": 1 } }))
+        .unwrap();
+        let mut ctx = AppContext::new("test", std::path::Path::new("."), Default::default());
+        r.fw.reconfigure(bigger, &mut ctx).unwrap();
+        assert_eq!(r.fw.table.sessions.capacity(), 100);
+        assert_eq!(r.in_from_wan(udp(S, H, 53, 1000)), (1, 0));
+        assert_eq!(r.fw.table.sessions.len(), 2);
+        // After a second and a half of silence, the tick forgets them.
+        let later = Instant::now() + std::time::Duration::from_millis(2500);
+        r.fw.tick(&mut r.io, later);
+        assert_eq!(r.fw.table.sessions.len(), 0);
+        assert_eq!(r.fw.connections.get(), 0);
     }
 
     /// An IPv4 frame from `src` to `dst` with protocol `proto` and payload `l4`.

@@ -4,7 +4,9 @@
 //! # Map
 //!
 //! The modules, in short: network functions, one module each: `generator`, `forwarder`, `tee`,
-//! `sink`, `round_robin`, `join`, `rate_meter`, `bridge`, `router` (+ `router/lpm`: the forwarding
+//! `sink`, `round_robin`, `join`, `rate_meter`, `bridge`, `sessions` (the NAT's and firewall's
+//! session tables: a slab of fixed records, an open-addressing index fetched ahead, expiry lists
+//! read from their heads, free ports in bitmaps), `router` (+ `router/lpm`: the forwarding
 //! table, prefixes flattened into address ranges under a direct table, looked up 16 frames at a
 //! time with prefetch), `nat`, `vlan`, `vxlan`, `policer`, `delay`, `load_balancer`, `lwaftr` (+
 //! `lwaftr/config`: Snabb's configuration text, `lwaftr/binding`: the binding table — addresses and
@@ -29,6 +31,7 @@ pub mod policer;
 pub mod rate_meter;
 pub mod round_robin;
 pub mod router;
+pub mod sessions;
 pub mod sink;
 pub mod tee;
 pub mod vlan;

@@ -9,7 +9,17 @@
 //! four addresses carry four times the mappings of one. Mappings are endpoint-independent (RFC 4787 REQ-1, RFC 5382 REQ-1): one inside
 //! address and port keep one outside port whatever the destination, and replies from any
 //! outside endpoint reach them (endpoint-independent filtering). Mappings expire after
-//! `udp_timeout` / `tcp_timeout` / `icmp_timeout` seconds without traffic.
+//! `udp_timeout` / `tcp_timeout` / `icmp_timeout` seconds without outbound traffic.
+//!
+//! The NAT holds up to `max_mappings` (default 1 048 576) in a [`crate::sessions`] table: 32
+//! bytes per mapping and two index slots of 8 bytes at most half full — at most 96 bytes per
+//! mapping, in pages touched only as mappings are made. Lookups run a batch at a time with the
+//! index slots and then the records fetched ahead; expired mappings are reclaimed from the
+//! heads of per-protocol lists (within a second of expiry), never by a scan. Free ports are
+//! kept per external address and protocol in a bitmap, so a free port — the inside port first
+//! — is found in a few word operations and an exhausted range is known at once (counted in
+//! `ports_exhausted_drops`): a port scan from inside costs the NAT no more per packet than any
+//! other traffic.
 //!
 //! Destination NAT (`forwards`): packets to `external:port` from the wan side go to
 //! `to_address:to_port` (`external` of a forward: which external address, the first by default). A lan host that uses the external address of a forward is hairpinned:
@@ -35,10 +45,12 @@
 //!          forwards: [ { proto: tcp, port: 8080, to_address: 10.0.0.5, to_port: 80 } ] }
 //! ```
 
+use crate::sessions::{self, Clock, FreePorts, Index, Millis, Sessions};
 use crate::OneOrMany;
 use ipnet::Ipv4Net;
 use serde::Deserialize;
 use std::collections::HashMap;
+use std::hash::BuildHasher;
 use std::net::Ipv4Addr;
 use std::time::{Duration, Instant};
 use stitch_core::link::transmit_to;
@@ -80,6 +92,13 @@ pub struct NatConfig {
     /// The MAC address the external addresses answer from (default: 02:4e: and the first
     /// external address).
     pub mac: Option<String>,
+    /// Mappings held at most (each takes up to 96 bytes once made).
+    #[serde(default = "default_max_mappings")]
+    pub max_mappings: usize,
+}
+
+fn default_max_mappings() -> usize {
+    1 << 20
 }
 
 fn default_ports() -> String {
@@ -105,23 +124,153 @@ const PROBES_PER_SECOND: usize = 64;
 const PROBE_INTERVAL: Duration = Duration::from_secs(1);
 /// External addresses announced at start at most.
 const ANNOUNCED: usize = 16;
-
-/// The inbound half of a mapping. `expires` is a copy of the outbound half's, brought up to
-/// date when it is found stale, so that each direction costs one table lookup.
-struct Mapping {
-    inside: Inside,
-    expires: Instant,
-}
-
-/// The outbound half of a mapping; its `expires` is the one outbound traffic refreshes (RFC 4787
-/// REQ-6), so it decides.
-struct OutEntry {
-    port: u16,
-    expires: Instant,
-}
+/// Packets worked on as one batch: their index slots, then their mappings, fetched ahead.
+const BATCH: usize = 32;
 
 /// An outside endpoint of the NAT: protocol, index into the external addresses, port.
 type Outside = (u8, u16, u16);
+
+/// A mapping: an inside endpoint and the external address (index) and port it was given.
+#[derive(Clone, Copy)]
+#[repr(C)]
+struct Mapping {
+    inside_ip: u32,
+    inside_port: u16,
+    ext: u16,
+    port: u16,
+    proto: u8,
+    _pad: u8,
+}
+
+// SAFETY: integers only.
+unsafe impl stitch_core::mapping::Zeroable for Mapping {}
+
+impl Mapping {
+    fn inside(&self) -> Inside {
+        (Ipv4Addr::from(self.inside_ip), self.inside_port)
+    }
+}
+
+/// The key of a mapping by its inside endpoint.
+#[inline(always)]
+fn inside_key(proto: u8, (ip, port): Inside) -> u64 {
+    (proto as u64) << 48 | (u32::from(ip) as u64) << 16 | port as u64
+}
+
+/// The key of a mapping by its outside endpoint.
+#[inline(always)]
+fn outside_key((proto, ext, port): Outside) -> u64 {
+    (proto as u64) << 32 | (ext as u64) << 16 | port as u64
+}
+
+/// The timeout class of a protocol's mappings (one expiry list each).
+#[inline(always)]
+fn class_of(proto: u8) -> u8 {
+    match proto {
+        ip_proto::TCP => 0,
+        ip_proto::UDP => 1,
+        _ => 2,
+    }
+}
+
+/// The mappings, found by either end, and the free ports of each external address.
+struct Table {
+    sessions: Sessions<Mapping>,
+    by_inside: Index,
+    by_outside: Index,
+    hasher: foldhash::fast::RandomState,
+    /// Free ports per external address and protocol class (`ext * 3 + class`), made when
+    /// first used; and where the search for the next one goes on.
+    free: Vec<Option<Box<FreePorts>>>,
+    cursors: Vec<u16>,
+}
+
+impl Table {
+    #[inline(always)]
+    fn hash(&self, key: u64) -> u32 {
+        sessions::short_hash(self.hasher.hash_one(key))
+    }
+
+    #[inline(always)]
+    fn find_inside(&self, proto: u8, inside: Inside) -> Option<u32> {
+        let key = inside_key(proto, inside);
+        let s = &self.sessions;
+        self.by_inside.find(self.hash(key), |id| {
+            let m = s.get(id);
+            m.proto == proto && m.inside() == inside
+        })
+    }
+
+    #[inline(always)]
+    fn find_outside(&self, key: Outside) -> Option<u32> {
+        let s = &self.sessions;
+        self.by_outside.find(self.hash(outside_key(key)), |id| {
+            let m = s.get(id);
+            (m.proto, m.ext, m.port) == key
+        })
+    }
+
+    /// Forgets a mapping and gives its port back.
+    fn forget(&mut self, id: u32) {
+        let m = self.sessions.remove(id);
+        let inside = self.hash(inside_key(m.proto, m.inside()));
+        let outside = self.hash(outside_key((m.proto, m.ext, m.port)));
+        self.by_inside.remove(inside, id);
+        self.by_outside.remove(outside, id);
+        if let Some(f) = &mut self.free[m.ext as usize * 3 + class_of(m.proto) as usize] {
+            f.put(m.port);
+        }
+    }
+
+    /// Forgets up to `budget` expired mappings, oldest first; how many it forgot.
+    fn reclaim(&mut self, now: Millis, budget: usize) -> usize {
+        let mut n = 0;
+        while n < budget {
+            let Some(id) = self.sessions.oldest_expired(now) else {
+                break;
+            };
+            self.forget(id);
+            n += 1;
+        }
+        n
+    }
+
+    /// Makes a mapping of `inside` to `(ext, port)` (its port already taken).
+    fn add(
+        &mut self,
+        proto: u8,
+        inside: Inside,
+        ext: u16,
+        port: u16,
+        expires: Option<Millis>,
+        now: Millis,
+    ) -> Option<u32> {
+        let m = Mapping {
+            inside_ip: inside.0.into(),
+            inside_port: inside.1,
+            ext,
+            port,
+            proto,
+            _pad: 0,
+        };
+        let class = class_of(proto);
+        let id = match expires {
+            Some(t) => self.sessions.insert_until(m, class, t, now)?,
+            None => self.sessions.insert(m, class, now)?,
+        };
+        let (hi, ho) = (
+            self.hash(inside_key(proto, inside)),
+            self.hash(outside_key((proto, ext, port))),
+        );
+        self.by_inside.insert(hi, id);
+        self.by_outside.insert(ho, id);
+        Some(id)
+    }
+}
+
+/// Mappings reclaimed at most per tick (a millisecond): far above any setup rate one core
+/// reaches, so expired mappings never pile up, and a bounded pause.
+const RECLAIM_PER_TICK: usize = 4096;
 
 pub struct Nat {
     mac: [u8; 6],
@@ -136,17 +285,19 @@ pub struct Nat {
     external_index: HashMap<Ipv4Addr, u16, foldhash::fast::RandomState>,
     range: (u16, u16),
     forwards: HashMap<Outside, Inside, foldhash::fast::RandomState>,
-    out_map: HashMap<(u8, Inside), OutEntry, foldhash::fast::RandomState>,
-    in_map: HashMap<Outside, Mapping, foldhash::fast::RandomState>,
-    /// Where the search for a free port goes on, per external address.
-    cursors: Vec<u16>,
+    /// The forwards by their inside server: a server's replies to hairpinned clients.
+    forwarded_from: HashMap<(u8, Inside), Outside, foldhash::fast::RandomState>,
+    table: Table,
+    clock: Clock,
+    /// Packets of one batch, taken from an input before they are worked on.
+    batch: Vec<Packet>,
     last_sweep: Instant,
-    timeouts: Timeouts,
     translated_out: Counter,
     translated_in: Counter,
     hairpinned: Counter,
     no_mapping: Counter,
     ports_exhausted: Counter,
+    table_full: Counter,
     passed: Counter,
     malformed: Counter,
     mappings: Counter,
@@ -267,30 +418,16 @@ fn rewrite(p: &mut Packet, at: At, end: End, (addr, port): (Ipv4Addr, u16)) {
     header::rewrite_ipv4_endpoint(ip, l4, end, (addr, field, port), sum);
 }
 
-/// How long a mapping lives without traffic, by the protocol it maps.
-#[derive(Debug, Clone, Copy)]
-struct Timeouts {
-    udp: Duration,
-    tcp: Duration,
-    icmp: Duration,
-}
-
-impl Timeouts {
-    /// The timeout of a mapping of protocol `proto` (one of those [`layout`] lets through).
-    fn of(&self, proto: u8) -> Duration {
-        match proto {
-            ip_proto::UDP => self.udp,
-            ip_proto::TCP => self.tcp,
-            _ => self.icmp,
-        }
-    }
+/// The timeouts of the protocol classes (TCP, UDP, ICMP echo), checked.
+fn timeouts(c: &NatConfig) -> Result<[Millis; 3], String> {
+    Ok([
+        sessions::timeout_millis("tcp_timeout", c.tcp_timeout)?,
+        sessions::timeout_millis("udp_timeout", c.udp_timeout)?,
+        sessions::timeout_millis("icmp_timeout", c.icmp_timeout)?,
+    ])
 }
 
 impl Nat {
-    fn timeout(&self, proto: u8) -> Duration {
-        self.timeouts.of(proto)
-    }
-
     /// The external address (index) of an inside host: fixed by its address, so all its
     /// mappings share one external address (paired pooling).
     fn external_of(&self, inside: Ipv4Addr) -> u16 {
@@ -303,6 +440,7 @@ impl Nat {
     }
 
     /// The index of `a` among the external addresses.
+    #[inline]
     fn external_index(&self, a: Ipv4Addr) -> Option<u16> {
         if self.externals.len() == 1 {
             return (a == self.externals[0]).then_some(0);
@@ -310,73 +448,124 @@ impl Nat {
         self.external_index.get(&a).copied()
     }
 
-    /// The outside endpoint (external address index, port) of an inside endpoint, allocating a
-    /// port if needed.
-    fn map_out(&mut self, proto: u8, inside: Inside, now: Instant) -> Option<(u16, u16)> {
-        let t = self.timeout(proto);
-        let ext = self.external_of(inside.0);
-        if let Some(e) = self.out_map.get_mut(&(proto, inside)) {
-            if e.expires > now {
-                e.expires = now + t;
-                return Some((ext, e.port));
-            }
-            // Expired: forget it and allocate afresh.
-            let port = e.port;
-            self.out_map.remove(&(proto, inside));
-            if self
-                .in_map
-                .get(&(proto, ext, port))
-                .is_some_and(|m| m.inside == inside)
-            {
-                self.in_map.remove(&(proto, ext, port));
-            }
-        }
+    /// The free ports of external address `ext` for `proto`, made on first use.
+    fn free_ports(&mut self, proto: u8, ext: u16) -> &mut FreePorts {
+        let at = ext as usize * 3 + class_of(proto) as usize;
         let (lo, hi) = self.range;
-        let span = (hi - lo) as u32 + 1;
-        // Keep the inside port when it is free (port preservation), else take the next free one
-        // after the cursor (scanning on from a taken preserved port would walk long taken runs).
-        let preserved_free = (lo..=hi).contains(&inside.1)
-            && !self.forwards.contains_key(&(proto, ext, inside.1))
-            && self.inside_of((proto, ext, inside.1), now).is_none();
-        let first = if preserved_free {
-            inside.1
-        } else {
-            self.cursors[ext as usize]
-        };
-        for k in 0..span {
-            let port = lo + (((first - lo) as u32 + k) % span) as u16;
-            if self.forwards.contains_key(&(proto, ext, port)) {
-                continue;
+        let forwards = &self.forwards;
+        self.table.free[at].get_or_insert_with(|| {
+            Box::new(FreePorts::new(lo, hi, |p| {
+                forwards.contains_key(&(proto, ext, p))
+            }))
+        })
+    }
+
+    /// The outside endpoint (external address index, port) of an inside endpoint, allocating a
+    /// port if needed. Outbound traffic keeps a mapping alive (RFC 4787 REQ-6); a mapping
+    /// found expired but not yet reclaimed lives on with its port.
+    #[inline]
+    fn map_out(&mut self, proto: u8, inside: Inside, now: Instant) -> Option<(u16, u16)> {
+        let now = self.clock.at(now);
+        if let Some(id) = self.table.find_inside(proto, inside) {
+            self.table.sessions.refresh(id, now);
+            let m = self.table.sessions.get(id);
+            return Some((m.ext, m.port));
+        }
+        self.new_mapping(proto, inside, now)
+    }
+
+    /// A new mapping: the inside port when it is free (port preservation), else the next
+    /// free one after the last given. Expired mappings are reclaimed first when the range or
+    /// the table is full.
+    fn new_mapping(&mut self, proto: u8, inside: Inside, now: Millis) -> Option<(u16, u16)> {
+        let ext = self.external_of(inside.0);
+        let cursor_at = ext as usize * 3 + class_of(proto) as usize;
+        let mut port = None;
+        for attempt in 0..2 {
+            if attempt == 1 && self.table.reclaim(now, 16) == 0 {
+                break;
             }
-            if self.inside_of((proto, ext, port), now).is_none() {
-                let expires = now + t;
-                if let Some(old) = self
-                    .in_map
-                    .insert((proto, ext, port), Mapping { inside, expires })
-                {
-                    self.out_map.remove(&(proto, old.inside));
-                }
-                self.out_map
-                    .insert((proto, inside), OutEntry { port, expires });
-                self.cursors[ext as usize] = if port == hi { lo } else { port + 1 };
-                return Some((ext, port));
+            let cursor = self.table.cursors[cursor_at];
+            let free = self.free_ports(proto, ext);
+            port = if free.take(inside.1) {
+                Some(inside.1)
+            } else {
+                free.take_next(cursor)
+            };
+            if port.is_some() {
+                break;
             }
         }
-        self.ports_exhausted.add(1);
-        None
+        let Some(port) = port else {
+            self.ports_exhausted.add(1);
+            return None;
+        };
+        if self.table.sessions.len() == self.table.sessions.capacity() {
+            self.table.reclaim(now, 16);
+        }
+        if self
+            .table
+            .add(proto, inside, ext, port, None, now)
+            .is_none()
+        {
+            self.free_ports(proto, ext).put(port);
+            self.table_full.add(1);
+            return None;
+        }
+        if port != inside.1 {
+            self.table.cursors[cursor_at] = port.wrapping_add(1);
+        }
+        Some((ext, port))
+    }
+
+    /// Brings in what the lookups of a batch will read: each packet's index slot, then the
+    /// mapping it leads to. Hints only: each packet's own path looks its mapping up again.
+    fn fetch_ahead(&self, side: usize, batch: &[Packet]) {
+        let mut hashes = [0u32; BATCH];
+        let mut n = 0;
+        let index = if side == 0 {
+            &self.table.by_inside
+        } else {
+            &self.table.by_outside
+        };
+        for p in batch {
+            let d = p.data();
+            let Some((l3, l4, proto)) = layout(d) else {
+                continue;
+            };
+            let ip = &d[l3..];
+            let key = if side == 0 {
+                let sport = port_field(proto, End::Source).get(&d[l4..]);
+                inside_key(proto, (ipv4::SRC.get(ip).into(), sport))
+            } else {
+                let Some(ext) = self.external_index(ipv4::DST.get(ip).into()) else {
+                    continue;
+                };
+                outside_key((
+                    proto,
+                    ext,
+                    port_field(proto, End::Destination).get(&d[l4..]),
+                ))
+            };
+            let h = self.table.hash(key);
+            index.prefetch(h);
+            hashes[n] = h;
+            n += 1;
+        }
+        for &h in &hashes[..n] {
+            if let Some(id) = index.first(h) {
+                self.table.sessions.prefetch(id);
+            }
+        }
     }
 
     /// The inside endpoint mapped to an outside one, if the mapping is alive.
+    #[inline]
     fn inside_of(&mut self, key: Outside, now: Instant) -> Option<Inside> {
-        let m = self.in_map.get_mut(&key)?;
-        if m.expires > now {
-            return Some(m.inside);
-        }
-        let e = self.out_map.get(&(key.0, m.inside))?;
-        (e.port == key.2 && e.expires > now).then(|| {
-            m.expires = e.expires;
-            m.inside
-        })
+        let id = self.table.find_outside(key)?;
+        let s = &self.table.sessions;
+        s.is_alive(id, self.clock.at(now))
+            .then(|| s.get(id).inside())
     }
 
     /// An ARP frame that entered from `side`: requests for an external address on the wan side
@@ -625,11 +814,7 @@ impl Nat {
         let Some(ext) = self.external_index(dst) else {
             return false;
         };
-        let Some((&(_, fwd_ext, fwd_port), _)) = self
-            .forwards
-            .iter()
-            .find(|(k, v)| k.0 == proto && **v == (src, sport))
-        else {
+        let Some(&(_, fwd_ext, fwd_port)) = self.forwarded_from.get(&(proto, (src, sport))) else {
             return false;
         };
         let Some(client) = self.inside_of((proto, ext, dport), now) else {
@@ -667,16 +852,16 @@ const STATE_VERSION: u32 = 1;
 
 impl Nat {
     fn state(&self, now: Instant) -> NatState {
-        let mappings = self
-            .out_map
-            .iter()
-            .filter(|(_, e)| e.expires > now)
-            .map(|(&(proto, inside), e)| MappingState {
-                proto,
-                inside,
-                external: self.externals[self.external_of(inside.0) as usize],
-                port: e.port,
-                expires_in_ms: e.expires.duration_since(now).as_millis() as u64,
+        let now = self.clock.at(now);
+        let s = &self.table.sessions;
+        let mappings = s
+            .iter_alive(now)
+            .map(|(id, m)| MappingState {
+                proto: m.proto,
+                inside: m.inside(),
+                external: self.externals[m.ext as usize],
+                port: m.port,
+                expires_in_ms: s.expires(id).wrapping_sub(now) as u64,
             })
             .collect();
         let hosts = self.hosts.iter().map(|(ip, mac)| (*ip, *mac)).collect();
@@ -684,27 +869,28 @@ impl Nat {
     }
 
     /// Takes back a mapping from a snapshot when this configuration would have made it: the
-    /// same external address for its inside host, a port of the range that no forward holds.
-    fn take_back(&mut self, m: MappingState, now: Instant) -> bool {
+    /// same external address for its inside host, a port of the range that no forward holds
+    /// and no other mapping took. Mappings come in order of expiry.
+    fn take_back(&mut self, m: MappingState, now: Millis) -> bool {
         let ext = self.external_of(m.inside.0);
+        let timeout = self.table.sessions.timeout(class_of(m.proto));
+        let expires_in = m.expires_in_ms.min(timeout as u64) as Millis;
         let fits = self.externals[ext as usize] == m.external
-            && (self.range.0..=self.range.1).contains(&m.port)
-            && !self.forwards.contains_key(&(m.proto, ext, m.port))
-            && !self.in_map.contains_key(&(m.proto, ext, m.port));
-        if fits {
-            let expires = now + Duration::from_millis(m.expires_in_ms);
-            let inside = m.inside;
-            self.in_map
-                .insert((m.proto, ext, m.port), Mapping { inside, expires });
-            self.out_map.insert(
-                (m.proto, inside),
-                OutEntry {
-                    port: m.port,
-                    expires,
-                },
-            );
+            && self.table.find_inside(m.proto, m.inside).is_none()
+            && self.free_ports(m.proto, ext).take(m.port);
+        if !fits {
+            return false;
         }
-        fits
+        let expires = now.wrapping_add(expires_in);
+        if self
+            .table
+            .add(m.proto, m.inside, ext, m.port, Some(expires), now)
+            .is_none()
+        {
+            self.free_ports(m.proto, ext).put(m.port);
+            return false;
+        }
+        true
     }
 }
 
@@ -713,6 +899,10 @@ impl App for Nat {
 
     fn declare(c: &NatConfig) -> Result<PortSpec, AppError> {
         parse_range(&c.ports)?;
+        timeouts(c)?;
+        if c.max_mappings == 0 {
+            return Err("max_mappings: at least 1".into());
+        }
         let externals = parse_externals(&c.external)?;
         for f in &c.forwards {
             proto_number(&f.proto)?;
@@ -749,6 +939,19 @@ impl App for Nat {
                 (f.to_address, f.to_port),
             );
         }
+        let forwarded_from = forwards
+            .iter()
+            .map(|(&(proto, ext, port), &to)| ((proto, to), (proto, ext, port)))
+            .collect();
+        let timeouts = timeouts(&c)?;
+        let table = Table {
+            sessions: Sessions::new(c.max_mappings, &timeouts)?,
+            by_inside: Index::new(c.max_mappings)?,
+            by_outside: Index::new(c.max_mappings)?,
+            hasher: Default::default(),
+            free: (0..externals.len() * 3).map(|_| None).collect(),
+            cursors: vec![range.0; externals.len() * 3],
+        };
         let mac = match &c.mac {
             Some(m) => parse_mac(m)?,
             None => {
@@ -762,24 +965,21 @@ impl App for Nat {
             asked: HashMap::default(),
             arp_out: [Vec::new(), Vec::new()],
             announced: false,
-            cursors: vec![range.0; externals.len()],
             externals,
             external_index,
             range,
             forwards,
-            out_map: HashMap::default(),
-            in_map: HashMap::default(),
+            forwarded_from,
+            table,
+            clock: Clock::default(),
+            batch: Vec::with_capacity(BATCH),
             last_sweep: Instant::now(),
-            timeouts: Timeouts {
-                udp: Duration::from_secs(c.udp_timeout),
-                tcp: Duration::from_secs(c.tcp_timeout),
-                icmp: Duration::from_secs(c.icmp_timeout),
-            },
             translated_out: ctx.counter("translated_out"),
             translated_in: ctx.counter("translated_in"),
             hairpinned: ctx.counter("hairpinned"),
             no_mapping: ctx.counter("no_mapping_drops"),
             ports_exhausted: ctx.counter("ports_exhausted_drops"),
+            table_full: ctx.counter("mapping_table_full_drops"),
             passed: ctx.counter("passed_untranslated"),
             malformed: ctx.counter("malformed_drops"),
             mappings: ctx.counter("mappings"),
@@ -796,50 +996,67 @@ impl App for Nat {
             let Some(input) = input.as_mut() else {
                 continue;
             };
-            for mut p in input.drain() {
-                if p.len() < 14 {
-                    self.malformed.add(1);
-                    continue;
+            loop {
+                let mut batch = std::mem::take(&mut self.batch);
+                batch.extend(input.drain().take(BATCH));
+                if batch.is_empty() {
+                    self.batch = batch;
+                    break;
                 }
-                if p.data()[12..14] == ethertype::ARP.to_be_bytes() {
-                    if self.arp(side, p.data()) {
-                        self.passed.add(1);
-                        transmit_to(&mut outputs[1 - side], p);
+                self.fetch_ahead(side, &batch);
+                for mut p in batch.drain(..) {
+                    if p.len() < 14 {
+                        self.malformed.add(1);
+                        continue;
                     }
-                    continue;
-                }
-                let to = if side == 0 {
-                    if self.hairpin_reply(&mut p, now) {
-                        Some(0)
+                    if p.data()[12..14] == ethertype::ARP.to_be_bytes() {
+                        if self.arp(side, p.data()) {
+                            self.passed.add(1);
+                            transmit_to(&mut outputs[1 - side], p);
+                        }
+                        continue;
+                    }
+                    let to = if side == 0 {
+                        if self.hairpin_reply(&mut p, now) {
+                            Some(0)
+                        } else {
+                            self.outbound(&mut p, now)
+                        }
                     } else {
-                        self.outbound(&mut p, now)
+                        self.inbound(&mut p, now)
+                    };
+                    if let Some(o) = to {
+                        transmit_to(&mut outputs[o], p);
                     }
-                } else {
-                    self.inbound(&mut p, now)
-                };
-                if let Some(o) = to {
-                    transmit_to(&mut outputs[o], p);
                 }
+                self.batch = batch;
             }
         }
         self.send_arp(outputs);
-        self.mappings.set(self.in_map.len() as u64);
+        self.mappings.set(self.table.sessions.len() as u64);
     }
 
-    /// Mappings: `{"count", "mappings": [{proto, inside, outside_port, expires_in_s}]}`.
+    /// Mappings: `{"count", "capacity", "memory_bytes", "mappings": [{proto, inside,
+    /// outside, expires_in_s}]}`.
     fn query(&mut self, request: &serde_json::Value) -> serde_json::Value {
         let limit = request["limit"].as_u64().unwrap_or(1000) as usize;
-        let now = Instant::now();
-        let mappings: Vec<_> = self
-            .out_map
-            .iter()
-            .filter(|(_, e)| e.expires > now)
+        let now = self.clock.at(Instant::now());
+        let t = &self.table;
+        let mappings: Vec<_> = t
+            .sessions
+            .iter_alive(now)
             .take(limit)
-            .map(|((proto, inside), e)| serde_json::json!({ "proto": proto, "inside": format!("{}:{}", inside.0, inside.1),
-                "outside": format!("{}:{}", self.externals[self.external_of(inside.0) as usize], e.port),
-                "expires_in_s": e.expires.saturating_duration_since(now).as_secs() }))
+            .map(|(id, m)| {
+                serde_json::json!({ "proto": m.proto,
+                "inside": format!("{}:{}", Ipv4Addr::from(m.inside_ip), m.inside_port),
+                "outside": format!("{}:{}", self.externals[m.ext as usize], m.port),
+                "expires_in_s": t.sessions.expires(id).wrapping_sub(now) / 1000 })
+            })
             .collect();
-        serde_json::json!({ "count": self.in_map.len(), "mappings": mappings })
+        let memory =
+            t.sessions.memory_bytes() + t.by_inside.memory_bytes() + t.by_outside.memory_bytes();
+        serde_json::json!({ "count": t.sessions.len(), "capacity": t.sessions.capacity(),
+            "memory_bytes": memory, "mappings": mappings })
     }
 
     fn snapshot(&self) -> Option<AppSnapshot> {
@@ -851,10 +1068,12 @@ impl App for Nat {
     fn restore(&mut self, state: AppState) -> Result<(), String> {
         let state: NatState = serde_json::from_value(state.of_version(STATE_VERSION)?)
             .map_err(|e| format!("NAT state: {e}"))?;
-        let now = Instant::now();
+        let now = self.clock.at(Instant::now());
         let total = state.mappings.len();
-        let kept = state
-            .mappings
+        let mut mappings = state.mappings;
+        // In order of expiry: the expiry lists stay in order.
+        mappings.sort_by_key(|m| m.expires_in_ms);
+        let kept = mappings
             .into_iter()
             .filter(|m| m.expires_in_ms > 0)
             .map(|m| self.take_back(m, now))
@@ -863,7 +1082,7 @@ impl App for Nat {
         for (ip, mac) in state.hosts.into_iter().take(MAX_HOSTS) {
             self.hosts.insert(ip, mac);
         }
-        self.mappings.set(self.in_map.len() as u64);
+        self.mappings.set(self.table.sessions.len() as u64);
         log::info!("nat: {kept} of {total} mappings taken back from the snapshot");
         Ok(())
     }
@@ -873,27 +1092,14 @@ impl App for Nat {
             self.announce();
             self.send_arp(io.split().1);
         }
+        self.table.reclaim(self.clock.at(now), RECLAIM_PER_TICK);
+        self.mappings.set(self.table.sessions.len() as u64);
         if now.duration_since(self.last_sweep) < Duration::from_secs(1) {
             return;
         }
         self.last_sweep = now;
         self.asked
             .retain(|_, at| now.duration_since(*at) < PROBE_INTERVAL);
-        let expired: Vec<(u8, Inside)> = self
-            .out_map
-            .iter()
-            .filter(|(_, e)| e.expires <= now)
-            .map(|(k, _)| *k)
-            .take(1024)
-            .collect();
-        for (proto, inside) in expired {
-            if let Some(e) = self.out_map.remove(&(proto, inside)) {
-                let key = (proto, self.external_of(inside.0), e.port);
-                if self.in_map.get(&key).is_some_and(|m| m.inside == inside) {
-                    self.in_map.remove(&key);
-                }
-            }
-        }
     }
 }
 
@@ -1288,8 +1494,7 @@ mod tests {
             assert!(w.iter().all(|f| l4_ok(f)));
             by_host.insert(host, (ext[0], l4::SRC_PORT.get(&w[0][34..])));
             // Free the ports again so the next host finds room on any address.
-            r.nat.in_map.clear();
-            r.nat.out_map.clear();
+            r.nat.forget_all();
         }
         let used: std::collections::HashSet<_> = by_host.values().map(|v| v.0).collect();
         assert_eq!(used.len(), 3, "hosts spread over all external addresses");
@@ -1323,6 +1528,90 @@ mod tests {
         assert_eq!(&l[0][30..34], &SRV[..]);
     }
 
+    impl Nat {
+        /// Forgets every mapping (a test's reset).
+        fn forget_all(&mut self) {
+            let ids: Vec<u32> = self
+                .table
+                .sessions
+                .iter_alive(self.clock.at(Instant::now()))
+                .map(|(id, _)| id)
+                .collect();
+            for id in ids {
+                self.table.forget(id);
+            }
+        }
+    }
+
+    /// With every port of the range taken, new flows are refused at once and counted, the
+    /// established ones go on being translated both ways, and a port comes back when its
+    /// mapping expires (reclaimed by the tick, or by the next new flow that needs it).
+    #[test]
+    fn an_exhausted_range_refuses_new_flows_and_keeps_established_ones() {
+        let mut r = rig();
+        r.nat.table.sessions.set_timeouts(&[10_000; 3]);
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let mut a = packet(ip_proto::UDP, IN, 5000, OUT, 53);
+        let mut b = packet(ip_proto::UDP, SRV, 7000, OUT, 53);
+        assert_eq!(r.nat.outbound(&mut a, t0), Some(1));
+        assert_eq!(r.nat.outbound(&mut b, t0), Some(1));
+        assert_eq!(r.nat.table.free[1].as_ref().unwrap().free(), 0);
+        for i in 0..1000u16 {
+            let mut p = packet(
+                ip_proto::UDP,
+                [10, 0, 9, (i % 200) as u8],
+                1000 + i,
+                OUT,
+                53,
+            );
+            assert_eq!(r.nat.outbound(&mut p, at(1)), None);
+        }
+        assert_eq!(r.nat.ports_exhausted.get(), 1000);
+        // Established flows: out and back, while the scan goes on.
+        for ms in [2_000, 4_000, 6_000] {
+            let mut a = packet(ip_proto::UDP, IN, 5000, OUT, 53);
+            assert_eq!(r.nat.outbound(&mut a, at(ms)), Some(1));
+            assert_eq!(src(a.data()), (&EXT[..], 5000));
+            let mut reply = packet(ip_proto::UDP, OUT, 53, EXT, 5001);
+            assert_eq!(r.nat.inbound(&mut reply, at(ms)), Some(0));
+            assert_eq!(dst(reply.data()), (&SRV[..], 7000));
+        }
+        // SRV's mapping, silent since 0 s, expires at 10 s; the next new flow gets its port
+        // without waiting for a tick.
+        let mut late = packet(ip_proto::UDP, [10, 0, 9, 1], 1234, OUT, 53);
+        assert_eq!(r.nat.outbound(&mut late, at(10_500)), Some(1));
+        assert_eq!(src(late.data()), (&EXT[..], 5001));
+        assert_eq!(r.nat.table.sessions.len(), 2);
+        // The tick reclaims IN's mapping once it has expired (16 s: refreshed at 6 s).
+        r.nat.tick(&mut r.io, at(15_000));
+        assert_eq!(r.nat.table.sessions.len(), 2);
+        r.nat.tick(&mut r.io, at(17_000));
+        assert_eq!(r.nat.table.sessions.len(), 1);
+        assert_eq!(r.nat.table.free[1].as_ref().unwrap().free(), 1);
+    }
+
+    /// A NAT holds `max_mappings` at most: the next new flow is refused and counted, until a
+    /// mapping expires.
+    #[test]
+    fn the_mapping_table_has_a_size() {
+        let mut r = Rig {
+            nat: crate::testing::build::<Nat>(serde_json::json!({
+                "external": "192.0.2.10", "max_mappings": 2, "udp_timeout": 5 })),
+            ..rig()
+        };
+        let t0 = Instant::now();
+        for (i, p) in [1000u16, 1001, 1002].into_iter().enumerate() {
+            let mut f = packet(ip_proto::UDP, IN, p, OUT, 53);
+            let out = r.nat.outbound(&mut f, t0);
+            assert_eq!(out.is_some(), i < 2);
+        }
+        assert_eq!(r.nat.table_full.get(), 1);
+        let mut f = packet(ip_proto::UDP, IN, 1002, OUT, 53);
+        assert_eq!(r.nat.outbound(&mut f, t0 + Duration::from_secs(6)), Some(1));
+        assert_eq!(r.nat.table.sessions.len(), 1, "both old ones reclaimed");
+    }
+
     #[test]
     fn bad_external_addresses_are_refused() {
         for (e, msg) in [
@@ -1344,12 +1633,7 @@ mod tests {
     #[test]
     fn outbound_traffic_keeps_a_mapping_alive_and_silence_ends_it() {
         let mut r = rig();
-        let ten = Duration::from_secs(10);
-        r.nat.timeouts = Timeouts {
-            udp: ten,
-            tcp: ten,
-            icmp: ten,
-        };
+        r.nat.table.sessions.set_timeouts(&[10_000; 3]);
         let t0 = Instant::now();
         let secs = |s: u64| t0 + Duration::from_secs(s);
         let mut out = packet(ip_proto::UDP, IN, 5000, OUT, 53);
@@ -1366,7 +1650,7 @@ mod tests {
         assert_eq!(r.nat.inbound(&mut late, secs(19)), None);
         // The sweep forgets both halves; the port can go to another host.
         r.nat.tick(&mut r.io, secs(19));
-        assert!(r.nat.in_map.is_empty() && r.nat.out_map.is_empty());
+        assert!(r.nat.table.sessions.is_empty() && r.nat.table.by_outside.is_empty());
         let mut other = packet(ip_proto::UDP, SRV, 5000, OUT, 53);
         r.nat.outbound(&mut other, secs(20));
         assert_eq!(l4::SRC_PORT.get(&other.data()[34..]), 5000);

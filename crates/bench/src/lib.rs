@@ -101,6 +101,8 @@ pub enum BenchCmd {
         /// Runs (the median is reported).
         #[arg(long, default_value_t = 3)]
         runs: usize,
+        #[command(flatten)]
+        stateful: nf::StatefulArgs,
     },
 }
 
@@ -451,15 +453,16 @@ pub fn run(cmd: BenchCmd, registry: fn() -> Registry) -> Result<()> {
             name,
             seconds,
             runs,
+            stateful,
         } => {
             anyhow::ensure!(runs >= 1, "--runs must be at least 1");
             if name == "all" {
                 for n in nf::NAMES {
-                    nf::run(n, seconds, runs)?;
+                    nf::run(n, seconds, runs, &Default::default())?;
                 }
                 return Ok(());
             }
-            nf::run(&name, seconds, runs)
+            nf::run(&name, seconds, runs, &stateful)
         }
     }
 }

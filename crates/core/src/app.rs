@@ -271,6 +271,7 @@ pub struct AppContext {
     base_dir: PathBuf,
     counters: Counters,
     inherited: Option<Descriptors>,
+    shard: Option<crate::graph::Shard>,
 }
 
 impl AppContext {
@@ -280,7 +281,19 @@ impl AppContext {
             base_dir: base_dir.to_path_buf(),
             counters,
             inherited: None,
+            shard: None,
         }
+    }
+
+    /// Builds the app as shard `shard` of a sharded app.
+    pub fn set_shard(&mut self, shard: Option<crate::graph::Shard>) {
+        self.shard = shard;
+    }
+
+    /// Which shard of its app this instance is (`shards:` in the graph file); `None` for an
+    /// app that is not sharded.
+    pub fn shard(&self) -> Option<&crate::graph::Shard> {
+        self.shard.as_ref()
     }
 
     /// Gives the app being built what its predecessor handed over (an upgrade).
@@ -336,6 +349,12 @@ pub trait App: Send + 'static {
     /// The app's config, deserialized from its entry in the graph file (minus `type` and
     /// `worker`). Use `#[serde(deny_unknown_fields)]` so that typos are errors.
     type Config: DeserializeOwned + Send + 'static;
+
+    /// Whether the shards of a sharded app of this type hand packets to one another: each
+    /// shard then has ports `shard0` … `shard<N-1>` after its own (input and output, the own
+    /// index unlinked), linked to every other shard, to send a packet to the shard that owns
+    /// its flow.
+    const HANDS_OFF: bool = false;
 
     /// Checks the config beyond what serde checks and declares the ports. Runs at `stitch check`
     /// time, so it must not touch the outside world.
@@ -593,6 +612,8 @@ pub struct AppType {
     pub name: &'static str,
     /// One-line summary shown by `stitch apps`.
     pub summary: &'static str,
+    /// Whether its shards hand packets to one another ([`App::HANDS_OFF`]).
+    pub hands_off: bool,
     parse: fn(&serde_json::Value) -> Result<ParsedConfig, ConfigError>,
     declare: fn(&ParsedConfig) -> Result<PortSpec, AppError>,
     build: BuildFn,
@@ -628,6 +649,7 @@ impl AppType {
         AppType {
             name,
             summary,
+            hands_off: A::HANDS_OFF,
             parse: parse_as::<A>,
             declare: declare_as::<A>,
             build: build_as::<A>,

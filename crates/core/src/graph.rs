@@ -12,8 +12,17 @@
 //!   - { link: "a.x -> b.y", size: 4096 }
 //!   - { link: "b.out -> c.in", latency: true }
 //! ```
+//!
+//! An app with `shards: N` (or `shards: [w1, w2]`, the workers by name) runs as N instances,
+//! `NAME:0` … `NAME:N-1`, shard `i` on worker `shard<i>` (or the `i`th named): each a full
+//! instance with its own state, told which shard it is ([`crate::AppContext::shard`]). A link
+//! between two sharded apps of as many shards joins shard `i` to shard `i` (a region of the
+//! graph, from interfaces that spread packets by their own hashing to the apps between them);
+//! an app type that hands packets to the shard that owns them ([`crate::App::HANDS_OFF`]) has
+//! ports `shard0` … `shard<N-1>` more, linked from each shard to every other. A document of the
+//! graph ([`Graph::to_document`]) shows the app once, with its `shards:`.
 
-use crate::app::{PortSpec, Registry};
+use crate::app::{PortNames, PortSpec, Registry};
 use crate::link::DEFAULT_LINK_SIZE;
 use indexmap::IndexMap;
 use serde::de::{MapAccess, Visitor};
@@ -61,6 +70,34 @@ pub struct WorkerConfig {
     pub core: Option<usize>,
 }
 
+/// Which shard of a sharded app an instance is.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Shard {
+    /// The app's name in the file.
+    pub of: String,
+    pub index: usize,
+    pub count: usize,
+}
+
+/// The name of shard `index` of app `app`: a `:` no name in a file can hold.
+pub fn shard_name(app: &str, index: usize) -> String {
+    format!("{app}:{index}")
+}
+
+/// The port of a sharded app that hands packets to (output) or takes them from (input)
+/// shard `index` of the same app.
+pub fn handoff_port(index: usize) -> String {
+    format!("shard{index}")
+}
+
+/// Shards an app may run as at most.
+pub const MAX_SHARDS: usize = 64;
+
+/// The worker of shard `index` when `shards:` gives a count.
+fn shard_worker(index: usize) -> String {
+    format!("shard{index}")
+}
+
 /// One app of the graph.
 #[derive(Debug, Clone)]
 pub struct AppDecl {
@@ -73,6 +110,8 @@ pub struct AppDecl {
     pub line: usize,
     /// Line and column of each top-level key of the entry, for error messages.
     pub key_lines: IndexMap<String, (usize, usize)>,
+    /// The shard this instance is, for an app with `shards:`.
+    pub shard: Option<Shard>,
 }
 
 /// One end of a link.
@@ -377,17 +416,56 @@ impl Graph {
         for a in self.apps.values() {
             let mut entry = Map::new();
             entry.insert("type".into(), json!(a.kind));
-            if a.worker != MAIN_WORKER {
-                entry.insert("worker".into(), json!(a.worker));
+            match &a.shard {
+                // A sharded app once, as written: its shards' workers, or their count when
+                // they are the default ones.
+                Some(s) if s.index != 0 => continue,
+                Some(s) => {
+                    let workers: Vec<&str> = (0..s.count)
+                        .map(|i| self.apps[&shard_name(&s.of, i)].worker.as_str())
+                        .collect();
+                    let default = workers
+                        .iter()
+                        .enumerate()
+                        .all(|(i, w)| *w == shard_worker(i));
+                    let shards = if default {
+                        json!(s.count)
+                    } else {
+                        json!(workers)
+                    };
+                    entry.insert("shards".into(), shards);
+                }
+                None if a.worker != MAIN_WORKER => {
+                    entry.insert("worker".into(), json!(a.worker));
+                }
+                None => {}
             }
             if let Value::Object(c) = &a.config {
                 entry.extend(c.clone());
             }
-            apps.insert(a.name.clone(), Value::Object(entry));
+            let name = a.shard.as_ref().map_or(&a.name, |s| &s.of);
+            apps.insert(name.clone(), Value::Object(entry));
         }
+        // A sharded region's links once (shard 0's), by the apps' names; no hand-off link.
+        let shard_of = |app: &str| self.apps.get(app).and_then(|a| a.shard.as_ref());
         let links: Vec<Value> = self
             .links
             .iter()
+            .filter_map(|l| match (shard_of(&l.from.app), shard_of(&l.to.app)) {
+                (Some(a), Some(b)) if a.of == b.of => None,
+                (Some(a), _) if a.index != 0 => None,
+                (a, b) => {
+                    let end = |e: &Endpoint, s: Option<&Shard>| Endpoint {
+                        app: s.map_or(e.app.clone(), |s| s.of.clone()),
+                        port: e.port.clone(),
+                    };
+                    Some(LinkDecl {
+                        from: end(&l.from, a),
+                        to: end(&l.to, b),
+                        ..l.clone()
+                    })
+                }
+            })
             .map(|l| {
                 let mut entry = Map::new();
                 entry.insert("link".into(), json!(l.spec()));
@@ -465,6 +543,7 @@ fn parse_inner(
     // Apps named in the file, valid or not: a link to an app whose settings were refused is
     // not an error of its own (the app's error says what to fix).
     let mut declared = std::collections::HashSet::new();
+    let mut sharded: IndexMap<String, Vec<String>> = IndexMap::new();
     for (name, entry) in raw.apps.map(|m| m.0).unwrap_or_default() {
         declared.insert(name.value.clone());
         let context = AppContext {
@@ -472,8 +551,11 @@ fn parse_inner(
             extension,
             file_keys: &file_keys,
         };
-        if let Some((app, keys)) = parse_app(name, entry, &context, errors) {
+        if let Some((app, keys, shards)) = parse_app(name, entry, &context, errors) {
             app_keys.insert(app.name.clone(), keys);
+            if let Some(workers) = shards {
+                sharded.insert(app.name.clone(), workers);
+            }
             apps.insert(app.name.clone(), app);
         }
     }
@@ -481,7 +563,29 @@ fn parse_inner(
     for item in raw.links.unwrap_or_default() {
         let refused = |app: &str| declared.contains(app) && !apps.contains_key(app);
         if let Some(l) = parse_link(&item, &apps, &links, engine.link_size, errors, refused) {
+            let count = |app: &str| sharded.get(app).map_or(1, Vec::len);
+            let (a, b) = (count(&l.from.app), count(&l.to.app));
+            if a != b {
+                let msg = format!(
+                    "link `{}`: `{}` runs as {a} shard(s) and `{}` as {b}: a link joins apps of as \
+                     many shards, shard to shard (give both the same `shards:`)",
+                    l.spec(),
+                    l.from.app,
+                    l.to.app
+                );
+                err(errors, loc(&item), msg);
+                continue;
+            }
             links.push(l);
+        }
+    }
+    let (apps, links) = expand_shards(apps, links, &sharded, registry, engine.link_size);
+    // A layer beside the engine reads each shard's keys as its app's.
+    for (name, workers) in &sharded {
+        if let Some(keys) = app_keys.shift_remove(name) {
+            for i in 0..workers.len() {
+                app_keys.insert(shard_name(name, i), keys.clone());
+            }
         }
     }
     for a in apps.values() {
@@ -595,6 +699,8 @@ fn parse_workers(
 struct AppKeys {
     kind: Option<(String, (usize, usize))>,
     worker: String,
+    /// The workers of the app's shards, for an app with `shards:`.
+    shards: Option<Vec<String>>,
     extension: ExtensionKeys,
     config: serde_json::Map<String, serde_json::Value>,
     key_lines: IndexMap<String, (usize, usize)>,
@@ -606,7 +712,7 @@ fn parse_app(
     entry: Spanned<SpannedMap<Spanned<serde_json::Value>>>,
     context: &AppContext,
     errors: &mut Vec<GraphError>,
-) -> Option<(AppDecl, ExtensionKeys)> {
+) -> Option<(AppDecl, ExtensionKeys, Option<Vec<String>>)> {
     let registry = context.registry;
     let at = loc(&name);
     let name = name.value;
@@ -677,6 +783,13 @@ fn parse_app(
             }
         },
     };
+    if let (Some(_), Some(&w_at)) = (&keys.shards, keys.key_lines.get("worker")) {
+        let msg = format!(
+            "app `{name}`: name the workers of its shards in `shards: [..]`, not `worker:`"
+        );
+        err(errors, w_at, msg);
+        return None;
+    }
     let decl = AppDecl {
         name,
         kind,
@@ -685,8 +798,9 @@ fn parse_app(
         ports,
         line: at.0,
         key_lines: keys.key_lines,
+        shard: None,
     };
-    Some((decl, keys.extension))
+    Some((decl, keys.extension, keys.shards))
 }
 
 /// Sorts an app entry's keys into the graph's own (`type`, `worker`), the extension's and
@@ -700,6 +814,7 @@ fn read_app_keys(
     let mut keys = AppKeys {
         kind: None,
         worker: MAIN_WORKER.to_string(),
+        shards: None,
         extension: ExtensionKeys::new(),
         config: serde_json::Map::new(),
         key_lines: IndexMap::new(),
@@ -715,6 +830,10 @@ fn read_app_keys(
             "worker" => match v.value.as_str() {
                 Some(w) if is_identifier(w) => keys.worker = w.to_string(),
                 _ => err(errors, at, format!("app `{name}`: `worker` must be a name")),
+            },
+            "shards" => match read_shards(&v.value) {
+                Ok(workers) => keys.shards = Some(workers),
+                Err(m) => err(errors, at, format!("app `{name}`: {m}")),
             },
             k if extension.app_keys.contains(&k) => match (extension.check)(k, &v.value) {
                 Ok(()) => {
@@ -734,6 +853,127 @@ fn read_app_keys(
         }
     }
     keys
+}
+
+/// `shards: N` (workers `shard0` …) or `shards: [w1, w2, …]`: the workers of the shards.
+fn read_shards(v: &serde_json::Value) -> Result<Vec<String>, String> {
+    let workers: Vec<String> = match v {
+        serde_json::Value::Number(n) => match n.as_u64() {
+            Some(n) if (1..=MAX_SHARDS as u64).contains(&n) => {
+                (0..n as usize).map(shard_worker).collect()
+            }
+            _ => {
+                return Err(format!(
+                    "`shards` is a count from 1 to {MAX_SHARDS} or a list of workers"
+                ))
+            }
+        },
+        serde_json::Value::Array(a) => {
+            let names: Option<Vec<String>> = a
+                .iter()
+                .map(|w| w.as_str().filter(|w| is_identifier(w)).map(str::to_string))
+                .collect();
+            names.ok_or("`shards`: each worker is a name")?
+        }
+        _ => {
+            return Err(format!(
+                "`shards` is a count from 1 to {MAX_SHARDS} or a list of workers"
+            ))
+        }
+    };
+    if workers.is_empty() || workers.len() > MAX_SHARDS {
+        return Err(format!("`shards`: from 1 to {MAX_SHARDS} workers"));
+    }
+    let mut seen = std::collections::HashSet::new();
+    if let Some(w) = workers.iter().find(|w| !seen.insert(*w)) {
+        return Err(format!(
+            "`shards`: worker `{w}` is given twice (one shard per worker)"
+        ));
+    }
+    Ok(workers)
+}
+
+/// Each sharded app as its shards, each link of a sharded region as one link per shard, and
+/// the hand-off links between the shards of an app type that asks for them.
+fn expand_shards(
+    apps: IndexMap<String, AppDecl>,
+    links: Vec<LinkDecl>,
+    sharded: &IndexMap<String, Vec<String>>,
+    registry: &Registry,
+    link_size: usize,
+) -> (IndexMap<String, AppDecl>, Vec<LinkDecl>) {
+    if sharded.is_empty() {
+        return (apps, links);
+    }
+    let count = |app: &str| sharded.get(app).map_or(1, Vec::len);
+    let mut out_links = Vec::new();
+    for l in links {
+        let n = count(&l.from.app);
+        if n == 1 && count(&l.to.app) == 1 {
+            out_links.push(l);
+            continue;
+        }
+        let end = |e: &Endpoint, i: usize| Endpoint {
+            app: shard_name(&e.app, i),
+            port: e.port.clone(),
+        };
+        for i in 0..n {
+            out_links.push(LinkDecl {
+                from: end(&l.from, i),
+                to: end(&l.to, i),
+                ..l.clone()
+            });
+        }
+    }
+    let mut out_apps = IndexMap::new();
+    for (name, decl) in apps {
+        let Some(workers) = sharded.get(&name) else {
+            out_apps.insert(name, decl);
+            continue;
+        };
+        let n = workers.len();
+        let hands_off = registry.get(&decl.kind).is_some_and(|t| t.hands_off) && n > 1;
+        let mut ports = decl.ports.clone();
+        if hands_off {
+            for names in [&mut ports.inputs, &mut ports.outputs] {
+                if let PortNames::Fixed(v) = names {
+                    v.extend((0..n).map(handoff_port));
+                }
+            }
+            for i in 0..n {
+                for j in (0..n).filter(|&j| j != i) {
+                    out_links.push(LinkDecl {
+                        from: Endpoint {
+                            app: shard_name(&name, i),
+                            port: handoff_port(j),
+                        },
+                        to: Endpoint {
+                            app: shard_name(&name, j),
+                            port: handoff_port(i),
+                        },
+                        size: link_size,
+                        latency: false,
+                        line: decl.line,
+                    });
+                }
+            }
+        }
+        for (i, w) in workers.iter().enumerate() {
+            let shard = AppDecl {
+                name: shard_name(&name, i),
+                worker: w.clone(),
+                ports: ports.clone(),
+                shard: Some(Shard {
+                    of: name.clone(),
+                    index: i,
+                    count: n,
+                }),
+                ..decl.clone()
+            };
+            out_apps.insert(shard.name.clone(), shard);
+        }
+    }
+    (out_apps, out_links)
 }
 
 /// One entry of `links:`, checked against the apps' ports and the links before it.
@@ -901,10 +1141,113 @@ mod tests {
         }
     }
 
+    /// A thing whose shards hand packets to one another.
+    struct Owner;
+    impl App for Owner {
+        type Config = ThingConfig;
+        const HANDS_OFF: bool = true;
+        fn declare(_: &ThingConfig) -> Result<PortSpec, AppError> {
+            Ok(PortSpec::filter())
+        }
+        fn new(_: ThingConfig, _: &mut AppContext) -> Result<Self, AppError> {
+            Ok(Owner)
+        }
+    }
+
     fn registry() -> Registry {
         let mut r = Registry::new();
         r.register(AppType::of::<Thing>("thing", "test app"));
         r
+    }
+
+    fn registry_with_owner() -> Registry {
+        let mut r = registry();
+        r.register(AppType::of::<Owner>("owner", "test app that hands off"));
+        r
+    }
+
+    #[test]
+    fn a_sharded_region_runs_shard_to_shard_and_reads_back_as_written() {
+        let text = "apps:\n  a: { type: thing, shards: 2 }\n  b: { type: owner, shards: 2, size: 3 }\n  c: { type: thing, shards: [wx, wy] }\n  d: { type: thing }\nlinks:\n  - \"a.output -> b.input\"\n  - { link: \"b.output -> c.input\", size: 64 }\n";
+        let g = Graph::parse(text, "g.yaml", Path::new("."), &registry_with_owner()).unwrap();
+        let names: Vec<&str> = g.apps.keys().map(String::as_str).collect();
+        assert_eq!(names, ["a:0", "a:1", "b:0", "b:1", "c:0", "c:1", "d"]);
+        assert_eq!(
+            g.apps["b:1"].shard,
+            Some(Shard {
+                of: "b".into(),
+                index: 1,
+                count: 2
+            })
+        );
+        assert_eq!(
+            (g.apps["a:1"].worker.as_str(), g.apps["c:1"].worker.as_str()),
+            ("shard1", "wy")
+        );
+        assert_eq!(g.apps["b:0"].config, serde_json::json!({ "size": 3 }));
+        let specs: Vec<String> = g.links.iter().map(|l| l.spec()).collect();
+        assert_eq!(
+            specs,
+            [
+                "a:0.output -> b:0.input",
+                "a:1.output -> b:1.input",
+                "b:0.output -> c:0.input",
+                "b:1.output -> c:1.input",
+                "b:0.shard1 -> b:1.shard0",
+                "b:1.shard0 -> b:0.shard1",
+            ]
+        );
+        assert_eq!(g.links[3].size, 64);
+        // Read back: each app once with its shards, each link once, no hand-off link.
+        let doc = g.to_document();
+        assert_eq!(
+            doc["apps"]["b"],
+            serde_json::json!({ "type": "owner", "shards": 2, "size": 3 })
+        );
+        assert_eq!(doc["apps"]["c"]["shards"], serde_json::json!(["wx", "wy"]));
+        assert_eq!(
+            doc["links"],
+            serde_json::json!(["a.output -> b.input", { "link": "b.output -> c.input", "size": 64 }])
+        );
+        let again = Graph::parse(
+            &doc.to_string(),
+            "g.yaml",
+            Path::new("."),
+            &registry_with_owner(),
+        )
+        .unwrap();
+        let specs_again: Vec<String> = again.links.iter().map(|l| l.spec()).collect();
+        assert_eq!(specs_again, specs);
+        assert_eq!(
+            again.apps.keys().collect::<Vec<_>>(),
+            g.apps.keys().collect::<Vec<_>>()
+        );
+    }
+
+    #[test]
+    fn shards_that_do_not_fit_are_refused_at_their_line() {
+        let two_and_one = "apps:\n  a: { type: thing, shards: 2 }\n  d: { type: thing }\nlinks:\n  - \"a.output -> d.input\"\n";
+        let (line, msg) = first_error(two_and_one);
+        assert_eq!(line, 5);
+        assert!(msg.contains("`a` runs as 2 shard(s) and `d` as 1"), "{msg}");
+        for (text, want) in [
+            (
+                "apps:\n  a: { type: thing, shards: 0 }\n",
+                "a count from 1 to 64",
+            ),
+            (
+                "apps:\n  a: { type: thing, shards: [x, x] }\n",
+                "`x` is given twice",
+            ),
+            (
+                "apps:\n  a: { type: thing, shards: 2, worker: w }\n",
+                "not `worker:`",
+            ),
+        ] {
+            let (line, msg) = first_error(text);
+            assert_eq!(line, 2, "{msg}");
+            assert!(msg.contains(want), "{msg}");
+        }
     }
 
     fn errors(text: &str) -> Vec<(usize, String)> {

@@ -13,6 +13,9 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::atomic::AtomicU32;
 
+/// Types whose all-zero bytes are a valid value (what [`ZeroedSlice`] holds).
+pub use bytemuck::Zeroable;
+
 /// A shared read-write mapping of a file or socket, unmapped on drop.
 pub struct Mapping {
     base: NonNull<u8>,
@@ -247,6 +250,81 @@ pub fn back_with_huge_pages<T>(items: &[T]) -> bool {
     unsafe {
         libc::madvise(at, len, libc::MADV_HUGEPAGE);
         libc::madvise(at, len, MADV_COLLAPSE) == 0
+    }
+}
+
+/// A slice of `T` in private anonymous memory, zero until written: its pages are faulted in as
+/// the slice is used, so a table sized for a million sessions costs memory only for the part
+/// in use, and 2 MiB huge pages back it where the kernel gives them (a large table's lookups
+/// then seldom miss the TLB). For tables whose size is fixed when they are made.
+pub struct ZeroedSlice<T> {
+    base: NonNull<T>,
+    len: usize,
+    bytes: usize,
+}
+
+// SAFETY: a ZeroedSlice owns its mapping as a Box owns its allocation; it is shared or sent as
+// its elements are.
+unsafe impl<T: Send> Send for ZeroedSlice<T> {}
+// SAFETY: as for Send.
+unsafe impl<T: Sync> Sync for ZeroedSlice<T> {}
+
+impl<T: Zeroable + Copy> ZeroedSlice<T> {
+    /// `len` elements, all zero. Fails only when the address space is exhausted.
+    pub fn new(len: usize) -> io::Result<Self> {
+        let page = 4096;
+        let bytes = len
+            .checked_mul(std::mem::size_of::<T>())
+            .ok_or_else(|| io::Error::other("table too large"))?
+            .max(1)
+            .next_multiple_of(page);
+        assert!(std::mem::align_of::<T>() <= page);
+        // SAFETY: a fresh private anonymous mapping: no file, no other owner; NORESERVE since
+        // most of a large table's pages may never be touched.
+        let at = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                bytes,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if at == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        if bytes >= HUGE_PAGE {
+            // SAFETY: the range is the mapping just made; the advice changes how its pages are
+            // backed, never their contents.
+            unsafe { libc::madvise(at, bytes, libc::MADV_HUGEPAGE) };
+        }
+        let base = NonNull::new(at.cast::<T>()).ok_or_else(|| io::Error::other("mmap gave 0"))?;
+        Ok(ZeroedSlice { base, len, bytes })
+    }
+}
+
+impl<T> std::ops::Deref for ZeroedSlice<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        // SAFETY: the mapping holds `len` elements, page aligned (so aligned for `T`), zero-
+        // filled by the kernel — a valid `T` (`Zeroable`) — or written through `&mut` since.
+        unsafe { std::slice::from_raw_parts(self.base.as_ptr(), self.len) }
+    }
+}
+
+impl<T> std::ops::DerefMut for ZeroedSlice<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        // SAFETY: as for `deref`; `&mut self` makes this view the only one.
+        unsafe { std::slice::from_raw_parts_mut(self.base.as_ptr(), self.len) }
+    }
+}
+
+impl<T> Drop for ZeroedSlice<T> {
+    fn drop(&mut self) {
+        // SAFETY: the mapping is this slice's alone, made in `new` with this length; the
+        // elements need no drop of their own (`new` takes only `Copy` types).
+        unsafe { libc::munmap(self.base.as_ptr().cast(), self.bytes) };
     }
 }
 

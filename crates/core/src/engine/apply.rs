@@ -204,6 +204,7 @@ impl Engine {
             message: format!("{}: {}", e.path, e.message),
         })?;
         let mut ctx = AppContext::new(&decl.name, base_dir, slot.counters.clone());
+        ctx.set_shard(decl.shard.clone());
         caught(&decl.name, "reconfigure", || {
             slot.app.reconfigure(parsed.into_any(), &mut ctx)
         })
@@ -228,6 +229,7 @@ impl Engine {
             message: format!("{}: {}", e.path, e.message),
         })?;
         let mut ctx = AppContext::new(&decl.name, &graph.base_dir, counters.clone());
+        ctx.set_shard(decl.shard.clone());
         if let Some(d) = inherited {
             ctx.inherit(d);
         }
