@@ -674,7 +674,8 @@ fn related_key(d: &[u8], f: &Flow) -> Option<ConnKey> {
     }))
 }
 
-/// A connection key that is the same in both directions.
+/// A connection key that is the same in both directions (shards find a connection's owner by
+/// its hash).
 fn conn_key(f: &Flow) -> ConnKey {
     let (mut a, mut b) = ((f.src, f.src_port), (f.dst, f.dst_port));
     if b < a {
@@ -691,6 +692,9 @@ pub struct Firewall {
     timeouts: Timeouts,
     table: ConnTable,
     clock: Clock,
+    /// This shard's number and the number of shards (0 and 1 when not sharded).
+    shard: (u16, u16),
+    handed_off: Counter,
     /// Packets of one batch and what was read of them: their flow and key hash.
     batch: Vec<Packet>,
     flows: Vec<(Result<Option<Flow>, Malformed>, Key, u32)>,
@@ -937,6 +941,7 @@ const STATE_VERSION: u32 = 1;
 
 impl App for Firewall {
     type Config = FirewallConfig;
+    const HANDS_OFF: bool = true;
 
     fn declare(c: &FirewallConfig) -> Result<PortSpec, AppError> {
         compile(c, None)?;
@@ -967,6 +972,10 @@ impl App for Firewall {
             table: ConnTable::new(c.max_connections, &c.timeouts)?,
             timeouts: c.timeouts,
             clock: Clock::default(),
+            shard: ctx
+                .shard()
+                .map_or((0, 1), |s| (s.index as u16, s.count as u16)),
+            handed_off: ctx.counter("handed_off"),
             batch: Vec::with_capacity(BATCH),
             flows: Vec::with_capacity(BATCH),
             accepted: ctx.counter("accepted"),
@@ -1048,8 +1057,13 @@ impl App for Firewall {
         let now = self.clock.at(Instant::now());
         // In order of expiry: the expiry lists stay in order.
         conns.sort_by_key(|c| c.expires_in_ms);
+        let mut elsewhere = 0;
         for c in conns {
             let key = Key::of(&c.key);
+            if self.owner(&key) != self.shard.0 {
+                elsewhere += 1;
+                continue;
+            }
             if c.expires_in_ms == 0 || self.table.find(&key, self.table.hash(&key)).is_some() {
                 continue;
             }
@@ -1072,7 +1086,7 @@ impl App for Firewall {
             }
         }
         log::info!(
-            "firewall: {} tracked connections taken back from the snapshot",
+            "firewall: {} tracked connections taken back from the snapshot ({elsewhere} another shard's)",
             self.table.sessions.len()
         );
         Ok(())
@@ -1107,10 +1121,13 @@ impl App for Firewall {
     fn push(&mut self, io: &mut Io) {
         let now = self.clock.at(Instant::now());
         let (inputs, outputs) = io.split();
-        for (i, side) in [(0usize, Side::Lan), (1, Side::Wan)] {
-            let Some(input) = inputs[i].as_mut() else {
+        for (slot, input) in inputs.iter_mut().enumerate() {
+            let Some(input) = input.as_mut() else {
                 continue;
             };
+            // Slots 0 and 1: the lan and wan sides; from 2 on, what another shard handed over,
+            // its side in the packet.
+            let from_side = (slot < 2).then_some(slot);
             loop {
                 self.batch.extend(input.drain().take(BATCH));
                 if self.batch.is_empty() {
@@ -1119,7 +1136,18 @@ impl App for Firewall {
                 self.read_batch();
                 let mut batch = std::mem::take(&mut self.batch);
                 let mut flows = std::mem::take(&mut self.flows);
-                for (p, (f, key, hash)) in batch.drain(..).zip(flows.drain(..)) {
+                for (mut p, (f, key, hash)) in batch.drain(..).zip(flows.drain(..)) {
+                    let i = from_side.unwrap_or(p.header().user[0] as usize & 1);
+                    if let (Some(_), Ok(Some(_))) = (from_side, &f) {
+                        let owner = self.owner(&key);
+                        if owner != self.shard.0 {
+                            p.header_mut().user[0] = i as u64;
+                            self.handed_off.add(1);
+                            transmit_to(&mut outputs[2 + owner as usize], p);
+                            continue;
+                        }
+                    }
+                    let side = if i == 0 { Side::Lan } else { Side::Wan };
                     self.judge(p, f, (&key, hash), (i, side), outputs, now);
                 }
                 self.batch = batch;
@@ -1131,6 +1159,17 @@ impl App for Firewall {
 }
 
 impl Firewall {
+    /// The shard that tracks a connection: by a hash of its key (the same in both
+    /// directions), the same in every shard.
+    #[inline]
+    fn owner(&self, key: &Key) -> u16 {
+        if self.shard.1 == 1 {
+            return 0;
+        }
+        const SHARDS: foldhash::fast::FixedState = foldhash::fast::FixedState::with_seed(0x5_4a2d);
+        (((SHARDS.hash_one(key) >> 32) * self.shard.1 as u64) >> 32) as u16
+    }
+
     /// One packet from side `i`: passed on by its connection, by the rules, or dropped.
     #[inline]
     fn judge(
@@ -1371,6 +1410,58 @@ mod tests {
         r.fw.tick(&mut r.io, later);
         assert_eq!(r.fw.table.sessions.len(), 0);
         assert_eq!(r.fw.connections.get(), 0);
+    }
+
+    /// Two shards: a connection opened through either shard is tracked by the shard its key
+    /// hashes to, and replies that reach the other shard are handed to it and pass. Taken
+    /// from one shard's snapshot, each connection goes to its shard.
+    #[test]
+    fn shards_track_each_connection_once_and_replies_pass_on_either() {
+        use crate::testing::TwoShards;
+        let cfg = serde_json::json!({ "rules": [{ "action": "accept", "from": "lan" }] });
+        let mut t = TwoShards::<Firewall>::new(cfg.clone());
+        for k in 0..40u16 {
+            t.feeds[(k % 2) as usize][0].transmit(tcp(H, S, 40000 + k, 80, SYN));
+            let out = t.run();
+            assert_eq!(out[0].1.len() + out[1].1.len(), 1, "SYN out");
+            t.feeds[((k + 1) % 2) as usize][1].transmit(tcp(S, H, 80, 40000 + k, SYN | ACK));
+            let out = t.run();
+            assert_eq!(
+                out[0].0.len() + out[1].0.len(),
+                1,
+                "SYN-ACK in, on the other shard"
+            );
+        }
+        let counts = [
+            t.apps[0].table.sessions.len(),
+            t.apps[1].table.sessions.len(),
+        ];
+        assert_eq!(counts[0] + counts[1], 40);
+        assert!(counts[0] > 0 && counts[1] > 0, "{counts:?}");
+        assert_eq!(t.apps[0].invalid.get() + t.apps[1].invalid.get(), 0);
+        // A stray from the wan side is dropped by its shard's rules, whichever.
+        t.feeds[0][1].transmit(tcp(S, H, 5555, 22, SYN));
+        t.run();
+        assert_eq!(t.apps[0].dropped.get() + t.apps[1].dropped.get(), 1);
+        // One shard's connections into two.
+        let mut one = rig(cfg.clone());
+        for k in 0..20u16 {
+            one.in_from_lan(tcp(H, S, 41000 + k, 80, SYN));
+        }
+        let state = one.fw.snapshot().unwrap().into_state().unwrap();
+        let mut two = TwoShards::<Firewall>::new(cfg);
+        for app in &mut two.apps {
+            app.restore(state.clone()).unwrap();
+        }
+        assert_eq!(
+            two.apps[0].table.sessions.len() + two.apps[1].table.sessions.len(),
+            20
+        );
+        for k in 0..20u16 {
+            two.feeds[(k % 2) as usize][1].transmit(tcp(S, H, 80, 41000 + k, SYN | ACK));
+            let out = two.run();
+            assert_eq!(out[0].0.len() + out[1].0.len(), 1);
+        }
     }
 
     /// An IPv4 frame from `src` to `dst` with protocol `proto` and payload `l4`.

@@ -142,6 +142,73 @@ pub(crate) mod testing {
         A::new(c, &mut ctx).unwrap()
     }
 
+    /// Shard `index` of `count` of an app, as a sharded graph builds it.
+    pub(crate) fn build_shard<A: App>(config: serde_json::Value, index: usize, count: usize) -> A {
+        let c: A::Config = serde_json::from_value(config).unwrap();
+        A::declare(&c).unwrap();
+        let mut ctx = AppContext::new("test", std::path::Path::new("."), Default::default());
+        ctx.set_shard(Some(stitch_core::graph::Shard {
+            of: "test".into(),
+            index,
+            count,
+        }));
+        A::new(c, &mut ctx).unwrap()
+    }
+
+    /// The frames a shard sent out of (lan, wan).
+    pub(crate) type Sent = (Vec<Vec<u8>>, Vec<Vec<u8>>);
+
+    /// Two shards of a `lan`/`wan` app and their hand-off links, run until nothing moves
+    /// between them; what each sent out of lan and wan.
+    pub(crate) struct TwoShards<A> {
+        pub apps: [A; 2],
+        pub io: [Io; 2],
+        /// Per shard: feeds of lan, wan, shard0, shard1.
+        pub feeds: [[Producer; 4]; 2],
+        pub seen: [[Consumer; 4]; 2],
+    }
+
+    impl<A: App> TwoShards<A> {
+        pub(crate) fn new(config: serde_json::Value) -> Self {
+            let names = ["lan", "wan", "shard0", "shard1"];
+            let (io0, f0, s0) = ports(names);
+            let (io1, f1, s1) = ports(names);
+            TwoShards {
+                apps: [build_shard(config.clone(), 0, 2), build_shard(config, 1, 2)],
+                io: [io0, io1],
+                feeds: [f0, f1],
+                seen: [s0, s1],
+            }
+        }
+
+        /// Runs both shards, moving what each handed to the other, until neither hands any;
+        /// returns the frames out of (lan, wan) of each shard.
+        pub(crate) fn run(&mut self) -> [Sent; 2] {
+            let mut out: [Sent; 2] = Default::default();
+            loop {
+                for k in 0..2 {
+                    self.apps[k].push(&mut self.io[k]);
+                }
+                let mut moved = false;
+                for (k, out) in out.iter_mut().enumerate() {
+                    let other = 1 - k;
+                    // Shard k's output `shard{other}` feeds the other's input `shard{k}`.
+                    for p in self.seen[k][2 + other].drain().collect::<Vec<_>>() {
+                        self.feeds[other][2 + k].transmit(p);
+                        moved = true;
+                    }
+                    out.0
+                        .extend(self.seen[k][0].drain().map(|p| p.data().to_vec()));
+                    out.1
+                        .extend(self.seen[k][1].drain().map(|p| p.data().to_vec()));
+                }
+                if !moved {
+                    return out;
+                }
+            }
+        }
+    }
+
     /// An `Io` with an input and an output of each name: what is transmitted on `feeds[i]`
     /// arrives on input `i`, `seen[i]` reads output `i`.
     pub(crate) fn ports<const N: usize>(names: [&str; N]) -> (Io, [Producer; N], [Consumer; N]) {

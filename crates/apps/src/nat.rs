@@ -21,6 +21,15 @@
 //! `ports_exhausted_drops`): a port scan from inside costs the NAT no more per packet than any
 //! other traffic.
 //!
+//! Sharded (`shards: N`, between interfaces sharded alike), each shard owns the external ports
+//! `p` with `p % N` its number and the inside endpoints a fixed hash gives it: a packet from
+//! the lan side goes to the shard of its inside endpoint (which makes its mapping from its own
+//! ports), one from the wan side to the shard of its destination port — so a reply always
+//! finds the mapping, whichever shard the interface gave it to; a packet that reached another
+//! shard is handed over (`handed_off`). A change of the number of shards keeps every mapping:
+//! each goes to the shard of its port, and the shard of its inside endpoint, if another, keeps
+//! a pointer to it that outbound traffic refreshes as it does the mapping.
+//!
 //! Destination NAT (`forwards`): packets to `external:port` from the wan side go to
 //! `to_address:to_port` (`external` of a forward: which external address, the first by default). A lan host that uses the external address of a forward is hairpinned:
 //! its packet goes back out of `lan` to the inside server, with the source translated too, so
@@ -289,11 +298,17 @@ pub struct Nat {
     forwarded_from: HashMap<(u8, Inside), Outside, foldhash::fast::RandomState>,
     table: Table,
     clock: Clock,
+    /// This shard's number and the number of shards (0 and 1 when not sharded).
+    shard: (u16, u16),
+    /// Inside endpoints whose mapping another shard holds (taken back after a change of the
+    /// number of shards): the shard and until when, refreshed by outbound traffic.
+    held_elsewhere: HashMap<(u8, Inside), (u16, Millis), foldhash::fast::RandomState>,
     /// Packets of one batch, taken from an input before they are worked on.
     batch: Vec<Packet>,
     last_sweep: Instant,
     translated_out: Counter,
     translated_in: Counter,
+    handed_off: Counter,
     hairpinned: Counter,
     no_mapping: Counter,
     ports_exhausted: Counter,
@@ -453,9 +468,10 @@ impl Nat {
         let at = ext as usize * 3 + class_of(proto) as usize;
         let (lo, hi) = self.range;
         let forwards = &self.forwards;
+        let (me, shards) = self.shard;
         self.table.free[at].get_or_insert_with(|| {
             Box::new(FreePorts::new(lo, hi, |p| {
-                forwards.contains_key(&(proto, ext, p))
+                forwards.contains_key(&(proto, ext, p)) || p % shards != me
             }))
         })
     }
@@ -518,17 +534,70 @@ impl Nat {
         Some((ext, port))
     }
 
+    /// The shard that makes and holds the mappings of inside endpoint `inside`: a fixed hash,
+    /// the same in every shard.
+    #[inline]
+    fn inside_owner(&self, proto: u8, inside: Inside) -> u16 {
+        let h = inside_key(proto, inside).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 32;
+        ((h * self.shard.1 as u64) >> 32) as u16
+    }
+
+    /// The shard a frame from `side` belongs to: the owner of its mapping, found from the
+    /// frame alone; this shard when any shard can take it (untranslated, a forward).
+    fn owner(&self, side: usize, d: &[u8]) -> u16 {
+        let me = self.shard.0;
+        let Some((l3, l4, proto)) = layout(d) else {
+            return me;
+        };
+        let ip = &d[l3..];
+        let (src, dst): (Ipv4Addr, Ipv4Addr) = (ipv4::SRC.get(ip).into(), ipv4::DST.get(ip).into());
+        let dport = port_field(proto, End::Destination).get(&d[l4..]);
+        let port_owner = |p: u16| p % self.shard.1;
+        if side == 0 {
+            if proto == ip_proto::ICMP && d[l4] != icmpv4::ECHO_REQUEST {
+                return me;
+            }
+            let sport = port_field(proto, End::Source).get(&d[l4..]);
+            return match self.external_index(dst) {
+                // A reply of a hairpinned connection, to the client's mapped port.
+                Some(e) if !self.forwards.contains_key(&(proto, e, dport)) => port_owner(dport),
+                _ if self.forwarded_from.contains_key(&(proto, (src, sport))) => me,
+                _ => self.inside_owner(proto, (src, sport)),
+            };
+        }
+        let Some(ext) = self.external_index(dst) else {
+            return me;
+        };
+        if proto == ip_proto::ICMP {
+            return match d[l4] {
+                icmpv4::ECHO_REPLY => port_owner(dport),
+                icmpv4::DESTINATION_UNREACHABLE
+                | icmpv4::TIME_EXCEEDED
+                | icmpv4::PARAMETER_PROBLEM => {
+                    // The packet it quotes: its source port is the mapped one.
+                    let q = l4 + 8;
+                    let quoted = d.get(q..).filter(|b| b.len() >= 20).and_then(|b| {
+                        let ql4 = q + (b[0] & 0x0f) as usize * 4;
+                        port_field(b[9], End::Source).try_get(d.get(ql4..)?)
+                    });
+                    quoted.map_or(me, port_owner)
+                }
+                _ => me,
+            };
+        }
+        if self.forwards.contains_key(&(proto, ext, dport)) {
+            return me;
+        }
+        port_owner(dport)
+    }
+
     /// Brings in what the lookups of a batch will read: each packet's index slot, then the
     /// mapping it leads to. Hints only: each packet's own path looks its mapping up again.
-    fn fetch_ahead(&self, side: usize, batch: &[Packet]) {
-        let mut hashes = [0u32; BATCH];
+    fn fetch_ahead(&self, side: Option<usize>, batch: &[Packet]) {
+        let mut hashes = [(0u32, 0usize); BATCH];
         let mut n = 0;
-        let index = if side == 0 {
-            &self.table.by_inside
-        } else {
-            &self.table.by_outside
-        };
         for p in batch {
+            let side = side.unwrap_or(p.header().user[0] as usize);
             let d = p.data();
             let Some((l3, l4, proto)) = layout(d) else {
                 continue;
@@ -548,15 +617,41 @@ impl Nat {
                 ))
             };
             let h = self.table.hash(key);
+            let index = if side == 0 {
+                &self.table.by_inside
+            } else {
+                &self.table.by_outside
+            };
             index.prefetch(h);
-            hashes[n] = h;
+            hashes[n] = (h, side);
             n += 1;
         }
-        for &h in &hashes[..n] {
+        for &(h, side) in &hashes[..n] {
+            let index = if side == 0 {
+                &self.table.by_inside
+            } else {
+                &self.table.by_outside
+            };
             if let Some(id) = index.first(h) {
                 self.table.sessions.prefetch(id);
             }
         }
+    }
+
+    /// The shard that holds `inside`'s mapping when another does (since a change of the number
+    /// of shards), refreshed as outbound traffic refreshes the mapping there.
+    fn held_elsewhere_refresh(&mut self, proto: u8, inside: Inside, now: Instant) -> Option<u16> {
+        let now = self.clock.at(now);
+        if self.table.find_inside(proto, inside).is_some() {
+            return None;
+        }
+        let timeout = self.table.sessions.timeout(class_of(proto));
+        let (shard, until) = self.held_elsewhere.get_mut(&(proto, inside))?;
+        if !sessions::ahead(*until, now) {
+            return None;
+        }
+        *until = now.wrapping_add(timeout);
+        Some(*shard)
     }
 
     /// The inside endpoint mapped to an outside one, if the mapping is alive.
@@ -687,12 +782,27 @@ impl Nat {
         let (src, dst) = (ipv4::SRC.get(ip).into(), ipv4::DST.get(ip).into());
         let sport = port_field(proto, End::Source).get(&d[l4..]);
         let dport = port_field(proto, End::Destination).get(&d[l4..]);
+        let at = At { l3, l4, proto };
+        // A forward's server answering an outside client: from the forward's address and
+        // port, with no mapping of its own.
+        if let Some(&(_, e, fport)) = self.forwarded_from.get(&(proto, (src, sport))) {
+            if self.external_index(dst).is_none() {
+                rewrite(p, at, End::Source, (self.externals[e as usize], fport));
+                self.send_from_nat_mac(p, src);
+                self.translated_out.add(1);
+                return Some(1);
+            }
+        }
         // Hairpin: a lan host talking to a forwarded external port.
         let hairpin = self
             .external_index(dst)
             .and_then(|e| self.forwards.get(&(proto, e, dport)).copied());
+        if !self.held_elsewhere.is_empty() {
+            if let Some(shard) = self.held_elsewhere_refresh(proto, (src, sport), now) {
+                return Some(2 + shard as usize);
+            }
+        }
         let (ext, ext_port) = self.map_out(proto, (src, sport), now)?;
-        let at = At { l3, l4, proto };
         rewrite(p, at, End::Source, (self.externals[ext as usize], ext_port));
         self.send_from_nat_mac(p, src);
         if let Some(to) = hairpin {
@@ -875,6 +985,20 @@ impl Nat {
         let ext = self.external_of(m.inside.0);
         let timeout = self.table.sessions.timeout(class_of(m.proto));
         let expires_in = m.expires_in_ms.min(timeout as u64) as Millis;
+        let (me, shards) = self.shard;
+        let holder = m.port % shards;
+        if holder != me {
+            // Another shard's port: it takes the mapping back; this one points to it when the
+            // inside endpoint is this shard's.
+            if self.inside_owner(m.proto, m.inside) == me
+                && self.externals[ext as usize] == m.external
+            {
+                let until = now.wrapping_add(expires_in);
+                self.held_elsewhere
+                    .insert((m.proto, m.inside), (holder, until));
+            }
+            return false;
+        }
         let fits = self.externals[ext as usize] == m.external
             && self.table.find_inside(m.proto, m.inside).is_none()
             && self.free_ports(m.proto, ext).take(m.port);
@@ -896,6 +1020,7 @@ impl Nat {
 
 impl App for Nat {
     type Config = NatConfig;
+    const HANDS_OFF: bool = true;
 
     fn declare(c: &NatConfig) -> Result<PortSpec, AppError> {
         parse_range(&c.ports)?;
@@ -944,6 +1069,9 @@ impl App for Nat {
             .map(|(&(proto, ext, port), &to)| ((proto, to), (proto, ext, port)))
             .collect();
         let timeouts = timeouts(&c)?;
+        let shard = ctx
+            .shard()
+            .map_or((0, 1), |s| (s.index as u16, s.count as u16));
         let table = Table {
             sessions: Sessions::new(c.max_mappings, &timeouts)?,
             by_inside: Index::new(c.max_mappings)?,
@@ -972,10 +1100,13 @@ impl App for Nat {
             forwarded_from,
             table,
             clock: Clock::default(),
+            shard,
+            held_elsewhere: HashMap::default(),
             batch: Vec::with_capacity(BATCH),
             last_sweep: Instant::now(),
             translated_out: ctx.counter("translated_out"),
             translated_in: ctx.counter("translated_in"),
+            handed_off: ctx.counter("handed_off"),
             hairpinned: ctx.counter("hairpinned"),
             no_mapping: ctx.counter("no_mapping_drops"),
             ports_exhausted: ctx.counter("ports_exhausted_drops"),
@@ -991,11 +1122,15 @@ impl App for Nat {
 
     fn push(&mut self, io: &mut Io) {
         let now = Instant::now();
+        let (me, shards) = self.shard;
         let (inputs, outputs) = io.split();
-        for (side, input) in inputs.iter_mut().enumerate() {
+        for (slot, input) in inputs.iter_mut().enumerate() {
             let Some(input) = input.as_mut() else {
                 continue;
             };
+            // Slots 0 and 1: the lan and wan sides; from 2 on, what another shard handed over,
+            // its side in the packet.
+            let from_side = (slot < 2).then_some(slot);
             loop {
                 let mut batch = std::mem::take(&mut self.batch);
                 batch.extend(input.drain().take(BATCH));
@@ -1003,8 +1138,9 @@ impl App for Nat {
                     self.batch = batch;
                     break;
                 }
-                self.fetch_ahead(side, &batch);
+                self.fetch_ahead(from_side, &batch);
                 for mut p in batch.drain(..) {
+                    let side = from_side.unwrap_or(p.header().user[0] as usize);
                     if p.len() < 14 {
                         self.malformed.add(1);
                         continue;
@@ -1016,6 +1152,15 @@ impl App for Nat {
                         }
                         continue;
                     }
+                    if shards > 1 && from_side.is_some() {
+                        let owner = self.owner(side, p.data());
+                        if owner != me {
+                            p.header_mut().user[0] = side as u64;
+                            self.handed_off.add(1);
+                            transmit_to(&mut outputs[2 + owner as usize], p);
+                            continue;
+                        }
+                    }
                     let to = if side == 0 {
                         if self.hairpin_reply(&mut p, now) {
                             Some(0)
@@ -1025,8 +1170,16 @@ impl App for Nat {
                     } else {
                         self.inbound(&mut p, now)
                     };
-                    if let Some(o) = to {
-                        transmit_to(&mut outputs[o], p);
+                    match to {
+                        Some(o) if o >= 2 => {
+                            p.header_mut().user[0] = side as u64;
+                            self.handed_off.add(1);
+                            transmit_to(&mut outputs[o], p);
+                        }
+                        Some(o) => {
+                            transmit_to(&mut outputs[o], p);
+                        }
+                        None => {}
                     }
                 }
                 self.batch = batch;
@@ -1088,7 +1241,7 @@ impl App for Nat {
     }
 
     fn tick(&mut self, io: &mut Io, now: Instant) {
-        if !self.announced {
+        if !self.announced && self.shard.0 == 0 {
             self.announce();
             self.send_arp(io.split().1);
         }
@@ -1100,6 +1253,9 @@ impl App for Nat {
         self.last_sweep = now;
         self.asked
             .retain(|_, at| now.duration_since(*at) < PROBE_INTERVAL);
+        let now = self.clock.at(now);
+        self.held_elsewhere
+            .retain(|_, (_, until)| sessions::ahead(*until, now));
     }
 }
 
@@ -1610,6 +1766,125 @@ mod tests {
         let mut f = packet(ip_proto::UDP, IN, 1002, OUT, 53);
         assert_eq!(r.nat.outbound(&mut f, t0 + Duration::from_secs(6)), Some(1));
         assert_eq!(r.nat.table.sessions.len(), 1, "both old ones reclaimed");
+    }
+
+    /// Two shards: whichever shard a packet reaches, its mapping is made by the shard of its
+    /// inside endpoint from that shard's own ports, and a reply reaching the other shard is
+    /// handed to it — endpoint-independent mapping and filtering kept across shards.
+    #[test]
+    fn shards_map_from_their_own_ports_and_replies_find_the_shard_that_did() {
+        use crate::testing::TwoShards;
+        let mut t = TwoShards::<Nat>::new(
+            serde_json::json!({ "external": "192.0.2.10", "ports": "5000-5999" }),
+        );
+        let mut made = Vec::new();
+        for k in 0..40u16 {
+            let host = [10, 0, 1, (k % 10) as u8 + 1];
+            t.feeds[(k % 2) as usize][0].transmit(packet(ip_proto::UDP, host, 1000 + k, OUT, 53));
+            let out = t.run();
+            let sent: Vec<(usize, &Vec<u8>)> = (0..2)
+                .flat_map(|s| out[s].1.iter().map(move |f| (s, f)))
+                .collect();
+            assert_eq!(sent.len(), 1, "one frame out of one shard");
+            let (shard, frame) = sent[0];
+            let port = src(frame).1;
+            assert_eq!(port as usize % 2, shard, "a shard's own port");
+            made.push((host, 1000 + k, port, shard));
+        }
+        let handed = t.apps[0].handed_off.get() + t.apps[1].handed_off.get();
+        assert!(handed > 0 && handed < 40, "{handed} handed over");
+        assert!(made.iter().any(|m| m.3 == 0) && made.iter().any(|m| m.3 == 1));
+        for &(host, sport, port, shard) in &made {
+            // A reply from another endpoint, into the shard that did not make the mapping.
+            t.feeds[1 - shard][1].transmit(packet(
+                ip_proto::UDP,
+                [203, 0, 113, 7],
+                9999,
+                EXT,
+                port,
+            ));
+            let out = t.run();
+            assert!(out[1 - shard].0.is_empty());
+            assert_eq!(out[shard].0.len(), 1);
+            assert_eq!(dst(&out[shard].0[0]), (&host[..], sport));
+            // The same inside endpoint toward another destination keeps its mapping.
+            t.feeds[1 - shard][0].transmit(packet(
+                ip_proto::UDP,
+                host,
+                sport,
+                [203, 0, 113, 8],
+                80,
+            ));
+            let out = t.run();
+            assert_eq!(src(&out[shard].1[0]).1, port);
+        }
+        assert_eq!(t.apps[0].no_mapping.get() + t.apps[1].no_mapping.get(), 0);
+        assert_eq!(
+            t.apps[0].table.sessions.len() + t.apps[1].table.sessions.len(),
+            40
+        );
+    }
+
+    /// From one shard to two: each mapping goes to the shard of its port; the shard of its
+    /// inside endpoint, if the other, points outbound packets to it. Nothing is remapped.
+    #[test]
+    fn mappings_are_redistributed_when_the_number_of_shards_changes() {
+        use crate::testing::TwoShards;
+        let cfg = serde_json::json!({ "external": "192.0.2.10", "ports": "5000-5999" });
+        let mut one = crate::testing::build::<Nat>(cfg.clone());
+        let (mut io, [mut lan, _wan], [_to_lan, mut to_wan]) =
+            crate::testing::ports(["lan", "wan"]);
+        let mut made = Vec::new();
+        for k in 0..30u16 {
+            let host = [10, 0, 2, k as u8 + 1];
+            lan.transmit(packet(ip_proto::UDP, host, 2000, OUT, 53));
+            one.push(&mut io);
+            let f = to_wan.drain().next().unwrap();
+            made.push((host, src(f.data()).1));
+        }
+        let state = one.snapshot().unwrap().into_state().unwrap();
+        let mut t = TwoShards::<Nat>::new(cfg);
+        for app in &mut t.apps {
+            app.restore(state.clone()).unwrap();
+        }
+        assert_eq!(
+            t.apps[0].table.sessions.len() + t.apps[1].table.sessions.len(),
+            30
+        );
+        for (host, port) in made {
+            for entry in 0..2 {
+                t.feeds[entry][0].transmit(packet(ip_proto::UDP, host, 2000, OUT, 53));
+                let out = t.run();
+                let shard = port as usize % 2;
+                assert_eq!(
+                    src(&out[shard].1[0]).1,
+                    port,
+                    "the same port, from its shard"
+                );
+                t.feeds[entry][1].transmit(packet(ip_proto::UDP, OUT, 53, EXT, port));
+                let out = t.run();
+                assert_eq!(dst(&out[shard].0[0]), (&host[..], 2000));
+            }
+        }
+        assert_eq!(
+            t.apps[0].table.sessions.len() + t.apps[1].table.sessions.len(),
+            30,
+            "none made anew"
+        );
+    }
+
+    /// A forward's server answers an outside client from the forward's address and port.
+    #[test]
+    fn a_forward_s_replies_leave_from_its_address_and_port() {
+        let mut r = rig();
+        r.wan.transmit(packet(ip_proto::TCP, OUT, 33333, EXT, 8080));
+        r.run();
+        r.lan.transmit(packet(ip_proto::TCP, SRV, 80, OUT, 33333));
+        let (_, w) = r.run();
+        assert_eq!(src(&w[0]), (&EXT[..], 8080));
+        assert_eq!(dst(&w[0]), (&OUT[..], 33333));
+        assert!(l4_ok(&w[0]));
+        assert!(r.nat.table.sessions.is_empty(), "no mapping of its own");
     }
 
     #[test]

@@ -13,7 +13,8 @@
 //!   - { link: "b.out -> c.in", latency: true }
 //! ```
 //!
-//! An app with `shards: N` (or `shards: [w1, w2]`, the workers by name) runs as N instances,
+//! An app with `shards: N` (or `shards: [w1, w2]`, the workers by name; `shards: 1` is the app
+//! itself) runs as N instances,
 //! `NAME:0` … `NAME:N-1`, shard `i` on worker `shard<i>` (or the `i`th named): each a full
 //! instance with its own state, told which shard it is ([`crate::AppContext::shard`]). A link
 //! between two sharded apps of as many shards joins shard `i` to shard `i` (a region of the
@@ -553,8 +554,17 @@ fn parse_inner(
         };
         if let Some((app, keys, shards)) = parse_app(name, entry, &context, errors) {
             app_keys.insert(app.name.clone(), keys);
-            if let Some(workers) = shards {
-                sharded.insert(app.name.clone(), workers);
+            let mut app = app;
+            match shards {
+                // One shard is the app itself, on the worker named.
+                Some(workers) if workers.len() == 1 && workers[0] != shard_worker(0) => {
+                    app.worker = workers[0].clone();
+                }
+                Some(workers) if workers.len() == 1 => {}
+                Some(workers) => {
+                    sharded.insert(app.name.clone(), workers);
+                }
+                None => {}
             }
             apps.insert(app.name.clone(), app);
         }

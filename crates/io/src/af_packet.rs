@@ -21,6 +21,9 @@
 //!
 //! Several `af_packet` apps on one interface with the same `fanout.group` share its traffic
 //! (by flow hash by default), e.g. one per worker. Packets the socket itself sent are ignored.
+//! The shards of a sharded `af_packet` (`shards: N`) join one such group by themselves (its
+//! number from the app's name and the interface, unless `fanout:` gives one), by the kernel's
+//! symmetric flow hash: both directions of a flow reach the same shard.
 //!
 //! ```yaml
 //! apps:
@@ -605,6 +608,17 @@ fn adopt(
     Ok((fd, ring, large_tx, at))
 }
 
+/// The fanout group of the shards of app `app` on `interface`: a number from both names (FNV-1a
+/// folded to 16 bits), the same in every process that runs the graph.
+fn shard_group(app: &str, interface: &str) -> u16 {
+    let h = format!("{app}@{interface}")
+        .bytes()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+        });
+    (h ^ h >> 16 ^ h >> 32 ^ h >> 48) as u16
+}
+
 /// Promiscuous mode and the fanout group, once the socket is bound.
 fn join(raw: std::os::fd::RawFd, c: &AfPacketConfig, ifindex: u32) -> Result<(), String> {
     let sol = libc::SOL_PACKET;
@@ -1025,7 +1039,13 @@ impl App for AfPacket {
         Ok(PortSpec::filter())
     }
 
-    fn new(c: AfPacketConfig, ctx: &mut AppContext) -> Result<Self, AppError> {
+    fn new(mut c: AfPacketConfig, ctx: &mut AppContext) -> Result<Self, AppError> {
+        if let Some(shard) = ctx.shard().filter(|s| s.count > 1 && c.fanout.is_none()) {
+            c.fanout = Some(Fanout {
+                group: shard_group(&shard.of, &c.interface),
+                mode: FanoutMode::Hash,
+            });
+        }
         let (fd, ring, large_tx, at) = match ctx.take_inherited() {
             Some(handed) => adopt(&c, handed)?,
             None => {

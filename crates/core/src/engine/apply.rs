@@ -66,8 +66,10 @@ impl Engine {
             let slot = slots.get_mut(name).expect("kept app has a slot");
             slot.config = graph.apps[name].config.clone();
         }
+        let carried = snapshot_resharded(&mut slots, actions, st.graph.as_ref(), &graph);
         let retired = retire_apps(&mut slots, actions, reconfigured.rebuilt, &graph);
         add_built_apps(&mut slots, built, &graph);
+        restore_resharded(&mut slots, carried);
         let (links, removed) = rewire(&mut slots, ends, &actions.links, &graph, &mut report);
         for name in actions.stop.iter().chain(&actions.replace) {
             st.folded.remove(name);
@@ -414,6 +416,74 @@ pub(super) fn retire_apps(
     Retired {
         _apps: apps,
         _slots: gone,
+    }
+}
+
+/// The base name of an app: the app it is a shard of, or its own.
+fn base_name(decl: &crate::graph::AppDecl) -> &str {
+    decl.shard.as_ref().map_or(&decl.name, |s| &s.of)
+}
+
+/// The state of apps whose number of shards changes ([`crate::graph`]): each leaving instance
+/// of an app that arrives again with the same type under other shards is asked for its
+/// state, before it stops. By the arriving instances' names.
+fn snapshot_resharded(
+    slots: &mut HashMap<String, AppSlot>,
+    actions: &ConfigActions,
+    old: Option<&Graph>,
+    new: &Graph,
+) -> Vec<(String, Vec<AppState>)> {
+    let Some(old) = old else {
+        return Vec::new();
+    };
+    let arriving: Vec<&crate::graph::AppDecl> = (actions.start.iter().chain(&actions.replace))
+        .map(|n| &new.apps[n])
+        .collect();
+    let mut leaving: Vec<&crate::graph::AppDecl> = (actions.stop.iter().chain(&actions.replace))
+        .filter_map(|n| old.apps.get(n))
+        .filter(|was| {
+            arriving.iter().any(|a| {
+                base_name(a) == base_name(was) && a.kind == was.kind && a.shard != was.shard
+            })
+        })
+        .collect();
+    leaving.sort_by(|a, b| a.name.cmp(&b.name));
+    let mut states: HashMap<&str, Vec<AppState>> = HashMap::new();
+    for was in leaving {
+        let Some(slot) = slots.get_mut(&was.name) else {
+            continue;
+        };
+        let mut snapshot = None;
+        slot.guarded("snapshot", |a, _| snapshot = a.snapshot());
+        match snapshot.map(AppSnapshot::into_state) {
+            Some(Ok(state)) => states.entry(base_name(was)).or_default().push(state),
+            Some(Err(e)) => log::warn!(
+                "app `{}`: its state could not be carried over: {e}",
+                was.name
+            ),
+            None => {}
+        }
+    }
+    arriving
+        .iter()
+        .filter_map(|a| Some((a.name.clone(), states.get(base_name(a))?.clone())))
+        .collect()
+}
+
+/// Gives each arriving instance the state of the instances it replaces; each takes what is
+/// its own (a shard, what its shard owns).
+fn restore_resharded(slots: &mut HashMap<String, AppSlot>, carried: Vec<(String, Vec<AppState>)>) {
+    for (name, states) in carried {
+        let Some(slot) = slots.get_mut(&name) else {
+            continue;
+        };
+        for state in states {
+            let mut result = Ok(());
+            slot.guarded("restore", |a, _| result = a.restore(state));
+            if let Err(e) = result {
+                log::warn!("app `{name}`: the state of its earlier shards was refused: {e}");
+            }
+        }
     }
 }
 

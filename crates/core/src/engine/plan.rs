@@ -57,7 +57,10 @@ pub fn compute_config_actions(old: Option<&Graph>, new: &Graph) -> ConfigActions
         let name = decl.name.clone();
         match old.and_then(|g| g.apps.get(&decl.name)) {
             None => actions.start.push(name),
-            Some(was) if was.kind != decl.kind => actions.replace.push(name),
+            // Another type, or another shard of another number of shards: a new instance.
+            Some(was) if was.kind != decl.kind || was.shard != decl.shard => {
+                actions.replace.push(name)
+            }
             Some(was) if was.config == decl.config => actions.keep.push(name),
             Some(_) => actions.reconfigure.push(name),
         }

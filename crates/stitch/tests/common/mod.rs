@@ -293,6 +293,16 @@ pub struct Listening {
 }
 
 impl Listening {
+    /// The next line it prints, without its end; `None` once it has ended.
+    #[allow(dead_code)]
+    pub fn next_line(&mut self) -> Option<String> {
+        let mut line = String::new();
+        match std::io::BufRead::read_line(&mut self.out, &mut line) {
+            Ok(0) | Err(_) => None,
+            Ok(_) => Some(line.trim_end().to_string()),
+        }
+    }
+
     /// What it printed after `ready`, once it has ended.
     pub fn finish(mut self) -> String {
         let mut rest = String::new();
