@@ -325,6 +325,8 @@ impl Api {
                     drops: sum(|s| s.drops),
                     failed: false,
                     counters: a.counters.iter().map(|(k, v)| (k.clone(), *v)).collect(),
+                    shard_of: None,
+                    shards: Vec::new(),
                 }
             })
             .collect()

@@ -99,7 +99,7 @@ pub fn render(stats: &Value) -> String {
     }
     render_latency(&mut s, &links, width);
     let apps = stats["apps"].as_array().cloned().unwrap_or_default();
-    let width = column_width(&apps.iter().collect::<Vec<_>>(), "name", 3);
+    let width = column_width(&apps.iter().collect::<Vec<_>>(), "name", 3) + 2;
     let _ = writeln!(
         s,
         "\n{:<width$}  {:<12} {:<9} {:<8} {:>12} {:>12} {:>10} {:>9} {:>9}  COUNTERS",
@@ -123,10 +123,15 @@ pub fn render(stats: &Value) -> String {
         } else {
             ""
         };
+        // A sharded app's row holds its totals; its shards follow, indented.
+        let name = match a["shard_of"].as_str() {
+            Some(_) => format!("  {}", a["name"].as_str().unwrap_or("")),
+            None => a["name"].as_str().unwrap_or("").to_string(),
+        };
         let _ = writeln!(
             s,
             "{:<width$}  {:<12} {:<9} {:<8} {:>12} {:>12} {:>10} {:>9} {:>9}  {}{failed}",
-            a["name"].as_str().unwrap_or(""),
+            name,
             a["type"].as_str().unwrap_or(""),
             a["placement"].as_str().unwrap_or("engine"),
             a["worker"].as_str().unwrap_or(""),

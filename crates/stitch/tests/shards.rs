@@ -202,9 +202,39 @@ fn a_nat_in_two_shards_carries_a_thousand_connections_and_each_reply_finds_its_s
     go(&s, "stop");
     let udp = line(&mut client, "udp");
     let counts: Vec<u64> = udp.split(' ').filter_map(|w| w.parse().ok()).collect();
-    assert!(counts[0] > 0 && counts[1] == counts[0], "{udp}");
+    // The burst of a thousand echoes may overflow an interface's ring (512 frames): a
+    // datagram lost there is counted, never lost silently.
+    let now = s.stats().unwrap();
+    let ring_drops: u64 = ["lan", "wan"]
+        .iter()
+        .map(|a| app(&now, a)["counters"]["kernel_drops"].as_u64().unwrap())
+        .sum();
+    assert!(
+        counts[0] > 0 && counts[0] - counts[1] <= ring_drops,
+        "{udp}, {ring_drops} dropped by the interfaces' rings"
+    );
+    // `stitch stats`: the app once with its totals, then its shards.
+    let table = must(&format!(
+        "{} stats --control {}",
+        env!("CARGO_BIN_EXE_stitch"),
+        s.socket.display()
+    ));
+    let rows: Vec<&str> = table
+        .lines()
+        .skip_while(|l| !l.starts_with("APP"))
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|w| w.starts_with('f'))
+        .collect();
+    assert_eq!(rows, ["f", "f:0", "f:1"], "{table}");
     let stats = s.stop();
+    let total = app(&stats, "f");
+    assert_eq!(total["shards"], serde_json::json!(["f:0", "f:1"]));
     let nat = shards(&stats, "f", 2);
+    assert_eq!(
+        total["counters"]["mappings"].as_u64(),
+        Some(sum(&nat, "mappings")),
+        "totals of the shards"
+    );
     assert_eq!(
         sum(&nat, "no_mapping_drops"),
         0,

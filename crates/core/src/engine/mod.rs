@@ -170,6 +170,45 @@ struct LinkTotals {
     drops: u64,
 }
 
+/// The apps' counters with, before the first shard of each sharded app, its totals.
+fn with_sharded_totals(apps: Vec<AppStats>, links: &[(LinkDecl, Arc<Ring>)]) -> Vec<AppStats> {
+    if apps.iter().all(|a| a.shard_of.is_none()) {
+        return apps;
+    }
+    let of = |app: &str| {
+        apps.iter()
+            .find(|a| a.name == app)
+            .and_then(|a| a.shard_of.clone())
+    };
+    let mut handed: HashMap<String, (u64, u64)> = HashMap::new();
+    for (l, r) in links {
+        if let (Some(a), Some(b)) = (of(&l.from.app), of(&l.to.app)) {
+            if a == b {
+                let s = r.stats();
+                let h = handed.entry(a).or_default();
+                h.0 += s.tx_packets;
+                h.1 += s.tx_bytes;
+            }
+        }
+    }
+    let mut out = Vec::with_capacity(apps.len());
+    let mut done = std::collections::HashSet::new();
+    for a in &apps {
+        if let Some(base) = &a.shard_of {
+            if done.insert(base.clone()) {
+                let shards: Vec<&AppStats> = apps
+                    .iter()
+                    .filter(|s| s.shard_of.as_ref() == Some(base))
+                    .collect();
+                let h = handed.get(base).copied().unwrap_or_default();
+                out.push(AppStats::of_shards(base, &shards, h));
+            }
+        }
+        out.push(a.clone());
+    }
+    out
+}
+
 /// A running graph.
 pub struct Engine {
     registry: Arc<Registry>,
@@ -252,6 +291,10 @@ impl Engine {
                 drops: 0,
                 failed: a.failed.load(Ordering::Relaxed),
                 counters: a.counters.snapshot(),
+                shard_of: (st.graph.as_ref())
+                    .and_then(|g| g.apps.get(name)?.shard.as_ref())
+                    .map(|s| s.of.clone()),
+                shards: Vec::new(),
             };
             if let Some(t) = st.folded.get(name) {
                 s.rx_packets = t.rx_packets;
@@ -302,6 +345,7 @@ impl Engine {
                 idle_sleeps: w.counters.idle_sleeps.load(Ordering::Relaxed),
             })
             .collect();
+        let apps = with_sharded_totals(apps, &st.links);
         Stats {
             uptime_s: self.started.elapsed().as_secs_f64(),
             apps,

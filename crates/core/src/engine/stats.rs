@@ -20,6 +20,51 @@ pub struct AppStats {
     pub drops: u64,
     pub failed: bool,
     pub counters: BTreeMap<String, u64>,
+    /// For a shard of a sharded app: the app.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shard_of: Option<String>,
+    /// For a sharded app (its totals, listed before its shards): the shards. Packets handed
+    /// between its shards are not in its totals.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub shards: Vec<String>,
+}
+
+impl AppStats {
+    /// The totals of a sharded app `name` from its shards' counters, less what `handed` (its
+    /// hand-off links' packets and bytes) moved between them.
+    pub fn of_shards(name: &str, shards: &[&AppStats], handed: (u64, u64)) -> AppStats {
+        let mut t = AppStats {
+            name: name.to_string(),
+            kind: shards[0].kind.clone(),
+            worker: (shards.iter().map(|s| s.worker.as_str()))
+                .collect::<Vec<_>>()
+                .join(","),
+            rx_packets: 0,
+            rx_bytes: 0,
+            tx_packets: 0,
+            tx_bytes: 0,
+            drops: 0,
+            failed: shards.iter().any(|s| s.failed),
+            counters: BTreeMap::new(),
+            shard_of: None,
+            shards: shards.iter().map(|s| s.name.clone()).collect(),
+        };
+        for s in shards {
+            t.rx_packets += s.rx_packets;
+            t.rx_bytes += s.rx_bytes;
+            t.tx_packets += s.tx_packets;
+            t.tx_bytes += s.tx_bytes;
+            t.drops += s.drops;
+            for (k, v) in &s.counters {
+                *t.counters.entry(k.clone()).or_default() += v;
+            }
+        }
+        t.rx_packets = t.rx_packets.saturating_sub(handed.0);
+        t.rx_bytes = t.rx_bytes.saturating_sub(handed.1);
+        t.tx_packets = t.tx_packets.saturating_sub(handed.0);
+        t.tx_bytes = t.tx_bytes.saturating_sub(handed.1);
+        t
+    }
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
