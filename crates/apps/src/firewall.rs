@@ -437,7 +437,7 @@ type ConnKey = (u8, (IpAddr, u16), (IpAddr, u16));
 
 /// A connection's key as the table keeps it: both ends as 16 address bytes (IPv4 in the
 /// first four) and a port, lower end first.
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, PartialEq, Eq)]
 #[repr(C)]
 struct Key {
     a: [u8; 16],
@@ -446,6 +446,27 @@ struct Key {
     b_port: u16,
     proto: u8,
     v6: bool,
+}
+
+/// Five words, inlined wherever a key is hashed: the table's index and the choice of shard
+/// hash keys per packet, and a derived `Hash` shared by both was left out of line.
+impl std::hash::Hash for Key {
+    #[inline(always)]
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        let word = |b: &[u8; 16], half: usize| {
+            u64::from_ne_bytes(b[half * 8..half * 8 + 8].try_into().expect("eight bytes"))
+        };
+        state.write_u64(word(&self.a, 0));
+        state.write_u64(word(&self.a, 1));
+        state.write_u64(word(&self.b, 0));
+        state.write_u64(word(&self.b, 1));
+        state.write_u64(
+            u64::from(self.a_port)
+                | u64::from(self.b_port) << 16
+                | u64::from(self.proto) << 32
+                | u64::from(self.v6) << 40,
+        );
+    }
 }
 
 fn addr_bytes(a: IpAddr) -> [u8; 16] {
@@ -557,7 +578,7 @@ impl ConnTable {
 
     #[inline(always)]
     fn hash(&self, k: &Key) -> u32 {
-        sessions::short_hash(self.hasher.hash_one(k))
+        sessions::short_hash(self.hasher.hash_one(*k))
     }
 
     #[inline(always)]
@@ -835,8 +856,8 @@ impl Firewall {
     }
 
     /// Reads the flows of a batch, and brings in each one's index slot, then the connection
-    /// it leads to.
-    fn read_batch(&mut self) {
+    /// it leads to — but for packets another shard tracks (`owners`), which go on to it.
+    fn read_batch(&mut self, sharded: bool) {
         self.flows.clear();
         for p in &self.batch {
             let f = flow::flow(p.data());
@@ -845,7 +866,9 @@ impl Firewall {
                 _ => Key::of(&(0, (IpAddr::from([0u8; 4]), 0), (IpAddr::from([0u8; 4]), 0))),
             };
             let h = self.table.hash(&key);
-            self.table.index.prefetch(h);
+            if !sharded || self.owner(&key) == self.shard.0 {
+                self.table.index.prefetch(h);
+            }
             self.flows.push((f, key, h));
         }
         for (f, _, h) in &self.flows {
@@ -1126,32 +1149,12 @@ impl App for Firewall {
                 continue;
             };
             // Slots 0 and 1: the lan and wan sides; from 2 on, what another shard handed over,
-            // its side in the packet.
-            let from_side = (slot < 2).then_some(slot);
-            loop {
-                self.batch.extend(input.drain().take(BATCH));
-                if self.batch.is_empty() {
-                    break;
-                }
-                self.read_batch();
-                let mut batch = std::mem::take(&mut self.batch);
-                let mut flows = std::mem::take(&mut self.flows);
-                for (mut p, (f, key, hash)) in batch.drain(..).zip(flows.drain(..)) {
-                    let i = from_side.unwrap_or(p.header().user[0] as usize & 1);
-                    if let (Some(_), Ok(Some(_))) = (from_side, &f) {
-                        let owner = self.owner(&key);
-                        if owner != self.shard.0 {
-                            p.header_mut().user[0] = i as u64;
-                            self.handed_off.add(1);
-                            transmit_to(&mut outputs[2 + owner as usize], p);
-                            continue;
-                        }
-                    }
-                    let side = if i == 0 { Side::Lan } else { Side::Wan };
-                    self.judge(p, f, (&key, hash), (i, side), outputs, now);
-                }
-                self.batch = batch;
-                self.flows = flows;
+            // its side in the packet. A side known at compile time keeps the unsharded path as
+            // short as it was before shards.
+            match slot {
+                0 => self.push_from(input, outputs, Some((0, Side::Lan)), now),
+                1 => self.push_from(input, outputs, Some((1, Side::Wan)), now),
+                _ => self.push_from(input, outputs, None, now),
             }
         }
         self.connections.set(self.table.sessions.len() as u64);
@@ -1159,6 +1162,47 @@ impl App for Firewall {
 }
 
 impl Firewall {
+    /// Every packet of one input, a batch at a time: from side `from`, or (`None`) handed
+    /// over by another shard, its side in the packet.
+    #[inline(always)]
+    fn push_from(
+        &mut self,
+        input: &mut stitch_core::Consumer,
+        outputs: &mut [Option<stitch_core::Producer>],
+        from: Option<(usize, Side)>,
+        now: Millis,
+    ) {
+        let sharded = self.shard.1 > 1 && from.is_some();
+        loop {
+            self.batch.extend(input.drain().take(BATCH));
+            if self.batch.is_empty() {
+                break;
+            }
+            self.read_batch(sharded);
+            let mut batch = std::mem::take(&mut self.batch);
+            let mut flows = std::mem::take(&mut self.flows);
+            for (mut p, (f, key, hash)) in batch.drain(..).zip(flows.drain(..)) {
+                let (i, side) = from.unwrap_or_else(|| match p.header().user[0] & 1 {
+                    0 => (0, Side::Lan),
+                    _ => (1, Side::Wan),
+                });
+                // A packet of another shard's connection goes on to it.
+                if sharded && matches!(f, Ok(Some(_))) {
+                    let owner = self.owner(&key);
+                    if owner != self.shard.0 {
+                        p.header_mut().user[0] = i as u64;
+                        self.handed_off.add(1);
+                        transmit_to(&mut outputs[2 + owner as usize], p);
+                        continue;
+                    }
+                }
+                self.judge(p, f, (&key, hash), (i, side), outputs, now);
+            }
+            self.batch = batch;
+            self.flows = flows;
+        }
+    }
+
     /// The shard that tracks a connection: by a hash of its key (the same in both
     /// directions), the same in every shard.
     #[inline]
@@ -1167,11 +1211,11 @@ impl Firewall {
             return 0;
         }
         const SHARDS: foldhash::fast::FixedState = foldhash::fast::FixedState::with_seed(0x5_4a2d);
-        (((SHARDS.hash_one(key) >> 32) * self.shard.1 as u64) >> 32) as u16
+        (((SHARDS.hash_one(*key) >> 32) * self.shard.1 as u64) >> 32) as u16
     }
 
     /// One packet from side `i`: passed on by its connection, by the rules, or dropped.
-    #[inline]
+    #[inline(always)]
     fn judge(
         &mut self,
         p: Packet,

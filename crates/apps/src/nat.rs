@@ -292,6 +292,8 @@ pub struct Nat {
     announced: bool,
     externals: Vec<Ipv4Addr>,
     external_index: HashMap<Ipv4Addr, u16, foldhash::fast::RandomState>,
+    /// The lowest and highest external address.
+    external_span: (u32, u32),
     range: (u16, u16),
     forwards: HashMap<Outside, Inside, foldhash::fast::RandomState>,
     /// The forwards by their inside server: a server's replies to hairpinned clients.
@@ -460,6 +462,11 @@ impl Nat {
         if self.externals.len() == 1 {
             return (a == self.externals[0]).then_some(0);
         }
+        // Most packets are for none of them: a range check first.
+        let (lo, hi) = self.external_span;
+        if !(lo..=hi).contains(&u32::from(a)) {
+            return None;
+        }
         self.external_index.get(&a).copied()
     }
 
@@ -542,10 +549,19 @@ impl Nat {
         ((h * self.shard.1 as u64) >> 32) as u16
     }
 
-    /// The shard a frame from `side` belongs to: the owner of its mapping, found from the
-    /// frame alone; this shard when any shard can take it (untranslated, a forward).
+    /// The shard a frame from `side` (0 lan, 1 wan) belongs to: the owner of its mapping,
+    /// found from the frame alone; this shard when any shard can take it (untranslated, a
+    /// forward).
+    pub fn shard_of_frame(&self, side: usize, d: &[u8]) -> u16 {
+        self.owner(side, d)
+    }
+
+    #[inline]
     fn owner(&self, side: usize, d: &[u8]) -> u16 {
         let me = self.shard.0;
+        if d.len() < 14 || d[12..14] == ethertype::ARP.to_be_bytes() {
+            return me;
+        }
         let Some((l3, l4, proto)) = layout(d) else {
             return me;
         };
@@ -561,7 +577,11 @@ impl Nat {
             return match self.external_index(dst) {
                 // A reply of a hairpinned connection, to the client's mapped port.
                 Some(e) if !self.forwards.contains_key(&(proto, e, dport)) => port_owner(dport),
-                _ if self.forwarded_from.contains_key(&(proto, (src, sport))) => me,
+                _ if !self.forwarded_from.is_empty()
+                    && self.forwarded_from.contains_key(&(proto, (src, sport))) =>
+                {
+                    me
+                }
                 _ => self.inside_owner(proto, (src, sport)),
             };
         }
@@ -1093,6 +1113,10 @@ impl App for Nat {
             asked: HashMap::default(),
             arp_out: [Vec::new(), Vec::new()],
             announced: false,
+            external_span: (
+                externals.iter().map(|&a| u32::from(a)).min().unwrap_or(0),
+                externals.iter().map(|&a| u32::from(a)).max().unwrap_or(0),
+            ),
             externals,
             external_index,
             range,
@@ -1133,14 +1157,28 @@ impl App for Nat {
             let from_side = (slot < 2).then_some(slot);
             loop {
                 let mut batch = std::mem::take(&mut self.batch);
-                batch.extend(input.drain().take(BATCH));
-                if batch.is_empty() {
+                let mut took = 0;
+                for mut p in input.drain().take(BATCH) {
+                    took += 1;
+                    // A packet of another shard's flow goes on to it before any lookup.
+                    if let Some(side) = from_side.filter(|_| shards > 1) {
+                        let owner = self.owner(side, p.data());
+                        if owner != me {
+                            p.header_mut().user[0] = side as u64;
+                            self.handed_off.add(1);
+                            transmit_to(&mut outputs[2 + owner as usize], p);
+                            continue;
+                        }
+                    }
+                    batch.push(p);
+                }
+                if took == 0 {
                     self.batch = batch;
                     break;
                 }
                 self.fetch_ahead(from_side, &batch);
                 for mut p in batch.drain(..) {
-                    let side = from_side.unwrap_or(p.header().user[0] as usize);
+                    let side = from_side.unwrap_or_else(|| p.header().user[0] as usize);
                     if p.len() < 14 {
                         self.malformed.add(1);
                         continue;
@@ -1151,15 +1189,6 @@ impl App for Nat {
                             transmit_to(&mut outputs[1 - side], p);
                         }
                         continue;
-                    }
-                    if shards > 1 && from_side.is_some() {
-                        let owner = self.owner(side, p.data());
-                        if owner != me {
-                            p.header_mut().user[0] = side as u64;
-                            self.handed_off.add(1);
-                            transmit_to(&mut outputs[2 + owner as usize], p);
-                            continue;
-                        }
                     }
                     let to = if side == 0 {
                         if self.hairpin_reply(&mut p, now) {

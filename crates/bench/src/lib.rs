@@ -20,6 +20,7 @@ mod nf_scale;
 mod nf_steer;
 mod placement;
 mod rfc2544;
+mod shards;
 mod soak;
 mod upgrade;
 mod vhost;
@@ -93,6 +94,9 @@ pub enum BenchCmd {
     /// One network function with a realistic table (router, firewall, firewall-stateless, nat,
     /// bridge, vxlan, vxlan6, vlan, policer, load_balancer — or `all`) against a raw-ring
     /// baseline in the same run.
+    /// One function as 1, 2, … shards between two veth interfaces (fanout), each shard's
+    /// packets per CPU-second, and the hand-off hop between shards.
+    Shards(crate::shards::ShardsArgs),
     Nf {
         name: String,
         /// Measured seconds per loop.
@@ -449,6 +453,7 @@ pub fn run(cmd: BenchCmd, registry: fn() -> Registry) -> Result<()> {
         BenchCmd::Rfc2544(args) => rfc2544::run(args),
         BenchCmd::Vm2vm(args) => vm2vm::run(args),
         BenchCmd::XdpSteer(args) => xdp_steer::run(args),
+        BenchCmd::Shards(args) => shards::run(args, registry),
         BenchCmd::Nf {
             name,
             seconds,

@@ -28,7 +28,7 @@ use stitch_wire::ethertype;
 
 const BATCH: usize = 256;
 
-fn udp_frame(
+pub(crate) fn udp_frame(
     dst_mac: [u8; 6],
     src_mac: [u8; 6],
     src: [u8; 4],

@@ -265,13 +265,22 @@ impl Counters {
     }
 }
 
+/// Which shard of a sharded app (`shards:` in the graph file) an instance is.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Shard {
+    /// The app's name in the file.
+    pub of: String,
+    pub index: usize,
+    pub count: usize,
+}
+
 /// What an app gets when it is built or reconfigured.
 pub struct AppContext {
     name: String,
     base_dir: PathBuf,
     counters: Counters,
     inherited: Option<Descriptors>,
-    shard: Option<crate::graph::Shard>,
+    shard: Option<Shard>,
 }
 
 impl AppContext {
@@ -286,13 +295,13 @@ impl AppContext {
     }
 
     /// Builds the app as shard `shard` of a sharded app.
-    pub fn set_shard(&mut self, shard: Option<crate::graph::Shard>) {
+    pub fn set_shard(&mut self, shard: Option<Shard>) {
         self.shard = shard;
     }
 
     /// Which shard of its app this instance is (`shards:` in the graph file); `None` for an
     /// app that is not sharded.
-    pub fn shard(&self) -> Option<&crate::graph::Shard> {
+    pub fn shard(&self) -> Option<&Shard> {
         self.shard.as_ref()
     }
 

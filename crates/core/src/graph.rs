@@ -71,14 +71,8 @@ pub struct WorkerConfig {
     pub core: Option<usize>,
 }
 
-/// Which shard of a sharded app an instance is.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
-pub struct Shard {
-    /// The app's name in the file.
-    pub of: String,
-    pub index: usize,
-    pub count: usize,
-}
+/// Which shard of a sharded app an instance is (defined beside the app context that carries it).
+pub use crate::app::Shard;
 
 /// The name of shard `index` of app `app`: a `:` no name in a file can hold.
 pub fn shard_name(app: &str, index: usize) -> String {
