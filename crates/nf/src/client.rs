@@ -3,7 +3,7 @@
 //!
 //! ```no_run
 //! use stitch_nf::client::{Function, Verdict};
-//! let mut f = Function::attach("/run/stitch-fn/nf.sock", "tenant1")?;
+//! let mut f = Function::attach("/run/stitch-fn/stitch.sock", "tenant1")?;
 //! f.run(|frame: &mut [u8]| if frame.len() < 60 { Verdict::Drop } else { Verdict::Forward })?;
 //! # Ok::<(), std::io::Error>(())
 //! ```

@@ -64,7 +64,7 @@ pub struct FunctionConfig {
     /// Memory limit in MiB, enforced by a cgroup.
     #[serde(default)]
     pub memory_mb: Option<u64>,
-    /// Attach socket (default: `/run/stitch-fn/nf.sock` for root).
+    /// Attach socket (default: the instance's, `/run/stitch-fn/INSTANCE.sock` for root).
     #[serde(default)]
     pub socket: Option<PathBuf>,
     #[serde(default)]

@@ -22,7 +22,7 @@
 //! ring indices, then the new packet memory, plugged into a guest while the take-over is prepared),
 //! `shm` (the shared region and its rings — the one layout both sides read), `listener` (the attach
 //! socket, SCM_RIGHTS; hellos heard without blocking, a guest's next hello on its QEMU's
-//! connection), `paths` (the default attach socket, `/run/stitch-fn/nf.sock` for root), `peers`
+//! connection), `paths` (the default attach sockets, `/run/stitch-fn/INSTANCE.sock` for root), `peers`
 //! (who may attach a port: `SO_PEERCRED` against root, the process Stitch started for it, the users
 //! and groups it names), `guest` (functions in VMs: the `GuestBus` that hot-plugs memory into a
 //! guest, the guest's side of finding and mapping its devices), `port/guest` (a direct channel

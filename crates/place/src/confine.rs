@@ -79,7 +79,7 @@ pub fn check_reachable(user: &RunAs, socket: &Path) -> Result<(), String> {
         };
         if bits_for(user, &m) & 1 == 0 {
             return Err(format!(
-                "it runs as `{}` (uid {}), which cannot enter {} (mode {:o}, uid {}, gid {}) to reach its socket {}: put the socket in a folder it may enter (the default is /run/stitch-fn/nf.sock), or run it as a user who may",
+                "it runs as `{}` (uid {}), which cannot enter {} (mode {:o}, uid {}, gid {}) to reach its socket {}: put the socket in a folder it may enter (the default is /run/stitch-fn/INSTANCE.sock), or run it as a user who may",
                 user.name,
                 user.uid,
                 dir.display(),

@@ -143,11 +143,19 @@ pub fn plan(
     let mut engine = graph.graph.clone();
     let mut processes = Vec::new();
     let mut guest_buses = Vec::new();
+    let instance_socket = stitch_nf::paths::socket_of(instance);
     for app in engine.apps.values_mut() {
         let place = &graph.apps[&app.name];
         if let Some(e) = cluster_keys(app, place) {
             errors.push(e);
             continue;
+        }
+        // A function port that names no socket is served on its instance's, so that two
+        // instances with functions run side by side.
+        if (app.kind == "nf_port" || app.kind == "function")
+            && app.config.get("socket").is_none_or(|s| s.is_null())
+        {
+            app.config["socket"] = serde_json::json!(instance_socket);
         }
         match place_app(app, place.placement, &graph.graph.base_dir, &vm_dir) {
             Ok(Some(placed)) => {
@@ -344,7 +352,11 @@ fn process_spec(app: &AppDecl, base_dir: &Path) -> Result<ProcessSpec, GraphErro
         })
         .unwrap_or_else(stitch_nf::port::default_socket);
     if let (Some(u), false) = (&user, c.privileged) {
-        let key = if c.socket.is_some() { "socket" } else { "user" };
+        let key = if app.key_lines.contains_key("socket") {
+            "socket"
+        } else {
+            "user"
+        };
         confine::check_reachable(u, &socket)
             .map_err(|m| at(app, key, format!("app `{}`: {m}", app.name)))?;
     }

@@ -1,7 +1,7 @@
 //! A small stateless firewall as a separate process: drops packets matching any rule, forwards
 //! the rest, drops what does not parse.
 //!
-//! `stitch-nf-firewall [--socket PATH] PORT [--drop-proto udp|tcp|icmp] [--drop-dport N]…`
+//! `stitch-nf-firewall [--instance NAME | --socket PATH] PORT [--drop-proto udp|tcp|icmp] [--drop-dport N]…`
 //! Rules combine: `--drop-proto udp --drop-dport 53` drops UDP to port 53 only. Started by
 //! Stitch (`placement: process`), it takes its socket and port from the environment.
 
@@ -25,6 +25,10 @@ fn main() {
     while let Some(a) = args.next() {
         match a.as_str() {
             "--socket" => socket = args.next().expect("--socket PATH").into(),
+            // The ports of the instance started with `stitch run --name NAME`.
+            "--instance" => {
+                socket = stitch_nf::paths::socket_of(&args.next().expect("--instance NAME"))
+            }
             "--drop-proto" => {
                 proto = Some(match args.next().as_deref() {
                     Some("tcp") => 6,

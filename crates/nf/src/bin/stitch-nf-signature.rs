@@ -1,7 +1,7 @@
 //! The test function of fine-grained NFs (docs/references.md): a signature (FNV-1a) over the first
 //! 64 bytes of every packet, read-only, then forwarded.
 //!
-//! `stitch-nf-signature --socket /run/stitch-fn/nf.sock PORT [PORT…]` serves all its ports from one
+//! `stitch-nf-signature [--instance NAME | --socket PATH] PORT [PORT…]` serves all its ports from one
 //! thread, woken by any of their doorbells (`client::run_all`), as that work's functions were
 //! one process on one semaphore; `--thread-per-port` gives each port its own thread instead.
 
@@ -25,9 +25,13 @@ fn main() {
     while let Some(a) = args.next() {
         match a.as_str() {
             "--socket" => socket = args.next().expect("--socket PATH").into(),
+            // The ports of the instance started with `stitch run --name NAME`.
+            "--instance" => {
+                socket = stitch_nf::paths::socket_of(&args.next().expect("--instance NAME"))
+            }
             "--thread-per-port" => thread_per_port = true,
             "-h" | "--help" => {
-                println!("usage: stitch-nf-signature [--socket PATH] [--thread-per-port] PORT...");
+                println!("usage: stitch-nf-signature [--instance NAME | --socket PATH] [--thread-per-port] PORT...");
                 return;
             }
             _ => ports.push(a),

@@ -30,7 +30,7 @@
 //!
 //! ```yaml
 //! apps:
-//!   tenant1: { type: nf_port, socket: /run/stitch-fn/nf.sock, mode: isolated, wake: blocking,
+//!   tenant1: { type: nf_port, socket: /run/stitch-fn/tenants.sock, mode: isolated, wake: blocking,
 //!              batch: 1, max_delay_us: 50 }
 //! links:
 //!   - "in.output -> tenant1.input"
@@ -78,7 +78,7 @@ pub struct NfPortConfig {
     /// Name the function asks for (default: the app's name).
     #[serde(default)]
     pub port: Option<String>,
-    /// Attach socket (default: `/run/stitch-fn/nf.sock` for root).
+    /// Attach socket (default: the instance's, `/run/stitch-fn/INSTANCE.sock` for root).
     #[serde(default)]
     pub socket: Option<PathBuf>,
     /// Users besides root, Stitch's user and the process Stitch started for this port that
