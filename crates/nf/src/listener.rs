@@ -306,8 +306,15 @@ fn serve(sock: UnixListener, listener: Weak<Listener>) {
             })
             .collect();
         let timeout = if waiting { 20 } else { 200 };
+        // Not held while waiting: when the last port goes, the listener (and its socket
+        // file) goes with it at once, not after this thread wakes — the process may have
+        // exited by then, leaving the socket behind.
+        drop(l);
         // SAFETY: `fds` is a live array of fds.len() pollfd entries.
         let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
+        let Some(l) = listener.upgrade() else {
+            return;
+        };
         if n > 0 {
             let readable = |i: usize| fds[i].revents != 0;
             let (first_conn, first_pending) = (1, 1 + conns.len());

@@ -997,20 +997,8 @@ fn a_function_in_a_guest_of_a_pcie_machine_forwards_in_stitchs_packet_memory() {
     a_function_in_a_guest_forwards_on_ivshmem("zero_copy", 2, "    qemu_args: [-machine, q35]\n");
 }
 
-/// Two instances named apart, each with function ports that name no socket: each serves a
-/// socket of its own (`/run/stitch-fn/NAME.sock`), a function started by hand reaches the
-/// instance it names (`--instance`), a supervised one is given its instance's, both carry
-/// traffic at once, and a clean stop removes the instance's API socket and lock.
-#[test]
-fn two_instances_with_function_ports_run_side_by_side_each_on_its_own_socket() {
-    require_root_and_tools(&[]);
-    let stitch = env!("CARGO_BIN_EXE_stitch");
-    let signature = Path::new(stitch).with_file_name("stitch-nf-signature");
-    let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("g.yaml");
-    std::fs::write(
-        &file,
-        "apps:
+/// A function port served by hand (`t1`) and a supervised function (`fw`), neither naming a socket.
+const TWO_FUNCTIONS: &str = "apps:
   gen: { type: generator, size: 64, rate: 2000 }
   t1: { type: nf_port, wake: blocking }
   out: { type: sink }
@@ -1022,16 +1010,27 @@ links:
   - \"t1.output -> out.input\"
   - \"gen2.output -> fw.input\"
   - \"fw.output -> out2.input\"
-",
-    )
-    .unwrap();
+";
+
+/// Two instances named apart, each with function ports that name no socket: each serves a
+/// socket of its own (`/run/stitch-fn/NAME.sock`), a function started by hand reaches the
+/// instance it names (`--instance`), a supervised one is given its instance's, both carry
+/// traffic at once, and a clean stop removes every file an instance made.
+#[test]
+fn two_instances_with_function_ports_run_side_by_side_and_leave_nothing() {
+    require_root_and_tools(&[]);
+    let stitch = env!("CARGO_BIN_EXE_stitch");
+    let signature = Path::new(stitch).with_file_name("stitch-nf-signature");
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("g.yaml");
+    std::fs::write(&file, TWO_FUNCTIONS).unwrap();
     let names: Vec<String> = ["a", "b"]
         .iter()
         .map(|x| format!("t-fn-{}-{x}", std::process::id()))
         .collect();
-    // (The function socket is still left after a clean stop: issue 73.)
     let files_of = |name: &str| {
         [
+            format!("/run/stitch-fn/{name}.sock"),
             format!("/run/stitch/{name}.sock"),
             format!("/run/stitch/{name}.lock"),
         ]
@@ -1096,10 +1095,13 @@ links:
         );
     }
     drop(functions);
-    for name in &names {
-        let _ = std::fs::remove_file(format!("/run/stitch-fn/{name}.sock"));
-        for f in files_of(name) {
-            assert!(!Path::new(&f).exists(), "{f} left after a clean stop");
-        }
+    let left: Vec<String> = names
+        .iter()
+        .flat_map(|n| files_of(n))
+        .filter(|f| Path::new(f).exists())
+        .collect();
+    for f in &left {
+        let _ = std::fs::remove_file(f);
     }
+    assert!(left.is_empty(), "left after a clean stop: {left:?}");
 }
