@@ -593,6 +593,18 @@ struct Running {
     command_line: Vec<String>,
 }
 
+impl Running {
+    /// A start refused after the instance was taken (its graph did not apply): stops what
+    /// started and leaves nothing of the instance behind — its socket and lock go.
+    fn abandon(self) {
+        self.server.shutdown();
+        let _ = std::fs::remove_file(stitch_api::handover::socket_path(&self.config.unix));
+        let _ = self.api.placements().stop();
+        let _ = std::fs::remove_file(&self.config.unix);
+        self.owner.release();
+    }
+}
+
 /// Where an instance keeps its API tokens unless told: `NAME.tokens` beside its socket.
 fn default_token_dir(socket: &Path) -> PathBuf {
     socket.with_extension("tokens")
@@ -687,7 +699,15 @@ impl Parts {
                     stitch_place::leftovers::own(&config.unix).map_err(|e| anyhow::anyhow!(e))?;
                 // Listeners first: a busy port or a missing certificate is an error before
                 // anything runs.
-                let server = stitch_api::Server::start(api.clone(), &config)?;
+                let server = match stitch_api::Server::start(api.clone(), &config) {
+                    Ok(server) => server,
+                    Err(e) => {
+                        // A refused start leaves nothing: the socket it bound and its lock go.
+                        let _ = std::fs::remove_file(&config.unix);
+                        owner.release();
+                        return Err(e);
+                    }
+                };
                 clean_up_crashes(&api, &config);
                 (owner, server)
             }
@@ -789,18 +809,29 @@ fn run(args: &RunArgs) -> Result<()> {
     let graph = load(file, &registry)?;
     let graph_file = Some(std::path::absolute(file)?);
     let running = start_instance(registry, instance, listen, graph_file)?;
-    let report = running.api.placements().apply(graph).map_err(|e| match e {
-        stitch_place::PlaceError::Graph(errors) => anyhow::anyhow!(
-            "{}",
-            stitch_core::graph::GraphErrors {
-                file: file.display().to_string(),
-                text: std::fs::read_to_string(file).unwrap_or_default(),
-                errors,
-            }
-        ),
-        e => anyhow::anyhow!("{}: {e}", file.display()),
-    })?;
-    let keeper = StateKeeper::start(state, &running.engine)?;
+    let applied = running
+        .api
+        .placements()
+        .apply(graph)
+        .map_err(|e| match e {
+            stitch_place::PlaceError::Graph(errors) => anyhow::anyhow!(
+                "{}",
+                stitch_core::graph::GraphErrors {
+                    file: file.display().to_string(),
+                    text: std::fs::read_to_string(file).unwrap_or_default(),
+                    errors,
+                }
+            ),
+            e => anyhow::anyhow!("{}: {e}", file.display()),
+        })
+        .and_then(|report| Ok((report, StateKeeper::start(state, &running.engine)?)));
+    let (report, keeper) = match applied {
+        Ok(started) => started,
+        Err(e) => {
+            running.abandon();
+            return Err(e);
+        }
+    };
     log::info!(
         "running {} ({} apps); API on {}",
         file.display(),

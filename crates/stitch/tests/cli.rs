@@ -455,3 +455,50 @@ fn the_chain_benchmark_runs_its_contenders_side_by_side() {
     assert!(r["chain_ns_per_packet"].as_f64().unwrap() > 0.0, "{out}");
     assert!(r["latency_ns_per_packet"].is_f64(), "{out}");
 }
+
+/// A start that is refused — by the API's own check (a listener reachable from other hosts
+/// without TLS) or by the graph (an interface that does not exist) — says why and leaves no
+/// socket or lock of the instance, so that `stitch stats --name` does not find a dead one.
+#[test]
+fn a_refused_start_leaves_nothing_of_its_instance() {
+    common::require_root_and_tools(&[]);
+    let dir = tempfile::tempdir().unwrap();
+    let good = dir.path().join("hello.yaml");
+    std::fs::write(
+        &good,
+        "apps:\n  gen: { type: generator, count: 10 }\n  out: { type: sink }\nlinks: [\"gen.output -> out.input\"]\n",
+    )
+    .unwrap();
+    let bad = dir.path().join("bad.yaml");
+    std::fs::write(
+        &bad,
+        "apps:\n  a: { type: af_packet, interface: nb-nosuch-if }\n  s: { type: sink }\nlinks: [\"a.output -> s.input\"]\n",
+    )
+    .unwrap();
+    let cases: [(&Path, &[&str], &str); 2] = [
+        (
+            &good,
+            &["--listen", "0.0.0.0:9"],
+            "reachable from other hosts",
+        ),
+        (&bad, &[], "no interface named `nb-nosuch-if`"),
+    ];
+    for (i, (file, extra, why)) in cases.into_iter().enumerate() {
+        let name = format!("t-refused-{}-{i}", std::process::id());
+        let out = stitch()
+            .args(["run", "--name", &name])
+            .arg(file)
+            .args(extra)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(why), "{err}");
+        let left: Vec<String> = std::fs::read_dir("/run/stitch")
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|f| f.starts_with(&format!("{name}.")))
+            .collect();
+        assert!(left.is_empty(), "a refused start left {left:?}: {err}");
+    }
+}
