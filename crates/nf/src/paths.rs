@@ -20,10 +20,15 @@ pub fn socket_of(instance: &str) -> PathBuf {
     if named.as_os_str().len() <= 107 {
         return named;
     }
-    let hash = instance.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+    folder.join(format!("fn-{:016x}.sock", name_hash(instance)))
+}
+
+/// A short, stable file-name part for a name of any length (FNV-1a): a socket's path holds
+/// 107 bytes, and a name may be longer.
+pub fn name_hash(instance: &str) -> u64 {
+    instance.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
         (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
-    });
-    folder.join(format!("fn-{hash:016x}.sock"))
+    })
 }
 
 /// The folder of the default attach sockets: `/run/stitch-fn` for root — beside the runtime

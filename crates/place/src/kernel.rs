@@ -16,12 +16,12 @@
 //! placement`). `af_xdp` on the engine end would need an XDP program on the peer, binds to a
 //! veth in copy mode only, and sees nothing of a tc redirect.
 
-use crate::hash;
 use crate::placed::{AppPlacement, Placement};
 use indexmap::IndexMap;
 use std::collections::BTreeSet;
 use stitch_core::graph::{AppDecl, Endpoint, Graph, GraphError, LinkDecl};
 use stitch_core::Registry;
+use stitch_nf::paths::name_hash as hash;
 
 /// What the kernel runs for one graph, and the veth pairs joining it to the engine.
 #[derive(Debug, Clone)]

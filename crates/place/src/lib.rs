@@ -61,13 +61,6 @@ use stitch_core::{Engine, Graph, Registry, Stats};
 use stitch_nf::function::{FunctionConfig, ENV_PORT, ENV_REATTACH, ENV_SOCKET, REATTACH_SECONDS};
 use supervisor::{ProcessSpec, Supervisor};
 
-/// FNV-1a: short names for what an instance creates on the host, stable across runs.
-pub(crate) fn hash(s: &str) -> u64 {
-    s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
-    })
-}
-
 /// Why a graph was not applied.
 #[derive(Debug)]
 pub enum PlaceError {

@@ -39,7 +39,8 @@ pub struct Survivor {
 impl Records {
     pub fn of(instance: &str) -> Records {
         Records {
-            dir: stitch_core::runtime_dir().join(format!("fn-{:016x}", crate::hash(instance))),
+            dir: stitch_core::runtime_dir()
+                .join(format!("fn-{:016x}", stitch_nf::paths::name_hash(instance))),
         }
     }
 

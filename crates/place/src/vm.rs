@@ -20,7 +20,8 @@ const SUN_PATH_MAX: usize = 107;
 /// QEMU's user may not enter. Each VM has a folder of its own in it ([`vm_folder`]).
 pub fn dir_of(instance: &str) -> PathBuf {
     // Short, stable names whatever the key's length (socket paths are limited).
-    stitch_nf::paths::default_socket_folder().join(format!("vm-{:016x}", crate::hash(instance)))
+    stitch_nf::paths::default_socket_folder()
+        .join(format!("vm-{:016x}", stitch_nf::paths::name_hash(instance)))
 }
 
 /// The folder of VM `name`'s sockets and console: its user's (0700), so that its QEMU makes

@@ -594,14 +594,20 @@ struct Running {
 }
 
 impl Running {
-    /// A start refused after the instance was taken (its graph did not apply): stops what
-    /// started and leaves nothing of the instance behind — its socket and lock go.
-    fn abandon(self) {
+    /// Stops the API (its socket goes), everything placed and the engine, and gives the
+    /// instance up (its lock goes): the last counters.
+    fn close(self) -> stitch_core::engine::Stats {
         self.server.shutdown();
         let _ = std::fs::remove_file(stitch_api::handover::socket_path(&self.config.unix));
-        let _ = self.api.placements().stop();
-        let _ = std::fs::remove_file(&self.config.unix);
+        let stats = self.api.placements().stop();
         self.owner.release();
+        stats
+    }
+
+    /// A start refused after the instance was taken (its graph did not apply): stops what
+    /// started and leaves nothing of the instance behind.
+    fn abandon(self) {
+        let _ = self.close();
     }
 }
 
@@ -750,11 +756,9 @@ fn clean_up_crashes(api: &stitch_api::Api, config: &stitch_api::ApiConfig) {
 
 /// Stops the API, everything placed and the engine; prints the last counters.
 fn finish(r: Running, as_json: bool) -> Result<()> {
-    r.server.shutdown();
-    let _ = std::fs::remove_file(stitch_api::handover::socket_path(&r.config.unix));
-    let stats = r.api.placements().stop();
-    r.owner.release();
-    let v = r.api.stats_json(&stats);
+    let api = r.api.clone();
+    let stats = r.close();
+    let v = api.stats_json(&stats);
     if as_json {
         println!("{}", serde_json::to_string_pretty(&v)?);
     } else {

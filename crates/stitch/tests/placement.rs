@@ -1051,8 +1051,11 @@ fn two_instances_with_function_ports_run_side_by_side_and_leave_nothing() {
                 .status
                 .success()
         });
+        // The API answers before the graph is applied: its function ports come a moment later.
         let socket = format!("/run/stitch-fn/{name}.sock");
-        assert!(Path::new(&socket).exists(), "{socket} not served");
+        wait_until(&format!("{socket} to be served"), 20, || {
+            Path::new(&socket).exists()
+        });
         functions.push(Background(
             Command::new(&signature)
                 .args(["--instance", name, "t1"])
