@@ -26,7 +26,9 @@ use stitch_core::{
 };
 use stitch_wire::vlan;
 
-#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[derive(
+    schemars::JsonSchema, serde::Serialize, Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum PortMode {
     #[default]
@@ -34,9 +36,11 @@ pub enum PortMode {
     Trunk,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(schemars::JsonSchema, serde::Serialize, Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PortConfig {
+    /// `access`: untagged frames, all in `vlan`; `trunk`: tagged frames of `vlans`, plus untagged
+    /// ones in the native `vlan`.
     #[serde(default)]
     pub mode: PortMode,
     /// Access VLAN, or a trunk's native (untagged) VLAN.
@@ -51,12 +55,16 @@ fn one() -> u16 {
     1
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(schemars::JsonSchema, serde::Serialize, Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct BridgeConfig {
+    /// The ports by name: each is an input and an output of that name.
     pub ports: IndexMap<String, PortConfig>,
+    /// A learned address is forgotten after this many seconds without a frame from it.
     #[serde(default = "default_aging")]
     pub aging_seconds: u64,
+    /// Learned addresses held at most; when full, new ones are not learned (their frames are
+    /// flooded) and counted.
     #[serde(default = "default_max")]
     pub max_entries: usize,
 }
@@ -165,6 +173,12 @@ impl Bridge {
 
 impl App for Bridge {
     type Config = BridgeConfig;
+    const EXAMPLE: &'static str = "aging_seconds: 300
+ports:
+  p1: { vlan: 10 }
+  p2: { vlan: 20 }
+  up: { mode: trunk, vlans: [10, 20] }
+";
 
     fn declare(c: &BridgeConfig) -> Result<PortSpec, AppError> {
         if c.ports.len() < 2 {

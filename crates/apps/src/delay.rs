@@ -18,7 +18,7 @@ use stitch_core::{App, AppContext, AppError, Counter, Io, Packet, PortSpec, Reco
 /// Most packets a delay may hold: its queue is allocated up front, from the pool's packets.
 const MOST_HELD: usize = 1 << 20;
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(schemars::JsonSchema, serde::Serialize, Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DelayConfig {
     /// How long each packet is held, in microseconds.
@@ -52,6 +52,9 @@ fn check(c: &DelayConfig) -> Result<(), AppError> {
 
 impl App for Delay {
     type Config = DelayConfig;
+    const EXAMPLE: &'static str = "delay_us: 5000
+limit: 100000
+";
 
     fn declare(c: &DelayConfig) -> Result<PortSpec, AppError> {
         check(c)?;

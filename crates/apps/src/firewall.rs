@@ -45,7 +45,9 @@ use stitch_wire::header;
 use stitch_wire::views::{Ipv4Packet, TcpPacket};
 use stitch_wire::{ethertype, icmpv4, icmpv6, ip_proto};
 
-#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[derive(
+    schemars::JsonSchema, serde::Serialize, Debug, Clone, Copy, Deserialize, PartialEq, Eq,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum Action {
     Accept,
@@ -53,7 +55,9 @@ pub enum Action {
     Reject,
 }
 
-#[derive(Debug, Clone, Copy, Deserialize, serde::Serialize, PartialEq, Eq, Default)]
+#[derive(
+    schemars::JsonSchema, Debug, Clone, Copy, Deserialize, serde::Serialize, PartialEq, Eq, Default,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum Side {
     Lan,
@@ -62,40 +66,53 @@ pub enum Side {
     Any,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(schemars::JsonSchema, serde::Serialize, Debug, Clone, Deserialize)]
 #[serde(untagged)]
 pub enum Ports {
     One(u16),
     Range(String),
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(schemars::JsonSchema, serde::Serialize, Debug, Clone, Deserialize)]
 #[serde(untagged)]
 pub enum Proto {
     Number(u8),
     Name(String),
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(schemars::JsonSchema, serde::Serialize, Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RuleConfig {
+    /// What a matching packet gets: `reject` sends a TCP RST, or ICMP "administratively
+    /// prohibited", back out of the side it came from.
     pub action: Action,
+    /// The side the packet enters by.
     #[serde(default)]
     pub from: Side,
+    /// `tcp`, `udp`, `icmp`, `icmpv6` or an IP protocol number (any when unset).
     pub proto: Option<Proto>,
+    /// Source prefix (CIDR, IPv4 or IPv6; `10.0.0.0/8`, `2001:db8::/32`).
     pub src: Option<String>,
+    /// Destination prefix (CIDR, IPv4 or IPv6).
     pub dst: Option<String>,
+    /// Source port: one (`53`) or a range (`"1024-65535"`).
     pub src_port: Option<Ports>,
+    /// Destination port: one (`443`) or a range (`"8000-8080"`).
     pub dst_port: Option<Ports>,
+    /// The 802.1Q VLAN id of the packet.
     pub vlan: Option<u16>,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(schemars::JsonSchema, serde::Serialize, Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Timeouts {
+    /// An established TCP connection.
     pub tcp_established: u64,
+    /// A TCP connection being opened or closed.
     pub tcp_transitory: u64,
+    /// A UDP flow.
     pub udp: u64,
+    /// An ICMP echo exchange.
     pub icmp: u64,
 }
 
@@ -110,17 +127,26 @@ impl Default for Timeouts {
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(schemars::JsonSchema, serde::Serialize, Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FirewallConfig {
+    /// Tried in order; the first that matches decides.
     #[serde(default)]
     pub rules: Vec<RuleConfig>,
+    /// What packets no rule matches get.
     #[serde(default = "drop_action")]
     pub default: Action,
+    /// Track connections: accepted TCP SYNs, UDP datagrams and ICMP echo requests open one, later
+    /// packets of it in either direction pass without the rules, TCP packets outside a connection's
+    /// state are dropped as invalid.
     #[serde(default = "yes")]
     pub stateful: bool,
+    /// Seconds a connection lives without a packet, by its kind.
     #[serde(default)]
     pub timeouts: Timeouts,
+    /// Connections tracked at most (each takes up to 96 bytes once made): beyond it, a new
+    /// connection is decided by the rules alone, untracked, and counted
+    /// (`connection_table_full`).
     #[serde(default = "default_max")]
     pub max_connections: usize,
 }
@@ -964,6 +990,13 @@ const STATE_VERSION: u32 = 1;
 
 impl App for Firewall {
     type Config = FirewallConfig;
+    const EXAMPLE: &'static str = r#"default: drop
+rules:
+  - { action: accept, from: lan }
+  - { action: accept, from: wan, proto: tcp, dst: "10.0.0.10/32", dst_port: 443 }
+  - { action: reject, from: wan, proto: udp }
+timeouts: { tcp_established: 3600 }
+"#;
     const HANDS_OFF: bool = true;
 
     fn declare(c: &FirewallConfig) -> Result<PortSpec, AppError> {

@@ -10,7 +10,7 @@
 use serde::Deserialize;
 use stitch_core::{App, AppContext, AppError, Counter, Io, PortSpec};
 
-#[derive(Debug, Deserialize, Default)]
+#[derive(schemars::JsonSchema, serde::Serialize, Debug, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 pub struct ForwarderConfig {}
 
@@ -20,6 +20,7 @@ pub struct Forwarder {
 
 impl App for Forwarder {
     type Config = ForwarderConfig;
+    const EXAMPLE: &'static str = "{}";
 
     fn declare(_: &ForwarderConfig) -> Result<PortSpec, AppError> {
         Ok(PortSpec::filter())

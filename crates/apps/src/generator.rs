@@ -27,7 +27,8 @@ use stitch_wire::parse_mac;
 /// Frame sizes of the simple IMIX.
 pub const IMIX: [usize; 12] = [64, 576, 64, 64, 1500, 64, 576, 64, 64, 576, 64, 576];
 
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+/// A frame size, `imix`, or a list of sizes.
+#[derive(schemars::JsonSchema, serde::Serialize, Debug, Clone, Deserialize, PartialEq)]
 #[serde(untagged)]
 pub enum SizeSpec {
     Fixed(usize),
@@ -35,14 +36,18 @@ pub enum SizeSpec {
     Mix(Vec<usize>),
 }
 
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+/// A rate: packets per second as a number, or a number and a unit: `1000 pps`, `2.5 Mpps`,
+/// `64kbit/s`, `100 Mbit/s`, `10 Gbit/s` (`Mbps` and `Gbps` too).
+#[derive(schemars::JsonSchema, serde::Serialize, Debug, Clone, Deserialize, PartialEq)]
 #[serde(untagged)]
 pub enum RateSpec {
     PacketsPerSecond(f64),
     Text(String),
 }
 
-#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[derive(
+    schemars::JsonSchema, serde::Serialize, Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum IpVersion {
     #[default]
@@ -50,7 +55,9 @@ pub enum IpVersion {
     Ipv6,
 }
 
-#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[derive(
+    schemars::JsonSchema, serde::Serialize, Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum L4 {
     #[default]
@@ -58,20 +65,34 @@ pub enum L4 {
     Tcp,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(schemars::JsonSchema, serde::Serialize, Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct GeneratorConfig {
+    /// Frame size in bytes (without the FCS): a number, `imix` (the simple IMIX: 64, 576 and 1500
+    /// bytes, 7:4:1), or a list taken in turn.
     pub size: SizeSpec,
+    /// Rate limit (unlimited when unset): what the rate calls for while the output is full is not
+    /// sent later but counted in `rate_shortfall`.
     pub rate: Option<RateSpec>,
+    /// Flows taken in turn, 1 to 1 048 576: flow `i` has source address `src_ip + i`.
     pub flows: u32,
+    /// The IP version of the packets.
     pub ip: IpVersion,
+    /// The transport protocol of the packets.
     pub protocol: L4,
+    /// Source MAC address.
     pub src_mac: String,
+    /// Destination MAC address.
     pub dst_mac: String,
+    /// Source address of flow 0 (default `10.0.0.1`, or `fd00::1` for IPv6).
     pub src_ip: Option<IpAddr>,
+    /// Destination address (default `10.1.0.1`, or `fd00:1::1` for IPv6).
     pub dst_ip: Option<IpAddr>,
+    /// Source port.
     pub src_port: u16,
+    /// Destination port.
     pub dst_port: u16,
+    /// Stop after this many packets (endless when unset).
     pub count: Option<u64>,
     /// Stamp packets with the time they were made (one clock read per batch).
     pub timestamps: bool,
@@ -420,6 +441,12 @@ impl Walk<'_> {
 
 impl App for Generator {
     type Config = GeneratorConfig;
+    const EXAMPLE: &'static str = r#"size: imix
+flows: 100
+rate: "1 Gbit/s"
+ip: ipv6
+protocol: tcp
+"#;
 
     fn declare(c: &GeneratorConfig) -> Result<PortSpec, AppError> {
         plan(c)?;

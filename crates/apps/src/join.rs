@@ -13,7 +13,7 @@
 use serde::Deserialize;
 use stitch_core::{App, AppContext, AppError, Io, PortNames, PortSpec};
 
-#[derive(Debug, Deserialize, Default)]
+#[derive(schemars::JsonSchema, serde::Serialize, Debug, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 pub struct JoinConfig {}
 
@@ -23,6 +23,7 @@ pub struct Join {
 
 impl App for Join {
     type Config = JoinConfig;
+    const EXAMPLE: &'static str = "{}";
 
     fn declare(_: &JoinConfig) -> Result<PortSpec, AppError> {
         Ok(PortSpec {

@@ -111,8 +111,9 @@ pub fn register(r: &mut Registry) {
     ));
 }
 
-/// A config value given once or as a list (`remote: 192.0.2.2` or `remote: [192.0.2.2, …]`).
-#[derive(Debug, Clone, serde::Deserialize)]
+// A config value given once or as a list (`remote: 192.0.2.2` or `remote: [192.0.2.2, …]`);
+// not a doc comment, which the apps' reference would repeat at every setting of this type.
+#[derive(schemars::JsonSchema, serde::Serialize, Debug, Clone, serde::Deserialize)]
 #[serde(untagged)]
 pub enum OneOrMany<T> {
     One(T),

@@ -16,9 +16,10 @@ use std::hash::{Hash, Hasher};
 use stitch_core::{App, AppContext, AppError, Counter, Io, PortNames, PortSpec};
 use stitch_wire::flow::{self, Malformed};
 
-#[derive(Debug, Clone, Deserialize, Default)]
+#[derive(schemars::JsonSchema, serde::Serialize, Debug, Clone, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 pub struct LoadBalancerConfig {
+    /// Both directions of a connection take the same output (the hash orders the endpoints first).
     #[serde(default)]
     pub symmetric: bool,
 }
@@ -39,6 +40,7 @@ fn reason_index(m: Malformed) -> usize {
 
 impl App for LoadBalancer {
     type Config = LoadBalancerConfig;
+    const EXAMPLE: &'static str = "symmetric: true";
 
     fn declare(_: &LoadBalancerConfig) -> Result<PortSpec, AppError> {
         Ok(PortSpec {

@@ -72,30 +72,41 @@ use stitch_wire::views::Ipv4Packet;
 use stitch_wire::{arp, checksum, flow, parse_mac};
 use stitch_wire::{ethertype, icmpv4, ip_proto};
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(schemars::JsonSchema, serde::Serialize, Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Forward {
+    /// `tcp` or `udp`.
     pub proto: String,
+    /// The external port.
     pub port: u16,
+    /// The inside server's address.
     pub to_address: Ipv4Addr,
+    /// The inside server's port.
     pub to_port: u16,
     /// The external address the forward listens on (default: the first).
     pub external: Option<Ipv4Addr>,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(schemars::JsonSchema, serde::Serialize, Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct NatConfig {
     /// An address, a prefix or a list of these.
     pub external: OneOrMany<String>,
+    /// The external port range mappings are made from (`"low-high"`); each external address has all
+    /// of it.
     #[serde(default = "default_ports")]
     pub ports: String,
+    /// Destination NAT: packets from the wan side to an external address and port go to an inside
+    /// server.
     #[serde(default)]
     pub forwards: Vec<Forward>,
+    /// Seconds a UDP mapping lives without outbound traffic.
     #[serde(default = "default_udp")]
     pub udp_timeout: u64,
+    /// Seconds a TCP mapping lives without outbound traffic.
     #[serde(default = "default_tcp")]
     pub tcp_timeout: u64,
+    /// Seconds an ICMP echo mapping lives without outbound traffic.
     #[serde(default = "default_icmp")]
     pub icmp_timeout: u64,
     /// The MAC address the external addresses answer from (default: 02:4e: and the first
@@ -1040,6 +1051,11 @@ impl Nat {
 
 impl App for Nat {
     type Config = NatConfig;
+    const EXAMPLE: &'static str = r#"external: 192.0.2.8/29
+ports: "10000-60000"
+forwards:
+  - { proto: tcp, port: 8080, to_address: 10.0.0.5, to_port: 80 }
+"#;
     const HANDS_OFF: bool = true;
 
     fn declare(c: &NatConfig) -> Result<PortSpec, AppError> {

@@ -12,9 +12,10 @@ use serde::Deserialize;
 use std::time::Instant;
 use stitch_core::{App, AppContext, AppError, Counter, Io, PortSpec, Reconfigured};
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(schemars::JsonSchema, serde::Serialize, Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PolicerConfig {
+    /// The rate let through; excess packets are dropped and counted.
     pub rate: RateSpec,
     /// Bucket depth: packets (pps rates) or bytes (bit rates). Default: 10 ms worth, at least
     /// one 1514-byte frame or 32 packets.
@@ -99,6 +100,9 @@ fn settings(c: &PolicerConfig) -> Result<TokenBucket, AppError> {
 
 impl App for Policer {
     type Config = PolicerConfig;
+    const EXAMPLE: &'static str = r#"rate: "100 Mbit/s"
+burst: 125000
+"#;
 
     fn declare(c: &PolicerConfig) -> Result<PortSpec, AppError> {
         settings(c)?;

@@ -11,7 +11,7 @@ use serde::Deserialize;
 use std::time::{Duration, Instant};
 use stitch_core::{App, AppContext, AppError, Counter, Io, PortSpec};
 
-#[derive(Debug, Deserialize)]
+#[derive(schemars::JsonSchema, serde::Serialize, Debug, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RateMeterConfig {
     /// Measurement interval in seconds.
@@ -42,6 +42,9 @@ pub struct RateMeter {
 
 impl App for RateMeter {
     type Config = RateMeterConfig;
+    const EXAMPLE: &'static str = "interval: 1.0
+log: true
+";
 
     fn declare(c: &RateMeterConfig) -> Result<PortSpec, AppError> {
         if !(c.interval >= 0.001 && c.interval <= 3600.0) {

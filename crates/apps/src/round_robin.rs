@@ -13,7 +13,7 @@
 use serde::Deserialize;
 use stitch_core::{App, AppContext, AppError, Io, PortNames, PortSpec};
 
-#[derive(Debug, Deserialize, Default)]
+#[derive(schemars::JsonSchema, serde::Serialize, Debug, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 pub struct RoundRobinConfig {}
 
@@ -23,6 +23,7 @@ pub struct RoundRobin {
 
 impl App for RoundRobin {
     type Config = RoundRobinConfig;
+    const EXAMPLE: &'static str = "{}";
 
     fn declare(_: &RoundRobinConfig) -> Result<PortSpec, AppError> {
         Ok(PortSpec {

@@ -52,14 +52,17 @@ use stitch_wire::{arp, checksum, parse_mac};
 pub mod lpm;
 mod v6;
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(schemars::JsonSchema, serde::Serialize, Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct InterfaceConfig {
+    /// The interface's MAC address.
     pub mac: String,
     /// Address and prefix length, e.g. `10.0.1.1/24`.
     pub address: String,
     /// IPv6 address and prefix length, e.g. `fd00:1::1/64`.
     pub address6: Option<String>,
+    /// The largest IP packet sent out of it: larger ones are fragmentation-needed (DF, IPv6) or
+    /// dropped.
     #[serde(default = "default_mtu")]
     pub mtu: usize,
     /// Send router advertisements for `address6`'s prefix on this interface.
@@ -71,21 +74,28 @@ fn default_mtu() -> usize {
     1500
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(schemars::JsonSchema, serde::Serialize, Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RouteConfig {
+    /// The destination prefix (`0.0.0.0/0`, `2001:db8::/32`).
     pub prefix: String,
+    /// The next hop: an address on the prefix of one of the interfaces.
     pub via: IpAddr,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(schemars::JsonSchema, serde::Serialize, Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RouterConfig {
+    /// The interfaces by name: each is an input and an output of that name, with connected routes
+    /// for its prefixes.
     pub interfaces: IndexMap<String, InterfaceConfig>,
+    /// Static routes, IPv4 or IPv6.
     #[serde(default)]
     pub routes: Vec<RouteConfig>,
+    /// Seconds an ARP or NDP answer is kept.
     #[serde(default = "default_arp_timeout")]
     pub arp_timeout: u64,
+    /// ICMP errors sent per second at most.
     #[serde(default = "default_icmp_rate")]
     pub icmp_rate: f64,
     /// Seconds between unsolicited router advertisements (RFC 4861 MaxRtrAdvInterval, 4–1800).
@@ -914,6 +924,12 @@ impl Router {
 
 impl App for Router {
     type Config = RouterConfig;
+    const EXAMPLE: &'static str = r#"interfaces:
+  lan: { mac: "02:00:00:00:01:01", address: 10.0.1.1/24, address6: "2001:db8:1::1/64", advertise: true }
+  wan: { mac: "02:00:00:00:02:01", address: 192.0.2.2/24 }
+routes:
+  - { prefix: 0.0.0.0/0, via: 192.0.2.1 }
+"#;
 
     fn declare(c: &RouterConfig) -> Result<PortSpec, AppError> {
         build(c)?;

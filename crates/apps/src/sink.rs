@@ -9,7 +9,7 @@
 use serde::Deserialize;
 use stitch_core::{App, AppContext, AppError, Counter, Io, PortNames, PortSpec};
 
-#[derive(Debug, Deserialize, Default)]
+#[derive(schemars::JsonSchema, serde::Serialize, Debug, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 pub struct SinkConfig {}
 
@@ -20,6 +20,7 @@ pub struct Sink {
 
 impl App for Sink {
     type Config = SinkConfig;
+    const EXAMPLE: &'static str = "{}";
 
     fn declare(_: &SinkConfig) -> Result<PortSpec, AppError> {
         Ok(PortSpec {

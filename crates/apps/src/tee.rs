@@ -14,7 +14,7 @@
 use serde::Deserialize;
 use stitch_core::{App, AppContext, AppError, Counter, Io, PortNames, PortSpec};
 
-#[derive(Debug, Deserialize, Default)]
+#[derive(schemars::JsonSchema, serde::Serialize, Debug, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 pub struct TeeConfig {}
 
@@ -24,6 +24,7 @@ pub struct Tee {
 
 impl App for Tee {
     type Config = TeeConfig;
+    const EXAMPLE: &'static str = "{}";
 
     fn declare(_: &TeeConfig) -> Result<PortSpec, AppError> {
         Ok(PortSpec {

@@ -17,7 +17,9 @@ use std::collections::HashMap;
 use stitch_core::{App, AppContext, AppError, Counter, Io, PortSpec};
 use stitch_wire::vlan;
 
-#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[derive(
+    schemars::JsonSchema, serde::Serialize, Debug, Clone, Copy, Deserialize, PartialEq, Eq,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum Mode {
     Push,
@@ -25,7 +27,9 @@ pub enum Mode {
     Translate,
 }
 
-#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[derive(
+    schemars::JsonSchema, serde::Serialize, Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum Unmatched {
     #[default]
@@ -33,9 +37,11 @@ pub enum Unmatched {
     Drop,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(schemars::JsonSchema, serde::Serialize, Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct VlanConfig {
+    /// `push` adds a tag with `vid` (and `pcp`) to every frame; `pop` removes the outer tag;
+    /// `translate` rewrites the outer VLAN id by `map`.
     pub mode: Mode,
     /// VLAN id to push.
     pub vid: Option<u16>,
@@ -48,6 +54,7 @@ pub struct VlanConfig {
     /// Translation table (from → to).
     #[serde(default)]
     pub map: HashMap<u16, u16>,
+    /// `translate`: what happens to frames whose id is not in `map`, or untagged ones.
     #[serde(default)]
     pub unmatched: Unmatched,
 }
@@ -65,6 +72,10 @@ fn valid_vid(v: u16) -> bool {
 
 impl App for Vlan {
     type Config = VlanConfig;
+    const EXAMPLE: &'static str = "mode: translate
+map: { 10: 110, 20: 120 }
+unmatched: drop
+";
 
     fn declare(c: &VlanConfig) -> Result<PortSpec, AppError> {
         match c.mode {

@@ -55,9 +55,10 @@ use stitch_wire::views::{
 };
 use stitch_wire::{checksum, flow, ipv4_header, offload, parse_mac};
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(schemars::JsonSchema, serde::Serialize, Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Segment {
+    /// The VXLAN network identifier (0 to 16 777 215).
     pub vni: u32,
     /// One remote VTEP, or a list for head-end replication with learning.
     pub remote: OneOrMany<IpAddr>,
@@ -68,14 +69,21 @@ pub struct Segment {
     pub reply_via: Option<String>,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(schemars::JsonSchema, serde::Serialize, Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct VxlanConfig {
+    /// This VTEP's underlay address (its family is the underlay's).
     pub local: IpAddr,
+    /// The source MAC of encapsulated frames.
     pub local_mac: String,
+    /// The destination MAC of encapsulated frames: the underlay's next hop (a router in front
+    /// resolves it).
     pub next_hop_mac: String,
+    /// The VXLAN UDP port, sent to and listened on.
     #[serde(default = "default_port")]
     pub port: u16,
+    /// A learned inner MAC address (which remote it sits behind) is forgotten after this many
+    /// seconds.
     #[serde(default = "default_aging")]
     pub aging_seconds: u64,
     /// The largest IP packet the underlay carries.
@@ -84,6 +92,8 @@ pub struct VxlanConfig {
     /// ICMP errors per second at most.
     #[serde(default = "default_icmp_rate")]
     pub icmp_rate: f64,
+    /// The segments by name: each is an input and an output of that name, carrying one VNI's inner
+    /// frames.
     pub segments: IndexMap<String, Segment>,
 }
 
@@ -418,6 +428,13 @@ impl Vxlan {
 
 impl App for Vxlan {
     type Config = VxlanConfig;
+    const EXAMPLE: &'static str = r#"local: 192.0.2.1
+local_mac: "02:00:00:00:00:01"
+next_hop_mac: "02:00:00:00:00:02"
+segments:
+  tenant1: { vni: 1001, remote: 192.0.2.2 }
+  tenant2: { vni: 1002, remote: [192.0.2.3, 192.0.2.4] }
+"#;
 
     fn declare(c: &VxlanConfig) -> Result<PortSpec, AppError> {
         parse_mac(&c.local_mac)?;

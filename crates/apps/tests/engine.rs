@@ -9,7 +9,7 @@ use stitch_core::{
 };
 
 /// Holds packets in its input until opened: lets a test keep packets queued on a link.
-#[derive(Deserialize)]
+#[derive(schemars::JsonSchema, serde::Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct GateConfig {
     open: bool,
@@ -39,7 +39,7 @@ impl App for Gate {
 }
 
 /// Panics on its first packet.
-#[derive(Deserialize)]
+#[derive(schemars::JsonSchema, serde::Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct PanickerConfig {}
 struct Panicker;
@@ -59,7 +59,7 @@ impl App for Panicker {
 }
 
 /// Valid config, but building fails.
-#[derive(Deserialize)]
+#[derive(schemars::JsonSchema, serde::Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct BrokenConfig {}
 struct Broken;

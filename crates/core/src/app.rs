@@ -357,7 +357,13 @@ pub const PULL_BURST: usize = 256;
 pub trait App: Send + 'static {
     /// The app's config, deserialized from its entry in the graph file (minus `type` and
     /// `worker`). Use `#[serde(deny_unknown_fields)]` so that typos are errors.
-    type Config: DeserializeOwned + Send + 'static;
+    /// Its schema (`schemars::JsonSchema`, derived beside `Deserialize`) carries every
+    /// setting's type, default and doc comment into the apps' reference (`stitch apps --doc`).
+    type Config: DeserializeOwned + schemars::JsonSchema + Send + 'static;
+
+    /// A complete example of the settings (a YAML mapping, as under the app's name in a graph
+    /// file, without `type`): shown in the apps' reference and checked to parse and declare.
+    const EXAMPLE: &'static str = "";
 
     /// Whether the shards of a sharded app of this type hand packets to one another: each
     /// shard then has ports `shard0` … `shard<N-1>` after its own (input and output, the own
@@ -623,6 +629,9 @@ pub struct AppType {
     pub summary: &'static str,
     /// Whether its shards hand packets to one another ([`App::HANDS_OFF`]).
     pub hands_off: bool,
+    /// [`App::EXAMPLE`].
+    pub example: &'static str,
+    schema: fn() -> serde_json::Value,
     parse: fn(&serde_json::Value) -> Result<ParsedConfig, ConfigError>,
     declare: fn(&ParsedConfig) -> Result<PortSpec, AppError>,
     build: BuildFn,
@@ -637,6 +646,10 @@ fn parse_as<A: App>(v: &serde_json::Value) -> Result<ParsedConfig, ConfigError> 
             path: e.path().to_string(),
             message: e.into_inner().to_string(),
         })
+}
+
+fn schema_of<A: App>() -> serde_json::Value {
+    schemars::schema_for!(A::Config).to_value()
 }
 
 fn declare_as<A: App>(c: &ParsedConfig) -> Result<PortSpec, AppError> {
@@ -659,10 +672,17 @@ impl AppType {
             name,
             summary,
             hands_off: A::HANDS_OFF,
+            example: A::EXAMPLE,
+            schema: schema_of::<A>,
             parse: parse_as::<A>,
             declare: declare_as::<A>,
             build: build_as::<A>,
         }
+    }
+
+    /// The JSON Schema (draft 2020-12) of its config, doc comments as descriptions.
+    pub fn config_schema(&self) -> serde_json::Value {
+        (self.schema)()
     }
 
     pub fn parse(&self, v: &serde_json::Value) -> Result<ParsedConfig, ConfigError> {

@@ -1125,7 +1125,7 @@ mod tests {
     use super::*;
     use crate::app::{App, AppContext, AppError, AppType, PortSpec};
 
-    #[derive(Deserialize)]
+    #[derive(schemars::JsonSchema, serde::Serialize, Deserialize)]
     #[serde(deny_unknown_fields)]
     struct ThingConfig {
         #[serde(default)]

@@ -19,7 +19,7 @@ struct Knob {
 const PANICS_IN_RECONFIGURE: i64 = 666;
 const PANICS_IN_NEW: i64 = 777;
 
-#[derive(Deserialize)]
+#[derive(schemars::JsonSchema, serde::Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct KnobConfig {
     value: i64,

@@ -19,7 +19,7 @@ struct Burst {
     sent: Counter,
 }
 
-#[derive(Deserialize)]
+#[derive(schemars::JsonSchema, serde::Serialize, Deserialize)]
 struct NoConfig {}
 
 impl App for Burst {

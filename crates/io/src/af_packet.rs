@@ -45,7 +45,9 @@ use stitch_core::{pool, App, AppContext, AppError, Counter, Descriptors, Io, Por
 use stitch_wire::ethertype;
 use stitch_wire::offload::{self, VnetHdr, VNET_HDR_LEN};
 
-#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[derive(
+    schemars::JsonSchema, serde::Serialize, Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum FanoutMode {
     /// By flow hash: a flow stays on one socket.
@@ -59,20 +61,25 @@ pub enum FanoutMode {
     Qm,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(schemars::JsonSchema, serde::Serialize, Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Fanout {
+    /// The fanout group's number: apps with the same number on one interface share its traffic.
     pub group: u16,
     #[serde(default)]
     pub mode: FanoutMode,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(schemars::JsonSchema, serde::Serialize, Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AfPacketConfig {
+    /// The Linux interface (`eth0`, a veth end, a bond…); it must exist when the app starts.
     pub interface: String,
+    /// Receive frames for every destination, not only this interface's MAC (forwarding needs it).
     #[serde(default = "yes")]
     pub promisc: bool,
+    /// Share the interface's traffic with the other `af_packet` apps of the same group (one per
+    /// worker, say); a sharded app joins one by itself.
     pub fanout: Option<Fanout>,
     /// Receive ring layout: `v2` (frame by frame, lowest latency) or `v3` (blocks).
     #[serde(default)]
@@ -104,7 +111,9 @@ pub struct AfPacketConfig {
     pub kernel_ring: Option<std::path::PathBuf>,
 }
 
-#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[derive(
+    schemars::JsonSchema, serde::Serialize, Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum RingVersion {
     #[default]
@@ -112,7 +121,9 @@ pub enum RingVersion {
     V3,
 }
 
-#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[derive(
+    schemars::JsonSchema, serde::Serialize, Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum GsoMode {
     #[default]
@@ -1018,6 +1029,10 @@ fn status_word(ring: &Mapping, at: usize) -> &AtomicU32 {
 
 impl App for AfPacket {
     type Config = AfPacketConfig;
+    const EXAMPLE: &'static str = r#"interface: eth0
+fanout: { group: 7, mode: hash }
+filter: "not port 22"
+"#;
 
     fn declare(c: &AfPacketConfig) -> Result<PortSpec, AppError> {
         if let Some(expr) = &c.filter {

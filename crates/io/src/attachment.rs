@@ -14,7 +14,7 @@
 use serde::Deserialize;
 use stitch_core::{pool, App, AppContext, AppError, Counter, Io, PortNames, PortSpec};
 
-#[derive(Debug, Deserialize, Default)]
+#[derive(schemars::JsonSchema, serde::Serialize, Debug, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 pub struct AttachmentConfig {}
 
@@ -24,6 +24,7 @@ pub struct Attachment {
 
 impl App for Attachment {
     type Config = AttachmentConfig;
+    const EXAMPLE: &'static str = "{}";
 
     fn declare(_: &AttachmentConfig) -> Result<PortSpec, AppError> {
         Ok(PortSpec {

@@ -30,7 +30,7 @@ use stitch_core::link::Ring;
 use stitch_core::packet::now_ns;
 use stitch_core::{App, AppContext, AppError, Counter, Descriptors, Io, PortSpec};
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(schemars::JsonSchema, serde::Serialize, Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CaptureConfig {
     /// File to write (relative to the graph file's folder); a strftime pattern with
@@ -90,6 +90,11 @@ struct Position {
 
 impl App for Capture {
     type Config = CaptureConfig;
+    const EXAMPLE: &'static str = r#"file: "captures/edge-%Y%m%d-%H%M%S.pcapng"
+rotate_seconds: 3600
+files: 24
+snaplen: 128
+"#;
 
     fn declare(c: &CaptureConfig) -> Result<PortSpec, AppError> {
         if c.snaplen == 0 {

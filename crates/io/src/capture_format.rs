@@ -5,7 +5,7 @@
 use serde::{Deserialize, Serialize};
 use stitch_core::packet::now_ns;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[derive(schemars::JsonSchema, Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Format {
     Pcap,

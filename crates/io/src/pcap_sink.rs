@@ -28,10 +28,13 @@ use stitch_core::{App, AppContext, AppError, Counter, Descriptors, Io, PortSpec}
 
 pub use crate::capture_format::Format;
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(schemars::JsonSchema, serde::Serialize, Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PcapSinkConfig {
+    /// The file written (replaced if it exists; it must not be another user's).
     pub file: PathBuf,
+    /// The file format (by default from the file's extension: `.pcapng` is PCAPNG, anything else
+    /// PCAP).
     pub format: Option<Format>,
     /// Bytes kept of each packet.
     #[serde(default = "default_snaplen")]
@@ -96,6 +99,9 @@ impl PcapSink {
 
 impl App for PcapSink {
     type Config = PcapSinkConfig;
+    const EXAMPLE: &'static str = "file: out.pcapng
+snaplen: 262144
+";
 
     fn declare(c: &PcapSinkConfig) -> Result<PortSpec, AppError> {
         if c.snaplen == 0 {

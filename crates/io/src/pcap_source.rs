@@ -32,7 +32,7 @@ use stitch_core::app::{AppSnapshot, AppState};
 use stitch_core::packet::MAX_FRAME;
 use stitch_core::{pool, App, AppContext, AppError, Counter, Io, PortSpec};
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(schemars::JsonSchema, serde::Serialize, Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PcapSourceConfig {
     /// The file to read (relative to the graph file's folder).
@@ -435,6 +435,11 @@ impl PcapSource {
 
 impl App for PcapSource {
     type Config = PcapSourceConfig;
+    const EXAMPLE: &'static str = "file: trace.pcap
+loop: true
+pace: true
+speed: 2.0
+";
 
     fn declare(c: &PcapSourceConfig) -> Result<PortSpec, AppError> {
         if !(c.speed > 0.0 && c.speed.is_finite()) {

@@ -19,7 +19,7 @@ use stitch_core::packet::{MAX_FRAME, MAX_GSO_FRAME};
 use stitch_core::{pool, App, AppContext, AppError, Counter, Descriptors, Io, PortSpec};
 use stitch_wire::offload::{self, VnetHdr, VNET_HDR_LEN};
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(schemars::JsonSchema, serde::Serialize, Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TapConfig {
     /// Device name (at most 15 bytes).
@@ -160,6 +160,9 @@ fn adopt(c: &TapConfig, handed: Descriptors) -> Result<OwnedFd, String> {
 
 impl App for Tap {
     type Config = TapConfig;
+    const EXAMPLE: &'static str = "name: stitch-tap0
+up: true
+";
 
     fn declare(c: &TapConfig) -> Result<PortSpec, AppError> {
         if c.name.is_empty() || c.name.len() >= libc::IFNAMSIZ {

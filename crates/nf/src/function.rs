@@ -36,7 +36,7 @@ pub const ENV_REATTACH: &str = "STITCH_NF_REATTACH_SECONDS";
 /// to start Stitch again, short enough that a function does not outlive its instance by much.
 pub const REATTACH_SECONDS: u32 = 10;
 
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(schemars::JsonSchema, serde::Serialize, Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct FunctionConfig {
     /// The program and its arguments. A program without a `/` is looked for beside the
@@ -67,24 +67,32 @@ pub struct FunctionConfig {
     /// Attach socket (default: the instance's, `/run/stitch-fn/INSTANCE.sock` for root).
     #[serde(default)]
     pub socket: Option<PathBuf>,
+    /// The rings' kind, as the `nf_port`'s.
     #[serde(default)]
     pub mode: Mode,
     /// `blocking` by default: a supervised function sleeps on its doorbell when idle instead
     /// of spinning on a core it shares (`polling` for the lowest latency on a core of its own).
     #[serde(default = "blocking")]
     pub wake: Wake,
+    /// Blocking: wake the function when this many packets wait (the `nf_port`'s default when
+    /// unset).
     #[serde(default)]
     pub batch: Option<u32>,
+    /// Blocking: wake it anyway when the oldest packet has waited this many microseconds.
     #[serde(default)]
     pub max_delay_us: Option<u64>,
+    /// Descriptors per ring (a power of two).
     #[serde(default)]
     pub ring_size: Option<u32>,
+    /// Isolated: bytes per buffer slot (longer packets are dropped and counted).
     #[serde(default)]
     pub buffer_size: Option<u32>,
 }
 
 /// The system-call filters a function may ask for.
-#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[derive(
+    schemars::JsonSchema, serde::Serialize, Debug, Clone, Copy, Deserialize, PartialEq, Eq,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum Seccomp {
     Default,
@@ -136,6 +144,11 @@ pub struct FunctionPort(NfPort);
 
 impl App for FunctionPort {
     type Config = FunctionConfig;
+    const EXAMPLE: &'static str = "command: [stitch-nf-firewall]
+cpu: 0.5
+memory_mb: 64
+seccomp: default
+";
 
     fn declare(c: &FunctionConfig) -> Result<PortSpec, AppError> {
         c.check()?;

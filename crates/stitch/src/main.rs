@@ -218,7 +218,11 @@ enum Cmd {
     /// A live terminal view of the busiest links and apps of a running instance.
     Top(top::TopArgs),
     /// List the app types this build knows.
-    Apps,
+    Apps {
+        /// Print the reference of every app type's ports and settings (docs/apps.md) instead.
+        #[arg(long)]
+        doc: bool,
+    },
     /// Remove what a crashed instance left (its API socket, function processes and cgroups,
     /// kernel data plane, veth pairs, VM sockets): the one named by --name/--control, or every
     /// dead instance of this user's runtime folder. A running instance is never touched.
@@ -258,6 +262,18 @@ enum Cmd {
     /// The API's tokens, one per role (`docs/security.md`).
     #[command(subcommand)]
     Token(TokenCmd),
+    /// Write the man pages — stitch(1) and one per command, stitch-run(1) … — into a folder.
+    Man {
+        /// The folder (made if missing); `man -l DIR/stitch.1` reads a page.
+        #[arg(long, default_value = "target/man")]
+        out: PathBuf,
+    },
+    /// Print a shell's completion script: `stitch completions bash >
+    /// /etc/bash_completion.d/stitch`, zsh, fish, elvish or powershell.
+    Completions {
+        #[arg(value_enum)]
+        shell: stitch_doc::Shell,
+    },
     /// (What `stitch upgrade` starts: receive a running instance and run it.)
     #[command(hide = true)]
     TakeOver {
@@ -434,6 +450,42 @@ fn cleanup(name: Option<String>, control: Option<PathBuf>) -> Result<()> {
     Ok(())
 }
 
+/// `stitch apps`: the types, or with `--doc` the reference of their settings (docs/apps.md).
+fn apps(doc: bool) -> Result<()> {
+    if !doc {
+        for t in registry().types() {
+            println!("{:<14} {}", t.name, t.summary);
+        }
+        return Ok(());
+    }
+    let (reference, problems) = stitch_doc::apps_reference(&registry());
+    if !problems.is_empty() {
+        anyhow::bail!(
+            "the apps' reference is incomplete:\n  {}",
+            problems.join("\n  ")
+        );
+    }
+    print!("{reference}");
+    Ok(())
+}
+
+fn man(out: &Path) -> Result<()> {
+    let pages = stitch_doc::write_man_pages(<Cli as clap::CommandFactory>::command(), out)
+        .with_context(|| format!("cannot write the man pages into {}", out.display()))?;
+    println!("{} man pages in {}", pages.len(), out.display());
+    Ok(())
+}
+
+fn completions(shell: stitch_doc::Shell) -> Result<()> {
+    use std::io::Write;
+    let script = stitch_doc::completion(<Cli as clap::CommandFactory>::command(), shell);
+    match std::io::stdout().write_all(&script) {
+        // `| head`: the reader has what it wanted.
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        r => Ok(r?),
+    }
+}
+
 fn run_cli(cli: Cli) -> Result<()> {
     match cli.cmd {
         Cmd::Cleanup { name, control } => cleanup(name, control)?,
@@ -462,11 +514,7 @@ fn run_cli(cli: Cli) -> Result<()> {
             )?;
             println!("{}", serde_json::to_string_pretty(&v)?);
         }
-        Cmd::Apps => {
-            for t in registry().types() {
-                println!("{:<14} {}", t.name, t.summary);
-            }
-        }
+        Cmd::Apps { doc } => apps(doc)?,
         Cmd::Run(args) if args.supervise => {
             let argv = std::env::args().filter(|a| a != "--supervise").collect();
             supervise::run(argv, args.instance.socket())?
@@ -514,6 +562,8 @@ fn run_cli(cli: Cli) -> Result<()> {
         Cmd::Lwaftr(c) => lwaftr_cmd::run(c)?,
         Cmd::Capture(c) => capture_cmd::run(c, Arc::new(registry()))?,
         Cmd::Upgrade(args) => upgrade::upgrade(args)?,
+        Cmd::Man { out } => man(&out)?,
+        Cmd::Completions { shell } => completions(shell)?,
         Cmd::Token(TokenCmd::New {
             role,
             token_dir,

@@ -70,7 +70,7 @@ use std::sync::{Arc, Mutex};
 use stitch_core::app::{AppContext, AppError, Counter, Io, PortNames, PortSpec};
 use stitch_core::{App, AppSnapshot, AppState, AppType, Descriptors, Registry};
 
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(schemars::JsonSchema, serde::Serialize, Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct SwitchConfig {
     /// Port names: OpenFlow ports 1, 2, … in this order.
@@ -97,13 +97,14 @@ pub struct SwitchConfig {
     /// switch): refused unless this says so.
     #[serde(default)]
     pub insecure: bool,
-    /// For `ssl:` endpoints: the switch's certificate chain (PEM) ...
+    /// `ssl:` endpoints (`listen`, `controller`): the switch's certificate chain (PEM).
     #[serde(default)]
     pub cert: Option<std::path::PathBuf>,
-    /// ... its private key (PEM; 0600, Stitch's or root's) ...
+    /// `ssl:` endpoints: the switch's private key (PEM; mode 0600, Stitch's or root's).
     #[serde(default)]
     pub key: Option<std::path::PathBuf>,
-    /// ... and the CA that signed the controllers' certificates (PEM).
+    /// `ssl:` endpoints: the CA that signed the controllers' certificates (PEM); a controller
+    /// without a certificate it signed is refused.
     #[serde(default)]
     pub ca: Option<std::path::PathBuf>,
 }
@@ -353,6 +354,9 @@ struct Counters {
 
 impl App for Switch {
     type Config = SwitchConfig;
+    const EXAMPLE: &'static str = r#"ports: [p1, p2, p3]
+listen: "127.0.0.1:6653"
+"#;
 
     fn declare(c: &SwitchConfig) -> Result<PortSpec, AppError> {
         if c.ports.is_empty() {

@@ -71,7 +71,9 @@ use stitch_core::{
 use stitch_wire::offload::{self, VnetHdr, VNET_HDR_LEN};
 use virtq::{prefetch, Segment, Vring};
 
-#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[derive(
+    schemars::JsonSchema, serde::Serialize, Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum Mode {
     #[default]
@@ -79,11 +81,13 @@ pub enum Mode {
     Client,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(schemars::JsonSchema, serde::Serialize, Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct VhostUserConfig {
     /// The vhost-user Unix socket.
     pub socket: PathBuf,
+    /// `server`: Stitch listens on `socket` and QEMU connects; `client`: Stitch connects to a
+    /// socket QEMU listens on.
     #[serde(default)]
     pub mode: Mode,
     /// Queue pairs (1..=8).
@@ -261,6 +265,11 @@ fn header_len(features: u64) -> usize {
 
 impl App for VhostUser {
     type Config = VhostUserConfig;
+    const EXAMPLE: &'static str = r#"socket: /run/stitch/vm1.sock
+queues: 2
+mac_address: "52:54:00:12:34:56"
+rx_rate: "1 Gbit/s"
+"#;
 
     fn declare(c: &VhostUserConfig) -> Result<PortSpec, AppError> {
         if !(1..=8).contains(&c.queues) {

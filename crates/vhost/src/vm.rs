@@ -31,7 +31,9 @@ use stitch_core::app::{AppContext, AppError, Io, PortSpec};
 use stitch_core::App;
 
 /// How the guest meets the engine.
-#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[derive(
+    schemars::JsonSchema, serde::Serialize, Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum GuestRings {
     /// A virtio-net NIC on a `vhost_user` port.
@@ -42,7 +44,9 @@ pub enum GuestRings {
 }
 
 /// `rings: ivshmem`: what the guest's function gets, as an `nf_port`'s `mode`.
-#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[derive(
+    schemars::JsonSchema, serde::Serialize, Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum GuestRingMode {
     /// The port's own buffer slots: frames are copied in and out.
@@ -62,7 +66,9 @@ impl GuestRingMode {
 }
 
 /// How the guest's CPU runs.
-#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[derive(
+    schemars::JsonSchema, serde::Serialize, Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum Accel {
     /// QEMU's own emulation: works everywhere, slowly.
@@ -81,12 +87,13 @@ impl Accel {
     }
 }
 
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(schemars::JsonSchema, serde::Serialize, Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct VmConfig {
     /// A kernel to boot directly (`-kernel`).
     #[serde(default)]
     pub kernel: Option<PathBuf>,
+    /// An initial RAM disk for `kernel` (`-initrd`).
     #[serde(default)]
     pub initrd: Option<PathBuf>,
     /// The kernel's command line.
@@ -95,8 +102,10 @@ pub struct VmConfig {
     /// A disk image, as a virtio disk.
     #[serde(default)]
     pub disk: Option<PathBuf>,
+    /// Guest memory in MiB (shared with Stitch, so the vhost-user port reaches it).
     #[serde(default = "default_memory")]
     pub memory_mb: u64,
+    /// Virtual CPUs.
     #[serde(default = "one")]
     pub vcpus: u32,
     /// The guest NIC's MAC address (QEMU's default otherwise).
@@ -210,6 +219,12 @@ pub struct VmPort(VhostUser);
 
 impl App for VmPort {
     type Config = VmConfig;
+    const EXAMPLE: &'static str = r#"kernel: /var/lib/stitch/vmlinux
+initrd: /var/lib/stitch/initrd.img
+append: "console=ttyS0"
+memory_mb: 512
+vcpus: 2
+"#;
 
     fn declare(c: &VmConfig) -> Result<PortSpec, AppError> {
         c.check()?;

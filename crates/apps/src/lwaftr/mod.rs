@@ -58,7 +58,7 @@ use stitch_wire::{arp, checksum};
 const V4: usize = 0;
 const V6: usize = 1;
 
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(schemars::JsonSchema, serde::Serialize, Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct LwaftrAppConfig {
     /// Snabb lwAFTR configuration file (`softwire-config { … }`).
@@ -66,6 +66,7 @@ pub struct LwaftrAppConfig {
     /// Which `instance { device …; queue { id …; } }` to take (default: the first).
     #[serde(default)]
     pub device: Option<String>,
+    /// Which `queue { id …; }` of the instance to take (default: the first).
     #[serde(default)]
     pub queue: Option<u32>,
     /// One interface for both sides (port `wire`): frames are told apart by their VLAN tag when
@@ -79,7 +80,9 @@ pub struct LwaftrAppConfig {
 }
 
 /// Whose bytes the function writes where Snabb's lwAFTR departs from the RFCs.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[derive(
+    schemars::JsonSchema, serde::Serialize, Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum Compat {
     #[default]
@@ -293,6 +296,9 @@ fn compile(expr: &Option<String>) -> Result<Option<PacketFilter>, String> {
 
 impl App for Lwaftr {
     type Config = LwaftrAppConfig;
+    const EXAMPLE: &'static str = "conf: lwaftr.conf
+compat: rfc
+";
 
     fn declare(c: &LwaftrAppConfig) -> Result<PortSpec, AppError> {
         let sides = if c.on_a_stick {

@@ -56,7 +56,9 @@ pub use steering::{steering_rules, SteerRule};
 use stitch_core::{App, AppContext, AppError, Counter, Descriptors, Io, PortSpec};
 use stitch_xsk::ring::getsockopt;
 
-#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[derive(
+    schemars::JsonSchema, serde::Serialize, Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum XdpMode {
     /// Native if the driver has it, generic otherwise.
@@ -66,7 +68,9 @@ pub enum XdpMode {
     Generic,
 }
 
-#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[derive(
+    schemars::JsonSchema, serde::Serialize, Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum ZeroCopy {
     /// Zero-copy if the driver supports it, copy mode otherwise.
@@ -76,19 +80,26 @@ pub enum ZeroCopy {
     Off,
 }
 
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(schemars::JsonSchema, serde::Serialize, Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct AfXdpConfig {
+    /// The Linux interface; it must exist when the app starts.
     pub interface: String,
+    /// The interface's receive queues to serve, one AF_XDP socket each; the others go on to the
+    /// kernel stack.
     #[serde(default = "queue0")]
     pub queues: Vec<u32>,
+    /// How the XDP program is attached.
     #[serde(default)]
     pub xdp_mode: XdpMode,
+    /// Whether the UMEM is shared with the driver (no copy) or frames are copied by the kernel.
     #[serde(default)]
     pub zero_copy: ZeroCopy,
     /// Frames of UMEM per queue (half for receiving, half for sending).
     #[serde(default = "default_frames")]
     pub frames: u32,
+    /// Complete TCP/UDP checksums that a local sender left partial (only the pseudo-header sum), so
+    /// that TCP works without turning offloads off.
     #[serde(default = "yes")]
     pub complete_checksums: bool,
     /// Rules tried in order by the XDP program: the frames a rule matches leave by its port.
@@ -292,6 +303,13 @@ impl AfXdp {
 
 impl App for AfXdp {
     type Config = AfXdpConfig;
+    const EXAMPLE: &'static str = r#"interface: eth1
+queues: [0, 1]
+xdp_mode: native
+zero_copy: auto
+steer:
+  - { match: "udp and dst port 4789", to: vxlan }
+"#;
 
     fn declare(c: &AfXdpConfig) -> Result<PortSpec, AppError> {
         if c.queues.is_empty() {

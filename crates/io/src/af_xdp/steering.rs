@@ -17,12 +17,13 @@ use stitch_xsk::ring::refill_from;
 const FRAME: u64 = FRAME_SIZE as u64;
 
 /// Frames `filter` matches leave by port `to` instead of `output`.
-#[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Eq)]
+#[derive(schemars::JsonSchema, Debug, Clone, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct SteerRule {
     /// A filter expression, as tcpdump takes it.
     #[serde(rename = "match")]
     pub filter: String,
+    /// The port of this app the matched frames leave by (a port besides `output`).
     pub to: String,
 }
 

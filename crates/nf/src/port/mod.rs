@@ -56,7 +56,9 @@ use stitch_core::Packet;
 use stitch_core::{pool, App};
 use stitch_xsk::lend::RingBorrower;
 
-#[derive(Debug, Clone, Copy, Deserialize, Default, PartialEq, Eq)]
+#[derive(
+    schemars::JsonSchema, serde::Serialize, Debug, Clone, Copy, Deserialize, Default, PartialEq, Eq,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum Mode {
     #[default]
@@ -64,7 +66,9 @@ pub enum Mode {
     Isolated,
 }
 
-#[derive(Debug, Clone, Copy, Deserialize, Default, PartialEq, Eq)]
+#[derive(
+    schemars::JsonSchema, serde::Serialize, Debug, Clone, Copy, Deserialize, Default, PartialEq, Eq,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum Wake {
     #[default]
@@ -72,7 +76,7 @@ pub enum Wake {
     Blocking,
 }
 
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(schemars::JsonSchema, serde::Serialize, Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct NfPortConfig {
     /// Name the function asks for (default: the app's name).
@@ -88,8 +92,10 @@ pub struct NfPortConfig {
     /// Groups whose members may attach it.
     #[serde(default)]
     pub allow_groups: Vec<String>,
+    /// The rings' kind.
     #[serde(default)]
     pub mode: Mode,
+    /// How the function learns that packets wait.
     #[serde(default)]
     pub wake: Wake,
     /// Blocking: wake the function when this many packets wait (1: as soon as one does).
@@ -453,6 +459,10 @@ pub struct NfPort {
 
 impl App for NfPort {
     type Config = NfPortConfig;
+    const EXAMPLE: &'static str = "mode: isolated
+wake: blocking
+allow_users: [nobody]
+";
 
     fn declare(c: &NfPortConfig) -> Result<PortSpec, AppError> {
         crate::peers::Peers::named(&c.allow_users, &c.allow_groups)?;
