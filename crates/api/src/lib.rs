@@ -192,6 +192,20 @@ impl Api {
     ) -> Result<PlaceReport, ApiError> {
         self.placements.apply(graph).map_err(|e| match e {
             stitch_place::PlaceError::Engine(e) => e.into(),
+            stitch_place::PlaceError::App { error, at } => {
+                let status = ApiError::from(error).status;
+                ApiError {
+                    status,
+                    ..ApiError::bad_graph(
+                        stitch_core::graph::GraphErrors {
+                            file: file.to_string(),
+                            text: text.unwrap_or_default().to_string(),
+                            errors: vec![at],
+                        },
+                        text.is_some(),
+                    )
+                }
+            }
             stitch_place::PlaceError::Kernel(why) => {
                 ApiError::new(409, format!("kernel placement: {why}"))
             }

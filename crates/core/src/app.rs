@@ -375,6 +375,14 @@ pub trait App: Send + 'static {
     /// time, so it must not touch the outside world.
     fn declare(config: &Self::Config) -> Result<PortSpec, AppError>;
 
+    /// What `stitch check` can see of the host the app needs, without changing anything:
+    /// each problem a start here would meet (an interface or a file that is missing), for a
+    /// warning — the graph may be meant for another host. `base_dir`: the graph file's folder,
+    /// from which relative paths are taken.
+    fn check_host(_config: &Self::Config, _base_dir: &std::path::Path) -> Vec<String> {
+        Vec::new()
+    }
+
     /// Builds the app (may open files and devices).
     fn new(config: Self::Config, ctx: &mut AppContext) -> Result<Self, AppError>
     where
@@ -632,6 +640,7 @@ pub struct AppType {
     /// [`App::EXAMPLE`].
     pub example: &'static str,
     schema: fn() -> serde_json::Value,
+    check_host: fn(&ParsedConfig, &std::path::Path) -> Vec<String>,
     parse: fn(&serde_json::Value) -> Result<ParsedConfig, ConfigError>,
     declare: fn(&ParsedConfig) -> Result<PortSpec, AppError>,
     build: BuildFn,
@@ -650,6 +659,14 @@ fn parse_as<A: App>(v: &serde_json::Value) -> Result<ParsedConfig, ConfigError> 
 
 fn schema_of<A: App>() -> serde_json::Value {
     schemars::schema_for!(A::Config).to_value()
+}
+
+fn check_host_as<A: App>(c: &ParsedConfig, base_dir: &std::path::Path) -> Vec<String> {
+    A::check_host(
+        c.0.downcast_ref::<A::Config>()
+            .expect("config of another app type"),
+        base_dir,
+    )
 }
 
 fn declare_as<A: App>(c: &ParsedConfig) -> Result<PortSpec, AppError> {
@@ -674,6 +691,7 @@ impl AppType {
             hands_off: A::HANDS_OFF,
             example: A::EXAMPLE,
             schema: schema_of::<A>,
+            check_host: check_host_as::<A>,
             parse: parse_as::<A>,
             declare: declare_as::<A>,
             build: build_as::<A>,
@@ -687,6 +705,11 @@ impl AppType {
 
     pub fn parse(&self, v: &serde_json::Value) -> Result<ParsedConfig, ConfigError> {
         (self.parse)(v)
+    }
+
+    /// [`App::check_host`].
+    pub fn check_host(&self, c: &ParsedConfig, base_dir: &std::path::Path) -> Vec<String> {
+        (self.check_host)(c, base_dir)
     }
 
     pub fn declare(&self, c: &ParsedConfig) -> Result<PortSpec, AppError> {

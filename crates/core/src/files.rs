@@ -269,6 +269,42 @@ pub fn create_output(path: &Path, mode: u32, extra_flags: i32) -> std::io::Resul
     Ok(f)
 }
 
+/// What `stitch check` says of a file a graph names (`key`, its value `path`, relative to
+/// the graph file's folder `base_dir`) that is missing or unreadable, quoting the value as it
+/// was written; `None` when it can be read.
+pub fn missing(key: &str, path: &Path, base_dir: &Path) -> Option<String> {
+    let full = base_dir.join(path);
+    // A socket is there or not; a file must open too (a socket's open fails, ENXIO).
+    let e = match std::fs::metadata(&full) {
+        Ok(m) if !m.is_file() => return None,
+        Ok(_) => File::open(&full).err()?,
+        Err(e) => e,
+    };
+    let relative = if path.is_relative() {
+        " (a relative path is taken from the graph file's folder)"
+    } else {
+        ""
+    };
+    Some(format!(
+        "{key}: cannot read `{}`: {e}{relative}",
+        path.display()
+    ))
+}
+
+/// The same for the folder a file will be written into.
+pub fn missing_folder(key: &str, path: &Path, base_dir: &Path) -> Option<String> {
+    let full = base_dir.join(path);
+    let folder = full.parent().filter(|d| !d.as_os_str().is_empty())?;
+    if folder.is_dir() {
+        return None;
+    }
+    Some(format!(
+        "{key}: the folder of `{}` ({}) does not exist",
+        path.display(),
+        folder.display()
+    ))
+}
+
 /// Makes `dir` a folder of this user's with `mode` (and group `gid`, when given): created if
 /// missing (its parents as usual); refused when it is a symbolic link or belongs to another
 /// user; its mode and group are set even when it exists, so a folder left open by another

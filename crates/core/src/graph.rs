@@ -109,6 +109,25 @@ pub struct AppDecl {
     pub shard: Option<Shard>,
 }
 
+impl AppDecl {
+    /// Where in the file a problem of this app's entry is, `message` saying what: at the key
+    /// it is about — the message starts with the key's name, quotes it, or quotes the key's
+    /// value (`no interface named `eth9``) — else at the app's line (column 0: not where on it).
+    pub fn locate(&self, message: &str) -> (usize, usize) {
+        let about = |key: &str| {
+            let value = self.config.get(key).and_then(serde_json::Value::as_str);
+            message.starts_with(&format!("{key}:"))
+                || message.starts_with(&format!("{key} "))
+                || message.contains(&format!("`{key}`"))
+                || value.is_some_and(|v| !v.is_empty() && message.contains(&format!("`{v}`")))
+        };
+        self.key_lines
+            .iter()
+            .find(|(key, _)| about(key))
+            .map_or((self.line, 0), |(_, &at)| at)
+    }
+}
+
 /// One end of a link.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
 pub struct Endpoint {
@@ -363,6 +382,35 @@ impl GraphFile {
 }
 
 impl Graph {
+    /// What the apps would meet starting on this host (`App::check_host`): interfaces and
+    /// files that are missing, each a warning at its entry — a graph may be meant for another
+    /// host. A shard's app is checked once.
+    pub fn host_warnings(&self, registry: &Registry) -> Vec<GraphError> {
+        let mut seen = std::collections::HashSet::new();
+        let mut out = Vec::new();
+        for decl in self.apps.values() {
+            if !seen.insert((decl.line, decl.kind.as_str())) {
+                continue;
+            }
+            let Some(t) = registry.get(&decl.kind) else {
+                continue;
+            };
+            let Ok(config) = t.parse(&decl.config) else {
+                continue;
+            };
+            let app = decl.shard.as_ref().map_or(decl.name.as_str(), |s| &s.of);
+            for problem in t.check_host(&config, &self.base_dir) {
+                let (line, column) = decl.locate(&problem);
+                out.push(GraphError {
+                    line,
+                    column,
+                    message: format!("warning: app `{app}`: {problem}"),
+                });
+            }
+        }
+        out
+    }
+
     /// Reads and validates a graph file.
     pub fn load(path: &Path, registry: &Registry) -> Result<Graph, GraphErrors> {
         let file = GraphFile::read(path)?;

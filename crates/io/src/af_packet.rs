@@ -1034,6 +1034,10 @@ fanout: { group: 7, mode: hash }
 filter: "not port 22"
 "#;
 
+    fn check_host(c: &AfPacketConfig, _base_dir: &std::path::Path) -> Vec<String> {
+        netdev::ifindex(&c.interface).err().into_iter().collect()
+    }
+
     fn declare(c: &AfPacketConfig) -> Result<PortSpec, AppError> {
         if let Some(expr) = &c.filter {
             compile_filter(expr)?;

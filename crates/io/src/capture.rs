@@ -96,6 +96,12 @@ files: 24
 snaplen: 128
 "#;
 
+    fn check_host(c: &CaptureConfig, base_dir: &std::path::Path) -> Vec<String> {
+        stitch_core::files::missing_folder("file", &c.file, base_dir)
+            .into_iter()
+            .collect()
+    }
+
     fn declare(c: &CaptureConfig) -> Result<PortSpec, AppError> {
         if c.snaplen == 0 {
             return Err("snaplen must be at least 1".into());

@@ -103,6 +103,12 @@ impl App for PcapSink {
 snaplen: 262144
 ";
 
+    fn check_host(c: &PcapSinkConfig, base_dir: &std::path::Path) -> Vec<String> {
+        stitch_core::files::missing_folder("file", &c.file, base_dir)
+            .into_iter()
+            .collect()
+    }
+
     fn declare(c: &PcapSinkConfig) -> Result<PortSpec, AppError> {
         if c.snaplen == 0 {
             return Err("snaplen must be at least 1".into());

@@ -441,6 +441,12 @@ pace: true
 speed: 2.0
 ";
 
+    fn check_host(c: &PcapSourceConfig, base_dir: &std::path::Path) -> Vec<String> {
+        stitch_core::files::missing("file", &c.file, base_dir)
+            .into_iter()
+            .collect()
+    }
+
     fn declare(c: &PcapSourceConfig) -> Result<PortSpec, AppError> {
         if !(c.speed > 0.0 && c.speed.is_finite()) {
             return Err(format!("speed must be positive, got {}", c.speed).into());

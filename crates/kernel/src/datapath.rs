@@ -393,7 +393,7 @@ impl DataPlane {
     /// then what is no longer used cleared.
     pub fn apply(&self, plan: &Plan, graph_file: &str) -> Result<ApplyReport, Error> {
         let old = self.installed()?.unwrap_or_default();
-        let ifindexes = self.check_interfaces(plan)?;
+        let ifindexes = self.check_interfaces(plan, graph_file)?;
         let alloc = allocate(&old, plan, &ifindexes)?;
         ensure_bpffs()?;
         let (loop_dev, loop_peer) = self.loop_device();
@@ -431,7 +431,7 @@ impl DataPlane {
 
     /// The ifindex of every interface app; an interface that does not exist, or whose hook
     /// holds someone else's program, is refused before anything is changed.
-    fn check_interfaces(&self, plan: &Plan) -> Result<HashMap<String, u32>, Error> {
+    fn check_interfaces(&self, plan: &Plan, file: &str) -> Result<HashMap<String, u32>, Error> {
         let mut ifindexes = HashMap::new();
         for a in plan.apps.values() {
             let Function::Interface { ifname, .. } = &a.function else {
@@ -439,7 +439,7 @@ impl DataPlane {
             };
             let Some(i) = netdev::ifindex(ifname) else {
                 return fail(format!(
-                    "line {}: app `{}`: interface `{ifname}` does not exist (create it \
+                    "{file}:{}: app `{}`: interface `{ifname}` does not exist (create it \
                      first, for example a veth pair, or fix the name)",
                     a.line, a.name
                 ));
@@ -448,7 +448,7 @@ impl DataPlane {
                 let others = tcx_programs(i);
                 if others > 0 {
                     return fail(format!(
-                        "line {}: app `{}`: interface `{ifname}` already has {others} \
+                        "{file}:{}: app `{}`: interface `{ifname}` already has {others} \
                          program(s) on its tc ingress hook (see `bpftool net show dev \
                          {ifname}`); Stitch would take their traffic: remove them first",
                         a.line, a.name

@@ -123,10 +123,11 @@ pub struct Plan {
     pub links: Vec<PlannedLink>,
 }
 
+/// A problem at `line` (column 0: the line is known, not where on it).
 fn error(line: usize, message: String) -> GraphError {
     GraphError {
         line,
-        column: 1,
+        column: 0,
         message,
     }
 }
@@ -152,10 +153,14 @@ impl Plan {
                         },
                     );
                 }
-                Err(m) => errors.push(error(
-                    decl.line,
-                    format!("app `{}` ({}) in the kernel: {m}", decl.name, decl.kind),
-                )),
+                Err(m) => {
+                    let (line, column) = decl.locate(&m);
+                    errors.push(GraphError {
+                        line,
+                        column,
+                        message: format!("app `{}` ({}) in the kernel: {m}", decl.name, decl.kind),
+                    })
+                }
             }
         }
         let mut links = Vec::new();

@@ -52,10 +52,11 @@ impl KernelNames {
     }
 }
 
+/// A problem at `line` (column 0: the line is known, not where on it).
 fn error(line: usize, message: String) -> GraphError {
     GraphError {
         line,
-        column: 1,
+        column: 0,
         message,
     }
 }

@@ -68,6 +68,9 @@ pub enum PlaceError {
     Graph(Vec<GraphError>),
     /// The engine refused its part; nothing was changed.
     Engine(EngineError),
+    /// An app refused its entry (building it, or its new config), `at` its place in the file;
+    /// nothing was changed.
+    App { error: EngineError, at: GraphError },
     /// The kernel data plane or its links could not be set up; the engine's part is unchanged.
     Kernel(String),
 }
@@ -83,12 +86,46 @@ impl std::fmt::Display for PlaceError {
                 f.write_str(&lines.join("\n"))
             }
             PlaceError::Engine(e) => write!(f, "{e}"),
+            PlaceError::App { error, at } => write!(f, "line {}: {error}", at.line),
             PlaceError::Kernel(e) => write!(f, "kernel placement: {e}"),
         }
     }
 }
 
 impl std::error::Error for PlaceError {}
+
+/// The engine's refusal, at the entry of the app it names when there is one (a shard's at
+/// its app's).
+fn at_its_app(graph: &Graph, error: EngineError) -> PlaceError {
+    let mut inner = &error;
+    while let EngineError::RolledBack(e) = inner {
+        inner = e;
+    }
+    let app = match inner {
+        EngineError::Build { app, .. } | EngineError::Config { app, .. } => app,
+        _ => return PlaceError::Engine(error),
+    };
+    let decl = graph.apps.get(app).or_else(|| {
+        let (base, _) = app.rsplit_once(':')?;
+        graph.apps.get(base)
+    });
+    let Some(decl) = decl else {
+        return PlaceError::Engine(error);
+    };
+    let (line, column) = match inner {
+        EngineError::Build { source, .. } => decl.locate(&source.to_string()),
+        EngineError::Config { message, .. } => decl.locate(message),
+        _ => (decl.line, 0),
+    };
+    PlaceError::App {
+        at: GraphError {
+            line,
+            column,
+            message: error.to_string(),
+        },
+        error,
+    }
+}
 
 /// An app that changed placement in an apply.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
@@ -497,7 +534,7 @@ impl Placements {
         if kernel_first {
             self.apply_kernel(plan.kernel.as_ref(), was_installed, &old_veths)?;
         }
-        let engine = self.engine.apply(plan.engine).map_err(PlaceError::Engine)?;
+        let engine = (self.engine.apply(plan.engine)).map_err(|e| at_its_app(&graph.graph, e))?;
         self.offer_guest_buses(&plan.guest_buses);
         let moved = moves(current.as_ref(), &graph, engine.paused_ms);
         let report = PlaceReport { engine, moved };

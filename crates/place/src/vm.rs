@@ -86,7 +86,16 @@ fn guest_files(
                 return Err(at(
                     app,
                     key,
-                    format!("app `{}`: {key}: no file {}", app.name, path.display()),
+                    format!(
+                        "app `{}`: {key}: no file {}{}",
+                        app.name,
+                        path.display(),
+                        if f.is_relative() {
+                            " (a relative path is taken from the graph file's folder)"
+                        } else {
+                            ""
+                        }
+                    ),
                 ));
             }
             files.push((key, path));

@@ -369,12 +369,31 @@ fn check(file: &Path, cluster: bool) -> Result<()> {
             }
         )
     })?;
+    let warnings = g.graph.host_warnings(&registry);
+    if !warnings.is_empty() {
+        eprintln!(
+            "{}",
+            stitch_core::graph::GraphErrors {
+                file: file.display().to_string(),
+                text: std::fs::read_to_string(file).unwrap_or_default(),
+                errors: warnings.clone(),
+            }
+        );
+    }
+    let plural = |n: usize, what: &str| format!("{n} {what}{}", if n == 1 { "" } else { "s" });
     println!(
-        "{}: ok ({} apps, {} links, {} workers)",
+        "{}: ok ({}, {}, {}){}",
         file.display(),
-        g.apps.len(),
-        g.graph.links.len(),
-        g.graph.workers.len()
+        plural(g.apps.len(), "app"),
+        plural(g.graph.links.len(), "link"),
+        plural(g.graph.workers.len(), "worker"),
+        match warnings.len() {
+            0 => String::new(),
+            n => format!(
+                "; {} about this host (fine if the graph is meant for another)",
+                plural(n, "warning")
+            ),
+        }
     );
     Ok(())
 }
@@ -867,16 +886,20 @@ fn run(args: &RunArgs) -> Result<()> {
         .api
         .placements()
         .apply(graph)
-        .map_err(|e| match e {
-            stitch_place::PlaceError::Graph(errors) => anyhow::anyhow!(
+        .map_err(|e| {
+            let errors = match e {
+                stitch_place::PlaceError::Graph(errors) => errors,
+                stitch_place::PlaceError::App { at, .. } => vec![at],
+                e => return anyhow::anyhow!("{}: {e}", file.display()),
+            };
+            anyhow::anyhow!(
                 "{}",
                 stitch_core::graph::GraphErrors {
                     file: file.display().to_string(),
                     text: std::fs::read_to_string(file).unwrap_or_default(),
                     errors,
                 }
-            ),
-            e => anyhow::anyhow!("{}: {e}", file.display()),
+            )
         })
         .and_then(|report| Ok((report, StateKeeper::start(state, &running.engine)?)));
     let (report, keeper) = match applied {

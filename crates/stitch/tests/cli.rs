@@ -220,7 +220,8 @@ fn check_reports_file_line_and_problem() {
         "good.yaml",
         "apps:\n  a: { type: generator }\n  b: { type: sink }\nlinks: [\"a.output -> b.input\"]\n",
     );
-    assert!(ok(stitch().arg("check").arg(&good).output().unwrap()).contains("ok (2 apps, 1 links"));
+    assert!(ok(stitch().arg("check").arg(&good).output().unwrap())
+        .contains("ok (2 apps, 1 link, 1 worker)"));
     let dot = ok(stitch().arg("graph").arg(&good).output().unwrap());
     assert!(
         dot.starts_with("digraph stitch {") && dot.contains("\"a\" -> \"b\""),
@@ -232,6 +233,111 @@ fn check_reports_file_line_and_problem() {
         .unwrap();
     assert!(String::from_utf8_lossy(&missing.stderr)
         .contains("/nonexistent.yaml: cannot read graph file"));
+}
+
+/// What `check` can see of this host without running — an interface or a file that is not
+/// there — is a warning at the setting's line and column (the file may be meant for another
+/// host); `run` refuses the same file with the same place, and `apply` to a running instance
+/// too, leaving it as it was.
+#[test]
+fn check_warns_of_what_this_host_lacks_and_run_and_apply_refuse_it_at_its_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let ifname = format!("nbx{}", std::process::id() % 100_000);
+    let text = format!(
+        "apps:\n  s: {{ type: sink }}\n  a:\n    type: af_packet\n    interface: {ifname}\n  src: {{ type: pcap_source, file: nosuch.pcap }}\n  lw: {{ type: lwaftr, conf: lw.conf }}\nlinks: [\"a.output -> s.input\", \"src.output -> a.input\"]\n"
+    );
+    // A configuration the lwAFTR refuses when it reads it.
+    write(dir.path(), "lw.conf", "softwire-config { nonsense; }\n");
+    let file = write(dir.path(), "host.yaml", &text);
+    let out = stitch().arg("check").arg(&file).output().unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stdout.contains("ok (4 apps, 2 links, 1 worker); 3 warnings about this host"),
+        "{stdout}"
+    );
+    assert!(
+        stderr.contains(&format!(
+            "host.yaml:5:5: warning: app `a`: no interface named `{ifname}`"
+        )),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("host.yaml:6:29: warning: app `src`: file: cannot read `nosuch.pcap`"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("host.yaml:7:23: warning: app `lw`: conf `lw.conf`:"),
+        "{stderr}"
+    );
+    // The file is complete on a host that has what it names.
+    let fine = write(
+        dir.path(),
+        "fine.yaml",
+        "apps:\n  a: { type: af_packet, interface: lo }\n  s: { type: sink }\nlinks: [\"a.output -> s.input\"]\n",
+    );
+    let out = stitch().arg("check").arg(&fine).output().unwrap();
+    assert!(out.status.success() && out.stderr.is_empty(), "{out:?}");
+
+    let run = stitch()
+        .args(["run", "--name", &format!("t-host-{}", std::process::id())])
+        .arg(&file)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&run.stderr);
+    assert!(!run.status.success());
+    assert!(
+        err.contains(&format!(
+            "host.yaml:5:5: app `a`: no interface named `{ifname}`"
+        )) && err.contains(&format!("    5 |     interface: {ifname}")),
+        "{err}"
+    );
+
+    let sock = dir.path().join("ctl.sock");
+    let good = write(
+        dir.path(),
+        "good.yaml",
+        "apps:\n  g: { type: generator, rate: 1000 }\n  s: { type: sink }\nlinks: [\"g.output -> s.input\"]\n",
+    );
+    let _running = Running(
+        stitch()
+            .args(["run", "--control"])
+            .arg(&sock)
+            .arg(&good)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for("the instance to answer", || stats(&sock).is_some());
+    let bad = write(
+        dir.path(),
+        "bad-apply.yaml",
+        &format!("apps:\n  g: {{ type: generator, rate: 1000 }}\n  s: {{ type: sink }}\n  a: {{ type: af_packet, interface: {ifname} }}\n  s2: {{ type: sink }}\nlinks: [\"g.output -> s.input\", \"a.output -> s2.input\"]\n"),
+    );
+    let applied = stitch()
+        .args(["apply", "--control"])
+        .arg(&sock)
+        .arg(&bad)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&applied.stderr);
+    assert!(!applied.status.success());
+    assert!(
+        err.contains(&format!(
+            "bad-apply.yaml:4:25: app `a`: no interface named `{ifname}`"
+        )),
+        "{err}"
+    );
+    let s = stats(&sock).unwrap();
+    assert!(
+        app(&s, "a").is_none(),
+        "the refused apply changed the graph"
+    );
+    assert!(app(&s, "g").is_some());
 }
 
 struct Running(Child);

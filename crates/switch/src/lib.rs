@@ -358,6 +358,13 @@ impl App for Switch {
 listen: "127.0.0.1:6653"
 "#;
 
+    fn check_host(c: &SwitchConfig, base_dir: &std::path::Path) -> Vec<String> {
+        [("cert", &c.cert), ("key", &c.key), ("ca", &c.ca)]
+            .into_iter()
+            .filter_map(|(key, f)| stitch_core::files::missing(key, f.as_ref()?, base_dir))
+            .collect()
+    }
+
     fn declare(c: &SwitchConfig) -> Result<PortSpec, AppError> {
         if c.ports.is_empty() {
             return Err("`ports` needs at least one port name".into());

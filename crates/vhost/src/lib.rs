@@ -271,6 +271,16 @@ mac_address: "52:54:00:12:34:56"
 rx_rate: "1 Gbit/s"
 "#;
 
+    /// A client port's socket is QEMU's: it must be there.
+    fn check_host(c: &VhostUserConfig, base_dir: &std::path::Path) -> Vec<String> {
+        match c.mode {
+            Mode::Client => stitch_core::files::missing("socket", &c.socket, base_dir)
+                .into_iter()
+                .collect(),
+            Mode::Server => Vec::new(),
+        }
+    }
+
     fn declare(c: &VhostUserConfig) -> Result<PortSpec, AppError> {
         if !(1..=8).contains(&c.queues) {
             return Err(format!("queues {} (1..=8 queue pairs)", c.queues).into());

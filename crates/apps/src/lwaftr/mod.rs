@@ -300,6 +300,23 @@ impl App for Lwaftr {
 compat: rfc
 ";
 
+    /// The configuration file is read and parsed, and its instance and queue looked up, as
+    /// a start would.
+    fn check_host(c: &LwaftrAppConfig, base_dir: &std::path::Path) -> Vec<String> {
+        if let Some(missing) = stitch_core::files::missing("conf", &c.conf, base_dir) {
+            return vec![missing];
+        }
+        let at = LwaftrAppConfig {
+            conf: base_dir.join(&c.conf),
+            ..c.clone()
+        };
+        load(&at, None)
+            .err()
+            .map(|e| format!("conf `{}`: {e}", c.conf.display()))
+            .into_iter()
+            .collect()
+    }
+
     fn declare(c: &LwaftrAppConfig) -> Result<PortSpec, AppError> {
         let sides = if c.on_a_stick {
             vec!["wire".to_string()]

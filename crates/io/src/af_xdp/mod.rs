@@ -311,6 +311,10 @@ steer:
   - { match: "udp and dst port 4789", to: vxlan }
 "#;
 
+    fn check_host(c: &AfXdpConfig, _base_dir: &std::path::Path) -> Vec<String> {
+        netdev::ifindex(&c.interface).err().into_iter().collect()
+    }
+
     fn declare(c: &AfXdpConfig) -> Result<PortSpec, AppError> {
         if c.queues.is_empty() {
             return Err("queues: give at least one queue id".into());
