@@ -16,6 +16,75 @@ fn count(s: &Stitch, app_name: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// Flows of every kind of match and instruction, as an operator types them into `ovs-ofctl`.
+const OFCTL_FLOWS: &[&str] = &[
+    "in_port=1,actions=output:2",
+    "priority=40000,in_port=1,udp,tp_dst=53,actions=output:3",
+    "table=1,priority=10,dl_vlan=10,actions=pop_vlan,output:2",
+    "priority=5,ip,nw_src=10.0.0.0/8,nw_dst=192.0.2.1,actions=set_field:00:11:22:33:44:55->eth_dst,dec_ttl,output:3",
+    "priority=6,dl_src=02:00:00:00:00:01,dl_type=0x0806,actions=CONTROLLER:128",
+    "priority=7,tcp6,ipv6_dst=2001:db8::/32,tp_src=80,actions=write_actions(output:2),goto_table:2",
+    "priority=8,in_port=2,actions=push_vlan:0x8100,set_field:4106->vlan_vid,output:1",
+    "priority=9,metadata=0x5/0xff,actions=drop",
+    "cookie=0x1234,priority=11,icmp,icmp_type=8,actions=meter:1,output:IN_PORT",
+    "priority=12,arp,arp_tpa=10.0.0.1,arp_op=1,actions=output:ALL,group:1,FLOOD",
+    "priority=13,mpls,mpls_label=100,actions=pop_mpls:0x0800,output:2",
+    "priority=14,ip,nw_tos=32,nw_ecn=1,actions=set_field:10->ip_dscp,output:2",
+    "priority=15,actions=CONTROLLER:65535,set_queue:3,clear_actions,write_metadata:0x1/0xff",
+    "priority=17,vlan_tci=0x0000/0x1fff,actions=drop",
+    "priority=18,tun_id=0x5,ipv6,ipv6_label=0x12345,actions=drop",
+    "priority=19,icmp6,icmp_type=135,nd_target=fe80::1,actions=drop",
+    "priority=20,dl_dst=01:00:00:00:00:00/01:00:00:00:00:00,actions=drop",
+    "priority=21,sctp,tp_src=1,actions=set_field:10.0.0.1->ip_src,set_field:99->sctp_dst",
+    "priority=24,ip,nw_dst=10.0.0.0/255.0.255.0,actions=drop",
+    "priority=25,udp6,ipv6_src=2001:db8::1,tp_dst=53,actions=set_field:2001:db8::2->ipv6_dst,output:2",
+    "priority=26,icmp,icmp_type=3,icmp_code=4,actions=drop",
+    "priority=27,dl_type=0x88cc,actions=drop",
+    "priority=28,ip,nw_proto=47,actions=drop",
+    "priority=30,vlan_tci=0x1000/0x1000,actions=pop_vlan",
+    "priority=31,arp,arp_sha=02:00:00:00:00:09,arp_spa=10.1.0.0/16,actions=drop",
+    "table=3,priority=0,actions=drop",
+    "priority=32,tcp,tp_dst=443,nw_src=192.0.2.0/24,actions=set_field:8080->tcp_dst,output:2",
+    "priority=33,in_port=3,dl_type=0x0800,nw_proto=6,actions=drop",
+];
+
+/// `stitch show` writes each flow as `ovs-ofctl --no-stats dump-flows` writes it (read from
+/// the same switch over OpenFlow): the same text, field for field, in the same order.
+#[test]
+fn stitch_show_writes_each_flow_as_ovs_ofctl_dumps_it() {
+    require_root_and_tools(&["ovs-ofctl"]);
+    let port = free_port();
+    let s = Stitch::run(&format!(
+        "apps:
+  sw: {{ type: switch, ports: [p1, p2, p3], listen: \"127.0.0.1:{port}\" }}
+"
+    ));
+    ofctl(
+        port,
+        &["add-meter", "meter=1,kbps,band=type=drop,rate=1000"],
+    );
+    ofctl(port, &["add-group", "group_id=1,type=all,bucket=output:2"]);
+    for f in OFCTL_FLOWS {
+        ofctl(port, &["add-flow", f]);
+    }
+    let mut theirs: Vec<String> = ofctl(port, &["--no-names", "--no-stats", "dump-flows"])
+        .lines()
+        .map(|l| l.trim().to_string())
+        .filter(|l| l.contains("actions="))
+        .collect();
+    let shown = show(&s, "sw");
+    let mut ours: Vec<String> = shown["flows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["flow"].as_str().unwrap().to_string())
+        .collect();
+    theirs.sort();
+    ours.sort();
+    assert_eq!(theirs.len(), OFCTL_FLOWS.len(), "{theirs:#?}");
+    assert_eq!(ours, theirs);
+}
+
 #[test]
 fn ovs_ofctl_programs_the_switch_and_reads_its_statistics() {
     require_root_and_tools(&["ovs-ofctl"]);

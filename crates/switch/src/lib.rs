@@ -55,6 +55,7 @@ pub mod frame_key;
 pub mod group;
 pub mod meter;
 mod net;
+mod ofctl_text;
 pub mod ofp;
 pub mod oxm;
 pub mod pipeline;
@@ -604,18 +605,11 @@ listen: "127.0.0.1:6653"
             .iter()
             .flatten()
             .map(|e| {
+                // `flow`: the line `ovs-ofctl --no-stats dump-flows` writes for it.
                 serde_json::json!({
-                    "table": e.table, "priority": e.priority, "cookie": e.cookie,
-                    "match": e.matching.tlvs.iter().map(|t| {
-                        let name = oxm::field(t.id).map_or("?", |d| d.name);
-                        match &t.mask {
-                            Some(m) => format!("{name}={}/{}", hex(&t.value), hex(m)),
-                            None => format!("{name}={}", hex(&t.value)),
-                        }
-                    }).collect::<Vec<_>>(),
-                    "instructions": format!("{:?}", (e.instructions.meter, &e.instructions.apply,
-                        e.instructions.clear, &e.instructions.write, e.instructions.metadata,
-                        e.instructions.goto)),
+                    "flow": ofctl_text::flow_line(e.cookie, e.table, e.priority,
+                        &e.matching.tlvs, &e.instructions),
+                    "table": e.table, "priority": e.priority, "cookie": format!("{:#x}", e.cookie),
                     "packets": e.packets.load(Ordering::Relaxed), "bytes": e.bytes.load(Ordering::Relaxed),
                 })
             })
