@@ -608,7 +608,7 @@ fn upgrade_under_pings(h: &TwoHosts, s: &Stitch, to: &str, what: &str) -> Succes
     let summary: Vec<&str> = paced.lines().rev().take(2).collect();
     eprintln!("pings {what} across the upgrade: {summary:?}");
     assert!(
-        paced.contains("300 packets transmitted, 300 received"),
+        ping_lost_nothing(&paced, 300),
         "pings {what} lost across the upgrade ({report}): {paced}"
     );
     successor

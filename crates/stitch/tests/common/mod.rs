@@ -807,6 +807,20 @@ pub fn console_of(s: &Stitch, vm: &str) -> String {
 }
 
 /// ping's summary of 300 pings 10 ms apart from host `i` to `to`, with `during` done 300 ms in.
+/// Whether `ping`'s summary says every request was answered, and at least `count` were
+/// sent. With `-w` and `-c`, ping sends until `count` replies came, so a late reply makes it
+/// send one more: "302 packets transmitted, 302 received" lost nothing.
+pub fn ping_lost_nothing(out: &str, count: u64) -> bool {
+    let summary = out.lines().find(|l| l.contains("packets transmitted"));
+    let numbers: Vec<u64> = summary
+        .into_iter()
+        .flat_map(|l| l.split([' ', ',']))
+        .filter_map(|w| w.parse().ok())
+        .take(2)
+        .collect();
+    matches!(numbers[..], [sent, received] if sent == received && received >= count)
+}
+
 pub fn paced_ping_while(hosts: &TwoHosts, i: usize, to: &str, during: impl FnOnce()) -> String {
     // `-w`: wait for the last reply too (without it ping leaves twice the slowest round trip
     // after the last request, and a late last reply from a busy guest reads as a loss).
