@@ -90,6 +90,10 @@ struct RunArgs {
     instance: Instance,
     #[command(flatten)]
     listen: Listen,
+    /// Keep running when the graph's finite sources are done (a service); stop on
+    /// SIGINT/SIGTERM or --duration only.
+    #[arg(long)]
+    keep_running: bool,
     #[command(flatten)]
     state: StateArgs,
     /// Start again (with backoff) when killed or crashed, from a small parent process: the
@@ -106,10 +110,6 @@ struct Listen {
     /// 127.0.0.1:9440). Every request needs a role's token (--token-dir), loopback included.
     #[arg(long)]
     listen: Option<SocketAddr>,
-    /// Keep running when the graph's finite sources are done (a service); stop on
-    /// SIGINT/SIGTERM or --duration only.
-    #[arg(long)]
-    keep_running: bool,
     /// The folder of the tokens TCP requests carry, one file per role (read, capture,
     /// admin; 0600), made at the first start; default NAME.tokens beside the API socket.
     /// `stitch token new --role ROLE` replaces one.
@@ -143,7 +143,6 @@ impl Listen {
     fn socket_only() -> Listen {
         Listen {
             listen: None,
-            keep_running: false,
             token_dir: None,
             token_file: None,
             api_hosts: Vec::new(),
@@ -574,6 +573,7 @@ fn run_cli(cli: Cli) -> Result<()> {
                 json: false,
                 instance,
                 listen,
+                keep_running: false,
                 state,
                 supervise: false,
             })?
@@ -869,6 +869,7 @@ fn run(args: &RunArgs) -> Result<()> {
         json: as_json,
         instance,
         listen,
+        keep_running,
         state,
         supervise: _,
     } = args;
@@ -915,7 +916,7 @@ fn run(args: &RunArgs) -> Result<()> {
         report.engine.started.len(),
         running.config.unix.display()
     );
-    serve_until_stopped(running, keeper, file, duration, (as_json, listen))
+    serve_until_stopped(running, keeper, file, duration, (as_json, *keep_running))
 }
 
 /// Runs a started instance until its graph finishes, `duration` passes or a signal comes;
@@ -926,7 +927,7 @@ fn serve_until_stopped(
     mut keeper: Option<StateKeeper>,
     file: &Path,
     duration: Option<f64>,
-    (as_json, listen): (bool, &Listen),
+    (as_json, keep_running): (bool, bool),
 ) -> Result<()> {
     let (engine, api) = (&running.engine, &running.api);
     if let Some(k) = &keeper {
@@ -966,7 +967,7 @@ fn serve_until_stopped(
             k.save_when_due(engine);
         }
         let activity = engine.activity();
-        if !listen.keep_running && engine.finished() && activity == last_activity {
+        if !keep_running && engine.finished() && activity == last_activity {
             quiet_polls += 1;
             if quiet_polls >= 3 {
                 break "finished";

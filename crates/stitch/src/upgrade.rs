@@ -177,7 +177,7 @@ pub fn take_over(socket: &Path, ready_fd: i32) -> Result<()> {
         started.keeper,
         &s.file,
         s.duration,
-        (s.json, &s.listen),
+        (s.json, s.keep_running),
     )
 }
 

@@ -160,11 +160,18 @@ impl Class {
         let (memfd, mapping, hugepages) = match map_memfd(name, bytes, true) {
             Ok((fd, mapping)) => (fd, mapping, true),
             Err(e) => {
+                // The file holds the total reserved: what to write there is that plus this
+                // pool's pages (each pool says its own; the README gives the sum for both).
+                let reserved: usize = std::fs::read_to_string("/proc/sys/vm/nr_hugepages")
+                    .ok()
+                    .and_then(|t| t.trim().parse().ok())
+                    .unwrap_or(0);
                 log::info!(
                     "no 2 MiB hugepages for the {} MiB {name} pool ({e}); using ordinary pages \
-                     (reserve with: echo {} > /proc/sys/vm/nr_hugepages)",
+                     (it takes {} of them: echo {} > /proc/sys/vm/nr_hugepages)",
                     bytes >> 20,
-                    bytes / HUGE_PAGE
+                    bytes / HUGE_PAGE,
+                    reserved + bytes / HUGE_PAGE
                 );
                 let (fd, mapping) = map_memfd(name, bytes, false)
                     .map_err(|source| PoolError::Map { bytes, source })?;
