@@ -233,6 +233,7 @@ impl Api {
     pub fn status(&self) -> Value {
         let mut v = json!({
             "instance": self.instance,
+            "pid": std::process::id(),
             "graph_file": self.graph_file,
             "placements": self.placements.created(),
         });

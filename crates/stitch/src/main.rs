@@ -338,7 +338,13 @@ fn main() {
         LogFormat::Text => logs.init(),
         LogFormat::Json => logs.json().flatten_event(true).init(),
     }
-    if let Err(e) = run_cli(cli) {
+    // A process `stitch upgrade` started runs under the operator's own command line (what
+    // `ps` shows), and is told by its environment to take the instance over instead.
+    let result = match upgrade::taking_over() {
+        Some((socket, ready_fd)) => upgrade::take_over(&socket, ready_fd),
+        None => run_cli(cli),
+    };
+    if let Err(e) = result {
         eprintln!("stitch: {e:#}");
         std::process::exit(1);
     }

@@ -88,6 +88,49 @@ fn upgrade_on_sigusr2(socket: PathBuf) -> Result<()> {
 /// The descriptor number the new process reports on.
 const READY_FD: i32 = 3;
 
+/// The environment that tells a process to take an instance over: its API socket, and the
+/// descriptor it reports on.
+const TAKE_OVER_ENV: &str = "STITCH_TAKE_OVER";
+const READY_FD_ENV: &str = "STITCH_READY_FD";
+
+/// What this process was told to take over (and removes the word from its environment, so
+/// that nothing it starts inherits it).
+pub fn taking_over() -> Option<(PathBuf, i32)> {
+    let socket = std::env::var_os(TAKE_OVER_ENV)?;
+    let fd = std::env::var(READY_FD_ENV)
+        .ok()
+        .and_then(|f| f.parse().ok());
+    // SAFETY: called first thing in main, before any other thread exists.
+    unsafe {
+        std::env::remove_var(TAKE_OVER_ENV);
+        std::env::remove_var(READY_FD_ENV);
+    }
+    Some((PathBuf::from(socket), fd.unwrap_or(READY_FD)))
+}
+
+/// The command line the process serving `socket` runs under (the instance's status names
+/// its pid; the socket's peer credentials would name the process that first listened, gone
+/// after an upgrade): the successor is started under the same, so `ps` shows what the
+/// operator started.
+fn command_line_of(socket: &Path) -> Option<Vec<std::ffi::OsString>> {
+    use std::os::unix::ffi::OsStrExt;
+    let status = stitch_api::client::json(
+        socket,
+        stitch_api::client::Method::GET,
+        "/api/v1/status",
+        None,
+    )
+    .ok()?;
+    let pid = status["pid"].as_u64()?;
+    let raw = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    let args: Vec<std::ffi::OsString> = raw
+        .split(|&b| b == 0)
+        .filter(|a| !a.is_empty())
+        .map(|a| std::ffi::OsStr::from_bytes(a).to_os_string())
+        .collect();
+    (!args.is_empty()).then_some(args)
+}
+
 /// `stitch upgrade`: starts the new process and reports what it says.
 pub fn upgrade(args: UpgradeArgs) -> Result<()> {
     let binary = match args.binary {
@@ -99,12 +142,23 @@ pub fn upgrade(args: UpgradeArgs) -> Result<()> {
     let ready_w: OwnedFd = ready_w.into();
     let raw = ready_w.as_raw_fd();
     let mut cmd = std::process::Command::new(&binary);
-    cmd.arg("take-over")
-        .arg("--control")
-        .arg(&socket)
-        .arg("--ready-fd")
-        .arg(READY_FD.to_string())
-        .stdin(std::process::Stdio::null());
+    match command_line_of(&socket) {
+        Some(argv) => {
+            cmd.arg0(&argv[0])
+                .args(&argv[1..])
+                .env(TAKE_OVER_ENV, &socket)
+                .env(READY_FD_ENV, READY_FD.to_string());
+        }
+        // Not known (another user's process): under a command line of its own.
+        None => {
+            cmd.arg("take-over")
+                .arg("--control")
+                .arg(&socket)
+                .arg("--ready-fd")
+                .arg(READY_FD.to_string());
+        }
+    }
+    cmd.stdin(std::process::Stdio::null());
     // SAFETY: between fork and exec only async-signal-safe calls (dup2, setsid) on descriptors
     // this process owns.
     unsafe {

@@ -9,23 +9,24 @@ use common::*;
 use std::path::Path;
 use std::process::Command;
 
-/// The newest process that took `s` over: one a signal started, whose pid no report gave.
+/// The process that took `s` over last, once its predecessor is gone: one a signal started,
+/// whose pid no report gave (the instance's status names it). It runs under the command the
+/// operator started.
 fn newest_take_over(s: &Stitch) -> Successor {
-    // The brackets keep the pattern from matching the shell that runs pgrep.
-    let find = format!("pgrep -n -f '[t]ake-over --control {}'", s.socket.display());
     let since = std::time::Instant::now();
     loop {
-        let out = Command::new("sh").args(["-c", &find]).output().unwrap();
-        if let Ok(pid) = String::from_utf8_lossy(&out.stdout).trim().parse() {
-            return Successor(pid);
+        if let Some(pid) = serving(&s.socket).filter(|&p| alive(p as i32)) {
+            let line = command_line(pid);
+            assert!(
+                line.iter().any(|a| a == "run") && !line.iter().any(|a| a == "take-over"),
+                "the successor runs as {line:?}"
+            );
+            return Successor(pid as i32);
         }
         assert!(
-            since.elapsed().as_secs() < 5,
-            "no take-over process; what runs on the socket: {}",
-            must(&format!(
-                "pgrep -a -f '[-]-control {}' || true",
-                s.socket.display()
-            ))
+            since.elapsed().as_secs() < 10,
+            "no process answers on {} after the hand-over",
+            s.socket.display()
         );
         std::thread::sleep(std::time::Duration::from_millis(50));
     }

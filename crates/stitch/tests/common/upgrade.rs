@@ -41,6 +41,7 @@ pub fn upgrade_with(s: &Stitch, binary: &str) -> std::process::Output {
 
 /// Upgrades `s` to this build; returns the new process and its report.
 pub fn upgrade(s: &Stitch) -> (Successor, serde_json::Value) {
+    let was = command_line(serving(&s.socket).expect("the instance answers"));
     let o = upgrade_with(s, env!("CARGO_BIN_EXE_stitch"));
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(
@@ -51,5 +52,37 @@ pub fn upgrade(s: &Stitch) -> (Successor, serde_json::Value) {
     let json = &out[out.find('{').expect("a report")..];
     let report: serde_json::Value = serde_json::from_str(json).unwrap();
     let pid = report["pid"].as_i64().unwrap() as i32;
+    // `ps` shows the successor under the command the operator started, not a command of
+    // Stitch's own.
+    assert!(!was.is_empty());
+    assert_eq!(
+        command_line(i64::from(pid)),
+        was,
+        "the successor's command line"
+    );
     (Successor(pid), report)
+}
+
+/// The pid of the process serving the instance on API socket `socket`, as its status says
+/// (`None` while nothing answers).
+pub fn serving(socket: &std::path::Path) -> Option<i64> {
+    let out = Command::new(env!("CARGO_BIN_EXE_stitch"))
+        .args(["show", "--control"])
+        .arg(socket)
+        .output()
+        .ok()?;
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+    status["pid"].as_i64()
+}
+
+/// A process's arguments (empty once it is gone).
+pub fn command_line(pid: i64) -> Vec<String> {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|raw| {
+            raw.split(|&b| b == 0)
+                .filter(|a| !a.is_empty())
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
 }
