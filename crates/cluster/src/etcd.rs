@@ -100,8 +100,10 @@ pub async fn connect_patient(endpoints: &[String]) -> Result<Client> {
     connect_with(endpoints, None).await
 }
 
-/// How long a connection waits for etcd to elect a leader before it gives up.
-const ELECTION_GRACE: Duration = Duration::from_secs(6);
+/// How long a connection waits for etcd to elect a leader before it gives up: an election
+/// takes a few election timeouts (1 s by default), longer on a busy machine, and each round of
+/// tries spends the connect timeout on a member that is gone (the old leader, often).
+const ELECTION_GRACE: Duration = Duration::from_secs(15);
 
 /// Where the next connection starts trying: each connection starts one member further, so that
 /// a member that keeps failing (or is cut off from the others) is not tried first every time.
