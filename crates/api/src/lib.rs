@@ -297,20 +297,53 @@ impl Api {
     /// Counters and rates, every app with its placement (and a process app's supervision
     /// state: running, restarts, last exit).
     pub fn stats_json(&self, stats: &Stats) -> Value {
-        let mut v = rates::stats_json(stats, &self.rates.lock().unwrap());
         let graph = self.placements.graph();
+        let kernel = self.kernel_apps_json(graph.as_ref());
+        self.stats_json_of(
+            stats,
+            graph.as_ref(),
+            |name| self.placements.process(name),
+            kernel,
+        )
+    }
+
+    /// The last counters of an instance that `stop` stops: what is placed beside the engine
+    /// (kernel apps' counters, processes' supervision) read before it goes, the engine's
+    /// after its last breath.
+    pub fn final_stats_json(&self, stop: impl FnOnce() -> Stats) -> Value {
+        let graph = self.placements.graph();
+        let kernel = self.kernel_apps_json(graph.as_ref());
+        let processes: std::collections::HashMap<String, Value> = (graph.iter())
+            .flat_map(|g| g.apps.keys())
+            .filter_map(|name| Some((name.clone(), self.placements.process(name)?)))
+            .collect();
+        let stats = stop();
+        self.stats_json_of(
+            &stats,
+            graph.as_ref(),
+            |name| processes.get(name).cloned(),
+            kernel,
+        )
+    }
+
+    fn stats_json_of(
+        &self,
+        stats: &Stats,
+        graph: Option<&PlacedGraph>,
+        process: impl Fn(&str) -> Option<Value>,
+        kernel: Vec<Value>,
+    ) -> Value {
+        let mut v = rates::stats_json(stats, &self.rates.lock().unwrap());
         if let Some(apps) = v["apps"].as_array_mut() {
             for a in apps.iter_mut() {
                 let name = a["name"].as_str().unwrap_or_default().to_string();
-                let placement = (graph.as_ref())
-                    .map(|g| g.placement(&name))
-                    .unwrap_or_default();
+                let placement = graph.map(|g| g.placement(&name)).unwrap_or_default();
                 a["placement"] = json!(placement.name());
-                if let Some(p) = self.placements.process(&name) {
+                if let Some(p) = process(&name) {
                     a["process"] = p;
                 }
             }
-            apps.extend(self.kernel_apps_json(graph.as_ref()));
+            apps.extend(kernel);
         }
         v
     }

@@ -235,6 +235,31 @@ impl PlacedGraph {
     }
 
     /// Where app `name` runs (the engine for an app the graph does not have).
+    /// How many apps the file has and where they run: `5 apps: 3 in the engine, 1 in a
+    /// process, 1 in the kernel` (only `3 apps` when all are in the engine). What `check`
+    /// and `run` say; the engine also counts the ports it makes at a placement's boundary.
+    pub fn summary(&self) -> String {
+        let n = self.apps.len();
+        let mut out = format!("{n} app{}", if n == 1 { "" } else { "s" });
+        let counts: Vec<String> = Placement::ALL
+            .into_iter()
+            .filter_map(|p| {
+                let k = self.apps.values().filter(|a| a.placement == p).count();
+                let place = match p {
+                    Placement::Engine => "in the engine",
+                    Placement::Kernel => "in the kernel",
+                    Placement::Process => "in a process",
+                    Placement::Vm => "in a VM",
+                };
+                (k > 0).then(|| format!("{k} {place}"))
+            })
+            .collect();
+        if counts.len() > 1 || self.apps.values().any(|a| a.placement != Placement::Engine) {
+            out += &format!(": {}", counts.join(", "));
+        }
+        out
+    }
+
     pub fn placement(&self, name: &str) -> Placement {
         self.apps.get(name).map(|a| a.placement).unwrap_or_default()
     }

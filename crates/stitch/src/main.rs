@@ -387,9 +387,9 @@ fn check(file: &Path, cluster: bool) -> Result<()> {
     }
     let plural = |n: usize, what: &str| format!("{n} {what}{}", if n == 1 { "" } else { "s" });
     println!(
-        "{}: ok ({}, {}, {}){}",
+        "{}: ok ({}; {}, {}){}",
         file.display(),
-        plural(g.apps.len(), "app"),
+        g.summary(),
         plural(g.graph.links.len(), "link"),
         plural(g.graph.workers.len(), "worker"),
         match warnings.len() {
@@ -832,8 +832,7 @@ fn clean_up_crashes(api: &stitch_api::Api, config: &stitch_api::ApiConfig) {
 /// Stops the API, everything placed and the engine; prints the last counters.
 fn finish(r: Running, as_json: bool) -> Result<()> {
     let api = r.api.clone();
-    let stats = r.close();
-    let v = api.stats_json(&stats);
+    let v = api.final_stats_json(|| r.close());
     if as_json {
         println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
@@ -887,6 +886,7 @@ fn run(args: &RunArgs) -> Result<()> {
     }
     let registry = Arc::new(registry());
     let graph = load(file, &registry)?;
+    let summary = graph.summary();
     let graph_file = Some(std::path::absolute(file)?);
     let running = start_instance(registry, instance, listen, graph_file)?;
     let applied = running
@@ -909,7 +909,7 @@ fn run(args: &RunArgs) -> Result<()> {
             )
         })
         .and_then(|report| Ok((report, StateKeeper::start(state, &running.engine)?)));
-    let (report, keeper) = match applied {
+    let (_, keeper) = match applied {
         Ok(started) => started,
         Err(e) => {
             running.abandon();
@@ -917,9 +917,8 @@ fn run(args: &RunArgs) -> Result<()> {
         }
     };
     log::info!(
-        "running {} ({} apps); API on {}",
+        "running {} ({summary}); API on {}",
         file.display(),
-        report.engine.started.len(),
         running.config.unix.display()
     );
     serve_until_stopped(running, keeper, file, duration, (as_json, *keep_running))

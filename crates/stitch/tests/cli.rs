@@ -221,7 +221,7 @@ fn check_reports_file_line_and_problem() {
         "apps:\n  a: { type: generator }\n  b: { type: sink }\nlinks: [\"a.output -> b.input\"]\n",
     );
     assert!(ok(stitch().arg("check").arg(&good).output().unwrap())
-        .contains("ok (2 apps, 1 link, 1 worker)"));
+        .contains("ok (2 apps; 1 link, 1 worker)"));
     let dot = ok(stitch().arg("graph").arg(&good).output().unwrap());
     assert!(
         dot.starts_with("digraph stitch {") && dot.contains("\"a\" -> \"b\""),
@@ -256,7 +256,7 @@ fn check_warns_of_what_this_host_lacks_and_run_and_apply_refuse_it_at_its_line()
     );
     assert!(out.status.success(), "{stderr}");
     assert!(
-        stdout.contains("ok (4 apps, 2 links, 1 worker); 3 warnings about this host"),
+        stdout.contains("ok (4 apps; 2 links, 1 worker); 3 warnings about this host"),
         "{stdout}"
     );
     assert!(

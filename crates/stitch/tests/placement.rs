@@ -818,7 +818,23 @@ fn every_placement_in_one_graph_carries_traffic_and_restarts_lose_nothing_elsewh
         pid_of(&s, "vm1").is_some_and(|p| p != vm_pid)
     });
     assert!(answers(&guest, 120), "the restarted guest answers");
-    s.stop();
+    // The last counters name every app where it ran, the kernel's router with what it
+    // forwarded, the processes with their supervision.
+    let last = s.stop();
+    let placed = |name: &str| {
+        let a = app(&last, name);
+        (
+            a["placement"].as_str().unwrap_or("?").to_string(),
+            a.clone(),
+        )
+    };
+    let (at, r) = placed("r");
+    assert_eq!(at, "kernel", "{last}");
+    assert!(r["rx_packets"].as_u64().unwrap_or(0) > 0, "{r}");
+    let (at, nf) = placed("nf");
+    assert_eq!(at, "process", "{last}");
+    assert!(nf["process"]["starts"].as_u64().unwrap_or(0) >= 2, "{nf}");
+    assert_eq!(placed("vm1").0, "vm", "{last}");
 }
 
 #[test]
