@@ -91,13 +91,14 @@ pub enum BenchCmd {
     /// What `af_xdp` steering rules cost a frame in the interface's XDP program, timed by the
     /// kernel against the program without rules.
     XdpSteer(crate::xdp_steer::XdpSteerArgs),
-    /// One network function with a realistic table (router, firewall, firewall-stateless, nat,
-    /// bridge, vxlan, vxlan6, vlan, policer, load_balancer — or `all`) against a raw-ring
-    /// baseline in the same run.
     /// One function as 1, 2, … shards between two veth interfaces (fanout), each shard's
     /// packets per CPU-second, and the hand-off hop between shards.
     Shards(crate::shards::ShardsArgs),
+    /// One network function with a realistic table against a raw-ring baseline in the same
+    /// run.
     Nf {
+        /// The function (the names are the benchmark's own list), or `all`.
+        #[arg(value_parser = nf_names())]
         name: String,
         /// Measured seconds per loop.
         #[arg(long, default_value_t = 2.0)]
@@ -108,6 +109,11 @@ pub enum BenchCmd {
         #[command(flatten)]
         stateful: nf::StatefulArgs,
     },
+}
+
+/// What `stitch bench nf` takes: every function it measures, and `all`.
+fn nf_names() -> clap::builder::PossibleValuesParser {
+    clap::builder::PossibleValuesParser::new(nf::NAMES.iter().copied().chain(["all"]))
 }
 
 /// 2 MiB hugepages reserved for one benchmark (the packet pool takes them by itself when
