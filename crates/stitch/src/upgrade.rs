@@ -131,6 +131,26 @@ fn command_line_of(socket: &Path) -> Option<Vec<std::ffi::OsString>> {
     (!args.is_empty()).then_some(args)
 }
 
+/// An agent's instance offers no hand-over: it is restarted instead, and finds its host's
+/// graph again in etcd.
+fn refuse_an_agent(socket: &Path) -> Result<()> {
+    let status = stitch_api::client::json(
+        socket,
+        stitch_api::client::Method::GET,
+        "/api/v1/status",
+        None,
+    );
+    if status.is_ok_and(|s| s.get("agent").is_some()) {
+        anyhow::bail!(
+            "{} is a cluster agent's instance: an agent is not upgraded in place; restart it \
+             with the new binary (systemctl restart, or stop it and start `stitch agent` \
+             again): it finds its host's graph again in etcd (docs/cluster.md)",
+            socket.display()
+        );
+    }
+    Ok(())
+}
+
 /// `stitch upgrade`: starts the new process and reports what it says.
 pub fn upgrade(args: UpgradeArgs) -> Result<()> {
     let binary = match args.binary {
@@ -138,6 +158,7 @@ pub fn upgrade(args: UpgradeArgs) -> Result<()> {
         None => std::env::current_exe().context("which binary runs this command")?,
     };
     let socket = args.instance.socket();
+    refuse_an_agent(&socket)?;
     let (mut ready, ready_w) = std::io::pipe()?;
     let ready_w: OwnedFd = ready_w.into();
     let raw = ready_w.as_raw_fd();
@@ -213,11 +234,15 @@ pub fn take_over(socket: &Path, ready_fd: i32) -> Result<()> {
     let started = match taken {
         Ok(t) => t,
         Err(e) => {
-            let _ = writeln!(
+            let said = writeln!(
                 ready,
                 "{}",
                 serde_json::json!({ "error": format!("{e:#}") })
             );
+            if said.is_ok() {
+                // `stitch upgrade` prints it; printed here too, its terminal would show it twice.
+                std::process::exit(1);
+            }
             return Err(e);
         }
     };

@@ -441,6 +441,7 @@ fn a_chain_across_three_hosts_survives_a_dead_agent_a_lost_etcd_leader_and_a_cut
     refuses_bad_input(&c);
     let host_end = carries_the_chain(&c);
     learns_the_path_mtu(&c, &host_end);
+    is_not_upgraded_in_place(&c);
     let ping = c.paced_ping();
     std::thread::sleep(Duration::from_secs(1));
     moves_the_nat_when_its_agent_dies(&mut c);
@@ -597,6 +598,32 @@ fn learns_the_path_mtu(c: &Cluster, host_end: &[String]) {
         String::from_utf8_lossy(&fits.stdout)
     );
     set_mtu(1450);
+}
+
+/// An agent offers no hand-over: `stitch upgrade` says so once and what to do instead, and
+/// SIGUSR2 (an instance's upgrade signal) leaves it running, with a line in its log, instead
+/// of ending it and its host's traffic.
+fn is_not_upgraded_in_place(c: &Cluster) {
+    let o = Command::new(env!("CARGO_BIN_EXE_stitch"))
+        .args(["upgrade", "--control"])
+        .arg(c.socket(2))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert_eq!(
+        err.matches("is a cluster agent's instance").count(),
+        1,
+        "{err}"
+    );
+    let agent = c.agents[2].as_ref().unwrap().0.id() as i32;
+    // SAFETY: kill takes no pointers.
+    unsafe { libc::kill(agent, libc::SIGUSR2) };
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(alive(agent), "SIGUSR2 ended the agent");
+    assert!(c.status(2).is_some(), "the agent's instance answers");
+    let wa = c.workload('a');
+    assert!(c.exec(&wa, "ping -c1 -W2 10.20.2.2").status.success());
 }
 
 /// Kill host 2's agent (and its engine, NAT and all): the NAT moves, traffic resumes.
