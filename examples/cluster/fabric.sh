@@ -27,6 +27,9 @@ down() {
             ip netns del "$ns"
         fi
     done
+    # host-local's leases of the example's networks: left behind, the next run's containers
+    # would get other addresses than the walkthrough's (10.20.1.2 and 10.20.2.2).
+    rm -rf /var/lib/cni/networks/chain-a /var/lib/cni/networks/chain-b
 }
 
 # A certificate signed by the example's CA: NAME, its common name, SAN and key usages.
