@@ -157,6 +157,16 @@ pub struct Assignment {
     pub workload_mtu: Option<u32>,
 }
 
+impl Assignment {
+    /// Whether `other` gives the host what this one does (its document and workload MTU, from
+    /// the same graphs), whatever revisions of those graphs each was made from.
+    pub fn same_part(&self, other: &Assignment) -> bool {
+        self.document == other.document
+            && self.workload_mtu == other.workload_mtu
+            && self.graphs.keys().eq(other.graphs.keys())
+    }
+}
+
 /// What an agent reports after each apply.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct StatusRecord {

@@ -313,7 +313,9 @@ pub fn schedule(
         .keys()
         .map(|h| {
             let new = host_assignment(h, graphs, &documents, &placements, hosts);
-            let kept = assigned.get(h).filter(|old| **old == new);
+            // A host whose part is what it runs keeps its assignment, revisions and all: it
+            // is not written again, and its agent does not apply it again.
+            let kept = assigned.get(h).filter(|old| old.same_part(&new));
             (h.clone(), kept.cloned().unwrap_or(new))
         })
         .collect();
@@ -575,6 +577,28 @@ mod tests {
     }
 
     const CHAIN: &str = "apps:\n  a: { type: forwarder, host: h1 }\n  b: { type: forwarder, hosts: { zone: b } }\n  c: { type: forwarder, host: h3 }\nlinks:\n  - \"a.output -> b.input\"\n  - \"b.output -> c.input\"\n  - \"c.output -> a.input\"\n";
+
+    /// A new revision that changes one host's app leaves the other hosts' assignments as they
+    /// were (their recorded revision included), so nothing is written for them.
+    #[test]
+    fn a_change_on_one_host_leaves_the_others_assignments_alone() {
+        let live = hosts(&["h1", "h2", "h3"]);
+        let first = schedule(&[graph(CHAIN)], &live, &BTreeMap::new(), &BTreeMap::new());
+        let mut changed = graph(&CHAIN.replace(
+            "c: { type: forwarder, host: h3 }",
+            "c: { type: rate_meter, host: h3 }",
+        ));
+        changed.revision = 8;
+        let second = schedule(&[changed], &live, &first.placements, &first.assignments);
+        assert_eq!(second.assignments["h1"], first.assignments["h1"]);
+        assert_eq!(second.assignments["h2"], first.assignments["h2"]);
+        assert_eq!(second.assignments["h1"].graphs["chain"], 7);
+        assert_ne!(second.assignments["h3"], first.assignments["h3"]);
+        assert_eq!(second.assignments["h3"].graphs["chain"], 8);
+        // What `apply --wait` waits for: h3 at 8, the others at what they run.
+        let hosts = &second.placements["chain"].hosts;
+        assert_eq!((hosts["h1"], hosts["h2"], hosts["h3"]), (7, 7, 8));
+    }
 
     #[test]
     fn pins_and_labels_place_apps_and_cross_host_links_become_tunnels() {
