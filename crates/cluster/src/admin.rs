@@ -149,15 +149,21 @@ fn check_against(
     errors
 }
 
-/// Stores the graph of `file` as cluster graph `name`, if its revision is still `expected`
-/// (by default the one read here). Nothing is written when a check fails.
-pub async fn apply(
+/// A graph file read and checked against the cluster as it is: what `apply` writes and what
+/// `--dry-run` plans with.
+struct Checked {
+    graph: PlacedGraph,
+    record: GraphRecord,
+    state: ClusterState,
+    client: etcd_client::Client,
+}
+
+async fn read_and_check(
     endpoints: &[String],
     file: &Path,
     name: &str,
-    expected: Option<i64>,
     registry: &Registry,
-) -> Result<Applied> {
+) -> Result<Checked> {
     check_name(name)?;
     let text =
         std::fs::read_to_string(file).with_context(|| format!("cannot read {}", file.display()))?;
@@ -182,13 +188,117 @@ pub async fn apply(
             }
         );
     }
+    Ok(Checked {
+        graph,
+        record: GraphRecord {
+            text,
+            file: shown,
+            dir,
+        },
+        state,
+        client,
+    })
+}
+
+/// What applying `file` as graph `name` would change, host by host, as the controller would
+/// decide it on the cluster as it is now (its live hosts): nothing is written. One line per
+/// host.
+pub async fn dry_run(
+    endpoints: &[String],
+    file: &Path,
+    name: &str,
+    registry: &Registry,
+) -> Result<Vec<String>> {
+    let Checked { graph, state, .. } = read_and_check(endpoints, file, name, registry).await?;
+    let (mut graphs, _) = crate::controller::parse_graphs(&state, registry);
+    graphs.retain(|g| g.name != name);
+    graphs.push(crate::schedule::ClusterGraph {
+        name: name.to_string(),
+        revision: state.revision + 1,
+        graph,
+    });
+    let hosts = crate::schedule::Hosts {
+        registered: state.hosts.clone(),
+        live: state.live.clone(),
+    };
+    let assigned: BTreeMap<String, keys::Assignment> = (state.assignments.iter())
+        .map(|(h, (a, _))| (h.clone(), a.clone()))
+        .collect();
+    let decision = crate::schedule::schedule(&graphs, &hosts, &state.placements, &assigned);
+    let mut lines = Vec::new();
+    let all: std::collections::BTreeSet<&String> =
+        assigned.keys().chain(decision.assignments.keys()).collect();
+    for host in all {
+        let (before, after) = (assigned.get(host), decision.assignments.get(host));
+        let line = match (before, after) {
+            (Some(b), Some(a)) if b.same_part(a) => "unchanged (not written)".to_string(),
+            (b, a) => host_changes(b, a),
+        };
+        let live = if state.live.contains(host) {
+            ""
+        } else {
+            " (not live)"
+        };
+        lines.push(format!("host {host}{live}: {line}"));
+    }
+    Ok(lines)
+}
+
+/// The apps a host's assignment gains, loses and changes, and its links before and after.
+fn host_changes(before: Option<&keys::Assignment>, after: Option<&keys::Assignment>) -> String {
+    let apps = |a: Option<&keys::Assignment>| -> BTreeMap<String, Value> {
+        a.and_then(|a| a.document["apps"].as_object())
+            .map(|m| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
+            .unwrap_or_default()
+    };
+    let links = |a: Option<&keys::Assignment>| {
+        a.and_then(|a| a.document["links"].as_array())
+            .map_or(0, Vec::len)
+    };
+    let (b, a) = (apps(before), apps(after));
+    let list = |names: Vec<&String>| {
+        if names.is_empty() {
+            "-".to_string()
+        } else {
+            names
+                .iter()
+                .map(|n| n.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        }
+    };
+    let added = list(a.keys().filter(|k| !b.contains_key(*k)).collect());
+    let removed = list(b.keys().filter(|k| !a.contains_key(*k)).collect());
+    let changed = list(
+        a.iter()
+            .filter(|(k, v)| b.get(*k).is_some_and(|old| old != *v))
+            .map(|(k, _)| k)
+            .collect(),
+    );
+    format!(
+        "apps added: {added}; changed: {changed}; removed: {removed}; links {} -> {}",
+        links(before),
+        links(after)
+    )
+}
+
+/// Stores the graph of `file` as cluster graph `name`, if its revision is still `expected`
+/// (by default the one read here). Nothing is written when a check fails.
+pub async fn apply(
+    endpoints: &[String],
+    file: &Path,
+    name: &str,
+    expected: Option<i64>,
+    registry: &Registry,
+) -> Result<Applied> {
+    let Checked {
+        graph,
+        record,
+        state,
+        mut client,
+    } = read_and_check(endpoints, file, name, registry).await?;
     let previous = state.graphs.get(name).map(|(_, r)| *r).unwrap_or(0);
     let expected = expected.unwrap_or(previous);
-    let record = GraphRecord {
-        text,
-        file: shown,
-        dir,
-    };
     let r = client
         .txn(
             Txn::new()

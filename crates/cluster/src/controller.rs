@@ -92,7 +92,7 @@ pub async fn lead(client: &mut Client, leader: &LeaderKey, registry: &Arc<Regist
 }
 
 /// The graphs that parse, and a placement with the reason for each that does not.
-fn parse_graphs(
+pub(crate) fn parse_graphs(
     state: &ClusterState,
     registry: &Registry,
 ) -> (Vec<ClusterGraph>, BTreeMap<String, PlacementRecord>) {

@@ -124,6 +124,10 @@ pub enum ClusterCmd {
         /// Wait up to this many seconds for every live host to run the new revision.
         #[arg(long)]
         wait: Option<f64>,
+        /// Check the file against the cluster and print what each host's part would become
+        /// (apps added, changed, removed), as the controller would place it now; write nothing.
+        #[arg(long, conflicts_with_all = ["wait", "if_revision"])]
+        dry_run: bool,
     },
     /// Hosts (live, underlay, labels, the revision each applied), the controller, and each
     /// graph's apps with their hosts and tunnels.
@@ -169,12 +173,21 @@ pub fn run_cluster(cmd: ClusterCmd) -> Result<()> {
             graph,
             if_revision,
             wait,
+            dry_run,
         } => {
             let name = match graph {
                 Some(g) => g,
                 None => admin::graph_name(&file)?,
             };
             let endpoints = etcd.endpoints()?;
+            if dry_run {
+                let lines = etcd::block_on(admin::dry_run(&endpoints, &file, &name, &registry))?;
+                println!("graph {name}: a dry run, nothing was written");
+                for l in lines {
+                    println!("  {l}");
+                }
+                return Ok(());
+            }
             let applied = etcd::block_on(admin::apply(
                 &endpoints,
                 &file,

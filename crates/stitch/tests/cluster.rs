@@ -442,6 +442,7 @@ fn a_chain_across_three_hosts_survives_a_dead_agent_a_lost_etcd_leader_and_a_cut
     let host_end = carries_the_chain(&c);
     learns_the_path_mtu(&c, &host_end);
     is_not_upgraded_in_place(&c);
+    plans_a_change_without_writing(&c);
     let ping = c.paced_ping();
     std::thread::sleep(Duration::from_secs(1));
     moves_the_nat_when_its_agent_dies(&mut c);
@@ -598,6 +599,27 @@ fn learns_the_path_mtu(c: &Cluster, host_end: &[String]) {
         String::from_utf8_lossy(&fits.stdout)
     );
     set_mtu(1450);
+}
+
+/// `cluster apply --dry-run` of a change on host 1 says host 1's part gains the app and the
+/// other hosts' parts stay as they are, and writes nothing.
+fn plans_a_change_without_writing(c: &Cluster) {
+    let before = c.cluster_status(0)["graphs"].clone();
+    let file = c.write(
+        "chain-extra.yaml",
+        &chain("  extra: { type: sink, host: h1 }\n"),
+    );
+    let (ok, out) = c.cli(
+        0,
+        &format!("apply --graph chain --dry-run {}", file.display()),
+    );
+    assert!(ok, "{out}");
+    assert!(out.contains("a dry run, nothing was written"), "{out}");
+    assert!(out.contains("host h1: apps added: extra;"), "{out}");
+    for h in ["h2", "h3"] {
+        assert!(out.contains(&format!("host {h}: unchanged")), "{out}");
+    }
+    assert_eq!(c.cluster_status(0)["graphs"], before, "the dry run wrote");
 }
 
 /// An agent offers no hand-over: `stitch upgrade` says so once and what to do instead, and
