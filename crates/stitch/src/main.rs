@@ -400,6 +400,13 @@ fn check(file: &Path, cluster: bool) -> Result<()> {
             ),
         }
     );
+    if cluster {
+        // Offline, the hosts are unknown: a pin to a host that does not exist passes here.
+        println!(
+            "hosts, labels and app names are checked against the cluster by `stitch cluster \
+             apply`; `stitch cluster apply --dry-run FILE` shows where each app would run"
+        );
+    }
     Ok(())
 }
 
