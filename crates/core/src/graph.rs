@@ -593,6 +593,7 @@ fn parse_inner(
             registry,
             extension,
             file_keys: &file_keys,
+            text,
         };
         if let Some((app, keys, shards)) = parse_app(name, entry, &context, errors) {
             app_keys.insert(app.name.clone(), keys);
@@ -705,6 +706,8 @@ struct AppContext<'a> {
     registry: &'a Registry,
     extension: &'a KeyExtension,
     file_keys: &'a ExtensionKeys,
+    /// The file, for the place of a key inside a setting (`rules[1].colour`).
+    text: &'a str,
 }
 
 /// The file's YAML, or its syntax error (the message alone: `GraphErrors` prints the place).
@@ -744,6 +747,44 @@ fn parse_workers(
         }
     }
     workers
+}
+
+/// Where the key an "unknown field `NAME`" message names is written first at or after `from`
+/// (line, column) in `text`: serde stops at the first unknown key, so its first occurrence
+/// after the setting that holds it is the one.
+fn unknown_key_after(text: &str, from: (usize, usize), message: &str) -> Option<(usize, usize)> {
+    let name = message
+        .strip_prefix("unknown field `")?
+        .split('`')
+        .next()
+        .filter(|n| !n.is_empty())?;
+    let (line, column) = from;
+    for (i, l) in text.lines().enumerate().skip(line.checked_sub(1)?) {
+        let start = if i + 1 == line {
+            column.saturating_sub(1)
+        } else {
+            0
+        };
+        let Some(rest) = l.get(start..) else { continue };
+        let mut at = 0;
+        while let Some(found) = rest[at..].find(name) {
+            let p = at + found;
+            let before = rest[..p].chars().next_back();
+            let after = rest[p + name.len()..].trim_start();
+            let quoted = before.is_some_and(|c| c == '"' || c == '\'');
+            let starts = before.is_none_or(|c| c.is_whitespace() || "{,[-".contains(c)) || quoted;
+            let after = if quoted {
+                &after[1.min(after.len())..]
+            } else {
+                after
+            };
+            if starts && after.trim_start().starts_with(':') {
+                return Some((i + 1, start + p + 1 - usize::from(quoted)));
+            }
+            at = p + name.len();
+        }
+    }
+    None
 }
 
 /// The keys of an app entry that the graph reads itself, the extension's keys, and the rest:
@@ -797,6 +838,11 @@ fn parse_app(
         Err(e) => {
             let key = e.path.split(['.', '[']).next().unwrap_or_default();
             let key_at = keys.key_lines.get(key).copied().unwrap_or(at);
+            // An unknown key inside a setting (a rule's, an interface's) is at its own place.
+            let key_at = (e.path != key)
+                .then(|| unknown_key_after(context.text, key_at, &e.message))
+                .flatten()
+                .unwrap_or(key_at);
             let what = if e.path.is_empty() || e.path == "." {
                 String::new()
             } else {
@@ -1171,6 +1217,23 @@ fn link_problems(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_unknown_key_inside_a_setting_is_found_where_it_is_written() {
+        let text = "apps:\n  fw:\n    type: firewall\n    rules:\n      - { action: accept }\n      - { action: drop, colour: blue }\n      - { \"size\": 3 }\n";
+        let message = "unknown field `colour`, expected one of `action`";
+        assert_eq!(unknown_key_after(text, (4, 5), message), Some((6, 25)));
+        // Not a word that only contains the name, and a quoted key at its quote.
+        let text = "apps:\n  a:\n    rules: [{ xsize: 1 }, { \"size\": 2 }]\n";
+        assert_eq!(
+            unknown_key_after(text, (3, 5), "unknown field `size`, expected `x`"),
+            Some((3, 29))
+        );
+        assert_eq!(
+            unknown_key_after(text, (3, 5), "invalid type: string"),
+            None
+        );
+    }
     use crate::app::{App, AppContext, AppError, AppType, PortSpec};
 
     #[derive(schemars::JsonSchema, serde::Serialize, Deserialize)]
