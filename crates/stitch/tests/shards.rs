@@ -226,6 +226,17 @@ fn a_nat_in_two_shards_carries_a_thousand_connections_and_each_reply_finds_its_s
         .filter(|w| w.starts_with('f'))
         .collect();
     assert_eq!(rows, ["f", "f:0", "f:1"], "{table}");
+    // `stitch show`: the app's tables, shard by shard, under the app's own name.
+    let shown = show(&s, "f");
+    let tables: Vec<&str> = (shown["shards"].as_array().unwrap().iter())
+        .map(|t| t["shard"].as_str().unwrap())
+        .collect();
+    assert_eq!(tables, ["f:0", "f:1"], "{shown}");
+    assert!(
+        (shown["shards"].as_array().unwrap().iter())
+            .all(|t| t["count"].as_u64().unwrap_or(0) >= 200),
+        "each shard's mappings: {shown}"
+    );
     let stats = s.stop();
     let total = app(&stats, "f");
     assert_eq!(total["shards"], serde_json::json!(["f:0", "f:1"]));
