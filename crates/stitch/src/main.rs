@@ -836,25 +836,6 @@ fn clean_up_crashes(api: &stitch_api::Api, config: &stitch_api::ApiConfig) {
     }
 }
 
-/// SIGUSR2 asks a `stitch run` instance to upgrade; an agent is not upgraded in place, and
-/// the signal's default would end it (and its host's traffic) without a word: it says so in
-/// the log and runs on.
-fn refuse_upgrade_signals() -> Result<()> {
-    let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGUSR2])
-        .context("cannot install the SIGUSR2 handler")?;
-    std::thread::Builder::new()
-        .name("stitch-sigusr2".into())
-        .spawn(move || {
-            for _ in signals.forever() {
-                log::warn!(
-                    "SIGUSR2: an agent is not upgraded in place; it runs on (restart it with \
-                     the new binary: it finds its host's graph again in etcd)"
-                );
-            }
-        })?;
-    Ok(())
-}
-
 /// Stops the API, everything placed and the engine; prints the last counters.
 fn finish(r: Running, as_json: bool) -> Result<()> {
     let api = r.api.clone();
@@ -884,7 +865,7 @@ fn serve(
         .apply(empty)
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     let stop_feed = feed(&running.api)?;
-    refuse_upgrade_signals()?;
+    upgrade::refuse_on_sigusr2()?;
     log::info!("running; API on {}", running.config.unix.display());
     while !running.stop.load(Ordering::Relaxed) {
         std::thread::sleep(Duration::from_millis(10));

@@ -55,34 +55,49 @@ fn upgrade_on_sigusr2(socket: PathBuf) -> Result<()> {
         Some(path) => PathBuf::from(path),
         None => binary,
     };
+    on_sigusr2(move || {
+        log::info!("SIGUSR2: upgrading to {}", binary.display());
+        let out = std::process::Command::new(&binary)
+            .args(["upgrade", "--control"])
+            .arg(&socket)
+            .arg("--binary")
+            .arg(&binary)
+            .stdin(std::process::Stdio::null())
+            // Its report would be written after this process left.
+            .stdout(std::process::Stdio::null())
+            .output();
+        match out {
+            // Handed over: this process is leaving (the hand-over thread exits it).
+            Ok(o) if o.status.success() => {}
+            Ok(o) => log::error!(
+                "SIGUSR2: upgrade failed: {}",
+                String::from_utf8_lossy(&o.stderr).trim()
+            ),
+            Err(e) => log::error!("SIGUSR2: cannot run {}: {e}", binary.display()),
+        }
+    })
+}
+
+/// Runs `action` on a thread of its own at every SIGUSR2.
+fn on_sigusr2(mut action: impl FnMut() + Send + 'static) -> Result<()> {
     let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGUSR2])
         .context("cannot install the SIGUSR2 handler")?;
     std::thread::Builder::new()
         .name("stitch-sigusr2".into())
-        .spawn(move || {
-            for _ in signals.forever() {
-                log::info!("SIGUSR2: upgrading to {}", binary.display());
-                let out = std::process::Command::new(&binary)
-                    .args(["upgrade", "--control"])
-                    .arg(&socket)
-                    .arg("--binary")
-                    .arg(&binary)
-                    .stdin(std::process::Stdio::null())
-                    // Its report would be written after this process left.
-                    .stdout(std::process::Stdio::null())
-                    .output();
-                match out {
-                    // Handed over: this process is leaving (the hand-over thread exits it).
-                    Ok(o) if o.status.success() => {}
-                    Ok(o) => log::error!(
-                        "SIGUSR2: upgrade failed: {}",
-                        String::from_utf8_lossy(&o.stderr).trim()
-                    ),
-                    Err(e) => log::error!("SIGUSR2: cannot run {}: {e}", binary.display()),
-                }
-            }
-        })?;
+        .spawn(move || signals.forever().for_each(|_| action()))?;
     Ok(())
+}
+
+/// SIGUSR2 asks a `stitch run` instance to upgrade; an agent is not upgraded in place, and
+/// the signal's default would end it (and its host's traffic) without a word: it says so in
+/// the log and runs on.
+pub fn refuse_on_sigusr2() -> Result<()> {
+    on_sigusr2(|| {
+        log::warn!(
+            "SIGUSR2: an agent is not upgraded in place; it runs on (restart it with the new \
+             binary: it finds its host's graph again in etcd)"
+        )
+    })
 }
 
 /// The descriptor number the new process reports on.
