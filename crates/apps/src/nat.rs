@@ -973,11 +973,27 @@ impl Nat {
 }
 
 /// What the NAT carries across a restart of Stitch (format version [`STATE_VERSION`]): its
-/// live mappings, each with the time it has left, and the inside hosts' MAC addresses.
+/// live mappings, each with the time it has left, the inside hosts' MAC addresses, and — a
+/// shard's — which inside endpoints it owns have their mapping on another shard (made before
+/// a change of the number of shards): without them, an upgrade would have such an endpoint's
+/// next packet make a new mapping, another external port, here.
 #[derive(serde::Serialize, Deserialize)]
 struct NatState {
     mappings: Vec<MappingState>,
     hosts: Vec<(Ipv4Addr, [u8; 6])>,
+    /// The number of shards the pointers are for (a snapshot of an older version has none).
+    #[serde(default)]
+    shards: u16,
+    #[serde(default)]
+    held_elsewhere: Vec<PointerState>,
+}
+
+#[derive(serde::Serialize, Deserialize)]
+struct PointerState {
+    proto: u8,
+    inside: Inside,
+    shard: u16,
+    expires_in_ms: u64,
 }
 
 #[derive(serde::Serialize, Deserialize)]
@@ -1006,7 +1022,21 @@ impl Nat {
             })
             .collect();
         let hosts = self.hosts.iter().map(|(ip, mac)| (*ip, *mac)).collect();
-        NatState { mappings, hosts }
+        let held_elsewhere = (self.held_elsewhere.iter())
+            .filter(|(_, (_, until))| sessions::ahead(*until, now))
+            .map(|(&(proto, inside), &(shard, until))| PointerState {
+                proto,
+                inside,
+                shard,
+                expires_in_ms: until.wrapping_sub(now) as u64,
+            })
+            .collect();
+        NatState {
+            mappings,
+            hosts,
+            shards: self.shard.1,
+            held_elsewhere,
+        }
     }
 
     /// Takes back a mapping from a snapshot when this configuration would have made it: the
@@ -1279,6 +1309,23 @@ forwards:
             .count();
         for (ip, mac) in state.hosts.into_iter().take(MAX_HOSTS) {
             self.hosts.insert(ip, mac);
+        }
+        // A shard's pointers, when it is the same shard of as many (a change of the number
+        // of shards makes them again from the mappings above).
+        let (me, shards) = self.shard;
+        if state.shards == shards {
+            for p in state.held_elsewhere {
+                let timeout = self.table.sessions.timeout(class_of(p.proto)) as u64;
+                let valid = p.shard != me
+                    && p.shard < shards
+                    && p.expires_in_ms > 0
+                    && self.inside_owner(p.proto, p.inside) == me;
+                if valid {
+                    let until = now.wrapping_add(p.expires_in_ms.min(timeout) as Millis);
+                    self.held_elsewhere
+                        .insert((p.proto, p.inside), (p.shard, until));
+                }
+            }
         }
         self.mappings.set(self.table.sessions.len() as u64);
         log::info!("nat: {kept} of {total} mappings taken back from the snapshot");

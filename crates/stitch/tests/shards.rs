@@ -129,6 +129,20 @@ print("udp sent %d received %d" % (sent[0], len(got)), flush=True)
 "#;
 
 /// A graph of `lan` and `wan` interfaces around `function`, each as `shards` shards.
+/// Datagrams host `i`'s sockets dropped because their receive buffer was full (its
+/// namespace's `RcvbufErrors`).
+fn udp_buffer_drops(h: &TwoHosts, i: usize) -> u64 {
+    let snmp = String::from_utf8(h.exec(i, "cat /proc/net/snmp").stdout).unwrap();
+    let mut udp = snmp.lines().filter(|l| l.starts_with("Udp:"));
+    let (Some(names), Some(values)) = (udp.next(), udp.next()) else {
+        return 0;
+    };
+    (names.split_whitespace().zip(values.split_whitespace()))
+        .find(|(n, _)| *n == "RcvbufErrors")
+        .and_then(|(_, v)| v.parse().ok())
+        .unwrap_or(0)
+}
+
 fn region(h: &TwoHosts, shards: usize, function: &str) -> String {
     format!(
         "apps:\n  lan: {{ type: af_packet, interface: {}, shards: {shards} }}\n  wan: {{ type: af_packet, interface: {}, shards: {shards} }}\n  f: {{ shards: {shards}, {function} }}\nlinks:\n  - \"lan.output -> f.lan\"\n  - \"f.lan -> lan.input\"\n  - \"wan.output -> f.wan\"\n  - \"f.wan -> wan.input\"\n",
@@ -269,14 +283,14 @@ fn a_nat_in_two_shards_carries_a_thousand_connections_and_each_reply_finds_its_s
 }
 
 #[test]
-fn a_nat_changes_from_one_shard_to_two_and_back_live_and_keeps_every_connection() {
+fn a_nat_changes_from_one_shard_to_two_is_upgraded_and_back_live_and_keeps_every_connection() {
     require_root_and_tools(&["ip", "python3"]);
     let h = TwoHosts::new();
     let external = format!("{}50", &h.ip[0][..h.ip[0].len() - 1]);
     let nat = format!("type: nat, external: \"{external}\", ports: \"20000-39999\"");
     let s = Stitch::run(&region(&h, 1, &nat));
     let _server = start_server(&h, &s);
-    let mut client = start_client(&h, &s, 200, 3, 20);
+    let mut client = start_client(&h, &s, 200, 4, 20);
     go(&s, "go1");
     assert_eq!(line(&mut client, "round 1"), "round 1 ok 200");
     let printed = s.apply(&region(&h, 2, &nat));
@@ -290,11 +304,35 @@ fn a_nat_changes_from_one_shard_to_two_and_back_live_and_keeps_every_connection(
     let two = s.stats().unwrap();
     let nat2 = shards(&two, "f", 2);
     assert_eq!(sum(&nat2, "no_mapping_drops"), 0, "{nat2:?}");
-    s.apply(&region(&h, 1, &nat));
+    // Upgraded in two shards: each shard's mappings, and its pointers to the mappings of its
+    // inside endpoints that the other shard holds, go to the new process — no flow is mapped
+    // anew (another external port) after it.
+    let (successor, report) = common::upgrade::upgrade(&s);
+    let restored = report["state_restored"].as_array().unwrap();
+    assert!(
+        ["f:0", "f:1"]
+            .iter()
+            .all(|n| restored.iter().any(|r| r == n)),
+        "{report}"
+    );
     go(&s, "go3");
     assert_eq!(
         line(&mut client, "round 3"),
         "round 3 ok 200",
+        "after the upgrade"
+    );
+    let after = s.stats().unwrap();
+    let upgraded = shards(&after, "f", 2);
+    assert_eq!(
+        sum(&upgraded, "mappings"),
+        sum(&nat2, "mappings"),
+        "mapped anew after the upgrade: {nat2:?} before, {upgraded:?} after"
+    );
+    s.apply(&region(&h, 1, &nat));
+    go(&s, "go4");
+    assert_eq!(
+        line(&mut client, "round 4"),
+        "round 4 ok 200",
         "after 2 → 1"
     );
     go(&s, "stop");
@@ -303,11 +341,25 @@ fn a_nat_changes_from_one_shard_to_two_and_back_live_and_keeps_every_connection(
     // Sent from before the first change until after the last (how many depends on how fast
     // the machine runs the rounds, not on Stitch).
     assert!(counts[0] > 0, "{udp}");
-    assert_eq!(
-        counts[1], counts[0],
-        "no datagram lost across the changes: {udp}"
+    let stats = successor.stop(s);
+    // The upgrade pauses traffic for a moment: on a busy machine an interface's ring (512
+    // frames) may overflow meanwhile — counted by the kernel, never lost silently.
+    // So may the echo server's or the client's socket buffer while Python waits for the CPU
+    // (the namespaces' own UDP counters say so).
+    let ring_drops: u64 = ["lan", "wan"]
+        .iter()
+        .map(|a| app(&stats, a)["counters"]["kernel_drops"].as_u64().unwrap())
+        .sum();
+    let socket_drops: u64 = (0..2).map(|i| udp_buffer_drops(&h, i)).sum();
+    // And what the old process could not push out before it handed over (reported).
+    let left = report["packets_left_queued"].as_u64().unwrap_or(0);
+    eprintln!("{udp}: {ring_drops} ring drops, {socket_drops} socket drops, {left} left queued");
+    assert!(
+        counts[0] - counts[1] <= ring_drops + socket_drops + left,
+        "datagrams lost across the changes and the upgrade beyond the {ring_drops} the \
+         interfaces' rings and the {socket_drops} the hosts' sockets dropped and the {left} \
+         the upgrade left queued: {udp}"
     );
-    let stats = s.stop();
     let c = &app(&stats, "f")["counters"];
     assert_eq!(c["no_mapping_drops"], 0, "{c}");
     // The connections kept their mappings: 200 TCP and 20 UDP, none made anew.
