@@ -618,28 +618,10 @@ impl Api {
                 .unwrap_or(Value::Null);
             return Ok(json!({ "placement": "kernel", "stats": app }));
         }
-        let shards: Vec<String> = (self.engine.graph().into_iter())
-            .flat_map(|g| {
-                g.apps
-                    .values()
-                    .filter(|a| a.shard.as_ref().is_some_and(|s| s.of == name))
-                    .map(|a| a.name.clone())
-                    .collect::<Vec<_>>()
-            })
-            .collect();
-        if !shards.is_empty() {
-            // A sharded app is one app: each shard's tables under its name.
-            let mut answers = Vec::new();
-            for shard in &shards {
-                let mut answer = self.query(shard, request.clone())?;
-                if let Some(o) = answer.as_object_mut() {
-                    o.insert("shard".into(), json!(shard));
-                }
-                answers.push(answer);
-            }
-            return Ok(json!({ "name": name, "shards": answers }));
-        }
-        let answer = self.engine.query(name, request)?;
+        let answer = match self.engine.query(name, request.clone()) {
+            Err(EngineError::NoSuchApp(_)) => return self.query_shards(name, request),
+            answer => answer?,
+        };
         // Apps refuse a request by answering `{"error": REASON}` alone.
         let refusal = answer
             .as_object()
@@ -667,6 +649,32 @@ impl Api {
             ));
         }
         Ok(answer)
+    }
+
+    /// A sharded app is one app: each shard's tables under its name (no such app: the
+    /// engine's answer).
+    fn query_shards(&self, name: &str, request: Value) -> Result<Value, ApiError> {
+        let shards: Vec<String> = (self.engine.graph().into_iter())
+            .flat_map(|g| {
+                g.apps
+                    .into_values()
+                    .filter(|a| a.shard.as_ref().is_some_and(|s| s.of == name))
+                    .map(|a| a.name)
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        if shards.is_empty() {
+            return Err(EngineError::NoSuchApp(name.to_string()).into());
+        }
+        let mut answers = Vec::new();
+        for shard in &shards {
+            let mut answer = self.query(shard, request.clone())?;
+            if let Some(o) = answer.as_object_mut() {
+                o.insert("shard".into(), json!(shard));
+            }
+            answers.push(answer);
+        }
+        Ok(json!({ "name": name, "shards": answers }))
     }
 
     /// The app types this build knows.

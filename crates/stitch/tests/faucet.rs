@@ -361,7 +361,8 @@ fn faucet_patching_two_vm_ports_gives_them_a_direct_path_and_takes_it_back() {
     assert_eq!(
         sent as u64 - got.len() as u64,
         misses,
-        "what did not arrive met Faucet's emptied tables"
+        "what did not arrive met Faucet's emptied tables: {}",
+        s.stats().unwrap()
     );
     assert!(
         direct > 0 && direct < got.len() as u64,
