@@ -52,6 +52,9 @@ pub fn upgrade(s: &Stitch) -> (Successor, serde_json::Value) {
     let json = &out[out.find('{').expect("a report")..];
     let report: serde_json::Value = serde_json::from_str(json).unwrap();
     let pid = report["pid"].as_i64().unwrap() as i32;
+    // Owned at once: a failed check below still ends it (it is in a session of its own, no
+    // child of the test's).
+    let successor = Successor(pid);
     // `ps` shows the successor under the command the operator started, not a command of
     // Stitch's own.
     assert!(!was.is_empty());
@@ -60,7 +63,7 @@ pub fn upgrade(s: &Stitch) -> (Successor, serde_json::Value) {
         was,
         "the successor's command line"
     );
-    (Successor(pid), report)
+    (successor, report)
 }
 
 /// The pid of the process serving the instance on API socket `socket`, as its status says
