@@ -1039,6 +1039,24 @@ impl Nat {
         }
     }
 
+    /// Notes that shard `holder` holds the mapping of `inside`, when that inside endpoint is
+    /// this shard's, for `expires_in_ms` more (at most its protocol's timeout).
+    fn point_elsewhere(
+        &mut self,
+        proto: u8,
+        inside: Inside,
+        holder: u16,
+        expires_in_ms: u64,
+        now: Millis,
+    ) {
+        if self.inside_owner(proto, inside) != self.shard.0 {
+            return;
+        }
+        let timeout = self.table.sessions.timeout(class_of(proto));
+        let until = now.wrapping_add(expires_in_ms.min(timeout as u64) as Millis);
+        self.held_elsewhere.insert((proto, inside), (holder, until));
+    }
+
     /// Takes back a mapping from a snapshot when this configuration would have made it: the
     /// same external address for its inside host, a port of the range that no forward holds
     /// and no other mapping took. Mappings come in order of expiry.
@@ -1051,12 +1069,8 @@ impl Nat {
         if holder != me {
             // Another shard's port: it takes the mapping back; this one points to it when the
             // inside endpoint is this shard's.
-            if self.inside_owner(m.proto, m.inside) == me
-                && self.externals[ext as usize] == m.external
-            {
-                let until = now.wrapping_add(expires_in);
-                self.held_elsewhere
-                    .insert((m.proto, m.inside), (holder, until));
+            if self.externals[ext as usize] == m.external {
+                self.point_elsewhere(m.proto, m.inside, holder, m.expires_in_ms, now);
             }
             return false;
         }
@@ -1315,15 +1329,8 @@ forwards:
         let (me, shards) = self.shard;
         if state.shards == shards {
             for p in state.held_elsewhere {
-                let timeout = self.table.sessions.timeout(class_of(p.proto)) as u64;
-                let valid = p.shard != me
-                    && p.shard < shards
-                    && p.expires_in_ms > 0
-                    && self.inside_owner(p.proto, p.inside) == me;
-                if valid {
-                    let until = now.wrapping_add(p.expires_in_ms.min(timeout) as Millis);
-                    self.held_elsewhere
-                        .insert((p.proto, p.inside), (p.shard, until));
+                if p.shard != me && p.shard < shards && p.expires_in_ms > 0 {
+                    self.point_elsewhere(p.proto, p.inside, p.shard, p.expires_in_ms, now);
                 }
             }
         }

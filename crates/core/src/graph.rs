@@ -257,6 +257,17 @@ impl fmt::Display for GraphErrors {
 
 impl std::error::Error for GraphErrors {}
 
+impl GraphErrors {
+    /// The problems of the graph file at `path`, its lines read again to be quoted.
+    pub fn in_file(path: &Path, errors: Vec<GraphError>) -> GraphErrors {
+        GraphErrors {
+            file: path.display().to_string(),
+            text: std::fs::read_to_string(path).unwrap_or_default(),
+            errors,
+        }
+    }
+}
+
 /// A map that keeps order and the location of each key.
 struct SpannedMap<V>(Vec<(Spanned<String>, V)>);
 
@@ -386,10 +397,9 @@ impl Graph {
     /// files that are missing, each a warning at its entry — a graph may be meant for another
     /// host. A shard's app is checked once.
     pub fn host_warnings(&self, registry: &Registry) -> Vec<GraphError> {
-        let mut seen = std::collections::HashSet::new();
         let mut out = Vec::new();
         for decl in self.apps.values() {
-            if !seen.insert((decl.line, decl.kind.as_str())) {
+            if decl.shard.as_ref().is_some_and(|s| s.index != 0) {
                 continue;
             }
             let Some(t) = registry.get(&decl.kind) else {

@@ -234,7 +234,6 @@ impl PlacedGraph {
         PlacedGraph { graph, apps }
     }
 
-    /// Where app `name` runs (the engine for an app the graph does not have).
     /// How many apps the file has and where they run: `5 apps: 3 in the engine, 1 in a
     /// process, 1 in the kernel` (only `3 apps` when all are in the engine). What `check`
     /// and `run` say; the engine also counts the ports it makes at a placement's boundary.
@@ -254,12 +253,13 @@ impl PlacedGraph {
                 (k > 0).then(|| format!("{k} {place}"))
             })
             .collect();
-        if counts.len() > 1 || self.apps.values().any(|a| a.placement != Placement::Engine) {
+        if self.apps.values().any(|a| a.placement != Placement::Engine) {
             out += &format!(": {}", counts.join(", "));
         }
         out
     }
 
+    /// Where app `name` runs (the engine for an app the graph does not have).
     pub fn placement(&self, name: &str) -> Placement {
         self.apps.get(name).map(|a| a.placement).unwrap_or_default()
     }

@@ -41,17 +41,8 @@ pub struct Plane {
 /// Reads the graph and turns it into a kernel plan; errors are `FILE:LINE:COL` with the line.
 pub fn plan(file: &Path) -> Result<Plan> {
     let graph = super::load(file, &super::registry())?;
-    stitch_place::kernel::kernel_only(&graph).map_err(|errors| {
-        let text = std::fs::read_to_string(file).unwrap_or_default();
-        anyhow!(
-            "{}",
-            GraphErrors {
-                file: file.display().to_string(),
-                text,
-                errors,
-            }
-        )
-    })
+    stitch_place::kernel::kernel_only(&graph)
+        .map_err(|errors| anyhow!("{}", GraphErrors::in_file(file, errors)))
 }
 
 pub fn run(cmd: KernelCmd) -> Result<()> {

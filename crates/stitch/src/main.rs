@@ -365,24 +365,14 @@ fn check(file: &Path, cluster: bool) -> Result<()> {
         stitch_place::check(&g, &registry)
     };
     checked.map_err(|errors| {
-        anyhow::anyhow!(
-            "{}",
-            stitch_core::graph::GraphErrors {
-                file: file.display().to_string(),
-                text: std::fs::read_to_string(file).unwrap_or_default(),
-                errors,
-            }
-        )
+        anyhow::anyhow!("{}", stitch_core::graph::GraphErrors::in_file(file, errors))
     })?;
     let warnings = g.graph.host_warnings(&registry);
-    if !warnings.is_empty() {
+    let warned = warnings.len();
+    if warned > 0 {
         eprintln!(
             "{}",
-            stitch_core::graph::GraphErrors {
-                file: file.display().to_string(),
-                text: std::fs::read_to_string(file).unwrap_or_default(),
-                errors: warnings.clone(),
-            }
+            stitch_core::graph::GraphErrors::in_file(file, warnings)
         );
     }
     let plural = |n: usize, what: &str| format!("{n} {what}{}", if n == 1 { "" } else { "s" });
@@ -392,7 +382,7 @@ fn check(file: &Path, cluster: bool) -> Result<()> {
         g.summary(),
         plural(g.graph.links.len(), "link"),
         plural(g.graph.workers.len(), "worker"),
-        match warnings.len() {
+        match warned {
             0 => String::new(),
             n => format!(
                 "; {} about this host (fine if the graph is meant for another)",
@@ -907,14 +897,7 @@ fn run(args: &RunArgs) -> Result<()> {
                 stitch_place::PlaceError::App { at, .. } => vec![at],
                 e => return anyhow::anyhow!("{}: {e}", file.display()),
             };
-            anyhow::anyhow!(
-                "{}",
-                stitch_core::graph::GraphErrors {
-                    file: file.display().to_string(),
-                    text: std::fs::read_to_string(file).unwrap_or_default(),
-                    errors,
-                }
-            )
+            anyhow::anyhow!("{}", stitch_core::graph::GraphErrors::in_file(file, errors))
         })
         .and_then(|report| Ok((report, StateKeeper::start(state, &running.engine)?)));
     let (_, keeper) = match applied {

@@ -115,7 +115,7 @@ pub fn taking_over() -> Option<(PathBuf, i32)> {
     let fd = std::env::var(READY_FD_ENV)
         .ok()
         .and_then(|f| f.parse().ok());
-    // SAFETY: called first thing in main, before any other thread exists.
+    // SAFETY: called in main before any thread is started (the log subscriber starts none).
     unsafe {
         std::env::remove_var(TAKE_OVER_ENV);
         std::env::remove_var(READY_FD_ENV);
@@ -123,19 +123,11 @@ pub fn taking_over() -> Option<(PathBuf, i32)> {
     Some((PathBuf::from(socket), fd.unwrap_or(READY_FD)))
 }
 
-/// The command line the process serving `socket` runs under (the instance's status names
-/// its pid; the socket's peer credentials would name the process that first listened, gone
-/// after an upgrade): the successor is started under the same, so `ps` shows what the
-/// operator started.
-fn command_line_of(socket: &Path) -> Option<Vec<std::ffi::OsString>> {
+/// The command line of the process the instance's status names (`pid`; the socket's peer
+/// credentials would name the process that first listened, gone after an upgrade): the
+/// successor is started under the same, so `ps` shows what the operator started.
+fn command_line_of(status: &serde_json::Value) -> Option<Vec<std::ffi::OsString>> {
     use std::os::unix::ffi::OsStrExt;
-    let status = stitch_api::client::json(
-        socket,
-        stitch_api::client::Method::GET,
-        "/api/v1/status",
-        None,
-    )
-    .ok()?;
     let pid = status["pid"].as_u64()?;
     let raw = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
     let args: Vec<std::ffi::OsString> = raw
@@ -146,16 +138,10 @@ fn command_line_of(socket: &Path) -> Option<Vec<std::ffi::OsString>> {
     (!args.is_empty()).then_some(args)
 }
 
-/// An agent's instance offers no hand-over: it is restarted instead, and finds its host's
-/// graph again in etcd.
-fn refuse_an_agent(socket: &Path) -> Result<()> {
-    let status = stitch_api::client::json(
-        socket,
-        stitch_api::client::Method::GET,
-        "/api/v1/status",
-        None,
-    );
-    if status.is_ok_and(|s| s.get("agent").is_some()) {
+/// An agent's instance (its status has an `agent` section) offers no hand-over: it is
+/// restarted instead, and finds its host's graph again in etcd.
+fn refuse_an_agent(socket: &Path, status: &serde_json::Value) -> Result<()> {
+    if status.get("agent").is_some() {
         anyhow::bail!(
             "{} is a cluster agent's instance: an agent is not upgraded in place; restart it \
              with the new binary (systemctl restart, or stop it and start `stitch agent` \
@@ -173,12 +159,20 @@ pub fn upgrade(args: UpgradeArgs) -> Result<()> {
         None => std::env::current_exe().context("which binary runs this command")?,
     };
     let socket = args.instance.socket();
-    refuse_an_agent(&socket)?;
+    // Unanswered: the hand-over below says why (no instance, or one that cannot upgrade).
+    let status = stitch_api::client::json(
+        &socket,
+        stitch_api::client::Method::GET,
+        "/api/v1/status",
+        None,
+    )
+    .unwrap_or_default();
+    refuse_an_agent(&socket, &status)?;
     let (mut ready, ready_w) = std::io::pipe()?;
     let ready_w: OwnedFd = ready_w.into();
     let raw = ready_w.as_raw_fd();
     let mut cmd = std::process::Command::new(&binary);
-    match command_line_of(&socket) {
+    match command_line_of(&status) {
         Some(argv) => {
             cmd.arg0(&argv[0])
                 .args(&argv[1..])

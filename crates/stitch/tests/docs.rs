@@ -5,7 +5,6 @@
 mod common;
 
 use common::{must, sh};
-use std::path::Path;
 use std::process::Command;
 
 fn stitch() -> &'static str {
@@ -13,9 +12,7 @@ fn stitch() -> &'static str {
 }
 
 fn repo_file(name: &str) -> String {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../..")
-        .join(name);
+    let path = common::repo().join(name);
     std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 

@@ -31,7 +31,7 @@ fn the_package_installs_runs_the_default_example_and_removes_every_file() {
         "a `stitch` package is installed on this machine: this test installs and removes its own, so remove that one first (dpkg -r stitch)"
     );
     let bin_dir = Path::new(env!("CARGO_BIN_EXE_stitch")).parent().unwrap();
-    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let repo = common::repo();
     let out = tempfile::tempdir().unwrap();
     let built = Command::new(repo.join("scripts/deb"))
         .arg("--bin-dir")

@@ -12,9 +12,7 @@ use std::process::Command;
 /// The quick start's command of the README's first code block, without `sudo` (the test is
 /// root) and without its comment.
 fn readme_quickstart() -> Vec<String> {
-    let readme =
-        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../README.md"))
-            .unwrap();
+    let readme = std::fs::read_to_string(common::repo().join("README.md")).unwrap();
     let line = readme
         .lines()
         .find(|l| l.trim_start().starts_with("sudo scripts/quickstart"))
@@ -32,7 +30,7 @@ fn the_readme_quick_start_runs_as_written_twice_and_leaves_nothing() {
     require_root_and_tools(&["ip", "ping"]);
     let argv = readme_quickstart();
     assert_eq!(argv[0], "scripts/quickstart", "{argv:?}");
-    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let repo = common::repo();
     let bin_dir = Path::new(env!("CARGO_BIN_EXE_stitch")).parent().unwrap();
     let prefix = format!("q{}-", std::process::id() % 100_000);
     for round in 0..2 {

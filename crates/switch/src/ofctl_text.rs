@@ -48,14 +48,10 @@ fn find(m: &[Tlv], id: u8) -> Option<&Tlv> {
     m.iter().find(|t| t.id == id)
 }
 
-fn number(b: &[u8]) -> u64 {
-    b.iter().fold(0, |n, &x| n << 8 | u64::from(x))
-}
-
 fn exact(m: &[Tlv], id: u8) -> Option<u64> {
     find(m, id)
         .filter(|t| t.mask.is_none())
-        .map(|t| number(&t.value))
+        .map(|t| oxm::be_value(&t.value))
 }
 
 /// The protocol shorthand Open vSwitch writes for an EtherType (and IP protocol), and whether
@@ -169,8 +165,8 @@ fn vlan_fields(m: &[Tlv]) -> Vec<String> {
     const PRESENT: u64 = 0x1000;
     let mut out = Vec::new();
     if let Some(t) = find(m, oxm::VLAN_VID) {
-        let vid = number(&t.value);
-        match t.mask.as_deref().map(number) {
+        let vid = oxm::be_value(&t.value);
+        match t.mask.as_deref().map(oxm::be_value) {
             None if vid & PRESENT != 0 => out.push(format!("dl_vlan={}", vid & 0xfff)),
             None => out.push(format!("vlan_tci={:#06x}/0x1fff", vid)),
             Some(mask) => out.push(format!("vlan_tci={:#06x}/{:#06x}", vid, mask)),
@@ -233,10 +229,10 @@ fn one_value(id: u8, b: &[u8]) -> String {
             std::net::Ipv6Addr::from(a).to_string()
         }
         (oxm::METADATA | oxm::TUNNEL_ID | oxm::IPV6_FLABEL | oxm::PBB_ISID, _) => {
-            format!("{:#x}", number(b))
+            format!("{:#x}", oxm::be_value(b))
         }
-        (oxm::ETH_TYPE | oxm::IPV6_EXTHDR, _) => format!("{:#06x}", number(b)),
-        _ => number(b).to_string(),
+        (oxm::ETH_TYPE | oxm::IPV6_EXTHDR, _) => format!("{:#06x}", oxm::be_value(b)),
+        _ => oxm::be_value(b).to_string(),
     }
 }
 
@@ -278,7 +274,7 @@ fn action_text(a: &Action) -> String {
         Action::SetQueue(q) => format!("set_queue:{q}"),
         Action::SetField { id, value } => match oxm::field(*id) {
             Some(d) => format!("set_field:{}->{}", one_value(*id, value), set_field_name(d)),
-            None => format!("set_field:{}->oxm{id}", number(value)),
+            None => format!("set_field:{}->oxm{id}", oxm::be_value(value)),
         },
         Action::PushVlan(t) => format!("push_vlan:{t:#06x}"),
         Action::PopVlan => "pop_vlan".into(),

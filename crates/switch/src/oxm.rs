@@ -410,7 +410,8 @@ pub fn parse_tlv(b: &[u8]) -> Result<(Tlv, usize), OfError> {
     Ok((Tlv { id, value, mask }, 4 + l))
 }
 
-fn be_value(v: &[u8]) -> u64 {
+/// A field's big-endian bytes as a number.
+pub(crate) fn be_value(v: &[u8]) -> u64 {
     v.iter().fold(0u64, |a, b| a << 8 | *b as u64)
 }
 

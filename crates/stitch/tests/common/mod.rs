@@ -639,10 +639,15 @@ pub fn vm_image() -> PathBuf {
     vm_image_with("vm-image", &[])
 }
 
+/// The repository's top folder (README.md, docs/, scripts/).
+pub fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
 /// The test guest with `programs` (beside the `stitch` binary: Stitch's functions) in its
 /// `/bin`, built into `target/NAME`.
 pub fn vm_image_with(name: &str, programs: &[&str]) -> PathBuf {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let root = repo();
     let out = root.join("target").join(name);
     let beside = Path::new(env!("CARGO_BIN_EXE_stitch")).parent().unwrap();
     let programs: Vec<String> = (programs.iter())
