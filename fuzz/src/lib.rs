@@ -12,6 +12,7 @@ pub mod openflow;
 pub mod packet_filter;
 pub mod packet_views;
 pub mod pcap_reader;
+pub mod route_messages;
 pub mod switch_frames;
 pub mod vhost_messages;
 
@@ -27,6 +28,7 @@ pub const TARGETS: &[(&str, fn(&[u8]))] = &[
     ("packet_filter", packet_filter::run),
     ("packet_views", packet_views::run),
     ("pcap_reader", pcap_reader::run),
+    ("route_messages", route_messages::run),
     ("switch_frames", switch_frames::run),
     ("vhost_messages", vhost_messages::run),
 ];

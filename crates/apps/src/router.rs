@@ -49,6 +49,7 @@ use stitch_wire::{ethertype, icmpv4};
 
 use stitch_wire::{arp, checksum, parse_mac};
 
+mod kernel;
 pub mod lpm;
 mod v6;
 
@@ -101,7 +102,27 @@ pub struct RouterConfig {
     /// Seconds between unsolicited router advertisements (RFC 4861 MaxRtrAdvInterval, 4–1800).
     #[serde(default = "default_ra_interval")]
     pub ra_interval: u64,
+    /// Give each interface `NAME` a host port `host_NAME` (an input and an output) for the host
+    /// side of the interface (a `tap` with its MAC and addresses, where a routing daemon runs):
+    /// what is addressed to the router and is not an echo request goes up it (BGP, OSPF, BFD,
+    /// multicast), ARP and Neighbor Discovery are copied up it (the host knows its
+    /// neighbours), and what the host sends on it leaves by the interface.
+    #[serde(default)]
+    pub host_ports: bool,
+    /// Follow kernel routing table N (254: main) from the netlink messages a `kernel_routes`
+    /// app sends to input `kernel`: its routes — multipath routes and nexthop groups spread
+    /// over their gateways by a flow hash — join the configured ones, which win for the same
+    /// prefix.
+    pub kernel_table: Option<u32>,
 }
+
+/// The name of interface `name`'s host port.
+fn host_port_name(name: &str) -> String {
+    format!("host_{name}")
+}
+
+/// The input that takes netlink messages of the followed kernel table.
+const KERNEL_INPUT: &str = "kernel";
 
 fn default_ra_interval() -> u64 {
     200
@@ -135,6 +156,9 @@ struct Route<A = Ipv4Addr> {
 
 /// An IPv6 route.
 type Route6 = Route<Ipv6Addr>;
+
+/// The `port` of a route that drops (a kernel blackhole, unreachable or prohibit route).
+const DROP: usize = usize::MAX;
 
 impl<A: Copy> Route<A> {
     /// The neighbour a packet to `dst` goes to by this route, the forwarding table's hop
@@ -364,8 +388,25 @@ pub struct Router {
     /// Frames taken from an input for one round of lookups, kept to avoid allocating.
     batch: Vec<Packet>,
     ra: v6::Advertising,
+    /// With `host_ports`: the first host port's number (interface `i`'s is this plus `i`).
+    host_base: Option<usize>,
+    /// With `kernel_table`: the table followed and the number of the `kernel` input.
+    kernel: Option<(kernel::KernelTable, usize)>,
+    /// When the forwarding table was last compiled: kernel changes are gathered for a while.
+    compiled_at: Instant,
+    /// How long the last compile took: the next waits at least twice that.
+    compile_took: Duration,
+    /// Kernel routes changed since the forwarding table was compiled.
+    recompile: bool,
+    /// Kernel routes left out of the last compile: no way out through the router's interfaces.
+    kernel_unusable: usize,
     c: Counters,
 }
+
+/// Kernel changes are gathered at least this long before the forwarding table is compiled
+/// again (and at least twice as long as the last compile took, so that a stream of changes
+/// never keeps the router compiling).
+const COMPILE_GATHER: Duration = Duration::from_millis(20);
 
 struct Counters {
     forwarded: Counter,
@@ -385,15 +426,30 @@ struct Counters {
     parameter_problems: Counter,
     ignored: Counter,
     advertisements: Counter,
+    punted: Counter,
+    from_host: Counter,
+    blackholed: Counter,
+    compiles: Counter,
 }
 
 /// The forwarding tables compiled from the routing tables, each distinct next hop kept once.
 struct Fib {
     v4: Lpm<u32>,
     hops4: Vec<Route>,
+    /// ECMP groups: each a table of hop numbers, each hop as often as its weight.
+    groups4: Vec<Box<[u32]>>,
     v6: Lpm6,
     hops6: Vec<Route6>,
+    groups6: Vec<Box<[u32]>>,
+    /// Packets sent through each hop of a group (per path), by hop number.
+    group_packets4: Vec<u64>,
+    group_packets6: Vec<u64>,
 }
+
+/// A forwarding-table value at or above this is an ECMP group's number plus it.
+const GROUP: u32 = 1 << 31;
+/// The most entries an ECMP group's table has: weights are scaled down to fit.
+const GROUP_SLOTS: u32 = 256;
 
 /// The IPv6 table: keyed on the addresses' top 64 bits when no prefix is longer than /64 (a
 /// range boundary then always falls on a multiple of 2^64, so comparing top halves gives the
@@ -468,45 +524,110 @@ fn intern<R: Copy + Eq + std::hash::Hash>(
     })
 }
 
+/// Numbers the hops and ECMP groups of one family's routes.
+struct Hops<A> {
+    hops: Vec<Route<A>>,
+    seen: HashMap<Route<A>, u32>,
+    groups: Vec<Box<[u32]>>,
+    seen_groups: HashMap<Box<[u32]>, u32>,
+}
+
+impl<A: Copy + Eq + std::hash::Hash> Hops<A> {
+    fn new() -> Self {
+        Hops {
+            hops: Vec::new(),
+            seen: HashMap::new(),
+            groups: Vec::new(),
+            seen_groups: HashMap::new(),
+        }
+    }
+
+    /// The forwarding-table value of ways out `(route, weight)`: one hop, or a group.
+    fn value(&mut self, ways: &[(Route<A>, u16)]) -> u32 {
+        if let [(r, _)] = ways {
+            return intern(&mut self.hops, &mut self.seen, *r);
+        }
+        let total: u32 = ways.iter().map(|&(_, w)| w as u32).sum();
+        let scale = total.div_ceil(GROUP_SLOTS).max(1);
+        let mut slots = Vec::new();
+        for &(r, w) in ways {
+            let h = intern(&mut self.hops, &mut self.seen, r);
+            slots.extend(std::iter::repeat_n(h, (w as u32 / scale).max(1) as usize));
+        }
+        let slots = slots.into_boxed_slice();
+        let groups = &mut self.groups;
+        GROUP
+            + *self.seen_groups.entry(slots.clone()).or_insert_with(|| {
+                groups.push(slots);
+                groups.len() as u32 - 1
+            })
+    }
+}
+
+/// What the kernel table adds, by family: each prefix with its ways out (none: it drops).
+type KernelRoutes = (
+    Vec<(Ipv4Net, Vec<(Route, u16)>)>,
+    Vec<(Ipv6Net, Vec<(Route6, u16)>)>,
+);
+
 fn compile(
     routes: &PrefixMap<Ipv4Net, Route>,
     routes6: &PrefixMap<Ipv6Net, Route6>,
+    kernel: &KernelRoutes,
 ) -> Result<Fib, String> {
-    let (mut hops4, mut seen4) = (Vec::new(), HashMap::new());
-    let v4 = Lpm::build(
-        direct_bits(routes.len()),
-        routes
-            .iter()
-            .map(|(n, r)| {
-                (
-                    u32::from(n.network()),
-                    n.prefix_len(),
-                    intern(&mut hops4, &mut seen4, *r),
-                )
-            })
-            .collect::<Vec<_>>(),
-    )
-    .map_err(|e| format!("IPv4 routes: {e}"))?;
-    let (mut hops6, mut seen6) = (Vec::new(), HashMap::new());
-    let v6 = Lpm6::build(
-        direct_bits(routes6.len()),
-        routes6
-            .iter()
-            .map(|(n, r)| {
-                (
-                    u128::from(n.network()),
-                    n.prefix_len(),
-                    intern(&mut hops6, &mut seen6, *r),
-                )
-            })
-            .collect::<Vec<_>>(),
-    )
-    .map_err(|e| format!("IPv6 routes: {e}"))?;
+    let drop4 = [(
+        Route {
+            port: DROP,
+            via: None,
+        },
+        1,
+    )];
+    let mut h4 = Hops::new();
+    let mut table4: Vec<(u32, u8, u32)> = Vec::with_capacity(routes.len() + kernel.0.len());
+    for (n, ways) in &kernel.0 {
+        if routes.get(n).is_none() {
+            let ways = if ways.is_empty() { &drop4[..] } else { ways };
+            table4.push((u32::from(n.network()), n.prefix_len(), h4.value(ways)));
+        }
+    }
+    for (n, r) in routes.iter() {
+        table4.push((u32::from(n.network()), n.prefix_len(), h4.value(&[(*r, 1)])));
+    }
+    let v4 =
+        Lpm::build(direct_bits(table4.len()), table4).map_err(|e| format!("IPv4 routes: {e}"))?;
+    let drop6 = [(
+        Route6 {
+            port: DROP,
+            via: None,
+        },
+        1,
+    )];
+    let mut h6 = Hops::new();
+    let mut table6: Vec<(u128, u8, u32)> = Vec::with_capacity(routes6.len() + kernel.1.len());
+    for (n, ways) in &kernel.1 {
+        if routes6.get(n).is_none() {
+            let ways = if ways.is_empty() { &drop6[..] } else { ways };
+            table6.push((u128::from(n.network()), n.prefix_len(), h6.value(ways)));
+        }
+    }
+    for (n, r) in routes6.iter() {
+        table6.push((
+            u128::from(n.network()),
+            n.prefix_len(),
+            h6.value(&[(*r, 1)]),
+        ));
+    }
+    let v6 =
+        Lpm6::build(direct_bits(table6.len()), table6).map_err(|e| format!("IPv6 routes: {e}"))?;
     Ok(Fib {
         v4,
-        hops4,
+        group_packets4: vec![0; h4.hops.len()],
+        hops4: h4.hops,
+        groups4: h4.groups,
         v6,
-        hops6,
+        group_packets6: vec![0; h6.hops.len()],
+        hops6: h6.hops,
+        groups6: h6.groups,
     })
 }
 
@@ -534,19 +655,83 @@ impl Fib {
         }
     }
 
-    /// The route to `dst` and its hop number.
+    /// The route to `dst` and its hop number; of an ECMP group, the hop `flow` (the packet's
+    /// flow hash, asked only then) chooses.
     #[inline]
-    fn route4(&self, dst: Ipv4Addr) -> Option<(usize, Route)> {
-        let h = self.v4.lookup(u32::from(dst))? as usize;
-        Some((h, self.hops4[h]))
+    fn route4(&mut self, dst: Ipv4Addr, flow: impl FnOnce() -> u32) -> Option<(usize, Route)> {
+        let mut h = self.v4.lookup(u32::from(dst))?;
+        if h >= GROUP {
+            let g = &self.groups4[(h - GROUP) as usize];
+            h = g[slot(flow(), g.len())];
+            self.group_packets4[h as usize] += 1;
+        }
+        Some((h as usize, self.hops4[h as usize]))
     }
 
-    /// The route to `dst` and its hop number.
+    /// The route to `dst` and its hop number, as [`Fib::route4`].
     #[inline]
-    fn route6(&self, dst: Ipv6Addr) -> Option<(usize, Route6)> {
-        let h = self.v6.lookup(u128::from(dst))? as usize;
-        Some((h, self.hops6[h]))
+    fn route6(&mut self, dst: Ipv6Addr, flow: impl FnOnce() -> u32) -> Option<(usize, Route6)> {
+        let mut h = self.v6.lookup(u128::from(dst))?;
+        if h >= GROUP {
+            let g = &self.groups6[(h - GROUP) as usize];
+            h = g[slot(flow(), g.len())];
+            self.group_packets6[h as usize] += 1;
+        }
+        Some((h as usize, self.hops6[h as usize]))
     }
+
+    /// Each ECMP path with the packets sent through it, for `stitch show`.
+    fn paths(&self, names: &[String]) -> Vec<serde_json::Value> {
+        fn of<A: std::fmt::Display + Copy>(
+            hops: &[Route<A>],
+            packets: &[u64],
+            names: &[String],
+        ) -> impl Iterator<Item = serde_json::Value> {
+            (hops.iter().zip(packets))
+                .filter(|(_, &n)| n > 0)
+                .map(|(r, n)| {
+                    serde_json::json!({ "port": names.get(r.port), "via": r.via.map(|v| v.to_string()), "packets": n })
+                })
+                .collect::<Vec<_>>()
+                .into_iter()
+        }
+        of(&self.hops4, &self.group_packets4, names)
+            .chain(of(&self.hops6, &self.group_packets6, names))
+            .collect()
+    }
+}
+
+/// The slot of `len` a flow hash chooses, by its high bits (Lemire's multiply-shift: no
+/// division, and the bits a multiplicative hash spreads best).
+#[inline]
+fn slot(hash: u32, len: usize) -> usize {
+    ((hash as u64 * len as u64) >> 32) as usize
+}
+
+/// A hash of an IPv4 packet's flow — addresses, protocol and, for TCP, UDP and SCTP in a first
+/// fragment, ports — choosing its path in an ECMP group: a flow keeps its path.
+#[inline]
+fn flow_hash4(ip: &[u8]) -> u32 {
+    let proto = ipv4::PROTOCOL.get(ip);
+    let ports = match proto {
+        stitch_wire::ip_proto::TCP | stitch_wire::ip_proto::UDP | stitch_wire::ip_proto::SCTP
+            if ipv4::FLAGS_FRAG.get(ip) & ipv4::OFFSET == 0 =>
+        {
+            header::l4::PORTS
+                .try_get(&ip[ipv4::header_len(ip)..])
+                .unwrap_or(0)
+        }
+        _ => 0,
+    };
+    let addrs = u64::from(ipv4::SRC.get(ip)) << 32 | u64::from(ipv4::DST.get(ip));
+    mix(addrs ^ (u64::from(ports) << 8 | u64::from(proto)).rotate_left(17))
+}
+
+/// A 64-bit value folded to 32 bits whose high ones are well spread (halves folded, then a
+/// multiply by the golden ratio's odd constant, Fibonacci hashing): [`slot`] reads those.
+#[inline]
+fn mix(x: u64) -> u32 {
+    ((x ^ x >> 32).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 32) as u32
 }
 
 /// The destination address of an untagged IPv4 or IPv6 frame long enough to hold it.
@@ -796,6 +981,10 @@ impl Router {
                 out.push((port, r));
             }
         }
+        if for_us {
+            // The host learns its neighbours too (and answers its own questions' replies).
+            self.copy_to_host(port, d, out);
+        }
     }
 
     /// Sends `p` (destination MAC to be filled) to `next`, resolving it if needed.
@@ -825,7 +1014,14 @@ impl Router {
             || ip.get(ihl) != Some(&icmpv4::ECHO_REQUEST)
             || total > ip.len()
         {
-            self.c.local_drops.add(1);
+            match self.host_base {
+                // BGP, BFD, SSH, ICMP errors: up to the host.
+                Some(base) => {
+                    self.c.punted.add(1);
+                    out.push((base + port, p));
+                }
+                None => self.c.local_drops.add(1),
+            }
             return;
         }
         // Echo request → echo reply: swap addresses, type 0, incremental checksum.
@@ -866,6 +1062,12 @@ impl Router {
         if self.ifaces.iter().any(|i| i.addr == dst) {
             return self.local(port, p, now, out);
         }
+        if let Some(base) = (self.host_base).filter(|_| dst.is_multicast() || dst.is_broadcast()) {
+            // OSPF's hellos (224.0.0.5), RIP, VRRP: the host's daemons' business.
+            self.c.punted.add(1);
+            out.push((base + port, p));
+            return;
+        }
         if ipv4::TTL.get(ip) <= 1 {
             self.c.ttl_exceeded.add(1);
             if let Some(e) = self.icmp_error(
@@ -880,7 +1082,7 @@ impl Router {
             }
             return;
         }
-        let Some((h, r)) = self.fib.route4(dst) else {
+        let Some((h, r)) = self.fib.route4(dst, || flow_hash4(&d[14..])) else {
             self.c.no_route.add(1);
             if let Some(e) = self.icmp_error(
                 d,
@@ -894,6 +1096,10 @@ impl Router {
             }
             return;
         };
+        if r.port == DROP {
+            self.c.blackholed.add(1);
+            return;
+        }
         let mtu = self.ifaces[r.port].mtu;
         let df = ipv4::dont_fragment(ip);
         if total > mtu && p.header().gso_size == 0 {
@@ -922,6 +1128,86 @@ impl Router {
     }
 }
 
+impl Router {
+    /// Compiles the forwarding table again from the configured routes and the kernel's. The
+    /// neighbours stay; the gateways' adjacencies are asked again (hop numbers changed).
+    fn compile_again(&mut self, now: Instant) {
+        let kernel = self.kernel_routes();
+        let started = Instant::now();
+        match compile(&self.routes, &self.routes6, &kernel) {
+            Ok(fib) => {
+                self.neighbors.gateways = vec![None; fib.hops4.len()];
+                self.neighbors6.gateways = vec![None; fib.hops6.len()];
+                self.fib = fib;
+            }
+            Err(e) => log::warn!("router: the kernel's routes cannot be compiled: {e}"),
+        }
+        self.recompile = false;
+        self.compile_took = started.elapsed();
+        self.compiled_at = now;
+        self.c.compiles.add(1);
+    }
+
+    /// The followed kernel table's routes as ways out of this router's interfaces.
+    fn kernel_routes(&mut self) -> KernelRoutes {
+        let Some((table, _)) = &self.kernel else {
+            return Default::default();
+        };
+        let names = &self.port_names;
+        let (routes, routes6) = (&self.routes, &self.routes6);
+        let port_named = |n: &str| names.iter().position(|x| x == n);
+        // Only a connected route's interface: a gateway is a neighbour on its subnet.
+        let on_link = |a: IpAddr| match a {
+            IpAddr::V4(a) => (routes.get_lpm(&Ipv4Net::from(a)))
+                .filter(|(_, r)| r.via.is_none())
+                .map(|(_, r)| r.port),
+            IpAddr::V6(a) => (routes6.get_lpm(&Ipv6Net::from(a)))
+                .filter(|(_, r)| r.via.is_none())
+                .map(|(_, r)| r.port),
+        };
+        let (list, unusable) = table.resolved(port_named, on_link);
+        let mut out = KernelRoutes::default();
+        for ((dst, len), ways) in list {
+            match dst {
+                IpAddr::V4(a) => {
+                    let Ok(net) = Ipv4Net::new(a, len) else {
+                        continue;
+                    };
+                    let ways = ways.iter().filter_map(|&(port, via, w)| match via {
+                        Some(IpAddr::V4(v)) => Some((Route { port, via: Some(v) }, w)),
+                        None => Some((Route { port, via: None }, w)),
+                        Some(IpAddr::V6(_)) => None,
+                    });
+                    out.0.push((net.trunc(), ways.collect()));
+                }
+                IpAddr::V6(a) => {
+                    let Ok(net) = Ipv6Net::new(a, len) else {
+                        continue;
+                    };
+                    let ways = ways.iter().filter_map(|&(port, via, w)| match via {
+                        Some(IpAddr::V6(v)) => Some((Route6 { port, via: Some(v) }, w)),
+                        None => Some((Route6 { port, via: None }, w)),
+                        Some(IpAddr::V4(_)) => None,
+                    });
+                    out.1.push((net.trunc(), ways.collect()));
+                }
+            }
+        }
+        self.kernel_unusable = unusable;
+        out
+    }
+
+    /// Sends a copy of frame `d` up interface `port`'s host port, if it has one.
+    fn copy_to_host(&self, port: usize, d: &[u8], out: &mut Vec<(usize, Packet)>) {
+        if let Some(base) = self.host_base {
+            if let Some(p) = pool::alloc_with(d) {
+                self.c.punted.add(1);
+                out.push((base + port, p));
+            }
+        }
+    }
+}
+
 impl App for Router {
     type Config = RouterConfig;
     const EXAMPLE: &'static str = r#"interfaces:
@@ -933,16 +1219,28 @@ routes:
 
     fn declare(c: &RouterConfig) -> Result<PortSpec, AppError> {
         build(c)?;
-        let names: Vec<String> = c.interfaces.keys().cloned().collect();
+        let mut names: Vec<String> = c.interfaces.keys().cloned().collect();
+        if c.host_ports {
+            let host: Vec<String> = names.iter().map(|n| host_port_name(n)).collect();
+            names.extend(host);
+        }
+        let mut inputs = names.clone();
+        if c.kernel_table.is_some() {
+            inputs.push(KERNEL_INPUT.into());
+        }
         Ok(PortSpec {
-            inputs: PortNames::Fixed(names.clone()),
+            inputs: PortNames::Fixed(inputs),
             outputs: PortNames::Fixed(names),
         })
     }
 
     fn new(c: RouterConfig, ctx: &mut AppContext) -> Result<Self, AppError> {
         let (ifaces, routes, routes6) = build(&c)?;
-        let fib = compile(&routes, &routes6)?;
+        let fib = compile(&routes, &routes6, &Default::default())?;
+        let n = ifaces.len();
+        let host_base = c.host_ports.then_some(n);
+        let kernel = (c.kernel_table)
+            .map(|t| (kernel::KernelTable::new(t), n * (1 + c.host_ports as usize)));
         let (neighbors, neighbors6) = (
             NeighborTable::new(fib.hops4.len()),
             NeighborTable::new(fib.hops6.len()),
@@ -962,6 +1260,12 @@ routes:
             pending: Vec::with_capacity(ARP_QUEUE + 2),
             batch: Vec::with_capacity(LOOKUP_BATCH),
             ra,
+            host_base,
+            kernel,
+            compiled_at: Instant::now(),
+            compile_took: Duration::ZERO,
+            recompile: false,
+            kernel_unusable: 0,
             c: Counters {
                 forwarded: k("forwarded"),
                 bad_header: k("bad_ipv4_header_drops"),
@@ -980,6 +1284,10 @@ routes:
                 parameter_problems: k("parameter_problems_sent"),
                 ignored: k("ignored_local"),
                 advertisements: k("router_advertisements"),
+                punted: k("punted_to_host"),
+                from_host: k("from_host"),
+                blackholed: k("blackhole_drops"),
+                compiles: k("table_compiles"),
             },
         })
     }
@@ -993,6 +1301,23 @@ routes:
             let Some(input) = input.as_mut() else {
                 continue;
             };
+            if let Some((table, k)) = &mut self.kernel {
+                if port == *k {
+                    for p in input.drain() {
+                        table.apply(p.data());
+                    }
+                    self.recompile |= table.take_dirty();
+                    continue;
+                }
+            }
+            if let Some(base) = self.host_base.filter(|&b| port >= b) {
+                // From the host side: out of the interface as it is.
+                for p in input.drain() {
+                    self.c.from_host.add(1);
+                    transmit_to(&mut outputs[port - base], p);
+                }
+                continue;
+            }
             loop {
                 batch.extend(input.drain().take(LOOKUP_BATCH));
                 if batch.is_empty() {
@@ -1009,6 +1334,31 @@ routes:
         }
         self.pending = out;
         self.batch = batch;
+    }
+
+    /// A new config with the same ports (interfaces, host ports, kernel table) is taken in
+    /// place: addresses, static routes and timers change, and the neighbours and the kernel's
+    /// routes stay (the `kernel_routes` app, unchanged, would not send them again).
+    fn reconfigure(
+        &mut self,
+        c: RouterConfig,
+        _ctx: &mut AppContext,
+    ) -> Result<stitch_core::Reconfigured, AppError> {
+        let same_ports = c.interfaces.keys().eq(self.port_names.iter())
+            && c.host_ports == self.host_base.is_some()
+            && c.kernel_table == self.kernel.as_ref().map(|(t, _)| t.table());
+        if !same_ports {
+            return Ok(stitch_core::Reconfigured::Restart);
+        }
+        let (ifaces, routes, routes6) = build(&c)?;
+        self.ra = v6::Advertising::new(&ifaces, Duration::from_secs(c.ra_interval));
+        self.ifaces = ifaces;
+        self.routes = routes;
+        self.routes6 = routes6;
+        self.arp_timeout = Duration::from_secs(c.arp_timeout);
+        self.icmp_limit = RateLimit::new(c.icmp_rate);
+        self.compile_again(Instant::now());
+        Ok(stitch_core::Reconfigured::Done)
     }
 
     /// The resolved neighbours with the time they had left: after a restart the router
@@ -1052,12 +1402,21 @@ routes:
         let now = Instant::now();
         let neighbors = self.neighbors.dump(&self.port_names, limit, now);
         let neighbors6 = self.neighbors6.dump(&self.port_names, limit, now);
+        let kernel = self.kernel.as_ref().map(|(t, _)| {
+            serde_json::json!({ "routes": t.len(), "synced": t.synced(), "unusable": self.kernel_unusable,
+                                "messages": t.messages, "malformed": t.malformed, "refused_dumps": t.refused_dumps,
+                                "pending": self.recompile })
+        });
         serde_json::json!({ "route_count": self.routes.len(), "route6_count": self.routes6.len(),
                             "lookup_bytes": self.fib.v4.bytes() + self.fib.v6.bytes(),
-                            "routes": routes, "neighbors": neighbors, "neighbors6": neighbors6 })
+                            "routes": routes, "neighbors": neighbors, "neighbors6": neighbors6,
+                            "kernel": kernel, "ecmp_paths": self.fib.paths(&self.port_names) })
     }
 
     fn tick(&mut self, io: &mut Io, now: Instant) {
+        if self.recompile && now >= self.compiled_at + COMPILE_GATHER.max(2 * self.compile_took) {
+            self.compile_again(now);
+        }
         self.neighbors.expire(now);
         self.neighbors6.expire(now);
         let (_, outputs) = io.split();
@@ -1241,6 +1600,174 @@ mod tests {
         let l: Vec<Packet> = lan_out.drain().collect();
         assert_eq!(l.len(), 1);
         assert_eq!(&l[0].data()[38..42], &[10, 0, 1, 9]);
+    }
+
+    /// Kernel route messages to the router's `kernel` input: 203.0.113.0/24 over two gateways
+    /// of `wan` (192.0.2.9 and .10), a blackhole for 198.18.0.0/15, and another table's
+    /// default route.
+    fn send_kernel_routes(kernel: &mut stitch_core::Producer) {
+        use stitch_wire::netlink::{self, kind, Path, Route as KRoute};
+        let gw = |last: u8| Some(IpAddr::from([192, 0, 2, last]));
+        let route = |dst: [u8; 4], len, kind, paths| KRoute {
+            dst: IpAddr::from(dst),
+            prefix_len: len,
+            table: 254,
+            kind,
+            priority: 0,
+            paths,
+            nexthop: None,
+        };
+        let two = vec![
+            Path {
+                gateway: gw(9),
+                oif: 0,
+                weight: 1,
+            },
+            Path {
+                gateway: gw(10),
+                oif: 0,
+                weight: 1,
+            },
+        ];
+        for m in [
+            netlink::route_message(
+                kind::NEWROUTE,
+                0,
+                &route([203, 0, 113, 0], 24, netlink::RTN_UNICAST, two),
+            ),
+            netlink::route_message(
+                kind::NEWROUTE,
+                0,
+                &route([198, 18, 0, 0], 15, netlink::RTN_BLACKHOLE, vec![]),
+            ),
+            // Another table's: not followed.
+            netlink::route_message(
+                kind::NEWROUTE,
+                0,
+                &KRoute {
+                    table: 100,
+                    ..route(
+                        [0, 0, 0, 0],
+                        0,
+                        netlink::RTN_UNICAST,
+                        vec![Path {
+                            gateway: gw(9),
+                            oif: 0,
+                            weight: 1,
+                        }],
+                    )
+                },
+            ),
+        ] {
+            kernel.transmit(pkt(&m));
+        }
+    }
+
+    /// A router with host ports following a kernel table: a multipath route spreads flows
+    /// over its gateways and keeps each flow on one; a blackhole drops; what is addressed to
+    /// the router goes up its host port, ARP is copied up, and the host's frames leave by the
+    /// interface.
+    #[test]
+    fn kernel_multipath_routes_spread_flows_and_the_host_ports_carry_the_control_plane() {
+        let c: RouterConfig = serde_json::from_value(serde_json::json!({
+            "interfaces": {
+                "lan": { "mac": "02:00:00:00:01:01", "address": "10.0.1.1/24" },
+                "wan": { "mac": "02:00:00:00:02:01", "address": "192.0.2.2/24" }
+            },
+            "host_ports": true, "kernel_table": 254
+        }))
+        .unwrap();
+        let spec = Router::declare(&c).unwrap();
+        assert!(matches!(&spec.inputs, PortNames::Fixed(n) if n.len() == 5 && n[4] == "kernel"));
+        let mut ctx = AppContext::new("r", std::path::Path::new("."), Default::default());
+        let mut r = Router::new(c, &mut ctx).unwrap();
+        let (
+            mut io,
+            [mut lan_in, mut wan_in, _, mut host_wan_in, mut kernel],
+            [_, mut wan_out, _, mut host_wan_out, _],
+        ) = crate::testing::ports(["lan", "wan", "host_lan", "host_wan", "kernel"]);
+        send_kernel_routes(&mut kernel);
+        r.push(&mut io);
+        r.tick(&mut io, Instant::now() + Duration::from_secs(1));
+        assert_eq!(r.c.compiles.get(), 1);
+        let flow = |sport: u16, dst: [u8; 4]| {
+            Frame::ipv4([10, 0, 1, 2], dst, Transport::udp(sport, 53))
+                .macs(HOST, R_LAN)
+                .payload_len(18)
+                .bytes()
+        };
+        lan_in.transmit(pkt(&flow(1, [203, 0, 113, 5])));
+        r.push(&mut io);
+        // Both gateways answer whatever the router asked (one of them so far).
+        let mac_of = |last: u8| [2, 0, 0, 0, 2, last];
+        for last in [9u8, 10] {
+            let mut answer = gateway_answer();
+            answer[6..12].copy_from_slice(&mac_of(last));
+            answer[22..28].copy_from_slice(&mac_of(last));
+            answer[31] = last;
+            wan_in.transmit(pkt(&answer));
+        }
+        r.push(&mut io);
+        wan_out.drain().for_each(drop);
+        assert_eq!(
+            host_wan_out.drain().count(),
+            2,
+            "ARP for the router copied up"
+        );
+        for round in 0..2 {
+            let mut sent: Vec<Packet> = Vec::new();
+            for sport in 0..200u16 {
+                lan_in.transmit(pkt(&flow(sport, [203, 0, 113, 5])));
+                if sport % 32 == 31 {
+                    r.push(&mut io);
+                    sent.extend(wan_out.drain());
+                }
+            }
+            r.push(&mut io);
+            sent.extend(wan_out.drain());
+            // Frames still waiting for the other gateway's answer arrive later: ask again.
+            let by_9 = sent.iter().filter(|p| p.data()[0..6] == mac_of(9)).count();
+            let by_10 = sent.iter().filter(|p| p.data()[0..6] == mac_of(10)).count();
+            if round == 1 {
+                assert_eq!(by_9 + by_10, 200, "every flow sent, once");
+                assert!(by_9 > 40 && by_10 > 40, "spread: {by_9} and {by_10}");
+            }
+        }
+        // A flow keeps its gateway.
+        let gateway_of = |r: &mut Router,
+                          io: &mut Io,
+                          lan_in: &mut stitch_core::Producer,
+                          wan_out: &mut Consumer| {
+            lan_in.transmit(pkt(&flow(777, [203, 0, 113, 5])));
+            r.push(io);
+            wan_out.drain().next().unwrap().data()[0..6].to_vec()
+        };
+        let first = gateway_of(&mut r, &mut io, &mut lan_in, &mut wan_out);
+        for _ in 0..5 {
+            assert_eq!(
+                gateway_of(&mut r, &mut io, &mut lan_in, &mut wan_out),
+                first
+            );
+        }
+        lan_in.transmit(pkt(&flow(1, [198, 18, 3, 4])));
+        r.push(&mut io);
+        assert_eq!(r.c.blackholed.get(), 1);
+        // To the router itself (BGP's port): up the host port, as it came.
+        let bgp = Frame::ipv4([192, 0, 2, 9], [192, 0, 2, 2], Transport::udp(40000, 179))
+            .macs(mac_of(9), R_WAN)
+            .payload_len(18)
+            .bytes();
+        wan_in.transmit(pkt(&bgp));
+        r.push(&mut io);
+        let up: Vec<Packet> = host_wan_out.drain().collect();
+        assert_eq!(up.len(), 1);
+        assert_eq!(up[0].data(), &bgp[..]);
+        // The host's answer leaves by the interface unchanged.
+        host_wan_in.transmit(pkt(&bgp));
+        r.push(&mut io);
+        let out: Vec<Packet> = wan_out.drain().collect();
+        assert_eq!((out.len(), out[0].data()), (1, &bgp[..]));
+        assert_eq!(r.c.from_host.get(), 1);
     }
 
     #[test]

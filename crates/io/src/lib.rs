@@ -20,6 +20,7 @@ pub mod capture;
 pub mod capture_file;
 pub mod capture_format;
 pub mod kernel_ring;
+pub mod kernel_routes;
 pub mod link_capture;
 pub mod netdev;
 pub mod pcap_sink;
@@ -46,6 +47,10 @@ pub fn register(r: &mut Registry) {
     .register(AppType::of::<tap::Tap>(
         "tap",
         "a TAP device: hands packets to the host stack and takes them from it",
+    ))
+    .register(AppType::of::<kernel_routes::KernelRoutes>(
+        "kernel_routes",
+        "the kernel's links, nexthops and routes as netlink messages, for a router to follow",
     ))
     .register(AppType::of::<capture::Capture>(
         "capture",

@@ -159,3 +159,117 @@ pub fn setsockopt<T>(fd: RawFd, level: i32, opt: i32, v: &T) -> io::Result<()> {
         Ok(())
     }
 }
+
+/// Runs `f` on a thread of its own inside network namespace `name` (a file under
+/// `/var/run/netns`, as `ip netns add` makes, or a path): devices it creates and sockets it
+/// opens belong to that namespace, and the process stays where it is.
+pub fn in_namespace<T: Send + 'static>(
+    name: &str,
+    f: impl FnOnce() -> Result<T, String> + Send + 'static,
+) -> Result<T, String> {
+    let path = if name.contains('/') {
+        name.to_string()
+    } else {
+        format!("/var/run/netns/{name}")
+    };
+    let ns = std::fs::File::open(&path).map_err(|e| {
+        format!("cannot open network namespace `{name}` ({path}: {e}); create it with `ip netns add {name}`")
+    })?;
+    std::thread::spawn(move || {
+        // SAFETY: a namespace file descriptor; setns changes only this thread's namespace,
+        // and the thread ends with `f`.
+        if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+            return Err(format!(
+                "cannot enter network namespace {path}: {}",
+                io::Error::last_os_error()
+            ));
+        }
+        f()
+    })
+    .join()
+    .map_err(|_| "the thread entering the namespace panicked".to_string())?
+}
+
+/// Sets the interface's MAC address.
+pub fn set_mac(name: &str, mac: [u8; 6]) -> io::Result<()> {
+    let s = ioctl_socket()?;
+    let mut r = ifreq(name);
+    // SAFETY: writing the sockaddr member of the union, plain bytes.
+    unsafe {
+        r.ifr_ifru.ifru_hwaddr.sa_family = libc::ARPHRD_ETHER;
+        for (d, b) in r.ifr_ifru.ifru_hwaddr.sa_data.iter_mut().zip(mac) {
+            *d = b as libc::c_char;
+        }
+    }
+    // SAFETY: SIOCSIFHWADDR reads one ifreq from `r`, which is live.
+    if unsafe { libc::ioctl(s.as_raw_fd(), libc::SIOCSIFHWADDR, &r) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Sets the interface's MTU.
+pub fn set_mtu(name: &str, mtu: usize) -> io::Result<()> {
+    let s = ioctl_socket()?;
+    let mut r = ifreq(name);
+    r.ifr_ifru.ifru_mtu = mtu as libc::c_int;
+    // SAFETY: SIOCSIFMTU reads one ifreq from `r`, which is live.
+    if unsafe { libc::ioctl(s.as_raw_fd(), libc::SIOCSIFMTU, &r) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Gives the interface address `addr` with a prefix of `len` bits, IPv4 or IPv6.
+pub fn add_address(name: &str, addr: std::net::IpAddr, len: u8) -> io::Result<()> {
+    match addr {
+        std::net::IpAddr::V4(a) => {
+            let s = ioctl_socket()?;
+            let set = |req: libc::c_ulong, v: std::net::Ipv4Addr| {
+                let mut r = ifreq(name);
+                // SAFETY: sockaddr_in fits in the union's sockaddr member; plain data.
+                unsafe {
+                    let sin =
+                        &mut r.ifr_ifru.ifru_addr as *mut libc::sockaddr as *mut libc::sockaddr_in;
+                    (*sin).sin_family = libc::AF_INET as libc::sa_family_t;
+                    (*sin).sin_addr.s_addr = u32::from(v).to_be();
+                }
+                // SAFETY: the ioctl reads one ifreq from `r`, which is live.
+                if unsafe { libc::ioctl(s.as_raw_fd(), req, &r) } < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                Ok(())
+            };
+            set(libc::SIOCSIFADDR, a)?;
+            let mask = u32::MAX.checked_shl(32 - len as u32).unwrap_or(0);
+            set(libc::SIOCSIFNETMASK, mask.into())
+        }
+        std::net::IpAddr::V6(a) => {
+            // SAFETY: socket takes no pointers.
+            let fd =
+                unsafe { libc::socket(libc::AF_INET6, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+            if fd < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            // SAFETY: a new descriptor nothing else owns.
+            let s = unsafe { OwnedFd::from_raw_fd(fd) };
+            /// `struct in6_ifreq` (linux/ipv6.h).
+            #[repr(C)]
+            struct In6Ifreq {
+                addr: [u8; 16],
+                prefixlen: u32,
+                ifindex: libc::c_int,
+            }
+            let r = In6Ifreq {
+                addr: a.octets(),
+                prefixlen: len as u32,
+                ifindex: ifindex(name).map_err(io::Error::other)? as libc::c_int,
+            };
+            // SAFETY: SIOCSIFADDR on an IPv6 socket reads one in6_ifreq from `r`, live.
+            if unsafe { libc::ioctl(s.as_raw_fd(), libc::SIOCSIFADDR, &r) } < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        }
+    }
+}

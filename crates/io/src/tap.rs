@@ -27,6 +27,32 @@ pub struct TapConfig {
     /// Bring the device up.
     #[serde(default = "yes")]
     pub up: bool,
+    /// The network namespace the device is made in (a name `ip netns add` gave, or a path):
+    /// the host side of a router's interface for a routing daemon, say. Default: Stitch's own.
+    pub namespace: Option<String>,
+    /// The device's MAC address (default: a random one the kernel picks).
+    pub mac: Option<String>,
+    /// The device's MTU (default: the kernel's, 1500).
+    pub mtu: Option<usize>,
+    /// Addresses given to the device, IPv4 or IPv6, each `ADDRESS/PREFIX`.
+    #[serde(default)]
+    pub addresses: Vec<String>,
+}
+
+/// The addresses of `c`, parsed.
+fn addresses(c: &TapConfig) -> Result<Vec<(std::net::IpAddr, u8)>, String> {
+    (c.addresses.iter())
+        .map(|a| {
+            let bad = || format!("address `{a}` is not ADDRESS/PREFIX");
+            let (addr, len) = a.split_once('/').ok_or_else(bad)?;
+            let addr: std::net::IpAddr = addr.parse().map_err(|_| bad())?;
+            let len: u8 = len.parse().map_err(|_| bad())?;
+            if len > if addr.is_ipv4() { 32 } else { 128 } {
+                return Err(bad());
+            }
+            Ok((addr, len))
+        })
+        .collect()
 }
 
 fn yes() -> bool {
@@ -57,6 +83,7 @@ pub struct Tap {
     /// was moved to another namespace, where its name does not reach it).
     max_frame: usize,
     last_mtu_read: std::time::Instant,
+    in_other_namespace: bool,
     too_big: Counter,
 }
 
@@ -122,9 +149,31 @@ fn open(c: &TapConfig) -> Result<OwnedFd, String> {
             std::io::Error::last_os_error(),
         ));
     }
+    if let Some(mac) = &c.mac {
+        let mac = stitch_wire::parse_mac(mac).map_err(|e| format!("tap `{name}`: {e}"))?;
+        netdev::set_mac(name, mac)
+            .map_err(|e| netdev::explain(&format!("cannot set the MAC of `{name}`"), e))?;
+    }
+    if let Some(mtu) = c.mtu {
+        netdev::set_mtu(name, mtu)
+            .map_err(|e| netdev::explain(&format!("cannot set the MTU of `{name}`"), e))?;
+    }
     if c.up {
         netdev::set_up(name)
             .map_err(|e| netdev::explain(&format!("cannot bring `{name}` up"), e))?;
+    }
+    for (addr, len) in addresses(c)? {
+        match netdev::add_address(name, addr, len) {
+            Ok(()) => {}
+            // Already there: a device kept by a restart, or the address given twice.
+            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
+            Err(e) => {
+                return Err(netdev::explain(
+                    &format!("cannot give `{name}` address {addr}/{len}"),
+                    e,
+                ))
+            }
+        }
     }
     Ok(fd)
 }
@@ -168,13 +217,35 @@ up: true
         if c.name.is_empty() || c.name.len() >= libc::IFNAMSIZ {
             return Err(format!("name `{}` must be 1..15 bytes", c.name).into());
         }
+        addresses(c)?;
+        if let Some(mac) = &c.mac {
+            stitch_wire::parse_mac(mac).map_err(|e| format!("mac: {e}"))?;
+        }
+        if c.mtu.is_some_and(|m| !(68..=65535).contains(&m)) {
+            return Err("mtu must be 68..=65535".into());
+        }
         Ok(PortSpec::filter())
     }
 
     fn new(c: TapConfig, ctx: &mut AppContext) -> Result<Self, AppError> {
-        let fd = match ctx.take_inherited() {
-            Some(handed) => adopt(&c, handed)?,
-            None => open(&c)?,
+        let (fd, max_frame) = match (ctx.take_inherited(), &c.namespace) {
+            (Some(handed), None) => (adopt(&c, handed)?, netdev::max_frame(&c.name)),
+            (Some(handed), Some(ns)) => {
+                let (c2, name) = (c.clone(), c.name.clone());
+                let fd = adopt(&c2, handed)?;
+                (
+                    fd,
+                    netdev::in_namespace(ns, move || Ok(netdev::max_frame(&name)))?,
+                )
+            }
+            (None, None) => (open(&c)?, netdev::max_frame(&c.name)),
+            (None, Some(ns)) => {
+                let c2 = c.clone();
+                netdev::in_namespace(ns, move || {
+                    let fd = open(&c2)?;
+                    Ok((fd, netdev::max_frame(&c2.name)))
+                })?
+            }
         };
         Ok(Tap {
             fd,
@@ -187,8 +258,9 @@ up: true
             gso_refused: ctx.counter("gso_refused_drops"),
             pool_exhausted: ctx.counter("pool_exhausted_drops"),
             tx_errors: ctx.counter("tx_error_drops"),
-            max_frame: netdev::max_frame(&c.name),
+            max_frame,
             last_mtu_read: std::time::Instant::now(),
+            in_other_namespace: c.namespace.is_some(),
             too_big: ctx.counter("too_big_drops"),
         })
     }
@@ -298,6 +370,10 @@ up: true
     }
 
     fn tick(&mut self, _: &mut Io, now: std::time::Instant) {
+        // A device in another namespace is not reached by its name from here: its MTU as set.
+        if self.in_other_namespace {
+            return;
+        }
         if now.duration_since(self.last_mtu_read) >= std::time::Duration::from_secs(1) {
             self.last_mtu_read = now;
             self.max_frame = netdev::max_frame_or(&self.name, self.max_frame);

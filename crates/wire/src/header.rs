@@ -255,9 +255,11 @@ pub mod nd {
 
 /// Fields at the head of every transport header with ports (TCP, UDP, SCTP).
 pub mod l4 {
-    use super::Field16;
+    use super::{Field16, Field32};
     pub const SRC_PORT: Field16 = Field16(0);
     pub const DST_PORT: Field16 = Field16(2);
+    /// Both ports as one word (a flow hash's input).
+    pub const PORTS: Field32 = Field32(0);
 }
 
 pub mod tcp {

@@ -22,7 +22,8 @@
 //! program and keeps libpcap's interpreter as the reference, `filter::native` emits it as x86-64
 //! code looping over a batch of packets, `filter::ebpf` translates it to eBPF for XDP, every frame
 //! load checked for the kernel's verifier), Internet checksum with RFC 1624 updates, offloads
-//! (virtio-net header, completing partial checksums, GSO segmentation).
+//! (virtio-net header, completing partial checksums, GSO segmentation), the kernel's routing
+//! messages read (`netlink`: routes, nexthop objects, links, dump requests).
 
 pub mod arp;
 pub mod be;
@@ -33,6 +34,7 @@ pub mod flow;
 pub mod header;
 pub mod icmp;
 pub mod ndp;
+pub mod netlink;
 mod numbers;
 pub mod offload;
 pub mod vlan;

@@ -96,6 +96,26 @@ fn upper_layer(d: &[u8], end: usize) -> Upper {
 }
 
 /// The IPv6 address at `at` of `b`.
+/// A hash of an IPv6 packet's flow — addresses, flow label, the next header and, when it is
+/// TCP, UDP or SCTP right after the fixed header, the ports — choosing its ECMP path.
+#[inline]
+pub(super) fn flow_hash6(d: &[u8]) -> u32 {
+    let (src, dst) = (u128::from(src_of(d)), u128::from(dst_of(d)));
+    let ip = &d[IP..];
+    let next = ipv6::NEXT_HEADER.get(ip);
+    let ports = match next {
+        stitch_wire::ip_proto::TCP | stitch_wire::ip_proto::UDP | stitch_wire::ip_proto::SCTP => {
+            stitch_wire::header::l4::PORTS
+                .try_get(&ip[ipv6::LEN..])
+                .unwrap_or(0)
+        }
+        _ => 0,
+    };
+    let label = u32::from_be_bytes(ip[0..4].try_into().expect("a fixed header")) & 0xf_ffff;
+    let folded = (src ^ src >> 64 ^ dst.rotate_left(32) ^ dst >> 64) as u64;
+    super::mix(folded ^ (u64::from(ports) << 28 | u64::from(label) << 8 | u64::from(next)))
+}
+
 fn addr(b: &[u8], at: usize) -> Ipv6Addr {
     ipv6::addr(b, at..at + 16)
 }
@@ -283,7 +303,11 @@ impl Router {
         let d = p.data();
         let end = end_of(d);
         let (src, dst) = (src_of(d), dst_of(d));
-        let at = match upper_layer(d, end) {
+        let upper = upper_layer(d, end);
+        if self.up_to_host6(port, d, &upper, dst, out) {
+            return;
+        }
+        let at = match upper {
             Upper::Found(at, ICMPV6) if at + 8 <= end => at,
             Upper::Route(pointer) if !dst.is_multicast() => {
                 // A source route through the router: no routing header type is supported.
@@ -384,6 +408,29 @@ impl Router {
         }
     }
 
+    /// With host ports, sends what is addressed to the router up to the host — BGP, OSPFv3,
+    /// and a copy of ICMPv6 but echo requests (Neighbor Discovery is also handled here, so the
+    /// host's neighbours and the router's agree); whether nothing is left to do here.
+    fn up_to_host6(
+        &self,
+        port: usize,
+        d: &[u8],
+        upper: &Upper,
+        dst: Ipv6Addr,
+        out: &mut Vec<(usize, Packet)>,
+    ) -> bool {
+        if self.host_base.is_none() {
+            return false;
+        }
+        let echo = matches!(*upper, Upper::Found(at, ICMPV6)
+            if d.get(at) == Some(&icmpv6::ECHO_REQUEST) && !dst.is_multicast());
+        if echo {
+            return false;
+        }
+        self.copy_to_host(port, d, out);
+        !matches!(*upper, Upper::Found(_, ICMPV6))
+    }
+
     pub(super) fn route6(
         &mut self,
         port: usize,
@@ -429,13 +476,17 @@ impl Router {
             }
             return;
         }
-        let Some((h, r)) = self.fib.route6(dst) else {
+        let Some((h, r)) = self.fib.route6(dst, || flow_hash6(d)) else {
             self.c.no_route.add(1);
             if let Some(e) = self.icmp6_error(d, port, 1, 0, 0, now) {
                 out.push(e);
             }
             return;
         };
+        if r.port == super::DROP {
+            self.c.blackholed.add(1);
+            return;
+        }
         let mtu = self.ifaces[r.port].mtu;
         if d.len() - 14 > mtu && p.header().gso_size == 0 {
             self.c.too_big.add(1);
