@@ -49,6 +49,7 @@ use stitch_wire::{ethertype, icmpv4};
 
 use stitch_wire::{arp, checksum, parse_mac};
 
+mod builder;
 mod kernel;
 pub mod lpm;
 mod v6;
@@ -390,23 +391,18 @@ pub struct Router {
     ra: v6::Advertising,
     /// With `host_ports`: the first host port's number (interface `i`'s is this plus `i`).
     host_base: Option<usize>,
-    /// With `kernel_table`: the table followed and the number of the `kernel` input.
-    kernel: Option<(kernel::KernelTable, usize)>,
-    /// When the forwarding table was last compiled: kernel changes are gathered for a while.
-    compiled_at: Instant,
-    /// How long the last compile took: the next waits at least twice that.
-    compile_took: Duration,
-    /// Kernel routes changed since the forwarding table was compiled.
-    recompile: bool,
-    /// Kernel routes left out of the last compile: no way out through the router's interfaces.
-    kernel_unusable: usize,
+    /// With `kernel_table`: the table followed.
+    kernel: Option<Follower>,
     c: Counters,
 }
 
-/// Kernel changes are gathered at least this long before the forwarding table is compiled
-/// again (and at least twice as long as the last compile took, so that a stream of changes
-/// never keeps the router compiling).
-const COMPILE_GATHER: Duration = Duration::from_millis(20);
+/// A kernel table followed: the number of the `kernel` input, the table's number, and the
+/// thread that keeps it and compiles the forwarding table.
+struct Follower {
+    port: usize,
+    table: u32,
+    builder: builder::Builder,
+}
 
 struct Counters {
     forwarded: Counter,
@@ -1131,70 +1127,31 @@ impl Router {
 impl Router {
     /// Compiles the forwarding table again from the configured routes and the kernel's. The
     /// neighbours stay; the gateways' adjacencies are asked again (hop numbers changed).
-    fn compile_again(&mut self, now: Instant) {
-        let kernel = self.kernel_routes();
-        let started = Instant::now();
-        match compile(&self.routes, &self.routes6, &kernel) {
-            Ok(fib) => {
-                self.neighbors.gateways = vec![None; fib.hops4.len()];
-                self.neighbors6.gateways = vec![None; fib.hops6.len()];
-                self.fib = fib;
-            }
-            Err(e) => log::warn!("router: the kernel's routes cannot be compiled: {e}"),
+    fn compile_again(&mut self) -> Result<(), String> {
+        if let Some(k) = &self.kernel {
+            // With the kernel's routes, by the builder: swapped in when it is ready.
+            k.builder.configured(self.configured());
+            return Ok(());
         }
-        self.recompile = false;
-        self.compile_took = started.elapsed();
-        self.compiled_at = now;
-        self.c.compiles.add(1);
+        let fib = compile(&self.routes, &self.routes6, &Default::default())?;
+        self.swap(fib);
+        Ok(())
     }
 
-    /// The followed kernel table's routes as ways out of this router's interfaces.
-    fn kernel_routes(&mut self) -> KernelRoutes {
-        let Some((table, _)) = &self.kernel else {
-            return Default::default();
-        };
-        let names = &self.port_names;
-        let (routes, routes6) = (&self.routes, &self.routes6);
-        let port_named = |n: &str| names.iter().position(|x| x == n);
-        // Only a connected route's interface: a gateway is a neighbour on its subnet.
-        let on_link = |a: IpAddr| match a {
-            IpAddr::V4(a) => (routes.get_lpm(&Ipv4Net::from(a)))
-                .filter(|(_, r)| r.via.is_none())
-                .map(|(_, r)| r.port),
-            IpAddr::V6(a) => (routes6.get_lpm(&Ipv6Net::from(a)))
-                .filter(|(_, r)| r.via.is_none())
-                .map(|(_, r)| r.port),
-        };
-        let (list, unusable) = table.resolved(port_named, on_link);
-        let mut out = KernelRoutes::default();
-        for ((dst, len), ways) in list {
-            match dst {
-                IpAddr::V4(a) => {
-                    let Ok(net) = Ipv4Net::new(a, len) else {
-                        continue;
-                    };
-                    let ways = ways.iter().filter_map(|&(port, via, w)| match via {
-                        Some(IpAddr::V4(v)) => Some((Route { port, via: Some(v) }, w)),
-                        None => Some((Route { port, via: None }, w)),
-                        Some(IpAddr::V6(_)) => None,
-                    });
-                    out.0.push((net.trunc(), ways.collect()));
-                }
-                IpAddr::V6(a) => {
-                    let Ok(net) = Ipv6Net::new(a, len) else {
-                        continue;
-                    };
-                    let ways = ways.iter().filter_map(|&(port, via, w)| match via {
-                        Some(IpAddr::V6(v)) => Some((Route6 { port, via: Some(v) }, w)),
-                        None => Some((Route6 { port, via: None }, w)),
-                        Some(IpAddr::V4(_)) => None,
-                    });
-                    out.1.push((net.trunc(), ways.collect()));
-                }
-            }
+    /// Forwards by `fib` from now on.
+    fn swap(&mut self, fib: Fib) -> Fib {
+        self.neighbors.gateways = vec![None; fib.hops4.len()];
+        self.neighbors6.gateways = vec![None; fib.hops6.len()];
+        self.c.compiles.add(1);
+        std::mem::replace(&mut self.fib, fib)
+    }
+
+    fn configured(&self) -> builder::Configured {
+        builder::Configured {
+            routes: self.routes.clone(),
+            routes6: self.routes6.clone(),
+            names: self.port_names.clone(),
         }
-        self.kernel_unusable = unusable;
-        out
     }
 
     /// Sends a copy of frame `d` up interface `port`'s host port, if it has one.
@@ -1239,8 +1196,21 @@ routes:
         let fib = compile(&routes, &routes6, &Default::default())?;
         let n = ifaces.len();
         let host_base = c.host_ports.then_some(n);
-        let kernel = (c.kernel_table)
-            .map(|t| (kernel::KernelTable::new(t), n * (1 + c.host_ports as usize)));
+        let kernel = match c.kernel_table {
+            Some(table) => {
+                let configured = builder::Configured {
+                    routes: routes.clone(),
+                    routes6: routes6.clone(),
+                    names: c.interfaces.keys().cloned().collect(),
+                };
+                Some(Follower {
+                    port: n * (1 + c.host_ports as usize),
+                    table,
+                    builder: builder::Builder::start(table, configured, ctx.name())?,
+                })
+            }
+            None => None,
+        };
         let (neighbors, neighbors6) = (
             NeighborTable::new(fib.hops4.len()),
             NeighborTable::new(fib.hops6.len()),
@@ -1262,10 +1232,6 @@ routes:
             ra,
             host_base,
             kernel,
-            compiled_at: Instant::now(),
-            compile_took: Duration::ZERO,
-            recompile: false,
-            kernel_unusable: 0,
             c: Counters {
                 forwarded: k("forwarded"),
                 bad_header: k("bad_ipv4_header_drops"),
@@ -1301,12 +1267,18 @@ routes:
             let Some(input) = input.as_mut() else {
                 continue;
             };
-            if let Some((table, k)) = &mut self.kernel {
-                if port == *k {
+            if let Some(k) = &self.kernel {
+                if port == k.port {
+                    // The breath's messages to the builder in one piece (each message's length
+                    // kept to netlink's 4-byte alignment, as in a datagram).
+                    let mut bytes = Vec::new();
                     for p in input.drain() {
-                        table.apply(p.data());
+                        bytes.extend_from_slice(p.data());
+                        bytes.resize(bytes.len().next_multiple_of(4), 0);
                     }
-                    self.recompile |= table.take_dirty();
+                    if !bytes.is_empty() {
+                        k.builder.messages(bytes);
+                    }
                     continue;
                 }
             }
@@ -1346,7 +1318,7 @@ routes:
     ) -> Result<stitch_core::Reconfigured, AppError> {
         let same_ports = c.interfaces.keys().eq(self.port_names.iter())
             && c.host_ports == self.host_base.is_some()
-            && c.kernel_table == self.kernel.as_ref().map(|(t, _)| t.table());
+            && c.kernel_table == self.kernel.as_ref().map(|k| k.table);
         if !same_ports {
             return Ok(stitch_core::Reconfigured::Restart);
         }
@@ -1357,7 +1329,7 @@ routes:
         self.routes6 = routes6;
         self.arp_timeout = Duration::from_secs(c.arp_timeout);
         self.icmp_limit = RateLimit::new(c.icmp_rate);
-        self.compile_again(Instant::now());
+        self.compile_again()?;
         Ok(stitch_core::Reconfigured::Done)
     }
 
@@ -1402,11 +1374,7 @@ routes:
         let now = Instant::now();
         let neighbors = self.neighbors.dump(&self.port_names, limit, now);
         let neighbors6 = self.neighbors6.dump(&self.port_names, limit, now);
-        let kernel = self.kernel.as_ref().map(|(t, _)| {
-            serde_json::json!({ "routes": t.len(), "synced": t.synced(), "unusable": self.kernel_unusable,
-                                "messages": t.messages, "malformed": t.malformed, "refused_dumps": t.refused_dumps,
-                                "pending": self.recompile })
-        });
+        let kernel = (self.kernel.as_ref()).map(|k| serde_json::json!(k.builder.view()));
         serde_json::json!({ "route_count": self.routes.len(), "route6_count": self.routes6.len(),
                             "lookup_bytes": self.fib.v4.bytes() + self.fib.v6.bytes(),
                             "routes": routes, "neighbors": neighbors, "neighbors6": neighbors6,
@@ -1414,8 +1382,11 @@ routes:
     }
 
     fn tick(&mut self, io: &mut Io, now: Instant) {
-        if self.recompile && now >= self.compiled_at + COMPILE_GATHER.max(2 * self.compile_took) {
-            self.compile_again(now);
+        if let Some(built) = self.kernel.as_ref().and_then(|k| k.builder.take_built()) {
+            let old = self.swap(*built.fib);
+            if let Some(k) = &self.kernel {
+                k.builder.retire(Box::new(old));
+            }
         }
         self.neighbors.expire(now);
         self.neighbors6.expire(now);
@@ -1663,6 +1634,17 @@ mod tests {
         }
     }
 
+    /// Ticks `r` until the builder's first table is in use.
+    fn wait_for_table(r: &mut Router, io: &mut Io) {
+        // The builder compiles beside the worker; its table is taken at a tick.
+        let asked = Instant::now();
+        while r.c.compiles.get() == 0 {
+            assert!(asked.elapsed() < Duration::from_secs(10), "no table built");
+            std::thread::sleep(Duration::from_millis(5));
+            r.tick(io, Instant::now());
+        }
+    }
+
     /// A router with host ports following a kernel table: a multipath route spreads flows
     /// over its gateways and keeps each flow on one; a blackhole drops; what is addressed to
     /// the router goes up its host port, ARP is copied up, and the host's frames leave by the
@@ -1688,8 +1670,13 @@ mod tests {
         ) = crate::testing::ports(["lan", "wan", "host_lan", "host_wan", "kernel"]);
         send_kernel_routes(&mut kernel);
         r.push(&mut io);
-        r.tick(&mut io, Instant::now() + Duration::from_secs(1));
-        assert_eq!(r.c.compiles.get(), 1);
+        wait_for_table(&mut r, &mut io);
+        let view = r.query(&serde_json::json!({}))["kernel"].clone();
+        assert_eq!(
+            (view["routes"].as_u64(), view["pending"].as_bool()),
+            (Some(2), Some(false)),
+            "{view}"
+        );
         let flow = |sport: u16, dst: [u8; 4]| {
             Frame::ipv4([10, 0, 1, 2], dst, Transport::udp(sport, 53))
                 .macs(HOST, R_LAN)

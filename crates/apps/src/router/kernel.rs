@@ -180,10 +180,6 @@ impl KernelTable {
         self.swept.routes > 0
     }
 
-    pub(super) fn table(&self) -> u32 {
-        self.table
-    }
-
     pub(super) fn len(&self) -> usize {
         self.routes.len()
     }
