@@ -7,31 +7,40 @@ mod common;
 use common::*;
 use std::time::{Duration, Instant};
 
-/// Namespaces: a client behind the router's `lan`, a BGP peer behind its `wan`, and the
-/// router's control plane (its interfaces' host sides, FRR); removed with what runs in them.
+/// Namespaces: a client behind the router's `lan`, BGP peers behind its `wan0`, `wan1`, …,
+/// and the router's control plane (its interfaces' host sides, FRR); removed with what runs in
+/// them. Peer `k` is 192.0.(2+k).9 in AS 65009+k, the router 192.0.(2+k).2 in AS 65001.
 struct Topology {
     client: String,
-    peer: String,
+    peers: Vec<String>,
     cp: String,
-    links: [String; 2],
+    /// The root namespace's ends: the client's, then each peer's.
+    links: Vec<String>,
     frr: tempfile::TempDir,
 }
 
+fn peer_ip(k: usize, host: u8) -> String {
+    format!("192.0.{}.{host}", 2 + k)
+}
+
 impl Topology {
-    fn new() -> Topology {
+    fn new(peers: usize) -> Topology {
         let tag = format!("{}{}", std::process::id() % 100000, rand_tag());
         let t = Topology {
             client: format!("lxc{tag}"),
-            peer: format!("lxp{tag}"),
+            peers: (0..peers).map(|k| format!("lxp{k}{tag}")).collect(),
             cp: format!("lxr{tag}"),
-            links: [format!("lxl{tag}"), format!("lxw{tag}")],
+            links: std::iter::once(format!("lxl{tag}"))
+                .chain((0..peers).map(|k| format!("lxw{k}{tag}")))
+                .collect(),
             frr: tempfile::tempdir().unwrap(),
         };
-        for ns in [&t.client, &t.peer, &t.cp] {
+        for ns in t.namespaces() {
             must(&format!("ip netns add {ns}"));
             must(&format!("ip -n {ns} link set lo up"));
         }
-        for (outer, (ns, inner)) in t.links.iter().zip([(&t.client, "c0"), (&t.peer, "p0")]) {
+        let inside = std::iter::once((&t.client, "c0")).chain(t.peers.iter().map(|p| (p, "p0")));
+        for (outer, (ns, inner)) in t.links.iter().zip(inside) {
             must(&format!(
                 "ip link add {outer} type veth peer name {inner} netns {ns}"
             ));
@@ -44,91 +53,119 @@ impl Topology {
             "ip -n {} route add default via 10.0.1.1",
             t.client
         ));
-        must(&format!("ip -n {} addr add 192.0.2.9/24 dev p0", t.peer));
-        must(&format!(
-            "ip -n {} route add 10.0.1.0/24 via 192.0.2.2",
-            t.peer
-        ));
+        for (k, p) in t.peers.iter().enumerate() {
+            must(&format!("ip -n {p} addr add {}/24 dev p0", peer_ip(k, 9)));
+            must(&format!(
+                "ip -n {p} route add 10.0.1.0/24 via {}",
+                peer_ip(k, 2)
+            ));
+            std::fs::create_dir(t.frr.path().join(format!("peer{k}"))).unwrap();
+        }
         must(&format!("chown frr:frr {}", t.frr.path().display()));
         t
     }
 
+    fn namespaces(&self) -> Vec<&String> {
+        std::iter::once(&self.client)
+            .chain(&self.peers)
+            .chain(std::iter::once(&self.cp))
+            .collect()
+    }
+
     fn graph(&self) -> String {
+        let cp = &self.cp;
+        let mut apps = format!(
+            "  lan: {{ type: af_packet, interface: {} }}\n  lan_host: {{ type: tap, name: lan, namespace: {cp}, mac: \"02:00:00:00:01:01\", addresses: [10.0.1.1/24] }}\n",
+            self.links[0]
+        );
+        let mut interfaces =
+            String::from("lan: { mac: \"02:00:00:00:01:01\", address: 10.0.1.1/24 }");
+        let mut links = String::new();
+        for (k, link) in self.links[1..].iter().enumerate() {
+            let mac = format!("02:00:00:00:{:02x}:01", 2 + k);
+            let addr = format!("{}/24", peer_ip(k, 2));
+            apps += &format!(
+                "  wan{k}: {{ type: af_packet, interface: {link} }}\n  wan{k}_host: {{ type: tap, name: wan{k}, namespace: {cp}, mac: \"{mac}\", addresses: [{addr}] }}\n"
+            );
+            interfaces += &format!(", wan{k}: {{ mac: \"{mac}\", address: {addr} }}");
+        }
+        for port in std::iter::once("lan".to_string())
+            .chain((0..self.peers.len()).map(|k| format!("wan{k}")))
+        {
+            links += &format!(
+                "  - \"{port}.output -> r.{port}\"\n  - \"r.{port} -> {port}.input\"\n  - \"r.host_{port} -> {port}_host.input\"\n  - \"{port}_host.output -> r.host_{port}\"\n"
+            );
+        }
         format!(
-            r#"apps:
-  lan: {{ type: af_packet, interface: {lan} }}
-  wan: {{ type: af_packet, interface: {wan} }}
-  r: {{ type: router, host_ports: true, kernel_table: 254, arp_timeout: 300,
-       interfaces: {{ lan: {{ mac: "02:00:00:00:01:01", address: 10.0.1.1/24 }},
-                     wan: {{ mac: "02:00:00:00:02:01", address: 192.0.2.2/24 }} }} }}
-  lan_host: {{ type: tap, name: lan, namespace: {cp}, mac: "02:00:00:00:01:01", addresses: [10.0.1.1/24] }}
-  wan_host: {{ type: tap, name: wan, namespace: {cp}, mac: "02:00:00:00:02:01", addresses: [192.0.2.2/24] }}
-  routes: {{ type: kernel_routes, namespace: {cp} }}
-links:
-  - "lan.output -> r.lan"
-  - "r.lan -> lan.input"
-  - "wan.output -> r.wan"
-  - "r.wan -> wan.input"
-  - "r.host_lan -> lan_host.input"
-  - "lan_host.output -> r.host_lan"
-  - "r.host_wan -> wan_host.input"
-  - "wan_host.output -> r.host_wan"
-  - "routes.output -> r.kernel"
-"#,
-            lan = self.links[0],
-            wan = self.links[1],
-            cp = self.cp
+            "apps:\n{apps}  r: {{ type: router, host_ports: true, kernel_table: 254, arp_timeout: 300,\n       interfaces: {{ {interfaces} }} }}\n  routes: {{ type: kernel_routes, namespace: {cp} }}\nlinks:\n{links}  - \"routes.output -> r.kernel\"\n"
         )
     }
 
-    /// BIRD in the peer's namespace announcing `prefixes` /24s from 11.0.0.0 by BGP, holding
-    /// the first address of the first, middle and last of them on its loopback.
-    fn start_bird(&self, prefixes: u32) -> Vec<String> {
-        let dir = self.frr.path();
-        let mut conf = String::from(
-            "router id 192.0.2.9;\nprotocol device {}\nprotocol static announced { ipv4;\n",
+    fn peer_dir(&self, k: usize) -> std::path::PathBuf {
+        self.frr.path().join(format!("peer{k}"))
+    }
+
+    /// BIRD in peer `k`'s namespace announcing `prefixes` /24s from 11.0.0.0 by BGP, holding
+    /// the first address of `samples` of them (spread over the range) on its loopback.
+    fn start_bird(&self, k: usize, prefixes: u32, samples: u32) -> Vec<String> {
+        let dir = self.peer_dir(k);
+        let mut conf = format!(
+            "router id {};\nprotocol device {{}}\nprotocol static announced {{ ipv4;\n",
+            peer_ip(k, 9)
         );
         let prefix = |i: u32| format!("{}.{}.{}.0", 11 + i / 65536, (i / 256) % 256, i % 256);
         for i in 0..prefixes {
             conf += &format!("route {}/24 blackhole;\n", prefix(i));
         }
-        conf += "}\nprotocol bgp up { local 192.0.2.9 as 65009; neighbor 192.0.2.2 as 65001;\n\
-                 hold time 9; connect retry time 1;\n\
-                 ipv4 { import none; export all; next hop self; }; }\n";
+        conf += &format!(
+            "}}\nprotocol bgp up {{ local {} as {}; neighbor {} as 65001;\n\
+             hold time 9; connect retry time 1;\n\
+             ipv4 {{ import none; export all; next hop self; }}; }}\n",
+            peer_ip(k, 9),
+            65009 + k,
+            peer_ip(k, 2)
+        );
         std::fs::write(dir.join("bird.conf"), conf).unwrap();
-        let samples: Vec<String> = [0, prefixes / 2, prefixes - 1]
-            .iter()
-            .map(|&i| format!("{}.{}.{}.1", 11 + i / 65536, (i / 256) % 256, i % 256))
+        let samples: Vec<String> = (0..samples)
+            .map(|j| j * (prefixes - 1) / (samples - 1).max(1))
+            .map(|i| format!("{}.{}.{}.1", 11 + i / 65536, (i / 256) % 256, i % 256))
             .collect();
         for s in &samples {
-            must(&format!("ip -n {} addr add {s}/32 dev lo", self.peer));
+            must(&format!("ip -n {} addr add {s}/32 dev lo", self.peers[k]));
         }
         must(&format!(
             "ip netns exec {} bird -c {d}/bird.conf -s {d}/bird.ctl -P {d}/bird.pid",
-            self.peer,
+            self.peers[k],
             d = dir.display()
         ));
         samples
     }
 
-    fn birdc(&self, cmd: &str) -> String {
+    fn birdc(&self, k: usize, cmd: &str) -> String {
         must(&format!(
             "birdc -s {}/bird.ctl {cmd}",
-            self.frr.path().display()
+            self.peer_dir(k).display()
         ))
     }
 
-    /// FRR's zebra and bgpd in the control-plane namespace, peering with the BIRD peer.
+    /// FRR's zebra and bgpd in the control-plane namespace, peering with every peer, with
+    /// equal paths through several of them kept together (ECMP).
     fn start_frr(&self) {
         let d = self.frr.path().display();
         std::fs::write(self.frr.path().join("zebra.conf"), "hostname stitch-cp\n").unwrap();
-        std::fs::write(
-            self.frr.path().join("bgpd.conf"),
-            "router bgp 65001\n bgp router-id 192.0.2.2\n no bgp ebgp-requires-policy\n \
-             neighbor 192.0.2.9 remote-as 65009\n neighbor 192.0.2.9 timers 3 9\n \
-             neighbor 192.0.2.9 timers connect 1\n",
-        )
-        .unwrap();
+        let mut bgpd = String::from(
+            "router bgp 65001\n bgp router-id 10.0.1.1\n no bgp ebgp-requires-policy\n \
+             bgp bestpath as-path multipath-relax\n",
+        );
+        for k in 0..self.peers.len() {
+            let ip = peer_ip(k, 9);
+            bgpd += &format!(
+                " neighbor {ip} remote-as {}\n neighbor {ip} timers 1 3\n neighbor {ip} timers connect 1\n",
+                65009 + k
+            );
+        }
+        bgpd += " address-family ipv4 unicast\n  maximum-paths 8\n exit-address-family\n";
+        std::fs::write(self.frr.path().join("bgpd.conf"), bgpd).unwrap();
         must(&format!("chown frr:frr {d}/zebra.conf {d}/bgpd.conf"));
         for daemon in ["zebra", "bgpd"] {
             must(&format!(
@@ -144,23 +181,24 @@ links:
         }
     }
 
-    /// FRR's count of the BGP connections to the peer it established and dropped.
-    fn frr_connections(&self) -> (u64, u64) {
+    /// FRR's count of the BGP connections to peer `k` it established and dropped.
+    fn frr_connections(&self, k: usize) -> (u64, u64) {
+        let ip = peer_ip(k, 9);
         let out = must(&format!(
-            "ip netns exec {} vtysh --vty_socket {} -c 'show bgp neighbors 192.0.2.9 json'",
+            "ip netns exec {} vtysh --vty_socket {} -c 'show bgp neighbors {ip} json'",
             self.cp,
             self.frr.path().display()
         ));
         let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-        let n = &v["192.0.2.9"];
+        let n = &v[&ip];
         (
             n["connectionsEstablished"].as_u64().unwrap(),
             n["connectionsDropped"].as_u64().unwrap(),
         )
     }
 
-    fn established(&self) -> bool {
-        self.birdc("show protocols up").contains("Established")
+    fn established(&self, k: usize) -> bool {
+        self.birdc(k, "show protocols up").contains("Established")
     }
 
     fn ping(&self, to: &str) -> bool {
@@ -175,7 +213,7 @@ links:
 
 impl Drop for Topology {
     fn drop(&mut self) {
-        for ns in [&self.client, &self.peer, &self.cp] {
+        for ns in self.namespaces() {
             let _ = sh(&format!(
                 "ip netns pids {ns} 2>/dev/null | xargs -r kill -9"
             ));
@@ -183,7 +221,7 @@ impl Drop for Topology {
         for l in &self.links {
             let _ = sh(&format!("ip link del {l} 2>/dev/null"));
         }
-        for ns in [&self.client, &self.peer, &self.cp] {
+        for ns in self.namespaces() {
             let _ = sh(&format!("ip netns del {ns} 2>/dev/null"));
         }
     }
@@ -227,6 +265,8 @@ fn table_size(ns: &str) -> u64 {
         let out = must(&format!("ip {family} -n {ns} route show table main"));
         let prefixes: std::collections::HashSet<&str> = out
             .lines()
+            // A multipath route's ways out follow it on lines of their own, indented.
+            .filter(|l| !l.starts_with(char::is_whitespace))
             .filter_map(|l| {
                 let mut words = l.split_whitespace();
                 let first = words.next()?;
@@ -245,13 +285,13 @@ fn table_size(ns: &str) -> u64 {
 #[test]
 fn routes_frr_learns_by_bgp_over_stitch_ports_are_forwarded_by_stitch_and_withdrawn() {
     require_root_and_tools(&["bird", "birdc", "/usr/lib/frr/zebra", "/usr/lib/frr/bgpd"]);
-    let t = Topology::new();
+    let t = Topology::new(1);
     let s = Stitch::run(&t.graph());
     const PREFIXES: u32 = 5000;
-    let samples = t.start_bird(PREFIXES);
+    let samples = t.start_bird(0, PREFIXES, 3);
     t.start_frr();
     wait_until("the BGP session through Stitch's ports", 60, || {
-        t.established()
+        t.established(0)
     });
     let up = Instant::now();
     // The connected routes of the two interfaces, and every prefix BIRD announced.
@@ -290,15 +330,15 @@ fn routes_frr_learns_by_bgp_over_stitch_ports_are_forwarded_by_stitch_and_withdr
 
     // A live change of the router (its ARP timeout): taken in place, the session stays up and
     // the learnt routes stay.
-    assert_eq!(t.frr_connections(), (1, 0));
+    assert_eq!(t.frr_connections(0), (1, 0));
     s.apply(&t.graph().replace("arp_timeout: 300", "arp_timeout: 200"));
     assert!(t.ping(&samples[1]));
     assert_eq!(kernel_routes(&s), learnt);
     std::thread::sleep(Duration::from_secs(4)); // past FRR's keepalive interval
-    assert_eq!(t.frr_connections(), (1, 0), "the session flapped");
+    assert_eq!(t.frr_connections(0), (1, 0), "the session flapped");
 
     // Withdrawn: BIRD stops announcing; FRR takes them out of the kernel, Stitch follows.
-    t.birdc("disable announced");
+    t.birdc(0, "disable announced");
     wait_until("Stitch forgetting withdrawn routes", 60, || {
         kernel_routes(&s) == learnt - PREFIXES as u64
     });
@@ -308,4 +348,82 @@ fn routes_frr_learns_by_bgp_over_stitch_ports_are_forwarded_by_stitch_and_withdr
     assert!(s.counter("r", "no_route_drops").unwrap() > no_route);
     let st = s.stop();
     assert_eq!(app(&st, "routes")["counters"]["malformed_drops"], 0);
+}
+
+/// Frames the router sent out of `port` so far.
+fn sent_out(s: &Stitch, port: &str) -> u64 {
+    app(&s.stats().unwrap(), port)["rx_packets"]
+        .as_u64()
+        .unwrap()
+}
+
+#[test]
+fn two_peers_announcing_the_same_prefixes_share_the_flows_and_one_going_away_moves_its_share() {
+    require_root_and_tools(&["bird", "birdc", "/usr/lib/frr/zebra", "/usr/lib/frr/bgpd"]);
+    let t = Topology::new(2);
+    let s = Stitch::run(&t.graph());
+    const PREFIXES: u32 = 200;
+    let samples = t.start_bird(0, PREFIXES, 32);
+    assert_eq!(t.start_bird(1, PREFIXES, 32), samples);
+    t.start_frr();
+    wait_until("both BGP sessions", 60, || {
+        t.established(0) && t.established(1)
+    });
+    wait_until("FRR's equal paths in Stitch's table", 60, || {
+        let groups = must(&format!("ip -n {} nexthop show", t.cp));
+        kernel_view(&s)["pending"] == false
+            && groups.contains("group")
+            && must(&format!("ip -n {} route show 11.0.0.0/24", t.cp)).contains("nhid")
+            && kernel_routes(&s) == table_size(&t.cp)
+            && kernel_routes(&s) >= PREFIXES as u64
+    });
+    let before = (sent_out(&s, "wan0"), sent_out(&s, "wan1"));
+    for a in &samples {
+        assert!(t.ping(a), "{a} not reached");
+    }
+    let after = (sent_out(&s, "wan0"), sent_out(&s, "wan1"));
+    let shares = (after.0 - before.0, after.1 - before.1);
+    eprintln!(
+        "32 destinations: {} pings by peer 0, {} by peer 1",
+        shares.0, shares.1
+    );
+    assert!(shares.0 >= 4 && shares.1 >= 4, "not spread: {shares:?}");
+    let o = sh(&format!(
+        "{} show r --control {}",
+        env!("CARGO_BIN_EXE_stitch"),
+        s.socket.display()
+    ));
+    let paths =
+        serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()["ecmp_paths"].clone();
+    let ports: Vec<&str> = paths
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|p| p["port"].as_str())
+        .collect();
+    assert!(
+        ports.contains(&"wan0") && ports.contains(&"wan1"),
+        "{paths}"
+    );
+
+    // Peer 1's link goes dark (no RST, no notification): FRR's hold timer (3 s) takes its
+    // paths away and every destination is reached through peer 0.
+    let died = Instant::now();
+    must(&format!("ip -n {} link set p0 down", t.peers[1]));
+    wait_until("every destination through the remaining peer", 30, || {
+        samples.iter().all(|a| t.ping(a))
+    });
+    eprintln!(
+        "peer 1's link down: every destination reached again after {:.1} s (hold time 3 s)",
+        died.elapsed().as_secs_f64()
+    );
+    let before = sent_out(&s, "wan1");
+    for a in &samples {
+        assert!(t.ping(a));
+    }
+    // ARP for the dead peer may still be asked; no more than that.
+    assert!(
+        sent_out(&s, "wan1") <= before + 2,
+        "traffic still sent to the dead peer"
+    );
 }
