@@ -427,3 +427,144 @@ fn two_peers_announcing_the_same_prefixes_share_the_flows_and_one_going_away_mov
         "traffic still sent to the dead peer"
     );
 }
+
+/// Namespaces removed, with what runs in them and the root ends of their links, at the end.
+struct Namespaces {
+    names: Vec<String>,
+    links: Vec<String>,
+}
+
+impl Drop for Namespaces {
+    fn drop(&mut self) {
+        for ns in &self.names {
+            let _ = sh(&format!(
+                "ip netns pids {ns} 2>/dev/null | xargs -r kill -9"
+            ));
+        }
+        for l in &self.links {
+            let _ = sh(&format!("ip link del {l} 2>/dev/null"));
+        }
+        for ns in &self.names {
+            let _ = sh(&format!("ip netns del {ns} 2>/dev/null"));
+        }
+    }
+}
+
+/// Two VRFs as two routers, each following its own routing table (100 and 200) of one control
+/// namespace through one `kernel_routes` app and a `tee`: the same addresses on both sides
+/// and the same prefix in both tables, and each VRF's traffic goes only where its table says.
+#[test]
+fn two_vrfs_follow_their_own_kernel_tables_with_the_same_prefixes_and_stay_apart() {
+    require_root_and_tools(&[]);
+    let tag = format!("{}{}", std::process::id() % 100000, rand_tag());
+    let vrfs = ["red", "blue"];
+    let ns = Namespaces {
+        names: std::iter::once(format!("lvx{tag}"))
+            .chain(vrfs.iter().flat_map(|v| {
+                [
+                    format!("lv{}c{tag}", &v[..1]),
+                    format!("lv{}p{tag}", &v[..1]),
+                ]
+            }))
+            .collect(),
+        links: vrfs
+            .iter()
+            .flat_map(|v| {
+                [
+                    format!("lv{}l{tag}", &v[..1]),
+                    format!("lv{}w{tag}", &v[..1]),
+                ]
+            })
+            .collect(),
+    };
+    let cp = &ns.names[0];
+    for n in &ns.names {
+        must(&format!("ip netns add {n}"));
+        must(&format!("ip -n {n} link set lo up"));
+    }
+    let mut apps = format!(
+        "  routes: {{ type: kernel_routes, namespace: {cp} }}\n  tables: {{ type: tee }}\n"
+    );
+    let mut links = String::from("  - \"routes.output -> tables.input\"\n");
+    for (i, v) in vrfs.iter().enumerate() {
+        let (client, peer) = (&ns.names[1 + 2 * i], &ns.names[2 + 2 * i]);
+        let (lan, wan) = (&ns.links[2 * i], &ns.links[2 * i + 1]);
+        for (outer, n, inner, addr, via) in [
+            (lan, client, "c0", "10.0.1.2/24", "default via 10.0.1.1"),
+            (wan, peer, "p0", "192.0.2.9/24", "10.0.1.0/24 via 192.0.2.2"),
+        ] {
+            must(&format!(
+                "ip link add {outer} type veth peer name {inner} netns {n}"
+            ));
+            must(&format!("ip link set {outer} up"));
+            must(&format!("sysctl -qw net.ipv6.conf.{outer}.disable_ipv6=1"));
+            must(&format!("ip -n {n} addr add {addr} dev {inner}"));
+            must(&format!("ip -n {n} link set {inner} up"));
+            must(&format!("ip -n {n} route add {via}"));
+        }
+        // Both VRFs' peers hold the same address.
+        must(&format!("ip -n {peer} addr add 11.0.0.1/32 dev lo"));
+        must(&format!("ip -n {peer} addr add 12.0.0.1/32 dev lo"));
+        apps += &format!(
+            "  {v}_lan: {{ type: af_packet, interface: {lan} }}\n  {v}_wan: {{ type: af_packet, interface: {wan} }}\n  \
+             {v}: {{ type: router, kernel_table: {table},\n    interfaces: {{ lan: {{ mac: \"02:00:00:0{i}:01:01\", address: 10.0.1.1/24 }}, wan: {{ mac: \"02:00:00:0{i}:02:01\", address: 192.0.2.2/24 }} }} }}\n",
+            table = 100 * (i + 1)
+        );
+        links += &format!(
+            "  - \"{v}_lan.output -> {v}.lan\"\n  - \"{v}.lan -> {v}_lan.input\"\n  - \"{v}_wan.output -> {v}.wan\"\n  - \"{v}.wan -> {v}_wan.input\"\n  - \"tables.{v} -> {v}.kernel\"\n"
+        );
+    }
+    // The control namespace's routes (a daemon's, in its VRFs' tables): its gateway is on a
+    // link of its own there, and on each router's `wan` subnet.
+    must(&format!("ip -n {cp} link add d0 type veth peer name d1"));
+    must(&format!("ip -n {cp} link set d0 up"));
+    must(&format!("ip -n {cp} link set d1 up"));
+    let s = Stitch::run(&format!("apps:\n{apps}links:\n{links}"));
+    for table in [100, 200] {
+        must(&format!(
+            "ip -n {cp} route add 11.0.0.0/24 via 192.0.2.9 dev d0 onlink table {table}"
+        ));
+    }
+    must(&format!(
+        "ip -n {cp} route add 12.0.0.0/24 via 192.0.2.9 dev d0 onlink table 200"
+    ));
+    let routes = |r: &str| {
+        let o = sh(&format!(
+            "{} show {r} --control {}",
+            env!("CARGO_BIN_EXE_stitch"),
+            s.socket.display()
+        ));
+        serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()["kernel"].clone()
+    };
+    wait_until("each router with its table's routes", 20, || {
+        routes("red")["routes"] == 1
+            && routes("blue")["routes"] == 2
+            && routes("red")["pending"] == false
+            && routes("blue")["pending"] == false
+    });
+    let ping = |client: &str, to: &str| {
+        sh(&format!("ip netns exec {client} ping -c 1 -W 1 {to}"))
+            .status
+            .success()
+    };
+    let (red_client, blue_client) = (&ns.names[1], &ns.names[3]);
+    let sent = |port: &str| {
+        app(&s.stats().unwrap(), port)["rx_packets"]
+            .as_u64()
+            .unwrap()
+    };
+    let before = (sent("red_wan"), sent("blue_wan"));
+    assert!(ping(red_client, "11.0.0.1"));
+    let after = (sent("red_wan"), sent("blue_wan"));
+    assert!(
+        after.0 > before.0 && after.1 == before.1,
+        "red's ping left by {after:?}"
+    );
+    assert!(ping(blue_client, "11.0.0.1"));
+    assert!(ping(blue_client, "12.0.0.1"));
+    // 12.0.0.0/24 is in blue's table only: red has no route to it.
+    let no_route = s.counter("red", "no_route_drops").unwrap();
+    assert!(!ping(red_client, "12.0.0.1"));
+    assert!(s.counter("red", "no_route_drops").unwrap() > no_route);
+    assert!(sent("blue_wan") >= after.1 + 2);
+}
