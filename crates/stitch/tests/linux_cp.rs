@@ -450,12 +450,10 @@ impl Drop for Namespaces {
     }
 }
 
-/// Two VRFs as two routers, each following its own routing table (100 and 200) of one control
-/// namespace through one `kernel_routes` app and a `tee`: the same addresses on both sides
-/// and the same prefix in both tables, and each VRF's traffic goes only where its table says.
-#[test]
-fn two_vrfs_follow_their_own_kernel_tables_with_the_same_prefixes_and_stay_apart() {
-    require_root_and_tools(&[]);
+/// The namespaces of [`two_vrfs_follow_their_own_kernel_tables_with_the_same_prefixes_and_stay_apart`]
+/// — the control namespace, then each VRF's client and peer, with the same addresses — and the
+/// graph of its two routers.
+fn two_vrfs() -> (Namespaces, String) {
     let tag = format!("{}{}", std::process::id() % 100000, rand_tag());
     let vrfs = ["red", "blue"];
     let ns = Namespaces {
@@ -514,12 +512,23 @@ fn two_vrfs_follow_their_own_kernel_tables_with_the_same_prefixes_and_stay_apart
             "  - \"{v}_lan.output -> {v}.lan\"\n  - \"{v}.lan -> {v}_lan.input\"\n  - \"{v}_wan.output -> {v}.wan\"\n  - \"{v}.wan -> {v}_wan.input\"\n  - \"tables.{v} -> {v}.kernel\"\n"
         );
     }
+    (ns, format!("apps:\n{apps}links:\n{links}"))
+}
+
+/// Two VRFs as two routers, each following its own routing table (100 and 200) of one control
+/// namespace through one `kernel_routes` app and a `tee`: the same addresses on both sides
+/// and the same prefix in both tables, and each VRF's traffic goes only where its table says.
+#[test]
+fn two_vrfs_follow_their_own_kernel_tables_with_the_same_prefixes_and_stay_apart() {
+    require_root_and_tools(&[]);
+    let (ns, graph) = two_vrfs();
+    let cp = &ns.names[0];
     // The control namespace's routes (a daemon's, in its VRFs' tables): its gateway is on a
     // link of its own there, and on each router's `wan` subnet.
     must(&format!("ip -n {cp} link add d0 type veth peer name d1"));
     must(&format!("ip -n {cp} link set d0 up"));
     must(&format!("ip -n {cp} link set d1 up"));
-    let s = Stitch::run(&format!("apps:\n{apps}links:\n{links}"));
+    let s = Stitch::run(&graph);
     for table in [100, 200] {
         must(&format!(
             "ip -n {cp} route add 11.0.0.0/24 via 192.0.2.9 dev d0 onlink table {table}"
