@@ -5,7 +5,7 @@
 //!
 //! The modules, in short: the harnesses of `stitch bench`, one module each (`chain`, `lwaftr`,
 //! `nf`, `nf_scale`, `chain_switch`, `kernel`, `vhost`, `placement`, `capture_link`, `cluster`,
-//! `upgrade`, `soak`, `rfc2544` — its `tester` on two vhost-user front-ends, the pure binary
+//! `upgrade`, `soak`, `linux_cp`, `rfc2544` — its `tester` on two vhost-user front-ends, the pure binary
 //! `search`, the devices under test in `duts`, the `plot`; `xdp_steer`: steering rules timed in the
 //! kernel), every figure beside a baseline measured in the same run.
 
@@ -14,6 +14,7 @@ mod chain;
 mod chain_switch;
 mod cluster;
 mod kernel;
+mod linux_cp;
 mod lwaftr;
 mod nf;
 mod nf_scale;
@@ -94,6 +95,10 @@ pub enum BenchCmd {
     /// One function as 1, 2, … shards between two veth interfaces (fanout), each shard's
     /// packets per CPU-second, and the hand-off hop between shards.
     Shards(crate::shards::ShardsArgs),
+    /// A router following a kernel table while a full table is written into it: time until
+    /// Stitch forwards by every route beside the kernel taking them, and the forwarding rate
+    /// during and after, against the same routes configured.
+    LinuxCp(crate::linux_cp::LinuxCpArgs),
     /// One network function with a realistic table against a raw-ring baseline in the same
     /// run.
     Nf {
@@ -459,6 +464,7 @@ pub fn run(cmd: BenchCmd, registry: fn() -> Registry) -> Result<()> {
         BenchCmd::Rfc2544(args) => rfc2544::run(args),
         BenchCmd::Vm2vm(args) => vm2vm::run(args),
         BenchCmd::XdpSteer(args) => xdp_steer::run(args),
+        BenchCmd::LinuxCp(args) => linux_cp::run(args),
         BenchCmd::Shards(args) => shards::run(args, registry),
         BenchCmd::Nf {
             name,

@@ -38,8 +38,9 @@ fn default_buffer() -> usize {
 /// The dumps made at start and after an overflow, in order: interfaces first, so that routes
 /// name interfaces already known; nexthop objects before the routes that use them.
 const DUMPS: [u16; 3] = [kind::GETLINK, kind::GETNEXTHOP, kind::GETROUTE];
-/// Datagrams read per breath at most: a dump of a million routes comes in a few thousand.
-const READS_PER_BREATH: usize = 64;
+/// Datagrams read per breath at most (fewer when the output fills): a dump of a million
+/// routes comes in a few thousand, but a daemon's changes come one route per datagram.
+const READS_PER_BREATH: usize = 1024;
 
 pub struct KernelRoutes {
     socket: OwnedFd,
