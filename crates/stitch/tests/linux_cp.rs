@@ -577,3 +577,190 @@ fn two_vrfs_follow_their_own_kernel_tables_with_the_same_prefixes_and_stay_apart
     assert!(s.counter("red", "no_route_drops").unwrap() > no_route);
     assert!(sent("blue_wan") >= after.1 + 2);
 }
+
+/// BIRD's OSPF on the given interfaces (hello 1 s, dead 4 s), its routes into the kernel's
+/// main table; `stubs` announced without a neighbour.
+fn ospf_conf(router_id: &str, interfaces: &[&str], stubs: &[&str]) -> String {
+    let quoted = |v: &[&str]| {
+        v.iter()
+            .map(|i| format!("\"{i}\""))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let mut areas = format!(
+        "    interface {} {{ hello 1; dead 4; type pointopoint; }};\n",
+        quoted(interfaces)
+    );
+    if !stubs.is_empty() {
+        areas += &format!("    interface {} {{ stub; }};\n", quoted(stubs));
+    }
+    format!(
+        "router id {router_id};\nprotocol device {{ scan time 1; }}\n\
+         protocol kernel {{ ipv4 {{ export all; }}; }}\n\
+         protocol ospf v2 {{ ipv4 {{ import all; export none; }};\n  area 0 {{\n{areas}  }};\n}}\n"
+    )
+}
+
+fn start_bird_in(ns: &str, dir: &std::path::Path, conf: &str) {
+    std::fs::write(dir.join("bird.conf"), conf).unwrap();
+    must(&format!(
+        "ip netns exec {ns} bird -c {d}/bird.conf -s {d}/bird.ctl -P {d}/bird.pid",
+        d = dir.display()
+    ));
+}
+
+/// The ring of [`ospf_with_bird_on_a_ring_of_three_routers_reroutes_round_a_cut_link`]: the
+/// namespaces (Stitch's control plane, the client, R2, R3) and Stitch's graph — `lan` to the
+/// client (10.0.1.0/24), `a` to R2 (10.12.0.0/24), `b` to R3 (10.13.0.0/24); R2 and R3 joined
+/// by 10.23.0.0/24 and holding 10.2.2.2 and 10.3.3.3.
+fn ospf_ring() -> (Namespaces, String) {
+    let tag = format!("{}{}", std::process::id() % 100000, rand_tag());
+    let ns = Namespaces {
+        names: ["x", "c", "2", "3"]
+            .iter()
+            .map(|k| format!("lo{k}{tag}"))
+            .collect(),
+        links: ["l", "a", "b"]
+            .iter()
+            .map(|k| format!("lo{k}{tag}"))
+            .collect(),
+    };
+    let (cp, client, r2, r3) = (&ns.names[0], &ns.names[1], &ns.names[2], &ns.names[3]);
+    for n in &ns.names {
+        must(&format!("ip netns add {n}"));
+        must(&format!("ip -n {n} link set lo up"));
+    }
+    // Stitch's links: lan to the client, a to R2, b to R3; R2 and R3 joined directly.
+    for (outer, n, inner, addr) in [
+        (&ns.links[0], client, "c0", "10.0.1.2/24"),
+        (&ns.links[1], r2, "r1", "10.12.0.2/24"),
+        (&ns.links[2], r3, "r1", "10.13.0.3/24"),
+    ] {
+        must(&format!(
+            "ip link add {outer} type veth peer name {inner} netns {n}"
+        ));
+        must(&format!("ip link set {outer} up"));
+        must(&format!("sysctl -qw net.ipv6.conf.{outer}.disable_ipv6=1"));
+        must(&format!("ip -n {n} addr add {addr} dev {inner}"));
+        must(&format!("ip -n {n} link set {inner} up"));
+    }
+    must(&format!("ip -n {client} route add default via 10.0.1.1"));
+    must(&format!(
+        "ip -n {r2} link add r3 type veth peer name r2 netns {r3}"
+    ));
+    must(&format!("ip -n {r2} addr add 10.23.0.2/24 dev r3"));
+    must(&format!("ip -n {r3} addr add 10.23.0.3/24 dev r2"));
+    must(&format!("ip -n {r2} link set r3 up"));
+    must(&format!("ip -n {r3} link set r2 up"));
+    must(&format!("ip -n {r2} addr add 10.2.2.2/32 dev lo"));
+    must(&format!("ip -n {r3} addr add 10.3.3.3/32 dev lo"));
+    for n in [r2, r3] {
+        must(&format!(
+            "ip netns exec {n} sysctl -qw net.ipv4.ip_forward=1"
+        ));
+    }
+    let mut apps = format!("  routes: {{ type: kernel_routes, namespace: {cp} }}\n");
+    let mut links = String::from("  - \"routes.output -> r.kernel\"\n");
+    let mut interfaces = Vec::new();
+    for (k, (port, addr)) in [
+        ("lan", "10.0.1.1/24"),
+        ("a", "10.12.0.1/24"),
+        ("b", "10.13.0.1/24"),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let mac = format!("02:00:00:00:{:02x}:01", k + 1);
+        apps += &format!(
+            "  {port}: {{ type: af_packet, interface: {} }}\n  {port}_host: {{ type: tap, name: {port}, namespace: {cp}, mac: \"{mac}\", addresses: [{addr}] }}\n",
+            ns.links[k]
+        );
+        interfaces.push(format!("{port}: {{ mac: \"{mac}\", address: {addr} }}"));
+        links += &format!(
+            "  - \"{port}.output -> r.{port}\"\n  - \"r.{port} -> {port}.input\"\n  - \"r.host_{port} -> {port}_host.input\"\n  - \"{port}_host.output -> r.host_{port}\"\n"
+        );
+    }
+    let graph = format!(
+        "apps:\n{apps}  r: {{ type: router, host_ports: true, kernel_table: 254, interfaces: {{ {} }} }}\nlinks:\n{links}",
+        interfaces.join(", ")
+    );
+    (ns, graph)
+}
+
+/// OSPF on a ring of three routers — Stitch's (BIRD on its interfaces' host sides) and two
+/// Linux namespaces running BIRD: adjacencies come up over Stitch's ports, the routes BIRD
+/// learns become the router's, and when Stitch's link to one neighbour goes dark the traffic
+/// to it goes round the ring through the other.
+#[test]
+fn ospf_with_bird_on_a_ring_of_three_routers_reroutes_round_a_cut_link() {
+    require_root_and_tools(&["bird", "birdc"]);
+    let (ns, graph) = ospf_ring();
+    let (cp, client, r2, r3) = (&ns.names[0], &ns.names[1], &ns.names[2], &ns.names[3]);
+    let s = Stitch::run(&graph);
+    let dirs: Vec<tempfile::TempDir> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
+    start_bird_in(
+        cp,
+        dirs[0].path(),
+        &ospf_conf("10.0.1.1", &["a", "b"], &["lan"]),
+    );
+    start_bird_in(
+        r2,
+        dirs[1].path(),
+        &ospf_conf("10.2.2.2", &["r1", "r3"], &["lo"]),
+    );
+    start_bird_in(
+        r3,
+        dirs[2].path(),
+        &ospf_conf("10.3.3.3", &["r1", "r2"], &["lo"]),
+    );
+    let birdc = |i: usize, cmd: &str| {
+        must(&format!(
+            "birdc -s {}/bird.ctl {cmd}",
+            dirs[i].path().display()
+        ))
+    };
+    wait_until("OSPF adjacencies over Stitch's ports", 60, || {
+        birdc(0, "show ospf neighbors").matches("Full").count() == 2
+    });
+    let ping = |to: &str| {
+        sh(&format!("ip netns exec {client} ping -c 1 -W 1 {to}"))
+            .status
+            .success()
+    };
+    wait_until(
+        "both neighbours' loopbacks reached through Stitch",
+        60,
+        || ping("10.3.3.3") && ping("10.2.2.2"),
+    );
+    let sent = |port: &str| {
+        app(&s.stats().unwrap(), port)["rx_packets"]
+            .as_u64()
+            .unwrap()
+    };
+    let by_b = sent("b");
+    assert!(ping("10.3.3.3"));
+    assert!(sent("b") > by_b, "R3 is reached straight over b");
+
+    // Stitch's link to R3 goes dark: after OSPF's dead interval, round the ring through R2.
+    let cut = Instant::now();
+    must(&format!("ip -n {r3} link set r1 down"));
+    wait_until("R3 reached round the ring", 60, || ping("10.3.3.3"));
+    eprintln!(
+        "link to R3 cut: R3 reached through R2 after {:.1} s (OSPF dead interval 4 s)",
+        cut.elapsed().as_secs_f64()
+    );
+    let by_a = sent("a");
+    assert!(ping("10.3.3.3"));
+    assert!(sent("a") > by_a, "R3 is now reached over a, through R2");
+    let view = kernel_view_of(&s, "r");
+    assert_eq!(view["unusable"], 0, "{view}");
+}
+
+fn kernel_view_of(s: &Stitch, app_name: &str) -> serde_json::Value {
+    let o = sh(&format!(
+        "{} show {app_name} --control {}",
+        env!("CARGO_BIN_EXE_stitch"),
+        s.socket.display()
+    ));
+    serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()["kernel"].clone()
+}
