@@ -337,6 +337,26 @@ fn routes_frr_learns_by_bgp_over_stitch_ports_are_forwarded_by_stitch_and_withdr
     std::thread::sleep(Duration::from_secs(4)); // past FRR's keepalive interval
     assert_eq!(t.frr_connections(0), (1, 0), "the session flapped");
 
+    // An upgrade: the TAPs are handed over with their addresses (the daemon's TCP session
+    // stays), the successor dumps the kernel's table again and forwards by it.
+    let (successor, _) = common::upgrade::upgrade(&s);
+    let upgraded = Instant::now();
+    wait_until("the successor following the table", 60, || {
+        let v = kernel_view(&s);
+        v["routes"] == learnt && v["pending"] == false
+    });
+    eprintln!(
+        "after the upgrade: every learnt route forwarded again {:.2} s after the hand-over",
+        upgraded.elapsed().as_secs_f64()
+    );
+    assert!(t.ping(&samples[2]));
+    std::thread::sleep(Duration::from_secs(4));
+    assert_eq!(
+        t.frr_connections(0),
+        (1, 0),
+        "the session flapped across the upgrade"
+    );
+
     // Withdrawn: BIRD stops announcing; FRR takes them out of the kernel, Stitch follows.
     t.birdc(0, "disable announced");
     wait_until("Stitch forgetting withdrawn routes", 60, || {
@@ -346,7 +366,7 @@ fn routes_frr_learns_by_bgp_over_stitch_ports_are_forwarded_by_stitch_and_withdr
     let no_route = s.counter("r", "no_route_drops").unwrap();
     assert!(!t.ping(&samples[0]));
     assert!(s.counter("r", "no_route_drops").unwrap() > no_route);
-    let st = s.stop();
+    let st = successor.stop(s);
     assert_eq!(app(&st, "routes")["counters"]["malformed_drops"], 0);
 }
 
