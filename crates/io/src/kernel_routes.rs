@@ -9,7 +9,9 @@
 //! packet, as the kernel wrote it (a capture of the link is read by Wireshark's netlink
 //! dissector). Nothing is dropped for want of room: messages wait here while the output is
 //! full, the socket's buffer fills, and when the kernel reports it overflowed (`ENOBUFS`) the
-//! tables are dumped again (counted in `resyncs`).
+//! tables are dumped again (counted in `resyncs`). Only the kernel's messages are taken: one
+//! sent to the socket by another process (only root may send to it at all) is dropped and
+//! counted in `not_from_kernel_drops`.
 
 use serde::Deserialize;
 use std::collections::VecDeque;
@@ -58,6 +60,7 @@ pub struct KernelRoutes {
     malformed: Counter,
     pool_exhausted: Counter,
     errors: Counter,
+    foreign: Counter,
 }
 
 fn open(buffer: usize) -> Result<OwnedFd, String> {
@@ -234,6 +237,7 @@ impl App for KernelRoutes {
             malformed: ctx.counter("malformed_drops"),
             pool_exhausted: ctx.counter("pool_exhausted_drops"),
             errors: ctx.counter("errors"),
+            foreign: ctx.counter("not_from_kernel_drops"),
         };
         app.start_dump(0);
         Ok(app)
@@ -248,13 +252,19 @@ impl App for KernelRoutes {
             if !self.waiting.is_empty() {
                 return; // the reader is behind: the kernel keeps the rest
             }
-            // SAFETY: recv writes at most `buf.len()` bytes into the live buffer.
+            // SAFETY: sockaddr_nl is plain data; all zeroes is valid.
+            let mut from: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
+            let mut from_len = std::mem::size_of::<libc::sockaddr_nl>() as libc::socklen_t;
+            // SAFETY: recvfrom writes at most `buf.len()` bytes into the live buffer and at
+            // most `from_len` bytes of address into `from`.
             let n = unsafe {
-                libc::recv(
+                libc::recvfrom(
                     self.socket.as_raw_fd(),
                     self.buf.as_mut_ptr() as *mut libc::c_void,
                     self.buf.len(),
                     libc::MSG_DONTWAIT,
+                    &mut from as *mut libc::sockaddr_nl as *mut libc::sockaddr,
+                    &mut from_len,
                 )
             };
             if n < 0 {
@@ -266,6 +276,12 @@ impl App for KernelRoutes {
                         return;
                     }
                 }
+                continue;
+            }
+            if from.nl_pid != 0 {
+                // Only the kernel speaks for its tables: another process's message (root may
+                // send one to this socket's port) is dropped and counted.
+                self.foreign.add(1);
                 continue;
             }
             self.take(n as usize);

@@ -5,7 +5,9 @@
 //! graph in large buffers (cut into segments only when none is free, or by an output that needs
 //! it), and partial checksums travel on to outputs that complete them.
 //!
-//! The device exists while the app runs (unless it was made persistent with `ip tuntap`).
+//! The device exists while the app runs (unless it was made persistent with `ip tuntap`). It is
+//! owned by Stitch's user (a persistent device's owner is taken over): no other user may attach
+//! to it.
 //!
 //! ```yaml
 //! apps:
@@ -65,6 +67,7 @@ const BURST: usize = 128;
 const MAX_SEGMENTS: usize = 128;
 const TUNSETVNETHDRSZ: libc::c_ulong = 0x400454d8;
 const TUNGETIFF: libc::c_ulong = 0x800454d2;
+const TUNSETOWNER: libc::c_ulong = 0x400454cc;
 const TUN_F_CSUM: libc::c_uint = 0x01;
 const TUN_F_TSO4: libc::c_uint = 0x02;
 const TUN_F_TSO6: libc::c_uint = 0x04;
@@ -125,6 +128,23 @@ fn open(c: &TapConfig) -> Result<OwnedFd, String> {
             Some(libc::EINVAL) => format!("`{name}` exists and is not a TAP device"),
             _ => netdev::explain(&format!("cannot create tap `{name}`"), e),
         });
+    }
+    // Owned by Stitch's user: without an owner the kernel lets any user attach to the device
+    // whenever no process holds it (a persistent device between runs), and read what the
+    // router punts to its daemon or send as the router.
+    // SAFETY: geteuid cannot fail; TUNSETOWNER takes its argument by value.
+    if unsafe {
+        libc::ioctl(
+            fd.as_raw_fd(),
+            TUNSETOWNER,
+            libc::geteuid() as libc::c_ulong,
+        )
+    } < 0
+    {
+        return Err(netdev::explain(
+            "TUNSETOWNER",
+            std::io::Error::last_os_error(),
+        ));
     }
     let hdr_len: libc::c_int = VNET_HDR_LEN as libc::c_int;
     // SAFETY: TUNSETVNETHDRSZ reads one c_int from `hdr_len`.

@@ -784,3 +784,70 @@ fn kernel_view_of(s: &Stitch, app_name: &str) -> serde_json::Value {
     ));
     serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()["kernel"].clone()
 }
+
+/// Runs linux_cp/attack.py in namespace `ns`, as root or as the unprivileged uid `user`
+/// (from a directory of its own that user can read: the checkout may be under /root).
+fn attack(ns: &str, user: Option<u32>, args: &str) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let script = dir.path().join("attack.py");
+    std::fs::write(&script, include_str!("linux_cp/attack.py")).unwrap();
+    must(&format!("chmod 755 {}", dir.path().display()));
+    must(&format!("chmod 644 {}", script.display()));
+    let drop_to = user.map_or(String::new(), |uid| {
+        format!("setpriv --reuid={uid} --regid={uid} --clear-groups ")
+    });
+    must(&format!(
+        "ip netns exec {ns} {drop_to}/usr/bin/python3 {} {args}",
+        script.display()
+    ))
+    .trim()
+    .to_string()
+}
+
+#[test]
+fn an_unprivileged_user_cannot_take_the_routers_taps_nor_speak_for_the_kernels_table() {
+    require_root_and_tools(&["python3", "setpriv"]);
+    const NOBODY: Option<u32> = Some(65534);
+    let t = Topology::new(1);
+    // The operator made `lan` persistent, with no owner: Stitch takes it over.
+    must(&format!("ip -n {} tuntap add mode tap name lan", t.cp));
+    let s = Stitch::run(&t.graph());
+    wait_until("the router following the kernel table", 30, || {
+        kernel_view(&s)["synced"] == true
+    });
+    let routes = kernel_routes(&s);
+
+    // The TAPs are the router's interfaces: another user cannot attach to one (to read what is
+    // punted to the daemon or to send as the router).
+    assert_eq!(attack(&t.cp, NOBODY, "tap lan"), "EPERM");
+    // Nor can it send a route message to the socket the router follows the table by: only a
+    // process with CAP_NET_ADMIN may send to a netlink port.
+    let port = attack(&t.cp, None, &format!("port {}", s.process.0.id()));
+    let lan = must(&format!("ip -n {} -o link show lan", t.cp));
+    let ifindex = lan.split(':').next().unwrap().trim().to_string();
+    assert_eq!(
+        attack(&t.cp, NOBODY, &format!("send {port} {ifindex}")),
+        "EPERM"
+    );
+    // Root can send one, but only the kernel speaks for its table: dropped and counted.
+    assert_eq!(
+        attack(&t.cp, None, &format!("send {port} {ifindex}")),
+        "sent"
+    );
+    wait_until("the forged message counted", 10, || {
+        s.counter("routes", "not_from_kernel_drops") == Some(1)
+    });
+    assert_eq!(kernel_routes(&s), routes, "a forged route was taken");
+
+    // The legitimate path still works: the same route written to the kernel is followed.
+    must(&format!("ip -n {} route add 198.51.100.0/24 dev lan", t.cp));
+    wait_until("the kernel's route followed", 10, || {
+        kernel_routes(&s) == routes + 1
+    });
+    assert_eq!(s.counter("routes", "not_from_kernel_drops"), Some(1));
+
+    // Stitch gone, the persistent device stays, free to attach to — by its owner only.
+    s.stop();
+    assert_eq!(attack(&t.cp, NOBODY, "tap lan"), "EPERM");
+    assert_eq!(attack(&t.cp, None, "tap lan"), "attached");
+}
