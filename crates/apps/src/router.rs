@@ -979,7 +979,11 @@ impl Router {
         }
         if for_us {
             // The host learns its neighbours too (and answers its own questions' replies).
-            self.copy_to_host(port, d, out);
+            // ARP has no checksum: a copy of the bytes is the whole message.
+            if let (Some(base), Some(p)) = (self.host_base, pool::alloc_with(d)) {
+                self.c.punted.add(1);
+                out.push((base + port, p));
+            }
         }
     }
 
@@ -1154,10 +1158,11 @@ impl Router {
         }
     }
 
-    /// Sends a copy of frame `d` up interface `port`'s host port, if it has one.
-    fn copy_to_host(&self, port: usize, d: &[u8], out: &mut Vec<(usize, Packet)>) {
+    /// Sends a copy of `p` up interface `port`'s host port, if it has one — with its offload
+    /// state: a TCP segment's checksum may still be partial (the host completes it).
+    fn copy_to_host(&self, port: usize, p: &Packet, out: &mut Vec<(usize, Packet)>) {
         if let Some(base) = self.host_base {
-            if let Some(p) = pool::alloc_with(d) {
+            if let Some(p) = p.try_clone() {
                 self.c.punted.add(1);
                 out.push((base + port, p));
             }

@@ -23,6 +23,11 @@ fn peer_ip(k: usize, host: u8) -> String {
     format!("192.0.{}.{host}", 2 + k)
 }
 
+/// Peer `k`'s IPv6 subnet's address `host` (the router is ::2, the peer ::9).
+fn peer_ip6(k: usize, host: u8) -> String {
+    format!("2001:db8:{}::{host}", 2 + k)
+}
+
 impl Topology {
     fn new(peers: usize) -> Topology {
         let tag = format!("{}{}", std::process::id() % 100000, rand_tag());
@@ -53,8 +58,24 @@ impl Topology {
             "ip -n {} route add default via 10.0.1.1",
             t.client
         ));
+        must(&format!(
+            "ip -n {} addr add 2001:db8:1::2/64 dev c0 nodad",
+            t.client
+        ));
+        must(&format!(
+            "ip -n {} route add default via 2001:db8:1::1",
+            t.client
+        ));
         for (k, p) in t.peers.iter().enumerate() {
             must(&format!("ip -n {p} addr add {}/24 dev p0", peer_ip(k, 9)));
+            must(&format!(
+                "ip -n {p} addr add {}/64 dev p0 nodad",
+                peer_ip6(k, 9)
+            ));
+            must(&format!(
+                "ip -n {p} route add 2001:db8:1::/64 via {}",
+                peer_ip6(k, 2)
+            ));
             must(&format!(
                 "ip -n {p} route add 10.0.1.0/24 via {}",
                 peer_ip(k, 2)
@@ -75,19 +96,22 @@ impl Topology {
     fn graph(&self) -> String {
         let cp = &self.cp;
         let mut apps = format!(
-            "  lan: {{ type: af_packet, interface: {} }}\n  lan_host: {{ type: tap, name: lan, namespace: {cp}, mac: \"02:00:00:00:01:01\", addresses: [10.0.1.1/24] }}\n",
+            "  lan: {{ type: af_packet, interface: {} }}\n  lan_host: {{ type: tap, name: lan, namespace: {cp}, mac: \"02:00:00:00:01:01\", addresses: [10.0.1.1/24, \"2001:db8:1::1/64\"] }}\n",
             self.links[0]
         );
-        let mut interfaces =
-            String::from("lan: { mac: \"02:00:00:00:01:01\", address: 10.0.1.1/24 }");
+        let mut interfaces = String::from(
+            "lan: { mac: \"02:00:00:00:01:01\", address: 10.0.1.1/24, address6: \"2001:db8:1::1/64\" }",
+        );
         let mut links = String::new();
         for (k, link) in self.links[1..].iter().enumerate() {
             let mac = format!("02:00:00:00:{:02x}:01", 2 + k);
             let addr = format!("{}/24", peer_ip(k, 2));
+            let addr6 = format!("{}/64", peer_ip6(k, 2));
             apps += &format!(
-                "  wan{k}: {{ type: af_packet, interface: {link} }}\n  wan{k}_host: {{ type: tap, name: wan{k}, namespace: {cp}, mac: \"{mac}\", addresses: [{addr}] }}\n"
+                "  wan{k}: {{ type: af_packet, interface: {link} }}\n  wan{k}_host: {{ type: tap, name: wan{k}, namespace: {cp}, mac: \"{mac}\", addresses: [{addr}, \"{addr6}\"] }}\n"
             );
-            interfaces += &format!(", wan{k}: {{ mac: \"{mac}\", address: {addr} }}");
+            interfaces +=
+                &format!(", wan{k}: {{ mac: \"{mac}\", address: {addr}, address6: \"{addr6}\" }}");
         }
         for port in std::iter::once("lan".to_string())
             .chain((0..self.peers.len()).map(|k| format!("wan{k}")))
@@ -119,7 +143,7 @@ impl Topology {
         }
         conf += &format!(
             "}}\nprotocol bgp up {{ local {} as {}; neighbor {} as 65001;\n\
-             hold time 9; connect retry time 1;\n\
+             hold time 9; connect retry time 1; error wait time 1, 5;\n\
              ipv4 {{ import none; export all; next hop self; }}; }}\n",
             peer_ip(k, 9),
             65009 + k,
@@ -141,16 +165,62 @@ impl Topology {
         samples
     }
 
-    fn birdc(&self, k: usize, cmd: &str) -> String {
+    /// A second BIRD in peer `k`'s namespace announcing `prefixes` IPv6 /48s from
+    /// 2001:db8:100::/48 over an IPv6 session (the next hop the peer's link-local address, as on
+    /// any direct session), holding `samples` of their first addresses on its loopback.
+    fn start_bird6(&self, k: usize, prefixes: u32, samples: u32) -> Vec<String> {
+        let dir = self.peer_dir(k);
+        let mut conf = format!(
+            "router id {};\nprotocol device {{}}\nprotocol static announced {{ ipv6;\n",
+            peer_ip(k, 9)
+        );
+        let prefix = |i: u32| format!("2001:db8:{:x}::", 0x100 + i);
+        for i in 0..prefixes {
+            conf += &format!("route {}/48 blackhole;\n", prefix(i));
+        }
+        conf += &format!(
+            "}}\nprotocol bgp up {{ local {} as {}; neighbor {} as 65001;\n\
+             hold time 9; connect retry time 1; error wait time 1, 5;\n\
+             ipv6 {{ import none; export all; next hop self; }}; }}\n",
+            peer_ip6(k, 9),
+            65009 + k,
+            peer_ip6(k, 2)
+        );
+        std::fs::write(dir.join("bird6.conf"), conf).unwrap();
+        let samples: Vec<String> = (0..samples)
+            .map(|j| j * (prefixes - 1) / (samples - 1).max(1))
+            .map(|i| format!("{}1", prefix(i)))
+            .collect();
+        for s in &samples {
+            must(&format!(
+                "ip -n {} addr add {s}/128 dev lo nodad",
+                self.peers[k]
+            ));
+        }
         must(&format!(
-            "birdc -s {}/bird.ctl {cmd}",
+            "ip netns exec {} bird -c {d}/bird6.conf -s {d}/bird6.ctl -P {d}/bird6.pid",
+            self.peers[k],
+            d = dir.display()
+        ));
+        samples
+    }
+
+    fn birdc(&self, k: usize, cmd: &str) -> String {
+        self.birdc_of(k, "bird", cmd)
+    }
+
+    /// `birdc` to peer `k`'s BIRD `bird` (IPv4) or `bird6`.
+    fn birdc_of(&self, k: usize, bird: &str, cmd: &str) -> String {
+        must(&format!(
+            "birdc -s {}/{bird}.ctl {cmd}",
             self.peer_dir(k).display()
         ))
     }
 
-    /// FRR's zebra and bgpd in the control-plane namespace, peering with every peer, with
-    /// equal paths through several of them kept together (ECMP).
-    fn start_frr(&self) {
+    /// FRR's zebra and bgpd in the control-plane namespace, peering with every peer (over
+    /// IPv4, and over IPv6 too with `v6`), with equal paths through several of them kept
+    /// together (ECMP).
+    fn start_frr(&self, v6: bool) {
         let d = self.frr.path().display();
         std::fs::write(self.frr.path().join("zebra.conf"), "hostname stitch-cp\n").unwrap();
         let mut bgpd = String::from(
@@ -164,7 +234,23 @@ impl Topology {
                 65009 + k
             );
         }
+        if v6 {
+            for k in 0..self.peers.len() {
+                let ip = peer_ip6(k, 9);
+                bgpd += &format!(
+                    " neighbor {ip} remote-as {}\n neighbor {ip} timers 1 3\n neighbor {ip} timers connect 1\n",
+                    65009 + k
+                );
+            }
+        }
         bgpd += " address-family ipv4 unicast\n  maximum-paths 8\n exit-address-family\n";
+        if v6 {
+            bgpd += " address-family ipv6 unicast\n  maximum-paths 8\n";
+            for k in 0..self.peers.len() {
+                bgpd += &format!("  neighbor {} activate\n", peer_ip6(k, 9));
+            }
+            bgpd += " exit-address-family\n";
+        }
         std::fs::write(self.frr.path().join("bgpd.conf"), bgpd).unwrap();
         must(&format!("chown frr:frr {d}/zebra.conf {d}/bgpd.conf"));
         for daemon in ["zebra", "bgpd"] {
@@ -203,7 +289,7 @@ impl Topology {
 
     fn ping(&self, to: &str) -> bool {
         sh(&format!(
-            "ip netns exec {} ping -c 1 -W 1 {to}",
+            "ip netns exec {} ping -n -c 1 -W 1 {to}",
             self.client
         ))
         .status
@@ -289,7 +375,7 @@ fn routes_frr_learns_by_bgp_over_stitch_ports_are_forwarded_by_stitch_and_withdr
     let s = Stitch::run(&t.graph());
     const PREFIXES: u32 = 5000;
     let samples = t.start_bird(0, PREFIXES, 3);
-    t.start_frr();
+    t.start_frr(false);
     wait_until("the BGP session through Stitch's ports", 60, || {
         t.established(0)
     });
@@ -370,6 +456,62 @@ fn routes_frr_learns_by_bgp_over_stitch_ports_are_forwarded_by_stitch_and_withdr
     assert_eq!(app(&st, "routes")["counters"]["malformed_drops"], 0);
 }
 
+#[test]
+fn ipv6_routes_frr_learns_by_bgp_with_link_local_next_hops_are_forwarded_by_stitch() {
+    require_root_and_tools(&["bird", "birdc", "/usr/lib/frr/zebra", "/usr/lib/frr/bgpd"]);
+    let t = Topology::new(1);
+    let s = Stitch::run(&t.graph());
+    const PREFIXES: u32 = 1000;
+    let samples = t.start_bird6(0, PREFIXES, 3);
+    t.start_frr(true);
+    wait_until("the IPv6 BGP session through Stitch's ports", 60, || {
+        t.birdc_of(0, "bird6", "show protocols up")
+            .contains("Established")
+    });
+    let up = Instant::now();
+    wait_until("Stitch following FRR's IPv6 routes", 120, || {
+        let v = kernel_view(&s);
+        let n = v["routes"].as_u64().unwrap_or(0);
+        n >= PREFIXES as u64 && n == table_size(&t.cp) && v["unusable"] == 0
+    });
+    eprintln!(
+        "{PREFIXES} IPv6 prefixes: in Stitch's table {:.2} s after the session came up",
+        up.elapsed().as_secs_f64()
+    );
+    let view = kernel_view(&s);
+    assert_eq!(view["unusable"], 0, "{view}");
+    // FRR installed them by the peer's link-local address, as on any direct IPv6 session.
+    let installed = must(&format!("ip -6 -n {} route show 2001:db8:100::/48", t.cp));
+    let nexthops = must(&format!("ip -6 -n {} nexthop show", t.cp));
+    assert!(
+        installed.contains("fe80::") || nexthops.contains("fe80::"),
+        "{installed}{nexthops}"
+    );
+    let forwarded = s.counter("r", "forwarded").unwrap();
+    for a in &samples {
+        assert!(
+            t.ping(a),
+            "{a}, announced by BGP, is not reached through Stitch"
+        );
+    }
+    assert!(s.counter("r", "forwarded").unwrap() >= forwarded + 2 * samples.len() as u64);
+    assert_eq!(
+        must(&format!(
+            "ip netns exec {} sysctl -n net.ipv6.conf.all.forwarding",
+            t.cp
+        ))
+        .trim(),
+        "0"
+    );
+    let learnt = kernel_routes(&s);
+    t.birdc_of(0, "bird6", "disable announced");
+    wait_until("Stitch forgetting withdrawn routes", 60, || {
+        kernel_routes(&s) == learnt - PREFIXES as u64
+    });
+    assert_eq!(kernel_routes(&s), table_size(&t.cp));
+    assert!(!t.ping(&samples[0]));
+}
+
 /// Frames the router sent out of `port` so far.
 fn sent_out(s: &Stitch, port: &str) -> u64 {
     app(&s.stats().unwrap(), port)["rx_packets"]
@@ -385,7 +527,7 @@ fn two_peers_announcing_the_same_prefixes_share_the_flows_and_one_going_away_mov
     const PREFIXES: u32 = 200;
     let samples = t.start_bird(0, PREFIXES, 32);
     assert_eq!(t.start_bird(1, PREFIXES, 32), samples);
-    t.start_frr();
+    t.start_frr(false);
     wait_until("both BGP sessions", 60, || {
         t.established(0) && t.established(1)
     });

@@ -304,9 +304,10 @@ impl Router {
         let end = end_of(d);
         let (src, dst) = (src_of(d), dst_of(d));
         let upper = upper_layer(d, end);
-        if self.up_to_host6(port, d, &upper, dst, out) {
+        let Some(p) = self.up_to_host6(port, p, &upper, dst, out) else {
             return;
-        }
+        };
+        let d = p.data();
         let at = match upper {
             Upper::Found(at, ICMPV6) if at + 8 <= end => at,
             Upper::Route(pointer) if !dst.is_multicast() => {
@@ -408,27 +409,35 @@ impl Router {
         }
     }
 
-    /// With host ports, sends what is addressed to the router up to the host — BGP, OSPFv3,
-    /// and a copy of ICMPv6 but echo requests (Neighbor Discovery is also handled here, so the
-    /// host's neighbours and the router's agree); whether nothing is left to do here.
+    /// With host ports, sends what is addressed to the router up to the host — BGP, OSPFv3
+    /// (the packet itself, its checksum perhaps still partial), and a copy of ICMPv6 but echo
+    /// requests (Neighbor Discovery is also handled here, so the host's neighbours and the
+    /// router's agree). Gives back the packet when something is left to do here.
     fn up_to_host6(
         &self,
         port: usize,
-        d: &[u8],
+        p: Packet,
         upper: &Upper,
         dst: Ipv6Addr,
         out: &mut Vec<(usize, Packet)>,
-    ) -> bool {
-        if self.host_base.is_none() {
-            return false;
+    ) -> Option<Packet> {
+        let Some(base) = self.host_base else {
+            return Some(p);
+        };
+        match *upper {
+            Upper::Found(at, ICMPV6) => {
+                let echo = p.data().get(at) == Some(&icmpv6::ECHO_REQUEST) && !dst.is_multicast();
+                if !echo {
+                    self.copy_to_host(port, &p, out);
+                }
+                Some(p)
+            }
+            _ => {
+                self.c.punted.add(1);
+                out.push((base + port, p));
+                None
+            }
         }
-        let echo = matches!(*upper, Upper::Found(at, ICMPV6)
-            if d.get(at) == Some(&icmpv6::ECHO_REQUEST) && !dst.is_multicast());
-        if echo {
-            return false;
-        }
-        self.copy_to_host(port, d, out);
-        !matches!(*upper, Upper::Found(_, ICMPV6))
     }
 
     pub(super) fn route6(
