@@ -373,7 +373,7 @@ fn routes_frr_learns_by_bgp_over_stitch_ports_are_forwarded_by_stitch_and_withdr
     require_root_and_tools(&["bird", "birdc", "/usr/lib/frr/zebra", "/usr/lib/frr/bgpd"]);
     let t = Topology::new(1);
     let s = Stitch::run(&t.graph());
-    const PREFIXES: u32 = 5000;
+    const PREFIXES: u32 = 100_000;
     let samples = t.start_bird(0, PREFIXES, 3);
     t.start_frr(false);
     wait_until("the BGP session through Stitch's ports", 60, || {
