@@ -107,7 +107,9 @@ pub struct RouterConfig {
     /// side of the interface (a `tap` with its MAC and addresses, where a routing daemon runs):
     /// what is addressed to the router and is not an echo request goes up it (BGP, OSPF, BFD,
     /// multicast), ARP and Neighbor Discovery are copied up it (the host knows its
-    /// neighbours), and what the host sends on it leaves by the interface.
+    /// neighbours), and what the host sends on it leaves by the interface. With
+    /// `kernel_table`, an interface takes the state and MTU of the kernel's link of its name
+    /// (its TAP): set down, nothing crosses it (`link_down_drops`).
     #[serde(default)]
     pub host_ports: bool,
     /// Follow kernel routing table N (254: main) from the netlink messages a `kernel_routes`
@@ -146,6 +148,8 @@ struct Iface {
     prefix6: Option<Ipv6Net>,
     advertise: bool,
     mtu: usize,
+    /// Down when its host side was set down (`ip link set … down`): nothing in or out.
+    up: bool,
 }
 
 /// Where a prefix leads: out of interface `port`, to `via` (None: the destination itself).
@@ -393,6 +397,9 @@ pub struct Router {
     host_base: Option<usize>,
     /// With `kernel_table`: the table followed.
     kernel: Option<Follower>,
+    /// Each interface's host side as the kernel last told of it: its state and MTU are the
+    /// interface's.
+    host_links: Vec<Option<builder::HostLink>>,
     c: Counters,
 }
 
@@ -425,6 +432,7 @@ struct Counters {
     punted: Counter,
     from_host: Counter,
     blackholed: Counter,
+    link_down: Counter,
     compiles: Counter,
 }
 
@@ -787,6 +795,7 @@ fn build(c: &RouterConfig) -> Result<Tables, String> {
             prefix6: net6.map(|n| n.trunc()),
             advertise: ic.advertise,
             mtu: ic.mtu,
+            up: true,
         });
         routes.insert(net.trunc(), Route { port: i, via: None });
         if let Some(n) = net6 {
@@ -1100,6 +1109,10 @@ impl Router {
             self.c.blackholed.add(1);
             return;
         }
+        if !self.ifaces[r.port].up {
+            self.c.link_down.add(1);
+            return;
+        }
         let mtu = self.ifaces[r.port].mtu;
         let df = ipv4::dont_fragment(ip);
         if total > mtu && p.header().gso_size == 0 {
@@ -1155,6 +1168,19 @@ impl Router {
             routes: self.routes.clone(),
             routes6: self.routes6.clone(),
             names: self.port_names.clone(),
+        }
+    }
+
+    /// Each interface takes the state and MTU of its host side, where the kernel told of it
+    /// (an operator's `ip link set wan down` or `mtu 1400` on the TAP, a daemon's).
+    fn follow_host_links(&mut self) {
+        for (iface, link) in self.ifaces.iter_mut().zip(&self.host_links) {
+            if let Some(l) = link {
+                iface.up = l.up;
+                if let Some(mtu) = l.mtu {
+                    iface.mtu = mtu;
+                }
+            }
         }
     }
 
@@ -1237,6 +1263,7 @@ routes:
             ra,
             host_base,
             kernel,
+            host_links: Vec::new(),
             c: Counters {
                 forwarded: k("forwarded"),
                 bad_header: k("bad_ipv4_header_drops"),
@@ -1258,6 +1285,7 @@ routes:
                 punted: k("punted_to_host"),
                 from_host: k("from_host"),
                 blackholed: k("blackhole_drops"),
+                link_down: k("link_down_drops"),
                 compiles: k("table_compiles"),
             },
         })
@@ -1295,6 +1323,11 @@ routes:
                 }
                 continue;
             }
+            if !self.ifaces[port].up {
+                let dropped = input.drain().count();
+                self.c.link_down.add(dropped as u64);
+                continue;
+            }
             loop {
                 batch.extend(input.drain().take(LOOKUP_BATCH));
                 if batch.is_empty() {
@@ -1330,6 +1363,7 @@ routes:
         let (ifaces, routes, routes6) = build(&c)?;
         self.ra = v6::Advertising::new(&ifaces, Duration::from_secs(c.ra_interval));
         self.ifaces = ifaces;
+        self.follow_host_links();
         self.routes = routes;
         self.routes6 = routes6;
         self.arp_timeout = Duration::from_secs(c.arp_timeout);
@@ -1392,6 +1426,8 @@ routes:
             if let Some(k) = &self.kernel {
                 k.builder.retire(Box::new(old));
             }
+            self.host_links = built.links;
+            self.follow_host_links();
         }
         self.neighbors.expire(now);
         self.neighbors6.expire(now);

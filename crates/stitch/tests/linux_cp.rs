@@ -993,3 +993,36 @@ fn an_unprivileged_user_cannot_take_the_routers_taps_nor_speak_for_the_kernels_t
     assert_eq!(attack(&t.cp, NOBODY, "tap lan"), "EPERM");
     assert_eq!(attack(&t.cp, None, "tap lan"), "attached");
 }
+
+/// What the operator sets on an interface's host side is the interface's: its TAP set down,
+/// nothing crosses it (counted); a smaller MTU, larger packets get "fragmentation needed".
+#[test]
+fn the_state_and_mtu_set_on_an_interfaces_host_side_are_the_interfaces() {
+    require_root_and_tools(&["ping"]);
+    let t = Topology::new(1);
+    let s = Stitch::run(&t.graph());
+    let peer = peer_ip(0, 9);
+    let ping = |size: usize| {
+        sh(&format!(
+            "ip netns exec {} ping -n -c 1 -W 1 -M do -s {size} {peer}",
+            t.client
+        ))
+        .status
+        .success()
+    };
+    wait_until("the peer reached through the router", 10, || ping(56));
+    assert!(ping(1450));
+
+    must(&format!("ip -n {} link set wan0 down", t.cp));
+    let dropped = s.counter("r", "link_down_drops").unwrap();
+    wait_until("the interface down with its host side", 10, || !ping(56));
+    assert!(s.counter("r", "link_down_drops").unwrap() > dropped);
+    must(&format!("ip -n {} link set wan0 up", t.cp));
+    wait_until("the interface up again", 10, || ping(56));
+
+    must(&format!("ip -n {} link set wan0 mtu 1400", t.cp));
+    let too_big = s.counter("r", "too_big_drops").unwrap();
+    wait_until("the host side's MTU taken", 10, || !ping(1450));
+    assert!(s.counter("r", "too_big_drops").unwrap() > too_big);
+    assert!(ping(1372), "a packet of the new MTU still crosses");
+}

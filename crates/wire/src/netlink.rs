@@ -178,6 +178,17 @@ pub struct Nexthop {
     pub blackhole: bool,
 }
 
+/// An interface as `RTM_NEWLINK` tells of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Link {
+    pub index: u32,
+    pub name: String,
+    /// Administratively up (`IFF_UP`).
+    pub up: bool,
+    /// `IFLA_MTU`, when the message gives it.
+    pub mtu: Option<u32>,
+}
+
 /// What one message says.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Change {
@@ -185,8 +196,7 @@ pub enum Change {
     RouteGone(Route),
     Nexthop(Nexthop),
     NexthopGone(u32),
-    /// An interface's number and name.
-    Link(u32, String),
+    Link(Link),
     LinkGone(u32),
     /// A request for a dump of `kind` (`kind::GETROUTE`, …) numbered `seq`: what follows with
     /// that number is the whole table of that kind.
@@ -334,22 +344,36 @@ fn nexthop(m: &Message) -> Result<Nexthop, Malformed> {
     Ok(n)
 }
 
-fn link(m: &Message) -> Result<(u32, Option<String>), Malformed> {
+/// A link message's interface (`ifinfomsg`: family, pad, type, index, flags, change), with
+/// `None` for the name when it gives none.
+fn link(m: &Message) -> Result<(Link, bool), Malformed> {
     let b = m.body;
     if b.len() < 16 {
         return Err(Malformed("a link message shorter than its header"));
     }
     let index = u32_at(b, 4).expect("checked");
-    let mut name = None;
+    let flags = u32_at(b, 8).expect("checked");
+    let (mut name, mut mtu) = (None, None);
     for a in attributes(&b[16..]) {
-        let (t, v) = a?;
-        if t == 3 {
+        match a? {
             // IFLA_IFNAME, NUL-terminated.
-            let s = v.split(|&c| c == 0).next().unwrap_or_default();
-            name = Some(String::from_utf8_lossy(s).into_owned());
+            (3, v) => {
+                let s = v.split(|&c| c == 0).next().unwrap_or_default();
+                name = Some(String::from_utf8_lossy(s).into_owned());
+            }
+            // IFLA_MTU.
+            (4, v) => mtu = Some(u32_at(v, 0).ok_or(Malformed("a link's MTU is short"))?),
+            _ => {}
         }
     }
-    Ok((index, name))
+    let named = name.is_some();
+    let link = Link {
+        index,
+        name: name.unwrap_or_default(),
+        up: flags & 1 != 0,
+        mtu,
+    };
+    Ok((link, named))
 }
 
 /// What message `m` says.
@@ -360,10 +384,10 @@ pub fn read(m: &Message) -> Result<Change, Malformed> {
         kind::NEWNEXTHOP => Change::Nexthop(nexthop(m)?),
         kind::DELNEXTHOP => Change::NexthopGone(nexthop(m)?.id),
         kind::NEWLINK => match link(m)? {
-            (index, Some(name)) => Change::Link(index, name),
+            (link, true) => Change::Link(link),
             _ => Change::Other,
         },
-        kind::DELLINK => Change::LinkGone(link(m)?.0),
+        kind::DELLINK => Change::LinkGone(link(m)?.0.index),
         kind::GETROUTE | kind::GETNEXTHOP | kind::GETLINK if m.flags & F_DUMP == F_DUMP => {
             Change::DumpBegins {
                 kind: m.kind,
@@ -537,7 +561,9 @@ mod tests {
         );
         let mut ifinfo = vec![0u8; 16];
         ifinfo[4..8].copy_from_slice(&3u32.to_ne_bytes());
+        ifinfo[8..12].copy_from_slice(&0x1003u32.to_ne_bytes()); // UP, BROADCAST, MULTICAST
         ifinfo.extend_from_slice(&attr(3, b"wan\0"));
+        ifinfo.extend_from_slice(&attr(4, &1400u32.to_ne_bytes()));
         let link_msg = message(kind::NEWLINK, 0, 0, &ifinfo);
         let done = message(kind::DONE, F_MULTI, 5, &0u32.to_ne_bytes());
         [single, multi, nh, link_msg, done].concat()
@@ -593,7 +619,15 @@ mod tests {
                 blackhole: false
             })
         );
-        assert_eq!(changes[3], Change::Link(3, "wan".into()));
+        assert_eq!(
+            changes[3],
+            Change::Link(Link {
+                index: 3,
+                name: "wan".into(),
+                up: true,
+                mtu: Some(1400)
+            })
+        );
         assert_eq!(changes[4], Change::DumpDone { seq: 5 });
     }
 

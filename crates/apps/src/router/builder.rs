@@ -46,6 +46,15 @@ pub(super) struct View {
 
 pub(super) struct Built {
     pub(super) fib: Box<Fib>,
+    /// Each interface's host side (`None`: the kernel told of no link of its name).
+    pub(super) links: Vec<Option<HostLink>>,
+}
+
+/// An interface's host side as the kernel tells of it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct HostLink {
+    pub(super) up: bool,
+    pub(super) mtu: Option<usize>,
 }
 
 /// Changes are gathered until this long passes without one, or [`GATHER_MOST`] after the first.
@@ -163,7 +172,16 @@ fn run(
                         if let Ok(mut s) = shared.lock() {
                             *s = view(&table, false, unusable, compile_ms);
                         }
-                        if built.send(Built { fib: Box::new(fib) }).is_err() {
+                        let links = (configured.names.iter())
+                            .map(|n| {
+                                table.link_named(n).map(|l| HostLink {
+                                    up: l.up,
+                                    mtu: l.mtu.map(|m| m as usize),
+                                })
+                            })
+                            .collect();
+                        let fib = Box::new(fib);
+                        if built.send(Built { fib, links }).is_err() {
                             return;
                         }
                     }

@@ -12,7 +12,7 @@
 
 use std::collections::HashMap;
 use std::net::IpAddr;
-use stitch_wire::netlink::{self, kind, Change, Malformed, Nexthop, Path, Route};
+use stitch_wire::netlink::{self, kind, Change, Link, Malformed, Nexthop, Path, Route};
 
 /// Generations of the three kinds of object a dump refreshes.
 #[derive(Default)]
@@ -31,7 +31,7 @@ struct Entry {
 #[derive(Default)]
 pub(super) struct KernelTable {
     table: u32,
-    links: HashMap<u32, (String, u64)>,
+    links: HashMap<u32, (Link, u64)>,
     nexthops: HashMap<u32, (Nexthop, u64)>,
     /// Each prefix's routes in the table, one per metric.
     routes: HashMap<(IpAddr, u8), Vec<Entry>>,
@@ -59,6 +59,11 @@ impl KernelTable {
             table,
             ..Default::default()
         }
+    }
+
+    /// The interface named `name`, as the kernel last told of it.
+    pub(super) fn link_named(&self, name: &str) -> Option<&Link> {
+        (self.links.values()).find_map(|(l, _)| (l.name == name).then_some(l))
     }
 
     /// The messages of one packet of the `kernel` input.
@@ -103,8 +108,8 @@ impl KernelTable {
             Change::NexthopGone(id) => {
                 self.dirty |= self.nexthops.remove(&id).is_some();
             }
-            Change::Link(index, name) => {
-                self.links.insert(index, (name, g));
+            Change::Link(link) => {
+                self.links.insert(link.index, (link, g));
                 self.dirty = true;
             }
             Change::LinkGone(index) => {
@@ -247,7 +252,7 @@ impl KernelTable {
             }
             let ways: Option<Vec<Way>> = (paths.iter())
                 .map(|p| {
-                    let named = (self.links.get(&p.oif)).and_then(|(name, _)| port_named(name));
+                    let named = (self.links.get(&p.oif)).and_then(|(l, _)| port_named(&l.name));
                     let port = named.or_else(|| p.gateway.and_then(&on_link))?;
                     // A gateway of the other family (RFC 5549) is not followed.
                     if p.gateway.is_some_and(|g| g.is_ipv4() != prefix.0.is_ipv4()) {
@@ -269,6 +274,15 @@ impl KernelTable {
 mod tests {
     use super::*;
     use std::net::Ipv4Addr;
+
+    fn link(index: u32, name: &str) -> Link {
+        Link {
+            index,
+            name: name.into(),
+            up: true,
+            mtu: Some(1500),
+        }
+    }
 
     fn route(dst: [u8; 4], len: u8, priority: u32, paths: Vec<Path>) -> Route {
         Route {
@@ -297,8 +311,8 @@ mod tests {
             kind: kind::GETLINK,
             seq: 1,
         });
-        t.change(Change::Link(3, "wan".into()));
-        t.change(Change::Link(4, "wan2".into()));
+        t.change(Change::Link(link(3, "wan")));
+        t.change(Change::Link(link(4, "wan2")));
         t.change(Change::DumpDone { seq: 1 });
         t.change(Change::Route(route(
             [10, 1, 0, 0],

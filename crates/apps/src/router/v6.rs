@@ -496,6 +496,10 @@ impl Router {
             self.c.blackholed.add(1);
             return;
         }
+        if !self.ifaces[r.port].up {
+            self.c.link_down.add(1);
+            return;
+        }
         let mtu = self.ifaces[r.port].mtu;
         if d.len() - 14 > mtu && p.header().gso_size == 0 {
             self.c.too_big.add(1);
