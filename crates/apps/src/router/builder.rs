@@ -60,6 +60,10 @@ pub(super) struct HostLink {
 /// Changes are gathered until this long passes without one, or [`GATHER_MOST`] after the first.
 const QUIET: Duration = Duration::from_millis(10);
 const GATHER_MOST: Duration = Duration::from_millis(100);
+/// While a dump is under way, changes are gathered until its end, or this long: the dump is
+/// the whole table coming, and compiling the part that came would only delay the whole (each
+/// compile costs as much as the table is long). A dump the kernel cut short still compiles.
+const DUMP_MOST: Duration = Duration::from_secs(10);
 
 /// The worker's end.
 pub(super) struct Builder {
@@ -146,7 +150,12 @@ fn run(
                 .recv()
                 .map_err(|_| mpsc::RecvTimeoutError::Disconnected),
             Some((first, last)) => {
-                let due = (last + QUIET).min(first + GATHER_MOST);
+                let most = if table.dumping() {
+                    DUMP_MOST
+                } else {
+                    GATHER_MOST
+                };
+                let due = (last + QUIET).min(first + most);
                 jobs.recv_timeout(due.saturating_duration_since(Instant::now()))
             }
         };
@@ -164,6 +173,13 @@ fn run(
                 false
             }
             Err(mpsc::RecvTimeoutError::Timeout) => {
+                if let Some((first, _)) = waiting {
+                    if table.dumping() && first.elapsed() < DUMP_MOST {
+                        // A pause in a dump: wait for its end.
+                        waiting = Some((first, Instant::now()));
+                        continue;
+                    }
+                }
                 let started = Instant::now();
                 let kernel = resolved(&table, &configured, &mut unusable);
                 match compile(&configured.routes, &configured.routes6, &kernel) {

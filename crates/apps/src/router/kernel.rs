@@ -180,6 +180,11 @@ impl KernelTable {
         std::mem::take(&mut self.dirty)
     }
 
+    /// Whether a dump is under way (its end not yet come).
+    pub(super) fn dumping(&self) -> bool {
+        self.dumping.is_some()
+    }
+
     /// Whether a first whole table of routes has arrived.
     pub(super) fn synced(&self) -> bool {
         self.swept.routes > 0
