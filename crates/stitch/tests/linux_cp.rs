@@ -28,6 +28,19 @@ fn peer_ip6(k: usize, host: u8) -> String {
     format!("2001:db8:{}::{host}", 2 + k)
 }
 
+/// What a BIRD announces in one address family.
+struct Family<'a> {
+    name: &'static str,
+    /// The BIRD's name (its files' and control socket's).
+    bird: &'static str,
+    local: String,
+    neighbor: String,
+    /// Prefix `i`, `ADDRESS/LENGTH`.
+    prefix: &'a dyn Fn(u32) -> String,
+    /// An address inside prefix `i` as `ip addr add` takes it.
+    sample: &'a dyn Fn(u32) -> String,
+}
+
 impl Topology {
     fn new(peers: usize) -> Topology {
         let tag = format!("{}{}", std::process::id() % 100000, rand_tag());
@@ -132,77 +145,79 @@ impl Topology {
     /// BIRD in peer `k`'s namespace announcing `prefixes` /24s from 11.0.0.0 by BGP, holding
     /// the first address of `samples` of them (spread over the range) on its loopback.
     fn start_bird(&self, k: usize, prefixes: u32, samples: u32) -> Vec<String> {
-        let dir = self.peer_dir(k);
-        let mut conf = format!(
-            "router id {};\nprotocol device {{}}\nprotocol static announced {{ ipv4;\n",
-            peer_ip(k, 9)
-        );
-        let prefix = |i: u32| format!("{}.{}.{}.0", 11 + i / 65536, (i / 256) % 256, i % 256);
-        for i in 0..prefixes {
-            conf += &format!("route {}/24 blackhole;\n", prefix(i));
-        }
-        conf += &format!(
-            "}}\nprotocol bgp up {{ local {} as {}; neighbor {} as 65001;\n\
-             hold time 9; connect retry time 1; error wait time 1, 5;\n\
-             ipv4 {{ import none; export all; next hop self; }}; }}\n",
-            peer_ip(k, 9),
-            65009 + k,
-            peer_ip(k, 2)
-        );
-        std::fs::write(dir.join("bird.conf"), conf).unwrap();
-        let samples: Vec<String> = (0..samples)
-            .map(|j| j * (prefixes - 1) / (samples - 1).max(1))
-            .map(|i| format!("{}.{}.{}.1", 11 + i / 65536, (i / 256) % 256, i % 256))
-            .collect();
-        for s in &samples {
-            must(&format!("ip -n {} addr add {s}/32 dev lo", self.peers[k]));
-        }
-        must(&format!(
-            "ip netns exec {} bird -c {d}/bird.conf -s {d}/bird.ctl -P {d}/bird.pid",
-            self.peers[k],
-            d = dir.display()
-        ));
-        samples
+        let prefix = |i: u32| format!("{}.{}.{}.", 11 + i / 65536, (i / 256) % 256, i % 256);
+        let family = Family {
+            name: "ipv4",
+            bird: "bird",
+            local: peer_ip(k, 9),
+            neighbor: peer_ip(k, 2),
+            prefix: &|i| format!("{}0/24", prefix(i)),
+            sample: &|i| format!("{}1/32", prefix(i)),
+        };
+        self.start_bird_for(k, &family, prefixes, samples)
     }
 
     /// A second BIRD in peer `k`'s namespace announcing `prefixes` IPv6 /48s from
     /// 2001:db8:100::/48 over an IPv6 session (the next hop the peer's link-local address, as on
     /// any direct session), holding `samples` of their first addresses on its loopback.
     fn start_bird6(&self, k: usize, prefixes: u32, samples: u32) -> Vec<String> {
+        let family = Family {
+            name: "ipv6",
+            bird: "bird6",
+            local: peer_ip6(k, 9),
+            neighbor: peer_ip6(k, 2),
+            prefix: &|i| format!("2001:db8:{:x}::/48", 0x100 + i),
+            sample: &|i| format!("2001:db8:{:x}::1/128 nodad", 0x100 + i),
+        };
+        self.start_bird_for(k, &family, prefixes, samples)
+    }
+
+    /// BIRD `family.bird` in peer `k`'s namespace announcing `prefixes` prefixes by BGP and
+    /// holding `samples` addresses inside them (spread over the range) on its loopback; the
+    /// samples' addresses.
+    fn start_bird_for(
+        &self,
+        k: usize,
+        family: &Family,
+        prefixes: u32,
+        samples: u32,
+    ) -> Vec<String> {
         let dir = self.peer_dir(k);
         let mut conf = format!(
-            "router id {};\nprotocol device {{}}\nprotocol static announced {{ ipv6;\n",
-            peer_ip(k, 9)
+            "router id {};\nprotocol device {{}}\nprotocol static announced {{ {};\n",
+            peer_ip(k, 9),
+            family.name
         );
-        let prefix = |i: u32| format!("2001:db8:{:x}::", 0x100 + i);
         for i in 0..prefixes {
-            conf += &format!("route {}/48 blackhole;\n", prefix(i));
+            conf += &format!("route {} blackhole;\n", (family.prefix)(i));
         }
         conf += &format!(
             "}}\nprotocol bgp up {{ local {} as {}; neighbor {} as 65001;\n\
              hold time 9; connect retry time 1; error wait time 1, 5;\n\
-             ipv6 {{ import none; export all; next hop self; }}; }}\n",
-            peer_ip6(k, 9),
+             {} {{ import none; export all; next hop self; }}; }}\n",
+            family.local,
             65009 + k,
-            peer_ip6(k, 2)
+            family.neighbor,
+            family.name
         );
-        std::fs::write(dir.join("bird6.conf"), conf).unwrap();
-        let samples: Vec<String> = (0..samples)
+        let bird = family.bird;
+        std::fs::write(dir.join(format!("{bird}.conf")), conf).unwrap();
+        let addresses: Vec<String> = (0..samples)
             .map(|j| j * (prefixes - 1) / (samples - 1).max(1))
-            .map(|i| format!("{}1", prefix(i)))
+            .map(|i| (family.sample)(i))
             .collect();
-        for s in &samples {
-            must(&format!(
-                "ip -n {} addr add {s}/128 dev lo nodad",
-                self.peers[k]
-            ));
+        for a in &addresses {
+            must(&format!("ip -n {} addr add {a} dev lo", self.peers[k]));
         }
         must(&format!(
-            "ip netns exec {} bird -c {d}/bird6.conf -s {d}/bird6.ctl -P {d}/bird6.pid",
+            "ip netns exec {} bird -c {d}/{bird}.conf -s {d}/{bird}.ctl -P {d}/{bird}.pid",
             self.peers[k],
             d = dir.display()
         ));
-        samples
+        // The addresses alone, to ping.
+        (addresses.iter())
+            .map(|a| a.split('/').next().unwrap().to_string())
+            .collect()
     }
 
     fn birdc(&self, k: usize, cmd: &str) -> String {
