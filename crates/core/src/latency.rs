@@ -137,13 +137,15 @@ impl LatencyHistogram {
         );
     }
 
-    /// What the histogram counted so far.
+    /// What the histogram counted so far. The count is the buckets' sum as read: the writer
+    /// may add to them while they are read, and a reader must never see the total and the
+    /// buckets disagree.
     pub fn counts(&self) -> LatencyCounts {
-        let buckets = (self.buckets.iter().enumerate())
+        let buckets: Vec<(u32, u64)> = (self.buckets.iter().enumerate())
             .map(|(i, c)| (i as u32, c.load(Ordering::Relaxed)))
             .filter(|(_, c)| *c > 0)
             .collect();
-        let count = self.count.load(Ordering::Relaxed);
+        let count = buckets.iter().map(|&(_, c)| c).sum();
         LatencyCounts {
             count,
             sum_ns: self.sum_ns.load(Ordering::Relaxed),
