@@ -587,7 +587,20 @@ fn vm_ports_get_a_direct_path_and_give_it_back_losing_nothing() {
     });
     let got = stream_numbered(&mut a, &mut b, N);
     flips.join().unwrap();
-    assert_eq!(got.len(), N as usize, "every frame arrived");
+    if got.len() != N as usize {
+        let st = s.stats().unwrap();
+        let counters = |n: &str| app(&st, n)["counters"].to_string();
+        let seen: std::collections::HashSet<u32> = got.iter().copied().collect();
+        let missing: Vec<u32> = (0..N).filter(|i| !seen.contains(i)).take(40).collect();
+        panic!(
+            "every frame arrived: {} of {N}; missing {missing:?}\nsw {}\na {}\nb {}\nlinks {}",
+            got.len(),
+            counters("sw"),
+            counters("a"),
+            counters("b"),
+            st["links"]
+        );
+    }
     assert!(
         got.iter().enumerate().all(|(i, &seq)| seq == i as u32),
         "once each, in order"

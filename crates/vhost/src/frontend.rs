@@ -362,6 +362,11 @@ impl Frontend {
         n as usize
     }
 
+    /// Descriptors per queue: how many receive buffers this driver keeps offered.
+    pub fn queue_size(&self) -> u16 {
+        self.size
+    }
+
     /// Transmit buffers the back-end still holds.
     pub fn in_flight(&self) -> usize {
         self.size as usize - self.queues[TX].free.len()
