@@ -453,9 +453,9 @@ pub fn route_message(kind: u16, seq: u32, r: &Route) -> Vec<u8> {
     put_attr(&mut m, 6, &r.priority.to_ne_bytes());
     if let Some(id) = r.nexthop {
         put_attr(&mut m, 30, &id.to_ne_bytes());
-    } else if let [p] = r.paths.as_slice() {
+    } else if let [p @ Path { weight: 1, .. }] = r.paths.as_slice() {
         if let Some(g) = p.gateway {
-            put_attr(&mut m, 5, &address_bytes(g));
+            put_gateway(&mut m, family, g);
         }
         put_attr(&mut m, 4, &p.oif.to_ne_bytes());
     } else if !r.paths.is_empty() {
@@ -465,18 +465,82 @@ pub fn route_message(kind: u16, seq: u32, r: &Route) -> Vec<u8> {
             hops.extend_from_slice(&[0, 0, 0, p.weight.saturating_sub(1).min(255) as u8]);
             hops.extend_from_slice(&p.oif.to_ne_bytes());
             if let Some(g) = p.gateway {
-                put_attr(&mut hops, 5, &address_bytes(g));
+                put_gateway(&mut hops, family, g);
             }
             let len = (hops.len() - start) as u16;
             hops[start..start + 2].copy_from_slice(&len.to_ne_bytes());
         }
         put_attr(&mut m, 9, &hops);
     }
+    finish(m, kind, seq)
+}
+
+/// A gateway of a route of `family`: `RTA_GATEWAY`, or `RTA_VIA` with its own family when it
+/// is of the other (RFC 5549).
+fn put_gateway(m: &mut Vec<u8>, family: u8, g: IpAddr) {
+    let own = if g.is_ipv4() { AF_INET } else { AF_INET6 };
+    if own == family {
+        put_attr(m, 5, &address_bytes(g));
+    } else {
+        let mut v = (own as u16).to_ne_bytes().to_vec();
+        v.extend_from_slice(&address_bytes(g));
+        put_attr(m, 18, &v);
+    }
+}
+
+/// Sets a message's length, kind and number in its header.
+fn finish(mut m: Vec<u8>, kind: u16, seq: u32) -> Vec<u8> {
     let len = m.len() as u32;
     m[0..4].copy_from_slice(&len.to_ne_bytes());
     m[4..6].copy_from_slice(&kind.to_ne_bytes());
     m[8..12].copy_from_slice(&seq.to_ne_bytes());
     m
+}
+
+/// Nexthop object `n` as the kernel announces it (`RTM_NEWNEXTHOP`): what [`read`] reads back
+/// as the same object.
+pub fn nexthop_message(seq: u32, n: &Nexthop) -> Vec<u8> {
+    let family = match n.path.and_then(|p| p.gateway) {
+        Some(IpAddr::V4(_)) => AF_INET,
+        Some(IpAddr::V6(_)) => AF_INET6,
+        None => 0,
+    };
+    let mut m = vec![0u8; HEADER];
+    m.extend_from_slice(&[family, 0, 3, 0, 0, 0, 0, 0]); // struct nhmsg: family, scope, protocol
+    put_attr(&mut m, 1, &n.id.to_ne_bytes());
+    if n.blackhole {
+        put_attr(&mut m, 4, &[]);
+    } else if !n.group.is_empty() {
+        let mut members = Vec::with_capacity(8 * n.group.len());
+        for &(id, weight) in &n.group {
+            members.extend_from_slice(&id.to_ne_bytes());
+            members.extend_from_slice(&[weight.saturating_sub(1).min(255) as u8, 0, 0, 0]);
+        }
+        put_attr(&mut m, 2, &members);
+    } else if let Some(p) = n.path {
+        put_attr(&mut m, 5, &p.oif.to_ne_bytes());
+        if let Some(g) = p.gateway {
+            put_attr(&mut m, 6, &address_bytes(g));
+        }
+    }
+    finish(m, kind::NEWNEXTHOP, seq)
+}
+
+/// Interface `l` as the kernel announces it (`RTM_NEWLINK`): what [`read`] reads back as the
+/// same link.
+pub fn link_message(seq: u32, l: &Link) -> Vec<u8> {
+    let mut m = vec![0u8; HEADER];
+    m.extend_from_slice(&[0, 0, 1, 0]); // family, pad, type ARPHRD_ETHER
+    m.extend_from_slice(&l.index.to_ne_bytes());
+    m.extend_from_slice(&u32::from(l.up).to_ne_bytes()); // flags: IFF_UP
+    m.extend_from_slice(&u32::MAX.to_ne_bytes()); // change
+    let mut name = l.name.as_bytes().to_vec();
+    name.push(0);
+    put_attr(&mut m, 3, &name);
+    if let Some(mtu) = l.mtu {
+        put_attr(&mut m, 4, &mtu.to_ne_bytes());
+    }
+    finish(m, kind::NEWLINK, seq)
 }
 
 #[cfg(test)]
@@ -672,6 +736,81 @@ mod tests {
             let m = route_message(kind::NEWROUTE, 0, &r);
             let read_back = read(&messages(&m).next().unwrap().unwrap()).unwrap();
             assert_eq!(read_back, Change::Route(r.clone()));
+        }
+    }
+
+    fn read_one(m: &[u8]) -> Change {
+        read(&messages(m).next().unwrap().unwrap()).unwrap()
+    }
+
+    /// What a router keeps of the kernel's table, written as messages (a table handed to a
+    /// successor) and read again: the same objects.
+    #[test]
+    fn nexthops_links_and_odd_routes_written_read_back_the_same() {
+        let v6: IpAddr = "fe80::1".parse().unwrap();
+        let path = |gateway, oif, weight| Path {
+            gateway,
+            oif,
+            weight,
+        };
+        // One path of weight 3 (a multipath route left with one hop); an IPv4 route by an
+        // IPv6 gateway (RFC 5549).
+        for paths in [vec![path(None, 4, 3)], vec![path(Some(v6), 2, 1)]] {
+            let r = Route {
+                dst: IpAddr::from([10, 9, 0, 0]),
+                prefix_len: 24,
+                table: 254,
+                kind: RTN_UNICAST,
+                priority: 0,
+                paths,
+                nexthop: None,
+            };
+            let m = route_message(kind::NEWROUTE, 5, &r);
+            assert_eq!(read_one(&m), Change::Route(r));
+        }
+        let objects = [
+            Nexthop {
+                id: 1,
+                path: Some(path(Some(IpAddr::from([192, 0, 2, 1])), 3, 1)),
+                group: vec![],
+                blackhole: false,
+            },
+            Nexthop {
+                id: 2,
+                path: Some(path(Some(v6), 3, 1)),
+                group: vec![],
+                blackhole: false,
+            },
+            Nexthop {
+                id: 3,
+                path: Some(path(None, 7, 1)),
+                group: vec![],
+                blackhole: false,
+            },
+            Nexthop {
+                id: 4,
+                path: None,
+                group: vec![(1, 1), (3, 200)],
+                blackhole: false,
+            },
+            Nexthop {
+                id: 5,
+                path: None,
+                group: vec![],
+                blackhole: true,
+            },
+        ];
+        for n in objects {
+            assert_eq!(read_one(&nexthop_message(9, &n)), Change::Nexthop(n));
+        }
+        for (up, mtu) in [(true, Some(1500)), (false, None)] {
+            let l = Link {
+                index: 12,
+                name: "wan".into(),
+                up,
+                mtu,
+            };
+            assert_eq!(read_one(&link_message(0, &l)), Change::Link(l));
         }
     }
 

@@ -27,6 +27,8 @@ enum Job {
     Configured(Box<Configured>),
     /// A table the worker no longer uses: freed here, not on the worker.
     Retired(Box<Fib>),
+    /// The kernel table, for a successor: written to this file ([`write_handed`]).
+    Export(std::fs::File),
 }
 
 /// What the kernel table holds, for `stitch show`.
@@ -106,6 +108,16 @@ impl Builder {
         let _ = self.jobs.send(Job::Retired(fib));
     }
 
+    /// Writes the kernel table to `file` for a successor, on the thread (forwarding goes on).
+    pub(super) fn export(&self, file: std::fs::File) {
+        let _ = self.jobs.send(Job::Export(file));
+    }
+
+    /// The first table compiled, waiting up to `patience` for it.
+    pub(super) fn wait_built(&self, patience: Duration) -> Option<Built> {
+        self.built.recv_timeout(patience).ok()
+    }
+
     /// The newest table compiled since the last call (older ones are retired unused).
     pub(super) fn take_built(&self) -> Option<Built> {
         let mut newest = None;
@@ -170,6 +182,19 @@ fn run(
             }
             Ok(Job::Retired(fib)) => {
                 drop(fib);
+                false
+            }
+            Ok(Job::Export(file)) => {
+                let started = Instant::now();
+                match write_handed(&file, &table) {
+                    Ok(n) => log::info!(
+                        "router: {n} kernel objects written for a successor in {:.0} ms",
+                        started.elapsed().as_secs_f64() * 1e3
+                    ),
+                    Err(e) => log::warn!(
+                        "router: the kernel table cannot be written for a successor ({e}); it follows the kernel from its own dump"
+                    ),
+                }
                 false
             }
             Err(mpsc::RecvTimeoutError::Timeout) => {
@@ -262,4 +287,46 @@ fn resolved(table: &KernelTable, c: &Configured, unusable: &mut usize) -> Kernel
         }
     }
     out
+}
+
+/// The kernel table as a successor takes it at an upgrade, in a memfd the router lends: the
+/// kernel's own messages ([`KernelTable::export`]) from byte 8, and at byte 0 their length
+/// plus one, written last (little-endian, 8 bytes) — while it is 0 the file is not whole.
+fn write_handed(file: &std::fs::File, table: &KernelTable) -> std::io::Result<u64> {
+    use std::io::{Seek, SeekFrom, Write};
+    use std::os::unix::fs::FileExt;
+    let mut f = file;
+    f.seek(SeekFrom::Start(8))?;
+    let mut out = std::io::BufWriter::with_capacity(1 << 20, f);
+    let n = table.export(&mut out)?;
+    out.flush()?;
+    drop(out);
+    let len = file.metadata()?.len() - 8;
+    file.write_all_at(&(len + 1).to_le_bytes(), 0)?;
+    Ok(n)
+}
+
+/// The messages of a table a predecessor lent ([`write_handed`]), once it has written them
+/// all: `None` if it had not within `patience`, or the file is not one.
+pub(super) fn read_handed(file: &std::fs::File, patience: Duration) -> Option<Vec<u8>> {
+    use std::os::unix::fs::FileExt;
+    let since = Instant::now();
+    loop {
+        let mut header = [0u8; 8];
+        let whole = file.read_exact_at(&mut header, 0).is_ok();
+        let len = u64::from_le_bytes(header).saturating_sub(1);
+        let size = file.metadata().ok()?.len();
+        if whole && header != [0; 8] && size >= 8 + len {
+            let mut bytes = vec![0u8; usize::try_from(len).ok()?];
+            file.read_exact_at(&mut bytes, 8).ok()?;
+            return Some(bytes);
+        }
+        if since.elapsed() > patience {
+            log::warn!(
+                "router: the predecessor's kernel table did not come within {patience:?}; following the kernel from its own dump"
+            );
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }

@@ -175,6 +175,26 @@ impl KernelTable {
         }
     }
 
+    /// Everything the table holds — interfaces, nexthop objects, routes, in that order — as the
+    /// kernel's messages, written to `out`: a successor's table [`KernelTable::apply`]s them
+    /// and holds the same, until its own dump refreshes it. Returns how many were written.
+    pub(super) fn export(&self, out: &mut impl std::io::Write) -> std::io::Result<u64> {
+        let mut n = 0;
+        for (link, _) in self.links.values() {
+            out.write_all(&netlink::link_message(0, link))?;
+            n += 1;
+        }
+        for (nexthop, _) in self.nexthops.values() {
+            out.write_all(&netlink::nexthop_message(0, nexthop))?;
+            n += 1;
+        }
+        for e in self.routes.values().flatten() {
+            out.write_all(&netlink::route_message(kind::NEWROUTE, 0, &e.route))?;
+            n += 1;
+        }
+        Ok(n)
+    }
+
     /// Whether routes changed since the last call.
     pub(super) fn take_dirty(&mut self) -> bool {
         std::mem::take(&mut self.dirty)
@@ -396,5 +416,64 @@ mod tests {
             vec![via([203, 0, 113, 1], 9, 1)],
         )));
         assert_eq!(t.resolved(port_named, on_link).1, 1);
+    }
+
+    /// A table exported and applied by another (a successor's, at an upgrade): the same
+    /// resolved routes and links, not synced (no dump of its own yet); its first dump forgets
+    /// what it does not list.
+    #[test]
+    fn an_exported_table_is_the_same_in_a_successor_until_its_own_dump() {
+        let mut t = KernelTable::new(254);
+        t.change(Change::Link(link(3, "wan")));
+        t.change(Change::Link(link(4, "wan2")));
+        for (id, path) in [
+            (1, via([192, 0, 2, 9], 3, 1)),
+            (2, via([198, 51, 100, 9], 4, 1)),
+        ] {
+            t.change(Change::Nexthop(Nexthop {
+                id,
+                path: Some(path),
+                group: vec![],
+                blackhole: false,
+            }));
+        }
+        t.change(Change::Nexthop(Nexthop {
+            id: 3,
+            path: None,
+            group: vec![(1, 1), (2, 3)],
+            blackhole: false,
+        }));
+        let mut grouped = route([10, 2, 0, 0], 16, 0, vec![]);
+        grouped.nexthop = Some(3);
+        t.change(Change::Route(grouped));
+        let paths = vec![via([192, 0, 2, 7], 3, 2), via([192, 0, 2, 8], 3, 1)];
+        t.change(Change::Route(route([10, 1, 0, 0], 16, 10, paths)));
+        t.change(Change::Route(route([10, 1, 0, 0], 16, 20, vec![])));
+        let mut bytes = Vec::new();
+        let written = t.export(&mut bytes).unwrap();
+        assert_eq!(
+            written,
+            2 + 3 + 3,
+            "two links, three nexthops, three routes"
+        );
+        let mut successor = KernelTable::new(254);
+        successor.apply(&bytes);
+        assert_eq!(successor.malformed, 0);
+        let port_named = |n: &str| ["lan", "wan", "wan2"].iter().position(|&x| x == n);
+        let sorted = |t: &KernelTable| {
+            let (mut r, unusable) = t.resolved(port_named, |_| None);
+            r.sort_by_key(|(p, _)| *p);
+            (r, unusable)
+        };
+        assert_eq!(sorted(&successor), sorted(&t));
+        assert_eq!(sorted(&t).0.len(), 2);
+        assert_eq!(successor.link_named("wan2"), t.link_named("wan2"));
+        assert!(!successor.synced());
+        successor.change(Change::DumpBegins {
+            kind: kind::GETROUTE,
+            seq: 1,
+        });
+        successor.change(Change::DumpDone { seq: 1 });
+        assert_eq!(successor.len(), 0);
     }
 }
